@@ -1,0 +1,29 @@
+//! kvferry's bootstrap registry: prefill ranks register themselves with a lease, decode ranks
+//! look up the prefill group (one per DP rank) they pull KV cache from. HTTP + JSON (axum) on
+//! versioned routes, with a typed async client (reqwest) for the agents.
+//!
+//! - [`types`]: the wire types ([`Registration`], [`PrefillGroup`], ...) and their validation;
+//! - [`registry`]: the pure state (leases, groups, topology conflicts), no HTTP;
+//! - [`server`]: routes and handlers, [`serve`]; the route table is in its module doc;
+//! - [`error`]: the one error type the server answers with, JSON `{"error": "..."}`;
+//! - [`metrics`]: the Prometheus exposition of `/metrics`;
+//! - [`client`]: [`RegistryClient`], with re-registration after a registry restart and a
+//!   lease keep-alive task.
+//!
+//! This crate knows nothing of pools, kernels or transports: endpoints are opaque strings.
+
+pub mod client;
+pub mod error;
+pub mod metrics;
+pub mod registry;
+pub mod server;
+pub mod types;
+
+pub use client::{ClientError, KeepAlive, RegistryClient, Renewal};
+pub use error::{ApiError, RejectReason, Rejection};
+pub use registry::{Registered, Registry, RegistryError, RegistryStats};
+pub use server::{DEFAULT_BODY_LIMIT, DEFAULT_LEASE_TTL, DEFAULT_PORT, ServerConfig, serve};
+pub use types::{
+    Dtype, ErrorBody, Health, IndexRange, InvalidRegistration, KvLayout, LayoutKind, Lease,
+    PrefillGroup, RankInfo, RankList, Registration, Role, Slice,
+};

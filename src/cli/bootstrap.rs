@@ -1,0 +1,162 @@
+//! `kvferry bootstrap`: serves the bootstrap registry (crate `kvferry-bootstrap`) until SIGINT
+//! or SIGTERM, then shuts down gracefully and exits 0.
+//!
+//! Once listening it prints exactly one JSON line on stdout,
+//! `{"event":"listening","role":"bootstrap","url":"http://HOST:PORT"}`, so a script that
+//! started it with `--port 0` learns the port. Logs go to stderr.
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use kvferry_bootstrap::{ServerConfig, serve};
+use tokio_util::sync::CancellationToken;
+
+/// Serve the bootstrap registry that pairs prefill and decode ranks.
+#[derive(Debug, clap::Args)]
+pub struct BootstrapArgs {
+    /// Address to listen on.
+    #[arg(long, env = "KVFERRY_BOOTSTRAP_HOST", default_value = "0.0.0.0")]
+    host: String,
+
+    /// Port to listen on (0 picks a free one; the listening line on stdout tells which).
+    #[arg(long, env = "KVFERRY_BOOTSTRAP_PORT", default_value_t = kvferry_bootstrap::DEFAULT_PORT)]
+    port: u16,
+
+    /// Lease length in milliseconds: a rank not renewed within it disappears from lookups.
+    #[arg(long, env = "KVFERRY_LEASE_TTL_MS", default_value_t = 10_000)]
+    lease_ttl_ms: u64,
+
+    /// When set, register, heartbeat and deregister need `Authorization: Bearer TOKEN`.
+    #[arg(long, env = "KVFERRY_BOOTSTRAP_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+/// Why the arguments cannot be served.
+#[derive(Debug, thiserror::Error)]
+enum ArgsError {
+    #[error("--lease-ttl-ms must be > 0")]
+    ZeroLeaseTtl,
+    #[error("--token must not be empty (omit it to disable authentication)")]
+    EmptyToken,
+}
+
+impl BootstrapArgs {
+    fn validate(&self) -> Result<(), ArgsError> {
+        if self.lease_ttl_ms == 0 {
+            return Err(ArgsError::ZeroLeaseTtl);
+        }
+        if self.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            return Err(ArgsError::EmptyToken);
+        }
+        Ok(())
+    }
+}
+
+/// Serves the registry until SIGINT or SIGTERM.
+pub(crate) fn run(args: BootstrapArgs) -> anyhow::Result<()> {
+    args.validate()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(serve_until_signalled(args))
+}
+
+async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
+    let addr = (args.host.as_str(), args.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let local = listener
+        .local_addr()
+        .context("reading the listening address")?;
+    let url = format!("http://{local}");
+    let line = serde_json::json!({"event": "listening", "role": "bootstrap", "url": url});
+    {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "{line}").context("writing the listening line to stdout")?;
+        stdout.flush().context("flushing stdout")?;
+    }
+    tracing::info!(%url, lease_ttl_ms = args.lease_ttl_ms, auth = args.token.is_some(), "bootstrap registry listening");
+
+    let shutdown = CancellationToken::new();
+    let signals = tokio::spawn(cancel_on_signal(shutdown.clone()));
+    let config = ServerConfig {
+        lease_ttl: Duration::from_millis(args.lease_ttl_ms),
+        token: args.token,
+        ..ServerConfig::default()
+    };
+    let served = serve(listener, config, shutdown.clone()).await;
+    signals.abort();
+    served.context("serving the registry")?;
+    tracing::info!("bootstrap registry stopped");
+    Ok(())
+}
+
+/// Cancels `shutdown` on the first SIGINT or SIGTERM.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    let name = wait_for_signal().await;
+    tracing::info!(signal = name, "shutting down");
+    shutdown.cancel();
+}
+
+#[cfg(unix)]
+async fn wait_for_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the registry");
+            return match tokio::signal::ctrl_c().await {
+                Ok(()) => "SIGINT",
+                Err(_) => std::future::pending().await,
+            };
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        r = tokio::signal::ctrl_c() => match r {
+            Ok(()) => "SIGINT",
+            Err(_) => { term.recv().await; "SIGTERM" }
+        },
+    }
+}
+
+#[cfg(not(unix))]
+async fn wait_for_signal() -> &'static str {
+    match tokio::signal::ctrl_c().await {
+        Ok(()) => "ctrl-c",
+        Err(_) => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: BootstrapArgs,
+    }
+
+    fn parse(argv: &[&str]) -> BootstrapArgs {
+        Wrapper::try_parse_from(std::iter::once("kvferry").chain(argv.iter().copied()))
+            .unwrap()
+            .args
+    }
+
+    #[test]
+    fn defaults_and_validation() {
+        let args = parse(&[]);
+        assert_eq!((args.port, args.lease_ttl_ms), (8998, 10_000));
+        assert!(args.validate().is_ok());
+        let err = parse(&["--lease-ttl-ms", "0"]).validate().unwrap_err();
+        assert_eq!(err.to_string(), "--lease-ttl-ms must be > 0");
+        assert!(parse(&["--token", " "]).validate().is_err());
+        assert!(parse(&["--token", "t"]).validate().is_ok());
+    }
+}

@@ -1,0 +1,174 @@
+//! The transfer kernel contract: gather a selection of a pool into one contiguous staging
+//! buffer, and scatter a staging buffer into a selection of a pool.
+//!
+//! A [`Selection`] names what moves: the pages holding a room's tokens (page `i` of the list
+//! holds tokens `i*page_size..(i+1)*page_size`), a token range within them, a range of the pool's
+//! layers and a range of the pool's heads (local indices). Head ranges make heterogeneous TP a
+//! bulk copy; token ranges make chunks and prefix offsets exact.
+//!
+//! Staging wire order (docs/protocol.md refers here):
+//! `[layer][plane][page block][block order]`, where a *page block* is the selected tokens of one
+//! page (`nt` tokens) and the *block order* is the wire order given to the kernel: token-major
+//! `[token][head][head_bytes]` or head-major `[head][token][head_bytes]`, over the `nt` selected
+//! tokens and the `nh` selected heads. With token-major order this is simply
+//! `[layer][plane][token][head][head_bytes]`. Sender and receiver agree on the wire order (the
+//! sender's page order makes its gather cheapest); a receiver with the other page order still
+//! scatters correctly, in head-sized runs.
+//!
+//! Validation happens here, once, before any byte moves: page indices against the pool, no
+//! duplicate page in a destination, the token range against the page list, layer and head ranges
+//! against the pool, the staging size against the selection.
+
+pub mod cpu;
+
+use std::ops::Range;
+
+use crate::layout::LayoutError;
+use crate::pool::HostPool;
+
+/// Errors of gather and scatter; all are detected before any byte is copied.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KernelError {
+    /// A page index beyond the pool.
+    #[error("page {page} is out of range: the pool has {num_pages} pages")]
+    PageOutOfRange {
+        /// The offending page.
+        page: u32,
+        /// Pages in the pool.
+        num_pages: usize,
+    },
+    /// A destination page listed twice: two tokens would land in the same slot.
+    #[error("page {page} appears twice in the destination page list")]
+    DuplicatePage {
+        /// The offending page.
+        page: u32,
+    },
+    /// The token range needs more pages than listed.
+    #[error("tokens {start}..{end} need {needed} pages but {listed} are listed")]
+    TooFewPages {
+        /// Token range start.
+        start: usize,
+        /// Token range end.
+        end: usize,
+        /// Pages needed.
+        needed: usize,
+        /// Pages listed.
+        listed: usize,
+    },
+    /// A layer or head range outside the pool, or reversed.
+    #[error("{what} {start}..{end} is not within the pool's 0..{held}")]
+    RangeOutOfPool {
+        /// "layers" or "heads".
+        what: &'static str,
+        /// Range start.
+        start: usize,
+        /// Range end.
+        end: usize,
+        /// What the pool holds.
+        held: usize,
+    },
+    /// The staging buffer does not match the selection.
+    #[error("staging buffer holds {actual} bytes but the selection is {expected} bytes")]
+    StagingSize {
+        /// Bytes of the selection.
+        expected: usize,
+        /// Bytes of the buffer.
+        actual: usize,
+    },
+    /// Selection arithmetic overflowed.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+/// What a gather reads or a scatter writes.
+#[derive(Clone, Debug)]
+pub struct Selection<'a> {
+    /// Pages holding the room's tokens, in token order.
+    pub pages: &'a [u32],
+    /// Tokens to move, counted from the first token of `pages[0]`.
+    pub tokens: Range<usize>,
+    /// Local layers of the pool.
+    pub layers: Range<usize>,
+    /// Local heads of the pool.
+    pub heads: Range<usize>,
+}
+
+impl<'a> Selection<'a> {
+    /// Every layer and head of `pool` for `tokens` tokens held in `pages`.
+    pub fn whole(pool: &HostPool, pages: &'a [u32], tokens: usize) -> Self {
+        Selection {
+            pages,
+            tokens: 0..tokens,
+            layers: 0..pool.layout().num_layers(),
+            heads: 0..pool.layout().num_heads(),
+        }
+    }
+
+    /// Bytes this selection occupies in staging.
+    pub fn bytes(&self, pool: &HostPool) -> Result<usize, KernelError> {
+        Ok(pool
+            .layout()
+            .selection_bytes(self.tokens.len(), self.layers.len(), self.heads.len())?)
+    }
+
+    /// Checks the selection against `pool` and a staging buffer of `staging_len` bytes.
+    /// `destination` additionally refuses duplicate pages.
+    pub fn validate(
+        &self,
+        pool: &HostPool,
+        staging_len: usize,
+        destination: bool,
+    ) -> Result<(), KernelError> {
+        let layout = pool.layout();
+        check_range("layers", &self.layers, layout.num_layers())?;
+        check_range("heads", &self.heads, layout.num_heads())?;
+        if self.tokens.start > self.tokens.end {
+            return Err(KernelError::TooFewPages {
+                start: self.tokens.start,
+                end: self.tokens.end,
+                needed: 0,
+                listed: self.pages.len(),
+            });
+        }
+        let needed = layout.pages_for(self.tokens.end);
+        if needed > self.pages.len() {
+            return Err(KernelError::TooFewPages {
+                start: self.tokens.start,
+                end: self.tokens.end,
+                needed,
+                listed: self.pages.len(),
+            });
+        }
+        let num_pages = pool.num_pages();
+        if let Some(&page) = self.pages.iter().find(|&&p| p as usize >= num_pages) {
+            return Err(KernelError::PageOutOfRange { page, num_pages });
+        }
+        if destination {
+            let mut sorted = self.pages.to_vec();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(KernelError::DuplicatePage { page: w[0] });
+            }
+        }
+        let expected = self.bytes(pool)?;
+        if expected != staging_len {
+            return Err(KernelError::StagingSize {
+                expected,
+                actual: staging_len,
+            });
+        }
+        Ok(())
+    }
+}
+
+fn check_range(what: &'static str, r: &Range<usize>, held: usize) -> Result<(), KernelError> {
+    if r.start > r.end || r.end > held {
+        return Err(KernelError::RangeOutOfPool {
+            what,
+            start: r.start,
+            end: r.end,
+            held,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,596 @@
+//! KV layout: what one rank's KV pool holds and where every byte of it sits.
+//!
+//! A [`ModelSpec`] describes the model (attention kind, layers, total KV heads, head dim, dtype).
+//! A [`KvLayout`] describes one rank's pool: the slice of the model it holds (a head range and a
+//! layer range), the page size in tokens, the order of tokens and heads inside a page, and where
+//! K and V sit relative to each other.
+//!
+//! All byte arithmetic of kvferry lives here, checked: page bytes, head strides, plane offsets,
+//! pool bytes, selection (staging) bytes. A layout is validated once when it is built, so that
+//! every later offset inside a pool of validated size cannot overflow.
+//!
+//! Terms used throughout the crate:
+//! - a *plane* is K or V of one layer (MHA/GQA: two planes per layer; MLA: one latent plane);
+//! - a *page* is `page_size` token slots of every plane;
+//! - a *block* is one page of one plane: `page_size x heads held x head_bytes` bytes.
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+/// Errors building or querying a layout.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutError {
+    /// A field has an impossible value.
+    #[error("invalid layout: {field} {reason}")]
+    Invalid {
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A byte count does not fit in the address space.
+    #[error("layout arithmetic overflows computing {what}")]
+    Overflow {
+        /// The quantity being computed.
+        what: &'static str,
+    },
+    /// A preset name that does not exist.
+    #[error("unknown model preset {name:?}; known: {known}")]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The known names, comma separated.
+        known: String,
+    },
+    /// A name that does not parse as the enum it should.
+    #[error("unknown {what} {name:?}; expected one of {expected}")]
+    UnknownName {
+        /// Which kind of name.
+        what: &'static str,
+        /// The name given.
+        name: String,
+        /// The accepted names.
+        expected: &'static str,
+    },
+}
+
+/// Element type of the KV cache. fp8 variants are one byte each; kvferry never interprets values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// bfloat16, 2 bytes.
+    Bf16,
+    /// IEEE half, 2 bytes.
+    Fp16,
+    /// fp8 e4m3, 1 byte.
+    Fp8E4m3,
+    /// fp8 e5m2, 1 byte.
+    Fp8E5m2,
+    /// IEEE single, 4 bytes.
+    Fp32,
+}
+
+impl Dtype {
+    /// Every dtype, for tests and help texts.
+    pub const ALL: [Dtype; 5] = [
+        Dtype::Bf16,
+        Dtype::Fp16,
+        Dtype::Fp8E4m3,
+        Dtype::Fp8E5m2,
+        Dtype::Fp32,
+    ];
+
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 | Dtype::Fp16 => 2,
+            Dtype::Fp8E4m3 | Dtype::Fp8E5m2 => 1,
+            Dtype::Fp32 => 4,
+        }
+    }
+
+    /// The name used on the command line and on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp8E4m3 => "fp8_e4m3",
+            Dtype::Fp8E5m2 => "fp8_e5m2",
+            Dtype::Fp32 => "fp32",
+        }
+    }
+}
+
+/// Attention kind, which decides how many planes a layer has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttentionKind {
+    /// Multi-head or grouped-query attention: a K plane and a V plane per layer.
+    Mha,
+    /// Multi-head latent attention (DeepSeek): one latent plane per layer, replicated across TP.
+    Mla,
+}
+
+impl AttentionKind {
+    /// Planes per layer.
+    pub fn planes(self) -> usize {
+        match self {
+            AttentionKind::Mha => 2,
+            AttentionKind::Mla => 1,
+        }
+    }
+
+    /// The name used on the command line and on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Mha => "mha",
+            AttentionKind::Mla => "mla",
+        }
+    }
+}
+
+/// Order of tokens and heads inside one block (one page of one plane).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PageOrder {
+    /// `[token][head][dim]`: SGLang, vLLM NHD. A token's heads are contiguous.
+    TokenMajor,
+    /// `[head][token][dim]`: vLLM HND. A head's tokens are contiguous, so a head slice of a
+    /// page is one run.
+    HeadMajor,
+}
+
+impl PageOrder {
+    /// The name used on the command line and on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            PageOrder::TokenMajor => "token_major",
+            PageOrder::HeadMajor => "head_major",
+        }
+    }
+}
+
+/// Where the planes of a layer sit relative to each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvPlacement {
+    /// Each plane holds all pages contiguously: SGLang's separate per-layer K and V buffers, or
+    /// vLLM's per-layer `[2, pages, ...]` tensor. Page stride = block bytes.
+    Planes,
+    /// K and V of one page adjacent: a per-layer `[pages, 2, ...]` tensor (FlashInfer).
+    /// Page stride = planes x block bytes.
+    Interleaved,
+}
+
+impl KvPlacement {
+    /// The name used on the command line and on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvPlacement::Planes => "planes",
+            KvPlacement::Interleaved => "interleaved",
+        }
+    }
+}
+
+macro_rules! named_enum {
+    ($ty:ty, $what:literal, $expected:literal, [$($v:expr),+]) => {
+        impl FromStr for $ty {
+            type Err = LayoutError;
+            fn from_str(s: &str) -> Result<Self, LayoutError> {
+                [$($v),+]
+                    .into_iter()
+                    .find(|v| v.name() == s)
+                    .ok_or_else(|| LayoutError::UnknownName {
+                        what: $what,
+                        name: s.to_owned(),
+                        expected: $expected,
+                    })
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+named_enum!(Dtype, "dtype", "bf16, fp16, fp8_e4m3, fp8_e5m2, fp32", [
+    Dtype::Bf16,
+    Dtype::Fp16,
+    Dtype::Fp8E4m3,
+    Dtype::Fp8E5m2,
+    Dtype::Fp32
+]);
+named_enum!(AttentionKind, "attention kind", "mha, mla", [
+    AttentionKind::Mha,
+    AttentionKind::Mla
+]);
+named_enum!(PageOrder, "page order", "token_major, head_major", [
+    PageOrder::TokenMajor,
+    PageOrder::HeadMajor
+]);
+named_enum!(KvPlacement, "kv placement", "planes, interleaved", [
+    KvPlacement::Planes,
+    KvPlacement::Interleaved
+]);
+
+/// The model-wide KV shape, the same on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ModelSpec {
+    /// Attention kind.
+    pub kind: AttentionKind,
+    /// Layers of the model.
+    pub num_layers: usize,
+    /// KV heads of the model (1 for MLA).
+    pub num_kv_heads: usize,
+    /// Elements per head (the latent width for MLA).
+    pub head_dim: usize,
+    /// Element type.
+    pub dtype: Dtype,
+}
+
+/// Named model presets: `(name, spec)`.
+pub const PRESETS: &[(&str, ModelSpec)] = &[
+    ("tiny", ModelSpec::mha(4, 4, 32, Dtype::Fp16)),
+    ("llama3-8b", ModelSpec::mha(32, 8, 128, Dtype::Bf16)),
+    ("llama3-70b", ModelSpec::mha(80, 8, 128, Dtype::Bf16)),
+    ("qwen2.5-7b", ModelSpec::mha(28, 4, 128, Dtype::Bf16)),
+    (
+        "deepseek-v3",
+        ModelSpec {
+            kind: AttentionKind::Mla,
+            num_layers: 61,
+            num_kv_heads: 1,
+            head_dim: 576,
+            dtype: Dtype::Bf16,
+        },
+    ),
+    (
+        "tiny-mla",
+        ModelSpec {
+            kind: AttentionKind::Mla,
+            num_layers: 3,
+            num_kv_heads: 1,
+            head_dim: 72,
+            dtype: Dtype::Fp16,
+        },
+    ),
+];
+
+impl ModelSpec {
+    /// An MHA/GQA model.
+    pub const fn mha(num_layers: usize, num_kv_heads: usize, head_dim: usize, dtype: Dtype) -> Self {
+        ModelSpec {
+            kind: AttentionKind::Mha,
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            dtype,
+        }
+    }
+
+    /// Looks a preset up by name.
+    pub fn preset(name: &str) -> Result<Self, LayoutError> {
+        PRESETS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, spec)| *spec)
+            .ok_or_else(|| LayoutError::UnknownPreset {
+                name: name.to_owned(),
+                known: PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+            })
+    }
+
+    /// Checks every field.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        positive("num_layers", self.num_layers)?;
+        positive("num_kv_heads", self.num_kv_heads)?;
+        positive("head_dim", self.head_dim)?;
+        if self.kind == AttentionKind::Mla && self.num_kv_heads != 1 {
+            return Err(invalid(
+                "num_kv_heads",
+                format!("is {} but an MLA model has exactly 1 latent head", self.num_kv_heads),
+            ));
+        }
+        mul(self.head_dim, self.dtype.bytes(), "head bytes")?;
+        Ok(())
+    }
+}
+
+/// One rank's KV pool shape: the model, the slice of it this rank holds, and the in-memory order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KvLayout {
+    /// The model.
+    pub model: ModelSpec,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// The model's KV heads this rank holds (half-open, global head indices).
+    pub heads: Range<usize>,
+    /// The model's layers this rank holds (half-open, global layer indices).
+    pub layers: Range<usize>,
+    /// Order inside a block.
+    pub order: PageOrder,
+    /// Placement of the planes of a layer.
+    pub placement: KvPlacement,
+}
+
+impl KvLayout {
+    /// The whole model on one rank, token-major, planes apart.
+    pub fn new(model: ModelSpec, page_size: usize) -> Result<Self, LayoutError> {
+        let layout = KvLayout {
+            model,
+            page_size,
+            heads: 0..model.num_kv_heads,
+            layers: 0..model.num_layers,
+            order: PageOrder::TokenMajor,
+            placement: KvPlacement::Planes,
+        };
+        layout.validate()?;
+        Ok(layout)
+    }
+
+    /// The same layout restricted to a head range and a layer range of the model.
+    pub fn with_slice(
+        mut self,
+        heads: Range<usize>,
+        layers: Range<usize>,
+    ) -> Result<Self, LayoutError> {
+        self.heads = heads;
+        self.layers = layers;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// The same layout with another page order and placement.
+    pub fn with_order(
+        mut self,
+        order: PageOrder,
+        placement: KvPlacement,
+    ) -> Result<Self, LayoutError> {
+        self.order = order;
+        self.placement = placement;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Checks every field and that one page of every plane fits the address space.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        self.model.validate()?;
+        positive("page_size", self.page_size)?;
+        check_range("heads", &self.heads, self.model.num_kv_heads)?;
+        check_range("layers", &self.layers, self.model.num_layers)?;
+        self.page_span()?;
+        Ok(())
+    }
+
+    /// Layers this rank holds.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// KV heads this rank holds.
+    pub fn num_heads(&self) -> usize {
+        self.heads.len()
+    }
+
+    /// Planes per layer (2 for MHA, 1 for MLA).
+    pub fn planes(&self) -> usize {
+        self.model.kind.planes()
+    }
+
+    /// Bytes of one head of one token. Cannot overflow once validated.
+    pub fn head_bytes(&self) -> usize {
+        self.model.head_dim * self.model.dtype.bytes()
+    }
+
+    /// Bytes of one block: one page of one plane, every head held.
+    pub fn block_bytes(&self) -> Result<usize, LayoutError> {
+        let token = mul(self.num_heads(), self.head_bytes(), "token bytes")?;
+        mul(token, self.page_size, "block bytes")
+    }
+
+    /// Bytes one page occupies across every plane of every layer held.
+    pub fn page_span(&self) -> Result<usize, LayoutError> {
+        let per_layer = mul(self.block_bytes()?, self.planes(), "page bytes per layer")?;
+        mul(per_layer, self.num_layers(), "page bytes")
+    }
+
+    /// Distance in bytes between page `p` and page `p + 1` of one plane.
+    pub fn page_stride(&self) -> Result<usize, LayoutError> {
+        match self.placement {
+            KvPlacement::Planes => self.block_bytes(),
+            KvPlacement::Interleaved => mul(self.block_bytes()?, self.planes(), "page stride"),
+        }
+    }
+
+    /// Bytes of a pool of `num_pages` pages.
+    pub fn pool_bytes(&self, num_pages: usize) -> Result<usize, LayoutError> {
+        mul(self.page_span()?, num_pages, "pool bytes")
+    }
+
+    /// Offset of page 0 of plane `plane` of local layer `layer`, in a pool of `num_pages` pages.
+    /// The caller has checked the indices and validated `pool_bytes(num_pages)`.
+    pub fn plane_offset(&self, layer: usize, plane: usize, num_pages: usize) -> usize {
+        let block = self.page_size * self.num_heads() * self.head_bytes();
+        let layer_bytes = block * self.planes() * num_pages;
+        let within = match self.placement {
+            KvPlacement::Planes => plane * block * num_pages,
+            KvPlacement::Interleaved => plane * block,
+        };
+        layer * layer_bytes + within
+    }
+
+    /// Offset of `(token, head)` inside one block of this layout; both local.
+    pub fn element_offset(&self, token: usize, head: usize) -> usize {
+        element_offset(
+            self.order,
+            token,
+            head,
+            self.page_size,
+            self.num_heads(),
+            self.head_bytes(),
+        )
+    }
+
+    /// Bytes of a selection of `tokens` tokens, `layers` layers and `heads` heads: the staging
+    /// size of a gather.
+    pub fn selection_bytes(
+        &self,
+        tokens: usize,
+        layers: usize,
+        heads: usize,
+    ) -> Result<usize, LayoutError> {
+        let per_token = mul(heads, self.head_bytes(), "selection bytes")?;
+        let per_plane = mul(per_token, tokens, "selection bytes")?;
+        let per_layer = mul(per_plane, self.planes(), "selection bytes")?;
+        mul(per_layer, layers, "selection bytes")
+    }
+
+    /// KV bytes of a room of `tokens` tokens on this rank (every layer and head it holds).
+    pub fn room_bytes(&self, tokens: usize) -> Result<usize, LayoutError> {
+        self.selection_bytes(tokens, self.num_layers(), self.num_heads())
+    }
+
+    /// Pages needed for `tokens` tokens.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_size)
+    }
+}
+
+/// Offset of `(token, head)` inside a block of `tokens x heads` heads of `head_bytes` bytes laid
+/// out in `order`. The staging wire order uses the same formula with the selection's sizes.
+pub fn element_offset(
+    order: PageOrder,
+    token: usize,
+    head: usize,
+    tokens: usize,
+    heads: usize,
+    head_bytes: usize,
+) -> usize {
+    match order {
+        PageOrder::TokenMajor => (token * heads + head) * head_bytes,
+        PageOrder::HeadMajor => (head * tokens + token) * head_bytes,
+    }
+}
+
+fn invalid(field: &'static str, reason: String) -> LayoutError {
+    LayoutError::Invalid { field, reason }
+}
+
+fn positive(field: &'static str, value: usize) -> Result<(), LayoutError> {
+    if value == 0 {
+        return Err(invalid(field, "must be > 0".to_owned()));
+    }
+    Ok(())
+}
+
+fn check_range(field: &'static str, r: &Range<usize>, limit: usize) -> Result<(), LayoutError> {
+    if r.start >= r.end || r.end > limit {
+        return Err(invalid(
+            field,
+            format!(
+                "{}..{} must be a non-empty range within 0..{limit}",
+                r.start, r.end
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checked multiplication naming what is being computed.
+pub(crate) fn mul(a: usize, b: usize, what: &'static str) -> Result<usize, LayoutError> {
+    a.checked_mul(b).ok_or(LayoutError::Overflow { what })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_the_published_shapes() {
+        let l8 = ModelSpec::preset("llama3-8b").unwrap();
+        assert_eq!((l8.num_layers, l8.num_kv_heads, l8.head_dim), (32, 8, 128));
+        let l70 = ModelSpec::preset("llama3-70b").unwrap();
+        assert_eq!((l70.num_layers, l70.num_kv_heads, l70.head_dim), (80, 8, 128));
+        let q = ModelSpec::preset("qwen2.5-7b").unwrap();
+        assert_eq!((q.num_layers, q.num_kv_heads, q.head_dim), (28, 4, 128));
+        let ds = ModelSpec::preset("deepseek-v3").unwrap();
+        assert_eq!(ds.kind, AttentionKind::Mla);
+        assert_eq!((ds.num_layers, ds.num_kv_heads, ds.head_dim), (61, 1, 576));
+        for (name, spec) in PRESETS {
+            spec.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let err = ModelSpec::preset("gpt-9").unwrap_err();
+        assert!(err.to_string().contains("llama3-8b"), "{err}");
+    }
+
+    #[test]
+    fn llama3_8b_byte_counts() {
+        let l = KvLayout::new(ModelSpec::preset("llama3-8b").unwrap(), 16).unwrap();
+        assert_eq!(l.head_bytes(), 256);
+        assert_eq!(l.block_bytes().unwrap(), 16 * 8 * 256); // 32 KiB per page per K or V
+        // 128 KiB of KV per token: 32 layers x 2 x 8 heads x 256 bytes.
+        assert_eq!(l.room_bytes(1).unwrap(), 131_072);
+        assert_eq!(l.room_bytes(4096).unwrap(), 512 << 20);
+        assert_eq!(l.pages_for(4096), 256);
+        assert_eq!(l.pages_for(4097), 257);
+        assert_eq!(l.pool_bytes(10).unwrap(), 10 * 32 * 2 * 32768);
+    }
+
+    #[test]
+    fn plane_offsets_tile_the_pool_exactly() {
+        let model = ModelSpec::preset("tiny").unwrap();
+        for placement in [KvPlacement::Planes, KvPlacement::Interleaved] {
+            let l = KvLayout::new(model, 4)
+                .unwrap()
+                .with_order(PageOrder::TokenMajor, placement)
+                .unwrap();
+            let pages = 5;
+            let block = l.block_bytes().unwrap();
+            let stride = l.page_stride().unwrap();
+            let mut seen = vec![false; l.pool_bytes(pages).unwrap() / block];
+            for layer in 0..l.num_layers() {
+                for plane in 0..l.planes() {
+                    for p in 0..pages {
+                        let off = l.plane_offset(layer, plane, pages) + p * stride;
+                        assert_eq!(off % block, 0);
+                        assert!(!std::mem::replace(&mut seen[off / block], true), "{placement:?}");
+                    }
+                }
+            }
+            assert!(seen.iter().all(|s| *s), "{placement:?} leaves holes");
+        }
+    }
+
+    #[test]
+    fn bad_layouts_are_refused_with_the_field() {
+        let model = ModelSpec::preset("tiny").unwrap();
+        let e = KvLayout::new(model, 0).unwrap_err();
+        assert!(e.to_string().contains("page_size"), "{e}");
+        let e = KvLayout::new(model, 16).unwrap().with_slice(2..5, 0..4).unwrap_err();
+        assert!(e.to_string().contains("heads 2..5"), "{e}");
+        let e = KvLayout::new(model, 16).unwrap().with_slice(0..4, 3..3).unwrap_err();
+        assert!(e.to_string().contains("layers"), "{e}");
+        let mla = ModelSpec {
+            num_kv_heads: 2,
+            ..ModelSpec::preset("deepseek-v3").unwrap()
+        };
+        assert!(mla.validate().unwrap_err().to_string().contains("MLA"));
+        let huge = ModelSpec::mha(usize::MAX / 2, 8, 128, Dtype::Fp32);
+        assert!(matches!(
+            KvLayout::new(huge, 16),
+            Err(LayoutError::Overflow { .. })
+        ));
+        let l = KvLayout::new(model, 16).unwrap();
+        assert!(matches!(l.pool_bytes(usize::MAX), Err(LayoutError::Overflow { .. })));
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for d in Dtype::ALL {
+            assert_eq!(d.name().parse::<Dtype>().unwrap(), d);
+        }
+        assert_eq!("head_major".parse::<PageOrder>().unwrap(), PageOrder::HeadMajor);
+        assert_eq!("mla".parse::<AttentionKind>().unwrap(), AttentionKind::Mla);
+        assert_eq!("interleaved".parse::<KvPlacement>().unwrap(), KvPlacement::Interleaved);
+        assert!("fp64".parse::<Dtype>().unwrap_err().to_string().contains("bf16"));
+    }
+}

@@ -1,0 +1,11 @@
+//! kvferry moves KV cache from prefill to decode in prefill/decode-disaggregated LLM serving.
+//!
+//! Dependencies point from the edges to the core:
+//! `cli -> agent -> {transport, protocol, kernel} -> pool -> layout`, and `agent -> bootstrap
+//! client` (the `kvferry-bootstrap` crate). `layout`, `pool` and `kernel` know nothing of the
+//! network. docs/architecture.md walks through the parts.
+
+pub mod cli;
+pub mod kernel;
+pub mod layout;
+pub mod pool;

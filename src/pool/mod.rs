@@ -1,0 +1,393 @@
+//! KV pools in host memory: one page-aligned mapping holding every block of a [`KvLayout`].
+//!
+//! A pool is either anonymous memory of this process or a shared-memory file (on /dev/shm) that
+//! an engine process and the agent both map. The creator of a shared-memory pool reserves the
+//! whole file up front (`fallocate`), so a full /dev/shm is an error at creation instead of a
+//! SIGBUS at the first write, and unlinks the file when it drops the pool; processes that open
+//! an existing file by its [`PoolDescriptor`] never unlink it.
+//!
+//! Invariant: the mapping is exactly `layout.pool_bytes(num_pages)` bytes, so every offset the
+//! layout computes for an in-range (layer, plane, page) lies inside it. The pool never hands out
+//! references into its memory (another process may write it at any time); bytes move through
+//! raw copies: the kernels, and [`HostPool::read`] / [`HostPool::write`].
+//!
+//! Which pages may be written when is the agents' business (page ownership, design.md part 8);
+//! [`allocator`] hands out the pages the agent owns.
+#![allow(unsafe_code)]
+
+pub mod allocator;
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::layout::{KvLayout, LayoutError};
+
+/// Errors creating, opening or addressing a pool.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// The layout is invalid or the pool size overflows.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// A pool needs at least one page.
+    #[error("a pool needs at least one page")]
+    Empty,
+    /// Creating, reserving or mapping the backing memory failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// The operation that failed.
+        op: &'static str,
+        /// The file (or "anonymous memory").
+        path: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// An existing shared-memory file has another size than the layout needs.
+    #[error("{path} holds {actual} bytes but the layout needs {expected} for {pages} pages")]
+    SizeMismatch {
+        /// The file.
+        path: String,
+        /// Bytes the layout needs.
+        expected: u64,
+        /// Bytes the file has.
+        actual: u64,
+        /// Pages asked for.
+        pages: usize,
+    },
+    /// A descriptor string that does not parse.
+    #[error("bad pool descriptor {0:?}: expected `anon` or `shm:<path>`")]
+    BadDescriptor(String),
+    /// A byte range outside the pool.
+    #[error("byte range {offset}+{len} is outside the pool's {size} bytes")]
+    OutOfBounds {
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// The pool's size.
+        size: usize,
+    },
+    /// A (layer, plane, page) outside the pool.
+    #[error("block (layer {layer}, plane {plane}, page {page}) is outside the pool")]
+    BadBlock {
+        /// Local layer.
+        layer: usize,
+        /// Plane (0 = K or latent, 1 = V).
+        plane: usize,
+        /// Page index.
+        page: usize,
+    },
+}
+
+/// Names the memory a pool lives in, so that another process can map the same pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PoolDescriptor {
+    /// Private anonymous memory of one process.
+    Anonymous,
+    /// A shared-memory file.
+    Shm(PathBuf),
+}
+
+impl fmt::Display for PoolDescriptor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PoolDescriptor::Anonymous => f.write_str("anon"),
+            PoolDescriptor::Shm(path) => write!(f, "shm:{}", path.display()),
+        }
+    }
+}
+
+impl FromStr for PoolDescriptor {
+    type Err = PoolError;
+    fn from_str(s: &str) -> Result<Self, PoolError> {
+        match s.split_once(':') {
+            None if s == "anon" => Ok(PoolDescriptor::Anonymous),
+            Some(("shm", path)) if !path.is_empty() => Ok(PoolDescriptor::Shm(path.into())),
+            _ => Err(PoolError::BadDescriptor(s.to_owned())),
+        }
+    }
+}
+
+/// A KV pool in host memory.
+#[derive(Debug)]
+pub struct HostPool {
+    layout: KvLayout,
+    num_pages: usize,
+    descriptor: PoolDescriptor,
+    /// Unlink the shared-memory file on drop (this process created it).
+    unlink_on_drop: bool,
+    mem: MmapRaw,
+}
+
+impl HostPool {
+    /// A pool in anonymous page-aligned memory of this process, zero-filled.
+    pub fn anonymous(layout: KvLayout, num_pages: usize) -> Result<Self, PoolError> {
+        let size = checked_size(&layout, num_pages)?;
+        let mem = MmapOptions::new()
+            .len(size)
+            .map_anon()
+            .map_err(|source| io_err("map", "anonymous memory", source))?;
+        Ok(HostPool {
+            layout,
+            num_pages,
+            descriptor: PoolDescriptor::Anonymous,
+            unlink_on_drop: false,
+            mem: mem.into(),
+        })
+    }
+
+    /// Creates a pool in a new shared-memory file at `path`, reserving all of its bytes now.
+    /// The file is unlinked when this pool drops.
+    pub fn create_shm(
+        path: impl AsRef<Path>,
+        layout: KvLayout,
+        num_pages: usize,
+    ) -> Result<Self, PoolError> {
+        let path = path.as_ref();
+        let size = checked_size(&layout, num_pages)?;
+        let shown = path.display().to_string();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|source| io_err("create", &shown, source))?;
+        let reserve = rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size as u64);
+        if let Err(errno) = reserve {
+            let _ = std::fs::remove_file(path);
+            return Err(io_err("reserve", &shown, errno.into()));
+        }
+        let mut pool = Self::map_file(&file, path, layout, num_pages, size)?;
+        pool.unlink_on_drop = true;
+        Ok(pool)
+    }
+
+    /// Maps an existing shared-memory pool created by another process with the same layout.
+    pub fn open_shm(
+        path: impl AsRef<Path>,
+        layout: KvLayout,
+        num_pages: usize,
+    ) -> Result<Self, PoolError> {
+        let path = path.as_ref();
+        let size = checked_size(&layout, num_pages)?;
+        let shown = path.display().to_string();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| io_err("open", &shown, source))?;
+        let actual = file
+            .metadata()
+            .map_err(|source| io_err("stat", &shown, source))?
+            .len();
+        if actual != size as u64 {
+            return Err(PoolError::SizeMismatch {
+                path: shown,
+                expected: size as u64,
+                actual,
+                pages: num_pages,
+            });
+        }
+        Self::map_file(&file, path, layout, num_pages, size)
+    }
+
+    /// Opens the pool a descriptor names (a new anonymous pool for `anon`).
+    pub fn open(
+        descriptor: &PoolDescriptor,
+        layout: KvLayout,
+        num_pages: usize,
+    ) -> Result<Self, PoolError> {
+        match descriptor {
+            PoolDescriptor::Anonymous => Self::anonymous(layout, num_pages),
+            PoolDescriptor::Shm(path) => Self::open_shm(path, layout, num_pages),
+        }
+    }
+
+    fn map_file(
+        file: &File,
+        path: &Path,
+        layout: KvLayout,
+        num_pages: usize,
+        size: usize,
+    ) -> Result<Self, PoolError> {
+        let mem = MmapOptions::new()
+            .len(size)
+            .map_raw(file)
+            .map_err(|source| io_err("map", &path.display().to_string(), source))?;
+        Ok(HostPool {
+            layout,
+            num_pages,
+            descriptor: PoolDescriptor::Shm(path.to_owned()),
+            unlink_on_drop: false,
+            mem,
+        })
+    }
+
+    /// The layout of this pool.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Pages in this pool.
+    pub fn num_pages(&self) -> usize {
+        self.num_pages
+    }
+
+    /// Bytes of this pool.
+    pub fn size(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// What another process needs to map this pool.
+    pub fn descriptor(&self) -> &PoolDescriptor {
+        &self.descriptor
+    }
+
+    /// Base address of the mapping. Writes through it must stay inside [`Self::size`] bytes.
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        self.mem.as_mut_ptr()
+    }
+
+    /// Offset of one block (local layer, plane, page) in the pool.
+    pub fn block_offset(&self, layer: usize, plane: usize, page: usize) -> Result<usize, PoolError> {
+        let l = &self.layout;
+        if layer >= l.num_layers() || plane >= l.planes() || page >= self.num_pages {
+            return Err(PoolError::BadBlock { layer, plane, page });
+        }
+        Ok(l.plane_offset(layer, plane, self.num_pages) + page * l.page_stride()?)
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), PoolError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size() => Ok(()),
+            _ => Err(PoolError::OutOfBounds {
+                offset,
+                len,
+                size: self.size(),
+            }),
+        }
+    }
+
+    /// Copies `len` bytes at `offset` out of the pool.
+    pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, PoolError> {
+        self.check(offset, len)?;
+        let mut out = vec![0u8; len];
+        // SAFETY: offset..offset+len is inside the mapping (checked above) and `out` is a
+        // distinct allocation of len bytes; no reference into the mapping exists.
+        unsafe { std::ptr::copy_nonoverlapping(self.base_ptr().add(offset), out.as_mut_ptr(), len) };
+        Ok(out)
+    }
+
+    /// Copies `data` into the pool at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), PoolError> {
+        self.check(offset, data.len())?;
+        // SAFETY: the destination range is inside the mapping (checked above); `data` cannot
+        // alias the mapping because the pool never hands out references into it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.base_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    /// Sets every byte of the pool to `byte` (tests poison destinations with 0xDE).
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: writes exactly the mapping's bytes.
+        unsafe { std::ptr::write_bytes(self.base_ptr(), byte, self.size()) };
+    }
+}
+
+impl Drop for HostPool {
+    fn drop(&mut self) {
+        if let (true, PoolDescriptor::Shm(path)) = (self.unlink_on_drop, &self.descriptor) {
+            if let Err(e) = std::fs::remove_file(path) {
+                tracing::warn!(path = %path.display(), error = %e, "could not unlink pool file");
+            }
+        }
+    }
+}
+
+fn checked_size(layout: &KvLayout, num_pages: usize) -> Result<usize, PoolError> {
+    layout.validate()?;
+    if num_pages == 0 {
+        return Err(PoolError::Empty);
+    }
+    let size = layout.pool_bytes(num_pages)?;
+    // Page indices travel as u32 on the wire.
+    if u32::try_from(num_pages).is_err() {
+        return Err(LayoutError::Overflow { what: "page index" }.into());
+    }
+    Ok(size)
+}
+
+fn io_err(op: &'static str, path: &str, source: std::io::Error) -> PoolError {
+    PoolError::Io {
+        op,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::ModelSpec;
+
+    fn tiny() -> KvLayout {
+        KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap()
+    }
+
+    #[test]
+    fn anonymous_pool_is_page_aligned_and_sized_by_the_layout() {
+        let pool = HostPool::anonymous(tiny(), 7).unwrap();
+        assert_eq!(pool.size(), tiny().pool_bytes(7).unwrap());
+        assert_eq!(pool.base_ptr() as usize % 4096, 0);
+        assert!(pool.read(0, pool.size()).unwrap().iter().all(|b| *b == 0));
+        assert!(matches!(HostPool::anonymous(tiny(), 0), Err(PoolError::Empty)));
+    }
+
+    #[test]
+    fn reads_and_writes_are_bounds_checked() {
+        let pool = HostPool::anonymous(tiny(), 2).unwrap();
+        let size = pool.size();
+        pool.write(size - 3, &[1, 2, 3]).unwrap();
+        assert_eq!(pool.read(size - 3, 3).unwrap(), vec![1, 2, 3]);
+        assert!(matches!(pool.write(size - 2, &[1, 2, 3]), Err(PoolError::OutOfBounds { .. })));
+        assert!(matches!(pool.read(usize::MAX, 2), Err(PoolError::OutOfBounds { .. })));
+        assert!(matches!(pool.block_offset(4, 0, 0), Err(PoolError::BadBlock { .. })));
+        assert!(matches!(pool.block_offset(0, 2, 0), Err(PoolError::BadBlock { .. })));
+        assert!(matches!(pool.block_offset(0, 0, 2), Err(PoolError::BadBlock { .. })));
+    }
+
+    #[test]
+    fn descriptors_parse_and_print() {
+        let d: PoolDescriptor = "shm:/dev/shm/kv0".parse().unwrap();
+        assert_eq!(d, PoolDescriptor::Shm("/dev/shm/kv0".into()));
+        assert_eq!(d.to_string(), "shm:/dev/shm/kv0");
+        assert_eq!("anon".parse::<PoolDescriptor>().unwrap(), PoolDescriptor::Anonymous);
+        for bad in ["", "shm:", "cuda", "file:/x", "anon:x"] {
+            assert!(bad.parse::<PoolDescriptor>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn shm_pool_is_shared_reserved_and_unlinked_by_its_creator() {
+        let path = std::env::temp_dir().join(format!("kvferry-pool-test-{}", std::process::id()));
+        let creator = HostPool::create_shm(&path, tiny(), 3).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, creator.size());
+        // A second creation at the same path refuses to clobber the first.
+        assert!(HostPool::create_shm(&path, tiny(), 3).is_err());
+        // Another mapping with a different page count is refused with both sizes.
+        let err = HostPool::open_shm(&path, tiny(), 4).unwrap_err();
+        assert!(matches!(err, PoolError::SizeMismatch { .. }), "{err}");
+        let opener = HostPool::open(&PoolDescriptor::Shm(path.clone()), tiny(), 3).unwrap();
+        creator.write(100, b"kvferry").unwrap();
+        assert_eq!(opener.read(100, 7).unwrap(), b"kvferry");
+        drop(opener);
+        assert!(path.exists(), "an opener must not unlink");
+        drop(creator);
+        assert!(!path.exists(), "the creator unlinks on drop");
+    }
+}
