@@ -351,6 +351,47 @@ impl KvLayout {
         Ok(self)
     }
 
+    /// The slice a TP/PP rank holds of the whole model: heads split evenly over TP ranks
+    /// (when there are fewer KV heads than TP ranks, each rank holds one replicated head; MLA's
+    /// latent is replicated on every rank), layers split over PP stages with the first
+    /// `layers % pp_size` stages holding one layer more (61 layers over 2 stages: 31 and 30).
+    pub fn for_rank(
+        self,
+        tp_rank: usize,
+        tp_size: usize,
+        pp_rank: usize,
+        pp_size: usize,
+    ) -> Result<Self, LayoutError> {
+        if tp_rank >= tp_size || pp_rank >= pp_size {
+            return Err(invalid(
+                "rank",
+                format!("tp {tp_rank}/{tp_size} pp {pp_rank}/{pp_size}: rank must be < size"),
+            ));
+        }
+        let heads_total = self.model.num_kv_heads;
+        let heads = match self.model.kind {
+            AttentionKind::Mla => 0..1,
+            AttentionKind::Mha if heads_total >= tp_size => {
+                if heads_total % tp_size != 0 {
+                    return Err(invalid(
+                        "tp_size",
+                        format!("{tp_size} does not divide the model's {heads_total} KV heads"),
+                    ));
+                }
+                let per = heads_total / tp_size;
+                tp_rank * per..(tp_rank + 1) * per
+            }
+            AttentionKind::Mha => {
+                let head = tp_rank * heads_total / tp_size;
+                head..head + 1
+            }
+        };
+        let (base, extra) = (self.model.num_layers / pp_size, self.model.num_layers % pp_size);
+        let start = pp_rank * base + pp_rank.min(extra);
+        let layers = start..start + base + usize::from(pp_rank < extra);
+        self.with_slice(heads, layers)
+    }
+
     /// Checks every field and that one page of every plane fits the address space.
     pub fn validate(&self) -> Result<(), LayoutError> {
         self.model.validate()?;
@@ -581,6 +622,22 @@ mod tests {
         ));
         let l = KvLayout::new(model, 16).unwrap();
         assert!(matches!(l.pool_bytes(usize::MAX), Err(LayoutError::Overflow { .. })));
+    }
+
+    #[test]
+    fn rank_slices_split_heads_and_layers() {
+        let l8 = KvLayout::new(ModelSpec::preset("llama3-8b").unwrap(), 16).unwrap();
+        let r = l8.clone().for_rank(1, 4, 0, 1).unwrap();
+        assert_eq!((r.heads.clone(), r.layers.clone()), (2..4, 0..32));
+        // 8 heads over TP 16: each rank holds one replicated head.
+        let r = l8.clone().for_rank(15, 16, 0, 1).unwrap();
+        assert_eq!(r.heads, 7..8);
+        assert!(l8.clone().for_rank(0, 3, 0, 1).unwrap_err().to_string().contains("divide"));
+        assert!(l8.clone().for_rank(4, 4, 0, 1).is_err());
+        let ds = KvLayout::new(ModelSpec::preset("deepseek-v3").unwrap(), 64).unwrap();
+        let s0 = ds.clone().for_rank(3, 8, 0, 2).unwrap();
+        let s1 = ds.for_rank(3, 8, 1, 2).unwrap();
+        assert_eq!((s0.heads.clone(), s0.layers.clone(), s1.layers.clone()), (0..1, 0..31, 31..61));
     }
 
     #[test]

@@ -5,7 +5,11 @@
 //! client` (the `kvferry-bootstrap` crate). `layout`, `pool` and `kernel` know nothing of the
 //! network. docs/architecture.md walks through the parts.
 
+pub mod agent;
 pub mod cli;
 pub mod kernel;
 pub mod layout;
 pub mod pool;
+pub mod protocol;
+pub mod reason;
+pub mod transport;

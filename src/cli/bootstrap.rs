@@ -82,7 +82,7 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
     tracing::info!(%url, lease_ttl_ms = args.lease_ttl_ms, auth = args.token.is_some(), "bootstrap registry listening");
 
     let shutdown = CancellationToken::new();
-    let signals = tokio::spawn(cancel_on_signal(shutdown.clone()));
+    let signals = tokio::spawn(super::signal::cancel_on_signal(shutdown.clone()));
     let config = ServerConfig {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),
         token: args.token,
@@ -93,43 +93,6 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
     served.context("serving the registry")?;
     tracing::info!("bootstrap registry stopped");
     Ok(())
-}
-
-/// Cancels `shutdown` on the first SIGINT or SIGTERM.
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    let name = wait_for_signal().await;
-    tracing::info!(signal = name, "shutting down");
-    shutdown.cancel();
-}
-
-#[cfg(unix)]
-async fn wait_for_signal() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGTERM; only SIGINT stops the registry");
-            return match tokio::signal::ctrl_c().await {
-                Ok(()) => "SIGINT",
-                Err(_) => std::future::pending().await,
-            };
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        r = tokio::signal::ctrl_c() => match r {
-            Ok(()) => "SIGINT",
-            Err(_) => { term.recv().await; "SIGTERM" }
-        },
-    }
-}
-
-#[cfg(not(unix))]
-async fn wait_for_signal() -> &'static str {
-    match tokio::signal::ctrl_c().await {
-        Ok(()) => "ctrl-c",
-        Err(_) => std::future::pending().await,
-    }
 }
 
 #[cfg(test)]

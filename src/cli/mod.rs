@@ -1,7 +1,13 @@
 //! The command line: one subcommand per role. Each subcommand's arguments and its entry point
 //! live in the file named after it; this file only dispatches.
 
+mod agent;
 mod bootstrap;
+pub mod cluster;
+pub mod demo;
+mod signal;
+
+pub use agent::AgentArgs;
 
 use clap::{Parser, Subcommand};
 
@@ -19,11 +25,20 @@ pub struct Cli {
 pub enum Command {
     /// Serve the bootstrap registry that pairs prefill and decode ranks.
     Bootstrap(bootstrap::BootstrapArgs),
+    /// Run the agent beside a prefill rank: push its KV pages to decode ranks.
+    Prefill(AgentArgs),
+    /// Run the agent beside a decode rank: land KV pages from prefill ranks in its pool.
+    Decode(AgentArgs),
+    /// Run a full prefill -> decode transfer on this machine and verify every byte.
+    Demo(demo::DemoArgs),
 }
 
 /// Runs the chosen subcommand to completion.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Bootstrap(args) => bootstrap::run(args),
+        Command::Prefill(args) => agent::run(agent::AgentRole::Prefill, args),
+        Command::Decode(args) => agent::run(agent::AgentRole::Decode, args),
+        Command::Demo(args) => demo::run(args),
     }
 }

@@ -17,14 +17,48 @@
 //!
 //! Validation happens here, once, before any byte moves: page indices against the pool, no
 //! duplicate page in a destination, the token range against the page list, layer and head ranges
-//! against the pool, the staging size against the selection.
+//! against the pool, the staging size against the selection. The CPU kernel ([`cpu`]) serves
+//! host pools, the CUDA kernel ([`cuda`]) device pools; [`kernel_for`] picks one by the pool's
+//! [`MemoryKind`].
 
 pub mod cpu;
+pub mod cuda;
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use crate::layout::LayoutError;
+use crate::layout::{KvLayout, LayoutError};
 use crate::pool::HostPool;
+
+/// Where a pool's memory lives, which decides the kernel that moves its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Host memory (anonymous or shared): the CPU kernel.
+    Host,
+    /// Memory of CUDA device `ordinal`: the CUDA kernel.
+    Device {
+        /// CUDA device ordinal.
+        ordinal: usize,
+    },
+}
+
+/// The kernel that serves one kind of pool memory.
+#[derive(Clone, Debug)]
+pub enum Kernel {
+    /// For host pools.
+    Cpu(cpu::CpuKernel),
+    /// For device pools; shared by every user of the device in this process.
+    Cuda(Arc<cuda::CudaKernel>),
+}
+
+/// The kernel for pools in `kind` memory. Host memory always has one; device memory needs the
+/// CUDA driver, the device and NVRTC, and returns [`KernelError::Cuda`] saying which is missing.
+pub fn kernel_for(kind: MemoryKind) -> Result<Kernel, KernelError> {
+    match kind {
+        MemoryKind::Host => Ok(Kernel::Cpu(cpu::CpuKernel::default())),
+        MemoryKind::Device { ordinal } => Ok(Kernel::Cuda(cuda::CudaKernel::shared(ordinal)?)),
+    }
+}
 
 /// Errors of gather and scatter; all are detected before any byte is copied.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
@@ -78,6 +112,9 @@ pub enum KernelError {
     /// Selection arithmetic overflowed.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// The CUDA kernel is unavailable or a CUDA call failed.
+    #[error(transparent)]
+    Cuda(#[from] cuda::CudaError),
 }
 
 /// What a gather reads or a scatter writes.
@@ -106,9 +143,12 @@ impl<'a> Selection<'a> {
 
     /// Bytes this selection occupies in staging.
     pub fn bytes(&self, pool: &HostPool) -> Result<usize, KernelError> {
-        Ok(pool
-            .layout()
-            .selection_bytes(self.tokens.len(), self.layers.len(), self.heads.len())?)
+        self.bytes_in(pool.layout())
+    }
+
+    /// Bytes this selection occupies in staging, for a pool of `layout` in any memory.
+    pub fn bytes_in(&self, layout: &KvLayout) -> Result<usize, KernelError> {
+        Ok(layout.selection_bytes(self.tokens.len(), self.layers.len(), self.heads.len())?)
     }
 
     /// Checks the selection against `pool` and a staging buffer of `staging_len` bytes.
@@ -119,7 +159,17 @@ impl<'a> Selection<'a> {
         staging_len: usize,
         destination: bool,
     ) -> Result<(), KernelError> {
-        let layout = pool.layout();
+        self.validate_in(pool.layout(), pool.num_pages(), staging_len, destination)
+    }
+
+    /// [`Self::validate`] for a pool of `layout` and `num_pages` pages in any memory.
+    pub fn validate_in(
+        &self,
+        layout: &KvLayout,
+        num_pages: usize,
+        staging_len: usize,
+        destination: bool,
+    ) -> Result<(), KernelError> {
         check_range("layers", &self.layers, layout.num_layers())?;
         check_range("heads", &self.heads, layout.num_heads())?;
         if self.tokens.start > self.tokens.end {
@@ -139,7 +189,6 @@ impl<'a> Selection<'a> {
                 listed: self.pages.len(),
             });
         }
-        let num_pages = pool.num_pages();
         if let Some(&page) = self.pages.iter().find(|&&p| p as usize >= num_pages) {
             return Err(KernelError::PageOutOfRange { page, num_pages });
         }
@@ -150,7 +199,7 @@ impl<'a> Selection<'a> {
                 return Err(KernelError::DuplicatePage { page: w[0] });
             }
         }
-        let expected = self.bytes(pool)?;
+        let expected = self.bytes_in(layout)?;
         if expected != staging_len {
             return Err(KernelError::StagingSize {
                 expected,

@@ -1,0 +1,762 @@
+//! The decode agent: takes room requests from the decode engine, resolves the prefill group
+//! through the registry, says Hello once per prefill instance, asks for each room with a
+//! TransferRequest, scatters arriving chunks into the decode pool, and keeps each landed room
+//! until the engine takes it (remove-after-retrieve) or it expires.
+//!
+//! A room is `success` only when Done has arrived *and* every expected byte has landed: the
+//! agent counts completions instead of trusting one notification (design.md part 9). Chunks
+//! are checked before a byte moves: known room, the epoch (prefill instance) the room was
+//! requested from, ranges within the request, no (layer, token) landed twice, payload length.
+//!
+//! Page safety: with staged transports this agent is the only writer of its pool, so a room's
+//! pages are safe to reuse once the room is final and no scatter of it is still running.
+//!
+//! Current limits (later issues): one prefill rank per DP group (no TP/PP pairing yet), no
+//! heartbeats (a dead prefill is noticed when its control connection fails).
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvferry_bootstrap::{ClientError, Registration, RegistryClient, Role};
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::api::{self, ApiError, Metrics};
+use super::room::{RoomState, RoomStatus};
+use super::{AgentConfig, synthetic};
+use crate::kernel::Selection;
+use crate::kernel::cpu::CpuKernel;
+use crate::layout::PageOrder;
+use crate::pool::HostPool;
+use crate::pool::allocator::{PageAllocator, PageLease};
+use crate::protocol::{self, Chunk, Hello, Message, TransferRequest};
+use crate::reason::{FailureCode, Reason};
+use crate::transport::zmq::{ControlClient, ControlClientRecv, ControlClientSend};
+use crate::transport::{self, DataReceiver};
+
+/// A running decode agent.
+#[derive(Debug)]
+pub struct DecodeAgent {
+    /// The engine-facing HTTP API, e.g. `http://127.0.0.1:40111`.
+    pub api_url: String,
+    /// This process's instance id.
+    pub instance: Uuid,
+    /// Where prefill agents send data.
+    pub data_endpoint: String,
+    tasks: tokio::task::JoinSet<()>,
+    keep_alive: kvferry_bootstrap::KeepAlive,
+}
+
+impl DecodeAgent {
+    /// Starts the agent; it serves until `shutdown` is cancelled.
+    pub async fn start(cfg: AgentConfig, shutdown: CancellationToken) -> Result<Self, super::AgentError> {
+        let instance = Uuid::new_v4();
+        let pool = Arc::new(HostPool::anonymous(cfg.layout.clone(), cfg.pool_pages)?);
+        let alloc = PageAllocator::new(cfg.pool_pages as u32);
+        let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
+        let (data_endpoint, receiver) = transport::for_kind(cfg.transport).listen(&cfg.host).await?;
+        let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
+        let api_url = format!("http://{}", listener.local_addr()?);
+        let inner = Arc::new(Inner {
+            instance,
+            pool,
+            alloc,
+            kernel: CpuKernel::new(cfg.copy_threads),
+            registry: registry.clone(),
+            data_endpoint: data_endpoint.clone(),
+            rooms: Mutex::new(HashMap::new()),
+            peers: tokio::sync::Mutex::new(HashMap::new()),
+            metrics: Metrics::new(),
+            shutdown: shutdown.clone(),
+            cfg,
+        });
+        let endpoints = [(inner.cfg.transport.name().to_owned(), data_endpoint.clone())].into();
+        let reg = super::registration(Role::Decode, instance, &inner.cfg, api_url.clone(), endpoints);
+        let keep_alive = registry.keep_alive(reg, shutdown.clone()).await?;
+
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(receive_chunks(inner.clone(), receiver));
+        tasks.spawn(expire_rooms(inner.clone()));
+        let app = routes(inner.clone());
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            let serve = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "decode API stopped");
+            }
+        });
+        tracing::info!(%instance, api = %api_url, data = %data_endpoint, "decode agent listening");
+        Ok(DecodeAgent {
+            api_url,
+            instance,
+            data_endpoint,
+            tasks,
+            keep_alive,
+        })
+    }
+
+    /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.
+    pub async fn join(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+        self.keep_alive.stopped().await;
+    }
+}
+
+struct Inner {
+    cfg: AgentConfig,
+    instance: Uuid,
+    pool: Arc<HostPool>,
+    alloc: PageAllocator,
+    kernel: CpuKernel,
+    registry: RegistryClient,
+    data_endpoint: String,
+    rooms: Mutex<HashMap<u64, Room>>,
+    /// Control connections by prefill instance.
+    peers: tokio::sync::Mutex<HashMap<Uuid, Arc<Peer>>>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+}
+
+struct Peer {
+    instance: Uuid,
+    endpoint: String,
+    send: tokio::sync::Mutex<ControlClientSend>,
+}
+
+impl Peer {
+    async fn send(&self, msg: &Message, timeout: Duration) -> Result<(), Reason> {
+        let frame = msg.encode().into();
+        let sent = tokio::time::timeout(timeout, async { self.send.lock().await.send(frame).await }).await;
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Reason::new(FailureCode::PeerDead, format!("prefill {}: {e}", self.endpoint))),
+            Err(_) => Err(Reason::new(
+                FailureCode::PeerDead,
+                format!("prefill {} took no {} within {timeout:?}", self.endpoint, msg.name()),
+            )),
+        }
+    }
+}
+
+/// Which (local layer, token) cells of a room have landed.
+struct Coverage {
+    tokens: usize,
+    bits: Vec<u64>,
+}
+
+impl Coverage {
+    fn new(layers: usize, tokens: usize) -> Self {
+        Coverage {
+            tokens,
+            bits: vec![0; (layers * tokens).div_ceil(64)],
+        }
+    }
+
+    /// Marks the cells; refuses (and marks nothing) if any was marked before.
+    fn claim(&mut self, layers: Range<usize>, tokens: Range<usize>) -> bool {
+        let row = self.tokens;
+        let is_set = |bits: &[u64], i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
+        for l in layers.clone() {
+            if tokens.clone().any(|t| is_set(&self.bits, l * row + t)) {
+                return false;
+            }
+        }
+        for l in layers {
+            for t in tokens.clone() {
+                let i = l * row + t;
+                self.bits[i / 64] |= 1 << (i % 64);
+            }
+        }
+        true
+    }
+}
+
+struct Room {
+    status: RoomStatus,
+    tokens: usize,
+    pages: Arc<[u32]>,
+    /// Present when the agent allocated the pages; dropping it returns them.
+    lease: Option<PageLease>,
+    expected: usize,
+    landed: usize,
+    chunks: u32,
+    coverage: Coverage,
+    done: Option<protocol::Done>,
+    peer: Option<Arc<Peer>>,
+    scattering: usize,
+    final_at: Option<Instant>,
+}
+
+impl Room {
+    /// No write into the room's pages can still arrive (see the module doc).
+    fn safe_to_reuse(&self) -> bool {
+        self.status.state().is_final() && self.scattering == 0
+    }
+
+    fn view(&self, room: u64) -> serde_json::Value {
+        serde_json::json!({
+            "room": room.to_string(),
+            "state": self.status.state(),
+            "reason": self.status.reason(),
+            "bytes": self.landed,
+            "expected_bytes": self.expected,
+            "tokens": self.tokens,
+            "chunks": self.chunks,
+            "pages": &*self.pages,
+            "page_owner": if self.lease.is_some() { "agent" } else { "engine" },
+            "prefill_instance": self.peer.as_ref().map(|p| p.instance.to_string()),
+            "timings": self.status.timings_json(),
+            "safe_to_reuse": self.safe_to_reuse(),
+        })
+    }
+}
+
+impl Inner {
+    fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
+        self.rooms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a move to a final state: timestamp for expiry, metrics.
+    fn finished(&self, room: &mut Room) {
+        if room.status.state().is_final() && room.final_at.is_none() {
+            room.final_at = Some(Instant::now());
+            let code = room.status.reason().map(|r| r.code);
+            self.metrics.room_final(room.status.state(), code);
+        }
+    }
+
+    fn fail(&self, room_id: u64, reason: Reason) {
+        let mut rooms = self.rooms();
+        if let Some(room) = rooms.get_mut(&room_id) {
+            if room.status.fail(reason.clone()) {
+                tracing::warn!(room = room_id, %reason, "room failed");
+                self.finished(room);
+            }
+        }
+    }
+
+    fn check_complete(&self, room_id: u64, room: &mut Room) {
+        let Some(done) = &room.done else { return };
+        if room.landed < room.expected || room.scattering > 0 {
+            return;
+        }
+        if done.bytes as usize != room.expected || done.chunks != room.chunks {
+            let reason = Reason::new(
+                FailureCode::BadMessage,
+                format!(
+                    "prefill reported {} bytes in {} chunks; {} bytes in {} chunks expected and landed",
+                    done.bytes, done.chunks, room.expected, room.chunks
+                ),
+            );
+            room.status.fail(reason);
+        } else {
+            room.status.advance(RoomState::Success);
+            tracing::debug!(room = room_id, bytes = room.landed, "room landed");
+        }
+        self.finished(room);
+    }
+
+    /// Asks the registry for the prefill group until it is complete or the timeout passes.
+    async fn lookup(&self, client: &RegistryClient, dp_rank: u32) -> Result<Vec<Registration>, Reason> {
+        let deadline = Instant::now() + self.cfg.timeouts.bootstrap;
+        loop {
+            match client.lookup_prefill(dp_rank).await {
+                Ok(group) => return Ok(group.ranks),
+                Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "prefill group not ready; retrying");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => {
+                    let code = match e {
+                        ClientError::Incomplete { .. } | ClientError::Unreachable { .. } => {
+                            FailureCode::TimeoutBootstrap
+                        }
+                        _ => FailureCode::Unreachable,
+                    };
+                    return Err(Reason::new(
+                        code,
+                        format!("prefill group dp_rank={dp_rank} at {}: {e}", client.base_url()),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// The control connection to a prefill instance, connecting and saying Hello if needed.
+    async fn peer(self: &Arc<Self>, rank: &Registration) -> Result<Arc<Peer>, Reason> {
+        let mut peers = self.peers.lock().await;
+        if let Some(p) = peers.get(&rank.instance_id) {
+            return Ok(p.clone());
+        }
+        let endpoint = rank.control_endpoint.clone();
+        let timeout = self.cfg.timeouts.connect;
+        let unreachable = |what: String| Reason::new(FailureCode::Unreachable, format!("prefill control endpoint {endpoint}: {what}"));
+        let ControlClient { mut send, mut recv } = ControlClient::connect(&endpoint, timeout)
+            .await
+            .map_err(|e| unreachable(e.message))?;
+        let hello = Message::Hello(Hello {
+            min_version: protocol::MIN_VERSION,
+            max_version: protocol::VERSION,
+            instance: self.instance,
+            role: protocol::Role::Decode,
+            ranks: self.cfg.ranks,
+            layout: super::wire_layout(&self.cfg.layout),
+            data_endpoint: self.data_endpoint.clone(),
+            token: self.cfg.token.clone().unwrap_or_default(),
+        });
+        send.send(hello.encode().into()).await.map_err(|e| unreachable(e.message))?;
+        let reply = tokio::time::timeout(timeout, recv.recv())
+            .await
+            .map_err(|_| unreachable(format!("no answer to Hello within {timeout:?}")))?
+            .map_err(|e| unreachable(e.message))?;
+        let ack = match Message::decode(&reply) {
+            Ok(Message::HelloAck(ack)) => ack,
+            Ok(Message::Error(e)) => return Err(Reason::new(e.code, format!("prefill {endpoint} refused Hello: {}", e.message))),
+            Ok(other) => return Err(Reason::new(FailureCode::BadMessage, format!("prefill {endpoint} answered Hello with {}", other.name()))),
+            Err(e) => return Err(Reason::new(FailureCode::BadMessage, format!("prefill {endpoint} answered Hello with garbage: {e}"))),
+        };
+        if ack.instance != rank.instance_id {
+            return Err(Reason::new(
+                FailureCode::PeerDead,
+                format!("prefill {endpoint} is instance {} but the registry lists {}: it restarted", ack.instance, rank.instance_id),
+            ));
+        }
+        let peer = Arc::new(Peer {
+            instance: ack.instance,
+            endpoint,
+            send: tokio::sync::Mutex::new(send),
+        });
+        tokio::spawn(control_loop(self.clone(), peer.clone(), recv));
+        peers.insert(ack.instance, peer.clone());
+        Ok(peer)
+    }
+
+    /// Resolves the prefill, says Hello if needed, and asks for the room.
+    async fn request(self: Arc<Self>, room_id: u64, bootstrap: Option<String>, dp_rank: u32) -> Result<(), Reason> {
+        let client = match bootstrap {
+            Some(url) => RegistryClient::new(url, self.cfg.token.clone())
+                .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?,
+            None => self.registry.clone(),
+        };
+        let ranks = self.lookup(&client, dp_rank).await?;
+        let [rank] = ranks.as_slice() else {
+            return Err(Reason::new(
+                FailureCode::IncompatibleLayout,
+                format!("prefill group dp_rank={dp_rank} has {} ranks; this build pairs one prefill rank per group", ranks.len()),
+            ));
+        };
+        let peer = self.peer(rank).await?;
+        let l = &self.cfg.layout;
+        let (tokens, pages) = {
+            let mut rooms = self.rooms();
+            let Some(room) = rooms.get_mut(&room_id) else { return Ok(()) };
+            if !room.status.advance(RoomState::WaitingForInput) {
+                return Ok(()); // aborted meanwhile
+            }
+            room.peer = Some(peer.clone());
+            (room.tokens, room.pages.to_vec())
+        };
+        let req = Message::TransferRequest(TransferRequest {
+            room: room_id,
+            prefill_instance: peer.instance,
+            tokens: 0..tokens as u32,
+            layers: l.layers.start as u32..l.layers.end as u32,
+            heads: l.heads.start as u32..l.heads.end as u32,
+            // The decode's own order makes its scatter long runs; the prefill's gather converts.
+            wire_order: l.order,
+            dst_pages: pages,
+        });
+        peer.send(&req, self.cfg.timeouts.send).await
+    }
+
+    /// Validates a chunk against its room and reserves it; returns what the scatter needs.
+    fn admit_chunk(&self, c: &Chunk, payload_len: usize) -> Result<(Arc<[u32]>, Selection<'static>, PageOrder), Option<Reason>> {
+        let mut rooms = self.rooms();
+        let room = rooms.get_mut(&c.room).ok_or(None)?;
+        let state = room.status.state();
+        if !matches!(state, RoomState::WaitingForInput | RoomState::Transferring) {
+            return Err(None); // aborting, failed or late: drop the bytes
+        }
+        let Some(peer) = room.peer.clone() else { return Err(None) };
+        let bad = |m: String| Some(Reason::new(FailureCode::BadMessage, m));
+        if c.prefill_instance != peer.instance {
+            return Err(bad(format!("chunk from instance {} but the room was requested from {}", c.prefill_instance, peer.instance)));
+        }
+        let l = &self.cfg.layout;
+        let (tokens, layers) = (c.tokens.start as usize..c.tokens.end as usize, c.layers.start as usize..c.layers.end as usize);
+        let heads = c.heads.start as usize..c.heads.end as usize;
+        if tokens.end > room.tokens || tokens.is_empty() || layers.start < l.layers.start || layers.end > l.layers.end || layers.is_empty() || heads != l.heads {
+            return Err(bad(format!("chunk {} covers tokens {tokens:?} layers {layers:?} heads {heads:?}, outside the request", c.seq)));
+        }
+        let local = layers.start - l.layers.start..layers.end - l.layers.start;
+        let expected = l.selection_bytes(tokens.len(), local.len(), heads.len()).unwrap_or(usize::MAX);
+        if expected != payload_len || c.len as usize != payload_len {
+            return Err(bad(format!("chunk {} carries {payload_len} bytes (header says {}), its ranges need {expected}", c.seq, c.len)));
+        }
+        if !room.coverage.claim(local.clone(), tokens.clone()) {
+            return Err(bad(format!("chunk {} overlaps bytes that already landed", c.seq)));
+        }
+        room.status.advance(RoomState::Transferring);
+        room.scattering += 1;
+        let sel = Selection { pages: &[], tokens, layers: local, heads: 0..l.num_heads() };
+        Ok((room.pages.clone(), sel, l.order))
+    }
+
+    async fn on_chunk(self: &Arc<Self>, header: Bytes, payload: Bytes) {
+        let chunk = match Message::decode(&header) {
+            Ok(Message::Chunk(c)) => c,
+            Ok(other) => return self.bad_message(format!("data plane carried {}", other.name())),
+            Err(e) => return self.bad_message(format!("data plane header: {e}")),
+        };
+        let (pages, sel, wire) = match self.admit_chunk(&chunk, payload.len()) {
+            Ok(v) => v,
+            Err(None) => return,
+            Err(Some(reason)) => {
+                self.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return self.fail(chunk.room, reason);
+            }
+        };
+        let (pool, kernel) = (self.pool.clone(), self.kernel);
+        let scattered = tokio::task::spawn_blocking(move || {
+            let sel = Selection { pages: &pages, ..sel };
+            kernel.scatter(&payload, wire, &pool, &sel)
+        })
+        .await;
+        let mut rooms = self.rooms();
+        let Some(room) = rooms.get_mut(&chunk.room) else { return };
+        room.scattering -= 1;
+        match scattered {
+            Ok(Ok(())) => {
+                room.landed += chunk.len as usize;
+                room.chunks += 1;
+                self.metrics.bytes.fetch_add(chunk.len, std::sync::atomic::Ordering::Relaxed);
+                self.check_complete(chunk.room, room);
+            }
+            Ok(Err(e)) => {
+                if room.status.fail(Reason::new(FailureCode::BadMessage, format!("chunk {}: {e}", chunk.seq))) {
+                    self.finished(room);
+                }
+            }
+            Err(e) => {
+                if room.status.fail(Reason::new(FailureCode::BadMessage, format!("scatter of chunk {} stopped: {e}", chunk.seq))) {
+                    self.finished(room);
+                }
+            }
+        }
+    }
+
+    fn bad_message(&self, what: String) {
+        self.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tracing::warn!(%what, "refused a message");
+    }
+
+    fn on_control(&self, peer: &Peer, msg: Message) {
+        let mut rooms = self.rooms();
+        match msg {
+            Message::Done(d) => {
+                let Some(room) = rooms.get_mut(&d.room) else { return };
+                if room.peer.as_ref().map(|p| p.instance) != Some(d.prefill_instance) {
+                    drop(rooms);
+                    return self.bad_message(format!("Done for room {} from a stale instance {}", d.room, d.prefill_instance));
+                }
+                room.done = Some(d.clone());
+                self.check_complete(d.room, room);
+            }
+            Message::AbortAck(a) => {
+                let Some(room) = rooms.get_mut(&a.room) else { return };
+                if room.status.advance(RoomState::Aborted) {
+                    self.finished(room);
+                }
+            }
+            Message::Error(e) => {
+                let reason = Reason::new(e.code, format!("prefill {}: {}", peer.endpoint, e.message));
+                match e.room.and_then(|r| rooms.get_mut(&r)) {
+                    Some(room) => {
+                        if room.status.fail(reason) {
+                            self.finished(room);
+                        }
+                    }
+                    None => {
+                        drop(rooms);
+                        tracing::warn!(%reason, "prefill reported an error");
+                    }
+                }
+            }
+            Message::Heartbeat(_) => {}
+            other => {
+                drop(rooms);
+                self.bad_message(format!("prefill sent {} on the control plane", other.name()));
+            }
+        }
+    }
+
+    /// Fails every room served by a prefill whose connection died, and forgets the peer.
+    async fn peer_lost(&self, peer: &Peer, why: String) {
+        self.peers.lock().await.remove(&peer.instance);
+        let mut rooms = self.rooms();
+        for room in rooms.values_mut() {
+            if room.peer.as_ref().is_some_and(|p| p.instance == peer.instance) {
+                let reason = Reason::new(FailureCode::PeerDead, format!("prefill {}: {why}", peer.endpoint));
+                if room.status.state() == RoomState::Aborting {
+                    room.status.advance(RoomState::Aborted);
+                } else {
+                    room.status.fail(reason);
+                }
+                self.finished(room);
+            }
+        }
+    }
+}
+
+async fn control_loop(inner: Arc<Inner>, peer: Arc<Peer>, mut recv: ControlClientRecv) {
+    loop {
+        let frame = tokio::select! {
+            () = inner.shutdown.cancelled() => return,
+            f = recv.recv() => f,
+        };
+        match frame {
+            Ok(frame) => match Message::decode(&frame) {
+                Ok(msg) => inner.on_control(&peer, msg),
+                Err(e) => inner.bad_message(format!("control frame from {}: {e}", peer.endpoint)),
+            },
+            Err(e) => return inner.peer_lost(&peer, e.to_string()).await,
+        }
+    }
+}
+
+async fn receive_chunks(inner: Arc<Inner>, mut receiver: Box<dyn DataReceiver>) {
+    loop {
+        let received = tokio::select! {
+            () = inner.shutdown.cancelled() => return,
+            r = receiver.recv() => r,
+        };
+        match received {
+            Ok((header, payload)) => inner.on_chunk(header, payload).await,
+            Err(e) => inner.bad_message(e.to_string()),
+        }
+    }
+}
+
+async fn expire_rooms(inner: Arc<Inner>) {
+    let ttl = inner.cfg.timeouts.room_ttl;
+    let mut tick = tokio::time::interval(Duration::from_millis(200).min(ttl));
+    loop {
+        tokio::select! {
+            () = inner.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let mut rooms = inner.rooms();
+        let before = rooms.len();
+        rooms.retain(|id, room| {
+            let keep = !(room.safe_to_reuse() && room.final_at.is_some_and(|t| t.elapsed() >= ttl));
+            if !keep {
+                tracing::info!(room = id, state = room.status.state().name(), "room expired untaken");
+            }
+            keep
+        });
+        let expired = (before - rooms.len()) as u64;
+        inner.metrics.expired.fetch_add(expired, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RoomRequest {
+    tokens: usize,
+    #[serde(default)]
+    pages: Option<Vec<u32>>,
+    #[serde(default)]
+    bootstrap: Option<String>,
+    #[serde(default)]
+    dp_rank: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct WaitQuery {
+    wait_ms: Option<u64>,
+}
+
+type Shared = State<Arc<Inner>>;
+
+fn routes(inner: Arc<Inner>) -> Router {
+    Router::new()
+        .route("/v1/rooms/{room}", post(create_room).get(get_room).delete(abort_room))
+        .route("/v1/rooms/{room}/take", post(take_room))
+        .route("/v1/pool", get(pool))
+        .route("/healthz", get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "decode"})) }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::bad_request("no such route").into_response() })
+        .with_state(inner)
+}
+
+async fn create_room(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> Result<Response, ApiError> {
+    let room_id = api::parse_room(&room)?;
+    let req: RoomRequest = api::parse_json(&body)?;
+    if inner.shutdown.is_cancelled() {
+        return Err(ApiError::unavailable("the agent is shutting down"));
+    }
+    let l = &inner.cfg.layout;
+    if req.tokens == 0 {
+        return Err(ApiError::bad_request("tokens must be > 0"));
+    }
+    let needed = l.pages_for(req.tokens);
+    let expected = l
+        .room_bytes(req.tokens)
+        .map_err(|e| ApiError::bad_request(format!("tokens {}: {e}", req.tokens)))?;
+    let dp_rank = req.dp_rank.unwrap_or((room_id % u64::from(inner.cfg.ranks.dp_size.max(1))) as u32);
+    let (pages, lease): (Arc<[u32]>, _) = match req.pages {
+        Some(pages) => {
+            api::validate_pages(&pages, needed, inner.pool.num_pages())?;
+            (pages.into(), None)
+        }
+        None => {
+            let lease = inner.alloc.allocate(needed).map_err(|e| ApiError::exhausted(e.to_string()))?;
+            (lease.pages().into(), Some(lease))
+        }
+    };
+    let view = {
+        let mut rooms = inner.rooms();
+        if rooms.contains_key(&room_id) {
+            return Err(ApiError::conflict(format!("room {room_id} already exists")));
+        }
+        let room = Room {
+            status: RoomStatus::default(),
+            tokens: req.tokens,
+            pages,
+            lease,
+            expected,
+            landed: 0,
+            chunks: 0,
+            coverage: Coverage::new(l.num_layers(), req.tokens),
+            done: None,
+            peer: None,
+            scattering: 0,
+            final_at: None,
+        };
+        let view = room.view(room_id);
+        rooms.insert(room_id, room);
+        view
+    };
+    let task_inner = inner.clone();
+    tokio::spawn(async move {
+        if let Err(reason) = task_inner.clone().request(room_id, req.bootstrap, dp_rank).await {
+            task_inner.fail(room_id, reason);
+        }
+    });
+    Ok((axum::http::StatusCode::CREATED, axum::Json(view)).into_response())
+}
+
+async fn get_room(State(inner): Shared, Path(room): Path<String>, Query(q): Query<WaitQuery>) -> Result<Response, ApiError> {
+    let room_id = api::parse_room(&room)?;
+    if let Some(wait) = q.wait_ms {
+        let rx = {
+            let rooms = inner.rooms();
+            let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+            (!room.status.state().is_final()).then(|| room.status.subscribe())
+        };
+        if let Some(rx) = rx {
+            api::wait_for_change(rx, Duration::from_millis(wait.min(60_000))).await;
+        }
+    }
+    let rooms = inner.rooms();
+    let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+    Ok(axum::Json(room.view(room_id)).into_response())
+}
+
+async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Response, ApiError> {
+    let room_id = api::parse_room(&room)?;
+    let (pages, tokens) = {
+        let rooms = inner.rooms();
+        let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+        if !room.safe_to_reuse() {
+            return Err(ApiError::conflict(format!(
+                "room {room_id} is {}; take it once it is success, failed or aborted",
+                room.status.state().name()
+            )));
+        }
+        (room.pages.clone(), room.tokens)
+    };
+    let mut verified = None;
+    let succeeded = inner.rooms().get(&room_id).is_some_and(|r| r.status.state() == RoomState::Success);
+    if inner.cfg.synthetic && succeeded {
+        let (pool, kernel) = (inner.pool.clone(), inner.kernel);
+        let check = tokio::task::spawn_blocking(move || synthetic::verify(&kernel, &pool, room_id, &pages, 0..tokens)).await;
+        let result = check.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()));
+        verified = Some(result.is_ok());
+        if let Err(e) = result {
+            let mut rooms = inner.rooms();
+            if let Some(room) = rooms.get_mut(&room_id) {
+                // A landed room that fails verification: count it as failed.
+                room.status = RoomStatus::new(RoomState::Failed);
+                room.status.fail(Reason::new(FailureCode::VerifyFailed, e.clone()));
+                inner.metrics.room_final(RoomState::Failed, Some(FailureCode::VerifyFailed));
+            }
+            tracing::error!(room = room_id, error = %e, "landed bytes differ from the synthetic pattern");
+        }
+    }
+    let room = inner.rooms().remove(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+    let mut view = room.view(room_id);
+    view["verified"] = serde_json::json!(verified);
+    view["aux"] = serde_json::json!(room.done.as_ref().map(|d| api::base64(&d.aux)));
+    Ok(axum::Json(view).into_response())
+}
+
+async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> Result<Response, ApiError> {
+    let room_id = api::parse_room(&room)?;
+    let reason = Reason::new(FailureCode::Aborted, "aborted by the decode engine");
+    let peer = {
+        let mut rooms = inner.rooms();
+        let room = rooms.get_mut(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+        let state = room.status.state();
+        if state.is_final() || state == RoomState::Aborting {
+            return Ok(axum::Json(room.view(room_id)).into_response());
+        }
+        // Before the request went out nothing can arrive: aborted at once.
+        let asked = state != RoomState::Bootstrapping;
+        room.status.abort(reason.clone(), !asked);
+        inner.finished(room);
+        if asked { room.peer.clone() } else { None }
+    };
+    if let Some(peer) = peer {
+        let msg = Message::Abort(protocol::Abort {
+            room: room_id,
+            instance: inner.instance,
+            code: reason.code,
+            message: reason.message,
+        });
+        if let Err(e) = peer.send(&msg, inner.cfg.timeouts.send).await {
+            // The prefill cannot be told: with staged transports nothing more lands once the
+            // room is no longer accepting chunks, so it is aborted here.
+            tracing::warn!(room = room_id, reason = %e, "abort not delivered");
+            let mut rooms = inner.rooms();
+            if let Some(room) = rooms.get_mut(&room_id) {
+                room.status.advance(RoomState::Aborted);
+                inner.finished(room);
+            }
+        }
+    }
+    let rooms = inner.rooms();
+    let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+    Ok(axum::Json(room.view(room_id)).into_response())
+}
+
+async fn pool(State(inner): Shared) -> Response {
+    axum::Json(serde_json::json!({
+        "total_pages": inner.alloc.total_pages(),
+        "free_pages": inner.alloc.free_pages(),
+    }))
+    .into_response()
+}
+
+async fn metrics(State(inner): Shared) -> Response {
+    let text = inner.metrics.render("decode", inner.alloc.total_pages(), inner.alloc.free_pages());
+    api::metrics_response(text)
+}

@@ -1,0 +1,292 @@
+//! The agents: one beside every prefill rank ([`prefill`]) and every decode rank ([`decode`]).
+//!
+//! This file holds what both roles share: their configuration, how a rank describes itself to
+//! the registry and in Hello, the layout compatibility check, and how a room's transfer is cut
+//! into chunks. Room state lives in [`room`], the engine-facing HTTP plumbing in [`api`], the
+//! synthetic engine in [`synthetic`].
+
+pub mod api;
+pub mod decode;
+pub mod prefill;
+pub mod room;
+pub mod synthetic;
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::time::Duration;
+
+use kvferry_bootstrap as registry;
+use uuid::Uuid;
+
+use crate::layout::{AttentionKind, Dtype, KvLayout};
+use crate::protocol::{Ranks, WireLayout};
+use crate::reason::{FailureCode, Reason};
+use crate::transport::TransportKind;
+
+/// Why an agent could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The pool could not be created.
+    #[error("pool: {0}")]
+    Pool(#[from] crate::pool::PoolError),
+    /// A socket could not be bound.
+    #[error("transport: {0}")]
+    Transport(#[from] crate::transport::TransportError),
+    /// The registry refused or could not be reached.
+    #[error("registry: {0}")]
+    Registry(#[from] kvferry_bootstrap::ClientError),
+    /// The HTTP API could not be bound.
+    #[error("api: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Timeouts of an agent; every wait is bounded by one of these.
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    /// Waiting for the prefill group to register (decode).
+    pub bootstrap: Duration,
+    /// Connecting to a peer and its Hello answer.
+    pub connect: Duration,
+    /// A landed (decode) or finished (prefill) room not taken within this expires.
+    pub room_ttl: Duration,
+    /// One send of a chunk or control message.
+    pub send: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            bootstrap: Duration::from_secs(30),
+            connect: Duration::from_secs(5),
+            room_ttl: Duration::from_secs(60),
+            send: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What an agent needs to run.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// The registry's URL.
+    pub bootstrap: String,
+    /// This rank's parallel ranks.
+    pub ranks: Ranks,
+    /// This rank's pool layout (its slice of the model).
+    pub layout: KvLayout,
+    /// Pages in the pool.
+    pub pool_pages: usize,
+    /// Data-plane transport.
+    pub transport: TransportKind,
+    /// Address the control and data sockets bind and advertise.
+    pub host: String,
+    /// Address of the engine-facing HTTP API.
+    pub api_host: String,
+    /// Port of the engine-facing HTTP API (0 = any).
+    pub api_port: u16,
+    /// Run the built-in synthetic engine.
+    pub synthetic: bool,
+    /// Shared secret for the registry and Hello.
+    pub token: Option<String>,
+    /// Largest chunk of staging bytes moved at once.
+    pub chunk_bytes: usize,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+    /// Copy threads of the CPU kernel.
+    pub copy_threads: usize,
+}
+
+/// This rank as announced in Hello.
+pub(crate) fn wire_layout(layout: &KvLayout) -> WireLayout {
+    WireLayout {
+        kind: layout.model.kind,
+        dtype: layout.model.dtype,
+        order: layout.order,
+        num_layers: layout.model.num_layers as u32,
+        num_kv_heads: layout.model.num_kv_heads as u32,
+        head_dim: layout.model.head_dim as u32,
+        page_size: layout.page_size as u32,
+        heads: layout.heads.start as u32..layout.heads.end as u32,
+        layers: layout.layers.start as u32..layout.layers.end as u32,
+    }
+}
+
+fn registry_dtype(d: Dtype) -> registry::Dtype {
+    match d {
+        Dtype::Bf16 => registry::Dtype::Bf16,
+        Dtype::Fp16 => registry::Dtype::Fp16,
+        Dtype::Fp8E4m3 => registry::Dtype::Fp8E4m3,
+        Dtype::Fp8E5m2 => registry::Dtype::Fp8E5m2,
+        Dtype::Fp32 => registry::Dtype::Fp32,
+    }
+}
+
+fn range(r: &Range<usize>) -> registry::IndexRange {
+    registry::IndexRange {
+        start: r.start as u32,
+        end: r.end as u32,
+    }
+}
+
+/// This rank's registration.
+pub(crate) fn registration(
+    role: registry::Role,
+    instance: Uuid,
+    cfg: &AgentConfig,
+    control_endpoint: String,
+    data_endpoints: BTreeMap<String, String>,
+) -> registry::Registration {
+    let l = &cfg.layout;
+    let r = cfg.ranks;
+    registry::Registration {
+        instance_id: instance,
+        role,
+        dp_rank: r.dp_rank,
+        dp_size: r.dp_size,
+        tp_rank: r.tp_rank,
+        tp_size: r.tp_size,
+        pp_rank: r.pp_rank,
+        pp_size: r.pp_size,
+        layout: registry::KvLayout {
+            kind: match l.model.kind {
+                AttentionKind::Mha => registry::LayoutKind::Mha,
+                AttentionKind::Mla => registry::LayoutKind::Mla,
+            },
+            num_layers: l.model.num_layers as u32,
+            num_kv_heads: l.model.num_kv_heads as u32,
+            head_dim: l.model.head_dim as u32,
+            dtype: registry_dtype(l.model.dtype),
+            page_size: l.page_size as u32,
+        },
+        slice: registry::Slice {
+            heads: range(&l.heads),
+            layers: range(&l.layers),
+        },
+        control_endpoint,
+        data_endpoints,
+    }
+}
+
+/// Refuses a peer whose layout cannot be paired with ours, naming the field and both values.
+pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result<(), Reason> {
+    let fields: [(&str, String, String); 5] = [
+        ("kind", ours.kind.to_string(), theirs.kind.to_string()),
+        ("dtype", ours.dtype.to_string(), theirs.dtype.to_string()),
+        ("head_dim", ours.head_dim.to_string(), theirs.head_dim.to_string()),
+        ("page_size", ours.page_size.to_string(), theirs.page_size.to_string()),
+        ("num_layers", ours.num_layers.to_string(), theirs.num_layers.to_string()),
+    ];
+    let heads = (ours.num_kv_heads, theirs.num_kv_heads);
+    for (field, a, b) in fields
+        .into_iter()
+        .chain([("num_kv_heads", heads.0.to_string(), heads.1.to_string())])
+    {
+        if a != b {
+            return Err(Reason::new(
+                FailureCode::IncompatibleLayout,
+                format!("{field} differs: ours {a}, peer's {b}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One chunk of a room's transfer: a token range of a layer range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ChunkPlan {
+    /// Tokens of the room.
+    pub tokens: Range<usize>,
+    /// Global layers.
+    pub layers: Range<usize>,
+}
+
+/// Cuts `tokens x layers` into chunks of at most `chunk_bytes` (at least one page of one
+/// layer each, so a chunk is never empty), whole layers together when they fit.
+pub(crate) fn plan_chunks(
+    tokens: Range<usize>,
+    layers: Range<usize>,
+    bytes_per_token_layer: usize,
+    page_size: usize,
+    chunk_bytes: usize,
+) -> Vec<ChunkPlan> {
+    let mut out = Vec::new();
+    if tokens.is_empty() || layers.is_empty() {
+        return out;
+    }
+    let layer_bytes = tokens.len() * bytes_per_token_layer;
+    if layer_bytes <= chunk_bytes {
+        let per = (chunk_bytes / layer_bytes.max(1)).max(1);
+        let mut l = layers.start;
+        while l < layers.end {
+            let end = (l + per).min(layers.end);
+            out.push(ChunkPlan {
+                tokens: tokens.clone(),
+                layers: l..end,
+            });
+            l = end;
+        }
+        return out;
+    }
+    let per_tokens = (chunk_bytes / bytes_per_token_layer.max(1) / page_size * page_size).max(page_size);
+    for layer in layers {
+        let mut t = tokens.start;
+        while t < tokens.end {
+            // Cut on page boundaries of the room so each chunk covers whole page blocks.
+            let end = ((t / page_size * page_size) + per_tokens).min(tokens.end);
+            out.push(ChunkPlan {
+                tokens: t..end,
+                layers: layer..layer + 1,
+            });
+            t = end;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_tile_the_room_within_the_budget() {
+        for (tokens, layers, per, page, budget) in [
+            (0..4096, 0..32, 8192, 16, 4 << 20),
+            (5..4000, 3..30, 8192, 16, 4 << 20),
+            (0..16, 0..32, 8192, 16, 4 << 20),
+            (0..1000, 0..4, 1024, 64, 1 << 10),
+            (7..9, 0..2, 100, 4, 1),
+        ] {
+            let chunks = plan_chunks(tokens.clone(), layers.clone(), per, page, budget);
+            let mut covered = vec![0u32; layers.end * tokens.end];
+            for c in &chunks {
+                let bytes = c.tokens.len() * c.layers.len() * per;
+                assert!(bytes <= budget.max(page * per), "{c:?} is {bytes} bytes");
+                for l in c.layers.clone() {
+                    for t in c.tokens.clone() {
+                        covered[l * tokens.end + t] += 1;
+                    }
+                }
+            }
+            for l in 0..layers.end {
+                for t in 0..tokens.end {
+                    let want = u32::from(layers.contains(&l) && tokens.contains(&t));
+                    assert_eq!(covered[l * tokens.end + t], want, "layer {l} token {t}");
+                }
+            }
+        }
+        assert!(plan_chunks(0..0, 0..4, 8, 16, 1024).is_empty());
+    }
+
+    #[test]
+    fn incompatible_layouts_name_the_field_and_both_values() {
+        let l = crate::layout::KvLayout::new(crate::layout::ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        let ours = wire_layout(&l);
+        let theirs = WireLayout {
+            page_size: 32,
+            ..ours.clone()
+        };
+        let r = check_compatible(&ours, &theirs).unwrap_err();
+        assert_eq!(r.code, FailureCode::IncompatibleLayout);
+        assert_eq!(r.message, "page_size differs: ours 16, peer's 32");
+        assert!(check_compatible(&ours, &ours).is_ok());
+    }
+}

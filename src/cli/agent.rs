@@ -1,0 +1,216 @@
+//! `kvferry prefill` and `kvferry decode`: the agents, configured by role and rank flags in the
+//! SGLang spirit. Both print one "listening" JSON line on stdout once they serve, register with
+//! the registry and keep their lease, and on SIGINT/SIGTERM deregister and exit 0.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::api::print_listening;
+use crate::agent::decode::DecodeAgent;
+use crate::agent::prefill::PrefillAgent;
+use crate::agent::{AgentConfig, Timeouts};
+use crate::layout::{AttentionKind, Dtype, KvLayout, KvPlacement, ModelSpec, PageOrder};
+use crate::protocol::Ranks;
+use crate::transport::TransportKind;
+
+/// Flags shared by `kvferry prefill` and `kvferry decode`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentArgs {
+    /// URL of the bootstrap registry.
+    #[arg(long, env = "KVFERRY_BOOTSTRAP", default_value = "http://127.0.0.1:8998")]
+    pub bootstrap: String,
+    /// Data-parallel rank of this engine.
+    #[arg(long, env = "KVFERRY_DP_RANK", default_value_t = 0)]
+    pub dp_rank: u32,
+    /// Data-parallel size.
+    #[arg(long, env = "KVFERRY_DP_SIZE", default_value_t = 1)]
+    pub dp_size: u32,
+    /// Tensor-parallel rank.
+    #[arg(long, env = "KVFERRY_TP_RANK", default_value_t = 0)]
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    #[arg(long, env = "KVFERRY_TP_SIZE", default_value_t = 1)]
+    pub tp_size: u32,
+    /// Pipeline-parallel rank (stage).
+    #[arg(long, env = "KVFERRY_PP_RANK", default_value_t = 0)]
+    pub pp_rank: u32,
+    /// Pipeline-parallel size.
+    #[arg(long, env = "KVFERRY_PP_SIZE", default_value_t = 1)]
+    pub pp_size: u32,
+    /// Model preset: tiny, tiny-mla, llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3.
+    #[arg(long, env = "KVFERRY_MODEL", default_value = "llama3-8b")]
+    pub model: String,
+    /// Override the preset's layer count.
+    #[arg(long, env = "KVFERRY_LAYERS")]
+    pub layers: Option<usize>,
+    /// Override the preset's total KV head count.
+    #[arg(long, env = "KVFERRY_KV_HEADS")]
+    pub kv_heads: Option<usize>,
+    /// Override the preset's head dimension (latent width for MLA).
+    #[arg(long, env = "KVFERRY_HEAD_DIM")]
+    pub head_dim: Option<usize>,
+    /// Override the preset's dtype: bf16, fp16, fp8_e4m3, fp8_e5m2, fp32.
+    #[arg(long, env = "KVFERRY_DTYPE")]
+    pub dtype: Option<Dtype>,
+    /// Override the preset's attention kind: mha, mla.
+    #[arg(long, env = "KVFERRY_ATTENTION")]
+    pub attention: Option<AttentionKind>,
+    /// Order inside a page: token_major (SGLang, vLLM NHD) or head_major (vLLM HND).
+    #[arg(long, env = "KVFERRY_PAGE_ORDER", default_value = "token_major")]
+    pub page_order: PageOrder,
+    /// Tokens per page.
+    #[arg(long, env = "KVFERRY_PAGE_SIZE", default_value_t = 16)]
+    pub page_size: usize,
+    /// Pages in this agent's pool.
+    #[arg(long, env = "KVFERRY_POOL_PAGES", default_value_t = 1024)]
+    pub pool_pages: usize,
+    /// Data-plane transport: zmq-tcp or zmq-ipc.
+    #[arg(long, env = "KVFERRY_TRANSPORT", default_value = "zmq-tcp")]
+    pub transport: TransportKind,
+    /// Address the control and data sockets bind and advertise.
+    #[arg(long, env = "KVFERRY_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Address of the engine-facing HTTP API (keep it local).
+    #[arg(long, env = "KVFERRY_API_HOST", default_value = "127.0.0.1")]
+    pub api_host: String,
+    /// Port of the engine-facing HTTP API (0 picks one; the listening line tells which).
+    #[arg(long, env = "KVFERRY_API_PORT", default_value_t = 0)]
+    pub api_port: u16,
+    /// Run the built-in synthetic engine: the prefill fills pages with a pattern, the decode
+    /// verifies every landed byte on take.
+    #[arg(long, env = "KVFERRY_SYNTHETIC")]
+    pub synthetic: bool,
+    /// Shared secret: sent to the registry and in Hello.
+    #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Largest chunk of staging bytes moved at once.
+    #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 4 << 20)]
+    pub chunk_bytes: usize,
+    /// Threads of the CPU copy kernel.
+    #[arg(long, env = "KVFERRY_COPY_THREADS", default_value_t = 2)]
+    pub copy_threads: usize,
+    /// Waiting for the prefill group to register, in ms (decode).
+    #[arg(long, env = "KVFERRY_TIMEOUT_BOOTSTRAP_MS", default_value_t = 30_000)]
+    pub timeout_bootstrap_ms: u64,
+    /// Connecting to a peer and its answer to Hello, in ms.
+    #[arg(long, env = "KVFERRY_TIMEOUT_CONNECT_MS", default_value_t = 5_000)]
+    pub timeout_connect_ms: u64,
+    /// A finished room not taken within this many ms expires and its agent-owned pages return.
+    #[arg(long, env = "KVFERRY_ROOM_TTL_MS", default_value_t = 60_000)]
+    pub room_ttl_ms: u64,
+    /// One send of a chunk or a control message, in ms.
+    #[arg(long, env = "KVFERRY_TIMEOUT_SEND_MS", default_value_t = 30_000)]
+    pub timeout_send_ms: u64,
+}
+
+impl AgentArgs {
+    /// Checks the flags and builds the agent configuration.
+    pub fn config(&self) -> anyhow::Result<AgentConfig> {
+        let ranks = Ranks {
+            dp_rank: self.dp_rank,
+            dp_size: self.dp_size,
+            tp_rank: self.tp_rank,
+            tp_size: self.tp_size,
+            pp_rank: self.pp_rank,
+            pp_size: self.pp_size,
+        };
+        for (name, rank, size) in [("dp", self.dp_rank, self.dp_size), ("tp", self.tp_rank, self.tp_size), ("pp", self.pp_rank, self.pp_size)] {
+            if size == 0 || rank >= size {
+                anyhow::bail!("--{name}-rank {rank} must be < --{name}-size {size}");
+            }
+        }
+        let preset = ModelSpec::preset(&self.model)?;
+        let model = ModelSpec {
+            kind: self.attention.unwrap_or(preset.kind),
+            num_layers: self.layers.unwrap_or(preset.num_layers),
+            num_kv_heads: self.kv_heads.unwrap_or(preset.num_kv_heads),
+            head_dim: self.head_dim.unwrap_or(preset.head_dim),
+            dtype: self.dtype.unwrap_or(preset.dtype),
+        };
+        let layout = KvLayout::new(model, self.page_size)?
+            .with_order(self.page_order, KvPlacement::Planes)?
+            .for_rank(self.tp_rank as usize, self.tp_size as usize, self.pp_rank as usize, self.pp_size as usize)?;
+        if self.pool_pages == 0 {
+            anyhow::bail!("--pool-pages must be > 0");
+        }
+        if self.chunk_bytes == 0 {
+            anyhow::bail!("--chunk-bytes must be > 0");
+        }
+        let ms = Duration::from_millis;
+        Ok(AgentConfig {
+            bootstrap: self.bootstrap.clone(),
+            ranks,
+            layout,
+            pool_pages: self.pool_pages,
+            transport: self.transport,
+            host: self.host.clone(),
+            api_host: self.api_host.clone(),
+            api_port: self.api_port,
+            synthetic: self.synthetic,
+            token: self.token.clone(),
+            chunk_bytes: self.chunk_bytes,
+            copy_threads: self.copy_threads,
+            timeouts: Timeouts {
+                bootstrap: ms(self.timeout_bootstrap_ms),
+                connect: ms(self.timeout_connect_ms),
+                room_ttl: ms(self.room_ttl_ms),
+                send: ms(self.timeout_send_ms),
+            },
+        })
+    }
+}
+
+/// Which agent to run.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum AgentRole {
+    Prefill,
+    Decode,
+}
+
+/// Runs an agent until SIGINT or SIGTERM.
+pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
+    let cfg = args.config()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        let signals = tokio::spawn(super::signal::cancel_on_signal(shutdown.clone()));
+        let common = serde_json::json!({
+            "event": "listening",
+            "transport": cfg.transport.name(),
+            "model": args.model,
+        });
+        match role {
+            AgentRole::Prefill => {
+                let agent = PrefillAgent::start(cfg, shutdown.clone()).await.context("starting the prefill agent")?;
+                let mut line = common;
+                line["role"] = "prefill".into();
+                line["api"] = agent.api_url.clone().into();
+                line["control"] = agent.control_endpoint.clone().into();
+                line["instance"] = agent.instance.to_string().into();
+                print_listening(&line)?;
+                shutdown.cancelled().await;
+                agent.join().await;
+            }
+            AgentRole::Decode => {
+                let agent = DecodeAgent::start(cfg, shutdown.clone()).await.context("starting the decode agent")?;
+                let mut line = common;
+                line["role"] = "decode".into();
+                line["api"] = agent.api_url.clone().into();
+                line["data"] = agent.data_endpoint.clone().into();
+                line["instance"] = agent.instance.to_string().into();
+                print_listening(&line)?;
+                shutdown.cancelled().await;
+                agent.join().await;
+            }
+        }
+        signals.abort();
+        tracing::info!("agent stopped");
+        Ok(())
+    })
+}

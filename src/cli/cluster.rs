@@ -1,0 +1,121 @@
+//! A local cluster of real kvferry processes (registry, prefill and decode agents) on loopback,
+//! started from this binary: what `kvferry demo` runs, and what the multi-process tests use.
+//!
+//! Each process is started with port 0; its "listening" line tells its addresses. Its stderr
+//! goes to a log file beside the others, named in errors. Processes get SIGTERM (then SIGKILL
+//! after a grace period) when dropped, so nothing outlives its cluster.
+
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+/// One spawned kvferry process.
+#[derive(Debug)]
+pub struct Process {
+    /// What it is, for messages (`registry`, `prefill`, ...).
+    pub name: String,
+    /// Its "listening" line.
+    pub listening: serde_json::Value,
+    /// Its stderr log.
+    pub log: PathBuf,
+    child: Child,
+}
+
+impl Process {
+    /// Starts `exe args`, waits up to `wait` for its listening line.
+    pub fn spawn(exe: &Path, name: &str, args: &[String], log_dir: &Path, wait: Duration) -> anyhow::Result<Self> {
+        let log = log_dir.join(format!("{name}.log"));
+        let stderr = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .with_context(|| format!("starting {} {name}", exe.display()))?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            let _ = tx.send(lines.next());
+            // Keep draining so the child never blocks on a full pipe.
+            for _ in lines {}
+        });
+        let mut process = Process {
+            name: name.to_owned(),
+            listening: serde_json::Value::Null,
+            log,
+            child,
+        };
+        let line = match rx.recv_timeout(wait) {
+            Ok(Some(Ok(line))) => line,
+            _ => bail!("{name} printed no listening line within {wait:?}; see {}", process.log.display()),
+        };
+        process.listening = serde_json::from_str(&line).with_context(|| format!("{name} listening line {line:?}"))?;
+        Ok(process)
+    }
+
+    /// A string field of the listening line.
+    pub fn field(&self, key: &str) -> anyhow::Result<String> {
+        self.listening[key]
+            .as_str()
+            .map(str::to_owned)
+            .with_context(|| format!("{} listening line has no {key:?}: {}", self.name, self.listening))
+    }
+
+    /// Sends a signal (`TERM`, `KILL`, ...) by name.
+    pub fn signal(&self, name: &str) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .args([format!("-{name}"), self.child.id().to_string()])
+            .status()
+            .context("running kill")?;
+        if !status.success() {
+            bail!("kill -{name} {} failed", self.child.id());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `wait` for the process to exit; returns its exit code if it did.
+    pub fn wait_exit(&mut self, wait: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + wait;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`.
+    pub fn stop(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            return Some(status);
+        }
+        let _ = self.signal("TERM");
+        if let Some(status) = self.wait_exit(grace) {
+            return Some(status);
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        None
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(5));
+    }
+}
+
+/// A folder for the cluster's logs, unique to this process.
+pub fn log_dir(tag: &str) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("kvferry-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}

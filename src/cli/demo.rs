@@ -1,0 +1,262 @@
+//! `kvferry demo`: the main job on one machine. Starts a registry, one prefill and one decode
+//! agent as real processes over real sockets, transfers rooms of mixed lengths with the
+//! synthetic engine, verifies every byte, prints a table (or the bench JSON with `--json`)
+//! and exits 0 only if every room landed intact.
+//!
+//! [`drive_rooms`] plays both engines over the agents' HTTP APIs; the bench and the
+//! multi-process tests use it too.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use serde_json::{Value, json};
+
+use super::cluster::{Process, log_dir};
+use crate::layout::{KvLayout, ModelSpec};
+use crate::transport::TransportKind;
+
+/// Run a full prefill -> decode transfer on this machine and verify every byte.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Model preset.
+    #[arg(long, default_value = "llama3-8b")]
+    model: String,
+    /// Data-plane transport: zmq-tcp or zmq-ipc.
+    #[arg(long, default_value = "zmq-tcp")]
+    transport: TransportKind,
+    /// Room lengths in tokens, comma separated; one room each.
+    #[arg(long, value_delimiter = ',', default_value = "16,512,1000,4096,2500,128,3000,64")]
+    tokens: Vec<usize>,
+    /// Rooms in flight at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
+    /// Print the bench JSON (design.md part 8) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One room as the engines saw it.
+#[derive(Clone, Debug)]
+pub struct RoomResult {
+    /// Room id.
+    pub room: u64,
+    /// Tokens.
+    pub tokens: usize,
+    /// KV bytes landed.
+    pub bytes: u64,
+    /// Final state at the decode.
+    pub state: String,
+    /// Failure code, if any.
+    pub code: Option<String>,
+    /// Whether the synthetic check passed on take.
+    pub verified: bool,
+    /// Prefill ready -> decode success, ms (measured inside the agents).
+    pub latency_ms: f64,
+    /// Engine request -> take returned, ms.
+    pub take_ms: f64,
+    /// Prefill ready time, ms since the epoch.
+    pub ready_at: f64,
+    /// Decode success time, ms since the epoch.
+    pub success_at: f64,
+}
+
+/// Plays both engines: for each `(room, tokens)`, asks the decode for the room and tells the
+/// prefill it is ready, waits for a final state, takes it, and reads the timings.
+pub async fn drive_rooms(prefill_api: &str, decode_api: &str, rooms: Vec<(u64, usize)>, concurrency: usize) -> anyhow::Result<Vec<RoomResult>> {
+    let http = reqwest::Client::builder().no_proxy().build()?;
+    let gate = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (room, tokens) in rooms {
+        let (http, gate) = (http.clone(), gate.clone());
+        let (p, d) = (prefill_api.to_owned(), decode_api.to_owned());
+        tasks.spawn(async move {
+            let _permit = gate.acquire_owned().await?;
+            one_room(&http, &p, &d, room, tokens).await
+        });
+    }
+    let mut out = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        out.push(r??);
+    }
+    out.sort_by_key(|r| r.room);
+    Ok(out)
+}
+
+async fn json_ok(resp: reqwest::Response, what: &str) -> anyhow::Result<Value> {
+    let status = resp.status();
+    let body: Value = resp.json().await.with_context(|| format!("{what}: body"))?;
+    if !status.is_success() {
+        bail!("{what}: {status}: {body}");
+    }
+    Ok(body)
+}
+
+async fn one_room(http: &reqwest::Client, prefill: &str, decode: &str, room: u64, tokens: usize) -> anyhow::Result<RoomResult> {
+    let started = Instant::now();
+    let body = json!({ "tokens": tokens });
+    json_ok(http.post(format!("{decode}/v1/rooms/{room}")).json(&body).send().await?, "decode request").await?;
+    json_ok(http.post(format!("{prefill}/v1/rooms/{room}/ready")).json(&body).send().await?, "prefill ready").await?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let view = loop {
+        let v = json_ok(http.get(format!("{decode}/v1/rooms/{room}?wait_ms=5000")).send().await?, "decode room").await?;
+        let state = v["state"].as_str().unwrap_or_default();
+        if ["success", "failed", "aborted"].contains(&state) {
+            break v;
+        }
+        if Instant::now() > deadline {
+            bail!("room {room} still {state} after 120 s: {v}");
+        }
+    };
+    let taken = json_ok(http.post(format!("{decode}/v1/rooms/{room}/take")).send().await?, "take").await?;
+    let take_ms = started.elapsed().as_secs_f64() * 1e3;
+    let prefill_view = json_ok(http.get(format!("{prefill}/v1/rooms/{room}")).send().await?, "prefill room").await;
+    let ready_at = prefill_view.as_ref().ok().and_then(|v| v["timings"]["ready"].as_f64()).unwrap_or(0.0);
+    let success_at = view["timings"]["success"].as_f64().unwrap_or(0.0);
+    Ok(RoomResult {
+        room,
+        tokens,
+        bytes: taken["bytes"].as_u64().unwrap_or(0),
+        state: taken["state"].as_str().unwrap_or_default().to_owned(),
+        code: taken["reason"]["code"].as_str().map(str::to_owned),
+        verified: taken["verified"].as_bool() == Some(true) && taken["state"] == "success",
+        latency_ms: success_at - ready_at,
+        take_ms,
+        ready_at,
+        success_at,
+    })
+}
+
+/// The p-th percentile (0..=100) of `v`, nearest rank.
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let i = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
+    s[i.min(s.len() - 1)]
+}
+
+/// GB/s (1e9 B/s) of a single-thread memcpy of `bytes` bytes, best of a few runs.
+pub fn memcpy_gbps(bytes: usize) -> f64 {
+    let src = vec![0x5Au8; bytes.max(1)];
+    let mut dst = vec![0u8; bytes.max(1)];
+    let best = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    bytes as f64 / best / 1e9
+}
+
+/// The bench JSON object of one configuration (design.md part 8).
+pub fn summary(results: &[RoomResult], transport: &str, model: &str, tokens: Value, page_size: usize, concurrency: usize) -> Value {
+    let ok: Vec<&RoomResult> = results.iter().filter(|r| r.verified).collect();
+    let lat: Vec<f64> = ok.iter().map(|r| r.latency_ms).collect();
+    let take: Vec<f64> = results.iter().map(|r| r.take_ms).collect();
+    let bytes: u64 = ok.iter().map(|r| r.bytes).sum();
+    let first = ok.iter().map(|r| r.ready_at).fold(f64::INFINITY, f64::min);
+    let last = ok.iter().map(|r| r.success_at).fold(0.0, f64::max);
+    let wall_s = ((last - first) / 1e3).max(1e-9);
+    let largest = results.iter().map(|r| r.bytes).max().unwrap_or(0) as usize;
+    json!({
+        "transport": transport,
+        "model": model,
+        "tokens": tokens,
+        "page_size": page_size,
+        "rooms": results.len(),
+        "concurrency": concurrency,
+        "prefill_tp": 1,
+        "decode_tp": 1,
+        "bytes_per_room": if results.is_empty() { 0 } else { results.iter().map(|r| r.bytes).sum::<u64>() / results.len() as u64 },
+        "throughput_gbps": if ok.is_empty() { 0.0 } else { bytes as f64 / wall_s / 1e9 },
+        "latency_ms": { "p50": percentile(&lat, 50.0), "p99": percentile(&lat, 99.0) },
+        "take_latency_ms": { "p50": percentile(&take, 50.0), "p99": percentile(&take, 99.0) },
+        "verified_rooms": ok.len(),
+        "failed_rooms": results.len() - ok.len(),
+        "memcpy_gbps": memcpy_gbps(largest),
+    })
+}
+
+/// The registry, one prefill and one decode agent, running.
+#[derive(Debug)]
+pub struct LocalCluster {
+    /// The registry.
+    pub registry: Process,
+    /// The prefill agent.
+    pub prefill: Process,
+    /// The decode agent.
+    pub decode: Process,
+    /// Where the logs are.
+    pub logs: PathBuf,
+}
+
+impl LocalCluster {
+    /// Starts the three processes from `exe`; `agent_args` go to both agents.
+    pub fn start(exe: &std::path::Path, tag: &str, agent_args: &[String]) -> anyhow::Result<Self> {
+        let logs = log_dir(tag)?;
+        let wait = Duration::from_secs(30);
+        let args = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let registry = Process::spawn(exe, "registry", &args(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]), &logs, wait)?;
+        let url = registry.field("url")?;
+        let mut common = args(&["--bootstrap", &url]);
+        common.extend_from_slice(agent_args);
+        let with = |role: &str| [vec![role.to_owned()], common.clone()].concat();
+        let prefill = Process::spawn(exe, "prefill", &with("prefill"), &logs, wait)?;
+        let decode = Process::spawn(exe, "decode", &with("decode"), &logs, wait)?;
+        Ok(LocalCluster { registry, prefill, decode, logs })
+    }
+}
+
+/// Runs the demo.
+pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let model = ModelSpec::preset(&args.model)?;
+    let layout = KvLayout::new(model, args.page_size)?;
+    let max_tokens = args.tokens.iter().copied().max().context("--tokens is empty")?;
+    if args.tokens.contains(&0) {
+        bail!("--tokens must all be > 0");
+    }
+    let pages = layout.pages_for(max_tokens) * args.concurrency.max(1) + 8;
+    let exe = std::env::current_exe().context("locating the kvferry binary")?;
+    let agent_args: Vec<String> = [
+        "--model", &args.model, "--page-size", &args.page_size.to_string(), "--pool-pages", &pages.to_string(),
+        "--transport", args.transport.name(), "--synthetic",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let cluster = LocalCluster::start(&exe, "demo", &agent_args)?;
+    let (p, d) = (cluster.prefill.field("api")?, cluster.decode.field("api")?);
+    let rooms: Vec<(u64, usize)> = args.tokens.iter().enumerate().map(|(i, t)| (i as u64 + 1, *t)).collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let results = runtime.block_on(drive_rooms(&p, &d, rooms, args.concurrency))?;
+    let line = summary(&results, args.transport.name(), &args.model, json!(args.tokens), args.page_size, args.concurrency);
+    if args.json {
+        println!("{line}");
+    } else {
+        println!("{:>6} {:>7} {:>10} {:>10} {:>9} {:>9}", "room", "tokens", "MiB", "state", "verified", "lat ms");
+        for r in &results {
+            let state = r.code.as_deref().map_or(r.state.clone(), |c| format!("{} ({c})", r.state));
+            println!("{:>6} {:>7} {:>10.1} {:>10} {:>9} {:>9.2}", r.room, r.tokens, r.bytes as f64 / (1 << 20) as f64, state, r.verified, r.latency_ms);
+        }
+        println!(
+            "{} rooms over {}: {} verified, {:.2} GB/s end to end, p50 {:.2} ms (memcpy {:.1} GB/s); logs in {}",
+            results.len(), args.transport, line["verified_rooms"], line["throughput_gbps"].as_f64().unwrap_or(0.0),
+            line["latency_ms"]["p50"].as_f64().unwrap_or(0.0), line["memcpy_gbps"].as_f64().unwrap_or(0.0), cluster.logs.display()
+        );
+    }
+    let failed = line["failed_rooms"].as_u64().unwrap_or(1);
+    drop(cluster);
+    if failed > 0 {
+        bail!("{failed} rooms did not land intact");
+    }
+    Ok(())
+}

@@ -1,0 +1,707 @@
+//! The one encoder and the one decoder of the control protocol (docs/protocol.md).
+//!
+//! A frame is a 12-byte [`Header`] followed by a body of little-endian fields. The decoder checks
+//! the header before it looks at the body, checks every length against the bytes that are
+//! actually there and against the protocol's limits before it allocates, and refuses unknown
+//! tags, reversed ranges, invalid UTF-8, trailing bytes and frames whose length field disagrees
+//! with the bytes given. It never panics and never indexes out of bounds: every read goes
+//! through [`Reader`], which returns [`DecodeError::Truncated`] instead.
+//!
+//! Version rule: the header carries the sender's protocol version and a frame is accepted only
+//! if that version is in `MIN_VERSION..=VERSION`, with one exception: a Hello decodes whatever
+//! its header version, so that a receiver can answer a peer from the future (or the distant
+//! past) with an explicit `incompatible_version` error naming both version ranges instead of a
+//! decode failure. For the same reason a Hello from a newer version may carry fields appended
+//! after the ones this build knows; they are ignored. The Hello body defined here is frozen:
+//! later versions may only append to it.
+//!
+//! The encoder is infallible. It does not enforce the limits (`MAX_STRING`, `MAX_PAGES`,
+//! `MAX_AUX`, `MAX_BODY`) except that a string longer than `MAX_STRING` bytes is cut at a
+//! character boundary; a sender that exceeds the other limits produces a frame its peer refuses
+//! with [`DecodeError::TooLarge`] (lengths that do not fit their field saturate, so they are
+//! refused rather than misread).
+
+use std::ops::Range;
+
+use uuid::Uuid;
+
+use super::{
+    Abort, AbortAck, Chunk, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_AUX, MAX_BODY,
+    MAX_PAGES, MAX_STRING, MIN_VERSION, Message, Ranks, Role, TransferRequest, VERSION, WireLayout,
+};
+use crate::layout::{AttentionKind, Dtype, PageOrder};
+use crate::reason::FailureCode;
+
+// Lengths read as u32 are used as usize; kvferry builds for 64-bit targets only.
+const _: () = assert!(usize::BITS >= 32);
+
+/// Bytes of the frame header: magic (4), version (2), kind (1), flags (1), body length (4).
+pub const HEADER_LEN: usize = 12;
+
+/// Stable kind tags of the frame header.
+const KIND_HELLO: u8 = 1;
+const KIND_HELLO_ACK: u8 = 2;
+const KIND_TRANSFER_REQUEST: u8 = 3;
+const KIND_CHUNK: u8 = 4;
+const KIND_DONE: u8 = 5;
+const KIND_ABORT: u8 = 6;
+const KIND_ABORT_ACK: u8 = 7;
+const KIND_HEARTBEAT: u8 = 8;
+const KIND_ERROR: u8 = 9;
+
+/// Why a byte string is not a valid frame. Every variant is the sender's fault (or foreign
+/// traffic); the receiver answers with `bad_message` (or `incompatible_version`) and keeps serving.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    /// The frame does not start with `KVFY`: not kvferry traffic.
+    #[error("bad magic {found:02x?}: not a kvferry frame (expected \"KVFY\")")]
+    BadMagic {
+        /// The first four bytes received.
+        found: [u8; 4],
+    },
+    /// The header's protocol version is outside what this build accepts.
+    #[error("unsupported protocol version {version}: this build accepts {min}..={max}")]
+    UnsupportedVersion {
+        /// Version in the header.
+        version: u16,
+        /// Oldest version accepted.
+        min: u16,
+        /// Newest version accepted.
+        max: u16,
+    },
+    /// The header names a message kind that does not exist.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// The header's flags byte is not zero (no flags are defined).
+    #[error("unsupported header flags {0:#04x}: no flags are defined")]
+    BadFlags(u8),
+    /// The bytes end before a field (or the header, or the body) is complete.
+    #[error("truncated {what}: needs {needed} bytes but {available} remain")]
+    Truncated {
+        /// What was being read.
+        what: &'static str,
+        /// Bytes it needs.
+        needed: usize,
+        /// Bytes left.
+        available: usize,
+    },
+    /// Bytes left over after the body (frame longer than its header says) or after the last
+    /// field of the body.
+    #[error("{0} trailing bytes after the message")]
+    TrailingBytes(usize),
+    /// A length beyond the protocol's limit; refused before anything is allocated.
+    #[error("{what} is {len} bytes or items, more than the limit of {max}")]
+    TooLarge {
+        /// The body, a string field, the page list or the aux blob.
+        what: &'static str,
+        /// The length announced.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// An enum field carries a tag that names no variant.
+    #[error("unknown {what} tag {tag}")]
+    BadTag {
+        /// The enum field.
+        what: &'static str,
+        /// The tag received.
+        tag: u8,
+    },
+    /// A range whose start is after its end.
+    #[error("{what} range {start}..{end} is reversed (start > end)")]
+    BadRange {
+        /// The range field.
+        what: &'static str,
+        /// Range start.
+        start: u32,
+        /// Range end.
+        end: u32,
+    },
+    /// A string field is not valid UTF-8.
+    #[error("{what} is not valid UTF-8")]
+    BadUtf8 {
+        /// The string field.
+        what: &'static str,
+    },
+}
+
+impl DecodeError {
+    /// A stable short label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DecodeError::BadMagic { .. } => "bad_magic",
+            DecodeError::UnsupportedVersion { .. } => "unsupported_version",
+            DecodeError::UnknownKind(_) => "unknown_kind",
+            DecodeError::BadFlags(_) => "bad_flags",
+            DecodeError::Truncated { .. } => "truncated",
+            DecodeError::TrailingBytes(_) => "trailing_bytes",
+            DecodeError::TooLarge { .. } => "too_large",
+            DecodeError::BadTag { .. } => "bad_tag",
+            DecodeError::BadRange { .. } => "bad_range",
+            DecodeError::BadUtf8 { .. } => "bad_utf8",
+        }
+    }
+}
+
+/// A checked frame header: magic, kind, flags, version and body length are valid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// The sender's protocol version (anything for a Hello, else within `MIN_VERSION..=VERSION`).
+    pub version: u16,
+    /// The message kind tag (1..=9).
+    pub kind: u8,
+    /// Body bytes that follow the header (at most `MAX_BODY`).
+    pub body_len: u32,
+}
+
+impl Header {
+    /// Bytes of the whole frame: header plus body.
+    pub fn frame_len(&self) -> usize {
+        HEADER_LEN + self.body_len as usize
+    }
+}
+
+/// Reads and checks the header at the start of `bytes` (which may hold only the header), so a
+/// stream transport can learn how many body bytes to read before reading them.
+pub fn peek_header(bytes: &[u8]) -> Result<Header, DecodeError> {
+    let mut r = Reader::new(Reader::new(bytes).take(HEADER_LEN, "header")?);
+    let magic: [u8; 4] = r.array("header")?;
+    if magic != MAGIC {
+        return Err(DecodeError::BadMagic { found: magic });
+    }
+    let version = r.u16("header")?;
+    let kind = r.u8("header")?;
+    let flags = r.u8("header")?;
+    let body_len = r.u32("header")?;
+    if !(KIND_HELLO..=KIND_ERROR).contains(&kind) {
+        return Err(DecodeError::UnknownKind(kind));
+    }
+    if kind != KIND_HELLO && !(MIN_VERSION..=VERSION).contains(&version) {
+        return Err(DecodeError::UnsupportedVersion {
+            version,
+            min: MIN_VERSION,
+            max: VERSION,
+        });
+    }
+    if flags != 0 {
+        return Err(DecodeError::BadFlags(flags));
+    }
+    if body_len as usize > MAX_BODY {
+        return Err(DecodeError::TooLarge {
+            what: "body",
+            len: body_len as usize,
+            max: MAX_BODY,
+        });
+    }
+    Ok(Header {
+        version,
+        kind,
+        body_len,
+    })
+}
+
+impl Message {
+    /// The frame of this message, stamped with this build's [`VERSION`].
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64);
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// Appends the frame of this message to `out` (which may already hold other frames).
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.push(self.kind_tag());
+        out.push(0); // flags
+        out.extend_from_slice(&[0; 4]); // body length, patched below
+        let mut w = Writer(out);
+        match self {
+            Message::Hello(m) => {
+                w.u16(m.min_version);
+                w.u16(m.max_version);
+                w.uuid(&m.instance);
+                w.u8(role_tag(m.role));
+                w.ranks(&m.ranks);
+                w.layout(&m.layout);
+                w.str(&m.data_endpoint);
+                w.str(&m.token);
+            }
+            Message::HelloAck(m) => {
+                w.u16(m.version);
+                w.uuid(&m.instance);
+            }
+            Message::TransferRequest(m) => {
+                w.u64(m.room);
+                w.uuid(&m.prefill_instance);
+                w.range(&m.tokens);
+                w.range(&m.layers);
+                w.range(&m.heads);
+                w.u8(order_tag(m.wire_order));
+                w.pages(&m.dst_pages);
+            }
+            Message::Chunk(m) => {
+                w.u64(m.room);
+                w.uuid(&m.prefill_instance);
+                w.u32(m.seq);
+                w.range(&m.tokens);
+                w.range(&m.layers);
+                w.range(&m.heads);
+                w.u64(m.len);
+                w.u64(m.checksum);
+            }
+            Message::Done(m) => {
+                w.u64(m.room);
+                w.uuid(&m.prefill_instance);
+                w.u32(m.chunks);
+                w.u64(m.bytes);
+                w.blob(&m.aux);
+            }
+            Message::Abort(m) => {
+                w.u64(m.room);
+                w.uuid(&m.instance);
+                w.u8(m.code.tag());
+                w.str(&m.message);
+            }
+            Message::AbortAck(m) => {
+                w.u64(m.room);
+                w.uuid(&m.instance);
+            }
+            Message::Heartbeat(m) => {
+                w.uuid(&m.instance);
+                w.u64(m.seq);
+            }
+            Message::Error(m) => {
+                w.opt_u64(m.room);
+                w.u8(m.code.tag());
+                w.str(&m.message);
+            }
+        }
+        let body_len = saturate(out.len() - start - HEADER_LEN);
+        out[start + 8..start + HEADER_LEN].copy_from_slice(&body_len.to_le_bytes());
+    }
+
+    /// Decodes exactly one frame: `bytes` must hold the header and the whole body, nothing more.
+    pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
+        let header = peek_header(bytes)?;
+        let body = bytes.get(HEADER_LEN..).unwrap_or_default();
+        let body_len = header.body_len as usize;
+        if body.len() < body_len {
+            return Err(DecodeError::Truncated {
+                what: "body",
+                needed: body_len,
+                available: body.len(),
+            });
+        }
+        if body.len() > body_len {
+            return Err(DecodeError::TrailingBytes(body.len() - body_len));
+        }
+        let mut r = Reader::new(body);
+        let msg = match header.kind {
+            KIND_HELLO => Message::Hello(Hello {
+                min_version: r.u16("min_version")?,
+                max_version: r.u16("max_version")?,
+                instance: r.uuid("instance")?,
+                role: role_from_tag(r.u8("role")?)?,
+                ranks: r.ranks()?,
+                layout: r.layout()?,
+                data_endpoint: r.string("data_endpoint")?,
+                token: r.string("token")?,
+            }),
+            KIND_HELLO_ACK => Message::HelloAck(HelloAck {
+                version: r.u16("version")?,
+                instance: r.uuid("instance")?,
+            }),
+            KIND_TRANSFER_REQUEST => Message::TransferRequest(TransferRequest {
+                room: r.u64("room")?,
+                prefill_instance: r.uuid("prefill_instance")?,
+                tokens: r.range("tokens")?,
+                layers: r.range("layers")?,
+                heads: r.range("heads")?,
+                wire_order: order_from_tag(r.u8("wire_order")?, "wire_order")?,
+                dst_pages: r.pages("dst_pages")?,
+            }),
+            KIND_CHUNK => Message::Chunk(Chunk {
+                room: r.u64("room")?,
+                prefill_instance: r.uuid("prefill_instance")?,
+                seq: r.u32("seq")?,
+                tokens: r.range("tokens")?,
+                layers: r.range("layers")?,
+                heads: r.range("heads")?,
+                len: r.u64("len")?,
+                checksum: r.u64("checksum")?,
+            }),
+            KIND_DONE => Message::Done(Done {
+                room: r.u64("room")?,
+                prefill_instance: r.uuid("prefill_instance")?,
+                chunks: r.u32("chunks")?,
+                bytes: r.u64("bytes")?,
+                aux: r.blob("aux")?,
+            }),
+            KIND_ABORT => Message::Abort(Abort {
+                room: r.u64("room")?,
+                instance: r.uuid("instance")?,
+                code: code_from_tag(r.u8("code")?)?,
+                message: r.string("message")?,
+            }),
+            KIND_ABORT_ACK => Message::AbortAck(AbortAck {
+                room: r.u64("room")?,
+                instance: r.uuid("instance")?,
+            }),
+            KIND_HEARTBEAT => Message::Heartbeat(Heartbeat {
+                instance: r.uuid("instance")?,
+                seq: r.u64("seq")?,
+            }),
+            KIND_ERROR => Message::Error(ErrorMsg {
+                room: r.opt_u64("room")?,
+                code: code_from_tag(r.u8("code")?)?,
+                message: r.string("message")?,
+            }),
+            other => return Err(DecodeError::UnknownKind(other)),
+        };
+        // A newer peer's Hello may append fields this build does not know.
+        let extensible = header.kind == KIND_HELLO && header.version > VERSION;
+        if !r.is_empty() && !extensible {
+            return Err(DecodeError::TrailingBytes(r.remaining()));
+        }
+        Ok(msg)
+    }
+
+    /// The stable kind tag of the frame header.
+    fn kind_tag(&self) -> u8 {
+        match self {
+            Message::Hello(_) => KIND_HELLO,
+            Message::HelloAck(_) => KIND_HELLO_ACK,
+            Message::TransferRequest(_) => KIND_TRANSFER_REQUEST,
+            Message::Chunk(_) => KIND_CHUNK,
+            Message::Done(_) => KIND_DONE,
+            Message::Abort(_) => KIND_ABORT,
+            Message::AbortAck(_) => KIND_ABORT_ACK,
+            Message::Heartbeat(_) => KIND_HEARTBEAT,
+            Message::Error(_) => KIND_ERROR,
+        }
+    }
+}
+
+/// A length as a u32 field; lengths beyond u32 saturate, which every limit check refuses.
+fn saturate(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+/// Appends little-endian fields to a frame.
+struct Writer<'a>(&'a mut Vec<u8>);
+
+impl Writer<'_> {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+
+    fn uuid(&mut self, v: &Uuid) {
+        self.0.extend_from_slice(v.as_bytes());
+    }
+
+    fn range(&mut self, r: &Range<u32>) {
+        self.u32(r.start);
+        self.u32(r.end);
+    }
+
+    fn opt_u64(&mut self, v: Option<u64>) {
+        match v {
+            Some(v) => {
+                self.u8(1);
+                self.u64(v);
+            }
+            None => self.u8(0),
+        }
+    }
+
+    /// u16 length + UTF-8, cut at a character boundary to at most `MAX_STRING` bytes.
+    fn str(&mut self, s: &str) {
+        let mut end = s.len().min(MAX_STRING);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        let bytes = s.as_bytes().get(..end).unwrap_or_default();
+        self.u16(u16::try_from(bytes.len()).unwrap_or(u16::MAX));
+        self.0.extend_from_slice(bytes);
+    }
+
+    /// u32 length + bytes.
+    fn blob(&mut self, b: &[u8]) {
+        self.u32(saturate(b.len()));
+        self.0.extend_from_slice(b);
+    }
+
+    /// u32 count + items.
+    fn pages(&mut self, pages: &[u32]) {
+        self.u32(saturate(pages.len()));
+        for &p in pages {
+            self.u32(p);
+        }
+    }
+
+    fn ranks(&mut self, r: &Ranks) {
+        for v in [
+            r.dp_rank, r.dp_size, r.tp_rank, r.tp_size, r.pp_rank, r.pp_size,
+        ] {
+            self.u32(v);
+        }
+    }
+
+    fn layout(&mut self, l: &WireLayout) {
+        self.u8(kind_tag(l.kind));
+        self.u8(dtype_tag(l.dtype));
+        self.u8(order_tag(l.order));
+        self.u32(l.num_layers);
+        self.u32(l.num_kv_heads);
+        self.u32(l.head_dim);
+        self.u32(l.page_size);
+        self.range(&l.heads);
+        self.range(&l.layers);
+    }
+}
+
+/// A cursor over untrusted bytes: every read is checked and names the field it reads.
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        Reader { buf }
+    }
+
+    fn remaining(&self) -> usize {
+        self.buf.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], DecodeError> {
+        if n > self.buf.len() {
+            return Err(DecodeError::Truncated {
+                what,
+                needed: n,
+                available: self.buf.len(),
+            });
+        }
+        let (head, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], DecodeError> {
+        let Some((head, rest)) = self.buf.split_first_chunk::<N>() else {
+            return Err(DecodeError::Truncated {
+                what,
+                needed: N,
+                available: self.buf.len(),
+            });
+        };
+        self.buf = rest;
+        Ok(*head)
+    }
+
+    fn u8(&mut self, what: &'static str) -> Result<u8, DecodeError> {
+        Ok(u8::from_le_bytes(self.array(what)?))
+    }
+
+    fn u16(&mut self, what: &'static str) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.array(what)?))
+    }
+
+    fn u32(&mut self, what: &'static str) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &'static str) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn uuid(&mut self, what: &'static str) -> Result<Uuid, DecodeError> {
+        Ok(Uuid::from_bytes(self.array(what)?))
+    }
+
+    fn range(&mut self, what: &'static str) -> Result<Range<u32>, DecodeError> {
+        let start = self.u32(what)?;
+        let end = self.u32(what)?;
+        if start > end {
+            return Err(DecodeError::BadRange { what, start, end });
+        }
+        Ok(start..end)
+    }
+
+    fn opt_u64(&mut self, what: &'static str) -> Result<Option<u64>, DecodeError> {
+        match self.u8(what)? {
+            0 => Ok(None),
+            1 => Ok(Some(self.u64(what)?)),
+            tag => Err(DecodeError::BadTag { what, tag }),
+        }
+    }
+
+    fn string(&mut self, what: &'static str) -> Result<String, DecodeError> {
+        let len = self.u16(what)? as usize;
+        if len > MAX_STRING {
+            return Err(DecodeError::TooLarge {
+                what,
+                len,
+                max: MAX_STRING,
+            });
+        }
+        let bytes = self.take(len, what)?;
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(_) => Err(DecodeError::BadUtf8 { what }),
+        }
+    }
+
+    fn blob(&mut self, what: &'static str) -> Result<Vec<u8>, DecodeError> {
+        let len = self.u32(what)? as usize;
+        if len > MAX_AUX {
+            return Err(DecodeError::TooLarge {
+                what,
+                len,
+                max: MAX_AUX,
+            });
+        }
+        Ok(self.take(len, what)?.to_vec())
+    }
+
+    fn pages(&mut self, what: &'static str) -> Result<Vec<u32>, DecodeError> {
+        let count = self.u32(what)? as usize;
+        if count > MAX_PAGES {
+            return Err(DecodeError::TooLarge {
+                what,
+                len: count,
+                max: MAX_PAGES,
+            });
+        }
+        // The items must be present before anything is allocated for them.
+        let bytes = self.take(count * 4, what)?;
+        let mut items = Reader::new(bytes);
+        let mut pages = Vec::with_capacity(count);
+        while !items.is_empty() {
+            pages.push(items.u32(what)?);
+        }
+        Ok(pages)
+    }
+
+    fn ranks(&mut self) -> Result<Ranks, DecodeError> {
+        Ok(Ranks {
+            dp_rank: self.u32("ranks.dp_rank")?,
+            dp_size: self.u32("ranks.dp_size")?,
+            tp_rank: self.u32("ranks.tp_rank")?,
+            tp_size: self.u32("ranks.tp_size")?,
+            pp_rank: self.u32("ranks.pp_rank")?,
+            pp_size: self.u32("ranks.pp_size")?,
+        })
+    }
+
+    fn layout(&mut self) -> Result<WireLayout, DecodeError> {
+        Ok(WireLayout {
+            kind: kind_from_tag(self.u8("layout.kind")?)?,
+            dtype: dtype_from_tag(self.u8("layout.dtype")?)?,
+            order: order_from_tag(self.u8("layout.order")?, "layout.order")?,
+            num_layers: self.u32("layout.num_layers")?,
+            num_kv_heads: self.u32("layout.num_kv_heads")?,
+            head_dim: self.u32("layout.head_dim")?,
+            page_size: self.u32("layout.page_size")?,
+            heads: self.range("layout.heads")?,
+            layers: self.range("layout.layers")?,
+        })
+    }
+}
+
+fn role_tag(r: Role) -> u8 {
+    match r {
+        Role::Prefill => 1,
+        Role::Decode => 2,
+    }
+}
+
+fn role_from_tag(tag: u8) -> Result<Role, DecodeError> {
+    match tag {
+        1 => Ok(Role::Prefill),
+        2 => Ok(Role::Decode),
+        _ => Err(DecodeError::BadTag { what: "role", tag }),
+    }
+}
+
+fn kind_tag(k: AttentionKind) -> u8 {
+    match k {
+        AttentionKind::Mha => 1,
+        AttentionKind::Mla => 2,
+    }
+}
+
+fn kind_from_tag(tag: u8) -> Result<AttentionKind, DecodeError> {
+    match tag {
+        1 => Ok(AttentionKind::Mha),
+        2 => Ok(AttentionKind::Mla),
+        _ => Err(DecodeError::BadTag {
+            what: "layout.kind",
+            tag,
+        }),
+    }
+}
+
+fn dtype_tag(d: Dtype) -> u8 {
+    match d {
+        Dtype::Bf16 => 1,
+        Dtype::Fp16 => 2,
+        Dtype::Fp8E4m3 => 3,
+        Dtype::Fp8E5m2 => 4,
+        Dtype::Fp32 => 5,
+    }
+}
+
+fn dtype_from_tag(tag: u8) -> Result<Dtype, DecodeError> {
+    match tag {
+        1 => Ok(Dtype::Bf16),
+        2 => Ok(Dtype::Fp16),
+        3 => Ok(Dtype::Fp8E4m3),
+        4 => Ok(Dtype::Fp8E5m2),
+        5 => Ok(Dtype::Fp32),
+        _ => Err(DecodeError::BadTag {
+            what: "layout.dtype",
+            tag,
+        }),
+    }
+}
+
+fn order_tag(o: PageOrder) -> u8 {
+    match o {
+        PageOrder::TokenMajor => 1,
+        PageOrder::HeadMajor => 2,
+    }
+}
+
+fn order_from_tag(tag: u8, what: &'static str) -> Result<PageOrder, DecodeError> {
+    match tag {
+        1 => Ok(PageOrder::TokenMajor),
+        2 => Ok(PageOrder::HeadMajor),
+        _ => Err(DecodeError::BadTag { what, tag }),
+    }
+}
+
+fn code_from_tag(tag: u8) -> Result<FailureCode, DecodeError> {
+    FailureCode::from_tag(tag).ok_or(DecodeError::BadTag { what: "code", tag })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,872 @@
+//! Codec tests: round trips of every message, typed errors for each malformed shape, and
+//! property tests that no byte string panics the decoder.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::protocol::negotiate;
+
+fn uuid(n: u128) -> Uuid {
+    Uuid::from_u128(n)
+}
+
+fn layout(kind: AttentionKind, dtype: Dtype, order: PageOrder) -> WireLayout {
+    WireLayout {
+        kind,
+        dtype,
+        order,
+        num_layers: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        page_size: 16,
+        heads: 0..8,
+        layers: 0..32,
+    }
+}
+
+fn hello() -> Hello {
+    Hello {
+        min_version: MIN_VERSION,
+        max_version: VERSION,
+        instance: uuid(0x1234),
+        role: Role::Decode,
+        ranks: Ranks {
+            dp_rank: 0,
+            dp_size: 1,
+            tp_rank: 1,
+            tp_size: 2,
+            pp_rank: 0,
+            pp_size: 1,
+        },
+        layout: layout(AttentionKind::Mha, Dtype::Bf16, PageOrder::TokenMajor),
+        data_endpoint: "tcp://10.0.0.2:40111".into(),
+        token: "secret".into(),
+    }
+}
+
+fn transfer_request(dst_pages: Vec<u32>) -> TransferRequest {
+    TransferRequest {
+        room: 7,
+        prefill_instance: uuid(9),
+        tokens: 0..32,
+        layers: 0..2,
+        heads: 0..8,
+        wire_order: PageOrder::TokenMajor,
+        dst_pages,
+    }
+}
+
+/// A frame with the given header fields around `body`, its length field set to `body.len()`.
+fn frame(version: u16, kind: u8, flags: u8, body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::from(MAGIC);
+    f.extend_from_slice(&version.to_le_bytes());
+    f.extend_from_slice(&[kind, flags]);
+    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+fn set_body_len(f: &mut [u8], len: u32) {
+    f[8..12].copy_from_slice(&len.to_le_bytes());
+}
+
+/// Every message kind with representative and edge values.
+fn samples() -> Vec<Message> {
+    let mut out = Vec::new();
+    for role in [Role::Prefill, Role::Decode] {
+        for kind in [AttentionKind::Mha, AttentionKind::Mla] {
+            for dtype in Dtype::ALL {
+                for order in [PageOrder::TokenMajor, PageOrder::HeadMajor] {
+                    out.push(Message::Hello(Hello {
+                        role,
+                        layout: layout(kind, dtype, order),
+                        ..hello()
+                    }));
+                }
+            }
+        }
+    }
+    out.push(Message::Hello(Hello {
+        min_version: 0,
+        max_version: u16::MAX,
+        instance: Uuid::nil(),
+        ranks: Ranks::default(),
+        data_endpoint: String::new(),
+        token: String::new(),
+        ..hello()
+    }));
+    out.push(Message::Hello(Hello {
+        instance: Uuid::max(),
+        data_endpoint: "x".repeat(MAX_STRING),
+        // 4096 bytes of 2-, 3- and 4-byte characters.
+        token: "é€😀".repeat(MAX_STRING / 9) + "!",
+        layout: WireLayout {
+            num_layers: u32::MAX,
+            heads: u32::MAX..u32::MAX,
+            layers: 3..3,
+            ..layout(AttentionKind::Mla, Dtype::Fp32, PageOrder::HeadMajor)
+        },
+        ..hello()
+    }));
+    if let Some(Message::Hello(h)) = out.last() {
+        assert_eq!(h.token.len(), MAX_STRING);
+    }
+    out.push(Message::HelloAck(HelloAck {
+        version: VERSION,
+        instance: uuid(1),
+    }));
+    out.push(Message::TransferRequest(transfer_request(vec![])));
+    out.push(Message::TransferRequest(transfer_request(vec![
+        0,
+        1,
+        u32::MAX,
+    ])));
+    out.push(Message::TransferRequest(TransferRequest {
+        room: u64::MAX,
+        tokens: u32::MAX..u32::MAX,
+        wire_order: PageOrder::HeadMajor,
+        ..transfer_request((0..4096).collect())
+    }));
+    out.push(Message::Chunk(Chunk {
+        room: 0,
+        prefill_instance: uuid(2),
+        seq: 0,
+        tokens: 0..0,
+        layers: 0..0,
+        heads: 0..0,
+        len: 0,
+        checksum: 0,
+    }));
+    out.push(Message::Chunk(Chunk {
+        room: u64::MAX,
+        prefill_instance: Uuid::max(),
+        seq: u32::MAX,
+        tokens: 16..32,
+        layers: 0..u32::MAX,
+        heads: 4..8,
+        len: u64::MAX,
+        checksum: 0xdead_beef_cafe_f00d,
+    }));
+    for aux in [vec![], vec![42], vec![0xAB; MAX_AUX]] {
+        out.push(Message::Done(Done {
+            room: 5,
+            prefill_instance: uuid(3),
+            chunks: 4,
+            bytes: 262_144,
+            aux,
+        }));
+    }
+    for &code in FailureCode::ALL {
+        out.push(Message::Abort(Abort {
+            room: 11,
+            instance: uuid(4),
+            code,
+            message: format!("abort: {code}"),
+        }));
+        out.push(Message::Error(ErrorMsg {
+            room: Some(11),
+            code,
+            message: String::new(),
+        }));
+    }
+    out.push(Message::Error(ErrorMsg {
+        room: None,
+        code: FailureCode::IncompatibleVersion,
+        message: "x".repeat(MAX_STRING),
+    }));
+    out.push(Message::Error(ErrorMsg {
+        room: Some(u64::MAX),
+        code: FailureCode::BadMessage,
+        message: "ü".into(),
+    }));
+    out.push(Message::AbortAck(AbortAck {
+        room: 0,
+        instance: uuid(5),
+    }));
+    out.push(Message::Heartbeat(Heartbeat {
+        instance: uuid(6),
+        seq: u64::MAX,
+    }));
+    out
+}
+
+#[test]
+fn every_sample_round_trips_with_a_well_formed_header() {
+    let samples = samples();
+    let names: std::collections::HashSet<_> = samples.iter().map(Message::name).collect();
+    assert_eq!(names.len(), 9, "samples must cover every kind");
+    for msg in samples {
+        let bytes = msg.encode();
+        assert_eq!(&bytes[..4], b"KVFY");
+        assert_eq!(u16::from_le_bytes([bytes[4], bytes[5]]), VERSION);
+        assert_eq!(bytes[7], 0, "flags");
+        let header = peek_header(&bytes).unwrap();
+        assert_eq!(header.frame_len(), bytes.len(), "{}", msg.name());
+        assert_eq!(Message::decode(&bytes), Ok(msg));
+    }
+}
+
+#[test]
+fn kind_tags_are_stable() {
+    let expected = [
+        ("hello", 1),
+        ("hello_ack", 2),
+        ("transfer_request", 3),
+        ("chunk", 4),
+        ("done", 5),
+        ("abort", 6),
+        ("abort_ack", 7),
+        ("heartbeat", 8),
+        ("error", 9),
+    ];
+    for msg in samples() {
+        let tag = msg.encode()[6];
+        let want = expected.iter().find(|(n, _)| *n == msg.name()).unwrap().1;
+        assert_eq!(tag, want, "{}", msg.name());
+    }
+}
+
+#[test]
+fn a_heartbeat_has_the_documented_bytes() {
+    let msg = Message::Heartbeat(Heartbeat {
+        instance: uuid(0x0102),
+        seq: 3,
+    });
+    let mut want = b"KVFY\x01\x00\x08\x00\x18\x00\x00\x00".to_vec();
+    want.extend_from_slice(&uuid(0x0102).into_bytes());
+    want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(msg.encode(), want);
+}
+
+#[test]
+fn encode_into_appends_frames_that_peek_header_separates() {
+    let a = Message::HelloAck(HelloAck {
+        version: 1,
+        instance: uuid(1),
+    });
+    let b = Message::TransferRequest(transfer_request(vec![3, 4]));
+    let mut buf = vec![0xEE];
+    a.encode_into(&mut buf);
+    b.encode_into(&mut buf);
+    let rest = &buf[1..];
+    let first = peek_header(rest).unwrap().frame_len();
+    assert_eq!(Message::decode(&rest[..first]), Ok(a));
+    assert_eq!(Message::decode(&rest[first..]), Ok(b));
+}
+
+#[test]
+fn strings_longer_than_the_limit_are_cut_at_a_char_boundary() {
+    let long = "€".repeat(MAX_STRING); // 3 bytes each: the limit falls inside a character
+    let msg = Message::Error(ErrorMsg {
+        room: None,
+        code: FailureCode::Aborted,
+        message: long.clone(),
+    });
+    let Ok(Message::Error(back)) = Message::decode(&msg.encode()) else {
+        panic!("an over-long string must still encode to a valid frame");
+    };
+    assert!(back.message.len() <= MAX_STRING && back.message.len() > MAX_STRING - 3);
+    assert!(long.starts_with(&back.message));
+}
+
+#[test]
+fn bad_magic_is_refused() {
+    let mut f = Message::Heartbeat(Heartbeat {
+        instance: uuid(1),
+        seq: 1,
+    })
+    .encode();
+    f[0] = b'G';
+    assert_eq!(
+        Message::decode(&f),
+        Err(DecodeError::BadMagic { found: *b"GVFY" })
+    );
+    let http = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    assert_eq!(Message::decode(http).unwrap_err().kind(), "bad_magic");
+}
+
+#[test]
+fn truncated_header_is_refused() {
+    for len in 0..HEADER_LEN {
+        let f = &frame(1, KIND_HEARTBEAT, 0, &[])[..len];
+        assert_eq!(
+            Message::decode(f),
+            Err(DecodeError::Truncated {
+                what: "header",
+                needed: HEADER_LEN,
+                available: len
+            })
+        );
+    }
+}
+
+#[test]
+fn body_length_must_match_the_bytes_given() {
+    let good = Message::AbortAck(AbortAck {
+        room: 1,
+        instance: uuid(1),
+    })
+    .encode();
+    // Frame cut short.
+    assert_eq!(
+        Message::decode(&good[..good.len() - 1]),
+        Err(DecodeError::Truncated {
+            what: "body",
+            needed: 24,
+            available: 23
+        })
+    );
+    // Garbage after the frame.
+    let mut long = good.clone();
+    long.extend_from_slice(&[0, 0]);
+    assert_eq!(Message::decode(&long), Err(DecodeError::TrailingBytes(2)));
+    // Length field covering bytes the body does not use.
+    let mut padded = good.clone();
+    padded.push(0);
+    set_body_len(&mut padded, 25);
+    assert_eq!(Message::decode(&padded), Err(DecodeError::TrailingBytes(1)));
+    // Length field shorter than the fields: the body runs out mid-field.
+    let mut short = good[..good.len() - 4].to_vec();
+    set_body_len(&mut short, 20);
+    assert_eq!(
+        Message::decode(&short),
+        Err(DecodeError::Truncated {
+            what: "instance",
+            needed: 16,
+            available: 12
+        })
+    );
+}
+
+#[test]
+fn unknown_kind_and_flags_are_refused() {
+    for kind in [0, 10, 255] {
+        assert_eq!(
+            Message::decode(&frame(1, kind, 0, &[])),
+            Err(DecodeError::UnknownKind(kind))
+        );
+    }
+    let mut f = Message::Heartbeat(Heartbeat {
+        instance: uuid(1),
+        seq: 1,
+    })
+    .encode();
+    f[7] = 0x80;
+    assert_eq!(Message::decode(&f), Err(DecodeError::BadFlags(0x80)));
+}
+
+#[test]
+fn unknown_enum_tags_are_refused() {
+    // Offsets are body offsets (the header is 12 bytes).
+    let hello = Message::Hello(hello()).encode();
+    let tr = Message::TransferRequest(transfer_request(vec![])).encode();
+    let abort = Message::Abort(Abort {
+        room: 1,
+        instance: uuid(1),
+        code: FailureCode::Aborted,
+        message: String::new(),
+    })
+    .encode();
+    let err = Message::Error(ErrorMsg {
+        room: None,
+        code: FailureCode::Aborted,
+        message: String::new(),
+    })
+    .encode();
+    let cases: [(&[u8], usize, u8, &str); 7] = [
+        (&hello, 20, 3, "role"),
+        (&hello, 45, 0, "layout.kind"),
+        (&hello, 46, 6, "layout.dtype"),
+        (&hello, 47, 9, "layout.order"),
+        (&tr, 48, 0, "wire_order"),
+        (&abort, 24, 0, "code"),
+        (&err, 0, 2, "room"),
+    ];
+    for (good, offset, tag, what) in cases {
+        let mut f = good.to_vec();
+        f[HEADER_LEN + offset] = tag;
+        assert_eq!(
+            Message::decode(&f),
+            Err(DecodeError::BadTag { what, tag }),
+            "{what}"
+        );
+    }
+    let mut f = err.clone();
+    f[HEADER_LEN + 1] = 200; // the code, after a None room
+    assert_eq!(
+        Message::decode(&f),
+        Err(DecodeError::BadTag {
+            what: "code",
+            tag: 200
+        })
+    );
+}
+
+#[test]
+fn reversed_ranges_are_refused() {
+    let mut f = Message::TransferRequest(transfer_request(vec![])).encode();
+    // tokens 0..32 -> 33..32
+    f[HEADER_LEN + 24..HEADER_LEN + 28].copy_from_slice(&33u32.to_le_bytes());
+    assert_eq!(
+        Message::decode(&f),
+        Err(DecodeError::BadRange {
+            what: "tokens",
+            start: 33,
+            end: 32
+        })
+    );
+    let msg = Message::Chunk(Chunk {
+        room: 1,
+        prefill_instance: uuid(1),
+        seq: 0,
+        tokens: 0..16,
+        layers: 0..2,
+        heads: 5..5,
+        len: 0,
+        checksum: 0,
+    });
+    let mut f = msg.encode();
+    // heads 5..5 -> 6..5
+    f[HEADER_LEN + 44..HEADER_LEN + 48].copy_from_slice(&6u32.to_le_bytes());
+    assert_eq!(
+        Message::decode(&f),
+        Err(DecodeError::BadRange {
+            what: "heads",
+            start: 6,
+            end: 5
+        })
+    );
+}
+
+#[test]
+fn oversized_lengths_are_refused_before_allocation() {
+    // A header announcing a 4 GiB body, with no body at all: TooLarge, not Truncated.
+    let mut f = frame(1, KIND_DONE, 0, &[]);
+    set_body_len(&mut f, u32::MAX);
+    let err = DecodeError::TooLarge {
+        what: "body",
+        len: u32::MAX as usize,
+        max: MAX_BODY,
+    };
+    assert_eq!(peek_header(&f), Err(err.clone()));
+    assert_eq!(Message::decode(&f), Err(err));
+
+    // A page count of u32::MAX in a tiny body.
+    let mut body =
+        Message::TransferRequest(transfer_request(vec![])).encode()[HEADER_LEN..].to_vec();
+    let n = body.len();
+    body[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert_eq!(
+        Message::decode(&frame(1, KIND_TRANSFER_REQUEST, 0, &body)),
+        Err(DecodeError::TooLarge {
+            what: "dst_pages",
+            len: u32::MAX as usize,
+            max: MAX_PAGES
+        })
+    );
+    // A count within the limit whose items are missing: Truncated before the vector exists.
+    body[n - 4..].copy_from_slice(&(MAX_PAGES as u32).to_le_bytes());
+    assert_eq!(
+        Message::decode(&frame(1, KIND_TRANSFER_REQUEST, 0, &body)),
+        Err(DecodeError::Truncated {
+            what: "dst_pages",
+            needed: MAX_PAGES * 4,
+            available: 0
+        })
+    );
+
+    // An aux blob beyond MAX_AUX, and a string beyond MAX_STRING.
+    let mut done = Message::Done(Done {
+        room: 1,
+        prefill_instance: uuid(1),
+        chunks: 0,
+        bytes: 0,
+        aux: vec![],
+    })
+    .encode();
+    let n = done.len();
+    done[n - 4..].copy_from_slice(&(MAX_AUX as u32 + 1).to_le_bytes());
+    assert_eq!(
+        Message::decode(&done),
+        Err(DecodeError::TooLarge {
+            what: "aux",
+            len: MAX_AUX + 1,
+            max: MAX_AUX
+        })
+    );
+    let mut body = vec![0]; // room: None
+    body.push(FailureCode::Aborted.tag());
+    body.extend_from_slice(&(MAX_STRING as u16 + 1).to_le_bytes());
+    assert_eq!(
+        Message::decode(&frame(1, KIND_ERROR, 0, &body)),
+        Err(DecodeError::TooLarge {
+            what: "message",
+            len: MAX_STRING + 1,
+            max: MAX_STRING
+        })
+    );
+}
+
+#[test]
+fn invalid_utf8_is_refused() {
+    let mut body = vec![0, FailureCode::Aborted.tag()];
+    body.extend_from_slice(&2u16.to_le_bytes());
+    body.extend_from_slice(&[0xC3, 0x28]);
+    assert_eq!(
+        Message::decode(&frame(1, KIND_ERROR, 0, &body)),
+        Err(DecodeError::BadUtf8 { what: "message" })
+    );
+}
+
+#[test]
+fn a_hello_of_any_version_decodes_other_messages_do_not() {
+    let body = Message::Hello(Hello {
+        min_version: 97,
+        max_version: 99,
+        ..hello()
+    })
+    .encode()[HEADER_LEN..]
+        .to_vec();
+    let Ok(Message::Hello(h)) = Message::decode(&frame(99, KIND_HELLO, 0, &body)) else {
+        panic!("a Hello from the future must decode");
+    };
+    // ...so the receiver can refuse it explicitly, naming both ranges.
+    assert_eq!((h.min_version, h.max_version), (97, 99));
+    assert_eq!(negotiate(h.min_version, h.max_version), None);
+
+    // A newer Hello may append fields; a current one may not.
+    let mut extended = body.clone();
+    extended.extend_from_slice(b"v99 field");
+    assert!(matches!(
+        Message::decode(&frame(99, KIND_HELLO, 0, &extended)),
+        Ok(Message::Hello(_))
+    ));
+    assert_eq!(
+        Message::decode(&frame(VERSION, KIND_HELLO, 0, &extended)),
+        Err(DecodeError::TrailingBytes(9))
+    );
+
+    let body = Message::TransferRequest(transfer_request(vec![1])).encode()[HEADER_LEN..].to_vec();
+    for version in [0, 99] {
+        assert_eq!(
+            Message::decode(&frame(version, KIND_TRANSFER_REQUEST, 0, &body)),
+            Err(DecodeError::UnsupportedVersion {
+                version,
+                min: MIN_VERSION,
+                max: VERSION
+            })
+        );
+    }
+}
+
+#[test]
+fn negotiate_picks_the_newest_common_version() {
+    assert_eq!(negotiate(MIN_VERSION, VERSION), Some(VERSION));
+    assert_eq!(negotiate(0, u16::MAX), Some(VERSION));
+    assert_eq!(negotiate(VERSION, VERSION + 5), Some(VERSION));
+    // Disjoint ranges: the peer is entirely newer, or entirely older.
+    assert_eq!(negotiate(VERSION + 1, VERSION + 3), None);
+    assert_eq!(negotiate(0, MIN_VERSION - 1), None);
+    // A nonsensical range from the peer.
+    assert_eq!(negotiate(VERSION, MIN_VERSION - 1), None);
+}
+
+#[test]
+fn error_kinds_are_distinct_and_messages_name_the_problem() {
+    let errors = [
+        DecodeError::BadMagic { found: *b"GET " },
+        DecodeError::UnsupportedVersion {
+            version: 9,
+            min: 1,
+            max: 1,
+        },
+        DecodeError::UnknownKind(42),
+        DecodeError::BadFlags(1),
+        DecodeError::Truncated {
+            what: "room",
+            needed: 8,
+            available: 3,
+        },
+        DecodeError::TrailingBytes(5),
+        DecodeError::TooLarge {
+            what: "aux",
+            len: 70_000,
+            max: MAX_AUX,
+        },
+        DecodeError::BadTag {
+            what: "role",
+            tag: 7,
+        },
+        DecodeError::BadRange {
+            what: "heads",
+            start: 4,
+            end: 2,
+        },
+        DecodeError::BadUtf8 { what: "token" },
+    ];
+    let kinds: std::collections::HashSet<_> = errors.iter().map(DecodeError::kind).collect();
+    assert_eq!(kinds.len(), errors.len());
+    let texts: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    for (text, needle) in texts.iter().zip([
+        "KVFY",
+        "1..=1",
+        "42",
+        "flags",
+        "room",
+        "5 trailing",
+        "70000",
+        "role",
+        "4..2",
+        "token",
+    ]) {
+        assert!(text.contains(needle), "{text:?} should mention {needle:?}");
+    }
+}
+
+// ---- property tests ----
+
+fn arb_uuid() -> impl Strategy<Value = Uuid> {
+    any::<u128>().prop_map(Uuid::from_u128)
+}
+
+fn arb_range() -> impl Strategy<Value = Range<u32>> {
+    (any::<u32>(), any::<u32>()).prop_map(|(a, b)| a.min(b)..a.max(b))
+}
+
+fn arb_string() -> impl Strategy<Value = String> {
+    proptest::collection::vec(any::<char>(), 0..24).prop_map(String::from_iter)
+}
+
+fn arb_order() -> impl Strategy<Value = PageOrder> {
+    prop_oneof![Just(PageOrder::TokenMajor), Just(PageOrder::HeadMajor)]
+}
+
+fn arb_code() -> impl Strategy<Value = FailureCode> {
+    proptest::sample::select(FailureCode::ALL)
+}
+
+fn arb_hello() -> impl Strategy<Value = Hello> {
+    let layout = (
+        prop_oneof![Just(AttentionKind::Mha), Just(AttentionKind::Mla)],
+        proptest::sample::select(Dtype::ALL.to_vec()),
+        arb_order(),
+        any::<[u32; 4]>(),
+        arb_range(),
+        arb_range(),
+    )
+        .prop_map(|(kind, dtype, order, n, heads, layers)| WireLayout {
+            kind,
+            dtype,
+            order,
+            num_layers: n[0],
+            num_kv_heads: n[1],
+            head_dim: n[2],
+            page_size: n[3],
+            heads,
+            layers,
+        });
+    (
+        any::<(u16, u16)>(),
+        arb_uuid(),
+        prop_oneof![Just(Role::Prefill), Just(Role::Decode)],
+        any::<[u32; 6]>(),
+        layout,
+        arb_string(),
+        arb_string(),
+    )
+        .prop_map(
+            |(v, instance, role, r, layout, data_endpoint, token)| Hello {
+                min_version: v.0,
+                max_version: v.1,
+                instance,
+                role,
+                ranks: Ranks {
+                    dp_rank: r[0],
+                    dp_size: r[1],
+                    tp_rank: r[2],
+                    tp_size: r[3],
+                    pp_rank: r[4],
+                    pp_size: r[5],
+                },
+                layout,
+                data_endpoint,
+                token,
+            },
+        )
+}
+
+fn arb_message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        arb_hello().prop_map(Message::Hello),
+        (any::<u16>(), arb_uuid())
+            .prop_map(|(version, instance)| Message::HelloAck(HelloAck { version, instance })),
+        (
+            any::<u64>(),
+            arb_uuid(),
+            [arb_range(), arb_range(), arb_range()],
+            arb_order(),
+            proptest::collection::vec(any::<u32>(), 0..40),
+        )
+            .prop_map(
+                |(room, prefill_instance, [tokens, layers, heads], wire_order, dst_pages)| {
+                    Message::TransferRequest(TransferRequest {
+                        room,
+                        prefill_instance,
+                        tokens,
+                        layers,
+                        heads,
+                        wire_order,
+                        dst_pages,
+                    })
+                }
+            ),
+        (
+            any::<(u64, u32, u64, u64)>(),
+            arb_uuid(),
+            [arb_range(), arb_range(), arb_range()]
+        )
+            .prop_map(
+                |((room, seq, len, checksum), prefill_instance, [tokens, layers, heads])| {
+                    Message::Chunk(Chunk {
+                        room,
+                        prefill_instance,
+                        seq,
+                        tokens,
+                        layers,
+                        heads,
+                        len,
+                        checksum,
+                    })
+                }
+            ),
+        (
+            any::<(u64, u32, u64)>(),
+            arb_uuid(),
+            proptest::collection::vec(any::<u8>(), 0..64)
+        )
+            .prop_map(|((room, chunks, bytes), prefill_instance, aux)| {
+                Message::Done(Done {
+                    room,
+                    prefill_instance,
+                    chunks,
+                    bytes,
+                    aux,
+                })
+            }),
+        (any::<u64>(), arb_uuid(), arb_code(), arb_string()).prop_map(
+            |(room, instance, code, message)| Message::Abort(Abort {
+                room,
+                instance,
+                code,
+                message,
+            })
+        ),
+        (any::<u64>(), arb_uuid())
+            .prop_map(|(room, instance)| Message::AbortAck(AbortAck { room, instance })),
+        (arb_uuid(), any::<u64>())
+            .prop_map(|(instance, seq)| Message::Heartbeat(Heartbeat { instance, seq })),
+        (any::<Option<u64>>(), arb_code(), arb_string()).prop_map(|(room, code, message)| {
+            Message::Error(ErrorMsg {
+                room,
+                code,
+                message,
+            })
+        }),
+    ]
+}
+
+/// One damage done to a valid frame.
+#[derive(Clone, Debug)]
+enum Mutation {
+    /// XOR one byte (index taken modulo the length) with a nonzero mask.
+    Flip(usize, u8),
+    /// Keep only the first bytes (modulo length + 1).
+    Truncate(usize),
+    /// Append bytes.
+    Extend(Vec<u8>),
+    /// Overwrite one header byte.
+    Header(usize, u8),
+    /// Overwrite the body length field.
+    BodyLen(u32),
+    /// Overwrite the version field.
+    Version(u16),
+}
+
+fn arb_mutation() -> impl Strategy<Value = Mutation> {
+    prop_oneof![
+        (any::<usize>(), 1..=u8::MAX).prop_map(|(i, m)| Mutation::Flip(i, m)),
+        any::<usize>().prop_map(Mutation::Truncate),
+        proptest::collection::vec(any::<u8>(), 1..16).prop_map(Mutation::Extend),
+        (0..HEADER_LEN, any::<u8>()).prop_map(|(i, b)| Mutation::Header(i, b)),
+        any::<u32>().prop_map(Mutation::BodyLen),
+        any::<u16>().prop_map(Mutation::Version),
+    ]
+}
+
+fn apply(f: &mut Vec<u8>, m: &Mutation) {
+    let len = f.len();
+    match m {
+        Mutation::Flip(i, mask) if len > 0 => f[i % len] ^= mask,
+        Mutation::Flip(..) => {}
+        Mutation::Truncate(n) => f.truncate(n % (len + 1)),
+        Mutation::Extend(bytes) => f.extend_from_slice(bytes),
+        Mutation::Header(i, b) if *i < len => f[*i] = *b,
+        Mutation::Header(..) => {}
+        Mutation::BodyLen(n) if len >= HEADER_LEN => set_body_len(f, *n),
+        Mutation::Version(v) if len >= HEADER_LEN => f[4..6].copy_from_slice(&v.to_le_bytes()),
+        Mutation::BodyLen(_) | Mutation::Version(_) => {}
+    }
+}
+
+/// Whatever the decoder accepts must itself round-trip: nothing is accepted half-read.
+fn check_decoded(bytes: &[u8]) -> Result<(), TestCaseError> {
+    if let Ok(msg) = Message::decode(bytes) {
+        prop_assert_eq!(Message::decode(&msg.encode()), Ok(msg));
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(20_000))]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        check_decoded(&bytes)?;
+    }
+
+    /// Random bodies behind valid headers, so the body decoders see arbitrary input too.
+    #[test]
+    fn arbitrary_bodies_never_panic(
+        kind in KIND_HELLO..=KIND_ERROR,
+        body in proptest::collection::vec(any::<u8>(), 0..200),
+    ) {
+        check_decoded(&frame(VERSION, kind, 0, &body))?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(10_000))]
+
+    #[test]
+    fn mutated_frames_never_panic(
+        msg in arb_message(),
+        mutations in proptest::collection::vec(arb_mutation(), 1..4),
+    ) {
+        let mut f = msg.encode();
+        for m in &mutations {
+            apply(&mut f, m);
+        }
+        check_decoded(&f)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(5_000))]
+
+    #[test]
+    fn generated_messages_round_trip(msg in arb_message()) {
+        let bytes = msg.encode();
+        prop_assert_eq!(peek_header(&bytes).map(|h| h.frame_len()), Ok(bytes.len()));
+        prop_assert_eq!(Message::decode(&bytes), Ok(msg));
+    }
+}

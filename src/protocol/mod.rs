@@ -1,0 +1,260 @@
+//! The control protocol: one binary, versioned message set for every transport.
+//!
+//! Every message is one frame: a 12-byte header (magic `KVFY`, protocol version, message kind,
+//! flags, body length) and a body of little-endian fields. [`Message::encode`] and
+//! [`Message::decode`] are the only encoder and decoder; decoding any byte string returns a
+//! message or a typed [`DecodeError`], never a panic. docs/protocol.md specifies the frames,
+//! the staging wire order, the handshake and the versioning policy.
+//!
+//! This module checks the *shape* of a message (lengths, enum tags, ranges start <= end, size
+//! limits); whether the values make sense for a room (pages in the pool, byte counts against the
+//! layout, known rooms, epochs) is checked by the agent that handles the message.
+
+mod codec;
+
+pub use codec::{DecodeError, HEADER_LEN, Header, peek_header};
+
+use std::ops::Range;
+
+use uuid::Uuid;
+
+use crate::layout::{AttentionKind, Dtype, PageOrder};
+use crate::reason::FailureCode;
+
+/// Four bytes that open every frame; anything else is foreign traffic.
+pub const MAGIC: [u8; 4] = *b"KVFY";
+/// The protocol version this build speaks natively.
+pub const VERSION: u16 = 1;
+/// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
+pub const MIN_VERSION: u16 = 1;
+/// Largest body a control frame may carry; larger frames are refused before allocation.
+pub const MAX_BODY: usize = 16 << 20;
+/// Longest string field.
+pub const MAX_STRING: usize = 4096;
+/// Most pages one message may list.
+pub const MAX_PAGES: usize = 1 << 20;
+/// Largest opaque payload a Done may carry (`Done::aux`).
+pub const MAX_AUX: usize = 64 << 10;
+
+/// Role of the sender of a Hello.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A prefill agent (sends KV).
+    Prefill,
+    /// A decode agent (receives KV).
+    Decode,
+}
+
+/// Parallel ranks of an agent: data, tensor and pipeline parallel rank and size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Ranks {
+    /// DP rank.
+    pub dp_rank: u32,
+    /// DP size.
+    pub dp_size: u32,
+    /// TP rank.
+    pub tp_rank: u32,
+    /// TP size.
+    pub tp_size: u32,
+    /// PP rank.
+    pub pp_rank: u32,
+    /// PP size.
+    pub pp_size: u32,
+}
+
+/// The KV layout an agent serves, as announced in Hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WireLayout {
+    /// Attention kind.
+    pub kind: AttentionKind,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Order inside a page of this agent's pool.
+    pub order: PageOrder,
+    /// Layers of the model.
+    pub num_layers: u32,
+    /// KV heads of the model.
+    pub num_kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Global heads this agent holds.
+    pub heads: Range<u32>,
+    /// Global layers this agent holds.
+    pub layers: Range<u32>,
+}
+
+/// Decode -> prefill, once per connection: who I am and what I hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Oldest protocol version the sender accepts.
+    pub min_version: u16,
+    /// Newest protocol version the sender speaks.
+    pub max_version: u16,
+    /// The sender's instance id (its epoch: new at every process start).
+    pub instance: Uuid,
+    /// The sender's role.
+    pub role: Role,
+    /// The sender's ranks.
+    pub ranks: Ranks,
+    /// The sender's layout.
+    pub layout: WireLayout,
+    /// Where the sender receives data (transport specific, e.g. `tcp://10.0.0.2:40111`).
+    pub data_endpoint: String,
+    /// Shared secret of the cluster; empty when none is configured.
+    pub token: String,
+}
+
+/// Prefill -> decode: the Hello is accepted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HelloAck {
+    /// The version both sides now speak.
+    pub version: u16,
+    /// The prefill's instance id; every later reference carries it.
+    pub instance: Uuid,
+}
+
+/// Decode -> prefill: send me this part of a room.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransferRequest {
+    /// The room (chosen by the router).
+    pub room: u64,
+    /// The prefill instance the decode expects to serve it (refused if it is not the receiver).
+    pub prefill_instance: Uuid,
+    /// Tokens of the room to send, counted from the room's first token.
+    pub tokens: Range<u32>,
+    /// Global layers to send.
+    pub layers: Range<u32>,
+    /// Global heads to send.
+    pub heads: Range<u32>,
+    /// Order of the staging bytes the decode wants (usually the prefill's page order).
+    pub wire_order: PageOrder,
+    /// Destination pages in the decode pool (page `i` holds tokens `i*page_size..`): used by
+    /// transports that write into the pool directly.
+    pub dst_pages: Vec<u32>,
+}
+
+/// Prefill -> decode, on the data plane ahead of each chunk's bytes: what the bytes are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// The room.
+    pub room: u64,
+    /// The sender's instance id.
+    pub prefill_instance: Uuid,
+    /// Sequence number of the chunk within the room, from 0.
+    pub seq: u32,
+    /// Tokens of the room in this chunk.
+    pub tokens: Range<u32>,
+    /// Global layers in this chunk.
+    pub layers: Range<u32>,
+    /// Global heads in this chunk.
+    pub heads: Range<u32>,
+    /// Bytes that follow.
+    pub len: u64,
+    /// xxh3-64 of the bytes, or 0 when checksums are off.
+    pub checksum: u64,
+}
+
+/// Prefill -> decode: every chunk of the room has been posted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Done {
+    /// The room.
+    pub room: u64,
+    /// The sender's instance id.
+    pub prefill_instance: Uuid,
+    /// Chunks posted.
+    pub chunks: u32,
+    /// Bytes posted.
+    pub bytes: u64,
+    /// Opaque payload from the prefill engine (e.g. the first output token); bounded size.
+    pub aux: Vec<u8>,
+}
+
+/// Either side: stop this room.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Abort {
+    /// The room.
+    pub room: u64,
+    /// The sender's instance id.
+    pub instance: Uuid,
+    /// Why.
+    pub code: FailureCode,
+    /// Free text.
+    pub message: String,
+}
+
+/// Either side: the room is stopped here; nothing more will be sent or written for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbortAck {
+    /// The room.
+    pub room: u64,
+    /// The sender's instance id.
+    pub instance: Uuid,
+}
+
+/// Either side, periodically: I am alive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// The sender's instance id.
+    pub instance: Uuid,
+    /// Increases by one per heartbeat.
+    pub seq: u64,
+}
+
+/// Either side: a message could not be served.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ErrorMsg {
+    /// The room concerned, if any.
+    pub room: Option<u64>,
+    /// Closed set of codes.
+    pub code: FailureCode,
+    /// Free text for operators.
+    pub message: String,
+}
+
+/// Every message of the protocol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// See [`Hello`].
+    Hello(Hello),
+    /// See [`HelloAck`].
+    HelloAck(HelloAck),
+    /// See [`TransferRequest`].
+    TransferRequest(TransferRequest),
+    /// See [`Chunk`].
+    Chunk(Chunk),
+    /// See [`Done`].
+    Done(Done),
+    /// See [`Abort`].
+    Abort(Abort),
+    /// See [`AbortAck`].
+    AbortAck(AbortAck),
+    /// See [`Heartbeat`].
+    Heartbeat(Heartbeat),
+    /// See [`ErrorMsg`].
+    Error(ErrorMsg),
+}
+
+impl Message {
+    /// The message's name, for logs and metrics labels.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::Hello(_) => "hello",
+            Message::HelloAck(_) => "hello_ack",
+            Message::TransferRequest(_) => "transfer_request",
+            Message::Chunk(_) => "chunk",
+            Message::Done(_) => "done",
+            Message::Abort(_) => "abort",
+            Message::AbortAck(_) => "abort_ack",
+            Message::Heartbeat(_) => "heartbeat",
+            Message::Error(_) => "error",
+        }
+    }
+}
+
+/// Picks the version two peers speak: the newest both accept.
+pub fn negotiate(min_version: u16, max_version: u16) -> Option<u16> {
+    let v = max_version.min(VERSION);
+    (v >= min_version.max(MIN_VERSION)).then_some(v)
+}

@@ -1,0 +1,126 @@
+//! Transports move bytes between agents and know nothing of rooms.
+//!
+//! Two planes:
+//! - the *control plane* carries protocol messages between a decode agent (which connects) and
+//!   a prefill agent (which binds); it is always ZeroMQ over tcp ([`zmq::ControlServer`],
+//!   [`zmq::ControlClient`]);
+//! - the *data plane* carries chunks, each a header (an encoded protocol message) and a payload
+//!   (staging bytes), from a prefill agent to a decode agent. It is what varies by transport:
+//!   a decode agent listens with [`Transport::listen`] and advertises the endpoint in Hello; a
+//!   prefill agent connects with [`Transport::connect`].
+//!
+//! The trait is object-safe and small so that another transport (UCX) plugs in without
+//! touching the agents: pick it with [`for_kind`].
+
+pub mod zmq;
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+/// A boxed future, for the object-safe trait methods.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Errors of a transport operation, naming the operation and the endpoint.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[error("{op} {endpoint}: {message}")]
+pub struct TransportError {
+    /// The operation that failed (`bind`, `connect`, `send`, `recv`).
+    pub op: &'static str,
+    /// The endpoint concerned.
+    pub endpoint: String,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl TransportError {
+    pub(crate) fn new(op: &'static str, endpoint: &str, message: impl fmt::Display) -> Self {
+        TransportError {
+            op,
+            endpoint: endpoint.to_owned(),
+            message: message.to_string(),
+        }
+    }
+}
+
+/// The data-plane transports (design.md part 8 fixes the names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// ZeroMQ PUSH/PULL over tcp.
+    ZmqTcp,
+    /// ZeroMQ PUSH/PULL over a Unix socket (same host only).
+    ZmqIpc,
+}
+
+impl TransportKind {
+    /// Every transport this build has.
+    pub const ALL: &'static [TransportKind] = &[TransportKind::ZmqTcp, TransportKind::ZmqIpc];
+
+    /// The transport's name on the command line, in Hello and in bench JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::ZmqTcp => "zmq-tcp",
+            TransportKind::ZmqIpc => "zmq-ipc",
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        TransportKind::ALL
+            .iter()
+            .copied()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = TransportKind::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown transport {s:?}; this build has {}", names.join(", "))
+            })
+    }
+}
+
+/// Sends chunks to one receiver. Dropping it closes the connection.
+pub trait DataSender: Send {
+    /// Sends one chunk; resolves when the transport has taken the bytes.
+    fn send(&mut self, header: Bytes, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>>;
+}
+
+/// Receives chunks from any number of senders.
+pub trait DataReceiver: Send {
+    /// The next chunk: its header and its payload.
+    fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>>;
+}
+
+/// A data-plane transport.
+pub trait Transport: Send + Sync {
+    /// Which transport this is.
+    fn kind(&self) -> TransportKind;
+
+    /// Binds a receiver on `host`; returns the endpoint senders connect to.
+    fn listen(
+        &self,
+        host: &str,
+    ) -> BoxFuture<'static, Result<(String, Box<dyn DataReceiver>), TransportError>>;
+
+    /// Connects a sender to a receiver's endpoint, failing after `timeout` if unreachable.
+    fn connect(
+        &self,
+        endpoint: &str,
+        timeout: std::time::Duration,
+    ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>>;
+}
+
+/// The transport of a kind.
+pub fn for_kind(kind: TransportKind) -> Arc<dyn Transport> {
+    Arc::new(zmq::ZmqData::new(kind))
+}
