@@ -192,25 +192,36 @@ macro_rules! named_enum {
     };
 }
 
-named_enum!(Dtype, "dtype", "bf16, fp16, fp8_e4m3, fp8_e5m2, fp32", [
-    Dtype::Bf16,
-    Dtype::Fp16,
-    Dtype::Fp8E4m3,
-    Dtype::Fp8E5m2,
-    Dtype::Fp32
-]);
-named_enum!(AttentionKind, "attention kind", "mha, mla", [
-    AttentionKind::Mha,
-    AttentionKind::Mla
-]);
-named_enum!(PageOrder, "page order", "token_major, head_major", [
-    PageOrder::TokenMajor,
-    PageOrder::HeadMajor
-]);
-named_enum!(KvPlacement, "kv placement", "planes, interleaved", [
-    KvPlacement::Planes,
-    KvPlacement::Interleaved
-]);
+named_enum!(
+    Dtype,
+    "dtype",
+    "bf16, fp16, fp8_e4m3, fp8_e5m2, fp32",
+    [
+        Dtype::Bf16,
+        Dtype::Fp16,
+        Dtype::Fp8E4m3,
+        Dtype::Fp8E5m2,
+        Dtype::Fp32
+    ]
+);
+named_enum!(
+    AttentionKind,
+    "attention kind",
+    "mha, mla",
+    [AttentionKind::Mha, AttentionKind::Mla]
+);
+named_enum!(
+    PageOrder,
+    "page order",
+    "token_major, head_major",
+    [PageOrder::TokenMajor, PageOrder::HeadMajor]
+);
+named_enum!(
+    KvPlacement,
+    "kv placement",
+    "planes, interleaved",
+    [KvPlacement::Planes, KvPlacement::Interleaved]
+);
 
 /// The model-wide KV shape, the same on every rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -257,7 +268,12 @@ pub const PRESETS: &[(&str, ModelSpec)] = &[
 
 impl ModelSpec {
     /// An MHA/GQA model.
-    pub const fn mha(num_layers: usize, num_kv_heads: usize, head_dim: usize, dtype: Dtype) -> Self {
+    pub const fn mha(
+        num_layers: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        dtype: Dtype,
+    ) -> Self {
         ModelSpec {
             kind: AttentionKind::Mha,
             num_layers,
@@ -275,7 +291,11 @@ impl ModelSpec {
             .map(|(_, spec)| *spec)
             .ok_or_else(|| LayoutError::UnknownPreset {
                 name: name.to_owned(),
-                known: PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+                known: PRESETS
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", "),
             })
     }
 
@@ -287,7 +307,10 @@ impl ModelSpec {
         if self.kind == AttentionKind::Mla && self.num_kv_heads != 1 {
             return Err(invalid(
                 "num_kv_heads",
-                format!("is {} but an MLA model has exactly 1 latent head", self.num_kv_heads),
+                format!(
+                    "is {} but an MLA model has exactly 1 latent head",
+                    self.num_kv_heads
+                ),
             ));
         }
         mul(self.head_dim, self.dtype.bytes(), "head bytes")?;
@@ -386,7 +409,10 @@ impl KvLayout {
                 head..head + 1
             }
         };
-        let (base, extra) = (self.model.num_layers / pp_size, self.model.num_layers % pp_size);
+        let (base, extra) = (
+            self.model.num_layers / pp_size,
+            self.model.num_layers % pp_size,
+        );
         let start = pp_rank * base + pp_rank.min(extra);
         let layers = start..start + base + usize::from(pp_rank < extra);
         self.with_slice(heads, layers)
@@ -550,7 +576,10 @@ mod tests {
         let l8 = ModelSpec::preset("llama3-8b").unwrap();
         assert_eq!((l8.num_layers, l8.num_kv_heads, l8.head_dim), (32, 8, 128));
         let l70 = ModelSpec::preset("llama3-70b").unwrap();
-        assert_eq!((l70.num_layers, l70.num_kv_heads, l70.head_dim), (80, 8, 128));
+        assert_eq!(
+            (l70.num_layers, l70.num_kv_heads, l70.head_dim),
+            (80, 8, 128)
+        );
         let q = ModelSpec::preset("qwen2.5-7b").unwrap();
         assert_eq!((q.num_layers, q.num_kv_heads, q.head_dim), (28, 4, 128));
         let ds = ModelSpec::preset("deepseek-v3").unwrap();
@@ -593,7 +622,10 @@ mod tests {
                     for p in 0..pages {
                         let off = l.plane_offset(layer, plane, pages) + p * stride;
                         assert_eq!(off % block, 0);
-                        assert!(!std::mem::replace(&mut seen[off / block], true), "{placement:?}");
+                        assert!(
+                            !std::mem::replace(&mut seen[off / block], true),
+                            "{placement:?}"
+                        );
                     }
                 }
             }
@@ -606,9 +638,15 @@ mod tests {
         let model = ModelSpec::preset("tiny").unwrap();
         let e = KvLayout::new(model, 0).unwrap_err();
         assert!(e.to_string().contains("page_size"), "{e}");
-        let e = KvLayout::new(model, 16).unwrap().with_slice(2..5, 0..4).unwrap_err();
+        let e = KvLayout::new(model, 16)
+            .unwrap()
+            .with_slice(2..5, 0..4)
+            .unwrap_err();
         assert!(e.to_string().contains("heads 2..5"), "{e}");
-        let e = KvLayout::new(model, 16).unwrap().with_slice(0..4, 3..3).unwrap_err();
+        let e = KvLayout::new(model, 16)
+            .unwrap()
+            .with_slice(0..4, 3..3)
+            .unwrap_err();
         assert!(e.to_string().contains("layers"), "{e}");
         let mla = ModelSpec {
             num_kv_heads: 2,
@@ -621,7 +659,10 @@ mod tests {
             Err(LayoutError::Overflow { .. })
         ));
         let l = KvLayout::new(model, 16).unwrap();
-        assert!(matches!(l.pool_bytes(usize::MAX), Err(LayoutError::Overflow { .. })));
+        assert!(matches!(
+            l.pool_bytes(usize::MAX),
+            Err(LayoutError::Overflow { .. })
+        ));
     }
 
     #[test]
@@ -632,12 +673,21 @@ mod tests {
         // 8 heads over TP 16: each rank holds one replicated head.
         let r = l8.clone().for_rank(15, 16, 0, 1).unwrap();
         assert_eq!(r.heads, 7..8);
-        assert!(l8.clone().for_rank(0, 3, 0, 1).unwrap_err().to_string().contains("divide"));
+        assert!(
+            l8.clone()
+                .for_rank(0, 3, 0, 1)
+                .unwrap_err()
+                .to_string()
+                .contains("divide")
+        );
         assert!(l8.clone().for_rank(4, 4, 0, 1).is_err());
         let ds = KvLayout::new(ModelSpec::preset("deepseek-v3").unwrap(), 64).unwrap();
         let s0 = ds.clone().for_rank(3, 8, 0, 2).unwrap();
         let s1 = ds.for_rank(3, 8, 1, 2).unwrap();
-        assert_eq!((s0.heads.clone(), s0.layers.clone(), s1.layers.clone()), (0..1, 0..31, 31..61));
+        assert_eq!(
+            (s0.heads.clone(), s0.layers.clone(), s1.layers.clone()),
+            (0..1, 0..31, 31..61)
+        );
     }
 
     #[test]
@@ -645,9 +695,21 @@ mod tests {
         for d in Dtype::ALL {
             assert_eq!(d.name().parse::<Dtype>().unwrap(), d);
         }
-        assert_eq!("head_major".parse::<PageOrder>().unwrap(), PageOrder::HeadMajor);
+        assert_eq!(
+            "head_major".parse::<PageOrder>().unwrap(),
+            PageOrder::HeadMajor
+        );
         assert_eq!("mla".parse::<AttentionKind>().unwrap(), AttentionKind::Mla);
-        assert_eq!("interleaved".parse::<KvPlacement>().unwrap(), KvPlacement::Interleaved);
-        assert!("fp64".parse::<Dtype>().unwrap_err().to_string().contains("bf16"));
+        assert_eq!(
+            "interleaved".parse::<KvPlacement>().unwrap(),
+            KvPlacement::Interleaved
+        );
+        assert!(
+            "fp64"
+                .parse::<Dtype>()
+                .unwrap_err()
+                .to_string()
+                .contains("bf16")
+        );
     }
 }

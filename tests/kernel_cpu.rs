@@ -180,7 +180,10 @@ fn round_trip(
     }
     let landed = dst.read(0, dst.size()).unwrap();
     if let Some(i) = (0..landed.len()).find(|&i| landed[i] != expected[i]) {
-        panic!("scatter: first wrong byte at {i} of {}: {ctx}", landed.len());
+        panic!(
+            "scatter: first wrong byte at {i} of {}: {ctx}",
+            landed.len()
+        );
     }
 }
 
@@ -191,15 +194,26 @@ fn empty_selections_move_nothing() {
     pool.fill(POISON);
     let kernel = CpuKernel::default();
     let empty = Selection::whole(&pool, &[], 0);
-    kernel.gather(&pool, &empty, PageOrder::TokenMajor, &mut []).unwrap();
-    kernel.scatter(&[], PageOrder::TokenMajor, &pool, &empty).unwrap();
+    kernel
+        .gather(&pool, &empty, PageOrder::TokenMajor, &mut [])
+        .unwrap();
+    kernel
+        .scatter(&[], PageOrder::TokenMajor, &pool, &empty)
+        .unwrap();
     let no_heads = Selection {
         heads: 1..1,
         ..Selection::whole(&pool, &[0, 1], 20)
     };
     assert_eq!(no_heads.bytes(&pool).unwrap(), 0);
-    kernel.scatter(&[], PageOrder::TokenMajor, &pool, &no_heads).unwrap();
-    assert!(pool.read(0, pool.size()).unwrap().iter().all(|b| *b == POISON));
+    kernel
+        .scatter(&[], PageOrder::TokenMajor, &pool, &no_heads)
+        .unwrap();
+    assert!(
+        pool.read(0, pool.size())
+            .unwrap()
+            .iter()
+            .all(|b| *b == POISON)
+    );
 }
 
 #[test]
@@ -213,7 +227,10 @@ fn bad_selections_are_refused_before_any_byte_moves() {
     let cases: Vec<(Selection<'_>, KernelError)> = vec![
         (
             Selection::whole(&pool, &[0, 4], 32),
-            KernelError::PageOutOfRange { page: 4, num_pages: 4 },
+            KernelError::PageOutOfRange {
+                page: 4,
+                num_pages: 4,
+            },
         ),
         (
             Selection::whole(&pool, &[2, 2], 32),
@@ -221,25 +238,43 @@ fn bad_selections_are_refused_before_any_byte_moves() {
         ),
         (
             Selection::whole(&pool, &[1], 32),
-            KernelError::TooFewPages { start: 0, end: 32, needed: 2, listed: 1 },
+            KernelError::TooFewPages {
+                start: 0,
+                end: 32,
+                needed: 2,
+                listed: 1,
+            },
         ),
         (
             Selection {
                 layers: 0..5,
                 ..Selection::whole(&pool, &[0, 1], 32)
             },
-            KernelError::RangeOutOfPool { what: "layers", start: 0, end: 5, held: 4 },
+            KernelError::RangeOutOfPool {
+                what: "layers",
+                start: 0,
+                end: 5,
+                held: 4,
+            },
         ),
         (
             Selection {
                 heads: 3..5,
                 ..Selection::whole(&pool, &[0, 1], 32)
             },
-            KernelError::RangeOutOfPool { what: "heads", start: 3, end: 5, held: 4 },
+            KernelError::RangeOutOfPool {
+                what: "heads",
+                start: 3,
+                end: 5,
+                held: 4,
+            },
         ),
         (
             Selection::whole(&pool, &[0, 1], 31),
-            KernelError::StagingSize { expected: room_bytes / 32 * 31, actual: room_bytes },
+            KernelError::StagingSize {
+                expected: room_bytes / 32 * 31,
+                actual: room_bytes,
+            },
         ),
     ];
     for (sel, want) in cases {
@@ -248,13 +283,21 @@ fn bad_selections_are_refused_before_any_byte_moves() {
         println!("refused: {want}");
     }
     assert!(
-        pool.read(0, pool.size()).unwrap().iter().all(|b| *b == POISON),
+        pool.read(0, pool.size())
+            .unwrap()
+            .iter()
+            .all(|b| *b == POISON),
         "a refused scatter wrote into the pool"
     );
     // A gather may read a page twice; only destinations refuse duplicates.
     let mut out = vec![0u8; room_bytes];
     kernel
-        .gather(&pool, &Selection::whole(&pool, &[2, 2], 32), PageOrder::TokenMajor, &mut out)
+        .gather(
+            &pool,
+            &Selection::whole(&pool, &[2, 2], 32),
+            PageOrder::TokenMajor,
+            &mut out,
+        )
         .unwrap();
 }
 
@@ -275,13 +318,21 @@ fn threaded_transfers_match_single_threaded_ones() {
     assert!(bytes > 8 << 20, "large enough to be split: {bytes}");
     let mut one = vec![POISON; bytes];
     let mut two = vec![0u8; bytes];
-    CpuKernel::new(1).gather(&src, &sel, PageOrder::TokenMajor, &mut one).unwrap();
-    CpuKernel::new(2).gather(&src, &sel, PageOrder::TokenMajor, &mut two).unwrap();
+    CpuKernel::new(1)
+        .gather(&src, &sel, PageOrder::TokenMajor, &mut one)
+        .unwrap();
+    CpuKernel::new(2)
+        .gather(&src, &sel, PageOrder::TokenMajor, &mut two)
+        .unwrap();
     assert!(one == two, "threaded gather differs");
     let dst = HostPool::anonymous(layout, num_pages).unwrap();
     dst.fill(POISON);
-    CpuKernel::new(2).scatter(&two, PageOrder::TokenMajor, &dst, &sel).unwrap();
+    CpuKernel::new(2)
+        .scatter(&two, PageOrder::TokenMajor, &dst, &sel)
+        .unwrap();
     let mut back = vec![0u8; bytes];
-    CpuKernel::new(1).gather(&dst, &sel, PageOrder::TokenMajor, &mut back).unwrap();
+    CpuKernel::new(1)
+        .gather(&dst, &sel, PageOrder::TokenMajor, &mut back)
+        .unwrap();
     assert!(back == one, "threaded scatter differs");
 }

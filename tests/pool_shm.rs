@@ -43,7 +43,10 @@ fn shm_pool_written_by_one_process_is_read_by_another() {
         .env(CHILD_ENV, pool.descriptor().to_string())
         .status()
         .unwrap();
-    assert!(status.success(), "the child process did not see the parent's bytes");
+    assert!(
+        status.success(),
+        "the child process did not see the parent's bytes"
+    );
 
     // The child scattered a marker into page 5 of layer 0; the parent sees it.
     let off = pool.block_offset(0, 0, 5).unwrap();

@@ -62,8 +62,13 @@ impl IntoResponse for ApiError {
 
 /// Parses a JSON body, refusing malformed ones with a 400 that says what was wrong.
 pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let body = if body.is_empty() { b"{}".as_slice() } else { body };
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    let body = if body.is_empty() {
+        b"{}".as_slice()
+    } else {
+        body
+    };
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
 /// Parses a room id from the path.
@@ -125,30 +130,64 @@ impl Metrics {
     /// Prometheus text for a `role` agent, with extra gauge lines appended.
     pub fn render(&self, role: &str, pool_total: usize, pool_free: usize) -> String {
         let mut s = String::new();
-        let _ = writeln!(s, "# HELP kvferry_rooms_total Rooms that reached a final state.");
+        let _ = writeln!(
+            s,
+            "# HELP kvferry_rooms_total Rooms that reached a final state."
+        );
         let _ = writeln!(s, "# TYPE kvferry_rooms_total counter");
         for (i, state) in ["success", "failed", "aborted"].iter().enumerate() {
             let v = self.rooms_final[i].load(Ordering::Relaxed);
-            let _ = writeln!(s, "kvferry_rooms_total{{role=\"{role}\",state=\"{state}\"}} {v}");
+            let _ = writeln!(
+                s,
+                "kvferry_rooms_total{{role=\"{role}\",state=\"{state}\"}} {v}"
+            );
         }
-        let _ = writeln!(s, "# HELP kvferry_room_failures_total Failed or aborted rooms by code.");
+        let _ = writeln!(
+            s,
+            "# HELP kvferry_room_failures_total Failed or aborted rooms by code."
+        );
         let _ = writeln!(s, "# TYPE kvferry_room_failures_total counter");
         for (i, code) in FailureCode::ALL.iter().enumerate() {
             let v = self.failures[i].load(Ordering::Relaxed);
-            let _ = writeln!(s, "kvferry_room_failures_total{{role=\"{role}\",code=\"{code}\"}} {v}");
+            let _ = writeln!(
+                s,
+                "kvferry_room_failures_total{{role=\"{role}\",code=\"{code}\"}} {v}"
+            );
         }
         let counters = [
-            ("kvferry_kv_bytes_total", "KV bytes sent (prefill) or landed (decode).", &self.bytes),
-            ("kvferry_rooms_expired_total", "Rooms that expired without being taken.", &self.expired),
-            ("kvferry_bad_messages_total", "Messages refused as malformed or inconsistent.", &self.bad_messages),
+            (
+                "kvferry_kv_bytes_total",
+                "KV bytes sent (prefill) or landed (decode).",
+                &self.bytes,
+            ),
+            (
+                "kvferry_rooms_expired_total",
+                "Rooms that expired without being taken.",
+                &self.expired,
+            ),
+            (
+                "kvferry_bad_messages_total",
+                "Messages refused as malformed or inconsistent.",
+                &self.bad_messages,
+            ),
         ];
         for (name, help, v) in counters {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} counter");
             let _ = writeln!(s, "{name}{{role=\"{role}\"}} {}", v.load(Ordering::Relaxed));
         }
-        let _ = writeln!(s, "# HELP kvferry_pool_pages Agent-owned pool pages.\n# TYPE kvferry_pool_pages gauge");
-        let _ = writeln!(s, "kvferry_pool_pages{{role=\"{role}\",state=\"free\"}} {pool_free}");
-        let _ = writeln!(s, "kvferry_pool_pages{{role=\"{role}\",state=\"used\"}} {}", pool_total - pool_free);
+        let _ = writeln!(
+            s,
+            "# HELP kvferry_pool_pages Agent-owned pool pages.\n# TYPE kvferry_pool_pages gauge"
+        );
+        let _ = writeln!(
+            s,
+            "kvferry_pool_pages{{role=\"{role}\",state=\"free\"}} {pool_free}"
+        );
+        let _ = writeln!(
+            s,
+            "kvferry_pool_pages{{role=\"{role}\",state=\"used\"}} {}",
+            pool_total - pool_free
+        );
         s
     }
 }
@@ -156,7 +195,10 @@ impl Metrics {
 /// The `/metrics` response.
 pub fn metrics_response(text: String) -> Response {
     (
-        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
         text,
     )
         .into_response()
@@ -179,15 +221,23 @@ pub fn unbase64(text: &str) -> Result<Vec<u8>, ApiError> {
 /// Checks an engine's page list: enough pages for the tokens, each in the pool, none twice.
 pub fn validate_pages(pages: &[u32], needed: usize, num_pages: usize) -> Result<(), ApiError> {
     if pages.len() < needed {
-        return Err(ApiError::bad_request(format!("{} pages given, the tokens need {needed}", pages.len())));
+        return Err(ApiError::bad_request(format!(
+            "{} pages given, the tokens need {needed}",
+            pages.len()
+        )));
     }
     if let Some(p) = pages.iter().find(|&&p| p as usize >= num_pages) {
-        return Err(ApiError::bad_request(format!("page {p} is out of range: the pool has {num_pages} pages")));
+        return Err(ApiError::bad_request(format!(
+            "page {p} is out of range: the pool has {num_pages} pages"
+        )));
     }
     let mut sorted = pages.to_vec();
     sorted.sort_unstable();
     if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(ApiError::bad_request(format!("page {} is listed twice", w[0])));
+        return Err(ApiError::bad_request(format!(
+            "page {} is listed twice",
+            w[0]
+        )));
     }
     Ok(())
 }

@@ -57,12 +57,16 @@ pub struct DecodeAgent {
 
 impl DecodeAgent {
     /// Starts the agent; it serves until `shutdown` is cancelled.
-    pub async fn start(cfg: AgentConfig, shutdown: CancellationToken) -> Result<Self, super::AgentError> {
+    pub async fn start(
+        cfg: AgentConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Self, super::AgentError> {
         let instance = Uuid::new_v4();
         let pool = Arc::new(HostPool::anonymous(cfg.layout.clone(), cfg.pool_pages)?);
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
-        let (data_endpoint, receiver) = transport::for_kind(cfg.transport).listen(&cfg.host).await?;
+        let (data_endpoint, receiver) =
+            transport::for_kind(cfg.transport).listen(&cfg.host).await?;
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
         let inner = Arc::new(Inner {
@@ -79,7 +83,13 @@ impl DecodeAgent {
             cfg,
         });
         let endpoints = [(inner.cfg.transport.name().to_owned(), data_endpoint.clone())].into();
-        let reg = super::registration(Role::Decode, instance, &inner.cfg, api_url.clone(), endpoints);
+        let reg = super::registration(
+            Role::Decode,
+            instance,
+            &inner.cfg,
+            api_url.clone(),
+            endpoints,
+        );
         let keep_alive = registry.keep_alive(reg, shutdown.clone()).await?;
 
         let mut tasks = tokio::task::JoinSet::new();
@@ -134,16 +144,32 @@ struct Peer {
 impl Peer {
     async fn send(&self, msg: &Message, timeout: Duration) -> Result<(), Reason> {
         let frame = msg.encode().into();
-        let sent = tokio::time::timeout(timeout, async { self.send.lock().await.send(frame).await }).await;
+        let sent =
+            tokio::time::timeout(timeout, async { self.send.lock().await.send(frame).await }).await;
         match sent {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(Reason::new(FailureCode::PeerDead, format!("prefill {}: {e}", self.endpoint))),
+            Ok(Err(e)) => Err(Reason::new(
+                FailureCode::PeerDead,
+                format!("prefill {}: {e}", self.endpoint),
+            )),
             Err(_) => Err(Reason::new(
                 FailureCode::PeerDead,
-                format!("prefill {} took no {} within {timeout:?}", self.endpoint, msg.name()),
+                format!(
+                    "prefill {} took no {} within {timeout:?}",
+                    self.endpoint,
+                    msg.name()
+                ),
             )),
         }
     }
+}
+
+/// A chunk admitted for scattering: the room's pages, the destination selection (its page
+/// list filled in on the blocking thread) and the wire order.
+struct Admitted {
+    pages: Arc<[u32]>,
+    sel: Selection<'static>,
+    wire: PageOrder,
 }
 
 /// Which (local layer, token) cells of a room have landed.
@@ -265,7 +291,11 @@ impl Inner {
     }
 
     /// Asks the registry for the prefill group until it is complete or the timeout passes.
-    async fn lookup(&self, client: &RegistryClient, dp_rank: u32) -> Result<Vec<Registration>, Reason> {
+    async fn lookup(
+        &self,
+        client: &RegistryClient,
+        dp_rank: u32,
+    ) -> Result<Vec<Registration>, Reason> {
         let deadline = Instant::now() + self.cfg.timeouts.bootstrap;
         loop {
             match client.lookup_prefill(dp_rank).await {
@@ -283,7 +313,10 @@ impl Inner {
                     };
                     return Err(Reason::new(
                         code,
-                        format!("prefill group dp_rank={dp_rank} at {}: {e}", client.base_url()),
+                        format!(
+                            "prefill group dp_rank={dp_rank} at {}: {e}",
+                            client.base_url()
+                        ),
                     ));
                 }
             }
@@ -298,7 +331,12 @@ impl Inner {
         }
         let endpoint = rank.control_endpoint.clone();
         let timeout = self.cfg.timeouts.connect;
-        let unreachable = |what: String| Reason::new(FailureCode::Unreachable, format!("prefill control endpoint {endpoint}: {what}"));
+        let unreachable = |what: String| {
+            Reason::new(
+                FailureCode::Unreachable,
+                format!("prefill control endpoint {endpoint}: {what}"),
+            )
+        };
         let ControlClient { mut send, mut recv } = ControlClient::connect(&endpoint, timeout)
             .await
             .map_err(|e| unreachable(e.message))?;
@@ -312,21 +350,41 @@ impl Inner {
             data_endpoint: self.data_endpoint.clone(),
             token: self.cfg.token.clone().unwrap_or_default(),
         });
-        send.send(hello.encode().into()).await.map_err(|e| unreachable(e.message))?;
+        send.send(hello.encode().into())
+            .await
+            .map_err(|e| unreachable(e.message))?;
         let reply = tokio::time::timeout(timeout, recv.recv())
             .await
             .map_err(|_| unreachable(format!("no answer to Hello within {timeout:?}")))?
             .map_err(|e| unreachable(e.message))?;
         let ack = match Message::decode(&reply) {
             Ok(Message::HelloAck(ack)) => ack,
-            Ok(Message::Error(e)) => return Err(Reason::new(e.code, format!("prefill {endpoint} refused Hello: {}", e.message))),
-            Ok(other) => return Err(Reason::new(FailureCode::BadMessage, format!("prefill {endpoint} answered Hello with {}", other.name()))),
-            Err(e) => return Err(Reason::new(FailureCode::BadMessage, format!("prefill {endpoint} answered Hello with garbage: {e}"))),
+            Ok(Message::Error(e)) => {
+                return Err(Reason::new(
+                    e.code,
+                    format!("prefill {endpoint} refused Hello: {}", e.message),
+                ));
+            }
+            Ok(other) => {
+                return Err(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("prefill {endpoint} answered Hello with {}", other.name()),
+                ));
+            }
+            Err(e) => {
+                return Err(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("prefill {endpoint} answered Hello with garbage: {e}"),
+                ));
+            }
         };
         if ack.instance != rank.instance_id {
             return Err(Reason::new(
                 FailureCode::PeerDead,
-                format!("prefill {endpoint} is instance {} but the registry lists {}: it restarted", ack.instance, rank.instance_id),
+                format!(
+                    "prefill {endpoint} is instance {} but the registry lists {}: it restarted",
+                    ack.instance, rank.instance_id
+                ),
             ));
         }
         let peer = Arc::new(Peer {
@@ -340,7 +398,12 @@ impl Inner {
     }
 
     /// Resolves the prefill, says Hello if needed, and asks for the room.
-    async fn request(self: Arc<Self>, room_id: u64, bootstrap: Option<String>, dp_rank: u32) -> Result<(), Reason> {
+    async fn request(
+        self: Arc<Self>,
+        room_id: u64,
+        bootstrap: Option<String>,
+        dp_rank: u32,
+    ) -> Result<(), Reason> {
         let client = match bootstrap {
             Some(url) => RegistryClient::new(url, self.cfg.token.clone())
                 .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?,
@@ -350,14 +413,19 @@ impl Inner {
         let [rank] = ranks.as_slice() else {
             return Err(Reason::new(
                 FailureCode::IncompatibleLayout,
-                format!("prefill group dp_rank={dp_rank} has {} ranks; this build pairs one prefill rank per group", ranks.len()),
+                format!(
+                    "prefill group dp_rank={dp_rank} has {} ranks; this build pairs one prefill rank per group",
+                    ranks.len()
+                ),
             ));
         };
         let peer = self.peer(rank).await?;
         let l = &self.cfg.layout;
         let (tokens, pages) = {
             let mut rooms = self.rooms();
-            let Some(room) = rooms.get_mut(&room_id) else { return Ok(()) };
+            let Some(room) = rooms.get_mut(&room_id) else {
+                return Ok(());
+            };
             if !room.status.advance(RoomState::WaitingForInput) {
                 return Ok(()); // aborted meanwhile
             }
@@ -378,36 +446,70 @@ impl Inner {
     }
 
     /// Validates a chunk against its room and reserves it; returns what the scatter needs.
-    fn admit_chunk(&self, c: &Chunk, payload_len: usize) -> Result<(Arc<[u32]>, Selection<'static>, PageOrder), Option<Reason>> {
+    fn admit_chunk(&self, c: &Chunk, payload_len: usize) -> Result<Admitted, Option<Reason>> {
         let mut rooms = self.rooms();
         let room = rooms.get_mut(&c.room).ok_or(None)?;
         let state = room.status.state();
         if !matches!(state, RoomState::WaitingForInput | RoomState::Transferring) {
             return Err(None); // aborting, failed or late: drop the bytes
         }
-        let Some(peer) = room.peer.clone() else { return Err(None) };
+        let Some(peer) = room.peer.clone() else {
+            return Err(None);
+        };
         let bad = |m: String| Some(Reason::new(FailureCode::BadMessage, m));
         if c.prefill_instance != peer.instance {
-            return Err(bad(format!("chunk from instance {} but the room was requested from {}", c.prefill_instance, peer.instance)));
+            return Err(bad(format!(
+                "chunk from instance {} but the room was requested from {}",
+                c.prefill_instance, peer.instance
+            )));
         }
         let l = &self.cfg.layout;
-        let (tokens, layers) = (c.tokens.start as usize..c.tokens.end as usize, c.layers.start as usize..c.layers.end as usize);
+        let (tokens, layers) = (
+            c.tokens.start as usize..c.tokens.end as usize,
+            c.layers.start as usize..c.layers.end as usize,
+        );
         let heads = c.heads.start as usize..c.heads.end as usize;
-        if tokens.end > room.tokens || tokens.is_empty() || layers.start < l.layers.start || layers.end > l.layers.end || layers.is_empty() || heads != l.heads {
-            return Err(bad(format!("chunk {} covers tokens {tokens:?} layers {layers:?} heads {heads:?}, outside the request", c.seq)));
+        if tokens.end > room.tokens
+            || tokens.is_empty()
+            || layers.start < l.layers.start
+            || layers.end > l.layers.end
+            || layers.is_empty()
+            || heads != l.heads
+        {
+            return Err(bad(format!(
+                "chunk {} covers tokens {tokens:?} layers {layers:?} heads {heads:?}, outside the request",
+                c.seq
+            )));
         }
         let local = layers.start - l.layers.start..layers.end - l.layers.start;
-        let expected = l.selection_bytes(tokens.len(), local.len(), heads.len()).unwrap_or(usize::MAX);
+        let expected = l
+            .selection_bytes(tokens.len(), local.len(), heads.len())
+            .unwrap_or(usize::MAX);
         if expected != payload_len || c.len as usize != payload_len {
-            return Err(bad(format!("chunk {} carries {payload_len} bytes (header says {}), its ranges need {expected}", c.seq, c.len)));
+            return Err(bad(format!(
+                "chunk {} carries {payload_len} bytes (header says {}), its ranges need {expected}",
+                c.seq, c.len
+            )));
         }
         if !room.coverage.claim(local.clone(), tokens.clone()) {
-            return Err(bad(format!("chunk {} overlaps bytes that already landed", c.seq)));
+            return Err(bad(format!(
+                "chunk {} overlaps bytes that already landed",
+                c.seq
+            )));
         }
         room.status.advance(RoomState::Transferring);
         room.scattering += 1;
-        let sel = Selection { pages: &[], tokens, layers: local, heads: 0..l.num_heads() };
-        Ok((room.pages.clone(), sel, l.order))
+        let sel = Selection {
+            pages: &[],
+            tokens,
+            layers: local,
+            heads: 0..l.num_heads(),
+        };
+        Ok(Admitted {
+            pages: room.pages.clone(),
+            sel,
+            wire: l.order,
+        })
     }
 
     async fn on_chunk(self: &Arc<Self>, header: Bytes, payload: Bytes) {
@@ -416,37 +518,52 @@ impl Inner {
             Ok(other) => return self.bad_message(format!("data plane carried {}", other.name())),
             Err(e) => return self.bad_message(format!("data plane header: {e}")),
         };
-        let (pages, sel, wire) = match self.admit_chunk(&chunk, payload.len()) {
+        let Admitted { pages, sel, wire } = match self.admit_chunk(&chunk, payload.len()) {
             Ok(v) => v,
             Err(None) => return,
             Err(Some(reason)) => {
-                self.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .bad_messages
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 return self.fail(chunk.room, reason);
             }
         };
         let (pool, kernel) = (self.pool.clone(), self.kernel);
         let scattered = tokio::task::spawn_blocking(move || {
-            let sel = Selection { pages: &pages, ..sel };
+            let sel = Selection {
+                pages: &pages,
+                ..sel
+            };
             kernel.scatter(&payload, wire, &pool, &sel)
         })
         .await;
         let mut rooms = self.rooms();
-        let Some(room) = rooms.get_mut(&chunk.room) else { return };
+        let Some(room) = rooms.get_mut(&chunk.room) else {
+            return;
+        };
         room.scattering -= 1;
         match scattered {
             Ok(Ok(())) => {
                 room.landed += chunk.len as usize;
                 room.chunks += 1;
-                self.metrics.bytes.fetch_add(chunk.len, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .bytes
+                    .fetch_add(chunk.len, std::sync::atomic::Ordering::Relaxed);
                 self.check_complete(chunk.room, room);
             }
             Ok(Err(e)) => {
-                if room.status.fail(Reason::new(FailureCode::BadMessage, format!("chunk {}: {e}", chunk.seq))) {
+                if room.status.fail(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("chunk {}: {e}", chunk.seq),
+                )) {
                     self.finished(room);
                 }
             }
             Err(e) => {
-                if room.status.fail(Reason::new(FailureCode::BadMessage, format!("scatter of chunk {} stopped: {e}", chunk.seq))) {
+                if room.status.fail(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("scatter of chunk {} stopped: {e}", chunk.seq),
+                )) {
                     self.finished(room);
                 }
             }
@@ -454,7 +571,9 @@ impl Inner {
     }
 
     fn bad_message(&self, what: String) {
-        self.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics
+            .bad_messages
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::warn!(%what, "refused a message");
     }
 
@@ -462,22 +581,30 @@ impl Inner {
         let mut rooms = self.rooms();
         match msg {
             Message::Done(d) => {
-                let Some(room) = rooms.get_mut(&d.room) else { return };
+                let Some(room) = rooms.get_mut(&d.room) else {
+                    return;
+                };
                 if room.peer.as_ref().map(|p| p.instance) != Some(d.prefill_instance) {
                     drop(rooms);
-                    return self.bad_message(format!("Done for room {} from a stale instance {}", d.room, d.prefill_instance));
+                    return self.bad_message(format!(
+                        "Done for room {} from a stale instance {}",
+                        d.room, d.prefill_instance
+                    ));
                 }
                 room.done = Some(d.clone());
                 self.check_complete(d.room, room);
             }
             Message::AbortAck(a) => {
-                let Some(room) = rooms.get_mut(&a.room) else { return };
+                let Some(room) = rooms.get_mut(&a.room) else {
+                    return;
+                };
                 if room.status.advance(RoomState::Aborted) {
                     self.finished(room);
                 }
             }
             Message::Error(e) => {
-                let reason = Reason::new(e.code, format!("prefill {}: {}", peer.endpoint, e.message));
+                let reason =
+                    Reason::new(e.code, format!("prefill {}: {}", peer.endpoint, e.message));
                 match e.room.and_then(|r| rooms.get_mut(&r)) {
                     Some(room) => {
                         if room.status.fail(reason) {
@@ -493,7 +620,10 @@ impl Inner {
             Message::Heartbeat(_) => {}
             other => {
                 drop(rooms);
-                self.bad_message(format!("prefill sent {} on the control plane", other.name()));
+                self.bad_message(format!(
+                    "prefill sent {} on the control plane",
+                    other.name()
+                ));
             }
         }
     }
@@ -503,8 +633,15 @@ impl Inner {
         self.peers.lock().await.remove(&peer.instance);
         let mut rooms = self.rooms();
         for room in rooms.values_mut() {
-            if room.peer.as_ref().is_some_and(|p| p.instance == peer.instance) {
-                let reason = Reason::new(FailureCode::PeerDead, format!("prefill {}: {why}", peer.endpoint));
+            if room
+                .peer
+                .as_ref()
+                .is_some_and(|p| p.instance == peer.instance)
+            {
+                let reason = Reason::new(
+                    FailureCode::PeerDead,
+                    format!("prefill {}: {why}", peer.endpoint),
+                );
                 if room.status.state() == RoomState::Aborting {
                     room.status.advance(RoomState::Aborted);
                 } else {
@@ -532,14 +669,28 @@ async fn control_loop(inner: Arc<Inner>, peer: Arc<Peer>, mut recv: ControlClien
     }
 }
 
+/// Scatters running at once: receiving chunk i+1 overlaps the scatter of chunk i, and a slow
+/// pool stops the receive loop (and so the sender) instead of queueing without bound.
+const SCATTERS_IN_FLIGHT: usize = 2;
+
 async fn receive_chunks(inner: Arc<Inner>, mut receiver: Box<dyn DataReceiver>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(SCATTERS_IN_FLIGHT));
     loop {
         let received = tokio::select! {
             () = inner.shutdown.cancelled() => return,
             r = receiver.recv() => r,
         };
         match received {
-            Ok((header, payload)) => inner.on_chunk(header, payload).await,
+            Ok((header, payload)) => {
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    return;
+                };
+                let inner = inner.clone();
+                tokio::spawn(async move {
+                    inner.on_chunk(header, payload).await;
+                    drop(slot);
+                });
+            }
             Err(e) => inner.bad_message(e.to_string()),
         }
     }
@@ -558,12 +709,19 @@ async fn expire_rooms(inner: Arc<Inner>) {
         rooms.retain(|id, room| {
             let keep = !(room.safe_to_reuse() && room.final_at.is_some_and(|t| t.elapsed() >= ttl));
             if !keep {
-                tracing::info!(room = id, state = room.status.state().name(), "room expired untaken");
+                tracing::info!(
+                    room = id,
+                    state = room.status.state().name(),
+                    "room expired untaken"
+                );
             }
             keep
         });
         let expired = (before - rooms.len()) as u64;
-        inner.metrics.expired.fetch_add(expired, std::sync::atomic::Ordering::Relaxed);
+        inner
+            .metrics
+            .expired
+            .fetch_add(expired, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -588,16 +746,26 @@ type Shared = State<Arc<Inner>>;
 
 fn routes(inner: Arc<Inner>) -> Router {
     Router::new()
-        .route("/v1/rooms/{room}", post(create_room).get(get_room).delete(abort_room))
+        .route(
+            "/v1/rooms/{room}",
+            post(create_room).get(get_room).delete(abort_room),
+        )
         .route("/v1/rooms/{room}/take", post(take_room))
         .route("/v1/pool", get(pool))
-        .route("/healthz", get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "decode"})) }))
+        .route(
+            "/healthz",
+            get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "decode"})) }),
+        )
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::bad_request("no such route").into_response() })
         .with_state(inner)
 }
 
-async fn create_room(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> Result<Response, ApiError> {
+async fn create_room(
+    State(inner): Shared,
+    Path(room): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let req: RoomRequest = api::parse_json(&body)?;
     if inner.shutdown.is_cancelled() {
@@ -611,14 +779,19 @@ async fn create_room(State(inner): Shared, Path(room): Path<String>, body: Bytes
     let expected = l
         .room_bytes(req.tokens)
         .map_err(|e| ApiError::bad_request(format!("tokens {}: {e}", req.tokens)))?;
-    let dp_rank = req.dp_rank.unwrap_or((room_id % u64::from(inner.cfg.ranks.dp_size.max(1))) as u32);
+    let dp_rank = req
+        .dp_rank
+        .unwrap_or((room_id % u64::from(inner.cfg.ranks.dp_size.max(1))) as u32);
     let (pages, lease): (Arc<[u32]>, _) = match req.pages {
         Some(pages) => {
             api::validate_pages(&pages, needed, inner.pool.num_pages())?;
             (pages.into(), None)
         }
         None => {
-            let lease = inner.alloc.allocate(needed).map_err(|e| ApiError::exhausted(e.to_string()))?;
+            let lease = inner
+                .alloc
+                .allocate(needed)
+                .map_err(|e| ApiError::exhausted(e.to_string()))?;
             (lease.pages().into(), Some(lease))
         }
     };
@@ -647,14 +820,22 @@ async fn create_room(State(inner): Shared, Path(room): Path<String>, body: Bytes
     };
     let task_inner = inner.clone();
     tokio::spawn(async move {
-        if let Err(reason) = task_inner.clone().request(room_id, req.bootstrap, dp_rank).await {
+        if let Err(reason) = task_inner
+            .clone()
+            .request(room_id, req.bootstrap, dp_rank)
+            .await
+        {
             task_inner.fail(room_id, reason);
         }
     });
     Ok((axum::http::StatusCode::CREATED, axum::Json(view)).into_response())
 }
 
-async fn get_room(State(inner): Shared, Path(room): Path<String>, Query(q): Query<WaitQuery>) -> Result<Response, ApiError> {
+async fn get_room(
+    State(inner): Shared,
+    Path(room): Path<String>,
+    Query(q): Query<WaitQuery>,
+) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     if let Some(wait) = q.wait_ms {
         let rx = {
@@ -685,24 +866,38 @@ async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Res
         (room.pages.clone(), room.tokens)
     };
     let mut verified = None;
-    let succeeded = inner.rooms().get(&room_id).is_some_and(|r| r.status.state() == RoomState::Success);
+    let succeeded = inner
+        .rooms()
+        .get(&room_id)
+        .is_some_and(|r| r.status.state() == RoomState::Success);
     if inner.cfg.synthetic && succeeded {
         let (pool, kernel) = (inner.pool.clone(), inner.kernel);
-        let check = tokio::task::spawn_blocking(move || synthetic::verify(&kernel, &pool, room_id, &pages, 0..tokens)).await;
-        let result = check.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()));
+        let check = tokio::task::spawn_blocking(move || {
+            synthetic::verify(&kernel, &pool, room_id, &pages, 0..tokens)
+        })
+        .await;
+        let result = check
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
         verified = Some(result.is_ok());
         if let Err(e) = result {
             let mut rooms = inner.rooms();
             if let Some(room) = rooms.get_mut(&room_id) {
                 // A landed room that fails verification: count it as failed.
                 room.status = RoomStatus::new(RoomState::Failed);
-                room.status.fail(Reason::new(FailureCode::VerifyFailed, e.clone()));
-                inner.metrics.room_final(RoomState::Failed, Some(FailureCode::VerifyFailed));
+                room.status
+                    .fail(Reason::new(FailureCode::VerifyFailed, e.clone()));
+                inner
+                    .metrics
+                    .room_final(RoomState::Failed, Some(FailureCode::VerifyFailed));
             }
             tracing::error!(room = room_id, error = %e, "landed bytes differ from the synthetic pattern");
         }
     }
-    let room = inner.rooms().remove(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+    let room = inner
+        .rooms()
+        .remove(&room_id)
+        .ok_or(ApiError::unknown_room(room_id))?;
     let mut view = room.view(room_id);
     view["verified"] = serde_json::json!(verified);
     view["aux"] = serde_json::json!(room.done.as_ref().map(|d| api::base64(&d.aux)));
@@ -714,7 +909,9 @@ async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> Result<Re
     let reason = Reason::new(FailureCode::Aborted, "aborted by the decode engine");
     let peer = {
         let mut rooms = inner.rooms();
-        let room = rooms.get_mut(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+        let room = rooms
+            .get_mut(&room_id)
+            .ok_or(ApiError::unknown_room(room_id))?;
         let state = room.status.state();
         if state.is_final() || state == RoomState::Aborting {
             return Ok(axum::Json(room.view(room_id)).into_response());
@@ -757,6 +954,10 @@ async fn pool(State(inner): Shared) -> Response {
 }
 
 async fn metrics(State(inner): Shared) -> Response {
-    let text = inner.metrics.render("decode", inner.alloc.total_pages(), inner.alloc.free_pages());
+    let text = inner.metrics.render(
+        "decode",
+        inner.alloc.total_pages(),
+        inner.alloc.free_pages(),
+    );
     api::metrics_response(text)
 }

@@ -171,14 +171,27 @@ pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result
     let fields: [(&str, String, String); 5] = [
         ("kind", ours.kind.to_string(), theirs.kind.to_string()),
         ("dtype", ours.dtype.to_string(), theirs.dtype.to_string()),
-        ("head_dim", ours.head_dim.to_string(), theirs.head_dim.to_string()),
-        ("page_size", ours.page_size.to_string(), theirs.page_size.to_string()),
-        ("num_layers", ours.num_layers.to_string(), theirs.num_layers.to_string()),
+        (
+            "head_dim",
+            ours.head_dim.to_string(),
+            theirs.head_dim.to_string(),
+        ),
+        (
+            "page_size",
+            ours.page_size.to_string(),
+            theirs.page_size.to_string(),
+        ),
+        (
+            "num_layers",
+            ours.num_layers.to_string(),
+            theirs.num_layers.to_string(),
+        ),
     ];
     let heads = (ours.num_kv_heads, theirs.num_kv_heads);
-    for (field, a, b) in fields
-        .into_iter()
-        .chain([("num_kv_heads", heads.0.to_string(), heads.1.to_string())])
+    for (field, a, b) in
+        fields
+            .into_iter()
+            .chain([("num_kv_heads", heads.0.to_string(), heads.1.to_string())])
     {
         if a != b {
             return Err(Reason::new(
@@ -226,7 +239,8 @@ pub(crate) fn plan_chunks(
         }
         return out;
     }
-    let per_tokens = (chunk_bytes / bytes_per_token_layer.max(1) / page_size * page_size).max(page_size);
+    let per_tokens =
+        (chunk_bytes / bytes_per_token_layer.max(1) / page_size * page_size).max(page_size);
     for layer in layers {
         let mut t = tokens.start;
         while t < tokens.end {
@@ -278,7 +292,8 @@ mod tests {
 
     #[test]
     fn incompatible_layouts_name_the_field_and_both_values() {
-        let l = crate::layout::KvLayout::new(crate::layout::ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        let l = crate::layout::KvLayout::new(crate::layout::ModelSpec::preset("tiny").unwrap(), 16)
+            .unwrap();
         let ours = wire_layout(&l);
         let theirs = WireLayout {
             page_size: 32,

@@ -50,7 +50,10 @@ pub struct PrefillAgent {
 
 impl PrefillAgent {
     /// Starts the agent; it serves until `shutdown` is cancelled.
-    pub async fn start(cfg: AgentConfig, shutdown: CancellationToken) -> Result<Self, super::AgentError> {
+    pub async fn start(
+        cfg: AgentConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Self, super::AgentError> {
         let instance = Uuid::new_v4();
         let pool = Arc::new(HostPool::anonymous(cfg.layout.clone(), cfg.pool_pages)?);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
@@ -70,7 +73,13 @@ impl PrefillAgent {
             shutdown: shutdown.clone(),
             cfg,
         });
-        let reg = super::registration(Role::Prefill, instance, &inner.cfg, control_endpoint.clone(), Default::default());
+        let reg = super::registration(
+            Role::Prefill,
+            instance,
+            &inner.cfg,
+            control_endpoint.clone(),
+            Default::default(),
+        );
         let keep_alive = registry.keep_alive(reg, shutdown.clone()).await?;
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(control_loop(inner.clone(), server));
@@ -175,7 +184,8 @@ impl Inner {
     fn finished(&self, room: &mut Room) {
         if room.status.state().is_final() && room.final_at.is_none() {
             room.final_at = Some(Instant::now());
-            self.metrics.room_final(room.status.state(), room.status.reason().map(|r| r.code));
+            self.metrics
+                .room_final(room.status.state(), room.status.reason().map(|r| r.code));
             // The agent's own pages go back to the pool once no gather reads them.
             if !room.running {
                 if let Some(ready) = &mut room.ready {
@@ -187,7 +197,11 @@ impl Inner {
 
     async fn reply(&self, peer: &PeerId, msg: Message) {
         let mut replier = self.replier.clone();
-        let sent = tokio::time::timeout(self.cfg.timeouts.send, replier.send(peer, msg.encode().into())).await;
+        let sent = tokio::time::timeout(
+            self.cfg.timeouts.send,
+            replier.send(peer, msg.encode().into()),
+        )
+        .await;
         if !matches!(sent, Ok(Ok(()))) {
             tracing::warn!(msg = msg.name(), "could not answer a decode peer");
         }
@@ -195,7 +209,15 @@ impl Inner {
 
     async fn refuse(&self, peer: &PeerId, room: Option<u64>, code: FailureCode, message: String) {
         tracing::warn!(?room, %code, %message, "refused a decode request");
-        self.reply(peer, Message::Error(ErrorMsg { room, code, message })).await;
+        self.reply(
+            peer,
+            Message::Error(ErrorMsg {
+                room,
+                code,
+                message,
+            }),
+        )
+        .await;
     }
 
     async fn on_hello(self: Arc<Self>, identity: PeerId, hello: Hello) {
@@ -205,24 +227,44 @@ impl Inner {
                 FailureCode::IncompatibleVersion,
                 format!(
                     "decode speaks protocol versions {}..={}, this prefill {}..={}",
-                    hello.min_version, hello.max_version, protocol::MIN_VERSION, protocol::VERSION
+                    hello.min_version,
+                    hello.max_version,
+                    protocol::MIN_VERSION,
+                    protocol::VERSION
                 ),
             )
             .await;
         };
         if self.cfg.token.as_deref().unwrap_or("") != hello.token {
-            return refuse(FailureCode::Unauthorized, "wrong or missing token in Hello".to_owned()).await;
+            return refuse(
+                FailureCode::Unauthorized,
+                "wrong or missing token in Hello".to_owned(),
+            )
+            .await;
         }
         if hello.role != protocol::Role::Decode {
-            return refuse(FailureCode::BadMessage, "Hello to a prefill must come from a decode".to_owned()).await;
+            return refuse(
+                FailureCode::BadMessage,
+                "Hello to a prefill must come from a decode".to_owned(),
+            )
+            .await;
         }
-        if let Err(reason) = super::check_compatible(&super::wire_layout(&self.cfg.layout), &hello.layout) {
+        if let Err(reason) =
+            super::check_compatible(&super::wire_layout(&self.cfg.layout), &hello.layout)
+        {
             return refuse(reason.code, reason.message).await;
         }
-        let data = match self.transport.connect(&hello.data_endpoint, self.cfg.timeouts.connect).await {
+        let data = match self
+            .transport
+            .connect(&hello.data_endpoint, self.cfg.timeouts.connect)
+            .await
+        {
             Ok(d) => d,
             Err(e) => {
-                let msg = format!("decode data endpoint {} unreachable from this prefill: {}", hello.data_endpoint, e.message);
+                let msg = format!(
+                    "decode data endpoint {} unreachable from this prefill: {}",
+                    hello.data_endpoint, e.message
+                );
                 return refuse(FailureCode::Unreachable, msg).await;
             }
         };
@@ -232,38 +274,66 @@ impl Inner {
             data_endpoint: hello.data_endpoint,
             data: tokio::sync::Mutex::new(data),
         });
-        self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(identity.clone(), peer);
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(identity.clone(), peer);
         tracing::info!(decode = %hello.instance, version, "decode peer connected");
-        self.reply(&identity, Message::HelloAck(HelloAck { version, instance: self.instance })).await;
+        self.reply(
+            &identity,
+            Message::HelloAck(HelloAck {
+                version,
+                instance: self.instance,
+            }),
+        )
+        .await;
     }
 
     async fn on_request(self: Arc<Self>, identity: PeerId, req: TransferRequest) {
         let room_id = req.room;
-        let peer = self.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&identity).cloned();
+        let peer = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&identity)
+            .cloned();
         let Some(peer) = peer else {
             let m = "TransferRequest before Hello".to_owned();
-            return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m).await;
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
+                .await;
         };
         if req.prefill_instance != self.instance {
-            let m = format!("request addressed instance {}, this prefill is {}: it restarted", req.prefill_instance, self.instance);
-            return self.refuse(&identity, Some(room_id), FailureCode::PeerDead, m).await;
+            let m = format!(
+                "request addressed instance {}, this prefill is {}: it restarted",
+                req.prefill_instance, self.instance
+            );
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::PeerDead, m)
+                .await;
         }
         let l = &self.cfg.layout;
         let within = |r: &std::ops::Range<u32>, held: &std::ops::Range<usize>| {
             r.start as usize >= held.start && r.end as usize <= held.end && !r.is_empty()
         };
-        if !within(&req.layers, &l.layers) || !within(&req.heads, &l.heads) || req.tokens.is_empty() {
+        if !within(&req.layers, &l.layers) || !within(&req.heads, &l.heads) || req.tokens.is_empty()
+        {
             let m = format!(
                 "request for layers {:?} heads {:?} tokens {:?}; this rank holds layers {:?} heads {:?}",
                 req.layers, req.heads, req.tokens, l.layers, l.heads
             );
-            return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m).await;
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
+                .await;
         }
         let refusal = {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
             if room.request.is_some() || room.status.state().is_final() {
-                Some(Reason::new(FailureCode::BadMessage, format!("room {room_id} was already requested")))
+                Some(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("room {room_id} was already requested"),
+                ))
             } else {
                 room.request = Some((peer, req));
                 room.status.advance(RoomState::WaitingForInput);
@@ -271,21 +341,27 @@ impl Inner {
             }
         };
         if let Some(reason) = refusal {
-            self.refuse(&identity, Some(room_id), reason.code, reason.message).await;
+            self.refuse(&identity, Some(room_id), reason.code, reason.message)
+                .await;
         }
     }
 
     /// Starts the transfer when both the request and the ready pages are there. Returns the
     /// reason when they cannot be served together.
     fn start_if_ready(self: &Arc<Self>, room_id: u64, room: &mut Room) -> Option<Reason> {
-        let (Some((peer, req)), Some(ready)) = (&room.request, &room.ready) else { return None };
+        let (Some((peer, req)), Some(ready)) = (&room.request, &room.ready) else {
+            return None;
+        };
         if room.running || room.status.state().is_final() {
             return None;
         }
         if req.tokens.end as usize > ready.tokens {
             let reason = Reason::new(
                 FailureCode::BadMessage,
-                format!("decode asks for tokens {:?}; the engine announced {}", req.tokens, ready.tokens),
+                format!(
+                    "decode asks for tokens {:?}; the engine announced {}",
+                    req.tokens, ready.tokens
+                ),
             );
             room.status.fail(reason.clone());
             self.finished(room);
@@ -315,7 +391,10 @@ impl Inner {
                 bytes: self.rooms().get(&job.room).map_or(0, |r| r.sent as u64),
                 aux: job.aux.clone(),
             }),
-            Ok(_) => Message::AbortAck(protocol::AbortAck { room: job.room, instance: self.instance }),
+            Ok(_) => Message::AbortAck(protocol::AbortAck {
+                room: job.room,
+                instance: self.instance,
+            }),
             Err(ref reason) => Message::Error(ErrorMsg {
                 room: Some(job.room),
                 code: reason.code,
@@ -343,39 +422,66 @@ impl Inner {
         self.reply(&job.peer.identity, ack).await;
     }
 
-    /// Gathers and sends every chunk of a room; returns the chunk count.
+    /// Gathers and sends every chunk of a room; returns the chunk count. The gather of chunk
+    /// i+1 runs on a blocking thread while chunk i is being sent.
     async fn push_chunks(&self, job: &Job) -> Result<u32, Reason> {
         let l = &self.cfg.layout;
-        let heads = job.req.heads.start as usize - l.heads.start..job.req.heads.end as usize - l.heads.start;
+        let heads = job.req.heads.start as usize - l.heads.start
+            ..job.req.heads.end as usize - l.heads.start;
         let per_token_layer = l.selection_bytes(1, 1, heads.len()).unwrap_or(usize::MAX);
         let tokens = job.req.tokens.start as usize..job.req.tokens.end as usize;
         let layers = job.req.layers.start as usize..job.req.layers.end as usize;
-        let plan = plan_chunks(tokens, layers, per_token_layer, l.page_size, self.cfg.chunk_bytes);
-        let mut seq = 0u32;
-        for c in plan {
-            if job.cancel.is_cancelled() {
-                break;
-            }
+        let plan = plan_chunks(
+            tokens,
+            layers,
+            per_token_layer,
+            l.page_size,
+            self.cfg.chunk_bytes,
+        );
+        let gather = |c: &super::ChunkPlan| {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
-            let (pool, kernel, pages, wire) = (self.pool.clone(), self.kernel, job.pages.clone(), job.req.wire_order);
-            let sel_tokens = c.tokens.clone();
-            let sel_heads = heads.clone();
-            let gathered = tokio::task::spawn_blocking(move || {
-                let sel = Selection { pages: &pages, tokens: sel_tokens, layers: local, heads: sel_heads };
+            let (pool, kernel, pages, wire) = (
+                self.pool.clone(),
+                self.kernel,
+                job.pages.clone(),
+                job.req.wire_order,
+            );
+            let (tokens, heads) = (c.tokens.clone(), heads.clone());
+            tokio::task::spawn_blocking(move || {
+                let sel = Selection {
+                    pages: &pages,
+                    tokens,
+                    layers: local,
+                    heads,
+                };
                 let mut buf = vec![0u8; sel.bytes(&pool)?];
                 kernel.gather(&pool, &sel, wire, &mut buf).map(|()| buf)
             })
-            .await;
-            let bytes = match gathered {
+        };
+        let mut next = plan.first().map(gather);
+        for (seq, c) in plan.iter().enumerate() {
+            let Some(pending) = next.take() else { break };
+            let bytes = match pending.await {
                 Ok(Ok(b)) => b,
-                Ok(Err(e)) => return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}"))),
-                Err(e) => return Err(Reason::new(FailureCode::BadMessage, format!("gather stopped: {e}"))),
+                Ok(Err(e)) => {
+                    return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}")));
+                }
+                Err(e) => {
+                    return Err(Reason::new(
+                        FailureCode::BadMessage,
+                        format!("gather stopped: {e}"),
+                    ));
+                }
             };
+            if job.cancel.is_cancelled() {
+                return Ok(seq as u32);
+            }
+            next = plan.get(seq + 1).map(gather);
             let len = bytes.len();
             let header = Message::Chunk(Chunk {
                 room: job.room,
                 prefill_instance: self.instance,
-                seq,
+                seq: seq as u32,
                 tokens: c.tokens.start as u32..c.tokens.end as u32,
                 layers: c.layers.start as u32..c.layers.end as u32,
                 heads: job.req.heads.clone(),
@@ -384,24 +490,33 @@ impl Inner {
             });
             let timeout = self.cfg.timeouts.send;
             let sent = tokio::time::timeout(timeout, async {
-                job.peer.data.lock().await.send(header.encode().into(), bytes.into()).await
+                job.peer
+                    .data
+                    .lock()
+                    .await
+                    .send(header.encode().into(), bytes.into())
+                    .await
             })
             .await;
             match sent {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => return Err(Reason::new(FailureCode::PeerDead, e.to_string())),
                 Err(_) => {
-                    let m = format!("decode data endpoint {} took no chunk within {timeout:?}", job.peer.data_endpoint);
+                    let m = format!(
+                        "decode data endpoint {} took no chunk within {timeout:?}",
+                        job.peer.data_endpoint
+                    );
                     return Err(Reason::new(FailureCode::TimeoutStall, m));
                 }
             }
-            seq += 1;
-            self.metrics.bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+            self.metrics
+                .bytes
+                .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
             if let Some(room) = self.rooms().get_mut(&job.room) {
                 room.sent += len;
             }
         }
-        Ok(seq)
+        Ok(plan.len() as u32)
     }
 
     async fn on_abort(self: Arc<Self>, identity: PeerId, abort: protocol::Abort) {
@@ -413,7 +528,8 @@ impl Inner {
                     true
                 }
                 Some(room) => {
-                    room.status.abort(Reason::new(abort.code, abort.message), true);
+                    room.status
+                        .abort(Reason::new(abort.code, abort.message), true);
                     self.finished(room);
                     false
                 }
@@ -422,7 +538,10 @@ impl Inner {
         };
         // A running transfer acknowledges when it stops; otherwise nothing is in flight.
         if !running {
-            let ack = Message::AbortAck(protocol::AbortAck { room: abort.room, instance: self.instance });
+            let ack = Message::AbortAck(protocol::AbortAck {
+                room: abort.room,
+                instance: self.instance,
+            });
             self.reply(&identity, ack).await;
         }
     }
@@ -446,7 +565,10 @@ async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
         let (identity, frame) = match received {
             Ok(v) => v,
             Err(e) => {
-                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner
+                    .metrics
+                    .bad_messages
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(error = %e, "control socket");
                 continue;
             }
@@ -460,13 +582,28 @@ async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
             Ok(Message::Abort(a)) => inner.on_abort(identity, a).await,
             Ok(Message::Heartbeat(_)) => {}
             Ok(other) => {
-                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner
+                    .metrics
+                    .bad_messages
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let m = format!("a prefill does not accept {}", other.name());
-                inner.refuse(&identity, None, FailureCode::BadMessage, m).await;
+                inner
+                    .refuse(&identity, None, FailureCode::BadMessage, m)
+                    .await;
             }
             Err(e) => {
-                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                inner.refuse(&identity, None, FailureCode::BadMessage, format!("undecodable frame: {e}")).await;
+                inner
+                    .metrics
+                    .bad_messages
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner
+                    .refuse(
+                        &identity,
+                        None,
+                        FailureCode::BadMessage,
+                        format!("undecodable frame: {e}"),
+                    )
+                    .await;
             }
         }
     }
@@ -483,7 +620,11 @@ async fn expire_rooms(inner: Arc<Inner>) {
         inner.rooms().retain(|_, room| {
             let old = room.final_at.is_some_and(|t| t.elapsed() >= ttl);
             // Ready pages no decode ever asked for are released after the same TTL.
-            let orphan = room.request.is_none() && room.status.entered(RoomState::Bootstrapping).is_some_and(|t| super::room::now_ms() - t >= ttl.as_secs_f64() * 1e3);
+            let orphan = room.request.is_none()
+                && room
+                    .status
+                    .entered(RoomState::Bootstrapping)
+                    .is_some_and(|t| super::room::now_ms() - t >= ttl.as_secs_f64() * 1e3);
             !(old || orphan) || room.running
         });
     }
@@ -511,13 +652,20 @@ fn routes(inner: Arc<Inner>) -> Router {
         .route("/v1/rooms/{room}/ready", post(ready))
         .route("/v1/rooms/{room}", get(get_room))
         .route("/v1/pool", get(pool))
-        .route("/healthz", get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "prefill"})) }))
+        .route(
+            "/healthz",
+            get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "prefill"})) }),
+        )
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::bad_request("no such route").into_response() })
         .with_state(inner)
 }
 
-async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> Result<Response, ApiError> {
+async fn ready(
+    State(inner): Shared,
+    Path(room): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let req: ReadyRequest = api::parse_json(&body)?;
     if req.tokens == 0 {
@@ -528,10 +676,20 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
         None => Vec::new(),
     };
     if aux.len() > protocol::MAX_AUX {
-        return Err(ApiError::bad_request(format!("aux is {} bytes; at most {} are carried", aux.len(), protocol::MAX_AUX)));
+        return Err(ApiError::bad_request(format!(
+            "aux is {} bytes; at most {} are carried",
+            aux.len(),
+            protocol::MAX_AUX
+        )));
     }
-    if inner.rooms().get(&room_id).is_some_and(|r| r.ready.is_some()) {
-        return Err(ApiError::conflict(format!("room {room_id} is already ready")));
+    if inner
+        .rooms()
+        .get(&room_id)
+        .is_some_and(|r| r.ready.is_some())
+    {
+        return Err(ApiError::conflict(format!(
+            "room {room_id} is already ready"
+        )));
     }
     let l = &inner.cfg.layout;
     let needed = l.pages_for(req.tokens);
@@ -541,38 +699,66 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
             (pages.into(), None)
         }
         (None, true) => {
-            let lease = inner.alloc.allocate(needed).map_err(|e| ApiError::exhausted(e.to_string()))?;
+            let lease = inner
+                .alloc
+                .allocate(needed)
+                .map_err(|e| ApiError::exhausted(e.to_string()))?;
             let pages: Arc<[u32]> = lease.pages().into();
-            let (pool, kernel, fill_pages, tokens) = (inner.pool.clone(), inner.kernel, pages.clone(), req.tokens);
-            tokio::task::spawn_blocking(move || synthetic::fill(&kernel, &pool, room_id, &fill_pages, 0..tokens))
-                .await
-                .map_err(|e| ApiError::unavailable(e.to_string()))?
-                .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let (pool, kernel, fill_pages, tokens) =
+                (inner.pool.clone(), inner.kernel, pages.clone(), req.tokens);
+            tokio::task::spawn_blocking(move || {
+                synthetic::fill(&kernel, &pool, room_id, &fill_pages, 0..tokens)
+            })
+            .await
+            .map_err(|e| ApiError::unavailable(e.to_string()))?
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
             (pages, Some(lease))
         }
-        (None, false) => return Err(ApiError::bad_request("pages are required (the agent fills pages itself only with --synthetic)")),
+        (None, false) => {
+            return Err(ApiError::bad_request(
+                "pages are required (the agent fills pages itself only with --synthetic)",
+            ));
+        }
     };
     let (view, refusal) = {
         let mut rooms = inner.rooms();
         let room = rooms.entry(room_id).or_insert_with(Room::new);
         if room.ready.is_some() {
-            return Err(ApiError::conflict(format!("room {room_id} is already ready")));
+            return Err(ApiError::conflict(format!(
+                "room {room_id} is already ready"
+            )));
         }
         if room.status.state().is_final() {
-            return Err(ApiError::conflict(format!("room {room_id} is {}", room.status.state().name())));
+            return Err(ApiError::conflict(format!(
+                "room {room_id} is {}",
+                room.status.state().name()
+            )));
         }
-        room.ready = Some(Ready { tokens: req.tokens, pages, lease, aux });
+        room.ready = Some(Ready {
+            tokens: req.tokens,
+            pages,
+            lease,
+            aux,
+        });
         room.status.mark("ready");
-        let refusal = inner.start_if_ready(room_id, room).map(|r| (room.request.as_ref().map(|(p, _)| p.identity.clone()), r));
+        let refusal = inner
+            .start_if_ready(room_id, room)
+            .map(|r| (room.request.as_ref().map(|(p, _)| p.identity.clone()), r));
         (room.view(room_id), refusal)
     };
     if let Some((Some(identity), reason)) = refusal {
-        inner.refuse(&identity, Some(room_id), reason.code, reason.message).await;
+        inner
+            .refuse(&identity, Some(room_id), reason.code, reason.message)
+            .await;
     }
     Ok((axum::http::StatusCode::ACCEPTED, axum::Json(view)).into_response())
 }
 
-async fn get_room(State(inner): Shared, Path(room): Path<String>, Query(q): Query<WaitQuery>) -> Result<Response, ApiError> {
+async fn get_room(
+    State(inner): Shared,
+    Path(room): Path<String>,
+    Query(q): Query<WaitQuery>,
+) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     if let Some(wait) = q.wait_ms {
         let rx = {
@@ -598,6 +784,10 @@ async fn pool(State(inner): Shared) -> Response {
 }
 
 async fn metrics(State(inner): Shared) -> Response {
-    let text = inner.metrics.render("prefill", inner.alloc.total_pages(), inner.alloc.free_pages());
+    let text = inner.metrics.render(
+        "prefill",
+        inner.alloc.total_pages(),
+        inner.alloc.free_pages(),
+    );
     api::metrics_response(text)
 }

@@ -60,7 +60,10 @@ impl RoomState {
 
     /// True for states that never change again.
     pub fn is_final(self) -> bool {
-        matches!(self, RoomState::Success | RoomState::Failed | RoomState::Aborted)
+        matches!(
+            self,
+            RoomState::Success | RoomState::Failed | RoomState::Aborted
+        )
     }
 
     /// Whether a room in `self` may move to `to`.
@@ -165,7 +168,10 @@ impl RoomStatus {
 
     /// The time (ms since the epoch) of a named event or state.
     pub fn at(&self, event: &str) -> Option<f64> {
-        self.timings.iter().find(|(name, _)| *name == event).map(|(_, t)| *t)
+        self.timings
+            .iter()
+            .find(|(name, _)| *name == event)
+            .map(|(_, t)| *t)
     }
 
     /// A receiver that wakes on the next state change.
@@ -193,7 +199,10 @@ mod tests {
         let mut s = RoomStatus::default();
         assert!(s.advance(WaitingForInput));
         assert!(!s.advance(Bootstrapping));
-        assert!(s.advance(Success), "skipping transferring is allowed (empty rooms)");
+        assert!(
+            s.advance(Success),
+            "skipping transferring is allowed (empty rooms)"
+        );
         assert!(!s.fail(Reason::new(FailureCode::PeerDead, "late")));
         assert_eq!(s.state(), Success);
         assert!(s.reason().is_none());

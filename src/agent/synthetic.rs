@@ -61,7 +61,9 @@ fn layer_pattern(pool: &HostPool, room: u64, layer: usize, tokens: &Range<usize>
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum VerifyError {
     /// A byte differs.
-    #[error("byte {byte} of head {head}, plane {plane}, token {token}, layer {layer} differs from the pattern")]
+    #[error(
+        "byte {byte} of head {head}, plane {plane}, token {token}, layer {layer} differs from the pattern"
+    )]
     Mismatch {
         /// Global layer.
         layer: usize,
@@ -79,7 +81,12 @@ pub enum VerifyError {
     Kernel(#[from] KernelError),
 }
 
-fn layer_selection<'a>(pool: &HostPool, pages: &'a [u32], tokens: &Range<usize>, local: usize) -> Selection<'a> {
+fn layer_selection<'a>(
+    pool: &HostPool,
+    pages: &'a [u32],
+    tokens: &Range<usize>,
+    local: usize,
+) -> Selection<'a> {
     Selection {
         pages,
         tokens: tokens.clone(),
@@ -169,7 +176,13 @@ mod tests {
         pool.write(off, &[!b]).unwrap();
         assert_eq!(
             verify(&k, &pool, 42, &pages, 0..40).unwrap_err(),
-            VerifyError::Mismatch { layer: 2, plane: 1, token: 17, head: 2, byte: 3 }
+            VerifyError::Mismatch {
+                layer: 2,
+                plane: 1,
+                token: 17,
+                head: 2,
+                byte: 3
+            }
         );
     }
 

@@ -26,9 +26,16 @@ pub struct Process {
 
 impl Process {
     /// Starts `exe args`, waits up to `wait` for its listening line.
-    pub fn spawn(exe: &Path, name: &str, args: &[String], log_dir: &Path, wait: Duration) -> anyhow::Result<Self> {
+    pub fn spawn(
+        exe: &Path,
+        name: &str,
+        args: &[String],
+        log_dir: &Path,
+        wait: Duration,
+    ) -> anyhow::Result<Self> {
         let log = log_dir.join(format!("{name}.log"));
-        let stderr = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let stderr =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let mut child = Command::new(exe)
             .args(args)
             .stdin(Stdio::null())
@@ -52,9 +59,13 @@ impl Process {
         };
         let line = match rx.recv_timeout(wait) {
             Ok(Some(Ok(line))) => line,
-            _ => bail!("{name} printed no listening line within {wait:?}; see {}", process.log.display()),
+            _ => bail!(
+                "{name} printed no listening line within {wait:?}; see {}",
+                process.log.display()
+            ),
         };
-        process.listening = serde_json::from_str(&line).with_context(|| format!("{name} listening line {line:?}"))?;
+        process.listening = serde_json::from_str(&line)
+            .with_context(|| format!("{name} listening line {line:?}"))?;
         Ok(process)
     }
 
@@ -63,7 +74,12 @@ impl Process {
         self.listening[key]
             .as_str()
             .map(str::to_owned)
-            .with_context(|| format!("{} listening line has no {key:?}: {}", self.name, self.listening))
+            .with_context(|| {
+                format!(
+                    "{} listening line has no {key:?}: {}",
+                    self.name, self.listening
+                )
+            })
     }
 
     /// Sends a signal (`TERM`, `KILL`, ...) by name.

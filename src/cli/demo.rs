@@ -27,7 +27,11 @@ pub struct DemoArgs {
     #[arg(long, default_value = "zmq-tcp")]
     transport: TransportKind,
     /// Room lengths in tokens, comma separated; one room each.
-    #[arg(long, value_delimiter = ',', default_value = "16,512,1000,4096,2500,128,3000,64")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16,512,1000,4096,2500,128,3000,64"
+    )]
     tokens: Vec<usize>,
     /// Rooms in flight at once.
     #[arg(long, default_value_t = 4)]
@@ -67,7 +71,12 @@ pub struct RoomResult {
 
 /// Plays both engines: for each `(room, tokens)`, asks the decode for the room and tells the
 /// prefill it is ready, waits for a final state, takes it, and reads the timings.
-pub async fn drive_rooms(prefill_api: &str, decode_api: &str, rooms: Vec<(u64, usize)>, concurrency: usize) -> anyhow::Result<Vec<RoomResult>> {
+pub async fn drive_rooms(
+    prefill_api: &str,
+    decode_api: &str,
+    rooms: Vec<(u64, usize)>,
+    concurrency: usize,
+) -> anyhow::Result<Vec<RoomResult>> {
     let http = reqwest::Client::builder().no_proxy().build()?;
     let gate = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
     let mut tasks = tokio::task::JoinSet::new();
@@ -96,14 +105,40 @@ async fn json_ok(resp: reqwest::Response, what: &str) -> anyhow::Result<Value> {
     Ok(body)
 }
 
-async fn one_room(http: &reqwest::Client, prefill: &str, decode: &str, room: u64, tokens: usize) -> anyhow::Result<RoomResult> {
+async fn one_room(
+    http: &reqwest::Client,
+    prefill: &str,
+    decode: &str,
+    room: u64,
+    tokens: usize,
+) -> anyhow::Result<RoomResult> {
     let started = Instant::now();
     let body = json!({ "tokens": tokens });
-    json_ok(http.post(format!("{decode}/v1/rooms/{room}")).json(&body).send().await?, "decode request").await?;
-    json_ok(http.post(format!("{prefill}/v1/rooms/{room}/ready")).json(&body).send().await?, "prefill ready").await?;
+    json_ok(
+        http.post(format!("{decode}/v1/rooms/{room}"))
+            .json(&body)
+            .send()
+            .await?,
+        "decode request",
+    )
+    .await?;
+    json_ok(
+        http.post(format!("{prefill}/v1/rooms/{room}/ready"))
+            .json(&body)
+            .send()
+            .await?,
+        "prefill ready",
+    )
+    .await?;
     let deadline = Instant::now() + Duration::from_secs(120);
     let view = loop {
-        let v = json_ok(http.get(format!("{decode}/v1/rooms/{room}?wait_ms=5000")).send().await?, "decode room").await?;
+        let v = json_ok(
+            http.get(format!("{decode}/v1/rooms/{room}?wait_ms=5000"))
+                .send()
+                .await?,
+            "decode room",
+        )
+        .await?;
         let state = v["state"].as_str().unwrap_or_default();
         if ["success", "failed", "aborted"].contains(&state) {
             break v;
@@ -112,10 +147,26 @@ async fn one_room(http: &reqwest::Client, prefill: &str, decode: &str, room: u64
             bail!("room {room} still {state} after 120 s: {v}");
         }
     };
-    let taken = json_ok(http.post(format!("{decode}/v1/rooms/{room}/take")).send().await?, "take").await?;
+    let taken = json_ok(
+        http.post(format!("{decode}/v1/rooms/{room}/take"))
+            .send()
+            .await?,
+        "take",
+    )
+    .await?;
     let take_ms = started.elapsed().as_secs_f64() * 1e3;
-    let prefill_view = json_ok(http.get(format!("{prefill}/v1/rooms/{room}")).send().await?, "prefill room").await;
-    let ready_at = prefill_view.as_ref().ok().and_then(|v| v["timings"]["ready"].as_f64()).unwrap_or(0.0);
+    let prefill_view = json_ok(
+        http.get(format!("{prefill}/v1/rooms/{room}"))
+            .send()
+            .await?,
+        "prefill room",
+    )
+    .await;
+    let ready_at = prefill_view
+        .as_ref()
+        .ok()
+        .and_then(|v| v["timings"]["ready"].as_f64())
+        .unwrap_or(0.0);
     let success_at = view["timings"]["success"].as_f64().unwrap_or(0.0);
     Ok(RoomResult {
         room,
@@ -158,7 +209,14 @@ pub fn memcpy_gbps(bytes: usize) -> f64 {
 }
 
 /// The bench JSON object of one configuration (design.md part 8).
-pub fn summary(results: &[RoomResult], transport: &str, model: &str, tokens: Value, page_size: usize, concurrency: usize) -> Value {
+pub fn summary(
+    results: &[RoomResult],
+    transport: &str,
+    model: &str,
+    tokens: Value,
+    page_size: usize,
+    concurrency: usize,
+) -> Value {
     let ok: Vec<&RoomResult> = results.iter().filter(|r| r.verified).collect();
     let lat: Vec<f64> = ok.iter().map(|r| r.latency_ms).collect();
     let take: Vec<f64> = results.iter().map(|r| r.take_ms).collect();
@@ -189,12 +247,12 @@ pub fn summary(results: &[RoomResult], transport: &str, model: &str, tokens: Val
 /// The registry, one prefill and one decode agent, running.
 #[derive(Debug)]
 pub struct LocalCluster {
-    /// The registry.
-    pub registry: Process,
+    /// The decode agent (fields drop in order: agents stop before the registry).
+    pub decode: Process,
     /// The prefill agent.
     pub prefill: Process,
-    /// The decode agent.
-    pub decode: Process,
+    /// The registry.
+    pub registry: Process,
     /// Where the logs are.
     pub logs: PathBuf,
 }
@@ -205,14 +263,25 @@ impl LocalCluster {
         let logs = log_dir(tag)?;
         let wait = Duration::from_secs(30);
         let args = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-        let registry = Process::spawn(exe, "registry", &args(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]), &logs, wait)?;
+        let registry = Process::spawn(
+            exe,
+            "registry",
+            &args(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]),
+            &logs,
+            wait,
+        )?;
         let url = registry.field("url")?;
         let mut common = args(&["--bootstrap", &url]);
         common.extend_from_slice(agent_args);
         let with = |role: &str| [vec![role.to_owned()], common.clone()].concat();
         let prefill = Process::spawn(exe, "prefill", &with("prefill"), &logs, wait)?;
         let decode = Process::spawn(exe, "decode", &with("decode"), &logs, wait)?;
-        Ok(LocalCluster { registry, prefill, decode, logs })
+        Ok(LocalCluster {
+            registry,
+            prefill,
+            decode,
+            logs,
+        })
     }
 }
 
@@ -220,37 +289,83 @@ impl LocalCluster {
 pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
     let model = ModelSpec::preset(&args.model)?;
     let layout = KvLayout::new(model, args.page_size)?;
-    let max_tokens = args.tokens.iter().copied().max().context("--tokens is empty")?;
+    let max_tokens = args
+        .tokens
+        .iter()
+        .copied()
+        .max()
+        .context("--tokens is empty")?;
     if args.tokens.contains(&0) {
         bail!("--tokens must all be > 0");
     }
     let pages = layout.pages_for(max_tokens) * args.concurrency.max(1) + 8;
     let exe = std::env::current_exe().context("locating the kvferry binary")?;
     let agent_args: Vec<String> = [
-        "--model", &args.model, "--page-size", &args.page_size.to_string(), "--pool-pages", &pages.to_string(),
-        "--transport", args.transport.name(), "--synthetic",
+        "--model",
+        &args.model,
+        "--page-size",
+        &args.page_size.to_string(),
+        "--pool-pages",
+        &pages.to_string(),
+        "--transport",
+        args.transport.name(),
+        "--synthetic",
     ]
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
     let cluster = LocalCluster::start(&exe, "demo", &agent_args)?;
     let (p, d) = (cluster.prefill.field("api")?, cluster.decode.field("api")?);
-    let rooms: Vec<(u64, usize)> = args.tokens.iter().enumerate().map(|(i, t)| (i as u64 + 1, *t)).collect();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rooms: Vec<(u64, usize)> = args
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i as u64 + 1, *t))
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let results = runtime.block_on(drive_rooms(&p, &d, rooms, args.concurrency))?;
-    let line = summary(&results, args.transport.name(), &args.model, json!(args.tokens), args.page_size, args.concurrency);
+    let line = summary(
+        &results,
+        args.transport.name(),
+        &args.model,
+        json!(args.tokens),
+        args.page_size,
+        args.concurrency,
+    );
     if args.json {
         println!("{line}");
     } else {
-        println!("{:>6} {:>7} {:>10} {:>10} {:>9} {:>9}", "room", "tokens", "MiB", "state", "verified", "lat ms");
+        println!(
+            "{:>6} {:>7} {:>10} {:>10} {:>9} {:>9}",
+            "room", "tokens", "MiB", "state", "verified", "lat ms"
+        );
         for r in &results {
-            let state = r.code.as_deref().map_or(r.state.clone(), |c| format!("{} ({c})", r.state));
-            println!("{:>6} {:>7} {:>10.1} {:>10} {:>9} {:>9.2}", r.room, r.tokens, r.bytes as f64 / (1 << 20) as f64, state, r.verified, r.latency_ms);
+            let state = r
+                .code
+                .as_deref()
+                .map_or(r.state.clone(), |c| format!("{} ({c})", r.state));
+            println!(
+                "{:>6} {:>7} {:>10.1} {:>10} {:>9} {:>9.2}",
+                r.room,
+                r.tokens,
+                r.bytes as f64 / (1 << 20) as f64,
+                state,
+                r.verified,
+                r.latency_ms
+            );
         }
         println!(
             "{} rooms over {}: {} verified, {:.2} GB/s end to end, p50 {:.2} ms (memcpy {:.1} GB/s); logs in {}",
-            results.len(), args.transport, line["verified_rooms"], line["throughput_gbps"].as_f64().unwrap_or(0.0),
-            line["latency_ms"]["p50"].as_f64().unwrap_or(0.0), line["memcpy_gbps"].as_f64().unwrap_or(0.0), cluster.logs.display()
+            results.len(),
+            args.transport,
+            line["verified_rooms"],
+            line["throughput_gbps"].as_f64().unwrap_or(0.0),
+            line["latency_ms"]["p50"].as_f64().unwrap_or(0.0),
+            line["memcpy_gbps"].as_f64().unwrap_or(0.0),
+            cluster.logs.display()
         );
     }
     let failed = line["failed_rooms"].as_u64().unwrap_or(1);

@@ -38,4 +38,3 @@ async fn wait_for_signal() -> &'static str {
         Err(_) => std::future::pending().await,
     }
 }
-

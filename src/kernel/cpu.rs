@@ -173,13 +173,17 @@ fn plan(layout: &KvLayout, num_pages: usize, sel: &Selection<'_>, wire: PageOrde
                 let pool_at = |tok: usize, h: usize| {
                     block + element_offset(layout.order, in_page + tok, h0 + h, page_size, held, hb)
                 };
-                let wire_at = |tok: usize, h: usize| staging + element_offset(wire, tok, h, nt, nh, hb);
+                let wire_at =
+                    |tok: usize, h: usize| staging + element_offset(wire, tok, h, nt, nh, hb);
                 let mut emit = |tok, h, len| {
-                    push(&mut runs, Run {
-                        pool: pool_at(tok, h),
-                        staging: wire_at(tok, h),
-                        len,
-                    })
+                    push(
+                        &mut runs,
+                        Run {
+                            pool: pool_at(tok, h),
+                            staging: wire_at(tok, h),
+                            len,
+                        },
+                    )
                 };
                 match (layout.order, wire) {
                     (PageOrder::TokenMajor, PageOrder::TokenMajor) if nh == held => {
@@ -264,7 +268,12 @@ mod tests {
             layers: 0..1,
             heads: 2..6,
         };
-        let tm = plan(&llama(PageOrder::TokenMajor), 8, &sel, PageOrder::TokenMajor);
+        let tm = plan(
+            &llama(PageOrder::TokenMajor),
+            8,
+            &sel,
+            PageOrder::TokenMajor,
+        );
         assert_eq!(tm.len(), 2 * 16);
         assert!(tm.iter().all(|r| r.len == 4 * 256));
         // Head-major: a head slice of a page is contiguous, so one run per plane.
@@ -276,15 +285,41 @@ mod tests {
     #[test]
     fn split_cuts_runs_into_equal_shares() {
         let runs = [
-            Run { pool: 0, staging: 0, len: 10 },
-            Run { pool: 100, staging: 10, len: 5 },
+            Run {
+                pool: 0,
+                staging: 0,
+                len: 10,
+            },
+            Run {
+                pool: 100,
+                staging: 10,
+                len: 5,
+            },
         ];
         let shares = split(&runs, 15, 2);
         assert_eq!(shares.len(), 2);
-        assert_eq!(shares[0], vec![Run { pool: 0, staging: 0, len: 8 }]);
-        assert_eq!(shares[1], vec![
-            Run { pool: 8, staging: 8, len: 2 },
-            Run { pool: 100, staging: 10, len: 5 }
-        ]);
+        assert_eq!(
+            shares[0],
+            vec![Run {
+                pool: 0,
+                staging: 0,
+                len: 8
+            }]
+        );
+        assert_eq!(
+            shares[1],
+            vec![
+                Run {
+                    pool: 8,
+                    staging: 8,
+                    len: 2
+                },
+                Run {
+                    pool: 100,
+                    staging: 10,
+                    len: 5
+                }
+            ]
+        );
     }
 }

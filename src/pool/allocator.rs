@@ -171,7 +171,10 @@ mod tests {
             for l in &leases {
                 for &p in l.pages() {
                     assert!(p < total);
-                    assert!(!std::mem::replace(&mut owner[p as usize], true), "step {step}: page {p} in two leases");
+                    assert!(
+                        !std::mem::replace(&mut owner[p as usize], true),
+                        "step {step}: page {p} in two leases"
+                    );
                 }
             }
             assert_eq!(a.free_pages() + used, total as usize, "step {step}");

@@ -155,7 +155,8 @@ impl HostPool {
             .create_new(true)
             .open(path)
             .map_err(|source| io_err("create", &shown, source))?;
-        let reserve = rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size as u64);
+        let reserve =
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size as u64);
         if let Err(errno) = reserve {
             let _ = std::fs::remove_file(path);
             return Err(io_err("reserve", &shown, errno.into()));
@@ -252,7 +253,12 @@ impl HostPool {
     }
 
     /// Offset of one block (local layer, plane, page) in the pool.
-    pub fn block_offset(&self, layer: usize, plane: usize, page: usize) -> Result<usize, PoolError> {
+    pub fn block_offset(
+        &self,
+        layer: usize,
+        plane: usize,
+        page: usize,
+    ) -> Result<usize, PoolError> {
         let l = &self.layout;
         if layer >= l.num_layers() || plane >= l.planes() || page >= self.num_pages {
             return Err(PoolError::BadBlock { layer, plane, page });
@@ -277,7 +283,9 @@ impl HostPool {
         let mut out = vec![0u8; len];
         // SAFETY: offset..offset+len is inside the mapping (checked above) and `out` is a
         // distinct allocation of len bytes; no reference into the mapping exists.
-        unsafe { std::ptr::copy_nonoverlapping(self.base_ptr().add(offset), out.as_mut_ptr(), len) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base_ptr().add(offset), out.as_mut_ptr(), len)
+        };
         Ok(out)
     }
 
@@ -345,7 +353,10 @@ mod tests {
         assert_eq!(pool.size(), tiny().pool_bytes(7).unwrap());
         assert_eq!(pool.base_ptr() as usize % 4096, 0);
         assert!(pool.read(0, pool.size()).unwrap().iter().all(|b| *b == 0));
-        assert!(matches!(HostPool::anonymous(tiny(), 0), Err(PoolError::Empty)));
+        assert!(matches!(
+            HostPool::anonymous(tiny(), 0),
+            Err(PoolError::Empty)
+        ));
     }
 
     #[test]
@@ -354,11 +365,26 @@ mod tests {
         let size = pool.size();
         pool.write(size - 3, &[1, 2, 3]).unwrap();
         assert_eq!(pool.read(size - 3, 3).unwrap(), vec![1, 2, 3]);
-        assert!(matches!(pool.write(size - 2, &[1, 2, 3]), Err(PoolError::OutOfBounds { .. })));
-        assert!(matches!(pool.read(usize::MAX, 2), Err(PoolError::OutOfBounds { .. })));
-        assert!(matches!(pool.block_offset(4, 0, 0), Err(PoolError::BadBlock { .. })));
-        assert!(matches!(pool.block_offset(0, 2, 0), Err(PoolError::BadBlock { .. })));
-        assert!(matches!(pool.block_offset(0, 0, 2), Err(PoolError::BadBlock { .. })));
+        assert!(matches!(
+            pool.write(size - 2, &[1, 2, 3]),
+            Err(PoolError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            pool.read(usize::MAX, 2),
+            Err(PoolError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            pool.block_offset(4, 0, 0),
+            Err(PoolError::BadBlock { .. })
+        ));
+        assert!(matches!(
+            pool.block_offset(0, 2, 0),
+            Err(PoolError::BadBlock { .. })
+        ));
+        assert!(matches!(
+            pool.block_offset(0, 0, 2),
+            Err(PoolError::BadBlock { .. })
+        ));
     }
 
     #[test]
@@ -366,7 +392,10 @@ mod tests {
         let d: PoolDescriptor = "shm:/dev/shm/kv0".parse().unwrap();
         assert_eq!(d, PoolDescriptor::Shm("/dev/shm/kv0".into()));
         assert_eq!(d.to_string(), "shm:/dev/shm/kv0");
-        assert_eq!("anon".parse::<PoolDescriptor>().unwrap(), PoolDescriptor::Anonymous);
+        assert_eq!(
+            "anon".parse::<PoolDescriptor>().unwrap(),
+            PoolDescriptor::Anonymous
+        );
         for bad in ["", "shm:", "cuda", "file:/x", "anon:x"] {
             assert!(bad.parse::<PoolDescriptor>().is_err(), "{bad}");
         }
@@ -376,7 +405,10 @@ mod tests {
     fn shm_pool_is_shared_reserved_and_unlinked_by_its_creator() {
         let path = std::env::temp_dir().join(format!("kvferry-pool-test-{}", std::process::id()));
         let creator = HostPool::create_shm(&path, tiny(), 3).unwrap();
-        assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, creator.size());
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len() as usize,
+            creator.size()
+        );
         // A second creation at the same path refuses to clobber the first.
         assert!(HostPool::create_shm(&path, tiny(), 3).is_err());
         // Another mapping with a different page count is refused with both sizes.

@@ -84,7 +84,10 @@ impl FromStr for TransportKind {
             .find(|k| k.name() == s)
             .ok_or_else(|| {
                 let names: Vec<_> = TransportKind::ALL.iter().map(|k| k.name()).collect();
-                format!("unknown transport {s:?}; this build has {}", names.join(", "))
+                format!(
+                    "unknown transport {s:?}; this build has {}",
+                    names.join(", ")
+                )
             })
     }
 }
@@ -101,16 +104,16 @@ pub trait DataReceiver: Send {
     fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>>;
 }
 
+/// A bound receiver and the endpoint senders connect to.
+pub type Listening = (String, Box<dyn DataReceiver>);
+
 /// A data-plane transport.
 pub trait Transport: Send + Sync {
     /// Which transport this is.
     fn kind(&self) -> TransportKind;
 
     /// Binds a receiver on `host`; returns the endpoint senders connect to.
-    fn listen(
-        &self,
-        host: &str,
-    ) -> BoxFuture<'static, Result<(String, Box<dyn DataReceiver>), TransportError>>;
+    fn listen(&self, host: &str) -> BoxFuture<'static, Result<Listening, TransportError>>;
 
     /// Connects a sender to a receiver's endpoint, failing after `timeout` if unreachable.
     fn connect(

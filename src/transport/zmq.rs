@@ -14,7 +14,9 @@ use zeromq::{
     RouterSendHalf, RouterSocket, SocketOptions, ZmqMessage,
 };
 
-use super::{BoxFuture, DataReceiver, DataSender, Transport, TransportError, TransportKind};
+use super::{
+    BoxFuture, DataReceiver, DataSender, Listening, Transport, TransportError, TransportKind,
+};
 
 /// The ZeroMQ data plane of one kind (`zmq-tcp` or `zmq-ipc`).
 #[derive(Debug)]
@@ -42,9 +44,9 @@ fn bind_address(kind: TransportKind, host: &str) -> String {
 }
 
 fn options(timeout: Option<Duration>) -> SocketOptions {
+    // The crate's default read buffer (64 KiB at most) measured fastest here for 1 MiB
+    // chunks: larger buffers cost more in reallocation than they save in reads.
     let mut o = SocketOptions::default();
-    // Chunks are megabytes: read in large pieces.
-    o.read_buffer(64 << 10, 4 << 20, 2);
     if let Some(t) = timeout {
         o.connect_timeout(t);
     }
@@ -56,10 +58,7 @@ impl Transport for ZmqData {
         self.kind
     }
 
-    fn listen(
-        &self,
-        host: &str,
-    ) -> BoxFuture<'static, Result<(String, Box<dyn DataReceiver>), TransportError>> {
+    fn listen(&self, host: &str) -> BoxFuture<'static, Result<Listening, TransportError>> {
         let address = bind_address(self.kind, host);
         Box::pin(async move {
             let mut socket = PullSocket::with_options(options(None));
@@ -85,7 +84,13 @@ impl Transport for ZmqData {
             let mut socket = PushSocket::with_options(options(Some(timeout)));
             tokio::time::timeout(timeout, socket.connect(&endpoint))
                 .await
-                .map_err(|_| TransportError::new("connect", &endpoint, format!("no answer within {timeout:?}")))?
+                .map_err(|_| {
+                    TransportError::new(
+                        "connect",
+                        &endpoint,
+                        format!("no answer within {timeout:?}"),
+                    )
+                })?
                 .map_err(|e| TransportError::new("connect", &endpoint, e))?;
             let sender: Box<dyn DataSender> = Box::new(ZmqSender { socket, endpoint });
             Ok(sender)
@@ -153,7 +158,9 @@ pub struct ControlReplier {
 
 impl ControlServer {
     /// Binds on `host` (tcp, port chosen by the OS); returns the endpoint and the two halves.
-    pub async fn bind(host: &str) -> Result<(String, ControlServer, ControlReplier), TransportError> {
+    pub async fn bind(
+        host: &str,
+    ) -> Result<(String, ControlServer, ControlReplier), TransportError> {
         let address = format!("tcp://{host}:0");
         let mut socket = RouterSocket::with_options(options(None));
         let endpoint = socket
@@ -161,7 +168,11 @@ impl ControlServer {
             .await
             .map_err(|e| TransportError::new("bind", &address, e))?;
         let (send, recv) = socket.split();
-        Ok((endpoint.to_string(), ControlServer { recv }, ControlReplier { send }))
+        Ok((
+            endpoint.to_string(),
+            ControlServer { recv },
+            ControlReplier { send },
+        ))
     }
 
     /// The next message: the sender's identity and one frame. Messages of another shape are
@@ -218,11 +229,16 @@ pub struct ControlClientRecv {
 
 impl ControlClient {
     /// Connects to a prefill's control endpoint, failing after `timeout` if unreachable.
-    pub async fn connect(endpoint: &str, timeout: Duration) -> Result<ControlClient, TransportError> {
+    pub async fn connect(
+        endpoint: &str,
+        timeout: Duration,
+    ) -> Result<ControlClient, TransportError> {
         let mut socket = DealerSocket::with_options(options(Some(timeout)));
         tokio::time::timeout(timeout, socket.connect(endpoint))
             .await
-            .map_err(|_| TransportError::new("connect", endpoint, format!("no answer within {timeout:?}")))?
+            .map_err(|_| {
+                TransportError::new("connect", endpoint, format!("no answer within {timeout:?}"))
+            })?
             .map_err(|e| TransportError::new("connect", endpoint, e))?;
         let (send, recv) = socket.split();
         Ok(ControlClient {

@@ -1,0 +1,534 @@
+//! Device pools, staging buffers and the launches of the CUDA transfer kernel (cudarc).
+//!
+//! A [`CudaKernel`] owns one device's context, a stream and the loaded module. A [`DevicePool`]
+//! is device memory laid out exactly like a [`crate::pool::HostPool`] of the same layout, plus
+//! its plane table (the address of page 0 of every (layer, plane)), uploaded once when the pool
+//! is created and passed to every launch. Staging is either pinned host memory mapped into the
+//! device's address space ([`PinnedStaging`]: the kernel writes it over the bus, the host reads
+//! it with no extra copy) or device memory ([`DeviceStaging`]: full device bandwidth, for
+//! GPU-direct transports and for measuring the kernel itself).
+//!
+//! Gather and scatter are synchronous: validate, upload the page list, one launch, wait. Every
+//! driver call's error is returned as [`CudaError::Driver`] naming the operation; nothing here
+//! unwraps an FFI result, and sizes are checked before cudarc sees them (its allocation and copy
+//! helpers assert on bad sizes).
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+
+use super::launch::{self, KvXferParams, LaunchPlan};
+use super::{CudaError, GATHER_ENTRY, SCATTER_ENTRY, compile_ptx, driver_present};
+use crate::kernel::{KernelError, Selection};
+use crate::layout::{KvLayout, LayoutError, PageOrder};
+
+// SAFETY: `KvXferParams` is `#[repr(C)]`, made of u64 and u32 fields only (no pointers Rust
+// owns, no padding holes the device reads), and mirrors the kernel's by-value parameter.
+unsafe impl DeviceRepr for KvXferParams {}
+
+fn driver(op: &'static str) -> impl Fn(DriverError) -> CudaError {
+    move |e| CudaError::Driver {
+        op,
+        message: e.to_string(),
+    }
+}
+
+fn bounds(offset: usize, len: usize, size: usize) -> Result<std::ops::Range<usize>, CudaError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(offset..end),
+        _ => Err(CudaError::OutOfBounds { offset, len, size }),
+    }
+}
+
+/// The CUDA transfer kernel of one device.
+pub struct CudaKernel {
+    ordinal: usize,
+    arch: String,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    gather: CudaFunction,
+    scatter: CudaFunction,
+    _module: Arc<CudaModule>,
+}
+
+impl fmt::Debug for CudaKernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaKernel")
+            .field("ordinal", &self.ordinal)
+            .field("arch", &self.arch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaKernel {
+    /// Opens device `ordinal` and loads the kernel, compiled by NVRTC for the device's
+    /// architecture (cached per architecture). Without libcuda: [`CudaError::DriverMissing`];
+    /// without the device: [`CudaError::NoDevice`]; without libnvrtc: [`CudaError::NvrtcMissing`].
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::DriverMissing);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| match e.0 {
+            CUresult::CUDA_ERROR_NO_DEVICE
+            | CUresult::CUDA_ERROR_INVALID_DEVICE
+            | CUresult::CUDA_ERROR_NOT_INITIALIZED => CudaError::NoDevice {
+                ordinal,
+                reason: e.to_string(),
+            },
+            _ => driver("open device")(e),
+        })?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("query compute capability"))?;
+        let arch = format!("compute_{major}{minor}");
+        let ptx = compile_ptx(&arch)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))
+            .map_err(driver("load module"))?;
+        let gather = module
+            .load_function(GATHER_ENTRY)
+            .map_err(driver("load kv_gather"))?;
+        let scatter = module
+            .load_function(SCATTER_ENTRY)
+            .map_err(driver("load kv_scatter"))?;
+        let stream = ctx.new_stream().map_err(driver("create stream"))?;
+        Ok(CudaKernel {
+            ordinal,
+            arch,
+            ctx,
+            stream,
+            gather,
+            scatter,
+            _module: module,
+        })
+    }
+
+    /// The process-wide kernel of device `ordinal`, created on first use. A failed creation is
+    /// not cached: a later call tries again.
+    pub fn shared(ordinal: usize) -> Result<Arc<Self>, CudaError> {
+        static KERNELS: Mutex<Vec<Arc<CudaKernel>>> = Mutex::new(Vec::new());
+        // The list is only pushed to; a panic elsewhere cannot leave it inconsistent.
+        let mut kernels = KERNELS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = kernels.iter().find(|k| k.ordinal == ordinal) {
+            return Ok(k.clone());
+        }
+        let kernel = Arc::new(CudaKernel::new(ordinal)?);
+        kernels.push(kernel.clone());
+        Ok(kernel)
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The virtual architecture the kernel was compiled for, e.g. `compute_90`.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Copies the selection of `pool` into `staging`, in `wire` order.
+    pub fn gather<S: Staging>(
+        &self,
+        pool: &DevicePool,
+        sel: &Selection<'_>,
+        wire: PageOrder,
+        staging: &mut S,
+    ) -> Result<(), KernelError> {
+        self.same_device(pool.ordinal)?;
+        self.same_device(staging.ordinal())?;
+        let plan = launch::plan(
+            &pool.layout,
+            pool.num_pages,
+            sel,
+            wire,
+            staging.len(),
+            false,
+        )?;
+        match plan {
+            Some(plan) => Ok(self.run(&self.gather, plan, pool, staging.device_addr())?),
+            None => Ok(()),
+        }
+    }
+
+    /// Copies `staging`, in `wire` order, into the selection of `pool`.
+    pub fn scatter<S: Staging>(
+        &self,
+        staging: &S,
+        wire: PageOrder,
+        pool: &mut DevicePool,
+        sel: &Selection<'_>,
+    ) -> Result<(), KernelError> {
+        self.same_device(pool.ordinal)?;
+        self.same_device(staging.ordinal())?;
+        let plan = launch::plan(&pool.layout, pool.num_pages, sel, wire, staging.len(), true)?;
+        match plan {
+            Some(plan) => Ok(self.run(&self.scatter, plan, pool, staging.device_addr())?),
+            None => Ok(()),
+        }
+    }
+
+    fn same_device(&self, buffer: usize) -> Result<(), CudaError> {
+        if buffer != self.ordinal {
+            return Err(CudaError::WrongDevice {
+                buffer,
+                kernel: self.ordinal,
+            });
+        }
+        Ok(())
+    }
+
+    /// One launch of `func` for a validated plan, then waits for it.
+    fn run(
+        &self,
+        func: &CudaFunction,
+        plan: LaunchPlan<'_>,
+        pool: &DevicePool,
+        staging: u64,
+    ) -> Result<(), CudaError> {
+        let pages = self
+            .stream
+            .clone_htod(plan.pages)
+            .map_err(driver("upload page list"))?;
+        let (pages_addr, pages_guard) = pages.device_ptr(&self.stream);
+        let (table_addr, table_guard) = pool.table.device_ptr(&self.stream);
+        let params = KvXferParams {
+            planes: table_addr,
+            pages: pages_addr,
+            staging,
+            ..plan.params
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (plan.grid.0, plan.grid.1, 1),
+            block_dim: (plan.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(func);
+        launch.arg(&params);
+        // SAFETY: `launch::plan` validated the selection against the pool's layout and size and
+        // the staging length, so every address the kernel forms lies inside the pool (through
+        // its plane table, whose entries are the pool's own plane offsets), the uploaded page
+        // list or the staging buffer. `params` matches the kernel's single by-value parameter.
+        // The page list, the table, the pool and the staging buffer outlive the launch: it is
+        // waited for below, before any of them can drop.
+        unsafe { launch.launch(cfg) }.map_err(driver("launch"))?;
+        self.stream.synchronize().map_err(driver("synchronize"))?;
+        drop((pages_guard, table_guard));
+        Ok(())
+    }
+}
+
+/// A staging buffer the kernel can address: [`PinnedStaging`] or [`DeviceStaging`].
+/// Sealed: the kernel writes through the address it reports.
+pub trait Staging: sealed::Sealed {
+    /// Bytes of the buffer.
+    fn len(&self) -> usize;
+    /// Whether the buffer holds no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The device the buffer is addressed from.
+    fn ordinal(&self) -> usize;
+}
+
+mod sealed {
+    /// Seals [`super::Staging`]: the device address must come from this module.
+    #[allow(unreachable_pub)]
+    pub trait Sealed {
+        /// Device address of the first byte, valid for `len()` bytes.
+        fn device_addr(&self) -> u64;
+    }
+}
+
+/// Pinned (page-locked) host memory mapped into the device's address space.
+pub struct PinnedStaging {
+    /// At least one byte: the driver refuses empty allocations.
+    buf: PinnedHostSlice<u8>,
+    len: usize,
+    addr: u64,
+    ordinal: usize,
+}
+
+impl fmt::Debug for PinnedStaging {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedStaging")
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PinnedStaging {
+    /// Allocates `len` bytes of pinned host memory (not write-combined: the host reads it).
+    pub fn new(kernel: &CudaKernel, len: usize) -> Result<Self, CudaError> {
+        if len >= isize::MAX as usize {
+            return Err(CudaError::TooLarge {
+                what: "pinned staging bytes",
+                value: len as u64,
+                limit: isize::MAX as u64 - 1,
+            });
+        }
+        let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE
+            | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: the size is checked above; the memory is uninitialised, so it is zeroed below
+        // before any safe read.
+        let mut buf = unsafe { kernel.ctx.alloc_pinned_with_flags::<u8>(len.max(1), flags) }
+            .map_err(driver("allocate pinned memory"))?;
+        let host = buf.as_mut_ptr().map_err(driver("map pinned memory"))?;
+        // SAFETY: `host` points to `len.max(1)` bytes just allocated and not yet shared.
+        unsafe { std::ptr::write_bytes(host, 0, len.max(1)) };
+        let mut addr: cudarc::driver::sys::CUdeviceptr = 0;
+        // SAFETY: `host` is a live allocation of cuMemHostAlloc with DEVICEMAP in this context;
+        // `addr` is a valid out-pointer.
+        unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut addr, host.cast(), 0) }
+            .result()
+            .map_err(driver("map pinned memory into the device"))?;
+        Ok(PinnedStaging {
+            buf,
+            len,
+            addr,
+            ordinal: kernel.ordinal,
+        })
+    }
+
+    /// The bytes, after any kernel writing them has finished.
+    pub fn as_slice(&self) -> Result<&[u8], CudaError> {
+        let all = self
+            .buf
+            .as_slice()
+            .map_err(driver("wait for pinned memory"))?;
+        Ok(&all[..self.len])
+    }
+
+    /// The bytes, writable, after any kernel using them has finished.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8], CudaError> {
+        let len = self.len;
+        let all = self
+            .buf
+            .as_mut_slice()
+            .map_err(driver("wait for pinned memory"))?;
+        Ok(&mut all[..len])
+    }
+}
+
+impl Staging for PinnedStaging {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+}
+
+impl sealed::Sealed for PinnedStaging {
+    fn device_addr(&self) -> u64 {
+        self.addr
+    }
+}
+
+/// Device memory staging.
+pub struct DeviceStaging {
+    /// At least one byte, as for pinned staging.
+    buf: CudaSlice<u8>,
+    len: usize,
+    ordinal: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl fmt::Debug for DeviceStaging {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceStaging")
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeviceStaging {
+    /// Allocates `len` zeroed bytes on the kernel's device.
+    pub fn new(kernel: &CudaKernel, len: usize) -> Result<Self, CudaError> {
+        let buf = kernel
+            .stream
+            .alloc_zeros::<u8>(len.max(1))
+            .map_err(driver("allocate device staging"))?;
+        Ok(DeviceStaging {
+            buf,
+            len,
+            ordinal: kernel.ordinal,
+            stream: kernel.stream.clone(),
+        })
+    }
+
+    /// Copies the buffer to host memory.
+    pub fn to_host(&self) -> Result<Vec<u8>, CudaError> {
+        let mut out = vec![0u8; self.len];
+        if let Some(view) = self.buf.try_slice(..self.len) {
+            self.stream
+                .memcpy_dtoh(&view, &mut out)
+                .map_err(driver("copy staging to host"))?;
+            self.stream.synchronize().map_err(driver("synchronize"))?;
+        }
+        Ok(out)
+    }
+
+    /// Replaces the buffer's bytes; `data` must have exactly its length.
+    pub fn copy_from_host(&mut self, data: &[u8]) -> Result<(), CudaError> {
+        if data.len() != self.len {
+            return Err(CudaError::OutOfBounds {
+                offset: 0,
+                len: data.len(),
+                size: self.len,
+            });
+        }
+        let len = self.len;
+        if let Some(mut view) = self.buf.try_slice_mut(..len) {
+            self.stream
+                .memcpy_htod(data, &mut view)
+                .map_err(driver("copy staging to device"))?;
+            self.stream.synchronize().map_err(driver("synchronize"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Staging for DeviceStaging {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+}
+
+impl sealed::Sealed for DeviceStaging {
+    fn device_addr(&self) -> u64 {
+        let (addr, _guard) = self.buf.device_ptr(&self.stream);
+        addr
+    }
+}
+
+/// A KV pool in device memory, laid out like a host pool of the same layout.
+pub struct DevicePool {
+    layout: KvLayout,
+    num_pages: usize,
+    ordinal: usize,
+    mem: CudaSlice<u8>,
+    /// Address of page 0 of every (layer, plane): see [`launch::plane_table`].
+    table: CudaSlice<u64>,
+    stream: Arc<CudaStream>,
+}
+
+impl fmt::Debug for DevicePool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DevicePool")
+            .field("layout", &self.layout)
+            .field("num_pages", &self.num_pages)
+            .field("ordinal", &self.ordinal)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DevicePool {
+    /// Allocates a zeroed pool of `num_pages` pages on the kernel's device and uploads its
+    /// plane table.
+    pub fn new(
+        kernel: &CudaKernel,
+        layout: KvLayout,
+        num_pages: usize,
+    ) -> Result<Self, KernelError> {
+        layout.validate()?;
+        if num_pages == 0 || u32::try_from(num_pages).is_err() {
+            return Err(LayoutError::Invalid {
+                field: "num_pages",
+                reason: format!("{num_pages} must be within 1..=u32::MAX"),
+            }
+            .into());
+        }
+        let size = layout.pool_bytes(num_pages)?;
+        let stream = kernel.stream.clone();
+        let mem = stream
+            .alloc_zeros::<u8>(size)
+            .map_err(driver("allocate device pool"))?;
+        let base = {
+            let (base, _guard) = mem.device_ptr(&stream);
+            base
+        };
+        let table = stream
+            .clone_htod(&launch::plane_table(&layout, num_pages, base))
+            .map_err(driver("upload plane table"))?;
+        stream.synchronize().map_err(driver("synchronize"))?;
+        Ok(DevicePool {
+            layout,
+            num_pages,
+            ordinal: kernel.ordinal,
+            mem,
+            table,
+            stream,
+        })
+    }
+
+    /// The layout of this pool.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Pages in this pool.
+    pub fn num_pages(&self) -> usize {
+        self.num_pages
+    }
+
+    /// Bytes of this pool.
+    pub fn size(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// The device holding this pool.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Copies `len` bytes at `offset` out of the pool.
+    pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, CudaError> {
+        let range = bounds(offset, len, self.size())?;
+        let mut out = vec![0u8; len];
+        if let Some(view) = self.mem.try_slice(range) {
+            self.stream
+                .memcpy_dtoh(&view, &mut out)
+                .map_err(driver("copy pool to host"))?;
+            self.stream.synchronize().map_err(driver("synchronize"))?;
+        }
+        Ok(out)
+    }
+
+    /// Copies `data` into the pool at `offset`.
+    pub fn write(&mut self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
+        let range = bounds(offset, data.len(), self.size())?;
+        if let Some(mut view) = self.mem.try_slice_mut(range) {
+            self.stream
+                .memcpy_htod(data, &mut view)
+                .map_err(driver("copy host to pool"))?;
+            self.stream.synchronize().map_err(driver("synchronize"))?;
+        }
+        Ok(())
+    }
+
+    /// Sets every byte of the pool to `byte` (tests poison destinations with 0xDE).
+    pub fn fill(&mut self, byte: u8) -> Result<(), CudaError> {
+        let (addr, guard) = self.mem.device_ptr(&self.stream);
+        // SAFETY: writes exactly the pool's `size()` bytes, on the pool's stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                addr,
+                byte,
+                self.mem.len(),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver("fill pool"))?;
+        drop(guard);
+        self.stream.synchronize().map_err(driver("synchronize"))
+    }
+}
