@@ -61,12 +61,20 @@ impl IntoResponse for ApiError {
 }
 
 /// Parses a JSON body, refusing malformed ones with a 400 that says what was wrong.
+///
+/// Only a JSON object is a body: serde would also read a struct from an array of its fields
+/// in order (`[16]` as `{"tokens": 16}`), which bypasses field names and `deny_unknown_fields`.
 pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let body = if body.is_empty() {
         b"{}".as_slice()
     } else {
         body
     };
+    if !body.trim_ascii_start().starts_with(b"{") {
+        return Err(ApiError::bad_request(
+            "invalid JSON body: expected a JSON object",
+        ));
+    }
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }

@@ -15,7 +15,6 @@
 //! heartbeats (a dead prefill is noticed when its control connection fails).
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -31,7 +30,7 @@ use uuid::Uuid;
 
 use super::api::{self, ApiError, Metrics};
 use super::room::{RoomState, RoomStatus};
-use super::{AgentConfig, synthetic};
+use super::{AgentConfig, Coverage, synthetic};
 use crate::kernel::Selection;
 use crate::kernel::cpu::CpuKernel;
 use crate::layout::PageOrder;
@@ -62,7 +61,7 @@ impl DecodeAgent {
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
         let instance = Uuid::new_v4();
-        let pool = Arc::new(HostPool::anonymous(cfg.layout.clone(), cfg.pool_pages)?);
+        let pool = Arc::new(super::open_pool(&cfg)?);
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
         let (data_endpoint, receiver) =
@@ -77,7 +76,8 @@ impl DecodeAgent {
             registry: registry.clone(),
             data_endpoint: data_endpoint.clone(),
             rooms: Mutex::new(HashMap::new()),
-            peers: tokio::sync::Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            connecting: tokio::sync::Mutex::new(()),
             metrics: Metrics::new(),
             shutdown: shutdown.clone(),
             cfg,
@@ -130,7 +130,9 @@ struct Inner {
     data_endpoint: String,
     rooms: Mutex<HashMap<u64, Room>>,
     /// Control connections by prefill instance.
-    peers: tokio::sync::Mutex<HashMap<Uuid, Arc<Peer>>>,
+    peers: Mutex<HashMap<Uuid, Arc<Peer>>>,
+    /// Held while connecting, so two rooms do not both say Hello to one prefill.
+    connecting: tokio::sync::Mutex<()>,
     metrics: Metrics,
     shutdown: CancellationToken,
 }
@@ -139,6 +141,9 @@ struct Peer {
     instance: Uuid,
     endpoint: String,
     send: tokio::sync::Mutex<ControlClientSend>,
+    last_seen: Mutex<Instant>,
+    /// Cancelled when the peer is declared dead: its tasks stop.
+    gone: CancellationToken,
 }
 
 impl Peer {
@@ -172,42 +177,11 @@ struct Admitted {
     wire: PageOrder,
 }
 
-/// Which (local layer, token) cells of a room have landed.
-struct Coverage {
-    tokens: usize,
-    bits: Vec<u64>,
-}
-
-impl Coverage {
-    fn new(layers: usize, tokens: usize) -> Self {
-        Coverage {
-            tokens,
-            bits: vec![0; (layers * tokens).div_ceil(64)],
-        }
-    }
-
-    /// Marks the cells; refuses (and marks nothing) if any was marked before.
-    fn claim(&mut self, layers: Range<usize>, tokens: Range<usize>) -> bool {
-        let row = self.tokens;
-        let is_set = |bits: &[u64], i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
-        for l in layers.clone() {
-            if tokens.clone().any(|t| is_set(&self.bits, l * row + t)) {
-                return false;
-            }
-        }
-        for l in layers {
-            for t in tokens.clone() {
-                let i = l * row + t;
-                self.bits[i / 64] |= 1 << (i % 64);
-            }
-        }
-        true
-    }
-}
-
 struct Room {
     status: RoomStatus,
     tokens: usize,
+    /// The first token requested; earlier ones are the decode engine's own prefix.
+    start_token: usize,
     pages: Arc<[u32]>,
     /// Present when the agent allocated the pages; dropping it returns them.
     lease: Option<PageLease>,
@@ -235,6 +209,7 @@ impl Room {
             "bytes": self.landed,
             "expected_bytes": self.expected,
             "tokens": self.tokens,
+            "start_token": self.start_token,
             "chunks": self.chunks,
             "pages": &*self.pages,
             "page_owner": if self.lease.is_some() { "agent" } else { "engine" },
@@ -248,6 +223,10 @@ impl Room {
 impl Inner {
     fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
         self.rooms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn peers(&self) -> MutexGuard<'_, HashMap<Uuid, Arc<Peer>>> {
+        self.peers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Records a move to a final state: timestamp for expiry, metrics.
@@ -325,8 +304,8 @@ impl Inner {
 
     /// The control connection to a prefill instance, connecting and saying Hello if needed.
     async fn peer(self: &Arc<Self>, rank: &Registration) -> Result<Arc<Peer>, Reason> {
-        let mut peers = self.peers.lock().await;
-        if let Some(p) = peers.get(&rank.instance_id) {
+        let _connecting = self.connecting.lock().await;
+        if let Some(p) = self.peers().get(&rank.instance_id) {
             return Ok(p.clone());
         }
         let endpoint = rank.control_endpoint.clone();
@@ -349,6 +328,8 @@ impl Inner {
             layout: super::wire_layout(&self.cfg.layout),
             data_endpoint: self.data_endpoint.clone(),
             token: self.cfg.token.clone().unwrap_or_default(),
+            slots: self.cfg.staging_slots as u32,
+            slot_bytes: u32::try_from(self.cfg.chunk_bytes).unwrap_or(u32::MAX),
         });
         send.send(hello.encode().into())
             .await
@@ -391,9 +372,12 @@ impl Inner {
             instance: ack.instance,
             endpoint,
             send: tokio::sync::Mutex::new(send),
+            last_seen: Mutex::new(Instant::now()),
+            gone: self.shutdown.child_token(),
         });
         tokio::spawn(control_loop(self.clone(), peer.clone(), recv));
-        peers.insert(ack.instance, peer.clone());
+        tokio::spawn(heartbeat_loop(self.clone(), peer.clone()));
+        self.peers().insert(ack.instance, peer.clone());
         Ok(peer)
     }
 
@@ -430,12 +414,12 @@ impl Inner {
                 return Ok(()); // aborted meanwhile
             }
             room.peer = Some(peer.clone());
-            (room.tokens, room.pages.to_vec())
+            (room.start_token..room.tokens, room.pages.to_vec())
         };
         let req = Message::TransferRequest(TransferRequest {
             room: room_id,
             prefill_instance: peer.instance,
-            tokens: 0..tokens as u32,
+            tokens: tokens.start as u32..tokens.end as u32,
             layers: l.layers.start as u32..l.layers.end as u32,
             heads: l.heads.start as u32..l.heads.end as u32,
             // The decode's own order makes its scatter long runs; the prefill's gather converts.
@@ -470,6 +454,7 @@ impl Inner {
         );
         let heads = c.heads.start as usize..c.heads.end as usize;
         if tokens.end > room.tokens
+            || tokens.start < room.start_token
             || tokens.is_empty()
             || layers.start < l.layers.start
             || layers.end > l.layers.end
@@ -512,13 +497,27 @@ impl Inner {
         })
     }
 
+    /// Lands one chunk (or drops it, for a room no longer accepting), then returns the
+    /// staging slot it used to the prefill that sent it as a credit.
     async fn on_chunk(self: &Arc<Self>, header: Bytes, payload: Bytes) {
         let chunk = match Message::decode(&header) {
             Ok(Message::Chunk(c)) => c,
             Ok(other) => return self.bad_message(format!("data plane carried {}", other.name())),
             Err(e) => return self.bad_message(format!("data plane header: {e}")),
         };
-        let Admitted { pages, sel, wire } = match self.admit_chunk(&chunk, payload.len()) {
+        self.land(&chunk, payload).await;
+        let peer = self.peers().get(&chunk.prefill_instance).cloned();
+        if let Some(peer) = peer {
+            *peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+            let credit = Message::Credit(protocol::Credit { instance: self.instance, slots: 1 });
+            if let Err(reason) = peer.send(&credit, self.cfg.timeouts.send).await {
+                tracing::warn!(%reason, "credit not returned");
+            }
+        }
+    }
+
+    async fn land(self: &Arc<Self>, chunk: &Chunk, payload: Bytes) {
+        let Admitted { pages, sel, wire } = match self.admit_chunk(chunk, payload.len()) {
             Ok(v) => v,
             Err(None) => return,
             Err(Some(reason)) => {
@@ -628,9 +627,12 @@ impl Inner {
         }
     }
 
-    /// Fails every room served by a prefill whose connection died, and forgets the peer.
-    async fn peer_lost(&self, peer: &Peer, why: String) {
-        self.peers.lock().await.remove(&peer.instance);
+    /// Fails every room served by a prefill whose connection died or went silent, and forgets
+    /// the peer (the next room connects afresh).
+    fn peer_lost(&self, peer: &Peer, why: String) {
+        peer.gone.cancel();
+        self.peers().remove(&peer.instance);
+        tracing::warn!(prefill = %peer.endpoint, instance = %peer.instance, %why, "prefill peer dead");
         let mut rooms = self.rooms();
         for room in rooms.values_mut() {
             if room
@@ -656,15 +658,37 @@ impl Inner {
 async fn control_loop(inner: Arc<Inner>, peer: Arc<Peer>, mut recv: ControlClientRecv) {
     loop {
         let frame = tokio::select! {
-            () = inner.shutdown.cancelled() => return,
+            () = peer.gone.cancelled() => return,
             f = recv.recv() => f,
         };
+        *peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
         match frame {
             Ok(frame) => match Message::decode(&frame) {
                 Ok(msg) => inner.on_control(&peer, msg),
                 Err(e) => inner.bad_message(format!("control frame from {}: {e}", peer.endpoint)),
             },
-            Err(e) => return inner.peer_lost(&peer, e.to_string()).await,
+            Err(e) => return inner.peer_lost(&peer, e.to_string()),
+        }
+    }
+}
+
+/// Sends heartbeats to a prefill and declares it dead when it has been silent too long.
+async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
+    let t = inner.cfg.timeouts;
+    let mut seq = 0u64;
+    loop {
+        tokio::select! {
+            () = peer.gone.cancelled() => return,
+            () = tokio::time::sleep(t.heartbeat) => {}
+        }
+        let silent = peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()).elapsed();
+        if silent >= t.dead_after {
+            return inner.peer_lost(&peer, format!("silent for {} ms", silent.as_millis()));
+        }
+        seq += 1;
+        let beat = Message::Heartbeat(protocol::Heartbeat { instance: inner.instance, seq });
+        if let Err(reason) = peer.send(&beat, t.heartbeat.max(Duration::from_millis(100))).await {
+            tracing::debug!(%reason, "heartbeat not sent");
         }
     }
 }
@@ -729,6 +753,9 @@ async fn expire_rooms(inner: Arc<Inner>) {
 #[serde(deny_unknown_fields)]
 struct RoomRequest {
     tokens: usize,
+    /// Tokens the decode already holds (its prefix cache): only the rest moves.
+    #[serde(default)]
+    start_token: usize,
     #[serde(default)]
     pages: Option<Vec<u32>>,
     #[serde(default)]
@@ -775,9 +802,18 @@ async fn create_room(
     if req.tokens == 0 {
         return Err(ApiError::bad_request("tokens must be > 0"));
     }
+    if req.start_token >= req.tokens {
+        return Err(ApiError::bad_request(format!(
+            "start_token {} must be < tokens {}: there must be something to transfer",
+            req.start_token, req.tokens
+        )));
+    }
+    if u32::try_from(req.tokens).is_err() {
+        return Err(ApiError::bad_request(format!("tokens {} is beyond the protocol's u32", req.tokens)));
+    }
     let needed = l.pages_for(req.tokens);
     let expected = l
-        .room_bytes(req.tokens)
+        .room_bytes(req.tokens - req.start_token)
         .map_err(|e| ApiError::bad_request(format!("tokens {}: {e}", req.tokens)))?;
     let dp_rank = req
         .dp_rank
@@ -803,6 +839,7 @@ async fn create_room(
         let room = Room {
             status: RoomStatus::default(),
             tokens: req.tokens,
+            start_token: req.start_token,
             pages,
             lease,
             expected,
@@ -863,7 +900,7 @@ async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Res
                 room.status.state().name()
             )));
         }
-        (room.pages.clone(), room.tokens)
+        (room.pages.clone(), room.start_token..room.tokens)
     };
     let mut verified = None;
     let succeeded = inner
@@ -873,7 +910,7 @@ async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Res
     if inner.cfg.synthetic && succeeded {
         let (pool, kernel) = (inner.pool.clone(), inner.kernel);
         let check = tokio::task::spawn_blocking(move || {
-            synthetic::verify(&kernel, &pool, room_id, &pages, 0..tokens)
+            synthetic::verify(&kernel, &pool, room_id, &pages, tokens)
         })
         .await;
         let result = check

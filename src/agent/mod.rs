@@ -40,6 +40,21 @@ pub enum AgentError {
     Io(#[from] std::io::Error),
 }
 
+/// Opens the agent's pool: its own anonymous memory or the engine's shared-memory pool. A
+/// device (CUDA IPC) pool is refused with the reason.
+pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<crate::pool::HostPool, AgentError> {
+    use crate::pool::{HostPool, PoolDescriptor, PoolError};
+    if let PoolDescriptor::CudaIpc { device, .. } = &cfg.pool {
+        let reason = if crate::kernel::cuda::driver_present() {
+            format!("device {device}: the agents serve host pools only in this build")
+        } else {
+            format!("device {device}: no CUDA driver (libcuda) on this machine, so no GPU memory to map")
+        };
+        return Err(PoolError::DeviceMemory { descriptor: cfg.pool.to_string(), reason }.into());
+    }
+    Ok(HostPool::open(&cfg.pool, cfg.layout.clone(), cfg.pool_pages)?)
+}
+
 /// Timeouts of an agent; every wait is bounded by one of these.
 #[derive(Clone, Copy, Debug)]
 pub struct Timeouts {
@@ -51,6 +66,10 @@ pub struct Timeouts {
     pub room_ttl: Duration,
     /// One send of a chunk or control message.
     pub send: Duration,
+    /// Period of heartbeats on every control connection.
+    pub heartbeat: Duration,
+    /// A peer silent (no message of any kind) this long is dead.
+    pub dead_after: Duration,
 }
 
 impl Default for Timeouts {
@@ -60,6 +79,8 @@ impl Default for Timeouts {
             connect: Duration::from_secs(5),
             room_ttl: Duration::from_secs(60),
             send: Duration::from_secs(30),
+            heartbeat: Duration::from_millis(500),
+            dead_after: Duration::from_secs(5),
         }
     }
 }
@@ -87,8 +108,16 @@ pub struct AgentConfig {
     pub synthetic: bool,
     /// Shared secret for the registry and Hello.
     pub token: Option<String>,
-    /// Largest chunk of staging bytes moved at once.
+    /// Largest chunk of staging bytes moved at once: the size of a staging slot.
     pub chunk_bytes: usize,
+    /// Staging slots per peer pair: chunks in flight between two agents at once. The staging
+    /// memory of a pair is bounded by `staging_slots x chunk_bytes` on each side, whatever the
+    /// number of rooms in flight.
+    pub staging_slots: usize,
+    /// The pool: anonymous memory of the agent, or an engine's shared-memory pool.
+    pub pool: crate::pool::PoolDescriptor,
+    /// Synthetic engine pacing: announce a room one layer at a time, this long apart.
+    pub synthetic_layer_delay: Duration,
     /// Timeouts.
     pub timeouts: Timeouts,
     /// Copy threads of the CPU kernel.
@@ -201,6 +230,39 @@ pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result
         }
     }
     Ok(())
+}
+
+/// Which (local layer, token) cells of a room are marked: landed (decode) or ready (prefill).
+pub(crate) struct Coverage {
+    tokens: usize,
+    bits: Vec<u64>,
+}
+
+impl Coverage {
+    pub(crate) fn new(layers: usize, tokens: usize) -> Self {
+        Coverage {
+            tokens,
+            bits: vec![0; (layers * tokens).div_ceil(64)],
+        }
+    }
+
+    /// Marks the cells; refuses (and marks nothing) if any was marked before.
+    pub(crate) fn claim(&mut self, layers: Range<usize>, tokens: Range<usize>) -> bool {
+        let row = self.tokens;
+        let is_set = |bits: &[u64], i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
+        for l in layers.clone() {
+            if tokens.clone().any(|t| is_set(&self.bits, l * row + t)) {
+                return false;
+            }
+        }
+        for l in layers {
+            for t in tokens.clone() {
+                let i = l * row + t;
+                self.bits[i / 64] |= 1 << (i % 64);
+            }
+        }
+        true
+    }
 }
 
 /// One chunk of a room's transfer: a token range of a layer range.

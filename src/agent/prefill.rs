@@ -1,15 +1,24 @@
 //! The prefill agent: registers its rank, answers Hello from decode agents (version, token,
-//! layout, and reachability of the decode's data endpoint), and for each room pushes the
-//! pages the engine announced as ready once the decode has asked for them, then sends Done.
+//! layout, reachability of the decode's data endpoint), and streams each room's KV to the
+//! decode that asked for it.
 //!
-//! The engine's ready and the decode's request may arrive in either order; the transfer starts
-//! when both are there. Each transfer runs on its own task: gather a chunk on a blocking
-//! thread, hand it to the data plane, next chunk; an Abort stops it between chunks and is
-//! acknowledged once nothing more will be sent. Pages the agent allocated (`--synthetic`)
-//! return to its pool when the transfer ends; pages an engine named are safe to reuse once the
-//! room is final (every gather has finished).
+//! The engine announces a room's KV as ready in pieces (a token range for chunked prefill, a
+//! layer range for layer-wise prefill, any mix, the last piece marked) or in one call. Pieces
+//! may not overlap. The decode's request and the pieces may arrive in any order; once both are
+//! there a task per room sends each piece's part of the request as soon as it is ready, and
+//! Done once every requested byte was sent.
+//!
+//! Flow control: the decode grants a number of staging slots in Hello and returns a credit per
+//! chunk it has scattered; a chunk is gathered only once a credit is held, so staging memory
+//! per peer pair stays within `slots x slot bytes` however many rooms are in flight. The gather
+//! of the next chunk overlaps the send of the current one when a credit is at hand.
+//!
+//! Liveness: heartbeats go to every decode peer; a peer silent for `dead_after` is dead and its
+//! rooms fail with `peer_dead`. Pages the agent allocated (`--synthetic`) return to its pool
+//! when a room is final and no gather reads them; engine pages are then `safe_to_reuse`.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -20,12 +29,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvferry_bootstrap::{RegistryClient, Role};
 use serde::Deserialize;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::api::{self, ApiError, Metrics};
 use super::room::{RoomState, RoomStatus};
-use super::{AgentConfig, plan_chunks, synthetic};
+use super::{AgentConfig, ChunkPlan, Coverage, plan_chunks, synthetic};
 use crate::kernel::Selection;
 use crate::kernel::cpu::CpuKernel;
 use crate::pool::HostPool;
@@ -50,12 +60,9 @@ pub struct PrefillAgent {
 
 impl PrefillAgent {
     /// Starts the agent; it serves until `shutdown` is cancelled.
-    pub async fn start(
-        cfg: AgentConfig,
-        shutdown: CancellationToken,
-    ) -> Result<Self, super::AgentError> {
+    pub async fn start(cfg: AgentConfig, shutdown: CancellationToken) -> Result<Self, super::AgentError> {
         let instance = Uuid::new_v4();
-        let pool = Arc::new(HostPool::anonymous(cfg.layout.clone(), cfg.pool_pages)?);
+        let pool = Arc::new(super::open_pool(&cfg)?);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
         let (control_endpoint, server, replier) = ControlServer::bind(&cfg.host).await?;
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
@@ -73,17 +80,11 @@ impl PrefillAgent {
             shutdown: shutdown.clone(),
             cfg,
         });
-        let reg = super::registration(
-            Role::Prefill,
-            instance,
-            &inner.cfg,
-            control_endpoint.clone(),
-            Default::default(),
-        );
+        let reg = super::registration(Role::Prefill, instance, &inner.cfg, control_endpoint.clone(), Default::default());
         let keep_alive = registry.keep_alive(reg, shutdown.clone()).await?;
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(control_loop(inner.clone(), server));
-        tasks.spawn(expire_rooms(inner.clone()));
+        tasks.spawn(housekeeping(inner.clone()));
         let app = routes(inner.clone());
         let stop = shutdown.clone();
         tasks.spawn(async move {
@@ -129,6 +130,30 @@ struct Peer {
     identity: PeerId,
     data_endpoint: String,
     data: tokio::sync::Mutex<Box<dyn DataSender>>,
+    /// Chunks the decode will still accept; closed when the peer is dead.
+    credits: Semaphore,
+    /// The slots the decode granted: credits never exceed it.
+    slots: usize,
+    /// Bytes of the decode's slots.
+    slot_bytes: usize,
+    last_seen: Mutex<Instant>,
+}
+
+impl Peer {
+    fn seen(&self) {
+        *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    fn silent_for(&self) -> Duration {
+        self.last_seen.lock().unwrap_or_else(|e| e.into_inner()).elapsed()
+    }
+}
+
+/// A part of a room the engine announced as ready: tokens x global layers.
+#[derive(Clone, Debug)]
+struct Piece {
+    tokens: Range<usize>,
+    layers: Range<usize>,
 }
 
 struct Ready {
@@ -137,12 +162,19 @@ struct Ready {
     /// Present when the agent allocated (and filled) the pages.
     lease: Option<PageLease>,
     aux: Vec<u8>,
+    /// Cells announced so far (local layer x token); pieces may not overlap.
+    announced: Coverage,
+    /// The engine marked its last piece.
+    last: bool,
 }
 
 struct Room {
     status: RoomStatus,
     request: Option<(Arc<Peer>, TransferRequest)>,
     ready: Option<Ready>,
+    /// Announced pieces the room's task has not taken yet.
+    pending: Vec<Piece>,
+    wake: Arc<Notify>,
     sent: usize,
     cancel: CancellationToken,
     running: bool,
@@ -155,6 +187,8 @@ impl Room {
             status: RoomStatus::default(),
             request: None,
             ready: None,
+            pending: Vec::new(),
+            wake: Arc::new(Notify::new()),
             sent: 0,
             cancel: CancellationToken::new(),
             running: false,
@@ -176,32 +210,40 @@ impl Room {
     }
 }
 
+/// What a room's task does next.
+enum Step {
+    Send(Piece),
+    Done(Vec<u8>),
+    Wait(Arc<Notify>),
+    Fail(Reason),
+    Stop,
+}
+
 impl Inner {
     fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
         self.rooms.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn peers(&self) -> MutexGuard<'_, HashMap<PeerId, Arc<Peer>>> {
+        self.peers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn finished(&self, room: &mut Room) {
         if room.status.state().is_final() && room.final_at.is_none() {
             room.final_at = Some(Instant::now());
-            self.metrics
-                .room_final(room.status.state(), room.status.reason().map(|r| r.code));
-            // The agent's own pages go back to the pool once no gather reads them.
-            if !room.running {
-                if let Some(ready) = &mut room.ready {
-                    ready.lease = None;
-                }
+            self.metrics.room_final(room.status.state(), room.status.reason().map(|r| r.code));
+        }
+        // The agent's own pages go back to the pool once no gather reads them.
+        if room.status.state().is_final() && !room.running {
+            if let Some(ready) = &mut room.ready {
+                ready.lease = None;
             }
         }
     }
 
     async fn reply(&self, peer: &PeerId, msg: Message) {
         let mut replier = self.replier.clone();
-        let sent = tokio::time::timeout(
-            self.cfg.timeouts.send,
-            replier.send(peer, msg.encode().into()),
-        )
-        .await;
+        let sent = tokio::time::timeout(self.cfg.timeouts.send, replier.send(peer, msg.encode().into())).await;
         if !matches!(sent, Ok(Ok(()))) {
             tracing::warn!(msg = msg.name(), "could not answer a decode peer");
         }
@@ -209,15 +251,7 @@ impl Inner {
 
     async fn refuse(&self, peer: &PeerId, room: Option<u64>, code: FailureCode, message: String) {
         tracing::warn!(?room, %code, %message, "refused a decode request");
-        self.reply(
-            peer,
-            Message::Error(ErrorMsg {
-                room,
-                code,
-                message,
-            }),
-        )
-        .await;
+        self.reply(peer, Message::Error(ErrorMsg { room, code, message })).await;
     }
 
     async fn on_hello(self: Arc<Self>, identity: PeerId, hello: Hello) {
@@ -227,296 +261,289 @@ impl Inner {
                 FailureCode::IncompatibleVersion,
                 format!(
                     "decode speaks protocol versions {}..={}, this prefill {}..={}",
-                    hello.min_version,
-                    hello.max_version,
-                    protocol::MIN_VERSION,
-                    protocol::VERSION
+                    hello.min_version, hello.max_version, protocol::MIN_VERSION, protocol::VERSION
                 ),
             )
             .await;
         };
         if self.cfg.token.as_deref().unwrap_or("") != hello.token {
-            return refuse(
-                FailureCode::Unauthorized,
-                "wrong or missing token in Hello".to_owned(),
-            )
-            .await;
+            tracing::warn!(decode = %hello.instance, "Hello with a wrong or missing token refused");
+            return refuse(FailureCode::Unauthorized, "wrong or missing token in Hello".to_owned()).await;
         }
         if hello.role != protocol::Role::Decode {
-            return refuse(
-                FailureCode::BadMessage,
-                "Hello to a prefill must come from a decode".to_owned(),
-            )
-            .await;
+            return refuse(FailureCode::BadMessage, "Hello to a prefill must come from a decode".to_owned()).await;
         }
-        if let Err(reason) =
-            super::check_compatible(&super::wire_layout(&self.cfg.layout), &hello.layout)
-        {
+        if hello.slots == 0 || hello.slot_bytes == 0 {
+            return refuse(FailureCode::BadMessage, "Hello grants no staging slots".to_owned()).await;
+        }
+        if let Err(reason) = super::check_compatible(&super::wire_layout(&self.cfg.layout), &hello.layout) {
             return refuse(reason.code, reason.message).await;
         }
-        let data = match self
-            .transport
-            .connect(&hello.data_endpoint, self.cfg.timeouts.connect)
-            .await
-        {
+        let data = match self.transport.connect(&hello.data_endpoint, self.cfg.timeouts.connect).await {
             Ok(d) => d,
             Err(e) => {
-                let msg = format!(
-                    "decode data endpoint {} unreachable from this prefill: {}",
-                    hello.data_endpoint, e.message
-                );
+                let msg = format!("decode data endpoint {} unreachable from this prefill: {}", hello.data_endpoint, e.message);
                 return refuse(FailureCode::Unreachable, msg).await;
             }
         };
+        let slots = (hello.slots as usize).min(Semaphore::MAX_PERMITS);
         let peer = Arc::new(Peer {
             instance: hello.instance,
             identity: identity.clone(),
             data_endpoint: hello.data_endpoint,
             data: tokio::sync::Mutex::new(data),
+            credits: Semaphore::new(slots),
+            slots,
+            slot_bytes: hello.slot_bytes as usize,
+            last_seen: Mutex::new(Instant::now()),
         });
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(identity.clone(), peer);
-        tracing::info!(decode = %hello.instance, version, "decode peer connected");
-        self.reply(
-            &identity,
-            Message::HelloAck(HelloAck {
-                version,
-                instance: self.instance,
-            }),
-        )
-        .await;
+        if let Some(old) = self.peers().insert(identity.clone(), peer) {
+            old.credits.close();
+        }
+        tracing::info!(decode = %hello.instance, version, slots, "decode peer connected");
+        self.reply(&identity, Message::HelloAck(HelloAck { version, instance: self.instance })).await;
     }
 
     async fn on_request(self: Arc<Self>, identity: PeerId, req: TransferRequest) {
         let room_id = req.room;
-        let peer = self
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&identity)
-            .cloned();
+        let peer = self.peers().get(&identity).cloned();
         let Some(peer) = peer else {
             let m = "TransferRequest before Hello".to_owned();
-            return self
-                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
-                .await;
+            return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m).await;
         };
         if req.prefill_instance != self.instance {
-            let m = format!(
-                "request addressed instance {}, this prefill is {}: it restarted",
-                req.prefill_instance, self.instance
-            );
-            return self
-                .refuse(&identity, Some(room_id), FailureCode::PeerDead, m)
-                .await;
+            let m = format!("request addressed instance {}, this prefill is {}: it restarted", req.prefill_instance, self.instance);
+            return self.refuse(&identity, Some(room_id), FailureCode::PeerDead, m).await;
         }
         let l = &self.cfg.layout;
-        let within = |r: &std::ops::Range<u32>, held: &std::ops::Range<usize>| {
+        let within = |r: &Range<u32>, held: &Range<usize>| {
             r.start as usize >= held.start && r.end as usize <= held.end && !r.is_empty()
         };
-        if !within(&req.layers, &l.layers) || !within(&req.heads, &l.heads) || req.tokens.is_empty()
-        {
+        if !within(&req.layers, &l.layers) || !within(&req.heads, &l.heads) || req.tokens.is_empty() {
             let m = format!(
                 "request for layers {:?} heads {:?} tokens {:?}; this rank holds layers {:?} heads {:?}",
                 req.layers, req.heads, req.tokens, l.layers, l.heads
             );
-            return self
-                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
-                .await;
+            return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m).await;
         }
         let refusal = {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
             if room.request.is_some() || room.status.state().is_final() {
-                Some(Reason::new(
-                    FailureCode::BadMessage,
-                    format!("room {room_id} was already requested"),
-                ))
+                Some(Reason::new(FailureCode::BadMessage, format!("room {room_id} was already requested")))
             } else {
                 room.request = Some((peer, req));
                 room.status.advance(RoomState::WaitingForInput);
-                self.start_if_ready(room_id, room)
+                self.start_if_ready(room_id, room);
+                None
             }
         };
         if let Some(reason) = refusal {
-            self.refuse(&identity, Some(room_id), reason.code, reason.message)
-                .await;
+            self.refuse(&identity, Some(room_id), reason.code, reason.message).await;
         }
     }
 
-    /// Starts the transfer when both the request and the ready pages are there. Returns the
-    /// reason when they cannot be served together.
-    fn start_if_ready(self: &Arc<Self>, room_id: u64, room: &mut Room) -> Option<Reason> {
-        let (Some((peer, req)), Some(ready)) = (&room.request, &room.ready) else {
-            return None;
-        };
-        if room.running || room.status.state().is_final() {
-            return None;
-        }
-        if req.tokens.end as usize > ready.tokens {
-            let reason = Reason::new(
-                FailureCode::BadMessage,
-                format!(
-                    "decode asks for tokens {:?}; the engine announced {}",
-                    req.tokens, ready.tokens
-                ),
-            );
-            room.status.fail(reason.clone());
-            self.finished(room);
-            return Some(reason);
+    /// Starts the room's task once both the request and a first ready piece are there.
+    fn start_if_ready(self: &Arc<Self>, room_id: u64, room: &mut Room) {
+        if room.request.is_none() || room.ready.is_none() || room.running || room.status.state().is_final() {
+            return;
         }
         room.running = true;
         room.status.advance(RoomState::Transferring);
-        let job = Job {
-            room: room_id,
-            peer: peer.clone(),
-            req: req.clone(),
-            pages: ready.pages.clone(),
-            aux: ready.aux.clone(),
-            cancel: room.cancel.clone(),
-        };
-        tokio::spawn(self.clone().transfer(job));
-        None
+        tokio::spawn(self.clone().serve_room(room_id));
     }
 
-    async fn transfer(self: Arc<Self>, job: Job) {
-        let outcome = self.push_chunks(&job).await;
-        let ack = match outcome {
-            Ok(chunks) if !job.cancel.is_cancelled() => Message::Done(protocol::Done {
-                room: job.room,
-                prefill_instance: self.instance,
-                chunks,
-                bytes: self.rooms().get(&job.room).map_or(0, |r| r.sent as u64),
-                aux: job.aux.clone(),
-            }),
-            Ok(_) => Message::AbortAck(protocol::AbortAck {
-                room: job.room,
-                instance: self.instance,
-            }),
-            Err(ref reason) => Message::Error(ErrorMsg {
-                room: Some(job.room),
-                code: reason.code,
-                message: reason.message.clone(),
-            }),
+    /// The next thing a room's task does.
+    fn next_step(&self, room_id: u64) -> Step {
+        let mut rooms = self.rooms();
+        let Some(room) = rooms.get_mut(&room_id) else { return Step::Stop };
+        if room.cancel.is_cancelled() {
+            return Step::Stop;
+        }
+        if let Some(piece) = room.pending.pop() {
+            return Step::Send(piece);
+        }
+        let (Some((_, req)), Some(ready)) = (&room.request, &room.ready) else { return Step::Stop };
+        let expected = self.request_bytes(req);
+        if room.sent >= expected {
+            return Step::Done(ready.aux.clone());
+        }
+        if ready.last {
+            return Step::Fail(Reason::new(
+                FailureCode::TimeoutReady,
+                format!(
+                    "the engine marked its last piece but only {} of the {expected} requested bytes were ever ready",
+                    room.sent
+                ),
+            ));
+        }
+        Step::Wait(room.wake.clone())
+    }
+
+    fn request_bytes(&self, req: &TransferRequest) -> usize {
+        let l = &self.cfg.layout;
+        l.selection_bytes(req.tokens.len(), req.layers.len(), req.heads.len())
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Sends a room piece by piece as the engine announces them, then Done.
+    async fn serve_room(self: Arc<Self>, room_id: u64) {
+        let Some((peer, req, pages, cancel)) = self.rooms().get(&room_id).and_then(|r| {
+            let (peer, req) = r.request.clone()?;
+            Some((peer, req, r.ready.as_ref()?.pages.clone(), r.cancel.clone()))
+        }) else {
+            return;
         };
-        {
-            let mut rooms = self.rooms();
-            if let Some(room) = rooms.get_mut(&job.room) {
-                room.running = false;
-                match (&outcome, &ack) {
-                    (Err(reason), _) => {
-                        room.status.fail(reason.clone());
-                    }
-                    (_, Message::AbortAck(_)) => {
-                        room.status.advance(RoomState::Aborted);
-                    }
-                    _ => {
-                        room.status.advance(RoomState::Success);
+        let job = Job { room: room_id, peer, req, pages, cancel };
+        let mut chunks = 0u32;
+        let outcome = loop {
+            match self.next_step(room_id) {
+                Step::Send(piece) => match self.send_piece(&job, &piece, &mut chunks).await {
+                    Ok(()) => {}
+                    Err(reason) => break Err(reason),
+                },
+                Step::Wait(wake) => {
+                    tokio::select! {
+                        () = wake.notified() => {}
+                        () = job.cancel.cancelled() => {}
                     }
                 }
-                self.finished(room);
+                Step::Done(aux) => break Ok(Some((chunks, aux))),
+                Step::Stop => break Ok(None),
+                Step::Fail(reason) => break Err(reason),
             }
-        }
-        self.reply(&job.peer.identity, ack).await;
+        };
+        let reply = {
+            let mut rooms = self.rooms();
+            let Some(room) = rooms.get_mut(&room_id) else { return };
+            room.running = false;
+            let reply = match outcome {
+                Ok(Some((chunks, aux))) => {
+                    room.status.advance(RoomState::Success);
+                    Message::Done(protocol::Done {
+                        room: room_id,
+                        prefill_instance: self.instance,
+                        chunks,
+                        bytes: room.sent as u64,
+                        aux,
+                    })
+                }
+                Ok(None) => {
+                    if room.status.state() != RoomState::Failed {
+                        let reason = Reason::new(FailureCode::Aborted, "aborted by the decode");
+                        room.status.abort(reason, true);
+                        room.status.advance(RoomState::Aborted);
+                    }
+                    Message::AbortAck(protocol::AbortAck { room: room_id, instance: self.instance })
+                }
+                Err(reason) => {
+                    room.status.fail(reason.clone());
+                    Message::Error(ErrorMsg { room: Some(room_id), code: reason.code, message: reason.message })
+                }
+            };
+            self.finished(room);
+            reply
+        };
+        self.reply(&job.peer.identity, reply).await;
     }
 
-    /// Gathers and sends every chunk of a room; returns the chunk count. The gather of chunk
-    /// i+1 runs on a blocking thread while chunk i is being sent.
-    async fn push_chunks(&self, job: &Job) -> Result<u32, Reason> {
+    /// Takes a credit (a free slot at the decode); `None` if the peer is dead.
+    async fn credit(&self, peer: &Peer) -> Result<(), Reason> {
+        match peer.credits.acquire().await {
+            Ok(permit) => {
+                permit.forget();
+                Ok(())
+            }
+            Err(_) => Err(Reason::new(FailureCode::PeerDead, format!("decode {} is gone", peer.instance))),
+        }
+    }
+
+    /// Sends the requested part of one ready piece, chunk by chunk; the gather of chunk i+1
+    /// overlaps the send of chunk i when a credit for it is at hand.
+    async fn send_piece(&self, job: &Job, piece: &Piece, chunks: &mut u32) -> Result<(), Reason> {
         let l = &self.cfg.layout;
-        let heads = job.req.heads.start as usize - l.heads.start
-            ..job.req.heads.end as usize - l.heads.start;
+        let req = &job.req;
+        let tokens = piece.tokens.start.max(req.tokens.start as usize)..piece.tokens.end.min(req.tokens.end as usize);
+        let layers = piece.layers.start.max(req.layers.start as usize)..piece.layers.end.min(req.layers.end as usize);
+        if tokens.is_empty() || layers.is_empty() {
+            return Ok(());
+        }
+        let heads = req.heads.start as usize - l.heads.start..req.heads.end as usize - l.heads.start;
         let per_token_layer = l.selection_bytes(1, 1, heads.len()).unwrap_or(usize::MAX);
-        let tokens = job.req.tokens.start as usize..job.req.tokens.end as usize;
-        let layers = job.req.layers.start as usize..job.req.layers.end as usize;
-        let plan = plan_chunks(
-            tokens,
-            layers,
-            per_token_layer,
-            l.page_size,
-            self.cfg.chunk_bytes,
-        );
-        let gather = |c: &super::ChunkPlan| {
+        let slot = self.cfg.chunk_bytes.min(job.peer.slot_bytes);
+        let plan = plan_chunks(tokens, layers, per_token_layer, l.page_size, slot);
+        let gather = |c: &ChunkPlan| {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
-            let (pool, kernel, pages, wire) = (
-                self.pool.clone(),
-                self.kernel,
-                job.pages.clone(),
-                job.req.wire_order,
-            );
+            let (pool, kernel, pages, wire) = (self.pool.clone(), self.kernel, job.pages.clone(), req.wire_order);
             let (tokens, heads) = (c.tokens.clone(), heads.clone());
             tokio::task::spawn_blocking(move || {
-                let sel = Selection {
-                    pages: &pages,
-                    tokens,
-                    layers: local,
-                    heads,
-                };
+                let sel = Selection { pages: &pages, tokens, layers: local, heads };
                 let mut buf = vec![0u8; sel.bytes(&pool)?];
                 kernel.gather(&pool, &sel, wire, &mut buf).map(|()| buf)
             })
         };
-        let mut next = plan.first().map(gather);
-        for (seq, c) in plan.iter().enumerate() {
+        let mut next = match plan.first() {
+            Some(c) => {
+                self.credit(&job.peer).await?;
+                Some(gather(c))
+            }
+            None => None,
+        };
+        for (i, c) in plan.iter().enumerate() {
             let Some(pending) = next.take() else { break };
             let bytes = match pending.await {
                 Ok(Ok(b)) => b,
-                Ok(Err(e)) => {
-                    return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}")));
-                }
-                Err(e) => {
-                    return Err(Reason::new(
-                        FailureCode::BadMessage,
-                        format!("gather stopped: {e}"),
-                    ));
-                }
+                Ok(Err(e)) => return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}"))),
+                Err(e) => return Err(Reason::new(FailureCode::BadMessage, format!("gather stopped: {e}"))),
             };
             if job.cancel.is_cancelled() {
-                return Ok(seq as u32);
+                job.peer.credits.add_permits(1);
+                return Ok(());
             }
-            next = plan.get(seq + 1).map(gather);
-            let len = bytes.len();
-            let header = Message::Chunk(Chunk {
-                room: job.room,
-                prefill_instance: self.instance,
-                seq: seq as u32,
-                tokens: c.tokens.start as u32..c.tokens.end as u32,
-                layers: c.layers.start as u32..c.layers.end as u32,
-                heads: job.req.heads.clone(),
-                len: len as u64,
-                checksum: 0,
-            });
-            let timeout = self.cfg.timeouts.send;
-            let sent = tokio::time::timeout(timeout, async {
-                job.peer
-                    .data
-                    .lock()
-                    .await
-                    .send(header.encode().into(), bytes.into())
-                    .await
-            })
-            .await;
-            match sent {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(Reason::new(FailureCode::PeerDead, e.to_string())),
-                Err(_) => {
-                    let m = format!(
-                        "decode data endpoint {} took no chunk within {timeout:?}",
-                        job.peer.data_endpoint
-                    );
-                    return Err(Reason::new(FailureCode::TimeoutStall, m));
-                }
-            }
-            self.metrics
-                .bytes
-                .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-            if let Some(room) = self.rooms().get_mut(&job.room) {
-                room.sent += len;
+            // Gather ahead only with a credit at hand: waiting for one here, before sending
+            // this chunk, could wait forever.
+            let ahead = plan.get(i + 1).filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
+            next = ahead.map(gather);
+            self.send_chunk(job, c, *chunks, bytes).await?;
+            *chunks += 1;
+            if next.is_none() && i + 1 < plan.len() {
+                self.credit(&job.peer).await?;
+                next = Some(gather(&plan[i + 1]));
             }
         }
-        Ok(plan.len() as u32)
+        Ok(())
+    }
+
+    async fn send_chunk(&self, job: &Job, c: &ChunkPlan, seq: u32, bytes: Vec<u8>) -> Result<(), Reason> {
+        let len = bytes.len();
+        let header = Message::Chunk(Chunk {
+            room: job.room,
+            prefill_instance: self.instance,
+            seq,
+            tokens: c.tokens.start as u32..c.tokens.end as u32,
+            layers: c.layers.start as u32..c.layers.end as u32,
+            heads: job.req.heads.clone(),
+            len: len as u64,
+            checksum: 0,
+        });
+        let timeout = self.cfg.timeouts.send;
+        let sent = tokio::time::timeout(timeout, async {
+            job.peer.data.lock().await.send(header.encode().into(), bytes.into()).await
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(Reason::new(FailureCode::PeerDead, e.to_string())),
+            Err(_) => {
+                let m = format!("decode data endpoint {} took no chunk within {timeout:?}", job.peer.data_endpoint);
+                return Err(Reason::new(FailureCode::TimeoutStall, m));
+            }
+        }
+        self.metrics.bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+        if let Some(room) = self.rooms().get_mut(&job.room) {
+            room.sent += len;
+        }
+        Ok(())
     }
 
     async fn on_abort(self: Arc<Self>, identity: PeerId, abort: protocol::Abort) {
@@ -528,21 +555,43 @@ impl Inner {
                     true
                 }
                 Some(room) => {
-                    room.status
-                        .abort(Reason::new(abort.code, abort.message), true);
+                    room.status.abort(Reason::new(abort.code, abort.message), true);
                     self.finished(room);
                     false
                 }
                 None => false,
             }
         };
-        // A running transfer acknowledges when it stops; otherwise nothing is in flight.
+        // A running room acknowledges when its task stops; otherwise nothing is in flight.
         if !running {
-            let ack = Message::AbortAck(protocol::AbortAck {
-                room: abort.room,
-                instance: self.instance,
-            });
+            let ack = Message::AbortAck(protocol::AbortAck { room: abort.room, instance: self.instance });
             self.reply(&identity, ack).await;
+        }
+    }
+
+    fn on_credit(&self, peer: &Peer, slots: u32) {
+        let room_for = peer.slots.saturating_sub(peer.credits.available_permits());
+        let granted = (slots as usize).min(room_for);
+        if granted < slots as usize {
+            self.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(decode = %peer.instance, slots, "credit beyond the granted slots ignored");
+        }
+        peer.credits.add_permits(granted);
+    }
+
+    /// Forgets a dead decode peer and fails the rooms it asked for.
+    fn peer_dead(&self, peer: &Peer, why: &str) {
+        peer.credits.close();
+        self.peers().remove(&peer.identity);
+        tracing::warn!(decode = %peer.instance, why, "decode peer dead");
+        let mut rooms = self.rooms();
+        for room in rooms.values_mut() {
+            if room.request.as_ref().is_some_and(|(p, _)| p.instance == peer.instance) {
+                let reason = Reason::new(FailureCode::PeerDead, format!("decode {}: {why}", peer.instance));
+                room.cancel.cancel();
+                room.status.fail(reason);
+                self.finished(room);
+            }
         }
     }
 }
@@ -552,7 +601,6 @@ struct Job {
     peer: Arc<Peer>,
     req: TransferRequest,
     pages: Arc<[u32]>,
-    aux: Vec<u8>,
     cancel: CancellationToken,
 }
 
@@ -565,14 +613,15 @@ async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
         let (identity, frame) = match received {
             Ok(v) => v,
             Err(e) => {
-                inner
-                    .metrics
-                    .bad_messages
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(error = %e, "control socket");
                 continue;
             }
         };
+        let peer = inner.peers().get(&identity).cloned();
+        if let Some(peer) = &peer {
+            peer.seen();
+        }
         let inner = inner.clone();
         match Message::decode(&frame) {
             Ok(Message::Hello(h)) => {
@@ -580,51 +629,58 @@ async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
             }
             Ok(Message::TransferRequest(r)) => inner.on_request(identity, r).await,
             Ok(Message::Abort(a)) => inner.on_abort(identity, a).await,
+            Ok(Message::Credit(c)) if peer.as_ref().is_some_and(|p| p.instance == c.instance) => {
+                if let Some(peer) = &peer {
+                    inner.on_credit(peer, c.slots);
+                }
+            }
             Ok(Message::Heartbeat(_)) => {}
             Ok(other) => {
-                inner
-                    .metrics
-                    .bad_messages
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let m = format!("a prefill does not accept {}", other.name());
-                inner
-                    .refuse(&identity, None, FailureCode::BadMessage, m)
-                    .await;
+                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let m = format!("a prefill does not accept {} here", other.name());
+                inner.refuse(&identity, None, FailureCode::BadMessage, m).await;
             }
             Err(e) => {
-                inner
-                    .metrics
-                    .bad_messages
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                inner
-                    .refuse(
-                        &identity,
-                        None,
-                        FailureCode::BadMessage,
-                        format!("undecodable frame: {e}"),
-                    )
-                    .await;
+                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner.refuse(&identity, None, FailureCode::BadMessage, format!("undecodable frame: {e}")).await;
             }
         }
     }
 }
 
-async fn expire_rooms(inner: Arc<Inner>) {
-    let ttl = inner.cfg.timeouts.room_ttl;
-    let mut tick = tokio::time::interval(Duration::from_millis(200).min(ttl));
+/// Heartbeats to every peer, dead-peer detection and room expiry, on one timer.
+async fn housekeeping(inner: Arc<Inner>) {
+    let t = &inner.cfg.timeouts;
+    let mut tick = tokio::time::interval(t.heartbeat.min(Duration::from_millis(200)));
+    let mut last_beat = Instant::now();
+    let mut seq = 0u64;
     loop {
         tokio::select! {
             () = inner.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let peers: Vec<Arc<Peer>> = inner.peers().values().cloned().collect();
+        for peer in &peers {
+            let silent = peer.silent_for();
+            if silent >= t.dead_after {
+                inner.peer_dead(peer, &format!("silent for {} ms", silent.as_millis()));
+            }
+        }
+        if last_beat.elapsed() >= t.heartbeat {
+            last_beat = Instant::now();
+            seq += 1;
+            let beat = Message::Heartbeat(protocol::Heartbeat { instance: inner.instance, seq });
+            let peers: Vec<Arc<Peer>> = inner.peers().values().cloned().collect();
+            for peer in peers {
+                inner.reply(&peer.identity, beat.clone()).await;
+            }
+        }
+        let ttl = t.room_ttl;
         inner.rooms().retain(|_, room| {
             let old = room.final_at.is_some_and(|t| t.elapsed() >= ttl);
             // Ready pages no decode ever asked for are released after the same TTL.
-            let orphan = room.request.is_none()
-                && room
-                    .status
-                    .entered(RoomState::Bootstrapping)
-                    .is_some_and(|t| super::room::now_ms() - t >= ttl.as_secs_f64() * 1e3);
+            let created = room.status.at("created").unwrap_or(0.0);
+            let orphan = room.request.is_none() && super::room::now_ms() - created >= ttl.as_secs_f64() * 1e3;
             !(old || orphan) || room.running
         });
     }
@@ -633,11 +689,21 @@ async fn expire_rooms(inner: Arc<Inner>) {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ReadyRequest {
+    /// Tokens of the whole room.
     tokens: usize,
     #[serde(default)]
     pages: Option<Vec<u32>>,
     #[serde(default)]
     aux: Option<String>,
+    /// The piece's tokens (default: all).
+    #[serde(default)]
+    token_range: Option<[usize; 2]>,
+    /// The piece's global layers (default: all this rank holds).
+    #[serde(default)]
+    layer_range: Option<[usize; 2]>,
+    /// The engine's last piece for this room (default: true when no range is given).
+    #[serde(default)]
+    last: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -652,113 +718,153 @@ fn routes(inner: Arc<Inner>) -> Router {
         .route("/v1/rooms/{room}/ready", post(ready))
         .route("/v1/rooms/{room}", get(get_room))
         .route("/v1/pool", get(pool))
-        .route(
-            "/healthz",
-            get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "prefill"})) }),
-        )
+        .route("/healthz", get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "prefill"})) }))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::bad_request("no such route").into_response() })
         .with_state(inner)
 }
 
-async fn ready(
-    State(inner): Shared,
-    Path(room): Path<String>,
-    body: Bytes,
-) -> Result<Response, ApiError> {
+/// Pages for a room's first piece: the engine's (validated) or the agent's own.
+fn room_pages(inner: &Inner, req: &ReadyRequest) -> Result<(Arc<[u32]>, Option<PageLease>), ApiError> {
+    let needed = inner.cfg.layout.pages_for(req.tokens);
+    match (&req.pages, inner.cfg.synthetic) {
+        (Some(pages), _) => {
+            api::validate_pages(pages, needed, inner.pool.num_pages())?;
+            Ok((pages.as_slice().into(), None))
+        }
+        (None, true) => {
+            let lease = inner.alloc.allocate(needed).map_err(|e| ApiError::exhausted(e.to_string()))?;
+            Ok((lease.pages().into(), Some(lease)))
+        }
+        (None, false) => Err(ApiError::bad_request(
+            "pages are required (the agent fills pages itself only with --synthetic)",
+        )),
+    }
+}
+
+async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let req: ReadyRequest = api::parse_json(&body)?;
+    let l = &inner.cfg.layout;
     if req.tokens == 0 {
         return Err(ApiError::bad_request("tokens must be > 0"));
     }
-    let aux = match &req.aux {
-        Some(text) => api::unbase64(text)?,
-        None => Vec::new(),
-    };
-    if aux.len() > protocol::MAX_AUX {
-        return Err(ApiError::bad_request(format!(
-            "aux is {} bytes; at most {} are carried",
-            aux.len(),
-            protocol::MAX_AUX
-        )));
+    let aux = req.aux.as_deref().map(api::unbase64).transpose()?;
+    if aux.as_ref().is_some_and(|a| a.len() > protocol::MAX_AUX) {
+        return Err(ApiError::bad_request(format!("aux is larger than {} bytes", protocol::MAX_AUX)));
     }
-    if inner
-        .rooms()
-        .get(&room_id)
-        .is_some_and(|r| r.ready.is_some())
-    {
-        return Err(ApiError::conflict(format!(
-            "room {room_id} is already ready"
-        )));
+    let tokens = req.token_range.map_or(0..req.tokens, |[a, b]| a..b);
+    let layers = req.layer_range.map_or(l.layers.clone(), |[a, b]| a..b);
+    if tokens.is_empty() || tokens.end > req.tokens {
+        return Err(ApiError::bad_request(format!("token_range {tokens:?} must be a non-empty range within 0..{}", req.tokens)));
     }
-    let l = &inner.cfg.layout;
-    let needed = l.pages_for(req.tokens);
-    let (pages, lease): (Arc<[u32]>, _) = match (req.pages, inner.cfg.synthetic) {
-        (Some(pages), _) => {
-            api::validate_pages(&pages, needed, inner.pool.num_pages())?;
-            (pages.into(), None)
-        }
-        (None, true) => {
-            let lease = inner
-                .alloc
-                .allocate(needed)
-                .map_err(|e| ApiError::exhausted(e.to_string()))?;
-            let pages: Arc<[u32]> = lease.pages().into();
-            let (pool, kernel, fill_pages, tokens) =
-                (inner.pool.clone(), inner.kernel, pages.clone(), req.tokens);
-            tokio::task::spawn_blocking(move || {
-                synthetic::fill(&kernel, &pool, room_id, &fill_pages, 0..tokens)
-            })
-            .await
-            .map_err(|e| ApiError::unavailable(e.to_string()))?
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
-            (pages, Some(lease))
-        }
-        (None, false) => {
-            return Err(ApiError::bad_request(
-                "pages are required (the agent fills pages itself only with --synthetic)",
-            ));
-        }
-    };
-    let (view, refusal) = {
+    if layers.is_empty() || layers.start < l.layers.start || layers.end > l.layers.end {
+        return Err(ApiError::bad_request(format!("layer_range {layers:?} must be a non-empty range within this rank's layers {:?}", l.layers)));
+    }
+    let whole = req.token_range.is_none() && req.layer_range.is_none();
+    let last = req.last.unwrap_or(whole);
+    let piece = Piece { tokens, layers };
+    // First piece: pages (outside the lock: allocation may be refused, synthetic fill is slow).
+    let first = !inner.rooms().get(&room_id).is_some_and(|r| r.ready.is_some());
+    let fresh = if first { Some(room_pages(&inner, &req)?) } else { None };
+    let paced = inner.cfg.synthetic && whole && !inner.cfg.synthetic_layer_delay.is_zero();
+    let view = {
         let mut rooms = inner.rooms();
         let room = rooms.entry(room_id).or_insert_with(Room::new);
-        if room.ready.is_some() {
-            return Err(ApiError::conflict(format!(
-                "room {room_id} is already ready"
-            )));
-        }
         if room.status.state().is_final() {
+            return Err(ApiError::conflict(format!("room {room_id} is {}", room.status.state().name())));
+        }
+        if let Some((pages, lease)) = fresh {
+            if room.ready.is_some() {
+                return Err(ApiError::conflict(format!("room {room_id} is already ready")));
+            }
+            room.ready = Some(Ready {
+                tokens: req.tokens,
+                pages,
+                lease,
+                aux: Vec::new(),
+                announced: Coverage::new(l.num_layers(), req.tokens),
+                last: false,
+            });
+        }
+        let Some(ready) = room.ready.as_mut() else {
+            return Err(ApiError::conflict(format!("room {room_id} lost its pages")));
+        };
+        if ready.tokens != req.tokens {
+            return Err(ApiError::bad_request(format!("room {room_id} has {} tokens, this piece says {}", ready.tokens, req.tokens)));
+        }
+        if ready.last {
+            return Err(ApiError::conflict(format!("room {room_id}: the last piece was already announced")));
+        }
+        let local = piece.layers.start - l.layers.start..piece.layers.end - l.layers.start;
+        if !ready.announced.claim(local, piece.tokens.clone()) {
             return Err(ApiError::conflict(format!(
-                "room {room_id} is {}",
-                room.status.state().name()
+                "room {room_id}: tokens {:?} x layers {:?} overlap a piece announced before",
+                piece.tokens, piece.layers
             )));
         }
-        room.ready = Some(Ready {
-            tokens: req.tokens,
-            pages,
-            lease,
-            aux,
-        });
-        room.status.mark("ready");
-        let refusal = inner
-            .start_if_ready(room_id, room)
-            .map(|r| (room.request.as_ref().map(|(p, _)| p.identity.clone()), r));
-        (room.view(room_id), refusal)
+        if let Some(aux) = aux {
+            ready.aux = aux;
+        }
+        room.view(room_id)
     };
-    if let Some((Some(identity), reason)) = refusal {
-        inner
-            .refuse(&identity, Some(room_id), reason.code, reason.message)
-            .await;
+    let pages = inner.rooms().get(&room_id).and_then(|r| r.ready.as_ref().map(|r| r.pages.clone()));
+    let Some(pages) = pages else { return Err(ApiError::unknown_room(room_id)) };
+    if paced {
+        tokio::spawn(announce_paced(inner.clone(), room_id, pages, piece));
+    } else {
+        if inner.cfg.synthetic {
+            fill(&inner, room_id, &pages, &piece).await?;
+        }
+        announce(&inner, room_id, piece, last);
     }
     Ok((axum::http::StatusCode::ACCEPTED, axum::Json(view)).into_response())
 }
 
-async fn get_room(
-    State(inner): Shared,
-    Path(room): Path<String>,
-    Query(q): Query<WaitQuery>,
-) -> Result<Response, ApiError> {
+/// Fills a piece with the synthetic pattern.
+async fn fill(inner: &Arc<Inner>, room_id: u64, pages: &Arc<[u32]>, piece: &Piece) -> Result<(), ApiError> {
+    let l0 = inner.cfg.layout.layers.start;
+    let (pool, kernel, pages) = (inner.pool.clone(), inner.kernel, pages.clone());
+    let (tokens, layers) = (piece.tokens.clone(), piece.layers.start - l0..piece.layers.end - l0);
+    tokio::task::spawn_blocking(move || synthetic::fill(&kernel, &pool, room_id, &pages, tokens, layers))
+        .await
+        .map_err(|e| ApiError::unavailable(e.to_string()))?
+        .map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// Hands a filled piece to the room's task (starting it if the request is there).
+fn announce(inner: &Arc<Inner>, room_id: u64, piece: Piece, last: bool) {
+    let mut rooms = inner.rooms();
+    let Some(room) = rooms.get_mut(&room_id) else { return };
+    if room.status.state().is_final() {
+        return;
+    }
+    room.pending.push(piece);
+    if last {
+        if let Some(ready) = room.ready.as_mut() {
+            ready.last = true;
+        }
+        room.status.mark("ready");
+    }
+    room.wake.notify_one();
+    inner.start_if_ready(room_id, room);
+}
+
+/// The synthetic engine's layer-wise prefill: one layer every `synthetic_layer_delay`.
+async fn announce_paced(inner: Arc<Inner>, room_id: u64, pages: Arc<[u32]>, whole: Piece) {
+    let delay = inner.cfg.synthetic_layer_delay;
+    for layer in whole.layers.clone() {
+        tokio::time::sleep(delay).await;
+        let piece = Piece { tokens: whole.tokens.clone(), layers: layer..layer + 1 };
+        if let Err(e) = fill(&inner, room_id, &pages, &piece).await {
+            tracing::warn!(room = room_id, error = ?e, "synthetic fill failed");
+            return;
+        }
+        announce(&inner, room_id, piece, layer + 1 == whole.layers.end);
+    }
+}
+
+async fn get_room(State(inner): Shared, Path(room): Path<String>, Query(q): Query<WaitQuery>) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     if let Some(wait) = q.wait_ms {
         let rx = {
@@ -784,10 +890,6 @@ async fn pool(State(inner): Shared) -> Response {
 }
 
 async fn metrics(State(inner): Shared) -> Response {
-    let text = inner.metrics.render(
-        "prefill",
-        inner.alloc.total_pages(),
-        inner.alloc.free_pages(),
-    );
+    let text = inner.metrics.render("prefill", inner.alloc.total_pages(), inner.alloc.free_pages());
     api::metrics_response(text)
 }

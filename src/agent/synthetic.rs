@@ -95,18 +95,19 @@ fn layer_selection<'a>(
     }
 }
 
-/// Fills `tokens` of a room held in `pages` with the pattern, every layer and head the pool
-/// holds.
+/// Fills `tokens` x local `layers` of a room held in `pages` with the pattern, every head the
+/// pool holds.
 pub fn fill(
     kernel: &CpuKernel,
     pool: &HostPool,
     room: u64,
     pages: &[u32],
     tokens: Range<usize>,
+    layers: Range<usize>,
 ) -> Result<(), KernelError> {
     let l = pool.layout();
     let mut buf = Vec::new();
-    for local in 0..l.num_layers() {
+    for local in layers {
         let sel = layer_selection(pool, pages, &tokens, local);
         buf.resize(sel.bytes(pool)?, 0);
         layer_pattern(pool, room, l.layers.start + local, &tokens, &mut buf);
@@ -165,7 +166,7 @@ mod tests {
         let pool = HostPool::anonymous(layout.clone(), 8).unwrap();
         let k = CpuKernel::new(1);
         let pages = [5, 2, 7];
-        fill(&k, &pool, 42, &pages, 0..40).unwrap();
+        fill(&k, &pool, 42, &pages, 0..40, 0..3).unwrap();
         verify(&k, &pool, 42, &pages, 0..40).unwrap();
         // Another room's pattern differs.
         assert!(verify(&k, &pool, 43, &pages, 0..40).is_err());

@@ -92,6 +92,18 @@ pub struct AgentArgs {
     /// Largest chunk of staging bytes moved at once (1 MiB measured best for ZeroMQ here).
     #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
+    /// Staging slots per peer pair: chunks in flight between two agents at once (the staging
+    /// budget of a pair is slots x chunk bytes on each side).
+    #[arg(long, env = "KVFERRY_STAGING_SLOTS", default_value_t = 8)]
+    pub staging_slots: usize,
+    /// The KV pool: `anon` (the agent's own memory), `shm:<path>` (a pool an engine created in
+    /// shared memory), or `cuda-ipc:<device>:<handle>` (device memory; needs a GPU).
+    #[arg(long, env = "KVFERRY_POOL", default_value = "anon")]
+    pub pool: crate::pool::PoolDescriptor,
+    /// Synthetic engine pacing: announce each room one layer at a time, this many ms apart
+    /// (layer-wise prefill); 0 announces whole rooms.
+    #[arg(long, env = "KVFERRY_SYNTHETIC_LAYER_MS", default_value_t = 0.0)]
+    pub synthetic_layer_ms: f64,
     /// Threads of the CPU copy kernel.
     #[arg(long, env = "KVFERRY_COPY_THREADS", default_value_t = 2)]
     pub copy_threads: usize,
@@ -107,6 +119,12 @@ pub struct AgentArgs {
     /// One send of a chunk or a control message, in ms.
     #[arg(long, env = "KVFERRY_TIMEOUT_SEND_MS", default_value_t = 30_000)]
     pub timeout_send_ms: u64,
+    /// Period of heartbeats on every control connection, in ms.
+    #[arg(long, env = "KVFERRY_HEARTBEAT_MS", default_value_t = 500)]
+    pub heartbeat_ms: u64,
+    /// A peer silent this many ms is declared dead and its rooms fail with `peer_dead`.
+    #[arg(long, env = "KVFERRY_PEER_DEAD_MS", default_value_t = 5_000)]
+    pub peer_dead_ms: u64,
 }
 
 impl AgentArgs {
@@ -148,8 +166,17 @@ impl AgentArgs {
         if self.pool_pages == 0 {
             anyhow::bail!("--pool-pages must be > 0");
         }
-        if self.chunk_bytes == 0 {
-            anyhow::bail!("--chunk-bytes must be > 0");
+        if self.chunk_bytes == 0 || u32::try_from(self.chunk_bytes).is_err() {
+            anyhow::bail!("--chunk-bytes must be > 0 and < 4 GiB");
+        }
+        if self.staging_slots == 0 {
+            anyhow::bail!("--staging-slots must be > 0");
+        }
+        if self.heartbeat_ms == 0 || self.peer_dead_ms <= self.heartbeat_ms {
+            anyhow::bail!("--peer-dead-ms ({}) must exceed --heartbeat-ms ({}) > 0", self.peer_dead_ms, self.heartbeat_ms);
+        }
+        if !(self.synthetic_layer_ms >= 0.0 && self.synthetic_layer_ms.is_finite()) {
+            anyhow::bail!("--synthetic-layer-ms must be >= 0");
         }
         let ms = Duration::from_millis;
         Ok(AgentConfig {
@@ -164,12 +191,17 @@ impl AgentArgs {
             synthetic: self.synthetic,
             token: self.token.clone(),
             chunk_bytes: self.chunk_bytes,
+            staging_slots: self.staging_slots,
+            pool: self.pool.clone(),
+            synthetic_layer_delay: Duration::from_secs_f64(self.synthetic_layer_ms / 1e3),
             copy_threads: self.copy_threads,
             timeouts: Timeouts {
                 bootstrap: ms(self.timeout_bootstrap_ms),
                 connect: ms(self.timeout_connect_ms),
                 room_ttl: ms(self.room_ttl_ms),
                 send: ms(self.timeout_send_ms),
+                heartbeat: ms(self.heartbeat_ms),
+                dead_after: ms(self.peer_dead_ms),
             },
         })
     }

@@ -2,6 +2,7 @@
 //! live in the file named after it; this file only dispatches.
 
 mod agent;
+mod bench;
 mod bootstrap;
 pub mod cluster;
 pub mod demo;
@@ -31,6 +32,8 @@ pub enum Command {
     Decode(AgentArgs),
     /// Run a full prefill -> decode transfer on this machine and verify every byte.
     Demo(demo::DemoArgs),
+    /// Measure end-to-end transfer throughput and latency over real processes on loopback.
+    Bench(bench::BenchArgs),
 }
 
 /// Runs the chosen subcommand to completion.
@@ -40,5 +43,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Prefill(args) => agent::run(agent::AgentRole::Prefill, args),
         Command::Decode(args) => agent::run(agent::AgentRole::Decode, args),
         Command::Demo(args) => demo::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }

@@ -58,8 +58,16 @@ pub enum PoolError {
         pages: usize,
     },
     /// A descriptor string that does not parse.
-    #[error("bad pool descriptor {0:?}: expected `anon` or `shm:<path>`")]
+    #[error("bad pool descriptor {0}")]
     BadDescriptor(String),
+    /// A device-memory pool where only host pools can be served.
+    #[error("cannot serve {descriptor}: {reason}")]
+    DeviceMemory {
+        /// The descriptor.
+        descriptor: String,
+        /// Why (no GPU, no driver, ...).
+        reason: String,
+    },
     /// A byte range outside the pool.
     #[error("byte range {offset}+{len} is outside the pool's {size} bytes")]
     OutOfBounds {
@@ -89,6 +97,14 @@ pub enum PoolDescriptor {
     Anonymous,
     /// A shared-memory file.
     Shm(PathBuf),
+    /// Device memory of another process, by CUDA IPC handle:
+    /// `cuda-ipc:<device ordinal>:<128 hex digits of the 64-byte cudaIpcMemHandle_t>`.
+    CudaIpc {
+        /// Device ordinal.
+        device: u32,
+        /// The IPC memory handle.
+        handle: [u8; 64],
+    },
 }
 
 impl fmt::Display for PoolDescriptor {
@@ -96,6 +112,10 @@ impl fmt::Display for PoolDescriptor {
         match self {
             PoolDescriptor::Anonymous => f.write_str("anon"),
             PoolDescriptor::Shm(path) => write!(f, "shm:{}", path.display()),
+            PoolDescriptor::CudaIpc { device, handle } => {
+                write!(f, "cuda-ipc:{device}:")?;
+                handle.iter().try_for_each(|b| write!(f, "{b:02x}"))
+            }
         }
     }
 }
@@ -103,10 +123,28 @@ impl fmt::Display for PoolDescriptor {
 impl FromStr for PoolDescriptor {
     type Err = PoolError;
     fn from_str(s: &str) -> Result<Self, PoolError> {
+        let bad = |why: &str| PoolError::BadDescriptor(format!("{s:?}: {why}"));
         match s.split_once(':') {
             None if s == "anon" => Ok(PoolDescriptor::Anonymous),
             Some(("shm", path)) if !path.is_empty() => Ok(PoolDescriptor::Shm(path.into())),
-            _ => Err(PoolError::BadDescriptor(s.to_owned())),
+            Some(("cuda-ipc", rest)) => {
+                let (device, hex) = rest
+                    .split_once(':')
+                    .ok_or_else(|| bad("expected cuda-ipc:<device>:<handle>"))?;
+                let device = device
+                    .parse()
+                    .map_err(|_| bad("the device ordinal is not a number"))?;
+                if hex.len() != 128 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(bad("the handle must be 128 hex digits (64 bytes)"));
+                }
+                let mut handle = [0u8; 64];
+                for (i, byte) in handle.iter_mut().enumerate() {
+                    *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+                        .map_err(|_| bad("the handle is not hex"))?;
+                }
+                Ok(PoolDescriptor::CudaIpc { device, handle })
+            }
+            _ => Err(bad("expected `anon`, `shm:<path>` or `cuda-ipc:<device>:<handle>`")),
         }
     }
 }
@@ -204,6 +242,12 @@ impl HostPool {
         match descriptor {
             PoolDescriptor::Anonymous => Self::anonymous(layout, num_pages),
             PoolDescriptor::Shm(path) => Self::open_shm(path, layout, num_pages),
+            PoolDescriptor::CudaIpc { .. } => Err(PoolError::DeviceMemory {
+                descriptor: descriptor.to_string(),
+                reason: "it names device memory; a host pool cannot map it (device pools need \
+                         the CUDA kernel and a GPU)"
+                    .to_owned(),
+            }),
         }
     }
 
@@ -396,9 +440,13 @@ mod tests {
             "anon".parse::<PoolDescriptor>().unwrap(),
             PoolDescriptor::Anonymous
         );
-        for bad in ["", "shm:", "cuda", "file:/x", "anon:x"] {
+        for bad in ["", "shm:", "cuda", "file:/x", "anon:x", "cuda-ipc:0", "cuda-ipc:x:00", "cuda-ipc:0:zz"] {
             assert!(bad.parse::<PoolDescriptor>().is_err(), "{bad}");
         }
+        let ipc = format!("cuda-ipc:1:{}", "ab".repeat(64));
+        let d: PoolDescriptor = ipc.parse().unwrap();
+        assert_eq!(d, PoolDescriptor::CudaIpc { device: 1, handle: [0xab; 64] });
+        assert_eq!(d.to_string(), ipc);
     }
 
     #[test]

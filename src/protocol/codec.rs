@@ -26,7 +26,7 @@ use std::ops::Range;
 use uuid::Uuid;
 
 use super::{
-    Abort, AbortAck, Chunk, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_AUX, MAX_BODY,
+    Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_AUX, MAX_BODY,
     MAX_PAGES, MAX_STRING, MIN_VERSION, Message, Ranks, Role, TransferRequest, VERSION, WireLayout,
 };
 use crate::layout::{AttentionKind, Dtype, PageOrder};
@@ -48,6 +48,7 @@ const KIND_ABORT: u8 = 6;
 const KIND_ABORT_ACK: u8 = 7;
 const KIND_HEARTBEAT: u8 = 8;
 const KIND_ERROR: u8 = 9;
+const KIND_CREDIT: u8 = 10;
 
 /// Why a byte string is not a valid frame. Every variant is the sender's fault (or foreign
 /// traffic); the receiver answers with `bad_message` (or `incompatible_version`) and keeps serving.
@@ -173,7 +174,7 @@ pub fn peek_header(bytes: &[u8]) -> Result<Header, DecodeError> {
     let kind = r.u8("header")?;
     let flags = r.u8("header")?;
     let body_len = r.u32("header")?;
-    if !(KIND_HELLO..=KIND_ERROR).contains(&kind) {
+    if !(KIND_HELLO..=KIND_CREDIT).contains(&kind) {
         return Err(DecodeError::UnknownKind(kind));
     }
     if kind != KIND_HELLO && !(MIN_VERSION..=VERSION).contains(&version) {
@@ -227,6 +228,8 @@ impl Message {
                 w.layout(&m.layout);
                 w.str(&m.data_endpoint);
                 w.str(&m.token);
+                w.u32(m.slots);
+                w.u32(m.slot_bytes);
             }
             Message::HelloAck(m) => {
                 w.u16(m.version);
@@ -277,6 +280,10 @@ impl Message {
                 w.u8(m.code.tag());
                 w.str(&m.message);
             }
+            Message::Credit(m) => {
+                w.uuid(&m.instance);
+                w.u32(m.slots);
+            }
         }
         let body_len = saturate(out.len() - start - HEADER_LEN);
         out[start + 8..start + HEADER_LEN].copy_from_slice(&body_len.to_le_bytes());
@@ -308,6 +315,8 @@ impl Message {
                 layout: r.layout()?,
                 data_endpoint: r.string("data_endpoint")?,
                 token: r.string("token")?,
+                slots: r.u32("slots")?,
+                slot_bytes: r.u32("slot_bytes")?,
             }),
             KIND_HELLO_ACK => Message::HelloAck(HelloAck {
                 version: r.u16("version")?,
@@ -358,6 +367,10 @@ impl Message {
                 code: code_from_tag(r.u8("code")?)?,
                 message: r.string("message")?,
             }),
+            KIND_CREDIT => Message::Credit(Credit {
+                instance: r.uuid("instance")?,
+                slots: r.u32("slots")?,
+            }),
             other => return Err(DecodeError::UnknownKind(other)),
         };
         // A newer peer's Hello may append fields this build does not know.
@@ -380,6 +393,7 @@ impl Message {
             Message::AbortAck(_) => KIND_ABORT_ACK,
             Message::Heartbeat(_) => KIND_HEARTBEAT,
             Message::Error(_) => KIND_ERROR,
+            Message::Credit(_) => KIND_CREDIT,
         }
     }
 }

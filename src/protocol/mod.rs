@@ -104,6 +104,11 @@ pub struct Hello {
     pub data_endpoint: String,
     /// Shared secret of the cluster; empty when none is configured.
     pub token: String,
+    /// Staging slots the sender of this Hello grants its peer: chunks that may be in flight
+    /// towards it at once (its receive budget).
+    pub slots: u32,
+    /// Largest chunk the sender of this Hello accepts, in bytes.
+    pub slot_bytes: u32,
 }
 
 /// Prefill -> decode: the Hello is accepted.
@@ -202,6 +207,15 @@ pub struct Heartbeat {
     pub seq: u64,
 }
 
+/// Decode -> prefill: `slots` more chunks may be sent (one per chunk scattered and freed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Credit {
+    /// The sender's instance id.
+    pub instance: Uuid,
+    /// Slots freed.
+    pub slots: u32,
+}
+
 /// Either side: a message could not be served.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ErrorMsg {
@@ -234,6 +248,8 @@ pub enum Message {
     Heartbeat(Heartbeat),
     /// See [`ErrorMsg`].
     Error(ErrorMsg),
+    /// See [`Credit`].
+    Credit(Credit),
 }
 
 impl Message {
@@ -249,6 +265,7 @@ impl Message {
             Message::AbortAck(_) => "abort_ack",
             Message::Heartbeat(_) => "heartbeat",
             Message::Error(_) => "error",
+            Message::Credit(_) => "credit",
         }
     }
 }

@@ -41,6 +41,8 @@ fn hello() -> Hello {
         layout: layout(AttentionKind::Mha, Dtype::Bf16, PageOrder::TokenMajor),
         data_endpoint: "tcp://10.0.0.2:40111".into(),
         token: "secret".into(),
+        slots: 4,
+        slot_bytes: 1 << 20,
     }
 }
 
@@ -93,6 +95,8 @@ fn samples() -> Vec<Message> {
         ranks: Ranks::default(),
         data_endpoint: String::new(),
         token: String::new(),
+        slots: 0,
+        slot_bytes: u32::MAX,
         ..hello()
     }));
     out.push(Message::Hello(Hello {
@@ -100,6 +104,8 @@ fn samples() -> Vec<Message> {
         data_endpoint: "x".repeat(MAX_STRING),
         // 4096 bytes of 2-, 3- and 4-byte characters.
         token: "é€😀".repeat(MAX_STRING / 9) + "!",
+        slots: 8,
+        slot_bytes: 1 << 20,
         layout: WireLayout {
             num_layers: u32::MAX,
             heads: u32::MAX..u32::MAX,
@@ -187,6 +193,10 @@ fn samples() -> Vec<Message> {
         instance: uuid(6),
         seq: u64::MAX,
     }));
+    out.push(Message::Credit(Credit {
+        instance: uuid(7),
+        slots: 3,
+    }));
     out
 }
 
@@ -194,7 +204,7 @@ fn samples() -> Vec<Message> {
 fn every_sample_round_trips_with_a_well_formed_header() {
     let samples = samples();
     let names: std::collections::HashSet<_> = samples.iter().map(Message::name).collect();
-    assert_eq!(names.len(), 9, "samples must cover every kind");
+    assert_eq!(names.len(), 10, "samples must cover every kind");
     for msg in samples {
         let bytes = msg.encode();
         assert_eq!(&bytes[..4], b"KVFY");
@@ -691,6 +701,8 @@ fn arb_hello() -> impl Strategy<Value = Hello> {
                 layout,
                 data_endpoint,
                 token,
+                slots: v.0.into(),
+                slot_bytes: v.1.into(),
             },
         )
 }
@@ -765,6 +777,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
             .prop_map(|(room, instance)| Message::AbortAck(AbortAck { room, instance })),
         (arb_uuid(), any::<u64>())
             .prop_map(|(instance, seq)| Message::Heartbeat(Heartbeat { instance, seq })),
+        (arb_uuid(), any::<u32>())
+            .prop_map(|(instance, slots)| Message::Credit(Credit { instance, slots })),
         (any::<Option<u64>>(), arb_code(), arb_string()).prop_map(|(room, code, message)| {
             Message::Error(ErrorMsg {
                 room,

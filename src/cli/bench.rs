@@ -1,0 +1,393 @@
+//! `kvferry bench`: the end-to-end transfer benchmark. For each transport it starts a fresh
+//! local cluster (registry, prefill and decode agents as real processes on loopback, synthetic
+//! engine), or targets two running agents, and sweeps room sizes. Each (transport, tokens)
+//! configuration runs its warm-up rooms, then its measured rooms, and yields one bench JSON
+//! object (design.md part 8, built by [`demo::summary`]).
+//!
+//! stdout carries the results only: a table, or with `--json` JSON Lines and nothing else.
+//! A progress line goes to stderr when stderr is a terminal. `--out DIR` writes `bench.jsonl`,
+//! `throughput.svg` and `latency.svg`.
+//!
+//! The synthetic fill (prefill) and verification (decode, on take) run outside the timed
+//! window: the agents time a room from the engine's ready to the decode's success.
+
+mod plot;
+
+use std::io::{IsTerminal as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context as _, bail};
+use serde_json::{Value, json};
+
+use super::demo::{self, LocalCluster};
+use crate::layout::{KvLayout, ModelSpec};
+use crate::transport::TransportKind;
+
+/// Measure end-to-end KV transfer throughput and latency over real processes on loopback.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Data-plane transports, comma separated (zmq-tcp, zmq-ipc); each gets a fresh cluster.
+    #[arg(long, value_delimiter = ',', default_value = "zmq-tcp")]
+    transport: Vec<TransportKind>,
+    /// Model preset: tiny, tiny-mla, llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3.
+    #[arg(long, default_value = "llama3-8b")]
+    model: String,
+    /// Room lengths in tokens, comma separated; one configuration each.
+    #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024,4096")]
+    tokens: Vec<usize>,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
+    /// Measured rooms per configuration.
+    #[arg(long, default_value_t = 8)]
+    rooms: usize,
+    /// Rooms in flight at once.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Warm-up rooms run before each configuration's measured rooms, not reported.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Largest chunk of staging bytes moved at once, passed to the agents (with
+    /// --prefill-api/--decode-api it only labels the results: set it on the agents).
+    #[arg(long, default_value_t = 1 << 20)]
+    chunk_bytes: usize,
+    /// HTTP API of a running prefill agent: bench it (with --decode-api) instead of starting
+    /// a cluster. The agents must run with --synthetic and a pool big enough for
+    /// --concurrency rooms of the largest --tokens; --transport then names theirs.
+    #[arg(long, requires = "decode_api")]
+    prefill_api: Option<String>,
+    /// HTTP API of a running decode agent (with --prefill-api).
+    #[arg(long, requires = "prefill_api")]
+    decode_api: Option<String>,
+    /// Print JSON Lines (one object per configuration) instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Also write bench.jsonl, throughput.svg and latency.svg into this folder.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    /// Checks the flags against each other and the model.
+    fn validate(&self) -> anyhow::Result<KvLayout> {
+        let layout = KvLayout::new(ModelSpec::preset(&self.model)?, self.page_size)?;
+        if self.transport.is_empty() {
+            bail!("--transport is empty");
+        }
+        if self.tokens.is_empty() || self.tokens.contains(&0) {
+            bail!("--tokens must list room lengths > 0");
+        }
+        for t in &self.tokens {
+            layout
+                .room_bytes(*t)
+                .with_context(|| format!("--tokens {t} with --model {}", self.model))?;
+        }
+        if self.rooms == 0 {
+            bail!("--rooms must be > 0");
+        }
+        if self.concurrency == 0 {
+            bail!("--concurrency must be > 0");
+        }
+        if self.chunk_bytes == 0 {
+            bail!("--chunk-bytes must be > 0");
+        }
+        if self.prefill_api.is_some() && self.transport.len() != 1 {
+            bail!(
+                "--transport lists {} transports, but running agents serve exactly one: name theirs",
+                self.transport.len()
+            );
+        }
+        Ok(layout)
+    }
+
+    /// The agent flags of a local cluster over `transport`.
+    fn agent_args(&self, layout: &KvLayout, transport: TransportKind) -> Vec<String> {
+        let largest = self.tokens.iter().copied().max().unwrap_or(1);
+        // Both pools hold every room in flight; a few pages spare for the warm-up.
+        let pool_pages = layout.pages_for(largest) * self.concurrency + 8;
+        [
+            "--model",
+            &self.model,
+            "--page-size",
+            &self.page_size.to_string(),
+            "--pool-pages",
+            &pool_pages.to_string(),
+            "--transport",
+            transport.name(),
+            "--chunk-bytes",
+            &self.chunk_bytes.to_string(),
+            "--synthetic",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect()
+    }
+}
+
+/// Where a configuration runs: the agents' APIs and, for a local cluster, its log folder.
+struct Target {
+    prefill: String,
+    decode: String,
+    logs: Option<PathBuf>,
+}
+
+/// Runs the benchmark.
+pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let layout = args.validate()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let progress = std::io::stderr().is_terminal();
+    let exe = std::env::current_exe().context("locating the kvferry binary")?;
+    // Room ids unique across configurations and across runs against the same agents.
+    let mut next_room = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(1, |d| d.as_micros() as u64)
+        << 8;
+    let mut lines: Vec<Value> = Vec::new();
+    for &transport in &args.transport {
+        // A fresh cluster per transport (agents serve one); dropped (stopped) after its sweep.
+        let (cluster, target) = match (&args.prefill_api, &args.decode_api) {
+            (Some(p), Some(d)) => (
+                None,
+                Target {
+                    prefill: p.trim_end_matches('/').to_owned(),
+                    decode: d.trim_end_matches('/').to_owned(),
+                    logs: None,
+                },
+            ),
+            _ => {
+                let tag = format!("bench-{transport}");
+                let cluster = LocalCluster::start(&exe, &tag, &args.agent_args(&layout, transport))
+                    .with_context(|| format!("starting a {transport} cluster"))?;
+                let target = Target {
+                    prefill: cluster.prefill.field("api")?,
+                    decode: cluster.decode.field("api")?,
+                    logs: Some(cluster.logs.clone()),
+                };
+                (Some(cluster), target)
+            }
+        };
+        for &tokens in &args.tokens {
+            let mut ids = |n: usize| {
+                let v: Vec<(u64, usize)> = (0..n as u64).map(|i| (next_room + i, tokens)).collect();
+                next_room += n as u64;
+                v
+            };
+            let (warm, measured) = (ids(args.warmup), ids(args.rooms));
+            let label = format!("{transport} {tokens} tokens");
+            let results = runtime
+                .block_on(async {
+                    drive(&target, warm, args.concurrency, progress, &label).await?;
+                    drive(&target, measured, args.concurrency, progress, &label).await
+                })
+                .with_context(|| match &target.logs {
+                    Some(dir) => format!("{label}: agent logs in {}", dir.display()),
+                    None => label.clone(),
+                })?;
+            let mut line = demo::summary(
+                &results,
+                transport.name(),
+                &args.model,
+                json!(tokens),
+                args.page_size,
+                args.concurrency,
+            );
+            line["chunk_bytes"] = json!(args.chunk_bytes);
+            line["warmup_rooms"] = json!(args.warmup);
+            if args.json {
+                // One line per configuration as soon as it is measured.
+                let mut out = std::io::stdout().lock();
+                writeln!(out, "{line}")?;
+                out.flush()?;
+            }
+            lines.push(line);
+        }
+        drop(cluster);
+    }
+    if !args.json {
+        print_table(&lines);
+    }
+    if let Some(dir) = &args.out {
+        write_out(dir, &lines)?;
+    }
+    let failed: u64 = lines
+        .iter()
+        .map(|l| l["failed_rooms"].as_u64().unwrap_or(0))
+        .sum();
+    if failed > 0 {
+        bail!("{failed} rooms did not land intact");
+    }
+    Ok(())
+}
+
+/// Drives `rooms` through the agents, with a progress line on stderr if asked.
+async fn drive(
+    target: &Target,
+    rooms: Vec<(u64, usize)>,
+    concurrency: usize,
+    progress: bool,
+    label: &str,
+) -> anyhow::Result<Vec<demo::RoomResult>> {
+    if rooms.is_empty() {
+        return Ok(Vec::new());
+    }
+    let total = rooms.len();
+    let done = Arc::new(AtomicUsize::new(0));
+    let ticker = progress.then(|| {
+        let (done, label) = (done.clone(), label.to_owned());
+        tokio::spawn(async move {
+            let start = Instant::now();
+            loop {
+                let n = done.load(Ordering::Relaxed);
+                // The progress line is for a person at a terminal; stdout stays clean.
+                #[allow(clippy::print_stderr)]
+                {
+                    eprint!(
+                        "\r\x1b[2K{label}: {n}/{total} rooms, {:.1} s",
+                        start.elapsed().as_secs_f64()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    });
+    let results = demo::drive_rooms_counted(
+        &target.prefill,
+        &target.decode,
+        rooms,
+        concurrency,
+        done.clone(),
+    )
+    .await;
+    if let Some(t) = ticker {
+        t.abort();
+        #[allow(clippy::print_stderr)]
+        {
+            eprint!("\r\x1b[2K");
+        }
+    }
+    results
+}
+
+/// A number field of a bench line (0 when absent).
+fn num(line: &Value, path: &[&str]) -> f64 {
+    path.iter()
+        .fold(line, |v, k| &v[*k])
+        .as_f64()
+        .unwrap_or(0.0)
+}
+
+/// The fixed per-room overhead of each line, in ms: its p50 latency minus its bytes over the
+/// per-room rate of its transport's largest room (the streaming rate, overhead amortised).
+fn overheads(lines: &[Value]) -> Vec<f64> {
+    lines
+        .iter()
+        .map(|l| {
+            let largest = lines
+                .iter()
+                .filter(|o| o["transport"] == l["transport"])
+                .max_by(|a, b| num(a, &["bytes_per_room"]).total_cmp(&num(b, &["bytes_per_room"])));
+            let rate = largest.map_or(0.0, |o| num(o, &["room_gbps_p50"]));
+            if rate > 0.0 {
+                num(l, &["latency_ms", "p50"]) - num(l, &["bytes_per_room"]) / (rate * 1e9) * 1e3
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+fn print_table(lines: &[Value]) {
+    println!(
+        "{:>9} {:>7} {:>10} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "transport",
+        "tokens",
+        "MiB/room",
+        "rooms",
+        "verified",
+        "GB/s",
+        "room GB/s",
+        "p50 ms",
+        "p99 ms",
+        "take p50",
+        "ovh ms",
+        "memcpy"
+    );
+    for (l, ovh) in lines.iter().zip(overheads(lines)) {
+        println!(
+            "{:>9} {:>7} {:>10.3} {:>6} {:>9} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.1}",
+            l["transport"].as_str().unwrap_or("?"),
+            l["tokens"].to_string(),
+            num(l, &["bytes_per_room"]) / (1u64 << 20) as f64,
+            l["rooms"].to_string(),
+            l["verified_rooms"].to_string(),
+            num(l, &["throughput_gbps"]),
+            num(l, &["room_gbps_p50"]),
+            num(l, &["latency_ms", "p50"]),
+            num(l, &["latency_ms", "p99"]),
+            num(l, &["take_latency_ms", "p50"]),
+            ovh,
+            num(l, &["memcpy_gbps"]),
+        );
+    }
+    println!(
+        "GB/s: bytes landed / (first ready -> last success); room GB/s: bytes / p50 latency; \
+         ovh: p50 latency - bytes / largest room's rate; memcpy: single thread, GB/s"
+    );
+}
+
+/// Writes `bench.jsonl` and the two plots into `dir`.
+fn write_out(dir: &Path, lines: &[Value]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+    };
+    let jsonl: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    write("bench.jsonl", &jsonl)?;
+    let model = lines
+        .first()
+        .and_then(|l| l["model"].as_str())
+        .unwrap_or("?");
+    let series = |y: &dyn Fn(&Value) -> f64| {
+        let mut out: Vec<plot::Series> = Vec::new();
+        for l in lines {
+            let name = l["transport"].as_str().unwrap_or("?").to_owned();
+            let point = (num(l, &["bytes_per_room"]) / (1u64 << 20) as f64, y(l));
+            match out.iter_mut().find(|s| s.name == name) {
+                Some(s) => s.points.push(point),
+                None => out.push(plot::Series {
+                    name,
+                    points: vec![point],
+                }),
+            }
+        }
+        for s in &mut out {
+            s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        out
+    };
+    let throughput = plot::Chart {
+        title: format!("kvferry end-to-end throughput ({model})"),
+        x_label: "room size (MiB, log scale)".to_owned(),
+        y_label: "throughput (GB/s)".to_owned(),
+        log_y: false,
+        series: series(&|l| num(l, &["throughput_gbps"])),
+    };
+    write("throughput.svg", &throughput.svg())?;
+    let latency = plot::Chart {
+        title: format!("kvferry p50 room latency, ready -> success ({model})"),
+        x_label: "room size (MiB, log scale)".to_owned(),
+        y_label: "p50 latency (ms, log scale)".to_owned(),
+        log_y: true,
+        series: series(&|l| num(l, &["latency_ms", "p50"])),
+    };
+    write("latency.svg", &latency.svg())?;
+    Ok(())
+}
