@@ -9,6 +9,7 @@ pub mod api;
 pub mod decode;
 pub mod prefill;
 pub mod room;
+mod staging;
 pub mod synthetic;
 
 use std::collections::BTreeMap;

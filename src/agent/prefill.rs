@@ -35,6 +35,7 @@ use uuid::Uuid;
 
 use super::api::{self, ApiError, Metrics};
 use super::room::{RoomState, RoomStatus};
+use super::staging::SlotPool;
 use super::{AgentConfig, ChunkPlan, Coverage, plan_chunks, synthetic};
 use crate::kernel::Selection;
 use crate::kernel::cpu::CpuKernel;
@@ -74,6 +75,7 @@ impl PrefillAgent {
             kernel: CpuKernel::new(cfg.copy_threads),
             transport: transport::for_kind(cfg.transport),
             replier,
+            slots: Arc::default(),
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             metrics: Metrics::new(),
@@ -118,6 +120,7 @@ struct Inner {
     kernel: CpuKernel,
     transport: Arc<dyn Transport>,
     replier: ControlReplier,
+    slots: Arc<SlotPool>,
     rooms: Mutex<HashMap<u64, Room>>,
     /// Decode peers by their control identity.
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
@@ -475,10 +478,10 @@ impl Inner {
         let gather = |c: &ChunkPlan| {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
             let (pool, kernel, pages, wire) = (self.pool.clone(), self.kernel, job.pages.clone(), req.wire_order);
-            let (tokens, heads) = (c.tokens.clone(), heads.clone());
+            let (tokens, heads, slots) = (c.tokens.clone(), heads.clone(), self.slots.clone());
             tokio::task::spawn_blocking(move || {
                 let sel = Selection { pages: &pages, tokens, layers: local, heads };
-                let mut buf = vec![0u8; sel.bytes(&pool)?];
+                let mut buf = slots.take(sel.bytes(&pool)?);
                 kernel.gather(&pool, &sel, wire, &mut buf).map(|()| buf)
             })
         };
@@ -528,7 +531,7 @@ impl Inner {
         });
         let timeout = self.cfg.timeouts.send;
         let sent = tokio::time::timeout(timeout, async {
-            job.peer.data.lock().await.send(header.encode().into(), bytes.into()).await
+            job.peer.data.lock().await.send(header.encode().into(), self.slots.bytes(bytes)).await
         })
         .await;
         match sent {
@@ -765,7 +768,7 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
     let last = req.last.unwrap_or(whole);
     let piece = Piece { tokens, layers };
     // First piece: pages (outside the lock: allocation may be refused, synthetic fill is slow).
-    let first = !inner.rooms().get(&room_id).is_some_and(|r| r.ready.is_some());
+    let first = inner.rooms().get(&room_id).is_none_or(|r| r.ready.is_none());
     let fresh = if first { Some(room_pages(&inner, &req)?) } else { None };
     let paced = inner.cfg.synthetic && whole && !inner.cfg.synthetic_layer_delay.is_zero();
     let view = {
