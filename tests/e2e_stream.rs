@@ -16,12 +16,15 @@ use kvferry::layout::{KvLayout, ModelSpec};
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{Value, json};
 
-/// Liveness flags for tests: fast heartbeats, a peer dead after one silent second.
-const LIVENESS: [&str; 4] = ["--heartbeat-ms", "100", "--peer-dead-ms", "1000"];
-
+/// Agent flags for these tests: fast heartbeats, a peer dead after one silent second.
 fn args(extra: &[&str]) -> Vec<String> {
-    let mut v = AgentOpts::default().args();
-    v.extend(LIVENESS.iter().chain(extra).map(|s| (*s).to_owned()));
+    let opts = AgentOpts {
+        heartbeat_ms: 100,
+        peer_dead_ms: 1000,
+        ..AgentOpts::default()
+    };
+    let mut v = opts.args();
+    v.extend(extra.iter().map(|s| (*s).to_owned()));
     v
 }
 

@@ -30,10 +30,11 @@ use uuid::Uuid;
 
 use super::api::{self, ApiError, Metrics};
 use super::room::{RoomState, RoomStatus};
+use super::pairing::{self, RankSlice};
 use super::{AgentConfig, Coverage, synthetic};
 use crate::kernel::Selection;
 use crate::kernel::cpu::CpuKernel;
-use crate::layout::PageOrder;
+use crate::layout::{KvLayout, PageOrder};
 use crate::pool::HostPool;
 use crate::pool::allocator::{PageAllocator, PageLease};
 use crate::protocol::{self, Chunk, Hello, Message, TransferRequest};
@@ -175,6 +176,8 @@ struct Admitted {
     pages: Arc<[u32]>,
     sel: Selection<'static>,
     wire: PageOrder,
+    /// Index of the room's source the chunk belongs to.
+    source: usize,
 }
 
 struct Room {
@@ -189,10 +192,25 @@ struct Room {
     landed: usize,
     chunks: u32,
     coverage: Coverage,
-    done: Option<protocol::Done>,
-    peer: Option<Arc<Peer>>,
+    /// The prefill ranks the room comes from, one bulk segment each (see `pairing.rs`).
+    sources: Vec<Source>,
+    /// AbortAcks still awaited while aborting.
+    acks_pending: usize,
     scattering: usize,
     final_at: Option<Instant>,
+}
+
+/// One segment of a room: what one prefill rank sends.
+struct Source {
+    peer: Arc<Peer>,
+    /// Global layers.
+    layers: std::ops::Range<usize>,
+    /// Global heads.
+    heads: std::ops::Range<usize>,
+    expected: usize,
+    landed: usize,
+    chunks: u32,
+    done: Option<protocol::Done>,
 }
 
 impl Room {
@@ -213,7 +231,13 @@ impl Room {
             "chunks": self.chunks,
             "pages": &*self.pages,
             "page_owner": if self.lease.is_some() { "agent" } else { "engine" },
-            "prefill_instance": self.peer.as_ref().map(|p| p.instance.to_string()),
+            "sources": self.sources.iter().map(|s| serde_json::json!({
+                "prefill_instance": s.peer.instance.to_string(),
+                "layers": [s.layers.start, s.layers.end],
+                "heads": [s.heads.start, s.heads.end],
+                "bytes": s.landed,
+                "done": s.done.is_some(),
+            })).collect::<Vec<_>>(),
             "timings": self.status.timings_json(),
             "safe_to_reuse": self.safe_to_reuse(),
         })
@@ -248,20 +272,26 @@ impl Inner {
         }
     }
 
+    /// A room is complete when every source said Done and every expected byte landed; a
+    /// source whose Done disagrees with what landed fails it.
     fn check_complete(&self, room_id: u64, room: &mut Room) {
-        let Some(done) = &room.done else { return };
+        if room.sources.is_empty() || room.sources.iter().any(|s| s.done.is_none()) {
+            return;
+        }
         if room.landed < room.expected || room.scattering > 0 {
             return;
         }
-        if done.bytes as usize != room.expected || done.chunks != room.chunks {
-            let reason = Reason::new(
-                FailureCode::BadMessage,
+        let wrong = room.sources.iter().find_map(|s| {
+            let d = s.done.as_ref()?;
+            (d.bytes as usize != s.expected || d.chunks != s.chunks || s.landed != s.expected).then(|| {
                 format!(
-                    "prefill reported {} bytes in {} chunks; {} bytes in {} chunks expected and landed",
-                    done.bytes, done.chunks, room.expected, room.chunks
-                ),
-            );
-            room.status.fail(reason);
+                    "prefill {} reported {} bytes in {} chunks; {} bytes expected, {} in {} chunks landed",
+                    s.peer.endpoint, d.bytes, d.chunks, s.expected, s.landed, s.chunks
+                )
+            })
+        });
+        if let Some(message) = wrong {
+            room.status.fail(Reason::new(FailureCode::BadMessage, message));
         } else {
             room.status.advance(RoomState::Success);
             tracing::debug!(room = room_id, bytes = room.landed, "room landed");
@@ -394,17 +424,25 @@ impl Inner {
             None => self.registry.clone(),
         };
         let ranks = self.lookup(&client, dp_rank).await?;
-        let [rank] = ranks.as_slice() else {
-            return Err(Reason::new(
-                FailureCode::IncompatibleLayout,
-                format!(
-                    "prefill group dp_rank={dp_rank} has {} ranks; this build pairs one prefill rank per group",
-                    ranks.len()
-                ),
-            ));
-        };
-        let peer = self.peer(rank).await?;
         let l = &self.cfg.layout;
+        let slices: Vec<RankSlice> = ranks
+            .iter()
+            .map(|r| RankSlice {
+                heads: r.slice.heads.start as usize..r.slice.heads.end as usize,
+                layers: r.slice.layers.start as usize..r.slice.layers.end as usize,
+            })
+            .collect();
+        let ours = RankSlice { heads: l.heads.clone(), layers: l.layers.clone() };
+        let tp_rank = self.cfg.ranks.tp_rank as usize;
+        let segments = pairing::plan(&slices, &ours, tp_rank)
+            .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, format!("prefill group dp_rank={dp_rank}: {e}")))?;
+        let decodes = self.decode_group()?;
+        let mut sources = Vec::with_capacity(segments.len());
+        for seg in segments {
+            let peer = self.peer(&ranks[seg.prefill]).await?;
+            let requesters = pairing::requesters(&slices, &decodes, seg.prefill);
+            sources.push((peer, seg, requesters));
+        }
         let (tokens, pages) = {
             let mut rooms = self.rooms();
             let Some(room) = rooms.get_mut(&room_id) else {
@@ -413,20 +451,57 @@ impl Inner {
             if !room.status.advance(RoomState::WaitingForInput) {
                 return Ok(()); // aborted meanwhile
             }
-            room.peer = Some(peer.clone());
-            (room.start_token..room.tokens, room.pages.to_vec())
+            let tokens = room.start_token..room.tokens;
+            room.sources = sources
+                .iter()
+                .map(|(peer, seg, _)| Source {
+                    peer: peer.clone(),
+                    layers: seg.layers.clone(),
+                    heads: seg.heads.clone(),
+                    expected: l.selection_bytes(tokens.len(), seg.layers.len(), seg.heads.len()).unwrap_or(usize::MAX),
+                    landed: 0,
+                    chunks: 0,
+                    done: None,
+                })
+                .collect();
+            (tokens, room.pages.to_vec())
         };
-        let req = Message::TransferRequest(TransferRequest {
-            room: room_id,
-            prefill_instance: peer.instance,
-            tokens: tokens.start as u32..tokens.end as u32,
-            layers: l.layers.start as u32..l.layers.end as u32,
-            heads: l.heads.start as u32..l.heads.end as u32,
-            // The decode's own order makes its scatter long runs; the prefill's gather converts.
-            wire_order: l.order,
-            dst_pages: pages,
-        });
-        peer.send(&req, self.cfg.timeouts.send).await
+        for (peer, seg, requesters) in sources {
+            let req = Message::TransferRequest(TransferRequest {
+                room: room_id,
+                prefill_instance: peer.instance,
+                tokens: tokens.start as u32..tokens.end as u32,
+                layers: seg.layers.start as u32..seg.layers.end as u32,
+                heads: seg.heads.start as u32..seg.heads.end as u32,
+                // The decode's own order makes its scatter long runs; the prefill's gather
+                // converts.
+                wire_order: l.order,
+                dst_pages: pages.clone(),
+                requesters: requesters as u32,
+            });
+            peer.send(&req, self.cfg.timeouts.send).await?;
+        }
+        Ok(())
+    }
+
+    /// The slices (and TP ranks) of every decode rank of this agent's group, for
+    /// [`pairing::requesters`].
+    fn decode_group(&self) -> Result<Vec<(RankSlice, usize)>, Reason> {
+        let l = &self.cfg.layout;
+        let r = self.cfg.ranks;
+        let whole = KvLayout::new(l.model, l.page_size)
+            .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, e.to_string()))?;
+        let mut out = Vec::new();
+        for pp in 0..r.pp_size as usize {
+            for tp in 0..r.tp_size as usize {
+                let s = whole
+                    .clone()
+                    .for_rank(tp, r.tp_size as usize, pp, r.pp_size as usize)
+                    .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, e.to_string()))?;
+                out.push((RankSlice { heads: s.heads, layers: s.layers }, tp));
+            }
+        }
+        Ok(out)
     }
 
     /// Validates a chunk against its room and reserves it; returns what the scatter needs.
@@ -437,30 +512,26 @@ impl Inner {
         if !matches!(state, RoomState::WaitingForInput | RoomState::Transferring) {
             return Err(None); // aborting, failed or late: drop the bytes
         }
-        let Some(peer) = room.peer.clone() else {
-            return Err(None);
-        };
         let bad = |m: String| Some(Reason::new(FailureCode::BadMessage, m));
-        if c.prefill_instance != peer.instance {
-            return Err(bad(format!(
-                "chunk from instance {} but the room was requested from {}",
-                c.prefill_instance, peer.instance
-            )));
-        }
         let l = &self.cfg.layout;
         let (tokens, layers) = (
             c.tokens.start as usize..c.tokens.end as usize,
             c.layers.start as usize..c.layers.end as usize,
         );
         let heads = c.heads.start as usize..c.heads.end as usize;
-        if tokens.end > room.tokens
-            || tokens.start < room.start_token
-            || tokens.is_empty()
-            || layers.start < l.layers.start
-            || layers.end > l.layers.end
-            || layers.is_empty()
-            || heads != l.heads
-        {
+        let source = room.sources.iter().position(|s| {
+            s.peer.instance == c.prefill_instance
+                && s.layers.start <= layers.start
+                && layers.end <= s.layers.end
+                && s.heads == heads
+        });
+        let Some(source) = source else {
+            return Err(bad(format!(
+                "chunk {} from instance {} (layers {layers:?}, heads {heads:?}) matches no segment this room asked for",
+                c.seq, c.prefill_instance
+            )));
+        };
+        if tokens.end > room.tokens || tokens.start < room.start_token || tokens.is_empty() || layers.is_empty() {
             return Err(bad(format!(
                 "chunk {} covers tokens {tokens:?} layers {layers:?} heads {heads:?}, outside the request",
                 c.seq
@@ -476,7 +547,8 @@ impl Inner {
                 c.seq, c.len
             )));
         }
-        if !room.coverage.claim(local.clone(), tokens.clone()) {
+        let local_heads = heads.start - l.heads.start..heads.end - l.heads.start;
+        if !room.coverage.claim(local.clone(), tokens.clone(), local_heads.clone()) {
             return Err(bad(format!(
                 "chunk {} overlaps bytes that already landed",
                 c.seq
@@ -488,12 +560,13 @@ impl Inner {
             pages: &[],
             tokens,
             layers: local,
-            heads: 0..l.num_heads(),
+            heads: local_heads,
         };
         Ok(Admitted {
             pages: room.pages.clone(),
             sel,
             wire: l.order,
+            source,
         })
     }
 
@@ -517,7 +590,7 @@ impl Inner {
     }
 
     async fn land(self: &Arc<Self>, chunk: &Chunk, payload: Bytes) {
-        let Admitted { pages, sel, wire } = match self.admit_chunk(chunk, payload.len()) {
+        let Admitted { pages, sel, wire, source } = match self.admit_chunk(chunk, payload.len()) {
             Ok(v) => v,
             Err(None) => return,
             Err(Some(reason)) => {
@@ -541,10 +614,18 @@ impl Inner {
             return;
         };
         room.scattering -= 1;
+        if room.scattering == 0 && room.status.state().is_final() {
+            // Now safe to reuse: wake engines long-polling for that.
+            room.status.touch();
+        }
         match scattered {
             Ok(Ok(())) => {
                 room.landed += chunk.len as usize;
                 room.chunks += 1;
+                if let Some(s) = room.sources.get_mut(source) {
+                    s.landed += chunk.len as usize;
+                    s.chunks += 1;
+                }
                 self.metrics
                     .bytes
                     .fetch_add(chunk.len, std::sync::atomic::Ordering::Relaxed);
@@ -583,22 +664,28 @@ impl Inner {
                 let Some(room) = rooms.get_mut(&d.room) else {
                     return;
                 };
-                if room.peer.as_ref().map(|p| p.instance) != Some(d.prefill_instance) {
+                let source = room.sources.iter_mut().find(|s| {
+                    s.peer.instance == d.prefill_instance && s.peer.instance == peer.instance
+                });
+                let Some(source) = source else {
                     drop(rooms);
                     return self.bad_message(format!(
-                        "Done for room {} from a stale instance {}",
+                        "Done for room {} from instance {}, which serves no part of it",
                         d.room, d.prefill_instance
                     ));
-                }
-                room.done = Some(d.clone());
+                };
+                source.done = Some(d.clone());
                 self.check_complete(d.room, room);
             }
             Message::AbortAck(a) => {
                 let Some(room) = rooms.get_mut(&a.room) else {
                     return;
                 };
-                if room.status.advance(RoomState::Aborted) {
-                    self.finished(room);
+                if room.status.state() == RoomState::Aborting {
+                    room.acks_pending = room.acks_pending.saturating_sub(1);
+                    if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
+                        self.finished(room);
+                    }
                 }
             }
             Message::Error(e) => {
@@ -635,16 +722,13 @@ impl Inner {
         tracing::warn!(prefill = %peer.endpoint, instance = %peer.instance, %why, "prefill peer dead");
         let mut rooms = self.rooms();
         for room in rooms.values_mut() {
-            if room
-                .peer
-                .as_ref()
-                .is_some_and(|p| p.instance == peer.instance)
-            {
+            if room.sources.iter().any(|s| s.peer.instance == peer.instance) {
                 let reason = Reason::new(
                     FailureCode::PeerDead,
                     format!("prefill {}: {why}", peer.endpoint),
                 );
                 if room.status.state() == RoomState::Aborting {
+                    room.acks_pending = 0;
                     room.status.advance(RoomState::Aborted);
                 } else {
                     room.status.fail(reason);
@@ -845,9 +929,9 @@ async fn create_room(
             expected,
             landed: 0,
             chunks: 0,
-            coverage: Coverage::new(l.num_layers(), req.tokens),
-            done: None,
-            peer: None,
+            coverage: Coverage::new(l.num_layers(), req.tokens, l.num_heads()),
+            sources: Vec::new(),
+            acks_pending: 0,
             scattering: 0,
             final_at: None,
         };
@@ -895,10 +979,13 @@ async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Res
         let rooms = inner.rooms();
         let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
         if !room.safe_to_reuse() {
-            return Err(ApiError::conflict(format!(
-                "room {room_id} is {}; take it once it is success, failed or aborted",
-                room.status.state().name()
-            )));
+            let state = room.status.state();
+            let why = if state.is_final() {
+                format!("room {room_id} is {} but a write into its pages is still finishing; take it once safe_to_reuse is true", state.name())
+            } else {
+                format!("room {room_id} is {}; take it once it is success, failed or aborted", state.name())
+            };
+            return Err(ApiError::conflict(why));
         }
         (room.pages.clone(), room.start_token..room.tokens)
     };
@@ -937,14 +1024,15 @@ async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Res
         .ok_or(ApiError::unknown_room(room_id))?;
     let mut view = room.view(room_id);
     view["verified"] = serde_json::json!(verified);
-    view["aux"] = serde_json::json!(room.done.as_ref().map(|d| api::base64(&d.aux)));
+    let aux = room.sources.iter().filter_map(|s| s.done.as_ref()).map(|d| &d.aux).find(|a| !a.is_empty());
+    view["aux"] = serde_json::json!(aux.map(|a| api::base64(a)));
     Ok(axum::Json(view).into_response())
 }
 
 async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let reason = Reason::new(FailureCode::Aborted, "aborted by the decode engine");
-    let peer = {
+    let peers = {
         let mut rooms = inner.rooms();
         let room = rooms
             .get_mut(&room_id)
@@ -953,27 +1041,30 @@ async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> Result<Re
         if state.is_final() || state == RoomState::Aborting {
             return Ok(axum::Json(room.view(room_id)).into_response());
         }
-        // Before the request went out nothing can arrive: aborted at once.
-        let asked = state != RoomState::Bootstrapping;
-        room.status.abort(reason.clone(), !asked);
+        // Before any request went out nothing can arrive: aborted at once.
+        let peers: Vec<Arc<Peer>> = room.sources.iter().map(|s| s.peer.clone()).collect();
+        room.status.abort(reason.clone(), peers.is_empty());
+        room.acks_pending = peers.len();
         inner.finished(room);
-        if asked { room.peer.clone() } else { None }
+        peers
     };
-    if let Some(peer) = peer {
-        let msg = Message::Abort(protocol::Abort {
-            room: room_id,
-            instance: inner.instance,
-            code: reason.code,
-            message: reason.message,
-        });
+    let msg = Message::Abort(protocol::Abort {
+        room: room_id,
+        instance: inner.instance,
+        code: reason.code,
+        message: reason.message,
+    });
+    for peer in peers {
         if let Err(e) = peer.send(&msg, inner.cfg.timeouts.send).await {
             // The prefill cannot be told: with staged transports nothing more lands once the
-            // room is no longer accepting chunks, so it is aborted here.
+            // room no longer accepts chunks, so its acknowledgement is not needed.
             tracing::warn!(room = room_id, reason = %e, "abort not delivered");
             let mut rooms = inner.rooms();
             if let Some(room) = rooms.get_mut(&room_id) {
-                room.status.advance(RoomState::Aborted);
-                inner.finished(room);
+                room.acks_pending = room.acks_pending.saturating_sub(1);
+                if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
+                    inner.finished(room);
+                }
             }
         }
     }

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod decode;
+pub mod pairing;
 pub mod prefill;
 pub mod room;
 mod staging;
@@ -233,34 +234,39 @@ pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result
     Ok(())
 }
 
-/// Which (local layer, token) cells of a room are marked: landed (decode) or ready (prefill).
+/// Which (local layer, token, local head) cells of a room are marked: landed (decode) or
+/// announced ready (prefill, one head column).
 pub(crate) struct Coverage {
     tokens: usize,
+    heads: usize,
     bits: Vec<u64>,
 }
 
 impl Coverage {
-    pub(crate) fn new(layers: usize, tokens: usize) -> Self {
+    pub(crate) fn new(layers: usize, tokens: usize, heads: usize) -> Self {
         Coverage {
             tokens,
-            bits: vec![0; (layers * tokens).div_ceil(64)],
+            heads,
+            bits: vec![0; (layers * tokens * heads).div_ceil(64)],
         }
     }
 
+    fn cells(&self, layers: Range<usize>, tokens: Range<usize>, heads: Range<usize>) -> impl Iterator<Item = usize> + use<> {
+        let (t, h) = (self.tokens, self.heads);
+        layers.flat_map(move |l| {
+            let heads = heads.clone();
+            tokens.clone().flat_map(move |tok| heads.clone().map(move |hd| (l * t + tok) * h + hd))
+        })
+    }
+
     /// Marks the cells; refuses (and marks nothing) if any was marked before.
-    pub(crate) fn claim(&mut self, layers: Range<usize>, tokens: Range<usize>) -> bool {
-        let row = self.tokens;
-        let is_set = |bits: &[u64], i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
-        for l in layers.clone() {
-            if tokens.clone().any(|t| is_set(&self.bits, l * row + t)) {
-                return false;
-            }
+    pub(crate) fn claim(&mut self, layers: Range<usize>, tokens: Range<usize>, heads: Range<usize>) -> bool {
+        let set = |bits: &[u64], i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
+        if self.cells(layers.clone(), tokens.clone(), heads.clone()).any(|i| set(&self.bits, i)) {
+            return false;
         }
-        for l in layers {
-            for t in tokens.clone() {
-                let i = l * row + t;
-                self.bits[i / 64] |= 1 << (i % 64);
-            }
+        for i in self.cells(layers, tokens, heads) {
+            self.bits[i / 64] |= 1 << (i % 64);
         }
         true
     }

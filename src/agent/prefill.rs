@@ -171,16 +171,57 @@ struct Ready {
     last: bool,
 }
 
+/// What one decode rank asked of a room (heterogeneous TP: several decode ranks may ask one
+/// prefill rank for parts of the same room).
+struct Transfer {
+    peer: Arc<Peer>,
+    /// `None` for the tombstone of an abort that overtook its request.
+    req: Option<TransferRequest>,
+    /// Index of the next announced piece this transfer sends.
+    next_piece: usize,
+    sent: usize,
+    wake: Arc<Notify>,
+    cancel: CancellationToken,
+    started: bool,
+    running: bool,
+    /// `transferring` until the transfer ends: `success`, `failed` or `aborted`.
+    state: RoomState,
+    reason: Option<Reason>,
+}
+
+impl Transfer {
+    fn new(peer: Arc<Peer>, req: Option<TransferRequest>) -> Self {
+        Transfer {
+            peer,
+            req,
+            next_piece: 0,
+            sent: 0,
+            wake: Arc::new(Notify::new()),
+            cancel: CancellationToken::new(),
+            started: false,
+            running: false,
+            state: RoomState::Transferring,
+            reason: None,
+        }
+    }
+
+    fn end(&mut self, state: RoomState, reason: Option<Reason>) {
+        if !self.state.is_final() {
+            self.state = state;
+            self.reason = reason;
+        }
+    }
+}
+
 struct Room {
     status: RoomStatus,
-    request: Option<(Arc<Peer>, TransferRequest)>,
     ready: Option<Ready>,
-    /// Announced pieces the room's task has not taken yet.
-    pending: Vec<Piece>,
-    wake: Arc<Notify>,
-    sent: usize,
-    cancel: CancellationToken,
-    running: bool,
+    /// Every piece announced so far, in order; each transfer keeps its own cursor.
+    pieces: Vec<Piece>,
+    /// By decode instance.
+    transfers: HashMap<Uuid, Transfer>,
+    /// How many decode ranks will ask (from their requests).
+    requesters: usize,
     final_at: Option<Instant>,
 }
 
@@ -188,32 +229,45 @@ impl Room {
     fn new() -> Self {
         Room {
             status: RoomStatus::default(),
-            request: None,
             ready: None,
-            pending: Vec::new(),
-            wake: Arc::new(Notify::new()),
-            sent: 0,
-            cancel: CancellationToken::new(),
-            running: false,
+            pieces: Vec::new(),
+            transfers: HashMap::new(),
+            requesters: 0,
             final_at: None,
         }
     }
 
+    fn running(&self) -> bool {
+        self.transfers.values().any(|t| t.running)
+    }
+
     fn view(&self, room: u64) -> serde_json::Value {
+        let transfers: Vec<serde_json::Value> = self
+            .transfers
+            .iter()
+            .map(|(decode, t)| {
+                serde_json::json!({
+                    "decode_instance": decode.to_string(),
+                    "state": t.state,
+                    "reason": t.reason,
+                    "bytes": t.sent,
+                })
+            })
+            .collect();
         serde_json::json!({
             "room": room.to_string(),
             "state": self.status.state(),
             "reason": self.status.reason(),
-            "bytes": self.sent,
+            "bytes": self.transfers.values().map(|t| t.sent).sum::<usize>(),
             "tokens": self.ready.as_ref().map(|r| r.tokens),
-            "decode_instance": self.request.as_ref().map(|(p, _)| p.instance.to_string()),
+            "transfers": transfers,
             "timings": self.status.timings_json(),
-            "safe_to_reuse": self.status.state().is_final() && !self.running,
+            "safe_to_reuse": self.status.state().is_final() && !self.running(),
         })
     }
 }
 
-/// What a room's task does next.
+/// What a transfer's task does next.
 enum Step {
     Send(Piece),
     Done(Vec<u8>),
@@ -231,16 +285,31 @@ impl Inner {
         self.peers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn finished(&self, room: &mut Room) {
+    /// Moves the room to a final state once every decode rank that will ask has been served,
+    /// and returns the agent's own pages once no gather reads them.
+    fn settle(&self, room: &mut Room) {
+        let asked = room.transfers.values().filter(|t| t.req.is_some()).count();
+        let all_final = room.transfers.values().all(|t| t.state.is_final());
+        if !room.status.state().is_final() && asked > 0 && asked >= room.requesters && all_final {
+            let first_failure = room.transfers.values().find(|t| t.state == RoomState::Failed);
+            if let Some(t) = first_failure {
+                let reason = t.reason.clone().unwrap_or_else(|| Reason::new(FailureCode::BadMessage, "transfer failed"));
+                room.status.fail(reason);
+            } else if room.transfers.values().any(|t| t.state == RoomState::Aborted) {
+                room.status.abort(Reason::new(FailureCode::Aborted, "aborted by the decode"), true);
+            } else {
+                room.status.advance(RoomState::Success);
+            }
+        }
         if room.status.state().is_final() && room.final_at.is_none() {
             room.final_at = Some(Instant::now());
             self.metrics.room_final(room.status.state(), room.status.reason().map(|r| r.code));
         }
-        // The agent's own pages go back to the pool once no gather reads them.
-        if room.status.state().is_final() && !room.running {
+        if room.status.state().is_final() && !room.running() {
             if let Some(ready) = &mut room.ready {
                 ready.lease = None;
             }
+            room.status.touch();
         }
     }
 
@@ -322,22 +391,23 @@ impl Inner {
         let within = |r: &Range<u32>, held: &Range<usize>| {
             r.start as usize >= held.start && r.end as usize <= held.end && !r.is_empty()
         };
-        if !within(&req.layers, &l.layers) || !within(&req.heads, &l.heads) || req.tokens.is_empty() {
+        if !within(&req.layers, &l.layers) || !within(&req.heads, &l.heads) || req.tokens.is_empty() || req.requesters == 0 {
             let m = format!(
-                "request for layers {:?} heads {:?} tokens {:?}; this rank holds layers {:?} heads {:?}",
-                req.layers, req.heads, req.tokens, l.layers, l.heads
+                "request for layers {:?} heads {:?} tokens {:?} ({} requesters); this rank holds layers {:?} heads {:?}",
+                req.layers, req.heads, req.tokens, req.requesters, l.layers, l.heads
             );
             return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m).await;
         }
         let refusal = {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
-            if room.request.is_some() || room.status.state().is_final() {
-                Some(Reason::new(FailureCode::BadMessage, format!("room {room_id} was already requested")))
+            if room.transfers.contains_key(&peer.instance) || room.status.state().is_final() {
+                Some(Reason::new(FailureCode::BadMessage, format!("room {room_id} was already requested or aborted by this decode")))
             } else {
-                room.request = Some((peer, req));
+                room.requesters = room.requesters.max(req.requesters as usize);
+                room.transfers.insert(peer.instance, Transfer::new(peer, Some(req)));
                 room.status.advance(RoomState::WaitingForInput);
-                self.start_if_ready(room_id, room);
+                self.start_ready(room_id, room);
                 None
             }
         };
@@ -346,41 +416,49 @@ impl Inner {
         }
     }
 
-    /// Starts the room's task once both the request and a first ready piece are there.
-    fn start_if_ready(self: &Arc<Self>, room_id: u64, room: &mut Room) {
-        if room.request.is_none() || room.ready.is_none() || room.running || room.status.state().is_final() {
+    /// Starts the task of every requested transfer once the engine announced a first piece.
+    fn start_ready(self: &Arc<Self>, room_id: u64, room: &mut Room) {
+        if room.ready.is_none() || room.status.state().is_final() {
             return;
         }
-        room.running = true;
-        room.status.advance(RoomState::Transferring);
-        tokio::spawn(self.clone().serve_room(room_id));
+        for (decode, t) in room.transfers.iter_mut() {
+            if t.req.is_some() && !t.started && !t.state.is_final() {
+                t.started = true;
+                t.running = true;
+                tokio::spawn(self.clone().serve_transfer(room_id, *decode));
+            }
+        }
+        if room.running() {
+            room.status.advance(RoomState::Transferring);
+        }
     }
 
-    /// The next thing a room's task does.
-    fn next_step(&self, room_id: u64) -> Step {
+    /// The next thing a transfer's task does.
+    fn next_step(&self, room_id: u64, decode: Uuid) -> Step {
         let mut rooms = self.rooms();
         let Some(room) = rooms.get_mut(&room_id) else { return Step::Stop };
-        if room.cancel.is_cancelled() {
+        let Some(ready) = room.ready.as_ref() else { return Step::Stop };
+        let (last, aux) = (ready.last, ready.aux.clone());
+        let Some(t) = room.transfers.get_mut(&decode) else { return Step::Stop };
+        let Some(req) = &t.req else { return Step::Stop };
+        if t.cancel.is_cancelled() {
             return Step::Stop;
         }
-        if let Some(piece) = room.pending.pop() {
-            return Step::Send(piece);
+        if let Some(piece) = room.pieces.get(t.next_piece) {
+            t.next_piece += 1;
+            return Step::Send(piece.clone());
         }
-        let (Some((_, req)), Some(ready)) = (&room.request, &room.ready) else { return Step::Stop };
         let expected = self.request_bytes(req);
-        if room.sent >= expected {
-            return Step::Done(ready.aux.clone());
+        if t.sent >= expected {
+            return Step::Done(aux);
         }
-        if ready.last {
+        if last {
             return Step::Fail(Reason::new(
                 FailureCode::TimeoutReady,
-                format!(
-                    "the engine marked its last piece but only {} of the {expected} requested bytes were ever ready",
-                    room.sent
-                ),
+                format!("the engine marked its last piece but only {} of the {expected} requested bytes were ever ready", t.sent),
             ));
         }
-        Step::Wait(room.wake.clone())
+        Step::Wait(t.wake.clone())
     }
 
     fn request_bytes(&self, req: &TransferRequest) -> usize {
@@ -389,22 +467,30 @@ impl Inner {
             .unwrap_or(usize::MAX)
     }
 
-    /// Sends a room piece by piece as the engine announces them, then Done.
-    async fn serve_room(self: Arc<Self>, room_id: u64) {
-        let Some((peer, req, pages, cancel)) = self.rooms().get(&room_id).and_then(|r| {
-            let (peer, req) = r.request.clone()?;
-            Some((peer, req, r.ready.as_ref()?.pages.clone(), r.cancel.clone()))
+    /// Sends one decode rank its part of a room, piece by piece as the engine announces them,
+    /// then Done (or AbortAck, or Error).
+    async fn serve_transfer(self: Arc<Self>, room_id: u64, decode: Uuid) {
+        let Some(job) = self.rooms().get(&room_id).and_then(|r| {
+            let t = r.transfers.get(&decode)?;
+            Some(Job {
+                room: room_id,
+                decode,
+                peer: t.peer.clone(),
+                req: t.req.clone()?,
+                pages: r.ready.as_ref()?.pages.clone(),
+                cancel: t.cancel.clone(),
+            })
         }) else {
             return;
         };
-        let job = Job { room: room_id, peer, req, pages, cancel };
         let mut chunks = 0u32;
         let outcome = loop {
-            match self.next_step(room_id) {
-                Step::Send(piece) => match self.send_piece(&job, &piece, &mut chunks).await {
-                    Ok(()) => {}
-                    Err(reason) => break Err(reason),
-                },
+            match self.next_step(room_id, decode) {
+                Step::Send(piece) => {
+                    if let Err(reason) = self.send_piece(&job, &piece, &mut chunks).await {
+                        break Err(reason);
+                    }
+                }
                 Step::Wait(wake) => {
                     tokio::select! {
                         () = wake.notified() => {}
@@ -419,38 +505,29 @@ impl Inner {
         let reply = {
             let mut rooms = self.rooms();
             let Some(room) = rooms.get_mut(&room_id) else { return };
-            room.running = false;
+            let Some(t) = room.transfers.get_mut(&decode) else { return };
+            t.running = false;
             let reply = match outcome {
                 Ok(Some((chunks, aux))) => {
-                    room.status.advance(RoomState::Success);
-                    Message::Done(protocol::Done {
-                        room: room_id,
-                        prefill_instance: self.instance,
-                        chunks,
-                        bytes: room.sent as u64,
-                        aux,
-                    })
+                    t.end(RoomState::Success, None);
+                    Message::Done(protocol::Done { room: room_id, prefill_instance: self.instance, chunks, bytes: t.sent as u64, aux })
                 }
                 Ok(None) => {
-                    if room.status.state() != RoomState::Failed {
-                        let reason = Reason::new(FailureCode::Aborted, "aborted by the decode");
-                        room.status.abort(reason, true);
-                        room.status.advance(RoomState::Aborted);
-                    }
+                    t.end(RoomState::Aborted, Some(Reason::new(FailureCode::Aborted, "aborted by the decode")));
                     Message::AbortAck(protocol::AbortAck { room: room_id, instance: self.instance })
                 }
                 Err(reason) => {
-                    room.status.fail(reason.clone());
+                    t.end(RoomState::Failed, Some(reason.clone()));
                     Message::Error(ErrorMsg { room: Some(room_id), code: reason.code, message: reason.message })
                 }
             };
-            self.finished(room);
+            self.settle(room);
             reply
         };
         self.reply(&job.peer.identity, reply).await;
     }
 
-    /// Takes a credit (a free slot at the decode); `None` if the peer is dead.
+    /// Takes a credit (a free slot at the decode); fails if the peer is dead.
     async fn credit(&self, peer: &Peer) -> Result<(), Reason> {
         match peer.credits.acquire().await {
             Ok(permit) => {
@@ -543,29 +620,35 @@ impl Inner {
             }
         }
         self.metrics.bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-        if let Some(room) = self.rooms().get_mut(&job.room) {
-            room.sent += len;
+        if let Some(t) = self.rooms().get_mut(&job.room).and_then(|r| r.transfers.get_mut(&job.decode)) {
+            t.sent += len;
         }
         Ok(())
     }
 
     async fn on_abort(self: Arc<Self>, identity: PeerId, abort: protocol::Abort) {
+        let Some(peer) = self.peers().get(&identity).cloned() else {
+            let m = "Abort before Hello".to_owned();
+            return self.refuse(&identity, Some(abort.room), FailureCode::BadMessage, m).await;
+        };
         let running = {
             let mut rooms = self.rooms();
-            match rooms.get_mut(&abort.room) {
-                Some(room) if room.running => {
-                    room.cancel.cancel();
-                    true
-                }
-                Some(room) => {
-                    room.status.abort(Reason::new(abort.code, abort.message), true);
-                    self.finished(room);
-                    false
-                }
-                None => false,
+            let room = rooms.entry(abort.room).or_insert_with(Room::new);
+            let reason = Reason::new(abort.code, abort.message);
+            let t = room
+                .transfers
+                .entry(peer.instance)
+                // The abort overtook its request: a tombstone refuses the late request.
+                .or_insert_with(|| Transfer::new(peer.clone(), None));
+            t.cancel.cancel();
+            let running = t.running;
+            if !running {
+                t.end(RoomState::Aborted, Some(reason));
+                self.settle(room);
             }
+            running
         };
-        // A running room acknowledges when its task stops; otherwise nothing is in flight.
+        // A running transfer acknowledges when its task stops; otherwise nothing is in flight.
         if !running {
             let ack = Message::AbortAck(protocol::AbortAck { room: abort.room, instance: self.instance });
             self.reply(&identity, ack).await;
@@ -582,18 +665,17 @@ impl Inner {
         peer.credits.add_permits(granted);
     }
 
-    /// Forgets a dead decode peer and fails the rooms it asked for.
+    /// Forgets a dead decode peer and fails what it asked for.
     fn peer_dead(&self, peer: &Peer, why: &str) {
         peer.credits.close();
         self.peers().remove(&peer.identity);
         tracing::warn!(decode = %peer.instance, why, "decode peer dead");
         let mut rooms = self.rooms();
         for room in rooms.values_mut() {
-            if room.request.as_ref().is_some_and(|(p, _)| p.instance == peer.instance) {
-                let reason = Reason::new(FailureCode::PeerDead, format!("decode {}: {why}", peer.instance));
-                room.cancel.cancel();
-                room.status.fail(reason);
-                self.finished(room);
+            if let Some(t) = room.transfers.get_mut(&peer.instance) {
+                t.cancel.cancel();
+                t.end(RoomState::Failed, Some(Reason::new(FailureCode::PeerDead, format!("decode {}: {why}", peer.instance))));
+                self.settle(room);
             }
         }
     }
@@ -601,6 +683,7 @@ impl Inner {
 
 struct Job {
     room: u64,
+    decode: Uuid,
     peer: Arc<Peer>,
     req: TransferRequest,
     pages: Arc<[u32]>,
@@ -683,8 +766,9 @@ async fn housekeeping(inner: Arc<Inner>) {
             let old = room.final_at.is_some_and(|t| t.elapsed() >= ttl);
             // Ready pages no decode ever asked for are released after the same TTL.
             let created = room.status.at("created").unwrap_or(0.0);
-            let orphan = room.request.is_none() && super::room::now_ms() - created >= ttl.as_secs_f64() * 1e3;
-            !(old || orphan) || room.running
+            let asked = room.transfers.values().any(|t| t.req.is_some());
+            let orphan = !asked && super::room::now_ms() - created >= ttl.as_secs_f64() * 1e3;
+            !(old || orphan) || room.running()
         });
     }
 }
@@ -786,7 +870,7 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
                 pages,
                 lease,
                 aux: Vec::new(),
-                announced: Coverage::new(l.num_layers(), req.tokens),
+                announced: Coverage::new(l.num_layers(), req.tokens, 1),
                 last: false,
             });
         }
@@ -800,7 +884,7 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
             return Err(ApiError::conflict(format!("room {room_id}: the last piece was already announced")));
         }
         let local = piece.layers.start - l.layers.start..piece.layers.end - l.layers.start;
-        if !ready.announced.claim(local, piece.tokens.clone()) {
+        if !ready.announced.claim(local, piece.tokens.clone(), 0..1) {
             return Err(ApiError::conflict(format!(
                 "room {room_id}: tokens {:?} x layers {:?} overlap a piece announced before",
                 piece.tokens, piece.layers
@@ -842,15 +926,17 @@ fn announce(inner: &Arc<Inner>, room_id: u64, piece: Piece, last: bool) {
     if room.status.state().is_final() {
         return;
     }
-    room.pending.push(piece);
+    room.pieces.push(piece);
     if last {
         if let Some(ready) = room.ready.as_mut() {
             ready.last = true;
         }
         room.status.mark("ready");
     }
-    room.wake.notify_one();
-    inner.start_if_ready(room_id, room);
+    for t in room.transfers.values() {
+        t.wake.notify_one();
+    }
+    inner.start_ready(room_id, room);
 }
 
 /// The synthetic engine's layer-wise prefill: one layer every `synthetic_layer_delay`.

@@ -174,6 +174,12 @@ impl RoomStatus {
             .map(|(_, t)| *t)
     }
 
+    /// Wakes long-pollers without a state change (e.g. a final room just became safe to
+    /// reuse).
+    pub fn touch(&self) {
+        self.watch.send_replace(self.state);
+    }
+
     /// A receiver that wakes on the next state change.
     pub fn subscribe(&self) -> watch::Receiver<RoomState> {
         self.watch.subscribe()

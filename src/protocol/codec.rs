@@ -243,6 +243,7 @@ impl Message {
                 w.range(&m.heads);
                 w.u8(order_tag(m.wire_order));
                 w.pages(&m.dst_pages);
+                w.u32(m.requesters);
             }
             Message::Chunk(m) => {
                 w.u64(m.room);
@@ -330,6 +331,7 @@ impl Message {
                 heads: r.range("heads")?,
                 wire_order: order_from_tag(r.u8("wire_order")?, "wire_order")?,
                 dst_pages: r.pages("dst_pages")?,
+                requesters: r.u32("requesters")?,
             }),
             KIND_CHUNK => Message::Chunk(Chunk {
                 room: r.u64("room")?,

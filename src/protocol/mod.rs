@@ -138,6 +138,9 @@ pub struct TransferRequest {
     /// Destination pages in the decode pool (page `i` holds tokens `i*page_size..`): used by
     /// transports that write into the pool directly.
     pub dst_pages: Vec<u32>,
+    /// How many decode ranks will ask this prefill rank for this room (heterogeneous TP: one
+    /// prefill rank may serve several); the room is complete on the prefill once all have.
+    pub requesters: u32,
 }
 
 /// Prefill -> decode, on the data plane ahead of each chunk's bytes: what the bytes are.

@@ -55,6 +55,7 @@ fn transfer_request(dst_pages: Vec<u32>) -> TransferRequest {
         heads: 0..8,
         wire_order: PageOrder::TokenMajor,
         dst_pages,
+        requesters: 2,
     }
 }
 
@@ -729,6 +730,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         heads,
                         wire_order,
                         dst_pages,
+                        requesters: (room % 5) as u32,
                     })
                 }
             ),

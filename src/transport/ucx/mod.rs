@@ -1,0 +1,126 @@
+//! UCX (system libucx 1.13, UCP API) for the data plane: tagged sends of chunks, one-sided puts
+//! into a peer's registered memory, and peer-failure reporting.
+//!
+//! Layers, bottom up (style.md, "Unsafe and FFI"):
+//! - [`sys`]: raw `extern "C"` declarations and `#[repr(C)]` structs, checked against the
+//!   headers by tests/ucx_layer.rs;
+//! - [`result`]: one thin function per call, returning `Result<_, UcxError>`;
+//! - [`safe`]: `Context`, `Worker`, `Endpoint`, `MemHandle`, `RemoteKey`, `Request`: `NonNull`
+//!   handles with RAII `Drop`, each keeping its parent alive (`Rc`), so nothing is destroyed
+//!   before what depends on it. They are `!Send`: UCP objects never leave the thread that made
+//!   them;
+//! - [`worker`]: [`UcxWorker`], a cloneable async handle to one progress thread that owns a
+//!   context and a worker, takes commands over a channel and replies through oneshots.
+//!
+//! Invariants:
+//! - every buffer UCX reads or writes is owned by the operation in the progress thread (`Bytes`
+//!   for sends and puts, a `Vec<u8>` for receives, an `Arc` of the region for registrations),
+//!   never borrowed by a future; a dropped future only marks its operation abandoned, and the
+//!   thread cancels it and waits for UCX to complete it before releasing the buffer;
+//! - endpoints use `UCP_ERR_HANDLING_MODE_PEER`: when a peer dies the error handler records it
+//!   and every pending or later operation on that endpoint fails with
+//!   [`UcxError::PeerFailed`];
+//! - without libucx installed the crate does not build with the `ucx` feature (the libraries
+//!   are linked); the feature is off by default.
+#![allow(unsafe_code)]
+
+pub mod region;
+pub mod result;
+pub mod safe;
+pub mod sys;
+pub mod worker;
+
+pub use region::{RegisterableMemory, Region};
+pub use worker::{
+    EndpointId, MemId, Received, Registered, RemoteRegionId, UcxConfig, UcxWorker,
+};
+
+/// Errors of the UCX layer. [`UcxError::is_peer_failure`] separates a dead peer (fail the
+/// rooms it touched) from a local problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UcxError {
+    /// A UCX call returned an error status.
+    #[error("{op}: {name} ({status})")]
+    Call {
+        /// The UCP function or operation.
+        op: &'static str,
+        /// The raw `ucs_status_t`.
+        status: i8,
+        /// `ucs_status_string` of it.
+        name: String,
+    },
+    /// The peer of an endpoint failed (its error handler ran, or the operation completed with
+    /// a connection error): the endpoint is dead, and so is every operation on it.
+    #[error("{op} on endpoint {endpoint}: peer failed: {name} ({status})")]
+    PeerFailed {
+        /// The operation that observed the failure.
+        op: &'static str,
+        /// The endpoint, as [`EndpointId`] numbers it.
+        endpoint: u64,
+        /// The raw `ucs_status_t` UCX reported.
+        status: i8,
+        /// `ucs_status_string` of it.
+        name: String,
+    },
+    /// A received message was longer than the receive buffer.
+    #[error("recv: a message matching the tag is longer than the {capacity}-byte buffer")]
+    Truncated {
+        /// Bytes the receive could hold.
+        capacity: usize,
+    },
+    /// An id this worker does not know (never created, or already removed).
+    #[error("{what} {id} is unknown to this worker")]
+    Unknown {
+        /// `endpoint`, `memory` or `remote region`.
+        what: &'static str,
+        /// The id.
+        id: u64,
+    },
+    /// A put outside the remote region the peer advertised.
+    #[error("put of {len} bytes at offset {offset} exceeds the remote region of {size} bytes")]
+    OutOfBounds {
+        /// Offset into the region.
+        offset: u64,
+        /// Bytes to write.
+        len: usize,
+        /// Bytes of the region.
+        size: u64,
+    },
+    /// A UCX config variable that UCX refused.
+    #[error("UCX config {name}={value}: {reason}")]
+    Config {
+        /// Variable name without the `UCX_` prefix.
+        name: String,
+        /// Value.
+        value: String,
+        /// Why.
+        reason: String,
+    },
+    /// An operating-system call of the progress thread failed (eventfd, poll, thread spawn).
+    #[error("{op}: {message}")]
+    Os {
+        /// The call.
+        op: &'static str,
+        /// The OS error.
+        message: String,
+    },
+    /// The progress thread has stopped (shut down, or failed at start): nothing more runs.
+    #[error("the UCX worker has shut down")]
+    WorkerGone,
+}
+
+impl UcxError {
+    /// True when the error means the remote peer is gone (fail its rooms, do not retry).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, UcxError::PeerFailed { .. })
+    }
+
+    /// A [`UcxError::Call`] for `status`, with its name from UCX.
+    pub(crate) fn call(op: &'static str, status: sys::ucs_status_t) -> Self {
+        UcxError::Call {
+            op,
+            status,
+            name: result::status_name(status),
+        }
+    }
+}
