@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use common::{AgentOpts, BOUND, call, expect, http, metric, ms, pool, runtime, wait_final};
 use kvferry::cli::cluster::{Process, log_dir};
-use kvferry::cli::demo::{LocalCluster, drive_rooms};
+use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
 use kvferry::layout::{KvLayout, ModelSpec};
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{Value, json};
@@ -50,7 +50,7 @@ async fn take(http: &Client, decode: &str, room: u64) -> Value {
 /// Requests a room at the decode, announces it in `pieces` at the prefill, and checks that it
 /// lands intact with exactly the room's bytes.
 async fn pieces_land(http: &Client, c: &LocalCluster, room: u64, tokens: usize, pieces: &[Value]) {
-    let (p, d) = (c.prefill.field("api").unwrap(), c.decode.field("api").unwrap());
+    let (p, d) = (c.prefill().field("api").unwrap(), c.decode().field("api").unwrap());
     request(http, &d, room, json!({ "tokens": tokens })).await;
     for (i, piece) in pieces.iter().enumerate() {
         let mut body = piece.clone();
@@ -96,8 +96,8 @@ fn rooms_arrive_in_token_chunks_layer_ranges_and_mixes() {
         pieces_land(&http, &c, 3, 50, &mix).await;
 
         // Pieces that arrive twice or overlap are refused, and the room still lands.
-        let p = c.prefill.field("api").unwrap();
-        let d = c.decode.field("api").unwrap();
+        let p = c.prefill().field("api").unwrap();
+        let d = c.decode().field("api").unwrap();
         request(&http, &d, 4, json!({"tokens": 32})).await;
         let first = json!({"tokens": 32, "token_range": [0, 16]});
         assert_eq!(ready(&http, &p, 4, first.clone()).await.0, StatusCode::ACCEPTED);
@@ -120,7 +120,7 @@ fn prefix_offsets_move_only_the_suffix_and_aux_arrives_intact() {
     let c = LocalCluster::start(&common::release_binary(), "stream-prefix", &args(&[])).unwrap();
     let http = http();
     runtime().block_on(async {
-        let (p, d) = (c.prefill.field("api").unwrap(), c.decode.field("api").unwrap());
+        let (p, d) = (c.prefill().field("api").unwrap(), c.decode().field("api").unwrap());
         let aux: Vec<u8> = (0..=255u8).rev().collect();
         let aux64 = base64::engine::general_purpose::STANDARD.encode(&aux);
         request(&http, &d, 7, json!({"tokens": 100, "start_token": 37})).await;
@@ -148,10 +148,10 @@ fn eight_rooms_fit_a_staging_budget_smaller_than_one_room() {
     let budget = ["--staging-slots", "2", "--chunk-bytes", "4096"];
     let c = LocalCluster::start(&common::release_binary(), "stream-budget", &args(&budget)).unwrap();
     assert!(tiny_bytes(256) > 2 * 4096);
-    let (p, d) = (c.prefill.field("api").unwrap(), c.decode.field("api").unwrap());
+    let (p, d) = (c.prefill().field("api").unwrap(), c.decode().field("api").unwrap());
     let started = Instant::now();
     let rooms: Vec<(u64, usize)> = (1..=8).map(|r| (r, 256)).collect();
-    let results = runtime().block_on(drive_rooms(&p, &d, rooms, 8)).unwrap();
+    let results = runtime().block_on(drive_rooms(&Apis::pair(&p, &d), rooms, 8)).unwrap();
     println!("8 rooms of {} bytes through 8 KiB of staging in {:.0} ms", tiny_bytes(256), ms(started.elapsed()));
     for r in &results {
         assert!(r.verified, "room {} {} {:?}", r.room, r.state, r.code);
@@ -162,9 +162,9 @@ fn eight_rooms_fit_a_staging_budget_smaller_than_one_room() {
 #[test]
 fn a_killed_prefill_fails_its_rooms_and_a_restarted_one_serves_new_rooms() {
     let exe = common::release_binary();
-    let mut c = LocalCluster::start(&exe, "stream-kill", &args(&[])).unwrap();
+    let c = LocalCluster::start(&exe, "stream-kill", &args(&[])).unwrap();
     let http = http();
-    let d = c.decode.field("api").unwrap();
+    let d = c.decode().field("api").unwrap();
     let registry = c.registry.field("url").unwrap();
     runtime().block_on(async {
         // Rooms the prefill was asked for but never told are ready.
@@ -173,7 +173,7 @@ fn a_killed_prefill_fails_its_rooms_and_a_restarted_one_serves_new_rooms() {
             common::wait_state(&http, &d, room, &["waiting_for_input"], BOUND).await;
         }
         let (total, _) = pool(&http, &d).await;
-        c.prefill.signal("KILL").unwrap();
+        c.prefill().signal("KILL").unwrap();
         let killed = Instant::now();
         for room in 1..=3 {
             let v = wait_final(&http, &d, room).await;
@@ -195,7 +195,7 @@ fn a_killed_prefill_fails_its_rooms_and_a_restarted_one_serves_new_rooms() {
     let restarted = Process::spawn(&exe, "prefill2", &prefill_args, &logs, BOUND).unwrap();
     let p = restarted.field("api").unwrap();
     let rooms: Vec<(u64, usize)> = (10..15).map(|r| (r, 40)).collect();
-    let results = runtime().block_on(drive_rooms(&p, &d, rooms, 5)).unwrap();
+    let results = runtime().block_on(drive_rooms(&Apis::pair(&p, &d), rooms, 5)).unwrap();
     assert!(results.iter().all(|r| r.verified), "{results:?}");
     println!("after the restart: {} rooms verified", results.len());
 }
@@ -235,7 +235,7 @@ fn agents_register_again_after_a_registry_restart() {
         println!("re-registered {:.0} ms after the registry restart: {listed}", ms(restarted.elapsed()));
         let rooms = vec![(1, 20), (2, 33)];
         let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
-        let results = drive_rooms(&p, &d, rooms, 2).await.unwrap();
+        let results = drive_rooms(&Apis::pair(&p, &d), rooms, 2).await.unwrap();
         assert!(results.iter().all(|r| r.verified), "{results:?}");
     });
 }

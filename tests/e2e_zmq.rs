@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvferry::cli::cluster::{Process, log_dir};
-use kvferry::cli::demo::{LocalCluster, drive_rooms};
+use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
@@ -27,8 +27,8 @@ fn start(tag: &str, opts: &AgentOpts) -> (LocalCluster, String, String) {
     let t = Instant::now();
     let cluster = LocalCluster::start(&release_binary(), tag, &opts.args())
         .unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
-    let prefill = cluster.prefill.field("api").expect("prefill api");
-    let decode = cluster.decode.field("api").expect("decode api");
+    let prefill = cluster.prefill().field("api").expect("prefill api");
+    let decode = cluster.decode().field("api").expect("decode api");
     println!(
         "[{tag}] cluster up in {:.0} ms: prefill {prefill}, decode {decode}; logs in {}",
         ms(t.elapsed()),
@@ -53,7 +53,7 @@ fn hundred_rooms(tag: &str, transport: &'static str) {
         // Mixed lengths, 1..=500 tokens: partial last pages, single-page and 32-page rooms.
         let rooms: Vec<(u64, usize)> = (1..=100u64).map(|r| (r, ((r * 97) % 500 + 1) as usize)).collect();
         let t = Instant::now();
-        let results = drive_rooms(&prefill, &decode, rooms.clone(), 8)
+        let results = drive_rooms(&Apis::pair(&prefill, &decode), rooms.clone(), 8)
             .await
             .unwrap_or_else(|e| panic!("driving rooms: {e:#}; logs in {}", cluster.logs.display()));
         let wall = t.elapsed();

@@ -23,7 +23,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use kvferry_bootstrap::{ClientError, Registration, RegistryClient, Role};
+use kvferry_bootstrap::{ClientError, PrefillGroup, Registration, RegistryClient, Role};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -304,11 +304,11 @@ impl Inner {
         &self,
         client: &RegistryClient,
         dp_rank: u32,
-    ) -> Result<Vec<Registration>, Reason> {
+    ) -> Result<PrefillGroup, Reason> {
         let deadline = Instant::now() + self.cfg.timeouts.bootstrap;
         loop {
             match client.lookup_prefill(dp_rank).await {
-                Ok(group) => return Ok(group.ranks),
+                Ok(group) => return Ok(group),
                 Err(e) if e.is_retryable() && Instant::now() < deadline => {
                     tracing::debug!(error = %e, "prefill group not ready; retrying");
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -416,14 +416,26 @@ impl Inner {
         self: Arc<Self>,
         room_id: u64,
         bootstrap: Option<String>,
-        dp_rank: u32,
+        dp_rank: Option<u32>,
     ) -> Result<(), Reason> {
         let client = match bootstrap {
             Some(url) => RegistryClient::new(url, self.cfg.token.clone())
                 .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?,
             None => self.registry.clone(),
         };
-        let ranks = self.lookup(&client, dp_rank).await?;
+        // The prefill DP group: the engine's choice, or the room modulo the prefill DP size.
+        let group = match dp_rank {
+            Some(d) => self.lookup(&client, d).await?,
+            None => {
+                let first = self.lookup(&client, 0).await?;
+                match (room_id % u64::from(first.dp_size.max(1))) as u32 {
+                    0 => first,
+                    d => self.lookup(&client, d).await?,
+                }
+            }
+        };
+        let dp_rank = group.dp_rank;
+        let ranks = group.ranks;
         let l = &self.cfg.layout;
         let slices: Vec<RankSlice> = ranks
             .iter()
@@ -899,9 +911,6 @@ async fn create_room(
     let expected = l
         .room_bytes(req.tokens - req.start_token)
         .map_err(|e| ApiError::bad_request(format!("tokens {}: {e}", req.tokens)))?;
-    let dp_rank = req
-        .dp_rank
-        .unwrap_or((room_id % u64::from(inner.cfg.ranks.dp_size.max(1))) as u32);
     let (pages, lease): (Arc<[u32]>, _) = match req.pages {
         Some(pages) => {
             api::validate_pages(&pages, needed, inner.pool.num_pages())?;
@@ -943,7 +952,7 @@ async fn create_room(
     tokio::spawn(async move {
         if let Err(reason) = task_inner
             .clone()
-            .request(room_id, req.bootstrap, dp_rank)
+            .request(room_id, req.bootstrap, req.dp_rank)
             .await
         {
             task_inner.fail(room_id, reason);

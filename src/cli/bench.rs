@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, bail};
 use serde_json::{Value, json};
 
-use super::demo::{self, LocalCluster};
+use super::demo::{self, LocalCluster, Shape};
 use crate::layout::{KvLayout, ModelSpec};
 use crate::transport::TransportKind;
 
@@ -62,6 +62,16 @@ pub struct BenchArgs {
     /// HTTP API of a running decode agent (with --prefill-api).
     #[arg(long, requires = "prefill_api")]
     decode_api: Option<String>,
+    /// Prefill TP size: one agent per rank (heterogeneous TP pairs prefill and decode ranks by
+    /// head ranges).
+    #[arg(long, default_value_t = 1)]
+    prefill_tp: u32,
+    /// Decode TP size.
+    #[arg(long, default_value_t = 1)]
+    decode_tp: u32,
+    /// Prefill PP size (each stage sends its layers to the decode).
+    #[arg(long, default_value_t = 1)]
+    prefill_pp: u32,
     /// Print JSON Lines (one object per configuration) instead of a table.
     #[arg(long)]
     json: bool,
@@ -93,6 +103,14 @@ impl BenchArgs {
         }
         if self.chunk_bytes == 0 {
             bail!("--chunk-bytes must be > 0");
+        }
+        for (flag, n) in [("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp), ("--prefill-pp", self.prefill_pp)] {
+            if n == 0 {
+                bail!("{flag} must be > 0");
+            }
+        }
+        if self.prefill_api.is_some() && (self.prefill_tp, self.decode_tp, self.prefill_pp) != (1, 1, 1) {
+            bail!("--prefill-api/--decode-api bench one running pair; TP/PP shapes need a local cluster");
         }
         if self.prefill_api.is_some() && self.transport.len() != 1 {
             bail!(
@@ -129,8 +147,7 @@ impl BenchArgs {
 
 /// Where a configuration runs: the agents' APIs and, for a local cluster, its log folder.
 struct Target {
-    prefill: String,
-    decode: String,
+    apis: demo::Apis,
     logs: Option<PathBuf>,
 }
 
@@ -156,18 +173,19 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
             (Some(p), Some(d)) => (
                 None,
                 Target {
-                    prefill: p.trim_end_matches('/').to_owned(),
-                    decode: d.trim_end_matches('/').to_owned(),
+                    apis: demo::Apis::pair(p.trim_end_matches('/'), d.trim_end_matches('/')),
                     logs: None,
                 },
             ),
             _ => {
                 let tag = format!("bench-{transport}");
-                let cluster = LocalCluster::start(&exe, &tag, &args.agent_args(&layout, transport))
+                let prefill = Shape { tp: args.prefill_tp, pp: args.prefill_pp, ..Shape::ONE };
+                let decode = Shape::tp(args.decode_tp);
+                let agent_args = args.agent_args(&layout, transport);
+                let cluster = LocalCluster::start_shaped(&exe, &tag, &agent_args, prefill, decode)
                     .with_context(|| format!("starting a {transport} cluster"))?;
                 let target = Target {
-                    prefill: cluster.prefill.field("api")?,
-                    decode: cluster.decode.field("api")?,
+                    apis: cluster.apis()?,
                     logs: Some(cluster.logs.clone()),
                 };
                 (Some(cluster), target)
@@ -197,7 +215,9 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 json!(tokens),
                 args.page_size,
                 args.concurrency,
+                (args.prefill_tp, args.decode_tp),
             );
+            line["prefill_pp"] = json!(args.prefill_pp);
             line["chunk_bytes"] = json!(args.chunk_bytes);
             line["warmup_rooms"] = json!(args.warmup);
             if args.json {
@@ -258,8 +278,7 @@ async fn drive(
         })
     });
     let results = demo::drive_rooms_counted(
-        &target.prefill,
-        &target.decode,
+        &target.apis,
         rooms,
         concurrency,
         done.clone(),

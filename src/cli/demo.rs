@@ -70,32 +70,51 @@ pub struct RoomResult {
     pub success_at: f64,
 }
 
-/// Plays both engines: for each `(room, tokens)`, asks the decode for the room and tells the
-/// prefill it is ready, waits for a final state, takes it, and reads the timings.
-pub async fn drive_rooms(
-    prefill_api: &str,
-    decode_api: &str,
-    rooms: Vec<(u64, usize)>,
-    concurrency: usize,
-) -> anyhow::Result<Vec<RoomResult>> {
+/// The engine-facing APIs of a cluster: prefill and decode ranks grouped by DP group.
+#[derive(Clone, Debug)]
+pub struct Apis {
+    /// Prefill API URLs, one list per DP group (every TP/PP rank of the group).
+    pub prefill: Vec<Vec<String>>,
+    /// Decode API URLs, one list per DP group.
+    pub decode: Vec<Vec<String>>,
+}
+
+impl Apis {
+    /// One prefill and one decode agent.
+    pub fn pair(prefill: &str, decode: &str) -> Self {
+        Apis {
+            prefill: vec![vec![prefill.to_owned()]],
+            decode: vec![vec![decode.to_owned()]],
+        }
+    }
+}
+
+/// Plays both engines: for each `(room, tokens)`, asks every decode rank of the room's decode
+/// DP group for the room and tells every prefill rank of the room's prefill DP group (room
+/// modulo the DP size, as the decode agents pick it) that it is ready, waits until every decode
+/// rank is final, takes the room from each, and reads the timings.
+pub async fn drive_rooms(apis: &Apis, rooms: Vec<(u64, usize)>, concurrency: usize) -> anyhow::Result<Vec<RoomResult>> {
     let done = Arc::new(AtomicUsize::new(0));
-    drive_rooms_counted(prefill_api, decode_api, rooms, concurrency, done).await
+    drive_rooms_counted(apis, rooms, concurrency, done).await
 }
 
 /// [`drive_rooms`], counting finished rooms in `done` as they finish (for a progress display).
 pub async fn drive_rooms_counted(
-    prefill_api: &str,
-    decode_api: &str,
+    apis: &Apis,
     rooms: Vec<(u64, usize)>,
     concurrency: usize,
     done: Arc<AtomicUsize>,
 ) -> anyhow::Result<Vec<RoomResult>> {
+    if apis.prefill.is_empty() || apis.decode.is_empty() {
+        bail!("no prefill or no decode agent to drive");
+    }
     let http = reqwest::Client::builder().no_proxy().build()?;
     let gate = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
     let mut tasks = tokio::task::JoinSet::new();
     for (room, tokens) in rooms {
         let (http, gate) = (http.clone(), gate.clone());
-        let (p, d) = (prefill_api.to_owned(), decode_api.to_owned());
+        let p = apis.prefill[(room % apis.prefill.len() as u64) as usize].clone();
+        let d = apis.decode[(room % apis.decode.len() as u64) as usize].clone();
         let done = done.clone();
         tasks.spawn(async move {
             let _permit = gate.acquire_owned().await?;
@@ -123,79 +142,69 @@ async fn json_ok(resp: reqwest::Response, what: &str) -> anyhow::Result<Value> {
 
 async fn one_room(
     http: &reqwest::Client,
-    prefill: &str,
-    decode: &str,
+    prefills: &[String],
+    decodes: &[String],
     room: u64,
     tokens: usize,
 ) -> anyhow::Result<RoomResult> {
     let started = Instant::now();
     let body = json!({ "tokens": tokens });
-    json_ok(
-        http.post(format!("{decode}/v1/rooms/{room}"))
-            .json(&body)
-            .send()
-            .await?,
-        "decode request",
-    )
-    .await?;
-    json_ok(
-        http.post(format!("{prefill}/v1/rooms/{room}/ready"))
-            .json(&body)
-            .send()
-            .await?,
-        "prefill ready",
-    )
-    .await?;
+    for d in decodes {
+        let resp = http.post(format!("{d}/v1/rooms/{room}")).json(&body).send().await?;
+        json_ok(resp, "decode request").await?;
+    }
+    for p in prefills {
+        let resp = http.post(format!("{p}/v1/rooms/{room}/ready")).json(&body).send().await?;
+        json_ok(resp, "prefill ready").await?;
+    }
     let deadline = Instant::now() + Duration::from_secs(120);
-    let view = loop {
-        let v = json_ok(
-            http.get(format!("{decode}/v1/rooms/{room}?wait_ms=5000"))
-                .send()
-                .await?,
-            "decode room",
-        )
-        .await?;
-        let state = v["state"].as_str().unwrap_or_default();
-        if ["success", "failed", "aborted"].contains(&state) {
-            break v;
-        }
-        if Instant::now() > deadline {
-            bail!("room {room} still {state} after 120 s: {v}");
-        }
-    };
-    let taken = json_ok(
-        http.post(format!("{decode}/v1/rooms/{room}/take"))
-            .send()
-            .await?,
-        "take",
-    )
-    .await?;
-    let take_ms = started.elapsed().as_secs_f64() * 1e3;
-    let prefill_view = json_ok(
-        http.get(format!("{prefill}/v1/rooms/{room}"))
-            .send()
-            .await?,
-        "prefill room",
-    )
-    .await;
-    let ready_at = prefill_view
-        .as_ref()
-        .ok()
-        .and_then(|v| v["timings"]["ready"].as_f64())
-        .unwrap_or(0.0);
-    let success_at = view["timings"]["success"].as_f64().unwrap_or(0.0);
-    Ok(RoomResult {
+    let mut result = RoomResult {
         room,
         tokens,
-        bytes: taken["bytes"].as_u64().unwrap_or(0),
-        state: taken["state"].as_str().unwrap_or_default().to_owned(),
-        code: taken["reason"]["code"].as_str().map(str::to_owned),
-        verified: taken["verified"].as_bool() == Some(true) && taken["state"] == "success",
-        latency_ms: success_at - ready_at,
-        take_ms,
-        ready_at,
-        success_at,
-    })
+        bytes: 0,
+        state: "success".to_owned(),
+        code: None,
+        verified: true,
+        latency_ms: 0.0,
+        take_ms: 0.0,
+        ready_at: f64::INFINITY,
+        success_at: 0.0,
+    };
+    for d in decodes {
+        let view = loop {
+            let resp = http.get(format!("{d}/v1/rooms/{room}?wait_ms=5000")).send().await?;
+            let v = json_ok(resp, "decode room").await?;
+            let state = v["state"].as_str().unwrap_or_default();
+            if ["success", "failed", "aborted"].contains(&state) && v["safe_to_reuse"] == true {
+                break v;
+            }
+            if Instant::now() > deadline {
+                bail!("room {room} still {state} at {d} after 120 s: {v}");
+            }
+        };
+        let taken = json_ok(http.post(format!("{d}/v1/rooms/{room}/take")).send().await?, "take").await?;
+        result.bytes += taken["bytes"].as_u64().unwrap_or(0);
+        if taken["state"] != "success" {
+            result.state = taken["state"].as_str().unwrap_or_default().to_owned();
+            result.code = taken["reason"]["code"].as_str().map(str::to_owned);
+        }
+        result.verified &= taken["verified"].as_bool() == Some(true) && taken["state"] == "success";
+        result.success_at = result.success_at.max(view["timings"]["success"].as_f64().unwrap_or(0.0));
+    }
+    result.take_ms = started.elapsed().as_secs_f64() * 1e3;
+    for p in prefills {
+        let resp = http.get(format!("{p}/v1/rooms/{room}")).send().await?;
+        if let Ok(v) = json_ok(resp, "prefill room").await {
+            if let Some(t) = v["timings"]["ready"].as_f64() {
+                result.ready_at = result.ready_at.min(t);
+            }
+        }
+    }
+    if !result.ready_at.is_finite() {
+        result.ready_at = 0.0;
+    }
+    result.latency_ms = result.success_at - result.ready_at;
+    Ok(result)
 }
 
 /// The p-th percentile (0..=100) of `v`, nearest rank.
@@ -232,6 +241,7 @@ pub fn summary(
     tokens: Value,
     page_size: usize,
     concurrency: usize,
+    tp: (u32, u32),
 ) -> Value {
     let ok: Vec<&RoomResult> = results.iter().filter(|r| r.verified).collect();
     let lat: Vec<f64> = ok.iter().map(|r| r.latency_ms).collect();
@@ -254,8 +264,8 @@ pub fn summary(
         "page_size": page_size,
         "rooms": results.len(),
         "concurrency": concurrency,
-        "prefill_tp": 1,
-        "decode_tp": 1,
+        "prefill_tp": tp.0,
+        "decode_tp": tp.1,
         "bytes_per_room": bytes_per_room,
         "throughput_gbps": if ok.is_empty() { 0.0 } else { bytes as f64 / wall_s / 1e9 },
         // One room alone: its bytes over its p50 latency (no gaps between rooms counted).
@@ -268,13 +278,35 @@ pub fn summary(
     })
 }
 
-/// The registry, one prefill and one decode agent, running.
+/// How many ranks of one role, by parallelism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// DP size.
+    pub dp: u32,
+    /// TP size.
+    pub tp: u32,
+    /// PP size.
+    pub pp: u32,
+}
+
+impl Shape {
+    /// One rank.
+    pub const ONE: Shape = Shape { dp: 1, tp: 1, pp: 1 };
+
+    /// TP ranks only.
+    pub fn tp(tp: u32) -> Self {
+        Shape { tp, ..Shape::ONE }
+    }
+}
+
+/// A registry and prefill and decode agents, running as processes of this binary.
 #[derive(Debug)]
 pub struct LocalCluster {
-    /// The decode agent (fields drop in order: agents stop before the registry).
-    pub decode: Process,
-    /// The prefill agent.
-    pub prefill: Process,
+    /// Decode agents by DP group, then (PP, TP) (fields drop in order: agents stop before
+    /// the registry).
+    pub decodes: Vec<Vec<Process>>,
+    /// Prefill agents by DP group, then (PP, TP).
+    pub prefills: Vec<Vec<Process>>,
     /// The registry.
     pub registry: Process,
     /// Where the logs are.
@@ -282,30 +314,70 @@ pub struct LocalCluster {
 }
 
 impl LocalCluster {
-    /// Starts the three processes from `exe`; `agent_args` go to both agents.
+    /// A registry, one prefill and one decode agent; `agent_args` go to both agents.
     pub fn start(exe: &std::path::Path, tag: &str, agent_args: &[String]) -> anyhow::Result<Self> {
+        Self::start_shaped(exe, tag, agent_args, Shape::ONE, Shape::ONE)
+    }
+
+    /// A registry and `prefill` x `decode` shaped agents, each given its rank flags.
+    pub fn start_shaped(
+        exe: &std::path::Path,
+        tag: &str,
+        agent_args: &[String],
+        prefill: Shape,
+        decode: Shape,
+    ) -> anyhow::Result<Self> {
         let logs = log_dir(tag)?;
         let wait = Duration::from_secs(30);
-        let args = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-        let registry = Process::spawn(
-            exe,
-            "registry",
-            &args(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]),
-            &logs,
-            wait,
-        )?;
+        let owned = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let bootstrap = owned(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]);
+        let registry = Process::spawn(exe, "registry", &bootstrap, &logs, wait)?;
         let url = registry.field("url")?;
-        let mut common = args(&["--bootstrap", &url]);
-        common.extend_from_slice(agent_args);
-        let with = |role: &str| [vec![role.to_owned()], common.clone()].concat();
-        let prefill = Process::spawn(exe, "prefill", &with("prefill"), &logs, wait)?;
-        let decode = Process::spawn(exe, "decode", &with("decode"), &logs, wait)?;
-        Ok(LocalCluster {
-            registry,
-            prefill,
-            decode,
-            logs,
-        })
+        let spawn = |role: &str, shape: Shape| -> anyhow::Result<Vec<Vec<Process>>> {
+            let mut groups = Vec::new();
+            for dp in 0..shape.dp {
+                let mut ranks = Vec::new();
+                for pp in 0..shape.pp {
+                    for tp in 0..shape.tp {
+                        let mut args = owned(&[role, "--bootstrap", &url]);
+                        for (flag, v) in [("--dp-rank", dp), ("--dp-size", shape.dp), ("--tp-rank", tp), ("--tp-size", shape.tp), ("--pp-rank", pp), ("--pp-size", shape.pp)] {
+                            args.extend([flag.to_owned(), v.to_string()]);
+                        }
+                        args.extend_from_slice(agent_args);
+                        let name = format!("{role}-dp{dp}-pp{pp}-tp{tp}");
+                        ranks.push(Process::spawn(exe, &name, &args, &logs, wait)?);
+                    }
+                }
+                groups.push(ranks);
+            }
+            Ok(groups)
+        };
+        let prefills = spawn("prefill", prefill)?;
+        let decodes = spawn("decode", decode)?;
+        Ok(LocalCluster { decodes, prefills, registry, logs })
+    }
+
+    /// The first prefill agent.
+    pub fn prefill(&self) -> &Process {
+        &self.prefills[0][0]
+    }
+
+    /// The first decode agent.
+    pub fn decode(&self) -> &Process {
+        &self.decodes[0][0]
+    }
+
+    /// The first prefill agent, mutably (to signal or stop it).
+    pub fn prefill_mut(&mut self) -> &mut Process {
+        &mut self.prefills[0][0]
+    }
+
+    /// Every agent's API, grouped for [`drive_rooms`].
+    pub fn apis(&self) -> anyhow::Result<Apis> {
+        let api = |groups: &[Vec<Process>]| -> anyhow::Result<Vec<Vec<String>>> {
+            groups.iter().map(|g| g.iter().map(|p| p.field("api")).collect()).collect()
+        };
+        Ok(Apis { prefill: api(&self.prefills)?, decode: api(&self.decodes)? })
     }
 }
 
@@ -339,7 +411,7 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
     .map(|s| (*s).to_owned())
     .collect();
     let cluster = LocalCluster::start(&exe, "demo", &agent_args)?;
-    let (p, d) = (cluster.prefill.field("api")?, cluster.decode.field("api")?);
+    let apis = cluster.apis()?;
     let rooms: Vec<(u64, usize)> = args
         .tokens
         .iter()
@@ -350,7 +422,7 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let results = runtime.block_on(drive_rooms(&p, &d, rooms, args.concurrency))?;
+    let results = runtime.block_on(drive_rooms(&apis, rooms, args.concurrency))?;
     let line = summary(
         &results,
         args.transport.name(),
@@ -358,6 +430,7 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
         json!(args.tokens),
         args.page_size,
         args.concurrency,
+        (1, 1),
     );
     if args.json {
         println!("{line}");

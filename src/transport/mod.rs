@@ -12,6 +12,8 @@
 //! The trait is object-safe and small so that another transport (UCX) plugs in without
 //! touching the agents: pick it with [`for_kind`].
 
+#[cfg(feature = "ucx")]
+pub mod ucx;
 pub mod zmq;
 
 use std::fmt;

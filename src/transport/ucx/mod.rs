@@ -30,10 +30,8 @@ pub mod safe;
 pub mod sys;
 pub mod worker;
 
-pub use region::{RegisterableMemory, Region};
-pub use worker::{
-    EndpointId, MemId, Received, Registered, RemoteRegionId, UcxConfig, UcxWorker,
-};
+pub use region::{Region, RegisterableMemory};
+pub use worker::{EndpointId, MemId, Received, Registered, RemoteRegionId, UcxConfig, UcxWorker};
 
 /// Errors of the UCX layer. [`UcxError::is_peer_failure`] separates a dead peer (fail the
 /// rooms it touched) from a local problem.

@@ -221,7 +221,9 @@ pub struct ucp_dt_iov_t {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub union ucp_request_param_cb {
-    pub send: Option<unsafe extern "C" fn(request: *mut c_void, status: ucs_status_t, user_data: *mut c_void)>,
+    pub send: Option<
+        unsafe extern "C" fn(request: *mut c_void, status: ucs_status_t, user_data: *mut c_void),
+    >,
 }
 
 /// The `recv_info` union of `ucp_request_param_t`.

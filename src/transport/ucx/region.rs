@@ -1,0 +1,128 @@
+//! Memory that a worker registers for peers to put into: the [`RegisterableMemory`] contract,
+//! implemented by the KV pools ([`HostPool`]) and by [`Region`], a standalone page-aligned
+//! buffer (staging, tests).
+//!
+//! Invariant: registered memory is never handed out as a Rust reference, because a peer may
+//! write it at any time; bytes move in and out by raw copies ([`Region::read`] /
+//! [`Region::write`], as the pool does).
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::pool::HostPool;
+
+/// Memory at a fixed address that a worker may register for remote writes.
+///
+/// # Safety
+/// Implementors guarantee that `base()..base() + size()` is mapped, writable, at the same
+/// address and never exposed as `&`/`&mut` references for as long as the value lives (the
+/// worker keeps the value alive, through an `Arc`, for as long as it is registered).
+pub unsafe trait RegisterableMemory: Send + Sync + 'static {
+    /// First byte.
+    fn base(&self) -> *mut u8;
+    /// Bytes.
+    fn size(&self) -> usize;
+}
+
+// SAFETY: a HostPool's mapping is fixed for its lifetime and the pool never hands out
+// references into it (src/pool/mod.rs invariant).
+unsafe impl RegisterableMemory for HostPool {
+    fn base(&self) -> *mut u8 {
+        self.base_ptr()
+    }
+    fn size(&self) -> usize {
+        HostPool::size(self)
+    }
+}
+
+/// An anonymous, page-aligned, zero-filled buffer for registration.
+#[derive(Debug)]
+pub struct Region {
+    mem: MmapRaw,
+}
+
+/// A range outside a [`Region`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("range {offset}+{len} is outside the region of {size} bytes")]
+pub struct OutOfRegion {
+    /// Start of the range.
+    pub offset: usize,
+    /// Bytes of the range.
+    pub len: usize,
+    /// Bytes of the region.
+    pub size: usize,
+}
+
+impl Region {
+    /// A region of `size` bytes (at least 1), faulted in.
+    pub fn new(size: usize) -> std::io::Result<Region> {
+        let mem: MmapRaw = MmapOptions::new().len(size.max(1)).map_anon()?.into();
+        // SAFETY: writes exactly the fresh mapping's bytes; nothing else references it yet.
+        unsafe { std::ptr::write_bytes(mem.as_mut_ptr(), 0, mem.len()) };
+        Ok(Region { mem })
+    }
+
+    /// Bytes of the region.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Never true (a region has at least one byte); for clippy's `len_without_is_empty`.
+    pub fn is_empty(&self) -> bool {
+        self.mem.len() == 0
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), OutOfRegion> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(OutOfRegion {
+                offset,
+                len,
+                size: self.len(),
+            }),
+        }
+    }
+
+    /// Copies `len` bytes at `offset` out.
+    pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, OutOfRegion> {
+        self.check(offset, len)?;
+        let mut out = Vec::with_capacity(len);
+        // SAFETY: offset..offset+len lies inside the mapping (checked); `out` is a distinct
+        // allocation with capacity len, and exactly len bytes are initialised before set_len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.mem.as_ptr().add(offset), out.as_mut_ptr(), len);
+            out.set_len(len);
+        }
+        Ok(out)
+    }
+
+    /// Copies `data` in at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), OutOfRegion> {
+        self.check(offset, data.len())?;
+        // SAFETY: the destination lies inside the mapping (checked); `data` cannot alias it
+        // because the region never hands out references into its memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.mem.as_mut_ptr().add(offset),
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Sets every byte to `byte` (tests poison destinations with 0xDE).
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: writes exactly the mapping's bytes.
+        unsafe { std::ptr::write_bytes(self.mem.as_mut_ptr(), byte, self.len()) };
+    }
+}
+
+// SAFETY: the mapping is fixed until drop and Region never hands out references into it.
+unsafe impl RegisterableMemory for Region {
+    fn base(&self) -> *mut u8 {
+        self.mem.as_mut_ptr()
+    }
+    fn size(&self) -> usize {
+        self.len()
+    }
+}

@@ -1,0 +1,520 @@
+//! Safe owners of UCP handles: [`Context`], [`Worker`], [`Endpoint`], [`MemHandle`],
+//! [`RemoteKey`], [`Request`].
+//!
+//! Invariants:
+//! - each is a `NonNull` handle released exactly once in `Drop` (which never panics);
+//! - each holds an `Rc` of the object it was made from (a worker its context, an endpoint its
+//!   worker, a remote key its endpoint, a request its worker), so parents outlive children and
+//!   destruction follows UCX's required order by construction;
+//! - `Rc` makes them `!Send` and `!Sync`: all calls happen on the thread that created them,
+//!   which is what `UCS_THREAD_MODE_SINGLE` requires;
+//! - operations that hand UCX a buffer are `unsafe fn`: the caller keeps the buffer alive and
+//!   unmoved until the returned [`Request`] completes ([`super::worker`] does so by owning
+//!   buffer and request together).
+
+use std::ffi::c_void;
+use std::ptr::{self, NonNull};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicI8, Ordering};
+
+use super::UcxError;
+use super::result::{self, check, request_or_done};
+use super::sys::{self, ucs_status_t};
+
+/// A UCP context (`ucp_init`) with tag matching, RMA and wakeup.
+pub struct Context {
+    ptr: NonNull<sys::ucp_context>,
+}
+
+impl Context {
+    /// Reads UCX's config (defaults, then `UCX_*` environment), applies `vars` on top (names
+    /// without the `UCX_` prefix, e.g. `("TLS", "tcp")`) and initialises a context for one
+    /// worker.
+    pub fn new(vars: &[(String, String)]) -> Result<Rc<Context>, UcxError> {
+        let config = result::config_read()?;
+        let context = Self::init_with(config, vars);
+        // SAFETY: config came from config_read and is released exactly once, here; ucp_init
+        // copies what it needs.
+        unsafe { result::config_release(config) };
+        context
+    }
+
+    fn init_with(
+        config: NonNull<sys::ucp_config_t>,
+        vars: &[(String, String)],
+    ) -> Result<Rc<Context>, UcxError> {
+        for (name, value) in vars {
+            // SAFETY: config is live until the caller releases it after this function.
+            unsafe { result::config_modify(config, name, value) }?;
+        }
+        let name = c"kvferry";
+        let params = sys::ucp_params_t {
+            field_mask: sys::UCP_PARAM_FIELD_FEATURES
+                | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED
+                | sys::UCP_PARAM_FIELD_NAME,
+            features: sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP,
+            request_size: 0,
+            request_init: None,
+            request_cleanup: None,
+            tag_sender_mask: 0,
+            mt_workers_shared: 0,
+            estimated_num_eps: 0,
+            estimated_num_ppn: 0,
+            name: name.as_ptr(),
+        };
+        // SAFETY: params is fully initialised and only the fields in field_mask are read;
+        // config is live (see above).
+        let ptr = unsafe { result::init(&params, config) }?;
+        Ok(Rc::new(Context { ptr }))
+    }
+
+    /// The raw handle, for [`super::result`] calls.
+    pub fn as_ptr(&self) -> NonNull<sys::ucp_context> {
+        self.ptr
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live; every worker and memory handle holds an Rc of this
+        // context, so none is left when this runs.
+        unsafe { sys::ucp_cleanup(self.ptr.as_ptr()) }
+    }
+}
+
+/// A UCP worker in single-thread mode.
+pub struct Worker {
+    ptr: NonNull<sys::ucp_worker>,
+    _context: Rc<Context>,
+}
+
+impl Worker {
+    /// Creates a worker of `context`.
+    pub fn new(context: &Rc<Context>) -> Result<Rc<Worker>, UcxError> {
+        let name = c"kvferry-worker";
+        // SAFETY: ucp_worker_params_t is plain old data (integers, pointers, an array), for
+        // which all-zero bytes are valid; only the fields in field_mask are read.
+        let mut params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask =
+            sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE | sys::UCP_WORKER_PARAM_FIELD_NAME;
+        params.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+        params.name = name.as_ptr();
+        // SAFETY: the context is live (we hold an Rc of it).
+        let ptr = unsafe { result::worker_create(context.ptr, &params) }?;
+        Ok(Rc::new(Worker {
+            ptr,
+            _context: context.clone(),
+        }))
+    }
+
+    /// The worker's address, to give to peers (they connect with [`Endpoint::connect`]).
+    pub fn address(&self) -> Result<Vec<u8>, UcxError> {
+        // SAFETY: the worker is live and used on its own thread (`Worker` is !Send).
+        unsafe { result::worker_address(self.ptr) }
+    }
+
+    /// One round of progress; the number of events it handled.
+    pub fn progress(&self) -> u32 {
+        // SAFETY: the worker is live and used on its own thread.
+        unsafe { sys::ucp_worker_progress(self.ptr.as_ptr()) }
+    }
+
+    /// The event file descriptor to sleep on after [`Worker::arm`]. Owned by UCX.
+    pub fn event_fd(&self) -> Result<i32, UcxError> {
+        // SAFETY: the worker is live; the context has UCP_FEATURE_WAKEUP.
+        unsafe { result::worker_efd(self.ptr) }
+    }
+
+    /// Arms the event fd: `Ok(true)` when it is safe to sleep, `Ok(false)` when events are
+    /// pending and the caller must progress first.
+    pub fn arm(&self) -> Result<bool, UcxError> {
+        // SAFETY: the worker is live and used on its own thread.
+        unsafe { result::worker_arm(self.ptr) }
+    }
+
+    /// Posts a tagged receive of at most `capacity` bytes into `buffer`. `Ok(Done(info))` when a
+    /// matching message had already arrived.
+    ///
+    /// # Safety
+    /// `buffer` is valid for writes of `capacity` bytes and stays allocated and unmoved until
+    /// the returned request completes (or forever, if the worker is leaked).
+    pub unsafe fn tag_recv(
+        self: &Rc<Self>,
+        buffer: *mut u8,
+        capacity: usize,
+        tag: u64,
+        mask: u64,
+    ) -> Result<Started<sys::ucp_tag_recv_info_t>, UcxError> {
+        let mut info = sys::ucp_tag_recv_info_t::default();
+        let mut param = result::request_param();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_DATATYPE
+            | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
+            | sys::UCP_OP_ATTR_FIELD_RECV_INFO;
+        param.datatype = sys::UCP_DATATYPE_BYTES;
+        param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
+        param.recv_info.tag_info = &mut info;
+        // SAFETY: the worker is live; buffer validity is the caller's contract; `info` is
+        // written only on immediate completion, before this call returns.
+        let ptr = unsafe {
+            sys::ucp_tag_recv_nbx(
+                self.ptr.as_ptr(),
+                buffer.cast(),
+                capacity,
+                tag,
+                mask,
+                &param,
+            )
+        };
+        Ok(match request_or_done("ucp_tag_recv_nbx", ptr)? {
+            None => Started::Done(info),
+            Some(req) => Started::Pending(Request::new(req, self)),
+        })
+    }
+
+    /// Starts flushing every endpoint of the worker.
+    pub fn flush(self: &Rc<Self>) -> Result<Started<()>, UcxError> {
+        let param = result::request_param();
+        // SAFETY: the worker is live; the param sets no field.
+        let ptr = unsafe { sys::ucp_worker_flush_nbx(self.ptr.as_ptr(), &param) };
+        Ok(match request_or_done("ucp_worker_flush_nbx", ptr)? {
+            None => Started::Done(()),
+            Some(req) => Started::Pending(Request::new(req, self)),
+        })
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live; endpoints and requests hold an Rc of this worker, so
+        // none is left when this runs.
+        unsafe { sys::ucp_worker_destroy(self.ptr.as_ptr()) }
+    }
+}
+
+/// An operation UCX either completed at once or still runs.
+pub enum Started<T> {
+    /// Completed during the call (with what it produced).
+    Done(T),
+    /// In flight: poll [`Request::status`] after progress.
+    Pending(Request),
+}
+
+/// The failure an endpoint's error handler recorded (0 while healthy). Boxed, so its address
+/// is stable for the handler's `arg`.
+struct EpState {
+    failed: AtomicI8,
+}
+
+unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: ucs_status_t) {
+    if arg.is_null() {
+        return;
+    }
+    // SAFETY: `arg` is the Box<EpState> of a live Endpoint: UCX never calls the error handler
+    // of an endpoint after ucp_ep_close_nbx, which runs in Endpoint::drop before the box is
+    // freed. Only an atomic store happens here: no panic can cross the FFI boundary.
+    let state = unsafe { &*arg.cast::<EpState>() };
+    let status = if status == sys::UCS_OK {
+        sys::UCS_ERR_CONNECTION_RESET
+    } else {
+        status
+    };
+    state.failed.store(status, Ordering::Release);
+}
+
+/// A connection to a remote worker, with peer error handling.
+pub struct Endpoint {
+    ptr: NonNull<sys::ucp_ep>,
+    state: Box<EpState>,
+    worker: Rc<Worker>,
+}
+
+impl Endpoint {
+    /// Connects to the worker whose address (from [`Worker::address`]) is `address`. UCX wires
+    /// up lazily: an unreachable peer shows as a failure of the first operations.
+    pub fn connect(worker: &Rc<Worker>, address: &[u8]) -> Result<Endpoint, UcxError> {
+        if address.is_empty() {
+            return Err(UcxError::call("ucp_ep_create", sys::UCS_ERR_UNREACHABLE));
+        }
+        let state = Box::new(EpState {
+            failed: AtomicI8::new(sys::UCS_OK),
+        });
+        let arg = ptr::from_ref::<EpState>(&state).cast_mut().cast::<c_void>();
+        let params = sys::ucp_ep_params_t {
+            field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER
+                | sys::UCP_EP_PARAM_FIELD_USER_DATA,
+            address: address.as_ptr().cast(),
+            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
+            err_handler: sys::ucp_err_handler_t {
+                cb: Some(on_endpoint_error),
+                arg,
+            },
+            // UCX 1.13 passes the endpoint's user_data to the error handler: same pointer.
+            user_data: arg,
+            flags: 0,
+            sockaddr: sys::ucs_sock_addr_t {
+                addr: ptr::null(),
+                addrlen: 0,
+            },
+            conn_request: ptr::null_mut(),
+            name: ptr::null(),
+            local_sockaddr: sys::ucs_sock_addr_t {
+                addr: ptr::null(),
+                addrlen: 0,
+            },
+        };
+        let mut ep = ptr::null_mut();
+        // SAFETY: the worker is live; `address` holds a worker address for the call (UCX
+        // unpacks it before returning); `arg` points into the Box that the Endpoint keeps.
+        check("ucp_ep_create", unsafe {
+            sys::ucp_ep_create(worker.ptr.as_ptr(), &params, &mut ep)
+        })?;
+        let ptr = NonNull::new(ep)
+            .ok_or_else(|| UcxError::call("ucp_ep_create", sys::UCS_ERR_NO_MESSAGE))?;
+        Ok(Endpoint {
+            ptr,
+            state,
+            worker: worker.clone(),
+        })
+    }
+
+    /// The status the error handler recorded, once the peer has failed.
+    pub fn failure(&self) -> Option<ucs_status_t> {
+        match self.state.failed.load(Ordering::Acquire) {
+            sys::UCS_OK => None,
+            status => Some(status),
+        }
+    }
+
+    /// Starts a tagged send of the `parts` (one message: their concatenation).
+    ///
+    /// # Safety
+    /// Every `(pointer, length)` in `parts` is readable, and `parts` itself (UCX keeps a
+    /// pointer to the iov array) stays allocated and unmoved, until the request completes.
+    pub unsafe fn tag_send(
+        &self,
+        parts: &[sys::ucp_dt_iov_t],
+        tag: u64,
+    ) -> Result<Started<()>, UcxError> {
+        let mut param = result::request_param();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
+        let (buffer, count) = match parts {
+            [one] => {
+                param.datatype = sys::UCP_DATATYPE_BYTES;
+                (one.buffer.cast_const(), one.length)
+            }
+            many => {
+                param.datatype = sys::UCP_DATATYPE_IOV;
+                (many.as_ptr().cast::<c_void>(), many.len())
+            }
+        };
+        // SAFETY: the endpoint is live; buffer validity is the caller's contract.
+        let ptr = unsafe { sys::ucp_tag_send_nbx(self.ptr.as_ptr(), buffer, count, tag, &param) };
+        Ok(match request_or_done("ucp_tag_send_nbx", ptr)? {
+            None => Started::Done(()),
+            Some(req) => Started::Pending(Request::new(req, &self.worker)),
+        })
+    }
+
+    /// Starts a put of `len` bytes at `buffer` to `remote_addr` in the region of `rkey`.
+    ///
+    /// # Safety
+    /// `buffer` is readable for `len` bytes until the request completes; `remote_addr..+len`
+    /// lies in the region `rkey` was packed from (the caller checked the peer's bounds).
+    pub unsafe fn put(
+        &self,
+        buffer: *const u8,
+        len: usize,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Started<()>, UcxError> {
+        let mut param = result::request_param();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        param.datatype = sys::UCP_DATATYPE_BYTES;
+        param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
+        // SAFETY: endpoint and rkey are live (the rkey holds an Rc of its endpoint); buffer and
+        // bounds are the caller's contract.
+        let ptr = unsafe {
+            sys::ucp_put_nbx(
+                self.ptr.as_ptr(),
+                buffer.cast(),
+                len,
+                remote_addr,
+                rkey.ptr.as_ptr(),
+                &param,
+            )
+        };
+        Ok(match request_or_done("ucp_put_nbx", ptr)? {
+            None => Started::Done(()),
+            Some(req) => Started::Pending(Request::new(req, &self.worker)),
+        })
+    }
+
+    /// Starts a flush: completes once every operation started on this endpoint has completed
+    /// remotely (puts are visible in the peer's memory).
+    pub fn flush(&self) -> Result<Started<()>, UcxError> {
+        let param = result::request_param();
+        // SAFETY: the endpoint is live; the param sets no field.
+        let ptr = unsafe { sys::ucp_ep_flush_nbx(self.ptr.as_ptr(), &param) };
+        Ok(match request_or_done("ucp_ep_flush_nbx", ptr)? {
+            None => Started::Done(()),
+            Some(req) => Started::Pending(Request::new(req, &self.worker)),
+        })
+    }
+
+    /// Unpacks a remote key the peer packed with [`MemHandle::rkey`].
+    pub fn unpack_rkey(self: &Rc<Self>, packed: &[u8]) -> Result<RemoteKey, UcxError> {
+        if packed.is_empty() {
+            return Err(UcxError::call(
+                "ucp_ep_rkey_unpack",
+                sys::UCS_ERR_NO_MESSAGE,
+            ));
+        }
+        let mut rkey = ptr::null_mut();
+        // SAFETY: the endpoint is live; `packed` is readable for the call. UCX parses the
+        // buffer's own framing; a malformed buffer is an error status, not a read past it
+        // (the bytes come from a peer's ucp_rkey_pack through the validated Hello).
+        check("ucp_ep_rkey_unpack", unsafe {
+            sys::ucp_ep_rkey_unpack(self.ptr.as_ptr(), packed.as_ptr().cast(), &mut rkey)
+        })?;
+        let ptr = NonNull::new(rkey)
+            .ok_or_else(|| UcxError::call("ucp_ep_rkey_unpack", sys::UCS_ERR_NO_MESSAGE))?;
+        Ok(RemoteKey {
+            ptr,
+            _ep: self.clone(),
+        })
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let mut param = result::request_param();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        // SAFETY: the handle is live and closed once. FORCE completes the endpoint's
+        // outstanding requests with an error (their owners still hold their buffers) and
+        // marks it closed, after which UCX calls no error handler, so `state` may go.
+        let ptr = unsafe { sys::ucp_ep_close_nbx(self.ptr.as_ptr(), &param) };
+        match request_or_done("ucp_ep_close_nbx", ptr) {
+            // SAFETY: a close request holds no buffer of ours; freeing it lets UCX release it
+            // when it completes during a later progress or the worker's destruction.
+            Ok(Some(req)) => unsafe { sys::ucp_request_free(req.as_ptr()) },
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "closing a UCX endpoint"),
+        }
+    }
+}
+
+/// Host memory registered with a context (`ucp_mem_map` of an existing buffer).
+pub struct MemHandle {
+    ptr: NonNull<sys::ucp_mem>,
+    context: Rc<Context>,
+}
+
+impl MemHandle {
+    /// Registers `len` bytes at `base` for local and remote reads and writes.
+    ///
+    /// # Safety
+    /// The memory stays mapped (and is not reused for anything else) until the handle drops.
+    pub unsafe fn map(context: &Rc<Context>, base: *mut u8, len: usize) -> Result<Self, UcxError> {
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::UCP_MEM_MAP_PARAM_FIELD_PROT
+                | sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+            address: base.cast(),
+            length: len,
+            flags: 0,
+            prot: sys::UCP_MEM_MAP_PROT_LOCAL_READ
+                | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
+                | sys::UCP_MEM_MAP_PROT_REMOTE_READ
+                | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE,
+            memory_type: sys::UCS_MEMORY_TYPE_HOST,
+        };
+        let mut memh = ptr::null_mut();
+        // SAFETY: the context is live; the memory's lifetime is the caller's contract.
+        check("ucp_mem_map", unsafe {
+            sys::ucp_mem_map(context.ptr.as_ptr(), &params, &mut memh)
+        })?;
+        let ptr = NonNull::new(memh)
+            .ok_or_else(|| UcxError::call("ucp_mem_map", sys::UCS_ERR_NO_MESSAGE))?;
+        Ok(MemHandle {
+            ptr,
+            context: context.clone(),
+        })
+    }
+
+    /// The packed remote key: bytes a peer unpacks with [`Endpoint::unpack_rkey`].
+    pub fn rkey(&self) -> Result<Vec<u8>, UcxError> {
+        // SAFETY: both handles are live and the memory was mapped in this context.
+        unsafe { result::rkey_pack(self.context.ptr, self.ptr) }
+    }
+}
+
+impl Drop for MemHandle {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and unmapped once; the context outlives it (Rc).
+        let status = unsafe { sys::ucp_mem_unmap(self.context.ptr.as_ptr(), self.ptr.as_ptr()) };
+        if status != sys::UCS_OK {
+            tracing::warn!(error = %result::status_name(status), "ucp_mem_unmap");
+        }
+    }
+}
+
+/// A peer's remote key, unpacked for one endpoint.
+pub struct RemoteKey {
+    ptr: NonNull<sys::ucp_rkey>,
+    _ep: Rc<Endpoint>,
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        // SAFETY: the key is live and destroyed once, before its endpoint (held by Rc).
+        unsafe { sys::ucp_rkey_destroy(self.ptr.as_ptr()) }
+    }
+}
+
+/// An in-flight UCP request. Dropping it frees it (`ucp_request_free`); UCX then releases it
+/// whenever it completes, so the *buffer* of an incomplete request must outlive it: its owner
+/// cancels, progresses to completion, and only then drops both.
+pub struct Request {
+    ptr: NonNull<c_void>,
+    worker: Rc<Worker>,
+}
+
+impl Request {
+    fn new(ptr: NonNull<c_void>, worker: &Rc<Worker>) -> Self {
+        Request {
+            ptr,
+            worker: worker.clone(),
+        }
+    }
+
+    /// `UCS_INPROGRESS` while running, then the final status.
+    pub fn status(&self) -> ucs_status_t {
+        // SAFETY: the request is live (not freed before Drop) and its worker too (Rc).
+        unsafe { result::request_status(self.ptr) }
+    }
+
+    /// For a tagged receive: the status and, when complete, the received tag and length.
+    pub fn recv_info(&self) -> (ucs_status_t, sys::ucp_tag_recv_info_t) {
+        // SAFETY: as for `status`; the caller only asks receive requests.
+        unsafe { result::tag_recv_test(self.ptr) }
+    }
+
+    /// Asks UCX to cancel (receives are cancelled; sends and puts run on until they complete
+    /// or their endpoint closes). Completion is still observed through [`Request::status`].
+    pub fn cancel(&self) {
+        // SAFETY: request and worker are live; cancelling a completed request does nothing.
+        unsafe { sys::ucp_request_cancel(self.worker.ptr.as_ptr(), self.ptr.as_ptr()) }
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        // SAFETY: freed once; the worker is live (Rc).
+        unsafe { sys::ucp_request_free(self.ptr.as_ptr()) }
+    }
+}
