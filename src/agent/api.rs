@@ -108,6 +108,8 @@ pub struct Metrics {
     pub expired: AtomicU64,
     /// Messages refused as malformed or inconsistent.
     pub bad_messages: AtomicU64,
+    /// Rooms refused at admission (429).
+    pub rejected: AtomicU64,
 }
 
 impl Metrics {
@@ -177,6 +179,11 @@ impl Metrics {
                 "kvferry_bad_messages_total",
                 "Messages refused as malformed or inconsistent.",
                 &self.bad_messages,
+            ),
+            (
+                "kvferry_admission_rejections_total",
+                "Rooms refused at admission (429).",
+                &self.rejected,
             ),
         ];
         for (name, help, v) in counters {

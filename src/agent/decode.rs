@@ -43,7 +43,6 @@ use crate::transport::zmq::{ControlClient, ControlClientRecv, ControlClientSend}
 use crate::transport::{self, DataReceiver};
 
 /// A running decode agent.
-#[derive(Debug)]
 pub struct DecodeAgent {
     /// The engine-facing HTTP API, e.g. `http://127.0.0.1:40111`.
     pub api_url: String,
@@ -53,6 +52,7 @@ pub struct DecodeAgent {
     pub data_endpoint: String,
     tasks: tokio::task::JoinSet<()>,
     keep_alive: kvferry_bootstrap::KeepAlive,
+    inner: Arc<Inner>,
 }
 
 impl DecodeAgent {
@@ -80,6 +80,7 @@ impl DecodeAgent {
             peers: Mutex::new(HashMap::new()),
             connecting: tokio::sync::Mutex::new(()),
             metrics: Metrics::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
             shutdown: shutdown.clone(),
             cfg,
         });
@@ -111,7 +112,25 @@ impl DecodeAgent {
             data_endpoint,
             tasks,
             keep_alive,
+            inner,
         })
+    }
+
+    /// Stops accepting rooms (503), lets in-flight rooms finish for up to the drain timeout,
+    /// then aborts the rest. Landed rooms stay takeable until shutdown.
+    pub async fn drain(&self) {
+        let inner = &self.inner;
+        inner.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        let deadline = Instant::now() + inner.cfg.timeouts.drain;
+        let in_flight = || inner.rooms().values().filter(|r| !r.status.state().is_final()).count();
+        while in_flight() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left: Vec<u64> = inner.rooms().iter().filter(|(_, r)| !r.status.state().is_final()).map(|(id, _)| *id).collect();
+        tracing::info!(aborted = left.len(), "drained");
+        for room in left {
+            inner.abort(room, Reason::new(FailureCode::Shutdown, "the decode agent is shutting down")).await;
+        }
     }
 
     /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.
@@ -135,6 +154,8 @@ struct Inner {
     /// Held while connecting, so two rooms do not both say Hello to one prefill.
     connecting: tokio::sync::Mutex<()>,
     metrics: Metrics,
+    /// Set by SIGTERM: new rooms are refused.
+    draining: std::sync::atomic::AtomicBool,
     shutdown: CancellationToken,
 }
 
@@ -198,6 +219,9 @@ struct Room {
     acks_pending: usize,
     scattering: usize,
     final_at: Option<Instant>,
+    /// The last sign of life of the room's transfer (request sent, chunk landed, Done): the
+    /// ready and stall timeouts count from it.
+    progress_at: Instant,
 }
 
 /// One segment of a room: what one prefill rank sends.
@@ -464,6 +488,7 @@ impl Inner {
                 return Ok(()); // aborted meanwhile
             }
             let tokens = room.start_token..room.tokens;
+            room.progress_at = Instant::now();
             room.sources = sources
                 .iter()
                 .map(|(peer, seg, _)| Source {
@@ -613,12 +638,19 @@ impl Inner {
             }
         };
         let (pool, kernel) = (self.pool.clone(), self.kernel);
+        let (verify, sent_sum) = (self.cfg.checksum, chunk.checksum);
         let scattered = tokio::task::spawn_blocking(move || {
+            if verify {
+                let sum = super::checksum(&payload);
+                if sent_sum != sum {
+                    return Ok(Err(format!("checksum {sum:#018x} of the landed bytes differs from the sender's {sent_sum:#018x}")));
+                }
+            }
             let sel = Selection {
                 pages: &pages,
                 ..sel
             };
-            kernel.scatter(&payload, wire, &pool, &sel)
+            kernel.scatter(&payload, wire, &pool, &sel).map(Ok)
         })
         .await;
         let mut rooms = self.rooms();
@@ -631,9 +663,16 @@ impl Inner {
             room.status.touch();
         }
         match scattered {
-            Ok(Ok(())) => {
+            Ok(Ok(Err(mismatch))) => {
+                let reason = Reason::new(FailureCode::Checksum, format!("chunk {} from {}: {mismatch}", chunk.seq, chunk.prefill_instance));
+                if room.status.fail(reason) {
+                    self.finished(room);
+                }
+            }
+            Ok(Ok(Ok(()))) => {
                 room.landed += chunk.len as usize;
                 room.chunks += 1;
+                room.progress_at = Instant::now();
                 if let Some(s) = room.sources.get_mut(source) {
                     s.landed += chunk.len as usize;
                     s.chunks += 1;
@@ -687,6 +726,7 @@ impl Inner {
                     ));
                 };
                 source.done = Some(d.clone());
+                room.progress_at = Instant::now();
                 self.check_complete(d.room, room);
             }
             Message::AbortAck(a) => {
@@ -715,6 +755,28 @@ impl Inner {
                     }
                 }
             }
+            Message::Abort(a) => {
+                // The prefill engine aborted: nothing more of the room is scattered (chunks
+                // still on the way are dropped), so it is aborted and acknowledged at once.
+                if let Some(room) = rooms.get_mut(&a.room) {
+                    if room.sources.iter().any(|s| s.peer.instance == a.instance && s.peer.instance == peer.instance) {
+                        let reason = Reason::new(a.code, format!("prefill {}: {}", peer.endpoint, a.message));
+                        if room.status.abort(reason, true) {
+                            self.finished(room);
+                        }
+                    }
+                }
+                drop(rooms);
+                let ack = Message::AbortAck(protocol::AbortAck { room: a.room, instance: self.instance });
+                let (peer, timeout) = (self.peers().get(&peer.instance).cloned(), self.cfg.timeouts.send);
+                if let Some(peer) = peer {
+                    tokio::spawn(async move {
+                        if let Err(reason) = peer.send(&ack, timeout).await {
+                            tracing::warn!(%reason, "AbortAck not sent");
+                        }
+                    });
+                }
+            }
             Message::Heartbeat(_) => {}
             other => {
                 drop(rooms);
@@ -722,6 +784,85 @@ impl Inner {
                     "prefill sent {} on the control plane",
                     other.name()
                 ));
+            }
+        }
+    }
+
+    /// Aborts a room that is not final: `aborting` until every prefill serving it acknowledged
+    /// (at once when none was asked yet), `aborted` after.
+    async fn abort(&self, room_id: u64, reason: Reason) {
+        let peers = {
+            let mut rooms = self.rooms();
+            let Some(room) = rooms.get_mut(&room_id) else { return };
+            let state = room.status.state();
+            if state.is_final() || state == RoomState::Aborting {
+                return;
+            }
+            // Before any request went out nothing can arrive: aborted at once.
+            let peers: Vec<Arc<Peer>> = room.sources.iter().map(|s| s.peer.clone()).collect();
+            room.status.abort(reason.clone(), peers.is_empty());
+            room.acks_pending = peers.len();
+            self.finished(room);
+            peers
+        };
+        for peer in peers {
+            if let Err(e) = self.tell_abort(&peer, room_id, &reason).await {
+                // The prefill cannot be told: with staged transports nothing more lands once
+                // the room no longer accepts chunks, so its acknowledgement is not needed.
+                tracing::warn!(room = room_id, reason = %e, "abort not delivered");
+                let mut rooms = self.rooms();
+                if let Some(room) = rooms.get_mut(&room_id) {
+                    room.acks_pending = room.acks_pending.saturating_sub(1);
+                    if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
+                        self.finished(room);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn tell_abort(&self, peer: &Peer, room: u64, reason: &Reason) -> Result<(), Reason> {
+        let msg = Message::Abort(protocol::Abort {
+            room,
+            instance: self.instance,
+            code: reason.code,
+            message: reason.message.clone(),
+        });
+        peer.send(&msg, self.cfg.timeouts.send).await
+    }
+
+    /// Fails rooms whose transfer shows no sign of life: waiting for the prefill engine longer
+    /// than the ready timeout, or transferring without progress longer than the stall timeout.
+    /// Their prefills are told to stop.
+    async fn fail_stuck_rooms(&self) {
+        let t = self.cfg.timeouts;
+        let stuck: Vec<(u64, Reason, Vec<Arc<Peer>>)> = {
+            let mut rooms = self.rooms();
+            let mut out = Vec::new();
+            for (id, room) in rooms.iter_mut() {
+                let idle = room.progress_at.elapsed();
+                let reason = match room.status.state() {
+                    RoomState::WaitingForInput if idle >= t.ready => Reason::new(
+                        FailureCode::TimeoutReady,
+                        format!("no data from the prefill {} ms after the request", idle.as_millis()),
+                    ),
+                    RoomState::Transferring if idle >= t.stall => Reason::new(
+                        FailureCode::TimeoutStall,
+                        format!("no progress for {} ms ({} of {} bytes landed)", idle.as_millis(), room.landed, room.expected),
+                    ),
+                    _ => continue,
+                };
+                if room.status.fail(reason.clone()) {
+                    self.finished(room);
+                    out.push((*id, reason, room.sources.iter().map(|s| s.peer.clone()).collect()));
+                }
+            }
+            out
+        };
+        for (room, reason, peers) in stuck {
+            tracing::warn!(room, %reason, "room failed");
+            for peer in peers {
+                let _ = self.tell_abort(&peer, room, &reason).await;
             }
         }
     }
@@ -824,6 +965,7 @@ async fn expire_rooms(inner: Arc<Inner>) {
             () = inner.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
+        inner.fail_stuck_rooms().await;
         let mut rooms = inner.rooms();
         let before = rooms.len();
         rooms.retain(|id, room| {
@@ -891,8 +1033,16 @@ async fn create_room(
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let req: RoomRequest = api::parse_json(&body)?;
-    if inner.shutdown.is_cancelled() {
-        return Err(ApiError::unavailable("the agent is shutting down"));
+    if inner.shutdown.is_cancelled() || inner.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        return Err(ApiError::unavailable("the agent is draining for shutdown: send the room to another decode rank"));
+    }
+    let in_flight = inner.rooms().values().filter(|r| !r.status.state().is_final()).count();
+    if in_flight >= inner.cfg.max_rooms {
+        inner.metrics.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(ApiError::exhausted(format!(
+            "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
+            inner.cfg.max_rooms
+        )));
     }
     let l = &inner.cfg.layout;
     if req.tokens == 0 {
@@ -917,10 +1067,10 @@ async fn create_room(
             (pages.into(), None)
         }
         None => {
-            let lease = inner
-                .alloc
-                .allocate(needed)
-                .map_err(|e| ApiError::exhausted(e.to_string()))?;
+            let lease = inner.alloc.allocate(needed).map_err(|e| {
+                inner.metrics.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                ApiError::exhausted(e.to_string())
+            })?;
             (lease.pages().into(), Some(lease))
         }
     };
@@ -943,6 +1093,7 @@ async fn create_room(
             acks_pending: 0,
             scattering: 0,
             final_at: None,
+            progress_at: Instant::now(),
         };
         let view = room.view(room_id);
         rooms.insert(room_id, room);
@@ -1040,43 +1191,10 @@ async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Res
 
 async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
-    let reason = Reason::new(FailureCode::Aborted, "aborted by the decode engine");
-    let peers = {
-        let mut rooms = inner.rooms();
-        let room = rooms
-            .get_mut(&room_id)
-            .ok_or(ApiError::unknown_room(room_id))?;
-        let state = room.status.state();
-        if state.is_final() || state == RoomState::Aborting {
-            return Ok(axum::Json(room.view(room_id)).into_response());
-        }
-        // Before any request went out nothing can arrive: aborted at once.
-        let peers: Vec<Arc<Peer>> = room.sources.iter().map(|s| s.peer.clone()).collect();
-        room.status.abort(reason.clone(), peers.is_empty());
-        room.acks_pending = peers.len();
-        inner.finished(room);
-        peers
-    };
-    let msg = Message::Abort(protocol::Abort {
-        room: room_id,
-        instance: inner.instance,
-        code: reason.code,
-        message: reason.message,
-    });
-    for peer in peers {
-        if let Err(e) = peer.send(&msg, inner.cfg.timeouts.send).await {
-            // The prefill cannot be told: with staged transports nothing more lands once the
-            // room no longer accepts chunks, so its acknowledgement is not needed.
-            tracing::warn!(room = room_id, reason = %e, "abort not delivered");
-            let mut rooms = inner.rooms();
-            if let Some(room) = rooms.get_mut(&room_id) {
-                room.acks_pending = room.acks_pending.saturating_sub(1);
-                if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
-                    inner.finished(room);
-                }
-            }
-        }
+    if !inner.rooms().contains_key(&room_id) {
+        return Err(ApiError::unknown_room(room_id));
     }
+    inner.abort(room_id, Reason::new(FailureCode::Aborted, "aborted by the decode engine")).await;
     let rooms = inner.rooms();
     let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
     Ok(axum::Json(room.view(room_id)).into_response())

@@ -57,6 +57,11 @@ pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<crate::pool::HostPool, Agen
     Ok(HostPool::open(&cfg.pool, cfg.layout.clone(), cfg.pool_pages)?)
 }
 
+/// The checksum of a chunk's bytes as carried on the wire: xxh3-64, never 0 (0 means none).
+pub(crate) fn checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes).max(1)
+}
+
 /// Timeouts of an agent; every wait is bounded by one of these.
 #[derive(Clone, Copy, Debug)]
 pub struct Timeouts {
@@ -68,6 +73,12 @@ pub struct Timeouts {
     pub room_ttl: Duration,
     /// One send of a chunk or control message.
     pub send: Duration,
+    /// Waiting for the engine's ready pieces of a requested room (`timeout_ready`).
+    pub ready: Duration,
+    /// A transferring room with no progress (`timeout_stall`).
+    pub stall: Duration,
+    /// SIGTERM: how long in-flight rooms may take to finish before they are aborted.
+    pub drain: Duration,
     /// Period of heartbeats on every control connection.
     pub heartbeat: Duration,
     /// A peer silent (no message of any kind) this long is dead.
@@ -81,6 +92,9 @@ impl Default for Timeouts {
             connect: Duration::from_secs(5),
             room_ttl: Duration::from_secs(60),
             send: Duration::from_secs(30),
+            ready: Duration::from_secs(60),
+            stall: Duration::from_secs(30),
+            drain: Duration::from_secs(30),
             heartbeat: Duration::from_millis(500),
             dead_after: Duration::from_secs(5),
         }
@@ -120,6 +134,12 @@ pub struct AgentConfig {
     pub pool: crate::pool::PoolDescriptor,
     /// Synthetic engine pacing: announce a room one layer at a time, this long apart.
     pub synthetic_layer_delay: Duration,
+    /// Checksum every chunk (xxh3-64) and verify it on landing.
+    pub checksum: bool,
+    /// Rooms in flight at most (not yet final); more are refused with 429.
+    pub max_rooms: usize,
+    /// Fault injection for tests: flip a byte of the N-th chunk sent (after checksumming).
+    pub fault_corrupt_chunk: Option<u64>,
     /// Timeouts.
     pub timeouts: Timeouts,
     /// Copy threads of the CPU kernel.

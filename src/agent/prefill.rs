@@ -47,7 +47,6 @@ use crate::transport::zmq::{ControlReplier, ControlServer, PeerId};
 use crate::transport::{self, DataSender, Transport};
 
 /// A running prefill agent.
-#[derive(Debug)]
 pub struct PrefillAgent {
     /// The engine-facing HTTP API.
     pub api_url: String,
@@ -57,6 +56,7 @@ pub struct PrefillAgent {
     pub control_endpoint: String,
     tasks: tokio::task::JoinSet<()>,
     keep_alive: kvferry_bootstrap::KeepAlive,
+    inner: Arc<Inner>,
 }
 
 impl PrefillAgent {
@@ -79,6 +79,8 @@ impl PrefillAgent {
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             metrics: Metrics::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
+            chunks_sent: std::sync::atomic::AtomicU64::new(0),
             shutdown: shutdown.clone(),
             cfg,
         });
@@ -102,7 +104,25 @@ impl PrefillAgent {
             control_endpoint,
             tasks,
             keep_alive,
+            inner,
         })
+    }
+
+    /// Stops accepting new rooms (503), lets rooms in flight finish for up to the drain
+    /// timeout, then aborts the rest (their decodes are told).
+    pub async fn drain(&self) {
+        let inner = &self.inner;
+        inner.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        let deadline = Instant::now() + inner.cfg.timeouts.drain;
+        let busy = || inner.rooms().values().filter(|r| r.transfers.values().any(|t| t.req.is_some() && !t.state.is_final())).count();
+        while busy() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left: Vec<u64> = inner.rooms().iter().filter(|(_, r)| !r.status.state().is_final()).map(|(id, _)| *id).collect();
+        tracing::info!(aborted = left.len(), "drained");
+        for room in left {
+            inner.clone().engine_abort(room, Reason::new(FailureCode::Shutdown, "the prefill agent is shutting down")).await;
+        }
     }
 
     /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.
@@ -125,6 +145,10 @@ struct Inner {
     /// Decode peers by their control identity.
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
     metrics: Metrics,
+    /// Set by SIGTERM: new rooms are refused.
+    draining: std::sync::atomic::AtomicBool,
+    /// Chunks gathered so far (numbers the fault-injection hook).
+    chunks_sent: std::sync::atomic::AtomicU64,
     shutdown: CancellationToken,
 }
 
@@ -184,6 +208,9 @@ struct Transfer {
     cancel: CancellationToken,
     started: bool,
     running: bool,
+    requested_at: Instant,
+    /// The prefill engine aborted the room: the decode is told with Abort, not AbortAck.
+    engine_abort: bool,
     /// `transferring` until the transfer ends: `success`, `failed` or `aborted`.
     state: RoomState,
     reason: Option<Reason>,
@@ -200,6 +227,8 @@ impl Transfer {
             cancel: CancellationToken::new(),
             started: false,
             running: false,
+            requested_at: Instant::now(),
+            engine_abort: false,
             state: RoomState::Transferring,
             reason: None,
         }
@@ -222,6 +251,8 @@ struct Room {
     transfers: HashMap<Uuid, Transfer>,
     /// How many decode ranks will ask (from their requests).
     requesters: usize,
+    /// The prefill engine aborted the room.
+    engine_abort: Option<Reason>,
     final_at: Option<Instant>,
 }
 
@@ -233,6 +264,7 @@ impl Room {
             pieces: Vec::new(),
             transfers: HashMap::new(),
             requesters: 0,
+            engine_abort: None,
             final_at: None,
         }
     }
@@ -288,6 +320,11 @@ impl Inner {
     /// Moves the room to a final state once every decode rank that will ask has been served,
     /// and returns the agent's own pages once no gather reads them.
     fn settle(&self, room: &mut Room) {
+        if let Some(reason) = room.engine_abort.clone() {
+            if !room.running() {
+                room.status.abort(reason, true);
+            }
+        }
         let asked = room.transfers.values().filter(|t| t.req.is_some()).count();
         let all_final = room.transfers.values().all(|t| t.state.is_final());
         if !room.status.state().is_final() && asked > 0 && asked >= room.requesters && all_final {
@@ -492,9 +529,14 @@ impl Inner {
                     }
                 }
                 Step::Wait(wake) => {
+                    let ready = self.cfg.timeouts.ready;
                     tokio::select! {
                         () = wake.notified() => {}
                         () = job.cancel.cancelled() => {}
+                        () = tokio::time::sleep(ready) => break Err(Reason::new(
+                            FailureCode::TimeoutReady,
+                            format!("the engine announced no further piece within {} ms", ready.as_millis()),
+                        )),
                     }
                 }
                 Step::Done(aux) => break Ok(Some((chunks, aux))),
@@ -511,6 +553,11 @@ impl Inner {
                 Ok(Some((chunks, aux))) => {
                     t.end(RoomState::Success, None);
                     Message::Done(protocol::Done { room: room_id, prefill_instance: self.instance, chunks, bytes: t.sent as u64, aux })
+                }
+                Ok(None) if t.engine_abort => {
+                    let reason = room.engine_abort.clone().unwrap_or_else(|| Reason::new(FailureCode::Aborted, "aborted by the prefill engine"));
+                    t.end(RoomState::Aborted, Some(reason.clone()));
+                    Message::Abort(protocol::Abort { room: room_id, instance: self.instance, code: reason.code, message: reason.message })
                 }
                 Ok(None) => {
                     t.end(RoomState::Aborted, Some(Reason::new(FailureCode::Aborted, "aborted by the decode")));
@@ -556,10 +603,19 @@ impl Inner {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
             let (pool, kernel, pages, wire) = (self.pool.clone(), self.kernel, job.pages.clone(), req.wire_order);
             let (tokens, heads, slots) = (c.tokens.clone(), heads.clone(), self.slots.clone());
+            let checksum = self.cfg.checksum;
+            let nth = self.chunks_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let corrupt = self.cfg.fault_corrupt_chunk == Some(nth);
             tokio::task::spawn_blocking(move || {
                 let sel = Selection { pages: &pages, tokens, layers: local, heads };
                 let mut buf = slots.take(sel.bytes(&pool)?);
-                kernel.gather(&pool, &sel, wire, &mut buf).map(|()| buf)
+                kernel.gather(&pool, &sel, wire, &mut buf)?;
+                let sum = if checksum { super::checksum(&buf) } else { 0 };
+                if let (true, Some(b)) = (corrupt, buf.first_mut()) {
+                    tracing::warn!(chunk = nth, "fault injection: corrupting a chunk after its checksum");
+                    *b = !*b;
+                }
+                Ok::<_, crate::kernel::KernelError>((buf, sum))
             })
         };
         let mut next = match plan.first() {
@@ -571,7 +627,7 @@ impl Inner {
         };
         for (i, c) in plan.iter().enumerate() {
             let Some(pending) = next.take() else { break };
-            let bytes = match pending.await {
+            let (bytes, sum) = match pending.await {
                 Ok(Ok(b)) => b,
                 Ok(Err(e)) => return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}"))),
                 Err(e) => return Err(Reason::new(FailureCode::BadMessage, format!("gather stopped: {e}"))),
@@ -584,7 +640,7 @@ impl Inner {
             // this chunk, could wait forever.
             let ahead = plan.get(i + 1).filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
             next = ahead.map(gather);
-            self.send_chunk(job, c, *chunks, bytes).await?;
+            self.send_chunk(job, c, *chunks, bytes, sum).await?;
             *chunks += 1;
             if next.is_none() && i + 1 < plan.len() {
                 self.credit(&job.peer).await?;
@@ -594,7 +650,7 @@ impl Inner {
         Ok(())
     }
 
-    async fn send_chunk(&self, job: &Job, c: &ChunkPlan, seq: u32, bytes: Vec<u8>) -> Result<(), Reason> {
+    async fn send_chunk(&self, job: &Job, c: &ChunkPlan, seq: u32, bytes: Vec<u8>, checksum: u64) -> Result<(), Reason> {
         let len = bytes.len();
         let header = Message::Chunk(Chunk {
             room: job.room,
@@ -604,7 +660,7 @@ impl Inner {
             layers: c.layers.start as u32..c.layers.end as u32,
             heads: job.req.heads.clone(),
             len: len as u64,
-            checksum: 0,
+            checksum,
         });
         let timeout = self.cfg.timeouts.send;
         let sent = tokio::time::timeout(timeout, async {
@@ -663,6 +719,65 @@ impl Inner {
             tracing::warn!(decode = %peer.instance, slots, "credit beyond the granted slots ignored");
         }
         peer.credits.add_permits(granted);
+    }
+
+    /// The prefill engine aborts a room: every transfer stops (a running one when its current
+    /// chunk is out) and its decode is told with Abort; later requests are refused.
+    async fn engine_abort(self: Arc<Self>, room_id: u64, reason: Reason) {
+        let tell: Vec<Arc<Peer>> = {
+            let mut rooms = self.rooms();
+            let room = rooms.entry(room_id).or_insert_with(Room::new);
+            if room.status.state().is_final() {
+                return;
+            }
+            room.engine_abort = Some(reason.clone());
+            let mut tell = Vec::new();
+            for t in room.transfers.values_mut() {
+                t.cancel.cancel();
+                if t.running {
+                    t.engine_abort = true; // its task tells the decode when it stops
+                } else if !t.state.is_final() {
+                    t.end(RoomState::Aborted, Some(reason.clone()));
+                    tell.push(t.peer.clone());
+                }
+            }
+            self.settle(room);
+            tell
+        };
+        let msg = Message::Abort(protocol::Abort { room: room_id, instance: self.instance, code: reason.code, message: reason.message });
+        for peer in tell {
+            self.reply(&peer.identity, msg.clone()).await;
+        }
+    }
+
+    /// Fails transfers requested long ago whose room the engine never announced.
+    async fn fail_unready(&self) {
+        let ready = self.cfg.timeouts.ready;
+        let late: Vec<(u64, Arc<Peer>, Reason)> = {
+            let mut rooms = self.rooms();
+            let mut out = Vec::new();
+            for (id, room) in rooms.iter_mut() {
+                let mut changed = false;
+                for t in room.transfers.values_mut() {
+                    if t.req.is_some() && !t.started && !t.state.is_final() && t.requested_at.elapsed() >= ready {
+                        let reason = Reason::new(
+                            FailureCode::TimeoutReady,
+                            format!("the prefill engine announced nothing within {} ms of the request", ready.as_millis()),
+                        );
+                        t.end(RoomState::Failed, Some(reason.clone()));
+                        out.push((*id, t.peer.clone(), reason));
+                        changed = true;
+                    }
+                }
+                if changed {
+                    self.settle(room);
+                }
+            }
+            out
+        };
+        for (room, peer, reason) in late {
+            self.refuse(&peer.identity, Some(room), reason.code, reason.message).await;
+        }
     }
 
     /// Forgets a dead decode peer and fails what it asked for.
@@ -761,6 +876,7 @@ async fn housekeeping(inner: Arc<Inner>) {
                 inner.reply(&peer.identity, beat.clone()).await;
             }
         }
+        inner.fail_unready().await;
         let ttl = t.room_ttl;
         inner.rooms().retain(|_, room| {
             let old = room.final_at.is_some_and(|t| t.elapsed() >= ttl);
@@ -803,7 +919,7 @@ type Shared = State<Arc<Inner>>;
 fn routes(inner: Arc<Inner>) -> Router {
     Router::new()
         .route("/v1/rooms/{room}/ready", post(ready))
-        .route("/v1/rooms/{room}", get(get_room))
+        .route("/v1/rooms/{room}", get(get_room).delete(abort_room))
         .route("/v1/pool", get(pool))
         .route("/healthz", get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "prefill"})) }))
         .route("/metrics", get(metrics))
@@ -847,6 +963,18 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
     }
     if layers.is_empty() || layers.start < l.layers.start || layers.end > l.layers.end {
         return Err(ApiError::bad_request(format!("layer_range {layers:?} must be a non-empty range within this rank's layers {:?}", l.layers)));
+    }
+    let known = inner.rooms().contains_key(&room_id);
+    if !known && inner.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        return Err(ApiError::unavailable("the agent is draining for shutdown: send the room to another prefill rank"));
+    }
+    let in_flight = inner.rooms().values().filter(|r| !r.status.state().is_final()).count();
+    if !known && in_flight >= inner.cfg.max_rooms {
+        inner.metrics.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(ApiError::exhausted(format!(
+            "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
+            inner.cfg.max_rooms
+        )));
     }
     let whole = req.token_range.is_none() && req.layer_range.is_none();
     let last = req.last.unwrap_or(whole);
@@ -951,6 +1079,17 @@ async fn announce_paced(inner: Arc<Inner>, room_id: u64, pages: Arc<[u32]>, whol
         }
         announce(&inner, room_id, piece, layer + 1 == whole.layers.end);
     }
+}
+
+async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> Result<Response, ApiError> {
+    let room_id = api::parse_room(&room)?;
+    if !inner.rooms().contains_key(&room_id) {
+        return Err(ApiError::unknown_room(room_id));
+    }
+    inner.clone().engine_abort(room_id, Reason::new(FailureCode::Aborted, "aborted by the prefill engine")).await;
+    let rooms = inner.rooms();
+    let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+    Ok(axum::Json(room.view(room_id)).into_response())
 }
 
 async fn get_room(State(inner): Shared, Path(room): Path<String>, Query(q): Query<WaitQuery>) -> Result<Response, ApiError> {

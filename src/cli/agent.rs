@@ -119,6 +119,25 @@ pub struct AgentArgs {
     /// One send of a chunk or a control message, in ms.
     #[arg(long, env = "KVFERRY_TIMEOUT_SEND_MS", default_value_t = 30_000)]
     pub timeout_send_ms: u64,
+    /// Waiting for the engine's ready pieces of a requested room, in ms; then the room fails
+    /// with `timeout_ready`.
+    #[arg(long, env = "KVFERRY_TIMEOUT_READY_MS", default_value_t = 60_000)]
+    pub timeout_ready_ms: u64,
+    /// A transferring room without progress this many ms fails with `timeout_stall`.
+    #[arg(long, env = "KVFERRY_TIMEOUT_STALL_MS", default_value_t = 30_000)]
+    pub timeout_stall_ms: u64,
+    /// On SIGTERM, in-flight rooms get this many ms to finish; the rest are aborted.
+    #[arg(long, env = "KVFERRY_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
+    pub drain_timeout_ms: u64,
+    /// Checksum every chunk (xxh3-64) and verify it on landing; enable on both sides.
+    #[arg(long, env = "KVFERRY_CHECKSUM")]
+    pub checksum: bool,
+    /// Rooms in flight at most; more are refused with 429 at once.
+    #[arg(long, env = "KVFERRY_MAX_ROOMS", default_value_t = 1024)]
+    pub max_rooms: usize,
+    /// Fault injection for tests: flip a byte of the N-th chunk this prefill sends.
+    #[arg(long, env = "KVFERRY_FAULT_CORRUPT_CHUNK", hide = true)]
+    pub fault_corrupt_chunk: Option<u64>,
     /// Period of heartbeats on every control connection, in ms.
     #[arg(long, env = "KVFERRY_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,
@@ -169,6 +188,9 @@ impl AgentArgs {
         if self.chunk_bytes == 0 || u32::try_from(self.chunk_bytes).is_err() {
             anyhow::bail!("--chunk-bytes must be > 0 and < 4 GiB");
         }
+        if self.max_rooms == 0 {
+            anyhow::bail!("--max-rooms must be > 0");
+        }
         if self.staging_slots == 0 {
             anyhow::bail!("--staging-slots must be > 0");
         }
@@ -194,12 +216,18 @@ impl AgentArgs {
             staging_slots: self.staging_slots,
             pool: self.pool.clone(),
             synthetic_layer_delay: Duration::from_secs_f64(self.synthetic_layer_ms / 1e3),
+            checksum: self.checksum,
+            max_rooms: self.max_rooms,
+            fault_corrupt_chunk: self.fault_corrupt_chunk,
             copy_threads: self.copy_threads,
             timeouts: Timeouts {
                 bootstrap: ms(self.timeout_bootstrap_ms),
                 connect: ms(self.timeout_connect_ms),
                 room_ttl: ms(self.room_ttl_ms),
                 send: ms(self.timeout_send_ms),
+                ready: ms(self.timeout_ready_ms),
+                stall: ms(self.timeout_stall_ms),
+                drain: ms(self.drain_timeout_ms),
                 heartbeat: ms(self.heartbeat_ms),
                 dead_after: ms(self.peer_dead_ms),
             },
@@ -223,8 +251,11 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     runtime.block_on(async move {
+        // SIGINT/SIGTERM: drain (no new rooms, in-flight ones finish or are aborted within
+        // --drain-timeout-ms), then shut down, deregister and exit 0.
+        let signalled = CancellationToken::new();
         let shutdown = CancellationToken::new();
-        let signals = tokio::spawn(super::signal::cancel_on_signal(shutdown.clone()));
+        let signals = tokio::spawn(super::signal::cancel_on_signal(signalled.clone()));
         let common = serde_json::json!({
             "event": "listening",
             "transport": cfg.transport.name(),
@@ -241,7 +272,9 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
                 line["control"] = agent.control_endpoint.clone().into();
                 line["instance"] = agent.instance.to_string().into();
                 print_listening(&line)?;
-                shutdown.cancelled().await;
+                signalled.cancelled().await;
+                agent.drain().await;
+                shutdown.cancel();
                 agent.join().await;
             }
             AgentRole::Decode => {
@@ -254,7 +287,9 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
                 line["data"] = agent.data_endpoint.clone().into();
                 line["instance"] = agent.instance.to_string().into();
                 print_listening(&line)?;
-                shutdown.cancelled().await;
+                signalled.cancelled().await;
+                agent.drain().await;
+                shutdown.cancel();
                 agent.join().await;
             }
         }

@@ -14,6 +14,7 @@
 
 #[cfg(feature = "ucx")]
 pub mod ucx;
+pub mod libzmq;
 pub mod zmq;
 
 use std::fmt;
@@ -127,5 +128,10 @@ pub trait Transport: Send + Sync {
 
 /// The transport of a kind.
 pub fn for_kind(kind: TransportKind) -> Arc<dyn Transport> {
-    Arc::new(zmq::ZmqData::new(kind))
+    // TEMP A/B switch for measurement
+    if std::env::var("KVFERRY_ZMQ_DATA").is_ok_and(|v| v == "crate") {
+        Arc::new(zmq::ZmqData::new(kind))
+    } else {
+        Arc::new(libzmq::ZmqData::new(kind))
+    }
 }

@@ -65,6 +65,9 @@ pub struct AgentOpts {
     pub timeout_send_ms: u64,
     pub heartbeat_ms: u64,
     pub peer_dead_ms: u64,
+    pub timeout_ready_ms: u64,
+    pub timeout_stall_ms: u64,
+    pub drain_timeout_ms: u64,
 }
 
 impl Default for AgentOpts {
@@ -80,6 +83,9 @@ impl Default for AgentOpts {
             timeout_send_ms: 10_000,
             heartbeat_ms: 500,
             peer_dead_ms: 5_000,
+            timeout_ready_ms: 20_000,
+            timeout_stall_ms: 20_000,
+            drain_timeout_ms: 2_000,
         }
     }
 }
@@ -114,6 +120,12 @@ impl AgentOpts {
             &self.heartbeat_ms.to_string(),
             "--peer-dead-ms",
             &self.peer_dead_ms.to_string(),
+            "--timeout-ready-ms",
+            &self.timeout_ready_ms.to_string(),
+            "--timeout-stall-ms",
+            &self.timeout_stall_ms.to_string(),
+            "--drain-timeout-ms",
+            &self.drain_timeout_ms.to_string(),
         ]
         .iter()
         .map(|s| (*s).to_owned())
@@ -342,4 +354,282 @@ pub fn now_ms() -> f64 {
 /// Milliseconds, for messages.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fault-injection helpers (tests/e2e_faults.rs, tests/e2e_garbage.rs): processes started with an
+// extra environment or behind a command prefix (`ip netns exec NS`), flag detection, and HTTP
+// calls that tolerate a process that is gone.
+// ---------------------------------------------------------------------------------------------
+
+/// `&str`s to owned `String`s.
+pub fn owned(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// The flags of `flags` that `kvferry <role> --help` does not list (empty when all are there).
+pub fn missing_flags(role: &str, flags: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new(release_binary())
+        .args([role, "--help"])
+        .output()
+        .unwrap_or_else(|e| panic!("kvferry {role} --help: {e}"));
+    let help = String::from_utf8_lossy(&out.stdout);
+    flags
+        .iter()
+        .filter(|f| {
+            !help
+                .split(|c: char| c.is_whitespace() || c == ',' || c == '=')
+                .any(|w| w == **f)
+        })
+        .map(|f| (*f).to_owned())
+        .collect()
+}
+
+/// Panics (naming what to do) unless `kvferry <role> --help` lists every flag of `flags`.
+pub fn require_flags(role: &str, flags: &[&str]) {
+    let missing = missing_flags(role, flags);
+    assert!(
+        missing.is_empty(),
+        "`kvferry {role}` has no {missing:?} yet: this test needs them (rebuild with \
+         `cargo build --release --bin kvferry` once they exist)"
+    );
+}
+
+/// One kvferry process started with an extra environment and/or behind a command prefix (e.g.
+/// `ip netns exec NS`, which execs kvferry in place: the pid is kvferry's). Like
+/// `kvferry::cli::cluster::Process`, it waits for the listening line, logs stderr to a file and
+/// is stopped (SIGTERM, then SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct Spawned {
+    pub name: String,
+    pub listening: Value,
+    pub log: PathBuf,
+    child: std::process::Child,
+}
+
+impl Spawned {
+    /// Starts `[prefix..] exe args` with `env` added to this process's environment; waits up to
+    /// [`BOUND`] for the listening line. Panics with the log's path on failure.
+    pub fn start(
+        exe: &Path,
+        prefix: &[String],
+        name: &str,
+        args: &[String],
+        env: &[(&str, &str)],
+        logs: &Path,
+    ) -> Spawned {
+        use std::io::BufRead as _;
+        use std::process::{Command, Stdio};
+        let log = logs.join(format!("{name}.log"));
+        let stderr = std::fs::File::create(&log)
+            .unwrap_or_else(|e| panic!("creating {}: {e}", log.display()));
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        cmd.args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr);
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name} ({cmd:?}): {e}"));
+        let stdout = child.stdout.take().expect("child stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = std::io::BufReader::new(stdout).lines();
+            let _ = tx.send(lines.next());
+            for _ in lines {}
+        });
+        let mut spawned = Spawned {
+            name: name.to_owned(),
+            listening: Value::Null,
+            log,
+            child,
+        };
+        match rx.recv_timeout(BOUND) {
+            Ok(Some(Ok(line))) => {
+                spawned.listening = serde_json::from_str(&line)
+                    .unwrap_or_else(|e| panic!("{name} listening line {line:?}: {e}"));
+            }
+            _ => {
+                let text = std::fs::read_to_string(&spawned.log).unwrap_or_default();
+                panic!(
+                    "{name} printed no listening line within {BOUND:?}; {}:\n{text}",
+                    spawned.log.display()
+                );
+            }
+        }
+        spawned
+    }
+
+    /// A string field of the listening line.
+    pub fn field(&self, key: &str) -> String {
+        self.listening[key]
+            .as_str()
+            .unwrap_or_else(|| panic!("{} listening line has no {key:?}: {}", self.name, self.listening))
+            .to_owned()
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal (`TERM`, `KILL`, ...) by name.
+    pub fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .args([format!("-{name}"), self.child.id().to_string()])
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill -{name} {} ({}) failed", self.child.id(), self.name);
+    }
+
+    /// Whether the process still runs.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits up to `wait` for the process to exit; its status if it did.
+    pub fn wait_exit(&mut self, wait: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + wait;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    pub fn stop(&mut self, grace: Duration) {
+        if !self.alive() {
+            return;
+        }
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM".to_owned(), self.child.id().to_string()])
+            .status();
+        if self.wait_exit(grace).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(5));
+    }
+}
+
+/// A registry, one prefill and one decode agent on loopback, each started as a [`Spawned`]
+/// (so the prefill can get extra environment, e.g. a fault hook). Fields drop in order: the
+/// agents stop before the registry.
+#[derive(Debug)]
+pub struct FaultCluster {
+    pub decode: Spawned,
+    pub prefill: Spawned,
+    pub registry: Spawned,
+    pub logs: PathBuf,
+    /// `http://...` of each.
+    pub prefill_api: String,
+    pub decode_api: String,
+    pub registry_url: String,
+}
+
+impl FaultCluster {
+    /// `agent_args` go to both agents, then `prefill_extra` / `decode_extra` to one each;
+    /// `prefill_env` is added to the prefill's environment.
+    pub fn start(
+        tag: &str,
+        agent_args: &[String],
+        prefill_extra: &[&str],
+        decode_extra: &[&str],
+        prefill_env: &[(&str, &str)],
+    ) -> FaultCluster {
+        let t = Instant::now();
+        let exe = release_binary();
+        let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
+        let registry = Spawned::start(
+            &exe,
+            &[],
+            "registry",
+            &owned(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]),
+            &[],
+            &logs,
+        );
+        let registry_url = registry.field("url");
+        let agent = |role: &str, extra: &[&str], env: &[(&str, &str)]| {
+            let mut args = owned(&[role, "--bootstrap", &registry_url]);
+            args.extend_from_slice(agent_args);
+            args.extend(owned(extra));
+            Spawned::start(&exe, &[], role, &args, env, &logs)
+        };
+        let prefill = agent("prefill", prefill_extra, prefill_env);
+        let decode = agent("decode", decode_extra, &[]);
+        let (prefill_api, decode_api) = (prefill.field("api"), decode.field("api"));
+        println!(
+            "[{tag}] cluster up in {:.0} ms: prefill {prefill_api}, decode {decode_api}; logs in {}",
+            ms(t.elapsed()),
+            logs.display()
+        );
+        FaultCluster {
+            decode,
+            prefill,
+            registry,
+            logs,
+            prefill_api,
+            decode_api,
+            registry_url,
+        }
+    }
+}
+
+/// Like [`call`], but `None` when the request could not be sent or answered (process gone,
+/// connection refused or reset) instead of a panic.
+pub async fn try_call(
+    http: &Client,
+    method: Method,
+    url: &str,
+    body: Option<&Value>,
+) -> Option<(StatusCode, Value)> {
+    let mut req = http.request(method, url).timeout(Duration::from_secs(10));
+    if let Some(body) = body {
+        req = req.json(body);
+    }
+    match req.send().await {
+        Ok(resp) => Some(answer(resp).await),
+        Err(_) => None,
+    }
+}
+
+/// Instance ids the registry lists (`GET /v1/ranks`).
+pub async fn registered(http: &Client, registry: &str) -> Vec<String> {
+    let v = expect(http, Method::GET, &format!("{registry}/v1/ranks"), None, StatusCode::OK).await;
+    v["ranks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("GET /v1/ranks without ranks: {v}"))
+        .iter()
+        .filter_map(|r| r["instance_id"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// A seed for a randomised test: `KVFERRY_TEST_SEED` if set, else the clock. Print it.
+pub fn test_seed() -> u64 {
+    std::env::var("KVFERRY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        })
 }

@@ -616,6 +616,7 @@ impl Engine {
                 continue;
             }
             let p = self.pending.swap_remove(i);
+            eprintln!("DEBUG sweep status {status} info {info:?}");
             completed += 1;
             self.finish(p, status, info);
         }
@@ -826,6 +827,7 @@ impl Engine {
                 };
                 match started {
                     Ok(Started::Done(info)) => {
+                        eprintln!("DEBUG immediate info {info:?}");
                         let result = recv_result(buffer, capacity, sys::UCS_OK, info)
                             .map_err(|_| UcxError::Truncated { capacity });
                         let _ = reply.send(result);

@@ -1,0 +1,678 @@
+//! The UCX layer on its own (issue 9): FFI struct layouts against the installed headers, and two
+//! workers of this process over UCX's tcp (`TLS=tcp`, always `NET_DEVICES=lo`) and shared
+//! memory (`TLS=posix,cma,self`) transports:
+//! - 100 tagged messages of random sizes up to 4 MiB (half as header + payload iovs), every
+//!   byte compared;
+//! - 64 MiB put into a registered remote region in 1 MiB pieces, flushed, every byte compared,
+//!   and a put past the region refused;
+//! - a peer that dies mid-stream fails the survivor's pending operations with
+//!   `UcxError::PeerFailed` within 30 s (printed): a worker shut down in this process (tcp),
+//!   and a child process killed with SIGKILL (tcp and shm; UCX's shared-memory keepalive
+//!   checks the peer *process*, so only a dead process is detectable there).
+//!
+//! UCX config is set per context (`ucp_config_modify`), never through the process
+//! environment, so the tests run in parallel. Seeds are printed; `KVFERRY_SEED` replays one.
+//! Run: `cargo test --features ucx --test ucx_layer`.
+#![cfg(feature = "ucx")]
+
+use std::io::{BufRead, BufReader, Write};
+use std::mem::{offset_of, size_of};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvferry::transport::ucx::sys;
+use kvferry::transport::ucx::{EndpointId, Region, UcxConfig, UcxError, UcxWorker};
+
+const MIB: usize = 1 << 20;
+const ALL: u64 = u64::MAX;
+
+// ---------------------------------------------------------------------------------------------
+// Layouts
+
+/// (name, value) pairs as `src/transport/ucx/layout_probe.c` prints them, from the Rust
+/// declarations.
+fn rust_layout() -> Vec<(&'static str, usize)> {
+    macro_rules! size {
+        ($t:ident) => {
+            (concat!(stringify!($t), ".size"), size_of::<sys::$t>())
+        };
+    }
+    macro_rules! off {
+        ($t:ident, $f:ident) => {
+            (
+                concat!(stringify!($t), ".", stringify!($f)),
+                offset_of!(sys::$t, $f),
+            )
+        };
+    }
+    vec![
+        size!(ucs_status_t),
+        size!(ucp_params_t),
+        off!(ucp_params_t, field_mask),
+        off!(ucp_params_t, features),
+        off!(ucp_params_t, request_size),
+        off!(ucp_params_t, request_init),
+        off!(ucp_params_t, request_cleanup),
+        off!(ucp_params_t, tag_sender_mask),
+        off!(ucp_params_t, mt_workers_shared),
+        off!(ucp_params_t, estimated_num_eps),
+        off!(ucp_params_t, estimated_num_ppn),
+        off!(ucp_params_t, name),
+        size!(ucp_worker_params_t),
+        off!(ucp_worker_params_t, field_mask),
+        off!(ucp_worker_params_t, thread_mode),
+        off!(ucp_worker_params_t, cpu_mask),
+        off!(ucp_worker_params_t, events),
+        off!(ucp_worker_params_t, user_data),
+        off!(ucp_worker_params_t, event_fd),
+        off!(ucp_worker_params_t, flags),
+        off!(ucp_worker_params_t, name),
+        off!(ucp_worker_params_t, am_alignment),
+        off!(ucp_worker_params_t, client_id),
+        size!(ucp_err_handler_t),
+        off!(ucp_err_handler_t, cb),
+        off!(ucp_err_handler_t, arg),
+        size!(ucs_sock_addr_t),
+        off!(ucs_sock_addr_t, addr),
+        off!(ucs_sock_addr_t, addrlen),
+        size!(ucp_ep_params_t),
+        off!(ucp_ep_params_t, field_mask),
+        off!(ucp_ep_params_t, address),
+        off!(ucp_ep_params_t, err_mode),
+        off!(ucp_ep_params_t, err_handler),
+        off!(ucp_ep_params_t, user_data),
+        off!(ucp_ep_params_t, flags),
+        off!(ucp_ep_params_t, sockaddr),
+        off!(ucp_ep_params_t, conn_request),
+        off!(ucp_ep_params_t, name),
+        off!(ucp_ep_params_t, local_sockaddr),
+        size!(ucp_mem_map_params_t),
+        off!(ucp_mem_map_params_t, field_mask),
+        off!(ucp_mem_map_params_t, address),
+        off!(ucp_mem_map_params_t, length),
+        off!(ucp_mem_map_params_t, flags),
+        off!(ucp_mem_map_params_t, prot),
+        off!(ucp_mem_map_params_t, memory_type),
+        size!(ucp_request_param_t),
+        off!(ucp_request_param_t, op_attr_mask),
+        off!(ucp_request_param_t, flags),
+        off!(ucp_request_param_t, request),
+        off!(ucp_request_param_t, cb),
+        off!(ucp_request_param_t, datatype),
+        off!(ucp_request_param_t, user_data),
+        off!(ucp_request_param_t, reply_buffer),
+        off!(ucp_request_param_t, memory_type),
+        off!(ucp_request_param_t, recv_info),
+        off!(ucp_request_param_t, memh),
+        size!(ucp_tag_recv_info_t),
+        off!(ucp_tag_recv_info_t, sender_tag),
+        off!(ucp_tag_recv_info_t, length),
+        size!(ucp_dt_iov_t),
+        off!(ucp_dt_iov_t, buffer),
+        off!(ucp_dt_iov_t, length),
+    ]
+}
+
+/// What gcc printed for Debian's libucx-dev 1.13.1 headers on x86_64 (layout_probe.c).
+const GCC_LAYOUT_UCX_1_13_X86_64: &str = "\
+ucs_status_t.size 1;ucp_params_t.size 80;ucp_params_t.field_mask 0;ucp_params_t.features 8;\
+ucp_params_t.request_size 16;ucp_params_t.request_init 24;ucp_params_t.request_cleanup 32;\
+ucp_params_t.tag_sender_mask 40;ucp_params_t.mt_workers_shared 48;\
+ucp_params_t.estimated_num_eps 56;ucp_params_t.estimated_num_ppn 64;ucp_params_t.name 72;\
+ucp_worker_params_t.size 200;ucp_worker_params_t.field_mask 0;\
+ucp_worker_params_t.thread_mode 8;ucp_worker_params_t.cpu_mask 16;\
+ucp_worker_params_t.events 144;ucp_worker_params_t.user_data 152;\
+ucp_worker_params_t.event_fd 160;ucp_worker_params_t.flags 168;ucp_worker_params_t.name 176;\
+ucp_worker_params_t.am_alignment 184;ucp_worker_params_t.client_id 192;\
+ucp_err_handler_t.size 16;ucp_err_handler_t.cb 0;ucp_err_handler_t.arg 8;\
+ucs_sock_addr_t.size 16;ucs_sock_addr_t.addr 0;ucs_sock_addr_t.addrlen 8;\
+ucp_ep_params_t.size 104;ucp_ep_params_t.field_mask 0;ucp_ep_params_t.address 8;\
+ucp_ep_params_t.err_mode 16;ucp_ep_params_t.err_handler 24;ucp_ep_params_t.user_data 40;\
+ucp_ep_params_t.flags 48;ucp_ep_params_t.sockaddr 56;ucp_ep_params_t.conn_request 72;\
+ucp_ep_params_t.name 80;ucp_ep_params_t.local_sockaddr 88;ucp_mem_map_params_t.size 40;\
+ucp_mem_map_params_t.field_mask 0;ucp_mem_map_params_t.address 8;\
+ucp_mem_map_params_t.length 16;ucp_mem_map_params_t.flags 24;ucp_mem_map_params_t.prot 28;\
+ucp_mem_map_params_t.memory_type 32;ucp_request_param_t.size 72;\
+ucp_request_param_t.op_attr_mask 0;ucp_request_param_t.flags 4;\
+ucp_request_param_t.request 8;ucp_request_param_t.cb 16;ucp_request_param_t.datatype 24;\
+ucp_request_param_t.user_data 32;ucp_request_param_t.reply_buffer 40;\
+ucp_request_param_t.memory_type 48;ucp_request_param_t.recv_info 56;\
+ucp_request_param_t.memh 64;ucp_tag_recv_info_t.size 16;ucp_tag_recv_info_t.sender_tag 0;\
+ucp_tag_recv_info_t.length 8;ucp_dt_iov_t.size 16;ucp_dt_iov_t.buffer 0;\
+ucp_dt_iov_t.length 8;";
+
+fn parse_layout(text: &str) -> Vec<(String, usize)> {
+    text.split([';', '\n'])
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let (name, value) = l.trim().split_once(' ').expect("`name value`");
+            (name.to_owned(), value.parse().expect("a number"))
+        })
+        .collect()
+}
+
+fn assert_layout(expected: &[(String, usize)], source: &str) {
+    let rust = rust_layout();
+    assert_eq!(rust.len(), expected.len(), "{source} lists other fields");
+    for ((name, value), (want_name, want)) in rust.iter().zip(expected) {
+        assert_eq!(name, want_name, "{source}: field order");
+        assert_eq!(
+            value, want,
+            "{name}: Rust says {value}, {source} says {want}"
+        );
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn ffi_layouts_match_the_recorded_ucx_1_13_headers() {
+    assert_layout(
+        &parse_layout(GCC_LAYOUT_UCX_1_13_X86_64),
+        "recorded gcc output",
+    );
+}
+
+#[test]
+fn ffi_layouts_match_the_installed_headers() {
+    let probe = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/src/transport/ucx/layout_probe.c"
+    );
+    let exe = std::env::temp_dir().join(format!("kvferry-ucx-layout-{}", std::process::id()));
+    let built = Command::new("gcc")
+        .args(["-o"])
+        .arg(&exe)
+        .arg(probe)
+        .output();
+    let built = match built {
+        Ok(out) if out.status.success() => out,
+        Ok(out) => panic!(
+            "gcc could not compile the layout probe against the UCX headers: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => {
+            println!("SKIP: no gcc ({e}); the recorded layout test still ran");
+            return;
+        }
+    };
+    drop(built);
+    let out = Command::new(&exe)
+        .output()
+        .expect("running the layout probe");
+    let _ = std::fs::remove_file(&exe);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    assert_layout(&parse_layout(&text), "gcc on the installed headers");
+}
+
+#[test]
+fn runtime_library_is_the_api_version_we_declare() {
+    let (major, minor, release) = kvferry::transport::ucx::result::version();
+    println!("libucp {major}.{minor}.{release}");
+    assert_eq!((major, minor), (1, 13), "sys.rs mirrors the 1.13 headers");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+#[derive(Clone, Copy, Debug)]
+enum Tls {
+    Tcp,
+    Shm,
+}
+
+impl Tls {
+    fn name(self) -> &'static str {
+        match self {
+            Tls::Tcp => "tcp",
+            Tls::Shm => "shm",
+        }
+    }
+
+    /// The config of one test worker. NET_DEVICES=lo always: no other interface is ever used.
+    fn config(self) -> UcxConfig {
+        let config = match self {
+            Tls::Tcp => UcxConfig::tcp_loopback(),
+            Tls::Shm => UcxConfig::shared_memory().var("NET_DEVICES", "lo"),
+        };
+        // Dead peers: UCX checks endpoints every KEEPALIVE_INTERVAL (default 20 s).
+        config.var("KEEPALIVE_INTERVAL", "1s")
+    }
+}
+
+fn seed() -> u64 {
+    let seed = std::env::var("KVFERRY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    println!("seed {seed} (KVFERRY_SEED={seed} replays it)");
+    seed
+}
+
+/// splitmix64: fast enough in debug builds for hundreds of MiB.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len + 8);
+        while out.len() < len {
+            out.extend_from_slice(&self.next().to_le_bytes());
+        }
+        out.truncate(len);
+        out
+    }
+}
+
+/// Two workers connected both ways: (a, b, endpoint a->b, endpoint b->a).
+async fn pair(tls: Tls) -> (UcxWorker, UcxWorker, EndpointId, EndpointId) {
+    let a = UcxWorker::spawn(tls.config()).await.expect("worker a");
+    let b = UcxWorker::spawn(tls.config()).await.expect("worker b");
+    let ab = a.connect(b.address()).await.expect("connect a->b");
+    let ba = b.connect(a.address()).await.expect("connect b->a");
+    (a, b, ab, ba)
+}
+
+async fn bounded<T>(what: &str, secs: u64, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no result within {secs} s"))
+}
+
+fn same_bytes(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if got != want {
+        let first = got.iter().zip(want).position(|(g, w)| g != w).unwrap_or(0);
+        panic!(
+            "{what}: first difference at byte {first}: got {:#04x}, want {:#04x}",
+            got[first], want[first]
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tagged messages
+
+async fn tagged_messages(tls: Tls) {
+    let (a, b, ab, _ba) = pair(tls).await;
+    let mut rng = Rng(seed());
+    let messages: Vec<Vec<u8>> = (0..100)
+        .map(|i| {
+            let len = match i {
+                0 => 0,
+                1 => 1,
+                2 => 4 * MIB,
+                _ => rng.below(4 * MIB as u64 + 1) as usize,
+            };
+            rng.bytes(len)
+        })
+        .collect();
+    let total: usize = messages.iter().map(Vec::len).sum();
+    let want: Vec<Bytes> = messages.into_iter().map(Bytes::from).collect();
+    let receiver = {
+        let b = b.clone();
+        let n = want.len() as u64;
+        tokio::spawn(async move {
+            let mut got = Vec::new();
+            for i in 0..n {
+                got.push(b.recv_tag(1000 + i, ALL, 4 * MIB).await);
+            }
+            got
+        })
+    };
+    let t = Instant::now();
+    for (i, data) in want.iter().enumerate() {
+        let tag = 1000 + i as u64;
+        let sent = if i % 2 == 1 && data.len() >= 16 {
+            // Header + payload as two parts of one message.
+            let split = (data.len() / 7).max(1);
+            a.send_tag_parts(ab, tag, vec![data.slice(..split), data.slice(split..)])
+                .await
+        } else {
+            a.send_tag(ab, tag, data.clone()).await
+        };
+        sent.unwrap_or_else(|e| panic!("send {i} ({} bytes): {e}", data.len()));
+    }
+    let got = bounded("receiving", 120, receiver)
+        .await
+        .expect("receiver task");
+    let secs = t.elapsed().as_secs_f64();
+    println!(
+        "{}: 100 tagged messages, {total} bytes in {secs:.3} s ({:.2} GB/s, debug build, one at a time)",
+        tls.name(),
+        total as f64 / secs / 1e9
+    );
+    for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
+        let got = got.unwrap_or_else(|e| panic!("recv {i}: {e}"));
+        assert_eq!(got.tag, 1000 + i as u64, "message {i}: tag");
+        same_bytes(&format!("message {i}"), &got.data, want);
+    }
+    // A message longer than the receive buffer is a typed error, and the worker goes on.
+    a.send_tag(ab, 7, Bytes::from(vec![1u8; 4096])).await.ok();
+    let short = bounded("truncated recv", 30, b.recv_tag(7, ALL, 100)).await;
+    assert!(
+        matches!(short, Err(UcxError::Truncated { capacity: 100 })),
+        "{short:?}"
+    );
+    a.send_tag(ab, 8, Bytes::from_static(b"after"))
+        .await
+        .expect("send after truncation");
+    let after = bounded("recv after truncation", 30, b.recv_tag(8, ALL, 100)).await;
+    assert_eq!(
+        after.expect("recv after truncation").data,
+        Bytes::from_static(b"after")
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tagged_messages_tcp() {
+    tagged_messages(Tls::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tagged_messages_shm() {
+    tagged_messages(Tls::Shm).await;
+}
+
+/// A receive whose future is dropped is cancelled: the next message with its tag goes to the
+/// next receive, not into the abandoned buffer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_receive_is_cancelled() {
+    let (a, b, ab, _ba) = pair(Tls::Tcp).await;
+    let early = tokio::time::timeout(Duration::from_millis(200), b.recv_tag(5, ALL, 1024)).await;
+    assert!(early.is_err(), "nothing was sent yet");
+    a.send_tag(ab, 5, Bytes::from_static(b"second"))
+        .await
+        .expect("send");
+    let got = bounded("recv", 30, b.recv_tag(5, ALL, 1024))
+        .await
+        .expect("recv");
+    assert_eq!(got.data, Bytes::from_static(b"second"));
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Put
+
+async fn put_64_mib(tls: Tls) {
+    const SIZE: usize = 64 * MIB;
+    let (a, b, ab, _ba) = pair(tls).await;
+    let region = Arc::new(Region::new(SIZE).expect("region"));
+    region.fill(0xDE);
+    let registered = b.register(region.clone()).await.expect("register");
+    assert_eq!(registered.size, SIZE as u64);
+    let remote = a
+        .add_remote_region(
+            ab,
+            registered.base,
+            registered.size,
+            registered.rkey.clone(),
+        )
+        .await
+        .expect("unpack the remote key");
+    let source = Bytes::from(Rng(seed()).bytes(SIZE));
+    let t = Instant::now();
+    let mut puts = tokio::task::JoinSet::new();
+    for piece in 0..SIZE / MIB {
+        let (a, data) = (a.clone(), source.slice(piece * MIB..(piece + 1) * MIB));
+        puts.spawn(async move { a.put(remote, (piece * MIB) as u64, data).await });
+    }
+    while let Some(done) = bounded("puts", 120, puts.join_next()).await {
+        done.expect("put task").expect("put");
+    }
+    bounded("flush", 120, a.flush(ab)).await.expect("flush");
+    let secs = t.elapsed().as_secs_f64();
+    println!(
+        "{}: put 64 MiB in 1 MiB pieces + flush in {secs:.3} s ({:.2} GB/s)",
+        tls.name(),
+        SIZE as f64 / secs / 1e9
+    );
+    same_bytes(
+        "remote region",
+        &region.read(0, SIZE).expect("read"),
+        &source,
+    );
+    // Writes outside what the peer registered are refused before reaching UCX.
+    let past = a
+        .put(remote, (SIZE - 10) as u64, Bytes::from_static(&[0u8; 11]))
+        .await;
+    assert!(
+        matches!(past, Err(UcxError::OutOfBounds { .. })),
+        "{past:?}"
+    );
+    b.unregister(registered.id).await.expect("unregister");
+    assert!(matches!(
+        b.unregister(registered.id).await,
+        Err(UcxError::Unknown { .. })
+    ));
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_64_mib_tcp() {
+    put_64_mib(Tls::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_64_mib_shm() {
+    put_64_mib(Tls::Shm).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dead peers
+
+fn assert_peer_failed(what: &str, result: Result<impl std::fmt::Debug, UcxError>) {
+    match result {
+        Err(e) if e.is_peer_failure() => println!("{what}: {e}"),
+        other => panic!("{what}: expected a peer failure, got {other:?}"),
+    }
+}
+
+/// Worker b (same process, tcp) is shut down while a streams to it: a's pending send and its
+/// receive from b fail with PeerFailed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_worker_fails_pending_operations_tcp() {
+    let (a, b, ab, _ba) = pair(Tls::Tcp).await;
+    let payload = Bytes::from(vec![0x5Au8; 4 * MIB]);
+    for i in 0..4u64 {
+        let (sent, got) = tokio::join!(
+            a.send_tag(ab, i, payload.clone()),
+            b.recv_tag(i, ALL, 4 * MIB)
+        );
+        sent.expect("send before the drop");
+        assert_eq!(got.expect("recv before the drop").data.len(), 4 * MIB);
+    }
+    // A receive from b and a send that b never receives are pending when b goes.
+    let recv = tokio::spawn({
+        let a = a.clone();
+        async move { a.recv_tag_from(ab, 99, ALL, 1024).await }
+    });
+    let send = tokio::spawn({
+        let a = a.clone();
+        let payload = payload.clone();
+        async move { a.send_tag(ab, 100, payload).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = Instant::now();
+    b.shutdown().await;
+    drop(b);
+    let send = bounded("pending send", 30, send).await.expect("task");
+    println!("send failed after {:.3} s", t.elapsed().as_secs_f64());
+    assert_peer_failed("pending send", send);
+    let recv = bounded("pending recv", 30, recv).await.expect("task");
+    println!("recv failed after {:.3} s", t.elapsed().as_secs_f64());
+    assert_peer_failed("pending recv", recv);
+    // Later operations on the dead endpoint fail at once.
+    assert_peer_failed(
+        "later send",
+        bounded("later send", 5, a.send_tag(ab, 1, Bytes::from_static(b"x"))).await,
+    );
+    a.shutdown().await;
+}
+
+const CHILD_ENV: &str = "KVFERRY_UCX_CHILD_TLS";
+
+/// Not a test of its own: the peer process of `killed_peer_process_*`, started by them with
+/// `KVFERRY_UCX_CHILD_TLS` set. It prints its address, reads the parent's, connects and sends
+/// 1 MiB messages (tag 7) until it is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper process of killed_peer_process_*"]
+async fn ucx_child_peer() {
+    let tls = match std::env::var(CHILD_ENV).as_deref() {
+        Ok("tcp") => Tls::Tcp,
+        Ok("shm") => Tls::Shm,
+        _ => return,
+    };
+    let w = UcxWorker::spawn(tls.config()).await.expect("child worker");
+    println!("UCX-ADDRESS {}", hex(&w.address()));
+    std::io::stdout().flush().ok();
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .expect("parent address");
+    let parent = unhex(line.trim());
+    let ep = w
+        .connect(Bytes::from(parent))
+        .await
+        .expect("connect to parent");
+    let data = Bytes::from(vec![0xC7u8; MIB]);
+    loop {
+        if w.send_tag(ep, 7, data.clone()).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// Kills the child when dropped (a failing test never leaves it running).
+struct Reaper(Child);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn killed_peer_process(tls: Tls) {
+    let mut child = Reaper(
+        Command::new(std::env::current_exe().expect("test binary"))
+            .args(["ucx_child_peer", "--exact", "--ignored", "--nocapture"])
+            .args(["--test-threads=1"])
+            .env(CHILD_ENV, tls.name())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the child peer"),
+    );
+    let stdout = child.0.stdout.take().expect("child stdout");
+    let address = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| l.strip_prefix("UCX-ADDRESS ").map(unhex))
+    });
+    let address = bounded("child address", 60, address)
+        .await
+        .expect("reader task")
+        .expect("the child printed no address");
+    let w = UcxWorker::spawn(tls.config()).await.expect("parent worker");
+    let ep = w.connect(Bytes::from(address)).await.expect("connect");
+    let mut stdin = child.0.stdin.take().expect("child stdin");
+    writeln!(stdin, "{}", hex(&w.address())).expect("send our address");
+    for i in 0..20 {
+        let got = bounded(
+            "message from the child",
+            60,
+            w.recv_tag_from(ep, 7, ALL, MIB),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("message {i}: {e}"));
+        assert!(got.data.iter().all(|&b| b == 0xC7));
+    }
+    child.0.kill().expect("kill the child");
+    let t = Instant::now();
+    // Messages already in flight may still arrive; then the receive must fail.
+    let recv = bounded("receives from the dead child", 30, async {
+        loop {
+            match w.recv_tag_from(ep, 7, ALL, MIB).await {
+                Ok(_) => continue,
+                Err(e) => return Err::<(), _>(e),
+            }
+        }
+    })
+    .await;
+    println!(
+        "{}: receive from the killed child failed after {:.3} s",
+        tls.name(),
+        t.elapsed().as_secs_f64()
+    );
+    assert_peer_failed("receive from the killed child", recv);
+    let send = bounded(
+        "send to the dead child",
+        30,
+        w.send_tag(ep, 1, Bytes::from(vec![1u8; MIB])),
+    )
+    .await;
+    assert_peer_failed("send to the killed child", send);
+    w.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_process_tcp() {
+    killed_peer_process(Tls::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_process_shm() {
+    killed_peer_process(Tls::Shm).await;
+}
+
+#[tokio::test]
+async fn a_config_ucx_refuses_is_a_typed_error() {
+    let refused = UcxWorker::spawn(UcxConfig::new().var("NO_SUCH_VARIABLE_KVFERRY", "1")).await;
+    assert!(
+        matches!(refused, Err(UcxError::Config { .. })),
+        "{refused:?}"
+    );
+    let no_device =
+        UcxWorker::spawn(UcxConfig::tcp_loopback().var("NET_DEVICES", "kvferry-no-such-device"))
+            .await;
+    assert!(no_device.is_err(), "{no_device:?}");
+    println!(
+        "{}",
+        no_device.err().map(|e| e.to_string()).unwrap_or_default()
+    );
+}
