@@ -134,9 +134,9 @@ fn prefix_offsets_move_only_the_suffix_and_aux_arrives_intact() {
         assert_eq!(taken["aux"].as_str(), Some(aux64.as_str()), "aux arrives intact");
         let sent = expect(&http, Method::GET, &format!("{p}/v1/rooms/7"), None, StatusCode::OK).await;
         assert_eq!(sent["bytes"].as_u64(), Some(suffix), "only the suffix is sent: {sent}");
-        let counted = metric(&http, &d, "kvferry_kv_bytes_total{role=\"decode\"}").await;
+        let counted = metric(&http, &d, "kvferry_kv_bytes_total{role=\"decode\",direction=\"received\"}").await;
         assert_eq!(counted, Some(suffix as f64));
-        let counted = metric(&http, &p, "kvferry_kv_bytes_total{role=\"prefill\"}").await;
+        let counted = metric(&http, &p, "kvferry_kv_bytes_total{role=\"prefill\",direction=\"sent\"}").await;
         assert_eq!(counted, Some(suffix as f64));
         println!("prefix 37 of 100 tokens: {suffix} bytes moved of {}", tiny_bytes(100));
     });

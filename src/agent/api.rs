@@ -1,12 +1,10 @@
 //! The engine-facing HTTP plumbing both agents share: the error type (converted to a status in
-//! exactly one place), JSON body parsing with clear 400s, the long-poll wait, the listening
-//! line, and the agent's Prometheus counters.
+//! exactly one place), JSON body parsing with clear 400s, the long-poll wait and the listening
+//! line.
 //!
 //! The routes themselves live with their agent (`prefill.rs`, `decode.rs`).
 
-use std::fmt::Write as _;
 use std::io::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::http::StatusCode;
@@ -15,7 +13,6 @@ use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
 use super::room::RoomState;
-use crate::reason::FailureCode;
 
 /// An HTTP error for the engine: a status and a message.
 #[derive(Debug)]
@@ -95,116 +92,6 @@ pub fn print_listening(line: &serde_json::Value) -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{line}")?;
     out.flush()
-}
-
-/// Counters of one agent, rendered as Prometheus text.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    rooms_final: [AtomicU64; 3],
-    failures: Vec<AtomicU64>,
-    /// KV bytes sent (prefill) or landed (decode).
-    pub bytes: AtomicU64,
-    /// Rooms that expired untaken.
-    pub expired: AtomicU64,
-    /// Messages refused as malformed or inconsistent.
-    pub bad_messages: AtomicU64,
-    /// Rooms refused at admission (429).
-    pub rejected: AtomicU64,
-}
-
-impl Metrics {
-    /// Zeroed counters.
-    pub fn new() -> Self {
-        Metrics {
-            failures: FailureCode::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
-            ..Default::default()
-        }
-    }
-
-    /// Counts a room reaching a final state (and its failure code).
-    pub fn room_final(&self, state: RoomState, code: Option<FailureCode>) {
-        let i = match state {
-            RoomState::Success => 0,
-            RoomState::Failed => 1,
-            RoomState::Aborted => 2,
-            _ => return,
-        };
-        self.rooms_final[i].fetch_add(1, Ordering::Relaxed);
-        if let Some(code) = code {
-            if let Some(pos) = FailureCode::ALL.iter().position(|c| *c == code) {
-                self.failures[pos].fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Prometheus text for a `role` agent, with extra gauge lines appended.
-    pub fn render(&self, role: &str, pool_total: usize, pool_free: usize) -> String {
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "# HELP kvferry_rooms_total Rooms that reached a final state."
-        );
-        let _ = writeln!(s, "# TYPE kvferry_rooms_total counter");
-        for (i, state) in ["success", "failed", "aborted"].iter().enumerate() {
-            let v = self.rooms_final[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                s,
-                "kvferry_rooms_total{{role=\"{role}\",state=\"{state}\"}} {v}"
-            );
-        }
-        let _ = writeln!(
-            s,
-            "# HELP kvferry_room_failures_total Failed or aborted rooms by code."
-        );
-        let _ = writeln!(s, "# TYPE kvferry_room_failures_total counter");
-        for (i, code) in FailureCode::ALL.iter().enumerate() {
-            let v = self.failures[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                s,
-                "kvferry_room_failures_total{{role=\"{role}\",code=\"{code}\"}} {v}"
-            );
-        }
-        let counters = [
-            (
-                "kvferry_kv_bytes_total",
-                "KV bytes sent (prefill) or landed (decode).",
-                &self.bytes,
-            ),
-            (
-                "kvferry_rooms_expired_total",
-                "Rooms that expired without being taken.",
-                &self.expired,
-            ),
-            (
-                "kvferry_bad_messages_total",
-                "Messages refused as malformed or inconsistent.",
-                &self.bad_messages,
-            ),
-            (
-                "kvferry_admission_rejections_total",
-                "Rooms refused at admission (429).",
-                &self.rejected,
-            ),
-        ];
-        for (name, help, v) in counters {
-            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} counter");
-            let _ = writeln!(s, "{name}{{role=\"{role}\"}} {}", v.load(Ordering::Relaxed));
-        }
-        let _ = writeln!(
-            s,
-            "# HELP kvferry_pool_pages Agent-owned pool pages.\n# TYPE kvferry_pool_pages gauge"
-        );
-        let _ = writeln!(
-            s,
-            "kvferry_pool_pages{{role=\"{role}\",state=\"free\"}} {pool_free}"
-        );
-        let _ = writeln!(
-            s,
-            "kvferry_pool_pages{{role=\"{role}\",state=\"used\"}} {}",
-            pool_total - pool_free
-        );
-        s
-    }
 }
 
 /// The `/metrics` response.

@@ -26,11 +26,13 @@ use axum::routing::{get, post};
 use kvferry_bootstrap::{ClientError, PrefillGroup, Registration, RegistryClient, Role};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 use uuid::Uuid;
 
-use super::api::{self, ApiError, Metrics};
-use super::room::{RoomState, RoomStatus};
+use super::api::{self, ApiError};
+use super::metrics::{Gauges, Metrics};
 use super::pairing::{self, RankSlice};
+use super::room::{RoomState, RoomStatus};
 use super::{AgentConfig, Coverage, synthetic};
 use crate::kernel::Selection;
 use crate::kernel::cpu::CpuKernel;
@@ -79,8 +81,9 @@ impl DecodeAgent {
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             connecting: tokio::sync::Mutex::new(()),
-            metrics: Metrics::new(),
+            metrics: Metrics::new("decode"),
             draining: std::sync::atomic::AtomicBool::new(false),
+            stuck_warned: Mutex::new(None),
             shutdown: shutdown.clone(),
             cfg,
         });
@@ -120,16 +123,34 @@ impl DecodeAgent {
     /// then aborts the rest. Landed rooms stay takeable until shutdown.
     pub async fn drain(&self) {
         let inner = &self.inner;
-        inner.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        inner
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let deadline = Instant::now() + inner.cfg.timeouts.drain;
-        let in_flight = || inner.rooms().values().filter(|r| !r.status.state().is_final()).count();
+        let in_flight = || {
+            inner
+                .rooms()
+                .values()
+                .filter(|r| !r.status.state().is_final())
+                .count()
+        };
         while in_flight() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let left: Vec<u64> = inner.rooms().iter().filter(|(_, r)| !r.status.state().is_final()).map(|(id, _)| *id).collect();
+        let left: Vec<u64> = inner
+            .rooms()
+            .iter()
+            .filter(|(_, r)| !r.status.state().is_final())
+            .map(|(id, _)| *id)
+            .collect();
         tracing::info!(aborted = left.len(), "drained");
         for room in left {
-            inner.abort(room, Reason::new(FailureCode::Shutdown, "the decode agent is shutting down")).await;
+            inner
+                .abort(
+                    room,
+                    Reason::new(FailureCode::Shutdown, "the decode agent is shutting down"),
+                )
+                .await;
         }
     }
 
@@ -156,6 +177,8 @@ struct Inner {
     metrics: Metrics,
     /// Set by SIGTERM: new rooms are refused.
     draining: std::sync::atomic::AtomicBool,
+    /// When stuck rooms were last warned about.
+    stuck_warned: Mutex<Option<Instant>>,
     shutdown: CancellationToken,
 }
 
@@ -315,20 +338,25 @@ impl Inner {
             })
         });
         if let Some(message) = wrong {
-            room.status.fail(Reason::new(FailureCode::BadMessage, message));
+            room.status
+                .fail(Reason::new(FailureCode::BadMessage, message));
         } else {
             room.status.advance(RoomState::Success);
+            if let (Some(a), Some(b)) = (
+                room.status.entered(RoomState::WaitingForInput),
+                room.status.entered(RoomState::Success),
+            ) {
+                self.metrics
+                    .transfer
+                    .observe(Duration::from_secs_f64(((b - a) / 1e3).max(0.0)));
+            }
             tracing::debug!(room = room_id, bytes = room.landed, "room landed");
         }
         self.finished(room);
     }
 
     /// Asks the registry for the prefill group until it is complete or the timeout passes.
-    async fn lookup(
-        &self,
-        client: &RegistryClient,
-        dp_rank: u32,
-    ) -> Result<PrefillGroup, Reason> {
+    async fn lookup(&self, client: &RegistryClient, dp_rank: u32) -> Result<PrefillGroup, Reason> {
         let deadline = Instant::now() + self.cfg.timeouts.bootstrap;
         loop {
             match client.lookup_prefill(dp_rank).await {
@@ -468,10 +496,17 @@ impl Inner {
                 layers: r.slice.layers.start as usize..r.slice.layers.end as usize,
             })
             .collect();
-        let ours = RankSlice { heads: l.heads.clone(), layers: l.layers.clone() };
+        let ours = RankSlice {
+            heads: l.heads.clone(),
+            layers: l.layers.clone(),
+        };
         let tp_rank = self.cfg.ranks.tp_rank as usize;
-        let segments = pairing::plan(&slices, &ours, tp_rank)
-            .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, format!("prefill group dp_rank={dp_rank}: {e}")))?;
+        let segments = pairing::plan(&slices, &ours, tp_rank).map_err(|e| {
+            Reason::new(
+                FailureCode::IncompatibleLayout,
+                format!("prefill group dp_rank={dp_rank}: {e}"),
+            )
+        })?;
         let decodes = self.decode_group()?;
         let mut sources = Vec::with_capacity(segments.len());
         for seg in segments {
@@ -488,6 +523,7 @@ impl Inner {
                 return Ok(()); // aborted meanwhile
             }
             let tokens = room.start_token..room.tokens;
+            self.metrics.bootstrap.observe(room.progress_at.elapsed());
             room.progress_at = Instant::now();
             room.sources = sources
                 .iter()
@@ -495,7 +531,9 @@ impl Inner {
                     peer: peer.clone(),
                     layers: seg.layers.clone(),
                     heads: seg.heads.clone(),
-                    expected: l.selection_bytes(tokens.len(), seg.layers.len(), seg.heads.len()).unwrap_or(usize::MAX),
+                    expected: l
+                        .selection_bytes(tokens.len(), seg.layers.len(), seg.heads.len())
+                        .unwrap_or(usize::MAX),
                     landed: 0,
                     chunks: 0,
                     done: None,
@@ -535,7 +573,13 @@ impl Inner {
                     .clone()
                     .for_rank(tp, r.tp_size as usize, pp, r.pp_size as usize)
                     .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, e.to_string()))?;
-                out.push((RankSlice { heads: s.heads, layers: s.layers }, tp));
+                out.push((
+                    RankSlice {
+                        heads: s.heads,
+                        layers: s.layers,
+                    },
+                    tp,
+                ));
             }
         }
         Ok(out)
@@ -568,7 +612,11 @@ impl Inner {
                 c.seq, c.prefill_instance
             )));
         };
-        if tokens.end > room.tokens || tokens.start < room.start_token || tokens.is_empty() || layers.is_empty() {
+        if tokens.end > room.tokens
+            || tokens.start < room.start_token
+            || tokens.is_empty()
+            || layers.is_empty()
+        {
             return Err(bad(format!(
                 "chunk {} covers tokens {tokens:?} layers {layers:?} heads {heads:?}, outside the request",
                 c.seq
@@ -585,13 +633,18 @@ impl Inner {
             )));
         }
         let local_heads = heads.start - l.heads.start..heads.end - l.heads.start;
-        if !room.coverage.claim(local.clone(), tokens.clone(), local_heads.clone()) {
+        if !room
+            .coverage
+            .claim(local.clone(), tokens.clone(), local_heads.clone())
+        {
             return Err(bad(format!(
                 "chunk {} overlaps bytes that already landed",
                 c.seq
             )));
         }
-        room.status.advance(RoomState::Transferring);
+        if room.status.advance(RoomState::Transferring) {
+            self.metrics.ready_wait.observe(room.progress_at.elapsed());
+        }
         room.scattering += 1;
         let sel = Selection {
             pages: &[],
@@ -612,14 +665,20 @@ impl Inner {
     async fn on_chunk(self: &Arc<Self>, header: Bytes, payload: Bytes) {
         let chunk = match Message::decode(&header) {
             Ok(Message::Chunk(c)) => c,
-            Ok(other) => return self.bad_message(format!("data plane carried {}", other.name())),
-            Err(e) => return self.bad_message(format!("data plane header: {e}")),
+            Ok(other) => {
+                return self
+                    .bad_message("unexpected", format!("data plane carried {}", other.name()));
+            }
+            Err(e) => return self.bad_message(e.kind(), format!("data plane header: {e}")),
         };
         self.land(&chunk, payload).await;
         let peer = self.peers().get(&chunk.prefill_instance).cloned();
         if let Some(peer) = peer {
             *peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
-            let credit = Message::Credit(protocol::Credit { instance: self.instance, slots: 1 });
+            let credit = Message::Credit(protocol::Credit {
+                instance: self.instance,
+                slots: 1,
+            });
             if let Err(reason) = peer.send(&credit, self.cfg.timeouts.send).await {
                 tracing::warn!(%reason, "credit not returned");
             }
@@ -627,18 +686,22 @@ impl Inner {
     }
 
     async fn land(self: &Arc<Self>, chunk: &Chunk, payload: Bytes) {
-        let Admitted { pages, sel, wire, source } = match self.admit_chunk(chunk, payload.len()) {
+        let Admitted {
+            pages,
+            sel,
+            wire,
+            source,
+        } = match self.admit_chunk(chunk, payload.len()) {
             Ok(v) => v,
             Err(None) => return,
             Err(Some(reason)) => {
-                self.metrics
-                    .bad_messages
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics.protocol_error("inconsistent");
                 return self.fail(chunk.room, reason);
             }
         };
         let (pool, kernel) = (self.pool.clone(), self.kernel);
         let (verify, sent_sum) = (self.cfg.checksum, chunk.checksum);
+        let started = Instant::now();
         let scattered = tokio::task::spawn_blocking(move || {
             if verify {
                 let sum = super::checksum(&payload);
@@ -664,12 +727,22 @@ impl Inner {
         }
         match scattered {
             Ok(Ok(Err(mismatch))) => {
-                let reason = Reason::new(FailureCode::Checksum, format!("chunk {} from {}: {mismatch}", chunk.seq, chunk.prefill_instance));
+                let reason = Reason::new(
+                    FailureCode::Checksum,
+                    format!(
+                        "chunk {} from {}: {mismatch}",
+                        chunk.seq, chunk.prefill_instance
+                    ),
+                );
                 if room.status.fail(reason) {
                     self.finished(room);
                 }
             }
             Ok(Ok(Ok(()))) => {
+                self.metrics.scatter.observe(started.elapsed());
+                self.metrics
+                    .chunks_staged
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 room.landed += chunk.len as usize;
                 room.chunks += 1;
                 room.progress_at = Instant::now();
@@ -701,11 +774,9 @@ impl Inner {
         }
     }
 
-    fn bad_message(&self, what: String) {
-        self.metrics
-            .bad_messages
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        tracing::warn!(%what, "refused a message");
+    fn bad_message(&self, kind: &'static str, what: String) {
+        self.metrics.protocol_error(kind);
+        tracing::warn!(kind, %what, "refused a message");
     }
 
     fn on_control(&self, peer: &Peer, msg: Message) {
@@ -720,10 +791,13 @@ impl Inner {
                 });
                 let Some(source) = source else {
                     drop(rooms);
-                    return self.bad_message(format!(
-                        "Done for room {} from instance {}, which serves no part of it",
-                        d.room, d.prefill_instance
-                    ));
+                    return self.bad_message(
+                        "inconsistent",
+                        format!(
+                            "Done for room {} from instance {}, which serves no part of it",
+                            d.room, d.prefill_instance
+                        ),
+                    );
                 };
                 source.done = Some(d.clone());
                 room.progress_at = Instant::now();
@@ -759,16 +833,29 @@ impl Inner {
                 // The prefill engine aborted: nothing more of the room is scattered (chunks
                 // still on the way are dropped), so it is aborted and acknowledged at once.
                 if let Some(room) = rooms.get_mut(&a.room) {
-                    if room.sources.iter().any(|s| s.peer.instance == a.instance && s.peer.instance == peer.instance) {
-                        let reason = Reason::new(a.code, format!("prefill {}: {}", peer.endpoint, a.message));
+                    if room
+                        .sources
+                        .iter()
+                        .any(|s| s.peer.instance == a.instance && s.peer.instance == peer.instance)
+                    {
+                        let reason = Reason::new(
+                            a.code,
+                            format!("prefill {}: {}", peer.endpoint, a.message),
+                        );
                         if room.status.abort(reason, true) {
                             self.finished(room);
                         }
                     }
                 }
                 drop(rooms);
-                let ack = Message::AbortAck(protocol::AbortAck { room: a.room, instance: self.instance });
-                let (peer, timeout) = (self.peers().get(&peer.instance).cloned(), self.cfg.timeouts.send);
+                let ack = Message::AbortAck(protocol::AbortAck {
+                    room: a.room,
+                    instance: self.instance,
+                });
+                let (peer, timeout) = (
+                    self.peers().get(&peer.instance).cloned(),
+                    self.cfg.timeouts.send,
+                );
                 if let Some(peer) = peer {
                     tokio::spawn(async move {
                         if let Err(reason) = peer.send(&ack, timeout).await {
@@ -780,10 +867,10 @@ impl Inner {
             Message::Heartbeat(_) => {}
             other => {
                 drop(rooms);
-                self.bad_message(format!(
-                    "prefill sent {} on the control plane",
-                    other.name()
-                ));
+                self.bad_message(
+                    "unexpected",
+                    format!("prefill sent {} on the control plane", other.name()),
+                );
             }
         }
     }
@@ -793,7 +880,9 @@ impl Inner {
     async fn abort(&self, room_id: u64, reason: Reason) {
         let peers = {
             let mut rooms = self.rooms();
-            let Some(room) = rooms.get_mut(&room_id) else { return };
+            let Some(room) = rooms.get_mut(&room_id) else {
+                return;
+            };
             let state = room.status.state();
             if state.is_final() || state == RoomState::Aborting {
                 return;
@@ -836,6 +925,7 @@ impl Inner {
     /// Their prefills are told to stop.
     async fn fail_stuck_rooms(&self) {
         let t = self.cfg.timeouts;
+        self.warn_stuck();
         let stuck: Vec<(u64, Reason, Vec<Arc<Peer>>)> = {
             let mut rooms = self.rooms();
             let mut out = Vec::new();
@@ -844,17 +934,29 @@ impl Inner {
                 let reason = match room.status.state() {
                     RoomState::WaitingForInput if idle >= t.ready => Reason::new(
                         FailureCode::TimeoutReady,
-                        format!("no data from the prefill {} ms after the request", idle.as_millis()),
+                        format!(
+                            "no data from the prefill {} ms after the request",
+                            idle.as_millis()
+                        ),
                     ),
                     RoomState::Transferring if idle >= t.stall => Reason::new(
                         FailureCode::TimeoutStall,
-                        format!("no progress for {} ms ({} of {} bytes landed)", idle.as_millis(), room.landed, room.expected),
+                        format!(
+                            "no progress for {} ms ({} of {} bytes landed)",
+                            idle.as_millis(),
+                            room.landed,
+                            room.expected
+                        ),
                     ),
                     _ => continue,
                 };
                 if room.status.fail(reason.clone()) {
                     self.finished(room);
-                    out.push((*id, reason, room.sources.iter().map(|s| s.peer.clone()).collect()));
+                    out.push((
+                        *id,
+                        reason,
+                        room.sources.iter().map(|s| s.peer.clone()).collect(),
+                    ));
                 }
             }
             out
@@ -867,15 +969,48 @@ impl Inner {
         }
     }
 
+    /// Warns (at most every 10 s) about rooms in flight for more than 10 s.
+    fn warn_stuck(&self) {
+        const EVERY: Duration = Duration::from_secs(10);
+        let mut last = self.stuck_warned.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| t.elapsed() < EVERY) {
+            return;
+        }
+        let now = super::room::now_ms();
+        let rooms = self.rooms();
+        let stuck: Vec<(u64, &'static str)> = rooms
+            .iter()
+            .filter(|(_, r)| !r.status.state().is_final())
+            .filter(|(_, r)| {
+                r.status
+                    .at("created")
+                    .is_some_and(|t| now - t > EVERY.as_secs_f64() * 1e3)
+            })
+            .map(|(id, r)| (*id, r.status.state().name()))
+            .take(8)
+            .collect();
+        if !stuck.is_empty() {
+            tracing::warn!(rooms = ?stuck, "rooms in flight for more than 10 s");
+            *last = Some(Instant::now());
+        }
+    }
+
     /// Fails every room served by a prefill whose connection died or went silent, and forgets
     /// the peer (the next room connects afresh).
     fn peer_lost(&self, peer: &Peer, why: String) {
         peer.gone.cancel();
         self.peers().remove(&peer.instance);
+        self.metrics
+            .peers_dead
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::warn!(prefill = %peer.endpoint, instance = %peer.instance, %why, "prefill peer dead");
         let mut rooms = self.rooms();
         for room in rooms.values_mut() {
-            if room.sources.iter().any(|s| s.peer.instance == peer.instance) {
+            if room
+                .sources
+                .iter()
+                .any(|s| s.peer.instance == peer.instance)
+            {
                 let reason = Reason::new(
                     FailureCode::PeerDead,
                     format!("prefill {}: {why}", peer.endpoint),
@@ -902,7 +1037,10 @@ async fn control_loop(inner: Arc<Inner>, peer: Arc<Peer>, mut recv: ControlClien
         match frame {
             Ok(frame) => match Message::decode(&frame) {
                 Ok(msg) => inner.on_control(&peer, msg),
-                Err(e) => inner.bad_message(format!("control frame from {}: {e}", peer.endpoint)),
+                Err(e) => inner.bad_message(
+                    e.kind(),
+                    format!("control frame from {}: {e}", peer.endpoint),
+                ),
             },
             Err(e) => return inner.peer_lost(&peer, e.to_string()),
         }
@@ -918,13 +1056,29 @@ async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
             () = peer.gone.cancelled() => return,
             () = tokio::time::sleep(t.heartbeat) => {}
         }
-        let silent = peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()).elapsed();
+        let silent = peer
+            .last_seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed();
+        if silent >= 2 * t.heartbeat {
+            inner
+                .metrics
+                .heartbeat_misses
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if silent >= t.dead_after {
             return inner.peer_lost(&peer, format!("silent for {} ms", silent.as_millis()));
         }
         seq += 1;
-        let beat = Message::Heartbeat(protocol::Heartbeat { instance: inner.instance, seq });
-        if let Err(reason) = peer.send(&beat, t.heartbeat.max(Duration::from_millis(100))).await {
+        let beat = Message::Heartbeat(protocol::Heartbeat {
+            instance: inner.instance,
+            seq,
+        });
+        if let Err(reason) = peer
+            .send(&beat, t.heartbeat.max(Duration::from_millis(100)))
+            .await
+        {
             tracing::debug!(%reason, "heartbeat not sent");
         }
     }
@@ -952,7 +1106,7 @@ async fn receive_chunks(inner: Arc<Inner>, mut receiver: Box<dyn DataReceiver>) 
                     drop(slot);
                 });
             }
-            Err(e) => inner.bad_message(e.to_string()),
+            Err(e) => inner.bad_message("bad_frames", e.to_string()),
         }
     }
 }
@@ -1034,11 +1188,20 @@ async fn create_room(
     let room_id = api::parse_room(&room)?;
     let req: RoomRequest = api::parse_json(&body)?;
     if inner.shutdown.is_cancelled() || inner.draining.load(std::sync::atomic::Ordering::Relaxed) {
-        return Err(ApiError::unavailable("the agent is draining for shutdown: send the room to another decode rank"));
+        return Err(ApiError::unavailable(
+            "the agent is draining for shutdown: send the room to another decode rank",
+        ));
     }
-    let in_flight = inner.rooms().values().filter(|r| !r.status.state().is_final()).count();
+    let in_flight = inner
+        .rooms()
+        .values()
+        .filter(|r| !r.status.state().is_final())
+        .count();
     if in_flight >= inner.cfg.max_rooms {
-        inner.metrics.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        inner
+            .metrics
+            .rejected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return Err(ApiError::exhausted(format!(
             "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
             inner.cfg.max_rooms
@@ -1055,7 +1218,10 @@ async fn create_room(
         )));
     }
     if u32::try_from(req.tokens).is_err() {
-        return Err(ApiError::bad_request(format!("tokens {} is beyond the protocol's u32", req.tokens)));
+        return Err(ApiError::bad_request(format!(
+            "tokens {} is beyond the protocol's u32",
+            req.tokens
+        )));
     }
     let needed = l.pages_for(req.tokens);
     let expected = l
@@ -1068,7 +1234,10 @@ async fn create_room(
         }
         None => {
             let lease = inner.alloc.allocate(needed).map_err(|e| {
-                inner.metrics.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner
+                    .metrics
+                    .rejected
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 ApiError::exhausted(e.to_string())
             })?;
             (lease.pages().into(), Some(lease))
@@ -1100,15 +1269,19 @@ async fn create_room(
         view
     };
     let task_inner = inner.clone();
-    tokio::spawn(async move {
-        if let Err(reason) = task_inner
-            .clone()
-            .request(room_id, req.bootstrap, req.dp_rank)
-            .await
-        {
-            task_inner.fail(room_id, reason);
+    let span = tracing::info_span!("room", room = room_id, role = "decode");
+    tokio::spawn(
+        async move {
+            if let Err(reason) = task_inner
+                .clone()
+                .request(room_id, req.bootstrap, req.dp_rank)
+                .await
+            {
+                task_inner.fail(room_id, reason);
+            }
         }
-    });
+        .instrument(span),
+    );
     Ok((axum::http::StatusCode::CREATED, axum::Json(view)).into_response())
 }
 
@@ -1141,9 +1314,15 @@ async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Res
         if !room.safe_to_reuse() {
             let state = room.status.state();
             let why = if state.is_final() {
-                format!("room {room_id} is {} but a write into its pages is still finishing; take it once safe_to_reuse is true", state.name())
+                format!(
+                    "room {room_id} is {} but a write into its pages is still finishing; take it once safe_to_reuse is true",
+                    state.name()
+                )
             } else {
-                format!("room {room_id} is {}; take it once it is success, failed or aborted", state.name())
+                format!(
+                    "room {room_id} is {}; take it once it is success, failed or aborted",
+                    state.name()
+                )
             };
             return Err(ApiError::conflict(why));
         }
@@ -1184,7 +1363,12 @@ async fn take_room(State(inner): Shared, Path(room): Path<String>) -> Result<Res
         .ok_or(ApiError::unknown_room(room_id))?;
     let mut view = room.view(room_id);
     view["verified"] = serde_json::json!(verified);
-    let aux = room.sources.iter().filter_map(|s| s.done.as_ref()).map(|d| &d.aux).find(|a| !a.is_empty());
+    let aux = room
+        .sources
+        .iter()
+        .filter_map(|s| s.done.as_ref())
+        .map(|d| &d.aux)
+        .find(|a| !a.is_empty());
     view["aux"] = serde_json::json!(aux.map(|a| api::base64(a)));
     Ok(axum::Json(view).into_response())
 }
@@ -1194,7 +1378,12 @@ async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> Result<Re
     if !inner.rooms().contains_key(&room_id) {
         return Err(ApiError::unknown_room(room_id));
     }
-    inner.abort(room_id, Reason::new(FailureCode::Aborted, "aborted by the decode engine")).await;
+    inner
+        .abort(
+            room_id,
+            Reason::new(FailureCode::Aborted, "aborted by the decode engine"),
+        )
+        .await;
     let rooms = inner.rooms();
     let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
     Ok(axum::Json(room.view(room_id)).into_response())
@@ -1209,10 +1398,14 @@ async fn pool(State(inner): Shared) -> Response {
 }
 
 async fn metrics(State(inner): Shared) -> Response {
-    let text = inner.metrics.render(
-        "decode",
-        inner.alloc.total_pages(),
-        inner.alloc.free_pages(),
-    );
-    api::metrics_response(text)
+    let mut g = Gauges {
+        pool_total: inner.alloc.total_pages(),
+        pool_free: inner.alloc.free_pages(),
+        ..Gauges::default()
+    };
+    for room in inner.rooms().values() {
+        g.room(room.status.state());
+        g.slots_in_use += room.scattering;
+    }
+    api::metrics_response(inner.metrics.render(&g))
 }

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod decode;
+pub mod metrics;
 pub mod pairing;
 pub mod prefill;
 pub mod room;
@@ -50,11 +51,21 @@ pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<crate::pool::HostPool, Agen
         let reason = if crate::kernel::cuda::driver_present() {
             format!("device {device}: the agents serve host pools only in this build")
         } else {
-            format!("device {device}: no CUDA driver (libcuda) on this machine, so no GPU memory to map")
+            format!(
+                "device {device}: no CUDA driver (libcuda) on this machine, so no GPU memory to map"
+            )
         };
-        return Err(PoolError::DeviceMemory { descriptor: cfg.pool.to_string(), reason }.into());
+        return Err(PoolError::DeviceMemory {
+            descriptor: cfg.pool.to_string(),
+            reason,
+        }
+        .into());
     }
-    Ok(HostPool::open(&cfg.pool, cfg.layout.clone(), cfg.pool_pages)?)
+    Ok(HostPool::open(
+        &cfg.pool,
+        cfg.layout.clone(),
+        cfg.pool_pages,
+    )?)
 }
 
 /// The checksum of a chunk's bytes as carried on the wire: xxh3-64, never 0 (0 means none).
@@ -271,18 +282,33 @@ impl Coverage {
         }
     }
 
-    fn cells(&self, layers: Range<usize>, tokens: Range<usize>, heads: Range<usize>) -> impl Iterator<Item = usize> + use<> {
+    fn cells(
+        &self,
+        layers: Range<usize>,
+        tokens: Range<usize>,
+        heads: Range<usize>,
+    ) -> impl Iterator<Item = usize> + use<> {
         let (t, h) = (self.tokens, self.heads);
         layers.flat_map(move |l| {
             let heads = heads.clone();
-            tokens.clone().flat_map(move |tok| heads.clone().map(move |hd| (l * t + tok) * h + hd))
+            tokens
+                .clone()
+                .flat_map(move |tok| heads.clone().map(move |hd| (l * t + tok) * h + hd))
         })
     }
 
     /// Marks the cells; refuses (and marks nothing) if any was marked before.
-    pub(crate) fn claim(&mut self, layers: Range<usize>, tokens: Range<usize>, heads: Range<usize>) -> bool {
+    pub(crate) fn claim(
+        &mut self,
+        layers: Range<usize>,
+        tokens: Range<usize>,
+        heads: Range<usize>,
+    ) -> bool {
         let set = |bits: &[u64], i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
-        if self.cells(layers.clone(), tokens.clone(), heads.clone()).any(|i| set(&self.bits, i)) {
+        if self
+            .cells(layers.clone(), tokens.clone(), heads.clone())
+            .any(|i| set(&self.bits, i))
+        {
             return false;
         }
         for i in self.cells(layers, tokens, heads) {

@@ -53,7 +53,11 @@ pub enum PairingError {
 
 /// The segments a decode rank (`decode`, TP rank `decode_tp_rank`) receives from the prefill
 /// ranks `prefill`.
-pub fn plan(prefill: &[RankSlice], decode: &RankSlice, decode_tp_rank: usize) -> Result<Vec<Segment>, PairingError> {
+pub fn plan(
+    prefill: &[RankSlice],
+    decode: &RankSlice,
+    decode_tp_rank: usize,
+) -> Result<Vec<Segment>, PairingError> {
     // Layer boundaries where the set of prefill ranks holding a layer can change.
     let mut cuts: Vec<usize> = vec![decode.layers.start, decode.layers.end];
     for p in prefill {
@@ -71,17 +75,26 @@ pub fn plan(prefill: &[RankSlice], decode: &RankSlice, decode_tp_rank: usize) ->
         let mut current: Option<Segment> = None;
         for head in decode.heads.clone() {
             let holders: Vec<usize> = (0..prefill.len())
-                .filter(|&i| prefill[i].layers.contains(&layers.start) && prefill[i].heads.contains(&head))
+                .filter(|&i| {
+                    prefill[i].layers.contains(&layers.start) && prefill[i].heads.contains(&head)
+                })
                 .collect();
             if holders.is_empty() {
-                return Err(PairingError::Uncovered { layer: layers.start, head });
+                return Err(PairingError::Uncovered {
+                    layer: layers.start,
+                    head,
+                });
             }
             let source = holders[decode_tp_rank % holders.len()];
             match current.as_mut() {
                 Some(s) if s.prefill == source && s.heads.end == head => s.heads.end = head + 1,
                 _ => {
                     out.extend(current.take());
-                    current = Some(Segment { prefill: source, layers: layers.clone(), heads: head..head + 1 });
+                    current = Some(Segment {
+                        prefill: source,
+                        layers: layers.clone(),
+                        heads: head..head + 1,
+                    });
                 }
             }
         }
@@ -93,7 +106,11 @@ pub fn plan(prefill: &[RankSlice], decode: &RankSlice, decode_tp_rank: usize) ->
     let mut merged: Vec<Segment> = Vec::new();
     for s in out {
         match merged.last_mut() {
-            Some(m) if m.prefill == s.prefill && m.heads == s.heads && m.layers.end == s.layers.start => {
+            Some(m)
+                if m.prefill == s.prefill
+                    && m.heads == s.heads
+                    && m.layers.end == s.layers.start =>
+            {
                 m.layers.end = s.layers.end;
             }
             _ => merged.push(s),
@@ -104,10 +121,16 @@ pub fn plan(prefill: &[RankSlice], decode: &RankSlice, decode_tp_rank: usize) ->
 
 /// How many of the decode ranks `decodes` (slice and TP rank each) receive from prefill rank
 /// `prefill_rank`.
-pub fn requesters(prefill: &[RankSlice], decodes: &[(RankSlice, usize)], prefill_rank: usize) -> usize {
+pub fn requesters(
+    prefill: &[RankSlice],
+    decodes: &[(RankSlice, usize)],
+    prefill_rank: usize,
+) -> usize {
     decodes
         .iter()
-        .filter(|(slice, tp)| plan(prefill, slice, *tp).is_ok_and(|p| p.iter().any(|s| s.prefill == prefill_rank)))
+        .filter(|(slice, tp)| {
+            plan(prefill, slice, *tp).is_ok_and(|p| p.iter().any(|s| s.prefill == prefill_rank))
+        })
         .count()
 }
 
@@ -123,7 +146,13 @@ mod tests {
         for p in 0..pp {
             for t in 0..tp {
                 let l = base.clone().for_rank(t, tp, p, pp).unwrap();
-                v.push((RankSlice { heads: l.heads, layers: l.layers }, t));
+                v.push((
+                    RankSlice {
+                        heads: l.heads,
+                        layers: l.layers,
+                    },
+                    t,
+                ));
             }
         }
         v
@@ -133,7 +162,10 @@ mod tests {
     fn check(prefill: &[RankSlice], decode: &RankSlice, segs: &[Segment]) {
         for layer in decode.layers.clone() {
             for head in decode.heads.clone() {
-                let from: Vec<&Segment> = segs.iter().filter(|s| s.layers.contains(&layer) && s.heads.contains(&head)).collect();
+                let from: Vec<&Segment> = segs
+                    .iter()
+                    .filter(|s| s.layers.contains(&layer) && s.heads.contains(&head))
+                    .collect();
                 assert_eq!(from.len(), 1, "layer {layer} head {head}: {segs:?}");
                 let src = &prefill[from[0].prefill];
                 assert!(src.layers.contains(&layer) && src.heads.contains(&head));
@@ -145,8 +177,15 @@ mod tests {
         }
     }
 
-    fn plans(model: &str, (ptp, ppp): (usize, usize), (dtp, dpp): (usize, usize)) -> Vec<Vec<Segment>> {
-        let prefill: Vec<RankSlice> = slices(model, ptp, ppp).into_iter().map(|(s, _)| s).collect();
+    fn plans(
+        model: &str,
+        (ptp, ppp): (usize, usize),
+        (dtp, dpp): (usize, usize),
+    ) -> Vec<Vec<Segment>> {
+        let prefill: Vec<RankSlice> = slices(model, ptp, ppp)
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
         slices(model, dtp, dpp)
             .into_iter()
             .map(|(d, t)| {
@@ -160,21 +199,53 @@ mod tests {
     #[test]
     fn equal_tp_is_one_segment_from_the_twin_rank() {
         let p = plans("llama3-8b", (2, 1), (2, 1));
-        assert_eq!(p[0], vec![Segment { prefill: 0, layers: 0..32, heads: 0..4 }]);
-        assert_eq!(p[1], vec![Segment { prefill: 1, layers: 0..32, heads: 4..8 }]);
+        assert_eq!(
+            p[0],
+            vec![Segment {
+                prefill: 0,
+                layers: 0..32,
+                heads: 0..4
+            }]
+        );
+        assert_eq!(
+            p[1],
+            vec![Segment {
+                prefill: 1,
+                layers: 0..32,
+                heads: 4..8
+            }]
+        );
     }
 
     #[test]
     fn tp_mismatch_is_a_few_bulk_segments() {
         // TP4 -> TP2: each decode rank gathers from two prefill ranks.
         let p = plans("llama3-8b", (4, 1), (2, 1));
-        assert_eq!(p[1], vec![
-            Segment { prefill: 2, layers: 0..32, heads: 4..6 },
-            Segment { prefill: 3, layers: 0..32, heads: 6..8 },
-        ]);
+        assert_eq!(
+            p[1],
+            vec![
+                Segment {
+                    prefill: 2,
+                    layers: 0..32,
+                    heads: 4..6
+                },
+                Segment {
+                    prefill: 3,
+                    layers: 0..32,
+                    heads: 6..8
+                },
+            ]
+        );
         // TP1 -> TP2: both decode ranks take a head slice of the one prefill rank.
         let p = plans("llama3-8b", (1, 1), (2, 1));
-        assert_eq!(p[1], vec![Segment { prefill: 0, layers: 0..32, heads: 4..8 }]);
+        assert_eq!(
+            p[1],
+            vec![Segment {
+                prefill: 0,
+                layers: 0..32,
+                heads: 4..8
+            }]
+        );
     }
 
     #[test]
@@ -194,28 +265,59 @@ mod tests {
     fn pipeline_stages_each_send_their_layers() {
         // 61 layers over 2 stages (31 + 30) into PP1.
         let p = plans("deepseek-v3", (1, 2), (1, 1));
-        assert_eq!(p[0], vec![
-            Segment { prefill: 0, layers: 0..31, heads: 0..1 },
-            Segment { prefill: 1, layers: 31..61, heads: 0..1 },
-        ]);
+        assert_eq!(
+            p[0],
+            vec![
+                Segment {
+                    prefill: 0,
+                    layers: 0..31,
+                    heads: 0..1
+                },
+                Segment {
+                    prefill: 1,
+                    layers: 31..61,
+                    heads: 0..1
+                },
+            ]
+        );
         // PP2 -> PP3 with TP mismatch.
         plans("llama3-70b", (2, 2), (4, 3));
     }
 
     #[test]
     fn missing_ranks_are_reported() {
-        let prefill = vec![RankSlice { heads: 0..4, layers: 0..10 }];
-        let decode = RankSlice { heads: 0..8, layers: 0..10 };
-        assert_eq!(plan(&prefill, &decode, 0), Err(PairingError::Uncovered { layer: 0, head: 4 }));
+        let prefill = vec![RankSlice {
+            heads: 0..4,
+            layers: 0..10,
+        }];
+        let decode = RankSlice {
+            heads: 0..8,
+            layers: 0..10,
+        };
+        assert_eq!(
+            plan(&prefill, &decode, 0),
+            Err(PairingError::Uncovered { layer: 0, head: 4 })
+        );
     }
 
     #[test]
     fn requesters_count_the_decode_ranks_reading_a_prefill_rank() {
-        let prefill: Vec<RankSlice> = slices("llama3-8b", 1, 1).into_iter().map(|(s, _)| s).collect();
+        let prefill: Vec<RankSlice> = slices("llama3-8b", 1, 1)
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
         assert_eq!(requesters(&prefill, &slices("llama3-8b", 4, 1), 0), 4);
-        let prefill: Vec<RankSlice> = slices("llama3-8b", 4, 1).into_iter().map(|(s, _)| s).collect();
+        let prefill: Vec<RankSlice> = slices("llama3-8b", 4, 1)
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
         let decodes = slices("llama3-8b", 2, 1);
-        assert_eq!((0..4).map(|r| requesters(&prefill, &decodes, r)).collect::<Vec<_>>(), vec![1, 1, 1, 1]);
+        assert_eq!(
+            (0..4)
+                .map(|r| requesters(&prefill, &decodes, r))
+                .collect::<Vec<_>>(),
+            vec![1, 1, 1, 1]
+        );
     }
 
     proptest! {

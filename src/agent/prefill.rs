@@ -31,9 +31,11 @@ use kvferry_bootstrap::{RegistryClient, Role};
 use serde::Deserialize;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 use uuid::Uuid;
 
-use super::api::{self, ApiError, Metrics};
+use super::api::{self, ApiError};
+use super::metrics::{Gauges, Metrics};
 use super::room::{RoomState, RoomStatus};
 use super::staging::SlotPool;
 use super::{AgentConfig, ChunkPlan, Coverage, plan_chunks, synthetic};
@@ -61,7 +63,10 @@ pub struct PrefillAgent {
 
 impl PrefillAgent {
     /// Starts the agent; it serves until `shutdown` is cancelled.
-    pub async fn start(cfg: AgentConfig, shutdown: CancellationToken) -> Result<Self, super::AgentError> {
+    pub async fn start(
+        cfg: AgentConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Self, super::AgentError> {
         let instance = Uuid::new_v4();
         let pool = Arc::new(super::open_pool(&cfg)?);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
@@ -78,13 +83,19 @@ impl PrefillAgent {
             slots: Arc::default(),
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
-            metrics: Metrics::new(),
+            metrics: Arc::new(Metrics::new("prefill")),
             draining: std::sync::atomic::AtomicBool::new(false),
             chunks_sent: std::sync::atomic::AtomicU64::new(0),
             shutdown: shutdown.clone(),
             cfg,
         });
-        let reg = super::registration(Role::Prefill, instance, &inner.cfg, control_endpoint.clone(), Default::default());
+        let reg = super::registration(
+            Role::Prefill,
+            instance,
+            &inner.cfg,
+            control_endpoint.clone(),
+            Default::default(),
+        );
         let keep_alive = registry.keep_alive(reg, shutdown.clone()).await?;
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(control_loop(inner.clone(), server));
@@ -112,16 +123,39 @@ impl PrefillAgent {
     /// timeout, then aborts the rest (their decodes are told).
     pub async fn drain(&self) {
         let inner = &self.inner;
-        inner.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        inner
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let deadline = Instant::now() + inner.cfg.timeouts.drain;
-        let busy = || inner.rooms().values().filter(|r| r.transfers.values().any(|t| t.req.is_some() && !t.state.is_final())).count();
+        let busy = || {
+            inner
+                .rooms()
+                .values()
+                .filter(|r| {
+                    r.transfers
+                        .values()
+                        .any(|t| t.req.is_some() && !t.state.is_final())
+                })
+                .count()
+        };
         while busy() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let left: Vec<u64> = inner.rooms().iter().filter(|(_, r)| !r.status.state().is_final()).map(|(id, _)| *id).collect();
+        let left: Vec<u64> = inner
+            .rooms()
+            .iter()
+            .filter(|(_, r)| !r.status.state().is_final())
+            .map(|(id, _)| *id)
+            .collect();
         tracing::info!(aborted = left.len(), "drained");
         for room in left {
-            inner.clone().engine_abort(room, Reason::new(FailureCode::Shutdown, "the prefill agent is shutting down")).await;
+            inner
+                .clone()
+                .engine_abort(
+                    room,
+                    Reason::new(FailureCode::Shutdown, "the prefill agent is shutting down"),
+                )
+                .await;
         }
     }
 
@@ -144,7 +178,7 @@ struct Inner {
     rooms: Mutex<HashMap<u64, Room>>,
     /// Decode peers by their control identity.
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
-    metrics: Metrics,
+    metrics: Arc<Metrics>,
     /// Set by SIGTERM: new rooms are refused.
     draining: std::sync::atomic::AtomicBool,
     /// Chunks gathered so far (numbers the fault-injection hook).
@@ -172,7 +206,10 @@ impl Peer {
     }
 
     fn silent_for(&self) -> Duration {
-        self.last_seen.lock().unwrap_or_else(|e| e.into_inner()).elapsed()
+        self.last_seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
     }
 }
 
@@ -328,19 +365,33 @@ impl Inner {
         let asked = room.transfers.values().filter(|t| t.req.is_some()).count();
         let all_final = room.transfers.values().all(|t| t.state.is_final());
         if !room.status.state().is_final() && asked > 0 && asked >= room.requesters && all_final {
-            let first_failure = room.transfers.values().find(|t| t.state == RoomState::Failed);
+            let first_failure = room
+                .transfers
+                .values()
+                .find(|t| t.state == RoomState::Failed);
             if let Some(t) = first_failure {
-                let reason = t.reason.clone().unwrap_or_else(|| Reason::new(FailureCode::BadMessage, "transfer failed"));
+                let reason = t
+                    .reason
+                    .clone()
+                    .unwrap_or_else(|| Reason::new(FailureCode::BadMessage, "transfer failed"));
                 room.status.fail(reason);
-            } else if room.transfers.values().any(|t| t.state == RoomState::Aborted) {
-                room.status.abort(Reason::new(FailureCode::Aborted, "aborted by the decode"), true);
+            } else if room
+                .transfers
+                .values()
+                .any(|t| t.state == RoomState::Aborted)
+            {
+                room.status.abort(
+                    Reason::new(FailureCode::Aborted, "aborted by the decode"),
+                    true,
+                );
             } else {
                 room.status.advance(RoomState::Success);
             }
         }
         if room.status.state().is_final() && room.final_at.is_none() {
             room.final_at = Some(Instant::now());
-            self.metrics.room_final(room.status.state(), room.status.reason().map(|r| r.code));
+            self.metrics
+                .room_final(room.status.state(), room.status.reason().map(|r| r.code));
         }
         if room.status.state().is_final() && !room.running() {
             if let Some(ready) = &mut room.ready {
@@ -352,15 +403,30 @@ impl Inner {
 
     async fn reply(&self, peer: &PeerId, msg: Message) {
         let mut replier = self.replier.clone();
-        let sent = tokio::time::timeout(self.cfg.timeouts.send, replier.send(peer, msg.encode().into())).await;
+        let sent = tokio::time::timeout(
+            self.cfg.timeouts.send,
+            replier.send(peer, msg.encode().into()),
+        )
+        .await;
         if !matches!(sent, Ok(Ok(()))) {
             tracing::warn!(msg = msg.name(), "could not answer a decode peer");
         }
     }
 
     async fn refuse(&self, peer: &PeerId, room: Option<u64>, code: FailureCode, message: String) {
+        if code == FailureCode::BadMessage {
+            self.metrics.protocol_error("inconsistent");
+        }
         tracing::warn!(?room, %code, %message, "refused a decode request");
-        self.reply(peer, Message::Error(ErrorMsg { room, code, message })).await;
+        self.reply(
+            peer,
+            Message::Error(ErrorMsg {
+                room,
+                code,
+                message,
+            }),
+        )
+        .await;
     }
 
     async fn on_hello(self: Arc<Self>, identity: PeerId, hello: Hello) {
@@ -370,28 +436,52 @@ impl Inner {
                 FailureCode::IncompatibleVersion,
                 format!(
                     "decode speaks protocol versions {}..={}, this prefill {}..={}",
-                    hello.min_version, hello.max_version, protocol::MIN_VERSION, protocol::VERSION
+                    hello.min_version,
+                    hello.max_version,
+                    protocol::MIN_VERSION,
+                    protocol::VERSION
                 ),
             )
             .await;
         };
         if self.cfg.token.as_deref().unwrap_or("") != hello.token {
             tracing::warn!(decode = %hello.instance, "Hello with a wrong or missing token refused");
-            return refuse(FailureCode::Unauthorized, "wrong or missing token in Hello".to_owned()).await;
+            return refuse(
+                FailureCode::Unauthorized,
+                "wrong or missing token in Hello".to_owned(),
+            )
+            .await;
         }
         if hello.role != protocol::Role::Decode {
-            return refuse(FailureCode::BadMessage, "Hello to a prefill must come from a decode".to_owned()).await;
+            return refuse(
+                FailureCode::BadMessage,
+                "Hello to a prefill must come from a decode".to_owned(),
+            )
+            .await;
         }
         if hello.slots == 0 || hello.slot_bytes == 0 {
-            return refuse(FailureCode::BadMessage, "Hello grants no staging slots".to_owned()).await;
+            return refuse(
+                FailureCode::BadMessage,
+                "Hello grants no staging slots".to_owned(),
+            )
+            .await;
         }
-        if let Err(reason) = super::check_compatible(&super::wire_layout(&self.cfg.layout), &hello.layout) {
+        if let Err(reason) =
+            super::check_compatible(&super::wire_layout(&self.cfg.layout), &hello.layout)
+        {
             return refuse(reason.code, reason.message).await;
         }
-        let data = match self.transport.connect(&hello.data_endpoint, self.cfg.timeouts.connect).await {
+        let data = match self
+            .transport
+            .connect(&hello.data_endpoint, self.cfg.timeouts.connect)
+            .await
+        {
             Ok(d) => d,
             Err(e) => {
-                let msg = format!("decode data endpoint {} unreachable from this prefill: {}", hello.data_endpoint, e.message);
+                let msg = format!(
+                    "decode data endpoint {} unreachable from this prefill: {}",
+                    hello.data_endpoint, e.message
+                );
                 return refuse(FailureCode::Unreachable, msg).await;
             }
         };
@@ -410,7 +500,14 @@ impl Inner {
             old.credits.close();
         }
         tracing::info!(decode = %hello.instance, version, slots, "decode peer connected");
-        self.reply(&identity, Message::HelloAck(HelloAck { version, instance: self.instance })).await;
+        self.reply(
+            &identity,
+            Message::HelloAck(HelloAck {
+                version,
+                instance: self.instance,
+            }),
+        )
+        .await;
     }
 
     async fn on_request(self: Arc<Self>, identity: PeerId, req: TransferRequest) {
@@ -418,38 +515,56 @@ impl Inner {
         let peer = self.peers().get(&identity).cloned();
         let Some(peer) = peer else {
             let m = "TransferRequest before Hello".to_owned();
-            return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m).await;
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
+                .await;
         };
         if req.prefill_instance != self.instance {
-            let m = format!("request addressed instance {}, this prefill is {}: it restarted", req.prefill_instance, self.instance);
-            return self.refuse(&identity, Some(room_id), FailureCode::PeerDead, m).await;
+            let m = format!(
+                "request addressed instance {}, this prefill is {}: it restarted",
+                req.prefill_instance, self.instance
+            );
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::PeerDead, m)
+                .await;
         }
         let l = &self.cfg.layout;
         let within = |r: &Range<u32>, held: &Range<usize>| {
             r.start as usize >= held.start && r.end as usize <= held.end && !r.is_empty()
         };
-        if !within(&req.layers, &l.layers) || !within(&req.heads, &l.heads) || req.tokens.is_empty() || req.requesters == 0 {
+        if !within(&req.layers, &l.layers)
+            || !within(&req.heads, &l.heads)
+            || req.tokens.is_empty()
+            || req.requesters == 0
+        {
             let m = format!(
                 "request for layers {:?} heads {:?} tokens {:?} ({} requesters); this rank holds layers {:?} heads {:?}",
                 req.layers, req.heads, req.tokens, req.requesters, l.layers, l.heads
             );
-            return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m).await;
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
+                .await;
         }
         let refusal = {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
             if room.transfers.contains_key(&peer.instance) || room.status.state().is_final() {
-                Some(Reason::new(FailureCode::BadMessage, format!("room {room_id} was already requested or aborted by this decode")))
+                Some(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("room {room_id} was already requested or aborted by this decode"),
+                ))
             } else {
                 room.requesters = room.requesters.max(req.requesters as usize);
-                room.transfers.insert(peer.instance, Transfer::new(peer, Some(req)));
+                room.transfers
+                    .insert(peer.instance, Transfer::new(peer, Some(req)));
                 room.status.advance(RoomState::WaitingForInput);
                 self.start_ready(room_id, room);
                 None
             }
         };
         if let Some(reason) = refusal {
-            self.refuse(&identity, Some(room_id), reason.code, reason.message).await;
+            self.refuse(&identity, Some(room_id), reason.code, reason.message)
+                .await;
         }
     }
 
@@ -460,9 +575,16 @@ impl Inner {
         }
         for (decode, t) in room.transfers.iter_mut() {
             if t.req.is_some() && !t.started && !t.state.is_final() {
+                self.metrics.ready_wait.observe(t.requested_at.elapsed());
                 t.started = true;
                 t.running = true;
-                tokio::spawn(self.clone().serve_transfer(room_id, *decode));
+                let span =
+                    tracing::info_span!("room", room = room_id, role = "prefill", decode = %decode);
+                tokio::spawn(
+                    self.clone()
+                        .serve_transfer(room_id, *decode)
+                        .instrument(span),
+                );
             }
         }
         if room.running() {
@@ -473,10 +595,16 @@ impl Inner {
     /// The next thing a transfer's task does.
     fn next_step(&self, room_id: u64, decode: Uuid) -> Step {
         let mut rooms = self.rooms();
-        let Some(room) = rooms.get_mut(&room_id) else { return Step::Stop };
-        let Some(ready) = room.ready.as_ref() else { return Step::Stop };
+        let Some(room) = rooms.get_mut(&room_id) else {
+            return Step::Stop;
+        };
+        let Some(ready) = room.ready.as_ref() else {
+            return Step::Stop;
+        };
         let (last, aux) = (ready.last, ready.aux.clone());
-        let Some(t) = room.transfers.get_mut(&decode) else { return Step::Stop };
+        let Some(t) = room.transfers.get_mut(&decode) else {
+            return Step::Stop;
+        };
         let Some(req) = &t.req else { return Step::Stop };
         if t.cancel.is_cancelled() {
             return Step::Stop;
@@ -492,7 +620,10 @@ impl Inner {
         if last {
             return Step::Fail(Reason::new(
                 FailureCode::TimeoutReady,
-                format!("the engine marked its last piece but only {} of the {expected} requested bytes were ever ready", t.sent),
+                format!(
+                    "the engine marked its last piece but only {} of the {expected} requested bytes were ever ready",
+                    t.sent
+                ),
             ));
         }
         Step::Wait(t.wake.clone())
@@ -521,6 +652,7 @@ impl Inner {
             return;
         };
         let mut chunks = 0u32;
+        let started = Instant::now();
         let outcome = loop {
             match self.next_step(room_id, decode) {
                 Step::Send(piece) => {
@@ -546,26 +678,54 @@ impl Inner {
         };
         let reply = {
             let mut rooms = self.rooms();
-            let Some(room) = rooms.get_mut(&room_id) else { return };
-            let Some(t) = room.transfers.get_mut(&decode) else { return };
+            let Some(room) = rooms.get_mut(&room_id) else {
+                return;
+            };
+            let Some(t) = room.transfers.get_mut(&decode) else {
+                return;
+            };
             t.running = false;
             let reply = match outcome {
                 Ok(Some((chunks, aux))) => {
+                    self.metrics.transfer.observe(started.elapsed());
                     t.end(RoomState::Success, None);
-                    Message::Done(protocol::Done { room: room_id, prefill_instance: self.instance, chunks, bytes: t.sent as u64, aux })
+                    Message::Done(protocol::Done {
+                        room: room_id,
+                        prefill_instance: self.instance,
+                        chunks,
+                        bytes: t.sent as u64,
+                        aux,
+                    })
                 }
                 Ok(None) if t.engine_abort => {
-                    let reason = room.engine_abort.clone().unwrap_or_else(|| Reason::new(FailureCode::Aborted, "aborted by the prefill engine"));
+                    let reason = room.engine_abort.clone().unwrap_or_else(|| {
+                        Reason::new(FailureCode::Aborted, "aborted by the prefill engine")
+                    });
                     t.end(RoomState::Aborted, Some(reason.clone()));
-                    Message::Abort(protocol::Abort { room: room_id, instance: self.instance, code: reason.code, message: reason.message })
+                    Message::Abort(protocol::Abort {
+                        room: room_id,
+                        instance: self.instance,
+                        code: reason.code,
+                        message: reason.message,
+                    })
                 }
                 Ok(None) => {
-                    t.end(RoomState::Aborted, Some(Reason::new(FailureCode::Aborted, "aborted by the decode")));
-                    Message::AbortAck(protocol::AbortAck { room: room_id, instance: self.instance })
+                    t.end(
+                        RoomState::Aborted,
+                        Some(Reason::new(FailureCode::Aborted, "aborted by the decode")),
+                    );
+                    Message::AbortAck(protocol::AbortAck {
+                        room: room_id,
+                        instance: self.instance,
+                    })
                 }
                 Err(reason) => {
                     t.end(RoomState::Failed, Some(reason.clone()));
-                    Message::Error(ErrorMsg { room: Some(room_id), code: reason.code, message: reason.message })
+                    Message::Error(ErrorMsg {
+                        room: Some(room_id),
+                        code: reason.code,
+                        message: reason.message,
+                    })
                 }
             };
             self.settle(room);
@@ -581,7 +741,10 @@ impl Inner {
                 permit.forget();
                 Ok(())
             }
-            Err(_) => Err(Reason::new(FailureCode::PeerDead, format!("decode {} is gone", peer.instance))),
+            Err(_) => Err(Reason::new(
+                FailureCode::PeerDead,
+                format!("decode {} is gone", peer.instance),
+            )),
         }
     }
 
@@ -590,29 +753,51 @@ impl Inner {
     async fn send_piece(&self, job: &Job, piece: &Piece, chunks: &mut u32) -> Result<(), Reason> {
         let l = &self.cfg.layout;
         let req = &job.req;
-        let tokens = piece.tokens.start.max(req.tokens.start as usize)..piece.tokens.end.min(req.tokens.end as usize);
-        let layers = piece.layers.start.max(req.layers.start as usize)..piece.layers.end.min(req.layers.end as usize);
+        let tokens = piece.tokens.start.max(req.tokens.start as usize)
+            ..piece.tokens.end.min(req.tokens.end as usize);
+        let layers = piece.layers.start.max(req.layers.start as usize)
+            ..piece.layers.end.min(req.layers.end as usize);
         if tokens.is_empty() || layers.is_empty() {
             return Ok(());
         }
-        let heads = req.heads.start as usize - l.heads.start..req.heads.end as usize - l.heads.start;
+        let heads =
+            req.heads.start as usize - l.heads.start..req.heads.end as usize - l.heads.start;
         let per_token_layer = l.selection_bytes(1, 1, heads.len()).unwrap_or(usize::MAX);
         let slot = self.cfg.chunk_bytes.min(job.peer.slot_bytes);
         let plan = plan_chunks(tokens, layers, per_token_layer, l.page_size, slot);
         let gather = |c: &ChunkPlan| {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
-            let (pool, kernel, pages, wire) = (self.pool.clone(), self.kernel, job.pages.clone(), req.wire_order);
+            let (pool, kernel, pages, wire) = (
+                self.pool.clone(),
+                self.kernel,
+                job.pages.clone(),
+                req.wire_order,
+            );
             let (tokens, heads, slots) = (c.tokens.clone(), heads.clone(), self.slots.clone());
             let checksum = self.cfg.checksum;
-            let nth = self.chunks_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let nth = self
+                .chunks_sent
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                + 1;
             let corrupt = self.cfg.fault_corrupt_chunk == Some(nth);
+            let metrics = self.metrics.clone();
             tokio::task::spawn_blocking(move || {
-                let sel = Selection { pages: &pages, tokens, layers: local, heads };
+                let started = Instant::now();
+                let sel = Selection {
+                    pages: &pages,
+                    tokens,
+                    layers: local,
+                    heads,
+                };
                 let mut buf = slots.take(sel.bytes(&pool)?);
                 kernel.gather(&pool, &sel, wire, &mut buf)?;
+                metrics.gather.observe(started.elapsed());
                 let sum = if checksum { super::checksum(&buf) } else { 0 };
                 if let (true, Some(b)) = (corrupt, buf.first_mut()) {
-                    tracing::warn!(chunk = nth, "fault injection: corrupting a chunk after its checksum");
+                    tracing::warn!(
+                        chunk = nth,
+                        "fault injection: corrupting a chunk after its checksum"
+                    );
                     *b = !*b;
                 }
                 Ok::<_, crate::kernel::KernelError>((buf, sum))
@@ -629,8 +814,15 @@ impl Inner {
             let Some(pending) = next.take() else { break };
             let (bytes, sum) = match pending.await {
                 Ok(Ok(b)) => b,
-                Ok(Err(e)) => return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}"))),
-                Err(e) => return Err(Reason::new(FailureCode::BadMessage, format!("gather stopped: {e}"))),
+                Ok(Err(e)) => {
+                    return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}")));
+                }
+                Err(e) => {
+                    return Err(Reason::new(
+                        FailureCode::BadMessage,
+                        format!("gather stopped: {e}"),
+                    ));
+                }
             };
             if job.cancel.is_cancelled() {
                 job.peer.credits.add_permits(1);
@@ -638,7 +830,9 @@ impl Inner {
             }
             // Gather ahead only with a credit at hand: waiting for one here, before sending
             // this chunk, could wait forever.
-            let ahead = plan.get(i + 1).filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
+            let ahead = plan
+                .get(i + 1)
+                .filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
             next = ahead.map(gather);
             self.send_chunk(job, c, *chunks, bytes, sum).await?;
             *chunks += 1;
@@ -650,7 +844,14 @@ impl Inner {
         Ok(())
     }
 
-    async fn send_chunk(&self, job: &Job, c: &ChunkPlan, seq: u32, bytes: Vec<u8>, checksum: u64) -> Result<(), Reason> {
+    async fn send_chunk(
+        &self,
+        job: &Job,
+        c: &ChunkPlan,
+        seq: u32,
+        bytes: Vec<u8>,
+        checksum: u64,
+    ) -> Result<(), Reason> {
         let len = bytes.len();
         let header = Message::Chunk(Chunk {
             room: job.room,
@@ -664,19 +865,36 @@ impl Inner {
         });
         let timeout = self.cfg.timeouts.send;
         let sent = tokio::time::timeout(timeout, async {
-            job.peer.data.lock().await.send(header.encode().into(), self.slots.bytes(bytes)).await
+            job.peer
+                .data
+                .lock()
+                .await
+                .send(header.encode().into(), self.slots.bytes(bytes))
+                .await
         })
         .await;
         match sent {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(Reason::new(FailureCode::PeerDead, e.to_string())),
             Err(_) => {
-                let m = format!("decode data endpoint {} took no chunk within {timeout:?}", job.peer.data_endpoint);
+                let m = format!(
+                    "decode data endpoint {} took no chunk within {timeout:?}",
+                    job.peer.data_endpoint
+                );
                 return Err(Reason::new(FailureCode::TimeoutStall, m));
             }
         }
-        self.metrics.bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.rooms().get_mut(&job.room).and_then(|r| r.transfers.get_mut(&job.decode)) {
+        self.metrics
+            .bytes
+            .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+        self.metrics
+            .chunks_staged
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self
+            .rooms()
+            .get_mut(&job.room)
+            .and_then(|r| r.transfers.get_mut(&job.decode))
+        {
             t.sent += len;
         }
         Ok(())
@@ -685,7 +903,9 @@ impl Inner {
     async fn on_abort(self: Arc<Self>, identity: PeerId, abort: protocol::Abort) {
         let Some(peer) = self.peers().get(&identity).cloned() else {
             let m = "Abort before Hello".to_owned();
-            return self.refuse(&identity, Some(abort.room), FailureCode::BadMessage, m).await;
+            return self
+                .refuse(&identity, Some(abort.room), FailureCode::BadMessage, m)
+                .await;
         };
         let running = {
             let mut rooms = self.rooms();
@@ -706,7 +926,10 @@ impl Inner {
         };
         // A running transfer acknowledges when its task stops; otherwise nothing is in flight.
         if !running {
-            let ack = Message::AbortAck(protocol::AbortAck { room: abort.room, instance: self.instance });
+            let ack = Message::AbortAck(protocol::AbortAck {
+                room: abort.room,
+                instance: self.instance,
+            });
             self.reply(&identity, ack).await;
         }
     }
@@ -715,7 +938,7 @@ impl Inner {
         let room_for = peer.slots.saturating_sub(peer.credits.available_permits());
         let granted = (slots as usize).min(room_for);
         if granted < slots as usize {
-            self.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.metrics.protocol_error("inconsistent");
             tracing::warn!(decode = %peer.instance, slots, "credit beyond the granted slots ignored");
         }
         peer.credits.add_permits(granted);
@@ -744,7 +967,12 @@ impl Inner {
             self.settle(room);
             tell
         };
-        let msg = Message::Abort(protocol::Abort { room: room_id, instance: self.instance, code: reason.code, message: reason.message });
+        let msg = Message::Abort(protocol::Abort {
+            room: room_id,
+            instance: self.instance,
+            code: reason.code,
+            message: reason.message,
+        });
         for peer in tell {
             self.reply(&peer.identity, msg.clone()).await;
         }
@@ -759,10 +987,17 @@ impl Inner {
             for (id, room) in rooms.iter_mut() {
                 let mut changed = false;
                 for t in room.transfers.values_mut() {
-                    if t.req.is_some() && !t.started && !t.state.is_final() && t.requested_at.elapsed() >= ready {
+                    if t.req.is_some()
+                        && !t.started
+                        && !t.state.is_final()
+                        && t.requested_at.elapsed() >= ready
+                    {
                         let reason = Reason::new(
                             FailureCode::TimeoutReady,
-                            format!("the prefill engine announced nothing within {} ms of the request", ready.as_millis()),
+                            format!(
+                                "the prefill engine announced nothing within {} ms of the request",
+                                ready.as_millis()
+                            ),
                         );
                         t.end(RoomState::Failed, Some(reason.clone()));
                         out.push((*id, t.peer.clone(), reason));
@@ -776,12 +1011,16 @@ impl Inner {
             out
         };
         for (room, peer, reason) in late {
-            self.refuse(&peer.identity, Some(room), reason.code, reason.message).await;
+            self.refuse(&peer.identity, Some(room), reason.code, reason.message)
+                .await;
         }
     }
 
     /// Forgets a dead decode peer and fails what it asked for.
     fn peer_dead(&self, peer: &Peer, why: &str) {
+        self.metrics
+            .peers_dead
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         peer.credits.close();
         self.peers().remove(&peer.identity);
         tracing::warn!(decode = %peer.instance, why, "decode peer dead");
@@ -789,7 +1028,13 @@ impl Inner {
         for room in rooms.values_mut() {
             if let Some(t) = room.transfers.get_mut(&peer.instance) {
                 t.cancel.cancel();
-                t.end(RoomState::Failed, Some(Reason::new(FailureCode::PeerDead, format!("decode {}: {why}", peer.instance))));
+                t.end(
+                    RoomState::Failed,
+                    Some(Reason::new(
+                        FailureCode::PeerDead,
+                        format!("decode {}: {why}", peer.instance),
+                    )),
+                );
                 self.settle(room);
             }
         }
@@ -814,7 +1059,7 @@ async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
         let (identity, frame) = match received {
             Ok(v) => v,
             Err(e) => {
-                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner.metrics.protocol_error("bad_frames");
                 tracing::warn!(error = %e, "control socket");
                 continue;
             }
@@ -837,13 +1082,22 @@ async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
             }
             Ok(Message::Heartbeat(_)) => {}
             Ok(other) => {
-                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner.metrics.protocol_error("unexpected");
                 let m = format!("a prefill does not accept {} here", other.name());
-                inner.refuse(&identity, None, FailureCode::BadMessage, m).await;
+                inner
+                    .refuse(&identity, None, FailureCode::BadMessage, m)
+                    .await;
             }
             Err(e) => {
-                inner.metrics.bad_messages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                inner.refuse(&identity, None, FailureCode::BadMessage, format!("undecodable frame: {e}")).await;
+                inner.metrics.protocol_error(e.kind());
+                inner
+                    .refuse(
+                        &identity,
+                        None,
+                        FailureCode::BadMessage,
+                        format!("undecodable frame: {e}"),
+                    )
+                    .await;
             }
         }
     }
@@ -863,6 +1117,12 @@ async fn housekeeping(inner: Arc<Inner>) {
         let peers: Vec<Arc<Peer>> = inner.peers().values().cloned().collect();
         for peer in &peers {
             let silent = peer.silent_for();
+            if silent >= 2 * t.heartbeat {
+                inner
+                    .metrics
+                    .heartbeat_misses
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             if silent >= t.dead_after {
                 inner.peer_dead(peer, &format!("silent for {} ms", silent.as_millis()));
             }
@@ -870,7 +1130,10 @@ async fn housekeeping(inner: Arc<Inner>) {
         if last_beat.elapsed() >= t.heartbeat {
             last_beat = Instant::now();
             seq += 1;
-            let beat = Message::Heartbeat(protocol::Heartbeat { instance: inner.instance, seq });
+            let beat = Message::Heartbeat(protocol::Heartbeat {
+                instance: inner.instance,
+                seq,
+            });
             let peers: Vec<Arc<Peer>> = inner.peers().values().cloned().collect();
             for peer in peers {
                 inner.reply(&peer.identity, beat.clone()).await;
@@ -921,14 +1184,20 @@ fn routes(inner: Arc<Inner>) -> Router {
         .route("/v1/rooms/{room}/ready", post(ready))
         .route("/v1/rooms/{room}", get(get_room).delete(abort_room))
         .route("/v1/pool", get(pool))
-        .route("/healthz", get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "prefill"})) }))
+        .route(
+            "/healthz",
+            get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "prefill"})) }),
+        )
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::bad_request("no such route").into_response() })
         .with_state(inner)
 }
 
 /// Pages for a room's first piece: the engine's (validated) or the agent's own.
-fn room_pages(inner: &Inner, req: &ReadyRequest) -> Result<(Arc<[u32]>, Option<PageLease>), ApiError> {
+fn room_pages(
+    inner: &Inner,
+    req: &ReadyRequest,
+) -> Result<(Arc<[u32]>, Option<PageLease>), ApiError> {
     let needed = inner.cfg.layout.pages_for(req.tokens);
     match (&req.pages, inner.cfg.synthetic) {
         (Some(pages), _) => {
@@ -936,7 +1205,10 @@ fn room_pages(inner: &Inner, req: &ReadyRequest) -> Result<(Arc<[u32]>, Option<P
             Ok((pages.as_slice().into(), None))
         }
         (None, true) => {
-            let lease = inner.alloc.allocate(needed).map_err(|e| ApiError::exhausted(e.to_string()))?;
+            let lease = inner
+                .alloc
+                .allocate(needed)
+                .map_err(|e| ApiError::exhausted(e.to_string()))?;
             Ok((lease.pages().into(), Some(lease)))
         }
         (None, false) => Err(ApiError::bad_request(
@@ -945,7 +1217,11 @@ fn room_pages(inner: &Inner, req: &ReadyRequest) -> Result<(Arc<[u32]>, Option<P
     }
 }
 
-async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> Result<Response, ApiError> {
+async fn ready(
+    State(inner): Shared,
+    Path(room): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let req: ReadyRequest = api::parse_json(&body)?;
     let l = &inner.cfg.layout;
@@ -954,23 +1230,41 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
     }
     let aux = req.aux.as_deref().map(api::unbase64).transpose()?;
     if aux.as_ref().is_some_and(|a| a.len() > protocol::MAX_AUX) {
-        return Err(ApiError::bad_request(format!("aux is larger than {} bytes", protocol::MAX_AUX)));
+        return Err(ApiError::bad_request(format!(
+            "aux is larger than {} bytes",
+            protocol::MAX_AUX
+        )));
     }
     let tokens = req.token_range.map_or(0..req.tokens, |[a, b]| a..b);
     let layers = req.layer_range.map_or(l.layers.clone(), |[a, b]| a..b);
     if tokens.is_empty() || tokens.end > req.tokens {
-        return Err(ApiError::bad_request(format!("token_range {tokens:?} must be a non-empty range within 0..{}", req.tokens)));
+        return Err(ApiError::bad_request(format!(
+            "token_range {tokens:?} must be a non-empty range within 0..{}",
+            req.tokens
+        )));
     }
     if layers.is_empty() || layers.start < l.layers.start || layers.end > l.layers.end {
-        return Err(ApiError::bad_request(format!("layer_range {layers:?} must be a non-empty range within this rank's layers {:?}", l.layers)));
+        return Err(ApiError::bad_request(format!(
+            "layer_range {layers:?} must be a non-empty range within this rank's layers {:?}",
+            l.layers
+        )));
     }
     let known = inner.rooms().contains_key(&room_id);
     if !known && inner.draining.load(std::sync::atomic::Ordering::Relaxed) {
-        return Err(ApiError::unavailable("the agent is draining for shutdown: send the room to another prefill rank"));
+        return Err(ApiError::unavailable(
+            "the agent is draining for shutdown: send the room to another prefill rank",
+        ));
     }
-    let in_flight = inner.rooms().values().filter(|r| !r.status.state().is_final()).count();
+    let in_flight = inner
+        .rooms()
+        .values()
+        .filter(|r| !r.status.state().is_final())
+        .count();
     if !known && in_flight >= inner.cfg.max_rooms {
-        inner.metrics.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        inner
+            .metrics
+            .rejected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return Err(ApiError::exhausted(format!(
             "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
             inner.cfg.max_rooms
@@ -980,18 +1274,30 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
     let last = req.last.unwrap_or(whole);
     let piece = Piece { tokens, layers };
     // First piece: pages (outside the lock: allocation may be refused, synthetic fill is slow).
-    let first = inner.rooms().get(&room_id).is_none_or(|r| r.ready.is_none());
-    let fresh = if first { Some(room_pages(&inner, &req)?) } else { None };
+    let first = inner
+        .rooms()
+        .get(&room_id)
+        .is_none_or(|r| r.ready.is_none());
+    let fresh = if first {
+        Some(room_pages(&inner, &req)?)
+    } else {
+        None
+    };
     let paced = inner.cfg.synthetic && whole && !inner.cfg.synthetic_layer_delay.is_zero();
     let view = {
         let mut rooms = inner.rooms();
         let room = rooms.entry(room_id).or_insert_with(Room::new);
         if room.status.state().is_final() {
-            return Err(ApiError::conflict(format!("room {room_id} is {}", room.status.state().name())));
+            return Err(ApiError::conflict(format!(
+                "room {room_id} is {}",
+                room.status.state().name()
+            )));
         }
         if let Some((pages, lease)) = fresh {
             if room.ready.is_some() {
-                return Err(ApiError::conflict(format!("room {room_id} is already ready")));
+                return Err(ApiError::conflict(format!(
+                    "room {room_id} is already ready"
+                )));
             }
             room.ready = Some(Ready {
                 tokens: req.tokens,
@@ -1006,10 +1312,15 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
             return Err(ApiError::conflict(format!("room {room_id} lost its pages")));
         };
         if ready.tokens != req.tokens {
-            return Err(ApiError::bad_request(format!("room {room_id} has {} tokens, this piece says {}", ready.tokens, req.tokens)));
+            return Err(ApiError::bad_request(format!(
+                "room {room_id} has {} tokens, this piece says {}",
+                ready.tokens, req.tokens
+            )));
         }
         if ready.last {
-            return Err(ApiError::conflict(format!("room {room_id}: the last piece was already announced")));
+            return Err(ApiError::conflict(format!(
+                "room {room_id}: the last piece was already announced"
+            )));
         }
         let local = piece.layers.start - l.layers.start..piece.layers.end - l.layers.start;
         if !ready.announced.claim(local, piece.tokens.clone(), 0..1) {
@@ -1023,8 +1334,13 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
         }
         room.view(room_id)
     };
-    let pages = inner.rooms().get(&room_id).and_then(|r| r.ready.as_ref().map(|r| r.pages.clone()));
-    let Some(pages) = pages else { return Err(ApiError::unknown_room(room_id)) };
+    let pages = inner
+        .rooms()
+        .get(&room_id)
+        .and_then(|r| r.ready.as_ref().map(|r| r.pages.clone()));
+    let Some(pages) = pages else {
+        return Err(ApiError::unknown_room(room_id));
+    };
     if paced {
         tokio::spawn(announce_paced(inner.clone(), room_id, pages, piece));
     } else {
@@ -1037,20 +1353,32 @@ async fn ready(State(inner): Shared, Path(room): Path<String>, body: Bytes) -> R
 }
 
 /// Fills a piece with the synthetic pattern.
-async fn fill(inner: &Arc<Inner>, room_id: u64, pages: &Arc<[u32]>, piece: &Piece) -> Result<(), ApiError> {
+async fn fill(
+    inner: &Arc<Inner>,
+    room_id: u64,
+    pages: &Arc<[u32]>,
+    piece: &Piece,
+) -> Result<(), ApiError> {
     let l0 = inner.cfg.layout.layers.start;
     let (pool, kernel, pages) = (inner.pool.clone(), inner.kernel, pages.clone());
-    let (tokens, layers) = (piece.tokens.clone(), piece.layers.start - l0..piece.layers.end - l0);
-    tokio::task::spawn_blocking(move || synthetic::fill(&kernel, &pool, room_id, &pages, tokens, layers))
-        .await
-        .map_err(|e| ApiError::unavailable(e.to_string()))?
-        .map_err(|e| ApiError::bad_request(e.to_string()))
+    let (tokens, layers) = (
+        piece.tokens.clone(),
+        piece.layers.start - l0..piece.layers.end - l0,
+    );
+    tokio::task::spawn_blocking(move || {
+        synthetic::fill(&kernel, &pool, room_id, &pages, tokens, layers)
+    })
+    .await
+    .map_err(|e| ApiError::unavailable(e.to_string()))?
+    .map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
 /// Hands a filled piece to the room's task (starting it if the request is there).
 fn announce(inner: &Arc<Inner>, room_id: u64, piece: Piece, last: bool) {
     let mut rooms = inner.rooms();
-    let Some(room) = rooms.get_mut(&room_id) else { return };
+    let Some(room) = rooms.get_mut(&room_id) else {
+        return;
+    };
     if room.status.state().is_final() {
         return;
     }
@@ -1072,7 +1400,10 @@ async fn announce_paced(inner: Arc<Inner>, room_id: u64, pages: Arc<[u32]>, whol
     let delay = inner.cfg.synthetic_layer_delay;
     for layer in whole.layers.clone() {
         tokio::time::sleep(delay).await;
-        let piece = Piece { tokens: whole.tokens.clone(), layers: layer..layer + 1 };
+        let piece = Piece {
+            tokens: whole.tokens.clone(),
+            layers: layer..layer + 1,
+        };
         if let Err(e) = fill(&inner, room_id, &pages, &piece).await {
             tracing::warn!(room = room_id, error = ?e, "synthetic fill failed");
             return;
@@ -1086,13 +1417,23 @@ async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> Result<Re
     if !inner.rooms().contains_key(&room_id) {
         return Err(ApiError::unknown_room(room_id));
     }
-    inner.clone().engine_abort(room_id, Reason::new(FailureCode::Aborted, "aborted by the prefill engine")).await;
+    inner
+        .clone()
+        .engine_abort(
+            room_id,
+            Reason::new(FailureCode::Aborted, "aborted by the prefill engine"),
+        )
+        .await;
     let rooms = inner.rooms();
     let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
     Ok(axum::Json(room.view(room_id)).into_response())
 }
 
-async fn get_room(State(inner): Shared, Path(room): Path<String>, Query(q): Query<WaitQuery>) -> Result<Response, ApiError> {
+async fn get_room(
+    State(inner): Shared,
+    Path(room): Path<String>,
+    Query(q): Query<WaitQuery>,
+) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     if let Some(wait) = q.wait_ms {
         let rx = {
@@ -1118,6 +1459,16 @@ async fn pool(State(inner): Shared) -> Response {
 }
 
 async fn metrics(State(inner): Shared) -> Response {
-    let text = inner.metrics.render("prefill", inner.alloc.total_pages(), inner.alloc.free_pages());
-    api::metrics_response(text)
+    let mut g = Gauges {
+        pool_total: inner.alloc.total_pages(),
+        pool_free: inner.alloc.free_pages(),
+        ..Gauges::default()
+    };
+    for room in inner.rooms().values() {
+        g.room(room.status.state());
+    }
+    for peer in inner.peers().values() {
+        g.slots_in_use += peer.slots.saturating_sub(peer.credits.available_permits());
+    }
+    api::metrics_response(inner.metrics.render(&g))
 }

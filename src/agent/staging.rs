@@ -18,14 +18,22 @@ pub(crate) struct SlotPool {
 impl SlotPool {
     /// A buffer of exactly `len` bytes (contents unspecified: the gather overwrites them all).
     pub(crate) fn take(&self, len: usize) -> Vec<u8> {
-        let mut buf = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
+        let mut buf = self
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default();
         buf.resize(len, 0);
         buf
     }
 
     /// Hands `buf` to the transport; it returns to this pool when the transport drops it.
     pub(crate) fn bytes(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
-        Bytes::from_owner(Slot { buf, pool: self.clone() })
+        Bytes::from_owner(Slot {
+            buf,
+            pool: self.clone(),
+        })
     }
 
     /// Buffers waiting for reuse.
@@ -49,7 +57,11 @@ impl AsRef<[u8]> for Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let buf = std::mem::take(&mut self.buf);
-        self.pool.free.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
+        self.pool
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buf);
     }
 }
 
@@ -71,6 +83,10 @@ mod tests {
         drop(clone);
         assert_eq!(pool.idle(), 1);
         let again = pool.take(512);
-        assert_eq!((again.len(), again.as_ptr()), (512, addr), "the same memory is reused");
+        assert_eq!(
+            (again.len(), again.as_ptr()),
+            (512, addr),
+            "the same memory is reused"
+        );
     }
 }

@@ -195,7 +195,11 @@ impl AgentArgs {
             anyhow::bail!("--staging-slots must be > 0");
         }
         if self.heartbeat_ms == 0 || self.peer_dead_ms <= self.heartbeat_ms {
-            anyhow::bail!("--peer-dead-ms ({}) must exceed --heartbeat-ms ({}) > 0", self.peer_dead_ms, self.heartbeat_ms);
+            anyhow::bail!(
+                "--peer-dead-ms ({}) must exceed --heartbeat-ms ({}) > 0",
+                self.peer_dead_ms,
+                self.heartbeat_ms
+            );
         }
         if !(self.synthetic_layer_ms >= 0.0 && self.synthetic_layer_ms.is_finite()) {
             anyhow::bail!("--synthetic-layer-ms must be >= 0");

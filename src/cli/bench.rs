@@ -30,53 +30,63 @@ use crate::transport::TransportKind;
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Data-plane transports, comma separated (zmq-tcp, zmq-ipc); each gets a fresh cluster.
-    #[arg(long, value_delimiter = ',', default_value = "zmq-tcp")]
+    #[arg(
+        long,
+        env = "KVFERRY_BENCH_TRANSPORT",
+        value_delimiter = ',',
+        default_value = "zmq-tcp"
+    )]
     transport: Vec<TransportKind>,
     /// Model preset: tiny, tiny-mla, llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3.
-    #[arg(long, default_value = "llama3-8b")]
+    #[arg(long, env = "KVFERRY_BENCH_MODEL", default_value = "llama3-8b")]
     model: String,
     /// Room lengths in tokens, comma separated; one configuration each.
-    #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024,4096")]
+    #[arg(
+        long,
+        env = "KVFERRY_BENCH_TOKENS",
+        value_delimiter = ',',
+        default_value = "16,64,256,1024,4096"
+    )]
     tokens: Vec<usize>,
     /// Tokens per page.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "KVFERRY_BENCH_PAGE_SIZE", default_value_t = 16)]
     page_size: usize,
     /// Measured rooms per configuration.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, env = "KVFERRY_BENCH_ROOMS", default_value_t = 8)]
     rooms: usize,
     /// Rooms in flight at once.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "KVFERRY_BENCH_CONCURRENCY", default_value_t = 1)]
     concurrency: usize,
     /// Warm-up rooms run before each configuration's measured rooms, not reported.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "KVFERRY_BENCH_WARMUP", default_value_t = 1)]
     warmup: usize,
     /// Largest chunk of staging bytes moved at once, passed to the agents (with
     /// --prefill-api/--decode-api it only labels the results: set it on the agents).
-    #[arg(long, default_value_t = 1 << 20)]
+    #[arg(long, env = "KVFERRY_BENCH_CHUNK_BYTES", default_value_t = 1 << 20)]
     chunk_bytes: usize,
     /// HTTP API of a running prefill agent: bench it (with --decode-api) instead of starting
     /// a cluster. The agents must run with --synthetic and a pool big enough for
     /// --concurrency rooms of the largest --tokens; --transport then names theirs.
-    #[arg(long, requires = "decode_api")]
+    #[arg(long, env = "KVFERRY_BENCH_PREFILL_API", requires = "decode_api")]
     prefill_api: Option<String>,
     /// HTTP API of a running decode agent (with --prefill-api).
-    #[arg(long, requires = "prefill_api")]
+    #[arg(long, env = "KVFERRY_BENCH_DECODE_API", requires = "prefill_api")]
     decode_api: Option<String>,
     /// Prefill TP size: one agent per rank (heterogeneous TP pairs prefill and decode ranks by
     /// head ranges).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "KVFERRY_BENCH_PREFILL_TP", default_value_t = 1)]
     prefill_tp: u32,
     /// Decode TP size.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "KVFERRY_BENCH_DECODE_TP", default_value_t = 1)]
     decode_tp: u32,
     /// Prefill PP size (each stage sends its layers to the decode).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "KVFERRY_BENCH_PREFILL_PP", default_value_t = 1)]
     prefill_pp: u32,
     /// Print JSON Lines (one object per configuration) instead of a table.
-    #[arg(long)]
+    #[arg(long, env = "KVFERRY_BENCH_JSON")]
     json: bool,
     /// Also write bench.jsonl, throughput.svg and latency.svg into this folder.
-    #[arg(long)]
+    #[arg(long, env = "KVFERRY_BENCH_OUT")]
     out: Option<PathBuf>,
 }
 
@@ -104,13 +114,21 @@ impl BenchArgs {
         if self.chunk_bytes == 0 {
             bail!("--chunk-bytes must be > 0");
         }
-        for (flag, n) in [("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp), ("--prefill-pp", self.prefill_pp)] {
+        for (flag, n) in [
+            ("--prefill-tp", self.prefill_tp),
+            ("--decode-tp", self.decode_tp),
+            ("--prefill-pp", self.prefill_pp),
+        ] {
             if n == 0 {
                 bail!("{flag} must be > 0");
             }
         }
-        if self.prefill_api.is_some() && (self.prefill_tp, self.decode_tp, self.prefill_pp) != (1, 1, 1) {
-            bail!("--prefill-api/--decode-api bench one running pair; TP/PP shapes need a local cluster");
+        if self.prefill_api.is_some()
+            && (self.prefill_tp, self.decode_tp, self.prefill_pp) != (1, 1, 1)
+        {
+            bail!(
+                "--prefill-api/--decode-api bench one running pair; TP/PP shapes need a local cluster"
+            );
         }
         if self.prefill_api.is_some() && self.transport.len() != 1 {
             bail!(
@@ -179,7 +197,11 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
             ),
             _ => {
                 let tag = format!("bench-{transport}");
-                let prefill = Shape { tp: args.prefill_tp, pp: args.prefill_pp, ..Shape::ONE };
+                let prefill = Shape {
+                    tp: args.prefill_tp,
+                    pp: args.prefill_pp,
+                    ..Shape::ONE
+                };
                 let decode = Shape::tp(args.decode_tp);
                 let agent_args = args.agent_args(&layout, transport);
                 let cluster = LocalCluster::start_shaped(&exe, &tag, &agent_args, prefill, decode)
@@ -277,13 +299,7 @@ async fn drive(
             }
         })
     });
-    let results = demo::drive_rooms_counted(
-        &target.apis,
-        rooms,
-        concurrency,
-        done.clone(),
-    )
-    .await;
+    let results = demo::drive_rooms_counted(&target.apis, rooms, concurrency, done.clone()).await;
     if let Some(t) = ticker {
         t.abort();
         #[allow(clippy::print_stderr)]

@@ -38,6 +38,8 @@ impl Process {
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let mut child = Command::new(exe)
             .args(args)
+            // A config file names the flags of the parent's subcommand, not of these.
+            .env_remove(super::config::CONFIG_ENV)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)

@@ -22,26 +22,27 @@ use crate::transport::TransportKind;
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
     /// Model preset.
-    #[arg(long, default_value = "llama3-8b")]
+    #[arg(long, env = "KVFERRY_DEMO_MODEL", default_value = "llama3-8b")]
     model: String,
     /// Data-plane transport: zmq-tcp or zmq-ipc.
-    #[arg(long, default_value = "zmq-tcp")]
+    #[arg(long, env = "KVFERRY_DEMO_TRANSPORT", default_value = "zmq-tcp")]
     transport: TransportKind,
     /// Room lengths in tokens, comma separated; one room each.
     #[arg(
         long,
+        env = "KVFERRY_DEMO_TOKENS",
         value_delimiter = ',',
         default_value = "16,512,1000,4096,2500,128,3000,64"
     )]
     tokens: Vec<usize>,
     /// Rooms in flight at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, env = "KVFERRY_DEMO_CONCURRENCY", default_value_t = 4)]
     concurrency: usize,
     /// Tokens per page.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "KVFERRY_DEMO_PAGE_SIZE", default_value_t = 16)]
     page_size: usize,
     /// Print the bench JSON (design.md part 8) instead of a table.
-    #[arg(long)]
+    #[arg(long, env = "KVFERRY_DEMO_JSON")]
     json: bool,
 }
 
@@ -93,7 +94,11 @@ impl Apis {
 /// DP group for the room and tells every prefill rank of the room's prefill DP group (room
 /// modulo the DP size, as the decode agents pick it) that it is ready, waits until every decode
 /// rank is final, takes the room from each, and reads the timings.
-pub async fn drive_rooms(apis: &Apis, rooms: Vec<(u64, usize)>, concurrency: usize) -> anyhow::Result<Vec<RoomResult>> {
+pub async fn drive_rooms(
+    apis: &Apis,
+    rooms: Vec<(u64, usize)>,
+    concurrency: usize,
+) -> anyhow::Result<Vec<RoomResult>> {
     let done = Arc::new(AtomicUsize::new(0));
     drive_rooms_counted(apis, rooms, concurrency, done).await
 }
@@ -150,11 +155,19 @@ async fn one_room(
     let started = Instant::now();
     let body = json!({ "tokens": tokens });
     for d in decodes {
-        let resp = http.post(format!("{d}/v1/rooms/{room}")).json(&body).send().await?;
+        let resp = http
+            .post(format!("{d}/v1/rooms/{room}"))
+            .json(&body)
+            .send()
+            .await?;
         json_ok(resp, "decode request").await?;
     }
     for p in prefills {
-        let resp = http.post(format!("{p}/v1/rooms/{room}/ready")).json(&body).send().await?;
+        let resp = http
+            .post(format!("{p}/v1/rooms/{room}/ready"))
+            .json(&body)
+            .send()
+            .await?;
         json_ok(resp, "prefill ready").await?;
     }
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -172,7 +185,10 @@ async fn one_room(
     };
     for d in decodes {
         let view = loop {
-            let resp = http.get(format!("{d}/v1/rooms/{room}?wait_ms=5000")).send().await?;
+            let resp = http
+                .get(format!("{d}/v1/rooms/{room}?wait_ms=5000"))
+                .send()
+                .await?;
             let v = json_ok(resp, "decode room").await?;
             let state = v["state"].as_str().unwrap_or_default();
             if ["success", "failed", "aborted"].contains(&state) && v["safe_to_reuse"] == true {
@@ -182,14 +198,22 @@ async fn one_room(
                 bail!("room {room} still {state} at {d} after 120 s: {v}");
             }
         };
-        let taken = json_ok(http.post(format!("{d}/v1/rooms/{room}/take")).send().await?, "take").await?;
+        let taken = json_ok(
+            http.post(format!("{d}/v1/rooms/{room}/take"))
+                .send()
+                .await?,
+            "take",
+        )
+        .await?;
         result.bytes += taken["bytes"].as_u64().unwrap_or(0);
         if taken["state"] != "success" {
             result.state = taken["state"].as_str().unwrap_or_default().to_owned();
             result.code = taken["reason"]["code"].as_str().map(str::to_owned);
         }
         result.verified &= taken["verified"].as_bool() == Some(true) && taken["state"] == "success";
-        result.success_at = result.success_at.max(view["timings"]["success"].as_f64().unwrap_or(0.0));
+        result.success_at = result
+            .success_at
+            .max(view["timings"]["success"].as_f64().unwrap_or(0.0));
     }
     result.take_ms = started.elapsed().as_secs_f64() * 1e3;
     for p in prefills {
@@ -291,7 +315,11 @@ pub struct Shape {
 
 impl Shape {
     /// One rank.
-    pub const ONE: Shape = Shape { dp: 1, tp: 1, pp: 1 };
+    pub const ONE: Shape = Shape {
+        dp: 1,
+        tp: 1,
+        pp: 1,
+    };
 
     /// TP ranks only.
     pub fn tp(tp: u32) -> Self {
@@ -340,7 +368,14 @@ impl LocalCluster {
                 for pp in 0..shape.pp {
                     for tp in 0..shape.tp {
                         let mut args = owned(&[role, "--bootstrap", &url]);
-                        for (flag, v) in [("--dp-rank", dp), ("--dp-size", shape.dp), ("--tp-rank", tp), ("--tp-size", shape.tp), ("--pp-rank", pp), ("--pp-size", shape.pp)] {
+                        for (flag, v) in [
+                            ("--dp-rank", dp),
+                            ("--dp-size", shape.dp),
+                            ("--tp-rank", tp),
+                            ("--tp-size", shape.tp),
+                            ("--pp-rank", pp),
+                            ("--pp-size", shape.pp),
+                        ] {
                             args.extend([flag.to_owned(), v.to_string()]);
                         }
                         args.extend_from_slice(agent_args);
@@ -354,7 +389,12 @@ impl LocalCluster {
         };
         let prefills = spawn("prefill", prefill)?;
         let decodes = spawn("decode", decode)?;
-        Ok(LocalCluster { decodes, prefills, registry, logs })
+        Ok(LocalCluster {
+            decodes,
+            prefills,
+            registry,
+            logs,
+        })
     }
 
     /// The first prefill agent.
@@ -375,9 +415,15 @@ impl LocalCluster {
     /// Every agent's API, grouped for [`drive_rooms`].
     pub fn apis(&self) -> anyhow::Result<Apis> {
         let api = |groups: &[Vec<Process>]| -> anyhow::Result<Vec<Vec<String>>> {
-            groups.iter().map(|g| g.iter().map(|p| p.field("api")).collect()).collect()
+            groups
+                .iter()
+                .map(|g| g.iter().map(|p| p.field("api")).collect())
+                .collect()
         };
-        Ok(Apis { prefill: api(&self.prefills)?, decode: api(&self.decodes)? })
+        Ok(Apis {
+            prefill: api(&self.prefills)?,
+            decode: api(&self.decodes)?,
+        })
     }
 }
 

@@ -5,6 +5,7 @@ mod agent;
 mod bench;
 mod bootstrap;
 pub mod cluster;
+pub mod config;
 pub mod demo;
 mod signal;
 
@@ -14,11 +15,35 @@ use clap::{Parser, Subcommand};
 
 /// kvferry moves KV cache from prefill ranks to decode ranks in disaggregated LLM serving.
 #[derive(Debug, Parser)]
-#[command(name = "kvferry", version, about, long_about = None)]
+#[command(
+    name = "kvferry",
+    version,
+    about,
+    long_about = None,
+    after_help = "Every flag can also be set by its KVFERRY_* environment variable (see each \
+                  subcommand's --help) or in --config FILE (TOML; keys are the subcommand's long \
+                  flag names). The command line beats the environment, which beats the file."
+)]
 pub struct Cli {
+    /// TOML file of flag values, keyed by the subcommand's long flag names (`tp-size = 2`);
+    /// the command line and KVFERRY_* variables override it.
+    #[arg(long, global = true, env = config::CONFIG_ENV, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+    /// Log format on stderr: text, or json (one object per line). RUST_LOG filters.
+    #[arg(long, global = true, env = "KVFERRY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// The role this process plays.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// How logs are written to stderr.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (colored when stderr is a terminal).
+    Text,
+    /// One JSON object per line, for log pipelines.
+    Json,
 }
 
 /// The subcommands; each appears here once it works.

@@ -144,7 +144,9 @@ impl FromStr for PoolDescriptor {
                 }
                 Ok(PoolDescriptor::CudaIpc { device, handle })
             }
-            _ => Err(bad("expected `anon`, `shm:<path>` or `cuda-ipc:<device>:<handle>`")),
+            _ => Err(bad(
+                "expected `anon`, `shm:<path>` or `cuda-ipc:<device>:<handle>`",
+            )),
         }
     }
 }
@@ -453,12 +455,27 @@ mod tests {
             "anon".parse::<PoolDescriptor>().unwrap(),
             PoolDescriptor::Anonymous
         );
-        for bad in ["", "shm:", "cuda", "file:/x", "anon:x", "cuda-ipc:0", "cuda-ipc:x:00", "cuda-ipc:0:zz"] {
+        for bad in [
+            "",
+            "shm:",
+            "cuda",
+            "file:/x",
+            "anon:x",
+            "cuda-ipc:0",
+            "cuda-ipc:x:00",
+            "cuda-ipc:0:zz",
+        ] {
             assert!(bad.parse::<PoolDescriptor>().is_err(), "{bad}");
         }
         let ipc = format!("cuda-ipc:1:{}", "ab".repeat(64));
         let d: PoolDescriptor = ipc.parse().unwrap();
-        assert_eq!(d, PoolDescriptor::CudaIpc { device: 1, handle: [0xab; 64] });
+        assert_eq!(
+            d,
+            PoolDescriptor::CudaIpc {
+                device: 1,
+                handle: [0xab; 64]
+            }
+        );
         assert_eq!(d.to_string(), ipc);
     }
 

@@ -26,8 +26,9 @@ use std::ops::Range;
 use uuid::Uuid;
 
 use super::{
-    Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_AUX, MAX_BODY,
-    MAX_PAGES, MAX_STRING, MIN_VERSION, Message, Ranks, Role, TransferRequest, VERSION, WireLayout,
+    Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_AUX,
+    MAX_BODY, MAX_PAGES, MAX_STRING, MIN_VERSION, Message, Ranks, Role, TransferRequest, VERSION,
+    WireLayout,
 };
 use crate::layout::{AttentionKind, Dtype, PageOrder};
 use crate::reason::FailureCode;

@@ -12,9 +12,9 @@
 //! The trait is object-safe and small so that another transport (UCX) plugs in without
 //! touching the agents: pick it with [`for_kind`].
 
+pub mod libzmq;
 #[cfg(feature = "ucx")]
 pub mod ucx;
-pub mod libzmq;
 pub mod zmq;
 
 use std::fmt;

@@ -432,6 +432,8 @@ impl Spawned {
             None => Command::new(exe),
         };
         cmd.args(args)
+            // A config file names the flags of the parent's subcommand, not of these.
+            .env_remove("KVFERRY_CONFIG")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -632,4 +634,40 @@ pub fn test_seed() -> u64 {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64)
         })
+}
+
+/// `opts.args()` plus the timeout flags it does not pass yet (`--timeout-ready-ms`,
+/// `--timeout-stall-ms`), so that every timeout of the agents is explicit.
+pub fn all_timeouts(opts: &AgentOpts, ready_ms: u64, stall_ms: u64) -> Vec<String> {
+    let mut v = opts.args();
+    for (flag, value) in [("--timeout-ready-ms", ready_ms), ("--timeout-stall-ms", stall_ms)] {
+        if !v.iter().any(|a| a == flag) {
+            v.extend([flag.to_owned(), value.to_string()]);
+        }
+    }
+    v
+}
+
+/// The sum of every sample of the metric family `name` whose labels include `role="<role>"`
+/// (e.g. all `kind`s of `kvferry_protocol_errors_total`); `None` when there is none.
+pub async fn metric_sum(http: &Client, api: &str, name: &str, role: &str) -> Option<f64> {
+    let text = http
+        .get(format!("{api}/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    let role = format!("role=\"{role}\"");
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let (labels, value) = rest.strip_prefix('{')?.split_once("} ")?;
+            labels.split(',').any(|kv| kv == role).then(|| value.trim().parse().ok())?
+        })
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
 }

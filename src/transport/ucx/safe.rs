@@ -132,8 +132,9 @@ impl Worker {
         unsafe { result::worker_arm(self.ptr) }
     }
 
-    /// Posts a tagged receive of at most `capacity` bytes into `buffer`. `Ok(Done(info))` when a
-    /// matching message had already arrived.
+    /// Posts a tagged receive of at most `capacity` bytes into `buffer`. Always returns a
+    /// request (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`): UCX 1.13 does not report the received tag
+    /// and length of an immediate completion, [`Request::recv_info`] does.
     ///
     /// # Safety
     /// `buffer` is valid for writes of `capacity` bytes and stays allocated and unmoved until
@@ -144,17 +145,14 @@ impl Worker {
         capacity: usize,
         tag: u64,
         mask: u64,
-    ) -> Result<Started<sys::ucp_tag_recv_info_t>, UcxError> {
-        let mut info = sys::ucp_tag_recv_info_t::default();
+    ) -> Result<Started<()>, UcxError> {
         let mut param = result::request_param();
         param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_DATATYPE
             | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
-            | sys::UCP_OP_ATTR_FIELD_RECV_INFO;
+            | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
         param.datatype = sys::UCP_DATATYPE_BYTES;
         param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
-        param.recv_info.tag_info = &mut info;
-        // SAFETY: the worker is live; buffer validity is the caller's contract; `info` is
-        // written only on immediate completion, before this call returns.
+        // SAFETY: the worker is live; buffer validity is the caller's contract.
         let ptr = unsafe {
             sys::ucp_tag_recv_nbx(
                 self.ptr.as_ptr(),
@@ -166,7 +164,7 @@ impl Worker {
             )
         };
         Ok(match request_or_done("ucp_tag_recv_nbx", ptr)? {
-            None => Started::Done(info),
+            None => Started::Done(()),
             Some(req) => Started::Pending(Request::new(req, self)),
         })
     }
@@ -221,17 +219,28 @@ unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, _ep: sys::ucp_ep_h, sta
     state.failed.store(status, Ordering::Release);
 }
 
-/// A connection to a remote worker, with peer error handling.
+/// A connection to a remote worker.
 pub struct Endpoint {
     ptr: NonNull<sys::ucp_ep>,
     state: Box<EpState>,
+    supervised: bool,
     worker: Rc<Worker>,
 }
 
 impl Endpoint {
     /// Connects to the worker whose address (from [`Worker::address`]) is `address`. UCX wires
     /// up lazily: an unreachable peer shows as a failure of the first operations.
-    pub fn connect(worker: &Rc<Worker>, address: &[u8]) -> Result<Endpoint, UcxError> {
+    ///
+    /// `supervised` asks for `UCP_ERR_HANDLING_MODE_PEER` (UCX reports a dead peer through
+    /// the error handler, see [`Endpoint::failure`]); UCX 1.13 refuses it, with
+    /// `UCS_ERR_UNREACHABLE`, when no selected transport can detect peer failure (its
+    /// shared-memory transports). Unsupervised endpoints learn of a dead peer only through
+    /// [`Endpoint::set_failed`].
+    pub fn connect(
+        worker: &Rc<Worker>,
+        address: &[u8],
+        supervised: bool,
+    ) -> Result<Endpoint, UcxError> {
         if address.is_empty() {
             return Err(UcxError::call("ucp_ep_create", sys::UCS_ERR_UNREACHABLE));
         }
@@ -245,7 +254,11 @@ impl Endpoint {
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER
                 | sys::UCP_EP_PARAM_FIELD_USER_DATA,
             address: address.as_ptr().cast(),
-            err_mode: sys::UCP_ERR_HANDLING_MODE_PEER,
+            err_mode: if supervised {
+                sys::UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                sys::UCP_ERR_HANDLING_MODE_NONE
+            },
             err_handler: sys::ucp_err_handler_t {
                 cb: Some(on_endpoint_error),
                 arg,
@@ -275,8 +288,31 @@ impl Endpoint {
         Ok(Endpoint {
             ptr,
             state,
+            supervised,
             worker: worker.clone(),
         })
+    }
+
+    /// Whether UCX reports this endpoint's peer failure (`UCP_ERR_HANDLING_MODE_PEER`).
+    pub fn supervised(&self) -> bool {
+        self.supervised
+    }
+
+    /// Records that the peer is dead (learnt elsewhere, e.g. a missed heartbeat), with the
+    /// status later operations report. Dropping the endpoint then force-closes it, which
+    /// completes its outstanding requests.
+    pub fn set_failed(&self, status: ucs_status_t) {
+        let status = if status == sys::UCS_OK {
+            sys::UCS_ERR_CONNECTION_RESET
+        } else {
+            status
+        };
+        let _ = self.state.failed.compare_exchange(
+            sys::UCS_OK,
+            status,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 
     /// The status the error handler recorded, once the peer has failed.
@@ -391,11 +427,15 @@ impl Endpoint {
 impl Drop for Endpoint {
     fn drop(&mut self) {
         let mut param = result::request_param();
-        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
-        param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        // FORCE needs PEER mode on both sides unless the peer is dead (ucp.h); an unsupervised
+        // endpoint to a live peer closes by flushing.
+        if self.supervised || self.failure().is_some() {
+            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+            param.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        }
         // SAFETY: the handle is live and closed once. FORCE completes the endpoint's
-        // outstanding requests with an error (their owners still hold their buffers) and
-        // marks it closed, after which UCX calls no error handler, so `state` may go.
+        // outstanding requests with an error (their owners still hold their buffers); either
+        // mode marks it closed, after which UCX calls no error handler, so `state` may go.
         let ptr = unsafe { sys::ucp_ep_close_nbx(self.ptr.as_ptr(), &param) };
         match request_or_done("ucp_ep_close_nbx", ptr) {
             // SAFETY: a close request holds no buffer of ours; freeing it lets UCX release it

@@ -115,6 +115,7 @@ pub const UCP_OP_ATTR_FIELD_DATATYPE: u32 = 1 << 3;
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
 pub const UCP_OP_ATTR_FIELD_RECV_INFO: u32 = 1 << 7;
+pub const UCP_OP_ATTR_FLAG_NO_IMM_CMPL: u32 = 1 << 16;
 
 // ucp_dt_type: `ucp_dt_make_contig(1)` is `(1 << UCP_DATATYPE_SHIFT) | UCP_DATATYPE_CONTIG`,
 // `ucp_dt_make_iov()` is `UCP_DATATYPE_IOV`.

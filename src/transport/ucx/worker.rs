@@ -72,6 +72,7 @@ pub struct Registered {
 pub struct UcxConfig {
     vars: Vec<(String, String)>,
     spin: Option<Duration>,
+    supervise: Option<bool>,
 }
 
 impl UcxConfig {
@@ -85,9 +86,21 @@ impl UcxConfig {
         Self::new().var("TLS", "tcp").var("NET_DEVICES", "lo")
     }
 
-    /// UCX over shared memory (`TLS=posix,cma,self`): same host only.
+    /// UCX over shared memory (`TLS=posix,cma,self`): same host only. UCX 1.13 cannot detect
+    /// a dead peer on these transports, so endpoints are unsupervised (see
+    /// [`UcxWorker::fail_endpoint`]).
     pub fn shared_memory() -> Self {
-        Self::new().var("TLS", "posix,cma,self")
+        Self::new()
+            .var("TLS", "posix,cma,self")
+            .supervise(Some(false))
+    }
+
+    /// Peer failure detection of endpoints: `Some(true)` requires it (`connect` fails where
+    /// the transports lack it), `Some(false)` goes without, `None` (default) asks for it and
+    /// falls back to an unsupervised endpoint when UCX refuses.
+    pub fn supervise(mut self, supervise: Option<bool>) -> Self {
+        self.supervise = supervise;
+        self
     }
 
     /// Sets a UCX variable, named with or without the `UCX_` prefix (`TLS`, `UCX_TLS`).
@@ -161,6 +174,14 @@ enum Command {
         ep: EndpointId,
         reply: Reply<()>,
     },
+    FailEndpoint {
+        ep: EndpointId,
+        reply: Reply<()>,
+    },
+    Supervised {
+        ep: EndpointId,
+        reply: Reply<bool>,
+    },
     Shutdown {
         reply: Option<oneshot::Sender<()>>,
     },
@@ -200,6 +221,21 @@ fn wake(fd: &OwnedFd) {
     // SAFETY: writes 8 bytes from a live u64 to an eventfd we own. A full counter (EAGAIN)
     // already means "awake", so the result needs no handling.
     let _ = unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
+}
+
+/// Wakes the progress thread when a caller's future is dropped before its reply, so the
+/// abandoned operation is cancelled at once rather than at the next timeout.
+struct WakeOnDrop<'a> {
+    wake: &'a OwnedFd,
+    armed: bool,
+}
+
+impl Drop for WakeOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            wake(self.wake);
+        }
+    }
 }
 
 /// A cloneable handle to a UCX worker running on its own progress thread. Dropping the last
@@ -259,11 +295,18 @@ impl UcxWorker {
     async fn call<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, UcxError> {
         let (reply, result) = oneshot::channel();
         self.shared.send(command(reply))?;
-        result.await.map_err(|_| UcxError::WorkerGone)?
+        let mut guard = WakeOnDrop {
+            wake: &self.shared.wake,
+            armed: true,
+        };
+        let result = result.await;
+        guard.armed = false;
+        result.map_err(|_| UcxError::WorkerGone)?
     }
 
-    /// Creates an endpoint to the worker at `address` (with peer failure detection). UCX
-    /// connects lazily: an unreachable peer fails the first operations, not this call.
+    /// Creates an endpoint to the worker at `address`, with peer failure detection where the
+    /// transports have it (see [`UcxWorker::is_supervised`]). UCX connects lazily: an
+    /// unreachable peer fails the first operations, not this call.
     pub async fn connect(&self, address: Bytes) -> Result<EndpointId, UcxError> {
         self.call(|reply| Command::Connect { address, reply }).await
     }
@@ -388,6 +431,20 @@ impl UcxWorker {
         self.call(|reply| Command::Flush { ep, reply }).await
     }
 
+    /// Declares the peer of `ep` dead (learnt elsewhere, e.g. from a missed control-plane
+    /// heartbeat): the endpoint is force-closed, and its pending and later operations fail
+    /// with [`UcxError::PeerFailed`]. The only failure report of an unsupervised endpoint.
+    pub async fn fail_endpoint(&self, ep: EndpointId) -> Result<(), UcxError> {
+        self.call(|reply| Command::FailEndpoint { ep, reply }).await
+    }
+
+    /// Whether UCX itself detects the failure of `ep`'s peer (`UCP_ERR_HANDLING_MODE_PEER`).
+    /// UCX 1.13's shared-memory transports cannot: such endpoints are unsupervised, and a dead
+    /// peer must be reported with [`UcxWorker::fail_endpoint`].
+    pub async fn is_supervised(&self, ep: EndpointId) -> Result<bool, UcxError> {
+        self.call(|reply| Command::Supervised { ep, reply }).await
+    }
+
     /// Stops the progress thread (pending operations fail with [`UcxError::WorkerGone`]) and
     /// waits until it has released every UCX object.
     pub async fn shutdown(&self) {
@@ -502,11 +559,14 @@ struct Engine {
     pending: Vec<Pending>,
     remote: HashMap<u64, RemoteRegion>,
     endpoints: HashMap<u64, Rc<Endpoint>>,
+    /// Endpoints whose peer failed, closed, with the status operations on them report.
+    dead: HashMap<u64, sys::ucs_status_t>,
     registered: HashMap<u64, (MemHandle, Arc<dyn RegisterableMemory>)>,
     worker: Rc<Worker>,
     context: Rc<Context>,
     next_id: u64,
     shutting_down: bool,
+    supervise: Option<bool>,
 }
 
 impl Engine {
@@ -517,11 +577,13 @@ impl Engine {
             pending: Vec::new(),
             remote: HashMap::new(),
             endpoints: HashMap::new(),
+            dead: HashMap::new(),
             registered: HashMap::new(),
             worker,
             context,
             next_id: 1,
             shutting_down: false,
+            supervise: config.supervise,
         })
     }
 
@@ -592,6 +654,7 @@ impl Engine {
     /// Completes what UCX has finished and cancels what callers abandoned; the number of
     /// operations completed.
     fn sweep(&mut self) -> usize {
+        self.reap_failed();
         let mut completed = 0;
         let mut i = 0;
         while i < self.pending.len() {
@@ -604,8 +667,7 @@ impl Engine {
                 if !p.cancelled {
                     let watched =
                         p.ep.filter(|_| matches!(p.op, Op::Recv { .. }))
-                            .and_then(|ep| self.endpoints.get(&ep.0))
-                            .and_then(|e| e.failure());
+                            .and_then(|ep| failure(&self.endpoints, &self.dead, ep));
                     if watched.is_some() || p.op.abandoned() || self.shutting_down {
                         p.peer_failed = watched;
                         p.cancelled = true;
@@ -616,7 +678,6 @@ impl Engine {
                 continue;
             }
             let p = self.pending.swap_remove(i);
-            eprintln!("DEBUG sweep status {status} info {info:?}");
             completed += 1;
             self.finish(p, status, info);
         }
@@ -672,10 +733,8 @@ impl Engine {
         status: sys::ucs_status_t,
         peer_failed: Option<sys::ucs_status_t>,
     ) -> UcxError {
-        let recorded = peer_failed.or_else(|| {
-            ep.and_then(|ep| self.endpoints.get(&ep.0))
-                .and_then(|e| e.failure())
-        });
+        let recorded =
+            peer_failed.or_else(|| ep.and_then(|ep| failure(&self.endpoints, &self.dead, ep)));
         let connection_error = matches!(
             status,
             sys::UCS_ERR_UNREACHABLE
@@ -703,10 +762,20 @@ impl Engine {
     }
 
     fn endpoint(&self, op: &'static str, ep: EndpointId) -> Result<Rc<Endpoint>, UcxError> {
-        let endpoint = self.endpoints.get(&ep.0).ok_or(UcxError::Unknown {
-            what: "endpoint",
-            id: ep.0,
-        })?;
+        let Some(endpoint) = self.endpoints.get(&ep.0) else {
+            return Err(match self.dead.get(&ep.0) {
+                Some(&status) => UcxError::PeerFailed {
+                    op,
+                    endpoint: ep.0,
+                    status,
+                    name: status_name(status),
+                },
+                None => UcxError::Unknown {
+                    what: "endpoint",
+                    id: ep.0,
+                },
+            });
+        };
         match endpoint.failure() {
             Some(status) => Err(UcxError::PeerFailed {
                 op,
@@ -739,7 +808,21 @@ impl Engine {
     fn handle(&mut self, command: Command) {
         match command {
             Command::Connect { address, reply } => {
-                let result = Endpoint::connect(&self.worker, &address).map(|endpoint| {
+                let result =
+                    match Endpoint::connect(&self.worker, &address, self.supervise.unwrap_or(true))
+                    {
+                        Err(UcxError::Call {
+                            status: sys::UCS_ERR_UNREACHABLE,
+                            ..
+                        }) if self.supervise.is_none() => {
+                            tracing::debug!(
+                                "no transport detects peer failure: an unsupervised UCX endpoint"
+                            );
+                            Endpoint::connect(&self.worker, &address, false)
+                        }
+                        other => other,
+                    };
+                let result = result.map(|endpoint| {
                     let id = self.id();
                     self.endpoints.insert(id, Rc::new(endpoint));
                     EndpointId(id)
@@ -826,11 +909,12 @@ impl Engine {
                         .tag_recv(buffer.as_mut_ptr(), capacity, tag, mask)
                 };
                 match started {
-                    Ok(Started::Done(info)) => {
-                        eprintln!("DEBUG immediate info {info:?}");
-                        let result = recv_result(buffer, capacity, sys::UCS_OK, info)
-                            .map_err(|_| UcxError::Truncated { capacity });
-                        let _ = reply.send(result);
+                    Ok(Started::Done(())) => {
+                        // Not with UCP_OP_ATTR_FLAG_NO_IMM_CMPL; never guess a length.
+                        let _ = reply.send(Err(UcxError::call(
+                            "ucp_tag_recv_nbx",
+                            sys::UCS_ERR_NO_MESSAGE,
+                        )));
                     }
                     Ok(Started::Pending(request)) => self.pending.push(Pending {
                         request,
@@ -978,7 +1062,50 @@ impl Engine {
                     }
                 }
             }
+            Command::FailEndpoint { ep, reply } => {
+                let result = match self.endpoints.get(&ep.0) {
+                    Some(endpoint) => {
+                        endpoint.set_failed(sys::UCS_ERR_CONNECTION_RESET);
+                        self.reap_failed();
+                        Ok(())
+                    }
+                    None if self.dead.contains_key(&ep.0) => Ok(()),
+                    None => Err(UcxError::Unknown {
+                        what: "endpoint",
+                        id: ep.0,
+                    }),
+                };
+                let _ = reply.send(result);
+            }
+            Command::Supervised { ep, reply } => {
+                let result = self.endpoint("supervised", ep).map(|e| e.supervised());
+                let _ = reply.send(result);
+            }
             Command::Shutdown { .. } => {}
+        }
+    }
+
+    fn progress_until_idle(&mut self, bound: Duration) {
+        let deadline = Instant::now() + bound;
+        while !self.pending.is_empty() && Instant::now() < deadline {
+            self.worker.progress();
+            self.sweep();
+        }
+    }
+
+    /// Closes endpoints whose peer failed (UCX asks for that after an error) and remembers
+    /// their status: their outstanding requests complete, later operations fail at once.
+    fn reap_failed(&mut self) {
+        let failed: Vec<(u64, sys::ucs_status_t)> = self
+            .endpoints
+            .iter()
+            .filter_map(|(&id, e)| e.failure().map(|status| (id, status)))
+            .collect();
+        for (id, status) in failed {
+            tracing::warn!(endpoint = id, error = %status_name(status), "UCX peer failed");
+            self.remote.retain(|_, r| r.ep.0 != id);
+            self.endpoints.remove(&id);
+            self.dead.insert(id, status);
         }
     }
 
@@ -993,14 +1120,18 @@ impl Engine {
     /// Cancels everything, closes endpoints and waits (bounded) for UCX to give every buffer
     /// back. What UCX still holds after the bound is leaked, never freed.
     fn close(&mut self) {
+        // Receives are cancelled by the sweep; sends and puts get 2 s to finish.
         self.shutting_down = true;
+        self.progress_until_idle(Duration::from_secs(2));
+        if !self.pending.is_empty() {
+            // Their peers do not take them: force-close every endpoint (completes them).
+            for endpoint in self.endpoints.values() {
+                endpoint.set_failed(sys::UCS_ERR_CANCELED);
+            }
+        }
         self.remote.clear();
         self.endpoints.clear();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !self.pending.is_empty() && Instant::now() < deadline {
-            self.worker.progress();
-            self.sweep();
-        }
+        self.progress_until_idle(Duration::from_secs(3));
         if !self.pending.is_empty() {
             tracing::error!(
                 pending = self.pending.len(),
@@ -1011,6 +1142,17 @@ impl Engine {
         }
         self.registered.clear();
     }
+}
+
+/// The failure recorded for `ep`: closed as dead, or its error handler ran.
+fn failure(
+    endpoints: &HashMap<u64, Rc<Endpoint>>,
+    dead: &HashMap<u64, sys::ucs_status_t>,
+    ep: EndpointId,
+) -> Option<sys::ucs_status_t> {
+    dead.get(&ep.0)
+        .copied()
+        .or_else(|| endpoints.get(&ep.0).and_then(|e| e.failure()))
 }
 
 enum RecvFail {
