@@ -61,6 +61,9 @@ impl ZmqData {
 /// A bind address for `host` on a fresh port (tcp) or a fresh socket file (ipc).
 fn bind_address(kind: TransportKind, host: &str) -> String {
     match kind {
+        TransportKind::ZmqTcp if host.contains(':') && !host.starts_with('[') => {
+            format!("tcp://[{host}]:0")
+        }
         TransportKind::ZmqTcp => format!("tcp://{host}:0"),
         TransportKind::ZmqIpc => {
             let dir = std::env::temp_dir();
@@ -169,6 +172,13 @@ fn bind(address: &str) -> Result<(zmq::Socket, String), TransportError> {
     let err = |e: zmq::Error| TransportError::new("bind", address, format!("libzmq: {e}"));
     let socket = context().socket(zmq::PULL).map_err(err)?;
     socket.set_rcvhwm(HWM).map_err(err)?;
+    socket.set_ipv6(true).map_err(err)?;
+    if let Some(b) = std::env::var("KVFERRY_LIBZMQ_BUF")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        socket.set_rcvbuf(b).map_err(err)?; // TEMP
+    }
     socket.set_rcvtimeo(POLL_MS).map_err(err)?;
     socket.set_linger(0).map_err(err)?;
     socket.bind(address).map_err(err)?;
@@ -190,6 +200,13 @@ fn connect(endpoint: &str, timeout: Duration) -> Result<zmq::Socket, TransportEr
         .max(1);
     let socket = context().socket(zmq::PUSH).map_err(err)?;
     socket.set_sndhwm(HWM).map_err(err)?;
+    socket.set_ipv6(true).map_err(err)?;
+    if let Some(b) = std::env::var("KVFERRY_LIBZMQ_BUF")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        socket.set_sndbuf(b).map_err(err)?; // TEMP
+    }
     socket.set_sndtimeo(POLL_MS).map_err(err)?;
     socket.set_linger(LINGER_MS).map_err(err)?;
     socket.set_immediate(true).map_err(err)?;

@@ -7,7 +7,9 @@
 //! - the *data plane* carries chunks, each a header (an encoded protocol message) and a payload
 //!   (staging bytes), from a prefill agent to a decode agent. It is what varies by transport:
 //!   a decode agent listens with [`Transport::listen`] and advertises the endpoint in Hello; a
-//!   prefill agent connects with [`Transport::connect`].
+//!   prefill agent connects with [`Transport::connect`]. `zmq-tcp` and `zmq-ipc` are libzmq
+//!   PUSH/PULL ([`libzmq::ZmqData`]; measured faster than the `zeromq` crate's, see
+//!   docs/benchmarks.md).
 //!
 //! The trait is object-safe and small so that another transport (UCX) plugs in without
 //! touching the agents: pick it with [`for_kind`].
@@ -128,10 +130,5 @@ pub trait Transport: Send + Sync {
 
 /// The transport of a kind.
 pub fn for_kind(kind: TransportKind) -> Arc<dyn Transport> {
-    // TEMP A/B switch for measurement
-    if std::env::var("KVFERRY_ZMQ_DATA").is_ok_and(|v| v == "crate") {
-        Arc::new(zmq::ZmqData::new(kind))
-    } else {
-        Arc::new(libzmq::ZmqData::new(kind))
-    }
+    Arc::new(libzmq::ZmqData::new(kind))
 }

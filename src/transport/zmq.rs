@@ -1,145 +1,29 @@
-//! ZeroMQ sockets (the pure-Rust `zeromq` crate on tokio): the control plane (ROUTER on the
-//! prefill, DEALER on the decode) and the `zmq-tcp` / `zmq-ipc` data plane (PUSH on the
-//! prefill, PULL on the decode, one two-frame message per chunk: header, payload).
+//! The control plane on ZeroMQ (the pure-Rust `zeromq` crate on tokio): ROUTER on the
+//! prefill, DEALER on the decode, one protocol message per frame. Control messages are small
+//! and few, so the crate's framing copies cost nothing that matters here.
 //!
-//! Payloads travel as `Bytes` frames: a sender hands over its staging buffer without a copy
-//! and a receiver scatters straight out of the received frame.
+//! The `zmq-tcp` / `zmq-ipc` data plane is libzmq's: see [`super::libzmq`]. The `zeromq`
+//! crate's PUSH/PULL carried it before, and measured slower end to end (docs/benchmarks.md,
+//! "ZeroMQ data plane"): its codec copies every payload into its write buffer and zero-fills
+//! its read buffer, which libzmq does not.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use zeromq::prelude::*;
 use zeromq::{
-    DealerRecvHalf, DealerSendHalf, DealerSocket, PullSocket, PushSocket, RouterRecvHalf,
-    RouterSendHalf, RouterSocket, SocketOptions, ZmqMessage,
+    DealerRecvHalf, DealerSendHalf, DealerSocket, RouterRecvHalf, RouterSendHalf, RouterSocket,
+    SocketOptions, ZmqMessage,
 };
 
-use super::{
-    BoxFuture, DataReceiver, DataSender, Listening, Transport, TransportError, TransportKind,
-};
-
-/// The ZeroMQ data plane of one kind (`zmq-tcp` or `zmq-ipc`).
-#[derive(Debug)]
-pub struct ZmqData {
-    kind: TransportKind,
-}
-
-impl ZmqData {
-    /// The ZeroMQ data plane over `kind`'s socket family.
-    pub fn new(kind: TransportKind) -> Self {
-        ZmqData { kind }
-    }
-}
-
-/// A bind address for `host` on a fresh port (tcp) or a fresh socket file (ipc).
-fn bind_address(kind: TransportKind, host: &str) -> String {
-    match kind {
-        TransportKind::ZmqTcp => format!("tcp://{host}:0"),
-        TransportKind::ZmqIpc => {
-            let dir = std::env::temp_dir();
-            let name = format!("kvferry-{}.sock", uuid::Uuid::new_v4().simple());
-            format!("ipc://{}", dir.join(name).display())
-        }
-    }
-}
+use super::TransportError;
 
 fn options(timeout: Option<Duration>) -> SocketOptions {
-    // The crate's default read buffer (64 KiB at most) measured fastest here for 1 MiB
-    // chunks: larger buffers cost more in reallocation than they save in reads.
     let mut o = SocketOptions::default();
     if let Some(t) = timeout {
         o.connect_timeout(t);
     }
     o
-}
-
-impl Transport for ZmqData {
-    fn kind(&self) -> TransportKind {
-        self.kind
-    }
-
-    fn listen(&self, host: &str) -> BoxFuture<'static, Result<Listening, TransportError>> {
-        let address = bind_address(self.kind, host);
-        Box::pin(async move {
-            let mut socket = PullSocket::with_options(options(None));
-            let endpoint = socket
-                .bind(&address)
-                .await
-                .map_err(|e| TransportError::new("bind", &address, e))?;
-            let receiver: Box<dyn DataReceiver> = Box::new(ZmqReceiver {
-                socket,
-                endpoint: endpoint.to_string(),
-            });
-            Ok((endpoint.to_string(), receiver))
-        })
-    }
-
-    fn connect(
-        &self,
-        endpoint: &str,
-        timeout: Duration,
-    ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>> {
-        let endpoint = endpoint.to_owned();
-        Box::pin(async move {
-            let mut socket = PushSocket::with_options(options(Some(timeout)));
-            tokio::time::timeout(timeout, socket.connect(&endpoint))
-                .await
-                .map_err(|_| {
-                    TransportError::new(
-                        "connect",
-                        &endpoint,
-                        format!("no answer within {timeout:?}"),
-                    )
-                })?
-                .map_err(|e| TransportError::new("connect", &endpoint, e))?;
-            let sender: Box<dyn DataSender> = Box::new(ZmqSender { socket, endpoint });
-            Ok(sender)
-        })
-    }
-}
-
-struct ZmqSender {
-    socket: PushSocket,
-    endpoint: String,
-}
-
-impl DataSender for ZmqSender {
-    fn send(&mut self, header: Bytes, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>> {
-        Box::pin(async move {
-            let mut msg = ZmqMessage::from(header);
-            msg.push_back(payload);
-            self.socket
-                .send(msg)
-                .await
-                .map_err(|e| TransportError::new("send", &self.endpoint, e))
-        })
-    }
-}
-
-struct ZmqReceiver {
-    socket: PullSocket,
-    endpoint: String,
-}
-
-impl DataReceiver for ZmqReceiver {
-    fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>> {
-        Box::pin(async move {
-            let msg = self
-                .socket
-                .recv()
-                .await
-                .map_err(|e| TransportError::new("recv", &self.endpoint, e))?;
-            let mut frames = msg.into_vecdeque();
-            match (frames.pop_front(), frames.pop_front(), frames.is_empty()) {
-                (Some(header), Some(payload), true) => Ok((header, payload)),
-                (_, _, _) => Err(TransportError::new(
-                    "recv",
-                    &self.endpoint,
-                    "a data message must have exactly two frames (header, payload)",
-                )),
-            }
-        })
-    }
 }
 
 /// Identity of a control peer as the ROUTER sees it.

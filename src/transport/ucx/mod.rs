@@ -9,8 +9,9 @@
 //!   handles with RAII `Drop`, each keeping its parent alive (`Rc`), so nothing is destroyed
 //!   before what depends on it. They are `!Send`: UCP objects never leave the thread that made
 //!   them;
-//! - [`worker`]: [`UcxWorker`], a cloneable async handle to one progress thread that owns a
-//!   context and a worker, takes commands over a channel and replies through oneshots.
+//! - [`worker`] (with `progress.rs`): [`UcxWorker`], a cloneable async handle to one progress
+//!   thread that owns a context and a worker, takes commands over a channel and replies
+//!   through oneshots.
 //!
 //! Invariants:
 //! - every buffer UCX reads or writes is owned by the operation in the progress thread (`Bytes`
@@ -24,6 +25,7 @@
 //!   are linked); the feature is off by default.
 #![allow(unsafe_code)]
 
+mod progress;
 pub mod region;
 pub mod result;
 pub mod safe;

@@ -1,0 +1,617 @@
+//! The decode agent: takes room requests from the decode engine, resolves the prefill group
+//! through the registry, says Hello once per prefill instance, asks for each room with a
+//! TransferRequest, scatters arriving chunks into the decode pool, and keeps each landed room
+//! until the engine takes it (remove-after-retrieve) or it expires.
+//!
+//! A room is `success` only when Done has arrived *and* every expected byte has landed: the
+//! agent counts completions instead of trusting one notification (design.md part 9). Chunks
+//! are checked before a byte moves: known room, the epoch (prefill instance) the room was
+//! requested from, ranges within the request, no (layer, token) landed twice, payload length.
+//!
+//! Page safety: with staged transports this agent is the only writer of its pool, so a room's
+//! pages are safe to reuse once the room is final and no scatter of it is still running.
+//!
+//! A room may come from several prefill ranks (heterogeneous TP, PP stages): `pairing.rs`
+//! plans one bulk segment per source, each asked with its own TransferRequest and finished by
+//! its own Done. Files: this one (rooms, requests, timeouts, drain), `peer.rs` (control
+//! connections, heartbeats, what prefills send), `landing.rs` (chunks into the pool),
+//! `http.rs` (the engine's API).
+
+mod http;
+mod landing;
+mod peer;
+
+use http::routes;
+use landing::receive_chunks;
+use peer::Peer;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvferry_bootstrap::{ClientError, PrefillGroup, Registration, RegistryClient, Role};
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+use uuid::Uuid;
+
+use super::api::{self, ApiError};
+use super::metrics::{Gauges, Metrics};
+use super::pairing::{self, RankSlice};
+use super::room::{RoomState, RoomStatus};
+use super::{AgentConfig, Coverage, synthetic};
+use crate::kernel::Selection;
+use crate::kernel::cpu::CpuKernel;
+use crate::layout::{KvLayout, PageOrder};
+use crate::pool::HostPool;
+use crate::pool::allocator::{PageAllocator, PageLease};
+use crate::protocol::{self, Chunk, Hello, Message, TransferRequest};
+use crate::reason::{FailureCode, Reason};
+use crate::transport::zmq::{ControlClient, ControlClientRecv, ControlClientSend};
+use crate::transport::{self, DataReceiver};
+
+/// A running decode agent.
+pub struct DecodeAgent {
+    /// The engine-facing HTTP API, e.g. `http://127.0.0.1:40111`.
+    pub api_url: String,
+    /// This process's instance id.
+    pub instance: Uuid,
+    /// Where prefill agents send data.
+    pub data_endpoint: String,
+    tasks: tokio::task::JoinSet<()>,
+    keep_alive: kvferry_bootstrap::KeepAlive,
+    inner: Arc<Inner>,
+}
+
+impl DecodeAgent {
+    /// Starts the agent; it serves until `shutdown` is cancelled.
+    pub async fn start(
+        cfg: AgentConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Self, super::AgentError> {
+        let instance = Uuid::new_v4();
+        let pool = Arc::new(super::open_pool(&cfg)?);
+        let alloc = PageAllocator::new(cfg.pool_pages as u32);
+        let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
+        let (data_endpoint, receiver) =
+            transport::for_kind(cfg.transport).listen(&cfg.host).await?;
+        let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
+        let api_url = format!("http://{}", listener.local_addr()?);
+        let inner = Arc::new(Inner {
+            instance,
+            pool,
+            alloc,
+            kernel: CpuKernel::new(cfg.copy_threads),
+            registry: registry.clone(),
+            data_endpoint: data_endpoint.clone(),
+            rooms: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            connecting: tokio::sync::Mutex::new(()),
+            metrics: Metrics::new("decode"),
+            draining: std::sync::atomic::AtomicBool::new(false),
+            stuck_warned: Mutex::new(None),
+            shutdown: shutdown.clone(),
+            cfg,
+        });
+        let endpoints = [(inner.cfg.transport.name().to_owned(), data_endpoint.clone())].into();
+        let reg = super::registration(
+            Role::Decode,
+            instance,
+            &inner.cfg,
+            api_url.clone(),
+            endpoints,
+        );
+        let keep_alive = registry.keep_alive(reg, shutdown.clone()).await?;
+
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(receive_chunks(inner.clone(), receiver));
+        tasks.spawn(expire_rooms(inner.clone()));
+        let app = routes(inner.clone());
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            let serve = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "decode API stopped");
+            }
+        });
+        tracing::info!(%instance, api = %api_url, data = %data_endpoint, "decode agent listening");
+        Ok(DecodeAgent {
+            api_url,
+            instance,
+            data_endpoint,
+            tasks,
+            keep_alive,
+            inner,
+        })
+    }
+
+    /// Stops accepting rooms (503), lets in-flight rooms finish for up to the drain timeout,
+    /// then aborts the rest. Landed rooms stay takeable until shutdown.
+    pub async fn drain(&self) {
+        let inner = &self.inner;
+        inner
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let deadline = Instant::now() + inner.cfg.timeouts.drain;
+        let in_flight = || {
+            inner
+                .rooms()
+                .values()
+                .filter(|r| !r.status.state().is_final())
+                .count()
+        };
+        while in_flight() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left: Vec<u64> = inner
+            .rooms()
+            .iter()
+            .filter(|(_, r)| !r.status.state().is_final())
+            .map(|(id, _)| *id)
+            .collect();
+        tracing::info!(aborted = left.len(), "drained");
+        for room in left {
+            inner
+                .abort(
+                    room,
+                    Reason::new(FailureCode::Shutdown, "the decode agent is shutting down"),
+                )
+                .await;
+        }
+    }
+
+    /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.
+    pub async fn join(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+        self.keep_alive.stopped().await;
+    }
+}
+
+struct Inner {
+    cfg: AgentConfig,
+    instance: Uuid,
+    pool: Arc<HostPool>,
+    alloc: PageAllocator,
+    kernel: CpuKernel,
+    registry: RegistryClient,
+    data_endpoint: String,
+    rooms: Mutex<HashMap<u64, Room>>,
+    /// Control connections by prefill instance.
+    peers: Mutex<HashMap<Uuid, Arc<Peer>>>,
+    /// Held while connecting, so two rooms do not both say Hello to one prefill.
+    connecting: tokio::sync::Mutex<()>,
+    metrics: Metrics,
+    /// Set by SIGTERM: new rooms are refused.
+    draining: std::sync::atomic::AtomicBool,
+    /// When stuck rooms were last warned about.
+    stuck_warned: Mutex<Option<Instant>>,
+    shutdown: CancellationToken,
+}
+
+struct Room {
+    status: RoomStatus,
+    tokens: usize,
+    /// The first token requested; earlier ones are the decode engine's own prefix.
+    start_token: usize,
+    pages: Arc<[u32]>,
+    /// Present when the agent allocated the pages; dropping it returns them.
+    lease: Option<PageLease>,
+    expected: usize,
+    landed: usize,
+    chunks: u32,
+    coverage: Coverage,
+    /// The prefill ranks the room comes from, one bulk segment each (see `pairing.rs`).
+    sources: Vec<Source>,
+    /// AbortAcks still awaited while aborting.
+    acks_pending: usize,
+    scattering: usize,
+    final_at: Option<Instant>,
+    /// The last sign of life of the room's transfer (request sent, chunk landed, Done): the
+    /// ready and stall timeouts count from it.
+    progress_at: Instant,
+}
+
+/// One segment of a room: what one prefill rank sends.
+struct Source {
+    peer: Arc<Peer>,
+    /// Global layers.
+    layers: std::ops::Range<usize>,
+    /// Global heads.
+    heads: std::ops::Range<usize>,
+    expected: usize,
+    landed: usize,
+    chunks: u32,
+    done: Option<protocol::Done>,
+}
+
+impl Room {
+    /// No write into the room's pages can still arrive (see the module doc).
+    fn safe_to_reuse(&self) -> bool {
+        self.status.state().is_final() && self.scattering == 0
+    }
+
+    fn view(&self, room: u64) -> serde_json::Value {
+        serde_json::json!({
+            "room": room.to_string(),
+            "state": self.status.state(),
+            "reason": self.status.reason(),
+            "bytes": self.landed,
+            "expected_bytes": self.expected,
+            "tokens": self.tokens,
+            "start_token": self.start_token,
+            "chunks": self.chunks,
+            "pages": &*self.pages,
+            "page_owner": if self.lease.is_some() { "agent" } else { "engine" },
+            "sources": self.sources.iter().map(|s| serde_json::json!({
+                "prefill_instance": s.peer.instance.to_string(),
+                "layers": [s.layers.start, s.layers.end],
+                "heads": [s.heads.start, s.heads.end],
+                "bytes": s.landed,
+                "done": s.done.is_some(),
+            })).collect::<Vec<_>>(),
+            "timings": self.status.timings_json(),
+            "safe_to_reuse": self.safe_to_reuse(),
+        })
+    }
+}
+
+impl Inner {
+    fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
+        self.rooms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn peers(&self) -> MutexGuard<'_, HashMap<Uuid, Arc<Peer>>> {
+        self.peers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a move to a final state: timestamp for expiry, metrics.
+    fn finished(&self, room: &mut Room) {
+        if room.status.state().is_final() && room.final_at.is_none() {
+            room.final_at = Some(Instant::now());
+            let code = room.status.reason().map(|r| r.code);
+            self.metrics.room_final(room.status.state(), code);
+        }
+    }
+
+    fn fail(&self, room_id: u64, reason: Reason) {
+        let mut rooms = self.rooms();
+        if let Some(room) = rooms.get_mut(&room_id) {
+            if room.status.fail(reason.clone()) {
+                tracing::warn!(room = room_id, %reason, "room failed");
+                self.finished(room);
+            }
+        }
+    }
+
+    /// A room is complete when every source said Done and every expected byte landed; a
+    /// source whose Done disagrees with what landed fails it.
+    fn check_complete(&self, room_id: u64, room: &mut Room) {
+        if room.sources.is_empty() || room.sources.iter().any(|s| s.done.is_none()) {
+            return;
+        }
+        if room.landed < room.expected || room.scattering > 0 {
+            return;
+        }
+        let wrong = room.sources.iter().find_map(|s| {
+            let d = s.done.as_ref()?;
+            (d.bytes as usize != s.expected || d.chunks != s.chunks || s.landed != s.expected).then(|| {
+                format!(
+                    "prefill {} reported {} bytes in {} chunks; {} bytes expected, {} in {} chunks landed",
+                    s.peer.endpoint, d.bytes, d.chunks, s.expected, s.landed, s.chunks
+                )
+            })
+        });
+        if let Some(message) = wrong {
+            room.status
+                .fail(Reason::new(FailureCode::BadMessage, message));
+        } else {
+            room.status.advance(RoomState::Success);
+            if let (Some(a), Some(b)) = (
+                room.status.entered(RoomState::WaitingForInput),
+                room.status.entered(RoomState::Success),
+            ) {
+                self.metrics
+                    .transfer
+                    .observe(Duration::from_secs_f64(((b - a) / 1e3).max(0.0)));
+            }
+            tracing::debug!(room = room_id, bytes = room.landed, "room landed");
+        }
+        self.finished(room);
+    }
+
+    /// Asks the registry for the prefill group until it is complete or the timeout passes.
+    async fn lookup(&self, client: &RegistryClient, dp_rank: u32) -> Result<PrefillGroup, Reason> {
+        let deadline = Instant::now() + self.cfg.timeouts.bootstrap;
+        loop {
+            match client.lookup_prefill(dp_rank).await {
+                Ok(group) => return Ok(group),
+                Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "prefill group not ready; retrying");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => {
+                    let code = match e {
+                        ClientError::Incomplete { .. } | ClientError::Unreachable { .. } => {
+                            FailureCode::TimeoutBootstrap
+                        }
+                        _ => FailureCode::Unreachable,
+                    };
+                    return Err(Reason::new(
+                        code,
+                        format!(
+                            "prefill group dp_rank={dp_rank} at {}: {e}",
+                            client.base_url()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Resolves the prefill, says Hello if needed, and asks for the room.
+    async fn request(
+        self: Arc<Self>,
+        room_id: u64,
+        bootstrap: Option<String>,
+        dp_rank: Option<u32>,
+    ) -> Result<(), Reason> {
+        let client = match bootstrap {
+            Some(url) => RegistryClient::new(url, self.cfg.token.clone())
+                .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?,
+            None => self.registry.clone(),
+        };
+        // The prefill DP group: the engine's choice, or the room modulo the prefill DP size.
+        let group = match dp_rank {
+            Some(d) => self.lookup(&client, d).await?,
+            None => {
+                let first = self.lookup(&client, 0).await?;
+                match (room_id % u64::from(first.dp_size.max(1))) as u32 {
+                    0 => first,
+                    d => self.lookup(&client, d).await?,
+                }
+            }
+        };
+        let dp_rank = group.dp_rank;
+        let ranks = group.ranks;
+        let l = &self.cfg.layout;
+        let slices: Vec<RankSlice> = ranks
+            .iter()
+            .map(|r| RankSlice {
+                heads: r.slice.heads.start as usize..r.slice.heads.end as usize,
+                layers: r.slice.layers.start as usize..r.slice.layers.end as usize,
+            })
+            .collect();
+        let ours = RankSlice {
+            heads: l.heads.clone(),
+            layers: l.layers.clone(),
+        };
+        let tp_rank = self.cfg.ranks.tp_rank as usize;
+        let segments = pairing::plan(&slices, &ours, tp_rank).map_err(|e| {
+            Reason::new(
+                FailureCode::IncompatibleLayout,
+                format!("prefill group dp_rank={dp_rank}: {e}"),
+            )
+        })?;
+        let decodes = self.decode_group()?;
+        let mut sources = Vec::with_capacity(segments.len());
+        for seg in segments {
+            let peer = self.peer(&ranks[seg.prefill]).await?;
+            let requesters = pairing::requesters(&slices, &decodes, seg.prefill);
+            sources.push((peer, seg, requesters));
+        }
+        let (tokens, pages) = {
+            let mut rooms = self.rooms();
+            let Some(room) = rooms.get_mut(&room_id) else {
+                return Ok(());
+            };
+            if !room.status.advance(RoomState::WaitingForInput) {
+                return Ok(()); // aborted meanwhile
+            }
+            let tokens = room.start_token..room.tokens;
+            self.metrics.bootstrap.observe(room.progress_at.elapsed());
+            room.progress_at = Instant::now();
+            room.sources = sources
+                .iter()
+                .map(|(peer, seg, _)| Source {
+                    peer: peer.clone(),
+                    layers: seg.layers.clone(),
+                    heads: seg.heads.clone(),
+                    expected: l
+                        .selection_bytes(tokens.len(), seg.layers.len(), seg.heads.len())
+                        .unwrap_or(usize::MAX),
+                    landed: 0,
+                    chunks: 0,
+                    done: None,
+                })
+                .collect();
+            (tokens, room.pages.to_vec())
+        };
+        for (peer, seg, requesters) in sources {
+            let req = Message::TransferRequest(TransferRequest {
+                room: room_id,
+                prefill_instance: peer.instance,
+                tokens: tokens.start as u32..tokens.end as u32,
+                layers: seg.layers.start as u32..seg.layers.end as u32,
+                heads: seg.heads.start as u32..seg.heads.end as u32,
+                // The decode's own order makes its scatter long runs; the prefill's gather
+                // converts.
+                wire_order: l.order,
+                dst_pages: pages.clone(),
+                requesters: requesters as u32,
+            });
+            peer.send(&req, self.cfg.timeouts.send).await?;
+        }
+        Ok(())
+    }
+
+    /// The slices (and TP ranks) of every decode rank of this agent's group, for
+    /// [`pairing::requesters`].
+    fn decode_group(&self) -> Result<Vec<(RankSlice, usize)>, Reason> {
+        let l = &self.cfg.layout;
+        let r = self.cfg.ranks;
+        let whole = KvLayout::new(l.model, l.page_size)
+            .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, e.to_string()))?;
+        let mut out = Vec::new();
+        for pp in 0..r.pp_size as usize {
+            for tp in 0..r.tp_size as usize {
+                let s = whole
+                    .clone()
+                    .for_rank(tp, r.tp_size as usize, pp, r.pp_size as usize)
+                    .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, e.to_string()))?;
+                out.push((
+                    RankSlice {
+                        heads: s.heads,
+                        layers: s.layers,
+                    },
+                    tp,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Aborts a room that is not final: `aborting` until every prefill serving it acknowledged
+    /// (at once when none was asked yet), `aborted` after.
+    async fn abort(&self, room_id: u64, reason: Reason) {
+        let peers = {
+            let mut rooms = self.rooms();
+            let Some(room) = rooms.get_mut(&room_id) else {
+                return;
+            };
+            let state = room.status.state();
+            if state.is_final() || state == RoomState::Aborting {
+                return;
+            }
+            // Before any request went out nothing can arrive: aborted at once.
+            let peers: Vec<Arc<Peer>> = room.sources.iter().map(|s| s.peer.clone()).collect();
+            room.status.abort(reason.clone(), peers.is_empty());
+            room.acks_pending = peers.len();
+            self.finished(room);
+            peers
+        };
+        for peer in peers {
+            if let Err(e) = self.tell_abort(&peer, room_id, &reason).await {
+                // The prefill cannot be told: with staged transports nothing more lands once
+                // the room no longer accepts chunks, so its acknowledgement is not needed.
+                tracing::warn!(room = room_id, reason = %e, "abort not delivered");
+                let mut rooms = self.rooms();
+                if let Some(room) = rooms.get_mut(&room_id) {
+                    room.acks_pending = room.acks_pending.saturating_sub(1);
+                    if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
+                        self.finished(room);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fails rooms whose transfer shows no sign of life: waiting for the prefill engine longer
+    /// than the ready timeout, or transferring without progress longer than the stall timeout.
+    /// Their prefills are told to stop.
+    async fn fail_stuck_rooms(&self) {
+        let t = self.cfg.timeouts;
+        self.warn_stuck();
+        let stuck: Vec<(u64, Reason, Vec<Arc<Peer>>)> = {
+            let mut rooms = self.rooms();
+            let mut out = Vec::new();
+            for (id, room) in rooms.iter_mut() {
+                let idle = room.progress_at.elapsed();
+                let reason = match room.status.state() {
+                    RoomState::WaitingForInput if idle >= t.ready => Reason::new(
+                        FailureCode::TimeoutReady,
+                        format!(
+                            "no data from the prefill {} ms after the request",
+                            idle.as_millis()
+                        ),
+                    ),
+                    RoomState::Transferring if idle >= t.stall => Reason::new(
+                        FailureCode::TimeoutStall,
+                        format!(
+                            "no progress for {} ms ({} of {} bytes landed)",
+                            idle.as_millis(),
+                            room.landed,
+                            room.expected
+                        ),
+                    ),
+                    _ => continue,
+                };
+                if room.status.fail(reason.clone()) {
+                    self.finished(room);
+                    out.push((
+                        *id,
+                        reason,
+                        room.sources.iter().map(|s| s.peer.clone()).collect(),
+                    ));
+                }
+            }
+            out
+        };
+        for (room, reason, peers) in stuck {
+            tracing::warn!(room, %reason, "room failed");
+            for peer in peers {
+                let _ = self.tell_abort(&peer, room, &reason).await;
+            }
+        }
+    }
+
+    /// Warns (at most every 10 s) about rooms in flight for more than 10 s.
+    fn warn_stuck(&self) {
+        const EVERY: Duration = Duration::from_secs(10);
+        let mut last = self.stuck_warned.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| t.elapsed() < EVERY) {
+            return;
+        }
+        let now = super::room::now_ms();
+        let rooms = self.rooms();
+        let stuck: Vec<(u64, &'static str)> = rooms
+            .iter()
+            .filter(|(_, r)| !r.status.state().is_final())
+            .filter(|(_, r)| {
+                r.status
+                    .at("created")
+                    .is_some_and(|t| now - t > EVERY.as_secs_f64() * 1e3)
+            })
+            .map(|(id, r)| (*id, r.status.state().name()))
+            .take(8)
+            .collect();
+        if !stuck.is_empty() {
+            tracing::warn!(rooms = ?stuck, "rooms in flight for more than 10 s");
+            *last = Some(Instant::now());
+        }
+    }
+}
+
+async fn expire_rooms(inner: Arc<Inner>) {
+    let ttl = inner.cfg.timeouts.room_ttl;
+    let mut tick = tokio::time::interval(Duration::from_millis(200).min(ttl));
+    loop {
+        tokio::select! {
+            () = inner.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        inner.fail_stuck_rooms().await;
+        let mut rooms = inner.rooms();
+        let before = rooms.len();
+        rooms.retain(|id, room| {
+            let keep = !(room.safe_to_reuse() && room.final_at.is_some_and(|t| t.elapsed() >= ttl));
+            if !keep {
+                tracing::info!(
+                    room = id,
+                    state = room.status.state().name(),
+                    "room expired untaken"
+                );
+            }
+            keep
+        });
+        let expired = (before - rooms.len()) as u64;
+        inner
+            .metrics
+            .expired
+            .fetch_add(expired, std::sync::atomic::Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,317 @@
+//! The decode agent's control connections: one per prefill instance, opened with Hello,
+//! kept alive by heartbeats, and the handling of what prefills send on it (Done, AbortAck,
+//! Abort, Error). A peer that dies or goes silent fails every room it serves.
+
+use super::*;
+
+pub(super) struct Peer {
+    pub(super) instance: Uuid,
+    pub(super) endpoint: String,
+    pub(super) send: tokio::sync::Mutex<ControlClientSend>,
+    pub(super) last_seen: Mutex<Instant>,
+    /// Cancelled when the peer is declared dead: its tasks stop.
+    pub(super) gone: CancellationToken,
+}
+
+impl Peer {
+    pub(super) async fn send(&self, msg: &Message, timeout: Duration) -> Result<(), Reason> {
+        let frame = msg.encode().into();
+        let sent =
+            tokio::time::timeout(timeout, async { self.send.lock().await.send(frame).await }).await;
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Reason::new(
+                FailureCode::PeerDead,
+                format!("prefill {}: {e}", self.endpoint),
+            )),
+            Err(_) => Err(Reason::new(
+                FailureCode::PeerDead,
+                format!(
+                    "prefill {} took no {} within {timeout:?}",
+                    self.endpoint,
+                    msg.name()
+                ),
+            )),
+        }
+    }
+}
+
+async fn control_loop(inner: Arc<Inner>, peer: Arc<Peer>, mut recv: ControlClientRecv) {
+    loop {
+        let frame = tokio::select! {
+            () = peer.gone.cancelled() => return,
+            f = recv.recv() => f,
+        };
+        *peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        match frame {
+            Ok(frame) => match Message::decode(&frame) {
+                Ok(msg) => inner.on_control(&peer, msg),
+                Err(e) => inner.bad_message(
+                    e.kind(),
+                    format!("control frame from {}: {e}", peer.endpoint),
+                ),
+            },
+            Err(e) => return inner.peer_lost(&peer, e.to_string()),
+        }
+    }
+}
+
+/// Sends heartbeats to a prefill and declares it dead when it has been silent too long.
+async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
+    let t = inner.cfg.timeouts;
+    let mut seq = 0u64;
+    loop {
+        tokio::select! {
+            () = peer.gone.cancelled() => return,
+            () = tokio::time::sleep(t.heartbeat) => {}
+        }
+        let silent = peer
+            .last_seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed();
+        if silent >= 2 * t.heartbeat {
+            inner
+                .metrics
+                .heartbeat_misses
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if silent >= t.dead_after {
+            return inner.peer_lost(&peer, format!("silent for {} ms", silent.as_millis()));
+        }
+        seq += 1;
+        let beat = Message::Heartbeat(protocol::Heartbeat {
+            instance: inner.instance,
+            seq,
+        });
+        if let Err(reason) = peer
+            .send(&beat, t.heartbeat.max(Duration::from_millis(100)))
+            .await
+        {
+            tracing::debug!(%reason, "heartbeat not sent");
+        }
+    }
+}
+
+impl Inner {
+    /// The control connection to a prefill instance, connecting and saying Hello if needed.
+    pub(super) async fn peer(self: &Arc<Self>, rank: &Registration) -> Result<Arc<Peer>, Reason> {
+        let _connecting = self.connecting.lock().await;
+        if let Some(p) = self.peers().get(&rank.instance_id) {
+            return Ok(p.clone());
+        }
+        let endpoint = rank.control_endpoint.clone();
+        let timeout = self.cfg.timeouts.connect;
+        let unreachable = |what: String| {
+            Reason::new(
+                FailureCode::Unreachable,
+                format!("prefill control endpoint {endpoint}: {what}"),
+            )
+        };
+        let ControlClient { mut send, mut recv } = ControlClient::connect(&endpoint, timeout)
+            .await
+            .map_err(|e| unreachable(e.message))?;
+        let hello = Message::Hello(Hello {
+            min_version: protocol::MIN_VERSION,
+            max_version: protocol::VERSION,
+            instance: self.instance,
+            role: protocol::Role::Decode,
+            ranks: self.cfg.ranks,
+            layout: crate::agent::wire_layout(&self.cfg.layout),
+            data_endpoint: self.data_endpoint.clone(),
+            token: self.cfg.token.clone().unwrap_or_default(),
+            slots: self.cfg.staging_slots as u32,
+            slot_bytes: u32::try_from(self.cfg.chunk_bytes).unwrap_or(u32::MAX),
+        });
+        send.send(hello.encode().into())
+            .await
+            .map_err(|e| unreachable(e.message))?;
+        let reply = tokio::time::timeout(timeout, recv.recv())
+            .await
+            .map_err(|_| unreachable(format!("no answer to Hello within {timeout:?}")))?
+            .map_err(|e| unreachable(e.message))?;
+        let ack = match Message::decode(&reply) {
+            Ok(Message::HelloAck(ack)) => ack,
+            Ok(Message::Error(e)) => {
+                return Err(Reason::new(
+                    e.code,
+                    format!("prefill {endpoint} refused Hello: {}", e.message),
+                ));
+            }
+            Ok(other) => {
+                return Err(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("prefill {endpoint} answered Hello with {}", other.name()),
+                ));
+            }
+            Err(e) => {
+                return Err(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("prefill {endpoint} answered Hello with garbage: {e}"),
+                ));
+            }
+        };
+        if ack.instance != rank.instance_id {
+            return Err(Reason::new(
+                FailureCode::PeerDead,
+                format!(
+                    "prefill {endpoint} is instance {} but the registry lists {}: it restarted",
+                    ack.instance, rank.instance_id
+                ),
+            ));
+        }
+        let peer = Arc::new(Peer {
+            instance: ack.instance,
+            endpoint,
+            send: tokio::sync::Mutex::new(send),
+            last_seen: Mutex::new(Instant::now()),
+            gone: self.shutdown.child_token(),
+        });
+        tokio::spawn(control_loop(self.clone(), peer.clone(), recv));
+        tokio::spawn(heartbeat_loop(self.clone(), peer.clone()));
+        self.peers().insert(ack.instance, peer.clone());
+        Ok(peer)
+    }
+
+    pub(super) fn on_control(&self, peer: &Peer, msg: Message) {
+        let mut rooms = self.rooms();
+        match msg {
+            Message::Done(d) => {
+                let Some(room) = rooms.get_mut(&d.room) else {
+                    return;
+                };
+                let source = room.sources.iter_mut().find(|s| {
+                    s.peer.instance == d.prefill_instance && s.peer.instance == peer.instance
+                });
+                let Some(source) = source else {
+                    drop(rooms);
+                    return self.bad_message(
+                        "inconsistent",
+                        format!(
+                            "Done for room {} from instance {}, which serves no part of it",
+                            d.room, d.prefill_instance
+                        ),
+                    );
+                };
+                source.done = Some(d.clone());
+                room.progress_at = Instant::now();
+                self.check_complete(d.room, room);
+            }
+            Message::AbortAck(a) => {
+                let Some(room) = rooms.get_mut(&a.room) else {
+                    return;
+                };
+                if room.status.state() == RoomState::Aborting {
+                    room.acks_pending = room.acks_pending.saturating_sub(1);
+                    if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
+                        self.finished(room);
+                    }
+                }
+            }
+            Message::Error(e) => {
+                let reason =
+                    Reason::new(e.code, format!("prefill {}: {}", peer.endpoint, e.message));
+                match e.room.and_then(|r| rooms.get_mut(&r)) {
+                    Some(room) => {
+                        if room.status.fail(reason) {
+                            self.finished(room);
+                        }
+                    }
+                    None => {
+                        drop(rooms);
+                        tracing::warn!(%reason, "prefill reported an error");
+                    }
+                }
+            }
+            Message::Abort(a) => {
+                // The prefill engine aborted: nothing more of the room is scattered (chunks
+                // still on the way are dropped), so it is aborted and acknowledged at once.
+                if let Some(room) = rooms.get_mut(&a.room) {
+                    if room
+                        .sources
+                        .iter()
+                        .any(|s| s.peer.instance == a.instance && s.peer.instance == peer.instance)
+                    {
+                        let reason = Reason::new(
+                            a.code,
+                            format!("prefill {}: {}", peer.endpoint, a.message),
+                        );
+                        if room.status.abort(reason, true) {
+                            self.finished(room);
+                        }
+                    }
+                }
+                drop(rooms);
+                let ack = Message::AbortAck(protocol::AbortAck {
+                    room: a.room,
+                    instance: self.instance,
+                });
+                let (peer, timeout) = (
+                    self.peers().get(&peer.instance).cloned(),
+                    self.cfg.timeouts.send,
+                );
+                if let Some(peer) = peer {
+                    tokio::spawn(async move {
+                        if let Err(reason) = peer.send(&ack, timeout).await {
+                            tracing::warn!(%reason, "AbortAck not sent");
+                        }
+                    });
+                }
+            }
+            Message::Heartbeat(_) => {}
+            other => {
+                drop(rooms);
+                self.bad_message(
+                    "unexpected",
+                    format!("prefill sent {} on the control plane", other.name()),
+                );
+            }
+        }
+    }
+
+    pub(super) async fn tell_abort(
+        &self,
+        peer: &Peer,
+        room: u64,
+        reason: &Reason,
+    ) -> Result<(), Reason> {
+        let msg = Message::Abort(protocol::Abort {
+            room,
+            instance: self.instance,
+            code: reason.code,
+            message: reason.message.clone(),
+        });
+        peer.send(&msg, self.cfg.timeouts.send).await
+    }
+
+    /// Fails every room served by a prefill whose connection died or went silent, and forgets
+    /// the peer (the next room connects afresh).
+    pub(super) fn peer_lost(&self, peer: &Peer, why: String) {
+        peer.gone.cancel();
+        self.peers().remove(&peer.instance);
+        self.metrics
+            .peers_dead
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tracing::warn!(prefill = %peer.endpoint, instance = %peer.instance, %why, "prefill peer dead");
+        let mut rooms = self.rooms();
+        for room in rooms.values_mut() {
+            if room
+                .sources
+                .iter()
+                .any(|s| s.peer.instance == peer.instance)
+            {
+                let reason = Reason::new(
+                    FailureCode::PeerDead,
+                    format!("prefill {}: {why}", peer.endpoint),
+                );
+                if room.status.state() == RoomState::Aborting {
+                    room.acks_pending = 0;
+                    room.status.advance(RoomState::Aborted);
+                } else {
+                    room.status.fail(reason);
+                }
+                self.finished(room);
+            }
+        }
+    }
+}

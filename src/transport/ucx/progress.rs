@@ -1,0 +1,783 @@
+//! The progress thread of a [`super::UcxWorker`]: owns a UCP context and worker (and every
+//! endpoint, registration and request of them) and serves the handle's commands.
+//!
+//! The thread takes commands over a std channel (each wakes it through an eventfd) and
+//! replies through tokio oneshots. While work is in flight it calls `ucp_worker_progress`;
+//! after a short spin with nothing to do it arms the worker and sleeps in poll(2) on the
+//! worker's event fd and the wakeup eventfd, with a 100 ms timeout so UCX's keepalive still
+//! runs on a quiet worker. No core spins while idle.
+//!
+//! Invariants:
+//! - an operation's buffers live in its `Pending` entry together with its request, and an
+//!   entry is only dropped once UCX reports the request complete;
+//! - a caller that drops its future closes the oneshot; the thread then cancels the request
+//!   (`ucp_request_cancel`) and keeps the buffers until the request completes;
+//! - at shutdown, requests are cancelled and endpoints force-closed (which completes their
+//!   requests) and the thread progresses until nothing is pending; only if UCX still holds a
+//!   request after 5 s are the request, its buffers and the worker leaked, never freed.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::rc::Rc;
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+
+use super::UcxError;
+use super::region::RegisterableMemory;
+use super::result::status_name;
+use super::safe::{Context, Endpoint, MemHandle, RemoteKey, Request, Started, Worker};
+use super::sys;
+use super::worker::{
+    Command, EndpointId, MemId, Received, Registered, RemoteRegionId, Reply, UcxConfig,
+};
+
+/// The thread's body: builds the engine, reports the address, runs until shutdown.
+pub(super) fn run(
+    config: UcxConfig,
+    inbox: mpsc::Receiver<Command>,
+    wake: Arc<OwnedFd>,
+    ready: oneshot::Sender<Result<Bytes, UcxError>>,
+) {
+    let mut engine = match Engine::new(&config) {
+        Ok(engine) => engine,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    match engine.worker.address() {
+        Ok(address) => {
+            if ready.send(Ok(Bytes::from(address))).is_err() {
+                return;
+            }
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    }
+    let spin = config.spin.unwrap_or(Duration::from_micros(50));
+    let done = engine.serve(&inbox, &wake, spin);
+    engine.close();
+    drop(engine);
+    if let Some(done) = done {
+        let _ = done.send(());
+    }
+}
+
+/// An operation in flight: the request and the buffers it uses, dropped together only after
+/// completion.
+struct Pending {
+    // Field order: the request is freed before the buffers are released.
+    request: Request,
+    ep: Option<EndpointId>,
+    op: Op,
+    cancelled: bool,
+    /// The watched endpoint failed (a receive from it was cancelled for that reason).
+    peer_failed: Option<sys::ucs_status_t>,
+}
+
+enum Op {
+    Send {
+        _parts: Vec<Bytes>,
+        _iov: Vec<sys::ucp_dt_iov_t>,
+        reply: Reply<()>,
+    },
+    Put {
+        _data: Bytes,
+        reply: Reply<()>,
+    },
+    Flush {
+        reply: Reply<()>,
+    },
+    Recv {
+        buffer: Vec<u8>,
+        capacity: usize,
+        reply: Reply<Received>,
+    },
+}
+
+impl Op {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Send { .. } => "send_tag",
+            Op::Put { .. } => "put",
+            Op::Flush { .. } => "flush",
+            Op::Recv { .. } => "recv_tag",
+        }
+    }
+
+    fn abandoned(&self) -> bool {
+        match self {
+            Op::Send { reply, .. } | Op::Put { reply, .. } | Op::Flush { reply } => {
+                reply.is_closed()
+            }
+            Op::Recv { reply, .. } => reply.is_closed(),
+        }
+    }
+}
+
+struct RemoteRegion {
+    ep: EndpointId,
+    endpoint: Rc<Endpoint>,
+    key: RemoteKey,
+    base: u64,
+    size: u64,
+}
+
+/// Everything UCP of one worker, owned by its progress thread. Field order is drop order:
+/// requests, remote keys, endpoints, registrations, then the worker and the context.
+struct Engine {
+    pending: Vec<Pending>,
+    remote: HashMap<u64, RemoteRegion>,
+    endpoints: HashMap<u64, Rc<Endpoint>>,
+    /// Endpoints whose peer failed, closed, with the status operations on them report.
+    dead: HashMap<u64, sys::ucs_status_t>,
+    registered: HashMap<u64, (MemHandle, Arc<dyn RegisterableMemory>)>,
+    worker: Rc<Worker>,
+    context: Rc<Context>,
+    next_id: u64,
+    shutting_down: bool,
+    supervise: Option<bool>,
+}
+
+impl Engine {
+    fn new(config: &UcxConfig) -> Result<Engine, UcxError> {
+        let context = Context::new(config.vars())?;
+        let worker = Worker::new(&context)?;
+        Ok(Engine {
+            pending: Vec::new(),
+            remote: HashMap::new(),
+            endpoints: HashMap::new(),
+            dead: HashMap::new(),
+            registered: HashMap::new(),
+            worker,
+            context,
+            next_id: 1,
+            shutting_down: false,
+            supervise: config.supervise,
+        })
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id - 1
+    }
+
+    /// The progress loop; returns the reply of an explicit shutdown.
+    fn serve(
+        &mut self,
+        inbox: &mpsc::Receiver<Command>,
+        wake: &OwnedFd,
+        spin: Duration,
+    ) -> Option<oneshot::Sender<()>> {
+        let efd = match self.worker.event_fd() {
+            Ok(fd) => Some(fd),
+            Err(e) => {
+                tracing::warn!(error = %e, "no UCX event fd: the progress thread polls every ms");
+                None
+            }
+        };
+        let mut idle_since: Option<Instant> = None;
+        loop {
+            let mut busy = false;
+            loop {
+                match inbox.try_recv() {
+                    Ok(Command::Shutdown { reply }) => return reply,
+                    Ok(command) => {
+                        busy = true;
+                        self.handle(command);
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return None,
+                }
+            }
+            // Cancel abandoned receives before progress can match a new message into them.
+            busy |= self.sweep() > 0;
+            for _ in 0..64 {
+                if self.worker.progress() == 0 {
+                    break;
+                }
+                busy = true;
+            }
+            busy |= self.sweep() > 0;
+            if busy {
+                idle_since = None;
+                continue;
+            }
+            let now = Instant::now();
+            if now.duration_since(*idle_since.get_or_insert(now)) < spin {
+                continue;
+            }
+            idle_since = None;
+            let timeout_ms = match efd {
+                None => 1,
+                Some(_) => match self.worker.arm() {
+                    Ok(true) => 100,
+                    Ok(false) => continue,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "ucp_worker_arm");
+                        1
+                    }
+                },
+            };
+            sleep(efd, wake, timeout_ms);
+        }
+    }
+
+    /// Completes what UCX has finished and cancels what callers abandoned; the number of
+    /// operations completed.
+    fn sweep(&mut self) -> usize {
+        self.reap_failed();
+        let mut completed = 0;
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &mut self.pending[i];
+            let (status, info) = match p.op {
+                Op::Recv { .. } => p.request.recv_info(),
+                _ => (p.request.status(), sys::ucp_tag_recv_info_t::default()),
+            };
+            if status == sys::UCS_INPROGRESS {
+                if !p.cancelled {
+                    let watched =
+                        p.ep.filter(|_| matches!(p.op, Op::Recv { .. }))
+                            .and_then(|ep| failure(&self.endpoints, &self.dead, ep));
+                    if watched.is_some() || p.op.abandoned() || self.shutting_down {
+                        p.peer_failed = watched;
+                        p.cancelled = true;
+                        p.request.cancel();
+                    }
+                }
+                i += 1;
+                continue;
+            }
+            let p = self.pending.swap_remove(i);
+            completed += 1;
+            self.finish(p, status, info);
+        }
+        completed
+    }
+
+    fn finish(&self, p: Pending, status: sys::ucs_status_t, info: sys::ucp_tag_recv_info_t) {
+        let Pending {
+            request,
+            ep,
+            op,
+            peer_failed,
+            ..
+        } = p;
+        // The request is complete: free it before its buffers go.
+        drop(request);
+        let name = op.name();
+        let error = |status| {
+            if self.shutting_down {
+                return UcxError::WorkerGone;
+            }
+            self.classify(name, ep, status, peer_failed)
+        };
+        match op {
+            Op::Send { reply, .. } | Op::Put { reply, .. } | Op::Flush { reply } => {
+                let _ = reply.send(if status == sys::UCS_OK {
+                    Ok(())
+                } else {
+                    Err(error(status))
+                });
+            }
+            Op::Recv {
+                buffer,
+                capacity,
+                reply,
+            } => {
+                let _ = reply.send(recv_result(buffer, capacity, status, info).map_err(
+                    |e| match e {
+                        RecvFail::Truncated => UcxError::Truncated { capacity },
+                        RecvFail::Status(status) => error(status),
+                    },
+                ));
+            }
+        }
+    }
+
+    /// The error for a failed operation: a peer failure when its endpoint's error handler ran
+    /// or the status is a connection error, else the UCX status.
+    fn classify(
+        &self,
+        op: &'static str,
+        ep: Option<EndpointId>,
+        status: sys::ucs_status_t,
+        peer_failed: Option<sys::ucs_status_t>,
+    ) -> UcxError {
+        let recorded =
+            peer_failed.or_else(|| ep.and_then(|ep| failure(&self.endpoints, &self.dead, ep)));
+        let connection_error = matches!(
+            status,
+            sys::UCS_ERR_UNREACHABLE
+                | sys::UCS_ERR_NOT_CONNECTED
+                | sys::UCS_ERR_CONNECTION_RESET
+                | sys::UCS_ERR_TIMED_OUT
+        ) || (sys::UCS_ERR_LAST_ENDPOINT_FAILURE
+            ..=sys::UCS_ERR_FIRST_LINK_FAILURE)
+            .contains(&status);
+        match (ep, recorded) {
+            (Some(ep), Some(failure)) => UcxError::PeerFailed {
+                op,
+                endpoint: ep.0,
+                status: failure,
+                name: status_name(failure),
+            },
+            (Some(ep), None) if connection_error => UcxError::PeerFailed {
+                op,
+                endpoint: ep.0,
+                status,
+                name: status_name(status),
+            },
+            _ => UcxError::call(op, status),
+        }
+    }
+
+    fn endpoint(&self, op: &'static str, ep: EndpointId) -> Result<Rc<Endpoint>, UcxError> {
+        let Some(endpoint) = self.endpoints.get(&ep.0) else {
+            return Err(match self.dead.get(&ep.0) {
+                Some(&status) => UcxError::PeerFailed {
+                    op,
+                    endpoint: ep.0,
+                    status,
+                    name: status_name(status),
+                },
+                None => UcxError::Unknown {
+                    what: "endpoint",
+                    id: ep.0,
+                },
+            });
+        };
+        match endpoint.failure() {
+            Some(status) => Err(UcxError::PeerFailed {
+                op,
+                endpoint: ep.0,
+                status,
+                name: status_name(status),
+            }),
+            None => Ok(endpoint.clone()),
+        }
+    }
+
+    fn track(&mut self, started: Started<()>, ep: Option<EndpointId>, op: Op) {
+        match started {
+            Started::Pending(request) => self.pending.push(Pending {
+                request,
+                ep,
+                op,
+                cancelled: false,
+                peer_failed: None,
+            }),
+            Started::Done(()) => match op {
+                Op::Send { reply, .. } | Op::Put { reply, .. } | Op::Flush { reply } => {
+                    let _ = reply.send(Ok(()));
+                }
+                Op::Recv { .. } => {}
+            },
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Connect { address, reply } => {
+                let result =
+                    match Endpoint::connect(&self.worker, &address, self.supervise.unwrap_or(true))
+                    {
+                        Err(UcxError::Call {
+                            status: sys::UCS_ERR_UNREACHABLE,
+                            ..
+                        }) if self.supervise.is_none() => {
+                            tracing::debug!(
+                                "no transport detects peer failure: an unsupervised UCX endpoint"
+                            );
+                            Endpoint::connect(&self.worker, &address, false)
+                        }
+                        other => other,
+                    };
+                let result = result.map(|endpoint| {
+                    let id = self.id();
+                    self.endpoints.insert(id, Rc::new(endpoint));
+                    EndpointId(id)
+                });
+                let _ = reply.send(result);
+            }
+            Command::Disconnect { ep, reply } => {
+                self.remote.retain(|_, r| r.ep != ep);
+                let result = match self.endpoints.remove(&ep.0) {
+                    Some(_) => Ok(()),
+                    None => Err(UcxError::Unknown {
+                        what: "endpoint",
+                        id: ep.0,
+                    }),
+                };
+                let _ = reply.send(result);
+            }
+            Command::SendTag {
+                ep,
+                tag,
+                parts,
+                reply,
+            } => {
+                let endpoint = match self.endpoint("send_tag", ep) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                };
+                let mut iov: Vec<sys::ucp_dt_iov_t> = parts
+                    .iter()
+                    .filter(|p| !p.is_empty())
+                    .map(|p| sys::ucp_dt_iov_t {
+                        buffer: p.as_ptr().cast_mut().cast(),
+                        length: p.len(),
+                    })
+                    .collect();
+                if iov.is_empty() {
+                    iov.push(sys::ucp_dt_iov_t {
+                        buffer: std::ptr::NonNull::<u8>::dangling().as_ptr().cast(),
+                        length: 0,
+                    });
+                }
+                // SAFETY: every iov entry points into a `Bytes` of `parts` (immutable, heap
+                // data that does not move when the Vec moves), and `parts` and `iov` are moved
+                // into the Pending entry, dropped only after the request completes.
+                let started = unsafe { endpoint.tag_send(&iov, tag) };
+                match started {
+                    Ok(started) => self.track(
+                        started,
+                        Some(ep),
+                        Op::Send {
+                            _parts: parts,
+                            _iov: iov,
+                            reply,
+                        },
+                    ),
+                    Err(e) => {
+                        let e = self.failure_of("send_tag", ep, e);
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            Command::RecvTag {
+                tag,
+                mask,
+                capacity,
+                from,
+                reply,
+            } => {
+                if let Some(ep) = from
+                    && let Err(e) = self.endpoint("recv_tag", ep)
+                {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                let mut buffer = Vec::<u8>::with_capacity(capacity);
+                // SAFETY: the Vec's heap allocation holds `capacity` writable bytes and moves
+                // (with the Vec, without moving the allocation) into the Pending entry, which
+                // is dropped only after the request completes.
+                let started = unsafe {
+                    self.worker
+                        .tag_recv(buffer.as_mut_ptr(), capacity, tag, mask)
+                };
+                match started {
+                    Ok(Started::Done(())) => {
+                        // Not with UCP_OP_ATTR_FLAG_NO_IMM_CMPL; never guess a length.
+                        let _ = reply.send(Err(UcxError::call(
+                            "ucp_tag_recv_nbx",
+                            sys::UCS_ERR_NO_MESSAGE,
+                        )));
+                    }
+                    Ok(Started::Pending(request)) => self.pending.push(Pending {
+                        request,
+                        ep: from,
+                        op: Op::Recv {
+                            buffer,
+                            capacity,
+                            reply,
+                        },
+                        cancelled: false,
+                        peer_failed: None,
+                    }),
+                    Err(UcxError::Call {
+                        status: sys::UCS_ERR_MESSAGE_TRUNCATED,
+                        ..
+                    }) => {
+                        let _ = reply.send(Err(UcxError::Truncated { capacity }));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            Command::Register { memory, reply } => {
+                let (base, size) = (memory.base(), memory.size());
+                // SAFETY: RegisterableMemory guarantees base..base+size stays mapped while the
+                // value lives; the Arc is stored next to the handle and dropped after it.
+                let result =
+                    unsafe { MemHandle::map(&self.context, base, size) }.and_then(|handle| {
+                        let rkey = handle.rkey()?;
+                        let id = self.id();
+                        self.registered.insert(id, (handle, memory));
+                        Ok(Registered {
+                            id: MemId(id),
+                            base: base as u64,
+                            size: size as u64,
+                            rkey: Bytes::from(rkey),
+                        })
+                    });
+                let _ = reply.send(result);
+            }
+            Command::Unregister { id, reply } => {
+                let result = match self.registered.remove(&id.0) {
+                    Some((handle, memory)) => {
+                        drop(handle);
+                        drop(memory);
+                        Ok(())
+                    }
+                    None => Err(UcxError::Unknown {
+                        what: "memory",
+                        id: id.0,
+                    }),
+                };
+                let _ = reply.send(result);
+            }
+            Command::AddRemote {
+                ep,
+                base,
+                size,
+                rkey,
+                reply,
+            } => {
+                let result = self
+                    .endpoint("add_remote_region", ep)
+                    .and_then(|endpoint| {
+                        if base.checked_add(size).is_none() {
+                            return Err(UcxError::OutOfBounds {
+                                offset: base,
+                                len: 0,
+                                size,
+                            });
+                        }
+                        let key = endpoint.unpack_rkey(&rkey)?;
+                        Ok((endpoint, key))
+                    })
+                    .map(|(endpoint, key)| {
+                        let id = self.id();
+                        self.remote.insert(
+                            id,
+                            RemoteRegion {
+                                ep,
+                                endpoint,
+                                key,
+                                base,
+                                size,
+                            },
+                        );
+                        RemoteRegionId(id)
+                    });
+                let _ = reply.send(result);
+            }
+            Command::Put {
+                region,
+                offset,
+                data,
+                reply,
+            } => {
+                let Some(r) = self.remote.get(&region.0) else {
+                    let _ = reply.send(Err(UcxError::Unknown {
+                        what: "remote region",
+                        id: region.0,
+                    }));
+                    return;
+                };
+                let in_bounds = offset
+                    .checked_add(data.len() as u64)
+                    .is_some_and(|end| end <= r.size);
+                if !in_bounds {
+                    let _ = reply.send(Err(UcxError::OutOfBounds {
+                        offset,
+                        len: data.len(),
+                        size: r.size,
+                    }));
+                    return;
+                }
+                let ep = r.ep;
+                if let Err(e) = self.endpoint("put", ep) {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                // SAFETY: `data` is immutable heap memory moved into the Pending entry (kept
+                // until completion); base+offset..+len lies inside the region the peer
+                // registered (checked above, base+size does not overflow: checked when added).
+                let started = unsafe {
+                    r.endpoint
+                        .put(data.as_ptr(), data.len(), r.base + offset, &r.key)
+                };
+                match started {
+                    Ok(started) => self.track(started, Some(ep), Op::Put { _data: data, reply }),
+                    Err(e) => {
+                        let e = self.failure_of("put", ep, e);
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            Command::Flush { ep, reply } => {
+                let started = self
+                    .endpoint("flush", ep)
+                    .and_then(|endpoint| endpoint.flush());
+                match started {
+                    Ok(started) => self.track(started, Some(ep), Op::Flush { reply }),
+                    Err(e) => {
+                        let e = self.failure_of("flush", ep, e);
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            Command::FailEndpoint { ep, reply } => {
+                let result = match self.endpoints.get(&ep.0) {
+                    Some(endpoint) => {
+                        endpoint.set_failed(sys::UCS_ERR_CONNECTION_RESET);
+                        self.reap_failed();
+                        Ok(())
+                    }
+                    None if self.dead.contains_key(&ep.0) => Ok(()),
+                    None => Err(UcxError::Unknown {
+                        what: "endpoint",
+                        id: ep.0,
+                    }),
+                };
+                let _ = reply.send(result);
+            }
+            Command::Supervised { ep, reply } => {
+                let result = self.endpoint("supervised", ep).map(|e| e.supervised());
+                let _ = reply.send(result);
+            }
+            Command::Shutdown { .. } => {}
+        }
+    }
+
+    fn progress_until_idle(&mut self, bound: Duration) {
+        let deadline = Instant::now() + bound;
+        while !self.pending.is_empty() && Instant::now() < deadline {
+            self.worker.progress();
+            self.sweep();
+        }
+    }
+
+    /// Closes endpoints whose peer failed (UCX asks for that after an error) and remembers
+    /// their status: their outstanding requests complete, later operations fail at once.
+    fn reap_failed(&mut self) {
+        let failed: Vec<(u64, sys::ucs_status_t)> = self
+            .endpoints
+            .iter()
+            .filter_map(|(&id, e)| e.failure().map(|status| (id, status)))
+            .collect();
+        for (id, status) in failed {
+            tracing::warn!(endpoint = id, error = %status_name(status), "UCX peer failed");
+            self.remote.retain(|_, r| r.ep.0 != id);
+            self.endpoints.remove(&id);
+            self.dead.insert(id, status);
+        }
+    }
+
+    /// Turns an immediate error of an operation on `ep` into a peer failure when it is one.
+    fn failure_of(&self, op: &'static str, ep: EndpointId, e: UcxError) -> UcxError {
+        match e {
+            UcxError::Call { status, .. } => self.classify(op, Some(ep), status, None),
+            other => other,
+        }
+    }
+
+    /// Cancels everything, closes endpoints and waits (bounded) for UCX to give every buffer
+    /// back. What UCX still holds after the bound is leaked, never freed.
+    fn close(&mut self) {
+        // Receives are cancelled by the sweep; sends and puts get 2 s to finish.
+        self.shutting_down = true;
+        self.progress_until_idle(Duration::from_secs(2));
+        if !self.pending.is_empty() {
+            // Their peers do not take them: force-close every endpoint (completes them).
+            for endpoint in self.endpoints.values() {
+                endpoint.set_failed(sys::UCS_ERR_CANCELED);
+            }
+        }
+        self.remote.clear();
+        self.endpoints.clear();
+        self.progress_until_idle(Duration::from_secs(3));
+        if !self.pending.is_empty() {
+            tracing::error!(
+                pending = self.pending.len(),
+                "UCX still holds requests at shutdown; leaking them, their buffers and the worker"
+            );
+            let pending = std::mem::take(&mut self.pending);
+            std::mem::forget(pending);
+        }
+        self.registered.clear();
+    }
+}
+
+/// The failure recorded for `ep`: closed as dead, or its error handler ran.
+fn failure(
+    endpoints: &HashMap<u64, Rc<Endpoint>>,
+    dead: &HashMap<u64, sys::ucs_status_t>,
+    ep: EndpointId,
+) -> Option<sys::ucs_status_t> {
+    dead.get(&ep.0)
+        .copied()
+        .or_else(|| endpoints.get(&ep.0).and_then(|e| e.failure()))
+}
+
+enum RecvFail {
+    Truncated,
+    Status(sys::ucs_status_t),
+}
+
+/// A completed receive's buffer, cut to the received length.
+fn recv_result(
+    mut buffer: Vec<u8>,
+    capacity: usize,
+    status: sys::ucs_status_t,
+    info: sys::ucp_tag_recv_info_t,
+) -> Result<Received, RecvFail> {
+    match status {
+        sys::UCS_OK if info.length <= capacity => {
+            // SAFETY: UCX completed the receive and wrote `info.length` bytes at the start of
+            // the allocation, which holds `capacity >= info.length` bytes.
+            unsafe { buffer.set_len(info.length) };
+            Ok(Received {
+                tag: info.sender_tag,
+                data: Bytes::from(buffer),
+            })
+        }
+        sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED => Err(RecvFail::Truncated),
+        status => Err(RecvFail::Status(status)),
+    }
+}
+
+/// Sleeps until the worker's event fd or the wakeup eventfd is readable, or `timeout_ms`.
+fn sleep(efd: Option<i32>, wake: &OwnedFd, timeout_ms: i32) {
+    let mut fds = [
+        libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: efd.unwrap_or(-1),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: `fds` is a valid array of two pollfd (a negative fd is ignored by poll).
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+    if n > 0 && fds[0].revents != 0 {
+        let mut counter = 0u64;
+        // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd (resets it).
+        let _ = unsafe { libc::read(wake.as_raw_fd(), (&raw mut counter).cast(), 8) };
+    }
+}
