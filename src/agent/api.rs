@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
 use super::room::RoomState;
+use crate::pool::allocator::PageAllocator;
 
 /// An HTTP error for the engine: a status and a message.
 #[derive(Debug)]
@@ -82,9 +83,52 @@ pub fn parse_room(s: &str) -> Result<u64, ApiError> {
         .map_err(|_| ApiError::bad_request(format!("room {s:?} is not a u64")))
 }
 
-/// Waits until the room's state changes or `wait` passes.
-pub async fn wait_for_change(mut rx: watch::Receiver<RoomState>, wait: Duration) {
+/// The `?wait_ms=N` query of `GET /v1/rooms/{room}`.
+#[derive(Debug, serde::Deserialize)]
+pub struct WaitQuery {
+    /// Long-poll: wait up to this many ms (at most a minute) for the room to change.
+    pub wait_ms: Option<u64>,
+}
+
+/// `GET /v1/rooms/{room}` for either agent. `look` returns the room's JSON and, while it may
+/// still change (not final, or not yet safe to reuse), a receiver that wakes on its next
+/// change; with `wait_ms` the answer waits for that change.
+pub async fn room_answer<F>(wait_ms: Option<u64>, look: F) -> Result<Response, ApiError>
+where
+    F: Fn() -> Result<(serde_json::Value, Option<watch::Receiver<RoomState>>), ApiError>,
+{
+    let (view, rx) = look()?;
+    let (Some(wait), Some(mut rx)) = (wait_ms, rx) else {
+        return Ok(axum::Json(view).into_response());
+    };
+    let wait = Duration::from_millis(wait.min(60_000));
     let _ = tokio::time::timeout(wait, rx.changed()).await;
+    Ok(axum::Json(look()?.0).into_response())
+}
+
+/// `GET /v1/pool`: the agent-owned pages.
+pub fn pool_answer(alloc: &PageAllocator) -> Response {
+    axum::Json(serde_json::json!({
+        "total_pages": alloc.total_pages(),
+        "free_pages": alloc.free_pages(),
+    }))
+    .into_response()
+}
+
+/// Serves `app` on `listener` as one of `tasks` until `shutdown`.
+pub fn spawn_api(
+    tasks: &mut tokio::task::JoinSet<()>,
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    shutdown: tokio_util::sync::CancellationToken,
+    role: &'static str,
+) {
+    tasks.spawn(async move {
+        let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
+        if let Err(e) = serve.await {
+            tracing::error!(role, error = %e, "engine API stopped");
+        }
+    });
 }
 
 /// Prints the one "listening" JSON line on stdout (design.md part 8).

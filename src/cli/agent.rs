@@ -246,6 +246,12 @@ pub(crate) enum AgentRole {
     Decode,
 }
 
+/// A started agent of either role.
+enum Running {
+    Prefill(PrefillAgent),
+    Decode(DecodeAgent),
+}
+
 /// Runs an agent until SIGINT or SIGTERM.
 pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
@@ -265,37 +271,43 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
             "transport": cfg.transport.name(),
             "model": args.model,
         });
-        match role {
-            AgentRole::Prefill => {
-                let agent = PrefillAgent::start(cfg, shutdown.clone())
+        let agent = match role {
+            AgentRole::Prefill => Running::Prefill(
+                PrefillAgent::start(cfg, shutdown.clone())
                     .await
-                    .context("starting the prefill agent")?;
-                let mut line = common;
+                    .context("starting the prefill agent")?,
+            ),
+            AgentRole::Decode => Running::Decode(
+                DecodeAgent::start(cfg, shutdown.clone())
+                    .await
+                    .context("starting the decode agent")?,
+            ),
+        };
+        let mut line = common;
+        match &agent {
+            Running::Prefill(a) => {
                 line["role"] = "prefill".into();
-                line["api"] = agent.api_url.clone().into();
-                line["control"] = agent.control_endpoint.clone().into();
-                line["instance"] = agent.instance.to_string().into();
-                print_listening(&line)?;
-                signalled.cancelled().await;
-                agent.drain().await;
-                shutdown.cancel();
-                agent.join().await;
+                line["api"] = a.api_url.clone().into();
+                line["control"] = a.control_endpoint.clone().into();
+                line["instance"] = a.instance.to_string().into();
             }
-            AgentRole::Decode => {
-                let agent = DecodeAgent::start(cfg, shutdown.clone())
-                    .await
-                    .context("starting the decode agent")?;
-                let mut line = common;
+            Running::Decode(a) => {
                 line["role"] = "decode".into();
-                line["api"] = agent.api_url.clone().into();
-                line["data"] = agent.data_endpoint.clone().into();
-                line["instance"] = agent.instance.to_string().into();
-                print_listening(&line)?;
-                signalled.cancelled().await;
-                agent.drain().await;
-                shutdown.cancel();
-                agent.join().await;
+                line["api"] = a.api_url.clone().into();
+                line["data"] = a.data_endpoint.clone().into();
+                line["instance"] = a.instance.to_string().into();
             }
+        }
+        print_listening(&line)?;
+        signalled.cancelled().await;
+        match &agent {
+            Running::Prefill(a) => a.drain().await,
+            Running::Decode(a) => a.drain().await,
+        }
+        shutdown.cancel();
+        match agent {
+            Running::Prefill(a) => a.join().await,
+            Running::Decode(a) => a.join().await,
         }
         signals.abort();
         tracing::info!("agent stopped");

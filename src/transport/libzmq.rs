@@ -173,12 +173,6 @@ fn bind(address: &str) -> Result<(zmq::Socket, String), TransportError> {
     let socket = context().socket(zmq::PULL).map_err(err)?;
     socket.set_rcvhwm(HWM).map_err(err)?;
     socket.set_ipv6(true).map_err(err)?;
-    if let Some(b) = std::env::var("KVFERRY_LIBZMQ_BUF")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        socket.set_rcvbuf(b).map_err(err)?; // TEMP
-    }
     socket.set_rcvtimeo(POLL_MS).map_err(err)?;
     socket.set_linger(0).map_err(err)?;
     socket.bind(address).map_err(err)?;
@@ -201,12 +195,6 @@ fn connect(endpoint: &str, timeout: Duration) -> Result<zmq::Socket, TransportEr
     let socket = context().socket(zmq::PUSH).map_err(err)?;
     socket.set_sndhwm(HWM).map_err(err)?;
     socket.set_ipv6(true).map_err(err)?;
-    if let Some(b) = std::env::var("KVFERRY_LIBZMQ_BUF")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        socket.set_sndbuf(b).map_err(err)?; // TEMP
-    }
     socket.set_sndtimeo(POLL_MS).map_err(err)?;
     socket.set_linger(LINGER_MS).map_err(err)?;
     socket.set_immediate(true).map_err(err)?;
@@ -240,11 +228,6 @@ fn send_chunk(socket: &mut zmq::Socket, job: &Job) -> Option<Result<(), zmq::Err
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => return None,
             Err(e) => return Some(Err(e)),
         }
-    }
-    // TEMP: copy variant for measurement
-    if std::env::var_os("KVFERRY_LIBZMQ_COPY").is_some() {
-        let msg = zmq::Message::from(&job.payload[..]);
-        return Some(socket.send(msg, 0));
     }
     let mut payload = zero_copy::Frame::new(job.payload.clone());
     loop {

@@ -44,7 +44,7 @@ use super::api::{self, ApiError};
 use super::metrics::{Gauges, Metrics};
 use super::pairing::{self, RankSlice};
 use super::room::{RoomState, RoomStatus};
-use super::{AgentConfig, Coverage, synthetic};
+use super::{AgentConfig, Coverage};
 use crate::kernel::Selection;
 use crate::kernel::cpu::CpuKernel;
 use crate::layout::{KvLayout, PageOrder};
@@ -112,13 +112,7 @@ impl DecodeAgent {
         tasks.spawn(receive_chunks(inner.clone(), receiver));
         tasks.spawn(expire_rooms(inner.clone()));
         let app = routes(inner.clone());
-        let stop = shutdown.clone();
-        tasks.spawn(async move {
-            let serve = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "decode API stopped");
-            }
-        });
+        api::spawn_api(&mut tasks, listener, app, shutdown.clone(), "decode");
         tracing::info!(%instance, api = %api_url, data = %data_endpoint, "decode agent listening");
         Ok(DecodeAgent {
             api_url,

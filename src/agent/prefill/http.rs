@@ -24,11 +24,6 @@ pub(super) struct ReadyRequest {
     pub(super) last: Option<bool>,
 }
 
-#[derive(Deserialize)]
-pub(super) struct WaitQuery {
-    pub(super) wait_ms: Option<u64>,
-}
-
 type Shared = State<Arc<Inner>>;
 
 pub(super) fn routes(inner: Arc<Inner>) -> Router {
@@ -292,30 +287,20 @@ pub(super) async fn abort_room(
 pub(super) async fn get_room(
     State(inner): Shared,
     Path(room): Path<String>,
-    Query(q): Query<WaitQuery>,
+    Query(q): Query<api::WaitQuery>,
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
-    if let Some(wait) = q.wait_ms {
-        let rx = {
-            let rooms = inner.rooms();
-            let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
-            (!room.status.state().is_final()).then(|| room.status.subscribe())
-        };
-        if let Some(rx) = rx {
-            api::wait_for_change(rx, Duration::from_millis(wait.min(60_000))).await;
-        }
-    }
-    let rooms = inner.rooms();
-    let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
-    Ok(axum::Json(room.view(room_id)).into_response())
+    api::room_answer(q.wait_ms, || {
+        let rooms = inner.rooms();
+        let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
+        let changing = !room.safe_to_reuse();
+        Ok((room.view(room_id), changing.then(|| room.status.subscribe())))
+    })
+    .await
 }
 
 pub(super) async fn pool(State(inner): Shared) -> Response {
-    axum::Json(serde_json::json!({
-        "total_pages": inner.alloc.total_pages(),
-        "free_pages": inner.alloc.free_pages(),
-    }))
-    .into_response()
+    api::pool_answer(&inner.alloc)
 }
 
 pub(super) async fn metrics(State(inner): Shared) -> Response {

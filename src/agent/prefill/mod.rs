@@ -106,13 +106,7 @@ impl PrefillAgent {
         tasks.spawn(control_loop(inner.clone(), server));
         tasks.spawn(housekeeping(inner.clone()));
         let app = routes(inner.clone());
-        let stop = shutdown.clone();
-        tasks.spawn(async move {
-            let serve = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "prefill API stopped");
-            }
-        });
+        api::spawn_api(&mut tasks, listener, app, shutdown.clone(), "prefill");
         tracing::info!(%instance, api = %api_url, control = %control_endpoint, "prefill agent listening");
         Ok(PrefillAgent {
             api_url,
@@ -315,6 +309,11 @@ impl Room {
         self.transfers.values().any(|t| t.running)
     }
 
+    /// No gather reads the room's pages any more: the engine may reuse them.
+    fn safe_to_reuse(&self) -> bool {
+        self.status.state().is_final() && !self.running()
+    }
+
     fn view(&self, room: u64) -> serde_json::Value {
         let transfers: Vec<serde_json::Value> = self
             .transfers
@@ -336,7 +335,7 @@ impl Room {
             "tokens": self.ready.as_ref().map(|r| r.tokens),
             "transfers": transfers,
             "timings": self.status.timings_json(),
-            "safe_to_reuse": self.status.state().is_final() && !self.running(),
+            "safe_to_reuse": self.safe_to_reuse(),
         })
     }
 }
