@@ -51,8 +51,11 @@ impl Running {
     /// Starts `cmd` with stderr to a file and waits for its listening line.
     fn start(mut cmd: Command, name: &str) -> Running {
         let stderr = dir().join(format!("{name}.log"));
-        cmd.stdout(Stdio::piped()).stderr(std::fs::File::create(&stderr).unwrap());
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        cmd.stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -68,21 +71,34 @@ impl Running {
                 panic!("{name} printed no listening line within {BOUND:?}:\n{log}");
             }
         };
-        let listening: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{name}: {line:?}: {e}"));
+        let listening: Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("{name}: {line:?}: {e}"));
         assert_eq!(listening["event"], "listening", "{line}");
-        Running { child, listening, stderr }
+        Running {
+            child,
+            listening,
+            stderr,
+        }
     }
 
     fn field(&self, key: &str) -> String {
-        self.listening[key].as_str().unwrap_or_else(|| panic!("no {key}: {}", self.listening)).to_owned()
+        self.listening[key]
+            .as_str()
+            .unwrap_or_else(|| panic!("no {key}: {}", self.listening))
+            .to_owned()
     }
 
     /// SIGTERM; waits for the exit and returns stderr.
     fn stop(mut self) -> String {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
         let start = Instant::now();
         while self.child.try_wait().unwrap().is_none() {
-            assert!(start.elapsed() < BOUND, "no exit within {BOUND:?} of SIGTERM");
+            assert!(
+                start.elapsed() < BOUND,
+                "no exit within {BOUND:?} of SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
@@ -113,9 +129,16 @@ fn http(method: &str, url: &str, path: &str, body: Option<&Value>) -> (u16, Valu
     .unwrap();
     let mut response = String::new();
     stream.read_to_string(&mut response).unwrap();
-    let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     let text = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, serde_json::from_str(text).unwrap_or(Value::String(text.to_owned())))
+    (
+        status,
+        serde_json::from_str(text).unwrap_or(Value::String(text.to_owned())),
+    )
 }
 
 /// The lease TTL a registry grants: registers a made-up prefill rank and reads the lease.
@@ -130,11 +153,16 @@ fn lease_ttl_ms(registry: &Running) -> u64 {
     });
     let (status, v) = http("POST", &registry.field("url"), "/v1/ranks", Some(&rank));
     assert_eq!(status, 201, "{v}");
-    v["lease_ttl_ms"].as_u64().unwrap_or_else(|| panic!("no lease_ttl_ms: {v}"))
+    v["lease_ttl_ms"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no lease_ttl_ms: {v}"))
 }
 
 fn uuid() -> String {
-    let n = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
     format!("6f0b7c1e-3d2a-4e5f-8a9b-{:012x}", n & 0xffff_ffff_ffff)
 }
 
@@ -144,15 +172,37 @@ fn registry(args: &[&str], env: &[(&str, &str)], name: &str) -> Running {
     Running::start(cmd, name)
 }
 
+/// How a registry is started: a name, its arguments, its extra environment, the lease TTL
+/// it must grant.
+type Case<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>, u64);
+
 #[test]
 fn config_file_sets_the_registry_flags_and_loses_to_env_and_command_line() {
-    let file = write("registry.toml", "host = \"127.0.0.1\"\nport = 0\nlease-ttl-ms = 1111\n");
+    let file = write(
+        "registry.toml",
+        "host = \"127.0.0.1\"\nport = 0\nlease-ttl-ms = 1111\n",
+    );
     let f = file.to_str().unwrap();
-    let cases: [(&str, Vec<&str>, Vec<(&str, &str)>, u64); 5] = [
+    let cases: [Case<'_>; 5] = [
         ("file", vec!["--config", f, "bootstrap"], vec![], 1111),
-        ("file after the subcommand", vec!["bootstrap", "--config", f], vec![], 1111),
-        ("KVFERRY_CONFIG", vec!["bootstrap"], vec![("KVFERRY_CONFIG", f)], 1111),
-        ("env beats file", vec!["--config", f, "bootstrap"], vec![("KVFERRY_LEASE_TTL_MS", "2222")], 2222),
+        (
+            "file after the subcommand",
+            vec!["bootstrap", "--config", f],
+            vec![],
+            1111,
+        ),
+        (
+            "KVFERRY_CONFIG",
+            vec!["bootstrap"],
+            vec![("KVFERRY_CONFIG", f)],
+            1111,
+        ),
+        (
+            "env beats file",
+            vec!["--config", f, "bootstrap"],
+            vec![("KVFERRY_LEASE_TTL_MS", "2222")],
+            2222,
+        ),
         (
             "command line beats env and file",
             vec!["--config", f, "bootstrap", "--lease-ttl-ms", "3333"],
@@ -163,7 +213,10 @@ fn config_file_sets_the_registry_flags_and_loses_to_env_and_command_line() {
     for (how, args, env, want) in cases {
         let r = registry(&args, &env, "registry");
         let url = r.field("url");
-        assert!(url.starts_with("http://127.0.0.1:"), "{how}: the file's host: {url}");
+        assert!(
+            url.starts_with("http://127.0.0.1:"),
+            "{how}: the file's host: {url}"
+        );
         assert!(!url.ends_with(":8998"), "{how}: the file's port 0: {url}");
         let got = lease_ttl_ms(&r);
         println!("{how}: {url}, lease_ttl_ms {got}");
@@ -174,7 +227,11 @@ fn config_file_sets_the_registry_flags_and_loses_to_env_and_command_line() {
 
 #[test]
 fn config_file_configures_an_agent() {
-    let reg = registry(&["bootstrap", "--host", "127.0.0.1", "--port", "0"], &[], "agent-registry");
+    let reg = registry(
+        &["bootstrap", "--host", "127.0.0.1", "--port", "0"],
+        &[],
+        "agent-registry",
+    );
     let url = reg.field("url");
     let file = write(
         "decode.toml",
@@ -196,14 +253,22 @@ fn config_file_configures_an_agent() {
         .find(|r| r["role"] == "decode")
         .unwrap_or_else(|| panic!("the decode did not register: {v}"));
     println!("registered: {rank}");
-    assert_eq!((rank["tp_rank"].as_u64(), rank["tp_size"].as_u64()), (Some(1), Some(2)), "{rank}");
+    assert_eq!(
+        (rank["tp_rank"].as_u64(), rank["tp_size"].as_u64()),
+        (Some(1), Some(2)),
+        "{rank}"
+    );
     let stderr = decode.stop();
     // log-format = "json" from the file: every stderr line is a JSON object with a level.
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert!(!lines.is_empty(), "no logs");
     for line in &lines {
-        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
-        assert!(v["level"].is_string() && v["timestamp"].is_string(), "{line}");
+        let v: Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(
+            v["level"].is_string() && v["timestamp"].is_string(),
+            "{line}"
+        );
     }
     assert!(
         lines.iter().any(|l| l.contains("decode agent listening")),
@@ -216,17 +281,30 @@ fn config_file_configures_an_agent() {
 fn unknown_keys_and_bad_values_are_refused_naming_key_and_file() {
     let cases = [
         ("typo.toml", "port = 0\nlease-ttl = 5\n", "lease-ttl"),
-        ("bad-value.toml", "port = 0\nlease-ttl-ms = \"soon\"\n", "lease-ttl-ms"),
+        (
+            "bad-value.toml",
+            "port = 0\nlease-ttl-ms = \"soon\"\n",
+            "lease-ttl-ms",
+        ),
         ("snake-case.toml", "lease_ttl_ms = 5\n", "lease-ttl-ms"),
     ];
     for (name, text, key) in cases {
         let file = write(name, text);
-        let out = kvferry().args(["--config", file.to_str().unwrap(), "bootstrap"]).output().unwrap();
+        let out = kvferry()
+            .args(["--config", file.to_str().unwrap(), "bootstrap"])
+            .output()
+            .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         println!("{name}: {} {stderr}", out.status);
         assert_eq!(out.status.code(), Some(2), "{name}");
-        assert!(stderr.contains(&format!("`{key}`")), "{name}: names the key: {stderr}");
-        assert!(stderr.contains(file.to_str().unwrap()), "{name}: names the file: {stderr}");
+        assert!(
+            stderr.contains(&format!("`{key}`")),
+            "{name}: names the key: {stderr}"
+        );
+        assert!(
+            stderr.contains(file.to_str().unwrap()),
+            "{name}: names the file: {stderr}"
+        );
         assert!(out.stdout.is_empty(), "{name}: nothing on stdout");
     }
     let out = kvferry()
@@ -244,7 +322,10 @@ fn version_and_json_logs_from_the_environment() {
     let out = kvferry().arg("--version").output().unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(stdout.trim(), format!("kvferry {}", env!("CARGO_PKG_VERSION")));
+    assert_eq!(
+        stdout.trim(),
+        format!("kvferry {}", env!("CARGO_PKG_VERSION"))
+    );
 
     let r = registry(
         &["bootstrap", "--host", "127.0.0.1", "--port", "0"],
@@ -263,6 +344,11 @@ fn version_and_json_logs_from_the_environment() {
         .find(|e| e["message"] == "bootstrap registry listening")
         .unwrap_or_else(|| panic!("{stderr}"));
     // Structured fields stay fields.
-    assert!(listening["url"].as_str().is_some_and(|u| u.starts_with("http://")), "{listening}");
+    assert!(
+        listening["url"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("http://")),
+        "{listening}"
+    );
     assert_eq!(listening["level"], "INFO");
 }

@@ -474,7 +474,12 @@ impl Spawned {
     pub fn field(&self, key: &str) -> String {
         self.listening[key]
             .as_str()
-            .unwrap_or_else(|| panic!("{} listening line has no {key:?}: {}", self.name, self.listening))
+            .unwrap_or_else(|| {
+                panic!(
+                    "{} listening line has no {key:?}: {}",
+                    self.name, self.listening
+                )
+            })
             .to_owned()
     }
 
@@ -489,7 +494,12 @@ impl Spawned {
             .args([format!("-{name}"), self.child.id().to_string()])
             .status()
             .expect("running kill");
-        assert!(status.success(), "kill -{name} {} ({}) failed", self.child.id(), self.name);
+        assert!(
+            status.success(),
+            "kill -{name} {} ({}) failed",
+            self.child.id(),
+            self.name
+        );
     }
 
     /// Whether the process still runs.
@@ -615,7 +625,14 @@ pub async fn try_call(
 
 /// Instance ids the registry lists (`GET /v1/ranks`).
 pub async fn registered(http: &Client, registry: &str) -> Vec<String> {
-    let v = expect(http, Method::GET, &format!("{registry}/v1/ranks"), None, StatusCode::OK).await;
+    let v = expect(
+        http,
+        Method::GET,
+        &format!("{registry}/v1/ranks"),
+        None,
+        StatusCode::OK,
+    )
+    .await;
     v["ranks"]
         .as_array()
         .unwrap_or_else(|| panic!("GET /v1/ranks without ranks: {v}"))
@@ -640,7 +657,10 @@ pub fn test_seed() -> u64 {
 /// `--timeout-stall-ms`), so that every timeout of the agents is explicit.
 pub fn all_timeouts(opts: &AgentOpts, ready_ms: u64, stall_ms: u64) -> Vec<String> {
     let mut v = opts.args();
-    for (flag, value) in [("--timeout-ready-ms", ready_ms), ("--timeout-stall-ms", stall_ms)] {
+    for (flag, value) in [
+        ("--timeout-ready-ms", ready_ms),
+        ("--timeout-stall-ms", stall_ms),
+    ] {
         if !v.iter().any(|a| a == flag) {
             v.extend([flag.to_owned(), value.to_string()]);
         }
@@ -666,8 +686,20 @@ pub async fn metric_sum(http: &Client, api: &str, name: &str, role: &str) -> Opt
         .filter_map(|l| {
             let rest = l.strip_prefix(name)?;
             let (labels, value) = rest.strip_prefix('{')?.split_once("} ")?;
-            labels.split(',').any(|kv| kv == role).then(|| value.trim().parse().ok())?
+            labels
+                .split(',')
+                .any(|kv| kv == role)
+                .then(|| value.trim().parse().ok())?
         })
         .collect();
     (!values.is_empty()).then(|| values.iter().sum())
+}
+
+/// Sets `flag` to `value` in `args`: replaces the value after an existing `flag` (clap refuses a
+/// flag given twice), or appends both.
+pub fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
+    match args.iter().position(|a| a == flag) {
+        Some(i) if i + 1 < args.len() => args[i + 1] = value.to_owned(),
+        _ => args.extend([flag.to_owned(), value.to_owned()]),
+    }
 }
