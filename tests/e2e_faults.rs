@@ -58,7 +58,14 @@ async fn request(http: &Client, decode: &str, room: u64, body: Value) -> Value {
 
 async fn ready(http: &Client, prefill: &str, room: u64, tokens: usize) -> Value {
     let url = format!("{prefill}/v1/rooms/{room}/ready");
-    expect(http, Method::POST, &url, Some(&json!({ "tokens": tokens })), StatusCode::ACCEPTED).await
+    expect(
+        http,
+        Method::POST,
+        &url,
+        Some(&json!({ "tokens": tokens })),
+        StatusCode::ACCEPTED,
+    )
+    .await
 }
 
 async fn take(http: &Client, decode: &str, room: u64) -> Value {
@@ -70,7 +77,9 @@ async fn take(http: &Client, decode: &str, room: u64) -> Value {
 fn assert_reason(v: &Value, code: &str) {
     assert_eq!(v["reason"]["code"], code, "{v}");
     assert!(
-        v["reason"]["message"].as_str().is_some_and(|m| !m.is_empty()),
+        v["reason"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
         "a reason without a message: {v}"
     );
 }
@@ -88,7 +97,13 @@ fn at(v: &Value, state: &str) -> Option<f64> {
 /// fails `peer_dead` within seconds, is safe to reuse, and its agent-owned pages return on take.
 #[test]
 fn kill9_prefill_before_ready_fails_waiting_rooms_with_peer_dead() {
-    let c = FaultCluster::start("faults-kill-early", &fast(AgentOpts::default()).args_all(), &[], &[], &[]);
+    let c = FaultCluster::start(
+        "faults-kill-early",
+        &fast(AgentOpts::default()).args_all(),
+        &[],
+        &[],
+        &[],
+    );
     runtime().block_on(async {
         let (http, d) = (http(), c.decode_api.clone());
         let (total, _) = pool(&http, &d).await;
@@ -141,7 +156,13 @@ fn kill9_prefill_mid_transfer_fails_the_room_with_peer_dead() {
     let room_bytes = 4096 * LLAMA_BYTES_PER_TOKEN;
     let mut mid = false;
     for attempt in 1..=3u64 {
-        let c = FaultCluster::start(&format!("faults-kill-mid{attempt}"), &opts.args_all(), &[], &[], &[]);
+        let c = FaultCluster::start(
+            &format!("faults-kill-mid{attempt}"),
+            &opts.args_all(),
+            &[],
+            &[],
+            &[],
+        );
         mid = runtime().block_on(async {
             let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
             let room = attempt;
@@ -192,7 +213,10 @@ fn kill9_prefill_mid_transfer_fails_the_room_with_peer_dead() {
             break;
         }
     }
-    assert!(mid, "the prefill was never killed mid-transfer in 3 attempts");
+    assert!(
+        mid,
+        "the prefill was never killed mid-transfer in 3 attempts"
+    );
 }
 
 /// (c) Rooms that landed (success, untaken) when the prefill is killed stay `success` and
@@ -200,7 +224,13 @@ fn kill9_prefill_mid_transfer_fails_the_room_with_peer_dead() {
 /// noticed while the landed rooms sat there).
 #[test]
 fn kill9_prefill_after_done_before_take_leaves_landed_rooms_intact() {
-    let c = FaultCluster::start("faults-kill-late", &fast(AgentOpts::default()).args_all(), &[], &[], &[]);
+    let c = FaultCluster::start(
+        "faults-kill-late",
+        &fast(AgentOpts::default()).args_all(),
+        &[],
+        &[],
+        &[],
+    );
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
         let (total, _) = pool(&http, &d).await;
@@ -218,20 +248,41 @@ fn kill9_prefill_after_done_before_take_leaves_landed_rooms_intact() {
         let witness = wait_final(&http, &d, 3).await;
         assert_eq!(witness["state"], "failed", "{witness}");
         assert_reason(&witness, "peer_dead");
-        println!("[faults-kill-late] the waiting room failed peer_dead {:.0} ms after the kill", ms(killed.elapsed()));
+        println!(
+            "[faults-kill-late] the waiting room failed peer_dead {:.0} ms after the kill",
+            ms(killed.elapsed())
+        );
         // Twice the peer-dead time more: nothing changes for the landed rooms.
         tokio::time::sleep(Duration::from_millis(2000)).await;
         for (room, tokens) in [(1u64, 300u64), (2, 77)] {
-            let v = expect(&http, Method::GET, &format!("{d}/v1/rooms/{room}"), None, StatusCode::OK).await;
-            assert_eq!((v["state"].as_str(), v["safe_to_reuse"].as_bool()), (Some("success"), Some(true)), "{v}");
+            let v = expect(
+                &http,
+                Method::GET,
+                &format!("{d}/v1/rooms/{room}"),
+                None,
+                StatusCode::OK,
+            )
+            .await;
+            assert_eq!(
+                (v["state"].as_str(), v["safe_to_reuse"].as_bool()),
+                (Some("success"), Some(true)),
+                "{v}"
+            );
             assert_eq!(v["reason"], Value::Null, "{v}");
             let t = take(&http, &d, room).await;
             assert_eq!(t["verified"], true, "{t}");
-            assert_eq!(t["bytes"].as_u64(), Some(tokens * TINY_BYTES_PER_TOKEN), "{t}");
+            assert_eq!(
+                t["bytes"].as_u64(),
+                Some(tokens * TINY_BYTES_PER_TOKEN),
+                "{t}"
+            );
         }
         take(&http, &d, 3).await;
         assert_eq!(pool(&http, &d).await, (total, total));
-        println!("[faults-kill-late] 2 landed rooms still success and verified {:.0} ms after the kill", ms(killed.elapsed()));
+        println!(
+            "[faults-kill-late] 2 landed rooms still success and verified {:.0} ms after the kill",
+            ms(killed.elapsed())
+        );
     });
 }
 
@@ -364,7 +415,17 @@ async fn abort_later(http: Client, url: String, after: Duration) -> StatusCode {
 
 /// One room of the random-abort run: request at the decode, ready at the prefill (either
 /// first), aborts at random moments, then wait until final and safe, and take.
-async fn random_room(http: Client, p: String, d: String, room: u64, tokens: usize, plan: Plan, delays: [u64; 3], ready_first: bool) -> Outcome {
+#[allow(clippy::too_many_arguments)] // one room's random script, spelled out at the call
+async fn random_room(
+    http: Client,
+    p: String,
+    d: String,
+    room: u64,
+    tokens: usize,
+    plan: Plan,
+    delays: [u64; 3],
+    ready_first: bool,
+) -> Outcome {
     let d_url = format!("{d}/v1/rooms/{room}");
     let p_url = format!("{p}/v1/rooms/{room}");
     let ready_url = format!("{p_url}/ready");
@@ -378,10 +439,16 @@ async fn random_room(http: Client, p: String, d: String, room: u64, tokens: usiz
     let (status, v) = call(&http, Method::POST, &d_url, Some(&body)).await;
     assert_eq!(status, StatusCode::CREATED, "room {room} request: {v}");
     if matches!(plan, Plan::Decode | Plan::Both) {
-        aborts.push((false, tokio::spawn(abort_later(http.clone(), d_url.clone(), ms_(delays[0])))));
+        aborts.push((
+            false,
+            tokio::spawn(abort_later(http.clone(), d_url.clone(), ms_(delays[0]))),
+        ));
     }
     if matches!(plan, Plan::Prefill | Plan::Both) {
-        aborts.push((true, tokio::spawn(abort_later(http.clone(), p_url.clone(), ms_(delays[1])))));
+        aborts.push((
+            true,
+            tokio::spawn(abort_later(http.clone(), p_url.clone(), ms_(delays[1]))),
+        ));
     }
     let mut ready = StatusCode::ACCEPTED;
     if !ready_first {
@@ -389,7 +456,10 @@ async fn random_room(http: Client, p: String, d: String, room: u64, tokens: usiz
         let (status, v) = call(&http, Method::POST, &ready_url, Some(&body)).await;
         // A ready after an abort of the room is refused; nothing else is.
         let refused_late = status == StatusCode::CONFLICT && plan != Plan::NoAbort;
-        assert!(status == StatusCode::ACCEPTED || refused_late, "room {room} ({plan:?}) ready: {status} {v}");
+        assert!(
+            status == StatusCode::ACCEPTED || refused_late,
+            "room {room} ({plan:?}) ready: {status} {v}"
+        );
         ready = status;
     }
     let mut prefill_delete = None;
@@ -407,7 +477,14 @@ async fn random_room(http: Client, p: String, d: String, room: u64, tokens: usiz
         }
     }
     let (_, _) = wait_safe(&http, &d, room).await;
-    let t = expect(&http, Method::POST, &format!("{d_url}/take"), None, StatusCode::OK).await;
+    let t = expect(
+        &http,
+        Method::POST,
+        &format!("{d_url}/take"),
+        None,
+        StatusCode::OK,
+    )
+    .await;
     Outcome {
         plan,
         state: t["state"].as_str().unwrap_or_default().to_owned(),
@@ -527,7 +604,12 @@ fn thousand_rooms_with_random_aborts_on_both_sides_account_for_every_page() {
 async fn prefill_counts(http: &Client, api: &str) -> Vec<String> {
     let mut out = Vec::new();
     for state in ["success", "failed", "aborted"] {
-        let n = metric(http, api, &format!("kvferry_rooms_total{{role=\"prefill\",state=\"{state}\"}}")).await;
+        let n = metric(
+            http,
+            api,
+            &format!("kvferry_rooms_total{{role=\"prefill\",state=\"{state}\"}}"),
+        )
+        .await;
         out.push(format!("{state} {}", n.unwrap_or(f64::NAN)));
     }
     out
@@ -546,7 +628,13 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
     require_flags("decode", &["--checksum"]);
     let opts = fast(AgentOpts::default());
     let both = ["--checksum", "--chunk-bytes", "65536"];
-    let c = FaultCluster::start("faults-checksum", &opts.args_all(), &both, &both, &[("KVFERRY_FAULT_CORRUPT_CHUNK", "3")]);
+    let c = FaultCluster::start(
+        "faults-checksum",
+        &opts.args_all(),
+        &both,
+        &both,
+        &[("KVFERRY_FAULT_CORRUPT_CHUNK", "3")],
+    );
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
         let (total, _) = pool(&http, &d).await;
@@ -555,20 +643,35 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
         let t = Instant::now();
         ready(&http, &p, 1, 512).await;
         let v = wait_final(&http, &d, 1).await;
-        println!("[faults-checksum] corrupted room: {} {} after {:.0} ms", v["state"], v["reason"], ms(t.elapsed()));
+        println!(
+            "[faults-checksum] corrupted room: {} {} after {:.0} ms",
+            v["state"],
+            v["reason"],
+            ms(t.elapsed())
+        );
         assert_eq!(v["state"], "failed", "{v}");
         assert_reason(&v, "checksum");
         let (v, _) = wait_safe(&http, &d, 1).await;
         let tk = take(&http, &d, 1).await;
         assert_eq!(tk["state"], "failed", "{tk} {v}");
         assert_eq!(pool(&http, &d).await, (total, total));
-        let n = metric(&http, &d, "kvferry_room_failures_total{role=\"decode\",code=\"checksum\"}").await;
+        let n = metric(
+            &http,
+            &d,
+            "kvferry_room_failures_total{role=\"decode\",code=\"checksum\"}",
+        )
+        .await;
         assert_eq!(n, Some(1.0));
         let pv = wait_final(&http, &p, 1).await;
-        println!("[faults-checksum] the prefill's view of it: {} {}", pv["state"], pv["reason"]);
+        println!(
+            "[faults-checksum] the prefill's view of it: {} {}",
+            pv["state"], pv["reason"]
+        );
         // Small rooms (2 chunks each) after it land intact.
         let rooms: Vec<(u64, usize)> = (2..=6).map(|r| (r, 100)).collect();
-        let results = drive_rooms(&Apis::pair(&p, &d), rooms, 4).await.expect("rooms after the corruption");
+        let results = drive_rooms(&Apis::pair(&p, &d), rooms, 4)
+            .await
+            .expect("rooms after the corruption");
         assert!(results.iter().all(|r| r.verified), "{results:?}");
         healthy(&http, &d).await;
     });
@@ -601,7 +704,13 @@ fn max_rooms_admission_refuses_with_429_at_once_and_loses_nothing() {
         pool_pages: 64,
         ..AgentOpts::default()
     });
-    let c = FaultCluster::start("faults-admission", &opts.args_all(), &[], &["--max-rooms", "4"], &[]);
+    let c = FaultCluster::start(
+        "faults-admission",
+        &opts.args_all(),
+        &[],
+        &["--max-rooms", "4"],
+        &[],
+    );
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
         for room in 1..=4u64 {
@@ -609,15 +718,36 @@ fn max_rooms_admission_refuses_with_429_at_once_and_loses_nothing() {
         }
         assert_eq!(pool(&http, &d).await, (64, 56));
         let t = Instant::now();
-        let got = call(&http, Method::POST, &format!("{d}/v1/rooms/5"), Some(&json!({ "tokens": 32 }))).await;
+        let got = call(
+            &http,
+            Method::POST,
+            &format!("{d}/v1/rooms/5"),
+            Some(&json!({ "tokens": 32 })),
+        )
+        .await;
         let took = t.elapsed();
         let message = got.1["error"].as_str().unwrap_or_default().to_lowercase();
-        assert_error("5th room beyond --max-rooms 4", got, StatusCode::TOO_MANY_REQUESTS);
+        assert_error(
+            "5th room beyond --max-rooms 4",
+            got,
+            StatusCode::TOO_MANY_REQUESTS,
+        );
         println!("[faults-admission] 429 in {:.1} ms", ms(took));
         assert!(took < Duration::from_secs(2), "the refusal took {took:?}");
-        assert!(message.contains("room"), "the error does not say why: {message}");
-        assert_error("refused room left no trace", call(&http, Method::GET, &format!("{d}/v1/rooms/5"), None).await, StatusCode::NOT_FOUND);
-        assert_eq!(pool(&http, &d).await, (64, 56), "a refused room holds no page");
+        assert!(
+            message.contains("room"),
+            "the error does not say why: {message}"
+        );
+        assert_error(
+            "refused room left no trace",
+            call(&http, Method::GET, &format!("{d}/v1/rooms/5"), None).await,
+            StatusCode::NOT_FOUND,
+        );
+        assert_eq!(
+            pool(&http, &d).await,
+            (64, 56),
+            "a refused room holds no page"
+        );
 
         // A burst while full: all refused.
         let burst = |rooms: std::ops::Range<u64>, tokens: usize| {
@@ -628,7 +758,16 @@ fn max_rooms_admission_refuses_with_429_at_once_and_loses_nothing() {
                     let (http, d) = (http.clone(), d.clone());
                     set.spawn(async move {
                         let url = format!("{d}/v1/rooms/{room}");
-                        (room, call(&http, Method::POST, &url, Some(&json!({ "tokens": tokens }))).await)
+                        (
+                            room,
+                            call(
+                                &http,
+                                Method::POST,
+                                &url,
+                                Some(&json!({ "tokens": tokens })),
+                            )
+                            .await,
+                        )
                     });
                 }
                 let mut out = Vec::new();
@@ -653,10 +792,15 @@ fn max_rooms_admission_refuses_with_429_at_once_and_loses_nothing() {
 
         // Room for 4 again: a burst of 12 admits exactly 4.
         let got = burst(20..32, 32).await;
-        let admitted: Vec<u64> = got.iter().filter(|(_, (s, _))| *s == StatusCode::CREATED).map(|(r, _)| *r).collect();
+        let admitted: Vec<u64> = got
+            .iter()
+            .filter(|(_, (s, _))| *s == StatusCode::CREATED)
+            .map(|(r, _)| *r)
+            .collect();
         for (room, (status, v)) in &got {
             assert!(
-                *status == StatusCode::CREATED || (*status == StatusCode::TOO_MANY_REQUESTS && v["error"].is_string()),
+                *status == StatusCode::CREATED
+                    || (*status == StatusCode::TOO_MANY_REQUESTS && v["error"].is_string()),
                 "room {room}: {status} {v}"
             );
         }
@@ -675,8 +819,18 @@ fn max_rooms_admission_refuses_with_429_at_once_and_loses_nothing() {
         for room in 40..42u64 {
             request(&http, &d, room, json!({ "tokens": 480 })).await;
         }
-        let got = call(&http, Method::POST, &format!("{d}/v1/rooms/42"), Some(&json!({ "tokens": 480 }))).await;
-        assert_error("a room beyond the free pages", got, StatusCode::TOO_MANY_REQUESTS);
+        let got = call(
+            &http,
+            Method::POST,
+            &format!("{d}/v1/rooms/42"),
+            Some(&json!({ "tokens": 480 })),
+        )
+        .await;
+        assert_error(
+            "a room beyond the free pages",
+            got,
+            StatusCode::TOO_MANY_REQUESTS,
+        );
         for room in 40..42u64 {
             ready(&http, &p, room, 480).await;
         }
@@ -685,7 +839,12 @@ fn max_rooms_admission_refuses_with_429_at_once_and_loses_nothing() {
             assert_eq!(take(&http, &d, room).await["verified"], true);
         }
         assert_eq!(pool(&http, &d).await, (64, 64));
-        let ok = metric(&http, &d, "kvferry_rooms_total{role=\"decode\",state=\"success\"}").await;
+        let ok = metric(
+            &http,
+            &d,
+            "kvferry_rooms_total{role=\"decode\",state=\"success\"}",
+        )
+        .await;
         assert_eq!(ok, Some(10.0), "every admitted room landed");
         healthy(&http, &d).await;
     });
@@ -697,10 +856,18 @@ fn max_rooms_admission_refuses_with_429_at_once_and_loses_nothing() {
 
 /// Polls the decode's views of `rooms` until each is final (taking it once safe), or the decode
 /// is gone; returns the last view of each and when it was first seen final.
-async fn follow_rooms(http: &Client, d: &str, rooms: &[u64], take_them: bool, bound: Duration) -> BTreeMap<u64, (Value, Option<Duration>, Option<Value>)> {
+async fn follow_rooms(
+    http: &Client,
+    d: &str,
+    rooms: &[u64],
+    take_them: bool,
+    bound: Duration,
+) -> BTreeMap<u64, (Value, Option<Duration>, Option<Value>)> {
     let start = Instant::now();
-    let mut out: BTreeMap<u64, (Value, Option<Duration>, Option<Value>)> =
-        rooms.iter().map(|r| (*r, (Value::Null, None, None))).collect();
+    let mut out: BTreeMap<u64, (Value, Option<Duration>, Option<Value>)> = rooms
+        .iter()
+        .map(|r| (*r, (Value::Null, None, None)))
+        .collect();
     while start.elapsed() < bound {
         let mut pending = false;
         for (room, (view, final_at, taken)) in out.iter_mut() {
@@ -714,7 +881,14 @@ async fn follow_rooms(http: &Client, d: &str, rooms: &[u64], take_them: bool, bo
                         *final_at = Some(start.elapsed());
                     }
                     if fin && take_them && v["safe_to_reuse"] == true {
-                        if let Some((StatusCode::OK, t)) = try_call(http, Method::POST, &format!("{d}/v1/rooms/{room}/take"), None).await {
+                        if let Some((StatusCode::OK, t)) = try_call(
+                            http,
+                            Method::POST,
+                            &format!("{d}/v1/rooms/{room}/take"),
+                            None,
+                        )
+                        .await
+                        {
                             *taken = Some(t);
                         }
                     }
@@ -739,14 +913,15 @@ async fn follow_rooms(http: &Client, d: &str, rooms: &[u64], take_them: bool, bo
 #[test]
 fn sigterm_drains_a_decode_finishes_in_flight_rooms_deregisters_and_exits_0() {
     require_flags("decode", &["--drain-timeout-ms"]);
-    let opts = fast(AgentOpts::default());
     let drain_ms = 3000u64;
+    let mut args = fast(AgentOpts::default()).args_all();
+    set_flag(&mut args, "--drain-timeout-ms", &drain_ms.to_string());
+    // 4 layers x 300 ms: a room takes ~1.2 s from ready to success.
     let mut c = FaultCluster::start(
         "faults-drain-decode",
-        &opts.args_all(),
-        // 4 layers x 300 ms: a room takes ~1.2 s from ready to success.
+        &args,
         &["--synthetic-layer-ms", "300"],
-        &["--drain-timeout-ms", &drain_ms.to_string()],
+        &[],
         &[],
     );
     let instance = c.decode.field("instance");
@@ -768,6 +943,7 @@ fn sigterm_drains_a_decode_finishes_in_flight_rooms_deregisters_and_exits_0() {
         let got = got.expect("the draining decode still answers its API");
         assert_error("a new room while draining", got, StatusCode::SERVICE_UNAVAILABLE);
         let rooms = follow_rooms(&http, &d, &[1, 2, 3, 4], true, BOUND).await;
+        let mut problems = Vec::new();
         for (room, (v, final_at, taken)) in &rooms {
             println!(
                 "[faults-drain-decode] room {room}: {} {} final {:?} after SIGTERM, taken: {}",
@@ -777,8 +953,9 @@ fn sigterm_drains_a_decode_finishes_in_flight_rooms_deregisters_and_exits_0() {
                 taken.as_ref().map_or("no".to_owned(), |t| format!("verified {}", t["verified"]))
             );
             let state = v["state"].as_str().unwrap_or_default();
-            assert!(FINAL.contains(&state), "room {room} was not final before the decode exited: {v}");
-            if *room <= 3 {
+            if !FINAL.contains(&state) {
+                problems.push(format!("room {room} was never seen final (with a reason) before the decode exited: {v}"));
+            } else if *room <= 3 {
                 assert_eq!(state, "success", "an in-flight room that could finish did not: {v}");
                 if let Some(t) = taken {
                     assert_eq!(t["verified"], true, "{t}");
@@ -796,7 +973,10 @@ fn sigterm_drains_a_decode_finishes_in_flight_rooms_deregisters_and_exits_0() {
         println!("[faults-drain-decode] exited {status} {:.0} ms after SIGTERM (drain timeout {drain_ms} ms)", ms(exited));
         assert!(status.success(), "exit status {status}; log {}", c.decode.log.display());
         assert!(!registered(&http, &c.registry_url).await.contains(&instance), "the drained decode is still registered");
+        let pv = wait_final(&http, &p, 4).await;
+        println!("[faults-drain-decode] the prefill's view of room 4: {} {}", pv["state"], pv["reason"]);
         healthy(&http, &p).await;
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
     });
 }
 
@@ -806,13 +986,13 @@ fn sigterm_drains_a_decode_finishes_in_flight_rooms_deregisters_and_exits_0() {
 #[test]
 fn sigterm_drains_a_prefill_finishes_in_flight_rooms_deregisters_and_exits_0() {
     require_flags("prefill", &["--drain-timeout-ms"]);
-    let opts = fast(AgentOpts::default());
     let drain_ms = 3000u64;
-    let drain = drain_ms.to_string();
+    let mut args = fast(AgentOpts::default()).args_all();
+    set_flag(&mut args, "--drain-timeout-ms", &drain_ms.to_string());
     let mut c = FaultCluster::start(
         "faults-drain-prefill",
-        &opts.args_all(),
-        &["--synthetic-layer-ms", "300", "--drain-timeout-ms", &drain],
+        &args,
+        &["--synthetic-layer-ms", "300"],
         &[],
         &[],
     );
@@ -879,7 +1059,11 @@ fn ip(args: &[&str]) -> Result<(), String> {
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
     }
 }
 
@@ -909,10 +1093,15 @@ impl Netns {
         // From here on, Drop cleans up whatever was made.
         ip(&["netns", "add", &n.prefill_ns])?;
         ip(&["netns", "add", &n.decode_ns])?;
-        ip(&["link", "add", &n.veth_p, "type", "veth", "peer", "name", &n.veth_d])?;
+        ip(&[
+            "link", "add", &n.veth_p, "type", "veth", "peer", "name", &n.veth_d,
+        ])?;
         ip(&["link", "set", &n.veth_p, "netns", &n.prefill_ns])?;
         ip(&["link", "set", &n.veth_d, "netns", &n.decode_ns])?;
-        for (ns, dev, addr) in [(&n.prefill_ns, &n.veth_p, &n.prefill_ip), (&n.decode_ns, &n.veth_d, &n.decode_ip)] {
+        for (ns, dev, addr) in [
+            (&n.prefill_ns, &n.veth_p, &n.prefill_ip),
+            (&n.decode_ns, &n.veth_d, &n.decode_ip),
+        ] {
             ip(&["-n", ns, "addr", "add", &format!("{addr}/30"), "dev", dev])?;
             ip(&["-n", ns, "link", "set", dev, "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
@@ -926,7 +1115,15 @@ impl Netns {
 
     /// The link, from the prefill's side.
     fn set_link(&self, up: bool) {
-        ip(&["-n", &self.prefill_ns, "link", "set", &self.veth_p, if up { "up" } else { "down" }]).expect("setting the link");
+        ip(&[
+            "-n",
+            &self.prefill_ns,
+            "link",
+            "set",
+            &self.veth_p,
+            if up { "up" } else { "down" },
+        ])
+        .expect("setting the link");
     }
 }
 
@@ -944,7 +1141,8 @@ impl Drop for Netns {
 #[allow(unsafe_code)]
 fn enter_netns(name: &str) {
     use std::os::fd::AsRawFd as _;
-    let f = std::fs::File::open(format!("/var/run/netns/{name}")).unwrap_or_else(|e| panic!("opening netns {name}: {e}"));
+    let f = std::fs::File::open(format!("/var/run/netns/{name}"))
+        .unwrap_or_else(|e| panic!("opening netns {name}: {e}"));
     // SAFETY: setns(2) on a valid, open namespace fd; it affects only the calling thread's
     // network namespace, which only sockets created later on this thread depend on.
     let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
@@ -961,7 +1159,10 @@ fn a_cut_link_between_namespaces_fails_rooms_with_peer_dead() {
     let net = match Netns::create() {
         Ok(n) => n,
         Err(why) => {
-            assert!(!ci, "CI=true and no network namespaces: {why} (needs root and iproute2)");
+            assert!(
+                !ci,
+                "CI=true and no network namespaces: {why} (needs root and iproute2)"
+            );
             println!("[faults-netns] skipped: cannot create network namespaces: {why}");
             return;
         }
@@ -989,13 +1190,18 @@ fn a_cut_link_between_namespaces_fails_rooms_with_peer_dead() {
     let agent = |role: &str, ns: &str, host: &str, extra: &[&str]| {
         let mut args = owned(&[role, "--bootstrap", &url]);
         args.extend(opts.args_all());
-        // After the defaults: the last --host / --api-host wins.
-        args.extend(owned(&["--host", host, "--api-host", host]));
+        set_flag(&mut args, "--host", host);
+        set_flag(&mut args, "--api-host", host);
         args.extend(owned(extra));
         Spawned::start(&exe, &Netns::exec(ns), role, &args, &[], &logs)
     };
-    // 4 layers x 400 ms: a room is `transferring` for ~1.6 s.
-    let prefill = agent("prefill", &net.prefill_ns, &net.prefill_ip, &["--synthetic-layer-ms", "400"]);
+    // 4 layers x 1.5 s: a room is `transferring` for ~6 s, long enough to be caught.
+    let prefill = agent(
+        "prefill",
+        &net.prefill_ns,
+        &net.prefill_ip,
+        &["--synthetic-layer-ms", "1500"],
+    );
     let decode = agent("decode", &net.decode_ns, &net.decode_ip, &[]);
     let (p, d) = (prefill.field("api"), decode.field("api"));
     println!("[faults-netns] prefill {p}, decode {d}");
@@ -1011,9 +1217,11 @@ fn a_cut_link_between_namespaces_fails_rooms_with_peer_dead() {
                 let http = http();
                 let (total, _) = pool(&http, &d).await;
                 let rooms = [1u64, 2, 3];
+                // 2048 tiny tokens: 512 KiB per layer, more than the socket buffers and the
+                // decode's 8 staging credits hold once the link is down.
                 for &room in &rooms {
-                    request(&http, &d, room, json!({ "tokens": 64 })).await;
-                    ready(&http, &p, room, 64).await;
+                    request(&http, &d, room, json!({ "tokens": 2048 })).await;
+                    ready(&http, &p, room, 2048).await;
                 }
                 for &room in &rooms {
                     wait_state(&http, &d, room, &["transferring"], BOUND).await;
@@ -1036,14 +1244,23 @@ fn a_cut_link_between_namespaces_fails_rooms_with_peer_dead() {
                 assert!(cut.elapsed() < BOUND);
                 assert_eq!(pool(&http, &d).await, (total, total), "decode pages after the takes");
 
+                // Down long enough for the prefill to give up on the decode too.
+                tokio::time::sleep(Duration::from_millis(2500).saturating_sub(cut.elapsed())).await;
                 link.lock().unwrap().set_link(true);
                 let up = Instant::now();
                 for &room in &rooms {
+                    // The prefill either posted every chunk before the link died (`success`:
+                    // posted is all it can know) or failed the transfer `peer_dead`.
                     let v = wait_final(&http, &p, room).await;
-                    println!("[faults-netns] after the link is back, the prefill's room {room}: {} {}", v["state"], v["reason"]);
-                    assert_eq!(v["state"], "failed", "{v}");
-                    assert_reason(&v, "peer_dead");
+                    println!("[faults-netns] after the link is back, the prefill's room {room}: {} {} ({} bytes posted)", v["state"], v["reason"], v["bytes"]);
+                    if v["state"] != "success" {
+                        assert_eq!(v["state"], "failed", "{v}");
+                        assert_reason(&v, "peer_dead");
+                    }
                 }
+                let dead = metric(&http, &p, "kvferry_peers_dead_total{role=\"prefill\"}").await;
+                println!("[faults-netns] the prefill declared {dead:?} decode peers dead");
+                assert!(dead.is_some_and(|n| n >= 1.0), "the prefill never noticed the cut: {dead:?}");
                 poll_until("prefill pages back", BOUND, || async { (pool(&http, &p).await == (total, total)).then_some(()) }).await;
                 request(&http, &d, 10, json!({ "tokens": 48 })).await;
                 ready(&http, &p, 10, 48).await;

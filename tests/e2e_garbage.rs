@@ -12,11 +12,14 @@
 //!
 //! Needs `cargo build --release --bin kvferry` first.
 
+// The tables of cases are tuples; naming their types would not make them clearer.
+#![allow(clippy::type_complexity)]
+
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -24,8 +27,8 @@ use common::*;
 use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
 use kvferry::layout::{AttentionKind, Dtype, PageOrder};
 use kvferry::protocol::{
-    Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, HEADER_LEN, Heartbeat, Hello, HelloAck, MAX_BODY,
-    Message, Ranks, Role, TransferRequest, VERSION, WireLayout,
+    Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, HEADER_LEN, Heartbeat, Hello, HelloAck,
+    MAX_BODY, Message, Ranks, Role, TransferRequest, VERSION, WireLayout,
 };
 use kvferry::reason::FailureCode;
 use rand::rngs::StdRng;
@@ -40,8 +43,16 @@ fn uuid(rng: &mut StdRng) -> Uuid {
 }
 
 fn range(rng: &mut StdRng) -> std::ops::Range<u32> {
-    let a: u32 = if rng.random_bool(0.5) { rng.random_range(0..64) } else { rng.random() };
-    let b = if rng.random_bool(0.5) { a.saturating_add(rng.random_range(0..64)) } else { rng.random_range(a..=u32::MAX) };
+    let a: u32 = if rng.random_bool(0.5) {
+        rng.random_range(0..64)
+    } else {
+        rng.random()
+    };
+    let b = if rng.random_bool(0.5) {
+        a.saturating_add(rng.random_range(0..64))
+    } else {
+        rng.random_range(a..=u32::MAX)
+    };
     a..b
 }
 
@@ -66,7 +77,11 @@ fn random_message(rng: &mut StdRng) -> Message {
             min_version: rng.random_range(0..4),
             max_version: rng.random_range(0..4),
             instance: uuid(rng),
-            role: if rng.random_bool(0.5) { Role::Decode } else { Role::Prefill },
+            role: if rng.random_bool(0.5) {
+                Role::Decode
+            } else {
+                Role::Prefill
+            },
             ranks: Ranks {
                 dp_rank: rng.random_range(0..4),
                 dp_size: rng.random_range(0..4),
@@ -76,9 +91,17 @@ fn random_message(rng: &mut StdRng) -> Message {
                 pp_size: rng.random_range(0..4),
             },
             layout: WireLayout {
-                kind: if rng.random_bool(0.5) { AttentionKind::Mha } else { AttentionKind::Mla },
+                kind: if rng.random_bool(0.5) {
+                    AttentionKind::Mha
+                } else {
+                    AttentionKind::Mla
+                },
                 dtype: Dtype::ALL[rng.random_range(0..Dtype::ALL.len())],
-                order: if rng.random_bool(0.5) { PageOrder::TokenMajor } else { PageOrder::HeadMajor },
+                order: if rng.random_bool(0.5) {
+                    PageOrder::TokenMajor
+                } else {
+                    PageOrder::HeadMajor
+                },
                 num_layers: rng.random_range(0..100),
                 num_kv_heads: rng.random_range(0..100),
                 head_dim: rng.random(),
@@ -86,20 +109,31 @@ fn random_message(rng: &mut StdRng) -> Message {
                 heads: range(rng),
                 layers: range(rng),
             },
-            data_endpoint: if rng.random_bool(0.5) { format!("tcp://127.0.0.1:{}", rng.random_range(1..1024)) } else { text(rng, 40) },
+            data_endpoint: if rng.random_bool(0.5) {
+                format!("tcp://127.0.0.1:{}", rng.random_range(1..1024))
+            } else {
+                text(rng, 40)
+            },
             // Never the cluster's (empty) token: a random Hello must not become a peer.
             token: format!("x{}", text(rng, 20)),
             slots: rng.random_range(0..16),
             slot_bytes: rng.random(),
         }),
-        1 => Message::HelloAck(HelloAck { version: rng.random(), instance: uuid(rng) }),
+        1 => Message::HelloAck(HelloAck {
+            version: rng.random(),
+            instance: uuid(rng),
+        }),
         2 => Message::TransferRequest(TransferRequest {
             room: rng.random(),
             prefill_instance: uuid(rng),
             tokens: range(rng),
             layers: range(rng),
             heads: range(rng),
-            wire_order: if rng.random_bool(0.5) { PageOrder::TokenMajor } else { PageOrder::HeadMajor },
+            wire_order: if rng.random_bool(0.5) {
+                PageOrder::TokenMajor
+            } else {
+                PageOrder::HeadMajor
+            },
             dst_pages: (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
             requesters: rng.random_range(0..4),
         }),
@@ -118,17 +152,33 @@ fn random_message(rng: &mut StdRng) -> Message {
             prefill_instance: uuid(rng),
             chunks: rng.random(),
             bytes: rng.random(),
-            aux: (0..rng.random_range(0..256)).map(|_| rng.random()).collect(),
+            aux: (0..rng.random_range(0..256))
+                .map(|_| rng.random())
+                .collect(),
         }),
-        5 => Message::Abort(Abort { room: rng.random(), instance: uuid(rng), code: code(rng), message: text(rng, 64) }),
-        6 => Message::AbortAck(AbortAck { room: rng.random(), instance: uuid(rng) }),
-        7 => Message::Heartbeat(Heartbeat { instance: uuid(rng), seq: rng.random() }),
+        5 => Message::Abort(Abort {
+            room: rng.random(),
+            instance: uuid(rng),
+            code: code(rng),
+            message: text(rng, 64),
+        }),
+        6 => Message::AbortAck(AbortAck {
+            room: rng.random(),
+            instance: uuid(rng),
+        }),
+        7 => Message::Heartbeat(Heartbeat {
+            instance: uuid(rng),
+            seq: rng.random(),
+        }),
         8 => Message::Error(ErrorMsg {
             room: rng.random_bool(0.5).then(|| rng.random()),
             code: code(rng),
             message: text(rng, 64),
         }),
-        _ => Message::Credit(Credit { instance: uuid(rng), slots: rng.random() }),
+        _ => Message::Credit(Credit {
+            instance: uuid(rng),
+            slots: rng.random(),
+        }),
     }
 }
 
@@ -152,15 +202,29 @@ fn mutate(rng: &mut StdRng, mut f: Vec<u8>) -> Vec<u8> {
         3 => {
             // Wrong body length: off by a little, or anything.
             let len = u32::from_le_bytes(f[8..12].try_into().unwrap_or_default());
-            let wrong = if rng.random_bool(0.5) { len.wrapping_add(rng.random_range(1..8)) } else { rng.random() };
+            let wrong = if rng.random_bool(0.5) {
+                len.wrapping_add(rng.random_range(1..8))
+            } else {
+                rng.random()
+            };
             f[8..12].copy_from_slice(&wrong.to_le_bytes());
         }
         4 => f[..4].copy_from_slice(&rng.random::<[u8; 4]>()),
         5 => {
-            let v = if rng.random_bool(0.5) { 0 } else { rng.random_range(VERSION + 1..=u16::MAX) };
+            let v = if rng.random_bool(0.5) {
+                0
+            } else {
+                rng.random_range(VERSION + 1..=u16::MAX)
+            };
             f[4..6].copy_from_slice(&v.to_le_bytes());
         }
-        6 => f[6] = if rng.random_bool(0.5) { 0 } else { rng.random_range(11..=255) },
+        6 => {
+            f[6] = if rng.random_bool(0.5) {
+                0
+            } else {
+                rng.random_range(11..=255)
+            }
+        }
         7 => f[7] = rng.random_range(1..=255),
         _ => {
             // Header of one kind, body of another.
@@ -179,32 +243,68 @@ struct Case {
 fn case(rng: &mut StdRng, i: usize) -> Case {
     // A few oversized ones, at fixed places.
     if i == 100 || i == 5000 {
-        let mut f = Message::Heartbeat(Heartbeat { instance: uuid(rng), seq: 1 }).encode();
+        let mut f = Message::Heartbeat(Heartbeat {
+            instance: uuid(rng),
+            seq: 1,
+        })
+        .encode();
         f[8..12].copy_from_slice(&((MAX_BODY + 1) as u32).to_le_bytes());
         f.resize(HEADER_LEN + MAX_BODY + 1, 0xAB);
-        return Case { frames: vec![f], kind: "oversized" };
+        return Case {
+            frames: vec![f],
+            kind: "oversized",
+        };
     }
     if i == 200 {
-        return Case { frames: vec![random_bytes(rng, 0).into_iter().chain(vec![0x5A; 1 << 20]).collect()], kind: "random 1 MiB" };
+        return Case {
+            frames: vec![
+                random_bytes(rng, 0)
+                    .into_iter()
+                    .chain(vec![0x5A; 1 << 20])
+                    .collect(),
+            ],
+            kind: "random 1 MiB",
+        };
     }
     match rng.random_range(0..100) {
-        0..15 => Case { frames: vec![random_bytes(rng, 200)], kind: "random bytes" },
+        0..15 => Case {
+            frames: vec![random_bytes(rng, 200)],
+            kind: "random bytes",
+        },
         15..25 => {
             let mut f = b"KVFY".to_vec();
             f.extend(random_bytes(rng, 120));
-            Case { frames: vec![f], kind: "magic + random" }
+            Case {
+                frames: vec![f],
+                kind: "magic + random",
+            }
         }
-        25..50 => Case { frames: vec![random_message(rng).encode()], kind: "valid" },
+        25..50 => Case {
+            frames: vec![random_message(rng).encode()],
+            kind: "valid",
+        },
         50..95 => {
             let f = random_message(rng).encode();
-            Case { frames: vec![mutate(rng, f)], kind: "mutated" }
+            Case {
+                frames: vec![mutate(rng, f)],
+                kind: "mutated",
+            }
         }
         _ => {
             let n = rng.random_range(2..=4);
             let frames = (0..n)
-                .map(|_| if rng.random_bool(0.5) { random_message(rng).encode() } else { random_bytes(rng, 64) })
+                .map(|_| {
+                    if rng.random_bool(0.5) {
+                        random_message(rng).encode()
+                    } else {
+                        random_bytes(rng, 64)
+                    }
+                })
                 .collect();
-            Case { frames, kind: "multi-frame" }
+            Case {
+                frames,
+                kind: "multi-frame",
+            }
         }
     }
 }
@@ -222,10 +322,18 @@ fn expectation(frame: &[u8]) -> (bool, bool) {
 /// The prefill's count of refused messages: `kvferry_bad_messages_total{role="prefill"}`, or the
 /// sum over the kinds of `kvferry_protocol_errors_total{role="prefill",kind=...}`.
 async fn bad_messages(http: &reqwest::Client, prefill: &str) -> f64 {
-    if let Some(v) = metric(http, prefill, "kvferry_bad_messages_total{role=\"prefill\"}").await {
+    if let Some(v) = metric(
+        http,
+        prefill,
+        "kvferry_bad_messages_total{role=\"prefill\"}",
+    )
+    .await
+    {
         return v;
     }
-    metric_sum(http, prefill, "kvferry_protocol_errors_total", "prefill").await.unwrap_or(0.0)
+    metric_sum(http, prefill, "kvferry_protocol_errors_total", "prefill")
+        .await
+        .unwrap_or(0.0)
 }
 
 #[test]
@@ -235,11 +343,22 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
         peer_dead_ms: 1000,
         ..AgentOpts::default()
     };
-    let mut cluster = LocalCluster::start(&release_binary(), "garbage", &all_timeouts(&opts, 60_000, 30_000)).expect("cluster");
+    let mut cluster = LocalCluster::start(
+        &release_binary(),
+        "garbage",
+        &all_timeouts(&opts, 60_000, 30_000),
+    )
+    .expect("cluster");
     let prefill = cluster.prefill().field("api").expect("prefill api");
     let decode = cluster.decode().field("api").expect("decode api");
-    let control = cluster.prefill().field("control").expect("prefill control endpoint");
-    println!("[garbage] prefill {prefill} control {control}; logs in {}", cluster.logs.display());
+    let control = cluster
+        .prefill()
+        .field("control")
+        .expect("prefill control endpoint");
+    println!(
+        "[garbage] prefill {prefill} control {control}; logs in {}",
+        cluster.logs.display()
+    );
     let seed = test_seed();
     println!("[garbage] seed {seed} (KVFERRY_TEST_SEED={seed} replays it)");
     let mut rng = StdRng::seed_from_u64(seed);
@@ -340,9 +459,17 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
         let http = http();
         let rooms: Vec<(u64, usize)> = vec![(1, 16), (2, 300), (3, 1000)];
         let t = Instant::now();
-        let results = drive_rooms(&Apis::pair(&prefill, &decode), rooms, 3).await.expect("rooms after the garbage");
-        assert!(results.iter().all(|r| r.verified && r.state == "success"), "{results:?}");
-        println!("[garbage] afterwards 3 rooms verified in {:.0} ms", ms(t.elapsed()));
+        let results = drive_rooms(&Apis::pair(&prefill, &decode), rooms, 3)
+            .await
+            .expect("rooms after the garbage");
+        assert!(
+            results.iter().all(|r| r.verified && r.state == "success"),
+            "{results:?}"
+        );
+        println!(
+            "[garbage] afterwards 3 rooms verified in {:.0} ms",
+            ms(t.elapsed())
+        );
         healthy(&http, &prefill).await;
         healthy(&http, &decode).await;
     });

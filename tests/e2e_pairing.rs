@@ -11,25 +11,62 @@ use reqwest::{Method, StatusCode};
 use serde_json::json;
 
 fn run_shape(model: &'static str, prefill: Shape, decode: Shape) {
-    let tag = format!("pair-{model}-p{}x{}x{}-d{}", prefill.dp, prefill.tp, prefill.pp, decode.tp);
-    let opts = AgentOpts { model, pool_pages: 128, ..AgentOpts::default() };
-    let cluster = LocalCluster::start_shaped(&common::release_binary(), &tag, &opts.args(), prefill, decode)
-        .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+    let tag = format!(
+        "pair-{model}-p{}x{}x{}-d{}",
+        prefill.dp, prefill.tp, prefill.pp, decode.tp
+    );
+    let opts = AgentOpts {
+        model,
+        pool_pages: 128,
+        ..AgentOpts::default()
+    };
+    let cluster = LocalCluster::start_shaped(
+        &common::release_binary(),
+        &tag,
+        &opts.args(),
+        prefill,
+        decode,
+    )
+    .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
     let apis = cluster.apis().unwrap();
-    let rooms: Vec<(u64, usize)> = [1usize, 15, 16, 17, 100, 333].iter().enumerate().map(|(i, t)| (i as u64 + 1, *t)).collect();
+    let rooms: Vec<(u64, usize)> = [1usize, 15, 16, 17, 100, 333]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i as u64 + 1, *t))
+        .collect();
     let started = std::time::Instant::now();
     let results = runtime().block_on(drive_rooms(&apis, rooms, 3)).unwrap();
     for r in &results {
-        assert!(r.verified, "{tag}: room {} ({} tokens) {} {:?}; logs in {}", r.room, r.tokens, r.state, r.code, cluster.logs.display());
+        assert!(
+            r.verified,
+            "{tag}: room {} ({} tokens) {} {:?}; logs in {}",
+            r.room,
+            r.tokens,
+            r.state,
+            r.code,
+            cluster.logs.display()
+        );
     }
-    println!("{tag}: {} rooms verified in {:.0} ms", results.len(), started.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "{tag}: {} rooms verified in {:.0} ms",
+        results.len(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
     // Every prefill DP group served rooms (rooms go to groups by room id). Within a group a
     // replicated rank may rightly serve nothing (MLA into fewer decode ranks).
     let http = http();
     runtime().block_on(async {
         for api in apis.prefill.iter().map(|group| &group[0]) {
-            let served = common::metric(&http, api, "kvferry_rooms_total{role=\"prefill\",state=\"success\"}").await;
-            assert!(served.is_some_and(|n| n > 0.0), "{tag}: prefill {api} served no room");
+            let served = common::metric(
+                &http,
+                api,
+                "kvferry_rooms_total{role=\"prefill\",state=\"success\"}",
+            )
+            .await;
+            assert!(
+                served.is_some_and(|n| n > 0.0),
+                "{tag}: prefill {api} served no room"
+            );
         }
     });
 }
@@ -60,13 +97,35 @@ fn mla_latent_from_one_prefill_rank_each() {
 #[test]
 fn pipeline_stages_each_send_their_layers() {
     // tiny has 4 layers; tiny-mla 3 (an uneven split: 2 + 1).
-    run_shape("tiny", Shape { pp: 2, ..Shape::ONE }, Shape::ONE);
-    run_shape("tiny-mla", Shape { pp: 2, tp: 2, ..Shape::ONE }, Shape::tp(1));
+    run_shape(
+        "tiny",
+        Shape {
+            pp: 2,
+            ..Shape::ONE
+        },
+        Shape::ONE,
+    );
+    run_shape(
+        "tiny-mla",
+        Shape {
+            pp: 2,
+            tp: 2,
+            ..Shape::ONE
+        },
+        Shape::tp(1),
+    );
 }
 
 #[test]
 fn two_dp_groups_take_rooms_by_room_id() {
-    run_shape("tiny", Shape { dp: 2, ..Shape::ONE }, Shape::ONE);
+    run_shape(
+        "tiny",
+        Shape {
+            dp: 2,
+            ..Shape::ONE
+        },
+        Shape::ONE,
+    );
 }
 
 #[test]
@@ -80,16 +139,28 @@ fn a_page_size_mismatch_fails_the_room_naming_both_values() {
     args.extend(AgentOpts::default().args());
     let i = args.iter().position(|a| a == "--page-size").unwrap();
     args[i + 1] = "32".into();
-    let decode = kvferry::cli::cluster::Process::spawn(&exe, "decode-p32", &args, &cluster.logs, BOUND).unwrap();
+    let decode =
+        kvferry::cli::cluster::Process::spawn(&exe, "decode-p32", &args, &cluster.logs, BOUND)
+            .unwrap();
     let d = decode.field("api").unwrap();
     let http = http();
     runtime().block_on(async {
-        expect(&http, Method::POST, &format!("{d}/v1/rooms/5"), Some(&json!({"tokens": 40})), StatusCode::CREATED).await;
+        expect(
+            &http,
+            Method::POST,
+            &format!("{d}/v1/rooms/5"),
+            Some(&json!({"tokens": 40})),
+            StatusCode::CREATED,
+        )
+        .await;
         let v = wait_final(&http, &d, 5).await;
         assert_eq!(v["state"], "failed", "{v}");
         assert_eq!(v["reason"]["code"], "incompatible_layout", "{v}");
         let message = v["reason"]["message"].as_str().unwrap();
-        assert!(message.contains("page_size") && message.contains("16") && message.contains("32"), "{message}");
+        assert!(
+            message.contains("page_size") && message.contains("16") && message.contains("32"),
+            "{message}"
+        );
         println!("refused: {message}");
     });
 }

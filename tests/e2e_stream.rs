@@ -34,7 +34,13 @@ fn tiny_bytes(tokens: usize) -> u64 {
 }
 
 async fn ready(http: &Client, prefill: &str, room: u64, body: Value) -> (StatusCode, Value) {
-    call(http, Method::POST, &format!("{prefill}/v1/rooms/{room}/ready"), Some(&body)).await
+    call(
+        http,
+        Method::POST,
+        &format!("{prefill}/v1/rooms/{room}/ready"),
+        Some(&body),
+    )
+    .await
 }
 
 async fn request(http: &Client, decode: &str, room: u64, body: Value) -> Value {
@@ -50,7 +56,10 @@ async fn take(http: &Client, decode: &str, room: u64) -> Value {
 /// Requests a room at the decode, announces it in `pieces` at the prefill, and checks that it
 /// lands intact with exactly the room's bytes.
 async fn pieces_land(http: &Client, c: &LocalCluster, room: u64, tokens: usize, pieces: &[Value]) {
-    let (p, d) = (c.prefill().field("api").unwrap(), c.decode().field("api").unwrap());
+    let (p, d) = (
+        c.prefill().field("api").unwrap(),
+        c.decode().field("api").unwrap(),
+    );
     request(http, &d, room, json!({ "tokens": tokens })).await;
     for (i, piece) in pieces.iter().enumerate() {
         let mut body = piece.clone();
@@ -59,8 +68,20 @@ async fn pieces_land(http: &Client, c: &LocalCluster, room: u64, tokens: usize, 
         assert_eq!(status, StatusCode::ACCEPTED, "piece {i} {piece}: {v}");
         if i + 1 < pieces.len() {
             // Not done before the last piece is in.
-            let view = expect(http, Method::GET, &format!("{d}/v1/rooms/{room}"), None, StatusCode::OK).await;
-            assert_ne!(view["state"], "success", "room {room} succeeded after piece {i} of {}", pieces.len());
+            let view = expect(
+                http,
+                Method::GET,
+                &format!("{d}/v1/rooms/{room}"),
+                None,
+                StatusCode::OK,
+            )
+            .await;
+            assert_ne!(
+                view["state"],
+                "success",
+                "room {room} succeeded after piece {i} of {}",
+                pieces.len()
+            );
         }
     }
     let view = wait_final(http, &d, room).await;
@@ -100,14 +121,21 @@ fn rooms_arrive_in_token_chunks_layer_ranges_and_mixes() {
         let d = c.decode().field("api").unwrap();
         request(&http, &d, 4, json!({"tokens": 32})).await;
         let first = json!({"tokens": 32, "token_range": [0, 16]});
-        assert_eq!(ready(&http, &p, 4, first.clone()).await.0, StatusCode::ACCEPTED);
+        assert_eq!(
+            ready(&http, &p, 4, first.clone()).await.0,
+            StatusCode::ACCEPTED
+        );
         let (status, v) = ready(&http, &p, 4, first).await;
         assert_eq!(status, StatusCode::CONFLICT, "a piece twice: {v}");
         let (status, v) = ready(&http, &p, 4, json!({"tokens": 32, "token_range": [8, 24]})).await;
         assert_eq!(status, StatusCode::CONFLICT, "an overlapping piece: {v}");
         println!("refused: {}", v["error"]);
         let (status, v) = ready(&http, &p, 4, json!({"tokens": 32, "token_range": [16, 40]})).await;
-        assert_eq!(status, StatusCode::BAD_REQUEST, "a piece beyond the room: {v}");
+        assert_eq!(
+            status,
+            StatusCode::BAD_REQUEST,
+            "a piece beyond the room: {v}"
+        );
         let last = json!({"tokens": 32, "token_range": [16, 32], "last": true});
         assert_eq!(ready(&http, &p, 4, last).await.0, StatusCode::ACCEPTED);
         assert_eq!(wait_final(&http, &d, 4).await["state"], "success");
@@ -120,7 +148,10 @@ fn prefix_offsets_move_only_the_suffix_and_aux_arrives_intact() {
     let c = LocalCluster::start(&common::release_binary(), "stream-prefix", &args(&[])).unwrap();
     let http = http();
     runtime().block_on(async {
-        let (p, d) = (c.prefill().field("api").unwrap(), c.decode().field("api").unwrap());
+        let (p, d) = (
+            c.prefill().field("api").unwrap(),
+            c.decode().field("api").unwrap(),
+        );
         let aux: Vec<u8> = (0..=255u8).rev().collect();
         let aux64 = base64::engine::general_purpose::STANDARD.encode(&aux);
         request(&http, &d, 7, json!({"tokens": 100, "start_token": 37})).await;
@@ -129,16 +160,48 @@ fn prefix_offsets_move_only_the_suffix_and_aux_arrives_intact() {
         assert_eq!(wait_final(&http, &d, 7).await["state"], "success");
         let taken = take(&http, &d, 7).await;
         let suffix = tiny_bytes(100 - 37);
-        assert_eq!(taken["bytes"].as_u64(), Some(suffix), "only the suffix lands: {taken}");
+        assert_eq!(
+            taken["bytes"].as_u64(),
+            Some(suffix),
+            "only the suffix lands: {taken}"
+        );
         assert_eq!(taken["verified"], true, "{taken}");
-        assert_eq!(taken["aux"].as_str(), Some(aux64.as_str()), "aux arrives intact");
-        let sent = expect(&http, Method::GET, &format!("{p}/v1/rooms/7"), None, StatusCode::OK).await;
-        assert_eq!(sent["bytes"].as_u64(), Some(suffix), "only the suffix is sent: {sent}");
-        let counted = metric(&http, &d, "kvferry_kv_bytes_total{role=\"decode\",direction=\"received\"}").await;
+        assert_eq!(
+            taken["aux"].as_str(),
+            Some(aux64.as_str()),
+            "aux arrives intact"
+        );
+        let sent = expect(
+            &http,
+            Method::GET,
+            &format!("{p}/v1/rooms/7"),
+            None,
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(
+            sent["bytes"].as_u64(),
+            Some(suffix),
+            "only the suffix is sent: {sent}"
+        );
+        let counted = metric(
+            &http,
+            &d,
+            "kvferry_kv_bytes_total{role=\"decode\",direction=\"received\"}",
+        )
+        .await;
         assert_eq!(counted, Some(suffix as f64));
-        let counted = metric(&http, &p, "kvferry_kv_bytes_total{role=\"prefill\",direction=\"sent\"}").await;
+        let counted = metric(
+            &http,
+            &p,
+            "kvferry_kv_bytes_total{role=\"prefill\",direction=\"sent\"}",
+        )
+        .await;
         assert_eq!(counted, Some(suffix as f64));
-        println!("prefix 37 of 100 tokens: {suffix} bytes moved of {}", tiny_bytes(100));
+        println!(
+            "prefix 37 of 100 tokens: {suffix} bytes moved of {}",
+            tiny_bytes(100)
+        );
     });
 }
 
@@ -146,13 +209,23 @@ fn prefix_offsets_move_only_the_suffix_and_aux_arrives_intact() {
 fn eight_rooms_fit_a_staging_budget_smaller_than_one_room() {
     // 2 slots of 4 KiB per peer pair; each room is 256 tokens = 512 KiB.
     let budget = ["--staging-slots", "2", "--chunk-bytes", "4096"];
-    let c = LocalCluster::start(&common::release_binary(), "stream-budget", &args(&budget)).unwrap();
+    let c =
+        LocalCluster::start(&common::release_binary(), "stream-budget", &args(&budget)).unwrap();
     assert!(tiny_bytes(256) > 2 * 4096);
-    let (p, d) = (c.prefill().field("api").unwrap(), c.decode().field("api").unwrap());
+    let (p, d) = (
+        c.prefill().field("api").unwrap(),
+        c.decode().field("api").unwrap(),
+    );
     let started = Instant::now();
     let rooms: Vec<(u64, usize)> = (1..=8).map(|r| (r, 256)).collect();
-    let results = runtime().block_on(drive_rooms(&Apis::pair(&p, &d), rooms, 8)).unwrap();
-    println!("8 rooms of {} bytes through 8 KiB of staging in {:.0} ms", tiny_bytes(256), ms(started.elapsed()));
+    let results = runtime()
+        .block_on(drive_rooms(&Apis::pair(&p, &d), rooms, 8))
+        .unwrap();
+    println!(
+        "8 rooms of {} bytes through 8 KiB of staging in {:.0} ms",
+        tiny_bytes(256),
+        ms(started.elapsed())
+    );
     for r in &results {
         assert!(r.verified, "room {} {} {:?}", r.room, r.state, r.code);
         assert_eq!(r.bytes, tiny_bytes(256));
@@ -183,9 +256,16 @@ fn a_killed_prefill_fails_its_rooms_and_a_restarted_one_serves_new_rooms() {
             take(&http, &d, room).await;
         }
         let detected = killed.elapsed();
-        println!("kill -9 of the prefill -> peer_dead on 3 rooms in {:.0} ms", ms(detected));
+        println!(
+            "kill -9 of the prefill -> peer_dead on 3 rooms in {:.0} ms",
+            ms(detected)
+        );
         assert!(detected < BOUND);
-        assert_eq!(pool(&http, &d).await, (total, total), "the failed rooms' pages returned");
+        assert_eq!(
+            pool(&http, &d).await,
+            (total, total),
+            "the failed rooms' pages returned"
+        );
     });
 
     // A new prefill registers under a new instance; new rooms go to it.
@@ -195,16 +275,26 @@ fn a_killed_prefill_fails_its_rooms_and_a_restarted_one_serves_new_rooms() {
     let restarted = Process::spawn(&exe, "prefill2", &prefill_args, &logs, BOUND).unwrap();
     let p = restarted.field("api").unwrap();
     let rooms: Vec<(u64, usize)> = (10..15).map(|r| (r, 40)).collect();
-    let results = runtime().block_on(drive_rooms(&Apis::pair(&p, &d), rooms, 5)).unwrap();
+    let results = runtime()
+        .block_on(drive_rooms(&Apis::pair(&p, &d), rooms, 5))
+        .unwrap();
     assert!(results.iter().all(|r| r.verified), "{results:?}");
     println!("after the restart: {} rooms verified", results.len());
 }
 
 fn spawn_registry(exe: &Path, logs: &Path, name: &str, port: u16) -> Process {
-    let args: Vec<String> = ["bootstrap", "--host", "127.0.0.1", "--port", &port.to_string(), "--lease-ttl-ms", "1500"]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
+    let args: Vec<String> = [
+        "bootstrap",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--lease-ttl-ms",
+        "1500",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
     Process::spawn(exe, name, &args, logs, BOUND).unwrap()
 }
 
@@ -232,7 +322,10 @@ fn agents_register_again_after_a_registry_restart() {
             (v["ranks"].as_array().map_or(0, Vec::len) == 2).then_some(v)
         })
         .await;
-        println!("re-registered {:.0} ms after the registry restart: {listed}", ms(restarted.elapsed()));
+        println!(
+            "re-registered {:.0} ms after the registry restart: {listed}",
+            ms(restarted.elapsed())
+        );
         let rooms = vec![(1, 20), (2, 33)];
         let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
         let results = drive_rooms(&Apis::pair(&p, &d), rooms, 2).await.unwrap();
@@ -247,7 +340,13 @@ fn a_hello_with_the_wrong_token_is_refused() {
     let registry = spawn_registry(&exe, &logs, "registry", 0);
     let url = registry.field("url").unwrap();
     let agent = |role: &str, token: &str| {
-        let mut a = vec![role.to_owned(), "--bootstrap".to_owned(), url.clone(), "--token".to_owned(), token.to_owned()];
+        let mut a = vec![
+            role.to_owned(),
+            "--bootstrap".to_owned(),
+            url.clone(),
+            "--token".to_owned(),
+            token.to_owned(),
+        ];
         a.extend(args(&[]));
         Process::spawn(&exe, role, &a, &logs, BOUND).unwrap()
     };

@@ -97,6 +97,9 @@ pub struct Metrics {
     pub heartbeat_misses: AtomicU64,
     /// Peers declared dead.
     pub peers_dead: AtomicU64,
+    /// Landed rooms whose bytes failed the synthetic check on take (counted apart: they are
+    /// also in `kvferry_rooms_total` as landed).
+    pub verify_failures: AtomicU64,
     protocol_errors: Mutex<BTreeMap<&'static str, u64>>,
     /// Decode: room request -> Hello done and requests sent.
     pub bootstrap: Histogram,
@@ -140,6 +143,7 @@ impl Metrics {
             rejected: AtomicU64::new(0),
             heartbeat_misses: AtomicU64::new(0),
             peers_dead: AtomicU64::new(0),
+            verify_failures: AtomicU64::new(0),
             protocol_errors: Mutex::new(PROTOCOL_ERRORS.iter().map(|k| (*k, 0)).collect()),
             bootstrap: Histogram::default(),
             ready_wait: Histogram::default(),
@@ -282,6 +286,12 @@ impl Metrics {
             "kvferry_peers_dead_total",
             "Peers declared dead.",
             &one(load(&self.peers_dead)),
+        );
+        counter(
+            &mut s,
+            "kvferry_verify_failures_total",
+            "Landed rooms whose bytes failed the synthetic check on take.",
+            &one(load(&self.verify_failures)),
         );
         let kinds: Vec<(String, u64)> = self
             .protocol_errors

@@ -147,6 +147,20 @@ impl RoomStatus {
         moved
     }
 
+    /// A landed room whose bytes the synthetic engine's check refuses on take: `success`
+    /// becomes `failed` with `reason`. The one move out of a final state, because the agent
+    /// learns only at take that the bytes were wrong; it is counted apart from the rooms.
+    pub fn fail_verification(&mut self, reason: Reason) -> bool {
+        if self.state != RoomState::Success {
+            return false;
+        }
+        self.state = RoomState::Failed;
+        self.reason = Some(reason);
+        self.timings.push((RoomState::Failed.name(), now_ms()));
+        self.watch.send_replace(RoomState::Failed);
+        true
+    }
+
     /// Moves to `aborting` (or straight to `aborted` when `acknowledged`) with `reason`.
     pub fn abort(&mut self, reason: Reason, acknowledged: bool) -> bool {
         let to = if acknowledged {

@@ -265,7 +265,7 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
         // --drain-timeout-ms), then shut down, deregister and exit 0.
         let signalled = CancellationToken::new();
         let shutdown = CancellationToken::new();
-        let signals = tokio::spawn(super::signal::cancel_on_signal(signalled.clone()));
+        let signals = super::signal::on_signal(signalled.clone());
         let common = serde_json::json!({
             "event": "listening",
             "transport": cfg.transport.name(),

@@ -67,7 +67,7 @@ pub(crate) fn run(args: BootstrapArgs) -> anyhow::Result<()> {
 async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
     // Signal handlers first: a SIGTERM right after the listening line still shuts down cleanly.
     let shutdown = CancellationToken::new();
-    let signals = tokio::spawn(super::signal::cancel_on_signal(shutdown.clone()));
+    let signals = super::signal::on_signal(shutdown.clone());
     let addr = (args.host.as_str(), args.port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -83,7 +83,6 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
         stdout.flush().context("flushing stdout")?;
     }
     tracing::info!(%url, lease_ttl_ms = args.lease_ttl_ms, auth = args.token.is_some(), "bootstrap registry listening");
-
 
     let config = ServerConfig {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),

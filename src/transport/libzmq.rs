@@ -61,15 +61,13 @@ impl ZmqData {
 /// A bind address for `host` on a fresh port (tcp) or a fresh socket file (ipc).
 fn bind_address(kind: TransportKind, host: &str) -> String {
     match kind {
-        TransportKind::ZmqTcp if host.contains(':') && !host.starts_with('[') => {
-            format!("tcp://[{host}]:0")
-        }
-        TransportKind::ZmqTcp => format!("tcp://{host}:0"),
         TransportKind::ZmqIpc => {
             let dir = std::env::temp_dir();
             let name = format!("kvferry-{}.sock", uuid::Uuid::new_v4().simple());
             format!("ipc://{}", dir.join(name).display())
         }
+        _ if host.contains(':') && !host.starts_with('[') => format!("tcp://[{host}]:0"),
+        _ => format!("tcp://{host}:0"),
     }
 }
 

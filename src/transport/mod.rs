@@ -59,17 +59,27 @@ pub enum TransportKind {
     ZmqTcp,
     /// ZeroMQ PUSH/PULL over a Unix socket (same host only).
     ZmqIpc,
+    /// UCX tagged messages; UCX picks its transports from `UCX_TLS` (RDMA, tcp, shared memory).
+    #[cfg(feature = "ucx")]
+    Ucx,
 }
 
 impl TransportKind {
     /// Every transport this build has.
-    pub const ALL: &'static [TransportKind] = &[TransportKind::ZmqTcp, TransportKind::ZmqIpc];
+    pub const ALL: &'static [TransportKind] = &[
+        TransportKind::ZmqTcp,
+        TransportKind::ZmqIpc,
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx,
+    ];
 
     /// The transport's name on the command line, in Hello and in bench JSON.
     pub fn name(self) -> &'static str {
         match self {
             TransportKind::ZmqTcp => "zmq-tcp",
             TransportKind::ZmqIpc => "zmq-ipc",
+            #[cfg(feature = "ucx")]
+            TransportKind::Ucx => "ucx",
         }
     }
 }
@@ -128,7 +138,14 @@ pub trait Transport: Send + Sync {
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>>;
 }
 
-/// The transport of a kind.
-pub fn for_kind(kind: TransportKind) -> Arc<dyn Transport> {
-    Arc::new(libzmq::ZmqData::new(kind))
+/// The transport of a kind, for chunks of at most `max_chunk` payload bytes.
+pub fn for_kind(kind: TransportKind, max_chunk: usize) -> Arc<dyn Transport> {
+    match kind {
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => Arc::new(ucx::data::UcxData::new(max_chunk)),
+        _ => {
+            let _ = max_chunk; // ZeroMQ frames carry their own length.
+            Arc::new(libzmq::ZmqData::new(kind))
+        }
+    }
 }

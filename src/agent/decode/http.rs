@@ -152,7 +152,10 @@ pub(super) async fn get_room(
         let rooms = inner.rooms();
         let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
         let changing = !room.safe_to_reuse();
-        Ok((room.view(room_id), changing.then(|| room.status.subscribe())))
+        Ok((
+            room.view(room_id),
+            changing.then(|| room.status.subscribe()),
+        ))
     })
     .await
 }
@@ -204,13 +207,15 @@ pub(super) async fn take_room(
         if let Err(e) = result {
             let mut rooms = inner.rooms();
             if let Some(room) = rooms.get_mut(&room_id) {
-                // A landed room that fails verification: count it as failed.
-                room.status = RoomStatus::new(RoomState::Failed);
-                room.status
-                    .fail(Reason::new(FailureCode::VerifyFailed, e.clone()));
-                inner
-                    .metrics
-                    .room_final(RoomState::Failed, Some(FailureCode::VerifyFailed));
+                if room
+                    .status
+                    .fail_verification(Reason::new(FailureCode::VerifyFailed, e.clone()))
+                {
+                    inner
+                        .metrics
+                        .verify_failures
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
             }
             tracing::error!(room = room_id, error = %e, "landed bytes differ from the synthetic pattern");
         }

@@ -78,8 +78,9 @@ impl DecodeAgent {
         let pool = Arc::new(super::open_pool(&cfg)?);
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
-        let (data_endpoint, receiver) =
-            transport::for_kind(cfg.transport).listen(&cfg.host).await?;
+        let (data_endpoint, receiver) = transport::for_kind(cfg.transport, cfg.chunk_bytes)
+            .listen(&cfg.host)
+            .await?;
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
         let inner = Arc::new(Inner {
@@ -149,13 +150,22 @@ impl DecodeAgent {
             .map(|(id, _)| *id)
             .collect();
         tracing::info!(aborted = left.len(), "drained");
-        for room in left {
+        for room in &left {
             inner
                 .abort(
-                    room,
+                    *room,
                     Reason::new(FailureCode::Shutdown, "the decode agent is shutting down"),
                 )
                 .await;
+        }
+        // Let the aborts be acknowledged (a dead prefill counts after `dead_after`) and the
+        // engine see the final states before the API goes away.
+        let settle = Instant::now() + inner.cfg.timeouts.dead_after;
+        while in_flight() > 0 && Instant::now() < settle {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if !left.is_empty() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 

@@ -40,11 +40,11 @@ pub(super) fn routes(inner: Arc<Inner>) -> Router {
         .with_state(inner)
 }
 
+/// A room's pages and, when the agent allocated them, their lease.
+type RoomPages = (Arc<[u32]>, Option<Arc<PageLease>>);
+
 /// Pages for a room's first piece: the engine's (validated) or the agent's own.
-pub(super) fn room_pages(
-    inner: &Inner,
-    req: &ReadyRequest,
-) -> Result<(Arc<[u32]>, Option<PageLease>), ApiError> {
+pub(super) fn room_pages(inner: &Inner, req: &ReadyRequest) -> Result<RoomPages, ApiError> {
     let needed = inner.cfg.layout.pages_for(req.tokens);
     match (&req.pages, inner.cfg.synthetic) {
         (Some(pages), _) => {
@@ -56,7 +56,7 @@ pub(super) fn room_pages(
                 .alloc
                 .allocate(needed)
                 .map_err(|e| ApiError::exhausted(e.to_string()))?;
-            Ok((lease.pages().into(), Some(lease)))
+            Ok((lease.pages().into(), Some(Arc::new(lease))))
         }
         (None, false) => Err(ApiError::bad_request(
             "pages are required (the agent fills pages itself only with --synthetic)",
@@ -179,20 +179,17 @@ pub(super) async fn ready(
         if let Some(aux) = aux {
             ready.aux = aux;
         }
-        room.view(room_id)
+        // Taken under the same lock as the claim: an abort releasing the lease after this
+        // point cannot free the pages under the fill.
+        let keep = (ready.pages.clone(), ready.lease.clone());
+        (room.view(room_id), keep)
     };
-    let pages = inner
-        .rooms()
-        .get(&room_id)
-        .and_then(|r| r.ready.as_ref().map(|r| r.pages.clone()));
-    let Some(pages) = pages else {
-        return Err(ApiError::unknown_room(room_id));
-    };
+    let (view, (pages, lease)) = view;
     if paced {
-        tokio::spawn(announce_paced(inner.clone(), room_id, pages, piece));
+        tokio::spawn(announce_paced(inner.clone(), room_id, pages, lease, piece));
     } else {
         if inner.cfg.synthetic {
-            fill(&inner, room_id, &pages, &piece).await?;
+            fill(&inner, room_id, &pages, lease, &piece).await?;
         }
         announce(&inner, room_id, piece, last);
     }
@@ -204,6 +201,7 @@ pub(super) async fn fill(
     inner: &Arc<Inner>,
     room_id: u64,
     pages: &Arc<[u32]>,
+    lease: Option<Arc<PageLease>>,
     piece: &Piece,
 ) -> Result<(), ApiError> {
     let l0 = inner.cfg.layout.layers.start;
@@ -213,6 +211,8 @@ pub(super) async fn fill(
         piece.layers.start - l0..piece.layers.end - l0,
     );
     tokio::task::spawn_blocking(move || {
+        // The lease travels with the fill: an abort meanwhile cannot hand the pages out.
+        let _keep = lease;
         synthetic::fill(&kernel, &pool, room_id, &pages, tokens, layers)
     })
     .await
@@ -247,6 +247,7 @@ pub(super) async fn announce_paced(
     inner: Arc<Inner>,
     room_id: u64,
     pages: Arc<[u32]>,
+    lease: Option<Arc<PageLease>>,
     whole: Piece,
 ) {
     let delay = inner.cfg.synthetic_layer_delay;
@@ -256,7 +257,7 @@ pub(super) async fn announce_paced(
             tokens: whole.tokens.clone(),
             layers: layer..layer + 1,
         };
-        if let Err(e) = fill(&inner, room_id, &pages, &piece).await {
+        if let Err(e) = fill(&inner, room_id, &pages, lease.clone(), &piece).await {
             tracing::warn!(room = room_id, error = ?e, "synthetic fill failed");
             return;
         }
@@ -294,7 +295,10 @@ pub(super) async fn get_room(
         let rooms = inner.rooms();
         let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
         let changing = !room.safe_to_reuse();
-        Ok((room.view(room_id), changing.then(|| room.status.subscribe())))
+        Ok((
+            room.view(room_id),
+            changing.then(|| room.status.subscribe()),
+        ))
     })
     .await
 }

@@ -83,7 +83,7 @@ impl PrefillAgent {
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
             kernel: CpuKernel::new(cfg.copy_threads),
-            transport: transport::for_kind(cfg.transport),
+            transport: transport::for_kind(cfg.transport, cfg.chunk_bytes),
             replier,
             slots: Arc::default(),
             rooms: Mutex::new(HashMap::new()),
@@ -223,7 +223,9 @@ struct Ready {
     tokens: usize,
     pages: Arc<[u32]>,
     /// Present when the agent allocated (and filled) the pages.
-    lease: Option<PageLease>,
+    /// Shared with running synthetic fills, so pages never return to the pool while a fill
+    /// still writes them.
+    lease: Option<Arc<PageLease>>,
     aux: Vec<u8>,
     /// Cells announced so far (local layer x token); pieces may not overlap.
     announced: Coverage,
@@ -247,6 +249,8 @@ struct Transfer {
     requested_at: Instant,
     /// The prefill engine aborted the room: the decode is told with Abort, not AbortAck.
     engine_abort: bool,
+    /// Why the decode aborted it.
+    abort_reason: Option<Reason>,
     /// `transferring` until the transfer ends: `success`, `failed` or `aborted`.
     state: RoomState,
     reason: Option<Reason>,
@@ -265,6 +269,7 @@ impl Transfer {
             running: false,
             requested_at: Instant::now(),
             engine_abort: false,
+            abort_reason: None,
             state: RoomState::Transferring,
             reason: None,
         }
@@ -409,9 +414,6 @@ impl Inner {
     }
 
     async fn refuse(&self, peer: &PeerId, room: Option<u64>, code: FailureCode, message: String) {
-        if code == FailureCode::BadMessage {
-            self.metrics.protocol_error("inconsistent");
-        }
         tracing::warn!(?room, %code, %message, "refused a decode request");
         self.reply(
             peer,
@@ -448,6 +450,7 @@ impl Inner {
             .await;
         }
         if hello.role != protocol::Role::Decode {
+            self.metrics.protocol_error("inconsistent");
             return refuse(
                 FailureCode::BadMessage,
                 "Hello to a prefill must come from a decode".to_owned(),
@@ -455,6 +458,7 @@ impl Inner {
             .await;
         }
         if hello.slots == 0 || hello.slot_bytes == 0 {
+            self.metrics.protocol_error("inconsistent");
             return refuse(
                 FailureCode::BadMessage,
                 "Hello grants no staging slots".to_owned(),
@@ -509,12 +513,14 @@ impl Inner {
         let room_id = req.room;
         let peer = self.peers().get(&identity).cloned();
         let Some(peer) = peer else {
+            self.metrics.protocol_error("inconsistent");
             let m = "TransferRequest before Hello".to_owned();
             return self
                 .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
                 .await;
         };
         if req.prefill_instance != self.instance {
+            self.metrics.protocol_error("inconsistent");
             let m = format!(
                 "request addressed instance {}, this prefill is {}: it restarted",
                 req.prefill_instance, self.instance
@@ -532,6 +538,7 @@ impl Inner {
             || req.tokens.is_empty()
             || req.requesters == 0
         {
+            self.metrics.protocol_error("inconsistent");
             let m = format!(
                 "request for layers {:?} heads {:?} tokens {:?} ({} requesters); this rank holds layers {:?} heads {:?}",
                 req.layers, req.heads, req.tokens, req.requesters, l.layers, l.heads
@@ -540,14 +547,23 @@ impl Inner {
                 .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
                 .await;
         }
+        enum Refusal {
+            Abort(Reason),
+            Error(Reason),
+        }
         let refusal = {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
-            if room.transfers.contains_key(&peer.instance) || room.status.state().is_final() {
-                Some(Reason::new(
+            if let Some(reason) = room.engine_abort.clone() {
+                // The prefill engine aborted the room before this request: say so.
+                Some(Refusal::Abort(reason))
+            } else if room.transfers.contains_key(&peer.instance) || room.status.state().is_final()
+            {
+                self.metrics.protocol_error("inconsistent");
+                Some(Refusal::Error(Reason::new(
                     FailureCode::BadMessage,
                     format!("room {room_id} was already requested or aborted by this decode"),
-                ))
+                )))
             } else {
                 room.requesters = room.requesters.max(req.requesters as usize);
                 room.transfers
@@ -557,9 +573,21 @@ impl Inner {
                 None
             }
         };
-        if let Some(reason) = refusal {
-            self.refuse(&identity, Some(room_id), reason.code, reason.message)
-                .await;
+        match refusal {
+            Some(Refusal::Error(reason)) => {
+                self.refuse(&identity, Some(room_id), reason.code, reason.message)
+                    .await;
+            }
+            Some(Refusal::Abort(reason)) => {
+                let msg = Message::Abort(protocol::Abort {
+                    room: room_id,
+                    instance: self.instance,
+                    code: reason.code,
+                    message: reason.message,
+                });
+                self.reply(&identity, msg).await;
+            }
+            None => {}
         }
     }
 
@@ -589,6 +617,7 @@ impl Inner {
 
     async fn on_abort(self: Arc<Self>, identity: PeerId, abort: protocol::Abort) {
         let Some(peer) = self.peers().get(&identity).cloned() else {
+            self.metrics.protocol_error("inconsistent");
             let m = "Abort before Hello".to_owned();
             return self
                 .refuse(&identity, Some(abort.room), FailureCode::BadMessage, m)
@@ -604,6 +633,7 @@ impl Inner {
                 // The abort overtook its request: a tombstone refuses the late request.
                 .or_insert_with(|| Transfer::new(peer.clone(), None));
             t.cancel.cancel();
+            t.abort_reason = Some(reason.clone());
             let running = t.running;
             if !running {
                 t.end(RoomState::Aborted, Some(reason));

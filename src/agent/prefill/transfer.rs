@@ -141,10 +141,10 @@ impl Inner {
                     })
                 }
                 Ok(None) => {
-                    t.end(
-                        RoomState::Aborted,
-                        Some(Reason::new(FailureCode::Aborted, "aborted by the decode")),
-                    );
+                    let reason = t.abort_reason.take().unwrap_or_else(|| {
+                        Reason::new(FailureCode::Aborted, "aborted by the decode")
+                    });
+                    t.end(RoomState::Aborted, Some(reason));
                     Message::AbortAck(protocol::AbortAck {
                         room: room_id,
                         instance: self.instance,
@@ -181,12 +181,7 @@ impl Inner {
 
     /// Sends the requested part of one ready piece, chunk by chunk; the gather of chunk i+1
     /// overlaps the send of chunk i when a credit for it is at hand.
-    async fn send_piece(
-        &self,
-        job: &Job,
-        piece: &Piece,
-        chunks: &mut u32,
-    ) -> Result<(), Reason> {
+    async fn send_piece(&self, job: &Job, piece: &Piece, chunks: &mut u32) -> Result<(), Reason> {
         let l = &self.cfg.layout;
         let req = &job.req;
         let tokens = piece.tokens.start.max(req.tokens.start as usize)

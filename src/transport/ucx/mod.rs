@@ -25,6 +25,7 @@
 //!   are linked); the feature is off by default.
 #![allow(unsafe_code)]
 
+pub mod data;
 mod progress;
 pub mod region;
 pub mod result;

@@ -1,0 +1,219 @@
+//! `--transport ucx`: the data plane over UCX tagged messages (rendezvous for large chunks).
+//!
+//! UCX picks its transports from the environment (`UCX_TLS`, `UCX_NET_DEVICES`): RDMA in
+//! production, tcp or shared memory here. One [`UcxWorker`] (one progress thread) serves the
+//! agent's sends or receives. A receiver's endpoint is its worker address, hex-encoded after
+//! `ucx:`, which the decode advertises in Hello; a sender connects an endpoint to it.
+//!
+//! A chunk is one tagged message in three parts, sent without copying them together: the
+//! header's length (u32, little-endian), the header, the payload. The receiver splits the
+//! message it got into header and payload without copying.
+//!
+//! This is the "send" data path (staged). One-sided puts into registered pools (the layer in
+//! `worker.rs` has them) and direct page writes are not wired to the agents yet.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::OnceCell;
+
+use super::{EndpointId, UcxConfig, UcxWorker};
+use crate::transport::{
+    BoxFuture, DataReceiver, DataSender, Listening, Transport, TransportError, TransportKind,
+};
+
+/// Every chunk travels under this tag.
+const CHUNK_TAG: u64 = 0x4b56_4659_0000_0001;
+/// Room a chunk's header may take beyond its payload.
+const HEADER_ROOM: usize = 4096;
+
+/// The UCX data plane of one agent.
+pub struct UcxData {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Largest payload a receiver accepts.
+    max_chunk: usize,
+    worker: OnceCell<UcxWorker>,
+}
+
+impl UcxData {
+    /// A UCX data plane for chunks of at most `max_chunk` payload bytes; the worker starts at
+    /// first use, configured from the environment.
+    pub fn new(max_chunk: usize) -> Self {
+        UcxData {
+            inner: Arc::new(Inner {
+                max_chunk,
+                worker: OnceCell::new(),
+            }),
+        }
+    }
+}
+
+impl Inner {
+    async fn worker(&self) -> Result<UcxWorker, TransportError> {
+        self.worker
+            .get_or_try_init(|| UcxWorker::spawn(UcxConfig::new()))
+            .await
+            .cloned()
+            .map_err(|e| TransportError::new("start", "ucx worker", e))
+    }
+}
+
+fn encode_address(address: &[u8]) -> String {
+    let mut s = String::with_capacity(4 + 2 * address.len());
+    s.push_str("ucx:");
+    for b in address {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+fn decode_address(endpoint: &str) -> Option<Vec<u8>> {
+    let hex = endpoint.strip_prefix("ucx:")?;
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+impl Transport for UcxData {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Ucx
+    }
+
+    fn listen(&self, _host: &str) -> BoxFuture<'static, Result<Listening, TransportError>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let worker = inner.worker().await?;
+            let endpoint = encode_address(&worker.address());
+            let capacity = inner.max_chunk + HEADER_ROOM;
+            let receiver: Box<dyn DataReceiver> = Box::new(UcxReceiver { worker, capacity });
+            Ok((endpoint, receiver))
+        })
+    }
+
+    fn connect(
+        &self,
+        endpoint: &str,
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>> {
+        let inner = self.inner.clone();
+        let endpoint = endpoint.to_owned();
+        Box::pin(async move {
+            let shown: String = endpoint.chars().take(24).collect();
+            let address = decode_address(&endpoint).ok_or_else(|| {
+                TransportError::new("connect", &shown, "not a ucx: worker address")
+            })?;
+            let worker = inner.worker().await?;
+            let ep = tokio::time::timeout(timeout, worker.connect(address.into()))
+                .await
+                .map_err(|_| {
+                    TransportError::new("connect", &shown, format!("no answer within {timeout:?}"))
+                })?
+                .map_err(|e| TransportError::new("connect", &shown, e))?;
+            let sender: Box<dyn DataSender> = Box::new(UcxSender {
+                worker,
+                ep,
+                endpoint: shown,
+            });
+            Ok(sender)
+        })
+    }
+}
+
+struct UcxSender {
+    worker: UcxWorker,
+    ep: EndpointId,
+    endpoint: String,
+}
+
+impl DataSender for UcxSender {
+    fn send(&mut self, header: Bytes, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async move {
+            let len = u32::try_from(header.len())
+                .map_err(|_| TransportError::new("send", &self.endpoint, "header too large"))?;
+            let parts = vec![Bytes::copy_from_slice(&len.to_le_bytes()), header, payload];
+            self.worker
+                .send_tag_parts(self.ep, CHUNK_TAG, parts)
+                .await
+                .map_err(|e| TransportError::new("send", &self.endpoint, e))
+        })
+    }
+}
+
+impl Drop for UcxSender {
+    fn drop(&mut self) {
+        let (worker, ep) = (self.worker.clone(), self.ep);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = worker.disconnect(ep).await;
+            });
+        }
+    }
+}
+
+struct UcxReceiver {
+    worker: UcxWorker,
+    capacity: usize,
+}
+
+impl DataReceiver for UcxReceiver {
+    fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>> {
+        Box::pin(async move {
+            let got = self
+                .worker
+                .recv_tag(CHUNK_TAG, u64::MAX, self.capacity)
+                .await
+                .map_err(|e| TransportError::new("recv", "ucx", e))?;
+            split(got.data).ok_or_else(|| {
+                TransportError::new(
+                    "recv",
+                    "ucx",
+                    "a chunk message must be a length-prefixed header and a payload",
+                )
+            })
+        })
+    }
+}
+
+/// Splits `[len u32][header][payload]` without copying.
+fn split(mut data: Bytes) -> Option<(Bytes, Bytes)> {
+    let len = u32::from_le_bytes(data.get(..4)?.try_into().ok()?) as usize;
+    if data.len() < 4 + len {
+        return None;
+    }
+    let _ = data.split_to(4);
+    let header = data.split_to(len);
+    Some((header, data))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_round_trip_and_garbage_is_refused() {
+        let a = vec![0u8, 1, 0xab, 0xff];
+        assert_eq!(decode_address(&encode_address(&a)), Some(a));
+        for bad in ["", "ucx:", "ucx:0", "ucx:zz", "tcp://x"] {
+            assert!(decode_address(bad).is_none_or(|v| v.is_empty()), "{bad}");
+        }
+    }
+
+    #[test]
+    fn messages_split_into_header_and_payload() {
+        let msg = Bytes::from_static(b"\x03\x00\x00\x00hdrpayload");
+        assert_eq!(
+            split(msg),
+            Some((Bytes::from_static(b"hdr"), Bytes::from_static(b"payload")))
+        );
+        assert_eq!(split(Bytes::from_static(b"\x09\x00\x00\x00hdr")), None);
+        assert_eq!(split(Bytes::from_static(b"\x01")), None);
+    }
+}
