@@ -33,11 +33,24 @@ impl Process {
         log_dir: &Path,
         wait: Duration,
     ) -> anyhow::Result<Self> {
+        Self::spawn_env(exe, name, args, &[], log_dir, wait)
+    }
+
+    /// [`Process::spawn`] with extra environment variables (e.g. `UCX_TLS`).
+    pub fn spawn_env(
+        exe: &Path,
+        name: &str,
+        args: &[String],
+        env: &[(String, String)],
+        log_dir: &Path,
+        wait: Duration,
+    ) -> anyhow::Result<Self> {
         let log = log_dir.join(format!("{name}.log"));
         let stderr =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let mut child = Command::new(exe)
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             // A config file names the flags of the parent's subcommand, not of these.
             .env_remove(super::config::CONFIG_ENV)
             .stdin(Stdio::null())

@@ -355,6 +355,19 @@ impl LocalCluster {
         prefill: Shape,
         decode: Shape,
     ) -> anyhow::Result<Self> {
+        Self::start_shaped_env(exe, tag, agent_args, prefill, decode, &[])
+    }
+
+    /// [`LocalCluster::start_shaped`], the agents with extra environment variables (e.g.
+    /// `UCX_TLS` for `--transport ucx`).
+    pub fn start_shaped_env(
+        exe: &std::path::Path,
+        tag: &str,
+        agent_args: &[String],
+        prefill: Shape,
+        decode: Shape,
+        env: &[(String, String)],
+) -> anyhow::Result<Self> {
         let logs = log_dir(tag)?;
         let wait = Duration::from_secs(30);
         let owned = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
@@ -380,7 +393,7 @@ impl LocalCluster {
                         }
                         args.extend_from_slice(agent_args);
                         let name = format!("{role}-dp{dp}-pp{pp}-tp{tp}");
-                        ranks.push(Process::spawn(exe, &name, &args, &logs, wait)?);
+                        ranks.push(Process::spawn_env(exe, &name, &args, env, &logs, wait)?);
                     }
                 }
                 groups.push(ranks);

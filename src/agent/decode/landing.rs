@@ -24,6 +24,11 @@ pub(super) async fn receive_chunks(inner: Arc<Inner>, mut receiver: Box<dyn Data
     loop {
         let received = tokio::select! {
             () = inner.shutdown.cancelled() => return,
+            () = inner.recv_reset.notified() => {
+                // Dropping the pending receive cancels it; the next loop posts a fresh one.
+                tracing::debug!("data receive restarted after a peer died");
+                continue;
+            }
             r = receiver.recv() => r,
         };
         match received {

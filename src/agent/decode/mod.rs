@@ -96,6 +96,7 @@ impl DecodeAgent {
             metrics: Metrics::new("decode"),
             draining: std::sync::atomic::AtomicBool::new(false),
             stuck_warned: Mutex::new(None),
+            recv_reset: tokio::sync::Notify::new(),
             shutdown: shutdown.clone(),
             cfg,
         });
@@ -192,6 +193,9 @@ struct Inner {
     metrics: Metrics,
     /// Set by SIGTERM: new rooms are refused.
     draining: std::sync::atomic::AtomicBool,
+    /// Restarts the data receiver's posted receive: a dead peer may have left it matched to a
+    /// message that never completes (UCX over shared memory cannot notice the death itself).
+    recv_reset: tokio::sync::Notify,
     /// When stuck rooms were last warned about.
     stuck_warned: Mutex<Option<Instant>>,
     shutdown: CancellationToken,

@@ -289,6 +289,7 @@ impl Inner {
     pub(super) fn peer_lost(&self, peer: &Peer, why: String) {
         peer.gone.cancel();
         self.peers().remove(&peer.instance);
+        self.recv_reset.notify_one();
         self.metrics
             .peers_dead
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
