@@ -29,14 +29,15 @@ use crate::transport::TransportKind;
 /// Measure end-to-end KV transfer throughput and latency over real processes on loopback.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Data-plane transports, comma separated (zmq-tcp, zmq-ipc); each gets a fresh cluster.
+    /// Data-plane transports, comma separated (zmq-tcp, zmq-ipc, and with UCX: ucx, ucx-tcp,
+    /// ucx-shm, the last two setting UCX_TLS for the run); each gets a fresh cluster.
     #[arg(
         long,
         env = "KVFERRY_BENCH_TRANSPORT",
         value_delimiter = ',',
         default_value = "zmq-tcp"
     )]
-    transport: Vec<TransportKind>,
+    transport: Vec<BenchTransport>,
     /// Model preset: tiny, tiny-mla, llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3.
     #[arg(long, env = "KVFERRY_BENCH_MODEL", default_value = "llama3-8b")]
     model: String,
@@ -140,7 +141,7 @@ impl BenchArgs {
     }
 
     /// The agent flags of a local cluster over `transport`.
-    fn agent_args(&self, layout: &KvLayout, transport: TransportKind) -> Vec<String> {
+    fn agent_args(&self, layout: &KvLayout, transport: BenchTransport) -> Vec<String> {
         let largest = self.tokens.iter().copied().max().unwrap_or(1);
         // Both pools hold every room in flight; a few pages spare for the warm-up.
         let pool_pages = layout.pages_for(largest) * self.concurrency + 8;
@@ -152,7 +153,7 @@ impl BenchArgs {
             "--pool-pages",
             &pool_pages.to_string(),
             "--transport",
-            transport.name(),
+            transport.kind.name(),
             "--chunk-bytes",
             &self.chunk_bytes.to_string(),
             "--synthetic",
@@ -160,6 +161,64 @@ impl BenchArgs {
         .iter()
         .map(|s| (*s).to_owned())
         .collect()
+    }
+}
+
+/// A `--transport` of the bench: a data-plane transport, or a UCX shorthand that also sets
+/// `UCX_TLS` for the run (`ucx-tcp` pins UCX's tcp to loopback with `UCX_NET_DEVICES=lo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BenchTransport {
+    kind: TransportKind,
+    label: &'static str,
+    tls: Option<&'static str>,
+}
+
+impl std::fmt::Display for BenchTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label)
+    }
+}
+
+impl std::str::FromStr for BenchTransport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let shorthand = match s {
+            "ucx-tcp" => Some("tcp"),
+            "ucx-shm" => Some("posix,cma,self"),
+            _ => None,
+        };
+        let (kind, label) = match shorthand {
+            Some(_) => ("ucx".parse::<TransportKind>()?, if s == "ucx-tcp" { "ucx-tcp" } else { "ucx-shm" }),
+            None => {
+                let kind: TransportKind = s.parse()?;
+                (kind, kind.name())
+            }
+        };
+        Ok(BenchTransport { kind, label, tls: shorthand })
+    }
+}
+
+impl BenchTransport {
+    /// The environment the agents run with.
+    fn env(&self) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        if let Some(tls) = self.tls {
+            env.push(("UCX_TLS".to_owned(), tls.to_owned()));
+            if tls == "tcp" {
+                env.push(("UCX_NET_DEVICES".to_owned(), "lo".to_owned()));
+            }
+        }
+        env
+    }
+
+    /// The `UCX_TLS` of a UCX run (the shorthand's, or the environment's for `ucx`).
+    fn ucx_tls(&self) -> Option<String> {
+        let ucx = self.kind.name() == "ucx";
+        match self.tls {
+            Some(t) => Some(t.to_owned()),
+            None if ucx => Some(std::env::var("UCX_TLS").unwrap_or_else(|_| "(UCX default)".to_owned())),
+            None => None,
+        }
     }
 }
 
@@ -204,7 +263,8 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 };
                 let decode = Shape::tp(args.decode_tp);
                 let agent_args = args.agent_args(&layout, transport);
-                let cluster = LocalCluster::start_shaped(&exe, &tag, &agent_args, prefill, decode)
+                let env = transport.env();
+                let cluster = LocalCluster::start_shaped_env(&exe, &tag, &agent_args, prefill, decode, &env)
                     .with_context(|| format!("starting a {transport} cluster"))?;
                 let target = Target {
                     apis: cluster.apis()?,
@@ -232,7 +292,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 })?;
             let mut line = demo::summary(
                 &results,
-                transport.name(),
+                transport.label,
                 &args.model,
                 json!(tokens),
                 args.page_size,
@@ -240,6 +300,9 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 (args.prefill_tp, args.decode_tp),
             );
             line["prefill_pp"] = json!(args.prefill_pp);
+            if let Some(tls) = transport.ucx_tls() {
+                line["ucx_tls"] = json!(tls);
+            }
             line["chunk_bytes"] = json!(args.chunk_bytes);
             line["warmup_rooms"] = json!(args.warmup);
             if args.json {
