@@ -188,13 +188,20 @@ impl std::str::FromStr for BenchTransport {
             _ => None,
         };
         let (kind, label) = match shorthand {
-            Some(_) => ("ucx".parse::<TransportKind>()?, if s == "ucx-tcp" { "ucx-tcp" } else { "ucx-shm" }),
+            Some(_) => (
+                "ucx".parse::<TransportKind>()?,
+                if s == "ucx-tcp" { "ucx-tcp" } else { "ucx-shm" },
+            ),
             None => {
                 let kind: TransportKind = s.parse()?;
                 (kind, kind.name())
             }
         };
-        Ok(BenchTransport { kind, label, tls: shorthand })
+        Ok(BenchTransport {
+            kind,
+            label,
+            tls: shorthand,
+        })
     }
 }
 
@@ -216,7 +223,9 @@ impl BenchTransport {
         let ucx = self.kind.name() == "ucx";
         match self.tls {
             Some(t) => Some(t.to_owned()),
-            None if ucx => Some(std::env::var("UCX_TLS").unwrap_or_else(|_| "(UCX default)".to_owned())),
+            None if ucx => {
+                Some(std::env::var("UCX_TLS").unwrap_or_else(|_| "(UCX default)".to_owned()))
+            }
             None => None,
         }
     }
@@ -264,8 +273,9 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let decode = Shape::tp(args.decode_tp);
                 let agent_args = args.agent_args(&layout, transport);
                 let env = transport.env();
-                let cluster = LocalCluster::start_shaped_env(&exe, &tag, &agent_args, prefill, decode, &env)
-                    .with_context(|| format!("starting a {transport} cluster"))?;
+                let cluster =
+                    LocalCluster::start_shaped_env(&exe, &tag, &agent_args, prefill, decode, &env)
+                        .with_context(|| format!("starting a {transport} cluster"))?;
                 let target = Target {
                     apis: cluster.apis()?,
                     logs: Some(cluster.logs.clone()),

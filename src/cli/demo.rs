@@ -367,7 +367,7 @@ impl LocalCluster {
         prefill: Shape,
         decode: Shape,
         env: &[(String, String)],
-) -> anyhow::Result<Self> {
+    ) -> anyhow::Result<Self> {
         let logs = log_dir(tag)?;
         let wait = Duration::from_secs(30);
         let owned = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
