@@ -1,0 +1,271 @@
+//! The prefill agent's control socket: what decode agents send (Hello, TransferRequest, Abort,
+//! Credit, Heartbeat, garbage) and the answers; every refusal is an Error with a code.
+
+use super::*;
+
+pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
+    loop {
+        let received = tokio::select! {
+            () = inner.shutdown.cancelled() => return,
+            r = server.recv() => r,
+        };
+        let (identity, frame) = match received {
+            Ok(v) => v,
+            Err(e) => {
+                inner.metrics.protocol_error("bad_frames");
+                tracing::warn!(error = %e, "control socket");
+                continue;
+            }
+        };
+        let peer = inner.peers().get(&identity).cloned();
+        if let Some(peer) = &peer {
+            peer.seen();
+        }
+        let inner = inner.clone();
+        match Message::decode(&frame) {
+            Ok(Message::Hello(h)) => {
+                tokio::spawn(inner.on_hello(identity, h));
+            }
+            Ok(Message::TransferRequest(r)) => inner.on_request(identity, r).await,
+            Ok(Message::Abort(a)) => inner.on_abort(identity, a).await,
+            Ok(Message::Credit(c)) if peer.as_ref().is_some_and(|p| p.instance == c.instance) => {
+                if let Some(peer) = &peer {
+                    inner.on_credit(peer, c.slots);
+                }
+            }
+            Ok(Message::Heartbeat(_)) => {}
+            Ok(other) => {
+                inner.metrics.protocol_error("unexpected");
+                let m = format!("a prefill does not accept {} here", other.name());
+                inner
+                    .refuse(&identity, None, FailureCode::BadMessage, m)
+                    .await;
+            }
+            Err(e) => {
+                inner.metrics.protocol_error(e.kind());
+                inner
+                    .refuse(
+                        &identity,
+                        None,
+                        FailureCode::BadMessage,
+                        format!("undecodable frame: {e}"),
+                    )
+                    .await;
+            }
+        }
+    }
+}
+
+impl Inner {
+    async fn on_hello(self: Arc<Self>, identity: PeerId, hello: Hello) {
+        let refuse = |code, message| self.refuse(&identity, None, code, message);
+        let Some(version) = protocol::negotiate(hello.min_version, hello.max_version) else {
+            return refuse(
+                FailureCode::IncompatibleVersion,
+                format!(
+                    "decode speaks protocol versions {}..={}, this prefill {}..={}",
+                    hello.min_version,
+                    hello.max_version,
+                    protocol::MIN_VERSION,
+                    protocol::VERSION
+                ),
+            )
+            .await;
+        };
+        if self.cfg.token.as_deref().unwrap_or("") != hello.token {
+            tracing::warn!(decode = %hello.instance, "Hello with a wrong or missing token refused");
+            return refuse(
+                FailureCode::Unauthorized,
+                "wrong or missing token in Hello".to_owned(),
+            )
+            .await;
+        }
+        if hello.role != protocol::Role::Decode {
+            self.metrics.protocol_error("inconsistent");
+            return refuse(
+                FailureCode::BadMessage,
+                "Hello to a prefill must come from a decode".to_owned(),
+            )
+            .await;
+        }
+        if hello.slots == 0 || hello.slot_bytes == 0 {
+            self.metrics.protocol_error("inconsistent");
+            return refuse(
+                FailureCode::BadMessage,
+                "Hello grants no staging slots".to_owned(),
+            )
+            .await;
+        }
+        if let Err(reason) = crate::agent::check_compatible(
+            &crate::agent::wire_layout(&self.cfg.layout),
+            &hello.layout,
+        ) {
+            return refuse(reason.code, reason.message).await;
+        }
+        let data = match self
+            .transport
+            .connect(&hello.data_endpoint, self.cfg.timeouts.connect)
+            .await
+        {
+            Ok(d) => d,
+            Err(e) => {
+                let msg = format!(
+                    "decode data endpoint {} unreachable from this prefill: {}",
+                    hello.data_endpoint, e.message
+                );
+                return refuse(FailureCode::Unreachable, msg).await;
+            }
+        };
+        let slots = (hello.slots as usize).min(Semaphore::MAX_PERMITS);
+        let peer = Arc::new(Peer {
+            instance: hello.instance,
+            identity: identity.clone(),
+            data_endpoint: hello.data_endpoint,
+            data: tokio::sync::Mutex::new(data),
+            credits: Semaphore::new(slots),
+            slots,
+            slot_bytes: hello.slot_bytes as usize,
+            last_seen: Mutex::new(Instant::now()),
+        });
+        if let Some(old) = self.peers().insert(identity.clone(), peer) {
+            old.credits.close();
+        }
+        tracing::info!(decode = %hello.instance, version, slots, "decode peer connected");
+        self.reply(
+            &identity,
+            Message::HelloAck(HelloAck {
+                version,
+                instance: self.instance,
+            }),
+        )
+        .await;
+    }
+
+    async fn on_request(self: Arc<Self>, identity: PeerId, req: TransferRequest) {
+        let room_id = req.room;
+        let peer = self.peers().get(&identity).cloned();
+        let Some(peer) = peer else {
+            self.metrics.protocol_error("inconsistent");
+            let m = "TransferRequest before Hello".to_owned();
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
+                .await;
+        };
+        if req.prefill_instance != self.instance {
+            self.metrics.protocol_error("inconsistent");
+            let m = format!(
+                "request addressed instance {}, this prefill is {}: it restarted",
+                req.prefill_instance, self.instance
+            );
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::PeerDead, m)
+                .await;
+        }
+        let l = &self.cfg.layout;
+        let within = |r: &Range<u32>, held: &Range<usize>| {
+            r.start as usize >= held.start && r.end as usize <= held.end && !r.is_empty()
+        };
+        if !within(&req.layers, &l.layers)
+            || !within(&req.heads, &l.heads)
+            || req.tokens.is_empty()
+            || req.requesters == 0
+        {
+            self.metrics.protocol_error("inconsistent");
+            let m = format!(
+                "request for layers {:?} heads {:?} tokens {:?} ({} requesters); this rank holds layers {:?} heads {:?}",
+                req.layers, req.heads, req.tokens, req.requesters, l.layers, l.heads
+            );
+            return self
+                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
+                .await;
+        }
+        enum Refusal {
+            Abort(Reason),
+            Error(Reason),
+        }
+        let refusal = {
+            let mut rooms = self.rooms();
+            let room = rooms.entry(room_id).or_insert_with(Room::new);
+            if let Some(reason) = room.engine_abort.clone() {
+                // The prefill engine aborted the room before this request: say so.
+                Some(Refusal::Abort(reason))
+            } else if room.transfers.contains_key(&peer.instance) || room.status.state().is_final()
+            {
+                self.metrics.protocol_error("inconsistent");
+                Some(Refusal::Error(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("room {room_id} was already requested or aborted by this decode"),
+                )))
+            } else {
+                room.requesters = room.requesters.max(req.requesters as usize);
+                room.transfers
+                    .insert(peer.instance, Transfer::new(peer, Some(req)));
+                room.status.advance(RoomState::WaitingForInput);
+                self.start_ready(room_id, room);
+                None
+            }
+        };
+        match refusal {
+            Some(Refusal::Error(reason)) => {
+                self.refuse(&identity, Some(room_id), reason.code, reason.message)
+                    .await;
+            }
+            Some(Refusal::Abort(reason)) => {
+                let msg = Message::Abort(protocol::Abort {
+                    room: room_id,
+                    instance: self.instance,
+                    code: reason.code,
+                    message: reason.message,
+                });
+                self.reply(&identity, msg).await;
+            }
+            None => {}
+        }
+    }
+
+    async fn on_abort(self: Arc<Self>, identity: PeerId, abort: protocol::Abort) {
+        let Some(peer) = self.peers().get(&identity).cloned() else {
+            self.metrics.protocol_error("inconsistent");
+            let m = "Abort before Hello".to_owned();
+            return self
+                .refuse(&identity, Some(abort.room), FailureCode::BadMessage, m)
+                .await;
+        };
+        let running = {
+            let mut rooms = self.rooms();
+            let room = rooms.entry(abort.room).or_insert_with(Room::new);
+            let reason = Reason::new(abort.code, abort.message);
+            let t = room
+                .transfers
+                .entry(peer.instance)
+                // The abort overtook its request: a tombstone refuses the late request.
+                .or_insert_with(|| Transfer::new(peer.clone(), None));
+            t.cancel.cancel();
+            t.abort_reason = Some(reason.clone());
+            let running = t.running;
+            if !running {
+                t.end(RoomState::Aborted, Some(reason));
+                self.settle(room);
+            }
+            running
+        };
+        // A running transfer acknowledges when its task stops; otherwise nothing is in flight.
+        if !running {
+            let ack = Message::AbortAck(protocol::AbortAck {
+                room: abort.room,
+                instance: self.instance,
+            });
+            self.reply(&identity, ack).await;
+        }
+    }
+
+    fn on_credit(&self, peer: &Peer, slots: u32) {
+        let room_for = peer.slots.saturating_sub(peer.credits.available_permits());
+        let granted = (slots as usize).min(room_for);
+        if granted < slots as usize {
+            self.metrics.protocol_error("inconsistent");
+            tracing::warn!(decode = %peer.instance, slots, "credit beyond the granted slots ignored");
+        }
+        peer.credits.add_permits(granted);
+    }
+}
