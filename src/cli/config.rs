@@ -421,7 +421,10 @@ mod tests {
         let text = format!("{b:?}");
         assert!(text.contains("tokens: [16, 4096]"), "{text}");
         assert!(text.contains("json: true"), "{text}");
-        assert!(text.contains("transport: [ZmqTcp, ZmqIpc]"), "{text}");
+        assert!(
+            text.contains("label: \"zmq-tcp\"") && text.contains("label: \"zmq-ipc\""),
+            "{text}"
+        );
     }
 
     #[test]

@@ -229,6 +229,7 @@ fn kind_tags_are_stable() {
         ("abort_ack", 7),
         ("heartbeat", 8),
         ("error", 9),
+        ("credit", 10),
     ];
     for msg in samples() {
         let tag = msg.encode()[6];
@@ -351,7 +352,7 @@ fn body_length_must_match_the_bytes_given() {
 
 #[test]
 fn unknown_kind_and_flags_are_refused() {
-    for kind in [0, 10, 255] {
+    for kind in [0, 11, 255] {
         assert_eq!(
             Message::decode(&frame(1, kind, 0, &[])),
             Err(DecodeError::UnknownKind(kind))
@@ -462,11 +463,11 @@ fn oversized_lengths_are_refused_before_allocation() {
     assert_eq!(peek_header(&f), Err(err.clone()));
     assert_eq!(Message::decode(&f), Err(err));
 
-    // A page count of u32::MAX in a tiny body.
+    // A page count of u32::MAX in a tiny body (the page count is followed by `requesters`).
     let mut body =
         Message::TransferRequest(transfer_request(vec![])).encode()[HEADER_LEN..].to_vec();
     let n = body.len();
-    body[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+    body[n - 8..n - 4].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         Message::decode(&frame(1, KIND_TRANSFER_REQUEST, 0, &body)),
         Err(DecodeError::TooLarge {
@@ -476,13 +477,14 @@ fn oversized_lengths_are_refused_before_allocation() {
         })
     );
     // A count within the limit whose items are missing: Truncated before the vector exists.
-    body[n - 4..].copy_from_slice(&(MAX_PAGES as u32).to_le_bytes());
+    body[n - 8..n - 4].copy_from_slice(&(MAX_PAGES as u32).to_le_bytes());
     assert_eq!(
         Message::decode(&frame(1, KIND_TRANSFER_REQUEST, 0, &body)),
         Err(DecodeError::Truncated {
             what: "dst_pages",
             needed: MAX_PAGES * 4,
-            available: 0
+            // Only the `requesters` field follows.
+            available: 4
         })
     );
 
