@@ -117,6 +117,10 @@ pub trait DataSender: Send {
 pub trait DataReceiver: Send {
     /// The next chunk: its header and its payload.
     fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>>;
+
+    /// A sender died: drop receives it may have left half-matched (they would never complete)
+    /// and post fresh ones. Transports whose receives cannot hang on a dead sender do nothing.
+    fn reset(&mut self) {}
 }
 
 /// A bound receiver and the endpoint senders connect to.

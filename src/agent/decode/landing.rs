@@ -25,8 +25,8 @@ pub(super) async fn receive_chunks(inner: Arc<Inner>, mut receiver: Box<dyn Data
         let received = tokio::select! {
             () = inner.shutdown.cancelled() => return,
             () = inner.recv_reset.notified() => {
-                // Dropping the pending receive cancels it; the next loop posts a fresh one.
-                tracing::debug!("data receive restarted after a peer died");
+                tracing::debug!("data receives restarted after a peer died");
+                receiver.reset();
                 continue;
             }
             r = receiver.recv() => r,

@@ -93,7 +93,11 @@ impl Transport for UcxData {
             let worker = inner.worker().await?;
             let endpoint = encode_address(&worker.address());
             let capacity = inner.max_chunk + HEADER_ROOM;
-            let receiver: Box<dyn DataReceiver> = Box::new(UcxReceiver { worker, capacity });
+            let receiver: Box<dyn DataReceiver> = Box::new(UcxReceiver {
+                worker,
+                capacity,
+                pending: tokio::task::JoinSet::new(),
+            });
             Ok((endpoint, receiver))
         })
     }
@@ -161,24 +165,51 @@ impl Drop for UcxSender {
 struct UcxReceiver {
     worker: UcxWorker,
     capacity: usize,
+    /// Receives posted ahead: chunks from several senders land in parallel, and a receive
+    /// left hanging by a dead sender (UCX over shared memory cannot fail it) does not stop
+    /// the others.
+    pending: tokio::task::JoinSet<Result<super::Received, super::UcxError>>,
+}
+
+/// Receives kept posted; more than the credits one sender can hold (8 by default).
+const RECEIVES_AHEAD: usize = 16;
+
+impl UcxReceiver {
+    fn post(&mut self) {
+        while self.pending.len() < RECEIVES_AHEAD {
+            let (worker, capacity) = (self.worker.clone(), self.capacity);
+            self.pending
+                .spawn(async move { worker.recv_tag(CHUNK_TAG, u64::MAX, capacity).await });
+        }
+    }
 }
 
 impl DataReceiver for UcxReceiver {
     fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>> {
         Box::pin(async move {
-            let got = self
-                .worker
-                .recv_tag(CHUNK_TAG, u64::MAX, self.capacity)
-                .await
-                .map_err(|e| TransportError::new("recv", "ucx", e))?;
-            split(got.data).ok_or_else(|| {
-                TransportError::new(
-                    "recv",
-                    "ucx",
-                    "a chunk message must be a length-prefixed header and a payload",
-                )
-            })
+            loop {
+                self.post();
+                match self.pending.join_next().await {
+                    Some(Ok(Ok(got))) => {
+                        return split(got.data).ok_or_else(|| {
+                            TransportError::new(
+                                "recv",
+                                "ucx",
+                                "a chunk message must be a length-prefixed header and a payload",
+                            )
+                        });
+                    }
+                    Some(Ok(Err(e))) => return Err(TransportError::new("recv", "ucx", e)),
+                    // A receive aborted by `reset`.
+                    Some(Err(_)) | None => {}
+                }
+            }
         })
+    }
+
+    fn reset(&mut self) {
+        // Dropping the tasks cancels their receives; the next `recv` posts fresh ones.
+        self.pending.abort_all();
     }
 }
 
