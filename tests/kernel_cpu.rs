@@ -309,13 +309,17 @@ fn threaded_transfers_match_single_threaded_ones() {
     let num_pages = 40;
     let src = pool(&layout, num_pages, &mut rng);
     let pages = random_pages(&mut rng, num_pages, 32);
+    // Heads 1..7 of 8: runs of 1.5 KiB at odd offsets; over 40 MiB, so copies stream.
     let sel = Selection {
         heads: 1..7,
         tokens: 5..500,
         ..Selection::whole(&src, &pages, 500)
     };
     let bytes = sel.bytes(&src).unwrap();
-    assert!(bytes > 8 << 20, "large enough to be split: {bytes}");
+    assert!(
+        bytes > 40 << 20,
+        "large enough to be split and streamed: {bytes}"
+    );
     let mut one = vec![POISON; bytes];
     let mut two = vec![0u8; bytes];
     CpuKernel::new(1)
