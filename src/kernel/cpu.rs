@@ -121,8 +121,9 @@ impl CpuKernel {
     }
 }
 
-/// From this many bytes a transfer streams its stores (about the last-level cache here).
-const STREAM_MIN_BYTES: usize = 32 << 20;
+/// From this many bytes a transfer streams its stores: measured here, 8 MiB copies are faster
+/// through the cache and 16 MiB ones faster streamed.
+const STREAM_MIN_BYTES: usize = 16 << 20;
 
 /// Copies `len` bytes, with non-temporal stores when `stream` and the target supports them.
 ///
