@@ -73,6 +73,13 @@ pub(crate) fn checksum(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes).max(1)
 }
 
+/// Waits (polling every 20 ms) until `done` or `deadline`; the drains use it.
+pub(crate) async fn wait_until(deadline: std::time::Instant, done: impl Fn() -> bool) {
+    while !done() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Timeouts of an agent; every wait is bounded by one of these.
 #[derive(Clone, Copy, Debug)]
 pub struct Timeouts {

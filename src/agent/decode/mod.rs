@@ -141,9 +141,7 @@ impl DecodeAgent {
                 .filter(|r| !r.status.state().is_final())
                 .count()
         };
-        while in_flight() > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        super::wait_until(deadline, || in_flight() == 0).await;
         let left: Vec<u64> = inner
             .rooms()
             .iter()
@@ -162,9 +160,7 @@ impl DecodeAgent {
         // Let the aborts be acknowledged (a dead prefill counts after `dead_after`) and the
         // engine see the final states before the API goes away.
         let settle = Instant::now() + inner.cfg.timeouts.dead_after;
-        while in_flight() > 0 && Instant::now() < settle {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        super::wait_until(settle, || in_flight() == 0).await;
         if !left.is_empty() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

@@ -145,9 +145,7 @@ impl PrefillAgent {
                 })
                 .count()
         };
-        while busy() > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        super::wait_until(deadline, || busy() == 0).await;
         let left: Vec<u64> = inner
             .rooms()
             .iter()
