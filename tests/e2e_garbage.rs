@@ -118,6 +118,13 @@ fn random_message(rng: &mut StdRng) -> Message {
             token: format!("x{}", text(rng, 20)),
             slots: rng.random_range(0..16),
             slot_bytes: rng.random(),
+            pool: rng
+                .random_bool(0.5)
+                .then(|| kvferry::protocol::RemoteMemory {
+                    base: rng.random(),
+                    size: rng.random(),
+                    key: (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
+                }),
         }),
         1 => Message::HelloAck(HelloAck {
             version: rng.random(),
@@ -146,6 +153,7 @@ fn random_message(rng: &mut StdRng) -> Message {
             heads: range(rng),
             len: rng.random(),
             checksum: rng.random(),
+            direct: rng.random_bool(0.5),
         }),
         4 => Message::Done(Done {
             room: rng.random(),

@@ -1,22 +1,29 @@
 //! `--transport ucx` across real processes (release binary built with the `ucx` feature), over
 //! UCX's tcp transport pinned to loopback (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`: the machine's
 //! other interface is never a target) and over shared memory (`UCX_TLS=posix,cma,self`):
-//! 1P1D and TP2 -> TP1, 100 rooms each, every byte verified; a prefill killed mid-transfer
-//! fails its rooms with `peer_dead` and the decode keeps serving rooms of a restarted prefill.
+//! 1P1D and TP2 -> TP1, 100 rooms each, every byte verified, with the direct path (one-sided
+//! writes into the decode pool) and the staged one both exercised on both transports; a
+//! prefill killed mid-transfer fails its rooms with `peer_dead` and the decode keeps serving
+//! rooms of a restarted prefill.
 #![cfg(feature = "ucx")]
 
 mod common;
 
 use std::time::Instant;
 
-use common::{AgentOpts, BOUND, expect, http, runtime, wait_final, wait_state};
+use common::{
+    AgentOpts, BOUND, expect, http, metric, runtime, set_flag, wait_final, wait_safe, wait_state,
+};
 use kvferry::cli::cluster::{Process, log_dir};
 use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 
+/// Variables set for every process of a cluster.
+type Env = Vec<(String, String)>;
+
 /// The UCX environments under test.
-fn envs() -> [(&'static str, Vec<(String, String)>); 2] {
+fn envs() -> [(&'static str, Env); 2] {
     let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
     [
         (
@@ -39,42 +46,102 @@ fn opts(model: &'static str, pool_pages: usize) -> Vec<String> {
     o.args()
 }
 
-#[test]
-fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1() {
-    let exe = common::release_binary();
+/// The data path a run must take: chunks counted by `kvferry_chunks_total{path}` on the decode.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Path {
+    Direct,
+    Staged,
+}
+
+/// The runs: per UCX environment, 1P1D and TP2 -> TP1 with the path `--direct-writes auto`
+/// picks (shared memory: direct for 1P1D, whose layouts line up; tcp: staged, its puts being
+/// slow), and 1P1D over tcp with `always` so both paths run on both transports.
+fn runs() -> Vec<(String, Env, Shape, &'static str, Path)> {
+    let mut out = Vec::new();
     for (name, env) in envs() {
-        for (prefill, label) in [(Shape::ONE, "1p1d"), (Shape::tp(2), "tp2-tp1")] {
-            let tag = format!("ucx-{name}-{label}");
-            let c = LocalCluster::start_shaped_env(
-                &exe,
-                &tag,
-                &opts("tiny", 256),
-                prefill,
+        let one = if name == "shm" {
+            Path::Direct
+        } else {
+            Path::Staged
+        };
+        out.push((
+            format!("ucx-{name}-1p1d"),
+            env.clone(),
+            Shape::ONE,
+            "auto",
+            one,
+        ));
+        out.push((
+            format!("ucx-{name}-tp2-tp1"),
+            env.clone(),
+            Shape::tp(2),
+            "auto",
+            Path::Staged,
+        ));
+        if name == "tcp" {
+            out.push((
+                format!("ucx-{name}-1p1d-always"),
+                env,
                 Shape::ONE,
-                &env,
-            )
+                "always",
+                Path::Direct,
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_direct_and_staged() {
+    let exe = common::release_binary();
+    for (tag, env, prefill, direct_writes, path) in runs() {
+        let mut args = opts("tiny", 256);
+        set_flag(&mut args, "--direct-writes", direct_writes);
+        // Checksums on: a direct chunk's is computed in place on both sides.
+        args.push("--checksum".to_owned());
+        let c = LocalCluster::start_shaped_env(&exe, &tag, &args, prefill, Shape::ONE, &env)
             .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
-            let rooms: Vec<(u64, usize)> = (1..=100)
-                .map(|r| (r, 1 + (r as usize * 37) % 400))
-                .collect();
-            let started = Instant::now();
-            let results = runtime()
-                .block_on(drive_rooms(&c.apis().unwrap(), rooms, 8))
-                .unwrap();
-            for r in &results {
-                assert!(
-                    r.verified,
-                    "{tag}: room {} {} {:?}; logs in {}",
-                    r.room,
-                    r.state,
-                    r.code,
-                    c.logs.display()
-                );
-            }
-            println!(
-                "{tag}: 100 rooms verified in {:.0} ms",
-                started.elapsed().as_secs_f64() * 1e3
+        let rooms: Vec<(u64, usize)> = (1..=100)
+            .map(|r| (r, 1 + (r as usize * 37) % 400))
+            .collect();
+        let started = Instant::now();
+        let results = runtime()
+            .block_on(drive_rooms(&c.apis().unwrap(), rooms, 8))
+            .unwrap();
+        for r in &results {
+            assert!(
+                r.verified,
+                "{tag}: room {} {} {:?}; logs in {}",
+                r.room,
+                r.state,
+                r.code,
+                c.logs.display()
             );
+        }
+        let elapsed = started.elapsed();
+        let d = c.decode().field("api").unwrap();
+        let count = |p: &str| {
+            let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{p}\"}}");
+            runtime()
+                .block_on(metric(&http(), &d, &series))
+                .unwrap_or_else(|| panic!("{tag}: no {series} in /metrics"))
+        };
+        let (direct, staged) = (count("direct"), count("staged"));
+        println!(
+            "{tag}: 100 rooms verified in {:.0} ms; chunks direct {direct}, staged {staged}",
+            elapsed.as_secs_f64() * 1e3
+        );
+        match path {
+            // Rooms whose partial last page outweighs the rest move runs shorter than a page
+            // block on average: those are staged (about one in ten here).
+            Path::Direct => assert!(
+                direct >= 80.0 && staged <= 20.0,
+                "{tag}: {direct} direct, {staged} staged"
+            ),
+            Path::Staged => assert!(
+                direct == 0.0 && staged >= 100.0,
+                "{tag}: {direct} direct, {staged} staged"
+            ),
         }
     }
 }
@@ -147,4 +214,62 @@ fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
         assert!(results.iter().all(|r| r.verified), "{tag}: {results:?}");
         println!("{tag}: after the restart 3 rooms verified");
     }
+}
+
+#[test]
+fn a_corrupted_direct_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_stop() {
+    let exe = common::release_binary();
+    let tag = "ucx-shm-direct-checksum";
+    let env = envs()[1].1.clone();
+    // llama3-8b, 4096 tokens: 512 MiB, announced one layer every 50 ms (1.6 s in all) and
+    // written in direct chunks of one layer; the 2nd is corrupted, so the decode fails the
+    // room while the prefill still has layers to write.
+    let mut args = opts("llama3-8b", 272);
+    args.extend(
+        [
+            "--checksum",
+            "--fault-corrupt-chunk",
+            "2",
+            "--synthetic-layer-ms",
+            "50",
+        ]
+        .map(String::from),
+    );
+    let c = LocalCluster::start_shaped_env(&exe, tag, &args, Shape::ONE, Shape::ONE, &env).unwrap();
+    let (p, d) = (
+        c.prefill().field("api").unwrap(),
+        c.decode().field("api").unwrap(),
+    );
+    let http = http();
+    runtime().block_on(async {
+        let body = json!({"tokens": 4096});
+        for (api, path, want) in [
+            (&d, "", StatusCode::CREATED),
+            (&p, "/ready", StatusCode::ACCEPTED),
+        ] {
+            let url = format!("{api}/v1/rooms/1{path}");
+            expect(&http, Method::POST, &url, Some(&body), want).await;
+        }
+        let v = wait_final(&http, &d, 1).await;
+        assert_eq!(v["state"], "failed", "{tag}: {v}");
+        assert_eq!(v["reason"]["code"], "checksum", "{tag}: {v}");
+        let (safe_at_first, failed_seen) = (v["safe_to_reuse"].clone(), Instant::now());
+        let (v, _) = wait_safe(&http, &d, 1).await;
+        let waited = failed_seen.elapsed();
+        // The prefill was told to stop: its transfer ended aborted, not with every byte sent.
+        let sent = wait_final(&http, &p, 1).await;
+        assert_eq!(sent["state"], "aborted", "{tag}: prefill {sent}");
+        let direct = metric(
+            &http,
+            &d,
+            "kvferry_chunks_total{role=\"decode\",path=\"direct\"}",
+        )
+        .await;
+        assert!(direct.is_some_and(|n| n >= 1.0), "{tag}: {direct:?}");
+        println!(
+            "{tag}: failed `checksum` after {} bytes (safe_to_reuse then: {safe_at_first}); safe {:.0} ms later, once the prefill stopped",
+            v["bytes"],
+            waited.as_secs_f64() * 1e3
+        );
+    });
 }

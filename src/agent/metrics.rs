@@ -87,8 +87,10 @@ pub struct Metrics {
     failures: Vec<AtomicU64>,
     /// KV bytes sent (prefill) or landed (decode).
     pub bytes: AtomicU64,
-    /// Chunks moved by staged sends (the data path of the ZeroMQ transports).
+    /// Chunks moved by staged sends (gathered into staging, sent, scattered).
     pub chunks_staged: AtomicU64,
+    /// Chunks written straight into the decode pool (one-sided writes, no staging).
+    pub chunks_direct: AtomicU64,
     /// Rooms that expired untaken.
     pub expired: AtomicU64,
     /// Rooms refused at admission (429).
@@ -139,6 +141,7 @@ impl Metrics {
             failures: FailureCode::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
             bytes: AtomicU64::new(0),
             chunks_staged: AtomicU64::new(0),
+            chunks_direct: AtomicU64::new(0),
             expired: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
             heartbeat_misses: AtomicU64::new(0),
@@ -250,8 +253,7 @@ impl Metrics {
         );
         let paths = [
             ("staged", load(&self.chunks_staged)),
-            ("direct", 0),
-            ("put", 0),
+            ("direct", load(&self.chunks_direct)),
         ];
         let paths: Vec<(String, u64)> = paths
             .iter()

@@ -70,7 +70,12 @@ pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<crate::pool::HostPool, Agen
 
 /// The checksum of a chunk's bytes as carried on the wire: xxh3-64, never 0 (0 means none).
 pub(crate) fn checksum(bytes: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(bytes).max(1)
+    checksum_digest(xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+/// The checksum of bytes whose xxh3-64 is `digest` (hashed in place by the kernel).
+pub(crate) fn checksum_digest(digest: u64) -> u64 {
+    digest.max(1)
 }
 
 /// Waits (polling every 20 ms) until `done` or `deadline`; the drains use it.
@@ -162,6 +167,35 @@ pub struct AgentConfig {
     pub timeouts: Timeouts,
     /// Copy threads of the CPU kernel.
     pub copy_threads: usize,
+    /// When the direct path (one-sided writes into the decode pool) is used.
+    pub direct_writes: DirectWrites,
+}
+
+/// When a segment goes by the direct path: the prefill writes runs of its pool straight into
+/// the decode pool (one-sided, no gather, no scatter) instead of staging them. Needs a
+/// transport with one-sided writes (`ucx`) on both sides; the decode exposes its pool unless
+/// `never`, the prefill decides per segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DirectWrites {
+    /// Where the transport reports its one-sided writes fast (not UCX's tcp emulation) and
+    /// the segment's runs are long (layouts match).
+    #[default]
+    Auto,
+    /// Whenever the transport has one-sided writes, however slow (for measurement and tests).
+    Always,
+    /// Never: every chunk is staged.
+    Never,
+}
+
+impl DirectWrites {
+    /// Whether writes that travel as `path` may be used.
+    pub fn allows(self, path: &crate::transport::WritePath) -> bool {
+        match self {
+            DirectWrites::Auto => path.fast,
+            DirectWrites::Always => true,
+            DirectWrites::Never => false,
+        }
+    }
 }
 
 /// This rank as announced in Hello.

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use crate::agent::api::print_listening;
 use crate::agent::decode::DecodeAgent;
 use crate::agent::prefill::PrefillAgent;
-use crate::agent::{AgentConfig, Timeouts};
+use crate::agent::{AgentConfig, DirectWrites, Timeouts};
 use crate::layout::{AttentionKind, Dtype, KvLayout, KvPlacement, ModelSpec, PageOrder};
 use crate::protocol::Ranks;
 use crate::transport::TransportKind;
@@ -138,6 +138,10 @@ pub struct AgentArgs {
     /// Fault injection for tests: flip a byte of the N-th chunk this prefill sends.
     #[arg(long, env = "KVFERRY_FAULT_CORRUPT_CHUNK", hide = true)]
     pub fault_corrupt_chunk: Option<u64>,
+    /// Direct path (one-sided writes of pool pages into the decode pool; `ucx` only): `auto`
+    /// where the transport's writes are fast and the layouts line up, `always`, or `never`.
+    #[arg(long, env = "KVFERRY_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
+    pub direct_writes: DirectWrites,
     /// Period of heartbeats on every control connection, in ms.
     #[arg(long, env = "KVFERRY_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,
@@ -224,6 +228,7 @@ impl AgentArgs {
             max_rooms: self.max_rooms,
             fault_corrupt_chunk: self.fault_corrupt_chunk,
             copy_threads: self.copy_threads,
+            direct_writes: self.direct_writes,
             timeouts: Timeouts {
                 bootstrap: ms(self.timeout_bootstrap_ms),
                 connect: ms(self.timeout_connect_ms),

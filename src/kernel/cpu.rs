@@ -15,6 +15,7 @@ use crate::layout::{KvLayout, PageOrder, element_offset};
 use crate::pool::HostPool;
 
 use super::{KernelError, Selection};
+use crate::transport::WriteRun;
 
 /// Below this many bytes a transfer runs on one thread: spawning costs more than it saves.
 const PARALLEL_MIN_BYTES: usize = 4 << 20;
@@ -82,6 +83,29 @@ impl CpuKernel {
         // nothing else writes these pages meanwhile.
         unsafe { self.copy(&runs, src, dst, |r| (r.staging, r.pool)) };
         Ok(())
+    }
+
+    /// xxh3-64 of the selection's bytes in `wire` order (the bytes a gather would produce),
+    /// read in place: how the direct path checksums a chunk without staging it.
+    pub fn checksum(
+        &self,
+        pool: &HostPool,
+        sel: &Selection<'_>,
+        wire: PageOrder,
+    ) -> Result<u64, KernelError> {
+        let bytes = sel.bytes(pool)?;
+        sel.validate(pool, bytes, false)?;
+        let mut runs = plan(pool.layout(), pool.num_pages(), sel, wire);
+        runs.sort_unstable_by_key(|r| r.staging); // hash in wire order (see `pool_to_pool`)
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        for r in runs {
+            // SAFETY: the run lies inside the pool (validated selection). The agents hash a
+            // selection only while its pages are theirs and quiescent: a prefill's ready
+            // pages, or a decode room's pages after the writer flushed them.
+            let run = unsafe { std::slice::from_raw_parts(pool.base_ptr().add(r.pool), r.len) };
+            hasher.update(run);
+        }
+        Ok(hasher.digest())
     }
 
     /// Copies every run from `src` to `dst`; `ends` picks (source, destination) offsets.
@@ -263,6 +287,73 @@ fn plan(layout: &KvLayout, num_pages: usize, sel: &Selection<'_>, wire: PageOrde
     runs
 }
 
+/// One side of a copy from pool to pool: a pool's layout and page count (it may be in another
+/// process) and the selection in it.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolSide<'a> {
+    /// The pool's layout.
+    pub layout: &'a KvLayout,
+    /// Pages in the pool.
+    pub num_pages: usize,
+    /// What moves.
+    pub sel: &'a Selection<'a>,
+}
+
+/// The contiguous copies that move a selection from one pool into another (the direct path's
+/// one-sided writes), after validating both sides. Both selections are planned against the
+/// same staging stream in `wire` order and their runs paired by staging offset, so any pair of
+/// layouts works; when they line up (same heads and order) a run spans whole blocks and
+/// consecutive pages.
+pub fn pool_to_pool(
+    src: PoolSide<'_>,
+    dst: PoolSide<'_>,
+    wire: PageOrder,
+) -> Result<Vec<WriteRun>, KernelError> {
+    let bytes = src.sel.bytes_in(src.layout)?;
+    src.sel
+        .validate_in(src.layout, src.num_pages, bytes, false)?;
+    dst.sel
+        .validate_in(dst.layout, dst.num_pages, bytes, true)?;
+    // A plan lists its runs in pool order, which is staging order only when the pool and
+    // the wire share an order: sort both by staging offset (they tile it without overlap).
+    let by_staging = |mut runs: Vec<Run>| {
+        runs.sort_unstable_by_key(|r| r.staging);
+        runs
+    };
+    let from = by_staging(plan(src.layout, src.num_pages, src.sel, wire));
+    let to = by_staging(plan(dst.layout, dst.num_pages, dst.sel, wire));
+    let mut out: Vec<WriteRun> = Vec::new();
+    let (mut i, mut j) = (from.iter().copied(), to.iter().copied());
+    let (mut a, mut b) = (i.next(), j.next());
+    while let (Some(x), Some(y)) = (a.as_mut(), b.as_mut()) {
+        // Both lists tile the same staging stream in order: their heads start together.
+        let len = x.len.min(y.len);
+        let run = WriteRun {
+            src: x.pool as u64,
+            dst: y.pool as u64,
+            len: len as u64,
+        };
+        match out.last_mut() {
+            Some(last) if last.src + last.len == run.src && last.dst + last.len == run.dst => {
+                last.len += run.len;
+            }
+            _ => out.push(run),
+        }
+        for r in [x, y] {
+            r.pool += len;
+            r.staging += len;
+            r.len -= len;
+        }
+        if a.is_some_and(|r| r.len == 0) {
+            a = i.next();
+        }
+        if b.is_some_and(|r| r.len == 0) {
+            b = j.next();
+        }
+    }
+    Ok(out)
+}
+
 /// Splits runs into `parts` shares of about `total / parts` bytes, cutting runs where needed.
 fn split(runs: &[Run], total: usize, parts: usize) -> Vec<Vec<Run>> {
     let target = total.div_ceil(parts);
@@ -316,6 +407,146 @@ mod tests {
         // Head-major pools coalesce the same way when whole pages are selected.
         let runs = plan(&llama(PageOrder::HeadMajor), 64, &sel, PageOrder::HeadMajor);
         assert_eq!(runs.len(), 64);
+    }
+
+    /// Applies `runs` from `src` to `dst` the way a one-sided write would.
+    fn apply(runs: &[WriteRun], src: &HostPool, dst: &HostPool) {
+        for r in runs {
+            let bytes = src.read(r.src as usize, r.len as usize).unwrap();
+            dst.write(r.dst as usize, &bytes).unwrap();
+        }
+    }
+
+    #[test]
+    fn pool_to_pool_writes_land_what_gather_then_scatter_lands() {
+        use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
+        let model = ModelSpec::preset("tiny").unwrap(); // 4 layers, 4 heads
+        let mut rng = StdRng::seed_from_u64(9);
+        let cases = 300;
+        for case in 0..cases {
+            let page_size = [1, 4, 16][rng.random_range(0..3)];
+            let order = |rng: &mut StdRng| {
+                [PageOrder::TokenMajor, PageOrder::HeadMajor][rng.random_range(0..2)]
+            };
+            let (src_order, dst_order, wire) = (order(&mut rng), order(&mut rng), order(&mut rng));
+            // The prefill holds a head slice (TP) and the decode another that overlaps it.
+            let src_heads = [0..4, 0..2, 2..4][rng.random_range(0..3)].clone();
+            let dst_heads = [0..4, src_heads.clone()][rng.random_range(0..2)].clone();
+            let heads = src_heads.start.max(dst_heads.start)..src_heads.end.min(dst_heads.end);
+            let layout = |order, heads: std::ops::Range<usize>| {
+                KvLayout::new(model, page_size)
+                    .unwrap()
+                    .with_order(order, KvPlacement::Planes)
+                    .unwrap()
+                    .with_slice(heads, 0..4)
+                    .unwrap()
+            };
+            let (sl, dl) = (
+                layout(src_order, src_heads.clone()),
+                layout(dst_order, dst_heads.clone()),
+            );
+            let tokens_total = rng.random_range(1..40usize);
+            let pages = tokens_total.div_ceil(page_size);
+            let (src_n, dst_n) = (
+                pages + rng.random_range(0..4),
+                pages + rng.random_range(0..4),
+            );
+            let pick = |n: usize, rng: &mut StdRng| {
+                let mut all: Vec<u32> = (0..n as u32).collect();
+                // Consecutive pages sometimes, to exercise coalescing across pages.
+                if rng.random_bool(0.5) {
+                    all.shuffle(rng);
+                }
+                all.truncate(pages);
+                all
+            };
+            let (src_pages, dst_pages) = (pick(src_n, &mut rng), pick(dst_n, &mut rng));
+            let start = rng.random_range(0..tokens_total);
+            let layers = rng.random_range(0..2)..rng.random_range(2..5);
+            let src_pool = HostPool::anonymous(sl.clone(), src_n).unwrap();
+            let fill: Vec<u8> = (0..src_pool.size()).map(|i| (i * 7 + case) as u8).collect();
+            src_pool.write(0, &fill).unwrap();
+            let src = Selection {
+                pages: &src_pages,
+                tokens: start..tokens_total,
+                layers: layers.clone(),
+                heads: heads.start - src_heads.start..heads.end - src_heads.start,
+            };
+            let dst = Selection {
+                pages: &dst_pages,
+                tokens: start..tokens_total,
+                layers: layers.clone(),
+                heads: heads.start - dst_heads.start..heads.end - dst_heads.start,
+            };
+            let runs = pool_to_pool(
+                PoolSide {
+                    layout: &sl,
+                    num_pages: src_n,
+                    sel: &src,
+                },
+                PoolSide {
+                    layout: &dl,
+                    num_pages: dst_n,
+                    sel: &dst,
+                },
+                wire,
+            )
+            .unwrap();
+            let direct = HostPool::anonymous(dl.clone(), dst_n).unwrap();
+            apply(&runs, &src_pool, &direct);
+            let staged = HostPool::anonymous(dl.clone(), dst_n).unwrap();
+            let k = CpuKernel::new(1);
+            let mut buf = vec![0; src.bytes(&src_pool).unwrap()];
+            k.gather(&src_pool, &src, wire, &mut buf).unwrap();
+            k.scatter(&buf, wire, &staged, &dst).unwrap();
+            let (d, st) = (
+                direct.read(0, direct.size()).unwrap(),
+                staged.read(0, staged.size()).unwrap(),
+            );
+            let first_diff = d.iter().zip(&st).position(|(a, b)| a != b);
+            assert_eq!(
+                first_diff, None,
+                "case {case}: first differing byte of the pools"
+            );
+            // In place, the checksum of either side is the checksum of the staged bytes.
+            let want = xxhash_rust::xxh3::xxh3_64(&buf);
+            assert_eq!(k.checksum(&src_pool, &src, wire).unwrap(), want);
+            assert_eq!(k.checksum(&direct, &dst, wire).unwrap(), want);
+        }
+        println!("{cases} random pool-to-pool cases matched gather + scatter");
+    }
+
+    #[test]
+    fn matching_layouts_write_whole_blocks_and_refuse_pages_out_of_range() {
+        let l = llama(PageOrder::TokenMajor);
+        let pages: Vec<u32> = (0..4).collect();
+        let sel = Selection {
+            pages: &pages,
+            tokens: 0..64,
+            layers: 0..32,
+            heads: 0..8,
+        };
+        let side = |n, sel| PoolSide {
+            layout: &l,
+            num_pages: n,
+            sel,
+        };
+        let runs = pool_to_pool(side(8, &sel), side(8, &sel), PageOrder::TokenMajor).unwrap();
+        assert_eq!(
+            runs.len(),
+            64,
+            "one run per (layer, plane): four consecutive pages"
+        );
+        assert!(runs.iter().all(|r| r.len == 4 * 32768));
+        let far: Vec<u32> = vec![0, 1, 2, 99];
+        let out = Selection {
+            pages: &far,
+            ..sel.clone()
+        };
+        assert!(matches!(
+            pool_to_pool(side(8, &sel), side(8, &out), PageOrder::TokenMajor),
+            Err(KernelError::PageOutOfRange { page: 99, .. })
+        ));
     }
 
     #[test]

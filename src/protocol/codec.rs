@@ -27,8 +27,8 @@ use uuid::Uuid;
 
 use super::{
     Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_AUX,
-    MAX_BODY, MAX_PAGES, MAX_STRING, MIN_VERSION, Message, Ranks, Role, TransferRequest, VERSION,
-    WireLayout,
+    MAX_BODY, MAX_PAGES, MAX_STRING, MIN_VERSION, Message, Ranks, RemoteMemory, Role,
+    TransferRequest, VERSION, WireLayout,
 };
 use crate::layout::{AttentionKind, Dtype, PageOrder};
 use crate::reason::FailureCode;
@@ -205,16 +205,27 @@ pub fn peek_header(bytes: &[u8]) -> Result<Header, DecodeError> {
 impl Message {
     /// The frame of this message, stamped with this build's [`VERSION`].
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_as(VERSION)
+    }
+
+    /// The frame of this message in protocol `version` (the one negotiated with the peer, in
+    /// `MIN_VERSION..=VERSION`): fields a version lacks are left out (a version-1 Chunk has no
+    /// `direct` flag, so it must be false).
+    pub fn encode_as(&self, version: u16) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
-        self.encode_into(&mut out);
+        self.encode_into_as(version, &mut out);
         out
     }
 
     /// Appends the frame of this message to `out` (which may already hold other frames).
     pub fn encode_into(&self, out: &mut Vec<u8>) {
+        self.encode_into_as(VERSION, out);
+    }
+
+    fn encode_into_as(&self, version: u16, out: &mut Vec<u8>) {
         let start = out.len();
         out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
         out.push(self.kind_tag());
         out.push(0); // flags
         out.extend_from_slice(&[0; 4]); // body length, patched below
@@ -231,6 +242,7 @@ impl Message {
                 w.str(&m.token);
                 w.u32(m.slots);
                 w.u32(m.slot_bytes);
+                w.memory(m.pool.as_ref());
             }
             Message::HelloAck(m) => {
                 w.u16(m.version);
@@ -255,6 +267,9 @@ impl Message {
                 w.range(&m.heads);
                 w.u64(m.len);
                 w.u64(m.checksum);
+                if version >= 2 {
+                    w.u8(u8::from(m.direct));
+                }
             }
             Message::Done(m) => {
                 w.u64(m.room);
@@ -319,6 +334,12 @@ impl Message {
                 token: r.string("token")?,
                 slots: r.u32("slots")?,
                 slot_bytes: r.u32("slot_bytes")?,
+                // Version 1 ended here: its Hello still decodes, to be refused by version.
+                pool: if r.is_empty() {
+                    None
+                } else {
+                    r.memory("pool")?
+                },
             }),
             KIND_HELLO_ACK => Message::HelloAck(HelloAck {
                 version: r.u16("version")?,
@@ -343,6 +364,7 @@ impl Message {
                 heads: r.range("heads")?,
                 len: r.u64("len")?,
                 checksum: r.u64("checksum")?,
+                direct: header.version >= 2 && r.flag("direct")?,
             }),
             KIND_DONE => Message::Done(Done {
                 room: r.u64("room")?,
@@ -457,6 +479,19 @@ impl Writer<'_> {
     }
 
     /// u32 length + bytes.
+    /// Tag 0, or tag 1 + base + size + key blob.
+    fn memory(&mut self, m: Option<&RemoteMemory>) {
+        match m {
+            Some(m) => {
+                self.u8(1);
+                self.u64(m.base);
+                self.u64(m.size);
+                self.blob(&m.key);
+            }
+            None => self.u8(0),
+        }
+    }
+
     fn blob(&mut self, b: &[u8]) {
         self.u32(saturate(b.len()));
         self.0.extend_from_slice(b);
@@ -569,6 +604,25 @@ impl<'a> Reader<'a> {
             1 => Ok(Some(self.u64(what)?)),
             tag => Err(DecodeError::BadTag { what, tag }),
         }
+    }
+
+    fn flag(&mut self, what: &'static str) -> Result<bool, DecodeError> {
+        match self.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            tag => Err(DecodeError::BadTag { what, tag }),
+        }
+    }
+
+    fn memory(&mut self, what: &'static str) -> Result<Option<RemoteMemory>, DecodeError> {
+        if !self.flag(what)? {
+            return Ok(None);
+        }
+        Ok(Some(RemoteMemory {
+            base: self.u64(what)?,
+            size: self.u64(what)?,
+            key: self.blob(what)?,
+        }))
     }
 
     fn string(&mut self, what: &'static str) -> Result<String, DecodeError> {

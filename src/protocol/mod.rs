@@ -20,11 +20,12 @@ use uuid::Uuid;
 
 use crate::layout::{AttentionKind, Dtype, PageOrder};
 use crate::reason::FailureCode;
+pub use crate::transport::RemoteMemory;
 
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 pub const MIN_VERSION: u16 = 1;
 /// Largest body a control frame may carry; larger frames are refused before allocation.
@@ -109,6 +110,9 @@ pub struct Hello {
     pub slots: u32,
     /// Largest chunk the sender of this Hello accepts, in bytes.
     pub slot_bytes: u32,
+    /// The decode pool, exposed for one-sided writes (the direct path), when the decode's
+    /// transport has them. Appended in version 2; absent from a version-1 Hello.
+    pub pool: Option<RemoteMemory>,
 }
 
 /// Prefill -> decode: the Hello is accepted.
@@ -158,10 +162,14 @@ pub struct Chunk {
     pub layers: Range<u32>,
     /// Global heads in this chunk.
     pub heads: Range<u32>,
-    /// Bytes that follow.
+    /// Bytes of the chunk: the payload that follows, or, when `direct`, the bytes already
+    /// written into the decode pool.
     pub len: u64,
-    /// xxh3-64 of the bytes, or 0 when checksums are off.
+    /// xxh3-64 of the bytes in wire order, or 0 when checksums are off.
     pub checksum: u64,
+    /// The bytes were written straight into the decode pool's pages (one-sided, flushed
+    /// before this header was sent); no payload follows.
+    pub direct: bool,
 }
 
 /// Prefill -> decode: every chunk of the room has been posted.

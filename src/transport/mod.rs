@@ -27,6 +27,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::pool::HostPool;
+
 /// A boxed future, for the object-safe trait methods.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -107,10 +109,66 @@ impl FromStr for TransportKind {
     }
 }
 
+/// Memory a receiver exposed for one-sided writes (its decode pool): what a sender needs to
+/// write into it. Carried in Hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteMemory {
+    /// Address of the first byte in the receiver's process.
+    pub base: u64,
+    /// Bytes exposed.
+    pub size: u64,
+    /// The transport's access key (a packed UCX rkey).
+    pub key: Vec<u8>,
+}
+
+/// How one-sided writes to a receiver travel, as the transport found out when it attached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WritePath {
+    /// The underlying transports that carry them (e.g. `cma`, `tcp`, `rc_mlx5`).
+    pub via: String,
+    /// Whether they are the fast way there. UCX 1.13 emulates puts over tcp at a fraction of
+    /// its tagged-send speed (measured in docs/benchmarks.md); everything else writes at
+    /// memory or NIC speed.
+    pub fast: bool,
+}
+
+/// One contiguous one-sided write: `len` bytes from offset `src` of the sender's pool to
+/// offset `dst` of the receiver's exposed memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteRun {
+    /// Offset in the sender's pool.
+    pub src: u64,
+    /// Offset in the receiver's memory.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
 /// Sends chunks to one receiver. Dropping it closes the connection.
 pub trait DataSender: Send {
     /// Sends one chunk; resolves when the transport has taken the bytes.
     fn send(&mut self, header: Bytes, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>>;
+
+    /// Prepares one-sided writes into memory the receiver exposed; `None` when this transport
+    /// has none (the default).
+    fn attach(
+        &mut self,
+        memory: RemoteMemory,
+    ) -> BoxFuture<'_, Result<Option<WritePath>, TransportError>> {
+        let _ = memory;
+        Box::pin(async { Ok(None) })
+    }
+
+    /// Writes every run from `source` into the attached memory; resolves once every byte is
+    /// in the receiver's memory (so a message sent after it never overtakes the bytes).
+    fn write(
+        &mut self,
+        source: Arc<HostPool>,
+        runs: Vec<WriteRun>,
+    ) -> BoxFuture<'_, Result<(), TransportError>> {
+        let _ = (source, runs);
+        Box::pin(async { Err(TransportError::new("write", "-", "no one-sided writes")) })
+    }
 }
 
 /// Receives chunks from any number of senders.
@@ -121,6 +179,16 @@ pub trait DataReceiver: Send {
     /// A sender died: drop receives it may have left half-matched (they would never complete)
     /// and post fresh ones. Transports whose receives cannot hang on a dead sender do nothing.
     fn reset(&mut self) {}
+
+    /// Exposes `pool` to senders for one-sided writes; the key they need, or `None` when this
+    /// transport has none (the default).
+    fn expose(
+        &mut self,
+        pool: Arc<HostPool>,
+    ) -> BoxFuture<'_, Result<Option<RemoteMemory>, TransportError>> {
+        let _ = pool;
+        Box::pin(async { Ok(None) })
+    }
 }
 
 /// A bound receiver and the endpoint senders connect to.

@@ -118,6 +118,7 @@ pub(super) async fn create_room(
             sources: Vec::new(),
             acks_pending: 0,
             scattering: 0,
+            stop_told: false,
             final_at: None,
             progress_at: Instant::now(),
         };

@@ -2,6 +2,10 @@
 //! the epoch it was requested from, ranges within the request, nothing landed twice, the
 //! payload length and, with checksums, its xxh3), scattered into the pool on a blocking
 //! thread, and its staging slot returned to the prefill as a credit.
+//!
+//! A direct chunk (`Chunk.direct`) carries no payload: the prefill wrote its bytes into the
+//! pool and flushed them before sending the header. It is checked the same way, its checksum
+//! computed over the pool in place, and it is counted without a scatter.
 
 use super::*;
 
@@ -158,7 +162,10 @@ impl Inner {
             sel,
             wire,
             source,
-        } = match self.admit_chunk(chunk, payload.len()) {
+        } = match self
+            .admit_direct(chunk, &payload)
+            .and_then(|len| self.admit_chunk(chunk, len))
+        {
             Ok(v) => v,
             Err(None) => return,
             Err(Some(reason)) => {
@@ -167,20 +174,26 @@ impl Inner {
             }
         };
         let (pool, kernel) = (self.pool.clone(), self.kernel);
-        let (verify, sent_sum) = (self.cfg.checksum, chunk.checksum);
+        let (verify, sent_sum, direct) = (self.cfg.checksum, chunk.checksum, chunk.direct);
         let started = Instant::now();
         let scattered = tokio::task::spawn_blocking(move || {
-            if verify {
-                let sum = crate::agent::checksum(&payload);
-                if sent_sum != sum {
-                    return Ok(Err(format!("checksum {sum:#018x} of the landed bytes differs from the sender's {sent_sum:#018x}")));
-                }
-            }
             let sel = Selection {
                 pages: &pages,
                 ..sel
             };
-            kernel.scatter(&payload, wire, &pool, &sel).map(Ok)
+            if verify {
+                let sum = match direct {
+                    true => crate::agent::checksum_digest(kernel.checksum(&pool, &sel, wire)?),
+                    false => crate::agent::checksum(&payload),
+                };
+                if sent_sum != sum {
+                    return Ok(Err(format!("checksum {sum:#018x} of the landed bytes differs from the sender's {sent_sum:#018x}")));
+                }
+            }
+            match direct {
+                true => Ok(Ok(())),
+                false => kernel.scatter(&payload, wire, &pool, &sel).map(Ok),
+            }
         })
         .await;
         let mut rooms = self.rooms();
@@ -206,10 +219,14 @@ impl Inner {
                 }
             }
             Ok(Ok(Ok(()))) => {
-                self.metrics.scatter.observe(started.elapsed());
-                self.metrics
-                    .chunks_staged
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let path = match direct {
+                    true => &self.metrics.chunks_direct,
+                    false => {
+                        self.metrics.scatter.observe(started.elapsed());
+                        &self.metrics.chunks_staged
+                    }
+                };
+                path.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 room.landed += chunk.len as usize;
                 room.chunks += 1;
                 room.progress_at = Instant::now();
@@ -239,6 +256,29 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// The bytes a chunk brings: its payload, or for a direct chunk the bytes the header says
+    /// were written (then no payload may follow, and this agent must have exposed its pool).
+    fn admit_direct(&self, c: &Chunk, payload: &Bytes) -> Result<usize, Option<Reason>> {
+        if !c.direct {
+            return Ok(payload.len());
+        }
+        let bad = |m: String| Some(Reason::new(FailureCode::BadMessage, m));
+        if self.pool_key.is_none() {
+            return Err(bad(format!(
+                "chunk {} claims a direct write, but this decode exposed no pool",
+                c.seq
+            )));
+        }
+        if !payload.is_empty() {
+            return Err(bad(format!(
+                "direct chunk {} carries a {}-byte payload",
+                c.seq,
+                payload.len()
+            )));
+        }
+        usize::try_from(c.len).map_err(|_| bad(format!("chunk {} length {}", c.seq, c.len)))
     }
 
     pub(super) fn bad_message(&self, kind: &'static str, what: String) {

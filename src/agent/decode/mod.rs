@@ -8,8 +8,12 @@
 //! are checked before a byte moves: known room, the epoch (prefill instance) the room was
 //! requested from, ranges within the request, no (layer, token) landed twice, payload length.
 //!
-//! Page safety: with staged transports this agent is the only writer of its pool, so a room's
-//! pages are safe to reuse once the room is final and no scatter of it is still running.
+//! Page safety: with staged chunks this agent is the only writer of its pool, so a room's pages
+//! are safe to reuse once the room is final and no scatter of it is still running. With the
+//! direct path (the pool exposed for one-sided writes, `--direct-writes`), a prefill writes
+//! pages itself; each such source stays *open* until it has said its last word on the room
+//! (Done, Error, Abort or AbortAck, all sent only after its writes were flushed) or is dead,
+//! and a room that fails with open sources tells them to stop. `safe_to_reuse` waits for both.
 //!
 //! A room may come from several prefill ranks (heterogeneous TP, PP stages): `pairing.rs`
 //! plans one bulk segment per source, each asked with its own TransferRequest and finished by
@@ -78,9 +82,17 @@ impl DecodeAgent {
         let pool = Arc::new(super::open_pool(&cfg)?);
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
-        let (data_endpoint, receiver) = transport::for_kind(cfg.transport, cfg.chunk_bytes)
+        let (data_endpoint, mut receiver) = transport::for_kind(cfg.transport, cfg.chunk_bytes)
             .listen(&cfg.host)
             .await?;
+        // Writes into the pool are described by the wire layout, which has no placement: only
+        // a pool of planes (every agent's from the command line) is exposed.
+        let exposable = cfg.direct_writes != super::DirectWrites::Never
+            && cfg.layout.placement == crate::layout::KvPlacement::Planes;
+        let pool_key = match exposable {
+            true => receiver.expose(pool.clone()).await?,
+            false => None,
+        };
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
         let inner = Arc::new(Inner {
@@ -90,6 +102,7 @@ impl DecodeAgent {
             kernel: CpuKernel::new(cfg.copy_threads),
             registry: registry.clone(),
             data_endpoint: data_endpoint.clone(),
+            pool_key,
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             connecting: tokio::sync::Mutex::new(()),
@@ -181,6 +194,8 @@ struct Inner {
     kernel: CpuKernel,
     registry: RegistryClient,
     data_endpoint: String,
+    /// The pool as exposed for one-sided writes (sent in Hello), when the transport has them.
+    pool_key: Option<transport::RemoteMemory>,
     rooms: Mutex<HashMap<u64, Room>>,
     /// Control connections by prefill instance.
     peers: Mutex<HashMap<Uuid, Arc<Peer>>>,
@@ -214,6 +229,8 @@ struct Room {
     /// AbortAcks still awaited while aborting.
     acks_pending: usize,
     scattering: usize,
+    /// The sources with open writes were told to stop (the room failed or was aborted).
+    stop_told: bool,
     final_at: Option<Instant>,
     /// The last sign of life of the room's transfer (request sent, chunk landed, Done): the
     /// ready and stall timeouts count from it.
@@ -231,12 +248,32 @@ struct Source {
     landed: usize,
     chunks: u32,
     done: Option<protocol::Done>,
+    /// The source may still write into the room's pages directly (see the module doc).
+    writes_open: bool,
 }
 
 impl Room {
     /// No write into the room's pages can still arrive (see the module doc).
     fn safe_to_reuse(&self) -> bool {
-        self.status.state().is_final() && self.scattering == 0
+        self.status.state().is_final()
+            && self.scattering == 0
+            && self.sources.iter().all(|s| !s.writes_open)
+    }
+
+    /// The peers whose direct writes into the room may still arrive.
+    fn open_writers(&self) -> Vec<Arc<Peer>> {
+        let open = self.sources.iter().filter(|s| s.writes_open);
+        open.map(|s| s.peer.clone()).collect()
+    }
+
+    /// `peer` has said its last word on the room: no write of it can arrive any more.
+    fn close_writes(&mut self, peer: Uuid) {
+        for s in self.sources.iter_mut().filter(|s| s.peer.instance == peer) {
+            s.writes_open = false;
+        }
+        if self.safe_to_reuse() {
+            self.status.touch(); // wake engines long-polling for safe_to_reuse
+        }
     }
 
     fn view(&self, room: u64) -> serde_json::Value {
@@ -431,6 +468,8 @@ impl Inner {
                     landed: 0,
                     chunks: 0,
                     done: None,
+                    // Version 1 has no direct path: such a prefill never writes.
+                    writes_open: self.pool_key.is_some() && peer.version >= 2,
                 })
                 .collect();
             (tokens, room.pages.to_vec())
@@ -494,6 +533,7 @@ impl Inner {
             // Before any request went out nothing can arrive: aborted at once.
             let peers: Vec<Arc<Peer>> = room.sources.iter().map(|s| s.peer.clone()).collect();
             room.status.abort(reason.clone(), peers.is_empty());
+            room.stop_told = true;
             room.acks_pending = peers.len();
             self.finished(room);
             peers
@@ -546,6 +586,7 @@ impl Inner {
                 };
                 if room.status.fail(reason.clone()) {
                     self.finished(room);
+                    room.stop_told = true;
                     out.push((
                         *id,
                         reason,
@@ -559,6 +600,32 @@ impl Inner {
             tracing::warn!(room, %reason, "room failed");
             for peer in peers {
                 let _ = self.tell_abort(&peer, room, &reason).await;
+            }
+        }
+        self.stop_open_writers().await;
+    }
+
+    /// Tells the sources that may still write into a failed room's pages to stop; their
+    /// answer (AbortAck) closes them. Rooms fail in many places; this sweep covers them all.
+    async fn stop_open_writers(&self) {
+        let told: Vec<(u64, Reason, Vec<Arc<Peer>>)> = self
+            .rooms()
+            .iter_mut()
+            .filter(|(_, r)| r.status.state().is_final() && !r.stop_told)
+            .filter_map(|(id, r)| {
+                r.stop_told = true;
+                let peers = r.open_writers();
+                let reason = r.status.reason().cloned().unwrap_or_else(|| {
+                    Reason::new(FailureCode::Aborted, "the room ended on the decode")
+                });
+                (!peers.is_empty()).then_some((*id, reason, peers))
+            })
+            .collect();
+        for (room, reason, peers) in told {
+            for peer in peers {
+                if let Err(e) = self.tell_abort(&peer, room, &reason).await {
+                    tracing::warn!(room, reason = %e, "could not tell a writer to stop");
+                }
             }
         }
     }

@@ -6,6 +6,8 @@ use super::*;
 
 pub(super) struct Peer {
     pub(super) instance: Uuid,
+    /// The protocol version negotiated at Hello: every frame to the peer is stamped with it.
+    pub(super) version: u16,
     pub(super) endpoint: String,
     pub(super) send: tokio::sync::Mutex<ControlClientSend>,
     pub(super) last_seen: Mutex<Instant>,
@@ -15,7 +17,7 @@ pub(super) struct Peer {
 
 impl Peer {
     pub(super) async fn send(&self, msg: &Message, timeout: Duration) -> Result<(), Reason> {
-        let frame = msg.encode().into();
+        let frame = msg.encode_as(self.version).into();
         let sent =
             tokio::time::timeout(timeout, async { self.send.lock().await.send(frame).await }).await;
         match sent {
@@ -122,6 +124,7 @@ impl Inner {
             token: self.cfg.token.clone().unwrap_or_default(),
             slots: self.cfg.staging_slots as u32,
             slot_bytes: u32::try_from(self.cfg.chunk_bytes).unwrap_or(u32::MAX),
+            pool: self.pool_key.clone(),
         });
         send.send(hello.encode().into())
             .await
@@ -162,6 +165,7 @@ impl Inner {
         }
         let peer = Arc::new(Peer {
             instance: ack.instance,
+            version: ack.version,
             endpoint,
             send: tokio::sync::Mutex::new(send),
             last_seen: Mutex::new(Instant::now()),
@@ -194,6 +198,7 @@ impl Inner {
                     );
                 };
                 source.done = Some(d.clone());
+                room.close_writes(peer.instance);
                 room.progress_at = Instant::now();
                 self.check_complete(d.room, room);
             }
@@ -201,6 +206,7 @@ impl Inner {
                 let Some(room) = rooms.get_mut(&a.room) else {
                     return;
                 };
+                room.close_writes(peer.instance);
                 if room.status.state() == RoomState::Aborting {
                     room.acks_pending = room.acks_pending.saturating_sub(1);
                     if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
@@ -213,6 +219,7 @@ impl Inner {
                     Reason::new(e.code, format!("prefill {}: {}", peer.endpoint, e.message));
                 match e.room.and_then(|r| rooms.get_mut(&r)) {
                     Some(room) => {
+                        room.close_writes(peer.instance);
                         if room.status.fail(reason) {
                             self.finished(room);
                         }
@@ -227,6 +234,7 @@ impl Inner {
                 // The prefill engine aborted: nothing more of the room is scattered (chunks
                 // still on the way are dropped), so it is aborted and acknowledged at once.
                 if let Some(room) = rooms.get_mut(&a.room) {
+                    room.close_writes(peer.instance);
                     if room
                         .sources
                         .iter()
@@ -305,6 +313,9 @@ impl Inner {
                     FailureCode::PeerDead,
                     format!("prefill {}: {why}", peer.endpoint),
                 );
+                // A dead prefill writes no more (one alive but cut off stops on its own
+                // heartbeat timeout, as its transfers fail `peer_dead` too).
+                room.close_writes(peer.instance);
                 if room.status.state() == RoomState::Aborting {
                     room.acks_pending = 0;
                     room.status.advance(RoomState::Aborted);

@@ -102,7 +102,7 @@ impl Inner {
         ) {
             return refuse(reason.code, reason.message).await;
         }
-        let data = match self
+        let mut data = match self
             .transport
             .connect(&hello.data_endpoint, self.cfg.timeouts.connect)
             .await
@@ -116,9 +116,11 @@ impl Inner {
                 return refuse(FailureCode::Unreachable, msg).await;
             }
         };
+        let direct = self.direct_target(&hello, &mut data).await;
         let slots = (hello.slots as usize).min(Semaphore::MAX_PERMITS);
         let peer = Arc::new(Peer {
             instance: hello.instance,
+            version,
             identity: identity.clone(),
             data_endpoint: hello.data_endpoint,
             data: tokio::sync::Mutex::new(data),
@@ -126,6 +128,7 @@ impl Inner {
             slots,
             slot_bytes: hello.slot_bytes as usize,
             last_seen: Mutex::new(Instant::now()),
+            direct,
         });
         if let Some(old) = self.peers().insert(identity.clone(), peer) {
             old.credits.close();
@@ -256,6 +259,42 @@ impl Inner {
                 instance: self.instance,
             });
             self.reply(&identity, ack).await;
+        }
+    }
+
+    /// Attaches the decode's exposed pool, when it sent one and `--direct-writes` allows the
+    /// way the writes would travel; otherwise every chunk to this decode is staged.
+    async fn direct_target(
+        &self,
+        hello: &Hello,
+        data: &mut Box<dyn DataSender>,
+    ) -> Option<super::DirectTarget> {
+        let memory = hello.pool.as_ref()?;
+        if self.cfg.direct_writes == crate::agent::DirectWrites::Never {
+            return None;
+        }
+        let decode = hello.instance;
+        let path = match data.attach(memory.clone()).await {
+            Ok(Some(path)) => path,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!(%decode, error = %e, "decode pool not attached; staging");
+                return None;
+            }
+        };
+        if !self.cfg.direct_writes.allows(&path) {
+            tracing::info!(%decode, via = %path.via, "one-sided writes are slow here; staging");
+            return None;
+        }
+        match super::DirectTarget::new(hello, memory, path) {
+            Ok(target) => {
+                tracing::info!(%decode, via = %target.path.via, pages = target.num_pages, "direct writes into the decode pool");
+                Some(target)
+            }
+            Err(why) => {
+                tracing::warn!(%decode, %why, "decode pool unusable for direct writes; staging");
+                None
+            }
         }
     }
 

@@ -193,6 +193,8 @@ struct Inner {
 
 struct Peer {
     instance: Uuid,
+    /// The protocol version negotiated at Hello: every frame to the peer is stamped with it.
+    version: u16,
     identity: PeerId,
     data_endpoint: String,
     data: tokio::sync::Mutex<Box<dyn DataSender>>,
@@ -203,6 +205,52 @@ struct Peer {
     /// Bytes of the decode's slots.
     slot_bytes: usize,
     last_seen: Mutex<Instant>,
+    /// The decode's pool, when this prefill may write into it directly.
+    direct: Option<DirectTarget>,
+}
+
+/// A decode pool this prefill writes into directly (the direct path): its layout and size,
+/// from Hello, and how the writes travel.
+struct DirectTarget {
+    layout: crate::layout::KvLayout,
+    num_pages: usize,
+    path: transport::WritePath,
+}
+
+impl DirectTarget {
+    /// The decode's pool as its Hello describes it, or why direct writes into it are off.
+    fn new(
+        hello: &Hello,
+        memory: &transport::RemoteMemory,
+        path: transport::WritePath,
+    ) -> Result<Self, String> {
+        use crate::layout::{KvLayout, KvPlacement, ModelSpec};
+        let w = &hello.layout;
+        let model = ModelSpec {
+            kind: w.kind,
+            num_layers: w.num_layers as usize,
+            num_kv_heads: w.num_kv_heads as usize,
+            head_dim: w.head_dim as usize,
+            dtype: w.dtype,
+        };
+        let range = |r: &Range<u32>| r.start as usize..r.end as usize;
+        let layout = KvLayout::new(model, w.page_size as usize)
+            .and_then(|l| l.with_order(w.order, KvPlacement::Planes))
+            .and_then(|l| l.with_slice(range(&w.heads), range(&w.layers)))
+            .map_err(|e| e.to_string())?;
+        let span = layout.page_span().map_err(|e| e.to_string())? as u64;
+        if span == 0 || memory.size % span != 0 {
+            return Err(format!(
+                "exposed {} bytes, not a whole number of {span}-byte pages",
+                memory.size
+            ));
+        }
+        Ok(DirectTarget {
+            layout,
+            num_pages: (memory.size / span) as usize,
+            path,
+        })
+    }
 }
 
 impl Peer {
@@ -408,10 +456,14 @@ impl Inner {
     }
 
     async fn reply(&self, peer: &PeerId, msg: Message) {
+        let version = self
+            .peers()
+            .get(peer)
+            .map_or(protocol::VERSION, |p| p.version);
         let mut replier = self.replier.clone();
         let sent = tokio::time::timeout(
             self.cfg.timeouts.send,
-            replier.send(peer, msg.encode().into()),
+            replier.send(peer, msg.encode_as(version).into()),
         )
         .await;
         if !matches!(sent, Ok(Ok(()))) {

@@ -1,8 +1,32 @@
 //! One decode rank's transfer of a room: a task that sends each announced piece's requested
 //! part chunk by chunk (a credit per chunk, the gather of the next chunk overlapping the send
 //! of this one), then Done, or AbortAck / Abort / Error when it stops early.
+//!
+//! Two data paths, chosen per piece of a segment:
+//! - *staged*: gather into a staging slot, send it, the decode scatters it;
+//! - *direct*: when the decode exposed its pool, the transport's one-sided writes are allowed
+//!   (`--direct-writes`) and the piece's runs are long (at least one page block of the decode
+//!   on average: the head layouts line up), each chunk's runs are written from this pool
+//!   straight into the decode's pages and flushed, then its header (`direct`, no payload)
+//!   follows. No gather, no scatter, no staging memory.
+
+use std::sync::atomic::Ordering;
 
 use super::*;
+use crate::kernel::cpu::PoolSide;
+use crate::transport::WriteRun;
+
+/// What follows a chunk's header: its staged bytes, or nothing (the bytes were written into
+/// the decode pool directly, this many).
+enum Payload {
+    Staged(Vec<u8>),
+    Direct(usize),
+}
+
+/// `r` counted from `start`, when it does not begin before it.
+fn local(r: &Range<usize>, start: usize) -> Option<Range<usize>> {
+    Some(r.start.checked_sub(start)?..r.end.checked_sub(start)?)
+}
 
 /// What a transfer's task does next.
 enum Step {
@@ -194,6 +218,24 @@ impl Inner {
         let heads =
             req.heads.start as usize - l.heads.start..req.heads.end as usize - l.heads.start;
         let per_token_layer = l.selection_bytes(1, 1, heads.len()).unwrap_or(usize::MAX);
+        if let Some(target) = &job.peer.direct {
+            // A direct chunk uses no staging: it may be as large as the pair's whole budget.
+            let budget = self.cfg.chunk_bytes.saturating_mul(job.peer.slots);
+            let plan = plan_chunks(
+                tokens.clone(),
+                layers.clone(),
+                per_token_layer,
+                l.page_size,
+                budget,
+            );
+            if let Some(first) = plan.first() {
+                if let Some(runs) = self.direct_runs(job, target, first, &heads, true).await? {
+                    return self
+                        .send_direct(job, target, &plan, &heads, runs, chunks)
+                        .await;
+                }
+            }
+        }
         let slot = self.cfg.chunk_bytes.min(job.peer.slot_bytes);
         let plan = plan_chunks(tokens, layers, per_token_layer, l.page_size, slot);
         let gather = |c: &ChunkPlan| {
@@ -269,7 +311,8 @@ impl Inner {
                 .get(i + 1)
                 .filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
             next = ahead.map(gather);
-            self.send_chunk(job, c, *chunks, bytes, sum).await?;
+            self.send_chunk(job, c, *chunks, Payload::Staged(bytes), sum)
+                .await?;
             *chunks += 1;
             if next.is_none() && i + 1 < plan.len() {
                 self.credit(&job.peer).await?;
@@ -279,15 +322,164 @@ impl Inner {
         Ok(())
     }
 
+    /// The one-sided writes that move chunk `c` into the decode's pool, and its checksum.
+    /// `None` when the decode's layout does not hold the chunk's layers and heads or, if
+    /// `judge`, when the writes do not pay: runs shorter than one decode page block on average
+    /// (head layouts that do not line up). The first chunk of a piece decides for the piece.
+    async fn direct_runs(
+        &self,
+        job: &Job,
+        target: &DirectTarget,
+        c: &ChunkPlan,
+        heads: &Range<usize>,
+        judge: bool,
+    ) -> Result<Option<(Vec<WriteRun>, u64)>, Reason> {
+        let (l, d, req) = (&self.cfg.layout, &target.layout, &job.req);
+        let (Some(dst_layers), Some(dst_heads)) = (
+            local(&c.layers, d.layers.start),
+            local(
+                &(req.heads.start as usize..req.heads.end as usize),
+                d.heads.start,
+            ),
+        ) else {
+            return Ok(None);
+        };
+        let src_layers = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
+        let (pool, kernel, layout) = (self.pool.clone(), self.kernel, d.clone());
+        let (src_pages, dst_pages) = (job.pages.clone(), Arc::<[u32]>::from(&req.dst_pages[..]));
+        let (tokens, heads, wire) = (c.tokens.clone(), heads.clone(), req.wire_order);
+        let (num_pages, checksum) = (target.num_pages, self.cfg.checksum);
+        let planned = tokio::task::spawn_blocking(move || {
+            let src = Selection {
+                pages: &src_pages,
+                tokens: tokens.clone(),
+                layers: src_layers.clone(),
+                heads,
+            };
+            let dst = Selection {
+                pages: &dst_pages,
+                tokens,
+                layers: dst_layers,
+                heads: dst_heads,
+            };
+            let runs = crate::kernel::cpu::pool_to_pool(
+                PoolSide {
+                    layout: pool.layout(),
+                    num_pages: pool.num_pages(),
+                    sel: &src,
+                },
+                PoolSide {
+                    layout: &layout,
+                    num_pages,
+                    sel: &dst,
+                },
+                wire,
+            )?;
+            let bytes: u64 = runs.iter().map(|r| r.len).sum();
+            let block = layout.block_bytes()? as u64;
+            if judge && (runs.is_empty() || bytes / (runs.len() as u64) < block) {
+                return Ok(None);
+            }
+            let sum = match checksum {
+                true => crate::agent::checksum_digest(kernel.checksum(&pool, &src, wire)?),
+                false => 0,
+            };
+            Ok::<_, crate::kernel::KernelError>(Some((runs, sum)))
+        })
+        .await;
+        match planned {
+            Ok(Ok(planned)) => Ok(planned),
+            Ok(Err(e)) => Err(Reason::new(
+                FailureCode::BadMessage,
+                format!("direct write plan: {e}"),
+            )),
+            Err(e) => Err(Reason::new(
+                FailureCode::BadMessage,
+                format!("direct write plan stopped: {e}"),
+            )),
+        }
+    }
+
+    /// Sends a piece by the direct path (its first chunk's writes already planned), chunk by
+    /// chunk: a credit, the writes (flushed), then the header.
+    async fn send_direct(
+        &self,
+        job: &Job,
+        target: &DirectTarget,
+        plan: &[ChunkPlan],
+        heads: &Range<usize>,
+        first: (Vec<WriteRun>, u64),
+        chunks: &mut u32,
+    ) -> Result<(), Reason> {
+        let mut first = Some(first);
+        for c in plan {
+            self.credit(&job.peer).await?;
+            if job.cancel.is_cancelled() {
+                job.peer.credits.add_permits(1);
+                return Ok(());
+            }
+            let planned = match first.take() {
+                Some(p) => Some(p),
+                None => self.direct_runs(job, target, c, heads, false).await?,
+            };
+            let Some((runs, mut sum)) = planned else {
+                let m = format!("chunk {c:?} is outside the decode pool's layout");
+                return Err(Reason::new(FailureCode::IncompatibleLayout, m));
+            };
+            let nth = self.chunks_sent.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.cfg.fault_corrupt_chunk == Some(nth) {
+                tracing::warn!(
+                    chunk = nth,
+                    "fault injection: corrupting a direct chunk's checksum"
+                );
+                sum ^= 1;
+            }
+            let len: u64 = runs.iter().map(|r| r.len).sum();
+            let timeout = self.cfg.timeouts.send;
+            let written = tokio::time::timeout(timeout, async {
+                job.peer
+                    .data
+                    .lock()
+                    .await
+                    .write(self.pool.clone(), runs)
+                    .await
+            })
+            .await;
+            match written {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(Reason::new(FailureCode::PeerDead, e.to_string())),
+                Err(_) => {
+                    let m = format!(
+                        "direct writes to decode {} not flushed within {timeout:?}",
+                        job.peer.data_endpoint
+                    );
+                    return Err(Reason::new(FailureCode::TimeoutStall, m));
+                }
+            }
+            self.send_chunk(job, c, *chunks, Payload::Direct(len as usize), sum)
+                .await?;
+            *chunks += 1;
+        }
+        Ok(())
+    }
+
     async fn send_chunk(
         &self,
         job: &Job,
         c: &ChunkPlan,
         seq: u32,
-        bytes: Vec<u8>,
+        payload: Payload,
         checksum: u64,
     ) -> Result<(), Reason> {
-        let len = bytes.len();
+        let (len, direct, payload, path) = match payload {
+            Payload::Staged(bytes) => (
+                bytes.len(),
+                false,
+                self.slots.bytes(bytes),
+                &self.metrics.chunks_staged,
+            ),
+            Payload::Direct(len) => (len, true, Bytes::new(), &self.metrics.chunks_direct),
+        };
         let header = Message::Chunk(Chunk {
             room: job.room,
             prefill_instance: self.instance,
@@ -297,6 +489,7 @@ impl Inner {
             heads: job.req.heads.clone(),
             len: len as u64,
             checksum,
+            direct,
         });
         let timeout = self.cfg.timeouts.send;
         let sent = tokio::time::timeout(timeout, async {
@@ -304,7 +497,7 @@ impl Inner {
                 .data
                 .lock()
                 .await
-                .send(header.encode().into(), self.slots.bytes(bytes))
+                .send(header.encode_as(job.peer.version).into(), payload)
                 .await
         })
         .await;
@@ -322,9 +515,7 @@ impl Inner {
         self.metrics
             .bytes
             .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-        self.metrics
-            .chunks_staged
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        path.fetch_add(1, Ordering::Relaxed);
         if let Some(t) = self
             .rooms()
             .get_mut(&job.room)

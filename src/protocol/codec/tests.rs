@@ -43,6 +43,11 @@ fn hello() -> Hello {
         token: "secret".into(),
         slots: 4,
         slot_bytes: 1 << 20,
+        pool: Some(RemoteMemory {
+            base: 0x7f00_0000_0000,
+            size: 1 << 30,
+            key: vec![1, 2, 3, 0xff],
+        }),
     }
 }
 
@@ -143,6 +148,7 @@ fn samples() -> Vec<Message> {
         heads: 0..0,
         len: 0,
         checksum: 0,
+        direct: false,
     }));
     out.push(Message::Chunk(Chunk {
         room: u64::MAX,
@@ -153,6 +159,7 @@ fn samples() -> Vec<Message> {
         heads: 4..8,
         len: u64::MAX,
         checksum: 0xdead_beef_cafe_f00d,
+        direct: true,
     }));
     for aux in [vec![], vec![42], vec![0xAB; MAX_AUX]] {
         out.push(Message::Done(Done {
@@ -244,10 +251,56 @@ fn a_heartbeat_has_the_documented_bytes() {
         instance: uuid(0x0102),
         seq: 3,
     });
-    let mut want = b"KVFY\x01\x00\x08\x00\x18\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x02\x00\x08\x00\x18\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(msg.encode(), want);
+}
+
+#[test]
+fn a_version_1_chunk_has_no_direct_flag_and_still_decodes() {
+    let chunk = |direct| Chunk {
+        room: 7,
+        prefill_instance: uuid(1),
+        seq: 2,
+        tokens: 0..16,
+        layers: 0..2,
+        heads: 0..4,
+        len: 4096,
+        checksum: 9,
+        direct,
+    };
+    let v1 = Message::Chunk(chunk(false)).encode_as(1);
+    let v2 = Message::Chunk(chunk(false)).encode_as(2);
+    assert_eq!(v1.len() + 1, v2.len(), "version 2 appends the flag");
+    assert_eq!(peek_header(&v1).unwrap().version, 1);
+    assert_eq!(Message::decode(&v1), Ok(Message::Chunk(chunk(false))));
+    let direct = Message::Chunk(chunk(true));
+    assert_eq!(Message::decode(&direct.encode()), Ok(direct));
+    // A flag other than 0 or 1 is refused.
+    let mut bad = Message::Chunk(chunk(true)).encode();
+    *bad.last_mut().unwrap() = 2;
+    assert_eq!(
+        Message::decode(&bad),
+        Err(DecodeError::BadTag {
+            what: "direct",
+            tag: 2
+        })
+    );
+}
+
+#[test]
+fn a_version_1_hello_decodes_without_a_pool() {
+    let h = Hello {
+        pool: None,
+        ..hello()
+    };
+    let mut f = Message::Hello(h.clone()).encode_as(1);
+    // Cut the trailing pool tag: what a version-1 build sends.
+    f.pop();
+    let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - 1;
+    f[8..12].copy_from_slice(&len.to_le_bytes());
+    assert_eq!(Message::decode(&f), Ok(Message::Hello(h)));
 }
 
 #[test]
@@ -300,7 +353,7 @@ fn bad_magic_is_refused() {
 #[test]
 fn truncated_header_is_refused() {
     for len in 0..HEADER_LEN {
-        let f = &frame(1, KIND_HEARTBEAT, 0, &[])[..len];
+        let f = &frame(VERSION, KIND_HEARTBEAT, 0, &[])[..len];
         assert_eq!(
             Message::decode(f),
             Err(DecodeError::Truncated {
@@ -354,7 +407,7 @@ fn body_length_must_match_the_bytes_given() {
 fn unknown_kind_and_flags_are_refused() {
     for kind in [0, 11, 255] {
         assert_eq!(
-            Message::decode(&frame(1, kind, 0, &[])),
+            Message::decode(&frame(VERSION, kind, 0, &[])),
             Err(DecodeError::UnknownKind(kind))
         );
     }
@@ -436,6 +489,7 @@ fn reversed_ranges_are_refused() {
         heads: 5..5,
         len: 0,
         checksum: 0,
+        direct: false,
     });
     let mut f = msg.encode();
     // heads 5..5 -> 6..5
@@ -453,7 +507,7 @@ fn reversed_ranges_are_refused() {
 #[test]
 fn oversized_lengths_are_refused_before_allocation() {
     // A header announcing a 4 GiB body, with no body at all: TooLarge, not Truncated.
-    let mut f = frame(1, KIND_DONE, 0, &[]);
+    let mut f = frame(VERSION, KIND_DONE, 0, &[]);
     set_body_len(&mut f, u32::MAX);
     let err = DecodeError::TooLarge {
         what: "body",
@@ -469,7 +523,7 @@ fn oversized_lengths_are_refused_before_allocation() {
     let n = body.len();
     body[n - 8..n - 4].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
-        Message::decode(&frame(1, KIND_TRANSFER_REQUEST, 0, &body)),
+        Message::decode(&frame(VERSION, KIND_TRANSFER_REQUEST, 0, &body)),
         Err(DecodeError::TooLarge {
             what: "dst_pages",
             len: u32::MAX as usize,
@@ -479,7 +533,7 @@ fn oversized_lengths_are_refused_before_allocation() {
     // A count within the limit whose items are missing: Truncated before the vector exists.
     body[n - 8..n - 4].copy_from_slice(&(MAX_PAGES as u32).to_le_bytes());
     assert_eq!(
-        Message::decode(&frame(1, KIND_TRANSFER_REQUEST, 0, &body)),
+        Message::decode(&frame(VERSION, KIND_TRANSFER_REQUEST, 0, &body)),
         Err(DecodeError::Truncated {
             what: "dst_pages",
             needed: MAX_PAGES * 4,
@@ -511,7 +565,7 @@ fn oversized_lengths_are_refused_before_allocation() {
     body.push(FailureCode::Aborted.tag());
     body.extend_from_slice(&(MAX_STRING as u16 + 1).to_le_bytes());
     assert_eq!(
-        Message::decode(&frame(1, KIND_ERROR, 0, &body)),
+        Message::decode(&frame(VERSION, KIND_ERROR, 0, &body)),
         Err(DecodeError::TooLarge {
             what: "message",
             len: MAX_STRING + 1,
@@ -526,7 +580,7 @@ fn invalid_utf8_is_refused() {
     body.extend_from_slice(&2u16.to_le_bytes());
     body.extend_from_slice(&[0xC3, 0x28]);
     assert_eq!(
-        Message::decode(&frame(1, KIND_ERROR, 0, &body)),
+        Message::decode(&frame(VERSION, KIND_ERROR, 0, &body)),
         Err(DecodeError::BadUtf8 { what: "message" })
     );
 }
@@ -706,6 +760,11 @@ fn arb_hello() -> impl Strategy<Value = Hello> {
                 token,
                 slots: v.0.into(),
                 slot_bytes: v.1.into(),
+                pool: (r[0] % 2 == 1).then(|| RemoteMemory {
+                    base: u64::from(r[1]) << 12,
+                    size: u64::from(r[2]),
+                    key: r[3].to_le_bytes().to_vec(),
+                }),
             },
         )
 }
@@ -752,6 +811,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         heads,
                         len,
                         checksum,
+                        direct: seq % 2 == 1,
                     })
                 }
             ),

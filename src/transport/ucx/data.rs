@@ -9,8 +9,14 @@
 //! header's length (u32, little-endian), the header, the payload. The receiver splits the
 //! message it got into header and payload without copying.
 //!
-//! This is the "send" data path (staged). One-sided puts into registered pools (the layer in
-//! `worker.rs` has them) and direct page writes are not wired to the agents yet.
+//! One-sided writes (the direct path of the agents): a receiver registers its pool with
+//! [`UcxWorker::register`] and hands the packed rkey to senders (in Hello); a sender attaches
+//! it to its endpoint and writes runs of its own pool straight into the receiver's with
+//! `ucp_put_nbx`, then flushes the endpoint before it sends the chunk's header, so the header
+//! never overtakes the bytes. Which transport carries the puts is read off the endpoint's lanes
+//! (`ucp_ep_print_info`): UCX 1.13 emulates puts over tcp at ~0.15 GB/s against ~4-5 GB/s for
+//! tagged sends (docs/benchmarks.md), so there they are reported slow and the agents keep to
+//! tagged sends.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,9 +24,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::OnceCell;
 
-use super::{EndpointId, UcxConfig, UcxWorker};
+use super::{EndpointId, RemoteRegionId, UcxConfig, UcxWorker};
+use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, Listening, Transport, TransportError, TransportKind,
+    BoxFuture, DataReceiver, DataSender, Listening, RemoteMemory, Transport, TransportError,
+    TransportKind, WritePath, WriteRun,
 };
 
 /// Every chunk travels under this tag.
@@ -125,6 +133,7 @@ impl Transport for UcxData {
                 worker,
                 ep,
                 endpoint: shown,
+                region: None,
             });
             Ok(sender)
         })
@@ -135,6 +144,24 @@ struct UcxSender {
     worker: UcxWorker,
     ep: EndpointId,
     endpoint: String,
+    /// The receiver's exposed memory, once attached.
+    region: Option<RemoteRegionId>,
+}
+
+/// The transports carrying an endpoint's bulk one-sided writes (its `rma_bw` lanes), from
+/// UCX's description of it: lines like `lane[1]:  2:cma/memory.0 md[2] -> ... rma_bw#0`.
+fn rma_transports(info: &str) -> Vec<String> {
+    let mut out: Vec<String> = info
+        .lines()
+        .filter(|l| l.contains("lane[") && l.contains("rma_bw"))
+        .filter_map(|l| {
+            let lane = l.split_once("]:")?.1.split_whitespace().next()?;
+            let tl = lane.split_once(':')?.1.split('/').next()?;
+            Some(tl.to_owned())
+        })
+        .collect();
+    out.dedup();
+    out
 }
 
 impl DataSender for UcxSender {
@@ -147,6 +174,47 @@ impl DataSender for UcxSender {
                 .send_tag_parts(self.ep, CHUNK_TAG, parts)
                 .await
                 .map_err(|e| TransportError::new("send", &self.endpoint, e))
+        })
+    }
+
+    fn attach(
+        &mut self,
+        memory: RemoteMemory,
+    ) -> BoxFuture<'_, Result<Option<WritePath>, TransportError>> {
+        Box::pin(async move {
+            let fail = |e: super::UcxError| TransportError::new("attach", &self.endpoint, e);
+            let region = self
+                .worker
+                .add_remote_region(self.ep, memory.base, memory.size, memory.key.into())
+                .await
+                .map_err(fail)?;
+            let info = self.worker.describe(self.ep).await.map_err(fail)?;
+            let via = rma_transports(&info);
+            self.region = Some(region);
+            Ok(Some(WritePath {
+                fast: !via.is_empty() && !via.iter().any(|t| t == "tcp"),
+                via: if via.is_empty() {
+                    "none".to_owned()
+                } else {
+                    via.join(",")
+                },
+            }))
+        })
+    }
+
+    fn write(
+        &mut self,
+        source: Arc<HostPool>,
+        runs: Vec<WriteRun>,
+    ) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async move {
+            let region = self.region.ok_or_else(|| {
+                TransportError::new("write", &self.endpoint, "no memory attached")
+            })?;
+            self.worker
+                .write(region, source, runs)
+                .await
+                .map_err(|e| TransportError::new("write", &self.endpoint, e))
         })
     }
 }
@@ -211,6 +279,24 @@ impl DataReceiver for UcxReceiver {
         // Dropping the tasks cancels their receives; the next `recv` posts fresh ones.
         self.pending.abort_all();
     }
+
+    fn expose(
+        &mut self,
+        pool: Arc<HostPool>,
+    ) -> BoxFuture<'_, Result<Option<RemoteMemory>, TransportError>> {
+        Box::pin(async move {
+            let registered = self
+                .worker
+                .register(pool)
+                .await
+                .map_err(|e| TransportError::new("register", "decode pool", e))?;
+            Ok(Some(RemoteMemory {
+                base: registered.base,
+                size: registered.size,
+                key: registered.rkey.to_vec(),
+            }))
+        })
+    }
 }
 
 /// Splits `[len u32][header][payload]` without copying.
@@ -235,6 +321,19 @@ mod tests {
         for bad in ["", "ucx:", "ucx:0", "ucx:zz", "tcp://x"] {
             assert!(decode_address(bad).is_none_or(|v| v.is_empty()), "{bad}");
         }
+    }
+
+    #[test]
+    fn rma_lanes_are_read_off_the_endpoint_description() {
+        // As `ucx_info -e` prints them (UCX 1.13) for shared memory and for tcp.
+        let shm = "#  lane[0]:  0:self/memory0.0 md[0]  -> md[0]/self/sysdev[255] am am_bw#0\n\
+                   #  lane[1]:  2:cma/memory.0 md[2]    -> md[2]/cma/sysdev[255] rma_bw#0\n\
+                   #  rma_bw: mds rndv_rkey_size 9\n";
+        let tcp =
+            "#  lane[0]:  0:tcp/lo.0 md[0]  -> md[0]/tcp/sysdev[255] rma_bw#0 am am_bw#0 wireup\n";
+        assert_eq!(rma_transports(shm), ["cma"]);
+        assert_eq!(rma_transports(tcp), ["tcp"]);
+        assert!(rma_transports("# lane[0]: 0:self/memory0.0 md[0] am\n").is_empty());
     }
 
     #[test]

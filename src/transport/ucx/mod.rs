@@ -34,7 +34,9 @@ pub mod sys;
 pub mod worker;
 
 pub use region::{Region, RegisterableMemory};
-pub use worker::{EndpointId, MemId, Received, Registered, RemoteRegionId, UcxConfig, UcxWorker};
+pub use worker::{
+    EndpointId, MemId, Received, Registered, RemoteRegionId, UcxConfig, UcxWorker, WriteRun,
+};
 
 /// Errors of the UCX layer. [`UcxError::is_peer_failure`] separates a dead peer (fail the
 /// rooms it touched) from a local problem.

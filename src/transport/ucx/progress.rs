@@ -31,7 +31,7 @@ use super::result::status_name;
 use super::safe::{Context, Endpoint, MemHandle, RemoteKey, Request, Started, Worker};
 use super::sys;
 use super::worker::{
-    Command, EndpointId, MemId, Received, Registered, RemoteRegionId, Reply, UcxConfig,
+    Command, EndpointId, MemId, Received, Registered, RemoteRegionId, Reply, UcxConfig, WriteRun,
 };
 
 /// The thread's body: builds the engine, reports the address, runs until shutdown.
@@ -86,9 +86,11 @@ enum Op {
         _iov: Vec<sys::ucp_dt_iov_t>,
         reply: Reply<()>,
     },
+    /// A put; the runs of a [`Command::Write`] have no reply of their own (the flush that
+    /// follows them answers).
     Put {
-        _data: Bytes,
-        reply: Reply<()>,
+        _data: PutSource,
+        reply: Option<Reply<()>>,
     },
     Flush {
         reply: Reply<()>,
@@ -100,7 +102,28 @@ enum Op {
     },
 }
 
+/// What a put reads from, kept alive until it completes.
+#[expect(dead_code, reason = "held until the put completes, never read")]
+enum PutSource {
+    Bytes(Bytes),
+    Memory(Arc<dyn RegisterableMemory>),
+}
+
 impl Op {
+    /// Answers the caller, if the operation has one.
+    fn answer(self, result: Result<(), UcxError>) {
+        match self {
+            Op::Send { reply, .. }
+            | Op::Flush { reply }
+            | Op::Put {
+                reply: Some(reply), ..
+            } => {
+                let _ = reply.send(result);
+            }
+            Op::Put { reply: None, .. } | Op::Recv { .. } => {}
+        }
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Op::Send { .. } => "send_tag",
@@ -112,9 +135,12 @@ impl Op {
 
     fn abandoned(&self) -> bool {
         match self {
-            Op::Send { reply, .. } | Op::Put { reply, .. } | Op::Flush { reply } => {
-                reply.is_closed()
-            }
+            Op::Send { reply, .. }
+            | Op::Flush { reply }
+            | Op::Put {
+                reply: Some(reply), ..
+            } => reply.is_closed(),
+            Op::Put { reply: None, .. } => false,
             Op::Recv { reply, .. } => reply.is_closed(),
         }
     }
@@ -279,8 +305,8 @@ impl Engine {
             self.classify(name, ep, status, peer_failed)
         };
         match op {
-            Op::Send { reply, .. } | Op::Put { reply, .. } | Op::Flush { reply } => {
-                let _ = reply.send(if status == sys::UCS_OK {
+            op @ (Op::Send { .. } | Op::Put { .. } | Op::Flush { .. }) => {
+                op.answer(if status == sys::UCS_OK {
                     Ok(())
                 } else {
                     Err(error(status))
@@ -373,13 +399,62 @@ impl Engine {
                 cancelled: false,
                 peer_failed: None,
             }),
-            Started::Done(()) => match op {
-                Op::Send { reply, .. } | Op::Put { reply, .. } | Op::Flush { reply } => {
-                    let _ = reply.send(Ok(()));
-                }
-                Op::Recv { .. } => {}
-            },
+            Started::Done(()) => op.answer(Ok(())),
         }
+    }
+
+    /// Starts a put for every run of a [`Command::Write`] (bounds checked first, on both
+    /// sides); returns the endpoint to flush.
+    fn write(
+        &mut self,
+        region: RemoteRegionId,
+        source: &Arc<dyn RegisterableMemory>,
+        runs: &[WriteRun],
+    ) -> Result<EndpointId, UcxError> {
+        let r = self.remote.get(&region.0).ok_or(UcxError::Unknown {
+            what: "remote region",
+            id: region.0,
+        })?;
+        let (ep, endpoint) = (r.ep, r.endpoint.clone());
+        let local = source.size() as u64;
+        for run in runs {
+            for (offset, size) in [(run.src, local), (run.dst, r.size)] {
+                if offset.checked_add(run.len).is_none_or(|end| end > size) {
+                    return Err(UcxError::OutOfBounds {
+                        offset,
+                        len: run.len as usize,
+                        size,
+                    });
+                }
+            }
+        }
+        self.endpoint("put", ep)?;
+        for run in runs {
+            let r = &self.remote[&region.0];
+            // SAFETY: `source` is mapped for its whole size for as long as the Arc lives, and
+            // a clone of it stays in the Pending entry until the put completes; both ranges
+            // were checked above (remote base+size does not overflow: checked when added).
+            let started = unsafe {
+                endpoint.put(
+                    source.base().add(run.src as usize),
+                    run.len as usize,
+                    r.base + run.dst,
+                    &r.key,
+                )
+            };
+            match started {
+                Ok(started) => self.track(
+                    started,
+                    Some(ep),
+                    Op::Put {
+                        _data: PutSource::Memory(source.clone()),
+                        reply: None,
+                    },
+                ),
+                Err(e) => return Err(self.failure_of("put", ep, e)),
+            }
+        }
+        Ok(ep)
     }
 
     fn handle(&mut self, command: Command) {
@@ -620,7 +695,14 @@ impl Engine {
                         .put(data.as_ptr(), data.len(), r.base + offset, &r.key)
                 };
                 match started {
-                    Ok(started) => self.track(started, Some(ep), Op::Put { _data: data, reply }),
+                    Ok(started) => self.track(
+                        started,
+                        Some(ep),
+                        Op::Put {
+                            _data: PutSource::Bytes(data),
+                            reply: Some(reply),
+                        },
+                    ),
                     Err(e) => {
                         let e = self.failure_of("put", ep, e);
                         let _ = reply.send(Err(e));
@@ -638,6 +720,20 @@ impl Engine {
                         let _ = reply.send(Err(e));
                     }
                 }
+            }
+            Command::Write {
+                region,
+                source,
+                runs,
+                reply,
+            } => match self.write(region, &source, &runs) {
+                Ok(ep) => self.handle(Command::Flush { ep, reply }),
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Command::Describe { ep, reply } => {
+                let _ = reply.send(self.endpoint("describe", ep).and_then(|e| e.info()));
             }
             Command::FailEndpoint { ep, reply } => {
                 let result = match self.endpoints.get(&ep.0) {

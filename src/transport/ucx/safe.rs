@@ -400,6 +400,36 @@ impl Endpoint {
         })
     }
 
+    /// UCX's description of the endpoint (`ucp_ep_print_info`): its lanes, each with the
+    /// transport and device it uses and what it carries (`am`, `rma_bw`, ...).
+    pub fn info(&self) -> Result<String, UcxError> {
+        let mut buf: *mut libc::c_char = ptr::null_mut();
+        let mut len: libc::size_t = 0;
+        // SAFETY: open_memstream writes the buffer pointer and length through the two live
+        // locals when the stream is flushed or closed.
+        let stream = unsafe { libc::open_memstream(&mut buf, &mut len) };
+        if stream.is_null() {
+            return Err(UcxError::Os {
+                op: "open_memstream",
+                message: std::io::Error::last_os_error().to_string(),
+            });
+        }
+        // SAFETY: the endpoint is live and `stream` is an open FILE; after fclose `buf` holds
+        // `len` bytes allocated by libc, copied and then freed exactly once.
+        unsafe {
+            sys::ucp_ep_print_info(self.ptr.as_ptr(), stream);
+            libc::fclose(stream);
+            let text = if buf.is_null() {
+                String::new()
+            } else {
+                let bytes = std::slice::from_raw_parts(buf.cast::<u8>(), len);
+                String::from_utf8_lossy(bytes).into_owned()
+            };
+            libc::free(buf.cast());
+            Ok(text)
+        }
+    }
+
     /// Unpacks a remote key the peer packed with [`MemHandle::rkey`].
     pub fn unpack_rkey(self: &Rc<Self>, packed: &[u8]) -> Result<RemoteKey, UcxError> {
         if packed.is_empty() {

@@ -304,6 +304,7 @@ unsafe extern "C" {
     ) -> ucs_status_t;
     pub fn ucp_ep_close_nbx(ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t;
     pub fn ucp_ep_flush_nbx(ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t;
+    pub fn ucp_ep_print_info(ep: ucp_ep_h, stream: *mut libc::FILE);
 
     pub fn ucp_mem_map(
         context: ucp_context_h,

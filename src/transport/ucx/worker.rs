@@ -14,6 +14,7 @@ use tokio::sync::oneshot;
 
 use super::UcxError;
 use super::region::RegisterableMemory;
+pub use crate::transport::WriteRun;
 
 /// An endpoint of one [`UcxWorker`] (a connection to one remote worker).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -157,6 +158,16 @@ pub(super) enum Command {
     Flush {
         ep: EndpointId,
         reply: Reply<()>,
+    },
+    Write {
+        region: RemoteRegionId,
+        source: Arc<dyn RegisterableMemory>,
+        runs: Vec<WriteRun>,
+        reply: Reply<()>,
+    },
+    Describe {
+        ep: EndpointId,
+        reply: Reply<String>,
     },
     FailEndpoint {
         ep: EndpointId,
@@ -409,6 +420,30 @@ impl UcxWorker {
             reply,
         })
         .await
+    }
+
+    /// Writes every run from `source` (local memory, kept alive until UCX is done with it)
+    /// into a remote region, then flushes the region's endpoint: resolves once every byte is
+    /// in the peer's memory. Bounds are checked on both sides before anything starts.
+    pub async fn write(
+        &self,
+        region: RemoteRegionId,
+        source: Arc<dyn RegisterableMemory>,
+        runs: Vec<WriteRun>,
+    ) -> Result<(), UcxError> {
+        self.call(|reply| Command::Write {
+            region,
+            source,
+            runs,
+            reply,
+        })
+        .await
+    }
+
+    /// UCX's description of an endpoint's lanes (`ucp_ep_print_info`), e.g. to learn which
+    /// transport carries its one-sided writes.
+    pub async fn describe(&self, ep: EndpointId) -> Result<String, UcxError> {
+        self.call(|reply| Command::Describe { ep, reply }).await
     }
 
     /// Resolves once every operation started on `ep` has completed remotely.
