@@ -188,6 +188,15 @@ pub enum DirectWrites {
 }
 
 impl DirectWrites {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            DirectWrites::Auto => "auto",
+            DirectWrites::Always => "always",
+            DirectWrites::Never => "never",
+        }
+    }
+
     /// Whether writes that travel as `path` may be used.
     pub fn allows(self, path: &crate::transport::WritePath) -> bool {
         match self {

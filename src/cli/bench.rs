@@ -23,6 +23,7 @@ use anyhow::{Context as _, bail};
 use serde_json::{Value, json};
 
 use super::demo::{self, LocalCluster, Shape};
+use crate::agent::DirectWrites;
 use crate::layout::{KvLayout, ModelSpec};
 use crate::transport::TransportKind;
 
@@ -83,6 +84,9 @@ pub struct BenchArgs {
     /// Prefill PP size (each stage sends its layers to the decode).
     #[arg(long, env = "KVFERRY_BENCH_PREFILL_PP", default_value_t = 1)]
     prefill_pp: u32,
+    /// Direct path (`ucx` only), passed to the agents: `auto`, `always` or `never`.
+    #[arg(long, env = "KVFERRY_BENCH_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
+    direct_writes: DirectWrites,
     /// Print JSON Lines (one object per configuration) instead of a table.
     #[arg(long, env = "KVFERRY_BENCH_JSON")]
     json: bool,
@@ -156,6 +160,8 @@ impl BenchArgs {
             transport.kind.name(),
             "--chunk-bytes",
             &self.chunk_bytes.to_string(),
+            "--direct-writes",
+            self.direct_writes.name(),
             "--synthetic",
         ]
         .iter()
@@ -291,10 +297,18 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let (warm, measured) = (ids(args.warmup), ids(args.rooms));
             let label = format!("{transport} {tokens} tokens");
-            let results = runtime
+            let (results, paths) = runtime
                 .block_on(async {
                     drive(&target, warm, args.concurrency, progress, &label).await?;
-                    drive(&target, measured, args.concurrency, progress, &label).await
+                    let before = chunk_paths(&target.apis).await?;
+                    let results =
+                        drive(&target, measured, args.concurrency, progress, &label).await?;
+                    let after = chunk_paths(&target.apis).await?;
+                    let paths: serde_json::Map<String, Value> = after
+                        .iter()
+                        .map(|(p, n)| (p.clone(), json!(n - before.get(p).copied().unwrap_or(0.0))))
+                        .collect();
+                    anyhow::Ok((results, paths))
                 })
                 .with_context(|| match &target.logs {
                     Some(dir) => format!("{label}: agent logs in {}", dir.display()),
@@ -314,6 +328,8 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 line["ucx_tls"] = json!(tls);
             }
             line["chunk_bytes"] = json!(args.chunk_bytes);
+            // Which data path carried the measured rooms (decode chunks by path).
+            line["chunks_by_path"] = Value::Object(paths);
             line["warmup_rooms"] = json!(args.warmup);
             if args.json {
                 // One line per configuration as soon as it is measured.
@@ -381,6 +397,37 @@ async fn drive(
         }
     }
     results
+}
+
+/// Chunks landed so far by data path (`kvferry_chunks_total{path}`), summed over the decode
+/// agents.
+async fn chunk_paths(apis: &demo::Apis) -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
+    let http = reqwest::Client::builder().no_proxy().build()?;
+    let mut out = std::collections::BTreeMap::new();
+    for api in apis.decode.iter().flatten() {
+        let text = http
+            .get(format!("{api}/metrics"))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .with_context(|| format!("GET {api}/metrics"))?
+            .text()
+            .await?;
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("kvferry_chunks_total{"))
+        {
+            let path = line
+                .split("path=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next());
+            let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            if let (Some(path), Some(value)) = (path, value) {
+                *out.entry(path.to_owned()).or_insert(0.0) += value;
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// A number field of a bench line (0 when absent).
