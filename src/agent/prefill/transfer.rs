@@ -435,32 +435,45 @@ impl Inner {
                 sum ^= 1;
             }
             let len: u64 = runs.iter().map(|r| r.len).sum();
-            let timeout = self.cfg.timeouts.send;
-            let written = tokio::time::timeout(timeout, async {
-                job.peer
-                    .data
-                    .lock()
-                    .await
-                    .write(self.pool.clone(), runs)
-                    .await
+            self.on_data_plane(job, "direct writes not flushed", |data| {
+                data.write(self.pool.clone(), runs)
             })
-            .await;
-            match written {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(Reason::new(FailureCode::PeerDead, e.to_string())),
-                Err(_) => {
-                    let m = format!(
-                        "direct writes to decode {} not flushed within {timeout:?}",
-                        job.peer.data_endpoint
-                    );
-                    return Err(Reason::new(FailureCode::TimeoutStall, m));
-                }
-            }
+            .await?;
             self.send_chunk(job, c, *chunks, Payload::Direct(len as usize), sum)
                 .await?;
             *chunks += 1;
         }
         Ok(())
+    }
+
+    /// Runs one operation on the decode's data sender within the send timeout: a transport
+    /// error means the peer is dead, a timeout that it stalled (`stalled` says doing what).
+    async fn on_data_plane(
+        &self,
+        job: &Job,
+        stalled: &str,
+        op: impl for<'s> FnOnce(
+            &'s mut Box<dyn DataSender>,
+        )
+            -> transport::BoxFuture<'s, Result<(), transport::TransportError>>,
+    ) -> Result<(), Reason> {
+        let timeout = self.cfg.timeouts.send;
+        let done = tokio::time::timeout(timeout, async {
+            let mut data = job.peer.data.lock().await;
+            op(&mut data).await
+        })
+        .await;
+        match done {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Reason::new(FailureCode::PeerDead, e.to_string())),
+            Err(_) => Err(Reason::new(
+                FailureCode::TimeoutStall,
+                format!(
+                    "decode data endpoint {}: {stalled} within {timeout:?}",
+                    job.peer.data_endpoint
+                ),
+            )),
+        }
     }
 
     async fn send_chunk(
@@ -491,27 +504,9 @@ impl Inner {
             checksum,
             direct,
         });
-        let timeout = self.cfg.timeouts.send;
-        let sent = tokio::time::timeout(timeout, async {
-            job.peer
-                .data
-                .lock()
-                .await
-                .send(header.encode_as(job.peer.version).into(), payload)
-                .await
-        })
-        .await;
-        match sent {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(Reason::new(FailureCode::PeerDead, e.to_string())),
-            Err(_) => {
-                let m = format!(
-                    "decode data endpoint {} took no chunk within {timeout:?}",
-                    job.peer.data_endpoint
-                );
-                return Err(Reason::new(FailureCode::TimeoutStall, m));
-            }
-        }
+        let header = header.encode_as(job.peer.version).into();
+        self.on_data_plane(job, "no chunk taken", |data| data.send(header, payload))
+            .await?;
         self.metrics
             .bytes
             .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
