@@ -177,8 +177,9 @@ pub struct AgentConfig {
 /// `never`, the prefill decides per segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DirectWrites {
-    /// Where the transport reports its one-sided writes fast (not UCX's tcp emulation) and
-    /// the segment's runs are long (layouts match).
+    /// Where the transport reports its one-sided writes fast and safe (native RDMA writes on a
+    /// supervised endpoint; not UCX 1.13's tcp or shared-memory emulations) and the piece's
+    /// runs are long (layouts match).
     #[default]
     Auto,
     /// Whenever the transport has one-sided writes, however slow (for measurement and tests).

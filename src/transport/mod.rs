@@ -126,9 +126,10 @@ pub struct RemoteMemory {
 pub struct WritePath {
     /// The underlying transports that carry them (e.g. `cma`, `tcp`, `rc_mlx5`).
     pub via: String,
-    /// Whether they are the fast way there. UCX 1.13 emulates puts over tcp at a fraction of
-    /// its tagged-send speed (measured in docs/benchmarks.md); everything else writes at
-    /// memory or NIC speed.
+    /// Whether they are the fast and safe way there: native one-sided writes (RDMA) on an
+    /// endpoint whose peer's death the transport detects. UCX 1.13 emulates puts over tcp at a
+    /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
+    /// sender can wedge (docs/benchmarks.md, `ucx/data.rs`).
     pub fast: bool,
 }
 

@@ -15,8 +15,9 @@
 //! `ucp_put_nbx`, then flushes the endpoint before it sends the chunk's header, so the header
 //! never overtakes the bytes. Which transport carries the puts is read off the endpoint's lanes
 //! (`ucp_ep_print_info`): UCX 1.13 emulates puts over tcp at ~0.15 GB/s against ~4-5 GB/s for
-//! tagged sends (docs/benchmarks.md), so there they are reported slow and the agents keep to
-//! tagged sends.
+//! tagged sends (docs/benchmarks.md), and over shared memory through the receiver's FIFO, where
+//! UCX cannot see a peer die; both are reported not fast ([`fast_writes`]), and the agents keep
+//! to tagged sends there unless told `--direct-writes always`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,35 +62,28 @@ impl UcxData {
 }
 
 /// Whether staged chunks should go eagerly (UCX's `RNDV_THRESH=inf`) rather than by UCX's
-/// rendezvous: unless the user set the threshold, whenever no RDMA transport can carry them.
-/// Measured here with 1 MiB chunks (docs/benchmarks.md): eager is 1.9x faster over tcp and
-/// 1.5x over shared memory, where rendezvous costs a handshake per chunk and, over tcp, an
-/// emulated one-sided read. With RDMA, rendezvous is the zero-copy path and stays.
-fn eager_chunks(tls: Option<&str>, rndv_thresh_set: bool, rdma_devices: bool) -> bool {
-    if rndv_thresh_set {
-        return false;
-    }
-    const RDMA: [&str; 8] = ["rc", "ud", "dc", "ib", "mlx5", "verbs", "rdmacm", "all"];
-    let rdma_allowed = match tls {
-        None | Some("") => true,
-        Some(list) if list.starts_with('^') => true, // an exclusion list leaves RDMA in
-        Some(list) => list.split(',').any(|t| {
-            let t = t.trim();
-            RDMA.iter()
-                .any(|r| t == *r || t.starts_with(&format!("{r}_")))
-        }),
-    };
-    !(rdma_allowed && rdma_devices)
+/// rendezvous: when the user allowed tcp only (`UCX_TLS` of `tcp` and `self`) and did not set
+/// the threshold. Measured here with 1 MiB chunks (docs/benchmarks.md): eager is 1.9x faster
+/// over tcp, where rendezvous costs a handshake per chunk and an emulated one-sided read.
+/// Everywhere else rendezvous stays: with RDMA it is the zero-copy path, and over shared memory
+/// it moves the bytes by cma, keeping the receiver's shared FIFO to a few small messages. A
+/// sender killed in the middle of a FIFO message wedges that FIFO for every sender (UCX 1.13
+/// cannot detect the death there), so bulk bytes must not go through it.
+fn eager_chunks(tls: Option<&str>, rndv_thresh_set: bool) -> bool {
+    let Some(list) = tls else { return false };
+    let mut names = list.split(',').map(str::trim);
+    !rndv_thresh_set
+        && !list.starts_with('^')
+        && names.clone().any(|t| t == "tcp")
+        && names.all(|t| t == "tcp" || t == "self")
 }
 
 /// The worker's config: the `UCX_*` environment, plus eager chunks where [`eager_chunks`] says.
 fn worker_config() -> UcxConfig {
     let tls = std::env::var("UCX_TLS").ok();
     let thresh_set = std::env::var_os("UCX_RNDV_THRESH").is_some();
-    let rdma_devices =
-        std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some());
     let config = UcxConfig::new();
-    match eager_chunks(tls.as_deref(), thresh_set, rdma_devices) {
+    match eager_chunks(tls.as_deref(), thresh_set) {
         true => config.var("RNDV_THRESH", "inf"),
         false => config,
     }
@@ -183,6 +177,15 @@ struct UcxSender {
     region: Option<RemoteRegionId>,
 }
 
+/// Whether one-sided writes carried by `via` are the fast, safe way to a peer: not UCX 1.13's
+/// tcp emulation (~0.15 GB/s), and on an endpoint whose peer's death UCX detects. Over shared
+/// memory (unsupervised) UCX emulates puts with messages through the receiver's shared FIFO,
+/// which a sender killed mid-message wedges for every sender: seen in CI (a killed prefill,
+/// then a restarted one whose writes never flushed), so direct writes stay off there.
+fn fast_writes(via: &[String], supervised: bool) -> bool {
+    supervised && !via.is_empty() && !via.iter().any(|t| t == "tcp")
+}
+
 /// The transports carrying an endpoint's bulk one-sided writes (its `rma_bw` lanes), from
 /// UCX's description of it: lines like `lane[1]:  2:cma/memory.0 md[2] -> ... rma_bw#0`.
 fn rma_transports(info: &str) -> Vec<String> {
@@ -224,15 +227,15 @@ impl DataSender for UcxSender {
                 .await
                 .map_err(fail)?;
             let info = self.worker.describe(self.ep).await.map_err(fail)?;
+            let supervised = self.worker.is_supervised(self.ep).await.map_err(fail)?;
             let via = rma_transports(&info);
             self.region = Some(region);
             Ok(Some(WritePath {
-                fast: !via.is_empty() && !via.iter().any(|t| t == "tcp"),
-                via: if via.is_empty() {
-                    "none".to_owned()
-                } else {
-                    via.join(",")
-                },
+                fast: fast_writes(&via, supervised),
+                via: match via.is_empty() {
+                    true => "none".to_owned(),
+                    false => via.join(","),
+                } + if supervised { "" } else { " (unsupervised)" },
             }))
         })
     }
@@ -369,29 +372,33 @@ mod tests {
         assert_eq!(rma_transports(shm), ["cma"]);
         assert_eq!(rma_transports(tcp), ["tcp"]);
         assert!(rma_transports("# lane[0]: 0:self/memory0.0 md[0] am\n").is_empty());
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(fast_writes(&names(&["rc_mlx5"]), true));
+        assert!(
+            !fast_writes(&names(&["cma"]), false),
+            "unsupervised shared memory"
+        );
+        assert!(!fast_writes(&names(&["tcp"]), true), "tcp emulates puts");
+        assert!(!fast_writes(&[], true));
     }
 
     #[test]
-    fn chunks_go_eagerly_unless_rdma_can_carry_them_or_the_user_chose() {
-        // tcp or shared memory only: eager, with or without RDMA devices present.
-        for tls in ["tcp", "posix,cma,self", "tcp,sm"] {
-            assert!(eager_chunks(Some(tls), false, true), "{tls}");
-        }
-        // Everything allowed (unset, `all`, an exclusion list) or an RDMA transport named:
-        // rendezvous where RDMA devices exist, eager where none does.
+    fn chunks_go_eagerly_over_tcp_only() {
+        assert!(eager_chunks(Some("tcp"), false));
+        assert!(eager_chunks(Some("tcp,self"), false));
+        // Shared memory, RDMA, everything (unset, an exclusion list): rendezvous.
         for tls in [
             None,
-            Some("all"),
-            Some("^tcp"),
-            Some("rc,sm"),
-            Some("rc_x,self"),
-            Some("ud_v"),
+            Some("posix,cma,self"),
+            Some("tcp,sm"),
+            Some("rc,tcp"),
+            Some("^rc"),
+            Some("self"),
         ] {
-            assert!(!eager_chunks(tls, false, true), "{tls:?}");
-            assert!(eager_chunks(tls, false, false), "{tls:?}");
+            assert!(!eager_chunks(tls, false), "{tls:?}");
         }
         // The user's UCX_RNDV_THRESH always wins.
-        assert!(!eager_chunks(Some("tcp"), true, false));
+        assert!(!eager_chunks(Some("tcp"), true));
     }
 
     #[test]
