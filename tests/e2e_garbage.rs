@@ -129,6 +129,7 @@ fn random_message(rng: &mut StdRng) -> Message {
         1 => Message::HelloAck(HelloAck {
             version: rng.random(),
             instance: uuid(rng),
+            direct: rng.random_bool(0.5),
         }),
         2 => Message::TransferRequest(TransferRequest {
             room: rng.random(),

@@ -182,7 +182,9 @@ pub enum DirectWrites {
     /// runs are long (layouts match).
     #[default]
     Auto,
-    /// Whenever the transport has one-sided writes, however slow (for measurement and tests).
+    /// Whenever the transport has one-sided writes, however slow or unsafe: for measurement
+    /// and tests. Over UCX 1.13's tcp or shared memory a prefill dying mid-write can wedge or
+    /// abort its decode (see `transport/ucx/data.rs`).
     Always,
     /// Never: every chunk is staged.
     Never,

@@ -247,6 +247,9 @@ impl Message {
             Message::HelloAck(m) => {
                 w.u16(m.version);
                 w.uuid(&m.instance);
+                if version >= 2 {
+                    w.u8(u8::from(m.direct));
+                }
             }
             Message::TransferRequest(m) => {
                 w.u64(m.room);
@@ -344,6 +347,7 @@ impl Message {
             KIND_HELLO_ACK => Message::HelloAck(HelloAck {
                 version: r.u16("version")?,
                 instance: r.uuid("instance")?,
+                direct: header.version >= 2 && r.flag("direct")?,
             }),
             KIND_TRANSFER_REQUEST => Message::TransferRequest(TransferRequest {
                 room: r.u64("room")?,

@@ -122,6 +122,10 @@ pub struct HelloAck {
     pub version: u16,
     /// The prefill's instance id; every later reference carries it.
     pub instance: Uuid,
+    /// The prefill will write into the decode's pool directly (the direct path): the decode
+    /// must count its writes possible until its last word on each room. Version 2; false in
+    /// version 1.
+    pub direct: bool,
 }
 
 /// Decode -> prefill: send me this part of a room.

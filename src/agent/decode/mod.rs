@@ -248,8 +248,31 @@ struct Source {
     landed: usize,
     chunks: u32,
     done: Option<protocol::Done>,
-    /// The source may still write into the room's pages directly (see the module doc).
-    writes_open: bool,
+    /// Whether the source may still write into the room's pages directly (module doc).
+    writes: Writes,
+}
+
+/// Whether a source may still write into a room's pages directly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Writes {
+    /// It never could (staged transport), or it has said its last word on the room.
+    Closed,
+    /// It may, until its last word.
+    Open,
+    /// It was declared dead: a prefill that is alive but cut off from this decode stops
+    /// writing once its own heartbeat gives up on us, about `--peer-dead-ms` later; its writes
+    /// are counted possible until then.
+    Until(Instant),
+}
+
+impl Writes {
+    fn possible(self) -> bool {
+        match self {
+            Writes::Closed => false,
+            Writes::Open => true,
+            Writes::Until(t) => Instant::now() < t,
+        }
+    }
 }
 
 impl Room {
@@ -257,22 +280,30 @@ impl Room {
     fn safe_to_reuse(&self) -> bool {
         self.status.state().is_final()
             && self.scattering == 0
-            && self.sources.iter().all(|s| !s.writes_open)
+            && self.sources.iter().all(|s| !s.writes.possible())
     }
 
-    /// The peers whose direct writes into the room may still arrive.
+    /// The peers whose direct writes into the room may still arrive and who can be told.
     fn open_writers(&self) -> Vec<Arc<Peer>> {
-        let open = self.sources.iter().filter(|s| s.writes_open);
+        let open = self.sources.iter().filter(|s| s.writes == Writes::Open);
         open.map(|s| s.peer.clone()).collect()
     }
 
-    /// `peer` has said its last word on the room: no write of it can arrive any more.
-    fn close_writes(&mut self, peer: Uuid) {
+    /// `peer` has said its last word on the room (`Closed`), or was declared dead
+    /// (`Until`): its writes end.
+    fn end_writes(&mut self, peer: Uuid, end: Writes) {
         for s in self.sources.iter_mut().filter(|s| s.peer.instance == peer) {
-            s.writes_open = false;
+            if s.writes != Writes::Closed {
+                s.writes = end;
+            }
         }
+        self.touch_if_safe();
+    }
+
+    /// Wakes engines long-polling for `safe_to_reuse` once it holds.
+    fn touch_if_safe(&self) {
         if self.safe_to_reuse() {
-            self.status.touch(); // wake engines long-polling for safe_to_reuse
+            self.status.touch();
         }
     }
 
@@ -468,8 +499,10 @@ impl Inner {
                     landed: 0,
                     chunks: 0,
                     done: None,
-                    // Version 1 has no direct path: such a prefill never writes.
-                    writes_open: self.pool_key.is_some() && peer.version >= 2,
+                    writes: match peer.direct {
+                        true => Writes::Open,
+                        false => Writes::Closed,
+                    },
                 })
                 .collect();
             (tokens, room.pages.to_vec())
@@ -667,6 +700,18 @@ async fn expire_rooms(inner: Arc<Inner>) {
         }
         inner.fail_stuck_rooms().await;
         let mut rooms = inner.rooms();
+        for room in rooms.values_mut() {
+            let mut ended = false;
+            for s in room.sources.iter_mut() {
+                if matches!(s.writes, Writes::Until(_)) && !s.writes.possible() {
+                    s.writes = Writes::Closed;
+                    ended = true;
+                }
+            }
+            if ended {
+                room.touch_if_safe();
+            }
+        }
         let before = rooms.len();
         rooms.retain(|id, room| {
             let keep = !(room.safe_to_reuse() && room.final_at.is_some_and(|t| t.elapsed() >= ttl));

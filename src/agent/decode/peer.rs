@@ -8,6 +8,8 @@ pub(super) struct Peer {
     pub(super) instance: Uuid,
     /// The protocol version negotiated at Hello: every frame to the peer is stamped with it.
     pub(super) version: u16,
+    /// The prefill said (HelloAck) it writes into this decode's pool directly.
+    pub(super) direct: bool,
     pub(super) endpoint: String,
     pub(super) send: tokio::sync::Mutex<ControlClientSend>,
     pub(super) last_seen: Mutex<Instant>,
@@ -166,6 +168,7 @@ impl Inner {
         let peer = Arc::new(Peer {
             instance: ack.instance,
             version: ack.version,
+            direct: ack.direct && self.pool_key.is_some(),
             endpoint,
             send: tokio::sync::Mutex::new(send),
             last_seen: Mutex::new(Instant::now()),
@@ -198,7 +201,7 @@ impl Inner {
                     );
                 };
                 source.done = Some(d.clone());
-                room.close_writes(peer.instance);
+                room.end_writes(peer.instance, Writes::Closed);
                 room.progress_at = Instant::now();
                 self.check_complete(d.room, room);
             }
@@ -206,7 +209,7 @@ impl Inner {
                 let Some(room) = rooms.get_mut(&a.room) else {
                     return;
                 };
-                room.close_writes(peer.instance);
+                room.end_writes(peer.instance, Writes::Closed);
                 if room.status.state() == RoomState::Aborting {
                     room.acks_pending = room.acks_pending.saturating_sub(1);
                     if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
@@ -219,7 +222,7 @@ impl Inner {
                     Reason::new(e.code, format!("prefill {}: {}", peer.endpoint, e.message));
                 match e.room.and_then(|r| rooms.get_mut(&r)) {
                     Some(room) => {
-                        room.close_writes(peer.instance);
+                        room.end_writes(peer.instance, Writes::Closed);
                         if room.status.fail(reason) {
                             self.finished(room);
                         }
@@ -234,7 +237,7 @@ impl Inner {
                 // The prefill engine aborted: nothing more of the room is scattered (chunks
                 // still on the way are dropped), so it is aborted and acknowledged at once.
                 if let Some(room) = rooms.get_mut(&a.room) {
-                    room.close_writes(peer.instance);
+                    room.end_writes(peer.instance, Writes::Closed);
                     if room
                         .sources
                         .iter()
@@ -313,9 +316,10 @@ impl Inner {
                     FailureCode::PeerDead,
                     format!("prefill {}: {why}", peer.endpoint),
                 );
-                // A dead prefill writes no more (one alive but cut off stops on its own
-                // heartbeat timeout, as its transfers fail `peer_dead` too).
-                room.close_writes(peer.instance);
+                // A prefill declared dead may be alive but cut off: its writes count as
+                // possible until its own heartbeat has given up on this decode.
+                let until = Instant::now() + self.cfg.timeouts.dead_after;
+                room.end_writes(peer.instance, Writes::Until(until));
                 if room.status.state() == RoomState::Aborting {
                     room.acks_pending = 0;
                     room.status.advance(RoomState::Aborted);

@@ -116,7 +116,8 @@ impl Inner {
                 return refuse(FailureCode::Unreachable, msg).await;
             }
         };
-        let direct = self.direct_target(&hello, &mut data).await;
+        let direct_target = self.direct_target(&hello, &mut data).await;
+        let direct = direct_target.is_some();
         let slots = (hello.slots as usize).min(Semaphore::MAX_PERMITS);
         let peer = Arc::new(Peer {
             instance: hello.instance,
@@ -128,17 +129,18 @@ impl Inner {
             slots,
             slot_bytes: hello.slot_bytes as usize,
             last_seen: Mutex::new(Instant::now()),
-            direct,
+            direct: direct_target,
         });
         if let Some(old) = self.peers().insert(identity.clone(), peer) {
             old.credits.close();
         }
-        tracing::info!(decode = %hello.instance, version, slots, "decode peer connected");
+        tracing::info!(decode = %hello.instance, version, slots, direct, "decode peer connected");
         self.reply(
             &identity,
             Message::HelloAck(HelloAck {
                 version,
                 instance: self.instance,
+                direct,
             }),
         )
         .await;

@@ -126,6 +126,7 @@ fn samples() -> Vec<Message> {
     out.push(Message::HelloAck(HelloAck {
         version: VERSION,
         instance: uuid(1),
+        direct: true,
     }));
     out.push(Message::TransferRequest(transfer_request(vec![])));
     out.push(Message::TransferRequest(transfer_request(vec![
@@ -308,6 +309,7 @@ fn encode_into_appends_frames_that_peek_header_separates() {
     let a = Message::HelloAck(HelloAck {
         version: 1,
         instance: uuid(1),
+        direct: false,
     });
     let b = Message::TransferRequest(transfer_request(vec![3, 4]));
     let mut buf = vec![0xEE];
@@ -772,8 +774,11 @@ fn arb_hello() -> impl Strategy<Value = Hello> {
 fn arb_message() -> impl Strategy<Value = Message> {
     prop_oneof![
         arb_hello().prop_map(Message::Hello),
-        (any::<u16>(), arb_uuid())
-            .prop_map(|(version, instance)| Message::HelloAck(HelloAck { version, instance })),
+        (any::<u16>(), arb_uuid()).prop_map(|(version, instance)| Message::HelloAck(HelloAck {
+            version,
+            instance,
+            direct: version % 2 == 0,
+        })),
         (
             any::<u64>(),
             arb_uuid(),

@@ -177,11 +177,13 @@ struct UcxSender {
     region: Option<RemoteRegionId>,
 }
 
-/// Whether one-sided writes carried by `via` are the fast, safe way to a peer: not UCX 1.13's
-/// tcp emulation (~0.15 GB/s), and on an endpoint whose peer's death UCX detects. Over shared
-/// memory (unsupervised) UCX emulates puts with messages through the receiver's shared FIFO,
-/// which a sender killed mid-message wedges for every sender: seen in CI (a killed prefill,
-/// then a restarted one whose writes never flushed), so direct writes stay off there.
+/// Whether one-sided writes carried by `via` are the fast, safe way to a peer: native writes
+/// (RDMA) on an endpoint whose peer's death UCX detects. UCX 1.13 has no native put over tcp
+/// or shared memory: it emulates puts with messages that the receiver's `ucp_put_handler`
+/// copies into place. Seen here with a prefill killed mid-write: over shared memory the
+/// decode's FIFO was wedged for every later sender (CI), and over tcp the decode's UCX aborted
+/// the process ("Fatal: unexpected error: Endpoint timeout" in `ucp_put_handler`). Hence
+/// `auto` never writes directly over them; `--direct-writes always` does, at that risk.
 fn fast_writes(via: &[String], supervised: bool) -> bool {
     supervised && !via.is_empty() && !via.iter().any(|t| t == "tcp")
 }
