@@ -130,6 +130,22 @@ fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_direct_and_staged() {
     }
 }
 
+/// A 1P1D cluster and its prefill and decode API URLs.
+fn one_pair(
+    exe: &std::path::Path,
+    tag: &str,
+    args: &[String],
+    env: &Env,
+) -> (LocalCluster, String, String) {
+    let c = LocalCluster::start_shaped_env(exe, tag, args, Shape::ONE, Shape::ONE, env)
+        .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+    let (p, d) = (
+        c.prefill().field("api").unwrap(),
+        c.decode().field("api").unwrap(),
+    );
+    (c, p, d)
+}
+
 #[test]
 fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
     let exe = common::release_binary();
@@ -141,12 +157,7 @@ fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
         let tag = format!("ucx-kill-{name}");
         // llama3-8b, 4096 tokens: 512 MiB, long enough to be caught mid-transfer.
         let args = opts("llama3-8b", 272);
-        let c = LocalCluster::start_shaped_env(&exe, &tag, &args, Shape::ONE, Shape::ONE, &env)
-            .unwrap();
-        let (p, d) = (
-            c.prefill().field("api").unwrap(),
-            c.decode().field("api").unwrap(),
-        );
+        let (c, p, d) = one_pair(&exe, &tag, &args, &env);
         let http = http();
         runtime().block_on(async {
             let body = json!({"tokens": 4096});
@@ -227,11 +238,7 @@ fn a_corrupted_direct_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_
         ]
         .map(String::from),
     );
-    let c = LocalCluster::start_shaped_env(&exe, tag, &args, Shape::ONE, Shape::ONE, &env).unwrap();
-    let (p, d) = (
-        c.prefill().field("api").unwrap(),
-        c.decode().field("api").unwrap(),
-    );
+    let (_cluster, p, d) = one_pair(&exe, tag, &args, &env);
     let http = http();
     runtime().block_on(async {
         let body = json!({"tokens": 4096});
