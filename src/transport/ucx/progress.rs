@@ -5,7 +5,8 @@
 //! replies through tokio oneshots. While work is in flight it calls `ucp_worker_progress`;
 //! after a short spin with nothing to do it arms the worker and sleeps in poll(2) on the
 //! worker's event fd and the wakeup eventfd, with a 100 ms timeout so UCX's keepalive still
-//! runs on a quiet worker. No core spins while idle.
+//! runs on a quiet worker. No core spins while idle. Registrations, peers' regions and puts
+//! (the one-sided side) are in `progress/rma.rs`.
 //!
 //! Invariants:
 //! - an operation's buffers live in its `Pending` entry together with its request, and an
@@ -28,11 +29,13 @@ use tokio::sync::oneshot;
 use super::UcxError;
 use super::region::RegisterableMemory;
 use super::result::status_name;
-use super::safe::{Context, Endpoint, MemHandle, RemoteKey, Request, Started, Worker};
+use super::safe::{Context, Endpoint, MemHandle, Request, Started, Worker};
 use super::sys;
-use super::worker::{
-    Command, EndpointId, MemId, Received, Registered, RemoteRegionId, Reply, UcxConfig, WriteRun,
-};
+mod rma;
+
+use rma::{PutSource, RemoteRegion};
+
+use super::worker::{Command, EndpointId, Received, Reply, UcxConfig, WriteRun};
 
 /// The thread's body: builds the engine, reports the address, runs until shutdown.
 pub(super) fn run(
@@ -102,13 +105,6 @@ enum Op {
     },
 }
 
-/// What a put reads from, kept alive until it completes.
-#[expect(dead_code, reason = "held until the put completes, never read")]
-enum PutSource {
-    Bytes(Bytes),
-    Memory(Arc<dyn RegisterableMemory>),
-}
-
 impl Op {
     /// Answers the caller, if the operation has one.
     fn answer(self, result: Result<(), UcxError>) {
@@ -144,14 +140,6 @@ impl Op {
             Op::Recv { reply, .. } => reply.is_closed(),
         }
     }
-}
-
-struct RemoteRegion {
-    ep: EndpointId,
-    endpoint: Rc<Endpoint>,
-    key: RemoteKey,
-    base: u64,
-    size: u64,
 }
 
 /// Everything UCP of one worker, owned by its progress thread. Field order is drop order:
@@ -403,60 +391,6 @@ impl Engine {
         }
     }
 
-    /// Starts a put for every run of a [`Command::Write`] (bounds checked first, on both
-    /// sides); returns the endpoint to flush.
-    fn write(
-        &mut self,
-        region: RemoteRegionId,
-        source: &Arc<dyn RegisterableMemory>,
-        runs: &[WriteRun],
-    ) -> Result<EndpointId, UcxError> {
-        let r = self.remote.get(&region.0).ok_or(UcxError::Unknown {
-            what: "remote region",
-            id: region.0,
-        })?;
-        let (ep, endpoint) = (r.ep, r.endpoint.clone());
-        let local = source.size() as u64;
-        for run in runs {
-            for (offset, size) in [(run.src, local), (run.dst, r.size)] {
-                if offset.checked_add(run.len).is_none_or(|end| end > size) {
-                    return Err(UcxError::OutOfBounds {
-                        offset,
-                        len: run.len as usize,
-                        size,
-                    });
-                }
-            }
-        }
-        self.endpoint("put", ep)?;
-        for run in runs {
-            let r = &self.remote[&region.0];
-            // SAFETY: `source` is mapped for its whole size for as long as the Arc lives, and
-            // a clone of it stays in the Pending entry until the put completes; both ranges
-            // were checked above (remote base+size does not overflow: checked when added).
-            let started = unsafe {
-                endpoint.put(
-                    source.base().add(run.src as usize),
-                    run.len as usize,
-                    r.base + run.dst,
-                    &r.key,
-                )
-            };
-            match started {
-                Ok(started) => self.track(
-                    started,
-                    Some(ep),
-                    Op::Put {
-                        _data: PutSource::Memory(source.clone()),
-                        reply: None,
-                    },
-                ),
-                Err(e) => return Err(self.failure_of("put", ep, e)),
-            }
-        }
-        Ok(ep)
-    }
-
     fn handle(&mut self, command: Command) {
         match command {
             Command::Connect { address, reply } => {
@@ -591,36 +525,10 @@ impl Engine {
                 }
             }
             Command::Register { memory, reply } => {
-                let (base, size) = (memory.base(), memory.size());
-                // SAFETY: RegisterableMemory guarantees base..base+size stays mapped while the
-                // value lives; the Arc is stored next to the handle and dropped after it.
-                let result =
-                    unsafe { MemHandle::map(&self.context, base, size) }.and_then(|handle| {
-                        let rkey = handle.rkey()?;
-                        let id = self.id();
-                        self.registered.insert(id, (handle, memory));
-                        Ok(Registered {
-                            id: MemId(id),
-                            base: base as u64,
-                            size: size as u64,
-                            rkey: Bytes::from(rkey),
-                        })
-                    });
-                let _ = reply.send(result);
+                let _ = reply.send(self.register(memory));
             }
             Command::Unregister { id, reply } => {
-                let result = match self.registered.remove(&id.0) {
-                    Some((handle, memory)) => {
-                        drop(handle);
-                        drop(memory);
-                        Ok(())
-                    }
-                    None => Err(UcxError::Unknown {
-                        what: "memory",
-                        id: id.0,
-                    }),
-                };
-                let _ = reply.send(result);
+                let _ = reply.send(self.unregister(id));
             }
             Command::AddRemote {
                 ep,
@@ -629,34 +537,7 @@ impl Engine {
                 rkey,
                 reply,
             } => {
-                let result = self
-                    .endpoint("add_remote_region", ep)
-                    .and_then(|endpoint| {
-                        if base.checked_add(size).is_none() {
-                            return Err(UcxError::OutOfBounds {
-                                offset: base,
-                                len: 0,
-                                size,
-                            });
-                        }
-                        let key = endpoint.unpack_rkey(&rkey)?;
-                        Ok((endpoint, key))
-                    })
-                    .map(|(endpoint, key)| {
-                        let id = self.id();
-                        self.remote.insert(
-                            id,
-                            RemoteRegion {
-                                ep,
-                                endpoint,
-                                key,
-                                base,
-                                size,
-                            },
-                        );
-                        RemoteRegionId(id)
-                    });
-                let _ = reply.send(result);
+                let _ = reply.send(self.add_remote(ep, base, size, &rkey));
             }
             Command::Put {
                 region,
@@ -664,50 +545,12 @@ impl Engine {
                 data,
                 reply,
             } => {
-                let Some(r) = self.remote.get(&region.0) else {
-                    let _ = reply.send(Err(UcxError::Unknown {
-                        what: "remote region",
-                        id: region.0,
-                    }));
-                    return;
+                let run = WriteRun {
+                    src: 0,
+                    dst: offset,
+                    len: data.len() as u64,
                 };
-                let in_bounds = offset
-                    .checked_add(data.len() as u64)
-                    .is_some_and(|end| end <= r.size);
-                if !in_bounds {
-                    let _ = reply.send(Err(UcxError::OutOfBounds {
-                        offset,
-                        len: data.len(),
-                        size: r.size,
-                    }));
-                    return;
-                }
-                let ep = r.ep;
-                if let Err(e) = self.endpoint("put", ep) {
-                    let _ = reply.send(Err(e));
-                    return;
-                }
-                // SAFETY: `data` is immutable heap memory moved into the Pending entry (kept
-                // until completion); base+offset..+len lies inside the region the peer
-                // registered (checked above, base+size does not overflow: checked when added).
-                let started = unsafe {
-                    r.endpoint
-                        .put(data.as_ptr(), data.len(), r.base + offset, &r.key)
-                };
-                match started {
-                    Ok(started) => self.track(
-                        started,
-                        Some(ep),
-                        Op::Put {
-                            _data: PutSource::Bytes(data),
-                            reply: Some(reply),
-                        },
-                    ),
-                    Err(e) => {
-                        let e = self.failure_of("put", ep, e);
-                        let _ = reply.send(Err(e));
-                    }
-                }
+                let _ = self.start_puts(region, PutSource::Bytes(data), &[run], Some(reply));
             }
             Command::Flush { ep, reply } => {
                 let started = self
@@ -726,7 +569,7 @@ impl Engine {
                 source,
                 runs,
                 reply,
-            } => match self.write(region, &source, &runs) {
+            } => match self.start_puts(region, PutSource::Memory(source), &runs, None) {
                 Ok(ep) => self.handle(Command::Flush { ep, reply }),
                 Err(e) => {
                     let _ = reply.send(Err(e));

@@ -1,0 +1,184 @@
+//! The progress thread's one-sided side: registrations of local memory, peers' regions
+//! (unpacked remote keys with their bounds), and puts into them, bounds-checked on both sides
+//! before anything starts.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{Engine, Op};
+use crate::transport::ucx::UcxError;
+use crate::transport::ucx::region::RegisterableMemory;
+use crate::transport::ucx::safe::{Endpoint, MemHandle, RemoteKey};
+use crate::transport::ucx::worker::{
+    EndpointId, MemId, Registered, RemoteRegionId, Reply, WriteRun,
+};
+
+/// A peer's registered memory: the endpoint to it, the unpacked key and the bounds.
+pub(super) struct RemoteRegion {
+    pub(super) ep: EndpointId,
+    pub(super) endpoint: Rc<Endpoint>,
+    pub(super) key: RemoteKey,
+    pub(super) base: u64,
+    pub(super) size: u64,
+}
+
+/// What a put reads from, kept alive (in the put's Pending entry) until it completes.
+pub(super) enum PutSource {
+    Bytes(Bytes),
+    Memory(Arc<dyn RegisterableMemory>),
+}
+
+impl PutSource {
+    fn base(&self) -> *const u8 {
+        match self {
+            PutSource::Bytes(b) => b.as_ptr(),
+            PutSource::Memory(m) => m.base(),
+        }
+    }
+
+    fn size(&self) -> usize {
+        match self {
+            PutSource::Bytes(b) => b.len(),
+            PutSource::Memory(m) => m.size(),
+        }
+    }
+
+    fn share(&self) -> PutSource {
+        match self {
+            PutSource::Bytes(b) => PutSource::Bytes(b.clone()),
+            PutSource::Memory(m) => PutSource::Memory(m.clone()),
+        }
+    }
+}
+
+impl Engine {
+    pub(super) fn register(
+        &mut self,
+        memory: Arc<dyn RegisterableMemory>,
+    ) -> Result<Registered, UcxError> {
+        let (base, size) = (memory.base(), memory.size());
+        // SAFETY: RegisterableMemory guarantees base..base+size stays mapped while the value
+        // lives; the Arc is stored next to the handle and dropped after it.
+        let handle = unsafe { MemHandle::map(&self.context, base, size) }?;
+        let rkey = handle.rkey()?;
+        let id = self.id();
+        self.registered.insert(id, (handle, memory));
+        Ok(Registered {
+            id: MemId(id),
+            base: base as u64,
+            size: size as u64,
+            rkey: Bytes::from(rkey),
+        })
+    }
+
+    pub(super) fn unregister(&mut self, id: MemId) -> Result<(), UcxError> {
+        // The handle is dropped (unmapped) before the memory it maps.
+        let (handle, memory) = self.registered.remove(&id.0).ok_or(UcxError::Unknown {
+            what: "memory",
+            id: id.0,
+        })?;
+        drop(handle);
+        drop(memory);
+        Ok(())
+    }
+
+    pub(super) fn add_remote(
+        &mut self,
+        ep: EndpointId,
+        base: u64,
+        size: u64,
+        rkey: &[u8],
+    ) -> Result<RemoteRegionId, UcxError> {
+        let endpoint = self.endpoint("add_remote_region", ep)?;
+        if base.checked_add(size).is_none() {
+            return Err(UcxError::OutOfBounds {
+                offset: base,
+                len: 0,
+                size,
+            });
+        }
+        let key = endpoint.unpack_rkey(rkey)?;
+        let id = self.id();
+        let region = RemoteRegion {
+            ep,
+            endpoint,
+            key,
+            base,
+            size,
+        };
+        self.remote.insert(id, region);
+        Ok(RemoteRegionId(id))
+    }
+
+    /// Starts a put of every run from `source` into `region`, after checking every run
+    /// against both; returns the region's endpoint (to flush). `reply`, if given, is answered
+    /// by the last put's completion, or at once with the error.
+    pub(super) fn start_puts(
+        &mut self,
+        region: RemoteRegionId,
+        source: PutSource,
+        runs: &[WriteRun],
+        mut reply: Option<Reply<()>>,
+    ) -> Result<EndpointId, UcxError> {
+        let started = self.try_start_puts(region, &source, runs, &mut reply);
+        if let (Err(e), Some(reply)) = (&started, reply) {
+            let _ = reply.send(Err(e.clone()));
+        }
+        started
+    }
+
+    fn try_start_puts(
+        &mut self,
+        region: RemoteRegionId,
+        source: &PutSource,
+        runs: &[WriteRun],
+        reply: &mut Option<Reply<()>>,
+    ) -> Result<EndpointId, UcxError> {
+        let r = self.remote.get(&region.0).ok_or(UcxError::Unknown {
+            what: "remote region",
+            id: region.0,
+        })?;
+        let (ep, endpoint, remote_size) = (r.ep, r.endpoint.clone(), r.size);
+        let local = source.size() as u64;
+        for run in runs {
+            for (offset, size) in [(run.src, local), (run.dst, remote_size)] {
+                if offset.checked_add(run.len).is_none_or(|end| end > size) {
+                    return Err(UcxError::OutOfBounds {
+                        offset,
+                        len: run.len as usize,
+                        size,
+                    });
+                }
+            }
+        }
+        self.endpoint("put", ep)?;
+        for (i, run) in runs.iter().enumerate() {
+            let r = &self.remote[&region.0];
+            // SAFETY: `source` stays readable for its whole size for as long as it, or a share
+            // of it (kept in each put's Pending entry until completion), lives; both ranges
+            // were checked above (remote base+size does not overflow: checked when the region
+            // was added).
+            let started = unsafe {
+                endpoint.put(
+                    source.base().add(run.src as usize),
+                    run.len as usize,
+                    r.base + run.dst,
+                    &r.key,
+                )
+            }
+            .map_err(|e| self.failure_of("put", ep, e))?;
+            let op = Op::Put {
+                _data: source.share(),
+                reply: if i + 1 == runs.len() {
+                    reply.take()
+                } else {
+                    None
+                },
+            };
+            self.track(started, Some(ep), op);
+        }
+        Ok(ep)
+    }
+}
