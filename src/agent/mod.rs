@@ -225,6 +225,22 @@ pub(crate) fn wire_layout(layout: &KvLayout) -> WireLayout {
     }
 }
 
+/// The pool layout a peer's Hello describes: the inverse of [`wire_layout`], for a pool of
+/// planes (the wire layout has no placement; the decode exposes only such pools).
+pub(crate) fn layout_of(w: &WireLayout) -> Result<KvLayout, crate::layout::LayoutError> {
+    let model = crate::layout::ModelSpec {
+        kind: w.kind,
+        num_layers: w.num_layers as usize,
+        num_kv_heads: w.num_kv_heads as usize,
+        head_dim: w.head_dim as usize,
+        dtype: w.dtype,
+    };
+    let range = |r: &Range<u32>| r.start as usize..r.end as usize;
+    KvLayout::new(model, w.page_size as usize)?
+        .with_order(w.order, crate::layout::KvPlacement::Planes)?
+        .with_slice(range(&w.heads), range(&w.layers))
+}
+
 fn registry_dtype(d: Dtype) -> registry::Dtype {
     match d {
         Dtype::Bf16 => registry::Dtype::Bf16,
@@ -427,6 +443,24 @@ pub(crate) fn plan_chunks(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hello_layout_reads_back_as_the_pool_layout_it_describes() {
+        use crate::layout::{KvPlacement, ModelSpec, PageOrder};
+        for (model, order, tp_rank, tp, pp_rank, pp) in [
+            ("llama3-8b", PageOrder::TokenMajor, 1, 2, 0, 1),
+            ("qwen2.5-7b", PageOrder::HeadMajor, 0, 4, 1, 2),
+            ("deepseek-v3", PageOrder::TokenMajor, 3, 4, 0, 1),
+        ] {
+            let l = KvLayout::new(ModelSpec::preset(model).unwrap(), 16)
+                .unwrap()
+                .with_order(order, KvPlacement::Planes)
+                .unwrap()
+                .for_rank(tp_rank, tp, pp_rank, pp)
+                .unwrap();
+            assert_eq!(layout_of(&wire_layout(&l)).unwrap(), l, "{model}");
+        }
+    }
 
     #[test]
     fn chunks_tile_the_room_within_the_budget() {

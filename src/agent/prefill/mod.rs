@@ -224,20 +224,7 @@ impl DirectTarget {
         memory: &transport::RemoteMemory,
         path: transport::WritePath,
     ) -> Result<Self, String> {
-        use crate::layout::{KvLayout, KvPlacement, ModelSpec};
-        let w = &hello.layout;
-        let model = ModelSpec {
-            kind: w.kind,
-            num_layers: w.num_layers as usize,
-            num_kv_heads: w.num_kv_heads as usize,
-            head_dim: w.head_dim as usize,
-            dtype: w.dtype,
-        };
-        let range = |r: &Range<u32>| r.start as usize..r.end as usize;
-        let layout = KvLayout::new(model, w.page_size as usize)
-            .and_then(|l| l.with_order(w.order, KvPlacement::Planes))
-            .and_then(|l| l.with_slice(range(&w.heads), range(&w.layers)))
-            .map_err(|e| e.to_string())?;
+        let layout = crate::agent::layout_of(&hello.layout).map_err(|e| e.to_string())?;
         let span = layout.page_span().map_err(|e| e.to_string())? as u64;
         if span == 0 || memory.size % span != 0 {
             return Err(format!(

@@ -43,6 +43,8 @@ struct Job {
     pub(super) peer: Arc<Peer>,
     pub(super) req: TransferRequest,
     pub(super) pages: Arc<[u32]>,
+    /// The request's destination pages, shared with every direct chunk's planning.
+    pub(super) dst_pages: Arc<[u32]>,
     pub(super) cancel: CancellationToken,
 }
 
@@ -95,11 +97,13 @@ impl Inner {
     pub(super) async fn serve_transfer(self: Arc<Self>, room_id: u64, decode: Uuid) {
         let Some(job) = self.rooms().get(&room_id).and_then(|r| {
             let t = r.transfers.get(&decode)?;
+            let req = t.req.clone()?;
             Some(Job {
                 room: room_id,
                 decode,
                 peer: t.peer.clone(),
-                req: t.req.clone()?,
+                dst_pages: req.dst_pages.as_slice().into(),
+                req,
                 pages: r.ready.as_ref()?.pages.clone(),
                 cancel: t.cancel.clone(),
             })
@@ -346,7 +350,7 @@ impl Inner {
         };
         let src_layers = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
         let (pool, kernel, layout) = (self.pool.clone(), self.kernel, d.clone());
-        let (src_pages, dst_pages) = (job.pages.clone(), Arc::<[u32]>::from(&req.dst_pages[..]));
+        let (src_pages, dst_pages) = (job.pages.clone(), job.dst_pages.clone());
         let (tokens, heads, wire) = (c.tokens.clone(), heads.clone(), req.wire_order);
         let (num_pages, checksum) = (target.num_pages, self.cfg.checksum);
         let planned = tokio::task::spawn_blocking(move || {
