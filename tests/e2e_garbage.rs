@@ -483,3 +483,73 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
         healthy(&http, &decode).await;
     });
 }
+
+#[test]
+fn a_direct_chunk_from_a_prefill_that_announced_none_is_refused_and_the_decode_keeps_serving() {
+    // zmq-tcp: the prefill stages everything (HelloAck.direct is false), so a chunk claiming
+    // its bytes were written into the decode pool directly must not be believed: the decode
+    // would not count that prefill as a writer of the room's pages.
+    let cluster = LocalCluster::start(
+        &release_binary(),
+        "direct-claim",
+        &AgentOpts::default().args(),
+    )
+    .expect("cluster");
+    let prefill = cluster.prefill().field("api").expect("prefill api");
+    let decode = cluster.decode().field("api").expect("decode api");
+    let data = cluster
+        .decode()
+        .field("data")
+        .expect("decode data endpoint");
+    let instance: Uuid = cluster
+        .prefill()
+        .field("instance")
+        .expect("prefill instance")
+        .parse()
+        .expect("a uuid");
+    runtime().block_on(async {
+        let http = http();
+        // Room 2: requested by the decode engine, never announced by the prefill engine.
+        let body = serde_json::json!({"tokens": 16});
+        let room = format!("{decode}/v1/rooms/2");
+        expect(
+            &http,
+            reqwest::Method::POST,
+            &room,
+            Some(&body),
+            reqwest::StatusCode::CREATED,
+        )
+        .await;
+        wait_state(&http, &decode, 2, &["waiting_for_input"], BOUND).await;
+        // tiny: 4 layers, 4 heads of 32 fp16, K and V: 16 tokens are 16 KiB.
+        let claim = Message::Chunk(Chunk {
+            room: 2,
+            prefill_instance: instance,
+            seq: 0,
+            tokens: 0..16,
+            layers: 0..4,
+            heads: 0..4,
+            len: 16 * 4 * 2 * 4 * 64,
+            checksum: 0,
+            direct: true,
+        });
+        let ctx = zmq::Context::new();
+        let push = ctx.socket(zmq::PUSH).expect("a PUSH socket");
+        push.connect(&data)
+            .expect("connect to the decode's data endpoint");
+        let empty: &[u8] = &[];
+        push.send_multipart([&claim.encode()[..], empty], 0)
+            .expect("send the claim");
+        let v = wait_final(&http, &decode, 2).await;
+        assert_eq!(v["state"], "failed", "{v}");
+        assert_eq!(v["reason"]["code"], "bad_message", "{v}");
+        let message = v["reason"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("did not announce direct writes"), "{v}");
+        assert_eq!(v["bytes"], 0, "nothing counted as landed: {v}");
+        // The decode keeps serving.
+        let apis = Apis::pair(&prefill, &decode);
+        let results = drive_rooms(&apis, vec![(3, 100)], 1).await.expect("room 3");
+        assert!(results.iter().all(|r| r.verified), "{results:?}");
+        println!("[direct-claim] refused: {message}; room 3 verified after it");
+    });
+}

@@ -265,10 +265,16 @@ impl Inner {
             return Ok(payload.len());
         }
         let bad = |m: String| Some(Reason::new(FailureCode::BadMessage, m));
-        if self.pool_key.is_none() {
+        // Only a prefill that announced direct writes (HelloAck) is tracked as a writer of
+        // its rooms' pages (`Writes`); one that did not may not claim any.
+        let announced = self
+            .peers()
+            .get(&c.prefill_instance)
+            .is_some_and(|p| p.direct);
+        if !announced {
             return Err(bad(format!(
-                "chunk {} claims a direct write, but this decode exposed no pool",
-                c.seq
+                "chunk {} from {} claims a direct write, but that prefill did not announce direct writes to this decode",
+                c.seq, c.prefill_instance
             )));
         }
         if !payload.is_empty() {

@@ -11,9 +11,10 @@
 //! Page safety: with staged chunks this agent is the only writer of its pool, so a room's pages
 //! are safe to reuse once the room is final and no scatter of it is still running. With the
 //! direct path (the pool exposed for one-sided writes, `--direct-writes`), a prefill writes
-//! pages itself; each such source stays *open* until it has said its last word on the room
-//! (Done, Error, Abort or AbortAck, all sent only after its writes were flushed) or is dead,
-//! and a room that fails with open sources tells them to stop. `safe_to_reuse` waits for both.
+//! pages itself (it says so in HelloAck); each such source stays *open* until it has said its
+//! last word on the room (Done, Error, Abort or AbortAck, all sent only after its writes were
+//! flushed), or until `--peer-dead-ms` after it was declared dead, and a room that fails with
+//! open sources tells them to stop. `safe_to_reuse` waits for both.
 //!
 //! A room may come from several prefill ranks (heterogeneous TP, PP stages): `pairing.rs`
 //! plans one bulk segment per source, each asked with its own TransferRequest and finished by
