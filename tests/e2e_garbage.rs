@@ -28,7 +28,7 @@ use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
 use kvferry::layout::{AttentionKind, Dtype, PageOrder};
 use kvferry::protocol::{
     Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, HEADER_LEN, Heartbeat, Hello, HelloAck,
-    MAX_BODY, Message, Ranks, Role, TransferRequest, VERSION, WireLayout,
+    MAX_BODY, Message, Placed, Posted, Ranks, Role, TransferRequest, VERSION, WireLayout,
 };
 use kvferry::reason::FailureCode;
 use rand::rngs::StdRng;
@@ -72,7 +72,7 @@ fn code(rng: &mut StdRng) -> FailureCode {
 
 /// A valid message of any kind with random fields.
 fn random_message(rng: &mut StdRng) -> Message {
-    match rng.random_range(0..10) {
+    match rng.random_range(0..11) {
         0 => Message::Hello(Hello {
             min_version: rng.random_range(0..4),
             max_version: rng.random_range(0..4),
@@ -155,6 +155,10 @@ fn random_message(rng: &mut StdRng) -> Message {
             len: rng.random(),
             checksum: rng.random(),
             direct: rng.random_bool(0.5),
+            placed: rng.random_bool(0.3).then(|| Placed {
+                key: rng.random(),
+                runs: (0..rng.random_range(0..8)).map(|_| rng.random()).collect(),
+            }),
         }),
         4 => Message::Done(Done {
             room: rng.random(),
@@ -184,9 +188,14 @@ fn random_message(rng: &mut StdRng) -> Message {
             code: code(rng),
             message: text(rng, 64),
         }),
-        _ => Message::Credit(Credit {
+        9 => Message::Credit(Credit {
             instance: uuid(rng),
             slots: rng.random(),
+        }),
+        _ => Message::Posted(Posted {
+            instance: uuid(rng),
+            key: rng.random(),
+            accepted: rng.random_bool(0.5),
         }),
     }
 }
@@ -485,10 +494,11 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
 }
 
 #[test]
-fn a_direct_chunk_from_a_prefill_that_announced_none_is_refused_and_the_decode_keeps_serving() {
-    // zmq-tcp: the prefill stages everything (HelloAck.direct is false), so a chunk claiming
-    // its bytes were written into the decode pool directly must not be believed: the decode
-    // would not count that prefill as a writer of the room's pages.
+fn direct_and_placed_chunks_the_decode_cannot_believe_are_refused_and_it_keeps_serving() {
+    // zmq-tcp: the prefill stages everything (HelloAck.direct is false) and the transport
+    // places nothing. A chunk claiming its bytes were written into the decode pool directly
+    // must not be believed (the decode would not count that prefill as a writer of the room's
+    // pages), nor one claiming its runs follow as placed messages.
     let cluster = LocalCluster::start(
         &release_binary(),
         "direct-claim",
@@ -507,49 +517,68 @@ fn a_direct_chunk_from_a_prefill_that_announced_none_is_refused_and_the_decode_k
         .expect("prefill instance")
         .parse()
         .expect("a uuid");
+    // tiny: 4 layers, 4 heads of 32 fp16, K and V: 16 tokens are 16 KiB.
+    let len = 16 * 4 * 2 * 4 * 64;
+    let claims = [
+        (2, true, None, "did not announce direct writes"),
+        (
+            4,
+            false,
+            Some(Placed {
+                key: 7,
+                runs: vec![len / 2; 2],
+            }),
+            "cannot place them",
+        ),
+    ];
     runtime().block_on(async {
         let http = http();
-        // Room 2: requested by the decode engine, never announced by the prefill engine.
-        let body = serde_json::json!({"tokens": 16});
-        let room = format!("{decode}/v1/rooms/2");
-        expect(
-            &http,
-            reqwest::Method::POST,
-            &room,
-            Some(&body),
-            reqwest::StatusCode::CREATED,
-        )
-        .await;
-        wait_state(&http, &decode, 2, &["waiting_for_input"], BOUND).await;
-        // tiny: 4 layers, 4 heads of 32 fp16, K and V: 16 tokens are 16 KiB.
-        let claim = Message::Chunk(Chunk {
-            room: 2,
-            prefill_instance: instance,
-            seq: 0,
-            tokens: 0..16,
-            layers: 0..4,
-            heads: 0..4,
-            len: 16 * 4 * 2 * 4 * 64,
-            checksum: 0,
-            direct: true,
-        });
         let ctx = zmq::Context::new();
         let push = ctx.socket(zmq::PUSH).expect("a PUSH socket");
         push.connect(&data)
             .expect("connect to the decode's data endpoint");
-        let empty: &[u8] = &[];
-        push.send_multipart([&claim.encode()[..], empty], 0)
-            .expect("send the claim");
-        let v = wait_final(&http, &decode, 2).await;
-        assert_eq!(v["state"], "failed", "{v}");
-        assert_eq!(v["reason"]["code"], "bad_message", "{v}");
-        let message = v["reason"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains("did not announce direct writes"), "{v}");
-        assert_eq!(v["bytes"], 0, "nothing counted as landed: {v}");
-        // The decode keeps serving.
-        let apis = Apis::pair(&prefill, &decode);
-        let results = drive_rooms(&apis, vec![(3, 100)], 1).await.expect("room 3");
-        assert!(results.iter().all(|r| r.verified), "{results:?}");
-        println!("[direct-claim] refused: {message}; room 3 verified after it");
+        for (room_id, direct, placed, why) in claims {
+            // Requested by the decode engine, never announced by the prefill engine.
+            let body = serde_json::json!({"tokens": 16});
+            let room = format!("{decode}/v1/rooms/{room_id}");
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &room,
+                Some(&body),
+                reqwest::StatusCode::CREATED,
+            )
+            .await;
+            wait_state(&http, &decode, room_id, &["waiting_for_input"], BOUND).await;
+            let claim = Message::Chunk(Chunk {
+                room: room_id,
+                prefill_instance: instance,
+                seq: 0,
+                tokens: 0..16,
+                layers: 0..4,
+                heads: 0..4,
+                len,
+                checksum: 0,
+                direct,
+                placed,
+            });
+            let empty: &[u8] = &[];
+            push.send_multipart([&claim.encode()[..], empty], 0)
+                .expect("send the claim");
+            let v = wait_final(&http, &decode, room_id).await;
+            assert_eq!(v["state"], "failed", "{v}");
+            assert_eq!(v["reason"]["code"], "bad_message", "{v}");
+            let message = v["reason"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains(why), "{v}");
+            assert_eq!(v["bytes"], 0, "nothing counted as landed: {v}");
+            // The decode keeps serving.
+            let apis = Apis::pair(&prefill, &decode);
+            let next = room_id + 1;
+            let results = drive_rooms(&apis, vec![(next, 100)], 1)
+                .await
+                .expect("next room");
+            assert!(results.iter().all(|r| r.verified), "{results:?}");
+            println!("[direct-claim] refused: {message}; room {next} verified after it");
+        }
     });
 }

@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvferry::transport::ucx::sys;
-use kvferry::transport::ucx::{EndpointId, Region, UcxConfig, UcxError, UcxWorker};
+use kvferry::transport::ucx::{EndpointId, Region, Span, UcxConfig, UcxError, UcxWorker};
+use tokio_util::sync::CancellationToken;
 
 const MIB: usize = 1 << 20;
 const ALL: u64 = u64::MAX;
@@ -410,6 +411,164 @@ async fn abandoned_receive_is_cancelled() {
     assert_eq!(got.data, Bytes::from_static(b"second"));
     a.shutdown().await;
     b.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Placed runs
+
+/// 48 MiB in runs of random sizes, sent straight from one region and received straight into
+/// another at shuffled offsets (`recv_runs` posted first, then `send_runs`): every byte
+/// compared, bytes outside the runs untouched. Then: a run of the wrong length fails its
+/// group, places outside the memory are refused, and cancelled receives that nothing matched
+/// return without a byte written.
+async fn placed_runs(tls: Tls) {
+    const SIZE: usize = 48 * MIB;
+    let (a, b, ab, _ba) = pair(tls).await;
+    let mut rng = Rng(seed());
+    let src = Arc::new(Region::new(SIZE).expect("source"));
+    src.write(0, &rng.bytes(SIZE)).expect("fill");
+    let dst = Arc::new(Region::new(SIZE + MIB).expect("destination"));
+    dst.fill(0xEE);
+    // Cut the source into runs, then place them at the destination in another order.
+    let mut cuts = vec![0usize];
+    while *cuts.last().unwrap() < SIZE {
+        let len = [1, 4096, 1 + rng.below(3 * MIB as u64) as usize][rng.below(3) as usize];
+        cuts.push((cuts.last().unwrap() + len).min(SIZE));
+    }
+    let sends: Vec<Span> = cuts
+        .windows(2)
+        .map(|w| Span {
+            offset: w[0] as u64,
+            len: (w[1] - w[0]) as u64,
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..sends.len()).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut at = vec![0u64; sends.len()];
+    let mut next = MIB as u64; // the first MiB stays untouched
+    for &i in &order {
+        at[i] = next;
+        next += sends[i].len;
+    }
+    let places: Vec<Span> = sends
+        .iter()
+        .zip(&at)
+        .map(|(s, &offset)| Span { offset, len: s.len })
+        .collect();
+    let cancel = CancellationToken::new();
+    let t = Instant::now();
+    // Posted first, as the agents do: a run never waits unexpected at the receiver.
+    let landing = b
+        .recv_runs(1 << 32, dst.clone(), places.clone(), cancel.clone())
+        .await
+        .expect("post the receives");
+    let (sent, placed) = bounded("placed runs", 120, async {
+        tokio::join!(
+            a.send_runs(ab, 1 << 32, src.clone(), sends.clone()),
+            landing
+        )
+    })
+    .await;
+    let secs = t.elapsed().as_secs_f64();
+    sent.expect("send runs");
+    placed.expect("receive runs");
+    println!(
+        "{}: {} runs, {SIZE} bytes placed in {secs:.3} s ({:.2} GB/s, debug build)",
+        tls.name(),
+        sends.len(),
+        SIZE as f64 / secs / 1e9
+    );
+    let got = dst.read(0, SIZE + MIB).expect("read");
+    assert!(
+        got[..MIB].iter().all(|&b| b == 0xEE),
+        "bytes before the runs"
+    );
+    let want = src.read(0, SIZE).expect("read");
+    for (i, (s, p)) in sends.iter().zip(&places).enumerate() {
+        let (s, p) = (s.offset as usize, p.offset as usize);
+        let len = sends[i].len as usize;
+        same_bytes(&format!("run {i}"), &got[p..p + len], &want[s..s + len]);
+    }
+    // A message of another length than its place fails the group with the lengths.
+    let one = |len: u64| vec![Span { offset: 0, len }];
+    let landing = b
+        .recv_runs(7 << 32, dst.clone(), one(200), cancel.clone())
+        .await
+        .expect("post");
+    let (sent, placed) = bounded("mismatched run", 60, async {
+        tokio::join!(a.send_runs(ab, 7 << 32, src.clone(), one(100)), landing)
+    })
+    .await;
+    sent.expect("send the short run");
+    assert!(
+        matches!(
+            placed,
+            Err(UcxError::Length {
+                expected: 200,
+                got: Some(100)
+            })
+        ),
+        "{placed:?}"
+    );
+    // Places outside the memory are refused before UCX sees them.
+    let outside = vec![Span {
+        offset: (SIZE + MIB - 10) as u64,
+        len: 11,
+    }];
+    match b
+        .recv_runs(9 << 32, dst.clone(), outside, cancel.clone())
+        .await
+    {
+        Err(UcxError::OutOfBounds { .. }) => {}
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("receives posted outside the memory"),
+    }
+    // Cancelled receives return (after UCX let go of them) and land nothing, not even from
+    // a run sent afterwards (it waits unmatched, never placed).
+    dst.fill(0x11);
+    let cancel = CancellationToken::new();
+    let landing = b
+        .recv_runs(
+            11 << 32,
+            dst.clone(),
+            vec![
+                Span {
+                    offset: 0,
+                    len: MIB as u64
+                };
+                4
+            ],
+            cancel.clone(),
+        )
+        .await
+        .expect("post");
+    let waiting = tokio::spawn(landing);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    cancel.cancel();
+    let cancelled = bounded("cancelled receives", 30, waiting)
+        .await
+        .expect("task");
+    assert!(cancelled.is_err(), "{cancelled:?}");
+    let late = a.send_runs(ab, 11 << 32, src.clone(), one(MIB as u64));
+    let _ = tokio::time::timeout(Duration::from_millis(300), late).await;
+    assert!(
+        dst.read(0, MIB).expect("read").iter().all(|&b| b == 0x11),
+        "a cancelled receive landed bytes"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placed_runs_tcp() {
+    placed_runs(Tls::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placed_runs_shm() {
+    placed_runs(Tls::Shm).await;
 }
 
 // ---------------------------------------------------------------------------------------------

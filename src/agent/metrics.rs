@@ -91,6 +91,8 @@ pub struct Metrics {
     pub chunks_staged: AtomicU64,
     /// Chunks written straight into the decode pool (one-sided writes, no staging).
     pub chunks_direct: AtomicU64,
+    /// Chunks whose runs were sent as placed messages, received straight into the pages.
+    pub chunks_placed: AtomicU64,
     /// Rooms that expired untaken.
     pub expired: AtomicU64,
     /// Rooms refused at admission (429).
@@ -142,6 +144,7 @@ impl Metrics {
             bytes: AtomicU64::new(0),
             chunks_staged: AtomicU64::new(0),
             chunks_direct: AtomicU64::new(0),
+            chunks_placed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
             heartbeat_misses: AtomicU64::new(0),
@@ -254,6 +257,7 @@ impl Metrics {
         let paths = [
             ("staged", load(&self.chunks_staged)),
             ("direct", load(&self.chunks_direct)),
+            ("placed", load(&self.chunks_placed)),
         ];
         let paths: Vec<(String, u64)> = paths
             .iter()

@@ -171,23 +171,36 @@ pub struct AgentConfig {
     pub direct_writes: DirectWrites,
 }
 
-/// When a segment goes by the direct path: the prefill writes runs of its pool straight into
-/// the decode pool (one-sided, no gather, no scatter) instead of staging them. Needs a
-/// transport with one-sided writes (`ucx`) on both sides; the decode exposes its pool unless
-/// `never`, the prefill decides per segment.
+/// When a segment goes by the direct path, with no gather and no scatter: the prefill's pool
+/// runs go straight into the decode's pages, by one-sided writes or by placed sends
+/// ([`DirectMethod`]), instead of through staging. Needs a transport that has them (`ucx`) on
+/// both sides; the decode exposes its pool unless `never`, the prefill decides per segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DirectWrites {
-    /// Where the transport reports its one-sided writes fast and safe (native RDMA writes on a
-    /// supervised endpoint; not UCX 1.13's tcp or shared-memory emulations) and the piece's
-    /// runs are long (layouts match).
+    /// One-sided writes where the transport reports them fast and safe (native RDMA writes
+    /// on a supervised endpoint; not UCX 1.13's tcp or shared-memory emulations), else placed
+    /// sends where the transport has them; and only when the piece's runs are long (layouts
+    /// match).
     #[default]
     Auto,
-    /// Whenever the transport has one-sided writes, however slow or unsafe: for measurement
-    /// and tests. Over UCX 1.13's tcp or shared memory a prefill dying mid-write can wedge or
-    /// abort its decode (see `transport/ucx/data.rs`).
+    /// One-sided writes whenever the transport has them, however slow or unsafe: for
+    /// measurement and tests. Over UCX 1.13's tcp or shared memory a prefill dying mid-write
+    /// can wedge or abort its decode (see `transport/ucx/data.rs`).
     Always,
     /// Never: every chunk is staged.
     Never,
+}
+
+/// How a direct segment's runs reach the decode's pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirectMethod {
+    /// One-sided writes into the pool the decode exposed, flushed before the chunk's header
+    /// (`Chunk.direct`); the decode counts the prefill a writer of its rooms until it is done.
+    Write,
+    /// The header first (`Chunk.placed`, protocol version 3), then one message per run, which
+    /// the decode receives straight into the places it computes itself: no write into its
+    /// pages that it did not post and cannot cancel.
+    Place,
 }
 
 impl DirectWrites {
@@ -200,12 +213,13 @@ impl DirectWrites {
         }
     }
 
-    /// Whether writes that travel as `path` may be used.
-    pub fn allows(self, path: &crate::transport::WritePath) -> bool {
+    /// How direct segments go to a decode reached by `path` (at protocol `version`), if at all.
+    pub fn method(self, path: &crate::transport::WritePath, version: u16) -> Option<DirectMethod> {
         match self {
-            DirectWrites::Auto => path.fast,
-            DirectWrites::Always => true,
-            DirectWrites::Never => false,
+            DirectWrites::Auto if path.fast => Some(DirectMethod::Write),
+            DirectWrites::Auto if path.placed && version >= 3 => Some(DirectMethod::Place),
+            DirectWrites::Always => Some(DirectMethod::Write),
+            DirectWrites::Auto | DirectWrites::Never => None,
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::layout::{KvLayout, PageOrder, element_offset};
 use crate::pool::HostPool;
 
 use super::{KernelError, Selection};
-use crate::transport::WriteRun;
+use crate::transport::{Span, WriteRun};
 
 /// Below this many bytes a transfer runs on one thread: spawning costs more than it saves.
 const PARALLEL_MIN_BYTES: usize = 4 << 20;
@@ -354,6 +354,55 @@ pub fn pool_to_pool(
     Ok(out)
 }
 
+/// Where the messages of a placed chunk land in a pool: `lens` cut the selection's bytes, in
+/// `wire` order, into consecutive runs (the sender's, from [`pool_to_pool`]), and each must be
+/// contiguous in this pool. The receiver computes the places from its own layout and pages, so
+/// a sender only chooses how the bytes it was asked for are cut, never where they go.
+pub fn placements(
+    layout: &KvLayout,
+    num_pages: usize,
+    sel: &Selection<'_>,
+    wire: PageOrder,
+    lens: &[u64],
+) -> Result<Vec<Span>, KernelError> {
+    let total = lens
+        .iter()
+        .try_fold(0u64, |sum, &len| sum.checked_add(len))
+        .and_then(|t| usize::try_from(t).ok())
+        .unwrap_or(usize::MAX);
+    sel.validate_in(layout, num_pages, total, true)?;
+    let mut runs = plan(layout, num_pages, sel, wire);
+    runs.sort_unstable_by_key(|r| r.staging);
+    let mut runs = runs.into_iter();
+    let mut current = runs.next();
+    let (mut out, mut at) = (Vec::with_capacity(lens.len()), 0usize);
+    for &len in lens {
+        let (start, mut end, mut left) = (current.map_or(0, |r| r.pool), None, len as usize);
+        while left > 0 {
+            match current.as_mut() {
+                Some(r) if end.is_none_or(|e| e == r.pool) => {
+                    let take = left.min(r.len);
+                    (r.pool, r.len, left) = (r.pool + take, r.len - take, left - take);
+                    end = Some(r.pool);
+                    if r.len == 0 {
+                        current = runs.next();
+                    }
+                }
+                _ => break,
+            }
+        }
+        if len == 0 || left > 0 {
+            return Err(KernelError::NotContiguous { at, len });
+        }
+        out.push(Span {
+            offset: start as u64,
+            len,
+        });
+        at += len as usize;
+    }
+    Ok(out)
+}
+
 /// Splits runs into `parts` shares of about `total / parts` bytes, cutting runs where needed.
 fn split(runs: &[Run], total: usize, parts: usize) -> Vec<Vec<Run>> {
     let target = total.div_ceil(parts);
@@ -512,8 +561,58 @@ mod tests {
             let want = xxhash_rust::xxh3::xxh3_64(&buf);
             assert_eq!(k.checksum(&src_pool, &src, wire).unwrap(), want);
             assert_eq!(k.checksum(&direct, &dst, wire).unwrap(), want);
+            // The receiver of placed runs finds the same places from the lengths alone.
+            let lens: Vec<u64> = runs.iter().map(|r| r.len).collect();
+            let places = placements(&dl, dst_n, &dst, wire, &lens).unwrap();
+            let want: Vec<Span> = runs
+                .iter()
+                .map(|r| Span {
+                    offset: r.dst,
+                    len: r.len,
+                })
+                .collect();
+            assert_eq!(places, want, "case {case}: placements");
         }
         println!("{cases} random pool-to-pool cases matched gather + scatter");
+    }
+
+    #[test]
+    fn placements_refuse_runs_that_are_not_contiguous_or_do_not_add_up() {
+        let l = llama(PageOrder::TokenMajor);
+        let pages: Vec<u32> = vec![3, 1]; // not consecutive: each layer's plane is two runs
+        let sel = Selection {
+            pages: &pages,
+            tokens: 0..32,
+            layers: 0..1,
+            heads: 0..8,
+        };
+        let page = 16 * 8 * 128 * 2; // one page of one plane of one layer
+        let wire = PageOrder::TokenMajor;
+        let exact = placements(&l, 4, &sel, wire, &[page; 4]).unwrap();
+        assert_eq!(exact.len(), 4);
+        assert!(exact.iter().all(|s| s.len == page));
+        // A run across the gap between page 3 and page 1.
+        let across = placements(&l, 4, &sel, wire, &[page / 2, page, page / 2, 2 * page]);
+        assert_eq!(
+            across,
+            Err(KernelError::NotContiguous {
+                at: page as usize / 2,
+                len: page
+            })
+        );
+        // Lengths that do not add up to the selection, and empty runs.
+        assert!(matches!(
+            placements(&l, 4, &sel, wire, &[page; 3]),
+            Err(KernelError::StagingSize { .. })
+        ));
+        assert!(matches!(
+            placements(&l, 4, &sel, wire, &[0, page, page, page, page]),
+            Err(KernelError::NotContiguous { at: 0, len: 0 })
+        ));
+        assert!(matches!(
+            placements(&l, 4, &sel, wire, &[u64::MAX, 2]),
+            Err(KernelError::StagingSize { .. })
+        ));
     }
 
     #[test]

@@ -109,6 +109,14 @@ pub enum KernelError {
         /// Bytes of the buffer.
         actual: usize,
     },
+    /// A placed run that is not one contiguous range of the pool (or is empty).
+    #[error("a run of {len} bytes at wire offset {at} is not one contiguous range of the pool")]
+    NotContiguous {
+        /// Offset of the run in the chunk's wire order.
+        at: usize,
+        /// Bytes of the run.
+        len: u64,
+    },
     /// Selection arithmetic overflowed.
     #[error(transparent)]
     Layout(#[from] LayoutError),

@@ -27,8 +27,8 @@ use uuid::Uuid;
 
 use super::{
     Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_AUX,
-    MAX_BODY, MAX_PAGES, MAX_STRING, MIN_VERSION, Message, Ranks, RemoteMemory, Role,
-    TransferRequest, VERSION, WireLayout,
+    MAX_BODY, MAX_PAGES, MAX_RUNS, MAX_STRING, MIN_VERSION, Message, Placed, Posted, Ranks,
+    RemoteMemory, Role, TransferRequest, VERSION, WireLayout,
 };
 use crate::layout::{AttentionKind, Dtype, PageOrder};
 use crate::reason::FailureCode;
@@ -50,6 +50,7 @@ const KIND_ABORT_ACK: u8 = 7;
 const KIND_HEARTBEAT: u8 = 8;
 const KIND_ERROR: u8 = 9;
 const KIND_CREDIT: u8 = 10;
+const KIND_POSTED: u8 = 11;
 
 /// Why a byte string is not a valid frame. Every variant is the sender's fault (or foreign
 /// traffic); the receiver answers with `bad_message` (or `incompatible_version`) and keeps serving.
@@ -175,7 +176,7 @@ pub fn peek_header(bytes: &[u8]) -> Result<Header, DecodeError> {
     let kind = r.u8("header")?;
     let flags = r.u8("header")?;
     let body_len = r.u32("header")?;
-    if !(KIND_HELLO..=KIND_CREDIT).contains(&kind) {
+    if !(KIND_HELLO..=KIND_POSTED).contains(&kind) {
         return Err(DecodeError::UnknownKind(kind));
     }
     if kind != KIND_HELLO && !(MIN_VERSION..=VERSION).contains(&version) {
@@ -273,6 +274,9 @@ impl Message {
                 if version >= 2 {
                     w.u8(u8::from(m.direct));
                 }
+                if version >= 3 {
+                    w.placed(m.placed.as_ref());
+                }
             }
             Message::Done(m) => {
                 w.u64(m.room);
@@ -303,6 +307,11 @@ impl Message {
             Message::Credit(m) => {
                 w.uuid(&m.instance);
                 w.u32(m.slots);
+            }
+            Message::Posted(m) => {
+                w.uuid(&m.instance);
+                w.u64(m.key);
+                w.u8(u8::from(m.accepted));
             }
         }
         let body_len = saturate(out.len() - start - HEADER_LEN);
@@ -369,6 +378,10 @@ impl Message {
                 len: r.u64("len")?,
                 checksum: r.u64("checksum")?,
                 direct: header.version >= 2 && r.flag("direct")?,
+                placed: match header.version >= 3 {
+                    true => r.placed()?,
+                    false => None,
+                },
             }),
             KIND_DONE => Message::Done(Done {
                 room: r.u64("room")?,
@@ -400,6 +413,11 @@ impl Message {
                 instance: r.uuid("instance")?,
                 slots: r.u32("slots")?,
             }),
+            KIND_POSTED => Message::Posted(Posted {
+                instance: r.uuid("instance")?,
+                key: r.u64("key")?,
+                accepted: r.flag("accepted")?,
+            }),
             other => return Err(DecodeError::UnknownKind(other)),
         };
         // A newer peer's Hello may append fields this build does not know.
@@ -423,6 +441,7 @@ impl Message {
             Message::Heartbeat(_) => KIND_HEARTBEAT,
             Message::Error(_) => KIND_ERROR,
             Message::Credit(_) => KIND_CREDIT,
+            Message::Posted(_) => KIND_POSTED,
         }
     }
 }
@@ -491,6 +510,21 @@ impl Writer<'_> {
                 self.u64(m.base);
                 self.u64(m.size);
                 self.blob(&m.key);
+            }
+            None => self.u8(0),
+        }
+    }
+
+    /// Tag 0, or tag 1 + key + u32 count + u64 lengths.
+    fn placed(&mut self, p: Option<&Placed>) {
+        match p {
+            Some(p) => {
+                self.u8(1);
+                self.u64(p.key);
+                self.u32(saturate(p.runs.len()));
+                for &len in &p.runs {
+                    self.u64(len);
+                }
             }
             None => self.u8(0),
         }
@@ -627,6 +661,28 @@ impl<'a> Reader<'a> {
             size: self.u64(what)?,
             key: self.blob(what)?,
         }))
+    }
+
+    fn placed(&mut self) -> Result<Option<Placed>, DecodeError> {
+        if !self.flag("placed")? {
+            return Ok(None);
+        }
+        let key = self.u64("placed.key")?;
+        let count = self.u32("placed.runs")? as usize;
+        if count > MAX_RUNS {
+            return Err(DecodeError::TooLarge {
+                what: "placed.runs",
+                len: count,
+                max: MAX_RUNS,
+            });
+        }
+        // The items must be present before anything is allocated for them.
+        let mut items = Reader::new(self.take(count * 8, "placed.runs")?);
+        let mut runs = Vec::with_capacity(count);
+        while !items.is_empty() {
+            runs.push(items.u64("placed.runs")?);
+        }
+        Ok(Some(Placed { key, runs }))
     }
 
     fn string(&mut self, what: &'static str) -> Result<String, DecodeError> {

@@ -25,7 +25,7 @@ pub use crate::transport::RemoteMemory;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 pub const MIN_VERSION: u16 = 1;
 /// Largest body a control frame may carry; larger frames are refused before allocation.
@@ -34,6 +34,8 @@ pub const MAX_BODY: usize = 16 << 20;
 pub const MAX_STRING: usize = 4096;
 /// Most pages one message may list.
 pub const MAX_PAGES: usize = 1 << 20;
+/// Most runs one placed chunk may have (`Placed::runs`; the transport numbers them in 16 bits).
+pub const MAX_RUNS: usize = 1 << 16;
 /// Largest opaque payload a Done may carry (`Done::aux`).
 pub const MAX_AUX: usize = 64 << 10;
 
@@ -174,6 +176,20 @@ pub struct Chunk {
     /// The bytes were written straight into the decode pool's pages (one-sided, flushed
     /// before this header was sent); no payload follows.
     pub direct: bool,
+    /// The bytes follow as placed messages, one per run, which the decode receives straight
+    /// into its pages (version 3); no payload follows.
+    pub placed: Option<Placed>,
+}
+
+/// How a placed chunk's bytes follow its header: the chunk's bytes in wire order, cut into
+/// runs that are each contiguous in the prefill's pool and in the decode's. The decode
+/// computes each run's place in its pages from its own layout (`kernel::cpu::placements`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// Names the chunk's messages on the transport (UCX: the tags of its runs).
+    pub key: u64,
+    /// Bytes of each run, in wire order; at most [`MAX_RUNS`].
+    pub runs: Vec<u64>,
 }
 
 /// Prefill -> decode: every chunk of the room has been posted.
@@ -231,6 +247,20 @@ pub struct Credit {
     pub slots: u32,
 }
 
+/// Decode -> prefill (version 3): the receives for a placed chunk's runs are posted (or,
+/// `accepted` false, never will be: the chunk was refused or its room ended), so the prefill
+/// sends the runs (or drops them). Runs therefore always meet a posted receive: UCX 1.13 can
+/// crash a receiver that matches a receive to a run queued by a sender that died since.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Posted {
+    /// The sender's (decode's) instance id.
+    pub instance: Uuid,
+    /// The chunk's `Placed::key`.
+    pub key: u64,
+    /// Whether the receives are posted.
+    pub accepted: bool,
+}
+
 /// Either side: a message could not be served.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ErrorMsg {
@@ -265,6 +295,8 @@ pub enum Message {
     Error(ErrorMsg),
     /// See [`Credit`].
     Credit(Credit),
+    /// See [`Posted`].
+    Posted(Posted),
 }
 
 impl Message {
@@ -281,6 +313,7 @@ impl Message {
             Message::Heartbeat(_) => "heartbeat",
             Message::Error(_) => "error",
             Message::Credit(_) => "credit",
+            Message::Posted(_) => "posted",
         }
     }
 }

@@ -126,6 +126,14 @@ pub struct RemoteMemory {
 pub struct WritePath {
     /// The underlying transports that carry them (e.g. `cma`, `tcp`, `rc_mlx5`).
     pub via: String,
+    /// Whether the transport can send runs straight from the pool for the receiver to place
+    /// ([`DataSender::send_runs`], [`Placer`]): no gather, no scatter, and no write into
+    /// the receiver's memory that the receiver did not post itself.
+    pub placed: bool,
+    /// Whether the transport pushes messages without waiting for the receiver (eager, not
+    /// rendezvous): placed runs sent before the receiver posts their receives are then
+    /// buffered and copied, so a sender places one chunk at a time.
+    pub eager: bool,
     /// Whether they are the fast and safe way there: native one-sided writes (RDMA) on an
     /// endpoint whose peer's death the transport detects. UCX 1.13 emulates puts over tcp at a
     /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
@@ -141,6 +149,16 @@ pub struct WriteRun {
     pub src: u64,
     /// Offset in the receiver's memory.
     pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// A contiguous range of a pool: the run of a placed send ([`DataSender::send_runs`]) or the
+/// place a receiver lands it ([`Placer::place`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    /// Offset in the pool.
+    pub offset: u64,
     /// Bytes.
     pub len: u64,
 }
@@ -170,6 +188,39 @@ pub trait DataSender: Send {
         let _ = (source, runs);
         Box::pin(async { Err(TransportError::new("write", "-", "no one-sided writes")) })
     }
+
+    /// Sends each run of `source` as its own message, for the receiver to place where it
+    /// chooses ([`Placer::place`] with the same `key`). The runs are queued before this
+    /// returns, behind what was sent before and ahead of what is sent after; the future
+    /// resolves once the receiver has taken every byte.
+    fn send_runs(
+        &mut self,
+        source: Arc<HostPool>,
+        key: u64,
+        runs: Vec<Span>,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        let _ = (source, key, runs);
+        Box::pin(async { Err(TransportError::new("send_runs", "-", "no placed sends")) })
+    }
+}
+
+/// Placed runs landing: resolves once all have landed, or with the first error.
+pub type Landing = BoxFuture<'static, Result<(), TransportError>>;
+
+/// Receives the runs of [`DataSender::send_runs`] straight into a pool.
+pub trait Placer: Send + Sync {
+    /// Posts receives for the runs sent under `key` into `places` of `pool` (run `i` at
+    /// `places[i]`, of exactly its length); resolves once they are posted (only then may the
+    /// sender send them), with their [`Landing`]. When `cancel` fires, receives still open
+    /// are cancelled, and the landing still resolves only once the transport writes nothing
+    /// more into the pool.
+    fn place(
+        &self,
+        pool: Arc<HostPool>,
+        key: u64,
+        places: Vec<Span>,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> BoxFuture<'static, Result<Landing, TransportError>>;
 }
 
 /// Receives chunks from any number of senders.
@@ -180,6 +231,12 @@ pub trait DataReceiver: Send {
     /// A sender died: drop receives it may have left half-matched (they would never complete)
     /// and post fresh ones. Transports whose receives cannot hang on a dead sender do nothing.
     fn reset(&mut self) {}
+
+    /// What places runs sent with [`DataSender::send_runs`] into a pool, when this transport
+    /// can (the default: it cannot).
+    fn placer(&self) -> Option<Arc<dyn Placer>> {
+        None
+    }
 
     /// Exposes `pool` to senders for one-sided writes; the key they need, or `None` when this
     /// transport has none (the default).

@@ -4,10 +4,15 @@
 //! thread, and its staging slot returned to the prefill as a credit.
 //!
 //! A direct chunk (`Chunk.direct`) carries no payload: the prefill wrote its bytes into the
-//! pool and flushed them before sending the header. It is checked the same way, its checksum
-//! computed over the pool in place, and it is counted without a scatter.
+//! pool and flushed them before sending the header. A placed chunk (`Chunk.placed`) carries
+//! none either: its runs follow as messages, which this agent receives straight into the
+//! places it computes from its own layout (`kernel::cpu::placements`), and which it cancels if
+//! the room ends first; the chunk holds the room's pages (`scattering`) until the transport
+//! has let go of them. Both are checked like a staged chunk, their checksum computed over the
+//! pool in place, and counted without a scatter.
 
 use super::*;
+use crate::protocol::Placed;
 
 /// A chunk admitted for scattering: the room's pages, the destination selection (its page
 /// list filled in on the blocking thread) and the wire order.
@@ -157,45 +162,41 @@ impl Inner {
     }
 
     pub(super) async fn land(self: &Arc<Self>, chunk: &Chunk, payload: Bytes) {
+        let admitted = self
+            .admit_payload(chunk, &payload)
+            .and_then(|len| self.admit_chunk(chunk, len));
         let Admitted {
             pages,
             sel,
             wire,
             source,
-        } = match self
-            .admit_direct(chunk, &payload)
-            .and_then(|len| self.admit_chunk(chunk, len))
-        {
+        } = match admitted {
             Ok(v) => v,
-            Err(None) => return,
-            Err(Some(reason)) => {
-                self.metrics.protocol_error("inconsistent");
-                return self.fail(chunk.room, reason);
+            Err(refused) => {
+                if let Some(p) = &chunk.placed {
+                    // The sender holds the runs until told.
+                    self.posted(chunk, p.key, false).await;
+                }
+                if let Some(reason) = refused {
+                    self.metrics.protocol_error("inconsistent");
+                    self.fail(chunk.room, reason);
+                }
+                return;
             }
         };
-        let (pool, kernel) = (self.pool.clone(), self.kernel);
-        let (verify, sent_sum, direct) = (self.cfg.checksum, chunk.checksum, chunk.direct);
         let started = Instant::now();
-        let scattered = tokio::task::spawn_blocking(move || {
-            let sel = Selection {
-                pages: &pages,
-                ..sel
-            };
-            if verify {
-                let sum = match direct {
-                    true => crate::agent::checksum_digest(kernel.checksum(&pool, &sel, wire)?),
-                    false => crate::agent::checksum(&payload),
-                };
-                if sent_sum != sum {
-                    return Ok(Err(format!("checksum {sum:#018x} of the landed bytes differs from the sender's {sent_sum:#018x}")));
-                }
+        let landed = match &chunk.placed {
+            Some(placed) => self.place(chunk, placed, &pages, &sel, wire).await,
+            None => Ok(()),
+        };
+        let in_place = chunk.direct || chunk.placed.is_some();
+        let landed = match landed {
+            Ok(()) => {
+                self.verify_and_scatter(chunk, payload, pages, sel, wire)
+                    .await
             }
-            match direct {
-                true => Ok(Ok(())),
-                false => kernel.scatter(&payload, wire, &pool, &sel).map(Ok),
-            }
-        })
-        .await;
+            Err(reason) => Err(reason),
+        };
         let mut rooms = self.rooms();
         let Some(room) = rooms.get_mut(&chunk.room) else {
             return;
@@ -205,86 +206,233 @@ impl Inner {
             // Now safe to reuse: wake engines long-polling for that.
             room.status.touch();
         }
-        match scattered {
-            Ok(Ok(Err(mismatch))) => {
-                let reason = Reason::new(
-                    FailureCode::Checksum,
-                    format!(
-                        "chunk {} from {}: {mismatch}",
-                        chunk.seq, chunk.prefill_instance
-                    ),
-                );
-                if room.status.fail(reason) {
-                    self.finished(room);
-                }
+        if let Err(reason) = landed {
+            if room.status.fail(reason) {
+                self.finished(room);
             }
-            Ok(Ok(Ok(()))) => {
-                let path = match direct {
-                    true => &self.metrics.chunks_direct,
-                    false => {
-                        self.metrics.scatter.observe(started.elapsed());
-                        &self.metrics.chunks_staged
-                    }
-                };
-                path.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                room.landed += chunk.len as usize;
-                room.chunks += 1;
-                room.progress_at = Instant::now();
-                if let Some(s) = room.sources.get_mut(source) {
-                    s.landed += chunk.len as usize;
-                    s.chunks += 1;
-                }
-                self.metrics
-                    .bytes
-                    .fetch_add(chunk.len, std::sync::atomic::Ordering::Relaxed);
-                self.check_complete(chunk.room, room);
+            return;
+        }
+        let path = match (chunk.direct, in_place) {
+            (true, _) => &self.metrics.chunks_direct,
+            (false, true) => &self.metrics.chunks_placed,
+            (false, false) => {
+                self.metrics.scatter.observe(started.elapsed());
+                &self.metrics.chunks_staged
             }
-            Ok(Err(e)) => {
-                if room.status.fail(Reason::new(
-                    FailureCode::BadMessage,
-                    format!("chunk {}: {e}", chunk.seq),
-                )) {
-                    self.finished(room);
-                }
+        };
+        path.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        room.landed += chunk.len as usize;
+        room.chunks += 1;
+        room.progress_at = Instant::now();
+        if let Some(s) = room.sources.get_mut(source) {
+            s.landed += chunk.len as usize;
+            s.chunks += 1;
+        }
+        self.metrics
+            .bytes
+            .fetch_add(chunk.len, std::sync::atomic::Ordering::Relaxed);
+        self.check_complete(chunk.room, room);
+    }
+
+    /// Receives a placed chunk's runs straight into the room's pages, at the places this agent
+    /// computes from its own layout: posts the receives, tells the prefill (`Posted`), and
+    /// resolves once the transport writes nothing more there: when every run landed, or, if
+    /// the room ends first (failed, aborted, expired) or the agent stops, once the receives
+    /// still open are cancelled.
+    async fn place(
+        &self,
+        chunk: &Chunk,
+        placed: &Placed,
+        pages: &Arc<[u32]>,
+        sel: &Selection<'static>,
+        wire: PageOrder,
+    ) -> Result<(), Reason> {
+        let cancel = CancellationToken::new();
+        let landing = match self.post(chunk, placed, pages, sel, wire, &cancel).await {
+            Ok(landing) => landing,
+            Err(reason) => {
+                self.posted(chunk, placed.key, false).await;
+                return Err(reason);
             }
-            Err(e) => {
-                if room.status.fail(Reason::new(
-                    FailureCode::BadMessage,
-                    format!("scatter of chunk {} stopped: {e}", chunk.seq),
-                )) {
-                    self.finished(room);
-                }
+        };
+        self.posted(chunk, placed.key, true).await;
+        let room_state = self.rooms().get(&chunk.room).map(|r| r.status.subscribe());
+        let room_ended = async move {
+            if let Some(mut state) = room_state {
+                // Also returns when the room is dropped (its sender goes).
+                let _ = state.wait_for(|s| s.is_final()).await;
             }
+        };
+        tokio::pin!(landing);
+        let result = tokio::select! {
+            r = &mut landing => r,
+            () = room_ended => {
+                cancel.cancel();
+                landing.await
+            }
+            () = self.shutdown.cancelled() => {
+                cancel.cancel();
+                landing.await
+            }
+        };
+        result.map_err(|e| {
+            let m = format!(
+                "placed runs of chunk {} from {}: {e}",
+                chunk.seq, chunk.prefill_instance
+            );
+            Reason::new(FailureCode::PeerDead, m)
+        })
+    }
+
+    /// Posts the receives of a placed chunk's runs.
+    async fn post(
+        &self,
+        chunk: &Chunk,
+        placed: &Placed,
+        pages: &Arc<[u32]>,
+        sel: &Selection<'static>,
+        wire: PageOrder,
+        cancel: &CancellationToken,
+    ) -> Result<transport::Landing, Reason> {
+        let what = format!("chunk {} from {}", chunk.seq, chunk.prefill_instance);
+        let sel = Selection {
+            pages,
+            ..sel.clone()
+        };
+        let places = crate::kernel::cpu::placements(
+            self.pool.layout(),
+            self.pool.num_pages(),
+            &sel,
+            wire,
+            &placed.runs,
+        )
+        .map_err(|e| Reason::new(FailureCode::BadMessage, format!("{what}: {e}")))?;
+        let Some(placer) = &self.placer else {
+            // Admission refuses placed chunks without a placer.
+            return Err(Reason::new(
+                FailureCode::BadMessage,
+                format!("{what}: no placer"),
+            ));
+        };
+        placer
+            .place(self.pool.clone(), placed.key, places, cancel.clone())
+            .await
+            .map_err(|e| Reason::new(FailureCode::PeerDead, format!("{what}: {e}")))
+    }
+
+    /// Tells the prefill of a placed chunk whether its runs' receives are posted.
+    async fn posted(&self, chunk: &Chunk, key: u64, accepted: bool) {
+        let peer = self.peers().get(&chunk.prefill_instance).cloned();
+        let Some(peer) = peer else { return };
+        let posted = Message::Posted(protocol::Posted {
+            instance: self.instance,
+            key,
+            accepted,
+        });
+        if let Err(reason) = peer.send(&posted, self.cfg.timeouts.send).await {
+            tracing::warn!(%reason, key, accepted, "Posted not delivered");
         }
     }
 
-    /// The bytes a chunk brings: its payload, or for a direct chunk the bytes the header says
-    /// were written (then no payload may follow, and this agent must have exposed its pool).
-    fn admit_direct(&self, c: &Chunk, payload: &Bytes) -> Result<usize, Option<Reason>> {
-        if !c.direct {
+    /// Checks a chunk's checksum (of its payload, or of the bytes in place when it came
+    /// direct or placed) and scatters its payload, on a blocking thread.
+    async fn verify_and_scatter(
+        &self,
+        chunk: &Chunk,
+        payload: Bytes,
+        pages: Arc<[u32]>,
+        sel: Selection<'static>,
+        wire: PageOrder,
+    ) -> Result<(), Reason> {
+        let (pool, kernel) = (self.pool.clone(), self.kernel);
+        let (verify, sent_sum) = (self.cfg.checksum, chunk.checksum);
+        let in_place = chunk.direct || chunk.placed.is_some();
+        let done = tokio::task::spawn_blocking(move || {
+            let sel = Selection {
+                pages: &pages,
+                ..sel
+            };
+            if verify {
+                let sum = match in_place {
+                    true => crate::agent::checksum_digest(kernel.checksum(&pool, &sel, wire)?),
+                    false => crate::agent::checksum(&payload),
+                };
+                if sent_sum != sum {
+                    return Ok(Err(format!("checksum {sum:#018x} of the landed bytes differs from the sender's {sent_sum:#018x}")));
+                }
+            }
+            match in_place {
+                true => Ok(Ok(())),
+                false => kernel.scatter(&payload, wire, &pool, &sel).map(Ok),
+            }
+        })
+        .await;
+        let (seq, from) = (chunk.seq, chunk.prefill_instance);
+        match done {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(mismatch))) => Err(Reason::new(
+                FailureCode::Checksum,
+                format!("chunk {seq} from {from}: {mismatch}"),
+            )),
+            Ok(Err(e)) => Err(Reason::new(
+                FailureCode::BadMessage,
+                format!("chunk {seq}: {e}"),
+            )),
+            Err(e) => Err(Reason::new(
+                FailureCode::BadMessage,
+                format!("scatter of chunk {seq} stopped: {e}"),
+            )),
+        }
+    }
+
+    /// The bytes a chunk brings: its payload, or for a direct or placed chunk the bytes the
+    /// header says (then no payload may follow; a direct chunk must come from a prefill that
+    /// announced direct writes, a placed one needs a transport that places).
+    fn admit_payload(&self, c: &Chunk, payload: &Bytes) -> Result<usize, Option<Reason>> {
+        if !c.direct && c.placed.is_none() {
             return Ok(payload.len());
         }
         let bad = |m: String| Some(Reason::new(FailureCode::BadMessage, m));
-        // Only a prefill that announced direct writes (HelloAck) is tracked as a writer of
-        // its rooms' pages (`Writes`); one that did not may not claim any.
-        let announced = self
-            .peers()
-            .get(&c.prefill_instance)
-            .is_some_and(|p| p.direct);
-        if !announced {
-            return Err(bad(format!(
-                "chunk {} from {} claims a direct write, but that prefill did not announce direct writes to this decode",
-                c.seq, c.prefill_instance
-            )));
+        let (seq, from) = (c.seq, c.prefill_instance);
+        if c.direct {
+            // Only a prefill that announced direct writes (HelloAck) is tracked as a writer
+            // of its rooms' pages (`Writes`); one that did not may not claim any.
+            let announced = self.peers().get(&from).is_some_and(|p| p.direct);
+            if !announced || c.placed.is_some() {
+                return Err(bad(format!(
+                    "chunk {seq} from {from} claims a direct write, but that prefill did not announce direct writes to this decode{}",
+                    if announced {
+                        " (or it claims placed runs too)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        }
+        if let Some(p) = &c.placed {
+            if self.placer.is_none() {
+                return Err(bad(format!(
+                    "chunk {seq} from {from} has placed runs, but this decode's transport ({}) cannot place them",
+                    self.cfg.transport
+                )));
+            }
+            let sum = p.runs.iter().try_fold(0u64, |a, &l| a.checked_add(l));
+            if sum != Some(c.len) {
+                return Err(bad(format!(
+                    "chunk {seq} from {from}: its {} placed runs do not add up to its {} bytes",
+                    p.runs.len(),
+                    c.len
+                )));
+            }
         }
         if !payload.is_empty() {
             return Err(bad(format!(
-                "direct chunk {} carries a {}-byte payload",
-                c.seq,
+                "chunk {seq} from {from} comes {} but carries a {}-byte payload",
+                if c.direct { "direct" } else { "placed" },
                 payload.len()
             )));
         }
-        usize::try_from(c.len).map_err(|_| bad(format!("chunk {} length {}", c.seq, c.len)))
+        usize::try_from(c.len).map_err(|_| bad(format!("chunk {seq} length {}", c.len)))
     }
 
     pub(super) fn bad_message(&self, kind: &'static str, what: String) {

@@ -104,6 +104,7 @@ impl DecodeAgent {
             registry: registry.clone(),
             data_endpoint: data_endpoint.clone(),
             pool_key,
+            placer: receiver.placer(),
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             connecting: tokio::sync::Mutex::new(()),
@@ -197,6 +198,8 @@ struct Inner {
     data_endpoint: String,
     /// The pool as exposed for one-sided writes (sent in Hello), when the transport has them.
     pool_key: Option<transport::RemoteMemory>,
+    /// Receives placed runs into the pool, when the transport can.
+    placer: Option<Arc<dyn transport::Placer>>,
     rooms: Mutex<HashMap<u64, Room>>,
     /// Control connections by prefill instance.
     peers: Mutex<HashMap<Uuid, Arc<Peer>>>,

@@ -33,6 +33,19 @@ pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
                     inner.on_credit(peer, c.slots);
                 }
             }
+            Ok(Message::Posted(p)) if peer.as_ref().is_some_and(|x| x.instance == p.instance) => {
+                let waiting = peer.as_ref().and_then(|peer| {
+                    let mut posted = peer.posted.lock().unwrap_or_else(|e| e.into_inner());
+                    posted.remove(&p.key)
+                });
+                match waiting {
+                    Some(tx) => {
+                        let _ = tx.send(p.accepted);
+                    }
+                    // The chunk's transfer gave up waiting, or the key is not ours.
+                    None => tracing::debug!(key = p.key, "Posted for no placed chunk waiting"),
+                }
+            }
             Ok(Message::Heartbeat(_)) => {}
             Ok(other) => {
                 inner.metrics.protocol_error("unexpected");
@@ -116,8 +129,11 @@ impl Inner {
                 return refuse(FailureCode::Unreachable, msg).await;
             }
         };
-        let direct_target = self.direct_target(&hello, &mut data).await;
-        let direct = direct_target.is_some();
+        let direct_target = self.direct_target(&hello, version, &mut data).await;
+        // Only one-sided writers are announced: placed runs land where the decode posts them.
+        let direct = direct_target
+            .as_ref()
+            .is_some_and(|t| t.method == crate::agent::DirectMethod::Write);
         let slots = (hello.slots as usize).min(Semaphore::MAX_PERMITS);
         let peer = Arc::new(Peer {
             instance: hello.instance,
@@ -130,6 +146,7 @@ impl Inner {
             slot_bytes: hello.slot_bytes as usize,
             last_seen: Mutex::new(Instant::now()),
             direct: direct_target,
+            posted: Mutex::new(HashMap::new()),
         });
         if let Some(old) = self.peers().insert(identity.clone(), peer) {
             old.credits.close();
@@ -269,6 +286,7 @@ impl Inner {
     async fn direct_target(
         &self,
         hello: &Hello,
+        version: u16,
         data: &mut Box<dyn DataSender>,
     ) -> Option<super::DirectTarget> {
         let memory = hello.pool.as_ref()?;
@@ -284,13 +302,13 @@ impl Inner {
                 return None;
             }
         };
-        if !self.cfg.direct_writes.allows(&path) {
-            tracing::info!(%decode, via = %path.via, "one-sided writes are slow here; staging");
+        let Some(method) = self.cfg.direct_writes.method(&path, version) else {
+            tracing::info!(%decode, via = %path.via, "no fast, safe direct path here; staging");
             return None;
-        }
-        match super::DirectTarget::new(hello, memory, path) {
+        };
+        match super::DirectTarget::new(hello, memory, path, method) {
             Ok(target) => {
-                tracing::info!(%decode, via = %target.path.via, pages = target.num_pages, "direct writes into the decode pool");
+                tracing::info!(%decode, via = %target.path.via, ?method, pages = target.num_pages, "direct path into the decode pool");
                 Some(target)
             }
             Err(why) => {

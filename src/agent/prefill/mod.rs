@@ -207,6 +207,8 @@ struct Peer {
     last_seen: Mutex<Instant>,
     /// The decode's pool, when this prefill may write into it directly.
     direct: Option<DirectTarget>,
+    /// Placed chunks sent, by key, waiting for the decode's `Posted`.
+    posted: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<bool>>>,
 }
 
 /// A decode pool this prefill writes into directly (the direct path): its layout and size,
@@ -215,6 +217,7 @@ struct DirectTarget {
     layout: crate::layout::KvLayout,
     num_pages: usize,
     path: transport::WritePath,
+    method: crate::agent::DirectMethod,
 }
 
 impl DirectTarget {
@@ -223,6 +226,7 @@ impl DirectTarget {
         hello: &Hello,
         memory: &transport::RemoteMemory,
         path: transport::WritePath,
+        method: crate::agent::DirectMethod,
     ) -> Result<Self, String> {
         let layout = crate::agent::layout_of(&hello.layout).map_err(|e| e.to_string())?;
         let span = layout.page_span().map_err(|e| e.to_string())? as u64;
@@ -236,6 +240,7 @@ impl DirectTarget {
             layout,
             num_pages: (memory.size / span) as usize,
             path,
+            method,
         })
     }
 }

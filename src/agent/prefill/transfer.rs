@@ -4,24 +4,41 @@
 //!
 //! Two data paths, chosen per piece of a segment:
 //! - *staged*: gather into a staging slot, send it, the decode scatters it;
-//! - *direct*: when the decode exposed its pool, the transport's one-sided writes are allowed
-//!   (`--direct-writes`) and the piece's runs are long (at least one page block of the decode
-//!   on average: the head layouts line up), each chunk's runs are written from this pool
-//!   straight into the decode's pages and flushed, then its header (`direct`, no payload)
-//!   follows. No gather, no scatter, no staging memory.
+//! - *direct*: when the decode exposed its pool, `--direct-writes` found a direct method for
+//!   the pair (`DirectTarget::method`) and the piece's runs are long (at least one page block
+//!   of the decode on average: the head layouts line up), each chunk's runs go from this pool
+//!   straight into the decode's pages. No gather, no scatter, no staging memory. Either
+//!   written one-sided and flushed, then the header (`direct`, no payload) follows; or placed:
+//!   the header (`placed`: a random key and the runs' lengths) goes first, then one message
+//!   per run, which the decode receives straight into the places it computes itself.
 
 use std::sync::atomic::Ordering;
 
 use super::*;
+use crate::agent::DirectMethod;
 use crate::kernel::cpu::PoolSide;
-use crate::transport::WriteRun;
+use crate::protocol::Placed;
+use crate::transport::{Span, TransportError, WriteRun};
 
-/// What follows a chunk's header: its staged bytes, or nothing (the bytes were written into
-/// the decode pool directly, this many).
+/// What goes with a chunk's header: its staged bytes; nothing (the bytes were written into
+/// the decode pool directly, this many); or, after it, its runs as placed messages.
 enum Payload {
     Staged(Vec<u8>),
     Direct(usize),
+    Placed(Vec<WriteRun>),
 }
+
+/// A placed chunk's runs on their way: resolves once the decode has posted their receives
+/// and taken them (an error with op `posted`: it refused them).
+type Taken = transport::BoxFuture<'static, Result<(), transport::TransportError>>;
+
+/// Placed chunks whose runs may be in flight at once beyond the one being sent, unless the
+/// transport sends eagerly (`WritePath::eager`): then none.
+const PLACED_AHEAD: usize = 2;
+
+/// The smallest budget of a direct chunk (measured on shared memory, docs/benchmarks.md:
+/// 8 MiB placed chunks reached 5.6 GB/s per room, 32 MiB ones 7.1).
+const DIRECT_CHUNK_BYTES: usize = 32 << 20;
 
 /// `r` counted from `start`, when it does not begin before it.
 fn local(r: &Range<usize>, start: usize) -> Option<Range<usize>> {
@@ -223,8 +240,19 @@ impl Inner {
             req.heads.start as usize - l.heads.start..req.heads.end as usize - l.heads.start;
         let per_token_layer = l.selection_bytes(1, 1, heads.len()).unwrap_or(usize::MAX);
         if let Some(target) = &job.peer.direct {
-            // A direct chunk uses no staging: it may be as large as the pair's whole budget.
-            let budget = self.cfg.chunk_bytes.saturating_mul(job.peer.slots);
+            // A direct chunk uses no staging: it may be as large as the pair's whole budget,
+            // and at least DIRECT_CHUNK_BYTES, so that its fixed costs (header, plan, posted
+            // receives, completion) stay small beside its bytes.
+            let floor = if target.path.eager {
+                0
+            } else {
+                DIRECT_CHUNK_BYTES
+            };
+            let budget = self
+                .cfg
+                .chunk_bytes
+                .saturating_mul(job.peer.slots)
+                .max(floor);
             let plan = plan_chunks(
                 tokens.clone(),
                 layers.clone(),
@@ -416,6 +444,9 @@ impl Inner {
         chunks: &mut u32,
     ) -> Result<(), Reason> {
         let mut first = Some(first);
+        // Placed chunks whose runs the decode is still taking: the next chunk's header and
+        // runs go out meanwhile.
+        let mut placing: std::collections::VecDeque<Taken> = Default::default();
         for c in plan {
             self.credit(&job.peer).await?;
             if job.cancel.is_cancelled() {
@@ -438,37 +469,78 @@ impl Inner {
                 );
                 sum ^= 1;
             }
-            let len: u64 = runs.iter().map(|r| r.len).sum();
-            self.on_data_plane(job, "direct writes not flushed", |data| {
-                data.write(self.pool.clone(), runs)
-            })
-            .await?;
-            self.send_chunk(job, c, *chunks, Payload::Direct(len as usize), sum)
-                .await?;
+            let payload = match target.method {
+                DirectMethod::Place => Payload::Placed(runs),
+                DirectMethod::Write => {
+                    let len: u64 = runs.iter().map(|r| r.len).sum();
+                    self.on_data_plane(job, "direct writes not flushed", |data| {
+                        data.write(self.pool.clone(), runs)
+                    })
+                    .await?;
+                    Payload::Direct(len as usize)
+                }
+            };
+            if let Some(taken) = self.send_chunk(job, c, *chunks, payload, sum).await? {
+                placing.push_back(taken);
+            }
             *chunks += 1;
+            let ahead = if target.path.eager { 0 } else { PLACED_AHEAD };
+            while placing.len() > ahead {
+                if let Some(taken) = placing.pop_front() {
+                    self.taken(job, taken).await?;
+                }
+            }
+        }
+        for taken in placing {
+            self.taken(job, taken).await?;
         }
         Ok(())
     }
 
+    /// Waits, within the send timeout, until the decode has posted a placed chunk's receives
+    /// and taken its runs.
+    async fn taken(&self, job: &Job, taken: Taken) -> Result<(), Reason> {
+        let done = tokio::time::timeout(self.cfg.timeouts.send, taken).await;
+        match done {
+            Ok(Err(e)) if e.op == "posted" => Err(Reason::new(
+                FailureCode::Aborted,
+                format!(
+                    "decode {} refused a placed chunk (its room ended there)",
+                    job.decode
+                ),
+            )),
+            done => self.data_plane_outcome(job, "placed runs not taken", done),
+        }
+    }
+
     /// Runs one operation on the decode's data sender within the send timeout: a transport
     /// error means the peer is dead, a timeout that it stalled (`stalled` says doing what).
-    async fn on_data_plane(
+    async fn on_data_plane<T>(
         &self,
         job: &Job,
         stalled: &str,
         op: impl for<'s> FnOnce(
             &'s mut Box<dyn DataSender>,
         )
-            -> transport::BoxFuture<'s, Result<(), transport::TransportError>>,
-    ) -> Result<(), Reason> {
-        let timeout = self.cfg.timeouts.send;
-        let done = tokio::time::timeout(timeout, async {
+            -> transport::BoxFuture<'s, Result<T, transport::TransportError>>,
+    ) -> Result<T, Reason> {
+        let done = tokio::time::timeout(self.cfg.timeouts.send, async {
             let mut data = job.peer.data.lock().await;
             op(&mut data).await
         })
         .await;
+        self.data_plane_outcome(job, stalled, done)
+    }
+
+    fn data_plane_outcome<T>(
+        &self,
+        job: &Job,
+        stalled: &str,
+        done: Result<Result<T, transport::TransportError>, tokio::time::error::Elapsed>,
+    ) -> Result<T, Reason> {
+        let timeout = self.cfg.timeouts.send;
         match done {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(Reason::new(FailureCode::PeerDead, e.to_string())),
             Err(_) => Err(Reason::new(
                 FailureCode::TimeoutStall,
@@ -487,15 +559,23 @@ impl Inner {
         seq: u32,
         payload: Payload,
         checksum: u64,
-    ) -> Result<(), Reason> {
-        let (len, direct, payload, path) = match payload {
-            Payload::Staged(bytes) => (
-                bytes.len(),
-                false,
-                self.slots.bytes(bytes),
-                &self.metrics.chunks_staged,
-            ),
-            Payload::Direct(len) => (len, true, Bytes::new(), &self.metrics.chunks_direct),
+    ) -> Result<Option<Taken>, Reason> {
+        let (len, direct, path, payload, placed) = match payload {
+            Payload::Staged(bytes) => {
+                let len = bytes.len();
+                let path = &self.metrics.chunks_staged;
+                (len, false, path, self.slots.bytes(bytes), None)
+            }
+            Payload::Direct(len) => (len, true, &self.metrics.chunks_direct, Bytes::new(), None),
+            Payload::Placed(runs) => {
+                let len = runs.iter().map(|r| r.len).sum::<u64>() as usize;
+                let placed = Placed {
+                    key: Uuid::new_v4().as_u64_pair().0,
+                    runs: runs.iter().map(|r| r.len).collect(),
+                };
+                let path = &self.metrics.chunks_placed;
+                (len, false, path, Bytes::new(), Some((placed, runs)))
+            }
         };
         let header = Message::Chunk(Chunk {
             room: job.room,
@@ -507,10 +587,37 @@ impl Inner {
             len: len as u64,
             checksum,
             direct,
+            placed: placed.as_ref().map(|(p, _)| p.clone()),
         });
         let header = header.encode_as(job.peer.version).into();
+        // Runs go once the decode has posted their receives (`Posted`), never before.
+        let posted = placed.as_ref().map(|(p, _)| {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let mut waiting = job.peer.posted.lock().unwrap_or_else(|e| e.into_inner());
+            waiting.insert(p.key, tx);
+            rx
+        });
         self.on_data_plane(job, "no chunk taken", |data| data.send(header, payload))
             .await?;
+        let taken = placed.zip(posted).map(|((placed, runs), posted)| {
+            let (peer, pool) = (job.peer.clone(), self.pool.clone());
+            let spans: Vec<Span> = runs
+                .iter()
+                .map(|r| Span {
+                    offset: r.src,
+                    len: r.len,
+                })
+                .collect();
+            let taken: Taken = Box::pin(async move {
+                let refused = || TransportError::new("posted", &peer.data_endpoint, "refused");
+                if !posted.await.unwrap_or(false) {
+                    return Err(refused());
+                }
+                let taken = peer.data.lock().await.send_runs(pool, placed.key, spans);
+                taken.await
+            });
+            taken
+        });
         self.metrics
             .bytes
             .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
@@ -522,6 +629,6 @@ impl Inner {
         {
             t.sent += len;
         }
-        Ok(())
+        Ok(taken)
     }
 }

@@ -150,6 +150,7 @@ fn samples() -> Vec<Message> {
         len: 0,
         checksum: 0,
         direct: false,
+        placed: None,
     }));
     out.push(Message::Chunk(Chunk {
         room: u64::MAX,
@@ -161,6 +162,22 @@ fn samples() -> Vec<Message> {
         len: u64::MAX,
         checksum: 0xdead_beef_cafe_f00d,
         direct: true,
+        placed: None,
+    }));
+    out.push(Message::Chunk(Chunk {
+        room: 3,
+        prefill_instance: uuid(2),
+        seq: 1,
+        tokens: 0..4096,
+        layers: 0..32,
+        heads: 0..8,
+        len: 64 << 20,
+        checksum: 1,
+        direct: false,
+        placed: Some(Placed {
+            key: u64::MAX,
+            runs: vec![1 << 20; MAX_RUNS],
+        }),
     }));
     for aux in [vec![], vec![42], vec![0xAB; MAX_AUX]] {
         out.push(Message::Done(Done {
@@ -206,6 +223,13 @@ fn samples() -> Vec<Message> {
         instance: uuid(7),
         slots: 3,
     }));
+    for accepted in [true, false] {
+        out.push(Message::Posted(Posted {
+            instance: uuid(8),
+            key: u64::MAX,
+            accepted,
+        }));
+    }
     out
 }
 
@@ -213,7 +237,7 @@ fn samples() -> Vec<Message> {
 fn every_sample_round_trips_with_a_well_formed_header() {
     let samples = samples();
     let names: std::collections::HashSet<_> = samples.iter().map(Message::name).collect();
-    assert_eq!(names.len(), 10, "samples must cover every kind");
+    assert_eq!(names.len(), 11, "samples must cover every kind");
     for msg in samples {
         let bytes = msg.encode();
         assert_eq!(&bytes[..4], b"KVFY");
@@ -238,6 +262,7 @@ fn kind_tags_are_stable() {
         ("heartbeat", 8),
         ("error", 9),
         ("credit", 10),
+        ("posted", 11),
     ];
     for msg in samples() {
         let tag = msg.encode()[6];
@@ -252,7 +277,7 @@ fn a_heartbeat_has_the_documented_bytes() {
         instance: uuid(0x0102),
         seq: 3,
     });
-    let mut want = b"KVFY\x02\x00\x08\x00\x18\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x03\x00\x08\x00\x18\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(msg.encode(), want);
@@ -270,16 +295,20 @@ fn a_version_1_chunk_has_no_direct_flag_and_still_decodes() {
         len: 4096,
         checksum: 9,
         direct,
+        placed: None,
     };
     let v1 = Message::Chunk(chunk(false)).encode_as(1);
     let v2 = Message::Chunk(chunk(false)).encode_as(2);
+    let v3 = Message::Chunk(chunk(false)).encode_as(3);
     assert_eq!(v1.len() + 1, v2.len(), "version 2 appends the flag");
+    assert_eq!(v2.len() + 1, v3.len(), "version 3 appends the placed tag");
+    assert_eq!(Message::decode(&v2), Ok(Message::Chunk(chunk(false))));
     assert_eq!(peek_header(&v1).unwrap().version, 1);
     assert_eq!(Message::decode(&v1), Ok(Message::Chunk(chunk(false))));
     let direct = Message::Chunk(chunk(true));
     assert_eq!(Message::decode(&direct.encode()), Ok(direct));
     // A flag other than 0 or 1 is refused.
-    let mut bad = Message::Chunk(chunk(true)).encode();
+    let mut bad = Message::Chunk(chunk(true)).encode_as(2);
     *bad.last_mut().unwrap() = 2;
     assert_eq!(
         Message::decode(&bad),
@@ -288,6 +317,45 @@ fn a_version_1_chunk_has_no_direct_flag_and_still_decodes() {
             tag: 2
         })
     );
+}
+
+#[test]
+fn a_placed_chunk_lists_at_most_max_runs_and_all_of_them_must_be_there() {
+    let chunk = |runs: Vec<u64>| {
+        Message::Chunk(Chunk {
+            room: 7,
+            prefill_instance: uuid(1),
+            seq: 2,
+            tokens: 0..16,
+            layers: 0..2,
+            heads: 0..4,
+            len: runs.iter().sum(),
+            checksum: 9,
+            direct: false,
+            placed: Some(Placed { key: 5, runs }),
+        })
+    };
+    let ok = chunk(vec![4096, 8192]);
+    assert_eq!(Message::decode(&ok.encode()), Ok(ok.clone()));
+    // A version-2 peer never sees the runs (the sender does not place for it).
+    assert!(ok.encode_as(2).len() < ok.encode().len());
+    assert_eq!(
+        Message::decode(&chunk(vec![1; MAX_RUNS + 1]).encode()),
+        Err(DecodeError::TooLarge {
+            what: "placed.runs",
+            len: MAX_RUNS + 1,
+            max: MAX_RUNS
+        })
+    );
+    // A count beyond the lengths present is truncation, found before allocating.
+    let mut short = ok.encode();
+    short.truncate(short.len() - 8);
+    let body = (short.len() - HEADER_LEN) as u32;
+    short[8..12].copy_from_slice(&body.to_le_bytes());
+    assert!(matches!(
+        Message::decode(&short),
+        Err(DecodeError::Truncated { .. })
+    ));
 }
 
 #[test]
@@ -407,7 +475,7 @@ fn body_length_must_match_the_bytes_given() {
 
 #[test]
 fn unknown_kind_and_flags_are_refused() {
-    for kind in [0, 11, 255] {
+    for kind in [0, 12, 255] {
         assert_eq!(
             Message::decode(&frame(VERSION, kind, 0, &[])),
             Err(DecodeError::UnknownKind(kind))
@@ -492,6 +560,7 @@ fn reversed_ranges_are_refused() {
         len: 0,
         checksum: 0,
         direct: false,
+        placed: None,
     });
     let mut f = msg.encode();
     // heads 5..5 -> 6..5
@@ -816,7 +885,11 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         heads,
                         len,
                         checksum,
-                        direct: seq % 2 == 1,
+                        direct: seq % 4 == 1,
+                        placed: (seq % 4 == 2).then(|| Placed {
+                            key: room ^ len,
+                            runs: vec![len % 4096; (seq % 7) as usize],
+                        }),
                     })
                 }
             ),
@@ -848,6 +921,13 @@ fn arb_message() -> impl Strategy<Value = Message> {
             .prop_map(|(instance, seq)| Message::Heartbeat(Heartbeat { instance, seq })),
         (arb_uuid(), any::<u32>())
             .prop_map(|(instance, slots)| Message::Credit(Credit { instance, slots })),
+        (arb_uuid(), any::<(u64, bool)>()).prop_map(|(instance, (key, accepted))| {
+            Message::Posted(Posted {
+                instance,
+                key,
+                accepted,
+            })
+        }),
         (any::<Option<u64>>(), arb_code(), arb_string()).prop_map(|(room, code, message)| {
             Message::Error(ErrorMsg {
                 room,

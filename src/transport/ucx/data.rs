@@ -28,12 +28,19 @@ use tokio::sync::OnceCell;
 use super::{EndpointId, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, Listening, RemoteMemory, Transport, TransportError,
-    TransportKind, WritePath, WriteRun,
+    BoxFuture, DataReceiver, DataSender, Landing, Listening, Placer, RemoteMemory, Span, Transport,
+    TransportError, TransportKind, WritePath, WriteRun,
 };
 
 /// Every chunk travels under this tag.
 const CHUNK_TAG: u64 = 0x4b56_4659_0000_0001;
+
+/// The tag of run 0 of the placed chunk `key`: a prefix no chunk tag has, 40 bits of the key,
+/// and 16 bits for the run's index (`protocol::MAX_RUNS`). Tagged receives match any sender,
+/// so keys must not collide among a receiver's chunks in flight: senders draw them at random.
+fn placed_tag(key: u64) -> u64 {
+    (0x50 << 56) | ((key & 0xff_ffff_ffff) << 16)
+}
 /// Room a chunk's header may take beyond its payload.
 const HEADER_ROOM: usize = 4096;
 
@@ -78,14 +85,20 @@ fn eager_chunks(tls: Option<&str>, rndv_thresh_set: bool) -> bool {
         && names.all(|t| t == "tcp" || t == "self")
 }
 
+/// [`eager_chunks`] for this process's `UCX_*` environment.
+fn eager() -> bool {
+    let tls = std::env::var("UCX_TLS").ok();
+    eager_chunks(
+        tls.as_deref(),
+        std::env::var_os("UCX_RNDV_THRESH").is_some(),
+    )
+}
+
 /// The worker's config: the `UCX_*` environment, plus eager chunks where [`eager_chunks`] says.
 fn worker_config() -> UcxConfig {
-    let tls = std::env::var("UCX_TLS").ok();
-    let thresh_set = std::env::var_os("UCX_RNDV_THRESH").is_some();
-    let config = UcxConfig::new();
-    match eager_chunks(tls.as_deref(), thresh_set) {
-        true => config.var("RNDV_THRESH", "inf"),
-        false => config,
+    match eager() {
+        true => UcxConfig::new().var("RNDV_THRESH", "inf"),
+        false => UcxConfig::new(),
     }
 }
 
@@ -177,6 +190,16 @@ struct UcxSender {
     region: Option<RemoteRegionId>,
 }
 
+/// Whether runs may be placed ([`Placer`]): only when UCX moves them by rendezvous, i.e. not
+/// when messages go eagerly ([`eager_chunks`]). With rendezvous the receiver pulls each run
+/// into its posted receive in one step (a cma read on shared memory, an RDMA read elsewhere),
+/// which fails, never hangs, when the sender is dead. An eager run arrives in fragments, and
+/// seen here over tcp with the sender killed mid-run, the receive it matched never completed
+/// and could not be cancelled: its pages could never be declared safe to reuse.
+fn placed_runs(eager: bool) -> bool {
+    !eager
+}
+
 /// Whether one-sided writes carried by `via` are the fast, safe way to a peer: native writes
 /// (RDMA) on an endpoint whose peer's death UCX detects. UCX 1.13 has no native put over tcp
 /// or shared memory: it emulates puts with messages that the receiver's `ucp_put_handler`
@@ -233,6 +256,8 @@ impl DataSender for UcxSender {
             let via = rma_transports(&info);
             self.region = Some(region);
             Ok(Some(WritePath {
+                placed: placed_runs(eager()),
+                eager: eager(),
                 fast: fast_writes(&via, supervised),
                 via: match via.is_empty() {
                     true => "none".to_owned(),
@@ -255,6 +280,23 @@ impl DataSender for UcxSender {
                 .write(region, source, runs)
                 .await
                 .map_err(|e| TransportError::new("write", &self.endpoint, e))
+        })
+    }
+
+    fn send_runs(
+        &mut self,
+        source: Arc<HostPool>,
+        key: u64,
+        runs: Vec<Span>,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        let taken = self
+            .worker
+            .send_runs(self.ep, placed_tag(key), source, runs);
+        let endpoint = self.endpoint.clone();
+        Box::pin(async move {
+            taken
+                .await
+                .map_err(|e| TransportError::new("send_runs", &endpoint, e))
         })
     }
 }
@@ -320,6 +362,12 @@ impl DataReceiver for UcxReceiver {
         self.pending.abort_all();
     }
 
+    fn placer(&self) -> Option<Arc<dyn Placer>> {
+        Some(Arc::new(UcxPlacer {
+            worker: self.worker.clone(),
+        }))
+    }
+
     fn expose(
         &mut self,
         pool: Arc<HostPool>,
@@ -335,6 +383,33 @@ impl DataReceiver for UcxReceiver {
                 size: registered.size,
                 key: registered.rkey.to_vec(),
             }))
+        })
+    }
+}
+
+/// Receives placed runs straight into a pool: UCX's rendezvous moves each one (by a cma read
+/// over shared memory, an RDMA read elsewhere) into the receive posted at its place.
+struct UcxPlacer {
+    worker: UcxWorker,
+}
+
+impl Placer for UcxPlacer {
+    fn place(
+        &self,
+        pool: Arc<HostPool>,
+        key: u64,
+        places: Vec<Span>,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> BoxFuture<'static, Result<Landing, TransportError>> {
+        let worker = self.worker.clone();
+        let fail = |e| TransportError::new("place", "ucx", e);
+        Box::pin(async move {
+            let landing = worker
+                .recv_runs(placed_tag(key), pool, places, cancel)
+                .await
+                .map_err(fail)?;
+            let landing: Landing = Box::pin(async move { landing.await.map_err(fail) });
+            Ok(landing)
         })
     }
 }

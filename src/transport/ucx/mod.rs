@@ -35,7 +35,7 @@ pub mod worker;
 
 pub use region::{Region, RegisterableMemory};
 pub use worker::{
-    EndpointId, MemId, Received, Registered, RemoteRegionId, UcxConfig, UcxWorker, WriteRun,
+    EndpointId, MemId, Received, Registered, RemoteRegionId, Span, UcxConfig, UcxWorker, WriteRun,
 };
 
 /// Errors of the UCX layer. [`UcxError::is_peer_failure`] separates a dead peer (fail the
@@ -70,6 +70,15 @@ pub enum UcxError {
     Truncated {
         /// Bytes the receive could hold.
         capacity: usize,
+    },
+    /// A placed message ([`UcxWorker::recv_runs`]) of another length than its run: shorter
+    /// (`got`), or longer (`None`: UCX truncated it).
+    #[error("recv_run: expected a {expected}-byte message, got {}", match got { Some(n) => format!("{n} bytes"), None => "a longer one".to_owned() })]
+    Length {
+        /// Bytes of the run.
+        expected: usize,
+        /// Bytes received, when not longer.
+        got: Option<usize>,
     },
     /// An id this worker does not know (never created, or already removed).
     #[error("{what} {id} is unknown to this worker")]

@@ -32,8 +32,10 @@ use super::result::status_name;
 use super::safe::{Context, Endpoint, MemHandle, Request, Started, Worker};
 use super::sys;
 mod rma;
+mod runs;
 
 use rma::{PutSource, RemoteRegion};
+use runs::Group;
 
 use super::worker::{Command, EndpointId, Received, Reply, UcxConfig, WriteRun};
 
@@ -103,6 +105,13 @@ enum Op {
         capacity: usize,
         reply: Reply<Received>,
     },
+    /// One run of a [`Command::SendRuns`] or [`Command::RecvRuns`] (`expect`: a receive, of
+    /// exactly that many bytes); its group answers.
+    Run {
+        _memory: Arc<dyn RegisterableMemory>,
+        group: Rc<Group>,
+        expect: Option<usize>,
+    },
 }
 
 impl Op {
@@ -116,6 +125,7 @@ impl Op {
             } => {
                 let _ = reply.send(result);
             }
+            Op::Run { group, .. } => group.done(result),
             Op::Put { reply: None, .. } | Op::Recv { .. } => {}
         }
     }
@@ -126,6 +136,10 @@ impl Op {
             Op::Put { .. } => "put",
             Op::Flush { .. } => "flush",
             Op::Recv { .. } => "recv_tag",
+            Op::Run { expect: None, .. } => "send_run",
+            Op::Run {
+                expect: Some(_), ..
+            } => "recv_run",
         }
     }
 
@@ -138,6 +152,7 @@ impl Op {
             } => reply.is_closed(),
             Op::Put { reply: None, .. } => false,
             Op::Recv { reply, .. } => reply.is_closed(),
+            Op::Run { group, .. } => group.abandoned(),
         }
     }
 }
@@ -251,7 +266,10 @@ impl Engine {
         while i < self.pending.len() {
             let p = &mut self.pending[i];
             let (status, info) = match p.op {
-                Op::Recv { .. } => p.request.recv_info(),
+                Op::Recv { .. }
+                | Op::Run {
+                    expect: Some(_), ..
+                } => p.request.recv_info(),
                 _ => (p.request.status(), sys::ucp_tag_recv_info_t::default()),
             };
             if status == sys::UCS_INPROGRESS {
@@ -293,7 +311,19 @@ impl Engine {
             self.classify(name, ep, status, peer_failed)
         };
         match op {
-            op @ (Op::Send { .. } | Op::Put { .. } | Op::Flush { .. }) => {
+            Op::Run {
+                expect: Some(len),
+                group,
+                ..
+            } => group.done(match status {
+                sys::UCS_OK if info.length == len => Ok(()),
+                sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED => Err(UcxError::Length {
+                    expected: len,
+                    got: (status == sys::UCS_OK).then_some(info.length),
+                }),
+                status => Err(error(status)),
+            }),
+            op @ (Op::Send { .. } | Op::Put { .. } | Op::Flush { .. } | Op::Run { .. }) => {
                 op.answer(if status == sys::UCS_OK {
                     Ok(())
                 } else {
@@ -575,6 +605,21 @@ impl Engine {
                     let _ = reply.send(Err(e));
                 }
             },
+            Command::SendRuns {
+                ep,
+                tag,
+                source,
+                runs,
+                reply,
+            } => self.send_runs(ep, tag, source, runs, reply),
+            Command::RecvRuns {
+                tag,
+                memory,
+                runs,
+                posted,
+                cancel,
+                reply,
+            } => self.recv_runs(tag, memory, runs, posted, cancel, reply),
             Command::Describe { ep, reply } => {
                 let _ = reply.send(self.endpoint("describe", ep).and_then(|e| e.info()));
             }

@@ -60,6 +60,7 @@ pub type ucp_rkey_h = *mut ucp_rkey;
 pub const UCS_OK: ucs_status_t = 0;
 pub const UCS_INPROGRESS: ucs_status_t = 1;
 pub const UCS_ERR_NO_MESSAGE: ucs_status_t = -1;
+pub const UCS_ERR_INVALID_PARAM: ucs_status_t = -5;
 pub const UCS_ERR_UNREACHABLE: ucs_status_t = -6;
 pub const UCS_ERR_MESSAGE_TRUNCATED: ucs_status_t = -9;
 pub const UCS_ERR_BUSY: ucs_status_t = -15;

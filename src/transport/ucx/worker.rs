@@ -6,6 +6,7 @@
 //! cancels the abandoned operation; buffers are never owned by the future.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use tokio::sync::oneshot;
 
 use super::UcxError;
 use super::region::RegisterableMemory;
-pub use crate::transport::WriteRun;
+pub use crate::transport::{Span, WriteRun};
 
 /// An endpoint of one [`UcxWorker`] (a connection to one remote worker).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -163,6 +164,22 @@ pub(super) enum Command {
         region: RemoteRegionId,
         source: Arc<dyn RegisterableMemory>,
         runs: Vec<WriteRun>,
+        reply: Reply<()>,
+    },
+    SendRuns {
+        ep: EndpointId,
+        tag: u64,
+        source: Arc<dyn RegisterableMemory>,
+        runs: Vec<Span>,
+        reply: Reply<()>,
+    },
+    RecvRuns {
+        tag: u64,
+        memory: Arc<dyn RegisterableMemory>,
+        runs: Vec<Span>,
+        /// Answered once every receive is posted (dropped if they are not).
+        posted: oneshot::Sender<()>,
+        cancel: Arc<AtomicBool>,
         reply: Reply<()>,
     },
     Describe {
@@ -438,6 +455,79 @@ impl UcxWorker {
             reply,
         })
         .await
+    }
+
+    /// Sends each run of `source` (local memory, kept alive until UCX is done with it) as one
+    /// tagged message, run `i` under tag `tag + i`, straight from the memory. The sends are
+    /// queued before this returns (so they go out in call order); the future resolves once
+    /// every run is sent (with rendezvous: once the receiver has pulled it), with the first
+    /// error. Bounds are checked before anything starts.
+    pub fn send_runs(
+        &self,
+        ep: EndpointId,
+        tag: u64,
+        source: Arc<dyn RegisterableMemory>,
+        runs: Vec<Span>,
+    ) -> impl std::future::Future<Output = Result<(), UcxError>> + Send + 'static {
+        let (reply, result) = oneshot::channel();
+        let queued = self.shared.send(Command::SendRuns {
+            ep,
+            tag,
+            source,
+            runs,
+            reply,
+        });
+        async move {
+            queued?;
+            result.await.map_err(|_| UcxError::WorkerGone)?
+        }
+    }
+
+    /// Posts receives for the messages of [`UcxWorker::send_runs`] straight into `memory`:
+    /// the message under tag `tag + i` lands at `runs[i]` and must be exactly its length.
+    /// Resolves once every receive is posted, with a future that resolves once every one has
+    /// completed, with the first error. When `cancel` fires first, the receives still open are
+    /// cancelled and that future still waits for them: once it returns, UCX writes nothing
+    /// more into `memory` (a receive that already matched completes or fails first).
+    /// Dropping it instead cancels them without that wait.
+    pub async fn recv_runs(
+        &self,
+        tag: u64,
+        memory: Arc<dyn RegisterableMemory>,
+        runs: Vec<Span>,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> Result<impl std::future::Future<Output = Result<(), UcxError>> + Send + 'static, UcxError>
+    {
+        let flag = Arc::new(AtomicBool::new(false));
+        let (reply, mut result) = oneshot::channel();
+        let (posted, on_posted) = oneshot::channel();
+        self.shared.send(Command::RecvRuns {
+            tag,
+            memory,
+            runs,
+            posted,
+            cancel: flag.clone(),
+            reply,
+        })?;
+        if on_posted.await.is_err() {
+            // Not posted: the reply says why.
+            return Err(match (&mut result).await {
+                Ok(Err(e)) => e,
+                _ => UcxError::WorkerGone,
+            });
+        }
+        let wake = self.shared.wake.clone();
+        Ok(async move {
+            let result = tokio::select! {
+                r = &mut result => r,
+                () = cancel.cancelled() => {
+                    flag.store(true, Ordering::Release);
+                    self::wake(&wake);
+                    result.await
+                }
+            };
+            result.map_err(|_| UcxError::WorkerGone)?
+        })
     }
 
     /// UCX's description of an endpoint's lanes (`ucp_ep_print_info`), e.g. to learn which

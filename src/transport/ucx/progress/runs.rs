@@ -1,0 +1,183 @@
+//! The progress thread's placed messages: runs of local memory sent as tagged messages straight
+//! from it, and received straight into memory at offsets the receiver chose. Each run is its
+//! own request; a [`Group`] answers the caller once all of a command's runs have completed.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::{Engine, Op, Pending};
+use crate::transport::ucx::UcxError;
+use crate::transport::ucx::region::RegisterableMemory;
+use crate::transport::ucx::safe::Started;
+use crate::transport::ucx::sys;
+use crate::transport::ucx::worker::{EndpointId, Reply, Span};
+
+/// The requests of one command, answered together: once every one has completed, with the
+/// first error.
+pub(super) struct Group {
+    remaining: Cell<usize>,
+    error: RefCell<Option<UcxError>>,
+    reply: RefCell<Option<Reply<()>>>,
+    /// Set by the caller to cancel the group's receives (it keeps waiting for the answer).
+    cancel: Option<Arc<AtomicBool>>,
+}
+
+impl Group {
+    fn new(count: usize, reply: Reply<()>, cancel: Option<Arc<AtomicBool>>) -> Rc<Group> {
+        Rc::new(Group {
+            remaining: Cell::new(count),
+            error: RefCell::new(None),
+            reply: RefCell::new(Some(reply)),
+            cancel,
+        })
+    }
+
+    /// Records one request's end; the last one answers.
+    pub(super) fn done(&self, result: Result<(), UcxError>) {
+        if let Err(e) = result {
+            self.error.borrow_mut().get_or_insert(e);
+        }
+        let left = self.remaining.get().saturating_sub(1);
+        self.remaining.set(left);
+        if left == 0
+            && let Some(reply) = self.reply.borrow_mut().take()
+        {
+            let _ = reply.send(self.error.borrow_mut().take().map_or(Ok(()), Err));
+        }
+    }
+
+    /// Whether the caller cancelled the group or stopped waiting for it.
+    pub(super) fn abandoned(&self) -> bool {
+        self.cancel
+            .as_ref()
+            .is_some_and(|c| c.load(Ordering::Acquire))
+            || self.reply.borrow().as_ref().is_none_or(|r| r.is_closed())
+    }
+}
+
+/// Checks every run against memory of `size` bytes and the tags against overflow.
+fn check(tag: u64, runs: &[Span], size: usize) -> Result<(), UcxError> {
+    for run in runs {
+        if run
+            .offset
+            .checked_add(run.len)
+            .is_none_or(|end| end > size as u64)
+        {
+            return Err(UcxError::OutOfBounds {
+                offset: run.offset,
+                len: run.len as usize,
+                size: size as u64,
+            });
+        }
+    }
+    if tag.checked_add(runs.len() as u64).is_none() {
+        return Err(UcxError::call("tag range", sys::UCS_ERR_INVALID_PARAM));
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// Starts the tagged send of every run of `source` through `ep` (run `i` under `tag + i`).
+    pub(super) fn send_runs(
+        &mut self,
+        ep: EndpointId,
+        tag: u64,
+        source: Arc<dyn RegisterableMemory>,
+        runs: Vec<Span>,
+        reply: Reply<()>,
+    ) {
+        let endpoint =
+            match check(tag, &runs, source.size()).and_then(|()| self.endpoint("send_run", ep)) {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+            };
+        let group = Group::new(runs.len().max(1), reply, None);
+        if runs.is_empty() {
+            group.done(Ok(()));
+        }
+        for (i, run) in runs.iter().enumerate() {
+            let iov = [sys::ucp_dt_iov_t {
+                // SAFETY: checked above to lie within `source`, which stays mapped while the
+                // Arc lives (kept in the run's Pending entry until the request completes).
+                buffer: unsafe { source.base().add(run.offset as usize) }.cast(),
+                length: run.len as usize,
+            }];
+            // SAFETY: the buffer stays readable until the request completes (see above).
+            match unsafe { endpoint.tag_send(&iov, tag + i as u64) } {
+                Ok(started) => self.track_run(started, Some(ep), &group, source.clone(), None),
+                Err(e) => group.done(Err(self.failure_of("send_run", ep, e))),
+            }
+        }
+    }
+
+    /// Posts a tagged receive straight into `memory` for every run (`tag + i` lands at run
+    /// `i`), then answers `posted`; `cancel` cancels those still open.
+    pub(super) fn recv_runs(
+        &mut self,
+        tag: u64,
+        memory: Arc<dyn RegisterableMemory>,
+        runs: Vec<Span>,
+        posted: tokio::sync::oneshot::Sender<()>,
+        cancel: Arc<AtomicBool>,
+        reply: Reply<()>,
+    ) {
+        if let Err(e) = check(tag, &runs, memory.size()) {
+            let _ = reply.send(Err(e));
+            return;
+        }
+        let group = Group::new(runs.len().max(1), reply, Some(cancel));
+        if runs.is_empty() {
+            group.done(Ok(()));
+        }
+        for (i, run) in runs.iter().enumerate() {
+            // SAFETY: checked above to lie within `memory`, which stays mapped while the Arc
+            // lives (kept in the run's Pending entry until the request completes).
+            let started = unsafe {
+                self.worker.tag_recv(
+                    memory.base().add(run.offset as usize),
+                    run.len as usize,
+                    tag + i as u64,
+                    u64::MAX,
+                )
+            };
+            match started {
+                Ok(started) => {
+                    let expect = Some(run.len as usize);
+                    self.track_run(started, None, &group, memory.clone(), expect);
+                }
+                Err(e) => group.done(Err(e)),
+            }
+        }
+        let _ = posted.send(());
+    }
+
+    fn track_run(
+        &mut self,
+        started: Started<()>,
+        ep: Option<EndpointId>,
+        group: &Rc<Group>,
+        memory: Arc<dyn RegisterableMemory>,
+        expect: Option<usize>,
+    ) {
+        match started {
+            Started::Pending(request) => self.pending.push(Pending {
+                request,
+                ep,
+                op: Op::Run {
+                    _memory: memory,
+                    group: group.clone(),
+                    expect,
+                },
+                cancelled: false,
+                peer_failed: None,
+            }),
+            // A send done at once; receives never complete immediately (NO_IMM_CMPL).
+            Started::Done(()) => group.done(Ok(())),
+        }
+    }
+}
