@@ -293,7 +293,9 @@ fn kill9_prefill_after_done_before_take_leaves_landed_rooms_intact() {
 /// The engine names its pages; room A (llama3-8b, 1024 tokens = 128 MiB) is aborted at a random
 /// moment of its transfer; once A is `safe_to_reuse` the same pages go to room B at once, and
 /// after a random pause every byte of B verifies: no late write of A lands in B (the corruption
-/// of SGLang #24527). 20 rounds, seeded jitter.
+/// of SGLang #24527). 20 rounds, seeded jitter; over ZeroMQ (staged) and, with the `ucx`
+/// feature, over UCX shared memory (placed runs: receives the decode posted into A's pages
+/// must be cancelled, or have completed, before A is safe).
 #[test]
 fn abort_mid_transfer_then_reuse_the_same_pages_at_once_never_corrupts() {
     let opts = fast(AgentOpts {
@@ -301,9 +303,27 @@ fn abort_mid_transfer_then_reuse_the_same_pages_at_once_never_corrupts() {
         pool_pages: 272,
         ..AgentOpts::default()
     });
-    let c = FaultCluster::start("faults-reuse", &opts.args_all(), &[], &[], &[]);
+    abort_then_reuse("faults-reuse", &opts.args_all(), &[], "staged");
+    #[cfg(feature = "ucx")]
+    {
+        let mut args = opts.args_all();
+        set_flag(&mut args, "--transport", "ucx");
+        // Layers ready 2 ms apart: the fast path is still caught mid-transfer.
+        args.extend(["--synthetic-layer-ms".to_owned(), "2".to_owned()]);
+        abort_then_reuse(
+            "faults-reuse-ucx-shm",
+            &args,
+            &[("UCX_TLS", "posix,cma,self")],
+            "placed",
+        );
+    }
+}
+
+/// One run of the test above; `path`: the data path the chunks must have taken.
+fn abort_then_reuse(tag: &str, args: &[String], env: &[(&str, &str)], path: &str) {
+    let c = FaultCluster::start_env(tag, args, &[], &[], &[], env);
     let seed = test_seed();
-    println!("[faults-reuse] seed {seed} (KVFERRY_TEST_SEED={seed} replays it)");
+    println!("[{tag}] seed {seed} (KVFERRY_TEST_SEED={seed} replays it)");
     let mut rng = StdRng::seed_from_u64(seed);
     let tokens = 1024usize;
     let room_bytes = tokens as u64 * LLAMA_BYTES_PER_TOKEN;
@@ -368,7 +388,7 @@ fn abort_mid_transfer_then_reuse_the_same_pages_at_once_never_corrupts() {
             assert_eq!(tb["verified"], true, "round {round}: room B's bytes differ: {tb}");
             assert_eq!(tb["bytes"].as_u64(), Some(room_bytes), "{tb}");
             println!(
-                "[faults-reuse] round {round:2}: A seen {} + {jitter:2} ms -> DELETE -> {state} ({landed} B landed), B verified",
+                "[{tag}] round {round:2}: A seen {} + {jitter:2} ms -> DELETE -> {state} ({landed} B landed), B verified",
                 seen["state"]
             );
         }
@@ -377,10 +397,13 @@ fn abort_mid_transfer_then_reuse_the_same_pages_at_once_never_corrupts() {
         to_final.sort_by(f64::total_cmp);
         to_safe.sort_by(f64::total_cmp);
         println!(
-            "[faults-reuse] 20 rounds {outcomes:?}; DELETE -> final p50 {:.1} ms max {:.1} ms; final -> safe_to_reuse p50 {:.1} ms max {:.1} ms; every B verified",
+            "[{tag}] 20 rounds {outcomes:?}; DELETE -> final p50 {:.1} ms max {:.1} ms; final -> safe_to_reuse p50 {:.1} ms max {:.1} ms; every B verified",
             to_final[10], to_final[19], to_safe[10], to_safe[19]
         );
         assert!(outcomes.get("aborted mid-transfer").copied().unwrap_or(0) > 0, "no round aborted mid-transfer: {outcomes:?}");
+        let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
+        let chunks = metric(&http, &d, &series).await.unwrap_or(0.0);
+        assert!(chunks > 0.0, "[{tag}] no chunk took the {path} path");
         healthy(&http, &d).await;
         healthy(&http, &p).await;
     });

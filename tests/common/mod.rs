@@ -567,6 +567,26 @@ impl FaultCluster {
         decode_extra: &[&str],
         prefill_env: &[(&str, &str)],
     ) -> FaultCluster {
+        Self::start_env(
+            tag,
+            agent_args,
+            prefill_extra,
+            decode_extra,
+            prefill_env,
+            &[],
+        )
+    }
+
+    /// [`FaultCluster::start`], with `agents_env` added to both agents' environment (e.g.
+    /// `UCX_TLS`).
+    pub fn start_env(
+        tag: &str,
+        agent_args: &[String],
+        prefill_extra: &[&str],
+        decode_extra: &[&str],
+        prefill_env: &[(&str, &str)],
+        agents_env: &[(&str, &str)],
+    ) -> FaultCluster {
         let t = Instant::now();
         let exe = release_binary();
         let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
@@ -585,8 +605,10 @@ impl FaultCluster {
             args.extend(owned(extra));
             Spawned::start(&exe, &[], role, &args, env, &logs)
         };
-        let prefill = agent("prefill", prefill_extra, prefill_env);
-        let decode = agent("decode", decode_extra, &[]);
+        let prefill_env: Vec<(&str, &str)> =
+            agents_env.iter().chain(prefill_env).copied().collect();
+        let prefill = agent("prefill", prefill_extra, &prefill_env);
+        let decode = agent("decode", decode_extra, agents_env);
         let (prefill_api, decode_api) = (prefill.field("api"), decode.field("api"));
         println!(
             "[{tag}] cluster up in {:.0} ms: prefill {prefill_api}, decode {decode_api}; logs in {}",

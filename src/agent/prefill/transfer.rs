@@ -498,9 +498,13 @@ impl Inner {
     }
 
     /// Waits, within the send timeout, until the decode has posted a placed chunk's receives
-    /// and taken its runs.
+    /// and taken its runs. Stops waiting when the transfer is cancelled (an abort): the decode
+    /// cancels its receives for the room, so runs still queued are never taken.
     async fn taken(&self, job: &Job, taken: Taken) -> Result<(), Reason> {
-        let done = tokio::time::timeout(self.cfg.timeouts.send, taken).await;
+        let done = tokio::select! {
+            done = tokio::time::timeout(self.cfg.timeouts.send, taken) => done,
+            () = job.cancel.cancelled() => return Ok(()),
+        };
         match done {
             Ok(Err(e)) if e.op == "posted" => Err(Reason::new(
                 FailureCode::Aborted,
