@@ -256,6 +256,13 @@ impl Inner {
             }
         };
         self.posted(chunk, placed.key, true).await;
+        tracing::debug!(
+            room = chunk.room,
+            seq = chunk.seq,
+            key = placed.key,
+            runs = placed.runs.len(),
+            "placed receives posted"
+        );
         let room_state = self.rooms().get(&chunk.room).map(|r| r.status.subscribe());
         let room_ended = async move {
             if let Some(mut state) = room_state {

@@ -28,9 +28,10 @@ enum Payload {
     Placed(Vec<WriteRun>),
 }
 
-/// A placed chunk's runs on their way: resolves once the decode has posted their receives
-/// and taken them (an error with op `posted`: it refused them).
-type Taken = transport::BoxFuture<'static, Result<(), transport::TransportError>>;
+/// A placed chunk's runs on their way, within the send timeout: resolves once the decode has
+/// posted their receives and taken them (an error with op `posted`: it refused them).
+type Taken =
+    tokio::task::JoinHandle<Result<Result<(), TransportError>, tokio::time::error::Elapsed>>;
 
 /// Placed chunks whose runs may be in flight at once beyond the one being sent, unless the
 /// transport sends eagerly (`WritePath::eager`): then none.
@@ -502,9 +503,15 @@ impl Inner {
     /// cancels its receives for the room, so runs still queued are never taken.
     async fn taken(&self, job: &Job, taken: Taken) -> Result<(), Reason> {
         let done = tokio::select! {
-            done = tokio::time::timeout(self.cfg.timeouts.send, taken) => done,
+            done = taken => done,
             () = job.cancel.cancelled() => return Ok(()),
         };
+        let done = done.map_err(|e| {
+            Reason::new(
+                FailureCode::BadMessage,
+                format!("placed runs' task stopped: {e}"),
+            )
+        })?;
         match done {
             Ok(Err(e)) if e.op == "posted" => Err(Reason::new(
                 FailureCode::Aborted,
@@ -612,15 +619,27 @@ impl Inner {
                     len: r.len,
                 })
                 .collect();
-            let taken: Taken = Box::pin(async move {
+            let key = placed.key;
+            let runs = async move {
                 let refused = || TransportError::new("posted", &peer.data_endpoint, "refused");
                 if !posted.await.unwrap_or(false) {
                     return Err(refused());
                 }
-                let taken = peer.data.lock().await.send_runs(pool, placed.key, spans);
+                let taken = peer.data.lock().await.send_runs(pool, key, spans);
                 taken.await
-            });
-            taken
+            };
+            // A task of its own: the decode may post the receives of later chunks first (it
+            // lands a bounded number of chunks at once, in whatever order their headers come
+            // out of the transport), and their runs must not wait behind this chunk's.
+            let (peer, timeout) = (job.peer.clone(), self.cfg.timeouts.send);
+            tokio::spawn(async move {
+                let done = tokio::time::timeout(timeout, runs).await;
+                if done.is_err() {
+                    let mut waiting = peer.posted.lock().unwrap_or_else(|e| e.into_inner());
+                    waiting.remove(&key);
+                }
+                done
+            })
         });
         self.metrics
             .bytes
