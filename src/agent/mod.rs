@@ -459,6 +459,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_direct_method_follows_the_flag_the_write_path_and_the_version() {
+        use crate::transport::WritePath;
+        let path = |fast, placed| WritePath {
+            via: "x".to_owned(),
+            placed,
+            eager: !placed,
+            fast,
+        };
+        let (w, p) = (Some(DirectMethod::Write), Some(DirectMethod::Place));
+        // (flag, native writes, placeable, version) -> method
+        for (flag, fast, placed, version, want) in [
+            (DirectWrites::Auto, true, true, 3, w),
+            (DirectWrites::Auto, false, true, 3, p),
+            (DirectWrites::Auto, false, true, 2, None), // a version-2 decode cannot place
+            (DirectWrites::Auto, false, false, 3, None), // eager tcp: staged
+            (DirectWrites::Always, false, false, 2, w),
+            (DirectWrites::Never, true, true, 3, None),
+        ] {
+            let got = flag.method(&path(fast, placed), version);
+            assert_eq!(got, want, "{flag:?} fast={fast} placed={placed} v{version}");
+        }
+    }
+
+    #[test]
     fn a_hello_layout_reads_back_as_the_pool_layout_it_describes() {
         use crate::layout::{KvPlacement, ModelSpec, PageOrder};
         for (model, order, tp_rank, tp, pp_rank, pp) in [

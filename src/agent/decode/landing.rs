@@ -248,7 +248,33 @@ impl Inner {
         wire: PageOrder,
     ) -> Result<(), Reason> {
         let cancel = CancellationToken::new();
-        let landing = match self.post(chunk, placed, pages, sel, wire, &cancel).await {
+        let what = format!("chunk {} from {}", chunk.seq, chunk.prefill_instance);
+        let posting = async {
+            let sel = Selection {
+                pages,
+                ..sel.clone()
+            };
+            let places = crate::kernel::cpu::placements(
+                self.pool.layout(),
+                self.pool.num_pages(),
+                &sel,
+                wire,
+                &placed.runs,
+            )
+            .map_err(|e| Reason::new(FailureCode::BadMessage, format!("{what}: {e}")))?;
+            let Some(placer) = &self.placer else {
+                // Admission refuses placed chunks without a placer.
+                return Err(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("{what}: no placer"),
+                ));
+            };
+            placer
+                .place(self.pool.clone(), placed.key, places, cancel.clone())
+                .await
+                .map_err(|e| Reason::new(FailureCode::PeerDead, format!("{what}: {e}")))
+        };
+        let landing = match posting.await {
             Ok(landing) => landing,
             Err(reason) => {
                 self.posted(chunk, placed.key, false).await;
@@ -282,49 +308,7 @@ impl Inner {
                 landing.await
             }
         };
-        result.map_err(|e| {
-            let m = format!(
-                "placed runs of chunk {} from {}: {e}",
-                chunk.seq, chunk.prefill_instance
-            );
-            Reason::new(FailureCode::PeerDead, m)
-        })
-    }
-
-    /// Posts the receives of a placed chunk's runs.
-    async fn post(
-        &self,
-        chunk: &Chunk,
-        placed: &Placed,
-        pages: &Arc<[u32]>,
-        sel: &Selection<'static>,
-        wire: PageOrder,
-        cancel: &CancellationToken,
-    ) -> Result<transport::Landing, Reason> {
-        let what = format!("chunk {} from {}", chunk.seq, chunk.prefill_instance);
-        let sel = Selection {
-            pages,
-            ..sel.clone()
-        };
-        let places = crate::kernel::cpu::placements(
-            self.pool.layout(),
-            self.pool.num_pages(),
-            &sel,
-            wire,
-            &placed.runs,
-        )
-        .map_err(|e| Reason::new(FailureCode::BadMessage, format!("{what}: {e}")))?;
-        let Some(placer) = &self.placer else {
-            // Admission refuses placed chunks without a placer.
-            return Err(Reason::new(
-                FailureCode::BadMessage,
-                format!("{what}: no placer"),
-            ));
-        };
-        placer
-            .place(self.pool.clone(), placed.key, places, cancel.clone())
-            .await
-            .map_err(|e| Reason::new(FailureCode::PeerDead, format!("{what}: {e}")))
+        result.map_err(|e| Reason::new(FailureCode::PeerDead, format!("{what}: placed runs: {e}")))
     }
 
     /// Tells the prefill of a placed chunk whether its runs' receives are posted.

@@ -283,20 +283,25 @@ fn a_heartbeat_has_the_documented_bytes() {
     assert_eq!(msg.encode(), want);
 }
 
-#[test]
-fn a_version_1_chunk_has_no_direct_flag_and_still_decodes() {
-    let chunk = |direct| Chunk {
+/// A chunk of 4096 bytes, or of its placed runs' bytes.
+fn chunk_of(direct: bool, placed: Option<Placed>) -> Chunk {
+    Chunk {
         room: 7,
         prefill_instance: uuid(1),
         seq: 2,
         tokens: 0..16,
         layers: 0..2,
         heads: 0..4,
-        len: 4096,
+        len: placed.as_ref().map_or(4096, |p| p.runs.iter().sum()),
         checksum: 9,
         direct,
-        placed: None,
-    };
+        placed,
+    }
+}
+
+#[test]
+fn a_version_1_chunk_has_no_direct_flag_and_still_decodes() {
+    let chunk = |direct| chunk_of(direct, None);
     let v1 = Message::Chunk(chunk(false)).encode_as(1);
     let v2 = Message::Chunk(chunk(false)).encode_as(2);
     let v3 = Message::Chunk(chunk(false)).encode_as(3);
@@ -321,20 +326,7 @@ fn a_version_1_chunk_has_no_direct_flag_and_still_decodes() {
 
 #[test]
 fn a_placed_chunk_lists_at_most_max_runs_and_all_of_them_must_be_there() {
-    let chunk = |runs: Vec<u64>| {
-        Message::Chunk(Chunk {
-            room: 7,
-            prefill_instance: uuid(1),
-            seq: 2,
-            tokens: 0..16,
-            layers: 0..2,
-            heads: 0..4,
-            len: runs.iter().sum(),
-            checksum: 9,
-            direct: false,
-            placed: Some(Placed { key: 5, runs }),
-        })
-    };
+    let chunk = |runs| Message::Chunk(chunk_of(false, Some(Placed { key: 5, runs })));
     let ok = chunk(vec![4096, 8192]);
     assert_eq!(Message::decode(&ok.encode()), Ok(ok.clone()));
     // A version-2 peer never sees the runs (the sender does not place for it).

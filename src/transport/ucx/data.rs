@@ -9,7 +9,13 @@
 //! header's length (u32, little-endian), the header, the payload. The receiver splits the
 //! message it got into header and payload without copying.
 //!
-//! One-sided writes (the direct path of the agents): a receiver registers its pool with
+//! Placed runs (the agents' default direct path where UCX sends by rendezvous): a sender sends
+//! each run of its pool as a tagged message straight from the pool ([`UcxWorker::send_runs`]),
+//! under tags derived from the chunk's key ([`placed_tag`]); the receiver, which posted a
+//! receive at each run's place in its own pool first ([`UcxWorker::recv_runs`]), gets it by
+//! rendezvous in one copy (a cma read here, an RDMA read elsewhere).
+//!
+//! One-sided writes (the other direct path): a receiver registers its pool with
 //! [`UcxWorker::register`] and hands the packed rkey to senders (in Hello); a sender attaches
 //! it to its endpoint and writes runs of its own pool straight into the receiver's with
 //! `ucp_put_nbx`, then flushes the endpoint before it sends the chunk's header, so the header
@@ -17,7 +23,7 @@
 //! (`ucp_ep_print_info`): UCX 1.13 emulates puts over tcp at ~0.15 GB/s against ~4-5 GB/s for
 //! tagged sends (docs/benchmarks.md), and over shared memory through the receiver's FIFO, where
 //! UCX cannot see a peer die; both are reported not fast ([`fast_writes`]), and the agents keep
-//! to tagged sends there unless told `--direct-writes always`.
+//! to tagged sends (placed runs or staged chunks) there unless told `--direct-writes always`.
 
 use std::sync::Arc;
 use std::time::Duration;
