@@ -1,7 +1,7 @@
 //! `--transport ucx` across real processes (release binary built with the `ucx` feature), over
 //! UCX's tcp transport pinned to loopback (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`: the machine's
 //! other interface is never a target) and over shared memory (`UCX_TLS=posix,cma,self`):
-//! 1P1D and TP2 -> TP1, 100 rooms each, every byte verified, with the direct path (placed runs
+//! 1P1D and TP2 -> TP1 (and PP2 -> PP1 on shared memory), 100 rooms each, every byte verified, with the direct path (placed runs
 //! by default, one-sided writes with `--direct-writes always`) and the staged one all
 //! exercised on both transports; a prefill killed mid-transfer fails its rooms with
 //! `peer_dead`, their pages become safe to reuse, and the decode keeps serving rooms of a
@@ -58,8 +58,8 @@ enum Path {
     Staged,
 }
 
-/// The runs: per UCX environment, 1P1D with the path `--direct-writes auto` picks there; on
-/// tcp and shm also TP2 -> TP1 (staged: the head layouts do not line up) and 1P1D with
+/// The runs: per UCX environment, 1P1D with the path `--direct-writes auto` picks there (on shm
+/// also PP2 -> PP1: two prefills placing into one decode); on tcp and shm also TP2 -> TP1 (staged: the head layouts do not line up) and 1P1D with
 /// `always` (one-sided writes, which UCX 1.13 emulates over tcp and shared memory, see
 /// `transport/ucx/data.rs`), so every path runs on both transports.
 fn runs() -> Vec<(String, Env, Shape, &'static str, Path)> {
@@ -75,6 +75,14 @@ fn runs() -> Vec<(String, Env, Shape, &'static str, Path)> {
             )
         };
         out.push(run("1p1d", Shape::ONE, "auto", auto));
+        if name == "shm" {
+            // Two prefill stages placing their layer ranges into one decode at once.
+            let pp2 = Shape {
+                pp: 2,
+                ..Shape::ONE
+            };
+            out.push(run("pp2-pp1", pp2, "auto", auto));
+        }
         if name != "tcp-rndv" {
             out.push(run("tp2-tp1", Shape::tp(2), "auto", Path::Staged));
             out.push(run("1p1d-direct", Shape::ONE, "always", Path::Direct));
