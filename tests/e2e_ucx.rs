@@ -24,16 +24,16 @@ use serde_json::json;
 type Env = Vec<(String, String)>;
 
 /// The UCX environments under test, with the path `--direct-writes auto` takes in each when
-/// the head layouts line up: over tcp chunks go eagerly (faster there), which rules out
-/// placed runs (`transport/ucx/data.rs`), unless the user sets `UCX_RNDV_THRESH`.
-fn envs() -> [(&'static str, Env, Path); 3] {
+/// the head layouts line up: placed runs need rendezvous reads on a native lane (cma here),
+/// so over tcp chunks are staged (`transport/ucx/data.rs`, `placed_runs`).
+fn envs() -> [(&'static str, Env, Path); 2] {
     let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
-    let tcp = vec![pair("UCX_TLS", "tcp"), pair("UCX_NET_DEVICES", "lo")];
-    let mut tcp_rndv = tcp.clone();
-    tcp_rndv.push(pair("UCX_RNDV_THRESH", "auto"));
     [
-        ("tcp", tcp, Path::Staged),
-        ("tcp-rndv", tcp_rndv, Path::Placed),
+        (
+            "tcp",
+            vec![pair("UCX_TLS", "tcp"), pair("UCX_NET_DEVICES", "lo")],
+            Path::Staged,
+        ),
         ("shm", vec![pair("UCX_TLS", "posix,cma,self")], Path::Placed),
     ]
 }
@@ -59,9 +59,9 @@ enum Path {
 }
 
 /// The runs: per UCX environment, 1P1D with the path `--direct-writes auto` picks there (on shm
-/// also PP2 -> PP1: two prefills placing into one decode); on tcp and shm also TP2 -> TP1 (staged: the head layouts do not line up) and 1P1D with
-/// `always` (one-sided writes, which UCX 1.13 emulates over tcp and shared memory, see
-/// `transport/ucx/data.rs`), so every path runs on both transports.
+/// also PP2 -> PP1: two prefills placing into one decode), TP2 -> TP1 (staged: the head
+/// layouts do not line up) and 1P1D with `always` (one-sided writes, which UCX 1.13 emulates
+/// over tcp and shared memory, see `transport/ucx/data.rs`).
 fn runs() -> Vec<(String, Env, Shape, &'static str, Path)> {
     let mut out = Vec::new();
     for (name, env, auto) in envs() {
@@ -83,10 +83,8 @@ fn runs() -> Vec<(String, Env, Shape, &'static str, Path)> {
             };
             out.push(run("pp2-pp1", pp2, "auto", auto));
         }
-        if name != "tcp-rndv" {
-            out.push(run("tp2-tp1", Shape::tp(2), "auto", Path::Staged));
-            out.push(run("1p1d-direct", Shape::ONE, "always", Path::Direct));
-        }
+        out.push(run("tp2-tp1", Shape::tp(2), "auto", Path::Staged));
+        out.push(run("1p1d-direct", Shape::ONE, "always", Path::Direct));
     }
     out
 }
@@ -162,7 +160,7 @@ fn one_pair(
 #[test]
 fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
     let exe = common::release_binary();
-    // The default paths only: staged (tcp), placed runs (tcp with rendezvous, shm). With
+    // The default paths only: staged (tcp), placed runs (shm). With
     // `--direct-writes always` over UCX 1.13's tcp or shared memory a prefill killed mid-write can abort the decode inside UCX
     // (`ucp_put_handler`: "Fatal: unexpected error: Endpoint timeout"), which is why `auto`
     // never writes one-sided over them (`transport/ucx/data.rs`).
