@@ -464,7 +464,6 @@ mod tests {
         let path = |fast, placed| WritePath {
             via: "x".to_owned(),
             placed,
-            eager: !placed,
             fast,
         };
         let (w, p) = (Some(DirectMethod::Write), Some(DirectMethod::Place));

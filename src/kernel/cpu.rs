@@ -564,13 +564,7 @@ mod tests {
             // The receiver of placed runs finds the same places from the lengths alone.
             let lens: Vec<u64> = runs.iter().map(|r| r.len).collect();
             let places = placements(&dl, dst_n, &dst, wire, &lens).unwrap();
-            let want: Vec<Span> = runs
-                .iter()
-                .map(|r| Span {
-                    offset: r.dst,
-                    len: r.len,
-                })
-                .collect();
+            let want: Vec<Span> = runs.iter().map(WriteRun::destination).collect();
             assert_eq!(places, want, "case {case}: placements");
         }
         println!("{cases} random pool-to-pool cases matched gather + scatter");

@@ -130,10 +130,6 @@ pub struct WritePath {
     /// ([`DataSender::send_runs`], [`Placer`]): no gather, no scatter, and no write into
     /// the receiver's memory that the receiver did not post itself.
     pub placed: bool,
-    /// Whether the transport pushes messages without waiting for the receiver (eager, not
-    /// rendezvous): placed runs sent before the receiver posts their receives are then
-    /// buffered and copied, so a sender places one chunk at a time.
-    pub eager: bool,
     /// Whether they are the fast and safe way there: native one-sided writes (RDMA) on an
     /// endpoint whose peer's death the transport detects. UCX 1.13 emulates puts over tcp at a
     /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
@@ -141,8 +137,8 @@ pub struct WritePath {
     pub fast: bool,
 }
 
-/// One contiguous one-sided write: `len` bytes from offset `src` of the sender's pool to
-/// offset `dst` of the receiver's exposed memory.
+/// One contiguous copy from pool to pool (a one-sided write, or a placed run): `len` bytes
+/// from offset `src` of the sender's pool to offset `dst` of the receiver's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WriteRun {
     /// Offset in the sender's pool.
@@ -151,6 +147,24 @@ pub struct WriteRun {
     pub dst: u64,
     /// Bytes.
     pub len: u64,
+}
+
+impl WriteRun {
+    /// Where the run is read, in the sender's pool.
+    pub fn source(&self) -> Span {
+        Span {
+            offset: self.src,
+            len: self.len,
+        }
+    }
+
+    /// Where the run lands, in the receiver's pool.
+    pub fn destination(&self) -> Span {
+        Span {
+            offset: self.dst,
+            len: self.len,
+        }
+    }
 }
 
 /// A contiguous range of a pool: the run of a placed send ([`DataSender::send_runs`]) or the

@@ -33,8 +33,7 @@ enum Payload {
 type Taken =
     tokio::task::JoinHandle<Result<Result<(), TransportError>, tokio::time::error::Elapsed>>;
 
-/// Placed chunks whose runs may be in flight at once beyond the one being sent, unless the
-/// transport sends eagerly (`WritePath::eager`): then none.
+/// Placed chunks whose runs may be in flight at once beyond the one being sent.
 const PLACED_AHEAD: usize = 2;
 
 /// The smallest budget of a direct chunk (measured on shared memory, docs/benchmarks.md:
@@ -244,16 +243,11 @@ impl Inner {
             // A direct chunk uses no staging: it may be as large as the pair's whole budget,
             // and at least DIRECT_CHUNK_BYTES, so that its fixed costs (header, plan, posted
             // receives, completion) stay small beside its bytes.
-            let floor = if target.path.eager {
-                0
-            } else {
-                DIRECT_CHUNK_BYTES
-            };
             let budget = self
                 .cfg
                 .chunk_bytes
                 .saturating_mul(job.peer.slots)
-                .max(floor);
+                .max(DIRECT_CHUNK_BYTES);
             let plan = plan_chunks(
                 tokens.clone(),
                 layers.clone(),
@@ -485,8 +479,7 @@ impl Inner {
                 placing.push_back(taken);
             }
             *chunks += 1;
-            let ahead = if target.path.eager { 0 } else { PLACED_AHEAD };
-            while placing.len() > ahead {
+            while placing.len() > PLACED_AHEAD {
                 if let Some(taken) = placing.pop_front() {
                     self.taken(job, taken).await?;
                 }
@@ -580,14 +573,23 @@ impl Inner {
             Payload::Direct(len) => (len, true, &self.metrics.chunks_direct, Bytes::new(), None),
             Payload::Placed(runs) => {
                 let len = runs.iter().map(|r| r.len).sum::<u64>() as usize;
+                let spans: Vec<Span> = runs.iter().map(WriteRun::source).collect();
                 let placed = Placed {
                     key: Uuid::new_v4().as_u64_pair().0,
                     runs: runs.iter().map(|r| r.len).collect(),
                 };
                 let path = &self.metrics.chunks_placed;
-                (len, false, path, Bytes::new(), Some((placed, runs)))
+                (len, false, path, Bytes::new(), Some((placed, spans)))
             }
         };
+        let (placed, spans) = placed.unzip();
+        // Runs go once the decode has posted their receives (`Posted`), never before.
+        let posted = placed.as_ref().map(|p| {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let mut waiting = job.peer.posted.lock().unwrap_or_else(|e| e.into_inner());
+            waiting.insert(p.key, tx);
+            (p.key, rx)
+        });
         let header = Message::Chunk(Chunk {
             room: job.room,
             prefill_instance: self.instance,
@@ -598,28 +600,13 @@ impl Inner {
             len: len as u64,
             checksum,
             direct,
-            placed: placed.as_ref().map(|(p, _)| p.clone()),
+            placed,
         });
         let header = header.encode_as(job.peer.version).into();
-        // Runs go once the decode has posted their receives (`Posted`), never before.
-        let posted = placed.as_ref().map(|(p, _)| {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let mut waiting = job.peer.posted.lock().unwrap_or_else(|e| e.into_inner());
-            waiting.insert(p.key, tx);
-            rx
-        });
         self.on_data_plane(job, "no chunk taken", |data| data.send(header, payload))
             .await?;
-        let taken = placed.zip(posted).map(|((placed, runs), posted)| {
+        let taken = spans.zip(posted).map(|(spans, (key, posted))| {
             let (peer, pool) = (job.peer.clone(), self.pool.clone());
-            let spans: Vec<Span> = runs
-                .iter()
-                .map(|r| Span {
-                    offset: r.src,
-                    len: r.len,
-                })
-                .collect();
-            let key = placed.key;
             let runs = async move {
                 let refused = || TransportError::new("posted", &peer.data_endpoint, "refused");
                 if !posted.await.unwrap_or(false) {

@@ -312,7 +312,6 @@ impl DataSender for UcxSender {
             self.region = Some(region);
             Ok(Some(WritePath {
                 placed: placed_runs(eager(), &via),
-                eager: eager(),
                 fast: fast_writes(&via, supervised),
                 via: match via.is_empty() {
                     true => "none".to_owned(),
