@@ -221,6 +221,15 @@ impl Inner {
                 let reason =
                     Reason::new(e.code, format!("prefill {}: {}", peer.endpoint, e.message));
                 match e.room.and_then(|r| rooms.get_mut(&r)) {
+                    // An error is that source's last word on a room being aborted, as an
+                    // AbortAck would be: nothing more comes from it.
+                    Some(room) if room.status.state() == RoomState::Aborting => {
+                        room.end_writes(peer.instance, Writes::Closed);
+                        room.acks_pending = room.acks_pending.saturating_sub(1);
+                        if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
+                            self.finished(room);
+                        }
+                    }
                     Some(room) => {
                         room.end_writes(peer.instance, Writes::Closed);
                         if room.status.fail(reason) {

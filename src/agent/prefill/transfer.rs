@@ -496,9 +496,14 @@ impl Inner {
     /// cancels its receives for the room, so runs still queued are never taken.
     async fn taken(&self, job: &Job, taken: Taken) -> Result<(), Reason> {
         let done = tokio::select! {
-            done = taken => done,
+            biased;
             () = job.cancel.cancelled() => return Ok(()),
+            done = taken => done,
         };
+        if job.cancel.is_cancelled() {
+            // The decode refuses the runs of a room it aborted: that is the abort, not an error.
+            return Ok(());
+        }
         let done = done.map_err(|e| {
             Reason::new(
                 FailureCode::BadMessage,
