@@ -15,6 +15,7 @@ use bytes::Bytes;
 use kvferry::transport::ucx::{Region, Span, UcxConfig, UcxWorker};
 
 const MIB: usize = 1 << 20;
+const KIB: usize = 1 << 10;
 const WINDOW: usize = 8;
 
 fn config(tls: &str) -> UcxConfig {
@@ -154,7 +155,9 @@ async fn ucx_throughput() {
             );
             assert!(gbps > 0.0);
         }
-        for run in [MIB, 8 * MIB] {
+        // 16 KiB: a head slice of one page (llama3-8b, 4 of 8 heads, 16 tokens, head-major).
+        let small = if tls == "shm" { &[16 * KIB][..] } else { &[] };
+        for &run in small.iter().chain(&[MIB, 8 * MIB]) {
             let gbps = placed_throughput(tls, run, 4).await;
             println!(
                 "{{\"ucx_tls\":\"{tls}\",\"op\":\"placed\",\"msg_bytes\":{run},\"gbps\":{gbps:.3}}}"

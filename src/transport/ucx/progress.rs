@@ -85,6 +85,13 @@ struct Pending {
     peer_failed: Option<sys::ucs_status_t>,
 }
 
+impl Pending {
+    fn cancel(&mut self) {
+        self.cancelled = true;
+        self.request.cancel();
+    }
+}
+
 enum Op {
     Send {
         _parts: Vec<Bytes>,
@@ -143,6 +150,13 @@ impl Op {
         }
     }
 
+    fn group(&self) -> Option<&Rc<Group>> {
+        match self {
+            Op::Run { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+
     fn abandoned(&self) -> bool {
         match self {
             Op::Send { reply, .. }
@@ -160,7 +174,15 @@ impl Op {
 /// Everything UCP of one worker, owned by its progress thread. Field order is drop order:
 /// requests, remote keys, endpoints, registrations, then the worker and the context.
 struct Engine {
-    pending: Vec<Pending>,
+    /// Operations watched one by one for abandonment: sends, flushes, receives, puts with a
+    /// reply. Keyed by [`Request::key`], like `bulk`.
+    pending: HashMap<usize, Pending>,
+    /// Runs (their group watches them) and puts without a reply (the flush after them
+    /// answers): never looked at one by one while in flight, so thousands of them cost
+    /// nothing per progress round.
+    bulk: HashMap<usize, Pending>,
+    /// Groups of runs with requests in flight.
+    groups: Vec<Rc<Group>>,
     remote: HashMap<u64, RemoteRegion>,
     endpoints: HashMap<u64, Rc<Endpoint>>,
     /// Endpoints whose peer failed, closed, with the status operations on them report.
@@ -178,7 +200,9 @@ impl Engine {
         let context = Context::new(config.vars())?;
         let worker = Worker::new(&context)?;
         Ok(Engine {
-            pending: Vec::new(),
+            pending: HashMap::new(),
+            bulk: HashMap::new(),
+            groups: Vec::new(),
             remote: HashMap::new(),
             endpoints: HashMap::new(),
             dead: HashMap::new(),
@@ -257,40 +281,65 @@ impl Engine {
         }
     }
 
-    /// Completes what UCX has finished and cancels what callers abandoned; the number of
+    /// Cancels what callers abandoned and completes what UCX reported ended; the number of
     /// operations completed.
     fn sweep(&mut self) -> usize {
         self.reap_failed();
-        let mut completed = 0;
-        let mut i = 0;
-        while i < self.pending.len() {
-            let p = &mut self.pending[i];
-            let (status, info) = match p.op {
-                Op::Recv { .. }
-                | Op::Run {
-                    expect: Some(_), ..
-                } => p.request.recv_info(),
-                _ => (p.request.status(), sys::ucp_tag_recv_info_t::default()),
+        self.cancel_abandoned();
+        let ended = self.worker.completed();
+        let count = ended.len();
+        for c in ended {
+            let p = match self.pending.remove(&c.request) {
+                Some(p) => p,
+                None => match self.bulk.remove(&c.request) {
+                    Some(p) => p,
+                    None => continue,
+                },
             };
-            if status == sys::UCS_INPROGRESS {
-                if !p.cancelled {
-                    let watched =
-                        p.ep.filter(|_| matches!(p.op, Op::Recv { .. }))
-                            .and_then(|ep| failure(&self.endpoints, &self.dead, ep));
-                    if watched.is_some() || p.op.abandoned() || self.shutting_down {
-                        p.peer_failed = watched;
-                        p.cancelled = true;
-                        p.request.cancel();
+            self.finish(p, c.status, c.info);
+        }
+        count
+    }
+
+    /// Cancels the requests of callers that stopped waiting (or cancelled a group of runs),
+    /// receives from failed endpoints, and everything at shutdown.
+    fn cancel_abandoned(&mut self) {
+        for p in self.pending.values_mut().filter(|p| !p.cancelled) {
+            let watched =
+                p.ep.filter(|_| matches!(p.op, Op::Recv { .. }))
+                    .and_then(|ep| failure(&self.endpoints, &self.dead, ep));
+            if watched.is_some() || p.op.abandoned() || self.shutting_down {
+                p.peer_failed = watched;
+                p.cancel();
+            }
+        }
+        self.groups.retain(|g| !g.answered());
+        for group in &self.groups {
+            if group.take_cancel() {
+                for key in group.requests() {
+                    if let Some(p) = self.bulk.get_mut(&key)
+                        && p.op.group().is_some_and(|g| Rc::ptr_eq(g, group))
+                    {
+                        p.cancel();
                     }
                 }
-                i += 1;
-                continue;
             }
-            let p = self.pending.swap_remove(i);
-            completed += 1;
-            self.finish(p, status, info);
         }
-        completed
+        if self.shutting_down {
+            self.bulk
+                .values_mut()
+                .filter(|p| !p.cancelled)
+                .for_each(Pending::cancel);
+        }
+    }
+
+    /// Files an operation in flight (see `pending` and `bulk`).
+    fn insert(&mut self, p: Pending) {
+        let map = match p.op {
+            Op::Run { .. } | Op::Put { reply: None, .. } => &mut self.bulk,
+            _ => &mut self.pending,
+        };
+        map.insert(p.request.key(), p);
     }
 
     fn finish(&self, p: Pending, status: sys::ucs_status_t, info: sys::ucp_tag_recv_info_t) {
@@ -410,7 +459,7 @@ impl Engine {
 
     fn track(&mut self, started: Started<()>, ep: Option<EndpointId>, op: Op) {
         match started {
-            Started::Pending(request) => self.pending.push(Pending {
+            Started::Pending(request) => self.insert(Pending {
                 request,
                 ep,
                 op,
@@ -532,7 +581,7 @@ impl Engine {
                             sys::UCS_ERR_NO_MESSAGE,
                         )));
                     }
-                    Ok(Started::Pending(request)) => self.pending.push(Pending {
+                    Ok(Started::Pending(request)) => self.insert(Pending {
                         request,
                         ep: from,
                         op: Op::Recv {
@@ -646,9 +695,13 @@ impl Engine {
         }
     }
 
+    fn idle(&self) -> bool {
+        self.pending.is_empty() && self.bulk.is_empty()
+    }
+
     fn progress_until_idle(&mut self, bound: Duration) {
         let deadline = Instant::now() + bound;
-        while !self.pending.is_empty() && Instant::now() < deadline {
+        while !self.idle() && Instant::now() < deadline {
             self.worker.progress();
             self.sweep();
         }
@@ -684,7 +737,7 @@ impl Engine {
         // Receives are cancelled by the sweep; sends and puts get 2 s to finish.
         self.shutting_down = true;
         self.progress_until_idle(Duration::from_secs(2));
-        if !self.pending.is_empty() {
+        if !self.idle() {
             // Their peers do not take them: force-close every endpoint (completes them).
             for endpoint in self.endpoints.values() {
                 endpoint.set_failed(sys::UCS_ERR_CANCELED);
@@ -693,13 +746,13 @@ impl Engine {
         self.remote.clear();
         self.endpoints.clear();
         self.progress_until_idle(Duration::from_secs(3));
-        if !self.pending.is_empty() {
+        if !self.idle() {
             tracing::error!(
-                pending = self.pending.len(),
+                pending = self.pending.len() + self.bulk.len(),
                 "UCX still holds requests at shutdown; leaking them, their buffers and the worker"
             );
-            let pending = std::mem::take(&mut self.pending);
-            std::mem::forget(pending);
+            std::mem::forget(std::mem::take(&mut self.pending));
+            std::mem::forget(std::mem::take(&mut self.bulk));
         }
         self.registered.clear();
     }

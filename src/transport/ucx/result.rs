@@ -213,26 +213,6 @@ pub fn request_param() -> sys::ucp_request_param_t {
     }
 }
 
-/// `ucp_request_check_status`.
-///
-/// # Safety
-/// `request` is a live request of a live worker owned by this thread.
-pub unsafe fn request_status(request: NonNull<c_void>) -> ucs_status_t {
-    // SAFETY: see the function's contract.
-    unsafe { sys::ucp_request_check_status(request.as_ptr()) }
-}
-
-/// `ucp_tag_recv_request_test`: the status and, once complete, what was received.
-///
-/// # Safety
-/// `request` is a live tag-receive request of a live worker owned by this thread.
-pub unsafe fn tag_recv_test(request: NonNull<c_void>) -> (ucs_status_t, sys::ucp_tag_recv_info_t) {
-    let mut info = sys::ucp_tag_recv_info_t::default();
-    // SAFETY: request live (caller); info is a valid out-pointer.
-    let status = unsafe { sys::ucp_tag_recv_request_test(request.as_ptr(), &mut info) };
-    (status, info)
-}
-
 /// Copies a packed remote key out of UCX's buffer and releases the buffer.
 ///
 /// # Safety

@@ -10,8 +10,11 @@
 //!   which is what `UCS_THREAD_MODE_SINGLE` requires;
 //! - operations that hand UCX a buffer are `unsafe fn`: the caller keeps the buffer alive and
 //!   unmoved until the returned [`Request`] completes ([`super::worker`] does so by owning
-//!   buffer and request together).
+//!   buffer and request together);
+//! - every request of a [`Worker`] reports its end through a callback into the worker's list
+//!   ([`Worker::completed`]), so finding what ended costs nothing per request still running.
 
+use std::cell::Cell;
 use std::ffi::c_void;
 use std::ptr::{self, NonNull};
 use std::rc::Rc;
@@ -85,7 +88,68 @@ impl Drop for Context {
 /// A UCP worker in single-thread mode.
 pub struct Worker {
     ptr: NonNull<sys::ucp_worker>,
+    /// Filled by the completion callbacks of this worker's requests.
+    ended: Completions,
     _context: Rc<Context>,
+}
+
+/// A request's end as its completion callback saw it.
+#[derive(Clone, Copy, Debug)]
+pub struct Completion {
+    /// The request ([`Request::key`]).
+    pub request: usize,
+    /// `UCS_OK`, or why it failed (`UCS_ERR_CANCELED` after [`Request::cancel`]).
+    pub status: ucs_status_t,
+    /// For a tagged receive: the sender's tag and the length received.
+    pub info: sys::ucp_tag_recv_info_t,
+}
+
+/// Where completion callbacks record ends. UCX calls them on the worker's thread, inside
+/// progress or cancel; a `Cell` (taken, pushed, put back) has no borrow that could fail there.
+#[derive(Default)]
+struct Completions(Cell<Vec<Completion>>);
+
+impl Completions {
+    fn push(&self, c: Completion) {
+        let mut ended = self.0.take();
+        ended.push(c);
+        self.0.set(ended);
+    }
+}
+
+/// Completion callback of sends, puts and flushes.
+unsafe extern "C" fn on_sent(request: *mut c_void, status: ucs_status_t, user_data: *mut c_void) {
+    // SAFETY: user_data is the `Completions` of the request's worker (`Worker::tracked`), which
+    // outlives its requests (each holds an Rc of it); UCX calls back on the worker's thread and
+    // never after the request was freed. Nothing here can panic across the FFI boundary.
+    let ended = unsafe { &*user_data.cast::<Completions>() };
+    ended.push(Completion {
+        request: request as usize,
+        status,
+        info: sys::ucp_tag_recv_info_t::default(),
+    });
+}
+
+/// Completion callback of tagged receives.
+unsafe extern "C" fn on_received(
+    request: *mut c_void,
+    status: ucs_status_t,
+    info: *const sys::ucp_tag_recv_info_t,
+    user_data: *mut c_void,
+) {
+    // SAFETY: as in `on_sent`; `info`, when not null, points to UCX's record of the receive,
+    // valid during the call.
+    let (ended, info) = unsafe {
+        (
+            &*user_data.cast::<Completions>(),
+            info.as_ref().copied().unwrap_or_default(),
+        )
+    };
+    ended.push(Completion {
+        request: request as usize,
+        status,
+        info,
+    });
 }
 
 impl Worker {
@@ -103,8 +167,32 @@ impl Worker {
         let ptr = unsafe { result::worker_create(context.ptr, &params) }?;
         Ok(Rc::new(Worker {
             ptr,
+            ended: Completions::default(),
             _context: context.clone(),
         }))
+    }
+
+    /// The requests that ended since the last call, in the order they ended. A request ending
+    /// at once when started (`Started::Done`) is not reported.
+    pub fn completed(&self) -> Vec<Completion> {
+        self.ended.0.take()
+    }
+
+    /// Request parameters whose completion is reported by [`Worker::completed`].
+    fn tracked(&self, receive: bool) -> sys::ucp_request_param_t {
+        let mut param = result::request_param();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+        param.cb = if receive {
+            sys::ucp_request_param_cb {
+                recv: Some(on_received),
+            }
+        } else {
+            sys::ucp_request_param_cb {
+                send: Some(on_sent),
+            }
+        };
+        param.user_data = (&raw const self.ended).cast_mut().cast();
+        param
     }
 
     /// The worker's address, to give to peers (they connect with [`Endpoint::connect`]).
@@ -134,7 +222,8 @@ impl Worker {
 
     /// Posts a tagged receive of at most `capacity` bytes into `buffer`. Always returns a
     /// request (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`): UCX 1.13 does not report the received tag
-    /// and length of an immediate completion, [`Request::recv_info`] does.
+    /// and length of an immediate completion, the completion callback does (UCX calls it
+    /// inside this call then).
     ///
     /// # Safety
     /// `buffer` is valid for writes of `capacity` bytes and stays allocated and unmoved until
@@ -146,8 +235,8 @@ impl Worker {
         tag: u64,
         mask: u64,
     ) -> Result<Started<()>, UcxError> {
-        let mut param = result::request_param();
-        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_DATATYPE
+        let mut param = self.tracked(true);
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE
             | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
             | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
         param.datatype = sys::UCP_DATATYPE_BYTES;
@@ -171,8 +260,8 @@ impl Worker {
 
     /// Starts flushing every endpoint of the worker.
     pub fn flush(self: &Rc<Self>) -> Result<Started<()>, UcxError> {
-        let param = result::request_param();
-        // SAFETY: the worker is live; the param sets no field.
+        let param = self.tracked(false);
+        // SAFETY: the worker is live; the param sets only the completion callback.
         let ptr = unsafe { sys::ucp_worker_flush_nbx(self.ptr.as_ptr(), &param) };
         Ok(match request_or_done("ucp_worker_flush_nbx", ptr)? {
             None => Started::Done(()),
@@ -193,7 +282,7 @@ impl Drop for Worker {
 pub enum Started<T> {
     /// Completed during the call (with what it produced).
     Done(T),
-    /// In flight: poll [`Request::status`] after progress.
+    /// In flight: its end is reported by [`Worker::completed`] during progress.
     Pending(Request),
 }
 
@@ -333,8 +422,8 @@ impl Endpoint {
         parts: &[sys::ucp_dt_iov_t],
         tag: u64,
     ) -> Result<Started<()>, UcxError> {
-        let mut param = result::request_param();
-        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        let mut param = self.worker.tracked(false);
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
         let (buffer, count) = match parts {
             [one] => {
@@ -366,8 +455,8 @@ impl Endpoint {
         remote_addr: u64,
         rkey: &RemoteKey,
     ) -> Result<Started<()>, UcxError> {
-        let mut param = result::request_param();
-        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        let mut param = self.worker.tracked(false);
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         param.datatype = sys::UCP_DATATYPE_BYTES;
         param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
         // SAFETY: endpoint and rkey are live (the rkey holds an Rc of its endpoint); buffer and
@@ -391,8 +480,8 @@ impl Endpoint {
     /// Starts a flush: completes once every operation started on this endpoint has completed
     /// remotely (puts are visible in the peer's memory).
     pub fn flush(&self) -> Result<Started<()>, UcxError> {
-        let param = result::request_param();
-        // SAFETY: the endpoint is live; the param sets no field.
+        let param = self.worker.tracked(false);
+        // SAFETY: the endpoint is live; the param sets only the completion callback.
         let ptr = unsafe { sys::ucp_ep_flush_nbx(self.ptr.as_ptr(), &param) };
         Ok(match request_or_done("ucp_ep_flush_nbx", ptr)? {
             None => Started::Done(()),
@@ -562,20 +651,14 @@ impl Request {
         }
     }
 
-    /// `UCS_INPROGRESS` while running, then the final status.
-    pub fn status(&self) -> ucs_status_t {
-        // SAFETY: the request is live (not freed before Drop) and its worker too (Rc).
-        unsafe { result::request_status(self.ptr) }
-    }
-
-    /// For a tagged receive: the status and, when complete, the received tag and length.
-    pub fn recv_info(&self) -> (ucs_status_t, sys::ucp_tag_recv_info_t) {
-        // SAFETY: as for `status`; the caller only asks receive requests.
-        unsafe { result::tag_recv_test(self.ptr) }
+    /// The request's identity while it is live: its [`Completion::request`]. UCX may reuse
+    /// the address for a new request once this one is freed.
+    pub fn key(&self) -> usize {
+        self.ptr.as_ptr() as usize
     }
 
     /// Asks UCX to cancel (receives are cancelled; sends and puts run on until they complete
-    /// or their endpoint closes). Completion is still observed through [`Request::status`].
+    /// or their endpoint closes). Its end is still reported by [`Worker::completed`].
     pub fn cancel(&self) {
         // SAFETY: request and worker are live; cancelling a completed request does nothing.
         unsafe { sys::ucp_request_cancel(self.worker.ptr.as_ptr(), self.ptr.as_ptr()) }

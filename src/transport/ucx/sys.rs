@@ -112,6 +112,8 @@ pub const UCP_MEM_MAP_PROT_REMOTE_READ: c_uint = 1 << 8;
 pub const UCP_MEM_MAP_PROT_REMOTE_WRITE: c_uint = 1 << 9;
 
 // ucp_op_attr_t.
+pub const UCP_OP_ATTR_FIELD_CALLBACK: u32 = 1 << 1;
+pub const UCP_OP_ATTR_FIELD_USER_DATA: u32 = 1 << 2;
 pub const UCP_OP_ATTR_FIELD_DATATYPE: u32 = 1 << 3;
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
@@ -218,13 +220,23 @@ pub struct ucp_dt_iov_t {
     pub length: usize,
 }
 
-/// The `cb` union of `ucp_request_param_t`: every member is one function pointer. This
-/// transport polls request status and never sets a callback, so one member is declared.
+/// The `cb` union of `ucp_request_param_t`: every member is one function pointer (the two
+/// kinds of operation this transport starts are declared).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub union ucp_request_param_cb {
+    /// `ucp_send_nbx_callback_t`: sends, puts, flushes.
     pub send: Option<
         unsafe extern "C" fn(request: *mut c_void, status: ucs_status_t, user_data: *mut c_void),
+    >,
+    /// `ucp_tag_recv_nbx_callback_t`: tagged receives.
+    pub recv: Option<
+        unsafe extern "C" fn(
+            request: *mut c_void,
+            status: ucs_status_t,
+            tag_info: *const ucp_tag_recv_info_t,
+            user_data: *mut c_void,
+        ),
     >,
 }
 
@@ -351,11 +363,6 @@ unsafe extern "C" {
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t;
 
-    pub fn ucp_request_check_status(request: *mut c_void) -> ucs_status_t;
-    pub fn ucp_tag_recv_request_test(
-        request: *mut c_void,
-        info: *mut ucp_tag_recv_info_t,
-    ) -> ucs_status_t;
     pub fn ucp_request_cancel(worker: ucp_worker_h, request: *mut c_void);
     pub fn ucp_request_free(request: *mut c_void);
 }

@@ -22,6 +22,11 @@ pub(super) struct Group {
     reply: RefCell<Option<Reply<()>>>,
     /// Set by the caller to cancel the group's receives (it keeps waiting for the answer).
     cancel: Option<Arc<AtomicBool>>,
+    /// Whether the group's requests were cancelled.
+    cancelled: Cell<bool>,
+    /// The keys of the group's requests ([`crate::transport::ucx::safe::Request::key`]),
+    /// ended ones included: a key found in flight is the group's only if its op says so.
+    requests: RefCell<Vec<usize>>,
 }
 
 impl Group {
@@ -31,6 +36,8 @@ impl Group {
             error: RefCell::new(None),
             reply: RefCell::new(Some(reply)),
             cancel,
+            cancelled: Cell::new(false),
+            requests: RefCell::new(Vec::new()),
         })
     }
 
@@ -54,6 +61,23 @@ impl Group {
             .as_ref()
             .is_some_and(|c| c.load(Ordering::Acquire))
             || self.reply.borrow().as_ref().is_none_or(|r| r.is_closed())
+    }
+
+    /// True once, when the group is abandoned: its requests are then to be cancelled.
+    pub(super) fn take_cancel(&self) -> bool {
+        let cancel = !self.cancelled.get() && self.abandoned();
+        self.cancelled.set(self.cancelled.get() || cancel);
+        cancel
+    }
+
+    /// Whether every request has ended and the caller was answered.
+    pub(super) fn answered(&self) -> bool {
+        self.reply.borrow().is_none()
+    }
+
+    /// The keys of the group's requests.
+    pub(super) fn requests(&self) -> Vec<usize> {
+        self.requests.borrow().clone()
     }
 }
 
@@ -165,17 +189,23 @@ impl Engine {
         expect: Option<usize>,
     ) {
         match started {
-            Started::Pending(request) => self.pending.push(Pending {
-                request,
-                ep,
-                op: Op::Run {
-                    _memory: memory,
-                    group: group.clone(),
-                    expect,
-                },
-                cancelled: false,
-                peer_failed: None,
-            }),
+            Started::Pending(request) => {
+                group.requests.borrow_mut().push(request.key());
+                if group.requests.borrow().len() == 1 {
+                    self.groups.push(group.clone());
+                }
+                self.insert(Pending {
+                    request,
+                    ep,
+                    op: Op::Run {
+                        _memory: memory,
+                        group: group.clone(),
+                        expect,
+                    },
+                    cancelled: false,
+                    peer_failed: None,
+                });
+            }
             // A send done at once; receives never complete immediately (NO_IMM_CMPL).
             Started::Done(()) => group.done(Ok(())),
         }
