@@ -162,13 +162,22 @@ async fn one_room(
             .await?;
         json_ok(resp, "decode request").await?;
     }
+    // Every prefill rank at once, as TP ranks finish a prefill together: one after the
+    // other, the latency (from the first ready) would include the later ranks' fills.
+    let mut ready = tokio::task::JoinSet::new();
     for p in prefills {
-        let resp = http
-            .post(format!("{p}/v1/rooms/{room}/ready"))
-            .json(&body)
-            .send()
-            .await?;
-        json_ok(resp, "prefill ready").await?;
+        let (http, url, body) = (
+            http.clone(),
+            format!("{p}/v1/rooms/{room}/ready"),
+            body.clone(),
+        );
+        ready.spawn(async move {
+            let resp = http.post(url).json(&body).send().await?;
+            json_ok(resp, "prefill ready").await
+        });
+    }
+    while let Some(done) = ready.join_next().await {
+        done??;
     }
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut result = RoomResult {
