@@ -59,32 +59,52 @@ enum Path {
 }
 
 /// The runs: per UCX environment, 1P1D with the path `--direct-writes auto` picks there (on shm
-/// also PP2 -> PP1: two prefills placing into one decode), TP2 -> TP1 (staged: the head
-/// layouts do not line up) and 1P1D with `always` (one-sided writes, which UCX 1.13 emulates
-/// over tcp and shared memory, see `transport/ucx/data.rs`).
-fn runs() -> Vec<(String, Env, Shape, &'static str, Path)> {
+/// also PP2 -> PP1: two prefills placing into one decode), TP2 -> TP1 and (on shm) TP1 -> TP2
+/// (staged: the head layouts do not line up) and 1P1D with `always` (one-sided writes, which
+/// UCX 1.13 emulates over tcp and shared memory, see `transport/ucx/data.rs`).
+fn runs() -> Vec<(String, Env, Shape, Shape, &'static str, Path)> {
     let mut out = Vec::new();
     for (name, env, auto) in envs() {
-        let run = |label: &str, shape, writes, path| {
+        let run = |label: &str, prefill, decode, writes, path| {
             (
                 format!("ucx-{name}-{label}"),
                 env.clone(),
-                shape,
+                prefill,
+                decode,
                 writes,
                 path,
             )
         };
-        out.push(run("1p1d", Shape::ONE, "auto", auto));
+        out.push(run("1p1d", Shape::ONE, Shape::ONE, "auto", auto));
         if name == "shm" {
             // Two prefill stages placing their layer ranges into one decode at once.
             let pp2 = Shape {
                 pp: 2,
                 ..Shape::ONE
             };
-            out.push(run("pp2-pp1", pp2, "auto", auto));
+            out.push(run("pp2-pp1", pp2, Shape::ONE, "auto", auto));
+            out.push(run(
+                "tp1-tp2",
+                Shape::ONE,
+                Shape::tp(2),
+                "auto",
+                Path::Staged,
+            ));
         }
-        out.push(run("tp2-tp1", Shape::tp(2), "auto", Path::Staged));
-        out.push(run("1p1d-direct", Shape::ONE, "always", Path::Direct));
+        out.push(run(
+            "tp2-tp1",
+            Shape::tp(2),
+            Shape::ONE,
+            "auto",
+            Path::Staged,
+        ));
+        out.push(run(
+            "1p1d-direct",
+            Shape::ONE,
+            Shape::ONE,
+            "always",
+            Path::Direct,
+        ));
     }
     out
 }
@@ -92,12 +112,12 @@ fn runs() -> Vec<(String, Env, Shape, &'static str, Path)> {
 #[test]
 fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_every_data_path() {
     let exe = common::release_binary();
-    for (tag, env, prefill, direct_writes, path) in runs() {
+    for (tag, env, prefill, decode, direct_writes, path) in runs() {
         let mut args = opts("tiny", 256);
         set_flag(&mut args, "--direct-writes", direct_writes);
         // Checksums on: a direct chunk's is computed in place on both sides.
         args.push("--checksum".to_owned());
-        let c = LocalCluster::start_shaped_env(&exe, &tag, &args, prefill, Shape::ONE, &env)
+        let c = LocalCluster::start_shaped_env(&exe, &tag, &args, prefill, decode, &env)
             .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
         let rooms: Vec<(u64, usize)> = (1..=100)
             .map(|r| (r, 1 + (r as usize * 37) % 400))
@@ -239,6 +259,60 @@ fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
         assert!(results.iter().all(|r| r.verified), "{tag}: {results:?}");
         println!("{tag}: after the restart 3 rooms verified");
     }
+}
+
+/// A prefill killed mid-room while it serves two decode ranks (TP1 -> TP2 over shared memory:
+/// each rank's head slice, staged) fails both ranks' rooms with `peer_dead` and gives their
+/// pages back. It guards the head-slice path: placing head slices as messages gathered from
+/// many pieces (UCX io-vector sends) left a decode receive matched to a dead sender's message,
+/// never completed nor cancellable, in each of four runs of this test (UCX 1.13, docs/reliability.md).
+#[test]
+fn a_prefill_killed_while_serving_two_decode_ranks_fails_both_and_frees_their_pages() {
+    let exe = common::release_binary();
+    let tag = "ucx-kill-shm-tp1-tp2";
+    let env = envs()[1].1.clone();
+    let mut args = opts("llama3-8b", 272);
+    args.extend(["--synthetic-layer-ms".to_owned(), "10".to_owned()]);
+    let mut c = LocalCluster::start_shaped_env(&exe, tag, &args, Shape::ONE, Shape::tp(2), &env)
+        .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+    let apis = c.apis().unwrap();
+    let (p, decodes) = (apis.prefill[0][0].clone(), apis.decode[0].clone());
+    let http = http();
+    runtime().block_on(async {
+        let body = json!({"tokens": 4096});
+        for d in &decodes {
+            let url = format!("{d}/v1/rooms/1");
+            expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
+        }
+        let url = format!("{p}/v1/rooms/1/ready");
+        expect(&http, Method::POST, &url, Some(&body), StatusCode::ACCEPTED).await;
+        let v = wait_state(&http, &decodes[0], 1, &["transferring", "success"], BOUND).await;
+        c.prefill_mut().signal("KILL").unwrap();
+        let killed = Instant::now();
+        for d in &decodes {
+            let end = wait_final(&http, d, 1).await;
+            if v["state"] == "transferring" && end["state"] != "success" {
+                assert_eq!(end["state"], "failed", "{tag}: {end}");
+                assert_eq!(end["reason"]["code"], "peer_dead", "{tag}: {end}");
+            }
+            wait_safe(&http, d, 1).await;
+            println!(
+                "{tag}: {d}: {} and safe to reuse {:.0} ms after the kill",
+                end["state"],
+                killed.elapsed().as_secs_f64() * 1e3
+            );
+            let url = format!("{d}/v1/rooms/1/take");
+            expect(&http, Method::POST, &url, None, StatusCode::OK).await;
+        }
+        let placed = metric(
+            &http,
+            &decodes[0],
+            "kvferry_chunks_total{role=\"decode\",path=\"placed\"}",
+        )
+        .await
+        .unwrap_or(0.0);
+        assert_eq!(placed, 0.0, "{tag}: head slices were placed");
+    });
 }
 
 #[test]
