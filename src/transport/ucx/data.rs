@@ -11,7 +11,7 @@
 //!
 //! Placed runs (the agents' default direct path where UCX sends by rendezvous): a sender sends
 //! each run of its pool as a tagged message straight from the pool ([`UcxWorker::send_runs`]),
-//! under tags derived from the chunk's key ([`placed_tag`]); the receiver, which posted a
+//! under tags derived from the chunk's key (`placed_tag`); the receiver, which posted a
 //! receive at each run's place in its own pool first ([`UcxWorker::recv_runs`]), gets it by
 //! rendezvous in one copy (a cma read here, an RDMA read elsewhere).
 //!
@@ -22,7 +22,7 @@
 //! never overtakes the bytes. Which transport carries the puts is read off the endpoint's lanes
 //! (`ucp_ep_print_info`): UCX 1.13 emulates puts over tcp at ~0.15 GB/s against ~4-5 GB/s for
 //! tagged sends (docs/benchmarks.md), and over shared memory through the receiver's FIFO, where
-//! UCX cannot see a peer die; both are reported not fast ([`fast_writes`]), and the agents keep
+//! UCX cannot see a peer die; both are reported not fast (`fast_writes`), and the agents keep
 //! to tagged sends (placed runs or staged chunks) there unless told `--direct-writes always`.
 
 use std::sync::Arc;

@@ -2,16 +2,12 @@
 //! endpoint, registration and request of them) and serves the handle's commands.
 //!
 //! The thread takes commands over a std channel (each wakes it through an eventfd) and
-//! replies through tokio oneshots. Every request reports its end through its completion
-//! callback into the worker's list (`Worker::completed`), so a round of progress costs what
-//! ended in it, not what is in flight: a placed chunk keeps thousands of runs in flight, and
-//! polling each of them every round made 16 KiB runs half as fast. Abandonment is checked per
-//! operation for the few that reply one by one (`pending`), per group for runs (`bulk`).
-//! While work is in flight it calls `ucp_worker_progress`;
+//! replies through tokio oneshots. While work is in flight it calls `ucp_worker_progress`;
 //! after a short spin with nothing to do it arms the worker and sleeps in poll(2) on the
 //! worker's event fd and the wakeup eventfd, with a 100 ms timeout so UCX's keepalive still
-//! runs on a quiet worker. No core spins while idle. Registrations, peers' regions and puts
-//! (the one-sided side) are in `progress/rma.rs`.
+//! runs on a quiet worker. No core spins while idle. Operations in flight and how they end
+//! are in `progress/pending.rs`; registrations, peers' regions and puts (the one-sided side)
+//! in `progress/rma.rs`; placed runs in `progress/runs.rs`.
 //!
 //! Invariants:
 //! - an operation's buffers live in its `Pending` entry together with its request, and an
@@ -34,15 +30,17 @@ use tokio::sync::oneshot;
 use super::UcxError;
 use super::region::RegisterableMemory;
 use super::result::status_name;
-use super::safe::{Context, Endpoint, MemHandle, Request, Started, Worker};
+use super::safe::{Context, Endpoint, MemHandle, Started, Worker};
 use super::sys;
+mod pending;
 mod rma;
 mod runs;
 
+use pending::{Op, Pending};
 use rma::{PutSource, RemoteRegion};
 use runs::Group;
 
-use super::worker::{Command, EndpointId, Received, Reply, UcxConfig, WriteRun};
+use super::worker::{Command, EndpointId, UcxConfig, WriteRun};
 
 /// The thread's body: builds the engine, reports the address, runs until shutdown.
 pub(super) fn run(
@@ -75,104 +73,6 @@ pub(super) fn run(
     drop(engine);
     if let Some(done) = done {
         let _ = done.send(());
-    }
-}
-
-/// An operation in flight: the request and the buffers it uses, dropped together only after
-/// completion.
-struct Pending {
-    // Field order: the request is freed before the buffers are released.
-    request: Request,
-    ep: Option<EndpointId>,
-    op: Op,
-    cancelled: bool,
-    /// The watched endpoint failed (a receive from it was cancelled for that reason).
-    peer_failed: Option<sys::ucs_status_t>,
-}
-
-impl Pending {
-    fn cancel(&mut self) {
-        self.cancelled = true;
-        self.request.cancel();
-    }
-}
-
-enum Op {
-    Send {
-        _parts: Vec<Bytes>,
-        _iov: Vec<sys::ucp_dt_iov_t>,
-        reply: Reply<()>,
-    },
-    /// A put; the runs of a [`Command::Write`] have no reply of their own (the flush that
-    /// follows them answers).
-    Put {
-        _data: PutSource,
-        reply: Option<Reply<()>>,
-    },
-    Flush {
-        reply: Reply<()>,
-    },
-    Recv {
-        buffer: Vec<u8>,
-        capacity: usize,
-        reply: Reply<Received>,
-    },
-    /// One run of a [`Command::SendRuns`] or [`Command::RecvRuns`] (`expect`: a receive, of
-    /// exactly that many bytes); its group answers.
-    Run {
-        _memory: Arc<dyn RegisterableMemory>,
-        group: Rc<Group>,
-        expect: Option<usize>,
-    },
-}
-
-impl Op {
-    /// Answers the caller, if the operation has one.
-    fn answer(self, result: Result<(), UcxError>) {
-        match self {
-            Op::Send { reply, .. }
-            | Op::Flush { reply }
-            | Op::Put {
-                reply: Some(reply), ..
-            } => {
-                let _ = reply.send(result);
-            }
-            Op::Run { group, .. } => group.done(result),
-            Op::Put { reply: None, .. } | Op::Recv { .. } => {}
-        }
-    }
-
-    fn name(&self) -> &'static str {
-        match self {
-            Op::Send { .. } => "send_tag",
-            Op::Put { .. } => "put",
-            Op::Flush { .. } => "flush",
-            Op::Recv { .. } => "recv_tag",
-            Op::Run { expect: None, .. } => "send_run",
-            Op::Run {
-                expect: Some(_), ..
-            } => "recv_run",
-        }
-    }
-
-    fn group(&self) -> Option<&Rc<Group>> {
-        match self {
-            Op::Run { group, .. } => Some(group),
-            _ => None,
-        }
-    }
-
-    fn abandoned(&self) -> bool {
-        match self {
-            Op::Send { reply, .. }
-            | Op::Flush { reply }
-            | Op::Put {
-                reply: Some(reply), ..
-            } => reply.is_closed(),
-            Op::Put { reply: None, .. } => false,
-            Op::Recv { reply, .. } => reply.is_closed(),
-            Op::Run { group, .. } => group.abandoned(),
-        }
     }
 }
 
@@ -286,156 +186,6 @@ impl Engine {
         }
     }
 
-    /// Cancels what callers abandoned and completes what UCX reported ended; the number of
-    /// operations completed.
-    fn sweep(&mut self) -> usize {
-        self.reap_failed();
-        self.cancel_abandoned();
-        let ended = self.worker.completed();
-        let count = ended.len();
-        for c in ended {
-            let p = match self.pending.remove(&c.request) {
-                Some(p) => p,
-                None => match self.bulk.remove(&c.request) {
-                    Some(p) => p,
-                    None => continue,
-                },
-            };
-            self.finish(p, c.status, c.info);
-        }
-        count
-    }
-
-    /// Cancels the requests of callers that stopped waiting (or cancelled a group of runs),
-    /// receives from failed endpoints, and everything at shutdown.
-    fn cancel_abandoned(&mut self) {
-        for p in self.pending.values_mut().filter(|p| !p.cancelled) {
-            let watched =
-                p.ep.filter(|_| matches!(p.op, Op::Recv { .. }))
-                    .and_then(|ep| failure(&self.endpoints, &self.dead, ep));
-            if watched.is_some() || p.op.abandoned() || self.shutting_down {
-                p.peer_failed = watched;
-                p.cancel();
-            }
-        }
-        self.groups.retain(|g| !g.answered());
-        for group in &self.groups {
-            if group.take_cancel() {
-                for key in group.requests() {
-                    if let Some(p) = self.bulk.get_mut(&key)
-                        && p.op.group().is_some_and(|g| Rc::ptr_eq(g, group))
-                    {
-                        p.cancel();
-                    }
-                }
-            }
-        }
-        if self.shutting_down {
-            self.bulk
-                .values_mut()
-                .filter(|p| !p.cancelled)
-                .for_each(Pending::cancel);
-        }
-    }
-
-    /// Files an operation in flight (see `pending` and `bulk`).
-    fn insert(&mut self, p: Pending) {
-        let map = match p.op {
-            Op::Run { .. } | Op::Put { reply: None, .. } => &mut self.bulk,
-            _ => &mut self.pending,
-        };
-        map.insert(p.request.key(), p);
-    }
-
-    fn finish(&self, p: Pending, status: sys::ucs_status_t, info: sys::ucp_tag_recv_info_t) {
-        let Pending {
-            request,
-            ep,
-            op,
-            peer_failed,
-            ..
-        } = p;
-        // The request is complete: free it before its buffers go.
-        drop(request);
-        let name = op.name();
-        let error = |status| {
-            if self.shutting_down {
-                return UcxError::WorkerGone;
-            }
-            self.classify(name, ep, status, peer_failed)
-        };
-        match op {
-            Op::Run {
-                expect: Some(len),
-                group,
-                ..
-            } => group.done(match status {
-                sys::UCS_OK if info.length == len => Ok(()),
-                sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED => Err(UcxError::Length {
-                    expected: len,
-                    got: (status == sys::UCS_OK).then_some(info.length),
-                }),
-                status => Err(error(status)),
-            }),
-            op @ (Op::Send { .. } | Op::Put { .. } | Op::Flush { .. } | Op::Run { .. }) => {
-                op.answer(if status == sys::UCS_OK {
-                    Ok(())
-                } else {
-                    Err(error(status))
-                });
-            }
-            Op::Recv {
-                buffer,
-                capacity,
-                reply,
-            } => {
-                let _ = reply.send(recv_result(buffer, capacity, status, info).map_err(
-                    |e| match e {
-                        RecvFail::Truncated => UcxError::Truncated { capacity },
-                        RecvFail::Status(status) => error(status),
-                    },
-                ));
-            }
-        }
-    }
-
-    /// The error for a failed operation: a peer failure when its endpoint's error handler ran
-    /// or the status is a connection error, else the UCX status.
-    fn classify(
-        &self,
-        op: &'static str,
-        ep: Option<EndpointId>,
-        status: sys::ucs_status_t,
-        peer_failed: Option<sys::ucs_status_t>,
-    ) -> UcxError {
-        let recorded =
-            peer_failed.or_else(|| ep.and_then(|ep| failure(&self.endpoints, &self.dead, ep)));
-        let connection_error = matches!(
-            status,
-            sys::UCS_ERR_UNREACHABLE
-                | sys::UCS_ERR_NOT_CONNECTED
-                | sys::UCS_ERR_CONNECTION_RESET
-                | sys::UCS_ERR_TIMED_OUT
-        ) || (sys::UCS_ERR_LAST_ENDPOINT_FAILURE
-            ..=sys::UCS_ERR_FIRST_LINK_FAILURE)
-            .contains(&status);
-        match (ep, recorded) {
-            (Some(ep), Some(failure)) => UcxError::PeerFailed {
-                op,
-                endpoint: ep.0,
-                status: failure,
-                name: status_name(failure),
-            },
-            (Some(ep), None) if connection_error => UcxError::PeerFailed {
-                op,
-                endpoint: ep.0,
-                status,
-                name: status_name(status),
-            },
-            _ => UcxError::call(op, status),
-        }
-    }
-
     fn endpoint(&self, op: &'static str, ep: EndpointId) -> Result<Rc<Endpoint>, UcxError> {
         let Some(endpoint) = self.endpoints.get(&ep.0) else {
             return Err(match self.dead.get(&ep.0) {
@@ -459,19 +209,6 @@ impl Engine {
                 name: status_name(status),
             }),
             None => Ok(endpoint.clone()),
-        }
-    }
-
-    fn track(&mut self, started: Started<()>, ep: Option<EndpointId>, op: Op) {
-        match started {
-            Started::Pending(request) => self.insert(Pending {
-                request,
-                ep,
-                op,
-                cancelled: false,
-                peer_failed: None,
-            }),
-            Started::Done(()) => op.answer(Ok(())),
         }
     }
 
@@ -586,17 +323,15 @@ impl Engine {
                             sys::UCS_ERR_NO_MESSAGE,
                         )));
                     }
-                    Ok(Started::Pending(request)) => self.insert(Pending {
+                    Ok(Started::Pending(request)) => self.insert(Pending::new(
                         request,
-                        ep: from,
-                        op: Op::Recv {
+                        from,
+                        Op::Recv {
                             buffer,
                             capacity,
                             reply,
                         },
-                        cancelled: false,
-                        peer_failed: None,
-                    }),
+                    )),
                     Err(UcxError::Call {
                         status: sys::UCS_ERR_MESSAGE_TRUNCATED,
                         ..
@@ -760,44 +495,6 @@ impl Engine {
             std::mem::forget(std::mem::take(&mut self.bulk));
         }
         self.registered.clear();
-    }
-}
-
-/// The failure recorded for `ep`: closed as dead, or its error handler ran.
-fn failure(
-    endpoints: &HashMap<u64, Rc<Endpoint>>,
-    dead: &HashMap<u64, sys::ucs_status_t>,
-    ep: EndpointId,
-) -> Option<sys::ucs_status_t> {
-    dead.get(&ep.0)
-        .copied()
-        .or_else(|| endpoints.get(&ep.0).and_then(|e| e.failure()))
-}
-
-enum RecvFail {
-    Truncated,
-    Status(sys::ucs_status_t),
-}
-
-/// A completed receive's buffer, cut to the received length.
-fn recv_result(
-    mut buffer: Vec<u8>,
-    capacity: usize,
-    status: sys::ucs_status_t,
-    info: sys::ucp_tag_recv_info_t,
-) -> Result<Received, RecvFail> {
-    match status {
-        sys::UCS_OK if info.length <= capacity => {
-            // SAFETY: UCX completed the receive and wrote `info.length` bytes at the start of
-            // the allocation, which holds `capacity >= info.length` bytes.
-            unsafe { buffer.set_len(info.length) };
-            Ok(Received {
-                tag: info.sender_tag,
-                data: Bytes::from(buffer),
-            })
-        }
-        sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED => Err(RecvFail::Truncated),
-        status => Err(RecvFail::Status(status)),
     }
 }
 

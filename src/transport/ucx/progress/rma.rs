@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{Engine, Op};
+use super::Engine;
+use super::pending::Op;
 use crate::transport::ucx::UcxError;
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::safe::{Endpoint, MemHandle, RemoteKey};

@@ -7,7 +7,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{Engine, Op, Pending};
+use super::Engine;
+use super::pending::{Op, Pending};
 use crate::transport::ucx::UcxError;
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::safe::Started;
@@ -194,17 +195,15 @@ impl Engine {
                 if group.requests.borrow().len() == 1 {
                     self.groups.push(group.clone());
                 }
-                self.insert(Pending {
+                self.insert(Pending::new(
                     request,
                     ep,
-                    op: Op::Run {
+                    Op::Run {
                         _memory: memory,
                         group: group.clone(),
                         expect,
                     },
-                    cancelled: false,
-                    peer_failed: None,
-                });
+                ));
             }
             // A send done at once; receives never complete immediately (NO_IMM_CMPL).
             Started::Done(()) => group.done(Ok(())),
