@@ -261,58 +261,76 @@ fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
     }
 }
 
-/// A prefill killed mid-room while it serves two decode ranks (TP1 -> TP2 over shared memory:
-/// each rank's head slice, staged) fails both ranks' rooms with `peer_dead` and gives their
-/// pages back. It guards the head-slice path: placing head slices as messages gathered from
-/// many pieces (UCX io-vector sends) left a decode receive matched to a dead sender's message,
-/// never completed nor cancellable, in each of four runs of this test (UCX 1.13, docs/reliability.md).
+/// A prefill rank killed mid-room with heterogeneous TP over shared memory (TP1 -> TP2: one
+/// prefill serving two decode ranks; TP2 -> TP1: one of two prefills feeding a decode) fails
+/// the room on every decode rank with `peer_dead` and gives the pages back; the decodes live
+/// on. Head slices are staged there, as one contiguous message a chunk, which UCX moves by
+/// rendezvous: a chunk whose sender died while it waited unexpected would abort the decode in
+/// UCX 1.13, so the decode keeps a receive posted for every slot it granted
+/// (`transport::Receives`). It also guards the head-slice path: placing head slices as
+/// messages gathered from many pieces (UCX io-vector sends) left a decode receive matched to
+/// the dead sender's message, never completed nor cancellable, in each of four runs of the
+/// TP1 -> TP2 case (docs/reliability.md).
 #[test]
-fn a_prefill_killed_while_serving_two_decode_ranks_fails_both_and_frees_their_pages() {
+fn a_prefill_killed_mid_room_with_heterogeneous_tp_fails_it_and_frees_the_pages() {
     let exe = common::release_binary();
-    let tag = "ucx-kill-shm-tp1-tp2";
     let env = envs()[1].1.clone();
     let mut args = opts("llama3-8b", 272);
     args.extend(["--synthetic-layer-ms".to_owned(), "10".to_owned()]);
-    let mut c = LocalCluster::start_shaped_env(&exe, tag, &args, Shape::ONE, Shape::tp(2), &env)
-        .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
-    let apis = c.apis().unwrap();
-    let (p, decodes) = (apis.prefill[0][0].clone(), apis.decode[0].clone());
-    let http = http();
-    runtime().block_on(async {
-        let body = json!({"tokens": 4096});
-        for d in &decodes {
-            let url = format!("{d}/v1/rooms/1");
-            expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
-        }
-        let url = format!("{p}/v1/rooms/1/ready");
-        expect(&http, Method::POST, &url, Some(&body), StatusCode::ACCEPTED).await;
-        let v = wait_state(&http, &decodes[0], 1, &["transferring", "success"], BOUND).await;
-        c.prefill_mut().signal("KILL").unwrap();
-        let killed = Instant::now();
-        for d in &decodes {
-            let end = wait_final(&http, d, 1).await;
-            if v["state"] == "transferring" && end["state"] != "success" {
-                assert_eq!(end["state"], "failed", "{tag}: {end}");
-                assert_eq!(end["reason"]["code"], "peer_dead", "{tag}: {end}");
+    for (label, prefill, decode) in [
+        ("tp1-tp2", Shape::ONE, Shape::tp(2)),
+        ("tp2-tp1", Shape::tp(2), Shape::ONE),
+    ] {
+        let tag = format!("ucx-kill-shm-{label}");
+        let mut c = LocalCluster::start_shaped_env(&exe, &tag, &args, prefill, decode, &env)
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        let apis = c.apis().unwrap();
+        let (prefills, decodes) = (apis.prefill[0].clone(), apis.decode[0].clone());
+        let http = http();
+        runtime().block_on(async {
+            let body = json!({"tokens": 4096});
+            for d in &decodes {
+                let url = format!("{d}/v1/rooms/1");
+                expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
             }
-            wait_safe(&http, d, 1).await;
-            println!(
-                "{tag}: {d}: {} and safe to reuse {:.0} ms after the kill",
-                end["state"],
-                killed.elapsed().as_secs_f64() * 1e3
-            );
-            let url = format!("{d}/v1/rooms/1/take");
-            expect(&http, Method::POST, &url, None, StatusCode::OK).await;
-        }
-        let placed = metric(
-            &http,
-            &decodes[0],
-            "kvferry_chunks_total{role=\"decode\",path=\"placed\"}",
-        )
-        .await
-        .unwrap_or(0.0);
-        assert_eq!(placed, 0.0, "{tag}: head slices were placed");
-    });
+            for p in &prefills {
+                let url = format!("{p}/v1/rooms/1/ready");
+                expect(&http, Method::POST, &url, Some(&body), StatusCode::ACCEPTED).await;
+            }
+            let v = wait_state(&http, &decodes[0], 1, &["transferring", "success"], BOUND).await;
+            c.prefill_mut().signal("KILL").unwrap();
+            let killed = Instant::now();
+            for d in &decodes {
+                let end = wait_final(&http, d, 1).await;
+                if v["state"] == "transferring" && end["state"] != "success" {
+                    assert_eq!(end["state"], "failed", "{tag}: {end}");
+                    assert_eq!(end["reason"]["code"], "peer_dead", "{tag}: {end}");
+                }
+                wait_safe(&http, d, 1).await;
+                println!(
+                    "{tag}: {d}: {} and safe to reuse {:.0} ms after the kill",
+                    end["state"],
+                    killed.elapsed().as_secs_f64() * 1e3
+                );
+                let url = format!("{d}/v1/rooms/1/take");
+                expect(&http, Method::POST, &url, None, StatusCode::OK).await;
+                let staged = metric(
+                    &http,
+                    d,
+                    "kvferry_chunks_total{role=\"decode\",path=\"staged\"}",
+                )
+                .await;
+                let placed = metric(
+                    &http,
+                    d,
+                    "kvferry_chunks_total{role=\"decode\",path=\"placed\"}",
+                )
+                .await;
+                assert_eq!(placed, Some(0.0), "{tag}: head slices were placed");
+                println!("{tag}: {d}: {staged:?} staged chunks landed before the kill");
+            }
+        });
+    }
 }
 
 #[test]

@@ -237,6 +237,18 @@ pub trait Placer: Send + Sync {
     ) -> BoxFuture<'static, Result<Landing, TransportError>>;
 }
 
+/// The receives a [`DataReceiver`] keeps posted, for transports where a chunk that arrives
+/// before its receive is posted is a hazard (UCX rendezvous: if its sender dies before a
+/// receive matches it, UCX 1.13 aborts the receiving process).
+pub trait Receives: Send + Sync {
+    /// A sender may now have `slots` more chunks in flight: resolves once a receive is posted
+    /// for each (only then may the sender be told).
+    fn grant(&self, slots: usize) -> BoxFuture<'static, Result<(), TransportError>>;
+
+    /// A sender whose `slots` were granted is gone.
+    fn release(&self, slots: usize);
+}
+
 /// Receives chunks from any number of senders.
 pub trait DataReceiver: Send {
     /// The next chunk: its header and its payload.
@@ -249,6 +261,12 @@ pub trait DataReceiver: Send {
     /// What places runs sent with [`DataSender::send_runs`] into a pool, when this transport
     /// can (the default: it cannot).
     fn placer(&self) -> Option<Arc<dyn Placer>> {
+        None
+    }
+
+    /// What keeps a receive posted for every chunk senders may have in flight, when this
+    /// transport needs that (the default: it does not).
+    fn receives(&self) -> Option<Arc<dyn Receives>> {
         None
     }
 

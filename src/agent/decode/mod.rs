@@ -105,6 +105,7 @@ impl DecodeAgent {
             data_endpoint: data_endpoint.clone(),
             pool_key,
             placer: receiver.placer(),
+            receives: receiver.receives(),
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             connecting: tokio::sync::Mutex::new(()),
@@ -200,6 +201,8 @@ struct Inner {
     pool_key: Option<transport::RemoteMemory>,
     /// Receives placed runs into the pool, when the transport can.
     placer: Option<Arc<dyn transport::Placer>>,
+    /// Keeps a receive posted for each slot granted to a prefill, when the transport needs it.
+    receives: Option<Arc<dyn transport::Receives>>,
     rooms: Mutex<HashMap<u64, Room>>,
     /// Control connections by prefill instance.
     peers: Mutex<HashMap<Uuid, Arc<Peer>>>,

@@ -15,6 +15,34 @@ pub(super) struct Peer {
     pub(super) last_seen: Mutex<Instant>,
     /// Cancelled when the peer is declared dead: its tasks stop.
     pub(super) gone: CancellationToken,
+    /// The receives posted for the slots granted in Hello, released with the peer.
+    _granted: Option<Granted>,
+}
+
+/// Receives a transport posted for the slots granted to one prefill (`transport::Receives`):
+/// released when the prefill's last use ends.
+struct Granted {
+    receives: Arc<dyn transport::Receives>,
+    slots: usize,
+}
+
+impl Granted {
+    /// Grants `slots`; resolves once their receives are posted.
+    async fn new(
+        receives: Arc<dyn transport::Receives>,
+        slots: usize,
+    ) -> Result<Granted, transport::TransportError> {
+        let posted = receives.grant(slots);
+        let granted = Granted { receives, slots };
+        posted.await?;
+        Ok(granted)
+    }
+}
+
+impl Drop for Granted {
+    fn drop(&mut self) {
+        self.receives.release(self.slots);
+    }
 }
 
 impl Peer {
@@ -128,6 +156,15 @@ impl Inner {
             slot_bytes: u32::try_from(self.cfg.chunk_bytes).unwrap_or(u32::MAX),
             pool: self.pool_key.clone(),
         });
+        // The Hello grants the slots: a receive is posted for each before it goes.
+        let granted = match &self.receives {
+            Some(receives) => Some(
+                Granted::new(receives.clone(), self.cfg.staging_slots)
+                    .await
+                    .map_err(|e| unreachable(e.to_string()))?,
+            ),
+            None => None,
+        };
         send.send(hello.encode().into())
             .await
             .map_err(|e| unreachable(e.message))?;
@@ -173,6 +210,7 @@ impl Inner {
             send: tokio::sync::Mutex::new(send),
             last_seen: Mutex::new(Instant::now()),
             gone: self.shutdown.child_token(),
+            _granted: granted,
         });
         tokio::spawn(control_loop(self.clone(), peer.clone(), recv));
         tokio::spawn(heartbeat_loop(self.clone(), peer.clone()));

@@ -25,7 +25,7 @@
 //! UCX cannot see a peer die; both are reported not fast (`fast_writes`), and the agents keep
 //! to tagged sends (placed runs or staged chunks) there unless told `--direct-writes always`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -34,8 +34,8 @@ use tokio::sync::OnceCell;
 use super::{EndpointId, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, Landing, Listening, Placer, RemoteMemory, Span, Transport,
-    TransportError, TransportKind, WritePath, WriteRun,
+    BoxFuture, DataReceiver, DataSender, Landing, Listening, Placer, Receives, RemoteMemory, Span,
+    Transport, TransportError, TransportKind, WritePath, WriteRun,
 };
 
 /// Every chunk travels under this tag.
@@ -182,12 +182,21 @@ impl Transport for UcxData {
             }
             let addresses: Vec<Bytes> = workers.iter().map(UcxWorker::address).collect();
             let endpoint = encode_addresses(&addresses);
-            let capacity = inner.max_chunk + HEADER_ROOM;
+            let (landed, arrivals) = tokio::sync::mpsc::unbounded_channel();
             let receiver: Box<dyn DataReceiver> = Box::new(UcxReceiver {
-                worker,
+                posting: Arc::new(Posting {
+                    worker,
+                    capacity: inner.max_chunk + HEADER_ROOM,
+                    state: Mutex::new(Posted {
+                        wanted: RECEIVES_AHEAD,
+                        open: 0,
+                        generation: 0,
+                        tasks: tokio::task::JoinSet::new(),
+                    }),
+                    landed,
+                }),
                 pullers: workers,
-                capacity,
-                pending: tokio::task::JoinSet::new(),
+                arrivals,
             });
             Ok((endpoint, receiver))
         })
@@ -287,7 +296,22 @@ impl DataSender for UcxSender {
         Box::pin(async move {
             let len = u32::try_from(header.len())
                 .map_err(|_| TransportError::new("send", &self.endpoint, "header too large"))?;
-            let parts = vec![Bytes::copy_from_slice(&len.to_le_bytes()), header, payload];
+            let prefix = Bytes::copy_from_slice(&len.to_le_bytes());
+            // Where chunks go by rendezvous, as one contiguous message: the receiver then reads
+            // it in one copy (cma, RDMA). UCX 1.13 sends a message of parts (an io-vector)
+            // through the shared-memory FIFO instead, two copies in fragments: TP2 -> TP1 over
+            // shared memory staged half as fast (docs/benchmarks.md). Eager chunks (tcp) are
+            // copied by UCX anyway.
+            let parts = match eager() {
+                true => vec![prefix, header, payload],
+                false => {
+                    let mut one = Vec::with_capacity(4 + header.len() + payload.len());
+                    for part in [prefix, header, payload] {
+                        one.extend_from_slice(&part);
+                    }
+                    vec![Bytes::from(one)]
+                }
+            };
             self.worker
                 .send_tag_parts(self.ep, CHUNK_TAG, parts)
                 .await
@@ -379,55 +403,122 @@ impl Drop for UcxSender {
 }
 
 struct UcxReceiver {
-    worker: UcxWorker,
-    /// Every worker of this receiver (the first is `worker`), for placed runs.
+    posting: Arc<Posting>,
+    /// Every worker of this receiver (the first is the posting one), for placed runs.
     pullers: Vec<UcxWorker>,
-    capacity: usize,
-    /// Receives posted ahead: chunks from several senders land in parallel, and a receive
-    /// left hanging by a dead sender (UCX over shared memory cannot fail it) does not stop
-    /// the others.
-    pending: tokio::task::JoinSet<Result<super::Received, super::UcxError>>,
+    /// What the posted receives got, with the generation they were posted in.
+    arrivals: tokio::sync::mpsc::UnboundedReceiver<(u64, Result<super::Received, super::UcxError>)>,
 }
 
-/// Receives kept posted; more than the credits one sender can hold (8 by default).
+/// Receives kept posted with no sender: more than the credits one sender holds (8 by default).
 const RECEIVES_AHEAD: usize = 16;
 
-impl UcxReceiver {
-    fn post(&mut self) {
-        while self.pending.len() < RECEIVES_AHEAD {
-            let (worker, capacity) = (self.worker.clone(), self.capacity);
-            self.pending
-                .spawn(async move { worker.recv_tag(CHUNK_TAG, u64::MAX, capacity).await });
+/// The chunk receives a [`UcxReceiver`] keeps posted: `RECEIVES_AHEAD` plus every sender's
+/// granted slots, so that no chunk arrives before a receive for it is posted. A chunk sent as
+/// one contiguous message goes by rendezvous; one that waited unexpected at UCX 1.13 while its
+/// sender died aborted the receiving process once a receive matched it.
+struct Posting {
+    worker: UcxWorker,
+    capacity: usize,
+    state: Mutex<Posted>,
+    landed: tokio::sync::mpsc::UnboundedSender<(u64, Result<super::Received, super::UcxError>)>,
+}
+
+struct Posted {
+    wanted: usize,
+    /// Receives posted in this generation and not landed yet.
+    open: usize,
+    /// Bumped by a reset, which drops every receive posted before.
+    generation: u64,
+    /// The posted receives (dropping one cancels its receive).
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl Posting {
+    fn state(&self) -> std::sync::MutexGuard<'_, Posted> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Posts receives up to the wanted number; each is queued at the worker before this
+    /// returns.
+    fn post(&self) {
+        let mut state = self.state();
+        while state.open < state.wanted {
+            state.open += 1;
+            let receive = self
+                .worker
+                .post_recv_tag(CHUNK_TAG, u64::MAX, self.capacity);
+            let (landed, generation) = (self.landed.clone(), state.generation);
+            state.tasks.spawn(async move {
+                let _ = landed.send((generation, receive.await));
+            });
         }
+    }
+
+    /// One receive of `generation` landed.
+    fn landed(&self, generation: u64) {
+        let mut state = self.state();
+        if generation == state.generation {
+            state.open = state.open.saturating_sub(1);
+        }
+        state.tasks.try_join_next();
+    }
+
+    /// Drops every posted receive (those a dead sender left half-matched never complete).
+    fn reset(&self) {
+        let mut state = self.state();
+        state.tasks.abort_all();
+        state.tasks.detach_all();
+        state.generation += 1;
+        state.open = 0;
+    }
+}
+
+impl Receives for Posting {
+    fn grant(&self, slots: usize) -> BoxFuture<'static, Result<(), TransportError>> {
+        self.state().wanted += slots;
+        self.post();
+        let worker = self.worker.clone();
+        Box::pin(async move {
+            worker
+                .ping()
+                .await
+                .map_err(|e| TransportError::new("post receives", "ucx", e))
+        })
+    }
+
+    fn release(&self, slots: usize) {
+        let mut state = self.state();
+        state.wanted = state.wanted.saturating_sub(slots).max(RECEIVES_AHEAD);
     }
 }
 
 impl DataReceiver for UcxReceiver {
     fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>> {
         Box::pin(async move {
-            loop {
-                self.post();
-                match self.pending.join_next().await {
-                    Some(Ok(Ok(got))) => {
-                        return split(got.data).ok_or_else(|| {
-                            TransportError::new(
-                                "recv",
-                                "ucx",
-                                "a chunk message must be a length-prefixed header and a payload",
-                            )
-                        });
-                    }
-                    Some(Ok(Err(e))) => return Err(TransportError::new("recv", "ucx", e)),
-                    // A receive aborted by `reset`.
-                    Some(Err(_)) | None => {}
-                }
-            }
+            self.posting.post();
+            let Some((generation, got)) = self.arrivals.recv().await else {
+                return Err(TransportError::new("recv", "ucx", "no receives posted"));
+            };
+            self.posting.landed(generation);
+            let got = got.map_err(|e| TransportError::new("recv", "ucx", e))?;
+            split(got.data).ok_or_else(|| {
+                TransportError::new(
+                    "recv",
+                    "ucx",
+                    "a chunk message must be a length-prefixed header and a payload",
+                )
+            })
         })
     }
 
     fn reset(&mut self) {
         // Dropping the tasks cancels their receives; the next `recv` posts fresh ones.
-        self.pending.abort_all();
+        self.posting.reset();
+    }
+
+    fn receives(&self) -> Option<Arc<dyn Receives>> {
+        Some(self.posting.clone())
     }
 
     fn placer(&self) -> Option<Arc<dyn Placer>> {
@@ -442,6 +533,7 @@ impl DataReceiver for UcxReceiver {
     ) -> BoxFuture<'_, Result<Option<RemoteMemory>, TransportError>> {
         Box::pin(async move {
             let registered = self
+                .posting
                 .worker
                 .register(pool)
                 .await

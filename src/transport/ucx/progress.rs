@@ -431,6 +431,9 @@ impl Engine {
                 let result = self.endpoint("supervised", ep).map(|e| e.supervised());
                 let _ = reply.send(result);
             }
+            Command::Ping { reply } => {
+                let _ = reply.send(Ok(()));
+            }
             Command::Shutdown { .. } => {}
         }
     }

@@ -166,6 +166,9 @@ pub(super) enum Command {
         runs: Vec<WriteRun>,
         reply: Reply<()>,
     },
+    Ping {
+        reply: Reply<()>,
+    },
     SendRuns {
         ep: EndpointId,
         tag: u64,
@@ -304,16 +307,42 @@ impl UcxWorker {
         self.shared.address.clone()
     }
 
-    async fn call<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, UcxError> {
+    async fn call<T: Send + 'static>(
+        &self,
+        command: impl FnOnce(Reply<T>) -> Command,
+    ) -> Result<T, UcxError> {
+        self.queued(command).await
+    }
+
+    /// Queues `command` at once (commands run in the order queued); the future waits for its
+    /// reply. Dropping the future before the reply wakes the thread, so the abandoned
+    /// operation is cancelled at once rather than at the next timeout.
+    fn queued<T>(
+        &self,
+        command: impl FnOnce(Reply<T>) -> Command,
+    ) -> impl std::future::Future<Output = Result<T, UcxError>> + Send + 'static
+    where
+        T: Send + 'static,
+    {
         let (reply, result) = oneshot::channel();
-        self.shared.send(command(reply))?;
-        let mut guard = WakeOnDrop {
-            wake: &self.shared.wake,
-            armed: true,
-        };
-        let result = result.await;
-        guard.armed = false;
-        result.map_err(|_| UcxError::WorkerGone)?
+        let queued = self.shared.send(command(reply));
+        let wake = self.shared.wake.clone();
+        async move {
+            queued?;
+            let mut guard = WakeOnDrop {
+                wake: &wake,
+                armed: true,
+            };
+            let result = result.await;
+            guard.armed = false;
+            result.map_err(|_| UcxError::WorkerGone)?
+        }
+    }
+
+    /// Resolves once the progress thread has handled every command queued before this one:
+    /// receives queued earlier ([`UcxWorker::post_recv_tag`]) are posted in UCX.
+    pub async fn ping(&self) -> Result<(), UcxError> {
+        self.call(|reply| Command::Ping { reply }).await
     }
 
     /// Creates an endpoint to the worker at `address`, with peer failure detection where the
@@ -359,14 +388,24 @@ impl UcxWorker {
         mask: u64,
         capacity: usize,
     ) -> Result<Received, UcxError> {
-        self.call(|reply| Command::RecvTag {
+        self.post_recv_tag(tag, mask, capacity).await
+    }
+
+    /// As [`UcxWorker::recv_tag`], with the receive queued before this returns (posted in UCX
+    /// once a later [`UcxWorker::ping`] resolves).
+    pub fn post_recv_tag(
+        &self,
+        tag: u64,
+        mask: u64,
+        capacity: usize,
+    ) -> impl std::future::Future<Output = Result<Received, UcxError>> + Send + 'static {
+        self.queued(move |reply| Command::RecvTag {
             tag,
             mask,
             capacity,
             from: None,
             reply,
         })
-        .await
     }
 
     /// As [`UcxWorker::recv_tag`], but fails with [`UcxError::PeerFailed`] when `from` (the
