@@ -464,13 +464,18 @@ impl Posting {
         state.tasks.try_join_next();
     }
 
-    /// Drops every posted receive (those a dead sender left half-matched never complete).
+    /// Drops every posted receive (those a dead sender left half-matched never complete) and
+    /// posts fresh ones at once: they are queued before the old ones are cancelled, so no
+    /// chunk finds none posted meanwhile.
     fn reset(&self) {
-        let mut state = self.state();
-        state.tasks.abort_all();
-        state.tasks.detach_all();
-        state.generation += 1;
-        state.open = 0;
+        {
+            let mut state = self.state();
+            state.tasks.abort_all();
+            state.tasks.detach_all();
+            state.generation += 1;
+            state.open = 0;
+        }
+        self.post();
     }
 }
 
@@ -513,7 +518,7 @@ impl DataReceiver for UcxReceiver {
     }
 
     fn reset(&mut self) {
-        // Dropping the tasks cancels their receives; the next `recv` posts fresh ones.
+        // Dropping the tasks cancels their receives.
         self.posting.reset();
     }
 
