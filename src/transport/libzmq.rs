@@ -25,7 +25,7 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    BoxFuture, DataReceiver, DataSender, Listening, Transport, TransportError, TransportKind,
+    BoxFuture, DataReceiver, DataSender, Frame, Listening, Transport, TransportError, TransportKind,
 };
 
 /// Messages queued per pipe before a send blocks (or a receive stops reading). Credits already
@@ -309,8 +309,9 @@ struct ZmqSender {
 }
 
 impl DataSender for ZmqSender {
-    fn send(&mut self, header: Bytes, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>> {
+    fn send(&mut self, frame: Frame) -> BoxFuture<'_, Result<(), TransportError>> {
         Box::pin(async move {
+            let (header, payload) = (frame.header(), frame.payload());
             let (done, result) = oneshot::channel();
             let gone = || TransportError::new("send", &self.endpoint, "socket thread stopped");
             self.jobs
@@ -434,6 +435,7 @@ mod zero_copy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::FRAME_ROOM;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -461,12 +463,16 @@ mod tests {
             .expect("connect");
         let dropped = Arc::new(AtomicUsize::new(0));
         for i in 0..20u8 {
-            let payload = vec![i; 1 << 20];
-            let owned = Bytes::from_owner(Counted(payload, dropped.clone()));
-            let addr = owned.as_ptr();
-            tx.send(Bytes::from(vec![i, 1, 2]), owned)
-                .await
-                .expect("send");
+            let buf = vec![i; FRAME_ROOM + (1 << 20)];
+            let addr = buf[FRAME_ROOM..].as_ptr();
+            let counted = |buf| Bytes::from_owner(Counted(buf, dropped.clone()));
+            let frame = Frame::in_place(&[i, 1, 2], buf, counted).expect("frame");
+            assert_eq!(
+                frame.payload().as_ptr(),
+                addr,
+                "the frame is built in place"
+            );
+            tx.send(frame).await.expect("send");
             let (h, p) = rx.recv().await.expect("recv");
             assert_eq!(&h[..], &[i, 1, 2]);
             assert_eq!(p.len(), 1 << 20);
@@ -479,7 +485,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(dropped.load(Ordering::SeqCst), 20);
-        tx.send(Bytes::from_static(b"h"), Bytes::new())
+        tx.send(Frame::header_only(b"h"))
             .await
             .expect("empty payload");
         let (_, p) = rx.recv().await.expect("recv");

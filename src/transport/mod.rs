@@ -177,10 +177,80 @@ pub struct Span {
     pub len: u64,
 }
 
+/// Bytes a staging buffer keeps free in front of its payload, where the chunk's [`Frame`]
+/// prefix (header length and header) is written in place.
+pub const FRAME_ROOM: usize = 256;
+
+/// A chunk as it goes on the data plane: `[u32 LE header length][header][payload]`, in one
+/// buffer, so that a transport sends it as one message, or as header and payload frames,
+/// without copying the payload.
+#[derive(Clone, Debug)]
+pub struct Frame {
+    bytes: Bytes,
+    header_len: usize,
+}
+
+impl Frame {
+    /// The frame of a chunk without payload.
+    pub fn header_only(header: &[u8]) -> Frame {
+        let mut buf = Vec::with_capacity(4 + header.len());
+        buf.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        buf.extend_from_slice(header);
+        Frame {
+            bytes: Bytes::from(buf),
+            header_len: header.len(),
+        }
+    }
+
+    /// The frame of `header` and the payload that `buf` holds after its first [`FRAME_ROOM`]
+    /// bytes: the prefix is written into that room and the buffer handed to `freeze` (a
+    /// staging slot's way back to its pool). `None` if the header does not fit the room.
+    pub fn in_place(
+        header: &[u8],
+        mut buf: Vec<u8>,
+        freeze: impl FnOnce(Vec<u8>) -> Bytes,
+    ) -> Option<Frame> {
+        let start = FRAME_ROOM.checked_sub(4 + header.len())?;
+        let prefix = buf.get_mut(start..FRAME_ROOM)?;
+        prefix[..4].copy_from_slice(&(header.len() as u32).to_le_bytes());
+        prefix[4..].copy_from_slice(header);
+        Some(Frame {
+            bytes: freeze(buf).slice(start..),
+            header_len: header.len(),
+        })
+    }
+
+    /// The whole frame: one message.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    /// The header (a slice of the frame, not a copy).
+    pub fn header(&self) -> Bytes {
+        self.bytes.slice(4..4 + self.header_len)
+    }
+
+    /// The payload (a slice of the frame, not a copy).
+    pub fn payload(&self) -> Bytes {
+        self.bytes.slice(4 + self.header_len..)
+    }
+
+    /// Splits one received message back into header and payload; `None` if it is not a frame.
+    pub fn split(mut bytes: Bytes) -> Option<(Bytes, Bytes)> {
+        let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+        if bytes.len() < 4 + len {
+            return None;
+        }
+        let _ = bytes.split_to(4);
+        let header = bytes.split_to(len);
+        Some((header, bytes))
+    }
+}
+
 /// Sends chunks to one receiver. Dropping it closes the connection.
 pub trait DataSender: Send {
     /// Sends one chunk; resolves when the transport has taken the bytes.
-    fn send(&mut self, header: Bytes, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>>;
+    fn send(&mut self, frame: Frame) -> BoxFuture<'_, Result<(), TransportError>>;
 
     /// Prepares one-sided writes into memory the receiver exposed; `None` when this transport
     /// has none (the default).
@@ -309,5 +379,45 @@ pub fn for_kind(kind: TransportKind, max_chunk: usize) -> Arc<dyn Transport> {
             let _ = max_chunk; // ZeroMQ frames carry their own length.
             Arc::new(libzmq::ZmqData::new(kind))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_built_in_place_and_split_back() {
+        // A payload gathered behind the room: the prefix lands right in front of it.
+        let mut buf = vec![0xEE; FRAME_ROOM];
+        buf.extend_from_slice(b"payload");
+        let at = buf.as_ptr() as usize;
+        let frame = Frame::in_place(b"hdr", buf, Bytes::from).expect("fits");
+        assert_eq!(&frame.bytes()[..], b"\x03\x00\x00\x00hdrpayload");
+        assert_eq!(
+            frame.bytes().as_ptr() as usize,
+            at + FRAME_ROOM - 7,
+            "no copy"
+        );
+        assert_eq!(
+            (frame.header(), frame.payload()),
+            (b"hdr"[..].into(), b"payload"[..].into())
+        );
+        assert_eq!(
+            Frame::split(frame.bytes().clone()),
+            Some((frame.header(), frame.payload()))
+        );
+        let bare = Frame::header_only(b"hdr");
+        assert_eq!(&bare.bytes()[..], b"\x03\x00\x00\x00hdr");
+        assert!(bare.payload().is_empty());
+        // A header larger than the room, or a buffer shorter than it, is refused.
+        assert!(Frame::in_place(&[0; FRAME_ROOM], vec![0; FRAME_ROOM + 1], Bytes::from).is_none());
+        assert!(Frame::in_place(b"hdr", vec![0; 10], Bytes::from).is_none());
+        // Not frames: a length beyond the message, or no length at all.
+        assert_eq!(
+            Frame::split(Bytes::from_static(b"\x09\x00\x00\x00hdr")),
+            None
+        );
+        assert_eq!(Frame::split(Bytes::from_static(b"\x01")), None);
     }
 }

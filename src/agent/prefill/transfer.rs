@@ -18,9 +18,10 @@ use super::*;
 use crate::agent::DirectMethod;
 use crate::kernel::cpu::PoolSide;
 use crate::protocol::Placed;
-use crate::transport::{Span, TransportError, WriteRun};
+use crate::transport::{FRAME_ROOM, Frame, Span, TransportError, WriteRun};
 
-/// What goes with a chunk's header: its staged bytes; nothing (the bytes were written into
+/// What goes with a chunk's header: its staging buffer (`FRAME_ROOM` bytes for the frame
+/// prefix, then the gathered payload); nothing (the bytes were written into
 /// the decode pool directly, this many); or, after it, its runs as placed messages.
 enum Payload {
     Staged(Vec<u8>),
@@ -289,15 +290,17 @@ impl Inner {
                     layers: local,
                     heads,
                 };
-                let mut buf = slots.take(sel.bytes(&pool)?);
-                kernel.gather(&pool, &sel, wire, &mut buf)?;
+                // The payload goes behind room for the frame prefix (`Frame::in_place`).
+                let mut buf = slots.take(FRAME_ROOM + sel.bytes(&pool)?);
+                let payload = &mut buf[FRAME_ROOM..];
+                kernel.gather(&pool, &sel, wire, payload)?;
                 metrics.gather.observe(started.elapsed());
                 let sum = if checksum {
-                    crate::agent::checksum(&buf)
+                    crate::agent::checksum(payload)
                 } else {
                     0
                 };
-                if let (true, Some(b)) = (corrupt, buf.first_mut()) {
+                if let (true, Some(b)) = (corrupt, payload.first_mut()) {
                     tracing::warn!(
                         chunk = nth,
                         "fault injection: corrupting a chunk after its checksum"
@@ -569,13 +572,13 @@ impl Inner {
         payload: Payload,
         checksum: u64,
     ) -> Result<Option<Taken>, Reason> {
-        let (len, direct, path, payload, placed) = match payload {
-            Payload::Staged(bytes) => {
-                let len = bytes.len();
+        let (len, direct, path, staged, placed) = match payload {
+            Payload::Staged(buf) => {
+                let len = buf.len().saturating_sub(FRAME_ROOM);
                 let path = &self.metrics.chunks_staged;
-                (len, false, path, self.slots.bytes(bytes), None)
+                (len, false, path, Some(buf), None)
             }
-            Payload::Direct(len) => (len, true, &self.metrics.chunks_direct, Bytes::new(), None),
+            Payload::Direct(len) => (len, true, &self.metrics.chunks_direct, None, None),
             Payload::Placed(runs) => {
                 let len = runs.iter().map(|r| r.len).sum::<u64>() as usize;
                 let spans: Vec<Span> = runs.iter().map(WriteRun::source).collect();
@@ -584,7 +587,7 @@ impl Inner {
                     runs: runs.iter().map(|r| r.len).collect(),
                 };
                 let path = &self.metrics.chunks_placed;
-                (len, false, path, Bytes::new(), Some((placed, spans)))
+                (len, false, path, None, Some((placed, spans)))
             }
         };
         let (placed, spans) = placed.unzip();
@@ -607,8 +610,22 @@ impl Inner {
             direct,
             placed,
         });
-        let header = header.encode_as(job.peer.version).into();
-        self.on_data_plane(job, "no chunk taken", |data| data.send(header, payload))
+        let header = header.encode_as(job.peer.version);
+        let frame = match staged {
+            None => Frame::header_only(&header),
+            Some(buf) => {
+                Frame::in_place(&header, buf, |buf| self.slots.bytes(buf)).ok_or_else(|| {
+                    Reason::new(
+                        FailureCode::BadMessage,
+                        format!(
+                            "a {}-byte chunk header outgrows its frame room",
+                            header.len()
+                        ),
+                    )
+                })?
+            }
+        };
+        self.on_data_plane(job, "no chunk taken", |data| data.send(frame))
             .await?;
         let taken = spans.zip(posted).map(|(spans, (key, posted))| {
             let (peer, pool) = (job.peer.clone(), self.pool.clone());

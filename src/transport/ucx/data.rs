@@ -34,8 +34,8 @@ use tokio::sync::OnceCell;
 use super::{EndpointId, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, Landing, Listening, Placer, Receives, RemoteMemory, Span,
-    Transport, TransportError, TransportKind, WritePath, WriteRun,
+    BoxFuture, DataReceiver, DataSender, Frame, Landing, Listening, Placer, Receives, RemoteMemory,
+    Span, Transport, TransportError, TransportKind, WritePath, WriteRun,
 };
 
 /// Every chunk travels under this tag.
@@ -292,28 +292,13 @@ fn rma_transports(info: &str) -> Vec<String> {
 }
 
 impl DataSender for UcxSender {
-    fn send(&mut self, header: Bytes, payload: Bytes) -> BoxFuture<'_, Result<(), TransportError>> {
+    fn send(&mut self, frame: Frame) -> BoxFuture<'_, Result<(), TransportError>> {
+        // One contiguous message: where chunks go by rendezvous (shared memory, RDMA) the
+        // receiver reads it in one copy; a message of parts (an io-vector) would go through
+        // UCX 1.13's shared-memory FIFO, two copies in fragments (docs/benchmarks.md).
         Box::pin(async move {
-            let len = u32::try_from(header.len())
-                .map_err(|_| TransportError::new("send", &self.endpoint, "header too large"))?;
-            let prefix = Bytes::copy_from_slice(&len.to_le_bytes());
-            // Where chunks go by rendezvous, as one contiguous message: the receiver then reads
-            // it in one copy (cma, RDMA). UCX 1.13 sends a message of parts (an io-vector)
-            // through the shared-memory FIFO instead, two copies in fragments: TP2 -> TP1 over
-            // shared memory staged half as fast (docs/benchmarks.md). Eager chunks (tcp) are
-            // copied by UCX anyway.
-            let parts = match eager() {
-                true => vec![prefix, header, payload],
-                false => {
-                    let mut one = Vec::with_capacity(4 + header.len() + payload.len());
-                    for part in [prefix, header, payload] {
-                        one.extend_from_slice(&part);
-                    }
-                    vec![Bytes::from(one)]
-                }
-            };
             self.worker
-                .send_tag_parts(self.ep, CHUNK_TAG, parts)
+                .send_tag(self.ep, CHUNK_TAG, frame.bytes().clone())
                 .await
                 .map_err(|e| TransportError::new("send", &self.endpoint, e))
         })
@@ -507,7 +492,7 @@ impl DataReceiver for UcxReceiver {
             };
             self.posting.landed(generation);
             let got = got.map_err(|e| TransportError::new("recv", "ucx", e))?;
-            split(got.data).ok_or_else(|| {
+            Frame::split(got.data).ok_or_else(|| {
                 TransportError::new(
                     "recv",
                     "ucx",
@@ -613,17 +598,6 @@ impl Placer for UcxPlacer {
     }
 }
 
-/// Splits `[len u32][header][payload]` without copying.
-fn split(mut data: Bytes) -> Option<(Bytes, Bytes)> {
-    let len = u32::from_le_bytes(data.get(..4)?.try_into().ok()?) as usize;
-    if data.len() < 4 + len {
-        return None;
-    }
-    let _ = data.split_to(4);
-    let header = data.split_to(len);
-    Some((header, data))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -707,16 +681,5 @@ mod tests {
         }
         // The user's UCX_RNDV_THRESH always wins.
         assert!(!eager_chunks(Some("tcp"), true));
-    }
-
-    #[test]
-    fn messages_split_into_header_and_payload() {
-        let msg = Bytes::from_static(b"\x03\x00\x00\x00hdrpayload");
-        assert_eq!(
-            split(msg),
-            Some((Bytes::from_static(b"hdr"), Bytes::from_static(b"payload")))
-        );
-        assert_eq!(split(Bytes::from_static(b"\x09\x00\x00\x00hdr")), None);
-        assert_eq!(split(Bytes::from_static(b"\x01")), None);
     }
 }
