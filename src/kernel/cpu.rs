@@ -58,11 +58,12 @@ impl CpuKernel {
         let runs = plan(pool.layout(), pool.num_pages(), sel, wire);
         let src = Ptr(pool.base_ptr());
         let dst = Ptr(staging.as_mut_ptr());
+        let stream = streams(staging.len());
         // SAFETY: every run lies inside the pool (the selection was validated against it and
         // the layout's offsets stay within `pool_bytes`) and inside `staging` (its length equals
         // the selection's bytes, which the runs tile exactly). `staging` is exclusively
         // borrowed and is not pool memory, so source and destination do not overlap.
-        unsafe { self.copy(&runs, src, dst, |r| (r.pool, r.staging)) };
+        unsafe { self.copy(&runs, src, dst, stream, |r| (r.pool, r.staging)) };
         Ok(())
     }
 
@@ -78,10 +79,11 @@ impl CpuKernel {
         let runs = plan(pool.layout(), pool.num_pages(), sel, wire);
         let src = Ptr(staging.as_ptr().cast_mut());
         let dst = Ptr(pool.base_ptr());
+        let stream = streams(pool.size());
         // SAFETY: as in `gather`; additionally the destination pages are distinct (validated),
         // so no two runs write the same pool bytes, and the agent's page ownership guarantees
         // nothing else writes these pages meanwhile.
-        unsafe { self.copy(&runs, src, dst, |r| (r.staging, r.pool)) };
+        unsafe { self.copy(&runs, src, dst, stream, |r| (r.staging, r.pool)) };
         Ok(())
     }
 
@@ -108,17 +110,22 @@ impl CpuKernel {
         Ok(hasher.digest())
     }
 
-    /// Copies every run from `src` to `dst`; `ends` picks (source, destination) offsets.
+    /// Copies every run from `src` to `dst`, with streaming stores when `stream` ([`streams`]);
+    /// `ends` picks (source, destination) offsets.
     ///
     /// # Safety
     /// Every run must lie inside both buffers, the buffers must not overlap, and no two runs
     /// may write the same destination bytes.
-    unsafe fn copy(&self, runs: &[Run], src: Ptr, dst: Ptr, ends: fn(&Run) -> (usize, usize)) {
+    unsafe fn copy(
+        &self,
+        runs: &[Run],
+        src: Ptr,
+        dst: Ptr,
+        stream: bool,
+        ends: fn(&Run) -> (usize, usize),
+    ) {
         let total: usize = runs.iter().map(|r| r.len).sum();
         let parts = self.threads.min(total / PARALLEL_MIN_BYTES.max(1)).max(1);
-        // Transfers beyond the last-level cache stream their stores: the destination is not
-        // read first (read-for-ownership), as glibc's memcpy does for one large buffer.
-        let stream = total >= STREAM_MIN_BYTES;
         let copy_all = |runs: &[Run]| {
             for r in runs {
                 let (s, d) = ends(r);
@@ -145,9 +152,20 @@ impl CpuKernel {
     }
 }
 
-/// From this many bytes a transfer streams its stores: measured here, 8 MiB copies are faster
-/// through the cache and 16 MiB ones faster streamed.
+/// From this many bytes a destination buffer is written with streaming stores ([`streams`]).
 const STREAM_MIN_BYTES: usize = 16 << 20;
+
+/// Whether copies into a destination buffer of `dst_bytes` stream their stores (non-temporal:
+/// the destination is not read first, read-for-ownership, and does not evict the cache). What
+/// decides is whether the destination's lines can be in the cache, so the size of the whole
+/// buffer counts, not of one transfer: a decode's scatter of one 1 MiB chunk lands in a pool
+/// of many GiB, cold, while a gather fills a staging slot that the sender reads next. Measured
+/// here (docs/benchmarks.md, CPU transfer kernel): into a 1 GiB buffer, 1 KiB pieces (the
+/// heterogeneous-TP head slices) go 5-6 GB/s with memcpy and 16-19 GB/s streamed, 1 MiB pieces
+/// 10-14 and 21-25; into a buffer of 8 MiB, which stays in the cache, ordinary stores win.
+fn streams(dst_bytes: usize) -> bool {
+    dst_bytes >= STREAM_MIN_BYTES
+}
 
 /// Copies `len` bytes, with non-temporal stores when `stream` and the target supports them.
 ///
@@ -693,6 +711,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn head_slices_scattered_into_a_pool_that_streams_land_exactly() {
+        // 16 pages of llama3-8b are 32 MiB: scatters into this pool stream their stores,
+        // whatever the chunk's size.
+        let pool = HostPool::anonymous(llama(PageOrder::TokenMajor), 16).unwrap();
+        assert!(streams(pool.size()) && !streams(1 << 20));
+        pool.fill(0xDE);
+        let pages = [9u32, 2, 14];
+        let sel = Selection {
+            pages: &pages,
+            tokens: 5..40,
+            layers: 3..5,
+            heads: 2..6,
+        };
+        let chunk: Vec<u8> = (0..sel.bytes(&pool).unwrap() as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+            .collect();
+        let kernel = CpuKernel::new(1);
+        kernel
+            .scatter(&chunk, PageOrder::TokenMajor, &pool, &sel)
+            .unwrap();
+        let mut back = vec![0u8; chunk.len()];
+        kernel
+            .gather(&pool, &sel, PageOrder::TokenMajor, &mut back)
+            .unwrap();
+        assert_eq!(back, chunk);
+        // Every other byte of the pool kept its fill.
+        let landed: usize = plan(pool.layout(), 16, &sel, PageOrder::TokenMajor)
+            .iter()
+            .map(|r| r.len)
+            .sum();
+        // SAFETY: the pool is this test's alone and no copy is running.
+        let all = unsafe { std::slice::from_raw_parts(pool.base_ptr(), pool.size()) };
+        let kept = all.iter().filter(|b| **b == 0xDE).count();
+        let landed_de = chunk.iter().filter(|b| **b == 0xDE).count();
+        assert_eq!(kept + landed - landed_de, pool.size());
     }
 
     #[test]
