@@ -309,18 +309,18 @@ struct ZmqSender {
 }
 
 impl DataSender for ZmqSender {
-    fn send(&mut self, frame: Frame) -> BoxFuture<'_, Result<(), TransportError>> {
+    fn send(&mut self, frame: Frame) -> BoxFuture<'static, Result<(), TransportError>> {
+        let (header, payload) = (frame.header(), frame.payload());
+        let (done, result) = oneshot::channel();
+        let endpoint = self.endpoint.clone();
+        let gone = move || TransportError::new("send", &endpoint, "socket thread stopped");
+        let queued = self.jobs.send(Job {
+            header,
+            payload,
+            done,
+        });
         Box::pin(async move {
-            let (header, payload) = (frame.header(), frame.payload());
-            let (done, result) = oneshot::channel();
-            let gone = || TransportError::new("send", &self.endpoint, "socket thread stopped");
-            self.jobs
-                .send(Job {
-                    header,
-                    payload,
-                    done,
-                })
-                .map_err(|_| gone())?;
+            queued.map_err(|_| gone())?;
             result.await.map_err(|_| gone())?
         })
     }

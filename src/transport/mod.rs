@@ -249,8 +249,11 @@ impl Frame {
 
 /// Sends chunks to one receiver. Dropping it closes the connection.
 pub trait DataSender: Send {
-    /// Sends one chunk; resolves when the transport has taken the bytes.
-    fn send(&mut self, frame: Frame) -> BoxFuture<'_, Result<(), TransportError>>;
+    /// Sends one chunk, queued before this returns (chunks go in the order queued); the future
+    /// resolves when the transport is done with the frame's bytes: copied into its queues, or,
+    /// where the receiver reads them (UCX rendezvous), read. A caller may keep several in
+    /// flight. Dropping the future may cancel the send (UCX does).
+    fn send(&mut self, frame: Frame) -> BoxFuture<'static, Result<(), TransportError>>;
 
     /// Prepares one-sided writes into memory the receiver exposed; `None` when this transport
     /// has none (the default).

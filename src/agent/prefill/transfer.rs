@@ -29,13 +29,17 @@ enum Payload {
     Placed(Vec<WriteRun>),
 }
 
-/// A placed chunk's runs on their way, within the send timeout: resolves once the decode has
+/// A chunk's bytes on their way, within the send timeout: a staged chunk's frame, resolved
+/// once the transport is done with it; a placed chunk's runs, resolved once the decode has
 /// posted their receives and taken them (an error with op `posted`: it refused them).
 type Taken =
     tokio::task::JoinHandle<Result<Result<(), TransportError>, tokio::time::error::Elapsed>>;
 
 /// Placed chunks whose runs may be in flight at once beyond the one being sent.
 const PLACED_AHEAD: usize = 2;
+
+/// What a transfer waited for when placed runs time out.
+const PLACED_STALL: &str = "placed runs not taken";
 
 /// The smallest budget of a direct chunk (measured on shared memory, docs/benchmarks.md:
 /// 8 MiB placed chunks reached 5.6 GB/s per room, 32 MiB ones 7.1).
@@ -317,6 +321,9 @@ impl Inner {
             }
             None => None,
         };
+        // Chunks the transport is still moving (as many as the credits allow): the next ones
+        // are gathered and queued meanwhile.
+        let mut sending: std::collections::VecDeque<Taken> = Default::default();
         for (i, c) in plan.iter().enumerate() {
             let Some(pending) = next.take() else { break };
             let (bytes, sum) = match pending.await {
@@ -341,13 +348,25 @@ impl Inner {
                 .get(i + 1)
                 .filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
             next = ahead.map(gather);
-            self.send_chunk(job, c, *chunks, Payload::Staged(bytes), sum)
-                .await?;
+            if let Some(sent) = self
+                .send_chunk(job, c, *chunks, Payload::Staged(bytes), sum)
+                .await?
+            {
+                sending.push_back(sent);
+            }
             *chunks += 1;
+            while sending.front().is_some_and(|s| s.is_finished()) {
+                if let Some(sent) = sending.pop_front() {
+                    self.taken(job, sent, "no chunk taken").await?;
+                }
+            }
             if next.is_none() && i + 1 < plan.len() {
                 self.credit(&job.peer).await?;
                 next = Some(gather(&plan[i + 1]));
             }
+        }
+        for sent in sending {
+            self.taken(job, sent, "no chunk taken").await?;
         }
         Ok(())
     }
@@ -484,20 +503,21 @@ impl Inner {
             *chunks += 1;
             while placing.len() > PLACED_AHEAD {
                 if let Some(taken) = placing.pop_front() {
-                    self.taken(job, taken).await?;
+                    self.taken(job, taken, PLACED_STALL).await?;
                 }
             }
         }
         for taken in placing {
-            self.taken(job, taken).await?;
+            self.taken(job, taken, PLACED_STALL).await?;
         }
         Ok(())
     }
 
-    /// Waits, within the send timeout, until the decode has posted a placed chunk's receives
-    /// and taken its runs. Stops waiting when the transfer is cancelled (an abort): the decode
+    /// Waits, within the send timeout, until a chunk's bytes are taken: a staged chunk's by
+    /// the transport, a placed chunk's runs by the decode (`stalled` says which, for the
+    /// timeout's message). Stops waiting when the transfer is cancelled (an abort): the decode
     /// cancels its receives for the room, so runs still queued are never taken.
-    async fn taken(&self, job: &Job, taken: Taken) -> Result<(), Reason> {
+    async fn taken(&self, job: &Job, taken: Taken, stalled: &str) -> Result<(), Reason> {
         let done = tokio::select! {
             biased;
             () = job.cancel.cancelled() => return Ok(()),
@@ -510,7 +530,7 @@ impl Inner {
         let done = done.map_err(|e| {
             Reason::new(
                 FailureCode::BadMessage,
-                format!("placed runs' task stopped: {e}"),
+                format!("a chunk's sending task stopped: {e}"),
             )
         })?;
         match done {
@@ -521,7 +541,7 @@ impl Inner {
                     job.decode
                 ),
             )),
-            done => self.data_plane_outcome(job, "placed runs not taken", done),
+            done => self.data_plane_outcome(job, stalled, done),
         }
     }
 
@@ -611,6 +631,7 @@ impl Inner {
             placed,
         });
         let header = header.encode_as(job.peer.version);
+        let in_flight = staged.is_some();
         let frame = match staged {
             None => Frame::header_only(&header),
             Some(buf) => {
@@ -625,8 +646,23 @@ impl Inner {
                 })?
             }
         };
-        self.on_data_plane(job, "no chunk taken", |data| data.send(frame))
+        // Queued in order; a staged chunk's bytes are left in flight with the transport (the
+        // credits bound how many), a header alone is waited for.
+        let sent = self
+            .on_data_plane(job, "no chunk taken", |data| {
+                let sent = data.send(frame);
+                Box::pin(async move { Ok(sent) })
+            })
             .await?;
+        let timeout = self.cfg.timeouts.send;
+        let sent = tokio::spawn(tokio::time::timeout(timeout, sent));
+        let sent = match in_flight {
+            true => Some(sent),
+            false => {
+                self.taken(job, sent, "no chunk taken").await?;
+                None
+            }
+        };
         let taken = spans.zip(posted).map(|(spans, (key, posted))| {
             let (peer, pool) = (job.peer.clone(), self.pool.clone());
             let runs = async move {
@@ -661,6 +697,6 @@ impl Inner {
         {
             t.sent += len;
         }
-        Ok(taken)
+        Ok(sent.or(taken))
     }
 }

@@ -5,8 +5,9 @@
 //! agent's sends or receives. A receiver's endpoint is its worker address, hex-encoded after
 //! `ucx:`, which the decode advertises in Hello; a sender connects an endpoint to it.
 //!
-//! A chunk is one tagged message in three parts, sent without copying them together: the
-//! header's length (u32, little-endian), the header, the payload. The receiver splits the
+//! A chunk is one tagged message: its frame ([`Frame`]: the header's length, the header, the
+//! payload), contiguous where the prefill built it. Chunks go to the receiver's workers in
+//! turn, each of which keeps receives posted for them ([`Posting`]); the receiver splits the
 //! message it got into header and payload without copying.
 //!
 //! Placed runs (the agents' default direct path where UCX sends by rendezvous): a sender sends
@@ -119,7 +120,8 @@ impl Inner {
 }
 
 /// A receiver's endpoint: `ucx:` and the hex address of each of its workers, comma-separated
-/// (the first takes chunks; runs are shared out over all of them, see [`PULLERS`]).
+/// (chunks go to them in turn, runs are shared out over them, see [`PULLERS`]; the first one
+/// exposes the pool).
 fn encode_addresses(addresses: &[Bytes]) -> String {
     let hex: Vec<String> = addresses
         .iter()
@@ -143,9 +145,10 @@ fn decode_addresses(endpoint: &str) -> Option<Vec<Vec<u8>>> {
         .collect()
 }
 
-/// Workers of a receiver that pull placed runs, each on its own progress thread: measured
-/// here, two workers pulled 512 MiB of 8 MiB runs over shared memory about twice as fast as
-/// one (each pull is one thread's cma copy; the sender's side does no work meanwhile).
+/// Workers of a receiver, each on its own progress thread, that pull placed runs and take
+/// chunks in turn: measured here, two workers pulled 512 MiB of 8 MiB runs over shared memory
+/// about twice as fast as one (each pull is one thread's cma copy; the sender's side does no
+/// work meanwhile).
 const PULLERS: usize = 2;
 
 /// Which runs of a placed chunk go to which of `parts` receiving workers: consecutive
@@ -185,11 +188,11 @@ impl Transport for UcxData {
             let (landed, arrivals) = tokio::sync::mpsc::unbounded_channel();
             let receiver: Box<dyn DataReceiver> = Box::new(UcxReceiver {
                 posting: Arc::new(Posting {
-                    worker,
+                    workers: workers.clone(),
                     capacity: inner.max_chunk + HEADER_ROOM,
                     state: Mutex::new(Posted {
                         wanted: RECEIVES_AHEAD,
-                        open: 0,
+                        open: vec![0; workers.len()],
                         generation: 0,
                         tasks: tokio::task::JoinSet::new(),
                     }),
@@ -230,6 +233,7 @@ impl Transport for UcxData {
                 worker,
                 ep: eps[0],
                 eps,
+                sent: 0,
                 endpoint: shown,
                 region: None,
             });
@@ -242,8 +246,11 @@ struct UcxSender {
     worker: UcxWorker,
     /// To the receiver's first worker: chunks, one-sided writes.
     ep: EndpointId,
-    /// To each of the receiver's workers (the first is `ep`): placed runs, shared out.
+    /// To each of the receiver's workers (the first is `ep`): chunks in turn, placed runs
+    /// shared out.
     eps: Vec<EndpointId>,
+    /// Chunks sent, to pick the next one's worker.
+    sent: usize,
     endpoint: String,
     /// The receiver's exposed memory, once attached.
     region: Option<RemoteRegionId>,
@@ -292,15 +299,18 @@ fn rma_transports(info: &str) -> Vec<String> {
 }
 
 impl DataSender for UcxSender {
-    fn send(&mut self, frame: Frame) -> BoxFuture<'_, Result<(), TransportError>> {
+    fn send(&mut self, frame: Frame) -> BoxFuture<'static, Result<(), TransportError>> {
         // One contiguous message: where chunks go by rendezvous (shared memory, RDMA) the
         // receiver reads it in one copy; a message of parts (an io-vector) would go through
-        // UCX 1.13's shared-memory FIFO, two copies in fragments (docs/benchmarks.md).
+        // UCX 1.13's shared-memory FIFO, two copies in fragments (docs/benchmarks.md). Each
+        // chunk to the receiver's next worker, so that its progress threads take them in turn.
+        let ep = self.eps[self.sent % self.eps.len()];
+        self.sent = self.sent.wrapping_add(1);
+        let sent = self.worker.send_tag(ep, CHUNK_TAG, frame.bytes().clone());
+        let endpoint = self.endpoint.clone();
         Box::pin(async move {
-            self.worker
-                .send_tag(self.ep, CHUNK_TAG, frame.bytes().clone())
-                .await
-                .map_err(|e| TransportError::new("send", &self.endpoint, e))
+            sent.await
+                .map_err(|e| TransportError::new("send", &endpoint, e))
         })
     }
 
@@ -389,30 +399,36 @@ impl Drop for UcxSender {
 
 struct UcxReceiver {
     posting: Arc<Posting>,
-    /// Every worker of this receiver (the first is the posting one), for placed runs.
+    /// Every worker of this receiver, for placed runs.
     pullers: Vec<UcxWorker>,
-    /// What the posted receives got, with the generation they were posted in.
-    arrivals: tokio::sync::mpsc::UnboundedReceiver<(u64, Result<super::Received, super::UcxError>)>,
+    /// What the posted receives got, with the generation they were posted in and their worker.
+    arrivals: tokio::sync::mpsc::UnboundedReceiver<Arrival>,
 }
+
+/// A posted receive's end: (generation, worker index, what it got).
+type Arrival = (u64, usize, Result<super::Received, super::UcxError>);
 
 /// Receives kept posted with no sender: more than the credits one sender holds (8 by default).
 const RECEIVES_AHEAD: usize = 16;
 
-/// The chunk receives a [`UcxReceiver`] keeps posted: `RECEIVES_AHEAD` plus every sender's
-/// granted slots, so that no chunk arrives before a receive for it is posted. A chunk sent as
-/// one contiguous message goes by rendezvous; one that waited unexpected at UCX 1.13 while its
-/// sender died aborted the receiving process once a receive matched it.
+/// The chunk receives a [`UcxReceiver`] keeps posted on each of its workers: `RECEIVES_AHEAD`
+/// plus every sender's granted slots, so that no chunk arrives before a receive for it is
+/// posted, whichever worker its sender picks. A chunk sent as one contiguous message goes by
+/// rendezvous; one that waited unexpected at UCX 1.13 while its sender died aborted the
+/// receiving process once a receive matched it. A posted receive reserves its buffer's
+/// address space; the pages are touched only by a chunk landing there.
 struct Posting {
-    worker: UcxWorker,
+    workers: Vec<UcxWorker>,
     capacity: usize,
     state: Mutex<Posted>,
-    landed: tokio::sync::mpsc::UnboundedSender<(u64, Result<super::Received, super::UcxError>)>,
+    landed: tokio::sync::mpsc::UnboundedSender<Arrival>,
 }
 
 struct Posted {
+    /// Receives wanted posted on each worker.
     wanted: usize,
-    /// Receives posted in this generation and not landed yet.
-    open: usize,
+    /// Per worker, receives posted in this generation and not landed yet.
+    open: Vec<usize>,
     /// Bumped by a reset, which drops every receive posted before.
     generation: u64,
     /// The posted receives (dropping one cancels its receive).
@@ -424,27 +440,29 @@ impl Posting {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Posts receives up to the wanted number; each is queued at the worker before this
-    /// returns.
+    /// Posts receives up to the wanted number on every worker; each is queued at its worker
+    /// before this returns.
     fn post(&self) {
         let mut state = self.state();
-        while state.open < state.wanted {
-            state.open += 1;
-            let receive = self
-                .worker
-                .post_recv_tag(CHUNK_TAG, u64::MAX, self.capacity);
-            let (landed, generation) = (self.landed.clone(), state.generation);
-            state.tasks.spawn(async move {
-                let _ = landed.send((generation, receive.await));
-            });
+        for (w, worker) in self.workers.iter().enumerate() {
+            while state.open[w] < state.wanted {
+                state.open[w] += 1;
+                let receive = worker.post_recv_tag(CHUNK_TAG, u64::MAX, self.capacity);
+                let (landed, generation) = (self.landed.clone(), state.generation);
+                state.tasks.spawn(async move {
+                    let _ = landed.send((generation, w, receive.await));
+                });
+            }
         }
     }
 
-    /// One receive of `generation` landed.
-    fn landed(&self, generation: u64) {
+    /// One receive of `generation` on worker `w` landed.
+    fn landed(&self, generation: u64, w: usize) {
         let mut state = self.state();
         if generation == state.generation {
-            state.open = state.open.saturating_sub(1);
+            if let Some(open) = state.open.get_mut(w) {
+                *open = open.saturating_sub(1);
+            }
         }
         state.tasks.try_join_next();
     }
@@ -458,7 +476,7 @@ impl Posting {
             state.tasks.abort_all();
             state.tasks.detach_all();
             state.generation += 1;
-            state.open = 0;
+            state.open.iter_mut().for_each(|open| *open = 0);
         }
         self.post();
     }
@@ -468,12 +486,15 @@ impl Receives for Posting {
     fn grant(&self, slots: usize) -> BoxFuture<'static, Result<(), TransportError>> {
         self.state().wanted += slots;
         self.post();
-        let worker = self.worker.clone();
+        let workers = self.workers.clone();
         Box::pin(async move {
-            worker
-                .ping()
-                .await
-                .map_err(|e| TransportError::new("post receives", "ucx", e))
+            for worker in workers {
+                worker
+                    .ping()
+                    .await
+                    .map_err(|e| TransportError::new("post receives", "ucx", e))?;
+            }
+            Ok(())
         })
     }
 
@@ -487,10 +508,10 @@ impl DataReceiver for UcxReceiver {
     fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>> {
         Box::pin(async move {
             self.posting.post();
-            let Some((generation, got)) = self.arrivals.recv().await else {
+            let Some((generation, w, got)) = self.arrivals.recv().await else {
                 return Err(TransportError::new("recv", "ucx", "no receives posted"));
             };
-            self.posting.landed(generation);
+            self.posting.landed(generation, w);
             let got = got.map_err(|e| TransportError::new("recv", "ucx", e))?;
             Frame::split(got.data).ok_or_else(|| {
                 TransportError::new(
@@ -522,9 +543,10 @@ impl DataReceiver for UcxReceiver {
         pool: Arc<HostPool>,
     ) -> BoxFuture<'_, Result<Option<RemoteMemory>, TransportError>> {
         Box::pin(async move {
-            let registered = self
-                .posting
-                .worker
+            let Some(first) = self.pullers.first() else {
+                return Ok(None);
+            };
+            let registered = first
                 .register(pool)
                 .await
                 .map_err(|e| TransportError::new("register", "decode pool", e))?;

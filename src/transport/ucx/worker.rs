@@ -357,26 +357,31 @@ impl UcxWorker {
         self.call(|reply| Command::Disconnect { ep, reply }).await
     }
 
-    /// Sends `data` as one tagged message; resolves when UCX is done with the buffer.
-    pub async fn send_tag(&self, ep: EndpointId, tag: u64, data: Bytes) -> Result<(), UcxError> {
-        self.send_tag_parts(ep, tag, vec![data]).await
+    /// Sends `data` as one tagged message, queued now (sends to an endpoint go in the order
+    /// queued); resolves when UCX is done with the buffer.
+    pub fn send_tag(
+        &self,
+        ep: EndpointId,
+        tag: u64,
+        data: Bytes,
+    ) -> impl std::future::Future<Output = Result<(), UcxError>> + Send + 'static {
+        self.send_tag_parts(ep, tag, vec![data])
     }
 
     /// Sends the concatenation of `parts` (e.g. header and payload) as one tagged message,
-    /// without copying them together (a UCP iov).
-    pub async fn send_tag_parts(
+    /// without copying them together (a UCP iov); queued now, like [`UcxWorker::send_tag`].
+    pub fn send_tag_parts(
         &self,
         ep: EndpointId,
         tag: u64,
         parts: Vec<Bytes>,
-    ) -> Result<(), UcxError> {
-        self.call(|reply| Command::SendTag {
+    ) -> impl std::future::Future<Output = Result<(), UcxError>> + Send + 'static {
+        self.queued(move |reply| Command::SendTag {
             ep,
             tag,
             parts,
             reply,
         })
-        .await
     }
 
     /// Receives one message whose tag matches `tag` under `mask` (bits set in `mask` must be
