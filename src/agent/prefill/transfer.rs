@@ -38,7 +38,8 @@ type Taken =
 /// Placed chunks whose runs may be in flight at once beyond the one being sent.
 const PLACED_AHEAD: usize = 2;
 
-/// What a transfer waited for when placed runs time out.
+/// What a transfer waited for when its chunks or placed runs time out.
+const CHUNK_STALL: &str = "no chunk taken";
 const PLACED_STALL: &str = "placed runs not taken";
 
 /// The smallest budget of a direct chunk (measured on shared memory, docs/benchmarks.md:
@@ -357,7 +358,7 @@ impl Inner {
             *chunks += 1;
             while sending.front().is_some_and(|s| s.is_finished()) {
                 if let Some(sent) = sending.pop_front() {
-                    self.taken(job, sent, "no chunk taken").await?;
+                    self.taken(job, sent, CHUNK_STALL).await?;
                 }
             }
             if next.is_none() && i + 1 < plan.len() {
@@ -366,7 +367,7 @@ impl Inner {
             }
         }
         for sent in sending {
-            self.taken(job, sent, "no chunk taken").await?;
+            self.taken(job, sent, CHUNK_STALL).await?;
         }
         Ok(())
     }
@@ -649,7 +650,7 @@ impl Inner {
         // Queued in order; a staged chunk's bytes are left in flight with the transport (the
         // credits bound how many), a header alone is waited for.
         let sent = self
-            .on_data_plane(job, "no chunk taken", |data| {
+            .on_data_plane(job, CHUNK_STALL, |data| {
                 let sent = data.send(frame);
                 Box::pin(async move { Ok(sent) })
             })
@@ -659,7 +660,7 @@ impl Inner {
         let sent = match in_flight {
             true => Some(sent),
             false => {
-                self.taken(job, sent, "no chunk taken").await?;
+                self.taken(job, sent, CHUNK_STALL).await?;
                 None
             }
         };
