@@ -218,7 +218,6 @@ impl Transport for UcxData {
             let (landed, arrivals) = tokio::sync::mpsc::unbounded_channel();
             let receiver: Box<dyn DataReceiver> = Box::new(UcxReceiver {
                 posting: Arc::new(Posting {
-                    workers: workers.clone(),
                     capacity: inner.max_chunk + HEADER_ROOM,
                     state: Mutex::new(Posted {
                         wanted: RECEIVES_AHEAD,
@@ -227,8 +226,8 @@ impl Transport for UcxData {
                         tasks: tokio::task::JoinSet::new(),
                     }),
                     landed,
+                    workers,
                 }),
-                pullers: workers,
                 arrivals,
             });
             Ok((endpoint, receiver))
@@ -429,8 +428,6 @@ impl Drop for UcxSender {
 
 struct UcxReceiver {
     posting: Arc<Posting>,
-    /// Every worker of this receiver, for placed runs.
-    pullers: Vec<UcxWorker>,
     /// What the posted receives got, with the generation they were posted in and their worker.
     arrivals: tokio::sync::mpsc::UnboundedReceiver<Arrival>,
 }
@@ -448,6 +445,8 @@ const RECEIVES_AHEAD: usize = 16;
 /// receiving process once a receive matched it. A posted receive reserves its buffer's
 /// address space; the pages are touched only by a chunk landing there.
 struct Posting {
+    /// Every worker of the receiver: each takes chunks and pulls placed runs; the first one
+    /// exposes the pool.
     workers: Vec<UcxWorker>,
     capacity: usize,
     state: Mutex<Posted>,
@@ -564,7 +563,7 @@ impl DataReceiver for UcxReceiver {
 
     fn placer(&self) -> Option<Arc<dyn Placer>> {
         Some(Arc::new(UcxPlacer {
-            workers: self.pullers.clone(),
+            workers: self.posting.workers.clone(),
         }))
     }
 
@@ -573,7 +572,7 @@ impl DataReceiver for UcxReceiver {
         pool: Arc<HostPool>,
     ) -> BoxFuture<'_, Result<Option<RemoteMemory>, TransportError>> {
         Box::pin(async move {
-            let Some(first) = self.pullers.first() else {
+            let Some(first) = self.posting.workers.first() else {
                 return Ok(None);
             };
             let registered = first
