@@ -167,6 +167,13 @@ impl Inner {
                 return;
             };
             t.running = false;
+            // An abort that came after the last step was decided (it found the transfer still
+            // running, so it left the acknowledgement to this task) wins over Done: the decode
+            // is waiting for this source's last word on an aborted room.
+            let outcome = match outcome {
+                Ok(Some(_)) if t.cancel.is_cancelled() => Ok(None),
+                outcome => outcome,
+            };
             let reply = match outcome {
                 Ok(Some((chunks, aux))) => {
                     self.metrics.transfer.observe(started.elapsed());
