@@ -3,11 +3,13 @@
 //!
 //! The thread takes commands over a std channel (each wakes it through an eventfd) and
 //! replies through tokio oneshots. While work is in flight it calls `ucp_worker_progress`;
-//! after a short spin with nothing to do it arms the worker and sleeps in poll(2) on the
+//! as soon as a round finds nothing to do it arms the worker and sleeps in poll(2) on the
 //! worker's event fd and the wakeup eventfd, with a 100 ms timeout so UCX's keepalive still
-//! runs on a quiet worker. No core spins while idle. Operations in flight and how they end
-//! are in `progress/pending.rs`; registrations, peers' regions and puts (the one-sided side)
-//! in `progress/rma.rs`; placed runs in `progress/runs.rs`.
+//! runs on a quiet worker. It never spins: polling a while before sleeping took the cores the
+//! gather and scatter copies need (on 2 cores, staged chunks over shared memory went 3.0
+//! against 3.6 GB/s per room with a 50 µs spin; docs/benchmarks.md). Operations in flight
+//! and how they end are in `progress/pending.rs`; registrations, peers' regions and puts (the
+//! one-sided side) in `progress/rma.rs`; placed runs in `progress/runs.rs`.
 //!
 //! Invariants:
 //! - an operation's buffers live in its `Pending` entry together with its request, and an
@@ -67,8 +69,7 @@ pub(super) fn run(
             return;
         }
     }
-    let spin = config.spin.unwrap_or(Duration::from_micros(50));
-    let done = engine.serve(&inbox, &wake, spin);
+    let done = engine.serve(&inbox, &wake);
     engine.close();
     drop(engine);
     if let Some(done) = done {
@@ -130,7 +131,6 @@ impl Engine {
         &mut self,
         inbox: &mpsc::Receiver<Command>,
         wake: &OwnedFd,
-        spin: Duration,
     ) -> Option<oneshot::Sender<()>> {
         let efd = match self.worker.event_fd() {
             Ok(fd) => Some(fd),
@@ -139,7 +139,6 @@ impl Engine {
                 None
             }
         };
-        let mut idle_since: Option<Instant> = None;
         loop {
             let mut busy = false;
             loop {
@@ -163,14 +162,8 @@ impl Engine {
             }
             busy |= self.sweep() > 0;
             if busy {
-                idle_since = None;
                 continue;
             }
-            let now = Instant::now();
-            if now.duration_since(*idle_since.get_or_insert(now)) < spin {
-                continue;
-            }
-            idle_since = None;
             let timeout_ms = match efd {
                 None => 1,
                 Some(_) => match self.worker.arm() {

@@ -8,7 +8,6 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
-use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
@@ -57,7 +56,6 @@ pub struct Registered {
 #[derive(Clone, Debug, Default)]
 pub struct UcxConfig {
     vars: Vec<(String, String)>,
-    pub(super) spin: Option<Duration>,
     pub(super) supervise: Option<bool>,
 }
 
@@ -94,13 +92,6 @@ impl UcxConfig {
         let name = name.strip_prefix("UCX_").unwrap_or(name);
         self.vars.retain(|(n, _)| n != name);
         self.vars.push((name.to_owned(), value.to_owned()));
-        self
-    }
-
-    /// How long the progress thread keeps polling UCX with nothing happening before it
-    /// sleeps on the event fd (default 50 µs).
-    pub fn spin(mut self, spin: Duration) -> Self {
-        self.spin = Some(spin);
         self
     }
 
