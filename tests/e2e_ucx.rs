@@ -115,6 +115,9 @@ fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_every_data_path() {
     for (tag, env, prefill, decode, direct_writes, path) in runs() {
         let mut args = opts("tiny", 256);
         set_flag(&mut args, "--direct-writes", direct_writes);
+        // tiny's runs are 4 KiB per page: below the default floor of placed runs, which would
+        // stage them all. One page block places them, so the placed path runs its 100 rooms.
+        set_flag(&mut args, "--placed-min-run-bytes", "4096");
         // Checksums on: a direct chunk's is computed in place on both sides.
         args.push("--checksum".to_owned());
         let c = LocalCluster::start_shaped_env(&exe, &tag, &args, prefill, decode, &env)
@@ -161,6 +164,20 @@ fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_every_data_path() {
             Path::Staged => direct == 0.0 && placed == 0.0 && staged >= 100.0,
         };
         assert!(ok, "{tag}: {path:?} expected; {counts}");
+        // Over tcp (eager chunks) the prefill sends staged chunks straight from its pool when
+        // they are a few ranges of it; over shared memory never (a message of pieces would
+        // take UCX 1.13's FIFO instead of the decode's read).
+        let p = c.prefill().field("api").unwrap();
+        let series = "kvferry_chunks_total{role=\"prefill\",path=\"from_pool\"}";
+        let from_pool = runtime()
+            .block_on(metric(&http(), &p, series))
+            .unwrap_or_else(|| panic!("{tag}: no {series} in /metrics"));
+        println!("{tag}: prefill sent {from_pool} chunks from its pool");
+        match (tag.starts_with("ucx-tcp"), path) {
+            (true, Path::Staged) => assert!(from_pool > 0.0, "{tag}: nothing sent from the pool"),
+            (false, _) => assert_eq!(from_pool, 0.0, "{tag}: sent from the pool over shm"),
+            (true, _) => {}
+        }
     }
 }
 

@@ -395,6 +395,67 @@ async fn tagged_messages_shm() {
     tagged_messages(Tls::Shm).await;
 }
 
+/// A message sent from memory (`send_tag_from`: a prefix, then ranges of a registered-able
+/// region in order, as a chunk goes straight from the pool) arrives as their concatenation;
+/// a range outside the region is refused before anything is sent.
+async fn messages_from_memory(tls: Tls) {
+    const SIZE: usize = 16 * MIB;
+    let (a, b, ab, _ba) = pair(tls).await;
+    let mut rng = Rng(seed());
+    let src = Arc::new(Region::new(SIZE).expect("source"));
+    let fill = rng.bytes(SIZE);
+    src.write(0, &fill).expect("fill");
+    for i in 0..20u64 {
+        let prefix_len = 1 + rng.below(200) as usize;
+        let prefix = Bytes::from(rng.bytes(prefix_len));
+        let runs: Vec<Span> = (0..1 + rng.below(4))
+            .map(|_| {
+                let long = rng.below(2 * MIB as u64) + 1;
+                let len = [1, 4096, long][rng.below(3) as usize];
+                Span {
+                    offset: rng.below((SIZE as u64) - len + 1),
+                    len,
+                }
+            })
+            .collect();
+        let mut want = prefix.to_vec();
+        for r in &runs {
+            want.extend_from_slice(&fill[r.offset as usize..(r.offset + r.len) as usize]);
+        }
+        let got = b.recv_tag(500 + i, ALL, want.len());
+        let sent = a.send_tag_from(ab, 500 + i, prefix, src.clone(), runs);
+        let (got, sent) =
+            bounded("message from memory", 60, async { tokio::join!(got, sent) }).await;
+        sent.unwrap_or_else(|e| panic!("send {i}: {e}"));
+        let got = got.unwrap_or_else(|e| panic!("recv {i}: {e}"));
+        same_bytes(&format!("message {i} from memory"), &got.data, &want);
+    }
+    let outside = Span {
+        offset: SIZE as u64 - 10,
+        len: 11,
+    };
+    let refused = a
+        .send_tag_from(ab, 9, Bytes::from_static(b"p"), src.clone(), vec![outside])
+        .await;
+    assert!(
+        matches!(refused, Err(UcxError::OutOfBounds { len: 11, .. })),
+        "{refused:?}"
+    );
+    println!("{}: 20 messages from memory arrived whole", tls.name());
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_from_memory_tcp() {
+    messages_from_memory(Tls::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_from_memory_shm() {
+    messages_from_memory(Tls::Shm).await;
+}
+
 /// A receive whose future is dropped is cancelled: the next message with its tag goes to the
 /// next receive, not into the abandoned buffer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -89,6 +89,8 @@ pub struct Metrics {
     pub bytes: AtomicU64,
     /// Chunks moved by staged sends (gathered into staging, sent, scattered).
     pub chunks_staged: AtomicU64,
+    /// Staged chunks a prefill sent straight from its pool, without a gather.
+    pub chunks_from_pool: AtomicU64,
     /// Chunks written straight into the decode pool (one-sided writes, no staging).
     pub chunks_direct: AtomicU64,
     /// Chunks whose runs were sent as placed messages, received straight into the pages.
@@ -143,6 +145,7 @@ impl Metrics {
             failures: FailureCode::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
             bytes: AtomicU64::new(0),
             chunks_staged: AtomicU64::new(0),
+            chunks_from_pool: AtomicU64::new(0),
             chunks_direct: AtomicU64::new(0),
             chunks_placed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
@@ -256,6 +259,7 @@ impl Metrics {
         );
         let paths = [
             ("staged", load(&self.chunks_staged)),
+            ("from_pool", load(&self.chunks_from_pool)),
             ("direct", load(&self.chunks_direct)),
             ("placed", load(&self.chunks_placed)),
         ];

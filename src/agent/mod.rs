@@ -169,6 +169,9 @@ pub struct AgentConfig {
     pub copy_threads: usize,
     /// When the direct path (one-sided writes into the decode pool) is used.
     pub direct_writes: DirectWrites,
+    /// Shortest average run a piece sends placed ([`DirectMethod::Place`]); shorter ones are
+    /// staged.
+    pub placed_min_run_bytes: u64,
 }
 
 /// When a segment goes by the direct path, with no gather and no scatter: the prefill's pool

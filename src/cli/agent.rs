@@ -142,6 +142,12 @@ pub struct AgentArgs {
     /// where the transport's writes are fast and the layouts line up, `always`, or `never`.
     #[arg(long, env = "KVFERRY_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
     pub direct_writes: DirectWrites,
+    /// Shortest average run, in bytes, that a piece sends as placed runs rather than staged:
+    /// each run is one rendezvous message (a handshake and a read). The default is where
+    /// placing won over staging on UCX 1.13's shared memory here (docs/benchmarks.md); a
+    /// fabric with cheaper messages (RDMA) may gain from a lower one.
+    #[arg(long, env = "KVFERRY_PLACED_MIN_RUN_BYTES", default_value_t = 128 << 10)]
+    pub placed_min_run_bytes: u64,
     /// Period of heartbeats on every control connection, in ms.
     #[arg(long, env = "KVFERRY_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,
@@ -229,6 +235,7 @@ impl AgentArgs {
             fault_corrupt_chunk: self.fault_corrupt_chunk,
             copy_threads: self.copy_threads,
             direct_writes: self.direct_writes,
+            placed_min_run_bytes: self.placed_min_run_bytes,
             timeouts: Timeouts {
                 bootstrap: ms(self.timeout_bootstrap_ms),
                 connect: ms(self.timeout_connect_ms),

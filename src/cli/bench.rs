@@ -328,7 +328,8 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 line["ucx_tls"] = json!(tls);
             }
             line["chunk_bytes"] = json!(args.chunk_bytes);
-            // Which data path carried the measured rooms (decode chunks by path).
+            // Which data path carried the measured rooms (decode chunks by path, and the
+            // prefills' staged chunks sent without a gather).
             line["chunks_by_path"] = Value::Object(paths);
             line["warmup_rooms"] = json!(args.warmup);
             if args.json {
@@ -400,11 +401,14 @@ async fn drive(
 }
 
 /// Chunks landed so far by data path (`kvferry_chunks_total{path}`), summed over the decode
-/// agents.
+/// agents, and the staged ones the prefill agents sent without a gather (`from_pool`, a
+/// prefill's path: the decode lands them as `staged`).
 async fn chunk_paths(apis: &demo::Apis) -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
     let http = reqwest::Client::builder().no_proxy().build()?;
     let mut out = std::collections::BTreeMap::new();
-    for api in apis.decode.iter().flatten() {
+    let decodes = apis.decode.iter().flatten().map(|a| (a, false));
+    let prefills = apis.prefill.iter().flatten().map(|a| (a, true));
+    for (api, prefill) in decodes.chain(prefills) {
         let text = http
             .get(format!("{api}/metrics"))
             .send()
@@ -422,7 +426,9 @@ async fn chunk_paths(apis: &demo::Apis) -> anyhow::Result<std::collections::BTre
                 .nth(1)
                 .and_then(|r| r.split('"').next());
             let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-            if let (Some(path), Some(value)) = (path, value) {
+            if let (Some(path), Some(value)) = (path, value)
+                && (path == "from_pool") == prefill
+            {
                 *out.entry(path.to_owned()).or_insert(0.0) += value;
             }
         }

@@ -372,6 +372,32 @@ pub fn pool_to_pool(
     Ok(out)
 }
 
+/// A selection of a pool as the pieces of its staging stream: contiguous ranges of the pool in
+/// `wire` order, each as long as the pool allows. Sent one after the other they make the bytes
+/// a gather would have staged (a staged chunk sent straight from the pool).
+pub fn source_spans(
+    layout: &KvLayout,
+    num_pages: usize,
+    sel: &Selection<'_>,
+    wire: PageOrder,
+) -> Result<Vec<Span>, KernelError> {
+    let bytes = sel.bytes_in(layout)?;
+    sel.validate_in(layout, num_pages, bytes, false)?;
+    let mut runs = plan(layout, num_pages, sel, wire);
+    runs.sort_unstable_by_key(|r| r.staging);
+    let mut out: Vec<Span> = Vec::new();
+    for r in runs {
+        match out.last_mut() {
+            Some(last) if last.offset + last.len == r.pool as u64 => last.len += r.len as u64,
+            _ => out.push(Span {
+                offset: r.pool as u64,
+                len: r.len as u64,
+            }),
+        }
+    }
+    Ok(out)
+}
+
 /// Where the messages of a placed chunk land in a pool: `lens` cut the selection's bytes, in
 /// `wire` order, into consecutive runs (the sender's, from [`pool_to_pool`]), and each must be
 /// contiguous in this pool. The receiver computes the places from its own layout and pages, so
@@ -470,6 +496,19 @@ mod tests {
         };
         let runs = plan(&l, 64, &sel, PageOrder::TokenMajor);
         assert_eq!(runs.len(), 64, "one run per (layer, plane)");
+        // Sent from the pool: one span per (layer, plane) too (the planes are apart).
+        let spans = source_spans(&l, 64, &sel, PageOrder::TokenMajor).unwrap();
+        assert_eq!(spans.len(), 64);
+        assert!(spans.iter().all(|s| s.len == 10 * 32768));
+        // Pages out of range are refused, as by a gather.
+        let far = [64u32];
+        let bad = Selection {
+            pages: &far,
+            tokens: 0..16,
+            layers: 0..1,
+            heads: 0..8,
+        };
+        assert!(source_spans(&l, 64, &bad, PageOrder::TokenMajor).is_err());
         assert!(runs.iter().all(|r| r.len == 10 * 32768));
         // Head-major pools coalesce the same way when whole pages are selected.
         let runs = plan(&llama(PageOrder::HeadMajor), 64, &sel, PageOrder::HeadMajor);
@@ -566,6 +605,21 @@ mod tests {
             let mut buf = vec![0; src.bytes(&src_pool).unwrap()];
             k.gather(&src_pool, &src, wire, &mut buf).unwrap();
             k.scatter(&buf, wire, &staged, &dst).unwrap();
+            // Sent straight from the pool, the source's spans make the gathered bytes.
+            let spans = source_spans(&sl, src_n, &src, wire).unwrap();
+            let mut sent = Vec::new();
+            for s in &spans {
+                sent.extend(src_pool.read(s.offset as usize, s.len as usize).unwrap());
+            }
+            assert!(
+                sent == buf,
+                "case {case}: source spans differ from the gather"
+            );
+            assert!(
+                spans
+                    .windows(2)
+                    .all(|w| w[0].offset + w[0].len != w[1].offset)
+            );
             let (d, st) = (
                 direct.read(0, direct.size()).unwrap(),
                 staged.read(0, staged.size()).unwrap(),

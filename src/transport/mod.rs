@@ -255,6 +255,35 @@ pub trait DataSender: Send {
     /// flight. Dropping the future may cancel the send (UCX does).
     fn send(&mut self, frame: Frame) -> BoxFuture<'static, Result<(), TransportError>>;
 
+    /// Whether [`DataSender::send_from`] pays: the chunk goes out of the sender's memory in one
+    /// copy (the kernel's, into its socket) whatever the number of pieces, so that skipping
+    /// the gather saves a copy. UCX with eager chunks (tcp) only: where the receiver reads a
+    /// chunk itself (rendezvous), UCX 1.13 moves a message of pieces through its
+    /// shared-memory FIFO instead (docs/benchmarks.md). The default: no.
+    fn sends_from_pool(&self) -> bool {
+        false
+    }
+
+    /// Sends a chunk whose payload is the `runs` of `source`, in order, behind `prefix` (a
+    /// [`Frame::header_only`]): the message [`DataSender::send`] sends of the gathered frame,
+    /// without the gather. Queued and resolved as `send`; `source` must hold the bytes until
+    /// it resolves. Only where [`DataSender::sends_from_pool`].
+    fn send_from(
+        &mut self,
+        prefix: Frame,
+        source: Arc<HostPool>,
+        runs: Vec<Span>,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        let _ = (prefix, source, runs);
+        Box::pin(async {
+            Err(TransportError::new(
+                "send_from",
+                "-",
+                "no sends from the pool",
+            ))
+        })
+    }
+
     /// Prepares one-sided writes into memory the receiver exposed; `None` when this transport
     /// has none (the default).
     fn attach(

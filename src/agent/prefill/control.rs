@@ -130,6 +130,7 @@ impl Inner {
             }
         };
         let direct_target = self.direct_target(&hello, version, &mut data).await;
+        let from_pool = data.sends_from_pool();
         // Only one-sided writers are announced: placed runs land where the decode posts them.
         let direct = direct_target
             .as_ref()
@@ -146,6 +147,7 @@ impl Inner {
             slot_bytes: hello.slot_bytes as usize,
             last_seen: Mutex::new(Instant::now()),
             direct: direct_target,
+            from_pool,
             posted: Mutex::new(HashMap::new()),
         });
         if let Some(old) = self.peers().insert(identity.clone(), peer) {

@@ -207,6 +207,9 @@ struct Peer {
     last_seen: Mutex<Instant>,
     /// The decode's pool, when this prefill may write into it directly.
     direct: Option<DirectTarget>,
+    /// Staged chunks may go straight from the pool, without a gather
+    /// ([`transport::DataSender::sends_from_pool`]).
+    from_pool: bool,
     /// Placed chunks sent, by key, waiting for the decode's `Posted`.
     posted: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<bool>>>,
 }

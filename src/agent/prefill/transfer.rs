@@ -5,8 +5,9 @@
 //! Two data paths, chosen per piece of a segment:
 //! - *staged*: gather into a staging slot, send it, the decode scatters it;
 //! - *direct*: when the decode exposed its pool, `--direct-writes` found a direct method for
-//!   the pair (`DirectTarget::method`) and the piece's runs are long (at least one page block
-//!   of the decode on average: the head layouts line up), each chunk's runs go from this pool
+//!   the pair (`DirectTarget::method`) and the piece's runs are long on average (one-sided
+//!   writes: at least one page block of the decode, the head layouts line up; placed runs:
+//!   `--placed-min-run-bytes`, each being one message), each chunk's runs go from this pool
 //!   straight into the decode's pages. No gather, no scatter, no staging memory. Either
 //!   written one-sided and flushed, then the header (`direct`, no payload) follows; or placed:
 //!   the header (`placed`: a random key and the runs' lengths) goes first, then one message
@@ -21,10 +22,12 @@ use crate::protocol::Placed;
 use crate::transport::{FRAME_ROOM, Frame, Span, TransportError, WriteRun};
 
 /// What goes with a chunk's header: its staging buffer (`FRAME_ROOM` bytes for the frame
-/// prefix, then the gathered payload); nothing (the bytes were written into
+/// prefix, then the gathered payload); the ranges of this pool that make the same payload,
+/// sent without a gather (`DataSender::send_from`); nothing (the bytes were written into
 /// the decode pool directly, this many); or, after it, its runs as placed messages.
 enum Payload {
     Staged(Vec<u8>),
+    FromPool(Vec<Span>),
     Direct(usize),
     Placed(Vec<WriteRun>),
 }
@@ -34,6 +37,18 @@ enum Payload {
 /// posted their receives and taken them (an error with op `posted`: it refused them).
 type Taken =
     tokio::task::JoinHandle<Result<Result<(), TransportError>, tokio::time::error::Elapsed>>;
+
+/// A staged chunk's payload: gathered into a staging slot, or ranges of this pool.
+enum Staged {
+    Gathered(Vec<u8>),
+    FromPool(Vec<Span>),
+}
+
+/// Most pool ranges a staged chunk is sent from without a gather: more, shorter pieces (page
+/// tables out of order, head slices) are gathered. Raw UCX over tcp here, 1 MiB messages out
+/// of a 512 MiB buffer: 8 pieces ran as fast as one, 32 and 256 slower (docs/benchmarks.md).
+/// A whole-heads chunk of consecutive pages is one range per layer plane it covers.
+const FROM_POOL_PIECES: usize = 8;
 
 /// Placed chunks whose runs may be in flight at once beyond the one being sent.
 const PLACED_AHEAD: usize = 2;
@@ -45,6 +60,18 @@ const PLACED_STALL: &str = "placed runs not taken";
 /// The smallest budget of a direct chunk (measured on shared memory, docs/benchmarks.md:
 /// 8 MiB placed chunks reached 5.6 GB/s per room, 32 MiB ones 7.1).
 const DIRECT_CHUNK_BYTES: usize = 32 << 20;
+
+/// Whether a piece whose first chunk moves as `runs` goes by `method` rather than staged: its
+/// runs must average at least one decode page `block` (one-sided writes: the head layouts
+/// line up) or `placed_min_run` bytes (placed runs: each is one rendezvous message).
+fn runs_pay(method: DirectMethod, runs: &[WriteRun], block: u64, placed_min_run: u64) -> bool {
+    let shortest = match method {
+        DirectMethod::Write => block,
+        DirectMethod::Place => placed_min_run,
+    };
+    let bytes: u64 = runs.iter().map(|r| r.len).sum();
+    !runs.is_empty() && bytes / runs.len() as u64 >= shortest
+}
 
 /// `r` counted from `start`, when it does not begin before it.
 fn local(r: &Range<usize>, start: usize) -> Option<Range<usize>> {
@@ -293,6 +320,7 @@ impl Inner {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                 + 1;
             let corrupt = self.cfg.fault_corrupt_chunk == Some(nth);
+            let from_pool = job.peer.from_pool && !corrupt;
             let metrics = self.metrics.clone();
             tokio::task::spawn_blocking(move || {
                 let started = Instant::now();
@@ -302,6 +330,20 @@ impl Inner {
                     layers: local,
                     heads,
                 };
+                if from_pool {
+                    let layout = pool.layout();
+                    let spans =
+                        crate::kernel::cpu::source_spans(layout, pool.num_pages(), &sel, wire)?;
+                    if spans.len() <= FROM_POOL_PIECES {
+                        let sum = match checksum {
+                            true => {
+                                crate::agent::checksum_digest(kernel.checksum(&pool, &sel, wire)?)
+                            }
+                            false => 0,
+                        };
+                        return Ok((Payload::FromPool(spans), sum));
+                    }
+                }
                 // The payload goes behind room for the frame prefix (`Frame::in_place`).
                 let mut buf = slots.take(FRAME_ROOM + sel.bytes(&pool)?);
                 let payload = &mut buf[FRAME_ROOM..];
@@ -319,7 +361,7 @@ impl Inner {
                     );
                     *b = !*b;
                 }
-                Ok::<_, crate::kernel::KernelError>((buf, sum))
+                Ok::<_, crate::kernel::KernelError>((Payload::Staged(buf), sum))
             })
         };
         let mut next = match plan.first() {
@@ -334,7 +376,7 @@ impl Inner {
         let mut sending: std::collections::VecDeque<Taken> = Default::default();
         for (i, c) in plan.iter().enumerate() {
             let Some(pending) = next.take() else { break };
-            let (bytes, sum) = match pending.await {
+            let (payload, sum) = match pending.await {
                 Ok(Ok(b)) => b,
                 Ok(Err(e)) => {
                     return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}")));
@@ -356,10 +398,7 @@ impl Inner {
                 .get(i + 1)
                 .filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
             next = ahead.map(gather);
-            if let Some(sent) = self
-                .send_chunk(job, c, *chunks, Payload::Staged(bytes), sum)
-                .await?
-            {
+            if let Some(sent) = self.send_chunk(job, c, *chunks, payload, sum).await? {
                 sending.push_back(sent);
             }
             *chunks += 1;
@@ -381,8 +420,9 @@ impl Inner {
 
     /// The one-sided writes that move chunk `c` into the decode's pool, and its checksum.
     /// `None` when the decode's layout does not hold the chunk's layers and heads or, if
-    /// `judge`, when the writes do not pay: runs shorter than one decode page block on average
-    /// (head layouts that do not line up). The first chunk of a piece decides for the piece.
+    /// `judge`, when the writes do not pay: runs shorter on average than one decode page block
+    /// (one-sided writes: the head layouts do not line up) or than `--placed-min-run-bytes`
+    /// (placed runs). The first chunk of a piece decides for the piece.
     async fn direct_runs(
         &self,
         job: &Job,
@@ -406,6 +446,8 @@ impl Inner {
         let (src_pages, dst_pages) = (job.pages.clone(), job.dst_pages.clone());
         let (tokens, heads, wire) = (c.tokens.clone(), heads.clone(), req.wire_order);
         let (num_pages, checksum) = (target.num_pages, self.cfg.checksum);
+        let shortest_placed = self.cfg.placed_min_run_bytes;
+        let method = target.method;
         let planned = tokio::task::spawn_blocking(move || {
             let src = Selection {
                 pages: &src_pages,
@@ -432,9 +474,8 @@ impl Inner {
                 },
                 wire,
             )?;
-            let bytes: u64 = runs.iter().map(|r| r.len).sum();
             let block = layout.block_bytes()? as u64;
-            if judge && (runs.is_empty() || bytes / (runs.len() as u64) < block) {
+            if judge && !runs_pay(method, &runs, block, shortest_placed) {
                 return Ok(None);
             }
             let sum = match checksum {
@@ -604,7 +645,12 @@ impl Inner {
             Payload::Staged(buf) => {
                 let len = buf.len().saturating_sub(FRAME_ROOM);
                 let path = &self.metrics.chunks_staged;
-                (len, false, path, Some(buf), None)
+                (len, false, path, Some(Staged::Gathered(buf)), None)
+            }
+            Payload::FromPool(spans) => {
+                let len = spans.iter().map(|s| s.len).sum::<u64>() as usize;
+                let path = &self.metrics.chunks_from_pool;
+                (len, false, path, Some(Staged::FromPool(spans)), None)
             }
             Payload::Direct(len) => (len, true, &self.metrics.chunks_direct, None, None),
             Payload::Placed(runs) => {
@@ -640,10 +686,12 @@ impl Inner {
         });
         let header = header.encode_as(job.peer.version);
         let in_flight = staged.is_some();
-        let frame = match staged {
-            None => Frame::header_only(&header),
-            Some(buf) => {
-                Frame::in_place(&header, buf, |buf| self.slots.bytes(buf)).ok_or_else(|| {
+        let (frame, from) = match staged {
+            None => (Frame::header_only(&header), None),
+            Some(Staged::FromPool(spans)) => (Frame::header_only(&header), Some(spans)),
+            Some(Staged::Gathered(buf)) => {
+                let frame = Frame::in_place(&header, buf, |buf| self.slots.bytes(buf));
+                let frame = frame.ok_or_else(|| {
                     Reason::new(
                         FailureCode::BadMessage,
                         format!(
@@ -651,14 +699,19 @@ impl Inner {
                             header.len()
                         ),
                     )
-                })?
+                })?;
+                (frame, None)
             }
         };
         // Queued in order; a staged chunk's bytes are left in flight with the transport (the
         // credits bound how many), a header alone is waited for.
+        let pool = self.pool.clone();
         let sent = self
             .on_data_plane(job, CHUNK_STALL, |data| {
-                let sent = data.send(frame);
+                let sent = match from {
+                    Some(spans) => data.send_from(frame, pool, spans),
+                    None => data.send(frame),
+                };
                 Box::pin(async move { Ok(sent) })
             })
             .await?;
@@ -706,5 +759,51 @@ impl Inner {
             t.sent += len;
         }
         Ok(sent.or(taken))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runs(lens: &[u64]) -> Vec<WriteRun> {
+        lens.iter()
+            .map(|&len| WriteRun {
+                src: 0,
+                dst: 0,
+                len,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn placed_runs_must_average_the_floor_and_writes_one_block() {
+        let (block, floor) = (32 << 10, 128 << 10);
+        let (w, p) = (DirectMethod::Write, DirectMethod::Place);
+        // 16 KiB head slices: half a block, far below the floor.
+        assert!(!runs_pay(w, &runs(&[16 << 10; 4]), block, floor));
+        assert!(!runs_pay(p, &runs(&[16 << 10; 4]), block, floor));
+        // One block each: written, but placed only from the floor on.
+        assert!(runs_pay(w, &runs(&[32 << 10; 4]), block, floor));
+        assert!(!runs_pay(p, &runs(&[32 << 10; 4]), block, floor));
+        // The average decides: one long run carries short ones.
+        assert!(runs_pay(
+            p,
+            &runs(&[(128 << 10) * 3 - 2, 1, 1]),
+            block,
+            floor
+        ));
+        assert!(!runs_pay(
+            p,
+            &runs(&[(128 << 10) * 3 - 3, 1, 1]),
+            block,
+            floor
+        ));
+        // Runs shorter than a block, long enough to place (head-major slices of big pages).
+        assert!(runs_pay(p, &runs(&[256 << 10; 2]), 512 << 10, floor));
+        assert!(!runs_pay(w, &runs(&[256 << 10; 2]), 512 << 10, floor));
+        // Nothing to move goes staged; a floor of 0 places whatever there is.
+        assert!(!runs_pay(p, &[], block, 0));
+        assert!(runs_pay(p, &runs(&[1]), block, 0));
     }
 }

@@ -244,22 +244,37 @@ impl Engine {
                 ep,
                 tag,
                 parts,
+                from,
                 reply,
             } => {
-                let endpoint = match self.endpoint("send_tag", ep) {
+                let checked = match &from {
+                    Some((source, runs)) => runs::within(runs, source.size()),
+                    None => Ok(()),
+                };
+                let endpoint = match checked.and_then(|()| self.endpoint("send_tag", ep)) {
                     Ok(e) => e,
                     Err(e) => {
                         let _ = reply.send(Err(e));
                         return;
                     }
                 };
+                let memory = from.iter().flat_map(|(source, runs)| {
+                    runs.iter().map(|run| sys::ucp_dt_iov_t {
+                        // SAFETY: checked above to lie within `source`, which stays mapped
+                        // while the Arc lives (kept in the Pending entry until the request
+                        // completes).
+                        buffer: unsafe { source.base().add(run.offset as usize) }.cast(),
+                        length: run.len as usize,
+                    })
+                });
                 let mut iov: Vec<sys::ucp_dt_iov_t> = parts
                     .iter()
-                    .filter(|p| !p.is_empty())
                     .map(|p| sys::ucp_dt_iov_t {
                         buffer: p.as_ptr().cast_mut().cast(),
                         length: p.len(),
                     })
+                    .chain(memory)
+                    .filter(|v| v.length > 0)
                     .collect();
                 if iov.is_empty() {
                     iov.push(sys::ucp_dt_iov_t {
@@ -268,8 +283,9 @@ impl Engine {
                     });
                 }
                 // SAFETY: every iov entry points into a `Bytes` of `parts` (immutable, heap
-                // data that does not move when the Vec moves), and `parts` and `iov` are moved
-                // into the Pending entry, dropped only after the request completes.
+                // data that does not move when the Vec moves) or into `from`'s memory, and
+                // `parts`, `from` and `iov` are moved into the Pending entry, dropped only
+                // after the request completes.
                 let started = unsafe { endpoint.tag_send(&iov, tag) };
                 match started {
                     Ok(started) => self.track(
@@ -277,6 +293,7 @@ impl Engine {
                         Some(ep),
                         Op::Send {
                             _parts: parts,
+                            _from: from.map(|(source, _)| source),
                             _iov: iov,
                             reply,
                         },

@@ -117,6 +117,8 @@ pub(super) enum Command {
         ep: EndpointId,
         tag: u64,
         parts: Vec<Bytes>,
+        /// Ranges of memory sent after `parts`, in order, in the same message.
+        from: Option<(Arc<dyn RegisterableMemory>, Vec<Span>)>,
         reply: Reply<()>,
     },
     RecvTag {
@@ -371,6 +373,27 @@ impl UcxWorker {
             ep,
             tag,
             parts,
+            from: None,
+            reply,
+        })
+    }
+
+    /// Sends `prefix` followed by the `runs` of `source`, in order, as one tagged message,
+    /// without copying them together (a UCP iov); queued now, like [`UcxWorker::send_tag`].
+    /// Resolves when UCX is done with the buffers: until then `source` must hold the bytes.
+    pub fn send_tag_from(
+        &self,
+        ep: EndpointId,
+        tag: u64,
+        prefix: Bytes,
+        source: Arc<dyn RegisterableMemory>,
+        runs: Vec<Span>,
+    ) -> impl std::future::Future<Output = Result<(), UcxError>> + Send + 'static {
+        self.queued(move |reply| Command::SendTag {
+            ep,
+            tag,
+            parts: vec![prefix],
+            from: Some((source, runs)),
             reply,
         })
     }

@@ -55,6 +55,7 @@ impl Pending {
 pub(super) enum Op {
     Send {
         _parts: Vec<Bytes>,
+        _from: Option<Arc<dyn RegisterableMemory>>,
         _iov: Vec<sys::ucp_dt_iov_t>,
         reply: Reply<()>,
     },

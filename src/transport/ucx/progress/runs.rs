@@ -84,6 +84,15 @@ impl Group {
 
 /// Checks every run against memory of `size` bytes and the tags against overflow.
 fn check(tag: u64, runs: &[Span], size: usize) -> Result<(), UcxError> {
+    within(runs, size)?;
+    if tag.checked_add(runs.len() as u64).is_none() {
+        return Err(UcxError::call("tag range", sys::UCS_ERR_INVALID_PARAM));
+    }
+    Ok(())
+}
+
+/// Checks every run against memory of `size` bytes.
+pub(super) fn within(runs: &[Span], size: usize) -> Result<(), UcxError> {
     for run in runs {
         if run
             .offset
@@ -96,9 +105,6 @@ fn check(tag: u64, runs: &[Span], size: usize) -> Result<(), UcxError> {
                 size: size as u64,
             });
         }
-    }
-    if tag.checked_add(runs.len() as u64).is_none() {
-        return Err(UcxError::call("tag range", sys::UCS_ERR_INVALID_PARAM));
     }
     Ok(())
 }

@@ -1,0 +1,56 @@
+// Raw UCX tag stream between two processes (docs/benchmarks.md, eighth session): 4096 messages
+// of 1 MiB, K in flight, sent from and received into one fixed offset (`fixed`, as
+// ucx_perftest does), or successive offsets of 512 MiB buffers (`rotate`, as KV pools), or sent
+// as an io-vector of a 64-byte prefix and N pieces of such a buffer (`iov N`).
+// Build: gcc -O2 -o /tmp/ucx-stream scripts/probes/ucx-stream.c -lucp -lucs
+// Run:   UCX_TLS=tcp UCX_NET_DEVICES=lo /tmp/ucx-stream fixed|rotate|iov [messages] [pieces]
+#define _GNU_SOURCE
+#include <ucp/api/ucp.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#define BUF (512UL<<20)
+#define MSG (1UL<<20)
+#define K 8
+static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+static int done_count;
+static void cb_send(void*r,ucs_status_t s,void*u){ ucp_request_free(r);(void)u; if(s!=UCS_OK){fprintf(stderr,"send %s\n",ucs_status_string(s));exit(1);} done_count++;}
+static void cb_recv(void*r,ucs_status_t s,const ucp_tag_recv_info_t*i,void*u){ucp_request_free(r);(void)i;(void)u; if(s!=UCS_OK){fprintf(stderr,"recv %s\n",ucs_status_string(s));exit(1);} done_count++;}
+int main(int argc,char**argv){
+  int rotate=argc>1&&strcmp(argv[1],"fixed"); int iov=argc>1&&!strcmp(argv[1],"iov"); int np=argc>3?atoi(argv[3]):1; static ucp_dt_iov_t vv[1100]; static char hdr[64]; long n=argc>2?atol(argv[2]):4096;
+  int sv[2]; socketpair(AF_UNIX,SOCK_STREAM,0,sv);
+  pid_t pid=fork(); int sender=(pid==0); int sock=sender?sv[1]:sv[0];
+  char*buf=mmap(0,BUF,PROT_READ|PROT_WRITE,MAP_PRIVATE|MAP_ANONYMOUS,-1,0); madvise(buf,BUF,MADV_HUGEPAGE); memset(buf,sender?7:0,BUF);
+  ucp_params_t p={.field_mask=UCP_PARAM_FIELD_FEATURES,.features=UCP_FEATURE_TAG};
+  ucp_config_t*cfg; ucp_config_read(NULL,NULL,&cfg); ucp_context_h ctx; if(ucp_init(&p,cfg,&ctx)!=UCS_OK)return 1;
+  ucp_worker_params_t wp={.field_mask=UCP_WORKER_PARAM_FIELD_THREAD_MODE,.thread_mode=UCS_THREAD_MODE_SINGLE};
+  ucp_worker_h w; ucp_worker_create(ctx,&wp,&w);
+  ucp_address_t*a; size_t al; ucp_worker_get_address(w,&a,&al);
+  write(sock,&al,8); write(sock,a,al); size_t rl; read(sock,&rl,8); char*ra=malloc(rl); size_t got=0; while(got<rl) got+=read(sock,ra+got,rl-got);
+  ucp_ep_params_t ep={.field_mask=UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,.address=(ucp_address_t*)ra}; ucp_ep_h e=0; if(sender) ucp_ep_create(w,&ep,&e);
+  char c=1; write(sock,&c,1); read(sock,&c,1);
+  ucp_request_param_t sp={.op_attr_mask=UCP_OP_ATTR_FIELD_CALLBACK,.cb.send=cb_send};
+  ucp_request_param_t rp={.op_attr_mask=UCP_OP_ATTR_FIELD_CALLBACK,.cb.recv=cb_recv};
+  long issued=0; double t0=0;
+  while(done_count<n){
+    while(issued<n && issued-done_count<K){
+      char*at=buf+(rotate?(issued*MSG)%BUF:0);
+      vv[0].buffer=hdr; vv[0].length=64; size_t ps=(MSG-64)/np; for(int k=0;k<np;k++){vv[1+k].buffer=buf+((issued*2*MSG+2*k*ps)%(BUF-2*MSG)); vv[1+k].length=(k==np-1)?(MSG-64-ps*(np-1)):ps;} ucp_request_param_t sp2=sp; if(iov){sp2.op_attr_mask|=UCP_OP_ATTR_FIELD_DATATYPE; sp2.datatype=ucp_dt_make_iov();}
+      void*r= sender? ucp_tag_send_nbx(e,iov?(void*)vv:(void*)at,iov?1+np:MSG,issued,&sp2) : ucp_tag_recv_nbx(w,at,MSG,issued,(ucp_tag_t)-1,&rp);
+      if(UCS_PTR_IS_ERR(r)){fprintf(stderr,"err\n");return 1;}
+      if(r==NULL) done_count++;
+      if(issued==16) t0=now();
+      issued++;
+    }
+    ucp_worker_progress(w);
+  }
+  double dt=now()-t0;
+  if(!sender) printf("%s %d: %.2f GB/s (%ld x 1 MiB)\n",argc>1?argv[1]:"fixed",np,(n-16)*MSG/dt/1e9,n);
+  write(sock,&c,1); read(sock,&c,1);
+  if(!sender) wait(0);
+  return 0;}
