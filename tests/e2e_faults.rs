@@ -310,6 +310,10 @@ fn abort_mid_transfer_then_reuse_the_same_pages_at_once_never_corrupts() {
         set_flag(&mut args, "--transport", "ucx");
         // Layers ready 2 ms apart: the fast path is still caught mid-transfer.
         args.extend(["--synthetic-layer-ms".to_owned(), "2".to_owned()]);
+        // The rooms' pages are shuffled: runs of one 32 KiB page block, below the default
+        // floor of placed runs (which would stage them). Placed here, so that their cancel
+        // before reuse is what the rounds test.
+        set_flag(&mut args, "--placed-min-run-bytes", "32768");
         abort_then_reuse(
             "faults-reuse-ucx-shm",
             &args,
