@@ -23,6 +23,9 @@ use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
+use kvferry::protocol::{ErrorMsg, Heartbeat, Message};
+use kvferry::reason::FailureCode;
+
 /// KV bytes per token of the `tiny` preset: 4 layers x 4 heads x 32 x fp16 x (K, V).
 const TINY_BYTES_PER_TOKEN: u64 = 4 * 4 * 32 * 2 * 2;
 
@@ -509,12 +512,11 @@ fn engine_owned_pages_are_never_counted_or_freed() {
     drop(cluster);
 }
 
-/// A prefill whose advertised control endpoint nobody listens on: the room fails with
-/// `unreachable`, naming the address, within the connect timeout (not a silent hang).
-#[test]
-fn unreachable_prefill_endpoint_fails_the_room_with_its_address() {
+/// A registry and a decode agent, with a fake prefill registered whose control endpoint is
+/// `endpoint` (nothing of kvferry listens there): the registry, the decode, its API URL.
+fn decode_with_fake_prefill(tag: &str, endpoint: &str) -> (Process, Process, String) {
     let exe = release_binary();
-    let logs = log_dir("e2e-unreachable").expect("log dir");
+    let logs = log_dir(tag).expect("log dir");
     let wait = Duration::from_secs(30);
     let s = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
     let registry = Process::spawn(
@@ -544,14 +546,10 @@ fn unreachable_prefill_endpoint_fails_the_room_with_its_address() {
         .unwrap_or_else(|e| panic!("decode: {e:#}"));
     let api = decode.field("api").expect("decode api");
     println!(
-        "[e2e-unreachable] registry {url}, decode {api}; logs in {}",
+        "[{tag}] registry {url}, decode {api}; logs in {}",
         logs.display()
     );
-
     runtime().block_on(async {
-        let http = http();
-        let port = closed_port();
-        let endpoint = format!("tcp://127.0.0.1:{port}");
         let fake = json!({
             "instance_id": "6f0b7c1e-3d2a-4e5f-8a9b-0c1d2e3f4a5b",
             "role": "prefill",
@@ -561,31 +559,130 @@ fn unreachable_prefill_endpoint_fails_the_room_with_its_address() {
             "control_endpoint": endpoint,
             "data_endpoints": {},
         });
-        let (status, v) = call(&http, Method::POST, &format!("{url}/v1/ranks"), Some(&fake)).await;
+        let (status, v) = call(&http(), Method::POST, &format!("{url}/v1/ranks"), Some(&fake)).await;
         assert!(status.is_success(), "registering the fake prefill: {status} {v}");
+    });
+    (registry, decode, api)
+}
+
+/// A prefill whose advertised control endpoint nobody listens on: the room fails with
+/// `unreachable`, naming the address, within the connect timeout (not a silent hang).
+#[test]
+fn unreachable_prefill_endpoint_fails_the_room_with_its_address() {
+    let port = closed_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let (registry, decode, api) = decode_with_fake_prefill("e2e-unreachable", &endpoint);
+
+    runtime().block_on(async {
+        let http = http();
         let (total, _) = pool(&http, &api).await;
 
         let t = Instant::now();
         let room = 31u64;
-        expect(&http, Method::POST, &format!("{api}/v1/rooms/{room}"), Some(&json!({ "tokens": 32 })), StatusCode::CREATED).await;
+        expect(
+            &http,
+            Method::POST,
+            &format!("{api}/v1/rooms/{room}"),
+            Some(&json!({ "tokens": 32 })),
+            StatusCode::CREATED,
+        )
+        .await;
         let v = wait_final(&http, &api, room).await;
         let took = t.elapsed();
-        println!("[e2e-unreachable] failed after {:.0} ms (connect timeout 1000 ms): {}", ms(took), v["reason"]);
+        println!(
+            "[e2e-unreachable] failed after {:.0} ms (connect timeout 1000 ms): {}",
+            ms(took),
+            v["reason"]
+        );
         assert_eq!(v["state"], "failed", "{v}");
         assert_eq!(v["reason"]["code"], "unreachable", "{v}");
         let message = v["reason"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains(&format!("127.0.0.1:{port}")), "the message names the address: {message}");
+        assert!(
+            message.contains(&format!("127.0.0.1:{port}")),
+            "the message names the address: {message}"
+        );
         assert_eq!(v["safe_to_reuse"], true, "{v}");
         assert!(took < BOUND, "took {took:?}");
 
         // Taking the failed room returns its pages; the agent keeps serving.
-        let taken = expect(&http, Method::POST, &format!("{api}/v1/rooms/{room}/take"), None, StatusCode::OK).await;
+        let taken = expect(
+            &http,
+            Method::POST,
+            &format!("{api}/v1/rooms/{room}/take"),
+            None,
+            StatusCode::OK,
+        )
+        .await;
         assert_eq!(taken["state"], "failed");
         assert_eq!(pool(&http, &api).await, (total, total));
-        let failures = metric(&http, &api, "kvferry_room_failures_total{role=\"decode\",code=\"unreachable\"}").await;
+        let failures = metric(
+            &http,
+            &api,
+            "kvferry_room_failures_total{role=\"decode\",code=\"unreachable\"}",
+        )
+        .await;
         assert_eq!(failures, Some(1.0));
         healthy(&http, &api).await;
     });
+    drop(decode);
+    drop(registry);
+}
+
+/// A prefill's heartbeat may reach a decode before the answer to its Hello (the prefill files
+/// the connection's peer, which its heartbeat timer serves, before answering). A fake prefill
+/// answers Hello with a heartbeat, then refuses it: the room fails with the refusal's code and
+/// message, not with "answered Hello with heartbeat" (seen once in CI, e2e_garbage).
+#[test]
+fn a_heartbeat_before_the_hello_answer_is_skipped() {
+    let rt = runtime();
+    let (endpoint, mut server, mut replier) = rt
+        .block_on(kvferry::transport::zmq::ControlServer::bind("127.0.0.1"))
+        .expect("fake prefill control socket");
+    let fake = rt.spawn(async move {
+        let (peer, frame) = server.recv().await.expect("the decode's Hello");
+        assert!(
+            matches!(Message::decode(&frame), Ok(Message::Hello(_))),
+            "not a Hello"
+        );
+        let beat = Message::Heartbeat(Heartbeat {
+            instance: uuid::Uuid::nil(),
+            seq: 1,
+        });
+        let refusal = Message::Error(ErrorMsg {
+            room: None,
+            code: FailureCode::IncompatibleLayout,
+            message: "fake prefill: refused after a heartbeat".to_owned(),
+        });
+        for m in [beat, refusal] {
+            replier
+                .send(&peer, m.encode().into())
+                .await
+                .expect("answer");
+        }
+        // Keep the socket open until the test ends.
+        std::future::pending::<()>().await;
+    });
+    let (registry, decode, api) = decode_with_fake_prefill("e2e-hello-heartbeat", &endpoint);
+    rt.block_on(async {
+        let http = http();
+        let room = 41u64;
+        expect(
+            &http,
+            Method::POST,
+            &format!("{api}/v1/rooms/{room}"),
+            Some(&json!({ "tokens": 32 })),
+            StatusCode::CREATED,
+        )
+        .await;
+        let v = wait_final(&http, &api, room).await;
+        println!("[e2e-hello-heartbeat] {}", v["reason"]);
+        assert_eq!(v["state"], "failed", "{v}");
+        assert_eq!(v["reason"]["code"], "incompatible_layout", "{v}");
+        let message = v["reason"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("refused after a heartbeat"), "{message}");
+        healthy(&http, &api).await;
+    });
+    fake.abort();
     drop(decode);
     drop(registry);
 }

@@ -168,11 +168,20 @@ impl Inner {
         send.send(hello.encode().into())
             .await
             .map_err(|e| unreachable(e.message))?;
-        let reply = tokio::time::timeout(timeout, recv.recv())
-            .await
-            .map_err(|_| unreachable(format!("no answer to Hello within {timeout:?}")))?
-            .map_err(|e| unreachable(e.message))?;
-        let ack = match Message::decode(&reply) {
+        // The prefill files this connection's peer before it answers, so its heartbeat may
+        // come first: skip heartbeats until the answer, within the same bound.
+        let deadline = tokio::time::Instant::now() + timeout;
+        let reply = loop {
+            let reply = tokio::time::timeout_at(deadline, recv.recv())
+                .await
+                .map_err(|_| unreachable(format!("no answer to Hello within {timeout:?}")))?
+                .map_err(|e| unreachable(e.message))?;
+            match Message::decode(&reply) {
+                Ok(Message::Heartbeat(_)) => continue,
+                decoded => break decoded,
+            }
+        };
+        let ack = match reply {
             Ok(Message::HelloAck(ack)) => ack,
             Ok(Message::Error(e)) => {
                 return Err(Reason::new(
