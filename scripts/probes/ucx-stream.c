@@ -1,9 +1,11 @@
 // Raw UCX tag stream between two processes (docs/benchmarks.md, eighth session): 4096 messages
 // of 1 MiB, K in flight, sent from and received into one fixed offset (`fixed`, as
 // ucx_perftest does), or successive offsets of 512 MiB buffers (`rotate`, as KV pools), or sent
-// as an io-vector of a 64-byte prefix and N pieces of such a buffer (`iov N`).
+// as an io-vector of a 64-byte prefix and N pieces of such a buffer (`iov N`), or received
+// through a UCP generic datatype whose unpack callback copies each fragment into the rotating
+// buffer (`generic`). The receiver counts the bytes that did not land.
 // Build: gcc -O2 -o /tmp/ucx-stream scripts/probes/ucx-stream.c -lucp -lucs
-// Run:   UCX_TLS=tcp UCX_NET_DEVICES=lo /tmp/ucx-stream fixed|rotate|iov [messages] [pieces]
+// Run:   UCX_TLS=tcp UCX_NET_DEVICES=lo /tmp/ucx-stream fixed|rotate|iov|generic [messages] [pieces]
 #define _GNU_SOURCE
 #include <ucp/api/ucp.h>
 #include <sys/mman.h>
@@ -19,6 +21,14 @@
 #define K 8
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 static int done_count;
+typedef struct { char*at; size_t len; } unpk_t;
+static void* g_start_pack(void*c,const void*b,size_t n){(void)c;(void)b;(void)n;return 0;}
+static void* g_start_unpack(void*c,void*b,size_t n){(void)c; unpk_t*u=malloc(sizeof *u); u->at=b; u->len=n; return u;}
+static size_t g_size(void*s){return ((unpk_t*)s)->len;}
+static size_t g_pack(void*s,size_t o,void*d,size_t m){(void)s;(void)o;(void)d;(void)m;return 0;}
+static ucs_status_t g_unpack(void*s,size_t o,const void*src,size_t l){unpk_t*u=s; memcpy(u->at+o,src,l); return UCS_OK;}
+static void g_finish(void*s){free(s);}
+static ucp_generic_dt_ops_t gops={g_start_pack,g_start_unpack,g_size,g_pack,g_unpack,g_finish};
 static void cb_send(void*r,ucs_status_t s,void*u){ ucp_request_free(r);(void)u; if(s!=UCS_OK){fprintf(stderr,"send %s\n",ucs_status_string(s));exit(1);} done_count++;}
 static void cb_recv(void*r,ucs_status_t s,const ucp_tag_recv_info_t*i,void*u){ucp_request_free(r);(void)i;(void)u; if(s!=UCS_OK){fprintf(stderr,"recv %s\n",ucs_status_string(s));exit(1);} done_count++;}
 int main(int argc,char**argv){
@@ -36,6 +46,7 @@ int main(int argc,char**argv){
   char c=1; write(sock,&c,1); read(sock,&c,1);
   ucp_request_param_t sp={.op_attr_mask=UCP_OP_ATTR_FIELD_CALLBACK,.cb.send=cb_send};
   ucp_request_param_t rp={.op_attr_mask=UCP_OP_ATTR_FIELD_CALLBACK,.cb.recv=cb_recv};
+  int generic=argc>1&&!strcmp(argv[1],"generic"); ucp_datatype_t gdt; if(generic){ucp_dt_create_generic(&gops,0,&gdt); rp.op_attr_mask|=UCP_OP_ATTR_FIELD_DATATYPE; rp.datatype=gdt;}
   long issued=0; double t0=0;
   while(done_count<n){
     while(issued<n && issued-done_count<K){
@@ -51,6 +62,7 @@ int main(int argc,char**argv){
   }
   double dt=now()-t0;
   if(!sender) printf("%s %d: %.2f GB/s (%ld x 1 MiB)\n",argc>1?argv[1]:"fixed",np,(n-16)*MSG/dt/1e9,n);
+  if(!sender && !iov){size_t lim=(size_t)n*MSG<BUF?(size_t)n*MSG:BUF, bad=0; for(size_t i=0;i<lim;i++) bad+=buf[i]!=7; printf("bytes not landed: %zu of %zu\n",bad,lim);}
   write(sock,&c,1); read(sock,&c,1);
   if(!sender) wait(0);
   return 0;}
