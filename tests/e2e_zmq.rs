@@ -565,6 +565,20 @@ fn decode_with_fake_prefill(tag: &str, endpoint: &str) -> (Process, Process, Str
     (registry, decode, api)
 }
 
+/// Asks the decode at `api` for a 32-token room and waits for its final state.
+async fn room_to_its_end(http: &reqwest::Client, api: &str, room: u64) -> Value {
+    let url = format!("{api}/v1/rooms/{room}");
+    expect(
+        http,
+        Method::POST,
+        &url,
+        Some(&json!({ "tokens": 32 })),
+        StatusCode::CREATED,
+    )
+    .await;
+    wait_final(http, api, room).await
+}
+
 /// A prefill whose advertised control endpoint nobody listens on: the room fails with
 /// `unreachable`, naming the address, within the connect timeout (not a silent hang).
 #[test]
@@ -579,15 +593,7 @@ fn unreachable_prefill_endpoint_fails_the_room_with_its_address() {
 
         let t = Instant::now();
         let room = 31u64;
-        expect(
-            &http,
-            Method::POST,
-            &format!("{api}/v1/rooms/{room}"),
-            Some(&json!({ "tokens": 32 })),
-            StatusCode::CREATED,
-        )
-        .await;
-        let v = wait_final(&http, &api, room).await;
+        let v = room_to_its_end(&http, &api, room).await;
         let took = t.elapsed();
         println!(
             "[e2e-unreachable] failed after {:.0} ms (connect timeout 1000 ms): {}",
@@ -665,16 +671,7 @@ fn a_heartbeat_before_the_hello_answer_is_skipped() {
     let (registry, decode, api) = decode_with_fake_prefill("e2e-hello-heartbeat", &endpoint);
     rt.block_on(async {
         let http = http();
-        let room = 41u64;
-        expect(
-            &http,
-            Method::POST,
-            &format!("{api}/v1/rooms/{room}"),
-            Some(&json!({ "tokens": 32 })),
-            StatusCode::CREATED,
-        )
-        .await;
-        let v = wait_final(&http, &api, room).await;
+        let v = room_to_its_end(&http, &api, 41).await;
         println!("[e2e-hello-heartbeat] {}", v["reason"]);
         assert_eq!(v["state"], "failed", "{v}");
         assert_eq!(v["reason"]["code"], "incompatible_layout", "{v}");
