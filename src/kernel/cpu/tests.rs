@@ -1,0 +1,373 @@
+//! Tests of `kernel::cpu`.
+
+use super::*;
+use crate::layout::{KvPlacement, ModelSpec};
+
+fn llama(order: PageOrder) -> KvLayout {
+    KvLayout::new(ModelSpec::preset("llama3-8b").unwrap(), 16)
+        .unwrap()
+        .with_order(order, KvPlacement::Planes)
+        .unwrap()
+}
+
+#[test]
+fn whole_heads_and_consecutive_pages_coalesce_into_one_run_per_plane() {
+    let l = llama(PageOrder::TokenMajor);
+    let pages: Vec<u32> = (10..20).collect();
+    let sel = Selection {
+        pages: &pages,
+        tokens: 0..160,
+        layers: 0..32,
+        heads: 0..8,
+    };
+    let runs = plan(&l, 64, &sel, PageOrder::TokenMajor);
+    assert_eq!(runs.len(), 64, "one run per (layer, plane)");
+    // Sent from the pool: one span per (layer, plane) too (the planes are apart).
+    let spans = source_spans(&l, 64, &sel, PageOrder::TokenMajor).unwrap();
+    assert_eq!(spans.len(), 64);
+    assert!(spans.iter().all(|s| s.len == 10 * 32768));
+    // Pages out of range are refused, as by a gather.
+    let far = [64u32];
+    let bad = Selection {
+        pages: &far,
+        tokens: 0..16,
+        layers: 0..1,
+        heads: 0..8,
+    };
+    assert!(source_spans(&l, 64, &bad, PageOrder::TokenMajor).is_err());
+    assert!(runs.iter().all(|r| r.len == 10 * 32768));
+    // Head-major pools coalesce the same way when whole pages are selected.
+    let runs = plan(&llama(PageOrder::HeadMajor), 64, &sel, PageOrder::HeadMajor);
+    assert_eq!(runs.len(), 64);
+}
+
+/// Applies `runs` from `src` to `dst` the way a one-sided write would.
+fn apply(runs: &[WriteRun], src: &HostPool, dst: &HostPool) {
+    for r in runs {
+        let bytes = src.read(r.src as usize, r.len as usize).unwrap();
+        dst.write(r.dst as usize, &bytes).unwrap();
+    }
+}
+
+#[test]
+fn pool_to_pool_writes_land_what_gather_then_scatter_lands() {
+    use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
+    let model = ModelSpec::preset("tiny").unwrap(); // 4 layers, 4 heads
+    let mut rng = StdRng::seed_from_u64(9);
+    let cases = 300;
+    for case in 0..cases {
+        let page_size = [1, 4, 16][rng.random_range(0..3)];
+        let order = |rng: &mut StdRng| {
+            [PageOrder::TokenMajor, PageOrder::HeadMajor][rng.random_range(0..2)]
+        };
+        let (src_order, dst_order, wire) = (order(&mut rng), order(&mut rng), order(&mut rng));
+        // The prefill holds a head slice (TP) and the decode another that overlaps it.
+        let src_heads = [0..4, 0..2, 2..4][rng.random_range(0..3)].clone();
+        let dst_heads = [0..4, src_heads.clone()][rng.random_range(0..2)].clone();
+        let heads = src_heads.start.max(dst_heads.start)..src_heads.end.min(dst_heads.end);
+        let layout = |order, heads: std::ops::Range<usize>| {
+            KvLayout::new(model, page_size)
+                .unwrap()
+                .with_order(order, KvPlacement::Planes)
+                .unwrap()
+                .with_slice(heads, 0..4)
+                .unwrap()
+        };
+        let (sl, dl) = (
+            layout(src_order, src_heads.clone()),
+            layout(dst_order, dst_heads.clone()),
+        );
+        let tokens_total = rng.random_range(1..40usize);
+        let pages = tokens_total.div_ceil(page_size);
+        let (src_n, dst_n) = (
+            pages + rng.random_range(0..4),
+            pages + rng.random_range(0..4),
+        );
+        let pick = |n: usize, rng: &mut StdRng| {
+            let mut all: Vec<u32> = (0..n as u32).collect();
+            // Consecutive pages sometimes, to exercise coalescing across pages.
+            if rng.random_bool(0.5) {
+                all.shuffle(rng);
+            }
+            all.truncate(pages);
+            all
+        };
+        let (src_pages, dst_pages) = (pick(src_n, &mut rng), pick(dst_n, &mut rng));
+        let start = rng.random_range(0..tokens_total);
+        let layers = rng.random_range(0..2)..rng.random_range(2..5);
+        let src_pool = HostPool::anonymous(sl.clone(), src_n).unwrap();
+        let fill: Vec<u8> = (0..src_pool.size()).map(|i| (i * 7 + case) as u8).collect();
+        src_pool.write(0, &fill).unwrap();
+        let src = Selection {
+            pages: &src_pages,
+            tokens: start..tokens_total,
+            layers: layers.clone(),
+            heads: heads.start - src_heads.start..heads.end - src_heads.start,
+        };
+        let dst = Selection {
+            pages: &dst_pages,
+            tokens: start..tokens_total,
+            layers: layers.clone(),
+            heads: heads.start - dst_heads.start..heads.end - dst_heads.start,
+        };
+        let runs = pool_to_pool(
+            PoolSide {
+                layout: &sl,
+                num_pages: src_n,
+                sel: &src,
+            },
+            PoolSide {
+                layout: &dl,
+                num_pages: dst_n,
+                sel: &dst,
+            },
+            wire,
+        )
+        .unwrap();
+        let direct = HostPool::anonymous(dl.clone(), dst_n).unwrap();
+        apply(&runs, &src_pool, &direct);
+        let staged = HostPool::anonymous(dl.clone(), dst_n).unwrap();
+        let k = CpuKernel::new(1);
+        let mut buf = vec![0; src.bytes(&src_pool).unwrap()];
+        k.gather(&src_pool, &src, wire, &mut buf).unwrap();
+        k.scatter(&buf, wire, &staged, &dst).unwrap();
+        // Sent straight from the pool, the source's spans make the gathered bytes.
+        let spans = source_spans(&sl, src_n, &src, wire).unwrap();
+        let mut sent = Vec::new();
+        for s in &spans {
+            sent.extend(src_pool.read(s.offset as usize, s.len as usize).unwrap());
+        }
+        assert!(
+            sent == buf,
+            "case {case}: source spans differ from the gather"
+        );
+        assert!(
+            spans
+                .windows(2)
+                .all(|w| w[0].offset + w[0].len != w[1].offset)
+        );
+        let (d, st) = (
+            direct.read(0, direct.size()).unwrap(),
+            staged.read(0, staged.size()).unwrap(),
+        );
+        let first_diff = d.iter().zip(&st).position(|(a, b)| a != b);
+        assert_eq!(
+            first_diff, None,
+            "case {case}: first differing byte of the pools"
+        );
+        // In place, the checksum of either side is the checksum of the staged bytes.
+        let want = xxhash_rust::xxh3::xxh3_64(&buf);
+        assert_eq!(k.checksum(&src_pool, &src, wire).unwrap(), want);
+        assert_eq!(k.checksum(&direct, &dst, wire).unwrap(), want);
+        // The receiver of placed runs finds the same places from the lengths alone.
+        let lens: Vec<u64> = runs.iter().map(|r| r.len).collect();
+        let places = placements(&dl, dst_n, &dst, wire, &lens).unwrap();
+        let want: Vec<Span> = runs.iter().map(WriteRun::destination).collect();
+        assert_eq!(places, want, "case {case}: placements");
+    }
+    println!("{cases} random pool-to-pool cases matched gather + scatter");
+}
+
+#[test]
+fn placements_refuse_runs_that_are_not_contiguous_or_do_not_add_up() {
+    let l = llama(PageOrder::TokenMajor);
+    let pages: Vec<u32> = vec![3, 1]; // not consecutive: each layer's plane is two runs
+    let sel = Selection {
+        pages: &pages,
+        tokens: 0..32,
+        layers: 0..1,
+        heads: 0..8,
+    };
+    let page = 16 * 8 * 128 * 2; // one page of one plane of one layer
+    let wire = PageOrder::TokenMajor;
+    let exact = placements(&l, 4, &sel, wire, &[page; 4]).unwrap();
+    assert_eq!(exact.len(), 4);
+    assert!(exact.iter().all(|s| s.len == page));
+    // A run across the gap between page 3 and page 1.
+    let across = placements(&l, 4, &sel, wire, &[page / 2, page, page / 2, 2 * page]);
+    assert_eq!(
+        across,
+        Err(KernelError::NotContiguous {
+            at: page as usize / 2,
+            len: page
+        })
+    );
+    // Lengths that do not add up to the selection, and empty runs.
+    assert!(matches!(
+        placements(&l, 4, &sel, wire, &[page; 3]),
+        Err(KernelError::StagingSize { .. })
+    ));
+    assert!(matches!(
+        placements(&l, 4, &sel, wire, &[0, page, page, page, page]),
+        Err(KernelError::NotContiguous { at: 0, len: 0 })
+    ));
+    assert!(matches!(
+        placements(&l, 4, &sel, wire, &[u64::MAX, 2]),
+        Err(KernelError::StagingSize { .. })
+    ));
+}
+
+#[test]
+fn matching_layouts_write_whole_blocks_and_refuse_pages_out_of_range() {
+    let l = llama(PageOrder::TokenMajor);
+    let pages: Vec<u32> = (0..4).collect();
+    let sel = Selection {
+        pages: &pages,
+        tokens: 0..64,
+        layers: 0..32,
+        heads: 0..8,
+    };
+    let side = |n, sel| PoolSide {
+        layout: &l,
+        num_pages: n,
+        sel,
+    };
+    let runs = pool_to_pool(side(8, &sel), side(8, &sel), PageOrder::TokenMajor).unwrap();
+    assert_eq!(
+        runs.len(),
+        64,
+        "one run per (layer, plane): four consecutive pages"
+    );
+    assert!(runs.iter().all(|r| r.len == 4 * 32768));
+    let far: Vec<u32> = vec![0, 1, 2, 99];
+    let out = Selection {
+        pages: &far,
+        ..sel.clone()
+    };
+    assert!(matches!(
+        pool_to_pool(side(8, &sel), side(8, &out), PageOrder::TokenMajor),
+        Err(KernelError::PageOutOfRange { page: 99, .. })
+    ));
+}
+
+#[test]
+fn head_slices_are_one_run_per_token_or_per_head() {
+    let sel = Selection {
+        pages: &[3],
+        tokens: 0..16,
+        layers: 0..1,
+        heads: 2..6,
+    };
+    let tm = plan(
+        &llama(PageOrder::TokenMajor),
+        8,
+        &sel,
+        PageOrder::TokenMajor,
+    );
+    assert_eq!(tm.len(), 2 * 16);
+    assert!(tm.iter().all(|r| r.len == 4 * 256));
+    // Head-major: a head slice of a page is contiguous, so one run per plane.
+    let hm = plan(&llama(PageOrder::HeadMajor), 8, &sel, PageOrder::HeadMajor);
+    assert_eq!(hm.len(), 2);
+    assert!(hm.iter().all(|r| r.len == 4 * 16 * 256));
+}
+
+#[test]
+fn streamed_copies_match_plain_ones_at_every_alignment() {
+    let src: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    for len in [0usize, 1, 15, 63, 64, 255, 256, 257, 1000, 3000] {
+        for src_off in [0usize, 1, 7, 16] {
+            for dst_off in [0usize, 3, 16, 33] {
+                let mut dst = vec![0xDEu8; 4096 + 64];
+                // SAFETY: both ranges lie inside their vectors, which do not overlap.
+                unsafe {
+                    copy_run(
+                        src.as_ptr().add(src_off),
+                        dst.as_mut_ptr().add(dst_off),
+                        len,
+                        true,
+                    )
+                };
+                fence();
+                assert_eq!(
+                    &dst[dst_off..dst_off + len],
+                    &src[src_off..src_off + len],
+                    "{len} {src_off} {dst_off}"
+                );
+                assert!(dst[..dst_off].iter().all(|b| *b == 0xDE));
+                assert!(dst[dst_off + len..].iter().all(|b| *b == 0xDE));
+            }
+        }
+    }
+}
+
+#[test]
+fn head_slices_scattered_into_a_pool_that_streams_land_exactly() {
+    // 16 pages of llama3-8b are 32 MiB: scatters into this pool stream their stores,
+    // whatever the chunk's size.
+    let pool = HostPool::anonymous(llama(PageOrder::TokenMajor), 16).unwrap();
+    assert!(streams(pool.size()) && !streams(1 << 20));
+    pool.fill(0xDE);
+    let pages = [9u32, 2, 14];
+    let sel = Selection {
+        pages: &pages,
+        tokens: 5..40,
+        layers: 3..5,
+        heads: 2..6,
+    };
+    let chunk: Vec<u8> = (0..sel.bytes(&pool).unwrap() as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    let kernel = CpuKernel::new(1);
+    kernel
+        .scatter(&chunk, PageOrder::TokenMajor, &pool, &sel)
+        .unwrap();
+    let mut back = vec![0u8; chunk.len()];
+    kernel
+        .gather(&pool, &sel, PageOrder::TokenMajor, &mut back)
+        .unwrap();
+    assert_eq!(back, chunk);
+    // Every other byte of the pool kept its fill.
+    let landed: usize = plan(pool.layout(), 16, &sel, PageOrder::TokenMajor)
+        .iter()
+        .map(|r| r.len)
+        .sum();
+    // SAFETY: the pool is this test's alone and no copy is running.
+    let all = unsafe { std::slice::from_raw_parts(pool.base_ptr(), pool.size()) };
+    let kept = all.iter().filter(|b| **b == 0xDE).count();
+    let landed_de = chunk.iter().filter(|b| **b == 0xDE).count();
+    assert_eq!(kept + landed - landed_de, pool.size());
+}
+
+#[test]
+fn split_cuts_runs_into_equal_shares() {
+    let runs = [
+        Run {
+            pool: 0,
+            staging: 0,
+            len: 10,
+        },
+        Run {
+            pool: 100,
+            staging: 10,
+            len: 5,
+        },
+    ];
+    let shares = split(&runs, 15, 2);
+    assert_eq!(shares.len(), 2);
+    assert_eq!(
+        shares[0],
+        vec![Run {
+            pool: 0,
+            staging: 0,
+            len: 8
+        }]
+    );
+    assert_eq!(
+        shares[1],
+        vec![
+            Run {
+                pool: 8,
+                staging: 8,
+                len: 2
+            },
+            Run {
+                pool: 100,
+                staging: 10,
+                len: 5
+            }
+        ]
+    );
+}
