@@ -294,8 +294,8 @@ fn kill9_prefill_after_done_before_take_leaves_landed_rooms_intact() {
 /// moment of its transfer; once A is `safe_to_reuse` the same pages go to room B at once, and
 /// after a random pause every byte of B verifies: no late write of A lands in B (the corruption
 /// of SGLang #24527). 20 rounds, seeded jitter; over ZeroMQ (staged) and, with the `ucx`
-/// feature, over UCX shared memory (placed runs: receives the decode posted into A's pages
-/// must be cancelled, or have completed, before A is safe).
+/// feature, over UCX shared memory and tcp (placed runs: receives the decode posted into A's
+/// pages must be cancelled, revoked or have completed before A is safe).
 #[test]
 fn abort_mid_transfer_then_reuse_the_same_pages_at_once_never_corrupts() {
     let opts = fast(AgentOpts {
@@ -318,6 +318,14 @@ fn abort_mid_transfer_then_reuse_the_same_pages_at_once_never_corrupts() {
             "faults-reuse-ucx-shm",
             &args,
             &[("UCX_TLS", "posix,cma,self")],
+            "placed",
+        );
+        // Over tcp the runs come eagerly, copied into A's pages by the decode's own callback:
+        // A is safe once its runs are revoked, even those still arriving.
+        abort_then_reuse(
+            "faults-reuse-ucx-tcp",
+            &args,
+            &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")],
             "placed",
         );
     }

@@ -1,7 +1,7 @@
 //! `--transport ucx` across real processes (release binary built with the `ucx` feature), over
 //! UCX's tcp transport pinned to loopback (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`: the machine's
 //! other interface is never a target) and over shared memory (`UCX_TLS=posix,cma,self`):
-//! 1P1D and TP2 -> TP1 (and PP2 -> PP1 on shared memory), 100 rooms each, every byte verified, with the direct path (placed runs
+//! 1P1D, PP2 -> PP1 and TP2 -> TP1, 100 rooms each, every byte verified, with the direct path (placed runs
 //! by default, one-sided writes with `--direct-writes always`) and the staged one all
 //! exercised on both transports; a prefill killed mid-transfer fails its rooms with
 //! `peer_dead`, their pages become safe to reuse, and the decode keeps serving rooms of a
@@ -24,15 +24,15 @@ use serde_json::json;
 type Env = Vec<(String, String)>;
 
 /// The UCX environments under test, with the path `--direct-writes auto` takes in each when
-/// the head layouts line up: placed runs need rendezvous reads on a native lane (cma here),
-/// so over tcp chunks are staged (`transport/ucx/data.rs`, `placed_runs`).
+/// the head layouts line up: placed runs, read by the decode over shared memory (cma), sent
+/// eagerly into revocable receives over tcp (`transport/ucx/data.rs`, `placed_runs`).
 fn envs() -> [(&'static str, Env, Path); 2] {
     let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
     [
         (
             "tcp",
             vec![pair("UCX_TLS", "tcp"), pair("UCX_NET_DEVICES", "lo")],
-            Path::Staged,
+            Path::Placed,
         ),
         ("shm", vec![pair("UCX_TLS", "posix,cma,self")], Path::Placed),
     ]
@@ -58,8 +58,8 @@ enum Path {
     Staged,
 }
 
-/// The runs: per UCX environment, 1P1D with the path `--direct-writes auto` picks there (on shm
-/// also PP2 -> PP1: two prefills placing into one decode), TP2 -> TP1 and (on shm) TP1 -> TP2
+/// The runs: per UCX environment, 1P1D and PP2 -> PP1 (two prefills placing into one decode)
+/// with the path `--direct-writes auto` picks there, TP2 -> TP1 and (on shm) TP1 -> TP2
 /// (staged: the head layouts do not line up) and 1P1D with `always` (one-sided writes, which
 /// UCX 1.13 emulates over tcp and shared memory, see `transport/ucx/data.rs`).
 fn runs() -> Vec<(String, Env, Shape, Shape, &'static str, Path)> {
@@ -76,13 +76,13 @@ fn runs() -> Vec<(String, Env, Shape, Shape, &'static str, Path)> {
             )
         };
         out.push(run("1p1d", Shape::ONE, Shape::ONE, "auto", auto));
+        // Two prefill stages placing their layer ranges into one decode at once.
+        let pp2 = Shape {
+            pp: 2,
+            ..Shape::ONE
+        };
+        out.push(run("pp2-pp1", pp2, Shape::ONE, "auto", auto));
         if name == "shm" {
-            // Two prefill stages placing their layer ranges into one decode at once.
-            let pp2 = Shape {
-                pp: 2,
-                ..Shape::ONE
-            };
-            out.push(run("pp2-pp1", pp2, Shape::ONE, "auto", auto));
             out.push(run(
                 "tp1-tp2",
                 Shape::ONE,
@@ -200,7 +200,7 @@ fn one_pair(
 #[test]
 fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
     let exe = common::release_binary();
-    // The default paths only: staged (tcp), placed runs (shm). With
+    // The default path only: placed runs (revocable receives over tcp, cma reads over shm). With
     // `--direct-writes always` over UCX 1.13's tcp or shared memory a prefill killed mid-write can abort the decode inside UCX
     // (`ucp_put_handler`: "Fatal: unexpected error: Endpoint timeout"), which is why `auto`
     // never writes one-sided over them (`transport/ucx/data.rs`).

@@ -113,6 +113,13 @@ fn rust_layout() -> Vec<(&'static str, usize)> {
         size!(ucp_dt_iov_t),
         off!(ucp_dt_iov_t, buffer),
         off!(ucp_dt_iov_t, length),
+        size!(ucp_generic_dt_ops_t),
+        off!(ucp_generic_dt_ops_t, start_pack),
+        off!(ucp_generic_dt_ops_t, start_unpack),
+        off!(ucp_generic_dt_ops_t, packed_size),
+        off!(ucp_generic_dt_ops_t, pack),
+        off!(ucp_generic_dt_ops_t, unpack),
+        off!(ucp_generic_dt_ops_t, finish),
     ]
 }
 
@@ -142,7 +149,10 @@ ucp_request_param_t.user_data 32;ucp_request_param_t.reply_buffer 40;\
 ucp_request_param_t.memory_type 48;ucp_request_param_t.recv_info 56;\
 ucp_request_param_t.memh 64;ucp_tag_recv_info_t.size 16;ucp_tag_recv_info_t.sender_tag 0;\
 ucp_tag_recv_info_t.length 8;ucp_dt_iov_t.size 16;ucp_dt_iov_t.buffer 0;\
-ucp_dt_iov_t.length 8;";
+ucp_dt_iov_t.length 8;ucp_generic_dt_ops_t.size 48;\
+ucp_generic_dt_ops_t.start_pack 0;ucp_generic_dt_ops_t.start_unpack 8;\
+ucp_generic_dt_ops_t.packed_size 16;ucp_generic_dt_ops_t.pack 24;\
+ucp_generic_dt_ops_t.unpack 32;ucp_generic_dt_ops_t.finish 40;";
 
 fn parse_layout(text: &str) -> Vec<(String, usize)> {
     text.split([';', '\n'])
@@ -221,6 +231,9 @@ fn runtime_library_is_the_api_version_we_declare() {
 #[derive(Clone, Copy, Debug)]
 enum Tls {
     Tcp,
+    /// tcp as the agents set it up for eager chunks and runs (`transport/ucx/data.rs`):
+    /// no rendezvous, large segments, revocable placed receives, a short poll.
+    TcpEager,
     Shm,
 }
 
@@ -228,6 +241,7 @@ impl Tls {
     fn name(self) -> &'static str {
         match self {
             Tls::Tcp => "tcp",
+            Tls::TcpEager => "tcp-eager",
             Tls::Shm => "shm",
         }
     }
@@ -236,6 +250,11 @@ impl Tls {
     fn config(self) -> UcxConfig {
         let config = match self {
             Tls::Tcp => UcxConfig::tcp_loopback(),
+            Tls::TcpEager => kvferry::transport::ucx::data::worker_vars(Some("tcp"), |_| false)
+                .iter()
+                .fold(UcxConfig::tcp_loopback().eager(true), |c, (name, value)| {
+                    c.var(name, value)
+                }),
             Tls::Shm => UcxConfig::shared_memory().var("NET_DEVICES", "lo"),
         };
         // Dead peers: UCX checks endpoints every KEEPALIVE_INTERVAL (default 20 s).
@@ -628,8 +647,147 @@ async fn placed_runs_tcp() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placed_runs_tcp_eager() {
+    placed_runs(Tls::TcpEager).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placed_runs_shm() {
     placed_runs(Tls::Shm).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Revoked runs (eager tcp)
+
+/// Polls `dst` until the byte at `at` is no longer `fill` (a message is landing there).
+async fn first_bytes_landed(dst: &Region, at: usize, fill: u8) {
+    bounded("the first bytes of the run", 60, async {
+        while dst.read(at, 1).expect("read")[0] == fill {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+}
+
+/// A run cancelled while its message is landing (sender alive) answers at once and writes
+/// nothing more: the rest of the message is taken and dropped. Every byte that did land is the
+/// source's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_cancelled_mid_message_writes_nothing_more() {
+    const SIZE: usize = 256 * MIB;
+    let (a, b, ab, _ba) = pair(Tls::TcpEager).await;
+    let mut rng = Rng(seed());
+    let src = Arc::new(Region::new(SIZE).expect("source"));
+    src.write(0, &rng.bytes(SIZE)).expect("fill");
+    let dst = Arc::new(Region::new(SIZE).expect("destination"));
+    dst.fill(0xEE);
+    let run = vec![Span {
+        offset: 0,
+        len: SIZE as u64,
+    }];
+    let cancel = CancellationToken::new();
+    let landing = b
+        .recv_runs(5 << 32, dst.clone(), run.clone(), cancel.clone())
+        .await
+        .expect("post");
+    let landing = tokio::spawn(landing);
+    let sent = tokio::spawn({
+        let (a, src, run) = (a.clone(), src.clone(), run.clone());
+        async move { a.send_runs(ab, 5 << 32, src, run).await }
+    });
+    first_bytes_landed(&dst, MIB, 0xEE).await;
+    cancel.cancel();
+    let t = Instant::now();
+    let answered = bounded("the cancelled run", 10, landing)
+        .await
+        .expect("task");
+    println!(
+        "cancelled mid-message: answered in {:.1} ms: {answered:?}",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(answered.is_err(), "a cancelled run reported success");
+    let at_cancel = dst.read(0, SIZE).expect("read");
+    // The sender finishes its message into the revoked receive; a later message on the same
+    // endpoint lands only after all of it was taken.
+    bounded("the rest of the message", 60, sent)
+        .await
+        .expect("task")
+        .expect("send");
+    let (done, got) = tokio::join!(
+        a.send_tag(ab, 6, Bytes::from_static(b"after")),
+        b.recv_tag(6, ALL, 64)
+    );
+    done.expect("send after");
+    assert_eq!(&got.expect("recv after").data[..], b"after");
+    let after = dst.read(0, SIZE).expect("read");
+    let landed = at_cancel.iter().filter(|&&b| b != 0xEE).count();
+    println!("{landed} of {SIZE} bytes had landed at the cancel");
+    assert!(landed > 0, "nothing landed before the cancel");
+    same_bytes("the destination after the cancel", &after, &at_cancel);
+    let want = src.read(0, SIZE).expect("read");
+    let wrong = (0..SIZE)
+        .filter(|&i| at_cancel[i] != 0xEE && at_cancel[i] != want[i])
+        .count();
+    assert_eq!(wrong, 0, "bytes that landed are not the source's");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// The helper process's run mode (`ucx_child_peer` with `KVFERRY_UCX_CHILD_RUN` set): one
+/// placed run of that many bytes of 0xC7, tag 9, then nothing.
+const CHILD_RUN_ENV: &str = "KVFERRY_UCX_CHILD_RUN";
+
+/// A run whose sender is killed mid-message: UCX 1.13 never ends the receive it matched
+/// (printed); cancelled, it answers at once, and the worker still shuts down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_sender_is_killed_mid_message_is_revoked() {
+    const SIZE: usize = 256 * MIB;
+    let (mut child, address) = child_peer(Tls::TcpEager, Some(SIZE)).await;
+    let w = UcxWorker::spawn(Tls::TcpEager.config())
+        .await
+        .expect("parent worker");
+    let _ep = w.connect(Bytes::from(address)).await.expect("connect");
+    let dst = Arc::new(Region::new(SIZE).expect("destination"));
+    dst.fill(0xEE);
+    let cancel = CancellationToken::new();
+    let run = vec![Span {
+        offset: 0,
+        len: SIZE as u64,
+    }];
+    let landing = w
+        .recv_runs(9, dst.clone(), run, cancel.clone())
+        .await
+        .expect("post");
+    let mut landing = tokio::spawn(landing);
+    // Posted first: now the child may connect and send.
+    let mut stdin = child.0.stdin.take().expect("child stdin");
+    writeln!(stdin, "{}", hex(&w.address())).expect("send our address");
+    first_bytes_landed(&dst, MIB, 0xEE).await;
+    child.0.kill().expect("kill the child");
+    child.0.wait().expect("reap the child");
+    let after_kill = tokio::time::timeout(Duration::from_secs(2), &mut landing).await;
+    match &after_kill {
+        Err(_) => println!("2 s after the kill the receive has not ended (UCX 1.13)"),
+        Ok(r) => println!("the receive ended after the kill: {r:?}"),
+    }
+    cancel.cancel();
+    let t = Instant::now();
+    let answered = match after_kill {
+        Ok(r) => r,
+        Err(_) => bounded("the revoked run", 10, landing).await,
+    }
+    .expect("task");
+    println!(
+        "answered {:.1} ms after the cancel: {answered:?}",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(answered.is_err(), "a run of a killed sender succeeded");
+    let landed = dst.read(0, SIZE).expect("read");
+    assert!(
+        landed.iter().all(|&b| b == 0xEE || b == 0xC7),
+        "foreign bytes in the destination"
+    );
+    bounded("shutdown with a revoked receive", 30, w.shutdown()).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -754,14 +912,16 @@ async fn dropped_worker_fails_pending_operations_tcp() {
 
 const CHILD_ENV: &str = "KVFERRY_UCX_CHILD_TLS";
 
-/// Not a test of its own: the peer process of `killed_peer_process_*`, started by them with
+/// Not a test of its own: the peer process of `killed_peer_process_*` and
+/// `a_run_whose_sender_is_killed_mid_message_is_revoked`, started by them with
 /// `KVFERRY_UCX_CHILD_TLS` set. It prints its address, reads the parent's, connects and sends
-/// 1 MiB messages (tag 7) until it is killed.
+/// 1 MiB messages (tag 7) until it is killed, or with `KVFERRY_UCX_CHILD_RUN` one placed run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "helper process of killed_peer_process_*"]
+#[ignore = "helper process of the killed-peer tests"]
 async fn ucx_child_peer() {
     let tls = match std::env::var(CHILD_ENV).as_deref() {
         Ok("tcp") => Tls::Tcp,
+        Ok("tcp-eager") => Tls::TcpEager,
         Ok("shm") => Tls::Shm,
         _ => return,
     };
@@ -777,12 +937,54 @@ async fn ucx_child_peer() {
         .connect(Bytes::from(parent))
         .await
         .expect("connect to parent");
+    if let Some(size) = std::env::var(CHILD_RUN_ENV)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        let src = Arc::new(Region::new(size).expect("run"));
+        src.fill(0xC7);
+        let run = vec![Span {
+            offset: 0,
+            len: size as u64,
+        }];
+        let _ = w.send_runs(ep, 9, src, run).await;
+        std::future::pending::<()>().await;
+    }
     let data = Bytes::from(vec![0xC7u8; MIB]);
     loop {
         if w.send_tag(ep, 7, data.clone()).await.is_err() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+}
+
+/// Starts the helper process (`ucx_child_peer`; a run of `run` bytes if given) and reads its
+/// worker address. It connects once the parent writes its own address to its stdin.
+async fn child_peer(tls: Tls, run: Option<usize>) -> (Reaper, Vec<u8>) {
+    let mut command = Command::new(std::env::current_exe().expect("test binary"));
+    command
+        .args(["ucx_child_peer", "--exact", "--ignored", "--nocapture"])
+        .args(["--test-threads=1"])
+        .env(CHILD_ENV, tls.name())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if let Some(size) = run {
+        command.env(CHILD_RUN_ENV, size.to_string());
+    }
+    let mut child = Reaper(command.spawn().expect("spawn the child peer"));
+    let stdout = child.0.stdout.take().expect("child stdout");
+    let address = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| l.split_once("UCX-ADDRESS ").map(|(_, a)| unhex(a.trim())))
+    });
+    let address = bounded("child address", 60, address)
+        .await
+        .expect("reader task")
+        .expect("the child printed no address");
+    (child, address)
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -806,28 +1008,7 @@ impl Drop for Reaper {
 }
 
 async fn killed_peer_process(tls: Tls) {
-    let mut child = Reaper(
-        Command::new(std::env::current_exe().expect("test binary"))
-            .args(["ucx_child_peer", "--exact", "--ignored", "--nocapture"])
-            .args(["--test-threads=1"])
-            .env(CHILD_ENV, tls.name())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn the child peer"),
-    );
-    let stdout = child.0.stdout.take().expect("child stdout");
-    let address = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|l| l.split_once("UCX-ADDRESS ").map(|(_, a)| unhex(a.trim())))
-    });
-    let address = bounded("child address", 60, address)
-        .await
-        .expect("reader task")
-        .expect("the child printed no address");
+    let (mut child, address) = child_peer(tls, None).await;
     let w = UcxWorker::spawn(tls.config()).await.expect("parent worker");
     let ep = w.connect(Bytes::from(address)).await.expect("connect");
     let mut stdin = child.0.stdin.take().expect("child stdin");
@@ -911,4 +1092,38 @@ async fn a_config_ucx_refuses_is_a_typed_error() {
         Err(e) => println!("no device: {e}"),
         Ok(_) => panic!("a worker without any usable device"),
     }
+}
+
+/// The eager end of `tag_send` in an endpoint's description (`ucp_ep_print_info`):
+/// `tag_send: 0..<egr/short>..8185..<egr/zcopy>..(inf)` gives 8185.
+fn eager_short_end(info: &str) -> Option<u64> {
+    let line = info.lines().find(|l| l.contains(" tag_send:"))?;
+    let after = line.split("<egr/short>..").nth(1)?;
+    after.split("..").next()?.trim().parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_tcp_workers_get_the_segments_they_ask_for() {
+    let described = |config: UcxConfig| async move {
+        let a = UcxWorker::spawn(config).await.expect("worker");
+        let b = UcxWorker::spawn(Tls::Tcp.config()).await.expect("peer");
+        let ep = a.connect(b.address()).await.expect("connect");
+        let info = a.describe(ep).await.expect("describe");
+        eager_short_end(&info).unwrap_or_else(|| panic!("no tag_send line in:\n{info}"))
+    };
+    // What the agents set for tcp-only UCX, with an environment that sets nothing.
+    let segments = described(Tls::TcpEager.config()).await;
+    println!("eager tcp worker: inline sends up to {segments} bytes");
+    assert!(
+        segments >= 1 << 19,
+        "the agents' segments did not take: UCX still sends {segments}-byte segments"
+    );
+    // Why the agents name the setting as they do: UCX 1.13 accepts the environment's name
+    // through ucp_config_modify and ignores it.
+    let prefixed = described(Tls::Tcp.config().var("TCP_TX_SEG_SIZE", "1m")).await;
+    println!("TCP_TX_SEG_SIZE=1m through ucp_config_modify: {prefixed} bytes");
+    assert!(
+        prefixed < 1 << 16,
+        "UCX now applies TCP_TX_SEG_SIZE: {prefixed}"
+    );
 }

@@ -7,14 +7,15 @@
 //!
 //! A chunk is one tagged message: its frame ([`Frame`]: the header's length, the header, the
 //! payload), contiguous where the prefill built it. Chunks go to the receiver's workers in
-//! turn, each of which keeps receives posted for them ([`Posting`]); the receiver splits the
+//! turn, each of which keeps receives posted for them (`Posting`); the receiver splits the
 //! message it got into header and payload without copying.
 //!
-//! Placed runs (the agents' default direct path where UCX sends by rendezvous): a sender sends
-//! each run of its pool as a tagged message straight from the pool ([`UcxWorker::send_runs`]),
-//! under tags derived from the chunk's key (`placed_tag`); the receiver, which posted a
-//! receive at each run's place in its own pool first ([`UcxWorker::recv_runs`]), gets it by
-//! rendezvous in one copy (a cma read here, an RDMA read elsewhere).
+//! Placed runs (the agents' default direct path): a sender sends each run of its pool as a
+//! tagged message straight from the pool ([`UcxWorker::send_runs`]), under tags derived from
+//! the chunk's key (`placed_tag`); the receiver, which posted a receive at each run's place in
+//! its own pool first ([`UcxWorker::recv_runs`]), gets it by rendezvous in one copy (a cma read
+//! here, an RDMA read elsewhere) or, over tcp, eagerly: copied out of UCX's segments straight
+//! into place by a callback that a cancelled run revokes (`placed_runs`).
 //!
 //! One-sided writes (the other direct path): a receiver registers its pool with
 //! [`UcxWorker::register`] and hands the packed rkey to senders (in Hello); a sender attaches
@@ -103,17 +104,27 @@ fn eager() -> bool {
     eager_chunks(tls.as_deref(), ucx_env_sets("RNDV_THRESH"))
 }
 
-/// The tcp segments for eager chunks: 256 KiB, where UCX 1.13 sends 8 KiB and receives 64 KiB
-/// at a time, so a 1 MiB chunk goes in 4 pieces rather than 128. Measured here (1P1D
-/// llama3-8b, `kvferry bench --transport ucx-tcp`, 4 alternated runs): 2.18-2.40 GB/s per room
-/// against 2.01-2.14 with UCX's defaults; `ucx_perftest` eager 1 MiB 4.1-4.3 against 2.8-3.9.
-const EAGER_TCP_SEGMENTS: [(&str, &str); 2] =
-    [("TCP_TX_SEG_SIZE", "256k"), ("TCP_RX_SEG_SIZE", "256k")];
+/// The tcp segments for eager chunks and runs, as (environment variable without `UCX_`, the
+/// name `ucp_config_modify` takes, value). UCX 1.13 sends tcp messages in 8 KiB segments and
+/// receives in 64 KiB ones; with 1 MiB segments a 1 MiB chunk is one send and one receive.
+/// UCX 1.13 applies a transport's setting given to `ucp_config_modify` only under the field's
+/// own name (`TX_SEG_SIZE`): `TCP_TX_SEG_SIZE` is accepted and silently ignored (the
+/// endpoint's eager range stays at 8 KiB; tests/ucx_layer.rs checks it), so the environment's
+/// name and the config's differ. Measured here (docs/benchmarks.md, ninth session).
+const EAGER_TCP_SEGMENTS: [(&str, &str, &str); 2] = [
+    ("TCP_TX_SEG_SIZE", "TX_SEG_SIZE", EAGER_TCP_SEGMENT),
+    ("TCP_RX_SEG_SIZE", "RX_SEG_SIZE", EAGER_TCP_SEGMENT),
+];
 
-/// The UCX settings a worker adds to the environment's (`is_set` says which the environment
-/// has): for eager chunks ([`eager_chunks`]) no rendezvous and [`EAGER_TCP_SEGMENTS`], each
-/// unless the environment sets it; nothing otherwise.
-fn worker_vars(
+/// The size of [`EAGER_TCP_SEGMENTS`].
+const EAGER_TCP_SEGMENT: &str = "1m";
+
+/// The UCX settings an agent's worker adds to the environment's (`is_set` says which the
+/// environment has, by its name without `UCX_`): when `tls` allows tcp only and the
+/// environment sets no `RNDV_THRESH` (eager chunks, `eager_chunks`), no rendezvous and the
+/// large tcp segments (`EAGER_TCP_SEGMENTS`), each unless the environment sets it; nothing
+/// otherwise. Public for tests/ucx_layer.rs, which checks that UCX applies them.
+pub fn worker_vars(
     tls: Option<&str>,
     is_set: impl Fn(&str) -> bool,
 ) -> Vec<(&'static str, &'static str)> {
@@ -124,17 +135,19 @@ fn worker_vars(
         .chain(
             EAGER_TCP_SEGMENTS
                 .into_iter()
-                .filter(|(name, _)| !is_set(name)),
+                .filter(|(env, _, _)| !is_set(env))
+                .map(|(_, name, value)| (name, value)),
         )
         .collect()
 }
 
-/// The worker's config: the `UCX_*` environment plus [`worker_vars`].
+/// The worker's config: the `UCX_*` environment plus [`worker_vars`], eager
+/// ([`UcxConfig::eager`]) where chunks are.
 fn worker_config() -> UcxConfig {
     let tls = std::env::var("UCX_TLS").ok();
     worker_vars(tls.as_deref(), ucx_env_sets)
         .into_iter()
-        .fold(UcxConfig::new(), |config, (name, value)| {
+        .fold(UcxConfig::new().eager(eager()), |config, (name, value)| {
             config.var(name, value)
         })
 }
@@ -285,19 +298,22 @@ struct UcxSender {
     region: Option<RemoteRegionId>,
 }
 
-/// Whether runs may be placed ([`Placer`]): only when UCX moves them by rendezvous (not
-/// eagerly, [`eager_chunks`]) with reads the receiver makes itself on a native one-sided lane
-/// (`via`: cma here, RDMA elsewhere). Then the receiver pulls each run into its posted receive
-/// in one step, which fails, never hangs, when the sender is dead. Seen here otherwise: over
-/// tcp, an eager run whose sender was killed mid-run left the receive it matched hanging,
-/// uncancellable (its pages never safe to reuse); and tcp with rendezvous, whose reads UCX
-/// emulates with messages, aborted the decode inside UCX when the prefill died mid-room
-/// (`ucp_request_send_state_ff` assertion under `uct_tcp_ep_pending_purge`, e2e_ucx). This
-/// relies on UCX's default `get_zcopy` scheme: `UCX_RNDV_SCHEME=put_zcopy` makes the sender
-/// write instead (about 5 % faster here), and a receive then completes only on a message from
-/// the sender, which a sender dying mid-write never sends; leave it unset.
+/// Whether runs may be placed ([`Placer`]): where the receiver can stop a run's writes into
+/// its pool whatever the sender does. Two cases:
+/// - eager messages ([`eager_chunks`], tcp here): the receiver lands each run through its own
+///   unpack callback ([`UcxConfig::eager`]), revoked when the run is cancelled. Seen here
+///   before that: an eager run whose sender was killed mid-run left the receive it matched
+///   hanging, uncancellable, its pages never safe to reuse;
+/// - rendezvous with reads the receiver makes itself on a native one-sided lane (`via`: cma
+///   here, RDMA elsewhere): it pulls each run into its posted receive in one step, which
+///   fails, never hangs, when the sender is dead. Not tcp with rendezvous, whose reads UCX
+///   emulates with messages: it aborted the decode inside UCX when the prefill died mid-room
+///   (`ucp_request_send_state_ff` assertion under `uct_tcp_ep_pending_purge`, e2e_ucx). This
+///   relies on UCX's default `get_zcopy` scheme: `UCX_RNDV_SCHEME=put_zcopy` makes the sender
+///   write instead (about 5 % faster here), and a receive then completes only on a message
+///   from the sender, which a sender dying mid-write never sends; leave it unset.
 fn placed_runs(eager: bool, via: &[String]) -> bool {
-    !eager && !via.is_empty() && !via.iter().any(|t| t == "tcp")
+    eager || (!via.is_empty() && !via.iter().any(|t| t == "tcp"))
 }
 
 /// Whether one-sided writes carried by `via` are the fast, safe way to a peer: native writes
@@ -744,10 +760,11 @@ mod tests {
         );
         assert!(!fast_writes(&names(&["tcp"]), true), "tcp emulates puts");
         assert!(!fast_writes(&[], true));
-        // Placed runs: rendezvous reads on a native lane, supervised or not.
+        // Placed runs: eager (revocable receives), or rendezvous reads on a native lane,
+        // supervised or not.
         assert!(placed_runs(false, &names(&["cma"])));
         assert!(placed_runs(false, &names(&["rc_mlx5"])));
-        assert!(!placed_runs(true, &names(&["cma"])), "eager");
+        assert!(placed_runs(true, &names(&["tcp"])), "eager");
         assert!(!placed_runs(false, &names(&["tcp"])), "emulated reads");
         assert!(!placed_runs(false, &[]), "no one-sided lane");
     }
@@ -759,14 +776,14 @@ mod tests {
             worker_vars(Some("tcp"), none),
             [
                 ("RNDV_THRESH", "inf"),
-                ("TCP_TX_SEG_SIZE", "256k"),
-                ("TCP_RX_SEG_SIZE", "256k")
+                ("TX_SEG_SIZE", EAGER_TCP_SEGMENT),
+                ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)
             ]
         );
         let tx_set = |name: &str| name == "TCP_TX_SEG_SIZE";
         assert_eq!(
             worker_vars(Some("tcp,self"), tx_set),
-            [("RNDV_THRESH", "inf"), ("TCP_RX_SEG_SIZE", "256k")]
+            [("RNDV_THRESH", "inf"), ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)]
         );
         // Rendezvous wanted, or not tcp alone: UCX's own settings.
         assert!(worker_vars(Some("tcp"), |name| name == "RNDV_THRESH").is_empty());

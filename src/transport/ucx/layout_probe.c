@@ -76,5 +76,12 @@ int main(void)
     SIZE(ucp_dt_iov_t);
     OFF(ucp_dt_iov_t, buffer);
     OFF(ucp_dt_iov_t, length);
+    SIZE(ucp_generic_dt_ops_t);
+    OFF(ucp_generic_dt_ops_t, start_pack);
+    OFF(ucp_generic_dt_ops_t, start_unpack);
+    OFF(ucp_generic_dt_ops_t, packed_size);
+    OFF(ucp_generic_dt_ops_t, pack);
+    OFF(ucp_generic_dt_ops_t, unpack);
+    OFF(ucp_generic_dt_ops_t, finish);
     return 0;
 }

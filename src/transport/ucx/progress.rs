@@ -5,9 +5,11 @@
 //! replies through tokio oneshots. While work is in flight it calls `ucp_worker_progress`;
 //! as soon as a round finds nothing to do it arms the worker and sleeps in poll(2) on the
 //! worker's event fd and the wakeup eventfd, with a 100 ms timeout so UCX's keepalive still
-//! runs on a quiet worker. It never spins: polling a while before sleeping took the cores the
-//! gather and scatter copies need (on 2 cores, staged chunks over shared memory went 3.0
-//! against 3.6 GB/s per room with a 50 µs spin; docs/benchmarks.md). Operations in flight
+//! runs on a quiet worker. A rendezvous worker never spins: polling a while before sleeping
+//! took the cores the gather and scatter copies need (on 2 cores, staged chunks over shared
+//! memory went 3.0 against 3.6 GB/s per room with a 50 µs spin; docs/benchmarks.md). An eager
+//! worker (tcp) polls [`super::worker::EAGER_SPIN`] first: its messages arrive as streams of
+//! segments, and a sleep between two of them cost more than the poll. Operations in flight
 //! and how they end are in `progress/pending.rs`; registrations, peers' regions and puts (the
 //! one-sided side) in `progress/rma.rs`; placed runs in `progress/runs.rs`.
 //!
@@ -18,9 +20,10 @@
 //!   (`ucp_request_cancel`) and keeps the buffers until the request completes;
 //! - at shutdown, requests are cancelled and endpoints force-closed (which completes their
 //!   requests) and the thread progresses until nothing is pending; only if UCX still holds a
-//!   request after 5 s are the request, its buffers and the worker leaked, never freed.
+//!   request after 5 s are the request, its buffers and the worker leaked, never freed;
+//!   revoked receives (`progress/runs.rs`) are not waited for, and leaked likewise.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
 use std::sync::{Arc, mpsc};
@@ -89,6 +92,10 @@ struct Engine {
     bulk: HashMap<usize, Pending>,
     /// Groups of runs with requests in flight.
     groups: Vec<Rc<Group>>,
+    /// Revoked receives no message matched yet, with when to cancel them: until then they
+    /// take (and drop) the runs their sender may still have on the way, which would otherwise
+    /// wait unexpected at UCX for ever.
+    draining: VecDeque<(Instant, usize)>,
     remote: HashMap<u64, RemoteRegion>,
     endpoints: HashMap<u64, Rc<Endpoint>>,
     /// Endpoints whose peer failed, closed, with the status operations on them report.
@@ -99,6 +106,8 @@ struct Engine {
     next_id: u64,
     shutting_down: bool,
     supervise: Option<bool>,
+    /// [`UcxConfig::eager`].
+    eager: bool,
 }
 
 impl Engine {
@@ -109,6 +118,7 @@ impl Engine {
             pending: HashMap::new(),
             bulk: HashMap::new(),
             groups: Vec::new(),
+            draining: VecDeque::new(),
             remote: HashMap::new(),
             endpoints: HashMap::new(),
             dead: HashMap::new(),
@@ -118,6 +128,7 @@ impl Engine {
             next_id: 1,
             shutting_down: false,
             supervise: config.supervise,
+            eager: config.eager,
         })
     }
 
@@ -139,6 +150,11 @@ impl Engine {
                 None
             }
         };
+        let spin = match self.eager {
+            true => super::worker::EAGER_SPIN,
+            false => Duration::ZERO,
+        };
+        let mut last_event = Instant::now();
         loop {
             let mut busy = false;
             loop {
@@ -162,6 +178,10 @@ impl Engine {
             }
             busy |= self.sweep() > 0;
             if busy {
+                last_event = Instant::now();
+                continue;
+            }
+            if !spin.is_zero() && last_event.elapsed() < spin {
                 continue;
             }
             let timeout_ms = match efd {
@@ -448,8 +468,10 @@ impl Engine {
         }
     }
 
+    /// Whether nothing is in flight but revoked receives (which may never end, and write
+    /// nothing any more).
     fn idle(&self) -> bool {
-        self.pending.is_empty() && self.bulk.is_empty()
+        self.pending.is_empty() && self.bulk.values().all(Pending::revoked)
     }
 
     fn progress_until_idle(&mut self, bound: Duration) {
@@ -504,9 +526,11 @@ impl Engine {
                 pending = self.pending.len() + self.bulk.len(),
                 "UCX still holds requests at shutdown; leaking them, their buffers and the worker"
             );
-            std::mem::forget(std::mem::take(&mut self.pending));
-            std::mem::forget(std::mem::take(&mut self.bulk));
         }
+        // Revoked receives a dead sender left matched never end: they are leaked too (quietly,
+        // as expected), never freed while UCX holds them.
+        std::mem::forget(std::mem::take(&mut self.pending));
+        std::mem::forget(std::mem::take(&mut self.bulk));
         self.registered.clear();
     }
 }

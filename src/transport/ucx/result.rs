@@ -235,3 +235,17 @@ pub unsafe fn rkey_pack(
     unsafe { sys::ucp_rkey_buffer_release(buffer) };
     Ok(bytes)
 }
+
+/// `ucp_dt_create_generic`: a datatype whose sends and receives go through `ops`.
+pub fn dt_create_generic(
+    ops: &'static sys::ucp_generic_dt_ops_t,
+) -> Result<sys::ucp_datatype_t, UcxError> {
+    let mut datatype = 0;
+    // SAFETY: `ops` is static, as UCX keeps the pointer for the datatype's life; the context
+    // argument may be null (it is passed back to `start_pack`/`start_unpack` only); valid
+    // out-pointer.
+    check("ucp_dt_create_generic", unsafe {
+        sys::ucp_dt_create_generic(ops, ptr::null_mut(), &mut datatype)
+    })?;
+    Ok(datatype)
+}

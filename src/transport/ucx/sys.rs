@@ -220,6 +220,45 @@ pub struct ucp_dt_iov_t {
     pub length: usize,
 }
 
+/// `ucp_generic_dt_ops_t`: the callbacks of a generic datatype (`ucp_dt_create_generic`),
+/// through which UCX packs a send and unpacks a receive piece by piece.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ucp_generic_dt_ops_t {
+    pub start_pack: Option<
+        unsafe extern "C" fn(
+            context: *mut c_void,
+            buffer: *const c_void,
+            count: usize,
+        ) -> *mut c_void,
+    >,
+    pub start_unpack: Option<
+        unsafe extern "C" fn(
+            context: *mut c_void,
+            buffer: *mut c_void,
+            count: usize,
+        ) -> *mut c_void,
+    >,
+    pub packed_size: Option<unsafe extern "C" fn(state: *mut c_void) -> usize>,
+    pub pack: Option<
+        unsafe extern "C" fn(
+            state: *mut c_void,
+            offset: usize,
+            dest: *mut c_void,
+            max_length: usize,
+        ) -> usize,
+    >,
+    pub unpack: Option<
+        unsafe extern "C" fn(
+            state: *mut c_void,
+            offset: usize,
+            src: *const c_void,
+            length: usize,
+        ) -> ucs_status_t,
+    >,
+    pub finish: Option<unsafe extern "C" fn(state: *mut c_void)>,
+}
+
 /// The `cb` union of `ucp_request_param_t`: every member is one function pointer (the two
 /// kinds of operation this transport starts are declared).
 #[repr(C)]
@@ -363,6 +402,11 @@ unsafe extern "C" {
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t;
 
+    pub fn ucp_dt_create_generic(
+        ops: *const ucp_generic_dt_ops_t,
+        context: *mut c_void,
+        datatype_p: *mut ucp_datatype_t,
+    ) -> ucs_status_t;
     pub fn ucp_request_cancel(worker: ucp_worker_h, request: *mut c_void);
     pub fn ucp_request_free(request: *mut c_void);
 }

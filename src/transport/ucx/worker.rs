@@ -57,6 +57,7 @@ pub struct Registered {
 pub struct UcxConfig {
     vars: Vec<(String, String)>,
     pub(super) supervise: Option<bool>,
+    pub(super) eager: bool,
 }
 
 impl UcxConfig {
@@ -87,6 +88,18 @@ impl UcxConfig {
         self
     }
 
+    /// Whether messages go eagerly (the caller also sets `RNDV_THRESH=inf`), as over tcp,
+    /// where a message arrives as a stream of segments that the receiver copies out of UCX's
+    /// buffers. Then the progress thread
+    /// - receives placed runs ([`UcxWorker::recv_runs`]) through a [`super::safe::Revocable`]:
+    ///   UCX 1.13 never ends a receive whose sender died mid-message, and a cancelled run must
+    ///   stop writing into its place even so;
+    /// - polls [`EAGER_SPIN`] before it sleeps, since the next segment is usually that close.
+    pub fn eager(mut self, eager: bool) -> Self {
+        self.eager = eager;
+        self
+    }
+
     /// Sets a UCX variable, named with or without the `UCX_` prefix (`TLS`, `UCX_TLS`).
     pub fn var(mut self, name: &str, value: &str) -> Self {
         let name = name.strip_prefix("UCX_").unwrap_or(name);
@@ -100,6 +113,15 @@ impl UcxConfig {
         &self.vars
     }
 }
+
+/// How long an eager worker's progress thread keeps polling after its last event before it
+/// sleeps. Measured here (docs/benchmarks.md, ninth session), 1P1D llama3-8b over tcp: placed
+/// rooms at 4.2-4.7 GB/s per room without it against 4.6-5.9 with 20-100 us and 4.3-5.0 with
+/// 250 us; staged rooms fell from 3.6 to 2.4-2.6 with 1 ms (on 2 cores the spinning threads
+/// take the copies' time). Over shared memory, where the receiver pulls a whole run in one
+/// copy, polling only cost (placed 16.9 against 15.4 GB/s per room with 50 us), so rendezvous
+/// workers sleep at once.
+pub const EAGER_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
 pub(super) type Reply<T> = oneshot::Sender<Result<T, UcxError>>;
 

@@ -15,11 +15,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::rma::PutSource;
-use super::runs::Group;
+use super::runs::{Group, Receiving};
 use super::{Engine, UcxError};
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::result::status_name;
-use crate::transport::ucx::safe::{Endpoint, Request, Started};
+use crate::transport::ucx::safe::{Endpoint, Request, Revocable, Started};
 use crate::transport::ucx::sys;
 use crate::transport::ucx::worker::{EndpointId, Received, Reply};
 
@@ -46,9 +46,19 @@ impl Pending {
         }
     }
 
-    fn cancel(&mut self) {
+    pub(super) fn cancel(&mut self) {
         self.cancelled = true;
         self.request.cancel();
+    }
+
+    /// What the operation is.
+    pub(super) fn op(&self) -> &Op {
+        &self.op
+    }
+
+    /// Whether it is a revoked receive: it writes nothing any more, ended or not.
+    pub(super) fn revoked(&self) -> bool {
+        self.op.revocable().is_some_and(Revocable::revoked)
     }
 }
 
@@ -73,12 +83,12 @@ pub(super) enum Op {
         capacity: usize,
         reply: Reply<Received>,
     },
-    /// One run of a [`Command::SendRuns`] or [`Command::RecvRuns`] (`expect`: a receive, of
-    /// exactly that many bytes); its group answers.
+    /// One run of a [`Command::SendRuns`] or [`Command::RecvRuns`] (`receiving`: a receive,
+    /// of exactly `expect` bytes); its group answers.
     Run {
         _memory: Arc<dyn RegisterableMemory>,
         group: Rc<Group>,
-        expect: Option<usize>,
+        receiving: Option<Receiving>,
     },
 }
 
@@ -104,16 +114,28 @@ impl Op {
             Op::Put { .. } => "put",
             Op::Flush { .. } => "flush",
             Op::Recv { .. } => "recv_tag",
-            Op::Run { expect: None, .. } => "send_run",
             Op::Run {
-                expect: Some(_), ..
+                receiving: None, ..
+            } => "send_run",
+            Op::Run {
+                receiving: Some(_), ..
             } => "recv_run",
         }
     }
 
-    fn group(&self) -> Option<&Rc<Group>> {
+    pub(super) fn group(&self) -> Option<&Rc<Group>> {
         match self {
             Op::Run { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+
+    /// A receiving run's revocable destination.
+    pub(super) fn revocable(&self) -> Option<&Revocable> {
+        match self {
+            Op::Run {
+                receiving: Some(r), ..
+            } => r.target.as_deref(),
             _ => None,
         }
     }
@@ -166,17 +188,16 @@ impl Engine {
             }
         }
         self.groups.retain(|g| !g.answered());
-        for group in &self.groups {
-            if group.take_cancel() {
-                for key in group.requests() {
-                    if let Some(p) = self.bulk.get_mut(&key)
-                        && p.op.group().is_some_and(|g| Rc::ptr_eq(g, group))
-                    {
-                        p.cancel();
-                    }
-                }
-            }
+        let cancelled: Vec<Rc<Group>> = self
+            .groups
+            .iter()
+            .filter(|g| g.take_cancel())
+            .cloned()
+            .collect();
+        for group in &cancelled {
+            self.cancel_group(group);
         }
+        self.end_drains();
         if self.shutting_down {
             self.bulk
                 .values_mut()
@@ -218,7 +239,7 @@ impl Engine {
         };
         match op {
             Op::Run {
-                expect: Some(len),
+                receiving: Some(Receiving { expect: len, .. }),
                 group,
                 ..
             } => group.done(match status {

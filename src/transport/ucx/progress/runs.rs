@@ -1,19 +1,31 @@
 //! The progress thread's placed messages: runs of local memory sent as tagged messages straight
 //! from it, and received straight into memory at offsets the receiver chose. Each run is its
 //! own request; a [`Group`] answers the caller once all of a command's runs have completed.
+//!
+//! On an eager worker (tcp) each run is received through a [`Revocable`]: a cancelled group
+//! revokes its runs and answers at once, whether or not UCX ever ends their requests (it does
+//! not end one whose sender died mid-message). Revoked receives that no message matched yet
+//! stay posted for [`REVOKED_DRAIN`], taking and dropping what the sender still had on the way,
+//! then are cancelled.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use super::Engine;
 use super::pending::{Op, Pending};
 use crate::transport::ucx::UcxError;
 use crate::transport::ucx::region::RegisterableMemory;
-use crate::transport::ucx::safe::Started;
+use crate::transport::ucx::safe::{Revocable, Started};
 use crate::transport::ucx::sys;
 use crate::transport::ucx::worker::{EndpointId, Reply, Span};
+
+/// How long revoked receives that no message matched stay posted before they are cancelled.
+/// A sender queues a chunk's runs once the receiver has posted them (the agents' `Posted`), so
+/// whatever it sends after a cancel is on its way within moments.
+const REVOKED_DRAIN: Duration = Duration::from_secs(10);
 
 /// The requests of one command, answered together: once every one has completed, with the
 /// first error.
@@ -69,6 +81,15 @@ impl Group {
         let cancel = !self.cancelled.get() && self.abandoned();
         self.cancelled.set(self.cancelled.get() || cancel);
         cancel
+    }
+
+    /// Answers the caller now that its runs are revoked (their requests may end later, or
+    /// never): they write nothing more.
+    fn revoked(&self) {
+        if let Some(reply) = self.reply.borrow_mut().take() {
+            let cancelled = UcxError::call("recv_run", sys::UCS_ERR_CANCELED);
+            let _ = reply.send(Err(cancelled));
+        }
     }
 
     /// Whether every request has ended and the caller was answered.
@@ -168,23 +189,85 @@ impl Engine {
         for (i, run) in runs.iter().enumerate() {
             // SAFETY: checked above to lie within `memory`, which stays mapped while the Arc
             // lives (kept in the run's Pending entry until the request completes).
-            let started = unsafe {
-                self.worker.tag_recv(
-                    memory.base().add(run.offset as usize),
-                    run.len as usize,
-                    tag + i as u64,
-                    u64::MAX,
-                )
+            let place = unsafe { memory.base().add(run.offset as usize) };
+            let (tag, len) = (tag + i as u64, run.len as usize);
+            let (started, target) = match self.eager {
+                false => {
+                    // SAFETY: `place` holds `len` writable bytes (above) until the request
+                    // completes.
+                    let started = unsafe { self.worker.tag_recv(place, len, tag, u64::MAX) };
+                    (started, None)
+                }
+                true => {
+                    // SAFETY: `place` holds `len` writable bytes (above), which only this
+                    // receive writes until it completes or is revoked.
+                    let target = unsafe { Revocable::new(place, len) };
+                    // SAFETY: the Box goes into the run's Pending entry, dropped only after
+                    // the request completes (or leaked with it).
+                    let started = unsafe { self.worker.tag_recv_revocable(&target, tag, u64::MAX) };
+                    (started, Some(target))
+                }
             };
             match started {
                 Ok(started) => {
-                    let expect = Some(run.len as usize);
-                    self.track_run(started, None, &group, memory.clone(), expect);
+                    let run = Receiving {
+                        expect: len,
+                        target,
+                    };
+                    self.track_run(started, None, &group, memory.clone(), Some(run));
                 }
                 Err(e) => group.done(Err(e)),
             }
         }
         let _ = posted.send(());
+    }
+
+    /// Revokes the runs of a cancelled `group` that are [`Revocable`] and answers it at once
+    /// (when it has any; its others are cancelled as usual). Their requests stay filed until
+    /// UCX ends them; those no message matched yet are cancelled after [`REVOKED_DRAIN`].
+    pub(super) fn cancel_group(&mut self, group: &Rc<Group>) {
+        let mut revoked = false;
+        for key in group.requests() {
+            let Some(p) = self.bulk.get_mut(&key) else {
+                continue;
+            };
+            if !p.op().group().is_some_and(|g| Rc::ptr_eq(g, group)) {
+                continue;
+            }
+            match p.op().revocable() {
+                Some(target) => {
+                    target.revoke();
+                    revoked = true;
+                    if !target.touched() {
+                        self.draining
+                            .push_back((Instant::now() + REVOKED_DRAIN, key));
+                    }
+                }
+                None => p.cancel(),
+            }
+        }
+        if revoked {
+            group.revoked();
+        }
+    }
+
+    /// Cancels the revoked receives whose drain time is over and that no message matched.
+    pub(super) fn end_drains(&mut self) {
+        let now = Instant::now();
+        while let Some(&(due, key)) = self.draining.front() {
+            if due > now {
+                break;
+            }
+            self.draining.pop_front();
+            // The key may belong to a newer request by now: only a revoked, unmatched one.
+            if let Some(p) = self.bulk.get_mut(&key)
+                && p.op()
+                    .revocable()
+                    .is_some_and(|t| t.revoked() && !t.touched())
+            {
+                p.cancel();
+            }
+        }
     }
 
     fn track_run(
@@ -193,7 +276,7 @@ impl Engine {
         ep: Option<EndpointId>,
         group: &Rc<Group>,
         memory: Arc<dyn RegisterableMemory>,
-        expect: Option<usize>,
+        receiving: Option<Receiving>,
     ) {
         match started {
             Started::Pending(request) => {
@@ -207,7 +290,7 @@ impl Engine {
                     Op::Run {
                         _memory: memory,
                         group: group.clone(),
-                        expect,
+                        receiving,
                     },
                 ));
             }
@@ -215,4 +298,11 @@ impl Engine {
             Started::Done(()) => group.done(Ok(())),
         }
     }
+}
+
+/// A receiving run: the length its message must have, and its [`Revocable`] destination on
+/// an eager worker.
+pub(super) struct Receiving {
+    pub(super) expect: usize,
+    pub(super) target: Option<Box<Revocable>>,
 }
