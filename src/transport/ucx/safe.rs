@@ -352,27 +352,8 @@ impl Worker {
         tag: u64,
         mask: u64,
     ) -> Result<Started<()>, UcxError> {
-        let mut param = self.tracked(true);
-        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE
-            | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
-            | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-        param.datatype = sys::UCP_DATATYPE_BYTES;
-        param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
-        // SAFETY: the worker is live; buffer validity is the caller's contract.
-        let ptr = unsafe {
-            sys::ucp_tag_recv_nbx(
-                self.ptr.as_ptr(),
-                buffer.cast(),
-                capacity,
-                tag,
-                mask,
-                &param,
-            )
-        };
-        Ok(match request_or_done("ucp_tag_recv_nbx", ptr)? {
-            None => Started::Done(()),
-            Some(req) => Started::Pending(Request::new(req, self)),
-        })
+        // SAFETY: the caller's contract.
+        unsafe { self.recv_as(buffer.cast(), capacity, sys::UCP_DATATYPE_BYTES, tag, mask) }
     }
 
     /// Posts a tagged receive of a message of at most `target`'s length into it (a
@@ -387,24 +368,34 @@ impl Worker {
         tag: u64,
         mask: u64,
     ) -> Result<Started<()>, UcxError> {
+        let buffer = (&raw const *target).cast_mut().cast();
+        // SAFETY: UCX hands the buffer pointer (the target) only to the datatype's callbacks,
+        // which the caller's contract keeps valid.
+        unsafe { self.recv_as(buffer, 1, revocable_type()?, tag, mask) }
+    }
+
+    /// `ucp_tag_recv_nbx` of `count` elements of `datatype` at `buffer`, reported through
+    /// [`Worker::completed`], never completing at once.
+    ///
+    /// # Safety
+    /// What `datatype` writes through `buffer` stays valid until the request completes.
+    unsafe fn recv_as(
+        self: &Rc<Self>,
+        buffer: *mut c_void,
+        count: usize,
+        datatype: sys::ucp_datatype_t,
+        tag: u64,
+        mask: u64,
+    ) -> Result<Started<()>, UcxError> {
         let mut param = self.tracked(true);
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE
             | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
             | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-        param.datatype = revocable_type()?;
+        param.datatype = datatype;
         param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
-        // SAFETY: the worker is live; UCX hands the buffer pointer (the target) only to the
-        // datatype's callbacks, which the caller's contract keeps valid.
-        let ptr = unsafe {
-            sys::ucp_tag_recv_nbx(
-                self.ptr.as_ptr(),
-                (&raw const *target).cast_mut().cast(),
-                1,
-                tag,
-                mask,
-                &param,
-            )
-        };
+        // SAFETY: the worker is live; buffer validity is the caller's contract.
+        let ptr =
+            unsafe { sys::ucp_tag_recv_nbx(self.ptr.as_ptr(), buffer, count, tag, mask, &param) };
         Ok(match request_or_done("ucp_tag_recv_nbx", ptr)? {
             None => Started::Done(()),
             Some(req) => Started::Pending(Request::new(req, self)),
