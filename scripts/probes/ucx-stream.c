@@ -1,11 +1,14 @@
-// Raw UCX tag stream between two processes (docs/benchmarks.md, eighth session): 4096 messages
-// of 1 MiB, K in flight, sent from and received into one fixed offset (`fixed`, as
+// Raw UCX tag stream between two processes (docs/benchmarks.md, eighth and ninth sessions): 4096
+// messages of 1 MiB (PROBE_MSG bytes if set), K in flight, sent from and received into one fixed offset (`fixed`, as
 // ucx_perftest does), or successive offsets of 512 MiB buffers (`rotate`, as KV pools), or sent
 // as an io-vector of a 64-byte prefix and N pieces of such a buffer (`iov N`), or received
 // through a UCP generic datatype whose unpack callback copies each fragment into the rotating
-// buffer (`generic`). The receiver counts the bytes that did not land.
+// buffer (`generic`). The receiver counts the bytes that did not land. Both sides busy-poll,
+// unless PROBE_SLEEP is set: then a side that finds nothing to do for PROBE_SPIN_US (default 0)
+// arms its worker and sleeps on its event fd, as the agents' progress threads do.
 // Build: gcc -O2 -o /tmp/ucx-stream scripts/probes/ucx-stream.c -lucp -lucs
 // Run:   UCX_TLS=tcp UCX_NET_DEVICES=lo /tmp/ucx-stream fixed|rotate|iov|generic [messages] [pieces]
+//        (kvferry's eager settings: UCX_RNDV_THRESH=inf UCX_TCP_TX_SEG_SIZE=1M UCX_TCP_RX_SEG_SIZE=1M)
 #define _GNU_SOURCE
 #include <ucp/api/ucp.h>
 #include <sys/mman.h>
@@ -16,8 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <poll.h>
 #define BUF (512UL<<20)
-#define MSG (1UL<<20)
+static size_t MSG=1UL<<20;
 #define K 8
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 static int done_count;
@@ -31,12 +35,13 @@ static void g_finish(void*s){free(s);}
 static ucp_generic_dt_ops_t gops={g_start_pack,g_start_unpack,g_size,g_pack,g_unpack,g_finish};
 static void cb_send(void*r,ucs_status_t s,void*u){ ucp_request_free(r);(void)u; if(s!=UCS_OK){fprintf(stderr,"send %s\n",ucs_status_string(s));exit(1);} done_count++;}
 static void cb_recv(void*r,ucs_status_t s,const ucp_tag_recv_info_t*i,void*u){ucp_request_free(r);(void)i;(void)u; if(s!=UCS_OK){fprintf(stderr,"recv %s\n",ucs_status_string(s));exit(1);} done_count++;}
-int main(int argc,char**argv){
+int main(int argc,char**argv){ if(getenv("PROBE_MSG")) MSG=atol(getenv("PROBE_MSG"));
   int rotate=argc>1&&strcmp(argv[1],"fixed"); int iov=argc>1&&!strcmp(argv[1],"iov"); int np=argc>3?atoi(argv[3]):1; static ucp_dt_iov_t vv[1100]; static char hdr[64]; long n=argc>2?atol(argv[2]):4096;
   int sv[2]; socketpair(AF_UNIX,SOCK_STREAM,0,sv);
   pid_t pid=fork(); int sender=(pid==0); int sock=sender?sv[1]:sv[0];
   char*buf=mmap(0,BUF,PROT_READ|PROT_WRITE,MAP_PRIVATE|MAP_ANONYMOUS,-1,0); madvise(buf,BUF,MADV_HUGEPAGE); memset(buf,sender?7:0,BUF);
   ucp_params_t p={.field_mask=UCP_PARAM_FIELD_FEATURES,.features=UCP_FEATURE_TAG};
+  int sleepy=getenv("PROBE_SLEEP")!=0; if(sleepy) p.features|=UCP_FEATURE_WAKEUP;
   ucp_config_t*cfg; ucp_config_read(NULL,NULL,&cfg); ucp_context_h ctx; if(ucp_init(&p,cfg,&ctx)!=UCS_OK)return 1;
   ucp_worker_params_t wp={.field_mask=UCP_WORKER_PARAM_FIELD_THREAD_MODE,.thread_mode=UCS_THREAD_MODE_SINGLE};
   ucp_worker_h w; ucp_worker_create(ctx,&wp,&w);
@@ -47,7 +52,7 @@ int main(int argc,char**argv){
   ucp_request_param_t sp={.op_attr_mask=UCP_OP_ATTR_FIELD_CALLBACK,.cb.send=cb_send};
   ucp_request_param_t rp={.op_attr_mask=UCP_OP_ATTR_FIELD_CALLBACK,.cb.recv=cb_recv};
   int generic=argc>1&&!strcmp(argv[1],"generic"); ucp_datatype_t gdt; if(generic){ucp_dt_create_generic(&gops,0,&gdt); rp.op_attr_mask|=UCP_OP_ATTR_FIELD_DATATYPE; rp.datatype=gdt;}
-  long issued=0; double t0=0;
+  long issued=0; double t0=0; double last=now(); double spin=getenv("PROBE_SPIN_US")?atof(getenv("PROBE_SPIN_US"))*1e-6:0;
   while(done_count<n){
     while(issued<n && issued-done_count<K){
       char*at=buf+(rotate?(issued*MSG)%BUF:0);
@@ -58,10 +63,11 @@ int main(int argc,char**argv){
       if(issued==16) t0=now();
       issued++;
     }
-    ucp_worker_progress(w);
+    if(ucp_worker_progress(w)) last=now();
+    else if(sleepy && now()-last>spin){ int fd; ucp_worker_get_efd(w,&fd); if(ucp_worker_arm(w)==UCS_OK){ struct pollfd pf={fd,POLLIN,0}; poll(&pf,1,100); } }
   }
   double dt=now()-t0;
-  if(!sender) printf("%s %d: %.2f GB/s (%ld x 1 MiB)\n",argc>1?argv[1]:"fixed",np,(n-16)*MSG/dt/1e9,n);
+  if(!sender) printf("%s %d: %.2f GB/s (%ld x %zu B)\n",argc>1?argv[1]:"fixed",np,(n-16)*MSG/dt/1e9,n,MSG);
   if(!sender && !iov){size_t lim=(size_t)n*MSG<BUF?(size_t)n*MSG:BUF, bad=0; for(size_t i=0;i<lim;i++) bad+=buf[i]!=7; printf("bytes not landed: %zu of %zu\n",bad,lim);}
   write(sock,&c,1); read(sock,&c,1);
   if(!sender) wait(0);
