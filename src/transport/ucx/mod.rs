@@ -19,7 +19,7 @@
 //!   never borrowed by a future; a dropped future only marks its operation abandoned, and the
 //!   thread cancels it and waits for UCX to complete it before releasing the buffer;
 //! - on an eager worker ([`UcxConfig::eager`], tcp) a placed run is received through this
-//!   crate's own unpack callback ([`safe::Revocable`]): a cancel revokes it at once, so its
+//!   crate's own unpack callback ([`revocable::Revocable`]): a cancel revokes it at once, so its
 //!   place in the pool is the caller's again even while UCX never ends the request (a sender
 //!   that died mid-message);
 //! - endpoints use `UCP_ERR_HANDLING_MODE_PEER`: when a peer dies the error handler records it
@@ -33,6 +33,7 @@ pub mod data;
 mod progress;
 pub mod region;
 pub mod result;
+pub mod revocable;
 pub mod safe;
 pub mod sys;
 pub mod worker;

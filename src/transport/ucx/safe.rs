@@ -12,15 +12,14 @@
 //!   unmoved until the returned [`Request`] completes ([`super::worker`] does so by owning
 //!   buffer and request together);
 //! - every request of a [`Worker`] reports its end through a callback into the worker's list
-//!   ([`Worker::completed`]), so finding what ended costs nothing per request still running;
-//! - a receive into a [`Revocable`] writes only through its unpack callback, never while or
-//!   after it is revoked.
+//!   ([`Worker::completed`]), so finding what ended costs nothing per request still running.
+//!
+//! Receives that can be revoked are in [`super::revocable`].
 
 use std::cell::Cell;
 use std::ffi::c_void;
 use std::ptr::{self, NonNull};
 use std::rc::Rc;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicI8, Ordering};
 
 use super::UcxError;
@@ -155,120 +154,6 @@ unsafe extern "C" fn on_received(
     });
 }
 
-/// The destination of a receive that UCX reaches only through this code: the receive uses a
-/// UCP generic datatype whose unpack callback copies each piece that arrives into place, or
-/// drops it once the destination is revoked ([`Revocable::revoke`]).
-///
-/// Why: UCX 1.13 neither completes nor cancels an eager receive whose sender died after its
-/// first fragment arrived. Into a plain buffer, such a receive keeps the right to write there
-/// forever, so pool pages behind it could never be reused. Revoked, it writes nothing more;
-/// the request may linger, the memory is the owner's again at once.
-pub struct Revocable {
-    dst: *mut u8,
-    len: usize,
-    revoked: Cell<bool>,
-    /// Whether a piece arrived: a matched receive, which UCX can no longer cancel.
-    touched: Cell<bool>,
-}
-
-impl Revocable {
-    /// A destination of `len` bytes at `dst`.
-    ///
-    /// # Safety
-    /// `dst` is valid for writes of `len` bytes until the destination is revoked or its
-    /// receive has completed, and nothing else accesses those bytes meanwhile.
-    pub unsafe fn new(dst: *mut u8, len: usize) -> Box<Revocable> {
-        Box::new(Revocable {
-            dst,
-            len,
-            revoked: Cell::new(false),
-            touched: Cell::new(false),
-        })
-    }
-
-    /// Stops every later write: pieces that arrive from now on are dropped.
-    pub fn revoke(&self) {
-        self.revoked.set(true);
-    }
-
-    /// Whether [`Revocable::revoke`] was called.
-    pub fn revoked(&self) -> bool {
-        self.revoked.get()
-    }
-
-    /// Whether any piece of a message arrived (the receive is matched).
-    pub fn touched(&self) -> bool {
-        self.touched.get()
-    }
-}
-
-/// `start_unpack`: the state is the [`Revocable`] itself, given as the receive's buffer.
-unsafe extern "C" fn revocable_start(_: *mut c_void, buffer: *mut c_void, _: usize) -> *mut c_void {
-    buffer
-}
-
-/// `packed_size`: the destination's length (a longer message is truncated by UCX).
-unsafe extern "C" fn revocable_size(state: *mut c_void) -> usize {
-    // SAFETY: `state` is a live Revocable (`Worker::tag_recv_revocable`'s contract).
-    unsafe { &*state.cast::<Revocable>() }.len
-}
-
-/// `unpack`: copies a piece into place unless revoked; a piece beyond the destination is an
-/// error (UCX checks the total length first, so it never happens).
-unsafe extern "C" fn revocable_unpack(
-    state: *mut c_void,
-    offset: usize,
-    src: *const c_void,
-    length: usize,
-) -> ucs_status_t {
-    // SAFETY: as in `revocable_size`; UCX calls on the worker's thread, as does `revoke`.
-    let target = unsafe { &*state.cast::<Revocable>() };
-    target.touched.set(true);
-    if target.revoked.get() {
-        return sys::UCS_OK;
-    }
-    match offset.checked_add(length) {
-        Some(end) if end <= target.len => {
-            // SAFETY: `dst..dst + len` is writable while not revoked (`Revocable::new`), the
-            // piece lies within it (checked), and UCX's `src` holds `length` readable bytes.
-            unsafe { ptr::copy_nonoverlapping(src.cast::<u8>(), target.dst.add(offset), length) };
-            sys::UCS_OK
-        }
-        _ => sys::UCS_ERR_MESSAGE_TRUNCATED,
-    }
-}
-
-/// `start_pack`, `pack`, `finish`: never used to send; nothing to release.
-unsafe extern "C" fn revocable_no_pack(_: *mut c_void, _: *const c_void, _: usize) -> *mut c_void {
-    ptr::null_mut()
-}
-unsafe extern "C" fn revocable_no_data(
-    _: *mut c_void,
-    _: usize,
-    _: *mut c_void,
-    _: usize,
-) -> usize {
-    0
-}
-unsafe extern "C" fn revocable_finish(_: *mut c_void) {}
-
-static REVOCABLE_OPS: sys::ucp_generic_dt_ops_t = sys::ucp_generic_dt_ops_t {
-    start_pack: Some(revocable_no_pack),
-    start_unpack: Some(revocable_start),
-    packed_size: Some(revocable_size),
-    pack: Some(revocable_no_data),
-    unpack: Some(revocable_unpack),
-    finish: Some(revocable_finish),
-};
-
-/// The process's one generic datatype for [`Revocable`] receives (it holds no state of its
-/// own, so it is made once and kept).
-fn revocable_type() -> Result<sys::ucp_datatype_t, UcxError> {
-    static TYPE: OnceLock<Result<sys::ucp_datatype_t, UcxError>> = OnceLock::new();
-    TYPE.get_or_init(|| result::dt_create_generic(&REVOCABLE_OPS))
-        .clone()
-}
-
 impl Worker {
     /// Creates a worker of `context`.
     pub fn new(context: &Rc<Context>) -> Result<Rc<Worker>, UcxError> {
@@ -356,30 +241,12 @@ impl Worker {
         unsafe { self.recv_as(buffer.cast(), capacity, sys::UCP_DATATYPE_BYTES, tag, mask) }
     }
 
-    /// Posts a tagged receive of a message of at most `target`'s length into it (a
-    /// [`Revocable`]); as [`Worker::tag_recv`] otherwise.
-    ///
-    /// # Safety
-    /// `target` stays allocated and unmoved until the returned request completes (or forever,
-    /// if the worker is leaked).
-    pub unsafe fn tag_recv_revocable(
-        self: &Rc<Self>,
-        target: &Revocable,
-        tag: u64,
-        mask: u64,
-    ) -> Result<Started<()>, UcxError> {
-        let buffer = (&raw const *target).cast_mut().cast();
-        // SAFETY: UCX hands the buffer pointer (the target) only to the datatype's callbacks,
-        // which the caller's contract keeps valid.
-        unsafe { self.recv_as(buffer, 1, revocable_type()?, tag, mask) }
-    }
-
     /// `ucp_tag_recv_nbx` of `count` elements of `datatype` at `buffer`, reported through
     /// [`Worker::completed`], never completing at once.
     ///
     /// # Safety
     /// What `datatype` writes through `buffer` stays valid until the request completes.
-    unsafe fn recv_as(
+    pub(super) unsafe fn recv_as(
         self: &Rc<Self>,
         buffer: *mut c_void,
         count: usize,

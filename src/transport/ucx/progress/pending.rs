@@ -19,7 +19,8 @@ use super::runs::{Group, Receiving};
 use super::{Engine, UcxError};
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::result::status_name;
-use crate::transport::ucx::safe::{Endpoint, Request, Revocable, Started};
+use crate::transport::ucx::revocable::Revocable;
+use crate::transport::ucx::safe::{Endpoint, Request, Started};
 use crate::transport::ucx::sys;
 use crate::transport::ucx::worker::{EndpointId, Received, Reply};
 

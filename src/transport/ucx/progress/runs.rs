@@ -18,7 +18,8 @@ use super::Engine;
 use super::pending::{Op, Pending};
 use crate::transport::ucx::UcxError;
 use crate::transport::ucx::region::RegisterableMemory;
-use crate::transport::ucx::safe::{Revocable, Started};
+use crate::transport::ucx::revocable::Revocable;
+use crate::transport::ucx::safe::Started;
 use crate::transport::ucx::sys;
 use crate::transport::ucx::worker::{EndpointId, Reply, Span};
 

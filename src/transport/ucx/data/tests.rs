@@ -1,0 +1,108 @@
+//! Unit tests of `transport/ucx/data.rs`: endpoint addresses, run shares, lane parsing, the
+//! eager settings and the path rules.
+
+use super::*;
+
+#[test]
+fn addresses_round_trip_and_garbage_is_refused() {
+    let (a, b) = (vec![0u8, 1, 0xab, 0xff], vec![7u8; 3]);
+    let one = encode_addresses(&[Bytes::from(a.clone())]);
+    assert_eq!(decode_addresses(&one), Some(vec![a.clone()]));
+    let two = encode_addresses(&[Bytes::from(a.clone()), Bytes::from(b.clone())]);
+    assert_eq!(decode_addresses(&two), Some(vec![a, b]));
+    for bad in [
+        "", "ucx:", "ucx:0", "ucx:zz", "tcp://x", "ucx:00,", "ucx:,00", "ucx:00,0",
+    ] {
+        assert!(decode_addresses(bad).is_none(), "{bad}");
+    }
+}
+
+#[test]
+fn runs_are_shared_out_in_consecutive_ranges_covering_each_once() {
+    assert_eq!(shares(4, 2), [0..2, 2..4]);
+    assert_eq!(shares(5, 2), [0..3, 3..5]);
+    assert_eq!(shares(1, 2), vec![std::ops::Range { start: 0, end: 1 }]);
+    assert!(shares(0, 2).is_empty());
+    assert_eq!(shares(3, 1), vec![std::ops::Range { start: 0, end: 3 }]);
+    for n in 0..40 {
+        for parts in 1..5 {
+            let s = shares(n, parts);
+            let covered: Vec<usize> = s.iter().flat_map(|r| r.clone()).collect();
+            assert_eq!(
+                covered,
+                (0..n).collect::<Vec<_>>(),
+                "{n} runs, {parts} parts"
+            );
+            assert!(s.len() <= parts);
+        }
+    }
+}
+
+#[test]
+fn rma_lanes_are_read_off_the_endpoint_description() {
+    // As `ucx_info -e` prints them (UCX 1.13) for shared memory and for tcp.
+    let shm = "#  lane[0]:  0:self/memory0.0 md[0]  -> md[0]/self/sysdev[255] am am_bw#0\n\
+               #  lane[1]:  2:cma/memory.0 md[2]    -> md[2]/cma/sysdev[255] rma_bw#0\n\
+               #  rma_bw: mds rndv_rkey_size 9\n";
+    let tcp =
+        "#  lane[0]:  0:tcp/lo.0 md[0]  -> md[0]/tcp/sysdev[255] rma_bw#0 am am_bw#0 wireup\n";
+    assert_eq!(rma_transports(shm), ["cma"]);
+    assert_eq!(rma_transports(tcp), ["tcp"]);
+    assert!(rma_transports("# lane[0]: 0:self/memory0.0 md[0] am\n").is_empty());
+    let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert!(fast_writes(&names(&["rc_mlx5"]), true));
+    assert!(
+        !fast_writes(&names(&["cma"]), false),
+        "unsupervised shared memory"
+    );
+    assert!(!fast_writes(&names(&["tcp"]), true), "tcp emulates puts");
+    assert!(!fast_writes(&[], true));
+    // Placed runs: eager (revocable receives), or rendezvous reads on a native lane,
+    // supervised or not.
+    assert!(placed_runs(false, &names(&["cma"])));
+    assert!(placed_runs(false, &names(&["rc_mlx5"])));
+    assert!(placed_runs(true, &names(&["tcp"])), "eager");
+    assert!(!placed_runs(false, &names(&["tcp"])), "emulated reads");
+    assert!(!placed_runs(false, &[]), "no one-sided lane");
+}
+
+#[test]
+fn eager_tcp_workers_take_large_segments_unless_the_environment_says_otherwise() {
+    let none = |_: &str| false;
+    assert_eq!(
+        worker_vars(Some("tcp"), none),
+        [
+            ("RNDV_THRESH", "inf"),
+            ("TX_SEG_SIZE", EAGER_TCP_SEGMENT),
+            ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)
+        ]
+    );
+    let tx_set = |name: &str| name == "TCP_TX_SEG_SIZE";
+    assert_eq!(
+        worker_vars(Some("tcp,self"), tx_set),
+        [("RNDV_THRESH", "inf"), ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)]
+    );
+    // Rendezvous wanted, or not tcp alone: UCX's own settings.
+    assert!(worker_vars(Some("tcp"), |name| name == "RNDV_THRESH").is_empty());
+    assert!(worker_vars(Some("posix,cma,self"), none).is_empty());
+    assert!(worker_vars(None, none).is_empty());
+}
+
+#[test]
+fn chunks_go_eagerly_over_tcp_only() {
+    assert!(eager_chunks(Some("tcp"), false));
+    assert!(eager_chunks(Some("tcp,self"), false));
+    // Shared memory, RDMA, everything (unset, an exclusion list): rendezvous.
+    for tls in [
+        None,
+        Some("posix,cma,self"),
+        Some("tcp,sm"),
+        Some("rc,tcp"),
+        Some("^rc"),
+        Some("self"),
+    ] {
+        assert!(!eager_chunks(tls, false), "{tls:?}");
+    }
+    // The user's UCX_RNDV_THRESH always wins.
+    assert!(!eager_chunks(Some("tcp"), true));
+}
