@@ -100,7 +100,10 @@ impl UcxConfig {
         self
     }
 
-    /// Sets a UCX variable, named with or without the `UCX_` prefix (`TLS`, `UCX_TLS`).
+    /// Sets a UCX variable, named with or without the `UCX_` prefix (`TLS`, `UCX_TLS`). A
+    /// transport's setting goes by its field's own name, without the transport's prefix
+    /// (`TX_SEG_SIZE` for `UCX_TCP_TX_SEG_SIZE`): UCX 1.13 accepts `TCP_TX_SEG_SIZE` here,
+    /// warns "invalid configuration" and ignores it.
     pub fn var(mut self, name: &str, value: &str) -> Self {
         let name = name.strip_prefix("UCX_").unwrap_or(name);
         self.vars.retain(|(n, _)| n != name);
