@@ -22,19 +22,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::*;
 use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
 use kvferry::layout::{AttentionKind, Dtype, PageOrder};
 use kvferry::protocol::{
     Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, HEADER_LEN, Heartbeat, Hello, HelloAck,
-    MAX_BODY, Message, Placed, Posted, Ranks, Role, TransferRequest, VERSION, WireLayout,
+    MAX_BODY, Message, Placed, Posted, Ranks, Role, Secret, TransferRequest, VERSION, WireLayout,
 };
 use kvferry::reason::FailureCode;
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore as _, SeedableRng as _};
 use uuid::Uuid;
-use zeromq::{Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
 const MESSAGES: usize = 10_000;
 
@@ -74,8 +72,8 @@ fn code(rng: &mut StdRng) -> FailureCode {
 fn random_message(rng: &mut StdRng) -> Message {
     match rng.random_range(0..11) {
         0 => Message::Hello(Hello {
-            min_version: rng.random_range(0..4),
-            max_version: rng.random_range(0..4),
+            min_version: rng.random_range(0..6),
+            max_version: rng.random_range(0..6),
             instance: uuid(rng),
             role: if rng.random_bool(0.5) {
                 Role::Decode
@@ -125,6 +123,8 @@ fn random_message(rng: &mut StdRng) -> Message {
                     size: rng.random(),
                     key: (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
                 }),
+            revocable_runs: rng.random_bool(0.5),
+            chunk_key: Secret::from_bytes(rng.random()),
         }),
         1 => Message::HelloAck(HelloAck {
             version: rng.random(),
@@ -144,6 +144,10 @@ fn random_message(rng: &mut StdRng) -> Message {
             },
             dst_pages: (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
             requesters: rng.random_range(0..4),
+            secret: Secret::from_bytes(rng.random()),
+            room_key: rng
+                .random_bool(0.5)
+                .then(|| Secret::from_bytes(rng.random())),
         }),
         3 => Message::Chunk(Chunk {
             room: rng.random(),
@@ -159,6 +163,8 @@ fn random_message(rng: &mut StdRng) -> Message {
                 key: rng.random(),
                 runs: (0..rng.random_range(0..8)).map(|_| rng.random()).collect(),
             }),
+            secret: Secret::from_bytes(rng.random()),
+            sender_key: Secret::from_bytes(rng.random()),
         }),
         4 => Message::Done(Done {
             room: rng.random(),
@@ -259,18 +265,19 @@ struct Case {
 }
 
 fn case(rng: &mut StdRng, i: usize) -> Case {
-    // A few oversized ones, at fixed places.
+    // A few of the largest frames the socket accepts, at fixed places (a larger one closes
+    // the connection: tests/e2e_hostile.rs).
     if i == 100 || i == 5000 {
         let mut f = Message::Heartbeat(Heartbeat {
             instance: uuid(rng),
             seq: 1,
         })
         .encode();
-        f[8..12].copy_from_slice(&((MAX_BODY + 1) as u32).to_le_bytes());
-        f.resize(HEADER_LEN + MAX_BODY + 1, 0xAB);
+        f[8..12].copy_from_slice(&(MAX_BODY as u32).to_le_bytes());
+        f.resize(HEADER_LEN + MAX_BODY, 0xAB);
         return Case {
             frames: vec![f],
-            kind: "oversized",
+            kind: "largest",
         };
     }
     if i == 200 {
@@ -385,62 +392,65 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
         let http = http();
         let bad_before = bad_messages(&http, &prefill).await;
 
-        let mut socket = zeromq::DealerSocket::new();
-        socket.connect(&control).await.expect("connecting a DEALER to the prefill");
-        let (mut tx, mut rx) = socket.split();
-        let replies = Arc::new(AtomicUsize::new(0));
-        let seen: Arc<Mutex<(BTreeMap<String, usize>, Vec<String>)>> = Arc::default();
-        let reader = {
-            let (replies, seen) = (replies.clone(), seen.clone());
-            tokio::spawn(async move {
-                while let Ok(msg) = rx.recv().await {
-                    let frames = msg.into_vec();
-                    {
-                        let mut seen = seen.lock().unwrap_or_else(|e| e.into_inner());
-                        match (frames.len(), frames.first().map(|f| Message::decode(f))) {
-                            (1, Some(Ok(Message::Error(e)))) => *seen.0.entry(e.code.to_string()).or_default() += 1,
-                            other => seen.1.push(format!("{other:?}")),
-                        }
-                    }
-                    replies.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        };
-
+        // One thread owns the raw DEALER (libzmq sockets are not thread-safe): it sends every
+        // case and reads the answers, keeping at most a few answers due at a time, as a peer
+        // that reads its socket does (the prefill drops answers to a peer that does not).
+        let (replies, seen) = (Arc::new(AtomicUsize::new(0)), Arc::new(Mutex::new((BTreeMap::<String, usize>::new(), Vec::<String>::new()))));
+        let cases: Vec<Case> = (0..MESSAGES).map(|i| case(&mut rng, i)).collect();
         let t = Instant::now();
-        let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
-        let (mut expected_replies, mut undecodable, mut multi) = (0usize, 0usize, 0usize);
-        for i in 0..MESSAGES {
-            let c = case(&mut rng, i);
-            *kinds.entry(c.kind).or_default() += 1;
-            if c.frames.len() == 1 {
-                let (reply, bad) = expectation(&c.frames[0]);
-                expected_replies += usize::from(reply);
-                undecodable += usize::from(bad);
-            } else {
-                multi += 1;
+        let (socket_replies, socket_seen, control) = (replies.clone(), seen.clone(), control.clone());
+        let stats = tokio::task::spawn_blocking(move || {
+            let ctx = zmq::Context::new();
+            let socket = ctx.socket(zmq::DEALER).expect("a DEALER");
+            socket.set_linger(0).expect("linger");
+            socket.connect(&control).expect("connecting a DEALER to the prefill");
+            let read = |wait: i64| -> bool {
+                if socket.poll(zmq::POLLIN, wait).unwrap_or(0) == 0 {
+                    return false;
+                }
+                let Ok(frames) = socket.recv_multipart(0) else { return false };
+                let mut seen = socket_seen.lock().unwrap_or_else(|e| e.into_inner());
+                match (frames.len(), frames.first().map(|f| Message::decode(f))) {
+                    (1, Some(Ok(Message::Error(e)))) => *seen.0.entry(e.code.to_string()).or_default() += 1,
+                    other => seen.1.push(format!("{other:?}")),
+                }
+                socket_replies.fetch_add(1, Ordering::Relaxed);
+                true
+            };
+            let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+            let (mut expected_replies, mut undecodable, mut multi) = (0usize, 0usize, 0usize);
+            for c in cases {
+                *kinds.entry(c.kind).or_default() += 1;
+                if c.frames.len() == 1 {
+                    let (reply, bad) = expectation(&c.frames[0]);
+                    expected_replies += usize::from(reply);
+                    undecodable += usize::from(bad);
+                } else {
+                    multi += 1;
+                }
+                socket.send_multipart(c.frames, 0).expect("send");
+                while read(0) {}
+                let deadline = Instant::now() + BOUND;
+                while expected_replies > socket_replies.load(Ordering::Relaxed) + 8 && Instant::now() < deadline {
+                    read(100);
+                }
             }
-            let frames: Vec<Bytes> = c.frames.into_iter().map(Bytes::from).collect();
-            let msg = ZmqMessage::try_from(frames).expect("a non-empty message");
-            tokio::time::timeout(BOUND, tx.send(msg)).await.expect("send within the bound").expect("send");
-        }
-        let sent_in = t.elapsed();
-        println!(
-            "[garbage] sent {MESSAGES} messages in {:.0} ms: {kinds:?}; {undecodable} undecodable single frames, {multi} multi-frame, {expected_replies} answers due",
-            ms(sent_in)
-        );
-
-        let answered = poll_until("every Error reply", Duration::from_secs(60), || async {
-            let n = replies.load(Ordering::Relaxed);
-            (n >= expected_replies).then_some(n)
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while socket_replies.load(Ordering::Relaxed) < expected_replies && Instant::now() < deadline {
+                read(100);
+            }
+            // Anything extra would arrive now.
+            while read(300) {}
+            (kinds, expected_replies, undecodable, multi)
         })
-        .await;
-        // Anything extra would arrive now.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        .await
+        .expect("the socket thread");
+        let (kinds, expected_replies, undecodable, multi) = stats;
+        println!(
+            "[garbage] sent {MESSAGES} messages: {kinds:?}; {undecodable} undecodable single frames, {multi} multi-frame, {expected_replies} answers due"
+        );
         let total = t.elapsed();
         let got = replies.load(Ordering::Relaxed);
-        drop(tx);
-        reader.abort();
         let (codes, strange) = std::mem::take(&mut *seen.lock().unwrap_or_else(|e| e.into_inner()));
         println!("[garbage] Error replies by code: {codes:?}");
         assert!(strange.is_empty(), "replies that are not one Error frame: {strange:?}");
@@ -449,7 +459,7 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
         let kinds: Vec<&str> = text.lines().filter(|l| l.starts_with("kvferry_protocol_errors_total") || l.starts_with("kvferry_bad_messages_total")).collect();
         println!("[garbage] prefill refused messages by kind: {kinds:?}");
         println!(
-            "[garbage] {got} replies ({answered} when the last was due) within {:.0} ms; bad_messages {bad_before} -> {bad_after}",
+            "[garbage] {got} replies within {:.0} ms; bad_messages {bad_before} -> {bad_after}",
             ms(total)
         );
         assert_eq!(got, expected_replies, "one Error per answerable message, nothing else");
@@ -490,95 +500,5 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
         );
         healthy(&http, &prefill).await;
         healthy(&http, &decode).await;
-    });
-}
-
-#[test]
-fn direct_and_placed_chunks_the_decode_cannot_believe_are_refused_and_it_keeps_serving() {
-    // zmq-tcp: the prefill stages everything (HelloAck.direct is false) and the transport
-    // places nothing. A chunk claiming its bytes were written into the decode pool directly
-    // must not be believed (the decode would not count that prefill as a writer of the room's
-    // pages), nor one claiming its runs follow as placed messages.
-    let cluster = LocalCluster::start(
-        &release_binary(),
-        "direct-claim",
-        &AgentOpts::default().args(),
-    )
-    .expect("cluster");
-    let prefill = cluster.prefill().field("api").expect("prefill api");
-    let decode = cluster.decode().field("api").expect("decode api");
-    let data = cluster
-        .decode()
-        .field("data")
-        .expect("decode data endpoint");
-    let instance: Uuid = cluster
-        .prefill()
-        .field("instance")
-        .expect("prefill instance")
-        .parse()
-        .expect("a uuid");
-    // tiny: 4 layers, 4 heads of 32 fp16, K and V: 16 tokens are 16 KiB.
-    let len = 16 * 4 * 2 * 4 * 64;
-    let claims = [
-        (2, true, None, "did not announce direct writes"),
-        (
-            4,
-            false,
-            Some(Placed {
-                key: 7,
-                runs: vec![len / 2; 2],
-            }),
-            "cannot place them",
-        ),
-    ];
-    runtime().block_on(async {
-        let http = http();
-        let ctx = zmq::Context::new();
-        let push = ctx.socket(zmq::PUSH).expect("a PUSH socket");
-        push.connect(&data)
-            .expect("connect to the decode's data endpoint");
-        for (room_id, direct, placed, why) in claims {
-            // Requested by the decode engine, never announced by the prefill engine.
-            let body = serde_json::json!({"tokens": 16});
-            let room = format!("{decode}/v1/rooms/{room_id}");
-            expect(
-                &http,
-                reqwest::Method::POST,
-                &room,
-                Some(&body),
-                reqwest::StatusCode::CREATED,
-            )
-            .await;
-            wait_state(&http, &decode, room_id, &["waiting_for_input"], BOUND).await;
-            let claim = Message::Chunk(Chunk {
-                room: room_id,
-                prefill_instance: instance,
-                seq: 0,
-                tokens: 0..16,
-                layers: 0..4,
-                heads: 0..4,
-                len,
-                checksum: 0,
-                direct,
-                placed,
-            });
-            let empty: &[u8] = &[];
-            push.send_multipart([&claim.encode()[..], empty], 0)
-                .expect("send the claim");
-            let v = wait_final(&http, &decode, room_id).await;
-            assert_eq!(v["state"], "failed", "{v}");
-            assert_eq!(v["reason"]["code"], "bad_message", "{v}");
-            let message = v["reason"]["message"].as_str().unwrap_or_default();
-            assert!(message.contains(why), "{v}");
-            assert_eq!(v["bytes"], 0, "nothing counted as landed: {v}");
-            // The decode keeps serving.
-            let apis = Apis::pair(&prefill, &decode);
-            let next = room_id + 1;
-            let results = drive_rooms(&apis, vec![(next, 100)], 1)
-                .await
-                .expect("next room");
-            assert!(results.iter().all(|r| r.verified), "{results:?}");
-            println!("[direct-claim] refused: {message}; room {next} verified after it");
-        }
     });
 }

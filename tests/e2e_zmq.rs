@@ -18,7 +18,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvferry::cli::cluster::{Process, log_dir};
 use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
@@ -512,59 +511,6 @@ fn engine_owned_pages_are_never_counted_or_freed() {
     drop(cluster);
 }
 
-/// A registry and a decode agent, with a fake prefill registered whose control endpoint is
-/// `endpoint` (nothing of kvferry listens there): the registry, the decode, its API URL.
-fn decode_with_fake_prefill(tag: &str, endpoint: &str) -> (Process, Process, String) {
-    let exe = release_binary();
-    let logs = log_dir(tag).expect("log dir");
-    let wait = Duration::from_secs(30);
-    let s = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
-    let registry = Process::spawn(
-        &exe,
-        "registry",
-        &s(&[
-            "bootstrap",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--lease-ttl-ms",
-            "60000",
-        ]),
-        &logs,
-        wait,
-    )
-    .unwrap_or_else(|e| panic!("registry: {e:#}"));
-    let url = registry.field("url").expect("registry url");
-    let opts = AgentOpts {
-        timeout_connect_ms: 1000,
-        ..AgentOpts::default()
-    };
-    let mut args = s(&["decode", "--bootstrap", &url]);
-    args.extend(opts.args());
-    let decode = Process::spawn(&exe, "decode", &args, &logs, wait)
-        .unwrap_or_else(|e| panic!("decode: {e:#}"));
-    let api = decode.field("api").expect("decode api");
-    println!(
-        "[{tag}] registry {url}, decode {api}; logs in {}",
-        logs.display()
-    );
-    runtime().block_on(async {
-        let fake = json!({
-            "instance_id": "6f0b7c1e-3d2a-4e5f-8a9b-0c1d2e3f4a5b",
-            "role": "prefill",
-            "dp_rank": 0, "dp_size": 1, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
-            "layout": { "kind": "mha", "num_layers": 4, "num_kv_heads": 4, "head_dim": 32, "dtype": "fp16", "page_size": 16 },
-            "slice": { "heads": { "start": 0, "end": 4 }, "layers": { "start": 0, "end": 4 } },
-            "control_endpoint": endpoint,
-            "data_endpoints": {},
-        });
-        let (status, v) = call(&http(), Method::POST, &format!("{url}/v1/ranks"), Some(&fake)).await;
-        assert!(status.is_success(), "registering the fake prefill: {status} {v}");
-    });
-    (registry, decode, api)
-}
-
 /// Asks the decode at `api` for a 32-token room and waits for its final state.
 async fn room_to_its_end(http: &reqwest::Client, api: &str, room: u64) -> Value {
     let url = format!("{api}/v1/rooms/{room}");
@@ -641,11 +587,18 @@ fn unreachable_prefill_endpoint_fails_the_room_with_its_address() {
 #[test]
 fn a_heartbeat_before_the_hello_answer_is_skipped() {
     let rt = runtime();
-    let (endpoint, mut server, mut replier) = rt
-        .block_on(kvferry::transport::zmq::ControlServer::bind("127.0.0.1"))
+    use kvferry::transport::zmq::{Auth, ControlEvent, ControlServer, control::ControlOptions};
+    let options = ControlOptions {
+        max_frame: kvferry::protocol::MAX_FRAME,
+        auth: Auth::default(),
+    };
+    let (endpoint, mut server, replier) = rt
+        .block_on(ControlServer::bind("127.0.0.1", 0, &options))
         .expect("fake prefill control socket");
     let fake = rt.spawn(async move {
-        let (peer, frame) = server.recv().await.expect("the decode's Hello");
+        let Some(ControlEvent::Frame(peer, frame)) = server.recv().await else {
+            panic!("no Hello from the decode");
+        };
         assert!(
             matches!(Message::decode(&frame), Ok(Message::Hello(_))),
             "not a Hello"

@@ -83,6 +83,15 @@ pub fn parse_room(s: &str) -> Result<u64, ApiError> {
         .map_err(|_| ApiError::bad_request(format!("room {s:?} is not a u64")))
 }
 
+/// A room key from a JSON body (32 hex digits), if one was given.
+pub fn parse_room_key(s: Option<&str>) -> Result<Option<crate::protocol::Secret>, ApiError> {
+    s.map(|k| {
+        k.parse()
+            .map_err(|e: String| ApiError::bad_request(format!("room_key: {e}")))
+    })
+    .transpose()
+}
+
 /// The `?wait_ms=N` query of `GET /v1/rooms/{room}`.
 #[derive(Debug, serde::Deserialize)]
 pub struct WaitQuery {

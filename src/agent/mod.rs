@@ -200,7 +200,7 @@ pub enum DirectMethod {
     /// One-sided writes into the pool the decode exposed, flushed before the chunk's header
     /// (`Chunk.direct`); the decode counts the prefill a writer of its rooms until it is done.
     Write,
-    /// The header first (`Chunk.placed`, protocol version 3), then one message per run, which
+    /// The header first (`Chunk.placed`), then one message per run, which
     /// the decode receives straight into the places it computes itself: no write into its
     /// pages that it did not post and cannot cancel.
     Place,
@@ -216,14 +216,33 @@ impl DirectWrites {
         }
     }
 
-    /// How direct segments go to a decode reached by `path` (at protocol `version`), if at all.
-    pub fn method(self, path: &crate::transport::WritePath, version: u16) -> Option<DirectMethod> {
+    /// How direct segments go to a decode reached by `path`, if at all; `revocable_runs` is
+    /// the decode's word (Hello) that it lands eager runs through receives it can revoke.
+    pub fn method(
+        self,
+        path: &crate::transport::WritePath,
+        revocable_runs: bool,
+    ) -> Option<DirectMethod> {
+        let placeable = path.placed && (!path.eager || revocable_runs);
         match self {
             DirectWrites::Auto if path.fast => Some(DirectMethod::Write),
-            DirectWrites::Auto if path.placed && version >= 3 => Some(DirectMethod::Place),
+            DirectWrites::Auto if placeable => Some(DirectMethod::Place),
             DirectWrites::Always => Some(DirectMethod::Write),
             DirectWrites::Auto | DirectWrites::Never => None,
         }
+    }
+}
+
+/// How this agent's ZeroMQ sockets authenticate: with its token, when it has one.
+pub(crate) fn zmq_auth(cfg: &AgentConfig) -> crate::transport::zmq::Auth {
+    crate::transport::zmq::Auth::new(cfg.token.as_deref())
+}
+
+/// The bounds and credentials of this agent's control sockets.
+pub(crate) fn control_options(cfg: &AgentConfig) -> crate::transport::zmq::control::ControlOptions {
+    crate::transport::zmq::control::ControlOptions {
+        max_frame: crate::protocol::MAX_FRAME,
+        auth: zmq_auth(cfg),
     }
 }
 
@@ -462,25 +481,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_direct_method_follows_the_flag_the_write_path_and_the_version() {
+    fn the_direct_method_follows_the_flag_the_write_path_and_the_decodes_receives() {
         use crate::transport::WritePath;
-        let path = |fast, placed| WritePath {
+        let path = |fast, placed, eager| WritePath {
             via: "x".to_owned(),
             placed,
             fast,
+            eager,
         };
         let (w, p) = (Some(DirectMethod::Write), Some(DirectMethod::Place));
-        // (flag, native writes, placeable, version) -> method
-        for (flag, fast, placed, version, want) in [
-            (DirectWrites::Auto, true, true, 3, w),
-            (DirectWrites::Auto, false, true, 3, p),
-            (DirectWrites::Auto, false, true, 2, None), // a version-2 decode cannot place
-            (DirectWrites::Auto, false, false, 3, None), // eager tcp: staged
-            (DirectWrites::Always, false, false, 2, w),
-            (DirectWrites::Never, true, true, 3, None),
+        // (flag, native writes, placeable, eager runs, decode revokes) -> method
+        for (flag, fast, placed, eager, revocable, want) in [
+            (DirectWrites::Auto, true, true, false, false, w),
+            (DirectWrites::Auto, false, true, false, false, p), // rendezvous: the decode pulls
+            (DirectWrites::Auto, false, true, true, true, p),
+            // Eager runs into receives the decode cannot revoke: a dead prefill would leave
+            // them open for ever.
+            (DirectWrites::Auto, false, true, true, false, None),
+            (DirectWrites::Auto, false, false, false, true, None),
+            (DirectWrites::Always, false, false, false, false, w),
+            (DirectWrites::Never, true, true, false, true, None),
         ] {
-            let got = flag.method(&path(fast, placed), version);
-            assert_eq!(got, want, "{flag:?} fast={fast} placed={placed} v{version}");
+            let got = flag.method(&path(fast, placed, eager), revocable);
+            assert_eq!(
+                got, want,
+                "{flag:?} fast={fast} placed={placed} eager={eager} revocable={revocable}"
+            );
         }
     }
 

@@ -23,7 +23,7 @@
 
 use super::{
     Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_BODY,
-    MIN_VERSION, Message, Posted, TransferRequest, VERSION,
+    MIN_VERSION, Message, Posted, Secret, TransferRequest, VERSION,
 };
 
 // Lengths read as u32 are used as usize; kvferry builds for 64-bit targets only.
@@ -202,9 +202,8 @@ impl Message {
         self.encode_as(VERSION)
     }
 
-    /// The frame of this message in protocol `version` (the one negotiated with the peer, in
-    /// `MIN_VERSION..=VERSION`): fields a version lacks are left out (a version-1 Chunk has no
-    /// `direct` flag, so it must be false).
+    /// The frame of this message stamped with protocol `version` (the one negotiated with the
+    /// peer, in `MIN_VERSION..=VERSION`; every accepted version has the same fields).
     pub fn encode_as(&self, version: u16) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         self.encode_into_as(version, &mut out);
@@ -237,13 +236,13 @@ impl Message {
                 w.u32(m.slots);
                 w.u32(m.slot_bytes);
                 w.memory(m.pool.as_ref());
+                w.u8(u8::from(m.revocable_runs));
+                w.secret(&m.chunk_key);
             }
             Message::HelloAck(m) => {
                 w.u16(m.version);
                 w.uuid(&m.instance);
-                if version >= 2 {
-                    w.u8(u8::from(m.direct));
-                }
+                w.u8(u8::from(m.direct));
             }
             Message::TransferRequest(m) => {
                 w.u64(m.room);
@@ -254,6 +253,8 @@ impl Message {
                 w.u8(order_tag(m.wire_order));
                 w.pages(&m.dst_pages);
                 w.u32(m.requesters);
+                w.secret(&m.secret);
+                w.opt_secret(m.room_key.as_ref());
             }
             Message::Chunk(m) => {
                 w.u64(m.room);
@@ -264,12 +265,10 @@ impl Message {
                 w.range(&m.heads);
                 w.u64(m.len);
                 w.u64(m.checksum);
-                if version >= 2 {
-                    w.u8(u8::from(m.direct));
-                }
-                if version >= 3 {
-                    w.placed(m.placed.as_ref());
-                }
+                w.u8(u8::from(m.direct));
+                w.placed(m.placed.as_ref());
+                w.secret(&m.secret);
+                w.secret(&m.sender_key);
             }
             Message::Done(m) => {
                 w.u64(m.room);
@@ -339,17 +338,22 @@ impl Message {
                 token: r.string("token")?,
                 slots: r.u32("slots")?,
                 slot_bytes: r.u32("slot_bytes")?,
-                // Version 1 ended here: its Hello still decodes, to be refused by version.
+                // Older Hellos end before these: they still decode, to be refused by version.
                 pool: if r.is_empty() {
                     None
                 } else {
                     r.memory("pool")?
                 },
+                revocable_runs: !r.is_empty() && r.flag("revocable_runs")?,
+                chunk_key: match r.is_empty() {
+                    true => Secret::default(),
+                    false => r.secret("chunk_key")?,
+                },
             }),
             KIND_HELLO_ACK => Message::HelloAck(HelloAck {
                 version: r.u16("version")?,
                 instance: r.uuid("instance")?,
-                direct: header.version >= 2 && r.flag("direct")?,
+                direct: r.flag("direct")?,
             }),
             KIND_TRANSFER_REQUEST => Message::TransferRequest(TransferRequest {
                 room: r.u64("room")?,
@@ -360,6 +364,8 @@ impl Message {
                 wire_order: order_from_tag(r.u8("wire_order")?, "wire_order")?,
                 dst_pages: r.pages("dst_pages")?,
                 requesters: r.u32("requesters")?,
+                secret: r.secret("secret")?,
+                room_key: r.opt_secret("room_key")?,
             }),
             KIND_CHUNK => Message::Chunk(Chunk {
                 room: r.u64("room")?,
@@ -370,11 +376,10 @@ impl Message {
                 heads: r.range("heads")?,
                 len: r.u64("len")?,
                 checksum: r.u64("checksum")?,
-                direct: header.version >= 2 && r.flag("direct")?,
-                placed: match header.version >= 3 {
-                    true => r.placed()?,
-                    false => None,
-                },
+                direct: r.flag("direct")?,
+                placed: r.placed()?,
+                secret: r.secret("secret")?,
+                sender_key: r.secret("sender_key")?,
             }),
             KIND_DONE => Message::Done(Done {
                 room: r.u64("room")?,

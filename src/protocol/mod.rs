@@ -11,8 +11,10 @@
 //! layout, known rooms, epochs) is checked by the agent that handles the message.
 
 mod codec;
+mod secret;
 
 pub use codec::{DecodeError, HEADER_LEN, Header, peek_header};
+pub use secret::Secret;
 
 use std::ops::Range;
 
@@ -25,11 +27,16 @@ pub use crate::transport::RemoteMemory;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
-pub const MIN_VERSION: u16 = 1;
-/// Largest body a control frame may carry; larger frames are refused before allocation.
-pub const MAX_BODY: usize = 16 << 20;
+/// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
+pub const MIN_VERSION: u16 = 4;
+/// Largest body a control frame may carry; larger frames are refused before allocation (the
+/// transport refuses them before it reads them: [`MAX_FRAME`]). A request for [`MAX_PAGES`]
+/// pages fits.
+pub const MAX_BODY: usize = 5 << 20;
+/// Largest frame: header and body.
+pub const MAX_FRAME: usize = codec::HEADER_LEN + MAX_BODY;
 /// Longest string field.
 pub const MAX_STRING: usize = 4096;
 /// Most pages one message may list.
@@ -113,8 +120,15 @@ pub struct Hello {
     /// Largest chunk the sender of this Hello accepts, in bytes.
     pub slot_bytes: u32,
     /// The decode pool, exposed for one-sided writes (the direct path), when the decode's
-    /// transport has them. Appended in version 2; absent from a version-1 Hello.
+    /// transport has them.
     pub pool: Option<RemoteMemory>,
+    /// The decode lands placed runs that arrive as eager messages through receives it can
+    /// revoke (UCX over tcp); a prefill that would send runs eagerly places them only then.
+    pub revocable_runs: bool,
+    /// Chosen by the decode for this connection: every chunk the prefill sends it carries this
+    /// key ([`Chunk::sender_key`]), so that a chunk is credited to its sender only if the
+    /// sender is the peer that said Hello, whether or not its room is still known.
+    pub chunk_key: Secret,
 }
 
 /// Prefill -> decode: the Hello is accepted.
@@ -125,8 +139,7 @@ pub struct HelloAck {
     /// The prefill's instance id; every later reference carries it.
     pub instance: Uuid,
     /// The prefill will write into the decode's pool directly (the direct path): the decode
-    /// must count its writes possible until its last word on each room. Version 2; false in
-    /// version 1.
+    /// must count its writes possible until its last word on each room.
     pub direct: bool,
 }
 
@@ -151,6 +164,12 @@ pub struct TransferRequest {
     /// How many decode ranks will ask this prefill rank for this room (heterogeneous TP: one
     /// prefill rank may serve several); the room is complete on the prefill once all have.
     pub requesters: u32,
+    /// Chosen by the decode for this transfer, sent only here: every chunk of the transfer
+    /// carries it, and a chunk that does not is dropped before it touches the pool.
+    pub secret: Secret,
+    /// The room's key, when the router gave the engines one: the prefill serves the room only
+    /// to requests that carry the key its engine announced.
+    pub room_key: Option<Secret>,
 }
 
 /// Prefill -> decode, on the data plane ahead of each chunk's bytes: what the bytes are.
@@ -177,8 +196,12 @@ pub struct Chunk {
     /// before this header was sent); no payload follows.
     pub direct: bool,
     /// The bytes follow as placed messages, one per run, which the decode receives straight
-    /// into its pages (version 3); no payload follows.
+    /// into its pages; no payload follows.
     pub placed: Option<Placed>,
+    /// The secret of the transfer's request ([`TransferRequest::secret`]).
+    pub secret: Secret,
+    /// The decode's key for this prefill ([`Hello::chunk_key`]).
+    pub sender_key: Secret,
 }
 
 /// How a placed chunk's bytes follow its header: the chunk's bytes in wire order, cut into
@@ -247,7 +270,7 @@ pub struct Credit {
     pub slots: u32,
 }
 
-/// Decode -> prefill (version 3): the receives for a placed chunk's runs are posted (or,
+/// Decode -> prefill: the receives for a placed chunk's runs are posted (or,
 /// `accepted` false, never will be: the chunk was refused or its room ended), so the prefill
 /// sends the runs (or drops them). Runs therefore always meet a posted receive: UCX 1.13 can
 /// crash a receiver that matches a receive to a run queued by a sender that died since.

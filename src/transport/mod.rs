@@ -3,18 +3,16 @@
 //! Two planes:
 //! - the *control plane* carries protocol messages between a decode agent (which connects) and
 //!   a prefill agent (which binds); it is always ZeroMQ over tcp ([`zmq::ControlServer`],
-//!   [`zmq::ControlClient`]);
+//!   [`zmq::ControlClient`]), bounded and authenticated as [`zmq`] describes;
 //! - the *data plane* carries chunks, each a header (an encoded protocol message) and a payload
 //!   (staging bytes), from a prefill agent to a decode agent. It is what varies by transport:
 //!   a decode agent listens with [`Transport::listen`] and advertises the endpoint in Hello; a
 //!   prefill agent connects with [`Transport::connect`]. `zmq-tcp` and `zmq-ipc` are libzmq
-//!   PUSH/PULL ([`libzmq::ZmqData`]; measured faster than the `zeromq` crate's, see
-//!   docs/benchmarks.md).
+//!   PUSH/PULL ([`zmq::ZmqData`]).
 //!
 //! The trait is object-safe and small so that another transport (UCX) plugs in without
 //! touching the agents: pick it with [`for_kind`].
 
-pub mod libzmq;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 pub mod zmq;
@@ -130,6 +128,9 @@ pub struct WritePath {
     /// ([`DataSender::send_runs`], [`Placer`]): no gather, no scatter, and no write into
     /// the receiver's memory that the receiver did not post itself.
     pub placed: bool,
+    /// Whether placed runs would go as eager messages (UCX over tcp), which the receiver must
+    /// land through receives it can revoke ([`Placer::revocable`]).
+    pub eager: bool,
     /// Whether they are the fast and safe way there: native one-sided writes (RDMA) on an
     /// endpoint whose peer's death the transport detects. UCX 1.13 emulates puts over tcp at a
     /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
@@ -325,6 +326,12 @@ pub type Landing = BoxFuture<'static, Result<(), TransportError>>;
 
 /// Receives the runs of [`DataSender::send_runs`] straight into a pool.
 pub trait Placer: Send + Sync {
+    /// Whether runs arriving as eager messages land through receives this placer can revoke
+    /// whatever the sender does (announced in Hello; the default: no).
+    fn revocable(&self) -> bool {
+        false
+    }
+
     /// Posts receives for the runs sent under `key` into `places` of `pool` (run `i` at
     /// `places[i]`, of exactly its length); resolves once they are posted (only then may the
     /// sender send them), with their [`Landing`]. When `cancel` fires, receives still open
@@ -402,15 +409,13 @@ pub trait Transport: Send + Sync {
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>>;
 }
 
-/// The transport of a kind, for chunks of at most `max_chunk` payload bytes.
-pub fn for_kind(kind: TransportKind, max_chunk: usize) -> Arc<dyn Transport> {
+/// The transport of a kind, for chunks of at most `max_chunk` payload bytes; ZeroMQ
+/// connections authenticate with `auth` (UCX rooms are guarded by their per-room ids).
+pub fn for_kind(kind: TransportKind, max_chunk: usize, auth: &zmq::Auth) -> Arc<dyn Transport> {
     match kind {
         #[cfg(feature = "ucx")]
         TransportKind::Ucx => Arc::new(ucx::data::UcxData::new(max_chunk)),
-        _ => {
-            let _ = max_chunk; // ZeroMQ frames carry their own length.
-            Arc::new(libzmq::ZmqData::new(kind))
-        }
+        _ => Arc::new(zmq::ZmqData::new(kind, max_chunk, auth.clone())),
     }
 }
 

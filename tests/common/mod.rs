@@ -725,3 +725,63 @@ pub fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
         _ => args.extend([flag.to_owned(), value.to_owned()]),
     }
 }
+
+/// A registry and a decode agent, with a fake prefill registered whose control endpoint is
+/// `endpoint` (nothing of kvferry listens there): the registry, the decode, its API URL.
+pub fn decode_with_fake_prefill(
+    tag: &str,
+    endpoint: &str,
+) -> (
+    kvferry::cli::cluster::Process,
+    kvferry::cli::cluster::Process,
+    String,
+) {
+    let exe = release_binary();
+    let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
+    let wait = Duration::from_secs(30);
+    let s = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
+    let registry = kvferry::cli::cluster::Process::spawn(
+        &exe,
+        "registry",
+        &s(&[
+            "bootstrap",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--lease-ttl-ms",
+            "60000",
+        ]),
+        &logs,
+        wait,
+    )
+    .unwrap_or_else(|e| panic!("registry: {e:#}"));
+    let url = registry.field("url").expect("registry url");
+    let opts = AgentOpts {
+        timeout_connect_ms: 1000,
+        ..AgentOpts::default()
+    };
+    let mut args = s(&["decode", "--bootstrap", &url]);
+    args.extend(opts.args());
+    let decode = kvferry::cli::cluster::Process::spawn(&exe, "decode", &args, &logs, wait)
+        .unwrap_or_else(|e| panic!("decode: {e:#}"));
+    let api = decode.field("api").expect("decode api");
+    println!(
+        "[{tag}] registry {url}, decode {api}; logs in {}",
+        logs.display()
+    );
+    runtime().block_on(async {
+        let fake = serde_json::json!({
+            "instance_id": "6f0b7c1e-3d2a-4e5f-8a9b-0c1d2e3f4a5b",
+            "role": "prefill",
+            "dp_rank": 0, "dp_size": 1, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
+            "layout": { "kind": "mha", "num_layers": 4, "num_kv_heads": 4, "head_dim": 32, "dtype": "fp16", "page_size": 16 },
+            "slice": { "heads": { "start": 0, "end": 4 }, "layers": { "start": 0, "end": 4 } },
+            "control_endpoint": endpoint,
+            "data_endpoints": {},
+        });
+        let (status, v) = call(&http(), Method::POST, &format!("{url}/v1/ranks"), Some(&fake)).await;
+        assert!(status.is_success(), "registering the fake prefill: {status} {v}");
+    });
+    (registry, decode, api)
+}

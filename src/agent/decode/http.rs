@@ -16,6 +16,9 @@ pub(super) struct RoomRequest {
     pub(super) bootstrap: Option<String>,
     #[serde(default)]
     pub(super) dp_rank: Option<u32>,
+    /// The room's key from the router (32 hex digits), when the prefill engine was given one.
+    #[serde(default)]
+    pub(super) room_key: Option<String>,
 }
 
 type Shared = State<Arc<Inner>>;
@@ -68,6 +71,7 @@ pub(super) async fn create_room(
     if req.tokens == 0 {
         return Err(ApiError::bad_request("tokens must be > 0"));
     }
+    let room_key = api::parse_room_key(req.room_key.as_deref())?;
     if req.start_token >= req.tokens {
         return Err(ApiError::bad_request(format!(
             "start_token {} must be < tokens {}: there must be something to transfer",
@@ -132,7 +136,7 @@ pub(super) async fn create_room(
         async move {
             if let Err(reason) = task_inner
                 .clone()
-                .request(room_id, req.bootstrap, req.dp_rank)
+                .request(room_id, req.bootstrap, req.dp_rank, room_key)
                 .await
             {
                 task_inner.fail(room_id, reason);

@@ -147,9 +147,18 @@ impl Inner {
             }
             Err(e) => return self.bad_message(e.kind(), format!("data plane header: {e}")),
         };
-        self.land(&chunk, payload).await;
+        // A chunk counts only if it comes from a prefill this decode said Hello to (the key
+        // given to it there), and lands only in a transfer whose secret it carries: anything
+        // else on this port is forged, and touches neither pool, room, credits nor liveness.
         let peer = self.peers().get(&chunk.prefill_instance).cloned();
-        if let Some(peer) = peer {
+        let Some(peer) = peer.filter(|p| p.chunk_key == chunk.sender_key) else {
+            return self.forged(&chunk, "names no prefill peer of this decode with its key");
+        };
+        if !self.genuine(&chunk) {
+            return self.forged(&chunk, "does not carry its transfer's secret");
+        }
+        self.land(&chunk, payload).await;
+        {
             *peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
             let credit = Message::Credit(protocol::Credit {
                 instance: self.instance,
@@ -159,6 +168,25 @@ impl Inner {
                 tracing::warn!(%reason, "credit not returned");
             }
         }
+    }
+
+    /// Whether `chunk` carries the secret of the transfer it names; a chunk for a room no
+    /// longer here (taken, expired) cannot be checked, and is dropped by [`Inner::land`].
+    fn genuine(&self, chunk: &Chunk) -> bool {
+        let rooms = self.rooms();
+        let Some(room) = rooms.get(&chunk.room) else {
+            return true;
+        };
+        room.sources
+            .iter()
+            .any(|s| s.peer.instance == chunk.prefill_instance && s.secret == chunk.secret)
+    }
+
+    /// Drops a forged chunk: counted (`kvferry_protocol_errors_total{kind="forged"}`), nothing
+    /// else (a flood of them must not flood the log either).
+    fn forged(&self, chunk: &Chunk, why: &str) {
+        self.metrics.protocol_error("forged");
+        tracing::debug!(room = chunk.room, seq = chunk.seq, claims = %chunk.prefill_instance, why, "forged chunk dropped");
     }
 
     pub(super) async fn land(self: &Arc<Self>, chunk: &Chunk, payload: Bytes) {

@@ -83,9 +83,11 @@ impl DecodeAgent {
         let pool = Arc::new(super::open_pool(&cfg)?);
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
-        let (data_endpoint, mut receiver) = transport::for_kind(cfg.transport, cfg.chunk_bytes)
-            .listen(&cfg.host)
-            .await?;
+        let auth = super::zmq_auth(&cfg);
+        let (data_endpoint, mut receiver) =
+            transport::for_kind(cfg.transport, cfg.chunk_bytes, &auth)
+                .listen(&cfg.host)
+                .await?;
         // Writes into the pool are described by the wire layout, which has no placement: only
         // a pool of planes (every agent's from the command line) is exposed.
         let exposable = cfg.direct_writes != super::DirectWrites::Never
@@ -257,6 +259,8 @@ struct Source {
     done: Option<protocol::Done>,
     /// Whether the source may still write into the room's pages directly (module doc).
     writes: Writes,
+    /// The secret of this source's request: its chunks must carry it.
+    secret: protocol::Secret,
 }
 
 /// Whether a source may still write into a room's pages directly.
@@ -438,6 +442,7 @@ impl Inner {
         room_id: u64,
         bootstrap: Option<String>,
         dp_rank: Option<u32>,
+        room_key: Option<protocol::Secret>,
     ) -> Result<(), Reason> {
         let client = match bootstrap {
             Some(url) => RegistryClient::new(url, self.cfg.token.clone())
@@ -481,7 +486,13 @@ impl Inner {
         for seg in segments {
             let peer = self.peer(&ranks[seg.prefill]).await?;
             let requesters = pairing::requesters(&slices, &decodes, seg.prefill);
-            sources.push((peer, seg, requesters));
+            let secret = protocol::Secret::random().map_err(|e| {
+                Reason::new(
+                    FailureCode::BadMessage,
+                    format!("no random bytes for the room's secret: {e}"),
+                )
+            })?;
+            sources.push((peer, seg, requesters, secret));
         }
         let (tokens, pages) = {
             let mut rooms = self.rooms();
@@ -496,7 +507,7 @@ impl Inner {
             room.progress_at = Instant::now();
             room.sources = sources
                 .iter()
-                .map(|(peer, seg, _)| Source {
+                .map(|(peer, seg, _, secret)| Source {
                     peer: peer.clone(),
                     layers: seg.layers.clone(),
                     heads: seg.heads.clone(),
@@ -510,11 +521,12 @@ impl Inner {
                         true => Writes::Open,
                         false => Writes::Closed,
                     },
+                    secret: *secret,
                 })
                 .collect();
             (tokens, room.pages.to_vec())
         };
-        for (peer, seg, requesters) in sources {
+        for (peer, seg, requesters, secret) in sources {
             let req = Message::TransferRequest(TransferRequest {
                 room: room_id,
                 prefill_instance: peer.instance,
@@ -526,6 +538,8 @@ impl Inner {
                 wire_order: l.order,
                 dst_pages: pages.clone(),
                 requesters: requesters as u32,
+                secret,
+                room_key,
             });
             peer.send(&req, self.cfg.timeouts.send).await?;
         }

@@ -15,6 +15,8 @@ pub(super) struct Peer {
     pub(super) last_seen: Mutex<Instant>,
     /// Cancelled when the peer is declared dead: its tasks stop.
     pub(super) gone: CancellationToken,
+    /// The key this decode gave the prefill in Hello: its chunks carry it.
+    pub(super) chunk_key: protocol::Secret,
     /// The receives posted for the slots granted in Hello, released with the peer.
     _granted: Option<Granted>,
 }
@@ -140,9 +142,24 @@ impl Inner {
                 format!("prefill control endpoint {endpoint}: {what}"),
             )
         };
-        let ControlClient { mut send, mut recv } = ControlClient::connect(&endpoint, timeout)
-            .await
-            .map_err(|e| unreachable(e.message))?;
+        // Sent again each time the connection is re-established, so the prefill sees this
+        // decode back within the grace.
+        let beat = Message::Heartbeat(protocol::Heartbeat {
+            instance: self.instance,
+            seq: 0,
+        });
+        let options = crate::agent::control_options(&self.cfg);
+        let connected =
+            ControlClient::connect(&endpoint, timeout, &options, beat.encode().into()).await;
+        let ControlClient { mut send, mut recv } = connected.map_err(|e| match e.op {
+            "authenticate" => Reason::new(
+                FailureCode::Unauthorized,
+                format!("prefill control endpoint {endpoint}: {}", e.message),
+            ),
+            _ => unreachable(e.message),
+        })?;
+        let chunk_key = protocol::Secret::random()
+            .map_err(|e| unreachable(format!("no random bytes for the connection's key: {e}")))?;
         let hello = Message::Hello(Hello {
             min_version: protocol::MIN_VERSION,
             max_version: protocol::VERSION,
@@ -155,6 +172,8 @@ impl Inner {
             slots: self.cfg.staging_slots as u32,
             slot_bytes: u32::try_from(self.cfg.chunk_bytes).unwrap_or(u32::MAX),
             pool: self.pool_key.clone(),
+            revocable_runs: self.placer.as_ref().is_some_and(|p| p.revocable()),
+            chunk_key,
         });
         // The Hello grants the slots: a receive is posted for each before it goes.
         let granted = match &self.receives {
@@ -219,6 +238,7 @@ impl Inner {
             send: tokio::sync::Mutex::new(send),
             last_seen: Mutex::new(Instant::now()),
             gone: self.shutdown.child_token(),
+            chunk_key,
             _granted: granted,
         });
         tokio::spawn(control_loop(self.clone(), peer.clone(), recv));

@@ -10,12 +10,20 @@ pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
             r = server.recv() => r,
         };
         let (identity, frame) = match received {
-            Ok(v) => v,
-            Err(e) => {
+            Some(ControlEvent::Frame(identity, frame)) => (identity, frame),
+            Some(ControlEvent::Malformed(why)) => {
                 inner.metrics.protocol_error("bad_frames");
-                tracing::warn!(error = %e, "control socket");
+                tracing::warn!(error = %why, "control socket");
                 continue;
             }
+            Some(ControlEvent::Lost(identity, why)) => {
+                let peer = inner.peers().get(&identity).cloned();
+                if let Some(peer) = peer {
+                    inner.peer_dead(&peer, &why);
+                }
+                continue;
+            }
+            None => return,
         };
         let peer = inner.peers().get(&identity).cloned();
         if let Some(peer) = &peer {
@@ -121,6 +129,13 @@ impl Inner {
             .await
         {
             Ok(d) => d,
+            Err(e) if e.op == "authenticate" => {
+                let msg = format!(
+                    "decode data endpoint {} refused this prefill: {}",
+                    hello.data_endpoint, e.message
+                );
+                return refuse(FailureCode::Unauthorized, msg).await;
+            }
             Err(e) => {
                 let msg = format!(
                     "decode data endpoint {} unreachable from this prefill: {}",
@@ -129,7 +144,7 @@ impl Inner {
                 return refuse(FailureCode::Unreachable, msg).await;
             }
         };
-        let direct_target = self.direct_target(&hello, version, &mut data).await;
+        let direct_target = self.direct_target(&hello, &mut data).await;
         let from_pool = data.sends_from_pool();
         // Only one-sided writers are announced: placed runs land where the decode posts them.
         let direct = direct_target
@@ -149,6 +164,7 @@ impl Inner {
             direct: direct_target,
             from_pool,
             posted: Mutex::new(HashMap::new()),
+            chunk_key: hello.chunk_key,
         });
         if let Some(old) = self.peers().insert(identity.clone(), peer) {
             old.credits.close();
@@ -210,7 +226,10 @@ impl Inner {
         let refusal = {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
-            if let Some(reason) = room.engine_abort.clone() {
+            let keyed = room.key.is_some_and(|key| req.room_key != Some(key));
+            if keyed {
+                Some(Refusal::Error(self.wrong_room_key(room_id, peer.instance)))
+            } else if let Some(reason) = room.engine_abort.clone() {
                 // The prefill engine aborted the room before this request: say so.
                 Some(Refusal::Abort(reason))
             } else if room.transfers.contains_key(&peer.instance) || room.status.state().is_final()
@@ -288,7 +307,6 @@ impl Inner {
     async fn direct_target(
         &self,
         hello: &Hello,
-        version: u16,
         data: &mut Box<dyn DataSender>,
     ) -> Option<super::DirectTarget> {
         let memory = hello.pool.as_ref()?;
@@ -304,7 +322,7 @@ impl Inner {
                 return None;
             }
         };
-        let Some(method) = self.cfg.direct_writes.method(&path, version) else {
+        let Some(method) = self.cfg.direct_writes.method(&path, hello.revocable_runs) else {
             tracing::info!(%decode, via = %path.via, "no fast, safe direct path here; staging");
             return None;
         };

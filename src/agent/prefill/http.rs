@@ -9,6 +9,10 @@ use super::*;
 pub(super) struct ReadyRequest {
     /// Tokens of the whole room.
     pub(super) tokens: usize,
+    /// The room's key from the router (32 hex digits): only decode requests that carry it
+    /// are served.
+    #[serde(default)]
+    pub(super) room_key: Option<String>,
     #[serde(default)]
     pub(super) pages: Option<Vec<u32>>,
     #[serde(default)]
@@ -117,6 +121,7 @@ pub(super) async fn ready(
             inner.cfg.max_rooms
         )));
     }
+    let room_key = api::parse_room_key(req.room_key.as_deref())?;
     let whole = req.token_range.is_none() && req.layer_range.is_none();
     let last = req.last.unwrap_or(whole);
     let piece = Piece { tokens, layers };
@@ -155,6 +160,12 @@ pub(super) async fn ready(
                 last: false,
             });
         }
+        if room_key.is_some() && room.key.is_some() && room.key != room_key {
+            return Err(ApiError::conflict(format!(
+                "room {room_id} was announced with another room_key"
+            )));
+        }
+        room.key = room.key.or(room_key);
         let Some(ready) = room.ready.as_mut() else {
             return Err(ApiError::conflict(format!("room {room_id} lost its pages")));
         };

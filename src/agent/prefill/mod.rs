@@ -58,8 +58,9 @@ use crate::pool::HostPool;
 use crate::pool::allocator::{PageAllocator, PageLease};
 use crate::protocol::{self, Chunk, ErrorMsg, Hello, HelloAck, Message, TransferRequest};
 use crate::reason::{FailureCode, Reason};
-use crate::transport::zmq::{ControlReplier, ControlServer, PeerId};
+use crate::transport::zmq::{ControlEvent, ControlReplier, ControlServer, PeerId};
 use crate::transport::{self, DataSender, Transport};
+use protocol::Secret;
 
 /// A running prefill agent.
 pub struct PrefillAgent {
@@ -83,7 +84,8 @@ impl PrefillAgent {
         let instance = Uuid::new_v4();
         let pool = Arc::new(super::open_pool(&cfg)?);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
-        let (control_endpoint, server, replier) = ControlServer::bind(&cfg.host).await?;
+        let (control_endpoint, server, replier) =
+            ControlServer::bind(&cfg.host, 0, &super::control_options(&cfg)).await?;
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
         let inner = Arc::new(Inner {
@@ -91,7 +93,7 @@ impl PrefillAgent {
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
             kernel: CpuKernel::new(cfg.copy_threads),
-            transport: transport::for_kind(cfg.transport, cfg.chunk_bytes),
+            transport: transport::for_kind(cfg.transport, cfg.chunk_bytes, &super::zmq_auth(&cfg)),
             replier,
             slots: Arc::default(),
             rooms: Mutex::new(HashMap::new()),
@@ -212,6 +214,8 @@ struct Peer {
     from_pool: bool,
     /// Placed chunks sent, by key, waiting for the decode's `Posted`.
     posted: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<bool>>>,
+    /// The decode's key for this connection (Hello): every chunk to it carries it.
+    chunk_key: Secret,
 }
 
 /// A decode pool this prefill writes into directly (the direct path): its layout and size,
@@ -344,6 +348,8 @@ struct Room {
     /// The prefill engine aborted the room.
     engine_abort: Option<Reason>,
     final_at: Option<Instant>,
+    /// The room's key, when the engine announced one: only requests that carry it are served.
+    key: Option<Secret>,
 }
 
 impl Room {
@@ -356,6 +362,7 @@ impl Room {
             requesters: 0,
             engine_abort: None,
             final_at: None,
+            key: None,
         }
     }
 
@@ -455,10 +462,9 @@ impl Inner {
             .peers()
             .get(peer)
             .map_or(protocol::VERSION, |p| p.version);
-        let mut replier = self.replier.clone();
         let sent = tokio::time::timeout(
             self.cfg.timeouts.send,
-            replier.send(peer, msg.encode_as(version).into()),
+            self.replier.send(peer, msg.encode_as(version).into()),
         )
         .await;
         if !matches!(sent, Ok(Ok(()))) {
@@ -483,6 +489,33 @@ impl Inner {
     fn start_ready(self: &Arc<Self>, room_id: u64, room: &mut Room) {
         if room.ready.is_none() || room.status.state().is_final() {
             return;
+        }
+        // Requests that came before the key was known, and do not carry it, are refused.
+        let mut refused = Vec::new();
+        for t in room.transfers.values_mut() {
+            let offered = t.req.as_ref().map(|r| r.room_key);
+            if let (Some(offered), Some(key)) = (offered, room.key) {
+                if offered != Some(key) && !t.state.is_final() {
+                    let reason = self.wrong_room_key(room_id, t.peer.instance);
+                    t.end(RoomState::Failed, Some(reason.clone()));
+                    refused.push((t.peer.identity.clone(), reason));
+                }
+            }
+        }
+        if !refused.is_empty() {
+            room.transfers.retain(|_, t| {
+                t.reason
+                    .as_ref()
+                    .is_none_or(|r| r.code != FailureCode::Unauthorized)
+            });
+            let inner = self.clone();
+            tokio::spawn(async move {
+                for (identity, reason) in refused {
+                    inner
+                        .refuse(&identity, Some(room_id), reason.code, reason.message)
+                        .await;
+                }
+            });
         }
         for (decode, t) in room.transfers.iter_mut() {
             if t.req.is_some() && !t.started && !t.state.is_final() {
@@ -573,6 +606,16 @@ impl Inner {
             self.refuse(&peer.identity, Some(room), reason.code, reason.message)
                 .await;
         }
+    }
+
+    /// The reason a request without the room's key is refused (and counted).
+    fn wrong_room_key(&self, room: u64, decode: Uuid) -> Reason {
+        self.metrics.protocol_error("unauthorized");
+        tracing::warn!(room, %decode, "request without the room's key refused");
+        Reason::new(
+            FailureCode::Unauthorized,
+            format!("room {room}: the request does not carry the room's key"),
+        )
     }
 
     /// Forgets a dead decode peer and fails what it asked for.

@@ -683,6 +683,8 @@ impl Inner {
             checksum,
             direct,
             placed,
+            secret: job.req.secret,
+            sender_key: job.peer.chunk_key,
         });
         let header = header.encode_as(job.peer.version);
         let in_flight = staged.is_some();

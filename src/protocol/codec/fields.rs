@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::DecodeError;
 use crate::layout::{AttentionKind, Dtype, PageOrder};
 use crate::protocol::{
-    MAX_AUX, MAX_PAGES, MAX_RUNS, MAX_STRING, Placed, Ranks, RemoteMemory, Role, WireLayout,
+    MAX_AUX, MAX_PAGES, MAX_RUNS, MAX_STRING, Placed, Ranks, RemoteMemory, Role, Secret, WireLayout,
 };
 use crate::reason::FailureCode;
 
@@ -52,6 +52,22 @@ impl Writer<'_> {
             Some(v) => {
                 self.u8(1);
                 self.u64(v);
+            }
+            None => self.u8(0),
+        }
+    }
+
+    /// 16 bytes.
+    pub(super) fn secret(&mut self, v: &Secret) {
+        self.0.extend_from_slice(v.as_bytes());
+    }
+
+    /// Tag 0, or tag 1 + 16 bytes.
+    pub(super) fn opt_secret(&mut self, v: Option<&Secret>) {
+        match v {
+            Some(v) => {
+                self.u8(1);
+                self.secret(v);
             }
             None => self.u8(0),
         }
@@ -210,6 +226,18 @@ impl<'a> Reader<'a> {
         match self.u8(what)? {
             0 => Ok(None),
             1 => Ok(Some(self.u64(what)?)),
+            tag => Err(DecodeError::BadTag { what, tag }),
+        }
+    }
+
+    pub(super) fn secret(&mut self, what: &'static str) -> Result<Secret, DecodeError> {
+        Ok(Secret::from_bytes(self.array(what)?))
+    }
+
+    pub(super) fn opt_secret(&mut self, what: &'static str) -> Result<Option<Secret>, DecodeError> {
+        match self.u8(what)? {
+            0 => Ok(None),
+            1 => Ok(Some(self.secret(what)?)),
             tag => Err(DecodeError::BadTag { what, tag }),
         }
     }

@@ -50,6 +50,8 @@ fn hello() -> Hello {
             size: 1 << 30,
             key: vec![1, 2, 3, 0xff],
         }),
+        revocable_runs: true,
+        chunk_key: Secret::from_bytes([0xc0; 16]),
     }
 }
 
@@ -63,6 +65,8 @@ fn transfer_request(dst_pages: Vec<u32>) -> TransferRequest {
         wire_order: PageOrder::TokenMajor,
         dst_pages,
         requesters: 2,
+        secret: Secret::from_bytes([0x5e; 16]),
+        room_key: Some(Secret::from_bytes(*b"room-key-0123456")),
     }
 }
 
@@ -153,6 +157,8 @@ fn samples() -> Vec<Message> {
         checksum: 0,
         direct: false,
         placed: None,
+        secret: Secret::default(),
+        sender_key: Secret::default(),
     }));
     out.push(Message::Chunk(Chunk {
         room: u64::MAX,
@@ -165,6 +171,8 @@ fn samples() -> Vec<Message> {
         checksum: 0xdead_beef_cafe_f00d,
         direct: true,
         placed: None,
+        secret: Secret::from_bytes([0xff; 16]),
+        sender_key: Secret::from_bytes([1; 16]),
     }));
     out.push(Message::Chunk(Chunk {
         room: 3,
@@ -180,6 +188,8 @@ fn samples() -> Vec<Message> {
             key: u64::MAX,
             runs: vec![1 << 20; MAX_RUNS],
         }),
+        secret: Secret::from_bytes([7; 16]),
+        sender_key: Secret::from_bytes([8; 16]),
     }));
     for aux in [vec![], vec![42], vec![0xAB; MAX_AUX]] {
         out.push(Message::Done(Done {
@@ -279,7 +289,7 @@ fn a_heartbeat_has_the_documented_bytes() {
         instance: uuid(0x0102),
         seq: 3,
     });
-    let mut want = b"KVFY\x03\x00\x08\x00\x18\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x04\x00\x08\x00\x18\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(msg.encode(), want);
@@ -298,25 +308,41 @@ fn chunk_of(direct: bool, placed: Option<Placed>) -> Chunk {
         checksum: 9,
         direct,
         placed,
+        secret: Secret::from_bytes([0x5e; 16]),
+        sender_key: Secret::from_bytes([0xc0; 16]),
     }
 }
 
 #[test]
-fn a_version_1_chunk_has_no_direct_flag_and_still_decodes() {
+fn chunks_carry_their_secrets_and_frames_of_older_versions_are_refused() {
     let chunk = |direct| chunk_of(direct, None);
-    let v1 = Message::Chunk(chunk(false)).encode_as(1);
-    let v2 = Message::Chunk(chunk(false)).encode_as(2);
-    let v3 = Message::Chunk(chunk(false)).encode_as(3);
-    assert_eq!(v1.len() + 1, v2.len(), "version 2 appends the flag");
-    assert_eq!(v2.len() + 1, v3.len(), "version 3 appends the placed tag");
-    assert_eq!(Message::decode(&v2), Ok(Message::Chunk(chunk(false))));
-    assert_eq!(peek_header(&v1).unwrap().version, 1);
-    assert_eq!(Message::decode(&v1), Ok(Message::Chunk(chunk(false))));
+    let frame = Message::Chunk(chunk(false)).encode();
+    assert_eq!(Message::decode(&frame), Ok(Message::Chunk(chunk(false))));
+    // The two secrets are the last 32 bytes of the body, as sent.
+    assert_eq!(&frame[frame.len() - 32..frame.len() - 16], &[0x5e; 16]);
+    assert_eq!(&frame[frame.len() - 16..], &[0xc0; 16]);
+    // A chunk without its secrets (what a version-3 build sends) is refused by version, and
+    // cut to that length it is truncated.
+    for old in 1..MIN_VERSION {
+        assert!(matches!(
+            Message::decode(&Message::Chunk(chunk(false)).encode_as(old)),
+            Err(DecodeError::UnsupportedVersion { version, .. }) if version == old
+        ));
+    }
+    let mut short = frame.clone();
+    short.truncate(short.len() - 32);
+    let body = (short.len() - HEADER_LEN) as u32;
+    short[8..12].copy_from_slice(&body.to_le_bytes());
+    assert!(matches!(
+        Message::decode(&short),
+        Err(DecodeError::Truncated { what: "secret", .. })
+    ));
     let direct = Message::Chunk(chunk(true));
     assert_eq!(Message::decode(&direct.encode()), Ok(direct));
     // A flag other than 0 or 1 is refused.
-    let mut bad = Message::Chunk(chunk(true)).encode_as(2);
-    *bad.last_mut().unwrap() = 2;
+    let mut bad = Message::Chunk(chunk(true)).encode();
+    let at = bad.len() - 32 - 2; // direct flag, then the placed tag, then the secrets
+    bad[at] = 2;
     assert_eq!(
         Message::decode(&bad),
         Err(DecodeError::BadTag {
@@ -331,8 +357,6 @@ fn a_placed_chunk_lists_at_most_max_runs_and_all_of_them_must_be_there() {
     let chunk = |runs| Message::Chunk(chunk_of(false, Some(Placed { key: 5, runs })));
     let ok = chunk(vec![4096, 8192]);
     assert_eq!(Message::decode(&ok.encode()), Ok(ok.clone()));
-    // A version-2 peer never sees the runs (the sender does not place for it).
-    assert!(ok.encode_as(2).len() < ok.encode().len());
     assert_eq!(
         Message::decode(&chunk(vec![1; MAX_RUNS + 1]).encode()),
         Err(DecodeError::TooLarge {
@@ -343,7 +367,7 @@ fn a_placed_chunk_lists_at_most_max_runs_and_all_of_them_must_be_there() {
     );
     // A count beyond the lengths present is truncation, found before allocating.
     let mut short = ok.encode();
-    short.truncate(short.len() - 8);
+    short.truncate(short.len() - 8 - 32);
     let body = (short.len() - HEADER_LEN) as u32;
     short[8..12].copy_from_slice(&body.to_le_bytes());
     assert!(matches!(
@@ -353,17 +377,21 @@ fn a_placed_chunk_lists_at_most_max_runs_and_all_of_them_must_be_there() {
 }
 
 #[test]
-fn a_version_1_hello_decodes_without_a_pool() {
+fn an_older_hello_decodes_without_the_fields_it_lacks_to_be_refused_by_version() {
     let h = Hello {
         pool: None,
+        revocable_runs: false,
+        chunk_key: Secret::default(),
+        max_version: 3,
         ..hello()
     };
-    let mut f = Message::Hello(h.clone()).encode_as(1);
-    // Cut the trailing pool tag: what a version-1 build sends.
-    f.pop();
-    let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - 1;
+    let mut f = Message::Hello(h.clone()).encode_as(3);
+    // Cut the trailing flag and key: what a version-3 build sends.
+    f.truncate(f.len() - 17);
+    let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - 17;
     f[8..12].copy_from_slice(&len.to_le_bytes());
-    assert_eq!(Message::decode(&f), Ok(Message::Hello(h)));
+    assert_eq!(Message::decode(&f), Ok(Message::Hello(h.clone())));
+    assert_eq!(negotiate(h.min_version, h.max_version), None);
 }
 
 #[test]
@@ -555,6 +583,8 @@ fn reversed_ranges_are_refused() {
         checksum: 0,
         direct: false,
         placed: None,
+        secret: Secret::default(),
+        sender_key: Secret::default(),
     });
     let mut f = msg.encode();
     // heads 5..5 -> 6..5
@@ -582,10 +612,11 @@ fn oversized_lengths_are_refused_before_allocation() {
     assert_eq!(peek_header(&f), Err(err.clone()));
     assert_eq!(Message::decode(&f), Err(err));
 
-    // A page count of u32::MAX in a tiny body (the page count is followed by `requesters`).
+    // A page count of u32::MAX in a tiny body (the page count is followed by `requesters`, the
+    // secret and the room key).
     let mut body =
         Message::TransferRequest(transfer_request(vec![])).encode()[HEADER_LEN..].to_vec();
-    let n = body.len();
+    let n = body.len() - 16 - 17;
     body[n - 8..n - 4].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         Message::decode(&frame(VERSION, KIND_TRANSFER_REQUEST, 0, &body)),
@@ -602,8 +633,8 @@ fn oversized_lengths_are_refused_before_allocation() {
         Err(DecodeError::Truncated {
             what: "dst_pages",
             needed: MAX_PAGES * 4,
-            // Only the `requesters` field follows.
-            available: 4
+            // Only `requesters`, the secret and the room key follow.
+            available: 4 + 16 + 17
         })
     );
 

@@ -413,6 +413,7 @@ impl DataSender for UcxSender {
             self.region = Some(region);
             Ok(Some(WritePath {
                 placed: placed_runs(eager(), &via),
+                eager: eager(),
                 fast: fast_writes(&via, supervised),
                 via: match via.is_empty() {
                     true => "none".to_owned(),
@@ -650,6 +651,11 @@ struct UcxPlacer {
 }
 
 impl Placer for UcxPlacer {
+    /// Eager workers land runs through the unpack callback a cancel revokes (`Revocable`).
+    fn revocable(&self) -> bool {
+        eager()
+    }
+
     fn place(
         &self,
         pool: Arc<HostPool>,

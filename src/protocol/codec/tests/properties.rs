@@ -80,6 +80,8 @@ fn arb_hello() -> impl Strategy<Value = Hello> {
                     size: u64::from(r[2]),
                     key: r[3].to_le_bytes().to_vec(),
                 }),
+                revocable_runs: r[4] % 2 == 0,
+                chunk_key: Secret::from_bytes(instance.into_bytes()),
             },
         )
 }
@@ -110,6 +112,9 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         wire_order,
                         dst_pages,
                         requesters: (room % 5) as u32,
+                        secret: Secret::from_bytes(prefill_instance.into_bytes()),
+                        room_key: (room % 2 == 0)
+                            .then(|| Secret::from_bytes((u128::from(room) << 3).to_le_bytes())),
                     })
                 }
             ),
@@ -134,6 +139,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
                             key: room ^ len,
                             runs: vec![len % 4096; (seq % 7) as usize],
                         }),
+                        secret: Secret::from_bytes((u128::from(checksum) << 1).to_le_bytes()),
+                        sender_key: Secret::from_bytes(prefill_instance.into_bytes()),
                     })
                 }
             ),

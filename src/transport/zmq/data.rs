@@ -17,21 +17,25 @@
 //! buffer and zero-fills its read buffer; docs/benchmarks.md ("ZeroMQ data plane") has both
 //! measured side by side, and the cost of the thread hops.
 
-use std::sync::OnceLock;
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{
+use super::monitor::Monitor;
+use super::{Auth, context, owned, rest_of_message, spawn, tcp_address};
+use crate::transport::{
     BoxFuture, DataReceiver, DataSender, Frame, Listening, Transport, TransportError, TransportKind,
 };
 
-/// Messages queued per pipe before a send blocks (or a receive stops reading). Credits already
-/// bound the chunks in flight per peer pair to the decode's staging slots (8 by default), so
-/// this is a backstop against a peer that ignores them, not the flow control.
-const HWM: i32 = 64;
+/// Messages queued per connection before a send blocks (or a receive stops reading). Credits
+/// already bound the chunks in flight per peer pair to the decode's staging slots (8 by
+/// default), so this is a backstop against a peer that ignores them, not the flow control.
+pub const HWM: i32 = 16;
+
+/// Largest header frame (a Chunk message) a receiver accepts next to its payload limit.
+pub const MAX_HEADER: usize = 64 << 10;
 
 /// How long a socket thread blocks in libzmq before it looks whether its owner is gone.
 const POLL_MS: i32 = 100;
@@ -43,35 +47,24 @@ const LINGER_MS: i32 = 5_000;
 /// Chunks a receiver thread takes off the socket ahead of `recv`.
 const RECV_AHEAD: usize = 2;
 
-/// libzmq I/O threads per process: a decode fed by two prefill ranks reads both connections
-/// at once, each connection's kernel copies on a thread of its own. Measured here
-/// (`kvferry bench --transport zmq-tcp --prefill-tp 2 --decode-tp 1`, llama3-8b 4096-token
-/// rooms, 5 alternated runs): 2.33-3.02 GB/s per room against 1.78-2.76 with one thread;
-/// TP1 -> TP1 (one connection) the same within noise.
-const IO_THREADS: i32 = 2;
-
-/// The process's libzmq context.
-fn context() -> &'static zmq::Context {
-    static CONTEXT: OnceLock<zmq::Context> = OnceLock::new();
-    CONTEXT.get_or_init(|| {
-        let ctx = zmq::Context::new();
-        if let Err(e) = ctx.set_io_threads(IO_THREADS) {
-            tracing::warn!("libzmq kept its default I/O threads: {e}");
-        }
-        ctx
-    })
-}
-
 /// The libzmq data plane of one kind (`zmq-tcp` or `zmq-ipc`).
 #[derive(Debug)]
 pub struct ZmqData {
     kind: TransportKind,
+    /// Largest frame a receiver accepts: the larger of its chunk size and [`MAX_HEADER`].
+    max_frame: usize,
+    auth: Auth,
 }
 
 impl ZmqData {
-    /// The libzmq data plane over `kind`'s socket family.
-    pub fn new(kind: TransportKind) -> Self {
-        ZmqData { kind }
+    /// The libzmq data plane over `kind`'s socket family, for chunks of at most `max_chunk`
+    /// payload bytes, authenticating with `auth`.
+    pub fn new(kind: TransportKind, max_chunk: usize, auth: Auth) -> Self {
+        ZmqData {
+            kind,
+            max_frame: max_chunk.max(MAX_HEADER),
+            auth,
+        }
     }
 }
 
@@ -83,16 +76,8 @@ fn bind_address(kind: TransportKind, host: &str) -> String {
             let name = format!("kvferry-{}.sock", uuid::Uuid::new_v4().simple());
             format!("ipc://{}", dir.join(name).display())
         }
-        _ if host.contains(':') && !host.starts_with('[') => format!("tcp://[{host}]:0"),
-        _ => format!("tcp://{host}:0"),
+        _ => tcp_address(host, 0),
     }
-}
-
-fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name(name.to_owned())
-        .spawn(f)
-        .map(drop)
 }
 
 impl Transport for ZmqData {
@@ -102,17 +87,20 @@ impl Transport for ZmqData {
 
     fn listen(&self, host: &str) -> BoxFuture<'static, Result<Listening, TransportError>> {
         let address = bind_address(self.kind, host);
+        let (max_frame, auth) = (self.max_frame, self.auth.clone());
         Box::pin(async move {
             let (bound_tx, bound_rx) = oneshot::channel();
             let (chunks_tx, chunks_rx) = mpsc::channel(RECV_AHEAD);
             let addr = address.clone();
-            spawn("kvferry-zmq-pull", move || match bind(&addr) {
-                Ok((socket, endpoint)) => {
-                    let _ = bound_tx.send(Ok(endpoint.clone()));
-                    receive_loop(&socket, &endpoint, &chunks_tx);
-                }
-                Err(e) => {
-                    let _ = bound_tx.send(Err(e));
+            spawn("kvferry-zmq-pull", move || {
+                match bind(&addr, max_frame, &auth) {
+                    Ok((socket, endpoint, _zap)) => {
+                        let _ = bound_tx.send(Ok(endpoint.clone()));
+                        receive_loop(&socket, &endpoint, &chunks_tx);
+                    }
+                    Err(e) => {
+                        let _ = bound_tx.send(Err(e));
+                    }
                 }
             })
             .map_err(|e| TransportError::new("bind", &address, e))?;
@@ -133,12 +121,13 @@ impl Transport for ZmqData {
         timeout: Duration,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>> {
         let endpoint = endpoint.to_owned();
+        let auth = self.auth.clone();
         Box::pin(async move {
             let (connected_tx, connected_rx) = oneshot::channel();
             let (jobs_tx, jobs_rx) = std_mpsc::channel::<Job>();
             let ep = endpoint.clone();
             spawn("kvferry-zmq-push", move || {
-                let mut socket = match connect(&ep, timeout) {
+                let mut socket = match connect(&ep, timeout, &auth) {
                     Ok(s) => {
                         let _ = connected_tx.send(Ok(()));
                         s
@@ -181,28 +170,36 @@ impl Transport for ZmqData {
     }
 }
 
-/// A PULL socket bound to `address`, and the endpoint it listens on (the OS's port, the
-/// socket file).
-fn bind(address: &str) -> Result<(zmq::Socket, String), TransportError> {
+/// A PULL socket bound to `address`, the endpoint it listens on (the OS's port, the socket
+/// file), and its ZAP registration (kept as long as the socket).
+fn bind(
+    address: &str,
+    max_frame: usize,
+    auth: &Auth,
+) -> Result<(zmq::Socket, String, Option<super::zap::Domain>), TransportError> {
     let err = |e: zmq::Error| TransportError::new("bind", address, format!("libzmq: {e}"));
     let socket = context().socket(zmq::PULL).map_err(err)?;
+    socket
+        .set_maxmsgsize(i64::try_from(max_frame).unwrap_or(i64::MAX))
+        .map_err(err)?;
     socket.set_rcvhwm(HWM).map_err(err)?;
     socket.set_ipv6(true).map_err(err)?;
     socket.set_rcvtimeo(POLL_MS).map_err(err)?;
     socket.set_linger(0).map_err(err)?;
+    let zap = auth.server(&socket).map_err(err)?;
     socket.bind(address).map_err(err)?;
     let endpoint = socket
         .get_last_endpoint()
         .map_err(err)?
         .map_err(|_| TransportError::new("bind", address, "endpoint is not UTF-8"))?;
-    Ok((socket, endpoint))
+    Ok((socket, endpoint, zap))
 }
 
-/// A PUSH socket connected to `endpoint`, or an error if no connection completes within
-/// `timeout`. libzmq connects in the background; with `ZMQ_IMMEDIATE` the socket has no pipe
-/// (and so is not writable) until a connection to the peer has completed its handshake, so a
-/// bounded poll for writability is the reachability check.
-fn connect(endpoint: &str, timeout: Duration) -> Result<zmq::Socket, TransportError> {
+/// A PUSH socket connected to `endpoint` whose handshake (and authentication) completed, or
+/// an error if that does not happen within `timeout`: op `connect` when nothing answers, op
+/// `authenticate` when the receiver refused the credentials. With `ZMQ_IMMEDIATE` chunks are
+/// queued only on a connection that completed its handshake.
+fn connect(endpoint: &str, timeout: Duration, auth: &Auth) -> Result<zmq::Socket, TransportError> {
     let err = |e: zmq::Error| TransportError::new("connect", endpoint, format!("libzmq: {e}"));
     let ms = i32::try_from(timeout.as_millis())
         .unwrap_or(i32::MAX)
@@ -214,15 +211,11 @@ fn connect(endpoint: &str, timeout: Duration) -> Result<zmq::Socket, TransportEr
     socket.set_linger(LINGER_MS).map_err(err)?;
     socket.set_immediate(true).map_err(err)?;
     socket.set_connect_timeout(ms).map_err(err)?;
+    auth.client(&socket).map_err(err)?;
+    let monitor = Monitor::new(&socket).map_err(err)?;
     socket.connect(endpoint).map_err(err)?;
-    match socket.poll(zmq::POLLOUT, i64::from(ms)).map_err(err)? {
-        0 => Err(TransportError::new(
-            "connect",
-            endpoint,
-            format!("no answer within {timeout:?}"),
-        )),
-        _ => Ok(socket),
-    }
+    super::control::handshake(&monitor, endpoint, timeout)?;
+    Ok(socket)
 }
 
 /// One chunk for a sender thread, and where its result goes.
@@ -276,7 +269,7 @@ fn receive_loop(
             }
         }
         let chunk = receive_rest(socket, header)
-            .map(|(h, p)| (Bytes::copy_from_slice(&h), Bytes::from_owner(Payload(p))))
+            .map(|(h, p)| (owned(h), owned(p)))
             .map_err(err);
         if chunks.blocking_send(chunk).is_err() {
             return;
@@ -290,29 +283,10 @@ fn receive_rest(
     socket: &zmq::Socket,
     header: zmq::Message,
 ) -> Result<(zmq::Message, zmq::Message), String> {
-    const SHAPE: &str = "a data message must have exactly two frames (header, payload)";
-    if !header.get_more() {
-        return Err(SHAPE.to_owned());
-    }
-    // The frames of a message arrive together: once the first is here, so are the others.
-    let mut payload = zmq::Message::new();
-    socket
-        .recv(&mut payload, 0)
-        .map_err(|e| format!("libzmq: {e}"))?;
-    if !payload.get_more() {
-        return Ok((header, payload));
-    }
-    let mut rest = zmq::Message::new();
-    while socket.recv(&mut rest, 0).is_ok() && rest.get_more() {}
-    Err(SHAPE.to_owned())
-}
-
-/// A received libzmq frame, owned by the `Bytes` that views it (libzmq frees it on drop).
-struct Payload(zmq::Message);
-
-impl AsRef<[u8]> for Payload {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
+    let mut frames = rest_of_message(socket, header, 2).map_err(|e| format!("libzmq: {e}"))?;
+    match (frames.pop(), frames.pop(), frames.is_empty()) {
+        (Some(payload), Some(header), true) => Ok((header, payload)),
+        _ => Err("a data message must have exactly two frames (header, payload)".to_owned()),
     }
 }
 
@@ -468,7 +442,7 @@ mod tests {
     }
 
     async fn round_trip(kind: TransportKind) {
-        let t = ZmqData::new(kind);
+        let t = ZmqData::new(kind, 2 << 20, Auth::default());
         let (endpoint, mut rx) = t.listen("127.0.0.1").await.expect("listen");
         let mut tx = t
             .connect(&endpoint, Duration::from_secs(5))
@@ -517,7 +491,7 @@ mod tests {
 
     #[tokio::test]
     async fn connect_to_nobody_fails_after_the_timeout() {
-        let t = ZmqData::new(TransportKind::ZmqTcp);
+        let t = ZmqData::new(TransportKind::ZmqTcp, 1 << 20, Auth::default());
         // A port that was just free: bind and drop a listener.
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -542,7 +516,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_message_of_another_shape_is_an_error_and_the_socket_goes_on() {
-        let t = ZmqData::new(TransportKind::ZmqTcp);
+        let t = ZmqData::new(TransportKind::ZmqTcp, 1 << 20, Auth::default());
         let (endpoint, mut rx) = t.listen("127.0.0.1").await.expect("listen");
         let raw = context().socket(zmq::PUSH).expect("socket");
         raw.connect(&endpoint).expect("connect");

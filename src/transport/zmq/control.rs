@@ -1,0 +1,628 @@
+//! The control plane on libzmq: ROUTER on the prefill (binds), DEALER on each decode's
+//! connection to a prefill (connects), one protocol message per frame.
+//!
+//! Each socket lives on a thread of its own (libzmq sockets are not thread-safe) that polls
+//! the socket, its monitor and a wake-up pipe: frames received go to the async side over a
+//! bounded channel (when it is full the thread stops reading, and libzmq's high-water mark
+//! pushes back on the peer), frames to send come from a queue and are handed to libzmq without
+//! blocking. Every socket caps a frame at the size its owner gives (`max_frame`) and queues at
+//! most [`HWM`] of them per connection.
+//!
+//! Peer death from the connection: the DEALER's own connection dropping, or the ROUTER seeing
+//! a peer's connection drop (a peer is known by the file descriptor its frames came from,
+//! libzmq's `__fd` property, against the monitor's disconnect events), starts
+//! [`super::RECONNECT_GRACE`]; a peer that is not back within it is reported lost. A decode
+//! names its DEALER with a random routing id, so a connection it re-establishes is the same
+//! peer to the prefill, and sends its owner's `on_reconnect` frame (a heartbeat) at once.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+
+use super::monitor::{Event, Monitor};
+use super::{Auth, RECONNECT_GRACE, Wake, Waker, context, owned, rest_of_message, tcp_address};
+use crate::transport::TransportError;
+
+/// Control frames queued per connection in each direction before libzmq stops reading from
+/// (or refuses to send to) it. Control messages are few: a Hello, a request per room, credits
+/// and heartbeats.
+pub const HWM: i32 = 16;
+
+/// Frames the socket thread hands to the async side ahead of its reads.
+const AHEAD: usize = 64;
+
+/// How long a socket thread waits in `zmq::poll` before it looks whether its owner is gone.
+const POLL_MS: i64 = 100;
+
+/// Identity of a control peer as the ROUTER sees it (the decode's routing id).
+pub type PeerId = Bytes;
+
+/// What the prefill's control socket delivers.
+#[derive(Debug)]
+pub enum ControlEvent {
+    /// One frame from a peer.
+    Frame(PeerId, Bytes),
+    /// A message of another shape than one frame; dropped (the socket stays usable).
+    Malformed(String),
+    /// A peer's connection dropped and did not come back within the grace.
+    Lost(PeerId, String),
+}
+
+/// One frame to send, and where its result goes.
+struct Out {
+    peer: Option<PeerId>,
+    frame: Bytes,
+    done: oneshot::Sender<Result<(), String>>,
+}
+
+/// The prefill's control socket: receives from any decode.
+pub struct ControlServer {
+    events: mpsc::Receiver<ControlEvent>,
+}
+
+/// Sends control frames to decode peers; cheap to clone.
+#[derive(Clone)]
+pub struct ControlReplier {
+    queue: Queue,
+}
+
+/// The sending side of a socket thread.
+#[derive(Clone)]
+struct Queue {
+    jobs: std_mpsc::Sender<Out>,
+    waker: Waker,
+    endpoint: String,
+}
+
+impl Queue {
+    async fn send(&self, peer: Option<PeerId>, frame: Bytes) -> Result<(), TransportError> {
+        let (done, result) = oneshot::channel();
+        let gone = || TransportError::new("send", &self.endpoint, "socket thread stopped");
+        self.jobs
+            .send(Out { peer, frame, done })
+            .map_err(|_| gone())?;
+        self.waker.wake();
+        result
+            .await
+            .map_err(|_| gone())?
+            .map_err(|e| TransportError::new("send", &self.endpoint, e))
+    }
+}
+
+/// Where a control socket binds or connects, and its bounds.
+#[derive(Clone, Debug)]
+pub struct ControlOptions {
+    /// Largest frame accepted from a peer (bytes); a peer announcing more is disconnected.
+    pub max_frame: usize,
+    /// Credentials.
+    pub auth: Auth,
+}
+
+impl ControlServer {
+    /// Binds on `host:port` (0: the OS picks); returns the endpoint and the two halves.
+    pub async fn bind(
+        host: &str,
+        port: u16,
+        options: &ControlOptions,
+    ) -> Result<(String, ControlServer, ControlReplier), TransportError> {
+        let address = tcp_address(host, port);
+        let (setup_tx, setup_rx) = oneshot::channel();
+        let (events_tx, events) = mpsc::channel(AHEAD);
+        let (jobs, jobs_rx) = std_mpsc::channel();
+        let options = options.clone();
+        let addr = address.clone();
+        super::spawn("kvferry-control", move || {
+            let err = |e: zmq::Error| TransportError::new("bind", &addr, format!("libzmq: {e}"));
+            let bound = (|| {
+                let socket = context().socket(zmq::ROUTER).map_err(err)?;
+                configure(&socket, &options).map_err(err)?;
+                socket.set_router_handover(true).map_err(err)?;
+                socket.set_router_mandatory(true).map_err(err)?;
+                let zap = options.auth.server(&socket).map_err(err)?;
+                let monitor = Monitor::new(&socket).map_err(err)?;
+                socket.bind(&addr).map_err(err)?;
+                let endpoint = socket
+                    .get_last_endpoint()
+                    .map_err(err)?
+                    .map_err(|_| TransportError::new("bind", &addr, "endpoint is not UTF-8"))?;
+                let wake = Wake::new().map_err(|e| TransportError::new("bind", &addr, e))?;
+                Ok((socket, zap, monitor, endpoint, wake))
+            })();
+            match bound {
+                Ok((socket, _zap, monitor, endpoint, wake)) => {
+                    let waker = wake.waker();
+                    let _ = setup_tx.send(
+                        waker
+                            .map(|w| (endpoint, w))
+                            .map_err(|e| TransportError::new("bind", &addr, e)),
+                    );
+                    let mut looped = Looped::new(socket, monitor, wake, jobs_rx, events_tx);
+                    looped.run(&mut RouterPeers::default());
+                }
+                Err(e) => {
+                    let _ = setup_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| TransportError::new("bind", &address, e))?;
+        let (endpoint, waker) = setup_rx
+            .await
+            .map_err(|_| TransportError::new("bind", &address, "socket thread stopped"))??;
+        let queue = Queue {
+            jobs,
+            waker,
+            endpoint: endpoint.clone(),
+        };
+        Ok((endpoint, ControlServer { events }, ControlReplier { queue }))
+    }
+
+    /// The next event. Ends (`None`) only when the socket thread is gone.
+    pub async fn recv(&mut self) -> Option<ControlEvent> {
+        self.events.recv().await
+    }
+}
+
+impl ControlReplier {
+    /// Sends one frame to `peer`; fails at once if libzmq cannot queue it (no such peer, or its
+    /// queue is full).
+    pub async fn send(&self, peer: &PeerId, frame: Bytes) -> Result<(), TransportError> {
+        self.queue.send(Some(peer.clone()), frame).await
+    }
+}
+
+/// The decode's control connection to one prefill.
+pub struct ControlClient {
+    /// Sending half.
+    pub send: ControlClientSend,
+    /// Receiving half.
+    pub recv: ControlClientRecv,
+}
+
+/// Sending half of a [`ControlClient`].
+pub struct ControlClientSend {
+    queue: Queue,
+}
+
+/// Receiving half of a [`ControlClient`].
+pub struct ControlClientRecv {
+    events: mpsc::Receiver<ControlEvent>,
+    endpoint: String,
+}
+
+impl ControlClient {
+    /// Connects to a prefill's control endpoint and completes the handshake (with the token,
+    /// when `options` has one), failing after `timeout` if that does not happen: op `connect`
+    /// when nothing answers, op `authenticate` when the prefill refused the credentials.
+    /// `on_reconnect` is sent each time the connection is re-established after a drop.
+    pub async fn connect(
+        endpoint: &str,
+        timeout: Duration,
+        options: &ControlOptions,
+        on_reconnect: Bytes,
+    ) -> Result<ControlClient, TransportError> {
+        let (setup_tx, setup_rx) = oneshot::channel();
+        let (events_tx, events) = mpsc::channel(AHEAD);
+        let (jobs, jobs_rx) = std_mpsc::channel();
+        let (ep, options) = (endpoint.to_owned(), options.clone());
+        super::spawn("kvferry-control", move || {
+            match connect(&ep, timeout, &options) {
+                Ok((socket, monitor, wake, fd)) => {
+                    let waker = wake.waker();
+                    let _ =
+                        setup_tx.send(waker.map_err(|e| TransportError::new("connect", &ep, e)));
+                    let mut looped = Looped::new(socket, monitor, wake, jobs_rx, events_tx);
+                    looped.run(&mut DealerPeer::new(fd, on_reconnect));
+                }
+                Err(e) => {
+                    let _ = setup_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| TransportError::new("connect", endpoint, e))?;
+        // The thread answers within `timeout`; the margin only guards against a stuck one.
+        let waker = tokio::time::timeout(timeout + Duration::from_secs(1), setup_rx)
+            .await
+            .map_err(|_| no_answer(endpoint, timeout))?
+            .map_err(|_| no_answer(endpoint, timeout))??;
+        let queue = Queue {
+            jobs,
+            waker,
+            endpoint: endpoint.to_owned(),
+        };
+        Ok(ControlClient {
+            send: ControlClientSend { queue },
+            recv: ControlClientRecv {
+                events,
+                endpoint: endpoint.to_owned(),
+            },
+        })
+    }
+}
+
+fn no_answer(endpoint: &str, timeout: Duration) -> TransportError {
+    TransportError::new("connect", endpoint, format!("no answer within {timeout:?}"))
+}
+
+/// A DEALER connected to `endpoint` whose handshake completed within `timeout`, its monitor,
+/// its wake-up pipe and the connection's descriptor.
+fn connect(
+    endpoint: &str,
+    timeout: Duration,
+    options: &ControlOptions,
+) -> Result<(zmq::Socket, Monitor, Wake, i32), TransportError> {
+    let err = |e: zmq::Error| TransportError::new("connect", endpoint, format!("libzmq: {e}"));
+    let socket = context().socket(zmq::DEALER).map_err(err)?;
+    configure(&socket, options).map_err(err)?;
+    socket
+        .set_identity(uuid::Uuid::new_v4().as_bytes())
+        .map_err(err)?;
+    socket.set_immediate(true).map_err(err)?;
+    let ms = i32::try_from(timeout.as_millis())
+        .unwrap_or(i32::MAX)
+        .max(1);
+    socket.set_connect_timeout(ms).map_err(err)?;
+    options.auth.client(&socket).map_err(err)?;
+    let monitor = Monitor::new(&socket).map_err(err)?;
+    let wake = Wake::new().map_err(|e| TransportError::new("connect", endpoint, e))?;
+    socket.connect(endpoint).map_err(err)?;
+    let fd = handshake(&monitor, endpoint, timeout)?;
+    Ok((socket, monitor, wake, fd))
+}
+
+/// Waits for the monitor of a socket that connects to report its handshake: the connection's
+/// descriptor, or why it failed.
+pub(super) fn handshake(
+    monitor: &Monitor,
+    endpoint: &str,
+    timeout: Duration,
+) -> Result<i32, TransportError> {
+    let deadline = Instant::now() + timeout;
+    let refused = |why: &str| TransportError::new("authenticate", endpoint, why);
+    let mut connection = -1;
+    loop {
+        while let Some(event) = monitor.next() {
+            match event {
+                Event::Connected { fd } => connection = fd,
+                Event::Ready => return Ok(connection),
+                Event::AuthFailed => {
+                    return Err(refused("the peer refused this agent's token"));
+                }
+                Event::MechanismMismatch => {
+                    return Err(refused(
+                        "the peer expects another security mechanism: give both agents the same --token",
+                    ));
+                }
+                Event::Disconnected { .. } => {}
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(no_answer(endpoint, timeout));
+        }
+        let mut items = [monitor.poll_item()];
+        let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX).max(1);
+        zmq::poll(&mut items, ms).map_err(|e| TransportError::new("connect", endpoint, e))?;
+    }
+}
+
+/// The bounds every control socket gets.
+fn configure(socket: &zmq::Socket, options: &ControlOptions) -> Result<(), zmq::Error> {
+    socket.set_maxmsgsize(i64::try_from(options.max_frame).unwrap_or(i64::MAX))?;
+    socket.set_rcvhwm(HWM)?;
+    socket.set_sndhwm(HWM)?;
+    socket.set_linger(0)?;
+    socket.set_ipv6(true)
+}
+
+impl ControlClientSend {
+    /// Sends one frame; fails at once if the connection is down (libzmq would otherwise queue
+    /// it for a connection that may never come back).
+    pub async fn send(&mut self, frame: Bytes) -> Result<(), TransportError> {
+        self.queue.send(None, frame).await
+    }
+}
+
+impl ControlClientRecv {
+    /// The next frame; an error once the connection is lost (dropped and not back within the
+    /// grace) or the socket thread is gone.
+    pub async fn recv(&mut self) -> Result<Bytes, TransportError> {
+        let why = match self.events.recv().await {
+            Some(ControlEvent::Frame(_, frame)) => return Ok(frame),
+            Some(ControlEvent::Malformed(why) | ControlEvent::Lost(_, why)) => why,
+            None => "socket thread stopped".to_owned(),
+        };
+        Err(TransportError::new("recv", &self.endpoint, why))
+    }
+}
+
+/// What differs between the ROUTER's and the DEALER's socket thread: the shape of a message,
+/// and how connections map to peers.
+trait Peers {
+    /// Frames of a message on this socket before the payload (ROUTER: the routing id).
+    const ENVELOPE: usize;
+    /// A connection event from the monitor; may queue frames to send or events to deliver.
+    fn on_event(&mut self, event: Event, now: Instant, out: &mut Effects);
+    /// A frame arrived from `peer` over connection `fd`.
+    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>);
+    /// Peers whose grace ran out by `now`, as events; and the next deadline.
+    fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant>;
+}
+
+/// What a [`Peers`] hook asks of the socket thread.
+#[derive(Default)]
+struct Effects {
+    deliver: Vec<ControlEvent>,
+    send: Vec<Bytes>,
+}
+
+/// The ROUTER's view: which descriptor each peer's frames came from, and the peers whose
+/// connection dropped, with the time it did.
+#[derive(Default)]
+struct RouterPeers {
+    by_fd: HashMap<i32, PeerId>,
+    fd_of: HashMap<PeerId, i32>,
+    dropped: HashMap<PeerId, Instant>,
+}
+
+impl Peers for RouterPeers {
+    const ENVELOPE: usize = 1;
+
+    fn on_event(&mut self, event: Event, now: Instant, _: &mut Effects) {
+        if let Event::Disconnected { fd } = event {
+            // A peer that already came back on another connection is not affected.
+            if let Some(peer) = self.by_fd.remove(&fd) {
+                if self.fd_of.get(&peer) == Some(&fd) {
+                    self.fd_of.remove(&peer);
+                    self.dropped.insert(peer, now);
+                }
+            }
+        }
+    }
+
+    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>) {
+        self.dropped.remove(peer);
+        if let Some(fd) = fd {
+            if self.fd_of.insert(peer.clone(), fd) != Some(fd) {
+                self.by_fd.insert(fd, peer.clone());
+            }
+        }
+    }
+
+    fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant> {
+        let mut next = None::<Instant>;
+        self.dropped.retain(|peer, at| {
+            let deadline = *at + RECONNECT_GRACE;
+            if deadline <= now {
+                let why = format!(
+                    "control connection closed and not re-established within {} ms",
+                    RECONNECT_GRACE.as_millis()
+                );
+                out.deliver.push(ControlEvent::Lost(peer.clone(), why));
+                false
+            } else {
+                next = Some(next.map_or(deadline, |n| n.min(deadline)));
+                true
+            }
+        });
+        next
+    }
+}
+
+/// The DEALER's view: its one connection, and when it dropped.
+struct DealerPeer {
+    fd: Option<i32>,
+    dropped: Option<Instant>,
+    lost: bool,
+    on_reconnect: Bytes,
+}
+
+impl DealerPeer {
+    fn new(fd: i32, on_reconnect: Bytes) -> Self {
+        DealerPeer {
+            fd: Some(fd),
+            dropped: None,
+            lost: false,
+            on_reconnect,
+        }
+    }
+}
+
+impl Peers for DealerPeer {
+    const ENVELOPE: usize = 0;
+
+    fn on_event(&mut self, event: Event, now: Instant, out: &mut Effects) {
+        match event {
+            Event::Disconnected { fd } if self.fd == Some(fd) => {
+                self.fd = None;
+                self.dropped.get_or_insert(now);
+            }
+            Event::Connected { fd } if !self.lost => self.fd = Some(fd),
+            Event::Ready if !self.lost && self.dropped.take().is_some() => {
+                out.send.push(self.on_reconnect.clone());
+            }
+            Event::AuthFailed | Event::MechanismMismatch if !self.lost => {
+                self.lost = true;
+                out.deliver.push(ControlEvent::Lost(
+                    Bytes::new(),
+                    "the prefill refused this agent's credentials on reconnecting".to_owned(),
+                ));
+            }
+            _ => {}
+        }
+    }
+
+    fn on_frame(&mut self, _: &PeerId, _: Option<i32>) {}
+
+    fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant> {
+        let at = self.dropped?;
+        if self.lost {
+            return None;
+        }
+        let deadline = at + RECONNECT_GRACE;
+        if deadline > now {
+            return Some(deadline);
+        }
+        self.lost = true;
+        out.deliver.push(ControlEvent::Lost(
+            Bytes::new(),
+            format!(
+                "control connection closed and not re-established within {} ms",
+                RECONNECT_GRACE.as_millis()
+            ),
+        ));
+        None
+    }
+}
+
+/// A control socket's thread: the socket, its monitor, the queue of frames to send and the
+/// channel of events delivered.
+struct Looped {
+    socket: zmq::Socket,
+    monitor: Monitor,
+    wake: Wake,
+    jobs: std_mpsc::Receiver<Out>,
+    events: mpsc::Sender<ControlEvent>,
+    /// Events the channel had no room for yet; while any wait, the socket is not read.
+    backlog: VecDeque<ControlEvent>,
+}
+
+impl Looped {
+    fn new(
+        socket: zmq::Socket,
+        monitor: Monitor,
+        wake: Wake,
+        jobs: std_mpsc::Receiver<Out>,
+        events: mpsc::Sender<ControlEvent>,
+    ) -> Self {
+        Looped {
+            socket,
+            monitor,
+            wake,
+            jobs,
+            events,
+            backlog: VecDeque::new(),
+        }
+    }
+
+    /// Serves the socket until its owner is gone.
+    fn run<P: Peers>(&mut self, peers: &mut P) {
+        let mut next_deadline: Option<Instant> = None;
+        loop {
+            if self.events.is_closed() {
+                return;
+            }
+            let mut ms = POLL_MS;
+            if let Some(d) = next_deadline {
+                let left = d.saturating_duration_since(Instant::now()).as_millis();
+                ms = ms.min(i64::try_from(left).unwrap_or(ms).max(1));
+            }
+            if !self.backlog.is_empty() {
+                ms = 1;
+            }
+            let read = self.backlog.is_empty();
+            let mut items = [
+                self.socket.as_poll_item(if read {
+                    zmq::POLLIN
+                } else {
+                    zmq::PollEvents::empty()
+                }),
+                self.monitor.poll_item(),
+                self.wake.poll_item(),
+            ];
+            if zmq::poll(&mut items, ms).is_err() {
+                return;
+            }
+            self.wake.drain();
+            let mut effects = Effects::default();
+            self.send_queued(&[]);
+            self.monitor_events(peers, &mut effects);
+            if read {
+                self.receive(peers, &mut effects);
+            }
+            next_deadline = peers.expire(Instant::now(), &mut effects);
+            self.apply(effects);
+        }
+    }
+
+    fn monitor_events<P: Peers>(&mut self, peers: &mut P, effects: &mut Effects) {
+        while let Some(event) = self.monitor.next() {
+            peers.on_event(event, Instant::now(), effects);
+        }
+    }
+
+    /// Reads the messages libzmq has, up to what the channel takes.
+    fn receive<P: Peers>(&mut self, peers: &mut P, effects: &mut Effects) {
+        for _ in 0..AHEAD {
+            let mut first = zmq::Message::new();
+            if self.socket.recv(&mut first, zmq::DONTWAIT).is_err() {
+                return;
+            }
+            // The disconnect of a descriptor is reported before the descriptor can be reused:
+            // read it before this frame is attributed to the descriptor.
+            self.monitor_events(peers, effects);
+            let event = match rest_of_message(&self.socket, first, P::ENVELOPE + 1) {
+                Ok(mut frames) if frames.len() == P::ENVELOPE + 1 => {
+                    // The descriptor the frame came in on (libzmq's `__fd` property, set on
+                    // the frames its decoder produced, not on the ROUTER's routing id).
+                    let fd = frames
+                        .last_mut()
+                        .and_then(|f| f.gets("__fd"))
+                        .and_then(|s| s.parse::<i32>().ok());
+                    let frame = frames.pop().map(owned).unwrap_or_default();
+                    let peer = frames.pop().map(owned).unwrap_or_default();
+                    peers.on_frame(&peer, fd);
+                    ControlEvent::Frame(peer, frame)
+                }
+                Ok(_) => ControlEvent::Malformed(format!(
+                    "a control message must have exactly {} frame(s)",
+                    P::ENVELOPE + 1
+                )),
+                Err(e) => ControlEvent::Malformed(format!("libzmq: {e}")),
+            };
+            effects.deliver.push(event);
+            if effects.deliver.len() + self.backlog.len() >= AHEAD {
+                return;
+            }
+        }
+    }
+
+    /// Hands queued frames to libzmq without waiting: a peer that does not read is not
+    /// waited for.
+    fn send_queued(&mut self, extra: &[Bytes]) {
+        for frame in extra {
+            let _ = self.socket.send(&frame[..], zmq::DONTWAIT);
+        }
+        while let Ok(out) = self.jobs.try_recv() {
+            let sent = match &out.peer {
+                Some(peer) => self
+                    .socket
+                    .send(&peer[..], zmq::SNDMORE | zmq::DONTWAIT)
+                    .and_then(|()| self.socket.send(&out.frame[..], zmq::DONTWAIT)),
+                None => self.socket.send(&out.frame[..], zmq::DONTWAIT),
+            };
+            let _ = out.done.send(sent.map_err(|e| match e {
+                zmq::Error::EAGAIN => "the connection is down or its queue is full".to_owned(),
+                zmq::Error::EHOSTUNREACH => "no such peer".to_owned(),
+                e => format!("libzmq: {e}"),
+            }));
+        }
+    }
+
+    fn apply(&mut self, effects: Effects) {
+        self.send_queued(&effects.send);
+        self.backlog.extend(effects.deliver);
+        while let Some(event) = self.backlog.pop_front() {
+            match self.events.try_send(event) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(event)) => {
+                    self.backlog.push_front(event);
+                    return;
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! ZeroMQ for both planes, on libzmq (the `zmq` crate; libzmq 4.3 built from source by
+//! `zeromq-src`): the control plane's ROUTER/DEALER ([`control`]) and the `zmq-tcp` /
+//! `zmq-ipc` data plane's PUSH/PULL ([`data`]).
+//!
+//! What every socket here gets, so that a peer cannot make an agent allocate or hold more than
+//! a stated bound (docs/reliability.md, "Threat model"):
+//! - `ZMQ_MAXMSGSIZE`: libzmq checks a frame's announced length against it before it
+//!   allocates the frame, and drops the connection of a peer that announces more;
+//! - explicit high-water marks, so that a connection holds at most `HWM + 1` frames of that
+//!   size (the one being read, and the queue behind it);
+//! - with a cluster token, ZAP PLAIN authentication ([`Auth`], `zap.rs`): a connection that
+//!   does not present the token is closed during the handshake, before libzmq reads a message
+//!   from it. PLAIN carries the token in clear text; this build's libzmq has no CURVE (the
+//!   `zmq-sys` build links no libsodium), so the network between agents must be trusted or
+//!   encrypted below (IPsec, WireGuard).
+//!
+//! Connections are watched through libzmq's socket monitor ([`monitor`]): the side that
+//! connects sees its connection drop, the side that binds sees which peer's connection
+//! dropped; a dropped connection that is not re-established within [`RECONNECT_GRACE`] is a
+//! dead peer.
+
+pub mod control;
+pub mod data;
+mod monitor;
+mod zap;
+
+pub use control::{
+    ControlClient, ControlClientRecv, ControlClientSend, ControlEvent, ControlReplier,
+    ControlServer, PeerId,
+};
+pub use data::ZmqData;
+
+use std::io::{Read as _, Write as _};
+use std::os::fd::AsRawFd as _;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// How long a dropped connection may take to come back before its peer counts as dead. A
+/// process that died (kill -9, crash) closes its connections at once and never reconnects; a
+/// connection reset by the network between two live agents is re-established by libzmq within
+/// its reconnect interval (100 ms).
+pub const RECONNECT_GRACE: Duration = Duration::from_millis(500);
+
+/// libzmq I/O threads per process: a decode fed by two prefill ranks reads both connections
+/// at once, each connection's kernel copies on a thread of its own. Measured here
+/// (`kvferry bench --transport zmq-tcp --prefill-tp 2 --decode-tp 1`, llama3-8b 4096-token
+/// rooms, 5 alternated runs): 2.33-3.02 GB/s per room against 1.78-2.76 with one thread;
+/// TP1 -> TP1 (one connection) the same within noise.
+const IO_THREADS: i32 = 2;
+
+/// The process's libzmq context (one for every socket, so that the ZAP handler serves them all).
+pub(crate) fn context() -> &'static zmq::Context {
+    static CONTEXT: OnceLock<zmq::Context> = OnceLock::new();
+    CONTEXT.get_or_init(|| {
+        let ctx = zmq::Context::new();
+        if let Err(e) = ctx.set_io_threads(IO_THREADS) {
+            tracing::warn!("libzmq kept its default I/O threads: {e}");
+        }
+        ctx
+    })
+}
+
+/// How an agent's libzmq sockets authenticate: with the cluster token (ZAP PLAIN) or not at
+/// all. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Auth {
+    token: Option<Arc<str>>,
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mechanism = if self.token.is_some() {
+            "PLAIN"
+        } else {
+            "NULL"
+        };
+        f.debug_struct("Auth")
+            .field("mechanism", &mechanism)
+            .finish()
+    }
+}
+
+/// User name a client presents with the token (ZAP PLAIN needs one; only the token counts).
+const PLAIN_USER: &str = "kvferry";
+
+impl Auth {
+    /// Authentication with `token`, or none when it is `None` or empty.
+    pub fn new(token: Option<&str>) -> Auth {
+        Auth {
+            token: token.filter(|t| !t.is_empty()).map(Arc::from),
+        }
+    }
+
+    /// Whether connections must present a token.
+    pub fn required(&self) -> bool {
+        self.token.is_some()
+    }
+
+    /// Makes `socket` (which binds) require the token from every connection; the returned
+    /// registration must live as long as the socket.
+    fn server(&self, socket: &zmq::Socket) -> Result<Option<zap::Domain>, zmq::Error> {
+        let Some(token) = &self.token else {
+            return Ok(None);
+        };
+        let domain = zap::Domain::register(token.clone())?;
+        socket.set_plain_server(true)?;
+        socket.set_zap_domain(domain.name())?;
+        Ok(Some(domain))
+    }
+
+    /// Makes `socket` (which connects) present the token.
+    fn client(&self, socket: &zmq::Socket) -> Result<(), zmq::Error> {
+        if let Some(token) = &self.token {
+            socket.set_plain_username(Some(PLAIN_USER))?;
+            socket.set_plain_password(Some(token))?;
+        }
+        Ok(())
+    }
+}
+
+/// Wakes a socket thread blocked in `zmq::poll` when work is queued for it: a socket pair
+/// whose read end the thread polls next to its libzmq sockets.
+struct Wake {
+    tx: UnixStream,
+    rx: UnixStream,
+}
+
+impl Wake {
+    fn new() -> std::io::Result<Wake> {
+        let (tx, rx) = UnixStream::pair()?;
+        tx.set_nonblocking(true)?;
+        rx.set_nonblocking(true)?;
+        Ok(Wake { tx, rx })
+    }
+
+    /// A handle that wakes the thread.
+    fn waker(&self) -> std::io::Result<Waker> {
+        Ok(Waker(Arc::new(self.tx.try_clone()?)))
+    }
+
+    fn poll_item(&self) -> zmq::PollItem<'static> {
+        zmq::PollItem::from_fd(self.rx.as_raw_fd(), zmq::POLLIN)
+    }
+
+    /// Consumes pending wake-ups.
+    fn drain(&self) {
+        let mut buf = [0u8; 64];
+        while matches!((&self.rx).read(&mut buf), Ok(n) if n > 0) {}
+    }
+}
+
+/// Wakes a socket thread; cheap to clone.
+#[derive(Clone)]
+struct Waker(Arc<UnixStream>);
+
+impl Waker {
+    fn wake(&self) {
+        // A full socket buffer means a wake-up is pending already.
+        let _ = (&*self.0).write(&[1]);
+    }
+}
+
+/// A bind address for `host` and `port` (0: the OS picks) over tcp, with IPv6 literals in
+/// brackets.
+fn tcp_address(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("tcp://[{host}]:{port}")
+    } else {
+        format!("tcp://{host}:{port}")
+    }
+}
+
+/// A libzmq frame owned by the `Bytes` that views it (libzmq frees it on drop): received bytes
+/// are handed out without a copy.
+struct Owned(zmq::Message);
+
+impl AsRef<[u8]> for Owned {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn owned(msg: zmq::Message) -> bytes::Bytes {
+    bytes::Bytes::from_owner(Owned(msg))
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(f)
+        .map(drop)
+}
+
+/// Reads every frame of the message whose first frame is `first` (so that the socket stays
+/// usable), keeping at most `keep` of them. libzmq delivers a message's frames together.
+fn rest_of_message(
+    socket: &zmq::Socket,
+    first: zmq::Message,
+    keep: usize,
+) -> Result<Vec<zmq::Message>, zmq::Error> {
+    let mut more = first.get_more();
+    let mut frames = vec![first];
+    while more {
+        let mut next = zmq::Message::new();
+        socket.recv(&mut next, zmq::DONTWAIT)?;
+        more = next.get_more();
+        if frames.len() <= keep {
+            frames.push(next);
+        }
+    }
+    Ok(frames)
+}
+
+#[cfg(test)]
+mod tests;

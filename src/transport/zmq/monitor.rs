@@ -1,0 +1,111 @@
+//! libzmq's socket monitor: a PAIR socket on which libzmq reports what happens to a socket's
+//! connections (connected, handshake done or refused, disconnected), each event with the file
+//! descriptor of the connection it concerns.
+
+use super::context;
+
+/// What a socket's connection went through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Event {
+    /// A connection this socket made was established (TCP); its handshake follows.
+    Connected { fd: i32 },
+    /// A connection completed its ZMTP handshake (and authentication): it carries messages.
+    Ready,
+    /// A connection was closed (by the peer, the network or libzmq itself).
+    Disconnected { fd: i32 },
+    /// The peer refused our credentials, or we refused the peer's.
+    AuthFailed,
+    /// The peer speaks another security mechanism (a token on one side only).
+    MechanismMismatch,
+}
+
+/// The events a [`Monitor`] listens to.
+const EVENTS: u32 = zmq_sys::ZMQ_EVENT_CONNECTED
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
+    | zmq_sys::ZMQ_EVENT_DISCONNECTED
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL;
+
+/// The monitor of one socket.
+pub(super) struct Monitor {
+    pair: zmq::Socket,
+}
+
+impl Monitor {
+    /// Starts monitoring `socket`; call before it binds or connects, so no event is missed.
+    pub(super) fn new(socket: &zmq::Socket) -> Result<Monitor, zmq::Error> {
+        let endpoint = format!("inproc://kvferry-monitor-{}", uuid::Uuid::new_v4().simple());
+        socket.monitor(&endpoint, EVENTS as i32)?;
+        let pair = context().socket(zmq::PAIR)?;
+        pair.connect(&endpoint)?;
+        Ok(Monitor { pair })
+    }
+
+    pub(super) fn poll_item(&self) -> zmq::PollItem<'_> {
+        self.pair.as_poll_item(zmq::POLLIN)
+    }
+
+    /// The next event already reported, without waiting.
+    pub(super) fn next(&self) -> Option<Event> {
+        loop {
+            let mut head = zmq::Message::new();
+            self.pair.recv(&mut head, zmq::DONTWAIT).ok()?;
+            // The second frame names the endpoint; it is not needed.
+            if head.get_more() {
+                let mut endpoint = zmq::Message::new();
+                let _ = self.pair.recv(&mut endpoint, zmq::DONTWAIT);
+            }
+            if let Some(event) = parse(&head) {
+                return Some(event);
+            }
+        }
+    }
+}
+
+/// An event's first frame: u16 event id, u32 value (the connection's file descriptor for a
+/// connect or a disconnect; an error code for the handshake events).
+fn parse(head: &[u8]) -> Option<Event> {
+    let id = u16::from_le_bytes(head.get(..2)?.try_into().ok()?);
+    let value = u32::from_le_bytes(head.get(2..6)?.try_into().ok()?);
+    let fd = i32::try_from(value).unwrap_or(-1);
+    match u32::from(id) {
+        zmq_sys::ZMQ_EVENT_CONNECTED => Some(Event::Connected { fd }),
+        zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED => Some(Event::Ready),
+        zmq_sys::ZMQ_EVENT_DISCONNECTED => Some(Event::Disconnected { fd }),
+        zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH => Some(Event::AuthFailed),
+        zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL => Some(Event::MechanismMismatch),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_parse_from_their_first_frame() {
+        let frame = |id: u32, value: u32| {
+            let mut f = (id as u16).to_le_bytes().to_vec();
+            f.extend_from_slice(&value.to_le_bytes());
+            f
+        };
+        assert_eq!(
+            parse(&frame(zmq_sys::ZMQ_EVENT_DISCONNECTED, 17)),
+            Some(Event::Disconnected { fd: 17 })
+        );
+        assert_eq!(
+            parse(&frame(zmq_sys::ZMQ_EVENT_CONNECTED, 9)),
+            Some(Event::Connected { fd: 9 })
+        );
+        assert_eq!(
+            parse(&frame(zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED, 0)),
+            Some(Event::Ready)
+        );
+        assert_eq!(
+            parse(&frame(zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH, 400)),
+            Some(Event::AuthFailed)
+        );
+        assert_eq!(parse(&frame(zmq_sys::ZMQ_EVENT_LISTENING, 3)), None);
+        assert_eq!(parse(&[1, 0, 0]), None, "a short frame is no event");
+    }
+}

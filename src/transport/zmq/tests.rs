@@ -1,0 +1,196 @@
+//! The control sockets against each other and against raw peers: frames cross, the token is
+//! enforced in the handshake, frames above the cap close only their connection, and a peer
+//! whose connection drops is reported lost once the grace has passed.
+
+use std::io::{Read as _, Write as _};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::control::ControlOptions;
+use super::*;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn options(token: Option<&str>) -> ControlOptions {
+    ControlOptions {
+        max_frame: 4096,
+        auth: Auth::new(token),
+    }
+}
+
+async fn next_frame(server: &mut ControlServer) -> (PeerId, Bytes) {
+    match tokio::time::timeout(WAIT, server.recv()).await {
+        Ok(Some(ControlEvent::Frame(peer, frame))) => (peer, frame),
+        Ok(Some(other)) => panic!("expected a frame, got {other:?}"),
+        Ok(None) => panic!("the socket thread stopped"),
+        Err(_) => panic!("no frame within {WAIT:?}"),
+    }
+}
+
+#[tokio::test]
+async fn frames_cross_both_ways_with_the_token() {
+    let (endpoint, mut server, replier) =
+        ControlServer::bind("127.0.0.1", 0, &options(Some("t0k")))
+            .await
+            .expect("bind");
+    let ControlClient { mut send, mut recv } =
+        ControlClient::connect(&endpoint, WAIT, &options(Some("t0k")), Bytes::new())
+            .await
+            .expect("connect");
+    send.send(Bytes::from_static(b"hello")).await.expect("send");
+    let (peer, frame) = next_frame(&mut server).await;
+    assert_eq!(&frame[..], b"hello");
+    assert_eq!(peer.len(), 16, "a decode names itself with 16 random bytes");
+    replier
+        .send(&peer, Bytes::from_static(b"ack"))
+        .await
+        .expect("reply");
+    let back = tokio::time::timeout(WAIT, recv.recv())
+        .await
+        .expect("in time")
+        .expect("frame");
+    assert_eq!(&back[..], b"ack");
+    // A peer that is not there is an error at once, not a silent drop.
+    let e = replier
+        .send(&Bytes::from_static(b"nobody"), Bytes::from_static(b"x"))
+        .await
+        .expect_err("no such peer");
+    assert!(e.message.contains("no such peer"), "{e}");
+}
+
+#[tokio::test]
+async fn a_wrong_or_missing_token_fails_the_handshake_with_authenticate() {
+    let (endpoint, _server, _replier) =
+        ControlServer::bind("127.0.0.1", 0, &options(Some("right")))
+            .await
+            .expect("bind");
+    for (token, says) in [
+        (Some("wrong"), "refused this agent's token"),
+        (None, "another security mechanism"),
+    ] {
+        let started = Instant::now();
+        let e = ControlClient::connect(&endpoint, WAIT, &options(token), Bytes::new())
+            .await
+            .err()
+            .expect("refused");
+        println!("{token:?}: {e} after {:?}", started.elapsed());
+        assert_eq!(e.op, "authenticate", "{e}");
+        assert!(e.message.contains(says), "{e}");
+    }
+}
+
+/// A raw TCP peer: a ZMTP 3.0 greeting (NULL mechanism, as client), then `rest`.
+fn raw_peer(endpoint: &str, rest: &[u8]) -> std::net::TcpStream {
+    let addr = endpoint.trim_start_matches("tcp://");
+    let mut s = std::net::TcpStream::connect(addr).expect("tcp connect");
+    let mut greeting = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 0];
+    greeting.extend_from_slice(b"NULL");
+    greeting.resize(64, 0);
+    s.write_all(&greeting).expect("greeting");
+    let _ = s.write_all(rest);
+    s
+}
+
+/// Whether the peer closed `s` within `WAIT` (reads until EOF or a reset).
+fn closed_by_peer(s: &mut std::net::TcpStream) -> bool {
+    s.set_read_timeout(Some(WAIT)).expect("timeout");
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_frame_announcing_more_than_the_cap_closes_its_connection_only() {
+    let (endpoint, mut server, _replier) = ControlServer::bind("127.0.0.1", 0, &options(None))
+        .await
+        .expect("bind");
+    // A READY command is itself a frame: announce 2^40 bytes for it (long frame, command).
+    let mut huge = vec![0x06];
+    huge.extend_from_slice(&(1u64 << 40).to_be_bytes());
+    let ep = endpoint.clone();
+    let closed = tokio::task::spawn_blocking(move || closed_by_peer(&mut raw_peer(&ep, &huge)))
+        .await
+        .expect("raw peer");
+    assert!(closed, "libzmq kept a connection that announced 2^40 bytes");
+    // The socket serves the next peer. (A connection lives as long as its receiving half.)
+    let ControlClient {
+        mut send,
+        recv: _recv,
+    } = ControlClient::connect(&endpoint, WAIT, &options(None), Bytes::new())
+        .await
+        .expect("connect after the attack");
+    send.send(Bytes::from_static(b"still here"))
+        .await
+        .expect("send");
+    assert_eq!(&next_frame(&mut server).await.1[..], b"still here");
+    // A frame one byte over the cap from a real client closes its connection too; the frame
+    // never arrives, and the client's next frame does once libzmq has reconnected.
+    let ControlClient {
+        send: mut big,
+        recv: _big_recv,
+    } = ControlClient::connect(
+        &endpoint,
+        WAIT,
+        &options(None),
+        Bytes::from_static(b"again"),
+    )
+    .await
+    .expect("connect");
+    big.send(Bytes::from(vec![7u8; 4097]))
+        .await
+        .expect("queued");
+    // The server dropped the connection; the client is back and says so at once.
+    assert_eq!(&next_frame(&mut server).await.1[..], b"again");
+    big.send(Bytes::from_static(b"after")).await.expect("send");
+    assert_eq!(&next_frame(&mut server).await.1[..], b"after");
+}
+
+#[tokio::test]
+async fn a_peer_whose_connection_drops_is_lost_after_the_grace_on_both_sides() {
+    let (endpoint, mut server, replier) = ControlServer::bind("127.0.0.1", 0, &options(None))
+        .await
+        .expect("bind");
+    let client = ControlClient::connect(&endpoint, WAIT, &options(None), Bytes::new())
+        .await
+        .expect("connect");
+    let ControlClient { mut send, recv } = client;
+    send.send(Bytes::from_static(b"hi")).await.expect("send");
+    let (peer, _) = next_frame(&mut server).await;
+    // The client goes away (as a killed process: its socket closes).
+    drop((send, recv));
+    let started = Instant::now();
+    match tokio::time::timeout(WAIT, server.recv()).await {
+        Ok(Some(ControlEvent::Lost(lost, why))) => {
+            println!("server: lost after {:?}: {why}", started.elapsed());
+            assert_eq!(lost, peer);
+            assert!(
+                started.elapsed() >= RECONNECT_GRACE,
+                "lost before the grace"
+            );
+        }
+        other => panic!("expected the peer lost, got {other:?}"),
+    }
+    // And the other way: the server goes away, the client's receive fails.
+    let ControlClient {
+        recv: mut r2,
+        send: _s2,
+    } = ControlClient::connect(&endpoint, WAIT, &options(None), Bytes::new())
+        .await
+        .expect("connect");
+    drop((server, replier));
+    let started = Instant::now();
+    let e = tokio::time::timeout(WAIT, r2.recv())
+        .await
+        .expect("within the bound")
+        .expect_err("lost");
+    println!("client: lost after {:?}: {e}", started.elapsed());
+    assert!(e.message.contains("not re-established"), "{e}");
+}
