@@ -115,12 +115,24 @@ impl Inner {
         ) {
             return refuse(reason.code, reason.message).await;
         }
-        let mut data = match self
-            .transport
-            .connect(&hello.data_endpoint, self.cfg.timeouts.connect)
-            .await
-        {
+        let checked = match &hello.pool {
+            Some(pool) => self.transport.check_memory(pool),
+            None => Ok(()),
+        };
+        let connected = match checked {
+            Ok(()) => {
+                let timeout = self.cfg.timeouts.connect;
+                self.transport.connect(&hello.data_endpoint, timeout).await
+            }
+            Err(e) => Err(e),
+        };
+        let mut data = match connected {
             Ok(d) => d,
+            Err(e) if e.is_malformed() => {
+                self.metrics.protocol_error("malformed");
+                let msg = format!("decode data endpoint or pool key refused: {e}");
+                return refuse(FailureCode::BadMessage, msg).await;
+            }
             Err(e) => {
                 let msg = format!(
                     "decode data endpoint {} unreachable from this prefill: {}",
