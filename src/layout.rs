@@ -473,16 +473,30 @@ impl KvLayout {
         mul(self.page_span()?, num_pages, "pool bytes")
     }
 
-    /// Offset of page 0 of plane `plane` of local layer `layer`, in a pool of `num_pages` pages.
-    /// The caller has checked the indices and validated `pool_bytes(num_pages)`.
-    pub fn plane_offset(&self, layer: usize, plane: usize, num_pages: usize) -> usize {
-        let block = self.page_size * self.num_heads() * self.head_bytes();
-        let layer_bytes = block * self.planes() * num_pages;
+    /// Offset of page 0 of plane `plane` of local layer `layer`, in a pool of `num_pages` pages,
+    /// with overflow checks: `num_pages` may come from a peer (the size of a pool it exposed).
+    pub fn plane_offset(
+        &self,
+        layer: usize,
+        plane: usize,
+        num_pages: usize,
+    ) -> Result<usize, LayoutError> {
+        let block = self.block_bytes()?;
+        let per_page = mul(block, self.planes(), "page bytes per layer")?;
+        let layer_bytes = mul(per_page, num_pages, "layer bytes")?;
         let within = match self.placement {
-            KvPlacement::Planes => plane * block * num_pages,
-            KvPlacement::Interleaved => plane * block,
+            KvPlacement::Planes => mul(
+                mul(plane, block, "plane offset")?,
+                num_pages,
+                "plane offset",
+            )?,
+            KvPlacement::Interleaved => mul(plane, block, "plane offset")?,
         };
-        layer * layer_bytes + within
+        mul(layer, layer_bytes, "layer offset")?
+            .checked_add(within)
+            .ok_or(LayoutError::Overflow {
+                what: "plane offset",
+            })
     }
 
     /// Offset of `(token, head)` inside one block of this layout; both local.
@@ -605,6 +619,24 @@ mod tests {
         assert_eq!(l.pool_bytes(10).unwrap(), 10 * 32 * 2 * 32768);
     }
 
+    /// A page count no pool can have (a peer's exposed size) is refused, never wrapped.
+    #[test]
+    fn offsets_into_an_impossible_pool_are_refused() {
+        let l = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 4).unwrap();
+        let huge = usize::MAX / l.page_span().unwrap() + 1;
+        assert!(l.pool_bytes(huge).is_err());
+        let per_layer_page = l.block_bytes().unwrap() * l.planes();
+        let beyond = usize::MAX / per_layer_page + 1;
+        let last = (l.num_layers() - 1, l.planes() - 1);
+        assert!(matches!(
+            l.plane_offset(last.0, last.1, beyond),
+            Err(LayoutError::Overflow { .. })
+        ));
+        let pages = 5;
+        let end = l.plane_offset(last.0, last.1, pages).unwrap();
+        assert!(end < l.pool_bytes(pages).unwrap());
+    }
+
     #[test]
     fn plane_offsets_tile_the_pool_exactly() {
         let model = ModelSpec::preset("tiny").unwrap();
@@ -620,7 +652,7 @@ mod tests {
             for layer in 0..l.num_layers() {
                 for plane in 0..l.planes() {
                     for p in 0..pages {
-                        let off = l.plane_offset(layer, plane, pages) + p * stride;
+                        let off = l.plane_offset(layer, plane, pages).unwrap() + p * stride;
                         assert_eq!(off % block, 0);
                         assert!(
                             !std::mem::replace(&mut seen[off / block], true),

@@ -11,7 +11,7 @@
 //! async callers run it on a blocking thread, never on the reactor (design.md part 10).
 #![allow(unsafe_code)]
 
-use crate::layout::{KvLayout, PageOrder, element_offset};
+use crate::layout::{KvLayout, LayoutError, PageOrder, element_offset};
 use crate::pool::HostPool;
 
 use super::{KernelError, Selection};
@@ -19,6 +19,10 @@ use crate::transport::{Span, WriteRun};
 
 /// Below this many bytes a transfer runs on one thread: spawning costs more than it saves.
 const PARALLEL_MIN_BYTES: usize = 4 << 20;
+
+/// The bounce buffer [`CpuKernel::checksum`] copies pool bytes through before hashing them:
+/// small enough to stay in cache between the copy and the hash.
+const CHECKSUM_BOUNCE: usize = 64 << 10;
 
 /// Gather and scatter for host pools.
 #[derive(Clone, Copy, Debug)]
@@ -55,7 +59,7 @@ impl CpuKernel {
         staging: &mut [u8],
     ) -> Result<(), KernelError> {
         sel.validate(pool, staging.len(), false)?;
-        let runs = plan(pool.layout(), pool.num_pages(), sel, wire);
+        let runs = plan(pool.layout(), pool.num_pages(), sel, wire)?;
         let src = Ptr(pool.base_ptr());
         let dst = Ptr(staging.as_mut_ptr());
         let stream = streams(staging.len());
@@ -76,7 +80,7 @@ impl CpuKernel {
         sel: &Selection<'_>,
     ) -> Result<(), KernelError> {
         sel.validate(pool, staging.len(), true)?;
-        let runs = plan(pool.layout(), pool.num_pages(), sel, wire);
+        let runs = plan(pool.layout(), pool.num_pages(), sel, wire)?;
         let src = Ptr(staging.as_ptr().cast_mut());
         let dst = Ptr(pool.base_ptr());
         let stream = streams(pool.size());
@@ -88,7 +92,8 @@ impl CpuKernel {
     }
 
     /// xxh3-64 of the selection's bytes in `wire` order (the bytes a gather would produce),
-    /// read in place: how the direct path checksums a chunk without staging it.
+    /// without staging the chunk: how the direct path checksums it. The pool's bytes are
+    /// copied through a small bounce buffer ([`CHECKSUM_BOUNCE`]) and hashed from there.
     pub fn checksum(
         &self,
         pool: &HostPool,
@@ -97,15 +102,26 @@ impl CpuKernel {
     ) -> Result<u64, KernelError> {
         let bytes = sel.bytes(pool)?;
         sel.validate(pool, bytes, false)?;
-        let mut runs = plan(pool.layout(), pool.num_pages(), sel, wire);
+        let mut runs = plan(pool.layout(), pool.num_pages(), sel, wire)?;
         runs.sort_unstable_by_key(|r| r.staging); // hash in wire order (see `pool_to_pool`)
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut bounce = vec![0u8; CHECKSUM_BOUNCE.min(bytes.max(1))];
         for r in runs {
-            // SAFETY: the run lies inside the pool (validated selection). The agents hash a
-            // selection only while its pages are theirs and quiescent: a prefill's ready
-            // pages, or a decode room's pages after the writer flushed them.
-            let run = unsafe { std::slice::from_raw_parts(pool.base_ptr().add(r.pool), r.len) };
-            hasher.update(run);
+            for start in (0..r.len).step_by(bounce.len()) {
+                let len = (r.len - start).min(bounce.len());
+                // SAFETY: the run lies inside the pool (validated selection), and `bounce`
+                // holds `len` bytes. A raw copy, never a `&[u8]` over the pool: the engine or
+                // a misbehaving peer may write these pages meanwhile, which then spoils the
+                // checksum (that is what it is for), never Rust's aliasing guarantees.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        pool.base_ptr().add(r.pool + start).cast_const(),
+                        bounce.as_mut_ptr(),
+                        len,
+                    )
+                };
+                hasher.update(&bounce[..len]);
+            }
         }
         Ok(hasher.digest())
     }
@@ -252,7 +268,12 @@ fn push(runs: &mut Vec<Run>, run: Run) {
 }
 
 /// Plans a validated selection of a pool as coalesced runs in staging order.
-fn plan(layout: &KvLayout, num_pages: usize, sel: &Selection<'_>, wire: PageOrder) -> Vec<Run> {
+fn plan(
+    layout: &KvLayout,
+    num_pages: usize,
+    sel: &Selection<'_>,
+    wire: PageOrder,
+) -> Result<Vec<Run>, LayoutError> {
     let page_size = layout.page_size;
     let held = layout.num_heads();
     let hb = layout.head_bytes();
@@ -264,7 +285,7 @@ fn plan(layout: &KvLayout, num_pages: usize, sel: &Selection<'_>, wire: PageOrde
     let mut staging = 0;
     for layer in sel.layers.clone() {
         for plane in 0..layout.planes() {
-            let plane_base = layout.plane_offset(layer, plane, num_pages);
+            let plane_base = layout.plane_offset(layer, plane, num_pages)?;
             let mut t = sel.tokens.start;
             while t < sel.tokens.end {
                 let in_page = t % page_size;
@@ -302,7 +323,7 @@ fn plan(layout: &KvLayout, num_pages: usize, sel: &Selection<'_>, wire: PageOrde
             }
         }
     }
-    runs
+    Ok(runs)
 }
 
 /// One side of a copy from pool to pool: a pool's layout and page count (it may be in another
@@ -338,8 +359,8 @@ pub fn pool_to_pool(
         runs.sort_unstable_by_key(|r| r.staging);
         runs
     };
-    let from = by_staging(plan(src.layout, src.num_pages, src.sel, wire));
-    let to = by_staging(plan(dst.layout, dst.num_pages, dst.sel, wire));
+    let from = by_staging(plan(src.layout, src.num_pages, src.sel, wire)?);
+    let to = by_staging(plan(dst.layout, dst.num_pages, dst.sel, wire)?);
     let mut out: Vec<WriteRun> = Vec::new();
     let (mut i, mut j) = (from.iter().copied(), to.iter().copied());
     let (mut a, mut b) = (i.next(), j.next());
@@ -383,7 +404,7 @@ pub fn source_spans(
 ) -> Result<Vec<Span>, KernelError> {
     let bytes = sel.bytes_in(layout)?;
     sel.validate_in(layout, num_pages, bytes, false)?;
-    let mut runs = plan(layout, num_pages, sel, wire);
+    let mut runs = plan(layout, num_pages, sel, wire)?;
     runs.sort_unstable_by_key(|r| r.staging);
     let mut out: Vec<Span> = Vec::new();
     for r in runs {
@@ -415,7 +436,7 @@ pub fn placements(
         .and_then(|t| usize::try_from(t).ok())
         .unwrap_or(usize::MAX);
     sel.validate_in(layout, num_pages, total, true)?;
-    let mut runs = plan(layout, num_pages, sel, wire);
+    let mut runs = plan(layout, num_pages, sel, wire)?;
     runs.sort_unstable_by_key(|r| r.staging);
     let mut runs = runs.into_iter();
     let mut current = runs.next();

@@ -180,6 +180,8 @@ impl<'a> Selection<'a> {
     ) -> Result<(), KernelError> {
         check_range("layers", &self.layers, layout.num_layers())?;
         check_range("heads", &self.heads, layout.num_heads())?;
+        // Every offset into the pool is below its size: none overflows once this does not.
+        layout.pool_bytes(num_pages)?;
         if self.tokens.start > self.tokens.end {
             return Err(KernelError::TooFewPages {
                 start: self.tokens.start,

@@ -322,7 +322,7 @@ impl HostPool {
         if layer >= l.num_layers() || plane >= l.planes() || page >= self.num_pages {
             return Err(PoolError::BadBlock { layer, plane, page });
         }
-        Ok(l.plane_offset(layer, plane, self.num_pages) + page * l.page_stride()?)
+        Ok(l.plane_offset(layer, plane, self.num_pages)? + page * l.page_stride()?)
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<(), PoolError> {

@@ -40,6 +40,21 @@ pub struct TransportError {
     pub endpoint: String,
     /// What went wrong.
     pub message: String,
+    /// Whether a peer's bytes were malformed or the operation failed.
+    pub kind: TransportErrorKind,
+}
+
+/// What a [`TransportError`] means for the peer that caused it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportErrorKind {
+    /// The operation failed (unreachable, refused, timed out, dead peer, local error).
+    Failed,
+    /// An address or key the peer announced does not have the transport's format: refused
+    /// before the transport used it (a `bad_message`, not an unreachable peer).
+    Malformed,
+    /// The peer refused this agent's credentials in the handshake, or asked for others (a
+    /// token on one side only): `unauthorized`, not an unreachable peer.
+    Unauthorized,
 }
 
 impl TransportError {
@@ -48,7 +63,33 @@ impl TransportError {
             op,
             endpoint: endpoint.to_owned(),
             message: message.to_string(),
+            kind: TransportErrorKind::Failed,
         }
+    }
+
+    /// A [`TransportErrorKind::Malformed`] error.
+    pub(crate) fn malformed(op: &'static str, endpoint: &str, message: impl fmt::Display) -> Self {
+        TransportError {
+            kind: TransportErrorKind::Malformed,
+            ..Self::new(op, endpoint, message)
+        }
+    }
+
+    /// A [`TransportErrorKind::Unauthorized`] error.
+    pub(crate) fn unauthorized(
+        op: &'static str,
+        endpoint: &str,
+        message: impl fmt::Display,
+    ) -> Self {
+        TransportError {
+            kind: TransportErrorKind::Unauthorized,
+            ..Self::new(op, endpoint, message)
+        }
+    }
+
+    /// Whether the peer's address or key was malformed ([`TransportErrorKind::Malformed`]).
+    pub fn is_malformed(&self) -> bool {
+        self.kind == TransportErrorKind::Malformed
     }
 }
 
@@ -401,12 +442,20 @@ pub trait Transport: Send + Sync {
     /// Binds a receiver on `host`; returns the endpoint senders connect to.
     fn listen(&self, host: &str) -> BoxFuture<'static, Result<Listening, TransportError>>;
 
-    /// Connects a sender to a receiver's endpoint, failing after `timeout` if unreachable.
+    /// Connects a sender to a receiver's endpoint, failing after `timeout` if unreachable
+    /// ([`TransportErrorKind::Malformed`] when the endpoint is not one of this transport's).
     fn connect(
         &self,
         endpoint: &str,
         timeout: std::time::Duration,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>>;
+
+    /// Checks a receiver's exposed memory (from its Hello) before anything uses it: a key
+    /// this transport could not parse is [`TransportErrorKind::Malformed`].
+    fn check_memory(&self, memory: &RemoteMemory) -> Result<(), TransportError> {
+        let _ = memory;
+        Ok(())
+    }
 }
 
 /// The transport of a kind, for chunks of at most `max_chunk` payload bytes; ZeroMQ

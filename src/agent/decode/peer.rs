@@ -151,8 +151,8 @@ impl Inner {
         let options = crate::agent::control_options(&self.cfg);
         let connected =
             ControlClient::connect(&endpoint, timeout, &options, beat.encode().into()).await;
-        let ControlClient { mut send, mut recv } = connected.map_err(|e| match e.op {
-            "authenticate" => Reason::new(
+        let ControlClient { mut send, mut recv } = connected.map_err(|e| match e.kind {
+            transport::TransportErrorKind::Unauthorized => Reason::new(
                 FailureCode::Unauthorized,
                 format!("prefill control endpoint {endpoint}: {}", e.message),
             ),

@@ -2,6 +2,7 @@
 //! Credit, Heartbeat, garbage) and the answers; every refusal is an Error with a code.
 
 use super::*;
+use crate::transport::TransportErrorKind;
 
 pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
     loop {
@@ -123,13 +124,25 @@ impl Inner {
         ) {
             return refuse(reason.code, reason.message).await;
         }
-        let mut data = match self
-            .transport
-            .connect(&hello.data_endpoint, self.cfg.timeouts.connect)
-            .await
-        {
+        let checked = match &hello.pool {
+            Some(pool) => self.transport.check_memory(pool),
+            None => Ok(()),
+        };
+        let connected = match checked {
+            Ok(()) => {
+                let timeout = self.cfg.timeouts.connect;
+                self.transport.connect(&hello.data_endpoint, timeout).await
+            }
+            Err(e) => Err(e),
+        };
+        let mut data = match connected {
             Ok(d) => d,
-            Err(e) if e.op == "authenticate" => {
+            Err(e) if e.is_malformed() => {
+                self.metrics.protocol_error("malformed");
+                let msg = format!("decode data endpoint or pool key refused: {e}");
+                return refuse(FailureCode::BadMessage, msg).await;
+            }
+            Err(e) if e.kind == TransportErrorKind::Unauthorized => {
                 let msg = format!(
                     "decode data endpoint {} refused this prefill: {}",
                     hello.data_endpoint, e.message

@@ -243,9 +243,14 @@ impl DirectTarget {
                 memory.size
             ));
         }
+        // The decode's size feeds every offset computed into its pool: checked here.
+        let num_pages = usize::try_from(memory.size / span)
+            .ok()
+            .filter(|&n| layout.pool_bytes(n).is_ok_and(|b| b as u64 == memory.size))
+            .ok_or_else(|| format!("exposed {} bytes: too many pages", memory.size))?;
         Ok(DirectTarget {
             layout,
-            num_pages: (memory.size / span) as usize,
+            num_pages,
             path,
             method,
         })

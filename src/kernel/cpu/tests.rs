@@ -20,7 +20,7 @@ fn whole_heads_and_consecutive_pages_coalesce_into_one_run_per_plane() {
         layers: 0..32,
         heads: 0..8,
     };
-    let runs = plan(&l, 64, &sel, PageOrder::TokenMajor);
+    let runs = plan(&l, 64, &sel, PageOrder::TokenMajor).unwrap();
     assert_eq!(runs.len(), 64, "one run per (layer, plane)");
     // Sent from the pool: one span per (layer, plane) too (the planes are apart).
     let spans = source_spans(&l, 64, &sel, PageOrder::TokenMajor).unwrap();
@@ -37,7 +37,7 @@ fn whole_heads_and_consecutive_pages_coalesce_into_one_run_per_plane() {
     assert!(source_spans(&l, 64, &bad, PageOrder::TokenMajor).is_err());
     assert!(runs.iter().all(|r| r.len == 10 * 32768));
     // Head-major pools coalesce the same way when whole pages are selected.
-    let runs = plan(&llama(PageOrder::HeadMajor), 64, &sel, PageOrder::HeadMajor);
+    let runs = plan(&llama(PageOrder::HeadMajor), 64, &sel, PageOrder::HeadMajor).unwrap();
     assert_eq!(runs.len(), 64);
 }
 
@@ -253,11 +253,12 @@ fn head_slices_are_one_run_per_token_or_per_head() {
         8,
         &sel,
         PageOrder::TokenMajor,
-    );
+    )
+    .unwrap();
     assert_eq!(tm.len(), 2 * 16);
     assert!(tm.iter().all(|r| r.len == 4 * 256));
     // Head-major: a head slice of a page is contiguous, so one run per plane.
-    let hm = plan(&llama(PageOrder::HeadMajor), 8, &sel, PageOrder::HeadMajor);
+    let hm = plan(&llama(PageOrder::HeadMajor), 8, &sel, PageOrder::HeadMajor).unwrap();
     assert_eq!(hm.len(), 2);
     assert!(hm.iter().all(|r| r.len == 4 * 16 * 256));
 }
@@ -321,6 +322,7 @@ fn head_slices_scattered_into_a_pool_that_streams_land_exactly() {
     assert_eq!(back, chunk);
     // Every other byte of the pool kept its fill.
     let landed: usize = plan(pool.layout(), 16, &sel, PageOrder::TokenMajor)
+        .unwrap()
         .iter()
         .map(|r| r.len)
         .sum();
@@ -370,4 +372,65 @@ fn split_cuts_runs_into_equal_shares() {
             }
         ]
     );
+}
+
+/// The checksum copies runs through its bounce buffer in pieces: runs longer than the buffer
+/// (10 pages x 32 KiB per plane here, against 64 KiB) and not multiples of it hash to the
+/// gathered bytes' xxh3, in both orders.
+#[test]
+fn checksum_through_the_bounce_buffer_matches_the_gathered_bytes() {
+    for order in [PageOrder::TokenMajor, PageOrder::HeadMajor] {
+        let l = llama(order);
+        let pool = HostPool::anonymous(l.clone(), 64).unwrap();
+        let fill: Vec<u8> = (0..pool.size()).map(|i| (i * 7 + i / 4099) as u8).collect();
+        pool.write(0, &fill).unwrap();
+        let pages: Vec<u32> = (10..20).chain([40, 3, 41]).collect();
+        for heads in [0..8, 1..6] {
+            let sel = Selection {
+                pages: &pages,
+                tokens: 0..13 * 16 - 5,
+                layers: 0..32,
+                heads,
+            };
+            let k = CpuKernel::new(1);
+            let mut staged = vec![0; sel.bytes(&pool).unwrap()];
+            k.gather(&pool, &sel, order, &mut staged).unwrap();
+            let longest = plan(&l, 64, &sel, order)
+                .unwrap()
+                .iter()
+                .map(|r| r.len)
+                .max();
+            if sel.heads.len() == 8 {
+                assert!(longest > Some(CHECKSUM_BOUNCE), "{longest:?}");
+            }
+            let want = xxhash_rust::xxh3::xxh3_64(&staged);
+            assert_eq!(k.checksum(&pool, &sel, order).unwrap(), want, "{order:?}");
+        }
+    }
+}
+
+/// A destination pool of more pages than memory can hold (a peer's exposed size): the plan
+/// is refused with the overflow, not computed with wrapped offsets.
+#[test]
+fn a_pool_to_pool_plan_into_an_impossible_pool_is_refused() {
+    let l = llama(PageOrder::TokenMajor);
+    let pages: Vec<u32> = vec![0, 1];
+    let sel = Selection {
+        pages: &pages,
+        tokens: 0..32,
+        layers: 0..32,
+        heads: 0..8,
+    };
+    let huge = usize::MAX / l.page_span().unwrap() + 1;
+    let side = |num_pages| PoolSide {
+        layout: &l,
+        num_pages,
+        sel: &sel,
+    };
+    let planned = pool_to_pool(side(4), side(huge), PageOrder::TokenMajor);
+    assert!(
+        matches!(planned, Err(KernelError::Layout(_))),
+        "{planned:?}"
+    );
+    assert!(pool_to_pool(side(4), side(4), PageOrder::TokenMajor).is_ok());
 }

@@ -457,7 +457,7 @@ impl DevicePool {
             base
         };
         let table = stream
-            .clone_htod(&launch::plane_table(&layout, num_pages, base))
+            .clone_htod(&launch::plane_table(&layout, num_pages, base)?)
             .map_err(driver("upload plane table"))?;
         stream.synchronize().map_err(driver("synchronize"))?;
         Ok(DevicePool {

@@ -15,7 +15,7 @@
 #![deny(unsafe_code)]
 
 use crate::kernel::{KernelError, Selection};
-use crate::layout::{KvLayout, PageOrder};
+use crate::layout::{KvLayout, LayoutError, PageOrder};
 
 use super::CudaError;
 
@@ -82,11 +82,17 @@ pub struct LaunchPlan<'a> {
 
 /// The plane table of a pool of `num_pages` pages whose memory starts at address `base`: the
 /// address of page 0 of every (local layer, plane), layer-major. Uploaded once per pool.
-pub fn plane_table(layout: &KvLayout, num_pages: usize, base: u64) -> Vec<u64> {
+pub fn plane_table(
+    layout: &KvLayout,
+    num_pages: usize,
+    base: u64,
+) -> Result<Vec<u64>, LayoutError> {
     (0..layout.num_layers())
         .flat_map(|layer| {
-            (0..layout.planes())
-                .map(move |plane| base + layout.plane_offset(layer, plane, num_pages) as u64)
+            (0..layout.planes()).map(move |plane| {
+                let offset = layout.plane_offset(layer, plane, num_pages)?;
+                Ok(base.wrapping_add(offset as u64))
+            })
         })
         .collect()
 }
@@ -311,8 +317,8 @@ mod tests {
             .unwrap()
             .with_order(PageOrder::HeadMajor, KvPlacement::Interleaved)
             .unwrap();
-        let t = plane_table(&l, 3, 1000);
+        let t = plane_table(&l, 3, 1000).unwrap();
         assert_eq!(t.len(), 4 * 2);
-        assert_eq!(t[5], 1000 + l.plane_offset(2, 1, 3) as u64);
+        assert_eq!(t[5], 1000 + l.plane_offset(2, 1, 3).unwrap() as u64);
     }
 }

@@ -210,9 +210,25 @@ fn shares(runs: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
+/// A UCX error as a transport's: [`TransportErrorKind::Malformed`] for a peer's malformed
+/// address or key.
+///
+/// [`TransportErrorKind::Malformed`]: crate::transport::TransportErrorKind::Malformed
+fn transport_error(op: &'static str, endpoint: &str, e: super::UcxError) -> TransportError {
+    match e {
+        super::UcxError::Malformed(m) => TransportError::malformed(op, endpoint, m),
+        e => TransportError::new(op, endpoint, e),
+    }
+}
+
 impl Transport for UcxData {
     fn kind(&self) -> TransportKind {
         TransportKind::Ucx
+    }
+
+    fn check_memory(&self, memory: &RemoteMemory) -> Result<(), TransportError> {
+        super::packed::check_rkey(&memory.key)
+            .map_err(|e| TransportError::malformed("attach", "decode pool", e))
     }
 
     fn listen(&self, _host: &str) -> BoxFuture<'static, Result<Listening, TransportError>> {
@@ -257,8 +273,13 @@ impl Transport for UcxData {
         Box::pin(async move {
             let shown: String = endpoint.chars().take(24).collect();
             let addresses = decode_addresses(&endpoint).ok_or_else(|| {
-                TransportError::new("connect", &shown, "not a ucx: worker address list")
+                TransportError::malformed("connect", &shown, "not a ucx: worker address list")
             })?;
+            // Checked before any reaches UCX (the progress thread checks again).
+            for address in &addresses {
+                super::packed::check_worker_address(address)
+                    .map_err(|e| TransportError::malformed("connect", &shown, e))?;
+            }
             let worker = inner.worker().await?;
             let mut eps = Vec::with_capacity(addresses.len());
             for address in addresses {
@@ -268,7 +289,7 @@ impl Transport for UcxData {
                         let m = format!("no answer within {timeout:?}");
                         TransportError::new("connect", &shown, m)
                     })?
-                    .map_err(|e| TransportError::new("connect", &shown, e))?;
+                    .map_err(|e| transport_error("connect", &shown, e))?;
                 eps.push(ep);
             }
             let sender: Box<dyn DataSender> = Box::new(UcxSender {
@@ -401,7 +422,7 @@ impl DataSender for UcxSender {
         memory: RemoteMemory,
     ) -> BoxFuture<'_, Result<Option<WritePath>, TransportError>> {
         Box::pin(async move {
-            let fail = |e: super::UcxError| TransportError::new("attach", &self.endpoint, e);
+            let fail = |e: super::UcxError| transport_error("attach", &self.endpoint, e);
             let region = self
                 .worker
                 .add_remote_region(self.ep, memory.base, memory.size, memory.key.into())

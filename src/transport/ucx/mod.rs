@@ -30,6 +30,7 @@
 #![allow(unsafe_code)]
 
 pub mod data;
+pub mod packed;
 mod progress;
 pub mod region;
 pub mod result;
@@ -121,6 +122,10 @@ pub enum UcxError {
         /// The OS error.
         message: String,
     },
+    /// A peer's worker address or remote key that does not have the shape UCX 1.13 packs;
+    /// refused before any UCX call ([`packed`]).
+    #[error(transparent)]
+    Malformed(#[from] packed::Malformed),
     /// The progress thread has stopped (shut down, or failed at start): nothing more runs.
     #[error("the UCX worker has shut down")]
     WorkerGone,

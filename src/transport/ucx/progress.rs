@@ -16,6 +16,8 @@
 //! Invariants:
 //! - an operation's buffers live in its `Pending` entry together with its request, and an
 //!   entry is only dropped once UCX reports the request complete;
+//! - a panic on the thread aborts the process before the engine's buffers drop
+//!   (`AbortOnUnwind`);
 //! - a caller that drops its future closes the oneshot; the thread then cancels the request
 //!   (`ucp_request_cancel`) and keeps the buffers until the request completes;
 //! - at shutdown, requests are cancelled and endpoints force-closed (which completes their
@@ -80,9 +82,32 @@ pub(super) fn run(
     }
 }
 
+/// Aborts the process when dropped during a panic. The first field of [`Engine`], so it drops
+/// first: a panic on the progress thread must not unwind through the engine, whose buffers
+/// (receives UCX writes into, sends and puts it reads from, registered memory a peer may
+/// write) would be freed while UCX, the NIC or a peer's cma still use them.
+struct AbortOnUnwind;
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let message = "kvferry: a UCX progress thread panicked; aborting the process rather than freeing memory UCX may still use";
+            tracing::error!("{message}");
+            // Also straight to stderr: tracing may not be set up, and nothing runs after this.
+            let _ = std::io::Write::write_all(
+                &mut std::io::stderr(),
+                format!("{message}\n").as_bytes(),
+            );
+            std::process::abort();
+        }
+    }
+}
+
 /// Everything UCP of one worker, owned by its progress thread. Field order is drop order:
-/// requests, remote keys, endpoints, registrations, then the worker and the context.
+/// the abort guard, requests, remote keys, endpoints, registrations, then the worker and the
+/// context.
 struct Engine {
+    _abort_on_unwind: AbortOnUnwind,
     /// Operations watched one by one for abandonment: sends, flushes, receives, puts with a
     /// reply. Keyed by [`Request::key`], like `bulk`.
     pending: HashMap<usize, Pending>,
@@ -115,6 +140,7 @@ impl Engine {
         let context = Context::new(config.vars())?;
         let worker = Worker::new(&context)?;
         Ok(Engine {
+            _abort_on_unwind: AbortOnUnwind,
             pending: HashMap::new(),
             bulk: HashMap::new(),
             groups: Vec::new(),
@@ -252,7 +278,11 @@ impl Engine {
             Command::Disconnect { ep, reply } => {
                 self.remote.retain(|_, r| r.ep != ep);
                 let result = match self.endpoints.remove(&ep.0) {
-                    Some(_) => Ok(()),
+                    // Puts still queued hold the endpoint through their keys: close it now.
+                    Some(endpoint) => {
+                        endpoint.close();
+                        Ok(())
+                    }
                     None => Err(UcxError::Unknown {
                         what: "endpoint",
                         id: ep.0,
@@ -493,7 +523,10 @@ impl Engine {
         for (id, status) in failed {
             tracing::warn!(endpoint = id, error = %status_name(status), "UCX peer failed");
             self.remote.retain(|_, r| r.ep.0 != id);
-            self.endpoints.remove(&id);
+            if let Some(endpoint) = self.endpoints.remove(&id) {
+                // Forced (it failed): puts still holding its keys complete with an error.
+                endpoint.close();
+            }
             self.dead.insert(id, status);
         }
     }
@@ -519,7 +552,9 @@ impl Engine {
             }
         }
         self.remote.clear();
-        self.endpoints.clear();
+        for (_, endpoint) in self.endpoints.drain() {
+            endpoint.close();
+        }
         self.progress_until_idle(Duration::from_secs(3));
         if !self.idle() {
             tracing::error!(
@@ -557,3 +592,6 @@ fn sleep(efd: Option<i32>, wake: &OwnedFd, timeout_ms: i32) {
         let _ = unsafe { libc::read(wake.as_raw_fd(), (&raw mut counter).cast(), 8) };
     }
 }
+
+#[cfg(test)]
+mod tests;

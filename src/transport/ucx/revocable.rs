@@ -6,7 +6,7 @@
 
 use std::cell::Cell;
 use std::ffi::c_void;
-use std::ptr;
+use std::ptr::{self, NonNull};
 use std::rc::Rc;
 use std::sync::OnceLock;
 
@@ -32,20 +32,6 @@ pub struct Revocable {
 }
 
 impl Revocable {
-    /// A destination of `len` bytes at `dst`.
-    ///
-    /// # Safety
-    /// `dst` is valid for writes of `len` bytes until the destination is revoked or its
-    /// receive has completed, and nothing else accesses those bytes meanwhile.
-    pub unsafe fn new(dst: *mut u8, len: usize) -> Box<Revocable> {
-        Box::new(Revocable {
-            dst,
-            len,
-            revoked: Cell::new(false),
-            touched: Cell::new(false),
-        })
-    }
-
     /// Stops every later write: pieces that arrive from now on are dropped.
     pub fn revoke(&self) {
         self.revoked.set(true);
@@ -59,6 +45,50 @@ impl Revocable {
     /// Whether any piece of a message arrived (the receive is matched).
     pub fn touched(&self) -> bool {
         self.touched.get()
+    }
+}
+
+/// An owned [`Revocable`] at an address that stays valid for UCX while its owner moves: made
+/// with `Box::leak` (as `Box::into_raw`), so no move of a `Box` (which asserts unique access to
+/// its contents) invalidates the pointer UCX's callbacks hold; freed when this drops.
+pub struct RevocableBox(NonNull<Revocable>);
+
+impl RevocableBox {
+    /// A destination of `len` bytes at `dst`.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `len` bytes until the destination is revoked or its
+    /// receive has completed, and nothing else accesses those bytes meanwhile.
+    pub unsafe fn new(dst: *mut u8, len: usize) -> RevocableBox {
+        let boxed = Box::new(Revocable {
+            dst,
+            len,
+            revoked: Cell::new(false),
+            touched: Cell::new(false),
+        });
+        RevocableBox(NonNull::from(Box::leak(boxed)))
+    }
+
+    /// The pointer UCX's callbacks get.
+    fn as_ptr(&self) -> *mut Revocable {
+        self.0.as_ptr()
+    }
+}
+
+impl std::ops::Deref for RevocableBox {
+    type Target = Revocable;
+    fn deref(&self) -> &Revocable {
+        // SAFETY: live from `RevocableBox::new` until Drop; only shared references are made (the
+        // callbacks' included), and its mutable state is in Cells used on one thread.
+        unsafe { self.0.as_ref() }
+    }
+}
+
+impl Drop for RevocableBox {
+    fn drop(&mut self) {
+        // SAFETY: from Box::leak in `RevocableBox::new`, freed once; its owner (a run's Pending
+        // entry) drops it only after the receive completed, or never (leaked with it).
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
     }
 }
 
@@ -89,7 +119,7 @@ unsafe extern "C" fn revocable_unpack(
     }
     match offset.checked_add(length) {
         Some(end) if end <= target.len => {
-            // SAFETY: `dst..dst + len` is writable while not revoked (`Revocable::new`), the
+            // SAFETY: `dst..dst + len` is writable while not revoked (`RevocableBox::new`), the
             // piece lies within it (checked), and UCX's `src` holds `length` readable bytes.
             unsafe { ptr::copy_nonoverlapping(src.cast::<u8>(), target.dst.add(offset), length) };
             sys::UCS_OK
@@ -138,13 +168,44 @@ impl Worker {
     /// if the worker is leaked).
     pub unsafe fn tag_recv_revocable(
         self: &Rc<Self>,
-        target: &Revocable,
+        target: &RevocableBox,
         tag: u64,
         mask: u64,
     ) -> Result<Started<()>, UcxError> {
-        let buffer = (&raw const *target).cast_mut().cast();
+        let buffer = target.as_ptr().cast();
         // SAFETY: UCX hands the buffer pointer (the target) only to the datatype's callbacks,
         // which the caller's contract keeps valid.
         unsafe { self.recv_as(buffer, 1, revocable_type()?, tag, mask) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pointer UCX's callbacks hold stays the destination's after its owner moves (into a
+    /// Vec, as into a Pending entry): pieces land through it, and a revoke through the owner
+    /// stops them. Derived from a `Box` that then moved, this pointer would be invalid under
+    /// Rust's aliasing rules (what `cargo miri test` checks; this test has no FFI).
+    #[test]
+    fn callback_pointer_survives_a_move_of_its_owner() {
+        let mut dst = vec![0u8; 8];
+        // SAFETY: `dst` outlives the target and is touched only through it until the end.
+        let target = unsafe { RevocableBox::new(dst.as_mut_ptr(), dst.len()) };
+        let state = target.as_ptr().cast::<c_void>();
+        let owners = vec![target];
+        let piece = [7u8, 8, 9];
+        // SAFETY: `state` is the live Revocable (owned by `owners`); `piece` is readable.
+        let ok = unsafe { revocable_unpack(state, 2, piece.as_ptr().cast(), piece.len()) };
+        assert_eq!(ok, sys::UCS_OK);
+        // SAFETY: as above.
+        assert_eq!(unsafe { revocable_size(state) }, 8);
+        owners[0].revoke();
+        // SAFETY: as above; revoked, the piece is dropped.
+        let ok = unsafe { revocable_unpack(state, 0, piece.as_ptr().cast(), piece.len()) };
+        assert_eq!(ok, sys::UCS_OK);
+        assert!(owners[0].touched() && owners[0].revoked());
+        drop(owners);
+        assert_eq!(dst, [0, 0, 7, 8, 9, 0, 0, 0]);
     }
 }

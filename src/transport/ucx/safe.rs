@@ -5,7 +5,10 @@
 //! - each is a `NonNull` handle released exactly once in `Drop` (which never panics);
 //! - each holds an `Rc` of the object it was made from (a worker its context, an endpoint its
 //!   worker, a remote key its endpoint, a request its worker), so parents outlive children and
-//!   destruction follows UCX's required order by construction;
+//!   destruction follows UCX's required order by construction; the one exception is
+//!   [`Endpoint::close`], which closes an endpoint whose remote keys are still held (by puts in
+//!   flight), as UCX allows;
+//! - a peer's worker address or rkey reaches UCX only validated and copied ([`super::packed`]);
 //! - `Rc` makes them `!Send` and `!Sync`: all calls happen on the thread that created them,
 //!   which is what `UCS_THREAD_MODE_SINGLE` requires;
 //! - operations that hand UCX a buffer are `unsafe fn`: the caller keeps the buffer alive and
@@ -22,9 +25,15 @@ use std::ptr::{self, NonNull};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicI8, Ordering};
 
-use super::UcxError;
 use super::result::{self, check, request_or_done};
 use super::sys::{self, ucs_status_t};
+use super::{UcxError, packed};
+
+/// Settings every context gets, over the environment's and the caller's: the worker address
+/// format [`super::packed`] validates peers' addresses against. UCX 1.13 parses an address by
+/// its own settings (in unified mode without the lengths a peer packed), so both sides must
+/// use this one.
+const FORCED_VARS: [(&str, &str); 2] = [("ADDRESS_VERSION", "v1"), ("UNIFIED_MODE", "n")];
 
 /// A UCP context (`ucp_init`) with tag matching, RMA and wakeup.
 pub struct Context {
@@ -48,7 +57,12 @@ impl Context {
         config: NonNull<sys::ucp_config_t>,
         vars: &[(String, String)],
     ) -> Result<Rc<Context>, UcxError> {
-        for (name, value) in vars {
+        let forced = FORCED_VARS.iter().map(|&(n, v)| (n, v));
+        for (name, value) in vars
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .chain(forced)
+        {
             // SAFETY: config is live until the caller releases it after this function.
             unsafe { result::config_modify(config, name, value) }?;
         }
@@ -172,6 +186,11 @@ impl Worker {
             ended: Completions::default(),
             _context: context.clone(),
         }))
+    }
+
+    /// The raw handle, for calls of [`super::result`] and tests.
+    pub fn as_ptr(&self) -> NonNull<sys::ucp_worker> {
+        self.ptr
     }
 
     /// The requests that ended since the last call, in the order they ended. A request ending
@@ -307,7 +326,7 @@ unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, _ep: sys::ucp_ep_h, sta
     if arg.is_null() {
         return;
     }
-    // SAFETY: `arg` is the Box<EpState> of a live Endpoint: UCX never calls the error handler
+    // SAFETY: `arg` is the leaked EpState of a live Endpoint: UCX never calls the error handler
     // of an endpoint after ucp_ep_close_nbx, which runs in Endpoint::drop before the box is
     // freed. Only an atomic store happens here: no panic can cross the FFI boundary.
     let state = unsafe { &*arg.cast::<EpState>() };
@@ -322,8 +341,12 @@ unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, _ep: sys::ucp_ep_h, sta
 /// A connection to a remote worker.
 pub struct Endpoint {
     ptr: NonNull<sys::ucp_ep>,
-    state: Box<EpState>,
+    /// From `Box::into_raw`, so the pointer the error handler holds is never invalidated by a
+    /// move of the Box; freed in `Drop` after the endpoint is closed.
+    state: NonNull<EpState>,
     supervised: bool,
+    /// Set by [`Endpoint::close`]: the handle is gone, nothing may use it.
+    closed: Cell<bool>,
     worker: Rc<Worker>,
 }
 
@@ -341,19 +364,19 @@ impl Endpoint {
         address: &[u8],
         supervised: bool,
     ) -> Result<Endpoint, UcxError> {
-        if address.is_empty() {
-            return Err(UcxError::call("ucp_ep_create", sys::UCS_ERR_UNREACHABLE));
-        }
-        let state = Box::new(EpState {
+        // UCX reads the address without a length: only a validated copy reaches it.
+        packed::check_worker_address(address)?;
+        let owned = packed::owned_copy(address);
+        let state = NonNull::from(Box::leak(Box::new(EpState {
             failed: AtomicI8::new(sys::UCS_OK),
-        });
-        let arg = ptr::from_ref::<EpState>(&state).cast_mut().cast::<c_void>();
+        })));
+        let arg = state.as_ptr().cast::<c_void>();
         let params = sys::ucp_ep_params_t {
             field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER
                 | sys::UCP_EP_PARAM_FIELD_USER_DATA,
-            address: address.as_ptr().cast(),
+            address: owned.as_ptr().cast(),
             err_mode: if supervised {
                 sys::UCP_ERR_HANDLING_MODE_PEER
             } else {
@@ -378,19 +401,51 @@ impl Endpoint {
             },
         };
         let mut ep = ptr::null_mut();
-        // SAFETY: the worker is live; `address` holds a worker address for the call (UCX
-        // unpacks it before returning); `arg` points into the Box that the Endpoint keeps.
-        check("ucp_ep_create", unsafe {
+        // SAFETY: the worker is live; `owned` holds a worker address whose every framed length
+        // lies inside it (checked above) followed by zeroes, and lives for the call (UCX
+        // unpacks the address before returning); `arg` is the leaked EpState, freed only after
+        // the endpoint is closed (or below, when there is none).
+        let created = check("ucp_ep_create", unsafe {
             sys::ucp_ep_create(worker.ptr.as_ptr(), &params, &mut ep)
-        })?;
-        let ptr = NonNull::new(ep)
-            .ok_or_else(|| UcxError::call("ucp_ep_create", sys::UCS_ERR_NO_MESSAGE))?;
+        })
+        .and_then(|()| {
+            NonNull::new(ep).ok_or_else(|| UcxError::call("ucp_ep_create", sys::UCS_ERR_NO_MESSAGE))
+        });
+        let ptr = match created {
+            Ok(ptr) => ptr,
+            Err(e) => {
+                // SAFETY: no endpoint holds the state: it came from Box::leak above and is
+                // freed once, here.
+                drop(unsafe { Box::from_raw(state.as_ptr()) });
+                return Err(e);
+            }
+        };
         Ok(Endpoint {
             ptr,
             state,
             supervised,
+            closed: Cell::new(false),
             worker: worker.clone(),
         })
+    }
+
+    /// The handle for `op`, unless the endpoint was closed.
+    fn live(&self, op: &'static str) -> Result<*mut sys::ucp_ep, UcxError> {
+        match self.closed.get() {
+            false => Ok(self.ptr.as_ptr()),
+            true => Err(UcxError::call(op, sys::UCS_ERR_NOT_CONNECTED)),
+        }
+    }
+
+    /// The raw handle, for tests.
+    pub fn as_ptr(&self) -> NonNull<sys::ucp_ep> {
+        self.ptr
+    }
+
+    fn state(&self) -> &EpState {
+        // SAFETY: the state is live from `connect` until `Drop` frees it; only shared
+        // references (and the handler's atomic stores) exist meanwhile.
+        unsafe { self.state.as_ref() }
     }
 
     /// Whether UCX reports this endpoint's peer failure (`UCP_ERR_HANDLING_MODE_PEER`).
@@ -407,7 +462,7 @@ impl Endpoint {
         } else {
             status
         };
-        let _ = self.state.failed.compare_exchange(
+        let _ = self.state().failed.compare_exchange(
             sys::UCS_OK,
             status,
             Ordering::AcqRel,
@@ -417,7 +472,7 @@ impl Endpoint {
 
     /// The status the error handler recorded, once the peer has failed.
     pub fn failure(&self) -> Option<ucs_status_t> {
-        match self.state.failed.load(Ordering::Acquire) {
+        match self.state().failed.load(Ordering::Acquire) {
             sys::UCS_OK => None,
             status => Some(status),
         }
@@ -446,8 +501,9 @@ impl Endpoint {
                 (many.as_ptr().cast::<c_void>(), many.len())
             }
         };
+        let ep = self.live("ucp_tag_send_nbx")?;
         // SAFETY: the endpoint is live; buffer validity is the caller's contract.
-        let ptr = unsafe { sys::ucp_tag_send_nbx(self.ptr.as_ptr(), buffer, count, tag, &param) };
+        let ptr = unsafe { sys::ucp_tag_send_nbx(ep, buffer, count, tag, &param) };
         Ok(match request_or_done("ucp_tag_send_nbx", ptr)? {
             None => Started::Done(()),
             Some(req) => Started::Pending(Request::new(req, &self.worker)),
@@ -470,11 +526,12 @@ impl Endpoint {
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         param.datatype = sys::UCP_DATATYPE_BYTES;
         param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
+        let ep = self.live("ucp_put_nbx")?;
         // SAFETY: endpoint and rkey are live (the rkey holds an Rc of its endpoint); buffer and
         // bounds are the caller's contract.
         let ptr = unsafe {
             sys::ucp_put_nbx(
-                self.ptr.as_ptr(),
+                ep,
                 buffer.cast(),
                 len,
                 remote_addr,
@@ -492,8 +549,9 @@ impl Endpoint {
     /// remotely (puts are visible in the peer's memory).
     pub fn flush(&self) -> Result<Started<()>, UcxError> {
         let param = self.worker.tracked(false);
+        let ep = self.live("ucp_ep_flush_nbx")?;
         // SAFETY: the endpoint is live; the param sets only the completion callback.
-        let ptr = unsafe { sys::ucp_ep_flush_nbx(self.ptr.as_ptr(), &param) };
+        let ptr = unsafe { sys::ucp_ep_flush_nbx(ep, &param) };
         Ok(match request_or_done("ucp_ep_flush_nbx", ptr)? {
             None => Started::Done(()),
             Some(req) => Started::Pending(Request::new(req, &self.worker)),
@@ -503,6 +561,7 @@ impl Endpoint {
     /// UCX's description of the endpoint (`ucp_ep_print_info`): its lanes, each with the
     /// transport and device it uses and what it carries (`am`, `rma_bw`, ...).
     pub fn info(&self) -> Result<String, UcxError> {
+        let ep = self.live("ucp_ep_print_info")?;
         let mut buf: *mut libc::c_char = ptr::null_mut();
         let mut len: libc::size_t = 0;
         // SAFETY: open_memstream writes the buffer pointer and length through the two live
@@ -517,7 +576,7 @@ impl Endpoint {
         // SAFETY: the endpoint is live and `stream` is an open FILE; after fclose `buf` holds
         // `len` bytes allocated by libc, copied and then freed exactly once.
         unsafe {
-            sys::ucp_ep_print_info(self.ptr.as_ptr(), stream);
+            sys::ucp_ep_print_info(ep, stream);
             libc::fclose(stream);
             let text = if buf.is_null() {
                 String::new()
@@ -532,18 +591,17 @@ impl Endpoint {
 
     /// Unpacks a remote key the peer packed with [`MemHandle::rkey`].
     pub fn unpack_rkey(self: &Rc<Self>, packed: &[u8]) -> Result<RemoteKey, UcxError> {
-        if packed.is_empty() {
-            return Err(UcxError::call(
-                "ucp_ep_rkey_unpack",
-                sys::UCS_ERR_NO_MESSAGE,
-            ));
-        }
+        // UCX reads the key without a length and reports no malformed framing (a 2-byte key
+        // "unpacks"): only a validated copy reaches it.
+        packed::check_rkey(packed)?;
+        let owned = packed::owned_copy(packed);
+        let ep = self.live("ucp_ep_rkey_unpack")?;
         let mut rkey = ptr::null_mut();
-        // SAFETY: the endpoint is live; `packed` is readable for the call. UCX parses the
-        // buffer's own framing; a malformed buffer is an error status, not a read past it
-        // (the bytes come from a peer's ucp_rkey_pack through the validated Hello).
+        // SAFETY: the endpoint is live; `owned` holds a packed rkey whose every framed length
+        // lies inside it (checked above) followed by zeroes, readable for the call (UCX copies
+        // what it keeps).
         check("ucp_ep_rkey_unpack", unsafe {
-            sys::ucp_ep_rkey_unpack(self.ptr.as_ptr(), packed.as_ptr().cast(), &mut rkey)
+            sys::ucp_ep_rkey_unpack(ep, owned.as_ptr().cast(), &mut rkey)
         })?;
         let ptr = NonNull::new(rkey)
             .ok_or_else(|| UcxError::call("ucp_ep_rkey_unpack", sys::UCS_ERR_NO_MESSAGE))?;
@@ -554,8 +612,16 @@ impl Endpoint {
     }
 }
 
-impl Drop for Endpoint {
-    fn drop(&mut self) {
+impl Endpoint {
+    /// Closes the endpoint now, even while remote keys unpacked for it (held by puts still
+    /// queued) keep this object alive: forced if the peer failed or the endpoint is supervised
+    /// (its requests then complete with an error), else by flushing (they complete as the
+    /// peer takes them). Later operations fail; a second call does nothing. Remote keys may
+    /// outlive the close: UCX 1.13's `ucp_rkey_destroy` touches only the key and its worker.
+    pub fn close(&self) {
+        if self.closed.replace(true) {
+            return;
+        }
         let mut param = result::request_param();
         // FORCE needs PEER mode on both sides unless the peer is dead (ucp.h); an unsupervised
         // endpoint to a live peer closes by flushing.
@@ -574,6 +640,15 @@ impl Drop for Endpoint {
             Ok(None) => {}
             Err(e) => tracing::debug!(error = %e, "closing a UCX endpoint"),
         }
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.close();
+        // SAFETY: the state came from Box::leak in `connect` and is freed once, here, after
+        // the close (see `close`: no error handler runs any more).
+        drop(unsafe { Box::from_raw(self.state.as_ptr()) });
     }
 }
 

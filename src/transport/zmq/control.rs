@@ -194,8 +194,9 @@ pub struct ControlClientRecv {
 
 impl ControlClient {
     /// Connects to a prefill's control endpoint and completes the handshake (with the token,
-    /// when `options` has one), failing after `timeout` if that does not happen: op `connect`
-    /// when nothing answers, op `authenticate` when the prefill refused the credentials.
+    /// when `options` has one), failing after `timeout` if that does not happen, or at once
+    /// ([`TransportErrorKind::Unauthorized`](crate::transport::TransportErrorKind)) when the
+    /// prefill refused the credentials.
     /// `on_reconnect` is sent each time the connection is re-established after a drop.
     pub async fn connect(
         endpoint: &str,
@@ -280,7 +281,7 @@ pub(super) fn handshake(
     timeout: Duration,
 ) -> Result<i32, TransportError> {
     let deadline = Instant::now() + timeout;
-    let refused = |why: &str| TransportError::new("authenticate", endpoint, why);
+    let refused = |why: &str| TransportError::unauthorized("connect", endpoint, why);
     let mut connection = -1;
     loop {
         while let Some(event) = monitor.next() {

@@ -196,8 +196,8 @@ fn bind(
 }
 
 /// A PUSH socket connected to `endpoint` whose handshake (and authentication) completed, or
-/// an error if that does not happen within `timeout`: op `connect` when nothing answers, op
-/// `authenticate` when the receiver refused the credentials. With `ZMQ_IMMEDIATE` chunks are
+/// an error if that does not happen within `timeout` (unauthorized when the receiver refused
+/// the credentials). With `ZMQ_IMMEDIATE` chunks are
 /// queued only on a connection that completed its handshake.
 fn connect(endpoint: &str, timeout: Duration, auth: &Auth) -> Result<zmq::Socket, TransportError> {
     let err = |e: zmq::Error| TransportError::new("connect", endpoint, format!("libzmq: {e}"));

@@ -60,7 +60,7 @@ async fn frames_cross_both_ways_with_the_token() {
 }
 
 #[tokio::test]
-async fn a_wrong_or_missing_token_fails_the_handshake_with_authenticate() {
+async fn a_wrong_or_missing_token_fails_the_handshake_as_unauthorized() {
     let (endpoint, _server, _replier) =
         ControlServer::bind("127.0.0.1", 0, &options(Some("right")))
             .await
@@ -75,7 +75,11 @@ async fn a_wrong_or_missing_token_fails_the_handshake_with_authenticate() {
             .err()
             .expect("refused");
         println!("{token:?}: {e} after {:?}", started.elapsed());
-        assert_eq!(e.op, "authenticate", "{e}");
+        assert_eq!(
+            e.kind,
+            crate::transport::TransportErrorKind::Unauthorized,
+            "{e}"
+        );
         assert!(e.message.contains(says), "{e}");
     }
 }

@@ -20,7 +20,7 @@ use super::{Engine, UcxError};
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::result::status_name;
 use crate::transport::ucx::revocable::Revocable;
-use crate::transport::ucx::safe::{Endpoint, Request, Started};
+use crate::transport::ucx::safe::{Endpoint, RemoteKey, Request, Started};
 use crate::transport::ucx::sys;
 use crate::transport::ucx::worker::{EndpointId, Received, Reply};
 
@@ -73,6 +73,8 @@ pub(super) enum Op {
     /// A put; the runs of a [`Command::Write`] have no reply of their own (the flush that
     /// follows them answers).
     Put {
+        /// The key the put writes with: destroyed only after the put completed.
+        _key: Rc<RemoteKey>,
         _data: PutSource,
         reply: Option<Reply<()>>,
     },

@@ -16,11 +16,15 @@ use crate::transport::ucx::worker::{
     EndpointId, MemId, Registered, RemoteRegionId, Reply, WriteRun,
 };
 
-/// A peer's registered memory: the endpoint to it, the unpacked key and the bounds.
+/// A peer's registered memory: the endpoint to it, the unpacked key and the bounds. Each put
+/// into it holds the key too (`Op::Put`), so the key is destroyed only once the region is gone
+/// and no put that uses it is queued: a disconnect, a dead peer or shutdown drops the region
+/// while an unsupervised endpoint closes by flushing, and puts still queued on it keep reading
+/// the key until they complete.
 pub(super) struct RemoteRegion {
     pub(super) ep: EndpointId,
     pub(super) endpoint: Rc<Endpoint>,
-    pub(super) key: RemoteKey,
+    pub(super) key: Rc<RemoteKey>,
     pub(super) base: u64,
     pub(super) size: u64,
 }
@@ -100,7 +104,7 @@ impl Engine {
                 size,
             });
         }
-        let key = endpoint.unpack_rkey(rkey)?;
+        let key = Rc::new(endpoint.unpack_rkey(rkey)?);
         let id = self.id();
         let region = RemoteRegion {
             ep,
@@ -155,22 +159,23 @@ impl Engine {
             }
         }
         self.endpoint("put", ep)?;
+        let (key, remote_base) = (r.key.clone(), r.base);
         for (i, run) in runs.iter().enumerate() {
-            let r = &self.remote[&region.0];
             // SAFETY: `source` stays readable for its whole size for as long as it, or a share
             // of it (kept in each put's Pending entry until completion), lives; both ranges
             // were checked above (remote base+size does not overflow: checked when the region
-            // was added).
+            // was added); the key lives in the put's Pending entry until it completes.
             let started = unsafe {
                 endpoint.put(
                     source.base().add(run.src as usize),
                     run.len as usize,
-                    r.base + run.dst,
-                    &r.key,
+                    remote_base + run.dst,
+                    &key,
                 )
             }
             .map_err(|e| self.failure_of("put", ep, e))?;
             let op = Op::Put {
+                _key: key.clone(),
                 _data: source.share(),
                 reply: if i + 1 == runs.len() {
                     reply.take()

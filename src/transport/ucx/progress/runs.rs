@@ -2,7 +2,7 @@
 //! from it, and received straight into memory at offsets the receiver chose. Each run is its
 //! own request; a [`Group`] answers the caller once all of a command's runs have completed.
 //!
-//! On an eager worker (tcp) each run is received through a [`Revocable`]: a cancelled group
+//! On an eager worker (tcp) each run is received through a [`Revocable`](crate::transport::ucx::revocable::Revocable): a cancelled group
 //! revokes its runs and answers at once, whether or not UCX ever ends their requests (it does
 //! not end one whose sender died mid-message). Revoked receives that no message matched yet
 //! stay posted for [`REVOKED_DRAIN`], taking and dropping what the sender still had on the way,
@@ -18,7 +18,7 @@ use super::Engine;
 use super::pending::{Op, Pending};
 use crate::transport::ucx::UcxError;
 use crate::transport::ucx::region::RegisterableMemory;
-use crate::transport::ucx::revocable::Revocable;
+use crate::transport::ucx::revocable::RevocableBox;
 use crate::transport::ucx::safe::Started;
 use crate::transport::ucx::sys;
 use crate::transport::ucx::worker::{EndpointId, Reply, Span};
@@ -202,9 +202,9 @@ impl Engine {
                 true => {
                     // SAFETY: `place` holds `len` writable bytes (above), which only this
                     // receive writes until it completes or is revoked.
-                    let target = unsafe { Revocable::new(place, len) };
-                    // SAFETY: the Box goes into the run's Pending entry, dropped only after
-                    // the request completes (or leaked with it).
+                    let target = unsafe { RevocableBox::new(place, len) };
+                    // SAFETY: the target goes into the run's Pending entry, dropped only after
+                    // the request completes (or leaked with it); its address never moves.
                     let started = unsafe { self.worker.tag_recv_revocable(&target, tag, u64::MAX) };
                     (started, Some(target))
                 }
@@ -223,7 +223,7 @@ impl Engine {
         let _ = posted.send(());
     }
 
-    /// Revokes the runs of a cancelled `group` that are [`Revocable`] and answers it at once
+    /// Revokes the runs of a cancelled `group` that are [`Revocable`](crate::transport::ucx::revocable::Revocable) and answers it at once
     /// (when it has any; its others are cancelled as usual). Their requests stay filed until
     /// UCX ends them; those no message matched yet are cancelled after [`REVOKED_DRAIN`].
     pub(super) fn cancel_group(&mut self, group: &Rc<Group>) {
@@ -301,9 +301,9 @@ impl Engine {
     }
 }
 
-/// A receiving run: the length its message must have, and its [`Revocable`] destination on
+/// A receiving run: the length its message must have, and its [`Revocable`](crate::transport::ucx::revocable::Revocable) destination on
 /// an eager worker.
 pub(super) struct Receiving {
     pub(super) expect: usize,
-    pub(super) target: Option<Box<Revocable>>,
+    pub(super) target: Option<RevocableBox>,
 }

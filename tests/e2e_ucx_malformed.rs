@@ -1,0 +1,157 @@
+//! A decode's Hello whose UCX data endpoint or pool key is malformed (truncated, crafted
+//! lengths) is refused by the prefill with `bad_message`, before any byte of it reaches
+//! libucx; an endpoint that is well formed but leads nowhere stays `unreachable`; and the
+//! prefill keeps serving (a normal room between the same agents verifies afterwards). Real
+//! processes over UCX's tcp transport on loopback.
+#![cfg(feature = "ucx")]
+
+mod common;
+
+use common::{AgentOpts, release_binary, runtime};
+use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
+use kvferry::layout::{KvLayout, ModelSpec, PageOrder};
+use kvferry::protocol::{Hello, Message, Ranks, RemoteMemory, Role, WireLayout};
+use kvferry::transport::ucx::{UcxConfig, UcxWorker};
+use uuid::Uuid;
+
+fn tiny_layout() -> WireLayout {
+    let l = KvLayout::new(ModelSpec::preset("tiny").expect("tiny"), 16).expect("layout");
+    WireLayout {
+        kind: l.model.kind,
+        dtype: l.model.dtype,
+        order: PageOrder::TokenMajor,
+        num_layers: l.model.num_layers as u32,
+        num_kv_heads: l.model.num_kv_heads as u32,
+        head_dim: l.model.head_dim as u32,
+        page_size: 16,
+        heads: 0..l.model.num_kv_heads as u32,
+        layers: 0..l.model.num_layers as u32,
+    }
+}
+
+fn hello(data_endpoint: String, pool: Option<RemoteMemory>) -> Message {
+    Message::Hello(Hello {
+        min_version: kvferry::protocol::MIN_VERSION,
+        max_version: kvferry::protocol::VERSION,
+        instance: Uuid::new_v4(),
+        role: Role::Decode,
+        ranks: Ranks {
+            dp_rank: 0,
+            dp_size: 1,
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            pp_size: 1,
+        },
+        layout: tiny_layout(),
+        data_endpoint,
+        token: String::new(),
+        slots: 4,
+        slot_bytes: 1 << 20,
+        pool,
+        revocable_runs: false,
+        chunk_key: kvferry::protocol::Secret::default(),
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_keeps_serving() {
+    let env: Vec<(String, String)> = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .to_vec();
+    let opts = AgentOpts {
+        transport: "ucx",
+        ..AgentOpts::default()
+    };
+    let (exe, args) = (release_binary(), opts.args());
+    let cluster =
+        LocalCluster::start_shaped_env(&exe, "ucx-malformed", &args, Shape::ONE, Shape::ONE, &env)
+            .expect("cluster");
+    let prefill = cluster.prefill().field("api").expect("prefill api");
+    let decode = cluster.decode().field("api").expect("decode api");
+    let control = cluster
+        .prefill()
+        .field("control")
+        .expect("control endpoint");
+    runtime().block_on(async {
+        // A real worker address and rkey from this machine, to craft from.
+        let worker = UcxWorker::spawn(UcxConfig::tcp_loopback())
+            .await
+            .expect("worker");
+        let address = worker.address().to_vec();
+        let region = kvferry::transport::ucx::Region::new(1 << 20).expect("a region");
+        let registered = worker
+            .register(std::sync::Arc::new(region))
+            .await
+            .expect("register");
+        let rkey = registered.rkey.to_vec();
+        let good = format!("ucx:{}", hex(&address));
+        let memory = |key: Vec<u8>| RemoteMemory {
+            base: registered.base,
+            size: registered.size,
+            key,
+        };
+        let mut inflated = address.clone();
+        inflated[10] = 0x80 | 0x3f; // the device address runs past the end
+        let mut big_key = rkey.clone();
+        big_key[9] = 0xff; // the first transport key runs past the end
+        let cases: Vec<(&str, Message, &str)> = vec![
+            (
+                "3-byte address",
+                hello(format!("ucx:{}", hex(&address[..3])), None),
+                "bad_message",
+            ),
+            (
+                "truncated address",
+                hello(format!("ucx:{}", hex(&address[..address.len() - 1])), None),
+                "bad_message",
+            ),
+            (
+                "inflated device length",
+                hello(format!("ucx:{}", hex(&inflated)), None),
+                "bad_message",
+            ),
+            ("not hex", hello("ucx:zz".into(), None), "bad_message"),
+            (
+                "2-byte pool key",
+                hello(good.clone(), Some(memory(rkey[..2].to_vec()))),
+                "bad_message",
+            ),
+            (
+                "inflated key length",
+                hello(good.clone(), Some(memory(big_key))),
+                "bad_message",
+            ),
+            (
+                "over-long key",
+                hello(good.clone(), Some(memory(vec![0; 5000]))),
+                "bad_message",
+            ),
+        ];
+        let ctx = zmq::Context::new();
+        let socket = ctx.socket(zmq::DEALER).expect("a DEALER");
+        socket.set_linger(0).expect("linger");
+        socket.connect(&control).expect("connect");
+        for (what, message, code) in cases {
+            socket.send(message.encode(), 0).expect("send");
+            let ready = socket.poll(zmq::POLLIN, 20_000).expect("poll");
+            assert_eq!(ready, 1, "{what}: an answer within 20 s");
+            let frame = socket.recv_bytes(0).expect("recv");
+            match Message::decode(&frame) {
+                Ok(Message::Error(e)) => {
+                    assert_eq!(e.code.to_string(), code, "{what}: {}", e.message);
+                    println!("[ucx-malformed] {what}: {} {}", e.code, e.message);
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        // The prefill keeps serving: a room from the real decode verifies.
+        let apis = Apis::pair(&prefill, &decode);
+        let results = drive_rooms(&apis, vec![(1, 100)], 1).await.expect("a room");
+        assert!(results.iter().all(|r| r.verified), "{results:?}");
+    });
+}
