@@ -404,3 +404,161 @@ fn a_corrupted_direct_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_
         );
     });
 }
+
+/// A prefill room aborted by its engine while sends from its pages are in flight: a UCX
+/// rendezvous send (shared memory: the decode pulls the bytes by cma) reads the pages until
+/// the decode has taken it, and no transport can take back a send it started. The room must
+/// not be `safe_to_reuse` before every such send resolved (`sends_in_flight` 0). The decode is
+/// stopped (SIGSTOP) so that nothing can resolve meanwhile, and `--timeout-send-ms` and
+/// `--peer-dead-ms` are a minute, so that no timeout can end a send either; then it is
+/// continued.
+#[test]
+fn a_prefill_room_aborted_mid_send_is_safe_to_reuse_only_after_its_sends_resolved() {
+    let exe = common::release_binary();
+    let env = envs()[1].1.clone();
+    let mut args = opts("llama3-8b", 272);
+    set_flag(&mut args, "--peer-dead-ms", "60000");
+    set_flag(&mut args, "--timeout-send-ms", "60000");
+    let (c, p, d) = one_pair(&exe, "ucx-abort-mid-send", &args, &env);
+    let http = http();
+    runtime().block_on(async {
+        let body = json!({"tokens": 4096});
+        let room = |api: &str| format!("{api}/v1/rooms/1");
+        expect(&http, Method::POST, &room(&d), Some(&body), StatusCode::CREATED).await;
+        let ready = format!("{}/ready", room(&p));
+        expect(&http, Method::POST, &ready, Some(&body), StatusCode::ACCEPTED).await;
+        common::poll_until("bytes landing", BOUND, || async {
+            let v = common::call(&http, Method::GET, &room(&d), None).await.1;
+            (v["bytes"].as_u64().unwrap_or(0) > 0).then_some(())
+        })
+        .await;
+        c.decode().signal("STOP").unwrap();
+        let view = || async { common::call(&http, Method::GET, &room(&p), None).await.1 };
+        let in_flight = |v: &serde_json::Value| v["transfers"][0]["sends_in_flight"].as_u64().unwrap_or(0);
+        common::poll_until("a send in flight to the stopped decode", BOUND, || async {
+            let v = view().await;
+            (in_flight(&v) > 0).then_some(())
+        })
+        .await;
+        expect(&http, Method::DELETE, &room(&p), None, StatusCode::OK).await;
+        let aborted = Instant::now();
+        for _ in 0..5 {
+            let v = view().await;
+            assert!(in_flight(&v) > 0, "a send to a stopped decode resolved: {v}");
+            assert_eq!(v["safe_to_reuse"], false, "pages still read, yet safe: {v}");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        c.decode().signal("CONT").unwrap();
+        let continued = Instant::now();
+        let v = common::poll_until("the room safe to reuse", BOUND, || async {
+            let v = view().await;
+            assert!(
+                v["safe_to_reuse"] == false || in_flight(&v) == 0,
+                "safe to reuse with sends in flight: {v}"
+            );
+            (v["safe_to_reuse"] == true).then_some(v)
+        })
+        .await;
+        println!(
+            "[ucx-abort-mid-send] aborted with sends in flight to a stopped decode: not safe for {:.0} ms; after SIGCONT the sends resolved and the room was safe {:.0} ms later ({})",
+            aborted.elapsed().as_secs_f64() * 1e3,
+            continued.elapsed().as_secs_f64() * 1e3,
+            v["state"]
+        );
+        assert_eq!(v["state"], "aborted", "{v}");
+        let v = wait_final(&http, &d, 1).await;
+        assert_eq!(v["state"], "aborted", "{v}");
+        wait_safe(&http, &d, 1).await;
+        expect(&http, Method::POST, &format!("{}/take", room(&d)), None, StatusCode::OK).await;
+    });
+    let apis = Apis::pair(&p, &d);
+    let results = runtime()
+        .block_on(drive_rooms(&apis, vec![(2, 512)], 1))
+        .unwrap();
+    assert!(results.iter().all(|r| r.verified), "{results:?}");
+}
+
+/// One-sided writes into a decode that stops taking them (SIGSTOP: UCX 1.13 emulates puts over
+/// tcp with messages the decode's UCX must answer) time out at the prefill; the decode is then
+/// killed, so its endpoint fails while the timed-out puts are still queued. The puts keep
+/// their remote key until they end (the key is not destroyed under them), the prefill's room
+/// ends failed and becomes safe to reuse once no put is in flight, and the prefill serves on.
+#[test]
+fn a_timed_out_direct_write_room_whose_decode_then_dies_leaves_the_prefill_serving() {
+    let exe = common::release_binary();
+    let env = envs()[0].1.clone();
+    let mut args = opts("llama3-8b", 272);
+    set_flag(&mut args, "--direct-writes", "always");
+    set_flag(&mut args, "--timeout-send-ms", "500");
+    set_flag(&mut args, "--peer-dead-ms", "60000");
+    let (mut c, p, d) = one_pair(&exe, "ucx-direct-timeout", &args, &env);
+    let http = http();
+    runtime().block_on(async {
+        let body = json!({"tokens": 4096});
+        let room = |api: &str| format!("{api}/v1/rooms/1");
+        expect(
+            &http,
+            Method::POST,
+            &room(&d),
+            Some(&body),
+            StatusCode::CREATED,
+        )
+        .await;
+        let ready = format!("{}/ready", room(&p));
+        expect(
+            &http,
+            Method::POST,
+            &ready,
+            Some(&body),
+            StatusCode::ACCEPTED,
+        )
+        .await;
+        common::poll_until("direct chunks landing", BOUND, || async {
+            let v = common::call(&http, Method::GET, &room(&d), None).await.1;
+            (v["bytes"].as_u64().unwrap_or(0) > 0).then_some(())
+        })
+        .await;
+        c.decode().signal("STOP").unwrap();
+        let view = || async { common::call(&http, Method::GET, &room(&p), None).await.1 };
+        // The writes cannot be flushed: the transfer fails once the send timeout passes, and
+        // stays running while they are queued.
+        let stalled = common::poll_until("the writes timed out", BOUND, || async {
+            let v = view().await;
+            let t = &v["transfers"][0];
+            (t["state"] == "failed" && t["sends_in_flight"].as_u64().unwrap_or(0) > 0).then_some(v)
+        })
+        .await;
+        assert_eq!(
+            stalled["transfers"][0]["reason"]["code"], "timeout_stall",
+            "{stalled}"
+        );
+        assert_eq!(stalled["safe_to_reuse"], false, "{stalled}");
+        println!(
+            "[ucx-direct-timeout] decode stopped: {}",
+            stalled["transfers"]
+        );
+        c.decodes[0][0].signal("KILL").unwrap();
+        let killed = Instant::now();
+        let v = common::poll_until("the room safe to reuse", BOUND, || async {
+            let v = view().await;
+            (v["safe_to_reuse"] == true).then_some(v)
+        })
+        .await;
+        println!(
+            "[ucx-direct-timeout] decode killed: prefill room {} ({}) safe {:.0} ms later",
+            v["state"],
+            v["reason"],
+            killed.elapsed().as_secs_f64() * 1e3
+        );
+        assert_eq!(v["state"], "failed", "{v}");
+        assert_eq!(v["reason"]["code"], "timeout_stall", "{v}");
+        assert_eq!(v["transfers"][0]["sends_in_flight"], 0, "{v}");
+        common::healthy(&http, &p).await;
+    });
+    assert!(
+        c.prefill_mut()
+            .wait_exit(std::time::Duration::ZERO)
+            .is_none(),
+        "the prefill died"
+    );
+}

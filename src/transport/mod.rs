@@ -326,6 +326,12 @@ pub trait DataSender: Send {
         })
     }
 
+    /// Gives up on the receiver (it is dead): sends and writes still in flight end now, with an
+    /// error, so that nothing reads the sender's memory for them any more (UCX closes its
+    /// endpoints by force). Later operations fail. The default does nothing: transports whose
+    /// sends own their bytes (ZeroMQ) have nothing to end.
+    fn close(&mut self) {}
+
     /// Prepares one-sided writes into memory the receiver exposed; `None` when this transport
     /// has none (the default).
     fn attach(

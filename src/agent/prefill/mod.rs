@@ -309,6 +309,8 @@ struct Transfer {
     engine_abort: bool,
     /// Why the decode aborted it.
     abort_reason: Option<Reason>,
+    /// Sends and writes from the room's pages still in flight (`transfer.rs`, `Job::sends`).
+    sends: tokio_util::task::TaskTracker,
     /// `transferring` until the transfer ends: `success`, `failed` or `aborted`.
     state: RoomState,
     reason: Option<Reason>,
@@ -328,6 +330,7 @@ impl Transfer {
             requested_at: Instant::now(),
             engine_abort: false,
             abort_reason: None,
+            sends: tokio_util::task::TaskTracker::new(),
             state: RoomState::Transferring,
             reason: None,
         }
@@ -390,6 +393,7 @@ impl Room {
                     "state": t.state,
                     "reason": t.reason,
                     "bytes": t.sent,
+                    "sends_in_flight": t.sends.len(),
                 })
             })
             .collect();
@@ -624,11 +628,15 @@ impl Inner {
     }
 
     /// Forgets a dead decode peer and fails what it asked for.
-    fn peer_dead(&self, peer: &Peer, why: &str) {
+    fn peer_dead(&self, peer: &Arc<Peer>, why: &str) {
         self.metrics
             .peers_dead
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         peer.credits.close();
+        // Sends still in flight to it end now (a transport may not notice the death itself:
+        // UCX over shared memory), so that its transfers end and their pages become reusable.
+        let gone = peer.clone();
+        tokio::spawn(async move { gone.data.lock().await.close() });
         self.peers().remove(&peer.identity);
         tracing::warn!(decode = %peer.instance, why, "decode peer dead");
         let mut rooms = self.rooms();

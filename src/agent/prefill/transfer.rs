@@ -32,11 +32,18 @@ enum Payload {
     Placed(Vec<WriteRun>),
 }
 
-/// A chunk's bytes on their way, within the send timeout: a staged chunk's frame, resolved
-/// once the transport is done with it; a placed chunk's runs, resolved once the decode has
-/// posted their receives and taken them (an error with op `posted`: it refused them).
-type Taken =
-    tokio::task::JoinHandle<Result<Result<(), TransportError>, tokio::time::error::Elapsed>>;
+/// A chunk's bytes on their way: a staged chunk's frame, resolved once the transport is done
+/// with it; a placed chunk's runs, resolved once the decode has posted their receives and
+/// taken them (an error with op [`REFUSED`]: it refused them; [`NOT_POSTED`]: it did not
+/// answer within the send timeout). The task belongs to the transfer's [`Job::sends`]: a
+/// waiter that gives up (timeout, abort) drops only the handle, never the send, which may
+/// still read this pool's pages.
+type Taken = tokio::task::JoinHandle<Result<(), TransportError>>;
+
+/// The op of the error of a placed chunk whose runs the decode refused (its room ended there).
+const REFUSED: &str = "posted";
+/// The op of the error of a placed chunk whose receives the decode never said were posted.
+const NOT_POSTED: &str = "posted_wait";
 
 /// A staged chunk's payload: gathered into a staging slot, or ranges of this pool.
 enum Staged {
@@ -96,6 +103,10 @@ struct Job {
     /// The request's destination pages, shared with every direct chunk's planning.
     pub(super) dst_pages: Arc<[u32]>,
     pub(super) cancel: CancellationToken,
+    /// Every send or write that reads this pool's pages (a transport cannot take back a send
+    /// it started: UCX reads the pages by cma, RDMA or its tcp copy until the send resolves).
+    /// The transfer stays running, so the room is not `safe_to_reuse`, until all have ended.
+    pub(super) sends: tokio_util::task::TaskTracker,
 }
 
 impl Inner {
@@ -156,6 +167,7 @@ impl Inner {
                 req,
                 pages: r.ready.as_ref()?.pages.clone(),
                 cancel: t.cancel.clone(),
+                sends: t.sends.clone(),
             })
         }) else {
             return;
@@ -185,6 +197,28 @@ impl Inner {
                 Step::Fail(reason) => break Err(reason),
             }
         };
+        // The pages are still read until every send from them has resolved: the transfer
+        // (and so the room) stays running until then, however it ended. A send to a dead
+        // peer resolves when the transport gives up on its connection. A failure shows in the
+        // transfer's view meanwhile.
+        job.sends.close();
+        if !job.sends.is_empty() {
+            if let Err(reason) = &outcome {
+                let mut rooms = self.rooms();
+                let t = rooms
+                    .get_mut(&room_id)
+                    .and_then(|r| r.transfers.get_mut(&decode));
+                if let Some(t) = t {
+                    t.end(RoomState::Failed, Some(reason.clone()));
+                }
+            }
+            let waiting = Instant::now();
+            job.sends.wait().await;
+            tracing::debug!(
+                waited_ms = waiting.elapsed().as_millis() as u64,
+                "sends from the room's pages resolved"
+            );
+        }
         let reply = {
             let mut rooms = self.rooms();
             let Some(room) = rooms.get_mut(&room_id) else {
@@ -539,10 +573,17 @@ impl Inner {
                 DirectMethod::Place => Payload::Placed(runs),
                 DirectMethod::Write => {
                     let len: u64 = runs.iter().map(|r| r.len).sum();
-                    self.on_data_plane(job, "direct writes not flushed", |data| {
-                        data.write(self.pool.clone(), runs)
-                    })
-                    .await?;
+                    // The writes read this pool until they are flushed, whoever stops waiting.
+                    let (peer, pool) = (job.peer.clone(), self.pool.clone());
+                    let written = job.sends.spawn(async move {
+                        let mut data = peer.data.lock().await;
+                        data.write(pool, runs).await
+                    });
+                    self.taken(job, written, "direct writes not flushed")
+                        .await?;
+                    if job.cancel.is_cancelled() {
+                        return Ok(());
+                    }
                     Payload::Direct(len as usize)
                 }
             };
@@ -563,33 +604,43 @@ impl Inner {
     }
 
     /// Waits, within the send timeout, until a chunk's bytes are taken: a staged chunk's by
-    /// the transport, a placed chunk's runs by the decode (`stalled` says which, for the
-    /// timeout's message). Stops waiting when the transfer is cancelled (an abort): the decode
-    /// cancels its receives for the room, so runs still queued are never taken.
+    /// the transport, a placed chunk's runs by the decode, direct writes flushed (`stalled`
+    /// says which, for the timeout's message). Stops waiting when the transfer is cancelled
+    /// (an abort): the decode cancels its receives for the room, so runs still queued are
+    /// never taken. Giving up drops the handle only: the send itself runs on, and the transfer
+    /// waits for it before it ends ([`Job::sends`]).
     async fn taken(&self, job: &Job, taken: Taken, stalled: &str) -> Result<(), Reason> {
         let done = tokio::select! {
             biased;
             () = job.cancel.cancelled() => return Ok(()),
-            done = taken => done,
+            done = tokio::time::timeout(self.cfg.timeouts.send, taken) => done,
         };
         if job.cancel.is_cancelled() {
             // The decode refuses the runs of a room it aborted: that is the abort, not an error.
             return Ok(());
         }
-        let done = done.map_err(|e| {
-            Reason::new(
-                FailureCode::BadMessage,
-                format!("a chunk's sending task stopped: {e}"),
-            )
-        })?;
+        // `None`: the send timeout passed.
+        let done = match done {
+            Ok(joined) => Some(joined.map_err(|e| {
+                Reason::new(
+                    FailureCode::BadMessage,
+                    format!("a chunk's sending task stopped: {e}"),
+                )
+            })?),
+            Err(_) => None,
+        };
         match done {
-            Ok(Err(e)) if e.op == "posted" => Err(Reason::new(
+            Some(Err(e)) if e.op == REFUSED => Err(Reason::new(
                 FailureCode::Aborted,
                 format!(
                     "decode {} refused a placed chunk (its room ended there)",
                     job.decode
                 ),
             )),
+            // The decode never answered for the receives: the stall it is, not a dead peer.
+            Some(Err(e)) if e.op == NOT_POSTED => {
+                self.data_plane_outcome::<()>(job, PLACED_STALL, None)
+            }
             done => self.data_plane_outcome(job, stalled, done),
         }
     }
@@ -610,20 +661,23 @@ impl Inner {
             op(&mut data).await
         })
         .await;
-        self.data_plane_outcome(job, stalled, done)
+        self.data_plane_outcome(job, stalled, done.ok())
     }
 
+    /// What an operation on the data plane means for the transfer: its value, a dead peer (a
+    /// transport error), or a stall (`None`: the send timeout passed; `stalled` says doing
+    /// what).
     fn data_plane_outcome<T>(
         &self,
         job: &Job,
         stalled: &str,
-        done: Result<Result<T, transport::TransportError>, tokio::time::error::Elapsed>,
+        done: Option<Result<T, transport::TransportError>>,
     ) -> Result<T, Reason> {
         let timeout = self.cfg.timeouts.send;
         match done {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(Reason::new(FailureCode::PeerDead, e.to_string())),
-            Err(_) => Err(Reason::new(
+            Some(Ok(v)) => Ok(v),
+            Some(Err(e)) => Err(Reason::new(FailureCode::PeerDead, e.to_string())),
+            None => Err(Reason::new(
                 FailureCode::TimeoutStall,
                 format!(
                     "decode data endpoint {}: {stalled} within {timeout:?}",
@@ -717,8 +771,7 @@ impl Inner {
                 Box::pin(async move { Ok(sent) })
             })
             .await?;
-        let timeout = self.cfg.timeouts.send;
-        let sent = tokio::spawn(tokio::time::timeout(timeout, sent));
+        let sent = job.sends.spawn(sent);
         let sent = match in_flight {
             true => Some(sent),
             false => {
@@ -727,26 +780,26 @@ impl Inner {
             }
         };
         let taken = spans.zip(posted).map(|(spans, (key, posted))| {
-            let (peer, pool) = (job.peer.clone(), self.pool.clone());
-            let runs = async move {
-                let refused = || TransportError::new("posted", &peer.data_endpoint, "refused");
-                if !posted.await.unwrap_or(false) {
-                    return Err(refused());
+            let (peer, pool, timeout) =
+                (job.peer.clone(), self.pool.clone(), self.cfg.timeouts.send);
+            // A task of its own: the decode may post the receives of later chunks first (it
+            // lands a bounded number of chunks at once, in whatever order their headers come
+            // out of the transport), and their runs must not wait behind this chunk's. The
+            // wait for `Posted` is bounded (nothing was sent yet); the runs, once sent, are
+            // not: they read this pool until the transport resolves them.
+            job.sends.spawn(async move {
+                let endpoint = peer.data_endpoint.clone();
+                match tokio::time::timeout(timeout, posted).await {
+                    Ok(Ok(true)) => {}
+                    Ok(_) => return Err(TransportError::new(REFUSED, &endpoint, "refused")),
+                    Err(_) => {
+                        let mut waiting = peer.posted.lock().unwrap_or_else(|e| e.into_inner());
+                        waiting.remove(&key);
+                        return Err(TransportError::new(NOT_POSTED, &endpoint, "no Posted"));
+                    }
                 }
                 let taken = peer.data.lock().await.send_runs(pool, key, spans);
                 taken.await
-            };
-            // A task of its own: the decode may post the receives of later chunks first (it
-            // lands a bounded number of chunks at once, in whatever order their headers come
-            // out of the transport), and their runs must not wait behind this chunk's.
-            let (peer, timeout) = (job.peer.clone(), self.cfg.timeouts.send);
-            tokio::spawn(async move {
-                let done = tokio::time::timeout(timeout, runs).await;
-                if done.is_err() {
-                    let mut waiting = peer.posted.lock().unwrap_or_else(|e| e.into_inner());
-                    waiting.remove(&key);
-                }
-                done
             })
         });
         self.metrics

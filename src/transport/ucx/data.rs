@@ -387,6 +387,10 @@ impl UcxSender {
 }
 
 impl DataSender for UcxSender {
+    fn close(&mut self) {
+        self.disconnect(self.eps.clone());
+    }
+
     fn send(&mut self, frame: Frame) -> BoxFuture<'static, Result<(), TransportError>> {
         // One contiguous message: where chunks go by rendezvous (shared memory, RDMA) the
         // receiver reads it in one copy; a message of parts (an io-vector) would go through
@@ -490,7 +494,16 @@ impl DataSender for UcxSender {
 
 impl Drop for UcxSender {
     fn drop(&mut self) {
-        let (worker, eps) = (self.worker.clone(), std::mem::take(&mut self.eps));
+        let eps = std::mem::take(&mut self.eps);
+        self.disconnect(eps);
+    }
+}
+
+impl UcxSender {
+    /// Closes `eps` (by force where UCX supervises them: requests in flight end with an
+    /// error); later operations on them fail (the worker knows them no more).
+    fn disconnect(&self, eps: Vec<EndpointId>) {
+        let worker = self.worker.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 for ep in eps {
