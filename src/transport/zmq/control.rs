@@ -31,8 +31,9 @@ use crate::transport::TransportError;
 /// and heartbeats.
 pub const HWM: i32 = 16;
 
-/// Frames the socket thread hands to the async side ahead of its reads.
-const AHEAD: usize = 64;
+/// Frames the socket thread hands to the async side ahead of its reads (each up to the cap:
+/// part of the socket's memory bound, docs/reliability.md).
+pub const AHEAD: usize = 16;
 
 /// How long a socket thread waits in `zmq::poll` before it looks whether its owner is gone.
 const POLL_MS: i64 = 100;
@@ -296,7 +297,7 @@ pub(super) fn handshake(
                         "the peer expects another security mechanism: give both agents the same --token",
                     ));
                 }
-                Event::Disconnected { .. } => {}
+                Event::Disconnected { .. } | Event::Accepted { .. } => {}
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
@@ -366,12 +367,19 @@ struct RouterPeers {
     by_fd: HashMap<i32, PeerId>,
     fd_of: HashMap<PeerId, i32>,
     dropped: HashMap<PeerId, Instant>,
+    /// Connections per peer address (a bound on what one host can make the socket hold).
+    connections: super::peers::Connections,
 }
 
 impl Peers for RouterPeers {
     const ENVELOPE: usize = 1;
 
     fn on_event(&mut self, event: Event, now: Instant, _: &mut Effects) {
+        match event {
+            Event::Accepted { fd } => self.connections.accepted(fd),
+            Event::Disconnected { fd } => self.connections.disconnected(fd),
+            _ => {}
+        }
         if let Event::Disconnected { fd } = event {
             // A peer that already came back on another connection is not affected.
             if let Some(peer) = self.by_fd.remove(&fd) {

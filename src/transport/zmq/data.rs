@@ -23,7 +23,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
-use super::monitor::Monitor;
+use super::monitor::{Event, Monitor};
 use super::{Auth, context, owned, rest_of_message, spawn, tcp_address};
 use crate::transport::{
     BoxFuture, DataReceiver, DataSender, Frame, Listening, Transport, TransportError, TransportKind,
@@ -94,9 +94,9 @@ impl Transport for ZmqData {
             let addr = address.clone();
             spawn("kvferry-zmq-pull", move || {
                 match bind(&addr, max_frame, &auth) {
-                    Ok((socket, endpoint, _zap)) => {
+                    Ok((socket, monitor, endpoint, _zap)) => {
                         let _ = bound_tx.send(Ok(endpoint.clone()));
-                        receive_loop(&socket, &endpoint, &chunks_tx);
+                        receive_loop(&socket, &monitor, &endpoint, &chunks_tx);
                     }
                     Err(e) => {
                         let _ = bound_tx.send(Err(e));
@@ -170,13 +170,12 @@ impl Transport for ZmqData {
     }
 }
 
-/// A PULL socket bound to `address`, the endpoint it listens on (the OS's port, the socket
-/// file), and its ZAP registration (kept as long as the socket).
-fn bind(
-    address: &str,
-    max_frame: usize,
-    auth: &Auth,
-) -> Result<(zmq::Socket, String, Option<super::zap::Domain>), TransportError> {
+/// The pieces of a bound receiver: the socket, its monitor, the endpoint it listens on (the
+/// OS's port, the socket file) and its ZAP registration (kept as long as the socket).
+type Bound = (zmq::Socket, Monitor, String, Option<super::zap::Domain>);
+
+/// A PULL socket bound to `address`.
+fn bind(address: &str, max_frame: usize, auth: &Auth) -> Result<Bound, TransportError> {
     let err = |e: zmq::Error| TransportError::new("bind", address, format!("libzmq: {e}"));
     let socket = context().socket(zmq::PULL).map_err(err)?;
     socket
@@ -187,12 +186,13 @@ fn bind(
     socket.set_rcvtimeo(POLL_MS).map_err(err)?;
     socket.set_linger(0).map_err(err)?;
     let zap = auth.server(&socket).map_err(err)?;
+    let monitor = Monitor::new(&socket).map_err(err)?;
     socket.bind(address).map_err(err)?;
     let endpoint = socket
         .get_last_endpoint()
         .map_err(err)?
         .map_err(|_| TransportError::new("bind", address, "endpoint is not UTF-8"))?;
-    Ok((socket, endpoint, zap))
+    Ok((socket, monitor, endpoint, zap))
 }
 
 /// A PUSH socket connected to `endpoint` whose handshake (and authentication) completed, or
@@ -247,18 +247,33 @@ fn send_chunk(socket: &mut zmq::Socket, job: &Job) -> Option<Result<(), zmq::Err
 }
 
 /// Receives chunks from `socket` into `chunks` until the receiver is dropped.
+/// Connections beyond [`super::peers::MAX_PER_PEER`] from one address are shut down as the
+/// socket's monitor reports them accepted.
 fn receive_loop(
     socket: &zmq::Socket,
+    monitor: &Monitor,
     endpoint: &str,
     chunks: &mpsc::Sender<Result<(Bytes, Bytes), TransportError>>,
 ) {
     let err = |m: String| TransportError::new("recv", endpoint, m);
+    let mut connections = super::peers::Connections::default();
     loop {
         if chunks.is_closed() {
             return;
         }
+        let mut items = [socket.as_poll_item(zmq::POLLIN), monitor.poll_item()];
+        if zmq::poll(&mut items, i64::from(POLL_MS)).is_err() {
+            return;
+        }
+        while let Some(event) = monitor.next() {
+            match event {
+                Event::Accepted { fd } => connections.accepted(fd),
+                Event::Disconnected { fd } => connections.disconnected(fd),
+                _ => {}
+            }
+        }
         let mut header = zmq::Message::new();
-        match socket.recv(&mut header, 0) {
+        match socket.recv(&mut header, zmq::DONTWAIT) {
             Ok(()) => {}
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
             Err(e) => {

@@ -7,7 +7,8 @@
 //! - `ZMQ_MAXMSGSIZE`: libzmq checks a frame's announced length against it before it
 //!   allocates the frame, and drops the connection of a peer that announces more;
 //! - explicit high-water marks, so that a connection holds at most `HWM + 1` frames of that
-//!   size (the one being read, and the queue behind it);
+//!   size (the one being read, and the queue behind it), and at most [`peers::MAX_PER_PEER`]
+//!   connections from one address;
 //! - with a cluster token, ZAP PLAIN authentication ([`Auth`], `zap.rs`): a connection that
 //!   does not present the token is closed during the handshake, before libzmq reads a message
 //!   from it. PLAIN carries the token in clear text; this build's libzmq has no CURVE (the
@@ -22,6 +23,7 @@
 pub mod control;
 pub mod data;
 mod monitor;
+pub mod peers;
 mod zap;
 
 pub use control::{

@@ -9,6 +9,8 @@ use super::context;
 pub(super) enum Event {
     /// A connection this socket made was established (TCP); its handshake follows.
     Connected { fd: i32 },
+    /// A connection to this (bound) socket was accepted; its handshake follows.
+    Accepted { fd: i32 },
     /// A connection completed its ZMTP handshake (and authentication): it carries messages.
     Ready,
     /// A connection was closed (by the peer, the network or libzmq itself).
@@ -21,6 +23,7 @@ pub(super) enum Event {
 
 /// The events a [`Monitor`] listens to.
 const EVENTS: u32 = zmq_sys::ZMQ_EVENT_CONNECTED
+    | zmq_sys::ZMQ_EVENT_ACCEPTED
     | zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
     | zmq_sys::ZMQ_EVENT_DISCONNECTED
     | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH
@@ -70,6 +73,7 @@ fn parse(head: &[u8]) -> Option<Event> {
     let fd = i32::try_from(value).unwrap_or(-1);
     match u32::from(id) {
         zmq_sys::ZMQ_EVENT_CONNECTED => Some(Event::Connected { fd }),
+        zmq_sys::ZMQ_EVENT_ACCEPTED => Some(Event::Accepted { fd }),
         zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED => Some(Event::Ready),
         zmq_sys::ZMQ_EVENT_DISCONNECTED => Some(Event::Disconnected { fd }),
         zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH => Some(Event::AuthFailed),
@@ -96,6 +100,10 @@ mod tests {
         assert_eq!(
             parse(&frame(zmq_sys::ZMQ_EVENT_CONNECTED, 9)),
             Some(Event::Connected { fd: 9 })
+        );
+        assert_eq!(
+            parse(&frame(zmq_sys::ZMQ_EVENT_ACCEPTED, 11)),
+            Some(Event::Accepted { fd: 11 })
         );
         assert_eq!(
             parse(&frame(zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED, 0)),
