@@ -147,6 +147,9 @@ pub struct AgentConfig {
     pub synthetic: bool,
     /// Shared secret for the registry and Hello.
     pub token: Option<String>,
+    /// Serve non-loopback addresses without a token (the CLI refuses them otherwise; the agent
+    /// itself only records the choice).
+    pub insecure: bool,
     /// Largest chunk of staging bytes moved at once: the size of a staging slot.
     pub chunk_bytes: usize,
     /// Staging slots per peer pair: chunks in flight between two agents at once. The staging

@@ -73,10 +73,12 @@ pub struct AgentArgs {
     /// Data-plane transport: zmq-tcp or zmq-ipc.
     #[arg(long, env = "KVFERRY_TRANSPORT", default_value = "zmq-tcp")]
     pub transport: TransportKind,
-    /// Address the control and data sockets bind and advertise.
+    /// Address the control and data sockets bind and advertise. Any address but a loopback
+    /// one (0.0.0.0 and :: included) needs --token, or --insecure.
     #[arg(long, env = "KVFERRY_HOST", default_value = "127.0.0.1")]
     pub host: String,
-    /// Address of the engine-facing HTTP API (keep it local).
+    /// Address of the engine-facing HTTP API (keep it local). Any address but a loopback one
+    /// needs --token, or --insecure.
     #[arg(long, env = "KVFERRY_API_HOST", default_value = "127.0.0.1")]
     pub api_host: String,
     /// Port of the engine-facing HTTP API (0 picks one; the listening line tells which).
@@ -89,6 +91,10 @@ pub struct AgentArgs {
     /// Shared secret: sent to the registry and in Hello.
     #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Serve a non-loopback --host or --api-host without --token (warns at start). Only for
+    /// networks where every host that can reach the agent is trusted.
+    #[arg(long, env = "KVFERRY_INSECURE")]
+    pub insecure: bool,
     /// Largest chunk of staging bytes moved at once (1 MiB measured best for ZeroMQ here).
     #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
@@ -176,6 +182,7 @@ impl AgentArgs {
                 anyhow::bail!("--{name}-rank {rank} must be < --{name}-size {size}");
             }
         }
+        super::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
         let preset = ModelSpec::preset(&self.model)?;
         let model = ModelSpec {
             kind: self.attention.unwrap_or(preset.kind),
@@ -226,6 +233,7 @@ impl AgentArgs {
             api_port: self.api_port,
             synthetic: self.synthetic,
             token: self.token.clone(),
+            insecure: self.insecure,
             chunk_bytes: self.chunk_bytes,
             staging_slots: self.staging_slots,
             pool: self.pool.clone(),
@@ -251,6 +259,15 @@ impl AgentArgs {
     }
 }
 
+impl AgentArgs {
+    fn binds(&self) -> [(&'static str, &str); 2] {
+        [
+            ("--host", self.host.as_str()),
+            ("--api-host", self.api_host.as_str()),
+        ]
+    }
+}
+
 /// Which agent to run.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum AgentRole {
@@ -267,6 +284,7 @@ enum Running {
 /// Runs an agent until SIGINT or SIGTERM.
 pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
+    super::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

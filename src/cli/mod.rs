@@ -7,6 +7,7 @@ mod bootstrap;
 pub mod cluster;
 pub mod config;
 pub mod demo;
+mod exposure;
 mod signal;
 
 pub use agent::AgentArgs;
