@@ -301,17 +301,29 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
             "transport": cfg.transport.name(),
             "model": args.model,
         });
-        let agent = match role {
-            AgentRole::Prefill => Running::Prefill(
-                PrefillAgent::start(cfg, shutdown.clone())
-                    .await
-                    .context("starting the prefill agent")?,
-            ),
-            AgentRole::Decode => Running::Decode(
-                DecodeAgent::start(cfg, shutdown.clone())
-                    .await
-                    .context("starting the decode agent")?,
-            ),
+        let start = async {
+            anyhow::Ok(match role {
+                AgentRole::Prefill => Running::Prefill(
+                    PrefillAgent::start(cfg, shutdown.clone())
+                        .await
+                        .context("starting the prefill agent")?,
+                ),
+                AgentRole::Decode => Running::Decode(
+                    DecodeAgent::start(cfg, shutdown.clone())
+                        .await
+                        .context("starting the decode agent")?,
+                ),
+            })
+        };
+        // A signal while starting (e.g. while waiting out a predecessor's lease) stops at once:
+        // no task runs yet (a registration caught in flight lapses with its lease).
+        let agent = tokio::select! {
+            started = start => started?,
+            () = signalled.cancelled() => {
+                tracing::info!("stopped before the agent started");
+                signals.abort();
+                return Ok(());
+            }
         };
         let mut line = common;
         match &agent {
@@ -329,7 +341,28 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
             }
         }
         print_listening(&line)?;
-        signalled.cancelled().await;
+        let lost = async {
+            match &agent {
+                Running::Prefill(a) => a.lease_lost().await,
+                Running::Decode(a) => a.lease_lost().await,
+            }
+        };
+        let replaced = tokio::select! {
+            () = signalled.cancelled() => None,
+            reason = lost => Some(reason),
+        };
+        if let Some(reason) = replaced {
+            // Another instance serves the rank now: stop at once (no drain; the rooms' peers
+            // see this instance go), and exit non-zero with the reason.
+            tracing::error!(%reason, "this instance was replaced in the registry; stopping");
+            shutdown.cancel();
+            match agent {
+                Running::Prefill(a) => a.join().await,
+                Running::Decode(a) => a.join().await,
+            }
+            signals.abort();
+            anyhow::bail!("{reason}");
+        }
         match &agent {
             Running::Prefill(a) => a.drain().await,
             Running::Decode(a) => a.drain().await,

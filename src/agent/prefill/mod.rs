@@ -164,6 +164,12 @@ impl PrefillAgent {
         }
     }
 
+    /// Resolves with the reason once this instance's registry slot was taken by another
+    /// instance (its lease lapsed): the process must stop, it no longer serves the rank.
+    pub async fn lease_lost(&self) -> String {
+        self.keep_alive.lost().await
+    }
+
     /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.
     pub async fn join(mut self) {
         while self.tasks.join_next().await.is_some() {}
