@@ -865,12 +865,12 @@ fn bad_http_input_is_refused_and_changes_nothing() {
                 StatusCode::BAD_REQUEST,
             ),
             (
-                "more tokens than the pool",
+                "more tokens than the whole pool (can never fit)",
                 Method::POST,
                 room.clone(),
                 j(json!({ "tokens": 64 * 16 + 1 })),
                 None,
-                StatusCode::TOO_MANY_REQUESTS,
+                StatusCode::BAD_REQUEST,
             ),
             (
                 "unknown field",

@@ -21,7 +21,7 @@ pub(super) struct RoomRequest {
 type Shared = State<Arc<Inner>>;
 
 pub(super) fn routes(inner: Arc<Inner>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route(
             "/v1/rooms/{room}",
             post(create_room).get(get_room).delete(abort_room),
@@ -32,15 +32,14 @@ pub(super) fn routes(inner: Arc<Inner>) -> Router {
             "/healthz",
             get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "decode"})) }),
         )
-        .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::bad_request("no such route").into_response() })
-        .with_state(inner)
+        .route("/metrics", get(metrics));
+    api::finish(router).with_state(inner)
 }
 
 pub(super) async fn create_room(
     State(inner): Shared,
     Path(room): Path<String>,
-    body: Bytes,
+    api::JsonBody(body): api::JsonBody,
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let req: RoomRequest = api::parse_json(&body)?;
@@ -81,6 +80,7 @@ pub(super) async fn create_room(
         )));
     }
     let needed = l.pages_for(req.tokens);
+    api::fits_pool(req.tokens, needed, inner.pool.num_pages())?;
     let expected = l
         .room_bytes(req.tokens - req.start_token)
         .map_err(|e| ApiError::bad_request(format!("tokens {}: {e}", req.tokens)))?;
@@ -146,7 +146,7 @@ pub(super) async fn create_room(
 pub(super) async fn get_room(
     State(inner): Shared,
     Path(room): Path<String>,
-    Query(q): Query<api::WaitQuery>,
+    q: api::WaitQuery,
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     api::room_answer(q.wait_ms, || {

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvferry_bootstrap::{ClientError, PrefillGroup, Registration, RegistryClient, Role};
