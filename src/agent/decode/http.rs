@@ -111,6 +111,7 @@ pub(super) async fn create_room(
             start_token: req.start_token,
             pages,
             lease,
+            returned: false,
             expected,
             landed: 0,
             chunks: 0,
@@ -149,6 +150,7 @@ pub(super) async fn get_room(
     q: api::WaitQuery,
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
+    inner.return_aborted_pages();
     api::room_answer(q.wait_ms, || {
         let rooms = inner.rooms();
         let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
@@ -162,7 +164,32 @@ pub(super) async fn get_room(
 }
 
 pub(super) async fn pool(State(inner): Shared) -> Response {
+    inner.return_aborted_pages();
     api::pool_answer(&inner.alloc)
+}
+
+impl Inner {
+    /// Returns the agent-owned pages of every aborted room that is safe to reuse to the pool,
+    /// without waiting for the room to be taken or to expire (the room itself stays readable
+    /// and takeable until then). Called on every housekeeping tick and before answering
+    /// `GET /v1/pool` and `GET /v1/rooms/{room}`, so the pool is whole as soon as it can be.
+    pub(super) fn return_aborted_pages(&self) {
+        for (id, room) in self.rooms().iter_mut() {
+            if room.lease.is_some()
+                && room.status.state() == RoomState::Aborted
+                && room.safe_to_reuse()
+            {
+                let pages = room.pages.len();
+                room.lease = None;
+                room.returned = true;
+                tracing::debug!(
+                    room = id,
+                    pages,
+                    "aborted room's pages returned to the pool"
+                );
+            }
+        }
+    }
 }
 
 pub(super) async fn take_room(

@@ -233,6 +233,9 @@ struct Room {
     pages: Arc<[u32]>,
     /// Present when the agent allocated the pages; dropping it returns them.
     lease: Option<PageLease>,
+    /// The agent-owned pages went back to the pool early: the room was aborted and became safe
+    /// to reuse before it was taken.
+    returned: bool,
     expected: usize,
     landed: usize,
     chunks: u32,
@@ -331,7 +334,7 @@ impl Room {
             "start_token": self.start_token,
             "chunks": self.chunks,
             "pages": &*self.pages,
-            "page_owner": if self.lease.is_some() { "agent" } else { "engine" },
+            "page_owner": if self.lease.is_some() || self.returned { "agent" } else { "engine" },
             "sources": self.sources.iter().map(|s| serde_json::json!({
                 "prefill_instance": s.peer.instance.to_string(),
                 "layers": [s.layers.start, s.layers.end],
@@ -725,6 +728,9 @@ async fn expire_rooms(inner: Arc<Inner>) {
                 room.touch_if_safe();
             }
         }
+        drop(rooms);
+        inner.return_aborted_pages();
+        let mut rooms = inner.rooms();
         let before = rooms.len();
         rooms.retain(|id, room| {
             let keep = !(room.safe_to_reuse() && room.final_at.is_some_and(|t| t.elapsed() >= ttl));
