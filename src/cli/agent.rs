@@ -135,6 +135,11 @@ pub struct AgentArgs {
     /// On SIGTERM, in-flight rooms get this many ms to finish; the rest are aborted.
     #[arg(long, env = "KVFERRY_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
     pub drain_timeout_ms: u64,
+    /// On SIGTERM, rooms that landed but were not taken stay takeable until taken or
+    /// this many ms after the last one landed (counted from SIGTERM at the earliest); then
+    /// the process exits and they are discarded.
+    #[arg(long, env = "KVFERRY_DRAIN_UNTAKEN_MS", default_value_t = 10_000)]
+    pub drain_untaken_ms: u64,
     /// Checksum every chunk (xxh3-64) and verify it on landing; enable on both sides.
     #[arg(long, env = "KVFERRY_CHECKSUM")]
     pub checksum: bool,
@@ -252,6 +257,7 @@ impl AgentArgs {
                 ready: ms(self.timeout_ready_ms),
                 stall: ms(self.timeout_stall_ms),
                 drain: ms(self.drain_timeout_ms),
+                drain_untaken: ms(self.drain_untaken_ms),
                 heartbeat: ms(self.heartbeat_ms),
                 dead_after: ms(self.peer_dead_ms),
             },

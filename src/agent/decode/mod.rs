@@ -20,8 +20,9 @@
 //! plans one bulk segment per source, each asked with its own TransferRequest and finished by
 //! its own Done. Files: this one (rooms, requests, timeouts, drain), `peer.rs` (control
 //! connections, heartbeats, what prefills send), `landing.rs` (chunks into the pool),
-//! `http.rs` (the engine's API).
+//! `http.rs` (the engine's API), `drain.rs` (landed rooms kept takeable while draining).
 
+mod drain;
 mod http;
 mod landing;
 mod peer;
@@ -143,13 +144,15 @@ impl DecodeAgent {
     }
 
     /// Stops accepting rooms (503), lets in-flight rooms finish for up to the drain timeout,
-    /// then aborts the rest. Landed rooms stay takeable until shutdown.
+    /// then aborts the rest. Landed rooms stay takeable until taken or `drain_untaken` passed
+    /// since the last one landed (`drain.rs`).
     pub async fn drain(&self) {
         let inner = &self.inner;
         inner
             .draining
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        let deadline = Instant::now() + inner.cfg.timeouts.drain;
+        let draining_since = Instant::now();
+        let deadline = draining_since + inner.cfg.timeouts.drain;
         let in_flight = || {
             inner
                 .rooms()
@@ -180,6 +183,7 @@ impl DecodeAgent {
         if !left.is_empty() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        inner.keep_untaken(draining_since).await;
     }
 
     /// Resolves with the reason once this instance's registry slot was taken by another
