@@ -70,8 +70,8 @@ pub struct AgentArgs {
     /// Pages in this agent's pool.
     #[arg(long, env = "KVFERRY_POOL_PAGES", default_value_t = 1024)]
     pub pool_pages: usize,
-    /// Data-plane transport: zmq-tcp or zmq-ipc.
-    #[arg(long, env = "KVFERRY_TRANSPORT", default_value = "zmq-tcp")]
+    /// Data-plane transport (its --help names this build's transports).
+    #[arg(long, env = "KVFERRY_TRANSPORT", default_value = "zmq-tcp", help = super::TRANSPORT_HELP)]
     pub transport: TransportKind,
     /// Address the control and data sockets bind and advertise. Any address but a loopback
     /// one (0.0.0.0 and :: included) needs --token, or --insecure.
@@ -98,12 +98,12 @@ pub struct AgentArgs {
     /// Largest chunk of staging bytes moved at once (1 MiB measured best for ZeroMQ here).
     #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
-    /// Staging slots per peer pair: chunks in flight between two agents at once (the staging
-    /// budget of a pair is slots x chunk bytes on each side).
+    /// Staging slots per prefill peer: chunks in flight from one prefill at once (the decode
+    /// grants them; the staging budget of a pair is slots x chunk bytes on each side).
     #[arg(long, env = "KVFERRY_STAGING_SLOTS", default_value_t = 8)]
     pub staging_slots: usize,
-    /// The KV pool: `anon` (the agent's own memory), `shm:<path>` (a pool an engine created in
-    /// shared memory), or `cuda-ipc:<device>:<handle>` (device memory; needs a GPU).
+    /// The KV pool: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created
+    /// in shared memory).
     #[arg(long, env = "KVFERRY_POOL", default_value = "anon")]
     pub pool: crate::pool::PoolDescriptor,
     /// Synthetic engine pacing: announce each room one layer at a time, this many ms apart
@@ -113,7 +113,7 @@ pub struct AgentArgs {
     /// Threads of the CPU copy kernel.
     #[arg(long, env = "KVFERRY_COPY_THREADS", default_value_t = 2)]
     pub copy_threads: usize,
-    /// Waiting for the prefill group to register, in ms (decode).
+    /// Waiting for the prefill group to register, in ms.
     #[arg(long, env = "KVFERRY_TIMEOUT_BOOTSTRAP_MS", default_value_t = 30_000)]
     pub timeout_bootstrap_ms: u64,
     /// Connecting to a peer and its answer to Hello, in ms.
