@@ -87,7 +87,7 @@ pub struct RegistryStats {
     pub decode_ranks: u64,
     /// Prefill groups currently known.
     pub groups: u64,
-    /// Accepted registrations since start (new, replacing and refreshing).
+    /// Accepted registrations since start (new and refreshing).
     pub registrations_total: u64,
     /// Leases that ran out since start.
     pub lease_expiries_total: u64,
