@@ -176,6 +176,12 @@ pub enum ClientError {
     /// The registration fails validation; nothing was sent.
     #[error("register: invalid registration: {0}")]
     Invalid(#[from] InvalidRegistration),
+    /// The registration was still waiting for a held slot when it was cancelled.
+    #[error("register: cancelled while waiting for the slot held by instance {holder}")]
+    Cancelled {
+        /// The instance holding the slot.
+        holder: Uuid,
+    },
     /// The base URL or the HTTP client setup is unusable.
     #[error("registry client for {url:?}: {message}")]
     Setup {
@@ -434,12 +440,7 @@ impl RegistryClient {
             );
             let pause = (remaining + HELD_RETRY_MARGIN).min(lease_ttl.max(MIN_HEARTBEAT_PERIOD));
             tokio::select! {
-                () = cancel.cancelled() => {
-                    return Err(ClientError::Setup {
-                        url: self.inner.base.clone(),
-                        message: "cancelled while waiting for a held slot".to_owned(),
-                    });
-                }
+                () = cancel.cancelled() => return Err(ClientError::Cancelled { holder }),
                 () = tokio::time::sleep(pause) => {}
             }
         }

@@ -423,3 +423,22 @@ async fn topology_conflict_is_409_naming_the_field() {
     client.register(&other).await.unwrap();
     server.stop().await;
 }
+
+#[tokio::test]
+async fn waiting_for_a_held_slot_ends_when_cancelled() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let client = RegistryClient::new(&server.url, None).unwrap();
+    let holder = prefill(0, 0, 1, 0, 1);
+    client.register(&holder).await.unwrap();
+    let cancel = CancellationToken::new();
+    cancel.cancel();
+    let err = client
+        .register_when_free(&prefill(0, 0, 1, 0, 1), &cancel)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ClientError::Cancelled { holder: h } if h == holder.instance_id),
+        "{err}"
+    );
+    server.stop().await;
+}
