@@ -260,37 +260,10 @@ async fn rooms_verify(http: &Client, decode: &str, prefill: &str, rooms: std::op
 
 #[test]
 fn a_second_agent_with_the_same_rank_exits_non_zero_and_the_first_keeps_serving() {
-    let c = Cluster::start("registry-same-rank", 2_000);
+    let c = Cluster::start("registry-same-rank", 1_000);
     let first = c.agent("prefill", "prefill-1");
     let decode = c.agent("decode", "decode");
     let holder = first.field("instance");
-    // One that is stopped while it waits for the slot exits 0 at once (it gives up only after
-    // 3 leases, 6 s, with 1).
-    let log = c.logs.join("prefill-stopped.log");
-    let mut waiting = Command::new(&c.exe)
-        .args(c.agent_args("prefill"))
-        .env_remove("KVFERRY_CONFIG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("spawning a waiting prefill");
-    runtime().block_on(poll_until(
-        "the third prefill waits for the slot",
-        BOUND,
-        || async {
-            log_text(&log)
-                .contains("slot held by another live instance")
-                .then_some(())
-        },
-    ));
-    let killed = Command::new("kill")
-        .args(["-TERM", &waiting.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-    let status = waiting.wait().expect("wait");
-    assert_eq!(status.code(), Some(0), "{}", log_text(&log));
     // The second one never listens: it waits for the slot, sees the holder renew for more than
     // 3 leases, and gives up with 1.
     let args = c.agent_args("prefill");
@@ -327,6 +300,51 @@ fn a_second_agent_with_the_same_rank_exits_non_zero_and_the_first_keeps_serving(
         );
         rooms_verify(&http, &decode.field("api"), &first.field("api"), 1..3).await;
     });
+}
+
+#[test]
+fn an_agent_stopped_while_it_waits_for_a_held_slot_exits_0() {
+    let c = Cluster::start("registry-stop-waiting", 10_000);
+    let _first = c.agent("prefill", "prefill-1");
+    // Stopped while it waits for the slot, it exits 0 at once (it would give up only after 3
+    // leases, 30 s, with 1).
+    let log = c.logs.join("prefill-stopped.log");
+    let mut waiting = Command::new(&c.exe)
+        .args(c.agent_args("prefill"))
+        .env_remove("KVFERRY_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("spawning a waiting prefill");
+    runtime().block_on(poll_until(
+        "a second prefill waits for the slot",
+        BOUND,
+        || async {
+            log_text(&log)
+                .contains("slot held by another live instance")
+                .then_some(())
+        },
+    ));
+    let killed = Command::new("kill")
+        .args(["-TERM", &waiting.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = waiting.try_wait().expect("try_wait") {
+            break status;
+        }
+        if start.elapsed() > BOUND {
+            let _ = waiting.kill();
+            panic!("the waiting prefill did not stop within {BOUND:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = log_text(&log);
+    assert_eq!(status.code(), Some(0), "{text}");
+    assert!(text.contains("stopped before the agent started"), "{text}");
 }
 
 #[test]

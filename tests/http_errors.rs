@@ -204,8 +204,11 @@ fn every_error_is_json_with_its_status_on_the_registry_and_both_agents() {
         &logs,
     );
     let url = registry.field("url");
+    // Rooms 1 and 2 must stay in flight through the tables: no timeout may end them.
     let mut args = AgentOpts {
         pool_pages: 64,
+        timeout_ready_ms: 600_000,
+        timeout_stall_ms: 600_000,
         ..AgentOpts::default()
     }
     .args();
