@@ -637,6 +637,26 @@ mod tests {
         assert!(end < l.pool_bytes(pages).unwrap());
     }
 
+    /// The worked example of docs/operations.md ("The byte layout of an `shm:` pool").
+    #[test]
+    fn shm_pool_worked_example_of_the_operations_guide() {
+        let l = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16)
+            .unwrap()
+            .with_order(PageOrder::TokenMajor, KvPlacement::Planes)
+            .unwrap();
+        assert_eq!(l.block_bytes().unwrap(), 4096);
+        assert_eq!(l.pool_bytes(64).unwrap(), 2_097_152);
+        assert_eq!(l.pool_bytes(65).unwrap(), 2_129_920);
+        let page5 = l.plane_offset(2, 1, 64).unwrap() + 5 * l.page_stride().unwrap();
+        assert_eq!(page5, 1_331_200);
+        assert_eq!(page5 + l.element_offset(3, 1), 1_332_032);
+        let hnd = l
+            .clone()
+            .with_order(PageOrder::HeadMajor, KvPlacement::Planes)
+            .unwrap();
+        assert_eq!(hnd.element_offset(3, 1), (16 + 3) * 32 * 2);
+    }
+
     #[test]
     fn plane_offsets_tile_the_pool_exactly() {
         let model = ModelSpec::preset("tiny").unwrap();

@@ -1216,7 +1216,14 @@ fn a_cut_link_between_namespaces_fails_rooms_with_peer_dead() {
         &exe,
         &Netns::exec(&net.prefill_ns),
         "registry",
-        &owned(&["bootstrap", "--host", &net.prefill_ip, "--port", "0"]),
+        &owned(&[
+            "bootstrap",
+            "--host",
+            &net.prefill_ip,
+            "--port",
+            "0",
+            "--insecure",
+        ]),
         &[],
         &logs,
     );
@@ -1227,6 +1234,8 @@ fn a_cut_link_between_namespaces_fails_rooms_with_peer_dead() {
         args.extend(opts.args_all());
         set_flag(&mut args, "--host", host);
         set_flag(&mut args, "--api-host", host);
+        // Namespace addresses are not loopback; the namespaces are private to the test.
+        args.push("--insecure".to_owned());
         args.extend(owned(extra));
         Spawned::start(&exe, &Netns::exec(ns), role, &args, &[], &logs)
     };

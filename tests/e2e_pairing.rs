@@ -133,10 +133,12 @@ fn a_page_size_mismatch_fails_the_room_naming_both_values() {
     let exe = common::release_binary();
     let prefill = AgentOpts::default().args();
     let cluster = LocalCluster::start(&exe, "pair-pagesize", &prefill).unwrap();
-    // A second decode with another page size, registered with the same registry.
+    // A second decode with another page size, registered with the same registry (as another
+    // DP rank: the registry never lets two live instances hold one rank).
     let url = cluster.registry.field("url").unwrap();
     let mut args: Vec<String> = vec!["decode".into(), "--bootstrap".into(), url];
     args.extend(AgentOpts::default().args());
+    args.extend(["--dp-rank", "1", "--dp-size", "2"].map(String::from));
     let i = args.iter().position(|a| a == "--page-size").unwrap();
     args[i + 1] = "32".into();
     let decode =

@@ -3,7 +3,22 @@
 //! group, and [`RegistryClient::keep_alive`], a task that keeps one lease alive until cancelled.
 //!
 //! Errors are classified: [`ClientError::is_retryable`] is true for an incomplete group, an
-//! unreachable registry or a 5xx; a 4xx (bad registration, conflict, wrong token) is fatal.
+//! unreachable registry, a 5xx or a slot held by another live instance (which may be this
+//! rank's dead predecessor whose lease has not lapsed yet); any other 4xx (bad registration,
+//! conflict, wrong token) is fatal.
+//!
+//! The registry never replaces a live rank, so [`RegistryClient::keep_alive`]:
+//! - on start, retries a registration refused because the slot is held
+//!   ([`ClientError::SlotHeld`]) until the holder's lease lapses, and gives up
+//!   ([`ClientError::SlotStillHeld`]) only when the same holder still holds the slot
+//!   [`HOLDER_RENEWING_LEASES`] lease lengths after it was first seen: a dead holder's lease
+//!   lapses within one, so that holder is alive and renewing (another process serves the rank);
+//! - while running, learns that its instance was replaced (its lease lapsed, another instance
+//!   took the slot) when its heartbeat is unknown and registering again meets the new holder
+//!   ([`ClientError::Replaced`]); it then stops and reports it through [`KeepAlive::lost`],
+//!   instead of fighting the new holder for the slot.
+//!
+//! Every request carries the bearer token when one is given.
 //! The client remembers what it registered (per instance id) so it can register again after a
 //! registry restart; the memory sits behind a short `std::sync::Mutex` never held across
 //! `.await`.
@@ -26,6 +41,12 @@ use crate::types::{
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Shortest heartbeat period, whatever the lease.
 const MIN_HEARTBEAT_PERIOD: Duration = Duration::from_millis(10);
+/// A registration gives up on a held slot when the same holder still holds it this many lease
+/// lengths after it was first met: a dead holder's lease would have lapsed within one.
+pub const HOLDER_RENEWING_LEASES: u32 = 3;
+/// Added to a holder's remaining lease before registering again, so the retry lands after the
+/// registry expired it.
+const HELD_RETRY_MARGIN: Duration = Duration::from_millis(50);
 
 /// Why a registry call failed.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +77,58 @@ pub enum ClientError {
         op: &'static str,
         /// The registry's message, naming the field and both values.
         message: String,
+    },
+    /// The slot is held by another live instance (409 naming it): retryable, the holder may be
+    /// this rank's dead predecessor whose lease has not lapsed yet.
+    #[error("{op}: {message}")]
+    SlotHeld {
+        /// The operation that failed.
+        op: &'static str,
+        /// The instance holding the slot.
+        holder: Uuid,
+        /// What is left of the holder's lease.
+        remaining: Duration,
+        /// The registry's lease length.
+        lease_ttl: Duration,
+        /// The registry's message, naming the slot and the holder.
+        message: String,
+    },
+    /// The slot stayed held by the same live instance for longer than a dead instance's lease
+    /// could last: another process is serving this rank and renewing its lease.
+    #[error(
+        "register: {role} dp_rank={dp_rank} tp_rank={tp_rank} pp_rank={pp_rank} is served by live \
+         instance {holder}, which kept renewing its lease for {waited_ms} ms (more than \
+         {HOLDER_RENEWING_LEASES} leases of {lease_ttl_ms} ms): another process runs this rank; \
+         stop it or give this one other ranks"
+    )]
+    SlotStillHeld {
+        /// The slot's role.
+        role: crate::types::Role,
+        /// The slot's dp rank.
+        dp_rank: u32,
+        /// The slot's tp rank.
+        tp_rank: u32,
+        /// The slot's pp rank.
+        pp_rank: u32,
+        /// The instance holding the slot.
+        holder: Uuid,
+        /// How long this client saw it holding the slot.
+        waited_ms: u64,
+        /// The registry's lease length.
+        lease_ttl_ms: u64,
+    },
+    /// This instance's lease lapsed and another instance took its slot: this process no longer
+    /// serves the rank and must not register again.
+    #[error(
+        "heartbeat: instance {instance} was replaced by instance {by} after its lease lapsed \
+         (this process missed its heartbeats); the rank is served by the new instance, so this one \
+         stops instead of registering again"
+    )]
+    Replaced {
+        /// This client's instance.
+        instance: Uuid,
+        /// The instance now holding the slot.
+        by: Uuid,
     },
     /// Missing or wrong bearer token (401).
     #[error("{op}: unauthorized: {message}")]
@@ -103,6 +176,12 @@ pub enum ClientError {
     /// The registration fails validation; nothing was sent.
     #[error("register: invalid registration: {0}")]
     Invalid(#[from] InvalidRegistration),
+    /// The registration was still waiting for a held slot when it was cancelled.
+    #[error("register: cancelled while waiting for the slot held by instance {holder}")]
+    Cancelled {
+        /// The instance holding the slot.
+        holder: Uuid,
+    },
     /// The base URL or the HTTP client setup is unusable.
     #[error("registry client for {url:?}: {message}")]
     Setup {
@@ -114,13 +193,15 @@ pub enum ClientError {
 }
 
 impl ClientError {
-    /// True when the same call may succeed later (incomplete group, registry down, 5xx).
+    /// True when the same call may succeed later (incomplete group, registry down, 5xx, a slot
+    /// held by an instance that may be dead).
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
             ClientError::Incomplete { .. }
                 | ClientError::Unreachable { .. }
                 | ClientError::Server { .. }
+                | ClientError::SlotHeld { .. }
         )
     }
 }
@@ -160,7 +241,7 @@ struct Inner {
 
 impl RegistryClient {
     /// A client of the registry at `base_url` (e.g. `http://10.0.0.1:8998`), sending `token`
-    /// as a bearer token on writes when given. Proxy environment variables are ignored: the
+    /// as a bearer token on every request when given. Proxy environment variables are ignored: the
     /// registry is cluster-internal.
     pub fn new(base_url: impl Into<String>, token: Option<String>) -> Result<Self, ClientError> {
         let url: String = base_url.into();
@@ -200,7 +281,7 @@ impl RegistryClient {
         const OP: &str = "register";
         registration.validate()?;
         let url = self.url("/v1/ranks");
-        let req = self.write(self.inner.http.post(&url)).json(registration);
+        let req = self.authed(self.inner.http.post(&url)).json(registration);
         let resp = send(OP, &url, req).await?;
         let lease = read_json(OP, check(OP, resp).await?).await?;
         self.remembered()
@@ -213,17 +294,24 @@ impl RegistryClient {
     pub async fn heartbeat(&self, instance_id: Uuid) -> Result<Renewal, ClientError> {
         const OP: &str = "heartbeat";
         let url = self.url(&format!("/v1/ranks/{instance_id}/heartbeat"));
-        let resp = send(OP, &url, self.write(self.inner.http.post(&url))).await?;
+        let resp = send(OP, &url, self.authed(self.inner.http.post(&url))).await?;
         if resp.status() == StatusCode::NOT_FOUND {
             let again = self.remembered().get(&instance_id).cloned();
             let Some(registration) = again else {
                 return Err(ClientError::NotRegistered(instance_id));
             };
-            tracing::info!(%instance_id, "registry does not know this instance; registering again");
-            return self
-                .register(&registration)
-                .await
-                .map(Renewal::Reregistered);
+            tracing::warn!(%instance_id, "registry does not know this instance (registry restarted or lease lapsed); registering again");
+            return match self.register(&registration).await {
+                Ok(lease) => Ok(Renewal::Reregistered(lease)),
+                Err(ClientError::SlotHeld { holder, .. }) => {
+                    self.remembered().remove(&instance_id);
+                    Err(ClientError::Replaced {
+                        instance: instance_id,
+                        by: holder,
+                    })
+                }
+                Err(e) => Err(e),
+            };
         }
         read_json(OP, check(OP, resp).await?)
             .await
@@ -236,7 +324,7 @@ impl RegistryClient {
         const OP: &str = "deregister";
         self.remembered().remove(&instance_id);
         let url = self.url(&format!("/v1/ranks/{instance_id}"));
-        let resp = send(OP, &url, self.write(self.inner.http.delete(&url))).await?;
+        let resp = send(OP, &url, self.authed(self.inner.http.delete(&url))).await?;
         if resp.status() == StatusCode::NOT_FOUND {
             return Ok(false);
         }
@@ -248,7 +336,7 @@ impl RegistryClient {
     pub async fn lookup_prefill(&self, dp_rank: u32) -> Result<PrefillGroup, ClientError> {
         const OP: &str = "lookup_prefill";
         let url = self.url(&format!("/v1/groups/{dp_rank}"));
-        let resp = send(OP, &url, self.inner.http.get(&url)).await?;
+        let resp = send(OP, &url, self.authed(self.inner.http.get(&url))).await?;
         if resp.status() == StatusCode::SERVICE_UNAVAILABLE {
             return Err(ClientError::Incomplete {
                 dp_rank,
@@ -262,7 +350,7 @@ impl RegistryClient {
     pub async fn list_ranks(&self) -> Result<Vec<RankInfo>, ClientError> {
         const OP: &str = "list_ranks";
         let url = self.url("/v1/ranks");
-        let resp = send(OP, &url, self.inner.http.get(&url)).await?;
+        let resp = send(OP, &url, self.authed(self.inner.http.get(&url))).await?;
         let list: RankList = read_json(OP, check(OP, resp).await?).await?;
         Ok(list.ranks)
     }
@@ -271,30 +359,100 @@ impl RegistryClient {
     pub async fn health(&self) -> Result<Health, ClientError> {
         const OP: &str = "health";
         let url = self.url("/healthz");
-        let resp = send(OP, &url, self.inner.http.get(&url)).await?;
+        let resp = send(OP, &url, self.authed(self.inner.http.get(&url))).await?;
         read_json(OP, check(OP, resp).await?).await
     }
 
-    /// Registers `registration`, then keeps its lease alive on a tokio task: a heartbeat every
-    /// third of the lease, registering again when the registry forgot it, warning (rate
-    /// limited) while the registry is unreachable. When `cancel` fires, the task deregisters
-    /// and ends. The first registration's error is returned here, before any task starts.
+    /// Registers `registration`, waiting out a dead predecessor's lease (see the module doc),
+    /// then keeps its lease alive on a tokio task: a heartbeat every third of the lease,
+    /// registering again when the registry forgot it, warning (rate limited) while the
+    /// registry is unreachable. When `cancel` fires, the task deregisters and ends; when the
+    /// instance turns out replaced, the task ends and [`KeepAlive::lost`] says why. The first
+    /// registration's error is returned here, before any task starts.
     pub async fn keep_alive(
         &self,
         registration: Registration,
         cancel: CancellationToken,
     ) -> Result<KeepAlive, ClientError> {
-        let lease = self.register(&registration).await?;
+        let lease = self.register_when_free(&registration, &cancel).await?;
         let client = self.clone();
+        let (lost_tx, lost) = tokio::sync::watch::channel(None);
         let handle = tokio::spawn(async move {
             client
-                .keep_alive_loop(registration.instance_id, lease, cancel)
+                .keep_alive_loop(registration.instance_id, lease, cancel, lost_tx)
                 .await;
         });
-        Ok(KeepAlive { lease, handle })
+        Ok(KeepAlive {
+            lease,
+            handle,
+            lost,
+        })
     }
 
-    async fn keep_alive_loop(&self, instance_id: Uuid, lease: Lease, cancel: CancellationToken) {
+    /// [`Self::register`], retried while the slot is held by an instance whose lease may be
+    /// a dead one's; [`ClientError::SlotStillHeld`] once the same holder has held it for
+    /// [`HOLDER_RENEWING_LEASES`] lease lengths.
+    pub async fn register_when_free(
+        &self,
+        registration: &Registration,
+        cancel: &CancellationToken,
+    ) -> Result<Lease, ClientError> {
+        let mut first_seen: Option<(Uuid, tokio::time::Instant)> = None;
+        loop {
+            let (holder, remaining, lease_ttl) = match self.register(registration).await {
+                Err(ClientError::SlotHeld {
+                    holder,
+                    remaining,
+                    lease_ttl,
+                    ..
+                }) => (holder, remaining, lease_ttl),
+                other => return other,
+            };
+            let now = tokio::time::Instant::now();
+            let since = match first_seen {
+                Some((h, t)) if h == holder => t,
+                _ => {
+                    first_seen = Some((holder, now));
+                    now
+                }
+            };
+            let waited = now - since;
+            if waited > lease_ttl * HOLDER_RENEWING_LEASES {
+                let r = registration;
+                let e = ClientError::SlotStillHeld {
+                    role: r.role,
+                    dp_rank: r.dp_rank,
+                    tp_rank: r.tp_rank,
+                    pp_rank: r.pp_rank,
+                    holder,
+                    waited_ms: millis(waited),
+                    lease_ttl_ms: millis(lease_ttl),
+                };
+                tracing::error!(instance_id = %r.instance_id, %holder, error = %e, "giving up registering");
+                return Err(e);
+            }
+            tracing::warn!(
+                instance_id = %registration.instance_id,
+                %holder,
+                holder_lease_remaining_ms = millis(remaining),
+                waited_ms = millis(waited),
+                "slot held by another live instance (a restarted rank's predecessor until its lease lapses); waiting"
+            );
+            let pause = (remaining + HELD_RETRY_MARGIN).min(lease_ttl.max(MIN_HEARTBEAT_PERIOD));
+            tokio::select! {
+                () = cancel.cancelled() => return Err(ClientError::Cancelled { holder }),
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    async fn keep_alive_loop(
+        &self,
+        instance_id: Uuid,
+        lease: Lease,
+        cancel: CancellationToken,
+        lost: tokio::sync::watch::Sender<Option<String>>,
+    ) {
         let mut period = heartbeat_period(lease);
         let mut failures: u64 = 0;
         loop {
@@ -309,6 +467,11 @@ impl RegistryClient {
                     }
                     failures = 0;
                     period = heartbeat_period(renewal.lease());
+                }
+                Err(e @ ClientError::Replaced { .. }) => {
+                    tracing::error!(%instance_id, error = %e, "lease lost to another instance; this instance stops");
+                    lost.send_replace(Some(e.to_string()));
+                    return;
                 }
                 Err(e) => {
                     failures += 1;
@@ -330,7 +493,7 @@ impl RegistryClient {
         format!("{}{path}", self.inner.base)
     }
 
-    fn write(&self, req: RequestBuilder) -> RequestBuilder {
+    fn authed(&self, req: RequestBuilder) -> RequestBuilder {
         match &self.inner.token {
             Some(token) => req.bearer_auth(token),
             None => req,
@@ -350,6 +513,7 @@ impl RegistryClient {
 pub struct KeepAlive {
     lease: Lease,
     handle: JoinHandle<()>,
+    lost: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 impl KeepAlive {
@@ -358,12 +522,32 @@ impl KeepAlive {
         self.lease
     }
 
+    /// Resolves, with the reason, once the instance was replaced by another one (its lease
+    /// lapsed and another instance took the slot); pending forever otherwise. The process
+    /// should stop: it no longer serves the rank.
+    pub async fn lost(&self) -> String {
+        let mut rx = self.lost.clone();
+        loop {
+            if let Some(reason) = rx.borrow_and_update().clone() {
+                return reason;
+            }
+            if rx.changed().await.is_err() {
+                // The task ended without losing the lease (cancelled): never resolves.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
     /// Waits until the task has ended (after its token was cancelled and it deregistered).
     pub async fn stopped(self) {
         if let Err(e) = self.handle.await {
             tracing::warn!(error = %e, "lease keep-alive task ended abnormally");
         }
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn heartbeat_period(lease: Lease) -> Duration {
@@ -384,10 +568,20 @@ async fn check(op: &'static str, resp: Response) -> Result<Response, ClientError
     if status.is_success() {
         return Ok(resp);
     }
-    let message = error_message(resp).await;
+    let body = error_body(resp).await;
+    let message = body.error;
     let code = status.as_u16();
     Err(match status {
-        StatusCode::CONFLICT => ClientError::Conflict { op, message },
+        StatusCode::CONFLICT => match (body.holder, body.holder_lease_remaining_ms) {
+            (Some(holder), Some(remaining)) => ClientError::SlotHeld {
+                op,
+                holder,
+                remaining: Duration::from_millis(remaining),
+                lease_ttl: Duration::from_millis(body.lease_ttl_ms.unwrap_or(remaining)),
+                message,
+            },
+            _ => ClientError::Conflict { op, message },
+        },
         StatusCode::UNAUTHORIZED => ClientError::Unauthorized { op, message },
         s if s.is_server_error() => ClientError::Server {
             op,
@@ -404,14 +598,19 @@ async fn check(op: &'static str, resp: Response) -> Result<Response, ClientError
 
 /// The `error` of a JSON error body, or the raw body when it is not one.
 async fn error_message(resp: Response) -> String {
+    error_body(resp).await.error
+}
+
+/// The JSON error body, or one made of the raw body when it is not one.
+async fn error_body(resp: Response) -> ErrorBody {
     let status = resp.status();
     match resp.text().await {
         Ok(text) => match serde_json::from_str::<ErrorBody>(&text) {
-            Ok(body) => body.error,
-            Err(_) if text.is_empty() => status.to_string(),
-            Err(_) => text,
+            Ok(body) => body,
+            Err(_) if text.is_empty() => ErrorBody::new(status.to_string()),
+            Err(_) => ErrorBody::new(text),
         },
-        Err(e) => format!("{status} (body unreadable: {e})"),
+        Err(e) => ErrorBody::new(format!("{status} (body unreadable: {e})")),
     }
 }
 

@@ -19,13 +19,14 @@ use crate::types::ErrorBody;
 pub enum RejectReason {
     /// Malformed JSON, wrong types, missing fields, impossible ranks, bad path parameters.
     BadRequest,
-    /// Missing or wrong bearer token on a write route.
+    /// Missing or wrong bearer token (every route but `/healthz` when a token is set).
     Unauthorized,
     /// Unknown route or unknown instance.
     NotFound,
     /// Known route, wrong method.
     MethodNotAllowed,
-    /// Registration disagrees with its group or with its own earlier registration.
+    /// Registration disagrees with its group or with its own earlier registration, or its
+    /// slot is held by another live instance.
     Conflict,
     /// Body larger than the limit.
     TooLarge,
@@ -94,6 +95,18 @@ pub enum ApiError {
     /// The prefill group is not complete yet (503, retryable).
     #[error("{0}")]
     Incomplete(String),
+    /// The registration's slot is held by another live instance (409 naming the holder).
+    #[error("{message}")]
+    SlotHeld {
+        /// For the client, naming the slot, the holder and its lease.
+        message: String,
+        /// The holder's instance id.
+        holder: uuid::Uuid,
+        /// What is left of the holder's lease, in ms.
+        remaining_ms: u64,
+        /// The registry's lease length, in ms.
+        lease_ttl_ms: u64,
+    },
 }
 
 impl ApiError {
@@ -109,6 +122,23 @@ impl ApiError {
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::rejected(RejectReason::BadRequest, message)
     }
+
+    /// The error for `e`, a registry refusal; `lease_ttl` is the registry's lease length.
+    pub fn from_registry(e: RegistryError, lease_ttl: std::time::Duration) -> Self {
+        match e {
+            RegistryError::SlotHeld {
+                holder,
+                remaining_ms,
+                ..
+            } => ApiError::SlotHeld {
+                message: e.to_string(),
+                holder,
+                remaining_ms,
+                lease_ttl_ms: crate::registry::millis(lease_ttl),
+            },
+            e => e.into(),
+        }
+    }
 }
 
 impl From<RegistryError> for ApiError {
@@ -116,7 +146,9 @@ impl From<RegistryError> for ApiError {
         let message = e.to_string();
         match e {
             RegistryError::Invalid(_) => Self::rejected(RejectReason::BadRequest, message),
-            RegistryError::Conflict(_) => Self::rejected(RejectReason::Conflict, message),
+            RegistryError::Conflict(_) | RegistryError::SlotHeld { .. } => {
+                Self::rejected(RejectReason::Conflict, message)
+            }
             RegistryError::UnknownInstance(_) => Self::rejected(RejectReason::NotFound, message),
             RegistryError::Incomplete { .. } => ApiError::Incomplete(message),
         }
@@ -125,15 +157,34 @@ impl From<RegistryError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let (status, reason, error) = match self {
-            ApiError::Rejected { reason, message } => (reason.status(), Some(reason), message),
-            ApiError::Incomplete(message) => (StatusCode::SERVICE_UNAVAILABLE, None, message),
+        let mut body = ErrorBody::new(String::new());
+        let (status, reason) = match self {
+            ApiError::Rejected { reason, message } => {
+                body.error = message;
+                (reason.status(), Some(reason))
+            }
+            ApiError::Incomplete(message) => {
+                body.error = message;
+                (StatusCode::SERVICE_UNAVAILABLE, None)
+            }
+            ApiError::SlotHeld {
+                message,
+                holder,
+                remaining_ms,
+                lease_ttl_ms,
+            } => {
+                body.error = message;
+                body.holder = Some(holder);
+                body.holder_lease_remaining_ms = Some(remaining_ms);
+                body.lease_ttl_ms = Some(lease_ttl_ms);
+                (StatusCode::CONFLICT, Some(RejectReason::Conflict))
+            }
         };
         let rejection = reason.map(|reason| Rejection {
             reason,
-            message: error.clone(),
+            message: body.error.clone(),
         });
-        let mut response = (status, Json(ErrorBody { error })).into_response();
+        let mut response = (status, Json(body)).into_response();
         if let Some(rejection) = rejection {
             response.extensions_mut().insert(rejection);
         } else {

@@ -69,7 +69,7 @@ impl Metrics {
             &mut out,
             "kvferry_bootstrap_registrations_total",
             "counter",
-            "Accepted registrations (new, replacing a restarted rank, or refreshing).",
+            "Accepted registrations (new, or the same instance refreshing).",
         );
         sample(
             &mut out,

@@ -4,7 +4,10 @@
 //!
 //! Invariants, re-established at the start of every operation by [`Registry::expire`]:
 //! - no expired lease is visible (expired entries are removed and counted);
-//! - each `(role, dp_rank, tp_rank, pp_rank)` slot holds at most one instance;
+//! - each `(role, dp_rank, tp_rank, pp_rank)` slot holds at most one instance, and a live
+//!   lease is never taken over: another instance gets [`RegistryError::SlotHeld`] until the
+//!   holder deregisters or its lease runs out (the registry never silently replaces a live
+//!   rank);
 //! - a prefill group exists exactly while at least one prefill rank of its `dp_rank` is live,
 //!   and every live member agrees with the topology and layout the group's first registration
 //!   fixed.
@@ -25,6 +28,28 @@ pub enum RegistryError {
     /// The registration disagrees with its group or with this instance's earlier registration.
     #[error("{0}")]
     Conflict(String),
+    /// The slot is held by another instance whose lease is live. A restarted rank meets its
+    /// dead predecessor's lease here until it lapses; a second process started with the same
+    /// ranks meets a holder that keeps renewing.
+    #[error(
+        "{role} dp_rank={dp_rank} tp_rank={tp_rank} pp_rank={pp_rank} is held by live instance {holder} \
+         (lease {remaining_ms} ms left): the registry never replaces a live rank; retry after the \
+         holder's lease lapses, or stop the other process"
+    )]
+    SlotHeld {
+        /// The slot's role.
+        role: Role,
+        /// The slot's dp rank.
+        dp_rank: u32,
+        /// The slot's tp rank.
+        tp_rank: u32,
+        /// The slot's pp rank.
+        pp_rank: u32,
+        /// The instance holding the slot.
+        holder: Uuid,
+        /// What is left of the holder's lease, in ms.
+        remaining_ms: u64,
+    },
     /// No live registration has this instance id (never registered, expired or removed).
     #[error(
         "instance {0} is not registered (lease expired, deregistered or registry restarted): register again"
@@ -49,8 +74,6 @@ pub enum RegistryError {
 pub enum Registered {
     /// A new instance took a free slot.
     New,
-    /// A new instance took the slot of another one (a restarted rank), which is dropped.
-    Replaced(Uuid),
     /// The same instance registered again: its registration and lease are refreshed.
     Refreshed,
 }
@@ -64,7 +87,7 @@ pub struct RegistryStats {
     pub decode_ranks: u64,
     /// Prefill groups currently known.
     pub groups: u64,
-    /// Accepted registrations since start (new, replacing and refreshing).
+    /// Accepted registrations since start (new and refreshing).
     pub registrations_total: u64,
     /// Leases that ran out since start.
     pub lease_expiries_total: u64,
@@ -225,10 +248,24 @@ impl Registry {
             }
         }
         let occupant = self.slots.get(&key).copied();
+        if let Some(holder) = occupant.filter(|id| *id != r.instance_id) {
+            // Expired leases were removed above: the holder is live.
+            let remaining_ms = self.entries.get(&holder).map_or(0, |e| {
+                millis(e.expires_at.saturating_duration_since(now)).max(1)
+            });
+            return Err(RegistryError::SlotHeld {
+                role: key.role,
+                dp_rank: key.dp_rank,
+                tp_rank: key.tp_rank,
+                pp_rank: key.pp_rank,
+                holder,
+                remaining_ms,
+            });
+        }
         if r.role == Role::Prefill {
             if let Some(group) = self.groups.get(&r.dp_rank) {
-                // The group's topology binds unless the only member is the slot being taken
-                // over: then the group is being redeployed and `r` fixes it anew.
+                // The group's topology binds unless the only member is this very instance
+                // registering again: then the group is being redeployed and `r` fixes it anew.
                 let only_this_slot =
                     group.members.len() == 1 && group.members.contains_key(&(r.pp_rank, r.tp_rank));
                 if !only_this_slot {
@@ -240,8 +277,7 @@ impl Registry {
         }
         let outcome = match occupant {
             None => Registered::New,
-            Some(id) if id == r.instance_id => Registered::Refreshed,
-            Some(id) => Registered::Replaced(id),
+            Some(_) => Registered::Refreshed,
         };
         if let Some(id) = occupant {
             self.remove_entry(id);
@@ -561,7 +597,7 @@ mod tests {
     }
 
     #[test]
-    fn new_instance_replaces_the_slot_and_same_instance_refreshes() {
+    fn live_slot_is_never_replaced_and_same_instance_refreshes() {
         let mut reg = Registry::new(TTL);
         let t0 = Instant::now();
         let old = rank(0, 0, 1, 0, 1);
@@ -575,25 +611,47 @@ mod tests {
             reg.lookup_prefill(0, t0 + TTL).unwrap().ranks[0].control_endpoint,
             "tcp://moved:7000"
         );
+        // Another instance meets the live lease: refused, naming the holder and its lease.
         let new = rank(0, 0, 1, 0, 1);
+        let held = reg.register(new.clone(), t1 + TTL / 4).unwrap_err();
         assert_eq!(
-            reg.register(new.clone(), t1),
-            Ok(Registered::Replaced(old.instance_id))
+            held,
+            RegistryError::SlotHeld {
+                role: Role::Prefill,
+                dp_rank: 0,
+                tp_rank: 0,
+                pp_rank: 0,
+                holder: old.instance_id,
+                remaining_ms: millis(TTL * 3 / 4),
+            }
+        );
+        assert!(
+            held.to_string().contains(&old.instance_id.to_string()),
+            "{held}"
         );
         assert_eq!(
             reg.lookup_prefill(0, t1).unwrap().ranks[0].instance_id,
+            old.instance_id
+        );
+        assert!(reg.heartbeat(old.instance_id, t1 + TTL / 4).is_ok());
+        // Once the holder's lease lapsed, the slot is free for the new instance, and the old
+        // one is unknown (its client learns it was replaced).
+        let lapsed = t1 + TTL / 4 + TTL;
+        assert_eq!(reg.register(new.clone(), lapsed), Ok(Registered::New));
+        assert_eq!(
+            reg.lookup_prefill(0, lapsed).unwrap().ranks[0].instance_id,
             new.instance_id
         );
-        assert!(reg.heartbeat(old.instance_id, t1).is_err());
-        assert_eq!(reg.list(t1).len(), 1);
-        // A sole member taken over by a redeployed instance fixes the group anew.
-        let mut redeploy = rank(0, 0, 1, 0, 1);
-        redeploy.layout.page_size = 64;
         assert_eq!(
-            reg.register(redeploy, t1),
-            Ok(Registered::Replaced(new.instance_id))
+            reg.heartbeat(old.instance_id, lapsed),
+            Err(RegistryError::UnknownInstance(old.instance_id))
         );
-        assert_eq!(reg.lookup_prefill(0, t1).unwrap().layout.page_size, 64);
+        assert_eq!(reg.list(lapsed).len(), 1);
+        // The sole member registering again with another layout fixes the group anew.
+        let mut redeploy = new.clone();
+        redeploy.layout.page_size = 64;
+        assert_eq!(reg.register(redeploy, lapsed), Ok(Registered::Refreshed));
+        assert_eq!(reg.lookup_prefill(0, lapsed).unwrap().layout.page_size, 64);
     }
 
     #[test]

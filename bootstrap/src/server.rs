@@ -6,15 +6,22 @@
 //! | method | path | success | errors |
 //! | --- | --- | --- | --- |
 //! | POST | `/v1/ranks` | 201 `Lease` (200 when the same instance re-registers) | 400, 401, 409, 413, 415 |
-//! | GET | `/v1/ranks` | 200 `RankList` | |
+//! | GET | `/v1/ranks` | 200 `RankList` | 401 |
 //! | POST | `/v1/ranks/{instance_id}/heartbeat` | 200 `Lease` | 400, 401, 404 (register again) |
 //! | DELETE | `/v1/ranks/{instance_id}` | 204 | 400, 401, 404 |
-//! | GET | `/v1/groups/{dp_rank}` | 200 `PrefillGroup` | 400, 503 while incomplete (`Retry-After: 1`) |
+//! | GET | `/v1/groups/{dp_rank}` | 200 `PrefillGroup` | 400, 401, 503 while incomplete (`Retry-After: 1`) |
 //! | GET | `/healthz` | 200 `Health` | |
-//! | GET | `/metrics` | 200 Prometheus text | |
+//! | GET | `/metrics` | 200 Prometheus text | 401 |
 //!
-//! Any other path is 404, any other method on a known path 405. Write routes (POST, DELETE)
-//! need `Authorization: Bearer TOKEN` when a token is configured; reads never do.
+//! Any other path is 404, any other method on a known path 405. When a token is configured,
+//! every request but `GET /healthz` needs `Authorization: Bearer TOKEN` (reads too: the rank
+//! list names every endpoint of the cluster, and metrics count its traffic); the check runs
+//! before routing, so an unauthenticated client gets 401 whatever the path. `/healthz` stays
+//! open for liveness probes and says nothing beyond counts.
+//!
+//! A registration whose slot is held by another live instance is 409 with the holder named
+//! (`holder`, `holder_lease_remaining_ms`, `lease_ttl_ms` beside `error`): the registry never
+//! silently replaces a live rank.
 //!
 //! The registry state sits behind one `std::sync::Mutex`, locked only for the synchronous
 //! registry call of a handler and never across an `.await`.
@@ -38,7 +45,7 @@ use uuid::Uuid;
 
 use crate::error::{ApiError, RejectReason, Rejection};
 use crate::metrics::Metrics;
-use crate::registry::{Registered, Registry, millis};
+use crate::registry::{Registered, Registry, RegistryError, millis};
 use crate::types::{Health, Lease, PrefillGroup, RankList, Registration};
 
 /// The registry's default port.
@@ -55,7 +62,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 pub struct ServerConfig {
     /// Lease length granted to every registration; must be > 0.
     pub lease_ttl: Duration,
-    /// When set, write routes need `Authorization: Bearer <token>`.
+    /// When set, every route but `GET /healthz` needs `Authorization: Bearer <token>`.
     pub token: Option<String>,
     /// Largest accepted request body in bytes (413 above).
     pub body_limit: usize,
@@ -159,6 +166,7 @@ fn router(state: AppState, body_limit: usize) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(middleware::from_fn_with_state(
             state.metrics.clone(),
             count_rejections,
@@ -189,7 +197,6 @@ async fn sweep(registry: Arc<Mutex<Registry>>, period: Duration, stop: Cancellat
 }
 
 async fn register(
-    _auth: WriteAuth,
     State(state): State<AppState>,
     ApiJson(registration): ApiJson<Registration>,
 ) -> Result<(StatusCode, Json<Lease>), ApiError> {
@@ -200,14 +207,21 @@ async fn register(
         registration.tp_rank,
         registration.pp_rank,
     );
-    let outcome = state.registry().register(registration, Instant::now())?;
+    let result = state.registry().register(registration, Instant::now());
+    let outcome = result.map_err(|e| {
+        if let RegistryError::SlotHeld {
+            holder,
+            remaining_ms,
+            ..
+        } = &e
+        {
+            tracing::warn!(instance_id = %id, %holder, holder_lease_remaining_ms = remaining_ms, %role, dp_rank = dp, tp_rank = tp, pp_rank = pp, "registration refused: the slot is held by another live instance");
+        }
+        ApiError::from_registry(e, state.registry().ttl())
+    })?;
     let status = match outcome {
         Registered::New => {
             tracing::info!(instance_id = %id, %role, dp_rank = dp, tp_rank = tp, pp_rank = pp, "registered");
-            StatusCode::CREATED
-        }
-        Registered::Replaced(old) => {
-            tracing::info!(instance_id = %id, replaced = %old, %role, dp_rank = dp, tp_rank = tp, pp_rank = pp, "registered, replacing a previous instance");
             StatusCode::CREATED
         }
         Registered::Refreshed => {
@@ -219,7 +233,6 @@ async fn register(
 }
 
 async fn heartbeat(
-    _auth: WriteAuth,
     State(state): State<AppState>,
     ApiPath(instance_id): ApiPath<Uuid>,
 ) -> Result<Json<Lease>, ApiError> {
@@ -228,7 +241,6 @@ async fn heartbeat(
 }
 
 async fn deregister(
-    _auth: WriteAuth,
     State(state): State<AppState>,
     ApiPath(instance_id): ApiPath<Uuid>,
 ) -> Result<StatusCode, ApiError> {
@@ -360,37 +372,39 @@ fn path_rejection(rejection: &PathRejection) -> ApiError {
     ApiError::bad_request(rejection.body_text())
 }
 
-/// Passes when no token is configured or the request carries `Authorization: Bearer TOKEN`.
-struct WriteAuth;
+/// Lets a request through when no token is configured, when it is `GET /healthz`, or when it
+/// carries `Authorization: Bearer TOKEN`; answers 401 otherwise.
+async fn authorize(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(token) = state.token.as_deref() else {
+        return next.run(req).await;
+    };
+    if req.uri().path() == "/healthz" && req.method() == Method::GET {
+        return next.run(req).await;
+    }
+    match check_bearer(req.headers().get(header::AUTHORIZATION), token) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
 
-impl FromRequestParts<AppState> for WriteAuth {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(
-        parts: &mut Parts,
-        state: &AppState,
-    ) -> Result<Self, Self::Rejection> {
-        let Some(token) = state.token.as_deref() else {
-            return Ok(WriteAuth);
-        };
-        let unauthorized = |m: &str| ApiError::rejected(RejectReason::Unauthorized, m);
-        let Some(value) = parts.headers.get(header::AUTHORIZATION) else {
-            return Err(unauthorized(
-                "missing Authorization header: this registry needs `Authorization: Bearer <token>` on writes",
-            ));
-        };
-        let presented = value
-            .to_str()
-            .ok()
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        match presented {
-            Some(p) if constant_time_eq(p.as_bytes(), token.as_bytes()) => Ok(WriteAuth),
-            Some(_) => Err(unauthorized("wrong bearer token")),
-            None => Err(unauthorized(
-                "Authorization header is not of the form `Bearer <token>`",
-            )),
-        }
+fn check_bearer(value: Option<&HeaderValue>, token: &str) -> Result<(), ApiError> {
+    let unauthorized = |m: &str| ApiError::rejected(RejectReason::Unauthorized, m);
+    let Some(value) = value else {
+        return Err(unauthorized(
+            "missing Authorization header: this registry needs `Authorization: Bearer <token>` on every route but /healthz",
+        ));
+    };
+    let presented = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match presented {
+        Some(p) if constant_time_eq(p.as_bytes(), token.as_bytes()) => Ok(()),
+        Some(_) => Err(unauthorized("wrong bearer token")),
+        None => Err(unauthorized(
+            "Authorization header is not of the form `Bearer <token>`",
+        )),
     }
 }
 

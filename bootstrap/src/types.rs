@@ -293,11 +293,34 @@ pub struct Health {
     pub groups: u64,
 }
 
-/// The body of every error response: `{"error": "..."}`.
+/// The body of every error response: `{"error": "..."}`. A registration refused because its
+/// slot is held by another live instance (409) also names the holder, what is left of its
+/// lease and the registry's lease length, so a restarted rank knows how long to wait.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
     /// What was wrong, for a human.
     pub error: String,
+    /// The live instance holding the slot (409 on register only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<Uuid>,
+    /// What is left of the holder's lease, in ms (409 on register only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_lease_remaining_ms: Option<u64>,
+    /// The registry's lease length, in ms (409 on register only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ttl_ms: Option<u64>,
+}
+
+impl ErrorBody {
+    /// A body with only `error`.
+    pub fn new(error: impl Into<String>) -> Self {
+        Self {
+            error: error.into(),
+            holder: None,
+            holder_lease_remaining_ms: None,
+            lease_ttl_ms: None,
+        }
+    }
 }
 
 #[cfg(test)]

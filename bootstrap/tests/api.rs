@@ -1,5 +1,6 @@
 //! Behaviour of the registry through its typed client against a real server on 127.0.0.1:
-//! registration, lookup, heartbeat, lease expiry, replacement by a restarted rank,
+//! registration, lookup, heartbeat, lease expiry, a live slot never replaced (a restarted rank
+//! waits out its predecessor's lease, a second live holder is refused for good),
 //! deregistration, group forgetting, registry restart, concurrency and topology conflicts.
 
 mod common;
@@ -154,48 +155,144 @@ async fn lease_expires_without_heartbeat_and_heartbeat_keeps_it() {
 }
 
 #[tokio::test]
-async fn restarted_rank_replaces_its_slot() {
+async fn live_slot_is_refused_409_naming_the_holder() {
     let server = TestServer::start(ServerConfig::default()).await;
     let client = RegistryClient::new(&server.url, None).unwrap();
     let http = reqwest::Client::new();
     let old = prefill(0, 0, 1, 0, 1);
-    let resp = http
-        .post(server.at("/v1/ranks"))
-        .json(&old)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 201);
+    let post =
+        |r: &kvferry_bootstrap::Registration| http.post(server.at("/v1/ranks")).json(r).send();
+    assert_eq!(post(&old).await.unwrap().status(), 201);
     // The same instance registering again is a refresh.
-    let resp = http
-        .post(server.at("/v1/ranks"))
-        .json(&old)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    assert_eq!(
-        client.lookup_prefill(0).await.unwrap().ranks[0].instance_id,
-        old.instance_id
-    );
+    assert_eq!(post(&old).await.unwrap().status(), 200);
 
+    // Another instance for the same slot: 409, the holder named, the slot untouched.
     let new = prefill(0, 0, 1, 0, 1);
-    let resp = http
-        .post(server.at("/v1/ranks"))
-        .json(&new)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 201);
+    let resp = post(&new).await.unwrap();
+    assert_eq!(resp.status(), 409);
+    assert_eq!(resp.headers()["content-type"], "application/json");
+    let body: ErrorBody = resp.json().await.unwrap();
+    assert_eq!(body.holder, Some(old.instance_id), "{body:?}");
+    assert!(
+        body.error.contains(&old.instance_id.to_string()),
+        "{body:?}"
+    );
+    assert!(body.error.contains("held by live instance"), "{body:?}");
+    let left = body.holder_lease_remaining_ms.unwrap();
+    assert!(left > 0 && left <= 10_000, "{body:?}");
+    assert_eq!(body.lease_ttl_ms, Some(10_000));
     let group = client.lookup_prefill(0).await.unwrap();
     assert_eq!(group.ranks.len(), 1);
-    assert_eq!(group.ranks[0].instance_id, new.instance_id);
+    assert_eq!(group.ranks[0].instance_id, old.instance_id);
     let resp = http
         .post(server.at(&format!("/v1/ranks/{}/heartbeat", old.instance_id)))
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), 404);
+    assert_eq!(resp.status(), 200);
+
+    // The typed client classifies it as retryable (the holder may be a dead predecessor).
+    let err = client.register(&new).await.unwrap_err();
+    assert!(
+        matches!(err, ClientError::SlotHeld { holder, .. } if holder == old.instance_id),
+        "{err}"
+    );
+    assert!(err.is_retryable(), "{err}");
+
+    // Once the holder deregisters, the slot is free.
+    assert!(client.deregister(old.instance_id).await.unwrap());
+    assert_eq!(post(&new).await.unwrap().status(), 201);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn restarted_rank_waits_out_its_dead_predecessors_lease() {
+    let server = TestServer::start(ttl_ms(600)).await;
+    let http = reqwest::Client::new();
+    let client = RegistryClient::new(&server.url, None).unwrap();
+    // The predecessor registered and died: nothing renews its lease.
+    let dead = prefill(0, 0, 1, 0, 1);
+    let resp = http
+        .post(server.at("/v1/ranks"))
+        .json(&dead)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    let restarted = prefill(0, 0, 1, 0, 1);
+    let cancel = CancellationToken::new();
+    let kept = tokio::time::timeout(BOUND, client.keep_alive(restarted.clone(), cancel.clone()))
+        .await
+        .expect("the restarted rank did not register within the bound")
+        .expect("the restarted rank gave up on a dead predecessor's lease");
+    let group = client.lookup_prefill(0).await.unwrap();
+    assert_eq!(group.ranks[0].instance_id, restarted.instance_id);
+    // The dead one's instance is gone: its client, were it alive, would learn it was replaced.
+    let err = client.heartbeat(dead.instance_id).await.unwrap_err();
+    assert!(
+        matches!(err, ClientError::NotRegistered(id) if id == dead.instance_id),
+        "{err}"
+    );
+    cancel.cancel();
+    kept.stopped().await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn replaced_instance_learns_it_on_its_next_heartbeat() {
+    let server = TestServer::start(ttl_ms(300)).await;
+    let old_client = RegistryClient::new(&server.url, None).unwrap();
+    let new_client = RegistryClient::new(&server.url, None).unwrap();
+    let old = prefill(0, 0, 1, 0, 1);
+    old_client.register(&old).await.unwrap();
+    // The old instance misses its heartbeats: its lease lapses, then a new instance takes the
+    // slot.
+    wait_until("old lease lapsed", BOUND, || async {
+        new_client.list_ranks().await.unwrap().is_empty()
+    })
+    .await;
+    let new = prefill(0, 0, 1, 0, 1);
+    new_client.register(&new).await.unwrap();
+    // Its next heartbeat learns it was replaced, instead of registering again over the new one.
+    let err = old_client.heartbeat(old.instance_id).await.unwrap_err();
+    assert!(
+        matches!(err, ClientError::Replaced { instance, by } if instance == old.instance_id && by == new.instance_id),
+        "{err}"
+    );
+    assert!(!err.is_retryable(), "{err}");
+    assert!(err.to_string().contains("replaced by instance"), "{err}");
+    let group = new_client.lookup_prefill(0).await.unwrap();
+    assert_eq!(group.ranks[0].instance_id, new.instance_id);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_live_holder_gives_up_after_the_holder_kept_renewing() {
+    let server = TestServer::start(ttl_ms(1_000)).await;
+    let client = RegistryClient::new(&server.url, None).unwrap();
+    let first = prefill(0, 0, 1, 0, 1);
+    let cancel = CancellationToken::new();
+    let kept = client
+        .keep_alive(first.clone(), cancel.clone())
+        .await
+        .unwrap();
+    let second = prefill(0, 0, 1, 0, 1);
+    let err = tokio::time::timeout(BOUND, client.register_when_free(&second, &cancel))
+        .await
+        .expect("the second holder neither registered nor gave up within the bound")
+        .unwrap_err();
+    assert!(
+        matches!(err, ClientError::SlotStillHeld { holder, waited_ms, .. }
+            if holder == first.instance_id && waited_ms > 3_000),
+        "{err}"
+    );
+    assert!(!err.is_retryable(), "{err}");
+    assert!(err.to_string().contains("kept renewing its lease"), "{err}");
+    // The first one still serves.
+    let group = client.lookup_prefill(0).await.unwrap();
+    assert_eq!(group.ranks[0].instance_id, first.instance_id);
+    cancel.cancel();
+    kept.stopped().await;
     server.stop().await;
 }
 
@@ -210,8 +307,8 @@ async fn group_is_forgotten_after_all_leases_expire() {
             .unwrap();
     }
     client.lookup_prefill(0).await.unwrap();
-    // While the group lives, another TP size conflicts.
-    let tp4 = prefill(0, 0, 4, 0, 1);
+    // While the group lives, another TP size conflicts (on a slot nobody holds).
+    let tp4 = prefill(0, 2, 4, 0, 1);
     let err = client.register(&tp4).await.unwrap_err();
     assert!(matches!(err, ClientError::Conflict { .. }), "{err}");
     assert!(
@@ -324,5 +421,24 @@ async fn topology_conflict_is_409_naming_the_field() {
     // Another DP group has its own topology.
     other.dp_rank = 1;
     client.register(&other).await.unwrap();
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn waiting_for_a_held_slot_ends_when_cancelled() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let client = RegistryClient::new(&server.url, None).unwrap();
+    let holder = prefill(0, 0, 1, 0, 1);
+    client.register(&holder).await.unwrap();
+    let cancel = CancellationToken::new();
+    cancel.cancel();
+    let err = client
+        .register_when_free(&prefill(0, 0, 1, 0, 1), &cancel)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ClientError::Cancelled { holder: h } if h == holder.instance_id),
+        "{err}"
+    );
     server.stop().await;
 }

@@ -1,4 +1,4 @@
-//! The bearer token on write routes (reads stay open), and the values `/metrics` exposes after
+//! The bearer token on every route but `/healthz` (reads too), and the values `/metrics` exposes after
 //! a known sequence of operations.
 
 mod common;
@@ -13,7 +13,7 @@ use reqwest::StatusCode;
 const TOKEN: &str = "s3cret-token";
 
 #[tokio::test]
-async fn writes_need_the_token_and_reads_stay_open() {
+async fn every_route_but_healthz_needs_the_token() {
     let server = TestServer::start(ServerConfig {
         token: Some(TOKEN.to_owned()),
         ..ServerConfig::default()
@@ -53,17 +53,27 @@ async fn writes_need_the_token_and_reads_stay_open() {
     );
     assert_eq!(status(http.delete(&delete)).await, StatusCode::UNAUTHORIZED);
 
-    for path in ["/healthz", "/metrics", "/v1/ranks"] {
+    assert_eq!(
+        status(http.get(server.at("/healthz"))).await,
+        StatusCode::OK
+    );
+    // Reads need it too, and so do unknown routes (the check runs before routing).
+    for path in ["/metrics", "/v1/ranks", "/v1/groups/0", "/nope"] {
+        let resp = http.get(server.at(path)).send().await.unwrap();
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED, "{path}");
+        assert_eq!(resp.headers()["content-type"], "application/json", "{path}");
+        let body: ErrorBody = resp.json().await.unwrap();
+        assert!(body.error.contains("Authorization"), "{path}: {body:?}");
         assert_eq!(
-            status(http.get(server.at(path))).await,
-            StatusCode::OK,
+            status(http.get(server.at(path)).bearer_auth(TOKEN)).await,
+            if path == "/nope" {
+                StatusCode::NOT_FOUND
+            } else {
+                StatusCode::OK
+            },
             "{path}"
         );
     }
-    assert_eq!(
-        status(http.get(server.at("/v1/groups/0"))).await,
-        StatusCode::OK
-    );
 
     // The typed client sends the token; without it, it gets a typed, fatal error.
     let anonymous = RegistryClient::new(&server.url, None).unwrap();
@@ -75,8 +85,16 @@ async fn writes_need_the_token_and_reads_stay_open() {
         matches!(err, ClientError::Unauthorized { .. }) && !err.is_retryable(),
         "{err}"
     );
+    assert!(matches!(
+        anonymous.list_ranks().await,
+        Err(ClientError::Unauthorized { .. })
+    ));
     let client = RegistryClient::new(&server.url, Some(TOKEN.to_owned())).unwrap();
     client.register(&prefill(1, 0, 1, 0, 1)).await.unwrap();
+    // The client sends the token on reads too.
+    assert_eq!(client.list_ranks().await.unwrap().len(), 2);
+    client.lookup_prefill(1).await.unwrap();
+    client.health().await.unwrap();
     assert!(client.deregister(r.instance_id).await.unwrap());
     server.stop().await;
 }

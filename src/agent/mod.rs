@@ -102,6 +102,9 @@ pub struct Timeouts {
     pub stall: Duration,
     /// SIGTERM: how long in-flight rooms may take to finish before they are aborted.
     pub drain: Duration,
+    /// SIGTERM (decode): how long landed rooms stay takeable after the last one landed (and
+    /// after SIGTERM) when the engine has not taken them.
+    pub drain_untaken: Duration,
     /// Period of heartbeats on every control connection.
     pub heartbeat: Duration,
     /// A peer silent (no message of any kind) this long is dead.
@@ -118,6 +121,7 @@ impl Default for Timeouts {
             ready: Duration::from_secs(60),
             stall: Duration::from_secs(30),
             drain: Duration::from_secs(30),
+            drain_untaken: Duration::from_secs(10),
             heartbeat: Duration::from_millis(500),
             dead_after: Duration::from_secs(5),
         }
@@ -147,6 +151,9 @@ pub struct AgentConfig {
     pub synthetic: bool,
     /// Shared secret for the registry and Hello.
     pub token: Option<String>,
+    /// Serve non-loopback addresses without a token (the CLI refuses them otherwise; the agent
+    /// itself only records the choice).
+    pub insecure: bool,
     /// Largest chunk of staging bytes moved at once: the size of a staging slot.
     pub chunk_bytes: usize,
     /// Staging slots per peer pair: chunks in flight between two agents at once. The staging

@@ -70,13 +70,15 @@ pub struct AgentArgs {
     /// Pages in this agent's pool.
     #[arg(long, env = "KVFERRY_POOL_PAGES", default_value_t = 1024)]
     pub pool_pages: usize,
-    /// Data-plane transport: zmq-tcp or zmq-ipc.
-    #[arg(long, env = "KVFERRY_TRANSPORT", default_value = "zmq-tcp")]
+    /// Data-plane transport (its --help names this build's transports).
+    #[arg(long, env = "KVFERRY_TRANSPORT", default_value = "zmq-tcp", help = super::TRANSPORT_HELP)]
     pub transport: TransportKind,
-    /// Address the control and data sockets bind and advertise.
+    /// Address the control and data sockets bind and advertise. Any address but a loopback
+    /// one (0.0.0.0 and :: included) needs --token, or --insecure.
     #[arg(long, env = "KVFERRY_HOST", default_value = "127.0.0.1")]
     pub host: String,
-    /// Address of the engine-facing HTTP API (keep it local).
+    /// Address of the engine-facing HTTP API (keep it local). Any address but a loopback one
+    /// needs --token, or --insecure.
     #[arg(long, env = "KVFERRY_API_HOST", default_value = "127.0.0.1")]
     pub api_host: String,
     /// Port of the engine-facing HTTP API (0 picks one; the listening line tells which).
@@ -89,15 +91,19 @@ pub struct AgentArgs {
     /// Shared secret: sent to the registry and in Hello.
     #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Serve a non-loopback --host or --api-host without --token (warns at start). Only for
+    /// networks where every host that can reach the agent is trusted.
+    #[arg(long, env = "KVFERRY_INSECURE")]
+    pub insecure: bool,
     /// Largest chunk of staging bytes moved at once (1 MiB measured best for ZeroMQ here).
     #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
-    /// Staging slots per peer pair: chunks in flight between two agents at once (the staging
-    /// budget of a pair is slots x chunk bytes on each side).
+    /// Staging slots per prefill peer: chunks in flight from one prefill at once (the decode
+    /// grants them; the staging budget of a pair is slots x chunk bytes on each side).
     #[arg(long, env = "KVFERRY_STAGING_SLOTS", default_value_t = 8)]
     pub staging_slots: usize,
-    /// The KV pool: `anon` (the agent's own memory), `shm:<path>` (a pool an engine created in
-    /// shared memory), or `cuda-ipc:<device>:<handle>` (device memory; needs a GPU).
+    /// The KV pool: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created
+    /// in shared memory).
     #[arg(long, env = "KVFERRY_POOL", default_value = "anon")]
     pub pool: crate::pool::PoolDescriptor,
     /// Synthetic engine pacing: announce each room one layer at a time, this many ms apart
@@ -107,7 +113,7 @@ pub struct AgentArgs {
     /// Threads of the CPU copy kernel.
     #[arg(long, env = "KVFERRY_COPY_THREADS", default_value_t = 2)]
     pub copy_threads: usize,
-    /// Waiting for the prefill group to register, in ms (decode).
+    /// Waiting for the prefill group to register, in ms.
     #[arg(long, env = "KVFERRY_TIMEOUT_BOOTSTRAP_MS", default_value_t = 30_000)]
     pub timeout_bootstrap_ms: u64,
     /// Connecting to a peer and its answer to Hello, in ms.
@@ -129,6 +135,11 @@ pub struct AgentArgs {
     /// On SIGTERM, in-flight rooms get this many ms to finish; the rest are aborted.
     #[arg(long, env = "KVFERRY_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
     pub drain_timeout_ms: u64,
+    /// On SIGTERM, rooms that landed but were not taken stay takeable until taken or
+    /// this many ms after the last one landed (counted from SIGTERM at the earliest); then
+    /// the process exits and they are discarded.
+    #[arg(long, env = "KVFERRY_DRAIN_UNTAKEN_MS", default_value_t = 10_000)]
+    pub drain_untaken_ms: u64,
     /// Checksum every chunk (xxh3-64) and verify it on landing; enable on both sides.
     #[arg(long, env = "KVFERRY_CHECKSUM")]
     pub checksum: bool,
@@ -176,6 +187,7 @@ impl AgentArgs {
                 anyhow::bail!("--{name}-rank {rank} must be < --{name}-size {size}");
             }
         }
+        super::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
         let preset = ModelSpec::preset(&self.model)?;
         let model = ModelSpec {
             kind: self.attention.unwrap_or(preset.kind),
@@ -226,6 +238,7 @@ impl AgentArgs {
             api_port: self.api_port,
             synthetic: self.synthetic,
             token: self.token.clone(),
+            insecure: self.insecure,
             chunk_bytes: self.chunk_bytes,
             staging_slots: self.staging_slots,
             pool: self.pool.clone(),
@@ -244,10 +257,20 @@ impl AgentArgs {
                 ready: ms(self.timeout_ready_ms),
                 stall: ms(self.timeout_stall_ms),
                 drain: ms(self.drain_timeout_ms),
+                drain_untaken: ms(self.drain_untaken_ms),
                 heartbeat: ms(self.heartbeat_ms),
                 dead_after: ms(self.peer_dead_ms),
             },
         })
+    }
+}
+
+impl AgentArgs {
+    fn binds(&self) -> [(&'static str, &str); 2] {
+        [
+            ("--host", self.host.as_str()),
+            ("--api-host", self.api_host.as_str()),
+        ]
     }
 }
 
@@ -267,6 +290,7 @@ enum Running {
 /// Runs an agent until SIGINT or SIGTERM.
 pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
+    super::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -283,17 +307,29 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
             "transport": cfg.transport.name(),
             "model": args.model,
         });
-        let agent = match role {
-            AgentRole::Prefill => Running::Prefill(
-                PrefillAgent::start(cfg, shutdown.clone())
-                    .await
-                    .context("starting the prefill agent")?,
-            ),
-            AgentRole::Decode => Running::Decode(
-                DecodeAgent::start(cfg, shutdown.clone())
-                    .await
-                    .context("starting the decode agent")?,
-            ),
+        let start = async {
+            anyhow::Ok(match role {
+                AgentRole::Prefill => Running::Prefill(
+                    PrefillAgent::start(cfg, shutdown.clone())
+                        .await
+                        .context("starting the prefill agent")?,
+                ),
+                AgentRole::Decode => Running::Decode(
+                    DecodeAgent::start(cfg, shutdown.clone())
+                        .await
+                        .context("starting the decode agent")?,
+                ),
+            })
+        };
+        // A signal while starting (e.g. while waiting out a predecessor's lease) stops at once:
+        // no task runs yet (a registration caught in flight lapses with its lease).
+        let agent = tokio::select! {
+            started = start => started?,
+            () = signalled.cancelled() => {
+                tracing::info!("stopped before the agent started");
+                signals.abort();
+                return Ok(());
+            }
         };
         let mut line = common;
         match &agent {
@@ -311,7 +347,28 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
             }
         }
         print_listening(&line)?;
-        signalled.cancelled().await;
+        let lost = async {
+            match &agent {
+                Running::Prefill(a) => a.lease_lost().await,
+                Running::Decode(a) => a.lease_lost().await,
+            }
+        };
+        let replaced = tokio::select! {
+            () = signalled.cancelled() => None,
+            reason = lost => Some(reason),
+        };
+        if let Some(reason) = replaced {
+            // Another instance serves the rank now: stop at once (no drain; the rooms' peers
+            // see this instance go), and exit non-zero with the reason.
+            tracing::error!(%reason, "this instance was replaced in the registry; stopping");
+            shutdown.cancel();
+            match agent {
+                Running::Prefill(a) => a.join().await,
+                Running::Decode(a) => a.join().await,
+            }
+            signals.abort();
+            anyhow::bail!("{reason}");
+        }
         match &agent {
             Running::Prefill(a) => a.drain().await,
             Running::Decode(a) => a.drain().await,

@@ -15,8 +15,9 @@ use tokio_util::sync::CancellationToken;
 /// Serve the bootstrap registry that pairs prefill and decode ranks.
 #[derive(Debug, clap::Args)]
 pub struct BootstrapArgs {
-    /// Address to listen on.
-    #[arg(long, env = "KVFERRY_BOOTSTRAP_HOST", default_value = "0.0.0.0")]
+    /// Address to listen on. Any address but a loopback one (0.0.0.0 and :: included) needs
+    /// --token, or --insecure.
+    #[arg(long, env = "KVFERRY_BOOTSTRAP_HOST", default_value = "127.0.0.1")]
     host: String,
 
     /// Port to listen on (0 picks a free one; the listening line on stdout tells which).
@@ -27,9 +28,15 @@ pub struct BootstrapArgs {
     #[arg(long, env = "KVFERRY_LEASE_TTL_MS", default_value_t = 10_000)]
     lease_ttl_ms: u64,
 
-    /// When set, register, heartbeat and deregister need `Authorization: Bearer TOKEN`.
+    /// When set, every route but /healthz (registrations, lookups, the rank list, /metrics)
+    /// needs `Authorization: Bearer TOKEN`.
     #[arg(long, env = "KVFERRY_BOOTSTRAP_TOKEN", hide_env_values = true)]
     token: Option<String>,
+
+    /// Serve a non-loopback --host without --token (warns at start). Only for networks where
+    /// every host that can reach the registry is trusted.
+    #[arg(long, env = "KVFERRY_INSECURE")]
+    insecure: bool,
 }
 
 /// Why the arguments cannot be served.
@@ -39,6 +46,8 @@ enum ArgsError {
     ZeroLeaseTtl,
     #[error("--token must not be empty (omit it to disable authentication)")]
     EmptyToken,
+    #[error(transparent)]
+    Exposed(#[from] super::exposure::NotLoopback),
 }
 
 impl BootstrapArgs {
@@ -49,7 +58,12 @@ impl BootstrapArgs {
         if self.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return Err(ArgsError::EmptyToken);
         }
+        super::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
         Ok(())
+    }
+
+    fn binds(&self) -> [(&'static str, &str); 1] {
+        [("--host", self.host.as_str())]
     }
 }
 
@@ -83,6 +97,7 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
         stdout.flush().context("flushing stdout")?;
     }
     tracing::info!(%url, lease_ttl_ms = args.lease_ttl_ms, auth = args.token.is_some(), "bootstrap registry listening");
+    super::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
 
     let config = ServerConfig {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),
@@ -122,5 +137,12 @@ mod tests {
         assert_eq!(err.to_string(), "--lease-ttl-ms must be > 0");
         assert!(parse(&["--token", " "]).validate().is_err());
         assert!(parse(&["--token", "t"]).validate().is_ok());
+        let err = parse(&["--host", "0.0.0.0"]).validate().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--host 0.0.0.0 is not loopback: give --token or --insecure"
+        );
+        assert!(parse(&["--host", "::", "--token", "t"]).validate().is_ok());
+        assert!(parse(&["--host", "::", "--insecure"]).validate().is_ok());
     }
 }

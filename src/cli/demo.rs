@@ -24,8 +24,8 @@ pub struct DemoArgs {
     /// Model preset.
     #[arg(long, env = "KVFERRY_DEMO_MODEL", default_value = "llama3-8b")]
     model: String,
-    /// Data-plane transport: zmq-tcp or zmq-ipc.
-    #[arg(long, env = "KVFERRY_DEMO_TRANSPORT", default_value = "zmq-tcp")]
+    /// Data-plane transport (its --help names this build's transports).
+    #[arg(long, env = "KVFERRY_DEMO_TRANSPORT", default_value = "zmq-tcp", help = super::TRANSPORT_HELP)]
     transport: TransportKind,
     /// Room lengths in tokens, comma separated; one room each.
     #[arg(

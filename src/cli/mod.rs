@@ -7,6 +7,7 @@ mod bootstrap;
 pub mod cluster;
 pub mod config;
 pub mod demo;
+mod exposure;
 mod signal;
 
 pub use agent::AgentArgs;
@@ -46,14 +47,40 @@ pub enum LogFormat {
     Json,
 }
 
+/// `--transport`'s help: the transports this build has.
+#[cfg(feature = "ucx")]
+pub(crate) const TRANSPORT_HELP: &str = "Data-plane transport: zmq-tcp, zmq-ipc or ucx (UCX picks \
+    its own transports from UCX_TLS, e.g. UCX_TLS=tcp or UCX_TLS=sm,self)";
+/// `--transport`'s help: the transports this build has.
+#[cfg(not(feature = "ucx"))]
+pub(crate) const TRANSPORT_HELP: &str = "Data-plane transport: zmq-tcp or zmq-ipc (ucx needs a \
+    build with `--features ucx`)";
+
 /// The subcommands; each appears here once it works.
+///
+/// `prefill` and `decode` share [`AgentArgs`]; each hides the flags that only the other role
+/// reads (they are still accepted, so one config file or flag list can serve both roles).
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve the bootstrap registry that pairs prefill and decode ranks.
     Bootstrap(bootstrap::BootstrapArgs),
     /// Run the agent beside a prefill rank: push its KV pages to decode ranks.
+    #[command(
+        mut_arg("timeout_bootstrap_ms", |a| a.hide(true)),
+        mut_arg("timeout_stall_ms", |a| a.hide(true)),
+        mut_arg("staging_slots", |a| a.hide(true)),
+        mut_arg("drain_untaken_ms", |a| a.hide(true)),
+        mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: fill each room's pages with a pattern the decode verifies (the prefill allocates them from its pool)")),
+        mut_arg("pool", |a| a.help("The KV pool the engine's pages live in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
+    )]
     Prefill(AgentArgs),
     /// Run the agent beside a decode rank: land KV pages from prefill ranks in its pool.
+    #[command(
+        mut_arg("synthetic_layer_ms", |a| a.hide(true)),
+        mut_arg("placed_min_run_bytes", |a| a.hide(true)),
+        mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: allocate pages for rooms asked without `pages` and verify every landed byte on take")),
+        mut_arg("pool", |a| a.help("The KV pool rooms land in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
+    )]
     Decode(AgentArgs),
     /// Run a full prefill -> decode transfer on this machine and verify every byte.
     Demo(demo::DemoArgs),

@@ -24,7 +24,7 @@ pub(super) struct RoomRequest {
 type Shared = State<Arc<Inner>>;
 
 pub(super) fn routes(inner: Arc<Inner>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route(
             "/v1/rooms/{room}",
             post(create_room).get(get_room).delete(abort_room),
@@ -35,15 +35,14 @@ pub(super) fn routes(inner: Arc<Inner>) -> Router {
             "/healthz",
             get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "decode"})) }),
         )
-        .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::bad_request("no such route").into_response() })
-        .with_state(inner)
+        .route("/metrics", get(metrics));
+    api::finish(router).with_state(inner)
 }
 
 pub(super) async fn create_room(
     State(inner): Shared,
     Path(room): Path<String>,
-    body: Bytes,
+    api::JsonBody(body): api::JsonBody,
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let req: RoomRequest = api::parse_json(&body)?;
@@ -85,6 +84,7 @@ pub(super) async fn create_room(
         )));
     }
     let needed = l.pages_for(req.tokens);
+    api::fits_pool(req.tokens, needed, inner.pool.num_pages())?;
     let expected = l
         .room_bytes(req.tokens - req.start_token)
         .map_err(|e| ApiError::bad_request(format!("tokens {}: {e}", req.tokens)))?;
@@ -115,6 +115,7 @@ pub(super) async fn create_room(
             start_token: req.start_token,
             pages,
             lease,
+            returned: false,
             expected,
             landed: 0,
             chunks: 0,
@@ -150,9 +151,10 @@ pub(super) async fn create_room(
 pub(super) async fn get_room(
     State(inner): Shared,
     Path(room): Path<String>,
-    Query(q): Query<api::WaitQuery>,
+    q: api::WaitQuery,
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
+    inner.return_aborted_pages();
     api::room_answer(q.wait_ms, || {
         let rooms = inner.rooms();
         let room = rooms.get(&room_id).ok_or(ApiError::unknown_room(room_id))?;
@@ -166,7 +168,32 @@ pub(super) async fn get_room(
 }
 
 pub(super) async fn pool(State(inner): Shared) -> Response {
+    inner.return_aborted_pages();
     api::pool_answer(&inner.alloc)
+}
+
+impl Inner {
+    /// Returns the agent-owned pages of every aborted room that is safe to reuse to the pool,
+    /// without waiting for the room to be taken or to expire (the room itself stays readable
+    /// and takeable until then). Called on every housekeeping tick and before answering
+    /// `GET /v1/pool` and `GET /v1/rooms/{room}`, so the pool is whole as soon as it can be.
+    pub(super) fn return_aborted_pages(&self) {
+        for (id, room) in self.rooms().iter_mut() {
+            if room.lease.is_some()
+                && room.status.state() == RoomState::Aborted
+                && room.safe_to_reuse()
+            {
+                let pages = room.pages.len();
+                room.lease = None;
+                room.returned = true;
+                tracing::debug!(
+                    room = id,
+                    pages,
+                    "aborted room's pages returned to the pool"
+                );
+            }
+        }
+    }
 }
 
 pub(super) async fn take_room(

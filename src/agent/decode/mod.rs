@@ -20,8 +20,9 @@
 //! plans one bulk segment per source, each asked with its own TransferRequest and finished by
 //! its own Done. Files: this one (rooms, requests, timeouts, drain), `peer.rs` (control
 //! connections, heartbeats, what prefills send), `landing.rs` (chunks into the pool),
-//! `http.rs` (the engine's API).
+//! `http.rs` (the engine's API), `drain.rs` (landed rooms kept takeable while draining).
 
+mod drain;
 mod http;
 mod landing;
 mod peer;
@@ -36,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvferry_bootstrap::{ClientError, PrefillGroup, Registration, RegistryClient, Role};
@@ -145,13 +146,15 @@ impl DecodeAgent {
     }
 
     /// Stops accepting rooms (503), lets in-flight rooms finish for up to the drain timeout,
-    /// then aborts the rest. Landed rooms stay takeable until shutdown.
+    /// then aborts the rest. Landed rooms stay takeable until taken or `drain_untaken` passed
+    /// since the last one landed (`drain.rs`).
     pub async fn drain(&self) {
         let inner = &self.inner;
         inner
             .draining
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        let deadline = Instant::now() + inner.cfg.timeouts.drain;
+        let draining_since = Instant::now();
+        let deadline = draining_since + inner.cfg.timeouts.drain;
         let in_flight = || {
             inner
                 .rooms()
@@ -182,6 +185,13 @@ impl DecodeAgent {
         if !left.is_empty() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        inner.keep_untaken(draining_since).await;
+    }
+
+    /// Resolves with the reason once this instance's registry slot was taken by another
+    /// instance (its lease lapsed): the process must stop, it no longer serves the rank.
+    pub async fn lease_lost(&self) -> String {
+        self.keep_alive.lost().await
     }
 
     /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.
@@ -229,6 +239,9 @@ struct Room {
     pages: Arc<[u32]>,
     /// Present when the agent allocated the pages; dropping it returns them.
     lease: Option<PageLease>,
+    /// The agent-owned pages went back to the pool early: the room was aborted and became safe
+    /// to reuse before it was taken.
+    returned: bool,
     expected: usize,
     landed: usize,
     chunks: u32,
@@ -329,7 +342,7 @@ impl Room {
             "start_token": self.start_token,
             "chunks": self.chunks,
             "pages": &*self.pages,
-            "page_owner": if self.lease.is_some() { "agent" } else { "engine" },
+            "page_owner": if self.lease.is_some() || self.returned { "agent" } else { "engine" },
             "sources": self.sources.iter().map(|s| serde_json::json!({
                 "prefill_instance": s.peer.instance.to_string(),
                 "layers": [s.layers.start, s.layers.end],
@@ -733,6 +746,9 @@ async fn expire_rooms(inner: Arc<Inner>) {
                 room.touch_if_safe();
             }
         }
+        drop(rooms);
+        inner.return_aborted_pages();
+        let mut rooms = inner.rooms();
         let before = rooms.len();
         rooms.retain(|id, room| {
             let keep = !(room.safe_to_reuse() && room.final_at.is_some_and(|t| t.elapsed() >= ttl));

@@ -31,7 +31,7 @@ pub(super) struct ReadyRequest {
 type Shared = State<Arc<Inner>>;
 
 pub(super) fn routes(inner: Arc<Inner>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/v1/rooms/{room}/ready", post(ready))
         .route("/v1/rooms/{room}", get(get_room).delete(abort_room))
         .route("/v1/pool", get(pool))
@@ -39,9 +39,8 @@ pub(super) fn routes(inner: Arc<Inner>) -> Router {
             "/healthz",
             get(|| async { axum::Json(serde_json::json!({"status": "ok", "role": "prefill"})) }),
         )
-        .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::bad_request("no such route").into_response() })
-        .with_state(inner)
+        .route("/metrics", get(metrics));
+    api::finish(router).with_state(inner)
 }
 
 /// A room's pages and, when the agent allocated them, their lease.
@@ -50,6 +49,7 @@ type RoomPages = (Arc<[u32]>, Option<Arc<PageLease>>);
 /// Pages for a room's first piece: the engine's (validated) or the agent's own.
 pub(super) fn room_pages(inner: &Inner, req: &ReadyRequest) -> Result<RoomPages, ApiError> {
     let needed = inner.cfg.layout.pages_for(req.tokens);
+    api::fits_pool(req.tokens, needed, inner.pool.num_pages())?;
     match (&req.pages, inner.cfg.synthetic) {
         (Some(pages), _) => {
             api::validate_pages(pages, needed, inner.pool.num_pages())?;
@@ -71,7 +71,7 @@ pub(super) fn room_pages(inner: &Inner, req: &ReadyRequest) -> Result<RoomPages,
 pub(super) async fn ready(
     State(inner): Shared,
     Path(room): Path<String>,
-    body: Bytes,
+    api::JsonBody(body): api::JsonBody,
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     let req: ReadyRequest = api::parse_json(&body)?;
@@ -299,7 +299,7 @@ pub(super) async fn abort_room(
 pub(super) async fn get_room(
     State(inner): Shared,
     Path(room): Path<String>,
-    Query(q): Query<api::WaitQuery>,
+    q: api::WaitQuery,
 ) -> Result<Response, ApiError> {
     let room_id = api::parse_room(&room)?;
     api::room_answer(q.wait_ms, || {

@@ -36,8 +36,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvferry_bootstrap::{RegistryClient, Role};
@@ -164,6 +163,12 @@ impl PrefillAgent {
                 )
                 .await;
         }
+    }
+
+    /// Resolves with the reason once this instance's registry slot was taken by another
+    /// instance (its lease lapsed): the process must stop, it no longer serves the rank.
+    pub async fn lease_lost(&self) -> String {
+        self.keep_alive.lost().await
     }
 
     /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.

@@ -1,0 +1,59 @@
+//! The last phase of a decode's drain (SIGTERM): rooms that landed but were not taken yet stay
+//! takeable until the engine takes them or `--drain-untaken-ms` has passed since the last of
+//! them landed (counted from SIGTERM at the earliest), so a shutdown does not discard KV the
+//! engine is about to take. New rooms are refused (503) all along.
+
+use std::time::{Duration, Instant};
+
+use super::Inner;
+use crate::agent::room::RoomState;
+
+/// How often the untaken rooms are counted.
+const POLL: Duration = Duration::from_millis(20);
+
+impl Inner {
+    /// Waits until no landed (`success`) room is left untaken, or the window has passed since
+    /// the last one landed (or since `draining_since`, whichever is later), or shutdown.
+    pub(super) async fn keep_untaken(&self, draining_since: Instant) {
+        let window = self.cfg.timeouts.drain_untaken;
+        let mut told = false;
+        loop {
+            let (untaken, last_landed) = {
+                let rooms = self.rooms();
+                let landed = rooms
+                    .values()
+                    .filter(|r| r.status.state() == RoomState::Success);
+                landed.fold((0usize, draining_since), |(n, last), r| {
+                    (n + 1, r.final_at.map_or(last, |t| t.max(last)))
+                })
+            };
+            if untaken == 0 {
+                if told {
+                    tracing::info!("every landed room was taken");
+                }
+                return;
+            }
+            let since = last_landed.elapsed();
+            if since >= window {
+                tracing::warn!(
+                    untaken,
+                    window_ms = window.as_millis() as u64,
+                    "landed rooms not taken within --drain-untaken-ms; discarding them"
+                );
+                return;
+            }
+            if !told {
+                told = true;
+                tracing::info!(
+                    untaken,
+                    window_ms = window.as_millis() as u64,
+                    "keeping landed rooms takeable until taken or --drain-untaken-ms passes"
+                );
+            }
+            tokio::select! {
+                () = self.shutdown.cancelled() => return,
+                () = tokio::time::sleep(POLL.min(window - since)) => {}
+            }
+        }
+    }
+}
