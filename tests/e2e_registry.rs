@@ -447,3 +447,74 @@ fn an_agent_whose_slot_was_taken_after_its_lease_lapsed_exits_non_zero() {
         assert_eq!(v["status"], "ok");
     });
 }
+
+/// Agents bind every address (`--host 0.0.0.0`, with a token) on pinned ports and advertise
+/// a second loopback address (127.0.0.2): the registry and the listening lines carry the
+/// advertised address and the pinned ports, peers connect there, rooms verify. A wildcard is
+/// never advertised: without `--advertise-host` such an agent refuses to start.
+#[test]
+fn agents_advertise_another_address_than_they_bind_on_pinned_ports() {
+    let c = Cluster::start("registry-advertise", 10_000);
+    let (control, data, prefill_api, decode_api) =
+        (closed_port(), closed_port(), closed_port(), closed_port());
+    let pinned = |role: &str, port: (&str, u16), api_port: u16| {
+        let mut args = c.agent_args(role);
+        for (flag, value) in [
+            ("--host", "0.0.0.0".to_owned()),
+            ("--advertise-host", "127.0.0.2".to_owned()),
+            ("--token", "t0k".to_owned()),
+            (port.0, port.1.to_string()),
+            ("--api-port", api_port.to_string()),
+        ] {
+            set_flag(&mut args, flag, &value);
+        }
+        Spawned::start(&c.exe, &[], role, &args, &[], &c.logs)
+    };
+    let prefill = pinned("prefill", ("--control-port", control), prefill_api);
+    let decode = pinned("decode", ("--data-port", data), decode_api);
+    assert_eq!(
+        prefill.field("control"),
+        format!("tcp://127.0.0.2:{control}")
+    );
+    assert_eq!(decode.field("data"), format!("tcp://127.0.0.2:{data}"));
+    let (p, d) = (prefill.field("api"), decode.field("api"));
+    assert!(p.ends_with(&format!(":{prefill_api}")), "{p}");
+    assert!(d.ends_with(&format!(":{decode_api}")), "{d}");
+    runtime().block_on(async {
+        let http = http();
+        let ranks = call(&http, Method::GET, &format!("{}/v1/ranks", c.url), None)
+            .await
+            .1;
+        let listed = ranks.to_string();
+        assert!(
+            listed.contains(&format!("tcp://127.0.0.2:{control}")),
+            "{listed}"
+        );
+        assert!(
+            listed.contains(&format!("tcp://127.0.0.2:{data}")),
+            "{listed}"
+        );
+        rooms_verify(&http, &d, &p, 1..4).await;
+    });
+    println!(
+        "[registry-advertise] bound 0.0.0.0, advertised 127.0.0.2: control :{control}, data :{data}; 3 rooms verified"
+    );
+    // A wildcard bind with nothing to advertise is refused, naming the flag to give.
+    let (status, stderr) = run_to_exit(
+        &c.exe,
+        &[
+            "prefill",
+            "--host",
+            "0.0.0.0",
+            "--token",
+            "t0k",
+            "--synthetic",
+        ],
+        &[],
+    );
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--host 0.0.0.0 is a wildcard") && stderr.contains("--advertise-host"),
+        "{stderr}"
+    );
+}

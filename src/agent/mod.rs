@@ -141,8 +141,15 @@ pub struct AgentConfig {
     pub pool_pages: usize,
     /// Data-plane transport.
     pub transport: TransportKind,
-    /// Address the control and data sockets bind and advertise.
+    /// Address the control and data sockets bind.
     pub host: String,
+    /// Address peers reach them at, in the registry and in Hello (`--advertise-host`; the bound
+    /// address by default, never a wildcard).
+    pub advertise_host: String,
+    /// Port of the prefill's control socket (0 = any).
+    pub control_port: u16,
+    /// Port of the decode's data socket (`zmq-tcp`; 0 = any).
+    pub data_port: u16,
     /// Address of the engine-facing HTTP API.
     pub api_host: String,
     /// Port of the engine-facing HTTP API (0 = any).

@@ -77,6 +77,19 @@ pub struct AgentArgs {
     /// one (0.0.0.0 and :: included) needs --token, or --insecure.
     #[arg(long, env = "KVFERRY_HOST", default_value = "127.0.0.1")]
     pub host: String,
+    /// Address peers reach the control and data sockets at, as registered and sent in Hello
+    /// (default: --host; a wildcard such as 0.0.0.0 or :: is refused: name this host's
+    /// address). A UCX data endpoint carries UCX's own interface addresses instead.
+    #[arg(long, env = "KVFERRY_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    /// Port of the control socket decode agents connect to (0 picks one; the listening line
+    /// tells which).
+    #[arg(long, env = "KVFERRY_CONTROL_PORT", default_value_t = 0)]
+    pub control_port: u16,
+    /// Port of the data socket prefill agents connect to, for zmq-tcp (0 picks one; UCX picks
+    /// its own ports, zmq-ipc uses a socket file).
+    #[arg(long, env = "KVFERRY_DATA_PORT", default_value_t = 0)]
+    pub data_port: u16,
     /// Address of the engine-facing HTTP API (keep it local). Any address but a loopback one
     /// needs --token, or --insecure.
     #[arg(long, env = "KVFERRY_API_HOST", default_value = "127.0.0.1")]
@@ -188,6 +201,8 @@ impl AgentArgs {
             }
         }
         super::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
+        let advertise_host =
+            super::exposure::advertised(&self.host, self.advertise_host.as_deref())?;
         let preset = ModelSpec::preset(&self.model)?;
         let model = ModelSpec {
             kind: self.attention.unwrap_or(preset.kind),
@@ -234,6 +249,9 @@ impl AgentArgs {
             pool_pages: self.pool_pages,
             transport: self.transport,
             host: self.host.clone(),
+            advertise_host,
+            control_port: self.control_port,
+            data_port: self.data_port,
             api_host: self.api_host.clone(),
             api_port: self.api_port,
             synthetic: self.synthetic,

@@ -18,6 +18,47 @@ pub(crate) struct NotLoopback {
     pub(crate) host: String,
 }
 
+/// An advertised address that peers cannot use.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Unadvertisable {
+    /// A wildcard: a peer cannot connect to it.
+    #[error(
+        "{flag} {host} is a wildcard, not an address peers can reach: give --advertise-host with this host's address"
+    )]
+    Wildcard {
+        /// The flag that set it.
+        flag: &'static str,
+        /// The address as given.
+        host: String,
+    },
+    /// Empty.
+    #[error("--advertise-host is empty")]
+    Empty,
+}
+
+/// The address to advertise: `advertise` when given, else the bound `host`; a wildcard
+/// (`0.0.0.0`, `::`) or an empty one is refused.
+pub(crate) fn advertised(host: &str, advertise: Option<&str>) -> Result<String, Unadvertisable> {
+    let (flag, chosen) = match advertise {
+        Some(a) => ("--advertise-host", a),
+        None => ("--host", host),
+    };
+    let bare = chosen
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(chosen);
+    if bare.is_empty() {
+        return Err(Unadvertisable::Empty);
+    }
+    if bare.parse::<IpAddr>().is_ok_and(|ip| ip.is_unspecified()) {
+        return Err(Unadvertisable::Wildcard {
+            flag,
+            host: chosen.to_owned(),
+        });
+    }
+    Ok(bare.to_owned())
+}
+
 /// True for a loopback IP (`127.0.0.0/8`, `::1`, bracketed or not) and `localhost`.
 pub(crate) fn is_loopback(host: &str) -> bool {
     let bare = host
@@ -70,6 +111,40 @@ pub(crate) fn warn_if_insecure(binds: &[(&'static str, &str)], token: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_advertised_address_is_the_bound_one_unless_given_and_never_a_wildcard() {
+        assert_eq!(advertised("127.0.0.1", None).as_deref(), Ok("127.0.0.1"));
+        assert_eq!(
+            advertised("0.0.0.0", Some("10.0.0.5")).as_deref(),
+            Ok("10.0.0.5")
+        );
+        assert_eq!(
+            advertised("::", Some("[fd00::5]")).as_deref(),
+            Ok("fd00::5")
+        );
+        assert_eq!(
+            advertised("127.0.0.1", Some("node-3")).as_deref(),
+            Ok("node-3")
+        );
+        for (host, given, flag) in [
+            ("0.0.0.0", None, "--host"),
+            ("::", None, "--host"),
+            ("[::]", None, "--host"),
+            ("127.0.0.1", Some("0.0.0.0"), "--advertise-host"),
+        ] {
+            let e = advertised(host, given).expect_err("a wildcard");
+            assert!(
+                matches!(&e, Unadvertisable::Wildcard { flag: f, .. } if *f == flag),
+                "{e}"
+            );
+            assert!(e.to_string().contains("--advertise-host"), "{e}");
+        }
+        assert_eq!(
+            advertised("127.0.0.1", Some("")),
+            Err(Unadvertisable::Empty)
+        );
+    }
 
     #[test]
     fn loopback_addresses() {

@@ -445,8 +445,13 @@ pub trait Transport: Send + Sync {
     /// Which transport this is.
     fn kind(&self) -> TransportKind;
 
-    /// Binds a receiver on `host`; returns the endpoint senders connect to.
-    fn listen(&self, host: &str) -> BoxFuture<'static, Result<Listening, TransportError>>;
+    /// Binds a receiver on `host` and, where the transport has ports of its own choosing
+    /// (`zmq-tcp`), `port` (0: any); returns the endpoint senders connect to.
+    fn listen(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> BoxFuture<'static, Result<Listening, TransportError>>;
 
     /// Connects a sender to a receiver's endpoint, failing after `timeout` if unreachable
     /// ([`TransportErrorKind::Malformed`] when the endpoint is not one of this transport's).
@@ -464,6 +469,20 @@ pub trait Transport: Send + Sync {
     }
 }
 
+/// `endpoint` (as a transport bound it) as peers reach it at `host`: a `tcp://` endpoint with
+/// its host replaced; other endpoints (a socket file, a UCX worker address, which carries
+/// UCX's own interface addresses) unchanged.
+pub fn advertised(endpoint: &str, host: &str) -> String {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return endpoint.to_owned();
+    };
+    match rest.rsplit_once(':') {
+        Some((_, port)) if host.contains(':') => format!("tcp://[{host}]:{port}"),
+        Some((_, port)) => format!("tcp://{host}:{port}"),
+        None => endpoint.to_owned(),
+    }
+}
+
 /// The transport of a kind, for chunks of at most `max_chunk` payload bytes; ZeroMQ
 /// connections authenticate with `auth` (UCX rooms are guarded by their per-room ids).
 pub fn for_kind(kind: TransportKind, max_chunk: usize, auth: &zmq::Auth) -> Arc<dyn Transport> {
@@ -477,6 +496,19 @@ pub fn for_kind(kind: TransportKind, max_chunk: usize, auth: &zmq::Auth) -> Arc<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn advertised_endpoints_name_the_advertised_host() {
+        let bound = "tcp://[::ffff:127.0.0.1]:40111";
+        assert_eq!(advertised(bound, "127.0.0.2"), "tcp://127.0.0.2:40111");
+        assert_eq!(
+            advertised("tcp://0.0.0.0:7", "fd00::5"),
+            "tcp://[fd00::5]:7"
+        );
+        assert_eq!(advertised("tcp://127.0.0.1:7", "node-3"), "tcp://node-3:7");
+        assert_eq!(advertised("ipc:///tmp/a.sock", "x"), "ipc:///tmp/a.sock");
+        assert_eq!(advertised("ucx:0011aa", "x"), "ucx:0011aa");
+    }
 
     #[test]
     fn frames_are_built_in_place_and_split_back() {

@@ -85,10 +85,10 @@ impl DecodeAgent {
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
         let auth = super::zmq_auth(&cfg);
-        let (data_endpoint, mut receiver) =
-            transport::for_kind(cfg.transport, cfg.chunk_bytes, &auth)
-                .listen(&cfg.host)
-                .await?;
+        let (bound, mut receiver) = transport::for_kind(cfg.transport, cfg.chunk_bytes, &auth)
+            .listen(&cfg.host, cfg.data_port)
+            .await?;
+        let data_endpoint = transport::advertised(&bound, &cfg.advertise_host);
         // Writes into the pool are described by the wire layout, which has no placement: only
         // a pool of planes (every agent's from the command line) is exposed.
         let exposable = cfg.direct_writes != super::DirectWrites::Never

@@ -83,8 +83,10 @@ impl PrefillAgent {
         let instance = Uuid::new_v4();
         let pool = Arc::new(super::open_pool(&cfg)?);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
-        let (control_endpoint, server, replier) =
-            ControlServer::bind(&cfg.host, 0, &super::control_options(&cfg)).await?;
+        let options = super::control_options(&cfg);
+        let (bound, server, replier) =
+            ControlServer::bind(&cfg.host, cfg.control_port, &options).await?;
+        let control_endpoint = transport::advertised(&bound, &cfg.advertise_host);
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
         let inner = Arc::new(Inner {

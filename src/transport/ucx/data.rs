@@ -231,7 +231,13 @@ impl Transport for UcxData {
             .map_err(|e| TransportError::malformed("attach", "decode pool", e))
     }
 
-    fn listen(&self, _host: &str) -> BoxFuture<'static, Result<Listening, TransportError>> {
+    /// UCX listens where `UCX_NET_DEVICES` and `UCX_TCP_PORT_RANGE` say; `host` and `port`
+    /// do not apply (the worker address carries UCX's own interface addresses).
+    fn listen(
+        &self,
+        _host: &str,
+        _port: u16,
+    ) -> BoxFuture<'static, Result<Listening, TransportError>> {
         let inner = self.inner.clone();
         Box::pin(async move {
             let worker = inner.worker().await?;

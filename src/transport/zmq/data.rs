@@ -68,15 +68,15 @@ impl ZmqData {
     }
 }
 
-/// A bind address for `host` on a fresh port (tcp) or a fresh socket file (ipc).
-fn bind_address(kind: TransportKind, host: &str) -> String {
+/// A bind address for `host` on `port` (tcp; 0: a fresh one) or a fresh socket file (ipc).
+fn bind_address(kind: TransportKind, host: &str, port: u16) -> String {
     match kind {
         TransportKind::ZmqIpc => {
             let dir = std::env::temp_dir();
             let name = format!("kvferry-{}.sock", uuid::Uuid::new_v4().simple());
             format!("ipc://{}", dir.join(name).display())
         }
-        _ => tcp_address(host, 0),
+        _ => tcp_address(host, port),
     }
 }
 
@@ -85,8 +85,12 @@ impl Transport for ZmqData {
         self.kind
     }
 
-    fn listen(&self, host: &str) -> BoxFuture<'static, Result<Listening, TransportError>> {
-        let address = bind_address(self.kind, host);
+    fn listen(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> BoxFuture<'static, Result<Listening, TransportError>> {
+        let address = bind_address(self.kind, host, port);
         let (max_frame, auth) = (self.max_frame, self.auth.clone());
         Box::pin(async move {
             let (bound_tx, bound_rx) = oneshot::channel();
@@ -458,7 +462,7 @@ mod tests {
 
     async fn round_trip(kind: TransportKind) {
         let t = ZmqData::new(kind, 2 << 20, Auth::default());
-        let (endpoint, mut rx) = t.listen("127.0.0.1").await.expect("listen");
+        let (endpoint, mut rx) = t.listen("127.0.0.1", 0).await.expect("listen");
         let mut tx = t
             .connect(&endpoint, Duration::from_secs(5))
             .await
@@ -532,7 +536,7 @@ mod tests {
     #[tokio::test]
     async fn a_message_of_another_shape_is_an_error_and_the_socket_goes_on() {
         let t = ZmqData::new(TransportKind::ZmqTcp, 1 << 20, Auth::default());
-        let (endpoint, mut rx) = t.listen("127.0.0.1").await.expect("listen");
+        let (endpoint, mut rx) = t.listen("127.0.0.1", 0).await.expect("listen");
         let raw = context().socket(zmq::PUSH).expect("socket");
         raw.connect(&endpoint).expect("connect");
         raw.send("one frame", 0).expect("send");
