@@ -466,17 +466,7 @@ async fn forged_then_real(
         StatusCode::ACCEPTED,
     )
     .await;
-    let v = wait_final(http, &c.decode_api, room).await;
-    assert_eq!(v["state"], "success", "{v}");
-    let taken = expect(
-        http,
-        Method::POST,
-        &format!("{url}/take"),
-        None,
-        StatusCode::OK,
-    )
-    .await;
-    assert_eq!(taken["verified"], true, "the real bytes landed: {taken}");
+    let taken = take_verified(http, &c.decode_api, room).await;
     assert_eq!(taken["bytes"], 32 * TINY_BYTES_PER_TOKEN, "{taken}");
     forged_count(http, &c.decode_api).await - before
 }
@@ -592,10 +582,7 @@ fn a_rogue_decode_gets_no_kv() {
             assert_eq!(v["state"], "failed", "{v}");
             assert_eq!(v["reason"]["code"], "unauthorized", "{v}");
             assert_eq!(v["bytes"], 0, "{v}");
-            let v = wait_final(&http, &c.decode_api, room).await;
-            assert_eq!(v["state"], "success", "{v}");
-            let taken = expect(&http, Method::POST, &format!("{real}/take"), None, StatusCode::OK).await;
-            assert_eq!(taken["verified"], true, "{taken}");
+            take_verified(&http, &c.decode_api, room).await;
         }
         let refused = metric(&http, &c.prefill_api, "kvferry_protocol_errors_total{role=\"prefill\",kind=\"unauthorized\"}").await;
         assert_eq!(refused, Some(2.0), "the prefill counted both keyless requests");

@@ -244,17 +244,7 @@ async fn rooms_verify(http: &Client, decode: &str, prefill: &str, rooms: std::op
             StatusCode::ACCEPTED,
         )
         .await;
-        let v = wait_final(http, decode, room).await;
-        assert_eq!(v["state"], "success", "room {room}: {v}");
-        let taken = expect(
-            http,
-            Method::POST,
-            &format!("{url}/take"),
-            None,
-            StatusCode::OK,
-        )
-        .await;
-        assert_eq!(taken["verified"], true, "room {room}: {taken}");
+        take_verified(http, decode, room).await;
     }
 }
 

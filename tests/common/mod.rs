@@ -785,3 +785,14 @@ pub fn decode_with_fake_prefill(
     });
     (registry, decode, api)
 }
+
+/// Waits for `room` at the decode `api` to end, asserts it succeeded, takes it and asserts
+/// every byte verified; the take's answer.
+pub async fn take_verified(http: &Client, api: &str, room: u64) -> Value {
+    let v = wait_final(http, api, room).await;
+    assert_eq!(v["state"], "success", "room {room}: {v}");
+    let url = format!("{api}/v1/rooms/{room}/take");
+    let taken = expect(http, Method::POST, &url, None, StatusCode::OK).await;
+    assert_eq!(taken["verified"], true, "room {room}: {taken}");
+    taken
+}
