@@ -562,3 +562,42 @@ fn a_timed_out_direct_write_room_whose_decode_then_dies_leaves_the_prefill_servi
         "the prefill died"
     );
 }
+
+/// Placed runs are decided by both sides: a prefill whose UCX sends eagerly (tcp only) places
+/// runs only into a decode that said in Hello that it receives them revocably. Here the decode
+/// has every UCX transport (rendezvous: its receives are plain, and a run whose sender died
+/// mid-message would leave one open for ever), so the prefill stages; rooms verify. The
+/// tcp-only pair of `hundred_rooms_...` places.
+#[test]
+fn an_eager_prefill_places_runs_only_into_a_decode_that_receives_them_revocably() {
+    let mut args = opts("llama3-8b", 272);
+    set_flag(&mut args, "--peer-dead-ms", "5000");
+    let c = common::FaultCluster::start_env(
+        "ucx-mixed-env",
+        &args,
+        &[],
+        &[],
+        &[("UCX_TLS", "tcp")],
+        &[("UCX_NET_DEVICES", "lo")],
+    );
+    let apis = Apis::pair(&c.prefill_api, &c.decode_api);
+    let results = runtime()
+        .block_on(drive_rooms(&apis, vec![(1, 4096), (2, 1000)], 1))
+        .unwrap();
+    assert!(results.iter().all(|r| r.verified), "{results:?}");
+    let count = |path: &str| {
+        let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
+        runtime()
+            .block_on(metric(&http(), &c.decode_api, &series))
+            .unwrap_or(0.0)
+    };
+    let (placed, staged) = (count("placed"), count("staged"));
+    println!(
+        "[ucx-mixed-env] eager prefill, rendezvous decode: {placed} placed, {staged} staged chunks"
+    );
+    assert_eq!(
+        placed, 0.0,
+        "runs were placed into receives the decode cannot revoke"
+    );
+    assert!(staged > 0.0);
+}

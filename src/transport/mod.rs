@@ -67,7 +67,8 @@ impl TransportError {
         }
     }
 
-    /// A [`TransportErrorKind::Malformed`] error.
+    /// A [`TransportErrorKind::Malformed`] error (only UCX parses addresses and keys itself).
+    #[cfg(feature = "ucx")]
     pub(crate) fn malformed(op: &'static str, endpoint: &str, message: impl fmt::Display) -> Self {
         TransportError {
             kind: TransportErrorKind::Malformed,

@@ -120,25 +120,37 @@ const EAGER_TCP_SEGMENTS: [(&str, &str, &str); 2] = [
 const EAGER_TCP_SEGMENT: &str = "1m";
 
 /// The UCX settings an agent's worker adds to the environment's (`is_set` says which the
-/// environment has, by its name without `UCX_`): when `tls` allows tcp only and the
-/// environment sets no `RNDV_THRESH` (eager chunks, `eager_chunks`), no rendezvous and the
-/// large tcp segments (`EAGER_TCP_SEGMENTS`), each unless the environment sets it; nothing
-/// otherwise. Public for tests/ucx_layer.rs, which checks that UCX applies them.
+/// environment has, by its name without `UCX_`), each unless the environment sets it:
+/// - when `tls` allows tcp only and the environment sets no `RNDV_THRESH` (eager chunks,
+///   `eager_chunks`): no rendezvous and the large tcp segments (`EAGER_TCP_SEGMENTS`);
+/// - otherwise, wherever tcp may carry the traffic (`tls` unset, an exclusion list, or naming
+///   tcp): the large receive segment alone. A peer that sends eagerly sends 1 MiB segments,
+///   and UCX 1.13 aborts a receiver whose segments are smaller (`tcp_ep.c`: "Assertion
+///   `hdr->length <= (iface->config.rx_seg_size - sizeof(*hdr))' failed ... 1048576 vs
+///   65536", seen with a tcp-only prefill and a decode on UCX's defaults).
+///
+/// Public for tests/ucx_layer.rs, which checks that UCX applies them.
 pub fn worker_vars(
     tls: Option<&str>,
     is_set: impl Fn(&str) -> bool,
 ) -> Vec<(&'static str, &'static str)> {
-    if !eager_chunks(tls, is_set("RNDV_THRESH")) {
-        return Vec::new();
+    let unless_set = |vars: &[(&'static str, &'static str, &'static str)]| -> Vec<_> {
+        vars.iter()
+            .filter(|(env, _, _)| !is_set(env))
+            .map(|&(_, name, value)| (name, value))
+            .collect()
+    };
+    if eager_chunks(tls, is_set("RNDV_THRESH")) {
+        let mut vars = vec![("RNDV_THRESH", "inf")];
+        vars.extend(unless_set(&EAGER_TCP_SEGMENTS));
+        return vars;
     }
-    std::iter::once(("RNDV_THRESH", "inf"))
-        .chain(
-            EAGER_TCP_SEGMENTS
-                .into_iter()
-                .filter(|(env, _, _)| !is_set(env))
-                .map(|(_, name, value)| (name, value)),
-        )
-        .collect()
+    let tcp_possible =
+        tls.is_none_or(|list| list.starts_with('^') || list.split(',').any(|t| t.trim() == "tcp"));
+    match tcp_possible {
+        true => unless_set(&EAGER_TCP_SEGMENTS[1..]),
+        false => Vec::new(),
+    }
 }
 
 /// The worker's config: the `UCX_*` environment plus [`worker_vars`], eager

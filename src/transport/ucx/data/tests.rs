@@ -82,10 +82,15 @@ fn eager_tcp_workers_take_large_segments_unless_the_environment_says_otherwise()
         worker_vars(Some("tcp,self"), tx_set),
         [("RNDV_THRESH", "inf"), ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)]
     );
-    // Rendezvous wanted, or not tcp alone: UCX's own settings.
-    assert!(worker_vars(Some("tcp"), |name| name == "RNDV_THRESH").is_empty());
+    // Rendezvous wanted, or not tcp alone: UCX's own settings, but segments large enough to
+    // receive an eager peer's wherever tcp may carry them.
+    let rx = [("RX_SEG_SIZE", EAGER_TCP_SEGMENT)];
+    assert_eq!(worker_vars(Some("tcp"), |name| name == "RNDV_THRESH"), rx);
+    assert_eq!(worker_vars(None, none), rx);
+    assert_eq!(worker_vars(Some("^ud"), none), rx);
+    assert_eq!(worker_vars(Some("tcp,cma"), none), rx);
+    assert!(worker_vars(None, |name| name == "TCP_RX_SEG_SIZE").is_empty());
     assert!(worker_vars(Some("posix,cma,self"), none).is_empty());
-    assert!(worker_vars(None, none).is_empty());
 }
 
 #[test]
