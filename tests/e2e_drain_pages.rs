@@ -103,22 +103,7 @@ fn a_draining_decode_keeps_landed_rooms_takeable_until_taken_then_exits_0() {
     let http = http();
     rt.block_on(async {
         for room in 1..=3u64 {
-            expect(
-                &http,
-                Method::POST,
-                &format!("{d}/v1/rooms/{room}"),
-                Some(&json!({ "tokens": 100 })),
-                StatusCode::CREATED,
-            )
-            .await;
-            expect(
-                &http,
-                Method::POST,
-                &format!("{p}/v1/rooms/{room}/ready"),
-                Some(&json!({ "tokens": 100 })),
-                StatusCode::ACCEPTED,
-            )
-            .await;
+            request_and_ready(&http, &d, &p, room, &json!({ "tokens": 100 })).await;
             assert_eq!(wait_final(&http, &d, room).await["state"], "success");
         }
     });
@@ -180,22 +165,7 @@ fn a_draining_decode_gives_untaken_rooms_up_after_the_window_and_exits_0() {
     let (d, p) = (c.decode_api.clone(), c.prefill_api.clone());
     runtime().block_on(async {
         let http = http();
-        expect(
-            &http,
-            Method::POST,
-            &format!("{d}/v1/rooms/1"),
-            Some(&json!({ "tokens": 100 })),
-            StatusCode::CREATED,
-        )
-        .await;
-        expect(
-            &http,
-            Method::POST,
-            &format!("{p}/v1/rooms/1/ready"),
-            Some(&json!({ "tokens": 100 })),
-            StatusCode::ACCEPTED,
-        )
-        .await;
+        request_and_ready(&http, &d, &p, 1, &json!({ "tokens": 100 })).await;
         assert_eq!(wait_final(&http, &d, 1).await["state"], "success");
     });
     c.decode.signal("TERM");

@@ -226,24 +226,7 @@ impl Cluster {
 /// Rooms `rooms` through `decode` and `prefill`, each verified on take.
 async fn rooms_verify(http: &Client, decode: &str, prefill: &str, rooms: std::ops::Range<u64>) {
     for room in rooms {
-        let url = format!("{decode}/v1/rooms/{room}");
-        expect(
-            http,
-            Method::POST,
-            &url,
-            Some(&json!({ "tokens": 64 })),
-            StatusCode::CREATED,
-        )
-        .await;
-        let ready = format!("{prefill}/v1/rooms/{room}/ready");
-        expect(
-            http,
-            Method::POST,
-            &ready,
-            Some(&json!({ "tokens": 64 })),
-            StatusCode::ACCEPTED,
-        )
-        .await;
+        request_and_ready(http, decode, prefill, room, &json!({ "tokens": 64 })).await;
         take_verified(http, decode, room).await;
     }
 }

@@ -796,3 +796,18 @@ pub async fn take_verified(http: &Client, api: &str, room: u64) -> Value {
     assert_eq!(taken["verified"], true, "room {room}: {taken}");
     taken
 }
+
+/// Asks the decode at `decode` for `room` and announces it ready at the prefill at `prefill`,
+/// both with `body` (e.g. `{"tokens": 64}`).
+pub async fn request_and_ready(
+    http: &Client,
+    decode: &str,
+    prefill: &str,
+    room: u64,
+    body: &Value,
+) {
+    let url = format!("{decode}/v1/rooms/{room}");
+    expect(http, Method::POST, &url, Some(body), StatusCode::CREATED).await;
+    let ready = format!("{prefill}/v1/rooms/{room}/ready");
+    expect(http, Method::POST, &ready, Some(body), StatusCode::ACCEPTED).await;
+}
