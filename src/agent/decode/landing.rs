@@ -158,16 +158,19 @@ impl Inner {
             return self.forged(&chunk, "does not carry its transfer's secret");
         }
         self.land(&chunk, payload).await;
-        {
-            *peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
-            let credit = Message::Credit(protocol::Credit {
-                instance: self.instance,
-                slots: 1,
-            });
-            if let Err(reason) = peer.send(&credit, self.cfg.timeouts.send).await {
+        *peer.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        let credit = Message::Credit(protocol::Credit {
+            instance: self.instance,
+            slots: 1,
+        });
+        // Off the landing slot: the next chunk lands while the credit goes out (it crosses to
+        // the control socket's thread and back).
+        let timeout = self.cfg.timeouts.send;
+        tokio::spawn(async move {
+            if let Err(reason) = peer.send(&credit, timeout).await {
                 tracing::warn!(%reason, "credit not returned");
             }
-        }
+        });
     }
 
     /// Whether `chunk` carries the secret of the transfer it names; a chunk for a room no

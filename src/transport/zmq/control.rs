@@ -11,7 +11,9 @@
 //! Peer death from the connection: the DEALER's own connection dropping, or the ROUTER seeing
 //! a peer's connection drop (a peer is known by the file descriptor its frames came from,
 //! libzmq's `__fd` property, against the monitor's disconnect events), starts
-//! [`super::RECONNECT_GRACE`]; a peer that is not back within it is reported lost. A decode
+//! [`super::RECONNECT_GRACE`]; a peer that is not back within it is reported lost. The DEALER
+//! retries at once, and a retry its peer's host refuses (nothing listens there any more) is a
+//! loss right away. A decode
 //! names its DEALER with a random routing id, so a connection it re-establishes is the same
 //! peer to the prefill, and sends its owner's `on_reconnect` frame (a heartbeat) at once.
 
@@ -34,6 +36,9 @@ pub const HWM: i32 = 16;
 /// Frames the socket thread hands to the async side ahead of its reads (each up to the cap:
 /// part of the socket's memory bound, docs/reliability.md).
 pub const AHEAD: usize = 16;
+
+/// How soon a decode's control connection retries after it dropped (libzmq's default: 100 ms).
+const RECONNECT_IVL_MS: i32 = 10;
 
 /// How long a socket thread waits in `zmq::poll` before it looks whether its owner is gone.
 const POLL_MS: i64 = 100;
@@ -262,6 +267,8 @@ fn connect(
         .set_identity(uuid::Uuid::new_v4().as_bytes())
         .map_err(err)?;
     socket.set_immediate(true).map_err(err)?;
+    // A dropped connection is retried at once: a refused retry is a dead prefill.
+    socket.set_reconnect_ivl(RECONNECT_IVL_MS).map_err(err)?;
     let ms = i32::try_from(timeout.as_millis())
         .unwrap_or(i32::MAX)
         .max(1);
@@ -297,7 +304,7 @@ pub(super) fn handshake(
                         "the peer expects another security mechanism: give both agents the same --token",
                     ));
                 }
-                Event::Disconnected { .. } | Event::Accepted { .. } => {}
+                Event::Disconnected { .. } | Event::Accepted { .. } | Event::Retried => {}
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
@@ -424,6 +431,8 @@ impl Peers for RouterPeers {
 struct DealerPeer {
     fd: Option<i32>,
     dropped: Option<Instant>,
+    /// Reconnection retries libzmq reported since the drop.
+    retries: u32,
     lost: bool,
     on_reconnect: Bytes,
 }
@@ -433,6 +442,7 @@ impl DealerPeer {
         DealerPeer {
             fd: Some(fd),
             dropped: None,
+            retries: 0,
             lost: false,
             on_reconnect,
         }
@@ -446,9 +456,27 @@ impl Peers for DealerPeer {
         match event {
             Event::Disconnected { fd } if self.fd == Some(fd) => {
                 self.fd = None;
+                self.retries = 0;
                 self.dropped.get_or_insert(now);
             }
-            Event::Connected { fd } if !self.lost => self.fd = Some(fd),
+            Event::Connected { fd } if !self.lost => {
+                self.fd = Some(fd);
+                self.retries = 0;
+            }
+            // libzmq reports a retry when it schedules the reconnection after a drop, and
+            // again for each attempt that failed: a second one means the prefill's host
+            // refused it, nothing listens there any more (the process died, or restarted as
+            // another instance): lost now, not after the grace.
+            Event::Retried if !self.lost && self.dropped.is_some() => {
+                self.retries += 1;
+                if self.retries >= 2 {
+                    self.lost = true;
+                    out.deliver.push(ControlEvent::Lost(
+                        Bytes::new(),
+                        "control connection closed, and reconnecting to it was refused".to_owned(),
+                    ));
+                }
+            }
             Event::Ready if !self.lost && self.dropped.take().is_some() => {
                 out.send.push(self.on_reconnect.clone());
             }

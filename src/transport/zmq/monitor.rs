@@ -11,6 +11,8 @@ pub(super) enum Event {
     Connected { fd: i32 },
     /// A connection to this (bound) socket was accepted; its handshake follows.
     Accepted { fd: i32 },
+    /// A connection attempt of this socket failed (refused, unreachable); libzmq retries.
+    Retried,
     /// A connection completed its ZMTP handshake (and authentication): it carries messages.
     Ready,
     /// A connection was closed (by the peer, the network or libzmq itself).
@@ -24,6 +26,7 @@ pub(super) enum Event {
 /// The events a [`Monitor`] listens to.
 const EVENTS: u32 = zmq_sys::ZMQ_EVENT_CONNECTED
     | zmq_sys::ZMQ_EVENT_ACCEPTED
+    | zmq_sys::ZMQ_EVENT_CONNECT_RETRIED
     | zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED
     | zmq_sys::ZMQ_EVENT_DISCONNECTED
     | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH
@@ -74,6 +77,7 @@ fn parse(head: &[u8]) -> Option<Event> {
     match u32::from(id) {
         zmq_sys::ZMQ_EVENT_CONNECTED => Some(Event::Connected { fd }),
         zmq_sys::ZMQ_EVENT_ACCEPTED => Some(Event::Accepted { fd }),
+        zmq_sys::ZMQ_EVENT_CONNECT_RETRIED => Some(Event::Retried),
         zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED => Some(Event::Ready),
         zmq_sys::ZMQ_EVENT_DISCONNECTED => Some(Event::Disconnected { fd }),
         zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH => Some(Event::AuthFailed),
@@ -104,6 +108,10 @@ mod tests {
         assert_eq!(
             parse(&frame(zmq_sys::ZMQ_EVENT_ACCEPTED, 11)),
             Some(Event::Accepted { fd: 11 })
+        );
+        assert_eq!(
+            parse(&frame(zmq_sys::ZMQ_EVENT_CONNECT_RETRIED, 20)),
+            Some(Event::Retried)
         );
         assert_eq!(
             parse(&frame(zmq_sys::ZMQ_EVENT_HANDSHAKE_SUCCEEDED, 0)),
