@@ -14,7 +14,7 @@ mod codec;
 mod secret;
 
 pub use codec::{DecodeError, HEADER_LEN, Header, peek_header};
-pub use secret::Secret;
+pub use secret::{Secret, constant_time_eq};
 
 use std::ops::Range;
 

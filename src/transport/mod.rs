@@ -477,9 +477,11 @@ pub fn advertised(endpoint: &str, host: &str) -> String {
     let Some(rest) = endpoint.strip_prefix("tcp://") else {
         return endpoint.to_owned();
     };
-    match rest.rsplit_once(':') {
-        Some((_, port)) if host.contains(':') => format!("tcp://[{host}]:{port}"),
-        Some((_, port)) => format!("tcp://{host}:{port}"),
+    match rest
+        .rsplit_once(':')
+        .and_then(|(_, port)| port.parse().ok())
+    {
+        Some(port) => zmq::tcp_address(host, port),
         None => endpoint.to_owned(),
     }
 }

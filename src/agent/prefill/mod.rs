@@ -20,7 +20,7 @@
 //! Several decode ranks may ask for parts of one room (heterogeneous TP): each is a transfer of
 //! its own, and the room is final once every rank the requests announce has been served.
 //! Files: this one (rooms, transfers' bookkeeping, aborts, timeouts, drain), `control.rs` (what
-//! decodes send), `transfer.rs` (one transfer's task), `http.rs` (the engine's API).
+//! decodes send), `transfer.rs` (one transfer's task; `transfer/send.rs`, one chunk's send), `http.rs` (the engine's API).
 
 mod control;
 mod http;

@@ -94,11 +94,6 @@ impl Auth {
         }
     }
 
-    /// Whether connections must present a token.
-    pub fn required(&self) -> bool {
-        self.token.is_some()
-    }
-
     /// Makes `socket` (which binds) require the token from every connection; the returned
     /// registration must live as long as the socket.
     fn server(&self, socket: &zmq::Socket) -> Result<Option<zap::Domain>, zmq::Error> {
@@ -165,7 +160,7 @@ impl Waker {
 
 /// A bind address for `host` and `port` (0: the OS picks) over tcp, with IPv6 literals in
 /// brackets.
-fn tcp_address(host: &str, port: u16) -> String {
+pub(crate) fn tcp_address(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') {
         format!("tcp://[{host}]:{port}")
     } else {

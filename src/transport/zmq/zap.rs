@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::context;
+use crate::protocol::constant_time_eq;
 
 /// Where libzmq sends ZAP requests (fixed by RFC 27).
 const ZAP_ENDPOINT: &str = "inproc://zeromq.zap.01";
@@ -116,12 +117,6 @@ fn verdict(request: &[Vec<u8>]) -> (&'static str, &'static str) {
         Some(_) => ("400", "wrong token"),
         None => ("400", "unknown domain"),
     }
-}
-
-/// Compares without an early exit, so the time taken does not tell how much of a guess was
-/// right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]
