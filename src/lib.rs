@@ -9,6 +9,7 @@ pub mod agent;
 pub mod cli;
 pub mod kernel;
 pub mod layout;
+pub mod memory;
 pub mod pool;
 pub mod protocol;
 pub mod reason;

@@ -7,7 +7,8 @@
 //! with `KVFERRY_REQUIRE_NVRTC=1` (CI) it fails instead.
 
 use kvferry::kernel::cuda::{self, CudaError, CudaKernel};
-use kvferry::kernel::{Kernel, KernelError, MemoryKind, kernel_for};
+use kvferry::kernel::{Kernel, KernelError, kernel_for};
+use kvferry::memory::MemoryKind;
 
 fn required(var: &str) -> bool {
     std::env::var(var).is_ok_and(|v| v == "1")

@@ -15,7 +15,7 @@ use crate::layout::{KvLayout, LayoutError, PageOrder, element_offset};
 use crate::pool::HostPool;
 
 use super::{KernelError, Selection};
-use crate::transport::{Span, WriteRun};
+use crate::memory::{Span, WriteRun};
 
 /// Below this many bytes a transfer runs on one thread: spawning costs more than it saves.
 const PARALLEL_MIN_BYTES: usize = 4 << 20;

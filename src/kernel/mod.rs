@@ -28,19 +28,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::layout::{KvLayout, LayoutError};
+use crate::memory::MemoryKind;
 use crate::pool::HostPool;
-
-/// Where a pool's memory lives, which decides the kernel that moves its bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MemoryKind {
-    /// Host memory (anonymous or shared): the CPU kernel.
-    Host,
-    /// Memory of CUDA device `ordinal`: the CUDA kernel.
-    Device {
-        /// CUDA device ordinal.
-        ordinal: usize,
-    },
-}
 
 /// The kernel that serves one kind of pool memory.
 #[derive(Clone, Debug)]

@@ -21,8 +21,8 @@ use std::ops::Range;
 use uuid::Uuid;
 
 use crate::layout::{AttentionKind, Dtype, PageOrder};
+pub use crate::memory::RemoteMemory;
 use crate::reason::FailureCode;
-pub use crate::transport::RemoteMemory;
 
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";

@@ -17,6 +17,7 @@
 pub mod ucx;
 pub mod zmq;
 
+use crate::memory::{RemoteMemory, Span, WriteRun};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -149,18 +150,6 @@ impl FromStr for TransportKind {
     }
 }
 
-/// Memory a receiver exposed for one-sided writes (its decode pool): what a sender needs to
-/// write into it. Carried in Hello.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RemoteMemory {
-    /// Address of the first byte in the receiver's process.
-    pub base: u64,
-    /// Bytes exposed.
-    pub size: u64,
-    /// The transport's access key (a packed UCX rkey).
-    pub key: Vec<u8>,
-}
-
 /// How one-sided writes to a receiver travel, as the transport found out when it attached.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WritePath {
@@ -178,46 +167,6 @@ pub struct WritePath {
     /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
     /// sender can wedge (docs/benchmarks.md, `ucx/data.rs`).
     pub fast: bool,
-}
-
-/// One contiguous copy from pool to pool (a one-sided write, or a placed run): `len` bytes
-/// from offset `src` of the sender's pool to offset `dst` of the receiver's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WriteRun {
-    /// Offset in the sender's pool.
-    pub src: u64,
-    /// Offset in the receiver's memory.
-    pub dst: u64,
-    /// Bytes.
-    pub len: u64,
-}
-
-impl WriteRun {
-    /// Where the run is read, in the sender's pool.
-    pub fn source(&self) -> Span {
-        Span {
-            offset: self.src,
-            len: self.len,
-        }
-    }
-
-    /// Where the run lands, in the receiver's pool.
-    pub fn destination(&self) -> Span {
-        Span {
-            offset: self.dst,
-            len: self.len,
-        }
-    }
-}
-
-/// A contiguous range of a pool: the run of a placed send ([`DataSender::send_runs`]) or the
-/// place a receiver lands it ([`Placer::place`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Span {
-    /// Offset in the pool.
-    pub offset: u64,
-    /// Bytes.
-    pub len: u64,
 }
 
 /// Bytes a staging buffer keeps free in front of its payload, where the chunk's [`Frame`]

@@ -210,7 +210,7 @@ struct Inner {
     registry: RegistryClient,
     data_endpoint: String,
     /// The pool as exposed for one-sided writes (sent in Hello), when the transport has them.
-    pool_key: Option<transport::RemoteMemory>,
+    pool_key: Option<crate::memory::RemoteMemory>,
     /// Receives placed runs into the pool, when the transport can.
     placer: Option<Arc<dyn transport::Placer>>,
     /// Keeps a receive posted for each slot granted to a prefill, when the transport needs it.

@@ -59,20 +59,16 @@ pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
             Ok(other) => {
                 inner.metrics.protocol_error("unexpected");
                 let m = format!("a prefill does not accept {} here", other.name());
-                inner
-                    .refuse(&identity, None, FailureCode::BadMessage, m)
-                    .await;
+                inner.refuse(&identity, None, FailureCode::BadMessage, m);
             }
             Err(e) => {
                 inner.metrics.protocol_error(e.kind());
-                inner
-                    .refuse(
-                        &identity,
-                        None,
-                        FailureCode::BadMessage,
-                        format!("undecodable frame: {e}"),
-                    )
-                    .await;
+                inner.refuse(
+                    &identity,
+                    None,
+                    FailureCode::BadMessage,
+                    format!("undecodable frame: {e}"),
+                );
             }
         }
     }
@@ -91,38 +87,34 @@ impl Inner {
                     protocol::MIN_VERSION,
                     protocol::VERSION
                 ),
-            )
-            .await;
+            );
         };
         if self.cfg.token.as_deref().unwrap_or("") != hello.token {
             tracing::warn!(decode = %hello.instance, "Hello with a wrong or missing token refused");
             return refuse(
                 FailureCode::Unauthorized,
                 "wrong or missing token in Hello".to_owned(),
-            )
-            .await;
+            );
         }
         if hello.role != protocol::Role::Decode {
             self.metrics.protocol_error("inconsistent");
             return refuse(
                 FailureCode::BadMessage,
                 "Hello to a prefill must come from a decode".to_owned(),
-            )
-            .await;
+            );
         }
         if hello.slots == 0 || hello.slot_bytes == 0 {
             self.metrics.protocol_error("inconsistent");
             return refuse(
                 FailureCode::BadMessage,
                 "Hello grants no staging slots".to_owned(),
-            )
-            .await;
+            );
         }
         if let Err(reason) = crate::agent::check_compatible(
             &crate::agent::wire_layout(&self.cfg.layout),
             &hello.layout,
         ) {
-            return refuse(reason.code, reason.message).await;
+            return refuse(reason.code, reason.message);
         }
         let checked = match &hello.pool {
             Some(pool) => self.transport.check_memory(pool),
@@ -140,21 +132,21 @@ impl Inner {
             Err(e) if e.is_malformed() => {
                 self.metrics.protocol_error("malformed");
                 let msg = format!("decode data endpoint or pool key refused: {e}");
-                return refuse(FailureCode::BadMessage, msg).await;
+                return refuse(FailureCode::BadMessage, msg);
             }
             Err(e) if e.kind == TransportErrorKind::Unauthorized => {
                 let msg = format!(
                     "decode data endpoint {} refused this prefill: {}",
                     hello.data_endpoint, e.message
                 );
-                return refuse(FailureCode::Unauthorized, msg).await;
+                return refuse(FailureCode::Unauthorized, msg);
             }
             Err(e) => {
                 let msg = format!(
                     "decode data endpoint {} unreachable from this prefill: {}",
                     hello.data_endpoint, e.message
                 );
-                return refuse(FailureCode::Unreachable, msg).await;
+                return refuse(FailureCode::Unreachable, msg);
             }
         };
         let direct_target = self.direct_target(&hello, &mut data).await;
@@ -190,8 +182,7 @@ impl Inner {
                 instance: self.instance,
                 direct,
             }),
-        )
-        .await;
+        );
     }
 
     async fn on_request(self: Arc<Self>, identity: PeerId, req: TransferRequest) {
@@ -200,9 +191,7 @@ impl Inner {
         let Some(peer) = peer else {
             self.metrics.protocol_error("inconsistent");
             let m = "TransferRequest before Hello".to_owned();
-            return self
-                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
-                .await;
+            return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m);
         };
         if req.prefill_instance != self.instance {
             self.metrics.protocol_error("inconsistent");
@@ -210,9 +199,7 @@ impl Inner {
                 "request addressed instance {}, this prefill is {}: it restarted",
                 req.prefill_instance, self.instance
             );
-            return self
-                .refuse(&identity, Some(room_id), FailureCode::PeerDead, m)
-                .await;
+            return self.refuse(&identity, Some(room_id), FailureCode::PeerDead, m);
         }
         let l = &self.cfg.layout;
         let within = |r: &Range<u32>, held: &Range<usize>| {
@@ -228,9 +215,7 @@ impl Inner {
                 "request for layers {:?} heads {:?} tokens {:?} ({} requesters); this rank holds layers {:?} heads {:?}",
                 req.layers, req.heads, req.tokens, req.requesters, l.layers, l.heads
             );
-            return self
-                .refuse(&identity, Some(room_id), FailureCode::BadMessage, m)
-                .await;
+            return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m);
         }
         enum Refusal {
             Abort(Reason),
@@ -263,8 +248,7 @@ impl Inner {
         };
         match refusal {
             Some(Refusal::Error(reason)) => {
-                self.refuse(&identity, Some(room_id), reason.code, reason.message)
-                    .await;
+                self.refuse(&identity, Some(room_id), reason.code, reason.message);
             }
             Some(Refusal::Abort(reason)) => {
                 let msg = Message::Abort(protocol::Abort {
@@ -273,7 +257,7 @@ impl Inner {
                     code: reason.code,
                     message: reason.message,
                 });
-                self.reply(&identity, msg).await;
+                self.reply(&identity, msg);
             }
             None => {}
         }
@@ -283,9 +267,7 @@ impl Inner {
         let Some(peer) = self.peers().get(&identity).cloned() else {
             self.metrics.protocol_error("inconsistent");
             let m = "Abort before Hello".to_owned();
-            return self
-                .refuse(&identity, Some(abort.room), FailureCode::BadMessage, m)
-                .await;
+            return self.refuse(&identity, Some(abort.room), FailureCode::BadMessage, m);
         };
         let running = {
             let mut rooms = self.rooms();
@@ -311,7 +293,7 @@ impl Inner {
                 room: abort.room,
                 instance: self.instance,
             });
-            self.reply(&identity, ack).await;
+            self.reply(&identity, ack);
         }
     }
 

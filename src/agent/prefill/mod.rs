@@ -238,7 +238,7 @@ impl DirectTarget {
     /// The decode's pool as its Hello describes it, or why direct writes into it are off.
     fn new(
         hello: &Hello,
-        memory: &transport::RemoteMemory,
+        memory: &crate::memory::RemoteMemory,
         path: transport::WritePath,
         method: crate::agent::DirectMethod,
     ) -> Result<Self, String> {
@@ -473,22 +473,18 @@ impl Inner {
         }
     }
 
-    async fn reply(&self, peer: &PeerId, msg: Message) {
+    /// Queues `msg` to a decode without waiting for it to read: one decode that stopped
+    /// reading never holds up the others (it is found dead by its silence).
+    fn reply(&self, peer: &PeerId, msg: Message) {
         let version = self
             .peers()
             .get(peer)
             .map_or(protocol::VERSION, |p| p.version);
-        let sent = tokio::time::timeout(
-            self.cfg.timeouts.send,
-            self.replier.send(peer, msg.encode_as(version).into()),
-        )
-        .await;
-        if !matches!(sent, Ok(Ok(()))) {
-            tracing::warn!(msg = msg.name(), "could not answer a decode peer");
-        }
+        self.replier
+            .post(peer, msg.encode_as(version).into(), self.cfg.timeouts.send);
     }
 
-    async fn refuse(&self, peer: &PeerId, room: Option<u64>, code: FailureCode, message: String) {
+    fn refuse(&self, peer: &PeerId, room: Option<u64>, code: FailureCode, message: String) {
         tracing::warn!(?room, %code, %message, "refused a decode request");
         self.reply(
             peer,
@@ -497,8 +493,7 @@ impl Inner {
                 code,
                 message,
             }),
-        )
-        .await;
+        );
     }
 
     /// Starts the task of every requested transfer once the engine announced a first piece.
@@ -527,9 +522,7 @@ impl Inner {
             let inner = self.clone();
             tokio::spawn(async move {
                 for (identity, reason) in refused {
-                    inner
-                        .refuse(&identity, Some(room_id), reason.code, reason.message)
-                        .await;
+                    inner.refuse(&identity, Some(room_id), reason.code, reason.message);
                 }
             });
         }
@@ -582,7 +575,7 @@ impl Inner {
             message: reason.message,
         });
         for peer in tell {
-            self.reply(&peer.identity, msg.clone()).await;
+            self.reply(&peer.identity, msg.clone());
         }
     }
 
@@ -619,8 +612,7 @@ impl Inner {
             out
         };
         for (room, peer, reason) in late {
-            self.refuse(&peer.identity, Some(room), reason.code, reason.message)
-                .await;
+            self.refuse(&peer.identity, Some(room), reason.code, reason.message);
         }
     }
 
@@ -696,7 +688,7 @@ async fn housekeeping(inner: Arc<Inner>) {
             });
             let peers: Vec<Arc<Peer>> = inner.peers().values().cloned().collect();
             for peer in peers {
-                inner.reply(&peer.identity, beat.clone()).await;
+                inner.reply(&peer.identity, beat.clone());
             }
         }
         inner.fail_unready().await;

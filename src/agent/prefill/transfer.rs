@@ -18,8 +18,9 @@ use std::sync::atomic::Ordering;
 use super::*;
 use crate::agent::DirectMethod;
 use crate::kernel::cpu::PoolSide;
+use crate::memory::{Span, WriteRun};
 use crate::protocol::Placed;
-use crate::transport::{FRAME_ROOM, Span, WriteRun};
+use crate::transport::FRAME_ROOM;
 
 mod send;
 use send::{Payload, Taken};
@@ -254,7 +255,7 @@ impl Inner {
             self.settle(room);
             reply
         };
-        self.reply(&job.peer.identity, reply).await;
+        self.reply(&job.peer.identity, reply);
     }
 
     /// Takes a credit (a free slot at the decode); fails if the peer is dead.

@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 
 use super::UcxError;
 use super::region::RegisterableMemory;
-pub use crate::transport::{Span, WriteRun};
+pub use crate::memory::{Span, WriteRun};
 
 /// An endpoint of one [`UcxWorker`] (a connection to one remote worker).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

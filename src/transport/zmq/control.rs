@@ -43,6 +43,12 @@ const RECONNECT_IVL_MS: i32 = 10;
 /// How long a socket thread waits in `zmq::poll` before it looks whether its owner is gone.
 const POLL_MS: i64 = 100;
 
+/// How often frames waiting for a full peer queue are offered again.
+const PENDING_POLL_MS: i64 = 2;
+
+/// Frames that may wait for one peer's full queue; a peer that stopped reading holds no more.
+pub const PENDING_PER_PEER: usize = 256;
+
 /// Identity of a control peer as the ROUTER sees it (the decode's routing id).
 pub type PeerId = Bytes;
 
@@ -61,7 +67,28 @@ pub enum ControlEvent {
 struct Out {
     peer: Option<PeerId>,
     frame: Bytes,
-    done: oneshot::Sender<Result<(), String>>,
+    /// Where the result goes; `None` for a frame posted without waiting.
+    done: Option<oneshot::Sender<Result<(), String>>>,
+    /// A posted frame still waiting for its peer's queue at this time is dropped.
+    expires: Option<Instant>,
+}
+
+impl Out {
+    /// Whether nobody waits for this frame any more.
+    fn abandoned(&self, now: Instant) -> bool {
+        self.done.as_ref().is_some_and(oneshot::Sender::is_closed)
+            || self.expires.is_some_and(|at| at <= now)
+    }
+
+    fn finish(self, result: Result<(), String>) {
+        match (self.done, result) {
+            (Some(done), result) => {
+                let _ = done.send(result);
+            }
+            (None, Err(why)) => tracing::debug!(%why, "a posted control frame was not sent"),
+            (None, Ok(())) => {}
+        }
+    }
 }
 
 /// The prefill's control socket: receives from any decode.
@@ -87,14 +114,30 @@ impl Queue {
     async fn send(&self, peer: Option<PeerId>, frame: Bytes) -> Result<(), TransportError> {
         let (done, result) = oneshot::channel();
         let gone = || TransportError::new("send", &self.endpoint, "socket thread stopped");
-        self.jobs
-            .send(Out { peer, frame, done })
-            .map_err(|_| gone())?;
+        let out = Out {
+            peer,
+            frame,
+            done: Some(done),
+            expires: None,
+        };
+        self.jobs.send(out).map_err(|_| gone())?;
         self.waker.wake();
         result
             .await
             .map_err(|_| gone())?
             .map_err(|e| TransportError::new("send", &self.endpoint, e))
+    }
+
+    fn post(&self, peer: Option<PeerId>, frame: Bytes, within: Duration) {
+        let out = Out {
+            peer,
+            frame,
+            done: None,
+            expires: Some(Instant::now() + within),
+        };
+        if self.jobs.send(out).is_ok() {
+            self.waker.wake();
+        }
     }
 }
 
@@ -172,10 +215,17 @@ impl ControlServer {
 }
 
 impl ControlReplier {
-    /// Sends one frame to `peer`; fails at once if libzmq cannot queue it (no such peer, or its
-    /// queue is full).
+    /// Sends one frame to `peer`: fails at once if there is no such peer, waits while its queue
+    /// is full.
     pub async fn send(&self, peer: &PeerId, frame: Bytes) -> Result<(), TransportError> {
         self.queue.send(Some(peer.clone()), frame).await
+    }
+
+    /// Queues one frame to `peer` without waiting: it goes once the peer has room, or is
+    /// dropped if it had none `within` (the peer does not read; its heartbeat will tell).
+    /// At most [`PENDING_PER_PEER`] frames wait per peer; beyond, new ones are dropped.
+    pub fn post(&self, peer: &PeerId, frame: Bytes, within: Duration) {
+        self.queue.post(Some(peer.clone()), frame, within);
     }
 }
 
@@ -328,7 +378,8 @@ fn configure(socket: &zmq::Socket, options: &ControlOptions) -> Result<(), zmq::
 
 impl ControlClientSend {
     /// Sends one frame; fails at once if the connection is down (libzmq would otherwise queue
-    /// it for a connection that may never come back).
+    /// it for a connection that may never come back). A full queue is waited out: the frame
+    /// goes once the peer reads, or never if the caller stops waiting.
     pub async fn send(&mut self, frame: Bytes) -> Result<(), TransportError> {
         self.queue.send(None, frame).await
     }
@@ -358,6 +409,8 @@ trait Peers {
     fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>);
     /// Peers whose grace ran out by `now`, as events; and the next deadline.
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant>;
+    /// Whether the socket has no connection to send on (a send would queue for nobody).
+    fn down(&self) -> bool;
 }
 
 /// What a [`Peers`] hook asks of the socket thread.
@@ -396,6 +449,11 @@ impl Peers for RouterPeers {
                 }
             }
         }
+    }
+
+    fn down(&self) -> bool {
+        // The ROUTER reports an unknown peer itself (EHOSTUNREACH).
+        false
     }
 
     fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>) {
@@ -493,6 +551,10 @@ impl Peers for DealerPeer {
 
     fn on_frame(&mut self, _: &PeerId, _: Option<i32>) {}
 
+    fn down(&self) -> bool {
+        self.fd.is_none()
+    }
+
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant> {
         let at = self.dropped?;
         if self.lost {
@@ -524,6 +586,9 @@ struct Looped {
     events: mpsc::Sender<ControlEvent>,
     /// Events the channel had no room for yet; while any wait, the socket is not read.
     backlog: VecDeque<ControlEvent>,
+    /// Frames a full peer queue refused for now, in the order they were given; each goes once
+    /// its peer reads, or is dropped when its sender stopped waiting for it.
+    pending: VecDeque<Out>,
 }
 
 impl Looped {
@@ -541,6 +606,7 @@ impl Looped {
             jobs,
             events,
             backlog: VecDeque::new(),
+            pending: VecDeque::new(),
         }
     }
 
@@ -559,13 +625,19 @@ impl Looped {
             if !self.backlog.is_empty() {
                 ms = 1;
             }
+            let mut wanted = zmq::PollEvents::empty();
             let read = self.backlog.is_empty();
+            if read {
+                wanted |= zmq::POLLIN;
+            }
+            if !self.pending.is_empty() {
+                // A ROUTER reports POLLOUT when any peer has room, not the one waited for:
+                // look again soon either way.
+                wanted |= zmq::POLLOUT;
+                ms = ms.min(PENDING_POLL_MS);
+            }
             let mut items = [
-                self.socket.as_poll_item(if read {
-                    zmq::POLLIN
-                } else {
-                    zmq::PollEvents::empty()
-                }),
+                self.socket.as_poll_item(wanted),
                 self.monitor.poll_item(),
                 self.wake.poll_item(),
             ];
@@ -574,13 +646,13 @@ impl Looped {
             }
             self.wake.drain();
             let mut effects = Effects::default();
-            self.send_queued(&[]);
             self.monitor_events(peers, &mut effects);
+            self.send_queued(&[], peers.down());
             if read {
                 self.receive(peers, &mut effects);
             }
             next_deadline = peers.expire(Instant::now(), &mut effects);
-            self.apply(effects);
+            self.apply(effects, peers.down());
         }
     }
 
@@ -626,13 +698,32 @@ impl Looped {
         }
     }
 
-    /// Hands queued frames to libzmq without waiting: a peer that does not read is not
-    /// waited for.
-    fn send_queued(&mut self, extra: &[Bytes]) {
+    /// Hands queued frames to libzmq without blocking the thread. A frame whose peer's queue
+    /// is full waits in `pending` (behind it, that peer's later frames: order is kept per
+    /// peer); a frame for a connection that is down fails at once.
+    fn send_queued(&mut self, extra: &[Bytes], down: bool) {
         for frame in extra {
             let _ = self.socket.send(&frame[..], zmq::DONTWAIT);
         }
-        while let Ok(out) = self.jobs.try_recv() {
+        self.pending.extend(self.jobs.try_iter());
+        let now = Instant::now();
+        let mut blocked: Vec<Option<PeerId>> = Vec::new();
+        let mut waiting: HashMap<Option<PeerId>, usize> = HashMap::new();
+        for out in std::mem::take(&mut self.pending) {
+            if out.abandoned(now) {
+                out.finish(Err("the peer's queue stayed full".to_owned()));
+                continue;
+            }
+            if blocked.contains(&out.peer) {
+                let n = waiting.entry(out.peer.clone()).or_default();
+                if *n >= PENDING_PER_PEER {
+                    out.finish(Err("too many frames wait for this peer".to_owned()));
+                } else {
+                    *n += 1;
+                    self.pending.push_back(out);
+                }
+                continue;
+            }
             let sent = match &out.peer {
                 Some(peer) => self
                     .socket
@@ -640,16 +731,24 @@ impl Looped {
                     .and_then(|()| self.socket.send(&out.frame[..], zmq::DONTWAIT)),
                 None => self.socket.send(&out.frame[..], zmq::DONTWAIT),
             };
-            let _ = out.done.send(sent.map_err(|e| match e {
-                zmq::Error::EAGAIN => "the connection is down or its queue is full".to_owned(),
-                zmq::Error::EHOSTUNREACH => "no such peer".to_owned(),
-                e => format!("libzmq: {e}"),
-            }));
+            let result = match sent {
+                Ok(()) => Ok(()),
+                Err(zmq::Error::EAGAIN) if !down => {
+                    blocked.push(out.peer.clone());
+                    *waiting.entry(out.peer.clone()).or_default() += 1;
+                    self.pending.push_back(out);
+                    continue;
+                }
+                Err(zmq::Error::EAGAIN) => Err("the connection is down".to_owned()),
+                Err(zmq::Error::EHOSTUNREACH) => Err("no such peer".to_owned()),
+                Err(e) => Err(format!("libzmq: {e}")),
+            };
+            out.finish(result);
         }
     }
 
-    fn apply(&mut self, effects: Effects) {
-        self.send_queued(&effects.send);
+    fn apply(&mut self, effects: Effects, down: bool) {
+        self.send_queued(&effects.send, down);
         self.backlog.extend(effects.deliver);
         while let Some(event) = self.backlog.pop_front() {
             match self.events.try_send(event) {

@@ -225,3 +225,78 @@ async fn one_address_holds_at_most_max_per_peer_connections() {
     .expect("raw peers");
     assert_eq!(held, (true, true));
 }
+
+/// Frames sent while the peer does not read fill libzmq's queues; the sends wait (they are not
+/// failed as a dead connection) and every frame arrives, in order, once the peer reads. Frames
+/// posted without waiting to a peer that does not read are bounded per peer.
+#[tokio::test]
+async fn a_peer_that_reads_late_gets_every_frame_in_order_and_posts_are_bounded() {
+    const FRAME: usize = 256 << 10;
+    const FRAMES: usize = 120;
+    let opts = ControlOptions {
+        max_frame: FRAME,
+        auth: Auth::new(None),
+    };
+    let (endpoint, mut server, replier) = ControlServer::bind("127.0.0.1", 0, &opts)
+        .await
+        .expect("bind");
+    let ControlClient { mut send, mut recv } =
+        ControlClient::connect(&endpoint, WAIT, &opts, Bytes::new())
+            .await
+            .expect("connect");
+    // The decode's direction: the server's owner does not read until every send was issued.
+    let sender = tokio::spawn(async move {
+        for i in 0..FRAMES {
+            let frame = Bytes::from(vec![u8::try_from(i % 251).unwrap_or(0); FRAME]);
+            send.send(frame)
+                .await
+                .map_err(|e| format!("frame {i}: {e}"))?;
+        }
+        Ok::<_, String>(send)
+    });
+    // Long enough for libzmq's queues and the socket buffers to fill behind an idle reader.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut peer = None;
+    for i in 0..FRAMES {
+        let (p, frame) = next_frame(&mut server).await;
+        assert_eq!(frame.len(), FRAME);
+        assert!(
+            frame.iter().all(|&b| usize::from(b) == i % 251),
+            "frame {i} out of order"
+        );
+        peer = Some(p);
+    }
+    tokio::time::timeout(WAIT, sender)
+        .await
+        .expect("every send resolved")
+        .expect("sender task")
+        .expect("no send failed");
+    // The prefill's direction: posts to a decode that never reads stop at the bound.
+    let peer = peer.expect("a peer");
+    for i in 0..(control::PENDING_PER_PEER * 4) {
+        let frame = Bytes::from(vec![u8::try_from(i % 251).unwrap_or(0); FRAME]);
+        replier.post(&peer, frame, WAIT);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut got = 0;
+    while let Ok(Ok(frame)) = tokio::time::timeout(Duration::from_secs(2), recv.recv()).await {
+        assert_eq!(frame.len(), FRAME);
+        assert!(
+            frame.iter().all(|&b| usize::from(b) == got % 251),
+            "post {got} out of order"
+        );
+        got += 1;
+    }
+    println!(
+        "{got} of {} posted frames arrived",
+        control::PENDING_PER_PEER * 4
+    );
+    assert!(
+        got > control::PENDING_PER_PEER,
+        "a full queue waited out: {got}"
+    );
+    assert!(
+        got < control::PENDING_PER_PEER * 4,
+        "posts are bounded per peer: {got}"
+    );
+}
