@@ -21,7 +21,7 @@ use std::time::Duration;
 use kvferry_bootstrap as registry;
 use uuid::Uuid;
 
-use crate::layout::{AttentionKind, Dtype, KvLayout};
+use crate::layout::{AttentionKind, Dtype, KvLayout, PageOrder};
 use crate::protocol::{Ranks, WireLayout};
 use crate::reason::{FailureCode, Reason};
 use crate::transport::TransportKind;
@@ -286,8 +286,14 @@ pub(crate) fn layout_of(w: &WireLayout) -> Result<KvLayout, crate::layout::Layou
         dtype: w.dtype,
     };
     let range = |r: &Range<u32>| r.start as usize..r.end as usize;
+    // The wire names no placement: a pool announced to peers has its planes apart, except
+    // vLLM CPU pages, which hold a head's K and V side by side.
+    let placement = match w.order {
+        PageOrder::VllmCpuVec => crate::layout::KvPlacement::Interleaved,
+        _ => crate::layout::KvPlacement::Planes,
+    };
     KvLayout::new(model, w.page_size as usize)?
-        .with_order(w.order, crate::layout::KvPlacement::Planes)?
+        .with_order(w.order, placement)?
         .with_slice(range(&w.heads), range(&w.layers))
 }
 
@@ -381,6 +387,23 @@ pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result
             ));
         }
     }
+    let (a, b) = (ours.order, theirs.order);
+    let head_granular = [a, b]
+        .iter()
+        .any(|o| o.granularity() == crate::layout::Granularity::Head);
+    if head_granular && a != b {
+        return Err(Reason::new(
+            FailureCode::IncompatibleLayout,
+            format!(
+                "page orders differ: ours {a}, peer's {b}; {} pages move only as whole head slices, to a pool of the same order",
+                if a.granularity() == crate::layout::Granularity::Head {
+                    a
+                } else {
+                    b
+                }
+            ),
+        ));
+    }
     Ok(())
 }
 
@@ -454,12 +477,18 @@ pub(crate) fn plan_chunks(
     bytes_per_token_layer: usize,
     page_size: usize,
     chunk_bytes: usize,
+    whole_pages: bool,
 ) -> Vec<ChunkPlan> {
     let mut out = Vec::new();
     if tokens.is_empty() || layers.is_empty() {
         return out;
     }
-    let layer_bytes = tokens.len() * bytes_per_token_layer;
+    // Pages that move only whole stage every token slot of the pages the tokens touch.
+    let staged = match whole_pages {
+        true => tokens.end.div_ceil(page_size) * page_size - tokens.start / page_size * page_size,
+        false => tokens.len(),
+    };
+    let layer_bytes = staged * bytes_per_token_layer;
     if layer_bytes <= chunk_bytes {
         let per = (chunk_bytes / layer_bytes.max(1)).max(1);
         let mut l = layers.start;
@@ -551,7 +580,7 @@ mod tests {
             (0..1000, 0..4, 1024, 64, 1 << 10),
             (7..9, 0..2, 100, 4, 1),
         ] {
-            let chunks = plan_chunks(tokens.clone(), layers.clone(), per, page, budget);
+            let chunks = plan_chunks(tokens.clone(), layers.clone(), per, page, budget, false);
             let mut covered = vec![0u32; layers.end * tokens.end];
             for c in &chunks {
                 let bytes = c.tokens.len() * c.layers.len() * per;
@@ -569,7 +598,7 @@ mod tests {
                 }
             }
         }
-        assert!(plan_chunks(0..0, 0..4, 8, 16, 1024).is_empty());
+        assert!(plan_chunks(0..0, 0..4, 8, 16, 1024, false).is_empty());
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::agent::api::print_listening;
 use crate::agent::decode::DecodeAgent;
 use crate::agent::prefill::PrefillAgent;
 use crate::agent::{AgentConfig, DirectWrites, Timeouts};
-use crate::layout::{AttentionKind, Dtype, KvLayout, KvPlacement, ModelSpec, PageOrder};
+use crate::layout::{AttentionKind, Dtype, KvFormat, KvLayout, KvPlacement, ModelSpec, PageOrder};
 use crate::protocol::Ranks;
 use crate::transport::TransportKind;
 
@@ -61,7 +61,13 @@ pub struct AgentArgs {
     /// Override the preset's attention kind: mha, mla.
     #[arg(long, env = "KVFERRY_ATTENTION")]
     pub attention: Option<AttentionKind>,
-    /// Order inside a page: token_major (SGLang, vLLM NHD) or head_major (vLLM HND).
+    /// How the engine lays its KV out in the pool's memory: kvferry, kvferry-head-major,
+    /// vllm-cpu, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla
+    /// (docs/architecture.md). A pool file (--pool shm:) holds the format's regions back to back.
+    #[arg(long, env = "KVFERRY_KV_FORMAT", default_value = "kvferry")]
+    pub kv_format: String,
+    /// Order inside a page of the kvferry format: token_major (SGLang, vLLM NHD) or head_major
+    /// (vLLM HND).
     #[arg(long, env = "KVFERRY_PAGE_ORDER", default_value = "token_major")]
     pub page_order: PageOrder,
     /// Tokens per page.
@@ -211,14 +217,23 @@ impl AgentArgs {
             head_dim: self.head_dim.unwrap_or(preset.head_dim),
             dtype: self.dtype.unwrap_or(preset.dtype),
         };
-        let layout = KvLayout::new(model, self.page_size)?
-            .with_order(self.page_order, KvPlacement::Planes)?
-            .for_rank(
-                self.tp_rank as usize,
-                self.tp_size as usize,
-                self.pp_rank as usize,
-                self.pp_size as usize,
-            )?;
+        let format = KvFormat::named(&self.kv_format)?;
+        let mut layout = KvLayout::new(model, self.page_size)?.with_format(&format)?;
+        if self.page_order != PageOrder::TokenMajor {
+            if format.name != "kvferry" {
+                anyhow::bail!(
+                    "--page-order applies to the kvferry format; --kv-format {} fixes its own",
+                    format.name
+                );
+            }
+            layout = layout.with_order(self.page_order, KvPlacement::Planes)?;
+        }
+        let layout = layout.for_rank(
+            self.tp_rank as usize,
+            self.tp_size as usize,
+            self.pp_rank as usize,
+            self.pp_size as usize,
+        )?;
         if self.pool_pages == 0 {
             anyhow::bail!("--pool-pages must be > 0");
         }

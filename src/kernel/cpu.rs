@@ -11,7 +11,7 @@
 //! async callers run it on a blocking thread, never on the reactor (design.md part 10).
 #![allow(unsafe_code)]
 
-use crate::layout::{KvLayout, LayoutError, PageOrder, element_offset};
+use crate::layout::{Granularity, KvLayout, LayoutError, PageOrder, element_offset};
 use crate::pool::HostPool;
 
 use super::{KernelError, Selection};
@@ -59,7 +59,7 @@ impl CpuKernel {
         staging: &mut [u8],
     ) -> Result<(), KernelError> {
         sel.validate(pool, staging.len(), false)?;
-        let runs = plan(pool.layout(), pool.num_pages(), sel, wire)?;
+        let runs = plan(Geometry::of(pool), sel, wire)?;
         let src = Ptr(pool.base_ptr());
         let dst = Ptr(staging.as_mut_ptr());
         let stream = streams(staging.len());
@@ -80,7 +80,7 @@ impl CpuKernel {
         sel: &Selection<'_>,
     ) -> Result<(), KernelError> {
         sel.validate(pool, staging.len(), true)?;
-        let runs = plan(pool.layout(), pool.num_pages(), sel, wire)?;
+        let runs = plan(Geometry::of(pool), sel, wire)?;
         let src = Ptr(staging.as_ptr().cast_mut());
         let dst = Ptr(pool.base_ptr());
         let stream = streams(pool.size());
@@ -102,7 +102,7 @@ impl CpuKernel {
     ) -> Result<u64, KernelError> {
         let bytes = sel.bytes(pool)?;
         sel.validate(pool, bytes, false)?;
-        let mut runs = plan(pool.layout(), pool.num_pages(), sel, wire)?;
+        let mut runs = plan(Geometry::of(pool), sel, wire)?;
         runs.sort_unstable_by_key(|r| r.staging); // hash in wire order (see `pool_to_pool`)
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         let mut bounce = vec![0u8; CHECKSUM_BOUNCE.min(bytes.max(1))];
@@ -267,13 +267,54 @@ fn push(runs: &mut Vec<Run>, run: Run) {
     runs.push(run);
 }
 
+/// Where a pool's planes are: its layout, its pages, and where each of its regions starts
+/// relative to the pool's base (empty: regions back to back, as in a pool of one mapping).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Geometry<'a> {
+    pub(crate) layout: &'a KvLayout,
+    pub(crate) num_pages: usize,
+    pub(crate) starts: &'a [usize],
+}
+
+impl<'a> Geometry<'a> {
+    /// A pool whose regions lie back to back (one mapping; every pool exposed to peers).
+    fn back_to_back(layout: &'a KvLayout, num_pages: usize) -> Self {
+        Geometry {
+            layout,
+            num_pages,
+            starts: &[],
+        }
+    }
+
+    fn of(pool: &'a HostPool) -> Self {
+        Geometry {
+            layout: pool.layout(),
+            num_pages: pool.num_pages(),
+            starts: pool.region_starts(),
+        }
+    }
+
+    /// Offset of page 0 of a plane from the pool's base.
+    fn plane_base(&self, layer: usize, plane: usize) -> Result<usize, LayoutError> {
+        if self.starts.is_empty() {
+            return self.layout.plane_offset(layer, plane, self.num_pages);
+        }
+        let (region, offset) = self.layout.plane_location(layer, plane, self.num_pages)?;
+        self.starts
+            .get(region)
+            .and_then(|s| s.checked_add(offset))
+            .ok_or(LayoutError::Overflow {
+                what: "region offset",
+            })
+    }
+}
+
 /// Plans a validated selection of a pool as coalesced runs in staging order.
-fn plan(
-    layout: &KvLayout,
-    num_pages: usize,
-    sel: &Selection<'_>,
-    wire: PageOrder,
-) -> Result<Vec<Run>, LayoutError> {
+fn plan(pool: Geometry<'_>, sel: &Selection<'_>, wire: PageOrder) -> Result<Vec<Run>, LayoutError> {
+    let layout = pool.layout;
+    if layout.order.granularity() == Granularity::Head || wire.granularity() == Granularity::Head {
+        return plan_head_slices(pool, sel, wire);
+    }
     let page_size = layout.page_size;
     let held = layout.num_heads();
     let hb = layout.head_bytes();
@@ -285,7 +326,7 @@ fn plan(
     let mut staging = 0;
     for layer in sel.layers.clone() {
         for plane in 0..layout.planes() {
-            let plane_base = layout.plane_offset(layer, plane, num_pages)?;
+            let plane_base = pool.plane_base(layer, plane)?;
             let mut t = sel.tokens.start;
             while t < sel.tokens.end {
                 let in_page = t % page_size;
@@ -326,8 +367,66 @@ fn plan(
     Ok(runs)
 }
 
+/// [`plan`] for a head-granular order: every page the tokens touch moves whole, as one run per
+/// selected head, in staging `[layer][plane][page][head][head slice as stored]`.
+fn plan_head_slices(
+    pool: Geometry<'_>,
+    sel: &Selection<'_>,
+    wire: PageOrder,
+) -> Result<Vec<Run>, LayoutError> {
+    let layout = pool.layout;
+    let page_size = layout.page_size;
+    if layout.order != wire {
+        return Err(LayoutError::Invalid {
+            field: "wire order",
+            reason: format!(
+                "{} pages move only as themselves, not in {} order",
+                layout.order.name(),
+                wire.name()
+            ),
+        });
+    }
+    if sel.tokens.start % page_size != 0 {
+        return Err(LayoutError::Invalid {
+            field: "tokens",
+            reason: format!(
+                "{} pages move whole: a piece must start on a page boundary ({} is not a multiple of {page_size})",
+                layout.order.name(),
+                sel.tokens.start
+            ),
+        });
+    }
+    let (held, hb) = (layout.num_heads(), layout.head_bytes());
+    let slice = page_size * hb;
+    let stride = layout.page_stride().unwrap_or(0);
+    let pages = sel.tokens.start / page_size..layout.pages_for(sel.tokens.end);
+    let mut runs = Vec::new();
+    let mut staging = 0;
+    for layer in sel.layers.clone() {
+        for plane in 0..layout.planes() {
+            let plane_base = pool.plane_base(layer, plane)?;
+            for p in pages.clone() {
+                let block = plane_base + sel.pages[p] as usize * stride;
+                for h in sel.heads.clone() {
+                    let at = element_offset(layout.order, 0, h, page_size, held, hb);
+                    push(
+                        &mut runs,
+                        Run {
+                            pool: block + at,
+                            staging,
+                            len: slice,
+                        },
+                    );
+                    staging += slice;
+                }
+            }
+        }
+    }
+    Ok(runs)
+}
+
 /// One side of a copy from pool to pool: a pool's layout and page count (it may be in another
-/// process) and the selection in it.
+/// process; its regions lie back to back) and the selection in it.
 #[derive(Clone, Copy, Debug)]
 pub struct PoolSide<'a> {
     /// The pool's layout.
@@ -336,6 +435,12 @@ pub struct PoolSide<'a> {
     pub num_pages: usize,
     /// What moves.
     pub sel: &'a Selection<'a>,
+}
+
+impl<'a> PoolSide<'a> {
+    fn geometry(&self) -> Geometry<'a> {
+        Geometry::back_to_back(self.layout, self.num_pages)
+    }
 }
 
 /// The contiguous copies that move a selection from one pool into another (the direct path's
@@ -359,8 +464,8 @@ pub fn pool_to_pool(
         runs.sort_unstable_by_key(|r| r.staging);
         runs
     };
-    let from = by_staging(plan(src.layout, src.num_pages, src.sel, wire)?);
-    let to = by_staging(plan(dst.layout, dst.num_pages, dst.sel, wire)?);
+    let from = by_staging(plan(src.geometry(), src.sel, wire)?);
+    let to = by_staging(plan(dst.geometry(), dst.sel, wire)?);
     let mut out: Vec<WriteRun> = Vec::new();
     let (mut i, mut j) = (from.iter().copied(), to.iter().copied());
     let (mut a, mut b) = (i.next(), j.next());
@@ -404,7 +509,7 @@ pub fn source_spans(
 ) -> Result<Vec<Span>, KernelError> {
     let bytes = sel.bytes_in(layout)?;
     sel.validate_in(layout, num_pages, bytes, false)?;
-    let mut runs = plan(layout, num_pages, sel, wire)?;
+    let mut runs = plan(Geometry::back_to_back(layout, num_pages), sel, wire)?;
     runs.sort_unstable_by_key(|r| r.staging);
     let mut out: Vec<Span> = Vec::new();
     for r in runs {
@@ -436,7 +541,7 @@ pub fn placements(
         .and_then(|t| usize::try_from(t).ok())
         .unwrap_or(usize::MAX);
     sel.validate_in(layout, num_pages, total, true)?;
-    let mut runs = plan(layout, num_pages, sel, wire)?;
+    let mut runs = plan(Geometry::back_to_back(layout, num_pages), sel, wire)?;
     runs.sort_unstable_by_key(|r| r.staging);
     let mut runs = runs.into_iter();
     let mut current = runs.next();

@@ -145,7 +145,11 @@ impl<'a> Selection<'a> {
 
     /// Bytes this selection occupies in staging, for a pool of `layout` in any memory.
     pub fn bytes_in(&self, layout: &KvLayout) -> Result<usize, KernelError> {
-        Ok(layout.selection_bytes(self.tokens.len(), self.layers.len(), self.heads.len())?)
+        Ok(layout.selection_bytes(
+            layout.staged_tokens(&self.tokens),
+            self.layers.len(),
+            self.heads.len(),
+        )?)
     }
 
     /// Checks the selection against `pool` and a staging buffer of `staging_len` bytes.

@@ -68,6 +68,9 @@ pub enum PoolError {
         /// Why (no GPU, no driver, ...).
         reason: String,
     },
+    /// Engine regions that do not fit the layout.
+    #[error("engine memory: {0}")]
+    Regions(String),
     /// A byte range outside the pool.
     #[error("byte range {offset}+{len} is outside the pool's {size} bytes")]
     OutOfBounds {
@@ -97,6 +100,8 @@ pub enum PoolDescriptor {
     Anonymous,
     /// A shared-memory file.
     Shm(PathBuf),
+    /// Memory of the engine in this process, registered through the library (never by name).
+    Engine,
     /// Device memory of another process, by CUDA IPC handle:
     /// `cuda-ipc:<device ordinal>:<128 hex digits of the 64-byte cudaIpcMemHandle_t>`.
     CudaIpc {
@@ -111,6 +116,7 @@ impl fmt::Display for PoolDescriptor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             PoolDescriptor::Anonymous => f.write_str("anon"),
+            PoolDescriptor::Engine => f.write_str("engine"),
             PoolDescriptor::Shm(path) => write!(f, "shm:{}", path.display()),
             PoolDescriptor::CudaIpc { device, handle } => {
                 write!(f, "cuda-ipc:{device}:")?;
@@ -151,6 +157,27 @@ impl FromStr for PoolDescriptor {
     }
 }
 
+/// One region of engine memory: an allocation the engine made and keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineRegion {
+    /// Address of its first byte in this process.
+    pub addr: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// The memory under a pool: a mapping the pool owns, or the engine's regions, borrowed.
+#[derive(Debug)]
+enum Memory {
+    Mapped(MmapRaw),
+    /// From the lowest region's first byte to the highest region's last; only the regions
+    /// themselves are ever touched. Never freed or unmapped by kvferry.
+    Engine {
+        base: *mut u8,
+        span: usize,
+    },
+}
+
 /// A KV pool in host memory.
 #[derive(Debug)]
 pub struct HostPool {
@@ -159,8 +186,19 @@ pub struct HostPool {
     descriptor: PoolDescriptor,
     /// Unlink the shared-memory file on drop (this process created it).
     unlink_on_drop: bool,
-    mem: MmapRaw,
+    mem: Memory,
+    /// Offset of each region from the base, when they are not back to back (engine memory).
+    starts: Vec<usize>,
+    /// The byte ranges of the pool that are memory (offset, len), sorted.
+    ranges: Vec<(usize, usize)>,
 }
+
+// SAFETY: the pool's memory is raw memory reached only through raw copies (never references),
+// valid for the pool's life (its own mapping, or engine memory the constructor's caller
+// vouched for); sharing the address across threads is what the kernels do by design.
+unsafe impl Send for HostPool {}
+// SAFETY: as above.
+unsafe impl Sync for HostPool {}
 
 impl HostPool {
     /// A pool in anonymous page-aligned memory of this process, zero-filled and faulted in
@@ -181,13 +219,12 @@ impl HostPool {
         // Fault every page in now, so no transfer pays for first touches.
         // SAFETY: writes exactly the fresh mapping's bytes; nothing else references it yet.
         unsafe { std::ptr::write_bytes(mem.as_mut_ptr(), 0, size) };
-        Ok(HostPool {
+        Ok(HostPool::mapped(
             layout,
             num_pages,
-            descriptor: PoolDescriptor::Anonymous,
-            unlink_on_drop: false,
+            PoolDescriptor::Anonymous,
             mem,
-        })
+        ))
     }
 
     /// Creates a pool in a new shared-memory file at `path`, reserving all of its bytes now.
@@ -255,6 +292,10 @@ impl HostPool {
         match descriptor {
             PoolDescriptor::Anonymous => Self::anonymous(layout, num_pages),
             PoolDescriptor::Shm(path) => Self::open_shm(path, layout, num_pages),
+            PoolDescriptor::Engine => Err(PoolError::Regions(
+                "engine memory is registered in process (HostPool::engine), not opened by name"
+                    .to_owned(),
+            )),
             PoolDescriptor::CudaIpc { .. } => Err(PoolError::DeviceMemory {
                 descriptor: descriptor.to_string(),
                 reason: "it names device memory; a host pool cannot map it (device pools need \
@@ -277,12 +318,96 @@ impl HostPool {
             .populate()
             .map_raw(file)
             .map_err(|source| io_err("map", &path.display().to_string(), source))?;
+        Ok(HostPool::mapped(
+            layout,
+            num_pages,
+            PoolDescriptor::Shm(path.to_owned()),
+            mem,
+        ))
+    }
+
+    fn mapped(
+        layout: KvLayout,
+        num_pages: usize,
+        descriptor: PoolDescriptor,
+        mem: MmapRaw,
+    ) -> Self {
+        let size = mem.len();
+        HostPool {
+            layout,
+            num_pages,
+            descriptor,
+            unlink_on_drop: false,
+            mem: Memory::Mapped(mem),
+            starts: Vec::new(),
+            ranges: vec![(0, size)],
+        }
+    }
+
+    /// A pool over memory the engine allocated: one region per [`KvLayout::num_regions`], in
+    /// the layout's region order (layer by layer, K before V), each at least
+    /// [`KvLayout::region_bytes`] long. The pool reads and writes the regions in place and never
+    /// frees or unmaps them.
+    ///
+    /// # Safety
+    /// Every region must be mapped, readable and writable, and stay so (at the same address)
+    /// for as long as the pool lives; the engine keeps the allocations alive and does not hand
+    /// them to anything that frees them meanwhile. The engine may write the pages kvferry is not
+    /// transferring at any time (the pool never forms references into them).
+    pub unsafe fn engine(
+        layout: KvLayout,
+        num_pages: usize,
+        regions: &[EngineRegion],
+    ) -> Result<Self, PoolError> {
+        checked_size(&layout, num_pages)?;
+        let need = layout.region_bytes(num_pages)?;
+        if regions.len() != layout.num_regions() {
+            return Err(PoolError::Regions(format!(
+                "the layout spans {} regions, {} were given",
+                layout.num_regions(),
+                regions.len()
+            )));
+        }
+        let mut sorted: Vec<(usize, usize)> = Vec::with_capacity(regions.len());
+        for (i, r) in regions.iter().enumerate() {
+            if r.addr == 0 || r.len < need || r.addr.checked_add(r.len).is_none() {
+                return Err(PoolError::Regions(format!(
+                    "region {i} at {:#x} holds {} bytes; {need} needed for {num_pages} pages",
+                    r.addr, r.len
+                )));
+            }
+            sorted.push((r.addr, need));
+        }
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err(PoolError::Regions(format!(
+                "regions at {:#x} and {:#x} overlap",
+                w[0].0, w[1].0
+            )));
+        }
+        let low = sorted.first().map_or(0, |r| r.0);
+        let high = sorted.last().map_or(0, |r| r.0 + r.1);
+        let starts: Vec<usize> = regions.iter().map(|r| r.addr - low).collect();
+        let mut ranges: Vec<(usize, usize)> = sorted.iter().map(|&(a, l)| (a - low, l)).collect();
+        // Adjacent regions make one range (a run may then span them: they are one memory).
+        ranges.dedup_by(|next, prev| {
+            let joined = prev.0 + prev.1 == next.0;
+            if joined {
+                prev.1 += next.1;
+            }
+            joined
+        });
         Ok(HostPool {
             layout,
             num_pages,
-            descriptor: PoolDescriptor::Shm(path.to_owned()),
+            descriptor: PoolDescriptor::Engine,
             unlink_on_drop: false,
-            mem,
+            mem: Memory::Engine {
+                base: low as *mut u8,
+                span: high - low,
+            },
+            starts,
+            ranges,
         })
     }
 
@@ -296,9 +421,25 @@ impl HostPool {
         self.num_pages
     }
 
-    /// Bytes of this pool.
+    /// Bytes from the pool's first byte to its last (for engine memory, holes included).
     pub fn size(&self) -> usize {
-        self.mem.len()
+        match &self.mem {
+            Memory::Mapped(m) => m.len(),
+            Memory::Engine { span, .. } => *span,
+        }
+    }
+
+    /// Offset of each region from the pool's base; empty when the regions lie back to back
+    /// (a pool of one mapping), as [`KvLayout::plane_offset`] computes them.
+    pub fn region_starts(&self) -> &[usize] {
+        &self.starts
+    }
+
+    /// Whether the pool is one contiguous range of memory (its own mapping, or engine regions
+    /// that happen to be adjacent): only such a pool is registered with a transport for
+    /// one-sided or placed writes.
+    pub fn contiguous(&self) -> bool {
+        self.ranges.len() == 1
     }
 
     /// What another process needs to map this pool.
@@ -308,7 +449,10 @@ impl HostPool {
 
     /// Base address of the mapping. Writes through it must stay inside [`Self::size`] bytes.
     pub(crate) fn base_ptr(&self) -> *mut u8 {
-        self.mem.as_mut_ptr()
+        match &self.mem {
+            Memory::Mapped(m) => m.as_mut_ptr(),
+            Memory::Engine { base, .. } => *base,
+        }
     }
 
     /// Offset of one block (local layer, plane, page) in the pool.
@@ -322,13 +466,26 @@ impl HostPool {
         if layer >= l.num_layers() || plane >= l.planes() || page >= self.num_pages {
             return Err(PoolError::BadBlock { layer, plane, page });
         }
-        Ok(l.plane_offset(layer, plane, self.num_pages)? + page * l.page_stride()?)
+        let base = match self.starts.as_slice() {
+            [] => l.plane_offset(layer, plane, self.num_pages)?,
+            starts => {
+                let (region, offset) = l.plane_location(layer, plane, self.num_pages)?;
+                starts[region] + offset
+            }
+        };
+        Ok(base + page * l.page_stride()?)
     }
 
+    /// Refuses a range that is not inside one range of the pool's memory.
     fn check(&self, offset: usize, len: usize) -> Result<(), PoolError> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.size() => Ok(()),
-            _ => Err(PoolError::OutOfBounds {
+        let end = offset.checked_add(len);
+        let inside = self
+            .ranges
+            .iter()
+            .any(|&(start, n)| offset >= start && end.is_some_and(|e| e <= start + n));
+        match inside {
+            true => Ok(()),
+            false => Err(PoolError::OutOfBounds {
                 offset,
                 len,
                 size: self.size(),
@@ -359,10 +516,12 @@ impl HostPool {
         Ok(())
     }
 
-    /// Sets every byte of the pool to `byte` (tests poison destinations with 0xDE).
+    /// Sets every byte of the pool's memory to `byte` (tests poison destinations with 0xDE).
     pub fn fill(&self, byte: u8) {
-        // SAFETY: writes exactly the mapping's bytes.
-        unsafe { std::ptr::write_bytes(self.base_ptr(), byte, self.size()) };
+        for &(start, len) in &self.ranges {
+            // SAFETY: writes exactly one of the pool's ranges of memory.
+            unsafe { std::ptr::write_bytes(self.base_ptr().add(start), byte, len) };
+        }
     }
 }
 

@@ -91,8 +91,11 @@ impl DecodeAgent {
         let data_endpoint = transport::advertised(&bound, &cfg.advertise_host);
         // Writes into the pool are described by the wire layout, which has no placement: only
         // a pool of planes (every agent's from the command line) is exposed.
+        // Engine regions apart from each other, or pages that move only whole, stay staged.
         let exposable = cfg.direct_writes != super::DirectWrites::Never
-            && cfg.layout.placement == crate::layout::KvPlacement::Planes;
+            && cfg.layout.placement == crate::layout::KvPlacement::Planes
+            && cfg.layout.order.granularity() == crate::layout::Granularity::Token
+            && pool.contiguous();
         let pool_key = match exposable {
             true => receiver.expose(pool.clone()).await?,
             false => None,

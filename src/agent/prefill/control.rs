@@ -305,7 +305,12 @@ impl Inner {
         data: &mut Box<dyn DataSender>,
     ) -> Option<super::DirectTarget> {
         let memory = hello.pool.as_ref()?;
-        if self.cfg.direct_writes == crate::agent::DirectWrites::Never {
+        // Engine regions apart from each other, or pages that move only whole, stay staged.
+        let head_granular = self.cfg.layout.order.granularity() == crate::layout::Granularity::Head;
+        if self.cfg.direct_writes == crate::agent::DirectWrites::Never
+            || head_granular
+            || !self.pool.contiguous()
+        {
             return None;
         }
         let decode = hello.instance;

@@ -302,6 +302,7 @@ impl Inner {
                 per_token_layer,
                 l.page_size,
                 budget,
+                false,
             );
             if let Some(first) = plan.first() {
                 if let Some(runs) = self.direct_runs(job, target, first, &heads, true).await? {
@@ -312,7 +313,15 @@ impl Inner {
             }
         }
         let slot = self.cfg.chunk_bytes.min(job.peer.slot_bytes);
-        let plan = plan_chunks(tokens, layers, per_token_layer, l.page_size, slot);
+        let whole_pages = l.order.granularity() == crate::layout::Granularity::Head;
+        let plan = plan_chunks(
+            tokens,
+            layers,
+            per_token_layer,
+            l.page_size,
+            slot,
+            whole_pages,
+        );
         let gather = |c: &ChunkPlan| {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
             let (pool, kernel, pages, wire) = (

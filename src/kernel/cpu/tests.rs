@@ -20,7 +20,7 @@ fn whole_heads_and_consecutive_pages_coalesce_into_one_run_per_plane() {
         layers: 0..32,
         heads: 0..8,
     };
-    let runs = plan(&l, 64, &sel, PageOrder::TokenMajor).unwrap();
+    let runs = plan(Geometry::back_to_back(&l, 64), &sel, PageOrder::TokenMajor).unwrap();
     assert_eq!(runs.len(), 64, "one run per (layer, plane)");
     // Sent from the pool: one span per (layer, plane) too (the planes are apart).
     let spans = source_spans(&l, 64, &sel, PageOrder::TokenMajor).unwrap();
@@ -37,7 +37,12 @@ fn whole_heads_and_consecutive_pages_coalesce_into_one_run_per_plane() {
     assert!(source_spans(&l, 64, &bad, PageOrder::TokenMajor).is_err());
     assert!(runs.iter().all(|r| r.len == 10 * 32768));
     // Head-major pools coalesce the same way when whole pages are selected.
-    let runs = plan(&llama(PageOrder::HeadMajor), 64, &sel, PageOrder::HeadMajor).unwrap();
+    let runs = plan(
+        Geometry::back_to_back(&llama(PageOrder::HeadMajor), 64),
+        &sel,
+        PageOrder::HeadMajor,
+    )
+    .unwrap();
     assert_eq!(runs.len(), 64);
 }
 
@@ -249,8 +254,7 @@ fn head_slices_are_one_run_per_token_or_per_head() {
         heads: 2..6,
     };
     let tm = plan(
-        &llama(PageOrder::TokenMajor),
-        8,
+        Geometry::back_to_back(&llama(PageOrder::TokenMajor), 8),
         &sel,
         PageOrder::TokenMajor,
     )
@@ -258,7 +262,12 @@ fn head_slices_are_one_run_per_token_or_per_head() {
     assert_eq!(tm.len(), 2 * 16);
     assert!(tm.iter().all(|r| r.len == 4 * 256));
     // Head-major: a head slice of a page is contiguous, so one run per plane.
-    let hm = plan(&llama(PageOrder::HeadMajor), 8, &sel, PageOrder::HeadMajor).unwrap();
+    let hm = plan(
+        Geometry::back_to_back(&llama(PageOrder::HeadMajor), 8),
+        &sel,
+        PageOrder::HeadMajor,
+    )
+    .unwrap();
     assert_eq!(hm.len(), 2);
     assert!(hm.iter().all(|r| r.len == 4 * 16 * 256));
 }
@@ -321,11 +330,15 @@ fn head_slices_scattered_into_a_pool_that_streams_land_exactly() {
         .unwrap();
     assert_eq!(back, chunk);
     // Every other byte of the pool kept its fill.
-    let landed: usize = plan(pool.layout(), 16, &sel, PageOrder::TokenMajor)
-        .unwrap()
-        .iter()
-        .map(|r| r.len)
-        .sum();
+    let landed: usize = plan(
+        Geometry::back_to_back(pool.layout(), 16),
+        &sel,
+        PageOrder::TokenMajor,
+    )
+    .unwrap()
+    .iter()
+    .map(|r| r.len)
+    .sum();
     // SAFETY: the pool is this test's alone and no copy is running.
     let all = unsafe { std::slice::from_raw_parts(pool.base_ptr(), pool.size()) };
     let kept = all.iter().filter(|b| **b == 0xDE).count();
@@ -395,7 +408,7 @@ fn checksum_through_the_bounce_buffer_matches_the_gathered_bytes() {
             let k = CpuKernel::new(1);
             let mut staged = vec![0; sel.bytes(&pool).unwrap()];
             k.gather(&pool, &sel, order, &mut staged).unwrap();
-            let longest = plan(&l, 64, &sel, order)
+            let longest = plan(Geometry::back_to_back(&l, 64), &sel, order)
                 .unwrap()
                 .iter()
                 .map(|r| r.len)

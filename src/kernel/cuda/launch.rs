@@ -97,10 +97,17 @@ pub fn plane_table(
         .collect()
 }
 
-fn order_code(order: PageOrder) -> u32 {
+/// The kernel's code for a page order; the CUDA kernel moves token-granular orders only (the
+/// head-granular one is vLLM's CPU format, in host memory).
+fn order_code(order: PageOrder) -> Result<u32, LayoutError> {
     match order {
-        PageOrder::TokenMajor => 0,
-        PageOrder::HeadMajor => 1,
+        PageOrder::TokenMajor => Ok(0),
+        PageOrder::HeadMajor => Ok(1),
+        PageOrder::VllmCpuVec => Err(LayoutError::Invalid {
+            field: "page order",
+            reason: "vllm_cpu_vec is a host-memory format; the CUDA kernel does not move it"
+                .to_owned(),
+        }),
     }
 }
 
@@ -173,8 +180,8 @@ pub fn plan<'a>(
         page_blocks: page_blocks as u32,
         first_token: (sel.tokens.start - origin) as u32,
         end_token: end_token as u32,
-        pool_order: order_code(layout.order),
-        wire_order: order_code(wire),
+        pool_order: order_code(layout.order)?,
+        wire_order: order_code(wire)?,
     };
     Ok(Some(LaunchPlan {
         grid: (grid_x, splits as u32),

@@ -420,6 +420,7 @@ pub(super) fn order_tag(o: PageOrder) -> u8 {
     match o {
         PageOrder::TokenMajor => 1,
         PageOrder::HeadMajor => 2,
+        PageOrder::VllmCpuVec => 3,
     }
 }
 
@@ -427,6 +428,7 @@ pub(super) fn order_from_tag(tag: u8, what: &'static str) -> Result<PageOrder, D
     match tag {
         1 => Ok(PageOrder::TokenMajor),
         2 => Ok(PageOrder::HeadMajor),
+        3 => Ok(PageOrder::VllmCpuVec),
         _ => Err(DecodeError::BadTag { what, tag }),
     }
 }

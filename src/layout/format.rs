@@ -1,0 +1,294 @@
+//! Engine memory formats: how an engine lays its KV cache out, as kvferry reads and writes it in
+//! place.
+//!
+//! A format is three choices on top of a [`super::KvLayout`]'s shape:
+//! - the order of tokens and heads inside one page of one plane ([`PageOrder`]), which decides
+//!   the granularity a transfer can cut a page at ([`Granularity`]);
+//! - where the planes of a layer sit relative to each other ([`KvPlacement`]);
+//! - how layers and planes are split over memory regions ([`RegionSplit`]): one buffer, one per
+//!   layer, or one per plane. Regions are the engine's own allocations; within a region, page
+//!   `p` of a plane starts at `offset + p x page_stride`.
+//!
+//! [`FORMATS`] names the formats of the engines kvferry serves. Which pairs of formats can move
+//! KV between them, and in which wire order, is [`wire_order`]'s business (docs/architecture.md
+//! has the table).
+
+use super::{AttentionKind, KvLayout, LayoutError, invalid};
+
+/// Order of tokens and heads inside one block (one page of one plane).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PageOrder {
+    /// `[token][head][dim]`: SGLang, vLLM NHD, FlashInfer. A token's heads are contiguous.
+    TokenMajor,
+    /// `[head][token][dim]`: vLLM HND. A head's tokens are contiguous, so a head slice of a
+    /// page is one run.
+    HeadMajor,
+    /// vLLM's CPU backend with its `vec` attention path (x86 with AVX-512, no AMX): per page
+    /// `[head][K: dim x token (transposed), V: token x dim]`. K's tokens are not separable, so
+    /// a page moves as whole head slices, and only to a pool of the same order.
+    VllmCpuVec,
+}
+
+impl PageOrder {
+    /// The name used on the command line and on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            PageOrder::TokenMajor => "token_major",
+            PageOrder::HeadMajor => "head_major",
+            PageOrder::VllmCpuVec => "vllm_cpu_vec",
+        }
+    }
+
+    /// The finest unit a transfer may cut a page into.
+    pub fn granularity(self) -> Granularity {
+        match self {
+            PageOrder::TokenMajor | PageOrder::HeadMajor => Granularity::Token,
+            PageOrder::VllmCpuVec => Granularity::Head,
+        }
+    }
+}
+
+/// The finest unit of a page that a transfer may move on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Granularity {
+    /// Any token range of any head range: pieces may start and end mid-page.
+    Token,
+    /// Whole head slices of whole pages: pieces start on a page boundary, and the last page of
+    /// a room moves whole (its unused token slots included).
+    Head,
+}
+
+/// Where the planes of a layer sit relative to each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvPlacement {
+    /// Each plane holds all pages contiguously: SGLang's separate per-layer K and V buffers, or
+    /// vLLM's per-layer `[2, pages, ...]` tensor. Page stride = block bytes.
+    Planes,
+    /// K and V of one page adjacent: a per-layer `[pages, 2, ...]` tensor (FlashInfer).
+    /// Page stride = planes x block bytes.
+    Interleaved,
+}
+
+impl KvPlacement {
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvPlacement::Planes => "planes",
+            KvPlacement::Interleaved => "interleaved",
+        }
+    }
+}
+
+/// How the layers and planes of a pool are split over memory regions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RegionSplit {
+    /// One region, layer after layer (kvferry's own pools; vLLM CPU's one buffer).
+    One,
+    /// A region per layer (vLLM's per-layer tensors on CUDA).
+    PerLayer,
+    /// A region per plane of each layer (SGLang's per-layer K and V buffers).
+    PerPlane,
+}
+
+/// A named engine format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvFormat {
+    /// Its name on the command line and in the Python package.
+    pub name: &'static str,
+    /// What it is.
+    pub about: &'static str,
+    /// Order inside a page.
+    pub order: PageOrder,
+    /// Placement of a layer's planes.
+    pub placement: KvPlacement,
+    /// Regions.
+    pub regions: RegionSplit,
+    /// The attention kind it is limited to, if any.
+    pub only: Option<AttentionKind>,
+}
+
+/// The formats kvferry knows.
+pub const FORMATS: &[KvFormat] = &[
+    KvFormat {
+        name: "kvferry",
+        about: "kvferry's own pools: one buffer, [layer][plane][page][token][head][dim]",
+        order: PageOrder::TokenMajor,
+        placement: KvPlacement::Planes,
+        regions: RegionSplit::One,
+        only: None,
+    },
+    KvFormat {
+        name: "kvferry-head-major",
+        about: "kvferry's own pools with [head][token] pages: [layer][plane][page][head][token][dim]",
+        order: PageOrder::HeadMajor,
+        placement: KvPlacement::Planes,
+        regions: RegionSplit::One,
+        only: None,
+    },
+    KvFormat {
+        name: "vllm-cpu",
+        about: "vLLM CPU backend (vec path): one buffer, per layer [blocks][kv_heads][K^T block_size x head_size | V head_size x block_size]",
+        order: PageOrder::VllmCpuVec,
+        placement: KvPlacement::Interleaved,
+        regions: RegionSplit::One,
+        only: Some(AttentionKind::Mha),
+    },
+    KvFormat {
+        name: "vllm-flash-nhd",
+        about: "vLLM flash-attention NHD: per layer [2][blocks][block_size][kv_heads][head_size]",
+        order: PageOrder::TokenMajor,
+        placement: KvPlacement::Planes,
+        regions: RegionSplit::PerLayer,
+        only: Some(AttentionKind::Mha),
+    },
+    KvFormat {
+        name: "vllm-flash-hnd",
+        about: "vLLM flash-attention HND: per layer [2][blocks][kv_heads][block_size][head_size]",
+        order: PageOrder::HeadMajor,
+        placement: KvPlacement::Planes,
+        regions: RegionSplit::PerLayer,
+        only: Some(AttentionKind::Mha),
+    },
+    KvFormat {
+        name: "flashinfer",
+        about: "vLLM FlashInfer: per layer [blocks][2][block_size][kv_heads][head_size]",
+        order: PageOrder::TokenMajor,
+        placement: KvPlacement::Interleaved,
+        regions: RegionSplit::PerLayer,
+        only: Some(AttentionKind::Mha),
+    },
+    KvFormat {
+        name: "sglang-mha",
+        about: "SGLang MHA: per layer a K and a V buffer [slots][kv_heads][head_dim]; a page is page_size slots",
+        order: PageOrder::TokenMajor,
+        placement: KvPlacement::Planes,
+        regions: RegionSplit::PerPlane,
+        only: Some(AttentionKind::Mha),
+    },
+    KvFormat {
+        name: "sglang-mla",
+        about: "SGLang MLA: per layer one buffer [slots][1][kv_lora_rank + qk_rope_head_dim]",
+        order: PageOrder::TokenMajor,
+        placement: KvPlacement::Planes,
+        regions: RegionSplit::PerLayer,
+        only: Some(AttentionKind::Mla),
+    },
+];
+
+impl KvFormat {
+    /// Looks a format up by name.
+    pub fn named(name: &str) -> Result<KvFormat, LayoutError> {
+        FORMATS
+            .iter()
+            .find(|f| f.name == name)
+            .copied()
+            .ok_or_else(|| LayoutError::UnknownName {
+                what: "KV format",
+                name: name.to_owned(),
+                expected: "kvferry, kvferry-head-major, vllm-cpu, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla",
+            })
+    }
+}
+
+impl KvLayout {
+    /// The same layout in `format`; refused when the format is for another attention kind.
+    pub fn with_format(mut self, format: &KvFormat) -> Result<Self, LayoutError> {
+        if let Some(kind) = format.only {
+            if kind != self.model.kind {
+                return Err(invalid(
+                    "format",
+                    format!(
+                        "{} holds {} KV, the model is {}",
+                        format.name,
+                        kind.name(),
+                        self.model.kind.name()
+                    ),
+                ));
+            }
+        }
+        self.order = format.order;
+        self.placement = format.placement;
+        self.regions = format.regions;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Regions a pool of this layout spans.
+    pub fn num_regions(&self) -> usize {
+        match self.regions {
+            RegionSplit::One => 1,
+            RegionSplit::PerLayer => self.num_layers(),
+            RegionSplit::PerPlane => self.num_layers() * self.planes(),
+        }
+    }
+
+    /// Bytes each region needs for `num_pages` pages (all regions are the same size).
+    pub fn region_bytes(&self, num_pages: usize) -> Result<usize, LayoutError> {
+        let all = self.pool_bytes(num_pages)?;
+        Ok(all / self.num_regions())
+    }
+
+    /// Region holding plane `plane` of local layer `layer`, and the offset of its page 0 there,
+    /// in a pool of `num_pages` pages. Laid back to back, regions reproduce a one-buffer pool
+    /// byte for byte: `region x region_bytes + offset` is [`KvLayout::plane_offset`].
+    pub fn plane_location(
+        &self,
+        layer: usize,
+        plane: usize,
+        num_pages: usize,
+    ) -> Result<(usize, usize), LayoutError> {
+        let whole = self.plane_offset(layer, plane, num_pages)?;
+        let region = match self.regions {
+            RegionSplit::One => 0,
+            RegionSplit::PerLayer => layer,
+            RegionSplit::PerPlane => layer * self.planes() + plane,
+        };
+        let size = self.region_bytes(num_pages)?;
+        Ok((region, whole - region * size))
+    }
+
+    /// Tokens a selection of `tokens` occupies in staging: the tokens themselves, or whole
+    /// pages for a head-granular order.
+    pub fn staged_tokens(&self, tokens: &std::ops::Range<usize>) -> usize {
+        match self.order.granularity() {
+            Granularity::Token => tokens.len(),
+            Granularity::Head if tokens.is_empty() => 0,
+            Granularity::Head => {
+                (self.pages_for(tokens.end) - tokens.start / self.page_size) * self.page_size
+            }
+        }
+    }
+}
+
+/// The order the bytes of a transfer between a `source` and a `destination` pool take in
+/// staging, or why the pair cannot move KV. Token-granular pools move tokens in the
+/// destination's order (its scatter then copies the longest runs), whatever their orders,
+/// placements and regions; a head-granular pool moves only to and from a pool of the same
+/// order and page size, whole head slices as stored.
+pub fn wire_order(source: &KvLayout, destination: &KvLayout) -> Result<PageOrder, String> {
+    let (a, b) = (source.order, destination.order);
+    if a.granularity() == Granularity::Token && b.granularity() == Granularity::Token {
+        return Ok(b);
+    }
+    if a != b {
+        return Err(format!(
+            "page orders {} and {} cannot exchange KV: {} pages move only as whole head slices, to a pool of the same order",
+            a.name(),
+            b.name(),
+            if a.granularity() == Granularity::Head {
+                a.name()
+            } else {
+                b.name()
+            }
+        ));
+    }
+    if source.page_size != destination.page_size {
+        return Err(format!(
+            "{} pages move whole: page sizes must match (source {}, destination {})",
+            a.name(),
+            source.page_size,
+            destination.page_size
+        ));
+    }
+    Ok(a)
+}
