@@ -599,4 +599,6 @@ fn split(runs: &[Run], total: usize, parts: usize) -> Vec<Vec<Run>> {
 }
 
 #[cfg(test)]
+mod engine_tests;
+#[cfg(test)]
 mod tests;

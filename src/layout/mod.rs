@@ -572,4 +572,6 @@ pub(crate) fn mul(a: usize, b: usize, what: &'static str) -> Result<usize, Layou
 }
 
 #[cfg(test)]
+pub(crate) mod reference;
+#[cfg(test)]
 mod tests;

@@ -284,7 +284,10 @@ async fn a_peer_that_reads_late_gets_every_frame_in_order_and_posts_are_bounded(
     while let Ok(Ok(frame)) = tokio::time::timeout(Duration::from_secs(2), recv.recv()).await {
         assert_eq!(frame.len(), FRAME);
         let index = u64::from_le_bytes(frame[..8].try_into().expect("8 bytes"));
-        assert!(last.is_none_or(|l| index > l), "post {index} after {last:?}");
+        assert!(
+            last.is_none_or(|l| index > l),
+            "post {index} after {last:?}"
+        );
         last = Some(index);
         got += 1;
     }
