@@ -528,7 +528,11 @@ impl Inner {
                     layers: seg.layers.clone(),
                     heads: seg.heads.clone(),
                     expected: l
-                        .selection_bytes(tokens.len(), seg.layers.len(), seg.heads.len())
+                        .selection_bytes(
+                            l.staged_tokens(&tokens),
+                            seg.layers.len(),
+                            seg.heads.len(),
+                        )
                         .unwrap_or(usize::MAX),
                     landed: 0,
                     chunks: 0,

@@ -123,7 +123,8 @@ impl Inner {
 
     pub(super) fn request_bytes(&self, req: &TransferRequest) -> usize {
         let l = &self.cfg.layout;
-        l.selection_bytes(req.tokens.len(), req.layers.len(), req.heads.len())
+        let tokens = req.tokens.start as usize..req.tokens.end as usize;
+        l.selection_bytes(l.staged_tokens(&tokens), req.layers.len(), req.heads.len())
             .unwrap_or(usize::MAX)
     }
 
