@@ -1,17 +1,18 @@
 //! In-process 1P1D with the Rust API: a registry, a prefill agent and a decode agent in this
-//! process (real sockets on 127.0.0.1), then one room played through the engines' HTTP API:
-//! the decode engine asks for it, the prefill engine says it is ready, the decode engine
-//! long-polls and takes it. The synthetic engine fills the prefill pages with a pattern and
+//! process (real sockets on 127.0.0.1), then one room played through the agents' handles, no
+//! HTTP: the decode engine asks for it, the prefill engine says it is ready, the decode engine
+//! waits for it and takes it. The synthetic engine fills the prefill pages with a pattern and
 //! checks every landed byte on take.
 //!
 //! `cargo run --release --example 01-in-process-1p1d`
 
 use clap::Parser;
-use kvferry::agent::decode::DecodeAgent;
-use kvferry::agent::prefill::PrefillAgent;
+use std::time::{Duration, Instant};
+
+use kvferry::agent::decode::{DecodeAgent, RoomRequest};
+use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry::cli::AgentArgs;
 use kvferry_bootstrap::{ServerConfig, serve};
-use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 /// Agent flags, parsed as the command line would.
@@ -50,45 +51,51 @@ async fn main() -> anyhow::Result<()> {
         prefill.api_url, decode.api_url
     );
 
-    // The engines' side, over HTTP.
-    let http = reqwest::Client::builder().no_proxy().build()?;
+    // The engines' side, through the handles.
     let room = 42;
-    let body = json!({ "tokens": 300 });
-    http.post(format!("{}/v1/rooms/{room}", decode.api_url))
-        .json(&body)
-        .send()
-        .await?
-        .error_for_status()?;
-    http.post(format!("{}/v1/rooms/{room}/ready", prefill.api_url))
-        .json(&body)
-        .send()
-        .await?
-        .error_for_status()?;
-    let view: Value = loop {
-        let url = format!("{}/v1/rooms/{room}?wait_ms=5000", decode.api_url);
-        let v: Value = http.get(url).send().await?.json().await?;
-        if ["success", "failed", "aborted"].contains(&v["state"].as_str().unwrap_or_default()) {
-            break v;
+    decode
+        .request(
+            room,
+            RoomRequest {
+                tokens: 300,
+                ..RoomRequest::default()
+            },
+        )
+        .await?;
+    prefill
+        .ready(
+            room,
+            ReadyRequest {
+                tokens: 300,
+                ..ReadyRequest::default()
+            },
+        )
+        .await?;
+    // Each wait answers at the room's next change (or after 5 s); a room stops changing once
+    // it is final and safe to reuse.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let view = loop {
+        let view = decode.wait(room, Duration::from_secs(5)).await?;
+        if view.state.is_final() || Instant::now() > deadline {
+            break view;
         }
     };
-    let taken: Value = http
-        .post(format!("{}/v1/rooms/{room}/take", decode.api_url))
-        .send()
-        .await?
-        .json()
-        .await?;
+    let taken = decode.take(room).await?;
     println!(
-        "room {room}: {} with {} bytes, every byte verified: {}",
-        view["state"], taken["bytes"], taken["verified"]
+        "room {room}: {} with {} bytes, every byte verified: {:?}",
+        view.state.name(),
+        taken.room.bytes,
+        taken.verified
     );
+    println!("decode pool after the take: {:?}", decode.pool());
 
     shutdown.cancel();
     prefill.join().await;
     decode.join().await;
     served.await??;
     anyhow::ensure!(
-        taken["verified"] == true,
-        "the room did not land intact: {taken}"
+        taken.verified == Some(true),
+        "the room did not land intact: {taken:?}"
     );
     Ok(())
 }

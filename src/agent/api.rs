@@ -1,7 +1,11 @@
 //! The engine-facing HTTP plumbing both agents share: the error type (converted to a status in
 //! exactly one place), the extractors that turn every rejection into it (body, query), the
-//! 404/405 fallbacks, JSON body parsing with clear 400s, the long-poll wait and the listening
-//! line.
+//! 404/405 fallbacks, JSON body parsing with clear 400s and the listening line.
+//!
+//! The HTTP API is a layer over the agents' room operations (`ops.rs`, and each agent's
+//! `rooms.rs`): a handler parses the path, the query and the body into the operation's
+//! request struct, calls it, and serializes its result; a refused operation's
+//! [`RoomError`] becomes a status here.
 //!
 //! Every error is `{"error": "..."}` with `Content-Type: application/json`: 400 (malformed body,
 //! bad room, bad query parameter), 404 (unknown room or route), 405 (known route, wrong
@@ -10,86 +14,86 @@
 //! The routes themselves live with their agent (`prefill/http.rs`, `decode/http.rs`).
 
 use std::io::Write as _;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
-use tokio::sync::watch;
 
-use super::room::RoomState;
-use crate::pool::allocator::PageAllocator;
+use super::ops::RoomError;
 
-/// An HTTP error for the engine: a status and a message.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    message: String,
-}
-
-impl ApiError {
-    /// 400: the request is malformed.
-    pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message)
-    }
-    /// 404: no such room.
-    pub fn unknown_room(room: u64) -> Self {
-        Self::new(StatusCode::NOT_FOUND, format!("unknown room {room}"))
-    }
-    /// 409: the request conflicts with the room's state.
-    pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::CONFLICT, message)
-    }
-    /// 429: no capacity now; retry later.
-    pub fn exhausted(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::TOO_MANY_REQUESTS, message)
-    }
-    /// 503: the agent cannot serve this now (shutting down).
-    pub fn unavailable(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
-    }
-    /// 404: no such route.
-    pub fn no_route(method: &Method, uri: &Uri) -> Self {
-        Self::new(
-            StatusCode::NOT_FOUND,
-            format!("no route for {method} {}", uri.path()),
-        )
-    }
-    /// 405: the route exists, not with this method.
-    pub fn wrong_method(method: &Method, uri: &Uri) -> Self {
-        Self::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            format!("method {method} not allowed on {}", uri.path()),
-        )
-    }
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError {
-            status,
-            message: message.into(),
-        }
-    }
+/// An HTTP error for the engine: a refused room operation, or a request the HTTP layer
+/// itself refuses before any operation runs.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// A room operation refused the request.
+    #[error(transparent)]
+    Room(#[from] RoomError),
+    /// The path, query or body cannot be read as the operation's request (400).
+    #[error("{0}")]
+    Malformed(String),
+    /// No such route (404).
+    #[error("no route for {method} {path}")]
+    NoRoute {
+        /// The request's method.
+        method: Method,
+        /// The request's path.
+        path: String,
+    },
+    /// The route exists, not with this method (405).
+    #[error("method {method} not allowed on {path}")]
+    WrongMethod {
+        /// The request's method.
+        method: Method,
+        /// The request's path.
+        path: String,
+    },
+    /// The body is over [`BODY_LIMIT`] (413).
+    #[error("request body larger than the {BODY_LIMIT} byte limit")]
+    TooLarge,
+    /// A body not sent as JSON (415).
+    #[error("a request body must be JSON, sent with `Content-Type: application/json`")]
+    NotJson,
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = axum::Json(serde_json::json!({ "error": self.message }));
-        (self.status, body).into_response()
+        let status = match &self {
+            ApiError::Room(RoomError::BadRequest(_)) | ApiError::Malformed(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::Room(RoomError::UnknownRoom(_)) | ApiError::NoRoute { .. } => {
+                StatusCode::NOT_FOUND
+            }
+            ApiError::Room(RoomError::Conflict(_)) => StatusCode::CONFLICT,
+            ApiError::Room(RoomError::Exhausted(_)) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Room(RoomError::Unavailable(_)) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::WrongMethod { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotJson => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        };
+        let body = axum::Json(serde_json::json!({ "error": self.to_string() }));
+        (status, body).into_response()
     }
 }
+
+/// A handler's answer: the operation's result as JSON, or the error.
+pub type Answer<T> = Result<axum::Json<T>, ApiError>;
 
 /// The largest request body the engine API reads (a room's page list of a million pages fits).
 pub const BODY_LIMIT: usize = 16 << 20;
 
 /// The fallback for unknown routes (404).
 pub async fn no_route(method: Method, uri: Uri) -> ApiError {
-    ApiError::no_route(&method, &uri)
+    let path = uri.path().to_owned();
+    ApiError::NoRoute { method, path }
 }
 
 /// The fallback for a known route asked with another method (405).
 pub async fn wrong_method(method: Method, uri: Uri) -> ApiError {
-    ApiError::wrong_method(&method, &uri)
+    let path = uri.path().to_owned();
+    ApiError::WrongMethod { method, path }
 }
 
 /// A request body of at most [`BODY_LIMIT`] bytes that, unless empty, was sent as JSON
@@ -105,19 +109,13 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
         // The limit itself is the router's `DefaultBodyLimit` layer ([`finish`]).
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    format!("request body larger than the {BODY_LIMIT} byte limit"),
-                )
+                ApiError::TooLarge
             } else {
-                ApiError::bad_request(format!("request body unreadable: {}", e.body_text()))
+                ApiError::Malformed(format!("request body unreadable: {}", e.body_text()))
             }
         })?;
         if !bytes.is_empty() && !json {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "a request body must be JSON, sent with `Content-Type: application/json`",
-            ));
+            return Err(ApiError::NotJson);
         }
         Ok(JsonBody(bytes))
     }
@@ -159,27 +157,17 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
         body
     };
     if !body.trim_ascii_start().starts_with(b"{") {
-        return Err(ApiError::bad_request(
-            "invalid JSON body: expected a JSON object",
+        return Err(ApiError::Malformed(
+            "invalid JSON body: expected a JSON object".into(),
         ));
     }
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    serde_json::from_slice(body).map_err(|e| ApiError::Malformed(format!("invalid JSON body: {e}")))
 }
 
 /// Parses a room id from the path.
 pub fn parse_room(s: &str) -> Result<u64, ApiError> {
     s.parse()
-        .map_err(|_| ApiError::bad_request(format!("room {s:?} is not a u64")))
-}
-
-/// A room key from a JSON body (32 hex digits), if one was given.
-pub fn parse_room_key(s: Option<&str>) -> Result<Option<crate::protocol::Secret>, ApiError> {
-    s.map(|k| {
-        k.parse()
-            .map_err(|e: String| ApiError::bad_request(format!("room_key: {e}")))
-    })
-    .transpose()
+        .map_err(|_| ApiError::Malformed(format!("room {s:?} is not a u64")))
 }
 
 /// The `?wait_ms=N` query of `GET /v1/rooms/{room}`: a whole number of milliseconds. Any
@@ -207,19 +195,19 @@ impl WaitQuery {
         let query = uri.query().unwrap_or_default();
         let axum::extract::Query(pairs) =
             axum::extract::Query::<Vec<(String, String)>>::try_from_uri(uri).map_err(|e| {
-                ApiError::bad_request(format!("query string {query:?}: {}", e.body_text()))
+                ApiError::Malformed(format!("query string {query:?}: {}", e.body_text()))
             })?;
         let mut out = WaitQuery::default();
         for (key, value) in pairs {
             match key.as_str() {
                 "wait_ms" if out.wait_ms.is_some() => {
-                    return Err(ApiError::bad_request(
-                        "query parameter wait_ms is given twice",
+                    return Err(ApiError::Malformed(
+                        "query parameter wait_ms is given twice".into(),
                     ));
                 }
                 "wait_ms" => {
                     let ms = value.parse::<u64>().map_err(|_| {
-                        ApiError::bad_request(format!(
+                        ApiError::Malformed(format!(
                             "query parameter wait_ms={value:?} must be a whole number of milliseconds, 0 to {}",
                             u64::MAX
                         ))
@@ -227,7 +215,7 @@ impl WaitQuery {
                     out.wait_ms = Some(ms);
                 }
                 other => {
-                    return Err(ApiError::bad_request(format!(
+                    return Err(ApiError::Malformed(format!(
                         "unknown query parameter {other:?}: the only one is wait_ms"
                     )));
                 }
@@ -235,31 +223,6 @@ impl WaitQuery {
         }
         Ok(out)
     }
-}
-
-/// `GET /v1/rooms/{room}` for either agent. `look` returns the room's JSON and, while it may
-/// still change (not final, or not yet safe to reuse), a receiver that wakes on its next
-/// change; with `wait_ms` the answer waits for that change.
-pub async fn room_answer<F>(wait_ms: Option<u64>, look: F) -> Result<Response, ApiError>
-where
-    F: Fn() -> Result<(serde_json::Value, Option<watch::Receiver<RoomState>>), ApiError>,
-{
-    let (view, rx) = look()?;
-    let (Some(wait), Some(mut rx)) = (wait_ms, rx) else {
-        return Ok(axum::Json(view).into_response());
-    };
-    let wait = Duration::from_millis(wait.min(60_000));
-    let _ = tokio::time::timeout(wait, rx.changed()).await;
-    Ok(axum::Json(look()?.0).into_response())
-}
-
-/// `GET /v1/pool`: the agent-owned pages.
-pub fn pool_answer(alloc: &PageAllocator) -> Response {
-    axum::Json(serde_json::json!({
-        "total_pages": alloc.total_pages(),
-        "free_pages": alloc.free_pages(),
-    }))
-    .into_response()
 }
 
 /// Serves `app` on `listener` as one of `tasks` until `shutdown`.
@@ -297,55 +260,6 @@ pub fn metrics_response(text: String) -> Response {
         .into_response()
 }
 
-/// Standard base64 (with padding) of `bytes`, for aux payloads in JSON.
-pub fn base64(bytes: &[u8]) -> String {
-    use base64::Engine as _;
-    base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
-/// Decodes standard base64, refusing bad input with a 400.
-pub fn unbase64(text: &str) -> Result<Vec<u8>, ApiError> {
-    use base64::Engine as _;
-    base64::engine::general_purpose::STANDARD
-        .decode(text)
-        .map_err(|e| ApiError::bad_request(format!("aux is not valid base64: {e}")))
-}
-
-/// Refuses with a 400 naming the limit a room that can never fit: its `tokens` need more
-/// pages than the whole pool has (a 429 would invite a retry that cannot succeed).
-pub fn fits_pool(tokens: usize, needed: usize, pool_pages: usize) -> Result<(), ApiError> {
-    if needed > pool_pages {
-        return Err(ApiError::bad_request(format!(
-            "tokens {tokens} need {needed} pages but the whole pool has {pool_pages} (--pool-pages): this room can never fit"
-        )));
-    }
-    Ok(())
-}
-
-/// Checks an engine's page list: enough pages for the tokens, each in the pool, none twice.
-pub fn validate_pages(pages: &[u32], needed: usize, num_pages: usize) -> Result<(), ApiError> {
-    if pages.len() < needed {
-        return Err(ApiError::bad_request(format!(
-            "{} pages given, the tokens need {needed}",
-            pages.len()
-        )));
-    }
-    if let Some(p) = pages.iter().find(|&&p| p as usize >= num_pages) {
-        return Err(ApiError::bad_request(format!(
-            "page {p} is out of range: the pool has {num_pages} pages"
-        )));
-    }
-    let mut sorted = pages.to_vec();
-    sorted.sort_unstable();
-    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(ApiError::bad_request(format!(
-            "page {} is listed twice",
-            w[0]
-        )));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,7 +268,7 @@ mod tests {
         let uri: Uri = format!("/v1/rooms/1?{query}").parse().unwrap();
         WaitQuery::parse(&uri)
             .map(|q| q.wait_ms)
-            .map_err(|e| e.message)
+            .map_err(|e| e.to_string())
     }
 
     #[test]

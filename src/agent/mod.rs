@@ -2,17 +2,22 @@
 //!
 //! This file holds what both roles share: their configuration, how a rank describes itself to
 //! the registry and in Hello, the layout compatibility check, and how a room's transfer is cut
-//! into chunks. Room state lives in [`room`], the engine-facing HTTP plumbing in [`api`], the
-//! synthetic engine in [`synthetic`].
+//! into chunks. Room state lives in [`room`]; what the engine's room operations on
+//! [`prefill::PrefillAgent`] and [`decode::DecodeAgent`] share (their error, pool counts, the
+//! wait) in [`ops`], the engine-facing HTTP plumbing over them in [`api`]; the synthetic engine
+//! in [`synthetic`].
 
 pub mod api;
 pub mod decode;
 pub mod metrics;
+pub mod ops;
 pub mod pairing;
 pub mod prefill;
 pub mod room;
 mod staging;
 pub mod synthetic;
+
+pub use ops::{PoolCounts, RoomError};
 
 use std::collections::BTreeMap;
 use std::ops::Range;

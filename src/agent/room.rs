@@ -199,12 +199,10 @@ impl RoomStatus {
         self.watch.subscribe()
     }
 
-    /// Timings as a JSON object: state name -> ms since the epoch.
-    pub fn timings_json(&self) -> serde_json::Map<String, serde_json::Value> {
-        self.timings
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), serde_json::json!(v)))
-            .collect()
+    /// Timings by name (states and events such as `created`, `ready`): ms since the epoch,
+    /// the latest of a name repeated.
+    pub fn timings(&self) -> std::collections::BTreeMap<&'static str, f64> {
+        self.timings.iter().copied().collect()
     }
 }
 

@@ -20,12 +20,16 @@
 //! plans one bulk segment per source, each asked with its own TransferRequest and finished by
 //! its own Done. Files: this one (rooms, requests, timeouts, drain), `peer.rs` (control
 //! connections, heartbeats, what prefills send), `landing.rs` (chunks into the pool),
-//! `http.rs` (the engine's API), `drain.rs` (landed rooms kept takeable while draining).
+//! `rooms.rs` (the engine's room operations on [`DecodeAgent`]), `http.rs` (the engine's HTTP
+//! API, a layer over them), `drain.rs` (landed rooms kept takeable while draining).
 
 mod drain;
 mod http;
 mod landing;
 mod peer;
+mod rooms;
+
+pub use rooms::{PageOwner, RoomRequest, RoomView, SourceView, TakenRoom};
 
 use http::routes;
 use landing::receive_chunks;
@@ -35,18 +39,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use bytes::Bytes;
 use kvferry_bootstrap::{ClientError, PrefillGroup, Registration, RegistryClient, Role};
-use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use uuid::Uuid;
 
-use super::api::{self, ApiError};
+use super::api;
 use super::metrics::{Gauges, Metrics};
 use super::pairing::{self, RankSlice};
 use super::room::{RoomState, RoomStatus};
@@ -332,30 +331,6 @@ impl Room {
         if self.safe_to_reuse() {
             self.status.touch();
         }
-    }
-
-    fn view(&self, room: u64) -> serde_json::Value {
-        serde_json::json!({
-            "room": room.to_string(),
-            "state": self.status.state(),
-            "reason": self.status.reason(),
-            "bytes": self.landed,
-            "expected_bytes": self.expected,
-            "tokens": self.tokens,
-            "start_token": self.start_token,
-            "chunks": self.chunks,
-            "pages": &*self.pages,
-            "page_owner": if self.lease.is_some() || self.returned { "agent" } else { "engine" },
-            "sources": self.sources.iter().map(|s| serde_json::json!({
-                "prefill_instance": s.peer.instance.to_string(),
-                "layers": [s.layers.start, s.layers.end],
-                "heads": [s.heads.start, s.heads.end],
-                "bytes": s.landed,
-                "done": s.done.is_some(),
-            })).collect::<Vec<_>>(),
-            "timings": self.status.timings_json(),
-            "safe_to_reuse": self.safe_to_reuse(),
-        })
     }
 }
 

@@ -20,11 +20,16 @@
 //! Several decode ranks may ask for parts of one room (heterogeneous TP): each is a transfer of
 //! its own, and the room is final once every rank the requests announce has been served.
 //! Files: this one (rooms, transfers' bookkeeping, aborts, timeouts, drain), `control.rs` (what
-//! decodes send), `transfer.rs` (one transfer's task; `transfer/send.rs`, one chunk's send), `http.rs` (the engine's API).
+//! decodes send), `transfer.rs` (one transfer's task; `transfer/send.rs`, one chunk's send),
+//! `rooms.rs` (the engine's room operations on [`PrefillAgent`]), `http.rs` (the engine's HTTP
+//! API, a layer over them).
 
 mod control;
 mod http;
+mod rooms;
 mod transfer;
+
+pub use rooms::{ReadyRequest, RoomView, TransferView};
 
 use control::control_loop;
 
@@ -35,18 +40,13 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::extract::{Path, State};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use kvferry_bootstrap::{RegistryClient, Role};
-use serde::Deserialize;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use uuid::Uuid;
 
-use super::api::{self, ApiError};
+use super::api;
 use super::metrics::{Gauges, Metrics};
 use super::room::{RoomState, RoomStatus};
 use super::staging::SlotPool;
@@ -388,32 +388,6 @@ impl Room {
     /// No gather reads the room's pages any more: the engine may reuse them.
     fn safe_to_reuse(&self) -> bool {
         self.status.state().is_final() && !self.running()
-    }
-
-    fn view(&self, room: u64) -> serde_json::Value {
-        let transfers: Vec<serde_json::Value> = self
-            .transfers
-            .iter()
-            .map(|(decode, t)| {
-                serde_json::json!({
-                    "decode_instance": decode.to_string(),
-                    "state": t.state,
-                    "reason": t.reason,
-                    "bytes": t.sent,
-                    "sends_in_flight": t.sends.len(),
-                })
-            })
-            .collect();
-        serde_json::json!({
-            "room": room.to_string(),
-            "state": self.status.state(),
-            "reason": self.status.reason(),
-            "bytes": self.transfers.values().map(|t| t.sent).sum::<usize>(),
-            "tokens": self.ready.as_ref().map(|r| r.tokens),
-            "transfers": transfers,
-            "timings": self.status.timings_json(),
-            "safe_to_reuse": self.safe_to_reuse(),
-        })
     }
 }
 

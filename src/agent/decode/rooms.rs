@@ -1,0 +1,518 @@
+//! The decode engine's room operations, on [`DecodeAgent`]: request a room, read it, wait for
+//! its next change, take it (remove-after-retrieve), abort it, count the pool. The HTTP API
+//! (`http.rs`) is a layer over exactly these.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::*;
+use crate::agent::ops::{self, PoolCounts, RoomError};
+use crate::protocol::Secret;
+
+/// A room request (`POST /v1/rooms/{room}`): the decode engine asks for a room's KV. The same
+/// struct is the HTTP body; unknown fields are refused.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoomRequest {
+    /// Tokens of the whole prompt.
+    pub tokens: usize,
+    /// Tokens the decode already holds (its prefix cache): only `start_token..tokens` move.
+    #[serde(default)]
+    pub start_token: usize,
+    /// Destination pages in the decode pool (the engine's; enough for `tokens`, each in
+    /// range, none twice). Without them the agent allocates its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages: Option<Vec<u32>>,
+    /// Another registry URL for this room.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap: Option<String>,
+    /// The prefill DP group (default: the room modulo the prefill DP size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
+    /// The room's key from the router (32 hex digits in JSON), when the prefill engine was
+    /// given one.
+    #[serde(
+        default,
+        with = "ops::room_key",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub room_key: Option<Secret>,
+}
+
+/// Whose pages a decode room lands in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PageOwner {
+    /// The agent allocated them; they return to its pool.
+    Agent,
+    /// The engine named them; they stay the engine's.
+    Engine,
+}
+
+/// A decode room as the engine sees it (`GET /v1/rooms/{room}`); fields serialize in this
+/// (alphabetical) order.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoomView {
+    /// KV bytes landed.
+    pub bytes: usize,
+    /// Chunks landed.
+    pub chunks: u32,
+    /// KV bytes the room needs (`start_token..tokens`).
+    pub expected_bytes: usize,
+    /// Whose pages the room lands in.
+    pub page_owner: PageOwner,
+    /// The room's pages in the decode pool.
+    pub pages: Vec<u32>,
+    /// Why the room failed or was aborted.
+    pub reason: Option<Reason>,
+    /// The room (a string in JSON).
+    #[serde(serialize_with = "ops::room_as_string")]
+    pub room: u64,
+    /// No write into the room's pages can still arrive.
+    pub safe_to_reuse: bool,
+    /// One per prefill rank serving the room.
+    pub sources: Vec<SourceView>,
+    /// The first token requested.
+    pub start_token: usize,
+    /// The room's state.
+    pub state: RoomState,
+    /// Milliseconds since the Unix epoch of each state entered, and `created`.
+    pub timings: BTreeMap<&'static str, f64>,
+    /// Tokens of the whole prompt.
+    pub tokens: usize,
+}
+
+/// One prefill rank serving a decode room.
+#[derive(Clone, Debug, Serialize)]
+pub struct SourceView {
+    /// KV bytes landed from it.
+    pub bytes: usize,
+    /// It said Done.
+    pub done: bool,
+    /// Its global heads, `[start, end)`.
+    pub heads: [usize; 2],
+    /// Its global layers, `[start, end)`.
+    pub layers: [usize; 2],
+    /// The prefill agent's instance.
+    pub prefill_instance: Uuid,
+}
+
+/// A taken room (`POST /v1/rooms/{room}/take`): its last view, the prefill engine's aux bytes
+/// and the synthetic check.
+#[derive(Clone, Debug, Serialize)]
+pub struct TakenRoom {
+    /// The prefill engine's aux bytes (base64 in JSON), if it sent any.
+    #[serde(with = "ops::aux")]
+    pub aux: Option<Vec<u8>>,
+    /// The room as it was taken.
+    #[serde(flatten)]
+    pub room: RoomView,
+    /// Whether the landed bytes match the synthetic pattern (synthetic agents, landed rooms).
+    pub verified: Option<bool>,
+}
+
+impl Room {
+    pub(super) fn view(&self, room: u64) -> RoomView {
+        RoomView {
+            bytes: self.landed,
+            chunks: self.chunks,
+            expected_bytes: self.expected,
+            page_owner: match self.lease.is_some() || self.returned {
+                true => PageOwner::Agent,
+                false => PageOwner::Engine,
+            },
+            pages: self.pages.to_vec(),
+            reason: self.status.reason().cloned(),
+            room,
+            safe_to_reuse: self.safe_to_reuse(),
+            sources: self
+                .sources
+                .iter()
+                .map(|s| SourceView {
+                    bytes: s.landed,
+                    done: s.done.is_some(),
+                    heads: [s.heads.start, s.heads.end],
+                    layers: [s.layers.start, s.layers.end],
+                    prefill_instance: s.peer.instance,
+                })
+                .collect(),
+            start_token: self.start_token,
+            state: self.status.state(),
+            timings: self.status.timings(),
+            tokens: self.tokens,
+        }
+    }
+}
+
+impl DecodeAgent {
+    /// Asks for `room` (`POST /v1/rooms/{room}`): the agent resolves the prefill group, says
+    /// Hello where needed and requests the room's KV into the given pages (or its own).
+    /// Returns the new room's view; the transfer goes on in the background.
+    pub async fn request(&self, room: u64, req: RoomRequest) -> Result<RoomView, RoomError> {
+        self.inner.request_room(room, req)
+    }
+
+    /// The room's view now (`GET /v1/rooms/{room}`).
+    pub fn view(&self, room: u64) -> Result<RoomView, RoomError> {
+        self.inner.room_view(room)
+    }
+
+    /// The room's view at its next change, or after `timeout` (at most [`ops::MAX_WAIT`]),
+    /// whichever comes first; at once when it can no longer change
+    /// (`GET /v1/rooms/{room}?wait_ms=`).
+    pub async fn wait(&self, room: u64, timeout: Duration) -> Result<RoomView, RoomError> {
+        self.inner.wait_room(room, timeout).await
+    }
+
+    /// Takes `room` (`POST /v1/rooms/{room}/take`): once it is `safe_to_reuse`, hands it over
+    /// and forgets it; agent-owned pages return to the pool. A synthetic agent checks the
+    /// landed bytes first (on the blocking pool).
+    pub async fn take(&self, room: u64) -> Result<TakenRoom, RoomError> {
+        self.inner.take_room(room).await
+    }
+
+    /// Aborts `room` (`DELETE /v1/rooms/{room}`): `aborting` until every prefill serving it
+    /// acknowledged, then `aborted`. Returns the room's view.
+    pub async fn abort(&self, room: u64) -> Result<RoomView, RoomError> {
+        self.inner.abort_room(room).await
+    }
+
+    /// The agent-owned pages (`GET /v1/pool`).
+    pub fn pool(&self) -> PoolCounts {
+        self.inner.pool_counts()
+    }
+}
+
+impl Inner {
+    /// [`DecodeAgent::request`].
+    pub(super) fn request_room(
+        self: &Arc<Self>,
+        room_id: u64,
+        req: RoomRequest,
+    ) -> Result<RoomView, RoomError> {
+        if self.shutdown.is_cancelled() || self.draining.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(RoomError::Unavailable(
+                "the agent is draining for shutdown: send the room to another decode rank".into(),
+            ));
+        }
+        let in_flight = self
+            .rooms()
+            .values()
+            .filter(|r| !r.status.state().is_final())
+            .count();
+        if in_flight >= self.cfg.max_rooms {
+            self.metrics
+                .rejected
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(RoomError::Exhausted(format!(
+                "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
+                self.cfg.max_rooms
+            )));
+        }
+        let l = &self.cfg.layout;
+        if req.tokens == 0 {
+            return Err(RoomError::BadRequest("tokens must be > 0".into()));
+        }
+        if req.start_token >= req.tokens {
+            return Err(RoomError::BadRequest(format!(
+                "start_token {} must be < tokens {}: there must be something to transfer",
+                req.start_token, req.tokens
+            )));
+        }
+        if u32::try_from(req.tokens).is_err() {
+            return Err(RoomError::BadRequest(format!(
+                "tokens {} is beyond the protocol's u32",
+                req.tokens
+            )));
+        }
+        let needed = l.pages_for(req.tokens);
+        ops::fits_pool(req.tokens, needed, self.pool.num_pages())?;
+        let expected = l
+            .room_bytes(req.tokens - req.start_token)
+            .map_err(|e| RoomError::BadRequest(format!("tokens {}: {e}", req.tokens)))?;
+        let (pages, lease): (Arc<[u32]>, _) = match req.pages {
+            Some(pages) => {
+                ops::validate_pages(&pages, needed, self.pool.num_pages())?;
+                (pages.into(), None)
+            }
+            None => {
+                let lease = self.alloc.allocate(needed).map_err(|e| {
+                    self.metrics
+                        .rejected
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    RoomError::Exhausted(e.to_string())
+                })?;
+                (lease.pages().into(), Some(lease))
+            }
+        };
+        let view = {
+            let mut rooms = self.rooms();
+            if rooms.contains_key(&room_id) {
+                return Err(RoomError::Conflict(format!(
+                    "room {room_id} already exists"
+                )));
+            }
+            let room = Room {
+                status: RoomStatus::default(),
+                tokens: req.tokens,
+                start_token: req.start_token,
+                pages,
+                lease,
+                returned: false,
+                expected,
+                landed: 0,
+                chunks: 0,
+                coverage: Coverage::new(l.num_layers(), req.tokens, l.num_heads()),
+                sources: Vec::new(),
+                acks_pending: 0,
+                scattering: 0,
+                stop_told: false,
+                final_at: None,
+                progress_at: Instant::now(),
+            };
+            let view = room.view(room_id);
+            rooms.insert(room_id, room);
+            view
+        };
+        let task_inner = self.clone();
+        let span = tracing::info_span!("room", room = room_id, role = "decode");
+        tokio::spawn(
+            async move {
+                if let Err(reason) = task_inner
+                    .clone()
+                    .request(room_id, req.bootstrap, req.dp_rank, req.room_key)
+                    .await
+                {
+                    task_inner.fail(room_id, reason);
+                }
+            }
+            .instrument(span),
+        );
+        Ok(view)
+    }
+
+    /// [`DecodeAgent::view`].
+    pub(super) fn room_view(&self, room_id: u64) -> Result<RoomView, RoomError> {
+        self.return_aborted_pages();
+        Ok(self.look(room_id)?.0)
+    }
+
+    /// [`DecodeAgent::wait`].
+    pub(super) async fn wait_room(
+        &self,
+        room_id: u64,
+        timeout: Duration,
+    ) -> Result<RoomView, RoomError> {
+        self.return_aborted_pages();
+        ops::next_change(timeout, || self.look(room_id)).await
+    }
+
+    /// The room's view and, while it may still change, a receiver of its next change.
+    fn look(&self, room_id: u64) -> Result<ops::Look<RoomView>, RoomError> {
+        let rooms = self.rooms();
+        let room = rooms.get(&room_id).ok_or(RoomError::UnknownRoom(room_id))?;
+        let changing = !room.safe_to_reuse();
+        Ok((
+            room.view(room_id),
+            changing.then(|| room.status.subscribe()),
+        ))
+    }
+
+    /// [`DecodeAgent::pool`].
+    pub(super) fn pool_counts(&self) -> PoolCounts {
+        self.return_aborted_pages();
+        PoolCounts::of(&self.alloc)
+    }
+
+    /// Returns the agent-owned pages of every aborted room that is safe to reuse to the pool,
+    /// without waiting for the room to be taken or to expire (the room itself stays readable
+    /// and takeable until then). Called on every housekeeping tick and before answering
+    /// a pool count or a room's view, so the pool is whole as soon as it can be.
+    pub(super) fn return_aborted_pages(&self) {
+        for (id, room) in self.rooms().iter_mut() {
+            if room.lease.is_some()
+                && room.status.state() == RoomState::Aborted
+                && room.safe_to_reuse()
+            {
+                let pages = room.pages.len();
+                room.lease = None;
+                room.returned = true;
+                tracing::debug!(
+                    room = id,
+                    pages,
+                    "aborted room's pages returned to the pool"
+                );
+            }
+        }
+    }
+
+    /// [`DecodeAgent::take`].
+    pub(super) async fn take_room(&self, room_id: u64) -> Result<TakenRoom, RoomError> {
+        let (pages, tokens) = {
+            let rooms = self.rooms();
+            let room = rooms.get(&room_id).ok_or(RoomError::UnknownRoom(room_id))?;
+            if !room.safe_to_reuse() {
+                let state = room.status.state();
+                let why = if state.is_final() {
+                    format!(
+                        "room {room_id} is {} but a write into its pages is still finishing; take it once safe_to_reuse is true",
+                        state.name()
+                    )
+                } else {
+                    format!(
+                        "room {room_id} is {}; take it once it is success, failed or aborted",
+                        state.name()
+                    )
+                };
+                return Err(RoomError::Conflict(why));
+            }
+            (room.pages.clone(), room.start_token..room.tokens)
+        };
+        let mut verified = None;
+        let succeeded = self
+            .rooms()
+            .get(&room_id)
+            .is_some_and(|r| r.status.state() == RoomState::Success);
+        if self.cfg.synthetic && succeeded {
+            let (pool, kernel) = (self.pool.clone(), self.kernel);
+            let check = tokio::task::spawn_blocking(move || {
+                crate::agent::synthetic::verify(&kernel, &pool, room_id, &pages, tokens)
+            })
+            .await;
+            let result = check
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()));
+            verified = Some(result.is_ok());
+            if let Err(e) = result {
+                let mut rooms = self.rooms();
+                if let Some(room) = rooms.get_mut(&room_id) {
+                    if room
+                        .status
+                        .fail_verification(Reason::new(FailureCode::VerifyFailed, e.clone()))
+                    {
+                        self.metrics
+                            .verify_failures
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+                tracing::error!(room = room_id, error = %e, "landed bytes differ from the synthetic pattern");
+            }
+        }
+        let room = self
+            .rooms()
+            .remove(&room_id)
+            .ok_or(RoomError::UnknownRoom(room_id))?;
+        let aux = room
+            .sources
+            .iter()
+            .filter_map(|s| s.done.as_ref())
+            .map(|d| &d.aux)
+            .find(|a| !a.is_empty())
+            .cloned();
+        Ok(TakenRoom {
+            aux,
+            room: room.view(room_id),
+            verified,
+        })
+    }
+
+    /// [`DecodeAgent::abort`].
+    pub(super) async fn abort_room(&self, room_id: u64) -> Result<RoomView, RoomError> {
+        if !self.rooms().contains_key(&room_id) {
+            return Err(RoomError::UnknownRoom(room_id));
+        }
+        self.abort(
+            room_id,
+            Reason::new(FailureCode::Aborted, "aborted by the decode engine"),
+        )
+        .await;
+        let rooms = self.rooms();
+        let room = rooms.get(&room_id).ok_or(RoomError::UnknownRoom(room_id))?;
+        Ok(room.view(room_id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The JSON of a typed view is what a `serde_json::Value` of it prints: keys in sorted
+    /// order, as the engine API has always answered.
+    fn sorted_json<T: Serialize>(v: &T) -> String {
+        let direct = serde_json::to_string(v).unwrap();
+        let via_value = serde_json::to_string(&serde_json::to_value(v).unwrap()).unwrap();
+        assert_eq!(direct, via_value, "fields out of alphabetical order");
+        direct
+    }
+
+    #[test]
+    fn views_serialize_as_the_wire_format() {
+        let view = RoomView {
+            bytes: 4096,
+            chunks: 2,
+            expected_bytes: 8192,
+            page_owner: PageOwner::Engine,
+            pages: vec![3, 4],
+            reason: Some(Reason::new(FailureCode::PeerDead, "gone")),
+            room: u64::MAX,
+            safe_to_reuse: true,
+            sources: vec![SourceView {
+                bytes: 4096,
+                done: false,
+                heads: [0, 2],
+                layers: [0, 4],
+                prefill_instance: Uuid::nil(),
+            }],
+            start_token: 16,
+            state: RoomState::Failed,
+            timings: [("created", 1.5), ("failed", 2.25)].into_iter().collect(),
+            tokens: 40,
+        };
+        let json = sorted_json(&view);
+        assert!(json.contains(r#""room":"18446744073709551615""#), "{json}");
+        assert!(json.contains(r#""page_owner":"engine""#), "{json}");
+        assert!(
+            json.contains(r#""reason":{"code":"peer_dead","message":"gone"}"#),
+            "{json}"
+        );
+        let taken = TakenRoom {
+            aux: Some(b"hello".to_vec()),
+            room: view,
+            verified: None,
+        };
+        let json = sorted_json(&taken);
+        assert!(
+            json.starts_with(r#"{"aux":"aGVsbG8=","bytes":4096,"#),
+            "{json}"
+        );
+        assert!(json.ends_with(r#""tokens":40,"verified":null}"#), "{json}");
+    }
+
+    #[test]
+    fn requests_parse_from_the_wire_format() {
+        let key = "00112233445566778899aabbccddeeff";
+        let req: RoomRequest = serde_json::from_str(&format!(
+            r#"{{"tokens":40,"pages":[3,4,5],"start_token":16,"room_key":"{key}"}}"#
+        ))
+        .unwrap();
+        assert_eq!((req.tokens, req.start_token), (40, 16));
+        assert_eq!(req.room_key.map(|k| k.to_hex()).as_deref(), Some(key));
+        let back = serde_json::to_value(&req).unwrap();
+        assert_eq!(back["room_key"], key);
+        assert!(back.get("dp_rank").is_none(), "{back}");
+        let bad = serde_json::from_str::<RoomRequest>(r#"{"tokens":4,"room_key":"xyz"}"#);
+        assert!(
+            bad.unwrap_err()
+                .to_string()
+                .contains("room_key: a room key is 32 hex digits")
+        );
+        let unknown = serde_json::from_str::<RoomRequest>(r#"{"tokens":4,"bogus":1}"#);
+        assert!(unknown.unwrap_err().to_string().contains("bogus"));
+        assert!(
+            serde_json::from_str::<RoomRequest>("{}").is_err(),
+            "tokens is required"
+        );
+    }
+}

@@ -1,0 +1,469 @@
+//! The prefill engine's room operations, on [`PrefillAgent`]: announce a room's KV as ready
+//! (whole, or in token and layer pieces), read a room, wait for its next change, abort it,
+//! count the pool. The HTTP API (`http.rs`) is a layer over exactly these. The synthetic
+//! engine's fill and its layer-wise pacing live here too.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::*;
+use crate::agent::ops::{self, PoolCounts, RoomError};
+
+/// A ready piece of a room (`POST /v1/rooms/{room}/ready`): the engine says (part of) the
+/// room's KV is in its pool. The same struct is the HTTP body; unknown fields are refused.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadyRequest {
+    /// Tokens of the whole room (the same in every piece).
+    pub tokens: usize,
+    /// The room's key from the router (32 hex digits in JSON): only decode requests that
+    /// carry it are served. Given with the first piece; a later one may repeat it, not change
+    /// it.
+    #[serde(
+        default,
+        with = "ops::room_key",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub room_key: Option<Secret>,
+    /// The room's pages in the prefill pool, enough for `tokens`; required on the first piece
+    /// unless the agent is synthetic (it then allocates and fills them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages: Option<Vec<u32>>,
+    /// Opaque bytes for the decode engine (base64 in JSON), at most
+    /// [`protocol::MAX_AUX`] bytes; delivered with Done and returned by the decode's take.
+    #[serde(default, with = "ops::aux", skip_serializing_if = "Option::is_none")]
+    pub aux: Option<Vec<u8>>,
+    /// The piece's tokens, `[start, end)` (default: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_range: Option<[usize; 2]>,
+    /// The piece's global layers, `[start, end)` (default: all this rank holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_range: Option<[usize; 2]>,
+    /// The engine's last piece for this room (default: true when no range is given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last: Option<bool>,
+}
+
+/// A prefill room as the engine sees it (`GET /v1/rooms/{room}`); fields serialize in this
+/// (alphabetical) order.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoomView {
+    /// KV bytes sent, over every transfer.
+    pub bytes: usize,
+    /// Why the room failed or was aborted.
+    pub reason: Option<Reason>,
+    /// The room (a string in JSON).
+    #[serde(serialize_with = "ops::room_as_string")]
+    pub room: u64,
+    /// No gather reads the room's pages any more: the engine may reuse them.
+    pub safe_to_reuse: bool,
+    /// The room's state.
+    pub state: RoomState,
+    /// Milliseconds since the Unix epoch of each state entered, `created` and `ready`.
+    pub timings: BTreeMap<&'static str, f64>,
+    /// Tokens of the room, once a piece was announced.
+    pub tokens: Option<usize>,
+    /// One per decode rank that asked for the room.
+    pub transfers: Vec<TransferView>,
+}
+
+/// What one decode rank asked of a prefill room.
+#[derive(Clone, Debug, Serialize)]
+pub struct TransferView {
+    /// KV bytes sent to it.
+    pub bytes: usize,
+    /// The decode agent's instance.
+    pub decode_instance: Uuid,
+    /// Why the transfer failed or was aborted.
+    pub reason: Option<Reason>,
+    /// Sends and writes that still read the room's pages.
+    pub sends_in_flight: usize,
+    /// `transferring`, then `success`, `failed` or `aborted`.
+    pub state: RoomState,
+}
+
+impl Room {
+    pub(super) fn view(&self, room: u64) -> RoomView {
+        let transfers = self
+            .transfers
+            .iter()
+            .map(|(decode, t)| TransferView {
+                bytes: t.sent,
+                decode_instance: *decode,
+                reason: t.reason.clone(),
+                sends_in_flight: t.sends.len(),
+                state: t.state,
+            })
+            .collect();
+        RoomView {
+            bytes: self.transfers.values().map(|t| t.sent).sum(),
+            reason: self.status.reason().cloned(),
+            room,
+            safe_to_reuse: self.safe_to_reuse(),
+            state: self.status.state(),
+            timings: self.status.timings(),
+            tokens: self.ready.as_ref().map(|r| r.tokens),
+            transfers,
+        }
+    }
+}
+
+impl PrefillAgent {
+    /// Announces a ready piece of `room` (`POST /v1/rooms/{room}/ready`): the whole room, or
+    /// a token range, a layer range or both; pieces may not overlap. Each piece is sent as
+    /// soon as both it and a decode's request are there. Returns the room's view.
+    ///
+    /// With a synthetic agent the pages are filled with the pattern first (on the blocking
+    /// pool), and a whole room is announced layer by layer when `--synthetic-layer-delay-ms`
+    /// is set.
+    pub async fn ready(&self, room: u64, req: ReadyRequest) -> Result<RoomView, RoomError> {
+        self.inner.ready(room, req).await
+    }
+
+    /// Aborts `room` (`DELETE /v1/rooms/{room}`): every transfer stops, its decodes are told
+    /// with Abort, later requests for the room are refused. Returns the room's view.
+    pub async fn abort(&self, room: u64) -> Result<RoomView, RoomError> {
+        self.inner.abort_room(room).await
+    }
+
+    /// The room's view now (`GET /v1/rooms/{room}`).
+    pub fn view(&self, room: u64) -> Result<RoomView, RoomError> {
+        self.inner.room_view(room)
+    }
+
+    /// The room's view at its next change, or after `timeout` (at most
+    /// [`ops::MAX_WAIT`]), whichever comes first; at once when it can no longer change
+    /// (`GET /v1/rooms/{room}?wait_ms=`).
+    pub async fn wait(&self, room: u64, timeout: Duration) -> Result<RoomView, RoomError> {
+        self.inner.wait_room(room, timeout).await
+    }
+
+    /// The agent-owned pages (`GET /v1/pool`).
+    pub fn pool(&self) -> PoolCounts {
+        PoolCounts::of(&self.inner.alloc)
+    }
+}
+
+/// A room's pages and, when the agent allocated them, their lease.
+type RoomPages = (Arc<[u32]>, Option<Arc<PageLease>>);
+
+impl Inner {
+    /// Pages for a room's first piece: the engine's (validated) or the agent's own.
+    fn room_pages(&self, req: &ReadyRequest) -> Result<RoomPages, RoomError> {
+        let needed = self.cfg.layout.pages_for(req.tokens);
+        ops::fits_pool(req.tokens, needed, self.pool.num_pages())?;
+        match (&req.pages, self.cfg.synthetic) {
+            (Some(pages), _) => {
+                ops::validate_pages(pages, needed, self.pool.num_pages())?;
+                Ok((pages.as_slice().into(), None))
+            }
+            (None, true) => {
+                let lease = self
+                    .alloc
+                    .allocate(needed)
+                    .map_err(|e| RoomError::Exhausted(e.to_string()))?;
+                Ok((lease.pages().into(), Some(Arc::new(lease))))
+            }
+            (None, false) => Err(RoomError::BadRequest(
+                "pages are required (the agent fills pages itself only with --synthetic)".into(),
+            )),
+        }
+    }
+
+    /// [`PrefillAgent::ready`].
+    pub(super) async fn ready(
+        self: &Arc<Self>,
+        room_id: u64,
+        req: ReadyRequest,
+    ) -> Result<RoomView, RoomError> {
+        let l = &self.cfg.layout;
+        if req.tokens == 0 {
+            return Err(RoomError::BadRequest("tokens must be > 0".into()));
+        }
+        if req
+            .aux
+            .as_ref()
+            .is_some_and(|a| a.len() > protocol::MAX_AUX)
+        {
+            return Err(RoomError::BadRequest(format!(
+                "aux is larger than {} bytes",
+                protocol::MAX_AUX
+            )));
+        }
+        let tokens = req.token_range.map_or(0..req.tokens, |[a, b]| a..b);
+        let layers = req.layer_range.map_or(l.layers.clone(), |[a, b]| a..b);
+        if tokens.is_empty() || tokens.end > req.tokens {
+            return Err(RoomError::BadRequest(format!(
+                "token_range {tokens:?} must be a non-empty range within 0..{}",
+                req.tokens
+            )));
+        }
+        if layers.is_empty() || layers.start < l.layers.start || layers.end > l.layers.end {
+            return Err(RoomError::BadRequest(format!(
+                "layer_range {layers:?} must be a non-empty range within this rank's layers {:?}",
+                l.layers
+            )));
+        }
+        let known = self.rooms().contains_key(&room_id);
+        if !known && self.draining.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(RoomError::Unavailable(
+                "the agent is draining for shutdown: send the room to another prefill rank".into(),
+            ));
+        }
+        let in_flight = self
+            .rooms()
+            .values()
+            .filter(|r| !r.status.state().is_final())
+            .count();
+        if !known && in_flight >= self.cfg.max_rooms {
+            self.metrics
+                .rejected
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(RoomError::Exhausted(format!(
+                "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
+                self.cfg.max_rooms
+            )));
+        }
+        let whole = req.token_range.is_none() && req.layer_range.is_none();
+        let last = req.last.unwrap_or(whole);
+        let piece = Piece { tokens, layers };
+        // First piece: pages (outside the lock: allocation may be refused, synthetic fill is slow).
+        let first = self.rooms().get(&room_id).is_none_or(|r| r.ready.is_none());
+        let fresh = if first {
+            Some(self.room_pages(&req)?)
+        } else {
+            None
+        };
+        let paced = self.cfg.synthetic && whole && !self.cfg.synthetic_layer_delay.is_zero();
+        let (view, (pages, lease)) = {
+            let mut rooms = self.rooms();
+            let room = rooms.entry(room_id).or_insert_with(Room::new);
+            if room.status.state().is_final() {
+                return Err(RoomError::Conflict(format!(
+                    "room {room_id} is {}",
+                    room.status.state().name()
+                )));
+            }
+            if let Some((pages, lease)) = fresh {
+                if room.ready.is_some() {
+                    return Err(RoomError::Conflict(format!(
+                        "room {room_id} is already ready"
+                    )));
+                }
+                room.ready = Some(Ready {
+                    tokens: req.tokens,
+                    pages,
+                    lease,
+                    aux: Vec::new(),
+                    announced: Coverage::new(l.num_layers(), req.tokens, 1),
+                    last: false,
+                });
+            }
+            if req.room_key.is_some() && room.key.is_some() && room.key != req.room_key {
+                return Err(RoomError::Conflict(format!(
+                    "room {room_id} was announced with another room_key"
+                )));
+            }
+            room.key = room.key.or(req.room_key);
+            let Some(ready) = room.ready.as_mut() else {
+                return Err(RoomError::Conflict(format!(
+                    "room {room_id} lost its pages"
+                )));
+            };
+            if ready.tokens != req.tokens {
+                return Err(RoomError::BadRequest(format!(
+                    "room {room_id} has {} tokens, this piece says {}",
+                    ready.tokens, req.tokens
+                )));
+            }
+            if ready.last {
+                return Err(RoomError::Conflict(format!(
+                    "room {room_id}: the last piece was already announced"
+                )));
+            }
+            let local = piece.layers.start - l.layers.start..piece.layers.end - l.layers.start;
+            if !ready.announced.claim(local, piece.tokens.clone(), 0..1) {
+                return Err(RoomError::Conflict(format!(
+                    "room {room_id}: tokens {:?} x layers {:?} overlap a piece announced before",
+                    piece.tokens, piece.layers
+                )));
+            }
+            if let Some(aux) = req.aux {
+                ready.aux = aux;
+            }
+            // Taken under the same lock as the claim: an abort releasing the lease after this
+            // point cannot free the pages under the fill.
+            let keep = (ready.pages.clone(), ready.lease.clone());
+            (room.view(room_id), keep)
+        };
+        if paced {
+            tokio::spawn(announce_paced(self.clone(), room_id, pages, lease, piece));
+        } else {
+            if self.cfg.synthetic {
+                fill(self, room_id, &pages, lease, &piece).await?;
+            }
+            announce(self, room_id, piece, last);
+        }
+        Ok(view)
+    }
+
+    /// [`PrefillAgent::abort`].
+    pub(super) async fn abort_room(self: &Arc<Self>, room_id: u64) -> Result<RoomView, RoomError> {
+        if !self.rooms().contains_key(&room_id) {
+            return Err(RoomError::UnknownRoom(room_id));
+        }
+        self.clone()
+            .engine_abort(
+                room_id,
+                Reason::new(FailureCode::Aborted, "aborted by the prefill engine"),
+            )
+            .await;
+        self.room_view(room_id)
+    }
+
+    /// [`PrefillAgent::view`].
+    pub(super) fn room_view(&self, room_id: u64) -> Result<RoomView, RoomError> {
+        Ok(self.look(room_id)?.0)
+    }
+
+    /// [`PrefillAgent::wait`].
+    pub(super) async fn wait_room(
+        &self,
+        room_id: u64,
+        timeout: Duration,
+    ) -> Result<RoomView, RoomError> {
+        ops::next_change(timeout, || self.look(room_id)).await
+    }
+
+    /// The room's view and, while it may still change, a receiver of its next change.
+    fn look(&self, room_id: u64) -> Result<ops::Look<RoomView>, RoomError> {
+        let rooms = self.rooms();
+        let room = rooms.get(&room_id).ok_or(RoomError::UnknownRoom(room_id))?;
+        let changing = !room.safe_to_reuse();
+        Ok((
+            room.view(room_id),
+            changing.then(|| room.status.subscribe()),
+        ))
+    }
+}
+
+/// Fills a piece with the synthetic pattern.
+async fn fill(
+    inner: &Arc<Inner>,
+    room_id: u64,
+    pages: &Arc<[u32]>,
+    lease: Option<Arc<PageLease>>,
+    piece: &Piece,
+) -> Result<(), RoomError> {
+    let l0 = inner.cfg.layout.layers.start;
+    let (pool, kernel, pages) = (inner.pool.clone(), inner.kernel, pages.clone());
+    let (tokens, layers) = (
+        piece.tokens.clone(),
+        piece.layers.start - l0..piece.layers.end - l0,
+    );
+    tokio::task::spawn_blocking(move || {
+        // The lease travels with the fill: an abort meanwhile cannot hand the pages out.
+        let _keep = lease;
+        synthetic::fill(&kernel, &pool, room_id, &pages, tokens, layers)
+    })
+    .await
+    .map_err(|e| RoomError::Unavailable(e.to_string()))?
+    .map_err(|e| RoomError::BadRequest(e.to_string()))
+}
+
+/// Hands a filled piece to the room's task (starting it if the request is there).
+fn announce(inner: &Arc<Inner>, room_id: u64, piece: Piece, last: bool) {
+    let mut rooms = inner.rooms();
+    let Some(room) = rooms.get_mut(&room_id) else {
+        return;
+    };
+    if room.status.state().is_final() {
+        return;
+    }
+    room.pieces.push(piece);
+    if last {
+        if let Some(ready) = room.ready.as_mut() {
+            ready.last = true;
+        }
+        room.status.mark("ready");
+    }
+    for t in room.transfers.values() {
+        t.wake.notify_one();
+    }
+    inner.start_ready(room_id, room);
+}
+
+/// The synthetic engine's layer-wise prefill: one layer every `synthetic_layer_delay`.
+async fn announce_paced(
+    inner: Arc<Inner>,
+    room_id: u64,
+    pages: Arc<[u32]>,
+    lease: Option<Arc<PageLease>>,
+    whole: Piece,
+) {
+    let delay = inner.cfg.synthetic_layer_delay;
+    for layer in whole.layers.clone() {
+        tokio::time::sleep(delay).await;
+        let piece = Piece {
+            tokens: whole.tokens.clone(),
+            layers: layer..layer + 1,
+        };
+        if let Err(e) = fill(&inner, room_id, &pages, lease.clone(), &piece).await {
+            tracing::warn!(room = room_id, error = %e, "synthetic fill failed");
+            return;
+        }
+        announce(&inner, room_id, piece, layer + 1 == whole.layers.end);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_view_serializes_as_the_wire_format() {
+        let view = RoomView {
+            bytes: 16384,
+            reason: None,
+            room: 42,
+            safe_to_reuse: false,
+            state: RoomState::Transferring,
+            timings: [("created", 1.0), ("ready", 3.0)].into_iter().collect(),
+            tokens: Some(40),
+            transfers: vec![TransferView {
+                bytes: 16384,
+                decode_instance: Uuid::nil(),
+                reason: Some(Reason::new(FailureCode::Aborted, "x")),
+                sends_in_flight: 1,
+                state: RoomState::Aborted,
+            }],
+        };
+        let json = serde_json::to_string(&view).unwrap();
+        let via_value = serde_json::to_string(&serde_json::to_value(&view).unwrap()).unwrap();
+        assert_eq!(json, via_value, "fields out of alphabetical order");
+        assert!(
+            json.starts_with(r#"{"bytes":16384,"reason":null,"room":"42","#),
+            "{json}"
+        );
+    }
+
+    #[test]
+    fn a_ready_piece_parses_from_the_wire_format() {
+        let req: ReadyRequest = serde_json::from_str(
+            r#"{"tokens":40,"token_range":[32,40],"last":true,"aux":"aGVsbG8="}"#,
+        )
+        .unwrap();
+        assert_eq!(req.aux.as_deref(), Some(b"hello".as_slice()));
+        assert_eq!((req.token_range, req.last), (Some([32, 40]), Some(true)));
+        let back = serde_json::to_value(&req).unwrap();
+        assert_eq!(back["aux"], "aGVsbG8=");
+        let bad = serde_json::from_str::<ReadyRequest>(r#"{"tokens":16,"aux":"!!"}"#);
+        assert!(
+            bad.unwrap_err()
+                .to_string()
+                .contains("aux is not valid base64")
+        );
+    }
+}
