@@ -4,7 +4,8 @@
 Usage: probe_kv.py MODELDIR OUTDIR [--block-size 32] [--full-blocks 5] [--tail 7]
 
 1. In a child process (its own session, killed as a group when this script exits, even on
-   error), runs vLLM offline on MODELDIR once: CPU, float32, eager, no prefix caching, one
+   error), runs vLLM offline on MODELDIR once: CPU, float32 (or --dtype bfloat16), eager, no
+   prefix caching, one
    prompt of full_blocks * block_size + tail tokens, max_tokens=1. The observe-only connector
    in kv_probe_connector.py dumps the raw bytes of every (layer, block) of that request's
    blocks once its prefill forward pass is done.
@@ -37,6 +38,7 @@ DUMP_FLAG = "kvferry_probe_dump"  # kv_probe_connector.DUMP_FLAG (not imported: 
 STAGE_DIR = ".probe-stage"
 VLLM_TIMEOUT_S = 900.0
 KV_CACHE_MEMORY_BYTES = 64 << 20
+MANIFEST_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 PROMPT_TEXT = (
     "Prefill computes the KV cache of a prompt; decode extends it one token at a time. "
     "A page of KV cache holds the keys and values of a fixed number of tokens. "
@@ -88,7 +90,7 @@ def vllm_stage(model_dir: Path, stage: Path, spec: dict[str, Any]) -> None:
     started = time.monotonic()
     llm = LLM(
         model=str(model_dir),
-        dtype="float32",
+        dtype=spec["dtype"],
         enforce_eager=True,
         enable_prefix_caching=False,
         block_size=spec["block_size"],
@@ -286,12 +288,13 @@ def build_manifest(
     spec: dict[str, Any], worker: dict[str, Any], result: dict[str, Any], blocks: list[int]
 ) -> dict[str, Any]:
     """manifest.json's content (the format the Rust test parses)."""
-    if worker["dtype"] != "torch.float32":
-        raise RuntimeError(f"the KV cache is {worker['dtype']}, expected torch.float32")
+    expected = f"torch.{spec['dtype']}"
+    if worker["dtype"] != expected:
+        raise RuntimeError(f"the KV cache is {worker['dtype']}, expected {expected}")
     shape = worker["layers"][0]["shape"]
     num_blocks, num_kv_heads, block_size, two_d = shape
     return {
-        "dtype": "fp32",
+        "dtype": MANIFEST_DTYPE[spec["dtype"]],
         "num_layers": len(worker["layers"]),
         "num_kv_heads": num_kv_heads,
         "head_dim": two_d // 2,
@@ -327,6 +330,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         help="tokens of a request run (and freed) before the probe, so the probe's blocks are "
         "not 1..n (default: 2 x block-size + 1; 0: none)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(MANIFEST_DTYPE),
+        default="float32",
+        help="vLLM's model and KV dtype (bfloat16 takes vLLM's AMX path where the CPU has AMX); "
+        "the reference is always HF in float32",
     )
     p.add_argument("--vllm-stage", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -380,8 +390,12 @@ def write_outputs(args: argparse.Namespace, stage: Path) -> None:
         "num_blocks": args.num_blocks,
         "max_model_len": args.max_model_len,
         "warmup_tokens": args.warmup_tokens,
+        "dtype": args.dtype,
     }
-    log(f"vLLM: {tokens} tokens, block size {args.block_size}, {args.num_blocks} blocks")
+    log(
+        f"vLLM: {tokens} tokens, block size {args.block_size}, {args.num_blocks} blocks, "
+        f"{args.dtype}"
+    )
     vllm_wall = run_vllm_child(args.model_dir, stage, spec)
     if not (stage / "worker.json").exists():
         raise RuntimeError(
