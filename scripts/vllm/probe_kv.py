@@ -342,6 +342,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.vllm_stage:
         return args
+    if not (args.model_dir / "config.json").is_file():
+        p.error(f"{args.model_dir} has no config.json (make a model with tiny_model.py)")
     if not 0 < args.tail < args.block_size:
         p.error("--tail must be in 1..block-size-1 (the last block must be partial)")
     tokens = args.full_blocks * args.block_size + args.tail
