@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Make a tiny Llama model directory that vLLM and HF transformers both load, without any hub.
+
+Usage: tiny_model.py OUTDIR [--seed N]
+
+The weights are random (seeded), the tokenizer a byte-level BPE trained here on a few
+sentences and padded with added tokens up to the vocabulary size. The same seed gives the same
+files, byte for byte (config, weights, tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+VOCAB_SIZE = 2048
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Prefill computes the KV cache of a prompt; decode extends it one token at a time.",
+    "A page of KV cache holds the keys and values of a fixed number of tokens.",
+    "Rotary embeddings turn each key by an angle that grows with its position.",
+    "Sphinx of black quartz, judge my vow. Pack my box with five dozen liquor jugs.",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" # $ % & @ ^ _ ` | ~",
+]
+
+
+def model_config() -> LlamaConfig:
+    """The tiny Llama's shape: 2 layers, GQA with 4 query and 2 KV heads of 64 dims, fp32."""
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+
+
+def make_model(seed: int) -> LlamaForCausalLM:
+    """A LlamaForCausalLM with weights drawn from `seed` (transformers' own init scheme)."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(model_config()).to(torch.float32)
+    model.eval()
+    return model
+
+
+def train_tokenizer() -> Tokenizer:
+    """A byte-level BPE trained on CORPUS, padded with added tokens to exactly VOCAB_SIZE ids."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    missing = VOCAB_SIZE - tok.get_vocab_size(with_added_tokens=True)
+    if missing < 0:
+        raise SystemExit(f"tiny_model: the trained vocabulary exceeds {VOCAB_SIZE} ids")
+    tok.add_tokens([f"<pad_{i}>" for i in range(missing)])
+    if tok.get_vocab_size(with_added_tokens=True) != VOCAB_SIZE:
+        raise SystemExit("tiny_model: could not pad the vocabulary to its size")
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, outdir: Path) -> None:
+    """Save as PreTrainedTokenizerFast (tokenizer.json + tokenizer_config.json)."""
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=4096,
+    )
+    fast.save_pretrained(outdir)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """OUTDIR and --seed."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outdir", type=Path, help="directory to write the model into (created)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    """Write the model and tokenizer; print the directory."""
+    args = parse_args(argv)
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    make_model(args.seed).save_pretrained(args.outdir, safe_serialization=True)
+    save_tokenizer(train_tokenizer(), args.outdir)
+    print(args.outdir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
