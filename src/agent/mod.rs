@@ -294,7 +294,7 @@ pub(crate) fn layout_of(w: &WireLayout) -> Result<KvLayout, crate::layout::Layou
     // The wire names no placement: a pool announced to peers has its planes apart, except
     // vLLM CPU pages, which hold a head's K and V side by side.
     let placement = match w.order {
-        PageOrder::VllmCpuVec => crate::layout::KvPlacement::Interleaved,
+        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => crate::layout::KvPlacement::Interleaved,
         _ => crate::layout::KvPlacement::Planes,
     };
     KvLayout::new(model, w.page_size as usize)?

@@ -23,10 +23,14 @@ pub enum PageOrder {
     /// `[head][token][dim]`: vLLM HND. A head's tokens are contiguous, so a head slice of a
     /// page is one run.
     HeadMajor,
-    /// vLLM's CPU backend with its `vec` attention path (x86 with AVX-512, no AMX): per page
-    /// `[head][K: dim x token (transposed), V: token x dim]`. K's tokens are not separable, so
-    /// a page moves as whole head slices, and only to a pool of the same order.
+    /// vLLM's CPU backend on its `vec` attention path (float32, or a CPU without AMX): per
+    /// page `[head][K: dim x token (transposed) | V: token x dim]`. K's tokens are not
+    /// separable, so a page moves as whole head slices, and only to a pool of the same order.
     VllmCpuVec,
+    /// vLLM's CPU backend on its `amx` path (bf16 on a CPU with AMX): per page `[head][K | V]`
+    /// as the `vec` path, each half packed in 16 x 2 tiles (K `[token/16][dim/2][16][2]`, V
+    /// `[dim/16][token/2][16][2]`). Moves as whole head slices, only to a pool of this order.
+    VllmCpuAmx,
 }
 
 impl PageOrder {
@@ -36,6 +40,7 @@ impl PageOrder {
             PageOrder::TokenMajor => "token_major",
             PageOrder::HeadMajor => "head_major",
             PageOrder::VllmCpuVec => "vllm_cpu_vec",
+            PageOrder::VllmCpuAmx => "vllm_cpu_amx",
         }
     }
 
@@ -43,7 +48,7 @@ impl PageOrder {
     pub fn granularity(self) -> Granularity {
         match self {
             PageOrder::TokenMajor | PageOrder::HeadMajor => Granularity::Token,
-            PageOrder::VllmCpuVec => Granularity::Head,
+            PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => Granularity::Head,
         }
     }
 }
@@ -126,9 +131,17 @@ pub const FORMATS: &[KvFormat] = &[
         only: None,
     },
     KvFormat {
-        name: "vllm-cpu",
-        about: "vLLM CPU backend (vec path): one buffer, per layer [blocks][kv_heads][K^T block_size x head_size | V head_size x block_size]",
+        name: "vllm-cpu-vec",
+        about: "vLLM CPU backend, vec path: one buffer, per layer [blocks][kv_heads][K^T head_size x block_size | V block_size x head_size]",
         order: PageOrder::VllmCpuVec,
+        placement: KvPlacement::Interleaved,
+        regions: RegionSplit::One,
+        only: Some(AttentionKind::Mha),
+    },
+    KvFormat {
+        name: "vllm-cpu-amx",
+        about: "vLLM CPU backend, amx path: one buffer, per layer [blocks][kv_heads][K | V], each half in 16 x 2 tiles",
+        order: PageOrder::VllmCpuAmx,
         placement: KvPlacement::Interleaved,
         regions: RegionSplit::One,
         only: Some(AttentionKind::Mha),
@@ -185,7 +198,7 @@ impl KvFormat {
             .ok_or_else(|| LayoutError::UnknownName {
                 what: "KV format",
                 name: name.to_owned(),
-                expected: "kvferry, kvferry-head-major, vllm-cpu, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla",
+                expected: "kvferry, kvferry-head-major, vllm-cpu-vec, vllm-cpu-amx, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla",
             })
     }
 }

@@ -176,11 +176,12 @@ named_enum!(
 named_enum!(
     PageOrder,
     "page order",
-    "token_major, head_major, vllm_cpu_vec",
+    "token_major, head_major, vllm_cpu_vec, vllm_cpu_amx",
     [
         PageOrder::TokenMajor,
         PageOrder::HeadMajor,
-        PageOrder::VllmCpuVec
+        PageOrder::VllmCpuVec,
+        PageOrder::VllmCpuAmx
     ]
 );
 named_enum!(
@@ -394,10 +395,15 @@ impl KvLayout {
         positive("page_size", self.page_size)?;
         check_range("heads", &self.heads, self.model.num_kv_heads)?;
         check_range("layers", &self.layers, self.model.num_layers)?;
-        if self.order == PageOrder::VllmCpuVec && self.placement != KvPlacement::Interleaved {
+        if self.order.granularity() == Granularity::Head
+            && self.placement != KvPlacement::Interleaved
+        {
             return Err(invalid(
                 "placement",
-                "vllm_cpu_vec pages hold K and V of a head side by side (interleaved)".to_owned(),
+                format!(
+                    "{} pages hold K and V of a head side by side (interleaved)",
+                    self.order
+                ),
             ));
         }
         if self.regions == RegionSplit::PerPlane && self.placement == KvPlacement::Interleaved {
@@ -468,7 +474,7 @@ impl KvLayout {
         let layer_bytes = mul(per_page, num_pages, "layer bytes")?;
         let within = match (self.order, self.placement) {
             // K and V of each head side by side inside the page: V starts one head block in.
-            (PageOrder::VllmCpuVec, _) => mul(
+            (PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx, _) => mul(
                 plane,
                 mul(self.page_size, self.head_bytes(), "plane offset")?,
                 "plane offset",
@@ -537,8 +543,9 @@ pub fn element_offset(
     match order {
         PageOrder::TokenMajor => (token * heads + head) * head_bytes,
         PageOrder::HeadMajor => (head * tokens + token) * head_bytes,
-        // A head's K block then its V block; within V, token rows (K is read whole).
-        PageOrder::VllmCpuVec => (head * 2 * tokens + token) * head_bytes,
+        // A head's K block then its V block; within V, token rows on the vec path (K, and
+        // both halves on the amx path, are read whole).
+        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => (head * 2 * tokens + token) * head_bytes,
     }
 }
 

@@ -43,7 +43,7 @@ pub(crate) fn engine_offset(
         "kvferry-head-major" => (0, at(&[d.layers, 2, n, hh, bs], &[l, p, page, h, t], hb)),
         // One buffer, layer after layer; per layer [blocks, kv_heads, block_size, 2 x head]
         // viewed as [blocks][heads][K^T: head_size x block_size | V: block_size x head_size].
-        "vllm-cpu" => {
+        "vllm-cpu-vec" | "vllm-cpu-amx" => {
             let head_block = at(&[d.layers, n, hh], &[l, page, h], 2 * bs * hb);
             match p {
                 0 => (0, head_block + t * hb),

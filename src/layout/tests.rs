@@ -224,6 +224,7 @@ fn every_format_matches_the_engines_tensor_strides() {
                 // vLLM CPU's K is transposed: only the start of a head's K block is a place.
                 let t = match (format.order, p) {
                     (PageOrder::VllmCpuVec, 0) => 0,
+                    (PageOrder::VllmCpuAmx, _) => 0,
                     _ => rng.random_range(0..page_size),
                 };
                 let (region, offset) = layout.plane_location(l, p, pages).unwrap();
@@ -246,9 +247,9 @@ fn every_format_matches_the_engines_tensor_strides() {
 fn formats_refuse_other_attention_kinds_and_unknown_names() {
     let mla = KvLayout::new(ModelSpec::preset("tiny-mla").unwrap(), 16).unwrap();
     let e = mla
-        .with_format(&KvFormat::named("vllm-cpu").unwrap())
+        .with_format(&KvFormat::named("vllm-cpu-vec").unwrap())
         .unwrap_err();
-    assert!(e.to_string().contains("vllm-cpu holds mha KV"), "{e}");
+    assert!(e.to_string().contains("vllm-cpu-vec holds mha KV"), "{e}");
     let e = KvFormat::named("vllm-tpu").unwrap_err();
     assert!(e.to_string().contains("sglang-mha"), "{e}");
 }
@@ -265,7 +266,7 @@ fn token_granular_formats_pair_and_head_granular_ones_only_with_themselves() {
     let (nhd, hnd, cpu) = (
         with("vllm-flash-nhd", 16),
         with("vllm-flash-hnd", 16),
-        with("vllm-cpu", 16),
+        with("vllm-cpu-vec", 16),
     );
     assert_eq!(wire_order(&nhd, &hnd), Ok(PageOrder::HeadMajor));
     assert_eq!(wire_order(&hnd, &nhd), Ok(PageOrder::TokenMajor));
@@ -275,7 +276,7 @@ fn token_granular_formats_pair_and_head_granular_ones_only_with_themselves() {
         e.contains("vllm_cpu_vec") && e.contains("token_major"),
         "{e}"
     );
-    let e = wire_order(&cpu, &with("vllm-cpu", 32)).unwrap_err();
+    let e = wire_order(&cpu, &with("vllm-cpu-vec", 32)).unwrap_err();
     assert!(e.contains("page sizes must match"), "{e}");
     // A piece of a head-granular pool stages whole pages.
     assert_eq!(cpu.staged_tokens(&(16..40)), 32);

@@ -75,7 +75,7 @@ fn units(format: &KvFormat, d: Dims, sel: &Selection<'_>) -> Vec<(usize, (usize,
     for l in sel.layers.clone() {
         for p in 0..d.planes {
             match format.order {
-                PageOrder::VllmCpuVec => {
+                PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => {
                     for page in sel.tokens.start / bs..sel.tokens.end.div_ceil(bs) {
                         for h in sel.heads.clone() {
                             let cell = (l, p, sel.pages[page] as usize, 0, h);

@@ -103,10 +103,12 @@ fn order_code(order: PageOrder) -> Result<u32, LayoutError> {
     match order {
         PageOrder::TokenMajor => Ok(0),
         PageOrder::HeadMajor => Ok(1),
-        PageOrder::VllmCpuVec => Err(LayoutError::Invalid {
+        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => Err(LayoutError::Invalid {
             field: "page order",
-            reason: "vllm_cpu_vec is a host-memory format; the CUDA kernel does not move it"
-                .to_owned(),
+            reason: format!(
+                "{} is a host-memory format; the CUDA kernel does not move it",
+                order.name()
+            ),
         }),
     }
 }

@@ -421,6 +421,7 @@ pub(super) fn order_tag(o: PageOrder) -> u8 {
         PageOrder::TokenMajor => 1,
         PageOrder::HeadMajor => 2,
         PageOrder::VllmCpuVec => 3,
+        PageOrder::VllmCpuAmx => 4,
     }
 }
 
@@ -429,6 +430,7 @@ pub(super) fn order_from_tag(tag: u8, what: &'static str) -> Result<PageOrder, D
         1 => Ok(PageOrder::TokenMajor),
         2 => Ok(PageOrder::HeadMajor),
         3 => Ok(PageOrder::VllmCpuVec),
+        4 => Ok(PageOrder::VllmCpuAmx),
         _ => Err(DecodeError::BadTag { what, tag }),
     }
 }
