@@ -37,6 +37,9 @@ pub enum AgentError {
     /// The pool could not be created.
     #[error("pool: {0}")]
     Pool(#[from] crate::pool::PoolError),
+    /// A pool given to the agent does not match its configuration.
+    #[error("pool: {0}")]
+    PoolMismatch(String),
     /// A socket could not be bound.
     #[error("transport: {0}")]
     Transport(#[from] crate::transport::TransportError),
@@ -71,6 +74,24 @@ pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<crate::pool::HostPool, Agen
         cfg.layout.clone(),
         cfg.pool_pages,
     )?)
+}
+
+/// Refuses a pool given to an agent in process that is not the pool its configuration
+/// describes (layout and page count): the agent's pairing and validation go by the config.
+pub(crate) fn check_pool(
+    cfg: &AgentConfig,
+    pool: &crate::pool::HostPool,
+) -> Result<(), AgentError> {
+    if pool.layout() != &cfg.layout || pool.num_pages() != cfg.pool_pages {
+        return Err(AgentError::PoolMismatch(format!(
+            "the pool holds {} pages of {:?}; the agent is configured for {} pages of {:?}",
+            pool.num_pages(),
+            pool.layout(),
+            cfg.pool_pages,
+            cfg.layout
+        )));
+    }
+    Ok(())
 }
 
 /// The checksum of a chunk's bytes as carried on the wire: xxh3-64, never 0 (0 means none).

@@ -599,6 +599,4 @@ fn split(runs: &[Run], total: usize, parts: usize) -> Vec<Vec<Run>> {
 }
 
 #[cfg(test)]
-mod engine_tests;
-#[cfg(test)]
 mod tests;

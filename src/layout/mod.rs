@@ -579,6 +579,4 @@ pub(crate) fn mul(a: usize, b: usize, what: &'static str) -> Result<usize, Layou
 }
 
 #[cfg(test)]
-pub(crate) mod reference;
-#[cfg(test)]
 mod tests;

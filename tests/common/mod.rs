@@ -7,6 +7,8 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod reference;
+
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

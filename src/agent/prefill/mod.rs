@@ -75,13 +75,28 @@ pub struct PrefillAgent {
 }
 
 impl PrefillAgent {
-    /// Starts the agent; it serves until `shutdown` is cancelled.
+    /// Starts the agent on the pool its configuration names (`--pool`); it serves until
+    /// `shutdown` is cancelled.
     pub async fn start(
         cfg: AgentConfig,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
+        let pool = super::open_pool(&cfg)?;
+        Self::start_with_pool(cfg, pool, shutdown).await
+    }
+
+    /// Starts the agent on a pool the caller built, e.g. over the engine's own KV memory
+    /// ([`crate::pool::HostPool::engine`]): the engine process embeds the agent and kvferry
+    /// reads and writes the engine's tensors in place. The pool must have the configuration's
+    /// layout and page count.
+    pub async fn start_with_pool(
+        cfg: AgentConfig,
+        pool: crate::pool::HostPool,
+        shutdown: CancellationToken,
+    ) -> Result<Self, super::AgentError> {
+        super::check_pool(&cfg, &pool)?;
         let instance = Uuid::new_v4();
-        let pool = Arc::new(super::open_pool(&cfg)?);
+        let pool = Arc::new(pool);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
         let options = super::control_options(&cfg);
         let (bound, server, replier) =

@@ -4,15 +4,15 @@
 
 /// Dimensions of one rank's pool.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Dims {
-    pub(crate) layers: usize,
+pub struct Dims {
+    pub layers: usize,
     /// K/V planes per layer (1 for MLA).
-    pub(crate) planes: usize,
-    pub(crate) pages: usize,
-    pub(crate) page_size: usize,
-    pub(crate) heads: usize,
+    pub planes: usize,
+    pub pages: usize,
+    pub page_size: usize,
+    pub heads: usize,
     /// Bytes of one head of one token.
-    pub(crate) head_bytes: usize,
+    pub head_bytes: usize,
 }
 
 /// Byte offset of the row-major index `idx` in a tensor of shape `shape` with `unit`-byte
@@ -30,7 +30,7 @@ fn at(shape: &[usize], idx: &[usize], unit: usize) -> usize {
 /// `(region, byte offset in it)` of head `h` of token slot `t` of page `page` of plane `p` of
 /// layer `l`, in the engine tensor the format names. For `vllm-cpu`, K is transposed inside
 /// a (block, head): `t` then names the start of the head's K block (call with `t = 0`).
-pub(crate) fn engine_offset(
+pub fn engine_offset(
     format: &str,
     d: Dims,
     (l, p, page, t, h): (usize, usize, usize, usize, usize),
