@@ -233,7 +233,7 @@ fn engines_in_different_formats_exchange_kv_in_place_through_the_handles() {
             assert_eq!(taken.verified, None, "engine memory: the engine verifies, not the agent");
         }
         println!("{} rooms requested, announced, landed and taken in {:?}", rooms.len(), t.elapsed());
-        let e = decode.take(1).await.err().expect("a room is taken once");
+        let e = decode.take(1).await.expect_err("a room is taken once");
         assert!(matches!(e, RoomError::UnknownRoom(1)), "{e}");
 
         shutdown.cancel();
