@@ -116,13 +116,11 @@ fn random_message(rng: &mut StdRng) -> Message {
             token: format!("x{}", text(rng, 20)),
             slots: rng.random_range(0..16),
             slot_bytes: rng.random(),
-            pool: rng
-                .random_bool(0.5)
-                .then(|| kvferry::protocol::RemoteMemory {
-                    base: rng.random(),
-                    size: rng.random(),
-                    key: (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
-                }),
+            pool: rng.random_bool(0.5).then(|| kvferry::memory::RemoteMemory {
+                base: rng.random(),
+                size: rng.random(),
+                key: (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
+            }),
             revocable_runs: rng.random_bool(0.5),
             chunk_key: Secret::from_bytes(rng.random()),
         }),

@@ -10,7 +10,8 @@ mod common;
 use common::{AgentOpts, release_binary, runtime};
 use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
 use kvferry::layout::{KvLayout, ModelSpec, PageOrder};
-use kvferry::protocol::{Hello, Message, Ranks, RemoteMemory, Role, WireLayout};
+use kvferry::memory::RemoteMemory;
+use kvferry::protocol::{Hello, Message, Ranks, Role, WireLayout};
 use kvferry::transport::ucx::{UcxConfig, UcxWorker};
 use uuid::Uuid;
 

@@ -21,7 +21,7 @@ use std::ops::Range;
 use uuid::Uuid;
 
 use crate::layout::{AttentionKind, Dtype, PageOrder};
-pub use crate::memory::RemoteMemory;
+use crate::memory::RemoteMemory;
 use crate::reason::FailureCode;
 
 /// Four bytes that open every frame; anything else is foreign traffic.

@@ -2,6 +2,7 @@
 //! them back from untrusted bytes (every read checked and named, see `codec.rs`), and the
 //! stable tags of the enums they carry.
 
+use crate::memory::RemoteMemory;
 use std::ops::Range;
 
 use uuid::Uuid;
@@ -9,7 +10,7 @@ use uuid::Uuid;
 use super::DecodeError;
 use crate::layout::{AttentionKind, Dtype, PageOrder};
 use crate::protocol::{
-    MAX_AUX, MAX_PAGES, MAX_RUNS, MAX_STRING, Placed, Ranks, RemoteMemory, Role, Secret, WireLayout,
+    MAX_AUX, MAX_PAGES, MAX_RUNS, MAX_STRING, Placed, Ranks, Role, Secret, WireLayout,
 };
 use crate::reason::FailureCode;
 

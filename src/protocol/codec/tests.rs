@@ -5,6 +5,7 @@ use uuid::Uuid;
 
 use super::*;
 use crate::layout::{AttentionKind, Dtype, PageOrder};
+use crate::memory::RemoteMemory;
 use crate::protocol::*;
 use crate::reason::FailureCode;
 
