@@ -19,7 +19,7 @@ use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry::agent::{AgentConfig, RoomError};
 use kvferry::cli::AgentArgs;
-use kvferry::pool::{EngineRegion, HostPool};
+use kvferry::pool::HostPool;
 use rand::seq::SliceRandom;
 use rand::{Rng, RngCore, SeedableRng};
 use tokio_util::sync::CancellationToken;
@@ -42,14 +42,7 @@ struct Engine {
 
 impl Engine {
     fn pool(&mut self, cfg: &AgentConfig) -> HostPool {
-        let regions: Vec<EngineRegion> = self
-            .buffers
-            .iter_mut()
-            .map(|b| EngineRegion {
-                addr: b.as_mut_ptr() as usize,
-                len: b.len(),
-            })
-            .collect();
+        let regions = common::reference::regions(&mut self.buffers);
         // SAFETY: the buffers stay allocated and unmoved until the agents are joined, which
         // happens before the engines drop (see the end of the test).
         unsafe { HostPool::engine(cfg.layout.clone(), cfg.pool_pages, &regions) }
@@ -148,14 +141,7 @@ fn engines_in_different_formats_exchange_kv_in_place_through_the_handles() {
         .expect("tokio runtime");
     rt.block_on(async {
         let shutdown = CancellationToken::new();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let registry = format!("http://{}", listener.local_addr().unwrap());
-        let stop = shutdown.clone();
-        let served = tokio::spawn(kvferry_bootstrap::serve(
-            listener,
-            kvferry_bootstrap::ServerConfig::default(),
-            stop,
-        ));
+        let (registry, served) = common::registry_in_process(&shutdown).await;
         let (p_cfg, d_cfg) = (config(&registry, "sglang-mha"), config(&registry, "vllm-flash-hnd"));
         let mut p_engine = engine(&p_cfg, "sglang-mha", |b| rng.fill_bytes(b));
         let mut d_engine = engine(&d_cfg, "vllm-flash-hnd", |b| b.fill(POISON));

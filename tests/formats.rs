@@ -97,14 +97,7 @@ impl Engine {
 
     /// A pool over the buffers. The buffers outlive the pool (it is dropped first).
     fn pool(&mut self, layout: &KvLayout, pages: usize) -> HostPool {
-        let regions: Vec<EngineRegion> = self
-            .buffers
-            .iter_mut()
-            .map(|b| EngineRegion {
-                addr: b.as_mut_ptr() as usize,
-                len: b.len(),
-            })
-            .collect();
+        let regions = common::reference::regions(&mut self.buffers);
         // SAFETY: the buffers stay allocated and unmoved while the pool lives (each test drops
         // the pool before the engine), and nothing references them meanwhile.
         unsafe { HostPool::engine(layout.clone(), pages, &regions) }.unwrap()
@@ -254,13 +247,7 @@ fn engine_regions_that_do_not_fit_the_layout_are_refused() {
     let layout = layout_of(&KvFormat::named("sglang-mha").unwrap(), 16);
     let need = layout.region_bytes(8).unwrap();
     let mut buffers: Vec<Vec<u8>> = (0..layout.num_regions()).map(|_| vec![0; need]).collect();
-    let mut regions: Vec<EngineRegion> = buffers
-        .iter_mut()
-        .map(|b| EngineRegion {
-            addr: b.as_mut_ptr() as usize,
-            len: b.len(),
-        })
-        .collect();
+    let mut regions = common::reference::regions(&mut buffers);
     let refused = |regions: &[EngineRegion]| {
         // SAFETY: refused before any byte is touched; the buffers outlive the call.
         unsafe { HostPool::engine(layout.clone(), 8, regions) }

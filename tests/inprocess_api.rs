@@ -11,6 +11,8 @@
 //! numbers by their count. Transient states (an abort's answer, `aborting` until the prefill
 //! acknowledged) are compared only where they cannot race.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -633,11 +635,7 @@ fn the_rust_handles_and_the_http_api_give_the_same_results() {
         .expect("tokio runtime");
     rt.block_on(async {
         let shutdown = CancellationToken::new();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let registry = format!("http://{}", listener.local_addr().unwrap());
-        let stop = shutdown.clone();
-        let config = kvferry_bootstrap::ServerConfig::default();
-        let served = tokio::spawn(kvferry_bootstrap::serve(listener, config, stop));
+        let (registry, served) = common::registry_in_process(&shutdown).await;
         let flags = [
             "agent",
             "--bootstrap",

@@ -66,40 +66,29 @@ impl Dump {
     /// The element of `dtype` at `offset`, as f32.
     fn value_at(&self, offset: usize, dtype: Dtype) -> f32 {
         match dtype {
-            Dtype::Fp32 => self.f32_at(offset),
+            Dtype::Fp32 => {
+                f32::from_le_bytes(self.bytes_at(offset, 4).try_into().expect("4 bytes"))
+            }
             // bf16 is the high half of an f32.
             _ => {
-                let (lo, hi) = (self.byte_at(offset), self.byte_at(offset + 1));
-                f32::from_bits(u32::from(u16::from_le_bytes([lo, hi])) << 16)
+                let b = self.bytes_at(offset, 2);
+                f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)
             }
         }
     }
 
-    fn byte_at(&self, offset: usize) -> u8 {
+    /// The `n` bytes of vLLM's buffer at `offset`, from the extent that holds them.
+    fn bytes_at(&self, offset: usize, n: usize) -> &[u8] {
         let (&start, &(len, at)) = self
             .extents
             .range(..=offset)
             .next_back()
             .unwrap_or_else(|| panic!("offset {offset} precedes every dumped extent"));
         assert!(
-            offset < start + len,
-            "offset {offset} is outside the dumped extents"
-        );
-        self.bytes[at + offset - start]
-    }
-
-    fn f32_at(&self, offset: usize) -> f32 {
-        let (&start, &(len, at)) = self
-            .extents
-            .range(..=offset)
-            .next_back()
-            .unwrap_or_else(|| panic!("offset {offset} precedes every dumped extent"));
-        assert!(
-            offset + 4 <= start + len,
+            offset + n <= start + len,
             "offset {offset} is outside the dumped extents (nearest {start}+{len})"
         );
-        let i = at + offset - start;
-        f32::from_le_bytes(self.bytes[i..i + 4].try_into().expect("4 bytes"))
+        &self.bytes[at + offset - start..at + offset - start + n]
     }
 }
 

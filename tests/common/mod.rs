@@ -813,3 +813,17 @@ pub async fn request_and_ready(
     let ready = format!("{prefill}/v1/rooms/{room}/ready");
     expect(http, Method::POST, &ready, Some(body), StatusCode::ACCEPTED).await;
 }
+
+/// A registry served in this process on a port the OS picks until `shutdown` is cancelled: its
+/// URL, and its task (it ends once shut down).
+pub async fn registry_in_process(
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> (String, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the registry");
+    let url = format!("http://{}", listener.local_addr().expect("local address"));
+    let config = kvferry_bootstrap::ServerConfig::default();
+    let served = tokio::spawn(kvferry_bootstrap::serve(listener, config, shutdown.clone()));
+    (url, served)
+}

@@ -63,3 +63,15 @@ pub fn engine_offset(
         other => panic!("no reference for format {other}"),
     }
 }
+
+/// The regions of an engine whose KV lives in `buffers` (one per region, in the format's order),
+/// for `HostPool::engine`.
+pub fn regions(buffers: &mut [Vec<u8>]) -> Vec<kvferry::pool::EngineRegion> {
+    buffers
+        .iter_mut()
+        .map(|b| kvferry::pool::EngineRegion {
+            addr: b.as_mut_ptr() as usize,
+            len: b.len(),
+        })
+        .collect()
+}
