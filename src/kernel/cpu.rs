@@ -386,16 +386,7 @@ fn plan_head_slices(
             ),
         });
     }
-    if sel.tokens.start % page_size != 0 {
-        return Err(LayoutError::Invalid {
-            field: "tokens",
-            reason: format!(
-                "{} pages move whole: a piece must start on a page boundary ({} is not a multiple of {page_size})",
-                layout.order.name(),
-                sel.tokens.start
-            ),
-        });
-    }
+    layout.check_piece_start(sel.tokens.start)?;
     let (held, hb) = (layout.num_heads(), layout.head_bytes());
     let slice = page_size * hb;
     let stride = layout.page_stride().unwrap_or(0);

@@ -260,6 +260,22 @@ impl KvLayout {
         Ok((region, whole - region * size))
     }
 
+    /// Refuses a piece starting at token `start` that this layout's pages cannot begin at: a
+    /// head-granular page moves whole, so its pieces start on a page boundary.
+    pub fn check_piece_start(&self, start: usize) -> Result<(), LayoutError> {
+        if self.order.granularity() == Granularity::Head && start % self.page_size != 0 {
+            return Err(invalid(
+                "tokens",
+                format!(
+                    "{} pages move whole: a piece must start on a page boundary ({start} is not a multiple of the page size {})",
+                    self.order.name(),
+                    self.page_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Tokens a selection of `tokens` occupies in staging: the tokens themselves, or whole
     /// pages for a head-granular order.
     pub fn staged_tokens(&self, tokens: &std::ops::Range<usize>) -> usize {

@@ -221,6 +221,8 @@ impl Inner {
                 req.start_token, req.tokens
             )));
         }
+        l.check_piece_start(req.start_token)
+            .map_err(|e| RoomError::BadRequest(format!("start_token {}: {e}", req.start_token)))?;
         if u32::try_from(req.tokens).is_err() {
             return Err(RoomError::BadRequest(format!(
                 "tokens {} is beyond the protocol's u32",
@@ -229,8 +231,9 @@ impl Inner {
         }
         let needed = l.pages_for(req.tokens);
         ops::fits_pool(req.tokens, needed, self.pool.num_pages())?;
+        let moved = l.staged_tokens(&(req.start_token..req.tokens));
         let expected = l
-            .room_bytes(req.tokens - req.start_token)
+            .selection_bytes(moved, l.num_layers(), l.num_heads())
             .map_err(|e| RoomError::BadRequest(format!("tokens {}: {e}", req.tokens)))?;
         let (pages, lease): (Arc<[u32]>, _) = match req.pages {
             Some(pages) => {

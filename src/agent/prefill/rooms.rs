@@ -200,6 +200,8 @@ impl Inner {
                 req.tokens
             )));
         }
+        l.check_piece_start(tokens.start)
+            .map_err(|e| RoomError::BadRequest(format!("token_range {tokens:?}: {e}")))?;
         if layers.is_empty() || layers.start < l.layers.start || layers.end > l.layers.end {
             return Err(RoomError::BadRequest(format!(
                 "layer_range {layers:?} must be a non-empty range within this rank's layers {:?}",
