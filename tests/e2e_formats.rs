@@ -11,7 +11,8 @@
 //! prefill's value and every other byte must still be poison.
 //!
 //! Configurations (100 rooms each, 8 in flight; random lengths with partial and exact last pages,
-//! random block tables on both sides, a third of the rooms announced in pieces):
+//! random block tables on both sides, a third of the rooms announced in pieces; three pairs with
+//! small chunks, so a layer's tokens go in several chunks):
 //! - vllm-cpu -> vllm-cpu (page 16), TP1 -> TP1 and TP2 -> TP1 (each prefill rank half the heads);
 //! - sglang-mha -> sglang-mha, page 1 and page 16;
 //! - sglang-mla -> sglang-mla (an MLA shape);
@@ -43,6 +44,11 @@ use serde_json::{Value, json};
 const POISON: u8 = 0xDE;
 /// Rooms in flight at once.
 const IN_FLIGHT: usize = 8;
+/// `--chunk-bytes` that cuts every room of more than a page or two into several chunks per
+/// layer (on page boundaries), so chunks start mid-room in every format.
+const SMALL_CHUNKS: usize = 12 << 10;
+/// The agents' default `--chunk-bytes`.
+const DEFAULT_CHUNKS: usize = 1 << 20;
 /// Pages of each pool no room uses (they must stay poison on the decode).
 const SPARE_PAGES: usize = 7;
 
@@ -321,6 +327,9 @@ struct Config {
     max_tokens: usize,
     /// Hello refuses the pair: every room fails `incompatible_layout`.
     refused: bool,
+    /// `--chunk-bytes` of both agents: the default (1 MiB) sends a room's layers in one
+    /// chunk; [`SMALL_CHUNKS`] cuts them into page runs.
+    chunk_bytes: usize,
 }
 
 /// A piece the prefill engine announces.
@@ -553,6 +562,7 @@ fn start_cluster(cfg: &Config, decode: &EngineFile, prefills: &[Arc<EngineFile>]
         let mut args = owned(&[role, "--bootstrap", &url]);
         args.extend(opts.args());
         set_flag(&mut args, "--page-size", &cfg.page.to_string());
+        set_flag(&mut args, "--chunk-bytes", &cfg.chunk_bytes.to_string());
         args.extend(cfg.model.flags());
         args.extend(owned(&[
             "--kv-format",
@@ -812,12 +822,14 @@ fn run(cfg: Config) {
     let t0 = Instant::now();
     let seed = test_seed();
     println!(
-        "[{}] {} (TP{}) -> {} (TP1), page {}, {:?}; seed {seed} (KVFERRY_TEST_SEED repeats it)",
+        "[{}] {} (TP{}) -> {} (TP1), page {}, chunks of {} KiB, {:?}; seed {seed} \
+         (KVFERRY_TEST_SEED repeats it)",
         cfg.tag,
         cfg.prefill.name(),
         cfg.prefill_tp,
         cfg.decode.name(),
         cfg.page,
+        cfg.chunk_bytes >> 10,
         cfg.model
     );
     let mut rng = StdRng::seed_from_u64(seed);
@@ -1007,8 +1019,13 @@ fn run(cfg: Config) {
     };
     let landed: usize = rooms.iter().map(|r| r.tokens).sum::<usize>() * bpt;
     let pieced = rooms.iter().filter(|r| r.pieced()).count();
+    let most_chunks = results
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().ok()?["chunks"].as_u64())
+        .max()
+        .unwrap_or(0);
     println!(
-        "[{}] {} rooms ({pieced} in pieces, {:.1} MiB of KV) {} in {:.0} ms; files {} ({:.0} ms); \
+        "[{}] {} rooms ({pieced} in pieces, {:.1} MiB of KV) {} in {:.0} ms; up to {most_chunks} chunks a room; files {} ({:.0} ms); \
          setup {:.0} ms, total {:.0} ms",
         cfg.tag,
         rooms.len(),
@@ -1047,6 +1064,7 @@ fn vllm_cpu_to_vllm_cpu() {
         rooms: 100,
         max_tokens: 160,
         refused: false,
+        chunk_bytes: DEFAULT_CHUNKS,
     });
 }
 
@@ -1063,6 +1081,7 @@ fn vllm_cpu_tp2_to_vllm_cpu_tp1() {
         rooms: 100,
         max_tokens: 160,
         refused: false,
+        chunk_bytes: SMALL_CHUNKS,
     });
 }
 
@@ -1078,6 +1097,7 @@ fn sglang_mha_page_1() {
         rooms: 100,
         max_tokens: 120,
         refused: false,
+        chunk_bytes: SMALL_CHUNKS,
     });
 }
 
@@ -1093,6 +1113,7 @@ fn sglang_mha_page_16() {
         rooms: 100,
         max_tokens: 160,
         refused: false,
+        chunk_bytes: DEFAULT_CHUNKS,
     });
 }
 
@@ -1108,6 +1129,7 @@ fn sglang_mla_to_sglang_mla() {
         rooms: 100,
         max_tokens: 160,
         refused: false,
+        chunk_bytes: DEFAULT_CHUNKS,
     });
 }
 
@@ -1124,6 +1146,7 @@ fn vllm_flash_nhd_to_sglang_mha() {
         rooms: 100,
         max_tokens: 160,
         refused: false,
+        chunk_bytes: SMALL_CHUNKS,
     });
 }
 
@@ -1139,6 +1162,7 @@ fn flashinfer_to_vllm_flash_hnd() {
         rooms: 100,
         max_tokens: 160,
         refused: false,
+        chunk_bytes: DEFAULT_CHUNKS,
     });
 }
 
@@ -1156,5 +1180,6 @@ fn vllm_cpu_to_token_major_is_refused() {
         rooms: 10,
         max_tokens: 160,
         refused: true,
+        chunk_bytes: DEFAULT_CHUNKS,
     });
 }
