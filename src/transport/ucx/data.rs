@@ -116,11 +116,21 @@ const EAGER_TCP_SEGMENTS: [(&str, &str, &str); 2] = [
     ("TCP_RX_SEG_SIZE", "RX_SEG_SIZE", EAGER_TCP_SEGMENT),
 ];
 
+/// Every worker looks endpoints up by indirect ids in the wire protocols (UCX's `auto` does so
+/// only for endpoints with error handling, not for the ones UCX creates for a connecting
+/// peer). With direct ids, UCX 1.13 dereferences the id a message names: a rendezvous request
+/// still queued from a peer that died, processed after UCX dropped that peer's endpoint, read
+/// freed memory and aborted the decode (`ucp_worker.inl:92 Assertion `(*ep_p)->worker ==
+/// worker' failed`, in `ucp_rndv_receive`, a prefill killed mid-room over shared memory).
+/// With indirect ids the lookup fails and UCX drops the request.
+const INDIRECT_IDS: (&str, &str, &str) = ("PROTO_INDIRECT_ID", "PROTO_INDIRECT_ID", "on");
+
 /// The size of [`EAGER_TCP_SEGMENTS`].
 const EAGER_TCP_SEGMENT: &str = "1m";
 
 /// The UCX settings an agent's worker adds to the environment's (`is_set` says which the
 /// environment has, by its name without `UCX_`), each unless the environment sets it:
+/// - always: indirect endpoint ids ([`INDIRECT_IDS`]);
 /// - when `tls` allows tcp only and the environment sets no `RNDV_THRESH` (eager chunks,
 ///   `eager_chunks`): no rendezvous and the large tcp segments (`EAGER_TCP_SEGMENTS`);
 /// - otherwise, wherever tcp may carry the traffic (`tls` unset, an exclusion list, or naming
@@ -140,17 +150,18 @@ pub fn worker_vars(
             .map(|&(_, name, value)| (name, value))
             .collect()
     };
+    let mut vars = unless_set(&[INDIRECT_IDS]);
     if eager_chunks(tls, is_set("RNDV_THRESH")) {
-        let mut vars = vec![("RNDV_THRESH", "inf")];
+        vars.push(("RNDV_THRESH", "inf"));
         vars.extend(unless_set(&EAGER_TCP_SEGMENTS));
         return vars;
     }
     let tcp_possible =
         tls.is_none_or(|list| list.starts_with('^') || list.split(',').any(|t| t.trim() == "tcp"));
-    match tcp_possible {
-        true => unless_set(&EAGER_TCP_SEGMENTS[1..]),
-        false => Vec::new(),
+    if tcp_possible {
+        vars.extend(unless_set(&EAGER_TCP_SEGMENTS[1..]));
     }
+    vars
 }
 
 /// The worker's config: the `UCX_*` environment plus [`worker_vars`], eager

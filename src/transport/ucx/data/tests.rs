@@ -69,9 +69,11 @@ fn rma_lanes_are_read_off_the_endpoint_description() {
 #[test]
 fn eager_tcp_workers_take_large_segments_unless_the_environment_says_otherwise() {
     let none = |_: &str| false;
+    let ids = ("PROTO_INDIRECT_ID", "on");
     assert_eq!(
         worker_vars(Some("tcp"), none),
         [
+            ids,
             ("RNDV_THRESH", "inf"),
             ("TX_SEG_SIZE", EAGER_TCP_SEGMENT),
             ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)
@@ -80,17 +82,22 @@ fn eager_tcp_workers_take_large_segments_unless_the_environment_says_otherwise()
     let tx_set = |name: &str| name == "TCP_TX_SEG_SIZE";
     assert_eq!(
         worker_vars(Some("tcp,self"), tx_set),
-        [("RNDV_THRESH", "inf"), ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)]
+        [
+            ids,
+            ("RNDV_THRESH", "inf"),
+            ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)
+        ]
     );
     // Rendezvous wanted, or not tcp alone: UCX's own settings, but segments large enough to
     // receive an eager peer's wherever tcp may carry them.
-    let rx = [("RX_SEG_SIZE", EAGER_TCP_SEGMENT)];
+    let rx = [ids, ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)];
     assert_eq!(worker_vars(Some("tcp"), |name| name == "RNDV_THRESH"), rx);
     assert_eq!(worker_vars(None, none), rx);
     assert_eq!(worker_vars(Some("^ud"), none), rx);
     assert_eq!(worker_vars(Some("tcp,cma"), none), rx);
-    assert!(worker_vars(None, |name| name == "TCP_RX_SEG_SIZE").is_empty());
-    assert!(worker_vars(Some("posix,cma,self"), none).is_empty());
+    assert_eq!(worker_vars(None, |name| name == "TCP_RX_SEG_SIZE"), [ids]);
+    assert_eq!(worker_vars(Some("posix,cma,self"), none), [ids]);
+    assert!(worker_vars(Some("posix"), |name| name == "PROTO_INDIRECT_ID").is_empty());
 }
 
 #[test]
