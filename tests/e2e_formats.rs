@@ -18,7 +18,8 @@
 //! - sglang-mha -> sglang-mha, page 1 and page 16;
 //! - sglang-mla -> sglang-mla (an MLA shape);
 //! - vllm-flash-nhd -> sglang-mha and flashinfer -> vllm-flash-hnd (token-granular formats
-//!   exchange KV whatever their order and placement);
+//!   exchange KV whatever their order and placement), and sglang-mha with one-token pages ->
+//!   vllm-flash-hnd with 16 (and whatever their page sizes);
 //! - vllm-cpu-vec -> kvferry, refused at Hello: every room fails `incompatible_layout`, naming
 //!   the page orders, and the decode's file stays poison.
 //!
@@ -84,7 +85,11 @@ const TINY_MLA: Model = Model {
 struct Config {
     tag: &'static str,
     model: Model,
+    /// Tokens per page of the prefill's pool.
     page: usize,
+    /// Tokens per page of the decode's pool (token-granular pools of other page sizes
+    /// exchange KV in token rows).
+    decode_page: usize,
     prefill: Format,
     prefill_tp: usize,
     decode: Format,
@@ -113,19 +118,19 @@ fn plan_rooms(cfg: &Config, rng: &mut StdRng) -> (Vec<RoomPlan>, usize, usize) {
             _ => rng.random_range(1..=cfg.max_tokens),
         })
         .collect();
-    let needed: usize = tokens.iter().map(|t| t.div_ceil(b)).sum();
-    let table = |format: Format, rng: &mut StdRng| {
+    let needed = |page: usize| -> usize { tokens.iter().map(|t| t.div_ceil(page)).sum() };
+    let table = |format: Format, page: usize, rng: &mut StdRng| {
         let first = usize::from(format.reserves_page0());
-        let pages = needed + first + SPARE_PAGES;
+        let pages = needed(page) + first + SPARE_PAGES;
         let mut free: Vec<u32> = (first as u32..pages as u32).collect();
         free.shuffle(rng);
         (pages, free)
     };
-    let (decode_pages, mut decode_free) = table(cfg.decode, rng);
+    let (decode_pages, mut decode_free) = table(cfg.decode, cfg.decode_page, rng);
     let mut prefill_pages = 0;
     let mut prefill_free: Vec<Vec<u32>> = (0..cfg.prefill_tp)
         .map(|_| {
-            let (n, free) = table(cfg.prefill, rng);
+            let (n, free) = table(cfg.prefill, b, rng);
             prefill_pages = n;
             free
         })
@@ -136,7 +141,7 @@ fn plan_rooms(cfg: &Config, rng: &mut StdRng) -> (Vec<RoomPlan>, usize, usize) {
         .enumerate()
         .map(|(i, &n)| {
             let pages = n.div_ceil(b);
-            let decode = decode_free.split_off(decode_free.len() - pages);
+            let decode = decode_free.split_off(decode_free.len() - n.div_ceil(cfg.decode_page));
             let prefill = prefill_free
                 .iter_mut()
                 .map(|f| f.split_off(f.len() - pages))
@@ -215,6 +220,10 @@ fn start_cluster(cfg: &Config, decode: &EngineFile, prefills: &[Arc<EngineFile>]
     );
     let url = registry.field("url");
     let agent = |role: &str, name: &str, file: &EngineFile, format: Format, tp: (usize, usize)| {
+        let page = match role {
+            "decode" => cfg.decode_page,
+            _ => cfg.page,
+        };
         let opts = AgentOpts {
             model: cfg.model.preset,
             pool_pages: file.pool.pages,
@@ -223,7 +232,7 @@ fn start_cluster(cfg: &Config, decode: &EngineFile, prefills: &[Arc<EngineFile>]
         };
         let mut args = owned(&[role, "--bootstrap", &url]);
         args.extend(opts.args());
-        set_flag(&mut args, "--page-size", &cfg.page.to_string());
+        set_flag(&mut args, "--page-size", &page.to_string());
         set_flag(&mut args, "--chunk-bytes", &cfg.chunk_bytes.to_string());
         args.extend(cfg.model.flags());
         args.extend(owned(&[
@@ -364,13 +373,14 @@ fn run(cfg: Config) {
     let t0 = Instant::now();
     let seed = test_seed();
     println!(
-        "[{}] {} (TP{}) -> {} (TP1), page {}, chunks of {} KiB, {:?}; seed {seed} \
+        "[{}] {} (TP{}) -> {} (TP1), pages of {} and {} tokens, chunks of {} KiB, {:?}; seed {seed} \
          (KVFERRY_TEST_SEED repeats it)",
         cfg.tag,
         cfg.prefill.name(),
         cfg.prefill_tp,
         cfg.decode.name(),
         cfg.page,
+        cfg.decode_page,
         cfg.chunk_bytes >> 10,
         cfg.model
     );
@@ -400,7 +410,7 @@ fn run(cfg: Config) {
         cfg.decode,
         cfg.model,
         0..cfg.model.heads,
-        cfg.page,
+        cfg.decode_page,
         decode_pages,
     );
     let decode = EngineFile::create(
@@ -478,7 +488,7 @@ fn run(cfg: Config) {
         let Ok(v) = r else { continue };
         let bytes = v["bytes"].as_u64().unwrap_or(u64::MAX) as usize;
         let tokens = room.tokens * bpt;
-        let whole = room.tokens.div_ceil(cfg.page) * cfg.page * bpt;
+        let whole = room.tokens.div_ceil(cfg.decode_page) * cfg.decode_page * bpt;
         let want = if cfg.refused {
             0
         } else if cfg.decode.whole_pages() {
@@ -589,6 +599,7 @@ fn vllm_cpu_to_vllm_cpu() {
         tag: "vllm-cpu",
         model: TINY,
         page: 16,
+        decode_page: 16,
         prefill: Format::VllmCpuVec,
         prefill_tp: 1,
         decode: Format::VllmCpuVec,
@@ -606,6 +617,7 @@ fn vllm_cpu_tp2_to_vllm_cpu_tp1() {
         tag: "vllm-cpu-tp2",
         model: TINY,
         page: 16,
+        decode_page: 16,
         prefill: Format::VllmCpuVec,
         prefill_tp: 2,
         decode: Format::VllmCpuVec,
@@ -622,6 +634,7 @@ fn sglang_mha_page_1() {
         tag: "sglang-mha-p1",
         model: SMALL_BF16,
         page: 1,
+        decode_page: 1,
         prefill: Format::SglangMha,
         prefill_tp: 1,
         decode: Format::SglangMha,
@@ -638,6 +651,7 @@ fn sglang_mha_page_16() {
         tag: "sglang-mha-p16",
         model: TINY,
         page: 16,
+        decode_page: 16,
         prefill: Format::SglangMha,
         prefill_tp: 1,
         decode: Format::SglangMha,
@@ -654,6 +668,7 @@ fn sglang_mla_to_sglang_mla() {
         tag: "sglang-mla",
         model: TINY_MLA,
         page: 1,
+        decode_page: 1,
         prefill: Format::SglangMla,
         prefill_tp: 1,
         decode: Format::SglangMla,
@@ -671,6 +686,7 @@ fn vllm_flash_nhd_to_sglang_mha() {
         tag: "nhd-to-sglang",
         model: TINY,
         page: 16,
+        decode_page: 16,
         prefill: Format::VllmFlashNhd,
         prefill_tp: 1,
         decode: Format::SglangMha,
@@ -687,6 +703,7 @@ fn flashinfer_to_vllm_flash_hnd() {
         tag: "flashinfer-to-hnd",
         model: TINY,
         page: 16,
+        decode_page: 16,
         prefill: Format::FlashInfer,
         prefill_tp: 1,
         decode: Format::VllmFlashHnd,
@@ -705,6 +722,7 @@ fn vllm_cpu_to_token_major_is_refused() {
         tag: "vllm-cpu-refused",
         model: TINY,
         page: 16,
+        decode_page: 16,
         prefill: Format::VllmCpuVec,
         prefill_tp: 1,
         decode: Format::Kvferry,
@@ -712,5 +730,24 @@ fn vllm_cpu_to_token_major_is_refused() {
         max_tokens: 160,
         refused: true,
         chunk_bytes: DEFAULT_CHUNKS,
+    });
+}
+
+/// Token-granular pools of other page sizes exchange KV in token rows: SGLang's one-slot pages
+/// into vLLM HND blocks of 16 (whose own order cannot meet one-slot page blocks).
+#[test]
+fn sglang_mha_page_1_to_vllm_flash_hnd_page_16() {
+    run(Config {
+        tag: "sglang-p1-to-hnd-p16",
+        model: TINY,
+        page: 1,
+        decode_page: 16,
+        prefill: Format::SglangMha,
+        prefill_tp: 1,
+        decode: Format::VllmFlashHnd,
+        rooms: 100,
+        max_tokens: 160,
+        refused: false,
+        chunk_bytes: SMALL_CHUNKS,
     });
 }

@@ -390,22 +390,17 @@ pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result
             theirs.head_dim.to_string(),
         ),
         (
-            "page_size",
-            ours.page_size.to_string(),
-            theirs.page_size.to_string(),
-        ),
-        (
             "num_layers",
             ours.num_layers.to_string(),
             theirs.num_layers.to_string(),
         ),
+        (
+            "num_kv_heads",
+            ours.num_kv_heads.to_string(),
+            theirs.num_kv_heads.to_string(),
+        ),
     ];
-    let heads = (ours.num_kv_heads, theirs.num_kv_heads);
-    for (field, a, b) in
-        fields
-            .into_iter()
-            .chain([("num_kv_heads", heads.0.to_string(), heads.1.to_string())])
-    {
+    for (field, a, b) in fields {
         if a != b {
             return Err(Reason::new(
                 FailureCode::IncompatibleLayout,
@@ -413,24 +408,19 @@ pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result
             ));
         }
     }
-    let (a, b) = (ours.order, theirs.order);
-    let head_granular = [a, b]
-        .iter()
-        .any(|o| o.granularity() == crate::layout::Granularity::Head);
-    if head_granular && a != b {
-        return Err(Reason::new(
-            FailureCode::IncompatibleLayout,
-            format!(
-                "page orders differ: ours {a}, peer's {b}; {} pages move only as whole head slices, to a pool of the same order",
-                if a.granularity() == crate::layout::Granularity::Head {
-                    a
-                } else {
-                    b
-                }
-            ),
-        ));
-    }
-    Ok(())
+    let incompatible = |m: String| Reason::new(FailureCode::IncompatibleLayout, m);
+    let (a, b) = (
+        layout_of(ours).map_err(|e| incompatible(e.to_string()))?,
+        layout_of(theirs).map_err(|e| incompatible(e.to_string()))?,
+    );
+    crate::layout::wire_order(&a, &b)
+        .map(|_| ())
+        .map_err(|why| {
+            incompatible(format!(
+                "ours {} against the peer's {}: {why}",
+                a.order, b.order
+            ))
+        })
 }
 
 /// Which (local layer, token, local head) cells of a room are marked: landed (decode) or
@@ -633,12 +623,36 @@ mod tests {
             .unwrap();
         let ours = wire_layout(&l);
         let theirs = WireLayout {
-            page_size: 32,
+            head_dim: 64,
             ..ours.clone()
         };
         let r = check_compatible(&ours, &theirs).unwrap_err();
         assert_eq!(r.code, FailureCode::IncompatibleLayout);
-        assert_eq!(r.message, "page_size differs: ours 16, peer's 32");
+        assert_eq!(r.message, "head_dim differs: ours 32, peer's 64");
         assert!(check_compatible(&ours, &ours).is_ok());
+        // Token-granular pools of other page sizes pair; pages that move whole do not.
+        let p32 = WireLayout {
+            page_size: 32,
+            ..ours.clone()
+        };
+        assert!(check_compatible(&ours, &p32).is_ok());
+        let cpu = |page_size| WireLayout {
+            order: PageOrder::VllmCpuVec,
+            page_size,
+            ..ours.clone()
+        };
+        let r = check_compatible(&cpu(16), &cpu(32)).unwrap_err();
+        assert!(
+            r.message
+                .contains("page_size must match (source 16, destination 32)"),
+            "{}",
+            r.message
+        );
+        let r = check_compatible(&cpu(16), &ours).unwrap_err();
+        assert!(
+            r.message.contains("vllm_cpu_vec") && r.message.contains("token_major"),
+            "{}",
+            r.message
+        );
     }
 }

@@ -292,12 +292,17 @@ impl KvLayout {
 /// The order the bytes of a transfer between a `source` and a `destination` pool take in
 /// staging, or why the pair cannot move KV. Token-granular pools move tokens in the
 /// destination's order (its scatter then copies the longest runs), whatever their orders,
-/// placements and regions; a head-granular pool moves only to and from a pool of the same
-/// order and page size, whole head slices as stored.
+/// placements and regions, and in token-major order when their page sizes differ (its page
+/// blocks concatenate into plain token rows, whatever either side's page boundaries); a
+/// head-granular pool moves only to and from a pool of the same order and page size, whole
+/// head slices as stored.
 pub fn wire_order(source: &KvLayout, destination: &KvLayout) -> Result<PageOrder, String> {
     let (a, b) = (source.order, destination.order);
     if a.granularity() == Granularity::Token && b.granularity() == Granularity::Token {
-        return Ok(b);
+        return Ok(match source.page_size == destination.page_size {
+            true => b,
+            false => PageOrder::TokenMajor,
+        });
     }
     if a != b {
         return Err(format!(
@@ -313,7 +318,7 @@ pub fn wire_order(source: &KvLayout, destination: &KvLayout) -> Result<PageOrder
     }
     if source.page_size != destination.page_size {
         return Err(format!(
-            "{} pages move whole: page sizes must match (source {}, destination {})",
+            "{} pages move whole: page_size must match (source {}, destination {})",
             a.name(),
             source.page_size,
             destination.page_size

@@ -216,7 +216,12 @@ fn token_granular_formats_pair_and_head_granular_ones_only_with_themselves() {
         "{e}"
     );
     let e = wire_order(&cpu, &with("vllm-cpu-vec", 32)).unwrap_err();
-    assert!(e.contains("page sizes must match"), "{e}");
+    assert!(e.contains("page_size must match"), "{e}");
+    // Token-granular pools of different page sizes meet in token rows.
+    assert_eq!(
+        wire_order(&hnd, &with("vllm-flash-hnd", 32)),
+        Ok(PageOrder::TokenMajor)
+    );
     // A piece of a head-granular pool stages whole pages.
     assert_eq!(cpu.staged_tokens(&(16..40)), 32);
     assert_eq!(nhd.staged_tokens(&(16..40)), 24);

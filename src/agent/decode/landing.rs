@@ -131,7 +131,7 @@ impl Inner {
         Ok(Admitted {
             pages: room.pages.clone(),
             sel,
-            wire: l.order,
+            wire: room.sources[source].wire,
             source,
         })
     }

@@ -291,6 +291,8 @@ struct Source {
     writes: Writes,
     /// The secret of this source's request: its chunks must carry it.
     secret: protocol::Secret,
+    /// The order its chunks' bytes come in (the request's `wire_order`).
+    wire: crate::layout::PageOrder,
 }
 
 /// Whether a source may still write into a room's pages directly.
@@ -498,7 +500,15 @@ impl Inner {
                     format!("no random bytes for the room's secret: {e}"),
                 )
             })?;
-            sources.push((peer, seg, requesters, secret));
+            // The decode's own order makes its scatter long runs (the prefill's gather
+            // converts), unless the page sizes differ: then token rows (layout::wire_order;
+            // Hello refused the pairs that cannot meet).
+            let source = KvLayout {
+                page_size: ranks[seg.prefill].layout.page_size as usize,
+                ..l.clone()
+            };
+            let wire = crate::layout::wire_order(&source, l).unwrap_or(l.order);
+            sources.push((peer, seg, requesters, secret, wire));
         }
         let (tokens, pages) = {
             let mut rooms = self.rooms();
@@ -513,7 +523,7 @@ impl Inner {
             room.progress_at = Instant::now();
             room.sources = sources
                 .iter()
-                .map(|(peer, seg, _, secret)| Source {
+                .map(|(peer, seg, _, secret, wire)| Source {
                     peer: peer.clone(),
                     layers: seg.layers.clone(),
                     heads: seg.heads.clone(),
@@ -532,20 +542,19 @@ impl Inner {
                         false => Writes::Closed,
                     },
                     secret: *secret,
+                    wire: *wire,
                 })
                 .collect();
             (tokens, room.pages.to_vec())
         };
-        for (peer, seg, requesters, secret) in sources {
+        for (peer, seg, requesters, secret, wire_order) in sources {
             let req = Message::TransferRequest(TransferRequest {
                 room: room_id,
                 prefill_instance: peer.instance,
                 tokens: tokens.start as u32..tokens.end as u32,
                 layers: seg.layers.start as u32..seg.layers.end as u32,
                 heads: seg.heads.start as u32..seg.heads.end as u32,
-                // The decode's own order makes its scatter long runs; the prefill's gather
-                // converts.
-                wire_order: l.order,
+                wire_order,
                 dst_pages: pages.clone(),
                 requesters: requesters as u32,
                 secret,

@@ -2,6 +2,7 @@
 //! Credit, Heartbeat, garbage) and the answers; every refusal is an Error with a code.
 
 use super::*;
+use crate::layout::PageOrder;
 use crate::transport::TransportErrorKind;
 
 pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
@@ -170,6 +171,7 @@ impl Inner {
             from_pool,
             posted: Mutex::new(HashMap::new()),
             chunk_key: hello.chunk_key,
+            page_size: hello.layout.page_size as usize,
         });
         if let Some(old) = self.peers().insert(identity.clone(), peer) {
             old.credits.close();
@@ -205,15 +207,26 @@ impl Inner {
         let within = |r: &Range<u32>, held: &Range<usize>| {
             r.start as usize >= held.start && r.end as usize <= held.end && !r.is_empty()
         };
+        // Page blocks of other sizes line up only as plain token rows.
+        let rows = peer.page_size == l.page_size || req.wire_order == PageOrder::TokenMajor;
         if !within(&req.layers, &l.layers)
             || !within(&req.heads, &l.heads)
             || req.tokens.is_empty()
             || req.requesters == 0
+            || !rows
         {
             self.metrics.protocol_error("inconsistent");
             let m = format!(
-                "request for layers {:?} heads {:?} tokens {:?} ({} requesters); this rank holds layers {:?} heads {:?}",
-                req.layers, req.heads, req.tokens, req.requesters, l.layers, l.heads
+                "request for layers {:?} heads {:?} tokens {:?} ({} requesters) in {} order from a pool of {}-token pages; this rank holds layers {:?} heads {:?} in {}-token pages",
+                req.layers,
+                req.heads,
+                req.tokens,
+                req.requesters,
+                req.wire_order,
+                peer.page_size,
+                l.layers,
+                l.heads,
+                l.page_size
             );
             return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m);
         }

@@ -238,6 +238,8 @@ struct Peer {
     posted: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<bool>>>,
     /// The decode's key for this connection (Hello): every chunk to it carries it.
     chunk_key: Secret,
+    /// Tokens per page of the decode's pool (Hello).
+    page_size: usize,
 }
 
 /// A decode pool this prefill writes into directly (the direct path): its layout and size,
