@@ -7,7 +7,6 @@ mod common;
 
 use common::{AgentOpts, BOUND, http, runtime};
 use kvferry::cli::demo::{LocalCluster, Shape, drive_rooms};
-use reqwest::{Method, StatusCode};
 use serde_json::json;
 
 fn run_shape(model: &'static str, prefill: Shape, decode: Shape) {
