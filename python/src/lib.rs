@@ -63,9 +63,9 @@ fn flags(options: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<String>> {
     Ok(argv)
 }
 
-/// The agent configuration of keyword options, validated and defaulted exactly as the
-/// command line is (including the `KVFERRY_*` environment variables).
-pub(crate) fn agent_config(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentConfig> {
+/// The agent flags of keyword options, parsed by the command line's parser (defaults and the
+/// `KVFERRY_*` environment variables included).
+fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentArgs> {
     let argv = flags(options)?;
     let parsed = Flags::try_parse_from(&argv).map_err(|e| {
         // clap's first line names the problem; the rest is usage for a terminal.
@@ -77,10 +77,19 @@ pub(crate) fn agent_config(options: Option<&Bound<'_, PyDict>>) -> PyResult<Agen
             .trim_start_matches("error: ");
         errors::ConfigError::new_err(first.to_owned())
     })?;
-    parsed
-        .agent
-        .config()
+    Ok(parsed.agent)
+}
+
+/// The agent configuration of keyword options, validated and defaulted exactly as the
+/// command line is.
+fn config_of(args: &AgentArgs) -> PyResult<AgentConfig> {
+    args.config()
         .map_err(|e| errors::ConfigError::new_err(format!("{e:#}")))
+}
+
+/// [`config_of`] the keyword options.
+pub(crate) fn agent_config(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentConfig> {
+    config_of(&parse(options)?)
 }
 
 /// The memory the engine provides for an agent of these options: the number of regions of its
@@ -91,10 +100,11 @@ fn memory_layout<'py>(
     py: Python<'py>,
     options: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let cfg = agent_config(options)?;
+    let args = parse(options)?;
+    let cfg = config_of(&args)?;
     let l = &cfg.layout;
     let out = PyDict::new(py);
-    out.set_item("kv_format", cfg_format(options)?)?;
+    out.set_item("kv_format", &args.kv_format)?;
     out.set_item("num_regions", l.num_regions())?;
     out.set_item(
         "region_bytes",
@@ -109,14 +119,6 @@ fn memory_layout<'py>(
     out.set_item("head_bytes", l.head_bytes())?;
     out.set_item("dtype_bytes", l.model.dtype.bytes())?;
     Ok(out)
-}
-
-/// The `kv_format` option as given, or the flag's default.
-fn cfg_format(options: Option<&Bound<'_, PyDict>>) -> PyResult<String> {
-    let argv = flags(options)?;
-    let parsed =
-        Flags::try_parse_from(&argv).map_err(|e| errors::ConfigError::new_err(e.to_string()))?;
-    Ok(parsed.agent.kv_format)
 }
 
 /// Logs to stderr, as the binary does, when `RUST_LOG` is set (an embedded agent is silent

@@ -259,3 +259,15 @@ def test_closed_agent_is_unavailable(registry):
 def test_start_error_names_the_registry():
     with pytest.raises(kvferry.StartError, match="registry"):
         kvferry.PrefillAgent(**options("http://127.0.0.1:1"), timeout_connect_ms=500)
+
+
+def test_room_keys_as_hex_or_bytes(pair):
+    with pair() as (prefill, decode, p_kv, d_kv):
+        key = "00112233445566778899aabbccddeeff"
+        prefill.ready(8, 20, pages=[30], room_key=key)
+        decode.request(8, 20, pages=[31], room_key=bytes.fromhex(key))
+        assert decode.wait(8, 30)["state"] == "success"
+        decode.take(8)
+        assert (d_kv[:, 31].view(np.uint16) == p_kv[:, 30].view(np.uint16)).all()
+        with pytest.raises(kvferry.BadRequest, match="hex"):
+            decode.request(9, 20, pages=[32], room_key="xyz")
