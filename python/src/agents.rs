@@ -54,6 +54,9 @@ impl Look for decode::RoomView {
 /// A started agent of either role, and what it must outlive.
 struct Handle<A: Send + Sync> {
     agent: Mutex<Option<Arc<A>>>,
+    /// Held for the whole of a close, so that a second `close()` returns only once the agent
+    /// is joined (and only then may the memory go).
+    closing: Mutex<()>,
     shutdown: CancellationToken,
     /// The objects that own the engine's memory; released only after the agent is joined.
     keep: Mutex<Vec<Py<PyAny>>>,
@@ -93,6 +96,7 @@ where
     let (api_url, instance, endpoint) = names(&agent);
     Ok(Handle {
         agent: Mutex::new(Some(Arc::new(agent))),
+        closing: Mutex::new(()),
         shutdown,
         keep: Mutex::new(keep),
         api_url,
@@ -110,8 +114,8 @@ impl<A: Send + Sync> Handle<A> {
             .ok_or_else(|| Unavailable::new_err("the agent is closed"))
     }
 
-    /// Runs an operation of the agent with the GIL released; `None` when the agent was closed
-    /// meanwhile.
+    /// Runs an operation of the agent with the GIL released; `Unavailable` when the agent is
+    /// or gets closed meanwhile.
     fn run<T, Fut>(&self, py: Python<'_>, op: impl FnOnce(Arc<A>) -> Fut + Send) -> PyResult<T>
     where
         T: Send,
@@ -167,6 +171,7 @@ impl<A: Send + Sync> Handle<A> {
 
     /// Cancels the agent and joins its tasks; [`Self::release`] then lets the memory go.
     fn close(&self, join: impl Fn(A) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) {
+        let _closing = self.closing.lock().unwrap_or_else(|e| e.into_inner());
         let taken = self.agent.lock().unwrap_or_else(|e| e.into_inner()).take();
         self.shutdown.cancel();
         if let Some(mut agent) = taken {

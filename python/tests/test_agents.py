@@ -271,3 +271,32 @@ def test_room_keys_as_hex_or_bytes(pair):
         assert (d_kv[:, 31].view(np.uint16) == p_kv[:, 30].view(np.uint16)).all()
         with pytest.raises(kvferry.BadRequest, match="hex"):
             decode.request(9, 20, pages=[32], room_key="xyz")
+
+
+def test_wait_releases_the_gil_and_close_ends_it(registry):
+    import threading
+    import time
+
+    opts = options(registry)
+    decode = kvferry.DecodeAgent([kv_cache(opts, "poison")], **opts)
+    decode.request(10, 20, pages=[1])
+    raised = []
+
+    def waiter():
+        try:
+            decode.wait(10, 30)
+        except kvferry.Error as e:
+            raised.append(e)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the waits block with the GIL released: this thread runs meanwhile
+    t0 = time.monotonic()
+    closers = [threading.Thread(target=decode.close) for _ in range(2)]
+    for t in closers:
+        t.start()
+    for t in closers + threads:
+        t.join(10)
+    assert time.monotonic() - t0 < 5
+    assert len(raised) == 2 and all(isinstance(e, kvferry.Unavailable) for e in raised), raised
