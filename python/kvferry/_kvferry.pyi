@@ -1,0 +1,148 @@
+"""Type stub of the extension module kvferry._kvferry (re-exported by ``kvferry``)."""
+
+from types import TracebackType
+from typing import Any, Iterable, Protocol, Sequence, SupportsIndex, Union
+
+
+
+__version__: str
+
+class _Tensor(Protocol):
+    """A torch-style tensor: contiguous, on the CPU."""
+
+    def data_ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+# One region of the engine's KV memory: an (address, length) pair (the caller keeps that
+# memory valid while the agent lives), a writable C-contiguous buffer (numpy array, bytearray,
+# mmap), an object with __array_interface__, or a tensor.
+Region = Union[tuple[int, int], Any, _Tensor]
+
+# A room's view: the fields of the HTTP API's room JSON (`room` as an int).
+View = dict[str, Any]
+
+def memory_layout(**options: Any) -> dict[str, Any]:
+    """The memory an agent of these options needs: ``num_regions``, ``region_bytes``,
+    ``kv_format``, ``pool_pages``, ``page_size``, ``layers``, ``heads``, ``planes``,
+    ``head_bytes``, ``dtype_bytes``."""
+
+class PrefillAgent:
+    """A prefill agent in this process."""
+
+    def __init__(self, regions: Iterable[Region] | None = None, **options: Any) -> None:
+        """Starts the agent; ``options`` are the ``kvferry prefill`` flags as keywords;
+        without ``regions`` the agent allocates its own pool (``pool`` option)."""
+    @property
+    def api_url(self) -> str: ...
+    @property
+    def instance(self) -> str: ...
+    @property
+    def control_endpoint(self) -> str: ...
+    def ready(
+        self,
+        room: int,
+        tokens: int,
+        pages: Sequence[SupportsIndex] | None = None,
+        token_range: tuple[int, int] | None = None,
+        layer_range: tuple[int, int] | None = None,
+        last: bool | None = None,
+        aux: bytes | None = None,
+        room_key: str | bytes | None = None,
+    ) -> View:
+        """Announces a ready piece of a room (the whole room without ranges)."""
+    def view(self, room: int) -> View:
+        """The room's view now; never blocks."""
+    def wait(self, room: int, timeout: float) -> View:
+        """Blocks (GIL released) until the room is final: its view on success, its reason's
+        exception (a RoomFailed subclass) on failure or abort, WaitTimeout after ``timeout``
+        seconds."""
+    def abort(self, room: int) -> View: ...
+    def pool(self) -> dict[str, int]:
+        """Agent-owned pages: ``free_pages``, ``total_pages``."""
+    def close(self) -> None:
+        """Stops the agent, joins its tasks, then drops its references to the memory."""
+    def __enter__(self) -> "PrefillAgent": ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+class DecodeAgent:
+    """A decode agent in this process."""
+
+    def __init__(self, regions: Iterable[Region] | None = None, **options: Any) -> None:
+        """Starts the agent; ``options`` are the ``kvferry decode`` flags as keywords."""
+    @property
+    def api_url(self) -> str: ...
+    @property
+    def instance(self) -> str: ...
+    @property
+    def data_endpoint(self) -> str: ...
+    def request(
+        self,
+        room: int,
+        tokens: int,
+        pages: Sequence[SupportsIndex] | None = None,
+        start_token: int = 0,
+        bootstrap: str | None = None,
+        dp_rank: int | None = None,
+        room_key: str | bytes | None = None,
+    ) -> View:
+        """Asks for a room's KV into ``pages`` (the engine's) or the agent's own pages."""
+    def view(self, room: int) -> View: ...
+    def wait(self, room: int, timeout: float) -> View:
+        """As PrefillAgent.wait."""
+    def take(self, room: int) -> View:
+        """Hands a landed room over and forgets it (its view plus ``aux`` bytes and
+        ``verified``); a failed or aborted room is taken too, then raises its reason's
+        exception."""
+    def abort(self, room: int) -> View: ...
+    def pool(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "DecodeAgent": ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+FAILURE_CODES: dict[str, type[RoomFailed]]
+
+class Error(Exception): ...
+class ConfigError(Error): ...
+class RegionError(Error): ...
+class StartError(Error): ...
+class WaitTimeout(Error):
+    room: int
+    view: View
+
+class BadRequest(Error): ...
+class UnknownRoom(Error): ...
+class Conflict(Error): ...
+class Exhausted(Error): ...
+class Unavailable(Error): ...
+
+class RoomFailed(Error):
+    room: int
+    code: str
+    message: str
+    view: View
+
+class PeerDead(RoomFailed): ...
+class TimeoutBootstrap(RoomFailed): ...
+class TimeoutReady(RoomFailed): ...
+class TimeoutStall(RoomFailed): ...
+class Aborted(RoomFailed): ...
+class Checksum(RoomFailed): ...
+class IncompatibleLayout(RoomFailed): ...
+class IncompatibleVersion(RoomFailed): ...
+class Unreachable(RoomFailed): ...
+class Unauthorized(RoomFailed): ...
+class BadMessage(RoomFailed): ...
+class VerifyFailed(RoomFailed): ...
+class PeerUnknownRoom(RoomFailed): ...
+class Shutdown(RoomFailed): ...

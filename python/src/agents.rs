@@ -1,0 +1,478 @@
+//! `kvferry.PrefillAgent` and `kvferry.DecodeAgent`: the library's agents, started on the
+//! module's runtime over the engine's memory, with the room operations of the Rust handles.
+//!
+//! Every call that can block (start, the operations, wait, close) releases the GIL. `wait`
+//! waits in slices of at most [`SLICE`] so that Ctrl-C reaches the engine. The agent holds the
+//! Python objects that own its memory until its tasks are joined: on `close()`, on leaving a
+//! `with` block, or when the agent object is collected.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvferry::agent::decode::{self, RoomRequest};
+use kvferry::agent::prefill::{self, ReadyRequest};
+use kvferry::agent::room::RoomState;
+use kvferry::agent::{AgentConfig, AgentError, PoolCounts, RoomError};
+use kvferry::reason::Reason;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use serde::Serialize;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::errors::{self, Unavailable};
+use crate::{convert, memory, runtime};
+
+/// The longest the GIL stays released in one piece of a wait.
+const SLICE: Duration = Duration::from_millis(200);
+
+/// What `wait` needs of a view.
+trait Look: Serialize + Send {
+    fn state(&self) -> RoomState;
+    fn reason(&self) -> Option<&Reason>;
+}
+
+impl Look for prefill::RoomView {
+    fn state(&self) -> RoomState {
+        self.state
+    }
+    fn reason(&self) -> Option<&Reason> {
+        self.reason.as_ref()
+    }
+}
+
+impl Look for decode::RoomView {
+    fn state(&self) -> RoomState {
+        self.state
+    }
+    fn reason(&self) -> Option<&Reason> {
+        self.reason.as_ref()
+    }
+}
+
+/// A started agent of either role, and what it must outlive.
+struct Handle<A: Send + Sync> {
+    agent: Mutex<Option<Arc<A>>>,
+    /// Held for the whole of a close, so that a second `close()` returns only once the agent
+    /// is joined (and only then may the memory go).
+    closing: Mutex<()>,
+    shutdown: CancellationToken,
+    /// The objects that own the engine's memory; released only after the agent is joined.
+    keep: Mutex<Vec<Py<PyAny>>>,
+    api_url: String,
+    instance: String,
+    /// The prefill's control endpoint, the decode's data endpoint.
+    endpoint: String,
+}
+
+/// Builds the pool and starts an agent of either role.
+fn start<A, F, Fut>(
+    py: Python<'_>,
+    regions: Option<&Bound<'_, PyAny>>,
+    options: Option<&Bound<'_, PyDict>>,
+    start: F,
+    names: impl Fn(&A) -> (String, String, String),
+) -> PyResult<Handle<A>>
+where
+    A: Send + Sync,
+    F: FnOnce(AgentConfig, Option<kvferry::pool::HostPool>, CancellationToken) -> Fut + Send,
+    Fut: Future<Output = Result<A, AgentError>>,
+{
+    let cfg = crate::agent_config(options)?;
+    let (pool, keep) = match regions {
+        Some(items) => {
+            let regions = memory::regions(items)?;
+            let pool = memory::engine_pool(cfg.layout.clone(), cfg.pool_pages, &regions)?;
+            (Some(pool), regions.keep)
+        }
+        None => (None, Vec::new()),
+    };
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let agent = py
+        .detach(|| runtime().block_on(start(cfg, pool, token)))
+        .map_err(|e| errors::StartError::new_err(e.to_string()))?;
+    let (api_url, instance, endpoint) = names(&agent);
+    Ok(Handle {
+        agent: Mutex::new(Some(Arc::new(agent))),
+        closing: Mutex::new(()),
+        shutdown,
+        keep: Mutex::new(keep),
+        api_url,
+        instance,
+        endpoint,
+    })
+}
+
+impl<A: Send + Sync> Handle<A> {
+    /// The running agent, or `Unavailable` once closed.
+    fn get(&self) -> PyResult<Arc<A>> {
+        let agent = self.agent.lock().unwrap_or_else(|e| e.into_inner());
+        agent
+            .clone()
+            .ok_or_else(|| Unavailable::new_err("the agent is closed"))
+    }
+
+    /// Runs an operation of the agent with the GIL released; `Unavailable` when the agent is
+    /// or gets closed meanwhile.
+    fn run<T, Fut>(&self, py: Python<'_>, op: impl FnOnce(Arc<A>) -> Fut + Send) -> PyResult<T>
+    where
+        T: Send,
+        Fut: Future<Output = Result<T, RoomError>>,
+    {
+        let agent = self.get()?;
+        let shutdown = &self.shutdown;
+        py.detach(|| {
+            runtime().block_on(async {
+                tokio::select! {
+                    r = op(agent) => Some(r),
+                    _ = shutdown.cancelled() => None,
+                }
+            })
+        })
+        .ok_or_else(|| Unavailable::new_err("the agent is closed"))?
+        .map_err(errors::room_error)
+    }
+
+    /// Waits until the room is final (see [`finished`]) or `timeout` seconds passed.
+    fn wait_final<'py, V, Fut>(
+        &self,
+        py: Python<'py>,
+        room: u64,
+        timeout: f64,
+        wait: impl Fn(Arc<A>, Duration) -> Fut + Send + Sync,
+    ) -> PyResult<Bound<'py, PyDict>>
+    where
+        V: Look,
+        Fut: Future<Output = Result<V, RoomError>>,
+    {
+        let total = seconds(timeout)?;
+        let deadline = Instant::now() + total;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let view = self.run(py, |a| wait(a, left.min(SLICE)))?;
+            if view.state().is_final() {
+                return finished(py, room, &view);
+            }
+            if Instant::now() >= deadline {
+                let dict = convert::view(py, room, &view)?;
+                return Err(errors::wait_timeout(
+                    py,
+                    room,
+                    timeout,
+                    view.state().name(),
+                    dict,
+                ));
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// Cancels the agent and joins its tasks; [`Self::release`] then lets the memory go.
+    fn close(&self, join: impl Fn(A) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) {
+        let _closing = self.closing.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = self.agent.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.shutdown.cancel();
+        if let Some(mut agent) = taken {
+            // Operations in flight hold a clone for at most one slice after the cancel.
+            let agent = loop {
+                match Arc::try_unwrap(agent) {
+                    Ok(a) => break a,
+                    Err(shared) => {
+                        agent = shared;
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+            };
+            runtime().block_on(join(agent));
+        }
+    }
+
+    /// Releases the engine's objects (once the agent is joined).
+    fn release(&self) {
+        self.keep.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+/// A room's final view: the dict on success, its reason's exception otherwise.
+fn finished<'py, V: Look>(py: Python<'py>, room: u64, view: &V) -> PyResult<Bound<'py, PyDict>> {
+    let dict = convert::view(py, room, view)?;
+    match (view.state(), view.reason()) {
+        (RoomState::Success, _) => Ok(dict),
+        (_, Some(reason)) => Err(errors::room_failed(py, room, reason, dict)),
+        (state, None) => Err(errors::RoomFailed::new_err(format!(
+            "room {room} is {} without a reason",
+            state.name()
+        ))),
+    }
+}
+
+/// A timeout in seconds.
+fn seconds(timeout: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(timeout).map_err(|_| {
+        errors::BadRequest::new_err(format!("timeout {timeout} is not a number of seconds >= 0"))
+    })
+}
+
+fn pool_dict(py: Python<'_>, counts: PoolCounts) -> PyResult<Bound<'_, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("free_pages", counts.free_pages)?;
+    dict.set_item("total_pages", counts.total_pages)?;
+    Ok(dict)
+}
+
+/// A prefill agent in this process: the engine says which pages of a room are ready, the
+/// agent gathers them from the engine's memory and pushes them to the decodes that ask.
+#[pyclass(module = "kvferry", frozen)]
+pub(crate) struct PrefillAgent(Handle<prefill::PrefillAgent>);
+
+#[pymethods]
+impl PrefillAgent {
+    #[new]
+    #[pyo3(signature = (regions=None, **options))]
+    fn new(
+        py: Python<'_>,
+        regions: Option<&Bound<'_, PyAny>>,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let handle = start(
+            py,
+            regions,
+            options,
+            |cfg, pool, shutdown| async move {
+                match pool {
+                    Some(pool) => prefill::PrefillAgent::start_with_pool(cfg, pool, shutdown).await,
+                    None => prefill::PrefillAgent::start(cfg, shutdown).await,
+                }
+            },
+            |a| {
+                (
+                    a.api_url.clone(),
+                    a.instance.to_string(),
+                    a.control_endpoint.clone(),
+                )
+            },
+        )?;
+        Ok(PrefillAgent(handle))
+    }
+
+    #[getter]
+    fn api_url(&self) -> &str {
+        &self.0.api_url
+    }
+
+    #[getter]
+    fn instance(&self) -> &str {
+        &self.0.instance
+    }
+
+    #[getter]
+    fn control_endpoint(&self) -> &str {
+        &self.0.endpoint
+    }
+
+    #[pyo3(signature = (room, tokens, pages=None, token_range=None, layer_range=None, last=None, aux=None, room_key=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn ready<'py>(
+        &self,
+        py: Python<'py>,
+        room: u64,
+        tokens: usize,
+        pages: Option<Vec<u32>>,
+        token_range: Option<(usize, usize)>,
+        layer_range: Option<(usize, usize)>,
+        last: Option<bool>,
+        aux: Option<&Bound<'py, PyBytes>>,
+        room_key: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut req: ReadyRequest =
+            convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
+        req.pages = pages;
+        req.token_range = token_range.map(|(a, b)| [a, b]);
+        req.layer_range = layer_range.map(|(a, b)| [a, b]);
+        req.last = last;
+        req.aux = aux.map(|b| b.as_bytes().to_vec());
+        let view = self
+            .0
+            .run(py, |a| async move { a.ready(room, req).await })?;
+        convert::view(py, room, &view)
+    }
+
+    fn view<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
+        let view = self.0.get()?.view(room).map_err(errors::room_error)?;
+        convert::view(py, room, &view)
+    }
+
+    fn wait<'py>(&self, py: Python<'py>, room: u64, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
+        self.0.wait_final(
+            py,
+            room,
+            timeout,
+            |a, t| async move { a.wait(room, t).await },
+        )
+    }
+
+    fn abort<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
+        let view = self.0.run(py, |a| async move { a.abort(room).await })?;
+        convert::view(py, room, &view)
+    }
+
+    fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        pool_dict(py, self.0.get()?.pool())
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.0.close(|a| Box::pin(a.join())));
+        self.0.release();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py);
+    }
+}
+
+impl Drop for PrefillAgent {
+    fn drop(&mut self) {
+        self.0.close(|a| Box::pin(a.join()));
+        self.0.release();
+    }
+}
+
+/// A decode agent in this process: the engine asks for a room into its own pages, waits for
+/// it and takes it.
+#[pyclass(module = "kvferry", frozen)]
+pub(crate) struct DecodeAgent(Handle<decode::DecodeAgent>);
+
+#[pymethods]
+impl DecodeAgent {
+    #[new]
+    #[pyo3(signature = (regions=None, **options))]
+    fn new(
+        py: Python<'_>,
+        regions: Option<&Bound<'_, PyAny>>,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let handle = start(
+            py,
+            regions,
+            options,
+            |cfg, pool, shutdown| async move {
+                match pool {
+                    Some(pool) => decode::DecodeAgent::start_with_pool(cfg, pool, shutdown).await,
+                    None => decode::DecodeAgent::start(cfg, shutdown).await,
+                }
+            },
+            |a| {
+                (
+                    a.api_url.clone(),
+                    a.instance.to_string(),
+                    a.data_endpoint.clone(),
+                )
+            },
+        )?;
+        Ok(DecodeAgent(handle))
+    }
+
+    #[getter]
+    fn api_url(&self) -> &str {
+        &self.0.api_url
+    }
+
+    #[getter]
+    fn instance(&self) -> &str {
+        &self.0.instance
+    }
+
+    #[getter]
+    fn data_endpoint(&self) -> &str {
+        &self.0.endpoint
+    }
+
+    #[pyo3(signature = (room, tokens, pages=None, start_token=0, bootstrap=None, dp_rank=None, room_key=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn request<'py>(
+        &self,
+        py: Python<'py>,
+        room: u64,
+        tokens: usize,
+        pages: Option<Vec<u32>>,
+        start_token: usize,
+        bootstrap: Option<String>,
+        dp_rank: Option<u32>,
+        room_key: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut req: RoomRequest =
+            convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
+        req.pages = pages;
+        req.start_token = start_token;
+        req.bootstrap = bootstrap;
+        req.dp_rank = dp_rank;
+        let view = self
+            .0
+            .run(py, |a| async move { a.request(room, req).await })?;
+        convert::view(py, room, &view)
+    }
+
+    fn view<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
+        let view = self.0.get()?.view(room).map_err(errors::room_error)?;
+        convert::view(py, room, &view)
+    }
+
+    fn wait<'py>(&self, py: Python<'py>, room: u64, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
+        self.0.wait_final(
+            py,
+            room,
+            timeout,
+            |a, t| async move { a.wait(room, t).await },
+        )
+    }
+
+    fn take<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
+        let taken = self.0.run(py, |a| async move { a.take(room).await })?;
+        let dict = convert::taken(py, room, &taken)?;
+        match (taken.room.state, &taken.room.reason) {
+            (RoomState::Success, _) => Ok(dict),
+            (_, Some(reason)) => Err(errors::room_failed(py, room, reason, dict)),
+            (state, None) => Err(errors::RoomFailed::new_err(format!(
+                "room {room} was taken {} without a reason",
+                state.name()
+            ))),
+        }
+    }
+
+    fn abort<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
+        let view = self.0.run(py, |a| async move { a.abort(room).await })?;
+        convert::view(py, room, &view)
+    }
+
+    fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        pool_dict(py, self.0.get()?.pool())
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.0.close(|a| Box::pin(a.join())));
+        self.0.release();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py);
+    }
+}
+
+impl Drop for DecodeAgent {
+    fn drop(&mut self) {
+        self.0.close(|a| Box::pin(a.join()));
+        self.0.release();
+    }
+}

@@ -1,0 +1,144 @@
+//! The extension module `kvferry._kvferry` of the Python package `kvferry`: kvferry's prefill
+//! and decode agents in an engine's own process, over the engine's own KV memory.
+//!
+//! This crate only converts: keyword options into the agent's command-line flags (parsed by the
+//! same clap parser as `kvferry prefill|decode`), Python objects into engine regions
+//! (`memory.rs`), requests and views between Python and the library's types (`convert.rs`),
+//! and the library's errors into one exception hierarchy (`errors.rs`). Every operation is the
+//! library's own, run on one tokio runtime the module owns, with the GIL released.
+
+use std::sync::OnceLock;
+
+use clap::Parser;
+use kvferry::agent::AgentConfig;
+use kvferry::cli::AgentArgs;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict};
+
+mod agents;
+mod convert;
+mod errors;
+mod memory;
+
+/// The agent flags, as `kvferry prefill` and `kvferry decode` take them.
+#[derive(Parser)]
+#[command(name = "kvferry", no_binary_name = true)]
+struct Flags {
+    #[command(flatten)]
+    agent: AgentArgs,
+}
+
+/// The runtime every agent of this process runs on, started on first use.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvferry")
+            .enable_all()
+            .build()
+            .expect("kvferry: cannot start the tokio runtime")
+    })
+}
+
+/// The command-line flags of keyword options: `page_size=16` is `--page-size 16`, `True` is
+/// the bare flag, `False` and `None` leave the flag out.
+fn flags(options: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<String>> {
+    let mut argv = Vec::new();
+    for (key, value) in options.into_iter().flatten() {
+        let key: String = key.extract()?;
+        let flag = format!("--{}", key.replace('_', "-"));
+        if value.is_none() {
+            continue;
+        }
+        if value.is_instance_of::<PyBool>() {
+            if value.extract::<bool>()? {
+                argv.push(flag);
+            }
+            continue;
+        }
+        argv.push(flag);
+        argv.push(value.str()?.to_string());
+    }
+    Ok(argv)
+}
+
+/// The agent flags of keyword options, parsed by the command line's parser (defaults and the
+/// `KVFERRY_*` environment variables included).
+fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentArgs> {
+    let argv = flags(options)?;
+    let parsed = Flags::try_parse_from(&argv).map_err(|e| {
+        // clap's first line names the problem; the rest is usage for a terminal.
+        let text = e.to_string();
+        let first = text
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim_start_matches("error: ");
+        errors::ConfigError::new_err(first.to_owned())
+    })?;
+    Ok(parsed.agent)
+}
+
+/// The agent configuration of keyword options, validated and defaulted exactly as the
+/// command line is.
+fn config_of(args: &AgentArgs) -> PyResult<AgentConfig> {
+    args.config()
+        .map_err(|e| errors::ConfigError::new_err(format!("{e:#}")))
+}
+
+/// [`config_of`] the keyword options.
+pub(crate) fn agent_config(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentConfig> {
+    config_of(&parse(options)?)
+}
+
+/// The memory the engine provides for an agent of these options: the number of regions of its
+/// KV format, the bytes each needs, and the shape of the layout on this rank.
+#[pyfunction]
+#[pyo3(signature = (**options))]
+fn memory_layout<'py>(
+    py: Python<'py>,
+    options: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let args = parse(options)?;
+    let cfg = config_of(&args)?;
+    let l = &cfg.layout;
+    let out = PyDict::new(py);
+    out.set_item("kv_format", &args.kv_format)?;
+    out.set_item("num_regions", l.num_regions())?;
+    out.set_item(
+        "region_bytes",
+        l.region_bytes(cfg.pool_pages)
+            .map_err(|e| errors::ConfigError::new_err(e.to_string()))?,
+    )?;
+    out.set_item("pool_pages", cfg.pool_pages)?;
+    out.set_item("page_size", l.page_size)?;
+    out.set_item("layers", (l.layers.start, l.layers.end))?;
+    out.set_item("heads", (l.heads.start, l.heads.end))?;
+    out.set_item("planes", l.planes())?;
+    out.set_item("head_bytes", l.head_bytes())?;
+    out.set_item("dtype_bytes", l.model.dtype.bytes())?;
+    Ok(out)
+}
+
+/// Logs to stderr, as the binary does, when `RUST_LOG` is set (an embedded agent is silent
+/// otherwise); a subscriber the process installed already wins.
+fn init_logs() {
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+}
+
+#[pymodule]
+fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logs();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(memory_layout, m)?)?;
+    m.add_class::<agents::PrefillAgent>()?;
+    m.add_class::<agents::DecodeAgent>()?;
+    errors::register(m)?;
+    Ok(())
+}

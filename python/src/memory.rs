@@ -1,0 +1,183 @@
+//! The engine's memory as kvferry sees it: each region a Python object (anything with the
+//! buffer protocol, `__array_interface__`, or `data_ptr()` and `nbytes` like a torch tensor)
+//! or a raw `(address, length)` pair, turned into [`EngineRegion`]s and a pool over them.
+//!
+//! The only `unsafe` of the package is here: [`engine_pool`] vouches to
+//! [`HostPool::engine`] that the regions stay valid. They do because the agent keeps every
+//! object returned in [`Regions::keep`] until its tasks are joined (`agents.rs`); a raw pair
+//! is the caller's promise, documented as such.
+
+#![allow(unsafe_code)]
+
+use kvferry::layout::KvLayout;
+use kvferry::pool::{EngineRegion, HostPool};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::errors::RegionError;
+
+/// Regions and the Python objects that own their memory.
+pub(crate) struct Regions {
+    pub(crate) regions: Vec<EngineRegion>,
+    /// References the agent holds for its whole life: the objects themselves, or for buffers
+    /// the ctypes view that holds a buffer export (which also keeps a `bytearray` from being
+    /// resized, that is, moved).
+    pub(crate) keep: Vec<Py<PyAny>>,
+}
+
+/// Reads a list of regions.
+pub(crate) fn regions(items: &Bound<'_, PyAny>) -> PyResult<Regions> {
+    let mut out = Regions {
+        regions: Vec::new(),
+        keep: Vec::new(),
+    };
+    for (i, item) in items.try_iter()?.enumerate() {
+        let item = item?;
+        let (addr, len, keep) =
+            region(&item).map_err(|e| RegionError::new_err(format!("region {i}: {e}")))?;
+        out.regions.push(EngineRegion { addr, len });
+        out.keep.push(keep);
+    }
+    Ok(out)
+}
+
+/// One region: address, length and the object to keep.
+fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>), String> {
+    let py = item.py();
+    let text = |e: PyErr| e.to_string();
+    if let Ok(pair) = item.cast::<PyTuple>() {
+        let (addr, len): (usize, usize) = pair
+            .extract()
+            .map_err(|_| "a tuple region is (address, length), two non-negative ints".to_owned())?;
+        return Ok((addr, len, item.clone().unbind()));
+    }
+    if item.hasattr("data_ptr").map_err(text)? && item.hasattr("nbytes").map_err(text)? {
+        if item.hasattr("is_contiguous").map_err(text)?
+            && !item
+                .call_method0("is_contiguous")
+                .map_err(text)?
+                .extract::<bool>()
+                .map_err(text)?
+        {
+            return Err("the tensor is not contiguous".into());
+        }
+        if let Ok(device) = item.getattr("device") {
+            let kind: String = match device.getattr("type") {
+                Ok(t) => t.extract().map_err(text)?,
+                Err(_) => device.str().map_err(text)?.to_string(),
+            };
+            if kind != "cpu" {
+                return Err(format!(
+                    "the tensor is on device {kind}; this build serves host memory only"
+                ));
+            }
+        }
+        let addr: usize = item
+            .call_method0("data_ptr")
+            .map_err(text)?
+            .extract()
+            .map_err(text)?;
+        let nbytes = item.getattr("nbytes").map_err(text)?;
+        let len: usize = match nbytes.is_callable() {
+            true => nbytes.call0().map_err(text)?.extract().map_err(text)?,
+            false => nbytes.extract().map_err(text)?,
+        };
+        return Ok((addr, len, item.clone().unbind()));
+    }
+    let ctypes = py.import("ctypes").map_err(text)?;
+    if let Ok(view) = py
+        .import("builtins")
+        .and_then(|b| b.getattr("memoryview")?.call1((item,)))
+    {
+        let readonly: bool = view
+            .getattr("readonly")
+            .map_err(text)?
+            .extract()
+            .map_err(text)?;
+        let contiguous: bool = view
+            .getattr("c_contiguous")
+            .map_err(text)?
+            .extract()
+            .map_err(text)?;
+        let len: usize = view
+            .getattr("nbytes")
+            .map_err(text)?
+            .extract()
+            .map_err(text)?;
+        view.call_method0("release").map_err(text)?;
+        if readonly {
+            return Err("the buffer is read-only".into());
+        }
+        if !contiguous {
+            return Err("the buffer is not C-contiguous".into());
+        }
+        // A ctypes array over the buffer: its address, and a buffer export that lives as long
+        // as the array (the agent keeps the array).
+        let array_type = ctypes
+            .getattr("c_char")
+            .map_err(text)?
+            .mul(len)
+            .map_err(text)?;
+        let array = array_type
+            .call_method1("from_buffer", (item,))
+            .map_err(text)?;
+        let addr: usize = ctypes
+            .call_method1("addressof", (&array,))
+            .map_err(text)?
+            .extract()
+            .map_err(text)?;
+        return Ok((addr, len, array.unbind()));
+    }
+    if let Ok(iface) = item.getattr("__array_interface__") {
+        let iface = iface
+            .cast_into::<PyDict>()
+            .map_err(|_| "__array_interface__ is not a dict".to_owned())?;
+        let get = |key: &str| -> Result<Bound<'py, PyAny>, String> {
+            iface
+                .get_item(key)
+                .map_err(text)?
+                .ok_or_else(|| format!("__array_interface__ has no {key:?}"))
+        };
+        let (addr, readonly): (usize, bool) = get("data")?
+            .extract()
+            .map_err(|_| "__array_interface__'s data is not (address, read-only)".to_owned())?;
+        if readonly {
+            return Err("the array is read-only".into());
+        }
+        let shape: Vec<usize> = get("shape")?.extract().map_err(text)?;
+        let typestr: String = get("typestr")?.extract().map_err(text)?;
+        let itemsize: usize = typestr
+            .get(2..)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("unknown typestr {typestr:?}"))?;
+        if let Some(strides) = iface.get_item("strides").map_err(text)?
+            && !strides.is_none()
+        {
+            let strides: Vec<isize> = strides.extract().map_err(text)?;
+            let mut want = itemsize as isize;
+            for (&n, &s) in shape.iter().zip(&strides).rev() {
+                if n > 1 && s != want {
+                    return Err("the array is not C-contiguous".into());
+                }
+                want *= n as isize;
+            }
+        }
+        let len = shape.iter().product::<usize>() * itemsize;
+        return Ok((addr, len, item.clone().unbind()));
+    }
+    Err(format!(
+        "{} is neither (address, length), a writable buffer, an object with __array_interface__, nor one with data_ptr() and nbytes",
+        item.get_type().name().map_err(text)?
+    ))
+}
+
+/// The pool over the engine's regions.
+pub(crate) fn engine_pool(layout: KvLayout, pages: usize, regions: &Regions) -> PyResult<HostPool> {
+    // SAFETY: every region is the memory of an object in `regions.keep` (or, for a raw
+    // `(address, length)` pair, memory the caller promised to keep valid, as the package
+    // documents); the agent built on this pool holds `keep` until its tasks are joined, so the
+    // memory stays mapped and at the same address for as long as the pool can touch it.
+    // Buffers were checked writable; HostPool::engine checks lengths and overlaps.
+    unsafe { HostPool::engine(layout, pages, &regions.regions) }
+        .map_err(|e| RegionError::new_err(e.to_string()))
+}

@@ -1,0 +1,302 @@
+"""One process embedding a prefill and a decode agent over numpy caches (a real registry
+process): the API, and every error surface with the exception it raises and the proof that
+nothing outside a room's pages was written."""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import kvferry
+from engine import MODEL, POISON, kv_cache, options
+
+# Each test starts its agents in a process of its own (conftest.py).
+pytestmark = pytest.mark.own_process
+
+PAGE = MODEL["page_size"]
+# The closed set of failure codes (src/reason.rs).
+CODES = {
+    "peer_dead": kvferry.PeerDead,
+    "timeout_bootstrap": kvferry.TimeoutBootstrap,
+    "timeout_ready": kvferry.TimeoutReady,
+    "timeout_stall": kvferry.TimeoutStall,
+    "aborted": kvferry.Aborted,
+    "checksum": kvferry.Checksum,
+    "incompatible_layout": kvferry.IncompatibleLayout,
+    "incompatible_version": kvferry.IncompatibleVersion,
+    "unreachable": kvferry.Unreachable,
+    "unauthorized": kvferry.Unauthorized,
+    "bad_message": kvferry.BadMessage,
+    "verify_failed": kvferry.VerifyFailed,
+    "unknown_room": kvferry.PeerUnknownRoom,
+    "shutdown": kvferry.Shutdown,
+}
+
+
+@contextlib.contextmanager
+def agents(registry):
+    """A prefill (noise) and a decode (poison) agent in this process, and their caches."""
+    opts = options(registry)
+    p_kv, d_kv = kv_cache(opts, "noise", 7), kv_cache(opts, "poison")
+    with kvferry.PrefillAgent([p_kv], **opts) as prefill, kvferry.DecodeAgent([d_kv], **opts) as decode:
+        yield prefill, decode, p_kv, d_kv
+
+
+@pytest.fixture
+def pair(registry):
+    """The agents' factory: started inside the test, that is, in the test's own process."""
+    return lambda: agents(registry)
+
+
+def untouched(kv: np.ndarray) -> bool:
+    return bool((kv.view(np.uint16) == POISON).all())
+
+
+def test_exception_hierarchy_covers_every_failure_code():
+    assert kvferry.FAILURE_CODES == CODES
+    for exc in CODES.values():
+        assert issubclass(exc, kvferry.RoomFailed) and issubclass(exc, kvferry.Error)
+        assert exc.__module__ == "kvferry"
+    for exc in (kvferry.BadRequest, kvferry.UnknownRoom, kvferry.Conflict, kvferry.Exhausted,
+                kvferry.Unavailable, kvferry.WaitTimeout, kvferry.ConfigError,
+                kvferry.RegionError, kvferry.StartError):
+        assert issubclass(exc, kvferry.Error) and not issubclass(exc, kvferry.RoomFailed)
+
+
+def test_options_go_through_the_command_line_parser():
+    layout = kvferry.memory_layout(**MODEL, pool_pages=10)
+    # tiny: 4 layers, 4 KV heads of 32 fp16 dims; one buffer for every layer.
+    assert layout == dict(
+        kv_format="vllm-cpu-vec", num_regions=1, region_bytes=4 * 10 * 4 * PAGE * 2 * 32 * 2,
+        pool_pages=10, page_size=PAGE, layers=(0, 4), heads=(0, 4), planes=2, head_bytes=64,
+        dtype_bytes=2,
+    )
+    assert kvferry.memory_layout(**MODEL, pool_pages=10, tp_size=2, tp_rank=1)["heads"] == (2, 4)
+    with pytest.raises(kvferry.ConfigError, match="--tp-rank 2 must be < --tp-size 2"):
+        kvferry.memory_layout(tp_rank=2, tp_size=2)
+    with pytest.raises(kvferry.ConfigError, match="no-such-flag"):
+        kvferry.memory_layout(no_such_flag=1)
+    with pytest.raises(kvferry.ConfigError, match="nope"):
+        kvferry.memory_layout(kv_format="nope")
+
+
+def test_rooms_land_in_place_and_the_views_are_the_http_json(pair):
+    with pair() as (prefill, decode, p_kv, d_kv):
+        # 70 tokens: two whole blocks and 6 tokens of a third, announced layer by layer.
+        src, dst = [5, 9, 2], [7, 3, 11]
+        view = decode.request(1, 70, pages=dst)
+        assert view["room"] == 1 and view["pages"] == dst and view["page_owner"] == "engine"
+        assert set(view) >= {"room", "state", "reason", "bytes", "timings", "safe_to_reuse", "expected_bytes"}
+        for layer in range(4):
+            prefill.ready(1, 70, pages=src, layer_range=(layer, layer + 1), last=layer == 3, aux=b"meta" if layer == 0 else None)
+        done = decode.wait(1, 30)
+        assert done["state"] == "success" and done["reason"] is None and done["bytes"] == done["expected_bytes"]
+        assert prefill.wait(1, 30)["state"] == "success"
+        assert decode.view(1)["state"] == "success"
+        taken = decode.take(1)
+        assert taken["aux"] == b"meta" and taken["verified"] is None
+        with pytest.raises(kvferry.UnknownRoom, match="unknown room 1"):
+            decode.take(1)
+        # Whole (block, head) runs moved; every other block keeps its poison.
+        for s, d in zip(src, dst):
+            assert (d_kv[:, d].view(np.uint16) == p_kv[:, s].view(np.uint16)).all()
+        # Token by token through vLLM's own view of a layer: K transposed per (block, head).
+        for layer in range(4):
+            k_t = d_kv[layer].reshape(-1, 4, 2 * PAGE * 32)[:, :, : PAGE * 32].reshape(-1, 4, 32, PAGE)
+            v = d_kv[layer].reshape(-1, 4, 2 * PAGE * 32)[:, :, PAGE * 32 :].reshape(-1, 4, PAGE, 32)
+            pk_t = p_kv[layer].reshape(-1, 4, 2 * PAGE * 32)[:, :, : PAGE * 32].reshape(-1, 4, 32, PAGE)
+            pv = p_kv[layer].reshape(-1, 4, 2 * PAGE * 32)[:, :, PAGE * 32 :].reshape(-1, 4, PAGE, 32)
+            for t in range(70):
+                a, b, slot = src[t // PAGE], dst[t // PAGE], t % PAGE
+                assert (k_t[b, :, :, slot].view(np.uint16) == pk_t[a, :, :, slot].view(np.uint16)).all()
+                assert (v[b, :, slot].view(np.uint16) == pv[a, :, slot].view(np.uint16)).all()
+        rest = np.delete(d_kv, dst, axis=1)
+        assert untouched(rest)
+        assert decode.pool() == {"free_pages": 400, "total_pages": 400}
+
+
+def test_unknown_room(pair):
+    with pair() as (prefill, decode, _, d_kv):
+        for call in (decode.view, decode.take, decode.abort, lambda r: decode.wait(r, 1), prefill.view):
+            with pytest.raises(kvferry.UnknownRoom, match="unknown room 424242"):
+                call(424242)
+        assert untouched(d_kv)
+
+
+def test_wait_timeout_then_abort(pair):
+    with pair() as (prefill, decode, _, d_kv):
+        decode.request(2, 40, pages=[1, 2])
+        with pytest.raises(kvferry.WaitTimeout, match="room 2 is still") as e:
+            decode.wait(2, 0.3)
+        assert e.value.room == 2 and e.value.view["state"] in ("bootstrapping", "waiting_for_input")
+        decode.abort(2)
+        with pytest.raises(kvferry.Aborted) as e:
+            decode.wait(2, 30)
+        assert e.value.code == "aborted" and e.value.room == 2 and e.value.view["state"] == "aborted"
+        with pytest.raises(kvferry.Aborted):
+            decode.take(2)
+        with pytest.raises(kvferry.UnknownRoom):
+            decode.view(2)
+        assert untouched(d_kv)
+
+
+def test_prefill_abort_fails_the_decode_room(pair):
+    with pair() as (prefill, decode, _, d_kv):
+        decode.request(3, 64, pages=[4, 6])
+        # An announced piece of the first layer only, then the prefill engine gives up.
+        prefill.ready(3, 64, pages=[8, 9], layer_range=(0, 1), last=False)
+        prefill.abort(3)
+        with pytest.raises(kvferry.Aborted):
+            prefill.wait(3, 30)
+        with pytest.raises(kvferry.Aborted) as e:
+            decode.wait(3, 30)
+        assert e.value.view["safe_to_reuse"] is True
+        # Nothing outside the room's blocks was written.
+        assert untouched(np.delete(d_kv, [4, 6], axis=1))
+
+
+def test_refused_requests(pair):
+    with pair() as (prefill, decode, _, d_kv):
+        with pytest.raises(kvferry.BadRequest, match="400"):
+            decode.request(4, 40, pages=[1, 400])
+        with pytest.raises(kvferry.BadRequest):
+            decode.request(4, 40, pages=[1])
+        with pytest.raises(kvferry.BadRequest):
+            prefill.ready(4, 40, pages=[1, 2], token_range=(5, 40))
+        decode.request(4, 40, pages=[1, 2])
+        with pytest.raises(kvferry.Conflict):
+            decode.request(4, 40, pages=[1, 2])
+        decode.abort(4)
+        assert untouched(d_kv)
+
+
+def test_incompatible_layouts_fail_the_room(registry):
+    # A vLLM CPU prefill on the vec path and a decode on the amx path: same shape, different
+    # order inside a block; Hello refuses the pair and nothing lands.
+    p_opts = options(registry)
+    d_opts = options(registry, kv_format="vllm-cpu-amx", dp_size=1)
+    p_kv, d_kv = kv_cache(p_opts, "noise"), kv_cache(d_opts, "poison")
+    with kvferry.PrefillAgent([p_kv], **p_opts) as prefill, kvferry.DecodeAgent([d_kv], **d_opts) as decode:
+        decode.request(5, 32, pages=[3])
+        prefill.ready(5, 32, pages=[3])
+        with pytest.raises(kvferry.IncompatibleLayout) as e:
+            decode.wait(5, 30)
+        assert e.value.code == "incompatible_layout" and "vllm" in str(e.value)
+    assert untouched(d_kv)
+
+
+def test_memory_that_does_not_fit_is_refused(registry):
+    opts = options(registry)
+    need = kvferry.memory_layout(**opts)["region_bytes"]
+    with pytest.raises(kvferry.RegionError, match=f"{need} needed"):
+        kvferry.DecodeAgent([np.zeros(need - 2, dtype=np.uint8)], **opts)
+    with pytest.raises(kvferry.RegionError, match="spans 1 regions, 2 were given"):
+        kvferry.DecodeAgent([np.zeros(need, np.uint8), np.zeros(need, np.uint8)], **opts)
+    with pytest.raises(kvferry.RegionError, match="spans 4 regions, 1 were given"):
+        kvferry.DecodeAgent([np.zeros(need, np.uint8)], **(opts | dict(kv_format="vllm-flash-nhd")))
+    ro = np.zeros(need, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(kvferry.RegionError, match="read-only"):
+        kvferry.DecodeAgent([ro], **opts)
+    with pytest.raises(kvferry.RegionError, match="contiguous"):
+        kvferry.DecodeAgent([np.zeros(2 * need, np.uint8)[::2]], **opts)
+    with pytest.raises(kvferry.RegionError, match="region 0: str is neither"):
+        kvferry.DecodeAgent(["memory"], **opts)
+    with pytest.raises(kvferry.RegionError, match="at 0x0"):
+        kvferry.DecodeAgent([(0, need)], **opts)
+
+
+@pytest.mark.parametrize("kind", ["array_interface", "bytearray", "address"])
+def test_regions_of_every_kind_and_longer_than_needed(registry, kind):
+    # Each region longer than the layout needs: the tail beyond region_bytes is never written.
+    opts = options(registry)
+    need = kvferry.memory_layout(**opts)["region_bytes"]
+    p_kv = kv_cache(opts, "noise", 3)
+    backing = np.full(need + 4096, 0xAB, np.uint8)
+
+    class Iface:
+        __array_interface__ = backing.__array_interface__
+
+    raw = bytearray(b"\xab" * (need + 4096))
+    region = {
+        "array_interface": Iface(),
+        "bytearray": raw,
+        # A raw pair: nothing to hold, the caller vouches for the memory.
+        "address": (backing.__array_interface__["data"][0], need + 4096),
+    }[kind]
+    with kvferry.PrefillAgent([p_kv], **opts) as prefill, kvferry.DecodeAgent([region], **opts) as decode:
+        decode.request(6, 33, pages=[10, 20])
+        prefill.ready(6, 33, pages=[1, 2])
+        decode.wait(6, 30)
+        decode.take(6)
+        if kind == "bytearray":
+            # While the agent holds a bytearray, it cannot be resized (it is exported).
+            with pytest.raises(BufferError):
+                raw.extend(b"x")
+    if kind == "bytearray":
+        raw.extend(b"x")  # released on close
+        data = np.frombuffer(raw, np.uint8)[: need + 4096]
+    else:
+        data = backing
+    assert (data[need:] == 0xAB).all()
+    cache = data[:need].view(np.float16).reshape(p_kv.shape)
+    for got, want in ((10, 1), (20, 2)):
+        assert (cache[:, got].view(np.uint16) == p_kv[:, want].view(np.uint16)).all()
+    assert (np.delete(cache, [10, 20], axis=1).view(np.uint16) == 0xABAB).all()
+
+
+def test_closed_agent_is_unavailable(registry):
+    opts = options(registry)
+    decode = kvferry.DecodeAgent([kv_cache(opts, "poison")], **opts)
+    decode.close()
+    decode.close()
+    with pytest.raises(kvferry.Unavailable, match="closed"):
+        decode.request(7, 10, pages=[1])
+    with pytest.raises(kvferry.Unavailable):
+        decode.pool()
+
+
+def test_start_error_names_the_registry():
+    with pytest.raises(kvferry.StartError, match="registry"):
+        kvferry.PrefillAgent(**options("http://127.0.0.1:1"), timeout_connect_ms=500)
+
+
+def test_room_keys_as_hex_or_bytes(pair):
+    with pair() as (prefill, decode, p_kv, d_kv):
+        key = "00112233445566778899aabbccddeeff"
+        prefill.ready(8, 20, pages=[30], room_key=key)
+        decode.request(8, 20, pages=[31], room_key=bytes.fromhex(key))
+        assert decode.wait(8, 30)["state"] == "success"
+        decode.take(8)
+        assert (d_kv[:, 31].view(np.uint16) == p_kv[:, 30].view(np.uint16)).all()
+        with pytest.raises(kvferry.BadRequest, match="hex"):
+            decode.request(9, 20, pages=[32], room_key="xyz")
+
+
+def test_wait_releases_the_gil_and_close_ends_it(registry):
+    import threading
+    import time
+
+    opts = options(registry)
+    decode = kvferry.DecodeAgent([kv_cache(opts, "poison")], **opts)
+    decode.request(10, 20, pages=[1])
+    raised = []
+
+    def waiter():
+        try:
+            decode.wait(10, 30)
+        except kvferry.Error as e:
+            raised.append(e)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the waits block with the GIL released: this thread runs meanwhile
+    t0 = time.monotonic()
+    closers = [threading.Thread(target=decode.close) for _ in range(2)]
+    for t in closers:
+        t.start()
+    for t in closers + threads:
+        t.join(10)
+    assert time.monotonic() - t0 < 5
+    assert len(raised) == 2 and all(isinstance(e, kvferry.Unavailable) for e in raised), raised
