@@ -54,10 +54,8 @@ def pytest_configure(config):
 
 def pytest_pyfunc_call(pyfuncitem):
     """Runs `own_process` tests in a forked child. The pytest process itself never starts an
-    agent (nor the extension's runtime), so the fork is clean. Agents started and stopped one
-    pair after another in one process sometimes see the next pair's Hello unanswered
-    ("unreachable: ... no answer within 5s"); one process per test keeps that out of these
-    tests (docs/engines.md lists it as a known limitation)."""
+    agent (nor the extension's runtime), so the fork is clean, and no test inherits another's
+    agents."""
     if pyfuncitem.get_closest_marker("own_process") is None:
         return None
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}

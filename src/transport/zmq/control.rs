@@ -311,7 +311,7 @@ fn connect(
     options: &ControlOptions,
 ) -> Result<(zmq::Socket, Monitor, Wake, i32), TransportError> {
     let err = |e: zmq::Error| TransportError::new("connect", endpoint, format!("libzmq: {e}"));
-    let socket = context().socket(zmq::DEALER).map_err(err)?;
+    let mut socket = context().socket(zmq::DEALER).map_err(err)?;
     configure(&socket, options).map_err(err)?;
     socket
         .set_identity(uuid::Uuid::new_v4().as_bytes())
@@ -325,10 +325,19 @@ fn connect(
     socket.set_connect_timeout(ms).map_err(err)?;
     options.auth.client(&socket).map_err(err)?;
     let monitor = Monitor::new(&socket).map_err(err)?;
-    let wake = Wake::new().map_err(|e| TransportError::new("connect", endpoint, e))?;
-    socket.connect(endpoint).map_err(err)?;
-    let fd = handshake(&monitor, endpoint, timeout)?;
-    Ok((socket, monitor, wake, fd))
+    let connected = Wake::new()
+        .map_err(|e| TransportError::new("connect", endpoint, e))
+        .and_then(|wake| {
+            socket.connect(endpoint).map_err(err)?;
+            Ok((wake, handshake(&monitor, endpoint, timeout)?))
+        });
+    match connected {
+        Ok((wake, fd)) => Ok((socket, monitor, wake, fd)),
+        Err(e) => {
+            super::monitor::stop(&mut socket);
+            Err(e)
+        }
+    }
 }
 
 /// Waits for the monitor of a socket that connects to report its handshake: the connection's
@@ -341,8 +350,12 @@ pub(super) fn handshake(
     let deadline = Instant::now() + timeout;
     let refused = |why: &str| TransportError::unauthorized("connect", endpoint, why);
     let mut connection = -1;
+    let mut seen: Vec<String> = Vec::new();
     loop {
         while let Some(event) = monitor.next() {
+            if seen.len() < 8 {
+                seen.push(format!("{event:?}"));
+            }
             match event {
                 Event::Connected { fd } => connection = fd,
                 Event::Ready => return Ok(connection),
@@ -359,7 +372,15 @@ pub(super) fn handshake(
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(no_answer(endpoint, timeout));
+            let what = match seen.is_empty() {
+                true => "no connection event".to_owned(),
+                false => format!("connection events {}", seen.join(", ")),
+            };
+            return Err(TransportError::new(
+                "connect",
+                endpoint,
+                format!("no answer within {timeout:?} ({what})"),
+            ));
         }
         let mut items = [monitor.poll_item()];
         let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX).max(1);
@@ -589,6 +610,13 @@ struct Looped {
     /// Frames a full peer queue refused for now, in the order they were given; each goes once
     /// its peer reads, or is dropped when its sender stopped waiting for it.
     pending: VecDeque<Out>,
+}
+
+impl Drop for Looped {
+    fn drop(&mut self) {
+        // Before the socket closes and the monitor's reading end goes (module monitor).
+        super::monitor::stop(&mut self.socket);
+    }
 }
 
 impl Looped {

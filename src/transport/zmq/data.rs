@@ -98,9 +98,10 @@ impl Transport for ZmqData {
             let addr = address.clone();
             spawn("kvferry-zmq-pull", move || {
                 match bind(&addr, max_frame, &auth) {
-                    Ok((socket, monitor, endpoint, _zap)) => {
+                    Ok((mut socket, monitor, endpoint, _zap)) => {
                         let _ = bound_tx.send(Ok(endpoint.clone()));
                         receive_loop(&socket, &monitor, &endpoint, &chunks_tx);
+                        super::monitor::stop(&mut socket);
                     }
                     Err(e) => {
                         let _ = bound_tx.send(Err(e));
@@ -208,7 +209,7 @@ fn connect(endpoint: &str, timeout: Duration, auth: &Auth) -> Result<zmq::Socket
     let ms = i32::try_from(timeout.as_millis())
         .unwrap_or(i32::MAX)
         .max(1);
-    let socket = context().socket(zmq::PUSH).map_err(err)?;
+    let mut socket = context().socket(zmq::PUSH).map_err(err)?;
     socket.set_sndhwm(HWM).map_err(err)?;
     socket.set_ipv6(true).map_err(err)?;
     socket.set_sndtimeo(POLL_MS).map_err(err)?;
@@ -217,9 +218,13 @@ fn connect(endpoint: &str, timeout: Duration, auth: &Auth) -> Result<zmq::Socket
     socket.set_connect_timeout(ms).map_err(err)?;
     auth.client(&socket).map_err(err)?;
     let monitor = Monitor::new(&socket).map_err(err)?;
-    socket.connect(endpoint).map_err(err)?;
-    super::control::handshake(&monitor, endpoint, timeout)?;
-    Ok(socket)
+    let shaken = socket
+        .connect(endpoint)
+        .map_err(err)
+        .and_then(|()| super::control::handshake(&monitor, endpoint, timeout));
+    super::monitor::stop(&mut socket);
+    drop(monitor);
+    shaken.map(|_| socket)
 }
 
 /// One chunk for a sender thread, and where its result goes.

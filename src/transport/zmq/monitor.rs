@@ -32,6 +32,20 @@ const EVENTS: u32 = zmq_sys::ZMQ_EVENT_CONNECTED
     | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH
     | zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL;
 
+/// Stops `socket`'s monitor. Call it before the [`Monitor`] (the reading end) is dropped while
+/// the socket lives, and before a monitored socket is closed: libzmq reports events from its
+/// I/O threads with blocking sends, so an event for a monitor nobody reads any more (a
+/// connection dropping, a reconnection retried, the connections closing with the socket)
+/// blocks that I/O thread, and every socket it serves, for good. Seen as agents started in a
+/// process after others stopped whose handshakes never began.
+#[allow(unsafe_code)]
+pub(super) fn stop(socket: &mut zmq::Socket) {
+    // SAFETY: the socket is open (borrowed from its owner, on its owner's thread); a null
+    // endpoint asks libzmq to stop monitoring it (zmq_socket_monitor), and no other argument
+    // is read.
+    unsafe { zmq_sys::zmq_socket_monitor(socket.as_mut_ptr(), std::ptr::null(), 0) };
+}
+
 /// The monitor of one socket.
 pub(super) struct Monitor {
     pair: zmq::Socket,
