@@ -110,7 +110,7 @@ fn eager() -> bool {
 /// UCX 1.13 applies a transport's setting given to `ucp_config_modify` only under the field's
 /// own name (`TX_SEG_SIZE`): `TCP_TX_SEG_SIZE` is accepted and silently ignored (the
 /// endpoint's eager range stays at 8 KiB; tests/ucx_layer.rs checks it), so the environment's
-/// name and the config's differ. Measured here (docs/benchmarks.md, ninth session).
+/// name and the config's differ. Measured here (docs/benchmarks.md).
 const EAGER_TCP_SEGMENTS: [(&str, &str, &str); 2] = [
     ("TCP_TX_SEG_SIZE", "TX_SEG_SIZE", EAGER_TCP_SEGMENT),
     ("TCP_RX_SEG_SIZE", "RX_SEG_SIZE", EAGER_TCP_SEGMENT),

@@ -118,7 +118,7 @@ impl UcxConfig {
 }
 
 /// How long an eager worker's progress thread keeps polling after its last event before it
-/// sleeps. Measured here (docs/benchmarks.md, ninth session), 1P1D llama3-8b over tcp: placed
+/// sleeps. Measured here (docs/benchmarks.md), 1P1D llama3-8b over tcp: placed
 /// rooms at 4.2-4.7 GB/s per room without it against 4.6-5.9 with 20-100 us and 4.3-5.0 with
 /// 250 us; staged rooms fell from 3.6 to 2.4-2.6 with 1 ms (on 2 cores the spinning threads
 /// take the copies' time). Over shared memory, where the receiver pulls a whole run in one
