@@ -90,8 +90,9 @@ where
     };
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
+    let rt = runtime().map_err(errors::StartError::new_err)?;
     let agent = py
-        .detach(|| runtime().block_on(start(cfg, pool, token)))
+        .detach(|| rt.block_on(start(cfg, pool, token)))
         .map_err(|e| errors::StartError::new_err(e.to_string()))?;
     let (api_url, instance, endpoint) = names(&agent);
     Ok(Handle {
@@ -122,9 +123,11 @@ impl<A: Send + Sync> Handle<A> {
         Fut: Future<Output = Result<T, RoomError>>,
     {
         let agent = self.get()?;
+        // Started with the agent: an agent exists only on a running runtime.
+        let rt = runtime().map_err(errors::StartError::new_err)?;
         let shutdown = &self.shutdown;
         py.detach(|| {
-            runtime().block_on(async {
+            rt.block_on(async {
                 tokio::select! {
                     r = op(agent) => Some(r),
                     _ = shutdown.cancelled() => None,
@@ -185,7 +188,10 @@ impl<A: Send + Sync> Handle<A> {
                     }
                 }
             };
-            runtime().block_on(join(agent));
+            // An agent exists only on a running runtime.
+            if let Ok(rt) = runtime() {
+                rt.block_on(join(agent));
+            }
         }
     }
 

@@ -28,17 +28,21 @@ struct Flags {
     agent: AgentArgs,
 }
 
-/// The runtime every agent of this process runs on, started on first use.
-fn runtime() -> &'static tokio::runtime::Runtime {
-    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kvferry")
-            .enable_all()
-            .build()
-            .expect("kvferry: cannot start the tokio runtime")
-    })
+/// The runtime every agent of this process runs on, started on first use; why it could not
+/// start (the OS refused its threads), for `StartError`.
+fn runtime() -> Result<&'static tokio::runtime::Runtime, String> {
+    static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("kvferry")
+                .enable_all()
+                .build()
+                .map_err(|e| format!("cannot start kvferry's tokio runtime: {e}"))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// The command-line flags of keyword options: `page_size=16` is `--page-size 16`, `True` is
