@@ -6,7 +6,6 @@
 //!
 //! `cargo run --release --example 01-in-process-1p1d`
 
-use clap::Parser;
 use std::time::{Duration, Instant};
 
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
@@ -14,13 +13,6 @@ use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry::cli::AgentArgs;
 use kvferry_bootstrap::{ServerConfig, serve};
 use tokio_util::sync::CancellationToken;
-
-/// Agent flags, parsed as the command line would.
-#[derive(Parser)]
-struct Flags {
-    #[command(flatten)]
-    agent: AgentArgs,
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -34,7 +26,6 @@ async fn main() -> anyhow::Result<()> {
 
     // One prefill and one decode agent with the same flags: tiny model, synthetic engine.
     let flags = [
-        "agent",
         "--bootstrap",
         &registry,
         "--model",
@@ -43,7 +34,7 @@ async fn main() -> anyhow::Result<()> {
         "64",
         "--synthetic",
     ];
-    let config = Flags::try_parse_from(flags)?.agent.config()?;
+    let config = AgentArgs::from_flags(flags)?.config()?;
     let prefill = PrefillAgent::start(config.clone(), shutdown.clone()).await?;
     let decode = DecodeAgent::start(config, shutdown.clone()).await?;
     println!(

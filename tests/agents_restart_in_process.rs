@@ -9,31 +9,18 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry::cli::AgentArgs;
 use tokio_util::sync::CancellationToken;
 
-#[derive(Parser)]
-struct Flags {
-    #[command(flatten)]
-    agent: AgentArgs,
-}
-
 #[test]
 fn pairs_started_after_others_stopped_connect_and_move_their_rooms() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    rt.block_on(async {
+    common::runtime().block_on(async {
         for cycle in 0..12u64 {
             let shutdown = CancellationToken::new();
             let (registry, served) = common::registry_in_process(&shutdown).await;
             let flags = [
-                "agent",
                 "--bootstrap",
                 &registry,
                 "--model",
@@ -46,11 +33,7 @@ fn pairs_started_after_others_stopped_connect_and_move_their_rooms() {
                 "--api-host",
                 "127.0.0.1",
             ];
-            let cfg = Flags::try_parse_from(flags)
-                .unwrap()
-                .agent
-                .config()
-                .unwrap();
+            let cfg = AgentArgs::from_flags(flags).unwrap().config().unwrap();
             let prefill = PrefillAgent::start(cfg.clone(), shutdown.clone())
                 .await
                 .unwrap();

@@ -13,7 +13,6 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use common::reference::{Dims, engine_offset};
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
@@ -23,12 +22,6 @@ use kvferry::pool::HostPool;
 use rand::seq::SliceRandom;
 use rand::{Rng, RngCore, SeedableRng};
 use tokio_util::sync::CancellationToken;
-
-#[derive(Parser)]
-struct Flags {
-    #[command(flatten)]
-    agent: AgentArgs,
-}
 
 const PAGES: usize = 48;
 const PAGE: usize = 16;
@@ -70,7 +63,6 @@ impl Engine {
 fn config(registry: &str, format: &str) -> AgentConfig {
     let (page, pages) = (PAGE.to_string(), PAGES.to_string());
     let flags = [
-        "agent",
         "--bootstrap",
         registry,
         "--model",
@@ -88,9 +80,8 @@ fn config(registry: &str, format: &str) -> AgentConfig {
         "--chunk-bytes",
         "65536",
     ];
-    Flags::try_parse_from(flags)
+    AgentArgs::from_flags(flags)
         .expect("flags")
-        .agent
         .config()
         .expect("config")
 }
@@ -134,12 +125,7 @@ fn engines_in_different_formats_exchange_kv_in_place_through_the_handles() {
     let seed: u64 = rand::random();
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    rt.block_on(async {
+    common::runtime().block_on(async {
         let shutdown = CancellationToken::new();
         let (registry, served) = common::registry_in_process(&shutdown).await;
         let (p_cfg, d_cfg) = (config(&registry, "sglang-mha"), config(&registry, "vllm-flash-hnd"));

@@ -15,7 +15,6 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use kvferry::agent::RoomError;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
@@ -28,12 +27,6 @@ use tokio_util::sync::CancellationToken;
 
 /// The generous bound on every wait; waits print how long they took.
 const BOUND: Duration = Duration::from_secs(60);
-
-#[derive(Parser)]
-struct Flags {
-    #[command(flatten)]
-    agent: AgentArgs,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Via {
@@ -628,16 +621,10 @@ async fn scenarios(c: &Cluster, via: Via, base: u64) -> Vec<(String, Value)> {
 
 #[test]
 fn the_rust_handles_and_the_http_api_give_the_same_results() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    rt.block_on(async {
+    common::runtime().block_on(async {
         let shutdown = CancellationToken::new();
         let (registry, served) = common::registry_in_process(&shutdown).await;
         let flags = [
-            "agent",
             "--bootstrap",
             &registry,
             "--model",
@@ -655,11 +642,7 @@ fn the_rust_handles_and_the_http_api_give_the_same_results() {
             "--chunk-bytes",
             "65536",
         ];
-        let config = Flags::try_parse_from(flags)
-            .unwrap()
-            .agent
-            .config()
-            .unwrap();
+        let config = AgentArgs::from_flags(flags).unwrap().config().unwrap();
         let prefill = PrefillAgent::start(config.clone(), shutdown.clone())
             .await
             .expect("prefill agent");

@@ -9,7 +9,6 @@
 
 use std::sync::OnceLock;
 
-use clap::Parser;
 use kvferry::agent::AgentConfig;
 use kvferry::cli::AgentArgs;
 use pyo3::prelude::*;
@@ -19,14 +18,6 @@ mod agents;
 mod convert;
 mod errors;
 mod memory;
-
-/// The agent flags, as `kvferry prefill` and `kvferry decode` take them.
-#[derive(Parser)]
-#[command(name = "kvferry", no_binary_name = true)]
-struct Flags {
-    #[command(flatten)]
-    agent: AgentArgs,
-}
 
 /// The runtime every agent of this process runs on, started on first use; why it could not
 /// start (the OS refused its threads), for `StartError`.
@@ -71,7 +62,7 @@ fn flags(options: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<String>> {
 /// `KVFERRY_*` environment variables included).
 fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentArgs> {
     let argv = flags(options)?;
-    let parsed = Flags::try_parse_from(&argv).map_err(|e| {
+    AgentArgs::from_flags(&argv).map_err(|e| {
         // clap's first line names the problem; the rest is usage for a terminal.
         let text = e.to_string();
         let first = text
@@ -80,8 +71,7 @@ fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentArgs> {
             .unwrap_or("")
             .trim_start_matches("error: ");
         errors::ConfigError::new_err(first.to_owned())
-    })?;
-    Ok(parsed.agent)
+    })
 }
 
 /// The agent configuration of keyword options, validated and defaulted exactly as the

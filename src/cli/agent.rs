@@ -298,7 +298,26 @@ impl AgentArgs {
     }
 }
 
+/// The agent flags alone, as `kvferry prefill` and `kvferry decode` take them.
+#[derive(clap::Parser)]
+#[command(name = "kvferry", no_binary_name = true)]
+struct AgentFlags {
+    #[command(flatten)]
+    agent: AgentArgs,
+}
+
 impl AgentArgs {
+    /// Parses agent flags (`["--model", "tiny", "--page-size", "16"]`) with the command line's
+    /// parser: the same defaults, `KVFERRY_*` variables and errors, for agents started in
+    /// process.
+    pub fn from_flags<I, T>(flags: I) -> Result<AgentArgs, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        <AgentFlags as clap::Parser>::try_parse_from(flags).map(|f| f.agent)
+    }
+
     fn binds(&self) -> [(&'static str, &str); 2] {
         [
             ("--host", self.host.as_str()),
