@@ -12,6 +12,10 @@ Every failure raises a subclass of :class:`Error`: one per refusal of a room ope
 maps each code to its class), :class:`WaitTimeout` when ``wait`` runs out of time, and
 :class:`ConfigError`, :class:`RegionError`, :class:`StartError` when an agent cannot be built.
 docs/engines.md, "Embedding kvferry in Python", has a complete example.
+
+Engines that prefer the agent in a process of its own start it with :func:`spawn` (a
+:class:`Sidecar` with the same room operations, over the agent's HTTP API) and share their KV
+memory with it through a :class:`ShmPool`.
 """
 
 from ._kvferry import (
@@ -46,6 +50,7 @@ from ._kvferry import (
     __version__,
     memory_layout,
 )
+from .sidecar import ShmPool, Sidecar, spawn
 
 __all__ = [
     "FAILURE_CODES",
@@ -65,7 +70,9 @@ __all__ = [
     "PrefillAgent",
     "RegionError",
     "RoomFailed",
+    "ShmPool",
     "Shutdown",
+    "Sidecar",
     "StartError",
     "TimeoutBootstrap",
     "TimeoutReady",
@@ -78,4 +85,5 @@ __all__ = [
     "WaitTimeout",
     "__version__",
     "memory_layout",
+    "spawn",
 ]

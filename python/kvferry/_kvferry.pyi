@@ -24,8 +24,15 @@ View = dict[str, Any]
 
 def memory_layout(**options: Any) -> dict[str, Any]:
     """The memory an agent of these options needs: ``num_regions``, ``region_bytes``,
-    ``kv_format``, ``pool_pages``, ``page_size``, ``layers``, ``heads``, ``planes``,
-    ``head_bytes``, ``dtype_bytes``."""
+    ``pool_bytes`` (all regions back to back: an ``shm:`` pool file), ``kv_format``,
+    ``pool_pages``, ``page_size``, ``layers``, ``heads``, ``planes``, ``head_bytes``,
+    ``dtype_bytes``."""
+
+def agent_flags(**options: Any) -> list[str]:
+    """The command-line flags of these options, checked as an agent would check them."""
+
+def main(argv: list[str]) -> None:
+    """The ``kvferry`` command line (``python -m kvferry``) for bootstrap, prefill, decode."""
 
 class PrefillAgent:
     """A prefill agent in this process."""
@@ -53,10 +60,15 @@ class PrefillAgent:
         """Announces a ready piece of a room (the whole room without ranges)."""
     def view(self, room: int) -> View:
         """The room's view now; never blocks."""
+    def poll(self, rooms: Iterable[int]) -> dict[int, View]:
+        """The views of the settled rooms among ``rooms`` (final, and ``safe_to_reuse``: they
+        can no longer change), by room; rooms still in progress are left out. Never blocks:
+        for engines that check their rooms once per step. UnknownRoom for a room the agent
+        does not know."""
     def wait(self, room: int, timeout: float) -> View:
-        """Blocks (GIL released) until the room is final: its view on success, its reason's
-        exception (a RoomFailed subclass) on failure or abort, WaitTimeout after ``timeout``
-        seconds."""
+        """Blocks (GIL released) until the room is settled (see ``poll``): its view on
+        success, its reason's exception (a RoomFailed subclass) on failure or abort,
+        WaitTimeout after ``timeout`` seconds."""
     def abort(self, room: int) -> View: ...
     def pool(self) -> dict[str, int]:
         """Agent-owned pages: ``free_pages``, ``total_pages``."""
@@ -93,6 +105,8 @@ class DecodeAgent:
     ) -> View:
         """Asks for a room's KV into ``pages`` (the engine's) or the agent's own pages."""
     def view(self, room: int) -> View: ...
+    def poll(self, rooms: Iterable[int]) -> dict[int, View]:
+        """As PrefillAgent.poll."""
     def wait(self, room: int, timeout: float) -> View:
         """As PrefillAgent.wait."""
     def take(self, room: int) -> View:

@@ -27,10 +27,15 @@ use crate::{convert, memory, runtime};
 /// The longest the GIL stays released in one piece of a wait.
 const SLICE: Duration = Duration::from_millis(200);
 
-/// What `wait` needs of a view.
+/// What `wait` and `poll` need of a view.
 trait Look: Serialize + Send {
     fn state(&self) -> RoomState;
     fn reason(&self) -> Option<&Reason>;
+    fn safe_to_reuse(&self) -> bool;
+    /// The room can no longer change: final, and no transfer touches its pages any more.
+    fn settled(&self) -> bool {
+        self.state().is_final() && self.safe_to_reuse()
+    }
 }
 
 impl Look for prefill::RoomView {
@@ -40,6 +45,9 @@ impl Look for prefill::RoomView {
     fn reason(&self) -> Option<&Reason> {
         self.reason.as_ref()
     }
+    fn safe_to_reuse(&self) -> bool {
+        self.safe_to_reuse
+    }
 }
 
 impl Look for decode::RoomView {
@@ -48,6 +56,9 @@ impl Look for decode::RoomView {
     }
     fn reason(&self) -> Option<&Reason> {
         self.reason.as_ref()
+    }
+    fn safe_to_reuse(&self) -> bool {
+        self.safe_to_reuse
     }
 }
 
@@ -79,6 +90,7 @@ where
     F: FnOnce(AgentConfig, Option<kvferry::pool::HostPool>, CancellationToken) -> Fut + Send,
     Fut: Future<Output = Result<A, AgentError>>,
 {
+    crate::init_logs();
     let cfg = crate::agent_config(options)?;
     let (pool, keep) = match regions {
         Some(items) => {
@@ -138,7 +150,8 @@ impl<A: Send + Sync> Handle<A> {
         .map_err(errors::room_error)
     }
 
-    /// Waits until the room is final (see [`finished`]) or `timeout` seconds passed.
+    /// Waits until the room is settled (see [`Look::settled`] and [`finished`]) or `timeout`
+    /// seconds passed.
     fn wait_final<'py, V, Fut>(
         &self,
         py: Python<'py>,
@@ -155,7 +168,7 @@ impl<A: Send + Sync> Handle<A> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let view = self.run(py, |a| wait(a, left.min(SLICE)))?;
-            if view.state().is_final() {
+            if view.settled() {
                 return finished(py, room, &view);
             }
             if Instant::now() >= deadline {
@@ -170,6 +183,24 @@ impl<A: Send + Sync> Handle<A> {
             }
             py.check_signals()?;
         }
+    }
+
+    /// The views of the settled rooms among `rooms`, by room; never blocks.
+    fn poll<'py, V: Look>(
+        &self,
+        py: Python<'py>,
+        rooms: Vec<u64>,
+        view: impl Fn(&A, u64) -> Result<V, RoomError>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let agent = self.get()?;
+        let out = PyDict::new(py);
+        for room in rooms {
+            let v = view(&agent, room).map_err(errors::room_error)?;
+            if v.settled() {
+                out.set_item(room, convert::view(py, room, &v)?)?;
+            }
+        }
+        Ok(out)
     }
 
     /// Cancels the agent and joins its tasks; [`Self::release`] then lets the memory go.
@@ -310,6 +341,10 @@ impl PrefillAgent {
         convert::view(py, room, &view)
     }
 
+    fn poll<'py>(&self, py: Python<'py>, rooms: Vec<u64>) -> PyResult<Bound<'py, PyDict>> {
+        self.0.poll(py, rooms, |a, room| a.view(room))
+    }
+
     fn wait<'py>(&self, py: Python<'py>, room: u64, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
         self.0.wait_final(
             py,
@@ -428,6 +463,10 @@ impl DecodeAgent {
     fn view<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
         let view = self.0.get()?.view(room).map_err(errors::room_error)?;
         convert::view(py, room, &view)
+    }
+
+    fn poll<'py>(&self, py: Python<'py>, rooms: Vec<u64>) -> PyResult<Bound<'py, PyDict>> {
+        self.0.poll(py, rooms, |a, room| a.view(room))
     }
 
     fn wait<'py>(&self, py: Python<'py>, room: u64, timeout: f64) -> PyResult<Bound<'py, PyDict>> {

@@ -58,6 +58,15 @@ fn flags(options: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<String>> {
     Ok(argv)
 }
 
+/// The command-line flags of keyword options (what `kvferry.spawn` passes to a sidecar),
+/// checked by the agents' parser first so that a bad option fails here, not in the child.
+#[pyfunction]
+#[pyo3(signature = (**options))]
+fn agent_flags(options: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<String>> {
+    config_of(&parse(options)?)?;
+    flags(options)
+}
+
 /// The agent flags of keyword options, parsed by the command line's parser (defaults and the
 /// `KVFERRY_*` environment variables included).
 fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentArgs> {
@@ -105,6 +114,11 @@ fn memory_layout<'py>(
         l.region_bytes(cfg.pool_pages)
             .map_err(|e| errors::ConfigError::new_err(e.to_string()))?,
     )?;
+    out.set_item(
+        "pool_bytes",
+        l.pool_bytes(cfg.pool_pages)
+            .map_err(|e| errors::ConfigError::new_err(e.to_string()))?,
+    )?;
     out.set_item("pool_pages", cfg.pool_pages)?;
     out.set_item("page_size", l.page_size)?;
     out.set_item("layers", (l.layers.start, l.layers.end))?;
@@ -116,21 +130,38 @@ fn memory_layout<'py>(
 }
 
 /// Logs to stderr, as the binary does, when `RUST_LOG` is set (an embedded agent is silent
-/// otherwise); a subscriber the process installed already wins.
+/// otherwise); a subscriber the process installed already wins. Called when an agent starts.
 fn init_logs() {
-    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .try_init();
+    if std::env::var_os("RUST_LOG").is_some() {
+        kvferry::cli::init_logging(kvferry::cli::LogFormat::Text);
     }
+}
+
+/// `python -m kvferry ARGS`: the `kvferry` command line (`argv[0]` is the program name) in
+/// this process, for sidecars started from Python (`kvferry.spawn`). Runs the roles
+/// `bootstrap`, `prefill` and `decode`; `demo` and `bench` start agent processes of their own
+/// and run from the `kvferry` binary (`ConfigError`). A bad command line exits with clap's
+/// message, as the binary does; a role that fails raises `Error` with its chain of causes.
+#[pyfunction]
+fn main(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
+    use kvferry::cli::{Command, config, init_logging, run};
+    let cli = config::parse(argv).unwrap_or_else(|e| e.exit());
+    if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) {
+        return Err(errors::ConfigError::new_err(
+            "python -m kvferry runs bootstrap, prefill and decode; demo and bench run from the kvferry binary (cargo build --release)",
+        ));
+    }
+    init_logging(cli.log_format);
+    py.detach(|| run(cli))
+        .map_err(|e| errors::Error::new_err(format!("{e:#}")))
 }
 
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    init_logs();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(memory_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(main, m)?)?;
+    m.add_function(wrap_pyfunction!(agent_flags, m)?)?;
     m.add_class::<agents::PrefillAgent>()?;
     m.add_class::<agents::DecodeAgent>()?;
     errors::register(m)?;

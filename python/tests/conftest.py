@@ -1,10 +1,12 @@
-"""Fixtures: the kvferry binary of this checkout and a real registry process."""
+"""Fixtures: the kvferry binary of this checkout, a real registry process, and the vLLM venv's
+interpreter (it has torch) with this checkout's wheel on its path."""
 
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -45,38 +47,19 @@ def registry(kvferry_bin, tmp_path_factory):
         proc.wait(timeout=10)
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "own_process: run the test in a forked child that starts its own agents and exits",
-    )
-
-
-def pytest_pyfunc_call(pyfuncitem):
-    """Runs `own_process` tests in a forked child. The pytest process itself never starts an
-    agent (nor the extension's runtime), so the fork is clean, and no test inherits another's
-    agents."""
-    if pyfuncitem.get_closest_marker("own_process") is None:
-        return None
-    args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: run the test, report a failure's traceback, exit without cleanup
-        os.close(read)
-        status, text = 0, b""
-        try:
-            pyfuncitem.obj(**args)
-        except BaseException:  # noqa: BLE001 - everything goes back to the parent
-            import traceback
-
-            status, text = 1, traceback.format_exc().encode()
-        with os.fdopen(write, "wb") as out:
-            out.write(text)
-        os._exit(status)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        text = f.read().decode(errors="replace")
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        pytest.fail(f"in the test's own process (wait status {status}):\n{text}", pytrace=False)
-    return True
+@pytest.fixture(scope="session")
+def torch_python(tmp_path_factory) -> tuple[str, dict]:
+    """The vLLM venv's python (KVFERRY_VLLM_PYTHON, which scripts/test always sets; by default
+    ~/.cache/kvferry/vllm-venv, from scripts/vllm/install) and an environment whose PYTHONPATH
+    holds the built abi3 wheel unpacked for it. Skipped only when the variable is unset and the
+    default venv is missing."""
+    python = os.environ.get("KVFERRY_VLLM_PYTHON")
+    if not python:
+        python = str(pathlib.Path.home() / ".cache/kvferry/vllm-venv/bin/python")
+        if not pathlib.Path(python).exists():
+            pytest.skip("no vLLM venv with torch (scripts/vllm/install)")
+    wheels = sorted((REPO / "target" / "python-wheels").glob("kvferry-*.whl"))
+    assert wheels, "no built wheel in target/python-wheels (scripts/python/build)"
+    site = tmp_path_factory.mktemp("torch-site")
+    zipfile.ZipFile(wheels[-1]).extractall(site)
+    return python, os.environ | {"PYTHONPATH": str(site)}

@@ -6,10 +6,14 @@ vLLM's CPU backend keeps one buffer for every layer; layer ``l`` is a dense
 (docs/engines.md), block 0 is its null block. kvferry's ``vllm-cpu-vec`` format is that buffer.
 
 Run as a script it is one engine process of test_two_processes.py:
-``engine.py prefill|decode REGISTRY SEED ROOMS`` (see ``main``).
+``engine.py prefill|decode REGISTRY SEED ROOMS MEMORY`` (see ``main``), where MEMORY is
+``numpy`` or ``torch`` (an in-process agent over that array) or ``sidecar`` (a spawned agent
+process over a numpy array in an ``ShmPool``).
 """
 
+import contextlib
 import json
+import os
 import sys
 import time
 
@@ -37,24 +41,57 @@ def options(registry: str, **extra) -> dict:
     ) | extra
 
 
-def kv_cache(opts: dict, fill: str, seed: int = 0) -> np.ndarray:
+def kv_shape(opts: dict) -> tuple[int, ...]:
     """vLLM's CPU KV cache for these options: one float16 buffer
-    ``[layers, num_blocks, kv_heads, block_size, 2 * head_size]`` (layer ``l`` is ``kv[l]``),
-    filled with seeded noise (``fill="noise"``) or poison."""
+    ``[layers, num_blocks, kv_heads, block_size, 2 * head_size]`` (layer ``l`` is ``kv[l]``)."""
     layout = kvferry.memory_layout(**opts)
     assert layout["num_regions"] == 1, layout
     layers = layout["layers"][1] - layout["layers"][0]
     heads = layout["heads"][1] - layout["heads"][0]
     dim = layout["head_bytes"] // layout["dtype_bytes"]
     shape = (layers, layout["pool_pages"], heads, layout["page_size"], 2 * dim)
-    kv = np.empty(shape, dtype=np.float16)
-    assert kv.nbytes == layout["region_bytes"], (kv.nbytes, layout)
+    assert 2 * np.prod(shape) == layout["region_bytes"], (shape, layout)
+    return shape
+
+
+def fill(kv: np.ndarray, how: str, seed: int = 0) -> np.ndarray:
+    """Fills a cache with seeded noise (``how="noise"``) or poison; returns it."""
     bits = kv.view(np.uint16)
-    if fill == "noise":
-        bits[...] = np.random.default_rng(seed).integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    if how == "noise":
+        bits[...] = np.random.default_rng(seed).integers(0, 1 << 16, size=kv.shape, dtype=np.uint16)
     else:
         bits[...] = POISON
     return kv
+
+
+def kv_cache(opts: dict, how: str, seed: int = 0) -> np.ndarray:
+    """A numpy cache of these options (:func:`kv_shape`), filled (:func:`fill`)."""
+    return fill(np.empty(kv_shape(opts), dtype=np.float16), how, seed)
+
+
+@contextlib.contextmanager
+def engine_agent(role: str, memory: str, opts: dict):
+    """An agent of ``role`` over a fresh cache held as ``memory`` says; yields the agent and a
+    float16 numpy view of the cache (the engine fills and checks it through that view)."""
+    shape = kv_shape(opts)
+    if memory == "sidecar":
+        path = f"/dev/shm/kvferry-test-{role}-{os.getpid()}"
+        with kvferry.ShmPool(path, **opts) as pool:
+            kv = np.frombuffer(pool.regions[0], np.float16).reshape(shape)
+            with kvferry.spawn(role, pool, **opts) as agent:
+                yield agent, kv
+            del kv  # the pool unmaps only once no array uses it
+        return
+    if memory == "torch":
+        import torch
+
+        tensor = torch.empty(shape, dtype=torch.float16)
+        region, kv = tensor, tensor.numpy()
+    else:
+        region = kv = np.empty(shape, dtype=np.float16)
+    agent_type = kvferry.PrefillAgent if role == "prefill" else kvferry.DecodeAgent
+    with agent_type([region], **opts) as agent:
+        yield agent, kv
 
 
 def plan(seed: int, rooms: int, page: int = 32, pool_pages: int = POOL_PAGES) -> list[dict]:
@@ -101,13 +138,14 @@ def expected(prefill_kv: np.ndarray, poison_kv: np.ndarray, rooms: list[dict], p
 
 
 def main() -> int:
-    role, registry, seed, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    role, registry, seed, count, memory = sys.argv[1:6]
+    seed, count = int(seed), int(count)
     opts = options(registry)
     rooms = plan(seed, count)
     t0 = time.monotonic()
     if role == "prefill":
-        kv = kv_cache(opts, "noise", seed)
-        with kvferry.PrefillAgent([kv], **opts) as agent:
+        with engine_agent(role, memory, opts) as (agent, kv):
+            fill(kv, "noise", seed)
             layers = kvferry.memory_layout(**opts)["layers"][1]
             for r in rooms:
                 for piece in pieces(r, layers):
@@ -116,25 +154,31 @@ def main() -> int:
             print(json.dumps(dict(role=role, states=sorted(states), seconds=time.monotonic() - t0)), flush=True)
             sys.stdin.readline()  # the test says when the decode is done
         return 0
-    kv = kv_cache(opts, "poison")
-    with kvferry.DecodeAgent([kv], **opts) as agent:
+    with engine_agent(role, memory, opts) as (agent, kv):
+        fill(kv, "poison")
         for r in rooms:
             agent.request(r["room"], r["tokens"], pages=r["dst"], start_token=r["start"])
         taken = []
-        for r in rooms:
-            view = agent.wait(r["room"], 60)
-            got = agent.take(r["room"])
-            assert got["state"] == "success" and got["page_owner"] == "engine", got
-            taken.append(dict(room=r["room"], bytes=view["bytes"], expected=view["expected_bytes"]))
+        pending = {r["room"] for r in rooms}
+        # The rooms as an engine's step loop sees them: poll, take what settled, go on.
+        while pending:
+            for room, view in agent.poll(sorted(pending)).items():
+                got = agent.take(room)
+                assert got["state"] == "success" and got["page_owner"] == "engine", got
+                taken.append(dict(room=room, bytes=view["bytes"], expected=view["expected_bytes"]))
+                pending.discard(room)
+            if time.monotonic() - t0 > 120:
+                raise SystemExit(f"rooms still pending after 120 s: {sorted(pending)[:10]}")
+            time.sleep(0.002)
         seconds = time.monotonic() - t0
-    # Every byte of the decode's cache: the rooms' blocks equal the prefill's, the rest poison.
-    prefill_kv = kv_cache(opts, "noise", seed)
-    want = expected(prefill_kv, kv_cache(opts, "poison"), rooms, MODEL["page_size"])
-    bad = np.argwhere(kv.view(np.uint16) != want.view(np.uint16))
+        # Every byte of the decode's cache: the rooms' blocks equal the prefill's, the rest poison.
+        want = expected(kv_cache(opts, "noise", seed), kv_cache(opts, "poison"), rooms, MODEL["page_size"])
+        bad = np.argwhere(kv.view(np.uint16) != want.view(np.uint16))
     print(
         json.dumps(
             dict(
                 role=role,
+                memory=memory,
                 rooms=len(taken),
                 landed_bytes=sum(t["bytes"] for t in taken),
                 short=[t for t in taken if t["bytes"] != t["expected"]],

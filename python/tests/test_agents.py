@@ -1,6 +1,7 @@
-"""One process embedding a prefill and a decode agent over numpy caches (a real registry
-process): the API, and every error surface with the exception it raises and the proof that
-nothing outside a room's pages was written."""
+"""A prefill and a decode agent over numpy caches (a real registry process), embedded in this
+process or spawned as sidecars over shared memory (the ``pair`` fixture runs a test both
+ways: the same calls, views and exceptions): the API, and every error surface with the
+exception it raises and the proof that nothing outside a room's pages was written."""
 
 import contextlib
 
@@ -8,10 +9,7 @@ import numpy as np
 import pytest
 
 import kvferry
-from engine import MODEL, POISON, kv_cache, options
-
-# Each test starts its agents in a process of its own (conftest.py).
-pytestmark = pytest.mark.own_process
+from engine import MODEL, POISON, engine_agent, fill, kv_cache, options
 
 PAGE = MODEL["page_size"]
 # The closed set of failure codes (src/reason.rs).
@@ -34,18 +32,17 @@ CODES = {
 
 
 @contextlib.contextmanager
-def agents(registry):
-    """A prefill (noise) and a decode (poison) agent in this process, and their caches."""
+def agents(registry, memory):
+    """A prefill (noise) and a decode (poison) agent, and their caches."""
     opts = options(registry)
-    p_kv, d_kv = kv_cache(opts, "noise", 7), kv_cache(opts, "poison")
-    with kvferry.PrefillAgent([p_kv], **opts) as prefill, kvferry.DecodeAgent([d_kv], **opts) as decode:
-        yield prefill, decode, p_kv, d_kv
+    with engine_agent("prefill", memory, opts) as (prefill, p_kv), engine_agent("decode", memory, opts) as (decode, d_kv):
+        yield prefill, decode, fill(p_kv, "noise", 7), fill(d_kv, "poison")
 
 
-@pytest.fixture
-def pair(registry):
-    """The agents' factory: started inside the test, that is, in the test's own process."""
-    return lambda: agents(registry)
+@pytest.fixture(params=["numpy", "sidecar"], ids=["in-process", "sidecar"])
+def pair(registry, request):
+    """The agents' factory, started inside the test: in this process, or as sidecars."""
+    return lambda: agents(registry, request.param)
 
 
 def untouched(kv: np.ndarray) -> bool:
@@ -68,10 +65,13 @@ def test_options_go_through_the_command_line_parser():
     # tiny: 4 layers, 4 KV heads of 32 fp16 dims; one buffer for every layer.
     assert layout == dict(
         kv_format="vllm-cpu-vec", num_regions=1, region_bytes=4 * 10 * 4 * PAGE * 2 * 32 * 2,
-        pool_pages=10, page_size=PAGE, layers=(0, 4), heads=(0, 4), planes=2, head_bytes=64,
+        pool_bytes=4 * 10 * 4 * PAGE * 2 * 32 * 2, pool_pages=10, page_size=PAGE, layers=(0, 4), heads=(0, 4), planes=2, head_bytes=64,
         dtype_bytes=2,
     )
     assert kvferry.memory_layout(**MODEL, pool_pages=10, tp_size=2, tp_rank=1)["heads"] == (2, 4)
+    # vLLM's CUDA layout: one region per layer, back to back in a pool file.
+    flash = kvferry.memory_layout(**(MODEL | dict(kv_format="vllm-flash-nhd")), pool_pages=10)
+    assert flash["num_regions"] == 4 and flash["pool_bytes"] == 4 * flash["region_bytes"]
     with pytest.raises(kvferry.ConfigError, match="--tp-rank 2 must be < --tp-size 2"):
         kvferry.memory_layout(tp_rank=2, tp_size=2)
     with pytest.raises(kvferry.ConfigError, match="no-such-flag"):
@@ -300,3 +300,66 @@ def test_wait_releases_the_gil_and_close_ends_it(registry):
         t.join(10)
     assert time.monotonic() - t0 < 5
     assert len(raised) == 2 and all(isinstance(e, kvferry.Unavailable) for e in raised), raised
+
+
+def test_poll_reports_settled_rooms_without_blocking(pair):
+    with pair() as (prefill, decode, p_kv, d_kv):
+        decode.request(11, 40, pages=[12, 13])
+        decode.request(12, 40, pages=[14, 15])
+        assert decode.poll([11, 12]) == {}
+        prefill.ready(11, 40, pages=[1, 2])
+        decode.abort(12)
+        settled = {}
+        while len(settled) < 2:  # an engine's step loop
+            settled |= decode.poll([11, 12])
+        assert settled[11]["state"] == "success" and settled[11]["safe_to_reuse"]
+        assert settled[12]["state"] == "aborted" and settled[12]["reason"]["code"] == "aborted"
+        assert set(prefill.poll([11])) == {11}
+        with pytest.raises(kvferry.UnknownRoom, match="unknown room 13"):
+            decode.poll([11, 13])
+        decode.take(11)
+        with pytest.raises(kvferry.Aborted):
+            decode.take(12)
+        assert (d_kv[:, [12, 13]].view(np.uint16) == p_kv[:, [1, 2]].view(np.uint16)).all()
+        assert untouched(np.delete(d_kv, [12, 13], axis=1))
+
+
+def test_memory_cannot_be_freed_under_the_agent(registry):
+    # The agent holds every object it was given until it is closed: dropping the engine's last
+    # reference frees nothing (and memory that can be released explicitly refuses, below).
+    import gc
+    import weakref
+
+    opts = options(registry)
+    p_kv = kv_cache(opts, "noise", 5)
+    d_kv = kv_cache(opts, "poison")
+    alive = weakref.ref(d_kv)
+    with kvferry.PrefillAgent([p_kv], **opts) as prefill:
+        decode = kvferry.DecodeAgent([d_kv], **opts)
+        del d_kv
+        gc.collect()
+        assert alive() is not None, "the agent let the engine's array go"
+        decode.request(20, 33, pages=[5, 6])
+        prefill.ready(20, 33, pages=[7, 8])
+        decode.wait(20, 30)
+        decode.take(20)
+        landed = alive()
+        assert (landed[:, [5, 6]].view(np.uint16) == p_kv[:, [7, 8]].view(np.uint16)).all()
+        assert untouched(np.delete(landed, [5, 6], axis=1))
+        del landed
+        decode.close()
+    gc.collect()
+    assert alive() is None, "the closed agent still holds the engine's array"
+
+
+def test_an_mmap_under_an_agent_cannot_be_closed(registry):
+    # Freeing memory explicitly while an agent may write it raises BufferError; after close
+    # it works.
+    import mmap
+
+    opts = options(registry)
+    mapped = mmap.mmap(-1, kvferry.memory_layout(**opts)["region_bytes"])
+    with kvferry.DecodeAgent([mapped], **opts):
+        with pytest.raises(BufferError):
+            mapped.close()
+    mapped.close()

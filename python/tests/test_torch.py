@@ -1,15 +1,10 @@
 """Torch tensors as the engine's memory (data_ptr() and nbytes), with the vLLM venv's torch
-(KVFERRY_VLLM_PYTHON, scripts/vllm/install): the built wheel is unpacked for that interpreter
-and a room moves between two tensors in vLLM's CPU layout. Skipped without that venv."""
+(the ``torch_python`` fixture): a room moves between two tensors in vLLM's CPU layout in one
+process, and a tensor that is not contiguous is refused. test_two_processes.py moves 100 rooms
+between torch tensors in two processes."""
 
-import os
 import pathlib
 import subprocess
-import zipfile
-
-import pytest
-
-from conftest import REPO
 
 SCRIPT = r"""
 import sys
@@ -50,18 +45,10 @@ def pytest_raises(exc, text):
 """
 
 
-def test_torch_tensors_as_engine_memory(registry, tmp_path):
-    python = os.environ.get("KVFERRY_VLLM_PYTHON") or str(pathlib.Path.home() / ".cache/kvferry/vllm-venv/bin/python")
-    if not pathlib.Path(python).exists():
-        pytest.skip("no vLLM venv with torch (scripts/vllm/install)")
-    wheels = sorted((REPO / "target" / "python-wheels").glob("kvferry-*.whl"))
-    if not wheels:
-        pytest.skip("no built wheel (scripts/python/build)")
-    site = tmp_path / "site"
-    zipfile.ZipFile(wheels[-1]).extractall(site)
+def test_torch_tensors_as_engine_memory(registry, torch_python, tmp_path):
+    python, env = torch_python
     script = tmp_path / "torch_room.py"
     script.write_text(RAISES + SCRIPT)
-    env = os.environ | {"PYTHONPATH": str(site)}
     out = subprocess.run(
         [python, str(script), registry, str(pathlib.Path(__file__).parent)],
         env=env, capture_output=True, text=True, timeout=300,

@@ -90,6 +90,29 @@ pub enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// Logs to stderr in `format` (stdout carries the listening line and results only), filtered
+/// by `RUST_LOG` (default `info`). A subscriber the process installed already wins.
+pub fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter);
+    let _ = match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init(),
+        // One object per line; the event's fields at the top level, the span list kept so a
+        // room can be followed.
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_ansi(false)
+            .try_init(),
+    };
+}
+
 /// Runs the chosen subcommand to completion.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {

@@ -93,6 +93,21 @@ fn eager_chunks(tls: Option<&str>, rndv_thresh_set: bool) -> bool {
         && names.all(|t| t == "tcp" || t == "self")
 }
 
+/// Whether `tls` names shared-memory transports only (`posix,cma,self`, `sm`, ...). UCX 1.13
+/// cannot detect a dead peer over them: it refuses an endpoint asking for that, and logs the
+/// refusal as an error on stdout, where kvferry prints its listening line. Such endpoints are
+/// made unsupervised from the start ([`super::worker::UcxConfig::supervise`]).
+fn shared_memory_only(tls: Option<&str>) -> bool {
+    let Some(list) = tls else { return false };
+    !list.starts_with('^')
+        && list.split(',').map(str::trim).all(|t| {
+            matches!(
+                t,
+                "sm" | "shm" | "posix" | "sysv" | "cma" | "knem" | "xpmem" | "self"
+            )
+        })
+}
+
 /// Whether this process's `UCX_*` environment sets `name` (without its `UCX_` prefix).
 fn ucx_env_sets(name: &str) -> bool {
     std::env::var_os(format!("UCX_{name}")).is_some()
@@ -168,11 +183,12 @@ pub fn worker_vars(
 /// ([`UcxConfig::eager`]) where chunks are.
 fn worker_config() -> UcxConfig {
     let tls = std::env::var("UCX_TLS").ok();
+    let config = UcxConfig::new()
+        .eager(eager())
+        .supervise(shared_memory_only(tls.as_deref()).then_some(false));
     worker_vars(tls.as_deref(), ucx_env_sets)
         .into_iter()
-        .fold(UcxConfig::new().eager(eager()), |config, (name, value)| {
-            config.var(name, value)
-        })
+        .fold(config, |config, (name, value)| config.var(name, value))
 }
 
 impl Inner {

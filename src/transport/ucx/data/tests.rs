@@ -101,6 +101,22 @@ fn eager_tcp_workers_take_large_segments_unless_the_environment_says_otherwise()
 }
 
 #[test]
+fn shared_memory_transports_only_make_unsupervised_endpoints() {
+    for tls in ["posix,cma,self", "sm,self", "shm", "sysv, cma"] {
+        assert!(shared_memory_only(Some(tls)), "{tls}");
+    }
+    for tls in [
+        None,
+        Some("tcp"),
+        Some("posix,cma,tcp"),
+        Some("^tcp"),
+        Some("rc,sm"),
+    ] {
+        assert!(!shared_memory_only(tls), "{tls:?}");
+    }
+}
+
+#[test]
 fn chunks_go_eagerly_over_tcp_only() {
     assert!(eager_chunks(Some("tcp"), false));
     assert!(eager_chunks(Some("tcp,self"), false));

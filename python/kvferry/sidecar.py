@@ -1,0 +1,375 @@
+"""Sidecar agents: a ``kvferry prefill|decode`` process beside the engine, started and stopped
+from Python, with the room operations of the in-process agents over the agent's HTTP API.
+
+The engine's KV memory is shared with the sidecar through a file on /dev/shm
+(:class:`ShmPool`, the ``--pool shm:PATH`` of the command line): the engine maps it, describes
+it as regions exactly as for an in-process agent, and the sidecar maps the same file.
+
+A :class:`Sidecar` answers like :class:`kvferry.PrefillAgent` / :class:`kvferry.DecodeAgent`:
+the same methods and arguments, the same views (dicts with ``room`` as an int, a taken room's
+``aux`` as bytes) and the same exceptions, because the HTTP API is a thin layer over the same
+room operations.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import contextlib
+import http.client
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from typing import Any, Iterable, Sequence
+
+from . import _kvferry
+from ._kvferry import (
+    FAILURE_CODES,
+    BadRequest,
+    Conflict,
+    Error,
+    Exhausted,
+    RoomFailed,
+    StartError,
+    Unavailable,
+    UnknownRoom,
+    WaitTimeout,
+)
+
+# The refusal of a room operation by HTTP status (the agents' API, docs/operations.md).
+_REFUSALS = {400: BadRequest, 404: UnknownRoom, 409: Conflict, 429: Exhausted, 503: Unavailable}
+# The longest one long-poll of the API waits (the server caps ?wait_ms= at 60 s).
+_SLICE_S = 30.0
+
+
+class ShmPool:
+    """An engine's KV memory in a shared-memory file, for a sidecar (``pool=`` of :func:`spawn`).
+
+    Creates ``path`` (or opens it if it exists with the right size) at the size the agent
+    options need (``memory_layout(**options)["pool_bytes"]``) and maps it. ``regions`` are
+    writable memoryviews of the format's regions, back to back in the file, as the engine
+    would hand them to an in-process agent (wrap them with ``numpy.frombuffer`` or
+    ``torch.frombuffer``). The file is removed by :meth:`unlink` (or on leaving a ``with``
+    block when this object created it), never by the sidecar.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+        layout = _kvferry.memory_layout(**options)
+        self.path = os.fspath(path)
+        self.layout = layout
+        size = layout["pool_bytes"]
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            have = os.fstat(fd).st_size
+            self.created = have == 0
+            if have not in (0, size):
+                raise _kvferry.RegionError(
+                    f"{self.path} holds {have} bytes but the layout needs {size}"
+                )
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        whole = memoryview(self._map)
+        step = layout["region_bytes"]
+        self.regions = [whole[i * step : (i + 1) * step] for i in range(layout["num_regions"])]
+
+    @property
+    def descriptor(self) -> str:
+        """``shm:PATH``, the sidecar's ``--pool``."""
+        return f"shm:{self.path}"
+
+    def close(self) -> None:
+        """Unmaps the file (arrays made from ``regions`` must be gone first: BufferError)."""
+        for r in self.regions:
+            r.release()
+        self.regions = []
+        self._map.close()
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> ShmPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(BufferError):
+            self.close()
+        if self.created:
+            self.unlink()
+
+
+def spawn(
+    role: str,
+    pool: ShmPool | str | None = None,
+    *,
+    program: Sequence[str] | None = None,
+    log: str | os.PathLike[str] | None = None,
+    start_timeout: float = 60.0,
+    **options: Any,
+) -> Sidecar:
+    """Starts a ``prefill`` or ``decode`` sidecar agent process and returns it once it listens.
+
+    ``options`` are the agent's flags as for the in-process agents (checked here first);
+    ``pool`` is the engine's memory (a :class:`ShmPool` or an ``shm:PATH`` / ``anon``
+    descriptor). The process is ``python -m kvferry`` of this interpreter unless ``program``
+    names another command (``["/usr/local/bin/kvferry"]``). A ``python -m kvferry`` sidecar
+    stops by itself when this process ends without closing it (its stdin is a pipe from this
+    process; see ``kvferry/__main__.py``); a binary does not. Its stderr (the agent's log) goes
+    to ``log``, by default a temporary file (``Sidecar.log``, removed when the sidecar exits
+    cleanly) whose tail a :class:`StartError` quotes when the agent exits before listening.
+    """
+    if role not in ("prefill", "decode"):
+        raise _kvferry.ConfigError(f"role must be prefill or decode, not {role!r}")
+    if isinstance(pool, ShmPool):
+        pool = pool.descriptor
+    if pool is not None:
+        options["pool"] = pool
+    argv = [*(program or [sys.executable, "-m", "kvferry"]), role, *_kvferry.agent_flags(**options)]
+    temporary = log is None
+    if log is None:
+        fd, log = tempfile.mkstemp(prefix=f"kvferry-{role}-", suffix=".log")
+        os.close(fd)
+    log = os.fspath(log)
+    env = os.environ | {"KVFERRY_STOP_ON_STDIN_EOF": "1"}
+    with open(log, "ab") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+    try:
+        line = _first_line(proc, start_timeout)
+    except BaseException:
+        _stop(proc, 10.0)
+        raise
+    try:
+        listening = json.loads(line) if line else None
+    except ValueError:
+        listening = None
+    if not (isinstance(listening, dict) and listening.get("event") == "listening"):
+        status = _stop(proc, 10.0)
+        what = f"printed {line!r} instead of its listening line" if line else f"exited with status {status} before listening"
+        raise StartError(f"the {role} sidecar ({' '.join(argv)}) {what}; its log {log} ends:\n{_tail(log)}")
+    return Sidecar(proc, listening, log, temporary)
+
+
+def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
+    """The child's first stdout line, or b"" if it exits first; StartError after ``timeout``."""
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        raise StartError(f"the sidecar printed no listening line within {timeout} s")
+    return got[0]
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    with open(path, "rb") as f:
+        return b"".join(collections.deque(f, lines)).decode(errors="replace")
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """SIGTERM (the agent drains and stops), SIGKILL after ``timeout``; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe:
+            pipe.close()
+    return proc.returncode
+
+
+class Sidecar:
+    """A running sidecar agent process; the room operations go to its HTTP API."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], listening: dict[str, Any], log: str, temporary: bool = False
+    ) -> None:
+        self.process = proc
+        self._temporary_log = temporary
+        self.role: str = listening["role"]
+        self.api_url: str = listening["api"]
+        self.instance: str = listening["instance"]
+        self.endpoint: str = listening.get("control") or listening.get("data", "")
+        self.log = log
+        url = urllib.parse.urlsplit(self.api_url)
+        self._host, self._port = url.hostname, url.port
+        self._local = threading.local()
+
+    # The prefill's control endpoint and the decode's data endpoint, as on the in-process agents.
+    @property
+    def control_endpoint(self) -> str:
+        return self.endpoint
+
+    @property
+    def data_endpoint(self) -> str:
+        return self.endpoint
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
+        """One API call on this thread's keep-alive connection; the answer's JSON, or the
+        exception of its status."""
+        if self.process.poll() is not None:
+            raise Unavailable(f"the sidecar exited with status {self.process.returncode} (log: {self.log})")
+        data = None if body is None else json.dumps(body).encode()
+        headers = {} if data is None else {"Content-Type": "application/json"}
+        for attempt in (0, 1):
+            conn = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+                self._local.conn = conn
+            conn.timeout = timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            try:
+                conn.request(method, path, data, headers)
+                resp = conn.getresponse()
+                payload = json.loads(resp.read() or b"null")
+                break
+            except (ConnectionError, http.client.HTTPException, OSError) as e:
+                conn.close()
+                self._local.conn = None
+                # A kept-alive connection the server closed meanwhile: once more, fresh.
+                if attempt or self.process.poll() is not None:
+                    raise Unavailable(f"the sidecar's API {self.api_url} failed: {e} (log: {self.log})") from e
+        if resp.status >= 400:
+            message = payload.get("error", "") if isinstance(payload, dict) else str(payload)
+            raise _REFUSALS.get(resp.status, Error)(message)
+        return payload
+
+    def view(self, room: int) -> dict[str, Any]:
+        return _view(self._call("GET", f"/v1/rooms/{room}"))
+
+    def poll(self, rooms: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """The views of the settled rooms among ``rooms`` (see the in-process ``poll``)."""
+        out = {}
+        for room in rooms:
+            v = self.view(room)
+            if _settled(v):
+                out[room] = v
+        return out
+
+    def wait(self, room: int, timeout: float) -> dict[str, Any]:
+        if not timeout >= 0:
+            raise BadRequest(f"timeout {timeout} is not a number of seconds >= 0")
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            ms = int(min(left, _SLICE_S) * 1000)
+            v = _view(self._call("GET", f"/v1/rooms/{room}?wait_ms={ms}", timeout=ms / 1000 + 30))
+            if _settled(v):
+                return _finished(room, v)
+            if time.monotonic() >= deadline:
+                e = WaitTimeout(f"room {room} is still {v['state']} after {timeout} s")
+                e.room, e.view = room, v
+                raise e
+
+    def abort(self, room: int) -> dict[str, Any]:
+        return _view(self._call("DELETE", f"/v1/rooms/{room}"))
+
+    def pool(self) -> dict[str, int]:
+        got = self._call("GET", "/v1/pool")
+        return {"free_pages": got["free_pages"], "total_pages": got["total_pages"]}
+
+    def ready(
+        self,
+        room: int,
+        tokens: int,
+        pages: Sequence[int] | None = None,
+        token_range: tuple[int, int] | None = None,
+        layer_range: tuple[int, int] | None = None,
+        last: bool | None = None,
+        aux: bytes | None = None,
+        room_key: str | bytes | None = None,
+    ) -> dict[str, Any]:
+        body = _fields(
+            tokens=tokens,
+            pages=pages,
+            token_range=token_range,
+            layer_range=layer_range,
+            last=last,
+            aux=None if aux is None else base64.b64encode(aux).decode(),
+            room_key=_hex(room_key),
+        )
+        return _view(self._call("POST", f"/v1/rooms/{room}/ready", body))
+
+    def request(
+        self,
+        room: int,
+        tokens: int,
+        pages: Sequence[int] | None = None,
+        start_token: int = 0,
+        bootstrap: str | None = None,
+        dp_rank: int | None = None,
+        room_key: str | bytes | None = None,
+    ) -> dict[str, Any]:
+        body = _fields(
+            tokens=tokens,
+            pages=pages,
+            start_token=start_token,
+            bootstrap=bootstrap,
+            dp_rank=dp_rank,
+            room_key=_hex(room_key),
+        )
+        return _view(self._call("POST", f"/v1/rooms/{room}", body))
+
+    def take(self, room: int) -> dict[str, Any]:
+        taken = _view(self._call("POST", f"/v1/rooms/{room}/take"))
+        aux = taken.get("aux")
+        taken["aux"] = None if aux is None else base64.b64decode(aux)
+        return _finished(room, taken)
+
+    def close(self, timeout: float = 30.0) -> int:
+        """Stops the sidecar (SIGTERM: it drains and exits; SIGKILL after ``timeout``) and
+        returns its exit status. A temporary log is removed when the status is 0."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        status = _stop(self.process, timeout)
+        if status == 0 and self._temporary_log:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.log)
+        return status
+
+    def __enter__(self) -> Sidecar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _fields(**fields: Any) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, (tuple, range)) else v) for k, v in fields.items() if v is not None}
+
+
+def _hex(key: str | bytes | None) -> str | None:
+    return key.hex() if isinstance(key, (bytes, bytearray)) else key
+
+
+def _view(v: dict[str, Any]) -> dict[str, Any]:
+    v["room"] = int(v["room"])
+    return v
+
+
+def _settled(v: dict[str, Any]) -> bool:
+    return v["state"] in ("success", "failed", "aborted") and v["safe_to_reuse"]
+
+
+def _finished(room: int, v: dict[str, Any]) -> dict[str, Any]:
+    """The view on success; its reason's exception otherwise (as the in-process agents)."""
+    if v["state"] == "success":
+        return v
+    reason = v.get("reason") or {}
+    code, message = reason.get("code", ""), reason.get("message", "")
+    e = FAILURE_CODES.get(code, RoomFailed)(f"room {room}: {code}: {message}")
+    e.room, e.code, e.message, e.view = room, code, message, v
+    raise e
