@@ -60,11 +60,11 @@ class PrefillAgent:
         """Announces a ready piece of a room (the whole room without ranges)."""
     def view(self, room: int) -> View:
         """The room's view now; never blocks."""
-    def poll(self, rooms: Iterable[int]) -> dict[int, View]:
+    def poll(self, rooms: Iterable[int]) -> dict[int, View | None]:
         """The views of the settled rooms among ``rooms`` (final, and ``safe_to_reuse``: they
-        can no longer change), by room; rooms still in progress are left out. Never blocks:
-        for engines that check their rooms once per step. UnknownRoom for a room the agent
-        does not know."""
+        can no longer change), by room, and None for a room the agent does not know (taken,
+        expired, never made); rooms still in progress are left out. Never blocks: for engines
+        that check their rooms once per step."""
     def wait(self, room: int, timeout: float) -> View:
         """Blocks (GIL released) until the room is settled (see ``poll``): its view on
         success, its reason's exception (a RoomFailed subclass) on failure or abort,
@@ -105,7 +105,7 @@ class DecodeAgent:
     ) -> View:
         """Asks for a room's KV into ``pages`` (the engine's) or the agent's own pages."""
     def view(self, room: int) -> View: ...
-    def poll(self, rooms: Iterable[int]) -> dict[int, View]:
+    def poll(self, rooms: Iterable[int]) -> dict[int, View | None]:
         """As PrefillAgent.poll."""
     def wait(self, room: int, timeout: float) -> View:
         """As PrefillAgent.wait."""

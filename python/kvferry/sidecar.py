@@ -249,11 +249,16 @@ class Sidecar:
     def view(self, room: int) -> dict[str, Any]:
         return _view(self._call("GET", f"/v1/rooms/{room}"))
 
-    def poll(self, rooms: Iterable[int]) -> dict[int, dict[str, Any]]:
-        """The views of the settled rooms among ``rooms`` (see the in-process ``poll``)."""
-        out = {}
+    def poll(self, rooms: Iterable[int]) -> dict[int, dict[str, Any] | None]:
+        """The views of the settled rooms among ``rooms``, None for unknown rooms (see the
+        in-process ``poll``)."""
+        out: dict[int, dict[str, Any] | None] = {}
         for room in rooms:
-            v = self.view(room)
+            try:
+                v = self.view(room)
+            except UnknownRoom:
+                out[room] = None
+                continue
             if _settled(v):
                 out[room] = v
         return out

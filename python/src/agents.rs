@@ -185,7 +185,8 @@ impl<A: Send + Sync> Handle<A> {
         }
     }
 
-    /// The views of the settled rooms among `rooms`, by room; never blocks.
+    /// The views of the settled rooms among `rooms`, by room, and `None` for rooms the agent
+    /// does not know (taken, expired, never made); never blocks.
     fn poll<'py, V: Look>(
         &self,
         py: Python<'py>,
@@ -195,9 +196,11 @@ impl<A: Send + Sync> Handle<A> {
         let agent = self.get()?;
         let out = PyDict::new(py);
         for room in rooms {
-            let v = view(&agent, room).map_err(errors::room_error)?;
-            if v.settled() {
-                out.set_item(room, convert::view(py, room, &v)?)?;
+            match view(&agent, room) {
+                Ok(v) if v.settled() => out.set_item(room, convert::view(py, room, &v)?)?,
+                Ok(_) => {}
+                Err(RoomError::UnknownRoom(_)) => out.set_item(room, py.None())?,
+                Err(e) => return Err(errors::room_error(e)),
             }
         }
         Ok(out)

@@ -163,6 +163,7 @@ def main() -> int:
         # The rooms as an engine's step loop sees them: poll, take what settled, go on.
         while pending:
             for room, view in agent.poll(sorted(pending)).items():
+                assert view is not None, f"room {room} vanished before it was taken"
                 got = agent.take(room)
                 assert got["state"] == "success" and got["page_owner"] == "engine", got
                 taken.append(dict(room=room, bytes=view["bytes"], expected=view["expected_bytes"]))

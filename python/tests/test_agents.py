@@ -315,11 +315,12 @@ def test_poll_reports_settled_rooms_without_blocking(pair):
         assert settled[11]["state"] == "success" and settled[11]["safe_to_reuse"]
         assert settled[12]["state"] == "aborted" and settled[12]["reason"]["code"] == "aborted"
         assert set(prefill.poll([11])) == {11}
-        with pytest.raises(kvferry.UnknownRoom, match="unknown room 13"):
-            decode.poll([11, 13])
+        # A room the agent does not know (taken, expired, never made) polls as None.
+        assert decode.poll([11, 13])[13] is None
         decode.take(11)
         with pytest.raises(kvferry.Aborted):
             decode.take(12)
+        assert decode.poll([11, 12]) == {11: None, 12: None}
         assert (d_kv[:, [12, 13]].view(np.uint16) == p_kv[:, [1, 2]].view(np.uint16)).all()
         assert untouched(np.delete(d_kv, [12, 13], axis=1))
 
