@@ -55,10 +55,19 @@ def model_config() -> LlamaConfig:
     )
 
 
+# transformers' init (std 0.02) gives nearly flat logits: the best two tokens of a step are
+# often within 1e-5 of each other, where float32 rounding alone may swap them. The output
+# projection is scaled so that greedy choices are clear (tests compare token ids exactly).
+LOGIT_SCALE = 200.0
+
+
 def make_model(seed: int) -> LlamaForCausalLM:
-    """A LlamaForCausalLM with weights drawn from `seed` (transformers' own init scheme)."""
+    """A LlamaForCausalLM with weights drawn from `seed` (transformers' own init scheme), its
+    output projection scaled by LOGIT_SCALE."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(model_config()).to(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LOGIT_SCALE)
     model.eval()
     return model
 

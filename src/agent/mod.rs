@@ -201,7 +201,7 @@ pub struct AgentConfig {
     pub checksum: bool,
     /// Rooms in flight at most (not yet final); more are refused with 429.
     pub max_rooms: usize,
-    /// Fault injection for tests: flip a byte of the N-th chunk sent (after checksumming).
+    /// Fault injection for tests: invert every byte of the N-th chunk sent (after checksumming).
     pub fault_corrupt_chunk: Option<u64>,
     /// Timeouts.
     pub timeouts: Timeouts,

@@ -165,7 +165,8 @@ pub struct AgentArgs {
     /// Rooms in flight at most; more are refused with 429 at once.
     #[arg(long, env = "KVFERRY_MAX_ROOMS", default_value_t = 1024)]
     pub max_rooms: usize,
-    /// Fault injection for tests: flip a byte of the N-th chunk this prefill sends.
+    /// Fault injection for tests: invert every byte of the N-th chunk this prefill sends (after
+    /// its checksum; a direct chunk gets a wrong checksum instead).
     #[arg(long, env = "KVFERRY_FAULT_CORRUPT_CHUNK", hide = true)]
     pub fault_corrupt_chunk: Option<u64>,
     /// Direct path (one-sided writes of pool pages into the decode pool; `ucx` only): `auto`

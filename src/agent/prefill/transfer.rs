@@ -372,12 +372,14 @@ impl Inner {
                 } else {
                     0
                 };
-                if let (true, Some(b)) = (corrupt, payload.first_mut()) {
+                if corrupt {
+                    // Every byte: whole pages arrive wrong, as a broken link or a bad NIC
+                    // would deliver them.
                     tracing::warn!(
                         chunk = nth,
                         "fault injection: corrupting a chunk after its checksum"
                     );
-                    *b = !*b;
+                    payload.iter_mut().for_each(|b| *b = !*b);
                 }
                 Ok::<_, crate::kernel::KernelError>((Payload::Staged(buf), sum))
             })

@@ -1,0 +1,107 @@
+"""``KvferryConnector``: a vLLM v1 KV connector (vLLM 0.32's connector API) that moves a prompt's
+KV cache from a prefill server to a decode server through kvferry, straight between vLLM's own
+KV tensors. docs/vllm.md says how to run it.
+
+    --kv-transfer-config '{"kv_connector": "KvferryConnector",
+        "kv_connector_module_path": "kvferry.vllm",
+        "kv_role": "kv_producer" | "kv_consumer",
+        "kv_connector_extra_config": {"bootstrap": "http://HOST:PORT", "dp_rank": 0, ...}}'
+
+vLLM builds the connector once in its engine-core process (the scheduler side,
+``scheduler.py``) and once per worker (the worker side, ``worker.py``: a kvferry agent over the
+worker's KV cache). The scheduler side tells the workers each step which rooms to announce,
+request or abort (``metadata.py``); the workers answer with the requests whose rooms settled.
+The ``kv_transfer_params`` kvferry reads and writes are in ``params.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .metadata import KvferryMetadata
+from .params import ConnectorConfig
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KvferryConnector"]
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.is_kv_producer == transfer.is_kv_consumer:
+            raise ValueError(
+                f"KvferryConnector: kv_role must be kv_producer (prefill) or kv_consumer (decode), "
+                f"not {transfer.kv_role}"
+            )
+        config = ConnectorConfig.of(transfer.kv_connector_extra_config)
+        producer = transfer.is_kv_producer
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(config, producer, vllm_config.cache_config.block_size)
+        else:
+            self._worker = WorkerSide(vllm_config, kv_cache_config, config, producer)
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Every step, with or without a forward pass: the whole room moves in the background.
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        self._worker.apply(meta if isinstance(meta, KvferryMetadata) else None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: vLLM schedules a request only after its room landed."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Rooms are announced once the prompt is complete (see SchedulerSide)."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: sends run in the agent while vLLM goes on."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self._worker.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

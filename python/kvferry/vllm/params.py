@@ -1,0 +1,85 @@
+"""The ``kv_transfer_params`` kvferry reads and writes in vLLM requests and responses, and the
+configuration it reads from ``kv_connector_extra_config``.
+
+A request's params (HTTP body field ``kv_transfer_params``):
+
+- to a prefill server: ``{"do_remote_decode": true}``, and in concurrent pairing the room the
+  router chose, ``"kvferry_room": "<u64>"``;
+- from the prefill server's response, copied by the router into the decode request:
+  ``{"do_remote_prefill": true, "kvferry_room": "<u64>", "kvferry_dp_rank": G,
+  "kvferry_bootstrap": URL, "kvferry_tokens": N}``;
+- to a decode server: those, or in concurrent pairing ``{"do_remote_prefill": true,
+  "kvferry_room": ..., "kvferry_dp_rank": G}`` before the prefill has run.
+
+Rooms travel as decimal strings (a u64 does not survive every JSON parser as a number).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOM = "kvferry_room"
+DP_RANK = "kvferry_dp_rank"
+BOOTSTRAP = "kvferry_bootstrap"
+TOKENS = "kvferry_tokens"
+
+
+class ParamsError(ValueError):
+    """kv_transfer_params that kvferry cannot act on."""
+
+
+def room_of(params: dict[str, Any]) -> int | None:
+    """The room the params name, or None; ParamsError if it is not a u64."""
+    raw = params.get(ROOM)
+    if raw is None:
+        return None
+    try:
+        room = int(raw)
+    except (TypeError, ValueError):
+        raise ParamsError(f"{ROOM} {raw!r} is not an integer") from None
+    if not 0 <= room < 1 << 64:
+        raise ParamsError(f"{ROOM} {room} is not a u64")
+    return room
+
+
+def fresh_room(live: set[int]) -> int:
+    """A random u64 room not among ``live``: rooms from independent prefill servers and
+    routers do not collide (2^-64 per pair), and a live one is never reused."""
+    while True:
+        room = int.from_bytes(os.urandom(8), "little")
+        if room not in live:
+            return room
+
+
+@dataclass
+class ConnectorConfig:
+    """``kv_connector_extra_config``: ``bootstrap`` (the registry URL, required), ``dp_rank``
+    and ``dp_size`` (a prefill server's kvferry DP group among the prefill servers sharing the
+    registry: each prefill server needs its own ``dp_rank``), and ``agent``, further agent
+    options as keywords (``{"transport": "zmq-ipc", "host": "10.0.0.5"}``)."""
+
+    bootstrap: str
+    dp_rank: int = 0
+    dp_size: int = 1
+    agent: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        if not extra.get("bootstrap"):
+            raise ValueError(
+                "KvferryConnector: kv_connector_extra_config needs \"bootstrap\": the kvferry "
+                "registry URL (e.g. http://127.0.0.1:8998)"
+            )
+        unknown = set(extra) - {"bootstrap", "dp_rank", "dp_size", "agent"}
+        if unknown:
+            raise ValueError(
+                f"KvferryConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                "agent options go under \"agent\""
+            )
+        dp_rank, dp_size = int(extra.get("dp_rank", 0)), int(extra.get("dp_size", 1))
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"KvferryConnector: dp_rank {dp_rank} must be < dp_size {dp_size}")
+        return cls(str(extra["bootstrap"]), dp_rank, dp_size, dict(extra.get("agent") or {}))

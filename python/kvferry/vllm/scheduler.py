@@ -1,0 +1,140 @@
+"""The connector's scheduler side (vLLM's engine-core process): which requests send or load a
+room, with which blocks, and when their blocks may go.
+
+Prefill (``kv_producer``): a request with ``do_remote_decode`` that finishes normally keeps its
+blocks (``delay_free``) and its room is announced to the workers in the next step's metadata;
+the blocks go when every worker reports the room settled (sent, failed or expired). Blocks vLLM
+served from its prefix cache are in the request's block table, so they are sent too.
+
+Decode (``kv_consumer``): a request with ``do_remote_prefill`` claims its whole prompt as an
+asynchronous external hit (vLLM recomputes the last prompt token itself); its room is requested
+into the request's block table from the first block that is not a local prefix-cache hit
+(``start_token``). A client abort while the room loads aborts the room; vLLM frees the blocks
+only when the workers report the room settled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
+
+from . import params as P
+from .metadata import Abort, KvferryMetadata, Load, Send
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")
+
+FINISHED_NORMALLY = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class SchedulerSide:
+    def __init__(self, config: P.ConnectorConfig, producer: bool, block_size: int) -> None:
+        self.config = config
+        self.producer = producer
+        self.block_size = block_size
+        self.meta = KvferryMetadata()
+        # Rooms whose blocks are held: prefill sends not yet settled, decode loads not yet
+        # reported finished. By request id.
+        self.rooms: dict[str, int] = {}
+        # Decode: the local prefix-cache hit each loading request was matched with, and what
+        # each request loaded (reported in its response's kv_transfer_params).
+        self.local_hit: dict[str, int] = {}
+        self.loaded: dict[str, Load] = {}
+
+    def pages(self, block_ids: list[int], tokens: int) -> list[int]:
+        return [int(b) for b in block_ids[: -(-tokens // self.block_size)]]
+
+    # ---- decode ------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if self.producer or not params.get("do_remote_prefill"):
+            return 0, False
+        missing = request.num_prompt_tokens - num_computed_tokens
+        if missing <= 0:
+            return 0, False
+        try:
+            if P.room_of(params) is None:
+                raise P.ParamsError(f"do_remote_prefill without {P.ROOM}")
+        except P.ParamsError as e:
+            logger.warning("kvferry: request %s computes its prompt locally: %s", request.request_id, e)
+            return 0, False
+        self.local_hit[request.request_id] = num_computed_tokens
+        return missing, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.producer or num_external_tokens == 0:
+            return
+        params = request.kv_transfer_params or {}
+        room = P.room_of(params)
+        start = self.local_hit.pop(request.request_id, 0)
+        tokens = request.num_prompt_tokens
+        load = Load(
+            req_id=request.request_id,
+            room=room,
+            tokens=tokens,
+            start_token=start,
+            pages=self.pages(blocks.get_block_ids()[0], tokens),
+            dp_rank=params.get(P.DP_RANK),
+            bootstrap=params.get(P.BOOTSTRAP),
+            prefill_tokens=params.get(P.TOKENS),
+        )
+        # Loaded once: a preempted request recomputes instead of asking for the room again.
+        params["do_remote_prefill"] = False
+        self.rooms[request.request_id] = room
+        self.loaded[request.request_id] = load
+        self.meta.loads.append(load)
+
+    # ---- both --------------------------------------------------------------------------------
+
+    def build_connector_meta(self) -> KvferryMetadata:
+        meta, self.meta = self.meta, KvferryMetadata()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in (output.finished_sending or set()) | (output.finished_recving or set()):
+            self.rooms.pop(req_id, None)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        if not self.producer:
+            room = self.rooms.get(req_id)
+            if room is not None and request.status == RequestStatus.FINISHED_ABORTED:
+                # Aborted while loading: vLLM holds the blocks until the room is reported.
+                self.meta.aborts.append(Abort(req_id, room))
+            load = self.loaded.pop(req_id, None)
+            if load is None:
+                return False, None
+            # The response says which room the prompt's KV came from and which tokens moved
+            # (from start_token on; those before were the decode's own prefix-cache hits).
+            return False, {P.ROOM: str(load.room), "kvferry_start_token": load.start_token, P.TOKENS: load.tokens}
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode") or request.status not in FINISHED_NORMALLY:
+            return False, None
+        try:
+            room = P.room_of(params)
+        except P.ParamsError as e:
+            logger.warning("kvferry: request %s sends nothing: %s", req_id, e)
+            return False, None
+        live = set(self.rooms.values())
+        if room is None:
+            room = P.fresh_room(live)
+        elif room in live:
+            logger.warning("kvferry: request %s names room %d, which is still live: nothing sent", req_id, room)
+            return False, None
+        tokens = request.num_prompt_tokens
+        self.rooms[req_id] = room
+        self.meta.sends.append(Send(req_id, room, tokens, self.pages(block_ids, tokens)))
+        return True, {
+            "do_remote_prefill": True,
+            P.ROOM: str(room),
+            P.DP_RANK: self.config.dp_rank,
+            P.BOOTSTRAP: self.config.bootstrap,
+            P.TOKENS: tokens,
+        }

@@ -1,0 +1,221 @@
+"""The connector's worker side (one per TP rank): a kvferry agent in the worker's process over
+vLLM's own KV cache tensors, the rooms the scheduler side asks for, and their results.
+
+vLLM's CPU backend keeps every attention layer's cache in one buffer, layer after layer
+(``[num_blocks, kv_heads, block_size, 2 * head_size]`` each): that buffer is the agent's one
+region in the ``vllm-cpu-vec`` or ``vllm-cpu-amx`` format, by the attention path vLLM took.
+The agent reads and writes it in place; nothing is copied into another buffer. The connector
+holds vLLM's tensors for as long as the agent runs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.logger import init_logger
+
+import kvferry
+
+from . import params as P
+from .metadata import KvferryMetadata, Load
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(f"vllm.{__name__}")
+
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+ISA_FORMATS = {"vec": "vllm-cpu-vec", "amx": "vllm-cpu-amx"}
+
+
+def layer_index(name: str) -> int:
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    if m is None:
+        raise ValueError(f"KvferryConnector: no layer index in the KV cache name {name!r}")
+    return int(m.group(1))
+
+
+def agent_options(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool, isa: str
+) -> dict[str, Any]:
+    """The agent's options for this worker: vLLM's model and cache shape, this TP rank."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("KvferryConnector: pipeline parallelism is not supported yet (PP must be 1)")
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError("KvferryConnector: one KV cache group only (no hybrid or sliding-window models)")
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"KvferryConnector: KV dtype {spec.dtype} is not one of {sorted(map(str, DTYPES))}")
+    if isa not in ISA_FORMATS:
+        raise ValueError(
+            f"KvferryConnector: vLLM's CPU attention path {isa!r} has no kvferry format "
+            f"(supported: {sorted(ISA_FORMATS)}; vec16 is taken when block_size is not a multiple of 32)"
+        )
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    opts = dict(
+        bootstrap=config.bootstrap,
+        model="tiny",
+        layers=model.get_total_num_hidden_layers(),
+        kv_heads=model.get_total_num_kv_heads(),
+        head_dim=spec.head_size,
+        dtype=DTYPES[spec.dtype],
+        page_size=spec.block_size,
+        pool_pages=kv_cache_config.num_blocks,
+        kv_format=ISA_FORMATS[isa],
+        tp_size=parallel.tensor_parallel_size,
+        tp_rank=get_tensor_model_parallel_rank(),
+    )
+    if producer:
+        opts |= dict(dp_rank=config.dp_rank, dp_size=config.dp_size)
+    return opts | config.agent
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.config = config
+        self.producer = producer
+        self.agent: kvferry.PrefillAgent | kvferry.DecodeAgent | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        # Rooms in flight by request id, and what a load needs when it fails.
+        self.rooms: dict[str, int] = {}
+        self.loads: dict[str, Load] = {}
+        self.aborted: set[str] = set()
+        # Settled before anything was in flight (refused at once).
+        self.done: set[str] = set()
+        self.bad_blocks: set[int] = set()
+
+    # ---- memory ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=layer_index)
+        first = kv_caches[names[0]]
+        layer_bytes = first.numel() * first.element_size()
+        base = first.data_ptr()
+        for i, name in enumerate(names):
+            t = kv_caches[name]
+            if not t.is_contiguous() or t.data_ptr() != base + i * layer_bytes or t.shape != first.shape:
+                raise ValueError(
+                    f"KvferryConnector: layer {name} is not at its place in one buffer of dense "
+                    "layers (vLLM's CPU layout); kvferry cannot describe this KV cache"
+                )
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        isas = {str(getattr(ctx.get(n), "isa", "unknown")) for n in names}
+        if len(isas) != 1:
+            raise ValueError(f"KvferryConnector: attention layers report several ISAs {sorted(isas)}")
+        opts = agent_options(self.vllm_config, self.kv_cache_config, self.config, self.producer, isas.pop())
+        layout = kvferry.memory_layout(**opts)
+        length = len(names) * layer_bytes
+        if layout["num_regions"] != 1 or layout["region_bytes"] != length:
+            raise ValueError(f"KvferryConnector: vLLM's buffer holds {length} bytes, kvferry's layout {layout}")
+        self.tensors = dict(kv_caches)
+        agent_type = kvferry.PrefillAgent if self.producer else kvferry.DecodeAgent
+        # The raw (address, length) pair: the tensors above keep the buffer alive.
+        self.agent = agent_type([(base, length)], **opts)
+        logger.info(
+            "kvferry %s agent %s on %s: %s, %d blocks of %d tokens (%d bytes), api %s",
+            "prefill" if self.producer else "decode", self.agent.instance, opts["bootstrap"],
+            opts["kv_format"], opts["pool_pages"], opts["page_size"], length, self.agent.api_url,
+        )
+
+    # ---- each step ---------------------------------------------------------------------------
+
+    def apply(self, meta: KvferryMetadata | None) -> None:
+        """Announces the step's sends, requests its loads and aborts its aborted loads."""
+        if meta is None or self.agent is None:
+            return
+        for s in meta.sends:
+            try:
+                self.agent.ready(s.room, s.tokens, pages=s.pages)
+                self.rooms[s.req_id] = s.room
+            except kvferry.Error as e:
+                logger.error("kvferry: request %s room %d not announced: %s", s.req_id, s.room, e)
+                self.done.add(s.req_id)
+        for load in meta.loads:
+            self.loads[load.req_id] = load
+            if load.prefill_tokens is not None and load.prefill_tokens != load.tokens:
+                logger.error(
+                    "kvferry: request %s has %d prompt tokens but its prefill sent room %d with %d: not loaded",
+                    load.req_id, load.tokens, load.room, load.prefill_tokens,
+                )
+                self.fail(load.req_id)
+                self.done.add(load.req_id)
+                continue
+            try:
+                self.agent.request(
+                    load.room, load.tokens, pages=load.pages, start_token=load.start_token,
+                    dp_rank=load.dp_rank, bootstrap=load.bootstrap,
+                )
+                self.rooms[load.req_id] = load.room
+            except kvferry.Error as e:
+                logger.error("kvferry: request %s room %d refused: %s", load.req_id, load.room, e)
+                self.fail(load.req_id)
+                self.done.add(load.req_id)
+        for a in meta.aborts:
+            self.aborted.add(a.req_id)
+            if a.req_id in self.rooms:
+                try:
+                    self.agent.abort(a.room)
+                except kvferry.Error as e:
+                    logger.info("kvferry: abort of room %d: %s", a.room, e)
+
+    def fail(self, req_id: str) -> None:
+        """A load that will not land: its blocks from the first one to load on are bad (vLLM's
+        ``kv_load_failure_policy`` decides what happens to the request)."""
+        load = self.loads.pop(req_id, None)
+        if load is not None and req_id not in self.aborted:
+            first = load.start_token // self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            self.bad_blocks.update(load.pages[first:])
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """Requests whose rooms settled since the last call: (sending, receiving)."""
+        if self.agent is None:
+            return set(), set()
+        by_room = {room: req for req, room in self.rooms.items()}
+        done = self.done
+        self.done = set()
+        for room, view in self.agent.poll(list(by_room)).items():
+            req_id = by_room[room]
+            del self.rooms[req_id]
+            done.add(req_id)
+            if self.producer:
+                if view is not None and view["state"] != "success":
+                    logger.warning("kvferry: request %s room %d %s: %s", req_id, room, view["state"], view["reason"])
+                continue
+            self.take(req_id, room)
+        if self.producer:
+            return done, set()
+        self.aborted -= done
+        return set(), done
+
+    def take(self, req_id: str, room: int) -> None:
+        try:
+            taken = self.agent.take(room)
+            load = self.loads.pop(req_id, None)
+            if load is not None:
+                logger.debug(
+                    "kvferry: request %s room %d landed %d bytes (tokens %d..%d)",
+                    req_id, room, taken["bytes"], load.start_token, load.tokens,
+                )
+        except kvferry.RoomFailed as e:
+            if req_id not in self.aborted:
+                logger.error("kvferry: request %s room %d failed: %s", req_id, room, e)
+            self.fail(req_id)
+        except kvferry.UnknownRoom:
+            logger.error("kvferry: request %s room %d expired before it was taken", req_id, room)
+            self.fail(req_id)
+
+    def load_errors(self) -> set[int]:
+        bad, self.bad_blocks = self.bad_blocks, set()
+        return bad
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None

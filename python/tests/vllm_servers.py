@@ -1,0 +1,140 @@
+"""Real vLLM servers for the tests: the vLLM venv's interpreter with this checkout's wheel on its
+path (the ``torch_python`` fixture), the tiny seeded model of scripts/vllm/tiny_model.py, the
+settings this machine needs (../docs/engines.md), and an OpenAI client small enough to read.
+
+Every server runs in its own session, pinned to one core, and is stopped with SIGTERM to its
+whole process group (its engine-core and worker processes too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from conftest import REPO
+
+MAX_MODEL_LEN = 1024
+BLOCK_SIZE = 128
+# The tiny model: 2 layers, 2 KV heads of 64 fp32 dims; one vLLM CPU block of every layer.
+BLOCK_BYTES = 2 * BLOCK_SIZE * 2 * 2 * 64 * 4
+ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(python: str, env: dict, out: pathlib.Path, seed: int) -> pathlib.Path:
+    subprocess.run(
+        [python, str(REPO / "scripts" / "vllm" / "tiny_model.py"), str(out), "--seed", str(seed)],
+        env=env | ENV, check=True, capture_output=True, timeout=600,
+    )
+    return out
+
+
+def connector(role: str, bootstrap: str, api_port: int, **extra: Any) -> str:
+    """The --kv-transfer-config of a kvferry prefill (``kv_producer``) or decode server."""
+    policy = extra.pop("kv_load_failure_policy", None)
+    config = {
+        "kv_connector": "KvferryConnector",
+        "kv_connector_module_path": "kvferry.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"bootstrap": bootstrap, "agent": {"api_port": api_port, **extra}},
+    }
+    if policy:
+        config["kv_load_failure_policy"] = policy
+    return json.dumps(config)
+
+
+class Server:
+    """One ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1."""
+
+    def __init__(self, python: str, env: dict, model: pathlib.Path, core: int, log: pathlib.Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model)
+        self.log = log
+        cmd = [
+            python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--seed", "0", *args,
+        ]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=env | ENV | {"VLLM_CPU_OMP_THREADS_BIND": str(core)},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; {self.log}:\n{tail(self.log)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM not healthy after {timeout} s; {self.log}:\n{tail(self.log)}")
+
+    def complete(self, prompt: list[int], max_tokens: int, params: dict | None = None, **extra: Any) -> dict:
+        """POST /v1/completions, greedy; the response JSON (token ids returned)."""
+        body = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True, **extra,
+        }
+        if params is not None:
+            body["kv_transfer_params"] = params
+        return post(self.url + "/v1/completions", body)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signals the server's whole process group (engine core and workers too)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait()
+
+
+def post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"http_status": e.code, "error": json.loads(e.read() or b"null")}
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a metric's series on a kvferry agent's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def tail(path: pathlib.Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
