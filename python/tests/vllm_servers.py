@@ -1,12 +1,15 @@
 """Real vLLM servers for the tests: the vLLM venv's interpreter with this checkout's wheel on its
 path (the ``torch_python`` fixture), the tiny seeded model of scripts/vllm/tiny_model.py, the
-settings this machine needs (../docs/engines.md), and an OpenAI client small enough to read.
+settings this machine needs (../docs/engines.md), an OpenAI client small enough to read, the
+prompt sets and their reference outputs (fixtures ``vllm`` and ``reference``), a prefill/decode
+pair with the connector (``Pd``) and the two ways a router pairs a request.
 
 Every server runs in its own session, pinned to one core, and is stopped with SIGTERM to its
 whole process group (its engine-core and worker processes too)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -17,6 +20,9 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+import numpy as np
+import pytest
 
 from conftest import REPO
 
@@ -138,3 +144,111 @@ def metric(url: str, name: str) -> float:
 
 def tail(path: pathlib.Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+NEW_TOKENS = 16
+LENGTHS = [1, 2, 37, 127, 129, 200, 255, 300, 383, 500, 640, 777, 900, 1000]
+# Prompts that are prefixes of the longest one (prefix-cache hits on both servers).
+SHARED = {129, 383, 640, 1000}
+
+
+def make_prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(3, 2048, max(LENGTHS)).tolist()
+    return [base[:n] if n in SHARED else rng.integers(3, 2048, n).tolist() for n in LENGTHS]
+
+
+# A prompt set per pairing, so that each starts with the decode's prefix cache cold for it.
+SEEDS = {"sequential": 7, "concurrent": 8}
+
+
+@pytest.fixture(scope="session")
+def vllm(torch_python, tmp_path_factory):
+    python, env = torch_python
+    return python, env, make_model(python, env, tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference(vllm, tmp_path_factory):
+    """Token ids of one plain server for every prompt; the smallest top-1/top-2 logprob margin
+    among them must be far above float32 noise, or equal outputs would prove little."""
+    python, env, model = vllm
+    server = Server(python, env, model, 0, tmp_path_factory.mktemp("reference") / "vllm.log")
+    try:
+        server.wait_healthy()
+        out, margin = {}, float("inf")
+        for seed in SEEDS.values():
+            for prompt in make_prompts(seed):
+                got = server.complete(prompt, NEW_TOKENS, logprobs=2)
+                choice = got["choices"][0]
+                out[tuple(prompt)] = choice["token_ids"]
+                for top in choice["logprobs"]["top_logprobs"]:
+                    best = sorted(top.values(), reverse=True)
+                    if len(best) == 2:
+                        margin = min(margin, best[0] - best[1])
+    finally:
+        server.stop()
+    print(f"reference: smallest top-1/top-2 logprob margin {margin:.4g}")
+    assert margin > 1e-3, f"the model's margin {margin} is within float32 noise: choose another seed"
+    return out
+
+
+class Pd:
+    """A kvferry registry, a prefill server (core 0) and a decode server (core 1) with the
+    connector; ``prefill_args``/``decode_args`` are extra vLLM flags, ``decode_policy`` the
+    decode's kv_load_failure_policy, ``agent`` extra agent options of both."""
+
+    def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
+                 decode_policy: str | None = None, **agent: Any) -> None:
+        self.python, self.env, self.model = vllm
+        self.logs = logs
+        registry_port = free_port()
+        self.registry = subprocess.Popen(
+            [str(kvferry_bin), "bootstrap", "--port", str(registry_port)],
+            stdout=subprocess.DEVNULL, stderr=open(logs / "registry.log", "wb"),
+        )
+        self.bootstrap = f"http://127.0.0.1:{registry_port}"
+        self.agent = agent
+        self.prefill_port, self.decode_port = free_port(), free_port()
+        self.prefill_api = f"http://127.0.0.1:{self.prefill_port}"
+        self.decode_api = f"http://127.0.0.1:{self.decode_port}"
+        self.prefill_args = tuple(prefill_args)
+        self.prefill = self.start_prefill()
+        self.decode = Server(
+            self.python, self.env, self.model, 1, logs / "decode.log", *decode_args, "--kv-transfer-config",
+            connector("kv_consumer", self.bootstrap, self.decode_port, kv_load_failure_policy=decode_policy, **agent),
+        )
+        try:
+            self.prefill.wait_healthy()
+            self.decode.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_prefill(self) -> Server:
+        return Server(
+            self.python, self.env, self.model, 0, self.logs / "prefill.log", *self.prefill_args,
+            "--kv-transfer-config", connector("kv_producer", self.bootstrap, self.prefill_port, **self.agent),
+        )
+
+    def stop(self) -> None:
+        for s in (self.prefill, self.decode):
+            s.stop()
+        self.registry.terminate()
+        self.registry.wait()
+
+
+def sequential(prefill: Server, decode: Server, prompt: list[int]) -> dict:
+    first = prefill.complete(prompt, 1, {"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["kvferry_tokens"] == len(prompt), params
+    return decode.complete(prompt, NEW_TOKENS, params)
+
+
+def concurrently(prefill: Server, decode: Server, prompt: list[int], room: int) -> dict:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        d = pool.submit(decode.complete, prompt, NEW_TOKENS,
+                        {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": 0})
+        p = pool.submit(prefill.complete, prompt, 1, {"do_remote_decode": True, "kvferry_room": str(room)})
+        assert p.result()["kv_transfer_params"]["kvferry_room"] == str(room)
+        return d.result()
