@@ -278,8 +278,9 @@ pub trait DataSender: Send {
 
     /// Gives up on the receiver (it is dead): sends and writes still in flight end now, with an
     /// error, so that nothing reads the sender's memory for them any more (UCX closes its
-    /// endpoints by force). Later operations fail. The default does nothing: transports whose
-    /// sends own their bytes (ZeroMQ) have nothing to end.
+    /// endpoints by force) and no transfer waits on them (a ZeroMQ send waits for the peer
+    /// to take the message, which a dead peer never does). Later operations fail. The default
+    /// does nothing.
     fn close(&mut self) {}
 
     /// Prepares one-sided writes into memory the receiver exposed; `None` when this transport

@@ -205,7 +205,7 @@ class WorkerSide:
                 )
         except kvferry.RoomFailed as e:
             if req_id not in self.aborted:
-                logger.error("kvferry: request %s room %d failed: %s", req_id, room, e)
+                logger.error("kvferry: request %s room %d failed: %s: %s", req_id, room, e.code, e.message)
             self.fail(req_id)
         except kvferry.UnknownRoom:
             logger.error("kvferry: request %s room %d expired before it was taken", req_id, room)

@@ -17,6 +17,8 @@
 //! buffer and zero-fills its read buffer; docs/benchmarks.md ("ZeroMQ data plane") has both
 //! measured side by side, and the cost of the thread hops.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
@@ -130,6 +132,8 @@ impl Transport for ZmqData {
         Box::pin(async move {
             let (connected_tx, connected_rx) = oneshot::channel();
             let (jobs_tx, jobs_rx) = std_mpsc::channel::<Job>();
+            let closed = Arc::new(AtomicBool::new(false));
+            let closing = closed.clone();
             let ep = endpoint.clone();
             spawn("kvferry-zmq-push", move || {
                 let mut socket = match connect(&ep, timeout, &auth) {
@@ -144,11 +148,13 @@ impl Transport for ZmqData {
                 };
                 // Ends when the sender is dropped; the socket then lingers for queued chunks.
                 while let Ok(job) = jobs_rx.recv() {
-                    if let Some(result) = send_chunk(&mut socket, &job) {
-                        let _ =
-                            job.done.send(result.map_err(|e| {
+                    if let Some(result) = send_chunk(&mut socket, &job, &closing) {
+                        let _ = job.done.send(result.map_err(|e| match e {
+                            Unsent::Closed => TransportError::new("send", &ep, CLOSED),
+                            Unsent::Zmq(e) => {
                                 TransportError::new("send", &ep, format!("libzmq: {e}"))
-                            }));
+                            }
+                        }));
                     }
                 }
             })
@@ -167,7 +173,8 @@ impl Transport for ZmqData {
                 }
             }
             let sender: Box<dyn DataSender> = Box::new(ZmqSender {
-                jobs: jobs_tx,
+                jobs: Some(jobs_tx),
+                closed,
                 endpoint,
             });
             Ok(sender)
@@ -234,23 +241,41 @@ struct Job {
     done: oneshot::Sender<Result<(), TransportError>>,
 }
 
+/// Why a chunk was not sent.
+enum Unsent {
+    /// The sender was closed ([`DataSender::close`]: its peer is dead).
+    Closed,
+    Zmq(zmq::Error),
+}
+
+/// What a send on a closed sender fails with.
+const CLOSED: &str = "the connection was closed: its peer is gone";
+
 /// Queues one chunk on `socket`. `None` if the caller gave up (dropped its future) before the
 /// chunk was queued: it is then not sent at all. Once the header frame is queued the payload
-/// frame always follows, so that a message is never left half-sent.
-fn send_chunk(socket: &mut zmq::Socket, job: &Job) -> Option<Result<(), zmq::Error>> {
+/// frame follows, so that a message is never left half-sent, unless the sender is `closed`
+/// meanwhile (the peer is dead: nothing will read the rest). A send waiting for the peer to
+/// accept (the high-water mark reached, or no connection up) ends when the sender closes.
+fn send_chunk(socket: &mut zmq::Socket, job: &Job, closed: &AtomicBool) -> Option<Result<(), Unsent>> {
     loop {
+        if closed.load(Ordering::Relaxed) {
+            return Some(Err(Unsent::Closed));
+        }
         match socket.send(&job.header[..], zmq::SNDMORE) {
             Ok(()) => break,
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) if !job.done.is_closed() => {}
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => return None,
-            Err(e) => return Some(Err(e)),
+            Err(e) => return Some(Err(Unsent::Zmq(e))),
         }
     }
     let mut payload = zero_copy::Frame::new(job.payload.clone());
     loop {
         match payload.send(socket, 0) {
+            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) if closed.load(Ordering::Relaxed) => {
+                return Some(Err(Unsent::Closed));
+            }
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => {}
-            r => return Some(r),
+            r => return Some(r.map_err(Unsent::Zmq)),
         }
     }
 }
@@ -315,7 +340,10 @@ fn receive_rest(
 }
 
 struct ZmqSender {
-    jobs: std_mpsc::Sender<Job>,
+    /// The sender thread's queue; `None` once closed.
+    jobs: Option<std_mpsc::Sender<Job>>,
+    /// Set by `close`: the thread fails what it holds and what is queued at once.
+    closed: Arc<AtomicBool>,
     endpoint: String,
 }
 
@@ -324,8 +352,12 @@ impl DataSender for ZmqSender {
         let (header, payload) = (frame.header(), frame.payload());
         let (done, result) = oneshot::channel();
         let endpoint = self.endpoint.clone();
+        let Some(jobs) = &self.jobs else {
+            let closed = TransportError::new("send", &endpoint, CLOSED);
+            return Box::pin(async move { Err(closed) });
+        };
         let gone = move || TransportError::new("send", &endpoint, "socket thread stopped");
-        let queued = self.jobs.send(Job {
+        let queued = jobs.send(Job {
             header,
             payload,
             done,
@@ -334,6 +366,11 @@ impl DataSender for ZmqSender {
             queued.map_err(|_| gone())?;
             result.await.map_err(|_| gone())?
         })
+    }
+
+    fn close(&mut self) {
+        self.closed.store(true, Ordering::Relaxed);
+        self.jobs = None;
     }
 }
 

@@ -1,0 +1,150 @@
+"""Real vLLM servers with ``KvferryConnector`` when a server dies mid-batch (kill -9 of its whole
+process group: API server, engine core, worker).
+
+- The prefill dies while the decode waits for its rooms. With ``kv_load_failure_policy``
+  ``recompute`` every request still returns the reference's tokens (the decode computes the
+  prompt itself); with ``fail`` the affected requests end with an error, and the decode's log
+  names kvferry's reason. Once the prefill is back, new requests are served through it.
+- The decode dies while the prefill computes rooms it asked for: the prefill's delayed blocks
+  are released, so a prefill whose KV cache holds only a few prompts serves the next one.
+
+The agents run with ``--peer-dead-ms 60000`` and ``--room-ttl-ms 600000``: only a closed
+connection can end these rooms within the tests' bounds (heartbeats and room expiry cannot), and
+the tests print how long it took.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
+    SEEDS,
+    Pd,
+    Server,
+    make_prompts,
+    reference,
+    sequential,
+    vllm,
+)
+
+SLOW_PATHS_OFF = dict(peer_dead_ms=60_000, room_ttl_ms=600_000)
+# The prefill computes 64 tokens per step: a batch of long prompts keeps it busy for a while.
+CHUNKED = ["--max-num-batched-tokens", "64"]
+
+
+def vllm_metric(server: Server, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def wait_asked(agent_api: str, rooms: list[int], timeout: float = 120) -> None:
+    """Until the prefill agent's view of every room lists a decode's transfer."""
+    deadline = time.monotonic() + timeout
+    pending = set(rooms)
+    while pending and time.monotonic() < deadline:
+        for room in list(pending):
+            try:
+                with urllib.request.urlopen(f"{agent_api}/v1/rooms/{room}", timeout=10) as r:
+                    if json.loads(r.read())["transfers"]:
+                        pending.discard(room)
+            except urllib.error.HTTPError as e:
+                assert e.code == 404, e
+        time.sleep(0.01)
+    assert not pending, f"the decode never asked for rooms {pending}"
+
+
+def long_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 2048, 900 + 17 * i).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_prefill_killed_mid_batch(vllm, kvferry_bin, tmp_path, reference, policy):
+    pd = Pd(vllm, kvferry_bin, tmp_path, prefill_args=CHUNKED, decode_policy=policy, **SLOW_PATHS_OFF)
+    try:
+        prompts = make_prompts(SEEDS["concurrent"])[-4:]  # 640..1000 tokens
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            decoded, rooms = {}, []
+            for prompt in prompts:
+                room = int.from_bytes(os.urandom(8), "little")
+                rooms.append(room)
+                params = {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": 0}
+                decoded[pool.submit(pd.decode.complete, prompt, 16, params)] = prompt
+                pool.submit(pd.prefill.complete, prompt, 1, {"do_remote_decode": True, "kvferry_room": str(room)})
+            # The decode waits on every room; the prefill is still computing them (64 tokens a
+            # step), or has sent the first ones.
+            wait_asked(pd.prefill_api, rooms)
+            pd.prefill.kill()
+            killed = time.monotonic()
+            results = []
+            for f in concurrent.futures.as_completed(decoded):
+                results.append((decoded[f], f.result(), time.monotonic() - killed))
+        slowest = max(t for _, _, t in results)
+        print(f"{policy}: every decode request answered {slowest:.2f} s after the prefill was killed")
+        assert slowest < 60
+        errors = [r for _, r, _ in results if "choices" not in r]
+        for prompt, r, _ in results:
+            if "choices" in r:
+                assert r["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
+        log = (tmp_path / "decode.log").read_text()
+        reasons = sorted(set(re.findall(r"kvferry: request \S+ room \d+ failed: (\w+):", log)))
+        print(f"{policy}: {len(errors)} of {len(results)} requests ended with an error; kvferry's reasons {reasons}")
+        assert reasons and set(reasons) <= {"peer_dead", "unreachable"}, reasons
+        if policy == "recompute":
+            assert errors == []
+        else:
+            assert errors and all(r["http_status"] == 500 for r in errors), errors
+        # The prefill comes back (its new agent takes the group once the dead one's lease
+        # lapses); new requests go through it and land.
+        pd.prefill = pd.start_prefill()
+        pd.prefill.wait_healthy()
+        for prompt in make_prompts(SEEDS["sequential"])[:6]:
+            got = sequential(pd.prefill, pd.decode, prompt)
+            assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
+    finally:
+        pd.stop()
+
+
+def test_a_decode_killed_mid_batch_releases_the_prefill_blocks(vllm, kvferry_bin, tmp_path, reference):
+    # 24 blocks of 128 tokens: the batch's four rooms hold 32 blocks' worth while they wait to be
+    # sent, so the prefill could not run the follow-up prompt if they were never released.
+    pd = Pd(vllm, kvferry_bin, tmp_path, prefill_args=[*CHUNKED, "--num-gpu-blocks-override", "24"],
+            **SLOW_PATHS_OFF)
+    try:
+        prompts = long_prompts(4, 11)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            prefilled, rooms = [], []
+            for prompt in prompts:
+                room = int.from_bytes(os.urandom(8), "little")
+                rooms.append(room)
+                pool.submit(pd.decode.complete, prompt, 16,
+                            {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": 0})
+                prefilled.append(pool.submit(pd.prefill.complete, prompt, 1,
+                                             {"do_remote_decode": True, "kvferry_room": str(room)}))
+            # Once the decode has asked the prefill's agent for every room (a room nobody asked
+            # for is released only by --room-ttl-ms: the prefill cannot know it never will be).
+            wait_asked(pd.prefill_api, rooms)
+            pd.decode.kill()
+            killed = time.monotonic()
+            for f in prefilled:
+                assert "choices" in f.result(), f.result()
+        # Every block of the batch must be free again for this one to be scheduled at all.
+        follow_up = long_prompts(1, 12)[0]
+        got = pd.prefill.complete(follow_up, 1)
+        took = time.monotonic() - killed
+        print(f"the prefill served a new prompt {took:.2f} s after the decode was killed "
+              f"(KV usage now {vllm_metric(pd.prefill, 'vllm:kv_cache_usage_perc'):.3f})")
+        assert "choices" in got, got
+        assert took < 60
+    finally:
+        pd.stop()
