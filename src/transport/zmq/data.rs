@@ -256,7 +256,11 @@ const CLOSED: &str = "the connection was closed: its peer is gone";
 /// frame follows, so that a message is never left half-sent, unless the sender is `closed`
 /// meanwhile (the peer is dead: nothing will read the rest). A send waiting for the peer to
 /// accept (the high-water mark reached, or no connection up) ends when the sender closes.
-fn send_chunk(socket: &mut zmq::Socket, job: &Job, closed: &AtomicBool) -> Option<Result<(), Unsent>> {
+fn send_chunk(
+    socket: &mut zmq::Socket,
+    job: &Job,
+    closed: &AtomicBool,
+) -> Option<Result<(), Unsent>> {
     loop {
         if closed.load(Ordering::Relaxed) {
             return Some(Err(Unsent::Closed));
@@ -548,6 +552,51 @@ mod tests {
     #[tokio::test]
     async fn chunks_cross_ipc_and_payloads_are_released() {
         round_trip(TransportKind::ZmqIpc).await;
+    }
+
+    #[tokio::test]
+    async fn closing_a_sender_ends_sends_its_gone_peer_never_takes() {
+        let t = ZmqData::new(TransportKind::ZmqTcp, 2 << 20, Auth::default());
+        let (endpoint, rx) = t.listen("127.0.0.1", 0).await.expect("listen");
+        let mut tx = t
+            .connect(&endpoint, Duration::from_secs(5))
+            .await
+            .expect("connect");
+        // The receiver goes. Sends go on being queued until libzmq has noticed and its queue
+        // is full; from then on a send waits for a peer that will never take it.
+        drop(rx);
+        let mut stuck = None;
+        for i in 0..100_000u32 {
+            let mut send = tx.send(Frame::header_only(&i.to_le_bytes()));
+            if tokio::time::timeout(Duration::from_millis(200), &mut send)
+                .await
+                .is_err()
+            {
+                stuck = Some(send);
+                break;
+            }
+        }
+        let stuck = stuck.expect("a send to a gone peer waits");
+        let queued_after = tx.send(Frame::header_only(b"queued behind it"));
+        let closed = std::time::Instant::now();
+        tx.close();
+        for send in [stuck, queued_after] {
+            // It ends: with the close's error, or sent if libzmq took it at the last moment.
+            let r = tokio::time::timeout(Duration::from_secs(30), send)
+                .await
+                .expect("the send ended once the sender closed");
+            if let Err(e) = r {
+                assert!(e.to_string().contains("peer is gone"), "{e}");
+            }
+        }
+        println!("sends ended {:?} after the close", closed.elapsed());
+        let after = tx.send(Frame::header_only(b"late")).await;
+        assert!(
+            after
+                .expect_err("closed")
+                .to_string()
+                .contains("peer is gone")
+        );
     }
 
     #[tokio::test]
