@@ -7,6 +7,7 @@ process group: API server, engine core, worker).
   names kvferry's reason. Once the prefill is back, new requests are served through it.
 - The decode dies while the prefill computes rooms it asked for: the prefill's delayed blocks
   are released, so a prefill whose KV cache holds only a few prompts serves the next one.
+- Negative control: KV corrupted in flight (checksums off) changes the generated tokens.
 
 The agents run with ``--peer-dead-ms 60000`` and ``--room-ttl-ms 600000``: only a closed
 connection can end these rooms within the tests' bounds (heartbeats and room expiry cannot), and
@@ -146,5 +147,24 @@ def test_a_decode_killed_mid_batch_releases_the_prefill_blocks(vllm, kvferry_bin
               f"(KV usage now {vllm_metric(pd.prefill, 'vllm:kv_cache_usage_perc'):.3f})")
         assert "choices" in got, got
         assert took < 60
+    finally:
+        pd.stop()
+
+
+def test_negative_control_kv_corrupted_in_flight_changes_the_output(vllm, kvferry_bin, tmp_path, reference):
+    # Checksums off and the prefill agent inverting every byte of its first chunk (a test-only
+    # fault switch): the room still ends `success`, the decode generates from wrong KV, and its
+    # tokens differ from the reference. The equality the other tests assert is not automatic.
+    pd = Pd(vllm, kvferry_bin, tmp_path, fault_corrupt_chunk=1)
+    try:
+        prompt = make_prompts(SEEDS["sequential"])[-1]  # 1000 tokens: 8 blocks, 2 MiB, 2 chunks
+        got = sequential(pd.prefill, pd.decode, prompt)
+        assert "choices" in got, got
+        assert got["kv_transfer_params"]["kvferry_start_token"] == 0
+        ids = got["choices"][0]["token_ids"]
+        same = sum(a == b for a, b in zip(ids, reference[tuple(prompt)]))
+        print(f"corrupted KV: {same} of {len(ids)} tokens equal the reference's")
+        assert ids != reference[tuple(prompt)]
+        assert "fault injection: corrupting a chunk" in (tmp_path / "prefill.log").read_text()
     finally:
         pd.stop()

@@ -38,6 +38,8 @@ ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    # The embedded agents' warnings and errors go to the server's log.
+    "RUST_LOG": "kvferry=warn",
 }
 
 
