@@ -68,7 +68,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler.update_connector_output(connector_output)
@@ -81,22 +81,26 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        # Every step, with or without a forward pass: the whole room moves in the background.
+    def _meta(self) -> KvferryMetadata | None:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        self._worker.apply(meta if isinstance(meta, KvferryMetadata) else None)
+        return meta if isinstance(meta, KvferryMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Every step, with or without a forward pass: rooms move in the background.
+        self._worker.apply(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: vLLM schedules a request only after its room landed."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Rooms are announced once the prompt is complete (see SchedulerSide)."""
+        self._worker.save_layer(self._meta(), layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: sends run in the agent while vLLM goes on."""
+        """Nothing waits: sends run in the agent while vLLM goes on."""
+        self._worker.saved(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._worker.finished()
+        sending, recving = self._worker.finished(finished_req_ids)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -9,12 +9,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class Send:
-    """Prefill: the request's prompt KV is complete; announce room ``room`` ready."""
+    """Prefill: announce room ``room`` ready. ``layered``: this step computes the rest of the
+    prompt, and each layer is announced as vLLM saves it (the transfer overlaps the forward
+    pass); otherwise the prompt KV is complete already and the room is announced whole."""
 
     req_id: str
     room: int
     tokens: int
     pages: list[int]
+    layered: bool = False
 
 
 @dataclass
@@ -35,7 +38,8 @@ class Load:
 
 @dataclass
 class Abort:
-    """Decode: the client aborted the request while its room was loading."""
+    """The request ended while its room was in flight: aborted by its client while loading
+    (decode), or ended abnormally after its layers were announced (prefill)."""
 
     req_id: str
     room: int

@@ -1,10 +1,13 @@
 """The connector's scheduler side (vLLM's engine-core process): which requests send or load a
 room, with which blocks, and when their blocks may go.
 
-Prefill (``kv_producer``): a request with ``do_remote_decode`` that finishes normally keeps its
-blocks (``delay_free``) and its room is announced to the workers in the next step's metadata;
-the blocks go when every worker reports the room settled (sent, failed or expired). Blocks vLLM
-served from its prefix cache are in the request's block table, so they are sent too.
+Prefill (``kv_producer``): a request with ``do_remote_decode`` gets its room in the step that
+computes the rest of its prompt (the last chunk, with chunked prefill); the workers announce
+each layer as vLLM saves it, so the transfer overlaps the rest of the forward pass. When the
+request finishes it keeps its blocks (``delay_free``) until every worker reports the room
+settled (sent, failed, aborted or expired); a request that ends abnormally aborts its room.
+Blocks vLLM served from its prefix cache are in the request's block table, so they are sent
+too.
 
 Decode (``kv_consumer``): a request with ``do_remote_prefill`` claims its whole prompt as an
 asynchronous external hit (vLLM recomputes the last prompt token itself); its room is requested
@@ -25,6 +28,7 @@ from .metadata import Abort, KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -46,6 +50,10 @@ class SchedulerSide:
         # each request loaded (reported in its response's kv_transfer_params).
         self.local_hit: dict[str, int] = {}
         self.loaded: dict[str, Load] = {}
+        # Prefill: requests to send once their prompt is computed (prompt tokens, params), and
+        # the rooms of those whose layers were announced.
+        self.to_send: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.streamed: dict[str, int] = {}
 
     def pages(self, block_ids: list[int], tokens: int) -> list[int]:
         return [int(b) for b in block_ids[: -(-tokens // self.block_size)]]
@@ -69,9 +77,13 @@ class SchedulerSide:
         return missing, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if self.producer or num_external_tokens == 0:
-            return
         params = request.kv_transfer_params or {}
+        if self.producer:
+            if params.get("do_remote_decode") and request.request_id not in self.streamed:
+                self.to_send[request.request_id] = (request.num_prompt_tokens, params)
+            return
+        if num_external_tokens == 0:
+            return
         room = P.room_of(params)
         start = self.local_hit.pop(request.request_id, 0)
         tokens = request.num_prompt_tokens
@@ -93,9 +105,43 @@ class SchedulerSide:
 
     # ---- both --------------------------------------------------------------------------------
 
-    def build_connector_meta(self) -> KvferryMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryMetadata:
+        if self.producer and self.to_send:
+            self.stream_completed_prompts(scheduler_output)
         meta, self.meta = self.meta, KvferryMetadata()
         return meta
+
+    def stream_completed_prompts(self, out: SchedulerOutput) -> None:
+        """Rooms for the requests whose prompt this step completes, announced layer by layer."""
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, (tokens, params) in list(self.to_send.items()):
+            scheduled = out.num_scheduled_tokens.get(req_id, 0)
+            if not scheduled or computed.get(req_id, 0) + scheduled < tokens:
+                continue
+            del self.to_send[req_id]
+            room = self.room_for(req_id, params)
+            blocks = out.kv_connector_block_state.get_block_ids(req_id) if out.kv_connector_block_state else None
+            if room is None or not blocks:
+                continue
+            self.rooms[req_id] = self.streamed[req_id] = room
+            self.meta.sends.append(Send(req_id, room, tokens, self.pages(blocks[0], tokens), layered=True))
+
+    def room_for(self, req_id: str, params: dict[str, Any]) -> int | None:
+        """The router's room, or a fresh one; None (nothing is sent) if the router's is unusable."""
+        try:
+            room = P.room_of(params)
+        except P.ParamsError as e:
+            logger.warning("kvferry: request %s sends nothing: %s", req_id, e)
+            return None
+        live = set(self.rooms.values())
+        if room is None:
+            return P.fresh_room(live)
+        if room in live:
+            logger.warning("kvferry: request %s names room %d, which is still live: nothing sent", req_id, room)
+            return None
+        return room
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in (output.finished_sending or set()) | (output.finished_recving or set()):
@@ -114,27 +160,18 @@ class SchedulerSide:
             # The response says which room the prompt's KV came from and which tokens moved
             # (from start_token on; those before were the decode's own prefix-cache hits).
             return False, {P.ROOM: str(load.room), "kvferry_start_token": load.start_token, P.TOKENS: load.tokens}
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_decode") or request.status not in FINISHED_NORMALLY:
-            return False, None
-        try:
-            room = P.room_of(params)
-        except P.ParamsError as e:
-            logger.warning("kvferry: request %s sends nothing: %s", req_id, e)
-            return False, None
-        live = set(self.rooms.values())
+        self.to_send.pop(req_id, None)
+        room = self.streamed.pop(req_id, None)
         if room is None:
-            room = P.fresh_room(live)
-        elif room in live:
-            logger.warning("kvferry: request %s names room %d, which is still live: nothing sent", req_id, room)
             return False, None
-        tokens = request.num_prompt_tokens
-        self.rooms[req_id] = room
-        self.meta.sends.append(Send(req_id, room, tokens, self.pages(block_ids, tokens)))
+        if request.status not in FINISHED_NORMALLY:
+            # Its layers may be in flight: the room is aborted, the blocks wait for it to settle.
+            self.meta.aborts.append(Abort(req_id, room))
+            return True, None
         return True, {
             "do_remote_prefill": True,
             P.ROOM: str(room),
             P.DP_RANK: self.config.dp_rank,
             P.BOOTSTRAP: self.config.bootstrap,
-            P.TOKENS: tokens,
+            P.TOKENS: request.num_prompt_tokens,
         }

@@ -19,7 +19,7 @@ from vllm.logger import init_logger
 import kvferry
 
 from . import params as P
-from .metadata import KvferryMetadata, Load
+from .metadata import KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +90,13 @@ class WorkerSide:
         # Settled before anything was in flight (refused at once).
         self.done: set[str] = set()
         self.bad_blocks: set[int] = set()
+        # Prefill: rooms whose announcement was refused, layers announced per room in this
+        # step, requests whose room settled, and requests vLLM has finished.
+        self.unsent: set[str] = set()
+        self.announced: dict[int, set[int]] = {}
+        self.settled: set[str] = set()
+        self.ended: set[str] = set()
+        self.num_layers = 0
 
     # ---- memory ------------------------------------------------------------------------------
 
@@ -115,6 +122,7 @@ class WorkerSide:
         if layout["num_regions"] != 1 or layout["region_bytes"] != length:
             raise ValueError(f"KvferryConnector: vLLM's buffer holds {length} bytes, kvferry's layout {layout}")
         self.tensors = dict(kv_caches)
+        self.num_layers = len(names)
         agent_type = kvferry.PrefillAgent if self.producer else kvferry.DecodeAgent
         # The raw (address, length) pair: the tensors above keep the buffer alive.
         self.agent = agent_type([(base, length)], **opts)
@@ -131,12 +139,8 @@ class WorkerSide:
         if meta is None or self.agent is None:
             return
         for s in meta.sends:
-            try:
-                self.agent.ready(s.room, s.tokens, pages=s.pages)
-                self.rooms[s.req_id] = s.room
-            except kvferry.Error as e:
-                logger.error("kvferry: request %s room %d not announced: %s", s.req_id, s.room, e)
-                self.done.add(s.req_id)
+            if not s.layered:
+                self.announce(s, None)
         for load in meta.loads:
             self.loads[load.req_id] = load
             if load.prefill_tokens is not None and load.prefill_tokens != load.tokens:
@@ -165,6 +169,38 @@ class WorkerSide:
                 except kvferry.Error as e:
                     logger.info("kvferry: abort of room %d: %s", a.room, e)
 
+    def announce(self, s: Send, layer: int | None) -> None:
+        """Announces room ``s`` ready: one layer of it, or the whole room (``layer`` None)."""
+        pieces = {} if layer is None else dict(layer_range=(layer, layer + 1), last=layer + 1 == self.num_layers)
+        try:
+            self.agent.ready(s.room, s.tokens, pages=s.pages, **pieces)
+            self.rooms[s.req_id] = s.room
+        except kvferry.Error as e:
+            logger.error("kvferry: request %s room %d not announced: %s", s.req_id, s.room, e)
+            self.unsent.add(s.req_id)
+            self.rooms.pop(s.req_id, None)
+
+    def save_layer(self, meta: KvferryMetadata | None, layer_name: str) -> None:
+        """vLLM wrote this layer's KV of the step: announce it for the rooms the step completes."""
+        if meta is None or self.agent is None or not meta.sends:
+            return
+        layer = layer_index(layer_name)
+        for s in meta.sends:
+            if s.layered and s.req_id not in self.unsent and layer not in self.announced.setdefault(s.room, set()):
+                self.announced[s.room].add(layer)
+                self.announce(s, layer)
+
+    def saved(self, meta: KvferryMetadata | None) -> None:
+        """After the step's forward pass: any layer of a layered room not announced yet is."""
+        if meta is None or self.agent is None:
+            return
+        for s in meta.sends:
+            if s.layered:
+                done = self.announced.pop(s.room, set())
+                for layer in range(self.num_layers):
+                    if layer not in done and s.req_id not in self.unsent:
+                        self.announce(s, layer)
+
     def fail(self, req_id: str) -> None:
         """A load that will not land: its blocks from the first one to load on are bad (vLLM's
         ``kv_load_failure_policy`` decides what happens to the request)."""
@@ -173,8 +209,10 @@ class WorkerSide:
             first = load.start_token // self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             self.bad_blocks.update(load.pages[first:])
 
-    def finished(self) -> tuple[set[str], set[str]]:
-        """Requests whose rooms settled since the last call: (sending, receiving)."""
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Requests whose rooms settled since the last call: (sending, receiving). A prefill
+        request is reported only once vLLM has finished it (``finished_req_ids`` named it):
+        vLLM frees the blocks of what it is told, and a running request's are still in use."""
         if self.agent is None:
             return set(), set()
         by_room = {room: req for req, room in self.rooms.items()}
@@ -189,10 +227,17 @@ class WorkerSide:
                     logger.warning("kvferry: request %s room %d %s: %s", req_id, room, view["state"], view["reason"])
                 continue
             self.take(req_id, room)
-        if self.producer:
-            return done, set()
-        self.aborted -= done
-        return set(), done
+        if not self.producer:
+            self.aborted -= done
+            return set(), done
+        mine = set(self.rooms) | self.settled | self.unsent | done
+        self.ended |= finished_req_ids & mine
+        self.settled |= done | self.unsent
+        self.unsent = set()
+        sent = self.settled & self.ended
+        self.settled -= sent
+        self.ended -= sent
+        return sent, set()
 
     def take(self, req_id: str, room: int) -> None:
         try:
