@@ -15,7 +15,10 @@ the prompt blocks each response says it loaded: a silent local recompute cannot 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import time
+import urllib.request
 
 import pytest
 
@@ -84,3 +87,25 @@ def test_blocks_in_the_decode_prefix_cache_are_not_transferred(reference, pd):
     # vLLM recomputes the last prompt token, so its block is never a local hit).
     starts = run_prompts(pd, "sequential", make_prompts(SEEDS["sequential"]), reference)
     assert sum(s > 0 for s in starts) >= len(starts) // 2, starts
+
+
+def test_a_client_abort_while_loading_aborts_the_room(reference, pd):
+    # A decode request whose prefill never comes: it waits on its room until its client goes
+    # away. vLLM aborts the request, the connector aborts the room, and vLLM frees the blocks
+    # once the agent reports the room settled; the pair then serves as before.
+    aborted = 'state="aborted"'
+    before = metric(pd.decode_api, "kvferry_rooms_total", aborted)
+    prompt = make_prompts(SEEDS["concurrent"])[5]
+    room = str(int.from_bytes(os.urandom(8), "little"))
+    body = {"model": pd.decode.model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "kv_transfer_params": {"do_remote_prefill": True, "kvferry_room": room, "kvferry_dp_rank": 0}}
+    req = urllib.request.Request(pd.decode.url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(OSError):  # the client gives up and closes its connection
+        urllib.request.urlopen(req, timeout=3)
+    deadline = time.monotonic() + 60
+    while metric(pd.decode_api, "kvferry_rooms_total", aborted) == before:
+        assert time.monotonic() < deadline, "the decode's room was never aborted"
+        time.sleep(0.05)
+    got = sequential(pd.prefill, pd.decode, prompt)
+    assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]

@@ -137,11 +137,15 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
         return {"http_status": e.code, "error": json.loads(e.read() or b"null")}
 
 
-def metric(url: str, name: str) -> float:
-    """The sum of a metric's series on a kvferry agent's /metrics."""
+def metric(url: str, name: str, label: str = "") -> float:
+    """The sum of a metric's series (those whose labels contain ``label``) on a /metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line.split("}", 1)[0]
+    )
 
 
 def tail(path: pathlib.Path, lines: int = 40) -> str:
