@@ -79,6 +79,8 @@ def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict)
 @pytest.mark.parametrize("pairing", list(SEEDS))
 def test_disaggregated_generation_equals_a_single_engine(reference, pd, pairing):
     run_prompts(pd, pairing, make_prompts(SEEDS[pairing]), reference)
+    # Every layer of every room was announced as vLLM saved it, during the forward pass.
+    assert "did not save layers" not in (pd.logs / "prefill.log").read_text()
 
 
 def test_blocks_in_the_decode_prefix_cache_are_not_transferred(reference, pd):

@@ -197,8 +197,14 @@ class WorkerSide:
         for s in meta.sends:
             if s.layered:
                 done = self.announced.pop(s.room, set())
-                for layer in range(self.num_layers):
-                    if layer not in done and s.req_id not in self.unsent:
+                missed = [layer for layer in range(self.num_layers) if layer not in done]
+                if missed and s.req_id not in self.unsent:
+                    logger.warning(
+                        "kvferry: vLLM did not save layers %s of room %d through save_kv_layer; "
+                        "announced after the forward pass", missed, s.room,
+                    )
+                for layer in missed:
+                    if s.req_id not in self.unsent:
                         self.announce(s, layer)
 
     def fail(self, req_id: str) -> None:
