@@ -111,3 +111,8 @@ def test_a_client_abort_while_loading_aborts_the_room(reference, pd):
         time.sleep(0.05)
     got = sequential(pd.prefill, pd.decode, prompt)
     assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
+
+
+def test_a_prefill_server_says_which_kvferry_group_it_is(pd):
+    got = pd.prefill.complete([5, 6, 7], 1, {"kvferry_identify": True})
+    assert got["kv_transfer_params"] == {"kvferry_dp_rank": 0, "kvferry_bootstrap": pd.bootstrap}

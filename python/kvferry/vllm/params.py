@@ -11,6 +11,10 @@ A request's params (HTTP body field ``kv_transfer_params``):
 - to a decode server: those, or in concurrent pairing ``{"do_remote_prefill": true,
   "kvferry_room": ..., "kvferry_dp_rank": G}`` before the prefill has run.
 
+A router learns a prefill server's kvferry identity by sending it any short request with
+``{"kvferry_identify": true}``: the response's params are ``{"kvferry_dp_rank": G,
+"kvferry_bootstrap": URL}``.
+
 Rooms travel as decimal strings (a u64 does not survive every JSON parser as a number).
 """
 
@@ -24,6 +28,7 @@ ROOM = "kvferry_room"
 DP_RANK = "kvferry_dp_rank"
 BOOTSTRAP = "kvferry_bootstrap"
 TOKENS = "kvferry_tokens"
+IDENTIFY = "kvferry_identify"
 
 
 class ParamsError(ValueError):

@@ -163,6 +163,9 @@ class SchedulerSide:
         self.to_send.pop(req_id, None)
         room = self.streamed.pop(req_id, None)
         if room is None:
+            if (request.kv_transfer_params or {}).get(P.IDENTIFY):
+                # A router asking which kvferry group this server is (concurrent pairing).
+                return False, {P.DP_RANK: self.config.dp_rank, P.BOOTSTRAP: self.config.bootstrap}
             return False, None
         if request.status not in FINISHED_NORMALLY:
             # Its layers may be in flight: the room is aborted, the blocks wait for it to settle.
