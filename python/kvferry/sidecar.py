@@ -140,8 +140,17 @@ def spawn(
         os.close(fd)
     log = os.fspath(log)
     env = os.environ | {"KVFERRY_STOP_ON_STDIN_EOF": "1"}
-    with open(log, "ab") as err:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+    try:
+        with open(log, "ab") as err:
+            # Its own session: stopping it signals whatever it started too.
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                start_new_session=True,
+            )
+    except OSError as e:
+        if temporary:
+            os.unlink(log)
+        raise StartError(f"cannot start the {role} sidecar ({' '.join(argv)}): {e}") from e
     try:
         line = _first_line(proc, start_timeout)
     except BaseException:
@@ -151,11 +160,22 @@ def spawn(
         listening = json.loads(line) if line else None
     except ValueError:
         listening = None
-    if not (isinstance(listening, dict) and listening.get("event") == "listening"):
+    fields = ("role", "api", "instance")
+    if not (isinstance(listening, dict) and listening.get("event") == "listening" and all(k in listening for k in fields)):
         status = _stop(proc, 10.0)
         what = f"printed {line!r} instead of its listening line" if line else f"exited with status {status} before listening"
         raise StartError(f"the {role} sidecar ({' '.join(argv)}) {what}; its log {log} ends:\n{_tail(log)}")
+    # Nothing else is expected on stdout, but a library may print there (UCX logs to stdout by
+    # default): it is drained into the log so the agent never blocks on a full pipe.
+    threading.Thread(target=_drain, args=(proc.stdout, log), name="kvferry-sidecar-stdout", daemon=True).start()
     return Sidecar(proc, listening, log, temporary)
+
+
+def _drain(out: Any, log: str) -> None:
+    with open(log, "ab") as f:
+        for line in out:
+            f.write(line)
+            f.flush()
 
 
 def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
@@ -175,17 +195,22 @@ def _tail(path: str, lines: int = 20) -> str:
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout: float) -> int:
-    """SIGTERM (the agent drains and stops), SIGKILL after ``timeout``; the exit status."""
+    """SIGTERM to the sidecar's session (the agent drains and stops), SIGKILL after
+    ``timeout``; the exit status."""
+
+    def signal_all(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        signal_all(signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            signal_all(signal.SIGKILL)
             proc.wait()
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe:
-            pipe.close()
+    if proc.stdin:
+        proc.stdin.close()
     return proc.returncode
 
 
@@ -222,7 +247,10 @@ class Sidecar:
             raise Unavailable(f"the sidecar exited with status {self.process.returncode} (log: {self.log})")
         data = None if body is None else json.dumps(body).encode()
         headers = {} if data is None else {"Content-Type": "application/json"}
-        for attempt in (0, 1):
+        # Only a read is tried again (on a fresh connection): an operation that may have run
+        # already must not run twice.
+        attempts = 2 if method == "GET" else 1
+        for attempt in range(attempts):
             conn = getattr(self._local, "conn", None)
             if conn is None:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
@@ -233,14 +261,17 @@ class Sidecar:
             try:
                 conn.request(method, path, data, headers)
                 resp = conn.getresponse()
-                payload = json.loads(resp.read() or b"null")
+                raw = resp.read()
                 break
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 conn.close()
                 self._local.conn = None
-                # A kept-alive connection the server closed meanwhile: once more, fresh.
-                if attempt or self.process.poll() is not None:
+                if attempt + 1 == attempts or self.process.poll() is not None:
                     raise Unavailable(f"the sidecar's API {self.api_url} failed: {e} (log: {self.log})") from e
+        try:
+            payload = json.loads(raw or b"null")
+        except ValueError:
+            raise Error(f"the sidecar's API answered {resp.status} with a body that is not JSON: {raw[:200]!r}") from None
         if resp.status >= 400:
             message = payload.get("error", "") if isinstance(payload, dict) else str(payload)
             raise _REFUSALS.get(resp.status, Error)(message)

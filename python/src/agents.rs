@@ -163,15 +163,15 @@ impl<A: Send + Sync> Handle<A> {
         V: Look,
         Fut: Future<Output = Result<V, RoomError>>,
     {
-        let total = seconds(timeout)?;
-        let deadline = Instant::now() + total;
+        // No deadline for a timeout beyond what an Instant can hold (`float("inf")`).
+        let deadline = Instant::now().checked_add(seconds(timeout)?);
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()));
             let view = self.run(py, |a| wait(a, left.min(SLICE)))?;
             if view.settled() {
                 return finished(py, room, &view);
             }
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 let dict = convert::view(py, room, &view)?;
                 return Err(errors::wait_timeout(
                     py,
@@ -248,8 +248,11 @@ fn finished<'py, V: Look>(py: Python<'py>, room: u64, view: &V) -> PyResult<Boun
     }
 }
 
-/// A timeout in seconds.
+/// A timeout in seconds (`inf` is the longest there is).
 fn seconds(timeout: f64) -> PyResult<Duration> {
+    if timeout == f64::INFINITY {
+        return Ok(Duration::MAX);
+    }
     Duration::try_from_secs_f64(timeout).map_err(|_| {
         errors::BadRequest::new_err(format!("timeout {timeout} is not a number of seconds >= 0"))
     })
@@ -344,8 +347,13 @@ impl PrefillAgent {
         convert::view(py, room, &view)
     }
 
-    fn poll<'py>(&self, py: Python<'py>, rooms: Vec<u64>) -> PyResult<Bound<'py, PyDict>> {
-        self.0.poll(py, rooms, |a, room| a.view(room))
+    fn poll<'py>(
+        &self,
+        py: Python<'py>,
+        rooms: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        self.0
+            .poll(py, convert::rooms(rooms)?, |a, room| a.view(room))
     }
 
     fn wait<'py>(&self, py: Python<'py>, room: u64, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
@@ -468,8 +476,13 @@ impl DecodeAgent {
         convert::view(py, room, &view)
     }
 
-    fn poll<'py>(&self, py: Python<'py>, rooms: Vec<u64>) -> PyResult<Bound<'py, PyDict>> {
-        self.0.poll(py, rooms, |a, room| a.view(room))
+    fn poll<'py>(
+        &self,
+        py: Python<'py>,
+        rooms: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        self.0
+            .poll(py, convert::rooms(rooms)?, |a, room| a.view(room))
     }
 
     fn wait<'py>(&self, py: Python<'py>, room: u64, timeout: f64) -> PyResult<Bound<'py, PyDict>> {

@@ -85,3 +85,8 @@ pub(crate) fn request<T: serde::de::DeserializeOwned>(json: Value) -> PyResult<T
     serde_json::from_value(json)
         .map_err(|e| crate::errors::room_error(RoomError::BadRequest(e.to_string())))
 }
+
+/// The rooms of any iterable of ints (a list, a set, a generator).
+pub(crate) fn rooms(items: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    items.try_iter()?.map(|r| r?.extract::<u64>()).collect()
+}

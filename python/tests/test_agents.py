@@ -313,6 +313,9 @@ def test_poll_reports_settled_rooms_without_blocking(pair):
         while len(settled) < 2:  # an engine's step loop
             settled |= decode.poll([11, 12])
         assert settled[11]["state"] == "success" and settled[11]["safe_to_reuse"]
+        # Any iterable of rooms; an endless wait on a settled room returns at once.
+        assert set(decode.poll({11, 12})) == set(decode.poll(r for r in (11, 12))) == {11, 12}
+        assert decode.wait(11, float("inf"))["state"] == "success"
         assert settled[12]["state"] == "aborted" and settled[12]["reason"]["code"] == "aborted"
         assert set(prefill.poll([11])) == {11}
         # A room the agent does not know (taken, expired, never made) polls as None.

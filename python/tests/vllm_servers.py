@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -57,14 +58,14 @@ def make_model(python: str, env: dict, out: pathlib.Path, seed: int) -> pathlib.
     return out
 
 
-def connector(role: str, bootstrap: str, api_port: int, **extra: Any) -> str:
+def connector(role: str, bootstrap: str, **extra: Any) -> str:
     """The --kv-transfer-config of a kvferry prefill (``kv_producer``) or decode server."""
     policy = extra.pop("kv_load_failure_policy", None)
     config = {
         "kv_connector": "KvferryConnector",
         "kv_connector_module_path": "kvferry.vllm",
         "kv_role": role,
-        "kv_connector_extra_config": {"bootstrap": bootstrap, "agent": {"api_port": api_port, **extra}},
+        "kv_connector_extra_config": {"bootstrap": bootstrap, "agent": extra},
     }
     if policy:
         config["kv_load_failure_policy"] = policy
@@ -113,6 +114,13 @@ class Server:
         if params is not None:
             body["kv_transfer_params"] = params
         return post(self.url + "/v1/completions", body)
+
+    def agent_api(self) -> str:
+        """The API URL of the kvferry agent in this server's worker (the connector logs it when
+        it starts; the agent picks its own port)."""
+        found = re.findall(r"kvferry (?:prefill|decode) agent \S+ on \S+: .* api (http://\S+)", self.log.read_text())
+        assert found, f"no kvferry agent started in {self.log}"
+        return found[-1]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signals the server's whole process group (engine core and workers too)."""
@@ -208,21 +216,17 @@ class Pd:
                  decode_policy: str | None = None, **agent: Any) -> None:
         self.python, self.env, self.model = vllm
         self.logs = logs
-        registry_port = free_port()
         self.registry = subprocess.Popen(
-            [str(kvferry_bin), "bootstrap", "--port", str(registry_port)],
-            stdout=subprocess.DEVNULL, stderr=open(logs / "registry.log", "wb"),
+            [str(kvferry_bin), "bootstrap", "--port", "0"],
+            stdout=subprocess.PIPE, stderr=open(logs / "registry.log", "wb"), text=True,
         )
-        self.bootstrap = f"http://127.0.0.1:{registry_port}"
+        self.bootstrap = json.loads(self.registry.stdout.readline())["url"]
         self.agent = agent
-        self.prefill_port, self.decode_port = free_port(), free_port()
-        self.prefill_api = f"http://127.0.0.1:{self.prefill_port}"
-        self.decode_api = f"http://127.0.0.1:{self.decode_port}"
         self.prefill_args = tuple(prefill_args)
         self.prefill = self.start_prefill()
         self.decode = Server(
             self.python, self.env, self.model, 1, logs / "decode.log", *decode_args, "--kv-transfer-config",
-            connector("kv_consumer", self.bootstrap, self.decode_port, kv_load_failure_policy=decode_policy, **agent),
+            connector("kv_consumer", self.bootstrap, kv_load_failure_policy=decode_policy, **agent),
         )
         try:
             self.prefill.wait_healthy()
@@ -234,8 +238,16 @@ class Pd:
     def start_prefill(self) -> Server:
         return Server(
             self.python, self.env, self.model, 0, self.logs / "prefill.log", *self.prefill_args,
-            "--kv-transfer-config", connector("kv_producer", self.bootstrap, self.prefill_port, **self.agent),
+            "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent),
         )
+
+    @property
+    def prefill_api(self) -> str:
+        return self.prefill.agent_api()
+
+    @property
+    def decode_api(self) -> str:
+        return self.decode.agent_api()
 
     def stop(self) -> None:
         for s in (self.prefill, self.decode):

@@ -76,6 +76,9 @@ class KvferryConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler.has_pending_block_frees()
+
     # ---- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

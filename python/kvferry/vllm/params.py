@@ -36,17 +36,30 @@ class ParamsError(ValueError):
 
 
 def room_of(params: dict[str, Any]) -> int | None:
-    """The room the params name, or None; ParamsError if it is not a u64."""
+    """The room the params name, or None; ParamsError if it is not a u64 (an int or a string of
+    decimal digits)."""
     raw = params.get(ROOM)
     if raw is None:
         return None
-    try:
-        room = int(raw)
-    except (TypeError, ValueError):
-        raise ParamsError(f"{ROOM} {raw!r} is not an integer") from None
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)) or (isinstance(raw, str) and not raw.isdigit()):
+        raise ParamsError(f"{ROOM} {raw!r} is not a u64 (decimal digits)")
+    room = int(raw)
     if not 0 <= room < 1 << 64:
         raise ParamsError(f"{ROOM} {room} is not a u64")
     return room
+
+
+def check_load(params: dict[str, Any]) -> None:
+    """ParamsError unless a decode request's params name a room, and the prefill group, registry
+    and token count are absent or of the right type."""
+    if room_of(params) is None:
+        raise ParamsError(f"do_remote_prefill without {ROOM}")
+    for key, kind in ((DP_RANK, int), (TOKENS, int), (BOOTSTRAP, str)):
+        value = params.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise ParamsError(f"{key} {value!r} is not a {kind.__name__}")
+        if kind is int and value is not None and not 0 <= value < 1 << 32:
+            raise ParamsError(f"{key} {value} is out of range")
 
 
 def fresh_room(live: set[int]) -> int:

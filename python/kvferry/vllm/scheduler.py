@@ -1,13 +1,16 @@
 """The connector's scheduler side (vLLM's engine-core process): which requests send or load a
 room, with which blocks, and when their blocks may go.
 
-Prefill (``kv_producer``): a request with ``do_remote_decode`` gets its room in the step that
-computes the rest of its prompt (the last chunk, with chunked prefill); the workers announce
-each layer as vLLM saves it, so the transfer overlaps the rest of the forward pass. When the
-request finishes it keeps its blocks (``delay_free``) until every worker reports the room
-settled (sent, failed, aborted or expired); a request that ends abnormally aborts its room.
-Blocks vLLM served from its prefix cache are in the request's block table, so they are sent
-too.
+Prefill (``kv_producer``): a request with ``do_remote_decode`` and ``max_tokens`` 1 (the
+disaggregated pattern) gets its room in the step that computes the rest of its prompt (the last
+chunk, with chunked prefill); the workers announce each layer as vLLM saves it, so the transfer
+overlaps the rest of the forward pass. The request finishes with that step; until then vLLM
+is told not to preempt (``has_pending_block_frees``), so its blocks cannot change hands while
+they are read. A request that generates more tokens on the prefill is announced whole when it
+finishes. Either way a finished request keeps its blocks (``delay_free``) until every worker
+reports the room settled (sent, failed, aborted or expired); a request that ends abnormally
+after its layers were announced aborts its room. Blocks vLLM served from its prefix cache are
+in the request's block table, so they are sent too.
 
 Decode (``kv_consumer``): a request with ``do_remote_prefill`` claims its whole prompt as an
 asynchronous external hit (vLLM recomputes the last prompt token itself); its room is requested
@@ -34,7 +37,11 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 
-FINISHED_NORMALLY = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+FINISHED_NORMALLY = tuple(
+    getattr(RequestStatus, name)
+    for name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
+    if hasattr(RequestStatus, name)
+)
 
 
 class SchedulerSide:
@@ -68,8 +75,7 @@ class SchedulerSide:
         if missing <= 0:
             return 0, False
         try:
-            if P.room_of(params) is None:
-                raise P.ParamsError(f"do_remote_prefill without {P.ROOM}")
+            P.check_load(params)
         except P.ParamsError as e:
             logger.warning("kvferry: request %s computes its prompt locally: %s", request.request_id, e)
             return 0, False
@@ -79,10 +85,12 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
         if self.producer:
-            if params.get("do_remote_decode") and request.request_id not in self.streamed:
+            one_token = getattr(request.sampling_params, "max_tokens", None) == 1
+            if params.get("do_remote_decode") and one_token and request.request_id not in self.streamed:
                 self.to_send[request.request_id] = (request.num_prompt_tokens, params)
             return
         if num_external_tokens == 0:
+            self.local_hit.pop(request.request_id, None)
             return
         room = P.room_of(params)
         start = self.local_hit.pop(request.request_id, 0)
@@ -147,9 +155,15 @@ class SchedulerSide:
         for req_id in (output.finished_sending or set()) | (output.finished_recving or set()):
             self.rooms.pop(req_id, None)
 
+    def has_pending_block_frees(self) -> bool:
+        """Prefill: rooms announced layer by layer whose request has not finished yet (one
+        step): vLLM must not preempt them (it would free blocks the agent reads)."""
+        return bool(self.streamed)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         if not self.producer:
+            self.local_hit.pop(req_id, None)
             room = self.rooms.get(req_id)
             if room is not None and request.status == RequestStatus.FINISHED_ABORTED:
                 # Aborted while loading: vLLM holds the blocks until the room is reported.
@@ -161,16 +175,25 @@ class SchedulerSide:
             # (from start_token on; those before were the decode's own prefix-cache hits).
             return False, {P.ROOM: str(load.room), "kvferry_start_token": load.start_token, P.TOKENS: load.tokens}
         self.to_send.pop(req_id, None)
+        params = request.kv_transfer_params or {}
         room = self.streamed.pop(req_id, None)
-        if room is None:
-            if (request.kv_transfer_params or {}).get(P.IDENTIFY):
-                # A router asking which kvferry group this server is (concurrent pairing).
-                return False, {P.DP_RANK: self.config.dp_rank, P.BOOTSTRAP: self.config.bootstrap}
-            return False, None
-        if request.status not in FINISHED_NORMALLY:
+        if room is not None and request.status not in FINISHED_NORMALLY:
             # Its layers may be in flight: the room is aborted, the blocks wait for it to settle.
             self.meta.aborts.append(Abort(req_id, room))
             return True, None
+        if room is None:
+            if params.get(P.IDENTIFY):
+                # A router asking which kvferry group this server is (concurrent pairing).
+                return False, {P.DP_RANK: self.config.dp_rank, P.BOOTSTRAP: self.config.bootstrap}
+            if not params.get("do_remote_decode") or request.status not in FINISHED_NORMALLY:
+                return False, None
+            # Generated more than one token here: its prompt KV is announced whole now.
+            room = self.room_for(req_id, params)
+            if room is None:
+                return False, None
+            tokens = request.num_prompt_tokens
+            self.rooms[req_id] = room
+            self.meta.sends.append(Send(req_id, room, tokens, self.pages(block_ids, tokens)))
         return True, {
             "do_remote_prefill": True,
             P.ROOM: str(room),

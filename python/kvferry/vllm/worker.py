@@ -10,6 +10,7 @@ holds vLLM's tensors for as long as the agent runs.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -45,9 +46,17 @@ def agent_options(
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("KvferryConnector: pipeline parallelism is not supported yet (PP must be 1)")
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError("KvferryConnector: one KV cache group only (no hybrid or sliding-window models)")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if (
+        len(kv_cache_config.kv_cache_groups) != 1
+        or not isinstance(spec, FullAttentionSpec)
+        or getattr(spec, "sliding_window", None) is not None
+    ):
+        # vLLM frees a sliding window's older blocks while a request runs: not while a room
+        # reads them.
+        raise ValueError("KvferryConnector: full attention in one KV cache group only (no hybrid or sliding-window models)")
     if spec.dtype not in DTYPES:
         raise ValueError(f"KvferryConnector: KV dtype {spec.dtype} is not one of {sorted(map(str, DTYPES))}")
     if isa not in ISA_FORMATS:
@@ -97,11 +106,14 @@ class WorkerSide:
         self.settled: set[str] = set()
         self.ended: set[str] = set()
         self.num_layers = 0
+        self.positions: dict[str, int] = {}
 
     # ---- memory ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=layer_index)
+        if [layer_index(n) for n in names] != list(range(len(names))):
+            raise ValueError(f"KvferryConnector: KV cache layers {names} are not numbered 0..{len(names) - 1}")
         first = kv_caches[names[0]]
         layer_bytes = first.numel() * first.element_size()
         base = first.data_ptr()
@@ -123,7 +135,9 @@ class WorkerSide:
             raise ValueError(f"KvferryConnector: vLLM's buffer holds {length} bytes, kvferry's layout {layout}")
         self.tensors = dict(kv_caches)
         self.num_layers = len(names)
+        self.positions = {name: i for i, name in enumerate(names)}
         agent_type = kvferry.PrefillAgent if self.producer else kvferry.DecodeAgent
+        self.close()
         # The raw (address, length) pair: the tensors above keep the buffer alive.
         self.agent = agent_type([(base, length)], **opts)
         logger.info(
@@ -157,55 +171,65 @@ class WorkerSide:
                     dp_rank=load.dp_rank, bootstrap=load.bootstrap,
                 )
                 self.rooms[load.req_id] = load.room
-            except kvferry.Error as e:
+            except Exception as e:  # noqa: BLE001 - a refused load fails the request, not the engine
                 logger.error("kvferry: request %s room %d refused: %s", load.req_id, load.room, e)
                 self.fail(load.req_id)
                 self.done.add(load.req_id)
         for a in meta.aborts:
-            self.aborted.add(a.req_id)
             if a.req_id in self.rooms:
+                self.aborted.add(a.req_id)
                 try:
                     self.agent.abort(a.room)
-                except kvferry.Error as e:
+                except Exception as e:  # noqa: BLE001 - the room settles or expires anyway
                     logger.info("kvferry: abort of room %d: %s", a.room, e)
 
-    def announce(self, s: Send, layer: int | None) -> None:
-        """Announces room ``s`` ready: one layer of it, or the whole room (``layer`` None)."""
-        pieces = {} if layer is None else dict(layer_range=(layer, layer + 1), last=layer + 1 == self.num_layers)
+    def announce(self, s: Send, layers: range | None) -> None:
+        """Announces room ``s`` ready: ``layers`` of it (the room's last piece once every layer
+        was announced), or the whole room (``layers`` None). A refusal before anything was
+        announced leaves nothing in flight; after some layers, the room is aborted and stays
+        tracked until it settles (the agent may be reading the announced pages)."""
+        if s.req_id in self.unsent:
+            return
+        pieces: dict[str, Any] = {}
+        if layers is not None:
+            done = self.announced.setdefault(s.room, set())
+            done.update(layers)
+            pieces = dict(layer_range=(layers.start, layers.stop), last=len(done) == self.num_layers)
         try:
             self.agent.ready(s.room, s.tokens, pages=s.pages, **pieces)
             self.rooms[s.req_id] = s.room
-        except kvferry.Error as e:
+        except Exception as e:  # noqa: BLE001 - whatever the agent says, the engine goes on
             logger.error("kvferry: request %s room %d not announced: %s", s.req_id, s.room, e)
             self.unsent.add(s.req_id)
-            self.rooms.pop(s.req_id, None)
+            if s.req_id in self.rooms:
+                with contextlib.suppress(Exception):
+                    self.agent.abort(s.room)
 
     def save_layer(self, meta: KvferryMetadata | None, layer_name: str) -> None:
         """vLLM wrote this layer's KV of the step: announce it for the rooms the step completes."""
         if meta is None or self.agent is None or not meta.sends:
             return
-        layer = layer_index(layer_name)
+        layer = self.positions[layer_name]
         for s in meta.sends:
-            if s.layered and s.req_id not in self.unsent and layer not in self.announced.setdefault(s.room, set()):
-                self.announced[s.room].add(layer)
-                self.announce(s, layer)
+            if s.layered and layer not in self.announced.get(s.room, ()):
+                self.announce(s, range(layer, layer + 1))
 
     def saved(self, meta: KvferryMetadata | None) -> None:
         """After the step's forward pass: any layer of a layered room not announced yet is."""
         if meta is None or self.agent is None:
             return
         for s in meta.sends:
-            if s.layered:
-                done = self.announced.pop(s.room, set())
-                missed = [layer for layer in range(self.num_layers) if layer not in done]
-                if missed and s.req_id not in self.unsent:
-                    logger.warning(
-                        "kvferry: vLLM did not save layers %s of room %d through save_kv_layer; "
-                        "announced after the forward pass", missed, s.room,
-                    )
-                for layer in missed:
-                    if s.req_id not in self.unsent:
-                        self.announce(s, layer)
+            if not s.layered:
+                continue
+            missed = [layer for layer in range(self.num_layers) if layer not in self.announced.get(s.room, ())]
+            if missed and s.req_id not in self.unsent:
+                logger.warning(
+                    "kvferry: vLLM did not save layers %s of room %d through save_kv_layer; "
+                    "announced after the forward pass", missed, s.room,
+                )
+            for layer in missed:
+                self.announce(s, range(layer, layer + 1))
+            self.announced.pop(s.room, None)
 
     def fail(self, req_id: str) -> None:
         """A load that will not land: its blocks from the first one to load on are bad (vLLM's
@@ -222,9 +246,14 @@ class WorkerSide:
         if self.agent is None:
             return set(), set()
         by_room = {room: req for req, room in self.rooms.items()}
+        try:
+            settled = self.agent.poll(list(by_room))
+        except Exception as e:  # noqa: BLE001 - nothing is reported; the next step asks again
+            logger.error("kvferry: polling the agent's rooms failed: %s", e)
+            return set(), set()
         done = self.done
         self.done = set()
-        for room, view in self.agent.poll(list(by_room)).items():
+        for room, view in settled.items():
             req_id = by_room[room]
             del self.rooms[req_id]
             done.add(req_id)
@@ -233,8 +262,8 @@ class WorkerSide:
                     logger.warning("kvferry: request %s room %d %s: %s", req_id, room, view["state"], view["reason"])
                 continue
             self.take(req_id, room)
+        self.aborted -= done
         if not self.producer:
-            self.aborted -= done
             return set(), done
         mine = set(self.rooms) | self.settled | self.unsent | done
         self.ended |= finished_req_ids & mine
@@ -260,6 +289,9 @@ class WorkerSide:
             self.fail(req_id)
         except kvferry.UnknownRoom:
             logger.error("kvferry: request %s room %d expired before it was taken", req_id, room)
+            self.fail(req_id)
+        except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+            logger.error("kvferry: request %s room %d could not be taken: %s", req_id, room, e)
             self.fail(req_id)
 
     def load_errors(self) -> set[int]:
