@@ -265,275 +265,197 @@ fn pool_dict(py: Python<'_>, counts: PoolCounts) -> PyResult<Bound<'_, PyDict>> 
     Ok(dict)
 }
 
-/// A prefill agent in this process: the engine says which pages of a room are ready, the
-/// agent gathers them from the engine's memory and pushes them to the decodes that ask.
-#[pyclass(module = "kvferry", frozen)]
-pub(crate) struct PrefillAgent(Handle<prefill::PrefillAgent>);
+/// A Python class over one role's agent: construction, the getters, the operations both roles
+/// have (`view`, `poll`, `wait`, `abort`, `pool`, `close`, the `with` protocol, close on drop),
+/// and the role's own operations given as `$extra`. (PyO3 takes one `#[pymethods]` block per
+/// class, so the shared methods cannot live in a trait.)
+macro_rules! agent_class {
+    ($(#[$doc:meta])* $class:ident, $agent:path, $endpoint:ident, { $($extra:tt)* }) => {
+        $(#[$doc])*
+        #[pyclass(module = "kvferry", frozen)]
+        pub(crate) struct $class(Handle<$agent>);
 
-#[pymethods]
-impl PrefillAgent {
-    #[new]
-    #[pyo3(signature = (regions=None, **options))]
-    fn new(
-        py: Python<'_>,
-        regions: Option<&Bound<'_, PyAny>>,
-        options: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<Self> {
-        let handle = start(
-            py,
-            regions,
-            options,
-            |cfg, pool, shutdown| async move {
-                match pool {
-                    Some(pool) => prefill::PrefillAgent::start_with_pool(cfg, pool, shutdown).await,
-                    None => prefill::PrefillAgent::start(cfg, shutdown).await,
-                }
-            },
-            |a| {
-                (
-                    a.api_url.clone(),
-                    a.instance.to_string(),
-                    a.control_endpoint.clone(),
+        #[pymethods]
+        impl $class {
+            #[new]
+            #[pyo3(signature = (regions=None, **options))]
+            fn new(
+                py: Python<'_>,
+                regions: Option<&Bound<'_, PyAny>>,
+                options: Option<&Bound<'_, PyDict>>,
+            ) -> PyResult<Self> {
+                let handle = start(
+                    py,
+                    regions,
+                    options,
+                    |cfg, pool, shutdown| async move {
+                        match pool {
+                            Some(pool) => <$agent>::start_with_pool(cfg, pool, shutdown).await,
+                            None => <$agent>::start(cfg, shutdown).await,
+                        }
+                    },
+                    |a| (a.api_url.clone(), a.instance.to_string(), a.$endpoint.clone()),
+                )?;
+                Ok($class(handle))
+            }
+
+            #[getter]
+            fn api_url(&self) -> &str {
+                &self.0.api_url
+            }
+
+            #[getter]
+            fn instance(&self) -> &str {
+                &self.0.instance
+            }
+
+            #[getter]
+            fn $endpoint(&self) -> &str {
+                &self.0.endpoint
+            }
+
+            fn view<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
+                let view = self.0.get()?.view(room).map_err(errors::room_error)?;
+                convert::view(py, room, &view)
+            }
+
+            fn poll<'py>(
+                &self,
+                py: Python<'py>,
+                rooms: &Bound<'py, PyAny>,
+            ) -> PyResult<Bound<'py, PyDict>> {
+                self.0
+                    .poll(py, convert::rooms(rooms)?, |a, room| a.view(room))
+            }
+
+            fn wait<'py>(
+                &self,
+                py: Python<'py>,
+                room: u64,
+                timeout: f64,
+            ) -> PyResult<Bound<'py, PyDict>> {
+                self.0.wait_final(
+                    py,
+                    room,
+                    timeout,
+                    |a, t| async move { a.wait(room, t).await },
                 )
-            },
-        )?;
-        Ok(PrefillAgent(handle))
-    }
+            }
 
-    #[getter]
-    fn api_url(&self) -> &str {
-        &self.0.api_url
-    }
+            fn abort<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
+                let view = self.0.run(py, |a| async move { a.abort(room).await })?;
+                convert::view(py, room, &view)
+            }
 
-    #[getter]
-    fn instance(&self) -> &str {
-        &self.0.instance
-    }
+            fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+                pool_dict(py, self.0.get()?.pool())
+            }
 
-    #[getter]
-    fn control_endpoint(&self) -> &str {
-        &self.0.endpoint
-    }
+            fn close(&self, py: Python<'_>) {
+                py.detach(|| self.0.close(|a| Box::pin(a.join())));
+                self.0.release();
+            }
 
-    #[pyo3(signature = (room, tokens, pages=None, token_range=None, layer_range=None, last=None, aux=None, room_key=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn ready<'py>(
-        &self,
-        py: Python<'py>,
-        room: u64,
-        tokens: usize,
-        pages: Option<Vec<u32>>,
-        token_range: Option<(usize, usize)>,
-        layer_range: Option<(usize, usize)>,
-        last: Option<bool>,
-        aux: Option<&Bound<'py, PyBytes>>,
-        room_key: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let mut req: ReadyRequest =
-            convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
-        req.pages = pages;
-        req.token_range = token_range.map(|(a, b)| [a, b]);
-        req.layer_range = layer_range.map(|(a, b)| [a, b]);
-        req.last = last;
-        req.aux = aux.map(|b| b.as_bytes().to_vec());
-        let view = self
-            .0
-            .run(py, |a| async move { a.ready(room, req).await })?;
-        convert::view(py, room, &view)
-    }
+            fn __enter__(slf: Py<Self>) -> Py<Self> {
+                slf
+            }
 
-    fn view<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
-        let view = self.0.get()?.view(room).map_err(errors::room_error)?;
-        convert::view(py, room, &view)
-    }
+            #[pyo3(signature = (*_exc))]
+            fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
+                self.close(py);
+            }
 
-    fn poll<'py>(
-        &self,
-        py: Python<'py>,
-        rooms: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        self.0
-            .poll(py, convert::rooms(rooms)?, |a, room| a.view(room))
-    }
+            $($extra)*
+        }
 
-    fn wait<'py>(&self, py: Python<'py>, room: u64, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
-        self.0.wait_final(
-            py,
-            room,
-            timeout,
-            |a, t| async move { a.wait(room, t).await },
-        )
-    }
-
-    fn abort<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
-        let view = self.0.run(py, |a| async move { a.abort(room).await })?;
-        convert::view(py, room, &view)
-    }
-
-    fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        pool_dict(py, self.0.get()?.pool())
-    }
-
-    fn close(&self, py: Python<'_>) {
-        py.detach(|| self.0.close(|a| Box::pin(a.join())));
-        self.0.release();
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
-        self.close(py);
-    }
+        impl Drop for $class {
+            fn drop(&mut self) {
+                self.0.close(|a| Box::pin(a.join()));
+                self.0.release();
+            }
+        }
+    };
 }
 
-impl Drop for PrefillAgent {
-    fn drop(&mut self) {
-        self.0.close(|a| Box::pin(a.join()));
-        self.0.release();
-    }
-}
-
-/// A decode agent in this process: the engine asks for a room into its own pages, waits for
-/// it and takes it.
-#[pyclass(module = "kvferry", frozen)]
-pub(crate) struct DecodeAgent(Handle<decode::DecodeAgent>);
-
-#[pymethods]
-impl DecodeAgent {
-    #[new]
-    #[pyo3(signature = (regions=None, **options))]
-    fn new(
-        py: Python<'_>,
-        regions: Option<&Bound<'_, PyAny>>,
-        options: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<Self> {
-        let handle = start(
-            py,
-            regions,
-            options,
-            |cfg, pool, shutdown| async move {
-                match pool {
-                    Some(pool) => decode::DecodeAgent::start_with_pool(cfg, pool, shutdown).await,
-                    None => decode::DecodeAgent::start(cfg, shutdown).await,
-                }
-            },
-            |a| {
-                (
-                    a.api_url.clone(),
-                    a.instance.to_string(),
-                    a.data_endpoint.clone(),
-                )
-            },
-        )?;
-        Ok(DecodeAgent(handle))
-    }
-
-    #[getter]
-    fn api_url(&self) -> &str {
-        &self.0.api_url
-    }
-
-    #[getter]
-    fn instance(&self) -> &str {
-        &self.0.instance
-    }
-
-    #[getter]
-    fn data_endpoint(&self) -> &str {
-        &self.0.endpoint
-    }
-
-    #[pyo3(signature = (room, tokens, pages=None, start_token=0, bootstrap=None, dp_rank=None, room_key=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn request<'py>(
-        &self,
-        py: Python<'py>,
-        room: u64,
-        tokens: usize,
-        pages: Option<Vec<u32>>,
-        start_token: usize,
-        bootstrap: Option<String>,
-        dp_rank: Option<u32>,
-        room_key: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let mut req: RoomRequest =
-            convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
-        req.pages = pages;
-        req.start_token = start_token;
-        req.bootstrap = bootstrap;
-        req.dp_rank = dp_rank;
-        let view = self
-            .0
-            .run(py, |a| async move { a.request(room, req).await })?;
-        convert::view(py, room, &view)
-    }
-
-    fn view<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
-        let view = self.0.get()?.view(room).map_err(errors::room_error)?;
-        convert::view(py, room, &view)
-    }
-
-    fn poll<'py>(
-        &self,
-        py: Python<'py>,
-        rooms: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        self.0
-            .poll(py, convert::rooms(rooms)?, |a, room| a.view(room))
-    }
-
-    fn wait<'py>(&self, py: Python<'py>, room: u64, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
-        self.0.wait_final(
-            py,
-            room,
-            timeout,
-            |a, t| async move { a.wait(room, t).await },
-        )
-    }
-
-    fn take<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
-        let taken = self.0.run(py, |a| async move { a.take(room).await })?;
-        let dict = convert::taken(py, room, &taken)?;
-        match (taken.room.state, &taken.room.reason) {
-            (RoomState::Success, _) => Ok(dict),
-            (_, Some(reason)) => Err(errors::room_failed(py, room, reason, dict)),
-            (state, None) => Err(errors::RoomFailed::new_err(format!(
-                "room {room} was taken {} without a reason",
-                state.name()
-            ))),
+agent_class!(
+    /// A prefill agent in this process: the engine says which pages of a room are ready, the
+    /// agent gathers them from the engine's memory and pushes them to the decodes that ask.
+    PrefillAgent,
+    prefill::PrefillAgent,
+    control_endpoint,
+    {
+        #[pyo3(signature = (room, tokens, pages=None, token_range=None, layer_range=None, last=None, aux=None, room_key=None))]
+        #[allow(clippy::too_many_arguments)]
+        fn ready<'py>(
+            &self,
+            py: Python<'py>,
+            room: u64,
+            tokens: usize,
+            pages: Option<Vec<u32>>,
+            token_range: Option<(usize, usize)>,
+            layer_range: Option<(usize, usize)>,
+            last: Option<bool>,
+            aux: Option<&Bound<'py, PyBytes>>,
+            room_key: Option<&Bound<'py, PyAny>>,
+        ) -> PyResult<Bound<'py, PyDict>> {
+            let mut req: ReadyRequest =
+                convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
+            req.pages = pages;
+            req.token_range = token_range.map(|(a, b)| [a, b]);
+            req.layer_range = layer_range.map(|(a, b)| [a, b]);
+            req.last = last;
+            req.aux = aux.map(|b| b.as_bytes().to_vec());
+            let view = self
+                .0
+                .run(py, |a| async move { a.ready(room, req).await })?;
+            convert::view(py, room, &view)
         }
     }
+);
 
-    fn abort<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
-        let view = self.0.run(py, |a| async move { a.abort(room).await })?;
-        convert::view(py, room, &view)
-    }
+agent_class!(
+    /// A decode agent in this process: the engine asks for a room into its own pages, waits
+    /// for it and takes it.
+    DecodeAgent,
+    decode::DecodeAgent,
+    data_endpoint,
+    {
+        #[pyo3(signature = (room, tokens, pages=None, start_token=0, bootstrap=None, dp_rank=None, room_key=None))]
+        #[allow(clippy::too_many_arguments)]
+        fn request<'py>(
+            &self,
+            py: Python<'py>,
+            room: u64,
+            tokens: usize,
+            pages: Option<Vec<u32>>,
+            start_token: usize,
+            bootstrap: Option<String>,
+            dp_rank: Option<u32>,
+            room_key: Option<&Bound<'py, PyAny>>,
+        ) -> PyResult<Bound<'py, PyDict>> {
+            let mut req: RoomRequest =
+                convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
+            req.pages = pages;
+            req.start_token = start_token;
+            req.bootstrap = bootstrap;
+            req.dp_rank = dp_rank;
+            let view = self
+                .0
+                .run(py, |a| async move { a.request(room, req).await })?;
+            convert::view(py, room, &view)
+        }
 
-    fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        pool_dict(py, self.0.get()?.pool())
+        fn take<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
+            let taken = self.0.run(py, |a| async move { a.take(room).await })?;
+            let dict = convert::taken(py, room, &taken)?;
+            match (taken.room.state, &taken.room.reason) {
+                (RoomState::Success, _) => Ok(dict),
+                (_, Some(reason)) => Err(errors::room_failed(py, room, reason, dict)),
+                (state, None) => Err(errors::RoomFailed::new_err(format!(
+                    "room {room} was taken {} without a reason",
+                    state.name()
+                ))),
+            }
+        }
     }
-
-    fn close(&self, py: Python<'_>) {
-        py.detach(|| self.0.close(|a| Box::pin(a.join())));
-        self.0.release();
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
-        self.close(py);
-    }
-}
-
-impl Drop for DecodeAgent {
-    fn drop(&mut self) {
-        self.0.close(|a| Box::pin(a.join()));
-        self.0.release();
-    }
-}
+);
