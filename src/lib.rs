@@ -12,5 +12,6 @@ pub mod layout;
 pub mod memory;
 pub mod pool;
 pub mod protocol;
+pub mod proxy;
 pub mod reason;
 pub mod transport;

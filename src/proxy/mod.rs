@@ -1,0 +1,27 @@
+//! `kvferry proxy`: an OpenAI-compatible router for prefill/decode-disaggregated vLLM servers
+//! that run `KvferryConnector` (docs/vllm.md).
+//!
+//! A request to `/v1/completions` or `/v1/chat/completions` goes to the prefill server with the
+//! fewest requests outstanding (one generated token, `kv_transfer_params.do_remote_decode`) and
+//! to the decode server with the fewest outstanding, which generates the answer from the
+//! prompt's KV that kvferry moved. Two pairings:
+//! - concurrent (default): the proxy chooses the room and names the prefill's kvferry group
+//!   (learned at start with `kvferry_identify`), and sends both requests at once, so the decode
+//!   allocates and waits while the prefill computes;
+//! - sequential: the prefill answers first, and its `kv_transfer_params` go into the decode
+//!   request.
+//!
+//! The decode's answer, streamed or not, is passed through as it comes. Servers that stop
+//! answering `/health` are routed around until they answer again. Every error is an OpenAI
+//! error object. Metrics (`/metrics`, `prometheus-client`): requests by endpoint and outcome,
+//! time to first byte of the answer, errors by cause.
+//!
+//! Work in progress: built, not yet wired to the command line or tested.
+
+mod backends;
+mod metrics;
+mod route;
+
+pub use backends::{Backend, Backends};
+pub use metrics::ProxyMetrics;
+pub use route::{Pairing, Proxy, router};
