@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod config;
 pub mod demo;
 mod exposure;
+mod proxy;
 mod signal;
 
 pub use agent::AgentArgs;
@@ -88,6 +89,8 @@ pub enum Command {
     Demo(demo::DemoArgs),
     /// Measure end-to-end transfer throughput and latency over real processes on loopback.
     Bench(bench::BenchArgs),
+    /// Route OpenAI requests to prefill and decode vLLM servers that move KV through kvferry.
+    Proxy(proxy::ProxyArgs),
 }
 
 /// Logs to stderr in `format` (stdout carries the listening line and results only), filtered
@@ -121,5 +124,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Decode(args) => agent::run(agent::AgentRole::Decode, args),
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Proxy(args) => proxy::run(args),
     }
 }

@@ -1,0 +1,121 @@
+//! `kvferry proxy`: the OpenAI-compatible router in front of prefill and decode vLLM servers
+//! running `KvferryConnector` (`src/proxy`, docs/vllm.md). Prints one JSON listening line on
+//! stdout, like every role, and serves until SIGINT or SIGTERM.
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::proxy::{Backends, Pairing, Proxy, ProxyMetrics, router};
+
+/// Route OpenAI requests to prefill and decode vLLM servers that move KV through kvferry.
+#[derive(Debug, clap::Args)]
+pub struct ProxyArgs {
+    /// Prefill servers' base URLs, comma-separated.
+    #[arg(long, env = "KVFERRY_PROXY_PREFILL", value_delimiter = ',', required = true)]
+    prefill: Vec<String>,
+    /// Decode servers' base URLs, comma-separated.
+    #[arg(long, env = "KVFERRY_PROXY_DECODE", value_delimiter = ',', required = true)]
+    decode: Vec<String>,
+    /// Address to listen on.
+    #[arg(long, env = "KVFERRY_PROXY_HOST", default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one; the listening line tells which).
+    #[arg(long, env = "KVFERRY_PROXY_PORT", default_value_t = 8000)]
+    port: u16,
+    /// concurrent: both requests at once, the proxy names the room; sequential: the prefill
+    /// first, its kv_transfer_params into the decode request.
+    #[arg(long, env = "KVFERRY_PROXY_PAIRING", value_enum, default_value_t = Pairing::Concurrent)]
+    pairing: Pairing,
+    /// Period of the servers' /health checks, in ms.
+    #[arg(long, env = "KVFERRY_PROXY_HEALTH_MS", default_value_t = 1000)]
+    health_ms: u64,
+}
+
+pub(crate) fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let signals = super::signal::on_signal(shutdown.clone());
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .context("building the HTTP client")?;
+    let proxy = Arc::new(Proxy {
+        prefills: Arc::new(Backends::new(&args.prefill)),
+        decodes: Arc::new(Backends::new(&args.decode)),
+        pairing: args.pairing,
+        http: http.clone(),
+        metrics: ProxyMetrics::default(),
+    });
+    if args.pairing == Pairing::Concurrent {
+        for b in proxy.prefills.all() {
+            let group = identify(&http, &b.url)
+                .await
+                .with_context(|| format!("asking prefill server {} for its kvferry group", b.url))?;
+            b.set_group(group);
+        }
+    }
+    let period = Duration::from_millis(args.health_ms.max(1));
+    let watchers = [proxy.prefills.clone(), proxy.decodes.clone()]
+        .map(|b| tokio::spawn(b.watch(http.clone(), period)));
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let line = json!({"event": "listening", "role": "proxy", "url": url});
+    {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "{line}")?;
+        stdout.flush()?;
+    }
+    tracing::info!(%url, pairing = ?args.pairing, "proxy listening");
+    let served = axum::serve(listener, router(proxy))
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await;
+    signals.abort();
+    for w in watchers {
+        w.abort();
+    }
+    served.context("serving")
+}
+
+/// A prefill server's kvferry DP group: one short request with `kvferry_identify`.
+async fn identify(http: &reqwest::Client, url: &str) -> anyhow::Result<u32> {
+    let models: Value = http
+        .get(format!("{url}/v1/models"))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let model = models["data"][0]["id"]
+        .as_str()
+        .context("no model in /v1/models")?
+        .to_owned();
+    let body = json!({"model": model, "prompt": [1], "max_tokens": 1,
+                      "kv_transfer_params": {"kvferry_identify": true}});
+    let answer: Value = http
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let group = answer["kv_transfer_params"]["kvferry_dp_rank"]
+        .as_u64()
+        .context("its answer names no kvferry_dp_rank: is it running KvferryConnector as kv_producer?")?;
+    Ok(u32::try_from(group)?)
+}
