@@ -139,7 +139,7 @@ fn init_logs() {
 
 /// `python -m kvferry ARGS`: the `kvferry` command line (`argv[0]` is the program name) in
 /// this process, for sidecars started from Python (`kvferry.spawn`). Runs the roles
-/// `bootstrap`, `prefill` and `decode`; `demo` and `bench` start agent processes of their own
+/// `bootstrap`, `prefill`, `decode` and `proxy`; `demo` and `bench` start agent processes of their own
 /// and run from the `kvferry` binary (`ConfigError`). A bad command line exits with clap's
 /// message, as the binary does; a role that fails raises `Error` with its chain of causes.
 #[pyfunction]
@@ -148,7 +148,7 @@ fn main(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
     let cli = config::parse(argv).unwrap_or_else(|e| e.exit());
     if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) {
         return Err(errors::ConfigError::new_err(
-            "python -m kvferry runs bootstrap, prefill and decode; demo and bench run from the kvferry binary (cargo build --release)",
+            "python -m kvferry runs bootstrap, prefill, decode and proxy; demo and bench run from the kvferry binary (cargo build --release)",
         ));
     }
     init_logging(cli.log_format);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::proxy::{Backends, Pairing, Proxy, ProxyMetrics, router};
@@ -16,10 +16,20 @@ use crate::proxy::{Backends, Pairing, Proxy, ProxyMetrics, router};
 #[derive(Debug, clap::Args)]
 pub struct ProxyArgs {
     /// Prefill servers' base URLs, comma-separated.
-    #[arg(long, env = "KVFERRY_PROXY_PREFILL", value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        env = "KVFERRY_PROXY_PREFILL",
+        value_delimiter = ',',
+        required = true
+    )]
     prefill: Vec<String>,
     /// Decode servers' base URLs, comma-separated.
-    #[arg(long, env = "KVFERRY_PROXY_DECODE", value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        env = "KVFERRY_PROXY_DECODE",
+        value_delimiter = ',',
+        required = true
+    )]
     decode: Vec<String>,
     /// Address to listen on.
     #[arg(long, env = "KVFERRY_PROXY_HOST", default_value = "127.0.0.1")]
@@ -34,6 +44,10 @@ pub struct ProxyArgs {
     /// Period of the servers' /health checks, in ms.
     #[arg(long, env = "KVFERRY_PROXY_HEALTH_MS", default_value_t = 1000)]
     health_ms: u64,
+    /// A server that does not answer a health check within this many ms is routed around
+    /// until it does.
+    #[arg(long, env = "KVFERRY_PROXY_HEALTH_TIMEOUT_MS", default_value_t = 5000)]
+    health_timeout_ms: u64,
 }
 
 pub(crate) fn run(args: ProxyArgs) -> anyhow::Result<()> {
@@ -52,24 +66,19 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         .no_proxy()
         .build()
         .context("building the HTTP client")?;
+    // In concurrent pairing a prefill server is used once it said its kvferry group.
+    let concurrent = args.pairing == Pairing::Concurrent;
     let proxy = Arc::new(Proxy {
-        prefills: Arc::new(Backends::new(&args.prefill)),
-        decodes: Arc::new(Backends::new(&args.decode)),
+        prefills: Arc::new(Backends::new(&args.prefill, concurrent)),
+        decodes: Arc::new(Backends::new(&args.decode, false)),
         pairing: args.pairing,
         http: http.clone(),
         metrics: ProxyMetrics::default(),
     });
-    if args.pairing == Pairing::Concurrent {
-        for b in proxy.prefills.all() {
-            let group = identify(&http, &b.url)
-                .await
-                .with_context(|| format!("asking prefill server {} for its kvferry group", b.url))?;
-            b.set_group(group);
-        }
-    }
     let period = Duration::from_millis(args.health_ms.max(1));
+    let timeout = Duration::from_millis(args.health_timeout_ms.max(1));
     let watchers = [proxy.prefills.clone(), proxy.decodes.clone()]
-        .map(|b| tokio::spawn(b.watch(http.clone(), period)));
+        .map(|b| tokio::spawn(b.watch(http.clone(), period, timeout)));
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
@@ -89,33 +98,4 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         w.abort();
     }
     served.context("serving")
-}
-
-/// A prefill server's kvferry DP group: one short request with `kvferry_identify`.
-async fn identify(http: &reqwest::Client, url: &str) -> anyhow::Result<u32> {
-    let models: Value = http
-        .get(format!("{url}/v1/models"))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    let model = models["data"][0]["id"]
-        .as_str()
-        .context("no model in /v1/models")?
-        .to_owned();
-    let body = json!({"model": model, "prompt": [1], "max_tokens": 1,
-                      "kv_transfer_params": {"kvferry_identify": true}});
-    let answer: Value = http
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    let group = answer["kv_transfer_params"]["kvferry_dp_rank"]
-        .as_u64()
-        .context("its answer names no kvferry_dp_rank: is it running KvferryConnector as kv_producer?")?;
-    Ok(u32::try_from(group)?)
 }

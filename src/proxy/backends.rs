@@ -5,6 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use anyhow::Context as _;
+use serde_json::{Value, json};
+
 /// One vLLM server.
 #[derive(Debug)]
 pub struct Backend {
@@ -21,15 +24,17 @@ impl Backend {
         Backend {
             url: url.trim_end_matches('/').to_owned(),
             outstanding: AtomicUsize::new(0),
-            healthy: AtomicBool::new(true),
+            healthy: AtomicBool::new(false),
             group: AtomicU64::new(u64::MAX),
         }
     }
 
+    /// Requests routed to it and not answered yet.
     pub fn outstanding(&self) -> usize {
         self.outstanding.load(Ordering::Relaxed)
     }
 
+    /// Whether its last health check passed (false until the first one did).
     pub fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
     }
@@ -38,16 +43,14 @@ impl Backend {
     pub fn group(&self) -> Option<u32> {
         u32::try_from(self.group.load(Ordering::Relaxed)).ok()
     }
-
-    pub fn set_group(&self, group: u32) {
-        self.group.store(u64::from(group), Ordering::Relaxed);
-    }
 }
 
 /// A request counted against a backend until it is dropped.
+#[derive(Debug)]
 pub struct Lease(Arc<Backend>);
 
 impl Lease {
+    /// The server the request went to.
     pub fn backend(&self) -> &Backend {
         &self.0
     }
@@ -63,51 +66,120 @@ impl Drop for Lease {
 #[derive(Debug)]
 pub struct Backends {
     all: Vec<Arc<Backend>>,
+    /// Prefill servers in concurrent pairing: usable only once their kvferry group is known.
+    identify: bool,
 }
 
 impl Backends {
-    pub fn new(urls: &[String]) -> Self {
+    /// `identify`: ask each server for its kvferry group whenever it becomes healthy, and use
+    /// it only once it answered (prefill servers in concurrent pairing).
+    pub fn new(urls: &[String], identify: bool) -> Self {
         Backends {
             all: urls.iter().map(|u| Arc::new(Backend::new(u))).collect(),
+            identify,
         }
     }
 
+    /// Every server, in the order given.
     pub fn all(&self) -> &[Arc<Backend>] {
         &self.all
     }
 
-    /// The healthy server with the fewest requests outstanding (ties: the first), counted
-    /// until the lease drops; `None` when none is healthy. `usable` filters further (a prefill
-    /// server whose group is known, in concurrent pairing).
-    pub fn pick(&self, usable: impl Fn(&Backend) -> bool) -> Option<Lease> {
+    fn usable(&self, b: &Backend) -> bool {
+        b.healthy() && (!self.identify || b.group().is_some())
+    }
+
+    /// Whether any server can take a request now.
+    pub fn any_usable(&self) -> bool {
+        self.all.iter().any(|b| self.usable(b))
+    }
+
+    /// The usable server with the fewest requests outstanding (ties: the first), counted
+    /// until the lease drops; `None` when none is usable.
+    pub fn pick(&self) -> Option<Lease> {
         let best = self
             .all
             .iter()
-            .filter(|b| b.healthy() && usable(b))
+            .filter(|b| self.usable(b))
             .min_by_key(|b| b.outstanding())?;
         best.outstanding.fetch_add(1, Ordering::Relaxed);
         Some(Lease(best.clone()))
     }
 
     /// Checks every server's `/health` each `period`, forever: a server that does not answer
-    /// 200 within `period` is routed around until it does.
-    pub async fn watch(self: Arc<Self>, http: reqwest::Client, period: Duration) {
+    /// 200 within `timeout` is routed around until it does. A server that becomes healthy is
+    /// asked for its kvferry group first when the role needs it.
+    pub async fn watch(
+        self: Arc<Self>,
+        http: reqwest::Client,
+        period: Duration,
+        timeout: Duration,
+    ) {
         let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            for b in &self.all {
-                let ok = http
-                    .get(format!("{}/health", b.url))
-                    .timeout(period)
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status().is_success());
-                if b.healthy.swap(ok, Ordering::Relaxed) != ok {
-                    tracing::warn!(server = %b.url, healthy = ok, "server health changed");
+            let checks = self.all.iter().map(|b| self.check(&http, b, timeout));
+            futures_util::future::join_all(checks).await;
+        }
+    }
+
+    async fn check(&self, http: &reqwest::Client, b: &Backend, timeout: Duration) {
+        let answered = http
+            .get(format!("{}/health", b.url))
+            .timeout(timeout)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        let was = b.healthy();
+        if answered && self.identify && (!was || b.group().is_none()) {
+            match identify(http, &b.url, timeout).await {
+                Ok(group) => b.group.store(u64::from(group), Ordering::Relaxed),
+                Err(e) => {
+                    tracing::warn!(server = %b.url, error = %format!("{e:#}"), "a prefill server did not say its kvferry group");
+                    b.group.store(u64::MAX, Ordering::Relaxed);
+                    b.healthy.store(false, Ordering::Relaxed);
+                    return;
                 }
             }
         }
+        if b.healthy.swap(answered, Ordering::Relaxed) != answered {
+            tracing::warn!(server = %b.url, healthy = answered, group = ?b.group(), "server health changed");
+        }
     }
+}
+
+/// A prefill server's kvferry DP group: one short request with `kvferry_identify`.
+async fn identify(http: &reqwest::Client, url: &str, timeout: Duration) -> anyhow::Result<u32> {
+    let models: Value = http
+        .get(format!("{url}/v1/models"))
+        .timeout(timeout)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let model = models["data"][0]["id"]
+        .as_str()
+        .context("no model in /v1/models")?
+        .to_owned();
+    let body = json!({"model": model, "prompt": [1], "max_tokens": 1,
+                      "kv_transfer_params": {"kvferry_identify": true}});
+    let answer: Value = http
+        .post(format!("{url}/v1/completions"))
+        .timeout(timeout)
+        .json(&body)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let group = answer["kv_transfer_params"]["kvferry_dp_rank"]
+        .as_u64()
+        .context(
+            "its answer names no kvferry_dp_rank: is it running KvferryConnector as kv_producer?",
+        )?;
+    Ok(u32::try_from(group)?)
 }
 
 #[cfg(test)]
@@ -115,16 +187,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_least_outstanding_healthy_server_is_picked_and_released() {
-        let b = Backends::new(&["http://a".into(), "http://b/".into()]);
-        let first = b.pick(|_| true).expect("one");
+    fn the_least_outstanding_usable_server_is_picked_and_released() {
+        let b = Backends::new(&["http://a".into(), "http://b/".into()], false);
+        assert!(
+            b.pick().is_none(),
+            "no server is usable before its first health check"
+        );
+        for s in b.all() {
+            s.healthy.store(true, Ordering::Relaxed);
+        }
+        let first = b.pick().expect("one");
         assert_eq!(first.backend().url, "http://a");
-        let second = b.pick(|_| true).expect("two");
+        let second = b.pick().expect("two");
         assert_eq!(second.backend().url, "http://b");
         drop(first);
-        assert_eq!(b.pick(|_| true).expect("a again").backend().url, "http://a");
+        assert_eq!(b.pick().expect("a again").backend().url, "http://a");
         b.all()[0].healthy.store(false, Ordering::Relaxed);
+        assert_eq!(b.pick().expect("b only").backend().url, "http://b");
         b.all()[1].healthy.store(false, Ordering::Relaxed);
-        assert!(b.pick(|_| true).is_none());
+        assert!(b.pick().is_none());
+    }
+
+    #[test]
+    fn a_server_that_must_identify_is_unusable_until_it_did() {
+        let b = Backends::new(&["http://p".into()], true);
+        b.all()[0].healthy.store(true, Ordering::Relaxed);
+        assert!(!b.any_usable());
+        b.all()[0].group.store(3, Ordering::Relaxed);
+        assert_eq!(b.pick().expect("identified").backend().group(), Some(3));
     }
 }

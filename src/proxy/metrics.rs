@@ -1,37 +1,88 @@
-//! The proxy's metrics, on the `prometheus-client` library.
+//! The proxy's metrics, on the `prometheus-client` library (`GET /metrics`, OpenMetrics text).
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use std::fmt;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 /// Which API a request came to.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Endpoint {
+    /// `/v1/completions`
     Completions,
+    /// `/v1/chat/completions`
     ChatCompletions,
 }
 
 /// How a request ended.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Outcome {
-    Ok,
+    /// The decode's answer was passed on (whatever its status).
+    Answered,
+    /// The proxy answered an error of its own or a prefill server's.
     Error,
 }
 
 /// Why a request failed.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Cause {
     /// A malformed request body.
     BadRequest,
-    /// No healthy server of a role.
+    /// No usable server of a role.
     NoServer,
-    /// The prefill server failed or answered an error.
+    /// The prefill server refused the request or could not be reached (sequential pairing).
     Prefill,
-    /// The decode server failed or answered an error.
+    /// The decode server could not be reached or answered an error status.
     Decode,
 }
+
+/// The label value each variant is exported as.
+trait LabelName {
+    fn name(&self) -> &'static str;
+}
+
+impl LabelName for Endpoint {
+    fn name(&self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::ChatCompletions => "chat_completions",
+        }
+    }
+}
+
+impl LabelName for Outcome {
+    fn name(&self) -> &'static str {
+        match self {
+            Outcome::Answered => "answered",
+            Outcome::Error => "error",
+        }
+    }
+}
+
+impl LabelName for Cause {
+    fn name(&self) -> &'static str {
+        match self {
+            Cause::BadRequest => "bad_request",
+            Cause::NoServer => "no_server",
+            Cause::Prefill => "prefill",
+            Cause::Decode => "decode",
+        }
+    }
+}
+
+macro_rules! label_value {
+    ($($t:ty),*) => {$(
+        impl EncodeLabelValue for $t {
+            fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), fmt::Error> {
+                self.name().encode(encoder)
+            }
+        }
+    )*};
+}
+label_value!(Endpoint, Outcome, Cause);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -49,46 +100,62 @@ pub struct ProxyMetrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     errors: Family<ErrorLabels, Counter>,
-    first_byte: Histogram,
+    first_token: Histogram,
+    duration: Histogram,
 }
 
 impl Default for ProxyMetrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("kvferry_proxy");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("requests", "Requests by endpoint and outcome", requests.clone());
-        let errors = Family::<ErrorLabels, Counter>::default();
-        registry.register("errors", "Failed requests by cause", errors.clone());
-        let first_byte = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         registry.register(
-            "time_to_first_byte_seconds",
-            "From a request's arrival to the first byte of the decode's answer (streamed: the first token)",
-            first_byte.clone(),
+            "requests",
+            "Requests by endpoint and outcome",
+            requests.clone(),
+        );
+        let errors = Family::<ErrorLabels, Counter>::default();
+        registry.register("errors", "Requests that failed, by cause", errors.clone());
+        let first_token = Histogram::new(exponential_buckets(0.005, 2.0, 14));
+        registry.register(
+            "time_to_first_token_seconds",
+            "Streamed requests: from arrival to the first chunk of the decode's answer",
+            first_token.clone(),
+        );
+        let duration = Histogram::new(exponential_buckets(0.005, 2.0, 16));
+        registry.register(
+            "request_duration_seconds",
+            "From a request's arrival to the end of its answer",
+            duration.clone(),
         );
         ProxyMetrics {
             registry,
             requests,
             errors,
-            first_byte,
+            first_token,
+            duration,
         }
     }
 }
 
 impl ProxyMetrics {
-    pub fn request(&self, endpoint: Endpoint, outcome: Outcome) {
+    /// Counts a request by how it ended, and its cause when it failed.
+    pub fn request(&self, endpoint: Endpoint, outcome: Outcome, cause: Option<Cause>) {
         self.requests
             .get_or_create(&RequestLabels { endpoint, outcome })
             .inc();
+        if let Some(cause) = cause {
+            self.errors.get_or_create(&ErrorLabels { cause }).inc();
+        }
     }
 
-    pub fn error(&self, cause: Cause) {
-        self.errors.get_or_create(&ErrorLabels { cause }).inc();
+    /// Observes a streamed answer's time to its first chunk.
+    pub fn first_token(&self, seconds: f64) {
+        self.first_token.observe(seconds);
     }
 
-    /// Observes a time to first byte, from a task of its own (an answer's stream).
-    pub fn first_byte_observer(&self) -> impl Fn(f64) + Send + Sync + 'static {
-        let h = self.first_byte.clone();
-        move |seconds| h.observe(seconds)
+    /// Observes a request's time to the end of its answer.
+    pub fn duration(&self, seconds: f64) {
+        self.duration.observe(seconds);
     }
 
     /// The text exposition.
@@ -97,5 +164,29 @@ impl ProxyMetrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_snake_case_and_every_metric_is_exposed() {
+        let m = ProxyMetrics::default();
+        m.request(
+            Endpoint::ChatCompletions,
+            Outcome::Error,
+            Some(Cause::NoServer),
+        );
+        m.first_token(0.1);
+        m.duration(0.2);
+        let text = m.encode();
+        assert!(text.contains(
+            r#"kvferry_proxy_requests_total{endpoint="chat_completions",outcome="error"} 1"#
+        ));
+        assert!(text.contains(r#"kvferry_proxy_errors_total{cause="no_server"} 1"#));
+        assert!(text.contains("kvferry_proxy_time_to_first_token_seconds_count 1"));
+        assert!(text.contains("kvferry_proxy_request_duration_seconds_count 1"));
     }
 }

@@ -14,9 +14,7 @@
 //! The decode's answer, streamed or not, is passed through as it comes. Servers that stop
 //! answering `/health` are routed around until they answer again. Every error is an OpenAI
 //! error object. Metrics (`/metrics`, `prometheus-client`): requests by endpoint and outcome,
-//! time to first byte of the answer, errors by cause.
-//!
-//! Work in progress: built, not yet wired to the command line or tested.
+//! time to the first token of a streamed answer, request duration, errors by cause.
 
 mod backends;
 mod metrics;

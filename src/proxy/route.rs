@@ -27,10 +27,15 @@ pub enum Pairing {
 
 /// The proxy's state.
 pub struct Proxy {
+    /// The prefill servers (`--prefill`).
     pub prefills: Arc<Backends>,
+    /// The decode servers (`--decode`).
     pub decodes: Arc<Backends>,
+    /// How requests are paired with rooms.
     pub pairing: Pairing,
+    /// The client every upstream request goes through.
     pub http: reqwest::Client,
+    /// What `/metrics` exposes.
     pub metrics: ProxyMetrics,
 }
 
@@ -39,18 +44,28 @@ pub fn router(proxy: Arc<Proxy>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(proxy)
 }
 
 async fn completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
-    p.route(Endpoint::Completions, "/v1/completions", body).await
+    p.route(Endpoint::Completions, "/v1/completions", body)
+        .await
 }
 
 async fn chat_completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
     p.route(Endpoint::ChatCompletions, "/v1/chat/completions", body)
         .await
+}
+
+/// 200 while at least one prefill and one decode server are usable.
+async fn health(State(p): State<Arc<Proxy>>) -> Response {
+    match (p.prefills.any_usable(), p.decodes.any_usable()) {
+        (true, true) => StatusCode::OK.into_response(),
+        (false, _) => unavailable("prefill").response,
+        (_, false) => unavailable("decode").response,
+    }
 }
 
 async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
@@ -62,48 +77,97 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     r
 }
 
+/// A request that ends with an error: why, and what the client gets.
+struct Failure {
+    cause: Cause,
+    response: Response,
+}
+
 /// An OpenAI error object.
 fn error(status: StatusCode, kind: &str, message: String) -> Response {
-    let body = json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
+    let body = json!({"error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}});
     (status, axum::Json(body)).into_response()
 }
 
+fn bad(message: String) -> Failure {
+    Failure {
+        cause: Cause::BadRequest,
+        response: error(StatusCode::BAD_REQUEST, "invalid_request_error", message),
+    }
+}
+
+fn unavailable(role: &str) -> Failure {
+    Failure {
+        cause: Cause::NoServer,
+        response: error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            format!("no healthy {role} server"),
+        ),
+    }
+}
+
+fn unreachable(cause: Cause, url: &str, message: impl std::fmt::Display) -> Failure {
+    Failure {
+        cause,
+        response: error(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            format!("{url}: {message}"),
+        ),
+    }
+}
+
+/// How a prefill server's request ended.
+enum PrefillEnd {
+    /// Its answer (HTTP 2xx).
+    Answered(Value),
+    /// It answered an error: passed to the client as it is.
+    Refused(Failure),
+    /// It could not be reached, or its connection broke.
+    Lost(String),
+}
+
+/// A spawned task aborted when this is dropped (the client went away).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Proxy {
-    async fn route(&self, endpoint: Endpoint, path: &str, body: Bytes) -> Response {
+    async fn route(self: Arc<Self>, endpoint: Endpoint, path: &str, body: Bytes) -> Response {
         let started = Instant::now();
-        let answer = self.pair_and_decode(endpoint, path, &body, started).await;
-        let outcome = match &answer {
-            Ok(_) => Outcome::Ok,
-            Err((cause, _)) => {
-                self.metrics.error(*cause);
-                Outcome::Error
+        match self.clone().dispatch(endpoint, path, &body, started).await {
+            Ok((response, None)) => {
+                self.metrics.request(endpoint, Outcome::Answered, None);
+                response
             }
-        };
-        self.metrics.request(endpoint, outcome);
-        answer.unwrap_or_else(|(_, r)| r)
+            Ok((response, Some(cause))) | Err(Failure { cause, response }) => {
+                self.metrics.request(endpoint, Outcome::Error, Some(cause));
+                self.metrics.duration(started.elapsed().as_secs_f64());
+                response
+            }
+        }
     }
 
-    async fn pair_and_decode(
-        &self,
+    /// The decode's answer, and the cause when it is an error.
+    async fn dispatch(
+        self: Arc<Self>,
         endpoint: Endpoint,
         path: &str,
         body: &[u8],
         started: Instant,
-    ) -> Result<Response, (Cause, Response)> {
+    ) -> Result<(Response, Option<Cause>), Failure> {
         let mut request: Map<String, Value> = match serde_json::from_slice(body) {
             Ok(Value::Object(m)) => m,
             Ok(_) => return Err(bad("the request body must be a JSON object".into())),
             Err(e) => return Err(bad(format!("the request body is not JSON: {e}"))),
         };
-        let concurrent = self.pairing == Pairing::Concurrent;
-        let prefill = self
-            .prefills
-            .pick(|b| !concurrent || b.group().is_some())
-            .ok_or_else(|| unavailable("prefill"))?;
-        let decode = self
-            .decodes
-            .pick(|_| true)
-            .ok_or_else(|| unavailable("decode"))?;
+        let prefill = self.prefills.pick().ok_or_else(|| unavailable("prefill"))?;
+        let decode = self.decodes.pick().ok_or_else(|| unavailable("decode"))?;
         let mut first = request.clone();
         first.insert("max_tokens".into(), json!(1));
         if endpoint == Endpoint::ChatCompletions {
@@ -111,80 +175,128 @@ impl Proxy {
         }
         first.insert("stream".into(), json!(false));
         first.remove("stream_options");
-        let url = format!("{}{path}", prefill.backend().url);
-        if concurrent {
-            let room = fresh_room()
-                .map_err(|e| upstream(Cause::NoServer, "the proxy", format!("no randomness: {e}")))?
-                .to_string();
-            let group = prefill.backend().group().unwrap_or(0);
-            first.insert(
-                "kv_transfer_params".into(),
-                json!({"do_remote_decode": true, "kvferry_room": room}),
-            );
-            request.insert(
-                "kv_transfer_params".into(),
-                json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": group}),
-            );
-            let http = self.http.clone();
-            tokio::spawn(async move {
-                // The lease counts the prefill's request until its answer.
-                let _lease = prefill;
-                match post_json(&http, &url, &first).await {
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(%url, room, error = %e, "prefill request failed"),
-                }
-            });
-        } else {
-            first.insert(
-                "kv_transfer_params".into(),
-                json!({"do_remote_decode": true}),
-            );
-            let answer = post_json(&self.http, &url, &first)
-                .await
-                .map_err(|e| upstream(Cause::Prefill, &url, e))?;
-            drop(prefill);
-            let params = answer
-                .get("kv_transfer_params")
-                .cloned()
-                .filter(Value::is_object)
-                .ok_or_else(|| {
-                    upstream(
-                        Cause::Prefill,
-                        &url,
-                        "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?".into(),
-                    )
-                })?;
-            request.insert("kv_transfer_params".into(), params);
+        let prefill_url = format!("{}{path}", prefill.backend().url);
+        let decode_url = format!("{}{path}", decode.backend().url);
+        let (answer, room, note) = match self.pairing {
+            Pairing::Sequential => {
+                first.insert(
+                    "kv_transfer_params".into(),
+                    json!({"do_remote_decode": true}),
+                );
+                let answer = match self.prefill(&prefill_url, &first).await {
+                    PrefillEnd::Answered(answer) => answer,
+                    PrefillEnd::Refused(f) => return Err(f),
+                    PrefillEnd::Lost(e) => {
+                        return Err(unreachable(Cause::Prefill, &prefill_url, e));
+                    }
+                };
+                drop(prefill);
+                let params = answer
+                    .get("kv_transfer_params")
+                    .cloned()
+                    .filter(Value::is_object)
+                    .ok_or_else(|| {
+                        unreachable(
+                            Cause::Prefill,
+                            &prefill_url,
+                            "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?",
+                        )
+                    })?;
+                let room = params.get("kvferry_room").cloned().unwrap_or(Value::Null);
+                request.insert("kv_transfer_params".into(), params);
+                let answer = self.http.post(&decode_url).json(&request).send().await;
+                (answer, room, None)
+            }
+            Pairing::Concurrent => {
+                let room = fresh_room()
+                    .map_err(|e| {
+                        unreachable(Cause::NoServer, "the proxy", format!("no randomness: {e}"))
+                    })?
+                    .to_string();
+                let group = prefill.backend().group().unwrap_or(0);
+                first.insert(
+                    "kv_transfer_params".into(),
+                    json!({"do_remote_decode": true, "kvferry_room": room}),
+                );
+                request.insert(
+                    "kv_transfer_params".into(),
+                    json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": group}),
+                );
+                // The decode allocates and waits for the room while the prefill computes it.
+                let send = self.http.post(&decode_url).json(&request).send();
+                let mut decoding = AbortOnDrop(tokio::spawn(send));
+                let note = match self.prefill(&prefill_url, &first).await {
+                    PrefillEnd::Answered(_) => None,
+                    // Its room will never come: the decode request is dropped (vLLM aborts it
+                    // and its room) and the client gets the prefill's answer.
+                    PrefillEnd::Refused(f) => return Err(f),
+                    // Whether the room's KV still arrives is the decode's to find out; its
+                    // kv_load_failure_policy decides the answer.
+                    PrefillEnd::Lost(e) => {
+                        tracing::warn!(url = %prefill_url, room, error = %e, "prefill request lost");
+                        Some(format!(
+                            "the prefill server {prefill_url} failed this request: {e}"
+                        ))
+                    }
+                };
+                drop(prefill);
+                let answer = match (&mut decoding.0).await {
+                    Ok(answer) => answer,
+                    Err(e) => return Err(unreachable(Cause::Decode, &decode_url, e)),
+                };
+                (answer, Value::String(room), note)
+            }
+        };
+        let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_url, e))?;
+        if !answer.status().is_success() {
+            return Ok((decode_error(answer, &room, note).await, Some(Cause::Decode)));
         }
-        self.decode(path, &request, decode, started).await
+        Ok((self.pass_through(answer, decode, started), None))
     }
 
-    /// Sends the request to the decode and passes its answer through as it streams.
-    async fn decode(
-        &self,
-        path: &str,
-        request: &Map<String, Value>,
+    async fn prefill(&self, url: &str, body: &Map<String, Value>) -> PrefillEnd {
+        let r = match self.http.post(url).json(body).send().await {
+            Ok(r) => r,
+            Err(e) => return PrefillEnd::Lost(e.to_string()),
+        };
+        let status = r.status();
+        match r.bytes().await {
+            Ok(bytes) if status.is_success() => match serde_json::from_slice(&bytes) {
+                Ok(answer) => PrefillEnd::Answered(answer),
+                Err(e) => PrefillEnd::Lost(format!("its answer is not JSON: {e}")),
+            },
+            Ok(bytes) => PrefillEnd::Refused(Failure {
+                cause: Cause::Prefill,
+                response: copy_answer(status, bytes),
+            }),
+            Err(e) => PrefillEnd::Lost(e.to_string()),
+        }
+    }
+
+    /// The decode's answer as it streams, its lease held until the end.
+    fn pass_through(
+        self: Arc<Self>,
+        answer: reqwest::Response,
         decode: Lease,
         started: Instant,
-    ) -> Result<Response, (Cause, Response)> {
-        let url = format!("{}{path}", decode.backend().url);
-        let answer = self
-            .http
-            .post(&url)
-            .json(request)
-            .send()
-            .await
-            .map_err(|e| upstream(Cause::Decode, &url, e.to_string()))?;
-        let status = StatusCode::from_u16(answer.status().as_u16())
-            .unwrap_or(StatusCode::BAD_GATEWAY);
+    ) -> Response {
+        let status =
+            StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
         let content_type = answer.headers().get(reqwest::header::CONTENT_TYPE).cloned();
-        let metrics_first = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let first_byte = self.metrics.first_byte_observer();
+        let streamed = content_type
+            .as_ref()
+            .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
+        let done = Done {
+            proxy: self,
+            started,
+            _decode: decode,
+        };
+        let mut first = streamed;
         let stream = answer.bytes_stream().map(move |chunk| {
-            // The decode's lease lives as long as its answer streams.
-            let _held = &decode;
-            if !metrics_first.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                first_byte(started.elapsed().as_secs_f64());
+            if std::mem::take(&mut first) {
+                done.proxy
+                    .metrics
+                    .first_token(done.started.elapsed().as_secs_f64());
             }
             chunk
         });
@@ -193,51 +305,62 @@ impl Proxy {
         if let Some(ct) = content_type.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
             response.headers_mut().insert(header::CONTENT_TYPE, ct);
         }
-        Ok(response)
+        response
     }
 }
 
-async fn post_json(
-    http: &reqwest::Client,
-    url: &str,
-    body: &Map<String, Value>,
-) -> Result<Value, String> {
-    let r = http.post(url).json(body).send().await.map_err(|e| e.to_string())?;
-    let status = r.status();
-    let value: Value = r.json().await.map_err(|e| e.to_string())?;
-    if !status.is_success() {
-        return Err(format!("{status}: {value}"));
+/// Held by an answer's stream: when it ends (or the client leaves), the decode's request
+/// stops counting and the request's duration is observed.
+struct Done {
+    proxy: Arc<Proxy>,
+    started: Instant,
+    _decode: Lease,
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        self.proxy
+            .metrics
+            .duration(self.started.elapsed().as_secs_f64());
     }
-    Ok(value)
 }
 
-fn bad(message: String) -> (Cause, Response) {
-    (
-        Cause::BadRequest,
-        error(StatusCode::BAD_REQUEST, "invalid_request_error", message),
-    )
+/// An upstream answer copied as it is (status, JSON body).
+fn copy_answer(status: reqwest::StatusCode, body: Bytes) -> Response {
+    let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut r = (status, body).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
 }
 
-fn unavailable(role: &str) -> (Cause, Response) {
-    (
-        Cause::NoServer,
-        error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            format!("no healthy {role} server"),
-        ),
-    )
-}
-
-fn upstream(cause: Cause, url: &str, message: String) -> (Cause, Response) {
-    (
-        cause,
-        error(
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
-            format!("{url}: {message}"),
-        ),
-    )
+/// The decode's error answer, its message naming the room and what the proxy saw of the
+/// prefill's side (vLLM's own message for a failed KV load is a bare "Internal server error";
+/// the decode server's log names kvferry's reason).
+async fn decode_error(answer: reqwest::Response, room: &Value, note: Option<String>) -> Response {
+    let status = answer.status();
+    let url = answer.url().to_string();
+    let bytes = answer.bytes().await.unwrap_or_default();
+    let mut body: Value = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+        json!({"error": {"message": String::from_utf8_lossy(&bytes), "type": "upstream_error",
+                         "param": null, "code": status.as_u16()}})
+    });
+    if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
+        let mut context = format!("decode server {url}");
+        if !room.is_null() {
+            context += &format!(
+                ", kvferry room {}",
+                room.as_str().map_or(room.to_string(), str::to_owned)
+            );
+        }
+        if let Some(note) = note {
+            context += &format!("; {note}");
+        }
+        *message = format!("{message} ({context})");
+    }
+    copy_answer(status, Bytes::from(body.to_string()))
 }
 
 /// A random u64 room: rooms of independent proxies collide with probability 2^-64 per pair.

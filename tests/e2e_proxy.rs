@@ -1,0 +1,526 @@
+//! `kvferry proxy` as a process in front of stand-in vLLM servers (real HTTP servers in this
+//! test that answer like vLLM with `KvferryConnector` and record what they were sent): both
+//! pairings, streamed answers passed through, least-outstanding balancing, servers routed around
+//! while unhealthy and used again once healthy, OpenAI error objects for every failure, a
+//! prefill's refusal ending its decode request, and the metrics. The real-vLLM tests
+//! (python/tests/test_vllm_pd.py) run the proxy in front of real engines.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use common::{BOUND, Spawned, call, call_raw, http, owned, poll_until, release_binary, runtime};
+use reqwest::Method;
+use serde_json::{Value, json};
+
+/// What a stand-in server does with a completion request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Answer,
+    /// 400 with vLLM's error object.
+    Refuse,
+    /// 500 "Internal server error", like vLLM's `fail` policy for a failed KV load.
+    Fail,
+    /// Waits until released (or dropped by its client).
+    Hold,
+}
+
+/// A stand-in vLLM server with `KvferryConnector`: a prefill (group `group`) or a decode.
+struct Stub {
+    name: String,
+    group: u64,
+    healthy: AtomicBool,
+    mode: Mutex<Mode>,
+    release: tokio::sync::Notify,
+    seen: Mutex<Vec<Value>>,
+    /// Held requests whose client went away before they were released.
+    dropped: AtomicUsize,
+}
+
+struct Held<'a>(&'a Stub, bool);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.dropped.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Stub {
+    async fn start(name: &str, group: u64) -> (Arc<Stub>, String) {
+        let stub = Arc::new(Stub {
+            name: name.to_owned(),
+            group,
+            healthy: AtomicBool::new(true),
+            mode: Mutex::new(Mode::Answer),
+            release: tokio::sync::Notify::new(),
+            seen: Mutex::new(Vec::new()),
+            dropped: AtomicUsize::new(0),
+        });
+        let app = Router::new()
+            .route("/health", get(health))
+            .route(
+                "/v1/models",
+                get(|| async { axum::Json(json!({"data": [{"id": "tiny"}]})) }),
+            )
+            .route("/v1/completions", post(complete))
+            .route("/v1/chat/completions", post(complete))
+            .with_state(stub.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (stub, url)
+    }
+
+    fn set(&self, mode: Mode) {
+        *self.mode.lock().unwrap() = mode;
+    }
+
+    /// Requests seen, `kvferry_identify` ones left out.
+    fn seen(&self) -> Vec<Value> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+async fn health(State(s): State<Arc<Stub>>) -> StatusCode {
+    if s.healthy.load(Ordering::SeqCst) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn complete(State(s): State<Arc<Stub>>, axum::Json(body): axum::Json<Value>) -> Response {
+    let params = body["kv_transfer_params"].clone();
+    if params["kvferry_identify"] == json!(true) {
+        return axum::Json(json!({"kv_transfer_params": {"kvferry_dp_rank": s.group}}))
+            .into_response();
+    }
+    s.seen.lock().unwrap().push(body.clone());
+    let mode = *s.mode.lock().unwrap();
+    match mode {
+        Mode::Refuse => {
+            let e = json!({"error": {"message": "prompt too long", "type": "BadRequestError", "param": null, "code": 400}});
+            return (StatusCode::BAD_REQUEST, axum::Json(e)).into_response();
+        }
+        Mode::Fail => {
+            let e = json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}});
+            return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e)).into_response();
+        }
+        Mode::Hold => {
+            let mut held = Held(&s, false);
+            s.release.notified().await;
+            held.1 = true;
+        }
+        Mode::Answer => {}
+    }
+    let params = if params["do_remote_decode"] == json!(true) {
+        // A prefill: its answer names the room (the one it was given, or its own).
+        let room = params["kvferry_room"].as_str().unwrap_or("77").to_owned();
+        json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": s.group, "kvferry_tokens": 3})
+    } else {
+        json!({"kvferry_room": params["kvferry_room"], "kvferry_start_token": 0})
+    };
+    if body["stream"] == json!(true) {
+        let chunks: Vec<Result<String, std::io::Error>> = ["one", "two", "three"]
+            .iter()
+            .map(|t| {
+                Ok(format!(
+                    "data: {}\n\n",
+                    json!({"choices": [{"text": t}], "server": s.name})
+                ))
+            })
+            .chain([Ok("data: [DONE]\n\n".to_owned())])
+            .collect();
+        let mut r = Response::new(Body::from_stream(futures_util::stream::iter(chunks)));
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
+        return r;
+    }
+    axum::Json(
+        json!({"choices": [{"text": "answer"}], "server": s.name, "kv_transfer_params": params}),
+    )
+    .into_response()
+}
+
+/// A proxy process in front of `prefills` and `decodes`.
+fn proxy(prefills: &[&str], decodes: &[&str], pairing: &str) -> (Spawned, String) {
+    let logs = kvferry::cli::cluster::log_dir("proxy").expect("log dir");
+    let args = owned(&[
+        "proxy",
+        "--prefill",
+        &prefills.join(","),
+        "--decode",
+        &decodes.join(","),
+        "--port",
+        "0",
+        "--pairing",
+        pairing,
+        "--health-ms",
+        "50",
+    ]);
+    let p = Spawned::start(
+        &release_binary(),
+        &[],
+        "proxy",
+        &args,
+        &[("RUST_LOG", "info")],
+        &logs,
+    );
+    assert_eq!(p.listening["role"], "proxy");
+    let url = p.field("url");
+    (p, url)
+}
+
+async fn wait_health(url: &str, want: reqwest::StatusCode) {
+    let http = http();
+    poll_until(&format!("proxy /health {want}"), BOUND, || {
+        let http = http.clone();
+        async move {
+            let s = http
+                .get(format!("{url}/health"))
+                .send()
+                .await
+                .ok()?
+                .status();
+            (s == want).then_some(())
+        }
+    })
+    .await;
+}
+
+fn completion(stream: bool) -> Value {
+    json!({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0, "stream": stream,
+           "stream_options": {"include_usage": true}})
+}
+
+/// The proxy's counter `name{labels}` (0 when absent).
+async fn counter(url: &str, series: &str) -> f64 {
+    let text = http()
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn sequential_pairing_copies_the_prefill_params_into_the_decode_request() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 4).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "sequential");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        let (status, got) = call(&http(), Method::POST, &format!("{url}/v1/completions"), Some(&completion(false))).await;
+        assert_eq!(status, 200, "{got}");
+        assert_eq!(got["server"], "d");
+        let first = &prefill.seen()[0];
+        assert_eq!(first["max_tokens"], 1);
+        assert_eq!(first["stream"], false);
+        assert!(first.get("stream_options").is_none());
+        assert_eq!(first["kv_transfer_params"], json!({"do_remote_decode": true}));
+        let second = &decode.seen()[0];
+        assert_eq!(second["max_tokens"], 16);
+        assert_eq!(
+            second["kv_transfer_params"],
+            json!({"do_remote_prefill": true, "kvferry_room": "77", "kvferry_dp_rank": 4, "kvferry_tokens": 3})
+        );
+        // The decode's parameters come back to the client.
+        assert_eq!(got["kv_transfer_params"]["kvferry_room"], "77");
+    });
+}
+
+#[test]
+fn concurrent_pairing_names_a_fresh_room_and_the_prefill_group_in_both_requests() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 3).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        for _ in 0..4 {
+            let (status, got) = call(
+                &http(),
+                Method::POST,
+                &format!("{url}/v1/completions"),
+                Some(&completion(false)),
+            )
+            .await;
+            assert_eq!(status, 200, "{got}");
+        }
+        let mut rooms = std::collections::HashSet::new();
+        for (p, d) in prefill.seen().iter().zip(decode.seen()) {
+            let room = p["kv_transfer_params"]["kvferry_room"]
+                .as_str()
+                .expect("a room")
+                .to_owned();
+            room.parse::<u64>().expect("a u64 in decimal");
+            assert_eq!(p["kv_transfer_params"]["do_remote_decode"], true);
+            assert_eq!(
+                d["kv_transfer_params"],
+                json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": 3})
+            );
+            rooms.insert(room);
+        }
+        assert_eq!(rooms.len(), 4, "every request has its own room");
+    });
+}
+
+#[test]
+fn streamed_answers_pass_through_chunk_by_chunk_on_both_apis() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 0).await;
+        let (_decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        for path in ["/v1/completions", "/v1/chat/completions"] {
+            let r = http()
+                .post(format!("{url}{path}"))
+                .json(&completion(true))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert!(
+                r.headers()[header::CONTENT_TYPE.as_str()]
+                    .to_str()
+                    .unwrap()
+                    .starts_with("text/event-stream")
+            );
+            let text = r.text().await.unwrap();
+            let texts: Vec<String> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|l| *l != "[DONE]")
+                .map(|l| {
+                    serde_json::from_str::<Value>(l).unwrap()["choices"][0]["text"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned()
+                })
+                .collect();
+            assert_eq!(texts, ["one", "two", "three"], "{path}");
+            assert!(text.ends_with("data: [DONE]\n\n"));
+        }
+        // The chat prefill is limited to one token under both names; never streamed.
+        let chat = &prefill.seen()[1];
+        assert_eq!(
+            (
+                chat["max_tokens"].clone(),
+                chat["max_completion_tokens"].clone()
+            ),
+            (json!(1), json!(1))
+        );
+        assert_eq!(chat["stream"], false);
+        assert_eq!(
+            counter(
+                &url,
+                r#"kvferry_proxy_requests_total{endpoint="chat_completions",outcome="answered"}"#
+            )
+            .await,
+            1.0
+        );
+        assert_eq!(
+            counter(&url, "kvferry_proxy_time_to_first_token_seconds_count").await,
+            2.0
+        );
+        // OpenMetrics text (prometheus-client): counters' HELP names the family, not `_total`.
+        let text = http()
+            .get(format!("{url}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            text.contains("# TYPE kvferry_proxy_requests counter") && text.ends_with("# EOF\n"),
+            "{text}"
+        );
+    });
+}
+
+#[test]
+fn the_server_with_fewest_outstanding_requests_is_chosen() {
+    runtime().block_on(async {
+        let (_prefill, p_url) = Stub::start("p", 0).await;
+        let (a, a_url) = Stub::start("a", 0).await;
+        let (b, b_url) = Stub::start("b", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&a_url, &b_url], "sequential");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        a.set(Mode::Hold);
+        let held = tokio::spawn({
+            let url = url.clone();
+            async move {
+                call(
+                    &http(),
+                    Method::POST,
+                    &format!("{url}/v1/completions"),
+                    Some(&completion(false)),
+                )
+                .await
+            }
+        });
+        poll_until("the first request reaches a", BOUND, || async {
+            (!a.seen().is_empty()).then_some(())
+        })
+        .await;
+        // a has one outstanding: the next three go to b, one after another.
+        for _ in 0..3 {
+            let (_, got) = call(
+                &http(),
+                Method::POST,
+                &format!("{url}/v1/completions"),
+                Some(&completion(false)),
+            )
+            .await;
+            assert_eq!(got["server"], "b");
+        }
+        a.release.notify_waiters();
+        let (status, got) = held.await.unwrap();
+        assert_eq!((status.as_u16(), got["server"].as_str()), (200, Some("a")));
+        assert_eq!((a.seen().len(), b.seen().len()), (1, 3));
+    });
+}
+
+#[test]
+fn an_unhealthy_server_is_routed_around_and_used_again_once_healthy() {
+    runtime().block_on(async {
+        let (_prefill, p_url) = Stub::start("p", 0).await;
+        let (a, a_url) = Stub::start("a", 0).await;
+        let (b, b_url) = Stub::start("b", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&a_url, &b_url], "concurrent");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        let send = || async {
+            let (status, got) = call(
+                &http(),
+                Method::POST,
+                &format!("{url}/v1/completions"),
+                Some(&completion(false)),
+            )
+            .await;
+            assert_eq!(status, 200, "{got}");
+            got["server"].as_str().unwrap().to_owned()
+        };
+        // Until the proxy's checks see a fail, requests may still go to it: wait for the first
+        // one that does not, then every later one goes to b.
+        a.healthy.store(false, Ordering::SeqCst);
+        let t = Instant::now();
+        poll_until("a request avoids a", BOUND, || async {
+            (send().await == "b").then_some(())
+        })
+        .await;
+        for _ in 0..4 {
+            assert_eq!(send().await, "b");
+        }
+        println!("unhealthy server routed around after {:?}", t.elapsed());
+        b.healthy.store(false, Ordering::SeqCst);
+        wait_health(&url, reqwest::StatusCode::SERVICE_UNAVAILABLE).await;
+        let (status, got) = call(
+            &http(),
+            Method::POST,
+            &format!("{url}/v1/completions"),
+            Some(&completion(false)),
+        )
+        .await;
+        assert_eq!(status, 503);
+        assert_eq!(got["error"]["message"], "no healthy decode server");
+        a.healthy.store(true, Ordering::SeqCst);
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        assert_eq!(send().await, "a");
+        assert_eq!(
+            counter(&url, r#"kvferry_proxy_errors_total{cause="no_server"}"#).await,
+            1.0
+        );
+    });
+}
+
+#[test]
+fn every_failure_is_an_openai_error_object() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 0).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        let endpoint = format!("{url}/v1/completions");
+        for (body, what) in [
+            ("{not json", "is not JSON"),
+            ("[1, 2]", "must be a JSON object"),
+        ] {
+            let (status, got) = call_raw(&http(), Method::POST, &endpoint, body).await;
+            assert_eq!(status, 400, "{got}");
+            assert_eq!(got["error"]["type"], "invalid_request_error");
+            assert!(
+                got["error"]["message"].as_str().unwrap().contains(what),
+                "{got}"
+            );
+        }
+        // A prefill that refuses: its answer goes to the client as it is, and the decode's
+        // request, waiting for a room that will never come, is dropped.
+        prefill.set(Mode::Refuse);
+        decode.set(Mode::Hold);
+        let (status, got) = call(&http(), Method::POST, &endpoint, Some(&completion(false))).await;
+        assert_eq!(status, 400);
+        assert_eq!(got["error"]["message"], "prompt too long");
+        poll_until("the decode request is dropped", BOUND, || async {
+            (decode.dropped.load(Ordering::SeqCst) == 1).then_some(())
+        })
+        .await;
+        // A decode that fails the request: vLLM's message, with the room named.
+        prefill.set(Mode::Answer);
+        decode.set(Mode::Fail);
+        let (status, got) = call(&http(), Method::POST, &endpoint, Some(&completion(false))).await;
+        assert_eq!(status, 500);
+        let room = decode.seen().last().unwrap()["kv_transfer_params"]["kvferry_room"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let message = got["error"]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("Internal server error (decode server"),
+            "{message}"
+        );
+        assert!(
+            message.contains(&format!("kvferry room {room}")),
+            "{message}"
+        );
+        // A decode that cannot be reached at all.
+        let (_p2, url2) = proxy(
+            &[&p_url],
+            &[&format!("http://127.0.0.1:{}", common::closed_port())],
+            "sequential",
+        );
+        let (status, got) = call(
+            &http(),
+            Method::POST,
+            &format!("{url2}/v1/completions"),
+            Some(&completion(false)),
+        )
+        .await;
+        assert_eq!(status, 503, "never healthy, so never used: {got}");
+        for (series, want) in [
+            (r#"kvferry_proxy_errors_total{cause="bad_request"}"#, 2.0),
+            (r#"kvferry_proxy_errors_total{cause="prefill"}"#, 1.0),
+            (r#"kvferry_proxy_errors_total{cause="decode"}"#, 1.0),
+            (
+                r#"kvferry_proxy_requests_total{endpoint="completions",outcome="error"}"#,
+                4.0,
+            ),
+        ] {
+            assert_eq!(counter(&url, series).await, want, "{series}");
+        }
+    });
+}
