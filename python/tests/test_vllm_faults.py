@@ -5,7 +5,9 @@ process group: API server, engine core, worker).
   announced by its engine). With ``kv_load_failure_policy``
   ``recompute`` every request still returns the reference's tokens (the decode computes the
   prompt itself); with ``fail`` the affected requests end with an error, and the decode's log
-  names kvferry's reason. Once the prefill is back, new requests are served through it.
+  names kvferry's reason. ``kvferry proxy`` in front of the pair stops routing to the dead
+  prefill (its /health says so) and, once the prefill is back on its URL, serves new requests
+  through it.
 - The decode dies while the prefill computes rooms it asked for: the prefill's delayed blocks
   are released, so a prefill whose KV cache holds only a few prompts serves the next one.
 - Negative control: KV corrupted in flight (checksums off) changes the generated tokens.
@@ -34,7 +36,6 @@ from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
     Server,
     make_prompts,
     reference,
-    sequential,
     vllm,
 )
 
@@ -74,6 +75,7 @@ def long_prompts(n: int, seed: int) -> list[list[int]]:
 def test_a_prefill_killed_while_the_decode_waits(vllm, kvferry_bin, tmp_path, reference, policy):
     pd = Pd(vllm, kvferry_bin, tmp_path, prefill_args=CHUNKED, decode_policy=policy, **SLOW_PATHS_OFF)
     try:
+        proxy = pd.proxy("concurrent")
         prompts = make_prompts(SEEDS["concurrent"])[-4:]  # 640..1000 tokens
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             decoded, rooms = {}, []
@@ -105,13 +107,19 @@ def test_a_prefill_killed_while_the_decode_waits(vllm, kvferry_bin, tmp_path, re
             assert errors == []
         else:
             assert len(errors) == len(prompts) and all(r["http_status"] == 500 for r in errors), errors
-        # The prefill comes back (its new agent takes the group once the dead one's lease
-        # lapses); new requests go through it and land.
-        pd.prefill = pd.start_prefill()
+        # The proxy routes around the dead prefill: an OpenAI error, not a hang.
+        proxy.wait_health(503)
+        got = proxy.complete(prompts[0], 16)
+        assert got["http_status"] == 503 and got["error"]["error"]["message"] == "no healthy prefill server", got
+        # The prefill comes back on its URL (its new agent takes the group once the dead one's
+        # lease lapses); the proxy uses it again and new requests land.
+        pd.prefill = pd.start_prefill(port=pd.prefill.port)
         pd.prefill.wait_healthy()
+        back = proxy.wait_health(200)
+        print(f"{policy}: the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
         for prompt in make_prompts(SEEDS["sequential"])[:6]:
-            got = sequential(pd.prefill, pd.decode, prompt)
-            assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
+            got = proxy.complete(prompt, 16)
+            assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
     finally:
         pd.stop()
 
@@ -158,7 +166,7 @@ def test_negative_control_kv_corrupted_in_flight_changes_the_output(vllm, kvferr
     pd = Pd(vllm, kvferry_bin, tmp_path, fault_corrupt_chunk=1)
     try:
         prompt = make_prompts(SEEDS["sequential"])[-1]  # 1000 tokens: 8 blocks, 2 MiB, 2 chunks
-        got = sequential(pd.prefill, pd.decode, prompt)
+        got = pd.proxy("sequential").complete(prompt, 16)
         assert "choices" in got, got
         assert got["kv_transfer_params"]["kvferry_start_token"] == 0
         ids = got["choices"][0]["token_ids"]

@@ -5,11 +5,12 @@ A plain vLLM server answers every prompt first (the reference) and stops: two co
 engines, not three. Then a kvferry registry, a prefill server (``kv_producer``) and a decode
 server (``kv_consumer``), each pinned to its own core, with prefix caching on: 14 prompts of 1
 to 1000 tokens (most not multiples of the 128-token block; four are prefixes of one another),
-4 in flight, greedy, 16 new tokens each. The test routes requests itself, in both pairings:
-sequential (the prefill's response carries ``kv_transfer_params``, copied into the decode
-request) and concurrent (the router names the room and the prefill's group in both requests
-up front). Every generated token id equals the reference's, and the decode agent landed exactly
-the prompt blocks each response says it loaded: a silent local recompute cannot pass.
+4 in flight, greedy, 16 new tokens each, and chat conversations streamed and not. Requests go
+through ``kvferry proxy``, in both pairings: sequential (the prefill's response carries
+``kv_transfer_params``, copied into the decode request) and concurrent (the proxy names the room
+and the prefill's group in both requests up front). Every generated token id equals the
+reference's, and the decode agent landed exactly the prompt blocks each response says it
+loaded: a silent local recompute cannot pass.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import pytest
 from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
     BLOCK_BYTES,
     BLOCK_SIZE,
+    LENGTHS,
     SEEDS,
     Pd,
-    concurrently,
+    make_chats,
     make_prompts,
     metric,
     reference,
-    sequential,
     vllm,
 )
 
@@ -42,24 +43,19 @@ def pd(vllm, kvferry_bin, tmp_path_factory, request):
     prefill: a 1000-token prompt takes 16 steps)."""
     args = ["--max-num-batched-tokens", "64"] if request.param == "chunked" else []
     pair = Pd(vllm, kvferry_bin, tmp_path_factory.mktemp(f"pd-{request.param}"), prefill_args=args)
+    pair.via = {pairing: pair.proxy(pairing) for pairing in SEEDS}
     yield pair
     pair.stop()
 
 
 def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict) -> list[int]:
-    """Routes every prompt, 4 in flight; checks each output against the reference and the
-    bytes the decode agent landed against what the responses say was loaded. Returns the
-    responses' start tokens."""
-    prefill, decode, decode_agent = pd.prefill, pd.decode, pd.decode_api
+    """Sends every prompt through the proxy of ``pairing``, 4 in flight; checks each output
+    against the reference and the bytes the decode agent landed against what the responses say
+    was loaded. Returns the responses' start tokens."""
+    decode_agent = pd.decode_api
     landed_before = metric(decode_agent, "kvferry_kv_bytes_total")
-
-    def one(prompt: list[int]) -> dict:
-        if pairing == "sequential":
-            return sequential(prefill, decode, prompt)
-        return concurrently(prefill, decode, prompt, int.from_bytes(os.urandom(8), "little"))
-
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(one, prompts))
+        results = list(pool.map(lambda p: pd.via[pairing].complete(p, 16), prompts))
     expected_bytes, starts = 0, []
     for prompt, got in zip(prompts, results):
         assert "choices" in got, got
@@ -81,6 +77,20 @@ def test_disaggregated_generation_equals_a_single_engine(reference, pd, pairing)
     run_prompts(pd, pairing, make_prompts(SEEDS[pairing]), reference)
     # Every layer of every room was announced as vLLM saved it, during the forward pass.
     assert "did not save layers" not in (pd.logs / "prefill.log").read_text()
+    answered = metric(pd.via[pairing].url, "kvferry_proxy_requests_total", 'outcome="answered"')
+    assert answered >= len(LENGTHS), answered
+
+
+@pytest.mark.parametrize("pairing", list(SEEDS))
+def test_chat_streamed_and_not_equals_a_single_engine(reference, pd, pairing):
+    proxy = pd.via[pairing]
+    first_tokens = metric(proxy.url, "kvferry_proxy_time_to_first_token_seconds_count")
+    for i, messages in enumerate(make_chats()):
+        got = proxy.chat(messages, 16)
+        assert "choices" in got, got
+        assert got["choices"][0]["message"]["content"] == reference[("chat", i)], f"chat {i}"
+        assert proxy.stream_chat(messages, 16) == reference[("chat", i)], f"chat {i} streamed"
+    assert metric(proxy.url, "kvferry_proxy_time_to_first_token_seconds_count") - first_tokens == len(make_chats())
 
 
 def test_blocks_in_the_decode_prefix_cache_are_not_transferred(reference, pd):
@@ -109,7 +119,7 @@ def test_a_client_abort_while_loading_aborts_the_room(reference, pd):
     while metric(pd.decode_api, "kvferry_rooms_total", aborted) == before:
         assert time.monotonic() < deadline, "the decode's room was never aborted"
         time.sleep(0.05)
-    got = sequential(pd.prefill, pd.decode, prompt)
+    got = pd.via["sequential"].complete(prompt, 16)
     assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
 
 

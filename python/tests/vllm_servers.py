@@ -2,14 +2,13 @@
 path (the ``torch_python`` fixture), the tiny seeded model of scripts/vllm/tiny_model.py, the
 settings this machine needs (../docs/engines.md), an OpenAI client small enough to read, the
 prompt sets and their reference outputs (fixtures ``vllm`` and ``reference``), a prefill/decode
-pair with the connector (``Pd``) and the two ways a router pairs a request.
+pair with the connector (``Pd``) and ``kvferry proxy`` in front of it (``Proxy``).
 
 Every server runs in its own session, pinned to one core, and is stopped with SIGTERM to its
 whole process group (its engine-core and worker processes too)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -75,8 +74,9 @@ def connector(role: str, bootstrap: str, **extra: Any) -> str:
 class Server:
     """One ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1."""
 
-    def __init__(self, python: str, env: dict, model: pathlib.Path, core: int, log: pathlib.Path, *args: str) -> None:
-        self.port = free_port()
+    def __init__(self, python: str, env: dict, model: pathlib.Path, core: int, log: pathlib.Path, *args: str,
+                 port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model)
         self.log = log
@@ -136,6 +136,16 @@ class Server:
             self.proc.wait()
 
 
+    def chat(self, messages: list[dict], max_tokens: int, **extra: Any) -> dict:
+        """POST /v1/chat/completions, greedy."""
+        return post(self.url + "/v1/chat/completions", chat_body(self.model, messages, max_tokens, **extra))
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int, **extra: Any) -> dict:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
 def post(url: str, body: dict, timeout: float = 300) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
@@ -146,13 +156,14 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
 
 
 def metric(url: str, name: str, label: str = "") -> float:
-    """The sum of a metric's series (those whose labels contain ``label``) on a /metrics."""
+    """The sum of a metric's series (those whose labels contain ``label``; any, or the one
+    without labels, when ``label`` is empty) on a /metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(name + "{") and label in line.split("}", 1)[0]
+        if (line.startswith(name + "{") and label in line.split("}", 1)[0]) or (not label and line.startswith(name + " "))
     )
 
 
@@ -170,6 +181,17 @@ def make_prompts(seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     base = rng.integers(3, 2048, max(LENGTHS)).tolist()
     return [base[:n] if n in SHARED else rng.integers(3, 2048, n).tolist() for n in LENGTHS]
+
+
+def make_chats() -> list[list[dict]]:
+    """Conversations of a few to several hundred tokens (the tiny model's chat template)."""
+    rng = np.random.default_rng(5)
+    words = "prefill decode page token cache room layer head key value rank group".split()
+    chats = []
+    for n in (3, 60, 250):
+        text = " ".join(rng.choice(words, n).tolist())
+        chats.append([{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}])
+    return chats
 
 
 # A prompt set per pairing, so that each starts with the decode's prefix cache cold for it.
@@ -200,6 +222,9 @@ def reference(vllm, tmp_path_factory):
                     best = sorted(top.values(), reverse=True)
                     if len(best) == 2:
                         margin = min(margin, best[0] - best[1])
+        for i, messages in enumerate(make_chats()):
+            got = server.chat(messages, NEW_TOKENS)
+            out[("chat", i)] = got["choices"][0]["message"]["content"]
     finally:
         server.stop()
     print(f"reference: smallest top-1/top-2 logprob margin {margin:.4g}")
@@ -216,6 +241,8 @@ class Pd:
                  decode_policy: str | None = None, **agent: Any) -> None:
         self.python, self.env, self.model = vllm
         self.logs = logs
+        self.kvferry_bin = kvferry_bin
+        self.proxies: list[Proxy] = []
         self.registry = subprocess.Popen(
             [str(kvferry_bin), "bootstrap", "--port", "0"],
             stdout=subprocess.PIPE, stderr=open(logs / "registry.log", "wb"), text=True,
@@ -235,10 +262,11 @@ class Pd:
             self.stop()
             raise
 
-    def start_prefill(self) -> Server:
+    def start_prefill(self, port: int | None = None) -> Server:
+        """A prefill server (on ``port``: a restarted one keeps its URL, as behind a proxy)."""
         return Server(
             self.python, self.env, self.model, 0, self.logs / "prefill.log", *self.prefill_args,
-            "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent),
+            "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent), port=port,
         )
 
     @property
@@ -249,24 +277,75 @@ class Pd:
     def decode_api(self) -> str:
         return self.decode.agent_api()
 
+    def proxy(self, pairing: str) -> Proxy:
+        """``kvferry proxy`` in front of this pair (stopped with it)."""
+        p = Proxy(self.kvferry_bin, [self.prefill.url], [self.decode.url], pairing, self.logs, self.model)
+        self.proxies.append(p)
+        return p
+
     def stop(self) -> None:
+        for p in self.proxies:
+            p.stop()
         for s in (self.prefill, self.decode):
             s.stop()
         self.registry.terminate()
         self.registry.wait()
 
 
-def sequential(prefill: Server, decode: Server, prompt: list[int]) -> dict:
-    first = prefill.complete(prompt, 1, {"do_remote_decode": True})
-    params = first["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True and params["kvferry_tokens"] == len(prompt), params
-    return decode.complete(prompt, NEW_TOKENS, params)
+class Proxy:
+    """``kvferry proxy --port 0`` in front of prefill and decode servers; ready once its
+    ``/health`` says a server of each role is usable."""
 
+    def __init__(self, kvferry_bin, prefills: list[str], decodes: list[str], pairing: str,
+                 logs: pathlib.Path, model: str) -> None:
+        self.model = str(model)
+        self.proc = subprocess.Popen(
+            [str(kvferry_bin), "proxy", "--prefill", ",".join(prefills), "--decode", ",".join(decodes),
+             "--port", "0", "--pairing", pairing, "--health-ms", "200"],
+            stdout=subprocess.PIPE, stderr=open(logs / f"proxy-{pairing}.log", "ab"), text=True,
+        )
+        self.url = json.loads(self.proc.stdout.readline())["url"]
+        self.wait_health(200)
 
-def concurrently(prefill: Server, decode: Server, prompt: list[int], room: int) -> dict:
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        d = pool.submit(decode.complete, prompt, NEW_TOKENS,
-                        {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": 0})
-        p = pool.submit(prefill.complete, prompt, 1, {"do_remote_decode": True, "kvferry_room": str(room)})
-        assert p.result()["kv_transfer_params"]["kvferry_room"] == str(room)
-        return d.result()
+    def wait_health(self, want: int, timeout: float = 120) -> float:
+        """Seconds until the proxy's /health answers ``want``."""
+        start = time.monotonic()
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+                    status = r.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            if status == want:
+                return time.monotonic() - start
+            assert time.monotonic() - start < timeout, f"proxy /health never answered {want}"
+            time.sleep(0.05)
+
+    def complete(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True, **extra}
+        return post(self.url + "/v1/completions", body)
+
+    def chat(self, messages: list[dict], max_tokens: int, **extra: Any) -> dict:
+        return post(self.url + "/v1/chat/completions", chat_body(self.model, messages, max_tokens, **extra))
+
+    def stream_chat(self, messages: list[dict], max_tokens: int) -> str:
+        """A streamed chat answer's content, its deltas joined."""
+        body = chat_body(self.model, messages, max_tokens, stream=True)
+        req = urllib.request.Request(self.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        text = []
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream"), r.headers
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    for choice in event["choices"]:
+                        text.append(choice["delta"].get("content") or "")
+        return "".join(text)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)

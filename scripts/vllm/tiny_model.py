@@ -93,8 +93,16 @@ def train_tokenizer() -> Tokenizer:
     return tok
 
 
+# A plain chat template, so that /v1/chat/completions works (one line per message).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def save_tokenizer(tok: Tokenizer, outdir: Path) -> None:
-    """Save as PreTrainedTokenizerFast (tokenizer.json + tokenizer_config.json)."""
+    """Save as PreTrainedTokenizerFast (tokenizer.json + tokenizer_config.json, with the chat
+    template)."""
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
@@ -102,6 +110,7 @@ def save_tokenizer(tok: Tokenizer, outdir: Path) -> None:
         eos_token="</s>",
         model_max_length=4096,
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(outdir)
 
 
