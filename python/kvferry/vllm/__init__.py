@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .metadata import KvferryMetadata
 from .params import ConnectorConfig
 from .scheduler import SchedulerSide
+from .timing import StepTimes
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -58,23 +59,33 @@ class KvferryConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(config, producer, vllm_config.cache_config.block_size)
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, config, producer)
+        self._times = StepTimes("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+
+    def _timed(self, hook: Any, *args: Any) -> Any:
+        started = self._times.start()
+        try:
+            return hook(*args)
+        finally:
+            self._times.stop(started)
 
     # ---- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._timed(self._scheduler.get_num_new_matched_tokens, request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._timed(self._scheduler.update_state_after_alloc, request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._timed(self._scheduler.build_connector_meta, scheduler_output)
+        self._times.step_done()
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        self._timed(self._scheduler.update_connector_output, connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._timed(self._scheduler.request_finished, request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
         return self._scheduler.has_pending_block_frees()
@@ -90,25 +101,27 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # Every step, with or without a forward pass: rooms move in the background.
-        self._worker.apply(self._meta())
+        self._timed(self._worker.apply, self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: vLLM schedules a request only after its room landed."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        self._worker.save_layer(self._meta(), layer_name)
+        self._timed(self._worker.save_layer, self._meta(), layer_name)
 
     def wait_for_save(self) -> None:
         """Nothing waits: sends run in the agent while vLLM goes on."""
-        self._worker.saved(self._meta())
+        self._timed(self._worker.saved, self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._worker.finished(finished_req_ids)
+        sending, recving = self._timed(self._worker.finished, finished_req_ids)
+        self._times.step_done()
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors()
+        return self._timed(self._worker.load_errors)
 
     def shutdown(self) -> None:
+        self._times.report()
         if self._worker is not None:
             self._worker.close()
