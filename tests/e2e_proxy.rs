@@ -33,7 +33,8 @@ enum Mode {
     Hold,
 }
 
-/// A stand-in vLLM server with `KvferryConnector`: a prefill (group `group`) or a decode.
+/// A stand-in vLLM server with `KvferryConnector`: a prefill (group `group`) or a decode. It
+/// answers `kvferry_identify` and `kvferry_reason_of` like the connector.
 struct Stub {
     name: String,
     group: u64,
@@ -72,8 +73,8 @@ impl Stub {
                 "/v1/models",
                 get(|| async { axum::Json(json!({"data": [{"id": "tiny"}]})) }),
             )
-            .route("/v1/completions", post(complete))
-            .route("/v1/chat/completions", post(complete))
+            .route("/v1/completions", post(answer))
+            .route("/v1/chat/completions", post(answer))
             .with_state(stub.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -99,11 +100,16 @@ async fn health(State(s): State<Arc<Stub>>) -> StatusCode {
     }
 }
 
-async fn complete(State(s): State<Arc<Stub>>, axum::Json(body): axum::Json<Value>) -> Response {
+async fn answer(State(s): State<Arc<Stub>>, axum::Json(body): axum::Json<Value>) -> Response {
     let params = body["kv_transfer_params"].clone();
     if params["kvferry_identify"] == json!(true) {
         return axum::Json(json!({"kv_transfer_params": {"kvferry_dp_rank": s.group}}))
             .into_response();
+    }
+    if let Some(room) = params.get("kvferry_reason_of") {
+        let reason =
+            json!({"kvferry_room": room, "kvferry_reason": "peer_dead: the prefill went away"});
+        return axum::Json(json!({"kv_transfer_params": reason})).into_response();
     }
     s.seen.lock().unwrap().push(body.clone());
     let mode = *s.mode.lock().unwrap();
@@ -203,17 +209,27 @@ fn completion(stream: bool) -> Value {
            "stream_options": {"include_usage": true}})
 }
 
+/// A non-streamed completion through the proxy at `url`.
+async fn complete(url: &str) -> (reqwest::StatusCode, Value) {
+    call(
+        &http(),
+        Method::POST,
+        &format!("{url}/v1/completions"),
+        Some(&completion(false)),
+    )
+    .await
+}
+
+async fn metrics_text(url: &str) -> String {
+    let r = http().get(format!("{url}/metrics")).send().await.unwrap();
+    r.text().await.unwrap()
+}
+
 /// The proxy's counter `name{labels}` (0 when absent).
 async fn counter(url: &str, series: &str) -> f64 {
-    let text = http()
-        .get(format!("{url}/metrics"))
-        .send()
+    metrics_text(url)
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
+        .lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or(0.0)
 }
@@ -225,7 +241,7 @@ fn sequential_pairing_copies_the_prefill_params_into_the_decode_request() {
         let (decode, d_url) = Stub::start("d", 0).await;
         let (_proxy, url) = proxy(&[&p_url], &[&d_url], "sequential");
         wait_health(&url, reqwest::StatusCode::OK).await;
-        let (status, got) = call(&http(), Method::POST, &format!("{url}/v1/completions"), Some(&completion(false))).await;
+        let (status, got) = complete(&url).await;
         assert_eq!(status, 200, "{got}");
         assert_eq!(got["server"], "d");
         let first = &prefill.seen()[0];
@@ -252,13 +268,7 @@ fn concurrent_pairing_names_a_fresh_room_and_the_prefill_group_in_both_requests(
         let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
         wait_health(&url, reqwest::StatusCode::OK).await;
         for _ in 0..4 {
-            let (status, got) = call(
-                &http(),
-                Method::POST,
-                &format!("{url}/v1/completions"),
-                Some(&completion(false)),
-            )
-            .await;
+            let (status, got) = complete(&url).await;
             assert_eq!(status, 200, "{got}");
         }
         let mut rooms = std::collections::HashSet::new();
@@ -338,14 +348,7 @@ fn streamed_answers_pass_through_chunk_by_chunk_on_both_apis() {
             2.0
         );
         // OpenMetrics text (prometheus-client): counters' HELP names the family, not `_total`.
-        let text = http()
-            .get(format!("{url}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(&url).await;
         assert!(
             text.contains("# TYPE kvferry_proxy_requests counter") && text.ends_with("# EOF\n"),
             "{text}"
@@ -364,15 +367,7 @@ fn the_server_with_fewest_outstanding_requests_is_chosen() {
         a.set(Mode::Hold);
         let held = tokio::spawn({
             let url = url.clone();
-            async move {
-                call(
-                    &http(),
-                    Method::POST,
-                    &format!("{url}/v1/completions"),
-                    Some(&completion(false)),
-                )
-                .await
-            }
+            async move { complete(&url).await }
         });
         poll_until("the first request reaches a", BOUND, || async {
             (!a.seen().is_empty()).then_some(())
@@ -380,13 +375,7 @@ fn the_server_with_fewest_outstanding_requests_is_chosen() {
         .await;
         // a has one outstanding: the next three go to b, one after another.
         for _ in 0..3 {
-            let (_, got) = call(
-                &http(),
-                Method::POST,
-                &format!("{url}/v1/completions"),
-                Some(&completion(false)),
-            )
-            .await;
+            let (_, got) = complete(&url).await;
             assert_eq!(got["server"], "b");
         }
         a.release.notify_waiters();
@@ -405,13 +394,7 @@ fn an_unhealthy_server_is_routed_around_and_used_again_once_healthy() {
         let (_proxy, url) = proxy(&[&p_url], &[&a_url, &b_url], "concurrent");
         wait_health(&url, reqwest::StatusCode::OK).await;
         let send = || async {
-            let (status, got) = call(
-                &http(),
-                Method::POST,
-                &format!("{url}/v1/completions"),
-                Some(&completion(false)),
-            )
-            .await;
+            let (status, got) = complete(&url).await;
             assert_eq!(status, 200, "{got}");
             got["server"].as_str().unwrap().to_owned()
         };
@@ -429,13 +412,7 @@ fn an_unhealthy_server_is_routed_around_and_used_again_once_healthy() {
         println!("unhealthy server routed around after {:?}", t.elapsed());
         b.healthy.store(false, Ordering::SeqCst);
         wait_health(&url, reqwest::StatusCode::SERVICE_UNAVAILABLE).await;
-        let (status, got) = call(
-            &http(),
-            Method::POST,
-            &format!("{url}/v1/completions"),
-            Some(&completion(false)),
-        )
-        .await;
+        let (status, got) = complete(&url).await;
         assert_eq!(status, 503);
         assert_eq!(got["error"]["message"], "no healthy decode server");
         a.healthy.store(true, Ordering::SeqCst);
@@ -472,17 +449,18 @@ fn every_failure_is_an_openai_error_object() {
         // request, waiting for a room that will never come, is dropped.
         prefill.set(Mode::Refuse);
         decode.set(Mode::Hold);
-        let (status, got) = call(&http(), Method::POST, &endpoint, Some(&completion(false))).await;
+        let (status, got) = complete(&url).await;
         assert_eq!(status, 400);
         assert_eq!(got["error"]["message"], "prompt too long");
         poll_until("the decode request is dropped", BOUND, || async {
             (decode.dropped.load(Ordering::SeqCst) == 1).then_some(())
         })
         .await;
-        // A decode that fails the request: vLLM's message, with the room named.
+        // A decode that fails the request: vLLM's message, with the room and why it failed
+        // (the proxy asks the decode server with `kvferry_reason_of`).
         prefill.set(Mode::Answer);
         decode.set(Mode::Fail);
-        let (status, got) = call(&http(), Method::POST, &endpoint, Some(&completion(false))).await;
+        let (status, got) = complete(&url).await;
         assert_eq!(status, 500);
         let room = decode.seen().last().unwrap()["kv_transfer_params"]["kvferry_room"]
             .as_str()
@@ -494,7 +472,9 @@ fn every_failure_is_an_openai_error_object() {
             "{message}"
         );
         assert!(
-            message.contains(&format!("kvferry room {room}")),
+            message.contains(&format!(
+                "kvferry room {room} failed: peer_dead: the prefill went away"
+            )),
             "{message}"
         );
         // A decode that cannot be reached at all.
@@ -503,13 +483,7 @@ fn every_failure_is_an_openai_error_object() {
             &[&format!("http://127.0.0.1:{}", common::closed_port())],
             "sequential",
         );
-        let (status, got) = call(
-            &http(),
-            Method::POST,
-            &format!("{url2}/v1/completions"),
-            Some(&completion(false)),
-        )
-        .await;
+        let (status, got) = complete(&url2).await;
         assert_eq!(status, 503, "never healthy, so never used: {got}");
         for (series, want) in [
             (r#"kvferry_proxy_errors_total{cause="bad_request"}"#, 2.0),

@@ -2,12 +2,12 @@
 process group: API server, engine core, worker).
 
 - The prefill dies while the decode waits for its rooms (asked at the prefill's agent, not yet
-  announced by its engine). With ``kv_load_failure_policy``
-  ``recompute`` every request still returns the reference's tokens (the decode computes the
-  prompt itself); with ``fail`` the affected requests end with an error, and the decode's log
-  names kvferry's reason. ``kvferry proxy`` in front of the pair stops routing to the dead
-  prefill (its /health says so) and, once the prefill is back on its URL, serves new requests
-  through it.
+  announced by its engine). With ``kv_load_failure_policy`` ``recompute`` every request still
+  returns the reference's tokens (the decode computes the prompt itself); with ``fail`` the
+  affected requests end with an error, and the decode's log and its answer to
+  ``kvferry_reason_of`` name kvferry's reason. ``kvferry proxy`` in front of the pair stops
+  routing to the dead prefill (its /health says so) and, once the prefill is back on its URL,
+  serves new requests through it.
 - The decode dies while the prefill computes rooms it asked for: the prefill's delayed blocks
   are released, so a prefill whose KV cache holds only a few prompts serves the next one.
 - Negative control: KV corrupted in flight (checksums off) changes the generated tokens.
@@ -103,6 +103,12 @@ def test_a_prefill_killed_while_the_decode_waits(vllm, kvferry_bin, tmp_path, re
         reasons = sorted(set(re.findall(r"kvferry: request \S+ room \d+ failed: (\w+):", log)))
         print(f"{policy}: {len(errors)} of {len(results)} requests ended with an error; kvferry's reasons {reasons}")
         assert reasons and set(reasons) <= {"peer_dead", "unreachable"}, reasons
+        # The decode server answers why each room failed (vLLM's own error says only
+        # "Internal server error"); kvferry proxy adds this to its error messages.
+        for room in rooms:
+            asked = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]
+            assert asked["kvferry_room"] == str(room)
+            assert asked["kvferry_reason"].split(":")[0] in reasons, asked
         if policy == "recompute":
             assert errors == []
         else:

@@ -12,7 +12,7 @@ pinned to its own core, everything on 127.0.0.1. Each measurement sends its own 
 and checks every generated token id against the reference server's. Also measured for
 kvferry: the decode's KV cache usage while requests wait (``vllm:kv_cache_usage_perc``,
 sampled every 20 ms), the rooms' transfer time (the decode agent's
-``kvferry_room_transfer_seconds``: start to success), and the connector's own CPU time per
+``kvferry_room_ready_wait_seconds`` and ``kvferry_room_transfer_seconds``), and the connector's own CPU time per
 engine step (``KVFERRY_VLLM_TIMING=1``, read from the servers' logs). One JSON line per
 measurement on stdout, a table on stderr.
 """
@@ -39,6 +39,11 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python" / "tests"))
 
 from vllm_servers import Pd, Server, make_model, metric  # noqa: E402
+
+
+# The decode agent's room histograms: waiting for the prefill engine's first ready piece, and
+# the transfer, start to success.
+HISTOGRAMS = ("ready_wait", "transfer")
 
 
 def stream(url: str, model: str, prompt: list[int], new_tokens: int, params: dict | None = None) -> dict:
@@ -159,13 +164,16 @@ def main() -> None:
             for n in (1, 4):
                 prompts = sets[f"{pairing}-{n}"]
                 api = pd.decode_api
-                before = {k: metric(api, f"kvferry_room_transfer_seconds_{k}") for k in ("sum", "count")}
+                series = [f"kvferry_room_{h}_seconds_{k}" for h in HISTOGRAMS for k in ("sum", "count")]
+                before = {s: metric(api, s) for s in series}
                 sampler = Sampler(pd.decode)
                 results = run(lambda p: stream(proxy.url, proxy.model, p, args.new_tokens), prompts, n)
                 extra = sampler.done()
-                count = metric(api, "kvferry_room_transfer_seconds_count") - before["count"]
-                total = metric(api, "kvferry_room_transfer_seconds_sum") - before["sum"]
-                extra |= {"rooms": count, "transfer_mean_ms": 1e3 * total / count if count else None}
+                delta = {s: metric(api, s) - before[s] for s in series}
+                extra["rooms"] = delta["kvferry_room_transfer_seconds_count"]
+                for h in HISTOGRAMS:
+                    count = delta[f"kvferry_room_{h}_seconds_count"]
+                    extra[f"{h}_mean_ms"] = 1e3 * delta[f"kvferry_room_{h}_seconds_sum"] / count if count else None
                 rows.append(summary(f"kvferry {pairing}", n, results, reference, prompts, extra))
     finally:
         pd.stop()
@@ -199,14 +207,15 @@ def main() -> None:
         for s in servers:
             s.stop()
 
-    print("\n| setup | in flight | TTFT p50 ms | e2e p50 ms | decode KV usage mean/max | room transfer mean ms | wrong tokens |",
-          file=sys.stderr)
+    print("\n| setup | in flight | TTFT p50 / mean ms | e2e p50 / mean ms | decode KV usage mean / max | "
+          "room ready wait / transfer mean ms | wrong tokens |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:
         usage = f"{r['kv_usage_mean']:.3f} / {r['kv_usage_max']:.3f}" if "kv_usage_mean" in r else ""
-        transfer = f"{r['transfer_mean_ms']:.1f}" if r.get("transfer_mean_ms") else ""
-        print(f"| {r['setup']} | {r['inflight']} | {r['ttft_p50_ms']:.0f} | {r['e2e_p50_ms']:.0f} | {usage} | "
-              f"{transfer} | {r['tokens_wrong']} |", file=sys.stderr)
+        transfer = f"{r['ready_wait_mean_ms'] or 0:.1f} / {r['transfer_mean_ms']:.1f}" if r.get("transfer_mean_ms") else ""
+        print(f"| {r['setup']} | {r['inflight']} | {r['ttft_p50_ms']:.0f} / {r['ttft_mean_ms']:.0f} | "
+              f"{r['e2e_p50_ms']:.0f} / {r['e2e_mean_ms']:.0f} | {usage} | {transfer} | {r['tokens_wrong']} |",
+              file=sys.stderr)
     print(f"\nconnector CPU per engine step: {json.dumps(cpu)}", file=sys.stderr)
 
 

@@ -118,11 +118,11 @@ fn unreachable(cause: Cause, url: &str, message: impl std::fmt::Display) -> Fail
     }
 }
 
-/// How a prefill server's request ended.
-enum PrefillEnd {
+/// How a request to a server (a prefill's, or a question to a decode) ended.
+enum Posted {
     /// Its answer (HTTP 2xx).
     Answered(Value),
-    /// It answered an error: passed to the client as it is.
+    /// It answered an error: a prefill's is passed to the client as it is.
     Refused(Failure),
     /// It could not be reached, or its connection broke.
     Lost(String),
@@ -183,10 +183,10 @@ impl Proxy {
                     "kv_transfer_params".into(),
                     json!({"do_remote_decode": true}),
                 );
-                let answer = match self.prefill(&prefill_url, &first).await {
-                    PrefillEnd::Answered(answer) => answer,
-                    PrefillEnd::Refused(f) => return Err(f),
-                    PrefillEnd::Lost(e) => {
+                let answer = match self.post(&prefill_url, &first).await {
+                    Posted::Answered(answer) => answer,
+                    Posted::Refused(f) => return Err(f),
+                    Posted::Lost(e) => {
                         return Err(unreachable(Cause::Prefill, &prefill_url, e));
                     }
                 };
@@ -225,14 +225,14 @@ impl Proxy {
                 // The decode allocates and waits for the room while the prefill computes it.
                 let send = self.http.post(&decode_url).json(&request).send();
                 let mut decoding = AbortOnDrop(tokio::spawn(send));
-                let note = match self.prefill(&prefill_url, &first).await {
-                    PrefillEnd::Answered(_) => None,
+                let note = match self.post(&prefill_url, &first).await {
+                    Posted::Answered(_) => None,
                     // Its room will never come: the decode request is dropped (vLLM aborts it
                     // and its room) and the client gets the prefill's answer.
-                    PrefillEnd::Refused(f) => return Err(f),
+                    Posted::Refused(f) => return Err(f),
                     // Whether the room's KV still arrives is the decode's to find out; its
                     // kv_load_failure_policy decides the answer.
-                    PrefillEnd::Lost(e) => {
+                    Posted::Lost(e) => {
                         tracing::warn!(url = %prefill_url, room, error = %e, "prefill request lost");
                         Some(format!(
                             "the prefill server {prefill_url} failed this request: {e}"
@@ -249,28 +249,72 @@ impl Proxy {
         };
         let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_url, e))?;
         if !answer.status().is_success() {
-            return Ok((decode_error(answer, &room, note).await, Some(Cause::Decode)));
+            let model = request.get("model").cloned().unwrap_or(Value::Null);
+            let base = decode.backend().url.clone();
+            let response = self.decode_error(answer, &base, &model, &room, note).await;
+            return Ok((response, Some(Cause::Decode)));
         }
         Ok((self.pass_through(answer, decode, started), None))
     }
 
-    async fn prefill(&self, url: &str, body: &Map<String, Value>) -> PrefillEnd {
+    async fn post(&self, url: &str, body: &impl serde::Serialize) -> Posted {
         let r = match self.http.post(url).json(body).send().await {
             Ok(r) => r,
-            Err(e) => return PrefillEnd::Lost(e.to_string()),
+            Err(e) => return Posted::Lost(e.to_string()),
         };
         let status = r.status();
         match r.bytes().await {
             Ok(bytes) if status.is_success() => match serde_json::from_slice(&bytes) {
-                Ok(answer) => PrefillEnd::Answered(answer),
-                Err(e) => PrefillEnd::Lost(format!("its answer is not JSON: {e}")),
+                Ok(answer) => Posted::Answered(answer),
+                Err(e) => Posted::Lost(format!("its answer is not JSON: {e}")),
             },
-            Ok(bytes) => PrefillEnd::Refused(Failure {
+            Ok(bytes) => Posted::Refused(Failure {
                 cause: Cause::Prefill,
                 response: copy_answer(status, bytes),
             }),
-            Err(e) => PrefillEnd::Lost(e.to_string()),
+            Err(e) => Posted::Lost(e.to_string()),
         }
+    }
+
+    /// The decode's error answer, its message extended with the decode server, the kvferry
+    /// room, why the room failed (asked with `kvferry_reason_of`: vLLM's own message for a
+    /// failed KV load is a bare "Internal server error") and what the proxy saw of the
+    /// prefill's side.
+    async fn decode_error(
+        &self,
+        answer: reqwest::Response,
+        base: &str,
+        model: &Value,
+        room: &Value,
+        note: Option<String>,
+    ) -> Response {
+        let status = answer.status();
+        let bytes = answer.bytes().await.unwrap_or_default();
+        let mut body: Value = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+            json!({"error": {"message": String::from_utf8_lossy(&bytes), "type": "upstream_error",
+                             "param": null, "code": status.as_u16()}})
+        });
+        let mut context = format!("decode server {base}");
+        if let Some(room) = room.as_str() {
+            context += &format!(", kvferry room {room}");
+            let ask = json!({"model": model, "prompt": [1], "max_tokens": 1,
+                             "kv_transfer_params": {"kvferry_reason_of": room}});
+            let url = format!("{base}/v1/completions");
+            if let Posted::Answered(a) = self.post(&url, &ask).await
+                && let Some(reason) = a
+                    .pointer("/kv_transfer_params/kvferry_reason")
+                    .and_then(Value::as_str)
+            {
+                context += &format!(" failed: {reason}");
+            }
+        }
+        if let Some(note) = note {
+            context += &format!("; {note}");
+        }
+        if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
+            *message = format!("{message} ({context})");
+        }
+        copy_answer(status, Bytes::from(body.to_string()))
     }
 
     /// The decode's answer as it streams, its lease held until the end.
@@ -334,33 +378,6 @@ fn copy_answer(status: reqwest::StatusCode, body: Bytes) -> Response {
         HeaderValue::from_static("application/json"),
     );
     r
-}
-
-/// The decode's error answer, its message naming the room and what the proxy saw of the
-/// prefill's side (vLLM's own message for a failed KV load is a bare "Internal server error";
-/// the decode server's log names kvferry's reason).
-async fn decode_error(answer: reqwest::Response, room: &Value, note: Option<String>) -> Response {
-    let status = answer.status();
-    let url = answer.url().to_string();
-    let bytes = answer.bytes().await.unwrap_or_default();
-    let mut body: Value = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
-        json!({"error": {"message": String::from_utf8_lossy(&bytes), "type": "upstream_error",
-                         "param": null, "code": status.as_u16()}})
-    });
-    if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
-        let mut context = format!("decode server {url}");
-        if !room.is_null() {
-            context += &format!(
-                ", kvferry room {}",
-                room.as_str().map_or(room.to_string(), str::to_owned)
-            );
-        }
-        if let Some(note) = note {
-            context += &format!("; {note}");
-        }
-        *message = format!("{message} ({context})");
-    }
-    copy_answer(status, Bytes::from(body.to_string()))
 }
 
 /// A random u64 room: rooms of independent proxies collide with probability 2^-64 per pair.

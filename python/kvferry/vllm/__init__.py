@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .metadata import KvferryMetadata
+from .metadata import Failures, KvferryMetadata
 from .params import ConnectorConfig
 from .scheduler import SchedulerSide
 from .timing import StepTimes
@@ -117,6 +117,9 @@ class KvferryConnector(KVConnectorBase_V1):
         sending, recving = self._timed(self._worker.finished, finished_req_ids)
         self._times.step_done()
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> Failures | None:
+        return self._worker.failure_report()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._timed(self._worker.load_errors)

@@ -1,10 +1,11 @@
-"""What the scheduler side tells the workers each step (pickled inside vLLM's SchedulerOutput)."""
+"""What the scheduler side tells the workers each step (pickled inside vLLM's SchedulerOutput),
+and what decode workers tell the scheduler side (``Failures``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -50,3 +51,17 @@ class KvferryMetadata(KVConnectorMetadata):
     sends: list[Send] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
+
+
+@dataclass
+class Failures(KVConnectorWorkerMetadata):
+    """Decode workers to the scheduler side, with a step's output: why rooms failed
+    (room -> "code: message"), for ``kvferry_reason_of`` (params.py)."""
+
+    reasons: dict[int, str] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> Failures:
+        merged = Failures(dict(self.reasons))
+        if isinstance(other, Failures):
+            merged.reasons.update(other.reasons)
+        return merged

@@ -15,6 +15,12 @@ A router learns a prefill server's kvferry identity by sending it any short requ
 ``{"kvferry_identify": true}``: the response's params are ``{"kvferry_dp_rank": G,
 "kvferry_bootstrap": URL}``.
 
+A decode request whose answer was an error (``kv_load_failure_policy`` ``fail`` answers a bare
+"Internal server error") can be followed by any short request to the same decode server with
+``{"kvferry_reason_of": "<room>"}``: the response's params are ``{"kvferry_room": "<room>",
+"kvferry_reason": "peer_dead: ..."}`` (``null`` when the server knows no failure of that room;
+it remembers the last 4096).
+
 Rooms travel as decimal strings (a u64 does not survive every JSON parser as a number).
 """
 
@@ -29,6 +35,8 @@ DP_RANK = "kvferry_dp_rank"
 BOOTSTRAP = "kvferry_bootstrap"
 TOKENS = "kvferry_tokens"
 IDENTIFY = "kvferry_identify"
+REASON_OF = "kvferry_reason_of"
+REASON = "kvferry_reason"
 
 
 class ParamsError(ValueError):

@@ -27,13 +27,15 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from . import params as P
-from .metadata import Abort, KvferryMetadata, Load, Send
+from .metadata import Abort, Failures, KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+REASONS_KEPT = 4096
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -57,6 +59,8 @@ class SchedulerSide:
         # each request loaded (reported in its response's kv_transfer_params).
         self.local_hit: dict[str, int] = {}
         self.loaded: dict[str, Load] = {}
+        # Decode: why rooms failed, the latest REASONS_KEPT (dicts keep insertion order).
+        self.reasons: dict[int, str] = {}
         # Prefill: requests to send once their prompt is computed (prompt tokens, params), and
         # the rooms of those whose layers were announced.
         self.to_send: dict[str, tuple[int, dict[str, Any]]] = {}
@@ -154,6 +158,21 @@ class SchedulerSide:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in (output.finished_sending or set()) | (output.finished_recving or set()):
             self.rooms.pop(req_id, None)
+        failures = output.kv_connector_worker_meta
+        if isinstance(failures, Failures):
+            self.reasons.update(failures.reasons)
+            while len(self.reasons) > REASONS_KEPT:
+                self.reasons.pop(next(iter(self.reasons)))
+
+    def reason_of(self, params: dict[str, Any]) -> dict[str, Any] | None:
+        """The answer to ``kvferry_reason_of`` (params.py), or None for any other request."""
+        if P.REASON_OF not in params:
+            return None
+        try:
+            room = P.room_of({P.ROOM: params[P.REASON_OF]})
+        except P.ParamsError as e:
+            return {P.REASON: f"bad {P.REASON_OF}: {e}"}
+        return {P.ROOM: str(room), P.REASON: self.reasons.get(room)}
 
     def has_pending_block_frees(self) -> bool:
         """Prefill: rooms announced layer by layer whose request has not finished yet (one
@@ -170,7 +189,7 @@ class SchedulerSide:
                 self.meta.aborts.append(Abort(req_id, room))
             load = self.loaded.pop(req_id, None)
             if load is None:
-                return False, None
+                return False, self.reason_of(request.kv_transfer_params or {})
             # The response says which room the prompt's KV came from and which tokens moved
             # (from start_token on; those before were the decode's own prefix-cache hits).
             return False, {P.ROOM: str(load.room), "kvferry_start_token": load.start_token, P.TOKENS: load.tokens}

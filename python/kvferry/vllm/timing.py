@@ -1,7 +1,7 @@
 """The connector's own CPU time per engine step, for measurements: with ``KVFERRY_VLLM_TIMING=1``
 in a server's environment, each side of the connector adds up the thread CPU time it spends in
-vLLM's hooks during a step, and logs every 256 steps (and at shutdown) one line with the steps'
-count, total and largest: ``kvferry: connector CPU (worker): 256 steps, 12345 us in all, 210 us
+vLLM's hooks during a step, and logs every 64 steps (and at shutdown, when vLLM calls it) one line with the steps'
+count, total and largest: ``kvferry: connector CPU (worker): 64 steps, 12345 us in all, 210 us
 at most``. scripts/vllm/bench.py reads these lines. Off, a hook costs one attribute test.
 """
 
@@ -14,7 +14,7 @@ from vllm.logger import init_logger
 
 logger = init_logger(f"vllm.{__name__}")
 
-REPORT_EVERY = 256
+REPORT_EVERY = 64
 
 
 class StepTimes:

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 import kvferry
 
 from . import params as P
-from .metadata import KvferryMetadata, Load, Send
+from .metadata import Failures, KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,6 +99,8 @@ class WorkerSide:
         # Settled before anything was in flight (refused at once).
         self.done: set[str] = set()
         self.bad_blocks: set[int] = set()
+        # Why rooms failed since the last step's report (room -> "code: message").
+        self.failures: dict[int, str] = {}
         # Prefill: rooms whose announcement was refused, layers announced per room in this
         # step, requests whose room settled, and requests vLLM has finished.
         self.unsent: set[str] = set()
@@ -158,11 +160,9 @@ class WorkerSide:
         for load in meta.loads:
             self.loads[load.req_id] = load
             if load.prefill_tokens is not None and load.prefill_tokens != load.tokens:
-                logger.error(
-                    "kvferry: request %s has %d prompt tokens but its prefill sent room %d with %d: not loaded",
-                    load.req_id, load.tokens, load.room, load.prefill_tokens,
-                )
-                self.fail(load.req_id)
+                reason = f"prompt_mismatch: {load.tokens} prompt tokens, the prefill sent {load.prefill_tokens}"
+                logger.error("kvferry: request %s room %d failed: %s", load.req_id, load.room, reason)
+                self.fail(load.req_id, reason)
                 self.done.add(load.req_id)
                 continue
             try:
@@ -173,7 +173,7 @@ class WorkerSide:
                 self.rooms[load.req_id] = load.room
             except Exception as e:  # noqa: BLE001 - a refused load fails the request, not the engine
                 logger.error("kvferry: request %s room %d refused: %s", load.req_id, load.room, e)
-                self.fail(load.req_id)
+                self.fail(load.req_id, f"refused: {e}")
                 self.done.add(load.req_id)
         for a in meta.aborts:
             if a.req_id in self.rooms:
@@ -231,10 +231,12 @@ class WorkerSide:
                 self.announce(s, range(layer, layer + 1))
             self.announced.pop(s.room, None)
 
-    def fail(self, req_id: str) -> None:
-        """A load that will not land: its blocks from the first one to load on are bad (vLLM's
-        ``kv_load_failure_policy`` decides what happens to the request)."""
+    def fail(self, req_id: str, reason: str) -> None:
+        """A load that will not land, and why: its blocks from the first one to load on are bad
+        (vLLM's ``kv_load_failure_policy`` decides what happens to the request)."""
         load = self.loads.pop(req_id, None)
+        if load is not None:
+            self.failures[load.room] = reason
         if load is not None and req_id not in self.aborted:
             first = load.start_token // self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             self.bad_blocks.update(load.pages[first:])
@@ -286,13 +288,20 @@ class WorkerSide:
         except kvferry.RoomFailed as e:
             if req_id not in self.aborted:
                 logger.error("kvferry: request %s room %d failed: %s: %s", req_id, room, e.code, e.message)
-            self.fail(req_id)
+            self.fail(req_id, f"{e.code}: {e.message}")
         except kvferry.UnknownRoom:
             logger.error("kvferry: request %s room %d expired before it was taken", req_id, room)
-            self.fail(req_id)
+            self.fail(req_id, "expired: the room was gone before it was taken")
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
             logger.error("kvferry: request %s room %d could not be taken: %s", req_id, room, e)
-            self.fail(req_id)
+            self.fail(req_id, f"not_taken: {e}")
+
+    def failure_report(self) -> Failures | None:
+        """The step's room failures for the scheduler side, once."""
+        if not self.failures:
+            return None
+        report, self.failures = Failures(self.failures), {}
+        return report
 
     def load_errors(self) -> set[int]:
         bad, self.bad_blocks = self.bad_blocks, set()
