@@ -29,7 +29,7 @@ enum Mode {
     Refuse,
     /// 500 "Internal server error", like vLLM's `fail` policy for a failed KV load.
     Fail,
-    /// Waits until released (or dropped by its client).
+    /// Waits until released (or dropped by its client), then answers as the mode is then.
     Hold,
 }
 
@@ -112,7 +112,14 @@ async fn answer(State(s): State<Arc<Stub>>, axum::Json(body): axum::Json<Value>)
         return axum::Json(json!({"kv_transfer_params": reason})).into_response();
     }
     s.seen.lock().unwrap().push(body.clone());
-    let mode = *s.mode.lock().unwrap();
+    let mut mode = *s.mode.lock().unwrap();
+    if mode == Mode::Hold {
+        // Released, it answers as its mode says then.
+        let mut held = Held(&s, false);
+        s.release.notified().await;
+        held.1 = true;
+        mode = *s.mode.lock().unwrap();
+    }
     match mode {
         Mode::Refuse => {
             let e = json!({"error": {"message": "prompt too long", "type": "BadRequestError", "param": null, "code": 400}});
@@ -122,12 +129,7 @@ async fn answer(State(s): State<Arc<Stub>>, axum::Json(body): axum::Json<Value>)
             let e = json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}});
             return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e)).into_response();
         }
-        Mode::Hold => {
-            let mut held = Held(&s, false);
-            s.release.notified().await;
-            held.1 = true;
-        }
-        Mode::Answer => {}
+        Mode::Hold | Mode::Answer => {}
     }
     let params = if params["do_remote_decode"] == json!(true) {
         // A prefill: its answer names the room (the one it was given, or its own).
@@ -232,6 +234,38 @@ async fn counter(url: &str, series: &str) -> f64 {
         .lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or(0.0)
+}
+
+/// One completion through the proxy at `url` while both servers hold it; once both have it,
+/// `refuser` answers 400, which the client must get, and `other`'s request must be dropped.
+async fn one_side_refuses(url: &str, refuser: &Stub, other: &Stub) -> Value {
+    refuser.set(Mode::Hold);
+    other.set(Mode::Hold);
+    let seen = (refuser.seen().len(), other.seen().len());
+    let dropped = other.dropped.load(Ordering::SeqCst);
+    let answer = tokio::spawn({
+        let url = url.to_owned();
+        async move { complete(&url).await }
+    });
+    poll_until("both requests arrive", BOUND, || async {
+        (refuser.seen().len() > seen.0 && other.seen().len() > seen.1).then_some(())
+    })
+    .await;
+    refuser.set(Mode::Refuse);
+    refuser.release.notify_waiters();
+    let (status, got) = answer.await.unwrap();
+    assert_eq!(
+        (status.as_u16(), got["error"]["code"].as_u64()),
+        (400, Some(400)),
+        "{got}"
+    );
+    poll_until(
+        &format!("the {} request is dropped", other.name),
+        BOUND,
+        || async { (other.dropped.load(Ordering::SeqCst) > dropped).then_some(()) },
+    )
+    .await;
+    got
 }
 
 #[test]
@@ -447,15 +481,12 @@ fn every_failure_is_an_openai_error_object() {
         }
         // A prefill that refuses: its answer goes to the client as it is, and the decode's
         // request, waiting for a room that will never come, is dropped.
-        prefill.set(Mode::Refuse);
-        decode.set(Mode::Hold);
-        let (status, got) = complete(&url).await;
-        assert_eq!(status, 400);
+        let got = one_side_refuses(&url, &prefill, &decode).await;
         assert_eq!(got["error"]["message"], "prompt too long");
-        poll_until("the decode request is dropped", BOUND, || async {
-            (decode.dropped.load(Ordering::SeqCst) == 1).then_some(())
-        })
-        .await;
+        // A decode that refuses while the prefill computes: its answer goes to the client
+        // without waiting for the prefill, whose request is dropped (vLLM aborts it and its
+        // room).
+        one_side_refuses(&url, &decode, &prefill).await;
         // A decode that fails the request: vLLM's message, with the room and why it failed
         // (the proxy asks the decode server with `kvferry_reason_of`).
         prefill.set(Mode::Answer);
@@ -488,10 +519,10 @@ fn every_failure_is_an_openai_error_object() {
         for (series, want) in [
             (r#"kvferry_proxy_errors_total{cause="bad_request"}"#, 2.0),
             (r#"kvferry_proxy_errors_total{cause="prefill"}"#, 1.0),
-            (r#"kvferry_proxy_errors_total{cause="decode"}"#, 1.0),
+            (r#"kvferry_proxy_errors_total{cause="decode"}"#, 2.0),
             (
                 r#"kvferry_proxy_requests_total{endpoint="completions",outcome="error"}"#,
-                4.0,
+                5.0,
             ),
         ] {
             assert_eq!(counter(&url, series).await, want, "{series}");

@@ -225,24 +225,41 @@ impl Proxy {
                 // The decode allocates and waits for the room while the prefill computes it.
                 let send = self.http.post(&decode_url).json(&request).send();
                 let mut decoding = AbortOnDrop(tokio::spawn(send));
-                let note = match self.post(&prefill_url, &first).await {
-                    Posted::Answered(_) => None,
-                    // Its room will never come: the decode request is dropped (vLLM aborts it
-                    // and its room) and the client gets the prefill's answer.
-                    Posted::Refused(f) => return Err(f),
-                    // Whether the room's KV still arrives is the decode's to find out; its
-                    // kv_load_failure_policy decides the answer.
-                    Posted::Lost(e) => {
-                        tracing::warn!(url = %prefill_url, room, error = %e, "prefill request lost");
-                        Some(format!(
-                            "the prefill server {prefill_url} failed this request: {e}"
-                        ))
+                let prefill_post = self.post(&prefill_url, &first);
+                tokio::pin!(prefill_post);
+                let mut decoded = None;
+                let note = loop {
+                    tokio::select! {
+                        posted = &mut prefill_post => break match posted {
+                            Posted::Answered(_) => None,
+                            // Its room will never come: the decode request is dropped (vLLM
+                            // aborts it and its room) and the client gets the prefill's answer.
+                            Posted::Refused(f) => return Err(f),
+                            // Whether the room's KV still arrives is the decode's to find out;
+                            // its kv_load_failure_policy decides the answer.
+                            Posted::Lost(e) => {
+                                tracing::warn!(url = %prefill_url, room, error = %e, "prefill request lost");
+                                Some(format!("the prefill server {prefill_url} failed this request: {e}"))
+                            }
+                        },
+                        joined = &mut decoding.0, if decoded.is_none() => {
+                            let answer = joined.map_err(|e| unreachable(Cause::Decode, &decode_url, e))?;
+                            let refused = answer.as_ref().map_or(true, |r| !r.status().is_success());
+                            decoded = Some(answer);
+                            if refused {
+                                // The decode will not take the room: the prefill's request is
+                                // dropped (vLLM aborts it and its room).
+                                break None;
+                            }
+                        }
                     }
                 };
                 drop(prefill);
-                let answer = match (&mut decoding.0).await {
-                    Ok(answer) => answer,
-                    Err(e) => return Err(unreachable(Cause::Decode, &decode_url, e)),
+                let answer = match decoded {
+                    Some(answer) => answer,
+                    None => (&mut decoding.0)
+                        .await
+                        .map_err(|e| unreachable(Cause::Decode, &decode_url, e))?,
                 };
                 (answer, Value::String(room), note)
             }
