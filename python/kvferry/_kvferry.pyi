@@ -32,7 +32,7 @@ def agent_flags(**options: Any) -> list[str]:
     """The command-line flags of these options, checked as an agent would check them."""
 
 def main(argv: list[str]) -> None:
-    """The ``kvferry`` command line (``python -m kvferry``) for bootstrap, prefill, decode."""
+    """The ``kvferry`` command line (``python -m kvferry``) for bootstrap, prefill, decode and proxy."""
 
 class PrefillAgent:
     """A prefill agent in this process."""

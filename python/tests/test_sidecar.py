@@ -2,7 +2,7 @@
 (``kvferry.ShmPool``): the kvferry binary as a sidecar, a sidecar that cannot start explained
 by its own log, and a sidecar that stops with its engine. test_agents.py runs every room
 operation and error surface on sidecars too; test_two_processes.py moves 100 rooms through
-them."""
+them. ``python -m kvferry proxy`` runs the PD proxy from the package."""
 
 import os
 
@@ -83,6 +83,32 @@ agent = kvferry.spawn("decode", **options(sys.argv[1]))
 print(agent.process.pid, flush=True)
 time.sleep(600)
 """
+
+
+def test_the_package_runs_the_proxy():
+    # No server behind it answers: it listens, and its /health says which role has none.
+    import json
+    import signal
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    dead = "http://127.0.0.1:9"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvferry", "proxy", "--prefill", dead, "--decode", dead, "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        listening = json.loads(proc.stdout.readline())
+        assert listening["event"] == "listening" and listening["role"] == "proxy", listening
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(listening["url"] + "/health", timeout=10)
+        assert e.value.code == 503
+        assert json.loads(e.value.read())["error"]["message"] == "no healthy prefill server"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
 
 
 def test_a_sidecar_stops_when_its_engine_dies(registry, tmp_path):
