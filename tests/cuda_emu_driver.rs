@@ -12,6 +12,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 type R = i32;
+type Ptr = *mut c_void;
 const SUCCESS: R = 0;
 const INVALID_VALUE: R = 1;
 const NOT_INITIALIZED: R = 3;
@@ -70,8 +71,19 @@ impl Driver {
     }
 }
 
+/// Runs `case` in a forked child with the emulator loaded, initialised and device 0's context
+/// current; returns how it ended: `Ok(exit code)` or `Err(signal)`.
+fn with_context(case: impl FnOnce(&Driver)) -> Result<i32, i32> {
+    in_child(|| {
+        let d = Driver::open();
+        d.ready();
+        case(&d);
+    })
+}
+
 /// Runs `case` in a forked child; returns how it ended: `Ok(exit code)` or `Err(signal)`.
 fn in_child(case: impl FnOnce()) -> Result<i32, i32> {
+    library();
     // SAFETY: the child runs only `case` and exits; the test harness's threads are not used in it.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
@@ -97,7 +109,6 @@ type DtoH = unsafe extern "C" fn(*mut c_void, u64, usize) -> R;
 
 #[test]
 fn calls_before_init_or_without_a_context_fail_as_documented() {
-    library();
     assert_eq!(
         in_child(|| {
             let d = Driver::open();
@@ -125,11 +136,8 @@ fn calls_before_init_or_without_a_context_fail_as_documented() {
 
 #[test]
 fn device_memory_round_trips_and_bad_pointers_are_refused() {
-    library();
     assert_eq!(
-        in_child(|| {
-            let d = Driver::open();
-            d.ready();
+        with_context(|d| {
             let (alloc, free): (Alloc, Free) = (d.f("cuMemAlloc_v2"), d.f("cuMemFree_v2"));
             let (htod, dtoh): (HtoD, DtoH) = (d.f("cuMemcpyHtoD_v2"), d.f("cuMemcpyDtoH_v2"));
             let memset: unsafe extern "C" fn(u64, u8, usize) -> R = d.f("cuMemsetD8_v2");
@@ -166,10 +174,7 @@ fn device_memory_round_trips_and_bad_pointers_are_refused() {
 
 #[test]
 fn the_host_cannot_dereference_device_memory() {
-    library();
-    let ended = in_child(|| {
-        let d = Driver::open();
-        d.ready();
+    let ended = with_context(|d| {
         let alloc: Alloc = d.f("cuMemAlloc_v2");
         let mut p = 0u64;
         // SAFETY: a valid out pointer; the read below is the crash under test.
@@ -187,12 +192,8 @@ fn the_host_cannot_dereference_device_memory() {
 
 #[test]
 fn stream_work_is_ordered_by_events_across_streams() {
-    library();
     assert_eq!(
-        in_child(|| {
-            let d = Driver::open();
-            d.ready();
-            type Ptr = *mut c_void;
+        with_context(|d| {
             let create: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuStreamCreate");
             let event: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuEventCreate");
             let record: unsafe extern "C" fn(Ptr, Ptr) -> R = d.f("cuEventRecord");
@@ -240,12 +241,8 @@ fn stream_work_is_ordered_by_events_across_streams() {
 
 #[test]
 fn modules_name_their_entries_and_unimplemented_functions_abort() {
-    library();
     assert_eq!(
-        in_child(|| {
-            let d = Driver::open();
-            d.ready();
-            type Ptr = *mut c_void;
+        with_context(|d| {
             let load: unsafe extern "C" fn(*mut Ptr, *const c_void) -> R = d.f("cuModuleLoadData");
             let get: unsafe extern "C" fn(*mut Ptr, Ptr, *const i8) -> R =
                 d.f("cuModuleGetFunction");
