@@ -66,6 +66,12 @@ def wait_asked(agent_api: str, rooms: list[int], timeout: float = 120) -> None:
     assert not pending, f"the decode never asked for rooms {pending}"
 
 
+def log_tail(path, containing: str = "", lines: int = 20) -> str:
+    """The last lines of a log (those containing ``containing``), for an assertion's message."""
+    kept = [line for line in path.read_text(errors="replace").splitlines() if containing in line]
+    return f"{path.name}:\n" + "\n".join(kept[-lines:])
+
+
 def long_prompts(n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 2048, 900 + 17 * i).tolist() for i in range(n)]
@@ -125,6 +131,8 @@ def test_a_prefill_killed_while_the_decode_waits(vllm, kvferry_bin, tmp_path, re
         print(f"{policy}: the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
         for prompt in make_prompts(SEEDS["sequential"])[:6]:
             got = proxy.complete(prompt, 16)
+            assert "choices" in got, (got, log_tail(tmp_path / "proxy-concurrent.log"),
+                                      log_tail(tmp_path / "decode.log", "kvferry"))
             assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
     finally:
         pd.stop()

@@ -301,7 +301,10 @@ class Proxy:
         self.model = str(model)
         self.proc = subprocess.Popen(
             [str(kvferry_bin), "proxy", "--prefill", ",".join(prefills), "--decode", ",".join(decodes),
-             "--port", "0", "--pairing", pairing, "--health-ms", "200"],
+             "--port", "0", "--pairing", pairing, "--health-ms", "200",
+             # A busy server that answers /health late is not what these tests are about: only a
+             # refused connection (a dead server) routes around a server within their bounds.
+             "--health-timeout-ms", "60000"],
             stdout=subprocess.PIPE, stderr=open(logs / f"proxy-{pairing}.log", "ab"), text=True,
         )
         self.url = json.loads(self.proc.stdout.readline())["url"]
