@@ -1,111 +1,15 @@
 //! The CUDA driver emulator (emu/cuda) against the driver's documented behaviour, called through
-//! its C ABI: built here by `emu/cuda/build` and loaded by path, so no GPU and no library path
-//! are involved. Each case runs in a forked child, so that the library's process-wide state
-//! (initialisation, the current context) starts fresh and a crash is an observable outcome
-//! (nextest runs every test in a process of its own, so nothing else runs when it forks).
+//! its C ABI: devices, contexts, memory, copies, streams, events, modules. IPC and the virtual
+//! memory management API: tests/cuda_emu_ipc.rs; the harness: tests/emu/driver.rs.
 //! tests/kernel_gpu.rs runs kvferry's own cudarc calls on the same library (scripts/test).
 #![allow(unsafe_code)]
 
+#[path = "emu/driver.rs"]
+mod driver;
+
 use std::ffi::c_void;
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::OnceLock;
 
-type R = i32;
-type Ptr = *mut c_void;
-const SUCCESS: R = 0;
-const INVALID_VALUE: R = 1;
-const NOT_INITIALIZED: R = 3;
-const INVALID_DEVICE: R = 101;
-const INVALID_CONTEXT: R = 201;
-const NOT_FOUND: R = 500;
-
-/// The emulator, built once per test process.
-fn library() -> &'static PathBuf {
-    static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("cuda-emu-{}", std::process::id()));
-        let status = Command::new(root.join("emu/cuda/build"))
-            .arg(&out)
-            .status()
-            .expect("running emu/cuda/build");
-        assert!(status.success(), "emu/cuda/build failed");
-        out.join("libcuda.so")
-    })
-}
-
-struct Driver(libloading::Library);
-
-impl Driver {
-    fn open() -> Driver {
-        // SAFETY: our own library; its initialisers only set up statics.
-        Driver(unsafe { libloading::Library::new(library()) }.expect("loading the emulator"))
-    }
-
-    /// The driver function `name` of type `F`.
-    fn f<F: Copy>(&self, name: &str) -> F {
-        // SAFETY: the caller names a function of the driver API with its C signature.
-        unsafe {
-            *self
-                .0
-                .get::<F>(name.as_bytes())
-                .unwrap_or_else(|e| panic!("{name}: {e}"))
-        }
-    }
-
-    /// cuInit, then device 0's primary context made current.
-    fn ready(&self) {
-        let init: unsafe extern "C" fn(u32) -> R = self.f("cuInit");
-        let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> R =
-            self.f("cuDevicePrimaryCtxRetain");
-        let set: unsafe extern "C" fn(*mut c_void) -> R = self.f("cuCtxSetCurrent");
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: valid out pointers.
-        unsafe {
-            assert_eq!(init(0), SUCCESS);
-            assert_eq!(retain(&mut ctx, 0), SUCCESS);
-            assert_eq!(set(ctx), SUCCESS);
-        }
-    }
-}
-
-/// Runs `case` in a forked child with the emulator loaded, initialised and device 0's context
-/// current; returns how it ended: `Ok(exit code)` or `Err(signal)`.
-fn with_context(case: impl FnOnce(&Driver)) -> Result<i32, i32> {
-    in_child(|| {
-        let d = Driver::open();
-        d.ready();
-        case(&d);
-    })
-}
-
-/// Runs `case` in a forked child; returns how it ended: `Ok(exit code)` or `Err(signal)`.
-fn in_child(case: impl FnOnce()) -> Result<i32, i32> {
-    library();
-    // SAFETY: the child runs only `case` and exits; the test harness's threads are not used in it.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(case)).is_ok();
-        // SAFETY: ends the child without running the parent's destructors.
-        unsafe { libc::_exit(if ok { 0 } else { 101 }) }
-    }
-    let mut status = 0;
-    // SAFETY: waits for the child just forked.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
-    if libc::WIFEXITED(status) {
-        Ok(libc::WEXITSTATUS(status))
-    } else {
-        Err(libc::WTERMSIG(status))
-    }
-}
-
-type Alloc = unsafe extern "C" fn(*mut u64, usize) -> R;
-type Free = unsafe extern "C" fn(u64) -> R;
-type HtoD = unsafe extern "C" fn(u64, *const c_void, usize) -> R;
-type DtoH = unsafe extern "C" fn(*mut c_void, u64, usize) -> R;
+use driver::*;
 
 #[test]
 fn calls_before_init_or_without_a_context_fail_as_documented() {
@@ -275,4 +179,369 @@ fn modules_name_their_entries_and_unimplemented_functions_abort() {
         }),
         Err(libc::SIGABRT)
     );
+}
+
+#[test]
+fn devices_report_plausible_attributes_and_memory() {
+    assert_eq!(
+        with_context(|d| {
+            let attr: unsafe extern "C" fn(*mut i32, i32, i32) -> R = d.f("cuDeviceGetAttribute");
+            let name: unsafe extern "C" fn(*mut i8, i32, i32) -> R = d.f("cuDeviceGetName");
+            let total: unsafe extern "C" fn(*mut usize, i32) -> R = d.f("cuDeviceTotalMem_v2");
+            let version: unsafe extern "C" fn(*mut i32) -> R = d.f("cuDriverGetVersion");
+            let info: unsafe extern "C" fn(*mut usize, *mut usize) -> R = d.f("cuMemGetInfo_v2");
+            let (alloc, free): (Alloc, Free) = (d.f("cuMemAlloc_v2"), d.f("cuMemFree_v2"));
+            let get = |a: i32| {
+                let mut v = -1;
+                // SAFETY: a valid out pointer.
+                assert_eq!(unsafe { attr(&mut v, a, 0) }, SUCCESS, "attribute {a}");
+                v
+            };
+            // Compute capability 8.0, warp 32, 1024 threads per block, unified addressing.
+            assert_eq!(
+                (get(75), get(76), get(10), get(1), get(41)),
+                (8, 0, 32, 1024, 1)
+            );
+            let mut buf = [0i8; 64];
+            let (mut v, mut bytes, mut free_bytes, mut p) = (0, 0usize, 0usize, 0u64);
+            // SAFETY: buffers of the stated lengths, valid out pointers.
+            unsafe {
+                assert_eq!(attr(&mut v, 75, 2), INVALID_DEVICE);
+                assert_eq!(attr(std::ptr::null_mut(), 75, 0), INVALID_VALUE);
+                assert_eq!(name(buf.as_mut_ptr(), 64, 1), SUCCESS);
+                let text = std::ffi::CStr::from_ptr(buf.as_ptr())
+                    .to_str()
+                    .unwrap()
+                    .to_owned();
+                assert!(text.contains("emulator") && text.ends_with('1'), "{text}");
+                assert_eq!(total(&mut bytes, 0), SUCCESS);
+                assert_eq!(bytes, 16 << 30);
+                assert_eq!(version(&mut v), SUCCESS);
+                assert!(v >= 12000, "CUDA 12 or later: {v}");
+                assert_eq!(info(&mut free_bytes, &mut bytes), SUCCESS);
+                assert_eq!(free_bytes, bytes, "nothing allocated yet");
+                assert_eq!(alloc(&mut p, 100 << 20), SUCCESS);
+                assert_eq!(info(&mut free_bytes, &mut bytes), SUCCESS);
+                assert_eq!(bytes - free_bytes, 100 << 20);
+                assert_eq!(alloc(&mut p, 16 << 30), 2, "CUDA_ERROR_OUT_OF_MEMORY");
+                assert_eq!(free(p), SUCCESS);
+                assert_eq!(info(&mut free_bytes, &mut bytes), SUCCESS);
+                assert_eq!(free_bytes, bytes, "freed");
+            }
+        }),
+        Ok(0)
+    );
+}
+
+#[test]
+fn contexts_are_current_per_thread_and_checked() {
+    assert_eq!(
+        with_context(|d| {
+            let set: unsafe extern "C" fn(Ptr) -> R = d.f("cuCtxSetCurrent");
+            let current: unsafe extern "C" fn(*mut Ptr) -> R = d.f("cuCtxGetCurrent");
+            let device: unsafe extern "C" fn(*mut i32) -> R = d.f("cuCtxGetDevice");
+            let retain: unsafe extern "C" fn(*mut Ptr, i32) -> R = d.f("cuDevicePrimaryCtxRetain");
+            let release: unsafe extern "C" fn(i32) -> R = d.f("cuDevicePrimaryCtxRelease_v2");
+            let alloc: Alloc = d.f("cuMemAlloc_v2");
+            let (mut ctx1, mut got, mut dev, mut bogus) =
+                (std::ptr::null_mut(), std::ptr::null_mut(), -1, 0u64);
+            // SAFETY: valid out pointers; `bogus` is an address that is no context.
+            unsafe {
+                assert_eq!(
+                    release(1),
+                    INVALID_CONTEXT,
+                    "device 1's context was never retained"
+                );
+                assert_eq!(retain(&mut ctx1, 1), SUCCESS);
+                assert_eq!(set(ctx1), SUCCESS);
+                assert_eq!(current(&mut got), SUCCESS);
+                assert_eq!(got, ctx1);
+                assert_eq!(device(&mut dev), SUCCESS);
+                assert_eq!(dev, 1);
+                assert_eq!(
+                    set((&raw mut bogus).cast()),
+                    INVALID_CONTEXT,
+                    "not a context"
+                );
+                assert_eq!(current(&mut got), SUCCESS);
+                assert_eq!(got, ctx1, "unchanged by the refused call");
+                assert_eq!(release(1), SUCCESS);
+            }
+            // Another thread has no current context until it sets one.
+            let a = alloc as usize;
+            std::thread::spawn(move || {
+                // SAFETY: the same function pointer, moved as an address.
+                let alloc: Alloc = unsafe { std::mem::transmute::<usize, Alloc>(a) };
+                let mut p = 0u64;
+                // SAFETY: a valid out pointer.
+                assert_eq!(unsafe { alloc(&mut p, 64) }, INVALID_CONTEXT);
+            })
+            .join()
+            .expect("the thread's assertion");
+        }),
+        Ok(0)
+    );
+}
+
+#[test]
+fn registered_host_memory_is_its_own_device_address() {
+    assert_eq!(
+        with_context(|d| {
+            let register: unsafe extern "C" fn(Ptr, usize, u32) -> R = d.f("cuMemHostRegister_v2");
+            let unregister: unsafe extern "C" fn(Ptr) -> R = d.f("cuMemHostUnregister");
+            let device_ptr: unsafe extern "C" fn(*mut u64, Ptr, u32) -> R =
+                d.f("cuMemHostGetDevicePointer_v2");
+            let free_host: unsafe extern "C" fn(Ptr) -> R = d.f("cuMemFreeHost");
+            let (alloc, htod): (Alloc, HtoD) = (d.f("cuMemAlloc_v2"), d.f("cuMemcpyHtoD_v2"));
+            let dtod: unsafe extern "C" fn(u64, u64, usize) -> R = d.f("cuMemcpyDtoD_v2");
+            let mut host = vec![0u8; 8192];
+            let base: Ptr = host.as_mut_ptr().cast();
+            let (mut q, mut dev) = (0u64, 0u64);
+            // SAFETY: `host` outlives every use; buffers of the stated lengths.
+            unsafe {
+                assert_eq!(
+                    device_ptr(&mut q, base, 0),
+                    INVALID_VALUE,
+                    "not registered yet"
+                );
+                assert_eq!(register(base, 8192, 0), SUCCESS);
+                assert_eq!(register(base.add(4096), 100, 0), 712, "ALREADY_REGISTERED");
+                assert_eq!(device_ptr(&mut q, base, 0), SUCCESS);
+                assert_eq!(q, base as u64, "unified addressing");
+                // A device-to-device copy may name registered memory by its device address.
+                assert_eq!(alloc(&mut dev, 4096), SUCCESS);
+                assert_eq!(htod(dev, [7u8; 4096].as_ptr().cast(), 4096), SUCCESS);
+                assert_eq!(dtod(q + 100, dev, 4096), SUCCESS);
+                assert_eq!(
+                    free_host(base),
+                    INVALID_VALUE,
+                    "registered, not allocated by the driver"
+                );
+                assert_eq!(unregister(base), SUCCESS);
+                assert_eq!(unregister(base), 713, "NOT_REGISTERED");
+                assert_eq!(
+                    device_ptr(&mut q, dev as Ptr, 0),
+                    INVALID_VALUE,
+                    "device memory"
+                );
+            }
+            assert!(host[100..4196].iter().all(|&b| b == 7) && host[..100].iter().all(|&b| b == 0));
+        }),
+        Ok(0)
+    );
+}
+
+#[test]
+fn the_null_stream_waits_for_blocking_streams_and_queries_settle() {
+    assert_eq!(
+        with_context(|d| {
+            let create: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuStreamCreate");
+            let destroy: unsafe extern "C" fn(Ptr) -> R = d.f("cuStreamDestroy_v2");
+            let sync: unsafe extern "C" fn(Ptr) -> R = d.f("cuStreamSynchronize");
+            let query: unsafe extern "C" fn(Ptr) -> R = d.f("cuStreamQuery");
+            let event: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuEventCreate");
+            let record: unsafe extern "C" fn(Ptr, Ptr) -> R = d.f("cuEventRecord");
+            let event_query: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventQuery");
+            let event_sync: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventSynchronize");
+            let host_alloc: unsafe extern "C" fn(*mut Ptr, usize, u32) -> R = d.f("cuMemHostAlloc");
+            let htod_async: unsafe extern "C" fn(u64, *const c_void, usize, Ptr) -> R =
+                d.f("cuMemcpyHtoDAsync_v2");
+            let (alloc, dtoh): (Alloc, DtoH) = (d.f("cuMemAlloc_v2"), d.f("cuMemcpyDtoH_v2"));
+            let n = 64 << 20;
+            let (mut a, mut e, mut src) = (
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            let mut dev = 0u64;
+            let mut back = vec![0u8; n];
+            let null = std::ptr::null_mut();
+            // SAFETY: pinned and host buffers of n bytes, valid out pointers.
+            unsafe {
+                assert_eq!(create(&mut a, 2), INVALID_VALUE, "unknown flags");
+                assert_eq!(create(&mut a, 0), SUCCESS);
+                assert_eq!(event(&mut e, 0), SUCCESS);
+                assert_eq!(event_query(e), SUCCESS, "never recorded");
+                assert_eq!(host_alloc(&mut src, n, 0), SUCCESS);
+                assert_eq!(alloc(&mut dev, n), SUCCESS);
+                std::ptr::write_bytes(src.cast::<u8>(), 0x3c, n);
+                // The upload runs on stream a; the synchronous download on the null stream
+                // starts only after it (the legacy default stream's ordering), with no event.
+                assert_eq!(htod_async(dev, src, n, a), SUCCESS);
+                assert_eq!(record(e, a), SUCCESS);
+                let state = event_query(e);
+                assert!(
+                    state == SUCCESS || state == 600,
+                    "NOT_READY or done: {state}"
+                );
+                assert_eq!(dtoh(back.as_mut_ptr().cast(), dev, n), SUCCESS);
+                assert!(
+                    back.iter().all(|&b| b == 0x3c),
+                    "the null stream ran before stream a"
+                );
+                assert_eq!(event_sync(e), SUCCESS);
+                assert_eq!(event_query(e), SUCCESS);
+                assert_eq!(sync(a), SUCCESS);
+                assert_eq!(query(a), SUCCESS);
+                assert_eq!(query(null), SUCCESS);
+                assert_eq!(destroy(a), SUCCESS);
+                assert_eq!(destroy(a), 400, "INVALID_HANDLE: destroyed");
+                assert_eq!(event_query(null), 400);
+            }
+        }),
+        Ok(0)
+    );
+}
+
+/// KvXferParams (kernels/kv_transfer.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct KvXferParams {
+    planes: u64,
+    pages: u64,
+    staging: u64,
+    page_stride: u64,
+    page_size: u32,
+    pool_heads: u32,
+    head_bytes: u32,
+    num_planes: u32,
+    layer0: u32,
+    head0: u32,
+    heads: u32,
+    page_blocks: u32,
+    first_token: u32,
+    end_token: u32,
+    pool_order: u32,
+    wire_order: u32,
+}
+
+/// Gathers page 1 (16 tokens of one 64-byte head) of a one-plane pool into `staging_bytes` of
+/// staging with `kv_gather` on the null stream; returns cuStreamSynchronize's result and what
+/// the page and the staging held. `free_pool`: the pool is freed before the launch.
+fn gather_one_page(d: &Driver, staging_bytes: usize, free_pool: bool) -> (R, Vec<u8>, Vec<u8>) {
+    let load: unsafe extern "C" fn(*mut Ptr, *const c_void) -> R = d.f("cuModuleLoadData");
+    let get: unsafe extern "C" fn(*mut Ptr, Ptr, *const i8) -> R = d.f("cuModuleGetFunction");
+    #[allow(clippy::type_complexity)]
+    let launch: unsafe extern "C" fn(
+        Ptr,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        Ptr,
+        *mut Ptr,
+        *mut Ptr,
+    ) -> R = d.f("cuLaunchKernel");
+    let sync: unsafe extern "C" fn(Ptr) -> R = d.f("cuStreamSynchronize");
+    let (alloc, free, htod, dtoh): (Alloc, Free, HtoD, DtoH) = (
+        d.f("cuMemAlloc_v2"),
+        d.f("cuMemFree_v2"),
+        d.f("cuMemcpyHtoD_v2"),
+        d.f("cuMemcpyDtoH_v2"),
+    );
+    let ptx = c".version 8.0\n.target sm_80\n.visible .entry kv_gather(\n.param .align 8 .b8 p[80]\n)\n{ ret; }\n";
+    let page = 16 * 64;
+    let pool_bytes: Vec<u8> = (0..2 * page).map(|i| (i * 7 + 3) as u8).collect();
+    let (mut m, mut f) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let (mut pool, mut table, mut pages, mut staging) = (0u64, 0u64, 0u64, 0u64);
+    let mut staged = vec![0u8; staging_bytes];
+    let null = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated image, valid out pointers, buffers of the stated lengths.
+    unsafe {
+        assert_eq!(load(&mut m, ptx.as_ptr().cast()), SUCCESS);
+        assert_eq!(get(&mut f, m, c"kv_gather".as_ptr()), SUCCESS);
+        assert_eq!(alloc(&mut pool, 2 * page), SUCCESS);
+        assert_eq!(htod(pool, pool_bytes.as_ptr().cast(), 2 * page), SUCCESS);
+        assert_eq!(alloc(&mut table, 8), SUCCESS);
+        assert_eq!(htod(table, (&raw const pool).cast(), 8), SUCCESS);
+        assert_eq!(alloc(&mut pages, 4), SUCCESS);
+        assert_eq!(htod(pages, [1u32].as_ptr().cast(), 4), SUCCESS);
+        assert_eq!(alloc(&mut staging, staging_bytes), SUCCESS);
+        if free_pool {
+            assert_eq!(free(pool), SUCCESS);
+        }
+        let mut params = KvXferParams {
+            planes: table,
+            pages,
+            staging,
+            page_stride: page as u64,
+            page_size: 16,
+            pool_heads: 1,
+            head_bytes: 64,
+            num_planes: 1,
+            heads: 1,
+            page_blocks: 1,
+            end_token: 16,
+            ..KvXferParams::default()
+        };
+        let mut args = [(&raw mut params).cast::<c_void>()];
+        assert_eq!(
+            launch(
+                f,
+                1,
+                1,
+                1,
+                32,
+                1,
+                1,
+                0,
+                null,
+                args.as_mut_ptr(),
+                null.cast()
+            ),
+            SUCCESS
+        );
+        let ended = sync(null);
+        if ended == SUCCESS {
+            assert_eq!(
+                dtoh(staged.as_mut_ptr().cast(), staging, staging_bytes),
+                SUCCESS
+            );
+        }
+        (ended, pool_bytes[page..].to_vec(), staged)
+    }
+}
+
+#[test]
+fn a_launch_moves_the_pages_it_names_and_nothing_else() {
+    assert_eq!(
+        with_context(|d| {
+            let (ended, page, staged) = gather_one_page(d, 2048, false);
+            assert_eq!(ended, SUCCESS);
+            assert!(staged[..1024] == page[..], "page 1 in staging");
+            assert!(
+                staged[1024..].iter().all(|&b| b == 0),
+                "staging past the page untouched"
+            );
+        }),
+        Ok(0)
+    );
+}
+
+#[test]
+fn a_launch_outside_live_memory_is_a_sticky_error() {
+    for (staging_bytes, free_pool, what) in [
+        (1000, false, "staging 24 bytes short"),
+        (1024, true, "pool freed"),
+    ] {
+        assert_eq!(
+            with_context(|d| {
+                let (ended, _, _) = gather_one_page(d, staging_bytes, free_pool);
+                assert_eq!(ended, 700, "CUDA_ERROR_ILLEGAL_ADDRESS: {what}");
+                let htod: HtoD = d.f("cuMemcpyHtoD_v2");
+                let alloc: Alloc = d.f("cuMemAlloc_v2");
+                let mut p = 0u64;
+                // SAFETY: valid pointers; both calls must be refused.
+                unsafe {
+                    assert_eq!(alloc(&mut p, 64), 700, "sticky: later calls fail too");
+                    assert_eq!(htod(p, [0u8; 8].as_ptr().cast(), 8), 700);
+                }
+            }),
+            Ok(0),
+            "{what}"
+        );
+    }
 }

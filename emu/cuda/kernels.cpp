@@ -3,7 +3,9 @@
 // kernels/kv_transfer.cu compiled for the host (kernels/host_shim.h) on the stream's worker,
 // with the launch's grid, block and parameters. The kernel reads and writes device memory, so
 // the device addresses in its parameters, and the plane addresses stored in device memory that
-// `planes` points to, are translated to the allocations' host mappings first.
+// `planes` points to, are translated to the allocations' host mappings first, once every byte
+// the launch would touch was found inside usable device memory (else the context's sticky
+// ILLEGAL_ADDRESS, as a device's memory protection would raise).
 
 #include "host_shim.h"
 #include "kv_transfer.cu"
@@ -27,6 +29,25 @@ struct Function {
 };
 
 Function g_gather{true}, g_scatter{false};
+
+// Whether every byte the launch's `segments` touch lies in usable device memory, as a device's
+// memory protection demands: each segment's pool rows and staging run are checked before the
+// kernel runs. `p` holds device addresses; `table` and `pages` are host copies of its tables.
+bool in_bounds(KvXferParams p, const std::vector<u64>& table, const u32* pages, u32 segments) {
+    p.planes = reinterpret_cast<u64>(table.data());
+    p.pages = reinterpret_cast<u64>(pages);
+    for (u32 seg = 0; seg < segments; ++seg) {
+        const u32 plane_index = seg / p.page_blocks;
+        const u64 entry = u64(p.layer0 + plane_index / p.num_planes) * p.num_planes + plane_index % p.num_planes;
+        if (entry >= table.size()) return false;
+        const KvfRows r = kvf_segment(p, seg);
+        if (r.rows == 0) continue;
+        const u64 last_row = u64((r.rows - 1) / r.inner) * r.outer_stride + u64((r.rows - 1) % r.inner) * r.inner_stride;
+        if (!emu::translate(reinterpret_cast<u64>(r.pool), last_row + r.run)) return false;
+        if (!emu::translate(reinterpret_cast<u64>(r.staging), u64(r.rows) * r.run)) return false;
+    }
+    return true;
+}
 
 }  // namespace
 
@@ -78,17 +99,14 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
     std::memcpy(&p, params[0], sizeof p);
     emu::enqueue(s, [=]() mutable {
         // Translated when the launch runs: the memory must be live then, as on a device.
-        auto* planes = static_cast<u64*>(emu::translate_rest(p.planes));
-        size_t count = emu::bytes_from(p.planes) / sizeof(u64);
-        auto* pages = emu::translate(p.pages, size_t(p.page_blocks) * sizeof(u32));
+        auto [table, table_bytes] = emu::rest(p.planes);
+        auto* pages = static_cast<u32*>(emu::translate(p.pages, size_t(p.page_blocks) * sizeof(u32)));
         auto* staging = emu::translate(p.staging, 1);
-        if (!planes || !pages || !staging) return emu::fault();
-        std::vector<u64> host_planes(count);
-        for (size_t i = 0; i < count; ++i) {
-            void* h = planes[i] ? emu::translate(planes[i], 1) : nullptr;
-            host_planes[i] = reinterpret_cast<u64>(h);
-        }
-        p.planes = reinterpret_cast<u64>(host_planes.data());
+        if (!table || !pages || !staging || p.page_blocks == 0 || p.num_planes == 0) return emu::fault();
+        std::vector<u64> planes(static_cast<u64*>(table), static_cast<u64*>(table) + table_bytes / sizeof(u64));
+        if (!in_bounds(p, planes, pages, gx)) return emu::fault();
+        for (u64& plane : planes) plane = reinterpret_cast<u64>(plane ? emu::translate(plane, 1) : nullptr);
+        p.planes = reinterpret_cast<u64>(planes.data());
         p.pages = reinterpret_cast<u64>(pages);
         p.staging = reinterpret_cast<u64>(staging);
         kvf_host_launch(gather ? kv_gather : kv_scatter, kvf_dim3{gx, gy, 1}, kvf_dim3{bx, 1, 1}, p);

@@ -1,0 +1,436 @@
+//! CUDA IPC handles and VMM shareable handles on the CUDA driver emulator (emu/cuda), between
+//! real processes: forked children that export, send the handle over a Unix socket, import,
+//! and check that each sees the other's writes. Errors as the driver documents them: a handle
+//! opened in its exporting process, from a dead exporter, of freed memory, a garbage handle,
+//! memory used before access was granted or after it was unmapped.
+#![allow(unsafe_code)]
+
+#[path = "emu/driver.rs"]
+mod driver;
+
+use std::ffi::c_void;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use driver::*;
+
+const INVALID_HANDLE: R = 400;
+const LAZY_ENABLE_PEER_ACCESS: u32 = 1;
+const MIB: usize = 1 << 20;
+
+/// CUipcMemHandle.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct IpcHandle([u8; 64]);
+
+type GetHandle = unsafe extern "C" fn(*mut IpcHandle, u64) -> R;
+type OpenHandle = unsafe extern "C" fn(*mut u64, IpcHandle, u32) -> R;
+type CloseHandle = unsafe extern "C" fn(u64) -> R;
+type Memset = unsafe extern "C" fn(u64, u8, usize) -> R;
+type Range = unsafe extern "C" fn(*mut u64, *mut usize, u64) -> R;
+
+/// A connected pair whose reads give up after a generous bound, so that a child whose peer
+/// died fails instead of hanging.
+fn pair() -> (UnixStream, UnixStream) {
+    let (a, b) = UnixStream::pair().expect("socketpair");
+    for s in [&a, &b] {
+        s.set_read_timeout(Some(Duration::from_secs(120)))
+            .expect("read timeout");
+    }
+    (a, b)
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(13) ^ seed).collect()
+}
+
+fn read_handle(s: &mut UnixStream) -> IpcHandle {
+    let mut h = IpcHandle([0; 64]);
+    s.read_exact(&mut h.0).expect("reading the handle");
+    h
+}
+
+#[test]
+fn an_ipc_handle_shares_an_allocation_between_processes() {
+    let n = MIB;
+    let (mut to_importer, mut from_exporter) = pair();
+    let (mut done_tx, mut done_rx) = pair();
+    let exporter = spawn_with_context(move |d| {
+        let (alloc, htod, dtoh): (Alloc, HtoD, DtoH) = (
+            d.f("cuMemAlloc_v2"),
+            d.f("cuMemcpyHtoD_v2"),
+            d.f("cuMemcpyDtoH_v2"),
+        );
+        let (get, open): (GetHandle, OpenHandle) =
+            (d.f("cuIpcGetMemHandle"), d.f("cuIpcOpenMemHandle_v2"));
+        let data = pattern(n, 1);
+        let mut p = 0u64;
+        let mut h = IpcHandle([0; 64]);
+        let mut q = 0u64;
+        // SAFETY: buffers of the stated lengths, valid out pointers.
+        unsafe {
+            assert_eq!(alloc(&mut p, n), SUCCESS);
+            assert_eq!(htod(p, data.as_ptr().cast(), n), SUCCESS);
+            assert_eq!(
+                get(&mut h, p + 4096),
+                INVALID_VALUE,
+                "not an allocation's base"
+            );
+            assert_eq!(get(&mut h, p), SUCCESS);
+            assert_eq!(
+                open(&mut q, h, LAZY_ENABLE_PEER_ACCESS),
+                INVALID_CONTEXT,
+                "opened in the exporting process"
+            );
+        }
+        to_importer.write_all(&h.0).expect("sending the handle");
+        let mut b = [0u8];
+        done_rx.read_exact(&mut b).expect("the importer's word");
+        let mut back = vec![0u8; n];
+        // SAFETY: a buffer of n bytes.
+        unsafe { assert_eq!(dtoh(back.as_mut_ptr().cast(), p, n), SUCCESS) };
+        let mut want = data;
+        want[..4096].fill(0xee);
+        assert!(
+            back == want,
+            "the importer's write is not in the exporter's memory"
+        );
+    });
+    let importer = spawn_with_context(move |d| {
+        let (dtoh, memset, range): (DtoH, Memset, Range) = (
+            d.f("cuMemcpyDtoH_v2"),
+            d.f("cuMemsetD8_v2"),
+            d.f("cuMemGetAddressRange_v2"),
+        );
+        let (open, close): (OpenHandle, CloseHandle) =
+            (d.f("cuIpcOpenMemHandle_v2"), d.f("cuIpcCloseMemHandle"));
+        let h = read_handle(&mut from_exporter);
+        let (mut q, mut again, mut base, mut size) = (0u64, 0u64, 0u64, 0usize);
+        let mut back = vec![0u8; n];
+        // SAFETY: buffers of the stated lengths, valid out pointers.
+        unsafe {
+            assert_eq!(
+                open(&mut q, h, 0),
+                INVALID_VALUE,
+                "flags must be LAZY_ENABLE_PEER_ACCESS"
+            );
+            assert_eq!(open(&mut q, h, LAZY_ENABLE_PEER_ACCESS), SUCCESS);
+            assert_eq!(open(&mut again, h, LAZY_ENABLE_PEER_ACCESS), SUCCESS);
+            assert_eq!(again, q, "a handle opened twice maps once");
+            assert_eq!(dtoh(back.as_mut_ptr().cast(), q, n), SUCCESS);
+            assert!(back == pattern(n, 1), "the exporter's bytes");
+            assert_eq!(range(&mut base, &mut size, q + 100), SUCCESS);
+            assert_eq!((base, size), (q, n));
+            assert_eq!(memset(q, 0xee, 4096), SUCCESS);
+            assert_eq!(close(q), SUCCESS);
+            assert_eq!(
+                dtoh(back.as_mut_ptr().cast(), q, 16),
+                SUCCESS,
+                "still opened once"
+            );
+            assert_eq!(close(q), SUCCESS);
+            assert_eq!(close(q), INVALID_VALUE, "closed as often as opened");
+            assert_eq!(
+                dtoh(back.as_mut_ptr().cast(), q, 16),
+                INVALID_VALUE,
+                "used after close"
+            );
+        }
+        done_tx.write_all(&[1]).expect("telling the exporter");
+    });
+    assert_eq!(importer.wait(), Ok(0), "importer");
+    assert_eq!(exporter.wait(), Ok(0), "exporter");
+}
+
+#[test]
+fn an_ipc_handle_is_refused_when_its_exporter_died_or_freed_it() {
+    // An exporter that exits right after sending its handle.
+    let (mut tx, mut rx) = pair();
+    let dead = spawn_with_context(move |d| {
+        let (alloc, get): (Alloc, GetHandle) = (d.f("cuMemAlloc_v2"), d.f("cuIpcGetMemHandle"));
+        let (mut p, mut h) = (0u64, IpcHandle([0; 64]));
+        // SAFETY: valid out pointers.
+        unsafe {
+            assert_eq!(alloc(&mut p, MIB), SUCCESS);
+            assert_eq!(get(&mut h, p), SUCCESS);
+        }
+        tx.write_all(&h.0).expect("sending the handle");
+    });
+    let of_dead = read_handle(&mut rx);
+    assert_eq!(dead.wait(), Ok(0));
+    // An exporter that frees the allocation and stays alive.
+    let (mut tx, mut rx) = pair();
+    let (mut done_tx, mut done_rx) = pair();
+    let alive = spawn_with_context(move |d| {
+        let (alloc, free, get): (Alloc, Free, GetHandle) = (
+            d.f("cuMemAlloc_v2"),
+            d.f("cuMemFree_v2"),
+            d.f("cuIpcGetMemHandle"),
+        );
+        let (mut p, mut h) = (0u64, IpcHandle([0; 64]));
+        // SAFETY: valid out pointers.
+        unsafe {
+            assert_eq!(alloc(&mut p, MIB), SUCCESS);
+            assert_eq!(get(&mut h, p), SUCCESS);
+            assert_eq!(free(p), SUCCESS);
+        }
+        tx.write_all(&h.0).expect("sending the handle");
+        let mut b = [0u8];
+        done_rx.read_exact(&mut b).expect("the importer's word");
+    });
+    let of_freed = read_handle(&mut rx);
+    let importer = spawn_with_context(move |d| {
+        let open: OpenHandle = d.f("cuIpcOpenMemHandle_v2");
+        let mut q = 0u64;
+        // SAFETY: a valid out pointer.
+        unsafe {
+            assert_eq!(
+                open(&mut q, of_dead, LAZY_ENABLE_PEER_ACCESS),
+                INVALID_HANDLE,
+                "the exporter is dead"
+            );
+            assert_eq!(
+                open(&mut q, of_freed, LAZY_ENABLE_PEER_ACCESS),
+                INVALID_HANDLE,
+                "the exporter freed it"
+            );
+            assert_eq!(
+                open(&mut q, IpcHandle([0x5a; 64]), LAZY_ENABLE_PEER_ACCESS),
+                INVALID_HANDLE,
+                "not a handle"
+            );
+        }
+        done_tx.write_all(&[1]).expect("telling the exporter");
+    });
+    assert_eq!(importer.wait(), Ok(0), "importer");
+    assert_eq!(alive.wait(), Ok(0), "exporter");
+}
+
+/// CUmemAllocationProp: pinned device memory on device 0, optionally exportable as a POSIX fd.
+#[repr(C)]
+struct Prop {
+    kind: i32,
+    handle_types: i32,
+    location: [i32; 2],
+    win32: *mut c_void,
+    flags: [u8; 8],
+}
+
+fn prop(shareable: bool) -> Prop {
+    Prop {
+        kind: 1,
+        handle_types: i32::from(shareable),
+        location: [1, 0],
+        win32: std::ptr::null_mut(),
+        flags: [0; 8],
+    }
+}
+
+/// CUmemAccessDesc: read and write for device 0.
+#[repr(C)]
+struct Access {
+    location: [i32; 2],
+    flags: i32,
+}
+
+const READ_WRITE: Access = Access {
+    location: [1, 0],
+    flags: 3,
+};
+
+type Granularity = unsafe extern "C" fn(*mut usize, *const Prop, i32) -> R;
+type Create = unsafe extern "C" fn(*mut u64, usize, *const Prop, u64) -> R;
+type Release = unsafe extern "C" fn(u64) -> R;
+type Reserve = unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> R;
+type AddressFree = unsafe extern "C" fn(u64, usize) -> R;
+type Map = unsafe extern "C" fn(u64, usize, usize, u64, u64) -> R;
+type Unmap = unsafe extern "C" fn(u64, usize) -> R;
+type SetAccess = unsafe extern "C" fn(u64, usize, *const Access, usize) -> R;
+type Export = unsafe extern "C" fn(*mut c_void, u64, i32, u64) -> R;
+type Import = unsafe extern "C" fn(*mut u64, *mut c_void, i32) -> R;
+const POSIX_FD: i32 = 1;
+
+/// Sends `fd` over `s` (SCM_RIGHTS).
+fn send_fd(s: &UnixStream, fd: RawFd) {
+    let mut byte = [0u8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: a control buffer sized by CMSG_SPACE for one fd, filled through the CMSG macros.
+    unsafe {
+        let space = libc::CMSG_SPACE(size_of::<RawFd>() as u32) as usize;
+        let mut control = vec![0u8; space];
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+        assert_eq!(libc::sendmsg(s.as_raw_fd(), &msg, 0), 1, "sendmsg");
+    }
+}
+
+/// Receives one fd sent by [`send_fd`].
+fn recv_fd(s: &UnixStream) -> RawFd {
+    let mut byte = [0u8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: as in send_fd; the kernel fills the control buffer.
+    unsafe {
+        let space = libc::CMSG_SPACE(size_of::<RawFd>() as u32) as usize;
+        let mut control = vec![0u8; space];
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        assert_eq!(libc::recvmsg(s.as_raw_fd(), &mut msg, 0), 1, "recvmsg");
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        assert!(
+            !cmsg.is_null() && (*cmsg).cmsg_type == libc::SCM_RIGHTS,
+            "no fd came"
+        );
+        std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>())
+    }
+}
+
+#[test]
+fn vmm_memory_exported_as_a_posix_fd_maps_in_another_process() {
+    let (tx, rx) = pair();
+    let (mut done_tx, mut done_rx) = pair();
+    let exporter = spawn_with_context(move |d| {
+        let gran: Granularity = d.f("cuMemGetAllocationGranularity");
+        let create: Create = d.f("cuMemCreate");
+        let reserve: Reserve = d.f("cuMemAddressReserve");
+        let address_free: AddressFree = d.f("cuMemAddressFree");
+        let map: Map = d.f("cuMemMap");
+        let unmap: Unmap = d.f("cuMemUnmap");
+        let set_access: SetAccess = d.f("cuMemSetAccess");
+        let export: Export = d.f("cuMemExportToShareableHandle");
+        let (htod, dtoh): (HtoD, DtoH) = (d.f("cuMemcpyHtoD_v2"), d.f("cuMemcpyDtoH_v2"));
+        let (mut g, mut h, mut plain, mut va, mut fd) = (0usize, 0u64, 0u64, 0u64, -1i32);
+        let data = pattern(2 * MIB, 2);
+        let mut back = vec![0u8; 2 * MIB];
+        // SAFETY: buffers of the stated lengths, valid out pointers and descriptors.
+        unsafe {
+            assert_eq!(gran(&mut g, &prop(true), 0), SUCCESS);
+            assert_eq!(g, 2 * MIB);
+            assert_eq!(
+                create(&mut h, MIB, &prop(true), 0),
+                INVALID_VALUE,
+                "not a multiple of the granularity"
+            );
+            assert_eq!(create(&mut h, 2 * MIB, &prop(true), 0), SUCCESS);
+            assert_eq!(create(&mut plain, 2 * MIB, &prop(false), 0), SUCCESS);
+            assert_eq!(
+                export((&raw mut fd).cast(), plain, POSIX_FD, 0),
+                INVALID_VALUE,
+                "not created exportable"
+            );
+            assert_eq!(reserve(&mut va, 4 * MIB, 0, 0, 0), SUCCESS);
+            assert_eq!(map(va, 2 * MIB, 0, h, 0), SUCCESS);
+            assert_eq!(
+                htod(va, data.as_ptr().cast(), 16),
+                INVALID_VALUE,
+                "no access granted yet"
+            );
+            assert_eq!(set_access(va, 2 * MIB, &READ_WRITE, 1), SUCCESS);
+            assert_eq!(htod(va, data.as_ptr().cast(), 2 * MIB), SUCCESS);
+            assert_eq!(export((&raw mut fd).cast(), h, POSIX_FD, 0), SUCCESS);
+        }
+        send_fd(&tx, fd);
+        let mut b = [0u8];
+        done_rx.read_exact(&mut b).expect("the importer's word");
+        // SAFETY: as above.
+        unsafe {
+            assert_eq!(dtoh(back.as_mut_ptr().cast(), va, 2 * MIB), SUCCESS);
+            let mut want = data;
+            want[..4096].fill(0xee);
+            assert!(
+                back == want,
+                "the importer's write is not in the exporter's memory"
+            );
+            assert_eq!(address_free(va, 4 * MIB), INVALID_VALUE, "still mapped");
+            assert_eq!(unmap(va, 2 * MIB), SUCCESS);
+            assert_eq!(
+                dtoh(back.as_mut_ptr().cast(), va, 16),
+                INVALID_VALUE,
+                "unmapped"
+            );
+            assert_eq!(address_free(va, 4 * MIB), SUCCESS);
+        }
+    });
+    let importer = spawn_with_context(move |d| {
+        let create: Create = d.f("cuMemCreate");
+        let release: Release = d.f("cuMemRelease");
+        let reserve: Reserve = d.f("cuMemAddressReserve");
+        let map: Map = d.f("cuMemMap");
+        let unmap: Unmap = d.f("cuMemUnmap");
+        let set_access: SetAccess = d.f("cuMemSetAccess");
+        let import: Import = d.f("cuMemImportFromShareableHandle");
+        let (dtoh, memset, range): (DtoH, Memset, Range) = (
+            d.f("cuMemcpyDtoH_v2"),
+            d.f("cuMemsetD8_v2"),
+            d.f("cuMemGetAddressRange_v2"),
+        );
+        let fd = recv_fd(&rx);
+        let (mut theirs, mut mine, mut va, mut base, mut size) = (0u64, 0u64, 0u64, 0u64, 0usize);
+        let mut back = vec![0u8; 32];
+        let mut pipe = [0i32; 2];
+        // SAFETY: buffers of the stated lengths, valid out pointers and descriptors.
+        unsafe {
+            assert_eq!(libc::pipe(pipe.as_mut_ptr()), 0);
+            assert_eq!(
+                import(&mut theirs, pipe[0] as isize as *mut c_void, POSIX_FD),
+                INVALID_VALUE,
+                "a pipe is not device memory"
+            );
+            assert_eq!(
+                import(&mut theirs, fd as isize as *mut c_void, POSIX_FD),
+                SUCCESS
+            );
+            libc::close(fd); // the handle holds the memory, not the fd
+            assert_eq!(create(&mut mine, 2 * MIB, &prop(false), 0), SUCCESS);
+            // Local memory, then the exporter's, back to back in one reservation.
+            assert_eq!(reserve(&mut va, 4 * MIB, 0, 0, 0), SUCCESS);
+            assert_eq!(map(va, 2 * MIB, 0, mine, 0), SUCCESS);
+            assert_eq!(
+                map(va, 2 * MIB, 0, theirs, 0),
+                INVALID_VALUE,
+                "already mapped there"
+            );
+            assert_eq!(map(va + 2 * MIB as u64, 2 * MIB, 0, theirs, 0), SUCCESS);
+            assert_eq!(set_access(va, 4 * MIB, &READ_WRITE, 1), SUCCESS);
+            assert_eq!(release(theirs), SUCCESS, "the mapping keeps the memory");
+            assert_eq!(release(theirs), INVALID_VALUE, "released twice");
+            assert_eq!(memset(va, 0x11, 2 * MIB), SUCCESS);
+            let seam = va + 2 * MIB as u64 - 16;
+            assert_eq!(
+                dtoh(back.as_mut_ptr().cast(), seam, 32),
+                SUCCESS,
+                "one read across both pieces"
+            );
+            assert_eq!(&back[..16], &[0x11; 16]);
+            assert_eq!(&back[16..], &pattern(2 * MIB, 2)[..16]);
+            assert_eq!(
+                range(&mut base, &mut size, va + 2 * MIB as u64 + 5),
+                SUCCESS
+            );
+            assert_eq!((base, size), (va + 2 * MIB as u64, 2 * MIB));
+            assert_eq!(memset(va + 2 * MIB as u64, 0xee, 4096), SUCCESS);
+            assert_eq!(unmap(va, 4 * MIB), SUCCESS, "both pieces at once");
+        }
+        done_tx.write_all(&[1]).expect("telling the exporter");
+    });
+    assert_eq!(importer.wait(), Ok(0), "importer");
+    assert_eq!(exporter.wait(), Ok(0), "exporter");
+}
