@@ -166,6 +166,10 @@ fn modules_name_their_entries_and_unimplemented_functions_abort() {
                     NOT_FOUND,
                     "not in this module"
                 );
+                let unload: unsafe extern "C" fn(Ptr) -> R = d.f("cuModuleUnload");
+                assert_eq!(unload(m), SUCCESS);
+                assert_eq!(unload(m), 400, "CUDA_ERROR_INVALID_HANDLE: unloaded");
+                assert_eq!(get(&mut f, m, c"kv_gather".as_ptr()), 400);
             }
         }),
         Ok(0)
@@ -544,4 +548,58 @@ fn a_launch_outside_live_memory_is_a_sticky_error() {
             "{what}"
         );
     }
+}
+
+#[test]
+fn async_work_on_streams_completes_by_context_synchronize() {
+    assert_eq!(
+        with_context(|d| {
+            let create: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuStreamCreate");
+            let ctx_sync: unsafe extern "C" fn() -> R = d.f("cuCtxSynchronize");
+            let event: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuEventCreate");
+            let record: unsafe extern "C" fn(Ptr, Ptr) -> R = d.f("cuEventRecord");
+            let event_destroy: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventDestroy_v2");
+            let host_alloc: unsafe extern "C" fn(*mut Ptr, usize, u32) -> R = d.f("cuMemHostAlloc");
+            let memset: unsafe extern "C" fn(u64, u8, usize, Ptr) -> R = d.f("cuMemsetD8Async");
+            let dtod: unsafe extern "C" fn(u64, u64, usize, Ptr) -> R = d.f("cuMemcpyDtoDAsync_v2");
+            let dtoh: unsafe extern "C" fn(Ptr, u64, usize, Ptr) -> R = d.f("cuMemcpyDtoHAsync_v2");
+            let alloc: Alloc = d.f("cuMemAlloc_v2");
+            let n = 32 << 20;
+            let (mut a, mut e, mut dst) = (
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            let (mut x, mut y) = (0u64, 0u64);
+            // SAFETY: a pinned buffer of n bytes, valid out pointers.
+            unsafe {
+                assert_eq!(create(&mut a, 1), SUCCESS, "CU_STREAM_NON_BLOCKING");
+                assert_eq!(event(&mut e, 0), SUCCESS);
+                assert_eq!(host_alloc(&mut dst, n, 0), SUCCESS);
+                assert_eq!(alloc(&mut x, n), SUCCESS);
+                assert_eq!(alloc(&mut y, n), SUCCESS);
+                // One stream: fill x, copy it to y, download y into pinned memory.
+                assert_eq!(memset(x, 0x42, n, a), SUCCESS);
+                assert_eq!(dtod(y, x, n, a), SUCCESS);
+                assert_eq!(dtoh(dst, y, n, a), SUCCESS);
+                assert_eq!(record(e, a), SUCCESS);
+                // Destroying a recorded event lets its work finish; the context synchronize
+                // waits for every stream.
+                assert_eq!(event_destroy(e), SUCCESS);
+                assert_eq!(event_destroy(std::ptr::null_mut()), 400);
+                assert_eq!(ctx_sync(), SUCCESS);
+                let got = std::slice::from_raw_parts(dst.cast::<u8>(), n);
+                assert!(
+                    got.iter().all(|&b| b == 0x42),
+                    "the stream's work was not done"
+                );
+                assert_eq!(
+                    memset(x + n as u64 - 8, 0, 16, a),
+                    INVALID_VALUE,
+                    "past the end"
+                );
+            }
+        }),
+        Ok(0)
+    );
 }

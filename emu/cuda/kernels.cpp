@@ -30,6 +30,16 @@ struct Function {
 
 Function g_gather{true}, g_scatter{false};
 
+// The modules loaded and not unloaded: a handle is checked against them.
+std::mutex g_modules_lock;
+std::set<Module*> g_modules;
+
+Module* module_of(CUmodule module) {
+    std::lock_guard<std::mutex> g(g_modules_lock);
+    auto it = g_modules.find(reinterpret_cast<Module*>(module));
+    return it == g_modules.end() ? nullptr : *it;
+}
+
 // Whether every byte the launch's `segments` touch lies in usable device memory, as a device's
 // memory protection demands: each segment's pool rows and staging run are checked before the
 // kernel runs. `p` holds device addresses; `table` and `pages` are host copies of its tables.
@@ -64,21 +74,25 @@ CUresult cuModuleLoadData(CUmodule* module, const void* image) {
         size_t end = ptx.find_first_of("( \t\n", start);
         m->entries.insert(ptx.substr(start, end - start));
     }
+    std::lock_guard<std::mutex> g(g_modules_lock);
+    g_modules.insert(m);
     *module = reinterpret_cast<CUmodule>(m);
     return emu::SUCCESS;
 }
 
 CUresult cuModuleUnload(CUmodule module) {
     if (CUresult r = emu::ready()) return r;
-    if (!module) return emu::INVALID_HANDLE;
+    std::lock_guard<std::mutex> g(g_modules_lock);
+    if (!g_modules.erase(reinterpret_cast<Module*>(module))) return emu::INVALID_HANDLE;
     delete reinterpret_cast<Module*>(module);
     return emu::SUCCESS;
 }
 
 CUresult cuModuleGetFunction(CUfunction* f, CUmodule module, const char* name) {
     if (CUresult r = emu::ready()) return r;
-    if (!f || !module || !name) return emu::INVALID_VALUE;
-    auto* m = reinterpret_cast<Module*>(module);
+    if (!f || !name) return emu::INVALID_VALUE;
+    Module* m = module_of(module);
+    if (!m) return emu::INVALID_HANDLE;
     if (!m->entries.count(name)) return emu::NOT_FOUND;
     std::string n(name);
     if (n == "kv_gather") *f = reinterpret_cast<CUfunction>(&g_gather);
