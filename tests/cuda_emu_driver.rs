@@ -583,11 +583,10 @@ fn async_work_on_streams_completes_by_context_synchronize() {
                 assert_eq!(dtod(y, x, n, a), SUCCESS);
                 assert_eq!(dtoh(dst, y, n, a), SUCCESS);
                 assert_eq!(record(e, a), SUCCESS);
-                // Destroying a recorded event lets its work finish; the context synchronize
-                // waits for every stream.
-                assert_eq!(event_destroy(e), SUCCESS);
-                assert_eq!(event_destroy(std::ptr::null_mut()), 400);
+                // The context synchronize waits for every stream; then the event goes.
                 assert_eq!(ctx_sync(), SUCCESS);
+                assert_eq!(event_destroy(e), SUCCESS);
+                assert_eq!(event_destroy(e), 400, "destroyed");
                 let got = std::slice::from_raw_parts(dst.cast::<u8>(), n);
                 assert!(
                     got.iter().all(|&b| b == 0x42),
@@ -598,6 +597,110 @@ fn async_work_on_streams_completes_by_context_synchronize() {
                     INVALID_VALUE,
                     "past the end"
                 );
+            }
+        }),
+        Ok(0)
+    );
+}
+
+#[test]
+fn work_waits_for_exactly_what_it_is_ordered_after() {
+    assert_eq!(
+        with_context(|d| {
+            let create: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuStreamCreate");
+            let query: unsafe extern "C" fn(Ptr) -> R = d.f("cuStreamQuery");
+            let sync: unsafe extern "C" fn(Ptr) -> R = d.f("cuStreamSynchronize");
+            let ctx_sync: unsafe extern "C" fn() -> R = d.f("cuCtxSynchronize");
+            let hold: unsafe extern "C" fn(Ptr, u64, u32, u32) -> R = d.f("cuStreamWaitValue32_v2");
+            let event: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuEventCreate");
+            let record: unsafe extern "C" fn(Ptr, Ptr) -> R = d.f("cuEventRecord");
+            let wait: unsafe extern "C" fn(Ptr, Ptr, u32) -> R = d.f("cuStreamWaitEvent");
+            let event_query: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventQuery");
+            let event_sync: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventSynchronize");
+            let event_destroy: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventDestroy_v2");
+            let host_alloc: unsafe extern "C" fn(*mut Ptr, usize, u32) -> R = d.f("cuMemHostAlloc");
+            let htod: unsafe extern "C" fn(u64, *const c_void, usize, Ptr) -> R =
+                d.f("cuMemcpyHtoDAsync_v2");
+            let memset: unsafe extern "C" fn(u64, u8, usize, Ptr) -> R = d.f("cuMemsetD8Async");
+            let dtoh_async: unsafe extern "C" fn(Ptr, u64, usize, Ptr) -> R =
+                d.f("cuMemcpyDtoHAsync_v2");
+            let (alloc, dtoh): (Alloc, DtoH) = (d.f("cuMemAlloc_v2"), d.f("cuMemcpyDtoH_v2"));
+            let null = std::ptr::null_mut();
+            let [mut a, mut b, mut c, mut w, mut e, mut f, mut flags] = [null; 7];
+            let (mut x, mut y, mut z) = (0u64, 0u64, 0u64);
+            let n = 1 << 20;
+            let mut src = vec![0x61u8; n];
+            let mut back = vec![0u8; n];
+            // SAFETY: pinned flags of 8 bytes written while streams poll them (volatile); buffers
+            // of the stated lengths.
+            unsafe {
+                assert_eq!(create(&mut a, 0), SUCCESS);
+                assert_eq!(create(&mut b, 0), SUCCESS);
+                assert_eq!(create(&mut c, 1), SUCCESS, "non-blocking");
+                assert_eq!(create(&mut w, 1), SUCCESS, "non-blocking");
+                assert_eq!(event(&mut e, 0), SUCCESS);
+                assert_eq!(event(&mut f, 0), SUCCESS);
+                assert_eq!(host_alloc(&mut flags, 8, 0), SUCCESS);
+                let (flag_a, flag_null) = (flags.cast::<u32>(), flags.cast::<u32>().add(1));
+                flag_a.write_volatile(0);
+                flag_null.write_volatile(0);
+                for p in [&mut x, &mut y, &mut z] {
+                    assert_eq!(alloc(p, n), SUCCESS);
+                }
+                // Stream a is held; its upload from pageable memory took the bytes at the call.
+                assert_eq!(hold(a, flag_a as u64, 1, 0), SUCCESS);
+                assert_eq!(htod(x, src.as_ptr().cast(), n, a), SUCCESS);
+                src.fill(0xff);
+                assert_eq!(query(a), 600, "NOT_READY: held");
+                // An event recorded behind the hold; a wait on it, then the event destroyed at
+                // once: the wait still holds stream w.
+                assert_eq!(record(e, a), SUCCESS);
+                assert_eq!(event_query(e), 600);
+                assert_eq!(wait(w, e, 0), SUCCESS);
+                assert_eq!(memset(z, 0x33, n, w), SUCCESS);
+                assert_eq!(event_destroy(e), SUCCESS);
+                assert_eq!(query(w), 600, "waits for the destroyed event's record");
+                // Records finish out of order: f's latest record (on c) is what counts.
+                assert_eq!(record(f, a), SUCCESS);
+                assert_eq!(record(f, c), SUCCESS);
+                assert_eq!(
+                    event_sync(f),
+                    SUCCESS,
+                    "the latest record, not the held one"
+                );
+                assert_eq!(event_query(f), SUCCESS);
+                // The null stream waits for a (blocking); stream b for the null stream; the
+                // non-blocking c for neither.
+                assert_eq!(hold(null, flag_null as u64, 1, 0), SUCCESS);
+                assert_eq!(memset(y, 0x44, n, b), SUCCESS);
+                assert_eq!(query(b), 600, "behind the held null stream");
+                assert_eq!(memset(y, 0x55, 16, c), SUCCESS);
+                let mut seen = null;
+                assert_eq!(host_alloc(&mut seen, n, 0), SUCCESS);
+                assert_eq!(dtoh_async(seen, y, n, c), SUCCESS);
+                assert_eq!(
+                    sync(c),
+                    SUCCESS,
+                    "a non-blocking stream is not ordered with them"
+                );
+                let seen = std::slice::from_raw_parts(seen.cast::<u8>(), n);
+                assert!(
+                    seen[..16] == [0x55; 16] && seen[16..].iter().all(|&v| v == 0),
+                    "b's memset ran early"
+                );
+                flag_null.write_volatile(1);
+                assert_eq!(query(b), 600, "the null stream's hold came after a's work");
+                flag_a.write_volatile(1);
+                assert_eq!(ctx_sync(), SUCCESS);
+                assert_eq!(dtoh(back.as_mut_ptr().cast(), x, n), SUCCESS);
+                assert!(
+                    back.iter().all(|&v| v == 0x61),
+                    "the upload took the bytes at the call"
+                );
+                assert_eq!(dtoh(back.as_mut_ptr().cast(), y, n), SUCCESS);
+                assert!(back.iter().all(|&v| v == 0x44), "b's memset ran after c's");
+                assert_eq!(dtoh(back.as_mut_ptr().cast(), z, n), SUCCESS);
+                assert!(back.iter().all(|&v| v == 0x33));
             }
         }),
         Ok(0)

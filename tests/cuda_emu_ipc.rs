@@ -337,6 +337,7 @@ fn vmm_memory_exported_as_a_posix_fd_maps_in_another_process() {
                 "not created exportable"
             );
             assert_eq!(reserve(&mut va, 4 * MIB, 0, 0, 0), SUCCESS);
+            assert_eq!(va % (2 * MIB as u64), 0, "aligned to the granularity");
             assert_eq!(map(va, 2 * MIB, 0, h, 0), SUCCESS);
             assert_eq!(
                 htod(va, data.as_ptr().cast(), 16),

@@ -12,6 +12,7 @@
 // stream belong to the process, not to a context.
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -41,7 +42,7 @@ std::atomic<CUresult> g_sticky{SUCCESS};
 
 struct Context {
     int device;
-    int retained = 0;
+    std::atomic<int> retained{0};
 };
 
 Context g_primary[kDevices] = {{0}, {1}};
@@ -55,13 +56,9 @@ Context* ctx_of(CUcontext c) {
 
 // ---- streams and events ----------------------------------------------------------------------
 
-struct Event {
-    std::mutex lock;
-    std::condition_variable cv;
-    uint64_t recorded = 0;  // how many records were enqueued
-    uint64_t done = 0;      // how many of them completed
-};
-
+// One worker thread per stream runs its jobs in order. The worker owns the stream: it is
+// detached, and the stream lives until it is destroyed and its queue drained, so neither
+// cuStreamDestroy nor process exit waits for it.
 struct Stream {
     const bool blocking;  // ordered with the null stream
     std::mutex lock;
@@ -70,17 +67,13 @@ struct Stream {
     uint64_t queued = 0;    // jobs ever enqueued
     uint64_t finished = 0;  // jobs ever completed
     bool stopping = false;
-    std::thread worker;
 
-    explicit Stream(bool blocking) : blocking(blocking), worker([this] { run(); }) {}
+    explicit Stream(bool blocking) : blocking(blocking) {}
 
-    ~Stream() {
-        {
-            std::lock_guard<std::mutex> g(lock);
-            stopping = true;
-        }
-        cv.notify_all();
-        worker.join();
+    static std::shared_ptr<Stream> start(bool blocking) {
+        auto st = std::make_shared<Stream>(blocking);
+        std::thread([st] { st->run(); }).detach();
+        return st;
     }
 
     void run() {
@@ -92,19 +85,25 @@ struct Stream {
             work.pop_front();
             g.unlock();
             job();
+            job = nullptr;  // what it captured goes before the lock is taken again
             g.lock();
             finished++;
             cv.notify_all();
         }
     }
 
-    void enqueue(std::function<void()> job) {
-        {
-            std::lock_guard<std::mutex> g(lock);
-            work.push_back(std::move(job));
-            queued++;
-        }
+    void stop() {
+        std::lock_guard<std::mutex> g(lock);
+        stopping = true;
         cv.notify_all();
+    }
+
+    // Enqueues `job`; returns its ticket (the jobs enqueued so far, it included).
+    uint64_t enqueue(std::function<void()> job) {
+        std::lock_guard<std::mutex> g(lock);
+        work.push_back(std::move(job));
+        cv.notify_all();
+        return ++queued;
     }
 
     uint64_t ticket() {
@@ -126,37 +125,65 @@ struct Stream {
     }
 };
 
-Stream* null_stream() {
-    static Stream s(true);
-    return &s;
-}
+// An event: its records in order; a wait or query concerns the latest record at the time of
+// the call, and a record is complete once the work before it on its stream is.
+struct Event {
+    std::mutex lock;
+    std::condition_variable cv;
+    uint64_t recorded = 0;        // records ever enqueued
+    std::set<uint64_t> pending;   // records not complete yet
 
-// The streams created and not destroyed; shared so that null-stream work waiting on one keeps
-// it alive.
-std::mutex g_streams_lock;
-std::set<std::shared_ptr<Stream>> g_streams;
+    bool complete(uint64_t record) {
+        std::lock_guard<std::mutex> g(lock);
+        return !pending.count(record);
+    }
 
-std::shared_ptr<Stream> shared(Stream* s) {
-    std::lock_guard<std::mutex> g(g_streams_lock);
-    for (auto& p : g_streams)
-        if (p.get() == s) return p;
+    void wait(uint64_t record) {
+        std::unique_lock<std::mutex> g(lock);
+        cv.wait(g, [this, record] { return !pending.count(record); });
+    }
+};
+
+// Process-wide state that stream workers use: allocated once and never destroyed, so a worker
+// still running at exit never meets a destroyed object.
+struct Streams {
+    std::shared_ptr<Stream> null = Stream::start(true);
+    // Held from reading tickets or record counts to enqueueing, so that what one call saw is
+    // what its job waits for.
+    std::mutex submit;
+    std::mutex lock;
+    std::set<std::shared_ptr<Stream>> live;  // created and not destroyed
+    std::set<std::shared_ptr<Event>> events;
+};
+
+Streams& g_streams = *new Streams();
+
+Stream* null_stream() { return g_streams.null.get(); }
+
+template <typename T>
+std::shared_ptr<T> find_shared(const std::set<std::shared_ptr<T>>& set, const void* p) {
+    std::lock_guard<std::mutex> g(g_streams.lock);
+    for (auto& x : set)
+        if (x.get() == p) return x;
     return nullptr;
 }
 
-// CU_STREAM_LEGACY (1) names the null stream too.
+// CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2) are taken for the null stream (a
+// per-thread stream is ordered like it, only more strictly).
 Stream* stream_of(CUstream s) {
-    return s && s != reinterpret_cast<CUstream>(1) ? reinterpret_cast<Stream*>(s) : null_stream();
+    auto v = reinterpret_cast<uintptr_t>(s);
+    return v > 2 ? reinterpret_cast<Stream*>(s) : null_stream();
 }
 
-// Enqueues `job` on `s` with the legacy default stream's ordering.
-void submit(CUstream s, std::function<void()> job) {
+// Enqueues `job` on `s` with the legacy default stream's ordering (submit lock held).
+void submit_locked(CUstream s, std::function<void()> job) {
     Stream* st = stream_of(s);
     Stream* null = null_stream();
     if (st == null) {
         std::vector<std::pair<std::shared_ptr<Stream>, uint64_t>> before;
         {
-            std::lock_guard<std::mutex> g(g_streams_lock);
-            for (auto& other : g_streams)
+            std::lock_guard<std::mutex> g(g_streams.lock);
+            for (auto& other : g_streams.live)
                 if (other->blocking) before.emplace_back(other, other->ticket());
         }
         null->enqueue([before = std::move(before), job = std::move(job)] {
@@ -174,12 +201,17 @@ void submit(CUstream s, std::function<void()> job) {
     }
 }
 
+void submit(CUstream s, std::function<void()> job) {
+    std::lock_guard<std::mutex> g(g_streams.submit);
+    submit_locked(s, std::move(job));
+}
+
 // Until all work enqueued so far on every stream completed.
 void synchronize_all() {
     std::vector<std::shared_ptr<Stream>> all;
     {
-        std::lock_guard<std::mutex> g(g_streams_lock);
-        all.assign(g_streams.begin(), g_streams.end());
+        std::lock_guard<std::mutex> g(g_streams.lock);
+        all.assign(g_streams.live.begin(), g_streams.live.end());
     }
     null_stream()->synchronize();
     for (auto& s : all) s->synchronize();
@@ -290,8 +322,10 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice device) {
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     if (!g_initialised.load()) return NOT_INITIALIZED;
     if (device < 0 || device >= kDevices) return INVALID_DEVICE;
-    if (g_primary[device].retained == 0) return INVALID_CONTEXT;
-    g_primary[device].retained--;
+    int n = g_primary[device].retained.load();
+    do {
+        if (n == 0) return INVALID_CONTEXT;
+    } while (!g_primary[device].retained.compare_exchange_weak(n, n - 1));
     return SUCCESS;
 }
 
@@ -337,7 +371,11 @@ void* host_or_translated(CUdeviceptr a, size_t n) {
 // the driver documents for pageable memory.
 bool pageable(CUdeviceptr a, size_t n) { return !is_device(a) && !translate(a, n); }
 
-CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s, bool sync) {
+// The driver's host synchronisation rules for the synchronous copy and memset functions
+// (its "API synchronization behavior" notes).
+enum class Host { Async, Waits };
+
+CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s, Host host) {
     if (CUresult r = ready()) return r;
     if (n == 0) return SUCCESS;
     // Checked at the call, as the driver does for addresses it knows.
@@ -350,7 +388,7 @@ CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s, bool sync)
         auto* from = reinterpret_cast<const uint8_t*>(src);
         staged = std::make_shared<std::vector<uint8_t>>(from, from + n);
     }
-    sync = sync || pageable(dst, n);
+    bool wait = host == Host::Waits || pageable(dst, n);
     submit(s, [=] {
         void* d = host_or_translated(dst, n);
         const void* from = staged ? staged->data() : host_or_translated(src, n);
@@ -360,11 +398,12 @@ CUresult copy(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s, bool sync)
         }
         memmove(d, from, n);
     });
-    if (sync) stream_of(s)->synchronize();
-    return SUCCESS;
+    if (!wait) return SUCCESS;
+    stream_of(s)->synchronize();
+    return g_sticky.load();
 }
 
-CUresult fill(CUdeviceptr dst, unsigned char value, size_t n, CUstream s, bool sync) {
+CUresult fill(CUdeviceptr dst, unsigned char value, size_t n, CUstream s, Host host) {
     if (CUresult r = ready()) return r;
     if (!translate(dst, n)) return INVALID_VALUE;
     submit(s, [=] {
@@ -375,39 +414,45 @@ CUresult fill(CUdeviceptr dst, unsigned char value, size_t n, CUstream s, bool s
         }
         memset(d, value, n);
     });
-    if (sync) stream_of(s)->synchronize();
-    return SUCCESS;
+    if (host == Host::Async) return SUCCESS;
+    stream_of(s)->synchronize();
+    return g_sticky.load();
 }
 
 CUdeviceptr addr(const void* p) { return CUdeviceptr(uintptr_t(p)); }
+
+// A synchronous copy between device and host memory returns once it is done (pageable memory:
+// see `copy`); device to device, the host does not wait.
+Host sync_copy(CUdeviceptr dst, CUdeviceptr src) { return is_device(dst) && is_device(src) ? Host::Async : Host::Waits; }
 
 }  // namespace
 
 extern "C" {
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
-    return copy(dst, addr(src), n, nullptr, true);
+    return copy(dst, addr(src), n, nullptr, sync_copy(dst, addr(src)));
 }
 CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
-    return copy(addr(dst), src, n, nullptr, true);
+    return copy(addr(dst), src, n, nullptr, Host::Waits);
 }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    return copy(dst, src, n, nullptr, true);
+    return copy(dst, src, n, nullptr, sync_copy(dst, src));
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-    return copy(dst, addr(src), n, s, false);
+    return copy(dst, addr(src), n, s, Host::Async);
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
-    return copy(addr(dst), src, n, s, false);
+    return copy(addr(dst), src, n, s, Host::Async);
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
-    return copy(dst, src, n, s, false);
+    return copy(dst, src, n, s, Host::Async);
 }
+// Asynchronous to the host unless it writes host memory (pinned memory as a device address).
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
-    return fill(dst, value, n, nullptr, true);
+    return fill(dst, value, n, nullptr, is_device(dst) ? Host::Async : Host::Waits);
 }
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, CUstream s) {
-    return fill(dst, value, n, s, false);
+    return fill(dst, value, n, s, Host::Async);
 }
 
 // ---- streams ---------------------------------------------------------------------------------
@@ -415,23 +460,23 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, CUstrea
 CUresult cuStreamCreate(CUstream* s, unsigned int flags) {
     if (CUresult r = ready()) return r;
     if (!s || (flags & ~kNonBlocking)) return INVALID_VALUE;
-    auto st = std::make_shared<Stream>(!(flags & kNonBlocking));
-    std::lock_guard<std::mutex> g(g_streams_lock);
-    g_streams.insert(st);
+    auto st = Stream::start(!(flags & kNonBlocking));
+    std::lock_guard<std::mutex> g(g_streams.lock);
+    g_streams.live.insert(st);
     *s = reinterpret_cast<CUstream>(st.get());
     return SUCCESS;
 }
 
+// Returns at once; work already enqueued still runs, then the stream goes.
 CUresult cuStreamDestroy_v2(CUstream s) {
     if (CUresult r = ready()) return r;
-    std::shared_ptr<Stream> st = shared(reinterpret_cast<Stream*>(s));
+    std::shared_ptr<Stream> st = find_shared(g_streams.live, s);
     if (!st) return INVALID_HANDLE;
     {
-        std::lock_guard<std::mutex> g(g_streams_lock);
-        g_streams.erase(st);
+        std::lock_guard<std::mutex> g(g_streams.lock);
+        g_streams.live.erase(st);
     }
-    // Work already enqueued still runs.
-    st->synchronize();
+    st->stop();
     return SUCCESS;
 }
 
@@ -446,77 +491,96 @@ CUresult cuStreamQuery(CUstream s) {
     return stream_of(s)->idle() ? SUCCESS : NOT_READY;
 }
 
+// Work enqueued on `s` after this waits until the 32-bit word at `addr` (device memory, or
+// pinned host memory by its device address) holds `value` (flags 0: >=, 1: ==).
+CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned int flags) {
+    if (CUresult r = ready()) return r;
+    if (flags > 1 || !translate(addr, 4)) return INVALID_VALUE;
+    submit(s, [addr, value, flags] {
+        for (;;) {
+            auto* word = static_cast<volatile uint32_t*>(translate(addr, 4));
+            if (!word) return emu::fault();
+            uint32_t now = *word;
+            if (flags == 0 ? now >= value : now == value) return;
+            std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+    });
+    return SUCCESS;
+}
+
 // ---- events ----------------------------------------------------------------------------------
+
+std::shared_ptr<Event> event_of(CUevent e) { return find_shared(g_streams.events, e); }
 
 CUresult cuEventCreate(CUevent* e, unsigned int /*flags*/) {
     if (CUresult r = ready()) return r;
     if (!e) return INVALID_VALUE;
-    *e = reinterpret_cast<CUevent>(new Event());
+    auto ev = std::make_shared<Event>();
+    std::lock_guard<std::mutex> g(g_streams.lock);
+    g_streams.events.insert(ev);
+    *e = reinterpret_cast<CUevent>(ev.get());
     return SUCCESS;
 }
 
+// Returns at once; records and waits in flight keep the event until they ran.
 CUresult cuEventDestroy_v2(CUevent e) {
     if (CUresult r = ready()) return r;
-    if (!e) return INVALID_HANDLE;
-    Event* ev = reinterpret_cast<Event*>(e);
-    {
-        // The driver lets work in flight complete: wait for its records.
-        std::unique_lock<std::mutex> g(ev->lock);
-        ev->cv.wait(g, [ev] { return ev->done == ev->recorded; });
-    }
-    delete ev;
+    std::shared_ptr<Event> ev = event_of(e);
+    if (!ev) return INVALID_HANDLE;
+    std::lock_guard<std::mutex> g(g_streams.lock);
+    g_streams.events.erase(ev);
     return SUCCESS;
 }
 
 CUresult cuEventRecord(CUevent e, CUstream s) {
     if (CUresult r = ready()) return r;
-    if (!e) return INVALID_HANDLE;
-    Event* ev = reinterpret_cast<Event*>(e);
+    std::shared_ptr<Event> ev = event_of(e);
+    if (!ev) return INVALID_HANDLE;
+    std::lock_guard<std::mutex> g(g_streams.submit);
     uint64_t n;
     {
-        std::lock_guard<std::mutex> g(ev->lock);
+        std::lock_guard<std::mutex> h(ev->lock);
         n = ++ev->recorded;
+        ev->pending.insert(n);
     }
-    submit(s, [ev, n] {
-        std::lock_guard<std::mutex> g(ev->lock);
-        if (ev->done < n) ev->done = n;
+    submit_locked(s, [ev, n] {
+        std::lock_guard<std::mutex> h(ev->lock);
+        ev->pending.erase(n);
         ev->cv.notify_all();
     });
     return SUCCESS;
 }
 
+// The latest record at the time of the call (SUCCESS if never recorded).
+uint64_t latest(Event& ev) {
+    std::lock_guard<std::mutex> g(ev.lock);
+    return ev.recorded;
+}
+
 CUresult cuEventQuery(CUevent e) {
     if (CUresult r = ready()) return r;
-    if (!e) return INVALID_HANDLE;
-    Event* ev = reinterpret_cast<Event*>(e);
-    std::lock_guard<std::mutex> g(ev->lock);
-    return ev->done == ev->recorded ? SUCCESS : NOT_READY;
+    std::shared_ptr<Event> ev = event_of(e);
+    if (!ev) return INVALID_HANDLE;
+    return ev->complete(latest(*ev)) ? SUCCESS : NOT_READY;
 }
 
 CUresult cuEventSynchronize(CUevent e) {
     if (CUresult r = ready()) return r;
-    if (!e) return INVALID_HANDLE;
-    Event* ev = reinterpret_cast<Event*>(e);
-    std::unique_lock<std::mutex> g(ev->lock);
-    uint64_t target = ev->recorded;
-    ev->cv.wait(g, [ev, target] { return ev->done >= target; });
-    return SUCCESS;
+    std::shared_ptr<Event> ev = event_of(e);
+    if (!ev) return INVALID_HANDLE;
+    ev->wait(latest(*ev));
+    return g_sticky.load();
 }
 
 // Work enqueued on `s` after this waits for the event's latest record at the time of the call.
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     if (CUresult r = ready()) return r;
-    if (!e || flags != 0) return e ? INVALID_VALUE : INVALID_HANDLE;
-    Event* ev = reinterpret_cast<Event*>(e);
-    uint64_t target;
-    {
-        std::lock_guard<std::mutex> g(ev->lock);
-        target = ev->recorded;
-    }
-    submit(s, [ev, target] {
-        std::unique_lock<std::mutex> g(ev->lock);
-        ev->cv.wait(g, [ev, target] { return ev->done >= target; });
-    });
+    std::shared_ptr<Event> ev = event_of(e);
+    if (!ev) return INVALID_HANDLE;
+    if (flags != 0) return INVALID_VALUE;
+    std::lock_guard<std::mutex> g(g_streams.submit);
+    uint64_t target = latest(*ev);
+    submit_locked(s, [ev, target] { ev->wait(target); });
     return SUCCESS;
 }
 

@@ -11,6 +11,7 @@
 #include "kv_transfer.cu"
 
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -52,8 +53,10 @@ bool in_bounds(KvXferParams p, const std::vector<u64>& table, const u32* pages, 
         if (entry >= table.size()) return false;
         const KvfRows r = kvf_segment(p, seg);
         if (r.rows == 0) continue;
-        const u64 last_row = u64((r.rows - 1) / r.inner) * r.outer_stride + u64((r.rows - 1) % r.inner) * r.inner_stride;
-        if (!emu::translate(reinterpret_cast<u64>(r.pool), last_row + r.run)) return false;
+        // The last row's end, in 128 bits: parameters may be anything.
+        const unsigned __int128 end = (unsigned __int128)((r.rows - 1) / r.inner) * r.outer_stride +
+                                      (unsigned __int128)((r.rows - 1) % r.inner) * r.inner_stride + r.run;
+        if (end > ~u64(0) || !emu::translate(reinterpret_cast<u64>(r.pool), u64(end))) return false;
         if (!emu::translate(reinterpret_cast<u64>(r.staging), u64(r.rows) * r.run)) return false;
     }
     return true;
@@ -68,15 +71,16 @@ CUresult cuModuleLoadData(CUmodule* module, const void* image) {
     if (!module || !image) return emu::INVALID_VALUE;
     std::string ptx(static_cast<const char*>(image));
     if (ptx.find(".version") == std::string::npos) return emu::INVALID_IMAGE;
-    auto* m = new Module();
+    auto m = std::make_unique<Module>();
     for (size_t at = ptx.find(".entry"); at != std::string::npos; at = ptx.find(".entry", at + 6)) {
         size_t start = ptx.find_first_not_of(" \t", at + 6);
-        size_t end = ptx.find_first_of("( \t\n", start);
+        size_t end = start == std::string::npos ? start : ptx.find_first_of("( \t\n", start);
+        if (end == std::string::npos) return emu::INVALID_IMAGE;
         m->entries.insert(ptx.substr(start, end - start));
     }
     std::lock_guard<std::mutex> g(g_modules_lock);
-    g_modules.insert(m);
-    *module = reinterpret_cast<CUmodule>(m);
+    g_modules.insert(m.get());
+    *module = reinterpret_cast<CUmodule>(m.release());
     return emu::SUCCESS;
 }
 

@@ -11,6 +11,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -29,7 +30,8 @@ namespace {
 
 using namespace emu;
 
-constexpr size_t kReserve = size_t(64) << 30;  // the reserved device address range
+constexpr size_t kReserve = size_t(1) << 40;  // the reserved device address range (1 TiB)
+constexpr size_t kBaseAlign = size_t(1) << 30;  // its start, so that offsets align addresses
 constexpr size_t kGranularity = size_t(2) << 20;  // the VMM API's granularity, as on devices
 constexpr size_t kAllocAlign = size_t(64) << 10;  // cuMemAlloc's: 64 KiB, like the driver's
 constexpr const char* kMemfdPrefix = "kvferry-cuda-emu-";
@@ -56,17 +58,18 @@ struct Backing {
 
 // Null when the device is full (or the memfd cannot be made).
 std::shared_ptr<Backing> create_backing(size_t bytes) {
-    if (g_used.load() + bytes > kDeviceBytes) return nullptr;
+    size_t used = g_used.load();
+    do {
+        if (bytes > kDeviceBytes - used) return nullptr;
+    } while (!g_used.compare_exchange_weak(used, used + bytes));
     uint64_t serial = ++g_serial;
     std::string name = kMemfdPrefix + std::to_string(serial);
     int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
-    if (fd < 0) return nullptr;
-    if (ftruncate(fd, off_t(bytes)) != 0) {
-        close(fd);
-        return nullptr;
-    }
-    g_used += bytes;
-    return std::shared_ptr<Backing>(new Backing{fd, bytes, serial, true});
+    if (fd >= 0 && ftruncate(fd, off_t(bytes)) == 0)
+        return std::shared_ptr<Backing>(new Backing{fd, bytes, serial, true});
+    if (fd >= 0) close(fd);
+    g_used -= bytes;
+    return nullptr;
 }
 
 // The serial in the name of the memfd at `link` (a /proc/.../fd/N path); 0 if it is not one
@@ -91,6 +94,14 @@ std::shared_ptr<Backing> adopt_backing(int fd) {
 
 enum class Kind { Alloc, Ipc, Reserved };
 
+// An exporter's allocation: its process (pid and start time) and memfd serial.
+struct IpcKey {
+    int32_t pid = 0;
+    uint64_t start_time = 0;
+    uint64_t serial = 0;
+    bool operator==(const IpcKey& o) const { return pid == o.pid && start_time == o.start_time && serial == o.serial; }
+};
+
 // A piece of a reservation mapped by cuMemMap.
 struct Piece {
     size_t bytes;
@@ -106,7 +117,7 @@ struct Region {
     std::shared_ptr<Backing> backing;  // Alloc, Ipc: the whole region
     std::map<size_t, Piece> pieces;    // Reserved: by offset
     int opens = 0;                     // Ipc: cuIpcOpenMemHandle calls not yet closed
-    uint64_t ipc_key = 0;              // Ipc: the exporter's pid and serial
+    IpcKey ipc_key;                    // Ipc: what was opened
 };
 
 // A VMM allocation handle: its memory, and whether it may be exported as a POSIX fd.
@@ -162,9 +173,15 @@ struct Memory {
     uint64_t next_handle = 0;
 
     CUresult init() {
-        void* p = mmap(nullptr, kReserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        void* p = mmap(nullptr, kReserve + kBaseAlign, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (p == MAP_FAILED) return OUT_OF_MEMORY;
-        base = static_cast<uint8_t*>(p);
+        base = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uintptr_t>(p), kBaseAlign));
+        // Every allocation holds a memfd open: allow as many as the hard limit does.
+        struct rlimit files;
+        if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+            files.rlim_cur = files.rlim_max;
+            setrlimit(RLIMIT_NOFILE, &files);
+        }
         return SUCCESS;
     }
 
@@ -172,7 +189,7 @@ struct Memory {
     // reserved range is used up.
     CUdeviceptr take_range(size_t bytes, size_t align) {
         size_t start = round_up(next, align);
-        if (start + bytes > kReserve) return 0;
+        if (start > kReserve || bytes > kReserve - start) return 0;
         next = start + bytes + kAllocAlign;  // a guard gap
         return reinterpret_cast<CUdeviceptr>(base + start);
     }
@@ -225,9 +242,21 @@ struct Memory {
             munmap(host, rounded);
             return OUT_OF_MEMORY;
         }
-        regions[d] = Region{Kind::Alloc, bytes, static_cast<uint8_t*>(host), device, backing, {}, 0, 0};
+        regions[d] = Region{Kind::Alloc, bytes, static_cast<uint8_t*>(host), device, backing, {}, 0, {}};
         *out = d;
         return SUCCESS;
+    }
+
+    // An IPC handle this process has open already: counted once more (lock held).
+    bool reopen(const IpcKey& key, CUdeviceptr* out) {
+        for (auto& [d, region] : regions) {
+            if (region.kind == Kind::Ipc && region.ipc_key == key) {
+                region.opens++;
+                *out = d;
+                return true;
+            }
+        }
+        return false;
     }
 
     // Removes the region at `d` of `kind` (its base); INVALID_VALUE if there is none.
@@ -244,7 +273,13 @@ struct Memory {
     }
 };
 
-Memory g_mem;
+// Never destroyed: stream workers may still translate addresses while the process exits.
+Memory& g_mem = *new Memory();
+
+// Makes [p, p + bytes) of a host mirror an inaccessible hole again.
+bool hole(uint8_t* p, size_t bytes) {
+    return mmap(p, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != MAP_FAILED;
+}
 
 }  // namespace
 
@@ -331,6 +366,7 @@ CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int /*flags*/) {
 
 CUresult cuMemFreeHost(void* p) {
     if (CUresult r = ready()) return r;
+    synchronize_device();  // as cuMemFree: work in flight may still use it
     std::lock_guard<std::mutex> g(g_mem.lock);
     auto it = g_mem.pinned.find(uintptr_t(p));
     if (it == g_mem.pinned.end() || !it->second.allocated) return INVALID_VALUE;
@@ -341,7 +377,7 @@ CUresult cuMemFreeHost(void* p) {
 
 CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned int /*flags*/) {
     if (CUresult r = ready()) return r;
-    if (!p || bytes == 0) return INVALID_VALUE;
+    if (!p || bytes == 0 || bytes > UINTPTR_MAX - uintptr_t(p)) return INVALID_VALUE;
     std::lock_guard<std::mutex> g(g_mem.lock);
     auto next = g_mem.pinned.lower_bound(uintptr_t(p));
     bool overlaps = (next != g_mem.pinned.end() && next->first < uintptr_t(p) + bytes) ||
@@ -461,7 +497,7 @@ CUresult cuMemAddressReserve(CUdeviceptr* out, size_t bytes, size_t alignment, C
         munmap(host, bytes);
         return OUT_OF_MEMORY;
     }
-    g_mem.regions[d] = Region{Kind::Reserved, bytes, static_cast<uint8_t*>(host), current_device(), nullptr, {}, 0, 0};
+    g_mem.regions[d] = Region{Kind::Reserved, bytes, static_cast<uint8_t*>(host), current_device(), nullptr, {}, 0, {}};
     *out = d;
     return SUCCESS;
 }
@@ -485,18 +521,21 @@ CUresult cuMemMap(CUdeviceptr d, size_t bytes, size_t offset, unsigned long long
     auto h = g_mem.handles.find(handle);
     if (h == g_mem.handles.end()) return INVALID_HANDLE;
     const auto& backing = h->second.backing;
-    if (offset + bytes > backing->bytes) return INVALID_VALUE;
+    if (offset > backing->bytes || bytes > backing->bytes - offset) return INVALID_VALUE;
     auto* r = g_mem.find(d);
     if (!r || r->second.kind != Kind::Reserved) return INVALID_VALUE;
     Region& region = r->second;
     size_t at = d - r->first;
-    if (at % kGranularity || at + bytes > region.bytes) return INVALID_VALUE;
+    if (at % kGranularity || bytes > region.bytes - at) return INVALID_VALUE;
     auto next = region.pieces.lower_bound(at);
     if (next != region.pieces.end() && next->first < at + bytes) return INVALID_VALUE;
     if (next != region.pieces.begin() && std::prev(next)->first + std::prev(next)->second.bytes > at)
         return INVALID_VALUE;
     void* m = mmap(region.host + at, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, backing->fd, off_t(offset));
-    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    if (m == MAP_FAILED) {
+        hole(region.host + at, bytes);  // the range may be unmapped now: keep it ours
+        return OUT_OF_MEMORY;
+    }
     region.pieces[at] = Piece{bytes, backing};
     return SUCCESS;
 }
@@ -515,8 +554,7 @@ CUresult cuMemUnmap(CUdeviceptr d, size_t bytes) {
     auto last = first;
     while (last != region.pieces.end() && last->first == end && end < at + bytes) end += (last++)->second.bytes;
     if (end != at + bytes) return INVALID_VALUE;
-    // Back to an inaccessible hole in the host mirror.
-    mmap(region.host + at, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    if (!hole(region.host + at, bytes)) return OUT_OF_MEMORY;
     region.pieces.erase(first, last);
     return SUCCESS;
 }
@@ -577,16 +615,10 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, RawIpcHandle raw, unsigned int 
     if (!out || flags != 1) return INVALID_VALUE;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
     if (h.magic != kIpcMagic || h.bytes == 0) return INVALID_HANDLE;
     if (h.pid == getpid()) return INVALID_CONTEXT;  // the driver refuses the exporting process
-    uint64_t key = (uint64_t(uint32_t(h.pid)) << 32) ^ h.serial;
+    IpcKey key{h.pid, h.start_time, h.serial};
     {
         std::lock_guard<std::mutex> g(g_mem.lock);
-        for (auto& [d, region] : g_mem.regions) {
-            if (region.kind == Kind::Ipc && region.ipc_key == key) {
-                region.opens++;
-                *out = d;
-                return SUCCESS;
-            }
-        }
+        if (g_mem.reopen(key, out)) return SUCCESS;
     }
     // The exporter is gone (or its pid now names another process), or freed the allocation.
     std::string link = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
@@ -602,10 +634,10 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, RawIpcHandle raw, unsigned int 
     void* host = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (host == MAP_FAILED) return MAPPING_FAILED;
     std::lock_guard<std::mutex> g(g_mem.lock);
-    CUdeviceptr d = g_mem.take_range(rounded, kAllocAlign);
+    CUdeviceptr d = g_mem.reopen(key, out) ? 0 : g_mem.take_range(rounded, kAllocAlign);
     if (!d) {
         munmap(host, rounded);
-        return OUT_OF_MEMORY;
+        return *out ? SUCCESS : OUT_OF_MEMORY;  // another thread opened it meanwhile
     }
     g_mem.regions[d] = Region{Kind::Ipc, size_t(h.bytes), static_cast<uint8_t*>(host), current_device(), backing, {}, 1, key};
     *out = d;

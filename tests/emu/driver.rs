@@ -102,6 +102,9 @@ pub fn spawn(case: impl FnOnce()) -> Child {
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
     if pid == 0 {
+        // A case that hangs ends by SIGALRM instead of holding the test forever.
+        // SAFETY: alarm only schedules a signal.
+        unsafe { libc::alarm(120) };
         let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(case)).is_ok();
         // SAFETY: ends the child without running the parent's destructors.
         unsafe { libc::_exit(if ok { 0 } else { 101 }) }
