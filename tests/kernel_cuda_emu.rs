@@ -110,7 +110,11 @@ fn emulate(
     let Some(plan) = launch::plan(layout, num_pages, sel, wire, staging.len, !gather)? else {
         return Ok(());
     };
-    let table = launch::plane_table(layout, num_pages, pool.addr())?;
+    let table = launch::plane_table(
+        layout,
+        num_pages,
+        &launch::one_buffer(layout, num_pages, pool.addr())?,
+    )?;
     let params = KvXferParams {
         planes: table.as_ptr() as u64,
         pages: plan.pages.as_ptr() as u64,

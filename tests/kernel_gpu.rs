@@ -47,7 +47,7 @@ fn check(kernel: &CudaKernel, cpu: &CpuKernel, case: &Case, rng: &mut StdRng) {
     let mut expected = vec![POISON; bytes];
     cpu.gather(&src, &sel, case.wire, &mut expected).unwrap();
 
-    let mut dev = DevicePool::new(kernel, case.src_layout.clone(), case.num_pages).unwrap();
+    let dev = DevicePool::new(kernel, case.src_layout.clone(), case.num_pages).unwrap();
     dev.write(0, &src_bytes).unwrap();
     let mut pinned = PinnedStaging::new(kernel, bytes).unwrap();
     pinned.as_mut_slice().unwrap().fill(POISON);
@@ -68,16 +68,16 @@ fn check(kernel: &CudaKernel, cpu: &CpuKernel, case: &Case, rng: &mut StdRng) {
     dst.fill(POISON);
     cpu.scatter(&expected, case.wire, &dst, &dst_sel).unwrap();
     let want = dst.read(0, dst.size()).unwrap();
-    let mut dev_dst = DevicePool::new(kernel, case.dst_layout.clone(), case.num_pages).unwrap();
+    let dev_dst = DevicePool::new(kernel, case.dst_layout.clone(), case.num_pages).unwrap();
     for staging in [0, 1] {
         dev_dst.fill(POISON).unwrap();
         if staging == 0 {
             kernel
-                .scatter(&pinned, case.wire, &mut dev_dst, &dst_sel)
+                .scatter(&pinned, case.wire, &dev_dst, &dst_sel)
                 .unwrap();
         } else {
             kernel
-                .scatter(&staged, case.wire, &mut dev_dst, &dst_sel)
+                .scatter(&staged, case.wire, &dev_dst, &dst_sel)
                 .unwrap();
         }
         let got = dev_dst.read(0, dev_dst.size()).unwrap();

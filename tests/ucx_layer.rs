@@ -1114,6 +1114,10 @@ async fn eager_tcp_workers_get_the_segments_they_ask_for() {
         let b = UcxWorker::spawn(Tls::Tcp.config()).await.expect("peer");
         let ep = a.connect(b.address()).await.expect("connect");
         let info = a.describe(ep).await.expect("describe");
+        // Stopped and waited for: a progress thread still tearing UCX down while the process
+        // exits corrupts the heap UCX's exit handlers free.
+        a.shutdown().await;
+        b.shutdown().await;
         eager_short_end(&info).unwrap_or_else(|| panic!("no tag_send line in:\n{info}"))
     };
     // What the agents set for tcp-only UCX, with an environment that sets nothing.

@@ -12,6 +12,7 @@ pub mod decode;
 pub mod metrics;
 pub mod ops;
 pub mod pairing;
+pub mod pool;
 pub mod prefill;
 pub mod room;
 mod staging;
@@ -30,6 +31,7 @@ use crate::layout::{AttentionKind, Dtype, KvLayout, PageOrder};
 use crate::protocol::{Ranks, WireLayout};
 use crate::reason::{FailureCode, Reason};
 use crate::transport::TransportKind;
+use pool::AgentPool;
 
 /// Why an agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -51,47 +53,59 @@ pub enum AgentError {
     Io(#[from] std::io::Error),
 }
 
-/// Opens the agent's pool: its own anonymous memory or the engine's shared-memory pool. A
-/// device (CUDA IPC) pool is refused with the reason.
-pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<crate::pool::HostPool, AgentError> {
+pub use pool::EnginePool;
+
+/// Opens the agent's pool: its own anonymous memory, the engine's shared-memory pool, or
+/// another process's device memory by CUDA IPC handle (which needs the CUDA driver, the device
+/// and NVRTC; the error says which is missing).
+pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<EnginePool, AgentError> {
     use crate::pool::{HostPool, PoolDescriptor, PoolError};
-    if let PoolDescriptor::CudaIpc { device, .. } = &cfg.pool {
-        let reason = if crate::kernel::cuda::driver_present() {
-            format!("device {device}: the agents serve host pools only in this build")
-        } else {
-            format!(
-                "device {device}: no CUDA driver (libcuda) on this machine, so no GPU memory to map"
+    if let PoolDescriptor::CudaIpc { device, handle } = &cfg.pool {
+        let opened = crate::kernel::cuda::CudaKernel::shared(*device as usize).and_then(|k| {
+            crate::kernel::cuda::DevicePool::open_ipc(
+                &k,
+                cfg.layout.clone(),
+                cfg.pool_pages,
+                handle,
             )
-        };
-        return Err(PoolError::DeviceMemory {
-            descriptor: cfg.pool.to_string(),
-            reason,
-        }
-        .into());
+            .map_err(|e| crate::kernel::cuda::CudaError::Regions(e.to_string()))
+        });
+        return opened.map(EnginePool::Device).map_err(|e| {
+            PoolError::DeviceMemory {
+                descriptor: cfg.pool.to_string(),
+                reason: e.to_string(),
+            }
+            .into()
+        });
     }
-    Ok(HostPool::open(
+    Ok(EnginePool::Host(HostPool::open(
         &cfg.pool,
         cfg.layout.clone(),
         cfg.pool_pages,
-    )?)
+    )?))
 }
 
-/// Refuses a pool given to an agent in process that is not the pool its configuration
+/// The agent's pool with its kernel. Refuses a pool that is not the pool the configuration
 /// describes (layout and page count): the agent's pairing and validation go by the config.
-pub(crate) fn check_pool(
-    cfg: &AgentConfig,
-    pool: &crate::pool::HostPool,
-) -> Result<(), AgentError> {
-    if pool.layout() != &cfg.layout || pool.num_pages() != cfg.pool_pages {
+pub(crate) fn agent_pool(cfg: &AgentConfig, pool: EnginePool) -> Result<AgentPool, AgentError> {
+    let (layout, pages, memory) = match &pool {
+        EnginePool::Host(p) => (p.layout(), p.num_pages(), "host"),
+        EnginePool::Device(p) => (p.layout(), p.num_pages(), "device"),
+    };
+    if layout != &cfg.layout || pages != cfg.pool_pages {
         return Err(AgentError::PoolMismatch(format!(
-            "the pool holds {} pages of {:?}; the agent is configured for {} pages of {:?}",
-            pool.num_pages(),
-            pool.layout(),
-            cfg.pool_pages,
-            cfg.layout
+            "the pool holds {pages} pages of {layout:?}; the agent is configured for {} pages of {:?}",
+            cfg.pool_pages, cfg.layout
         )));
     }
-    Ok(())
+    let pool = AgentPool::new(pool, cfg.copy_threads).map_err(|e| {
+        crate::pool::PoolError::DeviceMemory {
+            descriptor: format!("{memory} pool {}", cfg.pool),
+            reason: e.to_string(),
+        }
+    })?;
+    tracing::info!(memory = ?pool.kind(), "agent pool");
+    Ok(pool)
 }
 
 /// The checksum of a chunk's bytes as carried on the wire: xxh3-64, never 0 (0 means none).

@@ -11,10 +11,9 @@
 
 use std::ops::Range;
 
-use crate::kernel::cpu::CpuKernel;
+use super::pool::AgentPool;
 use crate::kernel::{KernelError, Selection};
-use crate::layout::PageOrder;
-use crate::pool::HostPool;
+use crate::layout::{KvLayout, PageOrder};
 
 /// One 8-byte word of the pattern.
 pub fn pattern_word(room: u64, token: u64, layer: u64, plane: u64, head: u64, word: u64) -> u64 {
@@ -32,8 +31,7 @@ pub fn pattern_word(room: u64, token: u64, layer: u64, plane: u64, head: u64, wo
 
 /// Writes the pattern of one layer (global index `layer`) for `tokens` into `out`, in the
 /// token-major staging order of a selection of every head the pool holds.
-fn layer_pattern(pool: &HostPool, room: u64, layer: usize, tokens: &Range<usize>, out: &mut [u8]) {
-    let l = pool.layout();
+fn layer_pattern(l: &KvLayout, room: u64, layer: usize, tokens: &Range<usize>, out: &mut [u8]) {
     let hb = l.head_bytes();
     let mut at = 0;
     for plane in 0..l.planes() {
@@ -82,7 +80,7 @@ pub enum VerifyError {
 }
 
 fn layer_selection<'a>(
-    pool: &HostPool,
+    l: &KvLayout,
     pages: &'a [u32],
     tokens: &Range<usize>,
     local: usize,
@@ -91,15 +89,14 @@ fn layer_selection<'a>(
         pages,
         tokens: tokens.clone(),
         layers: local..local + 1,
-        heads: 0..pool.layout().num_heads(),
+        heads: 0..l.num_heads(),
     }
 }
 
 /// Fills `tokens` x local `layers` of a room held in `pages` with the pattern, every head the
 /// pool holds.
-pub fn fill(
-    kernel: &CpuKernel,
-    pool: &HostPool,
+pub(crate) fn fill(
+    pool: &AgentPool,
     room: u64,
     pages: &[u32],
     tokens: Range<usize>,
@@ -108,18 +105,17 @@ pub fn fill(
     let l = pool.layout();
     let mut buf = Vec::new();
     for local in layers {
-        let sel = layer_selection(pool, pages, &tokens, local);
-        buf.resize(sel.bytes(pool)?, 0);
-        layer_pattern(pool, room, l.layers.start + local, &tokens, &mut buf);
-        kernel.scatter(&buf, PageOrder::TokenMajor, pool, &sel)?;
+        let sel = layer_selection(l, pages, &tokens, local);
+        buf.resize(sel.bytes_in(l)?, 0);
+        layer_pattern(l, room, l.layers.start + local, &tokens, &mut buf);
+        pool.scatter(&buf, PageOrder::TokenMajor, &sel)?;
     }
     Ok(())
 }
 
 /// Checks `tokens` of a room held in `pages` against the pattern.
-pub fn verify(
-    kernel: &CpuKernel,
-    pool: &HostPool,
+pub(crate) fn verify(
+    pool: &AgentPool,
     room: u64,
     pages: &[u32],
     tokens: Range<usize>,
@@ -127,13 +123,13 @@ pub fn verify(
     let l = pool.layout();
     let (mut got, mut want) = (Vec::new(), Vec::new());
     for local in 0..l.num_layers() {
-        let sel = layer_selection(pool, pages, &tokens, local);
-        let n = sel.bytes(pool)?;
+        let sel = layer_selection(l, pages, &tokens, local);
+        let n = sel.bytes_in(l)?;
         got.resize(n, 0);
         want.resize(n, 0);
-        kernel.gather(pool, &sel, PageOrder::TokenMajor, &mut got)?;
+        pool.gather(&sel, PageOrder::TokenMajor, &mut got)?;
         let layer = l.layers.start + local;
-        layer_pattern(pool, room, layer, &tokens, &mut want);
+        layer_pattern(l, room, layer, &tokens, &mut want);
         if got != want {
             let i = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
             let hb = l.head_bytes();
@@ -155,7 +151,9 @@ pub fn verify(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{KvLayout, ModelSpec};
+    use crate::agent::EnginePool;
+    use crate::layout::ModelSpec;
+    use crate::pool::HostPool;
 
     #[test]
     fn filled_rooms_verify_and_a_flipped_byte_is_located() {
@@ -163,20 +161,24 @@ mod tests {
             .unwrap()
             .with_slice(1..3, 1..4)
             .unwrap();
-        let pool = HostPool::anonymous(layout.clone(), 8).unwrap();
-        let k = CpuKernel::new(1);
+        let k = AgentPool::new(
+            EnginePool::Host(HostPool::anonymous(layout.clone(), 8).unwrap()),
+            1,
+        )
+        .unwrap();
+        let pool = k.host().unwrap().clone();
         let pages = [5, 2, 7];
-        fill(&k, &pool, 42, &pages, 0..40, 0..3).unwrap();
-        verify(&k, &pool, 42, &pages, 0..40).unwrap();
+        fill(&k, 42, &pages, 0..40, 0..3).unwrap();
+        verify(&k, 42, &pages, 0..40).unwrap();
         // Another room's pattern differs.
-        assert!(verify(&k, &pool, 43, &pages, 0..40).is_err());
+        assert!(verify(&k, 43, &pages, 0..40).is_err());
         // Flip one byte: layer 2 (local 1), V plane, token 17 (page 2 at slot 1), head 2
         // (local 1), byte 3.
         let off = pool.block_offset(1, 1, 2).unwrap() + layout.element_offset(1, 1) + 3;
         let b = pool.read(off, 1).unwrap()[0];
         pool.write(off, &[!b]).unwrap();
         assert_eq!(
-            verify(&k, &pool, 42, &pages, 0..40).unwrap_err(),
+            verify(&k, 42, &pages, 0..40).unwrap_err(),
             VerifyError::Mismatch {
                 layer: 2,
                 plane: 1,

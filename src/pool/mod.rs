@@ -166,6 +166,59 @@ pub struct EngineRegion {
     pub len: usize,
 }
 
+/// Checks engine regions against a layout: one per [`KvLayout::num_regions`], each non-null and
+/// at least [`KvLayout::region_bytes`] long, none overlapping another. Returns the regions'
+/// used parts `(address, region bytes)`, sorted by address. Host and device pools share it.
+pub fn check_regions(
+    layout: &KvLayout,
+    num_pages: usize,
+    regions: &[EngineRegion],
+) -> Result<Vec<(usize, usize)>, PoolError> {
+    checked_size(layout, num_pages)?;
+    let need = layout.region_bytes(num_pages)?;
+    if regions.len() != layout.num_regions() {
+        return Err(PoolError::Regions(format!(
+            "the layout spans {} regions, {} were given",
+            layout.num_regions(),
+            regions.len()
+        )));
+    }
+    let mut sorted: Vec<(usize, usize)> = Vec::with_capacity(regions.len());
+    for (i, r) in regions.iter().enumerate() {
+        if r.addr == 0 || r.len < need || r.addr.checked_add(r.len).is_none() {
+            return Err(PoolError::Regions(format!(
+                "region {i} at {:#x} holds {} bytes; {need} needed for {num_pages} pages",
+                r.addr, r.len
+            )));
+        }
+        sorted.push((r.addr, need));
+    }
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+        return Err(PoolError::Regions(format!(
+            "regions at {:#x} and {:#x} overlap",
+            w[0].0, w[1].0
+        )));
+    }
+    Ok(sorted)
+}
+
+/// The lowest address of checked regions (see [`check_regions`]) and the byte ranges of memory
+/// from there, `(offset, len)` sorted; adjacent regions make one range (a run may span them:
+/// they are one memory).
+pub fn memory_ranges(sorted: &[(usize, usize)]) -> (usize, Vec<(usize, usize)>) {
+    let low = sorted.first().map_or(0, |r| r.0);
+    let mut ranges: Vec<(usize, usize)> = sorted.iter().map(|&(a, l)| (a - low, l)).collect();
+    ranges.dedup_by(|next, prev| {
+        let joined = prev.0 + prev.1 == next.0;
+        if joined {
+            prev.1 += next.1;
+        }
+        joined
+    });
+    (low, ranges)
+}
+
 /// The memory under a pool: a mapping the pool owns, or the engine's regions, borrowed.
 #[derive(Debug)]
 enum Memory {
@@ -359,44 +412,9 @@ impl HostPool {
         num_pages: usize,
         regions: &[EngineRegion],
     ) -> Result<Self, PoolError> {
-        checked_size(&layout, num_pages)?;
-        let need = layout.region_bytes(num_pages)?;
-        if regions.len() != layout.num_regions() {
-            return Err(PoolError::Regions(format!(
-                "the layout spans {} regions, {} were given",
-                layout.num_regions(),
-                regions.len()
-            )));
-        }
-        let mut sorted: Vec<(usize, usize)> = Vec::with_capacity(regions.len());
-        for (i, r) in regions.iter().enumerate() {
-            if r.addr == 0 || r.len < need || r.addr.checked_add(r.len).is_none() {
-                return Err(PoolError::Regions(format!(
-                    "region {i} at {:#x} holds {} bytes; {need} needed for {num_pages} pages",
-                    r.addr, r.len
-                )));
-            }
-            sorted.push((r.addr, need));
-        }
-        sorted.sort_unstable();
-        if let Some(w) = sorted.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
-            return Err(PoolError::Regions(format!(
-                "regions at {:#x} and {:#x} overlap",
-                w[0].0, w[1].0
-            )));
-        }
-        let low = sorted.first().map_or(0, |r| r.0);
-        let high = sorted.last().map_or(0, |r| r.0 + r.1);
+        let (low, ranges) = memory_ranges(&check_regions(&layout, num_pages, regions)?);
+        let high = low + ranges.last().map_or(0, |r| r.0 + r.1);
         let starts: Vec<usize> = regions.iter().map(|r| r.addr - low).collect();
-        let mut ranges: Vec<(usize, usize)> = sorted.iter().map(|&(a, l)| (a - low, l)).collect();
-        // Adjacent regions make one range (a run may then span them: they are one memory).
-        ranges.dedup_by(|next, prev| {
-            let joined = prev.0 + prev.1 == next.0;
-            if joined {
-                prev.1 += next.1;
-            }
-            joined
-        });
         Ok(HostPool {
             layout,
             num_pages,

@@ -300,8 +300,15 @@ impl Inner {
                     format!("{what}: no placer"),
                 ));
             };
+            // Placed receives are offered only over a host pool (`exposable` at start).
+            let Some(pool) = self.pool.host().cloned() else {
+                return Err(Reason::new(
+                    FailureCode::BadMessage,
+                    format!("{what}: placed runs land in host pools only"),
+                ));
+            };
             placer
-                .place(self.pool.clone(), placed.key, places, cancel.clone())
+                .place(pool, placed.key, places, cancel.clone())
                 .await
                 .map_err(|e| Reason::new(FailureCode::PeerDead, format!("{what}: {e}")))
         };
@@ -366,7 +373,7 @@ impl Inner {
         sel: Selection<'static>,
         wire: PageOrder,
     ) -> Result<(), Reason> {
-        let (pool, kernel) = (self.pool.clone(), self.kernel);
+        let pool = self.pool.clone();
         let (verify, sent_sum) = (self.cfg.checksum, chunk.checksum);
         let in_place = chunk.direct || chunk.placed.is_some();
         let done = tokio::task::spawn_blocking(move || {
@@ -376,7 +383,7 @@ impl Inner {
             };
             if verify {
                 let sum = match in_place {
-                    true => crate::agent::checksum_digest(kernel.checksum(&pool, &sel, wire)?),
+                    true => crate::agent::checksum_digest(pool.checksum(&sel, wire)?),
                     false => crate::agent::checksum(&payload),
                 };
                 if sent_sum != sum {
@@ -385,7 +392,7 @@ impl Inner {
             }
             match in_place {
                 true => Ok(Ok(())),
-                false => kernel.scatter(&payload, wire, &pool, &sel).map(Ok),
+                false => pool.scatter(&payload, wire, &sel).map(Ok),
             }
         })
         .await;

@@ -48,12 +48,11 @@ use uuid::Uuid;
 use super::api;
 use super::metrics::{Gauges, Metrics};
 use super::pairing::{self, RankSlice};
+use super::pool::AgentPool;
 use super::room::{RoomState, RoomStatus};
 use super::{AgentConfig, Coverage};
 use crate::kernel::Selection;
-use crate::kernel::cpu::CpuKernel;
 use crate::layout::{KvLayout, PageOrder};
-use crate::pool::HostPool;
 use crate::pool::allocator::{PageAllocator, PageLease};
 use crate::protocol::{self, Chunk, Hello, Message, TransferRequest};
 use crate::reason::{FailureCode, Reason};
@@ -85,17 +84,16 @@ impl DecodeAgent {
     }
 
     /// Starts the agent on a pool the caller built, e.g. over the engine's own KV memory
-    /// ([`crate::pool::HostPool::engine`]): the engine process embeds the agent and kvferry
-    /// reads and writes the engine's tensors in place. The pool must have the configuration's
-    /// layout and page count.
+    /// ([`crate::pool::HostPool::engine`], [`crate::kernel::cuda::DevicePool::engine`]): the
+    /// engine process embeds the agent and kvferry reads and writes the engine's tensors in
+    /// place. The pool must have the configuration's layout and page count.
     pub async fn start_with_pool(
         cfg: AgentConfig,
-        pool: crate::pool::HostPool,
+        pool: impl Into<super::EnginePool>,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
-        super::check_pool(&cfg, &pool)?;
+        let pool = super::agent_pool(&cfg, pool.into())?;
         let instance = Uuid::new_v4();
-        let pool = Arc::new(pool);
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
         let auth = super::zmq_auth(&cfg);
@@ -110,9 +108,9 @@ impl DecodeAgent {
             && cfg.layout.placement == crate::layout::KvPlacement::Planes
             && cfg.layout.order.granularity() == crate::layout::Granularity::Token
             && pool.contiguous();
-        let pool_key = match exposable {
-            true => receiver.expose(pool.clone()).await?,
-            false => None,
+        let pool_key = match (exposable, pool.host()) {
+            (true, Some(host)) => receiver.expose(host.clone()).await?,
+            _ => None,
         };
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
@@ -120,7 +118,6 @@ impl DecodeAgent {
             instance,
             pool,
             alloc,
-            kernel: CpuKernel::new(cfg.copy_threads),
             registry: registry.clone(),
             data_endpoint: data_endpoint.clone(),
             pool_key,
@@ -221,9 +218,8 @@ impl DecodeAgent {
 struct Inner {
     cfg: AgentConfig,
     instance: Uuid,
-    pool: Arc<HostPool>,
+    pool: AgentPool,
     alloc: PageAllocator,
-    kernel: CpuKernel,
     registry: RegistryClient,
     data_endpoint: String,
     /// The pool as exposed for one-sided writes (sent in Hello), when the transport has them.

@@ -379,9 +379,9 @@ impl Inner {
             .get(&room_id)
             .is_some_and(|r| r.status.state() == RoomState::Success);
         if self.cfg.synthetic && succeeded {
-            let (pool, kernel) = (self.pool.clone(), self.kernel);
+            let pool = self.pool.clone();
             let check = tokio::task::spawn_blocking(move || {
-                crate::agent::synthetic::verify(&kernel, &pool, room_id, &pages, tokens)
+                crate::agent::synthetic::verify(&pool, room_id, &pages, tokens)
             })
             .await;
             let result = check

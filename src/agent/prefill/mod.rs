@@ -48,11 +48,11 @@ use uuid::Uuid;
 
 use super::api;
 use super::metrics::{Gauges, Metrics};
+use super::pool::AgentPool;
 use super::room::{RoomState, RoomStatus};
 use super::staging::SlotPool;
 use super::{AgentConfig, ChunkPlan, Coverage, plan_chunks, synthetic};
 use crate::kernel::Selection;
-use crate::kernel::cpu::CpuKernel;
 use crate::pool::HostPool;
 use crate::pool::allocator::{PageAllocator, PageLease};
 use crate::protocol::{self, Chunk, ErrorMsg, Hello, HelloAck, Message, TransferRequest};
@@ -86,17 +86,16 @@ impl PrefillAgent {
     }
 
     /// Starts the agent on a pool the caller built, e.g. over the engine's own KV memory
-    /// ([`crate::pool::HostPool::engine`]): the engine process embeds the agent and kvferry
-    /// reads and writes the engine's tensors in place. The pool must have the configuration's
-    /// layout and page count.
+    /// ([`crate::pool::HostPool::engine`], [`crate::kernel::cuda::DevicePool::engine`]): the
+    /// engine process embeds the agent and kvferry reads and writes the engine's tensors in
+    /// place. The pool must have the configuration's layout and page count.
     pub async fn start_with_pool(
         cfg: AgentConfig,
-        pool: crate::pool::HostPool,
+        pool: impl Into<super::EnginePool>,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
-        super::check_pool(&cfg, &pool)?;
+        let pool = super::agent_pool(&cfg, pool.into())?;
         let instance = Uuid::new_v4();
-        let pool = Arc::new(pool);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
         let options = super::control_options(&cfg);
         let (bound, server, replier) =
@@ -108,7 +107,6 @@ impl PrefillAgent {
             instance,
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
-            kernel: CpuKernel::new(cfg.copy_threads),
             transport: transport::for_kind(cfg.transport, cfg.chunk_bytes, &super::zmq_auth(&cfg)),
             replier,
             slots: Arc::default(),
@@ -198,9 +196,8 @@ impl PrefillAgent {
 struct Inner {
     cfg: AgentConfig,
     instance: Uuid,
-    pool: Arc<HostPool>,
+    pool: AgentPool,
     alloc: PageAllocator,
-    kernel: CpuKernel,
     transport: Arc<dyn Transport>,
     replier: ControlReplier,
     slots: Arc<SlotPool>,

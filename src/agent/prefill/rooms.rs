@@ -360,7 +360,7 @@ async fn fill(
     piece: &Piece,
 ) -> Result<(), RoomError> {
     let l0 = inner.cfg.layout.layers.start;
-    let (pool, kernel, pages) = (inner.pool.clone(), inner.kernel, pages.clone());
+    let (pool, pages) = (inner.pool.clone(), pages.clone());
     let (tokens, layers) = (
         piece.tokens.clone(),
         piece.layers.start - l0..piece.layers.end - l0,
@@ -368,7 +368,7 @@ async fn fill(
     tokio::task::spawn_blocking(move || {
         // The lease travels with the fill: an abort meanwhile cannot hand the pages out.
         let _keep = lease;
-        synthetic::fill(&kernel, &pool, room_id, &pages, tokens, layers)
+        synthetic::fill(&pool, room_id, &pages, tokens, layers)
     })
     .await
     .map_err(|e| RoomError::Unavailable(e.to_string()))?

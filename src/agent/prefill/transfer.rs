@@ -325,12 +325,7 @@ impl Inner {
         );
         let gather = |c: &ChunkPlan| {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
-            let (pool, kernel, pages, wire) = (
-                self.pool.clone(),
-                self.kernel,
-                job.pages.clone(),
-                req.wire_order,
-            );
+            let (pool, pages, wire) = (self.pool.clone(), job.pages.clone(), req.wire_order);
             let (tokens, heads, slots) = (c.tokens.clone(), heads.clone(), self.slots.clone());
             let checksum = self.cfg.checksum;
             let nth = self
@@ -348,24 +343,22 @@ impl Inner {
                     layers: local,
                     heads,
                 };
-                if from_pool {
+                if let (true, Some(host)) = (from_pool, pool.host()) {
                     let layout = pool.layout();
                     let spans =
                         crate::kernel::cpu::source_spans(layout, pool.num_pages(), &sel, wire)?;
                     if spans.len() <= FROM_POOL_PIECES {
                         let sum = match checksum {
-                            true => {
-                                crate::agent::checksum_digest(kernel.checksum(&pool, &sel, wire)?)
-                            }
+                            true => crate::agent::checksum_digest(pool.checksum(&sel, wire)?),
                             false => 0,
                         };
-                        return Ok((Payload::FromPool(spans), sum));
+                        return Ok((Payload::FromPool(host.clone(), spans), sum));
                     }
                 }
                 // The payload goes behind room for the frame prefix (`Frame::in_place`).
-                let mut buf = slots.take(FRAME_ROOM + sel.bytes(&pool)?);
+                let mut buf = slots.take(FRAME_ROOM + sel.bytes_in(pool.layout())?);
                 let payload = &mut buf[FRAME_ROOM..];
-                kernel.gather(&pool, &sel, wire, payload)?;
+                pool.gather(&sel, wire, payload)?;
                 metrics.gather.observe(started.elapsed());
                 let sum = if checksum {
                     crate::agent::checksum(payload)
@@ -462,7 +455,7 @@ impl Inner {
             return Ok(None);
         };
         let src_layers = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
-        let (pool, kernel, layout) = (self.pool.clone(), self.kernel, d.clone());
+        let (pool, layout) = (self.pool.clone(), d.clone());
         let (src_pages, dst_pages) = (job.pages.clone(), job.dst_pages.clone());
         let (tokens, heads, wire) = (c.tokens.clone(), heads.clone(), req.wire_order);
         let (num_pages, checksum) = (target.num_pages, self.cfg.checksum);
@@ -499,7 +492,7 @@ impl Inner {
                 return Ok(None);
             }
             let sum = match checksum {
-                true => crate::agent::checksum_digest(kernel.checksum(&pool, &src, wire)?),
+                true => crate::agent::checksum_digest(pool.checksum(&src, wire)?),
                 false => 0,
             };
             Ok::<_, crate::kernel::KernelError>(Some((runs, sum)))
@@ -529,6 +522,11 @@ impl Inner {
         first: (Vec<WriteRun>, u64),
         chunks: &mut u32,
     ) -> Result<(), Reason> {
+        // Only a host pool is written directly (`direct_path` offers it for nothing else).
+        let Some(host) = self.pool.host().cloned() else {
+            let m = "the direct path reads a host pool; this pool is device memory";
+            return Err(Reason::new(FailureCode::IncompatibleLayout, m.to_owned()));
+        };
         let mut first = Some(first);
         // Placed chunks whose runs the decode is still taking: the next chunk's header and
         // runs go out meanwhile.
@@ -556,11 +554,11 @@ impl Inner {
                 sum ^= 1;
             }
             let payload = match target.method {
-                DirectMethod::Place => Payload::Placed(runs),
+                DirectMethod::Place => Payload::Placed(host.clone(), runs),
                 DirectMethod::Write => {
                     let len: u64 = runs.iter().map(|r| r.len).sum();
                     // The writes read this pool until they are flushed, whoever stops waiting.
-                    let (peer, pool) = (job.peer.clone(), self.pool.clone());
+                    let (peer, pool) = (job.peer.clone(), host.clone());
                     let written = job.sends.spawn(async move {
                         let mut data = peer.data.lock().await;
                         data.write(pool, runs).await

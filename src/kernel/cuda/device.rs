@@ -26,6 +26,7 @@ use super::launch::{self, KvXferParams, LaunchPlan};
 use super::{CudaError, GATHER_ENTRY, SCATTER_ENTRY, compile_ptx, driver_present};
 use crate::kernel::{KernelError, Selection};
 use crate::layout::{KvLayout, LayoutError, PageOrder};
+use crate::pool::EngineRegion;
 
 // SAFETY: `KvXferParams` is `#[repr(C)]`, made of u64 and u32 fields only (no pointers Rust
 // owns, no padding holes the device reads), and mirrors the kernel's by-value parameter.
@@ -35,13 +36,6 @@ fn driver(op: &'static str) -> impl Fn(DriverError) -> CudaError {
     move |e| CudaError::Driver {
         op,
         message: e.to_string(),
-    }
-}
-
-fn bounds(offset: usize, len: usize, size: usize) -> Result<std::ops::Range<usize>, CudaError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(offset..end),
-        _ => Err(CudaError::OutOfBounds { offset, len, size }),
     }
 }
 
@@ -161,7 +155,7 @@ impl CudaKernel {
         &self,
         staging: &S,
         wire: PageOrder,
-        pool: &mut DevicePool,
+        pool: &DevicePool,
         sel: &Selection<'_>,
     ) -> Result<(), KernelError> {
         self.same_device(pool.ordinal)?;
@@ -171,6 +165,29 @@ impl CudaKernel {
             Some(plan) => Ok(self.run(&self.scatter, plan, pool, staging.device_addr())?),
             None => Ok(()),
         }
+    }
+
+    /// Makes the device's context current on this thread (for raw driver calls).
+    fn bind(&self) -> Result<(), CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("make the context current"))
+    }
+
+    /// The allocation on this device holding device address `addr`: its base and length.
+    fn allocation_of(&self, addr: u64) -> Result<(u64, usize), CudaError> {
+        self.bind()?;
+        let (mut base, mut len) = (0, 0);
+        // SAFETY: valid out-pointers; the driver validates the address.
+        unsafe { cudarc::driver::sys::cuMemGetAddressRange_v2(&mut base, &mut len, addr) }
+            .result()
+            .map_err(|e| {
+                CudaError::Regions(format!(
+                    "{addr:#x} is not device memory of device {}: {e}",
+                    self.ordinal
+                ))
+            })?;
+        Ok((base, len))
     }
 
     fn same_device(&self, buffer: usize) -> Result<(), CudaError> {
@@ -362,15 +379,46 @@ impl DeviceStaging {
         })
     }
 
-    /// Copies the buffer to host memory.
-    pub fn to_host(&self) -> Result<Vec<u8>, CudaError> {
-        let mut out = vec![0u8; self.len];
+    /// Bytes the buffer can hold: [`Self::set_len`] up to this without allocating.
+    pub fn capacity(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Makes the buffer `len` bytes long, within its capacity (contents unspecified).
+    pub fn set_len(&mut self, len: usize) -> Result<(), CudaError> {
+        if len > self.capacity() {
+            return Err(CudaError::OutOfBounds {
+                offset: 0,
+                len,
+                size: self.capacity(),
+            });
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Copies the buffer into `out`, which must have exactly its length.
+    pub fn copy_to_host(&self, out: &mut [u8]) -> Result<(), CudaError> {
+        if out.len() != self.len {
+            return Err(CudaError::OutOfBounds {
+                offset: 0,
+                len: out.len(),
+                size: self.len,
+            });
+        }
         if let Some(view) = self.buf.try_slice(..self.len) {
             self.stream
-                .memcpy_dtoh(&view, &mut out)
+                .memcpy_dtoh(&view, out)
                 .map_err(driver("copy staging to host"))?;
             self.stream.synchronize().map_err(driver("synchronize"))?;
         }
+        Ok(())
+    }
+
+    /// Copies the buffer to host memory.
+    pub fn to_host(&self) -> Result<Vec<u8>, CudaError> {
+        let mut out = vec![0u8; self.len];
+        self.copy_to_host(&mut out)?;
         Ok(out)
     }
 
@@ -410,12 +458,28 @@ impl sealed::Sealed for DeviceStaging {
     }
 }
 
-/// A KV pool in device memory, laid out like a host pool of the same layout.
+/// The device memory under a pool.
+enum PoolMemory {
+    /// Allocated for the pool, freed with it.
+    Owned { _alloc: CudaSlice<u8> },
+    /// The engine's allocations in this process, borrowed: never freed by kvferry.
+    Engine,
+    /// Another process's allocation, mapped by CUDA IPC handle; closed with the pool.
+    Ipc(u64),
+}
+
+/// A KV pool in device memory, laid out like a host pool of the same layout: memory of its
+/// own, the engine's allocations in this process, or another process's allocation opened by
+/// CUDA IPC handle.
 pub struct DevicePool {
     layout: KvLayout,
     num_pages: usize,
     ordinal: usize,
-    mem: CudaSlice<u8>,
+    mem: PoolMemory,
+    /// Device address of pool offset 0 (the lowest region's first byte).
+    base: u64,
+    /// The byte ranges of the pool that are memory (offset, len), sorted.
+    ranges: Vec<(usize, usize)>,
     /// Address of page 0 of every (layer, plane): see [`launch::plane_table`].
     table: CudaSlice<u64>,
     stream: Arc<CudaStream>,
@@ -431,6 +495,19 @@ impl fmt::Debug for DevicePool {
     }
 }
 
+impl Drop for DevicePool {
+    fn drop(&mut self) {
+        if let PoolMemory::Ipc(addr) = self.mem {
+            // Work on the pool is waited for by every launch and copy; nothing is in flight.
+            // SAFETY: `addr` was returned by cuIpcOpenMemHandle and is closed once, here.
+            let closed = unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(addr) }.result();
+            if let Err(e) = closed {
+                tracing::warn!(error = %e, "closing a CUDA IPC mapping failed");
+            }
+        }
+    }
+}
+
 impl DevicePool {
     /// Allocates a zeroed pool of `num_pages` pages on the kernel's device and uploads its
     /// plane table.
@@ -439,25 +516,131 @@ impl DevicePool {
         layout: KvLayout,
         num_pages: usize,
     ) -> Result<Self, KernelError> {
-        layout.validate()?;
-        if num_pages == 0 || u32::try_from(num_pages).is_err() {
-            return Err(LayoutError::Invalid {
-                field: "num_pages",
-                reason: format!("{num_pages} must be within 1..=u32::MAX"),
-            }
-            .into());
-        }
-        let size = layout.pool_bytes(num_pages)?;
-        let stream = kernel.stream.clone();
-        let mem = stream
+        let size = checked_size(&layout, num_pages)?;
+        let mem = kernel
+            .stream
             .alloc_zeros::<u8>(size)
             .map_err(driver("allocate device pool"))?;
         let base = {
-            let (base, _guard) = mem.device_ptr(&stream);
+            let (base, _guard) = mem.device_ptr(&kernel.stream);
             base
         };
+        let each = layout.region_bytes(num_pages)?;
+        let regions: Vec<EngineRegion> = launch::one_buffer(&layout, num_pages, base)?
+            .into_iter()
+            .map(|addr| EngineRegion {
+                addr: addr as usize,
+                len: each,
+            })
+            .collect();
+        Self::over(
+            kernel,
+            layout,
+            num_pages,
+            &regions,
+            PoolMemory::Owned { _alloc: mem },
+        )
+    }
+
+    /// A pool over device memory the engine allocated in this process: one region per
+    /// [`KvLayout::num_regions`], in the layout's region order, each at least
+    /// [`KvLayout::region_bytes`] long and inside one allocation on the kernel's device (the
+    /// driver is asked). kvferry reads and writes the regions in place and never frees them.
+    ///
+    /// # Safety
+    /// The regions must stay allocated (at the same addresses) for as long as the pool lives.
+    /// The engine may write the pages kvferry is not transferring at any time.
+    pub unsafe fn engine(
+        kernel: &CudaKernel,
+        layout: KvLayout,
+        num_pages: usize,
+        regions: &[EngineRegion],
+    ) -> Result<Self, KernelError> {
+        for (i, r) in regions.iter().enumerate() {
+            let (start, len) = kernel.allocation_of(r.addr as u64)?;
+            if (r.addr as u64) + (r.len as u64) > start + len as u64 {
+                return Err(regions_error(format!(
+                    "region {i} at {:#x} holds {} bytes, but its allocation on device {} ends at {:#x}",
+                    r.addr,
+                    r.len,
+                    kernel.ordinal,
+                    start + len as u64
+                )));
+            }
+        }
+        Self::over(kernel, layout, num_pages, regions, PoolMemory::Engine)
+    }
+
+    /// A pool over another process's device allocation, opened by its CUDA IPC handle
+    /// (`cuIpcGetMemHandle` of the allocation's base). The layout must be one region (the
+    /// allocation), at least [`KvLayout::pool_bytes`] long. The mapping is closed with the pool.
+    pub fn open_ipc(
+        kernel: &CudaKernel,
+        layout: KvLayout,
+        num_pages: usize,
+        handle: &[u8; 64],
+    ) -> Result<Self, KernelError> {
+        let size = checked_size(&layout, num_pages)?;
+        if layout.num_regions() != 1 {
+            return Err(regions_error(format!(
+                "one CUDA IPC handle names one allocation; the layout spans {} regions",
+                layout.num_regions()
+            )));
+        }
+        kernel.bind()?;
+        let mut raw = cudarc::driver::sys::CUipcMemHandle { reserved: [0; 64] };
+        for (to, from) in raw.reserved.iter_mut().zip(handle) {
+            *to = *from as std::ffi::c_char;
+        }
+        let mut addr = 0;
+        // SAFETY: a valid out-pointer; the handle is plain bytes the driver validates.
+        unsafe {
+            cudarc::driver::sys::cuIpcOpenMemHandle_v2(
+                &mut addr,
+                raw,
+                cudarc::driver::sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(driver("open the CUDA IPC handle"))?;
+        let mem = PoolMemory::Ipc(addr);
+        let (_, len) = match kernel.allocation_of(addr) {
+            Ok(found) => found,
+            Err(e) => {
+                // SAFETY: just opened, closed once.
+                let _ = unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(addr) };
+                return Err(e.into());
+            }
+        };
+        let regions = [EngineRegion {
+            addr: addr as usize,
+            len,
+        }];
+        if len < size {
+            // SAFETY: just opened, closed once.
+            let _ = unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(addr) };
+            return Err(regions_error(format!(
+                "the allocation behind the CUDA IPC handle holds {len} bytes; {size} needed for {num_pages} pages"
+            )));
+        }
+        Self::over(kernel, layout, num_pages, &regions, mem)
+    }
+
+    /// The pool over `regions` (validated), with its plane table uploaded.
+    fn over(
+        kernel: &CudaKernel,
+        layout: KvLayout,
+        num_pages: usize,
+        regions: &[EngineRegion],
+        mem: PoolMemory,
+    ) -> Result<Self, KernelError> {
+        let sorted =
+            crate::pool::check_regions(&layout, num_pages, regions).map_err(regions_error)?;
+        let (base, ranges) = crate::pool::memory_ranges(&sorted);
+        let starts: Vec<u64> = regions.iter().map(|r| r.addr as u64).collect();
+        let stream = kernel.stream.clone();
         let table = stream
-            .clone_htod(&launch::plane_table(&layout, num_pages, base)?)
+            .clone_htod(&launch::plane_table(&layout, num_pages, &starts)?)
             .map_err(driver("upload plane table"))?;
         stream.synchronize().map_err(driver("synchronize"))?;
         Ok(DevicePool {
@@ -465,6 +648,8 @@ impl DevicePool {
             num_pages,
             ordinal: kernel.ordinal,
             mem,
+            base: base as u64,
+            ranges,
             table,
             stream,
         })
@@ -480,9 +665,9 @@ impl DevicePool {
         self.num_pages
     }
 
-    /// Bytes of this pool.
+    /// Bytes from the pool's first byte to its last (regions apart leave gaps).
     pub fn size(&self) -> usize {
-        self.mem.len()
+        self.ranges.last().map_or(0, |&(start, len)| start + len)
     }
 
     /// The device holding this pool.
@@ -490,45 +675,78 @@ impl DevicePool {
         self.ordinal
     }
 
+    /// The device address of `len` bytes at pool offset `offset`, when they lie inside one
+    /// range of the pool's memory.
+    fn address(&self, offset: usize, len: usize) -> Result<u64, CudaError> {
+        let end = offset.checked_add(len);
+        let inside = self
+            .ranges
+            .iter()
+            .any(|&(start, n)| offset >= start && end.is_some_and(|e| e <= start + n));
+        match inside {
+            true => Ok(self.base + offset as u64),
+            false => Err(CudaError::OutOfBounds {
+                offset,
+                len,
+                size: self.size(),
+            }),
+        }
+    }
+
     /// Copies `len` bytes at `offset` out of the pool.
     pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, CudaError> {
-        let range = bounds(offset, len, self.size())?;
+        let addr = self.address(offset, len)?;
         let mut out = vec![0u8; len];
-        if let Some(view) = self.mem.try_slice(range) {
-            self.stream
-                .memcpy_dtoh(&view, &mut out)
-                .map_err(driver("copy pool to host"))?;
-            self.stream.synchronize().map_err(driver("synchronize"))?;
+        // SAFETY: `addr..addr+len` is device memory of this pool (checked above); `out` holds
+        // `len` bytes; the copy is waited for before `out` is used.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut out, addr, self.stream.cu_stream())
         }
+        .map_err(driver("copy pool to host"))?;
+        self.stream.synchronize().map_err(driver("synchronize"))?;
         Ok(out)
     }
 
     /// Copies `data` into the pool at `offset`.
-    pub fn write(&mut self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
-        let range = bounds(offset, data.len(), self.size())?;
-        if let Some(mut view) = self.mem.try_slice_mut(range) {
-            self.stream
-                .memcpy_htod(data, &mut view)
-                .map_err(driver("copy host to pool"))?;
-            self.stream.synchronize().map_err(driver("synchronize"))?;
-        }
-        Ok(())
-    }
-
-    /// Sets every byte of the pool to `byte` (tests poison destinations with 0xDE).
-    pub fn fill(&mut self, byte: u8) -> Result<(), CudaError> {
-        let (addr, guard) = self.mem.device_ptr(&self.stream);
-        // SAFETY: writes exactly the pool's `size()` bytes, on the pool's stream.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(
-                addr,
-                byte,
-                self.mem.len(),
-                self.stream.cu_stream(),
-            )
-        }
-        .map_err(driver("fill pool"))?;
-        drop(guard);
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
+        let addr = self.address(offset, data.len())?;
+        // SAFETY: as in `read`; `data` outlives the copy, which is waited for.
+        unsafe { cudarc::driver::result::memcpy_htod_async(addr, data, self.stream.cu_stream()) }
+            .map_err(driver("copy host to pool"))?;
         self.stream.synchronize().map_err(driver("synchronize"))
     }
+
+    /// Sets every byte of the pool's memory to `byte` (tests poison destinations with 0xDE).
+    pub fn fill(&self, byte: u8) -> Result<(), CudaError> {
+        for &(start, len) in &self.ranges {
+            // SAFETY: writes exactly one range of the pool's memory, on the pool's stream.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    self.base + start as u64,
+                    byte,
+                    len,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(driver("fill pool"))?;
+        }
+        self.stream.synchronize().map_err(driver("synchronize"))
+    }
+}
+
+/// The pool's byte size, refusing layouts and page counts the kernel cannot address.
+fn checked_size(layout: &KvLayout, num_pages: usize) -> Result<usize, KernelError> {
+    layout.validate()?;
+    if num_pages == 0 || u32::try_from(num_pages).is_err() {
+        return Err(LayoutError::Invalid {
+            field: "num_pages",
+            reason: format!("{num_pages} must be within 1..=u32::MAX"),
+        }
+        .into());
+    }
+    Ok(layout.pool_bytes(num_pages)?)
+}
+
+fn regions_error(reason: impl ToString) -> KernelError {
+    CudaError::Regions(reason.to_string()).into()
 }

@@ -80,21 +80,35 @@ pub struct LaunchPlan<'a> {
     pub pages: &'a [u32],
 }
 
-/// The plane table of a pool of `num_pages` pages whose memory starts at address `base`: the
-/// address of page 0 of every (local layer, plane), layer-major. Uploaded once per pool.
+/// The plane table of a pool of `num_pages` pages whose regions (one per
+/// [`KvLayout::num_regions`], in the layout's region order) start at the addresses `regions`:
+/// the address of page 0 of every (local layer, plane), layer-major. Uploaded once per pool.
 pub fn plane_table(
     layout: &KvLayout,
     num_pages: usize,
-    base: u64,
+    regions: &[u64],
 ) -> Result<Vec<u64>, LayoutError> {
     (0..layout.num_layers())
         .flat_map(|layer| {
             (0..layout.planes()).map(move |plane| {
-                let offset = layout.plane_offset(layer, plane, num_pages)?;
+                let (region, offset) = layout.plane_location(layer, plane, num_pages)?;
+                let base = regions.get(region).ok_or_else(|| LayoutError::Invalid {
+                    field: "regions",
+                    reason: format!("{} given, region {region} needed", regions.len()),
+                })?;
                 Ok(base.wrapping_add(offset as u64))
             })
         })
         .collect()
+}
+
+/// The region addresses of a one-buffer pool at `base`: its regions back to back, which holds
+/// the same bytes as one region (see [`KvLayout::plane_location`]).
+pub fn one_buffer(layout: &KvLayout, num_pages: usize, base: u64) -> Result<Vec<u64>, LayoutError> {
+    let each = layout.region_bytes(num_pages)? as u64;
+    Ok((0..layout.num_regions() as u64)
+        .map(|i| base + i * each)
+        .collect())
 }
 
 /// The kernel's code for a page order; the CUDA kernel moves token-granular orders only (the
@@ -326,7 +340,7 @@ mod tests {
             .unwrap()
             .with_order(PageOrder::HeadMajor, KvPlacement::Interleaved)
             .unwrap();
-        let t = plane_table(&l, 3, 1000).unwrap();
+        let t = plane_table(&l, 3, &one_buffer(&l, 3, 1000).unwrap()).unwrap();
         assert_eq!(t.len(), 4 * 2);
         assert_eq!(t[5], 1000 + l.plane_offset(2, 1, 3).unwrap() as u64);
     }

@@ -77,6 +77,9 @@ pub enum CudaError {
         /// The largest accepted value.
         limit: u64,
     },
+    /// Device memory given for a pool that does not fit its layout, or is not device memory.
+    #[error("device pool memory: {0}")]
+    Regions(String),
     /// A byte range outside a device pool or staging buffer.
     #[error("byte range {offset}+{len} is outside the buffer's {size} bytes")]
     OutOfBounds {

@@ -224,6 +224,8 @@ struct Shared {
     commands: mpsc::Sender<Command>,
     wake: Arc<OwnedFd>,
     address: Bytes,
+    /// The progress thread, joined when the last handle goes.
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Shared {
@@ -238,13 +240,20 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        // The last handle is gone: stop the thread (it cleans up on its own).
+        // The last handle is gone: stop the thread and wait for its cleanup (a few
+        // milliseconds; its waits are bounded at 5 s), so that UCX is never torn down by the
+        // thread while the process exits and UCX's own exit handlers free the same memory.
         if self
             .commands
             .send(Command::Shutdown { reply: None })
             .is_ok()
         {
             wake(&self.wake);
+        }
+        if let Some(thread) = self.thread.take() {
+            if thread.thread().id() != std::thread::current().id() {
+                let _ = thread.join();
+            }
         }
     }
 }
@@ -303,7 +312,7 @@ impl UcxWorker {
         let (commands, inbox) = mpsc::channel();
         let (ready, started) = oneshot::channel();
         let thread_wake = wake.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("ucx-progress".into())
             .spawn(move || super::progress::run(config, inbox, thread_wake, ready))
             .map_err(|e| UcxError::Os {
@@ -316,6 +325,7 @@ impl UcxWorker {
                 commands,
                 wake,
                 address,
+                thread: Some(thread),
             }),
         })
     }

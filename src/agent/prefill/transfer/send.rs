@@ -10,11 +10,12 @@ use crate::transport::{Frame, TransportError};
 /// prefix, then the gathered payload); the ranges of this pool that make the same payload,
 /// sent without a gather (`DataSender::send_from`); nothing (the bytes were written into
 /// the decode pool directly, this many); or, after it, its runs as placed messages.
+/// Only host pools are read by the transport itself: the variants that need it carry it.
 pub(super) enum Payload {
     Staged(Vec<u8>),
-    FromPool(Vec<Span>),
+    FromPool(Arc<HostPool>, Vec<Span>),
     Direct(usize),
-    Placed(Vec<WriteRun>),
+    Placed(Arc<HostPool>, Vec<WriteRun>),
 }
 
 /// A chunk's bytes on their way: a staged chunk's frame, resolved once the transport is done
@@ -33,7 +34,7 @@ const NOT_POSTED: &str = "posted_wait";
 /// A staged chunk's payload: gathered into a staging slot, or ranges of this pool.
 enum Staged {
     Gathered(Vec<u8>),
-    FromPool(Vec<Span>),
+    FromPool(Arc<HostPool>, Vec<Span>),
 }
 
 impl Inner {
@@ -135,13 +136,13 @@ impl Inner {
                 let path = &self.metrics.chunks_staged;
                 (len, false, path, Some(Staged::Gathered(buf)), None)
             }
-            Payload::FromPool(spans) => {
+            Payload::FromPool(pool, spans) => {
                 let len = spans.iter().map(|s| s.len).sum::<u64>() as usize;
                 let path = &self.metrics.chunks_from_pool;
-                (len, false, path, Some(Staged::FromPool(spans)), None)
+                (len, false, path, Some(Staged::FromPool(pool, spans)), None)
             }
             Payload::Direct(len) => (len, true, &self.metrics.chunks_direct, None, None),
-            Payload::Placed(runs) => {
+            Payload::Placed(pool, runs) => {
                 let len = runs.iter().map(|r| r.len).sum::<u64>() as usize;
                 let spans: Vec<Span> = runs.iter().map(WriteRun::source).collect();
                 let placed = Placed {
@@ -149,7 +150,7 @@ impl Inner {
                     runs: runs.iter().map(|r| r.len).collect(),
                 };
                 let path = &self.metrics.chunks_placed;
-                (len, false, path, None, Some((placed, spans)))
+                (len, false, path, None, Some((placed, (pool, spans))))
             }
         };
         let (placed, spans) = placed.unzip();
@@ -178,7 +179,9 @@ impl Inner {
         let in_flight = staged.is_some();
         let (frame, from) = match staged {
             None => (Frame::header_only(&header), None),
-            Some(Staged::FromPool(spans)) => (Frame::header_only(&header), Some(spans)),
+            Some(Staged::FromPool(pool, spans)) => {
+                (Frame::header_only(&header), Some((pool, spans)))
+            }
             Some(Staged::Gathered(buf)) => {
                 let frame = Frame::in_place(&header, buf, |buf| self.slots.bytes(buf));
                 let frame = frame.ok_or_else(|| {
@@ -195,11 +198,10 @@ impl Inner {
         };
         // Queued in order; a staged chunk's bytes are left in flight with the transport (the
         // credits bound how many), a header alone is waited for.
-        let pool = self.pool.clone();
         let sent = self
             .on_data_plane(job, CHUNK_STALL, |data| {
                 let sent = match from {
-                    Some(spans) => data.send_from(frame, pool, spans),
+                    Some((pool, spans)) => data.send_from(frame, pool, spans),
                     None => data.send(frame),
                 };
                 Box::pin(async move { Ok(sent) })
@@ -213,9 +215,8 @@ impl Inner {
                 None
             }
         };
-        let taken = spans.zip(posted).map(|(spans, (key, posted))| {
-            let (peer, pool, timeout) =
-                (job.peer.clone(), self.pool.clone(), self.cfg.timeouts.send);
+        let taken = spans.zip(posted).map(|((pool, spans), (key, posted))| {
+            let (peer, timeout) = (job.peer.clone(), self.cfg.timeouts.send);
             // A task of its own: the decode may post the receives of later chunks first (it
             // lands a bounded number of chunks at once, in whatever order their headers come
             // out of the transport), and their runs must not wait behind this chunk's. The

@@ -1,0 +1,204 @@
+//! The memory an agent serves, with the kernel that moves its bytes: a host pool (the CPU
+//! kernel) or a device pool (the CUDA kernel).
+//!
+//! The data path asks it for the three things it does to pool memory: gather a selection into
+//! a chunk's host buffer, scatter a chunk's host bytes into a selection, and hash a selection in
+//! place. A device pool gathers on the device into device staging and copies the result to the
+//! host buffer once (one D2H), and scatters after one H2D into device staging: the transports
+//! send host memory. Only host pools are read or written by the transports themselves (direct
+//! writes, sends from the pool, placed receives): [`AgentPool::host`].
+
+use std::sync::{Arc, Mutex};
+
+use crate::kernel::cpu::CpuKernel;
+use crate::kernel::cuda::{CudaKernel, DevicePool, DeviceStaging};
+use crate::kernel::{KernelError, Selection};
+use crate::layout::{KvLayout, PageOrder};
+use crate::memory::MemoryKind;
+use crate::pool::HostPool;
+
+/// What an agent is started on: a host pool or a device pool.
+#[derive(Debug)]
+pub enum EnginePool {
+    /// Host memory.
+    Host(HostPool),
+    /// Device memory.
+    Device(DevicePool),
+}
+
+impl From<HostPool> for EnginePool {
+    fn from(pool: HostPool) -> Self {
+        EnginePool::Host(pool)
+    }
+}
+
+impl From<DevicePool> for EnginePool {
+    fn from(pool: DevicePool) -> Self {
+        EnginePool::Device(pool)
+    }
+}
+
+/// An agent's pool and its kernel; clones share both.
+#[derive(Clone, Debug)]
+pub(crate) enum AgentPool {
+    Host {
+        pool: Arc<HostPool>,
+        kernel: CpuKernel,
+    },
+    Device {
+        pool: Arc<DevicePool>,
+        kernel: Arc<CudaKernel>,
+        /// Device staging buffers free for reuse (a chunk takes one while it is gathered or
+        /// scattered).
+        staging: Arc<Mutex<Vec<DeviceStaging>>>,
+    },
+}
+
+/// Device staging kept for reuse at most; more chunks at once allocate and free their own.
+const KEPT_STAGING: usize = 8;
+
+impl AgentPool {
+    /// The pool with its kernel: `copy_threads` for the CPU kernel; a device pool's kernel is
+    /// its device's shared one.
+    pub(crate) fn new(pool: EnginePool, copy_threads: usize) -> Result<Self, KernelError> {
+        Ok(match pool {
+            EnginePool::Host(pool) => AgentPool::Host {
+                pool: Arc::new(pool),
+                kernel: CpuKernel::new(copy_threads),
+            },
+            EnginePool::Device(pool) => AgentPool::Device {
+                kernel: CudaKernel::shared(pool.ordinal())?,
+                pool: Arc::new(pool),
+                staging: Arc::default(),
+            },
+        })
+    }
+
+    pub(crate) fn layout(&self) -> &KvLayout {
+        match self {
+            AgentPool::Host { pool, .. } => pool.layout(),
+            AgentPool::Device { pool, .. } => pool.layout(),
+        }
+    }
+
+    pub(crate) fn num_pages(&self) -> usize {
+        match self {
+            AgentPool::Host { pool, .. } => pool.num_pages(),
+            AgentPool::Device { pool, .. } => pool.num_pages(),
+        }
+    }
+
+    /// Where the pool's memory is.
+    pub(crate) fn kind(&self) -> MemoryKind {
+        match self {
+            AgentPool::Host { .. } => MemoryKind::Host,
+            AgentPool::Device { pool, .. } => MemoryKind::Device {
+                ordinal: pool.ordinal(),
+            },
+        }
+    }
+
+    /// The host pool, which transports may read and write themselves; `None` for device pools.
+    pub(crate) fn host(&self) -> Option<&Arc<HostPool>> {
+        match self {
+            AgentPool::Host { pool, .. } => Some(pool),
+            AgentPool::Device { .. } => None,
+        }
+    }
+
+    /// Whether the pool is one range of host memory (direct writes and sends from the pool
+    /// need that).
+    pub(crate) fn contiguous(&self) -> bool {
+        self.host().is_some_and(|p| p.contiguous())
+    }
+
+    /// Copies the selection into `out` (host memory), in `wire` order.
+    pub(crate) fn gather(
+        &self,
+        sel: &Selection<'_>,
+        wire: PageOrder,
+        out: &mut [u8],
+    ) -> Result<(), KernelError> {
+        match self {
+            AgentPool::Host { pool, kernel } => kernel.gather(pool, sel, wire, out),
+            AgentPool::Device {
+                pool,
+                kernel,
+                staging,
+            } => {
+                let mut buf = take(kernel, staging, out.len())?;
+                kernel.gather(pool, sel, wire, &mut buf)?;
+                buf.copy_to_host(out)?;
+                keep(staging, buf);
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies `input` (host memory, in `wire` order) into the selection.
+    pub(crate) fn scatter(
+        &self,
+        input: &[u8],
+        wire: PageOrder,
+        sel: &Selection<'_>,
+    ) -> Result<(), KernelError> {
+        match self {
+            AgentPool::Host { pool, kernel } => kernel.scatter(input, wire, pool, sel),
+            AgentPool::Device {
+                pool,
+                kernel,
+                staging,
+            } => {
+                let mut buf = take(kernel, staging, input.len())?;
+                buf.copy_from_host(input)?;
+                kernel.scatter(&buf, wire, pool, sel)?;
+                keep(staging, buf);
+                Ok(())
+            }
+        }
+    }
+
+    /// The xxh3-64 of the selection's bytes in `wire` order, read in place (a device pool's are
+    /// gathered to the host first).
+    pub(crate) fn checksum(
+        &self,
+        sel: &Selection<'_>,
+        wire: PageOrder,
+    ) -> Result<u64, KernelError> {
+        match self {
+            AgentPool::Host { pool, kernel } => kernel.checksum(pool, sel, wire),
+            AgentPool::Device { .. } => {
+                let mut bytes = vec![0u8; sel.bytes_in(self.layout())?];
+                self.gather(sel, wire, &mut bytes)?;
+                Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
+            }
+        }
+    }
+}
+
+/// A device staging buffer of `len` bytes: a kept one that is large enough, or a new one.
+fn take(
+    kernel: &CudaKernel,
+    free: &Mutex<Vec<DeviceStaging>>,
+    len: usize,
+) -> Result<DeviceStaging, KernelError> {
+    let kept = {
+        let mut free = free.lock().unwrap_or_else(|e| e.into_inner());
+        let fit = free.iter().position(|s| s.capacity() >= len);
+        fit.map(|i| free.swap_remove(i))
+    };
+    let mut buf = match kept {
+        Some(buf) => buf,
+        None => DeviceStaging::new(kernel, len)?,
+    };
+    buf.set_len(len)?;
+    Ok(buf)
+}
+
+/// Keeps `buf` for reuse, up to [`KEPT_STAGING`] buffers.
+fn keep(free: &Mutex<Vec<DeviceStaging>>, buf: DeviceStaging) {
+    let mut free = free.lock().unwrap_or_else(|e| e.into_inner());
+    if free.len() < KEPT_STAGING {
+        free.push(buf);
+    }
+}
