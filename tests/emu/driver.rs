@@ -43,6 +43,13 @@ impl Driver {
         Driver(unsafe { libloading::Library::new(library()) }.expect("loading the emulator"))
     }
 
+    /// The driver the dynamic loader finds (`libcuda.so.1` on the library path): the emulator
+    /// when its directory is on `LD_LIBRARY_PATH`, a GPU's driver otherwise.
+    pub fn system() -> Driver {
+        // SAFETY: the CUDA driver library; its initialisers only set up its own state.
+        Driver(unsafe { libloading::Library::new("libcuda.so.1") }.expect("loading libcuda.so.1"))
+    }
+
     /// The driver function `name` of type `F`.
     pub fn f<F: Copy>(&self, name: &str) -> F {
         // SAFETY: the caller names a function of the driver API with its C signature.

@@ -1,0 +1,402 @@
+//! Sidecar agents on device pools. The test process is the engine: it allocates a prefill and a
+//! decode pool in device memory, exports each by CUDA IPC handle, and starts a prefill and a
+//! decode agent (`--pool cuda-ipc:0:<handle>`) that open them. Synthetic rooms move between
+//! the pools through the transfer kernel on both sides (a gather on the device, one D2H, the
+//! wire, one H2D, a scatter). The engine then reads both pools back with `cuMemcpyDtoH`: every
+//! byte of a room's decode pages must be the prefill's, every other byte the poison it wrote.
+//!
+//! Needs a CUDA driver and NVRTC. scripts/test runs it on the CUDA driver emulator (emu/cuda,
+//! docs/gpu.md) with KVFERRY_REQUIRE_GPU=1, where a skip is a failure; without either it says
+//! which is missing and passes.
+#![allow(unsafe_code)]
+
+mod common;
+#[path = "emu/driver.rs"]
+mod driver;
+
+use std::ffi::c_void;
+
+use common::*;
+use driver::*;
+use kvferry::layout::{KvLayout, ModelSpec};
+use serde_json::json;
+
+const PAGES: usize = 64;
+const POISON: u8 = 0xDE;
+const TOKENS: usize = 64;
+
+/// Whether a CUDA driver and NVRTC are there; without them, a panic if KVFERRY_REQUIRE_GPU=1.
+fn gpu_or_skip() -> bool {
+    let driver = kvferry::kernel::cuda::driver_present();
+    let nvrtc = kvferry::kernel::cuda::nvrtc_present();
+    if driver && nvrtc {
+        return true;
+    }
+    let why = format!("CUDA driver loadable: {driver}, NVRTC loadable: {nvrtc}");
+    assert!(
+        std::env::var("KVFERRY_REQUIRE_GPU").as_deref() != Ok("1"),
+        "KVFERRY_REQUIRE_GPU=1 but {why}"
+    );
+    println!("skipped: {why}");
+    false
+}
+
+/// This process as an engine: device 0's context and its allocations.
+struct Engine(Driver);
+
+impl Engine {
+    fn new() -> Engine {
+        let d = Driver::system();
+        d.ready();
+        Engine(d)
+    }
+
+    fn alloc(&self, len: usize) -> u64 {
+        let alloc: Alloc = self.0.f("cuMemAlloc_v2");
+        let mut p = 0;
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { alloc(&mut p, len) }, SUCCESS, "cuMemAlloc");
+        p
+    }
+
+    fn fill(&self, addr: u64, byte: u8, len: usize) {
+        let memset: unsafe extern "C" fn(u64, u8, usize) -> R = self.0.f("cuMemsetD8_v2");
+        let sync: unsafe extern "C" fn() -> R = self.0.f("cuCtxSynchronize");
+        // SAFETY: `len` bytes of an allocation of ours.
+        unsafe {
+            assert_eq!(memset(addr, byte, len), SUCCESS, "cuMemsetD8");
+            assert_eq!(sync(), SUCCESS);
+        }
+    }
+
+    fn read(&self, addr: u64, len: usize) -> Vec<u8> {
+        let dtoh: DtoH = self.0.f("cuMemcpyDtoH_v2");
+        let mut out = vec![0u8; len];
+        // SAFETY: `out` holds `len` bytes; the copy is synchronous.
+        let copied = unsafe { dtoh(out.as_mut_ptr().cast::<c_void>(), addr, len) };
+        assert_eq!(copied, SUCCESS, "cuMemcpyDtoH");
+        out
+    }
+
+    /// The `--pool` value naming the allocation at `addr` by CUDA IPC handle.
+    fn pool_flag(&self, addr: u64) -> String {
+        let get: unsafe extern "C" fn(*mut [u8; 64], u64) -> R = self.0.f("cuIpcGetMemHandle");
+        let mut handle = [0u8; 64];
+        // SAFETY: a 64-byte out buffer.
+        assert_eq!(
+            unsafe { get(&mut handle, addr) },
+            SUCCESS,
+            "cuIpcGetMemHandle"
+        );
+        let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+        format!("cuda-ipc:0:{hex}")
+    }
+}
+
+/// A registry and sidecar agents on device pools of this engine: each agent's extra flags
+/// (role first) get `--pool` naming its own allocation of `bytes`, filled with `fill`.
+struct DeviceCluster {
+    agents: Vec<Spawned>,
+    pools: Vec<u64>,
+    _registry: Spawned,
+}
+
+impl DeviceCluster {
+    fn start(
+        engine: &Engine,
+        tag: &str,
+        opts: &AgentOpts,
+        agents: &[(&[&str], usize, u8)],
+    ) -> Self {
+        let exe = release_binary();
+        let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
+        let args = owned(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]);
+        let registry = Spawned::start(&exe, &[], "registry", &args, &[], &logs);
+        let url = registry.field("url");
+        let mut pools = Vec::new();
+        let started = agents
+            .iter()
+            .enumerate()
+            .map(|(i, (extra, bytes, fill))| {
+                let pool = engine.alloc(*bytes);
+                engine.fill(pool, *fill, *bytes);
+                pools.push(pool);
+                let mut args = owned(&[extra[0], "--bootstrap", &url]);
+                args.extend(opts.args());
+                args.extend(owned(&extra[1..]));
+                args.extend(["--pool".to_owned(), engine.pool_flag(pool)]);
+                Spawned::start(&exe, &[], &format!("{}-{i}", extra[0]), &args, &[], &logs)
+            })
+            .collect();
+        DeviceCluster {
+            agents: started,
+            pools,
+            _registry: registry,
+        }
+    }
+
+    fn api(&self, i: usize) -> String {
+        self.agents[i].field("api")
+    }
+}
+
+/// Asks the decode at `decode` for each room on its pages and announces it at every prefill.
+async fn ask_and_announce(decode: &str, prefills: &[String], rooms: &[(u64, Vec<u32>)]) {
+    let http = http();
+    for (room, pages) in rooms {
+        let ask = json!({ "tokens": TOKENS, "pages": pages });
+        let url = format!("{decode}/v1/rooms/{room}");
+        expect(
+            &http,
+            reqwest::Method::POST,
+            &url,
+            Some(&ask),
+            reqwest::StatusCode::CREATED,
+        )
+        .await;
+        for prefill in prefills {
+            let url = format!("{prefill}/v1/rooms/{room}/ready");
+            let ready = json!({ "tokens": TOKENS });
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &url,
+                Some(&ready),
+                reqwest::StatusCode::ACCEPTED,
+            )
+            .await;
+        }
+    }
+}
+
+/// Asserts every block of `pool` (of `layout`) outside `pages` still holds the poison; returns
+/// the bytes checked.
+fn untouched_outside(pool: &[u8], layout: &KvLayout, pages: &[u32]) -> usize {
+    let (stride, block) = (layout.page_stride().unwrap(), layout.block_bytes().unwrap());
+    let mut checked = 0;
+    for layer in 0..layout.num_layers() {
+        for plane in 0..layout.planes() {
+            let plane_at = layout.plane_offset(layer, plane, PAGES).unwrap();
+            for page in (0..PAGES).filter(|p| !pages.contains(&(*p as u32))) {
+                let got = &pool[plane_at + page * stride..][..block];
+                assert!(
+                    got.iter().all(|&b| b == POISON),
+                    "layer {layer} plane {plane}: page {page} is outside every room but changed"
+                );
+                checked += block;
+            }
+        }
+    }
+    checked
+}
+
+#[test]
+fn tp2_prefill_ranks_send_into_one_decode_device_pool() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let engine = Engine::new();
+    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+    let bytes = layout.pool_bytes(PAGES).unwrap();
+    let opts = AgentOpts {
+        pool_pages: PAGES,
+        ..AgentOpts::default()
+    };
+    // Each prefill rank holds half the heads: its allocation is larger than its pool needs.
+    let c = DeviceCluster::start(
+        &engine,
+        "device-tp2",
+        &opts,
+        &[
+            (&["prefill", "--tp-size", "2", "--tp-rank", "0"], bytes, 0),
+            (&["prefill", "--tp-size", "2", "--tp-rank", "1"], bytes, 0),
+            (&["decode"], bytes, POISON),
+        ],
+    );
+    let rooms = vec![(21, vec![7, 3, 50, 12]), (22, vec![60, 61, 62, 63])];
+    runtime().block_on(async {
+        ask_and_announce(&c.api(2), &[c.api(0), c.api(1)], &rooms).await;
+        // The decode checks every landed byte against the pattern, which encodes the global
+        // head and layer: a head slice in the wrong place fails it.
+        for (room, _) in &rooms {
+            take_verified(&http(), &c.api(2), *room).await;
+        }
+    });
+    let all: Vec<u32> = rooms.iter().flat_map(|(_, p)| p.clone()).collect();
+    let checked = untouched_outside(&engine.read(c.pools[2], bytes), &layout, &all);
+    println!("TP2 -> TP1 on device pools: rooms verified, {checked} bytes outside them unchanged");
+}
+
+#[test]
+fn a_prefill_killed_mid_transfer_fails_the_room_and_nothing_lands_after() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let engine = Engine::new();
+    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+    let bytes = layout.pool_bytes(PAGES).unwrap();
+    // Layers ready 2 s apart, as a slow prefill computes them: the kill comes mid-room. Only a
+    // closed connection can end the room within the test's bounds.
+    let opts = AgentOpts {
+        pool_pages: PAGES,
+        peer_dead_ms: 60_000,
+        ..AgentOpts::default()
+    };
+    let mut c = DeviceCluster::start(
+        &engine,
+        "device-kill",
+        &opts,
+        &[
+            (&["prefill", "--synthetic-layer-ms", "2000"], bytes, 0),
+            (&["decode"], bytes, POISON),
+        ],
+    );
+    let pages = vec![4, 9, 33, 20];
+    let decode = c.api(1);
+    runtime().block_on(async {
+        let http = http();
+        ask_and_announce(&decode, &[c.api(0)], &[(31, pages.clone())]).await;
+        let v = wait_state(&http, &decode, 31, &["transferring"], BOUND).await;
+        assert_eq!(v["state"], "transferring", "{v}");
+        c.agents[0].signal("KILL");
+        let killed = std::time::Instant::now();
+        let v = wait_final(&http, &decode, 31).await;
+        assert_eq!(
+            (v["state"].as_str(), v["reason"]["code"].as_str()),
+            (Some("failed"), Some("peer_dead")),
+            "{v}"
+        );
+        println!(
+            "killed mid-transfer: peer_dead after {:.0} ms",
+            ms(killed.elapsed())
+        );
+        wait_safe(&http, &decode, 31).await;
+        let at_failure = engine.read(c.pools[1], bytes);
+        let checked = untouched_outside(&at_failure, &layout, &pages);
+        // The room is given up; the decode pool must not change any more.
+        let url = format!("{decode}/v1/rooms/31/take");
+        let (_, taken) = call(&http, reqwest::Method::POST, &url, None).await;
+        assert_eq!(taken["state"], "failed", "{taken}");
+        healthy(&http, &decode).await;
+        let later = engine.read(c.pools[1], bytes);
+        assert!(
+            later == at_failure,
+            "the decode pool changed after the room failed"
+        );
+        println!("{checked} bytes outside the room unchanged; nothing landed after the failure");
+    });
+}
+
+#[test]
+fn sidecar_agents_move_rooms_between_device_pools_opened_by_ipc_handle() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let engine = Engine::new();
+    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+    let bytes = layout.pool_bytes(PAGES).unwrap();
+    let (prefill_pool, decode_pool) = (engine.alloc(bytes), engine.alloc(bytes));
+    engine.fill(prefill_pool, 0, bytes);
+    engine.fill(decode_pool, POISON, bytes);
+    let opts = AgentOpts {
+        pool_pages: PAGES,
+        ..AgentOpts::default()
+    };
+    let (prefill_flag, decode_flag) = (
+        engine.pool_flag(prefill_pool),
+        engine.pool_flag(decode_pool),
+    );
+    let c = FaultCluster::start(
+        "device-ipc",
+        &opts.args(),
+        &["--pool", &prefill_flag],
+        &["--pool", &decode_flag],
+        &[],
+    );
+    // (room, prefill pages, decode pages): four pages each, out of order and apart.
+    let rooms: [(u64, [u32; 4], [u32; 4]); 3] = [
+        (11, [0, 1, 2, 3], [10, 11, 12, 13]),
+        (12, [20, 5, 40, 9], [30, 31, 32, 33]),
+        (13, [63, 62, 61, 60], [5, 40, 2, 63]),
+    ];
+    runtime().block_on(async {
+        let http = http();
+        for (room, prefill_pages, decode_pages) in &rooms {
+            let ask = json!({ "tokens": TOKENS, "pages": decode_pages });
+            let url = format!("{}/v1/rooms/{room}", c.decode_api);
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &url,
+                Some(&ask),
+                reqwest::StatusCode::CREATED,
+            )
+            .await;
+            let ready = json!({ "tokens": TOKENS, "pages": prefill_pages });
+            let url = format!("{}/v1/rooms/{room}/ready", c.prefill_api);
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &url,
+                Some(&ready),
+                reqwest::StatusCode::ACCEPTED,
+            )
+            .await;
+        }
+        for (room, _, _) in &rooms {
+            take_verified(&http, &c.decode_api, *room).await;
+        }
+    });
+    // Every byte of the decode pool, block by block.
+    let (src, dst) = (
+        engine.read(prefill_pool, bytes),
+        engine.read(decode_pool, bytes),
+    );
+    let (stride, block) = (layout.page_stride().unwrap(), layout.block_bytes().unwrap());
+    let (mut landed, mut untouched) = (0, 0);
+    for layer in 0..layout.num_layers() {
+        for plane in 0..layout.planes() {
+            let plane_at = layout.plane_offset(layer, plane, PAGES).unwrap();
+            for page in 0..PAGES {
+                let at = plane_at + page * stride;
+                let got = &dst[at..at + block];
+                let from = rooms.iter().find_map(|(_, p, d)| {
+                    d.iter()
+                        .position(|&x| x as usize == page)
+                        .map(|i| p[i] as usize)
+                });
+                match from {
+                    Some(source) => {
+                        let want = &src[plane_at + source * stride..][..block];
+                        assert!(
+                            want.iter().any(|&b| b != 0),
+                            "the prefill filled page {source}"
+                        );
+                        assert!(
+                            got == want,
+                            "layer {layer} plane {plane}: decode page {page} is not prefill page {source}"
+                        );
+                        landed += block;
+                    }
+                    None => {
+                        assert!(
+                            got.iter().all(|&b| b == POISON),
+                            "layer {layer} plane {plane}: page {page} is outside every room but changed"
+                        );
+                        untouched += block;
+                    }
+                }
+            }
+        }
+    }
+    println!("{landed} bytes landed in the rooms' pages, {untouched} bytes outside them unchanged");
+    assert_eq!(
+        landed,
+        3 * 4 * layout.num_layers() * layout.planes() * block
+    );
+    let log = std::fs::read_to_string(&c.decode.log).unwrap();
+    assert!(
+        log.contains("Device"),
+        "the decode agent says its pool is device memory:\n{log}"
+    );
+}
