@@ -242,7 +242,7 @@ fn a_prefill_killed_mid_transfer_fails_the_room_and_nothing_lands_after() {
         peer_dead_ms: 60_000,
         ..AgentOpts::default()
     };
-    let mut c = DeviceCluster::start(
+    let c = DeviceCluster::start(
         &engine,
         "device-kill",
         &opts,
