@@ -706,3 +706,32 @@ fn work_waits_for_exactly_what_it_is_ordered_after() {
         Ok(0)
     );
 }
+
+#[test]
+fn error_codes_have_the_drivers_names_and_texts() {
+    assert_eq!(
+        in_child(|| {
+            // Before cuInit, as with the driver.
+            let d = Driver::open();
+            let name: unsafe extern "C" fn(R, *mut *const i8) -> R = d.f("cuGetErrorName");
+            let text: unsafe extern "C" fn(R, *mut *const i8) -> R = d.f("cuGetErrorString");
+            let mut p = std::ptr::null();
+            // SAFETY: valid out-pointers; the strings are static.
+            unsafe {
+                assert_eq!(name(700, &mut p), SUCCESS);
+                assert_eq!(
+                    std::ffi::CStr::from_ptr(p).to_str(),
+                    Ok("CUDA_ERROR_ILLEGAL_ADDRESS")
+                );
+                assert_eq!(text(INVALID_CONTEXT, &mut p), SUCCESS);
+                assert_eq!(
+                    std::ffi::CStr::from_ptr(p).to_str(),
+                    Ok("invalid device context")
+                );
+                assert_eq!(text(123_456, &mut p), INVALID_VALUE, "not a CUDA error");
+                assert!(p.is_null());
+            }
+        }),
+        Ok(0)
+    );
+}

@@ -237,6 +237,64 @@ void synchronize_device() { synchronize_all(); }
 
 void emu::fault() { g_sticky.store(ILLEGAL_ADDRESS); }
 
+// ---- errors ----------------------------------------------------------------------------------
+
+namespace {
+
+struct ErrorText {
+    CUresult code;
+    const char* name;
+    const char* text;
+};
+
+constexpr ErrorText kErrors[] = {
+    {SUCCESS, "CUDA_SUCCESS", "no error"},
+    {INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {MAPPING_FAILED, "CUDA_ERROR_MAP_FAILED", "mapping of buffer object failed"},
+    {INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "part or all of the requested memory range is already mapped"},
+    {HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+     "pointer does not correspond to a registered memory region"},
+    {NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+};
+
+const ErrorText* error_text(CUresult code) {
+    for (const auto& e : kErrors)
+        if (e.code == code) return &e;
+    return nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Callable before cuInit, as the driver's are.
+CUresult cuGetErrorString(CUresult code, const char** text) {
+    if (!text) return INVALID_VALUE;
+    const ErrorText* e = error_text(code);
+    *text = e ? e->text : nullptr;
+    return e ? SUCCESS : INVALID_VALUE;
+}
+
+CUresult cuGetErrorName(CUresult code, const char** name) {
+    if (!name) return INVALID_VALUE;
+    const ErrorText* e = error_text(code);
+    *name = e ? e->name : nullptr;
+    return e ? SUCCESS : INVALID_VALUE;
+}
+
+}  // extern "C"
+
 extern "C" {
 
 // ---- init, devices, contexts -----------------------------------------------------------------

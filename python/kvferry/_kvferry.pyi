@@ -37,9 +37,13 @@ def main(argv: list[str]) -> None:
 class PrefillAgent:
     """A prefill agent in this process."""
 
-    def __init__(self, regions: Iterable[Region] | None = None, **options: Any) -> None:
+    def __init__(
+        self, regions: Iterable[Region] | None = None, device: int | None = None, **options: Any
+    ) -> None:
         """Starts the agent; ``options`` are the ``kvferry prefill`` flags as keywords;
-        without ``regions`` the agent allocates its own pool (``pool`` option)."""
+        without ``regions`` the agent allocates its own pool (``pool`` option). CUDA tensors
+        are device memory of their device; ``device`` names the CUDA device of raw
+        ``(address, length)`` regions."""
     @property
     def api_url(self) -> str: ...
     @property
@@ -85,8 +89,11 @@ class PrefillAgent:
 class DecodeAgent:
     """A decode agent in this process."""
 
-    def __init__(self, regions: Iterable[Region] | None = None, **options: Any) -> None:
-        """Starts the agent; ``options`` are the ``kvferry decode`` flags as keywords."""
+    def __init__(
+        self, regions: Iterable[Region] | None = None, device: int | None = None, **options: Any
+    ) -> None:
+        """Starts the agent; ``options`` are the ``kvferry decode`` flags as keywords;
+        ``regions`` and ``device`` as for :class:`PrefillAgent`."""
     @property
     def api_url(self) -> str: ...
     @property

@@ -81,20 +81,26 @@ struct Handle<A: Send + Sync> {
 fn start<A, F, Fut>(
     py: Python<'_>,
     regions: Option<&Bound<'_, PyAny>>,
+    device: Option<usize>,
     options: Option<&Bound<'_, PyDict>>,
     start: F,
     names: impl Fn(&A) -> (String, String, String),
 ) -> PyResult<Handle<A>>
 where
     A: Send + Sync,
-    F: FnOnce(AgentConfig, Option<kvferry::pool::HostPool>, CancellationToken) -> Fut + Send,
+    F: FnOnce(AgentConfig, Option<kvferry::agent::EnginePool>, CancellationToken) -> Fut + Send,
     Fut: Future<Output = Result<A, AgentError>>,
 {
     crate::init_logs();
     let cfg = crate::agent_config(options)?;
+    if device.is_some() && regions.is_none() {
+        return Err(errors::RegionError::new_err(
+            "device names the CUDA device of the regions; no regions were given",
+        ));
+    }
     let (pool, keep) = match regions {
         Some(items) => {
-            let regions = memory::regions(items)?;
+            let regions = memory::regions(items, device)?;
             let pool = memory::engine_pool(cfg.layout.clone(), cfg.pool_pages, &regions)?;
             (Some(pool), regions.keep)
         }
@@ -278,15 +284,17 @@ macro_rules! agent_class {
         #[pymethods]
         impl $class {
             #[new]
-            #[pyo3(signature = (regions=None, **options))]
+            #[pyo3(signature = (regions=None, device=None, **options))]
             fn new(
                 py: Python<'_>,
                 regions: Option<&Bound<'_, PyAny>>,
+                device: Option<usize>,
                 options: Option<&Bound<'_, PyDict>>,
             ) -> PyResult<Self> {
                 let handle = start(
                     py,
                     regions,
+                    device,
                     options,
                     |cfg, pool, shutdown| async move {
                         match pool {

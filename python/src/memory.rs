@@ -1,14 +1,17 @@
 //! The engine's memory as kvferry sees it: each region a Python object (anything with the
 //! buffer protocol, `__array_interface__`, or `data_ptr()` and `nbytes` like a torch tensor)
-//! or a raw `(address, length)` pair, turned into [`EngineRegion`]s and a pool over them.
+//! or a raw `(address, length)` pair, turned into [`EngineRegion`]s and a pool over them: host
+//! memory, or device memory (CUDA tensors, or raw pairs the caller names as device memory).
 //!
 //! The only `unsafe` of the package is here: [`engine_pool`] vouches to
-//! [`HostPool::engine`] that the regions stay valid. They do because the agent keeps every
+//! [`HostPool::engine`] and [`DevicePool::engine`] that the regions stay valid. They do because the agent keeps every
 //! object returned in [`Regions::keep`] until its tasks are joined (`agents.rs`); a raw pair
 //! is the caller's promise, documented as such.
 
 #![allow(unsafe_code)]
 
+use kvferry::agent::EnginePool;
+use kvferry::kernel::cuda::{CudaKernel, DevicePool};
 use kvferry::layout::KvLayout;
 use kvferry::pool::{EngineRegion, HostPool};
 use pyo3::prelude::*;
@@ -23,33 +26,65 @@ pub(crate) struct Regions {
     /// the ctypes view that holds a buffer export (which also keeps a `bytearray` from being
     /// resized, that is, moved).
     pub(crate) keep: Vec<Py<PyAny>>,
+    /// The CUDA device the regions are memory of; `None`: host memory.
+    pub(crate) device: Option<usize>,
 }
 
-/// Reads a list of regions.
-pub(crate) fn regions(items: &Bound<'_, PyAny>) -> PyResult<Regions> {
+/// Where one region's memory is.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Place {
+    /// A raw `(address, length)` pair: host memory unless the caller names a device.
+    Raw,
+    Host,
+    /// A CUDA tensor on this device.
+    Device(usize),
+}
+
+/// Reads a list of regions; `device` names the CUDA device that raw pairs are memory of
+/// (tensors say where they are themselves).
+pub(crate) fn regions(items: &Bound<'_, PyAny>, device: Option<usize>) -> PyResult<Regions> {
     let mut out = Regions {
         regions: Vec::new(),
         keep: Vec::new(),
+        device,
     };
     for (i, item) in items.try_iter()?.enumerate() {
         let item = item?;
-        let (addr, len, keep) =
-            region(&item).map_err(|e| RegionError::new_err(format!("region {i}: {e}")))?;
+        let bad = |e: String| RegionError::new_err(format!("region {i}: {e}"));
+        let (addr, len, keep, place) = region(&item).map_err(bad)?;
+        match (place, out.device) {
+            (Place::Raw, _) | (Place::Host, None) => {}
+            (Place::Device(d), None) if i == 0 => out.device = Some(d),
+            (Place::Device(d), Some(want)) if d == want => {}
+            (Place::Device(d), _) => {
+                let other = out
+                    .device
+                    .map_or("host memory".to_owned(), |o| format!("CUDA device {o}"));
+                return Err(bad(format!(
+                    "memory of CUDA device {d}, the other regions are {other}"
+                )));
+            }
+            (Place::Host, Some(d)) => {
+                return Err(bad(format!(
+                    "host memory, the regions are memory of CUDA device {d}"
+                )));
+            }
+        }
         out.regions.push(EngineRegion { addr, len });
         out.keep.push(keep);
     }
     Ok(out)
 }
 
-/// One region: address, length and the object to keep.
-fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>), String> {
+/// One region: address, length, the object to keep and where its memory is.
+fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>, Place), String> {
     let py = item.py();
     let text = |e: PyErr| e.to_string();
     if let Ok(pair) = item.cast::<PyTuple>() {
         let (addr, len): (usize, usize) = pair
             .extract()
             .map_err(|_| "a tuple region is (address, length), two non-negative ints".to_owned())?;
-        return Ok((addr, len, item.clone().unbind()));
+        return Ok((addr, len, item.clone().unbind(), Place::Raw));
     }
     if item.hasattr("data_ptr").map_err(text)? && item.hasattr("nbytes").map_err(text)? {
         if item.hasattr("is_contiguous").map_err(text)?
@@ -61,16 +96,28 @@ fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>), St
         {
             return Err("the tensor is not contiguous".into());
         }
+        let mut place = Place::Host;
         if let Ok(device) = item.getattr("device") {
             let kind: String = match device.getattr("type") {
                 Ok(t) => t.extract().map_err(text)?,
                 Err(_) => device.str().map_err(text)?.to_string(),
             };
-            if kind != "cpu" {
-                return Err(format!(
-                    "the tensor is on device {kind}; this build serves host memory only"
-                ));
-            }
+            place = match kind.as_str() {
+                "cpu" => Place::Host,
+                "cuda" => {
+                    let index: Option<usize> = device
+                        .getattr("index")
+                        .map_err(text)?
+                        .extract()
+                        .map_err(text)?;
+                    Place::Device(index.unwrap_or(0))
+                }
+                other => {
+                    return Err(format!(
+                        "the tensor is on device {other}; kvferry serves host and CUDA memory"
+                    ));
+                }
+            };
         }
         let addr: usize = item
             .call_method0("data_ptr")
@@ -82,7 +129,7 @@ fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>), St
             true => nbytes.call0().map_err(text)?.extract().map_err(text)?,
             false => nbytes.extract().map_err(text)?,
         };
-        return Ok((addr, len, item.clone().unbind()));
+        return Ok((addr, len, item.clone().unbind(), place));
     }
     let ctypes = py.import("ctypes").map_err(text)?;
     if let Ok(view) = py
@@ -126,7 +173,7 @@ fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>), St
             .map_err(text)?
             .extract()
             .map_err(text)?;
-        return Ok((addr, len, array.unbind()));
+        return Ok((addr, len, array.unbind(), Place::Host));
     }
     if let Ok(iface) = item.getattr("__array_interface__") {
         let iface = iface
@@ -163,7 +210,7 @@ fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>), St
             }
         }
         let len = shape.iter().product::<usize>() * itemsize;
-        return Ok((addr, len, item.clone().unbind()));
+        return Ok((addr, len, item.clone().unbind(), Place::Host));
     }
     Err(format!(
         "{} is neither (address, length), a writable buffer, an object with __array_interface__, nor one with data_ptr() and nbytes",
@@ -171,13 +218,29 @@ fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>), St
     ))
 }
 
-/// The pool over the engine's regions.
-pub(crate) fn engine_pool(layout: KvLayout, pages: usize, regions: &Regions) -> PyResult<HostPool> {
-    // SAFETY: every region is the memory of an object in `regions.keep` (or, for a raw
+/// The pool over the engine's regions: host memory, or device memory on `regions.device` (the
+/// CUDA driver, the device and NVRTC are needed; the error says which is missing).
+pub(crate) fn engine_pool(
+    layout: KvLayout,
+    pages: usize,
+    regions: &Regions,
+) -> PyResult<EnginePool> {
+    let err = |e: String| RegionError::new_err(e);
+    // SAFETY (both): every region is the memory of an object in `regions.keep` (or, for a raw
     // `(address, length)` pair, memory the caller promised to keep valid, as the package
     // documents); the agent built on this pool holds `keep` until its tasks are joined, so the
-    // memory stays mapped and at the same address for as long as the pool can touch it.
-    // Buffers were checked writable; HostPool::engine checks lengths and overlaps.
-    unsafe { HostPool::engine(layout, pages, &regions.regions) }
-        .map_err(|e| RegionError::new_err(e.to_string()))
+    // memory stays allocated and at the same address for as long as the pool can touch it.
+    // Buffers were checked writable; the pools check lengths and overlaps, and a device pool
+    // asks the driver that every region lies inside one of its allocations.
+    match regions.device {
+        None => unsafe { HostPool::engine(layout, pages, &regions.regions) }
+            .map(EnginePool::Host)
+            .map_err(|e| err(e.to_string())),
+        Some(device) => {
+            let kernel = CudaKernel::shared(device).map_err(|e| err(e.to_string()))?;
+            unsafe { DevicePool::engine(&kernel, layout, pages, &regions.regions) }
+                .map(EnginePool::Device)
+                .map_err(|e| err(e.to_string()))
+        }
+    }
 }

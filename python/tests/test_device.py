@@ -1,0 +1,40 @@
+"""Agents embedded in an engine whose KV cache is CUDA device memory, on the CUDA driver
+emulator (emu/cuda, docs/gpu.md): device_engine.py runs in a child process with the emulator's
+libcuda and NVRTC on its library path, registers per-layer device allocations by address with
+``device=0``, moves a room through the transfer kernel, and reads both caches back with
+cuMemcpyDtoH: every byte of the room's pages is the prefill's, every other byte the poison."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).parent
+REPO = HERE.parents[1]
+
+
+@pytest.fixture(scope="session")
+def emulator_env(tmp_path_factory) -> dict:
+    """This environment with the emulator (built here) and NVRTC first on LD_LIBRARY_PATH."""
+    out = tmp_path_factory.mktemp("cuda-emu")
+    subprocess.run([str(REPO / "emu/cuda/build"), str(out)], check=True, capture_output=True)
+    nvrtc = subprocess.run([str(REPO / "scripts/nvrtc-env")], check=True, capture_output=True, text=True)
+    found = re.search(r"export LD_LIBRARY_PATH=(\S+)", nvrtc.stdout)
+    assert found, nvrtc.stdout
+    path = f"{out}:{found.group(1)}"
+    return os.environ | {"LD_LIBRARY_PATH": path, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_in_process_agents_move_a_room_between_device_caches(registry, emulator_env):
+    run = subprocess.run(
+        [sys.executable, str(HERE / "device_engine.py"), registry],
+        env=emulator_env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-4000:]}"
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"{result['landed_bytes']} bytes landed, the rest of {result['pool_bytes']} poison")
+    assert result["landed_bytes"] > 0
