@@ -400,3 +400,38 @@ fn sidecar_agents_move_rooms_between_device_pools_opened_by_ipc_handle() {
         "the decode agent says its pool is device memory:\n{log}"
     );
 }
+
+#[test]
+fn the_demo_runs_on_device_pools_and_says_which() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let out = std::process::Command::new(release_binary())
+        .args([
+            "demo",
+            "--pool",
+            "device",
+            "--model",
+            "tiny",
+            "--tokens",
+            "16,700,64",
+        ])
+        .output()
+        .expect("running kvferry demo");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "kvferry demo --pool device failed:\n{stdout}\n{stderr}"
+    );
+    let summary = stdout.lines().last().unwrap_or_default();
+    println!("{summary}");
+    assert!(
+        summary.starts_with("3 rooms")
+            && summary.contains("between device pools on")
+            && summary.contains("3 verified"),
+        "{stdout}"
+    );
+}

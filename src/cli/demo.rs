@@ -44,6 +44,20 @@ pub struct DemoArgs {
     /// Print the bench JSON (design.md part 8) instead of a table.
     #[arg(long, env = "KVFERRY_DEMO_JSON")]
     json: bool,
+    /// Where the engines' KV pools live: host memory, or CUDA device 0 (the demo allocates
+    /// both pools there and the agents map them by CUDA IPC handle; on a machine without a GPU,
+    /// the CUDA driver emulator of docs/gpu.md).
+    #[arg(long, env = "KVFERRY_DEMO_POOL", value_enum, default_value_t = DemoPool::Host)]
+    pool: DemoPool,
+}
+
+/// Where `kvferry demo` puts the pools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoPool {
+    /// Host memory of each agent.
+    Host,
+    /// Device memory of this process, mapped by the agents.
+    Device,
 }
 
 /// One room as the engines saw it.
@@ -377,6 +391,29 @@ impl LocalCluster {
         decode: Shape,
         env: &[(String, String)],
     ) -> anyhow::Result<Self> {
+        Self::spawn(exe, tag, agent_args, prefill, decode, env, &|_| Vec::new())
+    }
+
+    /// A registry, one prefill and one decode agent; `agent_args` go to both, then
+    /// `role_args(role)` to each.
+    pub fn start_per_role(
+        exe: &std::path::Path,
+        tag: &str,
+        agent_args: &[String],
+        role_args: &dyn Fn(&str) -> Vec<String>,
+    ) -> anyhow::Result<Self> {
+        Self::spawn(exe, tag, agent_args, Shape::ONE, Shape::ONE, &[], role_args)
+    }
+
+    fn spawn(
+        exe: &std::path::Path,
+        tag: &str,
+        agent_args: &[String],
+        prefill: Shape,
+        decode: Shape,
+        env: &[(String, String)],
+        role_args: &dyn Fn(&str) -> Vec<String>,
+    ) -> anyhow::Result<Self> {
         let logs = log_dir(tag)?;
         let wait = Duration::from_secs(30);
         let owned = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
@@ -401,6 +438,7 @@ impl LocalCluster {
                             args.extend([flag.to_owned(), v.to_string()]);
                         }
                         args.extend_from_slice(agent_args);
+                        args.extend(role_args(role));
                         let name = format!("{role}-dp{dp}-pp{pp}-tp{tp}");
                         ranks.push(Process::spawn_env(exe, &name, &args, env, &logs, wait)?);
                     }
@@ -478,7 +516,17 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    let cluster = LocalCluster::start(&exe, "demo", &agent_args)?;
+    // Device pools: this process is the engine; it allocates both pools and keeps them until
+    // the agents are gone (`cluster` drops first).
+    let (pools, on) = device_pools(args.pool, &layout, pages)?;
+    let role_args = |role: &str| match &pools {
+        Some([prefill, decode]) => {
+            let (_, pool) = if role == "prefill" { prefill } else { decode };
+            vec!["--pool".to_owned(), pool.clone()]
+        }
+        None => Vec::new(),
+    };
+    let cluster = LocalCluster::start_per_role(&exe, "demo", &agent_args, &role_args)?;
     let apis = cluster.apis()?;
     let rooms: Vec<(u64, usize)> = args
         .tokens
@@ -523,7 +571,7 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
             );
         }
         println!(
-            "{} rooms over {}: {} verified, {:.2} GB/s end to end, p50 {:.2} ms (memcpy {:.1} GB/s); logs in {}",
+            "{} rooms over {} between {on}: {} verified, {:.2} GB/s end to end, p50 {:.2} ms (memcpy {:.1} GB/s); logs in {}",
             results.len(),
             args.transport,
             line["verified_rooms"],
@@ -535,8 +583,41 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     let failed = line["failed_rooms"].as_u64().unwrap_or(1);
     drop(cluster);
+    drop(pools);
     if failed > 0 {
         bail!("{failed} rooms did not land intact");
     }
     Ok(())
+}
+
+/// For device pools, the prefill's and the decode's memory on device 0 with the `--pool` that
+/// names it (the agents map it until they exit: keep it until then); and what the pools are,
+/// for the summary line.
+fn device_pools(
+    pool: DemoPool,
+    layout: &KvLayout,
+    pages: usize,
+) -> anyhow::Result<(
+    Option<[(crate::kernel::cuda::ExportedMemory, String); 2]>,
+    String,
+)> {
+    use crate::kernel::cuda::{CudaKernel, ExportedMemory};
+    if pool == DemoPool::Host {
+        return Ok((None, "host-memory pools".to_owned()));
+    }
+    let kernel = CudaKernel::shared(0).context(
+        "kvferry demo --pool device needs CUDA device 0 (a GPU, or the CUDA driver emulator: \
+         LD_LIBRARY_PATH=$(emu/cuda/build):$LD_LIBRARY_PATH, docs/gpu.md)",
+    )?;
+    let name = kernel.device_name()?;
+    let bytes = layout.pool_bytes(pages)?;
+    let export = |fill: u8| -> anyhow::Result<(ExportedMemory, String)> {
+        let memory = ExportedMemory::new(&kernel, bytes, fill)?;
+        let descriptor = memory.descriptor()?.to_string();
+        Ok((memory, descriptor))
+    };
+    let pools = [export(0)?, export(0xDE)?];
+    let on = format!("device pools on {name} (CUDA IPC)");
+    eprintln!("kvferry demo: {on}");
+    Ok((Some(pools), on))
 }

@@ -121,6 +121,16 @@ impl CudaKernel {
         self.ordinal
     }
 
+    /// The device's name, as the driver reports it.
+    pub fn device_name(&self) -> Result<String, CudaError> {
+        self.ctx.name().map_err(driver("read the device name"))
+    }
+
+    /// Waits until all work of the device's context is done.
+    pub(super) fn synchronize_context(&self) -> Result<(), DriverError> {
+        self.ctx.synchronize()
+    }
+
     /// The virtual architecture the kernel was compiled for, e.g. `compute_90`.
     pub fn arch(&self) -> &str {
         &self.arch
@@ -168,7 +178,7 @@ impl CudaKernel {
     }
 
     /// Makes the device's context current on this thread (for raw driver calls).
-    fn bind(&self) -> Result<(), CudaError> {
+    pub(super) fn bind(&self) -> Result<(), CudaError> {
         self.ctx
             .bind_to_thread()
             .map_err(driver("make the context current"))

@@ -15,12 +15,14 @@
 #![allow(unsafe_code)]
 
 pub mod device;
+mod ipc;
 pub mod launch;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use device::{CudaKernel, DevicePool, DeviceStaging, PinnedStaging, Staging};
+pub use ipc::ExportedMemory;
 
 /// The CUDA source of the transfer kernels.
 pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/kv_transfer.cu");
