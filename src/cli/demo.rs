@@ -590,6 +590,9 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A device pool this process allocated, and the `--pool` that names it.
+type ExportedPool = (crate::kernel::cuda::ExportedMemory, String);
+
 /// For device pools, the prefill's and the decode's memory on device 0 with the `--pool` that
 /// names it (the agents map it until they exit: keep it until then); and what the pools are,
 /// for the summary line.
@@ -617,7 +620,5 @@ fn device_pools(
         Ok((memory, descriptor))
     };
     let pools = [export(0)?, export(0xDE)?];
-    let on = format!("device pools on {name} (CUDA IPC)");
-    eprintln!("kvferry demo: {on}");
-    Ok((Some(pools), on))
+    Ok((Some(pools), format!("device pools on {name} (CUDA IPC)")))
 }
