@@ -600,10 +600,7 @@ fn device_pools(
     pool: DemoPool,
     layout: &KvLayout,
     pages: usize,
-) -> anyhow::Result<(
-    Option<[(crate::kernel::cuda::ExportedMemory, String); 2]>,
-    String,
-)> {
+) -> anyhow::Result<(Option<[ExportedPool; 2]>, String)> {
     use crate::kernel::cuda::{CudaKernel, ExportedMemory};
     if pool == DemoPool::Host {
         return Ok((None, "host-memory pools".to_owned()));
