@@ -60,8 +60,14 @@ class PrefillAgent:
         last: bool | None = None,
         aux: bytes | None = None,
         room_key: str | bytes | None = None,
+        cuda_event: int | None = None,
     ) -> View:
-        """Announces a ready piece of a room (the whole room without ranges)."""
+        """Announces a ready piece of a room (the whole room without ranges). For a device
+        pool whose KV the engine writes asynchronously, ``cuda_event`` is the engine's CUDA
+        event (a ``CUevent`` handle such as ``torch.cuda.Event().cuda_event``) recorded on its
+        stream after the piece's KV was written: the agent's gathers wait for it on the
+        device, nothing synchronizes the engine's stream, and the engine may record it again as
+        soon as this returns."""
     def view(self, room: int) -> View:
         """The room's view now; never blocks."""
     def poll(self, rooms: Iterable[int]) -> dict[int, View | None]:

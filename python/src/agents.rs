@@ -392,7 +392,7 @@ agent_class!(
     prefill::PrefillAgent,
     control_endpoint,
     {
-        #[pyo3(signature = (room, tokens, pages=None, token_range=None, layer_range=None, last=None, aux=None, room_key=None))]
+        #[pyo3(signature = (room, tokens, pages=None, token_range=None, layer_range=None, last=None, aux=None, room_key=None, cuda_event=None))]
         #[allow(clippy::too_many_arguments)]
         fn ready<'py>(
             &self,
@@ -405,6 +405,7 @@ agent_class!(
             last: Option<bool>,
             aux: Option<&Bound<'py, PyBytes>>,
             room_key: Option<&Bound<'py, PyAny>>,
+            cuda_event: Option<u64>,
         ) -> PyResult<Bound<'py, PyDict>> {
             let mut req: ReadyRequest =
                 convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
@@ -413,9 +414,16 @@ agent_class!(
             req.layer_range = layer_range.map(|(a, b)| [a, b]);
             req.last = last;
             req.aux = aux.map(|b| b.as_bytes().to_vec());
-            let view = self
-                .0
-                .run(py, |a| async move { a.ready(room, req).await })?;
+            let ready = match cuda_event {
+                Some(event) => Some(memory::follow(self.0.get()?.device(), event)?),
+                None => None,
+            };
+            let view = self.0.run(py, |a| async move {
+                match ready {
+                    Some(ready) => a.ready_after(room, req, ready).await,
+                    None => a.ready(room, req).await,
+                }
+            })?;
             convert::view(py, room, &view)
         }
     }

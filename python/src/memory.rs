@@ -218,6 +218,27 @@ fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>, Pla
     ))
 }
 
+/// An event of the agent's kernel that follows the engine's CUDA event `event` (a `CUevent`
+/// handle, e.g. `torch.cuda.Event().cuda_event`) on the pool's `device`.
+pub(crate) fn follow(
+    device: Option<usize>,
+    event: u64,
+) -> PyResult<kvferry::kernel::cuda::ReadyEvent> {
+    let device = device.ok_or_else(|| {
+        RegionError::new_err(
+            "cuda_event marks device memory ready; this agent's pool is host memory",
+        )
+    })?;
+    if event == 0 {
+        return Err(RegionError::new_err("cuda_event is a null CUevent"));
+    }
+    let kernel = CudaKernel::shared(device).map_err(|e| RegionError::new_err(e.to_string()))?;
+    // SAFETY: the package documents `cuda_event` as a live CUevent of this process in the
+    // primary context of the pool's device (what torch.cuda.Event.cuda_event is); the driver
+    // validates the handle, and the engine may destroy it as soon as this returns.
+    unsafe { kernel.follow(event) }.map_err(|e| RegionError::new_err(e.to_string()))
+}
+
 /// The pool over the engine's regions: host memory, or device memory on `regions.device` (the
 /// CUDA driver, the device and NVRTC are needed; the error says which is missing).
 pub(crate) fn engine_pool(

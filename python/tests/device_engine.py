@@ -5,6 +5,9 @@ layer as vLLM's CUDA layouts have it (``vllm-flash-nhd``). Run as a script with 
 libcuda first on LD_LIBRARY_PATH (test_device.py); prints what it checked as JSON, exits non-zero
 on any mismatch.
 
+A second room is written by the engine on its own CUDA stream and announced with the event it
+records there (``ready(..., cuda_event=...)``): it must not land before the writes run.
+
 Usage: device_engine.py REGISTRY_URL
 """
 
@@ -101,6 +104,50 @@ def main() -> int:
         if not (got == expect).all():
             bad = np.argwhere(got != expect)[0].tolist()
             raise AssertionError(f"layer {layer}: first wrong byte at [plane, page, token, byte] {bad}")
+    # Ready on the device: the engine writes a second room's KV on its own stream, held until
+    # after `ready`, and hands over the event it records behind the writes. The gathers wait
+    # for it; the room cannot land before the engine's stream runs.
+    stream, event = ctypes.c_void_p(), ctypes.c_void_p()
+    cuda.check(cuda.lib.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+    cuda.check(cuda.lib.cuEventCreate(ctypes.byref(event), 0), "cuEventCreate")
+    flag = ctypes.c_void_p()
+    cuda.check(cuda.lib.cuMemHostAlloc(ctypes.byref(flag), ctypes.c_size_t(4), 0), "cuMemHostAlloc")
+    hold = ctypes.c_uint32.from_address(flag.value)
+    hold.value = 0
+    cuda.check(cuda.lib.cuStreamWaitValue32_v2(stream, ctypes.c_uint64(flag.value), ctypes.c_uint32(1), 0), "hold")
+    fresh = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    for p, data in zip(prefill_layers, fresh):
+        src_ptr = ctypes.c_void_p(data.ctypes.data)
+        cuda.check(cuda.lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(p), src_ptr, ctypes.c_size_t(size), stream), "upload")
+    cuda.check(cuda.lib.cuEventRecord(event, stream), "cuEventRecord")
+    src2, dst2 = [20, 21, 22], [40, 41, 42]
+    decode.request(2, TOKENS, pages=dst2)
+    prefill.ready(2, TOKENS, pages=src2, cuda_event=event.value)
+    cuda.check(cuda.lib.cuEventDestroy_v2(event), "cuEventDestroy")  # the agent follows its own
+    try:
+        early = decode.view(2)
+        while early["state"] != "success":
+            early = decode.wait(2, 1.0)  # a change within the second, or WaitTimeout
+        raise AssertionError(f"the room landed before the engine's writes ran: {early}")
+    except kvferry.WaitTimeout:
+        pass
+    finally:
+        hold.value = 1
+    done = decode.wait(2, 60)
+    assert done["state"] == "success", done
+    decode.take(2)
+    for layer in range(n):
+        got = cuda.download(decode_layers[layer], size).reshape(2, PAGES, page, row)
+        want = fresh[layer].reshape(2, PAGES, page, row)
+        for i, (s, d) in enumerate(zip(src2, dst2)):
+            rows = min(page, TOKENS - i * page)
+            if not (got[:, d, :rows] == want[:, s, :rows]).all():
+                raise AssertionError(f"layer {layer}: page {d} is not the engine's write behind the event")
+    try:
+        prefill.ready(3, TOKENS, pages=src2, cuda_event=0)
+        raise AssertionError("a null event was taken")
+    except kvferry.RegionError as e:
+        assert "null" in str(e), e
     prefill.close()
     decode.close()
     print(json.dumps({"landed_bytes": landed, "pool_bytes": 2 * n * size}))

@@ -11,7 +11,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::kernel::cpu::CpuKernel;
-use crate::kernel::cuda::{CudaKernel, DevicePool, DeviceStaging};
+use crate::kernel::cuda::{CudaKernel, DevicePool, DeviceStaging, ReadyEvent};
 use crate::kernel::{KernelError, Selection};
 use crate::layout::{KvLayout, PageOrder};
 use crate::memory::MemoryKind;
@@ -112,12 +112,22 @@ impl AgentPool {
         self.host().is_some_and(|p| p.contiguous())
     }
 
-    /// Copies the selection into `out` (host memory), in `wire` order.
+    /// The CUDA device of a device pool.
+    pub(crate) fn device(&self) -> Option<usize> {
+        match self {
+            AgentPool::Host { .. } => None,
+            AgentPool::Device { pool, .. } => Some(pool.ordinal()),
+        }
+    }
+
+    /// Copies the selection into `out` (host memory), in `wire` order; on a device pool, after
+    /// `ready` completes.
     pub(crate) fn gather(
         &self,
         sel: &Selection<'_>,
         wire: PageOrder,
         out: &mut [u8],
+        ready: Option<&ReadyEvent>,
     ) -> Result<(), KernelError> {
         match self {
             AgentPool::Host { pool, kernel } => kernel.gather(pool, sel, wire, out),
@@ -126,6 +136,9 @@ impl AgentPool {
                 kernel,
                 staging,
             } => {
+                if let Some(ready) = ready {
+                    kernel.wait_for(ready)?;
+                }
                 let mut buf = take(kernel, staging, out.len())?;
                 kernel.gather(pool, sel, wire, &mut buf)?;
                 buf.copy_to_host(out)?;
@@ -169,7 +182,7 @@ impl AgentPool {
             AgentPool::Host { pool, kernel } => kernel.checksum(pool, sel, wire),
             AgentPool::Device { .. } => {
                 let mut bytes = vec![0u8; sel.bytes_in(self.layout())?];
-                self.gather(sel, wire, &mut bytes)?;
+                self.gather(sel, wire, &mut bytes, None)?;
                 Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
             }
         }

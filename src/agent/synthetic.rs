@@ -127,7 +127,7 @@ pub(crate) fn verify(
         let n = sel.bytes_in(l)?;
         got.resize(n, 0);
         want.resize(n, 0);
-        pool.gather(&sel, PageOrder::TokenMajor, &mut got)?;
+        pool.gather(&sel, PageOrder::TokenMajor, &mut got, None)?;
         let layer = l.layers.start + local;
         layer_pattern(l, room, layer, &tokens, &mut want);
         if got != want {

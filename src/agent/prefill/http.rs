@@ -35,7 +35,10 @@ async fn ready(
 ) -> Result<(StatusCode, Json<RoomView>), ApiError> {
     let room = api::parse_room(&room)?;
     let req: ReadyRequest = api::parse_json(&body)?;
-    Ok((StatusCode::ACCEPTED, Json(inner.ready(room, req).await?)))
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(inner.ready(room, req, None).await?),
+    ))
 }
 
 async fn abort_room(State(inner): Shared, Path(room): Path<String>) -> api::Answer<RoomView> {

@@ -291,11 +291,13 @@ impl Peer {
     }
 }
 
-/// A part of a room the engine announced as ready: tokens x global layers.
+/// A part of a room the engine announced as ready: tokens x global layers, and for a device
+/// pool the event after which its KV is written on the device.
 #[derive(Clone, Debug)]
 struct Piece {
     tokens: Range<usize>,
     layers: Range<usize>,
+    ready_on: Option<Arc<crate::kernel::cuda::ReadyEvent>>,
 }
 
 struct Ready {

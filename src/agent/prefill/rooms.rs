@@ -119,7 +119,36 @@ impl PrefillAgent {
     /// pool), and a whole room is announced layer by layer when `--synthetic-layer-delay-ms`
     /// is set.
     pub async fn ready(&self, room: u64, req: ReadyRequest) -> Result<RoomView, RoomError> {
-        self.inner.ready(room, req).await
+        self.inner.ready(room, req, None).await
+    }
+
+    /// [`PrefillAgent::ready`] for a piece of a device pool whose KV the engine writes
+    /// asynchronously: `ready` follows the engine's CUDA event, recorded on its stream after
+    /// the piece's KV was written ([`crate::kernel::cuda::CudaKernel::follow`] on the pool's
+    /// device, [`Self::device`]). The agent's gathers wait for it on the device; nothing
+    /// synchronizes the engine's stream.
+    pub async fn ready_after(
+        &self,
+        room: u64,
+        req: ReadyRequest,
+        ready: crate::kernel::cuda::ReadyEvent,
+    ) -> Result<RoomView, RoomError> {
+        if self.inner.pool.device() != Some(ready.ordinal()) {
+            return Err(RoomError::BadRequest(format!(
+                "a CUDA event of device {} marks a piece ready, but the pool is {}",
+                ready.ordinal(),
+                self.inner
+                    .pool
+                    .device()
+                    .map_or("host memory".to_owned(), |d| format!("on device {d}"))
+            )));
+        }
+        self.inner.ready(room, req, Some(Arc::new(ready))).await
+    }
+
+    /// The CUDA device of the agent's pool; `None` for host memory.
+    pub fn device(&self) -> Option<usize> {
+        self.inner.pool.device()
     }
 
     /// Aborts `room` (`DELETE /v1/rooms/{room}`): every transfer stops, its decodes are told
@@ -177,6 +206,7 @@ impl Inner {
         self: &Arc<Self>,
         room_id: u64,
         req: ReadyRequest,
+        ready_on: Option<Arc<crate::kernel::cuda::ReadyEvent>>,
     ) -> Result<RoomView, RoomError> {
         let l = &self.cfg.layout;
         if req.tokens == 0 {
@@ -230,7 +260,11 @@ impl Inner {
         }
         let whole = req.token_range.is_none() && req.layer_range.is_none();
         let last = req.last.unwrap_or(whole);
-        let piece = Piece { tokens, layers };
+        let piece = Piece {
+            tokens,
+            layers,
+            ready_on,
+        };
         // First piece: pages (outside the lock: allocation may be refused, synthetic fill is slow).
         let first = self.rooms().get(&room_id).is_none_or(|r| r.ready.is_none());
         let fresh = if first {
@@ -411,6 +445,7 @@ async fn announce_paced(
         let piece = Piece {
             tokens: whole.tokens.clone(),
             layers: layer..layer + 1,
+            ready_on: None,
         };
         if let Err(e) = fill(&inner, room_id, &pages, lease.clone(), &piece).await {
             tracing::warn!(room = room_id, error = %e, "synthetic fill failed");

@@ -326,6 +326,7 @@ impl Inner {
         let gather = |c: &ChunkPlan| {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
             let (pool, pages, wire) = (self.pool.clone(), job.pages.clone(), req.wire_order);
+            let ready_on = piece.ready_on.clone();
             let (tokens, heads, slots) = (c.tokens.clone(), heads.clone(), self.slots.clone());
             let checksum = self.cfg.checksum;
             let nth = self
@@ -358,7 +359,7 @@ impl Inner {
                 // The payload goes behind room for the frame prefix (`Frame::in_place`).
                 let mut buf = slots.take(FRAME_ROOM + sel.bytes_in(pool.layout())?);
                 let payload = &mut buf[FRAME_ROOM..];
-                pool.gather(&sel, wire, payload)?;
+                pool.gather(&sel, wire, payload, ready_on.as_deref())?;
                 metrics.gather.observe(started.elapsed());
                 let sum = if checksum {
                     crate::agent::checksum(payload)

@@ -45,6 +45,8 @@ pub struct CudaKernel {
     arch: String,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Where the engine's readiness events are followed ([`CudaKernel::follow`]).
+    ready: Arc<CudaStream>,
     gather: CudaFunction,
     scatter: CudaFunction,
     _module: Arc<CudaModule>,
@@ -91,11 +93,13 @@ impl CudaKernel {
             .load_function(SCATTER_ENTRY)
             .map_err(driver("load kv_scatter"))?;
         let stream = ctx.new_stream().map_err(driver("create stream"))?;
+        let ready = ctx.new_stream().map_err(driver("create stream"))?;
         Ok(CudaKernel {
             ordinal,
             arch,
             ctx,
             stream,
+            ready,
             gather,
             scatter,
             _module: module,
@@ -177,6 +181,45 @@ impl CudaKernel {
         }
     }
 
+    /// Follows the engine's CUDA event `event` (recorded on the engine's stream once a piece's
+    /// KV was written): returns an event of the kernel's own that completes when the engine's
+    /// record does. Nothing waits here and the engine's stream is never synchronized; the
+    /// engine may record or destroy its event again as soon as this returns.
+    ///
+    /// # Safety
+    /// `event` must be a live `CUevent` of this process, created in this device's primary
+    /// context.
+    pub unsafe fn follow(&self, event: u64) -> Result<ReadyEvent, CudaError> {
+        self.bind()?;
+        // SAFETY: the caller's live event; a stream of ours in the same context.
+        unsafe {
+            cudarc::driver::sys::cuStreamWaitEvent(
+                self.ready.cu_stream(),
+                event as cudarc::driver::sys::CUevent,
+                0,
+            )
+        }
+        .result()
+        .map_err(driver("wait for the engine's event"))?;
+        let own = self
+            .ctx
+            .new_event(None)
+            .map_err(driver("create an event"))?;
+        own.record(&self.ready).map_err(driver("record an event"))?;
+        Ok(ReadyEvent {
+            event: own,
+            ordinal: self.ordinal,
+        })
+    }
+
+    /// Makes the kernel's later launches wait until `ready` completes (on the device: the
+    /// caller does not wait).
+    pub fn wait_for(&self, ready: &ReadyEvent) -> Result<(), CudaError> {
+        self.stream
+            .wait(&ready.event)
+            .map_err(driver("wait for a readiness event"))
+    }
+
     /// Makes the device's context current on this thread (for raw driver calls).
     pub(super) fn bind(&self) -> Result<(), CudaError> {
         self.ctx
@@ -247,6 +290,28 @@ impl CudaKernel {
         self.stream.synchronize().map_err(driver("synchronize"))?;
         drop((pages_guard, table_guard));
         Ok(())
+    }
+}
+
+/// The point after which a piece's KV is written, as an event of the kernel's own
+/// ([`CudaKernel::follow`]).
+pub struct ReadyEvent {
+    event: cudarc::driver::CudaEvent,
+    ordinal: usize,
+}
+
+impl ReadyEvent {
+    /// The device whose kernel made it.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+}
+
+impl fmt::Debug for ReadyEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadyEvent")
+            .field("ordinal", &self.ordinal)
+            .finish_non_exhaustive()
     }
 }
 

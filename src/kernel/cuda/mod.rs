@@ -21,7 +21,7 @@ pub mod launch;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use device::{CudaKernel, DevicePool, DeviceStaging, PinnedStaging, Staging};
+pub use device::{CudaKernel, DevicePool, DeviceStaging, PinnedStaging, ReadyEvent, Staging};
 pub use ipc::ExportedMemory;
 
 /// The CUDA source of the transfer kernels.
