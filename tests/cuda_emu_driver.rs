@@ -735,3 +735,43 @@ fn error_codes_have_the_drivers_names_and_texts() {
         Ok(0)
     );
 }
+
+#[test]
+fn proc_addresses_name_implemented_functions_only() {
+    assert_eq!(
+        in_child(|| {
+            let d = Driver::open();
+            #[allow(clippy::type_complexity)]
+            let get: unsafe extern "C" fn(
+                *const i8,
+                *mut Ptr,
+                i32,
+                u64,
+                *mut i32,
+            ) -> R = d.f("cuGetProcAddress_v2");
+            let alloc: Alloc = d.f("cuMemAlloc_v2");
+            let (mut f, mut status) = (std::ptr::null_mut(), -1);
+            // SAFETY: NUL-terminated names and valid out-pointers.
+            unsafe {
+                assert_eq!(
+                    get(c"cuMemAlloc".as_ptr(), &mut f, 12080, 0, &mut status),
+                    SUCCESS
+                );
+                assert_eq!(
+                    (f as usize, status),
+                    (alloc as usize, 0),
+                    "the newest version, _v2"
+                );
+                let stubbed = get(c"cuGraphCreate".as_ptr(), &mut f, 12080, 0, &mut status);
+                assert_eq!(
+                    (stubbed, f.is_null(), status),
+                    (NOT_FOUND, true, 1),
+                    "not implemented: absent"
+                );
+                let unknown = get(c"cuNoSuchFunction".as_ptr(), &mut f, 12080, 0, &mut status);
+                assert_eq!((unknown, status), (NOT_FOUND, 1));
+            }
+        }),
+        Ok(0)
+    );
+}

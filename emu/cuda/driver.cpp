@@ -25,7 +25,13 @@
 #include <thread>
 #include <vector>
 
+#include <dlfcn.h>
+
+#include <string>
+
 #include "emu.h"
+
+extern "C" const char* const kvferry_emu_implemented[];
 
 namespace {
 
@@ -291,6 +297,29 @@ CUresult cuGetErrorName(CUresult code, const char** name) {
     const ErrorText* e = error_text(code);
     *name = e ? e->name : nullptr;
     return e ? SUCCESS : INVALID_VALUE;
+}
+
+// The address of an implemented driver function by its base name, the newest version first
+// (`cuMemAlloc` gives `cuMemAlloc_v2`); unknown and unimplemented names are not found, so a
+// caller sees the function as absent rather than reaching an aborting stub.
+CUresult cuGetProcAddress_v2(const char* symbol, void** fn, int /*version*/, unsigned long long /*flags*/,
+                             int* status) {
+    if (!symbol || !fn) return INVALID_VALUE;
+    *fn = nullptr;
+    static void* self = [] {
+        Dl_info info;
+        dladdr(reinterpret_cast<void*>(&cuGetProcAddress_v2), &info);
+        return dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    }();
+    for (const char* suffix : {"_v3", "_v2", ""}) {
+        std::string name = std::string(symbol) + suffix;
+        for (const char* const* f = kvferry_emu_implemented; *f; ++f) {
+            if (name == *f && self) *fn = dlsym(self, *f);
+        }
+        if (*fn) break;
+    }
+    if (status) *status = *fn ? 0 : 1;  // CU_GET_PROC_ADDRESS_SUCCESS, _SYMBOL_NOT_FOUND
+    return *fn ? SUCCESS : NOT_FOUND;
 }
 
 }  // extern "C"

@@ -1,8 +1,10 @@
 """Agents embedded in an engine whose KV cache is CUDA device memory, on the CUDA driver
-emulator (emu/cuda, docs/gpu.md): device_engine.py runs in a child process with the emulator's
-libcuda and NVRTC on its library path, registers per-layer device allocations by address with
-``device=0``, moves a room through the transfer kernel, and reads both caches back with
-cuMemcpyDtoH: every byte of the room's pages is the prefill's, every other byte the poison."""
+emulator (emu/cuda, docs/gpu.md), each in a child process with the emulator's libcuda and NVRTC
+on its library path: device_engine.py registers per-layer device allocations by address with
+``device=0``, moves rooms through the transfer kernel (one behind the engine's CUDA event), and
+reads both caches back with cuMemcpyDtoH: every byte of a room's pages is the prefill's, every
+other byte the poison. device_vllm.py does the same with the regions and format the vLLM
+connector picks for CUDA caches."""
 
 import json
 import os
@@ -38,3 +40,14 @@ def test_in_process_agents_move_a_room_between_device_caches(registry, emulator_
     result = json.loads(run.stdout.strip().splitlines()[-1])
     print(f"{result['landed_bytes']} bytes landed, the rest of {result['pool_bytes']} poison")
     assert result["landed_bytes"] > 0
+
+
+def test_vllm_cuda_caches_become_agent_regions(registry, emulator_env, torch_python):
+    """kvferry.vllm.memory on the emulator's memory, in the vLLM venv (the connector imports vLLM)."""
+    python, env = torch_python
+    env = emulator_env | {"PYTHONPATH": f"{HERE}:{env['PYTHONPATH']}"}
+    run = subprocess.run(
+        [python, str(HERE / "device_vllm.py"), registry], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-4000:]}"
+    print(run.stdout.strip().splitlines()[-1])

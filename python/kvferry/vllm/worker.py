@@ -1,17 +1,14 @@
 """The connector's worker side (one per TP rank): a kvferry agent in the worker's process over
 vLLM's own KV cache tensors, the rooms the scheduler side asks for, and their results.
 
-vLLM's CPU backend keeps every attention layer's cache in one buffer, layer after layer
-(``[num_blocks, kv_heads, block_size, 2 * head_size]`` each): that buffer is the agent's one
-region in the ``vllm-cpu-vec`` or ``vllm-cpu-amx`` format, by the attention path vLLM took.
-The agent reads and writes it in place; nothing is copied into another buffer. The connector
-holds vLLM's tensors for as long as the agent runs.
+The agent reads and writes vLLM's KV cache in place (memory.py: which regions and format, on
+the CPU and on CUDA); nothing is copied into another buffer. The connector holds vLLM's
+tensors for as long as the agent runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +17,7 @@ from vllm.logger import init_logger
 import kvferry
 
 from . import params as P
+from .memory import Cache, cpu_cache, cuda_cache, layer_index
 from .metadata import Failures, KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
@@ -29,18 +27,10 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-ISA_FORMATS = {"vec": "vllm-cpu-vec", "amx": "vllm-cpu-amx"}
-
-
-def layer_index(name: str) -> int:
-    m = re.search(r"\.layers\.(\d+)\.", name)
-    if m is None:
-        raise ValueError(f"KvferryConnector: no layer index in the KV cache name {name!r}")
-    return int(m.group(1))
 
 
 def agent_options(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool, isa: str
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool, kv_format: str
 ) -> dict[str, Any]:
     """The agent's options for this worker: vLLM's model and cache shape, this TP rank."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
@@ -59,11 +49,6 @@ def agent_options(
         raise ValueError("KvferryConnector: full attention in one KV cache group only (no hybrid or sliding-window models)")
     if spec.dtype not in DTYPES:
         raise ValueError(f"KvferryConnector: KV dtype {spec.dtype} is not one of {sorted(map(str, DTYPES))}")
-    if isa not in ISA_FORMATS:
-        raise ValueError(
-            f"KvferryConnector: vLLM's CPU attention path {isa!r} has no kvferry format "
-            f"(supported: {sorted(ISA_FORMATS)}; vec16 is taken when block_size is not a multiple of 32)"
-        )
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     opts = dict(
@@ -75,7 +60,7 @@ def agent_options(
         dtype=DTYPES[spec.dtype],
         page_size=spec.block_size,
         pool_pages=kv_cache_config.num_blocks,
-        kv_format=ISA_FORMATS[isa],
+        kv_format=kv_format,
         tp_size=parallel.tensor_parallel_size,
         tp_rank=get_tensor_model_parallel_rank(),
     )
@@ -113,40 +98,45 @@ class WorkerSide:
     # ---- memory ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = sorted(kv_caches, key=layer_index)
-        if [layer_index(n) for n in names] != list(range(len(names))):
-            raise ValueError(f"KvferryConnector: KV cache layers {names} are not numbered 0..{len(names) - 1}")
-        first = kv_caches[names[0]]
-        layer_bytes = first.numel() * first.element_size()
-        base = first.data_ptr()
-        for i, name in enumerate(names):
-            t = kv_caches[name]
-            if not t.is_contiguous() or t.data_ptr() != base + i * layer_bytes or t.shape != first.shape:
-                raise ValueError(
-                    f"KvferryConnector: layer {name} is not at its place in one buffer of dense "
-                    "layers (vLLM's CPU layout); kvferry cannot describe this KV cache"
-                )
-        ctx = self.vllm_config.compilation_config.static_forward_context
-        isas = {str(getattr(ctx.get(n), "isa", "unknown")) for n in names}
-        if len(isas) != 1:
-            raise ValueError(f"KvferryConnector: attention layers report several ISAs {sorted(isas)}")
-        opts = agent_options(self.vllm_config, self.kv_cache_config, self.config, self.producer, isas.pop())
+        cache = self.cache_of(kv_caches)
+        opts = agent_options(self.vllm_config, self.kv_cache_config, self.config, self.producer, cache.kv_format)
         layout = kvferry.memory_layout(**opts)
-        length = len(names) * layer_bytes
-        if layout["num_regions"] != 1 or layout["region_bytes"] != length:
-            raise ValueError(f"KvferryConnector: vLLM's buffer holds {length} bytes, kvferry's layout {layout}")
+        if layout["num_regions"] != len(cache.regions) or layout["num_regions"] * layout["region_bytes"] != cache.bytes:
+            raise ValueError(f"KvferryConnector: vLLM's KV cache holds {cache.bytes} bytes, kvferry's layout {layout}")
+        names = sorted(kv_caches, key=layer_index)
         self.tensors = dict(kv_caches)
         self.num_layers = len(names)
         self.positions = {name: i for i, name in enumerate(names)}
         agent_type = kvferry.PrefillAgent if self.producer else kvferry.DecodeAgent
         self.close()
-        # The raw (address, length) pair: the tensors above keep the buffer alive.
-        self.agent = agent_type([(base, length)], **opts)
+        self.agent = agent_type(cache.regions, device=cache.device, **opts)
         logger.info(
-            "kvferry %s agent %s on %s: %s, %d blocks of %d tokens (%d bytes), api %s",
+            "kvferry %s agent %s on %s: %s, %d blocks of %d tokens (%d bytes%s), api %s",
             "prefill" if self.producer else "decode", self.agent.instance, opts["bootstrap"],
-            opts["kv_format"], opts["pool_pages"], opts["page_size"], length, self.agent.api_url,
+            opts["kv_format"], opts["pool_pages"], opts["page_size"], cache.bytes,
+            "" if cache.device is None else f" on CUDA device {cache.device}", self.agent.api_url,
         )
+
+    def cache_of(self, kv_caches: dict[str, torch.Tensor]) -> Cache:
+        """vLLM's caches as the agent's regions, by where they are and how vLLM attends."""
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        first = next(iter(kv_caches.values()))
+        if first.device.type == "cuda":
+            backends = {ctx[n].attn_backend.get_name() for n in kv_caches}
+            if len(backends) != 1:
+                raise ValueError(f"KvferryConnector: attention layers use several backends {sorted(backends)}")
+            # vLLM's physical layout of [layers, blocks, heads, tokens, content]: kvferry needs
+            # each layer compact, tokens outside heads (NHD) or inside (HND).
+            name = str(getattr(self.vllm_config.cache_config, "kv_cache_layout", None) or "LBNHC")
+            layout = {"LBNHC": "NHD", "LBHNC": "HND"}.get(name.rsplit(".", 1)[-1])
+            if layout is None:
+                raise ValueError(f"KvferryConnector: vLLM's KV cache layout {name} does not keep each layer compact")
+            block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            return cuda_cache(kv_caches, backends.pop(), layout, block_size)
+        isas = {str(getattr(ctx.get(n), "isa", "unknown")) for n in kv_caches}
+        if len(isas) != 1:
+            raise ValueError(f"KvferryConnector: attention layers report several ISAs {sorted(isas)}")
+        return cpu_cache(kv_caches, isas.pop())
 
     # ---- each step ---------------------------------------------------------------------------
 
