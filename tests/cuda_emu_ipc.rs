@@ -10,7 +10,6 @@ mod driver;
 
 use std::ffi::c_void;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -208,101 +207,6 @@ fn an_ipc_handle_is_refused_when_its_exporter_died_or_freed_it() {
     assert_eq!(alive.wait(), Ok(0), "exporter");
 }
 
-/// CUmemAllocationProp: pinned device memory on device 0, optionally exportable as a POSIX fd.
-#[repr(C)]
-struct Prop {
-    kind: i32,
-    handle_types: i32,
-    location: [i32; 2],
-    win32: *mut c_void,
-    flags: [u8; 8],
-}
-
-fn prop(shareable: bool) -> Prop {
-    Prop {
-        kind: 1,
-        handle_types: i32::from(shareable),
-        location: [1, 0],
-        win32: std::ptr::null_mut(),
-        flags: [0; 8],
-    }
-}
-
-/// CUmemAccessDesc: read and write for device 0.
-#[repr(C)]
-struct Access {
-    location: [i32; 2],
-    flags: i32,
-}
-
-const READ_WRITE: Access = Access {
-    location: [1, 0],
-    flags: 3,
-};
-
-type Granularity = unsafe extern "C" fn(*mut usize, *const Prop, i32) -> R;
-type Create = unsafe extern "C" fn(*mut u64, usize, *const Prop, u64) -> R;
-type Release = unsafe extern "C" fn(u64) -> R;
-type Reserve = unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> R;
-type AddressFree = unsafe extern "C" fn(u64, usize) -> R;
-type Map = unsafe extern "C" fn(u64, usize, usize, u64, u64) -> R;
-type Unmap = unsafe extern "C" fn(u64, usize) -> R;
-type SetAccess = unsafe extern "C" fn(u64, usize, *const Access, usize) -> R;
-type Export = unsafe extern "C" fn(*mut c_void, u64, i32, u64) -> R;
-type Import = unsafe extern "C" fn(*mut u64, *mut c_void, i32) -> R;
-const POSIX_FD: i32 = 1;
-
-/// Sends `fd` over `s` (SCM_RIGHTS).
-fn send_fd(s: &UnixStream, fd: RawFd) {
-    let mut byte = [0u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: a control buffer sized by CMSG_SPACE for one fd, filled through the CMSG macros.
-    unsafe {
-        let space = libc::CMSG_SPACE(size_of::<RawFd>() as u32) as usize;
-        let mut control = vec![0u8; space];
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space;
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
-        assert_eq!(libc::sendmsg(s.as_raw_fd(), &msg, 0), 1, "sendmsg");
-    }
-}
-
-/// Receives one fd sent by [`send_fd`].
-fn recv_fd(s: &UnixStream) -> RawFd {
-    let mut byte = [0u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: as in send_fd; the kernel fills the control buffer.
-    unsafe {
-        let space = libc::CMSG_SPACE(size_of::<RawFd>() as u32) as usize;
-        let mut control = vec![0u8; space];
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space;
-        assert_eq!(libc::recvmsg(s.as_raw_fd(), &mut msg, 0), 1, "recvmsg");
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        assert!(
-            !cmsg.is_null() && (*cmsg).cmsg_type == libc::SCM_RIGHTS,
-            "no fd came"
-        );
-        std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>())
-    }
-}
-
 #[test]
 fn vmm_memory_exported_as_a_posix_fd_maps_in_another_process() {
     let (tx, rx) = pair();
@@ -348,7 +252,8 @@ fn vmm_memory_exported_as_a_posix_fd_maps_in_another_process() {
             assert_eq!(htod(va, data.as_ptr().cast(), 2 * MIB), SUCCESS);
             assert_eq!(export((&raw mut fd).cast(), h, POSIX_FD, 0), SUCCESS);
         }
-        send_fd(&tx, fd);
+        kvferry::kernel::cuda::vmm::send_pieces(&tx, &[(0, 2 * MIB as u64, fd)])
+            .expect("sending the fd");
         let mut b = [0u8];
         done_rx.read_exact(&mut b).expect("the importer's word");
         // SAFETY: as above.
@@ -383,7 +288,13 @@ fn vmm_memory_exported_as_a_posix_fd_maps_in_another_process() {
             d.f("cuMemsetD8_v2"),
             d.f("cuMemGetAddressRange_v2"),
         );
-        let fd = recv_fd(&rx);
+        let pieces =
+            kvferry::kernel::cuda::vmm::receive_pieces_from(&rx).expect("receiving the fd");
+        assert_eq!(
+            (pieces.len(), pieces[0].offset, pieces[0].len),
+            (1, 0, 2 * MIB as u64)
+        );
+        let fd = std::os::fd::IntoRawFd::into_raw_fd(pieces.into_iter().next().unwrap().fd);
         let (mut theirs, mut mine, mut va, mut base, mut size) = (0u64, 0u64, 0u64, 0u64, 0usize);
         let mut back = vec![0u8; 32];
         let mut pipe = [0i32; 2];

@@ -169,15 +169,16 @@ async fn ask_and_announce(decode: &str, prefills: &[String], rooms: &[(u64, Vec<
     }
 }
 
-/// Asserts every block of `pool` (of `layout`) outside `pages` still holds the poison; returns
+/// Asserts every block of `pool` (`pool_pages` of `layout`) outside `pages` still holds the
+/// poison; returns
 /// the bytes checked.
-fn untouched_outside(pool: &[u8], layout: &KvLayout, pages: &[u32]) -> usize {
+fn untouched_outside(pool: &[u8], layout: &KvLayout, pool_pages: usize, pages: &[u32]) -> usize {
     let (stride, block) = (layout.page_stride().unwrap(), layout.block_bytes().unwrap());
     let mut checked = 0;
     for layer in 0..layout.num_layers() {
         for plane in 0..layout.planes() {
-            let plane_at = layout.plane_offset(layer, plane, PAGES).unwrap();
-            for page in (0..PAGES).filter(|p| !pages.contains(&(*p as u32))) {
+            let plane_at = layout.plane_offset(layer, plane, pool_pages).unwrap();
+            for page in (0..pool_pages).filter(|p| !pages.contains(&(*p as u32))) {
                 let got = &pool[plane_at + page * stride..][..block];
                 assert!(
                     got.iter().all(|&b| b == POISON),
@@ -223,7 +224,7 @@ fn tp2_prefill_ranks_send_into_one_decode_device_pool() {
         }
     });
     let all: Vec<u32> = rooms.iter().flat_map(|(_, p)| p.clone()).collect();
-    let checked = untouched_outside(&engine.read(c.pools[2], bytes), &layout, &all);
+    let checked = untouched_outside(&engine.read(c.pools[2], bytes), &layout, PAGES, &all);
     println!("TP2 -> TP1 on device pools: rooms verified, {checked} bytes outside them unchanged");
 }
 
@@ -272,7 +273,7 @@ fn a_prefill_killed_mid_transfer_fails_the_room_and_nothing_lands_after() {
         );
         wait_safe(&http, &decode, 31).await;
         let at_failure = engine.read(c.pools[1], bytes);
-        let checked = untouched_outside(&at_failure, &layout, &pages);
+        let checked = untouched_outside(&at_failure, &layout, PAGES, &pages);
         // The room is given up; the decode pool must not change any more.
         let url = format!("{decode}/v1/rooms/31/take");
         let (_, taken) = call(&http, reqwest::Method::POST, &url, None).await;
@@ -434,4 +435,108 @@ fn the_demo_runs_on_device_pools_and_says_which() {
             && summary.contains("3 verified"),
         "{stdout}"
     );
+}
+
+/// A pool in VMM memory of this engine: 2 MiB pieces mapped back to back, each exported as a
+/// POSIX fd, and a socket thread that sends them to the agent that connects (`--pool
+/// cuda-vmm:0:<socket>`).
+fn vmm_pool(
+    engine: &Engine,
+    len: usize,
+    fill: u8,
+    socket: &std::path::Path,
+) -> (u64, std::thread::JoinHandle<()>) {
+    let d = &engine.0;
+    let (create, reserve, map): (Create, Reserve, Map) = (
+        d.f("cuMemCreate"),
+        d.f("cuMemAddressReserve"),
+        d.f("cuMemMap"),
+    );
+    let (set_access, export): (SetAccess, Export) =
+        (d.f("cuMemSetAccess"), d.f("cuMemExportToShareableHandle"));
+    let piece = 2 << 20;
+    let len = len.div_ceil(piece) * piece;
+    let mut va = 0;
+    let mut pieces = Vec::new();
+    // SAFETY: valid out-pointers; every piece mapped inside the reservation.
+    unsafe {
+        assert_eq!(reserve(&mut va, len, 0, 0, 0), SUCCESS);
+        for at in (0..len).step_by(piece) {
+            let (mut h, mut fd) = (0u64, -1i32);
+            assert_eq!(create(&mut h, piece, &prop(true), 0), SUCCESS);
+            assert_eq!(map(va + at as u64, piece, 0, h, 0), SUCCESS);
+            assert_eq!(export((&raw mut fd).cast(), h, POSIX_FD, 0), SUCCESS);
+            pieces.push((at as u64, piece as u64, fd));
+        }
+        assert_eq!(set_access(va, len, &READ_WRITE, 1), SUCCESS);
+    }
+    engine.fill(va, fill, len);
+    let listener =
+        std::os::unix::net::UnixListener::bind(socket).expect("binding the engine's socket");
+    let serve = std::thread::spawn(move || {
+        let (agent, _) = listener.accept().expect("an agent connects");
+        kvferry::kernel::cuda::vmm::send_pieces(&agent, &pieces).expect("sending the pieces");
+    });
+    (va, serve)
+}
+
+#[test]
+fn sidecar_agents_import_vmm_pieces_sent_over_the_engines_socket() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let engine = Engine::new();
+    let pages = 2 * PAGES;
+    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+    let bytes = layout.pool_bytes(pages).unwrap();
+    let dir = kvferry::cli::cluster::log_dir("device-vmm").expect("log dir");
+    let (prefill_socket, decode_socket) =
+        (dir.join("prefill-pool.sock"), dir.join("decode-pool.sock"));
+    let (prefill_va, served_prefill) = vmm_pool(&engine, bytes, 0, &prefill_socket);
+    let (decode_va, served_decode) = vmm_pool(&engine, bytes, POISON, &decode_socket);
+    let opts = AgentOpts {
+        pool_pages: pages,
+        ..AgentOpts::default()
+    };
+    let exe = release_binary();
+    let registry = Spawned::start(
+        &exe,
+        &[],
+        "registry",
+        &owned(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]),
+        &[],
+        &dir,
+    );
+    let agent = |role: &str, socket: &std::path::Path| {
+        let mut args = owned(&[role, "--bootstrap", &registry.field("url")]);
+        args.extend(opts.args());
+        args.extend([
+            "--pool".to_owned(),
+            format!("cuda-vmm:0:{}", socket.display()),
+        ]);
+        Spawned::start(&exe, &[], role, &args, &[], &dir)
+    };
+    let (prefill, decode) = (
+        agent("prefill", &prefill_socket),
+        agent("decode", &decode_socket),
+    );
+    served_prefill
+        .join()
+        .expect("the prefill's pieces were sent");
+    served_decode.join().expect("the decode's pieces were sent");
+    // Every room spans all layers: its chunks read and write both 2 MiB pieces.
+    let rooms = vec![(41, vec![60, 61, 62, 63]), (42, vec![64, 65, 127, 0])];
+    runtime().block_on(async {
+        ask_and_announce(&decode.field("api"), &[prefill.field("api")], &rooms).await;
+        for (room, _) in &rooms {
+            take_verified(&http(), &decode.field("api"), *room).await;
+        }
+    });
+    let all: Vec<u32> = rooms.iter().flat_map(|(_, p)| p.clone()).collect();
+    let checked = untouched_outside(&engine.read(decode_va, bytes), &layout, pages, &all);
+    assert!(
+        engine.read(prefill_va, bytes).iter().any(|&b| b != 0),
+        "the prefill filled its pool"
+    );
+    println!("VMM pools in 2 MiB pieces: rooms verified, {checked} bytes outside them unchanged");
 }

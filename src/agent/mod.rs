@@ -56,33 +56,28 @@ pub enum AgentError {
 pub use pool::EnginePool;
 
 /// Opens the agent's pool: its own anonymous memory, the engine's shared-memory pool, or
-/// another process's device memory by CUDA IPC handle (which needs the CUDA driver, the device
-/// and NVRTC; the error says which is missing).
+/// another process's device memory by CUDA IPC handle or VMM shareable handles (which needs the
+/// CUDA driver, the device and NVRTC; the error says which is missing).
 pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<EnginePool, AgentError> {
+    use crate::kernel::cuda::{CudaKernel, DevicePool};
     use crate::pool::{HostPool, PoolDescriptor, PoolError};
-    if let PoolDescriptor::CudaIpc { device, handle } = &cfg.pool {
-        let opened = crate::kernel::cuda::CudaKernel::shared(*device as usize).and_then(|k| {
-            crate::kernel::cuda::DevicePool::open_ipc(
-                &k,
-                cfg.layout.clone(),
-                cfg.pool_pages,
-                handle,
-            )
-            .map_err(|e| crate::kernel::cuda::CudaError::Regions(e.to_string()))
-        });
-        return opened.map(EnginePool::Device).map_err(|e| {
-            PoolError::DeviceMemory {
-                descriptor: cfg.pool.to_string(),
-                reason: e.to_string(),
-            }
-            .into()
-        });
-    }
-    Ok(EnginePool::Host(HostPool::open(
-        &cfg.pool,
-        cfg.layout.clone(),
-        cfg.pool_pages,
-    )?))
+    let (layout, pages) = (cfg.layout.clone(), cfg.pool_pages);
+    let opened = match &cfg.pool {
+        PoolDescriptor::CudaIpc { device, handle } => CudaKernel::shared(*device as usize)
+            .map_err(Into::into)
+            .and_then(|k| DevicePool::open_ipc(&k, layout, pages, handle)),
+        PoolDescriptor::CudaVmm { device, socket } => CudaKernel::shared(*device as usize)
+            .map_err(Into::into)
+            .and_then(|k| DevicePool::import_vmm(&k, layout, pages, socket, cfg.timeouts.connect)),
+        _ => return Ok(EnginePool::Host(HostPool::open(&cfg.pool, layout, pages)?)),
+    };
+    opened.map(EnginePool::Device).map_err(|e| {
+        PoolError::DeviceMemory {
+            descriptor: cfg.pool.to_string(),
+            reason: e.to_string(),
+        }
+        .into()
+    })
 }
 
 /// The agent's pool with its kernel. Refuses a pool that is not the pool the configuration

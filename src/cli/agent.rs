@@ -121,8 +121,10 @@ pub struct AgentArgs {
     /// grants them; the staging budget of a pair is slots x chunk bytes on each side).
     #[arg(long, env = "KVFERRY_STAGING_SLOTS", default_value_t = 8)]
     pub staging_slots: usize,
-    /// The KV pool: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created
-    /// in shared memory).
+    /// The KV pool: `anon` (the agent's own memory), `shm:<path>` (a pool an engine created
+    /// in shared memory), or the engine's CUDA device memory: `cuda-ipc:<device>:<handle>`
+    /// (a CUDA IPC handle, 128 hex digits) or `cuda-vmm:<device>:<socket>` (VMM shareable
+    /// handles the engine sends over its Unix socket).
     #[arg(long, env = "KVFERRY_POOL", default_value = "anon")]
     pub pool: crate::pool::PoolDescriptor,
     /// Synthetic engine pacing: announce each room one layer at a time, this many ms apart

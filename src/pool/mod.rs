@@ -110,6 +110,14 @@ pub enum PoolDescriptor {
         /// The IPC memory handle.
         handle: [u8; 64],
     },
+    /// Device memory of another process, by VMM shareable handles that the engine sends over
+    /// its Unix socket: `cuda-vmm:<device ordinal>:<socket path>`.
+    CudaVmm {
+        /// Device ordinal.
+        device: u32,
+        /// The engine's socket.
+        socket: PathBuf,
+    },
 }
 
 impl fmt::Display for PoolDescriptor {
@@ -121,6 +129,9 @@ impl fmt::Display for PoolDescriptor {
             PoolDescriptor::CudaIpc { device, handle } => {
                 write!(f, "cuda-ipc:{device}:")?;
                 handle.iter().try_for_each(|b| write!(f, "{b:02x}"))
+            }
+            PoolDescriptor::CudaVmm { device, socket } => {
+                write!(f, "cuda-vmm:{device}:{}", socket.display())
             }
         }
     }
@@ -150,8 +161,21 @@ impl FromStr for PoolDescriptor {
                 }
                 Ok(PoolDescriptor::CudaIpc { device, handle })
             }
+            Some(("cuda-vmm", rest)) => {
+                let (device, socket) = rest
+                    .split_once(':')
+                    .filter(|(_, path)| !path.is_empty())
+                    .ok_or_else(|| bad("expected cuda-vmm:<device>:<socket path>"))?;
+                let device = device
+                    .parse()
+                    .map_err(|_| bad("the device ordinal is not a number"))?;
+                Ok(PoolDescriptor::CudaVmm {
+                    device,
+                    socket: socket.into(),
+                })
+            }
             _ => Err(bad(
-                "expected `anon`, `shm:<path>` or `cuda-ipc:<device>:<handle>`",
+                "expected `anon`, `shm:<path>`, `cuda-ipc:<device>:<handle>` or `cuda-vmm:<device>:<socket>`",
             )),
         }
     }
@@ -349,12 +373,14 @@ impl HostPool {
                 "engine memory is registered in process (HostPool::engine), not opened by name"
                     .to_owned(),
             )),
-            PoolDescriptor::CudaIpc { .. } => Err(PoolError::DeviceMemory {
-                descriptor: descriptor.to_string(),
-                reason: "it names device memory; a host pool cannot map it (device pools need \
+            PoolDescriptor::CudaIpc { .. } | PoolDescriptor::CudaVmm { .. } => {
+                Err(PoolError::DeviceMemory {
+                    descriptor: descriptor.to_string(),
+                    reason: "it names device memory; a host pool cannot map it (device pools need \
                          the CUDA kernel and a GPU)"
-                    .to_owned(),
-            }),
+                        .to_owned(),
+                })
+            }
         }
     }
 
@@ -641,6 +667,9 @@ mod tests {
             "cuda-ipc:0",
             "cuda-ipc:x:00",
             "cuda-ipc:0:zz",
+            "cuda-vmm:0",
+            "cuda-vmm:0:",
+            "cuda-vmm:x:/run/pool.sock",
         ] {
             assert!(bad.parse::<PoolDescriptor>().is_err(), "{bad}");
         }
@@ -654,6 +683,16 @@ mod tests {
             }
         );
         assert_eq!(d.to_string(), ipc);
+        let vmm = "cuda-vmm:2:/run/engine/pool.sock";
+        let d: PoolDescriptor = vmm.parse().unwrap();
+        assert_eq!(
+            d,
+            PoolDescriptor::CudaVmm {
+                device: 2,
+                socket: "/run/engine/pool.sock".into()
+            }
+        );
+        assert_eq!(d.to_string(), vmm);
     }
 
     #[test]

@@ -141,3 +141,47 @@ pub type Alloc = unsafe extern "C" fn(*mut u64, usize) -> R;
 pub type Free = unsafe extern "C" fn(u64) -> R;
 pub type HtoD = unsafe extern "C" fn(u64, *const c_void, usize) -> R;
 pub type DtoH = unsafe extern "C" fn(*mut c_void, u64, usize) -> R;
+
+/// CUmemAllocationProp: pinned device memory on device 0, optionally exportable as a POSIX fd.
+#[repr(C)]
+pub struct Prop {
+    pub kind: i32,
+    pub handle_types: i32,
+    pub location: [i32; 2],
+    pub win32: *mut c_void,
+    pub flags: [u8; 8],
+}
+
+pub fn prop(shareable: bool) -> Prop {
+    Prop {
+        kind: 1,
+        handle_types: i32::from(shareable),
+        location: [1, 0],
+        win32: std::ptr::null_mut(),
+        flags: [0; 8],
+    }
+}
+
+/// CUmemAccessDesc: read and write for device 0.
+#[repr(C)]
+pub struct Access {
+    pub location: [i32; 2],
+    pub flags: i32,
+}
+
+pub const READ_WRITE: Access = Access {
+    location: [1, 0],
+    flags: 3,
+};
+
+pub type Granularity = unsafe extern "C" fn(*mut usize, *const Prop, i32) -> R;
+pub type Create = unsafe extern "C" fn(*mut u64, usize, *const Prop, u64) -> R;
+pub type Release = unsafe extern "C" fn(u64) -> R;
+pub type Reserve = unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> R;
+pub type AddressFree = unsafe extern "C" fn(u64, usize) -> R;
+pub type Map = unsafe extern "C" fn(u64, usize, usize, u64, u64) -> R;
+pub type Unmap = unsafe extern "C" fn(u64, usize) -> R;
+pub type SetAccess = unsafe extern "C" fn(u64, usize, *const Access, usize) -> R;
+pub type Export = unsafe extern "C" fn(*mut c_void, u64, i32, u64) -> R;
+pub type Import = unsafe extern "C" fn(*mut u64, *mut c_void, i32) -> R;
+pub const POSIX_FD: i32 = 1;

@@ -541,6 +541,8 @@ enum PoolMemory {
     Engine,
     /// Another process's allocation, mapped by CUDA IPC handle; closed with the pool.
     Ipc(u64),
+    /// Another process's VMM pieces, imported and mapped; released with the pool.
+    Vmm { _mapped: super::vmm::Mapped },
 }
 
 /// A KV pool in device memory, laid out like a host pool of the same layout: memory of its
@@ -699,6 +701,45 @@ impl DevicePool {
             )));
         }
         Self::over(kernel, layout, num_pages, &regions, mem)
+    }
+
+    /// A pool over another process's VMM allocation (e.g. PyTorch's expandable segments),
+    /// received as shareable handles from the engine's Unix socket at `socket` (see
+    /// [`super::vmm`]), each read bounded by `timeout`. The layout must be one region, the
+    /// pieces together at least [`KvLayout::pool_bytes`] long.
+    pub fn import_vmm(
+        kernel: &CudaKernel,
+        layout: KvLayout,
+        num_pages: usize,
+        socket: &std::path::Path,
+        timeout: std::time::Duration,
+    ) -> Result<Self, KernelError> {
+        let size = checked_size(&layout, num_pages)?;
+        if layout.num_regions() != 1 {
+            return Err(regions_error(format!(
+                "VMM pieces make one range; the layout spans {} regions",
+                layout.num_regions()
+            )));
+        }
+        let pieces = super::vmm::receive_pieces(socket, timeout)?;
+        let mapped = super::vmm::Mapped::map(kernel, pieces)?;
+        if mapped.len < size {
+            return Err(regions_error(format!(
+                "the engine's pieces hold {} bytes; {size} needed for {num_pages} pages",
+                mapped.len
+            )));
+        }
+        let regions = [EngineRegion {
+            addr: mapped.base as usize,
+            len: mapped.len,
+        }];
+        Self::over(
+            kernel,
+            layout,
+            num_pages,
+            &regions,
+            PoolMemory::Vmm { _mapped: mapped },
+        )
     }
 
     /// The pool over `regions` (validated), with its plane table uploaded.

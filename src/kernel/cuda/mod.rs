@@ -17,6 +17,7 @@
 pub mod device;
 mod ipc;
 pub mod launch;
+pub mod vmm;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -1,0 +1,258 @@
+//! Device memory another process shares by VMM handles (`cuMemExportToShareableHandle` with
+//! POSIX file descriptors): allocations made with the virtual memory management API, such as
+//! PyTorch's expandable segments, which CUDA IPC handles cannot name.
+//!
+//! The engine serves a Unix socket (`--pool cuda-vmm:<device>:<socket path>`). An agent that
+//! connects receives the pool's pieces, one message each: 16 bytes (the piece's offset in the
+//! pool and its length, little-endian u64s) with the piece's file descriptor attached
+//! (`SCM_RIGHTS`), then a message of 16 zero bytes. The agent imports each piece, maps them
+//! back to back at their offsets in an address range of its own, and grants itself access; the
+//! pool is that range. Unmapped and released when the pool drops.
+
+use std::io::Read as _;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use cudarc::driver::sys;
+
+use super::{CudaError, CudaKernel};
+
+/// One piece of a pool as the engine sends it.
+#[derive(Debug)]
+pub struct Piece {
+    /// Offset in the pool.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// The exported handle.
+    pub fd: OwnedFd,
+}
+
+/// Pieces an agent takes at most from one engine.
+pub const MAX_PIECES: usize = 65_536;
+
+fn vmm_error(op: &'static str) -> impl Fn(sys::CUresult) -> CudaError {
+    move |r| CudaError::Driver {
+        op,
+        message: format!("{r:?}"),
+    }
+}
+
+fn regions_error(reason: impl Into<String>) -> CudaError {
+    CudaError::Regions(reason.into())
+}
+
+/// Receives the pool's pieces from the engine's socket at `path`, each read bounded by
+/// `timeout`.
+pub fn receive_pieces(path: &Path, timeout: Duration) -> Result<Vec<Piece>, CudaError> {
+    let socket = UnixStream::connect(path)
+        .map_err(|e| regions_error(format!("connecting to {}: {e}", path.display())))?;
+    socket
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| regions_error(e.to_string()))?;
+    receive_pieces_from(&socket).map_err(|e| regions_error(format!("{}: {e}", path.display())))
+}
+
+/// Receives pieces from a connected socket, until the end message.
+pub fn receive_pieces_from(socket: &UnixStream) -> Result<Vec<Piece>, CudaError> {
+    let mut pieces = Vec::new();
+    loop {
+        let (header, fd) =
+            receive(socket).map_err(|e| regions_error(format!("reading pieces: {e}")))?;
+        let offset = u64::from_le_bytes(header[..8].try_into().unwrap_or_default());
+        let len = u64::from_le_bytes(header[8..].try_into().unwrap_or_default());
+        match (len, fd) {
+            (0, None) => return Ok(pieces),
+            (0, Some(_)) => return Err(regions_error("an empty piece with a descriptor")),
+            (_, None) => {
+                return Err(regions_error(format!(
+                    "the piece at {offset} came without a descriptor"
+                )));
+            }
+            (_, Some(fd)) if pieces.len() < MAX_PIECES => pieces.push(Piece { offset, len, fd }),
+            _ => return Err(regions_error(format!("more than {MAX_PIECES} pieces"))),
+        }
+    }
+}
+
+/// The engine's side: sends a pool's pieces `(offset, len, fd)` to an agent connected to its
+/// socket, then the end.
+pub fn send_pieces(socket: &UnixStream, pieces: &[(u64, u64, RawFd)]) -> std::io::Result<()> {
+    for &(offset, len, fd) in pieces {
+        let mut header = [0u8; 16];
+        header[..8].copy_from_slice(&offset.to_le_bytes());
+        header[8..].copy_from_slice(&len.to_le_bytes());
+        send(socket, &header, Some(fd))?;
+    }
+    send(socket, &[0u8; 16], None)
+}
+
+/// One 16-byte message with `fd` attached.
+fn send(socket: &UnixStream, header: &[u8; 16], fd: Option<RawFd>) -> std::io::Result<()> {
+    let mut iov = libc::iovec {
+        iov_base: header.as_ptr() as *mut std::ffi::c_void,
+        iov_len: header.len(),
+    };
+    let space = unsafe_cmsg_space();
+    let mut control = vec![0u8; space];
+    // SAFETY: `msg` points at live buffers of the stated lengths; the control buffer is sized
+    // by CMSG_SPACE for one descriptor and filled through the CMSG macros.
+    let sent = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if let Some(fd) = fd {
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = space;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as usize;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+        }
+        libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    match sent {
+        16 => Ok(()),
+        n if n < 0 => Err(std::io::Error::last_os_error()),
+        n => Err(std::io::Error::other(format!("sent {n} of 16 bytes"))),
+    }
+}
+
+/// One 16-byte message and the descriptor attached to it, if any.
+fn receive(socket: &UnixStream) -> std::io::Result<([u8; 16], Option<OwnedFd>)> {
+    let mut header = [0u8; 16];
+    let mut iov = libc::iovec {
+        iov_base: header.as_mut_ptr().cast(),
+        iov_len: header.len(),
+    };
+    // Room for one descriptor; the kernel truncates (MSG_CTRUNC) anything more.
+    let space = unsafe_cmsg_space();
+    let mut control = vec![0u8; space];
+    // SAFETY: `msg` points at live buffers of the stated lengths; recvmsg fills them.
+    let got = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        let n = libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        let fd = if cmsg.is_null() || (*cmsg).cmsg_type != libc::SCM_RIGHTS {
+            None
+        } else {
+            let raw: RawFd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast());
+            Some(OwnedFd::from_raw_fd(raw))
+        };
+        (n as usize, fd)
+    };
+    let (n, fd) = got;
+    if n < header.len() {
+        // A short datagram-like read on a stream: read the rest plainly.
+        (&*socket).read_exact(&mut header[n..])?;
+    }
+    Ok((header, fd))
+}
+
+fn unsafe_cmsg_space() -> usize {
+    // SAFETY: CMSG_SPACE is arithmetic on its argument.
+    unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) as usize }
+}
+
+/// The pieces imported and mapped back to back in an address range of this process.
+#[derive(Debug)]
+pub(super) struct Mapped {
+    pub(super) base: u64,
+    pub(super) len: usize,
+    handles: Vec<(u64, u64, u64)>,
+}
+
+impl Mapped {
+    /// Imports `pieces`, which must tile `[0, len)` without gaps or overlaps on granularity
+    /// boundaries, and maps them with read and write access for the kernel's device.
+    pub(super) fn map(kernel: &CudaKernel, pieces: Vec<Piece>) -> Result<Mapped, CudaError> {
+        kernel.bind()?;
+        let mut pieces = pieces;
+        pieces.sort_by_key(|p| p.offset);
+        let mut end = 0u64;
+        for p in &pieces {
+            if p.offset != end {
+                return Err(regions_error(format!(
+                    "the pieces leave bytes {end}..{} unnamed or overlap",
+                    p.offset
+                )));
+            }
+            end = p
+                .offset
+                .checked_add(p.len)
+                .ok_or_else(|| regions_error("a piece's end overflows"))?;
+        }
+        if end == 0 {
+            return Err(regions_error("the engine sent no pieces"));
+        }
+        let len = usize::try_from(end).map_err(|_| regions_error("the pool is too large"))?;
+        let mut base = 0;
+        // SAFETY: a valid out-pointer; no fixed address asked for.
+        unsafe { sys::cuMemAddressReserve(&mut base, len, 0, 0, 0) }
+            .result()
+            .map_err(|e| vmm_error("reserve an address range")(e.0))?;
+        let mut mapped = Mapped {
+            base,
+            len,
+            handles: Vec::new(),
+        };
+        for p in pieces {
+            let mut handle = 0;
+            // SAFETY: `fd` is a live descriptor of ours; the driver dups what it keeps.
+            unsafe {
+                sys::cuMemImportFromShareableHandle(
+                    &mut handle,
+                    p.fd.as_raw_fd() as isize as *mut std::ffi::c_void,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                )
+            }
+            .result()
+            .map_err(|e| vmm_error("import a shareable handle")(e.0))?;
+            // SAFETY: inside our reservation, at a piece boundary; the handle just imported.
+            let done =
+                unsafe { sys::cuMemMap(base + p.offset, p.len as usize, 0, handle, 0) }.result();
+            if let Err(e) = done {
+                // SAFETY: our handle, released once.
+                let _ = unsafe { sys::cuMemRelease(handle) };
+                return Err(vmm_error("map a piece")(e.0));
+            }
+            mapped.handles.push((handle, base + p.offset, p.len));
+        }
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: kernel.ordinal() as i32,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole reservation is mapped; one descriptor.
+        unsafe { sys::cuMemSetAccess(base, len, &access, 1) }
+            .result()
+            .map_err(|e| vmm_error("grant access")(e.0))?;
+        Ok(mapped)
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: our mappings, handles and reservation, each released once (the pool's work
+        // is waited for by every launch and copy).
+        unsafe {
+            for &(handle, at, len) in &self.handles {
+                let _ = sys::cuMemUnmap(at, len as usize);
+                let _ = sys::cuMemRelease(handle);
+            }
+            let _ = sys::cuMemAddressFree(self.base, self.len);
+        }
+    }
+}
