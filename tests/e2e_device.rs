@@ -397,8 +397,8 @@ fn sidecar_agents_move_rooms_between_device_pools_opened_by_ipc_handle() {
     );
     let log = std::fs::read_to_string(&c.decode.log).unwrap();
     assert!(
-        log.contains("Device"),
-        "the decode agent says its pool is device memory:\n{log}"
+        log.contains("memory=\"device\" ordinal=0 staging=\"host\""),
+        "the decode agent says its pool is device memory and how it stages:\n{log}"
     );
 }
 

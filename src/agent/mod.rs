@@ -99,7 +99,16 @@ pub(crate) fn agent_pool(cfg: &AgentConfig, pool: EnginePool) -> Result<AgentPoo
             reason: e.to_string(),
         }
     })?;
-    tracing::info!(memory = ?pool.kind(), "agent pool");
+    match pool.kind() {
+        crate::memory::MemoryKind::Host => tracing::info!(memory = "host", "agent pool"),
+        crate::memory::MemoryKind::Device { ordinal } => tracing::info!(
+            memory = "device",
+            ordinal,
+            staging = "host",
+            "agent pool: chunks are gathered on the device and copied to host staging (one D2H, \
+             one H2D on landing): this build's transports send host memory"
+        ),
+    }
     Ok(pool)
 }
 
