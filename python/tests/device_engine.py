@@ -79,6 +79,14 @@ def main() -> int:
     except kvferry.RegionError as e:
         assert "not device memory" in str(e), e
 
+    # A host-only format on device memory is refused at start, not at the first gather.
+    try:
+        cpu_opts = options(registry, kv_format="vllm-cpu-vec", pool_pages=PAGES)
+        kvferry.DecodeAgent([(prefill_layers[0], size)], device=0, **cpu_opts)
+        raise AssertionError("a host-only format was taken for device memory")
+    except kvferry.RegionError as e:
+        assert "host-memory format" in str(e), e
+
     prefill = kvferry.PrefillAgent([(p, size) for p in prefill_layers], device=0, **opts)
     decode = kvferry.DecodeAgent([(p, size) for p in decode_layers], device=0, **opts)
     src, dst = [5, 9, 2], [7, 3, 11]

@@ -1,16 +1,14 @@
-"""How vLLM's KV cache tensors become the regions of a kvferry agent, on either backend.
+"""How vLLM's KV cache tensors become the regions of a kvferry agent.
 
-- CPU: vLLM keeps every attention layer's cache in one buffer, layer after layer
-  (``[num_blocks, kv_heads, block_size, 2 * head_size]`` each): that buffer is the one region,
-  in the ``vllm-cpu-vec`` or ``vllm-cpu-amx`` format by the attention path vLLM took.
-- CUDA: one tensor per layer, each a region of the layer's format: flash attention's
-  ``[2, num_blocks, block_size, kv_heads, head_size]`` (``vllm-flash-nhd``) or, with vLLM's HND
-  cache layout, ``[2, num_blocks, kv_heads, block_size, head_size]`` (``vllm-flash-hnd``);
-  FlashInfer's ``[num_blocks, 2, block_size, kv_heads, head_size]`` (``flashinfer``).
+vLLM's CPU backend keeps every attention layer's cache in one buffer, layer after layer
+(``[num_blocks, kv_heads, block_size, 2 * head_size]`` each): that buffer is the one region, in
+the ``vllm-cpu-vec`` or ``vllm-cpu-amx`` format by the attention path vLLM took.
 
-Only the tensors' attributes are read (``data_ptr()``, ``nbytes``, ``shape``, ``device``,
-``is_contiguous()``), so that the CUDA path can be tested on the CUDA driver emulator, where
-torch cannot allocate.
+CUDA caches are refused (:data:`CUDA_REFUSED`): this vLLM keeps them as cells of K and V side by
+side per (token, head), ``[blocks, heads, tokens, K|V]`` or ``[blocks, tokens, heads, K|V]``
+views of one buffer that every layer shares, and kvferry has no format, and its CUDA kernel no
+page order, for that yet. Its CUDA formats (``vllm-flash-nhd``, ``vllm-flash-hnd``,
+``flashinfer``) describe the separate K and V planes of earlier vLLM versions.
 """
 
 from __future__ import annotations
@@ -20,6 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 ISA_FORMATS = {"vec": "vllm-cpu-vec", "amx": "vllm-cpu-amx"}
+
+CUDA_REFUSED = (
+    "KvferryConnector: CUDA KV caches are not supported yet: this vLLM keeps K and V side by side "
+    "in each (token, head) cell of one buffer shared by all layers, and kvferry has no format for "
+    "that (its CUDA formats are the separate K and V planes of earlier vLLM versions)"
+)
 
 
 def layer_index(name: str) -> int:
@@ -34,10 +38,8 @@ class Cache:
     """vLLM's KV cache as an agent's memory."""
 
     kv_format: str
-    # The agent's regions: (address, length) pairs or the tensors themselves.
+    # The agent's regions: (address, length) pairs.
     regions: list[Any]
-    # The CUDA device of the tensors; None for host memory.
-    device: int | None
     # Bytes of all regions together.
     bytes: int
 
@@ -72,36 +74,4 @@ def cpu_cache(kv_caches: dict[str, Any], isa: str) -> Cache:
             )
     length = len(layers) * layer_bytes
     # The raw (address, length) pair: the connector keeps the tensors, hence the buffer.
-    return Cache(ISA_FORMATS[isa], [(base, length)], None, length)
-
-
-def cuda_cache(kv_caches: dict[str, Any], backend: str, layout: str, block_size: int) -> Cache:
-    """One region per layer of vLLM's CUDA backends; `backend` is the attention backend's name
-    (``FLASH_ATTN``, ``FLASHINFER``), `layout` vLLM's KV cache layout (``NHD`` or ``HND``)."""
-    layers = layers_in_order(kv_caches)
-    first = layers[0]
-    devices = {getattr(t.device, "index", None) or 0 for t in layers}
-    if len(devices) != 1:
-        raise ValueError(f"KvferryConnector: the KV cache layers are on several CUDA devices {sorted(devices)}")
-    for i, t in enumerate(layers):
-        if not t.is_contiguous() or tuple(t.shape) != tuple(first.shape):
-            raise ValueError(f"KvferryConnector: layer {i} is not a contiguous tensor of the first layer's shape")
-    shape = tuple(first.shape)
-    if len(shape) != 5:
-        raise ValueError(f"KvferryConnector: a CUDA KV cache layer of shape {shape} is not one kvferry knows")
-    if backend.startswith("FLASH_ATTN"):
-        kv_format = {"NHD": "vllm-flash-nhd", "HND": "vllm-flash-hnd"}.get(layout)
-        block_axis = 2 if layout == "NHD" else 3
-        planes_first = shape[0] == 2
-    elif backend.startswith("FLASHINFER"):
-        kv_format = "flashinfer" if layout == "NHD" else None
-        block_axis, planes_first = 2, shape[1] == 2
-    else:
-        raise ValueError(
-            f"KvferryConnector: attention backend {backend} has no kvferry format (FLASH_ATTN and FLASHINFER do)"
-        )
-    if kv_format is None:
-        raise ValueError(f"KvferryConnector: {backend} with vLLM's {layout} KV cache layout has no kvferry format")
-    if not planes_first or shape[block_axis] != block_size:
-        raise ValueError(f"KvferryConnector: a {backend} {layout} layer of shape {shape} is not that layout")
-    return Cache(kv_format, list(layers), devices.pop(), sum(nbytes(t) for t in layers))
+    return Cache(ISA_FORMATS[isa], [(base, length)], length)

@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 import kvferry
 
 from . import params as P
-from .memory import Cache, cpu_cache, cuda_cache, layer_index
+from .memory import CUDA_REFUSED, Cache, cpu_cache, layer_index
 from .metadata import Failures, KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
@@ -109,30 +109,19 @@ class WorkerSide:
         self.positions = {name: i for i, name in enumerate(names)}
         agent_type = kvferry.PrefillAgent if self.producer else kvferry.DecodeAgent
         self.close()
-        self.agent = agent_type(cache.regions, device=cache.device, **opts)
+        self.agent = agent_type(cache.regions, **opts)
         logger.info(
-            "kvferry %s agent %s on %s: %s, %d blocks of %d tokens (%d bytes%s), api %s",
+            "kvferry %s agent %s on %s: %s, %d blocks of %d tokens (%d bytes), api %s",
             "prefill" if self.producer else "decode", self.agent.instance, opts["bootstrap"],
-            opts["kv_format"], opts["pool_pages"], opts["page_size"], cache.bytes,
-            "" if cache.device is None else f" on CUDA device {cache.device}", self.agent.api_url,
+            opts["kv_format"], opts["pool_pages"], opts["page_size"], cache.bytes, self.agent.api_url,
         )
 
     def cache_of(self, kv_caches: dict[str, torch.Tensor]) -> Cache:
-        """vLLM's caches as the agent's regions, by where they are and how vLLM attends."""
+        """vLLM's caches as the agent's regions, by how vLLM attends on the CPU."""
         ctx = self.vllm_config.compilation_config.static_forward_context
         first = next(iter(kv_caches.values()))
-        if first.device.type == "cuda":
-            backends = {ctx[n].attn_backend.get_name() for n in kv_caches}
-            if len(backends) != 1:
-                raise ValueError(f"KvferryConnector: attention layers use several backends {sorted(backends)}")
-            # vLLM's physical layout of [layers, blocks, heads, tokens, content]: kvferry needs
-            # each layer compact, tokens outside heads (NHD) or inside (HND).
-            name = str(getattr(self.vllm_config.cache_config, "kv_cache_layout", None) or "LBNHC")
-            layout = {"LBNHC": "NHD", "LBHNC": "HND"}.get(name.rsplit(".", 1)[-1])
-            if layout is None:
-                raise ValueError(f"KvferryConnector: vLLM's KV cache layout {name} does not keep each layer compact")
-            block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-            return cuda_cache(kv_caches, backends.pop(), layout, block_size)
+        if first.device.type != "cpu":
+            raise ValueError(CUDA_REFUSED)
         isas = {str(getattr(ctx.get(n), "isa", "unknown")) for n in kv_caches}
         if len(isas) != 1:
             raise ValueError(f"KvferryConnector: attention layers report several ISAs {sorted(isas)}")

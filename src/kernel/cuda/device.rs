@@ -220,6 +220,11 @@ impl CudaKernel {
             .map_err(driver("wait for a readiness event"))
     }
 
+    /// The device's context.
+    pub(super) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
     /// Makes the device's context current on this thread (for raw driver calls).
     pub(super) fn bind(&self) -> Result<(), CudaError> {
         self.ctx
@@ -540,7 +545,7 @@ enum PoolMemory {
     /// The engine's allocations in this process, borrowed: never freed by kvferry.
     Engine,
     /// Another process's allocation, mapped by CUDA IPC handle; closed with the pool.
-    Ipc(u64),
+    Ipc { _mapping: IpcMapping },
     /// Another process's VMM pieces, imported and mapped; released with the pool.
     Vmm { _mapped: super::vmm::Mapped },
 }
@@ -552,7 +557,8 @@ pub struct DevicePool {
     layout: KvLayout,
     num_pages: usize,
     ordinal: usize,
-    mem: PoolMemory,
+    /// Held for its drop: the memory goes with the pool.
+    _mem: PoolMemory,
     /// Device address of pool offset 0 (the lowest region's first byte).
     base: u64,
     /// The byte ranges of the pool that are memory (offset, len), sorted.
@@ -572,15 +578,23 @@ impl fmt::Debug for DevicePool {
     }
 }
 
-impl Drop for DevicePool {
+/// Another process's allocation opened by CUDA IPC handle, closed when dropped (in its
+/// context, whatever the thread).
+struct IpcMapping {
+    addr: u64,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for IpcMapping {
     fn drop(&mut self) {
-        if let PoolMemory::Ipc(addr) = self.mem {
-            // Work on the pool is waited for by every launch and copy; nothing is in flight.
-            // SAFETY: `addr` was returned by cuIpcOpenMemHandle and is closed once, here.
-            let closed = unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(addr) }.result();
-            if let Err(e) = closed {
-                tracing::warn!(error = %e, "closing a CUDA IPC mapping failed");
-            }
+        // Work on the pool is waited for by every launch and copy; nothing is in flight.
+        // SAFETY: `addr` was returned by cuIpcOpenMemHandle and is closed once, here.
+        let closed = self
+            .ctx
+            .bind_to_thread()
+            .and_then(|()| unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(self.addr) }.result());
+        if let Err(e) = closed {
+            tracing::warn!(error = %e, "closing a CUDA IPC mapping failed");
         }
     }
 }
@@ -680,22 +694,19 @@ impl DevicePool {
         }
         .result()
         .map_err(driver("open the CUDA IPC handle"))?;
-        let mem = PoolMemory::Ipc(addr);
-        let (_, len) = match kernel.allocation_of(addr) {
-            Ok(found) => found,
-            Err(e) => {
-                // SAFETY: just opened, closed once.
-                let _ = unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(addr) };
-                return Err(e.into());
-            }
+        // Closed on every way out from here, the pool's or an error's.
+        let mem = PoolMemory::Ipc {
+            _mapping: IpcMapping {
+                addr,
+                ctx: kernel.ctx.clone(),
+            },
         };
+        let (_, len) = kernel.allocation_of(addr)?;
         let regions = [EngineRegion {
             addr: addr as usize,
             len,
         }];
         if len < size {
-            // SAFETY: just opened, closed once.
-            let _ = unsafe { cudarc::driver::sys::cuIpcCloseMemHandle(addr) };
             return Err(regions_error(format!(
                 "the allocation behind the CUDA IPC handle holds {len} bytes; {size} needed for {num_pages} pages"
             )));
@@ -750,6 +761,7 @@ impl DevicePool {
         regions: &[EngineRegion],
         mem: PoolMemory,
     ) -> Result<Self, KernelError> {
+        launch::order_code(layout.order)?;
         let sorted =
             crate::pool::check_regions(&layout, num_pages, regions).map_err(regions_error)?;
         let (base, ranges) = crate::pool::memory_ranges(&sorted);
@@ -763,7 +775,7 @@ impl DevicePool {
             layout,
             num_pages,
             ordinal: kernel.ordinal,
-            mem,
+            _mem: mem,
             base: base as u64,
             ranges,
             table,
@@ -791,6 +803,14 @@ impl DevicePool {
         self.ordinal
     }
 
+    /// Makes the pool's context current on this thread (for raw driver calls).
+    fn bind(&self) -> Result<(), CudaError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("make the context current"))
+    }
+
     /// The device address of `len` bytes at pool offset `offset`, when they lie inside one
     /// range of the pool's memory.
     fn address(&self, offset: usize, len: usize) -> Result<u64, CudaError> {
@@ -812,6 +832,7 @@ impl DevicePool {
     /// Copies `len` bytes at `offset` out of the pool.
     pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, CudaError> {
         let addr = self.address(offset, len)?;
+        self.bind()?;
         let mut out = vec![0u8; len];
         // SAFETY: `addr..addr+len` is device memory of this pool (checked above); `out` holds
         // `len` bytes; the copy is waited for before `out` is used.
@@ -826,6 +847,7 @@ impl DevicePool {
     /// Copies `data` into the pool at `offset`.
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
         let addr = self.address(offset, data.len())?;
+        self.bind()?;
         // SAFETY: as in `read`; `data` outlives the copy, which is waited for.
         unsafe { cudarc::driver::result::memcpy_htod_async(addr, data, self.stream.cu_stream()) }
             .map_err(driver("copy host to pool"))?;
@@ -834,6 +856,7 @@ impl DevicePool {
 
     /// Sets every byte of the pool's memory to `byte` (tests poison destinations with 0xDE).
     pub fn fill(&self, byte: u8) -> Result<(), CudaError> {
+        self.bind()?;
         for &(start, len) in &self.ranges {
             // SAFETY: writes exactly one range of the pool's memory, on the pool's stream.
             unsafe {

@@ -113,7 +113,7 @@ pub fn one_buffer(layout: &KvLayout, num_pages: usize, base: u64) -> Result<Vec<
 
 /// The kernel's code for a page order; the CUDA kernel moves token-granular orders only (the
 /// head-granular one is vLLM's CPU format, in host memory).
-fn order_code(order: PageOrder) -> Result<u32, LayoutError> {
+pub(super) fn order_code(order: PageOrder) -> Result<u32, LayoutError> {
     match order {
         PageOrder::TokenMajor => Ok(0),
         PageOrder::HeadMajor => Ok(1),

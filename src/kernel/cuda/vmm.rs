@@ -170,6 +170,8 @@ pub(super) struct Mapped {
     pub(super) base: u64,
     pub(super) len: usize,
     handles: Vec<(u64, u64, u64)>,
+    /// Made current to release them, whatever the thread.
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
 }
 
 impl Mapped {
@@ -205,6 +207,7 @@ impl Mapped {
             base,
             len,
             handles: Vec::new(),
+            ctx: kernel.context().clone(),
         };
         for p in pieces {
             let mut handle = 0;
@@ -245,14 +248,25 @@ impl Mapped {
 
 impl Drop for Mapped {
     fn drop(&mut self) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::warn!(error = %e, "releasing VMM pieces: no CUDA context");
+            return;
+        }
         // SAFETY: our mappings, handles and reservation, each released once (the pool's work
         // is waited for by every launch and copy).
-        unsafe {
+        let failed = unsafe {
+            let mut results: Vec<sys::CUresult> = Vec::new();
             for &(handle, at, len) in &self.handles {
-                let _ = sys::cuMemUnmap(at, len as usize);
-                let _ = sys::cuMemRelease(handle);
+                results.push(sys::cuMemUnmap(at, len as usize));
+                results.push(sys::cuMemRelease(handle));
             }
-            let _ = sys::cuMemAddressFree(self.base, self.len);
+            results.push(sys::cuMemAddressFree(self.base, self.len));
+            results
+                .into_iter()
+                .find(|r| *r != sys::CUresult::CUDA_SUCCESS)
+        };
+        if let Some(r) = failed {
+            tracing::warn!(result = ?r, "releasing VMM pieces failed");
         }
     }
 }
