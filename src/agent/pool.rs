@@ -6,7 +6,7 @@
 //! place. A device pool gathers on the device into device staging and copies the result to the
 //! host buffer once (one D2H), and scatters after one H2D into device staging: the transports
 //! send host memory. Only host pools are read or written by the transports themselves (direct
-//! writes, sends from the pool, placed receives): [`AgentPool::host`].
+//! writes, sends from the pool, placed receives): `AgentPool::host`.
 
 use std::sync::{Arc, Mutex};
 

@@ -243,6 +243,15 @@ pub fn memory_ranges(sorted: &[(usize, usize)]) -> (usize, Vec<(usize, usize)>) 
     (low, ranges)
 }
 
+/// Whether `len` bytes at `offset` lie inside one of `ranges` (`(offset, len)`, as
+/// [`memory_ranges`] gives them).
+pub fn within(ranges: &[(usize, usize)], offset: usize, len: usize) -> bool {
+    let end = offset.checked_add(len);
+    ranges
+        .iter()
+        .any(|&(start, n)| offset >= start && end.is_some_and(|e| e <= start + n))
+}
+
 /// The memory under a pool: a mapping the pool owns, or the engine's regions, borrowed.
 #[derive(Debug)]
 enum Memory {
@@ -522,12 +531,7 @@ impl HostPool {
 
     /// Refuses a range that is not inside one range of the pool's memory.
     fn check(&self, offset: usize, len: usize) -> Result<(), PoolError> {
-        let end = offset.checked_add(len);
-        let inside = self
-            .ranges
-            .iter()
-            .any(|&(start, n)| offset >= start && end.is_some_and(|e| e <= start + n));
-        match inside {
+        match within(&self.ranges, offset, len) {
             true => Ok(()),
             false => Err(PoolError::OutOfBounds {
                 offset,

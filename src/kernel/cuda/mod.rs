@@ -17,13 +17,15 @@
 pub mod device;
 mod ipc;
 pub mod launch;
+mod pool;
 pub mod vmm;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use device::{CudaKernel, DevicePool, DeviceStaging, PinnedStaging, ReadyEvent, Staging};
+pub use device::{CudaKernel, DeviceStaging, PinnedStaging, ReadyEvent, Staging};
 pub use ipc::ExportedMemory;
+pub use pool::DevicePool;
 
 /// The CUDA source of the transfer kernels.
 pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/kv_transfer.cu");
