@@ -40,6 +40,8 @@ struct KvXferParams {
     u32 page_size;    // tokens per page
     u32 pool_heads;   // heads the pool holds
     u32 head_bytes;   // bytes of one head of one token
+    u32 cell_bytes;   // bytes from one head of a token to the next in a page: head_bytes, or
+                      // num_planes x head_bytes where K and V share cells (vLLM 0.32 on CUDA)
     u32 num_planes;   // planes per layer: 2 (K, V) or 1 (MLA latent)
     u32 layer0;       // first selected local layer
     u32 head0;        // first selected local head
@@ -140,37 +142,34 @@ __device__ __forceinline__ KvfRows kvf_segment(const KvXferParams& p, u32 seg) {
     r.staging = (u8*)p.staging + staged;
     const bool pool_tm = p.pool_order == KVF_TOKEN_MAJOR;
     const bool wire_tm = p.wire_order == KVF_TOKEN_MAJOR;
-    const u32 first = pool_tm ? (in_page * held + p.head0) * hb : (p.head0 * ps + in_page) * hb;
+    const u32 cb = p.cell_bytes;
+    const u32 first = pool_tm ? (in_page * held + p.head0) * cb : (p.head0 * ps + in_page) * cb;
     r.pool = block_base + first;
-    if (pool_tm && wire_tm) {
-        // A token's selected heads are one run.
-        r.rows = nt;
-        r.inner = 1;
-        r.outer_stride = held * hb;
-        r.inner_stride = 0;
-        r.run = nh * hb;
-    } else if (!pool_tm && !wire_tm) {
-        // A head's selected tokens are one run.
-        r.rows = nh;
-        r.inner = 1;
-        r.outer_stride = ps * hb;
-        r.inner_stride = 0;
-        r.run = nt * hb;
-    } else if (wire_tm) {
-        // Head-major pool, token-major wire: one head of one token per row, token outer.
-        r.rows = nt * nh;
+    // Pool distances between consecutive tokens and between consecutive heads.
+    const u32 token_stride = pool_tm ? held * cb : cb;
+    const u32 head_stride = pool_tm ? cb : ps * cb;
+    // One head of one token per row, in the wire's order: token outer (token-major staging)
+    // or head outer (head-major staging).
+    r.rows = nt * nh;
+    r.run = hb;
+    if (wire_tm) {
         r.inner = nh;
-        r.outer_stride = hb;
-        r.inner_stride = ps * hb;
-        r.run = hb;
+        r.outer_stride = token_stride;
+        r.inner_stride = head_stride;
     } else {
-        // Token-major pool, head-major wire: head outer, token inner.
-        r.rows = nh * nt;
         r.inner = nt;
-        r.outer_stride = hb;
-        r.inner_stride = held * hb;
-        r.run = hb;
+        r.outer_stride = head_stride;
+        r.inner_stride = token_stride;
     }
+    // Inner rows adjacent in the pool: each outer row is one run (a token's selected heads in
+    // a token-major page, a head's selected tokens in a head-major page).
+    if (r.inner > 1 && r.inner_stride == r.run) {
+        r.run *= r.inner;
+        r.rows /= r.inner;
+        r.inner = 1;
+        r.inner_stride = 0;
+    }
+    if (r.inner == 1) r.inner_stride = 0;
     // A single outer row whose inner rows are adjacent, or adjacent outer rows: one run.
     if (r.inner > 1 && r.inner == r.rows) {
         r.outer_stride = r.inner_stride;

@@ -14,7 +14,11 @@ use rand::{Rng, RngCore, SeedableRng};
 
 const POISON: u8 = 0xDE;
 const ORDERS: [PageOrder; 2] = [PageOrder::TokenMajor, PageOrder::HeadMajor];
-const PLACEMENTS: [KvPlacement; 2] = [KvPlacement::Planes, KvPlacement::Interleaved];
+const PLACEMENTS: [KvPlacement; 3] = [
+    KvPlacement::Planes,
+    KvPlacement::Interleaved,
+    KvPlacement::Cells,
+];
 
 fn rng() -> StdRng {
     let seed: u64 = rand::rng().random();
@@ -107,7 +111,7 @@ fn gather_matches_reference_and_scatter_round_trips_for_every_layout() {
                                 .unwrap()
                                 .with_order(order, placement)
                                 .unwrap();
-                            let dst_placement = PLACEMENTS[rng.random_range(0..2)];
+                            let dst_placement = PLACEMENTS[rng.random_range(0..PLACEMENTS.len())];
                             let dst_layout = src_layout
                                 .clone()
                                 .with_order(dst_order, dst_placement)

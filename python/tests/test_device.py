@@ -3,7 +3,8 @@ emulator (emu/cuda, docs/gpu.md), each in a child process with the emulator's li
 on its library path: device_engine.py registers per-layer device allocations by address with
 ``device=0``, moves rooms through the transfer kernel (one behind the engine's CUDA event), and
 reads both caches back with cuMemcpyDtoH: every byte of a room's pages is the prefill's, every
-other byte the poison."""
+other byte the poison. device_vllm.py does the same with the regions and formats the vLLM
+connector picks for vLLM's CUDA caches."""
 
 import json
 import os
@@ -40,3 +41,14 @@ def test_in_process_agents_move_a_room_between_device_caches(registry, emulator_
     print(f"{result['landed_bytes']} bytes landed, the rest of {result['pool_bytes']} poison")
     assert result["landed_bytes"] > 0
 
+
+
+def test_vllm_cuda_caches_become_agent_regions(registry, emulator_env, torch_python):
+    """kvferry.vllm.memory on the emulator's memory, in the vLLM venv (the connector imports vLLM)."""
+    python, env = torch_python
+    env = emulator_env | {"PYTHONPATH": f"{HERE}:{env['PYTHONPATH']}"}
+    run = subprocess.run(
+        [python, str(HERE / "device_vllm.py"), registry], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-4000:]}"
+    print(run.stdout.strip().splitlines()[-1])

@@ -318,6 +318,9 @@ fn plan(pool: Geometry<'_>, sel: &Selection<'_>, wire: PageOrder) -> Result<Vec<
     let page_size = layout.page_size;
     let held = layout.num_heads();
     let hb = layout.head_bytes();
+    // A plane's heads are one cell apart: adjacent only when a cell is one head.
+    let cell = layout.cell_bytes();
+    let adjacent = cell == hb;
     let nh = sel.heads.len();
     let h0 = sel.heads.start;
     // Validated layouts have a valid stride; the fallback is never taken.
@@ -333,7 +336,8 @@ fn plan(pool: Geometry<'_>, sel: &Selection<'_>, wire: PageOrder) -> Result<Vec<
                 let nt = (page_size - in_page).min(sel.tokens.end - t);
                 let block = plane_base + sel.pages[t / page_size] as usize * stride;
                 let pool_at = |tok: usize, h: usize| {
-                    block + element_offset(layout.order, in_page + tok, h0 + h, page_size, held, hb)
+                    block
+                        + element_offset(layout.order, in_page + tok, h0 + h, page_size, held, cell)
                 };
                 let wire_at =
                     |tok: usize, h: usize| staging + element_offset(wire, tok, h, nt, nh, hb);
@@ -348,13 +352,13 @@ fn plan(pool: Geometry<'_>, sel: &Selection<'_>, wire: PageOrder) -> Result<Vec<
                     )
                 };
                 match (layout.order, wire) {
-                    (PageOrder::TokenMajor, PageOrder::TokenMajor) if nh == held => {
+                    (PageOrder::TokenMajor, PageOrder::TokenMajor) if adjacent && nh == held => {
                         emit(0, 0, nt * nh * hb)
                     }
-                    (PageOrder::TokenMajor, PageOrder::TokenMajor) => {
+                    (PageOrder::TokenMajor, PageOrder::TokenMajor) if adjacent => {
                         (0..nt).for_each(|tok| emit(tok, 0, nh * hb))
                     }
-                    (PageOrder::HeadMajor, PageOrder::HeadMajor) => {
+                    (PageOrder::HeadMajor, PageOrder::HeadMajor) if adjacent => {
                         (0..nh).for_each(|h| emit(0, h, nt * hb))
                     }
                     _ => (0..nt).for_each(|tok| (0..nh).for_each(|h| emit(tok, h, hb))),

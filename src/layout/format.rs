@@ -69,9 +69,14 @@ pub enum KvPlacement {
     /// Each plane holds all pages contiguously: SGLang's separate per-layer K and V buffers, or
     /// vLLM's per-layer `[2, pages, ...]` tensor. Page stride = block bytes.
     Planes,
-    /// K and V of one page adjacent: a per-layer `[pages, 2, ...]` tensor (FlashInfer).
-    /// Page stride = planes x block bytes.
+    /// K and V of one page adjacent: a per-layer `[pages, 2, ...]` tensor (FlashInfer before
+    /// vLLM 0.32). Page stride = planes x block bytes.
     Interleaved,
+    /// K and V of one head of one token side by side, a *cell* `[K head | V head]`: vLLM 0.32's
+    /// CUDA caches, per layer `[blocks, block_size, kv_heads, 2 x head_size]` (NHD) or
+    /// `[blocks, kv_heads, block_size, 2 x head_size]` (HND). Page stride = planes x block
+    /// bytes; a plane's heads are one cell apart ([`super::KvLayout::cell_bytes`]).
+    Cells,
 }
 
 impl KvPlacement {
@@ -80,6 +85,7 @@ impl KvPlacement {
         match self {
             KvPlacement::Planes => "planes",
             KvPlacement::Interleaved => "interleaved",
+            KvPlacement::Cells => "cells",
         }
     }
 }
@@ -147,8 +153,24 @@ pub const FORMATS: &[KvFormat] = &[
         only: Some(AttentionKind::Mha),
     },
     KvFormat {
+        name: "vllm-nhd",
+        about: "vLLM 0.32 on CUDA (flash-attention, FlashInfer), NHD (LBNHC): per layer [blocks][block_size][kv_heads][K head | V head]",
+        order: PageOrder::TokenMajor,
+        placement: KvPlacement::Cells,
+        regions: RegionSplit::PerLayer,
+        only: Some(AttentionKind::Mha),
+    },
+    KvFormat {
+        name: "vllm-hnd",
+        about: "vLLM 0.32 on CUDA (flash-attention, FlashInfer), HND (LBHNC): per layer [blocks][kv_heads][block_size][K head | V head]",
+        order: PageOrder::HeadMajor,
+        placement: KvPlacement::Cells,
+        regions: RegionSplit::PerLayer,
+        only: Some(AttentionKind::Mha),
+    },
+    KvFormat {
         name: "vllm-flash-nhd",
-        about: "vLLM flash-attention NHD: per layer [2][blocks][block_size][kv_heads][head_size]",
+        about: "vLLM flash-attention NHD before 0.32: per layer [2][blocks][block_size][kv_heads][head_size]",
         order: PageOrder::TokenMajor,
         placement: KvPlacement::Planes,
         regions: RegionSplit::PerLayer,
@@ -156,7 +178,7 @@ pub const FORMATS: &[KvFormat] = &[
     },
     KvFormat {
         name: "vllm-flash-hnd",
-        about: "vLLM flash-attention HND: per layer [2][blocks][kv_heads][block_size][head_size]",
+        about: "vLLM flash-attention HND before 0.32: per layer [2][blocks][kv_heads][block_size][head_size]",
         order: PageOrder::HeadMajor,
         placement: KvPlacement::Planes,
         regions: RegionSplit::PerLayer,
@@ -164,7 +186,7 @@ pub const FORMATS: &[KvFormat] = &[
     },
     KvFormat {
         name: "flashinfer",
-        about: "vLLM FlashInfer: per layer [blocks][2][block_size][kv_heads][head_size]",
+        about: "vLLM FlashInfer before 0.32: per layer [blocks][2][block_size][kv_heads][head_size]",
         order: PageOrder::TokenMajor,
         placement: KvPlacement::Interleaved,
         regions: RegionSplit::PerLayer,
@@ -198,7 +220,7 @@ impl KvFormat {
             .ok_or_else(|| LayoutError::UnknownName {
                 what: "KV format",
                 name: name.to_owned(),
-                expected: "kvferry, kvferry-head-major, vllm-cpu-vec, vllm-cpu-amx, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla",
+                expected: "kvferry, kvferry-head-major, vllm-cpu-vec, vllm-cpu-amx, vllm-nhd, vllm-hnd, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla",
             })
     }
 }

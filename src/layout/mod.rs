@@ -187,8 +187,12 @@ named_enum!(
 named_enum!(
     KvPlacement,
     "kv placement",
-    "planes, interleaved",
-    [KvPlacement::Planes, KvPlacement::Interleaved]
+    "planes, interleaved, cells",
+    [
+        KvPlacement::Planes,
+        KvPlacement::Interleaved,
+        KvPlacement::Cells
+    ]
 );
 
 /// The model-wide KV shape, the same on every rank.
@@ -406,10 +410,13 @@ impl KvLayout {
                 ),
             ));
         }
-        if self.regions == RegionSplit::PerPlane && self.placement == KvPlacement::Interleaved {
+        if self.regions == RegionSplit::PerPlane && self.placement != KvPlacement::Planes {
             return Err(invalid(
                 "regions",
-                "a region per plane needs the planes apart, not interleaved".to_owned(),
+                format!(
+                    "a region per plane needs the planes apart, not {}",
+                    self.placement.name()
+                ),
             ));
         }
         self.page_span()?;
@@ -436,6 +443,15 @@ impl KvLayout {
         self.model.head_dim * self.model.dtype.bytes()
     }
 
+    /// Bytes from one head of a token to the next in a page: a head, or a whole cell of every
+    /// plane's head where the planes share cells ([`KvPlacement::Cells`]).
+    pub fn cell_bytes(&self) -> usize {
+        match self.placement {
+            KvPlacement::Cells => self.planes() * self.head_bytes(),
+            KvPlacement::Planes | KvPlacement::Interleaved => self.head_bytes(),
+        }
+    }
+
     /// Bytes of one block: one page of one plane, every head held.
     pub fn block_bytes(&self) -> Result<usize, LayoutError> {
         let token = mul(self.num_heads(), self.head_bytes(), "token bytes")?;
@@ -452,7 +468,9 @@ impl KvLayout {
     pub fn page_stride(&self) -> Result<usize, LayoutError> {
         match self.placement {
             KvPlacement::Planes => self.block_bytes(),
-            KvPlacement::Interleaved => mul(self.block_bytes()?, self.planes(), "page stride"),
+            KvPlacement::Interleaved | KvPlacement::Cells => {
+                mul(self.block_bytes()?, self.planes(), "page stride")
+            }
         }
     }
 
@@ -485,6 +503,8 @@ impl KvLayout {
                 "plane offset",
             )?,
             (_, KvPlacement::Interleaved) => mul(plane, block, "plane offset")?,
+            // A plane's head is the plane-th head of each cell.
+            (_, KvPlacement::Cells) => mul(plane, self.head_bytes(), "plane offset")?,
         };
         mul(layer, layer_bytes, "layer offset")?
             .checked_add(within)
@@ -493,7 +513,8 @@ impl KvLayout {
             })
     }
 
-    /// Offset of `(token, head)` inside one block of this layout; both local.
+    /// Offset of `(token, head)` inside one block of this layout, from the block's start in its
+    /// plane; both local.
     pub fn element_offset(&self, token: usize, head: usize) -> usize {
         element_offset(
             self.order,
@@ -501,7 +522,7 @@ impl KvLayout {
             head,
             self.page_size,
             self.num_heads(),
-            self.head_bytes(),
+            self.cell_bytes(),
         )
     }
 
@@ -530,22 +551,23 @@ impl KvLayout {
     }
 }
 
-/// Offset of `(token, head)` inside a block of `tokens x heads` heads of `head_bytes` bytes laid
-/// out in `order`. The staging wire order uses the same formula with the selection's sizes.
+/// Offset of `(token, head)` inside a block of `tokens x heads` heads laid out in `order`, one
+/// head every `cell_bytes` bytes (a head's bytes, or a cell's: [`KvLayout::cell_bytes`]). The
+/// staging wire order uses the same formula with the selection's sizes.
 pub fn element_offset(
     order: PageOrder,
     token: usize,
     head: usize,
     tokens: usize,
     heads: usize,
-    head_bytes: usize,
+    cell_bytes: usize,
 ) -> usize {
     match order {
-        PageOrder::TokenMajor => (token * heads + head) * head_bytes,
-        PageOrder::HeadMajor => (head * tokens + token) * head_bytes,
+        PageOrder::TokenMajor => (token * heads + head) * cell_bytes,
+        PageOrder::HeadMajor => (head * tokens + token) * cell_bytes,
         // A head's K block then its V block; within V, token rows on the vec path (K, and
         // both halves on the amx path, are read whole).
-        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => (head * 2 * tokens + token) * head_bytes,
+        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => (head * 2 * tokens + token) * cell_bytes,
     }
 }
 

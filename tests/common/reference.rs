@@ -41,7 +41,9 @@ pub fn engine_regions(format: &str, d: Dims) -> (usize, usize) {
         "kvferry" | "kvferry-head-major" | "vllm-cpu-vec" | "vllm-cpu-amx" => {
             (1, d.layers * d.planes * d.pages * page)
         }
-        "vllm-flash-nhd" | "vllm-flash-hnd" | "flashinfer" => (d.layers, 2 * d.pages * page),
+        "vllm-nhd" | "vllm-hnd" | "vllm-flash-nhd" | "vllm-flash-hnd" | "flashinfer" => {
+            (d.layers, 2 * d.pages * page)
+        }
         "sglang-mha" => (d.layers * 2, d.pages * page),
         "sglang-mla" => (d.layers, d.pages * page),
         other => panic!("no reference for format {other}"),
@@ -83,6 +85,10 @@ pub fn engine_offset(
                 _ => (0, head_block + bs * hb + t * hb),
             }
         }
+        // Per layer [blocks, block_size, kv_heads, 2 x head_size]: K then V in each cell.
+        "vllm-nhd" => (l, at(&[n, bs, hh, 2], &[page, t, h, p], hb)),
+        // Per layer [blocks, kv_heads, block_size, 2 x head_size].
+        "vllm-hnd" => (l, at(&[n, hh, bs, 2], &[page, h, t, p], hb)),
         // Per layer [2, blocks, block_size, kv_heads, head_size].
         "vllm-flash-nhd" => (l, at(&[2, n, bs, hh], &[p, page, t, h], hb)),
         // Per layer [2, blocks, kv_heads, block_size, head_size].

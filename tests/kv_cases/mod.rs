@@ -12,7 +12,11 @@ use rand::{Rng, SeedableRng};
 
 pub(crate) const POISON: u8 = 0xDE;
 pub(crate) const ORDERS: [PageOrder; 2] = [PageOrder::TokenMajor, PageOrder::HeadMajor];
-pub(crate) const PLACEMENTS: [KvPlacement; 2] = [KvPlacement::Planes, KvPlacement::Interleaved];
+pub(crate) const PLACEMENTS: [KvPlacement; 3] = [
+    KvPlacement::Planes,
+    KvPlacement::Interleaved,
+    KvPlacement::Cells,
+];
 
 /// A fresh seeded generator; the seed is printed and `KVFERRY_SEED` replays it.
 pub(crate) fn rng() -> StdRng {
@@ -153,7 +157,7 @@ pub(crate) fn all_cases(rng: &mut StdRng, per_combination: usize) -> Vec<Case> {
                 for dst_order in ORDERS {
                     for wire in ORDERS {
                         for _ in 0..per_combination {
-                            let dst_placement = PLACEMENTS[rng.random_range(0..2)];
+                            let dst_placement = PLACEMENTS[rng.random_range(0..PLACEMENTS.len())];
                             cases.push(random_case(
                                 rng,
                                 model,

@@ -1,14 +1,17 @@
-"""How vLLM's KV cache tensors become the regions of a kvferry agent.
+"""How vLLM's KV cache tensors become the regions of a kvferry agent, on either backend.
 
-vLLM's CPU backend keeps every attention layer's cache in one buffer, layer after layer
-(``[num_blocks, kv_heads, block_size, 2 * head_size]`` each): that buffer is the one region, in
-the ``vllm-cpu-vec`` or ``vllm-cpu-amx`` format by the attention path vLLM took.
+- CPU: vLLM keeps every attention layer's cache in one buffer, layer after layer
+  (``[num_blocks, kv_heads, block_size, 2 * head_size]`` each): that buffer is the one region,
+  in the ``vllm-cpu-vec`` or ``vllm-cpu-amx`` format by the attention path vLLM took.
+- CUDA: each layer is a view ``[num_blocks, kv_heads, block_size, 2 * head_size]`` whose memory
+  order is the KV cache layout vLLM resolved: ``LBNHC`` (NHD, ``[blocks][block_size][kv_heads]``
+  cells) is the ``vllm-nhd`` format, ``LBHNC`` (HND) ``vllm-hnd``; each cell holds a head's K
+  then its V. Every layer is one region of device memory. Layouts that interleave layers inside
+  a block (``BL...``) or blocks inside a head (``LHBNC``) are refused.
 
-CUDA caches are refused (:data:`CUDA_REFUSED`): this vLLM keeps them as cells of K and V side by
-side per (token, head), ``[blocks, heads, tokens, K|V]`` or ``[blocks, tokens, heads, K|V]``
-views of one buffer that every layer shares, and kvferry has no format, and its CUDA kernel no
-page order, for that yet. Its CUDA formats (``vllm-flash-nhd``, ``vllm-flash-hnd``,
-``flashinfer``) describe the separate K and V planes of earlier vLLM versions.
+Only the tensors' attributes are read (``data_ptr()``, ``nbytes``, ``shape``, ``stride()``,
+``device``, ``is_contiguous()``), so that the CUDA path is tested on the CUDA driver emulator,
+where torch cannot allocate.
 """
 
 from __future__ import annotations
@@ -19,11 +22,10 @@ from typing import Any
 
 ISA_FORMATS = {"vec": "vllm-cpu-vec", "amx": "vllm-cpu-amx"}
 
-CUDA_REFUSED = (
-    "KvferryConnector: CUDA KV caches are not supported yet: this vLLM keeps K and V side by side "
-    "in each (token, head) cell of one buffer shared by all layers, and kvferry has no format for "
-    "that (its CUDA formats are the separate K and V planes of earlier vLLM versions)"
-)
+# vLLM's KV cache layouts (``vllm.v1.kv_cache_layout.KVCacheLayout`` names) with a kvferry
+# format, and the memory order of their per-layer view's axes (blocks, heads, tokens, K|V).
+CUDA_FORMATS = {"LBNHC": "vllm-nhd", "LBHNC": "vllm-hnd"}
+AXIS_ORDER = {"LBNHC": (0, 2, 1, 3), "LBHNC": (0, 1, 2, 3)}
 
 
 def layer_index(name: str) -> int:
@@ -42,6 +44,8 @@ class Cache:
     regions: list[Any]
     # Bytes of all regions together.
     bytes: int
+    # The CUDA device of the regions; None for host memory.
+    device: int | None = None
 
 
 def layers_in_order(kv_caches: dict[str, Any]) -> list[Any]:
@@ -75,3 +79,38 @@ def cpu_cache(kv_caches: dict[str, Any], isa: str) -> Cache:
     length = len(layers) * layer_bytes
     # The raw (address, length) pair: the connector keeps the tensors, hence the buffer.
     return Cache(ISA_FORMATS[isa], [(base, length)], length)
+
+
+def cuda_cache(kv_caches: dict[str, Any], layout: str | None) -> Cache:
+    """One region per layer of vLLM's CUDA caches, in the format of ``layout``, the KV cache
+    layout vLLM resolved (``cache_config.kv_cache_layout``)."""
+    if layout not in CUDA_FORMATS:
+        raise ValueError(
+            f"KvferryConnector: vLLM's KV cache layout {layout} has no kvferry format (supported: "
+            f"{', '.join(f'{k} ({v})' for k, v in CUDA_FORMATS.items())}; VLLM_KV_CACHE_LAYOUT picks one)"
+        )
+    layers = layers_in_order(kv_caches)
+    devices = {t.device.index or 0 for t in layers}
+    if len(devices) != 1:
+        raise ValueError(f"KvferryConnector: the KV cache layers are on several CUDA devices {sorted(devices)}")
+    shape = tuple(layers[0].shape)
+    if len(shape) != 4 or shape[3] % 2:
+        raise ValueError(
+            f"KvferryConnector: a CUDA KV cache layer of shape {shape} is not vLLM's "
+            "[blocks, kv_heads, block_size, 2 x head_size]"
+        )
+    # The strides of a dense tensor whose axes lie in memory in the layout's order.
+    order = AXIS_ORDER[layout]
+    dense = [0] * 4
+    step = 1
+    for axis in reversed(order):
+        dense[axis] = step
+        step *= shape[axis]
+    for i, t in enumerate(layers):
+        if tuple(t.shape) != shape or tuple(t.stride()) != tuple(dense):
+            raise ValueError(
+                f"KvferryConnector: layer {i} (shape {tuple(t.shape)}, strides {tuple(t.stride())}) is not a dense "
+                f"{layout} layer of shape {shape} (strides {tuple(dense)})"
+            )
+    regions = [(t.data_ptr(), nbytes(t)) for t in layers]
+    return Cache(CUDA_FORMATS[layout], regions, sum(n for _, n in regions), devices.pop())

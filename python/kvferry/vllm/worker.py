@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 import kvferry
 
 from . import params as P
-from .memory import CUDA_REFUSED, Cache, cpu_cache, layer_index
+from .memory import Cache, cpu_cache, cuda_cache, layer_index
 from .metadata import Failures, KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
@@ -94,6 +94,8 @@ class WorkerSide:
         self.ended: set[str] = set()
         self.num_layers = 0
         self.positions: dict[str, int] = {}
+        # The CUDA device of the KV cache; None on the CPU.
+        self.device: int | None = None
 
     # ---- memory ------------------------------------------------------------------------------
 
@@ -109,7 +111,8 @@ class WorkerSide:
         self.positions = {name: i for i, name in enumerate(names)}
         agent_type = kvferry.PrefillAgent if self.producer else kvferry.DecodeAgent
         self.close()
-        self.agent = agent_type(cache.regions, **opts)
+        self.device = cache.device
+        self.agent = agent_type(cache.regions, device=cache.device, **opts)
         logger.info(
             "kvferry %s agent %s on %s: %s, %d blocks of %d tokens (%d bytes), api %s",
             "prefill" if self.producer else "decode", self.agent.instance, opts["bootstrap"],
@@ -117,11 +120,14 @@ class WorkerSide:
         )
 
     def cache_of(self, kv_caches: dict[str, torch.Tensor]) -> Cache:
-        """vLLM's caches as the agent's regions, by how vLLM attends on the CPU."""
+        """vLLM's caches as the agent's regions: on CUDA by vLLM's KV cache layout, on the CPU
+        by how vLLM attends there."""
         ctx = self.vllm_config.compilation_config.static_forward_context
         first = next(iter(kv_caches.values()))
+        if first.device.type == "cuda":
+            return cuda_cache(kv_caches, self.vllm_config.cache_config.kv_cache_layout)
         if first.device.type != "cpu":
-            raise ValueError(CUDA_REFUSED)
+            raise ValueError(f"KvferryConnector: KV caches on {first.device.type} are not supported (CPU and CUDA are)")
         isas = {str(getattr(ctx.get(n), "isa", "unknown")) for n in kv_caches}
         if len(isas) != 1:
             raise ValueError(f"KvferryConnector: attention layers report several ISAs {sorted(isas)}")
@@ -174,6 +180,12 @@ class WorkerSide:
             done = self.announced.setdefault(s.room, set())
             done.update(layers)
             pieces = dict(layer_range=(layers.start, layers.stop), last=len(done) == self.num_layers)
+        if self.device is not None:
+            # vLLM's writes so far are queued on its stream: the agent's gathers wait for this
+            # event on the device (it follows the event before ready returns).
+            event = torch.cuda.Event()
+            event.record()
+            pieces["cuda_event"] = event.cuda_event
         try:
             self.agent.ready(s.room, s.tokens, pages=s.pages, **pieces)
             self.rooms[s.req_id] = s.room

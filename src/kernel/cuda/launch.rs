@@ -47,6 +47,8 @@ pub struct KvXferParams {
     pub pool_heads: u32,
     /// Bytes of one head of one token.
     pub head_bytes: u32,
+    /// Bytes from one head of a token to the next in a page (`KvLayout::cell_bytes`).
+    pub cell_bytes: u32,
     /// Planes per layer.
     pub num_planes: u32,
     /// First selected local layer.
@@ -153,7 +155,10 @@ pub fn plan<'a>(
     let page_size = layout.page_size;
     // Everything inside one block is indexed in 32 bits; below 2^31 a thread's unit index plus
     // its stride (at most 65535 x 256) cannot wrap either.
-    fit("block bytes", layout.block_bytes()? as u64, (1 << 31) - 1)?;
+    // A block's cells span every plane's heads where the planes share cells.
+    let cells =
+        layout.block_bytes()? as u64 / layout.head_bytes() as u64 * layout.cell_bytes() as u64;
+    fit("block bytes", cells, (1 << 31) - 1)?;
     let first_page = sel.tokens.start / page_size;
     let end_page = layout.pages_for(sel.tokens.end);
     let origin = first_page * page_size;
@@ -189,6 +194,7 @@ pub fn plan<'a>(
         page_size: page_size as u32,
         pool_heads: layout.num_heads() as u32,
         head_bytes: layout.head_bytes() as u32,
+        cell_bytes: layout.cell_bytes() as u32,
         num_planes: planes as u32,
         layer0: sel.layers.start as u32,
         head0: sel.heads.start as u32,

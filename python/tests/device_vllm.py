@@ -1,0 +1,128 @@
+"""vLLM's CUDA KV caches as the connector hands them to kvferry (kvferry.vllm.memory), on the
+CUDA driver emulator's memory. Stand-ins for torch's tensors (torch cannot allocate on the
+emulator) carry what vLLM 0.32's per-layer views have: the logical shape
+``[blocks, kv_heads, block_size, 2 x head_size]`` and the strides of the KV cache layout
+(``LBNHC``: NHD cells, ``LBHNC``: HND cells), over one cuMemAlloc per layer. A prefill with
+NHD caches and a decode with HND caches move a room in the formats the connector picks; the
+decode's layers are read back and compared, as vLLM's own indexing reads them, with the
+prefill's. Refusals: a layout kvferry has no format for, strides that are not the layout's,
+layers on two devices, a shape that is not vLLM's.
+
+Usage: device_vllm.py REGISTRY_URL (the emulator's libcuda first on LD_LIBRARY_PATH; test_device.py)
+"""
+
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+import kvferry
+from device_engine import POISON, Cuda
+from engine import options
+from kvferry.vllm.memory import AXIS_ORDER, cuda_cache
+
+PAGES, BLOCK, TOKENS = 32, 16, 40
+
+
+class Layer:
+    """What kvferry reads of a CUDA tensor: a dense view whose axes lie in memory in `order`."""
+
+    def __init__(self, ptr: int, shape: tuple, itemsize: int, order: tuple, device: int = 0) -> None:
+        self.ptr, self.shape = ptr, shape
+        self.nbytes = int(np.prod(shape)) * itemsize
+        self.device = SimpleNamespace(type="cuda", index=device)
+        self.strides = [0] * len(shape)
+        step = 1
+        for axis in reversed(order):
+            self.strides[axis] = step
+            step *= shape[axis]
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple:
+        return tuple(self.strides)
+
+
+def refused(call, words: str) -> None:
+    try:
+        call()
+    except ValueError as e:
+        assert words in str(e), e
+        return
+    raise AssertionError(f"accepted: {words}")
+
+
+def physical(data: np.ndarray, layout: str, heads: int, head_bytes: int) -> np.ndarray:
+    """A layer's bytes indexed as vLLM indexes them: [block, head, token, K|V, byte]."""
+    if layout == "LBNHC":
+        return data.reshape(PAGES, BLOCK, heads, 2, head_bytes).transpose(0, 2, 1, 3, 4)
+    return data.reshape(PAGES, heads, BLOCK, 2, head_bytes)
+
+
+def main() -> int:
+    cuda = Cuda()
+    base = options(sys.argv[1], kv_format="vllm-nhd", pool_pages=PAGES, page_size=BLOCK)
+    layout = kvferry.memory_layout(**base)
+    heads = layout["heads"][1] - layout["heads"][0]
+    item, head_bytes = layout["dtype_bytes"], layout["head_bytes"]
+    shape = (PAGES, heads, BLOCK, 2 * head_bytes // item)
+    n, size = layout["num_regions"], layout["region_bytes"]
+
+    def caches(vllm_layout: str, fill) -> dict:
+        out = {}
+        for layer in range(n):
+            p = cuda.alloc(size)
+            cuda.upload(p, fill(layer))
+            out[f"model.layers.{layer}.self_attn.attn"] = Layer(p, shape, item, AXIS_ORDER[vllm_layout])
+        return out
+
+    rng = np.random.default_rng(11)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    prefill_kv = caches("LBNHC", lambda layer: sources[layer])
+    decode_kv = caches("LBHNC", lambda layer: np.full(size, POISON, dtype=np.uint8))
+
+    sent = cuda_cache(prefill_kv, "LBNHC")
+    assert sent.kv_format == "vllm-nhd" and sent.device == 0 and sent.bytes == size * n, sent
+    assert sent.regions == [(t.ptr, size) for t in prefill_kv.values()], sent.regions
+    landing = cuda_cache(decode_kv, "LBHNC")
+    assert landing.kv_format == "vllm-hnd" and landing.bytes == size * n, landing
+    refused(lambda: cuda_cache(prefill_kv, "BLHNC"), "has no kvferry format")
+    refused(lambda: cuda_cache(prefill_kv, None), "has no kvferry format")
+    refused(lambda: cuda_cache(prefill_kv, "LBHNC"), "is not a dense LBHNC layer")
+    apart = dict(prefill_kv)
+    apart["model.layers.1.self_attn.attn"] = Layer(1, shape, item, AXIS_ORDER["LBNHC"], device=1)
+    refused(lambda: cuda_cache(apart, "LBNHC"), "several CUDA devices")
+    flat = {k: Layer(t.ptr, (PAGES, heads, BLOCK * shape[3]), item, (0, 1, 2)) for k, t in prefill_kv.items()}
+    refused(lambda: cuda_cache(flat, "LBNHC"), "is not vLLM's")
+
+    prefill = kvferry.PrefillAgent(sent.regions, device=sent.device, **(base | dict(kv_format=sent.kv_format)))
+    decode = kvferry.DecodeAgent(landing.regions, device=landing.device, **(base | dict(kv_format=landing.kv_format)))
+    src, dst = [3, 4, 30], [9, 1, 2]
+    decode.request(7, TOKENS, pages=dst)
+    for layer in range(n):
+        prefill.ready(7, TOKENS, pages=src, layer_range=(layer, layer + 1), last=layer == n - 1)
+    done = decode.wait(7, 60)
+    assert done["state"] == "success", done
+    taken = decode.take(7)
+    landed = 0
+    for layer, t in enumerate(decode_kv.values()):
+        got = physical(cuda.download(t.ptr, size), "LBHNC", heads, head_bytes)
+        want = physical(sources[layer], "LBNHC", heads, head_bytes)
+        expect = np.full_like(got, POISON)
+        for i, (s, d) in enumerate(zip(src, dst)):
+            rows = min(BLOCK, TOKENS - i * BLOCK)
+            expect[d, :, :rows] = want[s, :, :rows]
+            landed += expect[d, :, :rows].size
+        if not (got == expect).all():
+            bad = np.argwhere(got != expect)[0].tolist()
+            raise AssertionError(f"layer {layer}: first wrong byte at [block, head, token, K|V, byte] {bad}")
+    assert taken["bytes"] == landed, (taken, landed)
+    prefill.close()
+    decode.close()
+    print(f"vLLM CUDA caches, NHD prefill to HND decode: {landed} bytes landed as sent, the rest poison")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
