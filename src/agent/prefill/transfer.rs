@@ -378,58 +378,68 @@ impl Inner {
                 Ok::<_, crate::kernel::KernelError>((Payload::Staged(buf), sum))
             })
         };
-        let mut next = match plan.first() {
-            Some(c) => {
-                self.credit(&job.peer).await?;
-                Some(gather(c))
-            }
-            None => None,
-        };
-        // Chunks the transport is still moving (as many as the credits allow): the next ones
-        // are gathered and queued meanwhile.
-        let mut sending: std::collections::VecDeque<Taken> = Default::default();
-        for (i, c) in plan.iter().enumerate() {
-            let Some(pending) = next.take() else { break };
-            let (payload, sum) = match pending.await {
-                Ok(Ok(b)) => b,
-                Ok(Err(e)) => {
-                    return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}")));
+        let mut next = None;
+        let sent = async {
+            next = match plan.first() {
+                Some(c) => {
+                    self.credit(&job.peer).await?;
+                    Some(gather(c))
                 }
-                Err(e) => {
-                    return Err(Reason::new(
-                        FailureCode::BadMessage,
-                        format!("gather stopped: {e}"),
-                    ));
-                }
+                None => None,
             };
-            if job.cancel.is_cancelled() {
-                job.peer.credits.add_permits(1);
-                return Ok(());
-            }
-            // Gather ahead only with a credit at hand: waiting for one here, before sending
-            // this chunk, could wait forever.
-            let ahead = plan
-                .get(i + 1)
-                .filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
-            next = ahead.map(gather);
-            if let Some(sent) = self.send_chunk(job, c, *chunks, payload, sum).await? {
-                sending.push_back(sent);
-            }
-            *chunks += 1;
-            while sending.front().is_some_and(|s| s.is_finished()) {
-                if let Some(sent) = sending.pop_front() {
-                    self.taken(job, sent, CHUNK_STALL).await?;
+            // Chunks the transport is still moving (as many as the credits allow): the next ones
+            // are gathered and queued meanwhile.
+            let mut sending: std::collections::VecDeque<Taken> = Default::default();
+            for (i, c) in plan.iter().enumerate() {
+                let Some(pending) = next.take() else { break };
+                let (payload, sum) = match pending.await {
+                    Ok(Ok(b)) => b,
+                    Ok(Err(e)) => {
+                        return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}")));
+                    }
+                    Err(e) => {
+                        return Err(Reason::new(
+                            FailureCode::BadMessage,
+                            format!("gather stopped: {e}"),
+                        ));
+                    }
+                };
+                if job.cancel.is_cancelled() {
+                    job.peer.credits.add_permits(1);
+                    return Ok(());
+                }
+                // Gather ahead only with a credit at hand: waiting for one here, before sending
+                // this chunk, could wait forever.
+                let ahead = plan
+                    .get(i + 1)
+                    .filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
+                next = ahead.map(gather);
+                if let Some(sent) = self.send_chunk(job, c, *chunks, payload, sum).await? {
+                    sending.push_back(sent);
+                }
+                *chunks += 1;
+                while sending.front().is_some_and(|s| s.is_finished()) {
+                    if let Some(sent) = sending.pop_front() {
+                        self.taken(job, sent, CHUNK_STALL).await?;
+                    }
+                }
+                if next.is_none() && i + 1 < plan.len() {
+                    self.credit(&job.peer).await?;
+                    next = Some(gather(&plan[i + 1]));
                 }
             }
-            if next.is_none() && i + 1 < plan.len() {
-                self.credit(&job.peer).await?;
-                next = Some(gather(&plan[i + 1]));
+            for sent in sending {
+                self.taken(job, sent, CHUNK_STALL).await?;
             }
+            Ok(())
         }
-        for sent in sending {
-            self.taken(job, sent, CHUNK_STALL).await?;
+        .await;
+        // A gather still running reads the pool: the piece does not end (nor can an in-process
+        // engine release its memory after `close`) before it does.
+        if let Some(pending) = next.take() {
+            let _ = pending.await;
         }
-        Ok(())
+        sent
     }
 
     /// The one-sided writes that move chunk `c` into the decode's pool, and its checksum.
