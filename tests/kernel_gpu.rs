@@ -9,7 +9,7 @@ mod kv_cases;
 
 use kv_cases::{Case, POISON, all_cases, rng};
 use kvferry::kernel::cpu::CpuKernel;
-use kvferry::kernel::cuda::{CudaKernel, DevicePool, DeviceStaging, PinnedStaging};
+use kvferry::kernel::cuda::{CudaKernel, DevicePool, DeviceStaging, ExportedMemory, PinnedStaging};
 use kvferry::layout::{KvLayout, ModelSpec, PageOrder};
 use kvferry::pool::HostPool;
 use rand::RngCore;
@@ -63,18 +63,33 @@ fn check(kernel: &CudaKernel, cpu: &CpuKernel, case: &Case, rng: &mut StdRng) {
         "device gather: {ctx}"
     );
 
+    // Plain copies of the pool's contiguous ranges: the same bytes.
+    let spans = dev
+        .spans(&sel, case.wire, usize::MAX, false)
+        .unwrap()
+        .unwrap();
+    let mut copied = vec![POISON; bytes];
+    dev.read_spans(&spans, &mut copied).unwrap();
+    assert!(copied == expected, "plain copies: {ctx}");
+
     let dst_sel = case.dst_sel();
     let dst = HostPool::anonymous(case.dst_layout.clone(), case.num_pages).unwrap();
     dst.fill(POISON);
     cpu.scatter(&expected, case.wire, &dst, &dst_sel).unwrap();
     let want = dst.read(0, dst.size()).unwrap();
     let dev_dst = DevicePool::new(kernel, case.dst_layout.clone(), case.num_pages).unwrap();
-    for staging in [0, 1] {
+    for staging in [0, 1, 2] {
         dev_dst.fill(POISON).unwrap();
         if staging == 0 {
             kernel
                 .scatter(&pinned, case.wire, &dev_dst, &dst_sel)
                 .unwrap();
+        } else if staging == 2 {
+            let spans = dev_dst
+                .spans(&dst_sel, case.wire, usize::MAX, true)
+                .unwrap()
+                .unwrap();
+            dev_dst.write_spans(&spans, &expected).unwrap();
         } else {
             kernel
                 .scatter(&staged, case.wire, &dev_dst, &dst_sel)
@@ -82,7 +97,9 @@ fn check(kernel: &CudaKernel, cpu: &CpuKernel, case: &Case, rng: &mut StdRng) {
         }
         let got = dev_dst.read(0, dev_dst.size()).unwrap();
         if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
-            panic!("scatter from staging {staging}: first wrong byte at {i}: {ctx}");
+            panic!(
+                "scatter {staging} (0 pinned, 1 device staging, 2 plain copies): first wrong byte at {i}: {ctx}"
+            );
         }
     }
 }
@@ -123,4 +140,84 @@ fn gpu_kernel_moves_a_llama3_8b_room() {
         dst_heads: 0..8,
     };
     check(&kernel, &CpuKernel::new(2), &case, &mut rng);
+}
+
+/// An engine's per-layer allocations, the last layer's lowest in memory: a whole-page selection
+/// is one contiguous range per layer and plane, copied without the kernel from the right
+/// region; a selection of more ranges than asked for is refused.
+#[test]
+#[allow(unsafe_code)] // an engine pool over allocations this test holds
+fn plain_copies_find_each_layer_in_its_own_allocation() {
+    let Some(kernel) = kernel_or_skip() else {
+        return;
+    };
+    let mut rng = rng();
+    let format = kvferry::layout::KvFormat::named("vllm-flash-nhd").unwrap();
+    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16)
+        .unwrap()
+        .with_format(&format)
+        .unwrap();
+    let pages = 8;
+    let size = layout.region_bytes(pages).unwrap();
+    let mut allocations: Vec<ExportedMemory> = (0..layout.num_regions())
+        .map(|_| ExportedMemory::new(&kernel, size, 0).unwrap())
+        .collect();
+    allocations.sort_by_key(|a| std::cmp::Reverse(a.addr()));
+    let regions: Vec<kvferry::pool::EngineRegion> = allocations
+        .iter()
+        .map(|a| kvferry::pool::EngineRegion {
+            addr: a.addr() as usize,
+            len: size,
+        })
+        .collect();
+    // SAFETY: the allocations outlive the pool (dropped after it, at the end of the test).
+    let pool = unsafe { DevicePool::engine(&kernel, layout.clone(), pages, &regions) }.unwrap();
+    let base = allocations.iter().map(|a| a.addr()).min().unwrap();
+    let contents: Vec<Vec<u8>> = allocations
+        .iter()
+        .map(|a| {
+            let mut bytes = vec![0u8; size];
+            rng.fill_bytes(&mut bytes);
+            pool.write((a.addr() - base) as usize, &bytes).unwrap();
+            bytes
+        })
+        .collect();
+    let (first, run) = (3usize, 2usize);
+    let page_list: Vec<u32> = (first as u32..(first + run) as u32).collect();
+    let sel = kvferry::kernel::Selection {
+        pages: &page_list,
+        tokens: 0..run * 16,
+        layers: 0..layout.num_layers(),
+        heads: 0..layout.num_heads(),
+    };
+    let spans = pool
+        .spans(&sel, PageOrder::TokenMajor, 2 * layout.num_layers(), false)
+        .unwrap()
+        .expect("one range per layer and plane");
+    assert_eq!(spans.len(), 2 * layout.num_layers());
+    let mut out = vec![POISON; sel.bytes_in(&layout).unwrap()];
+    pool.read_spans(&spans, &mut out).unwrap();
+    // Per layer [2][pages][block]: plane p's pages first..first+run, region by region.
+    let block = layout.block_bytes().unwrap();
+    let mut want = Vec::new();
+    for bytes in &contents {
+        for plane in 0..2 {
+            let at = (plane * pages + first) * block;
+            want.extend_from_slice(&bytes[at..at + run * block]);
+        }
+    }
+    assert!(
+        out == want,
+        "plain copies read other bytes than the layers' own"
+    );
+    assert!(
+        pool.spans(
+            &sel,
+            PageOrder::TokenMajor,
+            2 * layout.num_layers() - 1,
+            false
+        )
+        .unwrap()
+        .is_none()
+    );
 }

@@ -5,7 +5,8 @@
 //! a chunk's host buffer, scatter a chunk's host bytes into a selection, and hash a selection in
 //! place. A device pool gathers on the device into device staging and copies the result to the
 //! host buffer once (one D2H), and scatters after one H2D into device staging: the transports
-//! send host memory. Only host pools are read or written by the transports themselves (direct
+//! send host memory. A selection that is a few whole contiguous ranges of the pool skips the
+//! kernel: it is copied straight between the pool and the host buffer. Only host pools are read or written by the transports themselves (direct
 //! writes, sends from the pool, placed receives): `AgentPool::host`.
 
 use std::sync::{Arc, Mutex};
@@ -56,6 +57,10 @@ pub(crate) enum AgentPool {
 
 /// Device staging kept for reuse at most; more chunks at once allocate and free their own.
 const KEPT_STAGING: usize = 8;
+
+/// A device selection of at most this many contiguous ranges moves by plain copies between
+/// the pool and the host buffer: no launch, no device staging.
+const PLAIN_COPIES: usize = 8;
 
 impl AgentPool {
     /// The pool with its kernel: `copy_threads` for the CPU kernel; a device pool's kernel is
@@ -139,6 +144,9 @@ impl AgentPool {
                 if let Some(ready) = ready {
                     kernel.wait_for(ready)?;
                 }
+                if let Some(spans) = pool.spans(sel, wire, PLAIN_COPIES, false)? {
+                    return Ok(pool.read_spans(&spans, out)?);
+                }
                 let mut buf = take(kernel, staging, out.len())?;
                 kernel.gather(pool, sel, wire, &mut buf)?;
                 buf.copy_to_host(out)?;
@@ -162,6 +170,9 @@ impl AgentPool {
                 kernel,
                 staging,
             } => {
+                if let Some(spans) = pool.spans(sel, wire, PLAIN_COPIES, true)? {
+                    return Ok(pool.write_spans(&spans, input)?);
+                }
                 let mut buf = take(kernel, staging, input.len())?;
                 buf.copy_from_host(input)?;
                 kernel.scatter(&buf, wire, pool, sel)?;

@@ -502,9 +502,28 @@ pub fn source_spans(
     sel: &Selection<'_>,
     wire: PageOrder,
 ) -> Result<Vec<Span>, KernelError> {
+    spans_in(layout, num_pages, &[], sel, wire, false)
+}
+
+/// [`source_spans`] of a pool whose regions start at `starts` (offsets from the pool's base,
+/// in the layout's region order; empty: back to back); `destination` refuses duplicate pages
+/// as a scatter does.
+pub fn spans_in(
+    layout: &KvLayout,
+    num_pages: usize,
+    starts: &[usize],
+    sel: &Selection<'_>,
+    wire: PageOrder,
+    destination: bool,
+) -> Result<Vec<Span>, KernelError> {
     let bytes = sel.bytes_in(layout)?;
-    sel.validate_in(layout, num_pages, bytes, false)?;
-    let mut runs = plan(Geometry::back_to_back(layout, num_pages), sel, wire)?;
+    sel.validate_in(layout, num_pages, bytes, destination)?;
+    let geometry = Geometry {
+        layout,
+        num_pages,
+        starts,
+    };
+    let mut runs = plan(geometry, sel, wire)?;
     runs.sort_unstable_by_key(|r| r.staging);
     let mut out: Vec<Span> = Vec::new();
     for r in runs {

@@ -11,8 +11,9 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use super::device::driver;
 use super::launch;
 use super::{CudaError, CudaKernel};
-use crate::kernel::KernelError;
-use crate::layout::{KvLayout, LayoutError};
+use crate::kernel::{KernelError, Selection};
+use crate::layout::{KvLayout, LayoutError, PageOrder};
+use crate::memory::Span;
 use crate::pool::EngineRegion;
 
 /// The device memory under a pool.
@@ -40,6 +41,8 @@ pub struct DevicePool {
     base: u64,
     /// The byte ranges of the pool that are memory (offset, len), sorted.
     ranges: Vec<(usize, usize)>,
+    /// Where each region starts (offset from `base`), in the layout's region order.
+    starts: Vec<usize>,
     /// Address of page 0 of every (layer, plane): see [`launch::plane_table`].
     pub(super) table: CudaSlice<u64>,
     stream: Arc<CudaStream>,
@@ -242,10 +245,11 @@ impl DevicePool {
         let sorted =
             crate::pool::check_regions(&layout, num_pages, regions).map_err(regions_error)?;
         let (base, ranges) = crate::pool::memory_ranges(&sorted);
-        let starts: Vec<u64> = regions.iter().map(|r| r.addr as u64).collect();
+        let addrs: Vec<u64> = regions.iter().map(|r| r.addr as u64).collect();
+        let starts = regions.iter().map(|r| r.addr - base).collect();
         let stream = kernel.stream.clone();
         let table = stream
-            .clone_htod(&launch::plane_table(&layout, num_pages, &starts)?)
+            .clone_htod(&launch::plane_table(&layout, num_pages, &addrs)?)
             .map_err(driver("upload plane table"))?;
         stream.synchronize().map_err(driver("synchronize"))?;
         Ok(DevicePool {
@@ -255,6 +259,7 @@ impl DevicePool {
             _mem: mem,
             base: base as u64,
             ranges,
+            starts,
             table,
             stream,
         })
@@ -299,6 +304,87 @@ impl DevicePool {
                 size: self.size(),
             }),
         }
+    }
+
+    /// The selection as the pool's contiguous ranges in `wire` order, when it is at most `max`
+    /// of them: such a selection moves by plain copies ([`Self::read_spans`],
+    /// [`Self::write_spans`]), without a launch or device staging. `destination` checks it as
+    /// a scatter's.
+    pub fn spans(
+        &self,
+        sel: &Selection<'_>,
+        wire: PageOrder,
+        max: usize,
+        destination: bool,
+    ) -> Result<Option<Vec<Span>>, KernelError> {
+        let spans = crate::kernel::cpu::spans_in(
+            &self.layout,
+            self.num_pages,
+            &self.starts,
+            sel,
+            wire,
+            destination,
+        )?;
+        Ok((spans.len() <= max).then_some(spans))
+    }
+
+    /// Copies `spans` into `out`, back to back, on the pool's stream (after whatever it waits
+    /// for: see [`CudaKernel::wait_for`]).
+    pub fn read_spans(&self, spans: &[Span], out: &mut [u8]) -> Result<(), CudaError> {
+        self.copy_spans(spans, out.len(), |addr, at, len| {
+            // SAFETY: the span is device memory of this pool (checked by `copy_spans`), the
+            // slice `len` bytes of `out`; copies are waited for before `out` is used.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut out[at..at + len],
+                    addr,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(driver("copy pool to host"))
+        })
+    }
+
+    /// Copies `input`, cut back to back into `spans`, into the pool.
+    pub fn write_spans(&self, spans: &[Span], input: &[u8]) -> Result<(), CudaError> {
+        self.copy_spans(spans, input.len(), |addr, at, len| {
+            // SAFETY: as in `read_spans`; `input` outlives the copies, which are waited for.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    addr,
+                    &input[at..at + len],
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(driver("copy host to pool"))
+        })
+    }
+
+    /// Runs `copy(device address, host offset, len)` for each span of a host buffer of
+    /// `host_len` bytes, then waits for the stream.
+    fn copy_spans(
+        &self,
+        spans: &[Span],
+        host_len: usize,
+        mut copy: impl FnMut(u64, usize, usize) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let total: u64 = spans.iter().map(|s| s.len).sum();
+        if total != host_len as u64 {
+            return Err(CudaError::OutOfBounds {
+                offset: 0,
+                len: host_len,
+                size: total as usize,
+            });
+        }
+        self.bind()?;
+        let mut at = 0;
+        for s in spans {
+            let len = s.len as usize;
+            let addr = self.address(s.offset as usize, len)?;
+            copy(addr, at, len)?;
+            at += len;
+        }
+        self.stream.synchronize().map_err(driver("synchronize"))
     }
 
     /// Copies `len` bytes at `offset` out of the pool.
