@@ -397,9 +397,22 @@ fn sidecar_agents_move_rooms_between_device_pools_opened_by_ipc_handle() {
     );
     let log = std::fs::read_to_string(&c.decode.log).unwrap();
     assert!(
-        log.contains("memory=\"device\" ordinal=0 staging=\"host\""),
+        log.contains("memory=\"device\" ordinal=0 staging=\"pinned_host\""),
         "the decode agent says its pool is device memory and how it stages:\n{log}"
     );
+    for (role, api) in [("prefill", &c.prefill_api), ("decode", &c.decode_api)] {
+        let text = runtime().block_on(async {
+            let url = format!("{api}/metrics");
+            http().get(url).send().await.unwrap().text().await.unwrap()
+        });
+        let info = format!(
+            "kvferry_pool_info{{role=\"{role}\",memory=\"device\",staging=\"pinned_host\"}} 1"
+        );
+        assert!(
+            text.contains(&info),
+            "{role} /metrics lacks {info}:\n{text}"
+        );
+    }
 }
 
 #[test]

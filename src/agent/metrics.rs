@@ -68,6 +68,9 @@ pub struct Gauges {
     pub rooms: [usize; 7],
     /// Staging slots in use (prefill: chunks in flight; decode: scatters running).
     pub slots_in_use: usize,
+    /// Where the pool's memory is (`host`, `device`) and where its chunks are staged for the
+    /// transport (`host`, `pinned_host`).
+    pub pool: (&'static str, &'static str),
 }
 
 impl Gauges {
@@ -246,6 +249,13 @@ impl Metrics {
             &states,
         );
         let one = |v: u64| vec![(String::new(), v)];
+        let (memory, staging) = g.pool;
+        gauge(
+            &mut s,
+            "kvferry_pool_info",
+            "The pool's memory and where its chunks are staged for the transport (always 1).",
+            &[(format!(",memory=\"{memory}\",staging=\"{staging}\""), 1)],
+        );
         let direction = if role == "prefill" {
             "sent"
         } else {

@@ -104,9 +104,9 @@ pub(crate) fn agent_pool(cfg: &AgentConfig, pool: EnginePool) -> Result<AgentPoo
         crate::memory::MemoryKind::Device { ordinal } => tracing::info!(
             memory = "device",
             ordinal,
-            staging = "host",
-            "agent pool: chunks are gathered on the device and copied to host staging (one D2H, \
-             one H2D on landing): this build's transports send host memory"
+            staging = pool.labels().1,
+            "agent pool: chunks are gathered on the device and copied to pinned host staging (one \
+             D2H, one H2D on landing): this build's transports send host memory"
         ),
     }
     Ok(pool)

@@ -117,6 +117,25 @@ impl AgentPool {
         self.host().is_some_and(|p| p.contiguous())
     }
 
+    /// The pool for the buffers chunks are gathered into: pinned for a device pool.
+    pub(crate) fn slots(&self) -> super::staging::SlotPool {
+        match self {
+            AgentPool::Host { .. } => super::staging::SlotPool::default(),
+            AgentPool::Device { kernel, .. } => {
+                super::staging::SlotPool::pinned(Arc::new(DevicePinner(kernel.clone())))
+            }
+        }
+    }
+
+    /// What `/metrics` says of the pool (`kvferry_pool_info`): where its memory is, and where
+    /// its chunks are staged for the transport.
+    pub(crate) fn labels(&self) -> (&'static str, &'static str) {
+        match self {
+            AgentPool::Host { .. } => ("host", "host"),
+            AgentPool::Device { .. } => ("device", "pinned_host"),
+        }
+    }
+
     /// The CUDA device of a device pool.
     pub(crate) fn device(&self) -> Option<usize> {
         match self {
@@ -196,6 +215,25 @@ impl AgentPool {
                 self.gather(sel, wire, &mut bytes, None)?;
                 Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
             }
+        }
+    }
+}
+
+/// Pins a device pool's chunk buffers ([`super::staging::SlotPool::pinned`]).
+#[derive(Debug)]
+struct DevicePinner(Arc<CudaKernel>);
+
+impl super::staging::Pinner for DevicePinner {
+    fn pin(&self, addr: usize, len: usize) -> Result<(), String> {
+        // SAFETY: the slot pool unpins every buffer it pinned before freeing it.
+        #[allow(unsafe_code)]
+        let pinned = unsafe { self.0.pin(addr, len) };
+        pinned.map_err(|e| e.to_string())
+    }
+
+    fn unpin(&self, addr: usize) {
+        if let Err(e) = self.0.unpin(addr) {
+            tracing::warn!(error = %e, "unpinning a staging slot failed");
         }
     }
 }

@@ -66,6 +66,7 @@ async fn metrics(State(inner): Shared) -> Response {
     let mut g = Gauges {
         pool_total: inner.alloc.total_pages(),
         pool_free: inner.alloc.free_pages(),
+        pool: inner.pool.labels(),
         ..Gauges::default()
     };
     for room in inner.rooms().values() {

@@ -103,13 +103,14 @@ impl PrefillAgent {
         let control_endpoint = transport::advertised(&bound, &cfg.advertise_host);
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
+        let slots = Arc::new(pool.slots());
         let inner = Arc::new(Inner {
             instance,
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
             transport: transport::for_kind(cfg.transport, cfg.chunk_bytes, &super::zmq_auth(&cfg)),
             replier,
-            slots: Arc::default(),
+            slots,
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new("prefill")),

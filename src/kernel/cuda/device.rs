@@ -218,6 +218,28 @@ impl CudaKernel {
             .map_err(driver("wait for a readiness event"))
     }
 
+    /// Pins (page-locks and registers with the driver) `len` bytes of host memory at `addr`,
+    /// so that copies between it and the device run at the bus's speed.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`CudaKernel::unpin`] is called for `addr`.
+    pub unsafe fn pin(&self, addr: usize, len: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: the caller's live allocation; the driver checks the range.
+        unsafe { cudarc::driver::sys::cuMemHostRegister_v2(addr as *mut _, len, 0) }
+            .result()
+            .map_err(driver("pin host memory"))
+    }
+
+    /// Unpins memory [`CudaKernel::pin`] pinned at `addr`.
+    pub fn unpin(&self, addr: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: the driver refuses an address it did not register.
+        unsafe { cudarc::driver::sys::cuMemHostUnregister(addr as *mut _) }
+            .result()
+            .map_err(driver("unpin host memory"))
+    }
+
     /// The device's context.
     pub(super) fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
