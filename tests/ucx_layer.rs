@@ -23,7 +23,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvferry::transport::ucx::sys;
-use kvferry::transport::ucx::{EndpointId, Region, Span, UcxConfig, UcxError, UcxWorker};
+use kvferry::transport::ucx::{
+    EndpointId, MemoryType, Region, RegisterableMemory, Span, UcxConfig, UcxError, UcxWorker,
+};
+use kvferry::transport::{DeviceMemory, RecvBuffers, Transport};
 use tokio_util::sync::CancellationToken;
 
 const MIB: usize = 1 << 20;
@@ -61,6 +64,12 @@ fn rust_layout() -> Vec<(&'static str, usize)> {
         off!(ucp_params_t, estimated_num_eps),
         off!(ucp_params_t, estimated_num_ppn),
         off!(ucp_params_t, name),
+        size!(ucp_context_attr_t),
+        off!(ucp_context_attr_t, field_mask),
+        off!(ucp_context_attr_t, request_size),
+        off!(ucp_context_attr_t, thread_mode),
+        off!(ucp_context_attr_t, memory_types),
+        off!(ucp_context_attr_t, name),
         size!(ucp_worker_params_t),
         off!(ucp_worker_params_t, field_mask),
         off!(ucp_worker_params_t, thread_mode),
@@ -129,6 +138,8 @@ ucs_status_t.size 1;ucp_params_t.size 80;ucp_params_t.field_mask 0;ucp_params_t.
 ucp_params_t.request_size 16;ucp_params_t.request_init 24;ucp_params_t.request_cleanup 32;\
 ucp_params_t.tag_sender_mask 40;ucp_params_t.mt_workers_shared 48;\
 ucp_params_t.estimated_num_eps 56;ucp_params_t.estimated_num_ppn 64;ucp_params_t.name 72;\
+ucp_context_attr_t.size 64;ucp_context_attr_t.field_mask 0;ucp_context_attr_t.request_size 8;\
+ucp_context_attr_t.thread_mode 16;ucp_context_attr_t.memory_types 24;ucp_context_attr_t.name 32;\
 ucp_worker_params_t.size 200;ucp_worker_params_t.field_mask 0;\
 ucp_worker_params_t.thread_mode 8;ucp_worker_params_t.cpu_mask 16;\
 ucp_worker_params_t.events 144;ucp_worker_params_t.user_data 152;\
@@ -1135,4 +1146,211 @@ async fn eager_tcp_workers_get_the_segments_they_ask_for() {
         prefixed < 1 << 16,
         "UCX now applies TCP_TX_SEG_SIZE: {prefixed}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory types: what this libucx moves, found at run time
+
+/// A host region that claims to be CUDA memory: what a worker whose context moves no CUDA
+/// memory must refuse before UCX sees the pointer. Never handed to a worker that moves CUDA
+/// memory (UCX would treat host memory as device memory).
+struct ClaimsCuda(Region);
+
+// SAFETY: the region's mapping is fixed until drop and never referenced (Region's contract);
+// the claim is refused before UCX reads or writes it (the test checks that).
+#[allow(unsafe_code)]
+unsafe impl RegisterableMemory for ClaimsCuda {
+    fn base(&self) -> *mut u8 {
+        self.0.base()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn memory_type(&self) -> MemoryType {
+        MemoryType::Cuda
+    }
+}
+
+/// Whether this run expects a libucx built with CUDA (`KVFERRY_UCX_CUDA=1`, set on a GPU
+/// machine with such a UCX: docs/gpu.md); Debian's libucx-dev 1.13 has none.
+fn ucx_with_cuda() -> bool {
+    std::env::var("KVFERRY_UCX_CUDA").as_deref() == Ok("1")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_context_says_whether_ucx_moves_cuda_memory() {
+    let worker = UcxWorker::spawn(UcxConfig::tcp_loopback())
+        .await
+        .expect("worker");
+    let types = worker.memory_types();
+    println!(
+        "UCX {:?}: memory types {:#x}",
+        kvferry::transport::ucx::result::version(),
+        types.0
+    );
+    assert!(types.has(MemoryType::Host), "{types:?}");
+    assert_eq!(
+        worker.sends_device_memory(),
+        ucx_with_cuda(),
+        "memory types {types:?}: Debian's libucx has no CUDA (KVFERRY_UCX_CUDA=1 says this one has)"
+    );
+    // The transport says it the same way, with the reason the agent logs.
+    let data = kvferry::transport::ucx::data::UcxData::new(MIB);
+    let said = bounded("device_memory", 30, data.device_memory())
+        .await
+        .expect("device_memory");
+    match (said, ucx_with_cuda()) {
+        (DeviceMemory::Sends, true) => {}
+        (DeviceMemory::HostOnly(reason), false) => assert!(
+            reason.contains("UCX has no CUDA memory support"),
+            "{reason}"
+        ),
+        (said, cuda) => panic!("the transport says {said:?}, KVFERRY_UCX_CUDA=1 is {cuda}"),
+    }
+    // ZeroMQ sends host memory, always.
+    let zmq = kvferry::transport::for_kind(
+        kvferry::transport::TransportKind::ZmqTcp,
+        MIB,
+        &kvferry::transport::zmq::Auth::default(),
+    );
+    assert_eq!(
+        zmq.device_memory().await.expect("zmq"),
+        DeviceMemory::HostOnly("zmq-tcp sends host memory only".into())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_memory_is_refused_typed_where_ucx_has_no_cuda() {
+    let (a, b, ab, _) = pair(Tls::Tcp).await;
+    if a.sends_device_memory() {
+        assert!(ucx_with_cuda(), "this libucx moves CUDA memory");
+        println!(
+            "skipped: this libucx moves CUDA memory; a host region claiming CUDA would be read as device memory"
+        );
+        return;
+    }
+    let claims: Arc<dyn RegisterableMemory> = Arc::new(ClaimsCuda(Region::new(MIB).unwrap()));
+    let refused = |e: UcxError, op: &str| match e {
+        UcxError::MemoryType {
+            op: got,
+            memory: MemoryType::Cuda,
+            ..
+        } => assert_eq!(got, op),
+        other => panic!("{op}: {other:?}"),
+    };
+    refused(a.register(claims.clone()).await.unwrap_err(), "register");
+    let one = vec![Span {
+        offset: 0,
+        len: 4096,
+    }];
+    let sent = bounded(
+        "send_runs",
+        10,
+        a.send_runs(ab, 0x44, claims.clone(), one.clone()),
+    )
+    .await;
+    refused(sent.unwrap_err(), "send_run");
+    let cancel = CancellationToken::new();
+    let posted = bounded(
+        "recv_runs",
+        10,
+        b.recv_runs(0x44, claims.clone(), one.clone(), cancel),
+    )
+    .await;
+    match posted {
+        Ok(_) => panic!("receives into claimed CUDA memory were posted"),
+        Err(e) => refused(e, "recv_run"),
+    }
+    let from = a.send_tag_from(ab, 0x45, Bytes::from_static(b"prefix"), claims, one);
+    refused(
+        bounded("send_tag_from", 10, from).await.unwrap_err(),
+        "send_tag",
+    );
+    // The worker serves on: a host message still goes through.
+    let got = b.post_recv_tag(0x46, ALL, 64);
+    bounded(
+        "send",
+        10,
+        a.send_tag(ab, 0x46, Bytes::from_static(b"still here")),
+    )
+    .await
+    .expect("send");
+    assert_eq!(
+        &bounded("recv", 10, got).await.expect("recv").data[..],
+        b"still here"
+    );
+}
+
+/// Receive buffers of the test's own, as a decode's pinned buffers are lent to the transport:
+/// counts what is lent and what came back.
+#[derive(Default)]
+struct Lent {
+    out: std::sync::Mutex<Vec<usize>>,
+    back: std::sync::Mutex<Vec<usize>>,
+}
+
+struct Back(Vec<u8>, Arc<Lent>);
+
+impl AsRef<[u8]> for Back {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Back {
+    fn drop(&mut self) {
+        self.1.back.lock().unwrap().push(self.0.as_ptr() as usize);
+    }
+}
+
+impl RecvBuffers for Lent {
+    fn take(&self, len: usize) -> Vec<u8> {
+        let buf = vec![0xDE; len];
+        self.out.lock().unwrap().push(buf.as_ptr() as usize);
+        buf
+    }
+    fn freeze(self: Arc<Self>, buf: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Back(buf, self))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_land_in_the_receivers_own_buffers_and_go_back_to_it() {
+    use kvferry::transport::{Frame, Transport};
+    let data = kvferry::transport::ucx::data::UcxData::new(MIB);
+    let (endpoint, mut receiver) = bounded("listen", 30, data.listen("127.0.0.1", 0))
+        .await
+        .expect("listen");
+    let lent = Arc::new(Lent::default());
+    assert!(
+        receiver.receive_into(lent.clone()),
+        "UCX takes the agent's buffers"
+    );
+    let mut sender = bounded(
+        "connect",
+        30,
+        data.connect(&endpoint, Duration::from_secs(10)),
+    )
+    .await
+    .expect("connect");
+    let payload = vec![0x5A; 100_000];
+    let mut buf = vec![0; kvferry::transport::FRAME_ROOM];
+    buf.extend_from_slice(&payload);
+    let frame = Frame::in_place(b"header", buf, Bytes::from).expect("frame");
+    let received = receiver.recv();
+    let sent = sender.send(frame);
+    let (received, sent) = tokio::join!(bounded("recv", 30, received), sent);
+    sent.expect("send");
+    let (header, got) = received.expect("recv");
+    assert_eq!(&header[..], b"header");
+    same_bytes("payload", &got, &payload);
+    let out = lent.out.lock().unwrap().clone();
+    let at = got.as_ptr() as usize;
+    assert!(
+        out.iter().any(|&b| at > b && at < b + MIB + 8192),
+        "the payload landed in a lent buffer"
+    );
+    drop((header, got));
+    assert_eq!(lent.back.lock().unwrap().len(), 1, "the buffer went back");
+    drop(receiver);
 }

@@ -169,6 +169,91 @@ pub struct WritePath {
     pub fast: bool,
 }
 
+/// Whether a transport sends device memory (CUDA) and receives into it, as found at run time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceMemory {
+    /// It does: a chunk's payload may stay in device staging on both sides
+    /// ([`DataSender::send_device`], [`DataReceiver::land_on_device`]).
+    Sends,
+    /// It sends host memory only, for this reason (e.g. "UCX has no CUDA memory support").
+    HostOnly(String),
+}
+
+/// A chunk's payload in CUDA device memory: the device staging a prefill gathered into, or
+/// the one a decode receives into ([`DeviceSink`]). The transport reads or writes it with the
+/// device's own copies (UCX's CUDA transports), never with host code.
+///
+/// # Safety
+/// Implementors guarantee that `device_ptr()..device_ptr() + len()` is device memory,
+/// allocated and not reused for as long as the value lives, with no device work pending on it
+/// when it is handed to a transport (the gather that filled it has completed), and that
+/// nothing else writes it while a transport may read or write it.
+// An unsafe trait: a transport hands `device_ptr` to UCX, which writes and reads it.
+#[allow(unsafe_code)]
+pub unsafe trait DeviceBytes: Send + Sync + 'static {
+    /// The device address of the first byte.
+    fn device_ptr(&self) -> u64;
+    /// Bytes.
+    fn len(&self) -> usize;
+    /// Never true for a chunk's payload (for clippy's `len_without_is_empty`).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The value, for the agent that made it to take it back.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// Device memory for received payloads, of the receiver's device.
+pub trait DeviceSink: Send + Sync {
+    /// A device buffer of exactly `len` bytes (contents unspecified).
+    fn take(&self, len: usize) -> Result<Arc<dyn DeviceBytes>, String>;
+}
+
+/// A received chunk's payload: host bytes, or device memory where the chunk came from device
+/// staging to a receiver that lands on the device.
+#[derive(Clone)]
+pub enum Payload {
+    /// Host memory (every transport).
+    Host(Bytes),
+    /// Device memory ([`DataReceiver::land_on_device`]).
+    Device(Arc<dyn DeviceBytes>),
+}
+
+impl fmt::Debug for Payload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Payload::Host(b) => f.debug_tuple("Host").field(&b.len()).finish(),
+            Payload::Device(d) => f.debug_tuple("Device").field(&d.len()).finish(),
+        }
+    }
+}
+
+impl Payload {
+    /// Bytes of the payload.
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Host(b) => b.len(),
+            Payload::Device(d) => d.len(),
+        }
+    }
+
+    /// Whether the payload has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Buffers a receiver lands host payloads in, when the agent has its own (a device pool's
+/// pinned buffers, `agent/staging.rs`): `take` one of at least `len` bytes, and `freeze` a
+/// filled one (truncated to what arrived) into the `Bytes` handed out, which gives it back
+/// when dropped.
+pub trait RecvBuffers: Send + Sync {
+    /// A buffer of exactly `len` bytes (contents unspecified).
+    fn take(&self, len: usize) -> Vec<u8>;
+    /// The bytes of a filled buffer; it returns to its owner when they are dropped.
+    fn freeze(self: Arc<Self>, buf: Vec<u8>) -> Bytes;
+}
+
 /// Bytes a staging buffer keeps free in front of its payload, where the chunk's [`Frame`]
 /// prefix (header length and header) is written in place.
 pub const FRAME_ROOM: usize = 256;
@@ -276,6 +361,25 @@ pub trait DataSender: Send {
         })
     }
 
+    /// Sends a chunk whose payload is in device memory: the header frame (a
+    /// [`Frame::header_only`]) and `payload`, straight from device staging. Queued and resolved
+    /// as [`DataSender::send`]; `payload` is held until it resolves. Only where
+    /// [`Transport::device_memory`] says [`DeviceMemory::Sends`]; the default refuses.
+    fn send_device(
+        &mut self,
+        header: Frame,
+        payload: Arc<dyn DeviceBytes>,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        let _ = (header, payload);
+        Box::pin(async {
+            Err(TransportError::new(
+                "send_device",
+                "-",
+                "this transport sends host memory only",
+            ))
+        })
+    }
+
     /// Gives up on the receiver (it is dead): sends and writes still in flight end now, with an
     /// error, so that nothing reads the sender's memory for them any more (UCX closes its
     /// endpoints by force) and no transfer waits on them (a ZeroMQ send waits for the peer
@@ -361,6 +465,34 @@ pub trait DataReceiver: Send {
     /// The next chunk: its header and its payload.
     fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>>;
 
+    /// The next chunk, its payload in device memory when it came from device staging and
+    /// [`DataReceiver::land_on_device`] gave this receiver a sink; in host memory otherwise
+    /// (the default: [`DataReceiver::recv`]).
+    fn recv_payload(&mut self) -> BoxFuture<'_, Result<(Bytes, Payload), TransportError>> {
+        Box::pin(async move {
+            let (header, payload) = self.recv().await?;
+            Ok((header, Payload::Host(payload)))
+        })
+    }
+
+    /// Lands the payloads of chunks sent from device memory in device buffers from `sink`.
+    /// The default refuses: the transport receives host memory only.
+    fn land_on_device(&mut self, sink: Arc<dyn DeviceSink>) -> Result<(), TransportError> {
+        let _ = sink;
+        Err(TransportError::new(
+            "land_on_device",
+            "-",
+            "this transport receives host memory only",
+        ))
+    }
+
+    /// Receives host payloads into `buffers` from now on; `false` when this transport lands
+    /// them in buffers of its own (the default: libzmq allocates every message itself).
+    fn receive_into(&mut self, buffers: Arc<dyn RecvBuffers>) -> bool {
+        let _ = buffers;
+        false
+    }
+
     /// A sender died: drop receives it may have left half-matched (they would never complete)
     /// and post fresh ones. Transports whose receives cannot hang on a dead sender do nothing.
     fn reset(&mut self) {}
@@ -411,6 +543,13 @@ pub trait Transport: Send + Sync {
         endpoint: &str,
         timeout: std::time::Duration,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>>;
+
+    /// Whether this transport sends device memory, found at run time (UCX asks its context;
+    /// the default: host memory only, for this transport's kind).
+    fn device_memory(&self) -> BoxFuture<'static, Result<DeviceMemory, TransportError>> {
+        let why = format!("{} sends host memory only", self.kind());
+        Box::pin(async move { Ok(DeviceMemory::HostOnly(why)) })
+    }
 
     /// Checks a receiver's exposed memory (from its Hello) before anything uses it: a key
     /// this transport could not parse is [`TransportErrorKind::Malformed`].

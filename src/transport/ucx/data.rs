@@ -33,15 +33,57 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::OnceCell;
 
-use super::{EndpointId, RemoteRegionId, UcxConfig, UcxWorker};
+use super::{EndpointId, MemoryType, RegisterableMemory, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, Frame, Landing, Listening, Placer, Receives, RemoteMemory,
-    Span, Transport, TransportError, TransportKind, WritePath, WriteRun,
+    BoxFuture, DataReceiver, DataSender, DeviceBytes, DeviceMemory, DeviceSink, Frame, Landing,
+    Listening, Payload, Placer, Receives, RecvBuffers, RemoteMemory, Span, Transport,
+    TransportError, TransportKind, WritePath, WriteRun,
 };
 
-/// Every chunk travels under this tag.
+/// Every chunk travels under this tag (a chunk whose payload is in device memory: its header
+/// under [`DEVICE_CHUNK_TAG`]).
 const CHUNK_TAG: u64 = 0x4b56_4659_0000_0001;
+
+/// The header message of a chunk whose payload is in device memory
+/// ([`DataSender::send_device`]): the frame of the header, then the payload's length and its
+/// key (u64 LE each). The payload follows as its own message under [`device_payload_tag`],
+/// from device staging to device staging.
+const DEVICE_CHUNK_TAG: u64 = 0x4b56_4659_0000_0002;
+
+/// The tag mask of the receives a receiver keeps posted: [`CHUNK_TAG`] and
+/// [`DEVICE_CHUNK_TAG`] both match.
+const CHUNK_MASK: u64 = !0x3;
+
+/// The tag of the device payload of the chunk `key`: a prefix no other tag has, 56 bits of the
+/// key (senders draw keys at random).
+fn device_payload_tag(key: u64) -> u64 {
+    (0x44 << 56) | (key & 0x00ff_ffff_ffff_ffff)
+}
+
+/// How long a receiver waits for a device payload once its header arrived (both were queued
+/// together by the sender): past this the chunk fails and the receives go on.
+const DEVICE_PAYLOAD_WAIT: Duration = Duration::from_secs(30);
+
+/// Device memory as UCX sees it: a payload of [`DataSender::send_device`] or a buffer of the
+/// receiver's [`DeviceSink`], registered and moved as `UCS_MEMORY_TYPE_CUDA`.
+struct OnDevice(Arc<dyn DeviceBytes>);
+
+// SAFETY: `DeviceBytes` guarantees the device range stays allocated, unused by anything else
+// and never referenced by host code while the value lives; UCX reaches it only through its
+// CUDA transports (the memory type says CUDA), and the Arc keeps it alive for as long as the
+// progress thread holds this value.
+unsafe impl RegisterableMemory for OnDevice {
+    fn base(&self) -> *mut u8 {
+        self.0.device_ptr() as usize as *mut u8
+    }
+    fn size(&self) -> usize {
+        self.0.len()
+    }
+    fn memory_type(&self) -> MemoryType {
+        MemoryType::Cuda
+    }
+}
 
 /// The tag of run 0 of the placed chunk `key`: a prefix no chunk tag has, 40 bits of the key,
 /// and 16 bits for the run's index (`protocol::MAX_RUNS`). Tagged receives match any sender,
@@ -265,6 +307,22 @@ impl Transport for UcxData {
         TransportKind::Ucx
     }
 
+    /// Asks UCX (`ucp_context_query`) at the worker's start whether it moves CUDA memory.
+    fn device_memory(&self) -> BoxFuture<'static, Result<DeviceMemory, TransportError>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let worker = inner.worker().await?;
+            Ok(match worker.sends_device_memory() {
+                true => DeviceMemory::Sends,
+                false => DeviceMemory::HostOnly(format!(
+                    "UCX has no CUDA memory support (ucp_context_query: memory types {:#x}; a \
+                     libucx built without CUDA, or its CUDA transports found no driver)",
+                    worker.memory_types().0
+                )),
+            })
+        })
+    }
+
     fn check_memory(&self, memory: &RemoteMemory) -> Result<(), TransportError> {
         super::packed::check_rkey(&memory.key)
             .map_err(|e| TransportError::malformed("attach", "decode pool", e))
@@ -301,8 +359,11 @@ impl Transport for UcxData {
                     }),
                     landed,
                     workers,
+                    buffers: Mutex::new(None),
                 }),
                 arrivals,
+                device: None,
+                max_chunk: inner.max_chunk,
             });
             Ok((endpoint, receiver))
         })
@@ -445,6 +506,33 @@ impl DataSender for UcxSender {
         self.sent("send", sent)
     }
 
+    fn send_device(
+        &mut self,
+        header: Frame,
+        payload: Arc<dyn DeviceBytes>,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        // The header (host memory) and the payload (device memory) are two messages: one UCX
+        // request has one memory type. Both go to the same worker of the receiver, in order.
+        let ep = self.next_ep();
+        let key = uuid::Uuid::new_v4().as_u64_pair().0;
+        let mut trailer = Vec::with_capacity(16);
+        trailer.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        trailer.extend_from_slice(&key.to_le_bytes());
+        let parts = vec![header.bytes().clone(), Bytes::from(trailer)];
+        let head = self.worker.send_tag_parts(ep, DEVICE_CHUNK_TAG, parts);
+        let len = payload.len() as u64;
+        let body = self.worker.send_runs(
+            ep,
+            device_payload_tag(key),
+            Arc::new(OnDevice(payload)),
+            vec![Span { offset: 0, len }],
+        );
+        self.sent("send_device", async move {
+            head.await?;
+            body.await
+        })
+    }
+
     fn sends_from_pool(&self) -> bool {
         // Eager chunks go by the kernel's copy out of whatever pieces they are in; measured
         // here with raw UCX over tcp (1 MiB messages out of a 512 MiB buffer): a message of a
@@ -563,6 +651,87 @@ struct UcxReceiver {
     posting: Arc<Posting>,
     /// What the posted receives got, with the generation they were posted in and their worker.
     arrivals: tokio::sync::mpsc::UnboundedReceiver<Arrival>,
+    /// Where device payloads land ([`DataReceiver::land_on_device`]); without it a chunk
+    /// sent from device memory is refused.
+    device: Option<Arc<dyn DeviceSink>>,
+    /// Largest payload accepted.
+    max_chunk: usize,
+}
+
+impl UcxReceiver {
+    /// The payload of a chunk sent from device memory, whose header message came to worker
+    /// `w` with `trailer`: received from the sender's device staging straight into a buffer
+    /// of the sink, or, without one (this agent stages on the host), into a host buffer (UCX
+    /// moves between the memory types).
+    async fn device_payload(&self, w: usize, trailer: Bytes) -> Result<Payload, TransportError> {
+        let fail = |m: String| TransportError::new("recv_device", "ucx", m);
+        let (len, key) = match trailer.get(..16) {
+            Some(t) if trailer.len() == 16 => {
+                let word = |i: usize| t.get(i..i + 8).and_then(|b| b.try_into().ok());
+                match (word(0), word(8)) {
+                    (Some(len), Some(key)) => (u64::from_le_bytes(len), u64::from_le_bytes(key)),
+                    _ => return Err(fail("a device chunk's trailer is malformed".into())),
+                }
+            }
+            _ => return Err(fail("a device chunk's trailer is not 16 bytes".into())),
+        };
+        if len > self.max_chunk as u64 {
+            return Err(fail(format!(
+                "a device payload of {len} bytes exceeds the {}-byte chunk",
+                self.max_chunk
+            )));
+        }
+        let worker = self
+            .posting
+            .workers
+            .get(w)
+            .ok_or_else(|| fail("no such worker".into()))?;
+        let Some(sink) = &self.device else {
+            let buffers = self
+                .posting
+                .buffers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            let tag = device_payload_tag(key);
+            let receive = worker.post_recv_tag_into(tag, u64::MAX, len as usize, buffers);
+            let got = tokio::time::timeout(DEVICE_PAYLOAD_WAIT, receive)
+                .await
+                .map_err(|_| fail(format!("no device payload within {DEVICE_PAYLOAD_WAIT:?}")))?
+                .map_err(|e| fail(e.to_string()))?;
+            if got.data.len() as u64 != len {
+                return Err(fail(format!(
+                    "a device payload of {} bytes, announced {len}",
+                    got.data.len()
+                )));
+            }
+            return Ok(Payload::Host(got.data));
+        };
+        let buf = sink.take(len as usize).map_err(fail)?;
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let memory: Arc<dyn RegisterableMemory> = Arc::new(OnDevice(buf.clone()));
+        let landing = worker
+            .recv_runs(
+                device_payload_tag(key),
+                memory,
+                vec![Span { offset: 0, len }],
+                cancel.clone(),
+            )
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        tokio::pin!(landing);
+        let landed = tokio::select! {
+            r = &mut landing => r,
+            () = tokio::time::sleep(DEVICE_PAYLOAD_WAIT) => {
+                // Cancelled, and waited for: UCX writes nothing more into the buffer after.
+                cancel.cancel();
+                let _ = landing.await;
+                return Err(fail(format!("no device payload within {DEVICE_PAYLOAD_WAIT:?}")));
+            }
+        };
+        landed.map_err(|e| fail(e.to_string()))?;
+        Ok(Payload::Device(buf))
+    }
 }
 
 /// A posted receive's end: (generation, worker index, what it got).
@@ -584,6 +753,9 @@ struct Posting {
     capacity: usize,
     state: Mutex<Posted>,
     landed: tokio::sync::mpsc::UnboundedSender<Arrival>,
+    /// The agent's buffers chunks land in ([`DataReceiver::receive_into`]; UCX's own
+    /// allocations when `None`).
+    buffers: Mutex<Option<Arc<dyn RecvBuffers>>>,
 }
 
 struct Posted {
@@ -605,11 +777,21 @@ impl Posting {
     /// Posts receives up to the wanted number on every worker; each is queued at its worker
     /// before this returns.
     fn post(&self) {
+        let buffers = self
+            .buffers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let mut state = self.state();
         for (w, worker) in self.workers.iter().enumerate() {
             while state.open[w] < state.wanted {
                 state.open[w] += 1;
-                let receive = worker.post_recv_tag(CHUNK_TAG, u64::MAX, self.capacity);
+                let receive = worker.post_recv_tag_into(
+                    CHUNK_TAG,
+                    CHUNK_MASK,
+                    self.capacity,
+                    buffers.clone(),
+                );
                 let (landed, generation) = (self.landed.clone(), state.generation);
                 state.tasks.spawn(async move {
                     let _ = landed.send((generation, w, receive.await));
@@ -669,20 +851,68 @@ impl Receives for Posting {
 impl DataReceiver for UcxReceiver {
     fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>> {
         Box::pin(async move {
+            match self.recv_payload().await? {
+                (header, Payload::Host(payload)) => Ok((header, payload)),
+                (_, Payload::Device(_)) => Err(TransportError::new(
+                    "recv",
+                    "ucx",
+                    "a chunk sent from device memory, to a caller that takes host memory",
+                )),
+            }
+        })
+    }
+
+    fn recv_payload(&mut self) -> BoxFuture<'_, Result<(Bytes, Payload), TransportError>> {
+        Box::pin(async move {
             self.posting.post();
             let Some((generation, w, got)) = self.arrivals.recv().await else {
                 return Err(TransportError::new("recv", "ucx", "no receives posted"));
             };
             self.posting.landed(generation, w);
             let got = got.map_err(|e| TransportError::new("recv", "ucx", e))?;
-            Frame::split(got.data).ok_or_else(|| {
+            let (tag, split) = (got.tag, Frame::split(got.data));
+            let (header, rest) = split.ok_or_else(|| {
                 TransportError::new(
                     "recv",
                     "ucx",
                     "a chunk message must be a length-prefixed header and a payload",
                 )
-            })
+            })?;
+            match tag {
+                DEVICE_CHUNK_TAG => Ok((header, self.device_payload(w, rest).await?)),
+                CHUNK_TAG => Ok((header, Payload::Host(rest))),
+                other => Err(TransportError::new(
+                    "recv",
+                    "ucx",
+                    format!("a message under tag {other:#x} is no chunk"),
+                )),
+            }
         })
+    }
+
+    fn land_on_device(&mut self, sink: Arc<dyn DeviceSink>) -> Result<(), TransportError> {
+        let Some(worker) = self.posting.workers.first() else {
+            return Err(TransportError::new("land_on_device", "ucx", "no worker"));
+        };
+        if !worker.sends_device_memory() {
+            return Err(TransportError::new(
+                "land_on_device",
+                "ucx",
+                "UCX has no CUDA memory support here",
+            ));
+        }
+        self.device = Some(sink);
+        Ok(())
+    }
+
+    fn receive_into(&mut self, buffers: Arc<dyn RecvBuffers>) -> bool {
+        // Receives posted from now on land there (those already posted keep their own).
+        *self
+            .posting
+            .buffers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(buffers);
+        true
     }
 
     fn reset(&mut self) {

@@ -24,6 +24,12 @@ int main(void)
     OFF(ucp_params_t, estimated_num_eps);
     OFF(ucp_params_t, estimated_num_ppn);
     OFF(ucp_params_t, name);
+    SIZE(ucp_context_attr_t);
+    OFF(ucp_context_attr_t, field_mask);
+    OFF(ucp_context_attr_t, request_size);
+    OFF(ucp_context_attr_t, thread_mode);
+    OFF(ucp_context_attr_t, memory_types);
+    OFF(ucp_context_attr_t, name);
     SIZE(ucp_worker_params_t);
     OFF(ucp_worker_params_t, field_mask);
     OFF(ucp_worker_params_t, thread_mode);

@@ -34,11 +34,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use super::UcxError;
 use super::region::RegisterableMemory;
 use super::result::status_name;
 use super::safe::{Context, Endpoint, MemHandle, Started, Worker};
 use super::sys;
+use super::{MemoryType, MemoryTypes, UcxError};
+use crate::transport::RecvBuffers;
 mod pending;
 mod rma;
 mod runs;
@@ -54,7 +55,7 @@ pub(super) fn run(
     config: UcxConfig,
     inbox: mpsc::Receiver<Command>,
     wake: Arc<OwnedFd>,
-    ready: oneshot::Sender<Result<Bytes, UcxError>>,
+    ready: oneshot::Sender<Result<(Bytes, MemoryTypes), UcxError>>,
 ) {
     let mut engine = match Engine::new(&config) {
         Ok(engine) => engine,
@@ -65,7 +66,10 @@ pub(super) fn run(
     };
     match engine.worker.address() {
         Ok(address) => {
-            if ready.send(Ok(Bytes::from(address))).is_err() {
+            if ready
+                .send(Ok((Bytes::from(address), engine.memory_types)))
+                .is_err()
+            {
                 return;
             }
         }
@@ -133,11 +137,31 @@ struct Engine {
     supervise: Option<bool>,
     /// [`UcxConfig::eager`].
     eager: bool,
+    /// What the context moves (`ucp_context_query`): memory of another kind is refused.
+    memory_types: MemoryTypes,
 }
 
 impl Engine {
+    /// `Ok` when this context moves `memory` of its kind; a typed refusal otherwise.
+    fn movable(
+        &self,
+        op: &'static str,
+        memory: &dyn RegisterableMemory,
+    ) -> Result<MemoryType, UcxError> {
+        let kind = memory.memory_type();
+        match self.memory_types.has(kind) {
+            true => Ok(kind),
+            false => Err(UcxError::MemoryType {
+                op,
+                memory: kind,
+                why: "this libucx reports no support for it (ucp_context_query)",
+            }),
+        }
+    }
+
     fn new(config: &UcxConfig) -> Result<Engine, UcxError> {
         let context = Context::new(config.vars())?;
+        let memory_types = context.memory_types()?;
         let worker = Worker::new(&context)?;
         Ok(Engine {
             _abort_on_unwind: AbortOnUnwind,
@@ -155,6 +179,7 @@ impl Engine {
             shutting_down: false,
             supervise: config.supervise,
             eager: config.eager,
+            memory_types,
         })
     }
 
@@ -298,6 +323,14 @@ impl Engine {
                 reply,
             } => {
                 let checked = match &from {
+                    // One request has one memory type, and `parts` are host memory.
+                    Some((source, _)) if source.memory_type() != MemoryType::Host => {
+                        Err(UcxError::MemoryType {
+                            op: "send_tag",
+                            memory: source.memory_type(),
+                            why: "a message of parts is host memory only",
+                        })
+                    }
                     Some((source, runs)) => runs::within(runs, source.size()),
                     None => Ok(()),
                 };
@@ -336,7 +369,7 @@ impl Engine {
                 // data that does not move when the Vec moves) or into `from`'s memory, and
                 // `parts`, `from` and `iov` are moved into the Pending entry, dropped only
                 // after the request completes.
-                let started = unsafe { endpoint.tag_send(&iov, tag) };
+                let started = unsafe { endpoint.tag_send(&iov, tag, MemoryType::Host) };
                 match started {
                     Ok(started) => self.track(
                         started,
@@ -359,6 +392,7 @@ impl Engine {
                 mask,
                 capacity,
                 from,
+                into,
                 reply,
             } => {
                 if let Some(ep) = from
@@ -367,13 +401,29 @@ impl Engine {
                     let _ = reply.send(Err(e));
                     return;
                 }
-                let mut buffer = Vec::<u8>::with_capacity(capacity);
+                let mut buffer = match &into {
+                    Some(owner) => owner.take(capacity),
+                    None => Vec::<u8>::with_capacity(capacity),
+                };
+                // A buffer of `into` goes back there on every path that does not file it.
+                let give_back = |buffer: Vec<u8>, into: Option<Arc<dyn RecvBuffers>>| {
+                    if let Some(owner) = into {
+                        drop(owner.freeze(buffer));
+                    }
+                };
+                if buffer.capacity() < capacity {
+                    let _ = reply.send(Err(UcxError::Truncated {
+                        capacity: buffer.capacity(),
+                    }));
+                    give_back(buffer, into);
+                    return;
+                }
                 // SAFETY: the Vec's heap allocation holds `capacity` writable bytes and moves
                 // (with the Vec, without moving the allocation) into the Pending entry, which
                 // is dropped only after the request completes.
                 let started = unsafe {
                     self.worker
-                        .tag_recv(buffer.as_mut_ptr(), capacity, tag, mask)
+                        .tag_recv(buffer.as_mut_ptr(), capacity, tag, mask, MemoryType::Host)
                 };
                 match started {
                     Ok(Started::Done(())) => {
@@ -382,6 +432,7 @@ impl Engine {
                             "ucp_tag_recv_nbx",
                             sys::UCS_ERR_NO_MESSAGE,
                         )));
+                        give_back(buffer, into);
                     }
                     Ok(Started::Pending(request)) => self.insert(Pending::new(
                         request,
@@ -389,6 +440,7 @@ impl Engine {
                         Op::Recv {
                             buffer,
                             capacity,
+                            into,
                             reply,
                         },
                     )),
@@ -397,9 +449,11 @@ impl Engine {
                         ..
                     }) => {
                         let _ = reply.send(Err(UcxError::Truncated { capacity }));
+                        give_back(buffer, into);
                     }
                     Err(e) => {
                         let _ = reply.send(Err(e));
+                        give_back(buffer, into);
                     }
                 }
             }

@@ -10,17 +10,26 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use crate::pool::HostPool;
 
-/// Memory at a fixed address that a worker may register for remote writes.
+/// Memory at a fixed address that a worker may register for remote writes, send from and
+/// receive into.
 ///
 /// # Safety
-/// Implementors guarantee that `base()..base() + size()` is mapped, writable, at the same
-/// address and never exposed as `&`/`&mut` references for as long as the value lives (the
-/// worker keeps the value alive, through an `Arc`, for as long as it is registered).
+/// Implementors guarantee that `base()..base() + size()` is allocated, writable (by UCX: host
+/// memory mapped in this process, or CUDA device memory of a context current where UCX uses
+/// it, as [`RegisterableMemory::memory_type`] says), at the same address and never exposed as
+/// `&`/`&mut` references for as long as the value lives (the worker keeps the value alive,
+/// through an `Arc`, for as long as it is registered or an operation uses it).
 pub unsafe trait RegisterableMemory: Send + Sync + 'static {
     /// First byte.
     fn base(&self) -> *mut u8;
     /// Bytes.
     fn size(&self) -> usize;
+    /// Where the bytes are: host memory (the default) or CUDA device memory, which host code
+    /// never dereferences and UCX moves only where its context handles CUDA memory
+    /// ([`super::MemoryTypes::sends_device_memory`]).
+    fn memory_type(&self) -> super::MemoryType {
+        super::MemoryType::Host
+    }
 }
 
 // SAFETY: a HostPool's mapping is fixed for its lifetime and the pool never hands out

@@ -98,6 +98,23 @@ pub unsafe fn config_modify(
     }
 }
 
+/// `ucp_context_query` of the memory types: a bitmap of `ucs_memory_type_t` (bit
+/// [`sys::UCS_MEMORY_TYPE_CUDA`] set when the context sends and receives CUDA memory).
+///
+/// # Safety
+/// `context` is live.
+pub unsafe fn context_memory_types(context: NonNull<sys::ucp_context>) -> Result<u64, UcxError> {
+    // SAFETY: an all-zero `ucp_context_attr_t` is valid (integers and a char array); UCX
+    // fills only the fields in `field_mask`.
+    let mut attr: sys::ucp_context_attr_t = unsafe { std::mem::zeroed() };
+    attr.field_mask = sys::UCP_ATTR_FIELD_MEMORY_TYPES;
+    // SAFETY: the context is live (caller); `attr` is a valid out-pointer for the call.
+    check("ucp_context_query", unsafe {
+        sys::ucp_context_query(context.as_ptr(), &mut attr)
+    })?;
+    Ok(attr.memory_types)
+}
+
 /// `ucp_config_release`.
 ///
 /// # Safety

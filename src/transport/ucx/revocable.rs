@@ -175,7 +175,16 @@ impl Worker {
         let buffer = target.as_ptr().cast();
         // SAFETY: UCX hands the buffer pointer (the target) only to the datatype's callbacks,
         // which the caller's contract keeps valid.
-        unsafe { self.recv_as(buffer, 1, revocable_type()?, tag, mask) }
+        unsafe {
+            self.recv_as(
+                buffer,
+                1,
+                revocable_type()?,
+                tag,
+                mask,
+                super::MemoryType::Host,
+            )
+        }
     }
 }
 

@@ -91,6 +91,12 @@ impl Context {
     pub fn as_ptr(&self) -> NonNull<sys::ucp_context> {
         self.ptr
     }
+
+    /// The memory types this context sends and receives (`ucp_context_query`).
+    pub fn memory_types(&self) -> Result<super::MemoryTypes, UcxError> {
+        // SAFETY: the handle is live for as long as `self`.
+        unsafe { result::context_memory_types(self.ptr) }.map(super::MemoryTypes)
+    }
 }
 
 impl Drop for Context {
@@ -255,13 +261,23 @@ impl Worker {
         capacity: usize,
         tag: u64,
         mask: u64,
+        memory: super::MemoryType,
     ) -> Result<Started<()>, UcxError> {
         // SAFETY: the caller's contract.
-        unsafe { self.recv_as(buffer.cast(), capacity, sys::UCP_DATATYPE_BYTES, tag, mask) }
+        unsafe {
+            self.recv_as(
+                buffer.cast(),
+                capacity,
+                sys::UCP_DATATYPE_BYTES,
+                tag,
+                mask,
+                memory,
+            )
+        }
     }
 
-    /// `ucp_tag_recv_nbx` of `count` elements of `datatype` at `buffer`, reported through
-    /// [`Worker::completed`], never completing at once.
+    /// `ucp_tag_recv_nbx` of `count` elements of `datatype` at `buffer` (`memory` of that
+    /// kind), reported through [`Worker::completed`], never completing at once.
     ///
     /// # Safety
     /// What `datatype` writes through `buffer` stays valid until the request completes.
@@ -272,13 +288,14 @@ impl Worker {
         datatype: sys::ucp_datatype_t,
         tag: u64,
         mask: u64,
+        memory: super::MemoryType,
     ) -> Result<Started<()>, UcxError> {
         let mut param = self.tracked(true);
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE
             | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
             | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
         param.datatype = datatype;
-        param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
+        param.memory_type = memory.raw();
         // SAFETY: the worker is live; buffer validity is the caller's contract.
         let ptr =
             unsafe { sys::ucp_tag_recv_nbx(self.ptr.as_ptr(), buffer, count, tag, mask, &param) };
@@ -478,7 +495,8 @@ impl Endpoint {
         }
     }
 
-    /// Starts a tagged send of the `parts` (one message: their concatenation).
+    /// Starts a tagged send of the `parts` (one message: their concatenation), all of them
+    /// `memory` of one kind (UCX takes one memory type per request).
     ///
     /// # Safety
     /// Every `(pointer, length)` in `parts` is readable, and `parts` itself (UCX keeps a
@@ -487,10 +505,11 @@ impl Endpoint {
         &self,
         parts: &[sys::ucp_dt_iov_t],
         tag: u64,
+        memory: super::MemoryType,
     ) -> Result<Started<()>, UcxError> {
         let mut param = self.worker.tracked(false);
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-        param.memory_type = sys::UCS_MEMORY_TYPE_HOST;
+        param.memory_type = memory.raw();
         let (buffer, count) = match parts {
             [one] => {
                 param.datatype = sys::UCP_DATATYPE_BYTES;
@@ -652,18 +671,25 @@ impl Drop for Endpoint {
     }
 }
 
-/// Host memory registered with a context (`ucp_mem_map` of an existing buffer).
+/// Memory registered with a context (`ucp_mem_map` of an existing buffer): host memory, or
+/// CUDA device memory where the context handles it.
 pub struct MemHandle {
     ptr: NonNull<sys::ucp_mem>,
     context: Rc<Context>,
 }
 
 impl MemHandle {
-    /// Registers `len` bytes at `base` for local and remote reads and writes.
+    /// Registers `len` bytes at `base`, `memory` of that kind
+    /// (`UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE`), for local and remote reads and writes.
     ///
     /// # Safety
     /// The memory stays mapped (and is not reused for anything else) until the handle drops.
-    pub unsafe fn map(context: &Rc<Context>, base: *mut u8, len: usize) -> Result<Self, UcxError> {
+    pub unsafe fn map(
+        context: &Rc<Context>,
+        base: *mut u8,
+        len: usize,
+        memory: super::MemoryType,
+    ) -> Result<Self, UcxError> {
         let params = sys::ucp_mem_map_params_t {
             field_mask: sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
                 | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
@@ -676,7 +702,7 @@ impl MemHandle {
                 | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
                 | sys::UCP_MEM_MAP_PROT_REMOTE_READ
                 | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE,
-            memory_type: sys::UCS_MEMORY_TYPE_HOST,
+            memory_type: memory.raw(),
         };
         let mut memh = ptr::null_mut();
         // SAFETY: the context is live; the memory's lifetime is the caller's contract.

@@ -74,8 +74,9 @@ pub const UCS_ERR_LAST: ucs_status_t = -100;
 
 // ucs_thread_mode_t.
 pub const UCS_THREAD_MODE_SINGLE: ucs_thread_mode_t = 0;
-// ucs_memory_type_t.
+// ucs_memory_type_t (ucs/memory/memory_type.h).
 pub const UCS_MEMORY_TYPE_HOST: ucs_memory_type_t = 0;
+pub const UCS_MEMORY_TYPE_CUDA: ucs_memory_type_t = 1;
 // ucp_err_handling_mode_t.
 pub const UCP_ERR_HANDLING_MODE_NONE: ucp_err_handling_mode_t = 0;
 pub const UCP_ERR_HANDLING_MODE_PEER: ucp_err_handling_mode_t = 1;
@@ -88,6 +89,11 @@ pub const UCP_FEATURE_TAG: u64 = 1 << 0;
 pub const UCP_FEATURE_RMA: u64 = 1 << 1;
 pub const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
 pub const UCP_FEATURE_AM: u64 = 1 << 6;
+
+// ucp_context_attr_field.
+pub const UCP_ATTR_FIELD_MEMORY_TYPES: u64 = 1 << 2;
+/// `UCP_ENTITY_NAME_MAX` (ucp_def.h).
+pub const UCP_ENTITY_NAME_MAX: usize = 32;
 
 // ucp_worker_params_field.
 pub const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
@@ -148,6 +154,18 @@ pub struct ucp_params_t {
     pub estimated_num_eps: usize,
     pub estimated_num_ppn: usize,
     pub name: *const c_char,
+}
+
+/// `ucp_context_attr_t`: what `ucp_context_query` reports of a context.
+#[repr(C)]
+pub struct ucp_context_attr_t {
+    pub field_mask: u64,
+    pub request_size: usize,
+    pub thread_mode: ucs_thread_mode_t,
+    /// A bitmap of `ucs_memory_type_t`: bit `UCS_MEMORY_TYPE_CUDA` is set when the context
+    /// can send and receive CUDA device memory.
+    pub memory_types: u64,
+    pub name: [c_char; UCP_ENTITY_NAME_MAX],
 }
 
 /// `ucs_cpu_set_t`: 1024 bits.
@@ -328,6 +346,8 @@ unsafe extern "C" {
         context_p: *mut ucp_context_h,
     ) -> ucs_status_t;
     pub fn ucp_cleanup(context: ucp_context_h);
+    pub fn ucp_context_query(context: ucp_context_h, attr: *mut ucp_context_attr_t)
+    -> ucs_status_t;
 
     pub fn ucp_worker_create(
         context: ucp_context_h,

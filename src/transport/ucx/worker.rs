@@ -12,9 +12,10 @@ use std::sync::{Arc, mpsc};
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use super::UcxError;
 use super::region::RegisterableMemory;
+use super::{MemoryTypes, UcxError};
 pub use crate::memory::{Span, WriteRun};
+use crate::transport::RecvBuffers;
 
 /// An endpoint of one [`UcxWorker`] (a connection to one remote worker).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -151,6 +152,8 @@ pub(super) enum Command {
         mask: u64,
         capacity: usize,
         from: Option<EndpointId>,
+        /// Whose buffer the message lands in (a fresh allocation when `None`).
+        into: Option<Arc<dyn RecvBuffers>>,
         reply: Reply<Received>,
     },
     Register {
@@ -224,6 +227,7 @@ struct Shared {
     commands: mpsc::Sender<Command>,
     wake: Arc<OwnedFd>,
     address: Bytes,
+    memory_types: MemoryTypes,
     /// The progress thread, joined when the last handle goes.
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -319,12 +323,13 @@ impl UcxWorker {
                 op: "spawn the UCX progress thread",
                 message: e.to_string(),
             })?;
-        let address = started.await.map_err(|_| UcxError::WorkerGone)??;
+        let (address, memory_types) = started.await.map_err(|_| UcxError::WorkerGone)??;
         Ok(UcxWorker {
             shared: Arc::new(Shared {
                 commands,
                 wake,
                 address,
+                memory_types,
                 thread: Some(thread),
             }),
         })
@@ -333,6 +338,19 @@ impl UcxWorker {
     /// This worker's address: the bytes a peer passes to [`UcxWorker::connect`].
     pub fn address(&self) -> Bytes {
         self.shared.address.clone()
+    }
+
+    /// The memory types this worker's context moves, as `ucp_context_query` reported them
+    /// when the worker started.
+    pub fn memory_types(&self) -> MemoryTypes {
+        self.shared.memory_types
+    }
+
+    /// Whether this worker sends CUDA device memory and receives into it: a libucx built with
+    /// CUDA, which found the driver at run time. Memory of a kind the worker cannot move is
+    /// refused ([`UcxError::MemoryType`]) before UCX sees it.
+    pub fn sends_device_memory(&self) -> bool {
+        self.shared.memory_types.sends_device_memory()
     }
 
     async fn call<T: Send + 'static>(
@@ -453,11 +471,24 @@ impl UcxWorker {
         mask: u64,
         capacity: usize,
     ) -> impl std::future::Future<Output = Result<Received, UcxError>> + Send + 'static {
+        self.post_recv_tag_into(tag, mask, capacity, None)
+    }
+
+    /// As [`UcxWorker::post_recv_tag`], landing in a buffer of `into` when given (it goes back
+    /// there when the received bytes are dropped, or when the receive fails).
+    pub fn post_recv_tag_into(
+        &self,
+        tag: u64,
+        mask: u64,
+        capacity: usize,
+        into: Option<Arc<dyn RecvBuffers>>,
+    ) -> impl std::future::Future<Output = Result<Received, UcxError>> + Send + 'static {
         self.queued(move |reply| Command::RecvTag {
             tag,
             mask,
             capacity,
             from: None,
+            into,
             reply,
         })
     }
@@ -476,6 +507,7 @@ impl UcxWorker {
             mask,
             capacity,
             from: Some(from),
+            into: None,
             reply,
         })
         .await

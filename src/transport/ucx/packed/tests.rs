@@ -4,9 +4,9 @@
 use std::rc::Rc;
 
 use super::*;
-use crate::transport::ucx::UcxError;
 use crate::transport::ucx::safe::{Context, Endpoint, MemHandle, Worker};
 use crate::transport::ucx::sys;
+use crate::transport::ucx::{MemoryType, UcxError};
 
 /// The UCX transports to pack addresses and keys with; tcp pinned to loopback.
 const TRANSPORTS: [&[(&str, &str)]; 9] = [
@@ -42,7 +42,15 @@ fn pack(vars: &[(&str, &str)]) -> Packed {
     let address = worker.address().unwrap();
     let mut buffer = vec![0u8; 1 << 16];
     // SAFETY: the buffer lives (in `_memory`, after the handle) as long as the handle.
-    let handle = unsafe { MemHandle::map(&context, buffer.as_mut_ptr(), buffer.len()) }.unwrap();
+    let handle = unsafe {
+        MemHandle::map(
+            &context,
+            buffer.as_mut_ptr(),
+            buffer.len(),
+            MemoryType::Host,
+        )
+    }
+    .unwrap();
     let rkey = handle.rkey().unwrap();
     Packed {
         worker,

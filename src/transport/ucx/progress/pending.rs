@@ -17,6 +17,7 @@ use bytes::Bytes;
 use super::rma::PutSource;
 use super::runs::{Group, Receiving};
 use super::{Engine, UcxError};
+use crate::transport::RecvBuffers;
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::result::status_name;
 use crate::transport::ucx::revocable::Revocable;
@@ -84,6 +85,9 @@ pub(super) enum Op {
     Recv {
         buffer: Vec<u8>,
         capacity: usize,
+        /// Whose buffer it is ([`crate::transport::RecvBuffers`]): it goes back there,
+        /// filled or not.
+        into: Option<Arc<dyn RecvBuffers>>,
         reply: Reply<Received>,
     },
     /// One run of a [`Command::SendRuns`] or [`Command::RecvRuns`] (`receiving`: a receive,
@@ -263,9 +267,10 @@ impl Engine {
             Op::Recv {
                 buffer,
                 capacity,
+                into,
                 reply,
             } => {
-                let _ = reply.send(recv_result(buffer, capacity, status, info).map_err(
+                let _ = reply.send(recv_result(buffer, capacity, into, status, info).map_err(
                     |e| match e {
                         RecvFail::Truncated => UcxError::Truncated { capacity },
                         RecvFail::Status(status) => error(status),
@@ -336,13 +341,19 @@ enum RecvFail {
     Status(sys::ucs_status_t),
 }
 
-/// A completed receive's buffer, cut to the received length.
+/// A completed receive's buffer, cut to the received length (a buffer of `into` goes back
+/// there when the bytes are dropped, or at once when the receive failed).
 fn recv_result(
     mut buffer: Vec<u8>,
     capacity: usize,
+    into: Option<Arc<dyn RecvBuffers>>,
     status: sys::ucs_status_t,
     info: sys::ucp_tag_recv_info_t,
 ) -> Result<Received, RecvFail> {
+    let freeze = |buffer: Vec<u8>| match into {
+        Some(owner) => owner.freeze(buffer),
+        None => Bytes::from(buffer),
+    };
     match status {
         sys::UCS_OK if info.length <= capacity => {
             // SAFETY: UCX completed the receive and wrote `info.length` bytes at the start of
@@ -350,10 +361,15 @@ fn recv_result(
             unsafe { buffer.set_len(info.length) };
             Ok(Received {
                 tag: info.sender_tag,
-                data: Bytes::from(buffer),
+                data: freeze(buffer),
             })
         }
-        sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED => Err(RecvFail::Truncated),
-        status => Err(RecvFail::Status(status)),
+        failed => {
+            drop(freeze(buffer));
+            match failed {
+                sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED => Err(RecvFail::Truncated),
+                status => Err(RecvFail::Status(status)),
+            }
+        }
     }
 }

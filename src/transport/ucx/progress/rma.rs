@@ -9,12 +9,12 @@ use bytes::Bytes;
 
 use super::Engine;
 use super::pending::Op;
-use crate::transport::ucx::UcxError;
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::safe::{Endpoint, MemHandle, RemoteKey};
 use crate::transport::ucx::worker::{
     EndpointId, MemId, Registered, RemoteRegionId, Reply, WriteRun,
 };
+use crate::transport::ucx::{MemoryType, UcxError};
 
 /// A peer's registered memory: the endpoint to it, the unpacked key and the bounds. Each put
 /// into it holds the key too (`Op::Put`), so the key is destroyed only once the region is gone
@@ -64,9 +64,10 @@ impl Engine {
         memory: Arc<dyn RegisterableMemory>,
     ) -> Result<Registered, UcxError> {
         let (base, size) = (memory.base(), memory.size());
+        let kind = self.movable("register", memory.as_ref())?;
         // SAFETY: RegisterableMemory guarantees base..base+size stays mapped while the value
         // lives; the Arc is stored next to the handle and dropped after it.
-        let handle = unsafe { MemHandle::map(&self.context, base, size) }?;
+        let handle = unsafe { MemHandle::map(&self.context, base, size, kind) }?;
         let rkey = handle.rkey()?;
         let id = self.id();
         self.registered.insert(id, (handle, memory));
@@ -146,6 +147,15 @@ impl Engine {
             id: region.0,
         })?;
         let (ep, endpoint, remote_size) = (r.ep, r.endpoint.clone(), r.size);
+        if let PutSource::Memory(m) = source
+            && m.memory_type() != MemoryType::Host
+        {
+            return Err(UcxError::MemoryType {
+                op: "put",
+                memory: m.memory_type(),
+                why: "puts go from host memory only",
+            });
+        }
         let local = source.size() as u64;
         for run in runs {
             for (offset, size) in [(run.src, local), (run.dst, remote_size)] {

@@ -16,12 +16,12 @@ use std::time::{Duration, Instant};
 
 use super::Engine;
 use super::pending::{Op, Pending};
-use crate::transport::ucx::UcxError;
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::revocable::RevocableBox;
 use crate::transport::ucx::safe::Started;
 use crate::transport::ucx::sys;
 use crate::transport::ucx::worker::{EndpointId, Reply, Span};
+use crate::transport::ucx::{MemoryType, UcxError};
 
 /// How long revoked receives that no message matched stay posted before they are cancelled.
 /// A sender queues a chunk's runs once the receiver has posted them (the agents' `Posted`), so
@@ -141,14 +141,16 @@ impl Engine {
         runs: Vec<Span>,
         reply: Reply<()>,
     ) {
-        let endpoint =
-            match check(tag, &runs, source.size()).and_then(|()| self.endpoint("send_run", ep)) {
-                Ok(e) => e,
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                    return;
-                }
-            };
+        let checked = check(tag, &runs, source.size())
+            .and_then(|()| self.movable("send_run", source.as_ref()))
+            .and_then(|kind| Ok((kind, self.endpoint("send_run", ep)?)));
+        let (kind, endpoint) = match checked {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
         let group = Group::new(runs.len().max(1), reply, None);
         if runs.is_empty() {
             group.done(Ok(()));
@@ -161,7 +163,7 @@ impl Engine {
                 length: run.len as usize,
             }];
             // SAFETY: the buffer stays readable until the request completes (see above).
-            match unsafe { endpoint.tag_send(&iov, tag + i as u64) } {
+            match unsafe { endpoint.tag_send(&iov, tag + i as u64, kind) } {
                 Ok(started) => self.track_run(started, Some(ep), &group, source.clone(), None),
                 Err(e) => group.done(Err(self.failure_of("send_run", ep, e))),
             }
@@ -179,10 +181,24 @@ impl Engine {
         cancel: Arc<AtomicBool>,
         reply: Reply<()>,
     ) {
-        if let Err(e) = check(tag, &runs, memory.size()) {
-            let _ = reply.send(Err(e));
-            return;
-        }
+        let checked = check(tag, &runs, memory.size())
+            .and_then(|()| self.movable("recv_run", memory.as_ref()))
+            .and_then(|kind| match (kind, self.eager) {
+                // An eager worker lands runs through its own unpack callback, a host copy.
+                (MemoryType::Cuda, true) => Err(UcxError::MemoryType {
+                    op: "recv_run",
+                    memory: kind,
+                    why: "eager workers land runs by host copies (UCX_TLS of tcp only)",
+                }),
+                _ => Ok(kind),
+            });
+        let kind = match checked {
+            Ok(kind) => kind,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
         let group = Group::new(runs.len().max(1), reply, Some(cancel));
         if runs.is_empty() {
             group.done(Ok(()));
@@ -196,7 +212,7 @@ impl Engine {
                 false => {
                     // SAFETY: `place` holds `len` writable bytes (above) until the request
                     // completes.
-                    let started = unsafe { self.worker.tag_recv(place, len, tag, u64::MAX) };
+                    let started = unsafe { self.worker.tag_recv(place, len, tag, u64::MAX, kind) };
                     (started, None)
                 }
                 true => {

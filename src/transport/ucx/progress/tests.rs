@@ -118,6 +118,7 @@ fn a_queued_put_keeps_its_rkey_until_it_completes() {
         mask: u64::MAX,
         capacity: 16,
         from: None,
+        into: None,
         reply: got,
     });
     call(&mut sender, &mut receiver, |reply| Command::SendTag {
