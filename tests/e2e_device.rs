@@ -400,11 +400,13 @@ fn sidecar_agents_move_rooms_between_device_pools_opened_by_ipc_handle() {
         log.contains("memory=\"device\" ordinal=0 staging=\"pinned_host\""),
         "the decode agent says its pool is device memory and how it stages:\n{log}"
     );
+    // ZeroMQ: the decode receives into libzmq's own (pageable) buffers, and says so.
+    assert!(
+        log.contains("receive_buffers=\"transport\""),
+        "the decode agent says where chunks land:\n{log}"
+    );
     for (role, api) in [("prefill", &c.prefill_api), ("decode", &c.decode_api)] {
-        let text = runtime().block_on(async {
-            let url = format!("{api}/metrics");
-            http().get(url).send().await.unwrap().text().await.unwrap()
-        });
+        let text = metrics_of(api);
         let info = format!(
             "kvferry_pool_info{{role=\"{role}\",memory=\"device\",staging=\"pinned_host\"}} 1"
         );
@@ -412,6 +414,141 @@ fn sidecar_agents_move_rooms_between_device_pools_opened_by_ipc_handle() {
             text.contains(&info),
             "{role} /metrics lacks {info}:\n{text}"
         );
+    }
+    let pinned = pinned_bytes(&metrics_of(&c.prefill_api), "prefill");
+    assert!(pinned > 0, "the prefill's chunk buffers are pinned");
+}
+
+/// `/metrics` of the agent at `api`.
+fn metrics_of(api: &str) -> String {
+    runtime().block_on(async {
+        let url = format!("{api}/metrics");
+        http().get(url).send().await.unwrap().text().await.unwrap()
+    })
+}
+
+/// `kvferry_staging_pinned_bytes` of `role` in `text`.
+fn pinned_bytes(text: &str, role: &str) -> u64 {
+    let name = format!("kvferry_staging_pinned_bytes{{role=\"{role}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&name))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{role} /metrics lacks {name}:\n{text}"))
+}
+
+/// Environment variables added to an agent's.
+type Env = [(&'static str, &'static str)];
+
+/// UCX over tcp on loopback, as e2e_ucx runs it.
+const UCX_TCP: [(&str, &str); 2] = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")];
+
+#[test]
+fn device_pools_over_ucx_stage_in_pinned_host_memory_where_ucx_has_no_cuda() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let engine = Engine::new();
+    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+    let bytes = layout.pool_bytes(PAGES).unwrap();
+    let (prefill_pool, decode_pool) = (engine.alloc(bytes), engine.alloc(bytes));
+    engine.fill(prefill_pool, 0, bytes);
+    engine.fill(decode_pool, POISON, bytes);
+    let opts = AgentOpts {
+        pool_pages: PAGES,
+        transport: "ucx",
+        ..AgentOpts::default()
+    };
+    let (prefill_flag, decode_flag) = (
+        engine.pool_flag(prefill_pool),
+        engine.pool_flag(decode_pool),
+    );
+    let c = FaultCluster::start_env(
+        "device-ucx",
+        &opts.args(),
+        &["--pool", &prefill_flag],
+        &["--pool", &decode_flag],
+        &[],
+        &UCX_TCP,
+    );
+    let rooms = vec![(41, vec![5, 17, 2, 40]), (42, vec![60, 61, 62, 63])];
+    runtime().block_on(async {
+        ask_and_announce(&c.decode_api, std::slice::from_ref(&c.prefill_api), &rooms).await;
+        for (room, _) in &rooms {
+            take_verified(&http(), &c.decode_api, *room).await;
+        }
+    });
+    let all: Vec<u32> = rooms.iter().flat_map(|(_, p)| p.clone()).collect();
+    let checked = untouched_outside(&engine.read(decode_pool, bytes), &layout, PAGES, &all);
+    // Debian's libucx has no CUDA: both agents stage through pinned host memory and say why;
+    // the decode lands chunks in pinned buffers of its own, none of them refused.
+    for (role, spawned, api) in [
+        ("prefill", &c.prefill, &c.prefill_api),
+        ("decode", &c.decode, &c.decode_api),
+    ] {
+        let log = std::fs::read_to_string(&spawned.log).unwrap();
+        assert!(
+            log.contains("staging=\"pinned_host\" reason=UCX has no CUDA memory support"),
+            "the {role} says how it stages and why:\n{log}"
+        );
+        assert!(
+            !log.contains("stays pageable"),
+            "the {role} pinned every buffer:\n{log}"
+        );
+        let text = metrics_of(api);
+        let info = format!(
+            "kvferry_pool_info{{role=\"{role}\",memory=\"device\",staging=\"pinned_host\"}} 1"
+        );
+        assert!(
+            text.contains(&info),
+            "{role} /metrics lacks {info}:\n{text}"
+        );
+        assert!(
+            pinned_bytes(&text, role) > 0,
+            "the {role}'s buffers are pinned"
+        );
+    }
+    let log = std::fs::read_to_string(&c.decode.log).unwrap();
+    assert!(
+        log.contains("receive_buffers=\"pinned_host\""),
+        "the decode lands chunks in pinned buffers:\n{log}"
+    );
+    println!("device pools over UCX: rooms verified, {checked} bytes outside them unchanged");
+}
+
+#[test]
+fn forcing_device_staging_where_the_transport_cannot_send_device_memory_is_refused() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let engine = Engine::new();
+    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+    let pool = engine.alloc(layout.pool_bytes(PAGES).unwrap());
+    let cases: [(&str, &Env, &str); 2] = [
+        ("ucx", &UCX_TCP, "UCX has no CUDA memory support"),
+        ("zmq-tcp", &[], "zmq-tcp sends host memory only"),
+    ];
+    for (transport, env, why) in cases {
+        let opts = AgentOpts {
+            pool_pages: PAGES,
+            transport,
+            ..AgentOpts::default()
+        };
+        let out = std::process::Command::new(release_binary())
+            .args(["decode", "--bootstrap", "http://127.0.0.1:9"])
+            .args(opts.args())
+            .args(["--staging", "device", "--pool", &engine.pool_flag(pool)])
+            .envs(env.iter().copied())
+            .output()
+            .expect("running kvferry decode");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let refusal =
+            format!("--staging device: the {transport} transport cannot send device memory: {why}");
+        assert!(
+            !out.status.success() && stderr.contains(&refusal),
+            "{transport}: {:?}\n{stderr}",
+            out.status
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
 

@@ -69,8 +69,11 @@ pub struct Gauges {
     /// Staging slots in use (prefill: chunks in flight; decode: scatters running).
     pub slots_in_use: usize,
     /// Where the pool's memory is (`host`, `device`) and where its chunks are staged for the
-    /// transport (`host`, `pinned_host`).
+    /// transport (`host`, `pinned_host`, `device`).
     pub pool: (&'static str, &'static str),
+    /// Bytes of host buffers pinned for the device's copies (prefill: chunk buffers; decode:
+    /// receive buffers).
+    pub pinned_bytes: usize,
 }
 
 impl Gauges {
@@ -255,6 +258,12 @@ impl Metrics {
             "kvferry_pool_info",
             "The pool's memory and where its chunks are staged for the transport (always 1).",
             &[(format!(",memory=\"{memory}\",staging=\"{staging}\""), 1)],
+        );
+        gauge(
+            &mut s,
+            "kvferry_staging_pinned_bytes",
+            "Bytes of host buffers pinned for the device's copies (chunk or receive buffers).",
+            &one(g.pinned_bytes as u64),
         );
         let direction = if role == "prefill" {
             "sent"

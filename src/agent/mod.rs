@@ -51,9 +51,13 @@ pub enum AgentError {
     /// The HTTP API could not be bound.
     #[error("api: {0}")]
     Io(#[from] std::io::Error),
+    /// The staging asked for cannot be served (`--staging`).
+    #[error("staging: {0}")]
+    Staging(#[from] StagingError),
 }
 
 pub use pool::EnginePool;
+pub use staging::{Staging, StagingChoice, StagingError};
 
 /// Opens the agent's pool: its own anonymous memory, the engine's shared-memory pool, or
 /// another process's device memory by CUDA IPC handle or VMM shareable handles (which needs the
@@ -80,9 +84,16 @@ pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<EnginePool, AgentError> {
     })
 }
 
-/// The agent's pool with its kernel. Refuses a pool that is not the pool the configuration
-/// describes (layout and page count): the agent's pairing and validation go by the config.
-pub(crate) fn agent_pool(cfg: &AgentConfig, pool: EnginePool) -> Result<AgentPool, AgentError> {
+/// The agent's pool with its kernel, staged for `transport` ([`Staging`]: a device pool's
+/// chunks stay in device staging where the transport sends device memory, as found at run
+/// time, and go through pinned host memory otherwise; `--staging` may insist on either).
+/// Refuses a pool that is not the pool the configuration describes (layout and page count):
+/// the agent's pairing and validation go by the config.
+pub(crate) async fn agent_pool(
+    cfg: &AgentConfig,
+    pool: EnginePool,
+    transport: &dyn crate::transport::Transport,
+) -> Result<AgentPool, AgentError> {
     let (layout, pages, memory) = match &pool {
         EnginePool::Host(p) => (p.layout(), p.num_pages(), "host"),
         EnginePool::Device(p) => (p.layout(), p.num_pages(), "device"),
@@ -99,14 +110,38 @@ pub(crate) fn agent_pool(cfg: &AgentConfig, pool: EnginePool) -> Result<AgentPoo
             reason: e.to_string(),
         }
     })?;
-    match pool.kind() {
-        crate::memory::MemoryKind::Host => tracing::info!(memory = "host", "agent pool"),
-        crate::memory::MemoryKind::Device { ordinal } => tracing::info!(
+    // Only a device pool asks the transport (UCX starts its worker to answer).
+    let device = match (pool.kind(), cfg.staging) {
+        (crate::memory::MemoryKind::Host, _) | (_, StagingChoice::PinnedHost) => {
+            crate::transport::DeviceMemory::HostOnly(String::new())
+        }
+        _ => transport.device_memory().await?,
+    };
+    let (staging, reason) = staging::choose(
+        pool.kind(),
+        cfg.staging,
+        transport.kind().name(),
+        &device,
+        cfg.checksum,
+    )?;
+    let pool = pool.staged(staging);
+    match (pool.kind(), staging) {
+        (crate::memory::MemoryKind::Host, _) => tracing::info!(memory = "host", "agent pool"),
+        (crate::memory::MemoryKind::Device { ordinal }, Staging::Device) => tracing::info!(
             memory = "device",
             ordinal,
-            staging = pool.labels().1,
+            staging = staging.label(),
+            %reason,
+            "agent pool: chunks are gathered into device staging and sent from there; received \
+             into device staging and scattered from there (no D2H, no H2D)"
+        ),
+        (crate::memory::MemoryKind::Device { ordinal }, _) => tracing::info!(
+            memory = "device",
+            ordinal,
+            staging = staging.label(),
+            %reason,
             "agent pool: chunks are gathered on the device and copied to pinned host staging (one \
-             D2H, one H2D on landing): this build's transports send host memory"
+             D2H, one H2D on landing)"
         ),
     }
     Ok(pool)
@@ -230,6 +265,8 @@ pub struct AgentConfig {
     /// Shortest average run a piece sends placed ([`DirectMethod::Place`]); shorter ones are
     /// staged.
     pub placed_min_run_bytes: u64,
+    /// Where a device pool's chunks are staged for the transport ([`StagingChoice`]).
+    pub staging: StagingChoice,
 }
 
 /// When a segment goes by the direct path, with no gather and no scatter: the prefill's pool

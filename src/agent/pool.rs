@@ -18,6 +18,8 @@ use crate::layout::{KvLayout, PageOrder};
 use crate::memory::MemoryKind;
 use crate::pool::HostPool;
 
+use super::staging::Staging;
+
 /// What an agent is started on: a host pool or a device pool.
 #[derive(Debug)]
 pub enum EnginePool {
@@ -50,8 +52,10 @@ pub(crate) enum AgentPool {
         pool: Arc<DevicePool>,
         kernel: Arc<CudaKernel>,
         /// Device staging buffers free for reuse (a chunk takes one while it is gathered or
-        /// scattered).
+        /// scattered, or, with [`Staging::Device`], while the transport sends or receives it).
         staging: Arc<Mutex<Vec<DeviceStaging>>>,
+        /// Where chunks wait for the transport: decided once at start ([`AgentPool::staged`]).
+        mode: Staging,
     },
 }
 
@@ -75,6 +79,7 @@ impl AgentPool {
                 kernel: CudaKernel::shared(pool.ordinal())?,
                 pool: Arc::new(pool),
                 staging: Arc::default(),
+                mode: Staging::PinnedHost,
             },
         })
     }
@@ -131,8 +136,67 @@ impl AgentPool {
     /// its chunks are staged for the transport.
     pub(crate) fn labels(&self) -> (&'static str, &'static str) {
         match self {
-            AgentPool::Host { .. } => ("host", "host"),
-            AgentPool::Device { .. } => ("device", "pinned_host"),
+            AgentPool::Host { .. } => ("host", Staging::Host.label()),
+            AgentPool::Device { mode, .. } => ("device", mode.label()),
+        }
+    }
+
+    /// Where chunks are staged for the transport.
+    pub(crate) fn staging(&self) -> Staging {
+        match self {
+            AgentPool::Host { .. } => Staging::Host,
+            AgentPool::Device { mode, .. } => *mode,
+        }
+    }
+
+    /// The pool with chunks staged as `mode` says (a device pool's choice; a host pool stages
+    /// on the host whatever it is told).
+    pub(crate) fn staged(mut self, to: Staging) -> Self {
+        if let AgentPool::Device { mode, .. } = &mut self {
+            *mode = to;
+        }
+        self
+    }
+
+    /// Gathers the selection into device staging, for a transport that sends device memory
+    /// ([`Staging::Device`]): one launch, after `ready`; no copy to the host.
+    pub(crate) fn gather_device(
+        &self,
+        sel: &Selection<'_>,
+        wire: PageOrder,
+        ready: Option<&ReadyEvent>,
+    ) -> Result<DeviceChunk, KernelError> {
+        let AgentPool::Device {
+            pool,
+            kernel,
+            staging,
+            ..
+        } = self
+        else {
+            return Err(KernelError::Unsupported(
+                "device staging of a host pool".into(),
+            ));
+        };
+        if let Some(ready) = ready {
+            kernel.wait_for(ready)?;
+        }
+        let mut buf = take(kernel, staging, sel.bytes_in(pool.layout())?)?;
+        kernel.gather(pool, sel, wire, &mut buf)?;
+        Ok(DeviceChunk::new(buf, staging.clone()))
+    }
+
+    /// Where a transport that sends device memory lands received payloads: device staging of
+    /// this pool's device, returned for reuse when the payload is dropped. `None` for a host
+    /// pool.
+    pub(crate) fn device_sink(&self) -> Option<Arc<dyn crate::transport::DeviceSink>> {
+        match self {
+            AgentPool::Host { .. } => None,
+            AgentPool::Device {
+                kernel, staging, ..
+            } => Some(Arc::new(DeviceSink {
+                kernel: kernel.clone(),
+                staging: staging.clone(),
+            })),
         }
     }
 
@@ -159,6 +223,7 @@ impl AgentPool {
                 pool,
                 kernel,
                 staging,
+                ..
             } => {
                 if let Some(ready) = ready {
                     kernel.wait_for(ready)?;
@@ -188,6 +253,7 @@ impl AgentPool {
                 pool,
                 kernel,
                 staging,
+                ..
             } => {
                 if let Some(spans) = pool.spans(sel, wire, PLAIN_COPIES, true)? {
                     return Ok(pool.write_spans(&spans, input)?);
@@ -198,6 +264,51 @@ impl AgentPool {
                 keep(staging, buf);
                 Ok(())
             }
+        }
+    }
+
+    /// Copies a received payload into the selection: host bytes as [`AgentPool::scatter`]
+    /// does, device staging (a [`DeviceChunk`] of this pool's, [`Staging::Device`]) with one
+    /// launch straight from it.
+    pub(crate) fn scatter_payload(
+        &self,
+        payload: &crate::transport::Payload,
+        wire: PageOrder,
+        sel: &Selection<'_>,
+    ) -> Result<(), KernelError> {
+        use crate::transport::Payload;
+        let device = match payload {
+            Payload::Host(bytes) => return self.scatter(bytes, wire, sel),
+            Payload::Device(device) => device,
+        };
+        let chunk = device.as_any().downcast_ref::<DeviceChunk>();
+        match (self, chunk) {
+            (AgentPool::Device { pool, kernel, .. }, Some(chunk)) => {
+                let buf = chunk.staging()?;
+                Ok(kernel.scatter(buf, wire, pool, sel)?)
+            }
+            _ => Err(KernelError::Unsupported(
+                "a device payload that is not this pool's device staging".into(),
+            )),
+        }
+    }
+
+    /// The wire checksum of a received payload: of host bytes as they are; of device staging
+    /// through a copy to the host (one D2H: an agent that checksums stages on the host,
+    /// `staging::choose`, so this is only a payload a peer sent from its device).
+    pub(crate) fn payload_checksum(
+        &self,
+        payload: &crate::transport::Payload,
+    ) -> Result<u64, KernelError> {
+        use crate::transport::Payload;
+        match payload {
+            Payload::Host(bytes) => Ok(super::checksum(bytes)),
+            Payload::Device(device) => match device.as_any().downcast_ref::<DeviceChunk>() {
+                Some(chunk) => Ok(super::checksum(&chunk.to_host()?)),
+                None => Err(KernelError::Unsupported(
+                    "a device payload that is not this pool's device staging".into(),
+                )),
+            },
         }
     }
 
@@ -235,6 +346,76 @@ impl super::staging::Pinner for DevicePinner {
         if let Err(e) = self.0.unpin(addr) {
             tracing::warn!(error = %e, "unpinning a staging slot failed");
         }
+    }
+}
+
+/// A chunk in device staging ([`Staging::Device`]): gathered there by a prefill, or received
+/// there by a decode. The staging returns for reuse when the last holder (the transport, the
+/// scatter) drops it.
+pub(crate) struct DeviceChunk {
+    buf: Option<DeviceStaging>,
+    ptr: u64,
+    len: usize,
+    free: Arc<Mutex<Vec<DeviceStaging>>>,
+}
+
+impl DeviceChunk {
+    fn new(buf: DeviceStaging, free: Arc<Mutex<Vec<DeviceStaging>>>) -> Self {
+        DeviceChunk {
+            ptr: buf.device_ptr(),
+            len: crate::kernel::cuda::Staging::len(&buf),
+            buf: Some(buf),
+            free,
+        }
+    }
+
+    fn staging(&self) -> Result<&DeviceStaging, KernelError> {
+        self.buf
+            .as_ref()
+            .ok_or_else(|| KernelError::Unsupported("device staging already returned".into()))
+    }
+
+    /// The chunk's bytes copied to host memory (one D2H).
+    pub(crate) fn to_host(&self) -> Result<Vec<u8>, KernelError> {
+        Ok(self.staging()?.to_host()?)
+    }
+}
+
+impl Drop for DeviceChunk {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            keep(&self.free, buf);
+        }
+    }
+}
+
+// SAFETY: the range is the staging's own device allocation, which this value owns until it
+// drops (then it returns to the free list, and is reused only by a later chunk); the gather
+// that fills it synchronizes before the chunk is made, and a received chunk is written only by
+// the transport that received it, before the scatter reads it.
+#[allow(unsafe_code)]
+unsafe impl crate::transport::DeviceBytes for DeviceChunk {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Device staging for a decode's received payloads ([`AgentPool::device_sink`]).
+struct DeviceSink {
+    kernel: Arc<CudaKernel>,
+    staging: Arc<Mutex<Vec<DeviceStaging>>>,
+}
+
+impl crate::transport::DeviceSink for DeviceSink {
+    fn take(&self, len: usize) -> Result<Arc<dyn crate::transport::DeviceBytes>, String> {
+        let buf = take(&self.kernel, &self.staging, len).map_err(|e| e.to_string())?;
+        Ok(Arc::new(DeviceChunk::new(buf, self.staging.clone())))
     }
 }
 

@@ -1,4 +1,12 @@
-//! Staging slots: the buffers a sender gathers chunks into, reused from chunk to chunk.
+//! Staging: where a pool's chunks wait for the transport ([`Staging`], chosen once at start),
+//! and the slots, the host buffers chunks are gathered into and received in, reused from chunk
+//! to chunk.
+//!
+//! A device pool's chunks are staged in device memory when the transport sends device memory
+//! (UCX built with CUDA, found at run time: [`crate::transport::Transport::device_memory`]),
+//! and in pinned host memory otherwise: gathered on the device, one D2H, sent, received into
+//! a pinned buffer, one H2D, scattered. The choice is logged with its reason and labels
+//! `kvferry_pool_info{staging}`.
 //!
 //! A slot leaves the pool as a `Bytes` handed to the transport and comes back when the
 //! transport drops it (the bytes are on the wire), so a steady transfer allocates nothing and
@@ -10,10 +18,121 @@
 //! with no bounce through the driver's own buffers. A slot is pinned once, when allocated, and
 //! unpinned before its memory is freed.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+
+use crate::memory::MemoryKind;
+use crate::transport::DeviceMemory;
+
+/// Where an agent's chunks are staged for the transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Staging {
+    /// A host pool: chunks are gathered into host buffers (or sent from the pool).
+    Host,
+    /// A device pool over a transport that sends host memory: gathered on the device, one D2H
+    /// into a pinned host buffer; received into a pinned buffer, one H2D, scattered.
+    PinnedHost,
+    /// A device pool over a transport that sends device memory: gathered into device staging
+    /// and sent from there; received into device staging and scattered from there.
+    Device,
+}
+
+impl Staging {
+    /// The `staging` label of `kvferry_pool_info` and the log.
+    pub fn label(self) -> &'static str {
+        match self {
+            Staging::Host => "host",
+            Staging::PinnedHost => "pinned_host",
+            Staging::Device => "device",
+        }
+    }
+}
+
+/// `--staging`: what the operator asks for a device pool's staging.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum StagingChoice {
+    /// Device staging where the transport sends device memory, pinned host staging otherwise.
+    #[default]
+    Auto,
+    /// Pinned host staging, whatever the transport can.
+    PinnedHost,
+    /// Device staging; the agent refuses to start when the transport cannot send device
+    /// memory.
+    Device,
+}
+
+impl StagingChoice {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            StagingChoice::Auto => "auto",
+            StagingChoice::PinnedHost => "pinned-host",
+            StagingChoice::Device => "device",
+        }
+    }
+}
+
+/// A staging the agent cannot serve.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StagingError {
+    /// `--staging device` over a transport that sends host memory only.
+    #[error("--staging device: the {transport} transport cannot send device memory: {reason}")]
+    DeviceUnsupported {
+        /// The transport's name.
+        transport: String,
+        /// Why (the transport's own words).
+        reason: String,
+    },
+    /// `--staging device` with a pool in host memory.
+    #[error("--staging device needs a device pool; this pool is host memory")]
+    HostPool,
+    /// `--staging device` with per-chunk checksums: refused rather than hashing device staging
+    /// through host copies behind the operator's back.
+    #[error(
+        "--staging device with --checksum: device staging is hashed through a copy to host \
+         memory; refused so that the choice is explicit (use --staging auto)"
+    )]
+    Checksum,
+}
+
+/// The staging of a pool in `memory` over a transport that says `device` of itself, as
+/// `choice` asks, with the reason for the log.
+pub(crate) fn choose(
+    memory: MemoryKind,
+    choice: StagingChoice,
+    transport: &str,
+    device: &DeviceMemory,
+    checksum: bool,
+) -> Result<(Staging, String), StagingError> {
+    match (memory, choice, device) {
+        (MemoryKind::Host, StagingChoice::Device, _) => Err(StagingError::HostPool),
+        (MemoryKind::Host, _, _) => Ok((Staging::Host, "the pool is host memory".to_owned())),
+        (_, StagingChoice::PinnedHost, _) => {
+            Ok((Staging::PinnedHost, "--staging pinned-host".to_owned()))
+        }
+        (_, StagingChoice::Device, DeviceMemory::HostOnly(reason)) => {
+            Err(StagingError::DeviceUnsupported {
+                transport: transport.to_owned(),
+                reason: reason.clone(),
+            })
+        }
+        (_, StagingChoice::Device, DeviceMemory::Sends) if checksum => Err(StagingError::Checksum),
+        (_, StagingChoice::Auto, DeviceMemory::HostOnly(reason)) => {
+            Ok((Staging::PinnedHost, reason.clone()))
+        }
+        // Per-chunk checksums hash host bytes: with them, staging stays on the host, where the
+        // bytes are hashed anyway, rather than copying every chunk out of the device to hash it.
+        (_, StagingChoice::Auto, DeviceMemory::Sends) if checksum => Ok((
+            Staging::PinnedHost,
+            format!("{transport} sends device memory, but --checksum hashes host bytes"),
+        )),
+        (_, _, DeviceMemory::Sends) => {
+            Ok((Staging::Device, format!("{transport} sends device memory")))
+        }
+    }
+}
 
 /// Pins host memory for a device's copies, and unpins it.
 pub(crate) trait Pinner: Send + Sync + std::fmt::Debug {
@@ -29,8 +148,8 @@ pub(crate) struct SlotPool {
     free: Mutex<Vec<Vec<u8>>>,
     /// Pins every buffer this pool allocates, when its chunks are copied from a device.
     pinner: Option<Arc<dyn Pinner>>,
-    /// Addresses of the buffers pinned (a refused pin leaves a buffer out).
-    pinned: Mutex<HashSet<usize>>,
+    /// Addresses of the buffers pinned, with their bytes (a refused pin leaves a buffer out).
+    pinned: Mutex<HashMap<usize, usize>>,
 }
 
 impl SlotPool {
@@ -58,7 +177,8 @@ impl SlotPool {
                 buf = Vec::with_capacity(len);
                 match pinner.pin(buf.as_ptr() as usize, buf.capacity()) {
                     Ok(()) => {
-                        self.pinned_set().insert(buf.as_ptr() as usize);
+                        self.pinned_set()
+                            .insert(buf.as_ptr() as usize, buf.capacity());
                     }
                     Err(e) => tracing::warn!(
                         error = %e,
@@ -80,20 +200,37 @@ impl SlotPool {
         })
     }
 
-    fn pinned_set(&self) -> std::sync::MutexGuard<'_, HashSet<usize>> {
+    fn pinned_set(&self) -> std::sync::MutexGuard<'_, HashMap<usize, usize>> {
         self.pinned.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn unpin(&self, pinner: &dyn Pinner, buf: &[u8]) {
-        if buf.as_ptr() as usize != 0 && self.pinned_set().remove(&(buf.as_ptr() as usize)) {
-            pinner.unpin(buf.as_ptr() as usize);
+        let addr = buf.as_ptr() as usize;
+        if addr != 0 && self.pinned_set().remove(&addr).is_some() {
+            pinner.unpin(addr);
         }
+    }
+
+    /// Bytes of the buffers pinned now (`kvferry_staging_pinned_bytes`).
+    pub(crate) fn pinned_bytes(&self) -> usize {
+        self.pinned_set().values().sum()
     }
 
     /// Buffers waiting for reuse.
     #[cfg(test)]
     fn idle(&self) -> usize {
         self.free.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// A decode lands received chunks in the same pinned buffers ([`crate::transport::RecvBuffers`]).
+impl crate::transport::RecvBuffers for SlotPool {
+    fn take(&self, len: usize) -> Vec<u8> {
+        SlotPool::take(self, len)
+    }
+
+    fn freeze(self: Arc<Self>, buf: Vec<u8>) -> Bytes {
+        self.bytes(buf)
     }
 }
 
@@ -161,6 +298,7 @@ mod tests {
         let a = pool.take(1000);
         let a_addr = a.as_ptr() as usize;
         assert_eq!(*pins.0.lock().unwrap(), vec![(a_addr, a.capacity())]);
+        assert_eq!(pool.pinned_bytes(), a.capacity());
         drop(pool.bytes(a));
         // Reused as is for a smaller chunk: no new pin.
         let b = pool.take(600);
@@ -184,6 +322,60 @@ mod tests {
         assert!(
             pins.0.lock().unwrap().is_empty(),
             "the last slot back unpins everything"
+        );
+    }
+
+    #[test]
+    fn a_device_pool_stages_on_the_device_only_where_the_transport_sends_device_memory() {
+        let device = MemoryKind::Device { ordinal: 0 };
+        let no_cuda = DeviceMemory::HostOnly("UCX has no CUDA memory support".into());
+        let (auto, pinned, forced) = (
+            StagingChoice::Auto,
+            StagingChoice::PinnedHost,
+            StagingChoice::Device,
+        );
+        // Without device memory in the transport: pinned host staging, for its reason.
+        assert_eq!(
+            choose(device, auto, "ucx", &no_cuda, false),
+            Ok((Staging::PinnedHost, "UCX has no CUDA memory support".into()))
+        );
+        // Forced device staging there is refused, typed, with the transport's words.
+        assert_eq!(
+            choose(device, forced, "ucx", &no_cuda, false),
+            Err(StagingError::DeviceUnsupported {
+                transport: "ucx".into(),
+                reason: "UCX has no CUDA memory support".into()
+            })
+        );
+        // With it: device staging, unless asked otherwise or checksummed.
+        let sends = DeviceMemory::Sends;
+        let chosen = |choice, checksum| choose(device, choice, "ucx", &sends, checksum);
+        assert_eq!(chosen(auto, false).map(|c| c.0), Ok(Staging::Device));
+        assert_eq!(chosen(forced, false).map(|c| c.0), Ok(Staging::Device));
+        assert_eq!(chosen(pinned, false).map(|c| c.0), Ok(Staging::PinnedHost));
+        assert_eq!(chosen(auto, true).map(|c| c.0), Ok(Staging::PinnedHost));
+        assert_eq!(chosen(forced, true), Err(StagingError::Checksum));
+        // Host pools stage on the host; device staging of one is refused.
+        for d in [&sends, &no_cuda] {
+            assert_eq!(
+                choose(MemoryKind::Host, auto, "ucx", d, false).map(|c| c.0),
+                Ok(Staging::Host)
+            );
+            assert_eq!(
+                choose(MemoryKind::Host, forced, "ucx", d, false),
+                Err(StagingError::HostPool)
+            );
+        }
+        assert_eq!(
+            (Staging::PinnedHost.label(), Staging::Device.label()),
+            ("pinned_host", "device")
+        );
+        let refused = choose(device, forced, "zmq-tcp", &no_cuda, false).unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .contains("zmq-tcp transport cannot send device memory"),
+            "{refused}"
         );
     }
 

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use crate::agent::api::print_listening;
 use crate::agent::decode::DecodeAgent;
 use crate::agent::prefill::PrefillAgent;
-use crate::agent::{AgentConfig, DirectWrites, Timeouts};
+use crate::agent::{AgentConfig, DirectWrites, StagingChoice, Timeouts};
 use crate::layout::{AttentionKind, Dtype, KvFormat, KvLayout, KvPlacement, ModelSpec, PageOrder};
 use crate::protocol::Ranks;
 use crate::transport::TransportKind;
@@ -175,6 +175,12 @@ pub struct AgentArgs {
     /// where the transport's writes are fast and the layouts line up, `always`, or `never`.
     #[arg(long, env = "KVFERRY_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
     pub direct_writes: DirectWrites,
+    /// Where a device pool's chunks wait for the transport: `auto` stages in device memory
+    /// when the transport sends it (UCX built with CUDA, found at start) and in pinned host
+    /// memory otherwise; `pinned-host`; or `device`, which refuses to start where the transport
+    /// cannot send device memory (or with --checksum). Host pools stage on the host.
+    #[arg(long, env = "KVFERRY_STAGING", value_enum, default_value_t = StagingChoice::Auto)]
+    pub staging: StagingChoice,
     /// Shortest average run, in bytes, that a piece sends as placed runs rather than staged:
     /// each run is one rendezvous message (a handshake and a read). The default is where
     /// placing won over staging on UCX 1.13's shared memory here (docs/benchmarks.md); a
@@ -284,6 +290,7 @@ impl AgentArgs {
             fault_corrupt_chunk: self.fault_corrupt_chunk,
             copy_threads: self.copy_threads,
             direct_writes: self.direct_writes,
+            staging: self.staging,
             placed_min_run_bytes: self.placed_min_run_bytes,
             timeouts: Timeouts {
                 bootstrap: ms(self.timeout_bootstrap_ms),

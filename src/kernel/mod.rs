@@ -106,6 +106,10 @@ pub enum KernelError {
         /// Bytes of the run.
         len: u64,
     },
+    /// A copy between memory the pool does not have (device staging of a host pool, a
+    /// device payload that is not this pool's staging).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// Selection arithmetic overflowed.
     #[error(transparent)]
     Layout(#[from] LayoutError),

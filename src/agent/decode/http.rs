@@ -71,6 +71,7 @@ async fn metrics(State(inner): Shared) -> Response {
         pool_total: inner.alloc.total_pages(),
         pool_free: inner.alloc.free_pages(),
         pool: inner.pool.labels(),
+        pinned_bytes: inner.recv_slots.as_ref().map_or(0, |s| s.pinned_bytes()),
         ..Gauges::default()
     };
     for room in inner.rooms().values() {

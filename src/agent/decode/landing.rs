@@ -13,6 +13,7 @@
 
 use super::*;
 use crate::protocol::Placed;
+use crate::transport::Payload;
 
 /// A chunk admitted for scattering: the room's pages, the destination selection (its page
 /// list filled in on the blocking thread) and the wire order.
@@ -38,7 +39,7 @@ pub(super) async fn receive_chunks(inner: Arc<Inner>, mut receiver: Box<dyn Data
                 receiver.reset();
                 continue;
             }
-            r = receiver.recv() => r,
+            r = receiver.recv_payload() => r,
         };
         match received {
             Ok((header, payload)) => {
@@ -138,7 +139,7 @@ impl Inner {
 
     /// Lands one chunk (or drops it, for a room no longer accepting), then returns the
     /// staging slot it used to the prefill that sent it as a credit.
-    pub(super) async fn on_chunk(self: &Arc<Self>, header: Bytes, payload: Bytes) {
+    pub(super) async fn on_chunk(self: &Arc<Self>, header: Bytes, payload: Payload) {
         let chunk = match Message::decode(&header) {
             Ok(Message::Chunk(c)) => c,
             Ok(other) => {
@@ -192,7 +193,7 @@ impl Inner {
         tracing::debug!(room = chunk.room, seq = chunk.seq, claims = %chunk.prefill_instance, why, "forged chunk dropped");
     }
 
-    pub(super) async fn land(self: &Arc<Self>, chunk: &Chunk, payload: Bytes) {
+    pub(super) async fn land(self: &Arc<Self>, chunk: &Chunk, payload: Payload) {
         let admitted = self
             .admit_payload(chunk, &payload)
             .and_then(|len| self.admit_chunk(chunk, len));
@@ -368,7 +369,7 @@ impl Inner {
     async fn verify_and_scatter(
         &self,
         chunk: &Chunk,
-        payload: Bytes,
+        payload: Payload,
         pages: Arc<[u32]>,
         sel: Selection<'static>,
         wire: PageOrder,
@@ -384,7 +385,7 @@ impl Inner {
             if verify {
                 let sum = match in_place {
                     true => crate::agent::checksum_digest(pool.checksum(&sel, wire)?),
-                    false => crate::agent::checksum(&payload),
+                    false => pool.payload_checksum(&payload)?,
                 };
                 if sent_sum != sum {
                     return Ok(Err(format!("checksum {sum:#018x} of the landed bytes differs from the sender's {sent_sum:#018x}")));
@@ -392,7 +393,7 @@ impl Inner {
             }
             match in_place {
                 true => Ok(Ok(())),
-                false => pool.scatter(&payload, wire, &sel).map(Ok),
+                false => pool.scatter_payload(&payload, wire, &sel).map(Ok),
             }
         })
         .await;
@@ -417,7 +418,7 @@ impl Inner {
     /// The bytes a chunk brings: its payload, or for a direct or placed chunk the bytes the
     /// header says (then no payload may follow; a direct chunk must come from a prefill that
     /// announced direct writes, a placed one needs a transport that places).
-    fn admit_payload(&self, c: &Chunk, payload: &Bytes) -> Result<usize, Option<Reason>> {
+    fn admit_payload(&self, c: &Chunk, payload: &Payload) -> Result<usize, Option<Reason>> {
         if !c.direct && c.placed.is_none() {
             return Ok(payload.len());
         }

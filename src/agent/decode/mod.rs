@@ -92,14 +92,14 @@ impl DecodeAgent {
         pool: impl Into<super::EnginePool>,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
-        let pool = super::agent_pool(&cfg, pool.into())?;
+        let auth = super::zmq_auth(&cfg);
+        let data = transport::for_kind(cfg.transport, cfg.chunk_bytes, &auth);
+        let pool = super::agent_pool(&cfg, pool.into(), data.as_ref()).await?;
         let instance = Uuid::new_v4();
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
-        let auth = super::zmq_auth(&cfg);
-        let (bound, mut receiver) = transport::for_kind(cfg.transport, cfg.chunk_bytes, &auth)
-            .listen(&cfg.host, cfg.data_port)
-            .await?;
+        let (bound, mut receiver) = data.listen(&cfg.host, cfg.data_port).await?;
+        let recv_slots = land_where_staged(&pool, receiver.as_mut())?;
         let data_endpoint = transport::advertised(&bound, &cfg.advertise_host);
         // Writes into the pool are described by the wire layout, which has no placement: only
         // a pool of planes (every agent's from the command line) is exposed.
@@ -117,6 +117,7 @@ impl DecodeAgent {
         let inner = Arc::new(Inner {
             instance,
             pool,
+            recv_slots,
             alloc,
             registry: registry.clone(),
             data_endpoint: data_endpoint.clone(),
@@ -219,6 +220,9 @@ struct Inner {
     cfg: AgentConfig,
     instance: Uuid,
     pool: AgentPool,
+    /// The pinned buffers the transport lands a device pool's chunks in, when it takes the
+    /// agent's buffers (`land_where_staged`).
+    recv_slots: Option<Arc<super::staging::SlotPool>>,
     alloc: PageAllocator,
     registry: RegistryClient,
     data_endpoint: String,
@@ -768,5 +772,46 @@ async fn expire_rooms(inner: Arc<Inner>) {
             .metrics
             .expired
             .fetch_add(expired, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Where the receiver lands a device pool's chunks, by its staging: in device staging
+/// ([`super::Staging::Device`]), or in pinned host buffers ([`super::Staging::PinnedHost`],
+/// pinned once each like the prefill's chunk buffers, so that the H2D copy runs at the bus's
+/// speed), where the transport receives into buffers of the agent's (UCX; libzmq allocates
+/// every message itself, and those stay pageable). Logged.
+fn land_where_staged(
+    pool: &AgentPool,
+    receiver: &mut dyn transport::DataReceiver,
+) -> Result<Option<Arc<super::staging::SlotPool>>, super::AgentError> {
+    match pool.staging() {
+        super::Staging::Host => Ok(None),
+        super::Staging::Device => {
+            if let Some(sink) = pool.device_sink() {
+                receiver.land_on_device(sink)?;
+                tracing::info!(receive_buffers = "device", "chunks land in device staging");
+            }
+            Ok(None)
+        }
+        super::Staging::PinnedHost => {
+            let slots = Arc::new(pool.slots());
+            match receiver.receive_into(slots.clone()) {
+                true => {
+                    tracing::info!(
+                        receive_buffers = "pinned_host",
+                        "chunks land in pinned host buffers"
+                    );
+                    Ok(Some(slots))
+                }
+                false => {
+                    tracing::info!(
+                        receive_buffers = "transport",
+                        "chunks land in the transport's own buffers (pageable): it allocates \
+                         them itself"
+                    );
+                    Ok(None)
+                }
+            }
+        }
     }
 }

@@ -67,6 +67,7 @@ async fn metrics(State(inner): Shared) -> Response {
         pool_total: inner.alloc.total_pages(),
         pool_free: inner.alloc.free_pages(),
         pool: inner.pool.labels(),
+        pinned_bytes: inner.slots.pinned_bytes(),
         ..Gauges::default()
     };
     for room in inner.rooms().values() {

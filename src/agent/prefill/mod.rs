@@ -94,7 +94,8 @@ impl PrefillAgent {
         pool: impl Into<super::EnginePool>,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
-        let pool = super::agent_pool(&cfg, pool.into())?;
+        let transport = transport::for_kind(cfg.transport, cfg.chunk_bytes, &super::zmq_auth(&cfg));
+        let pool = super::agent_pool(&cfg, pool.into(), transport.as_ref()).await?;
         let instance = Uuid::new_v4();
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
         let options = super::control_options(&cfg);
@@ -108,7 +109,7 @@ impl PrefillAgent {
             instance,
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
-            transport: transport::for_kind(cfg.transport, cfg.chunk_bytes, &super::zmq_auth(&cfg)),
+            transport,
             replier,
             slots,
             rooms: Mutex::new(HashMap::new()),

@@ -356,6 +356,13 @@ impl Inner {
                         return Ok((Payload::FromPool(host.clone(), spans), sum));
                     }
                 }
+                // Device staging is sent as it is (no checksum: `staging::choose`; a chunk to
+                // corrupt goes through the host).
+                if pool.staging() == crate::agent::Staging::Device && !corrupt && !checksum {
+                    let chunk = pool.gather_device(&sel, wire, ready_on.as_deref())?;
+                    metrics.gather.observe(started.elapsed());
+                    return Ok((Payload::Device(Arc::new(chunk)), 0));
+                }
                 // The payload goes behind room for the frame prefix (`Frame::in_place`).
                 let mut buf = slots.take(FRAME_ROOM + sel.bytes_in(pool.layout())?);
                 let payload = &mut buf[FRAME_ROOM..];

@@ -484,6 +484,12 @@ impl DeviceStaging {
         self.buf.len()
     }
 
+    /// The device address of the first byte, for a transport that moves device memory itself
+    /// (UCX built with CUDA). Host code never dereferences it.
+    pub fn device_ptr(&self) -> u64 {
+        sealed::Sealed::device_addr(self)
+    }
+
     /// Makes the buffer `len` bytes long, within its capacity (contents unspecified).
     pub fn set_len(&mut self, len: usize) -> Result<(), CudaError> {
         if len > self.capacity() {

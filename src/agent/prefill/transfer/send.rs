@@ -4,7 +4,7 @@
 //! stall).
 
 use super::*;
-use crate::transport::{Frame, TransportError};
+use crate::transport::{DeviceBytes, Frame, TransportError};
 
 /// What goes with a chunk's header: its staging buffer (`FRAME_ROOM` bytes for the frame
 /// prefix, then the gathered payload); the ranges of this pool that make the same payload,
@@ -13,6 +13,8 @@ use crate::transport::{Frame, TransportError};
 /// Only host pools are read by the transport itself: the variants that need it carry it.
 pub(super) enum Payload {
     Staged(Vec<u8>),
+    /// Gathered into device staging, sent from there ([`crate::agent::Staging::Device`]).
+    Device(Arc<dyn DeviceBytes>),
     FromPool(Arc<HostPool>, Vec<Span>),
     Direct(usize),
     Placed(Arc<HostPool>, Vec<WriteRun>),
@@ -31,10 +33,19 @@ const REFUSED: &str = "posted";
 /// The op of the error of a placed chunk whose receives the decode never said were posted.
 const NOT_POSTED: &str = "posted_wait";
 
-/// A staged chunk's payload: gathered into a staging slot, or ranges of this pool.
+/// A staged chunk's payload: gathered into a staging slot or into device staging, or ranges
+/// of this pool.
 enum Staged {
     Gathered(Vec<u8>),
+    Device(Arc<dyn DeviceBytes>),
     FromPool(Arc<HostPool>, Vec<Span>),
+}
+
+/// How a staged chunk goes to the transport.
+enum Outgoing {
+    Frame(Frame),
+    FromPool(Frame, Arc<HostPool>, Vec<Span>),
+    Device(Frame, Arc<dyn DeviceBytes>),
 }
 
 impl Inner {
@@ -136,6 +147,10 @@ impl Inner {
                 let path = &self.metrics.chunks_staged;
                 (len, false, path, Some(Staged::Gathered(buf)), None)
             }
+            Payload::Device(chunk) => {
+                let (len, path) = (chunk.len(), &self.metrics.chunks_staged);
+                (len, false, path, Some(Staged::Device(chunk)), None)
+            }
             Payload::FromPool(pool, spans) => {
                 let len = spans.iter().map(|s| s.len).sum::<u64>() as usize;
                 let path = &self.metrics.chunks_from_pool;
@@ -177,11 +192,12 @@ impl Inner {
         });
         let header = header.encode_as(job.peer.version);
         let in_flight = staged.is_some();
-        let (frame, from) = match staged {
-            None => (Frame::header_only(&header), None),
+        let outgoing = match staged {
+            None => Outgoing::Frame(Frame::header_only(&header)),
             Some(Staged::FromPool(pool, spans)) => {
-                (Frame::header_only(&header), Some((pool, spans)))
+                Outgoing::FromPool(Frame::header_only(&header), pool, spans)
             }
+            Some(Staged::Device(chunk)) => Outgoing::Device(Frame::header_only(&header), chunk),
             Some(Staged::Gathered(buf)) => {
                 let frame = Frame::in_place(&header, buf, |buf| self.slots.bytes(buf));
                 let frame = frame.ok_or_else(|| {
@@ -193,16 +209,17 @@ impl Inner {
                         ),
                     )
                 })?;
-                (frame, None)
+                Outgoing::Frame(frame)
             }
         };
         // Queued in order; a staged chunk's bytes are left in flight with the transport (the
         // credits bound how many), a header alone is waited for.
         let sent = self
             .on_data_plane(job, CHUNK_STALL, |data| {
-                let sent = match from {
-                    Some((pool, spans)) => data.send_from(frame, pool, spans),
-                    None => data.send(frame),
+                let sent = match outgoing {
+                    Outgoing::FromPool(frame, pool, spans) => data.send_from(frame, pool, spans),
+                    Outgoing::Device(frame, chunk) => data.send_device(frame, chunk),
+                    Outgoing::Frame(frame) => data.send(frame),
                 };
                 Box::pin(async move { Ok(sent) })
             })
