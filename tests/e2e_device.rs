@@ -442,8 +442,26 @@ type Env = [(&'static str, &'static str)];
 /// UCX over tcp on loopback, as e2e_ucx runs it.
 const UCX_TCP: [(&str, &str); 2] = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")];
 
+/// Whether this run has a UCX built with CUDA (`KVFERRY_UCX_CUDA=1`, on a GPU machine:
+/// docs/gpu.md). Then the agents get the environment's `UCX_*` settings (which must let UCX
+/// use its CUDA transports), else UCX over tcp on loopback.
+fn ucx_with_cuda() -> bool {
+    std::env::var("KVFERRY_UCX_CUDA").as_deref() == Ok("1")
+}
+
+fn ucx_env() -> &'static Env {
+    match ucx_with_cuda() {
+        true => &[],
+        false => &UCX_TCP,
+    }
+}
+
+/// Device pools over UCX: here (Debian's libucx, no CUDA) both agents stage in pinned host
+/// memory, say why, and the decode lands chunks in pinned buffers; with `KVFERRY_UCX_CUDA=1`
+/// both stage on the device and the decode lands chunks in device staging. Every byte is
+/// checked either way.
 #[test]
-fn device_pools_over_ucx_stage_in_pinned_host_memory_where_ucx_has_no_cuda() {
+fn device_pools_over_ucx_stage_where_ucx_can_send_from() {
     if !gpu_or_skip() {
         return;
     }
@@ -468,7 +486,7 @@ fn device_pools_over_ucx_stage_in_pinned_host_memory_where_ucx_has_no_cuda() {
         &["--pool", &prefill_flag],
         &["--pool", &decode_flag],
         &[],
-        &UCX_TCP,
+        ucx_env(),
     );
     let rooms = vec![(41, vec![5, 17, 2, 40]), (42, vec![60, 61, 62, 63])];
     runtime().block_on(async {
@@ -479,15 +497,22 @@ fn device_pools_over_ucx_stage_in_pinned_host_memory_where_ucx_has_no_cuda() {
     });
     let all: Vec<u32> = rooms.iter().flat_map(|(_, p)| p.clone()).collect();
     let checked = untouched_outside(&engine.read(decode_pool, bytes), &layout, PAGES, &all);
-    // Debian's libucx has no CUDA: both agents stage through pinned host memory and say why;
-    // the decode lands chunks in pinned buffers of its own, none of them refused.
+    // Both agents say how they stage and why, none of their pins refused.
+    let (staging, why, lands) = match ucx_with_cuda() {
+        true => ("device", "ucx sends device memory", "device"),
+        false => (
+            "pinned_host",
+            "UCX has no CUDA memory support",
+            "pinned_host",
+        ),
+    };
     for (role, spawned, api) in [
         ("prefill", &c.prefill, &c.prefill_api),
         ("decode", &c.decode, &c.decode_api),
     ] {
         let log = std::fs::read_to_string(&spawned.log).unwrap();
         assert!(
-            log.contains("staging=\"pinned_host\" reason=UCX has no CUDA memory support"),
+            log.contains(&format!("staging=\"{staging}\" reason={why}")),
             "the {role} says how it stages and why:\n{log}"
         );
         assert!(
@@ -496,21 +521,23 @@ fn device_pools_over_ucx_stage_in_pinned_host_memory_where_ucx_has_no_cuda() {
         );
         let text = metrics_of(api);
         let info = format!(
-            "kvferry_pool_info{{role=\"{role}\",memory=\"device\",staging=\"pinned_host\"}} 1"
+            "kvferry_pool_info{{role=\"{role}\",memory=\"device\",staging=\"{staging}\"}} 1"
         );
         assert!(
             text.contains(&info),
             "{role} /metrics lacks {info}:\n{text}"
         );
-        assert!(
+        // Device staging pins nothing; pinned host staging pins every buffer it uses.
+        assert_eq!(
             pinned_bytes(&text, role) > 0,
-            "the {role}'s buffers are pinned"
+            staging == "pinned_host",
+            "the {role}'s pinned buffers"
         );
     }
     let log = std::fs::read_to_string(&c.decode.log).unwrap();
     assert!(
-        log.contains("receive_buffers=\"pinned_host\""),
-        "the decode lands chunks in pinned buffers:\n{log}"
+        log.contains(&format!("receive_buffers=\"{lands}\"")),
+        "the decode says where chunks land:\n{log}"
     );
     println!("device pools over UCX: rooms verified, {checked} bytes outside them unchanged");
 }
@@ -523,10 +550,12 @@ fn forcing_device_staging_where_the_transport_cannot_send_device_memory_is_refus
     let engine = Engine::new();
     let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
     let pool = engine.alloc(layout.pool_bytes(PAGES).unwrap());
-    let cases: [(&str, &Env, &str); 2] = [
-        ("ucx", &UCX_TCP, "UCX has no CUDA memory support"),
-        ("zmq-tcp", &[], "zmq-tcp sends host memory only"),
-    ];
+    let mut cases: Vec<(&str, &Env, &str)> =
+        vec![("zmq-tcp", &[], "zmq-tcp sends host memory only")];
+    // A UCX with CUDA would start (the device path, in the test above).
+    if !ucx_with_cuda() {
+        cases.push(("ucx", &UCX_TCP, "UCX has no CUDA memory support"));
+    }
     for (transport, env, why) in cases {
         let opts = AgentOpts {
             pool_pages: PAGES,

@@ -4,9 +4,12 @@
 //! The data path asks it for the three things it does to pool memory: gather a selection into
 //! a chunk's host buffer, scatter a chunk's host bytes into a selection, and hash a selection in
 //! place. A device pool gathers on the device into device staging and copies the result to the
-//! host buffer once (one D2H), and scatters after one H2D into device staging: the transports
-//! send host memory. A selection that is a few whole contiguous ranges of the pool skips the
-//! kernel: it is copied straight between the pool and the host buffer. Only host pools are read or written by the transports themselves (direct
+//! host buffer once (one D2H), and scatters after one H2D into device staging, where the
+//! transport sends host memory ([`Staging::PinnedHost`]). Where it sends device memory
+//! ([`Staging::Device`]) the chunk stays in device staging ([`DeviceChunk`]): gathered into it,
+//! sent and received by the transport, scattered from it. A selection that is a few whole
+//! contiguous ranges of the pool skips the kernel: it is copied straight between the pool and
+//! the host buffer. Only host pools are read or written by the transports themselves (direct
 //! writes, sends from the pool, placed receives): `AgentPool::host`.
 
 use std::sync::{Arc, Mutex};
