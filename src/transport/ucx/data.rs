@@ -879,6 +879,10 @@ impl DataReceiver for UcxReceiver {
                 )
             })?;
             match tag {
+                // The payload follows its header at once (queued together): the next chunk
+                // waits for it. A sender dead in between holds this receive until the agent
+                // resets the receiver for the dead peer (dropping this future; the progress
+                // thread keeps the device buffer until UCX lets go of it), or 30 s.
                 DEVICE_CHUNK_TAG => Ok((header, self.device_payload(w, rest).await?)),
                 CHUNK_TAG => Ok((header, Payload::Host(rest))),
                 other => Err(TransportError::new(
