@@ -448,3 +448,119 @@ fn keep(free: &Mutex<Vec<DeviceStaging>>, buf: DeviceStaging) {
         free.push(buf);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::ModelSpec;
+    use crate::transport::Payload;
+
+    /// Whether a CUDA driver and NVRTC are there (the emulator in scripts/test); without them
+    /// the test says so and passes, unless `KVFERRY_REQUIRE_GPU=1`.
+    fn gpu_or_skip() -> bool {
+        let (driver, nvrtc) = (
+            crate::kernel::cuda::driver_present(),
+            crate::kernel::cuda::nvrtc_present(),
+        );
+        if driver && nvrtc {
+            return true;
+        }
+        assert!(
+            std::env::var("KVFERRY_REQUIRE_GPU").as_deref() != Ok("1"),
+            "KVFERRY_REQUIRE_GPU=1 but CUDA driver: {driver}, NVRTC: {nvrtc}"
+        );
+        println!("skipped: CUDA driver loadable: {driver}, NVRTC loadable: {nvrtc}");
+        false
+    }
+
+    /// The device staging path of `Staging::Device` as far as it runs without a transport
+    /// that sends device memory: a prefill's gather into device staging, a decode's device
+    /// staging from its sink, the scatter from it, the checksum through the host, and the
+    /// staging's return for reuse. The transport's part (UCX reading one device buffer and
+    /// writing the other) is stood in for by a copy through the host, outside the path.
+    #[test]
+    fn device_staging_gathers_into_and_scatters_from_device_memory() {
+        if !gpu_or_skip() {
+            return;
+        }
+        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        let (pages, wire) = (16, PageOrder::TokenMajor);
+        let kernel = CudaKernel::shared(0).unwrap();
+        let src = DevicePool::new(&kernel, layout.clone(), pages).unwrap();
+        let fill: Vec<u8> = (0..src.size()).map(|i| (i * 7 % 251) as u8).collect();
+        src.write(0, &fill).unwrap();
+        let dst = DevicePool::new(&kernel, layout.clone(), pages).unwrap();
+        dst.fill(0xDE).unwrap();
+        let src = AgentPool::new(src.into(), 1)
+            .unwrap()
+            .staged(Staging::Device);
+        let dst = AgentPool::new(dst.into(), 1)
+            .unwrap()
+            .staged(Staging::Device);
+        assert_eq!(dst.labels(), ("device", "device"));
+        let whole = |pages| Selection {
+            pages,
+            tokens: 0..40,
+            layers: 0..layout.num_layers(),
+            heads: 0..layout.num_heads(),
+        };
+        let (from, to) = ([3u32, 11, 6], [9u32, 0, 14]);
+        let chunk = src.gather_device(&whole(&from), wire, None).unwrap();
+        let mut want = vec![0u8; chunk.len];
+        src.gather(&whole(&from), wire, &mut want, None).unwrap();
+        assert_ne!(chunk.ptr, 0);
+        // The transport's part, stood in for.
+        let sink = dst.device_sink().expect("a device pool has a sink");
+        let landed = sink.take(chunk.len).unwrap();
+        assert_eq!(landed.len(), chunk.len);
+        let AgentPool::Device { staging, .. } = &dst else {
+            unreachable!("a device pool")
+        };
+        drop(landed);
+        assert_eq!(
+            staging.lock().unwrap().len(),
+            1,
+            "the sink's staging came back"
+        );
+        let mut buf = take(&kernel, staging, chunk.len).unwrap();
+        buf.copy_from_host(&chunk.to_host().unwrap()).unwrap();
+        let payload = Payload::Device(Arc::new(DeviceChunk::new(buf, staging.clone())));
+        assert_eq!(
+            dst.payload_checksum(&payload).unwrap(),
+            super::super::checksum(&want)
+        );
+        dst.scatter_payload(&payload, wire, &whole(&to)).unwrap();
+        drop(payload);
+        assert_eq!(
+            staging.lock().unwrap().len(),
+            1,
+            "the payload's staging came back"
+        );
+        let mut got = vec![0u8; want.len()];
+        dst.gather(&whole(&to), wire, &mut got, None).unwrap();
+        assert!(got == want, "the scattered bytes are the gathered ones");
+        // Another pool's device payload, or device staging of a host pool, is refused.
+        assert!(matches!(
+            src.scatter_payload(&Payload::Device(Arc::new(Foreign)), wire, &whole(&from)),
+            Err(KernelError::Unsupported(_))
+        ));
+        drop(chunk);
+    }
+
+    /// Device memory that is not an agent's staging.
+    struct Foreign;
+
+    // SAFETY: never handed to a transport; the pool refuses it before any copy.
+    #[allow(unsafe_code)]
+    unsafe impl crate::transport::DeviceBytes for Foreign {
+        fn device_ptr(&self) -> u64 {
+            0
+        }
+        fn len(&self) -> usize {
+            0
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+}
