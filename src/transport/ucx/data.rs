@@ -10,6 +10,15 @@
 //! turn, each of which keeps receives posted for them (`Posting`); the receiver splits the
 //! message it got into header and payload without copying.
 //!
+//! A chunk whose payload is in device memory ([`DataSender::send_device`], where the worker's
+//! context moves CUDA memory) is two messages to the same worker: its header under
+//! `DEVICE_CHUNK_TAG` (the frame, the payload's length and a random key), then the payload
+//! straight from the sender's device staging under a tag of the key. The receiver takes the
+//! header from its posted receives, then receives the payload into device staging of the
+//! agent's ([`DataReceiver::land_on_device`]) or, without that, into a host buffer. Where the
+//! agent lends its own buffers ([`DataReceiver::receive_into`]: a device pool's pinned ones),
+//! the posted receives land in them.
+//!
 //! Placed runs (the agents' default direct path): a sender sends each run of its pool as a
 //! tagged message straight from the pool ([`UcxWorker::send_runs`]), under tags derived from
 //! the chunk's key (`placed_tag`); the receiver, which posted a receive at each run's place in
