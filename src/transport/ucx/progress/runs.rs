@@ -157,9 +157,10 @@ impl Engine {
         }
         for (i, run) in runs.iter().enumerate() {
             let iov = [sys::ucp_dt_iov_t {
-                // SAFETY: checked above to lie within `source`, which stays mapped while the
-                // Arc lives (kept in the run's Pending entry until the request completes).
-                buffer: unsafe { source.base().add(run.offset as usize) }.cast(),
+                // Checked above to lie within `source`, which stays allocated while the Arc
+                // lives (kept in the run's Pending entry until the request completes).
+                // Wrapping: device memory is no allocation of this process.
+                buffer: source.base().wrapping_add(run.offset as usize).cast(),
                 length: run.len as usize,
             }];
             // SAFETY: the buffer stays readable until the request completes (see above).
@@ -204,9 +205,10 @@ impl Engine {
             group.done(Ok(()));
         }
         for (i, run) in runs.iter().enumerate() {
-            // SAFETY: checked above to lie within `memory`, which stays mapped while the Arc
-            // lives (kept in the run's Pending entry until the request completes).
-            let place = unsafe { memory.base().add(run.offset as usize) };
+            // Checked above to lie within `memory`, which stays allocated while the Arc lives
+            // (kept in the run's Pending entry until the request completes). Wrapping: device
+            // memory is no allocation of this process.
+            let place = memory.base().wrapping_add(run.offset as usize);
             let (tag, len) = (tag + i as u64, run.len as usize);
             let (started, target) = match self.eager {
                 false => {
