@@ -4,6 +4,9 @@
 //! the pools through the transfer kernel on both sides (a gather on the device, one D2H, the
 //! wire, one H2D, a scatter). The engine then reads both pools back with `cuMemcpyDtoH`: every
 //! byte of a room's decode pages must be the prefill's, every other byte the poison it wrote.
+//! Over UCX too, where the agents stage as UCX allows (pinned host memory with Debian's
+//! libucx, which has no CUDA) and say so; `--staging device` where the transport cannot send
+//! device memory is refused at start.
 //!
 //! Needs a CUDA driver and NVRTC. scripts/test runs it on the CUDA driver emulator (emu/cuda,
 //! docs/gpu.md) with KVFERRY_REQUIRE_GPU=1, where a skip is a failure; without either it says
