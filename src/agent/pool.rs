@@ -12,7 +12,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::kernel::cpu::CpuKernel;
-use crate::kernel::cuda::{CudaKernel, DevicePool, DeviceStaging, ReadyEvent};
+use crate::kernel::cuda::{
+    CudaError, CudaKernel, DevicePool, DeviceStaging, IpcEventHandle, IpcEvents, ReadyEvent,
+};
 use crate::kernel::{KernelError, Selection};
 use crate::layout::{KvLayout, PageOrder};
 use crate::memory::MemoryKind;
@@ -52,6 +54,9 @@ pub(crate) enum AgentPool {
         /// Device staging buffers free for reuse (a chunk takes one while it is gathered or
         /// scattered).
         staging: Arc<Mutex<Vec<DeviceStaging>>>,
+        /// The engine's interprocess events this agent opened (a sidecar's readiness events),
+        /// destroyed with the last clone.
+        events: Arc<IpcEvents>,
     },
 }
 
@@ -71,11 +76,15 @@ impl AgentPool {
                 pool: Arc::new(pool),
                 kernel: CpuKernel::new(copy_threads),
             },
-            EnginePool::Device(pool) => AgentPool::Device {
-                kernel: CudaKernel::shared(pool.ordinal())?,
-                pool: Arc::new(pool),
-                staging: Arc::default(),
-            },
+            EnginePool::Device(pool) => {
+                let kernel = CudaKernel::shared(pool.ordinal())?;
+                AgentPool::Device {
+                    events: Arc::new(IpcEvents::new(kernel.clone())),
+                    kernel,
+                    pool: Arc::new(pool),
+                    staging: Arc::default(),
+                }
+            }
         })
     }
 
@@ -144,6 +153,18 @@ impl AgentPool {
         }
     }
 
+    /// Follows another process's CUDA event by its IPC handle (opened once per handle value):
+    /// [`IpcEvents::follow`]. `None` for a host pool.
+    pub(crate) fn follow_ipc(
+        &self,
+        handle: &IpcEventHandle,
+    ) -> Option<Result<ReadyEvent, CudaError>> {
+        match self {
+            AgentPool::Host { .. } => None,
+            AgentPool::Device { events, .. } => Some(events.follow(handle)),
+        }
+    }
+
     /// Copies the selection into `out` (host memory), in `wire` order; on a device pool, after
     /// `ready` completes.
     pub(crate) fn gather(
@@ -159,6 +180,7 @@ impl AgentPool {
                 pool,
                 kernel,
                 staging,
+                ..
             } => {
                 if let Some(ready) = ready {
                     kernel.wait_for(ready)?;
@@ -188,6 +210,7 @@ impl AgentPool {
                 pool,
                 kernel,
                 staging,
+                ..
             } => {
                 if let Some(spans) = pool.spans(sel, wire, PLAIN_COPIES, true)? {
                     return Ok(pool.write_spans(&spans, input)?);
