@@ -408,6 +408,7 @@ struct KvXferParams {
     page_size: u32,
     pool_heads: u32,
     head_bytes: u32,
+    cell_bytes: u32,
     num_planes: u32,
     layer0: u32,
     head0: u32,
@@ -475,6 +476,7 @@ fn gather_one_page(d: &Driver, staging_bytes: usize, free_pool: bool) -> (R, Vec
             page_size: 16,
             pool_heads: 1,
             head_bytes: 64,
+            cell_bytes: 64,
             num_planes: 1,
             heads: 1,
             page_blocks: 1,
@@ -768,8 +770,70 @@ fn proc_addresses_name_implemented_functions_only() {
                     (NOT_FOUND, true, 1),
                     "not implemented: absent"
                 );
+                for name in [c"cuIpcGetEventHandle", c"cuIpcOpenEventHandle"] {
+                    assert_eq!(get(name.as_ptr(), &mut f, 12080, 0, &mut status), SUCCESS);
+                    assert!(!f.is_null() && status == 0, "{name:?} is implemented");
+                }
                 let unknown = get(c"cuNoSuchFunction".as_ptr(), &mut f, 12080, 0, &mut status);
                 assert_eq!((unknown, status), (NOT_FOUND, 1));
+            }
+        }),
+        Ok(0)
+    );
+}
+
+#[test]
+fn interprocess_events_need_disabled_timing_and_export_their_handle_only() {
+    const DISABLE_TIMING: u32 = 2;
+    const INTERPROCESS: u32 = 4;
+    const INVALID_HANDLE: R = 400;
+    assert_eq!(
+        with_context(|d| {
+            let create: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuEventCreate");
+            let destroy: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventDestroy_v2");
+            let get: unsafe extern "C" fn(*mut [u8; 64], Ptr) -> R = d.f("cuIpcGetEventHandle");
+            let open: unsafe extern "C" fn(*mut Ptr, [u8; 64]) -> R = d.f("cuIpcOpenEventHandle");
+            let record: unsafe extern "C" fn(Ptr, Ptr) -> R = d.f("cuEventRecord");
+            let sync: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventSynchronize");
+            let query: unsafe extern "C" fn(Ptr) -> R = d.f("cuEventQuery");
+            let (mut plain, mut shared, mut opened) = (
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            let mut h = [0u8; 64];
+            // SAFETY: valid out pointers; events of this process.
+            unsafe {
+                assert_eq!(
+                    create(&mut shared, INTERPROCESS),
+                    INVALID_VALUE,
+                    "interprocess without disabled timing"
+                );
+                assert_eq!(create(&mut shared, 0x100), INVALID_VALUE, "an unknown flag");
+                assert_eq!(create(&mut plain, DISABLE_TIMING), SUCCESS);
+                assert_eq!(
+                    get(&mut h, plain),
+                    INVALID_VALUE,
+                    "not created interprocess"
+                );
+                assert_eq!(create(&mut shared, INTERPROCESS | DISABLE_TIMING), SUCCESS);
+                assert_eq!(get(std::ptr::null_mut(), shared), INVALID_VALUE);
+                assert_eq!(get(&mut h, 0x1234 as Ptr), INVALID_HANDLE, "not an event");
+                assert_eq!(query(shared), SUCCESS, "never recorded");
+                assert_eq!(get(&mut h, shared), SUCCESS);
+                assert_ne!(h, [0u8; 64]);
+                assert_eq!(
+                    open(&mut opened, h),
+                    INVALID_CONTEXT,
+                    "opened in the exporting process"
+                );
+                // An interprocess event still orders work in its own process.
+                assert_eq!(record(shared, std::ptr::null_mut()), SUCCESS);
+                assert_eq!(sync(shared), SUCCESS);
+                assert_eq!(query(shared), SUCCESS);
+                assert_eq!(destroy(shared), SUCCESS);
+                assert_eq!(get(&mut h, shared), INVALID_HANDLE, "destroyed");
+                assert_eq!(destroy(plain), SUCCESS);
             }
         }),
         Ok(0)

@@ -346,3 +346,216 @@ fn vmm_memory_exported_as_a_posix_fd_maps_in_another_process() {
     assert_eq!(importer.wait(), Ok(0), "importer");
     assert_eq!(exporter.wait(), Ok(0), "exporter");
 }
+
+const DISABLE_TIMING: u32 = 2;
+const INTERPROCESS: u32 = 4;
+const NOT_READY: R = 600;
+
+type EventCreate = unsafe extern "C" fn(*mut Ptr, u32) -> R;
+type EventOp = unsafe extern "C" fn(Ptr) -> R;
+type EventRecord = unsafe extern "C" fn(Ptr, Ptr) -> R;
+type GetEventHandle = unsafe extern "C" fn(*mut [u8; 64], Ptr) -> R;
+type OpenEventHandle = unsafe extern "C" fn(*mut Ptr, [u8; 64]) -> R;
+type StreamCreate = unsafe extern "C" fn(*mut Ptr, u32) -> R;
+type StreamWaitEvent = unsafe extern "C" fn(Ptr, Ptr, u32) -> R;
+type WaitValue = unsafe extern "C" fn(Ptr, u64, u32, u32) -> R;
+type HostAlloc = unsafe extern "C" fn(*mut Ptr, usize, u32) -> R;
+type MemsetAsync = unsafe extern "C" fn(u64, u8, usize, Ptr) -> R;
+
+fn word(s: &mut UnixStream) -> u8 {
+    let mut b = [0u8];
+    s.read_exact(&mut b).expect("the peer's word");
+    b[0]
+}
+
+/// A stream held until `*flag` becomes 1 (`cuStreamWaitValue32` on pinned memory).
+///
+/// # Safety
+/// `d` has a current context.
+unsafe fn held_stream(d: &Driver) -> (Ptr, *mut u32) {
+    let (create, host_alloc, wait_value): (StreamCreate, HostAlloc, WaitValue) = (
+        d.f("cuStreamCreate"),
+        d.f("cuMemHostAlloc"),
+        d.f("cuStreamWaitValue32_v2"),
+    );
+    let (mut s, mut flag) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: valid out pointers; the flag is 4 bytes of pinned memory that is never freed.
+    unsafe {
+        assert_eq!(create(&mut s, 1), SUCCESS);
+        assert_eq!(host_alloc(&mut flag, 4, 0), SUCCESS);
+        let flag = flag.cast::<u32>();
+        flag.write_volatile(0);
+        assert_eq!(wait_value(s, flag as u64, 1, 0), SUCCESS);
+        (s, flag)
+    }
+}
+
+#[test]
+fn an_ipc_event_orders_work_across_processes_in_both_directions() {
+    let (mut to_importer, mut from_exporter) = pair();
+    let (mut to_exporter, mut from_importer) = pair();
+    let exporter = spawn_with_context(move |d| {
+        let create: EventCreate = d.f("cuEventCreate");
+        let (record, get): (EventRecord, GetEventHandle) =
+            (d.f("cuEventRecord"), d.f("cuIpcGetEventHandle"));
+        let (query, sync): (EventOp, EventOp) = (d.f("cuEventQuery"), d.f("cuEventSynchronize"));
+        let mut e = std::ptr::null_mut();
+        let mut h = [0u8; 64];
+        // SAFETY: valid out pointers; the held stream's flag is live pinned memory.
+        unsafe {
+            let (s, flag) = held_stream(d);
+            assert_eq!(create(&mut e, INTERPROCESS | DISABLE_TIMING), SUCCESS);
+            assert_eq!(record(e, s), SUCCESS);
+            assert_eq!(get(&mut h, e), SUCCESS);
+            to_importer.write_all(&h).expect("sending the handle");
+            // The importer saw the record pending and its stream held behind it.
+            assert_eq!(word(&mut from_importer), 1);
+            assert_eq!(query(e), NOT_READY);
+            flag.write_volatile(1);
+            assert_eq!(sync(e), SUCCESS);
+            to_importer.write_all(&[2]).expect("released");
+            // The importer recorded the event on a held stream of its own: the latest record
+            // is the importer's, not complete here either.
+            assert_eq!(word(&mut from_importer), 3);
+            assert_eq!(query(e), NOT_READY, "the importer's record is pending");
+            to_importer.write_all(&[4]).expect("seen");
+            assert_eq!(sync(e), SUCCESS, "the importer released its stream");
+            assert_eq!(query(e), SUCCESS);
+            assert_eq!(word(&mut from_importer), 5);
+        }
+    });
+    let importer = spawn_with_context(move |d| {
+        let (open, get): (OpenEventHandle, GetEventHandle) =
+            (d.f("cuIpcOpenEventHandle"), d.f("cuIpcGetEventHandle"));
+        let (query, sync, destroy): (EventOp, EventOp, EventOp) = (
+            d.f("cuEventQuery"),
+            d.f("cuEventSynchronize"),
+            d.f("cuEventDestroy_v2"),
+        );
+        let (record, wait): (EventRecord, StreamWaitEvent) =
+            (d.f("cuEventRecord"), d.f("cuStreamWaitEvent"));
+        let (create_stream, stream_sync, host_alloc, memset): (
+            StreamCreate,
+            EventOp,
+            HostAlloc,
+            MemsetAsync,
+        ) = (
+            d.f("cuStreamCreate"),
+            d.f("cuStreamSynchronize"),
+            d.f("cuMemHostAlloc"),
+            d.f("cuMemsetD8Async"),
+        );
+        let mut h = [0u8; 64];
+        from_exporter.read_exact(&mut h).expect("the handle");
+        let (mut e, mut s, mut out) = (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        let mut again = [0u8; 64];
+        // SAFETY: valid out pointers; `out` is 64 bytes of pinned memory, never freed.
+        unsafe {
+            assert_eq!(open(std::ptr::null_mut(), h), INVALID_VALUE);
+            assert_eq!(open(&mut e, h), SUCCESS);
+            assert_eq!(get(&mut again, e), SUCCESS);
+            assert_eq!(again, h, "an opened event exports its handle");
+            assert_eq!(query(e), NOT_READY, "the exporter's stream is held");
+            assert_eq!(create_stream(&mut s, 1), SUCCESS);
+            assert_eq!(host_alloc(&mut out, 64, 0), SUCCESS);
+            std::ptr::write_bytes(out.cast::<u8>(), 0, 64);
+            assert_eq!(wait(s, e, 0), SUCCESS);
+            assert_eq!(memset(out as u64, 0xab, 64, s), SUCCESS);
+            // Nothing releases the exporter's stream until this process says so: the memset
+            // behind the wait cannot have run, however long this takes.
+            std::thread::sleep(Duration::from_millis(100));
+            let seen = std::slice::from_raw_parts(out.cast::<u8>(), 64).to_vec();
+            assert!(seen == [0u8; 64], "ran before the exporter's record");
+            to_exporter.write_all(&[1]).expect("telling the exporter");
+            assert_eq!(word(&mut from_exporter), 2);
+            assert_eq!(stream_sync(s), SUCCESS);
+            let seen = std::slice::from_raw_parts(out.cast::<u8>(), 64).to_vec();
+            assert!(seen == [0xab; 64], "the wait let the memset run");
+            assert_eq!(query(e), SUCCESS);
+            assert_eq!(sync(e), SUCCESS);
+            // A record here is what the exporter's queries and waits concern now.
+            let (held, flag) = held_stream(d);
+            assert_eq!(record(e, held), SUCCESS);
+            to_exporter.write_all(&[3]).expect("recorded");
+            assert_eq!(word(&mut from_exporter), 4);
+            flag.write_volatile(1);
+            assert_eq!(sync(e), SUCCESS);
+            to_exporter.write_all(&[5]).expect("done");
+            assert_eq!(destroy(e), SUCCESS);
+            assert_eq!(query(e), INVALID_HANDLE, "destroyed");
+        }
+    });
+    assert_eq!(importer.wait(), Ok(0), "importer");
+    assert_eq!(exporter.wait(), Ok(0), "exporter");
+}
+
+#[test]
+fn an_ipc_event_handle_is_refused_when_its_exporter_died_or_destroyed_it() {
+    // An exporter that exits right after sending its handle.
+    let (mut tx, mut rx) = pair();
+    let dead = spawn_with_context(move |d| {
+        let (create, get): (EventCreate, GetEventHandle) =
+            (d.f("cuEventCreate"), d.f("cuIpcGetEventHandle"));
+        let (mut e, mut h) = (std::ptr::null_mut(), [0u8; 64]);
+        // SAFETY: valid out pointers.
+        unsafe {
+            assert_eq!(create(&mut e, INTERPROCESS | DISABLE_TIMING), SUCCESS);
+            assert_eq!(get(&mut h, e), SUCCESS);
+        }
+        tx.write_all(&h).expect("sending the handle");
+    });
+    let mut of_dead = [0u8; 64];
+    rx.read_exact(&mut of_dead).expect("the handle");
+    assert_eq!(dead.wait(), Ok(0));
+    // An exporter that destroys the event and stays alive; and a memory handle of it.
+    let (mut tx, mut rx) = pair();
+    let (mut done_tx, mut done_rx) = pair();
+    let alive = spawn_with_context(move |d| {
+        let (create, get): (EventCreate, GetEventHandle) =
+            (d.f("cuEventCreate"), d.f("cuIpcGetEventHandle"));
+        let destroy: EventOp = d.f("cuEventDestroy_v2");
+        let (alloc, get_mem): (Alloc, GetHandle) = (d.f("cuMemAlloc_v2"), d.f("cuIpcGetMemHandle"));
+        let (mut e, mut h, mut p, mut m) =
+            (std::ptr::null_mut(), [0u8; 64], 0u64, IpcHandle([0; 64]));
+        // SAFETY: valid out pointers.
+        unsafe {
+            assert_eq!(create(&mut e, INTERPROCESS | DISABLE_TIMING), SUCCESS);
+            assert_eq!(get(&mut h, e), SUCCESS);
+            assert_eq!(destroy(e), SUCCESS);
+            assert_eq!(alloc(&mut p, MIB), SUCCESS);
+            assert_eq!(get_mem(&mut m, p), SUCCESS);
+        }
+        tx.write_all(&h).expect("sending the handle");
+        tx.write_all(&m.0).expect("sending the memory handle");
+        word(&mut done_rx);
+    });
+    let mut of_destroyed = [0u8; 64];
+    rx.read_exact(&mut of_destroyed).expect("the handle");
+    let of_memory = read_handle(&mut rx);
+    let importer = spawn_with_context(move |d| {
+        let open: OpenEventHandle = d.f("cuIpcOpenEventHandle");
+        let mut e = std::ptr::null_mut();
+        // SAFETY: a valid out pointer.
+        unsafe {
+            assert_eq!(
+                open(&mut e, of_dead),
+                INVALID_HANDLE,
+                "the exporter is dead"
+            );
+            assert_eq!(
+                open(&mut e, of_destroyed),
+                INVALID_HANDLE,
+                "the exporter destroyed it"
+            );
+            assert_eq!(open(&mut e, of_memory.0), INVALID_HANDLE, "a memory handle");
+            assert_eq!(open(&mut e, [0x5a; 64]), INVALID_HANDLE, "not a handle");
+        }
+        done_tx.write_all(&[1]).expect("telling the exporter");
+    });
+    assert_eq!(importer.wait(), Ok(0), "importer");
+    assert_eq!(alive.wait(), Ok(0), "exporter");
+}

@@ -722,3 +722,228 @@ fn sidecar_agents_import_vmm_pieces_sent_over_the_engines_socket() {
     );
     println!("VMM pools in 2 MiB pieces: rooms verified, {checked} bytes outside them unchanged");
 }
+
+/// The engine's side of an interprocess event: a stream of its own that it holds
+/// (`cuStreamWaitValue32` on a pinned word), writes queued behind the hold, and an event
+/// created with `CU_EVENT_INTERPROCESS` recorded after them.
+struct HeldWrites<'a> {
+    engine: &'a Engine,
+    stream: Ptr,
+    event: Ptr,
+    flag: *mut u32,
+}
+
+impl<'a> HeldWrites<'a> {
+    fn new(engine: &'a Engine) -> Self {
+        let d = &engine.0;
+        let stream_create: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuStreamCreate");
+        let event_create: unsafe extern "C" fn(*mut Ptr, u32) -> R = d.f("cuEventCreate");
+        let host_alloc: unsafe extern "C" fn(*mut Ptr, usize, u32) -> R = d.f("cuMemHostAlloc");
+        let (mut stream, mut event, mut flag) = (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        // SAFETY: valid out-pointers; the flag is 4 bytes of pinned memory kept to the end.
+        unsafe {
+            // Non-blocking: the engine's synchronous reads on the null stream do not wait for it.
+            assert_eq!(stream_create(&mut stream, 1), SUCCESS);
+            // CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING.
+            assert_eq!(event_create(&mut event, 4 | 2), SUCCESS);
+            assert_eq!(host_alloc(&mut flag, 4, 0), SUCCESS);
+            flag.cast::<u32>().write_volatile(0);
+        }
+        HeldWrites {
+            engine,
+            stream,
+            event,
+            flag: flag.cast(),
+        }
+    }
+
+    /// Holds the stream until the flag reaches `release`, queues the upload of `data` to
+    /// `addr` behind the hold, records the event after it; returns the event's IPC handle in
+    /// hex.
+    fn write_after_hold(&self, release: u32, addr: u64, data: &[u8]) -> String {
+        let d = &self.engine.0;
+        let wait_value: unsafe extern "C" fn(Ptr, u64, u32, u32) -> R =
+            d.f("cuStreamWaitValue32_v2");
+        let htod: unsafe extern "C" fn(u64, *const c_void, usize, Ptr) -> R =
+            d.f("cuMemcpyHtoDAsync_v2");
+        let record: unsafe extern "C" fn(Ptr, Ptr) -> R = d.f("cuEventRecord");
+        let get: unsafe extern "C" fn(*mut [u8; 64], Ptr) -> R = d.f("cuIpcGetEventHandle");
+        let mut handle = [0u8; 64];
+        // SAFETY: the flag is live pinned memory; a copy from pageable memory takes its bytes
+        // before it returns; the event and stream are ours.
+        unsafe {
+            assert_eq!(
+                wait_value(self.stream, self.flag as u64, release, 0),
+                SUCCESS
+            );
+            assert_eq!(
+                htod(addr, data.as_ptr().cast(), data.len(), self.stream),
+                SUCCESS
+            );
+            assert_eq!(record(self.event, self.stream), SUCCESS);
+            assert_eq!(get(&mut handle, self.event), SUCCESS);
+        }
+        handle.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn release(&self, value: u32) {
+        // SAFETY: live pinned memory that the stream's worker polls.
+        unsafe { self.flag.write_volatile(value) };
+    }
+}
+
+/// Asserts `room` at the decode is not `success` over three long polls of a second each.
+async fn still_not_landed(http: &reqwest::Client, decode: &str, room: u64) {
+    for _ in 0..3 {
+        let url = format!("{decode}/v1/rooms/{room}?wait_ms=1000");
+        let v = expect(
+            http,
+            reqwest::Method::GET,
+            &url,
+            None,
+            reqwest::StatusCode::OK,
+        )
+        .await;
+        assert_ne!(
+            v["state"], "success",
+            "room {room} landed before the engine's writes ran: {v}"
+        );
+    }
+}
+
+/// A room: its id, prefill pages, decode pages, and what the engine writes to the prefill pool.
+type Room<'a> = (u64, [u32; 4], [u32; 4], &'a [u8]);
+
+#[test]
+fn a_sidecar_room_behind_the_engines_ipc_event_lands_only_after_its_writes() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let engine = Engine::new();
+    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+    let bytes = layout.pool_bytes(PAGES).unwrap();
+    let (prefill_pool, decode_pool) = (engine.alloc(bytes), engine.alloc(bytes));
+    engine.fill(prefill_pool, 0, bytes);
+    engine.fill(decode_pool, POISON, bytes);
+    // Not synthetic: the KV is what the engine writes.
+    let opts = AgentOpts {
+        pool_pages: PAGES,
+        synthetic: false,
+        ..AgentOpts::default()
+    };
+    let (prefill_flag, decode_flag) = (
+        engine.pool_flag(prefill_pool),
+        engine.pool_flag(decode_pool),
+    );
+    let c = FaultCluster::start(
+        "device-ipc-event",
+        &opts.args(),
+        &["--pool", &prefill_flag],
+        &["--pool", &decode_flag],
+        &[],
+    );
+    let held = HeldWrites::new(&engine);
+    // Two rooms, each behind a record of the same event (one handle, opened once by the
+    // agent): the second is followed at its latest record, not the first.
+    let first: Vec<u8> = (0..bytes).map(|i| (i * 7 + 1) as u8 | 1).collect();
+    let second: Vec<u8> = (0..bytes).map(|i| (i * 13 + 5) as u8 | 1).collect();
+    let rooms: [Room<'_>; 2] = [
+        (81, [3, 17, 9, 40], [50, 2, 33, 8], &first),
+        (82, [60, 1, 22, 5], [10, 11, 61, 0], &second),
+    ];
+    runtime().block_on(async {
+        let http = http();
+        let ready_url = |room: u64| format!("{}/v1/rooms/{room}/ready", c.prefill_api);
+        // Refused with the driver's error: bytes that are no event handle.
+        let (status, v) = call(
+            &http,
+            reqwest::Method::POST,
+            &ready_url(80),
+            Some(&json!({ "tokens": TOKENS, "pages": [0], "cuda_ipc_event": "5a".repeat(64) })),
+        )
+        .await;
+        assert_eq!(status, reqwest::StatusCode::BAD_REQUEST, "{v}");
+        let said = v.to_string();
+        assert!(
+            said.contains("cuda_ipc_event") && said.contains("CUDA_ERROR_INVALID_HANDLE"),
+            "the refusal names the field and the driver's error: {v}"
+        );
+        for (i, (room, src, dst, data)) in rooms.iter().enumerate() {
+            let release = i as u32 + 1;
+            let handle = held.write_after_hold(release, prefill_pool, data);
+            let ask = json!({ "tokens": TOKENS, "pages": dst });
+            let url = format!("{}/v1/rooms/{room}", c.decode_api);
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &url,
+                Some(&ask),
+                reqwest::StatusCode::CREATED,
+            )
+            .await;
+            let ready = json!({ "tokens": TOKENS, "pages": src, "cuda_ipc_event": handle });
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &ready_url(*room),
+                Some(&ready),
+                reqwest::StatusCode::ACCEPTED,
+            )
+            .await;
+            // Held: nothing behind the event has run, so nothing can land.
+            still_not_landed(&http, &c.decode_api, *room).await;
+            held.release(release);
+            let v = wait_final(&http, &c.decode_api, *room).await;
+            assert_eq!(v["state"], "success", "{v}");
+            let url = format!("{}/v1/rooms/{room}/take", c.decode_api);
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &url,
+                None,
+                reqwest::StatusCode::OK,
+            )
+            .await;
+        }
+    });
+    // Every byte of the decode pool: each room's pages hold its write, the rest the poison.
+    let dst_bytes = engine.read(decode_pool, bytes);
+    let (stride, block) = (layout.page_stride().unwrap(), layout.block_bytes().unwrap());
+    let mut landed = 0;
+    for layer in 0..layout.num_layers() {
+        for plane in 0..layout.planes() {
+            let plane_at = layout.plane_offset(layer, plane, PAGES).unwrap();
+            for page in 0..PAGES {
+                let got = &dst_bytes[plane_at + page * stride..][..block];
+                let from = rooms.iter().find_map(|(_, src, dst, data)| {
+                    dst.iter()
+                        .position(|&x| x as usize == page)
+                        .map(|i| (src[i] as usize, *data))
+                });
+                match from {
+                    Some((source, data)) => {
+                        let want = &data[plane_at + source * stride..][..block];
+                        assert!(
+                            got == want,
+                            "layer {layer} plane {plane}: decode page {page} is not the engine's write to prefill page {source}"
+                        );
+                        landed += block;
+                    }
+                    None => assert!(
+                        got.iter().all(|&b| b == POISON),
+                        "layer {layer} plane {plane}: page {page} is outside every room but changed"
+                    ),
+                }
+            }
+        }
+    }
+    assert_eq!(
+        landed,
+        2 * 4 * layout.num_layers() * layout.planes() * block
+    );
+    println!("two rooms behind the engine's IPC event: {landed} bytes landed after its writes");
+}

@@ -498,6 +498,30 @@ fn every_error_is_json_with_its_status_on_the_registry_and_both_agents() {
                 "--pool-pages",
             )
             .json(&json!({ "tokens": 64 * 16 + 1 })),
+            case(
+                "IPC event handle not 128 hex digits",
+                Method::POST,
+                "/v1/rooms/1/ready",
+                400,
+                "cuda_ipc_event must be 128 hex digits",
+            )
+            .json(&json!({ "tokens": 16, "cuda_ipc_event": "ab12" })),
+            case(
+                "IPC event handle not hex",
+                Method::POST,
+                "/v1/rooms/1/ready",
+                400,
+                "cuda_ipc_event is not hex",
+            )
+            .json(&json!({ "tokens": 16, "cuda_ipc_event": "g".repeat(128) })),
+            case(
+                "IPC event on a host pool",
+                Method::POST,
+                "/v1/rooms/1/ready",
+                400,
+                "this agent's pool is host memory",
+            )
+            .json(&json!({ "tokens": 16, "cuda_ipc_event": "5a".repeat(64) })),
         ];
         cases.extend(query_cases("1"));
         tokio::task::block_in_place(|| run("prefill", &p, cases));

@@ -26,6 +26,14 @@
 #include <vector>
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
 
 #include <string>
 
@@ -131,20 +139,109 @@ struct Stream {
     }
 };
 
+constexpr unsigned kEventFlags = 0x7;     // CU_EVENT_BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS
+constexpr unsigned kDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING
+constexpr unsigned kInterprocess = 0x4;   // CU_EVENT_INTERPROCESS
+constexpr uint32_t kEventIpcMagic = 0x4b564656;  // "KVFV"
+constexpr const char* kEventMemfdPrefix = "kvferry-cuda-emu-event-";
+constexpr uint64_t kSharedSlots = 1024;
+
+// The records of an interprocess event, in a memfd that its exporter creates and importers map
+// (through /proc/PID/fd, as IPC memory handles are): every process that records, waits on or
+// queries the event reads and writes these.
+struct SharedRecords {
+    std::atomic<uint32_t> changes;   // bumped at every completion: the futex waiters sleep on
+    std::atomic<uint64_t> recorded;  // records ever enqueued, by any process
+    // done[n % kSharedSlots]: the latest completed record with that remainder. A record is
+    // told apart from the one kSharedSlots later only while fewer are in flight at once.
+    std::atomic<uint64_t> done[kSharedSlots];
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "shared between processes");
+
+// The 64 bytes of a CUipcEventHandle: the exporter (pid and start time) and its memfd.
+struct EventHandle {
+    uint32_t magic;
+    int32_t pid;
+    uint64_t start_time;
+    int32_t fd;
+    int32_t unused0;
+    uint64_t serial;  // the number in the memfd's name
+    char unused[32];
+};
+static_assert(sizeof(EventHandle) == 64, "CUipcEventHandle is 64 bytes");
+
 // An event: its records in order; a wait or query concerns the latest record at the time of
-// the call, and a record is complete once the work before it on its stream is.
+// the call, and a record is complete once the work before it on its stream is. An
+// interprocess event (created with CU_EVENT_INTERPROCESS, or opened from another process's
+// handle) keeps its records in shared memory instead, so that a record in one process is what
+// a wait in another waits for.
 struct Event {
     std::mutex lock;
     std::condition_variable cv;
     uint64_t recorded = 0;        // records ever enqueued
     std::set<uint64_t> pending;   // records not complete yet
+    SharedRecords* shared = nullptr;  // interprocess: the records instead
+    int fd = -1;                      // interprocess: the memfd behind `shared`
+    EventHandle handle{};             // interprocess: what cuIpcGetEventHandle gives
+
+    Event() = default;
+    Event(const Event&) = delete;
+    Event& operator=(const Event&) = delete;
+    ~Event() {
+        if (shared) munmap(shared, sizeof *shared);
+        if (fd >= 0) close(fd);
+    }
+
+    // Enqueues a record (submit lock held); its number.
+    uint64_t add_record() {
+        if (shared) return shared->recorded.fetch_add(1) + 1;
+        std::lock_guard<std::mutex> g(lock);
+        pending.insert(++recorded);
+        return recorded;
+    }
+
+    // Record `n` completed.
+    void finish(uint64_t n) {
+        if (shared) {
+            auto& slot = shared->done[n % kSharedSlots];
+            uint64_t seen = slot.load();
+            while (seen < n && !slot.compare_exchange_weak(seen, n)) {
+            }
+            shared->changes.fetch_add(1);
+            syscall(SYS_futex, reinterpret_cast<uint32_t*>(&shared->changes), FUTEX_WAKE, INT32_MAX, nullptr,
+                    nullptr, 0);
+            return;
+        }
+        std::lock_guard<std::mutex> g(lock);
+        pending.erase(n);
+        cv.notify_all();
+    }
+
+    // The latest record at the time of the call (0 if never recorded).
+    uint64_t latest() {
+        if (shared) return shared->recorded.load();
+        std::lock_guard<std::mutex> g(lock);
+        return recorded;
+    }
 
     bool complete(uint64_t record) {
+        if (shared) return record == 0 || shared->done[record % kSharedSlots].load() >= record;
         std::lock_guard<std::mutex> g(lock);
         return !pending.count(record);
     }
 
     void wait(uint64_t record) {
+        if (shared) {
+            for (;;) {
+                uint32_t seen = shared->changes.load();
+                if (complete(record)) return;
+                // Woken by a completion in any process; the timeout only bounds a lost wake-up.
+                timespec bound{0, 20 * 1000 * 1000};
+                syscall(SYS_futex, reinterpret_cast<uint32_t*>(&shared->changes), FUTEX_WAIT, seen, &bound,
+                        nullptr, 0);
+            }
+        }
         std::unique_lock<std::mutex> g(lock);
         cv.wait(g, [this, record] { return !pending.count(record); });
     }
@@ -599,13 +696,110 @@ CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, un
 
 std::shared_ptr<Event> event_of(CUevent e) { return find_shared(g_streams.events, e); }
 
-CUresult cuEventCreate(CUevent* e, unsigned int /*flags*/) {
-    if (CUresult r = ready()) return r;
-    if (!e) return INVALID_VALUE;
-    auto ev = std::make_shared<Event>();
+namespace {
+
+std::atomic<uint64_t> g_event_serial{0};
+
+// Makes `ev` interprocess: its records in a fresh memfd of this process.
+CUresult share(Event& ev) {
+    uint64_t serial = ++g_event_serial;
+    std::string name = kEventMemfdPrefix + std::to_string(serial);
+    int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    void* m = MAP_FAILED;
+    if (ftruncate(fd, off_t(sizeof(SharedRecords))) == 0)
+        m = mmap(nullptr, sizeof(SharedRecords), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return OUT_OF_MEMORY;
+    }
+    ev.shared = static_cast<SharedRecords*>(m);  // a zero-filled memfd: nothing recorded
+    ev.fd = fd;
+    ev.handle.magic = kEventIpcMagic;
+    ev.handle.pid = getpid();
+    ev.handle.start_time = process_start_time(ev.handle.pid);
+    ev.handle.fd = fd;
+    ev.handle.serial = serial;
+    return SUCCESS;
+}
+
+// Whether `link` (a /proc/PID/fd/N path) is the event memfd numbered `serial`.
+bool is_event_memfd(const std::string& link, uint64_t serial) {
+    char target[256];
+    ssize_t n = readlink(link.c_str(), target, sizeof target - 1);
+    if (n <= 0) return false;
+    target[n] = 0;
+    std::string want = std::string("/memfd:") + kEventMemfdPrefix + std::to_string(serial);
+    return strncmp(target, want.c_str(), want.size()) == 0 && (target[want.size()] == 0 || target[want.size()] == ' ');
+}
+
+CUevent add_event(std::shared_ptr<Event> ev) {
     std::lock_guard<std::mutex> g(g_streams.lock);
     g_streams.events.insert(ev);
-    *e = reinterpret_cast<CUevent>(ev.get());
+    return reinterpret_cast<CUevent>(ev.get());
+}
+
+}  // namespace
+
+// CU_EVENT_INTERPROCESS needs CU_EVENT_DISABLE_TIMING, as the driver documents.
+CUresult cuEventCreate(CUevent* e, unsigned int flags) {
+    if (CUresult r = ready()) return r;
+    if (!e || (flags & ~kEventFlags)) return INVALID_VALUE;
+    if ((flags & kInterprocess) && !(flags & kDisableTiming)) return INVALID_VALUE;
+    auto ev = std::make_shared<Event>();
+    if (flags & kInterprocess) {
+        if (CUresult r = share(*ev)) return r;
+    }
+    *e = add_event(std::move(ev));
+    return SUCCESS;
+}
+
+// The handle of an interprocess event (one opened from a handle gives that handle again).
+CUresult cuIpcGetEventHandle(void* handle, CUevent e) {
+    if (CUresult r = ready()) return r;
+    if (!handle) return INVALID_VALUE;
+    std::shared_ptr<Event> ev = event_of(e);
+    if (!ev) return INVALID_HANDLE;
+    if (!ev->shared) return INVALID_VALUE;  // not created with CU_EVENT_INTERPROCESS
+    memcpy(handle, &ev->handle, sizeof ev->handle);
+    return SUCCESS;
+}
+
+// The 64 bytes of a CUipcEventHandle, passed by value.
+struct RawEventHandle {
+    char reserved[64];
+};
+
+// Another process's interprocess event, as an event of this process (destroyed with
+// cuEventDestroy). Its exporter must still run; opening it in the exporting process fails as
+// cuIpcOpenMemHandle does there.
+CUresult cuIpcOpenEventHandle(CUevent* e, RawEventHandle raw) {
+    if (CUresult r = ready()) return r;
+    if (!e) return INVALID_VALUE;
+    EventHandle h;
+    memcpy(&h, &raw, sizeof h);
+    if (h.magic != kEventIpcMagic || h.pid <= 0 || h.fd < 0) return INVALID_HANDLE;
+    if (h.pid == getpid()) return INVALID_CONTEXT;
+    // The exporter is gone (or its pid now names another process), or destroyed the event.
+    std::string link = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
+    if (process_start_time(h.pid) != h.start_time || !is_event_memfd(link, h.serial)) return INVALID_HANDLE;
+    int fd = open(link.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return INVALID_HANDLE;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || size_t(st.st_size) < sizeof(SharedRecords)) {
+        close(fd);
+        return INVALID_HANDLE;
+    }
+    void* m = mmap(nullptr, sizeof(SharedRecords), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return MAPPING_FAILED;
+    }
+    auto ev = std::make_shared<Event>();
+    ev->shared = static_cast<SharedRecords*>(m);
+    ev->fd = fd;
+    ev->handle = h;
+    *e = add_event(std::move(ev));
     return SUCCESS;
 }
 
@@ -624,38 +818,23 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     std::shared_ptr<Event> ev = event_of(e);
     if (!ev) return INVALID_HANDLE;
     std::lock_guard<std::mutex> g(g_streams.submit);
-    uint64_t n;
-    {
-        std::lock_guard<std::mutex> h(ev->lock);
-        n = ++ev->recorded;
-        ev->pending.insert(n);
-    }
-    submit_locked(s, [ev, n] {
-        std::lock_guard<std::mutex> h(ev->lock);
-        ev->pending.erase(n);
-        ev->cv.notify_all();
-    });
+    uint64_t n = ev->add_record();
+    submit_locked(s, [ev, n] { ev->finish(n); });
     return SUCCESS;
-}
-
-// The latest record at the time of the call (SUCCESS if never recorded).
-uint64_t latest(Event& ev) {
-    std::lock_guard<std::mutex> g(ev.lock);
-    return ev.recorded;
 }
 
 CUresult cuEventQuery(CUevent e) {
     if (CUresult r = ready()) return r;
     std::shared_ptr<Event> ev = event_of(e);
     if (!ev) return INVALID_HANDLE;
-    return ev->complete(latest(*ev)) ? SUCCESS : NOT_READY;
+    return ev->complete(ev->latest()) ? SUCCESS : NOT_READY;
 }
 
 CUresult cuEventSynchronize(CUevent e) {
     if (CUresult r = ready()) return r;
     std::shared_ptr<Event> ev = event_of(e);
     if (!ev) return INVALID_HANDLE;
-    ev->wait(latest(*ev));
+    ev->wait(ev->latest());
     return g_sticky.load();
 }
 
@@ -666,7 +845,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     if (!ev) return INVALID_HANDLE;
     if (flags != 0) return INVALID_VALUE;
     std::lock_guard<std::mutex> g(g_streams.submit);
-    uint64_t target = latest(*ev);
+    uint64_t target = ev->latest();
     submit_locked(s, [ev, target] { ev->wait(target); });
     return SUCCESS;
 }

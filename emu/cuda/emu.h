@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <utility>
 
@@ -64,5 +65,8 @@ void* translate(CUdeviceptr d, size_t n);
 std::pair<void*, size_t> rest(CUdeviceptr d);
 // Work on a stream touched memory that is not allocated: the context's sticky error.
 void fault();
+// A process's start time (field 22 of /proc/PID/stat); 0 if it does not exist. IPC handles
+// carry their exporter's, so that a reused pid is not taken for it.
+uint64_t process_start_time(int pid);
 
 }  // namespace emu

@@ -298,6 +298,8 @@ std::pair<void*, size_t> rest(CUdeviceptr d) {
     return g_mem.host_of(d);
 }
 
+uint64_t process_start_time(int pid) { return start_time(pid); }
+
 bool is_device(CUdeviceptr d) {
     return g_mem.base && d >= reinterpret_cast<CUdeviceptr>(g_mem.base) &&
            d < reinterpret_cast<CUdeviceptr>(g_mem.base + kReserve);

@@ -67,7 +67,9 @@ class PrefillAgent:
         event (a ``CUevent`` handle such as ``torch.cuda.Event().cuda_event``) recorded on its
         stream after the piece's KV was written: the agent's gathers wait for it on the
         device, nothing synchronizes the engine's stream, and the engine may record it again as
-        soon as this returns."""
+        soon as this returns. A sidecar (``kvferry.Sidecar.ready``) cannot use an event of
+        this process: it takes ``cuda_ipc_event=``, the 64-byte IPC handle of an event created
+        with ``CU_EVENT_INTERPROCESS`` (``torch.cuda.Event(interprocess=True).ipc_handle()``)."""
     def view(self, room: int) -> View:
         """The room's view now; never blocks."""
     def poll(self, rooms: Iterable[int]) -> dict[int, View | None]:

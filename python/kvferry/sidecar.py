@@ -326,7 +326,23 @@ class Sidecar:
         last: bool | None = None,
         aux: bytes | None = None,
         room_key: str | bytes | None = None,
+        cuda_ipc_event: bytes | None = None,
     ) -> dict[str, Any]:
+        """Announces a ready piece, as :meth:`kvferry.PrefillAgent.ready`. On a device pool
+        (``--pool cuda-ipc:`` or ``cuda-vmm:``) whose KV the engine writes asynchronously,
+        ``cuda_ipc_event`` is the 64-byte CUDA IPC handle of the interprocess event the engine
+        recorded on its stream behind the piece's writes (``cuIpcGetEventHandle`` of an event
+        created with ``CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING``; torch:
+        ``torch.cuda.Event(interprocess=True).ipc_handle()``). The sidecar's gathers wait for
+        that record on the device; the engine keeps the event alive while the sidecar runs and
+        may record it again as soon as this returns."""
+        if cuda_ipc_event is not None:
+            if not isinstance(cuda_ipc_event, (bytes, bytearray, memoryview)):
+                kind = type(cuda_ipc_event).__name__
+                raise BadRequest(f"cuda_ipc_event must be the 64 bytes of a CUipcEventHandle, not {kind}")
+            cuda_ipc_event = bytes(cuda_ipc_event)
+            if len(cuda_ipc_event) != 64:
+                raise BadRequest(f"cuda_ipc_event must be the 64 bytes of a CUipcEventHandle, not {len(cuda_ipc_event)}")
         body = _fields(
             tokens=tokens,
             pages=pages,
@@ -335,6 +351,7 @@ class Sidecar:
             last=last,
             aux=None if aux is None else base64.b64encode(aux).decode(),
             room_key=_hex(room_key),
+            cuda_ipc_event=None if cuda_ipc_event is None else cuda_ipc_event.hex(),
         )
         return _view(self._call("POST", f"/v1/rooms/{room}/ready", body))
 

@@ -52,3 +52,14 @@ def test_vllm_cuda_caches_become_agent_regions(registry, emulator_env, torch_pyt
     )
     assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-4000:]}"
     print(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_sidecar_room_behind_the_engines_ipc_event_lands_after_its_writes(registry, emulator_env):
+    run = subprocess.run(
+        [sys.executable, str(HERE / "device_sidecar.py"), registry],
+        env=emulator_env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-4000:]}"
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"{result['landed_bytes']} bytes landed behind the event, the rest of {result['pool_bytes']} poison")
+    assert result["landed_bytes"] > 0

@@ -154,6 +154,33 @@ pub(crate) mod room_key {
     }
 }
 
+/// A CUDA IPC event handle in JSON: 128 hex digits, or absent.
+pub(crate) mod ipc_event {
+    use super::*;
+    use crate::kernel::cuda::IpcEventHandle;
+
+    pub(crate) fn serialize<S: Serializer>(
+        handle: &Option<IpcEventHandle>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match handle {
+            Some(handle) => s.serialize_str(&handle.to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<IpcEventHandle>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|h| {
+                h.parse()
+                    .map_err(|e: String| serde::de::Error::custom(format!("cuda_ipc_event {e}")))
+            })
+            .transpose()
+    }
+}
+
 /// Aux bytes in JSON: standard base64 (with padding), or absent.
 pub(crate) mod aux {
     use base64::Engine as _;

@@ -15,7 +15,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::kernel::cpu::CpuKernel;
-use crate::kernel::cuda::{CudaKernel, DevicePool, DeviceStaging, ReadyEvent};
+use crate::kernel::cuda::{
+    CudaError, CudaKernel, DevicePool, DeviceStaging, IpcEventHandle, IpcEvents, ReadyEvent,
+};
 use crate::kernel::{KernelError, Selection};
 use crate::layout::{KvLayout, PageOrder};
 use crate::memory::MemoryKind;
@@ -59,6 +61,9 @@ pub(crate) enum AgentPool {
         staging: Arc<Mutex<Vec<DeviceStaging>>>,
         /// Where chunks wait for the transport: decided once at start ([`AgentPool::staged`]).
         mode: Staging,
+        /// The engine's interprocess events this agent opened (a sidecar's readiness events),
+        /// destroyed with the last clone.
+        events: Arc<IpcEvents>,
     },
 }
 
@@ -78,12 +83,16 @@ impl AgentPool {
                 pool: Arc::new(pool),
                 kernel: CpuKernel::new(copy_threads),
             },
-            EnginePool::Device(pool) => AgentPool::Device {
-                kernel: CudaKernel::shared(pool.ordinal())?,
-                pool: Arc::new(pool),
-                staging: Arc::default(),
-                mode: Staging::PinnedHost,
-            },
+            EnginePool::Device(pool) => {
+                let kernel = CudaKernel::shared(pool.ordinal())?;
+                AgentPool::Device {
+                    events: Arc::new(IpcEvents::new(kernel.clone())),
+                    kernel,
+                    pool: Arc::new(pool),
+                    staging: Arc::default(),
+                    mode: Staging::PinnedHost,
+                }
+            }
         })
     }
 
@@ -208,6 +217,18 @@ impl AgentPool {
         match self {
             AgentPool::Host { .. } => None,
             AgentPool::Device { pool, .. } => Some(pool.ordinal()),
+        }
+    }
+
+    /// Follows another process's CUDA event by its IPC handle (opened once per handle value):
+    /// [`IpcEvents::follow`]. `None` for a host pool.
+    pub(crate) fn follow_ipc(
+        &self,
+        handle: &IpcEventHandle,
+    ) -> Option<Result<ReadyEvent, CudaError>> {
+        match self {
+            AgentPool::Host { .. } => None,
+            AgentPool::Device { events, .. } => Some(events.follow(handle)),
         }
     }
 

@@ -7,6 +7,7 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod netns;
 pub mod reference;
 pub mod shm_engine;
 
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use reqwest::{Client, Method, StatusCode};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 /// The generous bound on everything a test waits for.
 pub const BOUND: Duration = Duration::from_secs(30);
@@ -827,4 +828,45 @@ pub async fn registry_in_process(
     let config = kvferry_bootstrap::ServerConfig::default();
     let served = tokio::spawn(kvferry_bootstrap::serve(listener, config, shutdown.clone()));
     (url, served)
+}
+
+/// Asks the decode at `decode` for `room` (201).
+pub async fn request(http: &Client, decode: &str, room: u64, body: Value) -> Value {
+    let url = format!("{decode}/v1/rooms/{room}");
+    expect(http, Method::POST, &url, Some(&body), StatusCode::CREATED).await
+}
+
+/// Announces `room` ready at the prefill at `prefill`, the whole of its `tokens` (202).
+pub async fn ready(http: &Client, prefill: &str, room: u64, tokens: usize) -> Value {
+    let url = format!("{prefill}/v1/rooms/{room}/ready");
+    expect(
+        http,
+        Method::POST,
+        &url,
+        Some(&json!({ "tokens": tokens })),
+        StatusCode::ACCEPTED,
+    )
+    .await
+}
+
+/// Takes `room` at the decode at `decode` (200).
+pub async fn take(http: &Client, decode: &str, room: u64) -> Value {
+    let url = format!("{decode}/v1/rooms/{room}/take");
+    expect(http, Method::POST, &url, None, StatusCode::OK).await
+}
+
+/// A final view with a reason: code and a non-empty message.
+pub fn assert_reason(v: &Value, code: &str) {
+    assert_eq!(v["reason"]["code"], code, "{v}");
+    assert!(
+        v["reason"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "a reason without a message: {v}"
+    );
+}
+
+/// The agent's own timestamp of `state` (ms since the epoch), if it has one.
+pub fn at(v: &Value, state: &str) -> Option<f64> {
+    v["timings"][state].as_f64()
 }

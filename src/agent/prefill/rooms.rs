@@ -44,6 +44,17 @@ pub struct ReadyRequest {
     /// The engine's last piece for this room (default: true when no range is given).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last: Option<bool>,
+    /// For a device pool whose KV the engine writes asynchronously: the CUDA IPC handle of the
+    /// interprocess event the engine recorded on its stream behind the piece's writes (128 hex
+    /// digits in JSON). The agent opens it once per handle value and follows its latest record
+    /// at the time of the call, as [`PrefillAgent::ready_after`] follows an event of this
+    /// process; the engine keeps the event alive while the agent runs.
+    #[serde(
+        default,
+        with = "ops::ipc_event",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub cuda_ipc_event: Option<crate::kernel::cuda::IpcEventHandle>,
 }
 
 /// A prefill room as the engine sees it (`GET /v1/rooms/{room}`); fields serialize in this
@@ -201,11 +212,30 @@ impl Inner {
         }
     }
 
+    /// Follows the engine's interprocess event (`cuda_ipc_event`) on the pool's device.
+    fn follow_ipc(
+        &self,
+        handle: &crate::kernel::cuda::IpcEventHandle,
+    ) -> Result<crate::kernel::cuda::ReadyEvent, RoomError> {
+        match self.pool.follow_ipc(handle) {
+            None => Err(RoomError::BadRequest(
+                "cuda_ipc_event marks device memory ready; this agent's pool is host memory".into(),
+            )),
+            Some(Ok(ready)) => Ok(ready),
+            Some(Err(e @ crate::kernel::cuda::CudaError::EventHandle { .. })) => {
+                Err(RoomError::BadRequest(format!("cuda_ipc_event: {e}")))
+            }
+            Some(Err(e)) => Err(RoomError::Unavailable(format!(
+                "cuda_ipc_event cannot be followed: {e}"
+            ))),
+        }
+    }
+
     /// [`PrefillAgent::ready`].
     pub(super) async fn ready(
         self: &Arc<Self>,
         room_id: u64,
-        req: ReadyRequest,
+        mut req: ReadyRequest,
         ready_on: Option<Arc<crate::kernel::cuda::ReadyEvent>>,
     ) -> Result<RoomView, RoomError> {
         let l = &self.cfg.layout;
@@ -258,6 +288,17 @@ impl Inner {
                 self.cfg.max_rooms
             )));
         }
+        let ready_on = match (req.cuda_ipc_event.take(), ready_on) {
+            (None, ready_on) => ready_on,
+            (Some(_), Some(_)) => {
+                return Err(RoomError::BadRequest(
+                    "a piece is ready after one CUDA event: cuda_ipc_event or the event of this \
+                     process, not both"
+                        .into(),
+                ));
+            }
+            (Some(handle), None) => Some(Arc::new(self.follow_ipc(&handle)?)),
+        };
         let whole = req.token_range.is_none() && req.layer_range.is_none();
         let last = req.last.unwrap_or(whole);
         let piece = Piece {

@@ -184,9 +184,13 @@ impl CudaKernel {
     /// record does. Nothing waits here and the engine's stream is never synchronized; the
     /// engine may record or destroy its event again as soon as this returns.
     ///
+    /// The engine's event is a `CUevent` of this process: the engine's own (an in-process
+    /// agent), or one opened from the engine's CUDA IPC handle ([`super::IpcEvents`], a
+    /// sidecar). Both are followed by this same code.
+    ///
     /// # Safety
-    /// `event` must be a live `CUevent` of this process, created in this device's primary
-    /// context.
+    /// `event` must be a live `CUevent` of this process (created, or opened by IPC handle) in
+    /// this device's primary context.
     pub unsafe fn follow(&self, event: u64) -> Result<ReadyEvent, CudaError> {
         self.bind()?;
         // SAFETY: the caller's live event; a stream of ours in the same context.

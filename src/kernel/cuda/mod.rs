@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use device::{CudaKernel, DeviceStaging, PinnedStaging, ReadyEvent, Staging};
-pub use ipc::ExportedMemory;
+pub use ipc::{ExportedMemory, IpcEventHandle, IpcEvents, MAX_OPEN_EVENTS};
 pub use pool::DevicePool;
 
 /// The CUDA source of the transfer kernels.
@@ -69,6 +69,13 @@ pub enum CudaError {
     Driver {
         /// The operation.
         op: &'static str,
+        /// The driver's error.
+        message: String,
+    },
+    /// The driver refused a CUDA IPC event handle (`cuIpcOpenEventHandle`): its exporter
+    /// exited or destroyed the event, or the bytes are no handle. The caller's input is wrong.
+    #[error("the CUDA driver refused the IPC event handle: {message}")]
+    EventHandle {
         /// The driver's error.
         message: String,
     },
