@@ -101,7 +101,8 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
         .context("reading the listening address")?;
     let url = format!("http://{local}");
     let store = args.store.to_string();
-    let line = serde_json::json!({"event": "listening", "role": "bootstrap", "url": url, "store": store});
+    let line =
+        serde_json::json!({"event": "listening", "role": "bootstrap", "url": url, "store": store});
     {
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "{line}").context("writing the listening line to stdout")?;

@@ -24,7 +24,8 @@
 //!
 //! Every operation is bounded by [`OP_TIMEOUT`]: transient failures (an etcd member down, a
 //! leader election, a lost race) are retried until then, after which the operation fails
-//! with [`StoreError::Unavailable`], naming the endpoints and the last error.
+//! with [`StoreError::Unavailable`], naming the endpoints (the last etcd error is logged, not
+//! sent to clients).
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -160,7 +161,7 @@ impl EtcdStore {
         Err(StoreError::Unavailable {
             op,
             message: format!(
-                "etcd at {} did not serve it within {} ms ({attempts} attempts; last error: {last})",
+                "etcd at {} did not serve it within {} ms ({attempts} attempts; the registry's log has the last error)",
                 self.endpoints,
                 millis(OP_TIMEOUT)
             ),
@@ -214,16 +215,16 @@ impl EtcdStore {
                 let holder = registration(kv)?;
                 if holder.instance_id != r.instance_id {
                     let left = bounded(c.lease_time_to_live(kv.lease(), None)).await?.ttl();
-                    if left <= 0 {
+                    let Some(remaining_ms) = self.remaining_ms(left) else {
                         return Err(Attempt::Retry("the holder's lease just lapsed".to_owned()));
-                    }
+                    };
                     return Err(RegistryError::SlotHeld {
                         role: slot.role,
                         dp_rank: slot.dp_rank,
                         tp_rank: slot.tp_rank,
                         pp_rank: slot.pp_rank,
                         holder: holder.instance_id,
-                        remaining_ms: u64::try_from(left).unwrap_or(0).saturating_mul(1000),
+                        remaining_ms,
                     }
                     .into());
                 }
@@ -356,7 +357,20 @@ impl EtcdStore {
         })
     }
 
-    async fn try_list(mut c: Client) -> Result<Vec<RankInfo>, Attempt> {
+    /// The lease time left to announce for `left_secs`, what etcd says is left of a lease
+    /// (whole seconds, rounded down; negative once the lease is gone): rounded up, at most
+    /// the lease length, at least 1 ms. None when the lease is gone.
+    fn remaining_ms(&self, left_secs: i64) -> Option<u64> {
+        let left = u64::try_from(left_secs).ok()?;
+        Some(
+            left.saturating_add(1)
+                .saturating_mul(1000)
+                .min(millis(self.ttl))
+                .max(1),
+        )
+    }
+
+    async fn try_list(&self, mut c: Client) -> Result<Vec<RankInfo>, Attempt> {
         let found = bounded(c.get(
             PREFIX.to_owned() + "slots/",
             Some(GetOptions::new().with_prefix()),
@@ -375,14 +389,14 @@ impl EtcdStore {
         .collect::<Result<HashMap<i64, i64>, _>>()?;
         let mut ranks = Vec::with_capacity(found.kvs().len());
         for kv in found.kvs() {
-            let left = lefts.get(&kv.lease()).copied().unwrap_or(0);
-            if left <= 0 {
-                continue; // lapsed since the read
+            let left = lefts.get(&kv.lease()).copied().unwrap_or(-1);
+            // None: lapsed since the read.
+            if let Some(lease_remaining_ms) = self.remaining_ms(left) {
+                ranks.push(RankInfo {
+                    registration: registration(kv)?,
+                    lease_remaining_ms,
+                });
             }
-            ranks.push(RankInfo {
-                registration: registration(kv)?,
-                lease_remaining_ms: u64::try_from(left).unwrap_or(0).saturating_mul(1000),
-            });
         }
         ranks.sort_by_key(|i| {
             let r = &i.registration;
@@ -441,7 +455,7 @@ impl Store for EtcdStore {
     }
 
     async fn list(&self) -> Result<Vec<RankInfo>, StoreError> {
-        self.run("list", Self::try_list).await
+        self.run("list", |c| self.try_list(c)).await
     }
 
     async fn stats(&self) -> Result<RegistryStats, StoreError> {
