@@ -13,6 +13,9 @@
 //! | GET | `/healthz` | 200 `Health` | |
 //! | GET | `/metrics` | 200 Prometheus text | 401 |
 //!
+//! With the etcd store, every route but an unknown one may also answer 503 when etcd cannot
+//! be reached in time (see below).
+//!
 //! Any other path is 404, any other method on a known path 405. When a token is configured,
 //! every request but `GET /healthz` needs `Authorization: Bearer TOKEN` (reads too: the rank
 //! list names every endpoint of the cluster, and metrics count its traffic); the check runs
