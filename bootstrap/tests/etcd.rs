@@ -6,8 +6,9 @@
 //! - two replicas racing to register one slot for two instances: exactly one 201, one 409;
 //! - a dead agent's lease expires in etcd and it disappears from every replica;
 //! - with one etcd member killed (-9, the leader), both replicas keep serving;
-//! - an etcd that cannot be reached gives a 503 with a clear message within a bound, and a
-//!   client with several registry URLs fails over to a replica that works.
+//! - an etcd that cannot be reached (connections refused, or accepted and never answered)
+//!   gives a 503 with a clear message within a bound, and a client with several registry URLs
+//!   fails over to a replica that works.
 //!
 //! Without etcd installed the tests print why and pass, except under CI=true, where they fail.
 
@@ -63,6 +64,20 @@ fn free_ports(n: usize) -> Vec<u16> {
         .iter()
         .map(|l| l.local_addr().unwrap().port())
         .collect()
+}
+
+/// `n` endpoints `127.0.0.1:PORT` that accept TCP connections (the kernel's backlog) and never
+/// answer, held until the listeners are dropped: an etcd that cannot be reached, whose ports no
+/// other test can take meanwhile.
+fn silent_endpoints(n: usize) -> (Vec<std::net::TcpListener>, Vec<String>) {
+    let listeners: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let endpoints = listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    (listeners, endpoints)
 }
 
 /// A three-member etcd cluster on 127.0.0.1, its data in a fresh directory; members are
@@ -397,10 +412,7 @@ async fn replicas_share_one_view_and_a_race_has_one_winner() {
     );
 
     // A replica whose etcd cannot be reached answers 503; a client given it first fails over.
-    let dead: Vec<String> = free_ports(2)
-        .iter()
-        .map(|p| format!("127.0.0.1:{p}"))
-        .collect();
+    let (_held, dead) = silent_endpoints(2);
     let broken = replica(
         format!("etcd://{}", dead.join(",")).parse().unwrap(),
         Duration::from_secs(10),
@@ -565,11 +577,11 @@ async fn registrations_and_lookups_survive_a_killed_etcd_member() {
 
 #[tokio::test]
 async fn an_unreachable_etcd_is_a_503_with_a_clear_message_within_a_bound() {
-    // No etcd needed: nothing listens on these ports.
-    let dead: Vec<String> = free_ports(3)
-        .iter()
-        .map(|p| format!("127.0.0.1:{p}"))
-        .collect();
+    // No etcd needed: one endpoint refuses connections (a port bound, then released), two
+    // accept them and never answer.
+    let (_held, silent) = silent_endpoints(2);
+    let refused = format!("127.0.0.1:{}", free_ports(1)[0]);
+    let dead = [vec![refused], silent].concat();
     let store: StoreConfig = format!("etcd://{}", dead.join(",")).parse().unwrap();
     let server = replica(store, Duration::from_secs(10)).await;
     let http = http();
