@@ -18,12 +18,18 @@
 //!   ([`ClientError::Replaced`]); it then stops and reports it through [`KeepAlive::lost`],
 //!   instead of fighting the new holder for the slot.
 //!
+//! A client may be given several registry URLs (replicas on one etcd store): each request
+//! tries them in order from the one that last answered, fails over to the next on a
+//! connection error, a timeout or a 5xx, and sticks with the first that answers; a 4xx is an
+//! answer (final, not retried elsewhere). When every URL fails, the last failure is returned.
+//!
 //! Every request carries the bearer token when one is given.
 //! The client remembers what it registered (per instance id) so it can register again after a
 //! registry restart; the memory sits behind a short `std::sync::Mutex` never held across
 //! `.await`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -224,8 +230,8 @@ impl Renewal {
     }
 }
 
-/// A client of one registry. Cheap to clone; clones share the connection pool and the memory
-/// of what was registered.
+/// A client of one registry (one URL, or several replicas on one store). Cheap to clone;
+/// clones share the connection pool, the URL in use and the memory of what was registered.
 #[derive(Debug, Clone)]
 pub struct RegistryClient {
     inner: Arc<Inner>,
@@ -234,26 +240,34 @@ pub struct RegistryClient {
 #[derive(Debug)]
 struct Inner {
     http: reqwest::Client,
-    base: String,
+    /// The registry URLs, without trailing slashes, in the order given.
+    bases: Vec<String>,
+    /// Index into `bases` of the URL that last answered: requests start there.
+    current: AtomicUsize,
     token: Option<String>,
     registered: Mutex<HashMap<Uuid, Registration>>,
 }
 
 impl RegistryClient {
-    /// A client of the registry at `base_url` (e.g. `http://10.0.0.1:8998`), sending `token`
-    /// as a bearer token on every request when given. Proxy environment variables are ignored: the
-    /// registry is cluster-internal.
+    /// A client of the registry at `base_url` (e.g. `http://10.0.0.1:8998`), or of the
+    /// replicas at a comma-separated list of URLs (`http://a:8998,http://b:8998`, tried in
+    /// order, see the module doc), sending `token` as a bearer token on every request when
+    /// given. Proxy environment variables are ignored: the registry is cluster-internal.
     pub fn new(base_url: impl Into<String>, token: Option<String>) -> Result<Self, ClientError> {
         let url: String = base_url.into();
-        let base = url.trim_end_matches('/').to_owned();
         let setup = |message: String| ClientError::Setup {
             url: url.clone(),
             message,
         };
-        if !(base.starts_with("http://") || base.starts_with("https://")) {
-            return Err(setup(
-                "the URL must start with http:// or https://".to_owned(),
-            ));
+        let mut bases = Vec::new();
+        for one in url.split(',').map(str::trim) {
+            let base = one.trim_end_matches('/').to_owned();
+            if !(base.starts_with("http://") || base.starts_with("https://")) {
+                return Err(setup(format!(
+                    "{one:?}: every URL must start with http:// or https://"
+                )));
+            }
+            bases.push(base);
         }
         let http = reqwest::Client::builder()
             .no_proxy()
@@ -264,25 +278,35 @@ impl RegistryClient {
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
-                base,
+                bases,
+                current: AtomicUsize::new(0),
                 token,
                 registered: Mutex::new(HashMap::new()),
             }),
         })
     }
 
-    /// The base URL, without a trailing slash.
+    /// The base URL in use (the one that last answered, the first at start), without a
+    /// trailing slash.
     pub fn base_url(&self) -> &str {
-        &self.inner.base
+        let i = self.inner.current.load(Ordering::Relaxed);
+        self.inner.bases.get(i).map_or("", String::as_str)
+    }
+
+    /// Every base URL, in the order given.
+    pub fn base_urls(&self) -> &[String] {
+        &self.inner.bases
     }
 
     /// Registers `registration` (validated first) and remembers it for re-registration.
     pub async fn register(&self, registration: &Registration) -> Result<Lease, ClientError> {
         const OP: &str = "register";
         registration.validate()?;
-        let url = self.url("/v1/ranks");
-        let req = self.authed(self.inner.http.post(&url)).json(registration);
-        let resp = send(OP, &url, req).await?;
+        let resp = self
+            .send(OP, "/v1/ranks", |http, url| {
+                http.post(url).json(registration)
+            })
+            .await?;
         let lease = read_json(OP, check(OP, resp).await?).await?;
         self.remembered()
             .insert(registration.instance_id, registration.clone());
@@ -293,8 +317,8 @@ impl RegistryClient {
     /// or the lease expired), registers again what this client registered under that id.
     pub async fn heartbeat(&self, instance_id: Uuid) -> Result<Renewal, ClientError> {
         const OP: &str = "heartbeat";
-        let url = self.url(&format!("/v1/ranks/{instance_id}/heartbeat"));
-        let resp = send(OP, &url, self.authed(self.inner.http.post(&url))).await?;
+        let path = format!("/v1/ranks/{instance_id}/heartbeat");
+        let resp = self.send(OP, &path, |http, url| http.post(url)).await?;
         if resp.status() == StatusCode::NOT_FOUND {
             let again = self.remembered().get(&instance_id).cloned();
             let Some(registration) = again else {
@@ -323,8 +347,8 @@ impl RegistryClient {
     pub async fn deregister(&self, instance_id: Uuid) -> Result<bool, ClientError> {
         const OP: &str = "deregister";
         self.remembered().remove(&instance_id);
-        let url = self.url(&format!("/v1/ranks/{instance_id}"));
-        let resp = send(OP, &url, self.authed(self.inner.http.delete(&url))).await?;
+        let path = format!("/v1/ranks/{instance_id}");
+        let resp = self.send(OP, &path, |http, url| http.delete(url)).await?;
         if resp.status() == StatusCode::NOT_FOUND {
             return Ok(false);
         }
@@ -335,8 +359,8 @@ impl RegistryClient {
     /// some of its ranks are not registered.
     pub async fn lookup_prefill(&self, dp_rank: u32) -> Result<PrefillGroup, ClientError> {
         const OP: &str = "lookup_prefill";
-        let url = self.url(&format!("/v1/groups/{dp_rank}"));
-        let resp = send(OP, &url, self.authed(self.inner.http.get(&url))).await?;
+        let path = format!("/v1/groups/{dp_rank}");
+        let resp = self.send(OP, &path, |http, url| http.get(url)).await?;
         if resp.status() == StatusCode::SERVICE_UNAVAILABLE {
             return Err(ClientError::Incomplete {
                 dp_rank,
@@ -349,8 +373,9 @@ impl RegistryClient {
     /// Every live registration.
     pub async fn list_ranks(&self) -> Result<Vec<RankInfo>, ClientError> {
         const OP: &str = "list_ranks";
-        let url = self.url("/v1/ranks");
-        let resp = send(OP, &url, self.authed(self.inner.http.get(&url))).await?;
+        let resp = self
+            .send(OP, "/v1/ranks", |http, url| http.get(url))
+            .await?;
         let list: RankList = read_json(OP, check(OP, resp).await?).await?;
         Ok(list.ranks)
     }
@@ -358,8 +383,7 @@ impl RegistryClient {
     /// The registry's health summary.
     pub async fn health(&self) -> Result<Health, ClientError> {
         const OP: &str = "health";
-        let url = self.url("/healthz");
-        let resp = send(OP, &url, self.authed(self.inner.http.get(&url))).await?;
+        let resp = self.send(OP, "/healthz", |http, url| http.get(url)).await?;
         read_json(OP, check(OP, resp).await?).await
     }
 
@@ -489,8 +513,56 @@ impl RegistryClient {
         }
     }
 
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.inner.base)
+    /// Sends the request `build` makes for `path` to the registry URLs in turn, from the one
+    /// that last answered: the next is tried on a transport error (connection, timeout) or a
+    /// 5xx; the first other answer (success or 4xx) is returned and its URL kept for the next
+    /// requests. When every URL failed, the last failure is returned (a 5xx as a response).
+    async fn send(
+        &self,
+        op: &'static str,
+        path: &str,
+        build: impl Fn(&reqwest::Client, &str) -> RequestBuilder,
+    ) -> Result<Response, ClientError> {
+        let bases = &self.inner.bases;
+        let start = self.inner.current.load(Ordering::Relaxed);
+        let mut last = None;
+        for k in 0..bases.len() {
+            let i = (start + k) % bases.len();
+            let url = format!("{}{path}", bases[i]);
+            let failure = match self.authed(build(&self.inner.http, &url)).send().await {
+                Ok(resp) if !resp.status().is_server_error() => {
+                    if i != start {
+                        self.inner.current.store(i, Ordering::Relaxed);
+                        tracing::info!(op, url = bases[i], "registry: now using this URL");
+                    }
+                    return Ok(resp);
+                }
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    last = Some(Ok(resp));
+                    format!("status {status}")
+                }
+                Err(source) => {
+                    let e = ClientError::Unreachable {
+                        op,
+                        url: url.clone(),
+                        source,
+                    };
+                    let text = e.to_string();
+                    last = Some(Err(e));
+                    text
+                }
+            };
+            if k + 1 < bases.len() {
+                tracing::debug!(op, %url, failure, "registry URL failed; trying the next");
+            }
+        }
+        last.unwrap_or_else(|| {
+            Err(ClientError::Setup {
+                url: String::new(),
+                message: "no registry URL".to_owned(),
+            })
+        })
     }
 
     fn authed(&self, req: RequestBuilder) -> RequestBuilder {
@@ -552,14 +624,6 @@ fn millis(d: Duration) -> u64 {
 
 fn heartbeat_period(lease: Lease) -> Duration {
     (Duration::from_millis(lease.lease_ttl_ms) / 3).max(MIN_HEARTBEAT_PERIOD)
-}
-
-async fn send(op: &'static str, url: &str, req: RequestBuilder) -> Result<Response, ClientError> {
-    req.send().await.map_err(|source| ClientError::Unreachable {
-        op,
-        url: url.to_owned(),
-        source,
-    })
 }
 
 /// The response if its status is a success, else the classified error.
@@ -635,6 +699,157 @@ mod tests {
         ));
         let c = RegistryClient::new("http://127.0.0.1:8998/", None).unwrap();
         assert_eq!(c.base_url(), "http://127.0.0.1:8998");
+    }
+
+    #[test]
+    fn several_urls_are_split_and_each_checked() {
+        let c = RegistryClient::new("http://a:1/, http://b:2", None).unwrap();
+        assert_eq!(c.base_urls(), ["http://a:1", "http://b:2"]);
+        assert_eq!(c.base_url(), "http://a:1");
+        let err = RegistryClient::new("http://a:1,b:2", None).unwrap_err();
+        assert!(
+            err.to_string().contains("\"b:2\": every URL must start"),
+            "{err}"
+        );
+        assert!(RegistryClient::new("http://a:1,", None).is_err());
+    }
+
+    /// A URL nothing listens on: a port bound, then released.
+    async fn dead_url() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        format!("http://{addr}")
+    }
+
+    /// A server answering every request with `status` and a JSON error body, counting them.
+    async fn stub(status: u16) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = hits.clone();
+        let app = axum::Router::new().fallback(move || {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, Ordering::Relaxed);
+                let status = axum::http::StatusCode::from_u16(status).unwrap();
+                (status, axum::Json(ErrorBody::new(format!("stub {status}"))))
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (url, hits)
+    }
+
+    /// A real registry (memory store) on an ephemeral port.
+    async fn registry() -> (String, CancellationToken) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        let config = crate::ServerConfig::default();
+        tokio::spawn(crate::serve(listener, config, stop.clone()));
+        (url, stop)
+    }
+
+    fn registration() -> Registration {
+        use crate::types::{Dtype, IndexRange, KvLayout, LayoutKind, Role, Slice};
+        Registration {
+            instance_id: Uuid::new_v4(),
+            role: Role::Prefill,
+            dp_rank: 0,
+            dp_size: 1,
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            pp_size: 1,
+            layout: KvLayout {
+                kind: LayoutKind::Mha,
+                num_layers: 2,
+                num_kv_heads: 2,
+                head_dim: 64,
+                dtype: Dtype::Bf16,
+                page_size: 16,
+            },
+            slice: Slice {
+                heads: IndexRange::new(0, 2),
+                layers: IndexRange::new(0, 2),
+            },
+            control_endpoint: "tcp://127.0.0.1:7000".to_owned(),
+            data_endpoints: std::collections::BTreeMap::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_dead_url_fails_over_to_a_live_one_which_sticks() {
+        let dead = dead_url().await;
+        let (live, stop) = registry().await;
+        let client = RegistryClient::new(format!("{dead},{live}"), None).unwrap();
+        assert_eq!(client.base_url(), dead);
+        let r = registration();
+        client.register(&r).await.unwrap();
+        assert_eq!(client.base_url(), live, "sticks with the URL that answered");
+        let group = client.lookup_prefill(0).await.unwrap();
+        assert_eq!(group.ranks, vec![r.clone()]);
+        assert!(matches!(
+            client.heartbeat(r.instance_id).await,
+            Ok(Renewal::Renewed(_))
+        ));
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_5xx_fails_over_but_a_4xx_is_final() {
+        let (failing, failing_hits) = stub(500).await;
+        let (live, stop) = registry().await;
+        let client = RegistryClient::new(format!("{failing},{live}"), None).unwrap();
+        assert_eq!(client.health().await.unwrap().status, "ok");
+        assert_eq!(client.health().await.unwrap().status, "ok");
+        assert_eq!(
+            failing_hits.load(Ordering::Relaxed),
+            1,
+            "asked once, then the live URL sticks"
+        );
+
+        let (refusing, refusing_hits) = stub(400).await;
+        let (next, next_hits) = stub(500).await;
+        let client = RegistryClient::new(format!("{refusing},{next}"), None).unwrap();
+        let err = client.health().await.unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Rejected { status: 400, message, .. } if message == "stub 400 Bad Request"),
+            "{err}"
+        );
+        assert!(!err.is_retryable());
+        assert_eq!(refusing_hits.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            next_hits.load(Ordering::Relaxed),
+            0,
+            "a 4xx is not retried elsewhere"
+        );
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn when_every_url_fails_the_last_failure_is_returned() {
+        let dead = dead_url().await;
+        let (failing, hits) = stub(502).await;
+        let client = RegistryClient::new(format!("{dead},{failing}"), None).unwrap();
+        let err = client.health().await.unwrap_err();
+        assert!(
+            matches!(err, ClientError::Server { status: 502, .. }),
+            "{err}"
+        );
+        assert!(err.is_retryable());
+        assert_eq!(hits.load(Ordering::Relaxed), 1);
+        let client = RegistryClient::new(format!("{failing},{dead}"), None).unwrap();
+        let err = client.health().await.unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Unreachable { url, .. } if url.starts_with(&dead)),
+            "{err}"
+        );
+        assert_eq!(
+            client.base_url(),
+            failing,
+            "no URL answered: the first stays"
+        );
     }
 
     #[test]

@@ -3,14 +3,16 @@
 //! becomes a status code and a JSON body `{"error": "..."}`.
 //!
 //! Each 4xx response carries a [`Rejection`] (reason and message) as a response extension,
-//! which the server's middleware counts and logs; the 503 of an incomplete group is not a rejection (it is counted as a
-//! lookup). No other 5xx is produced.
+//! which the server's middleware counts and logs. The two 503s are not rejections: an
+//! incomplete group (counted as a lookup) and a store that cannot reach its backend (etcd
+//! down). No other 5xx is produced.
 
 use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use crate::registry::RegistryError;
+use crate::store::StoreError;
 use crate::types::ErrorBody;
 
 /// The closed set of reasons a request is rejected, the `reason` label of
@@ -95,6 +97,9 @@ pub enum ApiError {
     /// The prefill group is not complete yet (503, retryable).
     #[error("{0}")]
     Incomplete(String),
+    /// The store cannot serve the request now (etcd unreachable; 503, retryable elsewhere).
+    #[error("{0}")]
+    Unavailable(String),
     /// The registration's slot is held by another live instance (409 naming the holder).
     #[error("{message}")]
     SlotHeld {
@@ -123,20 +128,32 @@ impl ApiError {
         Self::rejected(RejectReason::BadRequest, message)
     }
 
-    /// The error for `e`, a registry refusal; `lease_ttl` is the registry's lease length.
-    pub fn from_registry(e: RegistryError, lease_ttl: std::time::Duration) -> Self {
+    /// The error for `e`, a store failure; `lease_ttl` is the registry's lease length (named
+    /// in a [`ApiError::SlotHeld`]).
+    pub fn from_store(e: StoreError, lease_ttl: std::time::Duration) -> Self {
         match e {
-            RegistryError::SlotHeld {
-                holder,
-                remaining_ms,
-                ..
-            } => ApiError::SlotHeld {
+            StoreError::Registry(
+                e @ RegistryError::SlotHeld {
+                    holder,
+                    remaining_ms,
+                    ..
+                },
+            ) => ApiError::SlotHeld {
                 message: e.to_string(),
                 holder,
                 remaining_ms,
                 lease_ttl_ms: crate::registry::millis(lease_ttl),
             },
             e => e.into(),
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Registry(e) => e.into(),
+            e @ StoreError::Unavailable { .. } => ApiError::Unavailable(e.to_string()),
         }
     }
 }
@@ -163,7 +180,7 @@ impl IntoResponse for ApiError {
                 body.error = message;
                 (reason.status(), Some(reason))
             }
-            ApiError::Incomplete(message) => {
+            ApiError::Incomplete(message) | ApiError::Unavailable(message) => {
                 body.error = message;
                 (StatusCode::SERVICE_UNAVAILABLE, None)
             }

@@ -4,6 +4,8 @@
 //!
 //! - [`types`]: the wire types ([`Registration`], [`PrefillGroup`], ...) and their validation;
 //! - [`registry`]: the pure state (leases, groups, topology conflicts), no HTTP;
+//! - [`store`]: where the state lives, behind one trait: in memory (one process, the default)
+//!   or in etcd (any number of replicas, leases as etcd leases);
 //! - [`server`]: routes and handlers, [`serve`]; the route table is in its module doc;
 //! - [`error`]: the one error type the server answers with, JSON `{"error": "..."}`;
 //! - [`metrics`]: the Prometheus exposition of `/metrics`;
@@ -17,12 +19,16 @@ pub mod error;
 pub mod metrics;
 pub mod registry;
 pub mod server;
+pub mod store;
 pub mod types;
 
 pub use client::{ClientError, KeepAlive, RegistryClient, Renewal};
 pub use error::{ApiError, RejectReason, Rejection};
 pub use registry::{Registered, Registry, RegistryError, RegistryStats};
-pub use server::{DEFAULT_BODY_LIMIT, DEFAULT_LEASE_TTL, DEFAULT_PORT, ServerConfig, serve};
+pub use server::{
+    DEFAULT_BODY_LIMIT, DEFAULT_LEASE_TTL, DEFAULT_PORT, ServerConfig, serve, serve_store,
+};
+pub use store::{EtcdStore, MemoryStore, Store, StoreConfig, StoreConfigError, StoreError};
 pub use types::{
     Dtype, ErrorBody, Health, IndexRange, InvalidRegistration, KvLayout, LayoutKind, Lease,
     PrefillGroup, RankInfo, RankList, Registration, Role, Slice,

@@ -93,16 +93,17 @@ pub struct RegistryStats {
     pub lease_expiries_total: u64,
 }
 
+/// A slot: at most one live instance holds each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct SlotKey {
-    role: Role,
-    dp_rank: u32,
-    tp_rank: u32,
-    pp_rank: u32,
+pub(crate) struct SlotKey {
+    pub(crate) role: Role,
+    pub(crate) dp_rank: u32,
+    pub(crate) tp_rank: u32,
+    pub(crate) pp_rank: u32,
 }
 
 impl SlotKey {
-    fn of(r: &Registration) -> Self {
+    pub(crate) fn of(r: &Registration) -> Self {
         Self {
             role: r.role,
             dp_rank: r.dp_rank,
@@ -238,13 +239,8 @@ impl Registry {
         r.validate().map_err(|e| RegistryError::Invalid(e.0))?;
         let key = SlotKey::of(&r);
         if let Some(old) = self.entries.get(&r.instance_id) {
-            let old_key = SlotKey::of(&old.registration);
-            if old_key != key {
-                return Err(RegistryError::Conflict(format!(
-                    "instance {} is already registered as {} dp_rank={} tp_rank={} pp_rank={}; \
-                     a process registers one slot (deregister it first)",
-                    r.instance_id, old_key.role, old_key.dp_rank, old_key.tp_rank, old_key.pp_rank
-                )));
+            if SlotKey::of(&old.registration) != key {
+                return Err(other_slot(r.instance_id, &SlotKey::of(&old.registration)));
             }
         }
         let occupant = self.slots.get(&key).copied();
@@ -427,6 +423,23 @@ impl Registry {
     pub fn group_dp_ranks(&self) -> BTreeSet<u32> {
         self.groups.keys().copied().collect()
     }
+}
+
+/// The refusal of a registration because its instance already holds `old`, another slot.
+pub(crate) fn other_slot(instance_id: Uuid, old: &SlotKey) -> RegistryError {
+    RegistryError::Conflict(format!(
+        "instance {instance_id} is already registered as {} dp_rank={} tp_rank={} pp_rank={}; \
+         a process registers one slot (deregister it first)",
+        old.role, old.dp_rank, old.tp_rank, old.pp_rank
+    ))
+}
+
+/// The first field on which `r` disagrees with the prefill group whose topology `first` (the
+/// group's first registration) fixed, as the [`RegistryError::Conflict`] to answer.
+pub(crate) fn group_conflict(first: &Registration, r: &Registration) -> Option<RegistryError> {
+    Group::fixed_by(first)
+        .conflict(r)
+        .map(RegistryError::Conflict)
 }
 
 /// A duration in whole milliseconds, saturating.

@@ -13,6 +13,9 @@
 //! | GET | `/healthz` | 200 `Health` | |
 //! | GET | `/metrics` | 200 Prometheus text | 401 |
 //!
+//! With the etcd store, every route but an unknown one may also answer 503 when etcd cannot
+//! be reached in time (see below).
+//!
 //! Any other path is 404, any other method on a known path 405. When a token is configured,
 //! every request but `GET /healthz` needs `Authorization: Bearer TOKEN` (reads too: the rank
 //! list names every endpoint of the cluster, and metrics count its traffic); the check runs
@@ -23,12 +26,14 @@
 //! (`holder`, `holder_lease_remaining_ms`, `lease_ttl_ms` beside `error`): the registry never
 //! silently replaces a live rank.
 //!
-//! The registry state sits behind one `std::sync::Mutex`, locked only for the synchronous
-//! registry call of a handler and never across an `.await`.
+//! The handlers are the same whatever the store ([`Store`]: in memory, or etcd for replicas):
+//! status codes, messages and metrics do not depend on it. A store that cannot reach its
+//! backend in time (etcd down) answers 503 `{"error": "registry store unavailable: ..."}` on
+//! any route but the unknown ones, and a client with several registry URLs tries the next.
 
 use std::io;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Request, State};
@@ -45,7 +50,8 @@ use uuid::Uuid;
 
 use crate::error::{ApiError, RejectReason, Rejection};
 use crate::metrics::Metrics;
-use crate::registry::{Registered, Registry, RegistryError, millis};
+use crate::registry::{Registered, RegistryError, millis};
+use crate::store::{EtcdStore, MemoryStore, Store, StoreConfig, StoreError};
 use crate::types::{Health, Lease, PrefillGroup, RankList, Registration};
 
 /// The registry's default port.
@@ -66,6 +72,8 @@ pub struct ServerConfig {
     pub token: Option<String>,
     /// Largest accepted request body in bytes (413 above).
     pub body_limit: usize,
+    /// Where the registry's state lives.
+    pub store: StoreConfig,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +82,7 @@ impl Default for ServerConfig {
             lease_ttl: DEFAULT_LEASE_TTL,
             token: None,
             body_limit: DEFAULT_BODY_LIMIT,
+            store: StoreConfig::Memory,
         }
     }
 }
@@ -88,53 +97,83 @@ impl ServerConfig {
     }
 }
 
-#[derive(Clone)]
-struct AppState {
-    registry: Arc<Mutex<Registry>>,
+struct AppState<S> {
+    store: Arc<S>,
     metrics: Arc<Metrics>,
     token: Option<Arc<str>>,
     body_limit: usize,
 }
 
-impl AppState {
-    /// The registry, locked. A panic elsewhere cannot leave the registry half-updated in a way
-    /// worse than refusing service, so a poisoned lock is taken over.
-    fn registry(&self) -> MutexGuard<'_, Registry> {
-        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn lease(&self) -> Lease {
-        Lease {
-            lease_ttl_ms: millis(self.registry().ttl()),
+impl<S> Clone for AppState<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            token: self.token.clone(),
+            body_limit: self.body_limit,
         }
     }
 }
 
-/// Serves the registry on `listener` until `shutdown` is cancelled, then lets in-flight
-/// requests finish (for at most a few seconds) and returns.
+impl<S: Store> AppState<S> {
+    fn lease(&self) -> Lease {
+        Lease {
+            lease_ttl_ms: millis(self.store.ttl()),
+        }
+    }
+}
+
+/// Serves the registry on `listener`, its state in the store `config.store` names, until
+/// `shutdown` is cancelled, then lets in-flight requests finish (for at most a few seconds)
+/// and returns.
 pub async fn serve(
     listener: TcpListener,
     config: ServerConfig,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
-    if config.lease_ttl.is_zero() {
+    check_ttl(config.lease_ttl)?;
+    match &config.store {
+        StoreConfig::Memory => {
+            let store = MemoryStore::new(config.lease_ttl);
+            serve_store(listener, config, store, shutdown).await
+        }
+        StoreConfig::Etcd { endpoints } => {
+            let store = EtcdStore::connect(endpoints, config.lease_ttl)
+                .await
+                .map_err(io::Error::other)?;
+            serve_store(listener, config, store, shutdown).await
+        }
+    }
+}
+
+fn check_ttl(ttl: Duration) -> io::Result<()> {
+    if ttl.is_zero() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "lease ttl must be > 0",
         ));
     }
+    Ok(())
+}
+
+/// [`serve`] over `store` (whose lease length wins over `config.lease_ttl`; `config.store` is
+/// not looked at).
+pub async fn serve_store<S: Store>(
+    listener: TcpListener,
+    config: ServerConfig,
+    store: S,
+    shutdown: CancellationToken,
+) -> io::Result<()> {
+    check_ttl(store.ttl())?;
+    let period = sweep_period(store.ttl());
     let state = AppState {
-        registry: Arc::new(Mutex::new(Registry::new(config.lease_ttl))),
+        store: Arc::new(store),
         metrics: Arc::new(Metrics::default()),
         token: config.token.as_deref().map(Arc::from),
         body_limit: config.body_limit,
     };
     let stop_sweeper = shutdown.child_token();
-    let sweeper = tokio::spawn(sweep(
-        state.registry.clone(),
-        sweep_period(config.lease_ttl),
-        stop_sweeper.clone(),
-    ));
+    let sweeper = tokio::spawn(sweep(state.store.clone(), period, stop_sweeper.clone()));
     let app = router(state, config.body_limit);
     let server =
         axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
@@ -155,18 +194,21 @@ pub async fn serve(
     result
 }
 
-fn router(state: AppState, body_limit: usize) -> Router {
+fn router<S: Store>(state: AppState<S>, body_limit: usize) -> Router {
     Router::new()
-        .route("/v1/ranks", post(register).get(list_ranks))
-        .route("/v1/ranks/{instance_id}/heartbeat", post(heartbeat))
-        .route("/v1/ranks/{instance_id}", delete(deregister))
-        .route("/v1/groups/{dp_rank}", get(lookup_prefill))
-        .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
+        .route("/v1/ranks", post(register::<S>).get(list_ranks::<S>))
+        .route("/v1/ranks/{instance_id}/heartbeat", post(heartbeat::<S>))
+        .route("/v1/ranks/{instance_id}", delete(deregister::<S>))
+        .route("/v1/groups/{dp_rank}", get(lookup_prefill::<S>))
+        .route("/healthz", get(healthz::<S>))
+        .route("/metrics", get(metrics::<S>))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
-        .layer(middleware::from_fn_with_state(state.clone(), authorize))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            authorize::<S>,
+        ))
         .layer(middleware::from_fn_with_state(
             state.metrics.clone(),
             count_rejections,
@@ -178,26 +220,22 @@ fn sweep_period(ttl: Duration) -> Duration {
     (ttl / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
 }
 
-/// Expires leases periodically, so gauges and groups are right even without traffic (every
-/// registry operation also expires first, so reads never see a stale lease).
-async fn sweep(registry: Arc<Mutex<Registry>>, period: Duration, stop: CancellationToken) {
+/// Runs the store's upkeep periodically: the memory store expires leases, so gauges and groups
+/// are right even without traffic (every registry operation also expires first, so reads
+/// never see a stale lease).
+async fn sweep<S: Store>(store: Arc<S>, period: Duration, stop: CancellationToken) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
-            _ = tick.tick() => {
-                registry
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .expire(Instant::now());
-            }
+            _ = tick.tick() => store.sweep().await,
         }
     }
 }
 
-async fn register(
-    State(state): State<AppState>,
+async fn register<S: Store>(
+    State(state): State<AppState<S>>,
     ApiJson(registration): ApiJson<Registration>,
 ) -> Result<(StatusCode, Json<Lease>), ApiError> {
     let (id, role, dp, tp, pp) = (
@@ -207,17 +245,17 @@ async fn register(
         registration.tp_rank,
         registration.pp_rank,
     );
-    let result = state.registry().register(registration, Instant::now());
+    let result = state.store.register(registration).await;
     let outcome = result.map_err(|e| {
-        if let RegistryError::SlotHeld {
+        if let StoreError::Registry(RegistryError::SlotHeld {
             holder,
             remaining_ms,
             ..
-        } = &e
+        }) = &e
         {
             tracing::warn!(instance_id = %id, %holder, holder_lease_remaining_ms = remaining_ms, %role, dp_rank = dp, tp_rank = tp, pp_rank = pp, "registration refused: the slot is held by another live instance");
         }
-        ApiError::from_registry(e, state.registry().ttl())
+        ApiError::from_store(e, state.store.ttl())
     })?;
     let status = match outcome {
         Registered::New => {
@@ -232,58 +270,64 @@ async fn register(
     Ok((status, Json(state.lease())))
 }
 
-async fn heartbeat(
-    State(state): State<AppState>,
+async fn heartbeat<S: Store>(
+    State(state): State<AppState<S>>,
     ApiPath(instance_id): ApiPath<Uuid>,
 ) -> Result<Json<Lease>, ApiError> {
-    state.registry().heartbeat(instance_id, Instant::now())?;
+    state.store.heartbeat(instance_id).await?;
     Ok(Json(state.lease()))
 }
 
-async fn deregister(
-    State(state): State<AppState>,
+async fn deregister<S: Store>(
+    State(state): State<AppState<S>>,
     ApiPath(instance_id): ApiPath<Uuid>,
 ) -> Result<StatusCode, ApiError> {
-    let r = state.registry().deregister(instance_id, Instant::now())?;
+    let r = state.store.deregister(instance_id).await?;
     tracing::info!(instance_id = %instance_id, role = %r.role, dp_rank = r.dp_rank, tp_rank = r.tp_rank, pp_rank = r.pp_rank, "deregistered");
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn list_ranks(State(state): State<AppState>) -> Json<RankList> {
-    let ranks = state.registry().list(Instant::now());
-    Json(RankList { ranks })
+async fn list_ranks<S: Store>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<RankList>, ApiError> {
+    let ranks = state.store.list().await?;
+    Ok(Json(RankList { ranks }))
 }
 
-async fn lookup_prefill(
-    State(state): State<AppState>,
+async fn lookup_prefill<S: Store>(
+    State(state): State<AppState<S>>,
     ApiPath(dp_rank): ApiPath<u32>,
 ) -> Result<Json<PrefillGroup>, ApiError> {
-    let result = state.registry().lookup_prefill(dp_rank, Instant::now());
-    state.metrics.lookup(result.is_ok());
+    let result = state.store.lookup_prefill(dp_rank).await;
+    match &result {
+        Ok(_) => state.metrics.lookup(true),
+        Err(StoreError::Registry(RegistryError::Incomplete { .. })) => state.metrics.lookup(false),
+        Err(_) => {}
+    }
     Ok(Json(result?))
 }
 
-async fn healthz(State(state): State<AppState>) -> Json<Health> {
-    let stats = state.registry().stats(Instant::now());
-    Json(Health {
+async fn healthz<S: Store>(State(state): State<AppState<S>>) -> Result<Json<Health>, ApiError> {
+    let stats = state.store.stats().await?;
+    Ok(Json(Health {
         status: "ok".to_owned(),
         prefill_ranks: stats.prefill_ranks,
         decode_ranks: stats.decode_ranks,
         groups: stats.groups,
-    })
+    }))
 }
 
-async fn metrics(State(state): State<AppState>) -> Response {
-    let stats = state.registry().stats(Instant::now());
+async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Result<Response, ApiError> {
+    let stats = state.store.stats().await?;
     let body = state.metrics.render(&stats);
-    (
+    Ok((
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
         )],
         body,
     )
-        .into_response()
+        .into_response())
 }
 
 async fn not_found(method: Method, uri: Uri) -> ApiError {
@@ -326,10 +370,10 @@ async fn count_rejections(
 /// `Json<T>` whose rejections are [`ApiError`]s (JSON bodies, counted in metrics).
 struct ApiJson<T>(T);
 
-impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
+impl<S: Store, T: DeserializeOwned> FromRequest<AppState<S>> for ApiJson<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+    async fn from_request(req: Request, state: &AppState<S>) -> Result<Self, Self::Rejection> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(value)) => Ok(ApiJson(value)),
             Err(rejection) => Err(json_rejection(&rejection, state.body_limit)),
@@ -374,7 +418,11 @@ fn path_rejection(rejection: &PathRejection) -> ApiError {
 
 /// Lets a request through when no token is configured, when it is `GET /healthz`, or when it
 /// carries `Authorization: Bearer TOKEN`; answers 401 otherwise.
-async fn authorize(State(state): State<AppState>, req: Request, next: Next) -> Response {
+async fn authorize<S: Store>(
+    State(state): State<AppState<S>>,
+    req: Request,
+    next: Next,
+) -> Response {
     let Some(token) = state.token.as_deref() else {
         return next.run(req).await;
     };

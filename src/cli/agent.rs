@@ -18,7 +18,9 @@ use crate::transport::TransportKind;
 /// Flags shared by `kvferry prefill` and `kvferry decode`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AgentArgs {
-    /// URL of the bootstrap registry.
+    /// URL of the bootstrap registry, or a comma-separated list of registry replicas
+    /// (`http://a:8998,http://b:8998`): tried in order, the next on a connection error, a
+    /// timeout or a 5xx.
     #[arg(
         long,
         env = "KVFERRY_BOOTSTRAP",

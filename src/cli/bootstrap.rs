@@ -2,14 +2,17 @@
 //! or SIGTERM, then shuts down gracefully and exits 0.
 //!
 //! Once listening it prints exactly one JSON line on stdout,
-//! `{"event":"listening","role":"bootstrap","url":"http://HOST:PORT"}`, so a script that
-//! started it with `--port 0` learns the port. Logs go to stderr.
+//! `{"event":"listening","role":"bootstrap","url":"http://HOST:PORT","store":"memory"}`, so a
+//! script that started it with `--port 0` learns the port. Logs go to stderr.
+//!
+//! `--store etcd://H:P[,H:P...]` keeps the registry's state in etcd: any number of these
+//! processes on the same etcd cluster serve one view (docs/operations.md).
 
 use std::io::Write as _;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use kvferry_bootstrap::{ServerConfig, serve};
+use kvferry_bootstrap::{ServerConfig, StoreConfig, serve};
 use tokio_util::sync::CancellationToken;
 
 /// Serve the bootstrap registry that pairs prefill and decode ranks.
@@ -32,6 +35,13 @@ pub struct BootstrapArgs {
     /// needs `Authorization: Bearer TOKEN`.
     #[arg(long, env = "KVFERRY_BOOTSTRAP_TOKEN", hide_env_values = true)]
     token: Option<String>,
+
+    /// Where the registry keeps its state: `memory` (this process only) or
+    /// `etcd://HOST:PORT[,HOST:PORT...]` (the client URLs of an etcd v3 cluster; every registry
+    /// replica started on the same cluster serves the same registrations, and leases are etcd
+    /// leases of --lease-ttl-ms rounded up to whole seconds).
+    #[arg(long, env = "KVFERRY_BOOTSTRAP_STORE", default_value = "memory")]
+    store: StoreConfig,
 
     /// Serve a non-loopback --host without --token (warns at start). Only for networks where
     /// every host that can reach the registry is trusted.
@@ -90,18 +100,21 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
         .local_addr()
         .context("reading the listening address")?;
     let url = format!("http://{local}");
-    let line = serde_json::json!({"event": "listening", "role": "bootstrap", "url": url});
+    let store = args.store.to_string();
+    let line =
+        serde_json::json!({"event": "listening", "role": "bootstrap", "url": url, "store": store});
     {
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "{line}").context("writing the listening line to stdout")?;
         stdout.flush().context("flushing stdout")?;
     }
-    tracing::info!(%url, lease_ttl_ms = args.lease_ttl_ms, auth = args.token.is_some(), "bootstrap registry listening");
+    tracing::info!(%url, %store, lease_ttl_ms = args.lease_ttl_ms, auth = args.token.is_some(), "bootstrap registry listening");
     super::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
 
     let config = ServerConfig {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),
         token: args.token,
+        store: args.store,
         ..ServerConfig::default()
     };
     let served = serve(listener, config, shutdown.clone()).await;
@@ -132,6 +145,12 @@ mod tests {
     fn defaults_and_validation() {
         let args = parse(&[]);
         assert_eq!((args.port, args.lease_ttl_ms), (8998, 10_000));
+        assert_eq!(args.store, StoreConfig::Memory);
+        let etcd = parse(&["--store", "etcd://10.0.0.1:2379,10.0.0.2:2379"]).store;
+        assert_eq!(etcd.to_string(), "etcd://10.0.0.1:2379,10.0.0.2:2379");
+        let wrapped = Wrapper::try_parse_from(["kvferry", "--store", "etcd://nohost"]);
+        let err = wrapped.unwrap_err().to_string();
+        assert!(err.contains("is not HOST:PORT"), "{err}");
         assert!(args.validate().is_ok());
         let err = parse(&["--lease-ttl-ms", "0"]).validate().unwrap_err();
         assert_eq!(err.to_string(), "--lease-ttl-ms must be > 0");
