@@ -4,6 +4,8 @@
 // Each test binary uses a different subset of these helpers.
 #![allow(dead_code)]
 
+pub(crate) mod etcd;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
