@@ -1,8 +1,10 @@
 //! A decode's Hello whose UCX data endpoint or pool key is malformed (truncated, crafted
 //! lengths) is refused by the prefill with `bad_message`, before any byte of it reaches
 //! libucx; an endpoint that is well formed but leads nowhere stays `unreachable`; and the
-//! prefill keeps serving (a normal room between the same agents verifies afterwards). Real
-//! processes over UCX's tcp transport on loopback.
+//! prefill keeps serving (a normal room between the same agents verifies afterwards). A device
+//! chunk's header with no payload behind it, sent to a decode that stages on the host, is
+//! refused at once and the decode keeps landing rooms. Real processes over UCX's tcp transport
+//! on loopback.
 #![cfg(feature = "ucx")]
 
 mod common;
@@ -154,5 +156,78 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
         let apis = Apis::pair(&prefill, &decode);
         let results = drive_rooms(&apis, vec![(1, 100)], 1).await.expect("a room");
         assert!(results.iter().all(|r| r.verified), "{results:?}");
+    });
+}
+
+/// The header of a chunk whose payload is in device memory (`DEVICE_CHUNK_TAG` in
+/// transport/ucx/data.rs), sent by a worker that never said Hello to a decode that stages on
+/// the host, with no payload behind it: the decode refuses it at once (it never waits for the
+/// payload, which would hold every peer's chunks), and keeps landing rooms.
+#[test]
+fn a_device_chunk_header_to_a_host_staging_decode_is_refused_at_once() {
+    const DEVICE_CHUNK_TAG: u64 = 0x4b56_4659_0000_0002;
+    let env: Vec<(String, String)> = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .to_vec();
+    let opts = AgentOpts {
+        transport: "ucx",
+        ..AgentOpts::default()
+    };
+    let (exe, args) = (release_binary(), opts.args());
+    let cluster = LocalCluster::start_shaped_env(
+        &exe,
+        "ucx-device-header",
+        &args,
+        Shape::ONE,
+        Shape::ONE,
+        &env,
+    )
+    .expect("cluster");
+    let prefill = cluster.prefill().field("api").expect("prefill api");
+    let decode = cluster.decode().field("api").expect("decode api");
+    let data = cluster
+        .decode()
+        .field("data")
+        .expect("decode data endpoint");
+    let address = data
+        .strip_prefix("ucx:")
+        .and_then(|a| a.split(',').next())
+        .map(|h| {
+            (0..h.len() / 2)
+                .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).expect("hex"))
+                .collect::<Vec<u8>>()
+        })
+        .expect("a ucx data endpoint");
+    let log = cluster.logs.join(format!("{}.log", cluster.decode().name));
+    runtime().block_on(async {
+        let worker = UcxWorker::spawn(UcxConfig::tcp_loopback())
+            .await
+            .expect("worker");
+        let ep = worker.connect(address.into()).await.expect("connect");
+        // A frame (u32 LE header length, a header of garbage) and the trailer: a 64-byte
+        // payload under key 7 that never comes.
+        let mut frame = 5u32.to_le_bytes().to_vec();
+        frame.extend_from_slice(b"hello");
+        frame.extend_from_slice(&64u64.to_le_bytes());
+        frame.extend_from_slice(&7u64.to_le_bytes());
+        let sent = std::time::Instant::now();
+        worker
+            .send_tag(ep, DEVICE_CHUNK_TAG, frame.into())
+            .await
+            .expect("send");
+        common::poll_until("the decode refuses the header", common::BOUND, || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            text.contains("to a receiver that stages on the host")
+                .then_some(())
+        })
+        .await;
+        println!(
+            "[ucx-device-header] refused {:.1} ms after the send",
+            sent.elapsed().as_secs_f64() * 1e3
+        );
+        let apis = Apis::pair(&prefill, &decode);
+        let results = drive_rooms(&apis, vec![(1, 100)], 1).await.expect("a room");
+        assert!(results.iter().all(|r| r.verified), "{results:?}");
+        worker.shutdown().await;
     });
 }

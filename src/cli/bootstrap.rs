@@ -54,6 +54,11 @@ pub struct BootstrapArgs {
 enum ArgsError {
     #[error("--lease-ttl-ms must be > 0")]
     ZeroLeaseTtl,
+    #[error(
+        "--lease-ttl-ms {0} is below 2000, the shortest lease etcd grants: with --store etcd the \
+         registry would announce leases shorter than etcd keeps them"
+    )]
+    EtcdLeaseTooShort(u64),
     #[error("--token must not be empty (omit it to disable authentication)")]
     EmptyToken,
     #[error(transparent)]
@@ -64,6 +69,9 @@ impl BootstrapArgs {
     fn validate(&self) -> Result<(), ArgsError> {
         if self.lease_ttl_ms == 0 {
             return Err(ArgsError::ZeroLeaseTtl);
+        }
+        if matches!(self.store, StoreConfig::Etcd { .. }) && self.lease_ttl_ms < 2000 {
+            return Err(ArgsError::EtcdLeaseTooShort(self.lease_ttl_ms));
         }
         if self.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return Err(ArgsError::EmptyToken);
@@ -148,6 +156,17 @@ mod tests {
         assert_eq!(args.store, StoreConfig::Memory);
         let etcd = parse(&["--store", "etcd://10.0.0.1:2379,10.0.0.2:2379"]).store;
         assert_eq!(etcd.to_string(), "etcd://10.0.0.1:2379,10.0.0.2:2379");
+        assert!(
+            parse(&["--store", "etcd://10.0.0.1:2379", "--lease-ttl-ms", "1500"])
+                .validate()
+                .is_err(),
+            "etcd grants no lease under 2 s"
+        );
+        assert!(
+            parse(&["--store", "etcd://10.0.0.1:2379", "--lease-ttl-ms", "2000"])
+                .validate()
+                .is_ok()
+        );
         let wrapped = Wrapper::try_parse_from(["kvferry", "--store", "etcd://nohost"]);
         let err = wrapped.unwrap_err().to_string();
         assert!(err.contains("is not HOST:PORT"), "{err}");

@@ -110,7 +110,10 @@ impl EtcdStore {
         let options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
             .with_timeout(CALL_TIMEOUT)
-            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            // A member cut off from the quorum answers at once instead of holding a call
+            // until its timeout.
+            .with_require_leader(true);
         let client = tokio::time::timeout(OP_TIMEOUT, Client::connect(endpoints, Some(options)))
             .await
             .map_err(|_| {

@@ -469,12 +469,18 @@ impl fmt::Debug for DeviceStaging {
 }
 
 impl DeviceStaging {
-    /// Allocates `len` zeroed bytes on the kernel's device.
+    /// Allocates `len` zeroed bytes on the kernel's device. Returns once the allocation and
+    /// its zeroing (stream-ordered where the device has memory pools) have run, so that a
+    /// transport that writes it from its own streams (UCX) never races them.
     pub fn new(kernel: &CudaKernel, len: usize) -> Result<Self, CudaError> {
         let buf = kernel
             .stream
             .alloc_zeros::<u8>(len.max(1))
             .map_err(driver("allocate device staging"))?;
+        kernel
+            .stream
+            .synchronize()
+            .map_err(driver("synchronize a device staging allocation"))?;
         Ok(DeviceStaging {
             buf,
             len,

@@ -670,8 +670,7 @@ struct UcxReceiver {
 impl UcxReceiver {
     /// The payload of a chunk sent from device memory, whose header message came to worker
     /// `w` with `trailer`: received from the sender's device staging straight into a buffer
-    /// of the sink, or, without one (this agent stages on the host), into a host buffer (UCX
-    /// moves between the memory types).
+    /// of the sink; refused without one (this agent stages on the host).
     async fn device_payload(&self, w: usize, trailer: Bytes) -> Result<Payload, TransportError> {
         let fail = |m: String| TransportError::new("recv_device", "ucx", m);
         let (len, key) = match trailer.get(..16) {
@@ -695,26 +694,16 @@ impl UcxReceiver {
             .workers
             .get(w)
             .ok_or_else(|| fail("no such worker".into()))?;
+        // Only a receiver that lands on the device takes device payloads. Waiting here for a
+        // payload behind its header holds the receive loop (every peer's chunks) until it
+        // comes: a receiver staging on the host (every receiver where UCX has no CUDA) must
+        // not offer that to whoever reaches its port, so it refuses the header at once.
         let Some(sink) = &self.device else {
-            let buffers = self
-                .posting
-                .buffers
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            let tag = device_payload_tag(key);
-            let receive = worker.post_recv_tag_into(tag, u64::MAX, len as usize, buffers);
-            let got = tokio::time::timeout(DEVICE_PAYLOAD_WAIT, receive)
-                .await
-                .map_err(|_| fail(format!("no device payload within {DEVICE_PAYLOAD_WAIT:?}")))?
-                .map_err(|e| fail(e.to_string()))?;
-            if got.data.len() as u64 != len {
-                return Err(fail(format!(
-                    "a device payload of {} bytes, announced {len}",
-                    got.data.len()
-                )));
-            }
-            return Ok(Payload::Host(got.data));
+            return Err(fail(
+                "a chunk sent from device memory, to a receiver that stages on the host (both \
+                 sides need device staging)"
+                    .into(),
+            ));
         };
         let buf = sink.take(len as usize).map_err(fail)?;
         let cancel = tokio_util::sync::CancellationToken::new();
@@ -732,9 +721,11 @@ impl UcxReceiver {
         let landed = tokio::select! {
             r = &mut landing => r,
             () = tokio::time::sleep(DEVICE_PAYLOAD_WAIT) => {
-                // Cancelled, and waited for: UCX writes nothing more into the buffer after.
+                // Cancelled; the progress thread keeps the buffer until UCX lets go of it, so
+                // the wait for that is bounded (a receive that matched a dead sender's message
+                // may never end).
                 cancel.cancel();
-                let _ = landing.await;
+                let _ = tokio::time::timeout(DEVICE_PAYLOAD_WAIT, landing).await;
                 return Err(fail(format!("no device payload within {DEVICE_PAYLOAD_WAIT:?}")));
             }
         };
