@@ -66,6 +66,12 @@ fn check_line(v: &Value, transport: &str, tokens: u64, rooms: u64) {
     field(v, "verified_rooms", "an integer", Value::is_u64);
     field(v, "failed_rooms", "an integer", Value::is_u64);
     field(v, "memcpy_gbps", "a number >= 0", non_negative);
+    // Where the rooms' time went: every stage of a staged room, in ms, none negative (each
+    // runs between two causally ordered points).
+    let stages = field(v, "stages_ms", "an object", Value::is_object);
+    for (name, _) in kvferry::cli::demo::STAGES {
+        assert!(non_negative(&stages[name]), "stage {name}: {stages}");
+    }
     assert!(
         v.get("ucx_tls").is_none(),
         "`ucx_tls` belongs to UCX runs only: {v}"

@@ -180,6 +180,15 @@ impl RoomStatus {
         self.timings.push((event, now_ms()));
     }
 
+    /// Records a named event unless it was recorded before: the first time a stage was
+    /// reached (a room's first gather, first send, first landing; docs/operations.md, "Room
+    /// JSON").
+    pub fn mark_first(&mut self, event: &'static str) {
+        if self.at(event).is_none() {
+            self.mark(event);
+        }
+    }
+
     /// The time (ms since the epoch) of a named event or state.
     pub fn at(&self, event: &str) -> Option<f64> {
         self.timings

@@ -501,6 +501,34 @@ fn print_table(lines: &[Value]) {
         "GB/s: bytes landed / (first ready -> last success); room GB/s: bytes / p50 latency; \
          ovh: p50 latency - bytes / largest room's rate; memcpy: single thread, GB/s"
     );
+    print_stages(lines);
+}
+
+/// Where each configuration's rooms spent their time: the p50 of every stage, in ms.
+fn print_stages(lines: &[Value]) {
+    println!("\nwhere a room's time goes (p50 ms per stage):");
+    print!("{:>9} {:>7}", "transport", "tokens");
+    for (name, _) in demo::STAGES {
+        print!(" {name:>14}");
+    }
+    println!();
+    for l in lines {
+        print!(
+            "{:>9} {:>7}",
+            l["transport"].as_str().unwrap_or("?"),
+            l["tokens"].to_string()
+        );
+        for (name, _) in demo::STAGES {
+            match l["stages_ms"][name].as_f64() {
+                Some(ms) => print!(" {ms:>14.3}"),
+                None => print!(" {:>14}", "-"),
+            }
+        }
+        println!();
+    }
+    for (name, what) in demo::STAGES {
+        println!("  {name}: {what}");
+    }
 }
 
 /// Writes `bench.jsonl` and the two plots into `dir`.

@@ -83,6 +83,68 @@ pub struct RoomResult {
     pub ready_at: f64,
     /// Decode success time, ms since the epoch.
     pub success_at: f64,
+    /// Where the room's time went ([`STAGES`], ms each; a stage the room's path skips, e.g.
+    /// the gather of a direct write, is absent).
+    pub stages: Vec<(&'static str, f64)>,
+}
+
+/// The stages of one room's time, in order, as `kvferry bench` reports them (`stages_ms`):
+/// the engines' calls as the engine sees them, then the first chunk's way from the prefill's
+/// ready to the decode's pool (the first prefill and decode rank's own timings), then the
+/// rest of the room and the engine's notice of it.
+pub const STAGES: [(&str, &str); 9] = [
+    ("request_call", "the decode engine's request call"),
+    ("ready_call", "the prefill engine's ready call"),
+    (
+        "ready_to_start",
+        "ready -> the transfer starts (the decode's request in hand)",
+    ),
+    ("gather", "-> first chunk gathered (credit and gather)"),
+    ("post", "-> first chunk framed and handed to the transport"),
+    ("wire", "-> first chunk arrives at the decode"),
+    ("land", "-> first chunk in the decode pool"),
+    ("rest", "-> the whole room landed (success)"),
+    ("notice", "-> the engine's take returns"),
+];
+
+/// Milliseconds since the Unix epoch (the agents' clock for room timings).
+fn epoch_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// [`STAGES`] of one room from the engine-side call times and the first prefill and decode
+/// ranks' room views.
+fn stages(
+    calls: [f64; 2],
+    prefill: &Value,
+    decode: &Value,
+    taken_at: f64,
+) -> Vec<(&'static str, f64)> {
+    let p = |k: &str| prefill["timings"][k].as_f64();
+    let d = |k: &str| decode["timings"][k].as_f64();
+    let points = [
+        p("ready"),
+        p("transfer_start"),
+        p("first_gathered"),
+        p("first_posted"),
+        d("transferring"),
+        d("first_landed"),
+        d("success"),
+        Some(taken_at),
+    ];
+    let mut out = vec![(STAGES[0].0, calls[0]), (STAGES[1].0, calls[1])];
+    // Each stage runs from the last point reached before it: a skipped point (no gather on a
+    // direct write) folds its stage into the next.
+    let mut from = points[0];
+    for (i, to) in points.iter().enumerate().skip(1) {
+        if let (Some(a), Some(b)) = (from, *to) {
+            out.push((STAGES[i + 1].0, b - a));
+            from = Some(b);
+        }
+    }
+    out
 }
 
 /// The engine-facing APIs of a cluster: prefill and decode ranks grouped by DP group.
@@ -176,6 +238,8 @@ async fn one_room(
             .await?;
         json_ok(resp, "decode request").await?;
     }
+    let request_call = started.elapsed().as_secs_f64() * 1e3;
+    let ready_started = Instant::now();
     // Every prefill rank at once, as TP ranks finish a prefill together: one after the
     // other, the latency (from the first ready) would include the later ranks' fills.
     let mut ready = tokio::task::JoinSet::new();
@@ -193,6 +257,7 @@ async fn one_room(
     while let Some(done) = ready.join_next().await {
         done??;
     }
+    let ready_call = ready_started.elapsed().as_secs_f64() * 1e3;
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut result = RoomResult {
         room,
@@ -205,7 +270,10 @@ async fn one_room(
         take_ms: 0.0,
         ready_at: f64::INFINITY,
         success_at: 0.0,
+        stages: Vec::new(),
     };
+    let mut first_decode = Value::Null;
+    let mut taken_at = 0.0;
     for d in decodes {
         let view = loop {
             let resp = http
@@ -234,19 +302,33 @@ async fn one_room(
             result.code = taken["reason"]["code"].as_str().map(str::to_owned);
         }
         result.verified &= taken["verified"].as_bool() == Some(true) && taken["state"] == "success";
+        if first_decode.is_null() {
+            taken_at = epoch_ms();
+            first_decode = view.clone();
+        }
         result.success_at = result
             .success_at
             .max(view["timings"]["success"].as_f64().unwrap_or(0.0));
     }
     result.take_ms = started.elapsed().as_secs_f64() * 1e3;
+    let mut first_prefill = Value::Null;
     for p in prefills {
         let resp = http.get(format!("{p}/v1/rooms/{room}")).send().await?;
         if let Ok(v) = json_ok(resp, "prefill room").await {
             if let Some(t) = v["timings"]["ready"].as_f64() {
                 result.ready_at = result.ready_at.min(t);
             }
+            if first_prefill.is_null() {
+                first_prefill = v;
+            }
         }
     }
+    result.stages = stages(
+        [request_call, ready_call],
+        &first_prefill,
+        &first_decode,
+        taken_at,
+    );
     if !result.ready_at.is_finite() {
         result.ready_at = 0.0;
     }
@@ -322,7 +404,23 @@ pub fn summary(
         "verified_rooms": ok.len(),
         "failed_rooms": results.len() - ok.len(),
         "memcpy_gbps": memcpy_gbps(largest),
+        "stages_ms": stage_p50s(&ok),
     })
+}
+
+/// The p50 of each of [`STAGES`] over `rooms` (the stages they reached).
+fn stage_p50s(rooms: &[&RoomResult]) -> Value {
+    let mut out = serde_json::Map::new();
+    for (name, _) in STAGES {
+        let v: Vec<f64> = rooms
+            .iter()
+            .filter_map(|r| r.stages.iter().find(|(n, _)| *n == name).map(|(_, ms)| *ms))
+            .collect();
+        if !v.is_empty() {
+            out.insert(name.to_owned(), json!(percentile(&v, 50.0)));
+        }
+    }
+    Value::Object(out)
 }
 
 /// How many ranks of one role, by parallelism.

@@ -255,6 +255,7 @@ impl Inner {
         path.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         room.landed += chunk.len as usize;
         room.chunks += 1;
+        room.status.mark_first("first_landed");
         room.progress_at = Instant::now();
         if let Some(s) = room.sources.get_mut(source) {
             s.landed += chunk.len as usize;

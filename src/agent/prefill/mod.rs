@@ -418,6 +418,13 @@ impl Inner {
         self.peers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Records the first time the room reached a stage of its transfer (its timings).
+    fn mark_first(&self, room_id: u64, stage: &'static str) {
+        if let Some(room) = self.rooms().get_mut(&room_id) {
+            room.status.mark_first(stage);
+        }
+    }
+
     /// Moves the room to a final state once every decode rank that will ask has been served,
     /// and returns the agent's own pages once no gather reads them.
     fn settle(&self, room: &mut Room) {

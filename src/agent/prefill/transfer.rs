@@ -147,6 +147,7 @@ impl Inner {
         }) else {
             return;
         };
+        self.mark_first(room_id, "transfer_start");
         let mut chunks = 0u32;
         let started = Instant::now();
         let outcome = loop {
@@ -414,6 +415,9 @@ impl Inner {
                 if job.cancel.is_cancelled() {
                     job.peer.credits.add_permits(1);
                     return Ok(());
+                }
+                if *chunks == 0 {
+                    self.mark_first(job.room, "first_gathered");
                 }
                 // Gather ahead only with a credit at hand: waiting for one here, before sending
                 // this chunk, could wait forever.

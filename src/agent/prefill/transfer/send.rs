@@ -212,6 +212,10 @@ impl Inner {
                 Outgoing::Frame(frame)
             }
         };
+        if seq == 0 {
+            // Before the transport has it: the decode may see the chunk before this returns.
+            self.mark_first(job.room, "first_posted");
+        }
         // Queued in order; a staged chunk's bytes are left in flight with the transport (the
         // credits bound how many), a header alone is waited for.
         let sent = self
