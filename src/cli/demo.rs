@@ -97,7 +97,7 @@ pub const STAGES: [(&str, &str); 9] = [
     ("ready_call", "the prefill engine's ready call"),
     (
         "ready_to_start",
-        "ready -> the transfer starts (the decode's request in hand)",
+        "ready -> the first piece's send starts (negative when layer-wise pieces went first)",
     ),
     ("gather", "-> first chunk gathered (credit and gather)"),
     ("post", "-> first chunk framed and handed to the transport"),

@@ -147,12 +147,12 @@ impl Inner {
         }) else {
             return;
         };
-        self.mark_first(room_id, "transfer_start");
         let mut chunks = 0u32;
         let started = Instant::now();
         let outcome = loop {
             match self.next_step(room_id, decode) {
                 Step::Send(piece) => {
+                    self.mark_first(room_id, "transfer_start");
                     if let Err(reason) = self.send_piece(&job, &piece, &mut chunks).await {
                         break Err(reason);
                     }
