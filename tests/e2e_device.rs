@@ -291,30 +291,69 @@ fn a_prefill_killed_mid_transfer_fails_the_room_and_nothing_lands_after() {
     });
 }
 
+/// One prefill and one decode sidecar on two pools of `PAGES` tiny pages this test's engine
+/// allocated (the prefill's zeroed, the decode's poison), opened by CUDA IPC handle.
+struct IpcPools {
+    engine: Engine,
+    layout: KvLayout,
+    bytes: usize,
+    prefill_pool: u64,
+    decode_pool: u64,
+    c: FaultCluster,
+}
+
+impl IpcPools {
+    fn start(tag: &str, opts: AgentOpts, env: &Env) -> IpcPools {
+        let engine = Engine::new();
+        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        let bytes = layout.pool_bytes(PAGES).unwrap();
+        let (prefill_pool, decode_pool) = (engine.alloc(bytes), engine.alloc(bytes));
+        engine.fill(prefill_pool, 0, bytes);
+        engine.fill(decode_pool, POISON, bytes);
+        let opts = AgentOpts {
+            pool_pages: PAGES,
+            ..opts
+        };
+        let (prefill_flag, decode_flag) = (
+            engine.pool_flag(prefill_pool),
+            engine.pool_flag(decode_pool),
+        );
+        let c = FaultCluster::start_env(
+            tag,
+            &opts.args(),
+            &["--pool", &prefill_flag],
+            &["--pool", &decode_flag],
+            &[],
+            env,
+        );
+        IpcPools {
+            engine,
+            layout,
+            bytes,
+            prefill_pool,
+            decode_pool,
+            c,
+        }
+    }
+}
+
 #[test]
 fn sidecar_agents_move_rooms_between_device_pools_opened_by_ipc_handle() {
     if !gpu_or_skip() {
         return;
     }
-    let engine = Engine::new();
-    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
-    let bytes = layout.pool_bytes(PAGES).unwrap();
-    let (prefill_pool, decode_pool) = (engine.alloc(bytes), engine.alloc(bytes));
-    engine.fill(prefill_pool, 0, bytes);
-    engine.fill(decode_pool, POISON, bytes);
-    let opts = AgentOpts {
-        pool_pages: PAGES,
-        ..AgentOpts::default()
-    };
-    let (prefill_flag, decode_flag) = (
-        engine.pool_flag(prefill_pool),
-        engine.pool_flag(decode_pool),
-    );
-    let c = FaultCluster::start(
+    let IpcPools {
+        engine,
+        layout,
+        bytes,
+        prefill_pool,
+        decode_pool,
+        c,
+    } = IpcPools::start(
         "device-ipc",
-        &opts.args(),
-        &["--pool", &prefill_flag],
-        &["--pool", &decode_flag],
+        AgentOpts {
+            ..AgentOpts::default()
+        },
         &[],
     );
     // (room, prefill pages, decode pages): four pages each, out of order and apart.
@@ -468,27 +507,19 @@ fn device_pools_over_ucx_stage_where_ucx_can_send_from() {
     if !gpu_or_skip() {
         return;
     }
-    let engine = Engine::new();
-    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
-    let bytes = layout.pool_bytes(PAGES).unwrap();
-    let (prefill_pool, decode_pool) = (engine.alloc(bytes), engine.alloc(bytes));
-    engine.fill(prefill_pool, 0, bytes);
-    engine.fill(decode_pool, POISON, bytes);
-    let opts = AgentOpts {
-        pool_pages: PAGES,
-        transport: "ucx",
-        ..AgentOpts::default()
-    };
-    let (prefill_flag, decode_flag) = (
-        engine.pool_flag(prefill_pool),
-        engine.pool_flag(decode_pool),
-    );
-    let c = FaultCluster::start_env(
+    let IpcPools {
+        engine,
+        layout,
+        bytes,
+        decode_pool,
+        c,
+        ..
+    } = IpcPools::start(
         "device-ucx",
-        &opts.args(),
-        &["--pool", &prefill_flag],
-        &["--pool", &decode_flag],
-        &[],
+        AgentOpts {
+            transport: "ucx",
+            ..AgentOpts::default()
+        },
         ucx_env(),
     );
     let rooms = vec![(41, vec![5, 17, 2, 40]), (42, vec![60, 61, 62, 63])];
@@ -823,27 +854,20 @@ fn a_sidecar_room_behind_the_engines_ipc_event_lands_only_after_its_writes() {
     if !gpu_or_skip() {
         return;
     }
-    let engine = Engine::new();
-    let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
-    let bytes = layout.pool_bytes(PAGES).unwrap();
-    let (prefill_pool, decode_pool) = (engine.alloc(bytes), engine.alloc(bytes));
-    engine.fill(prefill_pool, 0, bytes);
-    engine.fill(decode_pool, POISON, bytes);
     // Not synthetic: the KV is what the engine writes.
-    let opts = AgentOpts {
-        pool_pages: PAGES,
-        synthetic: false,
-        ..AgentOpts::default()
-    };
-    let (prefill_flag, decode_flag) = (
-        engine.pool_flag(prefill_pool),
-        engine.pool_flag(decode_pool),
-    );
-    let c = FaultCluster::start(
+    let IpcPools {
+        engine,
+        layout,
+        bytes,
+        prefill_pool,
+        decode_pool,
+        c,
+    } = IpcPools::start(
         "device-ipc-event",
-        &opts.args(),
-        &["--pool", &prefill_flag],
-        &["--pool", &decode_flag],
+        AgentOpts {
+            synthetic: false,
+            ..AgentOpts::default()
+        },
         &[],
     );
     let held = HeldWrites::new(&engine);
