@@ -61,8 +61,8 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[test]
-fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_keeps_serving() {
+/// A registry, a prefill and a decode agent over UCX's tcp transport on loopback.
+fn ucx_cluster(tag: &str) -> LocalCluster {
     let env: Vec<(String, String)> = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")]
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .to_vec();
@@ -71,9 +71,12 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
         ..AgentOpts::default()
     };
     let (exe, args) = (release_binary(), opts.args());
-    let cluster =
-        LocalCluster::start_shaped_env(&exe, "ucx-malformed", &args, Shape::ONE, Shape::ONE, &env)
-            .expect("cluster");
+    LocalCluster::start_shaped_env(&exe, tag, &args, Shape::ONE, Shape::ONE, &env).expect("cluster")
+}
+
+#[test]
+fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_keeps_serving() {
+    let cluster = ucx_cluster("ucx-malformed");
     let prefill = cluster.prefill().field("api").expect("prefill api");
     let decode = cluster.decode().field("api").expect("decode api");
     let control = cluster
@@ -166,23 +169,7 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
 #[test]
 fn a_device_chunk_header_to_a_host_staging_decode_is_refused_at_once() {
     const DEVICE_CHUNK_TAG: u64 = 0x4b56_4659_0000_0002;
-    let env: Vec<(String, String)> = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")]
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .to_vec();
-    let opts = AgentOpts {
-        transport: "ucx",
-        ..AgentOpts::default()
-    };
-    let (exe, args) = (release_binary(), opts.args());
-    let cluster = LocalCluster::start_shaped_env(
-        &exe,
-        "ucx-device-header",
-        &args,
-        Shape::ONE,
-        Shape::ONE,
-        &env,
-    )
-    .expect("cluster");
+    let cluster = ucx_cluster("ucx-device-header");
     let prefill = cluster.prefill().field("api").expect("prefill api");
     let decode = cluster.decode().field("api").expect("decode api");
     let data = cluster
