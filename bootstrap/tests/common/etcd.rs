@@ -60,7 +60,22 @@ pub struct EtcdCluster {
 }
 
 impl EtcdCluster {
+    /// Starts a cluster on ports that were free a moment ago; if one was taken meanwhile (a
+    /// member exits at start: "address already in use"), starts again on other ports, up to
+    /// three times.
     pub fn start() -> Self {
+        for attempt in 1..=3 {
+            match Self::try_start() {
+                Ok(cluster) => return cluster,
+                Err(why) => {
+                    println!("etcd cluster, attempt {attempt}: {why}; again on other ports")
+                }
+            }
+        }
+        panic!("no etcd cluster after three attempts (see the lines above)");
+    }
+
+    fn try_start() -> Result<Self, String> {
         let dir = std::env::temp_dir().join(format!("kvferry-etcd-{}", Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         let ports = free_ports(6);
@@ -100,7 +115,7 @@ impl EtcdCluster {
                 .expect("starting etcd");
             members.push(Some(child));
         }
-        let cluster = Self {
+        let mut cluster = Self {
             dir,
             members,
             clients,
@@ -112,7 +127,19 @@ impl EtcdCluster {
                 .is_some_and(|(ok, _)| ok);
             if healthy {
                 println!("etcd cluster healthy after {:?}", start.elapsed());
-                break;
+                return Ok(cluster);
+            }
+            let exited = cluster
+                .members
+                .iter_mut()
+                .flatten()
+                .any(|m| matches!(m.try_wait(), Ok(Some(_))));
+            if exited {
+                // Dropped: the other members are killed and the directory removed.
+                return Err(format!(
+                    "a member exited at start (logs were in {})",
+                    cluster.dir.display()
+                ));
             }
             assert!(
                 start.elapsed() < BOUND,
@@ -121,7 +148,6 @@ impl EtcdCluster {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
-        cluster
     }
 
     /// `etcdctl --endpoints=<members> ARGS`: (success, stdout).
