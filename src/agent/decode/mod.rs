@@ -19,11 +19,13 @@
 //! A room may come from several prefill ranks (heterogeneous TP, PP stages): `pairing.rs`
 //! plans one bulk segment per source, each asked with its own TransferRequest and finished by
 //! its own Done. Files: this one (rooms, requests, timeouts, drain), `peer.rs` (control
-//! connections, heartbeats, what prefills send), `landing.rs` (chunks into the pool),
+//! connections, heartbeats, what prefills send), `groups.rs` (prefill groups looked up in
+//! the registry, remembered for a second), `landing.rs` (chunks into the pool),
 //! `rooms.rs` (the engine's room operations on [`DecodeAgent`]), `http.rs` (the engine's HTTP
 //! API, a layer over them), `drain.rs` (landed rooms kept takeable while draining).
 
 mod drain;
+mod groups;
 mod http;
 mod landing;
 mod peer;
@@ -40,7 +42,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvferry_bootstrap::{ClientError, PrefillGroup, Registration, RegistryClient, Role};
+use kvferry_bootstrap::{Registration, RegistryClient, Role};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use uuid::Uuid;
@@ -120,6 +122,7 @@ impl DecodeAgent {
             recv_slots,
             alloc,
             registry: registry.clone(),
+            groups: Default::default(),
             data_endpoint: data_endpoint.clone(),
             pool_key,
             placer: receiver.placer(),
@@ -225,6 +228,8 @@ struct Inner {
     recv_slots: Option<Arc<super::staging::SlotPool>>,
     alloc: PageAllocator,
     registry: RegistryClient,
+    /// Prefill groups looked up lately.
+    groups: groups::Groups,
     data_endpoint: String,
     /// The pool as exposed for one-sided writes (sent in Hello), when the transport has them.
     pool_key: Option<crate::memory::RemoteMemory>,
@@ -413,35 +418,6 @@ impl Inner {
             tracing::debug!(room = room_id, bytes = room.landed, "room landed");
         }
         self.finished(room);
-    }
-
-    /// Asks the registry for the prefill group until it is complete or the timeout passes.
-    async fn lookup(&self, client: &RegistryClient, dp_rank: u32) -> Result<PrefillGroup, Reason> {
-        let deadline = Instant::now() + self.cfg.timeouts.bootstrap;
-        loop {
-            match client.lookup_prefill(dp_rank).await {
-                Ok(group) => return Ok(group),
-                Err(e) if e.is_retryable() && Instant::now() < deadline => {
-                    tracing::debug!(error = %e, "prefill group not ready; retrying");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => {
-                    let code = match e {
-                        ClientError::Incomplete { .. } | ClientError::Unreachable { .. } => {
-                            FailureCode::TimeoutBootstrap
-                        }
-                        _ => FailureCode::Unreachable,
-                    };
-                    return Err(Reason::new(
-                        code,
-                        format!(
-                            "prefill group dp_rank={dp_rank} at {}: {e}",
-                            client.base_url()
-                        ),
-                    ));
-                }
-            }
-        }
     }
 
     /// Resolves the prefill, says Hello if needed, and asks for the room.

@@ -285,6 +285,11 @@ impl Inner {
                 }
             }
             Message::Error(e) => {
+                if e.code == FailureCode::PeerDead {
+                    // The prefill says this decode asked an instance it no longer is (it
+                    // restarted): the group must be looked up again.
+                    self.groups.forget();
+                }
                 let reason =
                     Reason::new(e.code, format!("prefill {}: {}", peer.endpoint, e.message));
                 match e.room.and_then(|r| rooms.get_mut(&r)) {
@@ -376,6 +381,7 @@ impl Inner {
     pub(super) fn peer_lost(&self, peer: &Peer, why: String) {
         peer.gone.cancel();
         self.peers().remove(&peer.instance);
+        self.groups.forget();
         self.recv_reset.notify_one();
         self.metrics
             .peers_dead

@@ -251,6 +251,7 @@ impl Inner {
                     format!("room {room_id} was already requested or aborted by this decode"),
                 )))
             } else {
+                room.status.mark_first("requested");
                 room.requesters = room.requesters.max(req.requesters as usize);
                 room.transfers
                     .insert(peer.instance, Transfer::new(peer, Some(req)));

@@ -382,6 +382,9 @@ impl Inner {
                 fill(self, room_id, &pages, lease, &piece).await?;
             }
             announce(self, room_id, piece, last);
+            // The transfer task just spawned waits in this worker's queue behind this call;
+            // yielding lets it start its first chunk before the engine's answer goes out.
+            tokio::task::yield_now().await;
         }
         Ok(view)
     }

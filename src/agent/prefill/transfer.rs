@@ -31,6 +31,32 @@ use send::{Payload, Taken};
 /// A whole-heads chunk of consecutive pages is one range per layer plane it covers.
 const FROM_POOL_PIECES: usize = 8;
 
+/// Largest chunk whose plan (no copy) a transfer's task makes itself when the chunk is sent
+/// from the pool: its few runs cost less than a blocking thread's hand-off (tens of µs).
+const INLINE_PLAN_BYTES: usize = 256 << 10;
+
+/// A chunk's payload being made ready to send: planned on the task, or gathered on the
+/// blocking pool.
+type Gathering = transport::BoxFuture<'static, Result<(Payload, u64), Reason>>;
+
+/// The ranges of a host pool a chunk can be sent from without a gather (at most
+/// [`FROM_POOL_PIECES`]); `None` when it takes more, or the pool is device memory.
+fn pool_spans(
+    pool: &crate::agent::AgentPool,
+    sel: &Selection<'_>,
+    wire: crate::layout::PageOrder,
+) -> Result<Option<(Arc<HostPool>, Vec<Span>)>, crate::kernel::KernelError> {
+    let Some(host) = pool.host() else {
+        return Ok(None);
+    };
+    let spans = crate::kernel::cpu::source_spans(pool.layout(), pool.num_pages(), sel, wire)?;
+    Ok((spans.len() <= FROM_POOL_PIECES).then(|| (host.clone(), spans)))
+}
+
+fn gather_failed(e: crate::kernel::KernelError) -> Reason {
+    Reason::new(FailureCode::BadMessage, format!("gather: {e}"))
+}
+
 /// Placed chunks whose runs may be in flight at once beyond the one being sent.
 const PLACED_AHEAD: usize = 2;
 
@@ -324,7 +350,7 @@ impl Inner {
             slot,
             whole_pages,
         );
-        let gather = |c: &ChunkPlan| {
+        let gather = |c: &ChunkPlan| -> Gathering {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
             let (pool, pages, wire) = (self.pool.clone(), job.pages.clone(), req.wire_order);
             let ready_on = piece.ready_on.clone();
@@ -337,7 +363,28 @@ impl Inner {
             let corrupt = self.cfg.fault_corrupt_chunk == Some(nth);
             let from_pool = job.peer.from_pool && !corrupt;
             let metrics = self.metrics.clone();
-            tokio::task::spawn_blocking(move || {
+            // A small chunk sent from the pool needs only its plan, no copy: made here, which
+            // costs less than handing it to a blocking thread and back.
+            let small = per_token_layer
+                .saturating_mul(c.tokens.len() * c.layers.len())
+                .le(&INLINE_PLAN_BYTES);
+            if from_pool && small && !checksum {
+                let sel = Selection {
+                    pages: &pages,
+                    tokens: tokens.clone(),
+                    layers: local.clone(),
+                    heads: heads.clone(),
+                };
+                match pool_spans(&pool, &sel, wire) {
+                    Ok(Some((host, spans))) => {
+                        let payload = Payload::FromPool(host, spans);
+                        return Box::pin(std::future::ready(Ok((payload, 0))));
+                    }
+                    Ok(None) => {}
+                    Err(e) => return Box::pin(std::future::ready(Err(gather_failed(e)))),
+                }
+            }
+            let gathering = tokio::task::spawn_blocking(move || {
                 let started = Instant::now();
                 let sel = Selection {
                     pages: &pages,
@@ -345,17 +392,16 @@ impl Inner {
                     layers: local,
                     heads,
                 };
-                if let (true, Some(host)) = (from_pool, pool.host()) {
-                    let layout = pool.layout();
-                    let spans =
-                        crate::kernel::cpu::source_spans(layout, pool.num_pages(), &sel, wire)?;
-                    if spans.len() <= FROM_POOL_PIECES {
-                        let sum = match checksum {
-                            true => crate::agent::checksum_digest(pool.checksum(&sel, wire)?),
-                            false => 0,
-                        };
-                        return Ok((Payload::FromPool(host.clone(), spans), sum));
-                    }
+                let spans = match from_pool {
+                    true => pool_spans(&pool, &sel, wire)?,
+                    false => None,
+                };
+                if let Some((host, spans)) = spans {
+                    let sum = match checksum {
+                        true => crate::agent::checksum_digest(pool.checksum(&sel, wire)?),
+                        false => 0,
+                    };
+                    return Ok((Payload::FromPool(host, spans), sum));
                 }
                 // Device staging is sent as it is (no checksum: `staging::choose`; a chunk to
                 // corrupt goes through the host).
@@ -384,6 +430,15 @@ impl Inner {
                     payload.iter_mut().for_each(|b| *b = !*b);
                 }
                 Ok::<_, crate::kernel::KernelError>((Payload::Staged(buf), sum))
+            });
+            Box::pin(async move {
+                match gathering.await {
+                    Ok(gathered) => gathered.map_err(gather_failed),
+                    Err(e) => Err(Reason::new(
+                        FailureCode::BadMessage,
+                        format!("gather stopped: {e}"),
+                    )),
+                }
             })
         };
         let mut next = None;
@@ -400,18 +455,7 @@ impl Inner {
             let mut sending: std::collections::VecDeque<Taken> = Default::default();
             for (i, c) in plan.iter().enumerate() {
                 let Some(pending) = next.take() else { break };
-                let (payload, sum) = match pending.await {
-                    Ok(Ok(b)) => b,
-                    Ok(Err(e)) => {
-                        return Err(Reason::new(FailureCode::BadMessage, format!("gather: {e}")));
-                    }
-                    Err(e) => {
-                        return Err(Reason::new(
-                            FailureCode::BadMessage,
-                            format!("gather stopped: {e}"),
-                        ));
-                    }
-                };
+                let (payload, sum) = pending.await?;
                 if job.cancel.is_cancelled() {
                     job.peer.credits.add_permits(1);
                     return Ok(());

@@ -1,0 +1,92 @@
+//! The prefill groups a decode looks up in the registry, remembered for [`FRESH`]: a room
+//! asked for within that time of the last lookup of its group goes to the prefill without an
+//! HTTP round trip to the registry (a tenth to a fifth of a millisecond on one host, most of
+//! a small room's fixed cost).
+//!
+//! A remembered group can be stale in one way that matters: a prefill rank restarted (a new
+//! instance). Its old control connection dies or goes silent, and every group is forgotten
+//! when a peer is lost ([`Groups::forget`], called by `peer_lost`) or a prefill refuses a
+//! request as addressed to an instance it no longer is. So only the rooms asked for between
+//! the restart and the moment this decode sees the old connection close (milliseconds for a
+//! clean stop) go to the old instance; they fail `peer_dead` with the reason, and the engine
+//! asks again. After a crash the registry itself lists the dead rank until its lease
+//! expires, longer than [`FRESH`].
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvferry_bootstrap::{ClientError, PrefillGroup, RegistryClient};
+
+use super::Inner;
+use crate::reason::{FailureCode, Reason};
+
+/// How long a looked-up group is used without asking the registry again.
+pub(super) const FRESH: Duration = Duration::from_secs(1);
+
+/// Groups by (registry URL, DP rank), with the time each was looked up.
+#[derive(Default)]
+pub(super) struct Groups {
+    seen: Mutex<HashMap<(String, u32), (Instant, PrefillGroup)>>,
+}
+
+impl Groups {
+    fn seen(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u32), (Instant, PrefillGroup)>> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fresh(&self, key: &(String, u32)) -> Option<PrefillGroup> {
+        let seen = self.seen();
+        let (at, group) = seen.get(key)?;
+        (at.elapsed() < FRESH).then(|| group.clone())
+    }
+
+    /// Forgets every group: the next room of each asks the registry.
+    pub(super) fn forget(&self) {
+        self.seen().clear();
+    }
+}
+
+impl Inner {
+    /// The prefill group `dp_rank` as `client`'s registry lists it: remembered if looked up
+    /// less than [`FRESH`] ago, else asked for until it is complete or the bootstrap timeout
+    /// passes.
+    pub(super) async fn lookup(
+        &self,
+        client: &RegistryClient,
+        dp_rank: u32,
+    ) -> Result<PrefillGroup, Reason> {
+        let key = (client.base_url().to_owned(), dp_rank);
+        if let Some(group) = self.groups.fresh(&key) {
+            return Ok(group);
+        }
+        let deadline = Instant::now() + self.cfg.timeouts.bootstrap;
+        loop {
+            match client.lookup_prefill(dp_rank).await {
+                Ok(group) => {
+                    self.groups.seen().insert(key, (Instant::now(), group.clone()));
+                    return Ok(group);
+                }
+                Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "prefill group not ready; retrying");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => {
+                    let code = match e {
+                        ClientError::Incomplete { .. } | ClientError::Unreachable { .. } => {
+                            FailureCode::TimeoutBootstrap
+                        }
+                        _ => FailureCode::Unreachable,
+                    };
+                    return Err(Reason::new(
+                        code,
+                        format!(
+                            "prefill group dp_rank={dp_rank} at {}: {e}",
+                            client.base_url()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+}
