@@ -31,7 +31,10 @@ async fn lookups(http: &reqwest::Client, registry: &str) -> u64 {
         .lines()
         .find(|l| l.starts_with(r#"kvferry_bootstrap_lookups_total{result="complete"}"#))
         .unwrap_or_else(|| panic!("no complete lookups counter in:\n{text}"));
-    line.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("a count")
+    line.rsplit(' ')
+        .next()
+        .and_then(|v| v.parse().ok())
+        .expect("a count")
 }
 
 /// Moves `room` (40 tokens) from `prefill` to `decode`; its final state's name and reason.
@@ -49,7 +52,10 @@ async fn room(prefill: &PrefillAgent, decode: &DecodeAgent, room: u64) -> (Strin
     let _ = prefill.ready(room, ready).await;
     let t = Instant::now();
     let view = loop {
-        let v = decode.wait(room, Duration::from_secs(10)).await.expect("view");
+        let v = decode
+            .wait(room, Duration::from_secs(10))
+            .await
+            .expect("view");
         if v.state.is_final() || t.elapsed() > BOUND {
             break v;
         }

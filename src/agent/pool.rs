@@ -303,6 +303,16 @@ impl AgentPool {
         use crate::transport::Payload;
         let device = match payload {
             Payload::Host(bytes) => return self.scatter(bytes, wire, sel),
+            Payload::Pieces(pieces) => {
+                let pieces: Vec<&[u8]> = pieces.iter().map(|p| &p[..]).collect();
+                return match self {
+                    AgentPool::Host { pool, kernel } => {
+                        kernel.scatter_pieces(&pieces, wire, pool, sel)
+                    }
+                    // A device pool lands host bytes through one staging buffer.
+                    AgentPool::Device { .. } => self.scatter(&pieces.concat(), wire, sel),
+                };
+            }
             Payload::Device(device) => device,
         };
         let chunk = device.as_any().downcast_ref::<DeviceChunk>();
@@ -327,6 +337,11 @@ impl AgentPool {
         use crate::transport::Payload;
         match payload {
             Payload::Host(bytes) => Ok(super::checksum(bytes)),
+            Payload::Pieces(pieces) => {
+                let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+                pieces.iter().for_each(|p| hasher.update(p));
+                Ok(super::checksum_digest(hasher.digest()))
+            }
             Payload::Device(device) => match device.as_any().downcast_ref::<DeviceChunk>() {
                 Some(chunk) => Ok(super::checksum(&chunk.to_host()?)),
                 None => Err(KernelError::Unsupported(

@@ -79,15 +79,55 @@ impl CpuKernel {
         pool: &HostPool,
         sel: &Selection<'_>,
     ) -> Result<(), KernelError> {
-        sel.validate(pool, staging.len(), true)?;
-        let runs = plan(Geometry::of(pool), sel, wire)?;
-        let src = Ptr(staging.as_ptr().cast_mut());
+        self.scatter_pieces(&[staging], wire, pool, sel)
+    }
+
+    /// [`CpuKernel::scatter`] of a staging stream that arrived in `pieces` (one after the
+    /// other, cut anywhere: a chunk sent from the sender's pool without a gather), without
+    /// joining them first.
+    pub fn scatter_pieces(
+        &self,
+        pieces: &[&[u8]],
+        wire: PageOrder,
+        pool: &HostPool,
+        sel: &Selection<'_>,
+    ) -> Result<(), KernelError> {
+        let total = pieces.iter().map(|p| p.len()).sum();
+        sel.validate(pool, total, true)?;
+        let mut runs = plan(Geometry::of(pool), sel, wire)?;
+        runs.sort_unstable_by_key(|r| r.staging);
         let dst = Ptr(pool.base_ptr());
         let stream = streams(pool.size());
-        // SAFETY: as in `gather`; additionally the destination pages are distinct (validated),
-        // so no two runs write the same pool bytes, and the agent's page ownership guarantees
-        // nothing else writes these pages meanwhile.
-        unsafe { self.copy(&runs, src, dst, stream, |r| (r.staging, r.pool)) };
+        let (mut next, mut start) = (0, 0);
+        for piece in pieces {
+            let end = start + piece.len();
+            let mut mine = Vec::new();
+            // The runs (or their parts) within this piece, counted from its start.
+            while let Some(r) = runs.get_mut(next) {
+                if r.staging >= end {
+                    break;
+                }
+                let len = r.len.min(end - r.staging);
+                mine.push(Run {
+                    pool: r.pool,
+                    staging: r.staging - start,
+                    len,
+                });
+                if len == r.len {
+                    next += 1;
+                } else {
+                    (r.pool, r.staging, r.len) = (r.pool + len, r.staging + len, r.len - len);
+                }
+            }
+            let src = Ptr(piece.as_ptr().cast_mut());
+            // SAFETY: as in `gather`, each run lies inside the pool and inside its piece (the
+            // runs tile the selection's bytes, which the pieces add up to, and each was cut at
+            // the piece's end); additionally the destination pages are distinct (validated),
+            // so no two runs write the same pool bytes, and the agent's page ownership
+            // guarantees nothing else writes these pages meanwhile.
+            unsafe { self.copy(&mine, src, dst, stream, |r| (r.staging, r.pool)) };
+            start = end;
+        }
         Ok(())
     }
 

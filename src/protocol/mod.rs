@@ -27,7 +27,10 @@ use crate::reason::FailureCode;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
+/// The first version whose staged chunks may come in pieces (ZeroMQ: up to
+/// [`crate::transport::MAX_PIECES`] payload frames, sent from the prefill's pool).
+pub const PIECES: u16 = 6;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 /// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
 pub const MIN_VERSION: u16 = 4;

@@ -209,12 +209,22 @@ pub trait DeviceSink: Send + Sync {
     fn take(&self, len: usize) -> Result<Arc<dyn DeviceBytes>, String>;
 }
 
+/// Most pool ranges a staged chunk is sent from without a gather ([`DataSender::send_from`]):
+/// more, shorter pieces (page tables out of order, head slices) are gathered. Raw UCX over tcp
+/// here, 1 MiB messages out of a 512 MiB buffer: 8 pieces ran as fast as one, 32 and 256
+/// slower (docs/benchmarks.md). A whole-heads chunk of consecutive pages is one range per
+/// layer plane it covers.
+pub const MAX_PIECES: usize = 8;
+
 /// A received chunk's payload: host bytes, or device memory where the chunk came from device
 /// staging to a receiver that lands on the device.
 #[derive(Clone)]
 pub enum Payload {
     /// Host memory (every transport).
     Host(Bytes),
+    /// Host memory in pieces, one after the other: a chunk its sender sent from its pool
+    /// without a gather, as up to [`MAX_PIECES`] messages (ZeroMQ frames).
+    Pieces(Vec<Bytes>),
     /// Device memory ([`DataReceiver::land_on_device`]).
     Device(Arc<dyn DeviceBytes>),
 }
@@ -223,6 +233,7 @@ impl fmt::Debug for Payload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Payload::Host(b) => f.debug_tuple("Host").field(&b.len()).finish(),
+            Payload::Pieces(p) => f.debug_tuple("Pieces").field(&p.len()).finish(),
             Payload::Device(d) => f.debug_tuple("Device").field(&d.len()).finish(),
         }
     }
@@ -233,6 +244,7 @@ impl Payload {
     pub fn len(&self) -> usize {
         match self {
             Payload::Host(b) => b.len(),
+            Payload::Pieces(p) => p.iter().map(Bytes::len).sum(),
             Payload::Device(d) => d.len(),
         }
     }

@@ -64,7 +64,9 @@ impl Inner {
         loop {
             match client.lookup_prefill(dp_rank).await {
                 Ok(group) => {
-                    self.groups.seen().insert(key, (Instant::now(), group.clone()));
+                    self.groups
+                        .seen()
+                        .insert(key, (Instant::now(), group.clone()));
                     return Ok(group);
                 }
                 Err(e) if e.is_retryable() && Instant::now() < deadline => {

@@ -151,7 +151,8 @@ impl Inner {
             }
         };
         let direct_target = self.direct_target(&hello, &mut data).await;
-        let from_pool = data.sends_from_pool();
+        // A decode older than `PIECES` takes a chunk's payload in one frame only.
+        let from_pool = data.sends_from_pool() && version >= protocol::PIECES;
         // Only one-sided writers are announced: placed runs land where the decode posts them.
         let direct = direct_target
             .as_ref()

@@ -20,16 +20,10 @@ use crate::agent::DirectMethod;
 use crate::kernel::cpu::PoolSide;
 use crate::memory::{Span, WriteRun};
 use crate::protocol::Placed;
-use crate::transport::FRAME_ROOM;
+use crate::transport::{FRAME_ROOM, MAX_PIECES};
 
 mod send;
 use send::{Payload, Taken};
-
-/// Most pool ranges a staged chunk is sent from without a gather: more, shorter pieces (page
-/// tables out of order, head slices) are gathered. Raw UCX over tcp here, 1 MiB messages out
-/// of a 512 MiB buffer: 8 pieces ran as fast as one, 32 and 256 slower (docs/benchmarks.md).
-/// A whole-heads chunk of consecutive pages is one range per layer plane it covers.
-const FROM_POOL_PIECES: usize = 8;
 
 /// Largest chunk whose plan (no copy) a transfer's task makes itself when the chunk is sent
 /// from the pool: its few runs cost less than a blocking thread's hand-off (tens of µs).
@@ -40,7 +34,7 @@ const INLINE_PLAN_BYTES: usize = 256 << 10;
 type Gathering = transport::BoxFuture<'static, Result<(Payload, u64), Reason>>;
 
 /// The ranges of a host pool a chunk can be sent from without a gather (at most
-/// [`FROM_POOL_PIECES`]); `None` when it takes more, or the pool is device memory.
+/// [`MAX_PIECES`]); `None` when it takes more, or the pool is device memory.
 fn pool_spans(
     pool: &crate::agent::AgentPool,
     sel: &Selection<'_>,
@@ -50,7 +44,7 @@ fn pool_spans(
         return Ok(None);
     };
     let spans = crate::kernel::cpu::source_spans(pool.layout(), pool.num_pages(), sel, wire)?;
-    Ok((spans.len() <= FROM_POOL_PIECES).then(|| (host.clone(), spans)))
+    Ok((spans.len() <= MAX_PIECES).then(|| (host.clone(), spans)))
 }
 
 fn gather_failed(e: crate::kernel::KernelError) -> Reason {

@@ -447,3 +447,58 @@ fn a_pool_to_pool_plan_into_an_impossible_pool_is_refused() {
     );
     assert!(pool_to_pool(side(4), side(4), PageOrder::TokenMajor).is_ok());
 }
+
+#[test]
+fn a_chunk_scattered_from_pieces_lands_as_the_whole_chunk_does() {
+    let layout = llama(PageOrder::HeadMajor);
+    let pages = [3u32, 0, 2];
+    let sel = Selection {
+        pages: &pages,
+        tokens: 1..45,
+        layers: 2..4,
+        heads: 1..7,
+    };
+    let whole = HostPool::anonymous(layout.clone(), 4).unwrap();
+    let bytes = sel.bytes(&whole).unwrap();
+    let chunk: Vec<u8> = (0..bytes as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let kernel = CpuKernel::new(2);
+    whole.fill(0xA5);
+    kernel
+        .scatter(&chunk, PageOrder::TokenMajor, &whole, &sel)
+        .unwrap();
+    // SAFETY: the pools are this test's alone and no copy is running.
+    let image =
+        |p: &HostPool| unsafe { std::slice::from_raw_parts(p.base_ptr(), p.size()) }.to_vec();
+    // Cut anywhere: inside runs, on their edges, an empty piece, one byte.
+    for cuts in [
+        vec![bytes],
+        vec![1, bytes - 1],
+        vec![0, 4096, 0, bytes - 4096],
+        vec![777, 1, bytes / 2, bytes - 777 - 1 - bytes / 2],
+    ] {
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for len in &cuts {
+            pieces.push(&chunk[at..at + len]);
+            at += len;
+        }
+        let pool = HostPool::anonymous(layout.clone(), 4).unwrap();
+        pool.fill(0xA5);
+        kernel
+            .scatter_pieces(&pieces, PageOrder::TokenMajor, &pool, &sel)
+            .unwrap();
+        assert!(image(&pool) == image(&whole), "pieces {cuts:?}");
+    }
+    // Pieces that do not add up to the selection are refused before a byte moves.
+    let pool = HostPool::anonymous(layout, 4).unwrap();
+    pool.fill(0xA5);
+    let short = [&chunk[..100], &chunk[100..bytes - 1]];
+    assert!(
+        kernel
+            .scatter_pieces(&short, PageOrder::TokenMajor, &pool, &sel)
+            .is_err()
+    );
+    assert!(image(&pool).iter().all(|b| *b == 0xA5));
+}

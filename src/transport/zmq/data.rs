@@ -8,10 +8,15 @@
 //!
 //! Copies: the payload is sent zero-copy (`zmq_msg_init_data`): libzmq holds the caller's
 //! `Bytes` until its I/O thread has written the bytes into the kernel, then drops it (which
-//! returns a staging slot to its pool). libzmq's encoder hands a large frame's memory straight
+//! returns a staging slot to its pool). A chunk sent from the prefill's pool
+//! ([`DataSender::send_from`], at most [`MAX_PIECES`] ranges) goes the same way without a
+//! gather, one frame per range; its send resolves only once libzmq has let go of every range,
+//! since until then it reads the pool. libzmq's encoder hands a large frame's memory straight
 //! to `send(2)` and its decoder reads a large frame straight into the message's own buffer,
-//! which the receiver hands out as `Bytes` without a copy. Each payload byte is copied twice on
-//! its way, by the kernel's send and receive; the header (tens of bytes) is copied.
+//! which the receiver hands out as `Bytes` without a copy (the frames of a chunk sent from a
+//! pool as [`Payload::Pieces`], which the decode scatters one after the other). Each payload
+//! byte is copied twice on its way, by the kernel's send and receive, plus the decode's scatter
+//! (and the prefill's gather when the chunk is more ranges); the header is copied.
 //!
 //! It replaced the `zeromq` crate's PUSH/PULL, which copies every payload into its write
 //! buffer and zero-fills its read buffer; docs/benchmarks.md ("ZeroMQ data plane") has both
@@ -27,8 +32,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::monitor::{Event, Monitor};
 use super::{Auth, context, owned, rest_of_message, spawn, tcp_address};
+use crate::memory::Span;
+use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, Frame, Listening, Transport, TransportError, TransportKind,
+    BoxFuture, DataReceiver, DataSender, Frame, Listening, MAX_PIECES, Payload, Transport,
+    TransportError, TransportKind,
 };
 
 /// Messages queued per connection before a send blocks (or a receive stops reading). Credits
@@ -237,8 +245,26 @@ fn connect(endpoint: &str, timeout: Duration, auth: &Auth) -> Result<zmq::Socket
 /// One chunk for a sender thread, and where its result goes.
 struct Job {
     header: Bytes,
-    payload: Bytes,
+    payload: Vec<Piece>,
     done: oneshot::Sender<Result<(), TransportError>>,
+}
+
+/// One payload frame: bytes the frame owns, or a range of a pool (held, with the chunk's
+/// [`Released`], until libzmq lets go of the frame).
+enum Piece {
+    Bytes(Bytes),
+    Pool(Arc<HostPool>, Span, Arc<Released>),
+}
+
+/// Says when the last frame holding it is gone: every range of a chunk sent from a pool.
+struct Released(Option<oneshot::Sender<()>>);
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
 }
 
 /// Why a chunk was not sent.
@@ -272,16 +298,37 @@ fn send_chunk(
             Err(e) => return Some(Err(Unsent::Zmq(e))),
         }
     }
-    let mut payload = zero_copy::Frame::new(job.payload.clone());
-    loop {
-        match payload.send(socket, 0) {
-            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) if closed.load(Ordering::Relaxed) => {
-                return Some(Err(Unsent::Closed));
+    let empty = [Piece::Bytes(Bytes::new())];
+    let pieces = match job.payload.is_empty() {
+        true => &empty[..],
+        false => &job.payload[..],
+    };
+    for (i, piece) in pieces.iter().enumerate() {
+        let mut frame = match piece {
+            Piece::Bytes(bytes) => zero_copy::Frame::new(bytes.clone()),
+            Piece::Pool(pool, span, released) => {
+                zero_copy::Frame::from_pool(pool.clone(), *span, released.clone())
             }
-            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => {}
-            r => return Some(r.map_err(Unsent::Zmq)),
+        };
+        let flags = if i + 1 < pieces.len() {
+            zmq::SNDMORE
+        } else {
+            0
+        };
+        loop {
+            match frame.send(socket, flags) {
+                Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR)
+                    if closed.load(Ordering::Relaxed) =>
+                {
+                    return Some(Err(Unsent::Closed));
+                }
+                Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => {}
+                Ok(()) => break,
+                Err(e) => return Some(Err(Unsent::Zmq(e))),
+            }
         }
     }
+    Some(Ok(()))
 }
 
 /// Receives chunks from `socket` into `chunks` until the receiver is dropped.
@@ -291,7 +338,7 @@ fn receive_loop(
     socket: &zmq::Socket,
     monitor: &Monitor,
     endpoint: &str,
-    chunks: &mpsc::Sender<Result<(Bytes, Bytes), TransportError>>,
+    chunks: &mpsc::Sender<Result<(Bytes, Payload), TransportError>>,
 ) {
     let err = |m: String| TransportError::new("recv", endpoint, m);
     let mut connections = super::peers::Connections::default();
@@ -321,25 +368,26 @@ fn receive_loop(
                 return;
             }
         }
-        let chunk = receive_rest(socket, header)
-            .map(|(h, p)| (owned(h), owned(p)))
-            .map_err(err);
+        let chunk = receive_rest(socket, header).map_err(err);
         if chunks.blocking_send(chunk).is_err() {
             return;
         }
     }
 }
 
-/// The payload frame of a message whose header frame is `header`, or why the message is not
-/// a chunk (its frames are drained, so the socket stays usable).
-fn receive_rest(
-    socket: &zmq::Socket,
-    header: zmq::Message,
-) -> Result<(zmq::Message, zmq::Message), String> {
-    let mut frames = rest_of_message(socket, header, 2).map_err(|e| format!("libzmq: {e}"))?;
-    match (frames.pop(), frames.pop(), frames.is_empty()) {
-        (Some(payload), Some(header), true) => Ok((header, payload)),
-        _ => Err("a data message must have exactly two frames (header, payload)".to_owned()),
+/// The header and payload of a message whose header frame is `header`, or why the message
+/// is not a chunk (its frames are drained, so the socket stays usable).
+fn receive_rest(socket: &zmq::Socket, header: zmq::Message) -> Result<(Bytes, Payload), String> {
+    let frames = rest_of_message(socket, header, 1 + MAX_PIECES);
+    let mut frames = frames.map_err(|e| format!("libzmq: {e}"))?.into_iter();
+    let header = frames.next().map(owned);
+    let mut pieces: Vec<Bytes> = frames.map(owned).collect();
+    match (header, pieces.len()) {
+        (Some(header), 1) => Ok((header, Payload::Host(pieces.remove(0)))),
+        (Some(header), 2..=MAX_PIECES) => Ok((header, Payload::Pieces(pieces))),
+        _ => Err(format!(
+            "a data message must have a header frame and 1 to {MAX_PIECES} payload frames"
+        )),
     }
 }
 
@@ -351,9 +399,13 @@ struct ZmqSender {
     endpoint: String,
 }
 
-impl DataSender for ZmqSender {
-    fn send(&mut self, frame: Frame) -> BoxFuture<'static, Result<(), TransportError>> {
-        let (header, payload) = (frame.header(), frame.payload());
+impl ZmqSender {
+    /// Hands a chunk to the socket thread; resolves once it is queued on the socket.
+    fn queue(
+        &self,
+        header: Bytes,
+        payload: Vec<Piece>,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
         let (done, result) = oneshot::channel();
         let endpoint = self.endpoint.clone();
         let Some(jobs) = &self.jobs else {
@@ -371,6 +423,55 @@ impl DataSender for ZmqSender {
             result.await.map_err(|_| gone())?
         })
     }
+}
+
+impl DataSender for ZmqSender {
+    fn send(&mut self, frame: Frame) -> BoxFuture<'static, Result<(), TransportError>> {
+        self.queue(frame.header(), vec![Piece::Bytes(frame.payload())])
+    }
+
+    fn sends_from_pool(&self) -> bool {
+        true
+    }
+
+    fn send_from(
+        &mut self,
+        prefix: Frame,
+        source: Arc<HostPool>,
+        runs: Vec<Span>,
+    ) -> BoxFuture<'static, Result<(), TransportError>> {
+        let outside = runs.iter().find(|r| {
+            r.offset
+                .checked_add(r.len)
+                .is_none_or(|end| end > source.size() as u64)
+        });
+        if let Some(r) = outside.or(runs.get(MAX_PIECES)) {
+            let e = TransportError::new(
+                "send_from",
+                &self.endpoint,
+                format!(
+                    "{} ranges, one at {r:?}: more than {MAX_PIECES} or outside the pool",
+                    runs.len()
+                ),
+            );
+            return Box::pin(async move { Err(e) });
+        }
+        let (tx, released) = oneshot::channel();
+        let holder = Arc::new(Released(Some(tx)));
+        let pieces = runs
+            .into_iter()
+            .map(|r| Piece::Pool(source.clone(), r, holder.clone()))
+            .collect();
+        drop(holder);
+        let queued = self.queue(prefix.header(), pieces);
+        Box::pin(async move {
+            queued.await?;
+            // libzmq reads the ranges until its I/O thread wrote them (or, the peer gone, the
+            // socket's linger ended).
+            let _ = released.await;
+            Ok(())
+        })
+    }
 
     fn close(&mut self) {
         self.closed.store(true, Ordering::Relaxed);
@@ -379,12 +480,27 @@ impl DataSender for ZmqSender {
 }
 
 struct ZmqReceiver {
-    chunks: mpsc::Receiver<Result<(Bytes, Bytes), TransportError>>,
+    chunks: mpsc::Receiver<Result<(Bytes, Payload), TransportError>>,
     endpoint: String,
 }
 
 impl DataReceiver for ZmqReceiver {
+    /// A chunk that came in pieces is joined (a copy); the agent takes them as they are.
     fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), TransportError>> {
+        Box::pin(async move {
+            match self.recv_payload().await? {
+                (header, Payload::Host(payload)) => Ok((header, payload)),
+                (header, Payload::Pieces(pieces)) => Ok((header, pieces.concat().into())),
+                (_, Payload::Device(_)) => Err(TransportError::new(
+                    "recv",
+                    &self.endpoint,
+                    "ZeroMQ receives host memory only",
+                )),
+            }
+        })
+    }
+
+    fn recv_payload(&mut self) -> BoxFuture<'_, Result<(Bytes, Payload), TransportError>> {
         Box::pin(async move {
             match self.chunks.recv().await {
                 Some(chunk) => chunk,
@@ -397,49 +513,82 @@ impl DataReceiver for ZmqReceiver {
     }
 }
 
-/// Sending a `Bytes` as a libzmq frame without copying it. The `zmq` crate wraps only a
+/// Sending a `Bytes`, or a range of a pool, as a libzmq frame without copying it. The `zmq` crate wraps only a
 /// `Box<[u8]>` (or `Vec<u8>`) zero-copy, and a staging slot's `Bytes` cannot become one without
 /// a copy, so this calls `zmq_msg_init_data` itself with a free function that drops the
 /// `Bytes`.
 #[allow(unsafe_code)]
 mod zero_copy {
     use std::ffi::c_void;
+    use std::sync::Arc;
 
     use bytes::Bytes;
 
-    /// A libzmq message that views a `Bytes`, which it owns until libzmq is done with it.
+    use crate::memory::Span;
+    use crate::pool::HostPool;
+
+    /// A libzmq message that views memory it keeps alive (a `Bytes`, a pool's range) until
+    /// libzmq is done with it.
     pub(super) struct Frame {
         msg: zmq_sys::zmq_msg_t,
     }
 
+    /// What keeps a frame's memory alive until libzmq lets go of it.
+    type Owner = Box<dyn Send>;
+
     /// libzmq calls this once the last reference to the message's content is gone: after its
     /// I/O thread has written the bytes, or when an unsent message is closed.
-    unsafe extern "C" fn drop_bytes(_data: *mut c_void, hint: *mut c_void) {
-        // SAFETY: `hint` is the `Box<Bytes>` leaked in `Frame::new`, and libzmq calls this once.
-        drop(unsafe { Box::from_raw(hint.cast::<Bytes>()) });
+    unsafe extern "C" fn drop_owner(_data: *mut c_void, hint: *mut c_void) {
+        // SAFETY: `hint` is the `Box<Owner>` leaked in `Frame::owning`, and libzmq calls this
+        // once.
+        drop(unsafe { Box::from_raw(hint.cast::<Owner>()) });
     }
 
     impl Frame {
         pub(super) fn new(bytes: Bytes) -> Frame {
+            let (data, len) = (bytes.as_ptr(), bytes.len());
+            // SAFETY: a `Bytes` is immutable, and its memory lives as long as it does.
+            unsafe { Frame::owning(data, len, Box::new(bytes)) }
+        }
+
+        /// A frame of `span` of `pool`, holding the pool and `released` until libzmq lets go.
+        /// The span lies within the pool (the caller checked).
+        pub(super) fn from_pool(
+            pool: Arc<HostPool>,
+            span: Span,
+            released: Arc<super::Released>,
+        ) -> Frame {
+            let data = pool.base_ptr().wrapping_add(span.offset as usize);
+            // SAFETY: the span lies within the pool's mapping, which lives as long as `pool`;
+            // the agent writes no page a send reads until the send resolves, and the send
+            // resolves only after `released` (held here) is dropped.
+            unsafe { Frame::owning(data, span.len as usize, Box::new((pool, released))) }
+        }
+
+        /// A frame of the `len` bytes at `data`, which stay valid and unchanged while `owner`
+        /// lives.
+        ///
+        /// # Safety
+        /// As above: `data..data+len` must stay readable and unchanged until `owner` drops.
+        unsafe fn owning(data: *const u8, len: usize, owner: Owner) -> Frame {
             let mut msg = zmq_sys::zmq_msg_t::default();
-            if bytes.is_empty() {
+            if len == 0 {
                 // SAFETY: `msg` is a valid zmq_msg_t to initialise.
                 let rc = unsafe { zmq_sys::zmq_msg_init(&mut msg) };
                 assert_eq!(rc, 0, "zmq_msg_init cannot fail");
                 return Frame { msg };
             }
-            let (data, len) = (bytes.as_ptr(), bytes.len());
-            let owner = Box::into_raw(Box::new(bytes));
-            // SAFETY: `data..data+len` stays valid and unchanged while `owner` lives (a `Bytes`
-            // is immutable), and libzmq calls `drop_bytes(data, owner)` exactly once when it
-            // no longer needs it. libzmq never writes through the pointer of a message it
+            let owner = Box::into_raw(Box::new(owner));
+            // SAFETY: `data..data+len` stays valid and unchanged while `owner` lives (the
+            // caller's promise), and libzmq calls `drop_owner(data, owner)` exactly once when
+            // it no longer needs it. libzmq never writes through the pointer of a message it
             // sends.
             let rc = unsafe {
                 zmq_sys::zmq_msg_init_data(
                     &mut msg,
                     data.cast_mut().cast::<c_void>(),
                     len,
-                    Some(drop_bytes),
+                    Some(drop_owner),
                     owner.cast::<c_void>(),
                 )
             };
@@ -555,6 +704,63 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_chunk_sent_from_a_pool_arrives_in_pieces_and_holds_the_pool_until_written() {
+        use crate::layout::{KvLayout, ModelSpec};
+        let t = ZmqData::new(TransportKind::ZmqTcp, 2 << 20, Auth::default());
+        let (endpoint, mut rx) = t.listen("127.0.0.1", 0).await.expect("listen");
+        let mut tx = t
+            .connect(&endpoint, Duration::from_secs(5))
+            .await
+            .expect("connect");
+        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        let pool = Arc::new(HostPool::anonymous(layout, 64).unwrap());
+        let bytes: Vec<u8> = (0..pool.size()).map(|i| (i * 7 % 251) as u8).collect();
+        pool.write(0, &bytes).unwrap();
+        let spans =
+            [(5000, 3000), (100, 1), (70_000, 65_536)].map(|(offset, len)| Span { offset, len });
+        let sent = tx.send_from(Frame::header_only(b"hdr"), pool.clone(), spans.to_vec());
+        let (h, p) = rx.recv_payload().await.expect("recv");
+        assert_eq!(&h[..], b"hdr");
+        let Payload::Pieces(pieces) = p else {
+            panic!("three ranges come as three pieces: {p:?}")
+        };
+        for (piece, span) in pieces.iter().zip(&spans) {
+            let at = span.offset as usize;
+            assert_eq!(&piece[..], &bytes[at..at + span.len as usize]);
+        }
+        assert_eq!(pieces.len(), 3);
+        tokio::time::timeout(Duration::from_secs(10), sent)
+            .await
+            .expect("resolved once libzmq let go of the ranges")
+            .expect("sent");
+        // Only the test holds the pool again: every frame let go of it.
+        assert_eq!(Arc::strong_count(&pool), 1);
+        // One range comes as one payload, as a gathered chunk does.
+        let one = vec![Span { offset: 8, len: 16 }];
+        tx.send_from(Frame::header_only(b"h1"), pool.clone(), one)
+            .await
+            .expect("sent");
+        let (_, p) = rx.recv_payload().await.expect("recv");
+        assert!(
+            matches!(&p, Payload::Host(b) if b[..] == bytes[8..24]),
+            "{p:?}"
+        );
+        // Ranges outside the pool, or too many, are refused before anything is sent.
+        let outside = vec![Span {
+            offset: pool.size() as u64 - 4,
+            len: 8,
+        }];
+        let many = vec![Span { offset: 0, len: 1 }; MAX_PIECES + 1];
+        for runs in [outside, many] {
+            let e = tx
+                .send_from(Frame::header_only(b"x"), pool.clone(), runs)
+                .await
+                .expect_err("refused");
+            assert!(e.to_string().contains("outside the pool"), "{e}");
+        }
+    }
+
+    #[tokio::test]
     async fn closing_a_sender_ends_sends_its_gone_peer_never_takes() {
         let t = ZmqData::new(TransportKind::ZmqTcp, 2 << 20, Auth::default());
         let (endpoint, rx) = t.listen("127.0.0.1", 0).await.expect("listen");
@@ -631,11 +837,18 @@ mod tests {
         let raw = context().socket(zmq::PUSH).expect("socket");
         raw.connect(&endpoint).expect("connect");
         raw.send("one frame", 0).expect("send");
-        raw.send_multipart(["a", "b", "c"], 0).expect("send");
+        raw.send_multipart(vec!["p"; MAX_PIECES + 2], 0)
+            .expect("send");
         raw.send_multipart(["h", "p"], 0).expect("send");
-        assert!(rx.recv().await.is_err());
-        assert!(rx.recv().await.is_err());
+        raw.send_multipart(["h", "p", "q"], 0).expect("send");
+        for _ in 0..2 {
+            let e = rx.recv().await.expect_err("not a chunk");
+            assert!(e.to_string().contains("1 to 8 payload frames"), "{e}");
+        }
         let (h, p) = rx.recv().await.expect("a good chunk after bad ones");
         assert_eq!((&h[..], &p[..]), (&b"h"[..], &b"p"[..]));
+        // A chunk in pieces, joined for a caller that takes one buffer.
+        let (h, p) = rx.recv().await.expect("a chunk in pieces");
+        assert_eq!((&h[..], &p[..]), (&b"h"[..], &b"pq"[..]));
     }
 }

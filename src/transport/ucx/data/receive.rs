@@ -206,7 +206,8 @@ impl DataReceiver for UcxReceiver {
         Box::pin(async move {
             match self.recv_payload().await? {
                 (header, Payload::Host(payload)) => Ok((header, payload)),
-                (_, Payload::Device(_)) => Err(TransportError::new(
+                // UCX receives a host chunk into one buffer.
+                (_, Payload::Pieces(_)) | (_, Payload::Device(_)) => Err(TransportError::new(
                     "recv",
                     "ucx",
                     "a chunk sent from device memory, to a caller that takes host memory",
