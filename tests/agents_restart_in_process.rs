@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
-use kvferry::cli::AgentArgs;
 use tokio_util::sync::CancellationToken;
 
 #[test]
@@ -20,20 +19,7 @@ fn pairs_started_after_others_stopped_connect_and_move_their_rooms() {
         for cycle in 0..12u64 {
             let shutdown = CancellationToken::new();
             let (registry, served) = common::registry_in_process(&shutdown).await;
-            let flags = [
-                "--bootstrap",
-                &registry,
-                "--model",
-                "tiny",
-                "--pool-pages",
-                "64",
-                "--synthetic",
-                "--host",
-                "127.0.0.1",
-                "--api-host",
-                "127.0.0.1",
-            ];
-            let cfg = AgentArgs::from_flags(flags).unwrap().config().unwrap();
+            let cfg = common::in_process_config(&registry, &[]);
             let prefill = PrefillAgent::start(cfg.clone(), shutdown.clone())
                 .await
                 .unwrap();

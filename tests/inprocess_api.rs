@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use kvferry::agent::RoomError;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
-use kvferry::cli::AgentArgs;
 use kvferry::protocol::Secret;
 use reqwest::StatusCode;
 use serde::Serialize;
@@ -624,25 +623,8 @@ fn the_rust_handles_and_the_http_api_give_the_same_results() {
     common::runtime().block_on(async {
         let shutdown = CancellationToken::new();
         let (registry, served) = common::registry_in_process(&shutdown).await;
-        let flags = [
-            "--bootstrap",
-            &registry,
-            "--model",
-            "tiny",
-            "--page-size",
-            "16",
-            "--pool-pages",
-            "64",
-            "--synthetic",
-            "--host",
-            "127.0.0.1",
-            "--api-host",
-            "127.0.0.1",
-            // Small chunks: several per room.
-            "--chunk-bytes",
-            "65536",
-        ];
-        let config = AgentArgs::from_flags(flags).unwrap().config().unwrap();
+        // Small chunks: several per room.
+        let config = common::in_process_config(&registry, &["--chunk-bytes", "65536"]);
         let prefill = PrefillAgent::start(config.clone(), shutdown.clone())
             .await
             .expect("prefill agent");

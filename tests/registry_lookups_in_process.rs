@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
-use kvferry::cli::AgentArgs;
 use tokio_util::sync::CancellationToken;
 
 /// The generous bound on every wait; waits print how long they took.
@@ -75,20 +74,7 @@ fn rooms_back_to_back_share_a_lookup_and_a_restarted_prefill_still_serves() {
     common::runtime().block_on(async {
         let shutdown = CancellationToken::new();
         let (registry, served) = common::registry_in_process(&shutdown).await;
-        let flags = [
-            "--bootstrap",
-            &registry,
-            "--model",
-            "tiny",
-            "--pool-pages",
-            "64",
-            "--synthetic",
-            "--host",
-            "127.0.0.1",
-            "--api-host",
-            "127.0.0.1",
-        ];
-        let cfg = AgentArgs::from_flags(flags).unwrap().config().unwrap();
+        let cfg = common::in_process_config(&registry, &[]);
         let old_stop = shutdown.child_token();
         let old = PrefillAgent::start(cfg.clone(), old_stop.clone())
             .await

@@ -830,6 +830,27 @@ pub async fn registry_in_process(
     (url, served)
 }
 
+/// The config of an agent run in this process against `registry`: tiny, 64 pages, the
+/// synthetic engine, everything on loopback; `extra` flags after those.
+pub fn in_process_config(registry: &str, extra: &[&str]) -> kvferry::agent::AgentConfig {
+    let mut flags = vec![
+        "--bootstrap",
+        registry,
+        "--model",
+        "tiny",
+        "--pool-pages",
+        "64",
+        "--synthetic",
+        "--host",
+        "127.0.0.1",
+        "--api-host",
+        "127.0.0.1",
+    ];
+    flags.extend_from_slice(extra);
+    let args = kvferry::cli::AgentArgs::from_flags(flags).expect("agent flags");
+    args.config().expect("agent config")
+}
+
 /// Asks the decode at `decode` for `room` (201).
 pub async fn request(http: &Client, decode: &str, room: u64, body: Value) -> Value {
     let url = format!("{decode}/v1/rooms/{room}");
