@@ -101,6 +101,9 @@ struct Job {
     /// it started: UCX reads the pages by cma, RDMA or its tcp copy until the send resolves).
     /// The transfer stays running, so the room is not `safe_to_reuse`, until all have ended.
     pub(super) sends: tokio_util::task::TaskTracker,
+    /// Staged chunks whose sends had not resolved when their piece was out: awaited after
+    /// Done, which goes once every chunk is handed to the transport.
+    pub(super) unfinished: std::sync::Mutex<Vec<Taken>>,
 }
 
 impl Inner {
@@ -149,7 +152,8 @@ impl Inner {
     }
 
     /// Sends one decode rank its part of a room, piece by piece as the engine announces them,
-    /// then Done (or AbortAck, or Error).
+    /// then Done (or AbortAck, or Error; after Done, an Error if a last send failed, an
+    /// AbortAck if an abort came meanwhile).
     pub(super) async fn serve_transfer(self: Arc<Self>, room_id: u64, decode: Uuid) {
         let Some(job) = self.rooms().get(&room_id).and_then(|r| {
             let t = r.transfers.get(&decode)?;
@@ -163,6 +167,7 @@ impl Inner {
                 pages: r.ready.as_ref()?.pages.clone(),
                 cancel: t.cancel.clone(),
                 sends: t.sends.clone(),
+                unfinished: Default::default(),
             })
         }) else {
             return;
@@ -188,7 +193,23 @@ impl Inner {
                         )),
                     }
                 }
-                Step::Done(aux) => break Ok(Some((chunks, aux))),
+                Step::Done(aux) => {
+                    // Done as soon as every chunk is with the transport: the decode counts the
+                    // bytes that land before it calls the room a success. The last sends are
+                    // awaited after it; one that fails then fails the transfer with an Error.
+                    self.reply(&job.peer.identity, self.done(room_id, decode, chunks, aux));
+                    let unfinished = std::mem::take(
+                        &mut *job.unfinished.lock().unwrap_or_else(|e| e.into_inner()),
+                    );
+                    let mut outcome = Ok(Some(chunks));
+                    for sent in unfinished {
+                        if let Err(reason) = self.taken(&job, sent, CHUNK_STALL).await {
+                            outcome = Err(reason);
+                            break;
+                        }
+                    }
+                    break outcome;
+                }
                 Step::Stop => break Ok(None),
                 Step::Fail(reason) => break Err(reason),
             }
@@ -232,52 +253,65 @@ impl Inner {
                 outcome => outcome,
             };
             let reply = match outcome {
-                Ok(Some((chunks, aux))) => {
+                // Done went before the last sends resolved.
+                Ok(Some(_)) => {
                     self.metrics.transfer.observe(started.elapsed());
                     t.end(RoomState::Success, None);
-                    Message::Done(protocol::Done {
-                        room: room_id,
-                        prefill_instance: self.instance,
-                        chunks,
-                        bytes: t.sent as u64,
-                        aux,
-                    })
+                    None
                 }
                 Ok(None) if t.engine_abort => {
                     let reason = room.engine_abort.clone().unwrap_or_else(|| {
                         Reason::new(FailureCode::Aborted, "aborted by the prefill engine")
                     });
                     t.end(RoomState::Aborted, Some(reason.clone()));
-                    Message::Abort(protocol::Abort {
+                    Some(Message::Abort(protocol::Abort {
                         room: room_id,
                         instance: self.instance,
                         code: reason.code,
                         message: reason.message,
-                    })
+                    }))
                 }
                 Ok(None) => {
                     let reason = t.abort_reason.take().unwrap_or_else(|| {
                         Reason::new(FailureCode::Aborted, "aborted by the decode")
                     });
                     t.end(RoomState::Aborted, Some(reason));
-                    Message::AbortAck(protocol::AbortAck {
+                    Some(Message::AbortAck(protocol::AbortAck {
                         room: room_id,
                         instance: self.instance,
-                    })
+                    }))
                 }
                 Err(reason) => {
                     t.end(RoomState::Failed, Some(reason.clone()));
-                    Message::Error(ErrorMsg {
+                    Some(Message::Error(ErrorMsg {
                         room: Some(room_id),
                         code: reason.code,
                         message: reason.message,
-                    })
+                    }))
                 }
             };
             self.settle(room);
             reply
         };
-        self.reply(&job.peer.identity, reply);
+        if let Some(reply) = reply {
+            self.reply(&job.peer.identity, reply);
+        }
+    }
+
+    /// The Done of a transfer whose every chunk is with the transport.
+    fn done(&self, room_id: u64, decode: Uuid, chunks: u32, aux: Vec<u8>) -> Message {
+        let sent = self
+            .rooms()
+            .get(&room_id)
+            .and_then(|r| r.transfers.get(&decode))
+            .map_or(0, |t| t.sent);
+        Message::Done(protocol::Done {
+            room: room_id,
+            prefill_instance: self.instance,
+            chunks,
+            bytes: sent as u64,
+            aux,
+        })
     }
 
     /// Takes a credit (a free slot at the decode); fails if the peer is dead.
@@ -477,9 +511,8 @@ impl Inner {
                     next = Some(gather(&plan[i + 1]));
                 }
             }
-            for sent in sending {
-                self.taken(job, sent, CHUNK_STALL).await?;
-            }
+            let mut unfinished = job.unfinished.lock().unwrap_or_else(|e| e.into_inner());
+            unfinished.extend(sending);
             Ok(())
         }
         .await;
