@@ -1,4 +1,4 @@
-// Raw UCX tag stream between two processes (docs/benchmarks.md, eighth and ninth sessions): 4096
+// Raw UCX tag stream between two processes (docs/benchmarks.md, "Progress threads" and "ucx-tcp"): 4096
 // messages of 1 MiB (PROBE_MSG bytes if set), K in flight, sent from and received into one fixed offset (`fixed`, as
 // ucx_perftest does), or successive offsets of 512 MiB buffers (`rotate`, as KV pools), or sent
 // as an io-vector of a 64-byte prefix and N pieces of such a buffer (`iov N`), or received
