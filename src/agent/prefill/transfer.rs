@@ -33,18 +33,18 @@ const INLINE_PLAN_BYTES: usize = 256 << 10;
 /// blocking pool.
 type Gathering = transport::BoxFuture<'static, Result<(Payload, u64), Reason>>;
 
-/// The ranges of a host pool a chunk can be sent from without a gather (at most
+/// A chunk as the ranges of a host pool it is sent from without a gather (at most
 /// [`MAX_PIECES`]); `None` when it takes more, or the pool is device memory.
-fn pool_spans(
+fn from_pool(
     pool: &crate::agent::AgentPool,
     sel: &Selection<'_>,
     wire: crate::layout::PageOrder,
-) -> Result<Option<(Arc<HostPool>, Vec<Span>)>, crate::kernel::KernelError> {
+) -> Result<Option<Payload>, crate::kernel::KernelError> {
     let Some(host) = pool.host() else {
         return Ok(None);
     };
     let spans = crate::kernel::cpu::source_spans(pool.layout(), pool.num_pages(), sel, wire)?;
-    Ok((spans.len() <= MAX_PIECES).then(|| (host.clone(), spans)))
+    Ok((spans.len() <= MAX_PIECES).then(|| Payload::FromPool(host.clone(), spans)))
 }
 
 fn gather_failed(e: crate::kernel::KernelError) -> Reason {
@@ -389,25 +389,22 @@ impl Inner {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                 + 1;
             let corrupt = self.cfg.fault_corrupt_chunk == Some(nth);
-            let from_pool = job.peer.from_pool && !corrupt;
+            let sends_from_pool = job.peer.from_pool && !corrupt;
             let metrics = self.metrics.clone();
             // A small chunk sent from the pool needs only its plan, no copy: made here, which
             // costs less than handing it to a blocking thread and back.
             let small = per_token_layer
                 .saturating_mul(c.tokens.len() * c.layers.len())
                 .le(&INLINE_PLAN_BYTES);
-            if from_pool && small && !checksum {
+            if sends_from_pool && small && !checksum {
                 let sel = Selection {
                     pages: &pages,
                     tokens: tokens.clone(),
                     layers: local.clone(),
                     heads: heads.clone(),
                 };
-                match pool_spans(&pool, &sel, wire) {
-                    Ok(Some((host, spans))) => {
-                        let payload = Payload::FromPool(host, spans);
-                        return Box::pin(std::future::ready(Ok((payload, 0))));
-                    }
+                match from_pool(&pool, &sel, wire) {
+                    Ok(Some(payload)) => return Box::pin(std::future::ready(Ok((payload, 0)))),
                     Ok(None) => {}
                     Err(e) => return Box::pin(std::future::ready(Err(gather_failed(e)))),
                 }
@@ -420,16 +417,16 @@ impl Inner {
                     layers: local,
                     heads,
                 };
-                let spans = match from_pool {
-                    true => pool_spans(&pool, &sel, wire)?,
+                let unstaged = match sends_from_pool {
+                    true => from_pool(&pool, &sel, wire)?,
                     false => None,
                 };
-                if let Some((host, spans)) = spans {
+                if let Some(payload) = unstaged {
                     let sum = match checksum {
                         true => crate::agent::checksum_digest(pool.checksum(&sel, wire)?),
                         false => 0,
                     };
-                    return Ok((Payload::FromPool(host, spans), sum));
+                    return Ok((payload, sum));
                 }
                 // Device staging is sent as it is (no checksum: `staging::choose`; a chunk to
                 // corrupt goes through the host).
