@@ -811,6 +811,59 @@ mod tests {
         assert_eq!(check(&pool), (want(47, 3, 0, 3), Found::Foreign));
     }
 
+    /// `stamp` verification of a gathered layer (a device pool's way), for comparison with
+    /// the in-place one of a host pool.
+    fn verify_gathered(pool: &AgentPool, room: u64, pages: &[u32], tokens: Range<usize>) -> String {
+        let l = pool.layout();
+        for local in 0..l.num_layers() {
+            let sel = layer_selection(l, pages, &tokens, local);
+            let mut got = vec![0; sel.bytes_in(l).unwrap()];
+            pool.gather(&sel, PageOrder::TokenMajor, &mut got, None)
+                .unwrap();
+            if let Err(e) = check_gathered(l, room, local, &tokens, Verify::Stamp, &got) {
+                return e.to_string();
+            }
+        }
+        "ok".into()
+    }
+
+    #[test]
+    fn stamp_checks_in_place_and_gathered_agree_and_sample_the_body() {
+        let layout = tiny();
+        let pages = [2, 0, 5];
+        let pool = host_pool(layout.clone(), 8);
+        Filler::new(8).fill(&pool, 3, &pages, 0..40, 0..4).unwrap();
+        let both = |pool: &AgentPool| {
+            let in_place = verify(pool, 3, &pages, 0..40, Verify::Stamp)
+                .map_or_else(|e| e.to_string(), |()| "ok".into());
+            assert_eq!(in_place, verify_gathered(pool, 3, &pages, 0..40));
+            in_place
+        };
+        assert_eq!(both(&pool), "ok");
+        // A sampled body byte: token 16 (page 0 at slot 0), head 0 of layer 0's K, whose
+        // sampled word is 1 + (16 / 16 + 0 + 0) % 7 = 2 (bytes 16..24 of 64).
+        let host = pool.host().unwrap();
+        let off = at(&pool, 0, 0, 0, 0, 0) + 17;
+        host.write(off, &[!host.read(off, 1).unwrap()[0]]).unwrap();
+        assert_eq!(
+            both(&pool),
+            "byte 17 of head 0, plane 0, token 16, layer 0 differs from the pattern"
+        );
+        // A head slice of layer 1 on another head: found in both ways.
+        host.write(off, &[!host.read(off, 1).unwrap()[0]]).unwrap();
+        let hb = layout.head_bytes();
+        let bytes = host.read(at(&pool, 1, 1, 5, 3, 0), hb).unwrap();
+        host.write(at(&pool, 1, 1, 5, 3, 3), &bytes).unwrap();
+        assert!(
+            both(&pool).starts_with(
+                "the stamp of head 3, plane 1, token 35, layer 1 is wrong: it holds the stamp of \
+                 head 0, plane 1, token 35, layer 1"
+            ),
+            "{}",
+            both(&pool)
+        );
+    }
+
     #[test]
     fn bodies_are_written_once_per_page() {
         let pool = host_pool(tiny(), 8);
