@@ -48,11 +48,11 @@ pub const SAMPLE_EVERY: usize = 16;
 /// How a synthetic decode checks a landed room on take (`--synthetic-verify`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Verify {
-    /// Every stamp, and a sample of the body bytes: catches another room's bytes, bytes that
-    /// never landed, and a head slice landed on the wrong page, layer or head, at a fraction
-    /// of the cost of `full`.
+    /// Every stamp and a sample of the other bytes: catches another room's bytes, bytes that
+    /// never landed, and a head slice on the wrong page, layer or head, for a fraction of the
+    /// memory reads of `full` (kvferry bench's default).
     Stamp,
-    /// Every byte.
+    /// Every byte (kvferry demo's).
     #[default]
     Full,
 }

@@ -110,11 +110,8 @@ pub struct AgentArgs {
     /// checks the landed bytes on take (--synthetic-verify).
     #[arg(long, env = "KVFERRY_SYNTHETIC")]
     pub synthetic: bool,
-    /// How the synthetic decode checks a landed room on take: `full` compares every byte with
-    /// the pattern; `stamp` reads the stamp every head slice of every token carries (room,
-    /// token, layer, plane, head) and a sample of the other bytes, which catches bytes of
-    /// another room, bytes that never landed and misrouted pages, layers or heads at a
-    /// fraction of the cost (kvferry bench's default).
+    /// How the synthetic decode checks a landed room on take. Every head slice of every token
+    /// the prefill fills starts with a stamp of its room, token, layer, plane and head.
     #[arg(long, env = "KVFERRY_SYNTHETIC_VERIFY", value_enum, default_value_t = Verify::Full)]
     pub synthetic_verify: Verify,
     /// Shared secret: sent to the registry and in Hello.

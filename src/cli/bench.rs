@@ -94,10 +94,9 @@ pub struct BenchArgs {
     /// Direct path (`ucx` only), passed to the agents: `auto`, `always` or `never`.
     #[arg(long, env = "KVFERRY_BENCH_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
     direct_writes: DirectWrites,
-    /// How the decode checks each room on take, passed to the agents as --synthetic-verify:
-    /// `stamp` (every head slice's stamp of room, token, layer, plane and head, and a sample of
-    /// the other bytes) or `full` (every byte). With --prefill-api/--decode-api it only labels
-    /// the results: set it on the decode agent.
+    /// How the decode checks each room on take, passed to the agents as --synthetic-verify
+    /// (with --prefill-api/--decode-api it only labels the results: set it on the decode
+    /// agent).
     #[arg(long, env = "KVFERRY_BENCH_VERIFY", value_enum, default_value_t = Verify::Stamp)]
     verify: Verify,
     /// Print JSON Lines (one object per configuration) instead of a table.
