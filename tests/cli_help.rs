@@ -36,6 +36,7 @@ fn prefill_and_decode_help_differ_by_role() {
                 "--timeout-stall-ms",
                 "--staging-slots",
                 "--drain-untaken-ms",
+                "--synthetic-verify",
             ][..],
         ),
         (
@@ -46,6 +47,7 @@ fn prefill_and_decode_help_differ_by_role() {
                 "--timeout-stall-ms",
                 "--staging-slots",
                 "--drain-untaken-ms",
+                "--synthetic-verify",
                 "--insecure",
             ][..],
             &["--synthetic-layer-ms", "--placed-min-run-bytes"][..],
@@ -78,6 +80,8 @@ fn prefill_and_decode_help_differ_by_role() {
             "5",
             "--drain-untaken-ms",
             "5",
+            "--synthetic-verify",
+            "stamp",
         ],
         [
             "kvferry",
@@ -86,6 +90,8 @@ fn prefill_and_decode_help_differ_by_role() {
             "5",
             "--placed-min-run-bytes",
             "5",
+            "--control-port",
+            "0",
         ],
     ] {
         kvferry::cli::config::parse(argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));

@@ -88,6 +88,9 @@ fn check_line(v: &Value, transport: &str, tokens: u64, rooms: u64) {
     // tiny: 4 layers x 4 heads x 32 dims x fp16 x (K, V) per token.
     assert_eq!(v["bytes_per_room"], tokens * 4 * 4 * 32 * 2 * 2, "{v}");
     assert_eq!(v["verified_rooms"], v["rooms"], "every room verified: {v}");
+    // Checked by stamps (the bench's default); warmed up one room per slot in flight.
+    assert_eq!(v["verify"], "stamp", "{v}");
+    assert_eq!(v["warmup_rooms"], 2, "{v}");
     assert_eq!(v["failed_rooms"], 0, "{v}");
     // Rooms landed, so time passed and bytes moved.
     assert!(v["throughput_gbps"].as_f64().unwrap() > 0.0, "{v}");

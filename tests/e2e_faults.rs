@@ -688,6 +688,58 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
     });
 }
 
+/// Without `--checksum`, a chunk the prefill's fault hook inverts lands and its room succeeds;
+/// the synthetic check on take then fails the room with `verify_failed`, naming the first head
+/// slice whose stamp is not the room's, in both `--synthetic-verify` modes. A clean room after
+/// it verifies.
+#[test]
+fn a_corrupted_chunk_without_checksums_fails_the_synthetic_check_in_both_modes() {
+    require_flags("decode", &["--synthetic-verify"]);
+    let opts = fast(AgentOpts::default());
+    for mode in ["stamp", "full"] {
+        let tag = format!("faults-verify-{mode}");
+        let decode = ["--chunk-bytes", "65536", "--synthetic-verify", mode];
+        let c = FaultCluster::start(
+            &tag,
+            &opts.args_all(),
+            &["--chunk-bytes", "65536"],
+            &decode,
+            &[("KVFERRY_FAULT_CORRUPT_CHUNK", "3")],
+        );
+        runtime().block_on(async {
+            let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
+            // 512 tiny tokens = 512 KiB = 8 chunks of 64 KiB: the 3rd chunk is in it.
+            request(&http, &d, 1, json!({ "tokens": 512 })).await;
+            ready(&http, &p, 1, 512).await;
+            let v = wait_final(&http, &d, 1).await;
+            assert_eq!(
+                v["state"], "success",
+                "{tag}: nothing checks the chunk: {v}"
+            );
+            wait_safe(&http, &d, 1).await;
+            let tk = take(&http, &d, 1).await;
+            assert_eq!(
+                (&tk["verified"], &tk["state"], &tk["reason"]["code"]),
+                (&json!(false), &json!("failed"), &json!("verify_failed")),
+                "{tag}: {tk}"
+            );
+            let message = tk["reason"]["message"].as_str().unwrap_or_default();
+            assert!(
+                message.starts_with("the stamp of head ")
+                    && message.contains("no stamp of this room"),
+                "{tag}: {message}"
+            );
+            println!("[{tag}] {message}");
+            let n = metric(&http, &d, "kvferry_verify_failures_total{role=\"decode\"}").await;
+            assert_eq!(n, Some(1.0), "{tag}");
+            let results = drive_rooms(&Apis::pair(&p, &d), vec![(2, 300)], 1)
+                .await
+                .expect("a room after the corruption");
+            assert!(results.iter().all(|r| r.verified), "{tag}: {results:?}");
+        });
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // admission
 // ---------------------------------------------------------------------------------------------

@@ -235,6 +235,8 @@ pub struct AgentConfig {
     pub api_port: u16,
     /// Run the built-in synthetic engine.
     pub synthetic: bool,
+    /// How the synthetic decode checks a landed room on take.
+    pub synthetic_verify: synthetic::Verify,
     /// Shared secret for the registry and Hello.
     pub token: Option<String>,
     /// Serve non-loopback addresses without a token (the CLI refuses them otherwise; the agent

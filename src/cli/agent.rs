@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use crate::agent::api::print_listening;
 use crate::agent::decode::DecodeAgent;
 use crate::agent::prefill::PrefillAgent;
+use crate::agent::synthetic::Verify;
 use crate::agent::{AgentConfig, DirectWrites, StagingChoice, Timeouts};
 use crate::layout::{AttentionKind, Dtype, KvFormat, KvLayout, KvPlacement, ModelSpec, PageOrder};
 use crate::protocol::Ranks;
@@ -106,9 +107,13 @@ pub struct AgentArgs {
     #[arg(long, env = "KVFERRY_API_PORT", default_value_t = 0)]
     pub api_port: u16,
     /// Run the built-in synthetic engine: the prefill fills pages with a pattern, the decode
-    /// verifies every landed byte on take.
+    /// checks the landed bytes on take (--synthetic-verify).
     #[arg(long, env = "KVFERRY_SYNTHETIC")]
     pub synthetic: bool,
+    /// How the synthetic decode checks a landed room on take. Every head slice of every token
+    /// the prefill fills starts with a stamp of its room, token, layer, plane and head.
+    #[arg(long, env = "KVFERRY_SYNTHETIC_VERIFY", value_enum, default_value_t = Verify::Full)]
+    pub synthetic_verify: Verify,
     /// Shared secret: sent to the registry and in Hello.
     #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -281,6 +286,7 @@ impl AgentArgs {
             api_host: self.api_host.clone(),
             api_port: self.api_port,
             synthetic: self.synthetic,
+            synthetic_verify: self.synthetic_verify,
             token: self.token.clone(),
             insecure: self.insecure,
             chunk_bytes: self.chunk_bytes,

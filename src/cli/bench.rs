@@ -9,7 +9,10 @@
 //! `throughput.svg` and `latency.svg`.
 //!
 //! The synthetic fill (prefill) and verification (decode, on take) run outside the timed
-//! window: the agents time a room from the engine's ready to the decode's success.
+//! window: the agents time a room from the engine's ready to the decode's success. They still
+//! take CPU from the rooms in flight, so the bench keeps them cheap: a pool page's pattern body
+//! is written once and each room only rewrites its stamps, and by default (`--verify stamp`)
+//! the decode reads every stamp and a sample of the body (src/agent/synthetic.rs).
 
 mod plot;
 
@@ -24,6 +27,7 @@ use serde_json::{Value, json};
 
 use super::demo::{self, LocalCluster, Shape};
 use crate::agent::DirectWrites;
+use crate::agent::synthetic::Verify;
 use crate::layout::{KvLayout, ModelSpec};
 use crate::transport::TransportKind;
 
@@ -59,7 +63,10 @@ pub struct BenchArgs {
     /// Rooms in flight at once.
     #[arg(long, env = "KVFERRY_BENCH_CONCURRENCY", default_value_t = 1)]
     concurrency: usize,
-    /// Warm-up rooms run before each configuration's measured rooms, not reported.
+    /// Warm-up rooms run before each configuration's measured rooms, not reported; at least
+    /// --concurrency unless 0, so that the measured rooms find the prefill pages they use
+    /// filled once (a page's first synthetic fill writes its whole pattern, later ones only
+    /// the room's stamps).
     #[arg(long, env = "KVFERRY_BENCH_WARMUP", default_value_t = 1)]
     warmup: usize,
     /// Largest chunk of staging bytes moved at once, passed to the agents (with
@@ -87,6 +94,11 @@ pub struct BenchArgs {
     /// Direct path (`ucx` only), passed to the agents: `auto`, `always` or `never`.
     #[arg(long, env = "KVFERRY_BENCH_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
     direct_writes: DirectWrites,
+    /// How the decode checks each room on take, passed to the agents as --synthetic-verify
+    /// (with --prefill-api/--decode-api it only labels the results: set it on the decode
+    /// agent).
+    #[arg(long, env = "KVFERRY_BENCH_VERIFY", value_enum, default_value_t = Verify::Stamp)]
+    verify: Verify,
     /// Print JSON Lines (one object per configuration) instead of a table.
     #[arg(long, env = "KVFERRY_BENCH_JSON")]
     json: bool,
@@ -144,6 +156,14 @@ impl BenchArgs {
         Ok(layout)
     }
 
+    /// Warm-up rooms per configuration: --warmup, at least --concurrency unless 0.
+    fn warmup_rooms(&self) -> usize {
+        match self.warmup {
+            0 => 0,
+            n => n.max(self.concurrency),
+        }
+    }
+
     /// The agent flags of a local cluster over `transport`.
     fn agent_args(&self, layout: &KvLayout, transport: BenchTransport) -> Vec<String> {
         let largest = self.tokens.iter().copied().max().unwrap_or(1);
@@ -163,6 +183,8 @@ impl BenchArgs {
             "--direct-writes",
             self.direct_writes.name(),
             "--synthetic",
+            "--synthetic-verify",
+            self.verify.name(),
         ]
         .iter()
         .map(|s| (*s).to_owned())
@@ -295,7 +317,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 next_room += n as u64;
                 v
             };
-            let (warm, measured) = (ids(args.warmup), ids(args.rooms));
+            let (warm, measured) = (ids(args.warmup_rooms()), ids(args.rooms));
             let label = format!("{transport} {tokens} tokens");
             let (results, paths) = runtime
                 .block_on(async {
@@ -328,10 +350,11 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                 line["ucx_tls"] = json!(tls);
             }
             line["chunk_bytes"] = json!(args.chunk_bytes);
+            line["verify"] = json!(args.verify.name());
             // Which data path carried the measured rooms (decode chunks by path, and the
             // prefills' staged chunks sent without a gather).
             line["chunks_by_path"] = Value::Object(paths);
-            line["warmup_rooms"] = json!(args.warmup);
+            line["warmup_rooms"] = json!(args.warmup_rooms());
             if args.json {
                 // One line per configuration as soon as it is measured.
                 let mut out = std::io::stdout().lock();

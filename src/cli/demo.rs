@@ -610,6 +610,9 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
         "--transport",
         args.transport.name(),
         "--synthetic",
+        // The demo's promise: every byte checked.
+        "--synthetic-verify",
+        "full",
     ]
     .iter()
     .map(|s| (*s).to_owned())

@@ -72,7 +72,8 @@ pub enum Command {
         mut_arg("staging_slots", |a| a.hide(true)),
         mut_arg("drain_untaken_ms", |a| a.hide(true)),
         mut_arg("data_port", |a| a.hide(true)),
-        mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: fill each room's pages with a pattern the decode verifies (the prefill allocates them from its pool)")),
+        mut_arg("synthetic_verify", |a| a.hide(true)),
+        mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: fill each room's pages with a pattern the decode verifies (the prefill allocates them from its pool, writes a page's body once and each room's stamps)")),
         mut_arg("pool", |a| a.help("The KV pool the engine's pages live in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
     )]
     Prefill(AgentArgs),
@@ -81,7 +82,7 @@ pub enum Command {
         mut_arg("synthetic_layer_ms", |a| a.hide(true)),
         mut_arg("placed_min_run_bytes", |a| a.hide(true)),
         mut_arg("control_port", |a| a.hide(true)),
-        mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: allocate pages for rooms asked without `pages` and verify every landed byte on take")),
+        mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: allocate pages for rooms asked without `pages` and check the landed bytes on take (--synthetic-verify)")),
         mut_arg("pool", |a| a.help("The KV pool rooms land in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
     )]
     Decode(AgentArgs),

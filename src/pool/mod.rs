@@ -545,12 +545,20 @@ impl HostPool {
     pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>, PoolError> {
         self.check(offset, len)?;
         let mut out = vec![0u8; len];
-        // SAFETY: offset..offset+len is inside the mapping (checked above) and `out` is a
-        // distinct allocation of len bytes; no reference into the mapping exists.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.base_ptr().add(offset), out.as_mut_ptr(), len)
-        };
+        self.read_into(offset, &mut out)?;
         Ok(out)
+    }
+
+    /// Copies `out.len()` bytes at `offset` out of the pool into `out` (no allocation: the
+    /// synthetic engine reads a few bytes of every head slice this way).
+    pub fn read_into(&self, offset: usize, out: &mut [u8]) -> Result<(), PoolError> {
+        self.check(offset, out.len())?;
+        // SAFETY: offset..offset+out.len() is inside the mapping (checked above) and `out` is
+        // a distinct allocation of that length; no reference into the mapping exists.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base_ptr().add(offset), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
     }
 
     /// Copies `data` into the pool at `offset`.
@@ -562,6 +570,74 @@ impl HostPool {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.base_ptr().add(offset), data.len())
         };
         Ok(())
+    }
+
+    /// Copies `data` into the pool in pieces of `data.len() / at.len()` bytes, piece `i` at
+    /// `offset + at[i]`: many small writes into one part of the pool (the synthetic engine's
+    /// stamps) for one bounds check of that part.
+    pub fn write_pieces(&self, offset: usize, at: &[usize], data: &[u8]) -> Result<(), PoolError> {
+        let len = self.check_pieces(offset, at, data.len())?;
+        for (&a, piece) in at.iter().zip(data.chunks_exact(len)) {
+            let dst = self.base_ptr().wrapping_add(offset + a);
+            // SAFETY: offset + a .. + len lies inside the part checked above; `data` cannot
+            // alias the mapping because the pool never hands out references into it. (A
+            // length known here makes the copy one move instead of a call.)
+            unsafe {
+                match len {
+                    8 => std::ptr::copy_nonoverlapping(piece.as_ptr(), dst, 8),
+                    _ => std::ptr::copy_nonoverlapping(piece.as_ptr(), dst, len),
+                }
+            };
+        }
+        Ok(())
+    }
+
+    /// Copies pieces of `out.len() / at.len()` bytes out of the pool into `out`, piece `i`
+    /// from `offset + at[i]`: [`Self::write_pieces`] the other way.
+    pub fn read_pieces(
+        &self,
+        offset: usize,
+        at: &[usize],
+        out: &mut [u8],
+    ) -> Result<(), PoolError> {
+        let len = self.check_pieces(offset, at, out.len())?;
+        for (&a, piece) in at.iter().zip(out.chunks_exact_mut(len)) {
+            let src = self.base_ptr().wrapping_add(offset + a);
+            // SAFETY: as in `write_pieces`; `out` is a distinct allocation.
+            unsafe {
+                match len {
+                    8 => std::ptr::copy_nonoverlapping(src, piece.as_mut_ptr(), 8),
+                    _ => std::ptr::copy_nonoverlapping(src, piece.as_mut_ptr(), len),
+                }
+            };
+        }
+        Ok(())
+    }
+
+    /// The piece length of [`Self::write_pieces`] / [`Self::read_pieces`] after checking that
+    /// `bytes` splits evenly over `at` and that every piece lies in one range of the pool.
+    fn check_pieces(&self, offset: usize, at: &[usize], bytes: usize) -> Result<usize, PoolError> {
+        let bad = || PoolError::OutOfBounds {
+            offset,
+            len: bytes,
+            size: self.size(),
+        };
+        let (Some(&low), Some(&high)) = (at.iter().min(), at.iter().max()) else {
+            return if bytes == 0 { Ok(1) } else { Err(bad()) };
+        };
+        let len = bytes / at.len();
+        if len == 0 || len * at.len() != bytes {
+            return Err(bad());
+        }
+        let start = offset.checked_add(low).ok_or_else(bad)?;
+        let end = offset
+            .checked_add(high)
+            .and_then(|e| e.checked_add(len))
+            .ok_or_else(bad)?;
+        // One range of memory holding the lowest piece and the end of the highest holds every
+        // piece.
+        self.check(start, end - start)?;
+        Ok(len)
     }
 
     /// Sets every byte of the pool's memory to `byte` (tests poison destinations with 0xDE).
@@ -651,6 +727,33 @@ mod tests {
             pool.block_offset(0, 0, 2),
             Err(PoolError::BadBlock { .. })
         ));
+    }
+
+    #[test]
+    fn pieces_land_where_asked_and_are_bounds_checked() {
+        let pool = HostPool::anonymous(tiny(), 2).unwrap();
+        let size = pool.size();
+        pool.write_pieces(100, &[64, 0, 32], &[1, 2, 3, 4, 5, 6])
+            .unwrap();
+        assert_eq!(pool.read(100, 2).unwrap(), vec![3, 4]);
+        assert_eq!(pool.read(132, 2).unwrap(), vec![5, 6]);
+        assert_eq!(pool.read(164, 2).unwrap(), vec![1, 2]);
+        let mut out = [0; 4];
+        pool.read_pieces(132, &[32, 0], &mut out).unwrap();
+        assert_eq!(out, [1, 2, 5, 6]);
+        // The last piece one byte past the end; a length that does not split evenly.
+        for (offset, at, bytes) in [
+            (size - 8, [0, 7], 4),
+            (0, [0, 8], 3),
+            (usize::MAX, [0, 0], 2),
+        ] {
+            assert!(matches!(
+                pool.write_pieces(offset, &at, &vec![0; bytes]),
+                Err(PoolError::OutOfBounds { .. })
+            ));
+        }
+        pool.write_pieces(size - 2, &[0], &[9, 9]).unwrap();
+        pool.write_pieces(0, &[], &[]).unwrap();
     }
 
     #[test]

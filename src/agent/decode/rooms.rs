@@ -167,7 +167,7 @@ impl DecodeAgent {
 
     /// Takes `room` (`POST /v1/rooms/{room}/take`): once it is `safe_to_reuse`, hands it over
     /// and forgets it; agent-owned pages return to the pool. A synthetic agent checks the
-    /// landed bytes first (on the blocking pool).
+    /// landed bytes first (on the blocking pool), as `--synthetic-verify` says.
     pub async fn take(&self, room: u64) -> Result<TakenRoom, RoomError> {
         self.inner.take_room(room).await
     }
@@ -379,9 +379,9 @@ impl Inner {
             .get(&room_id)
             .is_some_and(|r| r.status.state() == RoomState::Success);
         if self.cfg.synthetic && succeeded {
-            let pool = self.pool.clone();
+            let (pool, mode) = (self.pool.clone(), self.cfg.synthetic_verify);
             let check = tokio::task::spawn_blocking(move || {
-                crate::agent::synthetic::verify(&pool, room_id, &pages, tokens)
+                crate::agent::synthetic::verify(&pool, room_id, &pages, tokens, mode)
             })
             .await;
             let result = check

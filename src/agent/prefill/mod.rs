@@ -105,10 +105,14 @@ impl PrefillAgent {
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
         let slots = Arc::new(pool.slots());
+        let filler = cfg
+            .synthetic
+            .then(|| Arc::new(synthetic::Filler::new(pool.num_pages())));
         let inner = Arc::new(Inner {
             instance,
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
+            filler,
             transport,
             replier,
             slots,
@@ -199,6 +203,8 @@ struct Inner {
     cfg: AgentConfig,
     instance: Uuid,
     pool: AgentPool,
+    /// The synthetic engine's fill (`--synthetic`): which pool pages hold its body already.
+    filler: Option<Arc<synthetic::Filler>>,
     alloc: PageAllocator,
     transport: Arc<dyn Transport>,
     replier: ControlReplier,

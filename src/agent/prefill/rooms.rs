@@ -437,6 +437,10 @@ async fn fill(
     lease: Option<Arc<PageLease>>,
     piece: &Piece,
 ) -> Result<(), RoomError> {
+    // Not synthetic: the engine wrote the KV.
+    let Some(filler) = inner.filler.clone() else {
+        return Ok(());
+    };
     let l0 = inner.cfg.layout.layers.start;
     let (pool, pages) = (inner.pool.clone(), pages.clone());
     let (tokens, layers) = (
@@ -446,7 +450,7 @@ async fn fill(
     tokio::task::spawn_blocking(move || {
         // The lease travels with the fill: an abort meanwhile cannot hand the pages out.
         let _keep = lease;
-        synthetic::fill(&pool, room_id, &pages, tokens, layers)
+        filler.fill(&pool, room_id, &pages, tokens, layers)
     })
     .await
     .map_err(|e| RoomError::Unavailable(e.to_string()))?
