@@ -361,6 +361,7 @@ enum Running {
 pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
     super::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
+    keep_large_allocations();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -452,4 +453,33 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
         tracing::info!("agent stopped");
         Ok(())
     })
+}
+
+/// Keeps buffers below 64 MiB in the allocator's heap once freed, for an agent process (not
+/// for agents running inside an engine's process, whose allocator is the engine's).
+///
+/// libzmq receives each message of more than 8 KiB into a buffer it allocates for it, and the
+/// decode frees it after the scatter. With glibc's defaults every 1 MiB chunk was a fresh
+/// `mmap`, faulted in page by page, and an `munmap`: a fifth of the decode's samples
+/// (`perf record` of zmq-tcp 4096-token rooms, page faults, cgroup charges, page clearing and
+/// unmapping), and 4096-token zmq-tcp rooms took about 1.5x as long as with the buffers kept
+/// (docs/benchmarks.md, "ZeroMQ data plane"). The same settings as the environment's
+/// `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=268435456`,
+/// which an engine that runs agents in process can set itself.
+#[allow(unsafe_code)]
+fn keep_large_allocations() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallopt only changes glibc's allocator parameters; it is called before the
+        // agent starts any thread of its own.
+        let set = unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20) == 1
+        };
+        if !set {
+            tracing::warn!(
+                "mallopt refused the allocator settings: large buffers are mapped afresh each time"
+            );
+        }
+    }
 }
