@@ -338,7 +338,7 @@ fn a_memory_flood_on_the_control_and_data_ports_stays_within_the_bound() {
     // working memory for the frames it reads (generous slack: 128 MiB).
     let control_bound =
         4 * (kvferry::transport::zmq::control::HWM as usize + 1) * kvferry::protocol::MAX_FRAME;
-    let data_bound = 4 * (kvferry::transport::zmq::data::HWM as usize + 1) * 2 * (1 << 20);
+    let data_bound = 4 * (kvferry::transport::zmq::data::RECV_HWM as usize + 1) * 2 * (1 << 20);
     println!(
         "[hostile-flood] {} MiB sent by 8 flooding peers; peak RSS over the start: prefill +{} MiB (bound {} MiB), decode +{} MiB (bound {} MiB)",
         sent >> 20,

@@ -39,10 +39,16 @@ use crate::transport::{
     TransportError, TransportKind,
 };
 
-/// Messages queued per connection before a send blocks (or a receive stops reading). Credits
-/// already bound the chunks in flight per peer pair to the decode's staging slots (8 by
-/// default), so this is a backstop against a peer that ignores them, not the flow control.
+/// Messages queued per connection before a send blocks. Credits already bound the chunks in
+/// flight per peer pair to the decode's staging slots (8 by default), so this is a backstop
+/// against a peer that ignores them, not the flow control.
 pub const HWM: i32 = 16;
+
+/// Messages a receiver queues per connection before it stops reading it: what a peer that
+/// ignores credits can make it hold, each message up to 1 + [`MAX_PIECES`] frames. The
+/// receiver's thread takes messages off as they come, so a legitimate sender meets it only
+/// when the agent lands chunks slower than they arrive, and then TCP slows the sender anyway.
+pub const RECV_HWM: i32 = 4;
 
 /// Largest header frame (a Chunk message) a receiver accepts next to its payload limit.
 pub const MAX_HEADER: usize = 64 << 10;
@@ -201,7 +207,7 @@ fn bind(address: &str, max_frame: usize, auth: &Auth) -> Result<Bound, Transport
     socket
         .set_maxmsgsize(i64::try_from(max_frame).unwrap_or(i64::MAX))
         .map_err(err)?;
-    socket.set_rcvhwm(HWM).map_err(err)?;
+    socket.set_rcvhwm(RECV_HWM).map_err(err)?;
     socket.set_ipv6(true).map_err(err)?;
     socket.set_rcvtimeo(POLL_MS).map_err(err)?;
     socket.set_linger(0).map_err(err)?;
