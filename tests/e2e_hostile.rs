@@ -289,8 +289,8 @@ fn a_memory_flood_on_the_control_and_data_ports_stays_within_the_bound() {
         );
         assert!(closed, "{name}: the connection stayed open");
     }
-    // Frames at the cap, as fast as a real libzmq peer sends them, on 4 connections to each
-    // port; then one message of frames that never ends (every frame but none last: libzmq's
+    // The largest messages each port takes, as fast as a real libzmq peer sends them, on 4
+    // connections to each port; then one message of frames that never ends (every frame but none last: libzmq's
     // high-water mark counts whole messages).
     let flood = |endpoint: String, kind: zmq::SocketType, frames: Vec<Vec<u8>>, more: bool| {
         std::thread::spawn(move || {
@@ -318,7 +318,10 @@ fn a_memory_flood_on_the_control_and_data_ports_stays_within_the_bound() {
         })
     };
     let control_frame = vec![vec![0xAB; kvferry::protocol::MAX_FRAME]];
-    let data_frames = vec![vec![0xCD; 1 << 16], vec![0xEF; 1 << 20]];
+    // The largest data message: a header at its cap and one chunk-sized frame per pool range.
+    let mut data_frames = vec![vec![0xCD; kvferry::transport::zmq::data::MAX_HEADER]];
+    data_frames.extend((0..kvferry::transport::MAX_PIECES).map(|_| vec![0xEF; 1 << 20]));
+    let data_message: usize = data_frames.iter().map(Vec::len).sum();
     let peak = |pid| peak_kib(pid).max(rss_kib(pid));
     let mut floods = Vec::new();
     for _ in 0..4 {
@@ -338,7 +341,7 @@ fn a_memory_flood_on_the_control_and_data_ports_stays_within_the_bound() {
     // working memory for the frames it reads (generous slack: 128 MiB).
     let control_bound =
         4 * (kvferry::transport::zmq::control::HWM as usize + 1) * kvferry::protocol::MAX_FRAME;
-    let data_bound = 4 * (kvferry::transport::zmq::data::RECV_HWM as usize + 1) * 2 * (1 << 20);
+    let data_bound = 4 * (kvferry::transport::zmq::data::RECV_HWM as usize + 1) * data_message;
     println!(
         "[hostile-flood] {} MiB sent by 8 flooding peers; peak RSS over the start: prefill +{} MiB (bound {} MiB), decode +{} MiB (bound {} MiB)",
         sent >> 20,

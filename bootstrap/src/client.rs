@@ -66,7 +66,7 @@ pub enum ClientError {
         message: String,
     },
     /// The registry could not be reached or did not answer in time: retry later.
-    #[error("{op}: registry at {url} unreachable: {source}")]
+    #[error("{op}: registry at {url} unreachable: {}", causes(source))]
     Unreachable {
         /// The operation that failed.
         op: &'static str,
@@ -165,7 +165,7 @@ pub enum ClientError {
         message: String,
     },
     /// A success status with a body this client cannot read (version skew).
-    #[error("{op}: unreadable answer from the registry: {source}")]
+    #[error("{op}: unreadable answer from the registry: {}", causes(source))]
     Decode {
         /// The operation that failed.
         op: &'static str,
@@ -210,6 +210,19 @@ impl ClientError {
                 | ClientError::SlotHeld { .. }
         )
     }
+}
+
+/// `e` and every error under it, `: `-separated: reqwest's own text names only the request
+/// ("error sending request for url ..."), its sources say why (refused, timed out...).
+fn causes(e: &reqwest::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = std::error::Error::source(e);
+    while let Some(cause) = next {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    text
 }
 
 /// What a heartbeat did.

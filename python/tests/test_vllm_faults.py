@@ -130,9 +130,14 @@ def test_a_prefill_killed_while_the_decode_waits(vllm, kvferry_bin, tmp_path, re
         back = proxy.wait_health(200)
         print(f"{policy}: the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
         for prompt in make_prompts(SEEDS["sequential"])[:6]:
+            asked = time.monotonic()
             got = proxy.complete(prompt, 16)
-            assert "choices" in got, (got, log_tail(tmp_path / "proxy-concurrent.log"),
-                                      log_tail(tmp_path / "decode.log", "kvferry"))
+            assert "choices" in got, (got, f"answered after {time.monotonic() - asked:.2f} s",
+                                      f"registry exit status {pd.registry.poll()}",
+                                      log_tail(tmp_path / "registry.log"),
+                                      log_tail(tmp_path / "proxy-concurrent.log"),
+                                      log_tail(tmp_path / "decode.log", "kvferry"),
+                                      log_tail(tmp_path / "prefill.log", "kvferry"))
             assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
     finally:
         pd.stop()

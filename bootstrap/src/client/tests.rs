@@ -157,6 +157,10 @@ async fn when_every_url_fails_the_last_failure_is_returned() {
         matches!(&err, ClientError::Unreachable { url, .. } if url.starts_with(&dead)),
         "{err}"
     );
+    assert!(
+        err.to_string().contains("Connection refused"),
+        "the message says why the URL failed, not only which: {err}"
+    );
     assert_eq!(
         client.base_url(),
         failing,
