@@ -2,10 +2,13 @@
 //! share one registry lookup (an HTTP round trip each, most of a small room's fixed cost),
 //! and a prefill that restarts meanwhile gets the rooms asked for once the decode saw its old
 //! instance go (it forgets what it remembered when a peer is lost). A room asked for before
-//! that may still go to the old instance and fail `peer_dead`, with the reason.
+//! that may still go to the old instance and fail `peer_dead`, with the reason. Rooms that
+//! name their registry (as the vLLM connector's do) share one client of it, and its connection.
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
@@ -36,10 +39,38 @@ async fn lookups(http: &reqwest::Client, registry: &str) -> u64 {
         .expect("a count")
 }
 
-/// Moves `room` (40 tokens) from `prefill` to `decode`; its final state's name and reason.
-async fn room(prefill: &PrefillAgent, decode: &DecodeAgent, room: u64) -> (String, String) {
+/// A TCP relay to `to`: its URL, and the count of connections it accepted.
+async fn counting_relay(to: &str) -> (String, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let to = to.trim_start_matches("http://").to_owned();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::Relaxed);
+            let to = to.clone();
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(&to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (url, accepted)
+}
+
+/// Moves `room` (40 tokens) from `prefill` to `decode`, the decode looking its group up in
+/// `bootstrap` (its own registry when None); its final state's name and reason.
+async fn room_via(
+    prefill: &PrefillAgent,
+    decode: &DecodeAgent,
+    room: u64,
+    bootstrap: Option<String>,
+) -> (String, String) {
     let req = RoomRequest {
         tokens: 40,
+        bootstrap,
         ..RoomRequest::default()
     };
     decode.request(room, req).await.expect("room requested");
@@ -67,6 +98,44 @@ async fn room(prefill: &PrefillAgent, decode: &DecodeAgent, room: u64) -> (Strin
         (s, _) => s.to_owned(),
     };
     (state, reason)
+}
+
+/// [`room_via`] the decode's own registry.
+async fn room(prefill: &PrefillAgent, decode: &DecodeAgent, r: u64) -> (String, String) {
+    room_via(prefill, decode, r, None).await
+}
+
+#[test]
+fn rooms_naming_their_registry_share_one_connection_to_it() {
+    common::runtime().block_on(async {
+        let shutdown = CancellationToken::new();
+        let (registry, served) = common::registry_in_process(&shutdown).await;
+        let (relay, accepted) = counting_relay(&registry).await;
+        let cfg = common::in_process_config(&registry, &[]);
+        let prefill = PrefillAgent::start(cfg.clone(), shutdown.clone())
+            .await
+            .unwrap();
+        let decode = DecodeAgent::start(cfg, shutdown.clone()).await.unwrap();
+        // Each room names the registry through the relay, as an engine that gets the registry
+        // with each request does; rooms more than FRESH apart each look their group up.
+        for r in 1..=3 {
+            if r > 1 {
+                tokio::time::sleep(Duration::from_millis(1100)).await;
+            }
+            let (state, reason) = room_via(&prefill, &decode, r, Some(relay.clone())).await;
+            assert_eq!(state, "success", "room {r}: {reason}");
+        }
+        let connections = accepted.load(Ordering::Relaxed);
+        println!("3 rooms, each looking its group up, opened {connections} connection(s)");
+        assert_eq!(
+            connections, 1,
+            "one client per registry URL, its connection kept"
+        );
+        shutdown.cancel();
+        prefill.join().await;
+        decode.join().await;
+        served.await.unwrap().unwrap();
+    });
 }
 
 #[test]

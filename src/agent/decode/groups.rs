@@ -24,13 +24,37 @@ use crate::reason::{FailureCode, Reason};
 /// How long a looked-up group is used without asking the registry again.
 pub(super) const FRESH: Duration = Duration::from_secs(1);
 
-/// Groups by (registry URL, DP rank), with the time each was looked up.
+/// Registry URLs named by rooms whose clients (and their connections) are kept.
+const CLIENTS: usize = 16;
+
+/// Groups by (registry URL, DP rank), with the time each was looked up, and the clients of
+/// the registries rooms named.
 #[derive(Default)]
 pub(super) struct Groups {
     seen: Mutex<HashMap<(String, u32), (Instant, PrefillGroup)>>,
+    clients: Mutex<HashMap<String, RegistryClient>>,
 }
 
 impl Groups {
+    /// The client of the registry at `url` (a room's own registry), made once per URL so that
+    /// its rooms share one connection: at most [`CLIENTS`] URLs are kept.
+    pub(super) fn client(
+        &self,
+        url: &str,
+        token: Option<&str>,
+    ) -> Result<RegistryClient, ClientError> {
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(client) = clients.get(url) {
+            return Ok(client.clone());
+        }
+        let client = RegistryClient::new(url.to_owned(), token.map(str::to_owned))?;
+        if clients.len() >= CLIENTS {
+            clients.clear();
+        }
+        clients.insert(url.to_owned(), client.clone());
+        Ok(client)
+    }
+
     fn seen(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u32), (Instant, PrefillGroup)>> {
         self.seen.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -429,7 +429,9 @@ impl Inner {
         room_key: Option<protocol::Secret>,
     ) -> Result<(), Reason> {
         let client = match bootstrap {
-            Some(url) => RegistryClient::new(url, self.cfg.token.clone())
+            Some(url) => self
+                .groups
+                .client(&url, self.cfg.token.as_deref())
                 .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?,
             None => self.registry.clone(),
         };
