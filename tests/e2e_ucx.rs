@@ -601,3 +601,43 @@ fn an_eager_prefill_places_runs_only_into_a_decode_that_receives_them_revocably(
     );
     assert!(staged > 0.0);
 }
+
+#[test]
+fn small_rooms_are_placed_over_eager_tcp_and_staged_over_shared_memory_by_default() {
+    // llama3-8b rooms of one page: each (layer, plane) is one 32 KiB run. The default floor of
+    // placed runs is 16 KiB for eager messages (tcp) and 128 KiB for rendezvous (shared
+    // memory), so the same rooms go placed over tcp and staged over shared memory.
+    let exe = common::release_binary();
+    for (name, env, _) in envs() {
+        let tag = format!("ucx-{name}-small-rooms");
+        let c = LocalCluster::start_shaped_env(
+            &exe,
+            &tag,
+            &opts("llama3-8b", 24),
+            Shape::ONE,
+            Shape::ONE,
+            &env,
+        )
+        .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        let rooms = (1..=12).map(|r| (r, 8 + r as usize)).collect();
+        let results = runtime()
+            .block_on(drive_rooms(&c.apis().unwrap(), rooms, 1))
+            .unwrap();
+        assert!(results.iter().all(|r| r.verified), "{tag}: {results:?}");
+        let d = c.decode().field("api").unwrap();
+        let count = |p: &str| {
+            let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{p}\"}}");
+            runtime()
+                .block_on(metric(&http(), &d, &series))
+                .unwrap_or_else(|| panic!("{tag}: no {series} in /metrics"))
+        };
+        let (placed, staged) = (count("placed"), count("staged"));
+        println!(
+            "{tag}: 12 rooms of 9-20 tokens verified; chunks placed {placed}, staged {staged}"
+        );
+        match name {
+            "tcp" => assert!(placed > 0.0 && staged == 0.0, "{tag}: placed expected"),
+            _ => assert!(placed == 0.0 && staged > 0.0, "{tag}: staged expected"),
+        }
+    }
+}

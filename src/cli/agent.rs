@@ -189,11 +189,12 @@ pub struct AgentArgs {
     #[arg(long, env = "KVFERRY_STAGING", value_enum, default_value_t = StagingChoice::Auto)]
     pub staging: StagingChoice,
     /// Shortest average run, in bytes, that a piece sends as placed runs rather than staged:
-    /// each run is one rendezvous message (a handshake and a read). The default is where
-    /// placing won over staging on UCX 1.13's shared memory here (docs/benchmarks.md); a
-    /// fabric with cheaper messages (RDMA) may gain from a lower one.
-    #[arg(long, env = "KVFERRY_PLACED_MIN_RUN_BYTES", default_value_t = 128 << 10)]
-    pub placed_min_run_bytes: u64,
+    /// each run is one message. Default: 131072 where runs go by rendezvous (a handshake and a
+    /// read: shared memory), 16384 where they go as eager messages (tcp); where placing won
+    /// over staging with UCX 1.13 here (docs/benchmarks.md). A fabric with cheaper messages
+    /// (RDMA) may gain from a lower one.
+    #[arg(long, env = "KVFERRY_PLACED_MIN_RUN_BYTES")]
+    pub placed_min_run_bytes: Option<u64>,
     /// Period of heartbeats on every control connection, in ms.
     #[arg(long, env = "KVFERRY_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,

@@ -549,7 +549,10 @@ impl Inner {
         let (src_pages, dst_pages) = (job.pages.clone(), job.dst_pages.clone());
         let (tokens, heads, wire) = (c.tokens.clone(), heads.clone(), req.wire_order);
         let (num_pages, checksum) = (target.num_pages, self.cfg.checksum);
-        let shortest_placed = self.cfg.placed_min_run_bytes;
+        let shortest_placed = self
+            .cfg
+            .placed_min_run_bytes
+            .unwrap_or_else(|| crate::agent::placed_min_run(&target.path));
         let method = target.method;
         let planned = tokio::task::spawn_blocking(move || {
             let src = Selection {
