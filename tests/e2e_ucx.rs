@@ -58,6 +58,14 @@ enum Path {
     Staged,
 }
 
+/// The decode's `kvferry_chunks_total` of `path` (staged, placed, direct) at `api`.
+fn decode_chunks(tag: &str, api: &str, path: &str) -> f64 {
+    let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
+    runtime()
+        .block_on(metric(&http(), api, &series))
+        .unwrap_or_else(|| panic!("{tag}: no {series} in /metrics"))
+}
+
 /// The runs: per UCX environment, 1P1D and PP2 -> PP1 (two prefills placing into one decode)
 /// with the path `--direct-writes auto` picks there, TP2 -> TP1 and (on shm) TP1 -> TP2
 /// (staged: the head layouts do not line up) and 1P1D with `always` (one-sided writes, which
@@ -141,12 +149,7 @@ fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_every_data_path() {
         }
         let elapsed = started.elapsed();
         let d = c.decode().field("api").unwrap();
-        let count = |p: &str| {
-            let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{p}\"}}");
-            runtime()
-                .block_on(metric(&http(), &d, &series))
-                .unwrap_or_else(|| panic!("{tag}: no {series} in /metrics"))
-        };
+        let count = |p: &str| decode_chunks(&tag, &d, p);
         let (direct, placed, staged) = (count("direct"), count("placed"), count("staged"));
         let counts = format!("chunks direct {direct}, placed {placed}, staged {staged}");
         println!(
@@ -625,12 +628,7 @@ fn small_rooms_are_placed_over_eager_tcp_and_staged_over_shared_memory_by_defaul
             .unwrap();
         assert!(results.iter().all(|r| r.verified), "{tag}: {results:?}");
         let d = c.decode().field("api").unwrap();
-        let count = |p: &str| {
-            let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{p}\"}}");
-            runtime()
-                .block_on(metric(&http(), &d, &series))
-                .unwrap_or_else(|| panic!("{tag}: no {series} in /metrics"))
-        };
+        let count = |p: &str| decode_chunks(&tag, &d, p);
         let (placed, staged) = (count("placed"), count("staged"));
         println!(
             "{tag}: 12 rooms of 9-20 tokens verified; chunks placed {placed}, staged {staged}"

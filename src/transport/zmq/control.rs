@@ -340,6 +340,12 @@ fn connect(
     }
 }
 
+/// Connections a peer may close in the middle of the handshake before the handshake counts as
+/// refused. A peer that wants another mechanism closes the connection when it reads this
+/// socket's greeting; libzmq reports that as a mechanism mismatch only when this side parsed
+/// the peer's whole greeting first, which is a race that can be lost on every retry.
+const HANDSHAKE_DROPS: u32 = 3;
+
 /// Waits for the monitor of a socket that connects to report its handshake: the connection's
 /// descriptor, or why it failed.
 pub(super) fn handshake(
@@ -350,6 +356,7 @@ pub(super) fn handshake(
     let deadline = Instant::now() + timeout;
     let refused = |why: &str| TransportError::unauthorized("connect", endpoint, why);
     let mut connection = -1;
+    let (mut open, mut dropped) = (false, 0);
     let mut seen: Vec<String> = Vec::new();
     loop {
         while let Some(event) = monitor.next() {
@@ -357,8 +364,19 @@ pub(super) fn handshake(
                 seen.push(format!("{event:?}"));
             }
             match event {
-                Event::Connected { fd } => connection = fd,
+                Event::Connected { fd } => (connection, open) = (fd, true),
                 Event::Ready => return Ok(connection),
+                Event::Disconnected { .. } if open => {
+                    open = false;
+                    dropped += 1;
+                    if dropped == HANDSHAKE_DROPS {
+                        return Err(refused(&format!(
+                            "the peer closed {dropped} connections in the middle of the handshake: it \
+                             expects another security mechanism or token (give both agents the same \
+                             --token), or it is not a kvferry agent"
+                        )));
+                    }
+                }
                 Event::AuthFailed => {
                     return Err(refused("the peer refused this agent's token"));
                 }

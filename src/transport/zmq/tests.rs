@@ -84,6 +84,39 @@ async fn a_wrong_or_missing_token_fails_the_handshake_as_unauthorized() {
     }
 }
 
+#[tokio::test]
+async fn a_peer_closing_every_connection_in_the_handshake_is_a_refusal_not_a_timeout() {
+    // What a prefill wanting another mechanism looks like when its mismatch is never
+    // reported: each connection closed once the greetings start. Only the count of dropped
+    // handshakes can end the connect; its timeout is a minute.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let endpoint = format!("tcp://{}", listener.local_addr().expect("address"));
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            let mut greeting = [0u8; 10];
+            let _ = s.read_exact(&mut greeting);
+        }
+    });
+    let started = Instant::now();
+    let e = ControlClient::connect(
+        &endpoint,
+        Duration::from_secs(60),
+        &options(None),
+        Bytes::new(),
+    )
+    .await
+    .err()
+    .expect("refused");
+    println!("{e} after {:?}", started.elapsed());
+    assert_eq!(
+        e.kind,
+        crate::transport::TransportErrorKind::Unauthorized,
+        "{e}"
+    );
+    assert!(e.message.contains("closed 3 connections"), "{e}");
+}
+
 /// A raw TCP peer: a ZMTP 3.0 greeting (NULL mechanism, as client), then `rest`.
 fn raw_peer(endpoint: &str, rest: &[u8]) -> std::net::TcpStream {
     let addr = endpoint.trim_start_matches("tcp://");
