@@ -329,7 +329,10 @@ fn connect(
         .map_err(|e| TransportError::new("connect", endpoint, e))
         .and_then(|wake| {
             socket.connect(endpoint).map_err(err)?;
-            Ok((wake, handshake(&monitor, endpoint, timeout)?))
+            Ok((
+                wake,
+                super::monitor::handshake(&monitor, endpoint, timeout)?,
+            ))
         });
     match connected {
         Ok((wake, fd)) => Ok((socket, monitor, wake, fd)),
@@ -337,72 +340,6 @@ fn connect(
             super::monitor::stop(&mut socket);
             Err(e)
         }
-    }
-}
-
-/// Connections a peer may close in the middle of the handshake before the handshake counts as
-/// refused. A peer that wants another mechanism closes the connection when it reads this
-/// socket's greeting; libzmq reports that as a mechanism mismatch only when this side parsed
-/// the peer's whole greeting first, which is a race that can be lost on every retry.
-const HANDSHAKE_DROPS: u32 = 3;
-
-/// Waits for the monitor of a socket that connects to report its handshake: the connection's
-/// descriptor, or why it failed.
-pub(super) fn handshake(
-    monitor: &Monitor,
-    endpoint: &str,
-    timeout: Duration,
-) -> Result<i32, TransportError> {
-    let deadline = Instant::now() + timeout;
-    let refused = |why: &str| TransportError::unauthorized("connect", endpoint, why);
-    let mut connection = -1;
-    let (mut open, mut dropped) = (false, 0);
-    let mut seen: Vec<String> = Vec::new();
-    loop {
-        while let Some(event) = monitor.next() {
-            if seen.len() < 8 {
-                seen.push(format!("{event:?}"));
-            }
-            match event {
-                Event::Connected { fd } => (connection, open) = (fd, true),
-                Event::Ready => return Ok(connection),
-                Event::Disconnected { .. } if open => {
-                    open = false;
-                    dropped += 1;
-                    if dropped == HANDSHAKE_DROPS {
-                        return Err(refused(&format!(
-                            "the peer closed {dropped} connections in the middle of the handshake: it \
-                             expects another security mechanism or token (give both agents the same \
-                             --token), or it is not a kvferry agent"
-                        )));
-                    }
-                }
-                Event::AuthFailed => {
-                    return Err(refused("the peer refused this agent's token"));
-                }
-                Event::MechanismMismatch => {
-                    return Err(refused(
-                        "the peer expects another security mechanism: give both agents the same --token",
-                    ));
-                }
-                Event::Disconnected { .. } | Event::Accepted { .. } | Event::Retried => {}
-            }
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            let what = match seen.is_empty() {
-                true => "no connection event".to_owned(),
-                false => format!("connection events {}", seen.join(", ")),
-            };
-            return Err(TransportError::new(
-                "connect",
-                endpoint,
-                format!("no answer within {timeout:?} ({what})"),
-            ));
-        }
-        let mut items = [monitor.poll_item()];
-        let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX).max(1);
-        zmq::poll(&mut items, ms).map_err(|e| TransportError::new("connect", endpoint, e))?;
     }
 }
 

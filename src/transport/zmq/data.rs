@@ -242,7 +242,7 @@ fn connect(endpoint: &str, timeout: Duration, auth: &Auth) -> Result<zmq::Socket
     let shaken = socket
         .connect(endpoint)
         .map_err(err)
-        .and_then(|()| super::control::handshake(&monitor, endpoint, timeout));
+        .and_then(|()| super::monitor::handshake(&monitor, endpoint, timeout));
     super::monitor::stop(&mut socket);
     drop(monitor);
     shaken.map(|_| socket)

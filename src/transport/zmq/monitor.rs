@@ -1,8 +1,12 @@
 //! libzmq's socket monitor: a PAIR socket on which libzmq reports what happens to a socket's
 //! connections (connected, handshake done or refused, disconnected), each event with the file
-//! descriptor of the connection it concerns.
+//! descriptor of the connection it concerns; and a connecting socket's handshake as its
+//! monitor reports it.
+
+use std::time::{Duration, Instant};
 
 use super::context;
+use crate::transport::TransportError;
 
 /// What a socket's connection went through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +101,72 @@ fn parse(head: &[u8]) -> Option<Event> {
         zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_AUTH => Some(Event::AuthFailed),
         zmq_sys::ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL => Some(Event::MechanismMismatch),
         _ => None,
+    }
+}
+
+/// Connections a peer may close in the middle of the handshake before the handshake counts as
+/// refused. A peer that wants another mechanism closes the connection when it reads this
+/// socket's greeting; libzmq reports that as a mechanism mismatch only when this side parsed
+/// the peer's whole greeting first, which is a race that can be lost on every retry.
+const HANDSHAKE_DROPS: u32 = 3;
+
+/// Waits for the monitor of a socket that connects to report its handshake: the connection's
+/// descriptor, or why it failed.
+pub(super) fn handshake(
+    monitor: &Monitor,
+    endpoint: &str,
+    timeout: Duration,
+) -> Result<i32, TransportError> {
+    let deadline = Instant::now() + timeout;
+    let refused = |why: &str| TransportError::unauthorized("connect", endpoint, why);
+    let mut connection = -1;
+    let (mut open, mut dropped) = (false, 0);
+    let mut seen: Vec<String> = Vec::new();
+    loop {
+        while let Some(event) = monitor.next() {
+            if seen.len() < 8 {
+                seen.push(format!("{event:?}"));
+            }
+            match event {
+                Event::Connected { fd } => (connection, open) = (fd, true),
+                Event::Ready => return Ok(connection),
+                Event::Disconnected { .. } if open => {
+                    open = false;
+                    dropped += 1;
+                    if dropped == HANDSHAKE_DROPS {
+                        return Err(refused(&format!(
+                            "the peer closed {dropped} connections in the middle of the handshake: it \
+                             expects another security mechanism or token (give both agents the same \
+                             --token), or it is not a kvferry agent"
+                        )));
+                    }
+                }
+                Event::AuthFailed => {
+                    return Err(refused("the peer refused this agent's token"));
+                }
+                Event::MechanismMismatch => {
+                    return Err(refused(
+                        "the peer expects another security mechanism: give both agents the same --token",
+                    ));
+                }
+                Event::Disconnected { .. } | Event::Accepted { .. } | Event::Retried => {}
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let what = match seen.is_empty() {
+                true => "no connection event".to_owned(),
+                false => format!("connection events {}", seen.join(", ")),
+            };
+            return Err(TransportError::new(
+                "connect",
+                endpoint,
+                format!("no answer within {timeout:?} ({what})"),
+            ));
+        }
+        let mut items = [monitor.poll_item()];
+        let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX).max(1);
+        zmq::poll(&mut items, ms).map_err(|e| TransportError::new("connect", endpoint, e))?;
     }
 }
 
