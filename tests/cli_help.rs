@@ -29,6 +29,7 @@ fn prefill_and_decode_help_differ_by_role() {
             &[
                 "--synthetic-layer-ms",
                 "--placed-min-run-bytes",
+                "--synthetic-verify",
                 "--insecure",
             ][..],
             &[
@@ -36,7 +37,6 @@ fn prefill_and_decode_help_differ_by_role() {
                 "--timeout-stall-ms",
                 "--staging-slots",
                 "--drain-untaken-ms",
-                "--synthetic-verify",
             ][..],
         ),
         (
@@ -80,8 +80,8 @@ fn prefill_and_decode_help_differ_by_role() {
             "5",
             "--drain-untaken-ms",
             "5",
-            "--synthetic-verify",
-            "stamp",
+            "--data-port",
+            "0",
         ],
         [
             "kvferry",

@@ -690,20 +690,20 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
 
 /// Without `--checksum`, a chunk the prefill's fault hook inverts lands and its room succeeds;
 /// the synthetic check on take then fails the room with `verify_failed`, naming the first head
-/// slice whose stamp is not the room's, in both `--synthetic-verify` modes. A clean room after
-/// it verifies.
+/// slice whose stamp is not the room's, in both `--synthetic-verify` modes (set on both
+/// agents). A clean room after it verifies.
 #[test]
 fn a_corrupted_chunk_without_checksums_fails_the_synthetic_check_in_both_modes() {
     require_flags("decode", &["--synthetic-verify"]);
     let opts = fast(AgentOpts::default());
     for mode in ["stamp", "full"] {
         let tag = format!("faults-verify-{mode}");
-        let decode = ["--chunk-bytes", "65536", "--synthetic-verify", mode];
+        let both = ["--chunk-bytes", "65536", "--synthetic-verify", mode];
         let c = FaultCluster::start(
             &tag,
             &opts.args_all(),
-            &["--chunk-bytes", "65536"],
-            &decode,
+            &both,
+            &both,
             &[("KVFERRY_FAULT_CORRUPT_CHUNK", "3")],
         );
         runtime().block_on(async {

@@ -2,8 +2,8 @@
 //! with a deterministic pattern and the decode checks the landed bytes against it on take.
 //!
 //! The unit of the pattern is a *head slice*: the `head_bytes` bytes of one token, layer,
-//! plane and head ([`Element`]), which every kernel and transport moves whole. Each is a stamp
-//! and a body:
+//! plane and head ([`Element`]), which every kernel and transport moves whole. Each is a body
+//! and, in a stamped token ([`Stamped`]), a stamp over the body's start:
 //! - the *stamp*, its first [`STAMP_BYTES`] bytes (all of a shorter head), encodes the room,
 //!   the token's position in the room, the global layer, the plane and the global head
 //!   ([`stamp`]). Bytes of another room, page, layer or head carry another stamp, and a stamp
@@ -22,13 +22,22 @@
 //!
 //! Fill ([`Filler`], the prefill): the first fill of a page writes the body of the whole page
 //! (every token slot, layer, plane and head) and marks the page; every fill writes the stamps of
-//! its piece in place. Only the fill writes a prefill's pool, so a marked page keeps its body for
+//! its piece's stamped tokens in place. Only the fill writes a prefill's pool, so a marked page keeps its body for
 //! the pool's life. A device pool is written through the kernel: each fill writes its piece's
 //! bytes whole, bodies included.
 //!
 //! Verify ([`Verify`], the decode): `full` gathers each layer and compares every byte; `stamp`
-//! reads every stamp and one body word of one head slice in [`SAMPLE_EVERY`], in place on a
-//! host pool (gathered on a device pool).
+//! reads each stamp and, per stamped token of a layer's plane, one body word of one head slice,
+//! in place on a host pool (gathered on a device pool).
+//!
+//! Which tokens carry stamps ([`Stamped`]) follows the same mode, set on both agents (`kvferry
+//! bench` does): `full` stamps every token; `stamp` one token in [`STAMP_EVERY`] (which one
+//! rotating with the room) and the room's last token, so that any range a decode takes, down
+//! to one token, holds a stamp of every layer, plane and head. Writing and reading a stamp
+//! touches its head slice's cache line, a quarter of the room's lines when every token is
+//! stamped: as much memory traffic as the transfer itself when rooms run in parallel on a
+//! small machine. A decode in `full` mode behind a prefill in `stamp` mode finds the body
+//! where a stamp belongs and says so ([`Found::Body`]).
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -41,18 +50,19 @@ use crate::pool::{HostPool, PoolError};
 /// Bytes of the stamp at the start of every head slice (a shorter head is all stamp).
 pub const STAMP_BYTES: usize = 8;
 
-/// `stamp` verification also reads one body word of every this-many head slices of a layer's
-/// plane (spread over heads and tokens, the word rotating).
-pub const SAMPLE_EVERY: usize = 16;
+/// In `stamp` mode, one token in this many carries stamps (besides the room's last).
+pub const STAMP_EVERY: usize = 16;
 
-/// How a synthetic decode checks a landed room on take (`--synthetic-verify`).
+/// Which tokens a synthetic prefill stamps and how a synthetic decode checks a landed room on
+/// take (`--synthetic-verify`, set alike on both agents).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Verify {
-    /// Every stamp and a sample of the other bytes: catches another room's bytes, bytes that
-    /// never landed, and a head slice on the wrong page, layer or head, for a fraction of the
-    /// memory reads of `full` (kvferry bench's default).
+    /// A prefill stamps one token in [`STAMP_EVERY`] and the room's last; a decode reads those
+    /// stamps and one body word per stamped token, layer and plane: catches another room's
+    /// bytes, bytes that never landed, and a head slice on the wrong page, layer or head, for
+    /// a sixteenth of the memory traffic (kvferry bench's default).
     Stamp,
-    /// Every byte (kvferry demo's).
+    /// A prefill stamps every token; a decode checks every byte (kvferry demo's).
     #[default]
     Full,
 }
@@ -103,6 +113,8 @@ pub enum Found {
     /// No stamp of this room: another room's bytes, bytes that never landed, or a damaged
     /// stamp.
     Foreign,
+    /// The body's first word, which a stamp covers: a head slice its prefill did not stamp.
+    Body,
 }
 
 impl std::fmt::Display for Found {
@@ -112,6 +124,10 @@ impl std::fmt::Display for Found {
             Found::Foreign => f.write_str(
                 "no stamp of this room (another room's bytes, bytes that never landed, or a \
                  damaged stamp)",
+            ),
+            Found::Body => f.write_str(
+                "the pattern's body, no stamp (a prefill with --synthetic-verify stamp stamps one \
+                 token in 16; set the mode alike on both agents)",
             ),
         }
     }
@@ -199,18 +215,18 @@ fn keyed_stamp(key: u64, e: Element) -> u64 {
     mix(pack(e) ^ key)
 }
 
-/// The stamps of tokens `t0..t1` x every local head of one block (local `layer`, `plane`) of a
-/// room keyed `key`, token-major, [`stamp_len`] bytes each, into `out`.
+/// The stamps of `tokens` x every local head of one block (local `layer`, `plane`) of a room
+/// keyed `key`, token-major, [`stamp_len`] bytes each, into `out`.
 fn block_stamps(
     l: &KvLayout,
     key: u64,
     (layer, plane): (usize, usize),
-    tokens: Range<usize>,
+    tokens: &[usize],
     out: &mut Vec<u8>,
 ) {
     let sb = stamp_len(l);
     out.clear();
-    for token in tokens {
+    for &token in tokens {
         for h in 0..l.num_heads() {
             let s = keyed_stamp(key, element(l, layer, plane, token, h)).to_le_bytes();
             match sb {
@@ -218,6 +234,74 @@ fn block_stamps(
                 _ => out.extend_from_slice(&s[..sb]),
             }
         }
+    }
+}
+
+/// Which tokens of a room carry stamps (see the module's doc).
+#[derive(Clone, Copy, Debug)]
+pub struct Stamped {
+    /// `Some(r)`: tokens `t` with `t % STAMP_EVERY == r`, and `last`; `None`: every token.
+    every: Option<usize>,
+    last: usize,
+}
+
+impl Stamped {
+    /// The stamped tokens of `room`, of `room_tokens` tokens, in `mode`.
+    pub fn new(room: u64, room_tokens: usize, mode: Verify) -> Self {
+        Stamped {
+            every: (mode == Verify::Stamp).then_some((room % STAMP_EVERY as u64) as usize),
+            last: room_tokens.saturating_sub(1),
+        }
+    }
+
+    /// Whether `token` carries stamps.
+    pub fn holds(&self, token: usize) -> bool {
+        self.every
+            .is_none_or(|r| token % STAMP_EVERY == r || token == self.last)
+    }
+}
+
+/// The stamped head slices of `tokens` of a room in a pool, token-major (`[token][local
+/// head]`), for reading or writing a layer's plane of them at once.
+struct StampedSlices {
+    /// The stamped tokens, in order.
+    tokens: Vec<usize>,
+    /// Per head slice: the page's index in the room and the slice's offset from the block's
+    /// start.
+    at: Vec<(usize, usize)>,
+}
+
+impl StampedSlices {
+    fn new(l: &KvLayout, tokens: &Range<usize>, stamped: Stamped) -> Self {
+        let (ps, nh) = (l.page_size, l.num_heads());
+        let tokens: Vec<usize> = tokens.clone().filter(|&t| stamped.holds(t)).collect();
+        let at = tokens
+            .iter()
+            .flat_map(|&t| (0..nh).map(move |h| (t / ps, l.element_offset(t % ps, h))))
+            .collect();
+        StampedSlices { tokens, at }
+    }
+
+    /// The slices' offsets in `host` for local `layer` and `plane` of a room held in `pages`,
+    /// into `out`.
+    fn offsets(
+        &self,
+        host: &HostPool,
+        (layer, plane): (usize, usize),
+        pages: &[u32],
+        out: &mut Vec<usize>,
+    ) -> Result<(), PoolError> {
+        out.clear();
+        let mut block = None;
+        for &(p, at) in &self.at {
+            let base = match block {
+                Some((bp, base)) if bp == p => base,
+                _ => host.block_offset(layer, plane, pages[p] as usize)?,
+            };
+            block = Some((p, base));
+            out.push(base + at);
+        }
+        Ok(())
     }
 }
 
@@ -295,27 +379,32 @@ fn covers(l: &KvLayout, pages: &[u32], tokens: &Range<usize>) -> Result<(), Kern
 pub(crate) struct Filler {
     /// `bodies[p]`: page `p` holds the body in every slot, layer, plane and head.
     bodies: Mutex<Vec<bool>>,
+    /// Which tokens get stamps ([`Stamped`]).
+    mode: Verify,
 }
 
 impl Filler {
-    /// The fill of a pool of `num_pages` pages, none holding the body yet.
-    pub(crate) fn new(num_pages: usize) -> Self {
+    /// The fill of a pool of `num_pages` pages, none holding the body yet, stamping the
+    /// tokens `mode` says.
+    pub(crate) fn new(num_pages: usize, mode: Verify) -> Self {
         Filler {
             bodies: Mutex::new(vec![false; num_pages]),
+            mode,
         }
     }
 
-    /// Fills `tokens` x local `layers` of `room`, held in `pages`, every head the pool holds:
-    /// the body of pages that lack it, then the piece's stamps.
+    /// Fills `tokens` x local `layers` of `room` (of `room_tokens` tokens), held in `pages`,
+    /// every head the pool holds: the body of pages that lack it, then the piece's stamps.
     pub(crate) fn fill(
         &self,
         pool: &AgentPool,
-        room: u64,
+        (room, room_tokens): (u64, usize),
         pages: &[u32],
         tokens: Range<usize>,
         layers: Range<usize>,
     ) -> Result<(), SyntheticError> {
         let Some(host) = pool.host() else {
+            // Every byte, so every stamp.
             return fill_whole(pool, room, pages, tokens, layers);
         };
         let l = pool.layout();
@@ -347,7 +436,8 @@ impl Filler {
                 }
             }
         }
-        write_stamps(host, room, pages, tokens, layers)
+        let stamped = Stamped::new(room, room_tokens, self.mode);
+        write_stamps(host, room, pages, (tokens, stamped), layers)
     }
 }
 
@@ -371,40 +461,24 @@ fn write_bodies(pool: &AgentPool, pages: &[u32]) -> Result<(), SyntheticError> {
     Ok(())
 }
 
-/// Offsets of a block's head slices from the block's start, token-major: `[slot][local head]`.
-fn slice_offsets(l: &KvLayout) -> Vec<usize> {
-    (0..l.page_size * l.num_heads())
-        .map(|i| l.element_offset(i / l.num_heads(), i % l.num_heads()))
-        .collect()
-}
-
-/// The pages `tokens` cover: `(page index in the room, first token, end token)`, a page's
-/// tokens at a time.
-fn page_runs(ps: usize, tokens: &Range<usize>) -> impl Iterator<Item = (usize, usize, usize)> {
-    let (start, end) = (tokens.start, tokens.end);
-    (start / ps..end.div_ceil(ps)).map(move |p| (p, (p * ps).max(start), ((p + 1) * ps).min(end)))
-}
-
-/// Writes the stamps of `tokens` x local `layers`, in place: one write per block.
+/// Writes the stamps of the stamped ones of `tokens` x local `layers`, in place: one write
+/// per layer's plane.
 fn write_stamps(
     host: &HostPool,
     room: u64,
     pages: &[u32],
-    tokens: Range<usize>,
+    (tokens, stamped): (Range<usize>, Stamped),
     layers: Range<usize>,
 ) -> Result<(), SyntheticError> {
     let l = host.layout();
-    let (ps, nh, key) = (l.page_size, l.num_heads(), room_key(room));
-    let at = slice_offsets(l);
-    let mut buf = Vec::with_capacity(ps * nh * STAMP_BYTES);
+    let key = room_key(room);
+    let slices = StampedSlices::new(l, &tokens, stamped);
+    let (mut buf, mut at) = (Vec::new(), Vec::new());
     for local in layers {
         for plane in 0..l.planes() {
-            for (p, t0, t1) in page_runs(ps, &tokens) {
-                block_stamps(l, key, (local, plane), t0..t1, &mut buf);
-                let block = host.block_offset(local, plane, pages[p] as usize)?;
-                let slots = t0 - p * ps..t1 - p * ps;
-                host.write_pieces(block, &at[slots.start * nh..slots.end * nh], &buf)?;
-            }
+            block_stamps(l, key, (local, plane), &slices.tokens, &mut buf);
+            slices.offsets(host, (local, plane), pages, &mut at)?;
+            host.write_pieces(0, &at, &buf)?;
         }
     }
     Ok(())
@@ -443,8 +517,9 @@ fn fill_whole(
     Ok(())
 }
 
-/// Checks `tokens` of `room`, held in `pages`, against the pattern, as `mode` says. The first
-/// difference is reported, in (layer, plane, token, head) order.
+/// Checks `tokens` of `room`, held in `pages`, against the pattern, as `mode` says; the room
+/// ends at `tokens.end`. The first difference is reported, in (layer, plane, token, head)
+/// order (in `stamp` mode on a host pool, a layer's plane's stamps before its body words).
 pub(crate) fn verify(
     pool: &AgentPool,
     room: u64,
@@ -454,73 +529,68 @@ pub(crate) fn verify(
 ) -> Result<(), SyntheticError> {
     let l = pool.layout();
     covers(l, pages, &tokens)?;
+    let stamped = Stamped::new(room, tokens.end, mode);
     if let (Verify::Stamp, Some(host)) = (mode, pool.host()) {
-        return verify_in_place(host, room, pages, tokens);
+        return verify_in_place(host, room, pages, (tokens, stamped));
     }
     let mut got = Vec::new();
     for local in 0..l.num_layers() {
         let sel = layer_selection(l, pages, &tokens, local);
         got.resize(sel.bytes_in(l)?, 0);
         pool.gather(&sel, PageOrder::TokenMajor, &mut got, None)?;
-        check_gathered(l, room, local, &tokens, mode, &got)?;
+        check_gathered(l, (room, stamped), local, &tokens, mode, &got)?;
     }
     Ok(())
 }
 
-/// `stamp` verification of a host pool, in place: the stamps one read per block, the sampled
-/// body words one read each.
+/// `stamp` verification of a host pool, in place: the stamps of a layer's plane in one read,
+/// then its sampled body words one read each.
 fn verify_in_place(
     host: &HostPool,
     room: u64,
     pages: &[u32],
-    tokens: Range<usize>,
+    (tokens, stamped): (Range<usize>, Stamped),
 ) -> Result<(), SyntheticError> {
     let l = host.layout();
-    let (ps, nh, hb, sb) = (l.page_size, l.num_heads(), l.head_bytes(), stamp_len(l));
-    let at = slice_offsets(l);
+    let (nh, hb, sb) = (l.num_heads(), l.head_bytes(), stamp_len(l));
     let key = room_key(room);
-    let (mut held, mut want) = (vec![0; ps * nh * sb], Vec::with_capacity(ps * nh * sb));
+    let slices = StampedSlices::new(l, &tokens, stamped);
+    let (mut at, mut want) = (Vec::new(), Vec::new());
+    let mut held = vec![0; slices.at.len() * sb];
     let mut word = [0; 8];
     for local in 0..l.num_layers() {
         let rows = body_rows(l, l.layers.start + local);
         for plane in 0..l.planes() {
-            for (p, t0, t1) in page_runs(ps, &tokens) {
-                let block = host.block_offset(local, plane, pages[p] as usize)?;
-                let slots = t0 - p * ps..t1 - p * ps;
-                let held = &mut held[..(t1 - t0) * nh * sb];
-                host.read_pieces(block, &at[slots.start * nh..slots.end * nh], held)?;
-                block_stamps(l, key, (local, plane), t0..t1, &mut want);
-                if *held != *want {
-                    // Locate the first wrong one.
-                    for (i, stamp) in held.chunks_exact(sb).enumerate() {
-                        let e = element(l, local, plane, t0 + i / nh, i % nh);
-                        check_stamp(l, room, e, stamp, tokens.end)?;
-                    }
+            slices.offsets(host, (local, plane), pages, &mut at)?;
+            host.read_pieces(0, &at, &mut held)?;
+            block_stamps(l, key, (local, plane), &slices.tokens, &mut want);
+            if held != want {
+                // Locate the first wrong one.
+                for (i, stamp) in held.chunks_exact(sb).enumerate() {
+                    let e = element(l, local, plane, slices.tokens[i / nh], i % nh);
+                    check_stamp(l, room, e, stamp, tokens.end)?;
                 }
-                // One head slice in SAMPLE_EVERY: (token + h) % SAMPLE_EVERY == 0.
-                for token in t0..t1 {
-                    let first = (SAMPLE_EVERY - token % SAMPLE_EVERY) % SAMPLE_EVERY;
-                    for h in (first..nh).step_by(SAMPLE_EVERY) {
-                        let Some(body) = sampled(hb, local, plane, token, h) else {
-                            continue;
-                        };
-                        let word = &mut word[..body.len()];
-                        host.read_into(block + at[(token - p * ps) * nh + h] + body.start, word)?;
-                        let row = &rows[(plane * nh + h) * hb..][..hb];
-                        let e = element(l, local, plane, token, h);
-                        check_body(e, word, &row[body.clone()], body.start)?;
-                    }
-                }
+            }
+            for (i, &token) in slices.tokens.iter().enumerate() {
+                let Some((h, body)) = sampled(l, local, plane, token) else {
+                    continue;
+                };
+                let word = &mut word[..body.len()];
+                host.read_into(at[i * nh + h] + body.start, word)?;
+                let row = &rows[(plane * nh + h) * hb..][..hb];
+                let e = element(l, local, plane, token, h);
+                check_body(e, word, &row[body.clone()], body.start)?;
             }
         }
     }
     Ok(())
 }
 
-/// Checks one local layer gathered token-major (`[plane][token][local head][head bytes]`).
+/// Checks one local layer gathered token-major (`[plane][token][local head][head bytes]`): the
+/// head slices of the `stamped` tokens, their body bytes as `mode` says.
 fn check_gathered(
     l: &KvLayout,
-    room: u64,
+    (room, stamped): (u64, Stamped),
     local: usize,
     tokens: &Range<usize>,
     mode: Verify,
@@ -535,13 +605,16 @@ fn check_gathered(
                 let Some(slice) = slices.next() else {
                     return Ok(());
                 };
+                if !stamped.holds(token) {
+                    continue;
+                }
                 let e = element(l, local, plane, token, h);
                 check_stamp(l, room, e, &slice[..sb], tokens.end)?;
                 let body = match mode {
                     Verify::Full => sb..hb,
-                    Verify::Stamp => match sampled(hb, local, plane, token, h) {
-                        Some(body) => body,
-                        None => continue,
+                    Verify::Stamp => match sampled(l, local, plane, token) {
+                        Some((sh, body)) if sh == h => body,
+                        _ => continue,
                     },
                 };
                 let row = &rows[(plane * nh + h) * hb..][..hb];
@@ -552,16 +625,24 @@ fn check_gathered(
     Ok(())
 }
 
-/// The body bytes `stamp` verification reads of a head slice, if any: one word of one head
-/// slice in [`SAMPLE_EVERY`] (spread over heads and tokens), the word rotating with the token,
-/// layer and plane.
-fn sampled(hb: usize, local: usize, plane: usize, token: usize, h: usize) -> Option<Range<usize>> {
+/// The body bytes `stamp` verification reads of a stamped token (local `layer`, `plane`), if
+/// its head slices have a body: one word of one local head, the head and the word rotating.
+/// Few, beside the stamps the check reads anyway: the bodies are the same in every room, so
+/// they catch bytes moved within a head slice or never written, which a few samples of a room
+/// find.
+fn sampled(
+    l: &KvLayout,
+    layer: usize,
+    plane: usize,
+    token: usize,
+) -> Option<(usize, Range<usize>)> {
+    let (hb, turn) = (l.head_bytes(), token / STAMP_EVERY + layer);
     let body_words = hb.div_ceil(8).saturating_sub(1);
-    if body_words == 0 || (token + h) % SAMPLE_EVERY != 0 {
+    if body_words == 0 {
         return None;
     }
-    let w = 1 + (token / SAMPLE_EVERY + local + plane) % body_words;
-    Some(w * 8..(w * 8 + 8).min(hb))
+    let w = 1 + turn % body_words;
+    Some(((turn + plane) % l.num_heads(), w * 8..(w * 8 + 8).min(hb)))
 }
 
 /// Checks the stamp `held` of element `e` of `room` (a room of `room_tokens` tokens); a wrong
@@ -585,8 +666,11 @@ fn check_stamp(
         && from.layer < l.model.num_layers
         && from.plane < l.planes()
         && from.head < l.model.num_kv_heads;
+    let body = body_word(e.layer, e.plane, e.head, 0).to_le_bytes();
     let found = if ours {
         Found::Element(from)
+    } else if held == &body[..held.len()] {
+        Found::Body
     } else {
         Found::Foreign
     };

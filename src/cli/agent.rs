@@ -110,8 +110,11 @@ pub struct AgentArgs {
     /// checks the landed bytes on take (--synthetic-verify).
     #[arg(long, env = "KVFERRY_SYNTHETIC")]
     pub synthetic: bool,
-    /// How the synthetic decode checks a landed room on take. Every head slice of every token
-    /// the prefill fills starts with a stamp of its room, token, layer, plane and head.
+    /// Which tokens a synthetic prefill stamps and how a synthetic decode checks a landed room
+    /// on take (set both agents alike): `full` stamps every token and checks every byte;
+    /// `stamp` stamps one token in 16 and the room's last, and checks those stamps and a sample
+    /// of the rest. A stamp is the first 8 bytes of a head slice, naming its room, token,
+    /// layer, plane and head.
     #[arg(long, env = "KVFERRY_SYNTHETIC_VERIFY", value_enum, default_value_t = Verify::Full)]
     pub synthetic_verify: Verify,
     /// Shared secret: sent to the registry and in Hello.

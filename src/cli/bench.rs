@@ -12,7 +12,8 @@
 //! window: the agents time a room from the engine's ready to the decode's success. They still
 //! take CPU from the rooms in flight, so the bench keeps them cheap: a pool page's pattern body
 //! is written once and each room only rewrites its stamps, and by default (`--verify stamp`)
-//! the decode reads every stamp and a sample of the body (src/agent/synthetic.rs).
+//! the prefill stamps one token in 16 and the decode reads those stamps and a sample of the
+//! body (src/agent/synthetic.rs).
 
 mod plot;
 
@@ -94,9 +95,9 @@ pub struct BenchArgs {
     /// Direct path (`ucx` only), passed to the agents: `auto`, `always` or `never`.
     #[arg(long, env = "KVFERRY_BENCH_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
     direct_writes: DirectWrites,
-    /// How the decode checks each room on take, passed to the agents as --synthetic-verify
-    /// (with --prefill-api/--decode-api it only labels the results: set it on the decode
-    /// agent).
+    /// Which tokens the prefill stamps and how the decode checks each room on take, passed to
+    /// the agents as --synthetic-verify (with --prefill-api/--decode-api it only labels the
+    /// results: set it on both agents).
     #[arg(long, env = "KVFERRY_BENCH_VERIFY", value_enum, default_value_t = Verify::Stamp)]
     verify: Verify,
     /// Print JSON Lines (one object per configuration) instead of a table.

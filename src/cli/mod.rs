@@ -72,8 +72,7 @@ pub enum Command {
         mut_arg("staging_slots", |a| a.hide(true)),
         mut_arg("drain_untaken_ms", |a| a.hide(true)),
         mut_arg("data_port", |a| a.hide(true)),
-        mut_arg("synthetic_verify", |a| a.hide(true)),
-        mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: fill each room's pages with a pattern the decode verifies (the prefill allocates them from its pool, writes a page's body once and each room's stamps)")),
+        mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: fill each room's pages with a pattern the decode verifies (the prefill allocates them from its pool, writes a page's body once and each room's stamps, as --synthetic-verify says)")),
         mut_arg("pool", |a| a.help("The KV pool the engine's pages live in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
     )]
     Prefill(AgentArgs),

@@ -105,9 +105,12 @@ impl PrefillAgent {
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
         let slots = Arc::new(pool.slots());
-        let filler = cfg
-            .synthetic
-            .then(|| Arc::new(synthetic::Filler::new(pool.num_pages())));
+        let filler = cfg.synthetic.then(|| {
+            Arc::new(synthetic::Filler::new(
+                pool.num_pages(),
+                cfg.synthetic_verify,
+            ))
+        });
         let inner = Arc::new(Inner {
             instance,
             alloc: PageAllocator::new(cfg.pool_pages as u32),

@@ -376,10 +376,11 @@ impl Inner {
             (room.view(room_id), keep)
         };
         if paced {
-            tokio::spawn(announce_paced(self.clone(), room_id, pages, lease, piece));
+            let room = (room_id, req.tokens);
+            tokio::spawn(announce_paced(self.clone(), room, pages, lease, piece));
         } else {
             if self.cfg.synthetic {
-                fill(self, room_id, &pages, lease, &piece).await?;
+                fill(self, (room_id, req.tokens), &pages, lease, &piece).await?;
             }
             announce(self, room_id, piece, last);
             // The transfer task just spawned waits in this worker's queue behind this call;
@@ -429,10 +430,10 @@ impl Inner {
     }
 }
 
-/// Fills a piece with the synthetic pattern.
+/// Fills a piece of a room (id, tokens) with the synthetic pattern.
 async fn fill(
     inner: &Arc<Inner>,
-    room_id: u64,
+    room: (u64, usize),
     pages: &Arc<[u32]>,
     lease: Option<Arc<PageLease>>,
     piece: &Piece,
@@ -450,7 +451,7 @@ async fn fill(
     tokio::task::spawn_blocking(move || {
         // The lease travels with the fill: an abort meanwhile cannot hand the pages out.
         let _keep = lease;
-        filler.fill(&pool, room_id, &pages, tokens, layers)
+        filler.fill(&pool, room, &pages, tokens, layers)
     })
     .await
     .map_err(|e| RoomError::Unavailable(e.to_string()))?
@@ -482,7 +483,7 @@ fn announce(inner: &Arc<Inner>, room_id: u64, piece: Piece, last: bool) {
 /// The synthetic engine's layer-wise prefill: one layer every `synthetic_layer_delay`.
 async fn announce_paced(
     inner: Arc<Inner>,
-    room_id: u64,
+    (room_id, room_tokens): (u64, usize),
     pages: Arc<[u32]>,
     lease: Option<Arc<PageLease>>,
     whole: Piece,
@@ -495,7 +496,8 @@ async fn announce_paced(
             layers: layer..layer + 1,
             ready_on: None,
         };
-        if let Err(e) = fill(&inner, room_id, &pages, lease.clone(), &piece).await {
+        let room = (room_id, room_tokens);
+        if let Err(e) = fill(&inner, room, &pages, lease.clone(), &piece).await {
             tracing::warn!(room = room_id, error = %e, "synthetic fill failed");
             return;
         }
