@@ -162,14 +162,21 @@ fn bench_json_lines_and_plots() {
             svg.matches('>').count(),
             "{plot}: unbalanced tags"
         );
+        // Legend entries: text elements holding just the name.
+        let texts: Vec<&str> = svg
+            .split("<text")
+            .skip(1)
+            .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim()))
+            .collect();
         for name in ["zmq-tcp", "zmq-ipc"] {
             assert!(
-                svg.contains(&format!(">{name}</text>")),
-                "{plot}: no legend entry {name}"
+                texts.contains(&name),
+                "{plot}: no legend entry {name}: {texts:?}"
             );
         }
+        // The data lines are 2 pixels wide, axes and ticks 1.
         assert_eq!(
-            svg.matches("<polyline").count(),
+            svg.matches(r#"stroke-width="2" points"#).count(),
             2,
             "{plot}: one line per transport"
         );

@@ -593,7 +593,7 @@ fn write_out(dir: &Path, lines: &[Value]) -> anyhow::Result<()> {
         log_y: false,
         series: series(&|l| num(l, &["throughput_gbps"])),
     };
-    write("throughput.svg", &throughput.svg())?;
+    write("throughput.svg", &throughput.svg()?)?;
     let latency = plot::Chart {
         title: format!("kvferry p50 room latency, ready -> success ({model})"),
         x_label: "room size (MiB, log scale)".to_owned(),
@@ -601,6 +601,6 @@ fn write_out(dir: &Path, lines: &[Value]) -> anyhow::Result<()> {
         log_y: true,
         series: series(&|l| num(l, &["latency_ms", "p50"])),
     };
-    write("latency.svg", &latency.svg())?;
+    write("latency.svg", &latency.svg()?)?;
     Ok(())
 }
