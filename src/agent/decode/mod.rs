@@ -753,17 +753,22 @@ async fn expire_rooms(inner: Arc<Inner>) {
     }
 }
 
-/// Where the receiver lands a device pool's chunks, by its staging: in device staging
-/// ([`super::Staging::Device`]), or in pinned host buffers ([`super::Staging::PinnedHost`],
+/// Where the receiver lands chunks, by the pool's staging: a device pool's in device staging
+/// ([`super::Staging::Device`]) or in pinned host buffers ([`super::Staging::PinnedHost`],
 /// pinned once each like the prefill's chunk buffers, so that the H2D copy runs at the bus's
-/// speed), where the transport receives into buffers of the agent's (UCX; libzmq allocates
-/// every message itself, and those stay pageable). Logged.
+/// speed), a host pool's in host buffers reused from chunk to chunk, so that no receive writes
+/// into freshly mapped memory (a UCX copy into new pages ran at a third of its speed), where
+/// the transport receives into buffers of the agent's (UCX; libzmq allocates every message
+/// itself, and those stay pageable). A device pool's choice is logged.
 fn land_where_staged(
     pool: &AgentPool,
     receiver: &mut dyn transport::DataReceiver,
 ) -> Result<Option<Arc<super::staging::SlotPool>>, super::AgentError> {
     match pool.staging() {
-        super::Staging::Host => Ok(None),
+        super::Staging::Host => {
+            let slots = Arc::new(pool.slots());
+            Ok(receiver.receive_into(slots.clone()).then_some(slots))
+        }
         super::Staging::Device => {
             if let Some(sink) = pool.device_sink() {
                 receiver.land_on_device(sink)?;
@@ -791,5 +796,41 @@ fn land_where_staged(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::EnginePool;
+    use crate::layout::{KvLayout, ModelSpec};
+    use crate::pool::HostPool;
+    use futures_util::future::BoxFuture;
+
+    /// A receiver that takes the agent's buffers, or not.
+    struct Takes(bool);
+
+    impl transport::DataReceiver for Takes {
+        fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), transport::TransportError>> {
+            unreachable!("nothing is received here")
+        }
+        fn receive_into(&mut self, _: Arc<dyn transport::RecvBuffers>) -> bool {
+            self.0
+        }
+    }
+
+    #[test]
+    fn a_host_pool_lands_chunks_in_reused_buffers_where_the_transport_takes_them() {
+        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        let pool =
+            AgentPool::new(EnginePool::Host(HostPool::anonymous(layout, 4).unwrap()), 1).unwrap();
+        let slots = land_where_staged(&pool, &mut Takes(true)).unwrap();
+        let slots = slots.expect("UCX lands a host pool's chunks in the agent's buffers");
+        assert_eq!(slots.pinned_bytes(), 0, "host buffers are not pinned");
+        assert!(
+            land_where_staged(&pool, &mut Takes(false))
+                .unwrap()
+                .is_none()
+        );
     }
 }
