@@ -10,6 +10,9 @@
 //! the room ends first; the chunk holds the room's pages (`scattering`) until the transport
 //! has let go of them. Both are checked like a staged chunk, their checksum computed over the
 //! pool in place, and counted without a scatter.
+//!
+//! Which buffers a staged chunk is received into, by the pool's staging, is set once at start
+//! ([`land_where_staged`]).
 
 use super::*;
 use crate::protocol::Placed;
@@ -469,5 +472,87 @@ impl Inner {
     pub(super) fn bad_message(&self, kind: &'static str, what: String) {
         self.metrics.protocol_error(kind);
         tracing::warn!(kind, %what, "refused a message");
+    }
+}
+
+/// Where the receiver lands chunks, by the pool's staging: a device pool's in device staging
+/// ([`crate::agent::Staging::Device`]) or in pinned host buffers ([`crate::agent::Staging::PinnedHost`],
+/// pinned once each like the prefill's chunk buffers, so that the H2D copy runs at the bus's
+/// speed), a host pool's in host buffers reused from chunk to chunk, so that no receive writes
+/// into freshly mapped memory (a UCX copy into new pages ran at a third of its speed), where
+/// the transport receives into buffers of the agent's (UCX; libzmq allocates every message
+/// itself, and those stay pageable). A device pool's choice is logged.
+pub(super) fn land_where_staged(
+    pool: &AgentPool,
+    receiver: &mut dyn transport::DataReceiver,
+) -> Result<Option<Arc<crate::agent::staging::SlotPool>>, crate::agent::AgentError> {
+    match pool.staging() {
+        crate::agent::Staging::Host => {
+            let slots = Arc::new(pool.slots());
+            Ok(receiver.receive_into(slots.clone()).then_some(slots))
+        }
+        crate::agent::Staging::Device => {
+            if let Some(sink) = pool.device_sink() {
+                receiver.land_on_device(sink)?;
+                tracing::info!(receive_buffers = "device", "chunks land in device staging");
+            }
+            Ok(None)
+        }
+        crate::agent::Staging::PinnedHost => {
+            let slots = Arc::new(pool.slots());
+            match receiver.receive_into(slots.clone()) {
+                true => {
+                    tracing::info!(
+                        receive_buffers = "pinned_host",
+                        "chunks land in pinned host buffers"
+                    );
+                    Ok(Some(slots))
+                }
+                false => {
+                    tracing::info!(
+                        receive_buffers = "transport",
+                        "chunks land in the transport's own buffers (pageable): it allocates \
+                         them itself"
+                    );
+                    Ok(None)
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::EnginePool;
+    use crate::layout::{KvLayout, ModelSpec};
+    use crate::pool::HostPool;
+    use futures_util::future::BoxFuture;
+
+    /// A receiver that takes the agent's buffers, or not.
+    struct Takes(bool);
+
+    impl transport::DataReceiver for Takes {
+        fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), transport::TransportError>> {
+            unreachable!("nothing is received here")
+        }
+        fn receive_into(&mut self, _: Arc<dyn transport::RecvBuffers>) -> bool {
+            self.0
+        }
+    }
+
+    #[test]
+    fn a_host_pool_lands_chunks_in_reused_buffers_where_the_transport_takes_them() {
+        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        let pool =
+            AgentPool::new(EnginePool::Host(HostPool::anonymous(layout, 4).unwrap()), 1).unwrap();
+        let slots = land_where_staged(&pool, &mut Takes(true)).unwrap();
+        let slots = slots.expect("UCX lands a host pool's chunks in the agent's buffers");
+        assert_eq!(slots.pinned_bytes(), 0, "host buffers are not pinned");
+        assert!(
+            land_where_staged(&pool, &mut Takes(false))
+                .unwrap()
+                .is_none()
+        );
     }
 }

@@ -34,7 +34,7 @@ mod rooms;
 pub use rooms::{PageOwner, RoomRequest, RoomView, SourceView, TakenRoom};
 
 use http::routes;
-use landing::receive_chunks;
+use landing::{land_where_staged, receive_chunks};
 use peer::Peer;
 
 use std::collections::HashMap;
@@ -750,87 +750,5 @@ async fn expire_rooms(inner: Arc<Inner>) {
             .metrics
             .expired
             .fetch_add(expired, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// Where the receiver lands chunks, by the pool's staging: a device pool's in device staging
-/// ([`super::Staging::Device`]) or in pinned host buffers ([`super::Staging::PinnedHost`],
-/// pinned once each like the prefill's chunk buffers, so that the H2D copy runs at the bus's
-/// speed), a host pool's in host buffers reused from chunk to chunk, so that no receive writes
-/// into freshly mapped memory (a UCX copy into new pages ran at a third of its speed), where
-/// the transport receives into buffers of the agent's (UCX; libzmq allocates every message
-/// itself, and those stay pageable). A device pool's choice is logged.
-fn land_where_staged(
-    pool: &AgentPool,
-    receiver: &mut dyn transport::DataReceiver,
-) -> Result<Option<Arc<super::staging::SlotPool>>, super::AgentError> {
-    match pool.staging() {
-        super::Staging::Host => {
-            let slots = Arc::new(pool.slots());
-            Ok(receiver.receive_into(slots.clone()).then_some(slots))
-        }
-        super::Staging::Device => {
-            if let Some(sink) = pool.device_sink() {
-                receiver.land_on_device(sink)?;
-                tracing::info!(receive_buffers = "device", "chunks land in device staging");
-            }
-            Ok(None)
-        }
-        super::Staging::PinnedHost => {
-            let slots = Arc::new(pool.slots());
-            match receiver.receive_into(slots.clone()) {
-                true => {
-                    tracing::info!(
-                        receive_buffers = "pinned_host",
-                        "chunks land in pinned host buffers"
-                    );
-                    Ok(Some(slots))
-                }
-                false => {
-                    tracing::info!(
-                        receive_buffers = "transport",
-                        "chunks land in the transport's own buffers (pageable): it allocates \
-                         them itself"
-                    );
-                    Ok(None)
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::agent::EnginePool;
-    use crate::layout::{KvLayout, ModelSpec};
-    use crate::pool::HostPool;
-    use futures_util::future::BoxFuture;
-
-    /// A receiver that takes the agent's buffers, or not.
-    struct Takes(bool);
-
-    impl transport::DataReceiver for Takes {
-        fn recv(&mut self) -> BoxFuture<'_, Result<(Bytes, Bytes), transport::TransportError>> {
-            unreachable!("nothing is received here")
-        }
-        fn receive_into(&mut self, _: Arc<dyn transport::RecvBuffers>) -> bool {
-            self.0
-        }
-    }
-
-    #[test]
-    fn a_host_pool_lands_chunks_in_reused_buffers_where_the_transport_takes_them() {
-        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
-        let pool =
-            AgentPool::new(EnginePool::Host(HostPool::anonymous(layout, 4).unwrap()), 1).unwrap();
-        let slots = land_where_staged(&pool, &mut Takes(true)).unwrap();
-        let slots = slots.expect("UCX lands a host pool's chunks in the agent's buffers");
-        assert_eq!(slots.pinned_bytes(), 0, "host buffers are not pinned");
-        assert!(
-            land_where_staged(&pool, &mut Takes(false))
-                .unwrap()
-                .is_none()
-        );
     }
 }
