@@ -15,6 +15,8 @@
 //! ([`land_where_staged`]).
 
 use super::*;
+use crate::agent::Staging;
+use crate::agent::staging::SlotPool;
 use crate::protocol::Placed;
 use crate::transport::Payload;
 
@@ -476,29 +478,29 @@ impl Inner {
 }
 
 /// Where the receiver lands chunks, by the pool's staging: a device pool's in device staging
-/// ([`crate::agent::Staging::Device`]) or in pinned host buffers ([`crate::agent::Staging::PinnedHost`],
-/// pinned once each like the prefill's chunk buffers, so that the H2D copy runs at the bus's
-/// speed), a host pool's in host buffers reused from chunk to chunk, so that no receive writes
-/// into freshly mapped memory (a UCX copy into new pages ran at a third of its speed), where
-/// the transport receives into buffers of the agent's (UCX; libzmq allocates every message
-/// itself, and those stay pageable). A device pool's choice is logged.
+/// ([`Staging::Device`]) or in pinned host buffers ([`Staging::PinnedHost`], pinned once each
+/// like the prefill's chunk buffers, so that the H2D copy runs at the bus's speed), a host
+/// pool's in host buffers reused from chunk to chunk, so that no receive writes into freshly
+/// mapped memory (a UCX copy into new pages ran at a third of its speed), where the transport
+/// receives into buffers of the agent's (UCX; libzmq allocates every message itself, and
+/// those stay pageable). A device pool's choice is logged.
 pub(super) fn land_where_staged(
     pool: &AgentPool,
     receiver: &mut dyn transport::DataReceiver,
-) -> Result<Option<Arc<crate::agent::staging::SlotPool>>, crate::agent::AgentError> {
+) -> Result<Option<Arc<SlotPool>>, crate::agent::AgentError> {
     match pool.staging() {
-        crate::agent::Staging::Host => {
+        Staging::Host => {
             let slots = Arc::new(pool.slots());
             Ok(receiver.receive_into(slots.clone()).then_some(slots))
         }
-        crate::agent::Staging::Device => {
+        Staging::Device => {
             if let Some(sink) = pool.device_sink() {
                 receiver.land_on_device(sink)?;
                 tracing::info!(receive_buffers = "device", "chunks land in device staging");
             }
             Ok(None)
         }
-        crate::agent::Staging::PinnedHost => {
+        Staging::PinnedHost => {
             let slots = Arc::new(pool.slots());
             match receiver.receive_into(slots.clone()) {
                 true => {
