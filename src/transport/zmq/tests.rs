@@ -19,6 +19,23 @@ fn options(token: Option<&str>) -> ControlOptions {
     }
 }
 
+/// Connects to `endpoint` with `token`, waiting at most `wait`; asserts the connect is refused
+/// as unauthorized with a message that contains `says`, and prints how long it took.
+async fn refused(endpoint: &str, wait: Duration, token: Option<&str>, says: &str) {
+    let started = Instant::now();
+    let e = ControlClient::connect(endpoint, wait, &options(token), Bytes::new())
+        .await
+        .err()
+        .expect("refused");
+    println!("{token:?}: {e} after {:?}", started.elapsed());
+    assert_eq!(
+        e.kind,
+        crate::transport::TransportErrorKind::Unauthorized,
+        "{e}"
+    );
+    assert!(e.message.contains(says), "{e}");
+}
+
 async fn next_frame(server: &mut ControlServer) -> (PeerId, Bytes) {
     match tokio::time::timeout(WAIT, server.recv()).await {
         Ok(Some(ControlEvent::Frame(peer, frame))) => (peer, frame),
@@ -69,18 +86,7 @@ async fn a_wrong_or_missing_token_fails_the_handshake_as_unauthorized() {
         (Some("wrong"), "refused this agent's token"),
         (None, "another security mechanism"),
     ] {
-        let started = Instant::now();
-        let e = ControlClient::connect(&endpoint, WAIT, &options(token), Bytes::new())
-            .await
-            .err()
-            .expect("refused");
-        println!("{token:?}: {e} after {:?}", started.elapsed());
-        assert_eq!(
-            e.kind,
-            crate::transport::TransportErrorKind::Unauthorized,
-            "{e}"
-        );
-        assert!(e.message.contains(says), "{e}");
+        refused(&endpoint, WAIT, token, says).await;
     }
 }
 
@@ -98,23 +104,13 @@ async fn a_peer_closing_every_connection_in_the_handshake_is_a_refusal_not_a_tim
             let _ = s.read_exact(&mut greeting);
         }
     });
-    let started = Instant::now();
-    let e = ControlClient::connect(
+    refused(
         &endpoint,
         Duration::from_secs(60),
-        &options(None),
-        Bytes::new(),
+        None,
+        "closed 3 connections",
     )
-    .await
-    .err()
-    .expect("refused");
-    println!("{e} after {:?}", started.elapsed());
-    assert_eq!(
-        e.kind,
-        crate::transport::TransportErrorKind::Unauthorized,
-        "{e}"
-    );
-    assert!(e.message.contains("closed 3 connections"), "{e}");
+    .await;
 }
 
 /// A raw TCP peer: a ZMTP 3.0 greeting (NULL mechanism, as client), then `rest`.
