@@ -9,53 +9,12 @@
 
 mod common;
 
+use common::rogue::{answers, hello};
 use common::{AgentOpts, release_binary, runtime};
 use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
-use kvferry::layout::{KvLayout, ModelSpec, PageOrder};
 use kvferry::memory::RemoteMemory;
-use kvferry::protocol::{Hello, Message, Ranks, Role, WireLayout};
+use kvferry::protocol::Message;
 use kvferry::transport::ucx::{UcxConfig, UcxWorker};
-use uuid::Uuid;
-
-fn tiny_layout() -> WireLayout {
-    let l = KvLayout::new(ModelSpec::preset("tiny").expect("tiny"), 16).expect("layout");
-    WireLayout {
-        kind: l.model.kind,
-        dtype: l.model.dtype,
-        order: PageOrder::TokenMajor,
-        num_layers: l.model.num_layers as u32,
-        num_kv_heads: l.model.num_kv_heads as u32,
-        head_dim: l.model.head_dim as u32,
-        page_size: 16,
-        heads: 0..l.model.num_kv_heads as u32,
-        layers: 0..l.model.num_layers as u32,
-    }
-}
-
-fn hello(data_endpoint: String, pool: Option<RemoteMemory>) -> Message {
-    Message::Hello(Hello {
-        min_version: kvferry::protocol::MIN_VERSION,
-        max_version: kvferry::protocol::VERSION,
-        instance: Uuid::new_v4(),
-        role: Role::Decode,
-        ranks: Ranks {
-            dp_rank: 0,
-            dp_size: 1,
-            tp_rank: 0,
-            tp_size: 1,
-            pp_rank: 0,
-            pp_size: 1,
-        },
-        layout: tiny_layout(),
-        data_endpoint,
-        token: String::new(),
-        slots: 4,
-        slot_bytes: 1 << 20,
-        pool,
-        revocable_runs: false,
-        chunk_key: kvferry::protocol::Secret::default(),
-    })
-}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -138,17 +97,11 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
                 "bad_message",
             ),
         ];
-        let ctx = zmq::Context::new();
-        let socket = ctx.socket(zmq::DEALER).expect("a DEALER");
-        socket.set_linger(0).expect("linger");
-        socket.connect(&control).expect("connect");
-        for (what, message, code) in cases {
-            socket.send(message.encode(), 0).expect("send");
-            let ready = socket.poll(zmq::POLLIN, 20_000).expect("poll");
-            assert_eq!(ready, 1, "{what}: an answer within 20 s");
-            let frame = socket.recv_bytes(0).expect("recv");
-            match Message::decode(&frame) {
-                Ok(Message::Error(e)) => {
+        let (whats, messages): (Vec<_>, Vec<_>) =
+            cases.into_iter().map(|(w, m, c)| ((w, c), m)).unzip();
+        for ((what, code), answer) in whats.into_iter().zip(answers(&control, messages)) {
+            match answer {
+                Message::Error(e) => {
                     assert_eq!(e.code.to_string(), code, "{what}: {}", e.message);
                     println!("[ucx-malformed] {what}: {} {}", e.code, e.message);
                 }

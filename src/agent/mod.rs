@@ -59,10 +59,11 @@ pub enum AgentError {
 pub use pool::EnginePool;
 pub use staging::{Staging, StagingChoice, StagingError};
 
-/// Opens the agent's pool: its own anonymous memory, the engine's shared-memory pool, or
-/// another process's device memory by CUDA IPC handle or VMM shareable handles (which needs the
-/// CUDA driver, the device and NVRTC; the error says which is missing).
-pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<EnginePool, AgentError> {
+/// Opens the agent's pool: its own anonymous memory (a memory file when `shareable`:
+/// [`HostPool::shareable`](crate::pool::HostPool::shareable)), the engine's shared-memory pool,
+/// or another process's device memory by CUDA IPC handle or VMM shareable handles (which needs
+/// the CUDA driver, the device and NVRTC; the error says which is missing).
+pub(crate) fn open_pool(cfg: &AgentConfig, shareable: bool) -> Result<EnginePool, AgentError> {
     use crate::kernel::cuda::{CudaKernel, DevicePool};
     use crate::pool::{HostPool, PoolDescriptor, PoolError};
     let (layout, pages) = (cfg.layout.clone(), cfg.pool_pages);
@@ -73,6 +74,9 @@ pub(crate) fn open_pool(cfg: &AgentConfig) -> Result<EnginePool, AgentError> {
         PoolDescriptor::CudaVmm { device, socket } => CudaKernel::shared(*device as usize)
             .map_err(Into::into)
             .and_then(|k| DevicePool::import_vmm(&k, layout, pages, socket, cfg.timeouts.connect)),
+        PoolDescriptor::Anonymous if shareable => {
+            return Ok(EnginePool::Host(HostPool::shareable(layout, pages)?));
+        }
         _ => return Ok(EnginePool::Host(HostPool::open(&cfg.pool, layout, pages)?)),
     };
     opened.map(EnginePool::Device).map_err(|e| {
@@ -273,12 +277,14 @@ pub struct AgentConfig {
 
 /// When a segment goes by the direct path, with no gather and no scatter: the prefill's pool
 /// runs go straight into the decode's pages, by one-sided writes or by placed sends
-/// ([`DirectMethod`]), instead of through staging. Needs a transport that has them (`ucx`) on
+/// ([`DirectMethod`]), instead of through staging. Needs a transport that has them (`ucx`;
+/// `zmq-ipc`, whose writes are the prefill's copies into the decode's pool file, mapped) on
 /// both sides; the decode exposes its pool unless `never`, the prefill decides per segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DirectWrites {
     /// One-sided writes where the transport reports them fast and safe (native RDMA writes
-    /// on a supervised endpoint; not UCX 1.13's tcp or shared-memory emulations), else placed
+    /// on a supervised endpoint, `zmq-ipc`'s mapped copies; not UCX 1.13's tcp or
+    /// shared-memory emulations), else placed
     /// sends where the transport has them; and only when the piece's runs are long (layouts
     /// match).
     #[default]
@@ -616,6 +622,7 @@ mod tests {
             placed,
             fast,
             eager,
+            copied: false,
         };
         let (w, p) = (Some(DirectMethod::Write), Some(DirectMethod::Place));
         // (flag, native writes, placeable, eager runs, decode revokes) -> method

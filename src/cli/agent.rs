@@ -181,8 +181,9 @@ pub struct AgentArgs {
     /// its checksum; a direct chunk gets a wrong checksum instead).
     #[arg(long, env = "KVFERRY_FAULT_CORRUPT_CHUNK", hide = true)]
     pub fault_corrupt_chunk: Option<u64>,
-    /// Direct path (one-sided writes of pool pages into the decode pool; `ucx` only): `auto`
-    /// where the transport's writes are fast and the layouts line up, `always`, or `never`.
+    /// Direct path (pool pages straight into the decode pool; `ucx`, and `zmq-ipc` by mapping
+    /// the decode's pool): `auto` where the transport's writes are fast and safe and the runs
+    /// pay, `always`, or `never`.
     #[arg(long, env = "KVFERRY_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
     pub direct_writes: DirectWrites,
     /// Where a device pool's chunks wait for the transport: `auto` stages in device memory

@@ -99,7 +99,10 @@ pub const STAGES: [(&str, &str); 9] = [
         "ready_to_start",
         "ready -> the first piece's send starts (negative when layer-wise pieces went first)",
     ),
-    ("gather", "-> first chunk gathered (credit and gather)"),
+    (
+        "gather",
+        "-> first chunk gathered (credit and gather; one-sided writes: the writes)",
+    ),
     ("post", "-> first chunk framed and handed to the transport"),
     ("wire", "-> first chunk arrives at the decode"),
     ("land", "-> first chunk in the decode pool"),

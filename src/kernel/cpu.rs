@@ -166,6 +166,51 @@ impl CpuKernel {
         Ok(hasher.digest())
     }
 
+    /// Copies every run from `src` into the `dst_len` bytes at `dst`, another pool's memory
+    /// mapped into this process (`transport/mapped.rs`), with streaming stores: that pool is
+    /// cold. Every run is checked against both sides before a byte moves.
+    ///
+    /// # Safety
+    /// `dst..dst + dst_len` must stay mapped and writable for the call, and must not overlap
+    /// `src`'s memory.
+    pub unsafe fn write_runs(
+        &self,
+        src: &HostPool,
+        runs: &[WriteRun],
+        dst: *mut u8,
+        dst_len: usize,
+    ) -> Result<(), KernelError> {
+        let outside = |side, offset: u64, len: u64, size: usize| KernelError::RunOutside {
+            side,
+            offset,
+            len,
+            size,
+        };
+        let mut planned = Vec::with_capacity(runs.len());
+        for r in runs {
+            let (s, d, len) = (r.src as usize, r.dst as usize, r.len as usize);
+            if src.check(s, len).is_err() {
+                return Err(outside("source pool", r.src, r.len, src.size()));
+            }
+            if d.checked_add(len).is_none_or(|end| end > dst_len) {
+                return Err(outside("destination", r.dst, r.len, dst_len));
+            }
+            planned.push(Run {
+                pool: s,
+                staging: d,
+                len,
+            });
+        }
+        // SAFETY: every run lies inside the source pool and the destination (checked above);
+        // the caller guarantees the destination is writable and apart from the source.
+        unsafe {
+            self.copy(&planned, Ptr(src.base_ptr()), Ptr(dst), true, |r| {
+                (r.pool, r.staging)
+            })
+        };
+        Ok(())
+    }
+
     /// Copies every run from `src` to `dst`, with streaming stores when `stream` ([`streams`]);
     /// `ends` picks (source, destination) offsets.
     ///

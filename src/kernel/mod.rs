@@ -106,6 +106,18 @@ pub enum KernelError {
         /// Bytes of the run.
         len: u64,
     },
+    /// A run of a copy between pools that leaves one of them.
+    #[error("a run of {len} bytes at {offset} leaves the {side}'s {size} bytes")]
+    RunOutside {
+        /// Which memory: "source pool" or "destination".
+        side: &'static str,
+        /// Offset of the run there.
+        offset: u64,
+        /// Bytes of the run.
+        len: u64,
+        /// Bytes of that memory.
+        size: usize,
+    },
     /// A copy between memory the pool does not have (device staging of a host pool, a
     /// device payload that is not this pool's staging).
     #[error("unsupported: {0}")]

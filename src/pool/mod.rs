@@ -272,6 +272,8 @@ pub struct HostPool {
     descriptor: PoolDescriptor,
     /// Unlink the shared-memory file on drop (this process created it).
     unlink_on_drop: bool,
+    /// The file the pool's memory is, when it is one (a shared-memory or memory file).
+    file: Option<File>,
     mem: Memory,
     /// Offset of each region from the base, when they are not back to back (engine memory).
     starts: Vec<usize>,
@@ -313,6 +315,24 @@ impl HostPool {
         ))
     }
 
+    /// A pool in a new memory file of this process (`memfd_create`), zero-filled and faulted
+    /// in: anonymous, but a file another process on this host can be handed
+    /// ([`HostPool::memory_file`]) to map the same pages. Shared memory has no transparent huge
+    /// pages unless the host enables them for it (`shmem_enabled`).
+    pub fn shareable(layout: KvLayout, num_pages: usize) -> Result<Self, PoolError> {
+        let size = checked_size(&layout, num_pages)?;
+        let what = "memory file";
+        let fd = rustix::fs::memfd_create("kvferry-pool", rustix::fs::MemfdFlags::CLOEXEC)
+            .map_err(|errno| io_err("create", what, errno.into()))?;
+        let file = File::from(fd);
+        rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size as u64)
+            .map_err(|errno| io_err("reserve", what, errno.into()))?;
+        let mut pool = Self::map_file(&file, Path::new(what), layout, num_pages, size)?;
+        pool.descriptor = PoolDescriptor::Anonymous;
+        pool.file = Some(file);
+        Ok(pool)
+    }
+
     /// Creates a pool in a new shared-memory file at `path`, reserving all of its bytes now.
     /// The file is unlinked when this pool drops.
     pub fn create_shm(
@@ -337,6 +357,7 @@ impl HostPool {
         }
         let mut pool = Self::map_file(&file, path, layout, num_pages, size)?;
         pool.unlink_on_drop = true;
+        pool.file = Some(file);
         Ok(pool)
     }
 
@@ -366,7 +387,9 @@ impl HostPool {
                 pages: num_pages,
             });
         }
-        Self::map_file(&file, path, layout, num_pages, size)
+        let mut pool = Self::map_file(&file, path, layout, num_pages, size)?;
+        pool.file = Some(file);
+        Ok(pool)
     }
 
     /// Opens the pool a descriptor names (a new anonymous pool for `anon`).
@@ -426,6 +449,7 @@ impl HostPool {
             num_pages,
             descriptor,
             unlink_on_drop: false,
+            file: None,
             mem: Memory::Mapped(mem),
             starts: Vec::new(),
             ranges: vec![(0, size)],
@@ -455,6 +479,7 @@ impl HostPool {
             num_pages,
             descriptor: PoolDescriptor::Engine,
             unlink_on_drop: false,
+            file: None,
             mem: Memory::Engine {
                 base: low as *mut u8,
                 span: high - low,
@@ -462,6 +487,12 @@ impl HostPool {
             starts,
             ranges,
         })
+    }
+
+    /// The file the pool's memory is (a shared-memory pool, or a [`HostPool::shareable`] one),
+    /// which another process may map; `None` for anonymous or engine memory.
+    pub fn memory_file(&self) -> Option<&File> {
+        self.file.as_ref()
     }
 
     /// The layout of this pool.
@@ -530,7 +561,7 @@ impl HostPool {
     }
 
     /// Refuses a range that is not inside one range of the pool's memory.
-    fn check(&self, offset: usize, len: usize) -> Result<(), PoolError> {
+    pub(crate) fn check(&self, offset: usize, len: usize) -> Result<(), PoolError> {
         match within(&self.ranges, offset, len) {
             true => Ok(()),
             false => Err(PoolError::OutOfBounds {

@@ -13,6 +13,7 @@
 //! The trait is object-safe and small so that another transport (UCX) plugs in without
 //! touching the agents: pick it with [`for_kind`].
 
+pub mod mapped;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 pub mod zmq;
@@ -68,8 +69,8 @@ impl TransportError {
         }
     }
 
-    /// A [`TransportErrorKind::Malformed`] error (only UCX parses addresses and keys itself).
-    #[cfg(feature = "ucx")]
+    /// A [`TransportErrorKind::Malformed`] error (an address or key the transport parses
+    /// itself: UCX's, a mapped pool's).
     pub(crate) fn malformed(op: &'static str, endpoint: &str, message: impl fmt::Display) -> Self {
         TransportError {
             kind: TransportErrorKind::Malformed,
@@ -167,6 +168,10 @@ pub struct WritePath {
     /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
     /// sender can wedge (docs/benchmarks.md, `ucx/data.rs`).
     pub fast: bool,
+    /// Whether the writes are the sender's own copies into the receiver's memory, mapped in its
+    /// address space (`zmq-ipc`, [`mapped`]): runs of any length cost what copying them costs,
+    /// so every run pays, where a run that is a message or a remote write pays only when long.
+    pub copied: bool,
 }
 
 /// Whether a transport sends device memory (CUDA) and receives into it, as found at run time.

@@ -9,6 +9,7 @@
 
 pub mod netns;
 pub mod reference;
+pub mod rogue;
 pub mod shm_engine;
 
 use std::future::Future;

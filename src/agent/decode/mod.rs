@@ -81,7 +81,11 @@ impl DecodeAgent {
         cfg: AgentConfig,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
-        let pool = super::open_pool(&cfg)?;
+        // Over zmq-ipc the agent's own pool is a memory file, so that same-host prefills can
+        // write into it directly (`transport/mapped.rs`).
+        let shareable = cfg.transport == transport::TransportKind::ZmqIpc
+            && cfg.direct_writes != super::DirectWrites::Never;
+        let pool = super::open_pool(&cfg, shareable)?;
         Self::start_with_pool(cfg, pool, shutdown).await
     }
 

@@ -81,7 +81,7 @@ impl PrefillAgent {
         cfg: AgentConfig,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
-        let pool = super::open_pool(&cfg)?;
+        let pool = super::open_pool(&cfg, false)?;
         Self::start_with_pool(cfg, pool, shutdown).await
     }
 

@@ -553,7 +553,7 @@ impl Inner {
             .cfg
             .placed_min_run_bytes
             .unwrap_or_else(|| crate::agent::placed_min_run(&target.path));
-        let method = target.method;
+        let (method, copied) = (target.method, target.path.copied);
         let planned = tokio::task::spawn_blocking(move || {
             let src = Selection {
                 pages: &src_pages,
@@ -580,7 +580,11 @@ impl Inner {
                 },
                 wire,
             )?;
-            let block = layout.block_bytes()? as u64;
+            // Runs this process copies itself pay at any length (`WritePath::copied`).
+            let block = match copied {
+                true => 1,
+                false => layout.block_bytes()? as u64,
+            };
             if judge && !runs_pay(method, &runs, block, shortest_placed) {
                 return Ok(None);
             }
@@ -660,6 +664,10 @@ impl Inner {
                         .await?;
                     if job.cancel.is_cancelled() {
                         return Ok(());
+                    }
+                    // The writes are this path's gather: the chunk's bytes left the pool.
+                    if *chunks == 0 {
+                        self.mark_first(job.room, "first_gathered");
                     }
                     Payload::Direct(len as usize)
                 }

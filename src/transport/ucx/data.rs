@@ -582,6 +582,7 @@ impl DataSender for UcxSender {
             let via = rma_transports(&info);
             self.region = Some(region);
             Ok(Some(WritePath {
+                copied: false,
                 placed: placed_runs(eager(), &via),
                 eager: eager(),
                 fast: fast_writes(&via, supervised),

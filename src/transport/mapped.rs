@@ -1,0 +1,364 @@
+//! One-sided writes between processes of one host: the receiver hands its pool's memory file
+//! to the sender, which maps it and copies runs into it with the CPU kernel. One copy of each
+//! byte, by the sender's CPU, whatever the runs' lengths: `zmq-ipc` moves the bulk of a room
+//! this way when the decode's pool is a memory file (docs/architecture.md, "Transports").
+//!
+//! The handshake:
+//! - the receiver ([`serve`]) listens on an abstract Unix socket, `kvferry-pool-<random>`, which
+//!   only processes of its host and network namespace reach, and puts a fresh 16-byte secret
+//!   and the socket's name in the key of its [`RemoteMemory`] (Hello, sent only to the peers
+//!   it asks for rooms): `key = secret ++ name`;
+//! - a sender ([`attach`]) connects and sends the secret; the receiver answers with one
+//!   16-byte message, the pool's size and a zero, with the file's descriptor attached
+//!   (`fd_passing`), or closes the connection if the secret is wrong;
+//! - the sender checks that the file holds exactly the announced bytes and maps it shared.
+//!
+//! A connection that sends nothing is dropped after [`HANDSHAKE_TIMEOUT`], and at most
+//! [`MAX_HANDSHAKES`] are served at once. Which pages a sender may write when is the agents'
+//! business: a decode counts a prefill with writes a writer of each room until its last word
+//! on it, as for RDMA (`agent/decode/mod.rs`).
+#![allow(unsafe_code)]
+
+use std::io::Write as _;
+use std::os::fd::AsRawFd as _;
+use std::os::linux::net::SocketAddrExt as _;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use super::{TransportError, WritePath};
+use crate::kernel::cpu::CpuKernel;
+use crate::memory::{RemoteMemory, WriteRun};
+use crate::pool::HostPool;
+use crate::protocol::{Secret, constant_time_eq};
+
+/// What every socket name starts with; a key naming another socket is refused.
+const NAME_PREFIX: &[u8] = b"kvferry-pool-";
+
+/// How long a connection may take to send its secret.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Handshakes served at once; more connections are closed at once.
+pub const MAX_HANDSHAKES: usize = 16;
+
+/// How writes travel: the sender's own copies ([`WritePath::copied`]).
+pub fn write_path() -> WritePath {
+    WritePath {
+        via: "mapped".to_owned(),
+        placed: false,
+        eager: false,
+        fast: true,
+        copied: true,
+    }
+}
+
+/// Serves `pool`'s memory file to senders until the returned guard drops; `None` when the
+/// pool is not a file (anonymous or engine memory).
+pub async fn serve(
+    pool: &HostPool,
+) -> Result<Option<(RemoteMemory, tokio_util::task::AbortOnDropHandle<()>)>, TransportError> {
+    let Some(file) = pool.memory_file() else {
+        return Ok(None);
+    };
+    let fail = |op, e: std::io::Error| TransportError::new(op, "pool socket", e);
+    let file = Arc::new(file.try_clone().map_err(|e| fail("serve", e))?);
+    let mut name = NAME_PREFIX.to_vec();
+    name.extend_from_slice(uuid::Uuid::new_v4().simple().to_string().as_bytes());
+    let addr = SocketAddr::from_abstract_name(&name).map_err(|e| fail("bind", e))?;
+    let listener = UnixListener::bind_addr(&addr).map_err(|e| fail("bind", e))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| fail("bind", e))?;
+    let listener = tokio::net::UnixListener::from_std(listener).map_err(|e| fail("bind", e))?;
+    let secret = Secret::random().map_err(|e| fail("serve", std::io::Error::other(e)))?;
+    let size = pool.size() as u64;
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                tracing::warn!("pool socket: too many handshakes at once; connection closed");
+                continue;
+            };
+            let file = file.clone();
+            tokio::spawn(async move {
+                if let Err(e) = hand_over(stream, secret, size, &file).await {
+                    tracing::warn!(error = %e, "pool socket: handshake refused");
+                }
+                drop(slot);
+            });
+        }
+    });
+    let mut key = secret.as_bytes().to_vec();
+    key.extend_from_slice(&name);
+    let memory = RemoteMemory { base: 0, size, key };
+    Ok(Some((
+        memory,
+        tokio_util::task::AbortOnDropHandle::new(task),
+    )))
+}
+
+/// One connection: the secret in, the file out.
+async fn hand_over(
+    mut stream: tokio::net::UnixStream,
+    secret: Secret,
+    size: u64,
+    file: &std::fs::File,
+) -> std::io::Result<()> {
+    use tokio::io::AsyncReadExt as _;
+    let mut got = [0u8; 16];
+    tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.read_exact(&mut got))
+        .await
+        .map_err(|_| std::io::Error::other("no secret in time"))??;
+    if !constant_time_eq(&got, secret.as_bytes()) {
+        return Err(std::io::Error::other("wrong secret"));
+    }
+    let stream = stream.into_std()?;
+    stream.set_nonblocking(false)?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let mut header = [0u8; 16];
+    header[..8].copy_from_slice(&size.to_le_bytes());
+    crate::fd_passing::send(&stream, &header, Some(file.as_raw_fd()))
+}
+
+/// A receiver's pool mapped into this process.
+#[derive(Debug)]
+pub struct MappedPool {
+    map: MmapRaw,
+    kernel: CpuKernel,
+}
+
+/// Maps the pool `memory` names (blocking: run it off the reactor). A key of another form is
+/// [`super::TransportErrorKind::Malformed`].
+pub fn attach(memory: &RemoteMemory, endpoint: &str) -> Result<MappedPool, TransportError> {
+    let (secret, name) =
+        parse_key(memory).map_err(|m| TransportError::malformed("attach", endpoint, m))?;
+    let fail = |m: String| TransportError::new("attach", endpoint, m);
+    let addr = SocketAddr::from_abstract_name(name).map_err(|e| fail(e.to_string()))?;
+    let mut stream = UnixStream::connect_addr(&addr)
+        .map_err(|e| fail(format!("the decode's pool socket: {e} (not on this host?)")))?;
+    let handshake = stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
+        .and_then(|()| stream.write_all(secret))
+        .and_then(|()| crate::fd_passing::receive(&stream));
+    use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+    let (header, fd) = handshake.map_err(|e| match e.kind() {
+        UnexpectedEof | ConnectionReset | BrokenPipe => fail(
+            "the decode closed its pool socket: a wrong secret, or too many handshakes at once"
+                .to_owned(),
+        ),
+        _ => fail(format!("the decode's pool socket: {e}")),
+    })?;
+    let size = u64::from_le_bytes(header[..8].try_into().unwrap_or_default());
+    let Some(fd) = fd else {
+        return Err(fail("the decode sent no pool file".to_owned()));
+    };
+    let file = std::fs::File::from(fd);
+    let actual = file.metadata().map_err(|e| fail(e.to_string()))?.len();
+    if size != memory.size || actual != memory.size {
+        return Err(fail(format!(
+            "the pool file holds {actual} bytes ({size} said on its socket), the Hello {}",
+            memory.size
+        )));
+    }
+    let len = usize::try_from(size).map_err(|e| fail(e.to_string()))?;
+    let map = MmapOptions::new()
+        .len(len)
+        .populate()
+        .map_raw(&file)
+        .map_err(|e| fail(format!("mapping the decode's pool: {e}")))?;
+    Ok(MappedPool {
+        map,
+        kernel: CpuKernel::default(),
+    })
+}
+
+/// Refuses a key `serve` could not have made ([`super::TransportErrorKind::Malformed`]).
+pub fn check_key(memory: &RemoteMemory) -> Result<(), TransportError> {
+    parse_key(memory)
+        .map(|_| ())
+        .map_err(|m| TransportError::malformed("hello", "pool key", m))
+}
+
+/// The secret and socket name of a key `serve` made.
+fn parse_key(memory: &RemoteMemory) -> Result<(&[u8], &[u8]), String> {
+    let key = &memory.key;
+    match (key.get(..16), key.get(16..)) {
+        (Some(secret), Some(name)) if name.starts_with(NAME_PREFIX) && name.len() <= 100 => {
+            Ok((secret, name))
+        }
+        _ => Err(format!(
+            "a key of {} bytes is not a secret and a pool socket name",
+            key.len()
+        )),
+    }
+}
+
+impl MappedPool {
+    /// Copies every run of `source` into the mapped pool (blocking); the stores are fenced
+    /// when it returns.
+    pub fn write(&self, source: &HostPool, runs: &[WriteRun]) -> Result<(), String> {
+        // SAFETY: the mapping is this value's and lives through the call; it is another
+        // process's pool file, never `source`'s memory (a receiver serves its own pool, and a
+        // sender maps only the pool of the receiver it connected to).
+        unsafe {
+            self.kernel
+                .write_runs(source, runs, self.map.as_mut_ptr(), self.map.len())
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{KvLayout, ModelSpec};
+
+    fn pool(shareable: bool) -> HostPool {
+        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        match shareable {
+            true => HostPool::shareable(layout, 8).unwrap(),
+            false => HostPool::anonymous(layout, 8).unwrap(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_sender_with_the_secret_writes_into_the_receivers_pool_and_nowhere_else() {
+        let (dst, src) = (pool(true), pool(false));
+        dst.fill(0xDE);
+        let bytes: Vec<u8> = (0..src.size()).map(|i| (i * 7 + 3) as u8).collect();
+        src.write(0, &bytes).unwrap();
+        let (memory, _serving) = serve(&dst).await.unwrap().expect("a memory file");
+        assert_eq!(memory.size, dst.size() as u64);
+        let mapped = tokio::task::spawn_blocking({
+            let memory = memory.clone();
+            move || attach(&memory, "test")
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        let runs = [
+            WriteRun {
+                src: 0,
+                dst: 4096,
+                len: 1000,
+            },
+            WriteRun {
+                src: 5000,
+                dst: 100,
+                len: 300,
+            },
+        ];
+        mapped.write(&src, &runs).unwrap();
+        let landed = dst.read(0, dst.size()).unwrap();
+        let mut want = vec![0xDE; dst.size()];
+        for r in runs {
+            let (s, d, n) = (r.src as usize, r.dst as usize, r.len as usize);
+            want[d..d + n].copy_from_slice(&bytes[s..s + n]);
+        }
+        assert!(landed == want, "every run landed, nothing else changed");
+        // Runs outside either side are refused before a byte moves.
+        let size = dst.size() as u64;
+        for bad in [
+            WriteRun {
+                src: 0,
+                dst: size - 10,
+                len: 11,
+            },
+            WriteRun {
+                src: size - 10,
+                dst: 0,
+                len: 11,
+            },
+            WriteRun {
+                src: 0,
+                dst: u64::MAX - 5,
+                len: 11,
+            },
+        ] {
+            let e = mapped
+                .write(
+                    &src,
+                    &[
+                        WriteRun {
+                            src: 0,
+                            dst: 0,
+                            len: 64,
+                        },
+                        bad,
+                    ],
+                )
+                .unwrap_err();
+            assert!(e.contains("leaves the"), "{e}");
+        }
+        assert_eq!(
+            dst.read(0, 64).unwrap(),
+            vec![0xDE; 64],
+            "the good run before a bad one did not move"
+        );
+    }
+
+    #[tokio::test]
+    async fn wrong_secrets_foreign_keys_and_silent_connections_get_no_pool() {
+        let dst = pool(true);
+        let (memory, _serving) = serve(&dst).await.unwrap().unwrap();
+        let attach_with =
+            |memory: RemoteMemory| tokio::task::spawn_blocking(move || attach(&memory, "test"));
+        // A wrong secret: the decode closes the connection, no descriptor.
+        let mut forged = memory.clone();
+        forged.key[0] ^= 1;
+        let e = attach_with(forged).await.unwrap().unwrap_err();
+        assert!(e.message.contains("a wrong secret"), "{e}");
+        // Keys that do not name a pool socket are malformed, not tried.
+        for key in [
+            vec![],
+            vec![0; 16],
+            [vec![0; 16], b"other-socket".to_vec()].concat(),
+        ] {
+            let e = attach_with(RemoteMemory {
+                key,
+                ..memory.clone()
+            })
+            .await
+            .unwrap()
+            .unwrap_err();
+            assert!(e.is_malformed(), "{e}");
+        }
+        // A socket nobody serves (another host, or a receiver gone).
+        let mut gone = memory.clone();
+        *gone.key.last_mut().unwrap() ^= 1;
+        let e = attach_with(gone).await.unwrap().unwrap_err();
+        assert!(e.message.contains("not on this host"), "{e}");
+        // A size other than the file's.
+        let e = attach_with(RemoteMemory {
+            size: memory.size + 4096,
+            ..memory.clone()
+        })
+        .await
+        .unwrap()
+        .unwrap_err();
+        assert!(e.message.contains("holds"), "{e}");
+        // Silent connections take every handshake slot: a sender is refused meanwhile (never
+        // left waiting), and gets the pool once they are gone.
+        let (_, name) = parse_key(&memory).unwrap();
+        let addr = SocketAddr::from_abstract_name(name).unwrap();
+        let silent: Vec<_> = (0..MAX_HANDSHAKES)
+            .map(|_| UnixStream::connect_addr(&addr).unwrap())
+            .collect();
+        let e = attach_with(memory.clone()).await.unwrap().unwrap_err();
+        assert!(e.message.contains("too many handshakes"), "{e}");
+        drop(silent);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while let Err(e) = attach_with(memory.clone()).await.unwrap() {
+            assert!(std::time::Instant::now() < deadline, "still refused: {e}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // An anonymous pool is not a file: nothing to serve.
+        assert!(serve(&pool(false)).await.unwrap().is_none());
+    }
+}
