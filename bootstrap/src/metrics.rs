@@ -1,140 +1,127 @@
-//! The registry's Prometheus metrics: the counters that live outside the registry state
-//! (lookups, rejections) and the text exposition of all of them for `GET /metrics`.
+//! The registry's Prometheus metrics, on the `prometheus-client` library: the counters that
+//! live outside the registry state (lookups, rejections) and, at each scrape, the registry
+//! state's figures, as OpenMetrics text for `GET /metrics`.
 //!
-//! Every family is always exposed with `# HELP` and `# TYPE`, and every label value of a
-//! closed set is always present (0 until it happens), so dashboards and `promtool check
-//! metrics` see a stable shape.
+//! Every label value of a closed set is always present (0 until it happens), so dashboards and
+//! metrics parsers see a stable shape.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 use crate::error::RejectReason;
 use crate::registry::RegistryStats;
 
+/// The content type of the text [`Metrics::render`] makes.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Result {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Role {
+    role: &'static str,
+}
+
 /// Counters updated lock-free by the request handlers.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
-    lookups_complete: AtomicU64,
-    lookups_incomplete: AtomicU64,
-    rejected: [AtomicU64; RejectReason::ALL.len()],
+    lookups: Family<Result, Counter>,
+    rejected: Family<Reason, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let lookups = Family::default();
+        for result in ["complete", "incomplete"] {
+            let _ = lookups.get_or_create(&Result { result });
+        }
+        let rejected = Family::default();
+        for r in RejectReason::ALL {
+            let _ = rejected.get_or_create(&Reason { reason: r.as_str() });
+        }
+        Metrics { lookups, rejected }
+    }
 }
 
 impl Metrics {
     /// Counts one prefill lookup; `complete` is false when it answered 503.
     pub fn lookup(&self, complete: bool) {
-        let counter = if complete {
-            &self.lookups_complete
-        } else {
-            &self.lookups_incomplete
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        let result = if complete { "complete" } else { "incomplete" };
+        self.lookups.get_or_create(&Result { result }).inc();
     }
 
     /// Counts one rejected request.
     pub fn reject(&self, reason: RejectReason) {
-        if let Some(i) = RejectReason::ALL.iter().position(|r| *r == reason) {
-            self.rejected[i].fetch_add(1, Ordering::Relaxed);
-        }
+        self.rejected
+            .get_or_create(&Reason {
+                reason: reason.as_str(),
+            })
+            .inc();
     }
 
-    /// The Prometheus text exposition (format 0.0.4) of these counters and `stats`.
+    /// The OpenMetrics text ([`CONTENT_TYPE`]) of these counters and `stats`.
     pub fn render(&self, stats: &RegistryStats) -> String {
-        let mut out = String::with_capacity(2048);
-        family(
-            &mut out,
-            "kvferry_bootstrap_ranks",
-            "gauge",
-            "Live registrations (lease not expired), by role.",
-        );
-        sample(
-            &mut out,
-            "kvferry_bootstrap_ranks",
-            r#"role="prefill""#,
-            stats.prefill_ranks,
-        );
-        sample(
-            &mut out,
-            "kvferry_bootstrap_ranks",
-            r#"role="decode""#,
-            stats.decode_ranks,
-        );
-        family(
-            &mut out,
-            "kvferry_bootstrap_groups",
-            "gauge",
-            "Prefill DP groups with at least one live rank.",
-        );
-        sample(&mut out, "kvferry_bootstrap_groups", "", stats.groups);
-        family(
-            &mut out,
-            "kvferry_bootstrap_registrations_total",
-            "counter",
-            "Accepted registrations (new, or the same instance refreshing).",
-        );
-        sample(
-            &mut out,
-            "kvferry_bootstrap_registrations_total",
-            "",
-            stats.registrations_total,
-        );
-        family(
-            &mut out,
-            "kvferry_bootstrap_lookups_total",
-            "counter",
-            "Prefill group lookups, by whether the group was complete.",
-        );
-        for (label, counter) in [
-            (r#"result="complete""#, &self.lookups_complete),
-            (r#"result="incomplete""#, &self.lookups_incomplete),
+        let mut r = Registry::with_prefix("kvferry_bootstrap");
+        let ranks = Family::<Role, Gauge>::default();
+        for (role, n) in [
+            ("prefill", stats.prefill_ranks),
+            ("decode", stats.decode_ranks),
         ] {
-            sample(
-                &mut out,
-                "kvferry_bootstrap_lookups_total",
-                label,
-                counter.load(Ordering::Relaxed),
-            );
+            ranks.get_or_create(&Role { role }).set(n as i64);
         }
-        family(
-            &mut out,
-            "kvferry_bootstrap_lease_expiries_total",
-            "counter",
-            "Registrations dropped because their lease was not renewed in time.",
+        r.register(
+            "ranks",
+            "Live registrations (lease not expired), by role",
+            ranks,
         );
-        sample(
-            &mut out,
-            "kvferry_bootstrap_lease_expiries_total",
-            "",
-            stats.lease_expiries_total,
+        let groups = Gauge::<i64>::default();
+        groups.set(stats.groups as i64);
+        r.register(
+            "groups",
+            "Prefill DP groups with at least one live rank",
+            groups,
         );
-        family(
-            &mut out,
-            "kvferry_bootstrap_rejected_requests_total",
-            "counter",
-            "Requests answered with a 4xx, by reason.",
+        // The registry state counts these; a counter made for the scrape carries its figure.
+        let counted = |n: u64| {
+            let c = Counter::<u64>::default();
+            c.inc_by(n);
+            c
+        };
+        r.register(
+            "registrations",
+            "Accepted registrations (new, or the same instance refreshing)",
+            counted(stats.registrations_total),
         );
-        for (reason, counter) in RejectReason::ALL.iter().zip(&self.rejected) {
-            sample(
-                &mut out,
-                "kvferry_bootstrap_rejected_requests_total",
-                &format!(r#"reason="{}""#, reason.as_str()),
-                counter.load(Ordering::Relaxed),
-            );
-        }
+        r.register(
+            "lookups",
+            "Prefill group lookups, by whether the group was complete",
+            self.lookups.clone(),
+        );
+        r.register(
+            "lease_expiries",
+            "Registrations dropped because their lease was not renewed in time",
+            counted(stats.lease_expiries_total),
+        );
+        r.register(
+            "rejected_requests",
+            "Requests answered with a 4xx, by reason",
+            self.rejected.clone(),
+        );
+        let mut out = String::with_capacity(2048);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &r);
         out
     }
-}
-
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    // Writing to a String cannot fail.
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-}
-
-fn sample(out: &mut String, name: &str, labels: &str, value: u64) {
-    let _ = if labels.is_empty() {
-        writeln!(out, "{name} {value}")
-    } else {
-        writeln!(out, "{name}{{{labels}}} {value}")
-    };
 }
 
 #[cfg(test)]
@@ -159,13 +146,15 @@ mod tests {
             "# TYPE kvferry_bootstrap_ranks gauge",
             "kvferry_bootstrap_ranks{role=\"prefill\"} 3",
             "kvferry_bootstrap_ranks{role=\"decode\"} 1",
-            "# TYPE kvferry_bootstrap_registrations_total counter",
+            "kvferry_bootstrap_groups 1",
+            "# TYPE kvferry_bootstrap_registrations counter",
             "kvferry_bootstrap_registrations_total 5",
             "kvferry_bootstrap_lookups_total{result=\"complete\"} 1",
             "kvferry_bootstrap_lookups_total{result=\"incomplete\"} 2",
             "kvferry_bootstrap_lease_expiries_total 2",
             "kvferry_bootstrap_rejected_requests_total{reason=\"too_large\"} 1",
             "kvferry_bootstrap_rejected_requests_total{reason=\"conflict\"} 0",
+            "# EOF",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -11,7 +11,7 @@
 //! | DELETE | `/v1/ranks/{instance_id}` | 204 | 400, 401, 404 |
 //! | GET | `/v1/groups/{dp_rank}` | 200 `PrefillGroup` | 400, 401, 503 while incomplete (`Retry-After: 1`) |
 //! | GET | `/healthz` | 200 `Health` | |
-//! | GET | `/metrics` | 200 Prometheus text | 401 |
+//! | GET | `/metrics` | 200 OpenMetrics text | 401 |
 //!
 //! With the etcd store, every route but an unknown one may also answer 503 when etcd cannot
 //! be reached in time (see below).
@@ -323,7 +323,7 @@ async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Result<Response,
     Ok((
         [(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
         )],
         body,
     )

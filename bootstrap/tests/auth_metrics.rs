@@ -99,34 +99,24 @@ async fn every_route_but_healthz_needs_the_token() {
     server.stop().await;
 }
 
-/// `/metrics` as `name{labels}` -> value, after checking every sample's family was declared
-/// with `# HELP` and `# TYPE` before it.
+/// `/metrics` as `name{labels}` -> value, after checking that it is OpenMetrics text a strict
+/// parser accepts (every sample in a declared family, `# EOF` at the end).
 async fn scrape(server: &TestServer) -> HashMap<String, f64> {
     let resp = reqwest::get(server.at("/metrics")).await.unwrap();
     assert_eq!(resp.status(), 200);
     let content_type = resp.headers()["content-type"].to_str().unwrap().to_owned();
-    assert!(
-        content_type.starts_with("text/plain; version=0.0.4"),
-        "{content_type}"
-    );
+    assert_eq!(content_type, kvferry_bootstrap::metrics::CONTENT_TYPE);
     let text = resp.text().await.unwrap();
-    let mut helped = Vec::new();
-    let mut typed = Vec::new();
-    let mut samples = HashMap::new();
-    for line in text.lines() {
-        if let Some(rest) = line.strip_prefix("# HELP ") {
-            helped.push(rest.split(' ').next().unwrap().to_owned());
-        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
-            typed.push(rest.split(' ').next().unwrap().to_owned());
-        } else {
-            let (key, value) = line.rsplit_once(' ').expect("sample line");
-            let family = key.split('{').next().unwrap();
-            assert!(helped.iter().any(|f| f == family), "no HELP before {line}");
-            assert!(typed.iter().any(|f| f == family), "no TYPE before {line}");
-            samples.insert(key.to_owned(), value.parse().unwrap());
-        }
+    if let Err(e) = openmetrics_parser::openmetrics::parse_openmetrics(&text) {
+        panic!("not OpenMetrics: {e:?}\n{text}");
     }
-    samples
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|line| {
+            let (key, value) = line.rsplit_once(' ').expect("sample line");
+            (key.to_owned(), value.parse().unwrap())
+        })
+        .collect()
 }
 
 #[tokio::test]

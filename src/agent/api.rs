@@ -253,7 +253,7 @@ pub fn metrics_response(text: String) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4",
+            kvferry_bootstrap::metrics::CONTENT_TYPE,
         )],
         text,
     )

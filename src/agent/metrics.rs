@@ -1,14 +1,23 @@
-//! An agent's Prometheus metrics: counters, histograms and gauges, rendered in the text
-//! exposition format (`GET /metrics`). Names follow Prometheus conventions (`kvferry_`
-//! prefix, `_total` counters, `_seconds` and `_bytes` units) and every series carries the
-//! agent's `role`. Every label value is always exposed (at 0 until it happens), so a scrape
-//! after a run has a stable shape.
+//! An agent's Prometheus metrics, on the `prometheus-client` library (`GET /metrics`,
+//! OpenMetrics text). Names follow Prometheus conventions (`kvferry_` prefix, `_total` on
+//! counters, which the library appends, `_seconds` and `_bytes` units) and every series
+//! carries the agent's `role` (the registry's constant label, first). Every label value of a
+//! closed set is exposed from the start (at 0 until it happens), so a scrape after a run has a
+//! stable shape.
+//!
+//! Counters and histograms live as long as the agent; what only the agent knows at scrape
+//! time ([`Gauges`]) goes into gauges made for that scrape.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::borrow::Cow;
 use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
 
 use super::room::RoomState;
 use crate::reason::FailureCode;
@@ -18,42 +27,20 @@ const BUCKETS: [f64; 14] = [
     1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0, 60.0,
 ];
 
-/// A histogram of durations with fixed buckets.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    /// Sum in nanoseconds.
-    sum_ns: AtomicU64,
+/// A histogram of durations, in seconds.
+#[derive(Debug, Clone)]
+pub struct Seconds(Histogram);
+
+impl Default for Seconds {
+    fn default() -> Self {
+        Seconds(Histogram::new(BUCKETS))
+    }
 }
 
-impl Histogram {
+impl Seconds {
     /// Records one observation.
     pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str, role: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (b, n) in BUCKETS.iter().zip(&self.buckets) {
-            cumulative += n.load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{role=\"{role}\",le=\"{b}\"}} {cumulative}"
-            );
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{role=\"{role}\",le=\"+Inf\"}} {count}");
-        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum{{role=\"{role}\"}} {sum}");
-        let _ = writeln!(out, "{name}_count{{role=\"{role}\"}} {count}");
+        self.0.observe(d.as_secs_f64());
     }
 }
 
@@ -85,44 +72,90 @@ impl Gauges {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct State {
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Code {
+    code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Path {
+    path: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Kind {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Direction {
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolInfo {
+    memory: &'static str,
+    staging: &'static str,
+}
+
+/// A family whose every label value in `values` is exposed from the start.
+fn family<L: Clone + std::hash::Hash + Eq, M: Default>(
+    values: impl IntoIterator<Item = L>,
+) -> Family<L, M>
+where
+    Family<L, M>: Default,
+{
+    let f = Family::<L, M>::default();
+    for v in values {
+        let _ = f.get_or_create(&v);
+    }
+    f
+}
+
 /// The metrics of one agent.
 #[derive(Debug)]
 pub struct Metrics {
     role: &'static str,
-    rooms_final: [AtomicU64; 3],
-    failures: Vec<AtomicU64>,
+    rooms_final: Family<State, Counter>,
+    failures: Family<Code, Counter>,
+    direction: &'static str,
     /// KV bytes sent (prefill) or landed (decode).
-    pub bytes: AtomicU64,
+    pub bytes: Counter,
     /// Chunks moved by staged sends (gathered into staging, sent, scattered).
-    pub chunks_staged: AtomicU64,
+    pub chunks_staged: Counter,
     /// Staged chunks a prefill sent straight from its pool, without a gather.
-    pub chunks_from_pool: AtomicU64,
+    pub chunks_from_pool: Counter,
     /// Chunks written straight into the decode pool (one-sided writes, no staging).
-    pub chunks_direct: AtomicU64,
+    pub chunks_direct: Counter,
     /// Chunks whose runs were sent as placed messages, received straight into the pages.
-    pub chunks_placed: AtomicU64,
+    pub chunks_placed: Counter,
     /// Rooms that expired untaken.
-    pub expired: AtomicU64,
+    pub expired: Counter,
     /// Rooms refused at admission (429).
-    pub rejected: AtomicU64,
+    pub rejected: Counter,
     /// Heartbeat periods a peer stayed silent.
-    pub heartbeat_misses: AtomicU64,
+    pub heartbeat_misses: Counter,
     /// Peers declared dead.
-    pub peers_dead: AtomicU64,
+    pub peers_dead: Counter,
     /// Landed rooms whose bytes failed the synthetic check on take (counted apart: they are
     /// also in `kvferry_rooms_total` as landed).
-    pub verify_failures: AtomicU64,
-    protocol_errors: Mutex<BTreeMap<&'static str, u64>>,
+    pub verify_failures: Counter,
+    protocol_errors: Family<Kind, Counter>,
     /// Decode: room request -> Hello done and requests sent.
-    pub bootstrap: Histogram,
+    pub bootstrap: Seconds,
     /// Prefill: request -> the engine's first ready piece; decode: request sent -> first chunk.
-    pub ready_wait: Histogram,
+    pub ready_wait: Seconds,
     /// Decode: request sent -> success; prefill: first piece sent -> Done.
-    pub transfer: Histogram,
+    pub transfer: Seconds,
     /// Prefill: one chunk's gather.
-    pub gather: Histogram,
+    pub gather: Seconds,
     /// Decode: one chunk's scatter.
-    pub scatter: Histogram,
+    pub scatter: Seconds,
 }
 
 /// Kinds of protocol errors, exposed even before they happen.
@@ -142,249 +175,193 @@ const PROTOCOL_ERRORS: [&str; 13] = [
     "inconsistent",
 ];
 
+/// The final states a room is counted in.
+const FINAL: [&str; 3] = ["success", "failed", "aborted"];
+
 impl Metrics {
     /// Zeroed metrics of a `role` agent.
     pub fn new(role: &'static str) -> Self {
         Metrics {
             role,
-            rooms_final: Default::default(),
-            failures: FailureCode::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
-            bytes: AtomicU64::new(0),
-            chunks_staged: AtomicU64::new(0),
-            chunks_from_pool: AtomicU64::new(0),
-            chunks_direct: AtomicU64::new(0),
-            chunks_placed: AtomicU64::new(0),
-            expired: AtomicU64::new(0),
-            rejected: AtomicU64::new(0),
-            heartbeat_misses: AtomicU64::new(0),
-            peers_dead: AtomicU64::new(0),
-            verify_failures: AtomicU64::new(0),
-            protocol_errors: Mutex::new(PROTOCOL_ERRORS.iter().map(|k| (*k, 0)).collect()),
-            bootstrap: Histogram::default(),
-            ready_wait: Histogram::default(),
-            transfer: Histogram::default(),
-            gather: Histogram::default(),
-            scatter: Histogram::default(),
+            rooms_final: family(FINAL.map(|state| State { state })),
+            failures: family(FailureCode::ALL.iter().map(|c| Code { code: c.name() })),
+            direction: if role == "prefill" {
+                "sent"
+            } else {
+                "received"
+            },
+            bytes: Counter::default(),
+            chunks_staged: Counter::default(),
+            chunks_from_pool: Counter::default(),
+            chunks_direct: Counter::default(),
+            chunks_placed: Counter::default(),
+            expired: Counter::default(),
+            rejected: Counter::default(),
+            heartbeat_misses: Counter::default(),
+            peers_dead: Counter::default(),
+            verify_failures: Counter::default(),
+            protocol_errors: family(PROTOCOL_ERRORS.map(|kind| Kind { kind })),
+            bootstrap: Seconds::default(),
+            ready_wait: Seconds::default(),
+            transfer: Seconds::default(),
+            gather: Seconds::default(),
+            scatter: Seconds::default(),
         }
     }
 
     /// Counts a room reaching a final state (and its failure code).
     pub fn room_final(&self, state: RoomState, code: Option<FailureCode>) {
-        let i = match state {
-            RoomState::Success => 0,
-            RoomState::Failed => 1,
-            RoomState::Aborted => 2,
+        let state = match state {
+            RoomState::Success => "success",
+            RoomState::Failed => "failed",
+            RoomState::Aborted => "aborted",
             _ => return,
         };
-        self.rooms_final[i].fetch_add(1, Ordering::Relaxed);
-        if let Some(pos) = code.and_then(|code| FailureCode::ALL.iter().position(|c| *c == code)) {
-            self.failures[pos].fetch_add(1, Ordering::Relaxed);
+        self.rooms_final.get_or_create(&State { state }).inc();
+        if let Some(code) = code {
+            self.failures
+                .get_or_create(&Code { code: code.name() })
+                .inc();
         }
     }
 
     /// Counts a refused message by kind (a [`crate::protocol::DecodeError::kind`], or
     /// `bad_frames`, `unexpected`, `inconsistent`).
     pub fn protocol_error(&self, kind: &'static str) {
-        let mut m = self
-            .protocol_errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        *m.entry(kind).or_insert(0) += 1;
+        self.protocol_errors.get_or_create(&Kind { kind }).inc();
     }
 
-    /// Messages refused, all kinds.
-    pub fn protocol_errors_total(&self) -> u64 {
-        self.protocol_errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .sum()
-    }
-
-    /// The Prometheus text of these metrics and the agent's gauges.
+    /// The OpenMetrics text of these metrics and the agent's gauges.
     pub fn render(&self, g: &Gauges) -> String {
-        let role = self.role;
-        let mut s = String::new();
-        let counter = |s: &mut String, name: &str, help: &str, series: &[(String, u64)]| {
-            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} counter");
-            for (labels, v) in series {
-                let _ = writeln!(s, "{name}{{role=\"{role}\"{labels}}} {v}");
-            }
+        let role = [(Cow::Borrowed("role"), Cow::Borrowed(self.role))];
+        let mut r = Registry::with_prefix_and_labels("kvferry", role.into_iter());
+        let gauge = |v: usize| {
+            let g = Gauge::<i64>::default();
+            g.set(v as i64);
+            g
         };
-        let gauge = |s: &mut String, name: &str, help: &str, series: &[(String, u64)]| {
-            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} gauge");
-            for (labels, v) in series {
-                let _ = writeln!(s, "{name}{{role=\"{role}\"{labels}}} {v}");
-            }
-        };
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let finals: Vec<(String, u64)> = ["success", "failed", "aborted"]
-            .iter()
-            .zip(&self.rooms_final)
-            .map(|(st, v)| (format!(",state=\"{st}\""), load(v)))
-            .collect();
-        counter(
-            &mut s,
-            "kvferry_rooms_total",
-            "Rooms that reached a final state.",
-            &finals,
+        r.register(
+            "rooms",
+            "Rooms that reached a final state",
+            self.rooms_final.clone(),
         );
-        let codes: Vec<(String, u64)> = FailureCode::ALL
-            .iter()
-            .zip(&self.failures)
-            .map(|(c, v)| (format!(",code=\"{c}\""), load(v)))
-            .collect();
-        counter(
-            &mut s,
-            "kvferry_room_failures_total",
-            "Failed or aborted rooms by code.",
-            &codes,
+        r.register(
+            "room_failures",
+            "Failed or aborted rooms by code",
+            self.failures.clone(),
         );
-        let states: Vec<(String, u64)> = RoomState::ALL
-            .iter()
-            .zip(g.rooms)
-            .map(|(st, n)| (format!(",state=\"{}\"", st.name()), n as u64))
-            .collect();
-        gauge(
-            &mut s,
-            "kvferry_rooms",
-            "Rooms held now, by state.",
-            &states,
-        );
-        let one = |v: u64| vec![(String::new(), v)];
+        let held = family::<State, Gauge>(RoomState::ALL.iter().map(|s| State { state: s.name() }));
+        for (s, n) in RoomState::ALL.iter().zip(g.rooms) {
+            held.get_or_create(&State { state: s.name() }).set(n as i64);
+        }
+        r.register("rooms_held", "Rooms held now, by state", held);
         let (memory, staging) = g.pool;
-        gauge(
-            &mut s,
-            "kvferry_pool_info",
-            "The pool's memory and where its chunks are staged for the transport (always 1).",
-            &[(format!(",memory=\"{memory}\",staging=\"{staging}\""), 1)],
+        r.register(
+            "pool",
+            "The pool's memory and where its chunks are staged for the transport",
+            Info::new(PoolInfo { memory, staging }),
         );
-        gauge(
-            &mut s,
-            "kvferry_staging_pinned_bytes",
-            "Bytes of host buffers pinned for the device's copies (chunk or receive buffers).",
-            &one(g.pinned_bytes as u64),
+        r.register(
+            "staging_pinned_bytes",
+            "Bytes of host buffers pinned for the device's copies (chunk or receive buffers)",
+            gauge(g.pinned_bytes),
         );
-        let direction = if role == "prefill" {
-            "sent"
-        } else {
-            "received"
-        };
-        counter(
-            &mut s,
-            "kvferry_kv_bytes_total",
-            "KV bytes moved by this agent.",
-            &[(format!(",direction=\"{direction}\""), load(&self.bytes))],
+        let bytes = family::<Direction, Counter>([Direction {
+            direction: self.direction,
+        }]);
+        bytes
+            .get_or_create(&Direction {
+                direction: self.direction,
+            })
+            .inc_by(self.bytes.get());
+        r.register("kv_bytes", "KV bytes moved by this agent", bytes);
+        let chunks = Family::<Path, Counter>::default();
+        for (path, c) in [
+            ("staged", &self.chunks_staged),
+            ("from_pool", &self.chunks_from_pool),
+            ("direct", &self.chunks_direct),
+            ("placed", &self.chunks_placed),
+        ] {
+            chunks.get_or_create(&Path { path }).inc_by(c.get());
+        }
+        r.register("chunks", "Chunks moved, by data path", chunks);
+        for (name, help, c) in [
+            (
+                "rooms_expired",
+                "Rooms that expired without being taken",
+                &self.expired,
+            ),
+            (
+                "admission_rejections",
+                "Rooms refused at admission (429)",
+                &self.rejected,
+            ),
+            (
+                "heartbeat_misses",
+                "Heartbeat periods a peer stayed silent",
+                &self.heartbeat_misses,
+            ),
+            ("peers_dead", "Peers declared dead", &self.peers_dead),
+            (
+                "verify_failures",
+                "Landed rooms whose bytes failed the synthetic check on take",
+                &self.verify_failures,
+            ),
+        ] {
+            r.register(name, help, c.clone());
+        }
+        r.register(
+            "protocol_errors",
+            "Messages refused, by kind",
+            self.protocol_errors.clone(),
         );
-        let paths = [
-            ("staged", load(&self.chunks_staged)),
-            ("from_pool", load(&self.chunks_from_pool)),
-            ("direct", load(&self.chunks_direct)),
-            ("placed", load(&self.chunks_placed)),
-        ];
-        let paths: Vec<(String, u64)> = paths
-            .iter()
-            .map(|(p, v)| (format!(",path=\"{p}\""), *v))
-            .collect();
-        counter(
-            &mut s,
-            "kvferry_chunks_total",
-            "Chunks moved, by data path.",
-            &paths,
-        );
-        counter(
-            &mut s,
-            "kvferry_rooms_expired_total",
-            "Rooms that expired without being taken.",
-            &one(load(&self.expired)),
-        );
-        counter(
-            &mut s,
-            "kvferry_admission_rejections_total",
-            "Rooms refused at admission (429).",
-            &one(load(&self.rejected)),
-        );
-        counter(
-            &mut s,
-            "kvferry_heartbeat_misses_total",
-            "Heartbeat periods a peer stayed silent.",
-            &one(load(&self.heartbeat_misses)),
-        );
-        counter(
-            &mut s,
-            "kvferry_peers_dead_total",
-            "Peers declared dead.",
-            &one(load(&self.peers_dead)),
-        );
-        counter(
-            &mut s,
-            "kvferry_verify_failures_total",
-            "Landed rooms whose bytes failed the synthetic check on take.",
-            &one(load(&self.verify_failures)),
-        );
-        let kinds: Vec<(String, u64)> = self
-            .protocol_errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(k, v)| (format!(",kind=\"{k}\""), *v))
-            .collect();
-        counter(
-            &mut s,
-            "kvferry_protocol_errors_total",
-            "Messages refused, by kind.",
-            &kinds,
-        );
-        let hists = [
+        for (h, name, help) in [
             (
                 &self.bootstrap,
-                "kvferry_room_bootstrap_seconds",
-                "Room request to peers resolved and asked.",
+                "room_bootstrap_seconds",
+                "Room request to peers resolved and asked",
             ),
             (
                 &self.ready_wait,
-                "kvferry_room_ready_wait_seconds",
-                "Waiting for the prefill engine's first ready piece.",
+                "room_ready_wait_seconds",
+                "Waiting for the prefill engine's first ready piece",
             ),
             (
                 &self.transfer,
-                "kvferry_room_transfer_seconds",
-                "A room's transfer, start to success.",
+                "room_transfer_seconds",
+                "A room's transfer, start to success",
             ),
             (
                 &self.gather,
-                "kvferry_gather_seconds",
-                "Gather of one chunk into staging.",
+                "gather_seconds",
+                "Gather of one chunk into staging",
             ),
             (
                 &self.scatter,
-                "kvferry_scatter_seconds",
-                "Scatter of one chunk into the pool.",
+                "scatter_seconds",
+                "Scatter of one chunk into the pool",
             ),
-        ];
-        for (h, name, help) in hists {
-            h.render(&mut s, name, help, role);
+        ] {
+            r.register(name, help, h.0.clone());
         }
-        gauge(
-            &mut s,
-            "kvferry_staging_slots_in_use",
-            "Staging slots in use.",
-            &one(g.slots_in_use as u64),
+        r.register(
+            "staging_slots_in_use",
+            "Staging slots in use",
+            gauge(g.slots_in_use),
         );
-        let pages = [
-            (",state=\"free\"".to_owned(), g.pool_free as u64),
-            (
-                ",state=\"used\"".to_owned(),
-                (g.pool_total - g.pool_free.min(g.pool_total)) as u64,
-            ),
-        ];
-        gauge(
-            &mut s,
-            "kvferry_pool_pages",
-            "Agent-owned pool pages.",
-            &pages,
-        );
-        s
+        let pages = Family::<State, Gauge>::default();
+        pages
+            .get_or_create(&State { state: "free" })
+            .set(g.pool_free as i64);
+        let used = g.pool_total - g.pool_free.min(g.pool_total);
+        pages
+            .get_or_create(&State { state: "used" })
+            .set(used as i64);
+        r.register("pool_pages", "Agent-owned pool pages", pages);
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &r);
+        out
     }
 }
 
@@ -399,34 +376,58 @@ mod tests {
         m.scatter.observe(Duration::from_millis(3));
         m.room_final(RoomState::Failed, Some(FailureCode::PeerDead));
         m.protocol_error("truncated");
+        m.protocol_error("forged");
+        m.chunks_direct.inc();
+        m.bytes.inc_by(4096);
         let mut g = Gauges {
             pool_total: 10,
             pool_free: 4,
+            pinned_bytes: 1 << 20,
+            pool: ("host", "host"),
             ..Gauges::default()
         };
         g.room(RoomState::Transferring);
         let text = m.render(&g);
-        assert!(text.contains("kvferry_scatter_seconds_bucket{role=\"decode\",le=\"0.0001\"} 1"));
-        assert!(text.contains("kvferry_scatter_seconds_bucket{role=\"decode\",le=\"0.005\"} 2"));
-        assert!(text.contains("kvferry_scatter_seconds_count{role=\"decode\"} 2"));
-        assert!(text.contains("kvferry_room_failures_total{role=\"decode\",code=\"peer_dead\"} 1"));
-        assert!(
-            text.contains("kvferry_protocol_errors_total{role=\"decode\",kind=\"truncated\"} 1")
-        );
-        assert!(text.contains("kvferry_rooms{role=\"decode\",state=\"transferring\"} 1"));
-        assert!(text.contains("kvferry_pool_pages{role=\"decode\",state=\"used\"} 6"));
-        // Every sample's family is declared before it.
+        println!("{text}");
+        for line in [
+            r#"kvferry_scatter_seconds_bucket{role="decode",le="0.0001"} 1"#,
+            r#"kvferry_scatter_seconds_bucket{role="decode",le="0.005"} 2"#,
+            r#"kvferry_scatter_seconds_count{role="decode"} 2"#,
+            r#"kvferry_rooms_total{role="decode",state="failed"} 1"#,
+            r#"kvferry_rooms_total{role="decode",state="success"} 0"#,
+            r#"kvferry_room_failures_total{role="decode",code="peer_dead"} 1"#,
+            r#"kvferry_room_failures_total{role="decode",code="checksum"} 0"#,
+            r#"kvferry_protocol_errors_total{role="decode",kind="truncated"} 1"#,
+            r#"kvferry_protocol_errors_total{role="decode",kind="forged"} 1"#,
+            r#"kvferry_protocol_errors_total{role="decode",kind="bad_magic"} 0"#,
+            r#"kvferry_rooms_held{role="decode",state="transferring"} 1"#,
+            r#"kvferry_rooms_held{role="decode",state="success"} 0"#,
+            r#"kvferry_pool_pages{role="decode",state="used"} 6"#,
+            r#"kvferry_pool_info{role="decode",memory="host",staging="host"} 1"#,
+            r#"kvferry_staging_pinned_bytes{role="decode"} 1048576"#,
+            r#"kvferry_kv_bytes_total{role="decode",direction="received"} 4096"#,
+            r#"kvferry_chunks_total{role="decode",path="direct"} 1"#,
+            r#"kvferry_chunks_total{role="decode",path="staged"} 0"#,
+            r#"kvferry_peers_dead_total{role="decode"} 0"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        // Every sample's family is declared before it, and the text ends as OpenMetrics does.
         let mut typed = std::collections::HashSet::new();
         for line in text.lines() {
             if let Some(rest) = line.strip_prefix("# TYPE ") {
                 typed.insert(rest.split(' ').next().unwrap().to_owned());
             } else if !line.starts_with('#') {
                 let name = line.split(['{', ' ']).next().unwrap();
-                let family = ["_bucket", "_sum", "_count"]
+                let family = ["_bucket", "_sum", "_count", "_total", "_info"]
                     .iter()
                     .fold(name, |n, sfx| n.strip_suffix(sfx).unwrap_or(n));
                 assert!(typed.contains(name) || typed.contains(family), "{line}");
             }
         }
+        assert_eq!(text.lines().last(), Some("# EOF"));
     }
 }

@@ -72,7 +72,7 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     let mut r = p.metrics.encode().into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        HeaderValue::from_static(kvferry_bootstrap::metrics::CONTENT_TYPE),
     );
     r
 }

@@ -257,7 +257,7 @@ impl Inner {
                 &self.metrics.chunks_staged
             }
         };
-        path.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        path.inc();
         room.landed += chunk.len as usize;
         room.chunks += 1;
         room.status.mark_first("first_landed");
@@ -266,9 +266,7 @@ impl Inner {
             s.landed += chunk.len as usize;
             s.chunks += 1;
         }
-        self.metrics
-            .bytes
-            .fetch_add(chunk.len, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.bytes.inc_by(chunk.len);
         self.check_complete(chunk.room, room);
     }
 

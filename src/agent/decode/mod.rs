@@ -750,9 +750,6 @@ async fn expire_rooms(inner: Arc<Inner>) {
             keep
         });
         let expired = (before - rooms.len()) as u64;
-        inner
-            .metrics
-            .expired
-            .fetch_add(expired, std::sync::atomic::Ordering::Relaxed);
+        inner.metrics.expired.inc_by(expired);
     }
 }

@@ -105,10 +105,7 @@ async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
             .unwrap_or_else(|e| e.into_inner())
             .elapsed();
         if silent >= 2 * t.heartbeat {
-            inner
-                .metrics
-                .heartbeat_misses
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            inner.metrics.heartbeat_misses.inc();
         }
         if silent >= t.dead_after {
             return inner.peer_lost(&peer, format!("silent for {} ms", silent.as_millis()));
@@ -383,9 +380,7 @@ impl Inner {
         self.peers().remove(&peer.instance);
         self.groups.forget();
         self.recv_reset.notify_one();
-        self.metrics
-            .peers_dead
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.peers_dead.inc();
         tracing::warn!(prefill = %peer.endpoint, instance = %peer.instance, %why, "prefill peer dead");
         let mut rooms = self.rooms();
         for room in rooms.values_mut() {

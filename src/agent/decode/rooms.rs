@@ -203,9 +203,7 @@ impl Inner {
             .filter(|r| !r.status.state().is_final())
             .count();
         if in_flight >= self.cfg.max_rooms {
-            self.metrics
-                .rejected
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.metrics.rejected.inc();
             return Err(RoomError::Exhausted(format!(
                 "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
                 self.cfg.max_rooms
@@ -242,9 +240,7 @@ impl Inner {
             }
             None => {
                 let lease = self.alloc.allocate(needed).map_err(|e| {
-                    self.metrics
-                        .rejected
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.metrics.rejected.inc();
                     RoomError::Exhausted(e.to_string())
                 })?;
                 (lease.pages().into(), Some(lease))
@@ -395,9 +391,7 @@ impl Inner {
                         .status
                         .fail_verification(Reason::new(FailureCode::VerifyFailed, e.clone()))
                     {
-                        self.metrics
-                            .verify_failures
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        self.metrics.verify_failures.inc();
                     }
                 }
                 tracing::error!(room = room_id, error = %e, "landed bytes differ from the synthetic pattern");

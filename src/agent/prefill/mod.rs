@@ -636,9 +636,7 @@ impl Inner {
 
     /// Forgets a dead decode peer and fails what it asked for.
     fn peer_dead(&self, peer: &Arc<Peer>, why: &str) {
-        self.metrics
-            .peers_dead
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.peers_dead.inc();
         peer.credits.close();
         // Sends still in flight to it end now (a transport may not notice the death itself:
         // UCX over shared memory), so that its transfers end and their pages become reusable.
@@ -678,10 +676,7 @@ async fn housekeeping(inner: Arc<Inner>) {
         for peer in &peers {
             let silent = peer.silent_for();
             if silent >= 2 * t.heartbeat {
-                inner
-                    .metrics
-                    .heartbeat_misses
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                inner.metrics.heartbeat_misses.inc();
             }
             if silent >= t.dead_after {
                 inner.peer_dead(peer, &format!("silent for {} ms", silent.as_millis()));

@@ -280,9 +280,7 @@ impl Inner {
             .filter(|r| !r.status.state().is_final())
             .count();
         if !known && in_flight >= self.cfg.max_rooms {
-            self.metrics
-                .rejected
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.metrics.rejected.inc();
             return Err(RoomError::Exhausted(format!(
                 "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
                 self.cfg.max_rooms

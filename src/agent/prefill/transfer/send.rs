@@ -258,10 +258,8 @@ impl Inner {
                 taken.await
             })
         });
-        self.metrics
-            .bytes
-            .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-        path.fetch_add(1, Ordering::Relaxed);
+        self.metrics.bytes.inc_by(len as u64);
+        path.inc();
         if let Some(t) = self
             .rooms()
             .get_mut(&job.room)
