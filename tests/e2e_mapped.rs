@@ -13,7 +13,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    AgentOpts, BOUND, expect, http, metric, runtime, set_flag, wait_final, wait_safe, wait_state,
+    AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, request_and_ready,
+    runtime, set_flag, wait_final, wait_safe, wait_state,
 };
 use kvferry::cli::demo::{LocalCluster, Shape, drive_rooms};
 use reqwest::{Method, StatusCode};
@@ -29,14 +30,6 @@ fn opts(model: &'static str, pool_pages: usize, peer_dead_ms: u64) -> Vec<String
         ..AgentOpts::default()
     }
     .args()
-}
-
-/// The decode's `kvferry_chunks_total` of `path` (staged, placed, direct) at `api`.
-async fn decode_chunks(api: &str, path: &str) -> f64 {
-    let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
-    metric(&http(), api, &series)
-        .await
-        .unwrap_or_else(|| panic!("no {series} in /metrics at {api}"))
 }
 
 #[test]
@@ -59,38 +52,21 @@ fn hundred_rooms_1p1d_and_heterogeneous_tp_land_by_mapped_writes_or_staged_when_
         let rooms: Vec<(u64, usize)> = (1..=100)
             .map(|r| (r, 1 + (r as usize * 97) % 500))
             .collect();
-        let started = Instant::now();
-        let results = runtime()
-            .block_on(drive_rooms(&apis, rooms, 8))
-            .unwrap_or_else(|e| panic!("{tag}: {e:#}; logs in {}", c.logs.display()));
-        assert_eq!(results.len(), 100, "{tag}");
-        for r in &results {
-            assert!(
-                r.verified,
-                "{tag}: room {} {} {:?}; logs in {}",
-                r.room,
-                r.state,
-                r.code,
-                c.logs.display()
+        let elapsed = drive_verified(&tag, &c, rooms, 8);
+        for d in &apis.decode[0] {
+            let (direct, staged) = (
+                decode_chunks(&tag, d, "direct"),
+                decode_chunks(&tag, d, "staged"),
             );
-        }
-        let elapsed = started.elapsed();
-        runtime().block_on(async {
-            for d in &apis.decode[0] {
-                let (direct, staged) = (
-                    decode_chunks(d, "direct").await,
-                    decode_chunks(d, "staged").await,
-                );
-                println!(
-                    "{tag}: {d}: 100 rooms verified in {:.0} ms; chunks direct {direct}, staged {staged}",
-                    elapsed.as_secs_f64() * 1e3
-                );
-                match writes {
-                    "never" => assert!(direct == 0.0 && staged >= 100.0, "{tag}: {direct} direct"),
-                    _ => assert!(direct >= 100.0 && staged == 0.0, "{tag}: {staged} staged"),
-                }
+            println!(
+                "{tag}: {d}: 100 rooms verified in {:.0} ms; chunks direct {direct}, staged {staged}",
+                elapsed.as_secs_f64() * 1e3
+            );
+            match writes {
+                "never" => assert!(direct == 0.0 && staged >= 100.0, "{tag}: {direct} direct"),
+                _ => assert!(direct >= 100.0 && staged == 0.0, "{tag}: {staged} staged"),
             }
-        });
+        }
     }
 }
 
@@ -113,17 +89,8 @@ fn one_slow_room(
         c.prefill().field("api").unwrap(),
         c.decode().field("api").unwrap(),
     );
-    runtime().block_on(async {
-        let http = http();
-        let body = json!({"tokens": 4096});
-        for (api, path, want) in [
-            (&d, "", StatusCode::CREATED),
-            (&p, "/ready", StatusCode::ACCEPTED),
-        ] {
-            let url = format!("{api}/v1/rooms/1{path}");
-            expect(&http, Method::POST, &url, Some(&body), want).await;
-        }
-    });
+    let body = json!({"tokens": 4096});
+    runtime().block_on(request_and_ready(&http(), &d, &p, 1, &body));
     (c, p, d)
 }
 
@@ -141,7 +108,8 @@ fn a_corrupted_mapped_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_
         // The prefill was told to stop; the pages were safe only once it had (its AbortAck).
         let sent = wait_final(&http, &p, 1).await;
         assert_eq!(sent["state"], "aborted", "{tag}: prefill {sent}");
-        assert!(decode_chunks(&d, "direct").await >= 1.0, "{tag}: no direct chunk");
+        let direct = metric(&http, &d, r#"kvferry_chunks_total{role="decode",path="direct"}"#).await;
+        assert!(direct.is_some_and(|n| n >= 1.0), "{tag}: {direct:?} direct chunks");
         println!(
             "{tag}: failed `checksum` after {} bytes; safe {:.0} ms later, once the prefill stopped",
             v["bytes"],

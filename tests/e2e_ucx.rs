@@ -13,7 +13,8 @@ mod common;
 use std::time::Instant;
 
 use common::{
-    AgentOpts, BOUND, expect, http, metric, runtime, set_flag, wait_final, wait_safe, wait_state,
+    AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, request_and_ready,
+    runtime, set_flag, wait_final, wait_safe, wait_state,
 };
 use kvferry::cli::cluster::{Process, log_dir};
 use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
@@ -56,14 +57,6 @@ enum Path {
     Direct,
     Placed,
     Staged,
-}
-
-/// The decode's `kvferry_chunks_total` of `path` (staged, placed, direct) at `api`.
-fn decode_chunks(tag: &str, api: &str, path: &str) -> f64 {
-    let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
-    runtime()
-        .block_on(metric(&http(), api, &series))
-        .unwrap_or_else(|| panic!("{tag}: no {series} in /metrics"))
 }
 
 /// The runs: per UCX environment, 1P1D and PP2 -> PP1 (two prefills placing into one decode)
@@ -133,21 +126,7 @@ fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_every_data_path() {
         let rooms: Vec<(u64, usize)> = (1..=100)
             .map(|r| (r, 1 + (r as usize * 37) % 400))
             .collect();
-        let started = Instant::now();
-        let results = runtime()
-            .block_on(drive_rooms(&c.apis().unwrap(), rooms, 8))
-            .unwrap();
-        for r in &results {
-            assert!(
-                r.verified,
-                "{tag}: room {} {} {:?}; logs in {}",
-                r.room,
-                r.state,
-                r.code,
-                c.logs.display()
-            );
-        }
-        let elapsed = started.elapsed();
+        let elapsed = drive_verified(&tag, &c, rooms, 8);
         let d = c.decode().field("api").unwrap();
         let count = |p: &str| decode_chunks(&tag, &d, p);
         let (direct, placed, staged) = (count("direct"), count("placed"), count("staged"));
@@ -377,13 +356,7 @@ fn a_corrupted_direct_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_
     let http = http();
     runtime().block_on(async {
         let body = json!({"tokens": 4096});
-        for (api, path, want) in [
-            (&d, "", StatusCode::CREATED),
-            (&p, "/ready", StatusCode::ACCEPTED),
-        ] {
-            let url = format!("{api}/v1/rooms/1{path}");
-            expect(&http, Method::POST, &url, Some(&body), want).await;
-        }
+        request_and_ready(&http, &d, &p, 1, &body).await;
         let v = wait_final(&http, &d, 1).await;
         assert_eq!(v["state"], "failed", "{tag}: {v}");
         assert_eq!(v["reason"]["code"], "checksum", "{tag}: {v}");
@@ -623,10 +596,7 @@ fn small_rooms_are_placed_over_eager_tcp_and_staged_over_shared_memory_by_defaul
         )
         .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
         let rooms = (1..=12).map(|r| (r, 8 + r as usize)).collect();
-        let results = runtime()
-            .block_on(drive_rooms(&c.apis().unwrap(), rooms, 1))
-            .unwrap();
-        assert!(results.iter().all(|r| r.verified), "{tag}: {results:?}");
+        drive_verified(&tag, &c, rooms, 1);
         let d = c.decode().field("api").unwrap();
         let count = |p: &str| decode_chunks(&tag, &d, p);
         let (placed, staged) = (count("placed"), count("staged"));

@@ -330,6 +330,44 @@ pub async fn metric(http: &Client, api: &str, series: &str) -> Option<f64> {
         .find_map(|rest| rest.strip_prefix(' ').and_then(|n| n.trim().parse().ok()))
 }
 
+/// A decode's `kvferry_chunks_total` of `path` (staged, from_pool, placed, direct) at `api`.
+pub fn decode_chunks(tag: &str, api: &str, path: &str) -> f64 {
+    let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
+    runtime()
+        .block_on(metric(&http(), api, &series))
+        .unwrap_or_else(|| panic!("{tag}: no {series} in /metrics at {api}"))
+}
+
+/// Drives `rooms` (id, tokens) through the cluster, `in_flight` at once, and asserts every one
+/// landed and verified; how long they took.
+pub fn drive_verified(
+    tag: &str,
+    c: &kvferry::cli::demo::LocalCluster,
+    rooms: Vec<(u64, usize)>,
+    in_flight: usize,
+) -> Duration {
+    let (count, started) = (rooms.len(), Instant::now());
+    let results = runtime()
+        .block_on(kvferry::cli::demo::drive_rooms(
+            &c.apis().unwrap(),
+            rooms,
+            in_flight,
+        ))
+        .unwrap_or_else(|e| panic!("{tag}: {e:#}; logs in {}", c.logs.display()));
+    assert_eq!(results.len(), count, "{tag}");
+    for r in &results {
+        assert!(
+            r.verified,
+            "{tag}: room {} {} {:?}; logs in {}",
+            r.room,
+            r.state,
+            r.code,
+            c.logs.display()
+        );
+    }
+    started.elapsed()
+}
+
 /// Asserts an error answer: status `want` and a JSON body with a string `error`.
 pub fn assert_error(what: &str, got: (StatusCode, Value), want: StatusCode) {
     let (status, body) = got;
