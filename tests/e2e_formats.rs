@@ -1,5 +1,5 @@
 //! End to end over engine memory formats (`--kv-format`): a real registry, prefill and decode
-//! agents (release binary, loopback, zmq-tcp) over `--pool shm:` files that this test owns as
+//! agents (release binary, loopback, zmq-tcp unless said) over `--pool shm:` files that this test owns as
 //! the engine (`common/shm_engine.rs`). It writes each room's KV into the prefill's file where
 //! the engine's tensors put it, announces it ready (whole, or in layer and token pieces), and
 //! after the rooms reads the decode's file back.
@@ -21,7 +21,9 @@
 //!   exchange KV whatever their order and placement), and sglang-mha with one-token pages ->
 //!   vllm-flash-hnd with 16 (and whatever their page sizes);
 //! - vllm-cpu-vec -> kvferry, refused at Hello: every room fails `incompatible_layout`, naming
-//!   the page orders, and the decode's file stays poison.
+//!   the page orders, and the decode's file stays poison;
+//! - over `zmq-ipc`, where the prefills write straight into the decode's file, mapped (every
+//!   chunk direct): sglang-mha TP2 -> TP1 and vllm-flash-nhd -> sglang-mha.
 //!
 //! Needs `cargo build --release --bin kvferry` first. Times are printed, bounds are generous.
 //! `KVFERRY_TEST_SEED=<n>` repeats a run.
@@ -100,6 +102,9 @@ struct Config {
     /// `--chunk-bytes` of both agents: the default (1 MiB) sends a room's layers in one
     /// chunk; [`SMALL_CHUNKS`] cuts them into page runs.
     chunk_bytes: usize,
+    /// `--transport` of every agent. Over `zmq-ipc` every chunk must go by mapped writes into
+    /// the decode's file (the decode counts no staged chunk).
+    transport: &'static str,
 }
 
 /// Draws the rooms: lengths (1 token, exactly one page, one page and a token, then a quarter
@@ -228,6 +233,7 @@ fn start_cluster(cfg: &Config, decode: &EngineFile, prefills: &[Arc<EngineFile>]
             model: cfg.model.preset,
             pool_pages: file.pool.pages,
             synthetic: false,
+            transport: cfg.transport,
             ..AgentOpts::default()
         };
         let mut args = owned(&[role, "--bootstrap", &url]);
@@ -453,6 +459,16 @@ fn run(cfg: Config) {
         out
     });
     let moved = t1.elapsed();
+    let paths = ["direct", "staged"].map(|p| decode_chunks(cfg.tag, &ctx.decode_api, p));
+    if cfg.transport == "zmq-ipc" && !cfg.refused {
+        assert!(
+            paths[0] > 0.0 && paths[1] == 0.0,
+            "[{}] every chunk by mapped writes, yet direct {} and staged {}",
+            cfg.tag,
+            paths[0],
+            paths[1]
+        );
+    }
     // Rooms that went wrong are reported at the end, after the files were checked for the
     // others (their pages may hold anything and are left out of the comparison).
     let mut problems: Vec<String> = Vec::new();
@@ -566,8 +582,8 @@ fn run(cfg: Config) {
         .max()
         .unwrap_or(0);
     println!(
-        "[{}] {} rooms ({pieced} in pieces, {:.1} MiB of KV) {} in {:.0} ms; up to {most_chunks} chunks a room; files {} ({:.0} ms); \
-         setup {:.0} ms, total {:.0} ms",
+        "[{}] {} rooms ({pieced} in pieces, {:.1} MiB of KV) {} in {:.0} ms over {} ({} chunks direct, {} staged); \
+         up to {most_chunks} chunks a room; files {} ({:.0} ms); setup {:.0} ms, total {:.0} ms",
         cfg.tag,
         rooms.len(),
         landed as f64 / (1u64 << 20) as f64,
@@ -579,6 +595,9 @@ fn run(cfg: Config) {
             format!("ran, {} of them FAILED,", failed.len())
         },
         ms(moved),
+        cfg.transport,
+        paths[0],
+        paths[1],
         files,
         ms(verify),
         ms(setup),
@@ -607,6 +626,7 @@ fn vllm_cpu_to_vllm_cpu() {
         max_tokens: 160,
         refused: false,
         chunk_bytes: DEFAULT_CHUNKS,
+        transport: "zmq-tcp",
     });
 }
 
@@ -625,6 +645,7 @@ fn vllm_cpu_tp2_to_vllm_cpu_tp1() {
         max_tokens: 160,
         refused: false,
         chunk_bytes: SMALL_CHUNKS,
+        transport: "zmq-tcp",
     });
 }
 
@@ -642,6 +663,7 @@ fn sglang_mha_page_1() {
         max_tokens: 120,
         refused: false,
         chunk_bytes: SMALL_CHUNKS,
+        transport: "zmq-tcp",
     });
 }
 
@@ -659,6 +681,7 @@ fn sglang_mha_page_16() {
         max_tokens: 160,
         refused: false,
         chunk_bytes: DEFAULT_CHUNKS,
+        transport: "zmq-tcp",
     });
 }
 
@@ -676,6 +699,7 @@ fn sglang_mla_to_sglang_mla() {
         max_tokens: 160,
         refused: false,
         chunk_bytes: DEFAULT_CHUNKS,
+        transport: "zmq-tcp",
     });
 }
 
@@ -694,6 +718,7 @@ fn vllm_flash_nhd_to_sglang_mha() {
         max_tokens: 160,
         refused: false,
         chunk_bytes: SMALL_CHUNKS,
+        transport: "zmq-tcp",
     });
 }
 
@@ -711,6 +736,7 @@ fn flashinfer_to_vllm_flash_hnd() {
         max_tokens: 160,
         refused: false,
         chunk_bytes: DEFAULT_CHUNKS,
+        transport: "zmq-tcp",
     });
 }
 
@@ -730,6 +756,7 @@ fn vllm_cpu_to_token_major_is_refused() {
         max_tokens: 160,
         refused: true,
         chunk_bytes: DEFAULT_CHUNKS,
+        transport: "zmq-tcp",
     });
 }
 
@@ -749,5 +776,45 @@ fn sglang_mha_page_1_to_vllm_flash_hnd_page_16() {
         max_tokens: 160,
         refused: false,
         chunk_bytes: SMALL_CHUNKS,
+        transport: "zmq-tcp",
+    });
+}
+
+/// Two sglang-mha prefill ranks, each half the heads, into one decode over `zmq-ipc`: each
+/// prefill writes its head slices straight into the decode engine's file, mapped.
+#[test]
+fn sglang_mha_tp2_to_tp1_by_mapped_writes() {
+    run(Config {
+        tag: "sglang-mha-tp2-mapped",
+        model: TINY,
+        page: 16,
+        decode_page: 16,
+        prefill: Format::SglangMha,
+        prefill_tp: 2,
+        decode: Format::SglangMha,
+        rooms: 100,
+        max_tokens: 160,
+        refused: false,
+        chunk_bytes: DEFAULT_CHUNKS,
+        transport: "zmq-ipc",
+    });
+}
+
+/// vllm-flash-nhd into sglang-mha over `zmq-ipc`: mapped writes between two formats.
+#[test]
+fn vllm_flash_nhd_to_sglang_mha_by_mapped_writes() {
+    run(Config {
+        tag: "nhd-to-sglang-mapped",
+        model: SMALL_BF16,
+        page: 16,
+        decode_page: 16,
+        prefill: Format::VllmFlashNhd,
+        prefill_tp: 1,
+        decode: Format::SglangMha,
+        rooms: 100,
+        max_tokens: 160,
+        refused: false,
+        chunk_bytes: DEFAULT_CHUNKS,
+        transport: "zmq-ipc",
     });
 }
