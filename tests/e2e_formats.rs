@@ -22,8 +22,9 @@
 //!   vllm-flash-hnd with 16 (and whatever their page sizes);
 //! - vllm-cpu-vec -> kvferry, refused at Hello: every room fails `incompatible_layout`, naming
 //!   the page orders, and the decode's file stays poison;
-//! - over `zmq-ipc`, where the prefills write straight into the decode's file, mapped (every
-//!   chunk direct): sglang-mha TP2 -> TP1 and vllm-flash-nhd -> sglang-mha.
+//! - over `zmq-ipc`, whose prefills write only into a decode's own sealed memory file, never
+//!   into an engine's file (every chunk staged): sglang-mha TP2 -> TP1 and vllm-flash-nhd ->
+//!   sglang-mha.
 //!
 //! Needs `cargo build --release --bin kvferry` first. Times are printed, bounds are generous.
 //! `KVFERRY_TEST_SEED=<n>` repeats a run.
@@ -102,8 +103,8 @@ struct Config {
     /// `--chunk-bytes` of both agents: the default (1 MiB) sends a room's layers in one
     /// chunk; [`SMALL_CHUNKS`] cuts them into page runs.
     chunk_bytes: usize,
-    /// `--transport` of every agent. Over `zmq-ipc` every chunk must go by mapped writes into
-    /// the decode's file (the decode counts no staged chunk).
+    /// `--transport` of every agent. Over `zmq-ipc` every chunk must be staged: a decode's
+    /// engine file on /dev/shm cannot be sealed against shrinking, so no prefill maps it.
     transport: &'static str,
 }
 
@@ -462,8 +463,8 @@ fn run(cfg: Config) {
     let paths = ["direct", "staged"].map(|p| decode_chunks(cfg.tag, &ctx.decode_api, p));
     if cfg.transport == "zmq-ipc" && !cfg.refused {
         assert!(
-            paths[0] > 0.0 && paths[1] == 0.0,
-            "[{}] every chunk by mapped writes, yet direct {} and staged {}",
+            paths[0] == 0.0 && paths[1] > 0.0,
+            "[{}] an engine's file mapped by a prefill: direct {} and staged {}",
             cfg.tag,
             paths[0],
             paths[1]
@@ -780,12 +781,12 @@ fn sglang_mha_page_1_to_vllm_flash_hnd_page_16() {
     });
 }
 
-/// Two sglang-mha prefill ranks, each half the heads, into one decode over `zmq-ipc`: each
-/// prefill writes its head slices straight into the decode engine's file, mapped.
+/// Two sglang-mha prefill ranks, each half the heads, into one decode over `zmq-ipc`, whose
+/// engine file the prefills may not map: staged.
 #[test]
-fn sglang_mha_tp2_to_tp1_by_mapped_writes() {
+fn sglang_mha_tp2_to_tp1_over_zmq_ipc() {
     run(Config {
-        tag: "sglang-mha-tp2-mapped",
+        tag: "sglang-mha-tp2-ipc",
         model: TINY,
         page: 16,
         decode_page: 16,
@@ -800,11 +801,11 @@ fn sglang_mha_tp2_to_tp1_by_mapped_writes() {
     });
 }
 
-/// vllm-flash-nhd into sglang-mha over `zmq-ipc`: mapped writes between two formats.
+/// vllm-flash-nhd into sglang-mha over `zmq-ipc`, into an engine file: staged.
 #[test]
-fn vllm_flash_nhd_to_sglang_mha_by_mapped_writes() {
+fn vllm_flash_nhd_to_sglang_mha_over_zmq_ipc() {
     run(Config {
-        tag: "nhd-to-sglang-mapped",
+        tag: "nhd-to-sglang-ipc",
         model: SMALL_BF16,
         page: 16,
         decode_page: 16,

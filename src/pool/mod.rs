@@ -317,16 +317,23 @@ impl HostPool {
 
     /// A pool in a new memory file of this process (`memfd_create`), zero-filled and faulted
     /// in: anonymous, but a file another process on this host can be handed
-    /// ([`HostPool::memory_file`]) to map the same pages. Shared memory has no transparent huge
-    /// pages unless the host enables them for it (`shmem_enabled`).
+    /// ([`HostPool::memory_file`]) to map the same pages. The file is sealed at its size
+    /// ([`is_sealed`]): no process can shrink it under another's mapping, which would make the
+    /// mapping's next access a SIGBUS. Shared memory has no transparent huge pages unless the
+    /// host enables them for it (`shmem_enabled`).
     pub fn shareable(layout: KvLayout, num_pages: usize) -> Result<Self, PoolError> {
+        use rustix::fs::{MemfdFlags, SealFlags};
         let size = checked_size(&layout, num_pages)?;
         let what = "memory file";
-        let fd = rustix::fs::memfd_create("kvferry-pool", rustix::fs::MemfdFlags::CLOEXEC)
+        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        let fd = rustix::fs::memfd_create("kvferry-pool", flags)
             .map_err(|errno| io_err("create", what, errno.into()))?;
         let file = File::from(fd);
         rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size as u64)
             .map_err(|errno| io_err("reserve", what, errno.into()))?;
+        let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+        rustix::fs::fcntl_add_seals(&file, seals)
+            .map_err(|errno| io_err("seal", what, errno.into()))?;
         let mut pool = Self::map_file(&file, Path::new(what), layout, num_pages, size)?;
         pool.descriptor = PoolDescriptor::Anonymous;
         pool.file = Some(file);
@@ -688,6 +695,13 @@ impl Drop for HostPool {
             }
         }
     }
+}
+
+/// Whether `file` is a memory file sealed against shrinking, so that a mapping of it can never
+/// fault on a page cut off under it ([`HostPool::shareable`] makes such files; a file on
+/// /dev/shm cannot be sealed).
+pub fn is_sealed(file: &File) -> bool {
+    rustix::fs::fcntl_get_seals(file).is_ok_and(|s| s.contains(rustix::fs::SealFlags::SHRINK))
 }
 
 fn checked_size(layout: &KvLayout, num_pages: usize) -> Result<usize, PoolError> {

@@ -1,7 +1,8 @@
 //! One-sided writes between processes of one host: the receiver hands its pool's memory file
 //! to the sender, which maps it and copies runs into it with the CPU kernel. One copy of each
 //! byte, by the sender's CPU, whatever the runs' lengths: `zmq-ipc` moves the bulk of a room
-//! this way when the decode's pool is a memory file (docs/architecture.md, "Transports").
+//! this way when the decode's pool is its own sealed memory file ([`HostPool::shareable`];
+//! docs/architecture.md, "Data paths").
 //!
 //! The handshake:
 //! - the receiver ([`serve`]) listens on an abstract Unix socket, `kvferry-pool-<random>`, which
@@ -11,7 +12,9 @@
 //! - a sender ([`attach`]) connects and sends the secret; the receiver answers with one
 //!   16-byte message, the pool's size and a zero, with the file's descriptor attached
 //!   (`fd_passing`), or closes the connection if the secret is wrong;
-//! - the sender checks that the file holds exactly the announced bytes and maps it shared.
+//! - the sender checks that the file is sealed against shrinking (a shrunk file's pages fault
+//!   with SIGBUS in every process that maps them) and holds exactly the announced bytes, and
+//!   maps it shared.
 //!
 //! A connection that sends nothing is dropped after [`HANDSHAKE_TIMEOUT`], and at most
 //! [`MAX_HANDSHAKES`] are served at once. Which pages a sender may write when is the agents'
@@ -55,11 +58,12 @@ pub fn write_path() -> WritePath {
 }
 
 /// Serves `pool`'s memory file to senders until the returned guard drops; `None` when the
-/// pool is not a file (anonymous or engine memory).
+/// pool is not a sealed memory file ([`crate::pool::is_sealed`]): anonymous or engine memory,
+/// or a file on /dev/shm, which its engine could shrink under the senders' mappings.
 pub async fn serve(
     pool: &HostPool,
 ) -> Result<Option<(RemoteMemory, tokio_util::task::AbortOnDropHandle<()>)>, TransportError> {
-    let Some(file) = pool.memory_file() else {
+    let Some(file) = pool.memory_file().filter(|f| crate::pool::is_sealed(f)) else {
         return Ok(None);
     };
     let fail = |op, e: std::io::Error| TransportError::new(op, "pool socket", e);
@@ -159,6 +163,12 @@ pub fn attach(memory: &RemoteMemory, endpoint: &str) -> Result<MappedPool, Trans
         return Err(fail("the decode sent no pool file".to_owned()));
     };
     let file = std::fs::File::from(fd);
+    // A file that could shrink would turn this process's next write into it into a SIGBUS.
+    if !crate::pool::is_sealed(&file) {
+        return Err(fail(
+            "the decode's pool file is not sealed against shrinking".to_owned(),
+        ));
+    }
     let actual = file.metadata().map_err(|e| fail(e.to_string()))?.len();
     if size != memory.size || actual != memory.size {
         return Err(fail(format!(
@@ -358,7 +368,43 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "still refused: {e}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        // An anonymous pool is not a file: nothing to serve.
+        // An anonymous pool is not a file, one on /dev/shm can shrink: nothing to serve.
         assert!(serve(&pool(false)).await.unwrap().is_none());
+        let path = std::env::temp_dir().join(format!("kvferry-mapped-{}", std::process::id()));
+        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
+        let shm = HostPool::create_shm(&path, layout, 8).unwrap();
+        assert!(serve(&shm).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_pool_file_that_could_shrink_is_never_mapped() {
+        // A rogue receiver that answers the secret with a file it could shrink under the
+        // sender's mapping (a SIGBUS at the sender's next write).
+        let dst = pool(true);
+        let mut name = NAME_PREFIX.to_vec();
+        name.extend_from_slice(uuid::Uuid::new_v4().simple().to_string().as_bytes());
+        let listener =
+            UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+        let size = dst.size() as u64;
+        let rogue = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let _ = std::io::Read::read_exact(&mut stream, &mut [0u8; 16]);
+            let fd = rustix::fs::memfd_create("rogue", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+            rustix::fs::ftruncate(&fd, size).unwrap();
+            let mut header = [0u8; 16];
+            header[..8].copy_from_slice(&size.to_le_bytes());
+            crate::fd_passing::send(&stream, &header, Some(fd.as_raw_fd())).unwrap();
+        });
+        let memory = RemoteMemory {
+            base: 0,
+            size,
+            key: [vec![1; 16], name].concat(),
+        };
+        let e = tokio::task::spawn_blocking(move || attach(&memory, "test"))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(e.message.contains("not sealed"), "{e}");
+        rogue.join().unwrap();
     }
 }
