@@ -670,21 +670,24 @@ fn sglang_mha_page_1() {
 
 #[test]
 fn sglang_mha_page_16() {
-    run(Config {
-        tag: "sglang-mha-p16",
-        model: TINY,
-        page: 16,
-        decode_page: 16,
-        prefill: Format::SglangMha,
-        prefill_tp: 1,
-        decode: Format::SglangMha,
-        rooms: 100,
-        max_tokens: 160,
-        refused: false,
-        chunk_bytes: DEFAULT_CHUNKS,
-        transport: "zmq-tcp",
-    });
+    run(SGLANG_MHA_P16);
 }
+
+/// sglang-mha to sglang-mha, one-page blocks of 16 tokens, over zmq-tcp.
+const SGLANG_MHA_P16: Config = Config {
+    tag: "sglang-mha-p16",
+    model: TINY,
+    page: 16,
+    decode_page: 16,
+    prefill: Format::SglangMha,
+    prefill_tp: 1,
+    decode: Format::SglangMha,
+    rooms: 100,
+    max_tokens: 160,
+    refused: false,
+    chunk_bytes: DEFAULT_CHUNKS,
+    transport: "zmq-tcp",
+};
 
 #[test]
 fn sglang_mla_to_sglang_mla() {
@@ -707,21 +710,24 @@ fn sglang_mla_to_sglang_mla() {
 /// Token-granular formats exchange KV whatever their order, placement and regions.
 #[test]
 fn vllm_flash_nhd_to_sglang_mha() {
-    run(Config {
-        tag: "nhd-to-sglang",
-        model: TINY,
-        page: 16,
-        decode_page: 16,
-        prefill: Format::VllmFlashNhd,
-        prefill_tp: 1,
-        decode: Format::SglangMha,
-        rooms: 100,
-        max_tokens: 160,
-        refused: false,
-        chunk_bytes: SMALL_CHUNKS,
-        transport: "zmq-tcp",
-    });
+    run(NHD_TO_SGLANG);
 }
+
+/// vllm-flash-nhd to sglang-mha in small chunks, over zmq-tcp.
+const NHD_TO_SGLANG: Config = Config {
+    tag: "nhd-to-sglang",
+    model: TINY,
+    page: 16,
+    decode_page: 16,
+    prefill: Format::VllmFlashNhd,
+    prefill_tp: 1,
+    decode: Format::SglangMha,
+    rooms: 100,
+    max_tokens: 160,
+    refused: false,
+    chunk_bytes: SMALL_CHUNKS,
+    transport: "zmq-tcp",
+};
 
 #[test]
 fn flashinfer_to_vllm_flash_hnd() {
@@ -787,17 +793,9 @@ fn sglang_mha_page_1_to_vllm_flash_hnd_page_16() {
 fn sglang_mha_tp2_to_tp1_over_zmq_ipc() {
     run(Config {
         tag: "sglang-mha-tp2-ipc",
-        model: TINY,
-        page: 16,
-        decode_page: 16,
-        prefill: Format::SglangMha,
         prefill_tp: 2,
-        decode: Format::SglangMha,
-        rooms: 100,
-        max_tokens: 160,
-        refused: false,
-        chunk_bytes: DEFAULT_CHUNKS,
         transport: "zmq-ipc",
+        ..SGLANG_MHA_P16
     });
 }
 
@@ -806,16 +804,7 @@ fn sglang_mha_tp2_to_tp1_over_zmq_ipc() {
 fn vllm_flash_nhd_to_sglang_mha_over_zmq_ipc() {
     run(Config {
         tag: "nhd-to-sglang-ipc",
-        model: SMALL_BF16,
-        page: 16,
-        decode_page: 16,
-        prefill: Format::VllmFlashNhd,
-        prefill_tp: 1,
-        decode: Format::SglangMha,
-        rooms: 100,
-        max_tokens: 160,
-        refused: false,
-        chunk_bytes: DEFAULT_CHUNKS,
         transport: "zmq-ipc",
+        ..NHD_TO_SGLANG
     });
 }
