@@ -578,16 +578,17 @@ pub fn pool_to_pool(
     Ok(out)
 }
 
-/// A selection of a pool as the pieces of its staging stream: contiguous ranges of the pool in
-/// `wire` order, each as long as the pool allows. Sent one after the other they make the bytes
-/// a gather would have staged (a staged chunk sent straight from the pool).
+/// A selection of `pool` as the pieces of its staging stream: contiguous ranges of the pool in
+/// `wire` order (offsets from its base, wherever its regions lie), each as long as the pool
+/// allows. Sent one after the other they make the bytes a gather would have staged (a staged
+/// chunk sent straight from the pool).
 pub fn source_spans(
-    layout: &KvLayout,
-    num_pages: usize,
+    pool: &HostPool,
     sel: &Selection<'_>,
     wire: PageOrder,
 ) -> Result<Vec<Span>, KernelError> {
-    spans_in(layout, num_pages, &[], sel, wire, false)
+    let g = Geometry::of(pool);
+    spans_in(g.layout, g.num_pages, g.starts, sel, wire, false)
 }
 
 /// [`source_spans`] of a pool whose regions start at `starts` (offsets from the pool's base,

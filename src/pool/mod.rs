@@ -526,11 +526,18 @@ impl HostPool {
         &self.starts
     }
 
-    /// Whether the pool is one contiguous range of memory (its own mapping, or engine regions
-    /// that happen to be adjacent): only such a pool is registered with a transport for
-    /// one-sided or placed writes.
+    /// Whether the pool is one contiguous range of memory whose regions lie back to back in the
+    /// layout's order (its own mapping, or engine regions that happen to lie so), where a peer
+    /// computes every offset from the layout alone: only such a pool is registered with a
+    /// transport for one-sided or placed writes.
     pub fn contiguous(&self) -> bool {
+        let region = self.layout.region_bytes(self.num_pages).unwrap_or(0);
         self.ranges.len() == 1
+            && self
+                .starts
+                .iter()
+                .enumerate()
+                .all(|(i, &start)| start == i * region)
     }
 
     /// What another process needs to map this pool.

@@ -43,7 +43,7 @@ fn from_pool(
     let Some(host) = pool.host() else {
         return Ok(None);
     };
-    let spans = crate::kernel::cpu::source_spans(pool.layout(), pool.num_pages(), sel, wire)?;
+    let spans = crate::kernel::cpu::source_spans(host, sel, wire)?;
     Ok((spans.len() <= MAX_PIECES).then(|| Payload::FromPool(host.clone(), spans)))
 }
 

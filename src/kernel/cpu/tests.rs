@@ -23,7 +23,8 @@ fn whole_heads_and_consecutive_pages_coalesce_into_one_run_per_plane() {
     let runs = plan(Geometry::back_to_back(&l, 64), &sel, PageOrder::TokenMajor).unwrap();
     assert_eq!(runs.len(), 64, "one run per (layer, plane)");
     // Sent from the pool: one span per (layer, plane) too (the planes are apart).
-    let spans = source_spans(&l, 64, &sel, PageOrder::TokenMajor).unwrap();
+    let pool = HostPool::anonymous(l.clone(), 64).unwrap();
+    let spans = source_spans(&pool, &sel, PageOrder::TokenMajor).unwrap();
     assert_eq!(spans.len(), 64);
     assert!(spans.iter().all(|s| s.len == 10 * 32768));
     // Pages out of range are refused, as by a gather.
@@ -34,7 +35,7 @@ fn whole_heads_and_consecutive_pages_coalesce_into_one_run_per_plane() {
         layers: 0..1,
         heads: 0..8,
     };
-    assert!(source_spans(&l, 64, &bad, PageOrder::TokenMajor).is_err());
+    assert!(source_spans(&pool, &bad, PageOrder::TokenMajor).is_err());
     assert!(runs.iter().all(|r| r.len == 10 * 32768));
     // Head-major pools coalesce the same way when whole pages are selected.
     let runs = plan(
@@ -137,7 +138,7 @@ fn pool_to_pool_writes_land_what_gather_then_scatter_lands() {
         k.gather(&src_pool, &src, wire, &mut buf).unwrap();
         k.scatter(&buf, wire, &staged, &dst).unwrap();
         // Sent straight from the pool, the source's spans make the gathered bytes.
-        let spans = source_spans(&sl, src_n, &src, wire).unwrap();
+        let spans = source_spans(&src_pool, &src, wire).unwrap();
         let mut sent = Vec::new();
         for s in &spans {
             sent.extend(src_pool.read(s.offset as usize, s.len as usize).unwrap());
@@ -501,4 +502,70 @@ fn a_chunk_scattered_from_pieces_lands_as_the_whole_chunk_does() {
             .is_err()
     );
     assert!(image(&pool).iter().all(|b| *b == 0xA5));
+}
+
+/// An engine's regions in one buffer, back to back in the layout's order or the reverse.
+fn engine_pool(l: &KvLayout, pages: usize, buf: &mut [u8], reversed: bool) -> HostPool {
+    let region = l.region_bytes(pages).unwrap();
+    let n = l.num_regions();
+    let base = buf.as_mut_ptr() as usize;
+    let regions: Vec<crate::pool::EngineRegion> = (0..n)
+        .map(|i| crate::pool::EngineRegion {
+            addr: base + region * if reversed { n - 1 - i } else { i },
+            len: region,
+        })
+        .collect();
+    // SAFETY: the regions lie inside `buf`, which outlives the pool in the test.
+    unsafe { HostPool::engine(l.clone(), pages, &regions) }.unwrap()
+}
+
+#[test]
+fn spans_sent_from_an_engine_pool_follow_its_regions_wherever_they_lie() {
+    // SGLang's buffers: one region per layer's plane.
+    let l = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16)
+        .unwrap()
+        .with_format(&crate::layout::KvFormat::named("sglang-mha").unwrap())
+        .unwrap();
+    assert_eq!(l.num_regions(), 8);
+    let pages = 8;
+    // No two regions alike (a pattern with a period would hide a span in the wrong region).
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut buf: Vec<u8> = (0..l.pool_bytes(pages).unwrap())
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let page = [5u32];
+    // One token of one layer: two spans (K and V), sent from the pool without a gather.
+    let sel = Selection {
+        pages: &page,
+        tokens: 0..1,
+        layers: 3..4,
+        heads: 0..4,
+    };
+    for reversed in [false, true] {
+        let pool = engine_pool(&l, pages, &mut buf, reversed);
+        assert_eq!(
+            pool.contiguous(),
+            !reversed,
+            "regions out of order are no flat pool"
+        );
+        let mut gathered = vec![0; sel.bytes(&pool).unwrap()];
+        CpuKernel::new(1)
+            .gather(&pool, &sel, PageOrder::TokenMajor, &mut gathered)
+            .unwrap();
+        let spans = source_spans(&pool, &sel, PageOrder::TokenMajor).unwrap();
+        assert_eq!(spans.len(), 2);
+        let sent: Vec<u8> = spans
+            .iter()
+            .flat_map(|s| pool.read(s.offset as usize, s.len as usize).unwrap())
+            .collect();
+        assert!(
+            sent == gathered,
+            "reversed regions {reversed}: spans read other bytes"
+        );
+    }
 }
