@@ -123,6 +123,11 @@ fn random_message(rng: &mut StdRng) -> Message {
             }),
             revocable_runs: rng.random_bool(0.5),
             chunk_key: Secret::from_bytes(rng.random()),
+            shared_pool: rng.random_bool(0.5).then(|| kvferry::memory::RemoteMemory {
+                base: rng.random(),
+                size: rng.random(),
+                key: (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
+            }),
         }),
         1 => Message::HelloAck(HelloAck {
             version: rng.random(),

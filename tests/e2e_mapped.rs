@@ -180,9 +180,9 @@ fn forged_pool_keys_are_refused_or_staged_and_the_prefill_keeps_serving() {
     let nowhere = pool(named(b"kvferry-pool-0123456789abcdef0123456789abcdef"));
     let mut messages: Vec<Message> = forged
         .iter()
-        .map(|(_, p)| hello(data.clone(), p.clone()))
+        .map(|(_, p)| hello(data.clone(), None, p.clone()))
         .collect();
-    messages.push(hello(data.clone(), nowhere));
+    messages.push(hello(data.clone(), None, nowhere));
     let got = answers(&control, messages);
     for ((what, _), answer) in forged.iter().zip(&got) {
         match answer {

@@ -67,33 +67,37 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
         let cases: Vec<(&str, Message, &str)> = vec![
             (
                 "3-byte address",
-                hello(format!("ucx:{}", hex(&address[..3])), None),
+                hello(format!("ucx:{}", hex(&address[..3])), None, None),
                 "bad_message",
             ),
             (
                 "truncated address",
-                hello(format!("ucx:{}", hex(&address[..address.len() - 1])), None),
+                hello(
+                    format!("ucx:{}", hex(&address[..address.len() - 1])),
+                    None,
+                    None,
+                ),
                 "bad_message",
             ),
             (
                 "inflated device length",
-                hello(format!("ucx:{}", hex(&inflated)), None),
+                hello(format!("ucx:{}", hex(&inflated)), None, None),
                 "bad_message",
             ),
-            ("not hex", hello("ucx:zz".into(), None), "bad_message"),
+            ("not hex", hello("ucx:zz".into(), None, None), "bad_message"),
             (
                 "2-byte pool key",
-                hello(good.clone(), Some(memory(rkey[..2].to_vec()))),
+                hello(good.clone(), Some(memory(rkey[..2].to_vec())), None),
                 "bad_message",
             ),
             (
                 "inflated key length",
-                hello(good.clone(), Some(memory(big_key))),
+                hello(good.clone(), Some(memory(big_key)), None),
                 "bad_message",
             ),
             (
                 "over-long key",
-                hello(good.clone(), Some(memory(vec![0; 5000]))),
+                hello(good.clone(), Some(memory(vec![0; 5000])), None),
                 "bad_message",
             ),
         ];

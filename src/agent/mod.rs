@@ -622,7 +622,6 @@ mod tests {
             placed,
             fast,
             eager,
-            copied: false,
         };
         let (w, p) = (Some(DirectMethod::Write), Some(DirectMethod::Place));
         // (flag, native writes, placeable, eager runs, decode revokes) -> method

@@ -238,6 +238,7 @@ impl Message {
                 w.memory(m.pool.as_ref());
                 w.u8(u8::from(m.revocable_runs));
                 w.secret(&m.chunk_key);
+                w.memory(m.shared_pool.as_ref());
             }
             Message::HelloAck(m) => {
                 w.u16(m.version);
@@ -348,6 +349,10 @@ impl Message {
                 chunk_key: match r.is_empty() {
                     true => Secret::default(),
                     false => r.secret("chunk_key")?,
+                },
+                shared_pool: match r.is_empty() {
+                    true => None,
+                    false => r.memory("shared_pool")?,
                 },
             }),
             KIND_HELLO_ACK => Message::HelloAck(HelloAck {

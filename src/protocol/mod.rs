@@ -27,7 +27,7 @@ use crate::reason::FailureCode;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// The first version whose staged chunks may come in pieces (ZeroMQ: up to
 /// [`crate::transport::MAX_PIECES`] payload frames, sent from the prefill's pool).
 pub const PIECES: u16 = 6;
@@ -122,8 +122,8 @@ pub struct Hello {
     pub slots: u32,
     /// Largest chunk the sender of this Hello accepts, in bytes.
     pub slot_bytes: u32,
-    /// The decode pool, exposed for one-sided writes (the direct path), when the decode's
-    /// transport has them.
+    /// The decode pool, exposed for the transport's one-sided writes (the direct path), when
+    /// the decode's transport has them (UCX: the pool's rkey).
     pub pool: Option<RemoteMemory>,
     /// The decode lands placed runs that arrive as eager messages through receives it can
     /// revoke (UCX over tcp); a prefill that would send runs eagerly places them only then.
@@ -132,6 +132,10 @@ pub struct Hello {
     /// key ([`Chunk::sender_key`]), so that a chunk is credited to its sender only if the
     /// sender is the peer that said Hello, whether or not its room is still known.
     pub chunk_key: Secret,
+    /// The decode pool's memory file, served to prefills of its host for mapped writes
+    /// (`transport/mapped.rs`), when its transport carries same-host traffic (`zmq-ipc`, UCX
+    /// allowed shared memory) and the pool is a sealed memory file (version 7).
+    pub shared_pool: Option<RemoteMemory>,
 }
 
 /// Prefill -> decode: the Hello is accepted.

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use super::{TransportError, WritePath};
+use super::TransportError;
 use crate::kernel::cpu::CpuKernel;
 use crate::memory::{RemoteMemory, WriteRun};
 use crate::pool::HostPool;
@@ -45,17 +45,6 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Handshakes served at once; more connections are closed at once.
 pub const MAX_HANDSHAKES: usize = 16;
-
-/// How writes travel: the sender's own copies ([`WritePath::copied`]).
-pub fn write_path() -> WritePath {
-    WritePath {
-        via: "mapped".to_owned(),
-        placed: false,
-        eager: false,
-        fast: true,
-        copied: true,
-    }
-}
 
 /// Serves `pool`'s memory file to senders until the returned guard drops; `None` when the
 /// pool is not a sealed memory file ([`crate::pool::is_sealed`]): anonymous or engine memory,

@@ -168,10 +168,6 @@ pub struct WritePath {
     /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
     /// sender can wedge (docs/benchmarks.md, `ucx/data.rs`).
     pub fast: bool,
-    /// Whether the writes are the sender's own copies into the receiver's memory, mapped in its
-    /// address space (`zmq-ipc`, [`mapped`]): runs of any length cost what copying them costs,
-    /// so every run pays, where a run that is a message or a remote write pays only when long.
-    pub copied: bool,
 }
 
 /// Whether a transport sends device memory (CUDA) and receives into it, as found at run time.
@@ -573,6 +569,19 @@ pub trait Transport: Send + Sync {
     fn check_memory(&self, memory: &RemoteMemory) -> Result<(), TransportError> {
         let _ = memory;
         Ok(())
+    }
+}
+
+/// Whether a decode on transport `kind` offers the prefills of its host its pool's memory
+/// file, for mapped writes ([`mapped`]): where the operator chose a same-host path (`zmq-ipc`,
+/// or UCX with shared memory in `UCX_TLS`), not over `zmq-tcp`, whose bytes are to cross the
+/// network stack.
+pub fn maps_pools(kind: TransportKind) -> bool {
+    match kind {
+        TransportKind::ZmqTcp => false,
+        TransportKind::ZmqIpc => true,
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => ucx::data::maps_pools(),
     }
 }
 

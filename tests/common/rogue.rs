@@ -22,8 +22,13 @@ pub fn tiny_layout() -> WireLayout {
     }
 }
 
-/// A 1P1D decode's Hello for `tiny` with this data endpoint and pool.
-pub fn hello(data_endpoint: String, pool: Option<RemoteMemory>) -> Message {
+/// A 1P1D decode's Hello for `tiny` with this data endpoint, pool (the transport's key) and
+/// shared pool (a pool socket's key).
+pub fn hello(
+    data_endpoint: String,
+    pool: Option<RemoteMemory>,
+    shared_pool: Option<RemoteMemory>,
+) -> Message {
     Message::Hello(Hello {
         min_version: kvferry::protocol::MIN_VERSION,
         max_version: kvferry::protocol::VERSION,
@@ -45,6 +50,7 @@ pub fn hello(data_endpoint: String, pool: Option<RemoteMemory>) -> Message {
         pool,
         revocable_runs: false,
         chunk_key: kvferry::protocol::Secret::default(),
+        shared_pool,
     })
 }
 

@@ -81,10 +81,10 @@ impl DecodeAgent {
         cfg: AgentConfig,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
-        // Over zmq-ipc the agent's own pool is a memory file, so that same-host prefills can
-        // write into it directly (`transport/mapped.rs`).
-        let shareable = cfg.transport == transport::TransportKind::ZmqIpc
-            && cfg.direct_writes != super::DirectWrites::Never;
+        // Over a same-host transport the agent's own pool is a memory file, so that prefills
+        // of this host can write into it directly (`transport/mapped.rs`).
+        let shareable =
+            transport::maps_pools(cfg.transport) && cfg.direct_writes != super::DirectWrites::Never;
         let pool = super::open_pool(&cfg, shareable)?;
         Self::start_with_pool(cfg, pool, shutdown).await
     }
@@ -114,10 +114,17 @@ impl DecodeAgent {
             && cfg.layout.placement == crate::layout::KvPlacement::Planes
             && cfg.layout.order.granularity() == crate::layout::Granularity::Token
             && pool.contiguous();
-        let pool_key = match (exposable, pool.host()) {
-            (true, Some(host)) => receiver.expose(host.clone()).await?,
-            _ => None,
+        let (pool_key, shared) = match (exposable, pool.host()) {
+            (true, Some(host)) => {
+                let shared = match transport::maps_pools(cfg.transport) {
+                    true => transport::mapped::serve(host).await?,
+                    false => None,
+                };
+                (receiver.expose(host.clone()).await?, shared)
+            }
+            _ => (None, None),
         };
+        let (shared_pool, serving) = shared.unzip();
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = format!("http://{}", listener.local_addr()?);
         let inner = Arc::new(Inner {
@@ -129,6 +136,8 @@ impl DecodeAgent {
             groups: Default::default(),
             data_endpoint: data_endpoint.clone(),
             pool_key,
+            shared_pool,
+            _serving: serving,
             placer: receiver.placer(),
             receives: receiver.receives(),
             rooms: Mutex::new(HashMap::new()),
@@ -235,8 +244,13 @@ struct Inner {
     /// Prefill groups looked up lately.
     groups: groups::Groups,
     data_endpoint: String,
-    /// The pool as exposed for one-sided writes (sent in Hello), when the transport has them.
+    /// The pool as exposed for the transport's one-sided writes (sent in Hello), when it has
+    /// them.
     pool_key: Option<crate::memory::RemoteMemory>,
+    /// The pool's memory file as served to prefills of this host (Hello's `shared_pool`).
+    shared_pool: Option<crate::memory::RemoteMemory>,
+    /// Serves it while the agent lives.
+    _serving: Option<tokio_util::task::AbortOnDropHandle<()>>,
     /// Receives placed runs into the pool, when the transport can.
     placer: Option<Arc<dyn transport::Placer>>,
     /// Keeps a receive posted for each slot granted to a prefill, when the transport needs it.

@@ -171,6 +171,7 @@ impl Inner {
             pool: self.pool_key.clone(),
             revocable_runs: self.placer.as_ref().is_some_and(|p| p.revocable()),
             chunk_key,
+            shared_pool: self.shared_pool.clone(),
         });
         // The Hello grants the slots: a receive is posted for each before it goes.
         let granted = match &self.receives {
@@ -230,7 +231,7 @@ impl Inner {
         let peer = Arc::new(Peer {
             instance: ack.instance,
             version: ack.version,
-            direct: ack.direct && self.pool_key.is_some(),
+            direct: ack.direct && (self.pool_key.is_some() || self.shared_pool.is_some()),
             endpoint,
             send: tokio::sync::Mutex::new(send),
             last_seen: Mutex::new(Instant::now()),

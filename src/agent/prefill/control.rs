@@ -117,10 +117,14 @@ impl Inner {
         ) {
             return refuse(reason.code, reason.message);
         }
-        let checked = match &hello.pool {
-            Some(pool) => self.transport.check_memory(pool),
-            None => Ok(()),
-        };
+        let checked = hello
+            .pool
+            .as_ref()
+            .map_or(Ok(()), |pool| self.transport.check_memory(pool))
+            .and_then(|()| {
+                let file = hello.shared_pool.as_ref();
+                file.map_or(Ok(()), transport::mapped::check_key)
+            });
         let connected = match checked {
             Ok(()) => {
                 let timeout = self.cfg.timeouts.connect;
@@ -154,9 +158,11 @@ impl Inner {
         // A decode older than `PIECES` takes a chunk's payload in one frame only.
         let from_pool = data.sends_from_pool() && version >= protocol::PIECES;
         // Only one-sided writers are announced: placed runs land where the decode posts them.
-        let direct = direct_target
-            .as_ref()
-            .is_some_and(|t| t.method == crate::agent::DirectMethod::Write);
+        let direct = direct_target.as_ref().is_some_and(|t| {
+            t.ways
+                .iter()
+                .any(|w| w.method() == crate::agent::DirectMethod::Write)
+        });
         let slots = (hello.slots as usize).min(Semaphore::MAX_PERMITS);
         let peer = Arc::new(Peer {
             instance: hello.instance,
@@ -312,14 +318,15 @@ impl Inner {
         }
     }
 
-    /// Attaches the decode's exposed pool, when it sent one and `--direct-writes` allows the
-    /// way the writes would travel; otherwise every chunk to this decode is staged.
+    /// The ways into the decode's pool: the transport's own, when the decode exposed its pool
+    /// to it and `--direct-writes` allows the way the writes would travel; then the pool's
+    /// memory file, when the decode shares it and is on this host. None: every chunk to this
+    /// decode is staged.
     async fn direct_target(
         &self,
         hello: &Hello,
         data: &mut Box<dyn DataSender>,
     ) -> Option<super::DirectTarget> {
-        let memory = hello.pool.as_ref()?;
         // Engine regions apart from each other, or pages that move only whole, stay staged.
         let head_granular = self.cfg.layout.order.granularity() == crate::layout::Granularity::Head;
         if self.cfg.direct_writes == crate::agent::DirectWrites::Never
@@ -329,21 +336,42 @@ impl Inner {
             return None;
         }
         let decode = hello.instance;
-        let path = match data.attach(memory.clone()).await {
-            Ok(Some(path)) => path,
-            Ok(None) => return None,
-            Err(e) => {
-                tracing::warn!(%decode, error = %e, "decode pool not attached; staging");
-                return None;
+        let mut ways = Vec::new();
+        if let Some(memory) = &hello.pool {
+            match data.attach(memory.clone()).await {
+                Ok(Some(path)) => {
+                    match self.cfg.direct_writes.method(&path, hello.revocable_runs) {
+                        Some(method) => {
+                            ways.push((super::Way::Transport { path, method }, memory.size))
+                        }
+                        None => {
+                            tracing::info!(%decode, via = %path.via, "no fast, safe direct path of the transport here");
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(%decode, error = %e, "decode pool not attached"),
             }
-        };
-        let Some(method) = self.cfg.direct_writes.method(&path, hello.revocable_runs) else {
-            tracing::info!(%decode, via = %path.via, "no fast, safe direct path here; staging");
+        }
+        if let Some(memory) = hello.shared_pool.clone() {
+            let (size, endpoint) = (memory.size, hello.data_endpoint.clone());
+            let attached =
+                tokio::task::spawn_blocking(move || transport::mapped::attach(&memory, &endpoint))
+                    .await;
+            match attached {
+                Ok(Ok(mapped)) => ways.push((super::Way::Mapped(Arc::new(mapped)), size)),
+                // A decode on another host (or network namespace) shares its file in vain.
+                Ok(Err(e)) => tracing::info!(%decode, error = %e, "decode pool file not mapped"),
+                Err(e) => tracing::warn!(%decode, error = %e, "decode pool file not mapped"),
+            }
+        }
+        if ways.is_empty() {
             return None;
-        };
-        match super::DirectTarget::new(hello, memory, path, method) {
+        }
+        match super::DirectTarget::new(hello, ways) {
             Ok(target) => {
-                tracing::info!(%decode, via = %target.path.via, ?method, pages = target.num_pages, "direct path into the decode pool");
+                let via: Vec<&str> = target.ways.iter().map(super::Way::via).collect();
+                tracing::info!(%decode, via = %via.join(" then "), pages = target.num_pages, "direct path into the decode pool");
                 Some(target)
             }
             Err(why) => {

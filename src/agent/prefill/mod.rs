@@ -251,40 +251,69 @@ struct Peer {
 }
 
 /// A decode pool this prefill writes into directly (the direct path): its layout and size,
-/// from Hello, and how the writes travel.
+/// from Hello, and the ways into it.
 struct DirectTarget {
     layout: crate::layout::KvLayout,
     num_pages: usize,
-    path: transport::WritePath,
-    method: crate::agent::DirectMethod,
+    /// Best first: each piece goes the first way whose runs pay there (`transfer.rs`).
+    ways: Vec<Way>,
+}
+
+/// One way a direct piece's runs reach the decode's pages.
+enum Way {
+    /// The transport's own: one-sided writes ([`transport::DataSender::write`]) or placed runs.
+    Transport {
+        path: transport::WritePath,
+        method: crate::agent::DirectMethod,
+    },
+    /// This process's copies into the decode's pool file, mapped here
+    /// ([`transport::mapped`]): one-sided writes whose runs pay at any length.
+    Mapped(Arc<transport::mapped::MappedPool>),
+}
+
+impl Way {
+    fn method(&self) -> crate::agent::DirectMethod {
+        match self {
+            Way::Transport { method, .. } => *method,
+            Way::Mapped(_) => crate::agent::DirectMethod::Write,
+        }
+    }
+
+    /// What the writes travel by, for the logs.
+    fn via(&self) -> &str {
+        match self {
+            Way::Transport { path, .. } => &path.via,
+            Way::Mapped(_) => "mapped",
+        }
+    }
 }
 
 impl DirectTarget {
-    /// The decode's pool as its Hello describes it, or why direct writes into it are off.
-    fn new(
-        hello: &Hello,
-        memory: &crate::memory::RemoteMemory,
-        path: transport::WritePath,
-        method: crate::agent::DirectMethod,
-    ) -> Result<Self, String> {
+    /// The decode's pool as its Hello describes it, reached `ways`, each with the size of the
+    /// memory it was given; or why direct writes into it are off.
+    fn new(hello: &Hello, ways: Vec<(Way, u64)>) -> Result<Self, String> {
         let layout = crate::agent::layout_of(&hello.layout).map_err(|e| e.to_string())?;
         let span = layout.page_span().map_err(|e| e.to_string())? as u64;
-        if span == 0 || memory.size % span != 0 {
+        let size = ways.first().map_or(0, |(_, size)| *size);
+        if let Some((_, other)) = ways.iter().find(|(_, s)| *s != size) {
             return Err(format!(
-                "exposed {} bytes, not a whole number of {span}-byte pages",
-                memory.size
+                "the pool is exposed as {size} bytes and as {other}"
+            ));
+        }
+        if span == 0 || size % span != 0 {
+            return Err(format!(
+                "exposed {size} bytes, not a whole number of {span}-byte pages"
             ));
         }
         // The decode's size feeds every offset computed into its pool: checked here.
-        let num_pages = usize::try_from(memory.size / span)
+        let num_pages = usize::try_from(size / span)
             .ok()
-            .filter(|&n| layout.pool_bytes(n).is_ok_and(|b| b as u64 == memory.size))
-            .ok_or_else(|| format!("exposed {} bytes: too many pages", memory.size))?;
+            .filter(|&n| layout.pool_bytes(n).is_ok_and(|b| b as u64 == size))
+            .ok_or_else(|| format!("exposed {size} bytes: too many pages"))?;
         Ok(DirectTarget {
             layout,
             num_pages,
-            path,
-            method,
+            ways: ways.into_iter().map(|(way, _)| way).collect(),
         })
     }
 }

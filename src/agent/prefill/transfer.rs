@@ -47,6 +47,10 @@ fn from_pool(
     Ok((spans.len() <= MAX_PIECES).then(|| Payload::FromPool(host.clone(), spans)))
 }
 
+fn plan_failed(e: crate::kernel::KernelError) -> Reason {
+    Reason::new(FailureCode::BadMessage, format!("direct write plan: {e}"))
+}
+
 fn gather_failed(e: crate::kernel::KernelError) -> Reason {
     Reason::new(FailureCode::BadMessage, format!("gather: {e}"))
 }
@@ -62,16 +66,35 @@ const PLACED_STALL: &str = "placed runs not taken";
 /// 8 MiB placed chunks reached 5.6 GB/s per room, 32 MiB ones 7.1).
 const DIRECT_CHUNK_BYTES: usize = 32 << 20;
 
-/// Whether a piece whose first chunk moves as `runs` goes by `method` rather than staged: its
-/// runs must average at least one decode page `block` (one-sided writes: the head layouts
-/// line up) or `placed_min_run` bytes (placed runs: each is one rendezvous message).
-fn runs_pay(method: DirectMethod, runs: &[WriteRun], block: u64, placed_min_run: u64) -> bool {
-    let shortest = match method {
-        DirectMethod::Write => block,
-        DirectMethod::Place => placed_min_run,
-    };
+/// The shortest average run worth going `way` rather than staged: one decode page `block`
+/// for the transport's one-sided writes (the head layouts line up), `--placed-min-run-bytes`
+/// (`placed_floor`, by default [`crate::agent::placed_min_run`]) for placed runs (each is one
+/// message), any length for mapped writes (this process's own copies).
+fn shortest_run(way: &Way, block: u64, placed_floor: Option<u64>) -> u64 {
+    match way {
+        Way::Transport {
+            method: DirectMethod::Write,
+            ..
+        } => block,
+        Way::Transport {
+            method: DirectMethod::Place,
+            path,
+        } => placed_floor.unwrap_or_else(|| crate::agent::placed_min_run(path)),
+        Way::Mapped(_) => 1,
+    }
+}
+
+/// Whether `runs` average at least `shortest` bytes.
+fn runs_pay(runs: &[WriteRun], shortest: u64) -> bool {
     let bytes: u64 = runs.iter().map(|r| r.len).sum();
     !runs.is_empty() && bytes / runs.len() as u64 >= shortest
+}
+
+/// A direct chunk's runs, checksum and the way (an index of `DirectTarget::ways`) they go.
+struct Planned {
+    runs: Vec<WriteRun>,
+    sum: u64,
+    way: usize,
 }
 
 /// `r` counted from `start`, when it does not begin before it.
@@ -361,9 +384,9 @@ impl Inner {
                 false,
             );
             if let Some(first) = plan.first() {
-                if let Some(runs) = self.direct_runs(job, target, first, &heads, true).await? {
+                if let Some(planned) = self.direct_runs(job, target, first, &heads, None).await? {
                     return self
-                        .send_direct(job, target, &plan, &heads, runs, chunks)
+                        .send_direct(job, target, &plan, &heads, planned, chunks)
                         .await;
                 }
             }
@@ -521,19 +544,18 @@ impl Inner {
         sent
     }
 
-    /// The one-sided writes that move chunk `c` into the decode's pool, and its checksum.
-    /// `None` when the decode's layout does not hold the chunk's layers and heads or, if
-    /// `judge`, when the writes do not pay: runs shorter on average than one decode page block
-    /// (one-sided writes: the head layouts do not line up) or than `--placed-min-run-bytes`
-    /// (placed runs). The first chunk of a piece decides for the piece.
+    /// The runs that move chunk `c` into the decode's pool `way`, and its checksum. With no
+    /// `way` given, the first of the target's ways where the runs pay ([`shortest_run`]): the
+    /// first chunk of a piece chooses for the piece. `None` when the decode's layout does not
+    /// hold the chunk's layers and heads, or when no way pays.
     async fn direct_runs(
         &self,
         job: &Job,
         target: &DirectTarget,
         c: &ChunkPlan,
         heads: &Range<usize>,
-        judge: bool,
-    ) -> Result<Option<(Vec<WriteRun>, u64)>, Reason> {
+        way: Option<usize>,
+    ) -> Result<Option<Planned>, Reason> {
         let (l, d, req) = (&self.cfg.layout, &target.layout, &job.req);
         let (Some(dst_layers), Some(dst_heads)) = (
             local(&c.layers, d.layers.start),
@@ -549,11 +571,20 @@ impl Inner {
         let (src_pages, dst_pages) = (job.pages.clone(), job.dst_pages.clone());
         let (tokens, heads, wire) = (c.tokens.clone(), heads.clone(), req.wire_order);
         let (num_pages, checksum) = (target.num_pages, self.cfg.checksum);
-        let shortest_placed = self
-            .cfg
-            .placed_min_run_bytes
-            .unwrap_or_else(|| crate::agent::placed_min_run(&target.path));
-        let (method, copied) = (target.method, target.path.copied);
+        let block = target
+            .layout
+            .block_bytes()
+            .map_err(|e| plan_failed(e.into()))? as u64;
+        // The shortest average run of each way the chunk may go; the way given takes any.
+        let shortest: Vec<Option<u64>> = target
+            .ways
+            .iter()
+            .enumerate()
+            .map(|(i, w)| match way {
+                Some(given) => (given == i).then_some(0),
+                None => Some(shortest_run(w, block, self.cfg.placed_min_run_bytes)),
+            })
+            .collect();
         let planned = tokio::task::spawn_blocking(move || {
             let src = Selection {
                 pages: &src_pages,
@@ -580,27 +611,19 @@ impl Inner {
                 },
                 wire,
             )?;
-            // Runs this process copies itself pay at any length (`WritePath::copied`).
-            let block = match copied {
-                true => 1,
-                false => layout.block_bytes()? as u64,
-            };
-            if judge && !runs_pay(method, &runs, block, shortest_placed) {
+            let pays = |s: &Option<u64>| s.is_some_and(|s| runs_pay(&runs, s));
+            let Some(way) = shortest.iter().position(pays) else {
                 return Ok(None);
-            }
+            };
             let sum = match checksum {
                 true => crate::agent::checksum_digest(pool.checksum(&src, wire)?),
                 false => 0,
             };
-            Ok::<_, crate::kernel::KernelError>(Some((runs, sum)))
+            Ok::<_, crate::kernel::KernelError>(Some(Planned { runs, sum, way }))
         })
         .await;
         match planned {
-            Ok(Ok(planned)) => Ok(planned),
-            Ok(Err(e)) => Err(Reason::new(
-                FailureCode::BadMessage,
-                format!("direct write plan: {e}"),
-            )),
+            Ok(planned) => planned.map_err(plan_failed),
             Err(e) => Err(Reason::new(
                 FailureCode::BadMessage,
                 format!("direct write plan stopped: {e}"),
@@ -616,7 +639,7 @@ impl Inner {
         target: &DirectTarget,
         plan: &[ChunkPlan],
         heads: &Range<usize>,
-        first: (Vec<WriteRun>, u64),
+        first: Planned,
         chunks: &mut u32,
     ) -> Result<(), Reason> {
         // Only a host pool is written directly (`direct_path` offers it for nothing else).
@@ -624,6 +647,7 @@ impl Inner {
             let m = "the direct path reads a host pool; this pool is device memory";
             return Err(Reason::new(FailureCode::IncompatibleLayout, m.to_owned()));
         };
+        let way = first.way;
         let mut first = Some(first);
         // Placed chunks whose runs the decode is still taking: the next chunk's header and
         // runs go out meanwhile.
@@ -636,9 +660,9 @@ impl Inner {
             }
             let planned = match first.take() {
                 Some(p) => Some(p),
-                None => self.direct_runs(job, target, c, heads, false).await?,
+                None => self.direct_runs(job, target, c, heads, Some(way)).await?,
             };
-            let Some((runs, mut sum)) = planned else {
+            let Some(Planned { runs, mut sum, .. }) = planned else {
                 let m = format!("chunk {c:?} is outside the decode pool's layout");
                 return Err(Reason::new(FailureCode::IncompatibleLayout, m));
             };
@@ -650,16 +674,33 @@ impl Inner {
                 );
                 sum ^= 1;
             }
-            let payload = match target.method {
-                DirectMethod::Place => Payload::Placed(host.clone(), runs),
-                DirectMethod::Write => {
+            let payload = match &target.ways[way] {
+                Way::Transport {
+                    method: DirectMethod::Place,
+                    ..
+                } => Payload::Placed(host.clone(), runs),
+                how => {
                     let len: u64 = runs.iter().map(|r| r.len).sum();
                     // The writes read this pool until they are flushed, whoever stops waiting.
                     let (peer, pool) = (job.peer.clone(), host.clone());
-                    let written = job.sends.spawn(async move {
-                        let mut data = peer.data.lock().await;
-                        data.write(pool, runs).await
-                    });
+                    let written = match how {
+                        Way::Mapped(mapped) => {
+                            let (mapped, endpoint) = (mapped.clone(), peer.data_endpoint.clone());
+                            job.sends.spawn(async move {
+                                let fail = |m: String| {
+                                    transport::TransportError::new("write", &endpoint, m)
+                                };
+                                tokio::task::spawn_blocking(move || mapped.write(&pool, &runs))
+                                    .await
+                                    .map_err(|e| fail(e.to_string()))?
+                                    .map_err(fail)
+                            })
+                        }
+                        Way::Transport { .. } => job.sends.spawn(async move {
+                            let mut data = peer.data.lock().await;
+                            data.write(pool, runs).await
+                        }),
+                    };
                     self.taken(job, written, "direct writes not flushed")
                         .await?;
                     if job.cancel.is_cancelled() {

@@ -53,6 +53,11 @@ fn hello() -> Hello {
         }),
         revocable_runs: true,
         chunk_key: Secret::from_bytes([0xc0; 16]),
+        shared_pool: Some(RemoteMemory {
+            base: 0,
+            size: 1 << 30,
+            key: b"0123456789abcdefkvferry-pool-x".to_vec(),
+        }),
     }
 }
 
@@ -290,7 +295,7 @@ fn a_heartbeat_has_the_documented_bytes() {
         instance: uuid(0x0102),
         seq: 3,
     });
-    let mut want = b"KVFY\x06\x00\x08\x00\x18\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x07\x00\x08\x00\x18\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(msg.encode(), want);
@@ -383,16 +388,33 @@ fn an_older_hello_decodes_without_the_fields_it_lacks_to_be_refused_by_version()
         pool: None,
         revocable_runs: false,
         chunk_key: Secret::default(),
+        shared_pool: None,
         max_version: 3,
         ..hello()
     };
     let mut f = Message::Hello(h.clone()).encode_as(3);
-    // Cut the trailing flag and key: what a version-3 build sends.
-    f.truncate(f.len() - 17);
-    let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - 17;
+    // Cut the trailing flag, key and shared pool: what a version-3 build sends.
+    f.truncate(f.len() - 18);
+    let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - 18;
     f[8..12].copy_from_slice(&len.to_le_bytes());
     assert_eq!(Message::decode(&f), Ok(Message::Hello(h.clone())));
     assert_eq!(negotiate(h.min_version, h.max_version), None);
+}
+
+#[test]
+fn a_version_6_hello_decodes_without_a_shared_pool_and_is_accepted() {
+    let h = Hello {
+        shared_pool: None,
+        max_version: 6,
+        ..hello()
+    };
+    let mut f = Message::Hello(h.clone()).encode_as(6);
+    // Cut the absent shared pool's flag: a version-6 Hello ends after its chunk key.
+    f.truncate(f.len() - 1);
+    let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - 1;
+    f[8..12].copy_from_slice(&len.to_le_bytes());
+    assert_eq!(Message::decode(&f), Ok(Message::Hello(h.clone())));
+    assert_eq!(negotiate(h.min_version, h.max_version), Some(6));
 }
 
 #[test]

@@ -147,6 +147,30 @@ fn eager_chunks(tls: Option<&str>, rndv_thresh_set: bool) -> bool {
         && names.all(|t| t == "tcp" || t == "self")
 }
 
+/// The transports `sm` stands for in `UCX_TLS`: same-host memory.
+const SHARED_MEMORY: [&str; 7] = ["sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"];
+
+/// Whether `tls` lets UCX move bytes through same-host memory: unset (UCX's defaults), an
+/// exclusion list that leaves some shared-memory transport, or a list that names one.
+fn shared_memory_allowed(tls: Option<&str>) -> bool {
+    let Some(list) = tls else { return true };
+    let named = |t: &str| SHARED_MEMORY.contains(&t.trim());
+    match list.strip_prefix('^') {
+        Some(excluded) => {
+            let excluded: Vec<&str> = excluded.split(',').map(str::trim).collect();
+            !excluded.iter().any(|t| *t == "sm" || *t == "shm")
+                && SHARED_MEMORY[2..].iter().any(|t| !excluded.contains(t))
+        }
+        None => list.split(',').any(named),
+    }
+}
+
+/// Whether a decode on UCX offers same-host prefills its pool's memory file
+/// ([`super::super::maps_pools`]): when this process's `UCX_TLS` allows shared memory.
+pub fn maps_pools() -> bool {
+    shared_memory_allowed(std::env::var("UCX_TLS").ok().as_deref())
+}
+
 /// Whether `tls` names shared-memory transports only (`posix,cma,self`, `sm`, ...). UCX 1.13
 /// cannot detect a dead peer over them: it refuses an endpoint asking for that, and logs the
 /// refusal as an error on stdout, where kvferry prints its listening line. Such endpoints are
@@ -154,12 +178,10 @@ fn eager_chunks(tls: Option<&str>, rndv_thresh_set: bool) -> bool {
 fn shared_memory_only(tls: Option<&str>) -> bool {
     let Some(list) = tls else { return false };
     !list.starts_with('^')
-        && list.split(',').map(str::trim).all(|t| {
-            matches!(
-                t,
-                "sm" | "shm" | "posix" | "sysv" | "cma" | "knem" | "xpmem" | "self"
-            )
-        })
+        && list
+            .split(',')
+            .map(str::trim)
+            .all(|t| t == "self" || SHARED_MEMORY.contains(&t))
 }
 
 /// Whether this process's `UCX_*` environment sets `name` (without its `UCX_` prefix).
@@ -582,7 +604,6 @@ impl DataSender for UcxSender {
             let via = rma_transports(&info);
             self.region = Some(region);
             Ok(Some(WritePath {
-                copied: false,
                 placed: placed_runs(eager(), &via),
                 eager: eager(),
                 fast: fast_writes(&via, supervised),

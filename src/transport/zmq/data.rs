@@ -32,11 +32,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::monitor::{Event, Monitor};
 use super::{Auth, context, owned, rest_of_message, spawn, tcp_address};
-use crate::memory::{RemoteMemory, Span, WriteRun};
+use crate::memory::{RemoteMemory, Span};
 use crate::pool::HostPool;
 use crate::transport::{
     BoxFuture, DataReceiver, DataSender, Frame, Listening, MAX_PIECES, Payload, Transport,
-    TransportError, TransportKind, WritePath, mapped,
+    TransportError, TransportKind, mapped,
 };
 
 /// Messages queued per connection before a send blocks. Credits already bound the chunks in
@@ -107,7 +107,7 @@ impl Transport for ZmqData {
         port: u16,
     ) -> BoxFuture<'static, Result<Listening, TransportError>> {
         let address = bind_address(self.kind, host, port);
-        let (kind, max_frame, auth) = (self.kind, self.max_frame, self.auth.clone());
+        let (max_frame, auth) = (self.max_frame, self.auth.clone());
         Box::pin(async move {
             let (bound_tx, bound_rx) = oneshot::channel();
             let (chunks_tx, chunks_rx) = mpsc::channel(RECV_AHEAD);
@@ -131,22 +131,21 @@ impl Transport for ZmqData {
             let receiver: Box<dyn DataReceiver> = Box::new(ZmqReceiver {
                 chunks: chunks_rx,
                 endpoint: endpoint.clone(),
-                kind,
-                serving: None,
             });
             Ok((endpoint, receiver))
         })
     }
 
-    /// Over `zmq-ipc` a pool key must name a pool socket ([`mapped`]); over tcp no pool is
-    /// ever exposed.
+    /// ZeroMQ has no one-sided writes of its own: a pool key is refused, except over
+    /// `zmq-ipc` one naming a pool socket ([`mapped`]), where a version-6 decode put it (which
+    /// is ignored: that decode is staged into; version 7 sends it as `shared_pool`).
     fn check_memory(&self, memory: &RemoteMemory) -> Result<(), TransportError> {
         match self.kind {
             TransportKind::ZmqIpc => mapped::check_key(memory),
             _ => Err(TransportError::malformed(
                 "hello",
                 "-",
-                "zmq-tcp has no one-sided writes, yet the decode exposed its pool",
+                "ZeroMQ has no one-sided writes, yet the decode exposed its pool to them",
             )),
         }
     }
@@ -157,7 +156,7 @@ impl Transport for ZmqData {
         timeout: Duration,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>> {
         let endpoint = endpoint.to_owned();
-        let (kind, auth) = (self.kind, self.auth.clone());
+        let auth = self.auth.clone();
         Box::pin(async move {
             let (connected_tx, connected_rx) = oneshot::channel();
             let (jobs_tx, jobs_rx) = std_mpsc::channel::<Job>();
@@ -205,8 +204,6 @@ impl Transport for ZmqData {
                 jobs: Some(jobs_tx),
                 closed,
                 endpoint,
-                kind,
-                mapped: None,
             });
             Ok(sender)
         })
@@ -420,9 +417,6 @@ struct ZmqSender {
     /// Set by `close`: the thread fails what it holds and what is queued at once.
     closed: Arc<AtomicBool>,
     endpoint: String,
-    kind: TransportKind,
-    /// The receiver's pool, mapped here for one-sided writes (`zmq-ipc`: [`mapped`]).
-    mapped: Option<Arc<mapped::MappedPool>>,
 }
 
 impl ZmqSender {
@@ -502,53 +496,12 @@ impl DataSender for ZmqSender {
     fn close(&mut self) {
         self.closed.store(true, Ordering::Relaxed);
         self.jobs = None;
-        self.mapped = None;
-    }
-
-    /// Over `zmq-ipc`, maps the receiver's pool file ([`mapped`]); no one-sided writes over tcp.
-    fn attach(
-        &mut self,
-        memory: RemoteMemory,
-    ) -> BoxFuture<'_, Result<Option<WritePath>, TransportError>> {
-        Box::pin(async move {
-            if self.kind != TransportKind::ZmqIpc {
-                return Ok(None);
-            }
-            let endpoint = self.endpoint.clone();
-            let attached =
-                tokio::task::spawn_blocking(move || mapped::attach(&memory, &endpoint)).await;
-            let pool = attached.map_err(|e| TransportError::new("attach", &self.endpoint, e))??;
-            self.mapped = Some(Arc::new(pool));
-            Ok(Some(mapped::write_path()))
-        })
-    }
-
-    /// Copies the runs into the mapped pool on a blocking thread.
-    fn write(
-        &mut self,
-        source: Arc<HostPool>,
-        runs: Vec<WriteRun>,
-    ) -> BoxFuture<'_, Result<(), TransportError>> {
-        let fail = |m: String| TransportError::new("write", &self.endpoint, m);
-        let Some(pool) = self.mapped.clone() else {
-            let e = fail("no receiver's pool is mapped here".to_owned());
-            return Box::pin(async move { Err(e) });
-        };
-        Box::pin(async move {
-            tokio::task::spawn_blocking(move || pool.write(&source, &runs))
-                .await
-                .map_err(|e| fail(e.to_string()))?
-                .map_err(fail)
-        })
     }
 }
 
 struct ZmqReceiver {
     chunks: mpsc::Receiver<Result<(Bytes, Payload), TransportError>>,
     endpoint: String,
-    kind: TransportKind,
-    /// Serves the pool's file to senders while this receiver lives ([`mapped::serve`]).
-    serving: Option<tokio_util::task::AbortOnDropHandle<()>>,
 }
 
 impl DataReceiver for ZmqReceiver {
@@ -564,24 +517,6 @@ impl DataReceiver for ZmqReceiver {
                     "ZeroMQ receives host memory only",
                 )),
             }
-        })
-    }
-
-    /// Over `zmq-ipc`, a pool that is a memory file is served to senders for one-sided
-    /// writes ([`mapped`]).
-    fn expose(
-        &mut self,
-        pool: Arc<HostPool>,
-    ) -> BoxFuture<'_, Result<Option<RemoteMemory>, TransportError>> {
-        Box::pin(async move {
-            if self.kind != TransportKind::ZmqIpc {
-                return Ok(None);
-            }
-            let Some((memory, serving)) = mapped::serve(&pool).await? else {
-                return Ok(None);
-            };
-            self.serving = Some(serving);
-            Ok(Some(memory))
         })
     }
 

@@ -82,6 +82,11 @@ fn arb_hello() -> impl Strategy<Value = Hello> {
                 }),
                 revocable_runs: r[4] % 2 == 0,
                 chunk_key: Secret::from_bytes(instance.into_bytes()),
+                shared_pool: (r[5] % 3 == 0).then(|| RemoteMemory {
+                    base: 0,
+                    size: u64::from(r[5]),
+                    key: r[4].to_le_bytes().to_vec(),
+                }),
             },
         )
 }

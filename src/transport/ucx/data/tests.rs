@@ -117,6 +117,29 @@ fn shared_memory_transports_only_make_unsupervised_endpoints() {
 }
 
 #[test]
+fn pools_are_shared_with_same_host_prefills_where_ucx_may_use_shared_memory() {
+    for tls in [
+        None,
+        Some("posix,cma,self"),
+        Some("rc,sm"),
+        Some("tcp, cma"),
+        Some("^tcp"),
+        Some("^posix,sysv"),
+    ] {
+        assert!(shared_memory_allowed(tls), "{tls:?}");
+    }
+    for tls in [
+        Some("tcp"),
+        Some("tcp,self"),
+        Some("rc,ud"),
+        Some("^sm"),
+        Some("^posix,sysv,cma,knem,xpmem"),
+    ] {
+        assert!(!shared_memory_allowed(tls), "{tls:?}");
+    }
+}
+
+#[test]
 fn chunks_go_eagerly_over_tcp_only() {
     assert!(eager_chunks(Some("tcp"), false));
     assert!(eager_chunks(Some("tcp,self"), false));
