@@ -25,26 +25,15 @@ use serde_json::json;
 /// Variables set for every process of a cluster.
 type Env = Vec<(String, String)>;
 
-/// The UCX environments under test, with the path `--direct-writes auto` takes in each when
-/// the head layouts line up: placed runs, read by the decode over shared memory (cma), sent
-/// eagerly into revocable receives over tcp (`transport/ucx/data.rs`, `placed_runs`); and the
-/// path of pieces whose runs are too short for it: over shared memory the prefill writes them
-/// into the decode's pool file, mapped (`transport/mapped.rs`), over tcp they are staged.
-fn envs() -> [(&'static str, Env, Path, Path); 2] {
+/// The UCX environments under test: tcp pinned to loopback, and shared memory.
+fn envs() -> [(&'static str, Env); 2] {
     let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
     [
         (
             "tcp",
             vec![pair("UCX_TLS", "tcp"), pair("UCX_NET_DEVICES", "lo")],
-            Path::Placed,
-            Path::Staged,
         ),
-        (
-            "shm",
-            vec![pair("UCX_TLS", "posix,cma,self")],
-            Path::Placed,
-            Path::Direct,
-        ),
+        ("shm", vec![pair("UCX_TLS", "posix,cma,self")]),
     ]
 }
 
@@ -68,45 +57,66 @@ enum Path {
     Staged,
 }
 
-/// The runs: per UCX environment, 1P1D and PP2 -> PP1 (two prefills placing into one decode)
-/// with the path `--direct-writes auto` picks there, TP2 -> TP1 and (on shm) TP1 -> TP2
-/// (head slices: too short to place, so mapped over shm and staged over tcp) and 1P1D with
-/// `always` (one-sided writes, which UCX 1.13 emulates over tcp and shared memory, see
-/// `transport/ucx/data.rs`). Each with the path of the pieces whose runs do not pay.
-type Run = (String, Env, Shape, Shape, &'static str, Path, Path);
+/// One run of the hundred-room test: the flags it adds, the path its chunks must take, and
+/// the path of those whose runs are too short for it.
+struct Run {
+    tag: String,
+    env: Env,
+    prefill: Shape,
+    decode: Shape,
+    flags: &'static [(&'static str, &'static str)],
+    path: Path,
+    short: Path,
+}
 
+/// The runs, per UCX environment: 1P1D, PP2 -> PP1 (two prefills into one decode), TP2 -> TP1
+/// and (on shm) TP1 -> TP2 with the defaults, and 1P1D with `--direct-writes always` (one-sided
+/// writes, which UCX 1.13 emulates over tcp and shared memory, see `transport/ucx/data.rs`).
+/// Over tcp the defaults place runs, eagerly into revocable receives (`placed_runs` in
+/// `transport/ucx/data.rs`), and stage head slices. Over shared memory the prefill writes
+/// everything into the decode's pool file, mapped (`transport/mapped.rs`); with
+/// `--mapped-writes never` it places runs (the decode reads them by cma) and stages head
+/// slices, as over tcp.
 fn runs() -> Vec<Run> {
+    const NO_MAPPED: &[(&str, &str)] = &[("--mapped-writes", "never")];
+    const ALWAYS: &[(&str, &str)] = &[("--direct-writes", "always")];
+    let pp2 = Shape {
+        pp: 2,
+        ..Shape::ONE
+    };
+    let (one, tp2) = (Shape::ONE, Shape::tp(2));
+    let (direct, placed, staged) = (Path::Direct, Path::Placed, Path::Staged);
     let mut out = Vec::new();
-    for (name, env, auto, short) in envs() {
-        let run = |label: &str, prefill, decode, writes, path| {
-            (
-                format!("ucx-{name}-{label}"),
-                env.clone(),
+    for (name, env) in envs() {
+        let mut run = |label: &str, prefill, decode, flags, path, short| {
+            out.push(Run {
+                tag: format!("ucx-{name}-{label}"),
+                env: env.clone(),
                 prefill,
                 decode,
-                writes,
+                flags,
                 path,
                 short,
-            )
+            })
         };
-        out.push(run("1p1d", Shape::ONE, Shape::ONE, "auto", auto));
-        // Two prefill stages placing their layer ranges into one decode at once.
-        let pp2 = Shape {
-            pp: 2,
-            ..Shape::ONE
-        };
-        out.push(run("pp2-pp1", pp2, Shape::ONE, "auto", auto));
-        if name == "shm" {
-            out.push(run("tp1-tp2", Shape::ONE, Shape::tp(2), "auto", short));
+        match name {
+            "tcp" => {
+                run("1p1d", one, one, &[], placed, staged);
+                run("pp2-pp1", pp2, one, &[], placed, staged);
+                run("tp2-tp1", tp2, one, &[], staged, staged);
+                run("1p1d-direct", one, one, ALWAYS, direct, staged);
+            }
+            _ => {
+                run("1p1d", one, one, &[], direct, direct);
+                run("pp2-pp1", pp2, one, &[], direct, direct);
+                run("tp1-tp2", one, tp2, &[], direct, direct);
+                run("tp2-tp1", tp2, one, &[], direct, direct);
+                run("1p1d-placed", one, one, NO_MAPPED, placed, staged);
+                run("pp2-pp1-placed", pp2, one, NO_MAPPED, placed, staged);
+                run("tp2-tp1-staged", tp2, one, NO_MAPPED, staged, staged);
+                run("1p1d-direct", one, one, ALWAYS, direct, direct);
+            }
         }
-        out.push(run("tp2-tp1", Shape::tp(2), Shape::ONE, "auto", short));
-        out.push(run(
-            "1p1d-direct",
-            Shape::ONE,
-            Shape::ONE,
-            "always",
-            Path::Direct,
-        ));
     }
     out
 }
@@ -114,9 +124,20 @@ fn runs() -> Vec<Run> {
 #[test]
 fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_every_data_path() {
     let exe = common::release_binary();
-    for (tag, env, prefill, decode, direct_writes, path, short) in runs() {
+    for Run {
+        tag,
+        env,
+        prefill,
+        decode,
+        flags,
+        path,
+        short,
+    } in runs()
+    {
         let mut args = opts("tiny", 256);
-        set_flag(&mut args, "--direct-writes", direct_writes);
+        for (flag, value) in flags {
+            set_flag(&mut args, flag, value);
+        }
         // tiny's runs are 4 KiB per page: below the default floor of placed runs, which would
         // stage them all. One page block places them, so the placed path runs its 100 rooms.
         set_flag(&mut args, "--placed-min-run-bytes", "4096");
@@ -140,12 +161,11 @@ fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_every_data_path() {
         // either side (which pages are free depends on the timing of the eight rooms in
         // flight), moves runs shorter than a page block on average: it is staged. Seen here:
         // 6 to 13 chunks in 100, and 25 in 200 on a loaded CI machine.
-        // Those go the way of short runs: mapped (direct) over shared memory, else staged.
+        // Those go the way of short runs.
         let total = direct + placed + staged;
         let ok = match (path, short) {
             (Path::Direct, Path::Direct) => direct == total && total >= 100.0,
             (Path::Direct, _) => direct >= total / 2.0 && placed == 0.0,
-            (Path::Placed, Path::Direct) => placed >= total / 2.0 && staged == 0.0,
             (Path::Placed, _) => placed >= total / 2.0 && direct == 0.0,
             (Path::Staged, _) => direct == 0.0 && placed == 0.0 && staged >= 100.0,
         };
@@ -189,16 +209,19 @@ fn one_pair(
 #[test]
 fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
     let exe = common::release_binary();
-    // The default path only: placed runs (revocable receives over tcp, cma reads over shm). With
-    // `--direct-writes always` over UCX 1.13's tcp or shared memory a prefill killed mid-write can abort the decode inside UCX
-    // (`ucp_put_handler`: "Fatal: unexpected error: Endpoint timeout"), which is why `auto`
-    // never writes one-sided over them (`transport/ucx/data.rs`).
-    for (name, env, _, _) in envs() {
+    // Placed runs (revocable receives over tcp, cma reads over shm: `--mapped-writes never`,
+    // else a prefill on the decode's host writes into its pool file; e2e_mapped kills such a
+    // writer). With `--direct-writes always` over UCX 1.13's tcp or shared memory a prefill
+    // killed mid-write can abort the decode inside UCX (`ucp_put_handler`: "Fatal: unexpected
+    // error: Endpoint timeout"), which is why `auto` never writes one-sided over them
+    // (`transport/ucx/data.rs`).
+    for (name, env) in envs() {
         let tag = format!("ucx-kill-{name}");
         // llama3-8b, 4096 tokens: 512 MiB, its 32 layers ready 10 ms apart (as a prefill
         // computes them): the transfer is caught mid-way even on the fastest path.
         let mut args = opts("llama3-8b", 272);
         args.extend(["--synthetic-layer-ms".to_owned(), "10".to_owned()]);
+        set_flag(&mut args, "--mapped-writes", "never");
         let (c, p, d) = one_pair(&exe, &tag, &args, &env);
         let http = http();
         runtime().block_on(async {
@@ -270,9 +293,9 @@ fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
 /// A prefill rank killed mid-room with heterogeneous TP over shared memory (TP1 -> TP2: one
 /// prefill serving two decode ranks; TP2 -> TP1: one of two prefills feeding a decode) fails
 /// the room on every decode rank with `peer_dead` and gives the pages back; the decodes live
-/// on. Head slices are staged there (`--direct-writes never`, else they would be mapped
-/// writes), as one contiguous message a chunk, which UCX moves by rendezvous: a chunk whose sender died while it waited unexpected would abort the decode in
-/// UCX 1.13, so the decode keeps a receive posted for every slot it granted
+/// on. Head slices are staged there (`--mapped-writes never`, else they would be mapped
+/// writes), as one contiguous message a chunk, which UCX moves by rendezvous: a chunk whose
+/// sender died while it waited unexpected would abort the decode in UCX 1.13, so the decode keeps a receive posted for every slot it granted
 /// (`transport::Receives`). It also guards the head-slice path: placing head slices as
 /// messages gathered from many pieces (UCX io-vector sends) left a decode receive matched to
 /// the dead sender's message, never completed nor cancellable, in each of four runs of the
@@ -283,7 +306,7 @@ fn a_prefill_killed_mid_room_with_heterogeneous_tp_fails_it_and_frees_the_pages(
     let env = envs()[1].1.clone();
     let mut args = opts("llama3-8b", 272);
     args.extend(["--synthetic-layer-ms".to_owned(), "10".to_owned()]);
-    set_flag(&mut args, "--direct-writes", "never");
+    set_flag(&mut args, "--mapped-writes", "never");
     for (label, prefill, decode) in [
         ("tp1-tp2", Shape::ONE, Shape::tp(2)),
         ("tp2-tp1", Shape::tp(2), Shape::ONE),
@@ -395,12 +418,14 @@ fn a_corrupted_direct_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_
 /// not be `safe_to_reuse` before every such send resolved (`sends_in_flight` 0). The decode is
 /// stopped (SIGSTOP) so that nothing can resolve meanwhile, and `--timeout-send-ms` and
 /// `--peer-dead-ms` are a minute, so that no timeout can end a send either; then it is
-/// continued.
+/// continued. Mapped writes are off: they are the prefill's own copies, which end whatever the
+/// decode does.
 #[test]
 fn a_prefill_room_aborted_mid_send_is_safe_to_reuse_only_after_its_sends_resolved() {
     let exe = common::release_binary();
     let env = envs()[1].1.clone();
     let mut args = opts("llama3-8b", 272);
+    set_flag(&mut args, "--mapped-writes", "never");
     set_flag(&mut args, "--peer-dead-ms", "60000");
     set_flag(&mut args, "--timeout-send-ms", "60000");
     let (c, p, d) = one_pair(&exe, "ucx-abort-mid-send", &args, &env);
@@ -583,9 +608,9 @@ fn an_eager_prefill_places_runs_only_into_a_decode_that_receives_them_revocably(
         placed, 0.0,
         "runs were placed into receives the decode cannot revoke"
     );
-    // UCX's defaults allow shared memory: the decode shares its pool file, and this prefill,
-    // on its host, writes into it (mapped) what it does not place.
-    assert!(direct > 0.0 && staged == 0.0);
+    // The decode (UCX's defaults, which allow shared memory) shares its pool file, but a
+    // prefill told tcp only does not map it.
+    assert!(staged > 0.0 && direct == 0.0);
 }
 
 #[test]
@@ -595,7 +620,7 @@ fn small_rooms_are_placed_over_eager_tcp_and_mapped_over_shared_memory_by_defaul
     // memory), so the same rooms go placed over tcp, and over shared memory into the decode's
     // pool file, mapped by the prefill.
     let exe = common::release_binary();
-    for (name, env, _, _) in envs() {
+    for (name, env) in envs() {
         let tag = format!("ucx-{name}-small-rooms");
         let c = LocalCluster::start_shaped_env(
             &exe,

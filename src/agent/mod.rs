@@ -268,6 +268,9 @@ pub struct AgentConfig {
     pub copy_threads: usize,
     /// When the direct path (one-sided writes into the decode pool) is used.
     pub direct_writes: DirectWrites,
+    /// Whether a decode's pool goes to the prefills of its host for mapped writes
+    /// ([`MappedWrites`]).
+    pub mapped_writes: MappedWrites,
     /// Shortest average run a piece sends placed ([`DirectMethod::Place`]); shorter ones are
     /// staged. None: [`placed_min_run`] of the path.
     pub placed_min_run_bytes: Option<u64>,
@@ -295,6 +298,32 @@ pub enum DirectWrites {
     Always,
     /// Never: every chunk is staged.
     Never,
+}
+
+/// Whether mapped writes are used between agents of one host: the decode serves its pool's
+/// memory file, the prefill maps it and copies into it (`transport/mapped.rs`). Only over a
+/// same-host transport ([`crate::transport::maps_pools`]) and unless `--direct-writes never`;
+/// both sides must allow it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum MappedWrites {
+    /// The way a prefill takes first when its decode is on its host (with `--direct-writes
+    /// auto`): one copy of each byte whatever the runs' lengths.
+    #[default]
+    Auto,
+    /// Never: the decode keeps its memory to itself. Over UCX it then lands only placed runs it
+    /// posted itself (pages safe at once when a prefill dies, where a mapped writer counts
+    /// until `--peer-dead-ms` after its death) or staged chunks.
+    Never,
+}
+
+impl MappedWrites {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            MappedWrites::Auto => "auto",
+            MappedWrites::Never => "never",
+        }
+    }
 }
 
 /// How a direct segment's runs reach the decode's pages.
@@ -346,6 +375,14 @@ impl DirectWrites {
             DirectWrites::Auto | DirectWrites::Never => None,
         }
     }
+}
+
+/// Whether this agent takes part in mapped writes ([`MappedWrites`]): its transport carries
+/// same-host traffic and neither flag turned them off.
+pub(crate) fn maps_pools(cfg: &AgentConfig) -> bool {
+    crate::transport::maps_pools(cfg.transport)
+        && cfg.direct_writes != DirectWrites::Never
+        && cfg.mapped_writes == MappedWrites::Auto
 }
 
 /// How this agent's ZeroMQ sockets authenticate: with its token, when it has one.

@@ -11,7 +11,7 @@ use crate::agent::api::print_listening;
 use crate::agent::decode::DecodeAgent;
 use crate::agent::prefill::PrefillAgent;
 use crate::agent::synthetic::Verify;
-use crate::agent::{AgentConfig, DirectWrites, StagingChoice, Timeouts};
+use crate::agent::{AgentConfig, DirectWrites, MappedWrites, StagingChoice, Timeouts};
 use crate::layout::{AttentionKind, Dtype, KvFormat, KvLayout, KvPlacement, ModelSpec, PageOrder};
 use crate::protocol::Ranks;
 use crate::transport::TransportKind;
@@ -186,6 +186,12 @@ pub struct AgentArgs {
     /// pay, `always`, or `never`.
     #[arg(long, env = "KVFERRY_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
     pub direct_writes: DirectWrites,
+    /// Mapped writes between agents of one host (`zmq-ipc`, `ucx` with shared memory in
+    /// UCX_TLS): `auto` (the decode serves its pool's memory file, the prefill maps it and
+    /// copies into it; first choice where both allow it) or `never` (over UCX: placed runs the
+    /// decode posted, or staged).
+    #[arg(long, env = "KVFERRY_MAPPED_WRITES", value_enum, default_value_t = MappedWrites::Auto)]
+    pub mapped_writes: MappedWrites,
     /// Where a device pool's chunks wait for the transport: `auto` stages in device memory
     /// when the transport sends it (UCX built with CUDA, found at start) and in pinned host
     /// memory otherwise; `pinned-host`; or `device`, which refuses to start where the transport
@@ -303,6 +309,7 @@ impl AgentArgs {
             fault_corrupt_chunk: self.fault_corrupt_chunk,
             copy_threads: self.copy_threads,
             direct_writes: self.direct_writes,
+            mapped_writes: self.mapped_writes,
             staging: self.staging,
             placed_min_run_bytes: self.placed_min_run_bytes,
             timeouts: Timeouts {

@@ -27,8 +27,8 @@ use anyhow::{Context as _, bail};
 use serde_json::{Value, json};
 
 use super::demo::{self, LocalCluster, Shape};
-use crate::agent::DirectWrites;
 use crate::agent::synthetic::Verify;
+use crate::agent::{DirectWrites, MappedWrites};
 use crate::layout::{KvLayout, ModelSpec};
 use crate::transport::TransportKind;
 
@@ -92,9 +92,13 @@ pub struct BenchArgs {
     /// Prefill PP size (each stage sends its layers to the decode).
     #[arg(long, env = "KVFERRY_BENCH_PREFILL_PP", default_value_t = 1)]
     prefill_pp: u32,
-    /// Direct path (`ucx` only), passed to the agents: `auto`, `always` or `never`.
+    /// Direct path (`ucx` and `zmq-ipc`), passed to the agents: `auto`, `always` or `never`.
     #[arg(long, env = "KVFERRY_BENCH_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
     direct_writes: DirectWrites,
+    /// Mapped writes on this host (`zmq-ipc`, `ucx-shm`), passed to the agents: `auto` or
+    /// `never` (`ucx-shm`: placed runs instead).
+    #[arg(long, env = "KVFERRY_BENCH_MAPPED_WRITES", value_enum, default_value_t = MappedWrites::Auto)]
+    mapped_writes: MappedWrites,
     /// Which tokens the prefill stamps and how the decode checks each room on take, passed to
     /// the agents as --synthetic-verify (with --prefill-api/--decode-api it only labels the
     /// results: set it on both agents).
@@ -183,6 +187,8 @@ impl BenchArgs {
             &self.chunk_bytes.to_string(),
             "--direct-writes",
             self.direct_writes.name(),
+            "--mapped-writes",
+            self.mapped_writes.name(),
             "--synthetic",
             "--synthetic-verify",
             self.verify.name(),

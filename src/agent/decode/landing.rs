@@ -381,6 +381,10 @@ impl Inner {
         let pool = self.pool.clone();
         let (verify, sent_sum) = (self.cfg.checksum, chunk.checksum);
         let in_place = chunk.direct || chunk.placed.is_some();
+        if in_place && !verify {
+            // Nothing to copy or hash: no hand-off to the blocking pool.
+            return Ok(());
+        }
         let done = tokio::task::spawn_blocking(move || {
             let sel = Selection {
                 pages: &pages,

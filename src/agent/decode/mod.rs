@@ -83,9 +83,7 @@ impl DecodeAgent {
     ) -> Result<Self, super::AgentError> {
         // Over a same-host transport the agent's own pool is a memory file, so that prefills
         // of this host can write into it directly (`transport/mapped.rs`).
-        let shareable =
-            transport::maps_pools(cfg.transport) && cfg.direct_writes != super::DirectWrites::Never;
-        let pool = super::open_pool(&cfg, shareable)?;
+        let pool = super::open_pool(&cfg, super::maps_pools(&cfg))?;
         Self::start_with_pool(cfg, pool, shutdown).await
     }
 
@@ -116,7 +114,7 @@ impl DecodeAgent {
             && pool.contiguous();
         let (pool_key, shared) = match (exposable, pool.host()) {
             (true, Some(host)) => {
-                let shared = match transport::maps_pools(cfg.transport) {
+                let shared = match super::maps_pools(&cfg) {
                     true => transport::mapped::serve(host).await?,
                     false => None,
                 };

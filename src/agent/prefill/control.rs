@@ -318,9 +318,10 @@ impl Inner {
         }
     }
 
-    /// The ways into the decode's pool: the transport's own, when the decode exposed its pool
-    /// to it and `--direct-writes` allows the way the writes would travel; then the pool's
-    /// memory file, when the decode shares it and is on this host. None: every chunk to this
+    /// The ways into the decode's pool, best first: the pool's memory file, when the decode
+    /// shares it, is on this host and `--mapped-writes` allows it; the transport's own, when
+    /// the decode exposed its pool to it and `--direct-writes` allows the way the writes would
+    /// travel (first with `always`, which is for measuring them). None: every chunk to this
     /// decode is staged.
     async fn direct_target(
         &self,
@@ -337,23 +338,11 @@ impl Inner {
         }
         let decode = hello.instance;
         let mut ways = Vec::new();
-        if let Some(memory) = &hello.pool {
-            match data.attach(memory.clone()).await {
-                Ok(Some(path)) => {
-                    match self.cfg.direct_writes.method(&path, hello.revocable_runs) {
-                        Some(method) => {
-                            ways.push((super::Way::Transport { path, method }, memory.size))
-                        }
-                        None => {
-                            tracing::info!(%decode, via = %path.via, "no fast, safe direct path of the transport here");
-                        }
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(%decode, error = %e, "decode pool not attached"),
-            }
-        }
-        if let Some(memory) = hello.shared_pool.clone() {
+        let shared = hello
+            .shared_pool
+            .clone()
+            .filter(|_| crate::agent::maps_pools(&self.cfg));
+        if let Some(memory) = shared {
             let (size, endpoint) = (memory.size, hello.data_endpoint.clone());
             let attached =
                 tokio::task::spawn_blocking(move || transport::mapped::attach(&memory, &endpoint))
@@ -363,6 +352,26 @@ impl Inner {
                 // A decode on another host (or network namespace) shares its file in vain.
                 Ok(Err(e)) => tracing::info!(%decode, error = %e, "decode pool file not mapped"),
                 Err(e) => tracing::warn!(%decode, error = %e, "decode pool file not mapped"),
+            }
+        }
+        if let Some(memory) = &hello.pool {
+            match data.attach(memory.clone()).await {
+                Ok(Some(path)) => {
+                    match self.cfg.direct_writes.method(&path, hello.revocable_runs) {
+                        Some(method) => {
+                            let way = (super::Way::Transport { path, method }, memory.size);
+                            match self.cfg.direct_writes {
+                                crate::agent::DirectWrites::Always => ways.insert(0, way),
+                                _ => ways.push(way),
+                            }
+                        }
+                        None => {
+                            tracing::info!(%decode, via = %path.via, "no fast, safe direct path of the transport here");
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(%decode, error = %e, "decode pool not attached"),
             }
         }
         if ways.is_empty() {

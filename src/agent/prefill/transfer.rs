@@ -124,9 +124,10 @@ struct Job {
     /// it started: UCX reads the pages by cma, RDMA or its tcp copy until the send resolves).
     /// The transfer stays running, so the room is not `safe_to_reuse`, until all have ended.
     pub(super) sends: tokio_util::task::TaskTracker,
-    /// Staged chunks whose sends had not resolved when their piece was out: awaited after
-    /// Done, which goes once every chunk is handed to the transport.
-    pub(super) unfinished: std::sync::Mutex<Vec<Taken>>,
+    /// Sends that had not resolved when their piece was out (staged chunks, direct chunks'
+    /// headers, placed chunks' runs), with what a stall of each means: awaited after Done,
+    /// which goes once every chunk is handed to the transport.
+    pub(super) unfinished: std::sync::Mutex<Vec<(Taken, &'static str)>>,
 }
 
 impl Inner {
@@ -225,8 +226,8 @@ impl Inner {
                         &mut *job.unfinished.lock().unwrap_or_else(|e| e.into_inner()),
                     );
                     let mut outcome = Ok(Some(chunks));
-                    for sent in unfinished {
-                        if let Err(reason) = self.taken(&job, sent, CHUNK_STALL).await {
+                    for (sent, stalled) in unfinished {
+                        if let Err(reason) = self.taken(&job, sent, stalled).await {
                             outcome = Err(reason);
                             break;
                         }
@@ -532,7 +533,7 @@ impl Inner {
                 }
             }
             let mut unfinished = job.unfinished.lock().unwrap_or_else(|e| e.into_inner());
-            unfinished.extend(sending);
+            unfinished.extend(sending.into_iter().map(|sent| (sent, CHUNK_STALL)));
             Ok(())
         }
         .await;
@@ -648,10 +649,14 @@ impl Inner {
             return Err(Reason::new(FailureCode::IncompatibleLayout, m.to_owned()));
         };
         let way = first.way;
+        let stalled = match target.ways[way].method() {
+            DirectMethod::Place => PLACED_STALL,
+            DirectMethod::Write => CHUNK_STALL,
+        };
         let mut first = Some(first);
-        // Placed chunks whose runs the decode is still taking: the next chunk's header and
-        // runs go out meanwhile.
-        let mut placing: std::collections::VecDeque<Taken> = Default::default();
+        // Placed chunks whose runs the decode is still taking, and direct chunks' headers still
+        // with the transport: the next chunk's writes, header and runs go out meanwhile.
+        let mut placing: std::collections::VecDeque<(Taken, &str)> = Default::default();
         for c in plan {
             self.credit(&job.peer).await?;
             if job.cancel.is_cancelled() {
@@ -714,18 +719,18 @@ impl Inner {
                 }
             };
             if let Some(taken) = self.send_chunk(job, c, *chunks, payload, sum).await? {
-                placing.push_back(taken);
+                placing.push_back((taken, stalled));
             }
             *chunks += 1;
             while placing.len() > PLACED_AHEAD {
-                if let Some(taken) = placing.pop_front() {
-                    self.taken(job, taken, PLACED_STALL).await?;
+                if let Some((taken, stalled)) = placing.pop_front() {
+                    self.taken(job, taken, stalled).await?;
                 }
             }
         }
-        for taken in placing {
-            self.taken(job, taken, PLACED_STALL).await?;
-        }
+        // Awaited after Done, as a staged piece's last sends are.
+        let mut unfinished = job.unfinished.lock().unwrap_or_else(|e| e.into_inner());
+        unfinished.extend(placing);
         Ok(())
     }
 }

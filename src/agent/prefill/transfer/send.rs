@@ -191,7 +191,8 @@ impl Inner {
             sender_key: job.peer.chunk_key,
         });
         let header = header.encode_as(job.peer.version);
-        let in_flight = staged.is_some();
+        // A placed chunk's header is waited for: its runs are what stays in flight.
+        let in_flight = staged.is_some() || direct;
         let outgoing = match staged {
             None => Outgoing::Frame(Frame::header_only(&header)),
             Some(Staged::FromPool(pool, spans)) => {
@@ -216,8 +217,8 @@ impl Inner {
             // Before the transport has it: the decode may see the chunk before this returns.
             self.mark_first(job.room, "first_posted");
         }
-        // Queued in order; a staged chunk's bytes are left in flight with the transport (the
-        // credits bound how many), a header alone is waited for.
+        // Queued in order; a staged chunk's bytes, or a direct chunk's header, are left in
+        // flight with the transport (the credits bound how many).
         let sent = self
             .on_data_plane(job, CHUNK_STALL, |data| {
                 let sent = match outgoing {
