@@ -1,8 +1,9 @@
 //! `zmq-ipc`'s one-sided writes through the decode's pool file mapped into the prefill
 //! (`transport/mapped.rs`), across real processes (release binary):
-//! - 1P1D, TP2 -> TP1 and TP1 -> TP2 (1 KiB head slices, which no other transport here writes
-//!   directly), 100 rooms each with checksums, every byte verified, every chunk direct; with
-//!   `--direct-writes never` every chunk staged;
+//! - 1P1D, TP2 -> TP1 and TP1 -> TP2 (1 KiB head slices; the prefill writes both decode
+//!   ranks' halves of a chunk in one pass when their writes meet), 100 rooms each with
+//!   checksums, every byte verified, every chunk direct; with `--direct-writes never` every
+//!   chunk staged;
 //! - a corrupted direct chunk fails the room, and its pages stay unsafe to reuse until the
 //!   writing prefill has stopped;
 //! - a prefill killed mid-room fails it with `peer_dead`; the pages become safe to reuse only
@@ -66,6 +67,15 @@ fn hundred_rooms_1p1d_and_heterogeneous_tp_land_by_mapped_writes_or_staged_when_
                 "never" => assert!(direct == 0.0 && staged >= 100.0, "{tag}: {direct} direct"),
                 _ => assert!(direct >= 100.0 && staged == 0.0, "{tag}: {staged} staged"),
             }
+        }
+        // TP1 -> TP2: the prefill writes the two ranks' halves of a chunk in one pass when
+        // their writes meet (within 10 ms of each other: not asserted, timing decides).
+        let p = c.prefill().field("api").unwrap();
+        let series = "kvferry_chunks_total{role=\"prefill\",path=\"one_pass\"}";
+        let one_pass = runtime().block_on(metric(&http(), &p, series));
+        println!("{tag}: prefill wrote {one_pass:?} chunks in one pass with another rank's");
+        if label != "tp1-tp2" {
+            assert_eq!(one_pass, Some(0.0), "{tag}: one decode rank per room");
         }
     }
 }

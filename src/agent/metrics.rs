@@ -132,6 +132,9 @@ pub struct Metrics {
     pub chunks_from_pool: Counter,
     /// Chunks written straight into the decode pool (one-sided writes, no staging).
     pub chunks_direct: Counter,
+    /// Direct chunks a prefill wrote in one pass over its pool with another decode rank's
+    /// (heterogeneous TP, mapped writes).
+    pub chunks_one_pass: Counter,
     /// Chunks whose runs were sent as placed messages, received straight into the pages.
     pub chunks_placed: Counter,
     /// Rooms that expired untaken.
@@ -194,6 +197,7 @@ impl Metrics {
             chunks_staged: Counter::default(),
             chunks_from_pool: Counter::default(),
             chunks_direct: Counter::default(),
+            chunks_one_pass: Counter::default(),
             chunks_placed: Counter::default(),
             expired: Counter::default(),
             rejected: Counter::default(),
@@ -280,6 +284,7 @@ impl Metrics {
             ("staged", &self.chunks_staged),
             ("from_pool", &self.chunks_from_pool),
             ("direct", &self.chunks_direct),
+            ("one_pass", &self.chunks_one_pass),
             ("placed", &self.chunks_placed),
         ] {
             chunks.get_or_create(&Path { path }).inc_by(c.get());

@@ -67,7 +67,7 @@ impl CpuKernel {
         // the layout's offsets stay within `pool_bytes`) and inside `staging` (its length equals
         // the selection's bytes, which the runs tile exactly). `staging` is exclusively
         // borrowed and is not pool memory, so source and destination do not overlap.
-        unsafe { self.copy(&runs, src, dst, stream, |r| (r.pool, r.staging)) };
+        unsafe { self.copy(&runs, src, &[dst], stream, |r| (r.pool, r.staging)) };
         Ok(())
     }
 
@@ -109,9 +109,9 @@ impl CpuKernel {
                 }
                 let len = r.len.min(end - r.staging);
                 mine.push(Run {
-                    pool: r.pool,
                     staging: r.staging - start,
                     len,
+                    ..*r
                 });
                 if len == r.len {
                     next += 1;
@@ -125,7 +125,7 @@ impl CpuKernel {
             // the piece's end); additionally the destination pages are distinct (validated),
             // so no two runs write the same pool bytes, and the agent's page ownership
             // guarantees nothing else writes these pages meanwhile.
-            unsafe { self.copy(&mine, src, dst, stream, |r| (r.staging, r.pool)) };
+            unsafe { self.copy(&mine, src, &[dst], stream, |r| (r.staging, r.pool)) };
             start = end;
         }
         Ok(())
@@ -166,19 +166,21 @@ impl CpuKernel {
         Ok(hasher.digest())
     }
 
-    /// Copies every run from `src` into the `dst_len` bytes at `dst`, another pool's memory
-    /// mapped into this process (`transport/mapped.rs`), with streaming stores: that pool is
-    /// cold. Every run is checked against both sides before a byte moves.
+    /// Copies every run `(i, run)` from `src` into destination `i` of `dsts` (the address
+    /// and length of another pool's memory mapped into this process, `transport/mapped.rs`),
+    /// in the runs' order, with streaming stores: those pools are cold. Every run is checked
+    /// against both sides before a byte moves. Runs into several pools interleaved in the
+    /// order of their source read it in one pass (one prefill rank feeding several decode
+    /// ranks their heads of each token).
     ///
     /// # Safety
-    /// `dst..dst + dst_len` must stay mapped and writable for the call, and must not overlap
-    /// `src`'s memory.
+    /// Each `dst..dst + len` of `dsts` must stay mapped and writable for the call, and must
+    /// overlap neither `src`'s memory nor another destination.
     pub unsafe fn write_runs(
         &self,
         src: &HostPool,
-        runs: &[WriteRun],
-        dst: *mut u8,
-        dst_len: usize,
+        runs: &[(usize, WriteRun)],
+        dsts: &[(*mut u8, usize)],
     ) -> Result<(), KernelError> {
         let outside = |side, offset: u64, len: u64, size: usize| KernelError::RunOutside {
             side,
@@ -187,11 +189,12 @@ impl CpuKernel {
             size,
         };
         let mut planned = Vec::with_capacity(runs.len());
-        for r in runs {
+        for &(to, r) in runs {
             let (s, d, len) = (r.src as usize, r.dst as usize, r.len as usize);
             if src.check(s, len).is_err() {
                 return Err(outside("source pool", r.src, r.len, src.size()));
             }
+            let dst_len = dsts.get(to).map_or(0, |&(_, len)| len);
             if d.checked_add(len).is_none_or(|end| end > dst_len) {
                 return Err(outside("destination", r.dst, r.len, dst_len));
             }
@@ -199,20 +202,23 @@ impl CpuKernel {
                 pool: s,
                 staging: d,
                 len,
+                to,
             });
         }
-        // SAFETY: every run lies inside the source pool and the destination (checked above);
-        // the caller guarantees the destination is writable and apart from the source.
+        let dsts: Vec<Ptr> = dsts.iter().map(|&(at, _)| Ptr(at)).collect();
+        // SAFETY: every run lies inside the source pool and its destination (checked above);
+        // the caller guarantees the destinations are writable and apart from the source and
+        // from each other.
         unsafe {
-            self.copy(&planned, Ptr(src.base_ptr()), Ptr(dst), true, |r| {
+            self.copy(&planned, Ptr(src.base_ptr()), &dsts, true, |r| {
                 (r.pool, r.staging)
             })
         };
         Ok(())
     }
 
-    /// Copies every run from `src` to `dst`, with streaming stores when `stream` ([`streams`]);
-    /// `ends` picks (source, destination) offsets.
+    /// Copies every run from `src` to its destination `dst[run.to]`, with streaming stores when
+    /// `stream` ([`streams`]); `ends` picks (source, destination) offsets.
     ///
     /// # Safety
     /// Every run must lie inside both buffers, the buffers must not overlap, and no two runs
@@ -221,7 +227,7 @@ impl CpuKernel {
         &self,
         runs: &[Run],
         src: Ptr,
-        dst: Ptr,
+        dst: &[Ptr],
         stream: bool,
         ends: fn(&Run) -> (usize, usize),
     ) {
@@ -231,7 +237,7 @@ impl CpuKernel {
             for r in runs {
                 let (s, d) = ends(r);
                 // SAFETY: guaranteed by the caller for every run.
-                unsafe { copy_run(src.at(s), dst.at(d), r.len, stream) };
+                unsafe { copy_run(src.at(s), dst[r.to].at(d), r.len, stream) };
             }
             if stream {
                 fence();
@@ -333,18 +339,23 @@ unsafe impl Send for Ptr {}
 // SAFETY: as above.
 unsafe impl Sync for Ptr {}
 
-/// One contiguous copy: `len` bytes at `pool` in the pool and at `staging` in staging.
+/// One contiguous copy: `len` bytes at `pool` in the pool and at `staging` in staging, the
+/// `to`-th of the copy's destinations (0 but for a write into several pools at once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Run {
     pool: usize,
     staging: usize,
     len: usize,
+    to: usize,
 }
 
 /// Appends a run, merging it into the previous one when both sides continue contiguously.
 fn push(runs: &mut Vec<Run>, run: Run) {
     if let Some(last) = runs.last_mut() {
-        if last.pool + last.len == run.pool && last.staging + last.len == run.staging {
+        if last.pool + last.len == run.pool
+            && last.staging + last.len == run.staging
+            && last.to == run.to
+        {
             last.len += run.len;
             return;
         }
@@ -433,6 +444,7 @@ fn plan(pool: Geometry<'_>, sel: &Selection<'_>, wire: PageOrder) -> Result<Vec<
                             pool: pool_at(tok, h),
                             staging: wire_at(tok, h),
                             len,
+                            to: 0,
                         },
                     )
                 };
@@ -495,6 +507,7 @@ fn plan_head_slices(
                             pool: block + at,
                             staging,
                             len: slice,
+                            to: 0,
                         },
                     );
                     staging += slice;

@@ -202,15 +202,38 @@ impl MappedPool {
     /// Copies every run of `source` into the mapped pool (blocking); the stores are fenced
     /// when it returns.
     pub fn write(&self, source: &HostPool, runs: &[WriteRun]) -> Result<(), String> {
-        // SAFETY: the mapping is this value's and lives through the call; it is another
-        // process's pool file, never `source`'s memory (a receiver serves its own pool, and a
-        // sender maps only the pool of the receiver it connected to).
-        unsafe {
-            self.kernel
-                .write_runs(source, runs, self.map.as_mut_ptr(), self.map.len())
-        }
-        .map_err(|e| e.to_string())
+        write_together(source, &[(self, runs)])
     }
+}
+
+/// Copies each pool's runs of `source` into it, all in one pass in the order of their
+/// source (blocking): where the runs of several pools interleave in `source` (one prefill
+/// rank's tokens, their heads shared out over decode ranks), each source byte is read once,
+/// in order, instead of once per pool, in strides. The stores are fenced when it returns.
+pub fn write_together(
+    source: &HostPool,
+    writes: &[(&MappedPool, &[WriteRun])],
+) -> Result<(), String> {
+    let Some((first, _)) = writes.first() else {
+        return Ok(());
+    };
+    let mut runs: Vec<(usize, WriteRun)> = writes
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (_, runs))| runs.iter().map(move |&r| (i, r)))
+        .collect();
+    if writes.len() > 1 {
+        runs.sort_by_key(|(_, r)| r.src);
+    }
+    let dsts: Vec<(*mut u8, usize)> = writes
+        .iter()
+        .map(|(pool, _)| (pool.map.as_mut_ptr(), pool.map.len()))
+        .collect();
+    // SAFETY: each mapping is its value's and lives through the call; each is another
+    // process's pool file, never `source`'s memory (a receiver serves its own pool, and a
+    // sender maps only the pool of the receiver it connected to), and no two are one
+    // receiver's (each receiver's file is mapped once per sender).
+    unsafe { first.kernel.write_runs(source, &runs, &dsts) }.map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -224,6 +247,53 @@ mod tests {
             true => HostPool::shareable(layout, 8).unwrap(),
             false => HostPool::anonymous(layout, 8).unwrap(),
         }
+    }
+
+    /// `dst` served and mapped here, with the guard that serves it.
+    async fn mapped(dst: &HostPool) -> (MappedPool, tokio_util::task::AbortOnDropHandle<()>) {
+        let (memory, serving) = serve(dst).await.unwrap().expect("a memory file");
+        let pool = tokio::task::spawn_blocking(move || attach(&memory, "test"))
+            .await
+            .unwrap()
+            .unwrap();
+        (pool, serving)
+    }
+
+    #[tokio::test]
+    async fn runs_into_two_pools_in_one_pass_land_each_in_its_own_and_nowhere_else() {
+        let (a, b, src) = (pool(true), pool(true), pool(false));
+        a.fill(0xAA);
+        b.fill(0xBB);
+        let bytes: Vec<u8> = (0..src.size()).map(|i| (i * 13 + 5) as u8).collect();
+        src.write(0, &bytes).unwrap();
+        let ((into_a, _sa), (into_b, _sb)) = (mapped(&a).await, mapped(&b).await);
+        // Each 2 KiB of the source: its first KiB to `a`, its second to `b` (TP1 -> TP2).
+        let half = |k: u64, second: bool| WriteRun {
+            src: k * 2048 + u64::from(second) * 1024,
+            dst: k * 1024 + 512,
+            len: 1024,
+        };
+        let runs_a: Vec<WriteRun> = (0..6).map(|k| half(k, false)).collect();
+        let runs_b: Vec<WriteRun> = (0..6).map(|k| half(k, true)).collect();
+        write_together(&src, &[(&into_a, &runs_a[..]), (&into_b, &runs_b[..])]).unwrap();
+        for (dst, runs, poison) in [(&a, &runs_a, 0xAA), (&b, &runs_b, 0xBB)] {
+            let mut want = vec![poison; dst.size()];
+            for r in runs {
+                let (s, d, n) = (r.src as usize, r.dst as usize, r.len as usize);
+                want[d..d + n].copy_from_slice(&bytes[s..s + n]);
+            }
+            assert!(dst.read(0, dst.size()).unwrap() == want, "{poison:#x}");
+        }
+        // A run outside the second pool is refused before a byte moves into either.
+        a.fill(0xAA);
+        let outside = [WriteRun {
+            src: 0,
+            dst: b.size() as u64,
+            len: 1,
+        }];
+        let e = write_together(&src, &[(&into_a, &runs_a[..]), (&into_b, &outside[..])]);
+        assert!(e.unwrap_err().contains("destination"));
+        assert!(a.read(0, a.size()).unwrap().iter().all(|&x| x == 0xAA));
     }
 
     #[tokio::test]

@@ -25,6 +25,7 @@
 //! API, a layer over them).
 
 mod control;
+mod fanout;
 mod http;
 mod rooms;
 mod transfer;
@@ -124,6 +125,7 @@ impl PrefillAgent {
             metrics: Arc::new(Metrics::new("prefill")),
             draining: std::sync::atomic::AtomicBool::new(false),
             chunks_sent: std::sync::atomic::AtomicU64::new(0),
+            fanout: Default::default(),
             shutdown: shutdown.clone(),
             cfg,
         });
@@ -220,6 +222,8 @@ struct Inner {
     draining: std::sync::atomic::AtomicBool,
     /// Chunks gathered so far (numbers the fault-injection hook).
     chunks_sent: std::sync::atomic::AtomicU64,
+    /// Mapped writes of one room's chunks to several decode ranks, paired into one pass.
+    fanout: Arc<fanout::Fanout>,
     shutdown: CancellationToken,
 }
 

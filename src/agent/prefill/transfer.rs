@@ -25,6 +25,8 @@ use crate::transport::{FRAME_ROOM, MAX_PIECES};
 mod send;
 use send::{Payload, Taken};
 
+use super::fanout;
+
 /// Largest chunk whose plan (no copy) a transfer's task makes itself when the chunk is sent
 /// from the pool: its few runs cost less than a blocking thread's hand-off (tens of µs).
 const INLINE_PLAN_BYTES: usize = 256 << 10;
@@ -196,6 +198,15 @@ impl Inner {
         }) else {
             return;
         };
+        // Other decode ranks take other heads of the same chunks: those written mapped go in
+        // one pass with theirs (`fanout.rs`), counted from the start so that their first
+        // chunks meet.
+        let mapped = job
+            .peer
+            .direct
+            .as_ref()
+            .is_some_and(|t| t.ways.iter().any(|w| matches!(w, Way::Mapped(_))));
+        let _writer = (mapped && job.req.requesters > 1).then(|| self.fanout.join(room_id));
         let mut chunks = 0u32;
         let started = Instant::now();
         let outcome = loop {
@@ -649,6 +660,7 @@ impl Inner {
             return Err(Reason::new(FailureCode::IncompatibleLayout, m.to_owned()));
         };
         let way = first.way;
+        let fanout = (job.req.requesters > 1).then(|| self.fanout.clone());
         let stalled = match target.ways[way].method() {
             DirectMethod::Place => PLACED_STALL,
             DirectMethod::Write => CHUNK_STALL,
@@ -690,15 +702,26 @@ impl Inner {
                     let (peer, pool) = (job.peer.clone(), host.clone());
                     let written = match how {
                         Way::Mapped(mapped) => {
-                            let (mapped, endpoint) = (mapped.clone(), peer.data_endpoint.clone());
+                            let writes = fanout::Writes {
+                                heads: job.req.heads.start as usize..job.req.heads.end as usize,
+                                pool: mapped.clone(),
+                                runs,
+                            };
+                            let key = (job.room, c.tokens.clone(), c.layers.clone());
+                            let fanout = fanout.clone();
+                            let endpoint = peer.data_endpoint.clone();
+                            let metrics = self.metrics.clone();
                             job.sends.spawn(async move {
-                                let fail = |m: String| {
-                                    transport::TransportError::new("write", &endpoint, m)
+                                let written = match fanout {
+                                    Some(f) => f.write(key, pool, writes).await,
+                                    None => fanout::write_alone(pool, writes).await.map(|()| false),
                                 };
-                                tokio::task::spawn_blocking(move || mapped.write(&pool, &runs))
-                                    .await
-                                    .map_err(|e| fail(e.to_string()))?
-                                    .map_err(fail)
+                                if written == Ok(true) {
+                                    metrics.chunks_one_pass.inc();
+                                }
+                                written.map(drop).map_err(|m| {
+                                    transport::TransportError::new("write", &endpoint, m)
+                                })
                             })
                         }
                         Way::Transport { .. } => job.sends.spawn(async move {

@@ -348,42 +348,20 @@ fn head_slices_scattered_into_a_pool_that_streams_land_exactly() {
 }
 
 #[test]
-fn split_cuts_runs_into_equal_shares() {
-    let runs = [
-        Run {
-            pool: 0,
-            staging: 0,
-            len: 10,
-        },
-        Run {
-            pool: 100,
-            staging: 10,
-            len: 5,
-        },
-    ];
+fn split_cuts_runs_into_equal_shares_each_piece_to_its_destination() {
+    let run = |pool, staging, len, to| Run {
+        pool,
+        staging,
+        len,
+        to,
+    };
+    let runs = [run(0, 0, 10, 0), run(100, 10, 5, 1)];
     let shares = split(&runs, 15, 2);
-    assert_eq!(shares.len(), 2);
     assert_eq!(
-        shares[0],
-        vec![Run {
-            pool: 0,
-            staging: 0,
-            len: 8
-        }]
-    );
-    assert_eq!(
-        shares[1],
-        vec![
-            Run {
-                pool: 8,
-                staging: 8,
-                len: 2
-            },
-            Run {
-                pool: 100,
-                staging: 10,
-                len: 5
-            }
+        shares,
+        [
+            vec![run(0, 0, 8, 0)],
+            vec![run(8, 8, 2, 0), run(100, 10, 5, 1)]
         ]
     );
 }
