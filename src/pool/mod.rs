@@ -733,4 +733,6 @@ fn io_err(op: &'static str, path: &str, source: std::io::Error) -> PoolError {
 }
 
 #[cfg(test)]
+pub(crate) mod testing;
+#[cfg(test)]
 mod tests;

@@ -240,14 +240,7 @@ pub fn write_together(
 mod tests {
     use super::*;
     use crate::layout::{KvLayout, ModelSpec};
-
-    fn pool(shareable: bool) -> HostPool {
-        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
-        match shareable {
-            true => HostPool::shareable(layout, 8).unwrap(),
-            false => HostPool::anonymous(layout, 8).unwrap(),
-        }
-    }
+    use crate::pool::testing::tiny_pool as pool;
 
     /// `dst` served and mapped here, with the guard that serves it.
     async fn mapped(dst: &HostPool) -> (MappedPool, tokio_util::task::AbortOnDropHandle<()>) {

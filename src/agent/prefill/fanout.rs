@@ -232,15 +232,7 @@ async fn blocking(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{KvLayout, ModelSpec};
-
-    fn pool(shareable: bool) -> HostPool {
-        let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
-        match shareable {
-            true => HostPool::shareable(layout, 8).unwrap(),
-            false => HostPool::anonymous(layout, 8).unwrap(),
-        }
-    }
+    use crate::pool::testing::{tiny_pool as pool, xorshift_bytes};
 
     /// Two decode ranks' pools, mapped here, and the source they take halves of.
     struct Pair {
@@ -253,16 +245,7 @@ mod tests {
 
     async fn pair() -> Pair {
         let (src, dsts) = (pool(false), [pool(true), pool(true)]);
-        // xorshift: no period a misplaced run could hide in.
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let bytes: Vec<u8> = (0..src.size())
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let bytes = xorshift_bytes(src.size());
         src.write(0, &bytes).unwrap();
         let mut mapped = Vec::new();
         let mut serving = Vec::new();

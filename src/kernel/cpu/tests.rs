@@ -507,15 +507,7 @@ fn spans_sent_from_an_engine_pool_follow_its_regions_wherever_they_lie() {
     assert_eq!(l.num_regions(), 8);
     let pages = 8;
     // No two regions alike (a pattern with a period would hide a span in the wrong region).
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let mut buf: Vec<u8> = (0..l.pool_bytes(pages).unwrap())
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
+    let mut buf = crate::pool::testing::xorshift_bytes(l.pool_bytes(pages).unwrap());
     let page = [5u32];
     // One token of one layer: two spans (K and V), sent from the pool without a gather.
     let sel = Selection {
