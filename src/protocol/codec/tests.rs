@@ -383,41 +383,6 @@ fn a_placed_chunk_lists_at_most_max_runs_and_all_of_them_must_be_there() {
 }
 
 #[test]
-fn an_older_hello_decodes_without_the_fields_it_lacks_to_be_refused_by_version() {
-    let h = Hello {
-        pool: None,
-        revocable_runs: false,
-        chunk_key: Secret::default(),
-        shared_pool: None,
-        max_version: 3,
-        ..hello()
-    };
-    let mut f = Message::Hello(h.clone()).encode_as(3);
-    // Cut the trailing flag, key and shared pool: what a version-3 build sends.
-    f.truncate(f.len() - 18);
-    let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - 18;
-    f[8..12].copy_from_slice(&len.to_le_bytes());
-    assert_eq!(Message::decode(&f), Ok(Message::Hello(h.clone())));
-    assert_eq!(negotiate(h.min_version, h.max_version), None);
-}
-
-#[test]
-fn a_version_6_hello_decodes_without_a_shared_pool_and_is_accepted() {
-    let h = Hello {
-        shared_pool: None,
-        max_version: 6,
-        ..hello()
-    };
-    let mut f = Message::Hello(h.clone()).encode_as(6);
-    // Cut the absent shared pool's flag: a version-6 Hello ends after its chunk key.
-    f.truncate(f.len() - 1);
-    let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - 1;
-    f[8..12].copy_from_slice(&len.to_le_bytes());
-    assert_eq!(Message::decode(&f), Ok(Message::Hello(h.clone())));
-    assert_eq!(negotiate(h.min_version, h.max_version), Some(6));
-}
-
-#[test]
 fn encode_into_appends_frames_that_peek_header_separates() {
     let a = Message::HelloAck(HelloAck {
         version: 1,
@@ -705,59 +670,6 @@ fn invalid_utf8_is_refused() {
 }
 
 #[test]
-fn a_hello_of_any_version_decodes_other_messages_do_not() {
-    let body = Message::Hello(Hello {
-        min_version: 97,
-        max_version: 99,
-        ..hello()
-    })
-    .encode()[HEADER_LEN..]
-        .to_vec();
-    let Ok(Message::Hello(h)) = Message::decode(&frame(99, KIND_HELLO, 0, &body)) else {
-        panic!("a Hello from the future must decode");
-    };
-    // ...so the receiver can refuse it explicitly, naming both ranges.
-    assert_eq!((h.min_version, h.max_version), (97, 99));
-    assert_eq!(negotiate(h.min_version, h.max_version), None);
-
-    // A newer Hello may append fields; a current one may not.
-    let mut extended = body.clone();
-    extended.extend_from_slice(b"v99 field");
-    assert!(matches!(
-        Message::decode(&frame(99, KIND_HELLO, 0, &extended)),
-        Ok(Message::Hello(_))
-    ));
-    assert_eq!(
-        Message::decode(&frame(VERSION, KIND_HELLO, 0, &extended)),
-        Err(DecodeError::TrailingBytes(9))
-    );
-
-    let body = Message::TransferRequest(transfer_request(vec![1])).encode()[HEADER_LEN..].to_vec();
-    for version in [0, 99] {
-        assert_eq!(
-            Message::decode(&frame(version, KIND_TRANSFER_REQUEST, 0, &body)),
-            Err(DecodeError::UnsupportedVersion {
-                version,
-                min: MIN_VERSION,
-                max: VERSION
-            })
-        );
-    }
-}
-
-#[test]
-fn negotiate_picks_the_newest_common_version() {
-    assert_eq!(negotiate(MIN_VERSION, VERSION), Some(VERSION));
-    assert_eq!(negotiate(0, u16::MAX), Some(VERSION));
-    assert_eq!(negotiate(VERSION, VERSION + 5), Some(VERSION));
-    // Disjoint ranges: the peer is entirely newer, or entirely older.
-    assert_eq!(negotiate(VERSION + 1, VERSION + 3), None);
-    assert_eq!(negotiate(0, MIN_VERSION - 1), None);
-    // A nonsensical range from the peer.
-    assert_eq!(negotiate(VERSION, MIN_VERSION - 1), None);
-}
-
-#[test]
 fn error_kinds_are_distinct_and_messages_name_the_problem() {
     let errors = [
         DecodeError::BadMagic { found: *b"GET " },
@@ -810,3 +722,4 @@ fn error_kinds_are_distinct_and_messages_name_the_problem() {
 }
 
 mod properties;
+mod versions;

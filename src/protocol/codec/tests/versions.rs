@@ -1,0 +1,85 @@
+//! Tests of the codec's version rules: older Hellos, Hellos from the future, negotiation.
+
+use super::*;
+
+/// Hellos of older versions end before the fields added since: they decode with those absent.
+/// Versions 1 to 3 are then refused by version; version 6 (no `shared_pool`) is spoken.
+#[test]
+fn an_older_hello_decodes_without_the_fields_it_lacks() {
+    let v3 = Hello {
+        pool: None,
+        revocable_runs: false,
+        chunk_key: Secret::default(),
+        shared_pool: None,
+        max_version: 3,
+        ..hello()
+    };
+    let v6 = Hello {
+        shared_pool: None,
+        max_version: 6,
+        ..hello()
+    };
+    // The trailing bytes a version-3 build does not send (flag, key, shared pool's flag), and
+    // the one a version-6 build does not (the shared pool's flag).
+    for (h, cut, spoken) in [(v3, 18, None), (v6, 1, Some(6))] {
+        let mut f = Message::Hello(h.clone()).encode_as(h.max_version);
+        f.truncate(f.len() - cut);
+        let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - cut as u32;
+        f[8..12].copy_from_slice(&len.to_le_bytes());
+        assert_eq!(Message::decode(&f), Ok(Message::Hello(h.clone())));
+        assert_eq!(negotiate(h.min_version, h.max_version), spoken);
+    }
+}
+
+#[test]
+fn a_hello_of_any_version_decodes_other_messages_do_not() {
+    let body = Message::Hello(Hello {
+        min_version: 97,
+        max_version: 99,
+        ..hello()
+    })
+    .encode()[HEADER_LEN..]
+        .to_vec();
+    let Ok(Message::Hello(h)) = Message::decode(&frame(99, KIND_HELLO, 0, &body)) else {
+        panic!("a Hello from the future must decode");
+    };
+    // ...so the receiver can refuse it explicitly, naming both ranges.
+    assert_eq!((h.min_version, h.max_version), (97, 99));
+    assert_eq!(negotiate(h.min_version, h.max_version), None);
+
+    // A newer Hello may append fields; a current one may not.
+    let mut extended = body.clone();
+    extended.extend_from_slice(b"v99 field");
+    assert!(matches!(
+        Message::decode(&frame(99, KIND_HELLO, 0, &extended)),
+        Ok(Message::Hello(_))
+    ));
+    assert_eq!(
+        Message::decode(&frame(VERSION, KIND_HELLO, 0, &extended)),
+        Err(DecodeError::TrailingBytes(9))
+    );
+
+    let body = Message::TransferRequest(transfer_request(vec![1])).encode()[HEADER_LEN..].to_vec();
+    for version in [0, 99] {
+        assert_eq!(
+            Message::decode(&frame(version, KIND_TRANSFER_REQUEST, 0, &body)),
+            Err(DecodeError::UnsupportedVersion {
+                version,
+                min: MIN_VERSION,
+                max: VERSION
+            })
+        );
+    }
+}
+
+#[test]
+fn negotiate_picks_the_newest_common_version() {
+    assert_eq!(negotiate(MIN_VERSION, VERSION), Some(VERSION));
+    assert_eq!(negotiate(0, u16::MAX), Some(VERSION));
+    assert_eq!(negotiate(VERSION, VERSION + 5), Some(VERSION));
+    // Disjoint ranges: the peer is entirely newer, or entirely older.
+    assert_eq!(negotiate(VERSION + 1, VERSION + 3), None);
+    assert_eq!(negotiate(0, MIN_VERSION - 1), None);
+    // A nonsensical range from the peer.
+    assert_eq!(negotiate(VERSION, MIN_VERSION - 1), None);
+}
