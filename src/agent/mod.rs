@@ -280,21 +280,20 @@ pub struct AgentConfig {
 
 /// When a segment goes by the direct path, with no gather and no scatter: the prefill's pool
 /// runs go straight into the decode's pages, by one-sided writes or by placed sends
-/// ([`DirectMethod`]), instead of through staging. Needs a transport that has them (`ucx`;
-/// `zmq-ipc`, whose writes are the prefill's copies into the decode's pool file, mapped) on
-/// both sides; the decode exposes its pool unless `never`, the prefill decides per segment.
+/// ([`DirectMethod`]), instead of through staging: on one host by mapped writes (the
+/// prefill's copies into the decode's pool file, [`MappedWrites`]), else by the transport's
+/// (`ucx`). The decode exposes its pool unless `never`, the prefill decides per piece.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DirectWrites {
-    /// One-sided writes where the transport reports them fast and safe (native RDMA writes
-    /// on a supervised endpoint, `zmq-ipc`'s mapped copies; not UCX 1.13's tcp or
-    /// shared-memory emulations), else placed
-    /// sends where the transport has them; and only when the piece's runs are long (layouts
-    /// match).
+    /// Mapped writes on one host; else the transport's one-sided writes where it reports them
+    /// fast and safe (native RDMA writes on a supervised endpoint; not UCX 1.13's tcp or
+    /// shared-memory emulations), else placed sends where the transport has them; each only
+    /// when the piece's runs are long enough for it.
     #[default]
     Auto,
-    /// One-sided writes whenever the transport has them, however slow or unsafe: for
-    /// measurement and tests. Over UCX 1.13's tcp or shared memory a prefill dying mid-write
-    /// can wedge or abort its decode (see `transport/ucx/data.rs`).
+    /// The transport's one-sided writes whenever it has them (before mapped writes), however
+    /// slow or unsafe: for measurement and tests. Over UCX 1.13's tcp or shared memory a
+    /// prefill dying mid-write can wedge or abort its decode (see `transport/ucx/data.rs`).
     Always,
     /// Never: every chunk is staged.
     Never,

@@ -1,8 +1,9 @@
 //! One-sided writes between processes of one host: the receiver hands its pool's memory file
 //! to the sender, which maps it and copies runs into it with the CPU kernel. One copy of each
-//! byte, by the sender's CPU, whatever the runs' lengths: `zmq-ipc` moves the bulk of a room
-//! this way when the decode's pool is its own sealed memory file ([`HostPool::shareable`];
-//! docs/architecture.md, "Data paths").
+//! byte, by the sender's CPU, whatever the runs' lengths: agents of one host move rooms this
+//! way (`zmq-ipc`, UCX with shared memory: [`super::maps_pools`]) when the decode's pool is its
+//! own sealed memory file ([`HostPool::shareable`]; docs/architecture.md, "Data paths"). The
+//! file is named in Hello's `shared_pool`, beside the transport's own key.
 //!
 //! The handshake:
 //! - the receiver ([`serve`]) listens on an abstract Unix socket, `kvferry-pool-<random>`, which

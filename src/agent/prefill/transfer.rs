@@ -4,14 +4,16 @@
 //!
 //! Two data paths, chosen per piece of a segment:
 //! - *staged*: gather into a staging slot, send it, the decode scatters it;
-//! - *direct*: when the decode exposed its pool, `--direct-writes` found a direct method for
-//!   the pair (`DirectTarget::method`) and the piece's runs are long on average (one-sided
-//!   writes: at least one page block of the decode, the head layouts line up; placed runs:
-//!   `--placed-min-run-bytes`, each being one message), each chunk's runs go from this pool
-//!   straight into the decode's pages. No gather, no scatter, no staging memory. Either
-//!   written one-sided and flushed, then the header (`direct`, no payload) follows; or placed:
-//!   the header (`placed`: a random key and the runs' lengths) goes first, then one message
-//!   per run, which the decode receives straight into the places it computes itself.
+//! - *direct*: when the pair has a way into the decode's pool (`DirectTarget::ways`: its pool
+//!   file mapped here, the transport's one-sided writes, placed runs) whose runs pay for the
+//!   piece (`shortest_run`: mapped writes any length; one-sided writes at least one page
+//!   block of the decode, the head layouts line up; placed runs `--placed-min-run-bytes`,
+//!   each being one message), each chunk's runs go from this pool straight into the decode's
+//!   pages. No gather, no scatter, no staging memory. Either written (mapped or one-sided)
+//!   and flushed, then the header (`direct`, no payload) follows; or placed: the header
+//!   (`placed`: a random key and the runs' lengths) goes first, then one message per run,
+//!   which the decode receives straight into the places it computes itself. Mapped writes of
+//!   one chunk for several decode ranks go in one pass (`fanout.rs`).
 
 use std::sync::atomic::Ordering;
 
