@@ -244,7 +244,8 @@ impl Inner {
             room.status.touch();
         }
         if let Err(reason) = landed {
-            if room.status.fail(reason) {
+            if room.status.fail(reason.clone()) {
+                tracing::warn!(room = chunk.room, %reason, "room failed");
                 self.finished(room);
             }
             return;

@@ -302,7 +302,8 @@ impl Inner {
                     }
                     Some(room) => {
                         room.end_writes(peer.instance, Writes::Closed);
-                        if room.status.fail(reason) {
+                        if room.status.fail(reason.clone()) {
+                            tracing::warn!(room = e.room, %reason, "room failed");
                             self.finished(room);
                         }
                     }

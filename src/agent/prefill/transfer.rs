@@ -319,6 +319,7 @@ impl Inner {
                     }))
                 }
                 Err(reason) => {
+                    tracing::warn!(room = room_id, %decode, %reason, "transfer failed");
                     t.end(RoomState::Failed, Some(reason.clone()));
                     Some(Message::Error(ErrorMsg {
                         room: Some(room_id),
