@@ -92,6 +92,7 @@ fn check_line(v: &Value, transport: &str, tokens: u64, rooms: u64) {
     assert_eq!(v["verify"], "stamp", "{v}");
     assert_eq!(v["warmup_rooms"], 2, "{v}");
     assert_eq!(v["failed_rooms"], 0, "{v}");
+    assert_eq!(v["failures"], serde_json::json!({}), "no room failed: {v}");
     // Rooms landed, so time passed and bytes moved.
     assert!(v["throughput_gbps"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["latency_ms"]["p50"].as_f64().unwrap() > 0.0, "{v}");

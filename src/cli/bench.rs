@@ -531,6 +531,21 @@ fn print_table(lines: &[Value]) {
         "GB/s: bytes landed / (first ready -> last success); room GB/s: bytes / p50 latency; \
          ovh: p50 latency - bytes / largest room's rate; memcpy: single thread, GB/s"
     );
+    for l in lines {
+        let Some(failures) = l["failures"].as_object().filter(|f| !f.is_empty()) else {
+            continue;
+        };
+        let why: Vec<String> = failures
+            .iter()
+            .map(|(code, n)| format!("{code} {n}"))
+            .collect();
+        println!(
+            "{} {} tokens: rooms not verified: {}",
+            l["transport"].as_str().unwrap_or("?"),
+            l["tokens"],
+            why.join(", ")
+        );
+    }
     print_stages(lines);
 }
 

@@ -406,9 +406,22 @@ pub fn summary(
         "take_latency_ms": { "p50": percentile(&take, 50.0), "p99": percentile(&take, 99.0) },
         "verified_rooms": ok.len(),
         "failed_rooms": results.len() - ok.len(),
+        "failures": failures(results),
         "memcpy_gbps": memcpy_gbps(largest),
         "stages_ms": stage_p50s(&ok),
     })
+}
+
+/// The rooms that did not verify, counted by why: the failure code of a room a decode ended
+/// with (`verify_failed` when the landed bytes were wrong), `unverified` when none was given.
+fn failures(results: &[RoomResult]) -> Value {
+    let mut counts = serde_json::Map::new();
+    for r in results.iter().filter(|r| !r.verified) {
+        let code = r.code.clone().unwrap_or_else(|| "unverified".to_owned());
+        let n = counts.get(&code).and_then(Value::as_u64).unwrap_or(0);
+        counts.insert(code, json!(n + 1));
+    }
+    Value::Object(counts)
 }
 
 /// The p50 of each of [`STAGES`] over `rooms` (the stages they reached).
@@ -722,4 +735,44 @@ fn device_pools(
     };
     let pools = [export(0)?, export(0xDE)?];
     Ok((Some(pools), format!("device pools on {name} (CUDA IPC)")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rooms_that_did_not_verify_are_counted_by_why() {
+        let room = |room, code: Option<&str>, verified| RoomResult {
+            room,
+            tokens: 16,
+            bytes: 0,
+            state: if verified { "success" } else { "failed" }.to_owned(),
+            code: code.map(str::to_owned),
+            verified,
+            latency_ms: 1.0,
+            take_ms: 1.0,
+            ready_at: 0.0,
+            success_at: 1.0,
+            stages: Vec::new(),
+        };
+        let results = [
+            room(1, None, true),
+            room(2, Some("peer_dead"), false),
+            room(3, Some("peer_dead"), false),
+            room(4, Some("verify_failed"), false),
+            room(5, None, false),
+        ];
+        let line = summary(&results, "zmq-tcp", "tiny", json!(16), 16, 1, (1, 1));
+        assert_eq!(
+            line["failures"],
+            json!({"peer_dead": 2, "verify_failed": 1, "unverified": 1})
+        );
+        assert_eq!(
+            (line["verified_rooms"].clone(), line["failed_rooms"].clone()),
+            (json!(1), json!(4))
+        );
+        let none = summary(&results[..1], "zmq-tcp", "tiny", json!(16), 16, 1, (1, 1));
+        assert_eq!(none["failures"], json!({}));
+    }
 }
