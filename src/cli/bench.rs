@@ -172,8 +172,7 @@ impl BenchArgs {
     /// The agent flags of a local cluster over `transport`.
     fn agent_args(&self, layout: &KvLayout, transport: BenchTransport) -> Vec<String> {
         let largest = self.tokens.iter().copied().max().unwrap_or(1);
-        // Both pools hold every room in flight; a few pages spare for the warm-up.
-        let pool_pages = layout.pages_for(largest) * self.concurrency + 8;
+        let pool_pages = demo::pool_pages(layout, largest, self.concurrency);
         [
             "--model",
             &self.model,

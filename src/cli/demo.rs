@@ -412,6 +412,14 @@ pub fn summary(
     })
 }
 
+/// Pages of a pool for rooms of up to `tokens` tokens, `concurrency` at a time: every room in
+/// flight and as many again, since a prefill holds a room's pages until its last sends
+/// resolved, which may be after the decode's success (Done goes first), when the next room
+/// already starts; and a few spare for the warm-up.
+pub fn pool_pages(layout: &KvLayout, tokens: usize, concurrency: usize) -> usize {
+    layout.pages_for(tokens) * 2 * concurrency.max(1) + 8
+}
+
 /// The rooms that did not verify, counted by why: the failure code of a room a decode ended
 /// with (`verify_failed` when the landed bytes were wrong), `unverified` when none was given.
 fn failures(results: &[RoomResult]) -> Value {
@@ -614,7 +622,7 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
     if args.tokens.contains(&0) {
         bail!("--tokens must all be > 0");
     }
-    let pages = layout.pages_for(max_tokens) * args.concurrency.max(1) + 8;
+    let pages = pool_pages(&layout, max_tokens, args.concurrency);
     let exe = std::env::current_exe().context("locating the kvferry binary")?;
     let agent_args: Vec<String> = [
         "--model",
