@@ -5,7 +5,9 @@
 //   token-major llama3-8b: each decode rank takes half the heads of every token);
 // - contiguous: each thread copies its own 512 MiB source in one run (TP2 -> TP2);
 // - 1k-runs-contig: each its own source, contiguous, in 1 KiB runs (the cost of short runs);
-// - strided-separate: 1 KiB of every 2 KiB, each thread its own half of the source.
+// - strided-separate: 1 KiB of every 2 KiB, each thread its own half of the source;
+// - one-pass: each thread reads its own half of the source contiguously and writes each 2 KiB
+//   row's halves into the two destinations (kvferry's one-pass TP1 -> TP2 write).
 // docs/benchmarks.md, "Heterogeneous TP".
 // Build: gcc -O2 -pthread -o /tmp/strided-source scripts/probes/strided-source.c
 // Run:   /tmp/strided-source
@@ -44,6 +46,29 @@ static void *work(void *p) {
   _mm_sfence();
   return 0;
 }
+// One thread's share of a one-pass write: `rows` rows of 2 KiB, the first 1 KiB of each to
+// `d0`, the second to `d1`.
+struct pass { char *d0, *d1; const char *src; size_t rows; };
+static void *split(void *p) {
+  struct pass *j = p;
+  for (size_t r = 0; r < j->rows; r++) {
+    stream(j->d0 + r * 1024, j->src + r * 2048, 1024);
+    stream(j->d1 + r * 1024, j->src + r * 2048 + 1024, 1024);
+  }
+  _mm_sfence();
+  return 0;
+}
+static double one_pass(char *src, char *d0, char *d1) {
+  size_t rows = N / 1024 / 2;
+  struct pass a = {d0, d1, src, rows}, b = {d0 + N / 2, d1 + N / 2, src + N, rows};
+  pthread_t t1, t2;
+  double t = now();
+  pthread_create(&t1, 0, split, &a);
+  pthread_create(&t2, 0, split, &b);
+  pthread_join(t1, 0);
+  pthread_join(t2, 0);
+  return now() - t;
+}
 static double two(struct job a, struct job b) {
   pthread_t t1, t2;
   double t = now();
@@ -73,8 +98,9 @@ int main(void) {
     double b = two((struct job){dst0, src, N, N, N}, (struct job){dst1, src2, N, N, N});
     double c = two((struct job){dst0, src, 1024, 1024, N}, (struct job){dst1, src2, 1024, 1024, N});
     double d = two((struct job){dst0, src, 1024, 2048, N / 2}, (struct job){dst1, src + N, 1024, 2048, N / 2});
-    printf("strided-shared %.2f GB/s  contiguous %.2f  1k-runs-contig %.2f  strided-separate %.2f\n",
-           2 * N / a / 1e9, 2 * N / b / 1e9, 2 * N / c / 1e9, N / d / 1e9);
+    double e = one_pass(src, dst0, dst1);
+    printf("strided-shared %.2f GB/s  contiguous %.2f  1k-runs-contig %.2f  strided-separate %.2f  one-pass %.2f\n",
+           2 * N / a / 1e9, 2 * N / b / 1e9, 2 * N / c / 1e9, N / d / 1e9, 2 * N / e / 1e9);
   }
   return 0;
 }

@@ -11,6 +11,8 @@
 //! async callers run it on a blocking thread, never on the reactor (design.md part 10).
 #![allow(unsafe_code)]
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use crate::layout::{Granularity, KvLayout, LayoutError, PageOrder, element_offset};
 use crate::pool::HostPool;
 
@@ -166,12 +168,17 @@ impl CpuKernel {
         Ok(hasher.digest())
     }
 
-    /// Copies every run `(i, run)` from `src` into destination `i` of `dsts` (the address
+    /// Copies every run of `runs[i]` from `src` into destination `i` of `dsts` (the address
     /// and length of another pool's memory mapped into this process, `transport/mapped.rs`),
-    /// in the runs' order, with streaming stores: those pools are cold. Every run is checked
-    /// against both sides before a byte moves. Runs into several pools interleaved in the
-    /// order of their source read it in one pass (one prefill rank feeding several decode
-    /// ranks their heads of each token).
+    /// with streaming stores: those pools are cold. Every run is checked against both sides
+    /// before a byte moves. The runs go row by row, the `k`-th run of each list in turn: one
+    /// chunk planned for several decode ranks gives lists whose `k`-th runs come from the same
+    /// token's row (one prefill rank feeding several decode ranks their heads of each token),
+    /// so the copy reads the source once, in order, instead of once per list, in strides.
+    ///
+    /// Many short runs (head slices) are shared out by rows: each thread checks and copies its
+    /// own rows, and none copies until all have checked. Fewer, longer runs are checked here
+    /// and shared out by bytes.
     ///
     /// # Safety
     /// Each `dst..dst + len` of `dsts` must stay mapped and writable for the call, and must
@@ -179,42 +186,57 @@ impl CpuKernel {
     pub unsafe fn write_runs(
         &self,
         src: &HostPool,
-        runs: &[(usize, WriteRun)],
+        runs: &[&[WriteRun]],
         dsts: &[(*mut u8, usize)],
     ) -> Result<(), KernelError> {
-        let outside = |side, offset: u64, len: u64, size: usize| KernelError::RunOutside {
-            side,
-            offset,
-            len,
-            size,
-        };
-        let mut planned = Vec::with_capacity(runs.len());
-        for &(to, r) in runs {
-            let (s, d, len) = (r.src as usize, r.dst as usize, r.len as usize);
-            if src.check(s, len).is_err() {
-                return Err(outside("source pool", r.src, r.len, src.size()));
-            }
-            let dst_len = dsts.get(to).map_or(0, |&(_, len)| len);
-            if d.checked_add(len).is_none_or(|end| end > dst_len) {
-                return Err(outside("destination", r.dst, r.len, dst_len));
-            }
-            planned.push(Run {
-                pool: s,
-                staging: d,
-                len,
-                to,
-            });
+        let rows = runs.iter().map(|r| r.len()).max().unwrap_or(0);
+        let parts = self.threads.min(rows / ROW_SHARE_MIN_RUNS).max(1);
+        let from = Ptr(src.base_ptr());
+        let (to, sizes): (Vec<Ptr>, Vec<usize>) = dsts.iter().map(|&(at, n)| (Ptr(at), n)).unzip();
+        let sizes = &sizes;
+        let ends = |r: &Run| (r.pool, r.staging);
+        if parts == 1 {
+            let planned = in_rows(src, runs, sizes, 0..rows)?;
+            // SAFETY: every run lies inside the source pool and its destination (checked);
+            // the caller guarantees the destinations are writable and apart from the source
+            // and from each other.
+            unsafe { self.copy(&planned, from, &to, true, ends) };
+            return Ok(());
         }
-        let dsts: Vec<Ptr> = dsts.iter().map(|&(at, _)| Ptr(at)).collect();
-        // SAFETY: every run lies inside the source pool and its destination (checked above);
-        // the caller guarantees the destinations are writable and apart from the source and
-        // from each other.
-        unsafe {
-            self.copy(&planned, Ptr(src.base_ptr()), &dsts, true, |r| {
-                (r.pool, r.staging)
-            })
+        let (checked, refused) = (std::sync::Barrier::new(parts), AtomicBool::new(false));
+        let (one, to) = (CpuKernel::new(1), &to);
+        let share = |part: usize| -> Result<(), KernelError> {
+            let planned = in_rows(
+                src,
+                runs,
+                sizes,
+                rows * part / parts..rows * (part + 1) / parts,
+            );
+            if planned.is_err() {
+                refused.store(true, Ordering::Relaxed);
+            }
+            checked.wait();
+            let planned = planned?;
+            if !refused.load(Ordering::Relaxed) {
+                // SAFETY: as above, once every share is checked; the shares' rows are apart,
+                // and so are their destination bytes.
+                unsafe { one.copy(&planned, from, to, true, ends) };
+            }
+            Ok(())
         };
-        Ok(())
+        std::thread::scope(|scope| {
+            let share = &share;
+            let others: Vec<_> = (1..parts)
+                .map(|part| scope.spawn(move || share(part)))
+                .collect();
+            let mine = share(0);
+            others.into_iter().fold(mine, |outcome, other| {
+                let theirs = other
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                outcome.and(theirs)
+            })
+        })
     }
 
     /// Copies every run from `src` to its destination `dst[run.to]`, with streaming stores when
@@ -709,6 +731,50 @@ fn split(runs: &[Run], total: usize, parts: usize) -> Vec<Vec<Run>> {
         }
     }
     shares
+}
+
+/// From this many runs in each list per thread, [`CpuKernel::write_runs`] shares a write out by
+/// rows rather than by bytes.
+const ROW_SHARE_MIN_RUNS: usize = 1024;
+
+/// Rows `rows` of `runs` (the `k`-th run of each list in turn, lists that end early leaving
+/// their place empty) as runs into destination `i` for list `i`, each checked against the
+/// source pool and its destination's size, `sizes[i]`.
+fn in_rows(
+    src: &HostPool,
+    runs: &[&[WriteRun]],
+    sizes: &[usize],
+    rows: std::ops::Range<usize>,
+) -> Result<Vec<Run>, KernelError> {
+    let outside = |side, r: &WriteRun, size| KernelError::RunOutside {
+        side,
+        offset: if side == "destination" { r.dst } else { r.src },
+        len: r.len,
+        size,
+    };
+    let mut planned = Vec::with_capacity(rows.len() * runs.len());
+    for k in rows {
+        for (to, list) in runs.iter().enumerate() {
+            let Some(r) = list.get(k) else {
+                continue;
+            };
+            let (s, d, len) = (r.src as usize, r.dst as usize, r.len as usize);
+            if src.check(s, len).is_err() {
+                return Err(outside("source pool", r, src.size()));
+            }
+            let size = sizes.get(to).copied().unwrap_or(0);
+            if d.checked_add(len).is_none_or(|end| end > size) {
+                return Err(outside("destination", r, size));
+            }
+            planned.push(Run {
+                pool: s,
+                staging: d,
+                len,
+                to,
+            });
+        }
+    }
+    Ok(planned)
 }
 
 #[cfg(test)]

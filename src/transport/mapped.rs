@@ -207,10 +207,11 @@ impl MappedPool {
     }
 }
 
-/// Copies each pool's runs of `source` into it, all in one pass in the order of their
-/// source (blocking): where the runs of several pools interleave in `source` (one prefill
-/// rank's tokens, their heads shared out over decode ranks), each source byte is read once,
-/// in order, instead of once per pool, in strides. The stores are fenced when it returns.
+/// Copies each pool's runs of `source` into it, all in one pass (blocking): runs of one chunk
+/// planned for several pools (one prefill rank's tokens, their heads shared out over decode
+/// ranks) go interleaved, so that each source row is read once, in order, instead of once per
+/// pool, in strides ([`crate::kernel::cpu::CpuKernel::write_runs`]). The stores are fenced
+/// when it returns.
 pub fn write_together(
     source: &HostPool,
     writes: &[(&MappedPool, &[WriteRun])],
@@ -218,14 +219,7 @@ pub fn write_together(
     let Some((first, _)) = writes.first() else {
         return Ok(());
     };
-    let mut runs: Vec<(usize, WriteRun)> = writes
-        .iter()
-        .enumerate()
-        .flat_map(|(i, (_, runs))| runs.iter().map(move |&r| (i, r)))
-        .collect();
-    if writes.len() > 1 {
-        runs.sort_by_key(|(_, r)| r.src);
-    }
+    let runs: Vec<&[WriteRun]> = writes.iter().map(|&(_, runs)| runs).collect();
     let dsts: Vec<(*mut u8, usize)> = writes
         .iter()
         .map(|(pool, _)| (pool.map.as_mut_ptr(), pool.map.len()))

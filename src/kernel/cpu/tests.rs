@@ -366,6 +366,63 @@ fn split_cuts_runs_into_equal_shares_each_piece_to_its_destination() {
     );
 }
 
+/// A write of many short runs into two destinations (TP1 -> TP2 head slices: each 2 KiB row
+/// of the source, its first KiB to one destination, its second to the other) is shared out
+/// by rows over the kernel's threads: every byte lands where its run says and nowhere else,
+/// also from a list that ends early; a run outside its destination, in either thread's rows,
+/// is refused before a byte moves into either.
+#[test]
+fn rows_of_short_runs_land_in_each_destination_and_one_bad_run_moves_nothing() {
+    let src = HostPool::anonymous(llama(PageOrder::TokenMajor), 4).unwrap();
+    let bytes = crate::pool::testing::xorshift_bytes(src.size());
+    src.write(0, &bytes).unwrap();
+    let rows = 4 * ROW_SHARE_MIN_RUNS;
+    let half = |k: usize, second: bool| WriteRun {
+        src: (k * 2048 + usize::from(second) * 1024) as u64,
+        dst: (k * 1024 + 64) as u64,
+        len: 1024,
+    };
+    let first: Vec<WriteRun> = (0..rows).map(|k| half(k, false)).collect();
+    // The second list ends 100 rows early.
+    let second: Vec<WriteRun> = (0..rows - 100).map(|k| half(k, true)).collect();
+    let size = rows * 1024 + 4096;
+    for threads in [1, 2] {
+        let kernel = CpuKernel::new(threads);
+        let mut dsts = [vec![0xAAu8; size], vec![0xBBu8; size]];
+        let write = |lists: &[&[WriteRun]], dsts: &mut [Vec<u8>; 2]| {
+            let [a, b] = dsts;
+            let at = [(a.as_mut_ptr(), a.len()), (b.as_mut_ptr(), b.len())];
+            // SAFETY: two buffers of their own, apart from the source, alive for the call.
+            unsafe { kernel.write_runs(&src, lists, &at) }
+        };
+        write(&[&first, &second], &mut dsts).unwrap();
+        for (dst, list, poison) in [(&dsts[0], &first, 0xAA), (&dsts[1], &second, 0xBB)] {
+            let mut want = vec![poison; size];
+            for r in list.iter() {
+                let (s, d, n) = (r.src as usize, r.dst as usize, r.len as usize);
+                want[d..d + n].copy_from_slice(&bytes[s..s + n]);
+            }
+            assert!(*dst == want, "{threads} threads, destination {poison:#x}");
+        }
+        // One run outside the second destination, in the first rows or the last.
+        for k in [0, rows - 101] {
+            let mut dsts = [vec![0xAAu8; size], vec![0xBBu8; size]];
+            let mut bad = second.clone();
+            bad[k].dst = size as u64 - 512;
+            let e = write(&[&first, &bad], &mut dsts).unwrap_err();
+            assert!(e.to_string().contains("destination"), "{e}");
+            assert!(
+                dsts[0].iter().all(|&x| x == 0xAA),
+                "{threads} threads, row {k}"
+            );
+            assert!(
+                dsts[1].iter().all(|&x| x == 0xBB),
+                "{threads} threads, row {k}"
+            );
+        }
+    }
+}
+
 /// The checksum copies runs through its bounce buffer in pieces: runs longer than the buffer
 /// (10 pages x 32 KiB per plane here, against 64 KiB) and not multiples of it hash to the
 /// gathered bytes' xxh3, in both orders.
