@@ -58,26 +58,22 @@ static void *split(void *p) {
   _mm_sfence();
   return 0;
 }
+// Seconds for two threads running `fn` on `a` and `b` at once.
+static double both(void *(*fn)(void *), void *a, void *b) {
+  pthread_t t1, t2;
+  double t = now();
+  pthread_create(&t1, 0, fn, a);
+  pthread_create(&t2, 0, fn, b);
+  pthread_join(t1, 0);
+  pthread_join(t2, 0);
+  return now() - t;
+}
 static double one_pass(char *src, char *d0, char *d1) {
   size_t rows = N / 1024 / 2;
   struct pass a = {d0, d1, src, rows}, b = {d0 + N / 2, d1 + N / 2, src + N, rows};
-  pthread_t t1, t2;
-  double t = now();
-  pthread_create(&t1, 0, split, &a);
-  pthread_create(&t2, 0, split, &b);
-  pthread_join(t1, 0);
-  pthread_join(t2, 0);
-  return now() - t;
+  return both(split, &a, &b);
 }
-static double two(struct job a, struct job b) {
-  pthread_t t1, t2;
-  double t = now();
-  pthread_create(&t1, 0, work, &a);
-  pthread_create(&t2, 0, work, &b);
-  pthread_join(t1, 0);
-  pthread_join(t2, 0);
-  return now() - t;
-}
+static double two(struct job a, struct job b) { return both(work, &a, &b); }
 static char *anon(size_t n) {
   char *p = mmap(0, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   madvise(p, n, MADV_HUGEPAGE);
