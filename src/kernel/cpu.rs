@@ -190,7 +190,15 @@ impl CpuKernel {
         dsts: &[(*mut u8, usize)],
     ) -> Result<(), KernelError> {
         let rows = runs.iter().map(|r| r.len()).max().unwrap_or(0);
-        let parts = self.threads.min(rows / ROW_SHARE_MIN_RUNS).max(1);
+        let bytes: u64 = runs
+            .iter()
+            .flat_map(|list| list.iter())
+            .map(|r| r.len)
+            .sum();
+        let parts = (self.threads)
+            .min(rows / ROW_SHARE_MIN_RUNS)
+            .min(usize::try_from(bytes).unwrap_or(usize::MAX) / PARALLEL_MIN_BYTES)
+            .max(1);
         let from = Ptr(src.base_ptr());
         let (to, sizes): (Vec<Ptr>, Vec<usize>) = dsts.iter().map(|&(at, n)| (Ptr(at), n)).unzip();
         let sizes = &sizes;
