@@ -239,7 +239,7 @@ fn runtime_library_is_the_api_version_we_declare() {
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Tls {
     Tcp,
     /// tcp as the agents set it up for eager chunks and runs (`transport/ucx/data.rs`):
@@ -543,10 +543,10 @@ async fn placed_runs(tls: Tls) {
         at[i] = next;
         next += sends[i].len;
     }
-    let places: Vec<Span> = sends
+    let places: Vec<Vec<Span>> = sends
         .iter()
         .zip(&at)
-        .map(|(s, &offset)| Span { offset, len: s.len })
+        .map(|(s, &offset)| vec![Span { offset, len: s.len }])
         .collect();
     let cancel = CancellationToken::new();
     let t = Instant::now();
@@ -578,14 +578,14 @@ async fn placed_runs(tls: Tls) {
     );
     let want = src.read(0, SIZE).expect("read");
     for (i, (s, p)) in sends.iter().zip(&places).enumerate() {
-        let (s, p) = (s.offset as usize, p.offset as usize);
+        let (s, p) = (s.offset as usize, p[0].offset as usize);
         let len = sends[i].len as usize;
         same_bytes(&format!("run {i}"), &got[p..p + len], &want[s..s + len]);
     }
     // A message of another length than its place fails the group with the lengths.
     let one = |len: u64| vec![Span { offset: 0, len }];
     let landing = b
-        .recv_runs(7 << 32, dst.clone(), one(200), cancel.clone())
+        .recv_runs(7 << 32, dst.clone(), vec![one(200)], cancel.clone())
         .await
         .expect("post");
     let (sent, placed) = bounded("mismatched run", 60, async {
@@ -604,10 +604,10 @@ async fn placed_runs(tls: Tls) {
         "{placed:?}"
     );
     // Places outside the memory are refused before UCX sees them.
-    let outside = vec![Span {
+    let outside = vec![vec![Span {
         offset: (SIZE + MIB - 10) as u64,
         len: 11,
-    }];
+    }]];
     match b
         .recv_runs(9 << 32, dst.clone(), outside, cancel.clone())
         .await
@@ -624,13 +624,7 @@ async fn placed_runs(tls: Tls) {
         .recv_runs(
             11 << 32,
             dst.clone(),
-            vec![
-                Span {
-                    offset: 0,
-                    len: MIB as u64
-                };
-                4
-            ],
+            vec![one(MIB as u64); 4],
             cancel.clone(),
         )
         .await
@@ -665,6 +659,103 @@ async fn placed_runs_tcp_eager() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placed_runs_shm() {
     placed_runs(Tls::Shm).await;
+}
+
+/// 16 MiB sent in runs of random sizes, each landing in pieces of the destination: the
+/// stream's `k`-th KiB at `MIB + k * 2 KiB` (a decode's half of each token row, its heads of a
+/// prefill with fewer), so a run covers many pieces and may begin or end inside one. Over
+/// eager tcp every byte lands where its piece says and the KiB between them stay untouched.
+/// Workers that receive runs straight into one buffer refuse runs of several pieces.
+async fn scattered_runs(tls: Tls) {
+    const SIZE: usize = 16 * MIB;
+    const PIECE: usize = 1024;
+    let (a, b, ab, _ba) = pair(tls).await;
+    let mut rng = Rng(seed());
+    let src = Arc::new(Region::new(SIZE).expect("source"));
+    src.write(0, &rng.bytes(SIZE)).expect("fill");
+    let dst = Arc::new(Region::new(MIB + 2 * SIZE).expect("destination"));
+    dst.fill(0xEE);
+    let mut sends = Vec::new();
+    let mut at = 0;
+    while at < SIZE {
+        let len = [1, 700, 4096, 1 + rng.below(MIB as u64) as usize][rng.below(4) as usize];
+        let len = len.min(SIZE - at);
+        sends.push(Span {
+            offset: at as u64,
+            len: len as u64,
+        });
+        at += len;
+    }
+    // The pieces of stream bytes `start..end`, in order.
+    let pieces = |start: usize, end: usize| {
+        let mut out = Vec::new();
+        let mut k = start;
+        while k < end {
+            let n = (PIECE - k % PIECE).min(end - k);
+            let offset = MIB + (k / PIECE) * 2 * PIECE + k % PIECE;
+            out.push(Span {
+                offset: offset as u64,
+                len: n as u64,
+            });
+            k += n;
+        }
+        out
+    };
+    let places: Vec<Vec<Span>> = sends
+        .iter()
+        .map(|s| pieces(s.offset as usize, (s.offset + s.len) as usize))
+        .collect();
+    let cancel = CancellationToken::new();
+    let posted = b
+        .recv_runs(3 << 32, dst.clone(), places, cancel.clone())
+        .await;
+    if tls != Tls::TcpEager {
+        match posted {
+            Err(UcxError::Call { op, .. }) => println!("{}: refused ({op})", tls.name()),
+            Err(e) => panic!("{}: {e}", tls.name()),
+            Ok(_) => panic!("{}: runs of several pieces posted", tls.name()),
+        }
+        a.shutdown().await;
+        b.shutdown().await;
+        return;
+    }
+    let landing = posted.expect("post the receives");
+    let t = Instant::now();
+    let (sent, placed) = bounded("scattered runs", 120, async {
+        tokio::join!(
+            a.send_runs(ab, 3 << 32, src.clone(), sends.clone()),
+            landing
+        )
+    })
+    .await;
+    sent.expect("send runs");
+    placed.expect("receive runs");
+    println!(
+        "{}: {} runs in pieces of 1 KiB, {SIZE} bytes in {:.3} s",
+        tls.name(),
+        sends.len(),
+        t.elapsed().as_secs_f64()
+    );
+    let mut want = vec![0xEEu8; MIB + 2 * SIZE];
+    let bytes = src.read(0, SIZE).expect("read");
+    for (k, chunk) in bytes.chunks(PIECE).enumerate() {
+        let at = MIB + k * 2 * PIECE;
+        want[at..at + chunk.len()].copy_from_slice(chunk);
+    }
+    same_bytes(
+        "the destination",
+        &dst.read(0, want.len()).expect("read"),
+        &want,
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scattered_runs_land_over_eager_tcp_and_are_refused_elsewhere() {
+    for tls in [Tls::TcpEager, Tls::Tcp, Tls::Shm] {
+        scattered_runs(tls).await;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -717,7 +808,7 @@ async fn a_run_cancelled_mid_message_writes_nothing_more() {
     }];
     let cancel = CancellationToken::new();
     let landing = b
-        .recv_runs(5 << 32, dst.clone(), run.clone(), cancel.clone())
+        .recv_runs(5 << 32, dst.clone(), vec![run.clone()], cancel.clone())
         .await
         .expect("post");
     let landing = tokio::spawn(landing);
@@ -776,7 +867,7 @@ async fn a_run_whose_sender_is_killed_mid_message_is_revoked() {
         len: SIZE as u64,
     }];
     let landing = w
-        .recv_runs(9, dst.clone(), run, cancel.clone())
+        .recv_runs(9, dst.clone(), vec![run], cancel.clone())
         .await
         .expect("post");
     let mut landing = tokio::spawn(landing);
@@ -1254,7 +1345,7 @@ async fn device_memory_is_refused_typed_where_ucx_has_no_cuda() {
     let posted = bounded(
         "recv_runs",
         10,
-        b.recv_runs(0x44, claims.clone(), one.clone(), cancel),
+        b.recv_runs(0x44, claims.clone(), vec![one.clone()], cancel),
     )
     .await;
     match posted {

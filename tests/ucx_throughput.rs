@@ -125,12 +125,13 @@ async fn placed_throughput(tls: &str, run: usize, rounds: usize) -> f64 {
             len: run as u64,
         })
         .collect();
+    let places: Vec<Vec<Span>> = runs.iter().map(|&r| vec![r]).collect();
     let never = tokio_util::sync::CancellationToken::new();
     let t = Instant::now();
     for round in 0..rounds {
         let tag = (round as u64 + 1) << 32;
         let landing = b
-            .recv_runs(tag, dst.clone(), runs.clone(), never.clone())
+            .recv_runs(tag, dst.clone(), places.clone(), never.clone())
             .await
             .expect("post");
         let (s, r) = tokio::join!(a.send_runs(ab, tag, src.clone(), runs.clone()), landing);

@@ -342,6 +342,22 @@ unsafe fn copy_run(src: *const u8, dst: *mut u8, len: usize, stream: bool) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
+/// Copies `len` bytes into a cold destination (a pool's pages) with streaming stores, for
+/// copies made piece by piece outside the kernel (a UCX receive's unpack callback);
+/// [`fence_streams`] after the last piece, before the bytes are announced.
+///
+/// # Safety
+/// As [`copy_run`].
+pub(crate) unsafe fn copy_streaming(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { copy_run(src, dst, len, true) }
+}
+
+/// Orders the stores of [`copy_streaming`] before what follows.
+pub(crate) fn fence_streams() {
+    fence();
+}
+
 /// Orders streamed stores before whatever follows the copy (the staging is handed to another
 /// thread or the pool's bytes are announced).
 fn fence() {
@@ -668,16 +684,20 @@ pub fn spans_in(
 }
 
 /// Where the messages of a placed chunk land in a pool: `lens` cut the selection's bytes, in
-/// `wire` order, into consecutive runs (the sender's, from [`pool_to_pool`]), and each must be
-/// contiguous in this pool. The receiver computes the places from its own layout and pages, so
-/// a sender only chooses how the bytes it was asked for are cut, never where they go.
+/// `wire` order, into consecutive runs (the sender's), and each lands in the pieces of this
+/// pool its bytes belong to, in order. Without `scatter` each run must be one contiguous piece
+/// (a receiver that lands a run straight into one buffer); with it a run may cover several (a
+/// receiver whose unpack callback copies each part of a message into place: head slices of
+/// several token rows). The receiver computes the places from its own layout and pages, so a
+/// sender only chooses how the bytes it was asked for are cut, never where they go.
 pub fn placements(
     layout: &KvLayout,
     num_pages: usize,
     sel: &Selection<'_>,
     wire: PageOrder,
     lens: &[u64],
-) -> Result<Vec<Span>, KernelError> {
+    scatter: bool,
+) -> Result<Vec<Vec<Span>>, KernelError> {
     let total = lens
         .iter()
         .try_fold(0u64, |sum, &len| sum.checked_add(len))
@@ -690,27 +710,27 @@ pub fn placements(
     let mut current = runs.next();
     let (mut out, mut at) = (Vec::with_capacity(lens.len()), 0usize);
     for &len in lens {
-        let (start, mut end, mut left) = (current.map_or(0, |r| r.pool), None, len as usize);
-        while left > 0 {
-            match current.as_mut() {
-                Some(r) if end.is_none_or(|e| e == r.pool) => {
-                    let take = left.min(r.len);
-                    (r.pool, r.len, left) = (r.pool + take, r.len - take, left - take);
-                    end = Some(r.pool);
-                    if r.len == 0 {
-                        current = runs.next();
-                    }
-                }
-                _ => break,
+        let mut pieces: Vec<Span> = Vec::with_capacity(1);
+        let mut left = usize::try_from(len).unwrap_or(usize::MAX);
+        while let Some(r) = current.as_mut().filter(|_| left > 0) {
+            let take = left.min(r.len);
+            match pieces.last_mut() {
+                Some(p) if p.offset + p.len == r.pool as u64 => p.len += take as u64,
+                Some(_) if !scatter => break,
+                _ => pieces.push(Span {
+                    offset: r.pool as u64,
+                    len: take as u64,
+                }),
+            }
+            (r.pool, r.len, left) = (r.pool + take, r.len - take, left - take);
+            if r.len == 0 {
+                current = runs.next();
             }
         }
         if len == 0 || left > 0 {
             return Err(KernelError::NotContiguous { at, len });
         }
-        out.push(Span {
-            offset: start as u64,
-            len,
-        });
+        out.push(pieces);
         at += len as usize;
     }
     Ok(out)

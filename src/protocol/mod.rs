@@ -27,10 +27,14 @@ use crate::reason::FailureCode;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 7;
+pub const VERSION: u16 = 8;
 /// The first version whose staged chunks may come in pieces (ZeroMQ: up to
 /// [`crate::transport::MAX_PIECES`] payload frames, sent from the prefill's pool).
 pub const PIECES: u16 = 6;
+/// The first version whose decodes land a placed run in several pieces of their pool when
+/// their placer is revocable (`Hello::revocable_runs`): a prefill then cuts a placed chunk
+/// by its own contiguous ranges, not by ranges contiguous on both sides.
+pub const SCATTERED: u16 = 8;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 /// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
 pub const MIN_VERSION: u16 = 4;

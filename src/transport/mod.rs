@@ -442,21 +442,23 @@ pub type Landing = BoxFuture<'static, Result<(), TransportError>>;
 /// Receives the runs of [`DataSender::send_runs`] straight into a pool.
 pub trait Placer: Send + Sync {
     /// Whether runs arriving as eager messages land through receives this placer can revoke
-    /// whatever the sender does (announced in Hello; the default: no).
+    /// whatever the sender does (announced in Hello; the default: no). Such receives copy
+    /// each part of a message into place, so a run may land in several pieces of the pool.
     fn revocable(&self) -> bool {
         false
     }
 
-    /// Posts receives for the runs sent under `key` into `places` of `pool` (run `i` at
-    /// `places[i]`, of exactly its length); resolves once they are posted (only then may the
-    /// sender send them), with their [`Landing`]. When `cancel` fires, receives still open
-    /// are cancelled, and the landing still resolves only once the transport writes nothing
-    /// more into the pool.
+    /// Posts receives for the runs sent under `key` into `places` of `pool` (run `i` in the
+    /// pieces `places[i]`, one after the other, exactly as long together; several pieces only
+    /// where [`Placer::revocable`]); resolves once they are posted (only then may the sender
+    /// send them), with their [`Landing`]. When `cancel` fires, receives still open are
+    /// cancelled, and the landing still resolves only once the transport writes nothing more
+    /// into the pool.
     fn place(
         &self,
         pool: Arc<HostPool>,
         key: u64,
-        places: Vec<Span>,
+        places: Vec<Vec<Span>>,
         cancel: tokio_util::sync::CancellationToken,
     ) -> BoxFuture<'static, Result<Landing, TransportError>>;
 }

@@ -291,14 +291,6 @@ impl Inner {
                 pages,
                 ..sel.clone()
             };
-            let places = crate::kernel::cpu::placements(
-                self.pool.layout(),
-                self.pool.num_pages(),
-                &sel,
-                wire,
-                &placed.runs,
-            )
-            .map_err(|e| Reason::new(FailureCode::BadMessage, format!("{what}: {e}")))?;
             let Some(placer) = &self.placer else {
                 // Admission refuses placed chunks without a placer.
                 return Err(Reason::new(
@@ -306,6 +298,17 @@ impl Inner {
                     format!("{what}: no placer"),
                 ));
             };
+            // A revocable placer copies each part of a run into place: it takes runs that
+            // cover several pieces of the pool.
+            let places = crate::kernel::cpu::placements(
+                self.pool.layout(),
+                self.pool.num_pages(),
+                &sel,
+                wire,
+                &placed.runs,
+                placer.revocable(),
+            )
+            .map_err(|e| Reason::new(FailureCode::BadMessage, format!("{what}: {e}")))?;
             // Placed receives are offered only over a host pool (`exposable` at start).
             let Some(pool) = self.pool.host().cloned() else {
                 return Err(Reason::new(

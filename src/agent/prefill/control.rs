@@ -154,7 +154,7 @@ impl Inner {
                 return refuse(FailureCode::Unreachable, msg);
             }
         };
-        let direct_target = self.direct_target(&hello, &mut data).await;
+        let direct_target = self.direct_target(&hello, version, &mut data).await;
         // A decode older than `PIECES` takes a chunk's payload in one frame only.
         let from_pool = data.sends_from_pool() && version >= protocol::PIECES;
         // Only one-sided writers are announced: placed runs land where the decode posts them.
@@ -326,6 +326,7 @@ impl Inner {
     async fn direct_target(
         &self,
         hello: &Hello,
+        version: u16,
         data: &mut Box<dyn DataSender>,
     ) -> Option<super::DirectTarget> {
         // Engine regions apart from each other, or pages that move only whole, stay staged.
@@ -359,7 +360,14 @@ impl Inner {
                 Ok(Some(path)) => {
                     match self.cfg.direct_writes.method(&path, hello.revocable_runs) {
                         Some(method) => {
-                            let way = (super::Way::Transport { path, method }, memory.size);
+                            // Its unpack callback lands each part of a run in place.
+                            let scatter = hello.revocable_runs && version >= protocol::SCATTERED;
+                            let way = super::Way::Transport {
+                                path,
+                                method,
+                                scatter,
+                            };
+                            let way = (way, memory.size);
                             match self.cfg.direct_writes {
                                 crate::agent::DirectWrites::Always => ways.insert(0, way),
                                 _ => ways.push(way),

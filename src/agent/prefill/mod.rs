@@ -269,6 +269,9 @@ enum Way {
     Transport {
         path: transport::WritePath,
         method: crate::agent::DirectMethod,
+        /// The decode lands a placed run in as many pieces of its pool as its bytes belong
+        /// to: placed runs are the source's contiguous ranges, whatever its own layout.
+        scatter: bool,
     },
     /// This process's copies into the decode's pool file, mapped here
     /// ([`transport::mapped`]): one-sided writes whose runs pay at any length.
@@ -281,6 +284,18 @@ impl Way {
             Way::Transport { method, .. } => *method,
             Way::Mapped(_) => crate::agent::DirectMethod::Write,
         }
+    }
+
+    /// Whether the decode lands a placed run in several pieces of its pool (`scatter`).
+    fn scatters(&self) -> bool {
+        matches!(
+            self,
+            Way::Transport {
+                method: crate::agent::DirectMethod::Place,
+                scatter: true,
+                ..
+            }
+        )
     }
 
     /// What the writes travel by, for the logs.

@@ -83,20 +83,36 @@ fn shortest_run(way: &Way, block: u64, placed_floor: Option<u64>) -> u64 {
         Way::Transport {
             method: DirectMethod::Place,
             path,
+            ..
         } => placed_floor.unwrap_or_else(|| crate::agent::placed_min_run(path)),
         Way::Mapped(_) => 1,
     }
 }
 
-/// Whether `runs` average at least `shortest` bytes.
-fn runs_pay(runs: &[WriteRun], shortest: u64) -> bool {
-    let bytes: u64 = runs.iter().map(|r| r.len).sum();
-    !runs.is_empty() && bytes / runs.len() as u64 >= shortest
+/// Whether runs of lengths `lens` average at least `shortest` bytes.
+fn runs_pay(lens: impl ExactSizeIterator<Item = u64>, shortest: u64) -> bool {
+    let runs = lens.len() as u64;
+    runs > 0 && lens.sum::<u64>() / runs >= shortest
 }
 
-/// A direct chunk's runs, checksum and the way (an index of `DirectTarget::ways`) they go.
+/// The source's contiguous ranges that `runs` read, in order, each as long as the source
+/// allows: a placed chunk's runs for a decode that lands each run in several pieces.
+fn source_ranges(runs: &[WriteRun]) -> Vec<Span> {
+    let mut out: Vec<Span> = Vec::new();
+    for r in runs {
+        match out.last_mut() {
+            Some(last) if last.offset + last.len == r.src => last.len += r.len,
+            _ => out.push(r.source()),
+        }
+    }
+    out
+}
+
+/// A direct chunk's runs, checksum and the way (an index of `DirectTarget::ways`) they go;
+/// `scattered`: the source ranges it goes as when that way lands runs in pieces.
 struct Planned {
     runs: Vec<WriteRun>,
+    scattered: Option<Vec<Span>>,
     sum: u64,
     way: usize,
 }
@@ -590,6 +606,7 @@ impl Inner {
             .layout
             .block_bytes()
             .map_err(|e| plan_failed(e.into()))? as u64;
+        let scatters: Vec<bool> = target.ways.iter().map(Way::scatters).collect();
         // The shortest average run of each way the chunk may go; the way given takes any.
         let shortest: Vec<Option<u64>> = target
             .ways
@@ -626,15 +643,27 @@ impl Inner {
                 },
                 wire,
             )?;
-            let pays = |s: &Option<u64>| s.is_some_and(|s| runs_pay(&runs, s));
-            let Some(way) = shortest.iter().position(pays) else {
+            let ranges = scatters.iter().any(|&s| s).then(|| source_ranges(&runs));
+            let pays = |(i, s): (usize, &Option<u64>)| {
+                s.is_some_and(|s| match ranges.as_ref().filter(|_| scatters[i]) {
+                    Some(ranges) => runs_pay(ranges.iter().map(|r| r.len), s),
+                    None => runs_pay(runs.iter().map(|r| r.len), s),
+                })
+            };
+            let Some(way) = shortest.iter().enumerate().position(pays) else {
                 return Ok(None);
             };
             let sum = match checksum {
                 true => crate::agent::checksum_digest(pool.checksum(&src, wire)?),
                 false => 0,
             };
-            Ok::<_, crate::kernel::KernelError>(Some(Planned { runs, sum, way }))
+            let scattered = ranges.filter(|_| scatters[way]);
+            Ok::<_, crate::kernel::KernelError>(Some(Planned {
+                runs,
+                scattered,
+                sum,
+                way,
+            }))
         })
         .await;
         match planned {
@@ -682,7 +711,13 @@ impl Inner {
                 Some(p) => Some(p),
                 None => self.direct_runs(job, target, c, heads, Some(way)).await?,
             };
-            let Some(Planned { runs, mut sum, .. }) = planned else {
+            let Some(Planned {
+                runs,
+                scattered,
+                mut sum,
+                ..
+            }) = planned
+            else {
                 let m = format!("chunk {c:?} is outside the decode pool's layout");
                 return Err(Reason::new(FailureCode::IncompatibleLayout, m));
             };
@@ -698,7 +733,11 @@ impl Inner {
                 Way::Transport {
                     method: DirectMethod::Place,
                     ..
-                } => Payload::Placed(host.clone(), runs),
+                } => {
+                    let spans =
+                        scattered.unwrap_or_else(|| runs.iter().map(|r| r.source()).collect());
+                    Payload::Placed(host.clone(), spans)
+                }
                 how => {
                     let len: u64 = runs.iter().map(|r| r.len).sum();
                     // The writes read this pool until they are flushed, whoever stops waiting.

@@ -167,9 +167,29 @@ fn pool_to_pool_writes_land_what_gather_then_scatter_lands() {
         assert_eq!(k.checksum(&direct, &dst, wire).unwrap(), want);
         // The receiver of placed runs finds the same places from the lengths alone.
         let lens: Vec<u64> = runs.iter().map(|r| r.len).collect();
-        let places = placements(&dl, dst_n, &dst, wire, &lens).unwrap();
-        let want: Vec<Span> = runs.iter().map(WriteRun::destination).collect();
+        let places = placements(&dl, dst_n, &dst, wire, &lens, false).unwrap();
+        let want: Vec<Vec<Span>> = runs.iter().map(|r| vec![r.destination()]).collect();
         assert_eq!(places, want, "case {case}: placements");
+        // Runs cut as the source's spans (contiguous in the source only) land, scattered,
+        // where gather + scatter puts them.
+        let lens: Vec<u64> = spans.iter().map(|s| s.len).collect();
+        let places = placements(&dl, dst_n, &dst, wire, &lens, true).unwrap();
+        let scattered = HostPool::anonymous(dl.clone(), dst_n).unwrap();
+        for (span, pieces) in spans.iter().zip(&places) {
+            let mut bytes = src_pool
+                .read(span.offset as usize, span.len as usize)
+                .unwrap();
+            for p in pieces {
+                let rest = bytes.split_off(p.len as usize);
+                scattered.write(p.offset as usize, &bytes).unwrap();
+                bytes = rest;
+            }
+            assert!(bytes.is_empty(), "case {case}: pieces add up to the run");
+        }
+        assert!(
+            scattered.read(0, scattered.size()).unwrap() == st,
+            "case {case}: scattered placements"
+        );
     }
     println!("{cases} random pool-to-pool cases matched gather + scatter");
 }
@@ -186,11 +206,12 @@ fn placements_refuse_runs_that_are_not_contiguous_or_do_not_add_up() {
     };
     let page = 16 * 8 * 128 * 2; // one page of one plane of one layer
     let wire = PageOrder::TokenMajor;
-    let exact = placements(&l, 4, &sel, wire, &[page; 4]).unwrap();
+    let exact = placements(&l, 4, &sel, wire, &[page; 4], false).unwrap();
     assert_eq!(exact.len(), 4);
-    assert!(exact.iter().all(|s| s.len == page));
+    assert!(exact.iter().all(|s| s.len() == 1 && s[0].len == page));
     // A run across the gap between page 3 and page 1.
-    let across = placements(&l, 4, &sel, wire, &[page / 2, page, page / 2, 2 * page]);
+    let cuts = [page / 2, page, page / 2, 2 * page];
+    let across = placements(&l, 4, &sel, wire, &cuts, false);
     assert_eq!(
         across,
         Err(KernelError::NotContiguous {
@@ -198,17 +219,24 @@ fn placements_refuse_runs_that_are_not_contiguous_or_do_not_add_up() {
             len: page
         })
     );
+    // Scattered, it lands in two pieces: the end of page 3, the start of page 1.
+    let across = placements(&l, 4, &sel, wire, &cuts, true).unwrap();
+    let piece = |offset, len| Span { offset, len };
+    assert_eq!(
+        across[1],
+        [piece(3 * page + page / 2, page / 2), piece(page, page / 2)]
+    );
     // Lengths that do not add up to the selection, and empty runs.
     assert!(matches!(
-        placements(&l, 4, &sel, wire, &[page; 3]),
+        placements(&l, 4, &sel, wire, &[page; 3], true),
         Err(KernelError::StagingSize { .. })
     ));
     assert!(matches!(
-        placements(&l, 4, &sel, wire, &[0, page, page, page, page]),
+        placements(&l, 4, &sel, wire, &[0, page, page, page, page], true),
         Err(KernelError::NotContiguous { at: 0, len: 0 })
     ));
     assert!(matches!(
-        placements(&l, 4, &sel, wire, &[u64::MAX, 2]),
+        placements(&l, 4, &sel, wire, &[u64::MAX, 2], true),
         Err(KernelError::StagingSize { .. })
     ));
 }

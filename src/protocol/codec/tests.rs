@@ -295,7 +295,7 @@ fn a_heartbeat_has_the_documented_bytes() {
         instance: uuid(0x0102),
         seq: 3,
     });
-    let mut want = b"KVFY\x07\x00\x08\x00\x18\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x08\x00\x08\x00\x18\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(msg.encode(), want);

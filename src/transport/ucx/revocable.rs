@@ -17,14 +17,19 @@ use super::sys::{self, ucs_status_t};
 
 /// The destination of a receive that UCX reaches only through this code: the receive uses a
 /// UCP generic datatype whose unpack callback copies each piece that arrives into place, or
-/// drops it once the destination is revoked ([`Revocable::revoke`]).
+/// drops it once the destination is revoked ([`Revocable::revoke`]). The destination may be
+/// several pieces of memory, filled one after the other (a message of head slices landing in
+/// the token rows of a pool's pages).
 ///
 /// Why: UCX 1.13 neither completes nor cancels an eager receive whose sender died after its
 /// first fragment arrived. Into a plain buffer, such a receive keeps the right to write there
 /// forever, so pool pages behind it could never be reused. Revoked, it writes nothing more;
 /// the request may linger, the memory is the owner's again at once.
 pub struct Revocable {
-    dst: *mut u8,
+    /// Where the message's bytes go, in order: (address, length).
+    pieces: Box<[(*mut u8, usize)]>,
+    /// Offset in the message of each piece's first byte.
+    starts: Box<[usize]>,
     len: usize,
     revoked: Cell<bool>,
     /// Whether a piece arrived: a matched receive, which UCX can no longer cancel.
@@ -54,14 +59,24 @@ impl Revocable {
 pub struct RevocableBox(NonNull<Revocable>);
 
 impl RevocableBox {
-    /// A destination of `len` bytes at `dst`.
+    /// A destination made of `pieces` (address, length), filled in order.
     ///
     /// # Safety
-    /// `dst` is valid for writes of `len` bytes until the destination is revoked or its
-    /// receive has completed, and nothing else accesses those bytes meanwhile.
-    pub unsafe fn new(dst: *mut u8, len: usize) -> RevocableBox {
+    /// Each piece is valid for writes of its length until the destination is revoked or its
+    /// receive has completed, no two overlap, and nothing else accesses them meanwhile.
+    pub unsafe fn new(pieces: Vec<(*mut u8, usize)>) -> RevocableBox {
+        let starts = pieces
+            .iter()
+            .scan(0usize, |at, &(_, n)| {
+                let start = *at;
+                *at += n;
+                Some(start)
+            })
+            .collect();
+        let len = pieces.iter().map(|&(_, n)| n).sum();
         let boxed = Box::new(Revocable {
-            dst,
+            pieces: pieces.into_boxed_slice(),
+            starts,
             len,
             revoked: Cell::new(false),
             touched: Cell::new(false),
@@ -117,15 +132,38 @@ unsafe extern "C" fn revocable_unpack(
     if target.revoked.get() {
         return sys::UCS_OK;
     }
-    match offset.checked_add(length) {
-        Some(end) if end <= target.len => {
-            // SAFETY: `dst..dst + len` is writable while not revoked (`RevocableBox::new`), the
-            // piece lies within it (checked), and UCX's `src` holds `length` readable bytes.
-            unsafe { ptr::copy_nonoverlapping(src.cast::<u8>(), target.dst.add(offset), length) };
-            sys::UCS_OK
-        }
-        _ => sys::UCS_ERR_MESSAGE_TRUNCATED,
+    if offset
+        .checked_add(length)
+        .is_none_or(|end| end > target.len)
+    {
+        return sys::UCS_ERR_MESSAGE_TRUNCATED;
     }
+    // The destination pieces this part of the message covers, from the one it starts in.
+    let first = target
+        .starts
+        .partition_point(|&s| s <= offset)
+        .saturating_sub(1);
+    let (mut at, mut left) = (offset, length);
+    for (&(dst, len), &start) in target.pieces[first..].iter().zip(&target.starts[first..]) {
+        if left == 0 {
+            break;
+        }
+        let within = at - start;
+        let n = (len - within).min(left);
+        // SAFETY: each piece is writable while not revoked (`RevocableBox::new`), this part
+        // lies within it (the message is no longer than the pieces together, checked above),
+        // and UCX's `src` holds `length` readable bytes, of which this is the next `n`.
+        unsafe {
+            crate::kernel::cpu::copy_streaming(
+                src.cast::<u8>().add(at - offset),
+                dst.add(within),
+                n,
+            )
+        };
+        (at, left) = (at + n, left - n);
+    }
+    crate::kernel::cpu::fence_streams();
+    sys::UCS_OK
 }
 
 /// `start_pack`, `pack`, `finish`: never used to send; nothing to release.
@@ -200,7 +238,7 @@ mod tests {
     fn callback_pointer_survives_a_move_of_its_owner() {
         let mut dst = vec![0u8; 8];
         // SAFETY: `dst` outlives the target and is touched only through it until the end.
-        let target = unsafe { RevocableBox::new(dst.as_mut_ptr(), dst.len()) };
+        let target = unsafe { RevocableBox::new(vec![(dst.as_mut_ptr(), dst.len())]) };
         let state = target.as_ptr().cast::<c_void>();
         let owners = vec![target];
         let piece = [7u8, 8, 9];
@@ -216,5 +254,46 @@ mod tests {
         assert!(owners[0].touched() && owners[0].revoked());
         drop(owners);
         assert_eq!(dst, [0, 0, 7, 8, 9, 0, 0, 0]);
+    }
+
+    /// A destination of several pieces takes a message's parts, whatever their cuts, each byte
+    /// in its piece: the pieces one after the other make the message, and the bytes between
+    /// them stay untouched. A part past the pieces' end is refused.
+    #[test]
+    fn parts_of_a_message_land_in_their_pieces() {
+        let message: Vec<u8> = (1..=600u16).map(|i| (i % 251) as u8).collect();
+        // Pieces of 100, 1, 299 and 200 bytes, 7 bytes apart, in a buffer of 0xEE.
+        let mut dst = vec![0xEEu8; 700];
+        let base = dst.as_mut_ptr();
+        let lens = [100usize, 1, 299, 200];
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for len in lens {
+            // SAFETY: within `dst`: 4 gaps of 7 and 600 bytes of pieces fit in 700.
+            pieces.push((unsafe { base.add(at) }, len));
+            at += len + 7;
+        }
+        // SAFETY: the pieces lie apart within `dst`, which outlives the target and is read
+        // only after it is dropped.
+        let target = unsafe { RevocableBox::new(pieces) };
+        let state = target.as_ptr().cast::<c_void>();
+        for part in [0..50, 50..101, 101..102, 102..450, 450..600] {
+            let bytes = &message[part.clone()];
+            // SAFETY: `state` is the live target; `bytes` is readable.
+            let ok =
+                unsafe { revocable_unpack(state, part.start, bytes.as_ptr().cast(), bytes.len()) };
+            assert_eq!(ok, sys::UCS_OK, "{part:?}");
+        }
+        // SAFETY: as above; one byte past the end.
+        let past = unsafe { revocable_unpack(state, 600, message.as_ptr().cast(), 1) };
+        assert_eq!(past, sys::UCS_ERR_MESSAGE_TRUNCATED);
+        drop(target);
+        let mut want = vec![0xEEu8; 700];
+        let (mut at, mut from) = (0, 0);
+        for len in lens {
+            want[at..at + len].copy_from_slice(&message[from..from + len]);
+            (at, from) = (at + len + 7, from + len);
+        }
+        assert_eq!(dst, want);
     }
 }

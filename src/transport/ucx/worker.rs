@@ -200,7 +200,7 @@ pub(super) enum Command {
     RecvRuns {
         tag: u64,
         memory: Arc<dyn RegisterableMemory>,
-        runs: Vec<Span>,
+        runs: Vec<Vec<Span>>,
         /// Answered once every receive is posted (dropped if they are not).
         posted: oneshot::Sender<()>,
         cancel: Arc<AtomicBool>,
@@ -609,7 +609,8 @@ impl UcxWorker {
     }
 
     /// Posts receives for the messages of [`UcxWorker::send_runs`] straight into `memory`:
-    /// the message under tag `tag + i` lands at `runs[i]` and must be exactly its length.
+    /// the message under tag `tag + i` lands in the pieces `runs[i]`, one after the other, and
+    /// must be exactly as long as they are together (several pieces: eager workers only).
     /// Resolves once every receive is posted, with a future that resolves once every one has
     /// completed, with the first error. When `cancel` fires first, the receives still open are
     /// cancelled and that future still waits for them: once it returns, UCX writes nothing
@@ -619,7 +620,7 @@ impl UcxWorker {
         &self,
         tag: u64,
         memory: Arc<dyn RegisterableMemory>,
-        runs: Vec<Span>,
+        runs: Vec<Vec<Span>>,
         cancel: tokio_util::sync::CancellationToken,
     ) -> Result<impl std::future::Future<Output = Result<(), UcxError>> + Send + 'static, UcxError>
     {

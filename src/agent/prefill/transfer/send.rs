@@ -17,7 +17,8 @@ pub(super) enum Payload {
     Device(Arc<dyn DeviceBytes>),
     FromPool(Arc<HostPool>, Vec<Span>),
     Direct(usize),
-    Placed(Arc<HostPool>, Vec<WriteRun>),
+    /// The ranges of this pool sent as the chunk's runs, one message each.
+    Placed(Arc<HostPool>, Vec<Span>),
 }
 
 /// A chunk's bytes on their way: a staged chunk's frame, resolved once the transport is done
@@ -157,12 +158,11 @@ impl Inner {
                 (len, false, path, Some(Staged::FromPool(pool, spans)), None)
             }
             Payload::Direct(len) => (len, true, &self.metrics.chunks_direct, None, None),
-            Payload::Placed(pool, runs) => {
-                let len = runs.iter().map(|r| r.len).sum::<u64>() as usize;
-                let spans: Vec<Span> = runs.iter().map(WriteRun::source).collect();
+            Payload::Placed(pool, spans) => {
+                let len = spans.iter().map(|s| s.len).sum::<u64>() as usize;
                 let placed = Placed {
                     key: Uuid::new_v4().as_u64_pair().0,
-                    runs: runs.iter().map(|r| r.len).collect(),
+                    runs: spans.iter().map(|s| s.len).collect(),
                 };
                 let path = &self.metrics.chunks_placed;
                 (len, false, path, None, Some((placed, (pool, spans))))

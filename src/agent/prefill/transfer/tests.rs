@@ -24,10 +24,14 @@ fn placed_runs_must_average_the_floor_and_writes_one_block() {
     let way = |method| Way::Transport {
         path: path.clone(),
         method,
+        scatter: false,
     };
     let (w, p) = (way(DirectMethod::Write), way(DirectMethod::Place));
     let pays = |way: &Way, runs: &[WriteRun], block, floor| {
-        runs_pay(runs, shortest_run(way, block, Some(floor)))
+        runs_pay(
+            runs.iter().map(|r| r.len),
+            shortest_run(way, block, Some(floor)),
+        )
     };
     // 16 KiB head slices: half a block, far below the floor.
     assert!(!pays(&w, &runs(&[16 << 10; 4]), block, floor));
@@ -46,4 +50,41 @@ fn placed_runs_must_average_the_floor_and_writes_one_block() {
     assert!(pays(&p, &runs(&[1]), block, 0));
     // Without a floor set, the path's default: 128 KiB by rendezvous.
     assert_eq!(shortest_run(&p, block, None), 128 << 10);
+}
+
+/// For a decode that lands a run in several pieces, a chunk goes as the source's contiguous
+/// ranges: head slices of 1 KiB (TP2 -> TP1: this prefill's whole rows into half of each of the
+/// decode's) that follow each other in the source make one run, whatever their destinations.
+#[test]
+fn scattered_placed_runs_are_the_sources_contiguous_ranges() {
+    let slices: Vec<WriteRun> = (0..64u64)
+        .map(|k| WriteRun {
+            src: 4096 + k * 1024,
+            dst: k * 2048,
+            len: 1024,
+        })
+        .chain([WriteRun {
+            src: 1 << 20,
+            dst: 64 * 2048,
+            len: 512,
+        }])
+        .collect();
+    let ranges = source_ranges(&slices);
+    assert_eq!(
+        ranges,
+        [
+            Span {
+                offset: 4096,
+                len: 64 << 10
+            },
+            Span {
+                offset: 1 << 20,
+                len: 512
+            }
+        ]
+    );
+    // Placed at the 16 KiB floor of eager runs: as ranges (32.25 KiB on average) they pay,
+    // as slices (1 KiB) they would not.
+    assert!(runs_pay(ranges.iter().map(|r| r.len), 16 << 10));
+    assert!(!runs_pay(slices.iter().map(|r| r.len), 16 << 10));
 }

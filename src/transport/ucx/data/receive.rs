@@ -61,7 +61,7 @@ impl UcxReceiver {
             .recv_runs(
                 device_payload_tag(key),
                 memory,
-                vec![Span { offset: 0, len }],
+                vec![vec![Span { offset: 0, len }]],
                 cancel.clone(),
             )
             .await
@@ -327,7 +327,7 @@ impl Placer for UcxPlacer {
         &self,
         pool: Arc<HostPool>,
         key: u64,
-        places: Vec<Span>,
+        places: Vec<Vec<Span>>,
         cancel: tokio_util::sync::CancellationToken,
     ) -> BoxFuture<'static, Result<Landing, TransportError>> {
         let workers = self.workers.clone();

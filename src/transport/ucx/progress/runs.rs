@@ -107,10 +107,15 @@ impl Group {
 /// Checks every run against memory of `size` bytes and the tags against overflow.
 fn check(tag: u64, runs: &[Span], size: usize) -> Result<(), UcxError> {
     within(runs, size)?;
-    if tag.checked_add(runs.len() as u64).is_none() {
-        return Err(UcxError::call("tag range", sys::UCS_ERR_INVALID_PARAM));
+    tag_range(tag, runs.len())
+}
+
+/// Checks that the tags of `runs` runs from `tag` on do not overflow.
+fn tag_range(tag: u64, runs: usize) -> Result<(), UcxError> {
+    match tag.checked_add(runs as u64) {
+        Some(_) => Ok(()),
+        None => Err(UcxError::call("tag range", sys::UCS_ERR_INVALID_PARAM)),
     }
-    Ok(())
 }
 
 /// Checks every run against memory of `size` bytes.
@@ -171,18 +176,22 @@ impl Engine {
         }
     }
 
-    /// Posts a tagged receive straight into `memory` for every run (`tag + i` lands at run
-    /// `i`), then answers `posted`; `cancel` cancels those still open.
+    /// Posts a tagged receive straight into `memory` for every run (`tag + i` lands in the
+    /// pieces of run `i`, one after the other), then answers `posted`; `cancel` cancels those
+    /// still open. A run of several pieces needs an eager worker, whose unpack callback copies
+    /// each part into place.
     pub(super) fn recv_runs(
         &mut self,
         tag: u64,
         memory: Arc<dyn RegisterableMemory>,
-        runs: Vec<Span>,
+        runs: Vec<Vec<Span>>,
         posted: tokio::sync::oneshot::Sender<()>,
         cancel: Arc<AtomicBool>,
         reply: Reply<()>,
     ) {
-        let checked = check(tag, &runs, memory.size())
+        let pieces: Vec<Span> = runs.iter().flatten().copied().collect();
+        let checked = check(tag, &pieces, memory.size())
+            .and_then(|()| tag_range(tag, runs.len()))
             .and_then(|()| self.movable("recv_run", memory.as_ref()))
             .and_then(|kind| match (kind, self.eager) {
                 // An eager worker lands runs through its own unpack callback, a host copy.
@@ -191,6 +200,10 @@ impl Engine {
                     memory: kind,
                     why: "eager workers land runs by host copies (UCX_TLS of tcp only)",
                 }),
+                (_, false) if runs.iter().any(|r| r.len() != 1) => Err(UcxError::call(
+                    "recv_run of several pieces",
+                    sys::UCS_ERR_INVALID_PARAM,
+                )),
                 _ => Ok(kind),
             });
         let kind = match checked {
@@ -208,19 +221,23 @@ impl Engine {
             // Checked above to lie within `memory`, which stays allocated while the Arc lives
             // (kept in the run's Pending entry until the request completes). Wrapping: device
             // memory is no allocation of this process.
-            let place = memory.base().wrapping_add(run.offset as usize);
-            let (tag, len) = (tag + i as u64, run.len as usize);
-            let (started, target) = match self.eager {
-                false => {
+            let place = |p: &Span| memory.base().wrapping_add(p.offset as usize);
+            let tag = tag + i as u64;
+            let len = run.iter().map(|p| p.len as usize).sum();
+            let (started, target) = match (self.eager, &run[..]) {
+                (false, [one]) => {
                     // SAFETY: `place` holds `len` writable bytes (above) until the request
                     // completes.
-                    let started = unsafe { self.worker.tag_recv(place, len, tag, u64::MAX, kind) };
+                    let started =
+                        unsafe { self.worker.tag_recv(place(one), len, tag, u64::MAX, kind) };
                     (started, None)
                 }
-                true => {
-                    // SAFETY: `place` holds `len` writable bytes (above), which only this
-                    // receive writes until it completes or is revoked.
-                    let target = unsafe { RevocableBox::new(place, len) };
+                _ => {
+                    let pieces = run.iter().map(|p| (place(p), p.len as usize)).collect();
+                    // SAFETY: each piece holds its writable bytes (above), which only this
+                    // receive writes until it completes or is revoked (a pool's places of
+                    // one chunk do not overlap).
+                    let target = unsafe { RevocableBox::new(pieces) };
                     // SAFETY: the target goes into the run's Pending entry, dropped only after
                     // the request completes (or leaked with it); its address never moves.
                     let started = unsafe { self.worker.tag_recv_revocable(&target, tag, u64::MAX) };
