@@ -1,7 +1,8 @@
 //! Tests of `kernel::cpu`.
 
 use super::*;
-use crate::layout::{KvPlacement, ModelSpec};
+use crate::layout::{KvLayout, KvPlacement, ModelSpec};
+use crate::memory::Span;
 
 fn llama(order: PageOrder) -> KvLayout {
     KvLayout::new(ModelSpec::preset("llama3-8b").unwrap(), 16)

@@ -1,5 +1,6 @@
 //! Tests of `agent::prefill::transfer`.
 
+use super::direct::{runs_pay, shortest_run, source_ranges};
 use super::*;
 
 fn runs(lens: &[u64]) -> Vec<WriteRun> {
