@@ -190,7 +190,7 @@ impl Engine {
         reply: Reply<()>,
     ) {
         let pieces: Vec<Span> = runs.iter().flatten().copied().collect();
-        let checked = check(tag, &pieces, memory.size())
+        let checked = within(&pieces, memory.size())
             .and_then(|()| tag_range(tag, runs.len()))
             .and_then(|()| self.movable("recv_run", memory.as_ref()))
             .and_then(|kind| match (kind, self.eager) {
