@@ -257,9 +257,9 @@ impl Payload {
 }
 
 /// Buffers a receiver lands host payloads in, when the agent has its own (a device pool's
-/// pinned buffers, `agent/staging.rs`): `take` one of at least `len` bytes, and `freeze` a
-/// filled one (truncated to what arrived) into the `Bytes` handed out, which gives it back
-/// when dropped.
+/// pinned buffers, `agent/staging.rs`): `take` one of `len` bytes, and `freeze` a filled one,
+/// whole, into `Bytes` (which the receiver cuts to what arrived), which give it back when
+/// dropped.
 pub trait RecvBuffers: Send + Sync {
     /// A buffer of exactly `len` bytes (contents unspecified).
     fn take(&self, len: usize) -> Vec<u8>;

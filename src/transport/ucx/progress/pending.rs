@@ -336,36 +336,41 @@ fn failure(
         .or_else(|| endpoints.get(&ep.0).and_then(|e| e.failure()))
 }
 
-enum RecvFail {
+pub(super) enum RecvFail {
     Truncated,
     Status(sys::ucs_status_t),
 }
 
 /// A completed receive's buffer, cut to the received length (a buffer of `into` goes back
-/// there when the bytes are dropped, or at once when the receive failed).
-fn recv_result(
+/// there when the bytes are dropped, or at once when the receive failed). A buffer of `into`
+/// keeps its length, all of it initialized, and only the bytes handed out are cut: cut
+/// itself, it would be zero-filled again up to its capacity when it is next taken (a
+/// 1 MiB memset on the progress thread for every header-only message).
+pub(super) fn recv_result(
     mut buffer: Vec<u8>,
     capacity: usize,
     into: Option<Arc<dyn RecvBuffers>>,
     status: sys::ucs_status_t,
     info: sys::ucp_tag_recv_info_t,
 ) -> Result<Received, RecvFail> {
-    let freeze = |buffer: Vec<u8>| match into {
-        Some(owner) => owner.freeze(buffer),
-        None => Bytes::from(buffer),
-    };
-    match status {
-        sys::UCS_OK if info.length <= capacity => {
+    match (status, into) {
+        (sys::UCS_OK, Some(owner)) if info.length <= capacity.min(buffer.len()) => Ok(Received {
+            tag: info.sender_tag,
+            data: owner.freeze(buffer).slice(..info.length),
+        }),
+        (sys::UCS_OK, None) if info.length <= capacity => {
             // SAFETY: UCX completed the receive and wrote `info.length` bytes at the start of
             // the allocation, which holds `capacity >= info.length` bytes.
             unsafe { buffer.set_len(info.length) };
             Ok(Received {
                 tag: info.sender_tag,
-                data: freeze(buffer),
+                data: Bytes::from(buffer),
             })
         }
-        failed => {
-            drop(freeze(buffer));
+        (failed, into) => {
+            if let Some(owner) = into {
+                drop(owner.freeze(buffer));
+            }
             match failed {
                 sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED => Err(RecvFail::Truncated),
                 status => Err(RecvFail::Status(status)),

@@ -174,3 +174,38 @@ fn a_panic_with_an_engine_alive_aborts_the_process() {
     assert!(stderr.contains("injected panic"), "{stderr}");
     assert!(stderr.contains("UCX progress thread panicked"), "{stderr}");
 }
+
+/// A completed receive into a receiver's own buffer hands out the bytes that arrived, and the
+/// buffer goes back whole, still as long as it was taken: taken again, it needs no zero-fill
+/// (cut to a header's length, it was filled again up to 1 MiB on the progress thread).
+#[test]
+fn a_short_message_leaves_its_buffer_whole_for_the_next_receive() {
+    #[derive(Default)]
+    struct Lengths(std::sync::Mutex<Vec<usize>>);
+    impl crate::transport::RecvBuffers for Lengths {
+        fn take(&self, len: usize) -> Vec<u8> {
+            vec![0; len]
+        }
+        fn freeze(self: Arc<Self>, buf: Vec<u8>) -> bytes::Bytes {
+            self.0.lock().unwrap().push(buf.len());
+            bytes::Bytes::from(buf)
+        }
+    }
+    let owner = Arc::new(Lengths::default());
+    let mut buffer = owner.take(1 << 20);
+    buffer[..3].copy_from_slice(b"hdr");
+    let info = sys::ucp_tag_recv_info_t {
+        sender_tag: 7,
+        length: 3,
+    };
+    let into: Arc<dyn crate::transport::RecvBuffers> = owner.clone();
+    let Ok(got) = pending::recv_result(buffer, 1 << 20, Some(into), sys::UCS_OK, info) else {
+        panic!("the receive failed");
+    };
+    assert_eq!((got.tag, &got.data[..]), (7, &b"hdr"[..]));
+    assert_eq!(
+        *owner.0.lock().unwrap(),
+        [1 << 20],
+        "the buffer went back whole"
+    );
+}
