@@ -189,8 +189,9 @@ impl Engine {
         cancel: Arc<AtomicBool>,
         reply: Reply<()>,
     ) {
-        let pieces: Vec<Span> = runs.iter().flatten().copied().collect();
-        let checked = within(&pieces, memory.size())
+        let checked = runs
+            .iter()
+            .try_for_each(|pieces| within(pieces, memory.size()))
             .and_then(|()| tag_range(tag, runs.len()))
             .and_then(|()| self.movable("recv_run", memory.as_ref()))
             .and_then(|kind| match (kind, self.eager) {
