@@ -84,8 +84,11 @@ impl Inner {
         if let Some(group) = self.groups.fresh(&key) {
             return Ok(group);
         }
-        let deadline = Instant::now() + self.cfg.timeouts.bootstrap;
+        let started = Instant::now();
+        let deadline = started + self.cfg.timeouts.bootstrap;
+        let mut attempts = 0u32;
         loop {
+            attempts += 1;
             match client.lookup_prefill(dp_rank).await {
                 Ok(group) => {
                     self.groups
@@ -107,8 +110,10 @@ impl Inner {
                     return Err(Reason::new(
                         code,
                         format!(
-                            "prefill group dp_rank={dp_rank} at {}: {e}",
-                            client.base_url()
+                            "prefill group dp_rank={dp_rank} at {}: {attempts} lookups in {} ms, \
+                             the last: {e}",
+                            client.base_url(),
+                            started.elapsed().as_millis()
                         ),
                     ));
                 }
