@@ -107,11 +107,12 @@ impl Inner {
                         }
                         _ => FailureCode::Unreachable,
                     };
+                    let plural = if attempts == 1 { "" } else { "s" };
                     return Err(Reason::new(
                         code,
                         format!(
-                            "prefill group dp_rank={dp_rank} at {}: {attempts} lookups in {} ms, \
-                             the last: {e}",
+                            "prefill group dp_rank={dp_rank} at {}: {attempts} lookup{plural} in \
+                             {} ms, the last: {e}",
                             client.base_url(),
                             started.elapsed().as_millis()
                         ),
