@@ -160,12 +160,13 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
                     ms(t.elapsed())
                 );
 
-                // Three rooms in flight, then the prefill host's link is cut.
+                // Three rooms held in flight (their first halves announced), then the prefill
+                // host's link is cut.
                 let cut_rooms = [1u64, 2, 3];
                 for &room in &cut_rooms {
                     request(&http, &d, room, json!({ "tokens": 2048 })).await;
-                    ready(&http, &p0, room, 2048).await;
-                    ready(&http, &p1, room, 2048).await;
+                    ready_piece(&http, &p0, room, 2048, 0..1024, false).await;
+                    ready_piece(&http, &p1, room, 2048, 0..1024, false).await;
                 }
                 for &room in &cut_rooms {
                     wait_state(&http, &d, room, &["transferring"], BOUND).await;

@@ -14,8 +14,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, request_and_ready,
-    runtime, set_flag, wait_final, wait_safe, wait_state,
+    AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, ready, ready_piece,
+    request, runtime, set_flag, wait_final, wait_safe, wait_state,
 };
 use kvferry::cli::demo::{LocalCluster, Shape, drive_rooms};
 use reqwest::{Method, StatusCode};
@@ -80,13 +80,15 @@ fn hundred_rooms_1p1d_and_heterogeneous_tp_land_by_mapped_writes_or_staged_when_
     }
 }
 
-/// A room of llama3-8b (512 MiB), its layers announced 50 ms apart, with checksums, and the
-/// prefill set to corrupt the checksum of its chunk `corrupt` (or nothing): the cluster and
-/// the APIs of its prefill and decode.
+/// A room of llama3-8b (512 MiB) with checksums, and the prefill set to corrupt the checksum of
+/// its chunk `corrupt` (or nothing): its layers announced 50 ms apart, or with `hold` only its
+/// first half announced, so that it stays `transferring`. The cluster and the APIs of its
+/// prefill and decode.
 fn one_slow_room(
     tag: &str,
     peer_dead_ms: u64,
     corrupt: Option<&str>,
+    hold: bool,
 ) -> (LocalCluster, String, String) {
     let mut args = opts("llama3-8b", 272, peer_dead_ms);
     args.extend(["--checksum", "--synthetic-layer-ms", "50"].map(String::from));
@@ -99,15 +101,22 @@ fn one_slow_room(
         c.prefill().field("api").unwrap(),
         c.decode().field("api").unwrap(),
     );
-    let body = json!({"tokens": 4096});
-    runtime().block_on(request_and_ready(&http(), &d, &p, 1, &body));
+    runtime().block_on(async {
+        let http = http();
+        request(&http, &d, 1, json!({"tokens": 4096})).await;
+        match hold {
+            // Held mid-transfer: the rest is never announced.
+            true => ready_piece(&http, &p, 1, 4096, 0..2048, false).await,
+            false => ready(&http, &p, 1, 4096).await,
+        };
+    });
     (c, p, d)
 }
 
 #[test]
 fn a_corrupted_mapped_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_stop() {
     let tag = "mapped-checksum";
-    let (_c, p, d) = one_slow_room(tag, 2000, Some("2"));
+    let (_c, p, d) = one_slow_room(tag, 2000, Some("2"), false);
     runtime().block_on(async {
         let http = http();
         let v = wait_final(&http, &d, 1).await;
@@ -132,7 +141,7 @@ fn a_corrupted_mapped_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_
 fn a_mapped_writer_killed_mid_room_fails_it_and_its_pages_wait_out_peer_dead() {
     let tag = "mapped-kill";
     let peer_dead = Duration::from_millis(1500);
-    let (c, _p, d) = one_slow_room(tag, peer_dead.as_millis() as u64, None);
+    let (c, _p, d) = one_slow_room(tag, peer_dead.as_millis() as u64, None, true);
     runtime().block_on(async {
         let http = http();
         wait_state(&http, &d, 1, &["transferring"], BOUND).await;

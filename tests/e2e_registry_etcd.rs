@@ -71,22 +71,18 @@ fn replicas_on_etcd_survive_a_killed_replica_and_a_killed_etcd_member() {
         let api = s.field("api");
         (s, api)
     };
-    // 4 layers x 1 s: rooms are in flight while the registry and etcd fail under them.
-    let (prefill, p) = agent(
-        "prefill",
-        "prefill",
-        &both,
-        &["--synthetic-layer-ms", "1000"],
-    );
+    let (prefill, p) = agent("prefill", "prefill", &both, &[]);
     let (decode, d) = agent("decode", "decode", &both, &[]);
 
     runtime().block_on(async {
         let http = http();
         let (total, _) = pool(&http, &d).await;
+        // Rooms held mid-transfer while the registry and etcd fail under them: the first half
+        // of each is announced, the rest only after the kills.
         let in_flight = [1u64, 2, 3];
         for &room in &in_flight {
             request(&http, &d, room, json!({ "tokens": 300 })).await;
-            ready(&http, &p, room, 300).await;
+            ready_piece(&http, &p, room, 300, 0..150, false).await;
         }
         for &room in &in_flight {
             wait_state(&http, &d, room, &["transferring"], BOUND).await;
@@ -97,6 +93,9 @@ fn replicas_on_etcd_survive_a_killed_replica_and_a_killed_etcd_member() {
         cluster.kill(leader);
         let failed_over = Instant::now();
         println!("[registry-etcd] killed registry replica A and etcd member {leader} (the leader) while rooms {in_flight:?} transferred");
+        for &room in &in_flight {
+            ready_piece(&http, &p, room, 300, 150..300, true).await;
+        }
         for &room in &in_flight {
             let v = wait_final(&http, &d, room).await;
             assert_eq!(v["state"], "success", "a room paired before the failover: {v}");

@@ -14,8 +14,8 @@ mod common;
 use std::time::Instant;
 
 use common::{
-    AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, request_and_ready,
-    runtime, set_flag, wait_final, wait_safe, wait_state,
+    AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, ready_piece,
+    request_and_ready, runtime, set_flag, wait_final, wait_safe, wait_state,
 };
 use kvferry::cli::cluster::{Process, log_dir};
 use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
@@ -218,10 +218,9 @@ fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
     // (`transport/ucx/data.rs`).
     for (name, env) in envs() {
         let tag = format!("ucx-kill-{name}");
-        // llama3-8b, 4096 tokens: 512 MiB, its 32 layers ready 10 ms apart (as a prefill
-        // computes them): the transfer is caught mid-way even on the fastest path.
+        // llama3-8b, 4096 tokens: 512 MiB, of which 3072 tokens are announced: the room is
+        // held mid-transfer, its first piece (384 MiB) most likely still moving at the kill.
         let mut args = opts("llama3-8b", 272);
-        args.extend(["--synthetic-layer-ms".to_owned(), "10".to_owned()]);
         set_flag(&mut args, "--mapped-writes", "never");
         let (c, p, d) = one_pair(&exe, &tag, &args, &env);
         let http = http();
@@ -235,38 +234,28 @@ fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
                 StatusCode::CREATED,
             )
             .await;
-            expect(
-                &http,
-                Method::POST,
-                &format!("{p}/v1/rooms/1/ready"),
-                Some(&body),
-                StatusCode::ACCEPTED,
-            )
-            .await;
-            let v = wait_state(&http, &d, 1, &["transferring", "success"], BOUND).await;
+            ready_piece(&http, &p, 1, 4096, 0..3072, false).await;
+            wait_state(&http, &d, 1, &["transferring"], BOUND).await;
             c.prefill().signal("KILL").unwrap();
             let killed = Instant::now();
             let v2 = wait_final(&http, &d, 1).await;
-            if v["state"] == "transferring" && v2["state"] != "success" {
-                assert_eq!(v2["state"], "failed", "{v2}");
-                assert_eq!(v2["reason"]["code"], "peer_dead", "{v2}");
-                println!(
-                    "{tag}: killed mid-transfer -> peer_dead in {:.0} ms",
-                    killed.elapsed().as_secs_f64() * 1e3
-                );
-                // A staging or placing prefill (HelloAck.direct false) writes nothing into
-                // the pool itself: its dead rooms are safe to reuse once the decode's own
-                // receives into them are cancelled or failed and running scatters end (no
-                // --peer-dead-ms grace, which is for one-sided writers).
-                let seen = Instant::now();
-                wait_safe(&http, &d, 1).await;
-                println!(
-                    "{tag}: safe to reuse {:.0} ms after peer_dead was seen",
-                    seen.elapsed().as_secs_f64() * 1e3
-                );
-            } else {
-                println!("{tag}: the room landed before the kill; nothing to fail");
-            }
+            assert_eq!(v2["state"], "failed", "{v2}");
+            assert_eq!(v2["reason"]["code"], "peer_dead", "{v2}");
+            println!(
+                "{tag}: killed mid-transfer ({} bytes landed) -> peer_dead in {:.0} ms",
+                v2["bytes"],
+                killed.elapsed().as_secs_f64() * 1e3
+            );
+            // A staging or placing prefill (HelloAck.direct false) writes nothing into the pool
+            // itself: its dead rooms are safe to reuse once the decode's own receives into them
+            // are cancelled or failed and running scatters end (no --peer-dead-ms grace, which
+            // is for one-sided writers).
+            let seen = Instant::now();
+            wait_safe(&http, &d, 1).await;
+            println!(
+                "{tag}: safe to reuse {:.0} ms after peer_dead was seen",
+                seen.elapsed().as_secs_f64() * 1e3
+            );
             expect(
                 &http,
                 Method::POST,
@@ -308,7 +297,6 @@ fn a_prefill_killed_mid_room_with_heterogeneous_tp_fails_it_and_frees_the_pages(
     let exe = common::release_binary();
     let [(_, tcp), (_, shm)] = envs();
     let mut args = opts("llama3-8b", 272);
-    args.extend(["--synthetic-layer-ms".to_owned(), "10".to_owned()]);
     set_flag(&mut args, "--mapped-writes", "never");
     for (label, prefill, decode, env) in [
         ("shm-tp1-tp2", Shape::ONE, Shape::tp(2), &shm),
@@ -327,19 +315,20 @@ fn a_prefill_killed_mid_room_with_heterogeneous_tp_fails_it_and_frees_the_pages(
                 let url = format!("{d}/v1/rooms/1");
                 expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
             }
+            // Held mid-room: 3072 of the 4096 tokens announced (384 MiB), most likely still
+            // moving at the kill.
             for p in &prefills {
-                let url = format!("{p}/v1/rooms/1/ready");
-                expect(&http, Method::POST, &url, Some(&body), StatusCode::ACCEPTED).await;
+                ready_piece(&http, p, 1, 4096, 0..3072, false).await;
             }
-            let v = wait_state(&http, &decodes[0], 1, &["transferring", "success"], BOUND).await;
+            for d in &decodes {
+                wait_state(&http, d, 1, &["transferring"], BOUND).await;
+            }
             c.prefill_mut().signal("KILL").unwrap();
             let killed = Instant::now();
             for d in &decodes {
                 let end = wait_final(&http, d, 1).await;
-                if v["state"] == "transferring" && end["state"] != "success" {
-                    assert_eq!(end["state"], "failed", "{tag}: {end}");
-                    assert_eq!(end["reason"]["code"], "peer_dead", "{tag}: {end}");
-                }
+                assert_eq!(end["state"], "failed", "{tag}: {end}");
+                assert_eq!(end["reason"]["code"], "peer_dead", "{tag}: {end}");
                 wait_safe(&http, d, 1).await;
                 println!(
                     "{tag}: {d}: {} and safe to reuse {:.0} ms after the kill",

@@ -5,7 +5,7 @@
 //! - [`types`]: the wire types ([`Registration`], [`PrefillGroup`], ...) and their validation;
 //! - [`registry`]: the pure state (leases, groups, topology conflicts), no HTTP;
 //! - [`store`]: where the state lives, behind one trait: in memory (one process, the default)
-//!   or in etcd (any number of replicas, leases as etcd leases);
+//!   or in etcd (cargo feature `etcd`: any number of replicas, leases as etcd leases);
 //! - [`server`]: routes and handlers, [`serve`]; the route table is in its module doc;
 //! - [`error`]: the one error type the server answers with, JSON `{"error": "..."}`;
 //! - [`metrics`]: the Prometheus exposition of `/metrics`;
@@ -28,7 +28,9 @@ pub use registry::{Registered, Registry, RegistryError, RegistryStats};
 pub use server::{
     DEFAULT_BODY_LIMIT, DEFAULT_LEASE_TTL, DEFAULT_PORT, ServerConfig, serve, serve_store,
 };
-pub use store::{EtcdStore, MemoryStore, Store, StoreConfig, StoreConfigError, StoreError};
+#[cfg(feature = "etcd")]
+pub use store::EtcdStore;
+pub use store::{ETCD_BUILT, MemoryStore, Store, StoreConfig, StoreConfigError, StoreError};
 pub use types::{
     Dtype, ErrorBody, Health, IndexRange, InvalidRegistration, KvLayout, LayoutKind, Lease,
     PrefillGroup, RankInfo, RankList, Registration, Role, Slice,

@@ -238,10 +238,10 @@ impl Registry {
         self.expire(now);
         r.validate().map_err(|e| RegistryError::Invalid(e.0))?;
         let key = SlotKey::of(&r);
-        if let Some(old) = self.entries.get(&r.instance_id) {
-            if SlotKey::of(&old.registration) != key {
-                return Err(other_slot(r.instance_id, &SlotKey::of(&old.registration)));
-            }
+        if let Some(old) = self.entries.get(&r.instance_id)
+            && SlotKey::of(&old.registration) != key
+        {
+            return Err(other_slot(r.instance_id, &SlotKey::of(&old.registration)));
         }
         let occupant = self.slots.get(&key).copied();
         if let Some(holder) = occupant.filter(|id| *id != r.instance_id) {
@@ -258,17 +258,15 @@ impl Registry {
                 remaining_ms,
             });
         }
-        if r.role == Role::Prefill {
-            if let Some(group) = self.groups.get(&r.dp_rank) {
-                // The group's topology binds unless the only member is this very instance
-                // registering again: then the group is being redeployed and `r` fixes it anew.
-                let only_this_slot =
-                    group.members.len() == 1 && group.members.contains_key(&(r.pp_rank, r.tp_rank));
-                if !only_this_slot {
-                    if let Some(msg) = group.conflict(&r) {
-                        return Err(RegistryError::Conflict(msg));
-                    }
-                }
+        if r.role == Role::Prefill
+            && let Some(group) = self.groups.get(&r.dp_rank)
+        {
+            // The group's topology binds unless the only member is this very instance
+            // registering again: then the group is being redeployed and `r` fixes it anew.
+            let only_this_slot =
+                group.members.len() == 1 && group.members.contains_key(&(r.pp_rank, r.tp_rank));
+            if !only_this_slot && let Some(msg) = group.conflict(&r) {
+                return Err(RegistryError::Conflict(msg));
             }
         }
         let outcome = match occupant {
@@ -402,18 +400,18 @@ impl Registry {
         if self.slots.get(&key) == Some(&id) {
             self.slots.remove(&key);
         }
-        if r.role == Role::Prefill {
-            if let Some(group) = self.groups.get_mut(&r.dp_rank) {
-                if group.members.get(&(r.pp_rank, r.tp_rank)) == Some(&id) {
-                    group.members.remove(&(r.pp_rank, r.tp_rank));
-                }
-                if group.members.is_empty() {
-                    self.groups.remove(&r.dp_rank);
-                    tracing::info!(
-                        dp_rank = r.dp_rank,
-                        "prefill group forgotten: no live rank left"
-                    );
-                }
+        if r.role == Role::Prefill
+            && let Some(group) = self.groups.get_mut(&r.dp_rank)
+        {
+            if group.members.get(&(r.pp_rank, r.tp_rank)) == Some(&id) {
+                group.members.remove(&(r.pp_rank, r.tp_rank));
+            }
+            if group.members.is_empty() {
+                self.groups.remove(&r.dp_rank);
+                tracing::info!(
+                    dp_rank = r.dp_rank,
+                    "prefill group forgotten: no live rank left"
+                );
             }
         }
         Some(entry)
@@ -435,7 +433,9 @@ pub(crate) fn other_slot(instance_id: Uuid, old: &SlotKey) -> RegistryError {
 }
 
 /// The first field on which `r` disagrees with the prefill group whose topology `first` (the
-/// group's first registration) fixed, as the [`RegistryError::Conflict`] to answer.
+/// group's first registration) fixed, as the [`RegistryError::Conflict`] to answer: the etcd
+/// store's check (the memory store's is inside [`Registry::register`]).
+#[cfg(feature = "etcd")]
 pub(crate) fn group_conflict(first: &Registration, r: &Registration) -> Option<RegistryError> {
     Group::fixed_by(first)
         .conflict(r)

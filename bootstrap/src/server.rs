@@ -51,7 +51,9 @@ use uuid::Uuid;
 use crate::error::{ApiError, RejectReason, Rejection};
 use crate::metrics::Metrics;
 use crate::registry::{Registered, RegistryError, millis};
-use crate::store::{EtcdStore, MemoryStore, Store, StoreConfig, StoreError};
+#[cfg(feature = "etcd")]
+use crate::store::EtcdStore;
+use crate::store::{MemoryStore, Store, StoreConfig, StoreError};
 use crate::types::{Health, Lease, PrefillGroup, RankList, Registration};
 
 /// The registry's default port.
@@ -137,12 +139,18 @@ pub async fn serve(
             let store = MemoryStore::new(config.lease_ttl);
             serve_store(listener, config, store, shutdown).await
         }
+        #[cfg(feature = "etcd")]
         StoreConfig::Etcd { endpoints } => {
             let store = EtcdStore::connect(endpoints, config.lease_ttl)
                 .await
                 .map_err(io::Error::other)?;
             serve_store(listener, config, store, shutdown).await
         }
+        #[cfg(not(feature = "etcd"))]
+        StoreConfig::Etcd { .. } => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            crate::store::StoreConfigError::EtcdNotBuilt(config.store.to_string()),
+        )),
     }
 }
 

@@ -154,19 +154,6 @@ mod tests {
         let args = parse(&[]);
         assert_eq!((args.port, args.lease_ttl_ms), (8998, 10_000));
         assert_eq!(args.store, StoreConfig::Memory);
-        let etcd = parse(&["--store", "etcd://10.0.0.1:2379,10.0.0.2:2379"]).store;
-        assert_eq!(etcd.to_string(), "etcd://10.0.0.1:2379,10.0.0.2:2379");
-        assert!(
-            parse(&["--store", "etcd://10.0.0.1:2379", "--lease-ttl-ms", "1500"])
-                .validate()
-                .is_err(),
-            "etcd grants no lease under 2 s"
-        );
-        assert!(
-            parse(&["--store", "etcd://10.0.0.1:2379", "--lease-ttl-ms", "2000"])
-                .validate()
-                .is_ok()
-        );
         let wrapped = Wrapper::try_parse_from(["kvferry", "--store", "etcd://nohost"]);
         let err = wrapped.unwrap_err().to_string();
         assert!(err.contains("is not HOST:PORT"), "{err}");
@@ -182,5 +169,31 @@ mod tests {
         );
         assert!(parse(&["--host", "::", "--token", "t"]).validate().is_ok());
         assert!(parse(&["--host", "::", "--insecure"]).validate().is_ok());
+    }
+
+    #[cfg(feature = "etcd")]
+    #[test]
+    fn etcd_store_and_its_shortest_lease() {
+        let etcd = parse(&["--store", "etcd://10.0.0.1:2379,10.0.0.2:2379"]).store;
+        assert_eq!(etcd.to_string(), "etcd://10.0.0.1:2379,10.0.0.2:2379");
+        assert!(
+            parse(&["--store", "etcd://10.0.0.1:2379", "--lease-ttl-ms", "1500"])
+                .validate()
+                .is_err(),
+            "etcd grants no lease under 2 s"
+        );
+        assert!(
+            parse(&["--store", "etcd://10.0.0.1:2379", "--lease-ttl-ms", "2000"])
+                .validate()
+                .is_ok()
+        );
+    }
+
+    #[cfg(not(feature = "etcd"))]
+    #[test]
+    fn a_build_without_etcd_refuses_the_etcd_store_naming_the_feature() {
+        let wrapped = Wrapper::try_parse_from(["kvferry", "--store", "etcd://10.0.0.1:2379"]);
+        let err = wrapped.unwrap_err().to_string();
+        assert!(err.contains("cargo feature `etcd`"), "{err}");
     }
 }

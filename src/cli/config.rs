@@ -124,15 +124,14 @@ fn scan(root: &clap::Command, argv: &[OsString]) -> Scan {
                 .find(|a| a.get_short().is_some() && a.get_short() == first)
                 .map(|a| (a, chars.next().is_some()))
         } else {
-            if out.subcommand.is_none() {
-                if let Some(sub) = current
+            if out.subcommand.is_none()
+                && let Some(sub) = current
                     .get_subcommands()
                     .find(|s| s.get_name() == token || s.get_all_aliases().any(|a| a == token))
-                {
-                    out.help |= sub.get_name() == "help";
-                    out.subcommand = Some((i, sub.get_name().to_owned()));
-                    current = sub;
-                }
+            {
+                out.help |= sub.get_name() == "help";
+                out.subcommand = Some((i, sub.get_name().to_owned()));
+                current = sub;
             }
             None
         };

@@ -228,18 +228,18 @@ impl KvFormat {
 impl KvLayout {
     /// The same layout in `format`; refused when the format is for another attention kind.
     pub fn with_format(mut self, format: &KvFormat) -> Result<Self, LayoutError> {
-        if let Some(kind) = format.only {
-            if kind != self.model.kind {
-                return Err(invalid(
-                    "format",
-                    format!(
-                        "{} holds {} KV, the model is {}",
-                        format.name,
-                        kind.name(),
-                        self.model.kind.name()
-                    ),
-                ));
-            }
+        if let Some(kind) = format.only
+            && kind != self.model.kind
+        {
+            return Err(invalid(
+                "format",
+                format!(
+                    "{} holds {} KV, the model is {}",
+                    format.name,
+                    kind.name(),
+                    self.model.kind.name()
+                ),
+            ));
         }
         self.order = format.order;
         self.placement = format.placement;
@@ -285,7 +285,7 @@ impl KvLayout {
     /// Refuses a piece starting at token `start` that this layout's pages cannot begin at: a
     /// head-granular page moves whole, so its pieces start on a page boundary.
     pub fn check_piece_start(&self, start: usize) -> Result<(), LayoutError> {
-        if self.order.granularity() == Granularity::Head && start % self.page_size != 0 {
+        if self.order.granularity() == Granularity::Head && !start.is_multiple_of(self.page_size) {
             return Err(invalid(
                 "tokens",
                 format!(

@@ -370,7 +370,7 @@ impl KvLayout {
         let heads = match self.model.kind {
             AttentionKind::Mla => 0..1,
             AttentionKind::Mha if heads_total >= tp_size => {
-                if heads_total % tp_size != 0 {
+                if !heads_total.is_multiple_of(tp_size) {
                     return Err(invalid(
                         "tp_size",
                         format!("{tp_size} does not divide the model's {heads_total} KV heads"),

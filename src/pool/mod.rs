@@ -696,10 +696,10 @@ impl HostPool {
 
 impl Drop for HostPool {
     fn drop(&mut self) {
-        if let (true, PoolDescriptor::Shm(path)) = (self.unlink_on_drop, &self.descriptor) {
-            if let Err(e) = std::fs::remove_file(path) {
-                tracing::warn!(path = %path.display(), error = %e, "could not unlink pool file");
-            }
+        if let (true, PoolDescriptor::Shm(path)) = (self.unlink_on_drop, &self.descriptor)
+            && let Err(e) = std::fs::remove_file(path)
+        {
+            tracing::warn!(path = %path.display(), error = %e, "could not unlink pool file");
         }
     }
 }

@@ -909,6 +909,25 @@ pub async fn ready(http: &Client, prefill: &str, room: u64, tokens: usize) -> Va
     .await
 }
 
+/// Announces tokens `range` of `room` (of `tokens` in all) ready at the synthetic prefill at
+/// `prefill` as one piece (202); `last` says whether it is the engine's last piece.
+///
+/// A test that must act mid-transfer announces a first piece that is not the last: the decode's
+/// room is `transferring` from the piece's first chunk until the rest is announced, however
+/// fast or slow the machine, so waiting for that state cannot miss it.
+pub async fn ready_piece(
+    http: &Client,
+    prefill: &str,
+    room: u64,
+    tokens: usize,
+    range: std::ops::Range<usize>,
+    last: bool,
+) -> Value {
+    let url = format!("{prefill}/v1/rooms/{room}/ready");
+    let body = json!({ "tokens": tokens, "token_range": [range.start, range.end], "last": last });
+    expect(http, Method::POST, &url, Some(&body), StatusCode::ACCEPTED).await
+}
+
 /// Takes `room` at the decode at `decode` (200).
 pub async fn take(http: &Client, decode: &str, room: u64) -> Value {
     let url = format!("{decode}/v1/rooms/{room}/take");

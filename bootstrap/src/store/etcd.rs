@@ -237,12 +237,11 @@ impl EtcdStore {
         // The group's topology binds unless the only member is this very slot registering
         // again: then the group is being redeployed and `r` fixes it anew.
         let only_this_slot = members.len() == 1 && members[0].key() == slot_key.as_bytes();
-        if !only_this_slot {
-            if let Some(first) = members.iter().min_by_key(|kv| kv.create_revision()) {
-                if let Some(e) = group_conflict(&registration(first)?, r) {
-                    return Err(e.into());
-                }
-            }
+        if !only_this_slot
+            && let Some(first) = members.iter().min_by_key(|kv| kv.create_revision())
+            && let Some(e) = group_conflict(&registration(first)?, r)
+        {
+            return Err(e.into());
         }
 
         let lease = bounded(c.lease_grant(self.lease_secs, None)).await?.id();
@@ -271,10 +270,10 @@ impl EtcdStore {
             (Some(kv), true) => Some(kv.lease()),
             (None, true) => None,
         };
-        if let Some(id) = unused {
-            if let Err(e) = bounded(c.lease_revoke(id)).await.map_err(attempt_text) {
-                tracing::debug!(lease = id, error = %e, "revoking an unused lease failed; it lapses by itself");
-            }
+        if let Some(id) = unused
+            && let Err(e) = bounded(c.lease_revoke(id)).await.map_err(attempt_text)
+        {
+            tracing::debug!(lease = id, error = %e, "revoking an unused lease failed; it lapses by itself");
         }
         if !committed.succeeded() {
             return Err(Attempt::Retry(

@@ -4,12 +4,15 @@
 //!
 //! - [`memory::MemoryStore`]: one process, the pure [`Registry`](crate::registry::Registry)
 //!   behind a short lock (the default);
-//! - [`etcd::EtcdStore`]: every registration, lease and prefill group lives in etcd, so any
-//!   number of registry replicas on the same etcd cluster serve one view and any one may die.
+//! - `etcd::EtcdStore` (cargo feature `etcd`): every registration, lease and prefill group
+//!   lives in etcd, so any number of registry replicas on the same etcd cluster serve one view
+//!   and any one may die. A build without the feature refuses `etcd://...` when it is parsed,
+//!   with [`StoreConfigError::EtcdNotBuilt`].
 //!
 //! Both stores answer with the same [`RegistryError`]s (same messages, same status codes); the
 //! etcd store adds [`StoreError::Unavailable`] (503) when etcd cannot be reached in time.
 
+#[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod memory;
 
@@ -23,6 +26,7 @@ use uuid::Uuid;
 use crate::registry::{Registered, RegistryError, RegistryStats};
 use crate::types::{PrefillGroup, RankInfo, Registration};
 
+#[cfg(feature = "etcd")]
 pub use etcd::EtcdStore;
 pub use memory::MemoryStore;
 
@@ -111,7 +115,16 @@ pub enum StoreConfigError {
         /// The endpoint at fault.
         endpoint: String,
     },
+    /// `etcd://...` in a build without the `etcd` cargo feature.
+    #[error(
+        "store {0:?}: this build has no etcd store; build kvferry with the cargo feature `etcd` \
+         (cargo build --release --features etcd; it needs protoc, Debian package protobuf-compiler)"
+    )]
+    EtcdNotBuilt(String),
 }
+
+/// Whether this build has the etcd store (cargo feature `etcd`).
+pub const ETCD_BUILT: bool = cfg!(feature = "etcd");
 
 impl FromStr for StoreConfig {
     type Err = StoreConfigError;
@@ -138,6 +151,9 @@ impl FromStr for StoreConfig {
             }
             endpoints.push(format!("http://{endpoint}"));
         }
+        if !ETCD_BUILT {
+            return Err(StoreConfigError::EtcdNotBuilt(s.to_owned()));
+        }
         Ok(StoreConfig::Etcd { endpoints })
     }
 }
@@ -162,19 +178,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn store_flag_parses_and_prints_back() {
+    fn store_flag_rejects_what_no_build_can_serve() {
         assert_eq!("memory".parse::<StoreConfig>(), Ok(StoreConfig::Memory));
-        let c: StoreConfig = "etcd://10.0.0.1:2379,etcd-2:2379".parse().unwrap();
-        assert_eq!(
-            c,
-            StoreConfig::Etcd {
-                endpoints: vec![
-                    "http://10.0.0.1:2379".to_owned(),
-                    "http://etcd-2:2379".to_owned()
-                ]
-            }
-        );
-        assert_eq!(c.to_string(), "etcd://10.0.0.1:2379,etcd-2:2379");
         for bad in [
             "etcd://",
             "etcd://h",
@@ -190,5 +195,34 @@ mod tests {
             err.to_string(),
             "store \"redis://h:1\": expected `memory` or `etcd://HOST:PORT[,HOST:PORT...]`"
         );
+    }
+
+    #[cfg(not(feature = "etcd"))]
+    #[test]
+    fn without_the_feature_an_etcd_store_is_refused_naming_the_feature() {
+        let err = "etcd://10.0.0.1:2379".parse::<StoreConfig>().unwrap_err();
+        assert_eq!(
+            err,
+            StoreConfigError::EtcdNotBuilt("etcd://10.0.0.1:2379".to_owned())
+        );
+        let text = err.to_string();
+        assert!(text.contains("cargo feature `etcd`"), "{text}");
+        assert!(text.contains("--features etcd"), "{text}");
+    }
+
+    #[cfg(feature = "etcd")]
+    #[test]
+    fn store_flag_parses_and_prints_back() {
+        let c: StoreConfig = "etcd://10.0.0.1:2379,etcd-2:2379".parse().unwrap();
+        assert_eq!(
+            c,
+            StoreConfig::Etcd {
+                endpoints: vec![
+                    "http://10.0.0.1:2379".to_owned(),
+                    "http://etcd-2:2379".to_owned()
+                ]
+            }
+        );
+        assert_eq!(c.to_string(), "etcd://10.0.0.1:2379,etcd-2:2379");
     }
 }

@@ -392,11 +392,11 @@ impl Inner {
 
     fn fail(&self, room_id: u64, reason: Reason) {
         let mut rooms = self.rooms();
-        if let Some(room) = rooms.get_mut(&room_id) {
-            if room.status.fail(reason.clone()) {
-                tracing::warn!(room = room_id, %reason, "room failed");
-                self.finished(room);
-            }
+        if let Some(room) = rooms.get_mut(&room_id)
+            && room.status.fail(reason.clone())
+        {
+            tracing::warn!(room = room_id, %reason, "room failed");
+            self.finished(room);
         }
     }
 

@@ -386,13 +386,12 @@ impl Inner {
             verified = Some(result.is_ok());
             if let Err(e) = result {
                 let mut rooms = self.rooms();
-                if let Some(room) = rooms.get_mut(&room_id) {
-                    if room
+                if let Some(room) = rooms.get_mut(&room_id)
+                    && room
                         .status
                         .fail_verification(Reason::new(FailureCode::VerifyFailed, e.clone()))
-                    {
-                        self.metrics.verify_failures.inc();
-                    }
+                {
+                    self.metrics.verify_failures.inc();
                 }
                 tracing::error!(room = room_id, error = %e, "landed bytes differ from the synthetic pattern");
             }

@@ -319,7 +319,7 @@ impl DirectTarget {
                 "the pool is exposed as {size} bytes and as {other}"
             ));
         }
-        if span == 0 || size % span != 0 {
+        if span == 0 || !size.is_multiple_of(span) {
             return Err(format!(
                 "exposed {size} bytes, not a whole number of {span}-byte pages"
             ));
@@ -485,10 +485,10 @@ impl Inner {
     /// Moves the room to a final state once every decode rank that will ask has been served,
     /// and returns the agent's own pages once no gather reads them.
     fn settle(&self, room: &mut Room) {
-        if let Some(reason) = room.engine_abort.clone() {
-            if !room.running() {
-                room.status.abort(reason, true);
-            }
+        if let Some(reason) = room.engine_abort.clone()
+            && !room.running()
+        {
+            room.status.abort(reason, true);
         }
         let asked = room.transfers.values().filter(|t| t.req.is_some()).count();
         let all_final = room.transfers.values().all(|t| t.state.is_final());
@@ -561,12 +561,13 @@ impl Inner {
         let mut refused = Vec::new();
         for t in room.transfers.values_mut() {
             let offered = t.req.as_ref().map(|r| r.room_key);
-            if let (Some(offered), Some(key)) = (offered, room.key) {
-                if offered != Some(key) && !t.state.is_final() {
-                    let reason = self.wrong_room_key(room_id, t.peer.instance);
-                    t.end(RoomState::Failed, Some(reason.clone()));
-                    refused.push((t.peer.identity.clone(), reason));
-                }
+            if let (Some(offered), Some(key)) = (offered, room.key)
+                && offered != Some(key)
+                && !t.state.is_final()
+            {
+                let reason = self.wrong_room_key(room_id, t.peer.instance);
+                t.end(RoomState::Failed, Some(reason.clone()));
+                refused.push((t.peer.identity.clone(), reason));
             }
         }
         if !refused.is_empty() {

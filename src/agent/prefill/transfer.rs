@@ -356,12 +356,12 @@ impl Inner {
                 budget,
                 false,
             );
-            if let Some(first) = plan.first() {
-                if let Some(planned) = self.direct_runs(job, target, first, &heads, None).await? {
-                    return self
-                        .send_direct(job, target, &plan, &heads, planned, chunks)
-                        .await;
-                }
+            if let Some(first) = plan.first()
+                && let Some(planned) = self.direct_runs(job, target, first, &heads, None).await?
+            {
+                return self
+                    .send_direct(job, target, &plan, &heads, planned, chunks)
+                    .await;
             }
         }
         let slot = self.cfg.chunk_bytes.min(job.peer.slot_bytes);

@@ -19,14 +19,13 @@ pub(super) struct Run {
 
 /// Appends a run, merging it into the previous one when both sides continue contiguously.
 fn push(runs: &mut Vec<Run>, run: Run) {
-    if let Some(last) = runs.last_mut() {
-        if last.pool + last.len == run.pool
-            && last.staging + last.len == run.staging
-            && last.to == run.to
-        {
-            last.len += run.len;
-            return;
-        }
+    if let Some(last) = runs.last_mut()
+        && last.pool + last.len == run.pool
+        && last.staging + last.len == run.staging
+        && last.to == run.to
+    {
+        last.len += run.len;
+        return;
     }
     runs.push(run);
 }

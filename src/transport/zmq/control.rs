@@ -418,11 +418,11 @@ impl Peers for RouterPeers {
         }
         if let Event::Disconnected { fd } = event {
             // A peer that already came back on another connection is not affected.
-            if let Some(peer) = self.by_fd.remove(&fd) {
-                if self.fd_of.get(&peer) == Some(&fd) {
-                    self.fd_of.remove(&peer);
-                    self.dropped.insert(peer, now);
-                }
+            if let Some(peer) = self.by_fd.remove(&fd)
+                && self.fd_of.get(&peer) == Some(&fd)
+            {
+                self.fd_of.remove(&peer);
+                self.dropped.insert(peer, now);
             }
         }
     }
@@ -434,10 +434,10 @@ impl Peers for RouterPeers {
 
     fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>) {
         self.dropped.remove(peer);
-        if let Some(fd) = fd {
-            if self.fd_of.insert(peer.clone(), fd) != Some(fd) {
-                self.by_fd.insert(fd, peer.clone());
-            }
+        if let Some(fd) = fd
+            && self.fd_of.insert(peer.clone(), fd) != Some(fd)
+        {
+            self.by_fd.insert(fd, peer.clone());
         }
     }
 

@@ -156,10 +156,10 @@ impl Posting {
     /// One receive of `generation` on worker `w` landed.
     fn landed(&self, generation: u64, w: usize) {
         let mut state = self.state();
-        if generation == state.generation {
-            if let Some(open) = state.open.get_mut(w) {
-                *open = open.saturating_sub(1);
-            }
+        if generation == state.generation
+            && let Some(open) = state.open.get_mut(w)
+        {
+            *open = open.saturating_sub(1);
         }
         state.tasks.try_join_next();
     }
