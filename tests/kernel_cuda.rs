@@ -33,6 +33,12 @@ fn nvrtc_compiles_the_kernel_for_sm80_and_sm90() {
     if !nvrtc_or_skip() {
         return;
     }
+    let nvrtc = cuda::nvrtc::get().expect("present");
+    println!("NVRTC {:?} from {}", nvrtc.version, nvrtc.library);
+    assert!(
+        cuda::nvrtc::CANDIDATES.contains(&nvrtc.library) && nvrtc.version.0 >= 12,
+        "{nvrtc:?}"
+    );
     for (arch, target) in [
         ("compute_80", ".target sm_80"),
         ("compute_90", ".target sm_90"),
@@ -56,10 +62,13 @@ fn nvrtc_compiles_the_kernel_for_sm80_and_sm90() {
         );
         assert!(!ptx.contains(".shared"), "{arch}");
         // Kept for `ptxas -v` (docs/kernels.md shows the figures and the command).
+        // A binary carried to another machine (scripts/gpu-check) may find no such folder.
         let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("kv_transfer.{arch}.ptx"));
-        std::fs::write(&out, ptx.as_bytes()).unwrap();
-        println!("{arch}: {} bytes of PTX in {}", ptx.len(), out.display());
+        match std::fs::write(&out, ptx.as_bytes()) {
+            Ok(()) => println!("{arch}: {} bytes of PTX in {}", ptx.len(), out.display()),
+            Err(e) => println!("{arch}: {} bytes of PTX (not kept: {e})", ptx.len()),
+        }
         // Cached: the second request is the same text without recompiling.
         let again = cuda::compile_ptx(arch).unwrap();
         assert!(std::sync::Arc::ptr_eq(&ptx, &again));

@@ -221,3 +221,89 @@ fn plain_copies_find_each_layer_in_its_own_allocation() {
         .is_none()
     );
 }
+
+/// A llama3-8b room of `KVFERRY_GPU_BENCH_TOKENS` tokens (default 256) gathered from a device
+/// pool into device staging and scattered into a second pool, its pages in a shuffled order,
+/// each timed against a device-to-device copy of the same bytes. On a GPU the kernel's goal is
+/// at least 85% of the copy's rate (docs/kernels.md); this prints the figures as one JSON line
+/// (`{"gpu_bandwidth": ...}`, read by scripts/gpu-check) and asserts only what must hold
+/// anywhere: the second pool ends equal to the first. On the emulator the figures are the
+/// host's and mean nothing.
+#[test]
+fn gather_and_scatter_bandwidth_against_a_device_copy() {
+    use rand::seq::SliceRandom as _;
+    use std::time::Instant;
+    let Some(kernel) = kernel_or_skip() else {
+        return;
+    };
+    let mut rng = rng();
+    let tokens: usize = std::env::var("KVFERRY_GPU_BENCH_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let layout = KvLayout::new(ModelSpec::preset("llama3-8b").unwrap(), 16).unwrap();
+    let num_pages = tokens.div_ceil(16);
+    let mut pages: Vec<u32> = (0..num_pages as u32).collect();
+    pages.shuffle(&mut rng);
+    let sel = kvferry::kernel::Selection {
+        pages: &pages,
+        tokens: 0..num_pages * 16,
+        layers: 0..layout.num_layers(),
+        heads: 0..layout.num_heads(),
+    };
+    let src = DevicePool::new(&kernel, layout.clone(), num_pages).unwrap();
+    let mut bytes = vec![0u8; src.size()];
+    rng.fill_bytes(&mut bytes);
+    src.write(0, &bytes).unwrap();
+    let dst = DevicePool::new(&kernel, layout.clone(), num_pages).unwrap();
+    dst.fill(POISON).unwrap();
+    let len = sel.bytes_in(&layout).unwrap();
+    let mut staging = DeviceStaging::new(&kernel, len).unwrap();
+    let wire = PageOrder::TokenMajor;
+
+    let ctx = cudarc::driver::CudaContext::new(kernel.ordinal()).unwrap();
+    let stream = ctx.default_stream();
+    let from = stream.alloc_zeros::<u8>(len).unwrap();
+    let mut to = stream.alloc_zeros::<u8>(len).unwrap();
+    stream.synchronize().unwrap();
+
+    const ROUNDS: usize = 5;
+    let median_gbps = |mut run: Box<dyn FnMut() + '_>| {
+        run(); // warm-up (and, for the kernel, its first launch)
+        let mut rates: Vec<f64> = (0..ROUNDS)
+            .map(|_| {
+                let t = Instant::now();
+                run();
+                len as f64 / t.elapsed().as_secs_f64() / 1e9
+            })
+            .collect();
+        rates.sort_by(f64::total_cmp);
+        rates[ROUNDS / 2]
+    };
+    let copy = median_gbps(Box::new(|| {
+        stream.memcpy_dtod(&from, &mut to).unwrap();
+        stream.synchronize().unwrap();
+    }));
+    let gather = median_gbps(Box::new(|| {
+        kernel.gather(&src, &sel, wire, &mut staging).unwrap()
+    }));
+    let scatter = median_gbps(Box::new(|| {
+        kernel.scatter(&staging, wire, &dst, &sel).unwrap()
+    }));
+    assert!(
+        dst.read(0, dst.size()).unwrap() == bytes,
+        "scatter(gather(pool)) over the same pages must give the pool back"
+    );
+    let line = serde_json::json!({"gpu_bandwidth": {
+        "device": kernel.device_name().unwrap_or_default(),
+        "arch": kernel.arch(),
+        "tokens": tokens,
+        "bytes": len,
+        "copy_dtod_gbps": copy,
+        "gather_gbps": gather,
+        "scatter_gbps": scatter,
+        "gather_of_copy": gather / copy,
+        "scatter_of_copy": scatter / copy,
+    }});
+    println!("{line}");
+}

@@ -6,17 +6,18 @@
 //! the kernel's parameters and geometry (plain Rust, shared with the host emulation test);
 //! [`device`] owns device pools, pinned staging and the launches.
 //!
-//! Nothing CUDA is needed to build: cudarc loads libcuda and libnvrtc when first asked. Its
-//! loader panics when a library is missing, so every path first probes the library
-//! ([`driver_present`], [`nvrtc_present`]) and returns [`CudaError::DriverMissing`] or
-//! [`CudaError::NvrtcMissing`] instead. NVRTC is found through the ordinary library search
-//! (`LD_LIBRARY_PATH`; the PyPI wheel `nvidia-cuda-nvrtc-cu12` ships `libnvrtc.so.12`, one of the
-//! names cudarc tries; `scripts/nvrtc-env` prints the variable).
+//! Nothing CUDA is needed to build: cudarc loads libcuda when first asked, and [`nvrtc`] loads
+//! libnvrtc. cudarc's loader panics when the driver is missing, so every path first probes it
+//! ([`driver_present`]) and returns [`CudaError::DriverMissing`] instead; a missing NVRTC is
+//! [`CudaError::NvrtcMissing`]. NVRTC is found through the ordinary library search
+//! (`LD_LIBRARY_PATH`) under CUDA 13's and 12's names ([`nvrtc::CANDIDATES`]; the PyPI wheel
+//! `nvidia-cuda-nvrtc-cu12` ships `libnvrtc.so.12`; `scripts/nvrtc-env` prints the variable).
 #![allow(unsafe_code)]
 
 pub mod device;
 mod ipc;
 pub mod launch;
+pub mod nvrtc;
 mod pool;
 pub mod vmm;
 
@@ -52,8 +53,9 @@ pub enum CudaError {
     },
     /// libnvrtc cannot be loaded.
     #[error(
-        "NVRTC (libnvrtc.so.12) is not loadable; install the wheel nvidia-cuda-nvrtc-cu12 and \
-         eval \"$(scripts/nvrtc-env)\" to put it on LD_LIBRARY_PATH"
+        "NVRTC (libnvrtc.so.13 or libnvrtc.so.12) is not loadable; put the directory that holds \
+         it on LD_LIBRARY_PATH (the wheel nvidia-cuda-nvrtc-cu12 ships one: \
+         eval \"$(scripts/nvrtc-env)\")"
     )]
     NvrtcMissing,
     /// NVRTC refused the kernel source.
@@ -131,51 +133,31 @@ pub fn driver_present() -> bool {
 
 /// Whether libnvrtc can be loaded. Probed once per process.
 pub fn nvrtc_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: as in `driver_present`.
-    *PRESENT.get_or_init(|| unsafe { cudarc::nvrtc::sys::is_culib_present() })
+    nvrtc::get().is_some()
 }
 
 /// The PTX of [`KERNEL_SOURCE`] for virtual architecture `arch` (e.g. `compute_90`), compiled by
 /// NVRTC on first request and cached for the life of the process.
 pub fn compile_ptx(arch: &str) -> Result<Arc<str>, CudaError> {
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<str>>>> = OnceLock::new();
-    if !nvrtc_present() {
-        return Err(CudaError::NvrtcMissing);
-    }
+    let nvrtc = nvrtc::get().ok_or(CudaError::NvrtcMissing)?;
     let cache = CACHE.get_or_init(Default::default);
     // A panic while holding the lock cannot leave the map inconsistent (one insert).
     let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(ptx) = cache.get(arch) {
         return Ok(ptx.clone());
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![
-            format!("--gpu-architecture={arch}"),
-            "--std=c++17".to_owned(),
-        ],
-        name: Some("kv_transfer.cu".to_owned()),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, opts).map_err(|e| {
-        let log = match &e {
-            cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => {
-                format!("{nvrtc:?}: {}", log.to_string_lossy())
-            }
-            other => format!("{other:?}"),
-        };
-        CudaError::Compile {
+    let options = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_owned(),
+    ];
+    let ptx = nvrtc
+        .compile(KERNEL_SOURCE, "kv_transfer.cu", &options)
+        .map_err(|f| CudaError::Compile {
             arch: arch.to_owned(),
-            log,
-        }
-    })?;
-    let bytes = ptx.as_bytes().ok_or_else(|| CudaError::Compile {
-        arch: arch.to_owned(),
-        log: "NVRTC returned no PTX image".to_owned(),
-    })?;
-    // The image is NUL-terminated; PTX is ASCII.
-    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-    let text: Arc<str> = String::from_utf8_lossy(&bytes[..end]).into();
+            log: format!("{}: {}", f.error, f.log),
+        })?;
+    let text: Arc<str> = ptx.into();
     cache.insert(arch.to_owned(), text.clone());
     Ok(text)
 }
