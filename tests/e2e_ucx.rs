@@ -37,6 +37,19 @@ fn envs() -> [(&'static str, Env); 2] {
     ]
 }
 
+/// `env` with RMA in every agent's UCX context, which one-sided writes over tcp and shared
+/// memory need: agents give it only to writers over RDMA, where nobody else's puts and gets can
+/// run in them; over tcp and shared memory it opens them to every connected peer
+/// (`transport/ucx/data.rs`), tolerable between this test's own processes.
+fn with_insecure_rma(env: &Env) -> Env {
+    let mut env = env.clone();
+    env.push((
+        kvferry::transport::ucx::data::INSECURE_RMA_VAR.to_owned(),
+        "1".to_owned(),
+    ));
+    env
+}
+
 fn opts(model: &'static str, pool_pages: usize) -> Vec<String> {
     let o = AgentOpts {
         model,
@@ -89,17 +102,21 @@ fn runs() -> Vec<Run> {
     let (direct, placed, staged) = (Path::Direct, Path::Placed, Path::Staged);
     let mut out = Vec::new();
     for (name, env) in envs() {
-        let mut run = |label: &str, prefill, decode, flags, path, short| {
-            out.push(Run {
-                tag: format!("ucx-{name}-{label}"),
-                env: env.clone(),
-                prefill,
-                decode,
-                flags,
-                path,
-                short,
-            })
-        };
+        let mut run =
+            |label: &str, prefill, decode, flags: &'static [(&str, &str)], path, short| {
+                out.push(Run {
+                    tag: format!("ucx-{name}-{label}"),
+                    env: match flags == ALWAYS {
+                        true => with_insecure_rma(&env),
+                        false => env.clone(),
+                    },
+                    prefill,
+                    decode,
+                    flags,
+                    path,
+                    short,
+                })
+            };
         match name {
             "tcp" => {
                 run("1p1d", one, one, &[], placed, staged);
@@ -365,7 +382,7 @@ fn a_prefill_killed_mid_room_with_heterogeneous_tp_fails_it_and_frees_the_pages(
 fn a_corrupted_direct_chunk_fails_the_room_and_its_pages_wait_for_the_writer_to_stop() {
     let exe = common::release_binary();
     let tag = "ucx-shm-direct-checksum";
-    let env = envs()[1].1.clone();
+    let env = with_insecure_rma(&envs()[1].1);
     // llama3-8b, 4096 tokens: 512 MiB, announced one layer every 50 ms (1.6 s in all) and
     // written in direct chunks of one layer; the 2nd is corrupted, so the decode fails the
     // room while the prefill still has layers to write.
@@ -493,7 +510,7 @@ fn a_prefill_room_aborted_mid_send_is_safe_to_reuse_only_after_its_sends_resolve
 #[test]
 fn a_timed_out_direct_write_room_whose_decode_then_dies_leaves_the_prefill_serving() {
     let exe = common::release_binary();
-    let env = envs()[0].1.clone();
+    let env = with_insecure_rma(&envs()[0].1);
     let mut args = opts("llama3-8b", 272);
     set_flag(&mut args, "--direct-writes", "always");
     set_flag(&mut args, "--timeout-send-ms", "500");

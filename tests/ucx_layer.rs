@@ -315,8 +315,13 @@ impl Rng {
 
 /// Two workers connected both ways: (a, b, endpoint a->b, endpoint b->a).
 async fn pair(tls: Tls) -> (UcxWorker, UcxWorker, EndpointId, EndpointId) {
-    let a = UcxWorker::spawn(tls.config()).await.expect("worker a");
-    let b = UcxWorker::spawn(tls.config()).await.expect("worker b");
+    pair_of(tls.config()).await
+}
+
+/// Two workers of `config`, each connected to the other.
+async fn pair_of(config: UcxConfig) -> (UcxWorker, UcxWorker, EndpointId, EndpointId) {
+    let a = UcxWorker::spawn(config.clone()).await.expect("worker a");
+    let b = UcxWorker::spawn(config).await.expect("worker b");
     let ab = a.connect(b.address()).await.expect("connect a->b");
     let ba = b.connect(a.address()).await.expect("connect b->a");
     (a, b, ab, ba)
@@ -904,7 +909,27 @@ async fn a_run_whose_sender_is_killed_mid_message_is_revoked() {
 
 async fn put_64_mib(tls: Tls) {
     const SIZE: usize = 64 * MIB;
+    // Without RMA (the default, and every decode's worker) a peer's key is refused before UCX
+    // sees it: no one-sided write can start.
     let (a, b, ab, _ba) = pair(tls).await;
+    assert!(!a.has_rma());
+    let region = Arc::new(Region::new(MIB).expect("region"));
+    let registered = b.register(region.clone()).await.expect("register");
+    let refused = a
+        .add_remote_region(
+            ab,
+            registered.base,
+            registered.size,
+            registered.rkey.clone(),
+        )
+        .await;
+    assert!(matches!(refused, Err(UcxError::NoRma)), "{refused:?}");
+    a.shutdown().await;
+    b.shutdown().await;
+
+    // With RMA on both workers (two workers of this test: they trust each other).
+    let (a, b, ab, _ba) = pair_of(tls.config().rma(true)).await;
+    assert!(a.has_rma());
     let region = Arc::new(Region::new(SIZE).expect("region"));
     region.fill(0xDE);
     let registered = b.register(region.clone()).await.expect("register");
@@ -1288,7 +1313,7 @@ async fn the_context_says_whether_ucx_moves_cuda_memory() {
         "memory types {types:?}: Debian's libucx has no CUDA (KVFERRY_UCX_CUDA=1 says this one has)"
     );
     // The transport says it the same way, with the reason the agent logs.
-    let data = kvferry::transport::ucx::data::UcxData::new(MIB);
+    let data = kvferry::transport::ucx::data::UcxData::new(MIB, "127.0.0.1", false);
     let said = bounded("device_memory", 30, data.device_memory())
         .await
         .expect("device_memory");
@@ -1305,6 +1330,8 @@ async fn the_context_says_whether_ucx_moves_cuda_memory() {
         kvferry::transport::TransportKind::ZmqTcp,
         MIB,
         &kvferry::transport::zmq::Auth::default(),
+        "127.0.0.1",
+        false,
     );
     assert_eq!(
         zmq.device_memory().await.expect("zmq"),
@@ -1410,7 +1437,7 @@ impl RecvBuffers for Lent {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunks_land_in_the_receivers_own_buffers_and_go_back_to_it() {
     use kvferry::transport::{Frame, Transport};
-    let data = kvferry::transport::ucx::data::UcxData::new(MIB);
+    let data = kvferry::transport::ucx::data::UcxData::new(MIB, "127.0.0.1", false);
     let (endpoint, mut receiver) = bounded("listen", 30, data.listen("127.0.0.1", 0))
         .await
         .expect("listen");

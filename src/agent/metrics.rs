@@ -149,6 +149,7 @@ pub struct Metrics {
     /// also in `kvferry_rooms_total` as landed).
     pub verify_failures: Counter,
     protocol_errors: Family<Kind, Counter>,
+    rma: bool,
     /// Decode: room request -> Hello done and requests sent.
     pub bootstrap: Seconds,
     /// Prefill: request -> the engine's first ready piece; decode: request sent -> first chunk.
@@ -182,10 +183,12 @@ const PROTOCOL_ERRORS: [&str; 13] = [
 const FINAL: [&str; 3] = ["success", "failed", "aborted"];
 
 impl Metrics {
-    /// Zeroed metrics of a `role` agent.
-    pub fn new(role: &'static str) -> Self {
+    /// Zeroed metrics of a `role` agent; `rma`: whether its transport lets peers read and
+    /// write its memory ([`crate::transport::Transport::remote_memory_access`]).
+    pub fn new(role: &'static str, rma: bool) -> Self {
         Metrics {
             role,
+            rma,
             rooms_final: family(FINAL.map(|state| State { state })),
             failures: family(FailureCode::ALL.iter().map(|c| Code { code: c.name() })),
             direction: if role == "prefill" {
@@ -264,6 +267,12 @@ impl Metrics {
             "pool",
             "The pool's memory and where its chunks are staged for the transport",
             Info::new(PoolInfo { memory, staging }),
+        );
+        r.register(
+            "transport_rma",
+            "1 when this agent's transport lets connected peers read and write its memory by \
+             remote memory access (UCX RMA: only a prefill writing over RDMA), else 0",
+            gauge(usize::from(self.rma)),
         );
         r.register(
             "staging_pinned_bytes",
@@ -376,7 +385,7 @@ mod tests {
 
     #[test]
     fn histograms_are_cumulative_and_every_series_is_typed() {
-        let m = Metrics::new("decode");
+        let m = Metrics::new("decode", false);
         m.scatter.observe(Duration::from_micros(50));
         m.scatter.observe(Duration::from_millis(3));
         m.room_final(RoomState::Failed, Some(FailureCode::PeerDead));
@@ -409,6 +418,7 @@ mod tests {
             r#"kvferry_rooms_held{role="decode",state="success"} 0"#,
             r#"kvferry_pool_pages{role="decode",state="used"} 6"#,
             r#"kvferry_pool_info{role="decode",memory="host",staging="host"} 1"#,
+            r#"kvferry_transport_rma{role="decode"} 0"#,
             r#"kvferry_staging_pinned_bytes{role="decode"} 1048576"#,
             r#"kvferry_kv_bytes_total{role="decode",direction="received"} 4096"#,
             r#"kvferry_chunks_total{role="decode",path="direct"} 1"#,

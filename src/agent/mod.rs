@@ -54,6 +54,14 @@ pub enum AgentError {
     /// The staging asked for cannot be served (`--staging`).
     #[error("staging: {0}")]
     Staging(#[from] StagingError),
+    /// `--direct-writes always` over a UCX context without RMA.
+    #[error(
+        "--direct-writes always: one-sided writes over UCX need RMA, which kvferry asks for only \
+         when UCX_TLS names RDMA transports only (rc, dc and their variants): over tcp or shared \
+         memory libucx would run any connected peer's reads and writes in this process. Use \
+         --direct-writes auto (mapped writes on one host, placed runs elsewhere)"
+    )]
+    NoOneSidedWrites,
 }
 
 pub use pool::EnginePool;
@@ -292,8 +300,9 @@ pub enum DirectWrites {
     #[default]
     Auto,
     /// The transport's one-sided writes whenever it has them (before mapped writes), however
-    /// slow or unsafe: for measurement and tests. Over UCX 1.13's tcp or shared memory a
-    /// prefill dying mid-write can wedge or abort its decode (see `transport/ucx/data.rs`).
+    /// slow: for measurement and tests. UCX has them only over RDMA (its context asks for RMA
+    /// nowhere else, see `transport/ucx/data.rs`); a prefill told `always` where they cannot go
+    /// refuses to start.
     Always,
     /// Never: every chunk is staged.
     Never,
@@ -370,8 +379,8 @@ impl DirectWrites {
         match self {
             DirectWrites::Auto if path.fast => Some(DirectMethod::Write),
             DirectWrites::Auto if placeable => Some(DirectMethod::Place),
-            DirectWrites::Always => Some(DirectMethod::Write),
-            DirectWrites::Auto | DirectWrites::Never => None,
+            DirectWrites::Always if path.writes => Some(DirectMethod::Write),
+            DirectWrites::Auto | DirectWrites::Always | DirectWrites::Never => None,
         }
     }
 }
@@ -653,26 +662,29 @@ mod tests {
     #[test]
     fn the_direct_method_follows_the_flag_the_write_path_and_the_decodes_receives() {
         use crate::transport::WritePath;
-        let path = |fast, placed, eager| WritePath {
+        let path = |writes, fast, placed, eager| WritePath {
             via: "x".to_owned(),
             placed,
+            writes,
             fast,
             eager,
         };
         let (w, p) = (Some(DirectMethod::Write), Some(DirectMethod::Place));
-        // (flag, native writes, placeable, eager runs, decode revokes) -> method
-        for (flag, fast, placed, eager, revocable, want) in [
-            (DirectWrites::Auto, true, true, false, false, w),
-            (DirectWrites::Auto, false, true, false, false, p), // rendezvous: the decode pulls
-            (DirectWrites::Auto, false, true, true, true, p),
+        // (flag, one-sided writes, native writes, placeable, eager runs, decode revokes) -> method
+        for (flag, writes, fast, placed, eager, revocable, want) in [
+            (DirectWrites::Auto, true, true, true, false, false, w),
+            (DirectWrites::Auto, false, false, true, false, false, p), // rendezvous: the decode pulls
+            (DirectWrites::Auto, false, false, true, true, true, p),
             // Eager runs into receives the decode cannot revoke: a dead prefill would leave
             // them open for ever.
-            (DirectWrites::Auto, false, true, true, false, None),
-            (DirectWrites::Auto, false, false, false, true, None),
-            (DirectWrites::Always, false, false, false, false, w),
-            (DirectWrites::Never, true, true, false, true, None),
+            (DirectWrites::Auto, false, false, true, true, false, None),
+            (DirectWrites::Auto, false, false, false, false, true, None),
+            (DirectWrites::Always, true, false, false, false, false, w),
+            // No RMA in the transport's context: no one-sided writes, whatever the flag.
+            (DirectWrites::Always, false, false, true, false, false, None),
+            (DirectWrites::Never, true, true, true, false, true, None),
         ] {
-            let got = flag.method(&path(fast, placed, eager), revocable);
+            let got = flag.method(&path(writes, fast, placed, eager), revocable);
             assert_eq!(
                 got, want,
                 "{flag:?} fast={fast} placed={placed} eager={eager} revocable={revocable}"

@@ -25,6 +25,11 @@ pub struct Process {
 }
 
 impl Process {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts `exe args`, waits up to `wait` for its listening line.
     pub fn spawn(
         exe: &Path,

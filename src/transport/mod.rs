@@ -163,6 +163,9 @@ pub struct WritePath {
     /// Whether placed runs would go as eager messages (UCX over tcp), which the receiver must
     /// land through receives it can revoke ([`Placer::revocable`]).
     pub eager: bool,
+    /// Whether one-sided writes go at all: the sender's transport context has RMA (UCX asks
+    /// for it only over RDMA transports, see `ucx/data.rs`).
+    pub writes: bool,
     /// Whether they are the fast and safe way there: native one-sided writes (RDMA) on an
     /// endpoint whose peer's death the transport detects. UCX 1.13 emulates puts over tcp at a
     /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
@@ -566,6 +569,13 @@ pub trait Transport: Send + Sync {
         Box::pin(async move { Ok(DeviceMemory::HostOnly(why)) })
     }
 
+    /// Whether this transport lets its peers read and write this process's memory by remote
+    /// memory access (UCX RMA, asked for only by writers over RDMA; `/metrics`:
+    /// `kvferry_transport_rma`). Default: no.
+    fn remote_memory_access(&self) -> bool {
+        false
+    }
+
     /// Checks a receiver's exposed memory (from its Hello) before anything uses it: a key
     /// this transport could not parse is [`TransportErrorKind::Malformed`].
     fn check_memory(&self, memory: &RemoteMemory) -> Result<(), TransportError> {
@@ -603,12 +613,21 @@ pub fn advertised(endpoint: &str, host: &str) -> String {
     }
 }
 
-/// The transport of a kind, for chunks of at most `max_chunk` payload bytes; ZeroMQ
-/// connections authenticate with `auth` (UCX rooms are guarded by their per-room ids).
-pub fn for_kind(kind: TransportKind, max_chunk: usize, auth: &zmq::Auth) -> Arc<dyn Transport> {
+/// The transport of a kind, for chunks of at most `max_chunk` payload bytes, of an agent
+/// serving on `host` that `writes` into its peers (a prefill); ZeroMQ connections authenticate
+/// with `auth` (UCX rooms are guarded by their per-room ids).
+pub fn for_kind(
+    kind: TransportKind,
+    max_chunk: usize,
+    auth: &zmq::Auth,
+    host: &str,
+    writes: bool,
+) -> Arc<dyn Transport> {
+    #[cfg(not(feature = "ucx"))]
+    let _ = (host, writes);
     match kind {
         #[cfg(feature = "ucx")]
-        TransportKind::Ucx => Arc::new(ucx::data::UcxData::new(max_chunk)),
+        TransportKind::Ucx => Arc::new(ucx::data::UcxData::new(max_chunk, host, writes)),
         _ => Arc::new(zmq::ZmqData::new(kind, max_chunk, auth.clone())),
     }
 }

@@ -97,7 +97,7 @@ impl DecodeAgent {
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
         let auth = super::zmq_auth(&cfg);
-        let data = transport::for_kind(cfg.transport, cfg.chunk_bytes, &auth);
+        let data = transport::for_kind(cfg.transport, cfg.chunk_bytes, &auth, &cfg.host, false);
         let pool = super::agent_pool(&cfg, pool.into(), data.as_ref()).await?;
         let instance = Uuid::new_v4();
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
@@ -141,7 +141,7 @@ impl DecodeAgent {
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             connecting: tokio::sync::Mutex::new(()),
-            metrics: Metrics::new("decode"),
+            metrics: Metrics::new("decode", data.remote_memory_access()),
             draining: std::sync::atomic::AtomicBool::new(false),
             stuck_warned: Mutex::new(None),
             recv_reset: tokio::sync::Notify::new(),

@@ -95,7 +95,20 @@ impl PrefillAgent {
         pool: impl Into<super::EnginePool>,
         shutdown: CancellationToken,
     ) -> Result<Self, super::AgentError> {
-        let transport = transport::for_kind(cfg.transport, cfg.chunk_bytes, &super::zmq_auth(&cfg));
+        let transport = transport::for_kind(
+            cfg.transport,
+            cfg.chunk_bytes,
+            &super::zmq_auth(&cfg),
+            &cfg.host,
+            true,
+        );
+        let rma = transport.remote_memory_access();
+        if cfg.direct_writes == super::DirectWrites::Always
+            && cfg.transport == transport::TransportKind::Ucx
+            && !rma
+        {
+            return Err(super::AgentError::NoOneSidedWrites);
+        }
         let pool = super::agent_pool(&cfg, pool.into(), transport.as_ref()).await?;
         let instance = Uuid::new_v4();
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
@@ -122,7 +135,7 @@ impl PrefillAgent {
             slots,
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
-            metrics: Arc::new(Metrics::new("prefill")),
+            metrics: Arc::new(Metrics::new("prefill", rma)),
             draining: std::sync::atomic::AtomicBool::new(false),
             chunks_sent: std::sync::atomic::AtomicU64::new(0),
             fanout: Default::default(),

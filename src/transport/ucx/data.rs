@@ -114,20 +114,60 @@ pub struct UcxData {
 struct Inner {
     /// Largest payload a receiver accepts.
     max_chunk: usize,
+    /// The address the agent serves on (`--host`): UCX's network device is its interface.
+    host: String,
+    /// Whether the workers' contexts have RMA ([`rma`]).
+    rma: bool,
     worker: OnceCell<UcxWorker>,
 }
 
 impl UcxData {
-    /// A UCX data plane for chunks of at most `max_chunk` payload bytes; the worker starts at
-    /// first use, configured from the environment.
-    pub fn new(max_chunk: usize) -> Self {
+    /// A UCX data plane for chunks of at most `max_chunk` payload bytes, serving on `host`;
+    /// `writes`: whether this agent writes one-sided into its peers' memory (a prefill). The
+    /// worker starts at first use, configured from the environment.
+    pub fn new(max_chunk: usize, host: &str, writes: bool) -> Self {
+        let tls = std::env::var("UCX_TLS").ok();
         UcxData {
             inner: Arc::new(Inner {
                 max_chunk,
+                host: host.to_owned(),
+                rma: rma(writes, tls.as_deref(), insecure_rma()),
                 worker: OnceCell::new(),
             }),
         }
     }
+}
+
+/// Transports whose hardware checks remote keys (InfiniBand/RoCE reliable and dynamically
+/// connected transports): a one-sided write over them reaches only memory its target
+/// registered and gave the key of.
+const RDMA_TRANSPORTS: [&str; 8] = [
+    "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
+];
+
+/// The variable that gives every agent's UCX context RMA, whatever its transports: for tests
+/// of one-sided writes over tcp and shared memory on a trusted host only (then any process
+/// that reaches the agent's UCX can read and write its memory).
+pub const INSECURE_RMA_VAR: &str = "KVFERRY_INSECURE_UCX_RMA";
+
+fn insecure_rma() -> bool {
+    std::env::var(INSECURE_RMA_VAR).as_deref() == Ok("1")
+}
+
+/// Whether an agent's UCX context asks for RMA: a writer (`writes`) whose `tls` names RDMA
+/// transports only (and `self`), or anyone with `insecure`. A context with RMA runs libucx's
+/// software puts and gets for any connected peer on every transport without native RMA
+/// ([`super::safe::Context`]); the receiver of RDMA writes needs no RMA of its own (its NIC
+/// serves them), so a decode never asks. Without it a prefill writes nothing one-sided.
+fn rma(writes: bool, tls: Option<&str>, insecure: bool) -> bool {
+    let rdma_only = tls.is_some_and(|list| {
+        !list.starts_with('^')
+            && list
+                .split(',')
+                .map(str::trim)
+                .all(|t| t == "self" || RDMA_TRANSPORTS.contains(&t))
+    });
+    insecure || (writes && rdma_only)
 }
 
 /// Whether staged chunks should go eagerly (UCX's `RNDV_THRESH=inf`) rather than by UCX's
@@ -255,25 +295,51 @@ pub fn worker_vars(
     vars
 }
 
-/// The worker's config: the `UCX_*` environment plus [`worker_vars`], eager
-/// ([`UcxConfig::eager`]) where chunks are.
-fn worker_config() -> UcxConfig {
-    let tls = std::env::var("UCX_TLS").ok();
-    let config = UcxConfig::new()
-        .eager(eager())
-        .supervise(shared_memory_only(tls.as_deref()).then_some(false));
-    worker_vars(tls.as_deref(), ucx_env_sets)
-        .into_iter()
-        .fold(config, |config, (name, value)| config.var(name, value))
-}
-
 impl Inner {
+    /// The workers' config: the `UCX_*` environment plus [`worker_vars`], eager
+    /// ([`UcxConfig::eager`]) where chunks are, RMA where [`rma`] says, and the network devices
+    /// of [`super::devices::for_host`] unless the environment sets `UCX_NET_DEVICES`.
+    fn worker_config(&self) -> Result<UcxConfig, TransportError> {
+        let tls = std::env::var("UCX_TLS").ok();
+        let mut config = UcxConfig::new()
+            .eager(eager())
+            .rma(self.rma)
+            .supervise(shared_memory_only(tls.as_deref()).then_some(false));
+        if !ucx_env_sets("NET_DEVICES") {
+            let devices = super::devices::for_host(&self.host)
+                .map_err(|e| TransportError::new("start", "ucx worker", e))?;
+            if let Some(devices) = devices {
+                config = config.var("NET_DEVICES", &devices);
+            }
+        }
+        Ok(worker_vars(tls.as_deref(), ucx_env_sets)
+            .into_iter()
+            .fold(config, |config, (name, value)| config.var(name, value)))
+    }
+
+    async fn spawn(&self) -> Result<UcxWorker, TransportError> {
+        UcxWorker::spawn(self.worker_config()?)
+            .await
+            .map_err(|e| TransportError::new("start", "ucx worker", e))
+    }
+
     async fn worker(&self) -> Result<UcxWorker, TransportError> {
         self.worker
-            .get_or_try_init(|| UcxWorker::spawn(worker_config()))
+            .get_or_try_init(|| async {
+                let worker = self.spawn().await?;
+                let devices = std::env::var("UCX_NET_DEVICES").ok().or_else(|| {
+                    super::devices::for_host(&self.host).ok().flatten()
+                });
+                tracing::info!(
+                    rma = worker.has_rma(),
+                    net_devices = devices.as_deref().unwrap_or("all"),
+                    tls = std::env::var("UCX_TLS").as_deref().unwrap_or("(UCX's default)"),
+                    "ucx worker started (rma: peers' one-sided reads and writes run in this process only when true)"
+                );
+                Ok(worker)
+            })
             .await
             .cloned()
-            .map_err(|e| TransportError::new("start", "ucx worker", e))
     }
 }
 
@@ -357,13 +423,18 @@ impl Transport for UcxData {
         })
     }
 
+    fn remote_memory_access(&self) -> bool {
+        self.inner.rma
+    }
+
     fn check_memory(&self, memory: &RemoteMemory) -> Result<(), TransportError> {
         super::packed::check_rkey(&memory.key)
             .map_err(|e| TransportError::malformed("attach", "decode pool", e))
     }
 
-    /// UCX listens where `UCX_NET_DEVICES` and `UCX_TCP_PORT_RANGE` say; `host` and `port`
-    /// do not apply (the worker address carries UCX's own interface addresses).
+    /// UCX listens on the interface of the agent's host (given at construction) unless
+    /// `UCX_NET_DEVICES` says otherwise, on ports `UCX_TCP_PORT_RANGE` allows; `port` does not
+    /// apply (the worker address carries UCX's own interface addresses).
     fn listen(
         &self,
         _host: &str,
@@ -374,10 +445,7 @@ impl Transport for UcxData {
             let worker = inner.worker().await?;
             let mut workers = vec![worker.clone()];
             for _ in 1..PULLERS {
-                let puller = UcxWorker::spawn(worker_config())
-                    .await
-                    .map_err(|e| TransportError::new("start", "ucx worker", e))?;
-                workers.push(puller);
+                workers.push(inner.spawn().await?);
             }
             let addresses: Vec<Bytes> = workers.iter().map(UcxWorker::address).collect();
             let endpoint = encode_addresses(&addresses);
@@ -594,19 +662,23 @@ impl DataSender for UcxSender {
     ) -> BoxFuture<'_, Result<Option<WritePath>, TransportError>> {
         Box::pin(async move {
             let fail = |e: super::UcxError| transport_error("attach", &self.endpoint, e);
-            let region = self
-                .worker
-                .add_remote_region(self.ep, memory.base, memory.size, memory.key.into())
-                .await
-                .map_err(fail)?;
+            let writes = self.worker.has_rma();
+            if writes {
+                let region = self
+                    .worker
+                    .add_remote_region(self.ep, memory.base, memory.size, memory.key.into())
+                    .await
+                    .map_err(fail)?;
+                self.region = Some(region);
+            }
             let info = self.worker.describe(self.ep).await.map_err(fail)?;
             let supervised = self.worker.is_supervised(self.ep).await.map_err(fail)?;
             let via = rma_transports(&info);
-            self.region = Some(region);
             Ok(Some(WritePath {
                 placed: placed_runs(eager(), &via),
                 eager: eager(),
-                fast: fast_writes(&via, supervised),
+                writes,
+                fast: writes && fast_writes(&via, supervised),
                 via: match via.is_empty() {
                     true => "none".to_owned(),
                     false => via.join(","),

@@ -30,6 +30,7 @@
 #![allow(unsafe_code)]
 
 pub mod data;
+pub mod devices;
 pub mod packed;
 mod progress;
 pub mod region;
@@ -180,6 +181,13 @@ pub enum UcxError {
     /// refused before any UCX call ([`packed`]).
     #[error(transparent)]
     Malformed(#[from] packed::Malformed),
+    /// A remote region (one-sided writes) on a worker whose context has no RMA
+    /// ([`UcxConfig::rma`]): refused before UCX sees the key.
+    #[error(
+        "one-sided writes need a UCX context with RMA, which kvferry asks for only over RDMA \
+         transports (UCX_TLS naming only rc/dc transports)"
+    )]
+    NoRma,
     /// The progress thread has stopped (shut down, or failed at start): nothing more runs.
     #[error("the UCX worker has shut down")]
     WorkerGone,

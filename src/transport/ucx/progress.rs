@@ -160,7 +160,7 @@ impl Engine {
     }
 
     fn new(config: &UcxConfig) -> Result<Engine, UcxError> {
-        let context = Context::new(config.vars())?;
+        let context = Context::new(config.vars(), config.rma)?;
         let memory_types = context.memory_types()?;
         let worker = Worker::new(&context)?;
         Ok(Engine {

@@ -35,18 +35,25 @@ use super::{UcxError, packed};
 /// use this one.
 const FORCED_VARS: [(&str, &str); 2] = [("ADDRESS_VERSION", "v1"), ("UNIFIED_MODE", "n")];
 
-/// A UCP context (`ucp_init`) with tag matching, RMA and wakeup.
+/// A UCP context (`ucp_init`) with tag matching and wakeup, and RMA when asked for.
+///
+/// RMA (`UCP_FEATURE_RMA`) is a trust decision, not a speed setting: a context with it installs
+/// libucx's software put and get handlers on every transport without native RMA (tcp, shared
+/// memory), which execute any connected peer's put or get at whatever address it names, in this
+/// process, with no key check. Only a writer over transports whose hardware checks remote keys
+/// (RDMA) asks for it (`transport/ucx/data.rs`).
 pub struct Context {
     ptr: NonNull<sys::ucp_context>,
+    rma: bool,
 }
 
 impl Context {
     /// Reads UCX's config (defaults, then `UCX_*` environment), applies `vars` on top (names
     /// without the `UCX_` prefix, e.g. `("TLS", "tcp")`) and initialises a context for one
-    /// worker.
-    pub fn new(vars: &[(String, String)]) -> Result<Rc<Context>, UcxError> {
+    /// worker, with RMA when `rma` (see [`Context`]).
+    pub fn new(vars: &[(String, String)], rma: bool) -> Result<Rc<Context>, UcxError> {
         let config = result::config_read()?;
-        let context = Self::init_with(config, vars);
+        let context = Self::init_with(config, vars, rma);
         // SAFETY: config came from config_read and is released exactly once, here; ucp_init
         // copies what it needs.
         unsafe { result::config_release(config) };
@@ -56,6 +63,7 @@ impl Context {
     fn init_with(
         config: NonNull<sys::ucp_config_t>,
         vars: &[(String, String)],
+        rma: bool,
     ) -> Result<Rc<Context>, UcxError> {
         let forced = FORCED_VARS.iter().map(|&(n, v)| (n, v));
         for (name, value) in vars
@@ -71,7 +79,9 @@ impl Context {
             field_mask: sys::UCP_PARAM_FIELD_FEATURES
                 | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED
                 | sys::UCP_PARAM_FIELD_NAME,
-            features: sys::UCP_FEATURE_TAG | sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP,
+            features: sys::UCP_FEATURE_TAG
+                | sys::UCP_FEATURE_WAKEUP
+                | if rma { sys::UCP_FEATURE_RMA } else { 0 },
             request_size: 0,
             request_init: None,
             request_cleanup: None,
@@ -84,12 +94,17 @@ impl Context {
         // SAFETY: params is fully initialised and only the fields in field_mask are read;
         // config is live (see above).
         let ptr = unsafe { result::init(&params, config) }?;
-        Ok(Rc::new(Context { ptr }))
+        Ok(Rc::new(Context { ptr, rma }))
     }
 
     /// The raw handle, for [`super::result`] calls.
     pub fn as_ptr(&self) -> NonNull<sys::ucp_context> {
         self.ptr
+    }
+
+    /// Whether this context has RMA: one-sided writes, and peers' puts and gets run here.
+    pub fn rma(&self) -> bool {
+        self.rma
     }
 
     /// The memory types this context sends and receives (`ucp_context_query`).

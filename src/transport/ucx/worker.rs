@@ -59,6 +59,7 @@ pub struct UcxConfig {
     vars: Vec<(String, String)>,
     pub(super) supervise: Option<bool>,
     pub(super) eager: bool,
+    pub(super) rma: bool,
 }
 
 impl UcxConfig {
@@ -98,6 +99,16 @@ impl UcxConfig {
     /// - polls [`EAGER_SPIN`] before it sleeps, since the next segment is usually that close.
     pub fn eager(mut self, eager: bool) -> Self {
         self.eager = eager;
+        self
+    }
+
+    /// Whether the worker's context asks for RMA (default: no). Only a worker that writes
+    /// one-sided into peers over transports whose hardware checks remote keys (RDMA) should:
+    /// with RMA, libucx runs any connected peer's puts and gets in this process over tcp and
+    /// shared memory ([`super::safe::Context`]). Without it, remote regions
+    /// ([`UcxWorker::add_remote_region`]) are refused.
+    pub fn rma(mut self, rma: bool) -> Self {
+        self.rma = rma;
         self
     }
 
@@ -228,6 +239,7 @@ struct Shared {
     wake: Arc<OwnedFd>,
     address: Bytes,
     memory_types: MemoryTypes,
+    rma: bool,
     /// The progress thread, joined when the last handle goes.
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -303,6 +315,7 @@ impl UcxWorker {
     /// Starts a progress thread with a fresh context and worker built from `config`. Fails
     /// with the UCX status when libucx refuses the config or finds no usable transport.
     pub async fn spawn(config: UcxConfig) -> Result<UcxWorker, UcxError> {
+        let rma = config.rma;
         // SAFETY: eventfd has no memory preconditions; the result is checked below.
         let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if raw < 0 {
@@ -330,6 +343,7 @@ impl UcxWorker {
                 wake,
                 address,
                 memory_types,
+                rma,
                 thread: Some(thread),
             }),
         })
@@ -338,6 +352,11 @@ impl UcxWorker {
     /// This worker's address: the bytes a peer passes to [`UcxWorker::connect`].
     pub fn address(&self) -> Bytes {
         self.shared.address.clone()
+    }
+
+    /// Whether this worker's context has RMA ([`UcxConfig::rma`]).
+    pub fn has_rma(&self) -> bool {
+        self.shared.rma
     }
 
     /// The memory types this worker's context moves, as `ucp_context_query` reported them

@@ -20,6 +20,7 @@ fn placed_runs_must_average_the_floor_and_writes_one_block() {
         via: "x".to_owned(),
         placed: true,
         eager: false,
+        writes: true,
         fast: false,
     };
     let way = |method| Way::Transport {

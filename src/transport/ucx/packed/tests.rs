@@ -37,7 +37,7 @@ fn pack(vars: &[(&str, &str)]) -> Packed {
         .iter()
         .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
         .collect();
-    let context = Context::new(&vars).unwrap_or_else(|e| panic!("{vars:?}: {e}"));
+    let context = Context::new(&vars, true).unwrap_or_else(|e| panic!("{vars:?}: {e}"));
     let worker = Worker::new(&context).unwrap();
     let address = worker.address().unwrap();
     let mut buffer = vec![0u8; 1 << 16];

@@ -97,6 +97,9 @@ impl Engine {
         size: u64,
         rkey: &[u8],
     ) -> Result<RemoteRegionId, UcxError> {
+        if !self.context.rma() {
+            return Err(UcxError::NoRma);
+        }
         let endpoint = self.endpoint("add_remote_region", ep)?;
         if base.checked_add(size).is_none() {
             return Err(UcxError::OutOfBounds {
