@@ -304,3 +304,30 @@ fn one_sided_writes_over_ucx_tcp_are_refused_at_start() {
         "{text}: {log}"
     );
 }
+
+/// UCX told to listen beyond loopback (`UCX_NET_DEVICES`) needs a token, like every port.
+#[test]
+fn ucx_beyond_loopback_needs_a_token() {
+    for role in ["prefill", "decode"] {
+        let out = Command::new(release_binary())
+            .args([
+                role,
+                "--transport",
+                "ucx",
+                "--bootstrap",
+                "http://127.0.0.1:9",
+            ])
+            .env("UCX_NET_DEVICES", "eth0")
+            .output()
+            .expect("running kvferry");
+        let err = String::from_utf8_lossy(&out.stderr);
+        println!("{role}: {} {err}", out.status);
+        assert!(!out.status.success(), "{role} started");
+        assert!(
+            err.contains(
+                "UCX_NET_DEVICES=eth0 lets UCX listen beyond loopback: give --token or --insecure"
+            ),
+            "{role}: {err}"
+        );
+    }
+}

@@ -234,6 +234,16 @@ impl AgentArgs {
             }
         }
         super::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
+        if self.transport == crate::transport::TransportKind::Ucx
+            && self.token.is_none()
+            && !self.insecure
+            && let Ok(devices) = std::env::var("UCX_NET_DEVICES")
+            && devices.split(',').any(|d| d.trim() != "lo")
+        {
+            anyhow::bail!(
+                "UCX_NET_DEVICES={devices} lets UCX listen beyond loopback: give --token or --insecure"
+            );
+        }
         let advertise_host =
             super::exposure::advertised(&self.host, self.advertise_host.as_deref())?;
         let preset = ModelSpec::preset(&self.model)?;
