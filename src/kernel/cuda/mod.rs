@@ -10,7 +10,7 @@
 //! libnvrtc. cudarc's loader panics when the driver is missing, so every path first probes it
 //! ([`driver_present`]) and returns [`CudaError::DriverMissing`] instead; a missing NVRTC is
 //! [`CudaError::NvrtcMissing`]. NVRTC is found through the ordinary library search
-//! (`LD_LIBRARY_PATH`) under CUDA 13's and 12's names ([`nvrtc::CANDIDATES`]; the PyPI wheel
+//! (`LD_LIBRARY_PATH`) under CUDA 12's and 13's names ([`nvrtc::CANDIDATES`]; the PyPI wheel
 //! `nvidia-cuda-nvrtc-cu12` ships `libnvrtc.so.12`; `scripts/nvrtc-env` prints the variable).
 #![allow(unsafe_code)]
 
@@ -53,7 +53,7 @@ pub enum CudaError {
     },
     /// libnvrtc cannot be loaded.
     #[error(
-        "NVRTC (libnvrtc.so.13 or libnvrtc.so.12) is not loadable; put the directory that holds \
+        "NVRTC (libnvrtc.so.12 or libnvrtc.so.13) is not loadable; put the directory that holds \
          it on LD_LIBRARY_PATH (the wheel nvidia-cuda-nvrtc-cu12 ships one: \
          eval \"$(scripts/nvrtc-env)\")"
     )]

@@ -4,7 +4,7 @@
 //! (12) and older ones, and panics when none loads; CUDA 13 ships `libnvrtc.so.13`. NVRTC's C
 //! API for what kvferry does (create a program, compile it, read its PTX and log) is the same
 //! in CUDA 12 and 13, so this module binds those few functions itself: it probes
-//! [`CANDIDATES`] newest first, and a missing library is `None`, never a panic.
+//! [`CANDIDATES`] in order, and a missing library is `None`, never a panic.
 //!
 //! Invariant: [`Nvrtc`] holds the library for the life of the process (a `OnceLock`), so the
 //! function pointers it copied out stay valid.
@@ -13,9 +13,13 @@
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
-/// Library names tried, newest CUDA first (the ordinary library search: `LD_LIBRARY_PATH`,
-/// the loader cache); the unversioned name is a toolkit's development link.
-pub const CANDIDATES: [&str; 3] = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
+/// Library names tried, in order (the ordinary library search: `LD_LIBRARY_PATH`, the loader
+/// cache): CUDA 12's first, the version kvferry's driver bindings target, then CUDA 13's; the
+/// unversioned name is a toolkit's development link. NVRTC 13 calls into the CUDA driver while
+/// it compiles (`cuGetExportTable`), which NVRTC 12 does not: where both are loadable (a venv
+/// with PyTorch's CUDA 13 wheels beside the `nvidia-cuda-nvrtc-cu12` wheel) the one that needs
+/// no driver wins.
+pub const CANDIDATES: [&str; 3] = ["libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so"];
 
 type Program = *mut c_void;
 type VersionFn = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
