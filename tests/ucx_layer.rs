@@ -907,6 +907,21 @@ async fn a_run_whose_sender_is_killed_mid_message_is_revoked() {
 // ---------------------------------------------------------------------------------------------
 // Put
 
+/// `registered` (a peer's registration) as a remote region of `a`'s endpoint `ab`.
+async fn remote_of(
+    a: &UcxWorker,
+    ab: EndpointId,
+    registered: &kvferry::transport::ucx::Registered,
+) -> Result<kvferry::transport::ucx::RemoteRegionId, UcxError> {
+    a.add_remote_region(
+        ab,
+        registered.base,
+        registered.size,
+        registered.rkey.clone(),
+    )
+    .await
+}
+
 async fn put_64_mib(tls: Tls) {
     const SIZE: usize = 64 * MIB;
     // Without RMA (the default, and every decode's worker) a peer's key is refused before UCX
@@ -915,14 +930,7 @@ async fn put_64_mib(tls: Tls) {
     assert!(!a.has_rma());
     let region = Arc::new(Region::new(MIB).expect("region"));
     let registered = b.register(region.clone()).await.expect("register");
-    let refused = a
-        .add_remote_region(
-            ab,
-            registered.base,
-            registered.size,
-            registered.rkey.clone(),
-        )
-        .await;
+    let refused = remote_of(&a, ab, &registered).await;
     assert!(matches!(refused, Err(UcxError::NoRma)), "{refused:?}");
     a.shutdown().await;
     b.shutdown().await;
@@ -934,13 +942,7 @@ async fn put_64_mib(tls: Tls) {
     region.fill(0xDE);
     let registered = b.register(region.clone()).await.expect("register");
     assert_eq!(registered.size, SIZE as u64);
-    let remote = a
-        .add_remote_region(
-            ab,
-            registered.base,
-            registered.size,
-            registered.rkey.clone(),
-        )
+    let remote = remote_of(&a, ab, &registered)
         .await
         .expect("unpack the remote key");
     let source = Bytes::from(Rng(seed()).bytes(SIZE));
