@@ -14,8 +14,12 @@
 //!   16-byte message, the pool's size and a zero, with the file's descriptor attached
 //!   (`fd_passing`), or closes the connection if the secret is wrong;
 //! - the sender checks that the file is sealed against shrinking (a shrunk file's pages fault
-//!   with SIGBUS in every process that maps them) and holds exactly the announced bytes, and
-//!   maps it shared.
+//!   with SIGBUS in every process that maps them), holds exactly the announced bytes and has
+//!   them all allocated (mapping a file with holes populated would allocate them in the
+//!   sender's name), and maps it shared.
+//!
+//! The sender's connect and handshake are bounded by [`HANDSHAKE_TIMEOUT`] each: a socket that
+//! never accepts, or never answers, costs the sender a blocking thread for that long.
 //!
 //! A connection that sends nothing is dropped after [`HANDSHAKE_TIMEOUT`], and at most
 //! [`MAX_HANDSHAKES`] are served at once. Which pages a sender may write when is the agents'
@@ -132,9 +136,13 @@ pub fn attach(memory: &RemoteMemory, endpoint: &str) -> Result<MappedPool, Trans
     let (secret, name) =
         parse_key(memory).map_err(|m| TransportError::malformed("attach", endpoint, m))?;
     let fail = |m: String| TransportError::new("attach", endpoint, m);
-    let addr = SocketAddr::from_abstract_name(name).map_err(|e| fail(e.to_string()))?;
-    let mut stream = UnixStream::connect_addr(&addr)
-        .map_err(|e| fail(format!("the decode's pool socket: {e} (not on this host?)")))?;
+    let mut stream = connect(name).map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::TimedOut => "",
+            _ => " (not on this host?)",
+        };
+        fail(format!("the decode's pool socket: {e}{hint}"))
+    })?;
     let handshake = stream
         .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
@@ -159,11 +167,20 @@ pub fn attach(memory: &RemoteMemory, endpoint: &str) -> Result<MappedPool, Trans
             "the decode's pool file is not sealed against shrinking".to_owned(),
         ));
     }
-    let actual = file.metadata().map_err(|e| fail(e.to_string()))?.len();
+    let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
+    let actual = meta.len();
     if size != memory.size || actual != memory.size {
         return Err(fail(format!(
             "the pool file holds {actual} bytes ({size} said on its socket), the Hello {}",
             memory.size
+        )));
+    }
+    // Mapping a file with holes populated would allocate the holes in this process's name: a
+    // decode's pool file is allocated whole when it is made (`HostPool::shareable`).
+    let backed = std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512);
+    if backed < actual {
+        return Err(fail(format!(
+            "the pool file is sparse ({backed} of its {actual} bytes allocated): not mapped"
         )));
     }
     let len = usize::try_from(size).map_err(|e| fail(e.to_string()))?;
@@ -176,6 +193,40 @@ pub fn attach(memory: &RemoteMemory, endpoint: &str) -> Result<MappedPool, Trans
         map,
         kernel: CpuKernel::default(),
     })
+}
+
+/// Connects to the abstract Unix socket `name`, giving up after [`HANDSHAKE_TIMEOUT`]: a blocking
+/// connect to a listener that never accepts waits for ever once its backlog is full.
+fn connect(name: &[u8]) -> std::io::Result<UnixStream> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let addr = SocketAddrUnix::new_abstract_name(name)?;
+    let deadline = std::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    loop {
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )?;
+        match rustix::net::connect(&fd, &addr) {
+            Ok(()) => {
+                let stream = UnixStream::from(fd);
+                stream.set_nonblocking(false)?;
+                return Ok(stream);
+            }
+            // A Unix socket's backlog is full: a non-blocking connect says so at once.
+            Err(rustix::io::Errno::AGAIN) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(rustix::io::Errno::AGAIN) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("accepted no connection within {HANDSHAKE_TIMEOUT:?}"),
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Refuses a key `serve` could not have made ([`super::TransportErrorKind::Malformed`]).
@@ -453,5 +504,84 @@ mod tests {
             .unwrap_err();
         assert!(e.message.contains("not sealed"), "{e}");
         rogue.join().unwrap();
+    }
+
+    /// A rogue receiver's listener on a fresh pool socket name, and its key.
+    fn rogue_listener(size: u64) -> (UnixListener, RemoteMemory) {
+        let mut name = NAME_PREFIX.to_vec();
+        name.extend_from_slice(uuid::Uuid::new_v4().simple().to_string().as_bytes());
+        let listener =
+            UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+        let memory = RemoteMemory {
+            base: 0,
+            size,
+            key: [vec![1; 16], name].concat(),
+        };
+        (listener, memory)
+    }
+
+    #[tokio::test]
+    async fn a_sparse_pool_file_is_never_mapped() {
+        // Sealed, of the size its Hello announced, but with nothing allocated: mapping it
+        // populated would allocate 1 GiB of shared memory in the sender's name.
+        let size = 1u64 << 30;
+        let (listener, memory) = rogue_listener(size);
+        let rogue = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let _ = std::io::Read::read_exact(&mut stream, &mut [0u8; 16]);
+            let flags = rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING;
+            let fd = rustix::fs::memfd_create("rogue", flags).unwrap();
+            rustix::fs::ftruncate(&fd, size).unwrap();
+            rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK).unwrap();
+            let mut header = [0u8; 16];
+            header[..8].copy_from_slice(&size.to_le_bytes());
+            crate::fd_passing::send(&stream, &header, Some(fd.as_raw_fd())).unwrap();
+        });
+        let e = tokio::task::spawn_blocking(move || attach(&memory, "test"))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            e.message.contains("sparse (0 of its 1073741824 bytes"),
+            "{e}"
+        );
+        rogue.join().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_pool_socket_that_never_accepts_costs_a_bounded_wait() {
+        // A listener whose backlog is full: a blocking connect would wait for ever.
+        let (listener, memory) = rogue_listener(1 << 20);
+        let name = memory.key[16..].to_vec();
+        let addr = rustix::net::SocketAddrUnix::new_abstract_name(&name).unwrap();
+        let mut queued = Vec::new();
+        loop {
+            let fd = rustix::net::socket_with(
+                rustix::net::AddressFamily::UNIX,
+                rustix::net::SocketType::STREAM,
+                rustix::net::SocketFlags::NONBLOCK,
+                None,
+            )
+            .unwrap();
+            match rustix::net::connect(&fd, &addr) {
+                Ok(()) => queued.push(fd),
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(e) => panic!("filling the backlog: {e}"),
+            }
+            assert!(queued.len() < 100_000, "the backlog never filled");
+        }
+        let t = std::time::Instant::now();
+        let e = tokio::task::spawn_blocking(move || attach(&memory, "test"))
+            .await
+            .unwrap()
+            .unwrap_err();
+        println!(
+            "refused after {:?} ({} connections queued): {e}",
+            t.elapsed(),
+            queued.len()
+        );
+        assert!(e.message.contains("accepted no connection within"), "{e}");
+        assert!(t.elapsed() < HANDSHAKE_TIMEOUT * 4, "{:?}", t.elapsed());
+        drop(listener);
     }
 }
