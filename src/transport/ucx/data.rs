@@ -326,10 +326,16 @@ impl Inner {
     async fn worker(&self) -> Result<UcxWorker, TransportError> {
         self.worker
             .get_or_try_init(|| async {
-                let worker = self.spawn().await?;
-                let devices = std::env::var("UCX_NET_DEVICES").ok().or_else(|| {
-                    super::devices::for_host(&self.host).ok().flatten()
-                });
+                let config = self.worker_config()?;
+                let devices = config
+                    .vars()
+                    .iter()
+                    .find(|(name, _)| name == "NET_DEVICES")
+                    .map(|(_, value)| value.clone())
+                    .or_else(|| std::env::var("UCX_NET_DEVICES").ok());
+                let worker = UcxWorker::spawn(config)
+                    .await
+                    .map_err(|e| TransportError::new("start", "ucx worker", e))?;
                 tracing::info!(
                     rma = worker.has_rma(),
                     net_devices = devices.as_deref().unwrap_or("all"),

@@ -157,3 +157,31 @@ fn chunks_go_eagerly_over_tcp_only() {
     // The user's UCX_RNDV_THRESH always wins.
     assert!(!eager_chunks(Some("tcp"), true));
 }
+
+#[test]
+fn only_a_writer_over_rdma_only_transports_asks_for_rma() {
+    // (writes, UCX_TLS, insecure) -> RMA
+    for (writes, tls, insecure, want) in [
+        (true, Some("rc"), false, true),
+        (true, Some("rc_mlx5,dc_mlx5,self"), false, true),
+        (true, Some("rc_verbs"), false, true),
+        // A decode never: its NIC serves the writes.
+        (false, Some("rc"), false, false),
+        // Any transport whose puts libucx emulates for any connected peer: no.
+        (true, None, false, false),
+        (true, Some("tcp"), false, false),
+        (true, Some("rc,tcp"), false, false),
+        (true, Some("posix,cma,self"), false, false),
+        (true, Some("ud"), false, false),
+        (true, Some("^tcp"), false, false),
+        (true, Some("all"), false, false),
+        // The tests' own switch.
+        (false, Some("tcp"), true, true),
+    ] {
+        assert_eq!(
+            rma(writes, tls, insecure),
+            want,
+            "{writes} {tls:?} {insecure}"
+        );
+    }
+}
