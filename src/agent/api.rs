@@ -241,7 +241,7 @@ pub fn spawn_api(
     });
 }
 
-/// Prints the one "listening" JSON line on stdout (design.md part 8).
+/// Prints the one "listening" JSON line on stdout (docs/operations.md).
 pub fn print_listening(line: &serde_json::Value) -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{line}")?;

@@ -128,7 +128,7 @@ pub(crate) fn validate_pages(
     Ok(())
 }
 
-/// A room id in JSON: a string (beyond 2^53 a JSON number breaks, design.md part 8).
+/// A room id in JSON: a string (beyond 2^53 a JSON number breaks).
 pub(crate) fn room_as_string<S: Serializer>(room: &u64, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(room)
 }

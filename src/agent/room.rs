@@ -1,4 +1,4 @@
-//! A room's lifecycle, shared by both agents: the monotonic state (design.md part 8), the
+//! A room's lifecycle, shared by both agents: the monotonic state (docs/operations.md, room JSON), the
 //! reason of a failure, a timestamp per state change, and a watch channel that long-polling
 //! engines wait on.
 //!
@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use crate::reason::Reason;
 
-/// The state of a room (names fixed by design.md part 8).
+/// The state of a room (names fixed by the room JSON, docs/operations.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RoomState {

@@ -2,7 +2,7 @@
 //! local cluster (registry, prefill and decode agents as real processes on loopback, synthetic
 //! engine), or targets two running agents, and sweeps room sizes. Each (transport, tokens)
 //! configuration runs its warm-up rooms, then its measured rooms, and yields one bench JSON
-//! object (design.md part 8, built by [`demo::summary`]).
+//! object (docs/benchmarks.md, built by [`demo::summary`]).
 //!
 //! stdout carries the results only: a table, or with `--json` JSON Lines and nothing else.
 //! A progress line goes to stderr when stderr is a terminal. `--out DIR` writes `bench.jsonl`,

@@ -41,7 +41,7 @@ pub struct DemoArgs {
     /// Tokens per page.
     #[arg(long, env = "KVFERRY_DEMO_PAGE_SIZE", default_value_t = 16)]
     page_size: usize,
-    /// Print the bench JSON (design.md part 8) instead of a table.
+    /// Print the bench JSON (docs/benchmarks.md) instead of a table.
     #[arg(long, env = "KVFERRY_DEMO_JSON")]
     json: bool,
     /// Where the engines' KV pools live: host memory, or CUDA device 0 (the demo allocates
@@ -365,7 +365,7 @@ pub fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / best / 1e9
 }
 
-/// The bench JSON object of one configuration (design.md part 8).
+/// The bench JSON object of one configuration (fields and units: docs/benchmarks.md).
 pub fn summary(
     results: &[RoomResult],
     transport: &str,

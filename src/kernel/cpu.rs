@@ -8,7 +8,7 @@
 //! the kernel's threads when the transfer is large enough to pay for them.
 //!
 //! The kernel is synchronous and runs on the caller's thread plus scoped threads of its own;
-//! async callers run it on a blocking thread, never on the reactor (design.md part 10).
+//! async callers run it on a blocking thread, never on the reactor.
 #![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -3,7 +3,7 @@
 //! Pages an engine names in a request stay the engine's and never pass through here. Pages the
 //! agent allocates itself are handed out as a [`PageLease`], which returns them when dropped
 //! (RAII), so a room that is taken, expires or is aborted cannot leak its pages. The agent keeps
-//! the lease alive while any write into the pages can still arrive (design.md part 7).
+//! the lease alive while any write into the pages can still arrive.
 //!
 //! Invariants, checked by the randomized test below at every step: `free + used == total`, and
 //! no page is in two leases (a page is on the free list exactly when it is not leased).

@@ -96,7 +96,7 @@ impl TransportError {
     }
 }
 
-/// The data-plane transports (design.md part 8 fixes the names).
+/// The data-plane transports (their names are part of the CLI and the bench JSON).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TransportKind {
     /// ZeroMQ PUSH/PULL over tcp.

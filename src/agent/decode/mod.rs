@@ -4,7 +4,7 @@
 //! until the engine takes it (remove-after-retrieve) or it expires.
 //!
 //! A room is `success` only when Done has arrived *and* every expected byte has landed: the
-//! agent counts completions instead of trusting one notification (design.md part 9). Chunks
+//! agent counts completions instead of trusting one notification. Chunks
 //! are checked before a byte moves: known room, the epoch (prefill instance) the room was
 //! requested from, ranges within the request, no (layer, token) landed twice, payload length.
 //!
