@@ -1,4 +1,4 @@
-//! Why a room failed: the closed set of failure codes (docs/operations.md, "Troubleshooting") and the reason that
+//! Why a room failed: the closed set of failure codes and the reason that
 //! carries one with a free-text message. The codes appear in room JSON, in metrics labels and
 //! on the wire (as a one-byte tag); docs/operations.md says what each means and what to do.
 
