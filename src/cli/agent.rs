@@ -234,6 +234,7 @@ impl AgentArgs {
             }
         }
         super::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
+        #[cfg(feature = "ucx")]
         if self.transport == crate::transport::TransportKind::Ucx
             && self.token.is_none()
             && !self.insecure

@@ -103,6 +103,7 @@ impl PrefillAgent {
             true,
         );
         let rma = transport.remote_memory_access();
+        #[cfg(feature = "ucx")]
         if cfg.direct_writes == super::DirectWrites::Always
             && cfg.transport == transport::TransportKind::Ucx
             && !rma
