@@ -12,7 +12,10 @@ use crate::transport::ucx::region::Region;
 use crate::transport::ucx::worker::RemoteRegionId;
 
 fn engine() -> Engine {
-    let config = UcxConfig::tcp_loopback();
+    engine_of(UcxConfig::tcp_loopback())
+}
+
+fn engine_of(config: UcxConfig) -> Engine {
     Engine::new(&config).expect("a UCX worker over tcp on loopback")
 }
 
@@ -44,7 +47,9 @@ fn call<T>(
 /// disconnect destroyed it while the put was still queued.
 #[test]
 fn a_queued_put_keeps_its_rkey_until_it_completes() {
-    let (mut sender, mut receiver) = (engine(), engine());
+    // Puts over tcp need RMA on both (two engines of this test: they trust each other).
+    let rma = || engine_of(UcxConfig::tcp_loopback().rma(true));
+    let (mut sender, mut receiver) = (rma(), rma());
     let size = 64 << 20;
     let target: Arc<dyn RegisterableMemory> = Arc::new(Region::new(size).unwrap());
     let registered = call(&mut receiver, &mut sender, |reply| Command::Register {
