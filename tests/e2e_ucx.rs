@@ -158,7 +158,11 @@ fn hundred_rooms_over_ucx_tcp_and_shm_1p1d_and_tp2_to_tp1_every_data_path() {
         }
         // tiny's runs are 4 KiB per page: below the default floor of placed runs, which would
         // stage them all. One page block places them, so the placed path runs its 100 rooms.
-        set_flag(&mut args, "--placed-min-run-bytes", "4096");
+        // A TP2 prefill's runs are half a page block (its half of the heads): with a 4 KiB floor
+        // about half its chunks were staged, and whether a bare majority was placed depended
+        // on how the eight rooms in flight scattered their pages.
+        let block = 4096 / prefill.tp.max(1);
+        set_flag(&mut args, "--placed-min-run-bytes", &block.to_string());
         // Checksums on: a direct chunk's is computed in place on both sides.
         args.push("--checksum".to_owned());
         let c = LocalCluster::start_shaped_env(&exe, &tag, &args, prefill, decode, &env)
