@@ -1,7 +1,7 @@
 //! UCX (system libucx 1.13, UCP API) for the data plane: tagged sends of chunks, one-sided puts
 //! into a peer's registered memory, and peer-failure reporting.
 //!
-//! Layers, bottom up (style.md, "Unsafe and FFI"):
+//! Layers, bottom up:
 //! - [`sys`]: raw `extern "C"` declarations and `#[repr(C)]` structs, checked against the
 //!   headers by tests/ucx_layer.rs;
 //! - [`result`]: one thin function per call, returning `Result<_, UcxError>`;
