@@ -9,13 +9,17 @@
 //! - [`server`]: routes and handlers, [`serve`]; the route table is in its module doc;
 //! - [`error`]: the one error type the server answers with, JSON `{"error": "..."}`;
 //! - [`metrics`]: the Prometheus exposition of `/metrics`;
+//! - [`admission`]: connections not yet proven to come from a peer, bounded apart from the
+//!   peers' on every port; [`http`]: serving a router with that bound (registry, agents, proxy);
 //! - [`client`]: [`RegistryClient`], with re-registration after a registry restart and a
 //!   lease keep-alive task.
 //!
 //! This crate knows nothing of pools, kernels or transports: endpoints are opaque strings.
 
+pub mod admission;
 pub mod client;
 pub mod error;
+pub mod http;
 pub mod metrics;
 pub mod registry;
 pub mod server;

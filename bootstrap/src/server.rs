@@ -183,8 +183,7 @@ pub async fn serve_store<S: Store>(
     let stop_sweeper = shutdown.child_token();
     let sweeper = tokio::spawn(sweep(state.store.clone(), period, stop_sweeper.clone()));
     let app = router(state, config.body_limit);
-    let server =
-        axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let server = crate::http::serve(listener, app, shutdown.clone(), "registry");
     let result = tokio::select! {
         result = server => result,
         () = async {

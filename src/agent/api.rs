@@ -234,7 +234,7 @@ pub fn spawn_api(
     role: &'static str,
 ) {
     tasks.spawn(async move {
-        let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
+        let serve = kvferry_bootstrap::http::serve(listener, app, shutdown, "engine API");
         if let Err(e) = serve.await {
             tracing::error!(role, error = %e, "engine API stopped");
         }

@@ -90,9 +90,7 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         stdout.flush()?;
     }
     tracing::info!(%url, pairing = ?args.pairing, "proxy listening");
-    let served = axum::serve(listener, router(proxy))
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await;
+    let served = kvferry_bootstrap::http::serve(listener, router(proxy), shutdown, "proxy").await;
     signals.abort();
     for w in watchers {
         w.abort();

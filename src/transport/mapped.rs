@@ -21,8 +21,10 @@
 //! The sender's connect and handshake are bounded by [`HANDSHAKE_TIMEOUT`] each: a socket that
 //! never accepts, or never answers, costs the sender a blocking thread for that long.
 //!
-//! A connection that sends nothing is dropped after [`HANDSHAKE_TIMEOUT`], and at most
-//! [`MAX_HANDSHAKES`] are served at once. Which pages a sender may write when is the agents'
+//! A connection that sends nothing is dropped after [`HANDSHAKE_TIMEOUT`]; connections in the
+//! middle of their handshake are bounded as on every port
+//! ([`kvferry_bootstrap::admission`]: the oldest dropped first), so silent ones never keep a
+//! sender out. Which pages a sender may write when is the agents'
 //! business: a decode counts a prefill with writes a writer of each room until its last word
 //! on it, as for RDMA (`agent/decode/mod.rs`).
 #![allow(unsafe_code)]
@@ -41,15 +43,13 @@ use crate::kernel::cpu::CpuKernel;
 use crate::memory::{RemoteMemory, WriteRun};
 use crate::pool::HostPool;
 use crate::protocol::{Secret, constant_time_eq};
+use kvferry_bootstrap::admission::Admission;
 
 /// What every socket name starts with; a key naming another socket is refused.
 const NAME_PREFIX: &[u8] = b"kvferry-pool-";
 
 /// How long a connection may take to send its secret.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Handshakes served at once; more connections are closed at once.
-pub const MAX_HANDSHAKES: usize = 16;
 
 /// Serves `pool`'s memory file to senders until the returned guard drops; `None` when the
 /// pool is not a sealed memory file ([`crate::pool::is_sealed`]): anonymous or engine memory,
@@ -72,22 +72,25 @@ pub async fn serve(
     let listener = tokio::net::UnixListener::from_std(listener).map_err(|e| fail("bind", e))?;
     let secret = Secret::random().map_err(|e| fail("serve", std::io::Error::other(e)))?;
     let size = pool.size() as u64;
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let admission = Admission::new("pool socket");
     let task = tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
             };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
-                tracing::warn!("pool socket: too many handshakes at once; connection closed");
-                continue;
+            let peer = match stream.peer_cred().ok().and_then(|c| c.pid()) {
+                Some(pid) => format!("pid {pid}"),
+                None => "unknown".to_owned(),
             };
+            let admitted = admission.admit(peer);
             let file = file.clone();
             tokio::spawn(async move {
-                if let Err(e) = hand_over(stream, secret, size, &file).await {
-                    tracing::warn!(error = %e, "pool socket: handshake refused");
+                tokio::select! {
+                    handed = hand_over(stream, secret, size, &file) => if let Err(e) = handed {
+                        tracing::warn!(error = %e, "pool socket: handshake refused");
+                    },
+                    () = admitted.dropped() => {}
                 }
-                drop(slot);
             });
         }
     });
@@ -151,7 +154,8 @@ pub fn attach(memory: &RemoteMemory, endpoint: &str) -> Result<MappedPool, Trans
     use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
     let (header, fd) = handshake.map_err(|e| match e.kind() {
         UnexpectedEof | ConnectionReset | BrokenPipe => fail(
-            "the decode closed its pool socket: a wrong secret, or too many handshakes at once"
+            "the decode closed its pool socket: a wrong secret, or its limit of connections in \
+             the middle of a handshake (its log says which)"
                 .to_owned(),
         ),
         _ => fail(format!("the decode's pool socket: {e}")),
@@ -287,6 +291,7 @@ mod tests {
     use super::*;
     use crate::layout::{KvLayout, ModelSpec};
     use crate::pool::testing::tiny_pool as pool;
+    use kvferry_bootstrap::admission::MAX_UNPROVEN;
 
     /// `dst` served and mapped here, with the guard that serves it.
     async fn mapped(dst: &HostPool) -> (MappedPool, tokio_util::task::AbortOnDropHandle<()>) {
@@ -451,21 +456,27 @@ mod tests {
         .unwrap()
         .unwrap_err();
         assert!(e.message.contains("holds"), "{e}");
-        // Silent connections take every handshake slot: a sender is refused meanwhile (never
-        // left waiting), and gets the pool once they are gone.
+        // Silent connections, more than the unproven bound: a sender still gets the pool at
+        // once, the oldest silent ones are closed, and the sender goes on getting it.
         let (_, name) = parse_key(&memory).unwrap();
         let addr = SocketAddr::from_abstract_name(name).unwrap();
-        let silent: Vec<_> = (0..MAX_HANDSHAKES)
+        let mut silent: Vec<_> = (0..MAX_UNPROVEN + 4)
             .map(|_| UnixStream::connect_addr(&addr).unwrap())
             .collect();
-        let e = attach_with(memory.clone()).await.unwrap().unwrap_err();
-        assert!(e.message.contains("too many handshakes"), "{e}");
-        drop(silent);
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while let Err(e) = attach_with(memory.clone()).await.unwrap() {
-            assert!(std::time::Instant::now() < deadline, "still refused: {e}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            attach_with(memory.clone())
+                .await
+                .unwrap()
+                .expect("attached");
+            assert!(t.elapsed() < HANDSHAKE_TIMEOUT, "waited {:?}", t.elapsed());
         }
+        silent[0]
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        let read = std::io::Read::read(&mut silent[0], &mut [0u8; 1]);
+        assert!(matches!(read, Ok(0)), "the oldest was closed: {read:?}");
+        silent.clear();
         // An anonymous pool is not a file, one on /dev/shm can shrink: nothing to serve.
         assert!(serve(&pool(false)).await.unwrap().is_none());
         let path = std::env::temp_dir().join(format!("kvferry-mapped-{}", std::process::id()));

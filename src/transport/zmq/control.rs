@@ -403,7 +403,8 @@ struct RouterPeers {
     by_fd: HashMap<i32, PeerId>,
     fd_of: HashMap<PeerId, i32>,
     dropped: HashMap<PeerId, Instant>,
-    /// Connections per peer address (a bound on what one host can make the socket hold).
+    /// The connections held: unproven ones apart, proven ones per address (a bound on what one
+    /// host can make the socket hold).
     connections: super::peers::Connections,
 }
 
@@ -412,7 +413,7 @@ impl Peers for RouterPeers {
 
     fn on_event(&mut self, event: Event, now: Instant, _: &mut Effects) {
         match event {
-            Event::Accepted { fd } => self.connections.accepted(fd),
+            Event::Accepted { fd } => self.connections.accepted(fd, now),
             Event::Disconnected { fd } => self.connections.disconnected(fd),
             _ => {}
         }
@@ -434,15 +435,16 @@ impl Peers for RouterPeers {
 
     fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>) {
         self.dropped.remove(peer);
-        if let Some(fd) = fd
-            && self.fd_of.insert(peer.clone(), fd) != Some(fd)
-        {
-            self.by_fd.insert(fd, peer.clone());
+        if let Some(fd) = fd {
+            self.connections.message(fd);
+            if self.fd_of.insert(peer.clone(), fd) != Some(fd) {
+                self.by_fd.insert(fd, peer.clone());
+            }
         }
     }
 
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant> {
-        let mut next = None::<Instant>;
+        let mut next = self.connections.expire(now);
         self.dropped.retain(|peer, at| {
             let deadline = *at + RECONNECT_GRACE;
             if deadline <= now {

@@ -25,7 +25,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
@@ -352,8 +352,8 @@ fn send_chunk(
 }
 
 /// Receives chunks from `socket` into `chunks` until the receiver is dropped.
-/// Connections beyond [`super::peers::MAX_PER_PEER`] from one address are shut down as the
-/// socket's monitor reports them accepted.
+/// Connections are watched as [`super::peers`] says: unproven until their first message, then
+/// at most [`super::peers::MAX_PER_PEER`] from one address.
 fn receive_loop(
     socket: &zmq::Socket,
     monitor: &Monitor,
@@ -370,16 +370,28 @@ fn receive_loop(
         if zmq::poll(&mut items, i64::from(POLL_MS)).is_err() {
             return;
         }
-        while let Some(event) = monitor.next() {
-            match event {
-                Event::Accepted { fd } => connections.accepted(fd),
-                Event::Disconnected { fd } => connections.disconnected(fd),
-                _ => {}
+        let watch = |connections: &mut super::peers::Connections| {
+            while let Some(event) = monitor.next() {
+                match event {
+                    Event::Accepted { fd } => connections.accepted(fd, Instant::now()),
+                    Event::Disconnected { fd } => connections.disconnected(fd),
+                    _ => {}
+                }
             }
-        }
+        };
+        watch(&mut connections);
+        connections.expire(Instant::now());
         let mut header = zmq::Message::new();
         match socket.recv(&mut header, zmq::DONTWAIT) {
-            Ok(()) => {}
+            Ok(()) => {
+                // The disconnect of a descriptor is reported before the descriptor can be
+                // reused: read it before the message is attributed to the descriptor (libzmq's
+                // `__fd` property of the frames its decoder produced).
+                watch(&mut connections);
+                if let Some(fd) = header.gets("__fd").and_then(|s| s.parse::<i32>().ok()) {
+                    connections.message(fd);
+                }
+            }
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
             Err(e) => {
                 // The context is going away (ETERM) or the socket broke: say so once; `recv`

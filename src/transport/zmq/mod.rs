@@ -8,7 +8,8 @@
 //!   allocates the frame, and drops the connection of a peer that announces more;
 //! - explicit high-water marks, so that a connection holds at most `HWM + 1` frames of that
 //!   size (the one being read, and the queue behind it), and at most [`peers::MAX_PER_PEER`]
-//!   connections from one address;
+//!   connections from one address once they sent a message; connections that have not yet
+//!   are bounded apart, oldest dropped first, for at most the proof deadline ([`peers`]);
 //! - with a cluster token, ZAP PLAIN authentication ([`Auth`], `zap.rs`): a connection that
 //!   does not present the token is closed during the handshake, before libzmq reads a message
 //!   from it. PLAIN carries the token in clear text; this build's libzmq has no CURVE (the
@@ -94,9 +95,13 @@ impl Auth {
         }
     }
 
-    /// Makes `socket` (which binds) require the token from every connection; the returned
-    /// registration must live as long as the socket.
+    /// Makes `socket` (which binds) require the token from every connection, and close a
+    /// connection whose handshake is not done within the proof deadline (libzmq's
+    /// `ZMQ_HANDSHAKE_IVL`, 30 s by default); the returned registration must live as long as
+    /// the socket.
     fn server(&self, socket: &zmq::Socket) -> Result<Option<zap::Domain>, zmq::Error> {
+        let deadline = kvferry_bootstrap::admission::PROOF_DEADLINE.as_millis();
+        socket.set_handshake_ivl(i32::try_from(deadline).unwrap_or(i32::MAX))?;
         let Some(token) = &self.token else {
             return Ok(None);
         };

@@ -137,7 +137,8 @@ pub(super) fn handshake(
                         return Err(refused(&format!(
                             "the peer closed {dropped} connections in the middle of the handshake: it \
                              expects another security mechanism or token (give both agents the same \
-                             --token), or it is not a kvferry agent"
+                             --token), it is not a kvferry agent, or it dropped them at a connection \
+                             limit (its log says \"connection dropped\" with the limit)"
                         )));
                     }
                 }

@@ -1,42 +1,75 @@
-//! How many connections each peer address holds to one bound socket, from the socket
-//! monitor's accept and disconnect events; a connection beyond [`MAX_PER_PEER`] from one
-//! address is shut down at once. With the per-connection bound (`(HWM + 1) x` the largest
-//! frame), this bounds the memory one host can make a socket hold.
+//! The connections of one bound socket, from its monitor's accept and disconnect events and
+//! the descriptor each message came in on. A connection is unproven
+//! ([`kvferry_bootstrap::admission`]) until its first message arrives, which with a token
+//! means after its handshake presented the token: unproven ones are bounded on their own
+//! (oldest shut down first, none held past the deadline), and only proven ones count against
+//! [`MAX_PER_PEER`] per address. With the per-connection bound (`(HWM + 1) x` the largest
+//! frame), this bounds the memory one host can make a socket hold, and connections that never
+//! send a message never take a real peer's place.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::time::Instant;
 
-/// Connections one address may hold to one socket: every rank of a host connects once to
-/// each peer socket, so this leaves room for hosts of many ranks.
+use kvferry_bootstrap::admission::{Dropped, Unproven};
+
+/// Proven connections one address may hold to one socket: every rank of a host connects once
+/// to each peer socket, so this leaves room for hosts of many ranks.
 pub const MAX_PER_PEER: usize = 64;
 
-/// The connections of one bound socket, by descriptor and by address.
+/// The connections of one bound socket.
 #[derive(Default)]
 pub(super) struct Connections {
-    by_fd: HashMap<i32, IpAddr>,
+    unproven: Unproven<i32>,
+    /// Every connection held, by descriptor: its address (none on ipc).
+    address_of: HashMap<i32, Option<IpAddr>>,
+    /// Proven connections per address.
     per_address: HashMap<IpAddr, usize>,
+    /// The proven connections counted in `per_address`.
+    counted: HashMap<i32, IpAddr>,
 }
 
 impl Connections {
-    /// A connection was accepted on `fd`: counted, or shut down when its address has
-    /// [`MAX_PER_PEER`] already.
-    pub(super) fn accepted(&mut self, fd: i32) {
-        let Some(address) = peer_address(fd) else {
+    /// A connection was accepted on `fd` at `now`: unproven until its first message. The
+    /// oldest unproven one is shut down when there are too many.
+    pub(super) fn accepted(&mut self, fd: i32, now: Instant) {
+        if fd < 0 {
+            return;
+        }
+        self.address_of.insert(fd, peer_address(fd));
+        if let Some(old) = self.unproven.admit(fd, now) {
+            self.drop_unproven(old, Dropped::Crowded);
+        }
+    }
+
+    /// A message arrived over `fd`. Its first proves the connection, which then counts against
+    /// its address's [`MAX_PER_PEER`], and is shut down beyond it.
+    pub(super) fn message(&mut self, fd: i32) {
+        if !self.unproven.prove(&fd) {
+            return;
+        }
+        let Some(Some(address)) = self.address_of.get(&fd).copied() else {
             return;
         };
         let held = self.per_address.entry(address).or_default();
         if *held >= MAX_PER_PEER {
-            tracing::warn!(peer = %address, held = *held, "connection refused: too many from one address");
+            tracing::warn!(
+                peer = %address,
+                limit = %format!("{MAX_PER_PEER} connections from one address"),
+                "connection refused"
+            );
             shut_down(fd);
             return;
         }
         *held += 1;
-        self.by_fd.insert(fd, address);
+        self.counted.insert(fd, address);
     }
 
     /// The connection on `fd` was closed.
     pub(super) fn disconnected(&mut self, fd: i32) {
-        let Some(address) = self.by_fd.remove(&fd) else {
+        self.unproven.forget(&fd);
+        self.address_of.remove(&fd);
+        let Some(address) = self.counted.remove(&fd) else {
             return;
         };
         if let Some(held) = self.per_address.get_mut(&address) {
@@ -45,6 +78,24 @@ impl Connections {
                 self.per_address.remove(&address);
             }
         }
+    }
+
+    /// Shuts down the connections unproven past their deadline; the next deadline.
+    pub(super) fn expire(&mut self, now: Instant) -> Option<Instant> {
+        let (late, next) = self.unproven.expire(now);
+        for fd in late {
+            self.drop_unproven(fd, Dropped::Late);
+        }
+        next
+    }
+
+    fn drop_unproven(&mut self, fd: i32, why: Dropped) {
+        let peer = match self.address_of.get(&fd) {
+            Some(Some(address)) => address.to_string(),
+            _ => "local".to_owned(),
+        };
+        tracing::warn!(%peer, limit = %why.limit(), "connection dropped");
+        shut_down(fd);
     }
 
     #[cfg(test)]
@@ -93,25 +144,40 @@ mod tests {
     use std::io::Read as _;
     use std::os::fd::AsRawFd as _;
 
+    fn pair(listener: &std::net::TcpListener) -> (std::net::TcpStream, std::net::TcpStream) {
+        let client =
+            std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (server, _) = listener.accept().expect("accept");
+        (client, server)
+    }
+
+    fn shut(client: &mut std::net::TcpStream) -> bool {
+        client
+            .set_read_timeout(Some(std::time::Duration::from_millis(200)))
+            .expect("timeout");
+        let mut buf = [0u8; 1];
+        matches!(client.read(&mut buf), Ok(0))
+    }
+
     #[test]
-    fn connections_beyond_the_limit_from_one_address_are_shut_down() {
+    fn proven_connections_beyond_the_limit_from_one_address_are_shut_down() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
-        let addr = listener.local_addr().expect("addr");
-        let mut clients = Vec::new();
-        let mut accepted = Vec::new();
+        let (mut clients, mut accepted) = (Vec::new(), Vec::new());
         let mut conns = Connections::default();
+        let now = Instant::now();
         for _ in 0..=MAX_PER_PEER {
-            clients.push(std::net::TcpStream::connect(addr).expect("connect"));
-            let (s, _) = listener.accept().expect("accept");
-            conns.accepted(s.as_raw_fd());
-            accepted.push(s);
+            let (client, server) = pair(&listener);
+            conns.accepted(server.as_raw_fd(), now);
+            conns.message(server.as_raw_fd());
+            clients.push(client);
+            accepted.push(server);
         }
         let local: IpAddr = "127.0.0.1".parse().expect("ip");
         assert_eq!(conns.held(local), MAX_PER_PEER);
         // The one over the limit was shut down: its client reads the end of the stream.
         let mut last = clients.pop().expect("a client");
-        let mut buf = [0u8; 1];
-        assert_eq!(last.read(&mut buf).expect("read"), 0, "not shut down");
+        assert!(shut(&mut last), "not shut down");
+        assert!(!shut(&mut clients[0]), "a counted one stays");
         // One closes: the next one from that address is counted again.
         conns.disconnected(accepted[0].as_raw_fd());
         assert_eq!(conns.held(local), MAX_PER_PEER - 1);
@@ -121,6 +187,41 @@ mod tests {
             MAX_PER_PEER - 1,
             "a second close counts once"
         );
-        conns.disconnected(-1);
+        conns.disconnected(accepted[MAX_PER_PEER].as_raw_fd());
+        assert_eq!(conns.held(local), MAX_PER_PEER - 1, "an uncounted one");
+    }
+
+    #[test]
+    fn silent_connections_never_take_a_proven_connections_place() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let mut conns = Connections::default();
+        let now = Instant::now();
+        let limit = kvferry_bootstrap::admission::MAX_UNPROVEN;
+        let mut silent = Vec::new();
+        for _ in 0..limit + 10 {
+            let (client, server) = pair(&listener);
+            conns.accepted(server.as_raw_fd(), now);
+            silent.push((client, server));
+        }
+        // The 10 oldest silent ones were shut down to make room.
+        for (client, _) in &mut silent[..10] {
+            assert!(shut(client), "the oldest go first");
+        }
+        assert!(!shut(&mut silent[10].0));
+        // A peer that connects now and sends gets its place whatever the silent ones hold.
+        let (mut peer, server) = pair(&listener);
+        conns.accepted(server.as_raw_fd(), now);
+        conns.message(server.as_raw_fd());
+        let local: IpAddr = "127.0.0.1".parse().expect("ip");
+        assert_eq!(conns.held(local), 1);
+        assert!(!shut(&mut peer));
+        // Past the deadline every silent one is shut down; the peer stays.
+        let later = now + kvferry_bootstrap::admission::PROOF_DEADLINE;
+        assert_eq!(conns.expire(later), None);
+        for (client, _) in &mut silent[10..] {
+            assert!(shut(client), "expired");
+        }
+        assert!(!shut(&mut peer));
+        assert_eq!(conns.held(local), 1);
     }
 }

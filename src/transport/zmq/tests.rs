@@ -229,32 +229,6 @@ async fn a_peer_whose_connection_drops_is_lost_after_the_grace_on_both_sides() {
     assert!(e.message.contains("reconnecting to it was refused"), "{e}");
 }
 
-#[tokio::test]
-async fn one_address_holds_at_most_max_per_peer_connections() {
-    let (endpoint, _server, _replier) = ControlServer::bind("127.0.0.1", 0, &options(None))
-        .await
-        .expect("bind");
-    let held = tokio::task::spawn_blocking(move || {
-        let mut open = Vec::new();
-        for _ in 0..peers::MAX_PER_PEER {
-            open.push(raw_peer(&endpoint, &[]));
-        }
-        // One more from the same address is shut down by the server.
-        let mut extra = raw_peer(&endpoint, &[]);
-        let refused = closed_by_peer(&mut extra);
-        // The ones within the limit stay open (the server sent its greeting, nothing more).
-        open[0]
-            .set_read_timeout(Some(Duration::from_millis(200)))
-            .expect("timeout");
-        let mut greeting = [0u8; 64];
-        let first_open = open[0].read_exact(&mut greeting).is_ok();
-        (refused, first_open)
-    })
-    .await
-    .expect("raw peers");
-    assert_eq!(held, (true, true));
-}
-
 /// Frames sent while the peer does not read fill libzmq's queues; the sends wait (they are not
 /// failed as a dead connection) and every frame arrives, in order, once the peer reads. Frames
 /// posted without waiting to a peer that does not read are bounded per peer.
