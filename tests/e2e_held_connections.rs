@@ -114,27 +114,6 @@ fn addr(endpoint: &str) -> String {
     rest.split('/').next().unwrap_or(rest).to_owned()
 }
 
-/// A ZMTP 3.0 greeting for `mechanism` (as a client).
-fn greeting(mechanism: &str) -> Vec<u8> {
-    let mut g = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 0];
-    g.extend_from_slice(mechanism.as_bytes());
-    g.resize(64, 0);
-    g
-}
-
-/// A ZMTP READY command with a Socket-Type property: the end of a NULL handshake.
-fn ready(socket_type: &str) -> Vec<u8> {
-    let mut body = vec![5];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    body.extend_from_slice(socket_type.as_bytes());
-    let mut f = vec![0x04, body.len() as u8];
-    f.extend(body);
-    f
-}
-
 /// `n` TCP connections to `endpoint`, each having sent `first`, then silent.
 fn hold_tcp(endpoint: &str, n: usize, first: &[u8]) -> Vec<TcpStream> {
     (0..n)
@@ -186,38 +165,52 @@ fn port_of(address: &str) -> u16 {
     u16::from_str_radix(port, 16).expect("hex port")
 }
 
-/// What an attacker holds: a TCP connection (named by its port) or a Unix one.
+/// What an attacker holds: a TCP connection (named by its ends' ports: the attacked server's,
+/// the attacker's) or a Unix one.
 trait Held {
-    fn port(&self) -> Option<u16>;
+    fn ports(&self) -> Option<(u16, u16)>;
 }
 
 impl Held for TcpStream {
-    fn port(&self) -> Option<u16> {
-        self.local_addr().ok().map(|a| a.port())
+    fn ports(&self) -> Option<(u16, u16)> {
+        Some((
+            self.peer_addr().ok()?.port(),
+            self.local_addr().ok()?.port(),
+        ))
     }
 }
 
 impl Held for UnixStream {
-    fn port(&self) -> Option<u16> {
+    fn ports(&self) -> Option<(u16, u16)> {
         None
     }
 }
 
-/// Waits until `pid` holds none of the attacker's TCP connections (from `ports`), and, for
+/// Waits until `pid` holds none of the attacker's TCP connections (`ports`: each one's ends),
+/// and, for
 /// Unix ones, at most `before` descriptors plus the few the rooms' peers keep open (far fewer
 /// than the attacker held).
-async fn released(tag: &str, pid: u32, before: usize, ports: &[u16]) {
-    let what = format!("{tag}: the attacker's connections closed");
-    let held = poll_until(&what, BOUND, || async move {
-        let left = tcp_rows(pid)
+async fn released(tag: &str, pid: u32, before: usize, ports: &[(u16, u16)]) {
+    let started = Instant::now();
+    loop {
+        let left: Vec<String> = tcp_rows(pid)
             .iter()
-            .filter(|r| ports.contains(&port_of(&r[2])))
-            .count();
+            .filter(|r| ports.contains(&(port_of(&r[1]), port_of(&r[2]))))
+            .map(|r| format!("{} -> {} state {}", r[1], r[2], r[3]))
+            .collect();
         let now = fds(pid);
-        (left == 0 && (!ports.is_empty() || now <= before + 32)).then_some(now)
-    })
-    .await;
-    println!("[{tag}] attacker gone: {held} descriptors (before the attack: {before})");
+        if left.is_empty() && (!ports.is_empty() || now <= before + 32) {
+            println!("[{tag}] attacker gone: {now} descriptors (before the attack: {before})");
+            return;
+        }
+        assert!(
+            started.elapsed() < BOUND,
+            "{tag}: {} of the attacker's connections still held after {BOUND:?} ({now} descriptors, {before} before the attack): {:?}",
+            left.len(),
+            &left[..left.len().min(8)]
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Drives 8 rooms through `c`, asserting each verified; how long they took.
@@ -300,7 +293,7 @@ fn held_while_rooms_run<H: Held>(
                 process.log.display()
             );
         }
-        let ports: Vec<u16> = held.iter().filter_map(Held::port).collect();
+        let ports: Vec<(u16, u16)> = held.iter().filter_map(Held::ports).collect();
         drop(held);
         released(tag, process.pid(), before, &ports).await;
         let after = rooms(tag, &c, 100).await;
@@ -374,8 +367,11 @@ fn zmq_port(tag: &str, which: &str) {
             ),
         };
         let (first, n) = match token {
-            None => ([greeting("NULL"), ready(socket_type)].concat(), 500),
-            Some(_) => (greeting("PLAIN"), 100),
+            None => (
+                [zmtp_greeting("NULL"), zmtp_ready(socket_type)].concat(),
+                500,
+            ),
+            Some(_) => (zmtp_greeting("PLAIN"), 100),
         };
         held_while_rooms_run(&tag, ("zmq-tcp", token, &[]), port, n > 128, |p| {
             hold_tcp(&p.field(which), n, &first)
@@ -524,7 +520,7 @@ fn silent_connections_on_the_proxy_never_keep_a_request_out() {
             dropped_in_log(&proxy.log),
             "{tag}: no dropped connection logged"
         );
-        let ports: Vec<u16> = held.iter().filter_map(Held::port).collect();
+        let ports: Vec<(u16, u16)> = held.iter().filter_map(Held::ports).collect();
         drop(held);
         released(tag, proxy.pid(), before, &ports).await;
         assert!(

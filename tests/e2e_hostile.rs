@@ -58,27 +58,6 @@ fn addr(endpoint: &str) -> String {
     rest.replace("[::ffff:127.0.0.1]", "127.0.0.1")
 }
 
-/// A ZMTP 3.0 greeting for the NULL mechanism.
-fn greeting() -> Vec<u8> {
-    let mut g = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 0];
-    g.extend_from_slice(b"NULL");
-    g.resize(64, 0);
-    g
-}
-
-/// A ZMTP command frame: READY with a Socket-Type property.
-fn ready(socket_type: &str) -> Vec<u8> {
-    let mut body = vec![5];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    body.extend_from_slice(socket_type.as_bytes());
-    let mut f = vec![0x04, body.len() as u8];
-    f.extend(body);
-    f
-}
-
 /// A long message frame header announcing `len` bytes.
 fn long_frame(len: u64) -> Vec<u8> {
     let mut f = vec![0x02];
@@ -183,11 +162,19 @@ fn a_2_pow_40_byte_frame_on_every_port_allocates_nothing_and_every_role_serves_o
         for (when, parts) in [
             (
                 "handshake",
-                vec![greeting(), vec![0x06], (1u64 << 40).to_be_bytes().to_vec()],
+                vec![
+                    zmtp_greeting("NULL"),
+                    vec![0x06],
+                    (1u64 << 40).to_be_bytes().to_vec(),
+                ],
             ),
             (
                 "message",
-                vec![greeting(), ready(socket_type), long_frame(1 << 40)],
+                vec![
+                    zmtp_greeting("NULL"),
+                    zmtp_ready(socket_type),
+                    long_frame(1 << 40),
+                ],
             ),
         ] {
             let t = Instant::now();
@@ -231,8 +218,8 @@ fn a_fake_prefill_announcing_2_pow_40_bytes_fails_the_room_not_the_decode() {
             let Ok(mut s) = conn else { return };
             let mut g = [0u8; 64];
             let _ = s.read_exact(&mut g);
-            let mut out = greeting();
-            out.extend(ready("ROUTER"));
+            let mut out = zmtp_greeting("NULL");
+            out.extend(zmtp_ready("ROUTER"));
             out.extend(long_frame(1 << 40));
             let _ = s.write_all(&out);
             let _ = s.write_all(&vec![0x5A; 1 << 20]);
@@ -279,7 +266,11 @@ fn a_memory_flood_on_the_control_and_data_ports_stays_within_the_bound() {
         let t = Instant::now();
         let (written, closed) = attack(
             endpoint,
-            &[greeting(), ready(socket_type), long_frame(16 << 30)],
+            &[
+                zmtp_greeting("NULL"),
+                zmtp_ready(socket_type),
+                long_frame(16 << 30),
+            ],
             400 << 20,
         );
         println!(

@@ -494,8 +494,16 @@ fn a_prefill_room_aborted_mid_send_is_safe_to_reuse_only_after_its_sends_resolve
             v["state"]
         );
         assert_eq!(v["state"], "aborted", "{v}");
+        // The decode learns of the abort on the control connection while the sends already in
+        // flight land over UCX: which comes first after SIGCONT is the scheduler's choice. A
+        // room whose every byte landed first is a success; otherwise it is aborted.
         let v = wait_final(&http, &d, 1).await;
-        assert_eq!(v["state"], "aborted", "{v}");
+        match v["state"].as_str() {
+            Some("aborted") => {}
+            Some("success") => assert_eq!(v["bytes"], v["expected_bytes"], "{v}"),
+            _ => panic!("the decode's room neither aborted nor whole: {v}"),
+        }
+        println!("[ucx-abort-mid-send] the decode's room: {}", v["state"]);
         wait_safe(&http, &d, 1).await;
         expect(&http, Method::POST, &format!("{}/take", room(&d)), None, StatusCode::OK).await;
     });

@@ -14,6 +14,7 @@
 //! connections are tokio tasks ([`crate::http::serve`], the mapped-writes socket).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -183,6 +184,7 @@ impl Admission {
         Admitted {
             id,
             dropped,
+            proven: AtomicBool::new(false),
             admission: self.clone(),
         }
     }
@@ -204,12 +206,17 @@ impl Admission {
 pub struct Admitted {
     id: u64,
     dropped: CancellationToken,
+    /// Set by the first [`Admitted::prove`]: later ones cost nothing.
+    proven: AtomicBool,
     admission: Arc<Admission>,
 }
 
 impl Admitted {
     /// The connection proved itself: from now on nothing here drops it.
     pub fn prove(&self) {
+        if self.proven.swap(true, Ordering::Relaxed) {
+            return;
+        }
         let mut state = self.admission.state();
         state.unproven.prove(&self.id);
         state.drop.remove(&self.id);

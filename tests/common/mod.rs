@@ -949,3 +949,25 @@ pub fn assert_reason(v: &Value, code: &str) {
 pub fn at(v: &Value, state: &str) -> Option<f64> {
     v["timings"][state].as_f64()
 }
+
+/// A ZMTP 3.0 greeting for `mechanism` ("NULL", "PLAIN"), as a client: what a raw peer of a
+/// ZeroMQ port sends first.
+pub fn zmtp_greeting(mechanism: &str) -> Vec<u8> {
+    let mut g = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 0];
+    g.extend_from_slice(mechanism.as_bytes());
+    g.resize(64, 0);
+    g
+}
+
+/// A ZMTP READY command with a Socket-Type property: the end of a NULL handshake.
+pub fn zmtp_ready(socket_type: &str) -> Vec<u8> {
+    let mut body = vec![5];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type.as_bytes());
+    let mut f = vec![0x04, body.len() as u8];
+    f.extend(body);
+    f
+}
