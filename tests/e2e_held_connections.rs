@@ -13,7 +13,8 @@
 //!   send a PLAIN greeting and stall;
 //! - the decode's pool socket (`zmq-ipc` mapped writes): 200 connections that never send the
 //!   secret, and the rooms still land by mapped writes;
-//! - the decode's UCX tcp listener: 500 silent connections.
+//! - the decode's UCX tcp listener: 500 silent connections. That listener is libucx's, and
+//!   nothing bounds what it holds: with about 1000 (the descriptor limit), rooms stop landing.
 //!
 //! Needs `cargo build --release --all-features --bin kvferry` first (the UCX test: the `ucx`
 //! feature).
