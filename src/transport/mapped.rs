@@ -48,6 +48,9 @@ use kvferry_bootstrap::admission::Admission;
 /// What every socket name starts with; a key naming another socket is refused.
 const NAME_PREFIX: &[u8] = b"kvferry-pool-";
 
+/// `statfs`'s type of tmpfs and shmem, where memfds live (`linux/magic.h`).
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
 /// How long a connection may take to send its secret.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -170,6 +173,16 @@ pub fn attach(memory: &RemoteMemory, endpoint: &str) -> Result<MappedPool, Trans
         return Err(fail(
             "the decode's pool file is not sealed against shrinking".to_owned(),
         ));
+    }
+    // Plain shared memory only: a hugetlbfs file passes the seal check, yet a write into it
+    // faults (SIGBUS) when the host runs out of huge pages.
+    let kind = rustix::fs::fstatfs(&file)
+        .map_err(|e| fail(e.to_string()))?
+        .f_type;
+    if kind != TMPFS_MAGIC {
+        return Err(fail(format!(
+            "the pool file is not plain shared memory (file system type {kind:#x}): not mapped"
+        )));
     }
     let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
     let actual = meta.len();
@@ -531,19 +544,17 @@ mod tests {
         (listener, memory)
     }
 
-    #[tokio::test]
-    async fn a_sparse_pool_file_is_never_mapped() {
-        // Sealed, of the size its Hello announced, but with nothing allocated: mapping it
-        // populated would allocate 1 GiB of shared memory in the sender's name.
-        let size = 1u64 << 30;
+    /// What `attach` says of a rogue receiver's sealed memfd of `size` bytes made with `flags`
+    /// (`None`: such a memfd cannot be made here).
+    async fn rogue_file(size: u64, flags: rustix::fs::MemfdFlags) -> Option<String> {
+        let seal = rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING;
+        let fd = rustix::fs::memfd_create("rogue", seal | flags).ok()?;
+        rustix::fs::ftruncate(&fd, size).ok()?;
+        rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK).unwrap();
         let (listener, memory) = rogue_listener(size);
         let rogue = std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().unwrap();
             let _ = std::io::Read::read_exact(&mut stream, &mut [0u8; 16]);
-            let flags = rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING;
-            let fd = rustix::fs::memfd_create("rogue", flags).unwrap();
-            rustix::fs::ftruncate(&fd, size).unwrap();
-            rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK).unwrap();
             let mut header = [0u8; 16];
             header[..8].copy_from_slice(&size.to_le_bytes());
             crate::fd_passing::send(&stream, &header, Some(fd.as_raw_fd())).unwrap();
@@ -552,11 +563,27 @@ mod tests {
             .await
             .unwrap()
             .unwrap_err();
-        assert!(
-            e.message.contains("sparse (0 of its 1073741824 bytes"),
-            "{e}"
-        );
         rogue.join().unwrap();
+        Some(e.message)
+    }
+
+    #[tokio::test]
+    async fn a_sparse_pool_file_is_never_mapped() {
+        // Sealed, of the size its Hello announced, but with nothing allocated: mapping it
+        // populated would allocate 1 GiB of shared memory in the sender's name.
+        let e = rogue_file(1 << 30, rustix::fs::MemfdFlags::empty()).await;
+        let e = e.expect("a memfd");
+        assert!(e.contains("sparse (0 of its 1073741824 bytes"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_hugetlbfs_pool_file_is_never_mapped() {
+        // Sealed, and it could be allocated whole, but writes into it fault once the host's
+        // huge pages run out: refused by its file system before its size is looked at.
+        match rogue_file(2 << 20, rustix::fs::MemfdFlags::HUGETLB).await {
+            Some(e) => assert!(e.contains("not plain shared memory"), "{e}"),
+            None => println!("no hugetlbfs memfd on this kernel: nothing to refuse"),
+        }
     }
 
     #[tokio::test]
