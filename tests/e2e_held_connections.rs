@@ -13,6 +13,8 @@
 //!   send a PLAIN greeting and stall;
 //! - the decode's pool socket (`zmq-ipc` mapped writes): 200 connections that never send the
 //!   secret, and the rooms still land by mapped writes;
+//! - a host whose 64 connections each sent a message, at the prefill's control port: the
+//!   decode's connection is refused and its room names the limit;
 //! - the decode's UCX tcp listener: 500 silent connections. That listener is libucx's, and
 //!   nothing bounds what it holds: with about 1000 (the descriptor limit), rooms stop landing.
 //!
@@ -528,5 +530,50 @@ fn silent_connections_on_the_proxy_never_keep_a_request_out() {
             answered(url.clone()).await,
             "{tag}: /metrics after the attack"
         );
+    });
+}
+
+/// 64 connections from 127.0.0.1 that each sent a message (a garbage frame, answered) fill the
+/// prefill control port's per-address bound: the decode's connection from the same address is
+/// the 65th, refused, and its room says which limit (not a token mismatch). Once they close,
+/// rooms land again.
+#[test]
+fn a_host_over_the_per_address_limit_is_told_which_limit() {
+    let tag = "held-per-address";
+    let ctx = zmq::Context::new();
+    let (c, held, _) =
+        cluster_under_attack(tag, ("zmq-tcp", None, &[]), Target::Prefill, |prefill| {
+            let endpoint = prefill.field("control");
+            (0..64)
+                .map(|_| {
+                    let s = ctx.socket(zmq::DEALER).expect("DEALER");
+                    s.set_linger(0).expect("linger");
+                    s.set_rcvtimeo(30_000).expect("timeout");
+                    s.connect(&endpoint).expect("connect");
+                    s.send("not a message", 0).expect("send");
+                    // The prefill answered: it read the frame, the connection counts.
+                    s.recv_bytes(0).expect("the prefill's answer");
+                    s
+                })
+                .collect::<Vec<_>>()
+        });
+    runtime().block_on(async {
+        let http = http();
+        request(&http, &c.decode_api, 1, serde_json::json!({"tokens": 64})).await;
+        ready(&http, &c.prefill_api, 1, 64).await;
+        let v = wait_final(&http, &c.decode_api, 1).await;
+        println!(
+            "[{tag}] the 65th connection's room: {} {}",
+            v["state"], v["reason"]
+        );
+        assert_eq!(v["state"], "failed", "{v}");
+        assert_reason(&v, "unreachable");
+        let why = v["reason"]["message"].as_str().unwrap_or_default();
+        assert!(
+            why.contains("limit of 64 connections from one address"),
+            "{v}"
+        );
+        drop(held);
+        rooms(tag, &c, 100).await;
     });
 }

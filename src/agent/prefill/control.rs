@@ -18,6 +18,11 @@ pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
                 tracing::warn!(error = %why, "control socket");
                 continue;
             }
+            Some(ControlEvent::Refused(identity, why)) => {
+                // Told before the connection goes, so that the decode's room says which limit.
+                inner.refuse(&identity, None, FailureCode::Unreachable, why);
+                continue;
+            }
             Some(ControlEvent::Lost(identity, why)) => {
                 let peer = inner.peers().get(&identity).cloned();
                 if let Some(peer) = peer {

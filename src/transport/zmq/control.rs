@@ -25,6 +25,7 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
 use super::monitor::{Event, Monitor};
+use super::peers::Verdict;
 use super::{Auth, RECONNECT_GRACE, Wake, Waker, context, owned, rest_of_message, tcp_address};
 use crate::transport::TransportError;
 
@@ -61,6 +62,9 @@ pub enum ControlEvent {
     Malformed(String),
     /// A peer's connection dropped and did not come back within the grace.
     Lost(PeerId, String),
+    /// A peer's connection was refused at a limit (why); its frames are dropped and the
+    /// connection is shut down shortly: answer it now to tell the peer why.
+    Refused(PeerId, String),
 }
 
 /// One frame to send, and where its result goes.
@@ -367,7 +371,11 @@ impl ControlClientRecv {
     pub async fn recv(&mut self) -> Result<Bytes, TransportError> {
         let why = match self.events.recv().await {
             Some(ControlEvent::Frame(_, frame)) => return Ok(frame),
-            Some(ControlEvent::Malformed(why) | ControlEvent::Lost(_, why)) => why,
+            Some(
+                ControlEvent::Malformed(why)
+                | ControlEvent::Lost(_, why)
+                | ControlEvent::Refused(_, why),
+            ) => why,
             None => "socket thread stopped".to_owned(),
         };
         Err(TransportError::new("recv", &self.endpoint, why))
@@ -381,8 +389,8 @@ trait Peers {
     const ENVELOPE: usize;
     /// A connection event from the monitor; may queue frames to send or events to deliver.
     fn on_event(&mut self, event: Event, now: Instant, out: &mut Effects);
-    /// A frame arrived from `peer` over connection `fd`.
-    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>);
+    /// A frame arrived from `peer` over connection `fd`: what to do with it.
+    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>, now: Instant) -> Verdict;
     /// Peers whose grace ran out by `now`, as events; and the next deadline.
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant>;
     /// Whether the socket has no connection to send on (a send would queue for nobody).
@@ -433,14 +441,18 @@ impl Peers for RouterPeers {
         false
     }
 
-    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>) {
-        self.dropped.remove(peer);
-        if let Some(fd) = fd {
-            self.connections.message(fd);
+    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>, now: Instant) -> Verdict {
+        let Some(fd) = fd else {
+            return Verdict::Deliver;
+        };
+        let verdict = self.connections.message(fd, now);
+        if verdict == Verdict::Deliver {
+            self.dropped.remove(peer);
             if self.fd_of.insert(peer.clone(), fd) != Some(fd) {
                 self.by_fd.insert(fd, peer.clone());
             }
         }
+        verdict
     }
 
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant> {
@@ -527,7 +539,9 @@ impl Peers for DealerPeer {
         }
     }
 
-    fn on_frame(&mut self, _: &PeerId, _: Option<i32>) {}
+    fn on_frame(&mut self, _: &PeerId, _: Option<i32>, _: Instant) -> Verdict {
+        Verdict::Deliver
+    }
 
     fn down(&self) -> bool {
         self.fd.is_none()
@@ -667,8 +681,11 @@ impl Looped {
                         .and_then(|s| s.parse::<i32>().ok());
                     let frame = frames.pop().map(owned).unwrap_or_default();
                     let peer = frames.pop().map(owned).unwrap_or_default();
-                    peers.on_frame(&peer, fd);
-                    ControlEvent::Frame(peer, frame)
+                    match peers.on_frame(&peer, fd, Instant::now()) {
+                        Verdict::Deliver => ControlEvent::Frame(peer, frame),
+                        Verdict::Refuse(why) => ControlEvent::Refused(peer, why),
+                        Verdict::Drop => continue,
+                    }
                 }
                 Ok(_) => ControlEvent::Malformed(format!(
                     "a control message must have exactly {} frame(s)",

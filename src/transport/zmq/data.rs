@@ -388,8 +388,13 @@ fn receive_loop(
                 // reused: read it before the message is attributed to the descriptor (libzmq's
                 // `__fd` property of the frames its decoder produced).
                 watch(&mut connections);
-                if let Some(fd) = header.gets("__fd").and_then(|s| s.parse::<i32>().ok()) {
-                    connections.message(fd);
+                let fd = header.gets("__fd").and_then(|s| s.parse::<i32>().ok());
+                if let Some(fd) = fd
+                    && connections.message(fd, Instant::now()) != super::peers::Verdict::Deliver
+                {
+                    // A PUSH peer cannot be answered: its connection just goes.
+                    let _ = rest_of_message(socket, header, 0);
+                    continue;
                 }
             }
             Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,

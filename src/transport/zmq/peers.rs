@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvferry_bootstrap::admission::{Dropped, Unproven};
 
@@ -27,6 +27,24 @@ pub(super) struct Connections {
     per_address: HashMap<IpAddr, usize>,
     /// The proven connections counted in `per_address`.
     counted: HashMap<i32, IpAddr>,
+    /// Connections refused beyond [`MAX_PER_PEER`], and when each is shut down.
+    refused: Vec<(i32, Instant)>,
+}
+
+/// How long a refused connection stays open after its refusal: long enough for the socket to
+/// send the peer why.
+pub(super) const REFUSAL_LINGER: Duration = Duration::from_millis(200);
+
+/// What to do with a message, by the connection it came over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// Hand it to the agent.
+    Deliver,
+    /// The connection was just refused (why): drop the message, and tell the peer if the
+    /// socket can.
+    Refuse(String),
+    /// The connection was refused already: drop the message.
+    Drop,
 }
 
 impl Connections {
@@ -43,31 +61,38 @@ impl Connections {
     }
 
     /// A message arrived over `fd`. Its first proves the connection, which then counts against
-    /// its address's [`MAX_PER_PEER`], and is shut down beyond it.
-    pub(super) fn message(&mut self, fd: i32) {
+    /// its address's [`MAX_PER_PEER`]: beyond it, the connection is refused. A refused
+    /// connection's messages are not delivered; the connection is shut down after
+    /// [`REFUSAL_LINGER`], so that the socket can tell its peer why first (a ROUTER can).
+    pub(super) fn message(&mut self, fd: i32, now: Instant) -> Verdict {
+        if self.refused.iter().any(|&(f, _)| f == fd) {
+            return Verdict::Drop;
+        }
         if !self.unproven.prove(&fd) {
-            return;
+            return Verdict::Deliver;
         }
         let Some(Some(address)) = self.address_of.get(&fd).copied() else {
-            return;
+            return Verdict::Deliver;
         };
         let held = self.per_address.entry(address).or_default();
         if *held >= MAX_PER_PEER {
-            tracing::warn!(
-                peer = %address,
-                limit = %format!("{MAX_PER_PEER} connections from one address"),
-                "connection refused"
+            let limit = format!(
+                "connection refused: the limit of {MAX_PER_PEER} connections from one address \
+                 ({address}) that sent a message"
             );
-            shut_down(fd);
-            return;
+            tracing::warn!(peer = %address, %limit, "connection refused");
+            self.refused.push((fd, now + REFUSAL_LINGER));
+            return Verdict::Refuse(limit);
         }
         *held += 1;
         self.counted.insert(fd, address);
+        Verdict::Deliver
     }
 
     /// The connection on `fd` was closed.
     pub(super) fn disconnected(&mut self, fd: i32) {
         self.unproven.forget(&fd);
+        self.refused.retain(|&(f, _)| f != fd);
         self.address_of.remove(&fd);
         let Some(address) = self.counted.remove(&fd) else {
             return;
@@ -80,12 +105,21 @@ impl Connections {
         }
     }
 
-    /// Shuts down the connections unproven past their deadline; the next deadline.
+    /// Shuts down the connections unproven past their deadline, and the refused ones whose
+    /// linger ended; the next deadline.
     pub(super) fn expire(&mut self, now: Instant) -> Option<Instant> {
-        let (late, next) = self.unproven.expire(now);
+        let (late, mut next) = self.unproven.expire(now);
         for fd in late {
             self.drop_unproven(fd, Dropped::Late);
         }
+        self.refused.retain(|&(fd, at)| {
+            if at <= now {
+                shut_down(fd);
+                return false;
+            }
+            next = Some(next.map_or(at, |n| n.min(at)));
+            true
+        });
         next
     }
 
@@ -165,17 +199,29 @@ mod tests {
         let (mut clients, mut accepted) = (Vec::new(), Vec::new());
         let mut conns = Connections::default();
         let now = Instant::now();
-        for _ in 0..=MAX_PER_PEER {
+        for i in 0..=MAX_PER_PEER {
             let (client, server) = pair(&listener);
             conns.accepted(server.as_raw_fd(), now);
-            conns.message(server.as_raw_fd());
+            let verdict = conns.message(server.as_raw_fd(), now);
+            match i < MAX_PER_PEER {
+                true => assert_eq!(verdict, Verdict::Deliver),
+                false => assert!(
+                    matches!(&verdict, Verdict::Refuse(why) if why.contains("64 connections from one address")),
+                    "{verdict:?}"
+                ),
+            }
             clients.push(client);
             accepted.push(server);
         }
         let local: IpAddr = "127.0.0.1".parse().expect("ip");
         assert_eq!(conns.held(local), MAX_PER_PEER);
-        // The one over the limit was shut down: its client reads the end of the stream.
+        // The one over the limit was refused, with the limit, its later messages dropped; it
+        // is shut down once the linger ended: its client reads the end of the stream.
+        let last_fd = accepted.last().expect("one").as_raw_fd();
+        assert_eq!(conns.message(last_fd, now), Verdict::Drop);
         let mut last = clients.pop().expect("a client");
+        assert!(!shut(&mut last), "shut down before the peer could be told");
+        assert_eq!(conns.expire(now + REFUSAL_LINGER), None);
         assert!(shut(&mut last), "not shut down");
         assert!(!shut(&mut clients[0]), "a counted one stays");
         // One closes: the next one from that address is counted again.
@@ -211,7 +257,7 @@ mod tests {
         // A peer that connects now and sends gets its place whatever the silent ones hold.
         let (mut peer, server) = pair(&listener);
         conns.accepted(server.as_raw_fd(), now);
-        conns.message(server.as_raw_fd());
+        conns.message(server.as_raw_fd(), now);
         let local: IpAddr = "127.0.0.1".parse().expect("ip");
         assert_eq!(conns.held(local), 1);
         assert!(!shut(&mut peer));
