@@ -14,7 +14,7 @@ mod common;
 use std::time::Instant;
 
 use common::{
-    AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, ready_piece,
+    AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, ready_piece, request,
     request_and_ready, runtime, set_flag, wait_final, wait_safe, wait_state,
 };
 use kvferry::cli::cluster::{Process, log_dir};
@@ -638,6 +638,68 @@ fn an_eager_prefill_places_runs_only_into_a_decode_that_receives_them_revocably(
     // The decode (UCX's defaults, which allow shared memory) shares its pool file, but a
     // prefill told tcp only does not map it.
     assert!(staged > 0.0 && direct == 0.0);
+}
+
+/// A prefill alone given `UCX_RNDV_THRESH` (shared memory on both sides, the decode with UCX's
+/// defaults): UCX sends every message below the threshold eagerly, in fragments that a plain
+/// receive never finishes if the prefill dies mid-message, so the prefill places no run into
+/// this decode (whose receives are not revocable) and stages instead. Killed mid-room, it
+/// fails the room `peer_dead` from its dropped connection (`--peer-dead-ms` is a minute), and
+/// the room's pages are safe to reuse.
+#[test]
+fn a_prefill_with_its_own_rendezvous_threshold_places_no_run_into_plain_receives() {
+    let tag = "ucx-prefill-rndv-thresh";
+    let mut args = opts("llama3-8b", 272);
+    set_flag(&mut args, "--peer-dead-ms", "60000");
+    set_flag(&mut args, "--mapped-writes", "never");
+    let c = common::FaultCluster::start_env(
+        tag,
+        &args,
+        &[],
+        &[],
+        &[("UCX_RNDV_THRESH", "inf")],
+        &[("UCX_TLS", "posix,cma,self")],
+    );
+    let apis = Apis::pair(&c.prefill_api, &c.decode_api);
+    let results = runtime()
+        .block_on(drive_rooms(&apis, vec![(1, 1000)], 1))
+        .unwrap();
+    assert!(results.iter().all(|r| r.verified), "{results:?}");
+    let count = |path: &str| {
+        let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
+        runtime()
+            .block_on(metric(&http(), &c.decode_api, &series))
+            .unwrap_or(0.0)
+    };
+    let (placed, staged) = (count("placed"), count("staged"));
+    println!("[{tag}] {placed} placed, {staged} staged chunks");
+    assert_eq!(
+        placed, 0.0,
+        "runs were placed into receives the decode cannot revoke"
+    );
+    assert!(staged > 0.0);
+    let http = http();
+    runtime().block_on(async {
+        let d = &c.decode_api;
+        request(&http, d, 2, json!({"tokens": 4096})).await;
+        ready_piece(&http, &c.prefill_api, 2, 4096, 0..1024, false).await;
+        // The whole first piece (1024 of the room's 4096 tokens: 128 of its 512 MiB) landed:
+        // nothing is mid-message at the kill.
+        let piece: u64 = 128 << 20;
+        common::poll_until("the first piece landed", BOUND, || async {
+            let v = common::call(&http, Method::GET, &format!("{d}/v1/rooms/2"), None)
+                .await
+                .1;
+            (v["bytes"].as_u64().unwrap_or(0) >= piece).then_some(())
+        })
+        .await;
+        c.prefill.signal("KILL");
+        let v = wait_final(&http, d, 2).await;
+        println!("[{tag}] killed mid-room: {} {}", v["state"], v["reason"]);
+        assert_eq!(v["state"], "failed", "{v}");
+        assert_eq!(v["reason"]["code"], "peer_dead", "{v}");
+        wait_safe(&http, d, 2).await;
+    });
 }
 
 #[test]

@@ -680,9 +680,13 @@ impl DataSender for UcxSender {
             let info = self.worker.describe(self.ep).await.map_err(fail)?;
             let supervised = self.worker.is_supervised(self.ep).await.map_err(fail)?;
             let via = rma_transports(&info);
+            // A rendezvous threshold of this process's own makes UCX send every message below
+            // it eagerly, in fragments that only a revocable receive survives if this process
+            // dies mid-message: runs then count as eager, whatever the transports.
+            let eager_runs = eager() || ucx_env_sets("RNDV_THRESH");
             Ok(Some(WritePath {
-                placed: placed_runs(eager(), &via),
-                eager: eager(),
+                placed: placed_runs(eager_runs, &via),
+                eager: eager_runs,
                 writes,
                 fast: writes && fast_writes(&via, supervised),
                 via: match via.is_empty() {
