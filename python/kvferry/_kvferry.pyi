@@ -64,7 +64,9 @@ class PrefillAgent:
     ) -> View:
         """Announces a ready piece of a room (the whole room without ranges). For a device
         pool whose KV the engine writes asynchronously, ``cuda_event`` is the engine's CUDA
-        event (a ``CUevent`` handle such as ``torch.cuda.Event().cuda_event``) recorded on its
+        event (a live ``CUevent`` handle of this process, such as
+        ``torch.cuda.Event().cuda_event``; anything else is undefined behaviour in the CUDA
+        driver, and only a null, misaligned or out-of-range value can be refused) recorded on its
         stream after the piece's KV was written: the agent's gathers wait for it on the
         device, nothing synchronizes the engine's stream, and the engine may record it again as
         soon as this returns. A sidecar (``kvferry.Sidecar.ready``) cannot use an event of

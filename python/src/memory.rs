@@ -4,9 +4,16 @@
 //! memory, or device memory (CUDA tensors, or raw pairs the caller names as device memory).
 //!
 //! The only `unsafe` of the package is here: [`engine_pool`] vouches to
-//! [`HostPool::engine`] and [`DevicePool::engine`] that the regions stay valid. They do because the agent keeps every
-//! object returned in [`Regions::keep`] until its tasks are joined (`agents.rs`); a raw pair
-//! is the caller's promise, documented as such.
+//! [`HostPool::engine`] and [`DevicePool::engine`] that the regions stay valid. The agent keeps
+//! every object returned in [`Regions::keep`] until its tasks are joined (`agents.rs`). How
+//! much that holds depends on the object:
+//! - a buffer (buffer protocol): a buffer export, which keeps the memory allocated and, for
+//!   objects that honour exports (`bytearray`, numpy arrays), from being resized;
+//! - a tensor (`data_ptr()`): the tensor and its storage, so the memory is not freed when the
+//!   tensor is pointed elsewhere (`set_`) or dropped; an in-place resize of the storage can
+//!   still move it, which the package documents the caller must not do;
+//! - an `__array_interface__` object or a raw `(address, length)` pair: the object at most;
+//!   that the memory stays is the caller's promise, documented as such.
 
 #![allow(unsafe_code)]
 
@@ -129,7 +136,19 @@ fn region<'py>(item: &Bound<'py, PyAny>) -> Result<(usize, usize, Py<PyAny>, Pla
             true => nbytes.call0().map_err(text)?.extract().map_err(text)?,
             false => nbytes.extract().map_err(text)?,
         };
-        return Ok((addr, len, item.clone().unbind(), place));
+        // The storage too: a tensor pointed at other memory (`set_`) or dropped by the engine
+        // would otherwise free this memory under the agent.
+        let keep = match item.getattr("untyped_storage") {
+            Ok(storage) if storage.is_callable() => {
+                let storage = storage.call0().map_err(text)?;
+                PyTuple::new(py, [item.clone(), storage])
+                    .map_err(text)?
+                    .into_any()
+                    .unbind()
+            }
+            _ => item.clone().unbind(),
+        };
+        return Ok((addr, len, keep, place));
     }
     let ctypes = py.import("ctypes").map_err(text)?;
     if let Ok(view) = py
@@ -232,10 +251,18 @@ pub(crate) fn follow(
     if event == 0 {
         return Err(RegionError::new_err("cuda_event is a null CUevent"));
     }
+    // A CUevent is the address of the driver's event object in this process: one that is
+    // misaligned or beyond user space cannot be one.
+    if !event.is_multiple_of(8) || event >= 1 << 56 {
+        return Err(RegionError::new_err(format!(
+            "cuda_event {event:#x} is not a CUevent handle (the address of a driver event)"
+        )));
+    }
     let kernel = CudaKernel::shared(device).map_err(|e| RegionError::new_err(e.to_string()))?;
-    // SAFETY: the package documents `cuda_event` as a live CUevent of this process in the
-    // primary context of the pool's device (what torch.cuda.Event.cuda_event is); the driver
-    // validates the handle, and the engine may destroy it as soon as this returns.
+    // SAFETY: only the caller can vouch that `event` is a live CUevent of this process in the
+    // primary context of the pool's device (what torch.cuda.Event.cuda_event is): the package
+    // documents that it must be, and the checks above refuse only what cannot be one. The
+    // driver dereferences the handle; it may be destroyed as soon as this returns.
     unsafe { kernel.follow(event) }.map_err(|e| RegionError::new_err(e.to_string()))
 }
 
@@ -247,12 +274,13 @@ pub(crate) fn engine_pool(
     regions: &Regions,
 ) -> PyResult<EnginePool> {
     let err = |e: String| RegionError::new_err(e);
-    // SAFETY (both): every region is the memory of an object in `regions.keep` (or, for a raw
-    // `(address, length)` pair, memory the caller promised to keep valid, as the package
-    // documents); the agent built on this pool holds `keep` until its tasks are joined, so the
-    // memory stays allocated and at the same address for as long as the pool can touch it.
-    // Buffers were checked writable; the pools check lengths and overlaps, and a device pool
-    // asks the driver that every region lies inside one of its allocations.
+    // SAFETY (both): the agent built on this pool holds `regions.keep` until its tasks are
+    // joined. That keeps a buffer's memory allocated and unresizable (its export) and a
+    // tensor's storage allocated (module doc); that the memory also stays in place (no in-place
+    // resize of a tensor's storage, nothing freed behind an `__array_interface__` or a raw
+    // pair) is the caller's promise, which the package documents. Buffers were checked
+    // writable; the pools check lengths and overlaps, and a device pool asks the driver that
+    // every region lies inside one of its allocations.
     match regions.device {
         None => unsafe { HostPool::engine(layout, pages, &regions.regions) }
             .map(EnginePool::Host)

@@ -151,11 +151,12 @@ def main() -> int:
             rows = min(page, TOKENS - i * page)
             if not (got[:, d, :rows] == want[:, s, :rows]).all():
                 raise AssertionError(f"layer {layer}: page {d} is not the engine's write behind the event")
-    try:
-        prefill.ready(3, TOKENS, pages=src2, cuda_event=0)
-        raise AssertionError("a null event was taken")
-    except kvferry.RegionError as e:
-        assert "null" in str(e), e
+    for bad, why in [(0, "null"), (event.value + 3, "not a CUevent"), (1 << 60, "not a CUevent")]:
+        try:
+            prefill.ready(3, TOKENS, pages=src2, cuda_event=bad)
+            raise AssertionError(f"the event {bad:#x} was taken")
+        except kvferry.RegionError as e:
+            assert why in str(e), e
     prefill.close()
     decode.close()
     print(json.dumps({"landed_bytes": landed, "pool_bytes": 2 * n * size}))

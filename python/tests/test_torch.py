@@ -1,6 +1,7 @@
 """Torch tensors as the engine's memory (data_ptr() and nbytes), with the vLLM venv's torch
 (the ``torch_python`` fixture): a room moves between two tensors in vLLM's CPU layout in one
-process, and a tensor that is not contiguous is refused. test_two_processes.py moves 100 rooms
+process, also after the engine pointed the prefill's tensor elsewhere and dropped it (the agent
+holds the storage), and a tensor that is not contiguous is refused. test_two_processes.py moves 100 rooms
 between torch tensors in two processes."""
 
 import pathlib
@@ -20,12 +21,19 @@ prefill_kv = torch.randn(shape, dtype=torch.float16)
 decode_kv = torch.zeros(shape, dtype=torch.float16)
 with pytest_raises(kvferry.RegionError, "not contiguous"):
     kvferry.DecodeAgent([torch.zeros(shape, dtype=torch.float16).transpose(0, 1)], **opts)
+sent = prefill_kv.clone()
 with kvferry.PrefillAgent([prefill_kv], **opts) as prefill, kvferry.DecodeAgent([decode_kv], **opts) as decode:
+    # The engine points its tensor at other memory and drops it: the storage the agent was given
+    # must stay (the agent holds it), else the prefill reads freed memory.
+    prefill_kv.set_(torch.empty(0, dtype=torch.float16))
+    del prefill_kv
+    import gc
+    gc.collect()
     decode.request(9, 50, pages=[2, 8])
     prefill.ready(9, 50, pages=[5, 6])
     assert decode.wait(9, 30)["state"] == "success"
     decode.take(9)
-assert torch.equal(decode_kv[:, [2, 8]], prefill_kv[:, [5, 6]])
+assert torch.equal(decode_kv[:, [2, 8]], sent[:, [5, 6]])
 rest = torch.ones(shape[1], dtype=torch.bool)
 rest[[2, 8]] = False
 assert (decode_kv[:, rest] == 0).all()
