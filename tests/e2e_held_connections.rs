@@ -96,17 +96,11 @@ fn cluster_under_attack<H>(
         }
     };
     let (held, before) = held.expect("attacked");
-    let (prefill_api, decode_api) = (prefill.field("api"), decode.field("api"));
-    let c = FaultCluster {
-        decode,
-        prefill,
-        registry,
-        logs,
-        prefill_api,
-        decode_api,
-        registry_url,
-    };
-    (c, held, before)
+    (
+        FaultCluster::of(registry, prefill, decode, logs),
+        held,
+        before,
+    )
 }
 
 /// `host:port` of a `tcp://` endpoint or an `http://` URL.

@@ -599,6 +599,29 @@ fn a_timed_out_direct_write_room_whose_decode_then_dies_leaves_the_prefill_servi
     );
 }
 
+/// A prefill and a decode of `args` whose UCX environments differ (`envs`: the prefill's own,
+/// then both agents'), after `rooms` verified through them.
+fn mixed_env(
+    tag: &str,
+    args: &[String],
+    (prefill_env, agents_env): (&[(&str, &str)], &[(&str, &str)]),
+    rooms: Vec<(u64, usize)>,
+) -> common::FaultCluster {
+    let c = common::FaultCluster::start_env(tag, args, &[], &[], prefill_env, agents_env);
+    let apis = Apis::pair(&c.prefill_api, &c.decode_api);
+    let results = runtime().block_on(drive_rooms(&apis, rooms, 1)).unwrap();
+    assert!(results.iter().all(|r| r.verified), "{tag}: {results:?}");
+    c
+}
+
+/// The decode at `api`'s `kvferry_chunks_total` of `path` (0 before its first such chunk).
+fn chunks(api: &str, path: &str) -> f64 {
+    let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
+    runtime()
+        .block_on(metric(&http(), api, &series))
+        .unwrap_or(0.0)
+}
+
 /// Placed runs are decided by both sides: a prefill whose UCX sends eagerly (tcp only) places
 /// runs only into a decode that said in Hello that it receives them revocably. Here the decode
 /// has every UCX transport (rendezvous: its receives are plain, and a run whose sender died
@@ -608,25 +631,10 @@ fn a_timed_out_direct_write_room_whose_decode_then_dies_leaves_the_prefill_servi
 fn an_eager_prefill_places_runs_only_into_a_decode_that_receives_them_revocably() {
     let mut args = opts("llama3-8b", 272);
     set_flag(&mut args, "--peer-dead-ms", "5000");
-    let c = common::FaultCluster::start_env(
-        "ucx-mixed-env",
-        &args,
-        &[],
-        &[],
-        &[("UCX_TLS", "tcp")],
-        &[("UCX_NET_DEVICES", "lo")],
-    );
-    let apis = Apis::pair(&c.prefill_api, &c.decode_api);
-    let results = runtime()
-        .block_on(drive_rooms(&apis, vec![(1, 4096), (2, 1000)], 1))
-        .unwrap();
-    assert!(results.iter().all(|r| r.verified), "{results:?}");
-    let count = |path: &str| {
-        let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
-        runtime()
-            .block_on(metric(&http(), &c.decode_api, &series))
-            .unwrap_or(0.0)
-    };
+    let envs = (&[("UCX_TLS", "tcp")][..], &[("UCX_NET_DEVICES", "lo")][..]);
+    let rooms = vec![(1, 4096), (2, 1000)];
+    let c = mixed_env("ucx-mixed-env", &args, envs, rooms);
+    let count = |path| chunks(&c.decode_api, path);
     let (direct, placed, staged) = (count("direct"), count("placed"), count("staged"));
     println!(
         "[ucx-mixed-env] eager prefill, rendezvous decode: {placed} placed, {staged} staged, {direct} direct chunks"
@@ -652,26 +660,15 @@ fn a_prefill_with_its_own_rendezvous_threshold_places_no_run_into_plain_receives
     let mut args = opts("llama3-8b", 272);
     set_flag(&mut args, "--peer-dead-ms", "60000");
     set_flag(&mut args, "--mapped-writes", "never");
-    let c = common::FaultCluster::start_env(
-        tag,
-        &args,
-        &[],
-        &[],
-        &[("UCX_RNDV_THRESH", "inf")],
-        &[("UCX_TLS", "posix,cma,self")],
+    let envs = (
+        &[("UCX_RNDV_THRESH", "inf")][..],
+        &[("UCX_TLS", "posix,cma,self")][..],
     );
-    let apis = Apis::pair(&c.prefill_api, &c.decode_api);
-    let results = runtime()
-        .block_on(drive_rooms(&apis, vec![(1, 1000)], 1))
-        .unwrap();
-    assert!(results.iter().all(|r| r.verified), "{results:?}");
-    let count = |path: &str| {
-        let series = format!("kvferry_chunks_total{{role=\"decode\",path=\"{path}\"}}");
-        runtime()
-            .block_on(metric(&http(), &c.decode_api, &series))
-            .unwrap_or(0.0)
-    };
-    let (placed, staged) = (count("placed"), count("staged"));
+    let c = mixed_env(tag, &args, envs, vec![(1, 1000)]);
+    let (placed, staged) = (
+        chunks(&c.decode_api, "placed"),
+        chunks(&c.decode_api, "staged"),
+    );
     println!("[{tag}] {placed} placed, {staged} staged chunks");
     assert_eq!(
         placed, 0.0,

@@ -652,12 +652,21 @@ impl FaultCluster {
             agents_env.iter().chain(prefill_env).copied().collect();
         let prefill = agent("prefill", prefill_extra, &prefill_env);
         let decode = agent("decode", decode_extra, agents_env);
-        let (prefill_api, decode_api) = (prefill.field("api"), decode.field("api"));
+        let c = FaultCluster::of(registry, prefill, decode, logs);
         println!(
-            "[{tag}] cluster up in {:.0} ms: prefill {prefill_api}, decode {decode_api}; logs in {}",
+            "[{tag}] cluster up in {:.0} ms: prefill {}, decode {}; logs in {}",
             ms(t.elapsed()),
-            logs.display()
+            c.prefill_api,
+            c.decode_api,
+            c.logs.display()
         );
+        c
+    }
+
+    /// The cluster of processes already started (their logs in `logs`).
+    pub fn of(registry: Spawned, prefill: Spawned, decode: Spawned, logs: PathBuf) -> FaultCluster {
+        let (prefill_api, decode_api) = (prefill.field("api"), decode.field("api"));
+        let registry_url = registry.field("url");
         FaultCluster {
             decode,
             prefill,
