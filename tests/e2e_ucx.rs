@@ -599,12 +599,15 @@ fn a_timed_out_direct_write_room_whose_decode_then_dies_leaves_the_prefill_servi
     );
 }
 
-/// A prefill and a decode of `args` whose UCX environments differ (`envs`: the prefill's own,
-/// then both agents'), after `rooms` verified through them.
+/// A `(variable, value)` list of environment variables.
+type Vars<'a> = &'a [(&'a str, &'a str)];
+
+/// A prefill and a decode of `args` whose UCX environments differ (`prefill_env` on the prefill
+/// only, `agents_env` on both), after `rooms` verified through them.
 fn mixed_env(
     tag: &str,
     args: &[String],
-    (prefill_env, agents_env): (&[(&str, &str)], &[(&str, &str)]),
+    (prefill_env, agents_env): (Vars<'_>, Vars<'_>),
     rooms: Vec<(u64, usize)>,
 ) -> common::FaultCluster {
     let c = common::FaultCluster::start_env(tag, args, &[], &[], prefill_env, agents_env);
