@@ -54,7 +54,7 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
             .await
             .expect("register");
         let rkey = registered.rkey.to_vec();
-        let good = format!("ucx:{}", hex(&address));
+        let good = format!("ucx:80000001/{}", hex(&address));
         let memory = |key: Vec<u8>| RemoteMemory {
             base: registered.base,
             size: registered.size,
@@ -67,13 +67,13 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
         let cases: Vec<(&str, Message, &str)> = vec![
             (
                 "3-byte address",
-                hello(format!("ucx:{}", hex(&address[..3])), None, None),
+                hello(format!("ucx:80000001/{}", hex(&address[..3])), None, None),
                 "bad_message",
             ),
             (
                 "truncated address",
                 hello(
-                    format!("ucx:{}", hex(&address[..address.len() - 1])),
+                    format!("ucx:80000001/{}", hex(&address[..address.len() - 1])),
                     None,
                     None,
                 ),
@@ -81,10 +81,19 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
             ),
             (
                 "inflated device length",
-                hello(format!("ucx:{}", hex(&inflated)), None, None),
+                hello(format!("ucx:80000001/{}", hex(&inflated)), None, None),
                 "bad_message",
             ),
-            ("not hex", hello("ucx:zz".into(), None, None), "bad_message"),
+            (
+                "not hex",
+                hello("ucx:80000001/zz".into(), None, None),
+                "bad_message",
+            ),
+            (
+                "no tag prefix (an earlier build's endpoint)",
+                hello(format!("ucx:{}", hex(&address)), None, None),
+                "bad_message",
+            ),
             (
                 "2-byte pool key",
                 hello(good.clone(), Some(memory(rkey[..2].to_vec())), None),
@@ -119,13 +128,13 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
     });
 }
 
-/// The header of a chunk whose payload is in device memory (`DEVICE_CHUNK_TAG` in
-/// transport/ucx/data.rs), sent by a worker that never said Hello to a decode that stages on
-/// the host, with no payload behind it: the decode refuses it at once (it never waits for the
-/// payload, which would hold every peer's chunks), and keeps landing rooms.
+/// The header of a chunk whose payload is in device memory (`Tags::device_chunk` in
+/// transport/ucx/data.rs, under the decode's tag prefix), sent by a worker that never said
+/// Hello to a decode that stages on the host, with no payload behind it: the decode refuses it
+/// at once (it never waits for the payload, which would hold every peer's chunks), and keeps
+/// landing rooms.
 #[test]
 fn a_device_chunk_header_to_a_host_staging_decode_is_refused_at_once() {
-    const DEVICE_CHUNK_TAG: u64 = 0x4b56_4659_0000_0002;
     let cluster = ucx_cluster("ucx-device-header");
     let prefill = cluster.prefill().field("api").expect("prefill api");
     let decode = cluster.decode().field("api").expect("decode api");
@@ -133,9 +142,16 @@ fn a_device_chunk_header_to_a_host_staging_decode_is_refused_at_once() {
         .decode()
         .field("data")
         .expect("decode data endpoint");
-    let address = data
+    // `ucx:PREFIX/ADDRESS,...`: the header goes under the decode's tag prefix, as from a
+    // prefill that got its Hello.
+    let (prefix, list) = data
         .strip_prefix("ucx:")
-        .and_then(|a| a.split(',').next())
+        .and_then(|a| a.split_once('/'))
+        .expect("a ucx data endpoint");
+    let device_chunk_tag = (u64::from_str_radix(prefix, 16).expect("hex prefix") << 32) | 2;
+    let address = list
+        .split(',')
+        .next()
         .map(|h| {
             (0..h.len() / 2)
                 .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).expect("hex"))
@@ -156,7 +172,7 @@ fn a_device_chunk_header_to_a_host_staging_decode_is_refused_at_once() {
         frame.extend_from_slice(&7u64.to_le_bytes());
         let sent = std::time::Instant::now();
         worker
-            .send_tag(ep, DEVICE_CHUNK_TAG, frame.into())
+            .send_tag(ep, device_chunk_tag, frame.into())
             .await
             .expect("send");
         common::poll_until("the decode refuses the header", common::BOUND, || async {

@@ -61,6 +61,53 @@ fn attempt(rogue: &PathBuf, address: &str, op: &str, at: u64, len: usize) -> (St
     (field("status"), field("data"))
 }
 
+/// Floods `address` with `count` messages of `len` bytes under tags `tag`, `tag + 1`, ...
+/// (eagerly where `eager`: every byte then reaches the victim unasked); returns the rogue's
+/// status and how many left.
+fn flood(
+    rogue: &PathBuf,
+    address: &str,
+    tag: u64,
+    len: usize,
+    count: usize,
+    eager: bool,
+) -> (String, String) {
+    let mut cmd = Command::new(rogue);
+    cmd.args([
+        address,
+        "flood",
+        &format!("{tag:x}"),
+        &len.to_string(),
+        "60000",
+    ])
+    .arg(count.to_string())
+    .envs(UCX_TCP);
+    if eager {
+        cmd.env("UCX_RNDV_THRESH", "inf");
+    }
+    let out = cmd.output().expect("running the rogue");
+    assert!(
+        out.status.success(),
+        "rogue: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("the rogue's JSON line");
+    println!("rogue flood of {count} x {len} B under {tag:#x} (eager: {eager}): {line}");
+    let field = |k: &str| line[k].as_str().unwrap_or_default().to_owned();
+    (field("status"), field("data"))
+}
+
+/// A field of /proc/PID/status in KiB (`VmRSS`, `VmHWM`).
+fn memory_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
 /// The start of the first mapping of the kvferry binary in `pid` (its ELF header), and the
 /// last 16 bytes of its last writable mapping.
 fn targets(pid: u32) -> (u64, u64) {
@@ -122,6 +169,14 @@ fn listening(pid: u32) -> Vec<(String, u16)> {
         }
     }
     out
+}
+
+/// The hex worker addresses of a decode's UCX endpoint (`ucx:` and comma-separated addresses,
+/// after the receiver's tag prefix and `/` where there is one).
+fn worker_addresses(endpoint: &str) -> Vec<String> {
+    let list = endpoint.strip_prefix("ucx:").expect("a ucx endpoint");
+    let list = list.rsplit('/').next().unwrap_or(list);
+    list.split(',').map(str::to_owned).collect()
 }
 
 fn unhex(s: &str) -> Vec<u8> {
@@ -245,13 +300,8 @@ fn a_rogue_ucx_peer_reads_writes_and_crashes_nothing() {
         }
     });
     let data = decode.field("data").unwrap();
-    let decode_address = data
-        .strip_prefix("ucx:")
-        .unwrap()
-        .split(',')
-        .next()
-        .unwrap();
-    attack(&rogue, decode, decode_address);
+    let decode_address = worker_addresses(&data)[0].clone();
+    attack(&rogue, decode, &decode_address);
 
     // The prefill's UCX worker starts with its first decode peer.
     let apis = Apis::pair(&p, &d);
@@ -263,7 +313,7 @@ fn a_rogue_ucx_peer_reads_writes_and_crashes_nothing() {
     let prefill_ports = ucx_ports(prefill);
     println!("UCX ports: decode {decode_ports:?}, prefill {prefill_ports:?}");
     assert_eq!(prefill_ports.len(), 1, "the prefill's one UCX worker");
-    let forged = forged(&unhex(decode_address), &decode_ports, prefill_ports[0]);
+    let forged = forged(&unhex(&decode_address), &decode_ports, prefill_ports[0]);
     attack(&rogue, prefill, &forged);
 
     let results = runtime()
@@ -271,6 +321,92 @@ fn a_rogue_ucx_peer_reads_writes_and_crashes_nothing() {
         .expect("rooms after the attacks");
     assert!(results.iter().all(|r| r.verified), "{results:?}");
     println!("after the rogue: 3 rooms landed verified");
+}
+
+/// Tags a flood goes under: ones nobody receives, the tag chunks went under in earlier builds,
+/// and the prefixes of placed runs and of device payloads.
+const FLOOD_TAGS: [u64; 4] = [
+    0x1234_0000_0000_0000,
+    0x4b56_4659_0000_0001,
+    0x5000_0000_0000_0000,
+    0x4400_0000_0000_0000,
+];
+
+/// Floods `agent` at `address` with 32 x 16 MiB eager messages (8 under each of
+/// [`FLOOD_TAGS`]) and 4 x 16 MiB by rendezvous, and checks that its peak memory grew by
+/// less than 64 MiB and that it lives.
+fn flood_and_measure(rogue: &PathBuf, agent: &Process, address: &str) {
+    const MIB: usize = 1 << 20;
+    let pid = agent.pid();
+    let before = memory_kib(pid, "VmHWM");
+    for tag in FLOOD_TAGS {
+        let (status, sent) = flood(rogue, address, tag, 16 * MIB, 8, true);
+        println!("{}: {status}, {sent} sent", agent.name);
+    }
+    let (status, sent) = flood(rogue, address, 0x7777 << 48, 16 * MIB, 4, false);
+    assert_eq!(
+        status, "ok",
+        "{}: a rendezvous send was left unanswered",
+        agent.name
+    );
+    println!("{}: rendezvous flood {status}, {sent} sent", agent.name);
+    // The last bytes may still be on their way through the socket.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let after = memory_kib(pid, "VmHWM");
+    let grown = after.saturating_sub(before) / 1024;
+    println!(
+        "{}: peak memory {} MiB before the flood, {} MiB after (+{grown} MiB)",
+        agent.name,
+        before / 1024,
+        after / 1024
+    );
+    assert!(
+        grown < 64,
+        "{}: a flood of 32 x 16 MiB grew its peak memory by {grown} MiB",
+        agent.name
+    );
+    assert!(
+        std::fs::metadata(format!("/proc/{pid}/fd")).is_ok() && memory_kib(pid, "VmRSS") > 0,
+        "{} died under the flood: {}",
+        agent.name,
+        agent.log.display()
+    );
+}
+
+/// A rogue UCX peer floods a decode and a prefill with messages nobody asked for (eagerly: all
+/// their bytes reach the agent), under tags nobody receives and under the tags kvferry's own
+/// messages use: each agent's peak memory grows by less than 64 MiB (32 x 16 MiB were sent),
+/// and rooms land verified afterwards.
+#[test]
+fn a_rogue_ucx_flood_leaves_agents_memory_bounded() {
+    let rogue = rogue();
+    let env: Vec<(String, String)> = UCX_TCP.map(|(k, v)| (k.to_owned(), v.to_owned())).to_vec();
+    let opts = AgentOpts {
+        transport: "ucx",
+        ..AgentOpts::default()
+    };
+    let (exe, args) = (release_binary(), opts.args());
+    let c = LocalCluster::start_shaped_env(&exe, "ucx-flood", &args, Shape::ONE, Shape::ONE, &env)
+        .expect("cluster");
+    let (prefill, decode) = (c.prefill(), c.decode());
+    let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
+    let apis = Apis::pair(&p, &d);
+    let first = runtime()
+        .block_on(drive_rooms(&apis, vec![(1, 64)], 1))
+        .expect("a first room");
+    assert!(first[0].verified, "{first:?}");
+    let data = decode.field("data").unwrap();
+    let decode_address = worker_addresses(&data)[0].clone();
+    flood_and_measure(&rogue, decode, &decode_address);
+    let decode_ports = ucx_ports(decode);
+    let prefill_ports = ucx_ports(prefill);
+    let forged = forged(&unhex(&decode_address), &decode_ports, prefill_ports[0]);
+    flood_and_measure(&rogue, prefill, &forged);
+    let results = runtime()
+        .block_on(drive_rooms(&apis, vec![(2, 512), (3, 16), (4, 2048)], 2))
+        .expect("rooms after the flood");
+    assert!(results.iter().all(|r| r.verified), "{results:?}");
+    println!("after the flood: 3 rooms landed verified");
 }
 
 /// `--direct-writes always` over UCX's tcp is refused at start, naming why: no context asks for

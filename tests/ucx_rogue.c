@@ -6,11 +6,16 @@
  *
  *   ucx_rogue HEX_ADDRESS get ADDR LEN TIMEOUT_MS     read LEN bytes of the victim at ADDR
  *   ucx_rogue HEX_ADDRESS put ADDR LEN TIMEOUT_MS     write LEN bytes of 0xAB there
+ *   ucx_rogue HEX_ADDRESS flood TAG LEN TIMEOUT_MS COUNT
+ *                                  send COUNT tagged messages of LEN bytes under TAG, TAG+1...
  *
- * ADDR is hexadecimal. Prints one JSON line: {"op":..,"status":..,"data":".."} where status is
- * "ok" (the victim did it; data: what a get read, in hex), "timeout" (no answer within
- * TIMEOUT_MS: the victim dropped the request) or UCX's name of the error. Exit 0 whatever the
- * victim did; 2 on bad arguments or a failure of the rogue's own UCX.
+ * ADDR and TAG are hexadecimal. Prints one JSON line: {"op":..,"status":..,"data":".."} where
+ * status is "ok" (the victim did it; data: what a get read, in hex; for a flood, every message
+ * left, data: how many), "timeout" (no answer within TIMEOUT_MS: the victim dropped the
+ * request) or UCX's name of the error. Exit 0 whatever the victim did; 2 on bad arguments or a
+ * failure of the rogue's own UCX. A flood goes eagerly where the environment says so
+ * (UCX_RNDV_THRESH=inf): the victim's UCX then takes every byte of a message nobody receives
+ * into its unexpected queue.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -22,6 +27,16 @@
 
 static int done;
 static ucs_status_t result;
+static size_t sent, failed;
+
+static void flooded(void *request, ucs_status_t status, void *user) {
+  (void)request;
+  (void)user;
+  if (status == UCS_OK)
+    sent++;
+  else
+    failed++;
+}
 
 static void completed(void *request, ucs_status_t status, void *user) {
   (void)request;
@@ -79,8 +94,8 @@ static int unhex(const char *s, uint8_t *out, size_t max) {
   } while (0)
 
 int main(int argc, char **argv) {
-  if (argc != 6) {
-    fprintf(stderr, "usage: ucx_rogue HEX_ADDRESS get|put ADDR LEN TIMEOUT_MS\n");
+  if (argc != 6 && argc != 7) {
+    fprintf(stderr, "usage: ucx_rogue HEX_ADDRESS get|put|flood ADDR LEN TIMEOUT_MS [COUNT]\n");
     return 2;
   }
   static uint8_t address[4096];
@@ -90,7 +105,10 @@ int main(int argc, char **argv) {
   size_t len = strtoull(argv[4], NULL, 10);
   double timeout = strtod(argv[5], NULL);
   int is_get = strcmp(op, "get") == 0;
-  if (address_len <= 0 || (!is_get && strcmp(op, "put") != 0) || len == 0 || len > (1 << 20)) {
+  int is_flood = strcmp(op, "flood") == 0;
+  size_t count = argc == 7 ? strtoull(argv[6], NULL, 10) : 0;
+  if (address_len <= 0 || (!is_get && !is_flood && strcmp(op, "put") != 0) || len == 0 ||
+      len > (is_flood ? (64u << 20) : (1u << 20)) || (is_flood != (count > 0))) {
     fprintf(stderr, "ucx_rogue: bad arguments\n");
     return 2;
   }
@@ -114,6 +132,27 @@ int main(int argc, char **argv) {
       .err_handler = {.cb = on_error, .arg = NULL}};
   ucp_ep_h ep;
   CHECK(ucp_ep_create(worker, &ep_params, &ep));
+
+  if (is_flood) {
+    /* Every message queued at once, from one buffer; each completes once its bytes left. */
+    uint8_t *payload = malloc(len);
+    memset(payload, 0x5f, len);
+    ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK,
+                              .cb = {.send = flooded}};
+    for (size_t i = 0; i < count; i++) {
+      ucs_status_ptr_t r = ucp_tag_send_nbx(ep, payload, len, target + i, &fp);
+      if (UCS_PTR_IS_ERR(r))
+        failed++;
+      else if (r == NULL)
+        sent++;
+    }
+    double deadline = now_ms() + timeout;
+    while (sent + failed < count && now_ms() < deadline) ucp_worker_progress(worker);
+    const char *status = sent == count ? "ok" : failed > 0 ? "failed" : "timeout";
+    printf("{\"op\":\"flood\",\"status\":\"%s\",\"data\":\"%zu\"}\n", status, sent);
+    fflush(stdout);
+    _exit(0);
+  }
 
   /* A key for the rogue's own buffer: over transports without native RMA, libucx carries the
    * operation to the victim as a message naming the victim's address, whatever the key. */

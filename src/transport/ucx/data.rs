@@ -3,16 +3,17 @@
 //! UCX picks its transports from the environment (`UCX_TLS`, `UCX_NET_DEVICES`): RDMA in
 //! production, tcp or shared memory here. One [`UcxWorker`] (one progress thread) serves the
 //! agent's sends or receives. A receiver's endpoint is its worker address, hex-encoded after
-//! `ucx:`, which the decode advertises in Hello; a sender connects an endpoint to it.
+//! `ucx:` and the receiver's tag prefix, which the decode advertises in Hello; a sender
+//! connects an endpoint to it.
 //!
-//! A chunk is one tagged message: its frame ([`Frame`]: the header's length, the header, the
+//! A chunk is one tagged message under the receiver's tag prefix ([`Tags`]): its frame ([`Frame`]: the header's length, the header, the
 //! payload), contiguous where the prefill built it. Chunks go to the receiver's workers in
 //! turn, each of which keeps receives posted for them (`Posting`); the receiver splits the
 //! message it got into header and payload without copying.
 //!
 //! A chunk whose payload is in device memory ([`DataSender::send_device`], where the worker's
 //! context moves CUDA memory) is two messages to the same worker: its header under
-//! `DEVICE_CHUNK_TAG` (the frame, the payload's length and a random key), then the payload
+//! [`Tags::device_chunk`] (the frame, the payload's length and a random key), then the payload
 //! straight from the sender's device staging under a tag of the key. The receiver takes the
 //! header from its posted receives, then receives the payload into device staging of the
 //! agent's ([`DataReceiver::land_on_device`]); a receiver without that refuses the header at
@@ -53,25 +54,63 @@ use crate::transport::{
 mod receive;
 use receive::{Posted, Posting, RECEIVES_AHEAD, UcxReceiver};
 
-/// Every chunk travels under this tag (a chunk whose payload is in device memory: its header
-/// under [`DEVICE_CHUNK_TAG`]).
-const CHUNK_TAG: u64 = 0x4b56_4659_0000_0001;
+/// A receiver's tags. Every message a sender addresses to a receiver's workers but placed runs
+/// carries the receiver's `prefix` in its top 32 bits: a random number with the top bit set,
+/// drawn per agent and given to prefills in the decode's endpoint (which only Hello carries).
+/// The workers drop every message that arrives with no receive posted for it unless its tag
+/// has the prefix ([`super::Unexpected`]): a peer that never saw a Hello cannot queue bytes at
+/// a receiver, nor take the receives it keeps posted for chunks. Placed runs go under
+/// [`placed_tag`], whose top bit is clear: a run arriving unasked (its chunk was cancelled) is
+/// dropped too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tags {
+    prefix: u32,
+}
 
-/// The header message of a chunk whose payload is in device memory
-/// ([`DataSender::send_device`]): the frame of the header, then the payload's length and its
-/// key (u64 LE each). The payload follows as its own message under [`device_payload_tag`],
-/// from device staging to device staging.
-const DEVICE_CHUNK_TAG: u64 = 0x4b56_4659_0000_0002;
+impl Tags {
+    fn random() -> Tags {
+        let (high, _) = uuid::Uuid::new_v4().as_u64_pair();
+        Tags {
+            prefix: 0x8000_0000 | (high as u32),
+        }
+    }
 
-/// The tag mask of the receives a receiver keeps posted: [`CHUNK_TAG`] and
-/// [`DEVICE_CHUNK_TAG`] both match.
+    /// Parses the prefix part of an endpoint (8 hex digits, top bit set).
+    fn parse(hex: &str) -> Option<Tags> {
+        let prefix = u32::from_str_radix(hex, 16).ok()?;
+        (hex.len() == 8 && prefix & 0x8000_0000 != 0).then_some(Tags { prefix })
+    }
+
+    fn base(self) -> u64 {
+        u64::from(self.prefix) << 32
+    }
+
+    /// A chunk: one message, its frame.
+    fn chunk(self) -> u64 {
+        self.base() | 1
+    }
+
+    /// The header message of a chunk whose payload is in device memory
+    /// ([`DataSender::send_device`]): the frame of the header, then the payload's length and
+    /// its key (u64 LE each). The payload follows as its own message under
+    /// [`Tags::device_payload`], from device staging to device staging.
+    fn device_chunk(self) -> u64 {
+        self.base() | 2
+    }
+
+    /// The device payload of the chunk `key` (senders draw keys at random, at least 4: a
+    /// payload's tag never matches the receives posted for chunks).
+    fn device_payload(self, key: u32) -> u64 {
+        self.base() | u64::from(key)
+    }
+}
+
+/// The tag mask of the receives a receiver keeps posted: [`Tags::chunk`] and
+/// [`Tags::device_chunk`] both match.
 const CHUNK_MASK: u64 = !0x3;
 
-/// The tag of the device payload of the chunk `key`: a prefix no other tag has, 56 bits of the
-/// key (senders draw keys at random).
-fn device_payload_tag(key: u64) -> u64 {
-    (0x44 << 56) | (key & 0x00ff_ffff_ffff_ffff)
-}
+/// The top byte of [`placed_tag`]s: late runs of cancelled chunks are dropped quietly.
+const PLACED_PREFIX: u8 = 0x50;
 
 /// How long a receiver waits for a device payload once its header arrived (both were queued
 /// together by the sender): past this the chunk fails and the receives go on.
@@ -101,7 +140,7 @@ unsafe impl RegisterableMemory for OnDevice {
 /// and 16 bits for the run's index (`protocol::MAX_RUNS`). Tagged receives match any sender,
 /// so keys must not collide among a receiver's chunks in flight: senders draw them at random.
 fn placed_tag(key: u64) -> u64 {
-    (0x50 << 56) | ((key & 0xff_ffff_ffff) << 16)
+    (u64::from(PLACED_PREFIX) << 56) | ((key & 0xff_ffff_ffff) << 16)
 }
 /// Room a chunk's header may take beyond its payload.
 const HEADER_ROOM: usize = 4096;
@@ -118,6 +157,8 @@ struct Inner {
     host: String,
     /// Whether the workers' contexts have RMA ([`rma`]).
     rma: bool,
+    /// This agent's receiving tags: its workers keep no other unexpected message.
+    tags: Tags,
     worker: OnceCell<UcxWorker>,
 }
 
@@ -132,6 +173,7 @@ impl UcxData {
                 max_chunk,
                 host: host.to_owned(),
                 rma: rma(writes, tls.as_deref(), insecure_rma()),
+                tags: Tags::random(),
                 worker: OnceCell::new(),
             }),
         }
@@ -297,13 +339,18 @@ pub fn worker_vars(
 
 impl Inner {
     /// The workers' config: the `UCX_*` environment plus [`worker_vars`], eager
-    /// ([`UcxConfig::eager`]) where chunks are, RMA where [`rma`] says, and the network devices
+    /// ([`UcxConfig::eager`]) where chunks are, RMA where [`rma`] says, unexpected messages
+    /// kept only under this agent's [`Tags`], and the network devices
     /// of [`super::devices::for_host`] unless the environment sets `UCX_NET_DEVICES`.
     fn worker_config(&self) -> Result<UcxConfig, TransportError> {
         let tls = std::env::var("UCX_TLS").ok();
         let mut config = UcxConfig::new()
             .eager(eager())
             .rma(self.rma)
+            .unexpected(super::Unexpected {
+                keep: self.tags.prefix,
+                late: PLACED_PREFIX,
+            })
             .supervise(shared_memory_only(tls.as_deref()).then_some(false));
         if !ucx_env_sets("NET_DEVICES") {
             let devices = super::devices::for_host(&self.host)
@@ -349,19 +396,25 @@ impl Inner {
     }
 }
 
-/// A receiver's endpoint: `ucx:` and the hex address of each of its workers, comma-separated
-/// (chunks go to them in turn, runs are shared out over them, see [`PULLERS`]; the first one
-/// exposes the pool).
-fn encode_addresses(addresses: &[Bytes]) -> String {
+/// A receiver's endpoint: `ucx:`, its tag prefix ([`Tags`], 8 hex digits), `/`, and the hex
+/// address of each of its workers, comma-separated (chunks go to them in turn, runs are shared
+/// out over them, see [`PULLERS`]; the first one exposes the pool).
+fn encode_endpoint(tags: Tags, addresses: &[Bytes]) -> String {
     let hex: Vec<String> = addresses
         .iter()
         .map(|a| a.iter().map(|b| format!("{b:02x}")).collect())
         .collect();
-    format!("ucx:{}", hex.join(","))
+    format!("ucx:{:08x}/{}", tags.prefix, hex.join(","))
 }
 
-fn decode_addresses(endpoint: &str) -> Option<Vec<Vec<u8>>> {
-    let list = endpoint.strip_prefix("ucx:")?;
+/// The tags and worker addresses of an endpoint of [`encode_endpoint`]; `None` for anything
+/// else (an endpoint of a build before tag prefixes has no `/`).
+fn decode_endpoint(endpoint: &str) -> Option<(Tags, Vec<Vec<u8>>)> {
+    let (prefix, list) = endpoint.strip_prefix("ucx:")?.split_once('/')?;
+    Some((Tags::parse(prefix)?, decode_addresses(list)?))
+}
+
+fn decode_addresses(list: &str) -> Option<Vec<Vec<u8>>> {
     list.split(',')
         .map(|hex| {
             if hex.is_empty() || hex.len() % 2 != 0 {
@@ -454,10 +507,11 @@ impl Transport for UcxData {
                 workers.push(inner.spawn().await?);
             }
             let addresses: Vec<Bytes> = workers.iter().map(UcxWorker::address).collect();
-            let endpoint = encode_addresses(&addresses);
+            let endpoint = encode_endpoint(inner.tags, &addresses);
             let (landed, arrivals) = tokio::sync::mpsc::unbounded_channel();
             let receiver: Box<dyn DataReceiver> = Box::new(UcxReceiver {
                 posting: Arc::new(Posting {
+                    tags: inner.tags,
                     capacity: inner.max_chunk + HEADER_ROOM,
                     state: Mutex::new(Posted {
                         wanted: RECEIVES_AHEAD,
@@ -486,8 +540,13 @@ impl Transport for UcxData {
         let endpoint = endpoint.to_owned();
         Box::pin(async move {
             let shown: String = endpoint.chars().take(24).collect();
-            let addresses = decode_addresses(&endpoint).ok_or_else(|| {
-                TransportError::malformed("connect", &shown, "not a ucx: worker address list")
+            let (tags, addresses) = decode_endpoint(&endpoint).ok_or_else(|| {
+                TransportError::malformed(
+                    "connect",
+                    &shown,
+                    "not ucx:PREFIX/ and a worker address list (a decode of an earlier kvferry \
+                     gives no tag prefix: upgrade it)",
+                )
             })?;
             // Checked before any reaches UCX (the progress thread checks again).
             for address in &addresses {
@@ -508,6 +567,7 @@ impl Transport for UcxData {
             }
             let sender: Box<dyn DataSender> = Box::new(UcxSender {
                 worker,
+                tags,
                 ep: eps[0],
                 eps,
                 sent: 0,
@@ -521,6 +581,8 @@ impl Transport for UcxData {
 
 struct UcxSender {
     worker: UcxWorker,
+    /// The receiver's.
+    tags: Tags,
     /// To the receiver's first worker: chunks, one-sided writes.
     ep: EndpointId,
     /// To each of the receiver's workers (the first is `ep`): chunks in turn, placed runs
@@ -610,7 +672,9 @@ impl DataSender for UcxSender {
         // receiver reads it in one copy; a message of parts (an io-vector) would go through
         // UCX 1.13's shared-memory FIFO, two copies in fragments (docs/benchmarks.md).
         let ep = self.next_ep();
-        let sent = self.worker.send_tag(ep, CHUNK_TAG, frame.bytes().clone());
+        let sent = self
+            .worker
+            .send_tag(ep, self.tags.chunk(), frame.bytes().clone());
         self.sent("send", sent)
     }
 
@@ -622,16 +686,18 @@ impl DataSender for UcxSender {
         // The header (host memory) and the payload (device memory) are two messages: one UCX
         // request has one memory type. Both go to the same worker of the receiver, in order.
         let ep = self.next_ep();
-        let key = uuid::Uuid::new_v4().as_u64_pair().0;
+        let key = (uuid::Uuid::new_v4().as_u64_pair().0 as u32).max(4);
         let mut trailer = Vec::with_capacity(16);
         trailer.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        trailer.extend_from_slice(&key.to_le_bytes());
+        trailer.extend_from_slice(&u64::from(key).to_le_bytes());
         let parts = vec![header.bytes().clone(), Bytes::from(trailer)];
-        let head = self.worker.send_tag_parts(ep, DEVICE_CHUNK_TAG, parts);
+        let head = self
+            .worker
+            .send_tag_parts(ep, self.tags.device_chunk(), parts);
         let len = payload.len() as u64;
         let body = self.worker.send_runs(
             ep,
-            device_payload_tag(key),
+            self.tags.device_payload(key),
             Arc::new(OnDevice(payload)),
             vec![Span { offset: 0, len }],
         );
@@ -658,7 +724,7 @@ impl DataSender for UcxSender {
         let bytes = prefix.bytes().clone();
         let sent = self
             .worker
-            .send_tag_from(ep, CHUNK_TAG, bytes, source, runs);
+            .send_tag_from(ep, self.tags.chunk(), bytes, source, runs);
         self.sent("send_from", sent)
     }
 

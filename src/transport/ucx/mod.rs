@@ -42,7 +42,8 @@ pub mod worker;
 
 pub use region::{Region, RegisterableMemory};
 pub use worker::{
-    EndpointId, MemId, Received, Registered, RemoteRegionId, Span, UcxConfig, UcxWorker, WriteRun,
+    EndpointId, MemId, Received, Registered, RemoteRegionId, Span, UcxConfig, UcxWorker,
+    Unexpected, WriteRun,
 };
 
 /// The kinds of memory a UCP context sends from and receives into, as `ucp_context_query`

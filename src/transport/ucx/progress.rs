@@ -139,7 +139,21 @@ struct Engine {
     eager: bool,
     /// What the context moves (`ucp_context_query`): memory of another kind is refused.
     memory_types: MemoryTypes,
+    /// [`UcxConfig::unexpected`], and what was dropped since the last report.
+    unexpected: Option<(super::worker::Unexpected, Dropped)>,
 }
+
+/// Messages dropped by [`Engine::drop_unexpected`] since the last report.
+struct Dropped {
+    /// Messages and bytes under the `late` prefix (runs of cancelled chunks).
+    late: (u64, u64),
+    /// Every other one: (messages, bytes, last tag).
+    foreign: (u64, u64, u64),
+    since: Instant,
+}
+
+/// The least time between two reports of dropped messages.
+const DROP_REPORT: Duration = Duration::from_secs(10);
 
 impl Engine {
     /// `Ok` when this context moves `memory` of its kind; a typed refusal otherwise.
@@ -180,6 +194,18 @@ impl Engine {
             supervise: config.supervise,
             eager: config.eager,
             memory_types,
+            unexpected: config.unexpected.map(|u| {
+                let now = Instant::now();
+                let since = now.checked_sub(DROP_REPORT).unwrap_or(now);
+                (
+                    u,
+                    Dropped {
+                        late: (0, 0),
+                        foreign: (0, 0, 0),
+                        since,
+                    },
+                )
+            }),
         })
     }
 
@@ -225,6 +251,8 @@ impl Engine {
                 if self.worker.progress() == 0 {
                     break;
                 }
+                // Each round, so that a flood never queues more than one round's segments.
+                self.drop_unexpected();
                 busy = true;
             }
             busy |= self.sweep() > 0;
@@ -549,6 +577,49 @@ impl Engine {
                 let _ = reply.send(Ok(()));
             }
             Command::Shutdown { .. } => {}
+        }
+    }
+
+    /// Drops the tagged messages that arrived with no receive posted and that
+    /// [`UcxConfig::unexpected`] does not keep; reports them at most every [`DROP_REPORT`]: a
+    /// warning for messages of a foreign tag, a debug line for late runs.
+    fn drop_unexpected(&mut self) {
+        let Some((unexpected, dropped)) = &mut self.unexpected else {
+            return;
+        };
+        let late = unexpected.late;
+        let n = self.worker.drop_unexpected(unexpected.keep, |tag, len| {
+            if (tag >> 56) as u8 == late {
+                dropped.late.0 += 1;
+                dropped.late.1 += len as u64;
+            } else {
+                dropped.foreign.0 += 1;
+                dropped.foreign.1 += len as u64;
+                dropped.foreign.2 = tag;
+            }
+        });
+        if n == 0 || dropped.since.elapsed() < DROP_REPORT {
+            return;
+        }
+        let (runs, run_bytes) = std::mem::take(&mut dropped.late);
+        let (foreign, bytes, tag) = std::mem::take(&mut dropped.foreign);
+        dropped.since = Instant::now();
+        if runs > 0 {
+            tracing::debug!(
+                runs,
+                bytes = run_bytes,
+                "UCX: dropped late runs of cancelled chunks"
+            );
+        }
+        if foreign > 0 {
+            tracing::warn!(
+                messages = foreign,
+                bytes,
+                last_tag = format_args!("{tag:#x}"),
+                "UCX: dropped messages no receive was posted for, under tags no kvferry peer of \
+                 this agent uses (a peer that is not a prefill of this cluster, or one sending \
+                 too much); counted again at most every 10 s"
+            );
         }
     }
 

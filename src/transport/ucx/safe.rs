@@ -320,6 +320,52 @@ impl Worker {
         })
     }
 
+    /// Drops every tagged message waiting unexpected (no receive was posted for it) whose tag's
+    /// top 32 bits are not `keep`, and returns how many: each is received into nothing, which
+    /// UCX ends as truncated, discarding its bytes (those of its fragments still on the way
+    /// too) and telling a rendezvous sender. `seen` gets each one's tag and length. Messages
+    /// under `keep` stay queued for a receive to come.
+    pub fn drop_unexpected(&self, keep: u32, mut seen: impl FnMut(u64, usize)) -> usize {
+        let mut dropped = 0;
+        // A tag outside `keep` differs from it in at least one of its top 32 bits: one probe
+        // per bit, matching the tags whose bit differs from `keep`'s.
+        for bit in 32..64 {
+            let mask = 1u64 << bit;
+            let tag = !(u64::from(keep) << 32) & mask;
+            loop {
+                let mut info = sys::ucp_tag_recv_info_t::default();
+                // SAFETY: the worker is live and used on its own thread; `info` is a valid
+                // out-pointer for the call.
+                let message =
+                    unsafe { sys::ucp_tag_probe_nb(self.ptr.as_ptr(), tag, mask, 1, &mut info) };
+                if message.is_null() {
+                    break;
+                }
+                // No callback and no buffer: nothing is written, nothing reported.
+                let param = result::request_param();
+                // SAFETY: `message` was just removed from the queue by the probe, as the call
+                // requires; a receive of 0 bytes never touches its (null) buffer.
+                let ptr = unsafe {
+                    sys::ucp_tag_msg_recv_nbx(
+                        self.ptr.as_ptr(),
+                        std::ptr::null_mut(),
+                        0,
+                        message,
+                        &param,
+                    )
+                };
+                if sys::ucs_ptr_is_ptr(ptr) {
+                    // SAFETY: a request of this worker, freed once: UCX finishes it on its own
+                    // (a request freed before it ends is released when it ends).
+                    unsafe { sys::ucp_request_free(ptr) };
+                }
+                seen(info.sender_tag, info.length);
+                dropped += 1;
+            }
+        }
+        dropped
+    }
+
     /// Starts flushing every endpoint of the worker.
     pub fn flush(self: &Rc<Self>) -> Result<Started<()>, UcxError> {
         let param = self.tracked(false);

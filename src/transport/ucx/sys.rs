@@ -55,6 +55,8 @@ pub type ucp_worker_h = *mut ucp_worker;
 pub type ucp_ep_h = *mut ucp_ep;
 pub type ucp_mem_h = *mut ucp_mem;
 pub type ucp_rkey_h = *mut ucp_rkey;
+/// A message taken off the unexpected queue by `ucp_tag_probe_nb` (opaque).
+pub type ucp_tag_message_h = *mut c_void;
 
 // ucs_status_t values (ucs/type/status.h).
 pub const UCS_OK: ucs_status_t = 0;
@@ -411,6 +413,20 @@ unsafe extern "C" {
         count: usize,
         tag: ucp_tag_t,
         tag_mask: ucp_tag_t,
+        param: *const ucp_request_param_t,
+    ) -> ucs_status_ptr_t;
+    pub fn ucp_tag_probe_nb(
+        worker: ucp_worker_h,
+        tag: ucp_tag_t,
+        tag_mask: ucp_tag_t,
+        remove: c_int,
+        info: *mut ucp_tag_recv_info_t,
+    ) -> ucp_tag_message_h;
+    pub fn ucp_tag_msg_recv_nbx(
+        worker: ucp_worker_h,
+        buffer: *mut c_void,
+        count: usize,
+        message: ucp_tag_message_h,
         param: *const ucp_request_param_t,
     ) -> ucs_status_ptr_t;
     pub fn ucp_put_nbx(

@@ -60,6 +60,21 @@ pub struct UcxConfig {
     pub(super) supervise: Option<bool>,
     pub(super) eager: bool,
     pub(super) rma: bool,
+    pub(super) unexpected: Option<Unexpected>,
+}
+
+/// Which tagged messages that arrive with no receive posted for them a worker keeps
+/// ([`UcxConfig::unexpected`]): those whose tag's top 32 bits are `keep`. Every other one is
+/// dropped as it arrives, so no peer can fill the worker's memory with messages nobody
+/// receives (UCX queues them without bound, and cannot name their sender).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Unexpected {
+    /// The prefix of the tags kept.
+    pub keep: u32,
+    /// The top byte of tags whose messages may arrive late in normal operation (runs of a
+    /// chunk cancelled meanwhile): dropped quietly, where any other drop is logged as a
+    /// warning.
+    pub late: u8,
 }
 
 impl UcxConfig {
@@ -109,6 +124,14 @@ impl UcxConfig {
     /// ([`UcxWorker::add_remote_region`]) are refused.
     pub fn rma(mut self, rma: bool) -> Self {
         self.rma = rma;
+        self
+    }
+
+    /// Drops tagged messages that arrive with no receive posted for them, but those
+    /// `unexpected` keeps (default: UCX keeps every one until a receive takes it). Counts are
+    /// logged at most every 10 s.
+    pub fn unexpected(mut self, unexpected: Unexpected) -> Self {
+        self.unexpected = Some(unexpected);
         self
     }
 

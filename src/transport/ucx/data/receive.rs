@@ -32,6 +32,14 @@ impl UcxReceiver {
             }
             _ => return Err(fail("a device chunk's trailer is not 16 bytes".into())),
         };
+        let key = match u32::try_from(key) {
+            Ok(key) if key >= 4 => key,
+            _ => {
+                return Err(fail(format!(
+                    "a device chunk's key {key:#x} is not one of 4..2^32"
+                )));
+            }
+        };
         if len > self.max_chunk as u64 {
             return Err(fail(format!(
                 "a device payload of {len} bytes exceeds the {}-byte chunk",
@@ -59,7 +67,7 @@ impl UcxReceiver {
         let memory: Arc<dyn RegisterableMemory> = Arc::new(OnDevice(buf.clone()));
         let landing = worker
             .recv_runs(
-                device_payload_tag(key),
+                self.posting.tags.device_payload(key),
                 memory,
                 vec![vec![Span { offset: 0, len }]],
                 cancel.clone(),
@@ -100,6 +108,8 @@ pub(super) const RECEIVES_AHEAD: usize = 16;
 /// receiving process once a receive matched it. A posted receive reserves its buffer's
 /// address space; the pages are touched only by a chunk landing there.
 pub(super) struct Posting {
+    /// The receiver's tags: chunks come under [`Tags::chunk`].
+    pub(super) tags: Tags,
     /// Every worker of the receiver: each takes chunks and pulls placed runs; the first one
     /// exposes the pool.
     pub(super) workers: Vec<UcxWorker>,
@@ -140,7 +150,7 @@ impl Posting {
             while state.open[w] < state.wanted {
                 state.open[w] += 1;
                 let receive = worker.post_recv_tag_into(
-                    CHUNK_TAG,
+                    self.tags.chunk(),
                     CHUNK_MASK,
                     self.capacity,
                     buffers.clone(),
@@ -232,13 +242,14 @@ impl DataReceiver for UcxReceiver {
                     "a chunk message must be a length-prefixed header and a payload",
                 )
             })?;
+            let tags = self.posting.tags;
             match tag {
                 // The payload follows its header at once (queued together): the next chunk
                 // waits for it. A sender dead in between holds this receive until the agent
                 // resets the receiver for the dead peer (dropping this future; the progress
                 // thread keeps the device buffer until UCX lets go of it), or 30 s.
-                DEVICE_CHUNK_TAG => Ok((header, self.device_payload(w, rest).await?)),
-                CHUNK_TAG => Ok((header, Payload::Host(rest))),
+                t if t == tags.device_chunk() => Ok((header, self.device_payload(w, rest).await?)),
+                t if t == tags.chunk() => Ok((header, Payload::Host(rest))),
                 other => Err(TransportError::new(
                     "recv",
                     "ucx",

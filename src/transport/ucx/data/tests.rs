@@ -4,16 +4,54 @@
 use super::*;
 
 #[test]
-fn addresses_round_trip_and_garbage_is_refused() {
+fn endpoints_round_trip_and_garbage_is_refused() {
     let (a, b) = (vec![0u8, 1, 0xab, 0xff], vec![7u8; 3]);
-    let one = encode_addresses(&[Bytes::from(a.clone())]);
-    assert_eq!(decode_addresses(&one), Some(vec![a.clone()]));
-    let two = encode_addresses(&[Bytes::from(a.clone()), Bytes::from(b.clone())]);
-    assert_eq!(decode_addresses(&two), Some(vec![a, b]));
+    let tags = Tags::random();
+    assert!(tags.prefix & 0x8000_0000 != 0);
+    let one = encode_endpoint(tags, &[Bytes::from(a.clone())]);
+    assert_eq!(one, format!("ucx:{:08x}/0001abff", tags.prefix));
+    assert_eq!(decode_endpoint(&one), Some((tags, vec![a.clone()])));
+    let two = encode_endpoint(tags, &[Bytes::from(a.clone()), Bytes::from(b.clone())]);
+    assert_eq!(decode_endpoint(&two), Some((tags, vec![a, b])));
     for bad in [
-        "", "ucx:", "ucx:0", "ucx:zz", "tcp://x", "ucx:00,", "ucx:,00", "ucx:00,0",
+        "",
+        "ucx:",
+        "ucx:0",
+        "ucx:zz",
+        "tcp://x",
+        "ucx:00,",
+        "ucx:,00",
+        "ucx:00,0",
+        // An endpoint of a build before tag prefixes.
+        "ucx:0001abff",
+        "ucx:80000001/",
+        "ucx:80000001/00,",
+        "ucx:80000001/zz",
+        // A prefix without its top bit, of the wrong length, not hex.
+        "ucx:00000001/00",
+        "ucx:8000001/00",
+        "ucx:800000001/00",
+        "ucx:8000000g/00",
     ] {
-        assert!(decode_addresses(bad).is_none(), "{bad}");
+        assert!(decode_endpoint(bad).is_none(), "{bad}");
+    }
+}
+
+/// Every tag a sender puts on a message for a receiver but a placed run's carries the
+/// receiver's prefix (so its workers keep it if it arrives unexpected); runs' tags never do,
+/// and a device payload's never matches the receives posted for chunks.
+#[test]
+fn a_receivers_tags_carry_its_prefix_and_runs_never_do() {
+    let tags = Tags::random();
+    let kept = |tag: u64| (tag >> 32) as u32 == tags.prefix;
+    assert!(kept(tags.chunk()) && kept(tags.device_chunk()));
+    assert!(kept(tags.device_payload(4)) && kept(tags.device_payload(u32::MAX)));
+    let posted = |tag: u64| tag & CHUNK_MASK == tags.chunk() & CHUNK_MASK;
+    assert!(posted(tags.chunk()) && posted(tags.device_chunk()));
+    assert!(!posted(tags.device_payload(4)));
+    for key in [0, 1, u64::MAX, 0x1234_5678_9abc] {
+        let run = placed_tag(key);
+        assert!(run >> 63 == 0 && (run >> 56) as u8 == PLACED_PREFIX && !kept(run));
     }
 }
 
