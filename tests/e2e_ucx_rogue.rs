@@ -41,14 +41,10 @@ fn rogue() -> PathBuf {
     out
 }
 
-/// What one attempt of the rogue got: its status (`ok`, `timeout` or UCX's error) and, for a
-/// read, the bytes in hex.
-fn attempt(rogue: &PathBuf, address: &str, op: &str, at: u64, len: usize) -> (String, String) {
-    let out = Command::new(rogue)
-        .args([address, op, &format!("{at:x}"), &len.to_string(), "3000"])
-        .envs(UCX_TCP)
-        .output()
-        .expect("running the rogue");
+/// Runs the rogue as `cmd` says, over UCX's tcp on loopback; returns its status and data
+/// (see tests/ucx_rogue.c), printed with `what`.
+fn run_rogue(mut cmd: Command, what: &str) -> (String, String) {
+    let out = cmd.envs(UCX_TCP).output().expect("running the rogue");
     assert!(
         out.status.success(),
         "rogue: {}",
@@ -56,9 +52,17 @@ fn attempt(rogue: &PathBuf, address: &str, op: &str, at: u64, len: usize) -> (St
     );
     let line: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("the rogue's JSON line");
+    println!("rogue {what}: {line}");
     let field = |k: &str| line[k].as_str().unwrap_or_default().to_owned();
-    println!("rogue {op} at {at:#x}: {line}");
     (field("status"), field("data"))
+}
+
+/// What one attempt of the rogue got: its status (`ok`, `timeout` or UCX's error) and, for a
+/// read, the bytes in hex.
+fn attempt(rogue: &PathBuf, address: &str, op: &str, at: u64, len: usize) -> (String, String) {
+    let mut cmd = Command::new(rogue);
+    cmd.args([address, op, &format!("{at:x}"), &len.to_string(), "3000"]);
+    run_rogue(cmd, &format!("{op} at {at:#x}"))
 }
 
 /// Floods `address` with `count` messages of `len` bytes under tags `tag`, `tag + 1`, ...
@@ -73,29 +77,14 @@ fn flood(
     eager: bool,
 ) -> (String, String) {
     let mut cmd = Command::new(rogue);
-    cmd.args([
-        address,
-        "flood",
-        &format!("{tag:x}"),
-        &len.to_string(),
-        "60000",
-    ])
-    .arg(count.to_string())
-    .envs(UCX_TCP);
+    let (tag_hex, len_text) = (format!("{tag:x}"), len.to_string());
+    cmd.args([address, "flood", &tag_hex, &len_text, "20000"])
+        .arg(count.to_string());
     if eager {
         cmd.env("UCX_RNDV_THRESH", "inf");
     }
-    let out = cmd.output().expect("running the rogue");
-    assert!(
-        out.status.success(),
-        "rogue: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let line: serde_json::Value =
-        serde_json::from_slice(&out.stdout).expect("the rogue's JSON line");
-    println!("rogue flood of {count} x {len} B under {tag:#x} (eager: {eager}): {line}");
-    let field = |k: &str| line[k].as_str().unwrap_or_default().to_owned();
-    (field("status"), field("data"))
+    let what = format!("flood of {count} x {len} B under {tag:#x} (eager: {eager})");
+    run_rogue(cmd, &what)
 }
 
 /// A field of /proc/PID/status in KiB (`VmRSS`, `VmHWM`).
@@ -258,8 +247,13 @@ fn attack(rogue: &PathBuf, agent: &Process, address: &str) {
         agent.name
     );
     std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_alive(agent);
+}
+
+/// Fails the test when `agent` died.
+fn assert_alive(agent: &Process) {
     // A dead child stays in /proc as a zombie (state Z) until the test reaps it.
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", agent.pid())).unwrap_or_default();
     let state = stat
         .rsplit(')')
         .next()
@@ -274,17 +268,30 @@ fn attack(rogue: &PathBuf, agent: &Process, address: &str) {
     );
 }
 
-#[test]
-fn a_rogue_ucx_peer_reads_writes_and_crashes_nothing() {
-    let rogue = rogue();
+/// A registry, a prefill and a decode over UCX's tcp on loopback.
+fn ucx_pair(name: &str) -> LocalCluster {
     let env: Vec<(String, String)> = UCX_TCP.map(|(k, v)| (k.to_owned(), v.to_owned())).to_vec();
     let opts = AgentOpts {
         transport: "ucx",
         ..AgentOpts::default()
     };
     let (exe, args) = (release_binary(), opts.args());
-    let c = LocalCluster::start_shaped_env(&exe, "ucx-rogue", &args, Shape::ONE, Shape::ONE, &env)
-        .expect("cluster");
+    LocalCluster::start_shaped_env(&exe, name, &args, Shape::ONE, Shape::ONE, &env)
+        .expect("cluster")
+}
+
+/// Runs `rooms` (id, tokens) two at a time and checks that each landed verified.
+fn rooms_land(apis: &Apis, rooms: Vec<(u64, usize)>) {
+    let results = runtime()
+        .block_on(drive_rooms(apis, rooms, 2))
+        .expect("rooms");
+    assert!(results.iter().all(|r| r.verified), "{results:?}");
+}
+
+#[test]
+fn a_rogue_ucx_peer_reads_writes_and_crashes_nothing() {
+    let rogue = rogue();
+    let c = ucx_pair("ucx-rogue");
     let (prefill, decode) = (c.prefill(), c.decode());
     let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
     let http = common::http();
@@ -305,10 +312,7 @@ fn a_rogue_ucx_peer_reads_writes_and_crashes_nothing() {
 
     // The prefill's UCX worker starts with its first decode peer.
     let apis = Apis::pair(&p, &d);
-    let first = runtime()
-        .block_on(drive_rooms(&apis, vec![(1, 64)], 1))
-        .expect("a first room");
-    assert!(first[0].verified, "{first:?}");
+    rooms_land(&apis, vec![(1, 64)]);
     let decode_ports = ucx_ports(decode);
     let prefill_ports = ucx_ports(prefill);
     println!("UCX ports: decode {decode_ports:?}, prefill {prefill_ports:?}");
@@ -316,10 +320,7 @@ fn a_rogue_ucx_peer_reads_writes_and_crashes_nothing() {
     let forged = forged(&unhex(&decode_address), &decode_ports, prefill_ports[0]);
     attack(&rogue, prefill, &forged);
 
-    let results = runtime()
-        .block_on(drive_rooms(&apis, vec![(2, 512), (3, 16), (4, 2048)], 2))
-        .expect("rooms after the attacks");
-    assert!(results.iter().all(|r| r.verified), "{results:?}");
+    rooms_land(&apis, vec![(2, 512), (3, 16), (4, 2048)]);
     println!("after the rogue: 3 rooms landed verified");
 }
 
@@ -365,12 +366,7 @@ fn flood_and_measure(rogue: &PathBuf, agent: &Process, address: &str) {
         "{}: a flood of 32 x 16 MiB grew its peak memory by {grown} MiB",
         agent.name
     );
-    assert!(
-        std::fs::metadata(format!("/proc/{pid}/fd")).is_ok() && memory_kib(pid, "VmRSS") > 0,
-        "{} died under the flood: {}",
-        agent.name,
-        agent.log.display()
-    );
+    assert_alive(agent);
 }
 
 /// A rogue UCX peer floods a decode and a prefill with messages nobody asked for (eagerly: all
@@ -380,21 +376,11 @@ fn flood_and_measure(rogue: &PathBuf, agent: &Process, address: &str) {
 #[test]
 fn a_rogue_ucx_flood_leaves_agents_memory_bounded() {
     let rogue = rogue();
-    let env: Vec<(String, String)> = UCX_TCP.map(|(k, v)| (k.to_owned(), v.to_owned())).to_vec();
-    let opts = AgentOpts {
-        transport: "ucx",
-        ..AgentOpts::default()
-    };
-    let (exe, args) = (release_binary(), opts.args());
-    let c = LocalCluster::start_shaped_env(&exe, "ucx-flood", &args, Shape::ONE, Shape::ONE, &env)
-        .expect("cluster");
+    let c = ucx_pair("ucx-flood");
     let (prefill, decode) = (c.prefill(), c.decode());
     let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
     let apis = Apis::pair(&p, &d);
-    let first = runtime()
-        .block_on(drive_rooms(&apis, vec![(1, 64)], 1))
-        .expect("a first room");
-    assert!(first[0].verified, "{first:?}");
+    rooms_land(&apis, vec![(1, 64)]);
     let data = decode.field("data").unwrap();
     let decode_address = worker_addresses(&data)[0].clone();
     flood_and_measure(&rogue, decode, &decode_address);
@@ -402,10 +388,7 @@ fn a_rogue_ucx_flood_leaves_agents_memory_bounded() {
     let prefill_ports = ucx_ports(prefill);
     let forged = forged(&unhex(&decode_address), &decode_ports, prefill_ports[0]);
     flood_and_measure(&rogue, prefill, &forged);
-    let results = runtime()
-        .block_on(drive_rooms(&apis, vec![(2, 512), (3, 16), (4, 2048)], 2))
-        .expect("rooms after the flood");
-    assert!(results.iter().all(|r| r.verified), "{results:?}");
+    rooms_land(&apis, vec![(2, 512), (3, 16), (4, 2048)]);
     println!("after the flood: 3 rooms landed verified");
 }
 
