@@ -144,12 +144,14 @@ struct Engine {
 }
 
 /// Messages dropped by [`Engine::drop_unexpected`] since the last report.
+#[derive(Default)]
 struct Dropped {
     /// Messages and bytes under the `late` prefix (runs of cancelled chunks).
     late: (u64, u64),
     /// Every other one: (messages, bytes, last tag).
     foreign: (u64, u64, u64),
-    since: Instant,
+    /// When the last report was logged.
+    reported: Option<Instant>,
 }
 
 /// The least time between two reports of dropped messages.
@@ -194,18 +196,7 @@ impl Engine {
             supervise: config.supervise,
             eager: config.eager,
             memory_types,
-            unexpected: config.unexpected.map(|u| {
-                let now = Instant::now();
-                let since = now.checked_sub(DROP_REPORT).unwrap_or(now);
-                (
-                    u,
-                    Dropped {
-                        late: (0, 0),
-                        foreign: (0, 0, 0),
-                        since,
-                    },
-                )
-            }),
+            unexpected: config.unexpected.map(|u| (u, Dropped::default())),
         })
     }
 
@@ -598,12 +589,12 @@ impl Engine {
                 dropped.foreign.2 = tag;
             }
         });
-        if n == 0 || dropped.since.elapsed() < DROP_REPORT {
+        if n == 0 || dropped.reported.is_some_and(|t| t.elapsed() < DROP_REPORT) {
             return;
         }
         let (runs, run_bytes) = std::mem::take(&mut dropped.late);
         let (foreign, bytes, tag) = std::mem::take(&mut dropped.foreign);
-        dropped.since = Instant::now();
+        dropped.reported = Some(Instant::now());
         if runs > 0 {
             tracing::debug!(
                 runs,
