@@ -1,13 +1,16 @@
 //! Serving an axum router on a TCP listener: the registry, the agents' engine API and the
 //! proxy all serve through [`serve`].
 //!
-//! A connection is unproven ([`crate::admission`]) from its accept until it made a request that
-//! was not refused with 401: the oldest unproven connections are dropped first once
+//! A connection is unproven ([`crate::admission`]) from its accept until a request came on it
+//! ([`Proof::Request`], a port without a token) or a request its app let past the token check
+//! ([`Proof::Authorized`]): the oldest unproven connections are dropped first once
 //! [`MAX_UNPROVEN`](crate::admission::MAX_UNPROVEN) wait, and any unproven for
 //! [`PROOF_DEADLINE`](crate::admission::PROOF_DEADLINE) is dropped, so connections that never
 //! send a request (or only requests without the token) never stop a client's from being
-//! served. A proven connection is served for as long as its client keeps it, as with any
-//! keep-alive HTTP/1.1 server.
+//! served. The proof comes as the request arrives, not with its answer: a request that takes
+//! longer than the deadline to answer (a completion through the proxy) keeps its connection.
+//! A proven connection is served for as long as its client keeps it, as with any keep-alive
+//! HTTP/1.1 server.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,14 +28,36 @@ use crate::admission::{Admission, Admitted};
 /// dropping of unproven connections frees some meanwhile.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
 
+/// What proves a connection served by [`serve`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proof {
+    /// Any request (a port without a token).
+    Request,
+    /// A request the app let past its token check: the app calls [`prove`] then.
+    Authorized,
+}
+
+/// The connection a request came on, in the request's extensions.
+#[derive(Clone)]
+struct Connection(Arc<Admitted>);
+
+/// Proves the connection `request` came on (an app serving with [`Proof::Authorized`] calls
+/// this once the request passed its token check).
+pub fn prove<B>(request: &hyper::Request<B>) {
+    if let Some(Connection(admitted)) = request.extensions().get() {
+        admitted.prove();
+    }
+}
+
 /// Serves `app` on `listener` until `shutdown` is cancelled, then lets open requests finish
 /// and returns once every connection closed. `what` names the port in logs ("registry",
-/// "engine API", "proxy").
+/// "engine API", "proxy"); `proof` says what proves a connection.
 pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
     shutdown: CancellationToken,
     what: &'static str,
+    proof: Proof,
 ) -> std::io::Result<()> {
     let admission = Admission::new(what);
     let tasks = TaskTracker::new();
@@ -51,7 +76,13 @@ pub async fn serve(
             },
         };
         let admitted = admission.admit(peer.to_string());
-        tasks.spawn(connection(stream, app.clone(), admitted, shutdown.clone()));
+        tasks.spawn(connection(
+            stream,
+            app.clone(),
+            admitted,
+            proof,
+            shutdown.clone(),
+        ));
     }
     drop(listener);
     tasks.close();
@@ -63,21 +94,18 @@ async fn connection(
     stream: tokio::net::TcpStream,
     app: axum::Router,
     admitted: Admitted,
+    proof: Proof,
     shutdown: CancellationToken,
 ) {
     let admitted = Arc::new(admitted);
     let inner = TowerToHyperService::new(app);
-    let proof = admitted.clone();
-    let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
-        let response = hyper::service::Service::call(&inner, request);
-        let proof = proof.clone();
-        async move {
-            let response = response.await?;
-            if response.status() != axum::http::StatusCode::UNAUTHORIZED {
-                proof.prove();
-            }
-            Ok::<_, std::convert::Infallible>(response)
+    let connection = Connection(admitted.clone());
+    let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
+        if proof == Proof::Request {
+            connection.0.prove();
         }
+        request.extensions_mut().insert(connection.clone());
+        hyper::service::Service::call(&inner, request)
     });
     let served = hyper::server::conn::http1::Builder::new()
         .serve_connection(TokioIo::new(stream), service)
@@ -93,5 +121,72 @@ async fn connection(
                 () = admitted.dropped() => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::PROOF_DEADLINE;
+    use axum::Router;
+    use axum::extract::Request;
+    use axum::middleware::{self, Next};
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// The status line of a GET to `/slow` on a fresh connection ("" when the connection closed
+    /// without an answer), served with `proof`; `/slow` answers after `delay` (never without
+    /// one), and the app proves each request when `app_proves`.
+    async fn slow_answer(proof: Proof, app_proves: bool, delay: Option<Duration>) -> String {
+        let mut app = Router::new().route(
+            "/slow",
+            get(move || async move {
+                match delay {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => std::future::pending().await,
+                }
+                "done"
+            }),
+        );
+        if app_proves {
+            app = app.layer(middleware::from_fn(|req: Request, next: Next| async move {
+                prove(&req);
+                next.run(req).await
+            }));
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve(listener, app, shutdown.clone(), "test", proof));
+        let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        client
+            .write_all(b"GET /slow HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("request");
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(120), client.read_to_end(&mut answer));
+        assert!(
+            read.await.is_ok(),
+            "the connection neither answered nor closed"
+        );
+        shutdown.cancel();
+        server.abort();
+        let answer = String::from_utf8_lossy(&answer);
+        answer.lines().next().unwrap_or_default().to_owned()
+    }
+
+    #[tokio::test]
+    async fn a_request_proves_its_connection_as_it_arrives_not_with_its_answer() {
+        let long = Some(2 * PROOF_DEADLINE);
+        let (any, authorized, unproven) = tokio::join!(
+            slow_answer(Proof::Request, false, long),
+            slow_answer(Proof::Authorized, true, long),
+            // Control: a request the app never lets past its token check leaves the connection
+            // unproven, and the deadline drops it.
+            slow_answer(Proof::Authorized, false, None),
+        );
+        assert_eq!(any, "HTTP/1.1 200 OK", "a port without a token");
+        assert_eq!(authorized, "HTTP/1.1 200 OK", "a port with a token");
+        assert_eq!(unproven, "", "an unproven connection is dropped");
     }
 }

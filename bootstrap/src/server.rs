@@ -182,8 +182,12 @@ pub async fn serve_store<S: Store>(
     };
     let stop_sweeper = shutdown.child_token();
     let sweeper = tokio::spawn(sweep(state.store.clone(), period, stop_sweeper.clone()));
+    let proof = match state.token {
+        Some(_) => crate::http::Proof::Authorized,
+        None => crate::http::Proof::Request,
+    };
     let app = router(state, config.body_limit);
-    let server = crate::http::serve(listener, app, shutdown.clone(), "registry");
+    let server = crate::http::serve(listener, app, shutdown.clone(), "registry", proof);
     let result = tokio::select! {
         result = server => result,
         () = async {
@@ -424,7 +428,8 @@ fn path_rejection(rejection: &PathRejection) -> ApiError {
 }
 
 /// Lets a request through when no token is configured, when it is `GET /healthz`, or when it
-/// carries `Authorization: Bearer TOKEN`; answers 401 otherwise.
+/// carries `Authorization: Bearer TOKEN`; answers 401 otherwise. A request let through proves
+/// its connection ([`crate::http::prove`]).
 async fn authorize<S: Store>(
     State(state): State<AppState<S>>,
     req: Request,
@@ -434,10 +439,14 @@ async fn authorize<S: Store>(
         return next.run(req).await;
     };
     if req.uri().path() == "/healthz" && req.method() == Method::GET {
+        crate::http::prove(&req);
         return next.run(req).await;
     }
     match check_bearer(req.headers().get(header::AUTHORIZATION), token) {
-        Ok(()) => next.run(req).await,
+        Ok(()) => {
+            crate::http::prove(&req);
+            next.run(req).await
+        }
         Err(e) => e.into_response(),
     }
 }

@@ -234,7 +234,13 @@ pub fn spawn_api(
     role: &'static str,
 ) {
     tasks.spawn(async move {
-        let serve = kvferry_bootstrap::http::serve(listener, app, shutdown, "engine API");
+        let serve = kvferry_bootstrap::http::serve(
+            listener,
+            app,
+            shutdown,
+            "engine API",
+            kvferry_bootstrap::http::Proof::Request,
+        );
         if let Err(e) = serve.await {
             tracing::error!(role, error = %e, "engine API stopped");
         }

@@ -90,7 +90,14 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         stdout.flush()?;
     }
     tracing::info!(%url, pairing = ?args.pairing, "proxy listening");
-    let served = kvferry_bootstrap::http::serve(listener, router(proxy), shutdown, "proxy").await;
+    let served = kvferry_bootstrap::http::serve(
+        listener,
+        router(proxy),
+        shutdown,
+        "proxy",
+        kvferry_bootstrap::http::Proof::Request,
+    )
+    .await;
     signals.abort();
     for w in watchers {
         w.abort();
