@@ -830,6 +830,144 @@ impl<'a> HeldWrites<'a> {
     }
 }
 
+/// Every byte of the decode pool: each room's pages hold its write (the engine's data at the
+/// room's prefill pages), the rest the poison. The bytes that landed.
+fn assert_rooms_landed(
+    engine: &Engine,
+    decode_pool: u64,
+    layout: &KvLayout,
+    rooms: &[Room<'_>],
+) -> usize {
+    let dst_bytes = engine.read(decode_pool, layout.pool_bytes(PAGES).unwrap());
+    let (stride, block) = (layout.page_stride().unwrap(), layout.block_bytes().unwrap());
+    let mut landed = 0;
+    for layer in 0..layout.num_layers() {
+        for plane in 0..layout.planes() {
+            let plane_at = layout.plane_offset(layer, plane, PAGES).unwrap();
+            for page in 0..PAGES {
+                let got = &dst_bytes[plane_at + page * stride..][..block];
+                let from = rooms.iter().find_map(|(_, src, dst, data)| {
+                    dst.iter()
+                        .position(|&x| x as usize == page)
+                        .map(|i| (src[i] as usize, *data))
+                });
+                match from {
+                    Some((source, data)) => {
+                        let want = &data[plane_at + source * stride..][..block];
+                        assert!(
+                            got == want,
+                            "layer {layer} plane {plane}: decode page {page} is not the engine's write to prefill page {source}"
+                        );
+                        landed += block;
+                    }
+                    None => assert!(
+                        got.iter().all(|&b| b == POISON),
+                        "layer {layer} plane {plane}: page {page} is outside every room but changed"
+                    ),
+                }
+            }
+        }
+    }
+    landed
+}
+
+#[test]
+fn a_cuda_event_that_never_completes_fails_its_own_room_and_no_other() {
+    if !gpu_or_skip() {
+        return;
+    }
+    // The prefill gives up on an engine event after 5 s; nothing else here is that slow.
+    let IpcPools {
+        engine,
+        layout,
+        bytes,
+        prefill_pool,
+        decode_pool,
+        c,
+    } = IpcPools::start(
+        "device-event-never",
+        AgentOpts {
+            synthetic: false,
+            timeout_ready_ms: 5_000,
+            ..AgentOpts::default()
+        },
+        &[],
+    );
+    // Two engine streams, each with its own event: the first is held to the end of the test.
+    let (stuck, live) = (HeldWrites::new(&engine), HeldWrites::new(&engine));
+    let never: Vec<u8> = (0..bytes).map(|i| (i * 3 + 2) as u8 | 1).collect();
+    let data: Vec<u8> = (0..bytes).map(|i| (i * 11 + 7) as u8 | 1).collect();
+    let (stuck_room, live_room): (Room<'_>, Room<'_>) = (
+        (91, [4, 18, 10, 41], [51, 3, 34, 9], &never),
+        (92, [61, 2, 23, 6], [11, 12, 62, 1], &data),
+    );
+    runtime().block_on(async {
+        let http = http();
+        let started = std::time::Instant::now();
+        for ((room, src, dst, data), held) in [(stuck_room, &stuck), (live_room, &live)] {
+            let handle = held.write_after_hold(1, prefill_pool, data);
+            let ask = json!({ "tokens": TOKENS, "pages": dst });
+            let url = format!("{}/v1/rooms/{room}", c.decode_api);
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &url,
+                Some(&ask),
+                reqwest::StatusCode::CREATED,
+            )
+            .await;
+            let ready = json!({ "tokens": TOKENS, "pages": src, "cuda_ipc_event": handle });
+            let url = format!("{}/v1/rooms/{room}/ready", c.prefill_api);
+            expect(
+                &http,
+                reqwest::Method::POST,
+                &url,
+                Some(&ready),
+                reqwest::StatusCode::ACCEPTED,
+            )
+            .await;
+        }
+        // The second room's writes run; the first's never do.
+        live.release(1);
+        let v = wait_final(&http, &c.decode_api, live_room.0).await;
+        assert_eq!(
+            v["state"], "success",
+            "a room behind a live event waited for a stuck one: {v}"
+        );
+        let url = format!("{}/v1/rooms/{}/take", c.decode_api, live_room.0);
+        expect(
+            &http,
+            reqwest::Method::POST,
+            &url,
+            None,
+            reqwest::StatusCode::OK,
+        )
+        .await;
+        println!(
+            "the live room landed {:.2} s after its announcement",
+            started.elapsed().as_secs_f64()
+        );
+        let v = wait_final(&http, &c.decode_api, stuck_room.0).await;
+        assert_eq!(v["state"], "failed", "{v}");
+        assert_eq!(v["reason"]["code"], "timeout_ready", "{v}");
+        let v = wait_final(&http, &c.prefill_api, stuck_room.0).await;
+        assert!(
+            v.to_string().contains("CUDA event"),
+            "the prefill says which wait gave up: {v}"
+        );
+        println!(
+            "the stuck room failed timeout_ready {:.2} s after its announcement",
+            started.elapsed().as_secs_f64()
+        );
+    });
+    stuck.release(1);
+    let landed = assert_rooms_landed(&engine, decode_pool, &layout, &[live_room]);
+    assert_eq!(
+        landed,
+        4 * layout.num_layers() * layout.planes() * layout.block_bytes().unwrap()
+    );
+}
+
 /// Asserts `room` at the decode is not `success` over three long polls of a second each.
 async fn still_not_landed(http: &reqwest::Client, decode: &str, room: u64) {
     for _ in 0..3 {
@@ -937,40 +1075,10 @@ fn a_sidecar_room_behind_the_engines_ipc_event_lands_only_after_its_writes() {
             .await;
         }
     });
-    // Every byte of the decode pool: each room's pages hold its write, the rest the poison.
-    let dst_bytes = engine.read(decode_pool, bytes);
-    let (stride, block) = (layout.page_stride().unwrap(), layout.block_bytes().unwrap());
-    let mut landed = 0;
-    for layer in 0..layout.num_layers() {
-        for plane in 0..layout.planes() {
-            let plane_at = layout.plane_offset(layer, plane, PAGES).unwrap();
-            for page in 0..PAGES {
-                let got = &dst_bytes[plane_at + page * stride..][..block];
-                let from = rooms.iter().find_map(|(_, src, dst, data)| {
-                    dst.iter()
-                        .position(|&x| x as usize == page)
-                        .map(|i| (src[i] as usize, *data))
-                });
-                match from {
-                    Some((source, data)) => {
-                        let want = &data[plane_at + source * stride..][..block];
-                        assert!(
-                            got == want,
-                            "layer {layer} plane {plane}: decode page {page} is not the engine's write to prefill page {source}"
-                        );
-                        landed += block;
-                    }
-                    None => assert!(
-                        got.iter().all(|&b| b == POISON),
-                        "layer {layer} plane {plane}: page {page} is outside every room but changed"
-                    ),
-                }
-            }
-        }
-    }
+    let landed = assert_rooms_landed(&engine, decode_pool, &layout, &rooms);
     assert_eq!(
         landed,
-        2 * 4 * layout.num_layers() * layout.planes() * block
+        2 * 4 * layout.num_layers() * layout.planes() * layout.block_bytes().unwrap()
     );
     println!("two rooms behind the engine's IPC event: {landed} bytes landed after its writes");
 }

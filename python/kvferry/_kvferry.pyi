@@ -67,9 +67,10 @@ class PrefillAgent:
         event (a live ``CUevent`` handle of this process, such as
         ``torch.cuda.Event().cuda_event``; anything else is undefined behaviour in the CUDA
         driver, and only a null, misaligned or out-of-range value can be refused) recorded on its
-        stream after the piece's KV was written: the agent's gathers wait for it on the
-        device, nothing synchronizes the engine's stream, and the engine may record it again as
-        soon as this returns. A sidecar (``kvferry.Sidecar.ready``) cannot use an event of
+        stream after the piece's KV was written: the agent's gathers wait for that record (a
+        record that never completes fails this room alone with ``timeout_ready``), nothing
+        synchronizes the engine's stream, and the engine may record it again as soon as this
+        returns. A sidecar (``kvferry.Sidecar.ready``) cannot use an event of
         this process: it takes ``cuda_ipc_event=``, the 64-byte IPC handle of an event created
         with ``CU_EVENT_INTERPROCESS`` (``torch.cuda.Event(interprocess=True).ipc_handle()``)."""
     def view(self, room: int) -> View:

@@ -334,7 +334,8 @@ class Sidecar:
         recorded on its stream behind the piece's writes (``cuIpcGetEventHandle`` of an event
         created with ``CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING``; torch:
         ``torch.cuda.Event(interprocess=True).ipc_handle()``). The sidecar's gathers wait for
-        that record on the device; the engine keeps the event alive while the sidecar runs and
+        that record (one that never completes fails this room alone with ``timeout_ready``);
+        the engine keeps the event alive while the sidecar runs and
         may record it again as soon as this returns."""
         if cuda_ipc_event is not None:
             if not isinstance(cuda_ipc_event, (bytes, bytearray, memoryview)):

@@ -171,12 +171,11 @@ impl AgentPool {
     }
 
     /// Gathers the selection into device staging, for a transport that sends device memory
-    /// ([`Staging::Device`]): one launch, after `ready`; no copy to the host.
+    /// ([`Staging::Device`]): one launch; no copy to the host.
     pub(crate) fn gather_device(
         &self,
         sel: &Selection<'_>,
         wire: PageOrder,
-        ready: Option<&ReadyEvent>,
     ) -> Result<DeviceChunk, KernelError> {
         let AgentPool::Device {
             pool,
@@ -189,9 +188,6 @@ impl AgentPool {
                 "device staging of a host pool".into(),
             ));
         };
-        if let Some(ready) = ready {
-            kernel.wait_for(ready)?;
-        }
         let mut buf = take(kernel, staging, sel.bytes_in(pool.layout())?)?;
         kernel.gather(pool, sel, wire, &mut buf)?;
         Ok(DeviceChunk::new(buf, staging.clone()))
@@ -232,14 +228,12 @@ impl AgentPool {
         }
     }
 
-    /// Copies the selection into `out` (host memory), in `wire` order; on a device pool, after
-    /// `ready` completes.
+    /// Copies the selection into `out` (host memory), in `wire` order.
     pub(crate) fn gather(
         &self,
         sel: &Selection<'_>,
         wire: PageOrder,
         out: &mut [u8],
-        ready: Option<&ReadyEvent>,
     ) -> Result<(), KernelError> {
         match self {
             AgentPool::Host { pool, kernel } => kernel.gather(pool, sel, wire, out),
@@ -249,9 +243,6 @@ impl AgentPool {
                 staging,
                 ..
             } => {
-                if let Some(ready) = ready {
-                    kernel.wait_for(ready)?;
-                }
                 if let Some(spans) = pool.spans(sel, wire, PLAIN_COPIES, false)? {
                     return Ok(pool.read_spans(&spans, out)?);
                 }
@@ -362,7 +353,7 @@ impl AgentPool {
             AgentPool::Host { pool, kernel } => kernel.checksum(pool, sel, wire),
             AgentPool::Device { .. } => {
                 let mut bytes = vec![0u8; sel.bytes_in(self.layout())?];
-                self.gather(sel, wire, &mut bytes, None)?;
+                self.gather(sel, wire, &mut bytes)?;
                 Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
             }
         }
@@ -541,9 +532,9 @@ mod tests {
             heads: 0..layout.num_heads(),
         };
         let (from, to) = ([3u32, 11, 6], [9u32, 0, 14]);
-        let chunk = src.gather_device(&whole(&from), wire, None).unwrap();
+        let chunk = src.gather_device(&whole(&from), wire).unwrap();
         let mut want = vec![0u8; chunk.len];
-        src.gather(&whole(&from), wire, &mut want, None).unwrap();
+        src.gather(&whole(&from), wire, &mut want).unwrap();
         assert_ne!(chunk.ptr, 0);
         // The transport's part, stood in for.
         let sink = dst.device_sink().expect("a device pool has a sink");
@@ -573,7 +564,7 @@ mod tests {
             "the payload's staging came back"
         );
         let mut got = vec![0u8; want.len()];
-        dst.gather(&whole(&to), wire, &mut got, None).unwrap();
+        dst.gather(&whole(&to), wire, &mut got).unwrap();
         assert!(got == want, "the scattered bytes are the gathered ones");
         // Another pool's device payload, or device staging of a host pool, is refused.
         assert!(matches!(

@@ -537,7 +537,7 @@ pub(crate) fn verify(
     for local in 0..l.num_layers() {
         let sel = layer_selection(l, pages, &tokens, local);
         got.resize(sel.bytes_in(l)?, 0);
-        pool.gather(&sel, PageOrder::TokenMajor, &mut got, None)?;
+        pool.gather(&sel, PageOrder::TokenMajor, &mut got)?;
         check_gathered(l, (room, stamped), local, &tokens, mode, &got)?;
     }
     Ok(())

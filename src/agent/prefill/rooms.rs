@@ -212,12 +212,20 @@ impl Inner {
         }
     }
 
-    /// Follows the engine's interprocess event (`cuda_ipc_event`) on the pool's device.
-    fn follow_ipc(
+    /// Follows the engine's interprocess event (`cuda_ipc_event`) on the pool's device. The
+    /// driver calls (opening the handle, queuing the wait) run on a blocking thread, never on
+    /// the agent's async ones.
+    async fn follow_ipc(
         &self,
-        handle: &crate::kernel::cuda::IpcEventHandle,
+        handle: crate::kernel::cuda::IpcEventHandle,
     ) -> Result<crate::kernel::cuda::ReadyEvent, RoomError> {
-        match self.pool.follow_ipc(handle) {
+        let pool = self.pool.clone();
+        let followed = tokio::task::spawn_blocking(move || pool.follow_ipc(&handle))
+            .await
+            .map_err(|e| {
+                RoomError::Unavailable(format!("cuda_ipc_event cannot be followed: {e}"))
+            })?;
+        match followed {
             None => Err(RoomError::BadRequest(
                 "cuda_ipc_event marks device memory ready; this agent's pool is host memory".into(),
             )),
@@ -295,7 +303,7 @@ impl Inner {
                         .into(),
                 ));
             }
-            (Some(handle), None) => Some(Arc::new(self.follow_ipc(&handle)?)),
+            (Some(handle), None) => Some(Arc::new(self.follow_ipc(handle).await?)),
         };
         let whole = req.token_range.is_none() && req.layer_range.is_none();
         let last = req.last.unwrap_or(whole);

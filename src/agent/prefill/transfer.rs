@@ -324,6 +324,43 @@ impl Inner {
         }
     }
 
+    /// Waits until the engine's writes behind `piece` ran (its CUDA event, polled from here;
+    /// true at once without one), or the transfer is cancelled (false). Nothing of the kernel
+    /// waits on the device for an engine: an event that never completes fails this transfer
+    /// alone with `timeout_ready` after `--timeout-ready-ms`.
+    async fn written(&self, job: &Job, piece: &Piece) -> Result<bool, Reason> {
+        let Some(ready) = &piece.ready_on else {
+            return Ok(true);
+        };
+        let limit = self.cfg.timeouts.ready;
+        let started = Instant::now();
+        // Short pauses first: an engine usually announces a piece just before its writes end.
+        let mut pause = Duration::from_micros(20);
+        loop {
+            match ready.is_complete() {
+                Ok(true) => return Ok(true),
+                Ok(false) => {}
+                Err(e) => return Err(gather_failed(e.into())),
+            }
+            if started.elapsed() >= limit {
+                return Err(Reason::new(
+                    FailureCode::TimeoutReady,
+                    format!(
+                        "the engine's CUDA event behind tokens {:?} of layers {:?} did not complete within {} ms",
+                        piece.tokens,
+                        piece.layers,
+                        limit.as_millis()
+                    ),
+                ));
+            }
+            tokio::select! {
+                () = job.cancel.cancelled() => return Ok(false),
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
     /// Sends the requested part of one ready piece, chunk by chunk; the gather of chunk i+1
     /// overlaps the send of chunk i when a credit for it is at hand.
     async fn send_piece(&self, job: &Job, piece: &Piece, chunks: &mut u32) -> Result<(), Reason> {
@@ -333,7 +370,7 @@ impl Inner {
             ..piece.tokens.end.min(req.tokens.end as usize);
         let layers = piece.layers.start.max(req.layers.start as usize)
             ..piece.layers.end.min(req.layers.end as usize);
-        if tokens.is_empty() || layers.is_empty() {
+        if tokens.is_empty() || layers.is_empty() || !self.written(job, piece).await? {
             return Ok(());
         }
         let heads =
@@ -377,7 +414,6 @@ impl Inner {
         let gather = |c: &ChunkPlan| -> Gathering {
             let local = c.layers.start - l.layers.start..c.layers.end - l.layers.start;
             let (pool, pages, wire) = (self.pool.clone(), job.pages.clone(), req.wire_order);
-            let ready_on = piece.ready_on.clone();
             let (tokens, heads, slots) = (c.tokens.clone(), heads.clone(), self.slots.clone());
             let checksum = self.cfg.checksum;
             let nth = self
@@ -427,14 +463,14 @@ impl Inner {
                 // Device staging is sent as it is (no checksum: `staging::choose`; a chunk to
                 // corrupt goes through the host).
                 if pool.staging() == crate::agent::Staging::Device && !corrupt && !checksum {
-                    let chunk = pool.gather_device(&sel, wire, ready_on.as_deref())?;
+                    let chunk = pool.gather_device(&sel, wire)?;
                     metrics.gather.observe(started.elapsed());
                     return Ok((Payload::Device(Arc::new(chunk)), 0));
                 }
                 // The payload goes behind room for the frame prefix (`Frame::in_place`).
                 let mut buf = slots.take(FRAME_ROOM + sel.bytes_in(pool.layout())?);
                 let payload = &mut buf[FRAME_ROOM..];
-                pool.gather(&sel, wire, payload, ready_on.as_deref())?;
+                pool.gather(&sel, wire, payload)?;
                 metrics.gather.observe(started.elapsed());
                 let sum = if checksum {
                     crate::agent::checksum(payload)

@@ -275,8 +275,7 @@ fn verify_gathered(pool: &AgentPool, room: u64, pages: &[u32], tokens: Range<usi
     for local in 0..l.num_layers() {
         let sel = layer_selection(l, pages, &tokens, local);
         let mut got = vec![0; sel.bytes_in(l).unwrap()];
-        pool.gather(&sel, PageOrder::TokenMajor, &mut got, None)
-            .unwrap();
+        pool.gather(&sel, PageOrder::TokenMajor, &mut got).unwrap();
         let stamped = Stamped::new(room, tokens.end, Verify::Stamp);
         if let Err(e) = check_gathered(l, (room, stamped), local, &tokens, Verify::Stamp, &got) {
             return e.to_string();
@@ -386,7 +385,7 @@ fn rooms_verify_across_layouts_head_slices_and_page_sizes() {
     };
     let mut staging = vec![0; src.bytes_in(prefill.layout()).unwrap()];
     prefill
-        .gather(&src, PageOrder::TokenMajor, &mut staging, None)
+        .gather(&src, PageOrder::TokenMajor, &mut staging)
         .unwrap();
     let dst = Selection {
         pages: &dst_pages,

@@ -43,8 +43,6 @@ pub struct CudaKernel {
     arch: String,
     pub(super) ctx: Arc<CudaContext>,
     pub(super) stream: Arc<CudaStream>,
-    /// Where the engine's readiness events are followed ([`CudaKernel::follow`]).
-    ready: Arc<CudaStream>,
     gather: CudaFunction,
     scatter: CudaFunction,
     _module: Arc<CudaModule>,
@@ -91,13 +89,11 @@ impl CudaKernel {
             .load_function(SCATTER_ENTRY)
             .map_err(driver("load kv_scatter"))?;
         let stream = ctx.new_stream().map_err(driver("create stream"))?;
-        let ready = ctx.new_stream().map_err(driver("create stream"))?;
         Ok(CudaKernel {
             ordinal,
             arch,
             ctx,
             stream,
-            ready,
             gather,
             scatter,
             _module: module,
@@ -181,8 +177,11 @@ impl CudaKernel {
 
     /// Follows the engine's CUDA event `event` (recorded on the engine's stream once a piece's
     /// KV was written): returns an event of the kernel's own that completes when the engine's
-    /// record does. Nothing waits here and the engine's stream is never synchronized; the
-    /// engine may record or destroy its event again as soon as this returns.
+    /// record does ([`ReadyEvent::is_complete`]). Nothing waits here and the engine's stream is
+    /// never synchronized; the engine may record or destroy its event again as soon as this
+    /// returns. Each follow waits on a stream of its own, destroyed at once (the driver runs
+    /// its work first): an engine event that never completes holds nothing but that stream, and
+    /// the kernel's launches never wait on the device for an engine.
     ///
     /// The engine's event is a `CUevent` of this process: the engine's own (an in-process
     /// agent), or one opened from the engine's CUDA IPC handle ([`super::IpcEvents`], a
@@ -193,10 +192,11 @@ impl CudaKernel {
     /// this device's primary context.
     pub unsafe fn follow(&self, event: u64) -> Result<ReadyEvent, CudaError> {
         self.bind()?;
+        let waits = self.ctx.new_stream().map_err(driver("create a stream"))?;
         // SAFETY: the caller's live event; a stream of ours in the same context.
         unsafe {
             cudarc::driver::sys::cuStreamWaitEvent(
-                self.ready.cu_stream(),
+                waits.cu_stream(),
                 event as cudarc::driver::sys::CUevent,
                 0,
             )
@@ -207,19 +207,11 @@ impl CudaKernel {
             .ctx
             .new_event(None)
             .map_err(driver("create an event"))?;
-        own.record(&self.ready).map_err(driver("record an event"))?;
+        own.record(&waits).map_err(driver("record an event"))?;
         Ok(ReadyEvent {
             event: own,
             ordinal: self.ordinal,
         })
-    }
-
-    /// Makes the kernel's later launches wait until `ready` completes (on the device: the
-    /// caller does not wait).
-    pub fn wait_for(&self, ready: &ReadyEvent) -> Result<(), CudaError> {
-        self.stream
-            .wait(&ready.event)
-            .map_err(driver("wait for a readiness event"))
     }
 
     /// Pins (page-locks and registers with the driver) `len` bytes of host memory at `addr`,
@@ -333,6 +325,18 @@ impl ReadyEvent {
     /// The device whose kernel made it.
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    /// Whether the engine's writes behind it ran (`cuEventQuery`; never waits). An error is
+    /// the driver's, e.g. a fault of earlier work.
+    pub fn is_complete(&self) -> Result<bool, CudaError> {
+        self.event
+            .context()
+            .bind_to_thread()
+            .map_err(driver("make the context current"))?;
+        self.event
+            .try_is_complete()
+            .map_err(driver("query a readiness event"))
     }
 }
 

@@ -328,8 +328,7 @@ impl DevicePool {
         Ok((spans.len() <= max).then_some(spans))
     }
 
-    /// Copies `spans` into `out`, back to back, on the pool's stream (after whatever it waits
-    /// for: see [`CudaKernel::wait_for`]).
+    /// Copies `spans` into `out`, back to back, on the pool's stream.
     pub fn read_spans(&self, spans: &[Span], out: &mut [u8]) -> Result<(), CudaError> {
         self.copy_spans(spans, out.len(), |addr, at, len| {
             // SAFETY: the span is device memory of this pool (checked by `copy_spans`), the
