@@ -22,9 +22,15 @@ fn hex(bytes: &[u8]) -> String {
 
 /// A registry, a prefill and a decode agent over UCX's tcp transport on loopback.
 fn ucx_cluster(tag: &str) -> LocalCluster {
-    let env: Vec<(String, String)> = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")]
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .to_vec();
+    ucx_cluster_env(tag, &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")])
+}
+
+/// A registry, a prefill and a decode agent over UCX, every process with `env`.
+fn ucx_cluster_env(tag: &str, env: &[(&str, &str)]) -> LocalCluster {
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
     let opts = AgentOpts {
         transport: "ucx",
         ..AgentOpts::default()
@@ -190,4 +196,94 @@ fn a_device_chunk_header_to_a_host_staging_decode_is_refused_at_once() {
         assert!(results.iter().all(|r| r.verified), "{results:?}");
         worker.shutdown().await;
     });
+}
+
+/// Whether the prefill of a cluster over UCX's posix and tcp transports (with `env` added)
+/// maps a file named by a Hello's pool key. The key is a well-framed posix rkey (UCX 1.13,
+/// `uct_posix_packed_rkey_t`: a segment id in procfs mode naming `/proc/PID/fd/N` of this test,
+/// an address, a length) under the memory domain UCX orders after tcp's in a `posix,tcp`
+/// context (1): unpacking it makes UCX open that file and map it at the key's length, in the
+/// unpacking process, whatever the file is.
+fn posix_rkey_mapped(tag: &str, env: &[(&str, &str)]) -> bool {
+    use std::os::fd::AsRawFd as _;
+    let mut env = env.to_vec();
+    env.extend([("UCX_TLS", "posix,tcp"), ("UCX_NET_DEVICES", "lo")]);
+    let cluster = ucx_cluster_env(tag, &env);
+    let prefill = cluster.prefill().field("api").expect("prefill api");
+    let decode = cluster.decode().field("api").expect("decode api");
+    let control = cluster
+        .prefill()
+        .field("control")
+        .expect("control endpoint");
+    let pid = cluster.prefill().pid();
+    let name = format!("/dev/shm/kvferry-rogue-rkey-{}-{tag}", std::process::id());
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&name)
+        .expect("a file in /dev/shm");
+    let length: u64 = 64 << 20;
+    file.set_len(length).expect("its length");
+    let seg_id = (1u64 << 63) | u64::from(std::process::id()) | ((file.as_raw_fd() as u64) << 30);
+    let mut key = 2u64.to_le_bytes().to_vec(); // md map: md 1
+    key.push(0); // host memory
+    key.push(24);
+    key.extend_from_slice(&seg_id.to_le_bytes());
+    key.extend_from_slice(&0u64.to_le_bytes());
+    key.extend_from_slice(&length.to_le_bytes());
+    let in_maps = || {
+        std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .expect("the prefill's maps")
+            .contains(&name)
+    };
+    let mapped = runtime().block_on(async {
+        let worker = UcxWorker::spawn(
+            UcxConfig::new()
+                .var("TLS", "posix,tcp")
+                .var("NET_DEVICES", "lo"),
+        )
+        .await
+        .expect("worker");
+        let endpoint = format!("ucx:80000001/{}", hex(&worker.address()));
+        let memory = RemoteMemory {
+            base: 0,
+            size: length,
+            key,
+        };
+        let answer = answers(&control, vec![hello(endpoint, Some(memory), None)]);
+        println!("[{tag}] the prefill answered the Hello: {answer:?}");
+        // Mapped before the answer, if at all (the pool is attached while the Hello is handled);
+        // a room between the real agents runs meanwhile.
+        let apis = Apis::pair(&prefill, &decode);
+        let results = drive_rooms(&apis, vec![(1, 100)], 1).await.expect("a room");
+        assert!(results.iter().all(|r| r.verified), "{results:?}");
+        let mapped = in_maps();
+        worker.shutdown().await;
+        mapped
+    });
+    drop(file);
+    let _ = std::fs::remove_file(&name);
+    mapped
+}
+
+/// A decode's Hello whose pool key is a posix rkey naming a file of its choice (64 MiB): a
+/// prefill whose UCX context has no RMA never unpacks a peer's key, so nothing of the file is
+/// mapped in it, and it keeps serving. Control: a prefill given RMA anyway
+/// (`KVFERRY_INSECURE_UCX_RMA=1`) maps the file, as every prefill did while every context had
+/// RMA; only keys checked by RDMA hardware are unpacked without it (docs/reliability.md).
+#[test]
+fn a_posix_rkey_in_hello_maps_nothing_in_a_prefill_without_rma() {
+    assert!(
+        !posix_rkey_mapped("ucx-posix-rkey", &[]),
+        "the prefill mapped a file a Hello's key named"
+    );
+    assert!(
+        posix_rkey_mapped(
+            "ucx-posix-rkey-insecure",
+            &[(kvferry::transport::ucx::data::INSECURE_RMA_VAR, "1")]
+        ),
+        "control: with RMA the prefill unpacks the key and maps the file"
+    );
 }
