@@ -14,7 +14,7 @@ use std::time::Instant;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use common::{BOUND, Spawned, call, call_raw, http, owned, poll_until, release_binary, runtime};
@@ -33,6 +33,9 @@ enum Mode {
     Hold,
 }
 
+/// A request's `Authorization` and `X-Request-Id` headers.
+type Headers = (Option<String>, Option<String>);
+
 /// A stand-in vLLM server with `KvferryConnector`: a prefill (group `group`) or a decode. It
 /// answers `kvferry_identify` and `kvferry_reason_of` like the connector.
 struct Stub {
@@ -42,6 +45,11 @@ struct Stub {
     mode: Mutex<Mode>,
     release: tokio::sync::Notify,
     seen: Mutex<Vec<Value>>,
+    /// Every request's kind ("health", "models", "identify", "reason_of", "completion") with
+    /// its `Authorization` and `X-Request-Id` headers.
+    headers: Mutex<Vec<(&'static str, Headers)>>,
+    /// How long `/health` takes to answer, in ms.
+    health_ms: std::sync::atomic::AtomicU64,
     /// Held requests whose client went away before they were released.
     dropped: AtomicUsize,
 }
@@ -65,14 +73,13 @@ impl Stub {
             mode: Mutex::new(Mode::Answer),
             release: tokio::sync::Notify::new(),
             seen: Mutex::new(Vec::new()),
+            headers: Mutex::new(Vec::new()),
+            health_ms: std::sync::atomic::AtomicU64::new(0),
             dropped: AtomicUsize::new(0),
         });
         let app = Router::new()
             .route("/health", get(health))
-            .route(
-                "/v1/models",
-                get(|| async { axum::Json(json!({"data": [{"id": "tiny"}]})) }),
-            )
+            .route("/v1/models", get(models))
             .route("/v1/completions", post(answer))
             .route("/v1/chat/completions", post(answer))
             .with_state(stub.clone());
@@ -90,9 +97,36 @@ impl Stub {
     fn seen(&self) -> Vec<Value> {
         self.seen.lock().unwrap().clone()
     }
+
+    fn record(&self, kind: &'static str, headers: &HeaderMap) {
+        let get = |name: &str| {
+            headers
+                .get(name)
+                .map(|v| v.to_str().unwrap_or("?").to_owned())
+        };
+        let seen = (get("authorization"), get("x-request-id"));
+        self.headers.lock().unwrap().push((kind, seen));
+    }
+
+    /// The `Authorization` and `X-Request-Id` of every request of `kind` so far.
+    fn headers_of(&self, kind: &str) -> Vec<Headers> {
+        let all = self.headers.lock().unwrap();
+        all.iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, h)| h.clone())
+            .collect()
+    }
 }
 
-async fn health(State(s): State<Arc<Stub>>) -> StatusCode {
+async fn models(State(s): State<Arc<Stub>>, headers: HeaderMap) -> Response {
+    s.record("models", &headers);
+    axum::Json(json!({"data": [{"id": "tiny"}], "server": s.name})).into_response()
+}
+
+async fn health(State(s): State<Arc<Stub>>, headers: HeaderMap) -> StatusCode {
+    s.record("health", &headers);
+    let delay = s.health_ms.load(Ordering::SeqCst);
+    tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
     if s.healthy.load(Ordering::SeqCst) {
         StatusCode::OK
     } else {
@@ -100,17 +134,24 @@ async fn health(State(s): State<Arc<Stub>>) -> StatusCode {
     }
 }
 
-async fn answer(State(s): State<Arc<Stub>>, axum::Json(body): axum::Json<Value>) -> Response {
+async fn answer(
+    State(s): State<Arc<Stub>>,
+    headers: HeaderMap,
+    axum::Json(body): axum::Json<Value>,
+) -> Response {
     let params = body["kv_transfer_params"].clone();
     if params["kvferry_identify"] == json!(true) {
+        s.record("identify", &headers);
         return axum::Json(json!({"kv_transfer_params": {"kvferry_dp_rank": s.group}}))
             .into_response();
     }
     if let Some(room) = params.get("kvferry_reason_of") {
+        s.record("reason_of", &headers);
         let reason =
             json!({"kvferry_room": room, "kvferry_reason": "peer_dead: the prefill went away"});
         return axum::Json(json!({"kv_transfer_params": reason})).into_response();
     }
+    s.record("completion", &headers);
     s.seen.lock().unwrap().push(body.clone());
     let mut mode = *s.mode.lock().unwrap();
     if mode == Mode::Hold {
@@ -162,8 +203,18 @@ async fn answer(State(s): State<Arc<Stub>>, axum::Json(body): axum::Json<Value>)
 
 /// A proxy process in front of `prefills` and `decodes`.
 fn proxy(prefills: &[&str], decodes: &[&str], pairing: &str) -> (Spawned, String) {
+    proxy_with(prefills, decodes, pairing, &[])
+}
+
+/// A proxy process in front of `prefills` and `decodes`, with `extra` arguments.
+fn proxy_with(
+    prefills: &[&str],
+    decodes: &[&str],
+    pairing: &str,
+    extra: &[&str],
+) -> (Spawned, String) {
     let logs = kvferry::cli::cluster::log_dir("proxy").expect("log dir");
-    let args = owned(&[
+    let mut args = owned(&[
         "proxy",
         "--prefill",
         &prefills.join(","),
@@ -176,6 +227,7 @@ fn proxy(prefills: &[&str], decodes: &[&str], pairing: &str) -> (Spawned, String
         "--health-ms",
         "50",
     ]);
+    args.extend(owned(extra));
     let p = Spawned::start(
         &release_binary(),
         &[],
@@ -527,5 +579,115 @@ fn every_failure_is_an_openai_error_object() {
         ] {
             assert_eq!(counter(&url, series).await, want, "{series}");
         }
+    });
+}
+
+#[test]
+fn a_request_right_after_the_listening_line_is_served() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 2).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        // Health checks that take a while: the proxy's listening line comes after its first
+        // round (and the prefill's kvferry_identify), so the request that follows it at once is
+        // routed.
+        for s in [&prefill, &decode] {
+            s.health_ms.store(300, Ordering::SeqCst);
+        }
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
+        let (status, got) = complete(&url).await;
+        assert_eq!(status, 200, "{got}");
+        assert_eq!(got["server"], "d");
+    });
+}
+
+#[test]
+fn client_headers_go_on_and_the_proxys_own_calls_carry_its_key() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 2).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy_with(
+            &[&p_url],
+            &[&d_url],
+            "concurrent",
+            &["--api-key", "sk-proxy"],
+        );
+        let client = (
+            Some("Bearer sk-client".to_owned()),
+            Some("req-42".to_owned()),
+        );
+        let own = (Some("Bearer sk-proxy".to_owned()), None);
+        let send = |path: &str, body: Option<Value>| {
+            let request = match body {
+                Some(b) => http().post(format!("{url}{path}")).json(&b),
+                None => http().get(format!("{url}{path}")),
+            };
+            request
+                .header("authorization", "Bearer sk-client")
+                .header("x-request-id", "req-42")
+                .send()
+        };
+        let r = send("/v1/completions", Some(completion(false)))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        for s in [&prefill, &decode] {
+            assert_eq!(
+                s.headers_of("completion"),
+                vec![client.clone()],
+                "{}",
+                s.name
+            );
+            let health = s.headers_of("health");
+            assert!(
+                !health.is_empty() && health.iter().all(|h| *h == own),
+                "{health:?}"
+            );
+        }
+        assert_eq!(prefill.headers_of("identify"), vec![own.clone()]);
+        // A failed decode: the proxy asks why with its own key; the client's request went on
+        // with the client's.
+        decode.set(Mode::Fail);
+        let r = send("/v1/chat/completions", Some(completion(false)))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 500);
+        assert_eq!(decode.headers_of("completion")[1], client);
+        assert_eq!(decode.headers_of("reason_of"), vec![own.clone()]);
+        // /v1/models is a decode server's, asked with the client's headers.
+        let r = send("/v1/models", None).await.unwrap();
+        assert_eq!(r.status(), 200);
+        let models: Value = r.json().await.unwrap();
+        assert_eq!(models["data"][0]["id"], "tiny", "{models}");
+        assert_eq!(models["server"], "d", "{models}");
+        assert_eq!(decode.headers_of("models"), vec![client.clone()]);
+    });
+}
+
+#[test]
+fn n_above_one_is_refused_and_min_tokens_stays_off_the_prefill() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 2).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "sequential");
+        let post = |body: Value| {
+            let url = format!("{url}/v1/completions");
+            async move { call(&http(), Method::POST, &url, Some(&body)).await }
+        };
+        let mut body = completion(false);
+        body["n"] = json!(2);
+        let (status, got) = post(body).await;
+        assert_eq!(status, 400, "{got}");
+        let message = got["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("n = 2"), "{got}");
+        assert!(prefill.seen().is_empty() && decode.seen().is_empty());
+        let mut body = completion(false);
+        body["n"] = json!(1);
+        body["min_tokens"] = json!(4);
+        let (status, got) = post(body).await;
+        assert_eq!(status, 200, "{got}");
+        let first = &prefill.seen()[0];
+        assert!(first.get("min_tokens").is_none(), "{first}");
+        assert_eq!(first["max_tokens"], 1);
+        assert_eq!(decode.seen()[0]["min_tokens"], 4);
     });
 }

@@ -1,6 +1,7 @@
 //! `kvferry proxy`: the OpenAI-compatible router in front of prefill and decode vLLM servers
-//! running `KvferryConnector` (`src/proxy`, docs/vllm.md). Prints one JSON listening line on
-//! stdout, like every role, and serves until SIGINT or SIGTERM.
+//! running `KvferryConnector` (`src/proxy`, docs/vllm.md). Checks every server once, then
+//! prints one JSON listening line on stdout, like every role, and serves until SIGINT or
+//! SIGTERM.
 
 use std::io::Write as _;
 use std::sync::Arc;
@@ -48,6 +49,11 @@ pub struct ProxyArgs {
     /// until it does.
     #[arg(long, env = "KVFERRY_PROXY_HEALTH_TIMEOUT_MS", default_value_t = 5000)]
     health_timeout_ms: u64,
+    /// Key of the proxy's own calls to the servers (health checks, kvferry_identify,
+    /// kvferry_reason_of), for servers started with --api-key. Clients' requests go on with
+    /// the client's own Authorization header, never with this key.
+    #[arg(long, env = "KVFERRY_PROXY_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
 }
 
 pub(crate) fn run(args: ProxyArgs) -> anyhow::Result<()> {
@@ -68,20 +74,28 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         .context("building the HTTP client")?;
     // In concurrent pairing a prefill server is used once it said its kvferry group.
     let concurrent = args.pairing == Pairing::Concurrent;
+    let key = args.api_key.clone();
     let proxy = Arc::new(Proxy {
-        prefills: Arc::new(Backends::new(&args.prefill, concurrent)),
-        decodes: Arc::new(Backends::new(&args.decode, false)),
+        prefills: Arc::new(Backends::new(&args.prefill, concurrent, key.clone())),
+        decodes: Arc::new(Backends::new(&args.decode, false, key.clone())),
         pairing: args.pairing,
         http: http.clone(),
+        api_key: key,
         metrics: ProxyMetrics::default(),
     });
     let period = Duration::from_millis(args.health_ms.max(1));
     let timeout = Duration::from_millis(args.health_timeout_ms.max(1));
-    let watchers = [proxy.prefills.clone(), proxy.decodes.clone()]
-        .map(|b| tokio::spawn(b.watch(http.clone(), period, timeout)));
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    // One round of health checks (and kvferry_identify) before the listening line: a request
+    // that comes right after it finds the servers that were up.
+    tokio::join!(
+        proxy.prefills.check_all(&http, timeout),
+        proxy.decodes.check_all(&http, timeout)
+    );
+    let watchers = [proxy.prefills.clone(), proxy.decodes.clone()]
+        .map(|b| tokio::spawn(b.watch(http.clone(), period, timeout)));
     let url = format!("http://{}", listener.local_addr()?);
     let line = json!({"event": "listening", "role": "proxy", "url": url});
     {

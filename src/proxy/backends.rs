@@ -68,15 +68,19 @@ pub struct Backends {
     all: Vec<Arc<Backend>>,
     /// Prefill servers in concurrent pairing: usable only once their kvferry group is known.
     identify: bool,
+    /// The key of the proxy's own calls to them (`--api-key`).
+    api_key: Option<String>,
 }
 
 impl Backends {
     /// `identify`: ask each server for its kvferry group whenever it becomes healthy, and use
-    /// it only once it answered (prefill servers in concurrent pairing).
-    pub fn new(urls: &[String], identify: bool) -> Self {
+    /// it only once it answered (prefill servers in concurrent pairing). `api_key`: sent with
+    /// the proxy's own calls to them (servers started with `--api-key`).
+    pub fn new(urls: &[String], identify: bool, api_key: Option<String>) -> Self {
         Backends {
             all: urls.iter().map(|u| Arc::new(Backend::new(u))).collect(),
             identify,
+            api_key,
         }
     }
 
@@ -106,34 +110,48 @@ impl Backends {
         Some(Lease(best.clone()))
     }
 
-    /// Checks every server's `/health` each `period`, forever: a server that does not answer
-    /// 200 within `timeout` is routed around until it does. A server that becomes healthy is
-    /// asked for its kvferry group first when the role needs it.
+    /// Checks every server's `/health` each `period`, forever (the first round after
+    /// `period`): a server that does not answer 200 within `timeout` is routed around until it
+    /// does.
     pub async fn watch(
         self: Arc<Self>,
         http: reqwest::Client,
         period: Duration,
         timeout: Duration,
     ) {
-        let mut tick = tokio::time::interval(period);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let checks = self.all.iter().map(|b| self.check(&http, b, timeout));
-            futures_util::future::join_all(checks).await;
+            self.check_all(&http, timeout).await;
+        }
+    }
+
+    /// One round of health checks of every server at once. A server that becomes healthy is
+    /// asked for its kvferry group first when the role needs it.
+    pub async fn check_all(&self, http: &reqwest::Client, timeout: Duration) {
+        let checks = self.all.iter().map(|b| self.check(http, b, timeout));
+        futures_util::future::join_all(checks).await;
+    }
+
+    /// `request` with the proxy's key, if it has one.
+    fn own(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => request.bearer_auth(key),
+            None => request,
         }
     }
 
     async fn check(&self, http: &reqwest::Client, b: &Backend, timeout: Duration) {
-        let answered = http
-            .get(format!("{}/health", b.url))
+        let answered = self
+            .own(http.get(format!("{}/health", b.url)))
             .timeout(timeout)
             .send()
             .await
             .is_ok_and(|r| r.status().is_success());
         let was = b.healthy();
         if answered && self.identify && (!was || b.group().is_none()) {
-            match identify(http, &b.url, timeout).await {
+            match self.identify(http, &b.url, timeout).await {
                 Ok(group) => b.group.store(u64::from(group), Ordering::Relaxed),
                 Err(e) => {
                     tracing::warn!(server = %b.url, error = %format!("{e:#}"), "a prefill server did not say its kvferry group");
@@ -147,39 +165,44 @@ impl Backends {
             tracing::warn!(server = %b.url, healthy = answered, group = ?b.group(), "server health changed");
         }
     }
-}
 
-/// A prefill server's kvferry DP group: one short request with `kvferry_identify`.
-async fn identify(http: &reqwest::Client, url: &str, timeout: Duration) -> anyhow::Result<u32> {
-    let models: Value = http
-        .get(format!("{url}/v1/models"))
-        .timeout(timeout)
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    let model = models["data"][0]["id"]
-        .as_str()
-        .context("no model in /v1/models")?
-        .to_owned();
-    let body = json!({"model": model, "prompt": [1], "max_tokens": 1,
-                      "kv_transfer_params": {"kvferry_identify": true}});
-    let answer: Value = http
-        .post(format!("{url}/v1/completions"))
-        .timeout(timeout)
-        .json(&body)
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    let group = answer["kv_transfer_params"]["kvferry_dp_rank"]
-        .as_u64()
-        .context(
-            "its answer names no kvferry_dp_rank: is it running KvferryConnector as kv_producer?",
-        )?;
-    Ok(u32::try_from(group)?)
+    /// A prefill server's kvferry DP group: one short request with `kvferry_identify`.
+    async fn identify(
+        &self,
+        http: &reqwest::Client,
+        url: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<u32> {
+        let models: Value = self
+            .own(http.get(format!("{url}/v1/models")))
+            .timeout(timeout)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let model = models["data"][0]["id"]
+            .as_str()
+            .context("no model in /v1/models")?
+            .to_owned();
+        let body = json!({"model": model, "prompt": [1], "max_tokens": 1,
+                          "kv_transfer_params": {"kvferry_identify": true}});
+        let answer: Value = self
+            .own(http.post(format!("{url}/v1/completions")))
+            .timeout(timeout)
+            .json(&body)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let group = answer["kv_transfer_params"]["kvferry_dp_rank"]
+            .as_u64()
+            .context(
+                "its answer names no kvferry_dp_rank: is it running KvferryConnector as kv_producer?",
+            )?;
+        Ok(u32::try_from(group)?)
+    }
 }
 
 #[cfg(test)]
@@ -188,7 +211,7 @@ mod tests {
 
     #[test]
     fn the_least_outstanding_usable_server_is_picked_and_released() {
-        let b = Backends::new(&["http://a".into(), "http://b/".into()], false);
+        let b = Backends::new(&["http://a".into(), "http://b/".into()], false, None);
         assert!(
             b.pick().is_none(),
             "no server is usable before its first health check"
@@ -210,7 +233,7 @@ mod tests {
 
     #[test]
     fn a_server_that_must_identify_is_unusable_until_it_did() {
-        let b = Backends::new(&["http://p".into()], true);
+        let b = Backends::new(&["http://p".into()], true, None);
         b.all()[0].healthy.store(true, Ordering::Relaxed);
         assert!(!b.any_usable());
         b.all()[0].group.store(3, Ordering::Relaxed);

@@ -7,7 +7,7 @@ use std::time::Instant;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
@@ -35,6 +35,9 @@ pub struct Proxy {
     pub pairing: Pairing,
     /// The client every upstream request goes through.
     pub http: reqwest::Client,
+    /// The key of the proxy's own calls to the servers (`--api-key`): `kvferry_reason_of`
+    /// questions. A client's request carries the client's `Authorization`, never this.
+    pub api_key: Option<String>,
     /// What `/metrics` exposes.
     pub metrics: ProxyMetrics,
 }
@@ -44,20 +47,83 @@ pub fn router(proxy: Arc<Proxy>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(proxy)
 }
 
-async fn completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
-    p.route(Endpoint::Completions, "/v1/completions", body)
+async fn completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Bytes) -> Response {
+    let forwarded = Forwarded::of(&headers);
+    p.route(Endpoint::Completions, "/v1/completions", forwarded, body)
         .await
 }
 
-async fn chat_completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
-    p.route(Endpoint::ChatCompletions, "/v1/chat/completions", body)
-        .await
+async fn chat_completions(
+    State(p): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let forwarded = Forwarded::of(&headers);
+    p.route(
+        Endpoint::ChatCompletions,
+        "/v1/chat/completions",
+        forwarded,
+        body,
+    )
+    .await
 }
+
+/// A decode server's `/v1/models`, asked with the client's headers.
+async fn models(State(p): State<Arc<Proxy>>, headers: HeaderMap) -> Response {
+    let Some(decode) = p.decodes.pick() else {
+        return unavailable("decode").response;
+    };
+    let url = format!("{}/v1/models", decode.backend().url);
+    let asked = Forwarded::of(&headers).onto(p.http.get(&url)).send().await;
+    match asked {
+        Ok(r) => {
+            let status = r.status();
+            match r.bytes().await {
+                Ok(bytes) => copy_answer(status, bytes),
+                Err(e) => unreachable(Cause::Decode, &url, e).response,
+            }
+        }
+        Err(e) => unreachable(Cause::Decode, &url, e).response,
+    }
+}
+
+/// The client's headers that go on to the servers with its request: `Authorization` (servers
+/// started with `--api-key` check it) and `X-Request-Id`.
+#[derive(Clone, Default)]
+struct Forwarded(Vec<(header::HeaderName, HeaderValue)>);
+
+impl Forwarded {
+    const NAMES: [header::HeaderName; 2] = [
+        header::AUTHORIZATION,
+        header::HeaderName::from_static("x-request-id"),
+    ];
+
+    fn of(headers: &HeaderMap) -> Self {
+        Forwarded(
+            Self::NAMES
+                .iter()
+                .filter_map(|n| Some((n.clone(), headers.get(n)?.clone())))
+                .collect(),
+        )
+    }
+
+    fn onto(&self, mut request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        for (name, value) in &self.0 {
+            request = request.header(name.as_str(), value.as_bytes());
+        }
+        request
+    }
+}
+
+/// Fields of a client's request that the prefill's one-token copy must not get: vLLM refuses
+/// `min_tokens` above `max_tokens`.
+const NOT_FOR_THE_PREFILL: [&str; 1] = ["min_tokens"];
 
 /// 200 while at least one prefill and one decode server are usable.
 async fn health(State(p): State<Arc<Proxy>>) -> Response {
@@ -138,9 +204,19 @@ impl<T> Drop for AbortOnDrop<T> {
 }
 
 impl Proxy {
-    async fn route(self: Arc<Self>, endpoint: Endpoint, path: &str, body: Bytes) -> Response {
+    async fn route(
+        self: Arc<Self>,
+        endpoint: Endpoint,
+        path: &str,
+        forwarded: Forwarded,
+        body: Bytes,
+    ) -> Response {
         let started = Instant::now();
-        match self.clone().dispatch(endpoint, path, &body, started).await {
+        match self
+            .clone()
+            .dispatch(endpoint, path, &forwarded, &body, started)
+            .await
+        {
             Ok((response, None)) => {
                 self.metrics.request(endpoint, Outcome::Answered, None);
                 response
@@ -158,6 +234,7 @@ impl Proxy {
         self: Arc<Self>,
         endpoint: Endpoint,
         path: &str,
+        forwarded: &Forwarded,
         body: &[u8],
         started: Instant,
     ) -> Result<(Response, Option<Cause>), Failure> {
@@ -166,6 +243,12 @@ impl Proxy {
             Ok(_) => return Err(bad("the request body must be a JSON object".into())),
             Err(e) => return Err(bad(format!("the request body is not JSON: {e}"))),
         };
+        if let Some(n) = request.get("n").filter(|n| **n != json!(1) && !n.is_null()) {
+            return Err(bad(format!(
+                "n = {n} is not supported: each choice would need a prefill of its own; send \
+                 one request per choice"
+            )));
+        }
         let prefill = self.prefills.pick().ok_or_else(|| unavailable("prefill"))?;
         let decode = self.decodes.pick().ok_or_else(|| unavailable("decode"))?;
         let mut first = request.clone();
@@ -175,6 +258,9 @@ impl Proxy {
         }
         first.insert("stream".into(), json!(false));
         first.remove("stream_options");
+        for field in NOT_FOR_THE_PREFILL {
+            first.remove(field);
+        }
         let prefill_url = format!("{}{path}", prefill.backend().url);
         let decode_url = format!("{}{path}", decode.backend().url);
         let (answer, room, note) = match self.pairing {
@@ -183,7 +269,7 @@ impl Proxy {
                     "kv_transfer_params".into(),
                     json!({"do_remote_decode": true}),
                 );
-                let answer = match self.post(&prefill_url, &first).await {
+                let answer = match self.post(&prefill_url, &first, forwarded).await {
                     Posted::Answered(answer) => answer,
                     Posted::Refused(f) => return Err(f),
                     Posted::Lost(e) => {
@@ -204,7 +290,11 @@ impl Proxy {
                     })?;
                 let room = params.get("kvferry_room").cloned().unwrap_or(Value::Null);
                 request.insert("kv_transfer_params".into(), params);
-                let answer = self.http.post(&decode_url).json(&request).send().await;
+                let answer = forwarded
+                    .onto(self.http.post(&decode_url))
+                    .json(&request)
+                    .send()
+                    .await;
                 (answer, room, None)
             }
             Pairing::Concurrent => {
@@ -223,9 +313,12 @@ impl Proxy {
                     json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": group}),
                 );
                 // The decode allocates and waits for the room while the prefill computes it.
-                let send = self.http.post(&decode_url).json(&request).send();
+                let send = forwarded
+                    .onto(self.http.post(&decode_url))
+                    .json(&request)
+                    .send();
                 let mut decoding = AbortOnDrop(tokio::spawn(send));
-                let prefill_post = self.post(&prefill_url, &first);
+                let prefill_post = self.post(&prefill_url, &first, forwarded);
                 tokio::pin!(prefill_post);
                 let mut decoded = None;
                 let note = loop {
@@ -274,8 +367,10 @@ impl Proxy {
         Ok((self.pass_through(answer, decode, started), None))
     }
 
-    async fn post(&self, url: &str, body: &impl serde::Serialize) -> Posted {
-        let r = match self.http.post(url).json(body).send().await {
+    /// A POST of `body` to `url` with the client's headers (or the proxy's own key, for a
+    /// question of the proxy's).
+    async fn post(&self, url: &str, body: &impl serde::Serialize, forwarded: &Forwarded) -> Posted {
+        let r = match forwarded.onto(self.http.post(url)).json(body).send().await {
             Ok(r) => r,
             Err(e) => return Posted::Lost(e.to_string()),
         };
@@ -317,7 +412,7 @@ impl Proxy {
             let ask = json!({"model": model, "prompt": [1], "max_tokens": 1,
                              "kv_transfer_params": {"kvferry_reason_of": room}});
             let url = format!("{base}/v1/completions");
-            if let Posted::Answered(a) = self.post(&url, &ask).await
+            if let Posted::Answered(a) = self.post(&url, &ask, &self.own()).await
                 && let Some(reason) = a
                     .pointer("/kv_transfer_params/kvferry_reason")
                     .and_then(Value::as_str)
@@ -332,6 +427,19 @@ impl Proxy {
             *message = format!("{message} ({context})");
         }
         copy_answer(status, Bytes::from(body.to_string()))
+    }
+
+    /// The headers of the proxy's own calls: its `--api-key`.
+    fn own(&self) -> Forwarded {
+        Forwarded(
+            self.api_key
+                .iter()
+                .filter_map(|k| {
+                    let value = HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
+                    Some((header::AUTHORIZATION, value))
+                })
+                .collect(),
+        )
     }
 
     /// The decode's answer as it streams, its lease held until the end.
