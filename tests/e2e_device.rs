@@ -904,28 +904,8 @@ fn a_cuda_event_that_never_completes_fails_its_own_room_and_no_other() {
     runtime().block_on(async {
         let http = http();
         let started = std::time::Instant::now();
-        for ((room, src, dst, data), held) in [(stuck_room, &stuck), (live_room, &live)] {
-            let handle = held.write_after_hold(1, prefill_pool, data);
-            let ask = json!({ "tokens": TOKENS, "pages": dst });
-            let url = format!("{}/v1/rooms/{room}", c.decode_api);
-            expect(
-                &http,
-                reqwest::Method::POST,
-                &url,
-                Some(&ask),
-                reqwest::StatusCode::CREATED,
-            )
-            .await;
-            let ready = json!({ "tokens": TOKENS, "pages": src, "cuda_ipc_event": handle });
-            let url = format!("{}/v1/rooms/{room}/ready", c.prefill_api);
-            expect(
-                &http,
-                reqwest::Method::POST,
-                &url,
-                Some(&ready),
-                reqwest::StatusCode::ACCEPTED,
-            )
-            .await;
+        for (room, held) in [(&stuck_room, &stuck), (&live_room, &live)] {
+            ask_behind_held_write(&http, &c, held, 1, prefill_pool, room).await;
         }
         // The second room's writes run; the first's never do.
         live.release(1);
@@ -934,15 +914,7 @@ fn a_cuda_event_that_never_completes_fails_its_own_room_and_no_other() {
             v["state"], "success",
             "a room behind a live event waited for a stuck one: {v}"
         );
-        let url = format!("{}/v1/rooms/{}/take", c.decode_api, live_room.0);
-        expect(
-            &http,
-            reqwest::Method::POST,
-            &url,
-            None,
-            reqwest::StatusCode::OK,
-        )
-        .await;
+        take(&http, &c.decode_api, live_room.0).await;
         println!(
             "the live room landed {:.2} s after its announcement",
             started.elapsed().as_secs_f64()
@@ -966,6 +938,41 @@ fn a_cuda_event_that_never_completes_fails_its_own_room_and_no_other() {
         landed,
         4 * layout.num_layers() * layout.planes() * layout.block_bytes().unwrap()
     );
+}
+
+/// Asks the decode for `room` and announces it at the prefill behind `held`'s write of the
+/// room's data into the prefill pool at `prefill_pool` (queued behind a hold released at
+/// `release`), with the event's IPC handle.
+async fn ask_behind_held_write(
+    http: &reqwest::Client,
+    c: &FaultCluster,
+    held: &HeldWrites<'_>,
+    release: u32,
+    prefill_pool: u64,
+    (room, src, dst, data): &Room<'_>,
+) {
+    let handle = held.write_after_hold(release, prefill_pool, data);
+    let ask = json!({ "tokens": TOKENS, "pages": dst });
+    let url = format!("{}/v1/rooms/{room}", c.decode_api);
+    let created = reqwest::StatusCode::CREATED;
+    expect(http, reqwest::Method::POST, &url, Some(&ask), created).await;
+    let ready = json!({ "tokens": TOKENS, "pages": src, "cuda_ipc_event": handle });
+    let url = format!("{}/v1/rooms/{room}/ready", c.prefill_api);
+    let accepted = reqwest::StatusCode::ACCEPTED;
+    expect(http, reqwest::Method::POST, &url, Some(&ready), accepted).await;
+}
+
+/// Takes a landed `room` at the decode.
+async fn take(http: &reqwest::Client, decode: &str, room: u64) {
+    let url = format!("{decode}/v1/rooms/{room}/take");
+    expect(
+        http,
+        reqwest::Method::POST,
+        &url,
+        None,
+        reqwest::StatusCode::OK,
+    )
+    .await;
 }
 
 /// Asserts `room` at the decode is not `success` over three long polls of a second each.
@@ -1022,12 +1029,11 @@ fn a_sidecar_room_behind_the_engines_ipc_event_lands_only_after_its_writes() {
     ];
     runtime().block_on(async {
         let http = http();
-        let ready_url = |room: u64| format!("{}/v1/rooms/{room}/ready", c.prefill_api);
         // Refused with the driver's error: bytes that are no event handle.
         let (status, v) = call(
             &http,
             reqwest::Method::POST,
-            &ready_url(80),
+            &format!("{}/v1/rooms/80/ready", c.prefill_api),
             Some(&json!({ "tokens": TOKENS, "pages": [0], "cuda_ipc_event": "5a".repeat(64) })),
         )
         .await;
@@ -1037,42 +1043,16 @@ fn a_sidecar_room_behind_the_engines_ipc_event_lands_only_after_its_writes() {
             said.contains("cuda_ipc_event") && said.contains("CUDA_ERROR_INVALID_HANDLE"),
             "the refusal names the field and the driver's error: {v}"
         );
-        for (i, (room, src, dst, data)) in rooms.iter().enumerate() {
+        for (i, room) in rooms.iter().enumerate() {
             let release = i as u32 + 1;
-            let handle = held.write_after_hold(release, prefill_pool, data);
-            let ask = json!({ "tokens": TOKENS, "pages": dst });
-            let url = format!("{}/v1/rooms/{room}", c.decode_api);
-            expect(
-                &http,
-                reqwest::Method::POST,
-                &url,
-                Some(&ask),
-                reqwest::StatusCode::CREATED,
-            )
-            .await;
-            let ready = json!({ "tokens": TOKENS, "pages": src, "cuda_ipc_event": handle });
-            expect(
-                &http,
-                reqwest::Method::POST,
-                &ready_url(*room),
-                Some(&ready),
-                reqwest::StatusCode::ACCEPTED,
-            )
-            .await;
+            ask_behind_held_write(&http, &c, &held, release, prefill_pool, room).await;
+            let room = room.0;
             // Held: nothing behind the event has run, so nothing can land.
-            still_not_landed(&http, &c.decode_api, *room).await;
+            still_not_landed(&http, &c.decode_api, room).await;
             held.release(release);
-            let v = wait_final(&http, &c.decode_api, *room).await;
+            let v = wait_final(&http, &c.decode_api, room).await;
             assert_eq!(v["state"], "success", "{v}");
-            let url = format!("{}/v1/rooms/{room}/take", c.decode_api);
-            expect(
-                &http,
-                reqwest::Method::POST,
-                &url,
-                None,
-                reqwest::StatusCode::OK,
-            )
-            .await;
+            take(&http, &c.decode_api, room).await;
         }
     });
     let landed = assert_rooms_landed(&engine, decode_pool, &layout, &rooms);

@@ -39,15 +39,23 @@ fn ucx_cluster_env(tag: &str, env: &[(&str, &str)]) -> LocalCluster {
     LocalCluster::start_shaped_env(&exe, tag, &args, Shape::ONE, Shape::ONE, &env).expect("cluster")
 }
 
+/// The prefill's and the decode's APIs and the prefill's control endpoint.
+fn endpoints(cluster: &LocalCluster) -> (String, String, String) {
+    let field = |p: &kvferry::cli::cluster::Process, key: &str| {
+        p.field(key)
+            .unwrap_or_else(|e| panic!("{}: {key}: {e}", p.name))
+    };
+    (
+        field(cluster.prefill(), "api"),
+        field(cluster.decode(), "api"),
+        field(cluster.prefill(), "control"),
+    )
+}
+
 #[test]
 fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_keeps_serving() {
     let cluster = ucx_cluster("ucx-malformed");
-    let prefill = cluster.prefill().field("api").expect("prefill api");
-    let decode = cluster.decode().field("api").expect("decode api");
-    let control = cluster
-        .prefill()
-        .field("control")
-        .expect("control endpoint");
+    let (prefill, decode, control) = endpoints(&cluster);
     runtime().block_on(async {
         // A real worker address and rkey from this machine, to craft from.
         let worker = UcxWorker::spawn(UcxConfig::tcp_loopback())
@@ -209,12 +217,7 @@ fn posix_rkey_mapped(tag: &str, env: &[(&str, &str)]) -> bool {
     let mut env = env.to_vec();
     env.extend([("UCX_TLS", "posix,tcp"), ("UCX_NET_DEVICES", "lo")]);
     let cluster = ucx_cluster_env(tag, &env);
-    let prefill = cluster.prefill().field("api").expect("prefill api");
-    let decode = cluster.decode().field("api").expect("decode api");
-    let control = cluster
-        .prefill()
-        .field("control")
-        .expect("control endpoint");
+    let (prefill, decode, control) = endpoints(&cluster);
     let pid = cluster.prefill().pid();
     let name = format!("/dev/shm/kvferry-rogue-rkey-{}-{tag}", std::process::id());
     let file = std::fs::File::options()
