@@ -156,8 +156,8 @@ pub struct AgentArgs {
     /// One send of a chunk or a control message, in ms.
     #[arg(long, env = "KVFERRY_TIMEOUT_SEND_MS", default_value_t = 30_000)]
     pub timeout_send_ms: u64,
-    /// Waiting for the engine's ready pieces of a requested room, in ms; then the room fails
-    /// with `timeout_ready`.
+    /// Waiting for the engine's ready pieces of a requested room (and, on a device pool, for
+    /// each piece's CUDA event), in ms; then the room fails with `timeout_ready`.
     #[arg(long, env = "KVFERRY_TIMEOUT_READY_MS", default_value_t = 60_000)]
     pub timeout_ready_ms: u64,
     /// A transferring room without progress this many ms fails with `timeout_stall`.
