@@ -491,3 +491,38 @@ fn agents_advertise_another_address_than_they_bind_on_pinned_ports() {
         "{stderr}"
     );
 }
+
+#[test]
+fn decodes_started_with_identical_ranks_all_register_and_all_land_rooms() {
+    let c = Cluster::start("registry-twin-decodes", 1_000);
+    let prefill = c.agent("prefill", "prefill");
+    // The same flags, hence the same ranks: decodes are never looked up by rank, so the
+    // registry gives each instance a slot of its own.
+    let decodes = [c.agent("decode", "decode-a"), c.agent("decode", "decode-b")];
+    runtime().block_on(async {
+        let http = http();
+        let ranks: Value = http
+            .get(format!("{}/v1/ranks", c.url))
+            .send()
+            .await
+            .expect("ranks")
+            .json()
+            .await
+            .expect("JSON");
+        let listed = ranks.to_string();
+        for d in &decodes {
+            let id = d.field("instance");
+            assert!(listed.contains(&id), "{id} is listed: {ranks}");
+        }
+        for (i, d) in decodes.iter().enumerate() {
+            let first = 1 + 2 * i as u64;
+            rooms_verify(
+                &http,
+                &d.field("api"),
+                &prefill.field("api"),
+                first..first + 2,
+            )
+            .await;
+        }
+    });
+}

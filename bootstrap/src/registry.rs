@@ -4,10 +4,11 @@
 //!
 //! Invariants, re-established at the start of every operation by [`Registry::expire`]:
 //! - no expired lease is visible (expired entries are removed and counted);
-//! - each `(role, dp_rank, tp_rank, pp_rank)` slot holds at most one instance, and a live
+//! - each prefill `(dp_rank, tp_rank, pp_rank)` slot holds at most one instance, and a live
 //!   lease is never taken over: another instance gets [`RegistryError::SlotHeld`] until the
 //!   holder deregisters or its lease runs out (the registry never silently replaces a live
-//!   rank);
+//!   rank). Decodes are never looked up by rank: each decode instance has a slot of its own,
+//!   so any number of decode servers with identical configurations share ranks;
 //! - a prefill group exists exactly while at least one prefill rank of its `dp_rank` is live,
 //!   and every live member agrees with the topology and layout the group's first registration
 //!   fixed.
@@ -100,6 +101,8 @@ pub(crate) struct SlotKey {
     pub(crate) dp_rank: u32,
     pub(crate) tp_rank: u32,
     pub(crate) pp_rank: u32,
+    /// A decode's own instance: decodes sharing ranks never contend for a slot.
+    pub(crate) decode: Option<Uuid>,
 }
 
 impl SlotKey {
@@ -109,6 +112,7 @@ impl SlotKey {
             dp_rank: r.dp_rank,
             tp_rank: r.tp_rank,
             pp_rank: r.pp_rank,
+            decode: (r.role == Role::Decode).then_some(r.instance_id),
         }
     }
 }
@@ -598,11 +602,19 @@ mod tests {
                 .to_string()
                 .contains("dtype fp8_e5m2 conflicts with bf16")
         );
-        // Decode registrations are not grouped, so they never conflict with a prefill group.
+        // Decode registrations are not grouped, so they never conflict with a prefill group,
+        // and decodes of identical configuration share ranks.
         let mut d = rank(0, 0, 4, 0, 1);
         d.role = Role::Decode;
         d.slice.heads = IndexRange::new(0, 2);
-        assert_eq!(reg.register(d, t0), Ok(Registered::New));
+        assert_eq!(reg.register(d.clone(), t0), Ok(Registered::New));
+        let twin = Registration {
+            instance_id: Uuid::new_v4(),
+            ..d.clone()
+        };
+        assert_eq!(reg.register(twin, t0), Ok(Registered::New));
+        assert_eq!(reg.register(d, t0), Ok(Registered::Refreshed));
+        assert_eq!(reg.stats(t0).decode_ranks, 2);
         assert!(matches!(
             reg.lookup_prefill(0, t0),
             Err(RegistryError::Incomplete { registered: 1, .. })

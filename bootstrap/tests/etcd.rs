@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::etcd::{BOUND, EtcdCluster, etcd_installed, free_ports};
 use common::{TestServer, prefill, wait_until};
-use kvferry_bootstrap::{ClientError, ErrorBody, Registration, RegistryClient, ServerConfig};
+use kvferry_bootstrap::{ClientError, ErrorBody, Registration, RegistryClient, Role, ServerConfig};
 use reqwest::StatusCode;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -158,6 +158,20 @@ async fn replicas_share_one_view_and_a_race_has_one_winner() {
     // The holder re-registering through the other replica refreshes (200).
     assert_eq!(post(&http, &b.url, &r0).await.0, StatusCode::OK);
     assert_eq!(post(&http, &a.url, &r0).await.0, StatusCode::OK);
+    // Decodes of identical ranks each get a slot of their own, through either replica; each
+    // refreshes its own and leaves with its own.
+    let twins = [prefill(0, 0, 2, 0, 1), prefill(0, 0, 2, 0, 1)].map(|mut d| {
+        d.role = Role::Decode;
+        d
+    });
+    for (d, url) in twins.iter().zip([&a.url, &b.url]) {
+        assert_eq!(post(&http, url, d).await.0, StatusCode::CREATED);
+    }
+    assert_eq!(post(&http, &a.url, &twins[1]).await.0, StatusCode::OK);
+    assert_eq!(cb.health().await.unwrap().decode_ranks, 2);
+    for d in &twins {
+        assert!(ca.deregister(d.instance_id).await.unwrap());
+    }
 
     // Deregistered through B, gone from A; heartbeats of unknown instances are 404.
     assert!(cb.deregister(r1.instance_id).await.unwrap());

@@ -3,9 +3,10 @@
 //! members) may die.
 //!
 //! Keys (under [`PREFIX`]):
-//! - `slots/{role}/{dp:010}/{pp:010}/{tp:010}` -> the registration (JSON). At most one per
+//! - `slots/prefill/{dp:010}/{pp:010}/{tp:010}` -> the registration (JSON). At most one per
 //!   slot; the zero-padded ranks make a prefill group one key range, listed in `(pp, tp)`
-//!   order;
+//!   order. A decode's slot ends with its instance, `slots/decode/{dp}/{pp}/{tp}/{uuid}`:
+//!   decodes sharing ranks never contend;
 //! - `instances/{uuid}` -> the instance's slot key, so a heartbeat or a deregistration by
 //!   instance id finds its slot and lease.
 //!
@@ -503,10 +504,14 @@ fn registration(kv: &KeyValue) -> Result<Registration, Attempt> {
 }
 
 fn slot_key(s: &SlotKey) -> String {
-    format!(
+    let ranks = format!(
         "{PREFIX}slots/{}/{:010}/{:010}/{:010}",
         s.role, s.dp_rank, s.pp_rank, s.tp_rank
-    )
+    );
+    match s.decode {
+        Some(id) => format!("{ranks}/{id}"),
+        None => ranks,
+    }
 }
 
 fn group_prefix(dp_rank: u32) -> String {
@@ -527,11 +532,19 @@ fn parse_slot_key(key: &str) -> Option<SlotKey> {
     };
     let mut number = || parts.next()?.parse::<u32>().ok();
     let (dp_rank, pp_rank, tp_rank) = (number()?, number()?, number()?);
+    let decode = match role {
+        Role::Prefill => None,
+        Role::Decode => Some(parts.next()?.parse::<Uuid>().ok()?),
+    };
+    if parts.next().is_some() {
+        return None;
+    }
     Some(SlotKey {
         role,
         dp_rank,
         tp_rank,
         pp_rank,
+        decode,
     })
 }
 
@@ -546,6 +559,7 @@ mod tests {
             dp_rank: 3,
             tp_rank: 12,
             pp_rank: 1,
+            decode: None,
         };
         let key = slot_key(&s);
         assert_eq!(
@@ -562,6 +576,23 @@ mod tests {
             ..s
         });
         assert!(b < a, "pp 0 sorts before pp 1 whatever the tp rank");
+        let id = Uuid::new_v4();
+        let d = SlotKey {
+            role: Role::Decode,
+            decode: Some(id),
+            ..s
+        };
+        let key = slot_key(&d);
+        assert_eq!(
+            key,
+            format!("/kvferry/bootstrap/slots/decode/0000000003/0000000001/0000000012/{id}")
+        );
+        assert_eq!(parse_slot_key(&key), Some(d));
+        assert_eq!(
+            parse_slot_key(&slot_key(&SlotKey { decode: None, ..d })),
+            None
+        );
+        assert_eq!(parse_slot_key(&format!("{}/{id}", slot_key(&s))), None);
         assert_eq!(parse_slot_key("/kvferry/bootstrap/slots/x/1/2/3"), None);
         assert_eq!(parse_slot_key("/other/slots/prefill/1/2/3"), None);
     }
