@@ -77,10 +77,9 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     let key = args.api_key.clone();
     let proxy = Arc::new(Proxy {
         prefills: Arc::new(Backends::new(&args.prefill, concurrent, key.clone())),
-        decodes: Arc::new(Backends::new(&args.decode, false, key.clone())),
+        decodes: Arc::new(Backends::new(&args.decode, false, key)),
         pairing: args.pairing,
         http: http.clone(),
-        api_key: key,
         metrics: ProxyMetrics::default(),
     });
     let period = Duration::from_millis(args.health_ms.max(1));

@@ -134,6 +134,11 @@ impl Backends {
         futures_util::future::join_all(checks).await;
     }
 
+    /// The key of the proxy's own calls to these servers (`--api-key`).
+    pub fn api_key(&self) -> Option<&str> {
+        self.api_key.as_deref()
+    }
+
     /// `request` with the proxy's key, if it has one.
     fn own(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
         match &self.api_key {

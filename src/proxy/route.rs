@@ -35,9 +35,6 @@ pub struct Proxy {
     pub pairing: Pairing,
     /// The client every upstream request goes through.
     pub http: reqwest::Client,
-    /// The key of the proxy's own calls to the servers (`--api-key`): `kvferry_reason_of`
-    /// questions. A client's request carries the client's `Authorization`, never this.
-    pub api_key: Option<String>,
     /// What `/metrics` exposes.
     pub metrics: ProxyMetrics,
 }
@@ -429,10 +426,12 @@ impl Proxy {
         copy_answer(status, Bytes::from(body.to_string()))
     }
 
-    /// The headers of the proxy's own calls: its `--api-key`.
+    /// The headers of the proxy's own calls (`kvferry_reason_of` questions): its `--api-key`,
+    /// which a client's request never carries.
     fn own(&self) -> Forwarded {
         Forwarded(
-            self.api_key
+            self.decodes
+                .api_key()
                 .iter()
                 .filter_map(|k| {
                     let value = HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
