@@ -31,6 +31,9 @@ enum Mode {
     Fail,
     /// Waits until released (or dropped by its client), then answers as the mode is then.
     Hold,
+    /// A streamed answer whose connection breaks after its first chunk (a server killed
+    /// mid-answer).
+    Break,
 }
 
 /// A request's `Authorization` and `X-Request-Id` headers.
@@ -52,6 +55,8 @@ struct Stub {
     health_ms: std::sync::atomic::AtomicU64,
     /// Held requests whose client went away before they were released.
     dropped: AtomicUsize,
+    /// Notified to close the server's port and its connections (a dead server).
+    gone: tokio::sync::Notify,
 }
 
 struct Held<'a>(&'a Stub, bool);
@@ -76,6 +81,7 @@ impl Stub {
             headers: Mutex::new(Vec::new()),
             health_ms: std::sync::atomic::AtomicU64::new(0),
             dropped: AtomicUsize::new(0),
+            gone: tokio::sync::Notify::new(),
         });
         let app = Router::new()
             .route("/health", get(health))
@@ -85,7 +91,12 @@ impl Stub {
             .with_state(stub.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        let gone = stub.clone();
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { gone.gone.notified().await })
+                .await
+        });
         (stub, url)
     }
 
@@ -170,7 +181,7 @@ async fn answer(
             let e = json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}});
             return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e)).into_response();
         }
-        Mode::Hold | Mode::Answer => {}
+        Mode::Hold | Mode::Answer | Mode::Break => {}
     }
     let params = if params["do_remote_decode"] == json!(true) {
         // A prefill: its answer names the room (the one it was given, or its own).
@@ -180,7 +191,7 @@ async fn answer(
         json!({"kvferry_room": params["kvferry_room"], "kvferry_start_token": 0})
     };
     if body["stream"] == json!(true) {
-        let chunks: Vec<Result<String, std::io::Error>> = ["one", "two", "three"]
+        let mut chunks: Vec<Result<String, std::io::Error>> = ["one", "two", "three"]
             .iter()
             .map(|t| {
                 Ok(format!(
@@ -190,6 +201,20 @@ async fn answer(
             })
             .chain([Ok("data: [DONE]\n\n".to_owned())])
             .collect();
+        if mode == Mode::Break {
+            // The first chunk, then a broken connection once the test released it.
+            chunks.truncate(1);
+            let stub = s.clone();
+            let broken = futures_util::stream::once(async move {
+                stub.release.notified().await;
+                Err(std::io::Error::other("killed"))
+            });
+            let stream = futures_util::StreamExt::chain(futures_util::stream::iter(chunks), broken);
+            let mut r = Response::new(Body::from_stream(stream));
+            r.headers_mut()
+                .insert(header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
+            return r;
+        }
         let mut r = Response::new(Body::from_stream(futures_util::stream::iter(chunks)));
         r.headers_mut()
             .insert(header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
@@ -224,9 +249,10 @@ fn proxy_with(
         "0",
         "--pairing",
         pairing,
-        "--health-ms",
-        "50",
     ]);
+    if !extra.contains(&"--health-ms") {
+        args.extend(owned(&["--health-ms", "50"]));
+    }
     args.extend(owned(extra));
     let p = Spawned::start(
         &release_binary(),
@@ -443,6 +469,44 @@ fn streamed_answers_pass_through_chunk_by_chunk_on_both_apis() {
 }
 
 #[test]
+fn a_stream_the_decode_breaks_ends_with_an_error_event() {
+    runtime().block_on(async {
+        let (_prefill, p_url) = Stub::start("p", 0).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        decode.set(Mode::Break);
+        let mut r = http()
+            .post(format!("{url}/v1/completions"))
+            .json(&completion(true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let mut text = String::from_utf8(r.chunk().await.unwrap().unwrap().to_vec()).unwrap();
+        // The decode's connection breaks after the first chunk reached the client; the rest
+        // arrives whole: the proxy ends the stream itself after an error event.
+        decode.release.notify_one();
+        while let Some(chunk) = r.chunk().await.expect("a stream that ends cleanly") {
+            text += std::str::from_utf8(&chunk).unwrap();
+        }
+        let events: Vec<Value> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(events.len(), 2, "{text}");
+        assert_eq!(events[0]["choices"][0]["text"], "one");
+        let message = events[1]["error"]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with(&format!("decode server {d_url} failed mid-answer: ")),
+            "{message}"
+        );
+        assert_eq!(events[1]["error"]["code"], 502);
+    });
+}
+
+#[test]
 fn the_server_with_fewest_outstanding_requests_is_chosen() {
     runtime().block_on(async {
         let (_prefill, p_url) = Stub::start("p", 0).await;
@@ -508,6 +572,48 @@ fn an_unhealthy_server_is_routed_around_and_used_again_once_healthy() {
             counter(&url, r#"kvferry_proxy_errors_total{cause="no_server"}"#).await,
             1.0
         );
+    });
+}
+
+#[test]
+fn a_request_a_dead_decode_refuses_goes_to_another_decode() {
+    runtime().block_on(async {
+        let (_prefill, p_url) = Stub::start("p", 0).await;
+        let (a, a_url) = Stub::start("a", 0).await;
+        let (b, b_url) = Stub::start("b", 0).await;
+        for pairing in ["sequential", "concurrent"] {
+            // No health round after the first: only the refused connection can route around a.
+            let (_proxy, url) = proxy_with(
+                &[&p_url],
+                &[&a_url, &b_url],
+                pairing,
+                &["--health-ms", "600000"],
+            );
+            wait_health(&url, reqwest::StatusCode::OK).await;
+            if pairing == "sequential" {
+                a.gone.notify_one();
+                let addr = a_url.trim_start_matches("http://").to_owned();
+                poll_until("a's port is closed", BOUND, || async {
+                    tokio::net::TcpStream::connect(&addr)
+                        .await
+                        .is_err()
+                        .then_some(())
+                })
+                .await;
+            }
+            // Ties go to the first decode, a: the first request is refused there and sent to b,
+            // and later ones go to b at once.
+            for _ in 0..3 {
+                let (status, got) = complete(&url).await;
+                assert_eq!(
+                    (status.as_u16(), got["server"].as_str()),
+                    (200, Some("b")),
+                    "{pairing}: {got}"
+                );
+            }
+            assert!(a.seen().is_empty(), "{:?}", a.seen());
+        }
+        assert_eq!(b.seen().len(), 6);
     });
 }
 

@@ -110,6 +110,14 @@ impl Backends {
         Some(Lease(best.clone()))
     }
 
+    /// Stops routing to the server of `lease` (it refused a connection) until a health round
+    /// finds it answering again.
+    pub fn route_around(&self, lease: &Lease, error: &dyn std::fmt::Display) {
+        if lease.0.healthy.swap(false, Ordering::Relaxed) {
+            tracing::warn!(server = %lease.0.url, %error, "server unreachable: routed around until it answers a health check");
+        }
+    }
+
     /// Checks every server's `/health` each `period`, forever (the first round after
     /// `period`): a server that does not answer 200 within `timeout` is routed around until it
     /// does.

@@ -83,10 +83,10 @@ async fn models(State(p): State<Arc<Proxy>>, headers: HeaderMap) -> Response {
             let status = r.status();
             match r.bytes().await {
                 Ok(bytes) => copy_answer(status, bytes),
-                Err(e) => unreachable(Cause::Decode, &url, e).response,
+                Err(e) => unreachable(Cause::Decode, &url, causes(&e)).response,
             }
         }
-        Err(e) => unreachable(Cause::Decode, &url, e).response,
+        Err(e) => unreachable(Cause::Decode, &url, causes(&e)).response,
     }
 }
 
@@ -181,6 +181,18 @@ fn unreachable(cause: Cause, url: &str, message: impl std::fmt::Display) -> Fail
     }
 }
 
+/// An error and its sources, `: `-separated (reqwest's own message leaves out why a request
+/// failed: "connection closed before message completed" is a source).
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text += &format!(": {s}");
+        source = s.source();
+    }
+    text
+}
+
 /// How a request to a server (a prefill's, or a question to a decode) ended.
 enum Posted {
     /// Its answer (HTTP 2xx).
@@ -204,7 +216,7 @@ impl Proxy {
     async fn route(
         self: Arc<Self>,
         endpoint: Endpoint,
-        path: &str,
+        path: &'static str,
         forwarded: Forwarded,
         body: Bytes,
     ) -> Response {
@@ -230,7 +242,7 @@ impl Proxy {
     async fn dispatch(
         self: Arc<Self>,
         endpoint: Endpoint,
-        path: &str,
+        path: &'static str,
         forwarded: &Forwarded,
         body: &[u8],
         started: Instant,
@@ -247,7 +259,7 @@ impl Proxy {
             )));
         }
         let prefill = self.prefills.pick().ok_or_else(|| unavailable("prefill"))?;
-        let decode = self.decodes.pick().ok_or_else(|| unavailable("decode"))?;
+        let mut decode = self.decodes.pick().ok_or_else(|| unavailable("decode"))?;
         let mut first = request.clone();
         first.insert("max_tokens".into(), json!(1));
         if endpoint == Endpoint::ChatCompletions {
@@ -259,7 +271,6 @@ impl Proxy {
             first.remove(field);
         }
         let prefill_url = format!("{}{path}", prefill.backend().url);
-        let decode_url = format!("{}{path}", decode.backend().url);
         let (answer, room, note) = match self.pairing {
             Pairing::Sequential => {
                 first.insert(
@@ -287,10 +298,10 @@ impl Proxy {
                     })?;
                 let room = params.get("kvferry_room").cloned().unwrap_or(Value::Null);
                 request.insert("kv_transfer_params".into(), params);
-                let answer = forwarded
-                    .onto(self.http.post(&decode_url))
-                    .json(&request)
-                    .send()
+                let answer;
+                (answer, decode) = self
+                    .clone()
+                    .send_decode(path, request.clone(), forwarded.clone(), decode)
                     .await;
                 (answer, room, None)
             }
@@ -310,10 +321,10 @@ impl Proxy {
                     json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": group}),
                 );
                 // The decode allocates and waits for the room while the prefill computes it.
-                let send = forwarded
-                    .onto(self.http.post(&decode_url))
-                    .json(&request)
-                    .send();
+                let decode_url = format!("{}{path}", decode.backend().url);
+                let send =
+                    self.clone()
+                        .send_decode(path, request.clone(), forwarded.clone(), decode);
                 let mut decoding = AbortOnDrop(tokio::spawn(send));
                 let prefill_post = self.post(&prefill_url, &first, forwarded);
                 tokio::pin!(prefill_post);
@@ -334,7 +345,7 @@ impl Proxy {
                         },
                         joined = &mut decoding.0, if decoded.is_none() => {
                             let answer = joined.map_err(|e| unreachable(Cause::Decode, &decode_url, e))?;
-                            let refused = answer.as_ref().map_or(true, |r| !r.status().is_success());
+                            let refused = answer.0.as_ref().map_or(true, |r| !r.status().is_success());
                             decoded = Some(answer);
                             if refused {
                                 // The decode will not take the room: the prefill's request is
@@ -345,7 +356,8 @@ impl Proxy {
                     }
                 };
                 drop(prefill);
-                let answer = match decoded {
+                let answer;
+                (answer, decode) = match decoded {
                     Some(answer) => answer,
                     None => (&mut decoding.0)
                         .await
@@ -354,7 +366,8 @@ impl Proxy {
                 (answer, Value::String(room), note)
             }
         };
-        let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_url, e))?;
+        let decode_url = format!("{}{path}", decode.backend().url);
+        let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_url, causes(&e)))?;
         if !answer.status().is_success() {
             let model = request.get("model").cloned().unwrap_or(Value::Null);
             let base = decode.backend().url.clone();
@@ -364,12 +377,44 @@ impl Proxy {
         Ok((self.pass_through(answer, decode, started), None))
     }
 
+    /// The decode's request sent to `decode`, or to another decode server when `decode` refused
+    /// the connection (the request never reached it: it is routed around until a health round
+    /// finds it back); the answer and the server that gave it.
+    async fn send_decode(
+        self: Arc<Self>,
+        path: &'static str,
+        request: Map<String, Value>,
+        forwarded: Forwarded,
+        mut decode: Lease,
+    ) -> (reqwest::Result<reqwest::Response>, Lease) {
+        let mut tries = self.decodes.all().len();
+        loop {
+            let url = format!("{}{path}", decode.backend().url);
+            let sent = forwarded
+                .onto(self.http.post(&url))
+                .json(&request)
+                .send()
+                .await;
+            tries -= 1;
+            match sent {
+                Err(e) if e.is_connect() && tries > 0 => {
+                    self.decodes.route_around(&decode, &e);
+                    match self.decodes.pick() {
+                        Some(other) => decode = other,
+                        None => return (Err(e), decode),
+                    }
+                }
+                sent => return (sent, decode),
+            }
+        }
+    }
+
     /// A POST of `body` to `url` with the client's headers (or the proxy's own key, for a
     /// question of the proxy's).
     async fn post(&self, url: &str, body: &impl serde::Serialize, forwarded: &Forwarded) -> Posted {
         let r = match forwarded.onto(self.http.post(url)).json(body).send().await {
             Ok(r) => r,
-            Err(e) => return Posted::Lost(e.to_string()),
+            Err(e) => return Posted::Lost(causes(&e)),
         };
         let status = r.status();
         match r.bytes().await {
@@ -381,7 +426,7 @@ impl Proxy {
                 cause: Cause::Prefill,
                 response: copy_answer(status, bytes),
             }),
-            Err(e) => Posted::Lost(e.to_string()),
+            Err(e) => Posted::Lost(causes(&e)),
         }
     }
 
@@ -454,19 +499,35 @@ impl Proxy {
         let streamed = content_type
             .as_ref()
             .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
+        let server = decode.backend().url.clone();
         let done = Done {
             proxy: self,
             started,
             _decode: decode,
         };
         let mut first = streamed;
-        let stream = answer.bytes_stream().map(move |chunk| {
+        let stream = answer.bytes_stream().scan(false, move |broken, chunk| {
+            if *broken {
+                return std::future::ready(None);
+            }
             if std::mem::take(&mut first) {
                 done.proxy
                     .metrics
                     .first_token(done.started.elapsed().as_secs_f64());
             }
-            chunk
+            std::future::ready(Some(match chunk {
+                // A stream that breaks ends with an error event the client can read (an OpenAI
+                // error object, as vLLM sends one mid-stream), not with a cut connection.
+                Err(e) if streamed => {
+                    *broken = true;
+                    let message =
+                        format!("decode server {server} failed mid-answer: {}", causes(&e));
+                    let event = json!({"error": {"message": message, "type": "upstream_error",
+                                                 "param": null, "code": 502}});
+                    Ok(Bytes::from(format!("data: {event}\n\n")))
+                }
+                chunk => chunk,
+            }))
         });
         let mut response = Response::new(Body::from_stream(stream));
         *response.status_mut() = status;
