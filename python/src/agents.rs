@@ -87,9 +87,9 @@ fn start<A, F, Fut>(
     names: impl Fn(&A) -> (String, String, String),
 ) -> PyResult<Handle<A>>
 where
-    A: Send + Sync,
+    A: Send + Sync + 'static,
     F: FnOnce(AgentConfig, Option<kvferry::agent::EnginePool>, CancellationToken) -> Fut + Send,
-    Fut: Future<Output = Result<A, AgentError>>,
+    Fut: Future<Output = Result<A, AgentError>> + Send + 'static,
 {
     crate::init_logs();
     let cfg = crate::agent_config(options)?;
@@ -110,7 +110,10 @@ where
     let token = shutdown.clone();
     let rt = runtime().map_err(errors::StartError::new_err)?;
     let agent = py
-        .detach(|| rt.block_on(start(cfg, pool, token)))
+        // On a runtime thread: threads the agent starts (control, transport) inherit its
+        // affinity, not the engine's pinned calling thread's.
+        .detach(|| rt.block_on(rt.spawn(start(cfg, pool, token))))
+        .map_err(|e| errors::StartError::new_err(e.to_string()))?
         .map_err(|e| errors::StartError::new_err(e.to_string()))?;
     let (api_url, instance, endpoint) = names(&agent);
     Ok(Handle {

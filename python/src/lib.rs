@@ -25,9 +25,12 @@ fn runtime() -> Result<&'static tokio::runtime::Runtime, String> {
     static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
     RUNTIME
         .get_or_init(|| {
+            // The engine pinned the thread that starts the first agent to its compute cores.
+            kvferry::cpus::unpin_agent_threads();
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .thread_name("kvferry")
+                .on_thread_start(kvferry::cpus::on_agent_thread)
                 .enable_all()
                 .build()
                 .map_err(|e| format!("cannot start kvferry's tokio runtime: {e}"))

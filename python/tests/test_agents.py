@@ -4,6 +4,10 @@ ways: the same calls, views and exceptions): the API, and every error surface wi
 exception it raises and the proof that nothing outside a room's pages was written."""
 
 import contextlib
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -367,3 +371,35 @@ def test_an_mmap_under_an_agent_cannot_be_closed(registry):
         with pytest.raises(BufferError):
             mapped.close()
     mapped.close()
+
+
+PINNED = r"""
+import os, pathlib, sys
+sys.path.insert(0, sys.argv[2])
+from engine import kv_cache, options
+import kvferry
+os.sched_setaffinity(0, {0})  # an engine's compute thread, pinned to its core
+opts = options(sys.argv[1])
+with kvferry.PrefillAgent([kv_cache(opts, "noise")], **opts):
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        name = (task / "comm").read_text().strip()
+        cpus = next(l.split(":")[1].strip() for l in (task / "status").read_text().splitlines()
+                    if l.startswith("Cpus_allowed_list"))
+        print(name, cpus)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to unpin to")
+def test_an_agent_started_from_a_pinned_thread_runs_its_threads_unpinned(registry):
+    # vLLM binds its worker to its OMP cores before the connector starts the agent: the agent's
+    # threads must not inherit that (where engines share cores they would wait seconds to run).
+    out = subprocess.run([sys.executable, "-c", PINNED, registry, str(pathlib.Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    threads = [line.rsplit(" ", 1) for line in out.stdout.splitlines()]
+    allowed = os.sched_getaffinity(0)
+    ours = [(name, cpus) for name, cpus in threads if name.startswith(("kvferry", "ZMQbg"))]
+    assert ours and all(cpus != "0" for _, cpus in ours), threads
+    # The engine's own thread stays pinned.
+    assert threads[0][1] == "0", threads
+    print(f"allowed {sorted(allowed)}: {threads}")

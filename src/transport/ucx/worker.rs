@@ -354,7 +354,10 @@ impl UcxWorker {
         let thread_wake = wake.clone();
         let thread = std::thread::Builder::new()
             .name("ucx-progress".into())
-            .spawn(move || super::progress::run(config, inbox, thread_wake, ready))
+            .spawn(move || {
+                crate::cpus::on_agent_thread();
+                super::progress::run(config, inbox, thread_wake, ready)
+            })
             .map_err(|e| UcxError::Os {
                 op: "spawn the UCX progress thread",
                 message: e.to_string(),

@@ -190,7 +190,10 @@ fn owned(msg: zmq::Message) -> bytes::Bytes {
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name(name.to_owned())
-        .spawn(f)
+        .spawn(|| {
+            crate::cpus::on_agent_thread();
+            f()
+        })
         .map(drop)
 }
 
