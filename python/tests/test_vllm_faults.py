@@ -33,21 +33,15 @@ import pytest
 from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
     SEEDS,
     Pd,
-    Server,
     make_prompts,
     reference,
     vllm,
+    vllm_metric,
 )
 
 SLOW_PATHS_OFF = dict(peer_dead_ms=60_000, room_ttl_ms=600_000)
 # The prefill computes 64 tokens per step: a batch of long prompts keeps it busy for a while.
 CHUNKED = ["--max-num-batched-tokens", "64"]
-
-
-def vllm_metric(server: Server, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def wait_asked(agent_api: str, rooms: list[int], timeout: float = 120) -> None:
@@ -111,12 +105,13 @@ def test_a_prefill_killed_while_the_decode_waits(vllm, kvferry_bin, tmp_path, re
     try:
         proxy = pd.proxy("concurrent")
         prompts = make_prompts(SEEDS["concurrent"])[-4:]  # 640..1000 tokens
+        group = pd.prefill.kvferry_group()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             decoded, rooms = {}, []
             for prompt in prompts:
                 room = int.from_bytes(os.urandom(8), "little")
                 rooms.append(room)
-                params = {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": 0}
+                params = {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group}
                 decoded[pool.submit(pd.decode.complete, prompt, 16, params)] = prompt
             # The decode waits on every room at the prefill's agent; the prefill engine has not
             # announced any (its requests never come), so none can land before the kill.
@@ -151,10 +146,12 @@ def test_a_prefill_killed_while_the_decode_waits(vllm, kvferry_bin, tmp_path, re
         proxy.wait_health(503)
         got = proxy.complete(prompts[0], 16)
         assert got["http_status"] == 503 and got["error"]["error"]["message"] == "no healthy prefill server", got
-        # The prefill comes back on its URL (its new agent takes the group once the dead one's
-        # lease lapses); the proxy uses it again and new requests land.
+        # The prefill comes back on its URL, a new vLLM engine and so a kvferry group of its own
+        # (the dead one's lapses with its lease); the proxy asks it again which group it is, and
+        # new requests land.
         pd.prefill = pd.start_prefill(port=pd.prefill.port)
         pd.prefill.wait_healthy()
+        assert pd.prefill.kvferry_group() != group
         back = proxy.wait_health(200)
         print(f"{policy}: the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
         for prompt in make_prompts(SEEDS["sequential"])[:6]:
@@ -176,13 +173,14 @@ def test_a_decode_killed_mid_batch_releases_the_prefill_blocks(vllm, kvferry_bin
             **SLOW_PATHS_OFF)
     try:
         prompts = long_prompts(4, 11)
+        group = pd.prefill.kvferry_group()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             prefilled, rooms = [], []
             for prompt in prompts:
                 room = int.from_bytes(os.urandom(8), "little")
                 rooms.append(room)
                 pool.submit(pd.decode.complete, prompt, 16,
-                            {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": 0})
+                            {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group})
                 prefilled.append(pool.submit(pd.prefill.complete, prompt, 1,
                                              {"do_remote_decode": True, "kvferry_room": str(room)}))
             # Once the decode has asked the prefill's agent for every room (a room nobody asked

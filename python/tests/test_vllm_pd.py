@@ -15,7 +15,6 @@ loaded: a silent local recompute cannot pass.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import time
@@ -24,8 +23,6 @@ import urllib.request
 import pytest
 
 from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
-    BLOCK_BYTES,
-    BLOCK_SIZE,
     LENGTHS,
     SEEDS,
     Pd,
@@ -33,6 +30,7 @@ from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
     make_prompts,
     metric,
     reference,
+    run_prompts,
     vllm,
 )
 
@@ -46,30 +44,6 @@ def pd(vllm, kvferry_bin, tmp_path_factory, request):
     pair.via = {pairing: pair.proxy(pairing) for pairing in SEEDS}
     yield pair
     pair.stop()
-
-
-def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict) -> list[int]:
-    """Sends every prompt through the proxy of ``pairing``, 4 in flight; checks each output
-    against the reference and the bytes the decode agent landed against what the responses say
-    was loaded. Returns the responses' start tokens."""
-    decode_agent = pd.decode_api
-    landed_before = metric(decode_agent, "kvferry_kv_bytes_total")
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda p: pd.via[pairing].complete(p, 16), prompts))
-    expected_bytes, starts = 0, []
-    for prompt, got in zip(prompts, results):
-        assert "choices" in got, got
-        assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
-        params = got["kv_transfer_params"]
-        assert params["kvferry_tokens"] == len(prompt)
-        start = params["kvferry_start_token"]
-        assert start % BLOCK_SIZE == 0 and start < len(prompt)
-        starts.append(start)
-        expected_bytes += (-(-len(prompt) // BLOCK_SIZE) - start // BLOCK_SIZE) * BLOCK_BYTES
-    landed = metric(decode_agent, "kvferry_kv_bytes_total") - landed_before
-    print(f"{pairing}: {len(prompts)} prompts token-identical, {landed:.0f} bytes landed, start tokens {starts}")
-    assert landed == expected_bytes
-    return starts
 
 
 @pytest.mark.parametrize("pairing", list(SEEDS))
@@ -110,7 +84,7 @@ def test_a_client_abort_while_loading_aborts_the_room(reference, pd):
     prompt = make_prompts(SEEDS["concurrent"])[5]
     room = str(int.from_bytes(os.urandom(8), "little"))
     body = {"model": pd.decode.model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-            "kv_transfer_params": {"do_remote_prefill": True, "kvferry_room": room, "kvferry_dp_rank": 0}}
+            "kv_transfer_params": {"do_remote_prefill": True, "kvferry_room": room, "kvferry_dp_rank": pd.prefill.kvferry_group()}}
     req = urllib.request.Request(pd.decode.url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with pytest.raises(OSError):  # the client gives up and closes its connection
@@ -125,4 +99,10 @@ def test_a_client_abort_while_loading_aborts_the_room(reference, pd):
 
 def test_a_prefill_server_says_which_kvferry_group_it_is(pd):
     got = pd.prefill.complete([5, 6, 7], 1, {"kvferry_identify": True})
-    assert got["kv_transfer_params"] == {"kvferry_dp_rank": 0, "kvferry_bootstrap": pd.bootstrap}
+    params = got["kv_transfer_params"]
+    assert params == {"kvferry_dp_rank": params["kvferry_dp_rank"], "kvferry_bootstrap": pd.bootstrap}
+    # The group is the one the prefill's agent registered (derived from vLLM's engine id).
+    with urllib.request.urlopen(pd.bootstrap + "/v1/ranks", timeout=10) as r:
+        ranks = json.loads(r.read())
+    prefill = [r for r in ranks["ranks"] if r["role"] == "prefill"]
+    assert [r["dp_rank"] for r in prefill] == [params["kvferry_dp_rank"]], ranks

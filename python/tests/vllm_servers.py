@@ -1,14 +1,15 @@
 """Real vLLM servers for the tests: the vLLM venv's interpreter with this checkout's wheel on its
 path (the ``torch_python`` fixture), the tiny seeded model of scripts/vllm/tiny_model.py, the
 settings this machine needs (../docs/engines.md), an OpenAI client small enough to read, the
-prompt sets and their reference outputs (fixtures ``vllm`` and ``reference``), a prefill/decode
-pair with the connector (``Pd``) and ``kvferry proxy`` in front of it (``Proxy``).
+prompt sets and their reference outputs (fixtures ``vllm`` and ``reference``), prefill and decode
+servers with the connector (``Pd``) and ``kvferry proxy`` in front of them (``Proxy``).
 
 Every server runs in its own session, pinned to one core, and is stopped with SIGTERM to its
 whole process group (its engine-core and worker processes too)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -115,6 +116,11 @@ class Server:
             body["kv_transfer_params"] = params
         return post(self.url + "/v1/completions", body)
 
+    def kvferry_group(self) -> int:
+        """A prefill server's kvferry group, as a router learns it (``kvferry_identify``)."""
+        got = self.complete([5, 6, 7], 1, {"kvferry_identify": True})
+        return got["kv_transfer_params"]["kvferry_dp_rank"]
+
     def agent_api(self) -> str:
         """The API URL of the kvferry agent in this server's worker (the connector logs it when
         it starts; the agent picks its own port)."""
@@ -165,6 +171,11 @@ def metric(url: str, name: str, label: str = "") -> float:
         for line in text.splitlines()
         if (line.startswith(name + "{") and label in line.split("}", 1)[0]) or (not label and line.startswith(name + " "))
     )
+
+
+def vllm_metric(server: Server, name: str) -> float:
+    """The sum of a vLLM metric's series on ``server`` (vLLM labels every series)."""
+    return metric(server.url, name, "model_name")
 
 
 def tail(path: pathlib.Path, lines: int = 40) -> str:
@@ -232,13 +243,38 @@ def reference(vllm, tmp_path_factory):
     return out
 
 
+def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict, in_flight: int = 4) -> list[int]:
+    """Sends every prompt through the proxy of ``pairing`` (``pd.via``), ``in_flight`` at once;
+    checks each output against the reference and the bytes the decode agents landed against
+    what the responses say was loaded. Returns the responses' start tokens."""
+    landed_before = sum(metric(d.agent_api(), "kvferry_kv_bytes_total") for d in pd.decodes)
+    with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
+        results = list(pool.map(lambda p: pd.via[pairing].complete(p, NEW_TOKENS), prompts))
+    expected_bytes, starts = 0, []
+    for prompt, got in zip(prompts, results):
+        assert "choices" in got, got
+        assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
+        params = got["kv_transfer_params"]
+        assert params["kvferry_tokens"] == len(prompt)
+        start = params["kvferry_start_token"]
+        assert start % BLOCK_SIZE == 0 and start < len(prompt)
+        starts.append(start)
+        expected_bytes += (-(-len(prompt) // BLOCK_SIZE) - start // BLOCK_SIZE) * BLOCK_BYTES
+    landed = sum(metric(d.agent_api(), "kvferry_kv_bytes_total") for d in pd.decodes) - landed_before
+    print(f"{pairing}: {len(prompts)} prompts token-identical, {landed:.0f} bytes landed, start tokens {starts}")
+    assert landed == expected_bytes
+    return starts
+
+
 class Pd:
-    """A kvferry registry, a prefill server (core 0) and a decode server (core 1) with the
-    connector; ``prefill_args``/``decode_args`` are extra vLLM flags, ``decode_policy`` the
-    decode's kv_load_failure_policy, ``agent`` extra agent options of both."""
+    """A kvferry registry, ``prefills`` prefill servers and ``decodes`` decode servers with the
+    connector, every server of one role started with the same configuration (prefill ``i`` on
+    core ``i % 2``, decode ``i`` on the other core); ``prefill_args``/``decode_args`` are extra
+    vLLM flags, ``decode_policy`` the decodes' kv_load_failure_policy, ``agent`` extra agent
+    options of every server. ``prefill`` and ``decode`` are the first of each role."""
 
     def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
-                 decode_policy: str | None = None, **agent: Any) -> None:
+                 decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, **agent: Any) -> None:
         self.python, self.env, self.model = vllm
         self.logs = logs
         self.kvferry_bin = kvferry_bin
@@ -250,24 +286,38 @@ class Pd:
         self.bootstrap = json.loads(self.registry.stdout.readline())["url"]
         self.agent = agent
         self.prefill_args = tuple(prefill_args)
-        self.prefill = self.start_prefill()
-        self.decode = Server(
-            self.python, self.env, self.model, 1, logs / "decode.log", *decode_args, "--kv-transfer-config",
-            connector("kv_consumer", self.bootstrap, kv_load_failure_policy=decode_policy, **agent),
-        )
+        self.prefills = [self.start_prefill(i) for i in range(prefills)]
+        decode_config = connector("kv_consumer", self.bootstrap, kv_load_failure_policy=decode_policy, **agent)
+        self.decodes = [
+            Server(self.python, self.env, self.model, (i + 1) % 2, logs / log_name("decode", i), *decode_args,
+                   "--kv-transfer-config", decode_config)
+            for i in range(decodes)
+        ]
         try:
-            self.prefill.wait_healthy()
-            self.decode.wait_healthy()
+            for server in self.prefills + self.decodes:
+                server.wait_healthy()
         except BaseException:
             self.stop()
             raise
 
-    def start_prefill(self, port: int | None = None) -> Server:
-        """A prefill server (on ``port``: a restarted one keeps its URL, as behind a proxy)."""
+    def start_prefill(self, i: int = 0, port: int | None = None) -> Server:
+        """Prefill server ``i`` (on ``port``: a restarted one keeps its URL, as behind a proxy)."""
         return Server(
-            self.python, self.env, self.model, 0, self.logs / "prefill.log", *self.prefill_args,
+            self.python, self.env, self.model, i % 2, self.logs / log_name("prefill", i), *self.prefill_args,
             "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent), port=port,
         )
+
+    @property
+    def prefill(self) -> Server:
+        return self.prefills[0]
+
+    @prefill.setter
+    def prefill(self, server: Server) -> None:
+        self.prefills[0] = server
+
+    @property
+    def decode(self) -> Server:
+        return self.decodes[0]
 
     @property
     def prefill_api(self) -> str:
@@ -278,18 +328,24 @@ class Pd:
         return self.decode.agent_api()
 
     def proxy(self, pairing: str) -> Proxy:
-        """``kvferry proxy`` in front of this pair (stopped with it)."""
-        p = Proxy(self.kvferry_bin, [self.prefill.url], [self.decode.url], pairing, self.logs, self.model)
+        """``kvferry proxy`` in front of every server (stopped with them)."""
+        p = Proxy(self.kvferry_bin, [s.url for s in self.prefills], [s.url for s in self.decodes], pairing,
+                  self.logs, self.model)
         self.proxies.append(p)
         return p
 
     def stop(self) -> None:
         for p in self.proxies:
             p.stop()
-        for s in (self.prefill, self.decode):
+        for s in self.prefills + self.decodes:
             s.stop()
         self.registry.terminate()
         self.registry.wait()
+
+
+def log_name(role: str, i: int) -> str:
+    """``prefill.log`` for the first server of a role, ``prefill-1.log`` for the next."""
+    return f"{role}.log" if i == 0 else f"{role}-{i}.log"
 
 
 class Proxy:

@@ -5,7 +5,7 @@ KV tensors. docs/vllm.md says how to run it.
     --kv-transfer-config '{"kv_connector": "KvferryConnector",
         "kv_connector_module_path": "kvferry.vllm",
         "kv_role": "kv_producer" | "kv_consumer",
-        "kv_connector_extra_config": {"bootstrap": "http://HOST:PORT", "dp_rank": 0, ...}}'
+        "kv_connector_extra_config": {"bootstrap": "http://HOST:PORT", ...}}'
 
 vLLM builds the connector once in its engine-core process (the scheduler side,
 ``scheduler.py``) and once per worker (the worker side, ``worker.py``: a kvferry agent over the
@@ -51,7 +51,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 f"KvferryConnector: kv_role must be kv_producer (prefill) or kv_consumer (decode), "
                 f"not {transfer.kv_role}"
             )
-        config = ConnectorConfig.of(transfer.kv_connector_extra_config)
+        config = ConnectorConfig.of(transfer.kv_connector_extra_config, str(transfer.engine_id))
         producer = transfer.is_kv_producer
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

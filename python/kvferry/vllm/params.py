@@ -26,6 +26,7 @@ Rooms travel as decimal strings (a u64 does not survive every JSON parser as a n
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,12 +80,26 @@ def fresh_room(live: set[int]) -> int:
             return room
 
 
+# A prefill server's kvferry group, unless set: a number derived from vLLM's engine id, which
+# every process of one server shares (vLLM appends ``_dp<rank>`` for each of its DP ranks) and
+# which differs between servers (a fresh uuid per server start unless set by hand). Groups are
+# named, not counted: their "DP size" is the size of the name space.
+DERIVED_GROUPS = 1 << 31
+
+
+def derived_group(engine_id: str) -> int:
+    """The kvferry group of the prefill server whose vLLM engine id is ``engine_id``."""
+    digest = hashlib.sha256(engine_id.encode()).digest()
+    return int.from_bytes(digest[:4], "little") % DERIVED_GROUPS
+
+
 @dataclass
 class ConnectorConfig:
     """``kv_connector_extra_config``: ``bootstrap`` (the registry URL, required), ``dp_rank``
     and ``dp_size`` (a prefill server's kvferry DP group among the prefill servers sharing the
-    registry: each prefill server needs its own ``dp_rank``), and ``agent``, further agent
-    options as keywords (``{"transport": "zmq-ipc", "host": "10.0.0.5"}``)."""
+    registry; by default derived from vLLM's engine id, so that prefill servers with identical
+    configurations each form their own group), and ``agent``, further agent options as keywords
+    (``{"transport": "zmq-ipc", "host": "10.0.0.5"}``)."""
 
     bootstrap: str
     dp_rank: int = 0
@@ -92,7 +107,7 @@ class ConnectorConfig:
     agent: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+    def of(cls, extra: dict[str, Any] | None, engine_id: str) -> ConnectorConfig:
         extra = dict(extra or {})
         if not extra.get("bootstrap"):
             raise ValueError(
@@ -105,7 +120,10 @@ class ConnectorConfig:
                 f"KvferryConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
                 "agent options go under \"agent\""
             )
-        dp_rank, dp_size = int(extra.get("dp_rank", 0)), int(extra.get("dp_size", 1))
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"KvferryConnector: dp_rank {dp_rank} must be < dp_size {dp_size}")
+        if "dp_rank" in extra or "dp_size" in extra:
+            dp_rank, dp_size = int(extra.get("dp_rank", 0)), int(extra.get("dp_size", 1))
+            if not 0 <= dp_rank < dp_size:
+                raise ValueError(f"KvferryConnector: dp_rank {dp_rank} must be < dp_size {dp_size}")
+        else:
+            dp_rank, dp_size = derived_group(engine_id), DERIVED_GROUPS
         return cls(str(extra["bootstrap"]), dp_rank, dp_size, dict(extra.get("agent") or {}))
