@@ -164,10 +164,10 @@ impl Transport for ZmqData {
             let closing = closed.clone();
             let ep = endpoint.clone();
             spawn("kvferry-zmq-push", move || {
-                let mut socket = match connect(&ep, timeout, &auth) {
-                    Ok(s) => {
+                let (mut socket, monitor) = match connect(&ep, timeout, &auth) {
+                    Ok(connected) => {
                         let _ = connected_tx.send(Ok(()));
-                        s
+                        connected
                     }
                     Err(e) => {
                         let _ = connected_tx.send(Err(e));
@@ -175,16 +175,30 @@ impl Transport for ZmqData {
                     }
                 };
                 // Ends when the sender is dropped; the socket then lingers for queued chunks.
-                while let Ok(job) = jobs_rx.recv() {
-                    if let Some(result) = send_chunk(&mut socket, &job, &closing) {
-                        let _ = job.done.send(result.map_err(|e| match e {
-                            Unsent::Closed => TransportError::new("send", &ep, CLOSED),
-                            Unsent::Zmq(e) => {
-                                TransportError::new("send", &ep, format!("libzmq: {e}"))
+                loop {
+                    match jobs_rx.recv_timeout(Duration::from_millis(POLL_MS as u64)) {
+                        Ok(job) => {
+                            if let Some(result) = send_chunk(&mut socket, &job, &closing) {
+                                let _ = job.done.send(result.map_err(|e| match e {
+                                    Unsent::Closed => TransportError::new("send", &ep, CLOSED),
+                                    Unsent::Zmq(e) => {
+                                        TransportError::new("send", &ep, format!("libzmq: {e}"))
+                                    }
+                                }));
                             }
-                        }));
+                        }
+                        Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                    }
+                    // libzmq reconnects by itself after a connection drops: the new one is
+                    // proven at once too.
+                    while let Some(event) = monitor.next() {
+                        if event == Event::Ready {
+                            prove(&socket);
+                        }
                     }
                 }
+                super::monitor::stop(&mut socket);
             })
             .map_err(|e| TransportError::new("connect", &endpoint, e))?;
             // The thread answers within `timeout`; the margin only guards against a stuck one.
@@ -235,11 +249,16 @@ fn bind(address: &str, max_frame: usize, auth: &Auth) -> Result<Bound, Transport
     Ok((socket, monitor, endpoint, zap))
 }
 
-/// A PUSH socket connected to `endpoint` whose handshake (and authentication) completed, or
-/// an error if that does not happen within `timeout` (unauthorized when the receiver refused
-/// the credentials). With `ZMQ_IMMEDIATE` chunks are
-/// queued only on a connection that completed its handshake.
-fn connect(endpoint: &str, timeout: Duration, auth: &Auth) -> Result<zmq::Socket, TransportError> {
+/// A PUSH socket connected to `endpoint` whose handshake (and authentication) completed and
+/// whose connection is proven, with its monitor running (the caller stops it), or an error if
+/// that does not happen within `timeout` (unauthorized when the receiver refused the
+/// credentials). With `ZMQ_IMMEDIATE` chunks are queued only on a connection that completed
+/// its handshake.
+fn connect(
+    endpoint: &str,
+    timeout: Duration,
+    auth: &Auth,
+) -> Result<(zmq::Socket, Monitor), TransportError> {
     let err = |e: zmq::Error| TransportError::new("connect", endpoint, format!("libzmq: {e}"));
     let ms = i32::try_from(timeout.as_millis())
         .unwrap_or(i32::MAX)
@@ -257,9 +276,21 @@ fn connect(endpoint: &str, timeout: Duration, auth: &Auth) -> Result<zmq::Socket
         .connect(endpoint)
         .map_err(err)
         .and_then(|()| super::monitor::handshake(&monitor, endpoint, timeout));
-    super::monitor::stop(&mut socket);
-    drop(monitor);
-    shaken.map(|_| socket)
+    if let Err(e) = shaken {
+        super::monitor::stop(&mut socket);
+        return Err(e);
+    }
+    prove(&socket);
+    Ok((socket, monitor))
+}
+
+/// Sends a proof: one empty frame, which the receiver takes as its connection's first message
+/// and drops. A receiver shuts down a connection whose first message does not come within
+/// [`kvferry_bootstrap::admission::PROOF_DEADLINE`], and a data connection may wait longer
+/// than that for its first chunk (a room the engine computes after the decode asked for it).
+/// A proof that cannot be queued now is left to the chunk that follows.
+fn prove(socket: &zmq::Socket) {
+    let _ = socket.send(zmq::Message::new(), zmq::DONTWAIT);
 }
 
 /// One chunk for a sender thread, and where its result goes.
@@ -394,6 +425,10 @@ fn receive_loop(
                 {
                     // A PUSH peer cannot be answered: its connection just goes.
                     let _ = rest_of_message(socket, header, 0);
+                    continue;
+                }
+                if header.is_empty() && !header.get_more() {
+                    // A sender's proof ([`prove`]): it proved its connection, nothing to land.
                     continue;
                 }
             }

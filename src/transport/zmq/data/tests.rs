@@ -218,3 +218,54 @@ async fn a_message_of_another_shape_is_an_error_and_the_socket_goes_on() {
     let (h, p) = rx.recv().await.expect("a chunk in pieces");
     assert_eq!((&h[..], &p[..]), (&b"h"[..], &b"pq"[..]));
 }
+
+/// The local addresses of the established TCP connections to `port` on 127.0.0.1 (IPv4, or
+/// IPv4-mapped on a socket that allows IPv6).
+fn connections_to(port: u16) -> Vec<String> {
+    let remote = format!("0100007F:{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .flat_map(|path| {
+            std::fs::read_to_string(path)
+                .unwrap_or_default()
+                .lines()
+                .skip(1)
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // f[1] local, f[2] remote, f[3] state (01: established).
+            (f.get(2).is_some_and(|r| r.ends_with(&remote)) && f.get(3) == Some(&"01"))
+                .then(|| f[1].to_owned())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_connection_idle_past_the_proof_deadline_before_its_first_chunk_is_kept() {
+    // A decode's receiver shuts down connections whose first message does not come within the
+    // proof deadline; a prefill connects when the decode says Hello and may compute the first
+    // room longer than that. The sender proves its connection at once, so it is kept (a
+    // dropped one would be replaced by a connection from another local port), and no chunk
+    // is ever sent into one being shut down.
+    let t = ZmqData::new(TransportKind::ZmqTcp, 1 << 20, Auth::default());
+    let (endpoint, mut rx) = t.listen("127.0.0.1", 0).await.expect("listen");
+    let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    let mut tx = t
+        .connect(&endpoint, Duration::from_secs(5))
+        .await
+        .expect("connect");
+    let before = connections_to(port);
+    assert_eq!(before.len(), 1, "{before:?}");
+    tokio::time::sleep(kvferry_bootstrap::admission::PROOF_DEADLINE + Duration::from_secs(2)).await;
+    assert_eq!(
+        connections_to(port),
+        before,
+        "the idle connection was replaced"
+    );
+    let frame = Frame::in_place(&[7], vec![0; FRAME_ROOM + 5], Bytes::from).expect("frame");
+    tx.send(frame).await.expect("send");
+    let (h, p) = rx.recv().await.expect("the first chunk");
+    assert_eq!((&h[..], p.len()), (&[7u8][..], 5));
+}
