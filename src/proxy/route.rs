@@ -271,6 +271,7 @@ impl Proxy {
             first.remove(field);
         }
         let prefill_url = format!("{}{path}", prefill.backend().url);
+        let model = request.get("model").cloned().unwrap_or(Value::Null);
         let (answer, room, note) = match self.pairing {
             Pairing::Sequential => {
                 first.insert(
@@ -301,7 +302,7 @@ impl Proxy {
                 let answer;
                 (answer, decode) = self
                     .clone()
-                    .send_decode(path, request.clone(), forwarded.clone(), decode)
+                    .send_decode(path, request, forwarded.clone(), decode)
                     .await;
                 (answer, room, None)
             }
@@ -322,9 +323,9 @@ impl Proxy {
                 );
                 // The decode allocates and waits for the room while the prefill computes it.
                 let decode_url = format!("{}{path}", decode.backend().url);
-                let send =
-                    self.clone()
-                        .send_decode(path, request.clone(), forwarded.clone(), decode);
+                let send = self
+                    .clone()
+                    .send_decode(path, request, forwarded.clone(), decode);
                 let mut decoding = AbortOnDrop(tokio::spawn(send));
                 let prefill_post = self.post(&prefill_url, &first, forwarded);
                 tokio::pin!(prefill_post);
@@ -369,7 +370,6 @@ impl Proxy {
         let decode_url = format!("{}{path}", decode.backend().url);
         let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_url, causes(&e)))?;
         if !answer.status().is_success() {
-            let model = request.get("model").cloned().unwrap_or(Value::Null);
             let base = decode.backend().url.clone();
             let response = self.decode_error(answer, &base, &model, &room, note).await;
             return Ok((response, Some(Cause::Decode)));
