@@ -2,6 +2,7 @@
 //! timeout explicit, generous bounds, measured times printed):
 //!
 //! - kill -9 of the prefill before ready, mid-transfer and after Done but before take;
+//! - kill -9 of a decode the prefill is blocked sending to, another decode served meanwhile;
 //! - abort mid-transfer, then reuse the same engine pages for a new room at once (SGLang #24527);
 //! - 1,000 rooms with random aborts from both sides, exact page and counter accounting;
 //! - a corrupted chunk caught by the per-chunk checksum (`KVFERRY_FAULT_CORRUPT_CHUNK`);
@@ -147,6 +148,61 @@ fn kill9_prefill_mid_transfer_fails_the_room_with_peer_dead() {
         assert_eq!(pool(&http, &d).await, (272, 272), "decode pages after take");
         healthy(&http, &d).await;
     });
+}
+
+/// A decode killed with -9 while the prefill's sends to it are blocked (the decode was stopped
+/// first, so its socket filled): the prefill notices from the closed control connection (heart
+/// beats and send timeouts are 10 minutes: nothing else can end it), fails that room with
+/// `peer_dead` and gets every page of it back, and another decode with the same ranks, saying
+/// Hello after the death, is served meanwhile, every byte verified.
+#[test]
+fn kill9_of_a_decode_the_prefill_is_blocked_sending_to_leaves_another_decode_served() {
+    let opts = AgentOpts {
+        model: "llama3-8b",
+        pool_pages: 320,
+        heartbeat_ms: 100,
+        peer_dead_ms: 600_000,
+        timeout_send_ms: 600_000,
+        ..AgentOpts::default()
+    };
+    let args = opts.args_all();
+    let c = FaultCluster::start("faults-kill-decode", &args, &[], &[], &[]);
+    let mut victim_args = owned(&["decode", "--bootstrap", &c.registry_url]);
+    victim_args.extend_from_slice(&args);
+    let victim = Spawned::start(&release_binary(), &[], "victim", &victim_args, &[], &c.logs);
+    let v = victim.field("api");
+    runtime().block_on(async {
+        let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
+        let (total, _) = pool(&http, &p).await;
+        request(&http, &v, 1, json!({ "tokens": 4096 })).await;
+        wait_state(&http, &v, 1, &["waiting_for_input"], BOUND).await;
+        // 512 MiB for a decode that reads nothing: the prefill's sends to it block.
+        victim.signal("STOP");
+        ready(&http, &p, 1, 4096).await;
+        wait_state(&http, &p, 1, &["transferring"], BOUND).await;
+        victim.signal("KILL");
+        let killed = Instant::now();
+
+        request_and_ready(&http, &d, &p, 2, &json!({ "tokens": 512 })).await;
+        take_verified(&http, &d, 2).await;
+        let served = killed.elapsed();
+        let room = wait_final(&http, &p, 1).await;
+        assert_eq!(room["state"], "failed", "{room}");
+        assert_reason(&room, "peer_dead");
+        poll_until("the prefill's pages back", BOUND, || async {
+            (pool(&http, &p).await == (total, total)).then_some(())
+        })
+        .await;
+        println!(
+            "[faults-kill-decode] after the kill: the other decode served in {:.0} ms, the dead decode's room {} and every prefill page back in {:.0} ms; reason: {}",
+            ms(served),
+            room["state"],
+            ms(killed.elapsed()),
+            room["reason"]["message"]
+        );
+        healthy(&http, &d).await;
+    });
+    drop(victim);
 }
 
 /// (c) Rooms that landed (success, untaken) when the prefill is killed stay `success` and

@@ -2,7 +2,8 @@
 //! decode agent (release binary, OS-chosen ports, loopback only) driven over their HTTP APIs.
 //!
 //! - rooms land intact over `zmq-tcp` and `zmq-ipc`, 8 in flight, and every page comes back;
-//! - an untaken room expires and its agent-owned pages return;
+//! - an untaken room expires and its agent-owned pages return; a ready room no decode asked
+//!   for expires at the prefill, and a later request for it is refused at once;
 //! - abort before the prefill is ready and in the middle of a transfer;
 //! - engine-owned pages are never counted or freed by the agent;
 //! - an unreachable advertised prefill endpoint fails the room with `unreachable`, quickly;
@@ -122,7 +123,8 @@ fn hundred_rooms_over_zmq_ipc_land_verified_and_pools_refill() {
     hundred_rooms("e2e-ipc", "zmq-ipc");
 }
 
-/// A landed room never taken expires after --room-ttl-ms; its pages return; it is counted.
+/// A landed room never taken expires after --room-ttl-ms; its pages return; it is counted. So
+/// does a ready room no decode asked for, at the prefill; a later request for it is refused.
 #[test]
 fn untaken_room_expires_and_its_pages_return() {
     let opts = AgentOpts {
@@ -203,6 +205,48 @@ fn untaken_room_expires_and_its_pages_return() {
             (pool(&http, &prefill).await == (total, total)).then_some(())
         })
         .await;
+
+        // A ready room no decode asks for expires at the prefill (its pages return, it is
+        // counted); a decode that asks for it later is refused at once with `unknown_room`,
+        // saying it expired, instead of waiting --timeout-ready-ms for a room the engine will
+        // never announce again.
+        let room = 8u64;
+        expect(
+            &http,
+            Method::POST,
+            &format!("{prefill}/v1/rooms/{room}/ready"),
+            Some(&body),
+            StatusCode::ACCEPTED,
+        )
+        .await;
+        assert_eq!(pool(&http, &prefill).await, (total, total - 7));
+        poll_until("unasked room expired at the prefill", BOUND, || async {
+            (pool(&http, &prefill).await == (total, total)).then_some(())
+        })
+        .await;
+        let expired = metric(
+            &http,
+            &prefill,
+            "kvferry_rooms_expired_total{role=\"prefill\"}",
+        )
+        .await;
+        assert_eq!(expired, Some(1.0));
+        let t = Instant::now();
+        let url = format!("{decode}/v1/rooms/{room}");
+        expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
+        let v = wait_final(&http, &decode, room).await;
+        println!(
+            "[e2e-expire] a request for a room that expired unasked refused in {:.0} ms",
+            ms(t.elapsed())
+        );
+        assert_eq!(v["state"], "failed", "{v}");
+        assert_eq!(v["reason"]["code"], "unknown_room", "{v}");
+        let message = v["reason"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(&format!("room {room} expired here"))
+                && message.contains("no decode asked for it"),
+            "{v}"
+        );
     });
     drop(cluster);
 }

@@ -133,6 +133,8 @@ impl Inner {
         }
         let endpoint = rank.control_endpoint.clone();
         let timeout = self.cfg.timeouts.connect;
+        let started = Instant::now();
+        tracing::debug!(prefill = %endpoint, "saying Hello to a prefill");
         let unreachable = |what: String| {
             Reason::new(
                 FailureCode::Unreachable,
@@ -239,6 +241,7 @@ impl Inner {
             chunk_key,
             _granted: granted,
         });
+        tracing::debug!(prefill = %peer.endpoint, ms = started.elapsed().as_millis() as u64, "prefill answered Hello");
         tokio::spawn(control_loop(self.clone(), peer.clone(), recv));
         tokio::spawn(heartbeat_loop(self.clone(), peer.clone()));
         self.peers().insert(ack.instance, peer.clone());

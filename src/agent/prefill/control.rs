@@ -82,6 +82,7 @@ pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
 
 impl Inner {
     async fn on_hello(self: Arc<Self>, identity: PeerId, hello: Hello) {
+        tracing::debug!(decode = %hello.instance, data = %hello.data_endpoint, "Hello");
         let refuse = |code, message| self.refuse(&identity, None, code, message);
         let Some(version) = protocol::negotiate(hello.min_version, hello.max_version) else {
             return refuse(
@@ -248,6 +249,19 @@ impl Inner {
         }
         let refusal = {
             let mut rooms = self.rooms();
+            let expired = match rooms.contains_key(&room_id) {
+                true => None,
+                false => self.expired().ago(room_id),
+            };
+            if let Some(ago) = expired {
+                drop(rooms);
+                let m = format!(
+                    "room {room_id} expired here {} ms ago: its KV was ready for {} ms and no decode asked for it (--room-ttl-ms)",
+                    ago.as_millis(),
+                    self.cfg.timeouts.room_ttl.as_millis()
+                );
+                return self.refuse(&identity, Some(room_id), FailureCode::UnknownRoom, m);
+            }
             let room = rooms.entry(room_id).or_insert_with(Room::new);
             let keyed = room.key.is_some_and(|key| req.room_key != Some(key));
             if keyed {

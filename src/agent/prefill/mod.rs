@@ -135,6 +135,7 @@ impl PrefillAgent {
             replier,
             slots,
             rooms: Mutex::new(HashMap::new()),
+            expired: Mutex::default(),
             peers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new("prefill", rma)),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -229,6 +230,9 @@ struct Inner {
     replier: ControlReplier,
     slots: Arc<SlotPool>,
     rooms: Mutex<HashMap<u64, Room>>,
+    /// Rooms whose ready KV no decode asked for within the TTL, for a request that comes
+    /// later (refused at once rather than waiting for a room that will never be announced).
+    expired: Mutex<Expired>,
     /// Decode peers by their control identity.
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
     metrics: Arc<Metrics>,
@@ -483,6 +487,10 @@ impl Room {
 impl Inner {
     fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
         self.rooms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn expired(&self) -> MutexGuard<'_, Expired> {
+        self.expired.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn peers(&self) -> MutexGuard<'_, HashMap<PeerId, Arc<Peer>>> {
@@ -759,13 +767,94 @@ async fn housekeeping(inner: Arc<Inner>) {
         }
         inner.fail_unready().await;
         let ttl = t.room_ttl;
-        inner.rooms().retain(|_, room| {
+        let mut orphans = Vec::new();
+        inner.rooms().retain(|id, room| {
             let old = room.final_at.is_some_and(|t| t.elapsed() >= ttl);
             // Ready pages no decode ever asked for are released after the same TTL.
             let created = room.status.at("created").unwrap_or(0.0);
             let asked = room.transfers.values().any(|t| t.req.is_some());
             let orphan = !asked && super::room::now_ms() - created >= ttl.as_secs_f64() * 1e3;
-            !(old || orphan) || room.running()
+            let keep = !(old || orphan) || room.running();
+            if !keep && orphan {
+                orphans.push(*id);
+            }
+            keep
         });
+        if !orphans.is_empty() {
+            tracing::warn!(rooms = ?orphans, ttl_ms = ttl.as_millis() as u64, "ready rooms no decode asked for expired");
+            inner.metrics.expired.inc_by(orphans.len() as u64);
+        }
+        inner.expired().note(orphans, ttl);
+    }
+}
+
+/// Rooms that expired unasked, remembered for [`Expired::REMEMBERED`] TTLs (at most
+/// [`Expired::MAX`] of them, the oldest forgotten first).
+#[derive(Default)]
+struct Expired {
+    order: std::collections::VecDeque<(u64, Instant)>,
+    rooms: std::collections::HashSet<u64>,
+}
+
+impl Expired {
+    const REMEMBERED: u32 = 10;
+    const MAX: usize = 1 << 16;
+
+    /// Adds the rooms that expired now and forgets those remembered long enough.
+    fn note(&mut self, rooms: Vec<u64>, ttl: Duration) {
+        let now = Instant::now();
+        for room in rooms {
+            if self.rooms.insert(room) {
+                self.order.push_back((room, now));
+            }
+        }
+        let long = ttl * Self::REMEMBERED;
+        while let Some(&(room, at)) = self.order.front() {
+            if self.order.len() <= Self::MAX && now.duration_since(at) < long {
+                break;
+            }
+            self.order.pop_front();
+            self.rooms.remove(&room);
+        }
+    }
+
+    /// How long ago `room` expired, if it is remembered.
+    fn ago(&self, room: u64) -> Option<Duration> {
+        if !self.rooms.contains(&room) {
+            return None;
+        }
+        let at = self.order.iter().find(|(r, _)| *r == room)?.1;
+        Some(at.elapsed())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expired_rooms_are_remembered_for_ten_ttls_and_at_most_max_of_them() {
+        let mut expired = Expired::default();
+        let hour = Duration::from_secs(3600);
+        expired.note(vec![1, 2], hour);
+        expired.note(vec![2, 3], hour);
+        assert!(expired.ago(1).is_some_and(|ago| ago < hour));
+        assert!(expired.ago(3).is_some());
+        assert_eq!(expired.ago(4), None);
+        assert_eq!(
+            expired.order.len(),
+            3,
+            "a room noted twice is remembered once"
+        );
+        // Past the memory (a zero TTL: at once), every room is forgotten.
+        expired.note(vec![], Duration::ZERO);
+        assert_eq!((expired.ago(1), expired.order.len()), (None, 0));
+        // Beyond the bound, the oldest go first.
+        let many: Vec<u64> = (0..Expired::MAX as u64 + 2).collect();
+        expired.note(many, hour);
+        assert_eq!(expired.order.len(), Expired::MAX);
+        assert_eq!(expired.rooms.len(), Expired::MAX);
+        assert_eq!((expired.ago(0), expired.ago(1)), (None, None));
+        assert!(expired.ago(Expired::MAX as u64 + 1).is_some());
     }
 }
