@@ -34,6 +34,9 @@ enum Mode {
     /// A streamed answer whose connection breaks after its first chunk (a server killed
     /// mid-answer).
     Break,
+    /// A streamed answer that ends, after its first chunk, with vLLM's error event for a
+    /// failed KV load ("Internal server error").
+    FailMidStream,
 }
 
 /// A request's `Authorization` and `X-Request-Id` headers.
@@ -181,7 +184,7 @@ async fn answer(
             let e = json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}});
             return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e)).into_response();
         }
-        Mode::Hold | Mode::Answer | Mode::Break => {}
+        Mode::Hold | Mode::Answer | Mode::Break | Mode::FailMidStream => {}
     }
     let params = if params["do_remote_decode"] == json!(true) {
         // A prefill: its answer names the room (the one it was given, or its own).
@@ -201,6 +204,16 @@ async fn answer(
             })
             .chain([Ok("data: [DONE]\n\n".to_owned())])
             .collect();
+        if mode == Mode::FailMidStream {
+            let e = json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}});
+            chunks.splice(
+                1..,
+                [
+                    Ok(format!("data: {e}\n\n")),
+                    Ok("data: [DONE]\n\n".to_owned()),
+                ],
+            );
+        }
         if mode == Mode::Break {
             // The first chunk, then a broken connection once the test released it.
             chunks.truncate(1);
@@ -506,6 +519,43 @@ fn a_stream_the_decode_breaks_ends_with_an_error_event() {
     });
 }
 
+/// vLLM ends a stream whose KV load failed with a bare "Internal server error" event: the
+/// proxy extends its message with the decode server, the room and kvferry's reason there.
+#[test]
+fn an_error_event_in_a_stream_is_explained() {
+    runtime().block_on(async {
+        let (_prefill, p_url) = Stub::start("p", 0).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        decode.set(Mode::FailMidStream);
+        for pairing in ["sequential", "concurrent"] {
+            let (_proxy, url) = proxy(&[&p_url], &[&d_url], pairing);
+            wait_health(&url, reqwest::StatusCode::OK).await;
+            let text = http()
+                .post(format!("{url}/v1/completions"))
+                .json(&completion(true))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+            assert_eq!(events.len(), 3, "{pairing}: {text}");
+            assert_eq!(events[2], "[DONE]", "{pairing}: {text}");
+            let error: Value = serde_json::from_str(events[1]).unwrap();
+            let message = error["error"]["message"].as_str().unwrap();
+            let room = decode.seen().last().unwrap()["kv_transfer_params"]["kvferry_room"].clone();
+            let room = room.as_str().unwrap().to_owned();
+            assert_eq!(
+                message,
+                format!("Internal server error (decode server {d_url}, kvferry room {room} failed: peer_dead: the prefill went away)"),
+                "{pairing}"
+            );
+            assert_eq!(error["error"]["code"], 500, "{pairing}");
+        }
+    });
+}
+
 #[test]
 fn the_server_with_fewest_outstanding_requests_is_chosen() {
     runtime().block_on(async {
@@ -576,7 +626,7 @@ fn an_unhealthy_server_is_routed_around_and_used_again_once_healthy() {
 }
 
 #[test]
-fn a_request_a_dead_decode_refuses_goes_to_another_decode() {
+fn a_request_a_dead_decode_refuses_goes_to_another_decode_which_the_answer_names() {
     runtime().block_on(async {
         let (_prefill, p_url) = Stub::start("p", 0).await;
         let (a, a_url) = Stub::start("a", 0).await;
@@ -611,9 +661,22 @@ fn a_request_a_dead_decode_refuses_goes_to_another_decode() {
                     "{pairing}: {got}"
                 );
             }
+            // The answer names the decode server that gave it.
+            let r = http()
+                .post(format!("{url}/v1/completions"))
+                .json(&completion(false))
+                .send()
+                .await
+                .expect("an answer");
+            let named = r.headers().get("x-kvferry-decode");
+            assert_eq!(
+                named.and_then(|v| v.to_str().ok()),
+                Some(b_url.as_str()),
+                "{pairing}"
+            );
             assert!(a.seen().is_empty(), "{:?}", a.seen());
         }
-        assert_eq!(b.seen().len(), 6);
+        assert_eq!(b.seen().len(), 8);
     });
 }
 

@@ -369,12 +369,13 @@ impl Proxy {
         };
         let decode_url = format!("{}{path}", decode.backend().url);
         let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_url, causes(&e)))?;
+        let failed = Failed { model, room, note };
         if !answer.status().is_success() {
             let base = decode.backend().url.clone();
-            let response = self.decode_error(answer, &base, &model, &room, note).await;
+            let response = self.decode_error(answer, &base, &failed).await;
             return Ok((response, Some(Cause::Decode)));
         }
-        Ok((self.pass_through(answer, decode, started), None))
+        Ok((self.pass_through(answer, decode, started, failed), None))
     }
 
     /// The decode's request sent to `decode`, or to another decode server when `decode` refused
@@ -438,9 +439,7 @@ impl Proxy {
         &self,
         answer: reqwest::Response,
         base: &str,
-        model: &Value,
-        room: &Value,
-        note: Option<String>,
+        failed: &Failed,
     ) -> Response {
         let status = answer.status();
         let bytes = answer.bytes().await.unwrap_or_default();
@@ -448,10 +447,19 @@ impl Proxy {
             json!({"error": {"message": String::from_utf8_lossy(&bytes), "type": "upstream_error",
                              "param": null, "code": status.as_u16()}})
         });
+        if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
+            *message = format!("{message} ({})", self.context(base, failed).await);
+        }
+        copy_answer(status, Bytes::from(body.to_string()))
+    }
+
+    /// What the proxy can say about a decode's failure: the decode server, the kvferry room
+    /// and why it failed there (`kvferry_reason_of`), and the note on the prefill's side.
+    async fn context(&self, base: &str, failed: &Failed) -> String {
         let mut context = format!("decode server {base}");
-        if let Some(room) = room.as_str() {
+        if let Some(room) = failed.room.as_str() {
             context += &format!(", kvferry room {room}");
-            let ask = json!({"model": model, "prompt": [1], "max_tokens": 1,
+            let ask = json!({"model": failed.model, "prompt": [1], "max_tokens": 1,
                              "kv_transfer_params": {"kvferry_reason_of": room}});
             let url = format!("{base}/v1/completions");
             if let Posted::Answered(a) = self.post(&url, &ask, &self.own()).await
@@ -462,13 +470,42 @@ impl Proxy {
                 context += &format!(" failed: {reason}");
             }
         }
-        if let Some(note) = note {
+        if let Some(note) = &failed.note {
             context += &format!("; {note}");
         }
-        if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
-            *message = format!("{message} ({context})");
+        context
+    }
+
+    /// A chunk of a decode's event stream with each error event's message extended as
+    /// [`Proxy::context`] says (vLLM ends a stream whose KV load failed with a bare "Internal
+    /// server error" event); other chunks as they are.
+    async fn explain_errors(&self, chunk: Bytes, base: &str, failed: &Failed) -> Bytes {
+        if !chunk.windows(8).any(|w| w == b"\"error\":") {
+            return chunk;
         }
-        copy_answer(status, Bytes::from(body.to_string()))
+        let text = String::from_utf8_lossy(&chunk).into_owned();
+        let mut out = String::with_capacity(text.len());
+        for line in text.split_inclusive('\n') {
+            let event = line
+                .strip_prefix("data: ")
+                .and_then(|data| serde_json::from_str::<Value>(data.trim_end()).ok());
+            match event {
+                Some(mut event)
+                    if event
+                        .pointer("/error/message")
+                        .is_some_and(Value::is_string) =>
+                {
+                    let context = self.context(base, failed).await;
+                    if let Some(Value::String(message)) = event.pointer_mut("/error/message") {
+                        *message = format!("{message} ({context})");
+                    }
+                    let end = &line[line.trim_end().len()..];
+                    out += &format!("data: {event}{end}");
+                }
+                _ => out += line,
+            }
+        }
+        Bytes::from(out)
     }
 
     /// The headers of the proxy's own calls (`kvferry_reason_of` questions): its `--api-key`,
@@ -486,12 +523,14 @@ impl Proxy {
         )
     }
 
-    /// The decode's answer as it streams, its lease held until the end.
+    /// The decode's answer as it streams, its lease held until the end; an error event in it
+    /// is explained ([`Proxy::explain_errors`]), a broken stream ends with one.
     fn pass_through(
         self: Arc<Self>,
         answer: reqwest::Response,
         decode: Lease,
         started: Instant,
+        failed: Failed,
     ) -> Response {
         let status =
             StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -500,42 +539,86 @@ impl Proxy {
             .as_ref()
             .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
         let server = decode.backend().url.clone();
-        let done = Done {
-            proxy: self,
-            started,
-            _decode: decode,
+        let named = HeaderValue::from_str(&server).ok();
+        let passing = Passing {
+            body: answer.bytes_stream().boxed(),
+            streamed,
+            first: streamed,
+            broken: false,
+            server,
+            failed,
+            done: Done {
+                proxy: self,
+                started,
+                _decode: decode,
+            },
         };
-        let mut first = streamed;
-        let stream = answer.bytes_stream().scan(false, move |broken, chunk| {
-            if *broken {
-                return std::future::ready(None);
+        let stream = futures_util::stream::unfold(passing, |mut p| async move {
+            if p.broken {
+                return None;
             }
-            if std::mem::take(&mut first) {
-                done.proxy
-                    .metrics
-                    .first_token(done.started.elapsed().as_secs_f64());
+            let chunk = p.body.next().await?;
+            if std::mem::take(&mut p.first) {
+                let elapsed = p.done.started.elapsed().as_secs_f64();
+                p.done.proxy.metrics.first_token(elapsed);
             }
-            std::future::ready(Some(match chunk {
+            let chunk = match chunk {
                 // A stream that breaks ends with an error event the client can read (an OpenAI
                 // error object, as vLLM sends one mid-stream), not with a cut connection.
-                Err(e) if streamed => {
-                    *broken = true;
-                    let message =
-                        format!("decode server {server} failed mid-answer: {}", causes(&e));
+                Err(e) if p.streamed => {
+                    p.broken = true;
+                    let message = format!(
+                        "decode server {} failed mid-answer: {}",
+                        p.server,
+                        causes(&e)
+                    );
                     let event = json!({"error": {"message": message, "type": "upstream_error",
                                                  "param": null, "code": 502}});
                     Ok(Bytes::from(format!("data: {event}\n\n")))
                 }
+                Ok(bytes) if p.streamed => {
+                    let proxy = &p.done.proxy;
+                    Ok(proxy.explain_errors(bytes, &p.server, &p.failed).await)
+                }
                 chunk => chunk,
-            }))
+            };
+            Some((chunk, p))
         });
         let mut response = Response::new(Body::from_stream(stream));
         *response.status_mut() = status;
         if let Some(ct) = content_type.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
             response.headers_mut().insert(header::CONTENT_TYPE, ct);
         }
+        if let Some(named) = named {
+            response.headers_mut().insert(DECODE_HEADER, named);
+        }
         response
     }
+}
+
+/// The header of an answer that names the decode server that gave it.
+const DECODE_HEADER: &str = "x-kvferry-decode";
+
+/// What explains a decode's failure of a request: its model (for the question to the decode),
+/// its kvferry room and the note on its prefill's side.
+struct Failed {
+    model: Value,
+    room: Value,
+    note: Option<String>,
+}
+
+/// A decode's answer on its way to the client.
+struct Passing {
+    body: futures_util::stream::BoxStream<'static, reqwest::Result<Bytes>>,
+    /// An event stream (`text/event-stream`).
+    streamed: bool,
+    /// No chunk went yet (the time to the first is observed for a stream).
+    first: bool,
+    /// The stream broke: its error event went, nothing follows.
+    broken: bool,
+    server: String,
+    failed: Failed,
+    done: Done,
 }
 
 /// Held by an answer's stream: when it ends (or the client leaves), the decode's request
