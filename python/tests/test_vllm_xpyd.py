@@ -2,23 +2,33 @@
 a role started with the same command: each prefill server is a kvferry group of its own (derived
 from its vLLM engine id) and both decode servers register the same ranks.
 
-The servers are shared by the module's tests. Prompts of 1 to 1000 tokens from both prompt sets
-go 8 at once through the proxy in sequential pairing: every output equals the single engine's,
-the decode agents landed exactly the blocks the responses say they loaded, and every server
-served some.
+The servers are shared by the module's tests (the kill test last). Prompts of 1 to 1000 tokens
+from both prompt sets go 8 at once through the proxy in both pairings: every output equals the
+single engine's, the decode agents landed exactly the blocks the responses say they loaded, and
+every server served some. Then one decode server's whole process group is killed with SIGKILL
+while it streams answers (the proxy names the decode of each answer): its requests end with an
+error naming it, every
+other request still returns the reference's tokens, requests sent after the kill go to the other
+decode, and every block the prefill servers lent to rooms comes back.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
+import time
+import urllib.error
 import urllib.request
 
 import pytest
 
 from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
+    NEW_TOKENS,
     SEEDS,
     Pd,
     make_prompts,
+    metric,
     reference,
     run_prompts,
     vllm,
@@ -26,10 +36,12 @@ from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
 )
 
 IN_FLIGHT = 8
+# Rooms a killed decode never asked for are released by their TTL.
+ROOM_TTL_MS = 20_000
 # Four engines on two cores: an agent's thread can wait seconds to run. Only a closed
 # connection may end a peer or a Hello here; the defaults (5 s) assume engines that do not
 # share their cores.
-AGENT = dict(peer_dead_ms=60_000, timeout_connect_ms=60_000)
+AGENT = dict(room_ttl_ms=ROOM_TTL_MS, peer_dead_ms=60_000, timeout_connect_ms=60_000)
 
 
 def all_prompts() -> list[list[int]]:
@@ -45,7 +57,7 @@ def served(server) -> float:
 def xpyd(vllm, kvferry_bin, tmp_path_factory):
     cluster = Pd(vllm, kvferry_bin, tmp_path_factory.mktemp("xpyd"), prefills=2, decodes=2, **AGENT)
     try:
-        cluster.via = {"sequential": cluster.proxy("sequential")}
+        cluster.via = {pairing: cluster.proxy(pairing) for pairing in SEEDS}
         yield cluster
     finally:
         cluster.stop()
@@ -62,8 +74,8 @@ def test_prefill_servers_with_one_config_are_groups_of_their_own(xpyd):
     assert decode == [(0, 0, 0), (0, 0, 0)], ranks
 
 
-def test_every_server_serves_and_every_output_equals_a_single_engine(reference, xpyd):
-    pairing = "sequential"
+@pytest.mark.parametrize("pairing", list(SEEDS))
+def test_every_server_serves_and_every_output_equals_a_single_engine(reference, xpyd, pairing):
     servers = xpyd.prefills + xpyd.decodes
     before = [served(s) for s in servers]
     run_prompts(xpyd, pairing, all_prompts(), reference, in_flight=IN_FLIGHT)
@@ -71,3 +83,83 @@ def test_every_server_serves_and_every_output_equals_a_single_engine(reference, 
     print(f"{pairing}: requests served by prefill, prefill, decode, decode: {counts}")
     assert all(c > 0 for c in counts), counts
     assert sum(counts[2:]) == len(all_prompts()), counts
+
+
+def stream(proxy, prompt: list[int], max_tokens: int, on_token=lambda server: None) -> tuple[list[int], str | None]:
+    """A streamed completion through the proxy: its token ids, and the error's message (None
+    when it ended with ``[DONE]``). ``on_token`` is called with the decode server that answers
+    (the proxy names it) at each token."""
+    body = {"model": proxy.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}
+    req = urllib.request.Request(proxy.url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    ids: list[int] = []
+    try:
+        r = urllib.request.urlopen(req, timeout=300)
+    except urllib.error.HTTPError as e:
+        return ids, json.loads(e.read())["error"]["message"]
+    with r:
+        server = r.headers["x-kvferry-decode"]
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                return ids, None
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return ids, event["error"]["message"]
+                for choice in event["choices"]:
+                    ids += choice.get("token_ids") or []
+                on_token(server)
+    return ids, "the stream ended without [DONE]"
+
+
+def complete(proxy, prompt: list[int], max_tokens: int) -> tuple[list[int], str | None]:
+    got = proxy.complete(prompt, max_tokens)
+    if "choices" in got:
+        return got["choices"][0]["token_ids"], None
+    return [], got["error"]["error"]["message"]
+
+
+def test_a_decode_killed_while_answering(reference, xpyd):
+    proxy = xpyd.via["concurrent"]
+    victim, survivor = xpyd.decodes[1], xpyd.decodes[0]
+    prompts = all_prompts()[:16]
+    # Long streamed answers: the victim dies once one of its answers is under way.
+    answering = threading.Event()
+
+    def on_token(server: str) -> None:
+        if server == victim.url:
+            answering.set()
+
+    with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
+        futures = [pool.submit(stream, proxy, p, 128, on_token) for p in prompts]
+        assert answering.wait(300), "the victim decode never answered"
+        victim.kill()
+        killed = time.monotonic()
+        results = [f.result() for f in futures]
+    failed = [(len(p), error) for p, (ids, error) in zip(prompts, results) if error]
+    print(f"{len(failed)} of {len(prompts)} requests failed with the victim: {failed}")
+    assert failed, "no request was on the victim when it died"
+    for (ids, error), prompt in zip(results, prompts):
+        if error:
+            assert victim.url in error, error
+        else:
+            assert ids[:NEW_TOKENS] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
+    # Requests sent now go to the surviving decode.
+    later = all_prompts()[16:24]
+    before = served(survivor)
+    with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
+        after = list(pool.map(lambda p: complete(proxy, p, NEW_TOKENS), later))
+    for (ids, error), prompt in zip(after, later):
+        assert error is None and ids == reference[tuple(prompt)], error
+    assert served(survivor) - before == len(later)
+    # Every block the prefills lent to rooms comes back: rooms the victim had asked for fail
+    # when its connection drops; rooms it never asked for expire with their TTL.
+    deadline = time.monotonic() + ROOM_TTL_MS / 1000 + 60
+    while any(vllm_metric(p, "vllm:kv_cache_usage_perc") > 0 for p in xpyd.prefills):
+        assert time.monotonic() < deadline, [vllm_metric(p, "vllm:kv_cache_usage_perc") for p in xpyd.prefills]
+        time.sleep(0.2)
+    expired = sum(metric(p.agent_api(), "kvferry_rooms_expired_total") for p in xpyd.prefills)
+    print(f"every prefill block was back {time.monotonic() - killed:.2f} s after the kill "
+          f"({expired:.0f} prefill rooms expired)")

@@ -86,10 +86,15 @@ class Server:
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--seed", "0", *args,
         ]
+        # A process group of its own (killed as one), in the tests' session: the kernel shares
+        # a core evenly between sessions (autogroups), and an idle vLLM worker polls with
+        # sched_yield, which gives the core away only within its own session. In sessions of
+        # their own, a decode worker polling for a room kept the prefill computing that room,
+        # pinned to the same core, from running for a minute.
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 cmd, env=env | ENV | {"VLLM_CPU_OMP_THREADS_BIND": str(core)},
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=out, stderr=subprocess.STDOUT, process_group=0,
             )
 
     def wait_healthy(self, timeout: float = 300) -> None:
