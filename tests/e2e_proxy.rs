@@ -47,6 +47,8 @@ type Headers = (Option<String>, Option<String>);
 struct Stub {
     name: String,
     group: u64,
+    /// vLLM data-parallel ranks: rank `r` (`X-data-parallel-rank`) is group `group + r`.
+    dp_size: AtomicUsize,
     healthy: AtomicBool,
     mode: Mutex<Mode>,
     release: tokio::sync::Notify,
@@ -77,6 +79,7 @@ impl Stub {
         let stub = Arc::new(Stub {
             name: name.to_owned(),
             group,
+            dp_size: AtomicUsize::new(1),
             healthy: AtomicBool::new(true),
             mode: Mutex::new(Mode::Answer),
             release: tokio::sync::Notify::new(),
@@ -154,10 +157,20 @@ async fn answer(
     axum::Json(body): axum::Json<Value>,
 ) -> Response {
     let params = body["kv_transfer_params"].clone();
+    let dp_rank = headers
+        .get("x-data-parallel-rank")
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let dp_size = s.dp_size.load(Ordering::SeqCst) as u64;
+    if let Some(rank) = dp_rank.filter(|r| *r >= dp_size) {
+        let message = format!("data_parallel_rank {rank} is out of range [0, {dp_size}).");
+        let e = json!({"error": {"message": message, "type": "BadRequestError", "param": null, "code": 400}});
+        return (StatusCode::BAD_REQUEST, axum::Json(e)).into_response();
+    }
     if params["kvferry_identify"] == json!(true) {
         s.record("identify", &headers);
-        return axum::Json(json!({"kv_transfer_params": {"kvferry_dp_rank": s.group}}))
-            .into_response();
+        let rank = dp_rank.unwrap_or(0);
+        let said = json!({"kvferry_dp_rank": s.group + rank, "kvferry_engine_dp_rank": rank});
+        return axum::Json(json!({ "kv_transfer_params": said })).into_response();
     }
     if let Some(room) = params.get("kvferry_reason_of") {
         s.record("reason_of", &headers);
@@ -166,7 +179,9 @@ async fn answer(
         return axum::Json(json!({"kv_transfer_params": reason})).into_response();
     }
     s.record("completion", &headers);
-    s.seen.lock().unwrap().push(body.clone());
+    let mut seen = body.clone();
+    seen["_dp_rank"] = json!(dp_rank);
+    s.seen.lock().unwrap().push(seen);
     let mut mode = *s.mode.lock().unwrap();
     if mode == Mode::Hold {
         // Released, it answers as its mode says then.
@@ -411,6 +426,44 @@ fn concurrent_pairing_names_a_fresh_room_and_the_prefill_group_in_both_requests(
             rooms.insert(room);
         }
         assert_eq!(rooms.len(), 4, "every request has its own room");
+    });
+}
+
+/// A prefill server of two vLLM data-parallel ranks is two kvferry groups: the proxy learns
+/// both (`X-data-parallel-rank` on its identify requests), and requests take turns: each
+/// prefill request names its rank in that header, and its decode request names that rank's
+/// group.
+#[test]
+fn concurrent_pairing_takes_turns_over_a_prefill_servers_data_parallel_ranks() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 10).await;
+        prefill.dp_size.store(2, Ordering::SeqCst);
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        for _ in 0..4 {
+            let (status, got) = complete(&url).await;
+            assert_eq!(status, 200, "{got}");
+        }
+        let mut ranks = Vec::new();
+        for (p, d) in prefill.seen().iter().zip(decode.seen()) {
+            let rank = p["_dp_rank"]
+                .as_u64()
+                .expect("the prefill request names a rank");
+            assert_eq!(
+                p["kv_transfer_params"]["kvferry_room"],
+                d["kv_transfer_params"]["kvferry_room"]
+            );
+            assert_eq!(d["kv_transfer_params"]["kvferry_dp_rank"], 10 + rank, "{d}");
+            assert_eq!(
+                d["_dp_rank"],
+                Value::Null,
+                "the decode request names no rank"
+            );
+            ranks.push(rank);
+        }
+        ranks.sort();
+        assert_eq!(ranks, [0, 0, 1, 1], "the ranks take turns");
     });
 }
 

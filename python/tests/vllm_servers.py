@@ -75,7 +75,7 @@ def connector(role: str, bootstrap: str, **extra: Any) -> str:
 class Server:
     """One ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1."""
 
-    def __init__(self, python: str, env: dict, model: pathlib.Path, core: int, log: pathlib.Path, *args: str,
+    def __init__(self, python: str, env: dict, model: pathlib.Path, cores: int | str, log: pathlib.Path, *args: str,
                  port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -93,7 +93,7 @@ class Server:
         # pinned to the same core, from running for a minute.
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                cmd, env=env | ENV | {"VLLM_CPU_OMP_THREADS_BIND": str(core)},
+                cmd, env=env | ENV | {"VLLM_CPU_OMP_THREADS_BIND": str(cores)},
                 stdout=out, stderr=subprocess.STDOUT, process_group=0,
             )
 
@@ -127,11 +127,18 @@ class Server:
         return got["kv_transfer_params"]["kvferry_dp_rank"]
 
     def agent_api(self) -> str:
-        """The API URL of the kvferry agent in this server's worker (the connector logs it when
-        it starts; the agent picks its own port)."""
-        found = re.findall(r"kvferry (?:prefill|decode) agent \S+ on \S+: .* api (http://\S+)", self.log.read_text())
+        """The API URL of the kvferry agent in this server's (first) worker."""
+        return self.agent_apis()[0]
+
+    def agent_apis(self) -> list[str]:
+        """The API URLs of the kvferry agents in this server's workers, one per TP rank and DP
+        rank (the connector logs each when it starts, after the worker's name and pid; an agent
+        picks its own port), TP ranks in order; those of the server's latest start."""
+        text = self.log.read_text()
+        text = text[text.rfind("non-default args"):]
+        found = re.findall(r"\((\w+) pid=(\d+)\).*kvferry (?:prefill|decode) agent \S+ on \S+: .* api (http://\S+)", text)
         assert found, f"no kvferry agent started in {self.log}"
-        return found[-1]
+        return [api for _, _, api in sorted(found)]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signals the server's whole process group (engine core and workers too)."""
@@ -252,7 +259,7 @@ def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict,
     """Sends every prompt through the proxy of ``pairing`` (``pd.via``), ``in_flight`` at once;
     checks each output against the reference and the bytes the decode agents landed against
     what the responses say was loaded. Returns the responses' start tokens."""
-    landed_before = sum(metric(d.agent_api(), "kvferry_kv_bytes_total") for d in pd.decodes)
+    landed_before = sum(metric(a, "kvferry_kv_bytes_total") for d in pd.decodes for a in d.agent_apis())
     with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
         results = list(pool.map(lambda p: pd.via[pairing].complete(p, NEW_TOKENS), prompts))
     expected_bytes, starts = 0, []
@@ -265,7 +272,7 @@ def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict,
         assert start % BLOCK_SIZE == 0 and start < len(prompt)
         starts.append(start)
         expected_bytes += (-(-len(prompt) // BLOCK_SIZE) - start // BLOCK_SIZE) * BLOCK_BYTES
-    landed = sum(metric(d.agent_api(), "kvferry_kv_bytes_total") for d in pd.decodes) - landed_before
+    landed = sum(metric(a, "kvferry_kv_bytes_total") for d in pd.decodes for a in d.agent_apis()) - landed_before
     print(f"{pairing}: {len(prompts)} prompts token-identical, {landed:.0f} bytes landed, start tokens {starts}")
     assert landed == expected_bytes
     return starts
@@ -274,12 +281,14 @@ def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict,
 class Pd:
     """A kvferry registry, ``prefills`` prefill servers and ``decodes`` decode servers with the
     connector, every server of one role started with the same configuration (prefill ``i`` on
-    core ``i % 2``, decode ``i`` on the other core); ``prefill_args``/``decode_args`` are extra
+    core ``i % 2``, decode ``i`` on the other core; a server of ``prefill_tp``/``decode_tp`` > 1
+    TP ranks or ``prefill_dp`` > 1 DP ranks on a core per rank); ``prefill_args``/``decode_args`` are extra
     vLLM flags, ``decode_policy`` the decodes' kv_load_failure_policy, ``agent`` extra agent
     options of every server. ``prefill`` and ``decode`` are the first of each role."""
 
     def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
-                 decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, **agent: Any) -> None:
+                 decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, prefill_tp: int = 1,
+                 decode_tp: int = 1, prefill_dp: int = 1, **agent: Any) -> None:
         self.python, self.env, self.model = vllm
         self.logs = logs
         self.kvferry_bin = kvferry_bin
@@ -290,11 +299,15 @@ class Pd:
         )
         self.bootstrap = json.loads(self.registry.stdout.readline())["url"]
         self.agent = agent
-        self.prefill_args = tuple(prefill_args)
+        self.prefill_args = tuple(prefill_args) + tp_args(prefill_tp)
+        if prefill_dp > 1:
+            self.prefill_args += ("--data-parallel-size", str(prefill_dp))
+        self.prefill_ranks = prefill_tp * prefill_dp
+        decode_args = tuple(decode_args) + tp_args(decode_tp)
         self.prefills = [self.start_prefill(i) for i in range(prefills)]
         decode_config = connector("kv_consumer", self.bootstrap, kv_load_failure_policy=decode_policy, **agent)
         self.decodes = [
-            Server(self.python, self.env, self.model, (i + 1) % 2, logs / log_name("decode", i), *decode_args,
+            Server(self.python, self.env, self.model, cores((i + 1) % 2, decode_tp), logs / log_name("decode", i), *decode_args,
                    "--kv-transfer-config", decode_config)
             for i in range(decodes)
         ]
@@ -308,7 +321,8 @@ class Pd:
     def start_prefill(self, i: int = 0, port: int | None = None) -> Server:
         """Prefill server ``i`` (on ``port``: a restarted one keeps its URL, as behind a proxy)."""
         return Server(
-            self.python, self.env, self.model, i % 2, self.logs / log_name("prefill", i), *self.prefill_args,
+            self.python, self.env, self.model, cores(i % 2, self.prefill_ranks), self.logs / log_name("prefill", i),
+            *self.prefill_args,
             "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent), port=port,
         )
 
@@ -346,6 +360,17 @@ class Pd:
             s.stop()
         self.registry.terminate()
         self.registry.wait()
+
+
+def tp_args(tp: int) -> tuple[str, ...]:
+    """vLLM's flags for ``tp`` tensor-parallel ranks."""
+    return ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+
+
+def cores(core: int, tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a server of ``tp`` ranks: ``core`` for one, a core of
+    its own per rank (``|`` separates ranks) for more, as many as the machine has."""
+    return str(core) if tp == 1 else "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
 
 
 def log_name(role: str, i: int) -> str:

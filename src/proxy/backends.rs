@@ -1,8 +1,8 @@
 //! The servers a proxy routes to: their requests outstanding, their health, and (prefill
-//! servers) their kvferry group.
+//! servers) their kvferry groups, one per vLLM data-parallel rank.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -15,8 +15,20 @@ pub struct Backend {
     pub url: String,
     outstanding: AtomicUsize,
     healthy: AtomicBool,
-    /// A prefill server's kvferry DP group (`kvferry_identify`); `u64::MAX` until known.
-    group: AtomicU64,
+    /// A prefill server's kvferry group of each of its vLLM data-parallel ranks
+    /// (`kvferry_identify`); empty until known.
+    groups: Mutex<Vec<u32>>,
+    /// Counts the requests routed to it: each goes to the next data-parallel rank.
+    turn: AtomicUsize,
+}
+
+/// A prefill server's data-parallel rank and that rank's kvferry group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rank {
+    /// vLLM's data-parallel rank, named in the `X-data-parallel-rank` header; `None` for a
+    /// server of one rank (no header).
+    pub dp: Option<usize>,
+    pub group: u32,
 }
 
 impl Backend {
@@ -25,7 +37,8 @@ impl Backend {
             url: url.trim_end_matches('/').to_owned(),
             outstanding: AtomicUsize::new(0),
             healthy: AtomicBool::new(false),
-            group: AtomicU64::new(u64::MAX),
+            groups: Mutex::new(Vec::new()),
+            turn: AtomicUsize::new(0),
         }
     }
 
@@ -39,9 +52,26 @@ impl Backend {
         self.healthy.load(Ordering::Relaxed)
     }
 
-    /// The prefill server's kvferry group, once it said.
-    pub fn group(&self) -> Option<u32> {
-        u32::try_from(self.group.load(Ordering::Relaxed)).ok()
+    /// A prefill server's kvferry groups, by data-parallel rank, once it said.
+    pub fn groups(&self) -> Vec<u32> {
+        self.groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_groups(&self, groups: Vec<u32>) {
+        *self.groups.lock().unwrap_or_else(|e| e.into_inner()) = groups;
+    }
+
+    /// The data-parallel rank the next request goes to (in turn), with its group; `None`
+    /// until the server said its groups.
+    pub fn next_rank(&self) -> Option<Rank> {
+        let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        let dp = self.turn.fetch_add(1, Ordering::Relaxed) % groups.len().max(1);
+        let group = *groups.get(dp)?;
+        let dp = (groups.len() > 1).then_some(dp);
+        Some(Rank { dp, group })
     }
 }
 
@@ -90,7 +120,13 @@ impl Backends {
     }
 
     fn usable(&self, b: &Backend) -> bool {
-        b.healthy() && (!self.identify || b.group().is_some())
+        b.healthy()
+            && (!self.identify
+                || !b
+                    .groups
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_empty())
     }
 
     /// Whether any server can take a request now.
@@ -163,59 +199,116 @@ impl Backends {
             .await
             .is_ok_and(|r| r.status().is_success());
         let was = b.healthy();
-        if answered && self.identify && (!was || b.group().is_none()) {
-            match self.identify(http, &b.url, timeout).await {
-                Ok(group) => b.group.store(u64::from(group), Ordering::Relaxed),
+        if answered && self.identify && (!was || b.groups().is_empty()) {
+            match self.identify_ranks(http, &b.url, timeout).await {
+                Ok(groups) => b.set_groups(groups),
                 Err(e) => {
-                    tracing::warn!(server = %b.url, error = %format!("{e:#}"), "a prefill server did not say its kvferry group");
-                    b.group.store(u64::MAX, Ordering::Relaxed);
+                    tracing::warn!(server = %b.url, error = %format!("{e:#}"), "a prefill server did not say its kvferry groups");
+                    b.set_groups(Vec::new());
                     b.healthy.store(false, Ordering::Relaxed);
                     return;
                 }
             }
         }
         if b.healthy.swap(answered, Ordering::Relaxed) != answered {
-            tracing::warn!(server = %b.url, healthy = answered, group = ?b.group(), "server health changed");
+            tracing::warn!(server = %b.url, healthy = answered, groups = ?b.groups(), "server health changed");
         }
     }
 
-    /// A prefill server's kvferry DP group: one short request with `kvferry_identify`.
+    /// A prefill server's kvferry group of each of its vLLM data-parallel ranks: a short
+    /// request with `kvferry_identify` to each rank in turn (`X-data-parallel-rank`: 0, 1, ...)
+    /// until one is refused (vLLM answers 400 for a rank beyond its ranks) or a rank other than
+    /// the one asked answers (a server that ignores the header has one).
+    async fn identify_ranks(
+        &self,
+        http: &reqwest::Client,
+        url: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<Vec<u32>> {
+        let mut groups = Vec::new();
+        for rank in 0..MAX_DP_RANKS {
+            match self.identify(http, url, timeout, rank).await {
+                Ok(said) if said.dp_rank == rank => groups.push(said.group),
+                Ok(_) | Err(Identify::Refused(_)) if rank > 0 => break,
+                Ok(said) => anyhow::bail!(
+                    "asked data-parallel rank 0 with X-data-parallel-rank, rank {} answered",
+                    said.dp_rank
+                ),
+                Err(Identify::Refused(e) | Identify::Failed(e)) => return Err(e),
+            }
+        }
+        Ok(groups)
+    }
+
+    /// What one `kvferry_identify` request to data-parallel rank `rank` says.
     async fn identify(
         &self,
         http: &reqwest::Client,
         url: &str,
         timeout: Duration,
-    ) -> anyhow::Result<u32> {
-        let models: Value = self
-            .own(http.get(format!("{url}/v1/models")))
-            .timeout(timeout)
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        let model = models["data"][0]["id"]
-            .as_str()
-            .context("no model in /v1/models")?
-            .to_owned();
+        rank: usize,
+    ) -> Result<Identity, Identify> {
+        let model = async {
+            let models: Value = self
+                .own(http.get(format!("{url}/v1/models")))
+                .timeout(timeout)
+                .send()
+                .await?
+                .error_for_status()?
+                .json()
+                .await?;
+            let model = models["data"][0]["id"].as_str();
+            anyhow::Ok(model.context("no model in /v1/models")?.to_owned())
+        };
+        let model = model.await.map_err(Identify::Failed)?;
         let body = json!({"model": model, "prompt": [1], "max_tokens": 1,
                           "kv_transfer_params": {"kvferry_identify": true}});
-        let answer: Value = self
+        let sent = self
             .own(http.post(format!("{url}/v1/completions")))
+            .header(DP_RANK_HEADER, rank)
             .timeout(timeout)
             .json(&body)
             .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        let group = answer["kv_transfer_params"]["kvferry_dp_rank"]
-            .as_u64()
-            .context(
+            .await;
+        let answer = sent.map_err(|e| Identify::Failed(e.into()))?;
+        if answer.status().is_client_error() {
+            let e = anyhow::anyhow!("rank {rank} refused: {}", answer.status());
+            return Err(Identify::Refused(e));
+        }
+        let said = async {
+            let answer: Value = answer.error_for_status()?.json().await?;
+            let params = &answer["kv_transfer_params"];
+            let group = params["kvferry_dp_rank"].as_u64().context(
                 "its answer names no kvferry_dp_rank: is it running KvferryConnector as kv_producer?",
             )?;
-        Ok(u32::try_from(group)?)
+            let dp_rank = params["kvferry_engine_dp_rank"].as_u64().unwrap_or(0);
+            anyhow::Ok(Identity {
+                group: u32::try_from(group)?,
+                dp_rank: usize::try_from(dp_rank)?,
+            })
+        };
+        said.await.map_err(Identify::Failed)
     }
+}
+
+/// vLLM's header naming the data-parallel rank a request goes to.
+pub(super) const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+/// The most data-parallel ranks asked of one server.
+const MAX_DP_RANKS: usize = 256;
+
+/// A prefill engine's answer to `kvferry_identify`.
+struct Identity {
+    group: u32,
+    /// The engine's vLLM data-parallel rank.
+    dp_rank: usize,
+}
+
+/// Why a `kvferry_identify` request told nothing.
+enum Identify {
+    /// The server refused it (4xx): for a data-parallel rank, one it does not have.
+    Refused(anyhow::Error),
+    Failed(anyhow::Error),
 }
 
 #[cfg(test)]
@@ -249,7 +342,25 @@ mod tests {
         let b = Backends::new(&["http://p".into()], true, None);
         b.all()[0].healthy.store(true, Ordering::Relaxed);
         assert!(!b.any_usable());
-        b.all()[0].group.store(3, Ordering::Relaxed);
-        assert_eq!(b.pick().expect("identified").backend().group(), Some(3));
+        b.all()[0].set_groups(vec![3]);
+        let rank = b.pick().expect("identified").backend().next_rank();
+        assert_eq!(rank, Some(Rank { dp: None, group: 3 }));
+    }
+
+    #[test]
+    fn requests_to_a_server_of_several_data_parallel_ranks_take_turns() {
+        let b = Backend::new("http://p");
+        assert_eq!(
+            b.next_rank(),
+            None,
+            "no rank before the server said its groups"
+        );
+        b.set_groups(vec![7, 9]);
+        let ranks: Vec<Rank> = (0..3).filter_map(|_| b.next_rank()).collect();
+        let at = |dp, group| Rank {
+            dp: Some(dp),
+            group,
+        };
+        assert_eq!(ranks, [at(1, 9), at(0, 7), at(1, 9)]);
     }
 }

@@ -116,6 +116,16 @@ impl Forwarded {
         }
         request
     }
+
+    /// These headers, and vLLM's `X-data-parallel-rank` naming `dp` if given.
+    fn to_rank(&self, dp: Option<usize>) -> Forwarded {
+        let mut headers = self.0.clone();
+        if let Some(dp) = dp {
+            let name = header::HeaderName::from_static(super::backends::DP_RANK_HEADER);
+            headers.push((name, HeaderValue::from(dp)));
+        }
+        Forwarded(headers)
+    }
 }
 
 /// Fields of a client's request that the prefill's one-token copy must not get: vLLM refuses
@@ -312,7 +322,12 @@ impl Proxy {
                         unreachable(Cause::NoServer, "the proxy", format!("no randomness: {e}"))
                     })?
                     .to_string();
-                let group = prefill.backend().group().unwrap_or(0);
+                // The prefill's engine: a data-parallel rank of the server, in turn.
+                let rank = prefill
+                    .backend()
+                    .next_rank()
+                    .ok_or_else(|| unavailable("prefill"))?;
+                let group = rank.group;
                 first.insert(
                     "kv_transfer_params".into(),
                     json!({"do_remote_decode": true, "kvferry_room": room}),
@@ -327,7 +342,8 @@ impl Proxy {
                     .clone()
                     .send_decode(path, request, forwarded.clone(), decode);
                 let mut decoding = AbortOnDrop(tokio::spawn(send));
-                let prefill_post = self.post(&prefill_url, &first, forwarded);
+                let to_prefill = forwarded.to_rank(rank.dp);
+                let prefill_post = self.post(&prefill_url, &first, &to_prefill);
                 tokio::pin!(prefill_post);
                 let mut decoded = None;
                 let note = loop {

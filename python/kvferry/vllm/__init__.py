@@ -51,7 +51,11 @@ class KvferryConnector(KVConnectorBase_V1):
                 f"KvferryConnector: kv_role must be kv_producer (prefill) or kv_consumer (decode), "
                 f"not {transfer.kv_role}"
             )
-        config = ConnectorConfig.of(transfer.kv_connector_extra_config, str(transfer.engine_id))
+        # vLLM runs each DP rank of a dense model as an engine of its own and resets its
+        # parallel config's DP rank and size; data_parallel_index keeps the rank.
+        parallel = vllm_config.parallel_config
+        engine_dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        config = ConnectorConfig.of(transfer.kv_connector_extra_config, str(transfer.engine_id), engine_dp_rank)
         producer = transfer.is_kv_producer
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -13,7 +13,11 @@ A request's params (HTTP body field ``kv_transfer_params``):
 
 A router learns a prefill server's kvferry identity by sending it any short request with
 ``{"kvferry_identify": true}``: the response's params are ``{"kvferry_dp_rank": G,
-"kvferry_bootstrap": URL}``.
+"kvferry_bootstrap": URL, "kvferry_engine_dp_rank": R}``: the kvferry group of the vLLM engine
+that answered, which is the server's vLLM data-parallel rank ``R``. A server of several ranks is
+one group per rank; a router reaches rank ``R`` with vLLM's ``X-data-parallel-rank: R`` header,
+on the identify request and on the prefill request alike (vLLM answers 400 for a rank it does
+not have).
 
 A decode request whose answer was an error (``kv_load_failure_policy`` ``fail`` answers a bare
 "Internal server error") can be followed by any short request to the same decode server with
@@ -36,6 +40,7 @@ DP_RANK = "kvferry_dp_rank"
 BOOTSTRAP = "kvferry_bootstrap"
 TOKENS = "kvferry_tokens"
 IDENTIFY = "kvferry_identify"
+ENGINE_DP_RANK = "kvferry_engine_dp_rank"
 REASON_OF = "kvferry_reason_of"
 REASON = "kvferry_reason"
 
@@ -99,15 +104,23 @@ class ConnectorConfig:
     and ``dp_size`` (a prefill server's kvferry DP group among the prefill servers sharing the
     registry; by default derived from vLLM's engine id, so that prefill servers with identical
     configurations each form their own group), and ``agent``, further agent options as keywords
-    (``{"transport": "zmq-ipc", "host": "10.0.0.5"}``)."""
+    (``{"transport": "zmq-ipc", "host": "10.0.0.5"}``). ``engine_dp_rank`` is the engine's vLLM
+    data-parallel rank (its parallel config's ``data_parallel_index``): each DP rank of a server
+    is an engine of its own, with an engine id of its own (vLLM appends ``_dp<rank>``), hence a
+    group of its own."""
 
     bootstrap: str
     dp_rank: int = 0
     dp_size: int = 1
     agent: dict[str, Any] = field(default_factory=dict)
+    engine_dp_rank: int = 0
+
+    def identity(self) -> dict[str, Any]:
+        """The answer to ``kvferry_identify``."""
+        return {DP_RANK: self.dp_rank, BOOTSTRAP: self.bootstrap, ENGINE_DP_RANK: self.engine_dp_rank}
 
     @classmethod
-    def of(cls, extra: dict[str, Any] | None, engine_id: str) -> ConnectorConfig:
+    def of(cls, extra: dict[str, Any] | None, engine_id: str, engine_dp_rank: int = 0) -> ConnectorConfig:
         extra = dict(extra or {})
         if not extra.get("bootstrap"):
             raise ValueError(
@@ -126,4 +139,4 @@ class ConnectorConfig:
                 raise ValueError(f"KvferryConnector: dp_rank {dp_rank} must be < dp_size {dp_size}")
         else:
             dp_rank, dp_size = derived_group(engine_id), DERIVED_GROUPS
-        return cls(str(extra["bootstrap"]), dp_rank, dp_size, dict(extra.get("agent") or {}))
+        return cls(str(extra["bootstrap"]), dp_rank, dp_size, dict(extra.get("agent") or {}), engine_dp_rank)

@@ -203,7 +203,7 @@ class SchedulerSide:
         if room is None:
             if params.get(P.IDENTIFY):
                 # A router asking which kvferry group this server is (concurrent pairing).
-                return False, {P.DP_RANK: self.config.dp_rank, P.BOOTSTRAP: self.config.bootstrap}
+                return False, self.config.identity()
             if not params.get("do_remote_decode") or request.status not in FINISHED_NORMALLY:
                 return False, None
             # Generated more than one token here: its prompt KV is announced whole now.

@@ -1,0 +1,71 @@
+"""Tensor and data parallelism through vLLM, each behind ``kvferry proxy`` in both pairings: a
+TP2 prefill server with a TP1 decode server, a TP1 prefill with a TP2 decode, and a prefill
+server of two vLLM data-parallel ranks with a TP1 decode. The tiny model has 2 KV heads: a TP2
+server's two workers each run an agent for one head, and the TP1 side's agent pairs with both. A
+DP2 server's two engines are a kvferry group each; the proxy learns both and sends each
+request's prefill to one of them in turn (``X-data-parallel-rank``). Ten prompts of mixed
+lengths, 4 at once, give a single vLLM's tokens, the decode agents land exactly the blocks the
+answers say they loaded, and every prefill agent sent some.
+
+A server of two ranks binds a core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``), so every core
+holds a rank of each server here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from vllm_servers import SEEDS, Pd, make_prompts, metric, reference, run_prompts, vllm  # noqa: F401 - fixtures
+
+# The engines share both cores with each other: only a closed connection may end a peer or a
+# Hello (the defaults, 5 s, assume engines with cores of their own).
+AGENT = dict(peer_dead_ms=60_000, timeout_connect_ms=60_000)
+
+SHAPES = {
+    "tp2-to-tp1": dict(prefill_tp=2),
+    "tp1-to-tp2": dict(decode_tp=2),
+    "dp2-to-tp1": dict(prefill_dp=2),
+}
+
+
+# Run in the vLLM venv: kvferry.vllm imports vLLM.
+GROUPS_OF_DP_RANKS = """
+import json
+from kvferry.vllm.params import ConnectorConfig
+configs = [ConnectorConfig.of({"bootstrap": "http://r"}, f"4f1c_dp{rank}", rank) for rank in (0, 1)]
+again = ConnectorConfig.of({"bootstrap": "http://r"}, "4f1c_dp1", 1)
+print(json.dumps({"identities": [c.identity() for c in configs], "again": again.identity()}))
+"""
+
+
+def test_each_data_parallel_rank_of_a_prefill_server_is_a_group_that_names_its_rank(torch_python):
+    """vLLM gives each DP rank an engine id of its own (``<id>_dp<rank>``) and keeps the rank in
+    its parallel config: the connector derives a group from the one and reports the other."""
+    python, env = torch_python
+    run = subprocess.run([python, "-c", GROUPS_OF_DP_RANKS], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = json.loads(run.stdout.strip().splitlines()[-1])
+    first, second = said["identities"]
+    assert first["kvferry_dp_rank"] != second["kvferry_dp_rank"], said
+    assert [first["kvferry_engine_dp_rank"], second["kvferry_engine_dp_rank"]] == [0, 1], said
+    assert said["again"] == second, "the same engine id gives the same group"
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_outputs_equal_a_single_engine_across_parallel_shapes(vllm, kvferry_bin, tmp_path, reference, shape):
+    ranks = SHAPES[shape]
+    pd = Pd(vllm, kvferry_bin, tmp_path, **ranks, **AGENT)
+    try:
+        prefill_agents = ranks.get("prefill_tp", 1) * ranks.get("prefill_dp", 1)
+        assert [len(pd.prefill.agent_apis()), len(pd.decode.agent_apis())] == [prefill_agents, ranks.get("decode_tp", 1)]
+        pd.via = {pairing: pd.proxy(pairing) for pairing in SEEDS}
+        for pairing, seed in SEEDS.items():
+            run_prompts(pd, pairing, make_prompts(seed)[:10], reference, in_flight=4)
+        sent = [metric(api, "kvferry_kv_bytes_total") for api in pd.prefill.agent_apis()]
+        print(f"{shape}: bytes sent by each prefill agent {sent}")
+        assert all(s > 0 for s in sent), sent
+    finally:
+        pd.stop()
