@@ -146,14 +146,7 @@ fn untaken_room_expires_and_its_pages_return() {
         )
         .await;
         assert_eq!(v["page_owner"], "agent");
-        expect(
-            &http,
-            Method::POST,
-            &format!("{prefill}/v1/rooms/{room}/ready"),
-            Some(&body),
-            StatusCode::ACCEPTED,
-        )
-        .await;
+        ready(&http, &prefill, room, 100).await;
         let v = wait_final(&http, &decode, room).await;
         assert_eq!(v["state"], "success", "{v}");
         let success_at = v["timings"]["success"].as_f64().expect("success timing");
@@ -211,14 +204,7 @@ fn untaken_room_expires_and_its_pages_return() {
         // saying it expired, instead of waiting --timeout-ready-ms for a room the engine will
         // never announce again.
         let room = 8u64;
-        expect(
-            &http,
-            Method::POST,
-            &format!("{prefill}/v1/rooms/{room}/ready"),
-            Some(&body),
-            StatusCode::ACCEPTED,
-        )
-        .await;
+        ready(&http, &prefill, room, 100).await;
         assert_eq!(pool(&http, &prefill).await, (total, total - 7));
         poll_until("unasked room expired at the prefill", BOUND, || async {
             (pool(&http, &prefill).await == (total, total)).then_some(())

@@ -5,7 +5,8 @@ server's two workers each run an agent for one head, and the TP1 side's agent pa
 DP2 server's two engines are a kvferry group each; the proxy learns both and sends each
 request's prefill to one of them in turn (``X-data-parallel-rank``). Ten prompts of mixed
 lengths, 4 at once, give a single vLLM's tokens, the decode agents land exactly the blocks the
-answers say they loaded, and every prefill agent sent some.
+answers say they loaded, and every prefill agent sent some. The decode agents listen on a base
+API port plus their TP rank, and vLLM's own metrics and log line count their rooms and bytes.
 
 A server of two ranks binds a core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``), so every core
 holds a rank of each server here.
@@ -14,11 +15,23 @@ holds a rank of each server here.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
+import time
 
 import pytest
 
-from vllm_servers import SEEDS, Pd, make_prompts, metric, reference, run_prompts, vllm  # noqa: F401 - fixtures
+from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
+    SEEDS,
+    Pd,
+    free_port,
+    make_prompts,
+    metric,
+    reference,
+    run_prompts,
+    vllm,
+    vllm_metric,
+)
 
 # The engines share both cores with each other: only a closed connection may end a peer or a
 # Hello (the defaults, 5 s, assume engines with cores of their own).
@@ -54,18 +67,46 @@ def test_each_data_parallel_rank_of_a_prefill_server_is_a_group_that_names_its_r
     assert said["again"] == second, "the same engine id gives the same group"
 
 
+def two_free_ports() -> int:
+    """A port ``p`` with ``p + 1`` free too (a base API port of a TP2 server)."""
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+    raise RuntimeError("no two free ports in a row")
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_outputs_equal_a_single_engine_across_parallel_shapes(vllm, kvferry_bin, tmp_path, reference, shape):
     ranks = SHAPES[shape]
-    pd = Pd(vllm, kvferry_bin, tmp_path, **ranks, **AGENT)
+    decode_tp = ranks.get("decode_tp", 1)
+    # A decode's agents listen on a known base port plus their TP rank.
+    api_port = two_free_ports()
+    pd = Pd(vllm, kvferry_bin, tmp_path, **ranks, decode_agent=dict(api_port=api_port), **AGENT)
     try:
         prefill_agents = ranks.get("prefill_tp", 1) * ranks.get("prefill_dp", 1)
-        assert [len(pd.prefill.agent_apis()), len(pd.decode.agent_apis())] == [prefill_agents, ranks.get("decode_tp", 1)]
+        assert [len(pd.prefill.agent_apis()), len(pd.decode.agent_apis())] == [prefill_agents, decode_tp]
+        assert pd.decode.agent_apis() == [f"http://127.0.0.1:{api_port + r}" for r in range(decode_tp)]
         pd.via = {pairing: pd.proxy(pairing) for pairing in SEEDS}
         for pairing, seed in SEEDS.items():
             run_prompts(pd, pairing, make_prompts(seed)[:10], reference, in_flight=4)
         sent = [metric(api, "kvferry_kv_bytes_total") for api in pd.prefill.agent_apis()]
         print(f"{shape}: bytes sent by each prefill agent {sent}")
         assert all(s > 0 for s in sent), sent
+        # vLLM's own metrics count what the decode agents landed (its workers' stats, added up).
+        landed = sum(metric(api, "kvferry_kv_bytes_total") for api in pd.decode.agent_apis())
+        rooms = vllm_metric(pd.decode, "vllm:kvferry_room_bytes_count")
+        assert vllm_metric(pd.decode, "vllm:kvferry_room_bytes_sum") == landed
+        assert rooms == 20 * decode_tp, rooms
+        assert vllm_metric(pd.decode, "vllm:kvferry_room_seconds_count") == rooms
+        # Written with vLLM's periodic stats (every 10 s).
+        deadline = time.monotonic() + 60
+        while "KV Transfer metrics: rooms=" not in pd.decode.log.read_text():
+            assert time.monotonic() < deadline, "no KV Transfer metrics line in the decode's log"
+            time.sleep(0.5)
     finally:
         pd.stop()

@@ -284,11 +284,11 @@ class Pd:
     core ``i % 2``, decode ``i`` on the other core; a server of ``prefill_tp``/``decode_tp`` > 1
     TP ranks or ``prefill_dp`` > 1 DP ranks on a core per rank); ``prefill_args``/``decode_args`` are extra
     vLLM flags, ``decode_policy`` the decodes' kv_load_failure_policy, ``agent`` extra agent
-    options of every server. ``prefill`` and ``decode`` are the first of each role."""
+    options of every server (``decode_agent``: of the decode servers only). ``prefill`` and ``decode`` are the first of each role."""
 
     def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
                  decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, prefill_tp: int = 1,
-                 decode_tp: int = 1, prefill_dp: int = 1, **agent: Any) -> None:
+                 decode_tp: int = 1, prefill_dp: int = 1, decode_agent: dict | None = None, **agent: Any) -> None:
         self.python, self.env, self.model = vllm
         self.logs = logs
         self.kvferry_bin = kvferry_bin
@@ -305,7 +305,8 @@ class Pd:
         self.prefill_ranks = prefill_tp * prefill_dp
         decode_args = tuple(decode_args) + tp_args(decode_tp)
         self.prefills = [self.start_prefill(i) for i in range(prefills)]
-        decode_config = connector("kv_consumer", self.bootstrap, kv_load_failure_policy=decode_policy, **agent)
+        decode_config = connector("kv_consumer", self.bootstrap, kv_load_failure_policy=decode_policy,
+                                  **(agent | (decode_agent or {})))
         self.decodes = [
             Server(self.python, self.env, self.model, cores((i + 1) % 2, decode_tp), logs / log_name("decode", i), *decode_args,
                    "--kv-transfer-config", decode_config)

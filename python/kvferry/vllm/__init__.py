@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .metadata import Failures, KvferryMetadata
 from .params import ConnectorConfig
 from .scheduler import SchedulerSide
+from .stats import KvferryPromMetrics, KvferryStats
 from .timing import StepTimes
 from .worker import WorkerSide
 
@@ -129,6 +130,20 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._timed(self._worker.load_errors)
+
+    # ---- vLLM's stats (stats.py) ---------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KvferryStats | None:
+        return self._worker.stats.take() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvferryStats:
+        return KvferryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvferryPromMetrics:
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self._times.report()

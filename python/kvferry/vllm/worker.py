@@ -19,6 +19,7 @@ import kvferry
 from . import params as P
 from .memory import Cache, cpu_cache, cuda_cache, layer_index
 from .metadata import Failures, KvferryMetadata, Load, Send
+from .stats import KvferryStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,6 +52,13 @@ def agent_options(
         raise ValueError(f"KvferryConnector: KV dtype {spec.dtype} is not one of {sorted(map(str, DTYPES))}")
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+    tp_rank = get_tensor_model_parallel_rank()
+    agent = dict(config.agent)
+    if agent.get("api_port"):
+        # Every worker of every DP rank is given the same options: each agent's API (and its
+        # /metrics) listens on the base port plus the worker's index.
+        dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        agent["api_port"] = int(agent["api_port"]) + dp_rank * parallel.tensor_parallel_size + tp_rank
     opts = dict(
         bootstrap=config.bootstrap,
         model="tiny",
@@ -62,11 +70,11 @@ def agent_options(
         pool_pages=kv_cache_config.num_blocks,
         kv_format=kv_format,
         tp_size=parallel.tensor_parallel_size,
-        tp_rank=get_tensor_model_parallel_rank(),
+        tp_rank=tp_rank,
     )
     if producer:
         opts |= dict(dp_rank=config.dp_rank, dp_size=config.dp_size)
-    return opts | config.agent
+    return opts | agent
 
 
 class WorkerSide:
@@ -96,6 +104,8 @@ class WorkerSide:
         self.positions: dict[str, int] = {}
         # The CUDA device of the KV cache; None on the CPU.
         self.device: int | None = None
+        # The rooms settled since vLLM last asked for its stats.
+        self.stats = KvferryStats()
 
     # ---- memory ------------------------------------------------------------------------------
 
@@ -251,6 +261,8 @@ class WorkerSide:
             del self.rooms[req_id]
             done.add(req_id)
             if self.producer:
+                if view is not None:
+                    self.stats.settled(view)
                 if view is not None and view["state"] != "success":
                     logger.warning("kvferry: request %s room %d %s: %s", req_id, room, view["state"], view["reason"])
                 continue
@@ -270,6 +282,7 @@ class WorkerSide:
     def take(self, req_id: str, room: int) -> None:
         try:
             taken = self.agent.take(room)
+            self.stats.settled(taken)
             load = self.loads.pop(req_id, None)
             if load is not None:
                 logger.debug(
@@ -277,10 +290,12 @@ class WorkerSide:
                     req_id, room, taken["bytes"], load.start_token, load.tokens,
                 )
         except kvferry.RoomFailed as e:
+            self.stats.failed(e.code)
             if req_id not in self.aborted:
                 logger.error("kvferry: request %s room %d failed: %s: %s", req_id, room, e.code, e.message)
             self.fail(req_id, f"{e.code}: {e.message}")
         except kvferry.UnknownRoom:
+            self.stats.failed("expired")
             logger.error("kvferry: request %s room %d expired before it was taken", req_id, room)
             self.fail(req_id, "expired: the room was gone before it was taken")
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
