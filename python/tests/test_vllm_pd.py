@@ -100,7 +100,9 @@ def test_a_client_abort_while_loading_aborts_the_room(reference, pd):
 def test_a_prefill_server_says_which_kvferry_group_it_is(pd):
     got = pd.prefill.complete([5, 6, 7], 1, {"kvferry_identify": True})
     params = got["kv_transfer_params"]
-    assert params == {"kvferry_dp_rank": params["kvferry_dp_rank"], "kvferry_bootstrap": pd.bootstrap}
+    # One vLLM data-parallel rank: rank 0.
+    assert params == {"kvferry_dp_rank": params["kvferry_dp_rank"], "kvferry_bootstrap": pd.bootstrap,
+                      "kvferry_engine_dp_rank": 0}
     # The group is the one the prefill's agent registered (derived from vLLM's engine id).
     with urllib.request.urlopen(pd.bootstrap + "/v1/ranks", timeout=10) as r:
         ranks = json.loads(r.read())
