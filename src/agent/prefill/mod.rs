@@ -792,8 +792,10 @@ async fn housekeeping(inner: Arc<Inner>) {
 /// [`Expired::MAX`] of them, the oldest forgotten first).
 #[derive(Default)]
 struct Expired {
-    order: std::collections::VecDeque<(u64, Instant)>,
-    rooms: std::collections::HashSet<u64>,
+    /// Oldest first.
+    order: std::collections::VecDeque<u64>,
+    /// When each expired.
+    rooms: HashMap<u64, Instant>,
 }
 
 impl Expired {
@@ -804,12 +806,14 @@ impl Expired {
     fn note(&mut self, rooms: Vec<u64>, ttl: Duration) {
         let now = Instant::now();
         for room in rooms {
-            if self.rooms.insert(room) {
-                self.order.push_back((room, now));
+            if let std::collections::hash_map::Entry::Vacant(e) = self.rooms.entry(room) {
+                e.insert(now);
+                self.order.push_back(room);
             }
         }
         let long = ttl * Self::REMEMBERED;
-        while let Some(&(room, at)) = self.order.front() {
+        while let Some(&room) = self.order.front() {
+            let at = self.rooms.get(&room).copied().unwrap_or(now);
             if self.order.len() <= Self::MAX && now.duration_since(at) < long {
                 break;
             }
@@ -820,11 +824,7 @@ impl Expired {
 
     /// How long ago `room` expired, if it is remembered.
     fn ago(&self, room: u64) -> Option<Duration> {
-        if !self.rooms.contains(&room) {
-            return None;
-        }
-        let at = self.order.iter().find(|(r, _)| *r == room)?.1;
-        Some(at.elapsed())
+        self.rooms.get(&room).map(Instant::elapsed)
     }
 }
 
