@@ -1,15 +1,21 @@
-"""Tensor and data parallelism through vLLM, each behind ``kvferry proxy`` in both pairings: a
-TP2 prefill server with a TP1 decode server, a TP1 prefill with a TP2 decode, and a prefill
-server of two vLLM data-parallel ranks with a TP1 decode. The tiny model has 2 KV heads: a TP2
-server's two workers each run an agent for one head, and the TP1 side's agent pairs with both. A
-DP2 server's two engines are a kvferry group each; the proxy learns both and sends each
-request's prefill to one of them in turn (``X-data-parallel-rank``). Ten prompts of mixed
-lengths, 4 at once, give a single vLLM's tokens, the decode agents land exactly the blocks the
-answers say they loaded, and every prefill agent sent some. The decode agents listen on a base
-API port plus their TP rank, and vLLM's own metrics and log line count their rooms and bytes.
+"""Tensor and data parallelism through vLLM, each shape behind ``kvferry proxy``: a TP2 prefill
+server with a TP1 decode server, a TP1 prefill with a TP2 decode, a prefill server of two vLLM
+data-parallel ranks with a TP1 decode (these three in both pairings), and a TP4 prefill with a
+TP1 decode (concurrent pairing).
 
-A server of two ranks binds a core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``), so every core
-holds a rank of each server here.
+The tiny model has 2 KV heads. A TP2 server's two workers each run an agent for one head, and
+the TP1 side's agent pairs with both. At TP4 vLLM holds each head on two ranks: one of them
+sends it and the other frees its pages unasked. A DP2 server's two engines are a kvferry group
+each; the proxy learns both and sends each request's prefill to one of them in turn
+(``X-data-parallel-rank``).
+
+Ten prompts of mixed lengths, 4 at once, give a single vLLM's tokens; the decode agents land
+exactly the blocks the answers say they loaded, the prefill agents that hold a head sent some
+and none keeps a room. The decode agents listen on a base API port plus their TP rank, and
+vLLM's own metrics and log line count their rooms and bytes.
+
+A server of several ranks binds a core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, and
+``"0|1|0|1"`` at TP4), so every core holds a rank of each server here.
 """
 
 from __future__ import annotations
@@ -41,7 +47,13 @@ SHAPES = {
     "tp2-to-tp1": dict(prefill_tp=2),
     "tp1-to-tp2": dict(decode_tp=2),
     "dp2-to-tp1": dict(prefill_dp=2),
+    # More TP ranks than the model's 2 KV heads: vLLM holds each head on two ranks.
+    "tp4-to-tp1": dict(prefill_tp=4),
 }
+# The pairings a shape runs: replication changes which prefill ranks send, not how a decode
+# pairs with them (the other shapes run both pairings).
+PAIRINGS = {"tp4-to-tp1": ["concurrent"]}
+KV_HEADS = 2
 
 
 # Run in the vLLM venv: kvferry.vllm imports vLLM.
@@ -91,17 +103,25 @@ def test_outputs_equal_a_single_engine_across_parallel_shapes(vllm, kvferry_bin,
         prefill_agents = ranks.get("prefill_tp", 1) * ranks.get("prefill_dp", 1)
         assert [len(pd.prefill.agent_apis()), len(pd.decode.agent_apis())] == [prefill_agents, decode_tp]
         assert pd.decode.agent_apis() == [f"http://127.0.0.1:{api_port + r}" for r in range(decode_tp)]
-        pd.via = {pairing: pd.proxy(pairing) for pairing in SEEDS}
-        for pairing, seed in SEEDS.items():
-            run_prompts(pd, pairing, make_prompts(seed)[:10], reference, in_flight=4)
+        pairings = PAIRINGS.get(shape, list(SEEDS))
+        pd.via = {pairing: pd.proxy(pairing) for pairing in pairings}
+        for pairing in pairings:
+            run_prompts(pd, pairing, make_prompts(SEEDS[pairing])[:10], reference, in_flight=4)
         sent = [metric(api, "kvferry_kv_bytes_total") for api in pd.prefill.agent_apis()]
         print(f"{shape}: bytes sent by each prefill agent {sent}")
-        assert all(s > 0 for s in sent), sent
+        # Of the ranks holding the same head, the one a decode rank's TP rank picks sends it
+        # (the first, for a TP1 decode); the others free their pages unasked.
+        replicas = max(1, ranks.get("prefill_tp", 1) // KV_HEADS)
+        assert [s > 0 for s in sent] == [r % replicas == 0 for r in range(prefill_agents)], sent
+        deadline = time.monotonic() + 60
+        while any(metric(api, "kvferry_rooms_held", "role") for api in pd.prefill.agent_apis()):
+            assert time.monotonic() < deadline, "a prefill agent still holds rooms"
+            time.sleep(0.5)
         # vLLM's own metrics count what the decode agents landed (its workers' stats, added up).
         landed = sum(metric(api, "kvferry_kv_bytes_total") for api in pd.decode.agent_apis())
         rooms = vllm_metric(pd.decode, "vllm:kvferry_room_bytes_count")
         assert vllm_metric(pd.decode, "vllm:kvferry_room_bytes_sum") == landed
-        assert rooms == 20 * decode_tp, rooms
+        assert rooms == 10 * len(pairings) * decode_tp, rooms
         assert vllm_metric(pd.decode, "vllm:kvferry_room_seconds_count") == rooms
         # Written with vLLM's periodic stats (every 10 s).
         deadline = time.monotonic() + 60
