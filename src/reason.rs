@@ -65,6 +65,8 @@ codes! {
     UnknownRoom = 13, "unknown_room";
     /// The agent is shutting down.
     Shutdown = 14, "shutdown";
+    /// The decode's prompt differs from the one the prefill computed the room's KV for.
+    PromptMismatch = 15, "prompt_mismatch";
 }
 
 impl fmt::Display for FailureCode {

@@ -27,7 +27,8 @@ use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
 use kvferry::layout::{AttentionKind, Dtype, PageOrder};
 use kvferry::protocol::{
     Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, HEADER_LEN, Heartbeat, Hello, HelloAck,
-    MAX_BODY, Message, Placed, Posted, Ranks, Role, Secret, TransferRequest, VERSION, WireLayout,
+    MAX_BODY, Message, Placed, Posted, PromptDigest, Ranks, Role, Secret, TransferRequest, VERSION,
+    WireLayout,
 };
 use kvferry::reason::FailureCode;
 use rand::rngs::StdRng;
@@ -151,6 +152,9 @@ fn random_message(rng: &mut StdRng) -> Message {
             room_key: rng
                 .random_bool(0.5)
                 .then(|| Secret::from_bytes(rng.random())),
+            prompt_digest: rng
+                .random_bool(0.5)
+                .then(|| PromptDigest::from_bytes(rng.random())),
         }),
         3 => Message::Chunk(Chunk {
             room: rng.random(),

@@ -34,6 +34,7 @@ from ._kvferry import (
     PeerDead,
     PeerUnknownRoom,
     PrefillAgent,
+    PromptMismatch,
     RegionError,
     RoomFailed,
     Shutdown,
@@ -49,6 +50,7 @@ from ._kvferry import (
     WaitTimeout,
     __version__,
     memory_layout,
+    prompt_digest,
 )
 from .sidecar import ShmPool, Sidecar, spawn
 
@@ -68,6 +70,7 @@ __all__ = [
     "PeerDead",
     "PeerUnknownRoom",
     "PrefillAgent",
+    "PromptMismatch",
     "RegionError",
     "RoomFailed",
     "ShmPool",
@@ -85,5 +88,6 @@ __all__ = [
     "WaitTimeout",
     "__version__",
     "memory_layout",
+    "prompt_digest",
     "spawn",
 ]

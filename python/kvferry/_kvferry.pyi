@@ -31,6 +31,11 @@ def memory_layout(**options: Any) -> dict[str, Any]:
 def agent_flags(**options: Any) -> list[str]:
     """The command-line flags of these options, checked as an agent would check them."""
 
+def prompt_digest(tokens: Sequence[SupportsIndex]) -> str:
+    """The digest (32 hex digits) of a prompt's token ids over a room's tokens, given as
+    ``prompt_digest`` to ``PrefillAgent.ready`` and ``DecodeAgent.request``: a decode whose
+    prompt differs from the prefill's is refused (``PromptMismatch``)."""
+
 def main(argv: list[str]) -> None:
     """The ``kvferry`` command line (``python -m kvferry``) for bootstrap, prefill, decode and proxy."""
 
@@ -61,6 +66,7 @@ class PrefillAgent:
         aux: bytes | None = None,
         room_key: str | bytes | None = None,
         cuda_event: int | None = None,
+        prompt_digest: str | None = None,
     ) -> View:
         """Announces a ready piece of a room (the whole room without ranges). For a device
         pool whose KV the engine writes asynchronously, ``cuda_event`` is the engine's CUDA
@@ -120,6 +126,7 @@ class DecodeAgent:
         bootstrap: str | None = None,
         dp_rank: int | None = None,
         room_key: str | bytes | None = None,
+        prompt_digest: str | None = None,
     ) -> View:
         """Asks for a room's KV into ``pages`` (the engine's) or the agent's own pages."""
     def view(self, room: int) -> View: ...
@@ -178,3 +185,4 @@ class BadMessage(RoomFailed): ...
 class VerifyFailed(RoomFailed): ...
 class PeerUnknownRoom(RoomFailed): ...
 class Shutdown(RoomFailed): ...
+class PromptMismatch(RoomFailed): ...

@@ -327,6 +327,7 @@ class Sidecar:
         aux: bytes | None = None,
         room_key: str | bytes | None = None,
         cuda_ipc_event: bytes | None = None,
+        prompt_digest: str | None = None,
     ) -> dict[str, Any]:
         """Announces a ready piece, as :meth:`kvferry.PrefillAgent.ready`. On a device pool
         (``--pool cuda-ipc:`` or ``cuda-vmm:``) whose KV the engine writes asynchronously,
@@ -353,6 +354,7 @@ class Sidecar:
             aux=None if aux is None else base64.b64encode(aux).decode(),
             room_key=_hex(room_key),
             cuda_ipc_event=None if cuda_ipc_event is None else cuda_ipc_event.hex(),
+            prompt_digest=prompt_digest,
         )
         return _view(self._call("POST", f"/v1/rooms/{room}/ready", body))
 
@@ -365,6 +367,7 @@ class Sidecar:
         bootstrap: str | None = None,
         dp_rank: int | None = None,
         room_key: str | bytes | None = None,
+        prompt_digest: str | None = None,
     ) -> dict[str, Any]:
         body = _fields(
             tokens=tokens,
@@ -373,6 +376,7 @@ class Sidecar:
             bootstrap=bootstrap,
             dp_rank=dp_rank,
             room_key=_hex(room_key),
+            prompt_digest=prompt_digest,
         )
         return _view(self._call("POST", f"/v1/rooms/{room}", body))
 

@@ -395,7 +395,7 @@ agent_class!(
     prefill::PrefillAgent,
     control_endpoint,
     {
-        #[pyo3(signature = (room, tokens, pages=None, token_range=None, layer_range=None, last=None, aux=None, room_key=None, cuda_event=None))]
+        #[pyo3(signature = (room, tokens, pages=None, token_range=None, layer_range=None, last=None, aux=None, room_key=None, cuda_event=None, prompt_digest=None))]
         #[allow(clippy::too_many_arguments)]
         fn ready<'py>(
             &self,
@@ -409,9 +409,13 @@ agent_class!(
             aux: Option<&Bound<'py, PyBytes>>,
             room_key: Option<&Bound<'py, PyAny>>,
             cuda_event: Option<u64>,
+            prompt_digest: Option<String>,
         ) -> PyResult<Bound<'py, PyDict>> {
-            let mut req: ReadyRequest =
-                convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
+            let mut req: ReadyRequest = convert::request(json!({
+                "tokens": tokens,
+                "room_key": convert::room_key(room_key)?,
+                "prompt_digest": prompt_digest,
+            }))?;
             req.pages = pages;
             req.token_range = token_range.map(|(a, b)| [a, b]);
             req.layer_range = layer_range.map(|(a, b)| [a, b]);
@@ -439,7 +443,7 @@ agent_class!(
     decode::DecodeAgent,
     data_endpoint,
     {
-        #[pyo3(signature = (room, tokens, pages=None, start_token=0, bootstrap=None, dp_rank=None, room_key=None))]
+        #[pyo3(signature = (room, tokens, pages=None, start_token=0, bootstrap=None, dp_rank=None, room_key=None, prompt_digest=None))]
         #[allow(clippy::too_many_arguments)]
         fn request<'py>(
             &self,
@@ -451,9 +455,13 @@ agent_class!(
             bootstrap: Option<String>,
             dp_rank: Option<u32>,
             room_key: Option<&Bound<'py, PyAny>>,
+            prompt_digest: Option<String>,
         ) -> PyResult<Bound<'py, PyDict>> {
-            let mut req: RoomRequest =
-                convert::request(json!({"tokens": tokens, "room_key": convert::room_key(room_key)?}))?;
+            let mut req: RoomRequest = convert::request(json!({
+                "tokens": tokens,
+                "room_key": convert::room_key(room_key)?,
+                "prompt_digest": prompt_digest,
+            }))?;
             req.pages = pages;
             req.start_token = start_token;
             req.bootstrap = bootstrap;

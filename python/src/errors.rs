@@ -160,6 +160,12 @@ create_exception!(
     RoomFailed,
     "shutdown: the agent is shutting down."
 );
+create_exception!(
+    kvferry,
+    PromptMismatch,
+    RoomFailed,
+    "prompt_mismatch: the decode's prompt differs from the one the prefill computed the room's KV for."
+);
 
 /// The exception type of a failure code (exhaustive: a new code does not compile without one).
 fn failure_type(py: Python<'_>, code: FailureCode) -> Bound<'_, pyo3::types::PyType> {
@@ -178,6 +184,7 @@ fn failure_type(py: Python<'_>, code: FailureCode) -> Bound<'_, pyo3::types::PyT
         FailureCode::VerifyFailed => py.get_type::<VerifyFailed>(),
         FailureCode::UnknownRoom => py.get_type::<PeerUnknownRoom>(),
         FailureCode::Shutdown => py.get_type::<Shutdown>(),
+        FailureCode::PromptMismatch => py.get_type::<PromptMismatch>(),
     }
 }
 

@@ -132,6 +132,14 @@ fn memory_layout<'py>(
     Ok(out)
 }
 
+/// The digest of a prompt's token ids (32 hex digits) that an engine gives with a room
+/// (`PrefillAgent.ready`, `DecodeAgent.request`: `prompt_digest`), over the room's tokens:
+/// a decode whose prompt differs from the prefill's is refused (`prompt_mismatch`).
+#[pyfunction]
+fn prompt_digest(py: Python<'_>, tokens: Vec<u32>) -> String {
+    py.detach(|| kvferry::protocol::PromptDigest::of_tokens(&tokens).to_string())
+}
+
 /// Logs to stderr, as the binary does, when `RUST_LOG` is set (an embedded agent is silent
 /// otherwise); a subscriber the process installed already wins. Called when an agent starts.
 fn init_logs() {
@@ -165,6 +173,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory_layout, m)?)?;
     m.add_function(wrap_pyfunction!(main, m)?)?;
     m.add_function(wrap_pyfunction!(agent_flags, m)?)?;
+    m.add_function(wrap_pyfunction!(prompt_digest, m)?)?;
     m.add_class::<agents::PrefillAgent>()?;
     m.add_class::<agents::DecodeAgent>()?;
     errors::register(m)?;

@@ -32,6 +32,7 @@ CODES = {
     "verify_failed": kvferry.VerifyFailed,
     "unknown_room": kvferry.PeerUnknownRoom,
     "shutdown": kvferry.Shutdown,
+    "prompt_mismatch": kvferry.PromptMismatch,
 }
 
 
@@ -275,6 +276,33 @@ def test_room_keys_as_hex_or_bytes(pair):
         assert (d_kv[:, 31].view(np.uint16) == p_kv[:, 30].view(np.uint16)).all()
         with pytest.raises(kvferry.BadRequest, match="hex"):
             decode.request(9, 20, pages=[32], room_key="xyz")
+
+
+def test_a_decode_whose_prompt_differs_is_refused_and_nothing_lands(pair):
+    prompt = list(range(3, 23))
+    other = prompt[:-1] + [999]
+    ours, theirs = kvferry.prompt_digest(prompt), kvferry.prompt_digest(other)
+    assert ours != theirs and ours == kvferry.prompt_digest(list(prompt)) and len(ours) == 32
+    with pair() as (prefill, decode, p_kv, d_kv):
+        # Announced, then asked for with another prompt; and asked for before the announcement.
+        prefill.ready(10, 20, pages=[30], prompt_digest=ours)
+        decode.request(10, 20, pages=[31], prompt_digest=theirs)
+        decode.request(11, 20, pages=[32], prompt_digest=theirs)
+        prefill.ready(11, 20, pages=[33], prompt_digest=ours)
+        for room in (10, 11):
+            with pytest.raises(kvferry.PromptMismatch, match=f"room {room}: the decode's prompt .* is not the one") as e:
+                decode.wait(room, 30)
+            assert e.value.code == "prompt_mismatch" and theirs in str(e.value) and ours in str(e.value)
+        assert untouched(d_kv)
+        # The same prompt lands.
+        prefill.ready(12, 20, pages=[34], prompt_digest=ours)
+        decode.request(12, 20, pages=[35], prompt_digest=ours)
+        assert decode.wait(12, 30)["state"] == "success"
+        decode.take(12)
+        assert (d_kv[:, 35].view(np.uint16) == p_kv[:, 34].view(np.uint16)).all()
+        assert untouched(np.delete(d_kv, [35], axis=1))
+        with pytest.raises(kvferry.BadRequest, match="32 hex digits"):
+            decode.request(13, 20, pages=[36], prompt_digest="xyz")
 
 
 def test_wait_releases_the_gil_and_close_ends_it(registry):

@@ -11,6 +11,9 @@ process group: API server, engine core, worker).
 - The decode dies while the prefill computes rooms it asked for: the prefill's delayed blocks
   are released, so a prefill whose KV cache holds only a few prompts serves the next one.
 - Negative control: KV corrupted in flight (checksums off) changes the generated tokens.
+- A decode whose prompt differs from the prefill's by one token: the prefill refuses the room
+  (``prompt_mismatch``, by the prompts' digests), and the decode recomputes or fails by its
+  policy, never landing the other prompt's KV.
 
 The agents run with ``--peer-dead-ms 60000`` and ``--room-ttl-ms 600000``: only a closed
 connection can end these rooms within the tests' bounds (heartbeats and room expiry cannot), and
@@ -99,71 +102,114 @@ def long_prompts(n: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, 2048, 900 + 17 * i).tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_prefill_killed_while_the_decode_waits(vllm, kvferry_bin, tmp_path, reference, policy):
-    pd = Pd(vllm, kvferry_bin, tmp_path, prefill_args=CHUNKED, decode_policy=policy, **SLOW_PATHS_OFF)
+@pytest.fixture(scope="module", params=["recompute", "fail"])
+def policy_pd(vllm, kvferry_bin, tmp_path_factory, request):
+    """A prefill and a decode server whose kv_load_failure_policy is the parameter."""
+    pd = Pd(vllm, kvferry_bin, tmp_path_factory.mktemp(f"pd-{request.param}"), prefill_args=CHUNKED,
+            decode_policy=request.param, **SLOW_PATHS_OFF)
     try:
-        proxy = pd.proxy("concurrent")
-        prompts = make_prompts(SEEDS["concurrent"])[-4:]  # 640..1000 tokens
-        group = pd.prefill.kvferry_group()
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            decoded, rooms = {}, []
-            for prompt in prompts:
-                room = int.from_bytes(os.urandom(8), "little")
-                rooms.append(room)
-                params = {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group}
-                decoded[pool.submit(pd.decode.complete, prompt, 16, params)] = prompt
-            # The decode waits on every room at the prefill's agent; the prefill engine has not
-            # announced any (its requests never come), so none can land before the kill.
-            wait_asked(pd.prefill_api, rooms)
-            pd.prefill.kill()
-            killed = time.monotonic()
-            results = []
-            for f in concurrent.futures.as_completed(decoded):
-                results.append((decoded[f], f.result(), time.monotonic() - killed))
-        slowest = max(t for _, _, t in results)
-        print(f"{policy}: every decode request answered {slowest:.2f} s after the prefill was killed")
-        assert slowest < 60
-        errors = [r for _, r, _ in results if "choices" not in r]
-        for prompt, r, _ in results:
-            if "choices" in r:
-                assert r["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
-        log = (tmp_path / "decode.log").read_text()
-        reasons = sorted(set(re.findall(r"kvferry: request \S+ room \d+ failed: (\w+):", log)))
-        print(f"{policy}: {len(errors)} of {len(results)} requests ended with an error; kvferry's reasons {reasons}")
-        assert reasons and set(reasons) <= {"peer_dead", "unreachable"}, reasons
-        # The decode server answers why each room failed (vLLM's own error says only
-        # "Internal server error"); kvferry proxy adds this to its error messages.
-        for room in rooms:
-            asked = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]
-            assert asked["kvferry_room"] == str(room)
-            assert asked["kvferry_reason"].split(":")[0] in reasons, asked
-        if policy == "recompute":
-            assert errors == []
-        else:
-            assert len(errors) == len(prompts) and all(r["http_status"] == 500 for r in errors), errors
-        # The proxy routes around the dead prefill: an OpenAI error, not a hang.
-        proxy.wait_health(503)
-        got = proxy.complete(prompts[0], 16)
-        assert got["http_status"] == 503 and got["error"]["error"]["message"] == "no healthy prefill server", got
-        # The prefill comes back on its URL, a new vLLM engine and so a kvferry group of its own
-        # (the dead one's lapses with its lease); the proxy asks it again which group it is, and
-        # new requests land.
-        pd.prefill = pd.start_prefill(port=pd.prefill.port)
-        pd.prefill.wait_healthy()
-        assert pd.prefill.kvferry_group() != group
-        back = proxy.wait_health(200)
-        print(f"{policy}: the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
-        for prompt in make_prompts(SEEDS["sequential"])[:6]:
-            asked = time.monotonic()
-            got = proxy.complete(prompt, 16)
-            if "choices" not in got:
-                print(f"a request through the restarted prefill failed after {time.monotonic() - asked:.2f} s "
-                      f"(registry exit status {pd.registry.poll()}): {got}\n{diagnose(pd, tmp_path)}")
-            assert "choices" in got, got
-            assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
+        yield request.param, pd
     finally:
         pd.stop()
+
+
+def reasons_logged(log: str) -> list[str]:
+    """The failure codes of the rooms the decode's log says failed."""
+    return sorted(set(re.findall(r"kvferry: request \S+ room \d+ failed: (\w+):", log)))
+
+
+def test_a_decode_whose_prompt_differs_from_the_prefills_never_takes_its_kv(policy_pd, reference):
+    """Concurrent pairing, the two requests paired by hand: the decode's prompt differs from the
+    prefill's in one early token (so the prefill's KV would be wrong for it from there on). The
+    prefill refuses the room (``prompt_mismatch``): with ``recompute`` the decode answers what a
+    single engine answers for its own prompt, with ``fail`` an error, never the other prompt's KV."""
+    policy, pd = policy_pd
+    log_start = len(pd.decode.log.read_text())
+    prompt = make_prompts(SEEDS["concurrent"])[7]  # 300 tokens
+    other = list(prompt)
+    other[5] = 3 + (other[5] - 2) % 2045
+    # A single engine's answer for the decode's prompt (the prefill server computes it alone).
+    single = pd.prefill.complete(other, 16)["choices"][0]["token_ids"]
+    assert single != reference[tuple(prompt)], "the two prompts must continue differently"
+    room = int.from_bytes(os.urandom(8), "little")
+    group = pd.prefill.kvferry_group()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        prefilled = pool.submit(pd.prefill.complete, prompt, 1, {"do_remote_decode": True, "kvferry_room": str(room)})
+        decoded = pool.submit(pd.decode.complete, other, 16,
+                              {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group})
+        assert "choices" in prefilled.result(), prefilled.result()
+        got = decoded.result()
+    reason = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]["kvferry_reason"]
+    print(f"{policy}: the decode's room failed with {reason!r}")
+    assert re.match(rf"prompt_mismatch: prefill \S+: room {room}: the decode's prompt \(digest \w+\) is not the one", reason), reason
+    assert reasons_logged(pd.decode.log.read_text()[log_start:]) == ["prompt_mismatch"]
+    if policy == "recompute":
+        assert got["choices"][0]["token_ids"] == single, got
+    else:
+        assert got["http_status"] == 500, got
+
+
+def test_a_prefill_killed_while_the_decode_waits(policy_pd, reference):
+    policy, pd = policy_pd
+    log_start = len(pd.decode.log.read_text())
+    proxy = pd.proxy("concurrent")
+    prompts = make_prompts(SEEDS["concurrent"])[-4:]  # 640..1000 tokens
+    group = pd.prefill.kvferry_group()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        decoded, rooms = {}, []
+        for prompt in prompts:
+            room = int.from_bytes(os.urandom(8), "little")
+            rooms.append(room)
+            params = {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group}
+            decoded[pool.submit(pd.decode.complete, prompt, 16, params)] = prompt
+        # The decode waits on every room at the prefill's agent; the prefill engine has not
+        # announced any (its requests never come), so none can land before the kill.
+        wait_asked(pd.prefill_api, rooms)
+        pd.prefill.kill()
+        killed = time.monotonic()
+        results = []
+        for f in concurrent.futures.as_completed(decoded):
+            results.append((decoded[f], f.result(), time.monotonic() - killed))
+    slowest = max(t for _, _, t in results)
+    print(f"{policy}: every decode request answered {slowest:.2f} s after the prefill was killed")
+    assert slowest < 60
+    errors = [r for _, r, _ in results if "choices" not in r]
+    for prompt, r, _ in results:
+        if "choices" in r:
+            assert r["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
+    reasons = reasons_logged(pd.decode.log.read_text()[log_start:])
+    print(f"{policy}: {len(errors)} of {len(results)} requests ended with an error; kvferry's reasons {reasons}")
+    assert reasons and set(reasons) <= {"peer_dead", "unreachable"}, reasons
+    # The decode server answers why each room failed (vLLM's own error says only
+    # "Internal server error"); kvferry proxy adds this to its error messages.
+    for room in rooms:
+        asked = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]
+        assert asked["kvferry_room"] == str(room)
+        assert asked["kvferry_reason"].split(":")[0] in reasons, asked
+    if policy == "recompute":
+        assert errors == []
+    else:
+        assert len(errors) == len(prompts) and all(r["http_status"] == 500 for r in errors), errors
+    # The proxy routes around the dead prefill: an OpenAI error, not a hang.
+    proxy.wait_health(503)
+    got = proxy.complete(prompts[0], 16)
+    assert got["http_status"] == 503 and got["error"]["error"]["message"] == "no healthy prefill server", got
+    # The prefill comes back on its URL, a new vLLM engine and so a kvferry group of its own
+    # (the dead one's lapses with its lease); the proxy asks it again which group it is, and
+    # new requests land.
+    pd.prefill = pd.start_prefill(port=pd.prefill.port)
+    pd.prefill.wait_healthy()
+    assert pd.prefill.kvferry_group() != group
+    back = proxy.wait_health(200)
+    print(f"{policy}: the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
+    for prompt in make_prompts(SEEDS["sequential"])[:6]:
+        asked = time.monotonic()
+        got = proxy.complete(prompt, 16)
+        if "choices" not in got:
+            print(f"a request through the restarted prefill failed after {time.monotonic() - asked:.2f} s "
+                  f"(registry exit status {pd.registry.poll()}): {got}\n{diagnose(pd, pd.logs)}")
+        assert "choices" in got, got
+        assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
 
 
 def test_a_decode_killed_mid_batch_releases_the_prefill_blocks(vllm, kvferry_bin, tmp_path, reference):

@@ -23,7 +23,7 @@
 
 use super::{
     Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_BODY,
-    MIN_VERSION, Message, Posted, Secret, TransferRequest, VERSION,
+    MIN_VERSION, Message, PROMPT_DIGESTS, Posted, PromptDigest, Secret, TransferRequest, VERSION,
 };
 
 // Lengths read as u32 are used as usize; kvferry builds for 64-bit targets only.
@@ -203,7 +203,7 @@ impl Message {
     }
 
     /// The frame of this message stamped with protocol `version` (the one negotiated with the
-    /// peer, in `MIN_VERSION..=VERSION`; every accepted version has the same fields).
+    /// peer, in `MIN_VERSION..=VERSION`), with the fields that version has.
     pub fn encode_as(&self, version: u16) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         self.encode_into_as(version, &mut out);
@@ -256,6 +256,9 @@ impl Message {
                 w.u32(m.requesters);
                 w.secret(&m.secret);
                 w.opt_secret(m.room_key.as_ref());
+                if version >= PROMPT_DIGESTS {
+                    w.opt16(m.prompt_digest.as_ref().map(PromptDigest::as_bytes));
+                }
             }
             Message::Chunk(m) => {
                 w.u64(m.room);
@@ -371,6 +374,10 @@ impl Message {
                 requesters: r.u32("requesters")?,
                 secret: r.secret("secret")?,
                 room_key: r.opt_secret("room_key")?,
+                prompt_digest: match header.version >= PROMPT_DIGESTS {
+                    true => r.opt16("prompt_digest")?.map(PromptDigest::from_bytes),
+                    false => None,
+                },
             }),
             KIND_CHUNK => Message::Chunk(Chunk {
                 room: r.u64("room")?,

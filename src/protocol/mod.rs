@@ -11,9 +11,11 @@
 //! layout, known rooms, epochs) is checked by the agent that handles the message.
 
 mod codec;
+mod digest;
 mod secret;
 
 pub use codec::{DecodeError, HEADER_LEN, Header, peek_header};
+pub use digest::PromptDigest;
 pub use secret::{Secret, constant_time_eq};
 
 use std::ops::Range;
@@ -27,7 +29,7 @@ use crate::reason::FailureCode;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 8;
+pub const VERSION: u16 = 9;
 /// The first version whose staged chunks may come in pieces (ZeroMQ: up to
 /// [`crate::transport::MAX_PIECES`] payload frames, sent from the prefill's pool).
 pub const PIECES: u16 = 6;
@@ -35,6 +37,9 @@ pub const PIECES: u16 = 6;
 /// their placer is revocable (`Hello::revocable_runs`): a prefill then cuts a placed chunk
 /// by its own contiguous ranges, not by ranges contiguous on both sides.
 pub const SCATTERED: u16 = 8;
+/// The first version whose transfer requests carry the decode's prompt digest
+/// (`TransferRequest::prompt_digest`) and whose errors may say `prompt_mismatch`.
+pub const PROMPT_DIGESTS: u16 = 9;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 /// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
 pub const MIN_VERSION: u16 = 4;
@@ -181,6 +186,10 @@ pub struct TransferRequest {
     /// The room's key, when the router gave the engines one: the prefill serves the room only
     /// to requests that carry the key its engine announced.
     pub room_key: Option<Secret>,
+    /// The digest of the decode's prompt over the room's tokens, when its engine gave one
+    /// (version 9): the prefill serves the room only if its engine announced the same one, or
+    /// none.
+    pub prompt_digest: Option<PromptDigest>,
 }
 
 /// Prefill -> decode, on the data plane ahead of each chunk's bytes: what the bytes are.

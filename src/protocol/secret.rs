@@ -60,17 +60,22 @@ impl FromStr for Secret {
 
     /// 32 hex digits.
     fn from_str(s: &str) -> Result<Secret, String> {
-        let bad = || format!("a room key is 32 hex digits (128 bits), not {:?}", s);
-        if s.len() != 32 || !s.is_ascii() {
-            return Err(bad());
-        }
-        let mut bytes = [0u8; 16];
-        for (i, byte) in bytes.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(s.get(2 * i..2 * i + 2).ok_or_else(bad)?, 16)
-                .map_err(|_| bad())?;
-        }
-        Ok(Secret(bytes))
+        parse_hex16(s)
+            .map(Secret)
+            .ok_or_else(|| format!("a room key is 32 hex digits (128 bits), not {s:?}"))
     }
+}
+
+/// 16 bytes from 32 hex digits (either case), or None.
+pub(super) fn parse_hex16(s: &str) -> Option<[u8; 16]> {
+    if s.len() != 32 || !s.is_ascii() {
+        return None;
+    }
+    let mut bytes = [0u8; 16];
+    for (i, byte) in bytes.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(bytes)
 }
 
 #[cfg(test)]

@@ -19,6 +19,8 @@ class Send:
     tokens: int
     pages: list[int]
     layered: bool = False
+    # kvferry.prompt_digest of the prompt: a decode asking with another prompt is refused.
+    digest: str | None = None
 
 
 @dataclass
@@ -35,6 +37,8 @@ class Load:
     bootstrap: str | None
     # What the prefill said the room holds, when it said it (sequential pairing).
     prefill_tokens: int | None = None
+    # kvferry.prompt_digest of the prompt: the prefill refuses the room if it computed another.
+    digest: str | None = None
 
 
 @dataclass

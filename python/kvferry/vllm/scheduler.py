@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import kvferry
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
@@ -61,13 +62,19 @@ class SchedulerSide:
         self.loaded: dict[str, Load] = {}
         # Decode: why rooms failed, the latest REASONS_KEPT (dicts keep insertion order).
         self.reasons: dict[int, str] = {}
-        # Prefill: requests to send once their prompt is computed (prompt tokens, params), and
-        # the rooms of those whose layers were announced.
-        self.to_send: dict[str, tuple[int, dict[str, Any]]] = {}
+        # Prefill: requests to send once their prompt is computed (prompt tokens, params,
+        # digest), and the rooms of those whose layers were announced.
+        self.to_send: dict[str, tuple[int, dict[str, Any], str | None]] = {}
         self.streamed: dict[str, int] = {}
 
     def pages(self, block_ids: list[int], tokens: int) -> list[int]:
         return [int(b) for b in block_ids[: -(-tokens // self.block_size)]]
+
+    @staticmethod
+    def digest(request: Request) -> str | None:
+        """kvferry.prompt_digest of the request's prompt (None for a prompt given as embeddings)."""
+        ids = request.prompt_token_ids
+        return None if ids is None else kvferry.prompt_digest(ids)
 
     # ---- decode ------------------------------------------------------------------------------
 
@@ -91,7 +98,7 @@ class SchedulerSide:
         if self.producer:
             one_token = getattr(request.sampling_params, "max_tokens", None) == 1
             if params.get("do_remote_decode") and one_token and request.request_id not in self.streamed:
-                self.to_send[request.request_id] = (request.num_prompt_tokens, params)
+                self.to_send[request.request_id] = (request.num_prompt_tokens, params, self.digest(request))
             return
         if num_external_tokens == 0:
             self.local_hit.pop(request.request_id, None)
@@ -108,6 +115,7 @@ class SchedulerSide:
             dp_rank=params.get(P.DP_RANK),
             bootstrap=params.get(P.BOOTSTRAP),
             prefill_tokens=params.get(P.TOKENS),
+            digest=self.digest(request),
         )
         # Loaded once: a preempted request recomputes instead of asking for the room again.
         params["do_remote_prefill"] = False
@@ -128,7 +136,7 @@ class SchedulerSide:
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for req_id, (tokens, params) in list(self.to_send.items()):
+        for req_id, (tokens, params, digest) in list(self.to_send.items()):
             scheduled = out.num_scheduled_tokens.get(req_id, 0)
             if not scheduled or computed.get(req_id, 0) + scheduled < tokens:
                 continue
@@ -138,7 +146,7 @@ class SchedulerSide:
             if room is None or not blocks:
                 continue
             self.rooms[req_id] = self.streamed[req_id] = room
-            self.meta.sends.append(Send(req_id, room, tokens, self.pages(blocks[0], tokens), layered=True))
+            self.meta.sends.append(Send(req_id, room, tokens, self.pages(blocks[0], tokens), layered=True, digest=digest))
 
     def room_for(self, req_id: str, params: dict[str, Any]) -> int | None:
         """The router's room, or a fresh one; None (nothing is sent) if the router's is unusable."""
@@ -212,7 +220,7 @@ class SchedulerSide:
                 return False, None
             tokens = request.num_prompt_tokens
             self.rooms[req_id] = room
-            self.meta.sends.append(Send(req_id, room, tokens, self.pages(block_ids, tokens)))
+            self.meta.sends.append(Send(req_id, room, tokens, self.pages(block_ids, tokens), digest=self.digest(request)))
         return True, {
             "do_remote_prefill": True,
             P.ROOM: str(room),

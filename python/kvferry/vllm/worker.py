@@ -163,7 +163,7 @@ class WorkerSide:
             try:
                 self.agent.request(
                     load.room, load.tokens, pages=load.pages, start_token=load.start_token,
-                    dp_rank=load.dp_rank, bootstrap=load.bootstrap,
+                    dp_rank=load.dp_rank, bootstrap=load.bootstrap, prompt_digest=load.digest,
                 )
                 self.rooms[load.req_id] = load.room
             except Exception as e:  # noqa: BLE001 - a refused load fails the request, not the engine
@@ -197,7 +197,7 @@ class WorkerSide:
             event.record()
             pieces["cuda_event"] = event.cuda_event
         try:
-            self.agent.ready(s.room, s.tokens, pages=s.pages, **pieces)
+            self.agent.ready(s.room, s.tokens, pages=s.pages, prompt_digest=s.digest, **pieces)
             self.rooms[s.req_id] = s.room
         except Exception as e:  # noqa: BLE001 - whatever the agent says, the engine goes on
             logger.error("kvferry: request %s room %d not announced: %s", s.req_id, s.room, e)

@@ -437,14 +437,8 @@ impl Inner {
     }
 
     /// Resolves the prefill, says Hello if needed, and asks for the room.
-    async fn request(
-        self: Arc<Self>,
-        room_id: u64,
-        bootstrap: Option<String>,
-        dp_rank: Option<u32>,
-        room_key: Option<protocol::Secret>,
-    ) -> Result<(), Reason> {
-        let client = match bootstrap {
+    async fn request(self: Arc<Self>, room_id: u64, asked: RoomRequest) -> Result<(), Reason> {
+        let client = match asked.bootstrap {
             Some(url) => self
                 .groups
                 .client(&url, self.cfg.token.as_deref())
@@ -452,7 +446,7 @@ impl Inner {
             None => self.registry.clone(),
         };
         // The prefill DP group: the engine's choice, or the room modulo the prefill DP size.
-        let group = match dp_rank {
+        let group = match asked.dp_rank {
             Some(d) => self.lookup(&client, d).await?,
             None => {
                 let first = self.lookup(&client, 0).await?;
@@ -552,7 +546,8 @@ impl Inner {
                 dst_pages: pages.clone(),
                 requesters: requesters as u32,
                 secret,
-                room_key,
+                room_key: asked.room_key,
+                prompt_digest: asked.prompt_digest,
             });
             peer.send(&req, self.cfg.timeouts.send).await?;
         }

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::*;
 use crate::agent::ops::{self, PoolCounts, RoomError};
-use crate::protocol::Secret;
+use crate::protocol::{PromptDigest, Secret};
 
 /// A room request (`POST /v1/rooms/{room}`): the decode engine asks for a room's KV. The same
 /// struct is the HTTP body; unknown fields are refused.
@@ -38,6 +38,11 @@ pub struct RoomRequest {
         skip_serializing_if = "Option::is_none"
     )]
     pub room_key: Option<Secret>,
+    /// The digest of the engine's prompt over the room's tokens (32 hex digits in JSON:
+    /// `kvferry.prompt_digest`): a prefill whose engine computed the room for another prompt
+    /// refuses it (`prompt_mismatch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_digest: Option<PromptDigest>,
 }
 
 /// Whose pages a decode room lands in.
@@ -189,7 +194,7 @@ impl Inner {
     pub(super) fn request_room(
         self: &Arc<Self>,
         room_id: u64,
-        req: RoomRequest,
+        mut req: RoomRequest,
     ) -> Result<RoomView, RoomError> {
         if self.shutdown.is_cancelled() || self.draining.load(std::sync::atomic::Ordering::Relaxed)
         {
@@ -233,7 +238,7 @@ impl Inner {
         let expected = l
             .selection_bytes(moved, l.num_layers(), l.num_heads())
             .map_err(|e| RoomError::BadRequest(format!("tokens {}: {e}", req.tokens)))?;
-        let (pages, lease): (Arc<[u32]>, _) = match req.pages {
+        let (pages, lease): (Arc<[u32]>, _) = match req.pages.take() {
             Some(pages) => {
                 ops::validate_pages(&pages, needed, self.pool.num_pages())?;
                 (pages.into(), None)
@@ -279,11 +284,7 @@ impl Inner {
         let span = tracing::info_span!("room", room = room_id, role = "decode");
         tokio::spawn(
             async move {
-                if let Err(reason) = task_inner
-                    .clone()
-                    .request(room_id, req.bootstrap, req.dp_rank, req.room_key)
-                    .await
-                {
+                if let Err(reason) = task_inner.clone().request(room_id, req).await {
                     task_inner.fail(room_id, reason);
                 }
             }

@@ -263,9 +263,8 @@ impl Inner {
                 return self.refuse(&identity, Some(room_id), FailureCode::UnknownRoom, m);
             }
             let room = rooms.entry(room_id).or_insert_with(Room::new);
-            let keyed = room.key.is_some_and(|key| req.room_key != Some(key));
-            if keyed {
-                Some(Refusal::Error(self.wrong_room_key(room_id, peer.instance)))
+            if let Some(reason) = self.misfit(room_id, room.key, room.digest, &req, peer.instance) {
+                Some(Refusal::Error(reason))
             } else if let Some(reason) = room.engine_abort.clone() {
                 // The prefill engine aborted the room before this request: say so.
                 Some(Refusal::Abort(reason))

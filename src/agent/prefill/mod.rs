@@ -60,7 +60,7 @@ use crate::protocol::{self, Chunk, ErrorMsg, Hello, HelloAck, Message, TransferR
 use crate::reason::{FailureCode, Reason};
 use crate::transport::zmq::{ControlEvent, ControlReplier, ControlServer, PeerId};
 use crate::transport::{self, DataSender, Transport};
-use protocol::Secret;
+use protocol::{PromptDigest, Secret};
 
 /// A running prefill agent.
 pub struct PrefillAgent {
@@ -458,6 +458,9 @@ struct Room {
     final_at: Option<Instant>,
     /// The room's key, when the engine announced one: only requests that carry it are served.
     key: Option<Secret>,
+    /// The digest of the engine's prompt, when it announced one: requests with another are
+    /// refused.
+    digest: Option<PromptDigest>,
 }
 
 impl Room {
@@ -471,6 +474,7 @@ impl Room {
             engine_abort: None,
             final_at: None,
             key: None,
+            digest: None,
         }
     }
 
@@ -579,28 +583,24 @@ impl Inner {
         if room.ready.is_none() || room.status.state().is_final() {
             return;
         }
-        // Requests that came before the key was known, and do not carry it, are refused.
+        // Requests that came before the key and digest were known, and do not match them, are
+        // refused.
         let mut refused = Vec::new();
-        for t in room.transfers.values_mut() {
-            let offered = t.req.as_ref().map(|r| r.room_key);
-            if let (Some(offered), Some(key)) = (offered, room.key)
-                && offered != Some(key)
-                && !t.state.is_final()
-            {
-                let reason = self.wrong_room_key(room_id, t.peer.instance);
+        for (decode, t) in room.transfers.iter_mut() {
+            let Some(req) = t.req.as_ref().filter(|_| !t.state.is_final()) else {
+                continue;
+            };
+            if let Some(reason) = self.misfit(room_id, room.key, room.digest, req, *decode) {
                 t.end(RoomState::Failed, Some(reason.clone()));
-                refused.push((t.peer.identity.clone(), reason));
+                refused.push((*decode, t.peer.identity.clone(), reason));
             }
         }
         if !refused.is_empty() {
-            room.transfers.retain(|_, t| {
-                t.reason
-                    .as_ref()
-                    .is_none_or(|r| r.code != FailureCode::Unauthorized)
-            });
+            room.transfers
+                .retain(|decode, _| refused.iter().all(|(d, _, _)| d != decode));
             let inner = self.clone();
             tokio::spawn(async move {
-                for (identity, reason) in refused {
+                for (_, identity, reason) in refused {
                     inner.refuse(&identity, Some(room_id), reason.code, reason.message);
                 }
             });
@@ -695,14 +695,37 @@ impl Inner {
         }
     }
 
-    /// The reason a request without the room's key is refused (and counted).
-    fn wrong_room_key(&self, room: u64, decode: Uuid) -> Reason {
-        self.metrics.protocol_error("unauthorized");
-        tracing::warn!(room, %decode, "request without the room's key refused");
-        Reason::new(
-            FailureCode::Unauthorized,
-            format!("room {room}: the request does not carry the room's key"),
-        )
+    /// Why a decode's request does not fit the room the engine announced, if it does not:
+    /// without the room's key (`unauthorized`), or for another prompt (`prompt_mismatch`).
+    /// Counted and logged.
+    fn misfit(
+        &self,
+        room: u64,
+        key: Option<Secret>,
+        digest: Option<PromptDigest>,
+        req: &TransferRequest,
+        decode: Uuid,
+    ) -> Option<Reason> {
+        if key.is_some_and(|key| req.room_key != Some(key)) {
+            self.metrics.protocol_error("unauthorized");
+            tracing::warn!(room, %decode, "request without the room's key refused");
+            return Some(Reason::new(
+                FailureCode::Unauthorized,
+                format!("room {room}: the request does not carry the room's key"),
+            ));
+        }
+        match (digest, req.prompt_digest) {
+            (Some(ours), Some(theirs)) if ours != theirs => {
+                tracing::warn!(room, %decode, %ours, %theirs, "request for another prompt refused");
+                Some(Reason::new(
+                    FailureCode::PromptMismatch,
+                    format!(
+                        "room {room}: the decode's prompt (digest {theirs}) is not the one this prefill computed the room's KV for (digest {ours})"
+                    ),
+                ))
+            }
+            _ => None,
+        }
     }
 
     /// Forgets a dead decode peer and fails what it asked for.

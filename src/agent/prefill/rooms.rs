@@ -27,6 +27,11 @@ pub struct ReadyRequest {
         skip_serializing_if = "Option::is_none"
     )]
     pub room_key: Option<Secret>,
+    /// The digest of the engine's prompt over the room's tokens (32 hex digits in JSON:
+    /// `kvferry.prompt_digest`): decode requests with another digest are refused
+    /// (`prompt_mismatch`). Given with the first piece, like the key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_digest: Option<PromptDigest>,
     /// The room's pages in the prefill pool, enough for `tokens`; required on the first piece
     /// unless the agent is synthetic (it then allocates and fills them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -350,6 +355,15 @@ impl Inner {
                 )));
             }
             room.key = room.key.or(req.room_key);
+            if req.prompt_digest.is_some()
+                && room.digest.is_some()
+                && room.digest != req.prompt_digest
+            {
+                return Err(RoomError::Conflict(format!(
+                    "room {room_id} was announced with another prompt_digest"
+                )));
+            }
+            room.digest = room.digest.or(req.prompt_digest);
             let Some(ready) = room.ready.as_mut() else {
                 return Err(RoomError::Conflict(format!(
                     "room {room_id} lost its pages"

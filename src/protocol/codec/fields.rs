@@ -65,10 +65,15 @@ impl Writer<'_> {
 
     /// Tag 0, or tag 1 + 16 bytes.
     pub(super) fn opt_secret(&mut self, v: Option<&Secret>) {
+        self.opt16(v.map(Secret::as_bytes));
+    }
+
+    /// Tag 0, or tag 1 + 16 bytes.
+    pub(super) fn opt16(&mut self, v: Option<&[u8; 16]>) {
         match v {
             Some(v) => {
                 self.u8(1);
-                self.secret(v);
+                self.0.extend_from_slice(v);
             }
             None => self.u8(0),
         }
@@ -236,9 +241,13 @@ impl<'a> Reader<'a> {
     }
 
     pub(super) fn opt_secret(&mut self, what: &'static str) -> Result<Option<Secret>, DecodeError> {
+        Ok(self.opt16(what)?.map(Secret::from_bytes))
+    }
+
+    pub(super) fn opt16(&mut self, what: &'static str) -> Result<Option<[u8; 16]>, DecodeError> {
         match self.u8(what)? {
             0 => Ok(None),
-            1 => Ok(Some(self.secret(what)?)),
+            1 => Ok(Some(self.array(what)?)),
             tag => Err(DecodeError::BadTag { what, tag }),
         }
     }

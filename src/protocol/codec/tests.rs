@@ -73,6 +73,7 @@ fn transfer_request(dst_pages: Vec<u32>) -> TransferRequest {
         requesters: 2,
         secret: Secret::from_bytes([0x5e; 16]),
         room_key: Some(Secret::from_bytes(*b"room-key-0123456")),
+        prompt_digest: Some(PromptDigest::of_tokens(&[1, 2, 3])),
     }
 }
 
@@ -295,7 +296,7 @@ fn a_heartbeat_has_the_documented_bytes() {
         instance: uuid(0x0102),
         seq: 3,
     });
-    let mut want = b"KVFY\x08\x00\x08\x00\x18\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x09\x00\x08\x00\x18\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(msg.encode(), want);
@@ -601,10 +602,10 @@ fn oversized_lengths_are_refused_before_allocation() {
     assert_eq!(Message::decode(&f), Err(err));
 
     // A page count of u32::MAX in a tiny body (the page count is followed by `requesters`, the
-    // secret and the room key).
+    // secret, the room key and the prompt digest).
     let mut body =
         Message::TransferRequest(transfer_request(vec![])).encode()[HEADER_LEN..].to_vec();
-    let n = body.len() - 16 - 17;
+    let n = body.len() - 16 - 17 - 17;
     body[n - 8..n - 4].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         Message::decode(&frame(VERSION, KIND_TRANSFER_REQUEST, 0, &body)),
@@ -621,8 +622,8 @@ fn oversized_lengths_are_refused_before_allocation() {
         Err(DecodeError::Truncated {
             what: "dst_pages",
             needed: MAX_PAGES * 4,
-            // Only `requesters`, the secret and the room key follow.
-            available: 4 + 16 + 17
+            // Only `requesters`, the secret, the room key and the digest follow.
+            available: 4 + 16 + 17 + 17,
         })
     );
 

@@ -120,6 +120,9 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         secret: Secret::from_bytes(prefill_instance.into_bytes()),
                         room_key: (room % 2 == 0)
                             .then(|| Secret::from_bytes((u128::from(room) << 3).to_le_bytes())),
+                        prompt_digest: (room % 3 == 0).then(|| {
+                            PromptDigest::from_bytes((u128::from(room) << 5).to_le_bytes())
+                        }),
                     })
                 }
             ),

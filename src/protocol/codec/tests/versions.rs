@@ -73,6 +73,34 @@ fn a_hello_of_any_version_decodes_other_messages_do_not() {
 }
 
 #[test]
+fn a_prompt_digest_goes_only_to_peers_of_its_version() {
+    let req = transfer_request(vec![1]);
+    assert!(req.prompt_digest.is_some());
+    let ours = Message::TransferRequest(req.clone());
+    assert_eq!(Message::decode(&ours.encode()), Ok(ours.clone()));
+    // An older peer gets the fields it knows, and nothing it would refuse as trailing bytes.
+    let older = ours.encode_as(PROMPT_DIGESTS - 1);
+    assert_eq!(older.len(), ours.encode().len() - 17);
+    let Ok(Message::TransferRequest(back)) = Message::decode(&older) else {
+        panic!("an older frame decodes");
+    };
+    assert_eq!(back.prompt_digest, None);
+    assert_eq!(
+        back,
+        TransferRequest {
+            prompt_digest: None,
+            ..req
+        }
+    );
+    // A frame of the digest's version must carry the field.
+    let body = &older[HEADER_LEN..];
+    assert!(matches!(
+        Message::decode(&frame(PROMPT_DIGESTS, KIND_TRANSFER_REQUEST, 0, body)),
+        Err(DecodeError::Truncated { .. })
+    ));
+}
+
+#[test]
 fn negotiate_picks_the_newest_common_version() {
     assert_eq!(negotiate(MIN_VERSION, VERSION), Some(VERSION));
     assert_eq!(negotiate(0, u16::MAX), Some(VERSION));
