@@ -195,6 +195,7 @@ fn random_message(rng: &mut StdRng) -> Message {
         7 => Message::Heartbeat(Heartbeat {
             instance: uuid(rng),
             seq: rng.random(),
+            rooms: (0..rng.random_range(0..4)).map(|_| rng.random()).collect(),
         }),
         8 => Message::Error(ErrorMsg {
             room: rng.random_bool(0.5).then(|| rng.random()),
@@ -278,6 +279,7 @@ fn case(rng: &mut StdRng, i: usize) -> Case {
         let mut f = Message::Heartbeat(Heartbeat {
             instance: uuid(rng),
             seq: 1,
+            rooms: vec![],
         })
         .encode();
         f[8..12].copy_from_slice(&(MAX_BODY as u32).to_le_bytes());

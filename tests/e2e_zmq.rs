@@ -4,6 +4,8 @@
 //! - rooms land intact over `zmq-tcp` and `zmq-ipc`, 8 in flight, and every page comes back;
 //! - an untaken room expires and its agent-owned pages return; a ready room no decode asked
 //!   for expires at the prefill, and a later request for it is refused at once;
+//! - a room a decode holds for a queued request outlives the TTL up to its maximum, and held
+//!   rooms keep at most `--max-held-pages`;
 //! - abort before the prefill is ready and in the middle of a transfer;
 //! - engine-owned pages are never counted or freed by the agent;
 //! - an unreachable advertised prefill endpoint fails the room with `unreachable`, quickly;
@@ -231,6 +233,140 @@ fn untaken_room_expires_and_its_pages_return() {
         assert!(
             message.contains(&format!("room {room} expired here"))
                 && message.contains("no decode asked for it"),
+            "{v}"
+        );
+    });
+    drop(cluster);
+}
+
+/// A ready room whose decode holds it for a queued request (`POST .../hold`) outlives the
+/// prefill's TTL, renewed by the decode's heartbeats, and lands when asked for; one no decode
+/// holds expires at the TTL, as does one whose hold ended. While held rooms keep
+/// `--max-held-pages`, a new room is refused (429), and so is its decode, at once.
+/// A held room still expires `--room-max-ms` after its announcement.
+#[test]
+fn held_rooms_outlive_their_ttl_up_to_their_maximum_and_the_held_page_limit() {
+    // TTL 1.5 s against heartbeats every 100 ms; 100 tokens are 7 pages, so one held room
+    // reaches the limit of 7 pages.
+    let opts = AgentOpts {
+        room_ttl_ms: 1_500,
+        heartbeat_ms: 100,
+        ..AgentOpts::default()
+    };
+    let mut args = opts.args();
+    args.extend(["--room-max-ms", "6000", "--max-held-pages", "7"].map(String::from));
+    let tag = "e2e-held";
+    let cluster = LocalCluster::start(&release_binary(), tag, &args)
+        .unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
+    let prefill = cluster.prefill().field("api").expect("prefill api");
+    let decode = cluster.decode().field("api").expect("decode api");
+    runtime().block_on(async {
+        let http = http();
+        let body = json!({ "tokens": 100 });
+        let hold = |room: u64| {
+            let (http, url) = (http.clone(), format!("{decode}/v1/rooms/{room}/hold"));
+            async move {
+                expect(
+                    &http,
+                    Method::POST,
+                    &url,
+                    Some(&json!({})),
+                    StatusCode::ACCEPTED,
+                )
+                .await
+            }
+        };
+        let at_prefill = |room: u64| {
+            let (http, url) = (http.clone(), format!("{prefill}/v1/rooms/{room}"));
+            async move { call(&http, Method::GET, &url, None).await }
+        };
+        // Room 1 is held, room 2 not, room 3 held and then released.
+        for room in [1, 2, 3] {
+            ready(&http, &prefill, room, 100).await;
+        }
+        hold(1).await;
+        hold(3).await;
+        let created = at_prefill(1).await.1["timings"]["created"]
+            .as_f64()
+            .expect("created timing");
+        let url = format!("{decode}/v1/rooms/3/hold");
+        let (status, _) = call(&http, Method::DELETE, &url, None).await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        for room in [2, 3] {
+            poll_until("an unheld room expired at the prefill", BOUND, || async {
+                (at_prefill(room).await.0 == StatusCode::NOT_FOUND).then_some(())
+            })
+            .await;
+        }
+        let age = now_ms() - created;
+        println!("[{tag}] unheld rooms expired {age:.0} ms after their announcement (ttl 1500 ms)");
+        assert!(age >= 1_500.0, "expired before their TTL: {age:.0} ms");
+        // Twice the TTL: the held room is still there.
+        tokio::time::sleep(Duration::from_secs_f64((3_000.0 - age).max(0.0) / 1e3)).await;
+        assert_eq!(
+            at_prefill(1).await.0,
+            StatusCode::OK,
+            "the held room expired"
+        );
+
+        // The held room keeps 7 pages, the limit: a new room is refused, and its decode at once.
+        let url = format!("{prefill}/v1/rooms/4/ready");
+        let refused = call(&http, Method::POST, &url, Some(&body)).await;
+        assert!(
+            refused.1["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("keep 7 pages") && e.contains("--max-held-pages")),
+            "{refused:?}"
+        );
+        assert_error(
+            "a room past the held-page limit",
+            refused,
+            StatusCode::TOO_MANY_REQUESTS,
+        );
+        let url = format!("{decode}/v1/rooms/4");
+        expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
+        let v = wait_final(&http, &decode, 4).await;
+        assert_eq!(
+            (&v["state"], &v["reason"]["code"]),
+            (&json!("aborted"), &json!("aborted")),
+            "{v}"
+        );
+        assert!(
+            v["reason"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("--max-held-pages")),
+            "{v}"
+        );
+
+        // Asked for past its TTL, the held room lands whole.
+        let url = format!("{decode}/v1/rooms/1");
+        expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
+        take_verified(&http, &decode, 1).await;
+
+        // Held and never asked for: gone at the maximum, and a late request says so.
+        ready(&http, &prefill, 5, 100).await;
+        hold(5).await;
+        let created = at_prefill(5).await.1["timings"]["created"]
+            .as_f64()
+            .expect("created timing");
+        poll_until("a held room expired at its maximum", BOUND, || async {
+            (at_prefill(5).await.0 == StatusCode::NOT_FOUND).then_some(())
+        })
+        .await;
+        let age = now_ms() - created;
+        println!("[{tag}] the held room expired {age:.0} ms after its announcement (max 6000 ms)");
+        assert!(
+            age >= 6_000.0,
+            "a held room expired before its maximum: {age:.0} ms"
+        );
+        let url = format!("{decode}/v1/rooms/5");
+        expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
+        let v = wait_final(&http, &decode, 5).await;
+        assert_eq!(v["reason"]["code"], "unknown_room", "{v}");
+        assert!(
+            v["reason"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("held it for a queued request")),
             "{v}"
         );
     });
@@ -625,6 +761,7 @@ fn a_heartbeat_before_the_hello_answer_is_skipped() {
         let beat = Message::Heartbeat(Heartbeat {
             instance: uuid::Uuid::nil(),
             seq: 1,
+            rooms: vec![],
         });
         let refusal = Message::Error(ErrorMsg {
             room: None,

@@ -129,6 +129,12 @@ class DecodeAgent:
         prompt_digest: str | None = None,
     ) -> View:
         """Asks for a room's KV into ``pages`` (the engine's) or the agent's own pages."""
+    def hold(self, room: int, bootstrap: str | None = None, dp_rank: int | None = None) -> None:
+        """Holds a room at its prefill while the engine has its request queued: the prefill
+        keeps the room's KV past its TTL (up to its ``--room-max-ms``) until the room is
+        requested, ``unhold`` is called, or the maximum passes. Returns at once."""
+    def unhold(self, room: int) -> None:
+        """Stops holding a room (its request left the engine's queue without asking)."""
     def view(self, room: int) -> View: ...
     def poll(self, rooms: Iterable[int]) -> dict[int, View | None]:
         """As PrefillAgent.poll."""

@@ -380,6 +380,14 @@ class Sidecar:
         )
         return _view(self._call("POST", f"/v1/rooms/{room}", body))
 
+    def hold(self, room: int, bootstrap: str | None = None, dp_rank: int | None = None) -> None:
+        """As :meth:`kvferry.DecodeAgent.hold`."""
+        self._call("POST", f"/v1/rooms/{room}/hold", _fields(bootstrap=bootstrap, dp_rank=dp_rank))
+
+    def unhold(self, room: int) -> None:
+        """As :meth:`kvferry.DecodeAgent.unhold`."""
+        self._call("DELETE", f"/v1/rooms/{room}/hold")
+
     def take(self, room: int) -> dict[str, Any]:
         taken = _view(self._call("POST", f"/v1/rooms/{room}/take"))
         aux = taken.get("aux")

@@ -10,7 +10,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvferry::agent::decode::{self, RoomRequest};
+use kvferry::agent::decode::{self, HoldRequest, RoomRequest};
 use kvferry::agent::prefill::{self, ReadyRequest};
 use kvferry::agent::room::RoomState;
 use kvferry::agent::{AgentConfig, AgentError, PoolCounts, RoomError};
@@ -470,6 +470,22 @@ agent_class!(
                 .0
                 .run(py, |a| async move { a.request(room, req).await })?;
             convert::view(py, room, &view)
+        }
+
+        /// Holds `room` at its prefill while the engine has its request queued (see
+        /// `DecodeAgent::hold` in Rust): returns at once.
+        #[pyo3(signature = (room, bootstrap=None, dp_rank=None))]
+        fn hold(&self, py: Python<'_>, room: u64, bootstrap: Option<String>, dp_rank: Option<u32>) -> PyResult<()> {
+            let req = HoldRequest { bootstrap, dp_rank };
+            self.0.run(py, |a| async move { a.hold(room, req) })
+        }
+
+        /// Stops holding `room`.
+        fn unhold(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+            self.0.run(py, |a| async move {
+                a.unhold(room);
+                Ok(())
+            })
         }
 
         fn take<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {

@@ -305,6 +305,21 @@ def test_a_decode_whose_prompt_differs_is_refused_and_nothing_lands(pair):
             decode.request(13, 20, pages=[36], prompt_digest="xyz")
 
 
+def test_a_held_room_is_requested_as_any_other(pair):
+    """hold/unhold reach the agent in both bindings (their effect on the prefill's TTL is
+    tested end to end in tests/e2e_zmq.rs and through vLLM)."""
+    with pair() as (prefill, decode, p_kv, d_kv):
+        prefill.ready(14, 20, pages=[30])
+        decode.hold(14)
+        decode.unhold(14)
+        decode.unhold(99)  # holding nothing is not an error
+        decode.hold(14, dp_rank=0)
+        decode.request(14, 20, pages=[31])
+        assert decode.wait(14, 30)["state"] == "success"
+        decode.take(14)
+        assert (d_kv[:, 31].view(np.uint16) == p_kv[:, 30].view(np.uint16)).all()
+
+
 def test_wait_releases_the_gil_and_close_ends_it(registry):
     import threading
     import time

@@ -11,6 +11,8 @@ process group: API server, engine core, worker).
 - The decode dies while the prefill computes rooms it asked for: the prefill's delayed blocks
   are released, so a prefill whose KV cache holds only a few prompts serves the next one.
 - Negative control: KV corrupted in flight (checksums off) changes the generated tokens.
+- A decode request that waits in the decode's queue past the prefill's room TTL: the decode's
+  agent holds the room meanwhile, and it lands.
 - A decode whose prompt differs from the prefill's by one token: the prefill refuses the room
   (``prompt_mismatch``, by the prompts' digests), and the decode recomputes or fails by its
   policy, never landing the other prompt's KV.
@@ -37,6 +39,7 @@ from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
     SEEDS,
     Pd,
     make_prompts,
+    metric,
     reference,
     vllm,
     vllm_metric,
@@ -210,6 +213,50 @@ def test_a_prefill_killed_while_the_decode_waits(policy_pd, reference):
                   f"(registry exit status {pd.registry.poll()}): {got}\n{diagnose(pd, pd.logs)}")
         assert "choices" in got, got
         assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
+
+
+def test_a_room_outlives_its_ttl_while_its_decode_request_waits_in_the_queue(vllm, kvferry_bin, tmp_path, reference):
+    """A decode server that runs one request at a time is busy with long generations; a
+    request behind them, through the proxy in sequential pairing, waits in the decode's queue
+    twice the prefill's room TTL (1 s) before it can ask for its room. The decode's agent holds
+    the room meanwhile (its heartbeats, every 100 ms, name it), so the prefill keeps it, and it
+    lands."""
+    ttl_ms = 1_000
+    pd = Pd(vllm, kvferry_bin, tmp_path, decode_args=["--max-num-seqs", "1"], room_ttl_ms=ttl_ms,
+            heartbeat_ms=100, decode_agent=dict(room_ttl_ms=60_000))
+    try:
+        proxy = pd.proxy("sequential")
+        # The blockers: 3 streams of 1000 tokens each, queued one behind the other, cut by
+        # closing them once the wait is over (far longer than the wait even at 1 ms a token).
+        body = {"model": pd.decode.model, "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(pd.decode.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        blockers = [urllib.request.urlopen(req, timeout=300) for _ in range(3)]
+        assert blockers[0].readline().startswith(b"data: "), "the first blocker is not generating"
+        prompt = make_prompts(SEEDS["sequential"])[6]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(proxy.complete, prompt, 16)
+            prefill_agent = pd.prefill_api
+            deadline = time.monotonic() + 120
+            while not metric(prefill_agent, "kvferry_rooms_held", 'role="prefill"'):
+                assert time.monotonic() < deadline and not queued.done(), "the prefill never announced the room"
+                time.sleep(0.05)
+            announced = time.monotonic()
+            time.sleep(2 * ttl_ms / 1e3)
+            waited = time.monotonic() - announced
+            assert not queued.done(), f"the request did not wait in the queue: {queued.result()}"
+            for blocker in blockers:
+                blocker.close()
+            got = queued.result()
+        print(f"the request waited {waited:.1f} s and more in the decode's queue (room TTL {ttl_ms / 1e3:.0f} s)")
+        assert "choices" in got, got
+        assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
+        assert got["kv_transfer_params"]["kvferry_tokens"] == len(prompt), got
+        assert metric(prefill_agent, "kvferry_rooms_expired_total") == 0
+        assert metric(pd.decode_api, "kvferry_kv_bytes_total") > 0
+    finally:
+        pd.stop()
 
 
 def test_a_decode_killed_mid_batch_releases_the_prefill_blocks(vllm, kvferry_bin, tmp_path, reference):

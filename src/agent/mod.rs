@@ -185,6 +185,9 @@ pub struct Timeouts {
     pub connect: Duration,
     /// A landed (decode) or finished (prefill) room not taken within this expires.
     pub room_ttl: Duration,
+    /// Prefill: the longest a ready room is kept by the heartbeats of a decode that holds it
+    /// for a queued request, from its announcement. Decode: the longest it holds one.
+    pub room_max: Duration,
     /// One send of a chunk or control message.
     pub send: Duration,
     /// Waiting for the engine's ready pieces of a requested room (`timeout_ready`).
@@ -208,6 +211,7 @@ impl Default for Timeouts {
             bootstrap: Duration::from_secs(30),
             connect: Duration::from_secs(5),
             room_ttl: Duration::from_secs(60),
+            room_max: Duration::from_secs(600),
             send: Duration::from_secs(30),
             ready: Duration::from_secs(60),
             stall: Duration::from_secs(30),
@@ -268,6 +272,9 @@ pub struct AgentConfig {
     pub checksum: bool,
     /// Rooms in flight at most (not yet final); more are refused with 429.
     pub max_rooms: usize,
+    /// Prefill: while ready rooms held for queued decodes keep this many pages or more, new
+    /// rooms are refused.
+    pub max_held_pages: usize,
     /// Fault injection for tests: invert every byte of the N-th chunk sent (after checksumming).
     pub fault_corrupt_chunk: Option<u64>,
     /// Timeouts.

@@ -153,6 +153,16 @@ pub struct AgentArgs {
     /// A finished room not taken within this many ms expires and its agent-owned pages return.
     #[arg(long, env = "KVFERRY_ROOM_TTL_MS", default_value_t = 60_000)]
     pub room_ttl_ms: u64,
+    /// Prefill: a ready room a decode holds for a request queued in its engine is kept past
+    /// --room-ttl-ms, renewed by that decode's heartbeats, until at most this many ms after
+    /// it was announced.
+    #[arg(long, env = "KVFERRY_ROOM_MAX_MS", default_value_t = 600_000)]
+    pub room_max_ms: u64,
+    /// Prefill: while ready rooms held for queued decodes keep this many pages or more, new
+    /// rooms are refused (429) and fail their decodes with the reason. Default: half of
+    /// --pool-pages.
+    #[arg(long, env = "KVFERRY_MAX_HELD_PAGES")]
+    pub max_held_pages: Option<usize>,
     /// One send of a chunk or a control message, in ms.
     #[arg(long, env = "KVFERRY_TIMEOUT_SEND_MS", default_value_t = 30_000)]
     pub timeout_send_ms: u64,
@@ -281,6 +291,13 @@ impl AgentArgs {
         if self.max_rooms == 0 {
             anyhow::bail!("--max-rooms must be > 0");
         }
+        if self.room_max_ms < self.room_ttl_ms {
+            anyhow::bail!(
+                "--room-max-ms ({}) must be at least --room-ttl-ms ({})",
+                self.room_max_ms,
+                self.room_ttl_ms
+            );
+        }
         if self.staging_slots == 0 {
             anyhow::bail!("--staging-slots must be > 0");
         }
@@ -317,6 +334,7 @@ impl AgentArgs {
             synthetic_layer_delay: Duration::from_secs_f64(self.synthetic_layer_ms / 1e3),
             checksum: self.checksum,
             max_rooms: self.max_rooms,
+            max_held_pages: self.max_held_pages.unwrap_or(self.pool_pages / 2),
             fault_corrupt_chunk: self.fault_corrupt_chunk,
             copy_threads: self.copy_threads,
             direct_writes: self.direct_writes,
@@ -327,6 +345,7 @@ impl AgentArgs {
                 bootstrap: ms(self.timeout_bootstrap_ms),
                 connect: ms(self.timeout_connect_ms),
                 room_ttl: ms(self.room_ttl_ms),
+                room_max: ms(self.room_max_ms),
                 send: ms(self.timeout_send_ms),
                 ready: ms(self.timeout_ready_ms),
                 stall: ms(self.timeout_stall_ms),

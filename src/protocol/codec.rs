@@ -22,8 +22,9 @@
 //! refused rather than misread).
 
 use super::{
-    Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, Heartbeat, Hello, HelloAck, MAGIC, MAX_BODY,
-    MIN_VERSION, Message, PROMPT_DIGESTS, Posted, PromptDigest, Secret, TransferRequest, VERSION,
+    Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, HELD_ROOMS, Heartbeat, Hello, HelloAck, MAGIC,
+    MAX_BODY, MIN_VERSION, Message, PROMPT_DIGESTS, Posted, PromptDigest, Secret, TransferRequest,
+    VERSION,
 };
 
 // Lengths read as u32 are used as usize; kvferry builds for 64-bit targets only.
@@ -294,6 +295,9 @@ impl Message {
             Message::Heartbeat(m) => {
                 w.uuid(&m.instance);
                 w.u64(m.seq);
+                if version >= HELD_ROOMS {
+                    w.rooms(&m.rooms);
+                }
             }
             Message::Error(m) => {
                 w.opt_u64(m.room);
@@ -413,6 +417,10 @@ impl Message {
             KIND_HEARTBEAT => Message::Heartbeat(Heartbeat {
                 instance: r.uuid("instance")?,
                 seq: r.u64("seq")?,
+                rooms: match header.version >= HELD_ROOMS {
+                    true => r.rooms("rooms")?,
+                    false => Vec::new(),
+                },
             }),
             KIND_ERROR => Message::Error(ErrorMsg {
                 room: r.opt_u64("room")?,

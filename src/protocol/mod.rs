@@ -40,6 +40,9 @@ pub const SCATTERED: u16 = 8;
 /// The first version whose transfer requests carry the decode's prompt digest
 /// (`TransferRequest::prompt_digest`) and whose errors may say `prompt_mismatch`.
 pub const PROMPT_DIGESTS: u16 = 9;
+/// The first version whose heartbeats name the rooms a decode holds for queued requests
+/// (`Heartbeat::rooms`).
+pub const HELD_ROOMS: u16 = 9;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 /// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
 pub const MIN_VERSION: u16 = 4;
@@ -57,6 +60,8 @@ pub const MAX_PAGES: usize = 1 << 20;
 pub const MAX_RUNS: usize = 1 << 16;
 /// Largest opaque payload a Done may carry (`Done::aux`).
 pub const MAX_AUX: usize = 64 << 10;
+/// Most rooms one heartbeat may name (`Heartbeat::rooms`).
+pub const MAX_HELD_ROOMS: usize = 1 << 16;
 
 /// Role of the sender of a Hello.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -279,6 +284,10 @@ pub struct Heartbeat {
     pub instance: Uuid,
     /// Increases by one per heartbeat.
     pub seq: u64,
+    /// Decode -> prefill (version 9): rooms the decode's engine holds queued requests for,
+    /// at most [`MAX_HELD_ROOMS`]; the prefill keeps them past their TTL, up to their maximum
+    /// lifetime. Empty from a prefill.
+    pub rooms: Vec<u64>,
 }
 
 /// Decode -> prefill: `slots` more chunks may be sent (one per chunk scattered and freed).

@@ -77,6 +77,9 @@ class KvferryConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        self._timed(self._scheduler.on_new_request, request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._timed(self._scheduler.get_num_new_matched_tokens, request, num_computed_tokens)
 

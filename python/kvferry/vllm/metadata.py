@@ -42,6 +42,16 @@ class Load:
 
 
 @dataclass
+class Hold:
+    """Decode: the request of room ``room`` waits in vLLM's queue; the agent holds the room at
+    its prefill (which keeps it past its TTL) until the room is loaded or ``unholds`` names it."""
+
+    room: int
+    dp_rank: int | None
+    bootstrap: str | None
+
+
+@dataclass
 class Abort:
     """The request ended while its room was in flight: aborted by its client while loading
     (decode), or ended abnormally after its layers were announced (prefill)."""
@@ -55,6 +65,8 @@ class KvferryMetadata(KVConnectorMetadata):
     sends: list[Send] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
+    holds: list[Hold] = field(default_factory=list)
+    unholds: list[int] = field(default_factory=list)
 
 
 @dataclass

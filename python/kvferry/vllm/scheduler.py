@@ -28,7 +28,7 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from . import params as P
-from .metadata import Abort, Failures, KvferryMetadata, Load, Send
+from .metadata import Abort, Failures, Hold, KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -59,6 +59,8 @@ class SchedulerSide:
         # Decode: the local prefix-cache hit each loading request was matched with, and what
         # each request loaded (reported in its response's kv_transfer_params).
         self.local_hit: dict[str, int] = {}
+        # Decode: the rooms of requests waiting in vLLM's queue, held at their prefill.
+        self.held: dict[str, int] = {}
         self.loaded: dict[str, Load] = {}
         # Decode: why rooms failed, the latest REASONS_KEPT (dicts keep insertion order).
         self.reasons: dict[int, str] = {}
@@ -77,6 +79,27 @@ class SchedulerSide:
         return None if ids is None else kvferry.prompt_digest(ids)
 
     # ---- decode ------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """A request with a room arrives in vLLM's queue: its room is held at the prefill (kept
+        past its TTL) until the request asks for it, however long the queue."""
+        params = request.kv_transfer_params or {}
+        if self.producer or not params.get("do_remote_prefill"):
+            return
+        try:
+            P.check_load(params)
+        except P.ParamsError:
+            return  # computed locally (get_num_new_matched_tokens says why)
+        room = P.room_of(params)
+        self.held[request.request_id] = room
+        self.meta.holds.append(Hold(room, params.get(P.DP_RANK), params.get(P.BOOTSTRAP)))
+
+    def unhold(self, req_id: str) -> None:
+        """The request no longer waits for its room in the queue (it asks for it, computes its
+        prompt itself, or ended)."""
+        room = self.held.pop(req_id, None)
+        if room is not None:
+            self.meta.unholds.append(room)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -102,7 +125,10 @@ class SchedulerSide:
             return
         if num_external_tokens == 0:
             self.local_hit.pop(request.request_id, None)
+            self.unhold(request.request_id)
             return
+        # Asking for the room ends its hold at the agent.
+        self.held.pop(request.request_id, None)
         room = P.room_of(params)
         start = self.local_hit.pop(request.request_id, 0)
         tokens = request.num_prompt_tokens
@@ -191,6 +217,7 @@ class SchedulerSide:
         req_id = request.request_id
         if not self.producer:
             self.local_hit.pop(req_id, None)
+            self.unhold(req_id)
             room = self.rooms.get(req_id)
             if room is not None and request.status == RequestStatus.FINISHED_ABORTED:
                 # Aborted while loading: vLLM holds the blocks until the room is reported.

@@ -152,6 +152,13 @@ class WorkerSide:
         for s in meta.sends:
             if not s.layered:
                 self.announce(s, None)
+        for h in meta.holds:
+            try:
+                self.agent.hold(h.room, bootstrap=h.bootstrap, dp_rank=h.dp_rank)
+            except Exception as e:  # noqa: BLE001 - an unheld room may still land in time
+                logger.warning("kvferry: room %d not held: %s", h.room, e)
+        for room in meta.unholds:
+            self.agent.unhold(room)
         for load in meta.loads:
             self.loads[load.req_id] = load
             if load.prefill_tokens is not None and load.prefill_tokens != load.tokens:

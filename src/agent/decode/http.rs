@@ -7,7 +7,7 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 
-use super::rooms::{RoomRequest, RoomView, TakenRoom};
+use super::rooms::{HoldRequest, RoomRequest, RoomView, TakenRoom};
 use super::*;
 use crate::agent::api::{self, ApiError};
 use crate::agent::ops::PoolCounts;
@@ -21,6 +21,7 @@ pub(super) fn routes(inner: Arc<Inner>) -> Router {
             post(create_room).get(get_room).delete(abort_room),
         )
         .route("/v1/rooms/{room}/take", post(take_room))
+        .route("/v1/rooms/{room}/hold", post(hold_room).delete(unhold_room))
         .route("/v1/pool", get(pool))
         .route(
             "/healthz",
@@ -38,6 +39,25 @@ async fn create_room(
     let room = api::parse_room(&room)?;
     let req: RoomRequest = api::parse_json(&body)?;
     Ok((StatusCode::CREATED, Json(inner.request_room(room, req)?)))
+}
+
+async fn hold_room(
+    State(inner): Shared,
+    Path(room): Path<String>,
+    api::JsonBody(body): api::JsonBody,
+) -> Result<StatusCode, ApiError> {
+    let room = api::parse_room(&room)?;
+    let req: HoldRequest = api::parse_json(&body)?;
+    inner.hold_room(room, req)?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+async fn unhold_room(
+    State(inner): Shared,
+    Path(room): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    inner.unhold(api::parse_room(&room)?);
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn get_room(

@@ -31,7 +31,7 @@ mod landing;
 mod peer;
 mod rooms;
 
-pub use rooms::{PageOwner, RoomRequest, RoomView, SourceView, TakenRoom};
+pub use rooms::{HoldRequest, PageOwner, RoomRequest, RoomView, SourceView, TakenRoom};
 
 use http::routes;
 use landing::{land_where_staged, receive_chunks};
@@ -140,6 +140,7 @@ impl DecodeAgent {
             receives: receiver.receives(),
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
+            holds: Mutex::new(HashMap::new()),
             connecting: tokio::sync::Mutex::new(()),
             metrics: Metrics::new("decode", data.remote_memory_access()),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -256,6 +257,8 @@ struct Inner {
     rooms: Mutex<HashMap<u64, Room>>,
     /// Control connections by prefill instance.
     peers: Mutex<HashMap<Uuid, Arc<Peer>>>,
+    /// Rooms the engine holds queued requests for ([`DecodeAgent::hold`]).
+    holds: Mutex<HashMap<u64, Hold>>,
     /// Held while connecting, so two rooms do not both say Hello to one prefill.
     connecting: tokio::sync::Mutex<()>,
     metrics: Metrics,
@@ -295,6 +298,21 @@ struct Room {
     /// The last sign of life of the room's transfer (request sent, chunk landed, Done): the
     /// ready and stall timeouts count from it.
     progress_at: Instant,
+}
+
+/// A room the engine holds a queued request for: named in every heartbeat to the prefill
+/// instances it will come from (once resolved) until asked for, released, or `room_max` old.
+struct Hold {
+    since: Instant,
+    prefills: Vec<Uuid>,
+}
+
+/// Where a room comes from: the prefill group's ranks, their slices, and this decode rank's
+/// segments ([`pairing::plan`]).
+struct Planned {
+    ranks: Vec<Registration>,
+    slices: Vec<RankSlice>,
+    segments: Vec<pairing::Segment>,
 }
 
 /// One segment of a room: what one prefill rank sends.
@@ -436,17 +454,22 @@ impl Inner {
         self.finished(room);
     }
 
-    /// Resolves the prefill, says Hello if needed, and asks for the room.
-    async fn request(self: Arc<Self>, room_id: u64, asked: RoomRequest) -> Result<(), Reason> {
-        let client = match asked.bootstrap {
+    /// The prefill group serving `room_id` (the engine's DP rank, or the room modulo the
+    /// prefill DP size), its ranks' slices, and the segments this decode rank receives.
+    async fn plan_room(
+        &self,
+        room_id: u64,
+        bootstrap: Option<&str>,
+        dp_rank: Option<u32>,
+    ) -> Result<Planned, Reason> {
+        let client = match bootstrap {
             Some(url) => self
                 .groups
-                .client(&url, self.cfg.token.as_deref())
+                .client(url, self.cfg.token.as_deref())
                 .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?,
             None => self.registry.clone(),
         };
-        // The prefill DP group: the engine's choice, or the room modulo the prefill DP size.
-        let group = match asked.dp_rank {
+        let group = match dp_rank {
             Some(d) => self.lookup(&client, d).await?,
             None => {
                 let first = self.lookup(&client, 0).await?;
@@ -457,9 +480,9 @@ impl Inner {
             }
         };
         let dp_rank = group.dp_rank;
-        let ranks = group.ranks;
         let l = &self.cfg.layout;
-        let slices: Vec<RankSlice> = ranks
+        let slices: Vec<RankSlice> = group
+            .ranks
             .iter()
             .map(|r| RankSlice {
                 heads: r.slice.heads.start as usize..r.slice.heads.end as usize,
@@ -477,6 +500,63 @@ impl Inner {
                 format!("prefill group dp_rank={dp_rank}: {e}"),
             )
         })?;
+        Ok(Planned {
+            ranks: group.ranks,
+            slices,
+            segments,
+        })
+    }
+
+    /// Resolves the prefill ranks `room_id` will come from and says Hello where needed; from
+    /// then on, while the hold lasts, the room is named in every heartbeat to them.
+    pub(super) async fn hold(
+        self: Arc<Self>,
+        room_id: u64,
+        asked: HoldRequest,
+    ) -> Result<(), Reason> {
+        let planned = self
+            .plan_room(room_id, asked.bootstrap.as_deref(), asked.dp_rank)
+            .await?;
+        let mut prefills = Vec::with_capacity(planned.segments.len());
+        for seg in &planned.segments {
+            prefills.push(self.peer(&planned.ranks[seg.prefill]).await?.instance);
+        }
+        if let Some(hold) = self.holds().get_mut(&room_id) {
+            hold.prefills = prefills;
+        }
+        Ok(())
+    }
+
+    /// Stops holding `room_id` (asked for, or no longer queued).
+    pub(super) fn unhold(&self, room_id: u64) {
+        self.holds().remove(&room_id);
+    }
+
+    /// The held rooms to name in a heartbeat to `prefill` (those `room_max` old are dropped).
+    pub(super) fn held_at(&self, prefill: Uuid) -> Vec<u64> {
+        let mut holds = self.holds();
+        holds.retain(|_, h| h.since.elapsed() < self.cfg.timeouts.room_max);
+        holds
+            .iter()
+            .filter(|(_, h)| h.prefills.contains(&prefill))
+            .map(|(room, _)| *room)
+            .collect()
+    }
+
+    fn holds(&self) -> MutexGuard<'_, HashMap<u64, Hold>> {
+        self.holds.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Resolves the prefill, says Hello if needed, and asks for the room.
+    async fn request(self: Arc<Self>, room_id: u64, asked: RoomRequest) -> Result<(), Reason> {
+        let Planned {
+            ranks,
+            slices,
+            segments,
+        } = self
+            .plan_room(room_id, asked.bootstrap.as_deref(), asked.dp_rank)
+            .await?;
+        let l = &self.cfg.layout;
         let decodes = self.decode_group()?;
         let mut sources = Vec::with_capacity(segments.len());
         for seg in segments {

@@ -111,9 +111,11 @@ async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
             return inner.peer_lost(&peer, format!("silent for {} ms", silent.as_millis()));
         }
         seq += 1;
+        let rooms = inner.held_at(peer.instance);
         let beat = Message::Heartbeat(protocol::Heartbeat {
             instance: inner.instance,
             seq,
+            rooms,
         });
         if let Err(reason) = peer
             .send(&beat, t.heartbeat.max(Duration::from_millis(100)))
@@ -146,6 +148,7 @@ impl Inner {
         let beat = Message::Heartbeat(protocol::Heartbeat {
             instance: self.instance,
             seq: 0,
+            rooms: Vec::new(),
         });
         let options = crate::agent::control_options(&self.cfg);
         let connected =

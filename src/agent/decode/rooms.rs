@@ -45,6 +45,19 @@ pub struct RoomRequest {
     pub prompt_digest: Option<PromptDigest>,
 }
 
+/// What `POST /v1/rooms/{room}/hold` takes: where the room will come from, as in
+/// [`RoomRequest`].
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HoldRequest {
+    /// Another registry URL for this room.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap: Option<String>,
+    /// The prefill DP group (default: the room modulo the prefill DP size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
+}
+
 /// Whose pages a decode room lands in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -158,6 +171,22 @@ impl DecodeAgent {
         self.inner.request_room(room, req)
     }
 
+    /// Holds `room` at its prefill while the engine has its request queued
+    /// (`POST /v1/rooms/{room}/hold`): the agent resolves the prefill ranks, says Hello where
+    /// needed and names the room in its heartbeats, so the prefill keeps the room's KV past its
+    /// TTL (up to its `--room-max-ms`). Ends when the room is requested, on
+    /// [`DecodeAgent::unhold`], or `--room-max-ms` after the hold. Returns at once; a prefill
+    /// that cannot be reached is logged, and the room's request will fail with the reason.
+    pub fn hold(&self, room: u64, req: HoldRequest) -> Result<(), RoomError> {
+        self.inner.hold_room(room, req)
+    }
+
+    /// Stops holding `room` (`DELETE /v1/rooms/{room}/hold`): the engine dropped the request
+    /// before asking for its room. Holding nothing is not an error.
+    pub fn unhold(&self, room: u64) {
+        self.inner.unhold(room);
+    }
+
     /// The room's view now (`GET /v1/rooms/{room}`).
     pub fn view(&self, room: u64) -> Result<RoomView, RoomError> {
         self.inner.room_view(room)
@@ -190,6 +219,40 @@ impl DecodeAgent {
 }
 
 impl Inner {
+    /// [`DecodeAgent::hold`].
+    pub(super) fn hold_room(
+        self: &Arc<Self>,
+        room_id: u64,
+        req: HoldRequest,
+    ) -> Result<(), RoomError> {
+        if self.shutdown.is_cancelled() || self.draining.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(RoomError::Unavailable(
+                "the agent is draining for shutdown: send the room to another decode rank".into(),
+            ));
+        }
+        {
+            let mut holds = self.holds();
+            if holds.len() >= protocol::MAX_HELD_ROOMS && !holds.contains_key(&room_id) {
+                return Err(RoomError::Exhausted(format!(
+                    "{} rooms held already: the most a heartbeat names",
+                    holds.len()
+                )));
+            }
+            holds.entry(room_id).or_insert_with(|| Hold {
+                since: Instant::now(),
+                prefills: Vec::new(),
+            });
+        }
+        let inner = self.clone();
+        tokio::spawn(async move {
+            if let Err(reason) = inner.hold(room_id, req).await {
+                tracing::warn!(room = room_id, %reason, "room not held at its prefill");
+            }
+        });
+        Ok(())
+    }
+
     /// [`DecodeAgent::request`].
     pub(super) fn request_room(
         self: &Arc<Self>,
@@ -284,7 +347,9 @@ impl Inner {
         let span = tracing::info_span!("room", room = room_id, role = "decode");
         tokio::spawn(
             async move {
-                if let Err(reason) = task_inner.clone().request(room_id, req).await {
+                let asked = task_inner.clone().request(room_id, req).await;
+                task_inner.unhold(room_id);
+                if let Err(reason) = asked {
                     task_inner.fail(room_id, reason);
                 }
             }

@@ -61,7 +61,7 @@ pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
                     None => tracing::debug!(key = p.key, "Posted for no placed chunk waiting"),
                 }
             }
-            Ok(Message::Heartbeat(_)) => {}
+            Ok(Message::Heartbeat(beat)) => inner.renew(&identity, &beat.rooms),
             Ok(other) => {
                 inner.metrics.protocol_error("unexpected");
                 let m = format!("a prefill does not accept {} here", other.name());
@@ -200,6 +200,27 @@ impl Inner {
         );
     }
 
+    /// A decode's heartbeat names the rooms its engine holds queued requests for: each that is
+    /// ready here and not asked for yet lives a TTL from now, up to `--room-max-ms` after its
+    /// announcement. Only from a decode that said Hello.
+    fn renew(&self, identity: &PeerId, held: &[u64]) {
+        if held.is_empty() || !self.peers().contains_key(identity) {
+            return;
+        }
+        let max_ms = self.cfg.timeouts.room_max.as_secs_f64() * 1e3;
+        let now = Instant::now();
+        let mut rooms = self.rooms();
+        for id in held {
+            if let Some(room) = rooms.get_mut(id)
+                && room.ready.is_some()
+                && !room.asked()
+                && super::super::room::now_ms() - room.status.at("created").unwrap_or(0.0) < max_ms
+            {
+                room.renewed = Some(now);
+            }
+        }
+    }
+
     async fn on_request(self: Arc<Self>, identity: PeerId, req: TransferRequest) {
         let room_id = req.room;
         let peer = self.peers().get(&identity).cloned();
@@ -253,13 +274,22 @@ impl Inner {
                 true => None,
                 false => self.expired().ago(room_id),
             };
-            if let Some(ago) = expired {
+            if let Some((ago, held)) = expired {
                 drop(rooms);
-                let m = format!(
-                    "room {room_id} expired here {} ms ago: its KV was ready for {} ms and no decode asked for it (--room-ttl-ms)",
-                    ago.as_millis(),
-                    self.cfg.timeouts.room_ttl.as_millis()
-                );
+                let t = &self.cfg.timeouts;
+                let m = match held {
+                    false => format!(
+                        "room {room_id} expired here {} ms ago: its KV was ready for {} ms and no decode asked for it (--room-ttl-ms)",
+                        ago.as_millis(),
+                        t.room_ttl.as_millis()
+                    ),
+                    true => format!(
+                        "room {room_id} expired here {} ms ago: a decode held it for a queued request, but none asked for it within {} ms of its announcement (--room-max-ms) or {} ms of the last hold (--room-ttl-ms)",
+                        ago.as_millis(),
+                        t.room_max.as_millis(),
+                        t.room_ttl.as_millis()
+                    ),
+                };
                 return self.refuse(&identity, Some(room_id), FailureCode::UnknownRoom, m);
             }
             let room = rooms.entry(room_id).or_insert_with(Room::new);

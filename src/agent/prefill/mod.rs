@@ -461,6 +461,9 @@ struct Room {
     /// The digest of the engine's prompt, when it announced one: requests with another are
     /// refused.
     digest: Option<PromptDigest>,
+    /// When a decode's heartbeat last named the room (its engine holds the request queued):
+    /// a ready room no decode asked for yet lives a TTL from then, up to `room_max`.
+    renewed: Option<Instant>,
 }
 
 impl Room {
@@ -475,7 +478,18 @@ impl Room {
             final_at: None,
             key: None,
             digest: None,
+            renewed: None,
         }
+    }
+
+    /// Ready, asked by no decode yet, and held by one for a queued request.
+    fn held(&self) -> bool {
+        self.renewed.is_some() && self.ready.is_some() && !self.asked()
+    }
+
+    /// A decode asked for the room.
+    fn asked(&self) -> bool {
+        self.transfers.values().any(|t| t.req.is_some())
     }
 
     fn running(&self) -> bool {
@@ -782,6 +796,7 @@ async fn housekeeping(inner: Arc<Inner>) {
             let beat = Message::Heartbeat(protocol::Heartbeat {
                 instance: inner.instance,
                 seq,
+                rooms: Vec::new(),
             });
             let peers: Vec<Arc<Peer>> = inner.peers().values().cloned().collect();
             for peer in peers {
@@ -793,18 +808,22 @@ async fn housekeeping(inner: Arc<Inner>) {
         let mut orphans = Vec::new();
         inner.rooms().retain(|id, room| {
             let old = room.final_at.is_some_and(|t| t.elapsed() >= ttl);
-            // Ready pages no decode ever asked for are released after the same TTL.
-            let created = room.status.at("created").unwrap_or(0.0);
-            let asked = room.transfers.values().any(|t| t.req.is_some());
-            let orphan = !asked && super::room::now_ms() - created >= ttl.as_secs_f64() * 1e3;
+            // Ready pages no decode asked for are released a TTL after they were announced or
+            // last held by a decode for a queued request, and at most `room_max` after.
+            let age = super::room::now_ms() - room.status.at("created").unwrap_or(0.0);
+            let idle = room
+                .renewed
+                .map_or(age, |r| r.elapsed().as_secs_f64() * 1e3);
+            let orphan = !room.asked()
+                && (idle >= ttl.as_secs_f64() * 1e3 || age >= t.room_max.as_secs_f64() * 1e3);
             let keep = !(old || orphan) || room.running();
             if !keep && orphan {
-                orphans.push(*id);
+                orphans.push((*id, room.renewed.is_some()));
             }
             keep
         });
         if !orphans.is_empty() {
-            tracing::warn!(rooms = ?orphans, ttl_ms = ttl.as_millis() as u64, "ready rooms no decode asked for expired");
+            tracing::warn!(rooms = ?orphans, ttl_ms = ttl.as_millis() as u64, "ready rooms no decode asked for expired (true: held for a queued decode until --room-max-ms)");
             inner.metrics.expired.inc_by(orphans.len() as u64);
         }
         inner.expired().note(orphans, ttl);
@@ -817,26 +836,27 @@ async fn housekeeping(inner: Arc<Inner>) {
 struct Expired {
     /// Oldest first.
     order: std::collections::VecDeque<u64>,
-    /// When each expired.
-    rooms: HashMap<u64, Instant>,
+    /// When each expired, and whether a decode held it for a queued request until then.
+    rooms: HashMap<u64, (Instant, bool)>,
 }
 
 impl Expired {
     const REMEMBERED: u32 = 10;
     const MAX: usize = 1 << 16;
 
-    /// Adds the rooms that expired now and forgets those remembered long enough.
-    fn note(&mut self, rooms: Vec<u64>, ttl: Duration) {
+    /// Adds the rooms that expired now (each with whether it was held) and forgets those
+    /// remembered long enough.
+    fn note(&mut self, rooms: Vec<(u64, bool)>, ttl: Duration) {
         let now = Instant::now();
-        for room in rooms {
+        for (room, held) in rooms {
             if let std::collections::hash_map::Entry::Vacant(e) = self.rooms.entry(room) {
-                e.insert(now);
+                e.insert((now, held));
                 self.order.push_back(room);
             }
         }
         let long = ttl * Self::REMEMBERED;
         while let Some(&room) = self.order.front() {
-            let at = self.rooms.get(&room).copied().unwrap_or(now);
+            let at = self.rooms.get(&room).map_or(now, |(at, _)| *at);
             if self.order.len() <= Self::MAX && now.duration_since(at) < long {
                 break;
             }
@@ -845,9 +865,11 @@ impl Expired {
         }
     }
 
-    /// How long ago `room` expired, if it is remembered.
-    fn ago(&self, room: u64) -> Option<Duration> {
-        self.rooms.get(&room).map(Instant::elapsed)
+    /// How long ago `room` expired, and whether it was held, if it is remembered.
+    fn ago(&self, room: u64) -> Option<(Duration, bool)> {
+        self.rooms
+            .get(&room)
+            .map(|(at, held)| (at.elapsed(), *held))
     }
 }
 
@@ -859,9 +881,17 @@ mod tests {
     fn expired_rooms_are_remembered_for_ten_ttls_and_at_most_max_of_them() {
         let mut expired = Expired::default();
         let hour = Duration::from_secs(3600);
-        expired.note(vec![1, 2], hour);
-        expired.note(vec![2, 3], hour);
-        assert!(expired.ago(1).is_some_and(|ago| ago < hour));
+        expired.note(vec![(1, false), (2, true)], hour);
+        expired.note(vec![(2, false), (3, false)], hour);
+        assert!(
+            expired
+                .ago(1)
+                .is_some_and(|(ago, held)| ago < hour && !held)
+        );
+        assert!(
+            expired.ago(2).is_some_and(|(_, held)| held),
+            "the first note stands"
+        );
         assert!(expired.ago(3).is_some());
         assert_eq!(expired.ago(4), None);
         assert_eq!(
@@ -873,7 +903,7 @@ mod tests {
         expired.note(vec![], Duration::ZERO);
         assert_eq!((expired.ago(1), expired.order.len()), (None, 0));
         // Beyond the bound, the oldest go first.
-        let many: Vec<u64> = (0..Expired::MAX as u64 + 2).collect();
+        let many: Vec<(u64, bool)> = (0..Expired::MAX as u64 + 2).map(|r| (r, false)).collect();
         expired.note(many, hour);
         assert_eq!(expired.order.len(), Expired::MAX);
         assert_eq!(expired.rooms.len(), Expired::MAX);

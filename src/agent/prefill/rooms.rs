@@ -217,6 +217,31 @@ impl Inner {
         }
     }
 
+    /// Refuses a new room while the rooms held for queued decodes keep `--max-held-pages` or
+    /// more: the room is aborted (a decode that asks, or asked already, is told why at once)
+    /// and the engine gets 429.
+    async fn hold_room_for(self: &Arc<Self>, room_id: u64) -> Result<(), RoomError> {
+        let held: usize = self
+            .rooms()
+            .values()
+            .filter(|r| r.held())
+            .filter_map(|r| r.ready.as_ref().map(|ready| ready.pages.len()))
+            .sum();
+        if held == 0 || held < self.cfg.max_held_pages {
+            return Ok(());
+        }
+        self.metrics.rejected.inc();
+        let m = format!(
+            "room {room_id} refused: rooms kept for decodes whose engines hold their requests queued keep {held} pages, at least the limit of {} (--max-held-pages)",
+            self.cfg.max_held_pages
+        );
+        tracing::warn!(room = room_id, held, "{m}");
+        self.clone()
+            .engine_abort(room_id, Reason::new(FailureCode::Aborted, m.clone()))
+            .await;
+        Err(RoomError::Exhausted(m))
+    }
+
     /// Follows the engine's interprocess event (`cuda_ipc_event`) on the pool's device. The
     /// driver calls (opening the handle, queuing the wait) run on a blocking thread, never on
     /// the agent's async ones.
@@ -320,6 +345,7 @@ impl Inner {
         // First piece: pages (outside the lock: allocation may be refused, synthetic fill is slow).
         let first = self.rooms().get(&room_id).is_none_or(|r| r.ready.is_none());
         let fresh = if first {
+            self.hold_room_for(room_id).await?;
             Some(self.room_pages(&req)?)
         } else {
             None

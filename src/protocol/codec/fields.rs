@@ -10,7 +10,8 @@ use uuid::Uuid;
 use super::DecodeError;
 use crate::layout::{AttentionKind, Dtype, PageOrder};
 use crate::protocol::{
-    MAX_AUX, MAX_PAGES, MAX_RUNS, MAX_STRING, Placed, Ranks, Role, Secret, WireLayout,
+    MAX_AUX, MAX_HELD_ROOMS, MAX_PAGES, MAX_RUNS, MAX_STRING, Placed, Ranks, Role, Secret,
+    WireLayout,
 };
 use crate::reason::FailureCode;
 
@@ -129,6 +130,14 @@ impl Writer<'_> {
         self.u32(saturate(pages.len()));
         for &p in pages {
             self.u32(p);
+        }
+    }
+
+    /// u32 count + items.
+    pub(super) fn rooms(&mut self, rooms: &[u64]) {
+        self.u32(saturate(rooms.len()));
+        for &r in rooms {
+            self.u64(r);
         }
     }
 
@@ -322,6 +331,24 @@ impl<'a> Reader<'a> {
             });
         }
         Ok(self.take(len, what)?.to_vec())
+    }
+
+    pub(super) fn rooms(&mut self, what: &'static str) -> Result<Vec<u64>, DecodeError> {
+        let count = self.u32(what)? as usize;
+        if count > MAX_HELD_ROOMS {
+            return Err(DecodeError::TooLarge {
+                what,
+                len: count,
+                max: MAX_HELD_ROOMS,
+            });
+        }
+        let bytes = self.take(count * 8, what)?;
+        let mut items = Reader::new(bytes);
+        let mut rooms = Vec::with_capacity(count);
+        while !items.is_empty() {
+            rooms.push(items.u64(what)?);
+        }
+        Ok(rooms)
     }
 
     pub(super) fn pages(&mut self, what: &'static str) -> Result<Vec<u32>, DecodeError> {

@@ -237,6 +237,7 @@ fn samples() -> Vec<Message> {
     out.push(Message::Heartbeat(Heartbeat {
         instance: uuid(6),
         seq: u64::MAX,
+        rooms: vec![1, u64::MAX],
     }));
     out.push(Message::Credit(Credit {
         instance: uuid(7),
@@ -295,10 +296,12 @@ fn a_heartbeat_has_the_documented_bytes() {
     let msg = Message::Heartbeat(Heartbeat {
         instance: uuid(0x0102),
         seq: 3,
+        rooms: vec![5],
     });
-    let mut want = b"KVFY\x09\x00\x08\x00\x18\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x09\x00\x08\x00\x24\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
+    want.extend_from_slice(&[1, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(msg.encode(), want);
 }
 
@@ -420,6 +423,7 @@ fn bad_magic_is_refused() {
     let mut f = Message::Heartbeat(Heartbeat {
         instance: uuid(1),
         seq: 1,
+        rooms: vec![],
     })
     .encode();
     f[0] = b'G';
@@ -495,6 +499,7 @@ fn unknown_kind_and_flags_are_refused() {
     let mut f = Message::Heartbeat(Heartbeat {
         instance: uuid(1),
         seq: 1,
+        rooms: vec![],
     })
     .encode();
     f[7] = 0x80;

@@ -176,8 +176,16 @@ fn arb_message() -> impl Strategy<Value = Message> {
         ),
         (any::<u64>(), arb_uuid())
             .prop_map(|(room, instance)| Message::AbortAck(AbortAck { room, instance })),
-        (arb_uuid(), any::<u64>())
-            .prop_map(|(instance, seq)| Message::Heartbeat(Heartbeat { instance, seq })),
+        (
+            arb_uuid(),
+            any::<u64>(),
+            proptest::collection::vec(any::<u64>(), 0..5)
+        )
+            .prop_map(|(instance, seq, rooms)| Message::Heartbeat(Heartbeat {
+                instance,
+                seq,
+                rooms
+            })),
         (arb_uuid(), any::<u32>())
             .prop_map(|(instance, slots)| Message::Credit(Credit { instance, slots })),
         (arb_uuid(), any::<(u64, bool)>()).prop_map(|(instance, (key, accepted))| {

@@ -73,7 +73,7 @@ fn a_hello_of_any_version_decodes_other_messages_do_not() {
 }
 
 #[test]
-fn a_prompt_digest_goes_only_to_peers_of_its_version() {
+fn prompt_digests_and_held_rooms_go_only_to_peers_of_their_version() {
     let req = transfer_request(vec![1]);
     assert!(req.prompt_digest.is_some());
     let ours = Message::TransferRequest(req.clone());
@@ -98,6 +98,31 @@ fn a_prompt_digest_goes_only_to_peers_of_its_version() {
         Message::decode(&frame(PROMPT_DIGESTS, KIND_TRANSFER_REQUEST, 0, body)),
         Err(DecodeError::Truncated { .. })
     ));
+
+    // A heartbeat names its held rooms to a peer that reads them, and to no other.
+    let beat = Heartbeat {
+        instance: uuid(3),
+        seq: 9,
+        rooms: vec![7, 8],
+    };
+    let older = Message::Heartbeat(beat.clone()).encode_as(HELD_ROOMS - 1);
+    assert_eq!(
+        Message::decode(&older),
+        Ok(Message::Heartbeat(Heartbeat {
+            rooms: vec![],
+            ..beat.clone()
+        }))
+    );
+    let mut body = Message::Heartbeat(beat).encode()[HEADER_LEN..].to_vec();
+    body[24..28].copy_from_slice(&(MAX_HELD_ROOMS as u32 + 1).to_le_bytes());
+    assert_eq!(
+        Message::decode(&frame(HELD_ROOMS, KIND_HEARTBEAT, 0, &body)),
+        Err(DecodeError::TooLarge {
+            what: "rooms",
+            len: MAX_HELD_ROOMS + 1,
+            max: MAX_HELD_ROOMS
+        })
+    );
 }
 
 #[test]
