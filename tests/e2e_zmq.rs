@@ -5,7 +5,8 @@
 //! - an untaken room expires and its agent-owned pages return; a ready room no decode asked
 //!   for expires at the prefill, and a later request for it is refused at once;
 //! - a room a decode holds for a queued request outlives the TTL up to its maximum, and held
-//!   rooms keep at most `--max-held-pages`;
+//!   rooms keep at most `--max-held-pages`; a room the prefill engine holds queued outlives
+//!   the ready timeout;
 //! - abort before the prefill is ready and in the middle of a transfer;
 //! - engine-owned pages are never counted or freed by the agent;
 //! - an unreachable advertised prefill endpoint fails the room with `unreachable`, quickly;
@@ -369,6 +370,53 @@ fn held_rooms_outlive_their_ttl_up_to_their_maximum_and_the_held_page_limit() {
                 .is_some_and(|m| m.contains("held it for a queued request")),
             "{v}"
         );
+    });
+    drop(cluster);
+}
+
+/// Concurrent pairing with a queue at the prefill: a decode asks for a room whose request still
+/// waits in the prefill engine's queue. The prefill engine holds the room
+/// (`POST .../hold` at the prefill): neither side's ready timeout fails it (the prefill names
+/// it in its heartbeats to that decode), and it lands once announced. An unheld room fails
+/// `timeout_ready`.
+#[test]
+fn a_room_held_by_the_prefill_engine_waits_past_the_ready_timeout() {
+    let opts = AgentOpts {
+        timeout_ready_ms: 1_000,
+        heartbeat_ms: 100,
+        ..AgentOpts::default()
+    };
+    let (cluster, prefill, decode) = start("e2e-held-prefill", &opts);
+    runtime().block_on(async {
+        let http = http();
+        let body = json!({ "tokens": 100 });
+        let url = format!("{prefill}/v1/rooms/9/hold");
+        expect(
+            &http,
+            Method::POST,
+            &url,
+            Some(&json!({})),
+            StatusCode::ACCEPTED,
+        )
+        .await;
+        for room in [9, 10] {
+            let url = format!("{decode}/v1/rooms/{room}");
+            expect(&http, Method::POST, &url, Some(&body), StatusCode::CREATED).await;
+        }
+        let t = Instant::now();
+        let v = wait_final(&http, &decode, 10).await;
+        assert_eq!(v["reason"]["code"], "timeout_ready", "{v}");
+        // Twice the ready timeout: the held room still waits.
+        tokio::time::sleep(Duration::from_millis(2_000).saturating_sub(t.elapsed())).await;
+        let url = format!("{decode}/v1/rooms/9");
+        let v = expect(&http, Method::GET, &url, None, StatusCode::OK).await;
+        assert_eq!(v["state"], "waiting_for_input", "{v}");
+        println!(
+            "[e2e-held-prefill] the held room waited {:.0} ms (ready timeout 1000 ms)",
+            ms(t.elapsed())
+        );
+        ready(&http, &prefill, 9, 100).await;
+        take_verified(&http, &decode, 9).await;
     });
     drop(cluster);
 }

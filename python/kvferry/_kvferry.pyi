@@ -55,6 +55,12 @@ class PrefillAgent:
     def instance(self) -> str: ...
     @property
     def control_endpoint(self) -> str: ...
+    def hold(self, room: int) -> None:
+        """Holds a room while the engine has its request queued: decodes that asked for it
+        already wait (neither side's ready timeout fails it) until it is announced, ``unhold``
+        is called, or ``--room-max-ms`` passes."""
+    def unhold(self, room: int) -> None:
+        """Stops holding a room (its request left the engine's queue uncomputed)."""
     def ready(
         self,
         room: int,

@@ -395,6 +395,20 @@ agent_class!(
     prefill::PrefillAgent,
     control_endpoint,
     {
+        /// Holds `room` while the engine has its request queued (see `PrefillAgent::hold`
+        /// in Rust).
+        fn hold(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+            self.0.run(py, |a| async move { a.hold(room) })
+        }
+
+        /// Stops holding `room`.
+        fn unhold(&self, py: Python<'_>, room: u64) -> PyResult<()> {
+            self.0.run(py, |a| async move {
+                a.unhold(room);
+                Ok(())
+            })
+        }
+
         #[pyo3(signature = (room, tokens, pages=None, token_range=None, layer_range=None, last=None, aux=None, room_key=None, cuda_event=None, prompt_digest=None))]
         #[allow(clippy::too_many_arguments)]
         fn ready<'py>(

@@ -11,8 +11,8 @@ process group: API server, engine core, worker).
 - The decode dies while the prefill computes rooms it asked for: the prefill's delayed blocks
   are released, so a prefill whose KV cache holds only a few prompts serves the next one.
 - Negative control: KV corrupted in flight (checksums off) changes the generated tokens.
-- A decode request that waits in the decode's queue past the prefill's room TTL: the decode's
-  agent holds the room meanwhile, and it lands.
+- A request that waits in the decode's queue past the prefill's room TTL, or in the prefill's
+  queue past both sides' ready timeout: the agents hold the room meanwhile, and it lands.
 - A decode whose prompt differs from the prefill's by one token: the prefill refuses the room
   (``prompt_mismatch``, by the prompts' digests), and the decode recomputes or fails by its
   policy, never landing the other prompt's KV.
@@ -215,41 +215,54 @@ def test_a_prefill_killed_while_the_decode_waits(policy_pd, reference):
         assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
 
 
-def test_a_room_outlives_its_ttl_while_its_decode_request_waits_in_the_queue(vllm, kvferry_bin, tmp_path, reference):
-    """A decode server that runs one request at a time is busy with long generations; a
-    request behind them, through the proxy in sequential pairing, waits in the decode's queue
-    twice the prefill's room TTL (1 s) before it can ask for its room. The decode's agent holds
-    the room meanwhile (its heartbeats, every 100 ms, name it), so the prefill keeps it, and it
-    lands."""
-    ttl_ms = 1_000
-    pd = Pd(vllm, kvferry_bin, tmp_path, decode_args=["--max-num-seqs", "1"], room_ttl_ms=ttl_ms,
-            heartbeat_ms=100, decode_agent=dict(room_ttl_ms=60_000))
+# Where a request waits in a queue, and what would end its room there without holds: the
+# prefill's room TTL (the decode's request waits, sequential pairing), or both sides' ready
+# timeout (the prefill's request waits while the decode asked already, concurrent pairing).
+QUEUES = {
+    "decode": dict(pairing="sequential", agent=dict(room_ttl_ms=1_000), decode_agent=dict(room_ttl_ms=60_000)),
+    "prefill": dict(pairing="concurrent", agent=dict(timeout_ready_ms=1_000), decode_agent={}),
+}
+
+
+@pytest.mark.parametrize("queue", list(QUEUES))
+def test_a_room_outlives_its_timeouts_while_its_request_waits_in_a_queue(vllm, kvferry_bin, tmp_path, reference, queue):
+    """A server that runs one request at a time is busy with long generations; a request behind
+    them, through the proxy, waits in that server's queue twice the timeout that would end its
+    room (1 s). The agents hold the room meanwhile (their heartbeats, every 100 ms, name it to
+    the other side), and it lands."""
+    case = QUEUES[queue]
+    one_at_a_time = ["--max-num-seqs", "1"]
+    pd = Pd(vllm, kvferry_bin, tmp_path, **{f"{queue}_args": one_at_a_time}, heartbeat_ms=100,
+            decode_agent=case["decode_agent"], **case["agent"])
+    busy = pd.decode if queue == "decode" else pd.prefill
     try:
-        proxy = pd.proxy("sequential")
+        proxy = pd.proxy(case["pairing"])
         # The blockers: 3 streams of 1000 tokens each, queued one behind the other, cut by
         # closing them once the wait is over (far longer than the wait even at 1 ms a token).
-        body = {"model": pd.decode.model, "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
+        body = {"model": busy.model, "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        req = urllib.request.Request(pd.decode.url + "/v1/completions", json.dumps(body).encode(),
+        req = urllib.request.Request(busy.url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         blockers = [urllib.request.urlopen(req, timeout=300) for _ in range(3)]
         assert blockers[0].readline().startswith(b"data: "), "the first blocker is not generating"
-        prompt = make_prompts(SEEDS["sequential"])[6]
+        prompt = make_prompts(SEEDS[case["pairing"]])[6]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             queued = pool.submit(proxy.complete, prompt, 16)
+            # The prefill agent knows the room: announced (the decode's request waits) or asked
+            # for by the decode (the prefill's request waits).
             prefill_agent = pd.prefill_api
             deadline = time.monotonic() + 120
             while not metric(prefill_agent, "kvferry_rooms_held", 'role="prefill"'):
-                assert time.monotonic() < deadline and not queued.done(), "the prefill never announced the room"
+                assert time.monotonic() < deadline and not queued.done(), "the room never reached the prefill agent"
                 time.sleep(0.05)
-            announced = time.monotonic()
-            time.sleep(2 * ttl_ms / 1e3)
-            waited = time.monotonic() - announced
+            known = time.monotonic()
+            time.sleep(2.0)
+            waited = time.monotonic() - known
             assert not queued.done(), f"the request did not wait in the queue: {queued.result()}"
             for blocker in blockers:
                 blocker.close()
             got = queued.result()
-        print(f"the request waited {waited:.1f} s and more in the decode's queue (room TTL {ttl_ms / 1e3:.0f} s)")
+        print(f"{queue}: the request waited {waited:.1f} s and more in the queue (timeouts 1 s)")
         assert "choices" in got, got
         assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
         assert got["kv_transfer_params"]["kvferry_tokens"] == len(prompt), got

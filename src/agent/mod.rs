@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod decode;
+mod holds;
 pub mod metrics;
 pub mod ops;
 pub mod pairing;

@@ -43,8 +43,10 @@ class Load:
 
 @dataclass
 class Hold:
-    """Decode: the request of room ``room`` waits in vLLM's queue; the agent holds the room at
-    its prefill (which keeps it past its TTL) until the room is loaded or ``unholds`` names it."""
+    """The request of room ``room`` waits in vLLM's queue: the agent holds the room until it is
+    asked for (decode: its prefill keeps it past its TTL) or announced (prefill: the decodes
+    that asked already keep waiting), or ``unholds`` names it. ``dp_rank`` and ``bootstrap``:
+    the decode's prefill group."""
 
     room: int
     dp_rank: int | None

@@ -59,7 +59,8 @@ class SchedulerSide:
         # Decode: the local prefix-cache hit each loading request was matched with, and what
         # each request loaded (reported in its response's kv_transfer_params).
         self.local_hit: dict[str, int] = {}
-        # Decode: the rooms of requests waiting in vLLM's queue, held at their prefill.
+        # The rooms of requests waiting in vLLM's queue, held by the agents (decode: at their
+        # prefill; prefill: from the decodes that asked already).
         self.held: dict[str, int] = {}
         self.loaded: dict[str, Load] = {}
         # Decode: why rooms failed, the latest REASONS_KEPT (dicts keep insertion order).
@@ -81,22 +82,33 @@ class SchedulerSide:
     # ---- decode ------------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
-        """A request with a room arrives in vLLM's queue: its room is held at the prefill (kept
-        past its TTL) until the request asks for it, however long the queue."""
+        """A request with a room arrives in vLLM's queue: its room is held until the request
+        asks for it (decode: the prefill keeps the room past its TTL) or announces it (prefill,
+        concurrent pairing: the decodes that asked already keep waiting), however long the
+        queue."""
         params = request.kv_transfer_params or {}
-        if self.producer or not params.get("do_remote_prefill"):
+        if self.producer and params.get("do_remote_decode"):
+            try:
+                room = P.room_of(params)
+            except P.ParamsError:
+                return  # nothing is sent (room_for says why)
+            if room is None:
+                return  # sequential pairing: the room is chosen when the prompt is computed
+            hold = Hold(room, None, None)
+        elif not self.producer and params.get("do_remote_prefill"):
+            try:
+                P.check_load(params)
+            except P.ParamsError:
+                return  # computed locally (get_num_new_matched_tokens says why)
+            hold = Hold(P.room_of(params), params.get(P.DP_RANK), params.get(P.BOOTSTRAP))
+        else:
             return
-        try:
-            P.check_load(params)
-        except P.ParamsError:
-            return  # computed locally (get_num_new_matched_tokens says why)
-        room = P.room_of(params)
-        self.held[request.request_id] = room
-        self.meta.holds.append(Hold(room, params.get(P.DP_RANK), params.get(P.BOOTSTRAP)))
+        self.held[request.request_id] = hold.room
+        self.meta.holds.append(hold)
 
     def unhold(self, req_id: str) -> None:
-        """The request no longer waits for its room in the queue (it asks for it, computes its
-        prompt itself, or ended)."""
+        """The request no longer waits in the queue for its room's sake (it ended, or computes
+        its prompt itself)."""
         room = self.held.pop(req_id, None)
         if room is not None:
             self.meta.unholds.append(room)
@@ -167,6 +179,8 @@ class SchedulerSide:
             if not scheduled or computed.get(req_id, 0) + scheduled < tokens:
                 continue
             del self.to_send[req_id]
+            # Announced this step: the agent ends the room's hold.
+            self.held.pop(req_id, None)
             room = self.room_for(req_id, params)
             blocks = out.kv_connector_block_state.get_block_ids(req_id) if out.kv_connector_block_state else None
             if room is None or not blocks:
@@ -229,6 +243,7 @@ class SchedulerSide:
             # (from start_token on; those before were the decode's own prefix-cache hits).
             return False, {P.ROOM: str(load.room), "kvferry_start_token": load.start_token, P.TOKENS: load.tokens}
         self.to_send.pop(req_id, None)
+        self.unhold(req_id)
         params = request.kv_transfer_params or {}
         room = self.streamed.pop(req_id, None)
         if room is not None and request.status not in FINISHED_NORMALLY:

@@ -154,7 +154,8 @@ class WorkerSide:
                 self.announce(s, None)
         for h in meta.holds:
             try:
-                self.agent.hold(h.room, bootstrap=h.bootstrap, dp_rank=h.dp_rank)
+                where = {} if self.producer else dict(bootstrap=h.bootstrap, dp_rank=h.dp_rank)
+                self.agent.hold(h.room, **where)
             except Exception as e:  # noqa: BLE001 - an unheld room may still land in time
                 logger.warning("kvferry: room %d not held: %s", h.room, e)
         for room in meta.unholds:

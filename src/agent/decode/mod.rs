@@ -48,6 +48,7 @@ use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::api;
+use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
 use super::pairing::{self, RankSlice};
 use super::pool::AgentPool;
@@ -140,7 +141,7 @@ impl DecodeAgent {
             receives: receiver.receives(),
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
-            holds: Mutex::new(HashMap::new()),
+            holds: Holds::new(),
             connecting: tokio::sync::Mutex::new(()),
             metrics: Metrics::new("decode", data.remote_memory_access()),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -257,8 +258,9 @@ struct Inner {
     rooms: Mutex<HashMap<u64, Room>>,
     /// Control connections by prefill instance.
     peers: Mutex<HashMap<Uuid, Arc<Peer>>>,
-    /// Rooms the engine holds queued requests for ([`DecodeAgent::hold`]).
-    holds: Mutex<HashMap<u64, Hold>>,
+    /// Rooms the engine holds queued requests for ([`DecodeAgent::hold`]), with the prefill
+    /// instances each will come from once resolved.
+    holds: Holds<Vec<Uuid>>,
     /// Held while connecting, so two rooms do not both say Hello to one prefill.
     connecting: tokio::sync::Mutex<()>,
     metrics: Metrics,
@@ -298,13 +300,6 @@ struct Room {
     /// The last sign of life of the room's transfer (request sent, chunk landed, Done): the
     /// ready and stall timeouts count from it.
     progress_at: Instant,
-}
-
-/// A room the engine holds a queued request for: named in every heartbeat to the prefill
-/// instances it will come from (once resolved) until asked for, released, or `room_max` old.
-struct Hold {
-    since: Instant,
-    prefills: Vec<Uuid>,
 }
 
 /// Where a room comes from: the prefill group's ranks, their slices, and this decode rank's
@@ -521,30 +516,23 @@ impl Inner {
         for seg in &planned.segments {
             prefills.push(self.peer(&planned.ranks[seg.prefill]).await?.instance);
         }
-        if let Some(hold) = self.holds().get_mut(&room_id) {
-            hold.prefills = prefills;
-        }
+        self.holds.update(room_id, |held| *held = prefills);
         Ok(())
     }
 
     /// Stops holding `room_id` (asked for, or no longer queued).
     pub(super) fn unhold(&self, room_id: u64) {
-        self.holds().remove(&room_id);
+        self.holds.release(room_id);
     }
 
     /// The held rooms to name in a heartbeat to `prefill` (those `room_max` old are dropped).
     pub(super) fn held_at(&self, prefill: Uuid) -> Vec<u64> {
-        let mut holds = self.holds();
-        holds.retain(|_, h| h.since.elapsed() < self.cfg.timeouts.room_max);
-        holds
-            .iter()
-            .filter(|(_, h)| h.prefills.contains(&prefill))
-            .map(|(room, _)| *room)
+        self.holds
+            .live(self.cfg.timeouts.room_max)
+            .into_iter()
+            .filter(|(_, prefills)| prefills.contains(&prefill))
+            .map(|(room, _)| room)
             .collect()
-    }
-
-    fn holds(&self) -> MutexGuard<'_, HashMap<u64, Hold>> {
-        self.holds.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Resolves the prefill, says Hello if needed, and asks for the room.

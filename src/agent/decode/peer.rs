@@ -355,7 +355,20 @@ impl Inner {
                     });
                 }
             }
-            Message::Heartbeat(_) => {}
+            Message::Heartbeat(beat) => {
+                // Rooms this prefill's engine holds queued: their ready timeout starts again.
+                for id in beat.rooms {
+                    if let Some(room) = rooms.get_mut(&id)
+                        && room.status.state() == RoomState::WaitingForInput
+                        && room
+                            .sources
+                            .iter()
+                            .any(|s| s.peer.instance == peer.instance)
+                    {
+                        room.progress_at = Instant::now();
+                    }
+                }
+            }
             other => {
                 drop(rooms);
                 self.bad_message(

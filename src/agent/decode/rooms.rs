@@ -231,19 +231,7 @@ impl Inner {
                 "the agent is draining for shutdown: send the room to another decode rank".into(),
             ));
         }
-        {
-            let mut holds = self.holds();
-            if holds.len() >= protocol::MAX_HELD_ROOMS && !holds.contains_key(&room_id) {
-                return Err(RoomError::Exhausted(format!(
-                    "{} rooms held already: the most a heartbeat names",
-                    holds.len()
-                )));
-            }
-            holds.entry(room_id).or_insert_with(|| Hold {
-                since: Instant::now(),
-                prefills: Vec::new(),
-            });
-        }
+        self.holds.hold(room_id)?;
         let inner = self.clone();
         tokio::spawn(async move {
             if let Err(reason) = inner.hold(room_id, req).await {

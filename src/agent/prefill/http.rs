@@ -19,6 +19,7 @@ pub(super) fn routes(inner: Arc<Inner>) -> Router {
     let router = Router::new()
         .route("/v1/rooms/{room}/ready", post(ready))
         .route("/v1/rooms/{room}", get(get_room).delete(abort_room))
+        .route("/v1/rooms/{room}/hold", post(hold_room).delete(unhold_room))
         .route("/v1/pool", get(pool))
         .route(
             "/healthz",
@@ -26,6 +27,30 @@ pub(super) fn routes(inner: Arc<Inner>) -> Router {
         )
         .route("/metrics", get(metrics));
     api::finish(router).with_state(inner)
+}
+
+/// The body of `POST /v1/rooms/{room}/hold` at a prefill: `{}`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Hold {}
+
+async fn hold_room(
+    State(inner): Shared,
+    Path(room): Path<String>,
+    api::JsonBody(body): api::JsonBody,
+) -> Result<StatusCode, ApiError> {
+    let room = api::parse_room(&room)?;
+    let Hold {} = api::parse_json(&body)?;
+    inner.hold_room(room)?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+async fn unhold_room(
+    State(inner): Shared,
+    Path(room): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    inner.holds.release(api::parse_room(&room)?);
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn ready(

@@ -48,6 +48,7 @@ use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::api;
+use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
 use super::pool::AgentPool;
 use super::room::{RoomState, RoomStatus};
@@ -135,6 +136,7 @@ impl PrefillAgent {
             replier,
             slots,
             rooms: Mutex::new(HashMap::new()),
+            holds: Holds::new(),
             expired: Mutex::default(),
             peers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new("prefill", rma)),
@@ -230,6 +232,8 @@ struct Inner {
     replier: ControlReplier,
     slots: Arc<SlotPool>,
     rooms: Mutex<HashMap<u64, Room>>,
+    /// Rooms whose requests wait in the engine's queue ([`PrefillAgent::hold`]).
+    holds: Holds<()>,
     /// Rooms whose ready KV no decode asked for within the TTL, for a request that comes
     /// later (refused at once rather than waiting for a room that will never be announced).
     expired: Mutex<Expired>,
@@ -672,13 +676,39 @@ impl Inner {
         }
     }
 
-    /// Fails transfers requested long ago whose room the engine never announced.
+    /// The held rooms each decode asked for, to name in its heartbeat (holds `room_max` old
+    /// are dropped): its ready timeout waits for them as the engine's queue does.
+    fn held_by_peer(&self) -> HashMap<Uuid, Vec<u64>> {
+        let held = self.holds.live(self.cfg.timeouts.room_max);
+        let rooms = self.rooms();
+        let mut out: HashMap<Uuid, Vec<u64>> = HashMap::new();
+        for (id, ()) in held {
+            for decode in rooms
+                .get(&id)
+                .map(|r| r.transfers.keys())
+                .into_iter()
+                .flatten()
+            {
+                out.entry(*decode).or_default().push(id);
+            }
+        }
+        out
+    }
+
+    /// Fails transfers requested long ago whose room the engine never announced (unless the
+    /// engine holds the room's request in its queue).
     async fn fail_unready(&self) {
         let ready = self.cfg.timeouts.ready;
+        let held: std::collections::HashSet<u64> = self
+            .holds
+            .live(self.cfg.timeouts.room_max)
+            .into_iter()
+            .map(|(room, ())| room)
+            .collect();
         let late: Vec<(u64, Arc<Peer>, Reason)> = {
             let mut rooms = self.rooms();
             let mut out = Vec::new();
-            for (id, room) in rooms.iter_mut() {
+            for (id, room) in rooms.iter_mut().filter(|(id, _)| !held.contains(id)) {
                 let mut changed = false;
                 for t in room.transfers.values_mut() {
                     if t.req.is_some()
@@ -793,14 +823,15 @@ async fn housekeeping(inner: Arc<Inner>) {
         if last_beat.elapsed() >= t.heartbeat {
             last_beat = Instant::now();
             seq += 1;
-            let beat = Message::Heartbeat(protocol::Heartbeat {
-                instance: inner.instance,
-                seq,
-                rooms: Vec::new(),
-            });
+            let mut held = inner.held_by_peer();
             let peers: Vec<Arc<Peer>> = inner.peers().values().cloned().collect();
             for peer in peers {
-                inner.reply(&peer.identity, beat.clone());
+                let beat = Message::Heartbeat(protocol::Heartbeat {
+                    instance: inner.instance,
+                    seq,
+                    rooms: held.remove(&peer.instance).unwrap_or_default(),
+                });
+                inner.reply(&peer.identity, beat);
             }
         }
         inner.fail_unready().await;

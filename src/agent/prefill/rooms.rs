@@ -173,6 +173,20 @@ impl PrefillAgent {
         self.inner.abort_room(room).await
     }
 
+    /// Holds `room` while the engine has its request queued (`POST /v1/rooms/{room}/hold`):
+    /// decodes that asked for it already are not failed with `timeout_ready`, and their own
+    /// ready timeout waits too (the room is named in every heartbeat to them), until the room
+    /// is announced, [`PrefillAgent::unhold`], or `--room-max-ms` after the hold.
+    pub fn hold(&self, room: u64) -> Result<(), RoomError> {
+        self.inner.hold_room(room)
+    }
+
+    /// Stops holding `room` (`DELETE /v1/rooms/{room}/hold`): its request left the engine's
+    /// queue without being computed. Holding nothing is not an error.
+    pub fn unhold(&self, room: u64) {
+        self.inner.holds.release(room);
+    }
+
     /// The room's view now (`GET /v1/rooms/{room}`).
     pub fn view(&self, room: u64) -> Result<RoomView, RoomError> {
         self.inner.room_view(room)
@@ -195,6 +209,16 @@ impl PrefillAgent {
 type RoomPages = (Arc<[u32]>, Option<Arc<PageLease>>);
 
 impl Inner {
+    /// [`PrefillAgent::hold`].
+    pub(super) fn hold_room(&self, room_id: u64) -> Result<(), RoomError> {
+        if self.draining.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(RoomError::Unavailable(
+                "the agent is draining for shutdown: send the room to another prefill rank".into(),
+            ));
+        }
+        self.holds.hold(room_id)
+    }
+
     /// Pages for a room's first piece: the engine's (validated) or the agent's own.
     fn room_pages(&self, req: &ReadyRequest) -> Result<RoomPages, RoomError> {
         let needed = self.cfg.layout.pages_for(req.tokens);
@@ -344,6 +368,8 @@ impl Inner {
         };
         // First piece: pages (outside the lock: allocation may be refused, synthetic fill is slow).
         let first = self.rooms().get(&room_id).is_none_or(|r| r.ready.is_none());
+        // Announced: no longer waiting in the engine's queue.
+        self.holds.release(room_id);
         let fresh = if first {
             self.hold_room_for(room_id).await?;
             Some(self.room_pages(&req)?)
