@@ -1,5 +1,6 @@
-"""Fixtures: the kvferry binary of this checkout, a real registry process, and the vLLM venv's
-interpreter (it has torch) with this checkout's wheel on its path."""
+"""Fixtures: the kvferry binary of this checkout, a real registry process, the vLLM venv's
+interpreter (it has torch) with this checkout's wheel on its path, and, once per test run, the
+tiny model and a plain vLLM's outputs for the prompt sets (vllm_servers.py)."""
 
 import json
 import os
@@ -63,3 +64,19 @@ def torch_python(tmp_path_factory) -> tuple[str, dict]:
     site = tmp_path_factory.mktemp("torch-site")
     zipfile.ZipFile(wheels[-1]).extractall(site)
     return python, os.environ | {"PYTHONPATH": str(site)}
+
+
+@pytest.fixture(scope="session")
+def vllm(torch_python, tmp_path_factory):
+    """The vLLM venv's python, its environment and the tiny seeded model (made once per run)."""
+    import vllm_servers
+
+    return vllm_servers.tiny_vllm(torch_python, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def reference(vllm, tmp_path_factory):
+    """A single plain vLLM server's outputs for every prompt set (computed once per run)."""
+    import vllm_servers
+
+    return vllm_servers.reference_outputs(vllm, tmp_path_factory)

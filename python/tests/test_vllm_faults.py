@@ -35,13 +35,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
+from vllm_servers import (
     SEEDS,
     Pd,
     make_prompts,
     metric,
-    reference,
-    vllm,
     vllm_metric,
 )
 
@@ -215,59 +213,67 @@ def test_a_prefill_killed_while_the_decode_waits(policy_pd, reference):
         assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
 
 
-# Where a request waits in a queue, and what would end its room there without holds: the
-# prefill's room TTL (the decode's request waits, sequential pairing), or both sides' ready
-# timeout (the prefill's request waits while the decode asked already, concurrent pairing).
-QUEUES = {
-    "decode": dict(pairing="sequential", agent=dict(room_ttl_ms=1_000), decode_agent=dict(room_ttl_ms=60_000)),
-    "prefill": dict(pairing="concurrent", agent=dict(timeout_ready_ms=1_000), decode_agent={}),
-}
+# The server whose queue a request waits in, and the pairing that makes a timeout end its room
+# there without holds: the prefill's room TTL (the decode's request waits, sequential pairing),
+# or both sides' ready timeout (the prefill's request waits while the decode asked already).
+QUEUES = {"decode": "sequential", "prefill": "concurrent"}
 
 
-@pytest.mark.parametrize("queue", list(QUEUES))
-def test_a_room_outlives_its_timeouts_while_its_request_waits_in_a_queue(vllm, kvferry_bin, tmp_path, reference, queue):
-    """A server that runs one request at a time is busy with long generations; a request behind
-    them, through the proxy, waits in that server's queue twice the timeout that would end its
-    room (1 s). The agents hold the room meanwhile (their heartbeats, every 100 ms, name it to
-    the other side), and it lands."""
-    case = QUEUES[queue]
-    one_at_a_time = ["--max-num-seqs", "1"]
-    pd = Pd(vllm, kvferry_bin, tmp_path, **{f"{queue}_args": one_at_a_time}, heartbeat_ms=100,
-            decode_agent=case["decode_agent"], **case["agent"])
+def wait_in_queue(pd: Pd, queue: str, reference: dict) -> None:
+    """The server of ``queue`` is busy with long generations; a request behind them, through
+    the proxy, waits in its queue twice the timeout that would end its room (1 s), and lands."""
     busy = pd.decode if queue == "decode" else pd.prefill
+    pairing = QUEUES[queue]
+    proxy = pd.proxy(pairing)
+    expired_before = metric(pd.prefill_api, "kvferry_rooms_expired_total")
+    landed_before = metric(pd.decode_api, "kvferry_kv_bytes_total")
+    # The blockers: 3 streams of 1000 tokens each, queued one behind the other, cut by closing
+    # them once the wait is over (far longer than the wait even at 1 ms a token).
+    body = {"model": busy.model, "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(busy.url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    blockers = [urllib.request.urlopen(req, timeout=300) for _ in range(3)]
     try:
-        proxy = pd.proxy(case["pairing"])
-        # The blockers: 3 streams of 1000 tokens each, queued one behind the other, cut by
-        # closing them once the wait is over (far longer than the wait even at 1 ms a token).
-        body = {"model": busy.model, "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        req = urllib.request.Request(busy.url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        blockers = [urllib.request.urlopen(req, timeout=300) for _ in range(3)]
         assert blockers[0].readline().startswith(b"data: "), "the first blocker is not generating"
-        prompt = make_prompts(SEEDS[case["pairing"]])[6]
+        prompt = make_prompts(SEEDS[pairing])[6]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             queued = pool.submit(proxy.complete, prompt, 16)
             # The prefill agent knows the room: announced (the decode's request waits) or asked
             # for by the decode (the prefill's request waits).
-            prefill_agent = pd.prefill_api
             deadline = time.monotonic() + 120
-            while not metric(prefill_agent, "kvferry_rooms_held", 'role="prefill"'):
+            while not metric(pd.prefill_api, "kvferry_rooms_held", 'role="prefill"'):
                 assert time.monotonic() < deadline and not queued.done(), "the room never reached the prefill agent"
                 time.sleep(0.05)
             known = time.monotonic()
             time.sleep(2.0)
             waited = time.monotonic() - known
-            assert not queued.done(), f"the request did not wait in the queue: {queued.result()}"
+            assert not queued.done(), f"{queue}: the request did not wait in the queue: {queued.result()}"
             for blocker in blockers:
                 blocker.close()
             got = queued.result()
-        print(f"{queue}: the request waited {waited:.1f} s and more in the queue (timeouts 1 s)")
-        assert "choices" in got, got
-        assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
-        assert got["kv_transfer_params"]["kvferry_tokens"] == len(prompt), got
-        assert metric(prefill_agent, "kvferry_rooms_expired_total") == 0
-        assert metric(pd.decode_api, "kvferry_kv_bytes_total") > 0
+    finally:
+        for blocker in blockers:
+            blocker.close()
+    print(f"{queue}: the request waited {waited:.1f} s and more in the queue (timeouts 1 s)")
+    assert "choices" in got, got
+    assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
+    assert got["kv_transfer_params"]["kvferry_tokens"] == len(prompt), got
+    assert metric(pd.prefill_api, "kvferry_rooms_expired_total") == expired_before
+    assert metric(pd.decode_api, "kvferry_kv_bytes_total") > landed_before
+
+
+def test_a_room_outlives_its_timeouts_while_its_request_waits_in_either_queue(vllm, kvferry_bin, tmp_path, reference):
+    """Servers that run one request at a time, whose agents end a room after 1 s (the
+    prefill's room TTL and both sides' ready timeout; the decode keeps landed rooms for its
+    engine as usual), heartbeats every 100 ms. The agents hold the room while its request
+    waits (their heartbeats name it to the other side)."""
+    serial = ["--max-num-seqs", "1"]
+    pd = Pd(vllm, kvferry_bin, tmp_path, prefill_args=serial, decode_args=serial, room_ttl_ms=1_000,
+            timeout_ready_ms=1_000, heartbeat_ms=100, decode_agent=dict(room_ttl_ms=60_000))
+    try:
+        for queue in QUEUES:
+            wait_in_queue(pd, queue, reference)
     finally:
         pd.stop()
 

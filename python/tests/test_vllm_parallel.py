@@ -27,15 +27,13 @@ import time
 
 import pytest
 
-from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
+from vllm_servers import (
     SEEDS,
     Pd,
     free_port,
     make_prompts,
     metric,
-    reference,
     run_prompts,
-    vllm,
     vllm_metric,
 )
 

@@ -22,16 +22,14 @@ import urllib.request
 
 import pytest
 
-from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
+from vllm_servers import (
     LENGTHS,
     SEEDS,
     Pd,
     make_chats,
     make_prompts,
     metric,
-    reference,
     run_prompts,
-    vllm,
 )
 
 

@@ -23,15 +23,13 @@ import urllib.request
 
 import pytest
 
-from vllm_servers import (  # noqa: F401 - vllm, reference: fixtures
+from vllm_servers import (
     NEW_TOKENS,
     SEEDS,
     Pd,
     make_prompts,
     metric,
-    reference,
     run_prompts,
-    vllm,
     vllm_metric,
 )
 

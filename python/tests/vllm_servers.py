@@ -1,7 +1,8 @@
 """Real vLLM servers for the tests: the vLLM venv's interpreter with this checkout's wheel on its
 path (the ``torch_python`` fixture), the tiny seeded model of scripts/vllm/tiny_model.py, the
 settings this machine needs (../docs/engines.md), an OpenAI client small enough to read, the
-prompt sets and their reference outputs (fixtures ``vllm`` and ``reference``), prefill and decode
+prompt sets and their reference outputs (``tiny_vllm`` and ``reference_outputs``, the session
+fixtures ``vllm`` and ``reference`` of conftest.py: one model and one reference per test run), prefill and decode
 servers with the connector (``Pd``) and ``kvferry proxy`` in front of them (``Proxy``).
 
 Every server runs in its own session, pinned to one core, and is stopped with SIGTERM to its
@@ -23,7 +24,6 @@ import urllib.request
 from typing import Any
 
 import numpy as np
-import pytest
 
 from conftest import REPO
 
@@ -221,16 +221,17 @@ def make_chats() -> list[list[dict]]:
 SEEDS = {"sequential": 7, "concurrent": 8}
 
 
-@pytest.fixture(scope="session")
-def vllm(torch_python, tmp_path_factory):
+def tiny_vllm(torch_python: tuple[str, dict], tmp_path_factory) -> tuple[str, dict, pathlib.Path]:
+    """The ``vllm`` fixture (conftest.py): the vLLM venv's python, its environment and the tiny
+    model."""
     python, env = torch_python
     return python, env, make_model(python, env, tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-@pytest.fixture(scope="session")
-def reference(vllm, tmp_path_factory):
-    """Token ids of one plain server for every prompt; the smallest top-1/top-2 logprob margin
-    among them must be far above float32 noise, or equal outputs would prove little."""
+def reference_outputs(vllm, tmp_path_factory) -> dict:
+    """The ``reference`` fixture (conftest.py): token ids of one plain server for every prompt;
+    the smallest top-1/top-2 logprob margin among them must be far above float32 noise, or
+    equal outputs would prove little."""
     python, env, model = vllm
     server = Server(python, env, model, 0, tmp_path_factory.mktemp("reference") / "vllm.log")
     try:
