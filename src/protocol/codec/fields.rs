@@ -334,40 +334,37 @@ impl<'a> Reader<'a> {
     }
 
     pub(super) fn rooms(&mut self, what: &'static str) -> Result<Vec<u64>, DecodeError> {
-        let count = self.u32(what)? as usize;
-        if count > MAX_HELD_ROOMS {
-            return Err(DecodeError::TooLarge {
-                what,
-                len: count,
-                max: MAX_HELD_ROOMS,
-            });
-        }
-        let bytes = self.take(count * 8, what)?;
-        let mut items = Reader::new(bytes);
-        let mut rooms = Vec::with_capacity(count);
-        while !items.is_empty() {
-            rooms.push(items.u64(what)?);
-        }
-        Ok(rooms)
+        self.counted(what, MAX_HELD_ROOMS, 8, Reader::u64)
     }
 
     pub(super) fn pages(&mut self, what: &'static str) -> Result<Vec<u32>, DecodeError> {
+        self.counted(what, MAX_PAGES, 4, Reader::u32)
+    }
+
+    /// A u32 count (at most `max`) of items of `size` bytes each, read by `item`.
+    fn counted<T>(
+        &mut self,
+        what: &'static str,
+        max: usize,
+        size: usize,
+        item: fn(&mut Reader<'a>, &'static str) -> Result<T, DecodeError>,
+    ) -> Result<Vec<T>, DecodeError> {
         let count = self.u32(what)? as usize;
-        if count > MAX_PAGES {
+        if count > max {
             return Err(DecodeError::TooLarge {
                 what,
                 len: count,
-                max: MAX_PAGES,
+                max,
             });
         }
         // The items must be present before anything is allocated for them.
-        let bytes = self.take(count * 4, what)?;
+        let bytes = self.take(count * size, what)?;
         let mut items = Reader::new(bytes);
-        let mut pages = Vec::with_capacity(count);
+        let mut out = Vec::with_capacity(count);
         while !items.is_empty() {
-            pages.push(items.u32(what)?);
+            out.push(item(&mut items, what)?);
         }
-        Ok(pages)
+        Ok(out)
     }
 
     pub(super) fn ranks(&mut self) -> Result<Ranks, DecodeError> {
