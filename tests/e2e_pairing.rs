@@ -9,7 +9,10 @@ use common::{AgentOpts, BOUND, http, runtime};
 use kvferry::cli::demo::{LocalCluster, Shape, drive_rooms};
 use serde_json::json;
 
-fn run_shape(model: &'static str, prefill: Shape, decode: Shape) {
+/// Runs rooms through the shape; every rank of every prefill group serves some except those
+/// of `idle` (ranks of a group, PP stages in order): one holding a head that no decode rank
+/// asks it for, because its window has fewer layers than holders to share them.
+fn run_shape(model: &'static str, prefill: Shape, decode: Shape, idle: &[usize]) {
     let tag = format!(
         "pair-{model}-p{}x{}x{}-d{}",
         prefill.dp, prefill.tp, prefill.pp, decode.tp
@@ -51,46 +54,53 @@ fn run_shape(model: &'static str, prefill: Shape, decode: Shape) {
         results.len(),
         started.elapsed().as_secs_f64() * 1e3
     );
-    // Every prefill DP group served rooms (rooms go to groups by room id). Within a group a
-    // replicated rank may rightly serve nothing (MLA into fewer decode ranks).
+    // Every rank of every prefill DP group served rooms (rooms go to groups by room id; a
+    // head held by several ranks is read in parts from each).
     let http = http();
     runtime().block_on(async {
-        for api in apis.prefill.iter().map(|group| &group[0]) {
-            let served = common::metric(
-                &http,
-                api,
-                "kvferry_rooms_total{role=\"prefill\",state=\"success\"}",
-            )
-            .await;
-            assert!(
-                served.is_some_and(|n| n > 0.0),
-                "{tag}: prefill {api} served no room"
-            );
+        for group in &apis.prefill {
+            for (rank, api) in group.iter().enumerate() {
+                let served = common::metric(
+                    &http,
+                    api,
+                    "kvferry_rooms_total{role=\"prefill\",state=\"success\"}",
+                )
+                .await
+                .unwrap_or(0.0);
+                assert_eq!(
+                    served > 0.0,
+                    !idle.contains(&rank),
+                    "{tag}: prefill rank {rank} ({api}) served {served} rooms"
+                );
+            }
         }
     });
 }
 
 #[test]
 fn equal_tp() {
-    run_shape("tiny", Shape::tp(1), Shape::tp(1));
-    run_shape("tiny", Shape::tp(2), Shape::tp(2));
+    run_shape("tiny", Shape::tp(1), Shape::tp(1), &[]);
+    run_shape("tiny", Shape::tp(2), Shape::tp(2), &[]);
 }
 
 #[test]
 fn prefill_tp_greater_than_decode_tp() {
-    run_shape("tiny", Shape::tp(2), Shape::tp(1));
-    run_shape("tiny", Shape::tp(4), Shape::tp(2));
+    run_shape("tiny", Shape::tp(2), Shape::tp(1), &[]);
+    run_shape("tiny", Shape::tp(4), Shape::tp(2), &[]);
 }
 
 #[test]
 fn prefill_tp_smaller_than_decode_tp() {
-    run_shape("tiny", Shape::tp(1), Shape::tp(2));
-    run_shape("tiny", Shape::tp(2), Shape::tp(4));
+    run_shape("tiny", Shape::tp(1), Shape::tp(2), &[]);
+    run_shape("tiny", Shape::tp(2), Shape::tp(4), &[]);
 }
 
 #[test]
-fn mla_latent_from_one_prefill_rank_each() {
-    run_shape("tiny-mla", Shape::tp(2), Shape::tp(4));
+fn mla_latent_shared_out_over_the_prefill_ranks() {
+    // More readers than holders: each decode rank from one prefill rank.
+    run_shape("tiny-mla", Shape::tp(2), Shape::tp(4), &[]);
+    // Fewer: the decode rank reads its layers in parts from both.
+    run_shape("tiny-mla", Shape::tp(2), Shape::tp(1), &[]);
 }
 
 #[test]
@@ -103,7 +113,9 @@ fn pipeline_stages_each_send_their_layers() {
             ..Shape::ONE
         },
         Shape::ONE,
+        &[],
     );
+    // The second stage's one layer is held by two ranks: one of them sends it.
     run_shape(
         "tiny-mla",
         Shape {
@@ -112,6 +124,7 @@ fn pipeline_stages_each_send_their_layers() {
             ..Shape::ONE
         },
         Shape::tp(1),
+        &[3],
     );
 }
 
@@ -124,6 +137,7 @@ fn two_dp_groups_take_rooms_by_room_id() {
             ..Shape::ONE
         },
         Shape::ONE,
+        &[],
     );
 }
 

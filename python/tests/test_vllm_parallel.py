@@ -1,18 +1,18 @@
-"""Tensor and data parallelism through vLLM, each shape behind ``kvferry proxy``: a TP2 prefill
-server with a TP1 decode server, a TP1 prefill with a TP2 decode, a prefill server of two vLLM
+"""Tensor and data parallelism through vLLM, each shape behind ``kvferry proxy``: a TP1 prefill
+server with a TP2 decode server, a TP2 prefill with a TP1 decode, a prefill server of two vLLM
 data-parallel ranks with a TP1 decode (these three in both pairings), and a TP4 prefill with a
-TP1 decode (concurrent pairing).
+TP1 decode (concurrent pairing). The last three share one TP1 decode server and registry; each
+starts its own prefill server.
 
 The tiny model has 2 KV heads. A TP2 server's two workers each run an agent for one head, and
-the TP1 side's agent pairs with both. At TP4 vLLM holds each head on two ranks: one of them
-sends it and the other frees its pages unasked. A DP2 server's two engines are a kvferry group
-each; the proxy learns both and sends each request's prefill to one of them in turn
-(``X-data-parallel-rank``).
+the TP1 side's agent pairs with both. At TP4 vLLM holds each head on two ranks, and each sends
+half of its layers. A DP2 server's two engines are a kvferry group each; the proxy learns both
+and sends each request's prefill to one of them in turn (``X-data-parallel-rank``).
 
 Ten prompts of mixed lengths, 4 at once, give a single vLLM's tokens; the decode agents land
-exactly the blocks the answers say they loaded, the prefill agents that hold a head sent some
-and none keeps a room. The decode agents listen on a base API port plus their TP rank, and
-vLLM's own metrics and log line count their rooms and bytes.
+exactly the blocks the answers say they loaded, every prefill agent sent some, and every room
+ends on every prefill agent. The decode agents listen on a base API port plus their TP rank,
+and vLLM's own metrics and log line count their rooms and bytes.
 
 A server of several ranks binds a core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, and
 ``"0|1|0|1"`` at TP4), so every core holds a rank of each server here.
@@ -33,6 +33,7 @@ from vllm_servers import (
     free_port,
     make_prompts,
     metric,
+    post,
     run_prompts,
     vllm_metric,
 )
@@ -42,16 +43,18 @@ from vllm_servers import (
 AGENT = dict(peer_dead_ms=60_000, timeout_connect_ms=60_000)
 
 SHAPES = {
-    "tp2-to-tp1": dict(prefill_tp=2),
     "tp1-to-tp2": dict(decode_tp=2),
+    "tp2-to-tp1": dict(prefill_tp=2),
     "dp2-to-tp1": dict(prefill_dp=2),
     # More TP ranks than the model's 2 KV heads: vLLM holds each head on two ranks.
     "tp4-to-tp1": dict(prefill_tp=4),
 }
-# The pairings a shape runs: replication changes which prefill ranks send, not how a decode
-# pairs with them (the other shapes run both pairings).
+# These share one TP1 decode server (a vLLM server takes most of a minute to start here).
+SHARED_DECODE = ["tp2-to-tp1", "dp2-to-tp1", "tp4-to-tp1"]
+# The pairings a shape runs: replication changes what each prefill rank sends, not how a
+# decode pairs with them (the other shapes run both pairings).
 PAIRINGS = {"tp4-to-tp1": ["concurrent"]}
-KV_HEADS = 2
+UNFINISHED = ("bootstrapping", "waiting_for_input", "transferring", "aborting")
 
 
 # Run in the vLLM venv: kvferry.vllm imports vLLM.
@@ -77,6 +80,11 @@ def test_each_data_parallel_rank_of_a_prefill_server_is_a_group_that_names_its_r
     assert said["again"] == second, "the same engine id gives the same group"
 
 
+def unfinished_rooms(api: str) -> float:
+    """Rooms an agent holds in a state that is not final."""
+    return sum(metric(api, "kvferry_rooms_held", f'state="{state}"') for state in UNFINISHED)
+
+
 def two_free_ports() -> int:
     """A port ``p`` with ``p + 1`` free too (a base API port of a TP2 server)."""
     for _ in range(100):
@@ -90,41 +98,75 @@ def two_free_ports() -> int:
     raise RuntimeError("no two free ports in a row")
 
 
+@pytest.fixture(scope="module")
+def tp1_decode(vllm, kvferry_bin, tmp_path_factory):
+    """A registry and a TP1 decode server that the shapes with one share (each starts its own
+    prefill server: ``Pd.reshape_prefills``), and the decode agent's base API port."""
+    api_port = two_free_ports()
+    first = SHAPES[SHARED_DECODE[0]]
+    # vLLM's development routes include /reset_prefix_cache.
+    python, env, model = vllm
+    pd = Pd((python, env | {"VLLM_SERVER_DEV_MODE": "1"}, model), kvferry_bin, tmp_path_factory.mktemp("tp1-decode"),
+            **first, decode_agent=dict(api_port=api_port), **AGENT)
+    yield pd, api_port
+    pd.stop()
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_outputs_equal_a_single_engine_across_parallel_shapes(vllm, kvferry_bin, tmp_path, reference, shape):
+def test_outputs_equal_a_single_engine_across_parallel_shapes(vllm, kvferry_bin, tmp_path, reference, request, shape):
     ranks = SHAPES[shape]
-    decode_tp = ranks.get("decode_tp", 1)
+    if shape in SHARED_DECODE:
+        pd, api_port = request.getfixturevalue("tp1_decode")
+        pd.reshape_prefills(ranks.get("prefill_tp", 1), ranks.get("prefill_dp", 1))
+        # Each shape starts with the decode's prefix cache cold, so that every room moves.
+        deadline = time.monotonic() + 60
+        while not post(pd.decode.url + "/reset_prefix_cache", {}).get("success"):
+            assert time.monotonic() < deadline, "the decode's prefix cache was never reset"
+            time.sleep(0.5)
+        check_shape(pd, api_port, shape, reference)
+        return
     # A decode's agents listen on a known base port plus their TP rank.
     api_port = two_free_ports()
     pd = Pd(vllm, kvferry_bin, tmp_path, **ranks, decode_agent=dict(api_port=api_port), **AGENT)
     try:
-        prefill_agents = ranks.get("prefill_tp", 1) * ranks.get("prefill_dp", 1)
-        assert [len(pd.prefill.agent_apis()), len(pd.decode.agent_apis())] == [prefill_agents, decode_tp]
-        assert pd.decode.agent_apis() == [f"http://127.0.0.1:{api_port + r}" for r in range(decode_tp)]
-        pairings = PAIRINGS.get(shape, list(SEEDS))
-        pd.via = {pairing: pd.proxy(pairing) for pairing in pairings}
-        for pairing in pairings:
-            run_prompts(pd, pairing, make_prompts(SEEDS[pairing])[:10], reference, in_flight=4)
-        sent = [metric(api, "kvferry_kv_bytes_total") for api in pd.prefill.agent_apis()]
-        print(f"{shape}: bytes sent by each prefill agent {sent}")
-        # Of the ranks holding the same head, the one a decode rank's TP rank picks sends it
-        # (the first, for a TP1 decode); the others free their pages unasked.
-        replicas = max(1, ranks.get("prefill_tp", 1) // KV_HEADS)
-        assert [s > 0 for s in sent] == [r % replicas == 0 for r in range(prefill_agents)], sent
-        deadline = time.monotonic() + 60
-        while any(metric(api, "kvferry_rooms_held", "role") for api in pd.prefill.agent_apis()):
-            assert time.monotonic() < deadline, "a prefill agent still holds rooms"
-            time.sleep(0.5)
-        # vLLM's own metrics count what the decode agents landed (its workers' stats, added up).
-        landed = sum(metric(api, "kvferry_kv_bytes_total") for api in pd.decode.agent_apis())
-        rooms = vllm_metric(pd.decode, "vllm:kvferry_room_bytes_count")
-        assert vllm_metric(pd.decode, "vllm:kvferry_room_bytes_sum") == landed
-        assert rooms == 10 * len(pairings) * decode_tp, rooms
-        assert vllm_metric(pd.decode, "vllm:kvferry_room_seconds_count") == rooms
-        # Written with vLLM's periodic stats (every 10 s).
-        deadline = time.monotonic() + 60
-        while "KV Transfer metrics: rooms=" not in pd.decode.log.read_text():
-            assert time.monotonic() < deadline, "no KV Transfer metrics line in the decode's log"
-            time.sleep(0.5)
+        check_shape(pd, api_port, shape, reference)
     finally:
         pd.stop()
+
+
+def check_shape(pd: Pd, api_port: int, shape: str, reference: dict) -> None:
+    ranks = SHAPES[shape]
+    decode_tp = ranks.get("decode_tp", 1)
+    prefill_agents = ranks.get("prefill_tp", 1) * ranks.get("prefill_dp", 1)
+    assert [len(pd.prefill.agent_apis()), len(pd.decode.agent_apis())] == [prefill_agents, decode_tp]
+    assert pd.decode.agent_apis() == [f"http://127.0.0.1:{api_port + r}" for r in range(decode_tp)]
+    # The decode server may have served other shapes: what this one adds is counted.
+    counted = ("vllm:kvferry_room_bytes_count", "vllm:kvferry_room_bytes_sum", "vllm:kvferry_room_seconds_count")
+    before = [vllm_metric(pd.decode, name) for name in counted]
+    landed_before = sum(metric(api, "kvferry_kv_bytes_total") for api in pd.decode.agent_apis())
+    log_from = len(pd.decode.log.read_text())
+    pairings = PAIRINGS.get(shape, list(SEEDS))
+    pd.via = {pairing: pd.proxy(pairing) for pairing in pairings}
+    for pairing in pairings:
+        run_prompts(pd, pairing, make_prompts(SEEDS[pairing])[:10], reference, in_flight=4)
+    sent = [metric(api, "kvferry_kv_bytes_total") for api in pd.prefill.agent_apis()]
+    print(f"{shape}: bytes sent by each prefill agent {sent}")
+    # Every prefill agent sends: ranks holding the same head send half its layers each.
+    assert all(s > 0 for s in sent), sent
+    # Every room ended on every prefill agent (a final room keeps no pages; the agent
+    # forgets it after its TTL).
+    deadline = time.monotonic() + 60
+    while any(unfinished_rooms(api) for api in pd.prefill.agent_apis()):
+        assert time.monotonic() < deadline, "a prefill agent still has a room that has not ended"
+        time.sleep(0.5)
+    # vLLM's own metrics count what the decode agents landed (its workers' stats, added up).
+    landed = sum(metric(api, "kvferry_kv_bytes_total") for api in pd.decode.agent_apis()) - landed_before
+    rooms, room_bytes, timed = (vllm_metric(pd.decode, name) - b for name, b in zip(counted, before))
+    assert room_bytes == landed
+    assert rooms == 10 * len(pairings) * decode_tp, rooms
+    assert timed == rooms
+    # Written with vLLM's periodic stats (every 10 s).
+    deadline = time.monotonic() + 60
+    while "KV Transfer metrics: rooms=" not in pd.decode.log.read_text()[log_from:]:
+        assert time.monotonic() < deadline, "no KV Transfer metrics line in the decode's log"
+        time.sleep(0.5)

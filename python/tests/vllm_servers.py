@@ -300,11 +300,10 @@ class Pd:
         )
         self.bootstrap = json.loads(self.registry.stdout.readline())["url"]
         self.agent = agent
-        self.prefill_args = tuple(prefill_args) + tp_args(prefill_tp)
-        if prefill_dp > 1:
-            self.prefill_args += ("--data-parallel-size", str(prefill_dp))
+        self.own_prefill_args = tuple(prefill_args)
+        self.prefill_args = self.own_prefill_args + parallel_args(prefill_tp, prefill_dp)
         self.prefill_ranks = prefill_tp * prefill_dp
-        decode_args = tuple(decode_args) + tp_args(decode_tp)
+        decode_args = tuple(decode_args) + parallel_args(decode_tp)
         self.prefills = [self.start_prefill(i) for i in range(prefills)]
         decode_config = connector("kv_consumer", self.bootstrap, kv_load_failure_policy=decode_policy,
                                   **(agent | (decode_agent or {})))
@@ -327,6 +326,24 @@ class Pd:
             *self.prefill_args,
             "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent), port=port,
         )
+
+    def reshape_prefills(self, tp: int = 1, dp: int = 1) -> None:
+        """Stops the prefill servers and their proxies, and starts the servers again with
+        ``tp`` TP ranks and ``dp`` DP ranks each (nothing when they run so already); the
+        registry and the decode servers stay."""
+        args = self.own_prefill_args + parallel_args(tp, dp)
+        if args == self.prefill_args:
+            return
+        for p in self.proxies:
+            p.stop()
+        self.proxies = []
+        for server in self.prefills:
+            server.stop()
+        self.prefill_args = args
+        self.prefill_ranks = tp * dp
+        self.prefills = [self.start_prefill(i) for i in range(len(self.prefills))]
+        for server in self.prefills:
+            server.wait_healthy()
 
     @property
     def prefill(self) -> Server:
@@ -364,9 +381,10 @@ class Pd:
         self.registry.wait()
 
 
-def tp_args(tp: int) -> tuple[str, ...]:
-    """vLLM's flags for ``tp`` tensor-parallel ranks."""
-    return ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+def parallel_args(tp: int, dp: int = 1) -> tuple[str, ...]:
+    """vLLM's flags for ``tp`` tensor-parallel and ``dp`` data-parallel ranks."""
+    return (("--tensor-parallel-size", str(tp)) if tp > 1 else ()) + (
+        ("--data-parallel-size", str(dp)) if dp > 1 else ())
 
 
 def cores(core: int, tp: int) -> str:

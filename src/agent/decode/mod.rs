@@ -475,7 +475,6 @@ impl Inner {
             }
         };
         let dp_rank = group.dp_rank;
-        let l = &self.cfg.layout;
         let slices: Vec<RankSlice> = group
             .ranks
             .iter()
@@ -484,12 +483,9 @@ impl Inner {
                 layers: r.slice.layers.start as usize..r.slice.layers.end as usize,
             })
             .collect();
-        let ours = RankSlice {
-            heads: l.heads.clone(),
-            layers: l.layers.clone(),
-        };
-        let tp_rank = self.cfg.ranks.tp_rank as usize;
-        let segments = pairing::plan(&slices, &ours, tp_rank).map_err(|e| {
+        let r = self.cfg.ranks;
+        let me = (r.pp_rank * r.tp_size + r.tp_rank) as usize;
+        let segments = pairing::plan(&slices, &self.decode_group()?, me).map_err(|e| {
             Reason::new(
                 FailureCode::IncompatibleLayout,
                 format!("prefill group dp_rank={dp_rank}: {e}"),
@@ -622,9 +618,9 @@ impl Inner {
         Ok(())
     }
 
-    /// The slices (and TP ranks) of every decode rank of this agent's group, for
-    /// [`pairing::requesters`].
-    fn decode_group(&self) -> Result<Vec<(RankSlice, usize)>, Reason> {
+    /// The slices of every decode rank of this agent's group (PP stages in order, TP ranks in
+    /// order within each), for [`pairing::plan`].
+    fn decode_group(&self) -> Result<Vec<RankSlice>, Reason> {
         let l = &self.cfg.layout;
         let r = self.cfg.ranks;
         let whole = KvLayout::new(l.model, l.page_size)
@@ -636,13 +632,10 @@ impl Inner {
                     .clone()
                     .for_rank(tp, r.tp_size as usize, pp, r.pp_size as usize)
                     .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, e.to_string()))?;
-                out.push((
-                    RankSlice {
-                        heads: s.heads,
-                        layers: s.layers,
-                    },
-                    tp,
-                ));
+                out.push(RankSlice {
+                    heads: s.heads,
+                    layers: s.layers,
+                });
             }
         }
         Ok(out)
