@@ -11,17 +11,22 @@
 //! bad room, bad query parameter), 404 (unknown room or route), 405 (known route, wrong
 //! method), 409, 413 (body over [`BODY_LIMIT`]), 415 (a body not sent as JSON), 429, 503.
 //!
-//! The routes themselves live with their agent (`prefill/http.rs`, `decode/http.rs`).
+//! The routes both roles serve are here ([`room_routes`]); each agent adds its own
+//! (`prefill/http.rs`, `decode/http.rs`).
 
 use std::io::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 
-use super::ops::RoomError;
+use super::ops::{PoolCounts, RoomError, RoomOps};
 
 /// An HTTP error for the engine: a refused room operation, or a request the HTTP layer
 /// itself refuses before any operation runs.
@@ -264,6 +269,75 @@ pub fn metrics_response(text: String) -> Response {
         text,
     )
         .into_response()
+}
+
+/// The routes both roles serve, over the room operations both have ([`RoomOps`]): read a
+/// room (long poll), abort it, hold it and stop holding it; the pool, health and metrics. Each
+/// role adds its own (`prefill/http.rs`, `decode/http.rs`) and calls [`finish`].
+pub(crate) fn room_routes<T: RoomOps>() -> Router<Arc<T>> {
+    Router::new()
+        .route(
+            "/v1/rooms/{room}",
+            get(get_room::<T>).delete(abort_room::<T>),
+        )
+        .route(
+            "/v1/rooms/{room}/hold",
+            post(hold_room::<T>).delete(unhold_room::<T>),
+        )
+        .route("/v1/pool", get(pool::<T>))
+        .route("/healthz", get(health::<T>))
+        .route("/metrics", get(metrics::<T>))
+}
+
+async fn get_room<T: RoomOps>(
+    State(inner): State<Arc<T>>,
+    Path(room): Path<String>,
+    q: WaitQuery,
+) -> Answer<T::View> {
+    let room = parse_room(&room)?;
+    Ok(Json(match q.wait_ms {
+        Some(ms) => inner.wait_room(room, Duration::from_millis(ms)).await?,
+        None => inner.room_view(room)?,
+    }))
+}
+
+async fn abort_room<T: RoomOps>(
+    State(inner): State<Arc<T>>,
+    Path(room): Path<String>,
+) -> Answer<T::View> {
+    let room = parse_room(&room)?;
+    Ok(Json(inner.abort_room(room).await?))
+}
+
+async fn hold_room<T: RoomOps>(
+    State(inner): State<Arc<T>>,
+    Path(room): Path<String>,
+    JsonBody(body): JsonBody,
+) -> Result<StatusCode, ApiError> {
+    let room = parse_room(&room)?;
+    let req: T::Hold = parse_json(&body)?;
+    inner.hold_room(room, req)?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+async fn unhold_room<T: RoomOps>(
+    State(inner): State<Arc<T>>,
+    Path(room): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    inner.unhold_room(parse_room(&room)?);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn pool<T: RoomOps>(State(inner): State<Arc<T>>) -> Json<PoolCounts> {
+    Json(inner.pool_counts())
+}
+
+async fn health<T: RoomOps>() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok", "role": T::ROLE}))
+}
+
+async fn metrics<T: RoomOps>(State(inner): State<Arc<T>>) -> Response {
+    metrics_response(inner.render_metrics())
 }
 
 #[cfg(test)]

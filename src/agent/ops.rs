@@ -1,20 +1,170 @@
-//! What the room operations of both agents share: their one error type, the pool counts, the
-//! bounded wait for a room's next change, the checks of an engine's pages, and the JSON forms
-//! of request fields (room keys as hex, aux bytes as base64).
+//! The room operations both agents have, written once ([`RoomOps`]: read a room, wait for its
+//! next change, abort it, hold it while its request is queued, count the pool, render the
+//! metrics), and what the role-specific ones share: their one error type, the checks of an
+//! engine's pages, and the JSON forms of request fields (room keys as hex, aux bytes as
+//! base64).
 //!
-//! The operations themselves are methods of the handles ([`super::prefill::PrefillAgent`],
-//! [`super::decode::DecodeAgent`], in their `rooms.rs`). The engine-facing HTTP API is a layer
-//! over them: it parses a request into the same request structs, calls the operation, and
-//! turns a [`RoomError`] into a status in one place (`api.rs`). Nothing here knows HTTP.
+//! Each role implements [`RoomOps`] over its room table and adds its own operations in its
+//! `rooms.rs` (a prefill announces rooms ready; a decode requests and takes them). The Rust
+//! handles ([`super::prefill::PrefillAgent`], [`super::decode::DecodeAgent`]), and through them
+//! the Python package, call these; so does the engine-facing HTTP API (`api.rs`), which parses
+//! a request into the same request structs and turns a [`RoomError`] into a status in one
+//! place. Nothing here knows HTTP.
 
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tokio::sync::watch;
 
-use super::room::RoomState;
+use super::metrics::{Gauges, Metrics};
+use super::room::{RoomState, RoomStatus};
 use crate::pool::allocator::PageAllocator;
 use crate::protocol::Secret;
+use crate::reason::{FailureCode, Reason};
+
+/// A room of either role, as the shared operations read it.
+pub(crate) trait TableRoom {
+    /// What the engine sees of it.
+    type View;
+    /// Its view now.
+    fn view(&self, room: u64) -> Self::View;
+    /// No transfer reads or writes its pages any more.
+    fn safe_to_reuse(&self) -> bool;
+    /// Its state, reason and timings.
+    fn status(&self) -> &RoomStatus;
+}
+
+/// The room operations both roles have, written once over what each role gives: its room
+/// table, its pool, its limits, and its own ways to abort and hold a room.
+pub(crate) trait RoomOps: Send + Sync + Sized + 'static {
+    /// The role's room.
+    type Room: TableRoom<View = Self::View>;
+    /// The room as the engine sees it (`GET /v1/rooms/{room}`).
+    type View: Serialize + Send + 'static;
+    /// What holding a room takes (`POST /v1/rooms/{room}/hold`).
+    type Hold: DeserializeOwned + Send + 'static;
+    /// `prefill` or `decode`.
+    const ROLE: &'static str;
+
+    /// The room table.
+    fn table(&self) -> MutexGuard<'_, HashMap<u64, Self::Room>>;
+    /// The agent-owned pages.
+    fn alloc(&self) -> &PageAllocator;
+    /// The agent's metrics.
+    fn metrics(&self) -> &Metrics;
+    /// `--max-rooms`.
+    fn max_rooms(&self) -> usize;
+    /// Shutting down: new rooms and holds are refused.
+    fn draining(&self) -> bool;
+    /// Aborts a room the engine gave up on, telling its peers why.
+    fn abort_with(self: &Arc<Self>, room: u64, reason: Reason) -> impl Future<Output = ()> + Send;
+    /// Holds a room (after the draining check).
+    fn hold_with(self: &Arc<Self>, room: u64, req: Self::Hold) -> Result<(), RoomError>;
+    /// Stops holding a room; holding nothing is not an error.
+    fn unhold_room(&self, room: u64);
+    /// The role's own gauges: the pool's labels, pinned bytes, staging slots in use.
+    fn gauges(&self) -> Gauges;
+    /// Housekeeping owed before the engine reads a room or the pool (decode: aborted rooms'
+    /// pages go back to the pool at once).
+    fn tidy(&self) {}
+
+    /// The room's view and, while it may still change, a receiver of its next change.
+    fn look(&self, room: u64) -> Result<Look<Self::View>, RoomError> {
+        let rooms = self.table();
+        let r = rooms.get(&room).ok_or(RoomError::UnknownRoom(room))?;
+        let changing = !r.safe_to_reuse();
+        Ok((r.view(room), changing.then(|| r.status().subscribe())))
+    }
+
+    /// The room's view now (`GET /v1/rooms/{room}`).
+    fn room_view(&self, room: u64) -> Result<Self::View, RoomError> {
+        self.tidy();
+        Ok(self.look(room)?.0)
+    }
+
+    /// The room's view at its next change, or after `timeout` (at most [`MAX_WAIT`]),
+    /// whichever comes first; at once when it can no longer change
+    /// (`GET /v1/rooms/{room}?wait_ms=`).
+    fn wait_room(
+        &self,
+        room: u64,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Self::View, RoomError>> + Send {
+        self.tidy();
+        next_change(timeout, move || self.look(room))
+    }
+
+    /// Aborts `room` for the engine (`DELETE /v1/rooms/{room}`) and returns its view.
+    fn abort_room(
+        self: &Arc<Self>,
+        room: u64,
+    ) -> impl Future<Output = Result<Self::View, RoomError>> + Send {
+        async move {
+            if !self.table().contains_key(&room) {
+                return Err(RoomError::UnknownRoom(room));
+            }
+            let why = format!("aborted by the {} engine", Self::ROLE);
+            self.abort_with(room, Reason::new(FailureCode::Aborted, why))
+                .await;
+            self.room_view(room)
+        }
+    }
+
+    /// Holds `room` while the engine has its request queued (`POST /v1/rooms/{room}/hold`).
+    fn hold_room(self: &Arc<Self>, room: u64, req: Self::Hold) -> Result<(), RoomError> {
+        self.refuse_while_draining()?;
+        self.hold_with(room, req)
+    }
+
+    /// The agent-owned pages (`GET /v1/pool`).
+    fn pool_counts(&self) -> PoolCounts {
+        self.tidy();
+        PoolCounts::of(self.alloc())
+    }
+
+    /// The metrics in the OpenMetrics text format (`GET /metrics`).
+    fn render_metrics(&self) -> String {
+        let mut g = self.gauges();
+        g.pool_total = self.alloc().total_pages();
+        g.pool_free = self.alloc().free_pages();
+        for room in self.table().values() {
+            g.room(room.status().state());
+        }
+        self.metrics().render(&g)
+    }
+
+    /// Refuses new work while the agent drains for shutdown.
+    fn refuse_while_draining(&self) -> Result<(), RoomError> {
+        match self.draining() {
+            true => Err(RoomError::Unavailable(format!(
+                "the agent is draining for shutdown: send the room to another {} rank",
+                Self::ROLE
+            ))),
+            false => Ok(()),
+        }
+    }
+
+    /// Refuses a new room while `--max-rooms` rooms are in flight (counted as refused).
+    fn admit_room(&self) -> Result<(), RoomError> {
+        let in_flight = self
+            .table()
+            .values()
+            .filter(|r| !r.status().state().is_final())
+            .count();
+        if in_flight >= self.max_rooms() {
+            self.metrics().rejected.inc();
+            return Err(RoomError::Exhausted(format!(
+                "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
+                self.max_rooms()
+            )));
+        }
+        Ok(())
+    }
+}
 
 /// Why a room operation was refused. Nothing changed in the agent when one is returned,
 /// except a refusal counted in the metrics. The message says what was wrong and, where it

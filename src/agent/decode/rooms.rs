@@ -1,13 +1,14 @@
-//! The decode engine's room operations, on [`DecodeAgent`]: request a room, read it, wait for
-//! its next change, take it (remove-after-retrieve), abort it, count the pool. The HTTP API
-//! (`http.rs`) is a layer over exactly these.
+//! The decode engine's room operations, on [`DecodeAgent`]: request a room, take it
+//! (remove-after-retrieve), and the operations both roles have (read a room, wait for its next
+//! change, abort it, hold it, count the pool: [`RoomOps`], over this role's room table). The
+//! HTTP API (`http.rs`) is a layer over exactly these.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use super::*;
-use crate::agent::ops::{self, PoolCounts, RoomError};
+use crate::agent::ops::{self, PoolCounts, RoomError, RoomOps, TableRoom};
 use crate::protocol::{PromptDigest, Secret};
 
 /// A room request (`POST /v1/rooms/{room}`): the decode engine asks for a room's KV. The same
@@ -184,7 +185,7 @@ impl DecodeAgent {
     /// Stops holding `room` (`DELETE /v1/rooms/{room}/hold`): the engine dropped the request
     /// before asking for its room. Holding nothing is not an error.
     pub fn unhold(&self, room: u64) {
-        self.inner.unhold(room);
+        self.inner.unhold_room(room);
     }
 
     /// The room's view now (`GET /v1/rooms/{room}`).
@@ -218,53 +219,93 @@ impl DecodeAgent {
     }
 }
 
-impl Inner {
-    /// [`DecodeAgent::hold`].
-    pub(super) fn hold_room(
-        self: &Arc<Self>,
-        room_id: u64,
-        req: HoldRequest,
-    ) -> Result<(), RoomError> {
-        if self.shutdown.is_cancelled() || self.draining.load(std::sync::atomic::Ordering::Relaxed)
-        {
-            return Err(RoomError::Unavailable(
-                "the agent is draining for shutdown: send the room to another decode rank".into(),
-            ));
-        }
-        self.holds.hold(room_id)?;
+impl TableRoom for Room {
+    type View = RoomView;
+
+    fn view(&self, room: u64) -> RoomView {
+        Room::view(self, room)
+    }
+
+    fn safe_to_reuse(&self) -> bool {
+        Room::safe_to_reuse(self)
+    }
+
+    fn status(&self) -> &RoomStatus {
+        &self.status
+    }
+}
+
+impl RoomOps for Inner {
+    type Room = Room;
+    type View = RoomView;
+    type Hold = HoldRequest;
+    const ROLE: &'static str = "decode";
+
+    fn table(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
+        self.rooms()
+    }
+
+    fn alloc(&self) -> &PageAllocator {
+        &self.alloc
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn max_rooms(&self) -> usize {
+        self.cfg.max_rooms
+    }
+
+    fn draining(&self) -> bool {
+        self.shutdown.is_cancelled() || self.draining.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    async fn abort_with(self: &Arc<Self>, room: u64, reason: Reason) {
+        self.abort(room, reason).await;
+    }
+
+    /// Resolves the room's prefill ranks in the background (a prefill that cannot be reached
+    /// is logged; the room's request will fail with the reason).
+    fn hold_with(self: &Arc<Self>, room: u64, req: HoldRequest) -> Result<(), RoomError> {
+        self.holds.hold(room)?;
         let inner = self.clone();
         tokio::spawn(async move {
-            if let Err(reason) = inner.hold(room_id, req).await {
-                tracing::warn!(room = room_id, %reason, "room not held at its prefill");
+            if let Err(reason) = inner.hold(room, req).await {
+                tracing::warn!(room, %reason, "room not held at its prefill");
             }
         });
         Ok(())
     }
 
+    fn unhold_room(&self, room: u64) {
+        self.unhold(room);
+    }
+
+    fn gauges(&self) -> Gauges {
+        let mut g = Gauges {
+            pool: self.pool.labels(),
+            pinned_bytes: self.recv_slots.as_ref().map_or(0, |s| s.pinned_bytes()),
+            ..Gauges::default()
+        };
+        g.slots_in_use = self.rooms().values().map(|r| r.scattering).sum();
+        g
+    }
+
+    fn tidy(&self) {
+        self.return_aborted_pages();
+    }
+}
+
+impl Inner {
     /// [`DecodeAgent::request`].
     pub(super) fn request_room(
         self: &Arc<Self>,
         room_id: u64,
         mut req: RoomRequest,
     ) -> Result<RoomView, RoomError> {
-        if self.shutdown.is_cancelled() || self.draining.load(std::sync::atomic::Ordering::Relaxed)
-        {
-            return Err(RoomError::Unavailable(
-                "the agent is draining for shutdown: send the room to another decode rank".into(),
-            ));
-        }
-        let in_flight = self
-            .rooms()
-            .values()
-            .filter(|r| !r.status.state().is_final())
-            .count();
-        if in_flight >= self.cfg.max_rooms {
-            self.metrics.rejected.inc();
-            return Err(RoomError::Exhausted(format!(
-                "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
-                self.cfg.max_rooms
-            )));
-        }
+        self.refuse_while_draining()?;
+        self.admit_room()?;
         let l = &self.cfg.layout;
         if req.tokens == 0 {
             return Err(RoomError::BadRequest("tokens must be > 0".into()));
@@ -344,39 +385,6 @@ impl Inner {
             .instrument(span),
         );
         Ok(view)
-    }
-
-    /// [`DecodeAgent::view`].
-    pub(super) fn room_view(&self, room_id: u64) -> Result<RoomView, RoomError> {
-        self.return_aborted_pages();
-        Ok(self.look(room_id)?.0)
-    }
-
-    /// [`DecodeAgent::wait`].
-    pub(super) async fn wait_room(
-        &self,
-        room_id: u64,
-        timeout: Duration,
-    ) -> Result<RoomView, RoomError> {
-        self.return_aborted_pages();
-        ops::next_change(timeout, || self.look(room_id)).await
-    }
-
-    /// The room's view and, while it may still change, a receiver of its next change.
-    fn look(&self, room_id: u64) -> Result<ops::Look<RoomView>, RoomError> {
-        let rooms = self.rooms();
-        let room = rooms.get(&room_id).ok_or(RoomError::UnknownRoom(room_id))?;
-        let changing = !room.safe_to_reuse();
-        Ok((
-            room.view(room_id),
-            changing.then(|| room.status.subscribe()),
-        ))
-    }
-
-    /// [`DecodeAgent::pool`].
-    pub(super) fn pool_counts(&self) -> PoolCounts {
-        self.return_aborted_pages();
-        PoolCounts::of(&self.alloc)
     }
 
     /// Returns the agent-owned pages of every aborted room that is safe to reuse to the pool,
@@ -466,21 +474,6 @@ impl Inner {
             room: room.view(room_id),
             verified,
         })
-    }
-
-    /// [`DecodeAgent::abort`].
-    pub(super) async fn abort_room(&self, room_id: u64) -> Result<RoomView, RoomError> {
-        if !self.rooms().contains_key(&room_id) {
-            return Err(RoomError::UnknownRoom(room_id));
-        }
-        self.abort(
-            room_id,
-            Reason::new(FailureCode::Aborted, "aborted by the decode engine"),
-        )
-        .await;
-        let rooms = self.rooms();
-        let room = rooms.get(&room_id).ok_or(RoomError::UnknownRoom(room_id))?;
-        Ok(room.view(room_id))
     }
 }
 

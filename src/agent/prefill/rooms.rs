@@ -1,7 +1,8 @@
 //! The prefill engine's room operations, on [`PrefillAgent`]: announce a room's KV as ready
-//! (whole, or in token and layer pieces), read a room, wait for its next change, abort it,
-//! count the pool. The HTTP API (`http.rs`) is a layer over exactly these. The synthetic
-//! engine's fill and its layer-wise pacing live here too.
+//! (whole, or in token and layer pieces), and the operations both roles have (read a room,
+//! wait for its next change, abort it, hold it, count the pool: [`RoomOps`], over this role's
+//! room table). The HTTP API (`http.rs`) is a layer over exactly these. The synthetic engine's
+//! fill and its layer-wise pacing live here too.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -9,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::*;
-use crate::agent::ops::{self, PoolCounts, RoomError};
+use crate::agent::ops::{self, PoolCounts, RoomError, RoomOps, TableRoom};
 
 /// A ready piece of a room (`POST /v1/rooms/{room}/ready`): the engine says (part of) the
 /// room's KV is in its pool. The same struct is the HTTP body; unknown fields are refused.
@@ -178,13 +179,13 @@ impl PrefillAgent {
     /// ready timeout waits too (the room is named in every heartbeat to them), until the room
     /// is announced, [`PrefillAgent::unhold`], or `--room-max-ms` after the hold.
     pub fn hold(&self, room: u64) -> Result<(), RoomError> {
-        self.inner.hold_room(room)
+        self.inner.hold_room(room, HoldRequest {})
     }
 
     /// Stops holding `room` (`DELETE /v1/rooms/{room}/hold`): its request left the engine's
     /// queue without being computed. Holding nothing is not an error.
     pub fn unhold(&self, room: u64) {
-        self.inner.holds.release(room);
+        self.inner.unhold_room(room);
     }
 
     /// The room's view now (`GET /v1/rooms/{room}`).
@@ -201,7 +202,79 @@ impl PrefillAgent {
 
     /// The agent-owned pages (`GET /v1/pool`).
     pub fn pool(&self) -> PoolCounts {
-        PoolCounts::of(&self.inner.alloc)
+        self.inner.pool_counts()
+    }
+}
+
+/// What `POST /v1/rooms/{room}/hold` takes at a prefill: `{}`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct HoldRequest {}
+
+impl TableRoom for Room {
+    type View = RoomView;
+
+    fn view(&self, room: u64) -> RoomView {
+        Room::view(self, room)
+    }
+
+    fn safe_to_reuse(&self) -> bool {
+        Room::safe_to_reuse(self)
+    }
+
+    fn status(&self) -> &RoomStatus {
+        &self.status
+    }
+}
+
+impl RoomOps for Inner {
+    type Room = Room;
+    type View = RoomView;
+    type Hold = HoldRequest;
+    const ROLE: &'static str = "prefill";
+
+    fn table(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
+        self.rooms()
+    }
+
+    fn alloc(&self) -> &PageAllocator {
+        &self.alloc
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn max_rooms(&self) -> usize {
+        self.cfg.max_rooms
+    }
+
+    fn draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    async fn abort_with(self: &Arc<Self>, room: u64, reason: Reason) {
+        self.clone().engine_abort(room, reason).await;
+    }
+
+    fn hold_with(self: &Arc<Self>, room: u64, _: HoldRequest) -> Result<(), RoomError> {
+        self.holds.hold(room)
+    }
+
+    fn unhold_room(&self, room: u64) {
+        self.holds.release(room);
+    }
+
+    fn gauges(&self) -> Gauges {
+        let mut g = Gauges {
+            pool: self.pool.labels(),
+            pinned_bytes: self.slots.pinned_bytes(),
+            ..Gauges::default()
+        };
+        for peer in self.peers().values() {
+            g.slots_in_use += peer.slots.saturating_sub(peer.credits.available_permits());
+        }
+        g
     }
 }
 
@@ -209,16 +282,6 @@ impl PrefillAgent {
 type RoomPages = (Arc<[u32]>, Option<Arc<PageLease>>);
 
 impl Inner {
-    /// [`PrefillAgent::hold`].
-    pub(super) fn hold_room(&self, room_id: u64) -> Result<(), RoomError> {
-        if self.draining.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(RoomError::Unavailable(
-                "the agent is draining for shutdown: send the room to another prefill rank".into(),
-            ));
-        }
-        self.holds.hold(room_id)
-    }
-
     /// Pages for a room's first piece: the engine's (validated) or the agent's own.
     fn room_pages(&self, req: &ReadyRequest) -> Result<RoomPages, RoomError> {
         let needed = self.cfg.layout.pages_for(req.tokens);
@@ -330,23 +393,9 @@ impl Inner {
                 l.layers
             )));
         }
-        let known = self.rooms().contains_key(&room_id);
-        if !known && self.draining.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(RoomError::Unavailable(
-                "the agent is draining for shutdown: send the room to another prefill rank".into(),
-            ));
-        }
-        let in_flight = self
-            .rooms()
-            .values()
-            .filter(|r| !r.status.state().is_final())
-            .count();
-        if !known && in_flight >= self.cfg.max_rooms {
-            self.metrics.rejected.inc();
-            return Err(RoomError::Exhausted(format!(
-                "{in_flight} rooms in flight; this agent admits at most {} (--max-rooms)",
-                self.cfg.max_rooms
-            )));
+        if !self.rooms().contains_key(&room_id) {
+            self.refuse_while_draining()?;
+            self.admit_room()?;
         }
         let ready_on = match (req.cuda_ipc_event.take(), ready_on) {
             (None, ready_on) => ready_on,
@@ -460,45 +509,6 @@ impl Inner {
             tokio::task::yield_now().await;
         }
         Ok(view)
-    }
-
-    /// [`PrefillAgent::abort`].
-    pub(super) async fn abort_room(self: &Arc<Self>, room_id: u64) -> Result<RoomView, RoomError> {
-        if !self.rooms().contains_key(&room_id) {
-            return Err(RoomError::UnknownRoom(room_id));
-        }
-        self.clone()
-            .engine_abort(
-                room_id,
-                Reason::new(FailureCode::Aborted, "aborted by the prefill engine"),
-            )
-            .await;
-        self.room_view(room_id)
-    }
-
-    /// [`PrefillAgent::view`].
-    pub(super) fn room_view(&self, room_id: u64) -> Result<RoomView, RoomError> {
-        Ok(self.look(room_id)?.0)
-    }
-
-    /// [`PrefillAgent::wait`].
-    pub(super) async fn wait_room(
-        &self,
-        room_id: u64,
-        timeout: Duration,
-    ) -> Result<RoomView, RoomError> {
-        ops::next_change(timeout, || self.look(room_id)).await
-    }
-
-    /// The room's view and, while it may still change, a receiver of its next change.
-    fn look(&self, room_id: u64) -> Result<ops::Look<RoomView>, RoomError> {
-        let rooms = self.rooms();
-        let room = rooms.get(&room_id).ok_or(RoomError::UnknownRoom(room_id))?;
-        let changing = !room.safe_to_reuse();
-        Ok((
-            room.view(room_id),
-            changing.then(|| room.status.subscribe()),
-        ))
     }
 }
 
