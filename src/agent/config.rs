@@ -187,10 +187,10 @@ pub enum DirectMethod {
 }
 
 /// The shortest average run placed rather than staged by default on `path`
-/// (`--placed-min-run-bytes`). Each run is one message: by rendezvous (a handshake, then the
-/// receiver reads: shared memory) placing won over staging from 128 KiB runs; as an eager
-/// message (tcp) from 16 KiB, where 2 and 4 MiB rooms of 32 KiB runs took 15–40 % less time
-/// placed (docs/benchmarks.md).
+/// (`--placed-min-run-bytes`). Each run is one message, so placing beats staging only from a
+/// run length on: 128 KiB by rendezvous (a handshake, then the receiver reads: shared memory),
+/// 16 KiB as an eager message (tcp), which needs no handshake (docs/benchmarks.md, "How long a
+/// placed run must be").
 pub fn placed_min_run(path: &crate::transport::WritePath) -> u64 {
     match path.eager {
         true => 16 << 10,

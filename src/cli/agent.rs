@@ -124,7 +124,8 @@ pub struct AgentArgs {
     /// networks where every host that can reach the agent is trusted.
     #[arg(long, env = "KVFERRY_INSECURE")]
     pub insecure: bool,
-    /// Largest chunk of staging bytes moved at once (1 MiB measured best for ZeroMQ here).
+    /// Largest chunk of staging bytes moved at once (smaller ones make ZeroMQ rooms slower:
+    /// docs/benchmarks.md, "Where a room's time goes").
     #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
     /// Staging slots per prefill peer: chunks in flight from one prefill at once (the decode
@@ -210,9 +211,9 @@ pub struct AgentArgs {
     pub staging: StagingChoice,
     /// Shortest average run, in bytes, that a piece sends as placed runs rather than staged:
     /// each run is one message. Default: 131072 where runs go by rendezvous (a handshake and a
-    /// read: shared memory), 16384 where they go as eager messages (tcp); where placing won
-    /// over staging with UCX 1.13 here (docs/benchmarks.md). A fabric with cheaper messages
-    /// (RDMA) may gain from a lower one.
+    /// read: shared memory), 16384 where they go as eager messages (tcp): where placing beat
+    /// staging with UCX 1.13 (docs/benchmarks.md, "How long a placed run must be"). A fabric
+    /// with cheaper messages (RDMA) may gain from a lower one.
     #[arg(long, env = "KVFERRY_PLACED_MIN_RUN_BYTES")]
     pub placed_min_run_bytes: Option<u64>,
     /// Period of heartbeats on every control connection, in ms.
@@ -502,10 +503,10 @@ pub(crate) fn run(role: AgentRole, args: AgentArgs) -> anyhow::Result<()> {
 ///
 /// libzmq receives each message of more than 8 KiB into a buffer it allocates for it, and the
 /// decode frees it after the scatter. With glibc's defaults every 1 MiB chunk was a fresh
-/// `mmap`, faulted in page by page, and an `munmap`: a fifth of the decode's samples
-/// (`perf record` of zmq-tcp 4096-token rooms, page faults, cgroup charges, page clearing and
-/// unmapping), and 4096-token zmq-tcp rooms took about 1.5x as long as with the buffers kept
-/// (docs/benchmarks.md, "ZeroMQ data plane"). The same settings as the environment's
+/// `mmap`, faulted in page by page, and an `munmap`: page faults, cgroup charges, page clearing
+/// and unmapping took a large share of the decode's time, and zmq-tcp rooms ran markedly
+/// slower than with the buffers kept (docs/benchmarks.md, "ZeroMQ data plane"). The same
+/// settings as the environment's
 /// `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=268435456`,
 /// which an engine that runs agents in process can set itself.
 #[allow(unsafe_code)]

@@ -300,10 +300,10 @@ const STREAM_MIN_BYTES: usize = 16 << 20;
 /// the destination is not read first, read-for-ownership, and does not evict the cache). What
 /// decides is whether the destination's lines can be in the cache, so the size of the whole
 /// buffer counts, not of one transfer: a decode's scatter of one 1 MiB chunk lands in a pool
-/// of many GiB, cold, while a gather fills a staging slot that the sender reads next. Measured
-/// here (docs/benchmarks.md, CPU transfer kernel): into a 1 GiB buffer, 1 KiB pieces (the
-/// heterogeneous-TP head slices) go 5-6 GB/s with memcpy and 16-19 GB/s streamed, 1 MiB pieces
-/// 10-14 and 21-25; into a buffer of 8 MiB, which stays in the cache, ordinary stores win.
+/// of many GiB, cold, while a gather fills a staging slot that the sender reads next. Into a
+/// large buffer, pieces of 1 KiB (the heterogeneous-TP head slices) as of 1 MiB go much faster
+/// streamed than with memcpy; into a buffer small enough to stay in the cache, ordinary stores
+/// win (docs/benchmarks.md, "CPU transfer kernel" and "Scatter into a cold pool").
 fn streams(dst_bytes: usize) -> bool {
     dst_bytes >= STREAM_MIN_BYTES
 }

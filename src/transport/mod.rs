@@ -214,10 +214,10 @@ pub trait DeviceSink: Send + Sync {
 }
 
 /// Most pool ranges a staged chunk is sent from without a gather ([`DataSender::send_from`]):
-/// more, shorter pieces (page tables out of order, head slices) are gathered. Raw UCX over tcp
-/// here, 1 MiB messages out of a 512 MiB buffer: 8 pieces ran as fast as one, 32 and 256
-/// slower (docs/benchmarks.md). A whole-heads chunk of consecutive pages is one range per
-/// layer plane it covers.
+/// more, shorter pieces (page tables out of order, head slices) are gathered. With raw UCX over
+/// tcp a message of this many pieces goes as fast as one buffer, and one of many more pieces
+/// slower (docs/benchmarks.md, "ucx-tcp"). A whole-heads chunk of consecutive pages is one
+/// range per layer plane it covers.
 pub const MAX_PIECES: usize = 8;
 
 /// A received chunk's payload: host bytes, or device memory where the chunk came from device

@@ -1,7 +1,6 @@
 //! The prefill groups a decode looks up in the registry, remembered for [`FRESH`]: a room
 //! asked for within that time of the last lookup of its group goes to the prefill without an
-//! HTTP round trip to the registry (a tenth to a fifth of a millisecond on one host, most of
-//! a small room's fixed cost).
+//! HTTP round trip to the registry (a large share of a small room's fixed cost).
 //!
 //! A remembered group can be stale in one way that matters: a prefill rank restarted (a new
 //! instance). Its old control connection dies or goes silent, and every group is forgotten

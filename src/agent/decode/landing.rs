@@ -487,7 +487,7 @@ impl Inner {
 /// ([`Staging::Device`]) or in pinned host buffers ([`Staging::PinnedHost`], pinned once each
 /// like the prefill's chunk buffers, so that the H2D copy runs at the bus's speed), a host
 /// pool's in host buffers reused from chunk to chunk, so that no receive writes into freshly
-/// mapped memory (a UCX copy into new pages ran at a third of its speed), where the transport
+/// mapped memory (a UCX copy into new pages runs much slower), where the transport
 /// receives into buffers of the agent's (UCX; libzmq allocates every message itself, and
 /// those stay pageable). A device pool's choice is logged.
 pub(super) fn land_where_staged(

@@ -1,8 +1,8 @@
 //! One pass over a room's pages for several decode ranks: with heterogeneous TP one prefill
 //! rank sends each decode rank its share of the heads of every token (TP1 -> TP2: the first and
 //! the second half of each token's row). Each decode rank's transfer is a task of its own, and
-//! written alone each reads every other slice of the source, in strides, which runs at three
-//! quarters of a contiguous read here (docs/benchmarks.md, "Heterogeneous TP"). When two
+//! written alone each reads every other slice of the source, in strides, which is slower
+//! than one contiguous read (docs/benchmarks.md, "Heterogeneous TP"). When two
 //! transfers of one room write the same chunk (tokens and layers) into mapped pools at about
 //! the same time, the first to come waits a little for the other, and the second writes both
 //! chunks in one pass over the source, in its order ([`mapped::write_together`]).
@@ -25,9 +25,8 @@ use crate::transport::mapped::{self, MappedPool};
 
 /// How long a chunk's writes wait for the same chunk of another decode rank of the room, when
 /// another transfer of the room writes mapped and none waits elsewhere. Longer than one chunk's
-/// write alone (a 32 MiB chunk: 3-5 ms here), so that a transfer a chunk behind catches up
-/// (writing alone meanwhile) and the two then go in step: each pair's write ends for both at
-/// once.
+/// write alone, so that a transfer a chunk behind catches up (writing alone meanwhile) and the
+/// two then go in step: each pair's write ends for both at once.
 const PARTNER_WAIT: Duration = Duration::from_millis(10);
 
 /// A chunk's place in its room: the room, its tokens, its global layers.

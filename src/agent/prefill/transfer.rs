@@ -31,7 +31,7 @@ use send::{Payload, Taken};
 use super::fanout;
 
 /// Largest chunk whose plan (no copy) a transfer's task makes itself when the chunk is sent
-/// from the pool: its few runs cost less than a blocking thread's hand-off (tens of µs).
+/// from the pool: its few runs cost less than a hand-off to a blocking thread.
 const INLINE_PLAN_BYTES: usize = 256 << 10;
 
 /// A chunk's payload being made ready to send: planned on the task, or gathered on the
@@ -60,8 +60,9 @@ fn gather_failed(e: crate::kernel::KernelError) -> Reason {
 const CHUNK_STALL: &str = "no chunk taken";
 const PLACED_STALL: &str = "placed runs not taken";
 
-/// The smallest budget of a direct chunk (measured on shared memory, docs/benchmarks.md:
-/// 8 MiB placed chunks reached 5.6 GB/s per room, 32 MiB ones 7.1).
+/// The smallest budget of a direct chunk: over shared memory, rooms of placed chunks this large
+/// run faster than rooms of smaller ones (docs/benchmarks.md, "Direct chunks and two pulling
+/// workers").
 const DIRECT_CHUNK_BYTES: usize = 32 << 20;
 
 /// What a transfer's task does next.

@@ -32,10 +32,11 @@
 //! it to its endpoint and writes runs of its own pool straight into the receiver's with
 //! `ucp_put_nbx`, then flushes the endpoint before it sends the chunk's header, so the header
 //! never overtakes the bytes. Which transport carries the puts is read off the endpoint's lanes
-//! (`ucp_ep_print_info`): UCX 1.13 emulates puts over tcp at ~0.15 GB/s against ~4-5 GB/s for
-//! tagged sends (docs/benchmarks.md), and over shared memory through the receiver's FIFO, where
-//! UCX cannot see a peer die; both are reported not fast (`fast_writes`), and the agents keep
-//! to tagged sends (placed runs or staged chunks) there unless told `--direct-writes always`.
+//! (`ucp_ep_print_info`): UCX 1.13 emulates puts over tcp, far slower than tagged sends
+//! (docs/benchmarks.md, "Choosing the path"), and over shared memory through the receiver's
+//! FIFO, where UCX cannot see a peer die; both are reported not fast (`fast_writes`), and the
+//! agents keep to tagged sends (placed runs or staged chunks) there unless told
+//! `--direct-writes always`.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -214,8 +215,8 @@ fn rma(writes: bool, tls: Option<&str>, insecure: bool) -> bool {
 
 /// Whether staged chunks should go eagerly (UCX's `RNDV_THRESH=inf`) rather than by UCX's
 /// rendezvous: when the user allowed tcp only (`UCX_TLS` of `tcp` and `self`) and did not set
-/// the threshold. Measured here with 1 MiB chunks (docs/benchmarks.md): eager is 1.9x faster
-/// over tcp, where rendezvous costs a handshake per chunk and an emulated one-sided read.
+/// the threshold. Over tcp eager is the faster: rendezvous costs a handshake per chunk and an
+/// emulated one-sided read (docs/benchmarks.md, "Choosing the path").
 /// Everywhere else rendezvous stays: with RDMA it is the zero-copy path, and over shared memory
 /// it moves the bytes by cma, keeping the receiver's shared FIFO to a few small messages. A
 /// sender killed in the middle of a FIFO message wedges that FIFO for every sender (UCX 1.13
@@ -283,7 +284,7 @@ fn eager() -> bool {
 /// UCX 1.13 applies a transport's setting given to `ucp_config_modify` only under the field's
 /// own name (`TX_SEG_SIZE`): `TCP_TX_SEG_SIZE` is accepted and silently ignored (the
 /// endpoint's eager range stays at 8 KiB; tests/ucx_layer.rs checks it), so the environment's
-/// name and the config's differ. Measured here (docs/benchmarks.md).
+/// name and the config's differ (docs/benchmarks.md, "ucx-tcp").
 const EAGER_TCP_SEGMENTS: [(&str, &str, &str); 2] = [
     ("TCP_TX_SEG_SIZE", "TX_SEG_SIZE", EAGER_TCP_SEGMENT),
     ("TCP_RX_SEG_SIZE", "RX_SEG_SIZE", EAGER_TCP_SEGMENT),
@@ -429,9 +430,9 @@ fn decode_addresses(list: &str) -> Option<Vec<Vec<u8>>> {
 }
 
 /// Workers of a receiver, each on its own progress thread, that pull placed runs and take
-/// chunks in turn: measured here, two workers pulled 512 MiB of 8 MiB runs over shared memory
-/// about twice as fast as one (each pull is one thread's cma copy; the sender's side does no
-/// work meanwhile).
+/// chunks in turn: over shared memory two workers pull placed runs faster than one, since each
+/// pull is one thread's cma copy and the sender's side does no work meanwhile
+/// (docs/benchmarks.md, "Direct chunks and two pulling workers").
 const PULLERS: usize = 2;
 
 /// Which runs of a placed chunk go to which of `parts` receiving workers: consecutive
@@ -607,7 +608,7 @@ struct UcxSender {
 ///   emulates with messages: it aborted the decode inside UCX when the prefill died mid-room
 ///   (`ucp_request_send_state_ff` assertion under `uct_tcp_ep_pending_purge`, e2e_ucx). This
 ///   relies on UCX's default `get_zcopy` scheme: `UCX_RNDV_SCHEME=put_zcopy` makes the sender
-///   write instead (about 5 % faster here), and a receive then completes only on a message
+///   write instead (a little faster), and a receive then completes only on a message
 ///   from the sender, which a sender dying mid-write never sends; leave it unset.
 fn placed_runs(eager: bool, via: &[String]) -> bool {
     eager || (!via.is_empty() && !via.iter().any(|t| t == "tcp"))
@@ -708,9 +709,9 @@ impl DataSender for UcxSender {
     }
 
     fn sends_from_pool(&self) -> bool {
-        // Eager chunks go by the kernel's copy out of whatever pieces they are in; measured
-        // here with raw UCX over tcp (1 MiB messages out of a 512 MiB buffer): a message of a
-        // 64-byte prefix and one range ran as fast as one contiguous buffer.
+        // Eager chunks go by the kernel's copy out of whatever pieces they are in: over tcp a
+        // message of a prefix and a few ranges goes as fast as one contiguous buffer
+        // (docs/benchmarks.md, "ucx-tcp").
         eager()
     }
 

@@ -5,13 +5,13 @@
 //! replies through tokio oneshots. While work is in flight it calls `ucp_worker_progress`;
 //! as soon as a round finds nothing to do it arms the worker and sleeps in poll(2) on the
 //! worker's event fd and the wakeup eventfd, with a 100 ms timeout so UCX's keepalive still
-//! runs on a quiet worker. A rendezvous worker never spins: polling a while before sleeping
-//! took the cores the gather and scatter copies need (on 2 cores, staged chunks over shared
-//! memory went 3.0 against 3.6 GB/s per room with a 50 µs spin; docs/benchmarks.md). An eager
-//! worker (tcp) polls [`super::worker::EAGER_SPIN`] first: its messages arrive as streams of
-//! segments, and a sleep between two of them cost more than the poll. Operations in flight
-//! and how they end are in `progress/pending.rs`; registrations, peers' regions and puts (the
-//! one-sided side) in `progress/rma.rs`; placed runs in `progress/runs.rs`.
+//! runs on a quiet worker. A rendezvous worker never spins: on a loaded machine, polling a
+//! while before sleeping takes the cores the gather and scatter copies need, and costs more
+//! than it saves (docs/benchmarks.md, "Progress threads: sleep at once, poll 50 µs on tcp").
+//! An eager worker (tcp) polls [`super::worker::EAGER_SPIN`] first: its messages arrive as
+//! streams of segments, and a sleep between two of them cost more than the poll. Operations in
+//! flight and how they end are in `progress/pending.rs`; registrations, peers' regions and
+//! puts (the one-sided side) in `progress/rma.rs`; placed runs in `progress/runs.rs`.
 //!
 //! Invariants:
 //! - an operation's buffers live in its `Pending` entry together with its request, and an

@@ -153,12 +153,12 @@ impl UcxConfig {
 }
 
 /// How long an eager worker's progress thread keeps polling after its last event before it
-/// sleeps. Measured here (docs/benchmarks.md), 1P1D llama3-8b over tcp: placed
-/// rooms at 4.2-4.7 GB/s per room without it against 4.6-5.9 with 20-100 us and 4.3-5.0 with
-/// 250 us; staged rooms fell from 3.6 to 2.4-2.6 with 1 ms (on 2 cores the spinning threads
-/// take the copies' time). Over shared memory, where the receiver pulls a whole run in one
-/// copy, polling only cost (placed 16.9 against 15.4 GB/s per room with 50 us), so rendezvous
-/// workers sleep at once.
+/// sleeps. Over tcp a message arrives as a stream of segments, and a thread that sleeps
+/// whenever a round finds nothing loses a wake-up per segment: a short poll pays, a long one
+/// costs more than it saves (on a loaded machine the spinning threads take the copies' time).
+/// Over shared memory, where the receiver pulls a whole run in one copy, polling only costs,
+/// so rendezvous workers sleep at once (docs/benchmarks.md, "Progress threads: sleep at once,
+/// poll 50 µs on tcp").
 pub const EAGER_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
 pub(super) type Reply<T> = oneshot::Sender<Result<T, UcxError>>;

@@ -46,10 +46,9 @@ use std::time::Duration;
 pub const RECONNECT_GRACE: Duration = Duration::from_millis(500);
 
 /// libzmq I/O threads per process: a decode fed by two prefill ranks reads both connections
-/// at once, each connection's kernel copies on a thread of its own. Measured here
-/// (`kvferry bench --transport zmq-tcp --prefill-tp 2 --decode-tp 1`, llama3-8b 4096-token
-/// rooms, 5 alternated runs): 2.33-3.02 GB/s per room against 1.78-2.76 with one thread;
-/// TP1 -> TP1 (one connection) the same within noise.
+/// at once, each connection's kernel copies on a thread of its own: such rooms run faster than
+/// with one thread, and rooms over one connection the same (docs/benchmarks.md, "Two libzmq
+/// I/O threads").
 const IO_THREADS: i32 = 2;
 
 /// The process's libzmq context (one for every socket, so that the ZAP handler serves them all).

@@ -5,8 +5,9 @@
 //! Every request reports its end through its completion callback into the worker's list
 //! (`Worker::completed`), so a round of progress costs what ended in it, not what is in
 //! flight: a placed chunk keeps thousands of runs in flight, and polling each of them every
-//! round made 16 KiB runs half as fast. Abandonment is checked per operation for the few that
-//! reply one by one (`Engine::pending`), per group for runs (`Engine::bulk`).
+//! round made small runs pay for all the others (docs/benchmarks.md, "Completion callbacks").
+//! Abandonment is checked per operation for the few that reply one by one
+//! (`Engine::pending`), per group for runs (`Engine::bulk`).
 
 use std::collections::HashMap;
 use std::rc::Rc;

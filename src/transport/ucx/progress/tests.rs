@@ -72,7 +72,7 @@ fn a_queued_put_keeps_its_rkey_until_it_completes() {
     })
     .unwrap();
     let key: Weak<_> = Rc::downgrade(&sender.remote[&region.0].key);
-    // Many puts, emulated over tcp (~0.15 GB/s here): still queued when the caller gives up.
+    // Many puts, emulated over tcp (slow): still queued when the caller gives up.
     let source: Arc<dyn RegisterableMemory> = Arc::new(Region::new(size).unwrap());
     let runs: Vec<WriteRun> = (0..64u64)
         .map(|i| WriteRun {
