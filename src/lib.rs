@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod cluster;
 pub mod cpus;
 pub mod fd_passing;
 pub mod kernel;

@@ -69,7 +69,7 @@ fn check_line(v: &Value, transport: &str, tokens: u64, rooms: u64) {
     // Where the rooms' time went: every stage of a staged room, in ms, none negative (each
     // runs between two causally ordered points).
     let stages = field(v, "stages_ms", "an object", Value::is_object);
-    for (name, _) in kvferry::cli::demo::STAGES {
+    for (name, _) in kvferry::cluster::STAGES {
         assert!(non_negative(&stages[name]), "stage {name}: {stages}");
     }
     assert!(

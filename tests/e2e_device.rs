@@ -99,9 +99,9 @@ impl Engine {
 /// A registry and sidecar agents on device pools of this engine: each agent's extra flags
 /// (role first) get `--pool` naming its own allocation of `bytes`, filled with `fill`.
 struct DeviceCluster {
-    agents: Vec<Spawned>,
+    agents: Vec<Process>,
     pools: Vec<u64>,
-    _registry: Spawned,
+    _registry: Process,
 }
 
 impl DeviceCluster {
@@ -112,10 +112,10 @@ impl DeviceCluster {
         agents: &[(&[&str], usize, u8)],
     ) -> Self {
         let exe = release_binary();
-        let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
+        let logs = kvferry::cluster::log_dir(tag).expect("log dir");
         let args = owned(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]);
-        let registry = Spawned::start(&exe, &[], "registry", &args, &[], &logs);
-        let url = registry.field("url");
+        let registry = common::spawn(&exe, &[], "registry", &args, &[], &logs);
+        let url = registry.field("url").unwrap();
         let mut pools = Vec::new();
         let started = agents
             .iter()
@@ -128,7 +128,7 @@ impl DeviceCluster {
                 args.extend(opts.args());
                 args.extend(owned(&extra[1..]));
                 args.extend(["--pool".to_owned(), engine.pool_flag(pool)]);
-                Spawned::start(&exe, &[], &format!("{}-{i}", extra[0]), &args, &[], &logs)
+                common::spawn(&exe, &[], &format!("{}-{i}", extra[0]), &args, &[], &logs)
             })
             .collect();
         DeviceCluster {
@@ -139,7 +139,7 @@ impl DeviceCluster {
     }
 
     fn api(&self, i: usize) -> String {
-        self.agents[i].field("api")
+        self.agents[i].field("api").unwrap()
     }
 }
 
@@ -265,7 +265,7 @@ fn a_prefill_killed_mid_transfer_fails_the_room_and_nothing_lands_after() {
         .await;
         ready_piece(&http, &c.api(0), 31, TOKENS, 0..TOKENS / 2, false).await;
         wait_state(&http, &decode, 31, &["transferring"], BOUND).await;
-        c.agents[0].signal("KILL");
+        c.agents[0].signal("KILL").unwrap();
         let killed = std::time::Instant::now();
         let v = wait_final(&http, &decode, 31).await;
         assert_eq!(
@@ -705,7 +705,7 @@ fn sidecar_agents_import_vmm_pieces_sent_over_the_engines_socket() {
     let pages = 2 * PAGES;
     let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
     let bytes = layout.pool_bytes(pages).unwrap();
-    let dir = kvferry::cli::cluster::log_dir("device-vmm").expect("log dir");
+    let dir = kvferry::cluster::log_dir("device-vmm").expect("log dir");
     let (prefill_socket, decode_socket) =
         (dir.join("prefill-pool.sock"), dir.join("decode-pool.sock"));
     let (prefill_va, served_prefill) = vmm_pool(&engine, bytes, 0, &prefill_socket);
@@ -715,7 +715,7 @@ fn sidecar_agents_import_vmm_pieces_sent_over_the_engines_socket() {
         ..AgentOpts::default()
     };
     let exe = release_binary();
-    let registry = Spawned::start(
+    let registry = common::spawn(
         &exe,
         &[],
         "registry",
@@ -724,13 +724,13 @@ fn sidecar_agents_import_vmm_pieces_sent_over_the_engines_socket() {
         &dir,
     );
     let agent = |role: &str, socket: &std::path::Path| {
-        let mut args = owned(&[role, "--bootstrap", &registry.field("url")]);
+        let mut args = owned(&[role, "--bootstrap", &registry.field("url").unwrap()]);
         args.extend(opts.args());
         args.extend([
             "--pool".to_owned(),
             format!("cuda-vmm:0:{}", socket.display()),
         ]);
-        Spawned::start(&exe, &[], role, &args, &[], &dir)
+        common::spawn(&exe, &[], role, &args, &[], &dir)
     };
     let (prefill, decode) = (
         agent("prefill", &prefill_socket),
@@ -743,9 +743,14 @@ fn sidecar_agents_import_vmm_pieces_sent_over_the_engines_socket() {
     // Every room spans all layers: its chunks read and write both 2 MiB pieces.
     let rooms = vec![(41, vec![60, 61, 62, 63]), (42, vec![64, 65, 127, 0])];
     runtime().block_on(async {
-        ask_and_announce(&decode.field("api"), &[prefill.field("api")], &rooms).await;
+        ask_and_announce(
+            &decode.field("api").unwrap(),
+            &[prefill.field("api").unwrap()],
+            &rooms,
+        )
+        .await;
         for (room, _) in &rooms {
-            take_verified(&http(), &decode.field("api"), *room).await;
+            take_verified(&http(), &decode.field("api").unwrap(), *room).await;
         }
     });
     let all: Vec<u32> = rooms.iter().flat_map(|(_, p)| p.clone()).collect();

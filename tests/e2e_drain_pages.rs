@@ -99,7 +99,7 @@ fn a_draining_decode_keeps_landed_rooms_takeable_until_taken_then_exits_0() {
             assert_eq!(wait_final(&http, &d, room).await["state"], "success");
         }
     });
-    c.decode.signal("TERM");
+    c.decode.signal("TERM").unwrap();
     let t = Instant::now();
     rt.block_on(async {
         // Draining (once the signal was handled): new rooms are refused. The probe's body is
@@ -160,7 +160,7 @@ fn a_draining_decode_gives_untaken_rooms_up_after_the_window_and_exits_0() {
         request_and_ready(&http, &d, &p, 1, &json!({ "tokens": 100 })).await;
         assert_eq!(wait_final(&http, &d, 1).await["state"], "success");
     });
-    c.decode.signal("TERM");
+    c.decode.signal("TERM").unwrap();
     let t = Instant::now();
     let status = c
         .decode

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvferry::cli::demo::{Apis, drive_rooms};
+use kvferry::cluster::{Apis, drive_rooms};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom as _;
 use rand::{Rng as _, SeedableRng as _};
@@ -79,7 +79,7 @@ fn kill9_prefill_before_ready_fails_waiting_rooms_with_peer_dead() {
         let held: u64 = rooms.iter().map(|(_, t)| t.div_ceil(16) as u64).sum();
         assert_eq!(pool(&http, &d).await, (total, total - held));
 
-        c.prefill.signal("KILL");
+        c.prefill.signal("KILL").unwrap();
         let (killed, killed_ms) = (Instant::now(), now_ms());
         let mut worst = 0.0f64;
         for &(room, _) in &rooms {
@@ -126,7 +126,7 @@ fn kill9_prefill_mid_transfer_fails_the_room_with_peer_dead() {
         request(&http, &d, room, json!({ "tokens": 4096 })).await;
         ready_piece(&http, &p, room, 4096, 0..2048, false).await;
         wait_state(&http, &d, room, &["transferring"], BOUND).await;
-        c.prefill.signal("KILL");
+        c.prefill.signal("KILL").unwrap();
         let (killed, killed_ms) = (Instant::now(), now_ms());
         let v = wait_final(&http, &d, room).await;
         let final_in = killed.elapsed();
@@ -169,18 +169,18 @@ fn kill9_of_a_decode_the_prefill_is_blocked_sending_to_leaves_another_decode_ser
     let c = FaultCluster::start("faults-kill-decode", &args, &[], &[], &[]);
     let mut victim_args = owned(&["decode", "--bootstrap", &c.registry_url]);
     victim_args.extend_from_slice(&args);
-    let victim = Spawned::start(&release_binary(), &[], "victim", &victim_args, &[], &c.logs);
-    let v = victim.field("api");
+    let victim = common::spawn(&release_binary(), &[], "victim", &victim_args, &[], &c.logs);
+    let v = victim.field("api").unwrap();
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
         let (total, _) = pool(&http, &p).await;
         request(&http, &v, 1, json!({ "tokens": 4096 })).await;
         wait_state(&http, &v, 1, &["waiting_for_input"], BOUND).await;
         // 512 MiB for a decode that reads nothing: the prefill's sends to it block.
-        victim.signal("STOP");
+        victim.signal("STOP").unwrap();
         ready(&http, &p, 1, 4096).await;
         wait_state(&http, &p, 1, &["transferring"], BOUND).await;
-        victim.signal("KILL");
+        victim.signal("KILL").unwrap();
         let killed = Instant::now();
 
         request_and_ready(&http, &d, &p, 2, &json!({ "tokens": 512 })).await;
@@ -229,7 +229,7 @@ fn kill9_prefill_after_done_before_take_leaves_landed_rooms_intact() {
         request(&http, &d, 3, json!({ "tokens": 32 })).await;
         wait_state(&http, &d, 3, &["waiting_for_input"], BOUND).await;
 
-        c.prefill.signal("KILL");
+        c.prefill.signal("KILL").unwrap();
         let killed = Instant::now();
         let witness = wait_final(&http, &d, 3).await;
         assert_eq!(witness["state"], "failed", "{witness}");
@@ -1001,7 +1001,7 @@ fn sigterm_drains_a_decode_finishes_in_flight_rooms_deregisters_and_exits_0() {
         &[],
         &[],
     );
-    let instance = c.decode.field("instance");
+    let instance = c.decode.field("instance").unwrap();
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
         assert!(registered(&http, &c.registry_url).await.contains(&instance));
@@ -1016,7 +1016,7 @@ fn sigterm_drains_a_decode_finishes_in_flight_rooms_deregisters_and_exits_0() {
             ready(&http, &p, room, 64).await;
         }
         wait_state(&http, &d, 1, &["transferring"], BOUND).await;
-        c.decode.signal("TERM");
+        c.decode.signal("TERM").unwrap();
         let t = Instant::now();
         tokio::time::sleep(Duration::from_millis(200)).await;
         ready_piece(&http, &p, 1, 64, 32..64, true).await;
@@ -1077,7 +1077,7 @@ fn sigterm_drains_a_prefill_finishes_in_flight_rooms_deregisters_and_exits_0() {
         &[],
         &[],
     );
-    let instance = c.prefill.field("instance");
+    let instance = c.prefill.field("instance").unwrap();
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
         assert!(registered(&http, &c.registry_url).await.contains(&instance));
@@ -1092,7 +1092,7 @@ fn sigterm_drains_a_prefill_finishes_in_flight_rooms_deregisters_and_exits_0() {
             ready(&http, &p, room, 64).await;
         }
         wait_state(&http, &d, 1, &["transferring"], BOUND).await;
-        c.prefill.signal("TERM");
+        c.prefill.signal("TERM").unwrap();
         let t = Instant::now();
         tokio::time::sleep(Duration::from_millis(200)).await;
         ready_piece(&http, &p, 1, 64, 32..64, true).await;

@@ -205,18 +205,17 @@ fn plan_rooms(cfg: &Config, rng: &mut StdRng) -> (Vec<RoomPlan>, usize, usize) {
 /// A pool file the test owns as the engine, with the test's copy of what it should hold.
 /// The processes of one configuration; fields drop in order: agents before the registry.
 struct Cluster {
-    decode: Spawned,
-    prefills: Vec<Spawned>,
+    decode: Process,
+    prefills: Vec<Process>,
     /// Kept until the agents have stopped.
-    _registry: Spawned,
+    _registry: Process,
     logs: PathBuf,
 }
 
 fn start_cluster(cfg: &Config, decode: &EngineFile, prefills: &[Arc<EngineFile>]) -> Cluster {
     let exe = release_binary();
-    let logs =
-        kvferry::cli::cluster::log_dir(&format!("e2e-formats-{}", cfg.tag)).expect("log dir");
-    let registry = Spawned::start(
+    let logs = kvferry::cluster::log_dir(&format!("e2e-formats-{}", cfg.tag)).expect("log dir");
+    let registry = common::spawn(
         &exe,
         &[],
         "registry",
@@ -224,7 +223,7 @@ fn start_cluster(cfg: &Config, decode: &EngineFile, prefills: &[Arc<EngineFile>]
         &[],
         &logs,
     );
-    let url = registry.field("url");
+    let url = registry.field("url").unwrap();
     let agent = |role: &str, name: &str, file: &EngineFile, format: Format, tp: (usize, usize)| {
         let page = match role {
             "decode" => cfg.decode_page,
@@ -252,7 +251,7 @@ fn start_cluster(cfg: &Config, decode: &EngineFile, prefills: &[Arc<EngineFile>]
             "--tp-size",
             &tp.1.to_string(),
         ]));
-        Spawned::start(&exe, &[], name, &args, &[], &logs)
+        common::spawn(&exe, &[], name, &args, &[], &logs)
     };
     let prefill_procs = prefills
         .iter()
@@ -431,8 +430,12 @@ fn run(cfg: Config) {
         http: http(),
         seed,
         cfg,
-        decode_api: cluster.decode.field("api"),
-        prefill_apis: cluster.prefills.iter().map(|p| p.field("api")).collect(),
+        decode_api: cluster.decode.field("api").unwrap(),
+        prefill_apis: cluster
+            .prefills
+            .iter()
+            .map(|p| p.field("api").unwrap())
+            .collect(),
         prefills: prefills.clone(),
     });
     let t1 = Instant::now();

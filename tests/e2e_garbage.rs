@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
+use kvferry::cluster::{Apis, LocalCluster, drive_rooms};
 use kvferry::layout::{AttentionKind, Dtype, PageOrder};
 use kvferry::protocol::{
     Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, HEADER_LEN, Heartbeat, Hello, HelloAck,

@@ -50,7 +50,7 @@ fn cluster_under_attack<H>(
     tag: &str,
     (transport, token, env): (&'static str, Option<&str>, &[(&str, &str)]),
     target: Target,
-    attack: impl FnOnce(&Spawned) -> Vec<H>,
+    attack: impl FnOnce(&Process) -> Vec<H>,
 ) -> (FaultCluster, Vec<H>, usize) {
     let opts = AgentOpts {
         pool_pages: 256,
@@ -62,18 +62,18 @@ fn cluster_under_attack<H>(
         env.extend([("KVFERRY_TOKEN", token), ("KVFERRY_BOOTSTRAP_TOKEN", token)]);
     }
     let (exe, prefix) = (release_binary(), owned(&["prlimit", NOFILE]));
-    let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
+    let logs = kvferry::cluster::log_dir(tag).expect("log dir");
     let registry_args = owned(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]);
-    let registry = Spawned::start(&exe, &prefix, "registry", &registry_args, &env, &logs);
-    let registry_url = registry.field("url");
+    let registry = common::spawn(&exe, &prefix, "registry", &registry_args, &env, &logs);
+    let registry_url = registry.field("url").unwrap();
     let agent = |role: &str| {
         let mut args = owned(&[role, "--bootstrap", &registry_url]);
         args.extend(opts.args());
-        Spawned::start(&exe, &prefix, role, &args, &env, &logs)
+        common::spawn(&exe, &prefix, role, &args, &env, &logs)
     };
     let mut held = None;
     let mut attack = Some(attack);
-    let mut hit = |process: &Spawned, held: &mut Option<(Vec<H>, usize)>| {
+    let mut hit = |process: &Process, held: &mut Option<(Vec<H>, usize)>| {
         let before = fds(process.pid());
         let attack = attack.take().expect("one attack");
         *held = Some((attack(process), before));
@@ -212,10 +212,10 @@ async fn released(tag: &str, pid: u32, before: usize, ports: &[(u16, u16)]) {
 
 /// Drives 8 rooms through `c`, asserting each verified; how long they took.
 async fn rooms(tag: &str, c: &FaultCluster, first: u64) -> Duration {
-    let apis = kvferry::cli::demo::Apis::pair(&c.prefill_api, &c.decode_api);
+    let apis = kvferry::cluster::Apis::pair(&c.prefill_api, &c.decode_api);
     let t = Instant::now();
     let rooms: Vec<(u64, usize)> = (first..first + 8).map(|r| (r, 64)).collect();
-    let results = tokio::time::timeout(BOUND, kvferry::cli::demo::drive_rooms(&apis, rooms, 4))
+    let results = tokio::time::timeout(BOUND, kvferry::cluster::drive_rooms(&apis, rooms, 4))
         .await
         .unwrap_or_else(|_| {
             panic!(
@@ -249,7 +249,7 @@ struct Port {
 }
 
 impl Port {
-    fn process<'c>(&self, c: &'c FaultCluster) -> &'c Spawned {
+    fn process<'c>(&self, c: &'c FaultCluster) -> &'c Process {
         match self.target {
             Target::Registry => &c.registry,
             Target::Prefill => &c.prefill,
@@ -266,7 +266,7 @@ fn held_while_rooms_run<H: Held>(
     cluster: (&'static str, Option<&str>, &[(&str, &str)]),
     port: Port,
     crowded: bool,
-    attack: impl FnOnce(&Spawned) -> Vec<H>,
+    attack: impl FnOnce(&Process) -> Vec<H>,
 ) -> FaultCluster {
     let (c, held, before) = cluster_under_attack(tag, cluster, port.target, attack);
     let process = port.process(&c);
@@ -321,7 +321,7 @@ fn http_port(tag: &str, target: Target) {
         };
         let port = Port { name, target };
         held_while_rooms_run(&tag, ("zmq-tcp", token, &[]), port, true, |p| {
-            hold_tcp(&p.field(field), 1100, first)
+            hold_tcp(&p.field(field).unwrap(), 1100, first)
         });
     }
 }
@@ -371,7 +371,7 @@ fn zmq_port(tag: &str, which: &str) {
             Some(_) => (zmtp_greeting("PLAIN"), 100),
         };
         held_while_rooms_run(&tag, ("zmq-tcp", token, &[]), port, n > 128, |p| {
-            hold_tcp(&p.field(which), n, &first)
+            hold_tcp(&p.field(which).unwrap(), n, &first)
         });
     }
 }
@@ -454,6 +454,7 @@ fn silent_connections_on_the_ucx_listener_never_keep_a_room_out() {
     held_while_rooms_run(tag, ("ucx", None, &env), port, false, |decode| {
         let api_port: u16 = decode
             .field("api")
+            .unwrap()
             .rsplit(':')
             .next()
             .unwrap()
@@ -473,7 +474,7 @@ fn silent_connections_on_the_ucx_listener_never_keep_a_room_out() {
 #[test]
 fn silent_connections_on_the_proxy_never_keep_a_request_out() {
     let tag = "held-proxy";
-    let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
+    let logs = kvferry::cluster::log_dir(tag).expect("log dir");
     // Backends that are never reached: the proxy answers /metrics itself.
     let nowhere = format!("http://127.0.0.1:{}", closed_port());
     let args = owned(&[
@@ -486,8 +487,8 @@ fn silent_connections_on_the_proxy_never_keep_a_request_out() {
         "0",
     ]);
     let prefix = owned(&["prlimit", NOFILE]);
-    let proxy = Spawned::start(&release_binary(), &prefix, "proxy", &args, &[], &logs);
-    let url = proxy.field("url");
+    let proxy = common::spawn(&release_binary(), &prefix, "proxy", &args, &[], &logs);
+    let url = proxy.field("url").unwrap();
     // A new connection for every request, as a new client's.
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
@@ -537,7 +538,7 @@ fn a_host_over_the_per_address_limit_is_told_which_limit() {
     let ctx = zmq::Context::new();
     let (c, held, _) =
         cluster_under_attack(tag, ("zmq-tcp", None, &[]), Target::Prefill, |prefill| {
-            let endpoint = prefill.field("control");
+            let endpoint = prefill.field("control").unwrap();
             (0..64)
                 .map(|_| {
                     let s = ctx.socket(zmq::DEALER).expect("DEALER");

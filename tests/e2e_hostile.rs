@@ -118,8 +118,8 @@ fn http_attack(url: &str) -> Option<String> {
 
 /// A 32-token room of the tiny preset from request to take, verified.
 async fn verified_room(http: &Client, c: &FaultCluster, room: u64) {
-    let apis = kvferry::cli::demo::Apis::pair(&c.prefill_api, &c.decode_api);
-    let results = kvferry::cli::demo::drive_rooms(&apis, vec![(room, 32)], 1)
+    let apis = kvferry::cluster::Apis::pair(&c.prefill_api, &c.decode_api);
+    let results = kvferry::cluster::drive_rooms(&apis, vec![(room, 32)], 1)
         .await
         .expect("a room");
     assert!(
@@ -154,8 +154,12 @@ fn peak_kib(pid: u32) -> u64 {
 fn a_2_pow_40_byte_frame_on_every_port_allocates_nothing_and_every_role_serves_on() {
     let mut c = cluster("hostile-huge", &[]);
     let zmq_ports = [
-        ("prefill control", c.prefill.field("control"), "DEALER"),
-        ("decode data", c.decode.field("data"), "PUSH"),
+        (
+            "prefill control",
+            c.prefill.field("control").unwrap(),
+            "DEALER",
+        ),
+        ("decode data", c.decode.field("data").unwrap(), "PUSH"),
     ];
     for (name, endpoint, socket_type) in &zmq_ports {
         // In the handshake (a command frame) and after it (a message frame).
@@ -259,8 +263,8 @@ fn a_memory_flood_on_the_control_and_data_ports_stays_within_the_bound() {
     let (prefill_pid, decode_pid) = (c.prefill.pid(), c.decode.pid());
     let before = (rss_kib(prefill_pid), rss_kib(decode_pid));
     // 16 GiB announced, 400 MiB streamed into it, on each port.
-    let control = c.prefill.field("control");
-    let data = c.decode.field("data");
+    let control = c.prefill.field("control").unwrap();
+    let data = c.decode.field("data").unwrap();
     for (name, endpoint, socket_type) in [("control", &control, "DEALER"), ("data", &data, "PUSH")]
     {
         let t = Instant::now();
@@ -420,7 +424,12 @@ async fn forged_then_real(
     room: u64,
     push: Option<&zmq::Socket>,
 ) -> f64 {
-    let instance: uuid::Uuid = c.prefill.field("instance").parse().expect("a uuid");
+    let instance: uuid::Uuid = c
+        .prefill
+        .field("instance")
+        .unwrap()
+        .parse()
+        .expect("a uuid");
     let before = forged_count(http, &c.decode_api).await;
     let url = format!("{}/v1/rooms/{room}", c.decode_api);
     expect(
@@ -471,7 +480,7 @@ fn forged_chunks_never_land_and_the_real_bytes_verify() {
     let ctx = zmq::Context::new();
     let push = ctx.socket(zmq::PUSH).expect("PUSH");
     push.set_linger(0).ok();
-    push.connect(&c.decode.field("data"))
+    push.connect(&c.decode.field("data").unwrap())
         .expect("connect to the decode's data port");
     runtime().block_on(async {
         let http = http();
@@ -490,7 +499,7 @@ fn with_a_token_forgers_cannot_connect_and_token_holders_cannot_forge() {
         &[("--checksum", ""), ("--token", "s3cret")],
     );
     let ctx = zmq::Context::new();
-    let data = c.decode.field("data");
+    let data = c.decode.field("data").unwrap();
     let outsider = ctx.socket(zmq::PUSH).expect("PUSH");
     outsider.set_linger(0).ok();
     outsider.set_sndtimeo(0).ok();
@@ -503,7 +512,7 @@ fn with_a_token_forgers_cannot_connect_and_token_holders_cannot_forge() {
     runtime().block_on(async {
         let http = http();
         // Without the token the handshake fails: nothing the outsider queues is delivered.
-        let instance: uuid::Uuid = c.prefill.field("instance").parse().expect("a uuid");
+        let instance: uuid::Uuid = c.prefill.field("instance").unwrap().parse().expect("a uuid");
         for _ in 0..2 {
             let (h, p) = forged_chunk(9, instance, 0..32);
             let _ = outsider.send_multipart([h, p], zmq::DONTWAIT);
@@ -518,7 +527,7 @@ fn with_a_token_forgers_cannot_connect_and_token_holders_cannot_forge() {
 }
 
 /// Starts a decode agent against the cluster's registry with `extra` flags.
-fn rogue_decode(c: &FaultCluster, extra: &[&str]) -> Spawned {
+fn rogue_decode(c: &FaultCluster, extra: &[&str]) -> Process {
     let mut args = owned(&[
         "decode",
         "--bootstrap",
@@ -530,7 +539,7 @@ fn rogue_decode(c: &FaultCluster, extra: &[&str]) -> Spawned {
     ]);
     args.extend(all_timeouts(&opts(), 60_000, 30_000));
     args.extend(owned(extra));
-    Spawned::start(&release_binary(), &[], "rogue-decode", &args, &[], &c.logs)
+    common::spawn(&release_binary(), &[], "rogue-decode", &args, &[], &c.logs)
 }
 
 #[test]
@@ -544,7 +553,7 @@ fn a_rogue_decode_gets_no_kv() {
             ("a wrong token", vec!["--token", "guess"]),
         ] {
             let rogue = rogue_decode(&c, &flags);
-            let api = rogue.field("api");
+            let api = rogue.field("api").unwrap();
             let url = format!("{api}/v1/rooms/77");
             expect(&http, Method::POST, &url, Some(&json!({"tokens": 32})), StatusCode::CREATED).await;
             let v = wait_final(&http, &api, 77).await;
@@ -557,7 +566,7 @@ fn a_rogue_decode_gets_no_kv() {
         // prefill and to the real decode only. Room 10: the rogue asks before the prefill engine
         // announces the room; room 11: after.
         let rogue = rogue_decode(&c, &["--token", "s3cret"]);
-        let rogue_api = rogue.field("api");
+        let rogue_api = rogue.field("api").unwrap();
         for (room, rogue_first) in [(10u64, true), (11, false)] {
             let real = format!("{}/v1/rooms/{room}", c.decode_api);
             let fake = format!("{rogue_api}/v1/rooms/{room}");
@@ -627,7 +636,7 @@ fn kill_9_of_either_agent_mid_transfer_is_seen_from_the_connection() {
                 "decode" => (&c.prefill_api, &c.decode),
                 _ => (&c.decode_api, &c.prefill),
             };
-            killed.signal("KILL");
+            killed.signal("KILL").unwrap();
             let t = Instant::now();
             let v = wait_final(&http, survivor, 3).await;
             let took = t.elapsed();

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use common::netns::{DEVICE, Hosts};
 use common::*;
-use kvferry::cli::demo::{Apis, drive_rooms};
+use kvferry::cluster::{Apis, drive_rooms};
 use serde_json::json;
 
 /// The cluster's shared secret (registry routes, agent registrations and Hello).
@@ -56,7 +56,7 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
         return;
     };
     let exe = release_binary();
-    let logs = kvferry::cli::cluster::log_dir(&tag).expect("log dir");
+    let logs = kvferry::cluster::log_dir(&tag).expect("log dir");
     let (reg_host, pre_host, dec_host) = (
         net.host("registry"),
         net.host("prefill"),
@@ -69,7 +69,7 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
         dec_host.ip,
         logs.display()
     );
-    let registry = Spawned::start(
+    let registry = common::spawn(
         &exe,
         &reg_host.exec(),
         "registry",
@@ -111,8 +111,8 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
             set_flag(&mut args, flag, &value);
         }
         let name = format!("{role}-{rank}");
-        let spawned = Spawned::start(&exe, &host.exec(), &name, &args, env, &logs);
-        let api = spawned.field("api");
+        let spawned = common::spawn(&exe, &host.exec(), &name, &args, env, &logs);
+        let api = spawned.field("api").unwrap();
         let want = format!("http://{}:{}", host.ip, API_PORT + rank);
         assert_eq!(api, want, "{name}'s API is where it was pinned");
         (spawned, api)

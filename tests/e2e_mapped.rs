@@ -17,7 +17,7 @@ use common::{
     AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, ready, ready_piece,
     request, runtime, set_flag, wait_final, wait_safe, wait_state,
 };
-use kvferry::cli::demo::{LocalCluster, Shape, drive_rooms};
+use kvferry::cluster::{LocalCluster, Shape, drive_rooms};
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 

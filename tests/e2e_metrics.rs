@@ -10,7 +10,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use kvferry::cli::demo::{Apis, drive_rooms};
+use kvferry::cluster::{Apis, drive_rooms};
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 
@@ -102,8 +102,8 @@ fn openmetrics_check(what: &str, text: &str) {
 #[test]
 fn metrics_count_rooms_done_and_failed_and_are_valid_openmetrics() {
     let exe = release_binary();
-    let logs = kvferry::cli::cluster::log_dir("e2e-metrics").expect("log dir");
-    let registry = Spawned::start(
+    let logs = kvferry::cluster::log_dir("e2e-metrics").expect("log dir");
+    let registry = common::spawn(
         &exe,
         &[],
         "registry",
@@ -111,7 +111,7 @@ fn metrics_count_rooms_done_and_failed_and_are_valid_openmetrics() {
         &[],
         &logs,
     );
-    let url = registry.field("url");
+    let url = registry.field("url").unwrap();
     let prefill_opts = AgentOpts {
         pool_pages: 256,
         ..AgentOpts::default()
@@ -124,11 +124,11 @@ fn metrics_count_rooms_done_and_failed_and_are_valid_openmetrics() {
     let agent = |role: &str, opts: &AgentOpts| {
         let mut args = owned(&[role, "--bootstrap", &url]);
         args.extend(opts.args());
-        Spawned::start(&exe, &[], role, &args, &[], &logs)
+        common::spawn(&exe, &[], role, &args, &[], &logs)
     };
     let prefill = agent("prefill", &prefill_opts);
     let decode = agent("decode", &decode_opts);
-    let (p, d) = (prefill.field("api"), decode.field("api"));
+    let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
     println!(
         "[e2e-metrics] registry {url}, prefill {p}, decode {d}; logs in {}",
         logs.display()

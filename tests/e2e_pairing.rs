@@ -6,7 +6,7 @@
 mod common;
 
 use common::{AgentOpts, BOUND, http, runtime};
-use kvferry::cli::demo::{LocalCluster, Shape, drive_rooms};
+use kvferry::cluster::{LocalCluster, Shape, drive_rooms};
 use serde_json::json;
 
 /// Runs rooms through the shape; every rank of every prefill group serves some except those
@@ -160,7 +160,7 @@ fn pools_of_other_page_sizes_exchange_kv_in_token_rows() {
         let i = args.iter().position(|a| a == "--page-size").unwrap();
         args[i + 1] = "32".into();
         let name = format!("decode-p32-{order}");
-        kvferry::cli::cluster::Process::spawn(&exe, &name, &args, &cluster.logs, BOUND).unwrap()
+        kvferry::cluster::Process::spawn(&exe, &name, &args, &cluster.logs, BOUND).unwrap()
     };
     let decodes = [decode("1", "token_major"), decode("2", "head_major")];
     let http = http();

@@ -17,7 +17,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use common::{BOUND, Spawned, call, call_raw, http, owned, poll_until, release_binary, runtime};
+use common::{BOUND, Process, call, call_raw, http, owned, poll_until, release_binary, runtime};
 use reqwest::Method;
 use serde_json::{Value, json};
 
@@ -255,7 +255,7 @@ async fn answer(
 }
 
 /// A proxy process in front of `prefills` and `decodes`.
-fn proxy(prefills: &[&str], decodes: &[&str], pairing: &str) -> (Spawned, String) {
+fn proxy(prefills: &[&str], decodes: &[&str], pairing: &str) -> (Process, String) {
     proxy_with(prefills, decodes, pairing, &[])
 }
 
@@ -265,8 +265,8 @@ fn proxy_with(
     decodes: &[&str],
     pairing: &str,
     extra: &[&str],
-) -> (Spawned, String) {
-    let logs = kvferry::cli::cluster::log_dir("proxy").expect("log dir");
+) -> (Process, String) {
+    let logs = kvferry::cluster::log_dir("proxy").expect("log dir");
     let mut args = owned(&[
         "proxy",
         "--prefill",
@@ -282,7 +282,7 @@ fn proxy_with(
         args.extend(owned(&["--health-ms", "50"]));
     }
     args.extend(owned(extra));
-    let p = Spawned::start(
+    let p = common::spawn(
         &release_binary(),
         &[],
         "proxy",
@@ -291,7 +291,7 @@ fn proxy_with(
         &logs,
     );
     assert_eq!(p.listening["role"], "proxy");
-    let url = p.field("url");
+    let url = p.field("url").unwrap();
     (p, url)
 }
 

@@ -69,7 +69,7 @@ fn log_text(path: &Path) -> String {
 #[test]
 fn non_loopback_addresses_need_a_token_or_insecure() {
     let exe = release_binary();
-    let logs = kvferry::cli::cluster::log_dir("registry-exposure").expect("log dir");
+    let logs = kvferry::cluster::log_dir("registry-exposure").expect("log dir");
     // Refused at start, naming the flag and the address, exit 1.
     for (args, says) in [
         (
@@ -98,7 +98,7 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
         );
     }
     // --insecure starts and warns; a token starts without the warning.
-    let insecure = Spawned::start(
+    let insecure = common::spawn(
         &exe,
         &[],
         "registry-insecure",
@@ -113,11 +113,11 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
         &[],
         &logs,
     );
-    let url = insecure.field("url");
+    let url = insecure.field("url").unwrap();
     assert!(url.starts_with("http://0.0.0.0:"), "{url}");
     let port = url.rsplit(':').next().unwrap().to_owned();
     let local = format!("http://127.0.0.1:{port}");
-    let with_token = Spawned::start(
+    let with_token = common::spawn(
         &exe,
         &[],
         "registry-token",
@@ -134,7 +134,7 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
         &logs,
     );
     // The agent's own switch, by environment this time.
-    let decode = Spawned::start(
+    let decode = common::spawn(
         &exe,
         &[],
         "decode-insecure",
@@ -164,7 +164,7 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
 struct Cluster {
     exe: PathBuf,
     logs: PathBuf,
-    registry: Spawned,
+    registry: Process,
     url: String,
     args: Vec<String>,
 }
@@ -172,8 +172,8 @@ struct Cluster {
 impl Cluster {
     fn start(tag: &str, lease_ttl_ms: u64) -> Cluster {
         let exe = release_binary();
-        let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
-        let registry = Spawned::start(
+        let logs = kvferry::cluster::log_dir(tag).expect("log dir");
+        let registry = common::spawn(
             &exe,
             &[],
             "registry",
@@ -189,7 +189,7 @@ impl Cluster {
             &[],
             &logs,
         );
-        let url = registry.field("url");
+        let url = registry.field("url").unwrap();
         let opts = AgentOpts {
             heartbeat_ms: 100,
             peer_dead_ms: 1_000,
@@ -211,8 +211,8 @@ impl Cluster {
         args
     }
 
-    fn agent(&self, role: &str, name: &str) -> Spawned {
-        Spawned::start(
+    fn agent(&self, role: &str, name: &str) -> Process {
+        common::spawn(
             &self.exe,
             &[],
             name,
@@ -236,7 +236,7 @@ fn a_second_agent_with_the_same_rank_exits_non_zero_and_the_first_keeps_serving(
     let c = Cluster::start("registry-same-rank", 1_000);
     let first = c.agent("prefill", "prefill-1");
     let decode = c.agent("decode", "decode");
-    let holder = first.field("instance");
+    let holder = first.field("instance").unwrap();
     // The second one never listens: it waits for the slot, sees the holder renew for more than
     // 3 leases, and gives up with 1.
     let args = c.agent_args("prefill");
@@ -271,7 +271,13 @@ fn a_second_agent_with_the_same_rank_exits_non_zero_and_the_first_keeps_serving(
                 .count(),
             1
         );
-        rooms_verify(&http, &decode.field("api"), &first.field("api"), 1..3).await;
+        rooms_verify(
+            &http,
+            &decode.field("api").unwrap(),
+            &first.field("api").unwrap(),
+            1..3,
+        )
+        .await;
     });
 }
 
@@ -326,14 +332,14 @@ fn a_prefill_restarted_while_its_old_lease_is_live_waits_then_serves() {
     let c = Cluster::start("registry-restart", 4_000);
     let mut old = c.agent("prefill", "prefill-old");
     let decode = c.agent("decode", "decode");
-    let (old_id, d) = (old.field("instance"), decode.field("api"));
+    let (old_id, d) = (old.field("instance").unwrap(), decode.field("api").unwrap());
     let rt = runtime();
     let http = http();
-    rt.block_on(rooms_verify(&http, &d, &old.field("api"), 1..2));
-    old.signal("KILL");
+    rt.block_on(rooms_verify(&http, &d, &old.field("api").unwrap(), 1..2));
+    old.signal("KILL").unwrap();
     old.wait_exit(BOUND).expect("kill -9");
     let new = c.agent("prefill", "prefill-new");
-    let (new_id, p) = (new.field("instance"), new.field("api"));
+    let (new_id, p) = (new.field("instance").unwrap(), new.field("api").unwrap());
     let log = log_text(&new.log);
     let waited = log.contains("slot held by another live instance");
     println!("restarted prefill registered (waited out the old lease: {waited})");
@@ -379,17 +385,17 @@ fn a_prefill_restarted_while_its_old_lease_is_live_waits_then_serves() {
 fn an_agent_whose_slot_was_taken_after_its_lease_lapsed_exits_non_zero() {
     let c = Cluster::start("registry-replaced", 1_000);
     let mut old = c.agent("prefill", "prefill-old");
-    let old_id = old.field("instance");
+    let old_id = old.field("instance").unwrap();
     let rt = runtime();
     let http = http();
     // Stopped, it cannot renew: its lease lapses and another instance takes the slot.
-    old.signal("STOP");
+    old.signal("STOP").unwrap();
     rt.block_on(poll_until("old lease lapsed", BOUND, || async {
         (!registered(&http, &c.url).await.contains(&old_id)).then_some(())
     }));
     let new = c.agent("prefill", "prefill-new");
-    let new_id = new.field("instance");
-    old.signal("CONT");
+    let new_id = new.field("instance").unwrap();
+    old.signal("CONT").unwrap();
     let status = old
         .wait_exit(BOUND)
         .expect("the replaced prefill did not exit");
@@ -412,7 +418,7 @@ fn an_agent_whose_slot_was_taken_after_its_lease_lapsed_exits_non_zero() {
         let v: Value = expect(
             &http,
             Method::GET,
-            &format!("{}/healthz", new.field("api")),
+            &format!("{}/healthz", new.field("api").unwrap()),
             None,
             StatusCode::OK,
         )
@@ -441,16 +447,19 @@ fn agents_advertise_another_address_than_they_bind_on_pinned_ports() {
         ] {
             set_flag(&mut args, flag, &value);
         }
-        Spawned::start(&c.exe, &[], role, &args, &[], &c.logs)
+        common::spawn(&c.exe, &[], role, &args, &[], &c.logs)
     };
     let prefill = pinned("prefill", ("--control-port", control), prefill_api);
     let decode = pinned("decode", ("--data-port", data), decode_api);
     assert_eq!(
-        prefill.field("control"),
+        prefill.field("control").unwrap(),
         format!("tcp://127.0.0.2:{control}")
     );
-    assert_eq!(decode.field("data"), format!("tcp://127.0.0.2:{data}"));
-    let (p, d) = (prefill.field("api"), decode.field("api"));
+    assert_eq!(
+        decode.field("data").unwrap(),
+        format!("tcp://127.0.0.2:{data}")
+    );
+    let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
     assert!(p.ends_with(&format!(":{prefill_api}")), "{p}");
     assert!(d.ends_with(&format!(":{decode_api}")), "{d}");
     runtime().block_on(async {
@@ -511,15 +520,15 @@ fn decodes_started_with_identical_ranks_all_register_and_all_land_rooms() {
             .expect("JSON");
         let listed = ranks.to_string();
         for d in &decodes {
-            let id = d.field("instance");
+            let id = d.field("instance").unwrap();
             assert!(listed.contains(&id), "{id} is listed: {ranks}");
         }
         for (i, d) in decodes.iter().enumerate() {
             let first = 1 + 2 * i as u64;
             rooms_verify(
                 &http,
-                &d.field("api"),
-                &prefill.field("api"),
+                &d.field("api").unwrap(),
+                &prefill.field("api").unwrap(),
                 first..first + 2,
             )
             .await;

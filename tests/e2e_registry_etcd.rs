@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use etcd::{EtcdCluster, etcd_installed};
-use kvferry::cli::demo::{Apis, drive_rooms};
+use kvferry::cluster::{Apis, drive_rooms};
 use serde_json::json;
 
 /// Registry leases: short, so that a lapse is seen quickly and a failover that did not renew
@@ -34,7 +34,7 @@ fn replicas_on_etcd_survive_a_killed_replica_and_a_killed_etcd_member() {
     }
     let mut cluster = EtcdCluster::start();
     let exe = release_binary();
-    let logs = kvferry::cli::cluster::log_dir("registry-etcd").expect("log dir");
+    let logs = kvferry::cluster::log_dir("registry-etcd").expect("log dir");
     println!(
         "[registry-etcd] etcd {:?}; logs in {}",
         cluster.clients,
@@ -51,8 +51,8 @@ fn replicas_on_etcd_survive_a_killed_replica_and_a_killed_etcd_member() {
             "--lease-ttl-ms",
             &LEASE_MS.to_string(),
         ]);
-        let r = Spawned::start(&exe, &[], name, &args, &[], &logs);
-        let url = r.field("url");
+        let r = common::spawn(&exe, &[], name, &args, &[], &logs);
+        let url = r.field("url").unwrap();
         (r, url)
     };
     let (a, url_a) = replica("registry-a");
@@ -67,8 +67,8 @@ fn replicas_on_etcd_survive_a_killed_replica_and_a_killed_etcd_member() {
         let mut args = owned(&[role, "--bootstrap", bootstrap]);
         args.extend(all_timeouts(&opts, 60_000, 30_000));
         args.extend(owned(extra));
-        let s = Spawned::start(&exe, &[], name, &args, &[], &logs);
-        let api = s.field("api");
+        let s = common::spawn(&exe, &[], name, &args, &[], &logs);
+        let api = s.field("api").unwrap();
         (s, api)
     };
     let (prefill, p) = agent("prefill", "prefill", &both, &[]);
@@ -89,7 +89,7 @@ fn replicas_on_etcd_survive_a_killed_replica_and_a_killed_etcd_member() {
         }
 
         let leader = cluster.leader();
-        a.signal("KILL");
+        a.signal("KILL").unwrap();
         cluster.kill(leader);
         let failed_over = Instant::now();
         println!("[registry-etcd] killed registry replica A and etcd member {leader} (the leader) while rooms {in_flight:?} transferred");
@@ -145,7 +145,7 @@ fn replicas_on_etcd_survive_a_killed_replica_and_a_killed_etcd_member() {
         &late,
         &["--dp-rank", "1", "--dp-size", "2"],
     );
-    let instance2 = decode2.field("instance");
+    let instance2 = decode2.field("instance").unwrap();
     runtime().block_on(async {
         let http = http();
         for url in [&url_b, &url_c] {
@@ -157,7 +157,7 @@ fn replicas_on_etcd_survive_a_killed_replica_and_a_killed_etcd_member() {
             .expect("a room on the new decode");
         assert!(results[0].verified && results[0].state == "success", "{:?}", results[0]);
 
-        decode2.signal("KILL");
+        decode2.signal("KILL").unwrap();
         let killed = Instant::now();
         for url in [&url_b, &url_c] {
             poll_until("the dead decode's lease lapses", BOUND, || async {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use common::{AgentOpts, BOUND, call, expect, http, metric, ms, pool, runtime, wait_final};
-use kvferry::cli::cluster::{Process, log_dir};
-use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
+use kvferry::cluster::{Apis, LocalCluster, drive_rooms};
+use kvferry::cluster::{Process, log_dir};
 use kvferry::layout::{KvLayout, ModelSpec};
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{Value, json};

@@ -17,8 +17,8 @@ use common::{
     AgentOpts, BOUND, decode_chunks, drive_verified, expect, http, metric, ready_piece, request,
     request_and_ready, runtime, set_flag, wait_final, wait_safe, wait_state,
 };
-use kvferry::cli::cluster::{Process, log_dir};
-use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
+use kvferry::cluster::{Apis, LocalCluster, Shape, drive_rooms};
+use kvferry::cluster::{Process, log_dir};
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 
@@ -693,7 +693,7 @@ fn a_prefill_with_its_own_rendezvous_threshold_places_no_run_into_plain_receives
             (v["bytes"].as_u64().unwrap_or(0) >= piece).then_some(())
         })
         .await;
-        c.prefill.signal("KILL");
+        c.prefill.signal("KILL").unwrap();
         let v = wait_final(&http, d, 2).await;
         println!("[{tag}] killed mid-room: {} {}", v["state"], v["reason"]);
         assert_eq!(v["state"], "failed", "{v}");

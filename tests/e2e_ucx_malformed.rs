@@ -11,7 +11,7 @@ mod common;
 
 use common::rogue::{answers, hello};
 use common::{AgentOpts, release_binary, runtime};
-use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
+use kvferry::cluster::{Apis, LocalCluster, Shape, drive_rooms};
 use kvferry::memory::RemoteMemory;
 use kvferry::protocol::Message;
 use kvferry::transport::ucx::{UcxConfig, UcxWorker};
@@ -41,7 +41,7 @@ fn ucx_cluster_env(tag: &str, env: &[(&str, &str)]) -> LocalCluster {
 
 /// The prefill's and the decode's APIs and the prefill's control endpoint.
 fn endpoints(cluster: &LocalCluster) -> (String, String, String) {
-    let field = |p: &kvferry::cli::cluster::Process, key: &str| {
+    let field = |p: &kvferry::cluster::Process, key: &str| {
         p.field(key)
             .unwrap_or_else(|e| panic!("{}: {key}: {e}", p.name))
     };

@@ -20,8 +20,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use common::{AgentOpts, release_binary, runtime};
-use kvferry::cli::cluster::Process;
-use kvferry::cli::demo::{Apis, LocalCluster, Shape, drive_rooms};
+use kvferry::cluster::Process;
+use kvferry::cluster::{Apis, LocalCluster, Shape, drive_rooms};
 
 const UCX_TCP: [(&str, &str); 2] = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")];
 

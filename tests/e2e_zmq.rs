@@ -22,7 +22,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvferry::cli::demo::{Apis, LocalCluster, drive_rooms};
+use kvferry::cluster::{Apis, LocalCluster, drive_rooms};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 

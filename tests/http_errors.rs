@@ -186,8 +186,8 @@ fn query_cases(room: &str) -> Vec<Case> {
 #[test]
 fn every_error_is_json_with_its_status_on_the_registry_and_both_agents() {
     let exe = release_binary();
-    let logs = kvferry::cli::cluster::log_dir("http-errors").expect("log dir");
-    let registry = Spawned::start(
+    let logs = kvferry::cluster::log_dir("http-errors").expect("log dir");
+    let registry = common::spawn(
         &exe,
         &[],
         "registry",
@@ -203,7 +203,7 @@ fn every_error_is_json_with_its_status_on_the_registry_and_both_agents() {
         &[],
         &logs,
     );
-    let url = registry.field("url");
+    let url = registry.field("url").unwrap();
     // Rooms 1 and 2 must stay in flight through the tables: no timeout may end them.
     let mut args = AgentOpts {
         pool_pages: 64,
@@ -216,11 +216,11 @@ fn every_error_is_json_with_its_status_on_the_registry_and_both_agents() {
     let agent = |role: &str| {
         let mut a = owned(&[role, "--bootstrap", &url]);
         a.extend(args.iter().cloned());
-        Spawned::start(&exe, &[], role, &a, &[], &logs)
+        common::spawn(&exe, &[], role, &a, &[], &logs)
     };
     let prefill = agent("prefill");
     let decode = agent("decode");
-    let (p, d) = (prefill.field("api"), decode.field("api"));
+    let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
     let too_large = vec![b' '; 17 << 20];
     let rt = runtime();
     let http = http();

@@ -2,7 +2,7 @@
 //! local cluster (registry, prefill and decode agents as real processes on loopback, synthetic
 //! engine), or targets two running agents, and sweeps room sizes. Each (transport, tokens)
 //! configuration runs its warm-up rooms, then its measured rooms, and yields one bench JSON
-//! object (docs/benchmarks.md, built by [`demo::summary`]).
+//! object (docs/benchmarks.md, built by [`cluster::summary`]).
 //!
 //! stdout carries the results only: a table, or with `--json` JSON Lines and nothing else.
 //! A progress line goes to stderr when stderr is a terminal. `--out DIR` writes `bench.jsonl`,
@@ -26,9 +26,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, bail};
 use serde_json::{Value, json};
 
-use super::demo::{self, LocalCluster, Shape};
 use crate::agent::synthetic::Verify;
 use crate::agent::{DirectWrites, MappedWrites};
+use crate::cluster::{self, LocalCluster, Shape};
 use crate::layout::{KvLayout, ModelSpec};
 use crate::transport::TransportKind;
 
@@ -172,7 +172,7 @@ impl BenchArgs {
     /// The agent flags of a local cluster over `transport`.
     fn agent_args(&self, layout: &KvLayout, transport: BenchTransport) -> Vec<String> {
         let largest = self.tokens.iter().copied().max().unwrap_or(1);
-        let pool_pages = demo::pool_pages(layout, largest, self.concurrency);
+        let pool_pages = cluster::pool_pages(layout, largest, self.concurrency);
         [
             "--model",
             &self.model,
@@ -267,7 +267,7 @@ impl BenchTransport {
 
 /// Where a configuration runs: the agents' APIs and, for a local cluster, its log folder.
 struct Target {
-    apis: demo::Apis,
+    apis: cluster::Apis,
     logs: Option<PathBuf>,
 }
 
@@ -293,7 +293,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
             (Some(p), Some(d)) => (
                 None,
                 Target {
-                    apis: demo::Apis::pair(p.trim_end_matches('/'), d.trim_end_matches('/')),
+                    apis: cluster::Apis::pair(p.trim_end_matches('/'), d.trim_end_matches('/')),
                     logs: None,
                 },
             ),
@@ -342,7 +342,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
                     Some(dir) => format!("{label}: agent logs in {}", dir.display()),
                     None => label.clone(),
                 })?;
-            let mut line = demo::summary(
+            let mut line = cluster::summary(
                 &results,
                 transport.label,
                 &args.model,
@@ -394,7 +394,7 @@ async fn drive(
     concurrency: usize,
     progress: bool,
     label: &str,
-) -> anyhow::Result<Vec<demo::RoomResult>> {
+) -> anyhow::Result<Vec<cluster::RoomResult>> {
     if rooms.is_empty() {
         return Ok(Vec::new());
     }
@@ -418,7 +418,8 @@ async fn drive(
             }
         })
     });
-    let results = demo::drive_rooms_counted(&target.apis, rooms, concurrency, done.clone()).await;
+    let results =
+        cluster::drive_rooms_counted(&target.apis, rooms, concurrency, done.clone()).await;
     if let Some(t) = ticker {
         t.abort();
         #[allow(clippy::print_stderr)]
@@ -432,7 +433,9 @@ async fn drive(
 /// Chunks landed so far by data path (`kvferry_chunks_total{path}`), summed over the decode
 /// agents, and the staged ones the prefill agents sent without a gather (`from_pool`, a
 /// prefill's path: the decode lands them as `staged`).
-async fn chunk_paths(apis: &demo::Apis) -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
+async fn chunk_paths(
+    apis: &cluster::Apis,
+) -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
     let http = reqwest::Client::builder().no_proxy().build()?;
     let mut out = std::collections::BTreeMap::new();
     let decodes = apis.decode.iter().flatten().map(|a| (a, false));
@@ -552,7 +555,7 @@ fn print_table(lines: &[Value]) {
 fn print_stages(lines: &[Value]) {
     println!("\nwhere a room's time goes (p50 ms per stage):");
     print!("{:>9} {:>7}", "transport", "tokens");
-    for (name, _) in demo::STAGES {
+    for (name, _) in cluster::STAGES {
         print!(" {name:>14}");
     }
     println!();
@@ -562,7 +565,7 @@ fn print_stages(lines: &[Value]) {
             l["transport"].as_str().unwrap_or("?"),
             l["tokens"].to_string()
         );
-        for (name, _) in demo::STAGES {
+        for (name, _) in cluster::STAGES {
             match l["stages_ms"][name].as_f64() {
                 Some(ms) => print!(" {ms:>14.3}"),
                 None => print!(" {:>14}", "-"),
@@ -570,7 +573,7 @@ fn print_stages(lines: &[Value]) {
         }
         println!();
     }
-    for (name, what) in demo::STAGES {
+    for (name, what) in cluster::STAGES {
         println!("  {name}: {what}");
     }
 }

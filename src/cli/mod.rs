@@ -4,7 +4,6 @@
 mod agent;
 mod bench;
 mod bootstrap;
-pub mod cluster;
 pub mod config;
 pub mod demo;
 mod exposure;

@@ -1,10 +1,8 @@
-//! A local cluster of real kvferry processes (registry, prefill and decode agents) on loopback,
-//! started from this binary: what `kvferry demo` runs, and what the multi-process tests use.
-//!
-//! Each process is started with port 0; its "listening" line tells its addresses. Its stderr
-//! goes to a log file beside the others, named in errors. Processes get SIGTERM (then SIGKILL
-//! after a grace period) when dropped, so nothing outlives its cluster.
+//! One spawned kvferry process: started with its arguments and environment (behind a command
+//! prefix such as `ip netns exec NS` if asked), its listening line read, its stderr logged, and
+//! stopped (SIGTERM, then SIGKILL) when dropped.
 
+use std::ffi::OsStr;
 use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -38,7 +36,7 @@ impl Process {
         log_dir: &Path,
         wait: Duration,
     ) -> anyhow::Result<Self> {
-        Self::spawn_env(exe, name, args, &[], log_dir, wait)
+        Self::spawn_env(exe, name, args, &[] as &[(&str, &str)], log_dir, wait)
     }
 
     /// [`Process::spawn`] with extra environment variables (e.g. `UCX_TLS`).
@@ -46,18 +44,40 @@ impl Process {
         exe: &Path,
         name: &str,
         args: &[String],
-        env: &[(String, String)],
+        env: &[(impl AsRef<OsStr>, impl AsRef<OsStr>)],
+        log_dir: &Path,
+        wait: Duration,
+    ) -> anyhow::Result<Self> {
+        Self::spawn_behind(&[], exe, name, args, env, log_dir, wait)
+    }
+
+    /// [`Process::spawn_env`] behind a command `prefix` that execs `exe` in its place (e.g.
+    /// `ip netns exec NS`: the pid is still the kvferry process's).
+    pub fn spawn_behind(
+        prefix: &[String],
+        exe: &Path,
+        name: &str,
+        args: &[String],
+        env: &[(impl AsRef<OsStr>, impl AsRef<OsStr>)],
         log_dir: &Path,
         wait: Duration,
     ) -> anyhow::Result<Self> {
         let log = log_dir.join(format!("{name}.log"));
         let stderr =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let mut child = Command::new(exe)
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let mut child = cmd
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             // A config file names the flags of the parent's subcommand, not of these.
-            .env_remove(super::config::CONFIG_ENV)
+            .env_remove(crate::cli::config::CONFIG_ENV)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -80,8 +100,9 @@ impl Process {
         let line = match rx.recv_timeout(wait) {
             Ok(Some(Ok(line))) => line,
             _ => bail!(
-                "{name} printed no listening line within {wait:?}; see {}",
-                process.log.display()
+                "{name} printed no listening line within {wait:?}; {}:\n{}",
+                process.log.display(),
+                std::fs::read_to_string(&process.log).unwrap_or_default()
             ),
         };
         process.listening = serde_json::from_str(&line)
@@ -112,6 +133,11 @@ impl Process {
             bail!("kill -{name} {} failed", self.child.id());
         }
         Ok(())
+    }
+
+    /// Whether the process still runs.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// Waits up to `wait` for the process to exit; returns its exit code if it did.

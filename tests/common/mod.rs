@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{Value, json};
 
+pub use kvferry::cluster::Process;
+
 /// The generous bound on everything a test waits for.
 pub const BOUND: Duration = Duration::from_secs(30);
 
@@ -342,13 +344,13 @@ pub fn decode_chunks(tag: &str, api: &str, path: &str) -> f64 {
 /// landed and verified; how long they took.
 pub fn drive_verified(
     tag: &str,
-    c: &kvferry::cli::demo::LocalCluster,
+    c: &kvferry::cluster::LocalCluster,
     rooms: Vec<(u64, usize)>,
     in_flight: usize,
 ) -> Duration {
     let (count, started) = (rooms.len(), Instant::now());
     let results = runtime()
-        .block_on(kvferry::cli::demo::drive_rooms(
+        .block_on(kvferry::cluster::drive_rooms(
             &c.apis().unwrap(),
             rooms,
             in_flight,
@@ -438,161 +440,29 @@ pub fn require_flags(role: &str, flags: &[&str]) {
     );
 }
 
-/// One kvferry process started with an extra environment and/or behind a command prefix (e.g.
-/// `ip netns exec NS`, which execs kvferry in place: the pid is kvferry's). Like
-/// `kvferry::cli::cluster::Process`, it waits for the listening line, logs stderr to a file and
-/// is stopped (SIGTERM, then SIGKILL) when dropped.
-#[derive(Debug)]
-pub struct Spawned {
-    pub name: String,
-    pub listening: Value,
-    pub log: PathBuf,
-    child: std::process::Child,
+/// Starts `[prefix..] exe args` with `env` added to this process's environment (see
+/// [`Process::spawn_behind`]); waits up to [`BOUND`] for the listening line. Panics with the
+/// log on failure.
+pub fn spawn(
+    exe: &Path,
+    prefix: &[String],
+    name: &str,
+    args: &[String],
+    env: &[(&str, &str)],
+    logs: &Path,
+) -> Process {
+    Process::spawn_behind(prefix, exe, name, args, env, logs, BOUND)
+        .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
-impl Spawned {
-    /// Starts `[prefix..] exe args` with `env` added to this process's environment; waits up to
-    /// [`BOUND`] for the listening line. Panics with the log's path on failure.
-    pub fn start(
-        exe: &Path,
-        prefix: &[String],
-        name: &str,
-        args: &[String],
-        env: &[(&str, &str)],
-        logs: &Path,
-    ) -> Spawned {
-        use std::io::BufRead as _;
-        use std::process::{Command, Stdio};
-        let log = logs.join(format!("{name}.log"));
-        let stderr = std::fs::File::create(&log)
-            .unwrap_or_else(|e| panic!("creating {}: {e}", log.display()));
-        let mut cmd = match prefix.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(exe);
-                c
-            }
-            None => Command::new(exe),
-        };
-        cmd.args(args)
-            // A config file names the flags of the parent's subcommand, not of these.
-            .env_remove("KVFERRY_CONFIG")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr);
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name} ({cmd:?}): {e}"));
-        let stdout = child.stdout.take().expect("child stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = std::io::BufReader::new(stdout).lines();
-            let _ = tx.send(lines.next());
-            for _ in lines {}
-        });
-        let mut spawned = Spawned {
-            name: name.to_owned(),
-            listening: Value::Null,
-            log,
-            child,
-        };
-        match rx.recv_timeout(BOUND) {
-            Ok(Some(Ok(line))) => {
-                spawned.listening = serde_json::from_str(&line)
-                    .unwrap_or_else(|e| panic!("{name} listening line {line:?}: {e}"));
-            }
-            _ => {
-                let text = std::fs::read_to_string(&spawned.log).unwrap_or_default();
-                panic!(
-                    "{name} printed no listening line within {BOUND:?}; {}:\n{text}",
-                    spawned.log.display()
-                );
-            }
-        }
-        spawned
-    }
-
-    /// A string field of the listening line.
-    pub fn field(&self, key: &str) -> String {
-        self.listening[key]
-            .as_str()
-            .unwrap_or_else(|| {
-                panic!(
-                    "{} listening line has no {key:?}: {}",
-                    self.name, self.listening
-                )
-            })
-            .to_owned()
-    }
-
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Sends a signal (`TERM`, `KILL`, ...) by name.
-    pub fn signal(&self, name: &str) {
-        let status = std::process::Command::new("kill")
-            .args([format!("-{name}"), self.child.id().to_string()])
-            .status()
-            .expect("running kill");
-        assert!(
-            status.success(),
-            "kill -{name} {} ({}) failed",
-            self.child.id(),
-            self.name
-        );
-    }
-
-    /// Whether the process still runs.
-    pub fn alive(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    /// Waits up to `wait` for the process to exit; its status if it did.
-    pub fn wait_exit(&mut self, wait: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + wait;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// SIGTERM, then SIGKILL after `grace`.
-    pub fn stop(&mut self, grace: Duration) {
-        if !self.alive() {
-            return;
-        }
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM".to_owned(), self.child.id().to_string()])
-            .status();
-        if self.wait_exit(grace).is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-impl Drop for Spawned {
-    fn drop(&mut self) {
-        self.stop(Duration::from_secs(5));
-    }
-}
-
-/// A registry, one prefill and one decode agent on loopback, each started as a [`Spawned`]
+/// A registry, one prefill and one decode agent on loopback, each started with [`spawn`]
 /// (so the prefill can get extra environment, e.g. a fault hook). Fields drop in order: the
 /// agents stop before the registry.
 #[derive(Debug)]
 pub struct FaultCluster {
-    pub decode: Spawned,
-    pub prefill: Spawned,
-    pub registry: Spawned,
+    pub decode: Process,
+    pub prefill: Process,
+    pub registry: Process,
     pub logs: PathBuf,
     /// `http://...` of each.
     pub prefill_api: String,
@@ -632,8 +502,8 @@ impl FaultCluster {
     ) -> FaultCluster {
         let t = Instant::now();
         let exe = release_binary();
-        let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
-        let registry = Spawned::start(
+        let logs = kvferry::cluster::log_dir(tag).expect("log dir");
+        let registry = spawn(
             &exe,
             &[],
             "registry",
@@ -641,12 +511,12 @@ impl FaultCluster {
             &[],
             &logs,
         );
-        let registry_url = registry.field("url");
+        let registry_url = registry.field("url").unwrap();
         let agent = |role: &str, extra: &[&str], env: &[(&str, &str)]| {
             let mut args = owned(&[role, "--bootstrap", &registry_url]);
             args.extend_from_slice(agent_args);
             args.extend(owned(extra));
-            Spawned::start(&exe, &[], role, &args, env, &logs)
+            spawn(&exe, &[], role, &args, env, &logs)
         };
         let prefill_env: Vec<(&str, &str)> =
             agents_env.iter().chain(prefill_env).copied().collect();
@@ -664,9 +534,10 @@ impl FaultCluster {
     }
 
     /// The cluster of processes already started (their logs in `logs`).
-    pub fn of(registry: Spawned, prefill: Spawned, decode: Spawned, logs: PathBuf) -> FaultCluster {
-        let (prefill_api, decode_api) = (prefill.field("api"), decode.field("api"));
-        let registry_url = registry.field("url");
+    pub fn of(registry: Process, prefill: Process, decode: Process, logs: PathBuf) -> FaultCluster {
+        let (prefill_api, decode_api) =
+            (prefill.field("api").unwrap(), decode.field("api").unwrap());
+        let registry_url = registry.field("url").unwrap();
         FaultCluster {
             decode,
             prefill,
@@ -783,16 +654,12 @@ pub fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
 pub fn decode_with_fake_prefill(
     tag: &str,
     endpoint: &str,
-) -> (
-    kvferry::cli::cluster::Process,
-    kvferry::cli::cluster::Process,
-    String,
-) {
+) -> (kvferry::cluster::Process, kvferry::cluster::Process, String) {
     let exe = release_binary();
-    let logs = kvferry::cli::cluster::log_dir(tag).expect("log dir");
+    let logs = kvferry::cluster::log_dir(tag).expect("log dir");
     let wait = Duration::from_secs(30);
     let s = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
-    let registry = kvferry::cli::cluster::Process::spawn(
+    let registry = kvferry::cluster::Process::spawn(
         &exe,
         "registry",
         &s(&[
@@ -815,7 +682,7 @@ pub fn decode_with_fake_prefill(
     };
     let mut args = s(&["decode", "--bootstrap", &url]);
     args.extend(opts.args());
-    let decode = kvferry::cli::cluster::Process::spawn(&exe, "decode", &args, &logs, wait)
+    let decode = kvferry::cluster::Process::spawn(&exe, "decode", &args, &logs, wait)
         .unwrap_or_else(|e| panic!("decode: {e:#}"));
     let api = decode.field("api").expect("decode api");
     println!(
