@@ -51,7 +51,8 @@ impl Connections {
     /// A connection was accepted on `fd` at `now`: unproven until its first message. The
     /// oldest unproven one is shut down when there are too many.
     pub(super) fn accepted(&mut self, fd: i32, now: Instant) {
-        if fd < 0 {
+        // A connection whose first message was read before this event is counted already.
+        if fd < 0 || self.address_of.contains_key(&fd) {
             return;
         }
         self.address_of.insert(fd, peer_address(fd));
@@ -68,7 +69,13 @@ impl Connections {
         if self.refused.iter().any(|&(f, _)| f == fd) {
             return Verdict::Drop;
         }
-        if !self.unproven.prove(&fd) {
+        // The monitor's accept event and the socket's first message come over two sockets, in
+        // no fixed order: a connection not seen yet is one whose first message this is.
+        let unseen = fd >= 0 && !self.address_of.contains_key(&fd);
+        if unseen {
+            self.address_of.insert(fd, peer_address(fd));
+        }
+        if !self.unproven.prove(&fd) && !unseen {
             return Verdict::Deliver;
         }
         let Some(Some(address)) = self.address_of.get(&fd).copied() else {
@@ -235,6 +242,31 @@ mod tests {
         );
         conns.disconnected(accepted[MAX_PER_PEER].as_raw_fd());
         assert_eq!(conns.held(local), MAX_PER_PEER - 1, "an uncounted one");
+    }
+
+    #[test]
+    fn a_first_message_read_before_its_accept_event_counts_against_the_limit() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let mut conns = Connections::default();
+        let now = Instant::now();
+        let mut held = Vec::new();
+        for i in 0..=MAX_PER_PEER {
+            let (client, server) = pair(&listener);
+            let fd = server.as_raw_fd();
+            // The message first, the accept event after it.
+            let verdict = conns.message(fd, now);
+            conns.accepted(fd, now);
+            match i < MAX_PER_PEER {
+                true => assert_eq!(verdict, Verdict::Deliver),
+                false => assert!(matches!(verdict, Verdict::Refuse(_)), "{verdict:?}"),
+            }
+            held.push((client, server));
+        }
+        let local: IpAddr = "127.0.0.1".parse().expect("ip");
+        assert_eq!(conns.held(local), MAX_PER_PEER);
+        // None of them is taken for silent: none is shut down as late.
+        conns.expire(now + Duration::from_secs(3600));
+        assert!(!shut(&mut held[0].0), "a counted connection was shut down");
     }
 
     #[test]
