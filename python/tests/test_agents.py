@@ -85,6 +85,24 @@ def test_options_go_through_the_command_line_parser():
         kvferry.memory_layout(kv_format="nope")
 
 
+ENVIRONMENT_OPTIONS = """
+import json, kvferry
+from engine import MODEL
+print(json.dumps([kvferry.memory_layout(**MODEL)["pool_pages"], kvferry.memory_layout(**MODEL, pool_pages=10)["pool_pages"]]))
+"""
+
+
+def test_agents_in_an_engine_honour_the_kvferry_environment_below_their_options():
+    """An engine's agents read the ``KVFERRY_*`` variables as the command line does (a
+    deployment configures every rank's agent the same way, embedded or not); an option given
+    in code wins over the variable."""
+    env = os.environ | {"KVFERRY_POOL_PAGES": "77", "PYTHONPATH": str(pathlib.Path(__file__).parent)}
+    run = subprocess.run([sys.executable, "-c", ENVIRONMENT_OPTIONS], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[77, 10]"
+
+
 def test_rooms_land_in_place_and_the_views_are_the_http_json(pair):
     with pair() as (prefill, decode, p_kv, d_kv):
         # 70 tokens: two whole blocks and 6 tokens of a third, announced layer by layer.
