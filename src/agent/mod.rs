@@ -19,6 +19,7 @@ pub mod pool;
 pub mod prefill;
 mod registration;
 pub mod room;
+mod serving;
 mod staging;
 pub mod synthetic;
 
@@ -27,6 +28,7 @@ pub use config::{AgentConfig, DirectMethod, DirectWrites, MappedWrites, Timeouts
 pub(crate) use config::{control_options, maps_pools, zmq_auth};
 pub use ops::{PoolCounts, RoomError};
 pub(crate) use registration::{check_compatible, layout_of, registration, wire_layout};
+pub(crate) use serving::Serving;
 
 use pool::AgentPool;
 use std::time::Duration;

@@ -137,6 +137,26 @@ pub(crate) trait RoomOps: Send + Sync + Sized + 'static {
         self.metrics().render(&g)
     }
 
+    /// Aborts every room not final yet, telling its peers the agent is shutting down (the
+    /// end of a drain); returns how many.
+    fn abort_unfinished(self: &Arc<Self>) -> impl Future<Output = usize> + Send {
+        async move {
+            let left: Vec<u64> = self
+                .table()
+                .iter()
+                .filter(|(_, r)| !r.status().state().is_final())
+                .map(|(id, _)| *id)
+                .collect();
+            tracing::info!(aborted = left.len(), "drained");
+            let why = format!("the {} agent is shutting down", Self::ROLE);
+            for &room in &left {
+                self.abort_with(room, Reason::new(FailureCode::Shutdown, why.clone()))
+                    .await;
+            }
+            left.len()
+        }
+    }
+
     /// Refuses new work while the agent drains for shutdown.
     fn refuse_while_draining(&self) -> Result<(), RoomError> {
         match self.draining() {

@@ -47,9 +47,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use uuid::Uuid;
 
-use super::api;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
+use super::ops::RoomOps as _;
 use super::pairing::{self, RankSlice};
 use super::pool::AgentPool;
 use super::room::{RoomState, RoomStatus};
@@ -70,8 +70,7 @@ pub struct DecodeAgent {
     pub instance: Uuid,
     /// Where prefill agents send data.
     pub data_endpoint: String,
-    tasks: tokio::task::JoinSet<()>,
-    keep_alive: kvferry_bootstrap::KeepAlive,
+    serving: super::Serving,
     inner: Arc<Inner>,
 }
 
@@ -158,20 +157,17 @@ impl DecodeAgent {
             api_url.clone(),
             endpoints,
         );
-        let keep_alive = registry.keep_alive(reg, shutdown.clone()).await?;
-
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(receive_chunks(inner.clone(), receiver));
         tasks.spawn(expire_rooms(inner.clone()));
-        let app = routes(inner.clone());
-        api::spawn_api(&mut tasks, listener, app, shutdown.clone(), "decode");
+        let api = (listener, routes(inner.clone()));
+        let serving = super::Serving::start(&registry, reg, tasks, api, shutdown, "decode").await?;
         tracing::info!(%instance, api = %api_url, data = %data_endpoint, "decode agent listening");
         Ok(DecodeAgent {
             api_url,
             instance,
             data_endpoint,
-            tasks,
-            keep_alive,
+            serving,
             inner,
         })
     }
@@ -194,26 +190,12 @@ impl DecodeAgent {
                 .count()
         };
         super::wait_until(deadline, || in_flight() == 0).await;
-        let left: Vec<u64> = inner
-            .rooms()
-            .iter()
-            .filter(|(_, r)| !r.status.state().is_final())
-            .map(|(id, _)| *id)
-            .collect();
-        tracing::info!(aborted = left.len(), "drained");
-        for room in &left {
-            inner
-                .abort(
-                    *room,
-                    Reason::new(FailureCode::Shutdown, "the decode agent is shutting down"),
-                )
-                .await;
-        }
+        let aborted = inner.abort_unfinished().await;
         // Let the aborts be acknowledged (a dead prefill counts after `dead_after`) and the
         // engine see the final states before the API goes away.
         let settle = Instant::now() + inner.cfg.timeouts.dead_after;
         super::wait_until(settle, || in_flight() == 0).await;
-        if !left.is_empty() {
+        if aborted > 0 {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         inner.keep_untaken(draining_since).await;
@@ -222,13 +204,12 @@ impl DecodeAgent {
     /// Resolves with the reason once this instance's registry slot was taken by another
     /// instance (its lease lapsed): the process must stop, it no longer serves the rank.
     pub async fn lease_lost(&self) -> String {
-        self.keep_alive.lost().await
+        self.serving.lease_lost().await
     }
 
     /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.
-    pub async fn join(mut self) {
-        while self.tasks.join_next().await.is_some() {}
-        self.keep_alive.stopped().await;
+    pub async fn join(self) {
+        self.serving.join().await;
     }
 }
 

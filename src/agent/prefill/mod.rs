@@ -47,9 +47,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use uuid::Uuid;
 
-use super::api;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
+use super::ops::RoomOps as _;
 use super::pool::AgentPool;
 use super::room::{RoomState, RoomStatus};
 use super::staging::SlotPool;
@@ -71,8 +71,7 @@ pub struct PrefillAgent {
     pub instance: Uuid,
     /// The control endpoint decode agents connect to.
     pub control_endpoint: String,
-    tasks: tokio::task::JoinSet<()>,
-    keep_alive: kvferry_bootstrap::KeepAlive,
+    serving: super::Serving,
     inner: Arc<Inner>,
 }
 
@@ -153,19 +152,18 @@ impl PrefillAgent {
             control_endpoint.clone(),
             Default::default(),
         );
-        let keep_alive = registry.keep_alive(reg, shutdown.clone()).await?;
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(control_loop(inner.clone(), server));
         tasks.spawn(housekeeping(inner.clone()));
-        let app = routes(inner.clone());
-        api::spawn_api(&mut tasks, listener, app, shutdown.clone(), "prefill");
+        let api = (listener, routes(inner.clone()));
+        let serving =
+            super::Serving::start(&registry, reg, tasks, api, shutdown, "prefill").await?;
         tracing::info!(%instance, api = %api_url, control = %control_endpoint, "prefill agent listening");
         Ok(PrefillAgent {
             api_url,
             instance,
             control_endpoint,
-            tasks,
-            keep_alive,
+            serving,
             inner,
         })
     }
@@ -190,34 +188,18 @@ impl PrefillAgent {
                 .count()
         };
         super::wait_until(deadline, || busy() == 0).await;
-        let left: Vec<u64> = inner
-            .rooms()
-            .iter()
-            .filter(|(_, r)| !r.status.state().is_final())
-            .map(|(id, _)| *id)
-            .collect();
-        tracing::info!(aborted = left.len(), "drained");
-        for room in left {
-            inner
-                .clone()
-                .engine_abort(
-                    room,
-                    Reason::new(FailureCode::Shutdown, "the prefill agent is shutting down"),
-                )
-                .await;
-        }
+        inner.abort_unfinished().await;
     }
 
     /// Resolves with the reason once this instance's registry slot was taken by another
     /// instance (its lease lapsed): the process must stop, it no longer serves the rank.
     pub async fn lease_lost(&self) -> String {
-        self.keep_alive.lost().await
+        self.serving.lease_lost().await
     }
 
     /// Waits for the agent's tasks to end after shutdown was cancelled, and deregisters.
-    pub async fn join(mut self) {
-        while self.tasks.join_next().await.is_some() {}
-        self.keep_alive.stopped().await;
+    pub async fn join(self) {
+        self.serving.join().await;
     }
 }
 
