@@ -7,6 +7,7 @@
 //! for [`prefill::PrefillAgent`] and [`decode::DecodeAgent`], in [`ops`], the engine-facing HTTP
 //! plumbing over them in [`api`]; the synthetic engine in [`synthetic`].
 
+pub mod agent_pool;
 pub mod api;
 mod chunks;
 mod config;
@@ -15,7 +16,6 @@ mod holds;
 pub mod metrics;
 pub mod ops;
 pub mod pairing;
-pub mod pool;
 pub mod prefill;
 mod registration;
 pub mod room;
@@ -30,7 +30,7 @@ pub use ops::{PoolCounts, RoomError};
 pub(crate) use registration::{check_compatible, layout_of, registration, wire_layout};
 pub(crate) use serving::Serving;
 
-use pool::AgentPool;
+use agent_pool::AgentPool;
 use std::time::Duration;
 
 /// Why an agent could not start.
@@ -64,7 +64,7 @@ pub enum AgentError {
     NoOneSidedWrites,
 }
 
-pub use pool::EnginePool;
+pub use agent_pool::EnginePool;
 pub use staging::{Staging, StagingChoice, StagingError};
 
 /// Opens the agent's pool: its own anonymous memory (a memory file when `shareable`:

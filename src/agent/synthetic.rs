@@ -42,7 +42,7 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use super::pool::AgentPool;
+use super::agent_pool::AgentPool;
 use crate::kernel::{KernelError, Selection};
 use crate::layout::{KvLayout, PageOrder};
 use crate::pool::{HostPool, PoolError};

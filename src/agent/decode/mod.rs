@@ -47,11 +47,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use uuid::Uuid;
 
+use super::agent_pool::AgentPool;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
 use super::ops::RoomOps as _;
 use super::pairing::{self, RankSlice};
-use super::pool::AgentPool;
 use super::room::{RoomState, RoomStatus};
 use super::{AgentConfig, Coverage};
 use crate::kernel::Selection;

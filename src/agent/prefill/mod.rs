@@ -47,10 +47,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use uuid::Uuid;
 
+use super::agent_pool::AgentPool;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
 use super::ops::RoomOps as _;
-use super::pool::AgentPool;
 use super::room::{RoomState, RoomStatus};
 use super::staging::SlotPool;
 use super::{AgentConfig, ChunkPlan, Coverage, plan_chunks, synthetic};

@@ -1,7 +1,7 @@
 //! The CUDA transfer kernel (cudarc): its launches, readiness events and staging buffers.
 //!
 //! A [`CudaKernel`] owns one device's context, a stream and the loaded module, and launches
-//! gathers and scatters over a [`DevicePool`] (pool.rs). Staging is either pinned host memory mapped into the
+//! gathers and scatters over a [`DevicePool`] (device_pool.rs). Staging is either pinned host memory mapped into the
 //! device's address space ([`PinnedStaging`]: the kernel writes it over the bus, the host reads
 //! it with no extra copy) or device memory ([`DeviceStaging`]: full device bandwidth, for
 //! GPU-direct transports and for measuring the kernel itself).
@@ -20,8 +20,8 @@ use cudarc::driver::{
     DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 
+use super::device_pool::DevicePool;
 use super::launch::{self, KvXferParams, LaunchPlan};
-use super::pool::DevicePool;
 use super::{CudaError, GATHER_ENTRY, SCATTER_ENTRY, compile_ptx, driver_present};
 use crate::kernel::{KernelError, Selection};
 use crate::layout::PageOrder;

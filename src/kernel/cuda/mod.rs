@@ -15,18 +15,18 @@
 #![allow(unsafe_code)]
 
 pub mod device;
+mod device_pool;
 mod ipc;
 pub mod launch;
 pub mod nvrtc;
-mod pool;
 pub mod vmm;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use device::{CudaKernel, DeviceStaging, PinnedStaging, ReadyEvent, Staging};
+pub use device_pool::DevicePool;
 pub use ipc::{ExportedMemory, IpcEventHandle, IpcEvents, MAX_OPEN_EVENTS};
-pub use pool::DevicePool;
 
 /// The CUDA source of the transfer kernels.
 pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/kv_transfer.cu");
