@@ -24,6 +24,11 @@ use tokio_util::task::TaskTracker;
 
 use crate::admission::{Admission, Admitted};
 
+/// The content type of every kvferry `/metrics` answer (registry, agents, proxy): the
+/// OpenMetrics text format that `prometheus-client` writes.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
 /// How long the accept loop pauses after the OS refused an accept (out of descriptors): the
 /// dropping of unproven connections frees some meanwhile.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);

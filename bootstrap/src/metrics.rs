@@ -14,9 +14,6 @@ use prometheus_client::registry::Registry;
 use crate::error::RejectReason;
 use crate::registry::RegistryStats;
 
-/// The content type of the text [`Metrics::render`] makes.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Result {
     result: &'static str,
@@ -69,7 +66,7 @@ impl Metrics {
             .inc();
     }
 
-    /// The OpenMetrics text ([`CONTENT_TYPE`]) of these counters and `stats`.
+    /// The OpenMetrics text ([`crate::http::OPENMETRICS_CONTENT_TYPE`]) of these counters and `stats`.
     pub fn render(&self, stats: &RegistryStats) -> String {
         let mut r = Registry::with_prefix("kvferry_bootstrap");
         let ranks = Family::<Role, Gauge>::default();

@@ -334,7 +334,7 @@ async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Result<Response,
     Ok((
         [(
             header::CONTENT_TYPE,
-            HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+            HeaderValue::from_static(crate::http::OPENMETRICS_CONTENT_TYPE),
         )],
         body,
     )

@@ -264,7 +264,7 @@ pub fn metrics_response(text: String) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            kvferry_bootstrap::metrics::CONTENT_TYPE,
+            kvferry_bootstrap::http::OPENMETRICS_CONTENT_TYPE,
         )],
         text,
     )
