@@ -66,7 +66,8 @@ impl Metrics {
             .inc();
     }
 
-    /// The OpenMetrics text ([`crate::http::OPENMETRICS_CONTENT_TYPE`]) of these counters and `stats`.
+    /// The OpenMetrics text ([`crate::http::OPENMETRICS_CONTENT_TYPE`]) of these counters and
+    /// `stats`.
     pub fn render(&self, stats: &RegistryStats) -> String {
         let mut r = Registry::with_prefix("kvferry_bootstrap");
         let ranks = Family::<Role, Gauge>::default();
