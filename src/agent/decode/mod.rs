@@ -50,7 +50,7 @@ use uuid::Uuid;
 use super::agent_pool::AgentPool;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
-use super::ops::RoomOps as _;
+use super::ops::{RoomOps as _, TableRoom as _};
 use super::pairing::{self, RankSlice};
 use super::room::{RoomState, RoomStatus};
 use super::{AgentConfig, Coverage};
@@ -334,13 +334,6 @@ impl Writes {
 }
 
 impl Room {
-    /// No write into the room's pages can still arrive (see the module doc).
-    fn safe_to_reuse(&self) -> bool {
-        self.status.state().is_final()
-            && self.scattering == 0
-            && self.sources.iter().all(|s| !s.writes.possible())
-    }
-
     /// The peers whose direct writes into the room may still arrive and who can be told.
     fn open_writers(&self) -> Vec<Arc<Peer>> {
         let open = self.sources.iter().filter(|s| s.writes == Writes::Open);

@@ -131,8 +131,21 @@ pub struct TakenRoom {
     pub verified: Option<bool>,
 }
 
-impl Room {
-    pub(super) fn view(&self, room: u64) -> RoomView {
+impl TableRoom for Room {
+    type View = RoomView;
+
+    /// No write into the room's pages can still arrive (see the module doc).
+    fn safe_to_reuse(&self) -> bool {
+        self.status.state().is_final()
+            && self.scattering == 0
+            && self.sources.iter().all(|s| !s.writes.possible())
+    }
+
+    fn status(&self) -> &RoomStatus {
+        &self.status
+    }
+
+    fn view(&self, room: u64) -> RoomView {
         RoomView {
             bytes: self.landed,
             chunks: self.chunks,
@@ -216,22 +229,6 @@ impl DecodeAgent {
     /// The agent-owned pages (`GET /v1/pool`).
     pub fn pool(&self) -> PoolCounts {
         self.inner.pool_counts()
-    }
-}
-
-impl TableRoom for Room {
-    type View = RoomView;
-
-    fn view(&self, room: u64) -> RoomView {
-        Room::view(self, room)
-    }
-
-    fn safe_to_reuse(&self) -> bool {
-        Room::safe_to_reuse(self)
-    }
-
-    fn status(&self) -> &RoomStatus {
-        &self.status
     }
 }
 

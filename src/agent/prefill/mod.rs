@@ -481,11 +481,6 @@ impl Room {
     fn running(&self) -> bool {
         self.transfers.values().any(|t| t.running)
     }
-
-    /// No gather reads the room's pages any more: the engine may reuse them.
-    fn safe_to_reuse(&self) -> bool {
-        self.status.state().is_final() && !self.running()
-    }
 }
 
 impl Inner {

@@ -101,8 +101,19 @@ pub struct TransferView {
     pub state: RoomState,
 }
 
-impl Room {
-    pub(super) fn view(&self, room: u64) -> RoomView {
+impl TableRoom for Room {
+    type View = RoomView;
+
+    /// No gather reads the room's pages any more: the engine may reuse them.
+    fn safe_to_reuse(&self) -> bool {
+        self.status.state().is_final() && !self.running()
+    }
+
+    fn status(&self) -> &RoomStatus {
+        &self.status
+    }
+
+    fn view(&self, room: u64) -> RoomView {
         let transfers = self
             .transfers
             .iter()
@@ -210,22 +221,6 @@ impl PrefillAgent {
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct HoldRequest {}
-
-impl TableRoom for Room {
-    type View = RoomView;
-
-    fn view(&self, room: u64) -> RoomView {
-        Room::view(self, room)
-    }
-
-    fn safe_to_reuse(&self) -> bool {
-        Room::safe_to_reuse(self)
-    }
-
-    fn status(&self) -> &RoomStatus {
-        &self.status
-    }
-}
 
 impl RoomOps for Inner {
     type Room = Room;
