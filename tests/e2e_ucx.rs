@@ -291,7 +291,8 @@ fn a_prefill_killed_mid_transfer_fails_rooms_and_a_restarted_one_serves() {
         let mut prefill_args = vec!["prefill".to_owned(), "--bootstrap".to_owned(), url];
         prefill_args.extend(args.clone());
         let logs = log_dir(&format!("{tag}-restart")).unwrap();
-        let p2 = Process::spawn_env(&exe, "prefill2", &prefill_args, &env, &logs, BOUND).unwrap();
+        let p2 =
+            Process::spawn_with(&[], &exe, "prefill2", &prefill_args, &env, &logs, BOUND).unwrap();
         let apis = Apis::pair(&p2.field("api").unwrap(), &d);
         let results = runtime()
             .block_on(drive_rooms(&apis, vec![(10, 512), (11, 16), (12, 4096)], 1))

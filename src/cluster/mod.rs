@@ -134,7 +134,15 @@ impl LocalCluster {
                         args.extend_from_slice(agent_args);
                         args.extend(role_args(role));
                         let name = format!("{role}-dp{dp}-pp{pp}-tp{tp}");
-                        ranks.push(Process::spawn_env(exe, &name, &args, env, &logs, wait)?);
+                        ranks.push(Process::spawn_with(
+                            &[],
+                            exe,
+                            &name,
+                            &args,
+                            env,
+                            &logs,
+                            wait,
+                        )?);
                     }
                 }
                 groups.push(ranks);

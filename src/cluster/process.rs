@@ -36,24 +36,13 @@ impl Process {
         log_dir: &Path,
         wait: Duration,
     ) -> anyhow::Result<Self> {
-        Self::spawn_env(exe, name, args, &[] as &[(&str, &str)], log_dir, wait)
+        Self::spawn_with(&[], exe, name, args, &[] as &[(&str, &str)], log_dir, wait)
     }
 
-    /// [`Process::spawn`] with extra environment variables (e.g. `UCX_TLS`).
-    pub fn spawn_env(
-        exe: &Path,
-        name: &str,
-        args: &[String],
-        env: &[(impl AsRef<OsStr>, impl AsRef<OsStr>)],
-        log_dir: &Path,
-        wait: Duration,
-    ) -> anyhow::Result<Self> {
-        Self::spawn_behind(&[], exe, name, args, env, log_dir, wait)
-    }
-
-    /// [`Process::spawn_env`] behind a command `prefix` that execs `exe` in its place (e.g.
-    /// `ip netns exec NS`: the pid is still the kvferry process's).
-    pub fn spawn_behind(
+    /// [`Process::spawn`] with extra environment variables (e.g. `UCX_TLS`), behind a command
+    /// `prefix` that execs `exe` in its place if one is given (e.g. `ip netns exec NS`: the pid
+    /// is still the kvferry process's).
+    pub fn spawn_with(
         prefix: &[String],
         exe: &Path,
         name: &str,

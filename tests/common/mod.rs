@@ -441,7 +441,7 @@ pub fn require_flags(role: &str, flags: &[&str]) {
 }
 
 /// Starts `[prefix..] exe args` with `env` added to this process's environment (see
-/// [`Process::spawn_behind`]); waits up to [`BOUND`] for the listening line. Panics with the
+/// [`Process::spawn_with`]); waits up to [`BOUND`] for the listening line. Panics with the
 /// log on failure.
 pub fn spawn(
     exe: &Path,
@@ -451,7 +451,7 @@ pub fn spawn(
     env: &[(&str, &str)],
     logs: &Path,
 ) -> Process {
-    Process::spawn_behind(prefix, exe, name, args, env, logs, BOUND)
+    Process::spawn_with(prefix, exe, name, args, env, logs, BOUND)
         .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
