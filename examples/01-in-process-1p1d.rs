@@ -8,9 +8,9 @@
 
 use std::time::{Duration, Instant};
 
+use kvferry::agent::AgentOptions;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
-use kvferry::cli::AgentArgs;
 use kvferry_bootstrap::{ServerConfig, serve};
 use tokio_util::sync::CancellationToken;
 
@@ -34,7 +34,7 @@ async fn main() -> anyhow::Result<()> {
         "64",
         "--synthetic",
     ];
-    let config = AgentArgs::from_flags(flags)?.config()?;
+    let config = AgentOptions::from_flags(flags)?.config()?;
     let prefill = PrefillAgent::start(config.clone(), shutdown.clone()).await?;
     let decode = DecodeAgent::start(config, shutdown.clone()).await?;
     println!(

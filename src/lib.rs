@@ -9,6 +9,7 @@ pub mod agent;
 pub mod cli;
 pub mod cluster;
 pub mod cpus;
+pub mod exposure;
 pub mod fd_passing;
 pub mod kernel;
 pub mod layout;

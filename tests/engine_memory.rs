@@ -14,10 +14,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::reference::{Dims, engine_offset};
+use kvferry::agent::AgentOptions;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry::agent::{AgentConfig, RoomError};
-use kvferry::cli::AgentArgs;
 use kvferry::pool::HostPool;
 use rand::seq::SliceRandom;
 use rand::{Rng, RngCore, SeedableRng};
@@ -80,7 +80,7 @@ fn config(registry: &str, format: &str) -> AgentConfig {
         "--chunk-bytes",
         "65536",
     ];
-    AgentArgs::from_flags(flags)
+    AgentOptions::from_flags(flags)
         .expect("flags")
         .config()
         .expect("config")

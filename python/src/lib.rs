@@ -10,7 +10,7 @@
 use std::sync::OnceLock;
 
 use kvferry::agent::AgentConfig;
-use kvferry::cli::AgentArgs;
+use kvferry::agent::AgentOptions;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict};
 
@@ -72,9 +72,9 @@ fn agent_flags(options: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<String>> {
 
 /// The agent flags of keyword options, parsed by the command line's parser (defaults and the
 /// `KVFERRY_*` environment variables included).
-fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentArgs> {
+fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentOptions> {
     let argv = flags(options)?;
-    AgentArgs::from_flags(&argv).map_err(|e| {
+    AgentOptions::from_flags(&argv).map_err(|e| {
         // clap's first line names the problem; the rest is usage for a terminal.
         let text = e.to_string();
         let first = text
@@ -88,7 +88,7 @@ fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<AgentArgs> {
 
 /// The agent configuration of keyword options, validated and defaulted exactly as the
 /// command line is.
-fn config_of(args: &AgentArgs) -> PyResult<AgentConfig> {
+fn config_of(args: &AgentOptions) -> PyResult<AgentConfig> {
     args.config()
         .map_err(|e| errors::ConfigError::new_err(format!("{e:#}")))
 }

@@ -15,6 +15,7 @@ pub mod decode;
 mod holds;
 pub mod metrics;
 pub mod ops;
+mod options;
 pub mod pairing;
 pub mod prefill;
 mod registration;
@@ -27,6 +28,7 @@ pub(crate) use chunks::{ChunkPlan, Coverage, plan_chunks};
 pub use config::{AgentConfig, DirectMethod, DirectWrites, MappedWrites, Timeouts, placed_min_run};
 pub(crate) use config::{control_options, maps_pools, zmq_auth};
 pub use ops::{PoolCounts, RoomError};
+pub use options::AgentOptions;
 pub(crate) use registration::{check_compatible, layout_of, registration, wire_layout};
 pub(crate) use serving::Serving;
 

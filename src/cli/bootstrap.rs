@@ -62,7 +62,7 @@ enum ArgsError {
     #[error("--token must not be empty (omit it to disable authentication)")]
     EmptyToken,
     #[error(transparent)]
-    Exposed(#[from] super::exposure::NotLoopback),
+    Exposed(#[from] crate::exposure::NotLoopback),
 }
 
 impl BootstrapArgs {
@@ -76,7 +76,7 @@ impl BootstrapArgs {
         if self.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return Err(ArgsError::EmptyToken);
         }
-        super::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
+        crate::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
         Ok(())
     }
 
@@ -117,7 +117,7 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
         stdout.flush().context("flushing stdout")?;
     }
     tracing::info!(%url, %store, lease_ttl_ms = args.lease_ttl_ms, auth = args.token.is_some(), "bootstrap registry listening");
-    super::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
+    crate::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
 
     let config = ServerConfig {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),

@@ -353,7 +353,7 @@ mod tests {
         parse_with_env(std::iter::once("kvferry").chain(argv.iter().copied()), env)
     }
 
-    fn agent(cli: Cli) -> crate::cli::AgentArgs {
+    fn agent(cli: Cli) -> crate::agent::AgentOptions {
         match cli.command {
             Command::Prefill(a) | Command::Decode(a) => a,
             other => panic!("not an agent: {other:?}"),

@@ -19,7 +19,7 @@ pub struct DemoArgs {
     #[arg(long, env = "KVFERRY_DEMO_MODEL", default_value = "llama3-8b")]
     model: String,
     /// Data-plane transport (its --help names this build's transports).
-    #[arg(long, env = "KVFERRY_DEMO_TRANSPORT", default_value = "zmq-tcp", help = super::TRANSPORT_HELP)]
+    #[arg(long, env = "KVFERRY_DEMO_TRANSPORT", default_value = "zmq-tcp", help = crate::transport::TRANSPORT_HELP)]
     transport: TransportKind,
     /// Room lengths in tokens, comma separated; one room each.
     #[arg(

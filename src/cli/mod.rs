@@ -6,13 +6,12 @@ mod bench;
 mod bootstrap;
 pub mod config;
 pub mod demo;
-mod exposure;
 mod proxy;
 mod signal;
 
-pub use agent::AgentArgs;
-
 use clap::{Parser, Subcommand};
+
+use crate::agent::AgentOptions;
 
 /// kvferry moves KV cache from prefill ranks to decode ranks in disaggregated LLM serving.
 #[derive(Debug, Parser)]
@@ -47,18 +46,9 @@ pub enum LogFormat {
     Json,
 }
 
-/// `--transport`'s help: the transports this build has.
-#[cfg(feature = "ucx")]
-pub(crate) const TRANSPORT_HELP: &str = "Data-plane transport: zmq-tcp, zmq-ipc or ucx (UCX picks \
-    its own transports from UCX_TLS, e.g. UCX_TLS=tcp or UCX_TLS=sm,self)";
-/// `--transport`'s help: the transports this build has.
-#[cfg(not(feature = "ucx"))]
-pub(crate) const TRANSPORT_HELP: &str = "Data-plane transport: zmq-tcp or zmq-ipc (ucx needs a \
-    build with `--features ucx`)";
-
 /// The subcommands; each appears here once it works.
 ///
-/// `prefill` and `decode` share [`AgentArgs`]; each hides the flags that only the other role
+/// `prefill` and `decode` share [`AgentOptions`]; each hides the flags that only the other role
 /// reads (they are still accepted, so one config file or flag list can serve both roles).
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -74,7 +64,7 @@ pub enum Command {
         mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: fill each room's pages with a pattern the decode verifies (the prefill allocates them from its pool, writes a page's body once and each room's stamps, as --synthetic-verify says)")),
         mut_arg("pool", |a| a.help("The KV pool the engine's pages live in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
     )]
-    Prefill(AgentArgs),
+    Prefill(AgentOptions),
     /// Run the agent beside a decode rank: land KV pages from prefill ranks in its pool.
     #[command(
         mut_arg("synthetic_layer_ms", |a| a.hide(true)),
@@ -83,7 +73,7 @@ pub enum Command {
         mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: allocate pages for rooms asked without `pages` and check the landed bytes on take (--synthetic-verify)")),
         mut_arg("pool", |a| a.help("The KV pool rooms land in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
     )]
-    Decode(AgentArgs),
+    Decode(AgentOptions),
     /// Run a full prefill -> decode transfer on this machine and verify every byte.
     Demo(demo::DemoArgs),
     /// Measure end-to-end transfer throughput and latency over real processes on loopback.

@@ -632,6 +632,15 @@ pub fn for_kind(
     }
 }
 
+/// `--transport`'s help: the transports this build has.
+#[cfg(feature = "ucx")]
+pub const TRANSPORT_HELP: &str = "Data-plane transport: zmq-tcp, zmq-ipc or ucx (UCX picks \
+    its own transports from UCX_TLS, e.g. UCX_TLS=tcp or UCX_TLS=sm,self)";
+/// `--transport`'s help: the transports this build has.
+#[cfg(not(feature = "ucx"))]
+pub const TRANSPORT_HELP: &str = "Data-plane transport: zmq-tcp or zmq-ipc (ucx needs a \
+    build with `--features ucx`)";
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -762,7 +762,7 @@ pub fn in_process_config(registry: &str, extra: &[&str]) -> kvferry::agent::Agen
         "127.0.0.1",
     ];
     flags.extend_from_slice(extra);
-    let args = kvferry::cli::AgentArgs::from_flags(flags).expect("agent flags");
+    let args = kvferry::agent::AgentOptions::from_flags(flags).expect("agent flags");
     args.config().expect("agent config")
 }
 

@@ -1,0 +1,384 @@
+//! The agent's options ([`AgentOptions`]): the flags of `kvferry prefill|decode`, their
+//! `KVFERRY_*` variables and defaults, checked and turned into an [`AgentConfig`]. The command
+//! line takes them as its agent subcommands' arguments; the Python package passes an engine's
+//! keyword options through the same parser ([`AgentOptions::from_flags`]), so embedded agents
+//! read the same variables, below the options given in code.
+
+use std::time::Duration;
+
+use super::synthetic::Verify;
+use super::{AgentConfig, DirectWrites, MappedWrites, StagingChoice, Timeouts};
+use crate::layout::{AttentionKind, Dtype, KvFormat, KvLayout, KvPlacement, ModelSpec, PageOrder};
+use crate::protocol::Ranks;
+use crate::transport::TransportKind;
+
+/// Flags shared by `kvferry prefill` and `kvferry decode`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentOptions {
+    /// URL of the bootstrap registry, or a comma-separated list of registry replicas
+    /// (`http://a:8998,http://b:8998`): tried in order, the next on a connection error, a
+    /// timeout or a 5xx.
+    #[arg(
+        long,
+        env = "KVFERRY_BOOTSTRAP",
+        default_value = "http://127.0.0.1:8998"
+    )]
+    pub bootstrap: String,
+    /// Data-parallel rank of this engine.
+    #[arg(long, env = "KVFERRY_DP_RANK", default_value_t = 0)]
+    pub dp_rank: u32,
+    /// Data-parallel size.
+    #[arg(long, env = "KVFERRY_DP_SIZE", default_value_t = 1)]
+    pub dp_size: u32,
+    /// Tensor-parallel rank.
+    #[arg(long, env = "KVFERRY_TP_RANK", default_value_t = 0)]
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    #[arg(long, env = "KVFERRY_TP_SIZE", default_value_t = 1)]
+    pub tp_size: u32,
+    /// Pipeline-parallel rank (stage).
+    #[arg(long, env = "KVFERRY_PP_RANK", default_value_t = 0)]
+    pub pp_rank: u32,
+    /// Pipeline-parallel size.
+    #[arg(long, env = "KVFERRY_PP_SIZE", default_value_t = 1)]
+    pub pp_size: u32,
+    /// Model preset: tiny, tiny-mla, llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3.
+    #[arg(long, env = "KVFERRY_MODEL", default_value = "llama3-8b")]
+    pub model: String,
+    /// Override the preset's layer count.
+    #[arg(long, env = "KVFERRY_LAYERS")]
+    pub layers: Option<usize>,
+    /// Override the preset's total KV head count.
+    #[arg(long, env = "KVFERRY_KV_HEADS")]
+    pub kv_heads: Option<usize>,
+    /// Override the preset's head dimension (latent width for MLA).
+    #[arg(long, env = "KVFERRY_HEAD_DIM")]
+    pub head_dim: Option<usize>,
+    /// Override the preset's dtype: bf16, fp16, fp8_e4m3, fp8_e5m2, fp32.
+    #[arg(long, env = "KVFERRY_DTYPE")]
+    pub dtype: Option<Dtype>,
+    /// Override the preset's attention kind: mha, mla.
+    #[arg(long, env = "KVFERRY_ATTENTION")]
+    pub attention: Option<AttentionKind>,
+    /// How the engine lays its KV out in the pool's memory: kvferry, kvferry-head-major,
+    /// vllm-cpu-vec, vllm-cpu-amx, vllm-nhd, vllm-hnd, vllm-flash-nhd, vllm-flash-hnd,
+    /// flashinfer, sglang-mha, sglang-mla (docs/architecture.md). A pool file (--pool shm:) holds the format's regions back to back.
+    #[arg(long, env = "KVFERRY_KV_FORMAT", default_value = "kvferry")]
+    pub kv_format: String,
+    /// Order inside a page of the kvferry format: token_major (SGLang, vLLM NHD) or head_major
+    /// (vLLM HND).
+    #[arg(long, env = "KVFERRY_PAGE_ORDER", default_value = "token_major")]
+    pub page_order: PageOrder,
+    /// Tokens per page.
+    #[arg(long, env = "KVFERRY_PAGE_SIZE", default_value_t = 16)]
+    pub page_size: usize,
+    /// Pages in this agent's pool.
+    #[arg(long, env = "KVFERRY_POOL_PAGES", default_value_t = 1024)]
+    pub pool_pages: usize,
+    /// Data-plane transport (its --help names this build's transports).
+    #[arg(long, env = "KVFERRY_TRANSPORT", default_value = "zmq-tcp", help = crate::transport::TRANSPORT_HELP)]
+    pub transport: TransportKind,
+    /// Address the control and data sockets bind and advertise. Any address but a loopback
+    /// one (0.0.0.0 and :: included) needs --token, or --insecure.
+    #[arg(long, env = "KVFERRY_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Address peers reach the control and data sockets at, as registered and sent in Hello
+    /// (default: --host; a wildcard such as 0.0.0.0 or :: is refused: name this host's
+    /// address). A UCX data endpoint carries UCX's own interface addresses instead.
+    #[arg(long, env = "KVFERRY_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    /// Port of the control socket decode agents connect to (0 picks one; the listening line
+    /// tells which).
+    #[arg(long, env = "KVFERRY_CONTROL_PORT", default_value_t = 0)]
+    pub control_port: u16,
+    /// Port of the data socket prefill agents connect to, for zmq-tcp (0 picks one; UCX picks
+    /// its own ports, zmq-ipc uses a socket file).
+    #[arg(long, env = "KVFERRY_DATA_PORT", default_value_t = 0)]
+    pub data_port: u16,
+    /// Address of the engine-facing HTTP API (keep it local). Any address but a loopback one
+    /// needs --token, or --insecure.
+    #[arg(long, env = "KVFERRY_API_HOST", default_value = "127.0.0.1")]
+    pub api_host: String,
+    /// Port of the engine-facing HTTP API (0 picks one; the listening line tells which).
+    #[arg(long, env = "KVFERRY_API_PORT", default_value_t = 0)]
+    pub api_port: u16,
+    /// Run the built-in synthetic engine: the prefill fills pages with a pattern, the decode
+    /// checks the landed bytes on take (--synthetic-verify).
+    #[arg(long, env = "KVFERRY_SYNTHETIC")]
+    pub synthetic: bool,
+    /// Which tokens a synthetic prefill stamps and how a synthetic decode checks a landed room
+    /// on take (set both agents alike): `full` stamps every token and checks every byte;
+    /// `stamp` stamps one token in 16 and the room's last, and checks those stamps and a sample
+    /// of the rest. A stamp is the first 8 bytes of a head slice, naming its room, token,
+    /// layer, plane and head.
+    #[arg(long, env = "KVFERRY_SYNTHETIC_VERIFY", value_enum, default_value_t = Verify::Full)]
+    pub synthetic_verify: Verify,
+    /// Shared secret: sent to the registry and in Hello.
+    #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Serve a non-loopback --host or --api-host without --token (warns at start). Only for
+    /// networks where every host that can reach the agent is trusted.
+    #[arg(long, env = "KVFERRY_INSECURE")]
+    pub insecure: bool,
+    /// Largest chunk of staging bytes moved at once (smaller ones make ZeroMQ rooms slower:
+    /// docs/benchmarks.md, "Where a room's time goes").
+    #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
+    pub chunk_bytes: usize,
+    /// Staging slots per prefill peer: chunks in flight from one prefill at once (the decode
+    /// grants them; the staging budget of a pair is slots x chunk bytes on each side).
+    #[arg(long, env = "KVFERRY_STAGING_SLOTS", default_value_t = 8)]
+    pub staging_slots: usize,
+    /// The KV pool: `anon` (the agent's own memory), `shm:<path>` (a pool an engine created
+    /// in shared memory), or the engine's CUDA device memory: `cuda-ipc:<device>:<handle>`
+    /// (a CUDA IPC handle, 128 hex digits) or `cuda-vmm:<device>:<socket>` (VMM shareable
+    /// handles the engine sends over its Unix socket).
+    #[arg(long, env = "KVFERRY_POOL", default_value = "anon")]
+    pub pool: crate::pool::PoolDescriptor,
+    /// Synthetic engine pacing: announce each room one layer at a time, this many ms apart
+    /// (layer-wise prefill); 0 announces whole rooms.
+    #[arg(long, env = "KVFERRY_SYNTHETIC_LAYER_MS", default_value_t = 0.0)]
+    pub synthetic_layer_ms: f64,
+    /// Threads of the CPU copy kernel.
+    #[arg(long, env = "KVFERRY_COPY_THREADS", default_value_t = 2)]
+    pub copy_threads: usize,
+    /// Waiting for the prefill group to register, in ms.
+    #[arg(long, env = "KVFERRY_TIMEOUT_BOOTSTRAP_MS", default_value_t = 30_000)]
+    pub timeout_bootstrap_ms: u64,
+    /// Connecting to a peer and its answer to Hello, in ms.
+    #[arg(long, env = "KVFERRY_TIMEOUT_CONNECT_MS", default_value_t = 5_000)]
+    pub timeout_connect_ms: u64,
+    /// A finished room not taken within this many ms expires and its agent-owned pages return.
+    #[arg(long, env = "KVFERRY_ROOM_TTL_MS", default_value_t = 60_000)]
+    pub room_ttl_ms: u64,
+    /// Prefill: a ready room a decode holds for a request queued in its engine is kept past
+    /// --room-ttl-ms, renewed by that decode's heartbeats, until at most this many ms after
+    /// it was announced.
+    #[arg(long, env = "KVFERRY_ROOM_MAX_MS", default_value_t = 600_000)]
+    pub room_max_ms: u64,
+    /// Prefill: while ready rooms held for queued decodes keep this many pages or more, new
+    /// rooms are refused (429) and fail their decodes with the reason. Default: half of
+    /// --pool-pages.
+    #[arg(long, env = "KVFERRY_MAX_HELD_PAGES")]
+    pub max_held_pages: Option<usize>,
+    /// One send of a chunk or a control message, in ms.
+    #[arg(long, env = "KVFERRY_TIMEOUT_SEND_MS", default_value_t = 30_000)]
+    pub timeout_send_ms: u64,
+    /// Waiting for the engine's ready pieces of a requested room (and, on a device pool, for
+    /// each piece's CUDA event), in ms; then the room fails with `timeout_ready`.
+    #[arg(long, env = "KVFERRY_TIMEOUT_READY_MS", default_value_t = 60_000)]
+    pub timeout_ready_ms: u64,
+    /// A transferring room without progress this many ms fails with `timeout_stall`.
+    #[arg(long, env = "KVFERRY_TIMEOUT_STALL_MS", default_value_t = 30_000)]
+    pub timeout_stall_ms: u64,
+    /// On SIGTERM, in-flight rooms get this many ms to finish; the rest are aborted.
+    #[arg(long, env = "KVFERRY_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
+    pub drain_timeout_ms: u64,
+    /// On SIGTERM, rooms that landed but were not taken stay takeable until taken or
+    /// this many ms after the last one landed (counted from SIGTERM at the earliest); then
+    /// the process exits and they are discarded.
+    #[arg(long, env = "KVFERRY_DRAIN_UNTAKEN_MS", default_value_t = 10_000)]
+    pub drain_untaken_ms: u64,
+    /// Checksum every chunk (xxh3-64) and verify it on landing; enable on both sides.
+    #[arg(long, env = "KVFERRY_CHECKSUM")]
+    pub checksum: bool,
+    /// Rooms in flight at most; more are refused with 429 at once.
+    #[arg(long, env = "KVFERRY_MAX_ROOMS", default_value_t = 1024)]
+    pub max_rooms: usize,
+    /// Fault injection for tests: invert every byte of the N-th chunk this prefill sends (after
+    /// its checksum; a direct chunk gets a wrong checksum instead).
+    #[arg(long, env = "KVFERRY_FAULT_CORRUPT_CHUNK", hide = true)]
+    pub fault_corrupt_chunk: Option<u64>,
+    /// Direct path (pool pages straight into the decode pool; `ucx`, and `zmq-ipc` by mapping
+    /// the decode's pool): `auto` where the transport's writes are fast and safe and the runs
+    /// pay, `always`, or `never`.
+    #[arg(long, env = "KVFERRY_DIRECT_WRITES", value_enum, default_value_t = DirectWrites::Auto)]
+    pub direct_writes: DirectWrites,
+    /// Mapped writes between agents of one host (`zmq-ipc`, `ucx` with shared memory in
+    /// UCX_TLS): `auto` (the decode serves its pool's memory file, the prefill maps it and
+    /// copies into it; first choice where both allow it) or `never` (over UCX: placed runs the
+    /// decode posted, or staged).
+    #[arg(long, env = "KVFERRY_MAPPED_WRITES", value_enum, default_value_t = MappedWrites::Auto)]
+    pub mapped_writes: MappedWrites,
+    /// Where a device pool's chunks wait for the transport: `auto` stages in device memory
+    /// when the transport sends it (UCX built with CUDA, found at start) and in pinned host
+    /// memory otherwise; `pinned-host`; or `device`, which refuses to start where the transport
+    /// cannot send device memory (or with --checksum). Host pools stage on the host.
+    #[arg(long, env = "KVFERRY_STAGING", value_enum, default_value_t = StagingChoice::Auto)]
+    pub staging: StagingChoice,
+    /// Shortest average run, in bytes, that a piece sends as placed runs rather than staged:
+    /// each run is one message. Default: 131072 where runs go by rendezvous (a handshake and a
+    /// read: shared memory), 16384 where they go as eager messages (tcp): where placing beat
+    /// staging with UCX 1.13 (docs/benchmarks.md, "How long a placed run must be"). A fabric
+    /// with cheaper messages (RDMA) may gain from a lower one.
+    #[arg(long, env = "KVFERRY_PLACED_MIN_RUN_BYTES")]
+    pub placed_min_run_bytes: Option<u64>,
+    /// Period of heartbeats on every control connection, in ms.
+    #[arg(long, env = "KVFERRY_HEARTBEAT_MS", default_value_t = 500)]
+    pub heartbeat_ms: u64,
+    /// A peer silent this many ms is declared dead and its rooms fail with `peer_dead`.
+    #[arg(long, env = "KVFERRY_PEER_DEAD_MS", default_value_t = 5_000)]
+    pub peer_dead_ms: u64,
+}
+
+impl AgentOptions {
+    /// Checks the flags and builds the agent configuration.
+    pub fn config(&self) -> anyhow::Result<AgentConfig> {
+        let ranks = Ranks {
+            dp_rank: self.dp_rank,
+            dp_size: self.dp_size,
+            tp_rank: self.tp_rank,
+            tp_size: self.tp_size,
+            pp_rank: self.pp_rank,
+            pp_size: self.pp_size,
+        };
+        for (name, rank, size) in [
+            ("dp", self.dp_rank, self.dp_size),
+            ("tp", self.tp_rank, self.tp_size),
+            ("pp", self.pp_rank, self.pp_size),
+        ] {
+            if size == 0 || rank >= size {
+                anyhow::bail!("--{name}-rank {rank} must be < --{name}-size {size}");
+            }
+        }
+        crate::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
+        #[cfg(feature = "ucx")]
+        if self.transport == crate::transport::TransportKind::Ucx
+            && self.token.is_none()
+            && !self.insecure
+            && let Ok(devices) = std::env::var("UCX_NET_DEVICES")
+            && devices.split(',').any(|d| d.trim() != "lo")
+        {
+            anyhow::bail!(
+                "UCX_NET_DEVICES={devices} lets UCX listen beyond loopback: give --token or --insecure"
+            );
+        }
+        let advertise_host =
+            crate::exposure::advertised(&self.host, self.advertise_host.as_deref())?;
+        let preset = ModelSpec::preset(&self.model)?;
+        let model = ModelSpec {
+            kind: self.attention.unwrap_or(preset.kind),
+            num_layers: self.layers.unwrap_or(preset.num_layers),
+            num_kv_heads: self.kv_heads.unwrap_or(preset.num_kv_heads),
+            head_dim: self.head_dim.unwrap_or(preset.head_dim),
+            dtype: self.dtype.unwrap_or(preset.dtype),
+        };
+        let format = KvFormat::named(&self.kv_format)?;
+        let mut layout = KvLayout::new(model, self.page_size)?.with_format(&format)?;
+        if self.page_order != PageOrder::TokenMajor {
+            if format.name != "kvferry" {
+                anyhow::bail!(
+                    "--page-order applies to the kvferry format; --kv-format {} fixes its own",
+                    format.name
+                );
+            }
+            layout = layout.with_order(self.page_order, KvPlacement::Planes)?;
+        }
+        let layout = layout.for_rank(
+            self.tp_rank as usize,
+            self.tp_size as usize,
+            self.pp_rank as usize,
+            self.pp_size as usize,
+        )?;
+        if self.pool_pages == 0 {
+            anyhow::bail!("--pool-pages must be > 0");
+        }
+        if self.chunk_bytes == 0 || u32::try_from(self.chunk_bytes).is_err() {
+            anyhow::bail!("--chunk-bytes must be > 0 and < 4 GiB");
+        }
+        if self.max_rooms == 0 {
+            anyhow::bail!("--max-rooms must be > 0");
+        }
+        if self.room_max_ms < self.room_ttl_ms {
+            anyhow::bail!(
+                "--room-max-ms ({}) must be at least --room-ttl-ms ({})",
+                self.room_max_ms,
+                self.room_ttl_ms
+            );
+        }
+        if self.staging_slots == 0 {
+            anyhow::bail!("--staging-slots must be > 0");
+        }
+        if self.heartbeat_ms == 0 || self.peer_dead_ms <= self.heartbeat_ms {
+            anyhow::bail!(
+                "--peer-dead-ms ({}) must exceed --heartbeat-ms ({}) > 0",
+                self.peer_dead_ms,
+                self.heartbeat_ms
+            );
+        }
+        if !(self.synthetic_layer_ms >= 0.0 && self.synthetic_layer_ms.is_finite()) {
+            anyhow::bail!("--synthetic-layer-ms must be >= 0");
+        }
+        let ms = Duration::from_millis;
+        Ok(AgentConfig {
+            bootstrap: self.bootstrap.clone(),
+            ranks,
+            layout,
+            pool_pages: self.pool_pages,
+            transport: self.transport,
+            host: self.host.clone(),
+            advertise_host,
+            control_port: self.control_port,
+            data_port: self.data_port,
+            api_host: self.api_host.clone(),
+            api_port: self.api_port,
+            synthetic: self.synthetic,
+            synthetic_verify: self.synthetic_verify,
+            token: self.token.clone(),
+            insecure: self.insecure,
+            chunk_bytes: self.chunk_bytes,
+            staging_slots: self.staging_slots,
+            pool: self.pool.clone(),
+            synthetic_layer_delay: Duration::from_secs_f64(self.synthetic_layer_ms / 1e3),
+            checksum: self.checksum,
+            max_rooms: self.max_rooms,
+            max_held_pages: self.max_held_pages.unwrap_or(self.pool_pages / 2),
+            fault_corrupt_chunk: self.fault_corrupt_chunk,
+            copy_threads: self.copy_threads,
+            direct_writes: self.direct_writes,
+            mapped_writes: self.mapped_writes,
+            staging: self.staging,
+            placed_min_run_bytes: self.placed_min_run_bytes,
+            timeouts: Timeouts {
+                bootstrap: ms(self.timeout_bootstrap_ms),
+                connect: ms(self.timeout_connect_ms),
+                room_ttl: ms(self.room_ttl_ms),
+                room_max: ms(self.room_max_ms),
+                send: ms(self.timeout_send_ms),
+                ready: ms(self.timeout_ready_ms),
+                stall: ms(self.timeout_stall_ms),
+                drain: ms(self.drain_timeout_ms),
+                drain_untaken: ms(self.drain_untaken_ms),
+                heartbeat: ms(self.heartbeat_ms),
+                dead_after: ms(self.peer_dead_ms),
+            },
+        })
+    }
+}
+
+/// The agent flags alone, as `kvferry prefill` and `kvferry decode` take them.
+#[derive(clap::Parser)]
+#[command(name = "kvferry", no_binary_name = true)]
+struct AgentFlags {
+    #[command(flatten)]
+    agent: AgentOptions,
+}
+
+impl AgentOptions {
+    /// Parses agent flags (`["--model", "tiny", "--page-size", "16"]`) with the command line's
+    /// parser: the same defaults, `KVFERRY_*` variables and errors, for agents started in
+    /// process.
+    pub fn from_flags<I, T>(flags: I) -> Result<AgentOptions, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        <AgentFlags as clap::Parser>::try_parse_from(flags).map(|f| f.agent)
+    }
+
+    pub(crate) fn binds(&self) -> [(&'static str, &str); 2] {
+        [
+            ("--host", self.host.as_str()),
+            ("--api-host", self.api_host.as_str()),
+        ]
+    }
+}
