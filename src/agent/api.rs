@@ -11,7 +11,7 @@
 //! bad room, bad query parameter), 404 (unknown room or route), 405 (known route, wrong
 //! method), 409, 413 (body over [`BODY_LIMIT`]), 415 (a body not sent as JSON), 429, 503.
 //!
-//! The routes both roles serve are here ([`room_routes`]); each agent adds its own
+//! The routes both roles serve are here (`room_routes`); each agent adds its own
 //! (`prefill/http.rs`, `decode/http.rs`).
 
 use std::io::Write as _;

@@ -1,10 +1,10 @@
-//! The room operations both agents have, written once ([`RoomOps`]: read a room, wait for its
+//! The room operations both agents have, written once (`RoomOps`: read a room, wait for its
 //! next change, abort it, hold it while its request is queued, count the pool, render the
 //! metrics), and what the role-specific ones share: their one error type, the checks of an
 //! engine's pages, and the JSON forms of request fields (room keys as hex, aux bytes as
 //! base64).
 //!
-//! Each role implements [`RoomOps`] over its room table and adds its own operations in its
+//! Each role implements `RoomOps` over its room table and adds its own operations in its
 //! `rooms.rs` (a prefill announces rooms ready; a decode requests and takes them). The Rust
 //! handles ([`super::prefill::PrefillAgent`], [`super::decode::DecodeAgent`]), and through them
 //! the Python package, call these; so does the engine-facing HTTP API (`api.rs`), which parses
