@@ -44,7 +44,7 @@ fn envs() -> [(&'static str, Env); 2] {
 fn with_insecure_rma(env: &Env) -> Env {
     let mut env = env.clone();
     env.push((
-        kvferry::transport::ucx::data::INSECURE_RMA_VAR.to_owned(),
+        kvferry::transport::ucx::settings::INSECURE_RMA_VAR.to_owned(),
         "1".to_owned(),
     ));
     env

@@ -285,7 +285,7 @@ fn a_posix_rkey_in_hello_maps_nothing_in_a_prefill_without_rma() {
     assert!(
         posix_rkey_mapped(
             "ucx-posix-rkey-insecure",
-            &[(kvferry::transport::ucx::data::INSECURE_RMA_VAR, "1")]
+            &[(kvferry::transport::ucx::settings::INSECURE_RMA_VAR, "1")]
         ),
         "control: with RMA the prefill unpacks the key and maps the file"
     );

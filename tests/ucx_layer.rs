@@ -261,7 +261,7 @@ impl Tls {
     fn config(self) -> UcxConfig {
         let config = match self {
             Tls::Tcp => UcxConfig::tcp_loopback(),
-            Tls::TcpEager => kvferry::transport::ucx::data::worker_vars(Some("tcp"), |_| false)
+            Tls::TcpEager => kvferry::transport::ucx::settings::worker_vars(Some("tcp"), |_| false)
                 .iter()
                 .fold(UcxConfig::tcp_loopback().eager(true), |c, (name, value)| {
                     c.var(name, value)

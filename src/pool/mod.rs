@@ -348,14 +348,7 @@ impl HostPool {
         num_pages: usize,
     ) -> Result<Self, PoolError> {
         let path = path.as_ref();
-        let size = checked_size(&layout, num_pages)?;
-        let shown = path.display().to_string();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map_err(|source| io_err("create", &shown, source))?;
+        let (file, size, shown) = open_pool_file(path, &layout, num_pages, true)?;
         let reserve =
             rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size as u64);
         if let Err(errno) = reserve {
@@ -375,13 +368,7 @@ impl HostPool {
         num_pages: usize,
     ) -> Result<Self, PoolError> {
         let path = path.as_ref();
-        let size = checked_size(&layout, num_pages)?;
-        let shown = path.display().to_string();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|source| io_err("open", &shown, source))?;
+        let (file, size, shown) = open_pool_file(path, &layout, num_pages, false)?;
         let actual = file
             .metadata()
             .map_err(|source| io_err("stat", &shown, source))?
@@ -709,6 +696,25 @@ impl Drop for HostPool {
 /// /dev/shm cannot be sealed).
 pub fn is_sealed(file: &File) -> bool {
     rustix::fs::fcntl_get_seals(file).is_ok_and(|s| s.contains(rustix::fs::SealFlags::SHRINK))
+}
+
+/// Opens the pool file at `path` for reading and writing, a new one when `create`; with the
+/// size a pool of `num_pages` takes and the path as errors show it.
+fn open_pool_file(
+    path: &Path,
+    layout: &KvLayout,
+    num_pages: usize,
+    create: bool,
+) -> Result<(File, usize, String), PoolError> {
+    let size = checked_size(layout, num_pages)?;
+    let shown = path.display().to_string();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(create)
+        .open(path)
+        .map_err(|source| io_err(if create { "create" } else { "open" }, &shown, source))?;
+    Ok((file, size, shown))
 }
 
 fn checked_size(layout: &KvLayout, num_pages: usize) -> Result<usize, PoolError> {

@@ -593,7 +593,7 @@ pub fn maps_pools(kind: TransportKind) -> bool {
         TransportKind::ZmqTcp => false,
         TransportKind::ZmqIpc => true,
         #[cfg(feature = "ucx")]
-        TransportKind::Ucx => ucx::data::maps_pools(),
+        TransportKind::Ucx => ucx::settings::maps_pools(),
     }
 }
 

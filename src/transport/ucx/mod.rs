@@ -37,6 +37,7 @@ pub mod region;
 pub mod result;
 pub mod revocable;
 pub mod safe;
+pub mod settings;
 pub mod sys;
 pub mod worker;
 
