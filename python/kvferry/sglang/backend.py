@@ -1,0 +1,451 @@
+"""SGLang's transfer backend classes for ``kvferry``: a manager per scheduler rank that runs a
+kvferry agent over SGLang's own KV buffers, a sender per prefill request and a receiver per
+decode request, each a kvferry room (SGLang's ``bootstrap_room``).
+
+- Memory: SGLang gives the manager its per-layer buffers as raw addresses, all K buffers then
+  all V buffers for MHA (one buffer a layer for MLA), ``page_size`` tokens an item. They are
+  the agent's regions in the ``sglang-mha`` / ``sglang-mla`` format (a layer's K then its V);
+  the agent reads and writes them in place, in host memory or on the buffers' CUDA device
+  (that path never ran: SGLang has been tested on its CPU engine only).
+- Rooms: the prefill announces a room ready once its last chunk was sent to the backend, with
+  every page of the prompt and SGLang's metadata row (the first output token and the rest of
+  ``MetadataBuffers``) as the room's aux bytes; the decode asks for the room into the pages
+  SGLang allocated and, once it landed, writes the aux bytes into its own metadata row. Rooms
+  move whole pages: ``pages × page_size`` tokens.
+- States: a prefill room is ``WaitingForInput`` until it is announced (the prefill computes at
+  once; kvferry keeps the ready KV until the decode asks or ``--room-ttl-ms`` passes), then
+  ``Transferring`` until it settles. A decode room is ``WaitingForInput`` from ``init`` until
+  SGLang sends its pages, then ``Transferring``. ``Success`` and ``Failed`` are the room's final
+  states; ``failure_exception`` raises SGLang's ``KVTransferError`` with kvferry's reason code
+  and message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVPoll,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServerInfo
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+import kvferry
+
+from .bootstrap import spawn_registry, url_of, wait_for_registry
+
+logger = logging.getLogger(__name__)
+
+# SGLang's KV cache dtypes (``kv_cache_dtype_str``) as kvferry's, with their sizes.
+DTYPES = {
+    "bfloat16": ("bf16", 2),
+    "float16": ("fp16", 2),
+    "half": ("fp16", 2),
+    "float32": ("fp32", 4),
+    "float": ("fp32", 4),
+    "float8_e4m3fn": ("fp8-e4m3", 1),
+    "fp8_e4m3": ("fp8-e4m3", 1),
+    "float8_e5m2": ("fp8-e5m2", 1),
+    "fp8_e5m2": ("fp8-e5m2", 1),
+}
+
+
+
+def dtype_of(name: str) -> tuple[str, int]:
+    key = str(name).removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"kvferry: SGLang's KV cache dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+class Pool:
+    """What ``KVArgs`` leaves out of the KV pool: its dtype (named ``auto`` when it is the
+    model's), its device, this rank's KV heads and the model's (a decode's ``KVArgs`` has
+    neither)."""
+
+    def __init__(self, queue: Any) -> None:
+        pool = queue.token_to_kv_pool
+        self.dtype = str(pool.dtype)
+        device = str(getattr(pool, "device", "cpu"))
+        # The CUDA device of the KV buffers; None for host memory.
+        self.cuda: int | None = None
+        if device.startswith("cuda"):
+            self.cuda = int(device.partition(":")[2] or 0)
+        elif device != "cpu":
+            raise ValueError(f"kvferry: SGLang's KV cache on {device} is not supported (CPU and CUDA are)")
+        self.heads = int(getattr(pool, "head_num", 1))
+        self.total_heads = int(queue.scheduler.model_config.get_total_num_kv_heads())
+
+
+# The pool of the queue whose manager is being made (``with_kv_pool``).
+kv_pool: Pool | None = None
+
+
+def with_kv_pool(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around SGLang's prefill and decode queues' ``_init_kv_manager``: keeps the queue's KV
+    pool in sight of the manager it makes."""
+    global kv_pool
+    kv_pool = Pool(queue)
+    try:
+        return original(queue, *args, **kwargs)
+    finally:
+        kv_pool = None
+
+
+def agent_options(args: Any, server_args: Any, prefill: bool, mla: bool, bootstrap: str) -> dict[str, Any]:
+    """The agent's options for this rank, from SGLang's ``KVArgs`` and server arguments."""
+    if getattr(server_args, "pp_size", 1) != 1:
+        raise ValueError("kvferry: SGLang pipeline parallelism is not supported yet (--pp-size must be 1)")
+    if kv_pool is None:
+        raise RuntimeError("kvferry: the manager was made outside SGLang's queues (the plugin's hooks are not applied)")
+    name = args.kv_cache_dtype_str
+    dtype, size = dtype_of(kv_pool.dtype if name == "auto" else name)
+    ptrs, item = list(args.kv_data_ptrs), int(args.kv_item_lens[0])
+    page_size = int(args.page_size)
+    if len(set(args.kv_item_lens)) != 1 or len(set(args.kv_data_lens)) != 1:
+        raise ValueError("kvferry: SGLang's KV buffers differ in size (draft or hybrid pools are not supported)")
+    if mla:
+        layers, heads, total_heads = len(ptrs), 1, 1
+    else:
+        if len(ptrs) % 2:
+            raise ValueError(f"kvferry: {len(ptrs)} KV buffers are not a K and a V buffer per layer")
+        layers, heads, total_heads = len(ptrs) // 2, kv_pool.heads, kv_pool.total_heads
+    head_dim, rest = divmod(item, page_size * heads * size)
+    if rest:
+        raise ValueError(f"kvferry: a KV item of {item} bytes is not {page_size} tokens x {heads} heads of {dtype}")
+    opts: dict[str, Any] = dict(
+        model="tiny",
+        attention="mla" if mla else "mha",
+        layers=layers,
+        kv_heads=total_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        page_size=page_size,
+        pool_pages=int(args.kv_data_lens[0]) // item,
+        kv_format="sglang-mla" if mla else "sglang-mha",
+        tp_size=attention_tp_size(server_args),
+        tp_rank=int(args.engine_rank),
+    )
+    if prefill:
+        opts |= dict(dp_rank=int(args.system_dp_rank or 0), dp_size=int(getattr(server_args, "dp_size", 1)))
+    if not os.environ.get("KVFERRY_BOOTSTRAP"):
+        opts["bootstrap"] = bootstrap
+    return opts
+
+
+def attention_tp_size(server_args: Any) -> int:
+    """The ranks one copy of the KV is split over: the TP size, or its share of a DP group
+    with DP attention."""
+    tp, dp = int(getattr(server_args, "tp_size", 1)), int(getattr(server_args, "dp_size", 1))
+    return tp // dp if getattr(server_args, "enable_dp_attention", False) else tp
+
+
+def regions_of(args: Any, mla: bool) -> list[tuple[int, int]]:
+    """SGLang's buffers in the format's region order: per layer its K then its V buffer."""
+    bufs = list(zip(args.kv_data_ptrs, args.kv_data_lens))
+    if mla:
+        return bufs
+    layers = len(bufs) // 2
+    return [b for layer in range(layers) for b in (bufs[layer], bufs[layers + layer])]
+
+
+class Aux:
+    """SGLang's metadata row of a request (``MetadataBuffers``, one item per buffer at the
+    request's index) as the room's aux bytes, read at the prefill and written at the decode."""
+
+    def __init__(self, args: Any) -> None:
+        self.buffers = list(zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens))
+        self.size = sum(item for _, _, item in self.buffers)
+
+    def read(self, index: int) -> bytes:
+        return b"".join(ctypes.string_at(ptr + index * item, item) for ptr, _, item in self.buffers)
+
+    def write(self, index: int, data: bytes) -> None:
+        if len(data) != self.size:
+            raise ValueError(f"the prefill's metadata row has {len(data)} bytes, this decode's {self.size}")
+        at = 0
+        for ptr, _, item in self.buffers:
+            ctypes.memmove(ptr + index * item, data[at : at + item], item)
+            at += item
+
+
+class KvferryKVManager(BaseKVManager):
+    """One scheduler rank's kvferry agent over SGLang's KV buffers."""
+
+    supports_host_destination = False
+    enable_deferred_decode_kv_release = False
+
+    def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False) -> None:
+        self.kv_args = args
+        self.server_args = server_args
+        self.is_prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        if not self.is_prefill and disaggregation_mode != DisaggregationMode.DECODE:
+            raise ValueError(f"kvferry: no transfer in disaggregation mode {disaggregation_mode}")
+        self.is_mla = mla = bool(is_mla_backend)
+        self.page_size = int(args.page_size)
+        self.aux = Aux(args)
+        # Prefill groups by bootstrap address, as SGLang's decode reads them.
+        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        self.registry = None
+        bootstrap = os.environ.get("KVFERRY_BOOTSTRAP") or ""
+        if not bootstrap and self.is_prefill:
+            bootstrap = url_of(server_args.host, server_args.disaggregation_bootstrap_port)
+        elif not bootstrap:
+            # A decode rank's registration is its own business: a private registry.
+            self.registry, bootstrap = spawn_registry("127.0.0.1", 0)
+        wait_for_registry(bootstrap)
+        opts = agent_options(args, server_args, self.is_prefill, mla, bootstrap)
+        assert kv_pool is not None
+        self.cuda = kv_pool.cuda
+        agent_type = kvferry.PrefillAgent if self.is_prefill else kvferry.DecodeAgent
+        self.agent = agent_type(regions_of(args, mla), device=self.cuda, **opts)
+        logger.info(
+            "kvferry %s agent %s (registry %s): %s, %d layers, %d pages of %d tokens, api %s",
+            "prefill" if self.is_prefill else "decode", self.agent.instance, bootstrap,
+            opts["kv_format"], opts["layers"], opts["pool_pages"], self.page_size, self.agent.api_url,
+        )
+
+    def register_to_bootstrap(self) -> None:
+        """The agent registered its rank when it started."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Reads the prefill group's shape from the kvferry registry at ``bootstrap_addr``.
+        Rooms go to prefill DP group ``room % dp_size`` (``follow_bootstrap_room``), kvferry's
+        rule too."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        request = urllib.request.Request(f"{self.registry_url(bootstrap_addr)}/v1/groups/0")
+        token = os.environ.get("KVFERRY_TOKEN")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=2.0) as r:
+                group = json.loads(r.read())
+        except (OSError, ValueError, urllib.error.URLError) as e:
+            logger.info("kvferry: no complete prefill group at %s yet: %s", bootstrap_addr, e)
+            return False
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=int(group["tp_size"]),
+            attn_cp_size=1,
+            dp_size=int(group["dp_size"]),
+            pp_size=int(group["pp_size"]),
+            page_size=int(group["layout"]["page_size"]),
+            kv_cache_dtype=None,
+            follow_bootstrap_room=True,
+        )
+        return True
+
+    def registry_url(self, bootstrap_addr: str) -> str:
+        host, _, port = bootstrap_addr.rpartition(":")
+        return url_of(host.strip("[]"), int(port))
+
+    def room_failure(self, room: int, view: dict[str, Any] | None) -> KVTransferError:
+        if view is None:
+            return KVTransferError(room, "kvferry: the room is unknown to the agent (expired or never made)")
+        reason = view.get("reason") or {}
+        code, message = reason.get("code", view.get("state")), reason.get("message", "")
+        return KVTransferError(room, f"kvferry {code}: {message}")
+
+    def shutdown(self) -> None:
+        self.agent.close()
+        if self.registry is not None and self.registry.poll() is None:
+            assert self.registry.stdin is not None
+            self.registry.stdin.close()
+            self.registry.wait(timeout=10)
+
+
+class _Room:
+    """What a sender and a receiver share: the room, its state, and how it ended."""
+
+    def __init__(self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: int | None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.room = int(bootstrap_room or 0)
+        self.state = KVPoll.WaitingForInput
+        self.conclude_state: int | None = None
+        self.error: KVTransferError | None = None
+        self.bytes: int | None = None
+        self.held = False
+
+    def hold(self, call: Any) -> None:
+        """Holds the room while SGLang has its request queued (the announcement or the
+        request ends the hold)."""
+        try:
+            call()
+            self.held = True
+        except kvferry.Error as e:
+            logger.warning("kvferry: room %d not held: %s", self.room, e)
+
+    def fail(self, error: KVTransferError) -> int:
+        if self.held and self.state != KVPoll.Transferring:
+            # Neither announced nor asked for: nobody should wait for it any more.
+            try:
+                self.kv_mgr.agent.unhold(self.room)
+            except kvferry.Error as e:
+                logger.info("kvferry: unhold of room %d: %s", self.room, e)
+        self.error = error
+        self.conclude_state = self.state = KVPoll.Failed
+        logger.error("kvferry: room %d failed: %s", self.room, error)
+        return self.state
+
+    def failure_exception(self) -> None:
+        raise self.error or KVTransferError(self.room, "kvferry: the transfer failed")
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric(transfer_total_bytes=self.bytes)
+
+    def abort(self) -> None:
+        """Aborts the room. One in flight is reported by ``poll`` once the agent no longer
+        touches its pages (SGLang frees them then)."""
+        if self.conclude_state is not None:
+            return
+        if self.state != KVPoll.Transferring:
+            self.fail(KVTransferError(self.room, "kvferry aborted: the engine aborted the request"))
+            return
+        try:
+            self.kv_mgr.agent.abort(self.room)
+        except kvferry.Error as e:
+            logger.info("kvferry: abort of room %d: %s", self.room, e)
+
+    def clear(self) -> None:
+        pass
+
+
+class KvferryKVSender(_Room, BaseKVSender):
+    """A prefill request's room: announced once SGLang sent its last chunk."""
+
+    def __init__(self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: int, req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        _Room.__init__(self, mgr, bootstrap_addr, bootstrap_room)
+        self.num_pages: int | None = None
+        self.aux_index: int | None = None
+        self.pages: list[int] = []
+        # Until it is announced, a decode that asked waits for the room past its ready timeout.
+        self.hold(lambda: mgr.agent.hold(self.room))
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self.num_pages, self.aux_index = int(num_kv_indices), aux_index
+
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **_: Any) -> None:
+        if state_indices:
+            self.fail(KVTransferError(self.room, "kvferry: state transfers (mamba, SWA, DSA) are not supported"))
+            return
+        self.pages.extend(int(p) for p in np.asarray(kv_indices).reshape(-1))
+        if self.num_pages is None or len(self.pages) < self.num_pages:
+            return
+        mgr = self.kv_mgr
+        aux = mgr.aux.read(self.aux_index) if self.aux_index is not None else None
+        pieces: dict[str, Any] = {}
+        if mgr.cuda is not None:
+            # SGLang's writes of this KV are queued on its stream: the agent's gathers wait for
+            # this event on the device.
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+            pieces["cuda_event"] = event.cuda_event
+        try:
+            mgr.agent.ready(self.room, len(self.pages) * mgr.page_size, pages=self.pages, aux=aux, **pieces)
+        except kvferry.Error as e:
+            self.fail(KVTransferError(self.room, f"kvferry: the room was not announced: {e}"))
+            return
+        self.state = KVPoll.Transferring
+
+    def poll(self) -> int:
+        if self.conclude_state is not None or self.state != KVPoll.Transferring:
+            return self.state
+        view = self.kv_mgr.agent.poll([self.room]).get(self.room, "busy")
+        if view == "busy":
+            return self.state
+        if view is not None and view["state"] == "success":
+            self.bytes = view.get("bytes")
+            self.conclude_state = self.state = KVPoll.Success
+            return self.state
+        return self.fail(self.kv_mgr.room_failure(self.room, view))
+
+
+class KvferryKVReceiver(_Room, BaseKVReceiver):
+    """A decode request's room: asked for once SGLang allocated its pages; its metadata row is
+    written when it landed."""
+
+    require_staging = False
+    abort_notified = False
+
+    def __init__(self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: int | None = None, **_: Any) -> None:
+        _Room.__init__(self, mgr, bootstrap_addr, bootstrap_room)
+        self.state = KVPoll.Bootstrapping
+        self.bootstrap_infos: list[Any] = []
+        self.prefill_dp_rank: int | None = None
+        self.aux_index: int | None = None
+        self.pages: list[int] = []
+
+    def init(self, prefill_dp_rank: int) -> None:
+        self.prefill_dp_rank = int(prefill_dp_rank)
+        if self.state == KVPoll.Bootstrapping:
+            self.state = KVPoll.WaitingForInput
+            # Until SGLang allocates its pages, the prefill keeps the room past its TTL.
+            mgr = self.kv_mgr
+            where = dict(bootstrap=mgr.registry_url(self.bootstrap_addr), dp_rank=self.prefill_dp_rank)
+            self.hold(lambda: mgr.agent.hold(self.room, **where))
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None, decode_prefix_len: int | None = None, **_: Any) -> None:
+        if self.conclude_state is not None:
+            return
+        if state_indices:
+            self.fail(KVTransferError(self.room, "kvferry: state transfers (mamba, SWA, DSA) are not supported"))
+            return
+        if decode_prefix_len:
+            self.fail(KVTransferError(self.room, "kvferry: a decode-side prefix (decode radix cache) is not supported"))
+            return
+        mgr = self.kv_mgr
+        self.pages = pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+        self.aux_index = aux_index
+        try:
+            mgr.agent.request(
+                self.room, len(pages) * mgr.page_size, pages=pages,
+                bootstrap=mgr.registry_url(self.bootstrap_addr), dp_rank=self.prefill_dp_rank,
+            )
+        except kvferry.Error as e:
+            self.fail(KVTransferError(self.room, f"kvferry: the room was refused: {e}"))
+            return
+        self.state = KVPoll.Transferring
+
+    def poll(self) -> int:
+        if self.conclude_state is not None or self.state != KVPoll.Transferring:
+            return self.state
+        agent = self.kv_mgr.agent
+        view = agent.poll([self.room]).get(self.room, "busy")
+        if view == "busy":
+            return self.state
+        if view is None:
+            return self.fail(self.kv_mgr.room_failure(self.room, None))
+        try:
+            taken = agent.take(self.room)
+        except kvferry.RoomFailed as e:
+            return self.fail(KVTransferError(self.room, f"kvferry {e.code}: {e.message}"))
+        except kvferry.Error as e:
+            return self.fail(KVTransferError(self.room, f"kvferry: the room could not be taken: {e}"))
+        if self.aux_index is not None:
+            try:
+                self.kv_mgr.aux.write(self.aux_index, taken.get("aux") or b"")
+            except ValueError as e:
+                return self.fail(KVTransferError(self.room, f"kvferry: {e}"))
+        self.bytes = taken.get("bytes")
+        self.conclude_state = self.state = KVPoll.Success
+        return self.state
+
+    def ensure_abort_notified(self, force_arm: bool = False) -> None:
+        pass
+
+    def is_abort_release_safe(self) -> bool:
+        return self.conclude_state is not None

@@ -1,0 +1,197 @@
+"""Real SGLang servers for the tests: the SGLang venv's interpreter (scripts/sglang/install) with
+this checkout's wheel on its path, so that SGLang finds kvferry's plugin; the test-only
+stand-in for sgl-kernel's CPU ops (sglang_stub/, see its docstring); the tiny seeded model of
+scripts/vllm/tiny_model.py; and SGLang's own PD router (sglang-router) in front of a prefill
+and a decode server.
+
+Every process runs in a process group of its own in the tests' session; ``stop`` ends it with
+SIGTERM, then SIGKILL to its group."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import time
+import urllib.request
+from typing import Any
+
+from conftest import REPO
+from vllm_servers import free_port, post, tail
+
+STUB = pathlib.Path(__file__).parent / "sglang_stub"
+ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RUST_LOG": "kvferry=warn",
+}
+# A server at --tp-size 2 on this machine: a core per rank (SGLang refuses more ranks than NUMA
+# nodes otherwise), and no NCCL (PyPI's torch ships libnccl; SGLang would set it up on the CPU
+# and fail): a library path that does not load turns it off.
+TP2 = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+# What SGLang's CPU engine needs here (docs/sglang.md).
+CPU_ARGS = (
+    "--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
+    "--grammar-backend", "none", "--max-total-tokens", "4096", "--context-length", "1024",
+    "--mem-fraction-static", "0.05", "--dtype", "float32", "--random-seed", "0",
+)
+
+
+def sglang_env(site: str, env: dict) -> dict:
+    """The environment of an SGLang process: the wheel's unpacked ``site`` and the stand-in on
+    its path."""
+    path = os.pathsep.join([str(STUB), site])
+    return env | ENV | {"PYTHONPATH": path}
+
+
+class Process:
+    """A process of its own group, its output in ``log``."""
+
+    def __init__(self, cmd: list[str], env: dict, log: pathlib.Path) -> None:
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        """SIGTERM to the main process (SGLang stops its scheduler and detokenizer; SIGTERM to
+        each of them makes it report a crash), then SIGKILL to whatever is left of the group."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def wait_ok(self, url: str, what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}; {self.log}:\n{tail(self.log)}")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{what} not ready after {timeout} s; {self.log}:\n{tail(self.log)}")
+
+
+class Server(Process):
+    """``python -m sglang.launch_server`` on 127.0.0.1: plain, or a PD role with kvferry."""
+
+    def __init__(self, python: str, env: dict, model: pathlib.Path, log: pathlib.Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
+            "--port", str(self.port), *CPU_ARGS, *args,
+        ]
+        super().__init__(cmd, env, log)
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        self.wait_ok(self.url + "/health", "SGLang", timeout)
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> dict:
+        return generate(self.url, prompt, max_new_tokens)
+
+
+def generate(url: str, prompt: list[int], max_new_tokens: int) -> dict:
+    """SGLang's native ``/generate``, greedy; the response JSON."""
+    body: dict[str, Any] = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    return post(url + "/generate", body)
+
+
+def output_ids(response: dict) -> list[int]:
+    return list(response["output_ids"])
+
+
+def used_tokens(server: Server) -> int:
+    """KV tokens the server's requests hold now (``GET /v1/loads``; cached tokens no request
+    holds are not counted)."""
+    with urllib.request.urlopen(server.url + "/v1/loads", timeout=10) as r:
+        loads = json.loads(r.read())
+    return sum(int(load["num_used_tokens"]) for load in loads["loads"])
+
+
+class Pd:
+    """A prefill and a decode SGLang server with ``--disaggregation-transfer-backend kvferry``
+    and sglang-router in PD mode in front of them. ``args`` go to both servers,
+    ``prefill_args``, ``prefill_env`` and ``decode_env`` to one."""
+
+    def __init__(self, python: str, env: dict, model: pathlib.Path, logs: pathlib.Path, args: tuple[str, ...] = (),
+                 prefill_args: tuple[str, ...] = (), prefill_env: dict | None = None,
+                 decode_env: dict | None = None) -> None:
+        self.python, self.env, self.model, self.logs, self.args = python, env, model, logs, args
+        self.prefill_args = prefill_args
+        self.prefill_env, self.decode_env = env | (prefill_env or {}), env | (decode_env or {})
+        self.bootstrap_port = free_port()
+        self.router: Process | None = None
+        self.prefill = self.start_prefill()
+        self.decode = self.start_decode()
+
+    def start_prefill(self) -> Server:
+        return Server(
+            self.python, self.prefill_env, self.model, self.logs / "prefill.log", "--disaggregation-mode", "prefill",
+            "--disaggregation-transfer-backend", "kvferry",
+            "--disaggregation-bootstrap-port", str(self.bootstrap_port), *self.args, *self.prefill_args,
+        )
+
+    def start_decode(self) -> Server:
+        return Server(
+            self.python, self.decode_env, self.model, self.logs / "decode.log", "--disaggregation-mode", "decode",
+            "--disaggregation-transfer-backend", "kvferry",
+            "--disaggregation-decode-retraction-backup", "none", *self.args,
+        )
+
+    def restart_prefill(self) -> None:
+        """Starts the prefill again after it died, then the router (which keeps a dead
+        worker out of its rotation for minutes)."""
+        self.prefill.proc.wait()
+        self.prefill = self.start_prefill()
+        if self.router is not None:
+            self.router.stop()
+        self.start_router()
+
+    def start_router(self) -> None:
+        self.prefill.wait_healthy()
+        self.decode.wait_healthy()
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [
+            self.python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", self.prefill.url, str(self.bootstrap_port), "--decode", self.decode.url,
+            "--host", "127.0.0.1", "--port", str(port), "--disable-circuit-breaker",
+        ]
+        self.router = Process(cmd, self.env, self.logs / "router.log")
+        self.router.wait_ok(self.url + "/health", "sglang-router", 120)
+        # The router admits its workers in the background after /health answers.
+        deadline = time.monotonic() + 120
+        while "output_ids" not in (got := generate(self.url, [5, 6, 7], 1)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sglang-router answers {got}; {self.router.log}:\n{tail(self.router.log)}")
+            time.sleep(0.5)
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> dict:
+        return generate(self.url, prompt, max_new_tokens)
+
+    def stop(self) -> None:
+        for p in (self.router, self.decode, self.prefill):
+            if p is not None:
+                p.stop()
