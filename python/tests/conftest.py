@@ -1,6 +1,6 @@
-"""Fixtures: the kvferry binary of this checkout, a real registry process, the vLLM venv's
-interpreter (it has torch) with this checkout's wheel on its path, and, once per test run, the
-tiny model and a plain vLLM's outputs for the prompt sets (vllm_servers.py)."""
+"""Fixtures: the kvferry binary of this checkout, a real registry process, the vLLM and SGLang
+venvs' interpreters with this checkout's wheel on their path, and, once per test run, the tiny
+model and a plain vLLM's outputs for the prompt sets (vllm_servers.py)."""
 
 import json
 import os
@@ -48,22 +48,37 @@ def registry(kvferry_bin, tmp_path_factory):
         proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
-def torch_python(tmp_path_factory) -> tuple[str, dict]:
-    """The vLLM venv's python (KVFERRY_VLLM_PYTHON, which scripts/test always sets; by default
-    ~/.cache/kvferry/vllm-venv, from scripts/vllm/install) and an environment whose PYTHONPATH
-    holds the built abi3 wheel unpacked for it. Skipped only when the variable is unset and the
-    default venv is missing."""
-    python = os.environ.get("KVFERRY_VLLM_PYTHON")
+def engine_python(variable: str, venv: str, install: str, tmp_path_factory) -> tuple[str, str]:
+    """An engine venv's python (``variable``, which scripts/test always sets; by default
+    ~/.cache/kvferry/``venv``, from ``install``) and a directory holding the built abi3 wheel
+    unpacked for it. Skipped only when the variable is unset and the default venv is missing."""
+    python = os.environ.get(variable)
     if not python:
-        python = str(pathlib.Path.home() / ".cache/kvferry/vllm-venv/bin/python")
+        python = str(pathlib.Path.home() / ".cache/kvferry" / venv / "bin/python")
         if not pathlib.Path(python).exists():
-            pytest.skip("no vLLM venv with torch (scripts/vllm/install)")
+            pytest.skip(f"no {venv} ({install})")
     wheels = sorted((REPO / "target" / "python-wheels").glob("kvferry-*.whl"))
     assert wheels, "no built wheel in target/python-wheels (scripts/python/build)"
-    site = tmp_path_factory.mktemp("torch-site")
+    site = tmp_path_factory.mktemp(f"{venv}-site")
     zipfile.ZipFile(wheels[-1]).extractall(site)
-    return python, os.environ | {"PYTHONPATH": str(site)}
+    return python, str(site)
+
+
+@pytest.fixture(scope="session")
+def torch_python(tmp_path_factory) -> tuple[str, dict]:
+    """The vLLM venv's python (it has torch) and an environment with the wheel on its path."""
+    python, site = engine_python("KVFERRY_VLLM_PYTHON", "vllm-venv", "scripts/vllm/install", tmp_path_factory)
+    return python, os.environ | {"PYTHONPATH": site}
+
+
+@pytest.fixture(scope="session")
+def sglang(tmp_path_factory) -> tuple[str, dict]:
+    """The SGLang venv's python and an environment with the wheel and the test-only stand-ins
+    of sglang_stub/ on its path (sglang_servers.py)."""
+    import sglang_servers
+
+    python, site = engine_python("KVFERRY_SGLANG_PYTHON", "sglang-venv", "scripts/sglang/install", tmp_path_factory)
+    return python, sglang_servers.sglang_env(site, dict(os.environ))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ SIGTERM, then SIGKILL to its group."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -18,8 +19,7 @@ import time
 import urllib.request
 from typing import Any
 
-from conftest import REPO
-from vllm_servers import free_port, post, tail
+from vllm_servers import free_port, post, tail, wait_ok
 
 STUB = pathlib.Path(__file__).parent / "sglang_stub"
 ENV = {
@@ -76,18 +76,7 @@ class Process:
         self.proc.wait()
 
     def wait_ok(self, url: str, what: str, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {self.proc.returncode}; {self.log}:\n{tail(self.log)}")
-            try:
-                with urllib.request.urlopen(url, timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{what} not ready after {timeout} s; {self.log}:\n{tail(self.log)}")
+        wait_ok(self.proc, url, what, self.log, timeout)
 
 
 class Server(Process):
@@ -120,6 +109,27 @@ def generate(url: str, prompt: list[int], max_new_tokens: int) -> dict:
 
 def output_ids(response: dict) -> list[int]:
     return list(response["output_ids"])
+
+
+def reference_outputs(python: str, env: dict, model: pathlib.Path, prompts: list[list[int]], new_tokens: int,
+                      logs: pathlib.Path) -> dict:
+    """A plain SGLang server's greedy outputs for ``prompts``."""
+    server = Server(python, env, model, logs / "sglang.log")
+    try:
+        server.wait_healthy()
+        return {tuple(p): output_ids(server.generate(p, new_tokens)) for p in prompts}
+    finally:
+        server.stop()
+
+
+def check_outputs(pd: Pd, prompts: list[list[int]], reference: dict, new_tokens: int) -> None:
+    """Sends every prompt through the router, 4 at once; each output equals the reference."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: pd.generate(p, new_tokens), prompts))
+    for p, g in zip(prompts, got):
+        assert "output_ids" in g, f"prompt of {len(p)} tokens: {g}"
+        assert output_ids(g) == reference[tuple(p)], f"prompt of {len(p)} tokens"
+    print(f"{len(prompts)} prompts of {sorted(len(p) for p in prompts)} tokens at concurrency 4: token-identical")
 
 
 def used_tokens(server: Server) -> int:

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import pathlib
 import random
 import time
 import urllib.request
-import zipfile
 
 import numpy as np
 import pytest
 
 import sglang_servers as S
-from conftest import REPO
 from vllm_servers import make_model, make_prompts, post
 
 NEW_TOKENS = 8
@@ -34,22 +31,9 @@ REGIONS, KV_HEADS, HEAD_BYTES = 2 * 2, 2, 64 * 4
 
 
 @pytest.fixture(scope="module")
-def sglang(tmp_path_factory):
-    """The SGLang venv's python (KVFERRY_SGLANG_PYTHON, which scripts/test sets; by default
-    ~/.cache/kvferry/sglang-venv), its environment with this checkout's wheel and the
-    stand-in, and the tiny model."""
-    python = os.environ.get("KVFERRY_SGLANG_PYTHON")
-    if not python:
-        python = str(pathlib.Path.home() / ".cache/kvferry/sglang-venv/bin/python")
-        if not pathlib.Path(python).exists():
-            pytest.skip("no SGLang venv (scripts/sglang/install)")
-    wheels = sorted((REPO / "target" / "python-wheels").glob("kvferry-*.whl"))
-    assert wheels, "no built wheel in target/python-wheels (scripts/python/build)"
-    site = tmp_path_factory.mktemp("sglang-site")
-    zipfile.ZipFile(wheels[-1]).extractall(site)
-    env = S.sglang_env(str(site), dict(os.environ))
-    model = make_model(python, env, tmp_path_factory.mktemp("model") / "tiny", seed=0)
-    return python, env, model
+def model(sglang, tmp_path_factory) -> pathlib.Path:
+    python, env = sglang
+    return make_model(python, env, tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +43,9 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(sglang, prompts, tmp_path_factory):
+def reference(sglang, model, prompts, tmp_path_factory):
     """A plain SGLang server's greedy outputs (page size 1)."""
-    python, env, model = sglang
-    server = S.Server(python, env, model, tmp_path_factory.mktemp("reference") / "sglang.log")
-    try:
-        server.wait_healthy()
-        return {tuple(p): S.output_ids(server.generate(p, NEW_TOKENS)) for p in prompts}
-    finally:
-        server.stop()
+    return S.reference_outputs(*sglang, model, prompts, NEW_TOKENS, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +54,8 @@ def dumps(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def pd(sglang, dumps, tmp_path_factory):
-    python, env, model = sglang
+def pd(sglang, model, dumps, tmp_path_factory):
+    python, env = sglang
     probe = {"KVFERRY_PROBE_DUMP": str(dumps)}
     pd = S.Pd(
         python, env, model, tmp_path_factory.mktemp("pd"), ("--page-size", str(PAGE_SIZE)),
@@ -90,17 +68,8 @@ def pd(sglang, dumps, tmp_path_factory):
         pd.stop()
 
 
-def run(pd: S.Pd, prompts: list[list[int]]) -> list[dict]:
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        return list(pool.map(lambda p: pd.generate(p, NEW_TOKENS), prompts))
-
-
 def test_outputs_through_sglang_router_equal_a_plain_sglang_and_every_landed_byte_the_prefills(pd, prompts, reference, dumps):
-    got = run(pd, prompts)
-    for p, g in zip(prompts, got):
-        assert "output_ids" in g, f"prompt of {len(p)} tokens: {g}"
-        assert S.output_ids(g) == reference[tuple(p)], f"prompt of {len(p)} tokens"
-    print(f"{len(prompts)} prompts of {sorted(len(p) for p in prompts)} tokens at concurrency 4: token-identical")
+    S.check_outputs(pd, prompts, reference, NEW_TOKENS)
     landed = sorted(dumps.glob("decode-*-tp0.bin"))
     # The router's warm-up request is a room too.
     assert len(landed) >= len(prompts), f"{len(landed)} rooms landed for {len(prompts)} prompts"
@@ -171,33 +140,23 @@ def wait_for(what: str, check, timeout: float = 60) -> float:
     return time.monotonic() - start
 
 
-def test_a_request_aborted_at_the_decode_while_it_waits_for_its_kv_frees_its_pages(pd, prompts, reference):
-    room, prompt = random.getrandbits(62), prompts[7]
-    rid = f"abort-decode-{room}"
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_request_aborted_on_either_side_while_its_room_waits_for_the_other_frees_its_pages(pd, prompts, reference, side):
+    """At the decode: its request waits for KV its prefill never computes. At the prefill: its
+    KV waits for a decode that never asks (kvferry keeps it for a minute)."""
+    room, prompt = random.getrandbits(62), prompts[7 if side == "decode" else 8]
+    rid = f"abort-{side}-{room}"
+    server = getattr(pd, side)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # The decode asks for a room its prefill never computes.
-        waiting = pool.submit(direct, pd.decode, pd, prompt, room, rid)
-        took = wait_for("the decode holds the room's pages", lambda: S.used_tokens(pd.decode) >= len(prompt))
-        abort(pd.decode, rid)
+        waiting = pool.submit(direct, server, pd, prompt, room, rid)
+        took = wait_for(f"the {side} holds the room's pages", lambda: S.used_tokens(server) >= len(prompt))
+        abort(server, rid)
         got = waiting.result(timeout=60)
-    freed = wait_for("the decode frees the room's pages", lambda: S.used_tokens(pd.decode) == 0)
-    print(f"decode held the pages after {took:.2f} s; aborted: {got}; freed {freed:.2f} s later")
+    freed = wait_for(f"the {side} frees the room's pages", lambda: S.used_tokens(server) == 0, 30)
+    print(f"{side} held the pages after {took:.2f} s; aborted: {got}; freed {freed:.2f} s later")
     assert "output_ids" not in got or got["meta_info"]["finish_reason"]["type"] == "abort", got
+    assert f"aborted by the {side} engine" in failure_text(got), got
     assert S.output_ids(pd.generate(prompt, NEW_TOKENS)) == reference[tuple(prompt)]
-
-
-def test_a_request_aborted_at_the_prefill_while_its_kv_waits_for_a_decode_frees_its_pages(pd, prompts):
-    room, prompt = random.getrandbits(62), prompts[8]
-    rid = f"abort-prefill-{room}"
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # The prefill computes a room no decode asks for: it keeps the KV for one (a minute).
-        computed = pool.submit(direct, pd.prefill, pd, prompt, room, rid)
-        took = wait_for("the prefill holds the room's pages", lambda: S.used_tokens(pd.prefill) >= len(prompt))
-        abort(pd.prefill, rid)
-        got = computed.result(timeout=60)
-    freed = wait_for("the prefill frees the room's pages", lambda: S.used_tokens(pd.prefill) == 0, 30)
-    print(f"prefill held the pages after {took:.2f} s; aborted: {got}; freed {freed:.2f} s later")
-    assert "output_ids" not in got or got["meta_info"]["finish_reason"]["type"] == "abort", got
 
 
 def test_a_prefill_killed_fails_the_decodes_request_with_kvferrys_reason_and_the_decode_goes_on(pd, prompts, reference):
@@ -242,6 +201,8 @@ def test_a_decode_killed_lets_the_prefill_free_the_rooms_pages(pd, prompts):
         got = computed.result(timeout=120)
     print(f"the prefill held {held} tokens for the room; its request ended with {got}")
     assert held >= len(prompt), f"the prefill held {held} tokens for a prompt of {len(prompt)}"
-    # The decode's death, not the room's TTL (a minute), ended it.
-    assert "peer_dead" in failure_text(got), got
+    # The decode's death, not the room's TTL (a minute), ended it. SGLang answers with the
+    # first TP rank's reason, which is the other rank's failure when that rank saw it first.
+    said = [line for line in pd.prefill.log.read_text().splitlines() if f"room {room} failed" in line]
+    assert "peer_dead" in failure_text(got) or any("peer_dead" in line for line in said), (got, said)
     wait_for("the prefill frees the room's pages", lambda: S.used_tokens(pd.prefill) == 0, 30)

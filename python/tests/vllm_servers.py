@@ -98,18 +98,7 @@ class Server:
             )
 
     def wait_healthy(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; {self.log}:\n{tail(self.log)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM not healthy after {timeout} s; {self.log}:\n{tail(self.log)}")
+        wait_ok(self.proc, self.url + "/health", "vLLM", self.log, timeout)
 
     def complete(self, prompt: list[int], max_tokens: int, params: dict | None = None, **extra: Any) -> dict:
         """POST /v1/completions, greedy; the response JSON (token ids returned)."""
@@ -188,6 +177,23 @@ def metric(url: str, name: str, label: str = "") -> float:
 def vllm_metric(server: Server, name: str) -> float:
     """The sum of a vLLM metric's series on ``server`` (vLLM labels every series)."""
     return metric(server.url, name, "model_name")
+
+
+def wait_ok(proc: subprocess.Popen, url: str, what: str, log: pathlib.Path, timeout: float) -> None:
+    """Waits until ``url`` answers 200; fails, quoting the end of ``log``, when ``proc`` exits
+    first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; {log}:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} not ready after {timeout} s; {log}:\n{tail(log)}")
 
 
 def tail(path: pathlib.Path, lines: int = 40) -> str:

@@ -22,6 +22,7 @@ decode request, each a kvferry room (SGLang's ``bootstrap_room``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -46,6 +47,11 @@ import kvferry
 from .bootstrap import spawn_registry, url_of, wait_for_registry
 
 logger = logging.getLogger(__name__)
+
+# What an agent's ``poll`` leaves out: a room still in flight.
+IN_FLIGHT = object()
+# How long a room aborted because another rank failed may take to settle.
+SETTLE_S = 30.0
 
 # SGLang's KV cache dtypes (``kv_cache_dtype_str``) as kvferry's, with their sizes.
 DTYPES = {
@@ -300,7 +306,26 @@ class _Room:
         return self.state
 
     def failure_exception(self) -> None:
-        raise self.error or KVTransferError(self.room, "kvferry: the transfer failed")
+        if self.error is None:
+            self.failed_elsewhere()
+        assert self.error is not None
+        raise self.error
+
+    def failed_elsewhere(self) -> None:
+        """SGLang takes the lowest of its ranks' polls: another rank's room failed, this one's
+        may still be in flight, and SGLang frees its pages next. It is aborted, and this returns
+        once no transfer touches them."""
+        agent = self.kv_mgr.agent
+        if self.state == KVPoll.Transferring:
+            try:
+                agent.abort(self.room)
+                agent.wait(self.room, SETTLE_S)
+            except kvferry.Error as e:
+                logger.info("kvferry: room %d after another rank failed: %s", self.room, e)
+            if isinstance(agent, kvferry.DecodeAgent):
+                with contextlib.suppress(kvferry.Error):
+                    agent.take(self.room)
+        self.fail(KVTransferError(self.room, "kvferry: the room failed on another rank (its log says why)", is_from_another_rank=True))
 
     def get_transfer_metric(self) -> KVTransferMetric:
         return KVTransferMetric(transfer_total_bytes=self.bytes)
@@ -320,6 +345,34 @@ class _Room:
 
     def clear(self) -> None:
         pass
+
+    def start(self, call: Any, refused: str) -> None:
+        """Announces or asks for the room (``call``); the room is in flight from then on."""
+        try:
+            call()
+        except kvferry.Error as e:
+            self.fail(KVTransferError(self.room, f"kvferry: {refused}: {e}"))
+            return
+        self.state = KVPoll.Transferring
+
+    def poll(self) -> int:
+        if self.conclude_state is not None or self.state != KVPoll.Transferring:
+            return self.state
+        view = self.kv_mgr.agent.poll([self.room]).get(self.room, IN_FLIGHT)
+        if view is IN_FLIGHT:
+            return self.state
+        if view is None:
+            return self.fail(self.kv_mgr.room_failure(self.room, None))
+        return self.settled(view)
+
+    def settled(self, view: dict[str, Any]) -> int:
+        """The room's final state from its settled view."""
+        raise NotImplementedError
+
+    def succeed(self, view: dict[str, Any]) -> int:
+        self.bytes = view.get("bytes")
+        self.conclude_state = self.state = KVPoll.Success
+        return self.state
 
 
 class KvferryKVSender(_Room, BaseKVSender):
@@ -354,23 +407,12 @@ class KvferryKVSender(_Room, BaseKVSender):
             event = torch.cuda.Event()
             event.record()
             pieces["cuda_event"] = event.cuda_event
-        try:
-            mgr.agent.ready(self.room, len(self.pages) * mgr.page_size, pages=self.pages, aux=aux, **pieces)
-        except kvferry.Error as e:
-            self.fail(KVTransferError(self.room, f"kvferry: the room was not announced: {e}"))
-            return
-        self.state = KVPoll.Transferring
+        tokens = len(self.pages) * mgr.page_size
+        self.start(lambda: mgr.agent.ready(self.room, tokens, pages=self.pages, aux=aux, **pieces), "the room was not announced")
 
-    def poll(self) -> int:
-        if self.conclude_state is not None or self.state != KVPoll.Transferring:
-            return self.state
-        view = self.kv_mgr.agent.poll([self.room]).get(self.room, "busy")
-        if view == "busy":
-            return self.state
-        if view is not None and view["state"] == "success":
-            self.bytes = view.get("bytes")
-            self.conclude_state = self.state = KVPoll.Success
-            return self.state
+    def settled(self, view: dict[str, Any]) -> int:
+        if view["state"] == "success":
+            return self.succeed(view)
         return self.fail(self.kv_mgr.room_failure(self.room, view))
 
 
@@ -410,27 +452,13 @@ class KvferryKVReceiver(_Room, BaseKVReceiver):
         mgr = self.kv_mgr
         self.pages = pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
         self.aux_index = aux_index
-        try:
-            mgr.agent.request(
-                self.room, len(pages) * mgr.page_size, pages=pages,
-                bootstrap=mgr.registry_url(self.bootstrap_addr), dp_rank=self.prefill_dp_rank,
-            )
-        except kvferry.Error as e:
-            self.fail(KVTransferError(self.room, f"kvferry: the room was refused: {e}"))
-            return
-        self.state = KVPoll.Transferring
+        where = dict(bootstrap=mgr.registry_url(self.bootstrap_addr), dp_rank=self.prefill_dp_rank)
+        self.start(lambda: mgr.agent.request(self.room, len(pages) * mgr.page_size, pages=pages, **where), "the room was refused")
 
-    def poll(self) -> int:
-        if self.conclude_state is not None or self.state != KVPoll.Transferring:
-            return self.state
-        agent = self.kv_mgr.agent
-        view = agent.poll([self.room]).get(self.room, "busy")
-        if view == "busy":
-            return self.state
-        if view is None:
-            return self.fail(self.kv_mgr.room_failure(self.room, None))
+    def settled(self, view: dict[str, Any]) -> int:
+        """Takes the room (failed ones too) and writes its metadata row."""
         try:
-            taken = agent.take(self.room)
+            taken = self.kv_mgr.agent.take(self.room)
         except kvferry.RoomFailed as e:
             return self.fail(KVTransferError(self.room, f"kvferry {e.code}: {e.message}"))
         except kvferry.Error as e:
@@ -440,9 +468,7 @@ class KvferryKVReceiver(_Room, BaseKVReceiver):
                 self.kv_mgr.aux.write(self.aux_index, taken.get("aux") or b"")
             except ValueError as e:
                 return self.fail(KVTransferError(self.room, f"kvferry: {e}"))
-        self.bytes = taken.get("bytes")
-        self.conclude_state = self.state = KVPoll.Success
-        return self.state
+        return self.succeed(taken)
 
     def ensure_abort_notified(self, force_arm: bool = False) -> None:
         pass

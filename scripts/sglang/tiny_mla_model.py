@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Make a tiny DeepSeek-V2-style MLA model directory that SGLang and HF transformers both load,
+without any hub.
+
+Usage: tiny_mla_model.py OUTDIR [--seed N]
+
+2 layers, both dense (first_k_dense_replace = num_hidden_layers: no MoE layer), multi-head
+latent attention with kv_lora_rank 64 and qk_rope_head_dim 32 (SGLang's MLATokenToKVPool then
+holds one [slots, 1, 96] buffer per layer), no q LoRA, fp32. RoPE is YaRN with factor 1.0,
+which is plain interleaved RoPE: SGLang's CPU engine builds MLA RoPE only as deepseek_yarn. The
+weights are random (seeded, transformers' init, output projection scaled as in tiny_model.py),
+the tokenizer is tiny_model.py's (scripts/vllm). The same seed gives the same files, byte for
+byte, in either venv.
+
+Serve it with `--dtype float32` (SGLang's default "auto" downcasts an fp32 checkpoint to fp16).
+SGLang 0.5.23's torch_native backend gives wrong tokens for a prompt with no cached prefix:
+DeepSeek's MLA model takes its MHA path there (attention over the new tokens' k and v), and
+torch_native's forward_extend ignores the k and v it is given and attends over the KV pool
+(the latent cache) instead. With every batch routed to the absorbed MLA path (a test-side
+override of that dispatch), SGLang's greedy tokens equal HF's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vllm"))
+from tiny_model import LOGIT_SCALE, VOCAB_SIZE, save_tokenizer, train_tokenizer  # noqa: E402
+
+NUM_LAYERS = 2
+KV_LORA_RANK = 64
+QK_ROPE_HEAD_DIM = 32
+
+
+def model_config() -> DeepseekV2Config:
+    """The tiny MLA model's shape: 2 dense layers, 4 heads, latent KV of 64 + 32 RoPE dims."""
+    return DeepseekV2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=KV_LORA_RANK,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        v_head_dim=64,
+        first_k_dense_replace=NUM_LAYERS,  # every layer dense: no MoE
+        n_routed_experts=4,  # unused (no MoE layer); small in case a loader sizes anything by it
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        moe_layer_freq=1,
+        max_position_embeddings=4096,
+        # SGLang's CPU engine builds MLA RoPE only as deepseek_yarn (get_rope_cpu asserts it);
+        # YaRN with factor 1.0 and mscale 1 is plain RoPE (no interpolation, no rescaling).
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 1.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+
+
+def make_model(seed: int) -> DeepseekV2ForCausalLM:
+    """A DeepseekV2ForCausalLM with weights drawn from `seed` (transformers' own init scheme),
+    its output projection scaled by LOGIT_SCALE (see tiny_model.py)."""
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(model_config()).to(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    model.eval()
+    return model
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """OUTDIR and --seed."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outdir", type=Path, help="directory to write the model into (created)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    """Write the model and tokenizer; print the directory."""
+    args = parse_args(argv)
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    make_model(args.seed).save_pretrained(args.outdir, safe_serialization=True)
+    save_tokenizer(train_tokenizer(), args.outdir)
+    print(args.outdir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
