@@ -22,7 +22,6 @@ override of that dispatch), SGLang's greedy tokens equal HF's.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -35,7 +34,8 @@ import torch  # noqa: E402
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vllm"))
-from tiny_model import LOGIT_SCALE, VOCAB_SIZE, save_tokenizer, train_tokenizer  # noqa: E402
+from tiny_model import LOGIT_SCALE, VOCAB_SIZE  # noqa: E402
+from tiny_model import main as write_model  # noqa: E402
 
 NUM_LAYERS = 2
 KV_LORA_RANK = 64
@@ -94,23 +94,5 @@ def make_model(seed: int) -> DeepseekV2ForCausalLM:
     return model
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """OUTDIR and --seed."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("outdir", type=Path, help="directory to write the model into (created)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str]) -> int:
-    """Write the model and tokenizer; print the directory."""
-    args = parse_args(argv)
-    args.outdir.mkdir(parents=True, exist_ok=True)
-    make_model(args.seed).save_pretrained(args.outdir, safe_serialization=True)
-    save_tokenizer(train_tokenizer(), args.outdir)
-    print(args.outdir)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(write_model(sys.argv[1:], make_model, __doc__))

@@ -114,19 +114,20 @@ def save_tokenizer(tok: Tokenizer, outdir: Path) -> None:
     fast.save_pretrained(outdir)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str], doc: str) -> argparse.Namespace:
     """OUTDIR and --seed."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("outdir", type=Path, help="directory to write the model into (created)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     return p.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    """Write the model and tokenizer; print the directory."""
-    args = parse_args(argv)
+def main(argv: list[str], make=None, doc: str = __doc__) -> int:
+    """Write the model (``make(seed)``, by default this tiny Llama) and the tokenizer; print the
+    directory."""
+    args = parse_args(argv, doc)
     args.outdir.mkdir(parents=True, exist_ok=True)
-    make_model(args.seed).save_pretrained(args.outdir, safe_serialization=True)
+    (make or make_model)(args.seed).save_pretrained(args.outdir, safe_serialization=True)
     save_tokenizer(train_tokenizer(), args.outdir)
     print(args.outdir)
     return 0
