@@ -30,11 +30,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import torch  # noqa: E402
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vllm"))
-from tiny_model import LOGIT_SCALE, VOCAB_SIZE  # noqa: E402
+from tiny_model import VOCAB_SIZE  # noqa: E402
+from tiny_model import make_model as make_seeded  # noqa: E402
 from tiny_model import main as write_model  # noqa: E402
 
 NUM_LAYERS = 2
@@ -84,14 +84,8 @@ def model_config() -> DeepseekV2Config:
 
 
 def make_model(seed: int) -> DeepseekV2ForCausalLM:
-    """A DeepseekV2ForCausalLM with weights drawn from `seed` (transformers' own init scheme),
-    its output projection scaled by LOGIT_SCALE (see tiny_model.py)."""
-    torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(model_config()).to(torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(LOGIT_SCALE)
-    model.eval()
-    return model
+    """The tiny MLA model with weights drawn from `seed`, as tiny_model.py draws its Llama's."""
+    return make_seeded(seed, DeepseekV2ForCausalLM, model_config())
 
 
 if __name__ == "__main__":

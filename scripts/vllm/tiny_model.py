@@ -61,11 +61,11 @@ def model_config() -> LlamaConfig:
 LOGIT_SCALE = 200.0
 
 
-def make_model(seed: int) -> LlamaForCausalLM:
-    """A LlamaForCausalLM with weights drawn from `seed` (transformers' own init scheme), its
-    output projection scaled by LOGIT_SCALE."""
+def make_model(seed: int, cls=LlamaForCausalLM, config=None):
+    """A model of class `cls` (this tiny Llama by default) and `config` with weights drawn from
+    `seed` (transformers' own init scheme), its output projection scaled by LOGIT_SCALE."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(model_config()).to(torch.float32)
+    model = cls(config or model_config()).to(torch.float32)
     with torch.no_grad():
         model.lm_head.weight.mul_(LOGIT_SCALE)
     model.eval()
