@@ -50,9 +50,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model(python: str, env: dict, out: pathlib.Path, seed: int) -> pathlib.Path:
+def make_model(python: str, env: dict, out: pathlib.Path, seed: int, layers: int = 2) -> pathlib.Path:
     subprocess.run(
-        [python, str(REPO / "scripts" / "vllm" / "tiny_model.py"), str(out), "--seed", str(seed)],
+        [python, str(REPO / "scripts" / "vllm" / "tiny_model.py"), str(out), "--seed", str(seed), "--layers", str(layers)],
         env=env | ENV, check=True, capture_output=True, timeout=600,
     )
     return out

@@ -2,7 +2,7 @@
 """Make a tiny DeepSeek-V2-style MLA model directory that SGLang and HF transformers both load,
 without any hub.
 
-Usage: tiny_mla_model.py OUTDIR [--seed N]
+Usage: tiny_mla_model.py OUTDIR [--seed N] [--layers N]
 
 2 layers, both dense (first_k_dense_replace = num_hidden_layers: no MoE layer), multi-head
 latent attention with kv_lora_rank 64 and qk_rope_head_dim 32 (SGLang's MLATokenToKVPool then
@@ -42,13 +42,14 @@ KV_LORA_RANK = 64
 QK_ROPE_HEAD_DIM = 32
 
 
-def model_config() -> DeepseekV2Config:
-    """The tiny MLA model's shape: 2 dense layers, 4 heads, latent KV of 64 + 32 RoPE dims."""
+def model_config(layers: int = NUM_LAYERS) -> DeepseekV2Config:
+    """The tiny MLA model's shape: 2 dense layers (or ``layers``), 4 heads, latent KV of 64 + 32
+    RoPE dims."""
     return DeepseekV2Config(
         vocab_size=VOCAB_SIZE,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=NUM_LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         q_lora_rank=None,
@@ -56,7 +57,7 @@ def model_config() -> DeepseekV2Config:
         qk_nope_head_dim=64,
         qk_rope_head_dim=QK_ROPE_HEAD_DIM,
         v_head_dim=64,
-        first_k_dense_replace=NUM_LAYERS,  # every layer dense: no MoE
+        first_k_dense_replace=layers,  # every layer dense: no MoE
         n_routed_experts=4,  # unused (no MoE layer); small in case a loader sizes anything by it
         n_shared_experts=1,
         num_experts_per_tok=2,
@@ -83,9 +84,9 @@ def model_config() -> DeepseekV2Config:
     )
 
 
-def make_model(seed: int) -> DeepseekV2ForCausalLM:
+def make_model(seed: int, layers: int = NUM_LAYERS) -> DeepseekV2ForCausalLM:
     """The tiny MLA model with weights drawn from `seed`, as tiny_model.py draws its Llama's."""
-    return make_seeded(seed, DeepseekV2ForCausalLM, model_config())
+    return make_seeded(seed, DeepseekV2ForCausalLM, model_config(layers))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,41 @@
-"""vLLM prefill/decode through kvferry, measured (docs/benchmarks.md, "vLLM"): time to first
-token and end-to-end latency of streamed completions through ``kvferry proxy``, sequential
-against concurrent pairing, at 1 and at 4 requests in flight, against one plain vLLM server
-(the single-engine reference) and vLLM's ExampleConnector PD (KV through files) in the same run.
+"""vLLM prefill/decode through kvferry against vLLM's own NixlConnector (docs/benchmarks.md,
+"vLLM prefill/decode"): time to first token (TTFT), inter-token latency (ITL) and request
+throughput of streamed greedy completions, on one model, one prompt set and the same two cores,
+for these setups, one after another:
+
+- ``single``: one plain vLLM server. Every other setup's tokens must equal its tokens, and a PD
+  setup's overhead is its TTFT minus this server's TTFT for the same request.
+- ``kvferry-sequential``, ``kvferry-concurrent``: KvferryConnector behind ``kvferry proxy`` in
+  both pairings, over zmq-tcp; ``kvferry-shm``: concurrent, over UCX shared memory.
+- ``nixl``: NixlConnector (``kv_buffer_device`` cpu) over UCX tcp, in vLLM's documented
+  sequential flow with this script as its router: the prefill gets ``max_tokens`` 1 and
+  ``do_remote_decode``, and its answer's ``kv_transfer_params`` go to the decode unchanged.
+  ``nixl-shm``: the same over UCX shared memory.
+- ``mooncake``: MooncakeConnector over Mooncake's tcp transport, routed the same way (the router
+  names the transfer; the prefill writes the KV into the decode's pool).
 
     KVFERRY_PY=$(scripts/python/build) KVFERRY_VLLM_PYTHON=$(scripts/vllm/install)
-    "$KVFERRY_PY" scripts/vllm/bench.py [--prompts 8] [--new-tokens 16] [--out DIR]
+    "$KVFERRY_PY" scripts/vllm/bench.py [--sizes 128,512,2048] [--concurrency 1,4,8] [--per-inflight 2]
+        [--setups single,kvferry-sequential,...] [--out DIR]
+    "$KVFERRY_PY" scripts/vllm/bench.py --smoke    # one request per setup, 2 layers
 
-The tiny seeded model of the tests (float32, 128-token blocks, prefix caching on), every engine
-pinned to its own core, everything on 127.0.0.1. Each measurement sends its own prompts
-(random tokens, 128 to 1000 long; the same lengths for every setup, never a prefix-cache hit)
-and checks every generated token id against the reference server's. Also measured for
-kvferry: the decode's KV cache usage while requests wait (``vllm:kv_cache_usage_perc``,
-sampled every 20 ms), the rooms' transfer time (the decode agent's
-``kvferry_room_ready_wait_seconds`` and ``kvferry_room_transfer_seconds``), and the connector's own CPU time per
-engine step (``KVFERRY_VLLM_TIMING=1``, read from the servers' logs). One JSON line per
-measurement on stdout, a table on stderr.
+The model is scripts/vllm/tiny_model.py's Llama with 32 layers (float32, 2 KV heads of 64 dims,
+32 KiB of KV per token), so that per-layer costs show. Each engine has one core (a PD setup's
+prefill core 0, its decode core 1), everything on 127.0.0.1 (tcp pinned with
+``UCX_NET_DEVICES=lo``), prefix caching off, so every setup computes the same prompts afresh.
+A cell is one prompt size at one concurrency: ``max(6, per_inflight x concurrency)`` requests of
+random tokens, that many in flight (every setup took about 32 minutes here with 3; the default
+2 sends a third fewer requests).
+
+Measured per cell: TTFT p50 and p99, PD overhead p50 and p99, ITL (mean of each request's
+(end - first token) / (tokens - 1)), requests per second. For kvferry, TTFT split into stages
+from the rooms' timings (``KVFERRY_VLLM_TIMING=1``: the connector logs each room's timings and
+its own time per step): the proxy and the prefill engine up to the room's announcement, the hop
+to the decode's request (sequential), the transfer, and the decode's first step. For every PD
+setup, vLLM's own histograms on both servers (queue and prefill time, TTFT) and the connector's
+transfer histogram. The time vLLM spends in the connector's hooks during the prefill step of a
+128-token prompt is compared with that step (vLLM's prefill time of the request). One JSON line
+per cell on stdout; the tables and the goals on stderr.
 """
 
 from __future__ import annotations
@@ -28,9 +49,9 @@ import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
+import uuid
 import zipfile
 
 import numpy as np
@@ -38,24 +59,36 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python" / "tests"))
 
-from vllm_servers import Pd, Server, make_model, metric  # noqa: E402
+from vllm_servers import Pd, Server, free_port, make_model, metric  # noqa: E402
 
-
-# The decode agent's room histograms: waiting for the prefill engine's first ready piece, and
-# the transfer, start to success.
-HISTOGRAMS = ("ready_wait", "transfer")
+# Seconds without a byte of an answer after which a request (and its setup's attempt) fails.
+STALL = 120
+SETUPS = ("single", "kvferry-sequential", "kvferry-concurrent", "kvferry-shm", "nixl", "nixl-shm", "mooncake")
+# NIXL over tcp: with UCX_TLS=tcp alone, the first transfer of a 32-layer model hung here, both
+# workers spinning (two runs of two attempts each); with self beside tcp (a process's loopback
+# to itself, no network) it runs. Data between the engines goes over tcp either way.
+TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+SHM = {"UCX_TLS": "posix,cma,self"}
+# NIXL's UCX backend does not start without a network transport ("intra-agent transfer setup":
+# Destination is unreachable); with tcp beside them, UCX still moves same-host data over posix/cma.
+NIXL_SHM = {"UCX_TLS": "posix,cma,tcp,self", "UCX_NET_DEVICES": "lo"}
+# vLLM's histograms read on each server of a PD setup, per cell.
+VLLM_HISTOGRAMS = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+# The connectors' transfer histograms on the decode (MooncakeConnector has none: it logs its
+# transfers' times on the prefill's "KV Transfer metrics" lines).
+TRANSFER = {"kvferry": "vllm:kvferry_room_seconds", "nixl": "vllm:nixl_xfer_time_seconds"}
 
 
 def stream(url: str, model: str, prompt: list[int], new_tokens: int, params: dict | None = None) -> dict:
-    """A streamed greedy completion: time to the first token, to the end, and the token ids."""
+    """A streamed greedy completion: send time (epoch s), TTFT and end (s), ITL, ids, response id."""
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "stream": True}
     if params is not None:
         body["kv_transfer_params"] = params
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    start = time.monotonic()
-    first, ids = None, []
-    with urllib.request.urlopen(req, timeout=600) as r:
+    sent, start = time.time(), time.monotonic()
+    first, ids, rid = None, [], None
+    with urllib.request.urlopen(req, timeout=STALL) as r:
         for line in r:
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -63,69 +96,375 @@ def stream(url: str, model: str, prompt: list[int], new_tokens: int, params: dic
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(f"streamed error: {event}")
+            rid = rid or event.get("id")
             for choice in event.get("choices", []):
                 got = choice.get("token_ids") or []
                 if got and first is None:
                     first = time.monotonic() - start
                 ids += got
-    return {"ttft": first, "e2e": time.monotonic() - start, "ids": ids}
+    end = time.monotonic() - start
+    return {"sent": sent, "ttft": first, "e2e": end, "ids": ids, "id": rid,
+            "itl": (end - first) / (len(ids) - 1) if len(ids) > 1 else 0.0}
 
 
-def run(send, prompts: list[list[int]], inflight: int) -> list[dict]:
-    with concurrent.futures.ThreadPoolExecutor(inflight) as pool:
-        return list(pool.map(send, prompts))
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=STALL) as r:
+        return json.loads(r.read())
 
 
-class Sampler:
-    """A server's KV cache usage every 20 ms while a measurement runs."""
+class Setup:
+    """Servers that answer completions; ``send(prompt)`` is one request through them."""
 
-    def __init__(self, server: Server) -> None:
-        self.server, self.values, self.stop = server, [], threading.Event()
-        self.thread = threading.Thread(target=self.loop, daemon=True)
-        self.thread.start()
+    name = ""
+    prefill: Server | None = None
+    decode: Server | None = None
+    log_dir: pathlib.Path
 
-    def loop(self) -> None:
-        while not self.stop.is_set():
-            self.values.append(metric(self.server.url, "vllm:kv_cache_usage_perc"))
-            time.sleep(0.02)
+    def send(self, prompt: list[int]) -> dict:
+        raise NotImplementedError
 
-    def done(self) -> dict:
-        self.stop.set()
-        self.thread.join()
-        return {"kv_usage_mean": statistics.fmean(self.values), "kv_usage_max": max(self.values)}
+    def servers(self) -> dict[str, Server]:
+        return {"prefill": self.prefill, "decode": self.decode}
 
-
-def summary(setup: str, inflight: int, results: list[dict], reference: dict, prompts, extra: dict) -> dict:
-    wrong = sum(r["ids"] != reference[tuple(p)] for p, r in zip(prompts, results))
-    ttft = [r["ttft"] for r in results]
-    e2e = [r["e2e"] for r in results]
-    row = {"setup": setup, "inflight": inflight, "requests": len(results), "tokens_wrong": wrong,
-           "ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_mean_ms": 1e3 * statistics.fmean(ttft),
-           "e2e_p50_ms": 1e3 * statistics.median(e2e), "e2e_mean_ms": 1e3 * statistics.fmean(e2e), **extra}
-    print(json.dumps(row), flush=True)
-    return row
+    def stop(self) -> None:
+        raise NotImplementedError
 
 
-def connector_cpu(log: pathlib.Path) -> dict:
-    """The connector's CPU per engine step, by side, from a server's log."""
+class Single(Setup):
+    def __init__(self, vllm, out: pathlib.Path, args: tuple[str, ...]) -> None:
+        python, env, model = vllm
+        self.name, self.log_dir = "single", out
+        self.server = Server(python, env, model, 0, out / "single.log", *args)
+        self.server.wait_healthy()
+
+    def send(self, prompt):
+        return stream(self.server.url, self.server.model, prompt, NEW_TOKENS)
+
+    def servers(self):
+        return {"engine": self.server}
+
+    def stop(self):
+        self.server.stop()
+
+
+class Kvferry(Setup):
+    """A registry, a prefill and a decode server with KvferryConnector (``transport``, UCX
+    settings in ``ucx``), and a proxy per pairing; ``use(pairing)`` picks the proxy."""
+
+    def __init__(self, vllm, kvferry: str, out: pathlib.Path, args: tuple[str, ...], transport: str, ucx: dict) -> None:
+        python, env, model = vllm
+        self.log_dir = out
+        out.mkdir(exist_ok=True)
+        self.pd = Pd((python, env | ucx, model), kvferry, out, prefill_args=args, decode_args=args, transport=transport)
+        self.prefill, self.decode = self.pd.prefill, self.pd.decode
+        self.proxies: dict = {}
+
+    def use(self, name: str, pairing: str) -> Kvferry:
+        self.name = name
+        if pairing not in self.proxies:
+            self.proxies[pairing] = self.pd.proxy(pairing)
+        self.via = self.proxies[pairing]
+        return self
+
+    def send(self, prompt):
+        return stream(self.via.url, self.via.model, prompt, NEW_TOKENS)
+
+    def stop(self):
+        self.pd.stop()
+
+
+class Routed(Setup):
+    """A prefill and a decode server with one of vLLM's own connectors, routed by this script in
+    vLLM's sequential flow: the prefill's request (``max_tokens`` 1) first, then the decode's
+    with the ``kv_transfer_params`` the connector wants."""
+
+    def __init__(self, vllm, name: str, out: pathlib.Path, args: tuple[str, ...]) -> None:
+        python, env, model = vllm
+        self.name, self.log_dir = name, out
+        out.mkdir(exist_ok=True)
+        servers = []
+        for core, role in enumerate(("prefill", "decode")):
+            config, extra = self.config(role)
+            servers.append(Server(python, env | extra, model, core, out / f"{role}.log", *args,
+                                  "--kv-transfer-config", json.dumps(config)))
+        self.prefill, self.decode = servers
+        try:
+            for s in servers:
+                s.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def config(self, role: str) -> tuple[dict, dict]:
+        """The role's --kv-transfer-config and environment."""
+        raise NotImplementedError
+
+    def params(self) -> tuple[dict, dict]:
+        """One request's ``kv_transfer_params`` for the prefill, and those the decode gets besides
+        the prefill answer's."""
+        raise NotImplementedError
+
+    def send(self, prompt):
+        to_prefill, to_decode = self.params()
+        sent, start = time.time(), time.monotonic()
+        first = post(self.prefill.url + "/v1/completions", {
+            "model": self.prefill.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": to_prefill})
+        hop = time.monotonic() - start
+        got = stream(self.decode.url, self.decode.model, prompt, NEW_TOKENS,
+                     (first.get("kv_transfer_params") or {}) | to_decode)
+        return got | {"sent": sent, "ttft": got["ttft"] + hop, "e2e": got["e2e"] + hop}
+
+    def stop(self):
+        for s in (self.prefill, self.decode):
+            if s is not None:
+                s.stop()
+
+
+class Nixl(Routed):
+    """NixlConnector as vLLM documents it (``kv_both``, the KV in host memory), UCX transports
+    ``ucx``; the decode reads the KV from the prefill."""
+
+    def __init__(self, vllm, name: str, out: pathlib.Path, args: tuple[str, ...], ucx: dict) -> None:
+        self.ucx = ucx
+        super().__init__(vllm, name, out, args)
+
+    def config(self, role):
+        side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}, self.ucx | side
+
+    def params(self):
+        return {"do_remote_decode": True}, {}
+
+
+class Mooncake(Routed):
+    """MooncakeConnector over Mooncake's tcp transport: the router names the transfer, the
+    prefill's engine and its bootstrap server; the prefill writes the KV into the decode's pool.
+    Its servers get scripts/vllm/mooncake_cpu on their path (a torch call that has no answer
+    without a GPU)."""
+
+    def __init__(self, vllm, out: pathlib.Path, args: tuple[str, ...]) -> None:
+        self.bootstrap_port = free_port()
+        super().__init__(vllm, "mooncake", out, args)
+
+    def config(self, role):
+        producer = role == "prefill"
+        config = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer" if producer else "kv_consumer",
+                  "engine_id": role, "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+        path = os.pathsep.join(filter(None, [str(REPO / "scripts" / "vllm" / "mooncake_cpu"),
+                                             os.environ.get("PYTHONPATH")]))
+        env = {"PYTHONPATH": path}
+        if producer:
+            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
+        return config, env
+
+    def params(self):
+        tid = str(uuid.uuid4())
+        return ({"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid},
+                {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+                 "remote_engine_id": "prefill", "remote_bootstrap_addr": f"http://127.0.0.1:{self.bootstrap_port}"})
+
+
+NEW_TOKENS = 32
+
+
+def histograms(setup: Setup) -> dict:
+    """Sum and count of vLLM's histograms on the setup's servers, and of its transfer histogram."""
     out = {}
-    for side in ("scheduler", "worker"):
-        lines = re.findall(rf"kvferry: connector CPU \({side}\): (\d+) steps, (\d+) us in all, (\d+) us at most",
-                           log.read_text())
-        steps = sum(int(s) for s, _, _ in lines)
-        if steps:
-            out[side] = {"steps": steps, "mean_us": sum(int(t) for _, t, _ in lines) / steps,
-                         "max_us": max(int(m) for _, _, m in lines)}
+    for role, server in setup.servers().items():
+        names = [f"vllm:{h}_seconds" for h in VLLM_HISTOGRAMS]
+        transfer = TRANSFER.get(setup.name.split("-")[0])
+        if role == "decode" and transfer:
+            names.append(transfer)
+        for name in names:
+            for k in ("sum", "count"):
+                out[(role, name, k)] = metric(server.url, f"{name}_{k}", "model_name")
     return out
 
 
+def means(before: dict, after: dict) -> dict:
+    """Mean ms per histogram between two ``histograms`` readings."""
+    out = {}
+    for (role, name, k) in after:
+        if k != "sum":
+            continue
+        count = after[(role, name, "count")] - before[(role, name, "count")]
+        if count:
+            out[f"{role} {name[5:-8]}"] = 1e3 * (after[(role, name, "sum")] - before[(role, name, "sum")]) / count
+    return out
+
+
+ROOM_LINE = re.compile(r"kvferry: room (\d+) request (\S+) timings (\{.*\})")
+STEP_LINE = re.compile(r"kvferry: connector time \((\w+)\) in a step announcing (\d+) tokens: (\d+) us")
+
+
+def rooms(log: pathlib.Path, offset: int) -> dict[int, tuple[str, dict]]:
+    """The rooms a server's connector logged after byte ``offset``: room -> (request id, timings)."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return {int(m[1]): (m[2], json.loads(m[3])) for m in ROOM_LINE.finditer(text)}
+
+
+def stages(results: list[dict], prefill: dict, decode: dict) -> dict | None:
+    """kvferry's TTFT split, mean ms per stage, from each request's rooms on both sides:
+    ``to_ready`` (client send to the prefill's announcement: proxy, queue, prefill compute),
+    ``hop`` (announcement to the decode's request, sequential pairing), ``transfer`` (to the
+    decode's success), ``first_step`` (to the client's first token)."""
+    by_request = {req: (room, t) for room, (req, t) in decode.items()}
+    split = []
+    for r in results:
+        match = [v for req, v in by_request.items() if r["id"] and req.startswith(r["id"])]
+        if len(match) != 1 or match[0][0] not in prefill:
+            continue
+        room, d = match[0]
+        p = prefill[room][1]
+        sent, first = 1e3 * r["sent"], 1e3 * (r["sent"] + r["ttft"])
+        asked = max(p["ready"], d["created"])
+        split.append({"to_ready": p["ready"] - sent, "hop": max(0.0, d["created"] - p["ready"]),
+                      "transfer": d["success"] - asked, "first_step": first - d["success"]})
+    if not split:
+        return None
+    return {k: statistics.fmean(s[k] for s in split) for k in split[0]} | {"rooms": len(split)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q))
+
+
+def measure(setup: Setup, cells: dict, reference: dict, base: dict) -> list[dict]:
+    """Every cell through ``setup``: one row each."""
+    rows = []
+    for (size, inflight), prompts in cells.items():
+        before = histograms(setup)
+        offsets = {role: (setup.log_dir / f"{role}.log").stat().st_size
+                   for role in ("prefill", "decode") if setup.prefill is not None}
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(inflight) as pool:
+            results = list(pool.map(setup.send, prompts))
+        wall = time.monotonic() - start
+        ttft = [1e3 * r["ttft"] for r in results]
+        row = {"setup": setup.name, "size": size, "inflight": inflight, "requests": len(results),
+               "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+               "itl_ms": 1e3 * statistics.fmean(r["itl"] for r in results), "req_per_s": len(results) / wall}
+        if setup.name == "single":
+            for p, r in zip(prompts, results):
+                reference[tuple(p)], base[tuple(p)] = r["ids"], r["ttft"]
+        row["tokens_wrong"] = sum(r["ids"] != reference.get(tuple(p)) for p, r in zip(prompts, results))
+        row["vllm_ms"] = means(before, histograms(setup))
+        if setup.prefill is not None:
+            over = [1e3 * (r["ttft"] - base[tuple(p)]) for p, r in zip(prompts, results)]
+            row |= {"overhead_p50_ms": percentile(over, 50), "overhead_p99_ms": percentile(over, 99)}
+            if setup.name.startswith("kvferry"):
+                logs = {role: rooms(setup.log_dir / f"{role}.log", offsets[role]) for role in offsets}
+                row["stages_ms"] = stages(results, logs["prefill"], logs["decode"])
+                if size == min(s for s, _ in cells) and inflight == 1:
+                    row["connector_us"] = connector_time(setup, offsets)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def connector_time(setup: Setup, offsets: dict) -> dict:
+    """The connector's time in vLLM's hooks (us, mean per side) in the prefill steps that
+    announced rooms."""
+    with open(setup.log_dir / "prefill.log", "rb") as f:
+        f.seek(offsets["prefill"])
+        found = STEP_LINE.findall(f.read().decode(errors="replace"))
+    out = {}
+    for side in ("scheduler", "worker"):
+        us = [int(t) for s, _, t in found if s == side]
+        if us:
+            out[side] = statistics.fmean(us)
+    return out
+
+
+def table(rows: list[dict]) -> None:
+    """Per prompt size and concurrency, a column per setup: the single engine's TTFT p50 and
+    p99, each PD setup's overhead p50 and p99 (ms); then requests per second and ITL."""
+    setups = [name for name in SETUPS if any(r["setup"] == name for r in rows)]
+    cells = {(r["setup"], r["size"], r["inflight"]): r for r in rows}
+    keys = sorted({(r["size"], r["inflight"]) for r in rows})
+    for title, cell in (
+        ("TTFT (single) or PD overhead, p50 / p99 ms",
+         lambda r: f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}" if r["setup"] == "single"
+         else f"{r['overhead_p50_ms']:.0f} / {r['overhead_p99_ms']:.0f}"),
+        ("requests/s; ITL ms", lambda r: f"{r['req_per_s']:.2f}; {r['itl_ms']:.0f}"),
+    ):
+        print(f"\n{title}\n\n| prompt | in flight | {' | '.join(setups)} |", file=sys.stderr)
+        print("|---|---|" + "---|" * len(setups), file=sys.stderr)
+        for size, inflight in keys:
+            got = [cells.get((name, size, inflight)) for name in setups]
+            print(f"| {size} | {inflight} | " + " | ".join(cell(r) if r else "failed" for r in got) + " |",
+                  file=sys.stderr)
+    split = [r for r in rows if r.get("stages_ms")]
+    if split:
+        print("\n| kvferry setup | prompt | in flight | to ready | hop | transfer | first step | "
+              "prefill queue / compute (vLLM) | ms, means |", file=sys.stderr)
+        print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+        for r in split:
+            s, v = r["stages_ms"], r["vllm_ms"]
+            print(f"| {r['setup']} | {r['size']} | {r['inflight']} | {s['to_ready']:.1f} | {s['hop']:.1f} | "
+                  f"{s['transfer']:.1f} | {s['first_step']:.1f} | {v.get('prefill request_queue_time', 0):.1f} / "
+                  f"{v.get('prefill request_prefill_time', 0):.1f} | {s['rooms']} rooms |", file=sys.stderr)
+
+
+def goals(rows: list[dict]) -> None:
+    """kvferry's setups over tcp against NixlConnector over tcp, same host against same host, and
+    against MooncakeConnector (tcp)."""
+    print("\nGoals (kvferry against the other connector): overhead p50 and p99 <= 0.5x, requests/s >= 1.2x",
+          file=sys.stderr)
+    cells = {(r["setup"], r["size"], r["inflight"]): r for r in rows}
+    pairs = (("kvferry-concurrent", "nixl"), ("kvferry-sequential", "nixl"), ("kvferry-shm", "nixl-shm"),
+             ("kvferry-concurrent", "mooncake"))
+    for ours, theirs in pairs:
+        for (setup, size, inflight), r in sorted(cells.items()):
+            n = cells.get((theirs, size, inflight))
+            if setup != ours or n is None:
+                continue
+            verdict = []
+            for q in ("p50", "p99"):
+                a, b = r[f"overhead_{q}_ms"], n[f"overhead_{q}_ms"]
+                met = a <= 0.5 * b if b > 0 else a <= b
+                verdict.append(f"overhead {q} {a:.0f} vs {b:.0f} ms {'met' if met else 'MISSED'}")
+            ratio = r["req_per_s"] / n["req_per_s"]
+            verdict.append(f"req/s {ratio:.2f}x {'met' if ratio >= 1.2 else 'MISSED'}")
+            print(f"  {ours} vs {theirs}, {size} tokens, {inflight} in flight: {'; '.join(verdict)}", file=sys.stderr)
+    for r in rows:
+        spent = r.get("connector_us")
+        step = r["vllm_ms"].get("prefill request_prefill_time")
+        if spent and step:
+            total = sum(spent.values()) / 1e3
+            plain = cells.get(("single", r["size"], r["inflight"]), r)["vllm_ms"].get("engine request_prefill_time", 0)
+            print(f"  {r['setup']}: the connector's hooks in a {r['size']}-token prefill step {total:.2f} ms of "
+                  f"{step:.1f} ms ({100 * total / step:.2f}%; goal < 2%: {'met' if total < 0.02 * step else 'MISSED'}); "
+                  f"the same prefill on the single engine {plain:.1f} ms", file=sys.stderr)
+
+
 def main() -> None:
+    global NEW_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=8, help="requests per measurement")
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--sizes", default="128,512,2048", help="prompt lengths in tokens")
+    ap.add_argument("--concurrency", default="1,4,8", help="requests in flight")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--per-inflight", type=int, default=2,
+                    help="requests per cell: this many per request in flight, at least 6")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"some of {','.join(SETUPS)} (single always runs)")
+    ap.add_argument("--smoke", action="store_true", help="one 128-token request per setup, 2 layers, 4 new tokens")
     ap.add_argument("--kvferry", default=str(REPO / "target" / "release" / "kvferry"))
     ap.add_argument("--out", type=pathlib.Path, default=None, help="logs and model (default: a temporary directory)")
     args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    inflights = [int(c) for c in args.concurrency.split(",")]
+    wanted = ["single"] + [s for s in args.setups.split(",") if s != "single"]
+    unknown = set(wanted) - set(SETUPS)
+    if unknown:
+        ap.error(f"unknown setups {sorted(unknown)}")
+    if args.smoke:
+        sizes, inflights, args.layers, args.new_tokens = [128], [1], 2, 4
+    NEW_TOKENS = args.new_tokens
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="kvferry-vllm-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     python = os.environ.get("KVFERRY_VLLM_PYTHON", str(pathlib.Path.home() / ".cache/kvferry/vllm-venv/bin/python"))
@@ -133,90 +472,64 @@ def main() -> None:
     site = out / "site"
     zipfile.ZipFile(wheel).extractall(site)
     env = os.environ | {"PYTHONPATH": str(site), "KVFERRY_VLLM_TIMING": "1"}
-    model = make_model(python, env, out / "tiny", seed=0)
-    vllm = (python, env, model)
+    vllm = (python, env, make_model(python, env, out / "model", seed=0, layers=args.layers))
+    longest = max(sizes) + NEW_TOKENS
+    engine_args = ("--max-model-len", str(-(-longest // 128) * 128), "--max-num-seqs", str(max(8, *inflights)),
+                   "--no-enable-prefix-caching")
     rng = np.random.default_rng(3)
-    lengths = rng.integers(128, 1001, args.prompts).tolist()
-    names = [f"{setup}-{n}" for setup in ("reference", "sequential", "concurrent", "example") for n in (1, 4)]
-    sets = {name: [rng.integers(3, 2048, n).tolist() for n in lengths] for name in names}
-    rows, reference = [], {}
-    print(f"prompt lengths {sorted(lengths)}; logs in {out}", file=sys.stderr)
+    requests = (lambda c: 1) if args.smoke else (lambda c: max(6, args.per_inflight * c))
+    cells = {(n, c): [rng.integers(3, 2048, n).tolist() for _ in range(requests(c))] for n in sizes for c in inflights}
+    warmup = [rng.integers(3, 2048, n).tolist() for n in sizes]
+    print(f"{args.layers} layers, prompts of {sizes} tokens, {inflights} in flight, {NEW_TOKENS} new tokens; "
+          f"logs in {out}", file=sys.stderr)
 
-    server = Server(python, env, model, 0, out / "reference.log")
-    try:
-        server.wait_healthy()
-        for prompts in sets.values():  # the reference tokens of every prompt, untimed
-            for p in prompts:
-                reference[tuple(p)] = server.complete(p, args.new_tokens)["choices"][0]["token_ids"]
-        for n in (1, 4):
-            prompts = sets[f"reference-{n}"]
-            results = run(lambda p: stream(server.url, server.model, p, args.new_tokens), prompts, n)
-            rows.append(summary("single server", n, results, reference, prompts, {}))
-    finally:
-        server.stop()
+    rows: list[dict] = []
+    reference: dict = {}
+    base: dict = {}
 
-    logs = out / "kvferry"
-    logs.mkdir(exist_ok=True)
-    pd = Pd(vllm, args.kvferry, logs)
-    try:
-        for pairing in ("sequential", "concurrent"):
-            proxy = pd.proxy(pairing)
-            for n in (1, 4):
-                prompts = sets[f"{pairing}-{n}"]
-                api = pd.decode_api
-                series = [f"kvferry_room_{h}_seconds_{k}" for h in HISTOGRAMS for k in ("sum", "count")]
-                before = {s: metric(api, s) for s in series}
-                sampler = Sampler(pd.decode)
-                results = run(lambda p: stream(proxy.url, proxy.model, p, args.new_tokens), prompts, n)
-                extra = sampler.done()
-                delta = {s: metric(api, s) - before[s] for s in series}
-                extra["rooms"] = delta["kvferry_room_transfer_seconds_count"]
-                for h in HISTOGRAMS:
-                    count = delta[f"kvferry_room_{h}_seconds_count"]
-                    extra[f"{h}_mean_ms"] = 1e3 * delta[f"kvferry_room_{h}_seconds_sum"] / count if count else None
-                rows.append(summary(f"kvferry {pairing}", n, results, reference, prompts, extra))
-    finally:
-        pd.stop()
-    cpu = {"prefill": connector_cpu(logs / "prefill.log"), "decode": connector_cpu(logs / "decode.log")}
-    print(json.dumps({"connector_cpu_per_step": cpu}), flush=True)
+    def run(make, names, tries: int = 2) -> None:
+        """Measures setups ``names`` on the servers ``make`` starts. A setup that fails (does not
+        start, answers an error, or stalls for STALL seconds) is reported and tried once more on
+        fresh servers; the rest of the run stands."""
+        for attempt in range(1, tries + 1):
+            started, done = time.monotonic(), []
+            try:
+                setup = make()
+                try:
+                    for name in names:
+                        if isinstance(setup, Kvferry):
+                            setup.use(name, name.split("-")[1] if name != "kvferry-shm" else "concurrent")
+                        for p in warmup:
+                            setup.send(p)
+                        done.append(measure(setup, cells, reference, base))
+                finally:
+                    setup.stop()
+            except Exception as e:  # noqa: BLE001
+                print(json.dumps({"setup": names[len(done)] if len(done) < len(names) else names[-1],
+                                  "attempt": attempt, "error": str(e)[-2000:]}), flush=True)
+                print(f"{', '.join(names)}: attempt {attempt} failed: {str(e)[-300:]}", file=sys.stderr)
+                continue
+            rows.extend(r for measured in done for r in measured)
+            print(f"{', '.join(names)}: {time.monotonic() - started:.0f} s", file=sys.stderr)
+            return
 
-    storage = out / "example-storage"
-    storage.mkdir(exist_ok=True)
-    config = json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                         "kv_connector_extra_config": {"shared_storage_path": str(storage)}})
-    servers = [Server(python, env, model, core, out / f"example-{core}.log", "--kv-transfer-config", config)
-               for core in (0, 1)]
-    try:
-        for s in servers:
-            s.wait_healthy()
-        prefill, decode = servers
-
-        def example(p: list[int]) -> dict:
-            start = time.monotonic()
-            prefill.complete(p, 1)
-            got = stream(decode.url, decode.model, p, args.new_tokens)
-            waited = time.monotonic() - start - got["e2e"]
-            return got | {"ttft": got["ttft"] + waited, "e2e": got["e2e"] + waited}
-
-        for n in (1, 4):
-            prompts = sets[f"example-{n}"]
-            rows.append(summary("ExampleConnector", n, run(example, prompts, n), reference, prompts, {}))
-    except Exception as e:  # noqa: BLE001 - the comparison is reported as failed, the rest stands
-        print(json.dumps({"setup": "ExampleConnector", "error": str(e)}), flush=True)
-    finally:
-        for s in servers:
-            s.stop()
-
-    print("\n| setup | in flight | TTFT p50 / mean ms | e2e p50 / mean ms | decode KV usage mean / max | "
-          "room ready wait / transfer mean ms | wrong tokens |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|", file=sys.stderr)
-    for r in rows:
-        usage = f"{r['kv_usage_mean']:.3f} / {r['kv_usage_max']:.3f}" if "kv_usage_mean" in r else ""
-        transfer = f"{r['ready_wait_mean_ms'] or 0:.1f} / {r['transfer_mean_ms']:.1f}" if r.get("transfer_mean_ms") else ""
-        print(f"| {r['setup']} | {r['inflight']} | {r['ttft_p50_ms']:.0f} / {r['ttft_mean_ms']:.0f} | "
-              f"{r['e2e_p50_ms']:.0f} / {r['e2e_mean_ms']:.0f} | {usage} | {transfer} | {r['tokens_wrong']} |",
-              file=sys.stderr)
-    print(f"\nconnector CPU per engine step: {json.dumps(cpu)}", file=sys.stderr)
+    run(lambda: Single(vllm, out, engine_args), ["single"])
+    tcp_pairings = [n for n in ("kvferry-sequential", "kvferry-concurrent") if n in wanted]
+    if tcp_pairings:
+        run(lambda: Kvferry(vllm, args.kvferry, out / "kvferry-tcp", engine_args, "zmq-tcp", {}), tcp_pairings)
+    if "kvferry-shm" in wanted:
+        run(lambda: Kvferry(vllm, args.kvferry, out / "kvferry-shm", engine_args, "ucx", SHM), ["kvferry-shm"])
+    if "nixl" in wanted:
+        run(lambda: Nixl(vllm, "nixl", out / "nixl-tcp", engine_args, TCP), ["nixl"])
+    if "nixl-shm" in wanted:
+        run(lambda: Nixl(vllm, "nixl-shm", out / "nixl-shm", engine_args, NIXL_SHM), ["nixl-shm"])
+    if "mooncake" in wanted:
+        run(lambda: Mooncake(vllm, out / "mooncake", engine_args), ["mooncake"])
+    table(rows)
+    goals(rows)
+    wrong = sum(r["tokens_wrong"] for r in rows)
+    if wrong:
+        sys.exit(f"{wrong} requests' tokens differ from the single server's")
 
 
 if __name__ == "__main__":

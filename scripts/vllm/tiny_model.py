@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Make a tiny Llama model directory that vLLM and HF transformers both load, without any hub.
 
-Usage: tiny_model.py OUTDIR [--seed N]
+Usage: tiny_model.py OUTDIR [--seed N] [--layers N]
 
 The weights are random (seeded), the tokenizer a byte-level BPE trained here on a few
 sentences and padded with added tokens up to the vocabulary size. The same seed gives the same
@@ -35,13 +35,17 @@ CORPUS = [
 ]
 
 
-def model_config() -> LlamaConfig:
-    """The tiny Llama's shape: 2 layers, GQA with 4 query and 2 KV heads of 64 dims, fp32."""
+NUM_LAYERS = 2
+
+
+def model_config(layers: int = NUM_LAYERS) -> LlamaConfig:
+    """The tiny Llama's shape: 2 layers (or ``layers``), GQA with 4 query and 2 KV heads of 64
+    dims, fp32."""
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
@@ -115,19 +119,25 @@ def save_tokenizer(tok: Tokenizer, outdir: Path) -> None:
 
 
 def parse_args(argv: list[str], doc: str) -> argparse.Namespace:
-    """OUTDIR and --seed."""
+    """OUTDIR, --seed and --layers."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("outdir", type=Path, help="directory to write the model into (created)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--layers", type=int, default=NUM_LAYERS, help=f"decoder layers (default {NUM_LAYERS})")
     return p.parse_args(argv)
 
 
-def main(argv: list[str], make=None, doc: str = __doc__) -> int:
-    """Write the model (``make(seed)``, by default this tiny Llama) and the tokenizer; print the
-    directory."""
+def make_llama(seed: int, layers: int = NUM_LAYERS) -> LlamaForCausalLM:
+    """This tiny Llama with ``layers`` layers, its weights drawn from ``seed``."""
+    return make_model(seed, config=model_config(layers))
+
+
+def main(argv: list[str], make=make_llama, doc: str = __doc__) -> int:
+    """Write the model (``make(seed, layers)``, by default this tiny Llama) and the tokenizer;
+    print the directory."""
     args = parse_args(argv, doc)
     args.outdir.mkdir(parents=True, exist_ok=True)
-    (make or make_model)(args.seed).save_pretrained(args.outdir, safe_serialization=True)
+    make(args.seed, args.layers).save_pretrained(args.outdir, safe_serialization=True)
     save_tokenizer(train_tokenizer(), args.outdir)
     print(args.outdir)
     return 0

@@ -20,6 +20,7 @@ from . import params as P
 from .memory import Cache, cpu_cache, cuda_cache, layer_index
 from .metadata import Failures, KvferryMetadata, Load, Send
 from .stats import KvferryStats
+from .timing import log_room
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -269,6 +270,7 @@ class WorkerSide:
             del self.rooms[req_id]
             done.add(req_id)
             if self.producer:
+                log_room(req_id, room, view)
                 if view is not None:
                     self.stats.settled(view)
                 if view is not None and view["state"] != "success":
@@ -290,6 +292,7 @@ class WorkerSide:
     def take(self, req_id: str, room: int) -> None:
         try:
             taken = self.agent.take(room)
+            log_room(req_id, room, taken)
             self.stats.settled(taken)
             load = self.loads.pop(req_id, None)
             if load is not None:
