@@ -8,7 +8,7 @@ import sys
 
 from conftest import REPO
 
-SETUPS = ("kvferry-sequential", "kvferry-concurrent", "nixl", "mooncake")
+SETUPS = ("kvferry-sequential", "kvferry-concurrent", "nixl")
 
 
 def test_the_benchmark_smoke_run(torch_python, kvferry_bin, tmp_path):
