@@ -63,6 +63,8 @@ from vllm_servers import Pd, Server, free_port, make_model, metric  # noqa: E402
 
 # Seconds without a byte of an answer after which a request (and its setup's attempt) fails.
 STALL = 120
+# Tokens each request generates (--new-tokens).
+NEW_TOKENS = 32
 SETUPS = ("single", "kvferry-sequential", "kvferry-concurrent", "kvferry-shm", "nixl", "nixl-shm", "mooncake")
 # NIXL over tcp: with UCX_TLS=tcp alone, the first transfer of a 32-layer model hung here, both
 # workers spinning (two runs of two attempts each); with self beside tcp (a process's loopback
@@ -265,8 +267,6 @@ class Mooncake(Routed):
                 {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
                  "remote_engine_id": "prefill", "remote_bootstrap_addr": f"http://127.0.0.1:{self.bootstrap_port}"})
 
-
-NEW_TOKENS = 32
 
 
 def histograms(setup: Setup) -> dict:
