@@ -28,7 +28,7 @@ from .metadata import Failures, KvferryMetadata
 from .params import ConnectorConfig
 from .scheduler import SchedulerSide
 from .stats import KvferryPromMetrics, KvferryStats
-from .timing import StepTimes, announced
+from .timing import StepTimes
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = self._timed(self._scheduler.build_connector_meta, scheduler_output)
-        self._times.step_done(announced(meta))
+        self._times.step_done(meta)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -125,7 +125,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self._timed(self._worker.finished, finished_req_ids)
-        self._times.step_done(announced(self._meta()))
+        self._times.step_done(self._meta() if self._times.on else None)
         return sending or None, recving or None
 
     def build_connector_worker_meta(self) -> Failures | None:

@@ -30,11 +30,6 @@ REPORT_EVERY = 64
 ON = os.environ.get("KVFERRY_VLLM_TIMING", "") not in ("", "0")
 
 
-def announced(meta: Any) -> int:
-    """The tokens of the rooms a step's metadata announces (0 without metadata)."""
-    return sum(s.tokens for s in getattr(meta, "sends", ()))
-
-
 def log_room(req_id: str, room: int, view: dict[str, Any] | None) -> None:
     """A settled room's timings, as its agent recorded them."""
     if ON and view is not None:
@@ -59,11 +54,12 @@ class StepTimes:
     def stop(self, started: int) -> None:
         self.current += time.perf_counter_ns() - started
 
-    def step_done(self, announced_tokens: int = 0) -> None:
-        """The step ended, having announced rooms of ``announced_tokens`` tokens in all: its
-        time joins the report."""
+    def step_done(self, meta: Any = None) -> None:
+        """The step ended, with metadata ``meta`` (the rooms it announced, if any): its time
+        joins the report."""
         if not self.on:
             return
+        announced_tokens = sum(s.tokens for s in getattr(meta, "sends", ()))
         if announced_tokens:
             logger.info("kvferry: connector time (%s) in a step announcing %d tokens: %d us",
                         self.side, announced_tokens, self.current // 1000)
