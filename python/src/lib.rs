@@ -26,7 +26,7 @@ fn runtime() -> Result<&'static tokio::runtime::Runtime, String> {
     RUNTIME
         .get_or_init(|| {
             // The engine pinned the thread that starts the first agent to its compute cores.
-            kvferry::cpus::unpin_agent_threads();
+            kvferry::cpus::embed_agent_threads();
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .thread_name("kvferry")

@@ -1,6 +1,7 @@
 """scripts/vllm/bench.py still runs (its one-request smoke run): every setup answers with the
 single engine's tokens, kvferry's TTFT splits into stages from both sides' room timings, and the
-connector's time in the prefill step is found in the prefill's log."""
+connector's time in the prefill step is found in the prefill's log, and a 9-layer model's layers
+are announced in groups during the forward pass."""
 
 import json
 import subprocess
@@ -31,4 +32,6 @@ def test_the_benchmark_smoke_run(torch_python, kvferry_bin, tmp_path):
         assert abs(sum(stages[k] for k in ("to_ready", "hop", "transfer", "first_step")) - rows[name]["ttft_p50_ms"]) < 2
         assert set(rows[name]["connector_us"]) == {"scheduler", "worker"}, rows[name]
     assert rows["kvferry-concurrent"]["stages_ms"]["hop"] == 0
+    # Each group of layers was announced as vLLM saved its last layer, during the forward pass.
+    assert "did not save layers" not in (tmp_path / "kvferry-tcp" / "prefill.log").read_text()
     assert rows["nixl"]["vllm_ms"]["decode nixl_xfer_time"] > 0

@@ -17,7 +17,7 @@ for these setups, one after another:
     KVFERRY_PY=$(scripts/python/build) KVFERRY_VLLM_PYTHON=$(scripts/vllm/install)
     "$KVFERRY_PY" scripts/vllm/bench.py [--sizes 128,512,2048] [--concurrency 1,4,8] [--per-inflight 2]
         [--setups single,kvferry-sequential,...] [--out DIR]
-    "$KVFERRY_PY" scripts/vllm/bench.py --smoke    # one request per setup, 2 layers
+    "$KVFERRY_PY" scripts/vllm/bench.py --smoke    # one request per setup, 9 layers
 
 The model is scripts/vllm/tiny_model.py's Llama with 32 layers (float32, 2 KV heads of 64 dims,
 32 KiB of KV per token), so that per-layer costs show. Each engine has one core (a PD setup's
@@ -452,7 +452,7 @@ def main() -> None:
                     help="requests per cell: this many per request in flight, at least 6")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"some of {','.join(SETUPS)} (single always runs)")
-    ap.add_argument("--smoke", action="store_true", help="one 128-token request per setup, 2 layers, 4 new tokens")
+    ap.add_argument("--smoke", action="store_true", help="one 128-token request per setup, 9 layers, 4 new tokens")
     ap.add_argument("--kvferry", default=str(REPO / "target" / "release" / "kvferry"))
     ap.add_argument("--out", type=pathlib.Path, default=None, help="logs and model (default: a temporary directory)")
     args = ap.parse_args()
@@ -463,7 +463,8 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown setups {sorted(unknown)}")
     if args.smoke:
-        sizes, inflights, args.layers, args.new_tokens = [128], [1], 2, 4
+        # 9 layers: kvferry announces a room's layers in groups of 2 and a last group of 1.
+        sizes, inflights, args.layers, args.new_tokens = [128], [1], 9, 4
     NEW_TOKENS = args.new_tokens
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="kvferry-vllm-bench-"))
     out.mkdir(parents=True, exist_ok=True)

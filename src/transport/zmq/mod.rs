@@ -55,12 +55,34 @@ const IO_THREADS: i32 = 2;
 pub(crate) fn context() -> &'static zmq::Context {
     static CONTEXT: OnceLock<zmq::Context> = OnceLock::new();
     CONTEXT.get_or_init(|| {
-        let ctx = zmq::Context::new();
-        if let Err(e) = ctx.set_io_threads(IO_THREADS) {
-            tracing::warn!("libzmq kept its default I/O threads: {e}");
-        }
-        ctx
+        // libzmq starts its I/O and reaper threads with the context's first socket, and they
+        // inherit the CPUs and scheduling of the thread that creates it: an agent thread's
+        // (crate::cpus), not an engine's pinned one.
+        let on_agent_thread = || {
+            crate::cpus::on_agent_thread();
+            let ctx = new_context();
+            if let Err(e) = ctx.socket(zmq::PAIR) {
+                tracing::warn!("libzmq's threads not started by an agent thread: {e}");
+            }
+            ctx
+        };
+        std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .spawn_scoped(s, on_agent_thread)
+                .map(|t| t.join())
+        })
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_else(new_context)
     })
+}
+
+fn new_context() -> zmq::Context {
+    let ctx = zmq::Context::new();
+    if let Err(e) = ctx.set_io_threads(IO_THREADS) {
+        tracing::warn!("libzmq kept its default I/O threads: {e}");
+    }
+    ctx
 }
 
 /// How an agent's libzmq sockets authenticate: with the cluster token (ZAP PLAIN) or not at
