@@ -3,7 +3,7 @@
 //! wrote), and the model's own K and V come from `transformers` on the same prompt. Every
 //! (layer, token, head, dim) value must sit where the format of the attention path vLLM took
 //! says: layer tensors at the format's layer offsets in the one buffer, each head's K and V
-//! halves at the format's head offsets (inside them, the path's own order, docs/engines.md),
+//! halves at the format's head offsets (inside them, the path's own order, docs/vllm.md),
 //! and on the `vec` path V rows at the format's token offsets.
 //!
 //! Needs the vLLM venv (`scripts/vllm/install`, run by scripts/test), named by
@@ -158,7 +158,7 @@ fn probe(dir: &Path, extra: &[&str]) -> (Manifest, Dump, Vec<f32>) {
 }
 
 /// Where vLLM's CPU attention path keeps element (slot `s`, dim `d`) inside a (block, head)
-/// half of `b` slots x `d_n` dims, K then V: measured (docs/engines.md) and opaque to kvferry,
+/// half of `b` slots x `d_n` dims, K then V: measured (docs/vllm.md) and opaque to kvferry,
 /// which moves a head's halves whole; the test uses it to find each value inside the slice the
 /// format locates.
 fn in_half(path: &str, plane: usize, s: usize, d: usize, b: usize, d_n: usize) -> usize {

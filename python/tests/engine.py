@@ -3,7 +3,7 @@ derive from one seed, and the agent options the tests share.
 
 vLLM's CPU backend keeps one buffer for every layer; layer ``l`` is a dense
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` tensor at ``l * layer_bytes``
-(docs/engines.md), block 0 is its null block. kvferry's ``vllm-cpu-vec`` format is that buffer.
+(docs/vllm.md), block 0 is its null block. kvferry's ``vllm-cpu-vec`` format is that buffer.
 
 Run as a script it is one engine process of test_two_processes.py:
 ``engine.py prefill|decode REGISTRY SEED ROOMS MEMORY`` (see ``main``), where MEMORY is

@@ -1,6 +1,6 @@
 """Real vLLM servers for the tests: the vLLM venv's interpreter with this checkout's wheel on its
 path (the ``torch_python`` fixture), the tiny seeded model of scripts/vllm/tiny_model.py, the
-settings this machine needs (../docs/engines.md), an OpenAI client small enough to read, the
+settings this machine needs (../docs/vllm.md), an OpenAI client small enough to read, the
 prompt sets and their reference outputs (``tiny_vllm`` and ``reference_outputs``, the session
 fixtures ``vllm`` and ``reference`` of conftest.py: one model and one reference per test run), prefill and decode
 servers with the connector (``Pd``) and ``kvferry proxy`` in front of them (``Proxy``).

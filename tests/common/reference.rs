@@ -1,5 +1,5 @@
 //! Test reference: where the engines' own tensor shapes put an element, by numpy-style strides
-//! of the shapes their documentation gives (docs/architecture.md, docs/engines.md), written
+//! of the shapes their documentation gives (docs/architecture.md, docs/vllm.md), written
 //! independently of the layout arithmetic so that the formats are checked against the engines'
 //! shapes, not against themselves. Three granularities: the engine's tensors (regions) and their
 //! sizes ([`engine_regions`]), the start of a head of a token ([`engine_offset`]), and each
@@ -105,7 +105,7 @@ pub fn engine_offset(
 
 /// `(region, byte offset in it of each element of the head)`: element `i` of head `h` of token
 /// slot `t` of page `page` of plane `p` of layer `l`, for `i` in `0..head_bytes / elem_bytes`.
-/// vLLM CPU orders each half of a (block, head) by its ISA (docs/engines.md; B = block size,
+/// vLLM CPU orders each half of a (block, head) by its ISA (docs/vllm.md; B = block size,
 /// D = head size, element (slot s, dim i)): `vec` keeps K transposed, `[D][B]`, and V `[B][D]`;
 /// `amx` keeps K `[B/16][D/2][16][2]` and V `[D/16][B/2][16][2]`. Every other format keeps a
 /// head's elements in order from the head's start. (One call gives a whole head: the tests place
