@@ -1,10 +1,13 @@
 //! `--help` says only what works, per role: `prefill --help` and `decode --help` each list the
-//! flags their role reads (the other role's are hidden, yet accepted), no pool kind that every
-//! build refuses is advertised, and `--transport` names the transports of this build.
+//! flags their role reads (the other role's are hidden, yet accepted), `--pool` names exactly
+//! the pool kinds this build parses, and `--transport` names the transports of this build.
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::process::Command;
+
+use kvferry::pool::PoolDescriptor;
 
 fn help(args: &[&str]) -> String {
     let out = Command::new(common::release_binary())
@@ -65,11 +68,6 @@ fn prefill_and_decode_help_differ_by_role() {
                 "{role} --help shows {flag}, which only the other role reads"
             );
         }
-        assert!(
-            !text.contains("cuda-ipc"),
-            "{role} --help advertises cuda-ipc pools"
-        );
-        assert!(text.contains("shm:<path>"), "{role} --help");
     }
     // The hidden flags are still accepted (one flag list or config file for both roles).
     for argv in [
@@ -116,6 +114,80 @@ fn transport_help_names_this_builds_transports() {
             assert!(line.contains("zmq-ipc or ucx"), "{args:?}: {line}");
         } else {
             assert!(line.contains("ucx needs a build"), "{args:?}: {line}");
+        }
+    }
+}
+
+/// The text between two backticks, each span once.
+fn code_spans(text: &str) -> BTreeSet<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The help of `flag` (`--pool <POOL>`): its lines up to the next flag.
+fn flag_help(text: &str, flag: &str) -> String {
+    let mut lines = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with(flag));
+    let first = lines
+        .next()
+        .unwrap_or_else(|| panic!("no {flag} in:\n{text}"));
+    std::iter::once(first)
+        .chain(lines.take_while(|l| !l.trim_start().starts_with('-')))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A value of each kind the help may name, as a user would write it.
+fn example(kind: &str) -> String {
+    match kind.split_once(':').map_or(kind, |(k, _)| k) {
+        "anon" => "anon".to_owned(),
+        "shm" => "shm:/dev/shm/kvferry-pool".to_owned(),
+        "cuda-ipc" => format!("cuda-ipc:0:{}", "ab".repeat(64)),
+        "cuda-vmm" => "cuda-vmm:0:/run/engine/pool.sock".to_owned(),
+        other => panic!("no example of the pool kind {other:?}: add one here"),
+    }
+}
+
+#[test]
+fn pool_help_names_exactly_the_kinds_this_build_parses() {
+    // The parser's own list of kinds, from its refusal of a value of none.
+    let refused = "nonsense"
+        .parse::<PoolDescriptor>()
+        .expect_err("`nonsense` is no pool");
+    let parsed = code_spans(&refused.to_string());
+    assert!(
+        parsed.contains("anon") && parsed.contains("shm:<path>"),
+        "the parser's refusal lists no kinds: {refused}"
+    );
+    for kind in &parsed {
+        let value = example(kind);
+        if let Err(e) = value.parse::<PoolDescriptor>() {
+            panic!("{kind}: the parser lists it yet refuses {value:?}: {e}");
+        }
+    }
+    // Device pools need no feature: the CUDA driver is loaded at run time, so every build,
+    // this one included, parses and opens them.
+    for kind in ["cuda-ipc:<device>:<handle>", "cuda-vmm:<device>:<socket>"] {
+        assert!(parsed.contains(kind), "{kind} missing from: {refused}");
+    }
+    for role in ["prefill", "decode"] {
+        let text = help(&[role]);
+        let pool = flag_help(&text, "--pool <POOL>");
+        assert_eq!(
+            code_spans(&pool),
+            parsed,
+            "{role} --pool names other kinds than the parser takes: {pool}"
+        );
+        // One phrase of meaning per kind: each is followed by its parenthesis.
+        for kind in &parsed {
+            assert!(
+                pool.contains(&format!("`{kind}` (")),
+                "{role} --pool gives {kind} no meaning: {pool}"
+            );
         }
     }
 }

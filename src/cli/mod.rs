@@ -46,6 +46,20 @@ pub enum LogFormat {
     Json,
 }
 
+/// `--pool`'s kinds, one phrase each, for both roles' help: every kind `PoolDescriptor` parses
+/// and every build opens. No feature leaves the CUDA kinds out: the CUDA driver and NVRTC are
+/// loaded at run time, and an agent given a device pool where they are missing refuses to
+/// start, saying which. A kind that only some builds have would get its text per `cfg` here,
+/// as `--transport`'s does. tests/cli_help.rs holds this text to the parser.
+macro_rules! pool_kinds {
+    () => {
+        "`anon` (the agent's own memory), `shm:<path>` (a shared-memory file the engine created), \
+         `cuda-ipc:<device>:<handle>` (the engine's CUDA device memory, by its IPC handle in 128 \
+         hex digits) or `cuda-vmm:<device>:<socket>` (the engine's CUDA device memory, by VMM \
+         handles it serves on that Unix socket); docs/operations.md, \"Pools and page ownership\""
+    };
+}
+
 /// The subcommands; each appears here once it works.
 ///
 /// `prefill` and `decode` share [`AgentOptions`]; each hides the flags that only the other role
@@ -62,7 +76,7 @@ pub enum Command {
         mut_arg("drain_untaken_ms", |a| a.hide(true)),
         mut_arg("data_port", |a| a.hide(true)),
         mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: fill each room's pages with a pattern the decode verifies (the prefill allocates them from its pool, writes a page's body once and each room's stamps, as --synthetic-verify says)")),
-        mut_arg("pool", |a| a.help("The KV pool the engine's pages live in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
+        mut_arg("pool", |a| a.help(concat!("The KV pool the engine's pages live in: ", pool_kinds!()))),
     )]
     Prefill(AgentOptions),
     /// Run the agent beside a decode rank: land KV pages from prefill ranks in its pool.
@@ -71,7 +85,7 @@ pub enum Command {
         mut_arg("placed_min_run_bytes", |a| a.hide(true)),
         mut_arg("control_port", |a| a.hide(true)),
         mut_arg("synthetic", |a| a.help("Run the built-in synthetic engine: allocate pages for rooms asked without `pages` and check the landed bytes on take (--synthetic-verify)")),
-        mut_arg("pool", |a| a.help("The KV pool rooms land in: `anon` (the agent's own memory) or `shm:<path>` (a pool an engine created in shared memory, docs/operations.md)")),
+        mut_arg("pool", |a| a.help(concat!("The KV pool rooms land in: ", pool_kinds!()))),
     )]
     Decode(AgentOptions),
     /// Run a full prefill -> decode transfer on this machine and verify every byte.
