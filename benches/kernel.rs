@@ -10,7 +10,8 @@
 //! are not in the cache: whole heads (equal TP) and half the heads (TP2 -> TP1, 1 KiB per
 //! token), each chunk at other pages, beside memcpy of 1 MiB into a 1 GiB buffer the same way.
 //!
-//! `cargo bench --bench kernel`; docs/benchmarks.md quotes the medians.
+//! `cargo bench --bench kernel`; docs/benchmarks.md, "CPU transfer kernel", quotes the first
+//! group's medians.
 
 use std::hint::black_box;
 

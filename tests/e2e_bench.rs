@@ -1,5 +1,5 @@
 //! `kvferry bench` end to end (issue 7): the release binary starts its own registry and agents
-//! on loopback for each transport, and its output follows the bench JSON of docs/benchmarks.md.
+//! on loopback for each transport, and its output follows the bench JSON (`cluster::summary`).
 //!
 //! - `--json`: stdout is JSON Lines only, one object per (transport, tokens) configuration,
 //!   every field of the schema present with its type, every room verified;
@@ -48,7 +48,7 @@ fn percentiles(v: &Value) -> bool {
         && v.as_object().is_some_and(|o| o.len() == 2)
 }
 
-/// Checks one bench line against the bench JSON's schema (docs/benchmarks.md).
+/// Checks one bench line against the bench JSON's schema (`cluster::summary` and `kvferry bench`).
 fn check_line(v: &Value, transport: &str, tokens: u64, rooms: u64) {
     // Names and types of every field.
     field(v, "transport", "a string", Value::is_string);

@@ -1,7 +1,7 @@
 """vLLM prefill/decode through kvferry against vLLM's own NixlConnector (docs/benchmarks.md,
-"vLLM prefill/decode"): time to first token (TTFT), inter-token latency (ITL) and request
-throughput of streamed greedy completions, on one model, one prompt set and the same two cores,
-for these setups, one after another:
+"vLLM prefill/decode against NixlConnector"): time to first token (TTFT), inter-token latency
+(ITL) and request throughput of streamed greedy completions, on one model, one prompt set and
+the same two cores, for these setups, one after another:
 
 - ``single``: one plain vLLM server. Every other setup's tokens must equal its tokens, and a PD
   setup's overhead is its TTFT minus this server's TTFT for the same request.

@@ -2,7 +2,7 @@
 //! local cluster (registry, prefill and decode agents as real processes on loopback, synthetic
 //! engine), or targets two running agents, and sweeps room sizes. Each (transport, tokens)
 //! configuration runs its warm-up rooms, then its measured rooms, and yields one bench JSON
-//! object (docs/benchmarks.md, built by [`cluster::summary`]).
+//! object (built by [`cluster::summary`], whose doc gives the units).
 //!
 //! stdout carries the results only: a table, or with `--json` JSON Lines and nothing else.
 //! A progress line goes to stderr when stderr is a terminal. `--out DIR` writes `bench.jsonl`,

@@ -35,7 +35,7 @@ pub struct DemoArgs {
     /// Tokens per page.
     #[arg(long, env = "KVFERRY_DEMO_PAGE_SIZE", default_value_t = 16)]
     page_size: usize,
-    /// Print the bench JSON (docs/benchmarks.md) instead of a table.
+    /// Print the bench JSON (as `kvferry bench --json`) instead of a table.
     #[arg(long, env = "KVFERRY_DEMO_JSON")]
     json: bool,
     /// Where the engines' KV pools live: host memory, or CUDA device 0 (the demo allocates

@@ -317,7 +317,9 @@ pub fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / best / 1e9
 }
 
-/// The bench JSON object of one configuration (fields and units: docs/benchmarks.md).
+/// The bench JSON object of one configuration: rates in GB/s (1e9 B/s), times in ms, each
+/// `stages_ms` entry the p50 over the verified rooms; `kvferry bench` adds its settings
+/// (`chunk_bytes`, `verify`, `warmup_rooms`, `ucx_tls`) and the decode's `chunks_by_path`.
 pub fn summary(
     results: &[RoomResult],
     transport: &str,

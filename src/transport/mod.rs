@@ -169,7 +169,7 @@ pub struct WritePath {
     /// Whether they are the fast and safe way there: native one-sided writes (RDMA) on an
     /// endpoint whose peer's death the transport detects. UCX 1.13 emulates puts over tcp at a
     /// fraction of its tagged-send speed, and over shared memory through a FIFO that a dead
-    /// sender can wedge (docs/benchmarks.md, `ucx/data.rs`).
+    /// sender can wedge (`ucx/data.rs`).
     pub fast: bool,
 }
 
@@ -216,8 +216,8 @@ pub trait DeviceSink: Send + Sync {
 /// Most pool ranges a staged chunk is sent from without a gather ([`DataSender::send_from`]):
 /// more, shorter pieces (page tables out of order, head slices) are gathered. With raw UCX over
 /// tcp a message of this many pieces goes as fast as one buffer, and one of many more pieces
-/// slower (docs/benchmarks.md, "ucx-tcp"). A whole-heads chunk of consecutive pages is one
-/// range per layer plane it covers.
+/// slower (1 MiB messages: 32 pieces 1.22 GB/s, 256 pieces 1.00, one buffer 1.61–1.73). A
+/// whole-heads chunk of consecutive pages is one range per layer plane it covers.
 pub const MAX_PIECES: usize = 8;
 
 /// A received chunk's payload: host bytes, or device memory where the chunk came from device
@@ -352,7 +352,7 @@ pub trait DataSender: Send {
     /// copy (the kernel's, into its socket) whatever the number of pieces, so that skipping
     /// the gather saves a copy. UCX with eager chunks (tcp) only: where the receiver reads a
     /// chunk itself (rendezvous), UCX 1.13 moves a message of pieces through its
-    /// shared-memory FIFO instead (docs/benchmarks.md). The default: no.
+    /// shared-memory FIFO instead, two copies in fragments. The default: no.
     fn sends_from_pool(&self) -> bool {
         false
     }

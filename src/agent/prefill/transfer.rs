@@ -61,8 +61,8 @@ const CHUNK_STALL: &str = "no chunk taken";
 const PLACED_STALL: &str = "placed runs not taken";
 
 /// The smallest budget of a direct chunk: over shared memory, rooms of placed chunks this large
-/// run faster than rooms of smaller ones (docs/benchmarks.md, "Direct chunks and two pulling
-/// workers").
+/// run faster than rooms of smaller ones (llama3-8b 512 MiB rooms over ucx-shm: 6.9–8.4 GB/s,
+/// against 5.3–5.6 with 8 MiB chunks).
 const DIRECT_CHUNK_BYTES: usize = 32 << 20;
 
 /// What a transfer's task does next.
