@@ -4,21 +4,10 @@
 
 mod common;
 
+use common::help;
 use std::collections::BTreeSet;
-use std::process::Command;
 
 use kvferry::pool::PoolDescriptor;
-
-fn help(args: &[&str]) -> String {
-    let out = Command::new(common::release_binary())
-        .args(args)
-        .arg("--help")
-        .env_remove("KVFERRY_CONFIG")
-        .output()
-        .expect("running kvferry --help");
-    assert!(out.status.success(), "{args:?} --help: {}", out.status);
-    String::from_utf8(out.stdout).expect("utf-8 help")
-}
 
 #[test]
 fn prefill_and_decode_help_differ_by_role() {

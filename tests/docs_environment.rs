@@ -22,9 +22,9 @@
 
 mod common;
 
+use common::help;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use clap::CommandFactory as _;
 
@@ -227,18 +227,6 @@ fn every_documented_variable_is_named_by_the_code() {
         stale.is_empty(),
         "{PAGE} lists variable(s) that neither the code nor the tests name (stale rows?): {stale:?}"
     );
-}
-
-/// `kvferry ARGS --help` of the release binary.
-fn help(args: &[&str]) -> String {
-    let out = Command::new(common::release_binary())
-        .args(args)
-        .arg("--help")
-        .env_remove("KVFERRY_CONFIG")
-        .output()
-        .expect("running kvferry --help");
-    assert!(out.status.success(), "{args:?} --help: {}", out.status);
-    String::from_utf8(out.stdout).expect("utf-8 help")
 }
 
 /// The (flag, variable) pairs of a help text: each `[env: NAME...]` belongs to the option line

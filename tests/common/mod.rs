@@ -27,6 +27,18 @@ pub const BOUND: Duration = Duration::from_secs(30);
 /// Final room states.
 pub const FINAL: [&str; 3] = ["success", "failed", "aborted"];
 
+/// `kvferry ARGS --help` of the release binary (no config file from the environment).
+pub fn help(args: &[&str]) -> String {
+    let out = std::process::Command::new(release_binary())
+        .args(args)
+        .arg("--help")
+        .env_remove("KVFERRY_CONFIG")
+        .output()
+        .expect("running kvferry --help");
+    assert!(out.status.success(), "{args:?} --help: {}", out.status);
+    String::from_utf8(out.stdout).expect("utf-8 help")
+}
+
 /// `target/release/kvferry`, found from this test executable's path (`target/<profile>/deps/
 /// <test>-<hash>`) or from `CARGO_TARGET_DIR`. Panics with what to run when it is missing.
 pub fn release_binary() -> PathBuf {
