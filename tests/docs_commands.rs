@@ -18,14 +18,11 @@
 
 mod common;
 
+use common::docs::root;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 
 use common::help;
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The long flags of a `--help` text, each with whether it takes a value (`--pool <POOL>`).
 fn flags(help: &str) -> BTreeMap<String, bool> {
@@ -494,27 +491,14 @@ fn check_invocation(cli: &Cli, at: &str, form: &str, args: &[String]) -> Vec<Str
     bad
 }
 
-/// README.md and docs/*.md, by path from the root.
-fn docs() -> Vec<String> {
-    let mut files = vec!["README.md".to_owned()];
-    for entry in std::fs::read_dir(root().join("docs")).expect("reading docs/") {
-        let path = entry.expect("a docs/ entry").path();
-        if path.extension().is_some_and(|e| e == "md") {
-            let name = path.file_name().expect("a file name").to_string_lossy();
-            files.push(format!("docs/{name}"));
-        }
-    }
-    files.sort();
-    files
-}
-
 #[test]
 fn every_documented_command_runs_as_written() {
     let cli = Cli::load();
     let mut bad = Vec::new();
     let mut invocations = 0;
-    for name in docs() {
-        let text = std::fs::read_to_string(root().join(&name)).expect("reading a doc");
+    for path in common::docs::markdown() {
+        let name = path.to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(root().join(&path)).expect("reading a doc");
         let (b, n) = check(&cli, &name, &text);
         bad.extend(b);
         invocations += n;

@@ -22,6 +22,8 @@
 
 mod common;
 
+use common::docs::root;
+
 use common::help;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -44,10 +46,6 @@ const TESTS: [&str; 2] = ["tests", "python/tests"];
 
 /// Folders that name variables today: finding none there means the scan broke.
 const MUST_NAME: [&str; 3] = ["src", "python/kvferry", "scripts"];
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The `KVFERRY_*` variables `text` names.
 fn variables(text: &str) -> BTreeSet<String> {

@@ -10,12 +10,12 @@
 //! over several comment lines: each line's comment marker (`//!`, `///`, `//`, `#`, `*`) is cut
 //! and the lines joined by a space before the search.
 
+mod common;
+
+use common::docs::root;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// GitHub's anchor of a heading.
 fn slug(heading: &str) -> String {
@@ -64,17 +64,7 @@ fn anchors(text: &str) -> BTreeSet<String> {
 
 /// The markdown files that citations and links may name, by path from the repository root.
 fn markdown() -> BTreeMap<String, BTreeSet<String>> {
-    let mut files = vec![PathBuf::from("README.md")];
-    for entry in std::fs::read_dir(root().join("docs")).expect("reading docs/") {
-        let path = entry.expect("a docs/ entry").path();
-        if path.extension().is_some_and(|e| e == "md") {
-            files.push(
-                path.strip_prefix(root())
-                    .expect("under the root")
-                    .to_owned(),
-            );
-        }
-    }
+    let files = common::docs::markdown();
     files
         .into_iter()
         .map(|p| {

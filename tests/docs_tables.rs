@@ -7,7 +7,7 @@
 //! `|` that no backslash escapes, inside a code span too (`a|b` in backticks is two cells there;
 //! write `a\|b`). A row's leading and trailing pipes are optional.
 
-use std::path::{Path, PathBuf};
+mod common;
 
 /// The cells of a table row.
 fn cells(line: &str) -> usize {
@@ -148,33 +148,15 @@ fn check(name: &str, text: &str) -> Vec<String> {
     problems
 }
 
-/// README.md and docs/*.md.
-fn markdown_files() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut files: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
-        .expect("reading docs/")
-        .map(|e| e.expect("a docs/ entry").path())
-        .filter(|p| p.extension().is_some_and(|x| x == "md"))
-        .collect();
-    files.sort();
-    files.insert(0, root.join("README.md"));
-    files
-}
-
 #[test]
 fn every_table_row_has_as_many_cells_as_its_header() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let files = markdown_files();
+    let files = common::docs::markdown();
     assert!(files.len() > 1, "no docs/*.md found: {files:?}");
     let mut problems = Vec::new();
     for path in &files {
-        let text = std::fs::read_to_string(path)
+        let text = std::fs::read_to_string(common::docs::root().join(path))
             .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
-        let name = path
-            .strip_prefix(root)
-            .unwrap_or(path)
-            .display()
-            .to_string();
+        let name = path.display().to_string();
         problems.extend(check(&name, &text));
     }
     assert!(

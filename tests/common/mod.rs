@@ -7,6 +7,7 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod docs;
 pub mod netns;
 pub mod reference;
 pub mod rogue;
