@@ -146,7 +146,7 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
             "0.0.0.0",
             "--synthetic",
         ]),
-        &[("KVFERRY_INSECURE", "true")],
+        &[("KVFERRY_INSECURE", "1")],
         &logs,
     );
     assert_eq!(decode.listening["role"], "decode");

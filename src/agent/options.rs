@@ -104,7 +104,7 @@ pub struct AgentOptions {
     pub api_port: u16,
     /// Run the built-in synthetic engine: the prefill fills pages with a pattern, the decode
     /// checks the landed bytes on take (--synthetic-verify).
-    #[arg(long, env = "KVFERRY_SYNTHETIC")]
+    #[arg(long, env = "KVFERRY_SYNTHETIC", value_parser = clap::builder::BoolishValueParser::new())]
     pub synthetic: bool,
     /// Which tokens a synthetic prefill stamps and how a synthetic decode checks a landed room
     /// on take (set both agents alike): `full` stamps every token and checks every byte;
@@ -118,7 +118,7 @@ pub struct AgentOptions {
     pub token: Option<String>,
     /// Serve a non-loopback --host or --api-host without --token (warns at start). Only for
     /// networks where every host that can reach the agent is trusted.
-    #[arg(long, env = "KVFERRY_INSECURE")]
+    #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     pub insecure: bool,
     /// Largest chunk of staging bytes moved at once (smaller ones make ZeroMQ rooms slower:
     /// 2 MiB zmq-tcp rooms took 1.67 ms p50 in 256 KiB chunks, 1.15 in 1 MiB ones).
@@ -179,7 +179,7 @@ pub struct AgentOptions {
     #[arg(long, env = "KVFERRY_DRAIN_UNTAKEN_MS", default_value_t = 10_000)]
     pub drain_untaken_ms: u64,
     /// Checksum every chunk (xxh3-64) and verify it on landing; enable on both sides.
-    #[arg(long, env = "KVFERRY_CHECKSUM")]
+    #[arg(long, env = "KVFERRY_CHECKSUM", value_parser = clap::builder::BoolishValueParser::new())]
     pub checksum: bool,
     /// Rooms in flight at most; more are refused with 429 at once.
     #[arg(long, env = "KVFERRY_MAX_ROOMS", default_value_t = 1024)]

@@ -105,7 +105,7 @@ pub struct BenchArgs {
     #[arg(long, env = "KVFERRY_BENCH_VERIFY", value_enum, default_value_t = Verify::Stamp)]
     verify: Verify,
     /// Print JSON Lines (one object per configuration) instead of a table.
-    #[arg(long, env = "KVFERRY_BENCH_JSON")]
+    #[arg(long, env = "KVFERRY_BENCH_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     json: bool,
     /// Also write bench.jsonl, throughput.svg and latency.svg into this folder.
     #[arg(long, env = "KVFERRY_BENCH_OUT")]

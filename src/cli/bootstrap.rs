@@ -45,7 +45,7 @@ pub struct BootstrapArgs {
 
     /// Serve a non-loopback --host without --token (warns at start). Only for networks where
     /// every host that can reach the registry is trusted.
-    #[arg(long, env = "KVFERRY_INSECURE")]
+    #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     insecure: bool,
 }
 

@@ -36,7 +36,7 @@ pub struct DemoArgs {
     #[arg(long, env = "KVFERRY_DEMO_PAGE_SIZE", default_value_t = 16)]
     page_size: usize,
     /// Print the bench JSON (as `kvferry bench --json`) instead of a table.
-    #[arg(long, env = "KVFERRY_DEMO_JSON")]
+    #[arg(long, env = "KVFERRY_DEMO_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     json: bool,
     /// Where the engines' KV pools live: host memory, or CUDA device 0 (the demo allocates
     /// both pools there and the agents map them by CUDA IPC handle; on a machine without a GPU,
