@@ -62,6 +62,10 @@ struct Stub {
     dropped: AtomicUsize,
     /// Notified to close the server's port and its connections (a dead server).
     gone: tokio::sync::Notify,
+    /// Its answer to `kvferry_reason_of` (`code: message`).
+    reason: Mutex<String>,
+    /// The message of its 400 in mode `Refuse`.
+    refusal: Mutex<String>,
 }
 
 struct Held<'a>(&'a Stub, bool);
@@ -88,6 +92,8 @@ impl Stub {
             health_ms: std::sync::atomic::AtomicU64::new(0),
             dropped: AtomicUsize::new(0),
             gone: tokio::sync::Notify::new(),
+            reason: Mutex::new("peer_dead: the prefill went away".to_owned()),
+            refusal: Mutex::new("prompt too long".to_owned()),
         });
         let app = Router::new()
             .route("/health", get(health))
@@ -174,8 +180,8 @@ async fn answer(
     }
     if let Some(room) = params.get("kvferry_reason_of") {
         s.record("reason_of", &headers);
-        let reason =
-            json!({"kvferry_room": room, "kvferry_reason": "peer_dead: the prefill went away"});
+        let said = s.reason.lock().unwrap().clone();
+        let reason = json!({"kvferry_room": room, "kvferry_reason": said});
         return axum::Json(json!({"kv_transfer_params": reason})).into_response();
     }
     s.record("completion", &headers);
@@ -192,7 +198,8 @@ async fn answer(
     }
     match mode {
         Mode::Refuse => {
-            let e = json!({"error": {"message": "prompt too long", "type": "BadRequestError", "param": null, "code": 400}});
+            let message = s.refusal.lock().unwrap().clone();
+            let e = json!({"error": {"message": message, "type": "BadRequestError", "param": null, "code": 400}});
             return (StatusCode::BAD_REQUEST, axum::Json(e)).into_response();
         }
         Mode::Fail => {
@@ -282,10 +289,13 @@ fn proxy_with(
         args.extend(owned(&["--health-ms", "50"]));
     }
     args.extend(owned(extra));
+    // A log of its own: the proxies of one test process share a log folder.
+    static STARTED: AtomicUsize = AtomicUsize::new(0);
+    let name = format!("proxy-{}", STARTED.fetch_add(1, Ordering::SeqCst));
     let p = common::spawn(
         &release_binary(),
         &[],
-        "proxy",
+        &name,
         &args,
         &[("RUST_LOG", "info")],
         &logs,
@@ -564,16 +574,19 @@ fn a_stream_the_decode_breaks_ends_with_an_error_event() {
         assert_eq!(events.len(), 2, "{text}");
         assert_eq!(events[0]["choices"][0]["text"], "one");
         let message = events[1]["error"]["message"].as_str().unwrap();
+        // The decode server by its place in --decode, not its address (the log has that).
         assert!(
-            message.starts_with(&format!("decode server {d_url} failed mid-answer: ")),
+            message.starts_with("decode server 1 of 1 failed mid-answer: "),
             "{message}"
         );
+        assert_eq!(leak(&text, &[&p_url, &d_url]), None, "{text}");
         assert_eq!(events[1]["error"]["code"], 502);
     });
 }
 
 /// vLLM ends a stream whose KV load failed with a bare "Internal server error" event: the
-/// proxy extends its message with the decode server, the room and kvferry's reason there.
+/// proxy extends its message with the decode server (its place in --decode), the room and
+/// kvferry's reason there.
 #[test]
 fn an_error_event_in_a_stream_is_explained() {
     runtime().block_on(async {
@@ -601,7 +614,7 @@ fn an_error_event_in_a_stream_is_explained() {
             let room = room.as_str().unwrap().to_owned();
             assert_eq!(
                 message,
-                format!("Internal server error (decode server {d_url}, kvferry room {room} failed: peer_dead: the prefill went away)"),
+                format!("Internal server error (decode server 1 of 1, kvferry room {room} failed: peer_dead: the prefill went away)"),
                 "{pairing}"
             );
             assert_eq!(error["error"]["code"], 500, "{pairing}");
@@ -714,7 +727,8 @@ fn a_request_a_dead_decode_refuses_goes_to_another_decode_which_the_answer_names
                     "{pairing}: {got}"
                 );
             }
-            // The answer names the decode server that gave it.
+            // The answer names the decode server that gave it: its place in --decode, not its
+            // address.
             let r = http()
                 .post(format!("{url}/v1/completions"))
                 .json(&completion(false))
@@ -722,11 +736,7 @@ fn a_request_a_dead_decode_refuses_goes_to_another_decode_which_the_answer_names
                 .await
                 .expect("an answer");
             let named = r.headers().get("x-kvferry-decode");
-            assert_eq!(
-                named.and_then(|v| v.to_str().ok()),
-                Some(b_url.as_str()),
-                "{pairing}"
-            );
+            assert_eq!(named.and_then(|v| v.to_str().ok()), Some("2"), "{pairing}");
             assert!(a.seen().is_empty(), "{:?}", a.seen());
         }
         assert_eq!(b.seen().len(), 8);
@@ -773,7 +783,7 @@ fn every_failure_is_an_openai_error_object() {
             .to_owned();
         let message = got["error"]["message"].as_str().unwrap();
         assert!(
-            message.starts_with("Internal server error (decode server"),
+            message.starts_with("Internal server error (decode server 1 of 1, "),
             "{message}"
         );
         assert!(
@@ -822,35 +832,46 @@ fn a_request_right_after_the_listening_line_is_served() {
     });
 }
 
+/// A request to `path` of the proxy at `url` (a POST of `body`, or a GET without one) with these
+/// `Authorization` and `X-Request-Id` headers.
+async fn send_as(
+    url: &str,
+    path: &str,
+    body: Option<Value>,
+    auth: Option<&str>,
+    id: Option<&str>,
+) -> reqwest::Response {
+    let mut request = match body {
+        Some(b) => http().post(format!("{url}{path}")).json(&b),
+        None => http().get(format!("{url}{path}")),
+    };
+    if let Some(auth) = auth {
+        request = request.header("authorization", auth);
+    }
+    if let Some(id) = id {
+        request = request.header("x-request-id", id);
+    }
+    request.send().await.expect("an answer")
+}
+
+/// Without `--api-key` the proxy checks no key: a client's `Authorization` and `X-Request-Id` go
+/// on as they are with its request, and with the question the proxy asks a decode server about
+/// the request's failure (`kvferry_reason_of`); the proxy's own calls (health checks,
+/// `kvferry_identify`) carry none.
 #[test]
-fn client_headers_go_on_and_the_proxys_own_calls_carry_its_key() {
+fn without_an_api_key_client_headers_go_on_as_they_are() {
     runtime().block_on(async {
         let (prefill, p_url) = Stub::start("p", 2).await;
         let (decode, d_url) = Stub::start("d", 0).await;
-        let (_proxy, url) = proxy_with(
-            &[&p_url],
-            &[&d_url],
-            "concurrent",
-            &["--api-key", "sk-proxy"],
-        );
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
         let client = (
             Some("Bearer sk-client".to_owned()),
             Some("req-42".to_owned()),
         );
-        let own = (Some("Bearer sk-proxy".to_owned()), None);
-        let send = |path: &str, body: Option<Value>| {
-            let request = match body {
-                Some(b) => http().post(format!("{url}{path}")).json(&b),
-                None => http().get(format!("{url}{path}")),
-            };
-            request
-                .header("authorization", "Bearer sk-client")
-                .header("x-request-id", "req-42")
-                .send()
+        let send = |path: &'static str, body: Option<Value>| {
+            send_as(&url, path, body, Some("Bearer sk-client"), Some("req-42"))
         };
-        let r = send("/v1/completions", Some(completion(false)))
-            .await
-            .unwrap();
+        let r = send("/v1/completions", Some(completion(false))).await;
         assert_eq!(r.status(), 200);
         for s in [&prefill, &decode] {
             assert_eq!(
@@ -861,27 +882,346 @@ fn client_headers_go_on_and_the_proxys_own_calls_carry_its_key() {
             );
             let health = s.headers_of("health");
             assert!(
-                !health.is_empty() && health.iter().all(|h| *h == own),
+                !health.is_empty() && health.iter().all(|h| *h == (None, None)),
                 "{health:?}"
             );
         }
-        assert_eq!(prefill.headers_of("identify"), vec![own.clone()]);
-        // A failed decode: the proxy asks why with its own key; the client's request went on
-        // with the client's.
+        assert_eq!(prefill.headers_of("identify"), vec![(None, None)]);
+        // A failed decode: the proxy asks why on the client's behalf, with the client's
+        // Authorization (not its X-Request-Id: vLLM would take it for the question's id).
         decode.set(Mode::Fail);
-        let r = send("/v1/chat/completions", Some(completion(false)))
-            .await
-            .unwrap();
+        let r = send("/v1/chat/completions", Some(completion(false))).await;
         assert_eq!(r.status(), 500);
         assert_eq!(decode.headers_of("completion")[1], client);
-        assert_eq!(decode.headers_of("reason_of"), vec![own.clone()]);
+        assert_eq!(
+            decode.headers_of("reason_of"),
+            vec![(client.0.clone(), None)]
+        );
         // /v1/models is a decode server's, asked with the client's headers.
-        let r = send("/v1/models", None).await.unwrap();
+        let r = send("/v1/models", None).await;
         assert_eq!(r.status(), 200);
         let models: Value = r.json().await.unwrap();
         assert_eq!(models["data"][0]["id"], "tiny", "{models}");
         assert_eq!(models["server"], "d", "{models}");
         assert_eq!(decode.headers_of("models"), vec![client.clone()]);
+    });
+}
+
+/// With `--api-key`, a client must present the key (`Authorization: Bearer KEY`) on every API
+/// route. Without it, with another key or in another form, the proxy answers 401 (an OpenAI error
+/// object) and no server hears of the request: not the request itself, nor any call of the
+/// proxy's with its key that the request could cause (its health checks and `kvferry_identify`
+/// come of its own rounds only). `/health` and `/metrics` stay open. A client with the key is
+/// served, its headers going on with its request and with the proxy's question about its failure.
+#[test]
+fn with_an_api_key_only_clients_that_present_it_reach_the_servers() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 2).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        // A failing decode: a request that reached it would make the proxy ask it why.
+        decode.set(Mode::Fail);
+        // One round of health checks, before the listening line: any later call to a server is
+        // a client's request's doing.
+        let (_proxy, url) = proxy_with(
+            &[&p_url],
+            &[&d_url],
+            "concurrent",
+            &["--api-key", "sk-proxy", "--health-ms", "600000"],
+        );
+        let own = (Some("Bearer sk-proxy".to_owned()), None);
+        for s in [&prefill, &decode] {
+            assert_eq!(s.headers_of("health"), vec![own.clone()], "{}", s.name);
+        }
+        assert_eq!(prefill.headers_of("identify"), vec![own.clone()]);
+        let heard = |s: &Stub| s.headers.lock().unwrap().clone();
+        let before = (heard(&prefill), heard(&decode));
+        let calls = [
+            ("/v1/completions", Some(completion(false))),
+            ("/v1/chat/completions", Some(completion(false))),
+            ("/v1/models", None),
+        ];
+        for auth in [
+            None,
+            Some("Bearer sk-wrong"),
+            Some("Bearer sk-prox"),
+            Some("Bearer sk-proxyy"),
+            Some("Bearer"),
+            Some("sk-proxy"),
+            Some("Basic c2stcHJveHk6"),
+        ] {
+            for (path, body) in &calls {
+                let r = send_as(&url, path, body.clone(), auth, Some("req-7")).await;
+                assert_eq!(r.status(), 401, "{path} {auth:?}");
+                let challenge = r.headers().get("www-authenticate");
+                assert_eq!(
+                    challenge.and_then(|v| v.to_str().ok()),
+                    Some("Bearer"),
+                    "{path} {auth:?}"
+                );
+                let got: Value = r.json().await.unwrap();
+                assert_eq!(got["error"]["type"], "authentication_error", "{got}");
+                assert_eq!(got["error"]["code"], 401, "{got}");
+                assert_eq!(got["error"]["param"], Value::Null, "{got}");
+                assert!(got["error"]["message"].is_string(), "{got}");
+            }
+        }
+        // The key is checked before the body is read.
+        let endpoint = format!("{url}/v1/completions");
+        let (status, got) = call_raw(&http(), Method::POST, &endpoint, "{not json").await;
+        assert_eq!(status, 401, "{got}");
+        for path in ["/health", "/metrics"] {
+            let r = http().get(format!("{url}{path}")).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{path}");
+        }
+        assert_eq!(
+            (heard(&prefill), heard(&decode)),
+            before,
+            "a server heard of a request that did not present the key"
+        );
+        // With the key: the request goes on with the client's headers (its X-Request-Id tells
+        // them from the proxy's own), and the question about its failure with its
+        // Authorization.
+        let client = (
+            Some("Bearer sk-proxy".to_owned()),
+            Some("req-42".to_owned()),
+        );
+        let send = |path: &'static str, body: Option<Value>| {
+            send_as(&url, path, body, Some("Bearer sk-proxy"), Some("req-42"))
+        };
+        decode.set(Mode::Answer);
+        let r = send("/v1/completions", Some(completion(false))).await;
+        assert_eq!(r.status(), 200);
+        for s in [&prefill, &decode] {
+            assert_eq!(
+                s.headers_of("completion"),
+                vec![client.clone()],
+                "{}",
+                s.name
+            );
+        }
+        decode.set(Mode::Fail);
+        let r = send("/v1/chat/completions", Some(completion(false))).await;
+        assert_eq!(r.status(), 500);
+        assert_eq!(decode.headers_of("completion")[1], client);
+        assert_eq!(
+            decode.headers_of("reason_of"),
+            vec![(client.0.clone(), None)]
+        );
+        let r = send("/v1/models", None).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(decode.headers_of("models"), vec![client.clone()]);
+        // No request made the proxy check a server's health or ask for its groups.
+        for s in [&prefill, &decode] {
+            assert_eq!(s.headers_of("health"), vec![own.clone()], "{}", s.name);
+        }
+        assert_eq!(prefill.headers_of("identify"), vec![own.clone()]);
+    });
+}
+
+/// Where `text` names an internal server: `127.0.0.1`, or the port of one of `urls` as a number
+/// of its own (a room's digits may hold the same digits).
+fn leak(text: &str, urls: &[&str]) -> Option<String> {
+    if text.contains("127.0.0.1") {
+        return Some("127.0.0.1".to_owned());
+    }
+    let digit = |b: Option<&u8>| b.is_some_and(u8::is_ascii_digit);
+    for url in urls {
+        let port = url.rsplit(':').next().expect("a port");
+        for (at, _) in text.match_indices(port) {
+            let bytes = text.as_bytes();
+            let before = at.checked_sub(1).and_then(|i| bytes.get(i));
+            if !digit(before) && !digit(bytes.get(at + port.len())) {
+                return Some(format!("port {port}"));
+            }
+        }
+    }
+    None
+}
+
+/// Waits until the server at `url` no longer accepts connections.
+async fn closed(url: &str) {
+    let addr = url.trim_start_matches("http://").to_owned();
+    poll_until(&format!("{url} is closed"), BOUND, || async {
+        tokio::net::TcpStream::connect(&addr)
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await;
+}
+
+/// Waits until the log at `path` holds `what`.
+async fn logged(path: &std::path::Path, what: &str) {
+    poll_until(
+        &format!("{} logs {what:?}", path.display()),
+        BOUND,
+        || async {
+            let log = std::fs::read_to_string(path).unwrap_or_default();
+            log.contains(what).then_some(())
+        },
+    )
+    .await;
+}
+
+/// What a client reads of a failure names the server's role and place (`decode server 1 of
+/// 1`), the kvferry room and kvferry's reason code and message, but no internal address, not
+/// even one in a server's own message; the proxy's log keeps the addresses. Every kind of
+/// failure: a decode that fails a request, the same as an error event in a stream, a stream that
+/// breaks, a prefill that refuses, a prefill that cannot be reached (in both pairings), a decode
+/// that cannot be reached.
+#[test]
+fn answers_to_clients_name_no_internal_address_yet_keep_kvferrys_reason() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 0).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let urls = [p_url.as_str(), d_url.as_str()];
+        let p_addr = p_url.trim_start_matches("http://").to_owned();
+        // kvferry's reason names the prefill's agent by its address, as a real one may.
+        let said = format!("peer_dead: prefill tcp://{p_addr} reported the room lost");
+        *decode.reason.lock().unwrap() = said.clone();
+        let reason = "peer_dead: prefill <address> reported the room lost";
+        *prefill.refusal.lock().unwrap() = format!("prompt too long for the pool at {p_addr}");
+        // No health round after the first: a dead server is still used.
+        let long = ["--health-ms", "600000"];
+        let (concurrent, c_url) = proxy_with(&[&p_url], &[&d_url], "concurrent", &long);
+        let (_sequential, s_url) = proxy_with(&[&p_url], &[&d_url], "sequential", &long);
+        let post = |url: &str, stream: bool| {
+            let url = url.to_owned();
+            async move {
+                send_as(
+                    &url,
+                    "/v1/completions",
+                    Some(completion(stream)),
+                    None,
+                    None,
+                )
+                .await
+            }
+        };
+        let last_room = || {
+            let seen = decode.seen();
+            let room =
+                &seen.last().expect("a decode request")["kv_transfer_params"]["kvferry_room"];
+            room.as_str().expect("a room").to_owned()
+        };
+        let error_of = |text: &str| -> String {
+            let got: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+            got["error"]["message"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{text}"))
+                .to_owned()
+        };
+
+        // A decode that fails the request.
+        decode.set(Mode::Fail);
+        let r = post(&c_url, false).await;
+        assert_eq!(r.status(), 500);
+        let text = r.text().await.unwrap();
+        assert_eq!(leak(&text, &urls), None, "{text}");
+        assert_eq!(
+            error_of(&text),
+            format!(
+                "Internal server error (decode server 1 of 1, kvferry room {} failed: {reason})",
+                last_room()
+            )
+        );
+        // The log keeps what the answer leaves out.
+        logged(&concurrent.log, &said).await;
+        logged(&concurrent.log, &d_url).await;
+
+        // The same failure as an error event in a stream; no header names an address either.
+        decode.set(Mode::FailMidStream);
+        let r = post(&c_url, true).await;
+        assert_eq!(r.status(), 200);
+        let named = r.headers().get("x-kvferry-decode");
+        assert_eq!(named.and_then(|v| v.to_str().ok()), Some("1"));
+        for (name, value) in r.headers() {
+            let value = String::from_utf8_lossy(value.as_bytes());
+            assert_eq!(leak(&value, &urls), None, "{name}: {value}");
+        }
+        let text = r.text().await.unwrap();
+        assert_eq!(leak(&text, &urls), None, "{text}");
+        let room = last_room();
+        assert!(
+            text.contains(&format!(
+                "(decode server 1 of 1, kvferry room {room} failed: {reason})"
+            )),
+            "{text}"
+        );
+
+        // A stream that breaks.
+        decode.set(Mode::Break);
+        let answer = tokio::spawn(post(&c_url, true));
+        let seen = decode.seen().len();
+        poll_until("the streamed request reaches the decode", BOUND, || async {
+            (decode.seen().len() > seen).then_some(())
+        })
+        .await;
+        // Its first chunk is on its way; then the connection breaks.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        decode.release.notify_one();
+        let text = answer.await.unwrap().text().await.unwrap();
+        assert_eq!(leak(&text, &urls), None, "{text}");
+        assert!(
+            text.contains("\"decode server 1 of 1 failed mid-answer: "),
+            "{text}"
+        );
+
+        // A prefill that refuses, its message naming its address.
+        decode.set(Mode::Answer);
+        prefill.set(Mode::Refuse);
+        let r = post(&s_url, false).await;
+        assert_eq!(r.status(), 400);
+        let text = r.text().await.unwrap();
+        assert_eq!(leak(&text, &urls), None, "{text}");
+        assert_eq!(error_of(&text), "prompt too long for the pool at <address>");
+
+        // A prefill that cannot be reached: in sequential pairing the client gets 502 naming it.
+        prefill.set(Mode::Answer);
+        prefill.gone.notify_one();
+        closed(&p_url).await;
+        let r = post(&s_url, false).await;
+        assert_eq!(r.status(), 502);
+        let text = r.text().await.unwrap();
+        assert_eq!(leak(&text, &urls), None, "{text}");
+        assert!(
+            error_of(&text).starts_with("prefill server 1 of 1: "),
+            "{text}"
+        );
+        // In concurrent pairing the decode goes on, and its failure's message tells what
+        // happened to the prefill's request.
+        decode.set(Mode::Hold);
+        let seen = decode.seen().len();
+        let answer = tokio::spawn(post(&c_url, false));
+        poll_until("the decode request arrives", BOUND, || async {
+            (decode.seen().len() > seen).then_some(())
+        })
+        .await;
+        logged(&concurrent.log, "prefill request lost").await;
+        decode.set(Mode::Fail);
+        decode.release.notify_waiters();
+        let r = answer.await.unwrap();
+        assert_eq!(r.status(), 500);
+        let text = r.text().await.unwrap();
+        assert_eq!(leak(&text, &urls), None, "{text}");
+        let message = error_of(&text);
+        assert!(
+            message.contains(&format!("kvferry room {} failed: {reason}; ", last_room()))
+                && message.contains("the prefill server 1 of 1 failed this request: "),
+            "{message}"
+        );
+
+        // A decode that cannot be reached (/v1/models: no other server answers it).
+        decode.gone.notify_one();
+        closed(&d_url).await;
+        let r = send_as(&c_url, "/v1/models", None, None, None).await;
+        assert_eq!(r.status(), 502);
+        let text = r.text().await.unwrap();
+        assert_eq!(leak(&text, &urls), None, "{text}");
+        assert!(
+            error_of(&text).starts_with("decode server 1 of 1: "),
+            "{text}"
+        );
     });
 }
 

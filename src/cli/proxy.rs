@@ -49,9 +49,13 @@ pub struct ProxyArgs {
     /// until it does.
     #[arg(long, env = "KVFERRY_PROXY_HEALTH_TIMEOUT_MS", default_value_t = 5000)]
     health_timeout_ms: u64,
-    /// Key of the proxy's own calls to the servers (health checks, kvferry_identify,
-    /// kvferry_reason_of), for servers started with --api-key. Clients' requests go on with
-    /// the client's own Authorization header, never with this key.
+    /// Key that clients must present (Authorization: Bearer KEY) on /v1/completions,
+    /// /v1/chat/completions and /v1/models: any other request to them is answered 401 and
+    /// reaches no server (/health and /metrics stay open). The same key goes on the proxy's own
+    /// calls, made by its health rounds only (health checks, kvferry_identify), for servers
+    /// started with --api-key. A client's request, and the kvferry_reason_of question asked
+    /// about its failure, carry the client's own Authorization header: the proxy never adds its
+    /// key to them.
     #[arg(long, env = "KVFERRY_PROXY_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
 }
@@ -77,10 +81,11 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     let key = args.api_key.clone();
     let proxy = Arc::new(Proxy {
         prefills: Arc::new(Backends::new(&args.prefill, concurrent, key.clone())),
-        decodes: Arc::new(Backends::new(&args.decode, false, key)),
+        decodes: Arc::new(Backends::new(&args.decode, false, key.clone())),
         pairing: args.pairing,
         http: http.clone(),
         metrics: ProxyMetrics::default(),
+        api_key: key,
     });
     let period = Duration::from_millis(args.health_ms.max(1));
     let timeout = Duration::from_millis(args.health_timeout_ms.max(1));

@@ -13,6 +13,8 @@ use serde_json::{Value, json};
 pub struct Backend {
     /// Its base URL (`http://host:port`).
     pub url: String,
+    /// Its place in `--prefill` or `--decode`, from 1: how answers to clients name it.
+    place: usize,
     outstanding: AtomicUsize,
     healthy: AtomicBool,
     /// A prefill server's kvferry group of each of its vLLM data-parallel ranks
@@ -32,14 +34,20 @@ pub struct Rank {
 }
 
 impl Backend {
-    fn new(url: &str) -> Self {
+    fn new(url: &str, place: usize) -> Self {
         Backend {
             url: url.trim_end_matches('/').to_owned(),
+            place,
             outstanding: AtomicUsize::new(0),
             healthy: AtomicBool::new(false),
             groups: Mutex::new(Vec::new()),
             turn: AtomicUsize::new(0),
         }
+    }
+
+    /// Its place in `--prefill` or `--decode`, from 1.
+    pub fn place(&self) -> usize {
+        self.place
     }
 
     /// Requests routed to it and not answered yet.
@@ -98,7 +106,8 @@ pub struct Backends {
     all: Vec<Arc<Backend>>,
     /// Prefill servers in concurrent pairing: usable only once their kvferry group is known.
     identify: bool,
-    /// The key of the proxy's own calls to them (`--api-key`).
+    /// The key of the proxy's own calls to them (`--api-key`): health checks and
+    /// `kvferry_identify`, made by its rounds only, never on a client's request.
     api_key: Option<String>,
 }
 
@@ -108,7 +117,9 @@ impl Backends {
     /// the proxy's own calls to them (servers started with `--api-key`).
     pub fn new(urls: &[String], identify: bool, api_key: Option<String>) -> Self {
         Backends {
-            all: urls.iter().map(|u| Arc::new(Backend::new(u))).collect(),
+            all: (urls.iter().enumerate())
+                .map(|(i, u)| Arc::new(Backend::new(u, i + 1)))
+                .collect(),
             identify,
             api_key,
         }
@@ -327,8 +338,10 @@ mod tests {
         }
         let first = b.pick().expect("one");
         assert_eq!(first.backend().url, "http://a");
+        assert_eq!(first.backend().place(), 1);
         let second = b.pick().expect("two");
         assert_eq!(second.backend().url, "http://b");
+        assert_eq!(second.backend().place(), 2);
         drop(first);
         assert_eq!(b.pick().expect("a again").backend().url, "http://a");
         b.all()[0].healthy.store(false, Ordering::Relaxed);
@@ -349,7 +362,7 @@ mod tests {
 
     #[test]
     fn requests_to_a_server_of_several_data_parallel_ranks_take_turns() {
-        let b = Backend::new("http://p");
+        let b = Backend::new("http://p", 1);
         assert_eq!(
             b.next_rank(),
             None,

@@ -13,11 +13,15 @@
 //!
 //! The decode's answer, streamed or not, is passed through as it comes. Servers that stop
 //! answering `/health` are routed around until they answer again. Every error is an OpenAI
-//! error object. Metrics (`/metrics`, `prometheus-client`): requests by endpoint and outcome,
-//! time to the first token of a streamed answer, request duration, errors by cause.
+//! error object; what it tells the client names servers by role and place (`decode server 2 of
+//! 3`) and hides every address (the log has them). With `--api-key`, a client must present the
+//! key: a request without it is answered 401 and goes nowhere. Metrics (`/metrics`,
+//! `prometheus-client`): requests by endpoint and outcome, time to the first token of a
+//! streamed answer, request duration, errors by cause.
 
 mod backends;
 mod metrics;
+mod redact;
 mod route;
 
 pub use backends::{Backend, Backends};

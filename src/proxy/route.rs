@@ -6,8 +6,9 @@ use std::time::Instant;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
@@ -15,6 +16,8 @@ use serde_json::{Map, Value, json};
 
 use super::backends::{Backends, Lease};
 use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics};
+use super::redact::hide_addresses;
+use crate::protocol::constant_time_eq;
 
 /// How a request is paired with its room (docs/vllm.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -37,17 +40,56 @@ pub struct Proxy {
     pub http: reqwest::Client,
     /// What `/metrics` exposes.
     pub metrics: ProxyMetrics,
+    /// The key a client must present (`Authorization: Bearer KEY`) on the API routes
+    /// (`--api-key`); `None`: no key is checked.
+    pub api_key: Option<String>,
 }
 
-/// The proxy's routes.
+/// The proxy's routes: the API's behind [`authorize`], `/health` and `/metrics` open.
 pub fn router(proxy: Arc<Proxy>) -> Router {
-    Router::new()
+    let api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            proxy.clone(),
+            authorize,
+        ));
+    Router::new()
+        .merge(api)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(proxy)
+}
+
+/// With `--api-key`, a request to the API must carry `Authorization: Bearer KEY` (the key
+/// compared in constant time): any other is answered 401 before its body is read, so no server
+/// hears of it, nor gets a call of the proxy's on its account.
+async fn authorize(State(p): State<Arc<Proxy>>, request: Request, next: Next) -> Response {
+    let Some(key) = p.api_key.as_deref() else {
+        return next.run(request).await;
+    };
+    let presented = request.headers().get(header::AUTHORIZATION);
+    let why = match presented.map(|v| v.as_bytes().strip_prefix(b"Bearer ")) {
+        Some(Some(k)) if constant_time_eq(k, key.as_bytes()) => {
+            return next.run(request).await;
+        }
+        Some(Some(_)) => "wrong API key",
+        Some(None) => "the Authorization header is not of the form `Bearer <key>`",
+        None => {
+            "missing Authorization header: this proxy needs `Authorization: Bearer <key>` on \
+             /v1/completions, /v1/chat/completions and /v1/models"
+        }
+    };
+    tracing::debug!(
+        path = request.uri().path(),
+        why,
+        "a request without the API key refused"
+    );
+    let mut r = error(StatusCode::UNAUTHORIZED, "authentication_error", why.into());
+    r.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    r
 }
 
 async fn completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -76,17 +118,46 @@ async fn models(State(p): State<Arc<Proxy>>, headers: HeaderMap) -> Response {
     let Some(decode) = p.decodes.pick() else {
         return unavailable("decode").response;
     };
-    let url = format!("{}/v1/models", decode.backend().url);
+    let server = p.decode_server(&decode);
+    let url = format!("{}/v1/models", server.url);
     let asked = Forwarded::of(&headers).onto(p.http.get(&url)).send().await;
     match asked {
         Ok(r) => {
             let status = r.status();
             match r.bytes().await {
-                Ok(bytes) => copy_answer(status, bytes),
-                Err(e) => unreachable(Cause::Decode, &url, causes(&e)).response,
+                Ok(bytes) if status.is_success() => copy_answer(status, bytes),
+                Ok(bytes) => {
+                    let body = scrubbed(status, &bytes, &server);
+                    copy_answer(status, Bytes::from(body.to_string()))
+                }
+                Err(e) => unreachable(Cause::Decode, &server, causes(&e)).response,
             }
         }
-        Err(e) => unreachable(Cause::Decode, &url, causes(&e)).response,
+        Err(e) => unreachable(Cause::Decode, &server, causes(&e)).response,
+    }
+}
+
+/// A server as the log and a client's answer name it: the log by its URL, a client's answer by
+/// its role and its place in `--prefill` or `--decode` (`decode server 2 of 3`), never by an
+/// address.
+#[derive(Clone, Debug)]
+struct Server {
+    /// Its base URL, for the log and for requests.
+    url: String,
+    /// `decode server 2 of 3`.
+    name: String,
+    /// Its place in its list, from 1 (the `x-kvferry-decode` header of an answer).
+    place: usize,
+}
+
+impl Server {
+    fn of(role: &str, lease: &Lease, all: &Backends) -> Server {
+        let b = lease.backend();
+        Server {
+            url: b.url.clone(),
+            name: format!("{role} server {} of {}", b.place(), all.all().len()),
+            place: b.place(),
+        }
     }
 }
 
@@ -115,6 +186,14 @@ impl Forwarded {
             request = request.header(name.as_str(), value.as_bytes());
         }
         request
+    }
+
+    /// The `Authorization` header alone: what a question the proxy asks on a client's
+    /// behalf (`kvferry_reason_of`) carries. Not its `X-Request-Id`: vLLM would take it for the
+    /// question's request id, the same as the request the question is about.
+    fn authorization(&self) -> Forwarded {
+        let only = self.0.iter().filter(|(n, _)| *n == header::AUTHORIZATION);
+        Forwarded(only.cloned().collect())
     }
 
     /// These headers, and vLLM's `X-data-parallel-rank` naming `dp` if given.
@@ -180,14 +259,56 @@ fn unavailable(role: &str) -> Failure {
     }
 }
 
-fn unreachable(cause: Cause, url: &str, message: impl std::fmt::Display) -> Failure {
+/// A server that could not be reached, or whose answer was unusable: 502 naming the server by
+/// its role and place, and why, addresses hidden ([`hide_addresses`]); the log has its URL and
+/// the whole message.
+fn unreachable(cause: Cause, server: &Server, why: impl std::fmt::Display) -> Failure {
+    let why = why.to_string();
+    tracing::warn!(server = %server.url, name = %server.name, error = %why, "upstream request failed");
     Failure {
         cause,
         response: error(
             StatusCode::BAD_GATEWAY,
             "upstream_error",
-            format!("{url}: {message}"),
+            format!("{}: {}", server.name, hide_addresses(&why)),
         ),
+    }
+}
+
+/// A server's error answer as the client gets it: an OpenAI error object (a body that is not
+/// JSON becomes one's message) with every address in its strings hidden. The log has the answer
+/// whole when it named an address.
+fn scrubbed(status: reqwest::StatusCode, bytes: &[u8], server: &Server) -> Value {
+    let mut body: Value = serde_json::from_slice(bytes).unwrap_or_else(|_| {
+        json!({"error": {"message": String::from_utf8_lossy(bytes), "type": "upstream_error",
+                         "param": null, "code": status.as_u16()}})
+    });
+    scrub(&mut body, server);
+    body
+}
+
+/// `value` with every address in its strings hidden; the log has it whole if it named one.
+fn scrub(value: &mut Value, server: &Server) {
+    let whole = value.to_string();
+    if hide_in_strings(value) {
+        tracing::warn!(server = %server.url, name = %server.name, answer = %whole, "an error named addresses: the client's copy has them hidden");
+    }
+}
+
+/// Hides the addresses in every string of `value`; whether there was one.
+fn hide_in_strings(value: &mut Value) -> bool {
+    match value {
+        Value::String(s) => {
+            let hidden = hide_addresses(s);
+            let changed = hidden != *s;
+            *s = hidden;
+            changed
+        }
+        Value::Array(a) => a.iter_mut().fold(false, |any, v| hide_in_strings(v) | any),
+        Value::Object(m) => m
+            .values_mut()
+            .fold(false, |any, v| hide_in_strings(v) | any),
+        _ => false,
     }
 }
 
@@ -207,7 +328,7 @@ fn causes(e: &dyn std::error::Error) -> String {
 enum Posted {
     /// Its answer (HTTP 2xx).
     Answered(Value),
-    /// It answered an error: a prefill's is passed to the client as it is.
+    /// It answered an error: a prefill's is passed to the client, addresses hidden.
     Refused(Failure),
     /// It could not be reached, or its connection broke.
     Lost(String),
@@ -280,7 +401,7 @@ impl Proxy {
         for field in NOT_FOR_THE_PREFILL {
             first.remove(field);
         }
-        let prefill_url = format!("{}{path}", prefill.backend().url);
+        let prefill_server = self.prefill_server(&prefill);
         let model = request.get("model").cloned().unwrap_or(Value::Null);
         let (answer, room, note) = match self.pairing {
             Pairing::Sequential => {
@@ -288,11 +409,11 @@ impl Proxy {
                     "kv_transfer_params".into(),
                     json!({"do_remote_decode": true}),
                 );
-                let answer = match self.post(&prefill_url, &first, forwarded).await {
+                let answer = match self.post(&prefill_server, path, &first, forwarded).await {
                     Posted::Answered(answer) => answer,
                     Posted::Refused(f) => return Err(f),
                     Posted::Lost(e) => {
-                        return Err(unreachable(Cause::Prefill, &prefill_url, e));
+                        return Err(unreachable(Cause::Prefill, &prefill_server, e));
                     }
                 };
                 drop(prefill);
@@ -303,7 +424,7 @@ impl Proxy {
                     .ok_or_else(|| {
                         unreachable(
                             Cause::Prefill,
-                            &prefill_url,
+                            &prefill_server,
                             "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?",
                         )
                     })?;
@@ -318,8 +439,13 @@ impl Proxy {
             }
             Pairing::Concurrent => {
                 let room = fresh_room()
-                    .map_err(|e| {
-                        unreachable(Cause::NoServer, "the proxy", format!("no randomness: {e}"))
+                    .map_err(|e| Failure {
+                        cause: Cause::NoServer,
+                        response: error(
+                            StatusCode::BAD_GATEWAY,
+                            "upstream_error",
+                            format!("the proxy: no randomness: {e}"),
+                        ),
                     })?
                     .to_string();
                 // The prefill's engine: a data-parallel rank of the server, in turn.
@@ -337,13 +463,13 @@ impl Proxy {
                     json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": group}),
                 );
                 // The decode allocates and waits for the room while the prefill computes it.
-                let decode_url = format!("{}{path}", decode.backend().url);
+                let first_decode = self.decode_server(&decode);
                 let send = self
                     .clone()
                     .send_decode(path, request, forwarded.clone(), decode);
                 let mut decoding = AbortOnDrop(tokio::spawn(send));
                 let to_prefill = forwarded.to_rank(rank.dp);
-                let prefill_post = self.post(&prefill_url, &first, &to_prefill);
+                let prefill_post = self.post(&prefill_server, path, &first, &to_prefill);
                 tokio::pin!(prefill_post);
                 let mut decoded = None;
                 let note = loop {
@@ -356,12 +482,12 @@ impl Proxy {
                             // Whether the room's KV still arrives is the decode's to find out;
                             // its kv_load_failure_policy decides the answer.
                             Posted::Lost(e) => {
-                                tracing::warn!(url = %prefill_url, room, error = %e, "prefill request lost");
-                                Some(format!("the prefill server {prefill_url} failed this request: {e}"))
+                                tracing::warn!(server = %prefill_server.url, name = %prefill_server.name, room, error = %e, "prefill request lost");
+                                Some(format!("the {} failed this request: {}", prefill_server.name, hide_addresses(&e)))
                             }
                         },
                         joined = &mut decoding.0, if decoded.is_none() => {
-                            let answer = joined.map_err(|e| unreachable(Cause::Decode, &decode_url, e))?;
+                            let answer = joined.map_err(|e| unreachable(Cause::Decode, &first_decode, e))?;
                             let refused = answer.0.as_ref().map_or(true, |r| !r.status().is_success());
                             decoded = Some(answer);
                             if refused {
@@ -378,17 +504,21 @@ impl Proxy {
                     Some(answer) => answer,
                     None => (&mut decoding.0)
                         .await
-                        .map_err(|e| unreachable(Cause::Decode, &decode_url, e))?,
+                        .map_err(|e| unreachable(Cause::Decode, &first_decode, e))?,
                 };
                 (answer, Value::String(room), note)
             }
         };
-        let decode_url = format!("{}{path}", decode.backend().url);
-        let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_url, causes(&e)))?;
-        let failed = Failed { model, room, note };
+        let decode_server = self.decode_server(&decode);
+        let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_server, causes(&e)))?;
+        let failed = Failed {
+            model,
+            room,
+            note,
+            asking: forwarded.authorization(),
+        };
         if !answer.status().is_success() {
-            let base = decode.backend().url.clone();
-            let response = self.decode_error(answer, &base, &failed).await;
+            let response = self.decode_error(answer, &decode_server, &failed).await;
             return Ok((response, Some(Cause::Decode)));
         }
         Ok((self.pass_through(answer, decode, started, failed), None))
@@ -426,9 +556,26 @@ impl Proxy {
         }
     }
 
-    /// A POST of `body` to `url` with the client's headers (or the proxy's own key, for a
-    /// question of the proxy's).
-    async fn post(&self, url: &str, body: &impl serde::Serialize, forwarded: &Forwarded) -> Posted {
+    /// The prefill server of `lease`, as the log and a client's answer name it.
+    fn prefill_server(&self, lease: &Lease) -> Server {
+        Server::of("prefill", lease, &self.prefills)
+    }
+
+    /// The decode server of `lease`, as the log and a client's answer name it.
+    fn decode_server(&self, lease: &Lease) -> Server {
+        Server::of("decode", lease, &self.decodes)
+    }
+
+    /// A POST of `body` to `path` of `server` with the client's headers (a client's request, or
+    /// a question asked on its behalf): never with the proxy's own key.
+    async fn post(
+        &self,
+        server: &Server,
+        path: &str,
+        body: &impl serde::Serialize,
+        forwarded: &Forwarded,
+    ) -> Posted {
+        let url = format!("{}{path}", server.url);
         let r = match forwarded.onto(self.http.post(url)).json(body).send().await {
             Ok(r) => r,
             Err(e) => return Posted::Lost(causes(&e)),
@@ -441,61 +588,72 @@ impl Proxy {
             },
             Ok(bytes) => Posted::Refused(Failure {
                 cause: Cause::Prefill,
-                response: copy_answer(status, bytes),
+                response: copy_answer(
+                    status,
+                    Bytes::from(scrubbed(status, &bytes, server).to_string()),
+                ),
             }),
             Err(e) => Posted::Lost(causes(&e)),
         }
     }
 
-    /// The decode's error answer, its message extended with the decode server, the kvferry
-    /// room, why the room failed (asked with `kvferry_reason_of`: vLLM's own message for a
-    /// failed KV load is a bare "Internal server error") and what the proxy saw of the
+    /// The decode's error answer, addresses hidden, its message extended with the decode server,
+    /// the kvferry room, why the room failed (asked with `kvferry_reason_of`: vLLM's own message
+    /// for a failed KV load is a bare "Internal server error") and what the proxy saw of the
     /// prefill's side.
     async fn decode_error(
         &self,
         answer: reqwest::Response,
-        base: &str,
+        decode: &Server,
         failed: &Failed,
     ) -> Response {
         let status = answer.status();
         let bytes = answer.bytes().await.unwrap_or_default();
-        let mut body: Value = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
-            json!({"error": {"message": String::from_utf8_lossy(&bytes), "type": "upstream_error",
-                             "param": null, "code": status.as_u16()}})
-        });
+        let mut body = scrubbed(status, &bytes, decode);
         if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
-            *message = format!("{message} ({})", self.context(base, failed).await);
+            *message = format!("{message} ({})", self.context(decode, failed).await);
         }
         copy_answer(status, Bytes::from(body.to_string()))
     }
 
-    /// What the proxy can say about a decode's failure: the decode server, the kvferry room
-    /// and why it failed there (`kvferry_reason_of`), and the note on the prefill's side.
-    async fn context(&self, base: &str, failed: &Failed) -> String {
-        let mut context = format!("decode server {base}");
+    /// What the proxy can tell a client about a decode's failure: the decode server (its role
+    /// and place), the kvferry room and why it failed there (`kvferry_reason_of`, asked with the
+    /// client's `Authorization`), and the note on the prefill's side, addresses hidden. The log
+    /// has it whole.
+    async fn context(&self, decode: &Server, failed: &Failed) -> String {
+        let mut context = decode.name.clone();
+        let mut reason = None;
         if let Some(room) = failed.room.as_str() {
             context += &format!(", kvferry room {room}");
             let ask = json!({"model": failed.model, "prompt": [1], "max_tokens": 1,
                              "kv_transfer_params": {"kvferry_reason_of": room}});
-            let url = format!("{base}/v1/completions");
-            if let Posted::Answered(a) = self.post(&url, &ask, &self.own()).await
-                && let Some(reason) = a
+            let asked = self.post(decode, "/v1/completions", &ask, &failed.asking);
+            if let Posted::Answered(a) = asked.await
+                && let Some(said) = a
                     .pointer("/kv_transfer_params/kvferry_reason")
                     .and_then(Value::as_str)
             {
-                context += &format!(" failed: {reason}");
+                context += &format!(" failed: {}", hide_addresses(said));
+                reason = Some(said.to_owned());
             }
         }
         if let Some(note) = &failed.note {
             context += &format!("; {note}");
         }
+        tracing::warn!(
+            server = %decode.url,
+            name = %decode.name,
+            room = %failed.room,
+            reason = reason.as_deref().unwrap_or("not known"),
+            "a decode server failed a request"
+        );
         context
     }
 
-    /// A chunk of a decode's event stream with each error event's message extended as
-    /// [`Proxy::context`] says (vLLM ends a stream whose KV load failed with a bare "Internal
-    /// server error" event); other chunks as they are.
-    async fn explain_errors(&self, chunk: Bytes, base: &str, failed: &Failed) -> Bytes {
+    /// A chunk of a decode's event stream with each error event's addresses hidden and its
+    /// message extended as [`Proxy::context`] says (vLLM ends a stream whose KV load failed with
+    /// a bare "Internal server error" event); other chunks as they are.
+    async fn explain_errors(&self, chunk: Bytes, decode: &Server, failed: &Failed) -> Bytes {
         if !chunk.windows(8).any(|w| w == b"\"error\":") {
             return chunk;
         }
@@ -511,7 +669,8 @@ impl Proxy {
                         .pointer("/error/message")
                         .is_some_and(Value::is_string) =>
                 {
-                    let context = self.context(base, failed).await;
+                    scrub(&mut event, decode);
+                    let context = self.context(decode, failed).await;
                     if let Some(Value::String(message)) = event.pointer_mut("/error/message") {
                         *message = format!("{message} ({context})");
                     }
@@ -522,21 +681,6 @@ impl Proxy {
             }
         }
         Bytes::from(out)
-    }
-
-    /// The headers of the proxy's own calls (`kvferry_reason_of` questions): its `--api-key`,
-    /// which a client's request never carries.
-    fn own(&self) -> Forwarded {
-        Forwarded(
-            self.decodes
-                .api_key()
-                .iter()
-                .filter_map(|k| {
-                    let value = HeaderValue::from_str(&format!("Bearer {k}")).ok()?;
-                    Some((header::AUTHORIZATION, value))
-                })
-                .collect(),
-        )
     }
 
     /// The decode's answer as it streams, its lease held until the end; an error event in it
@@ -554,8 +698,8 @@ impl Proxy {
         let streamed = content_type
             .as_ref()
             .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
-        let server = decode.backend().url.clone();
-        let named = HeaderValue::from_str(&server).ok();
+        let server = self.decode_server(&decode);
+        let named = HeaderValue::from(server.place);
         let passing = Passing {
             body: answer.bytes_stream().boxed(),
             streamed,
@@ -583,10 +727,12 @@ impl Proxy {
                 // error object, as vLLM sends one mid-stream), not with a cut connection.
                 Err(e) if p.streamed => {
                     p.broken = true;
+                    let why = causes(&e);
+                    tracing::warn!(server = %p.server.url, name = %p.server.name, error = %why, "a decode server's stream broke");
                     let message = format!(
-                        "decode server {} failed mid-answer: {}",
-                        p.server,
-                        causes(&e)
+                        "{} failed mid-answer: {}",
+                        p.server.name,
+                        hide_addresses(&why)
                     );
                     let event = json!({"error": {"message": message, "type": "upstream_error",
                                                  "param": null, "code": 502}});
@@ -605,22 +751,24 @@ impl Proxy {
         if let Some(ct) = content_type.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
             response.headers_mut().insert(header::CONTENT_TYPE, ct);
         }
-        if let Some(named) = named {
-            response.headers_mut().insert(DECODE_HEADER, named);
-        }
+        response.headers_mut().insert(DECODE_HEADER, named);
         response
     }
 }
 
-/// The header of an answer that names the decode server that gave it.
+/// The header of an answer that names the decode server that gave it: its place in `--decode`,
+/// from 1 (not its address).
 const DECODE_HEADER: &str = "x-kvferry-decode";
 
 /// What explains a decode's failure of a request: its model (for the question to the decode),
-/// its kvferry room and the note on its prefill's side.
+/// its kvferry room, the note on its prefill's side (addresses hidden), and the client's
+/// headers the question goes with.
 struct Failed {
     model: Value,
     room: Value,
     note: Option<String>,
+    /// The client's `Authorization` ([`Forwarded::authorization`]).
+    asking: Forwarded,
 }
 
 /// A decode's answer on its way to the client.
@@ -632,7 +780,7 @@ struct Passing {
     first: bool,
     /// The stream broke: its error event went, nothing follows.
     broken: bool,
-    server: String,
+    server: Server,
     failed: Failed,
     done: Done,
 }
