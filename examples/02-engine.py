@@ -12,6 +12,7 @@ pattern and the decode verifies every landed byte on take.
 """
 import base64
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -26,7 +27,11 @@ def start(*args):
 
 def call(method, url, body=None):
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    if os.environ.get("KVFERRY_TOKEN"):
+        # Agents started with a token (they read KVFERRY_TOKEN) ask for it on their API.
+        headers["authorization"] = f"Bearer {os.environ['KVFERRY_TOKEN']}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     with urllib.request.urlopen(req) as r:
         return json.load(r)
 

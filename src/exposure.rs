@@ -1,6 +1,7 @@
 //! Credentials are not optional off loopback: a process (`bootstrap`, `prefill`, `decode`)
 //! whose listening address is not a loopback one refuses to start without a token, unless the
-//! operator says `--insecure` (then it warns at start).
+//! operator says `--insecure` (then it warns at start). An agent's engine API, which reads and
+//! changes rooms and the pool, never goes beyond loopback without a token ([`check_api`]).
 //!
 //! An address is loopback when it parses as a loopback IP (`127.0.0.0/8`, `::1`, with or
 //! without brackets) or is `localhost`. Everything else counts as exposed: the wildcard
@@ -17,6 +18,14 @@ pub(crate) struct NotLoopback {
     /// The address as given.
     pub(crate) host: String,
 }
+
+/// An engine API beyond loopback without a token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "--api-host {0} is not loopback: the engine API reads and changes rooms and the pool, so it \
+     needs --token (--insecure does not lift this)"
+)]
+pub(crate) struct ApiNotLoopback(String);
 
 /// An advertised address that peers cannot use.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,6 +68,27 @@ pub(crate) fn advertised(host: &str, advertise: Option<&str>) -> Result<String, 
     Ok(bare.to_owned())
 }
 
+/// The URL of an HTTP port bound at `bound`, for listening lines and logs: the bound address,
+/// or for a wildcard bind (0.0.0.0, ::) `http://ADVERTISE:PORT`, an address a client can use.
+pub(crate) fn url_of(bound: std::net::SocketAddr, advertise: &str) -> String {
+    if !bound.ip().is_unspecified() {
+        return format!("http://{bound}");
+    }
+    match advertise.parse::<std::net::Ipv6Addr>() {
+        Ok(v6) => format!("http://[{v6}]:{}", bound.port()),
+        Err(_) => format!("http://{advertise}:{}", bound.port()),
+    }
+}
+
+/// The loopback address of `bound`'s family: what a client on this host reaches a wildcard
+/// bind at.
+pub(crate) fn loopback_of(bound: std::net::SocketAddr) -> &'static str {
+    match bound {
+        std::net::SocketAddr::V4(_) => "127.0.0.1",
+        std::net::SocketAddr::V6(_) => "::1",
+    }
+}
+
 /// True for a loopback IP (`127.0.0.0/8`, `::1`, bracketed or not) and `localhost`.
 pub(crate) fn is_loopback(host: &str) -> bool {
     let bare = host
@@ -91,6 +121,14 @@ pub(crate) fn check(
             host: (*host).to_owned(),
         }),
         None => Ok(()),
+    }
+}
+
+/// Refuses an engine API host beyond loopback unless a token is set.
+pub(crate) fn check_api(api_host: &str, token: bool) -> Result<(), ApiNotLoopback> {
+    match token || is_loopback(api_host) {
+        true => Ok(()),
+        false => Err(ApiNotLoopback(api_host.to_owned())),
     }
 }
 
@@ -174,5 +212,30 @@ mod tests {
         assert_eq!(check(&binds, true, false), Ok(()));
         assert_eq!(check(&binds, false, true), Ok(()));
         assert_eq!(check(&binds[..1], false, false), Ok(()));
+    }
+
+    #[test]
+    fn a_url_never_names_a_wildcard() {
+        let at = |a: &str| a.parse::<std::net::SocketAddr>().unwrap();
+        assert_eq!(
+            url_of(at("127.0.0.1:80"), "10.0.0.5"),
+            "http://127.0.0.1:80"
+        );
+        assert_eq!(url_of(at("0.0.0.0:81"), "10.0.0.5"), "http://10.0.0.5:81");
+        assert_eq!(url_of(at("[::]:82"), "fd00::5"), "http://[fd00::5]:82");
+        assert_eq!(url_of(at("[::]:83"), "node-3"), "http://node-3:83");
+        let wild = at("[::]:84");
+        assert_eq!(url_of(wild, loopback_of(wild)), "http://[::1]:84");
+    }
+
+    #[test]
+    fn an_exposed_engine_api_needs_a_token_even_when_insecure() {
+        let err = check_api("0.0.0.0", false).unwrap_err().to_string();
+        assert!(err.contains("--api-host 0.0.0.0 is not loopback"), "{err}");
+        assert!(err.contains("--insecure does not lift this"), "{err}");
+        assert!(check_api("10.0.0.5", false).is_err());
+        assert_eq!(check_api("0.0.0.0", true), Ok(()));
+        assert_eq!(check_api("127.0.0.1", false), Ok(()));
+        assert_eq!(check_api("[::1]", false), Ok(()));
     }
 }

@@ -6,8 +6,8 @@
 //! attacker's. Then it drives rooms through the cluster and asserts every one verifies, and
 //! that once the attacker leaves the process holds none of its connections:
 //! - HTTP (registry, both engine APIs, the proxy): 1100 connections that never send a request,
-//!   more than the process has descriptors (with `--token`, those to the registry send one
-//!   request without the token first);
+//!   more than the process has descriptors (with `--token`, those to the registry and the
+//!   engine APIs send one request without the token first);
 //! - ZeroMQ (the prefill's control port, the decode's data port): without a token, 500
 //!   connections that complete the NULL handshake and stay silent; with `--token`, 100 that
 //!   send a PLAIN greeting and stall;
@@ -210,9 +210,11 @@ async fn released(tag: &str, pid: u32, before: usize, ports: &[(u16, u16)]) {
     }
 }
 
-/// Drives 8 rooms through `c`, asserting each verified; how long they took.
-async fn rooms(tag: &str, c: &FaultCluster, first: u64) -> Duration {
-    let apis = kvferry::cluster::Apis::pair(&c.prefill_api, &c.decode_api);
+/// Drives 8 rooms through `c` (whose agents have `token`), asserting each verified; how long
+/// they took.
+async fn rooms(tag: &str, c: &FaultCluster, first: u64, token: Option<&str>) -> Duration {
+    let apis = kvferry::cluster::Apis::pair(&c.prefill_api, &c.decode_api)
+        .with_token(token.map(str::to_owned));
     let t = Instant::now();
     let rooms: Vec<(u64, usize)> = (first..first + 8).map(|r| (r, 64)).collect();
     let results = tokio::time::timeout(BOUND, kvferry::cluster::drive_rooms(&apis, rooms, 4))
@@ -281,7 +283,7 @@ fn held_while_rooms_run<H: Held>(
         port.name
     );
     runtime().block_on(async {
-        let under_attack = rooms(tag, &c, 1).await;
+        let under_attack = rooms(tag, &c, 1, cluster.1).await;
         if crowded {
             assert!(
                 dropped_in_log(&process.log),
@@ -293,7 +295,7 @@ fn held_while_rooms_run<H: Held>(
         let ports: Vec<(u16, u16)> = held.iter().filter_map(Held::ports).collect();
         drop(held);
         released(tag, process.pid(), before, &ports).await;
-        let after = rooms(tag, &c, 100).await;
+        let after = rooms(tag, &c, 100, cluster.1).await;
         println!(
             "[{tag}] 8 rooms verified in {:.0} ms with the attacker, {:.0} ms after it left",
             ms(under_attack),
@@ -305,8 +307,8 @@ fn held_while_rooms_run<H: Held>(
 
 /// The HTTP port of `which` (the registry, or the engine API of "prefill" or "decode"):
 /// without a token, 1100 connections that never send a request; with one, the same, except
-/// that each connection to the registry sends a request without the token first (answered
-/// 401, which proves nothing).
+/// that each connection sends a request without the token first (answered 401, which proves
+/// nothing).
 fn http_port(tag: &str, target: Target) {
     for token in [None, Some("s3cret")] {
         let tag = format!("{tag}-{}", if token.is_some() { "token" } else { "open" });
@@ -317,7 +319,8 @@ fn http_port(tag: &str, target: Target) {
         };
         let first: &[u8] = match (token, target) {
             (Some(_), Target::Registry) => b"GET /v1/ranks HTTP/1.1\r\nHost: registry\r\n\r\n",
-            _ => b"",
+            (Some(_), _) => b"GET /v1/pool HTTP/1.1\r\nHost: agent\r\n\r\n",
+            (None, _) => b"",
         };
         let port = Port { name, target };
         held_while_rooms_run(&tag, ("zmq-tcp", token, &[]), port, true, |p| {
@@ -569,6 +572,6 @@ fn a_host_over_the_per_address_limit_is_told_which_limit() {
             "{v}"
         );
         drop(held);
-        rooms(tag, &c, 100).await;
+        rooms(tag, &c, 100, None).await;
     });
 }

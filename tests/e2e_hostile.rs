@@ -11,7 +11,9 @@
 //! - a rogue decode (no token, a wrong token, the right token but not the room's requester)
 //!   gets no KV;
 //! - kill -9 of either agent mid-transfer with `--peer-dead-ms 60000`: only the dropped
-//!   connection can explain a fast `peer_dead`, and the time is printed.
+//!   connection can explain a fast `peer_dead`, and the time is printed;
+//! - a room or a hold naming a registry the decode does not trust is refused (403) and that
+//!   registry, and the prefill it lists, receive nothing: neither the token nor a connection.
 //!
 //! Needs `cargo build --release --bin kvferry` first.
 
@@ -510,7 +512,7 @@ fn with_a_token_forgers_cannot_connect_and_token_holders_cannot_forge() {
     insider.set_plain_password(Some("s3cret")).ok();
     insider.connect(&data).expect("connect");
     runtime().block_on(async {
-        let http = http();
+        let http = http_with_token("s3cret");
         // Without the token the handshake fails: nothing the outsider queues is delivered.
         let instance: uuid::Uuid = c.prefill.field("instance").unwrap().parse().expect("a uuid");
         for _ in 0..2 {
@@ -547,16 +549,17 @@ fn a_rogue_decode_gets_no_kv() {
     let c = cluster("hostile-rogue", &[("--token", "s3cret")]);
     let key = Secret::random().expect("random").to_hex();
     runtime().block_on(async {
-        let http = http();
+        let http = http_with_token("s3cret");
         for (why, flags) in [
             ("no token", vec![]),
             ("a wrong token", vec!["--token", "guess"]),
         ] {
             let rogue = rogue_decode(&c, &flags);
+            let rogue_http = http_with_token("guess");
             let api = rogue.field("api").unwrap();
             let url = format!("{api}/v1/rooms/77");
-            expect(&http, Method::POST, &url, Some(&json!({"tokens": 32})), StatusCode::CREATED).await;
-            let v = wait_final(&http, &api, 77).await;
+            expect(&rogue_http, Method::POST, &url, Some(&json!({"tokens": 32})), StatusCode::CREATED).await;
+            let v = wait_final(&rogue_http, &api, 77).await;
             println!("[hostile-rogue] {why}: {} {}", v["state"], v["reason"]);
             assert_eq!(v["state"], "failed", "{v}");
             assert_eq!(v["reason"]["code"], "unauthorized", "{v}");
@@ -652,4 +655,117 @@ fn kill_9_of_either_agent_mid_transfer_is_seen_from_the_connection() {
             healthy(&http, survivor).await;
         });
     }
+}
+
+/// A listener on loopback that records the first bytes of every connection it accepts and
+/// answers each with `answer`, if any: a fake registry (an HTTP answer) or a fake prefill.
+struct Recorder {
+    addr: String,
+    got: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Recorder {
+    fn start(answer: Option<Vec<u8>>) -> Recorder {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("address").to_string();
+        let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = got.clone();
+        // Detached: it ends with the test process.
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                conn.set_read_timeout(Some(Duration::from_millis(500))).ok();
+                let mut bytes = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !bytes.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => bytes.extend_from_slice(&buf[..n]),
+                    }
+                }
+                seen.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&bytes).into_owned());
+                if let Some(answer) = &answer {
+                    let _ = conn.write_all(answer);
+                }
+            }
+        });
+        Recorder { addr, got }
+    }
+
+    fn got(&self) -> Vec<String> {
+        self.got.lock().unwrap().clone()
+    }
+}
+
+#[test]
+fn a_room_cannot_make_the_decode_send_its_token_to_a_registry_it_names() {
+    let c = cluster("hostile-registry", &[("--token", "s3cret")]);
+    let http = http_with_token("s3cret");
+    runtime().block_on(async {
+        // The fake registry lists the real prefill group, with the control endpoint of a fake
+        // prefill: a decode that trusted it would ask it with its token, then say Hello there.
+        let url = format!("{}/v1/groups/0", c.registry_url);
+        let (status, group) = call(&http, Method::GET, &url, None).await;
+        assert_eq!(status, StatusCode::OK, "{group}");
+        let served = |prefill: &Recorder| {
+            let real = c.prefill.field("control").unwrap();
+            let body = group.to_string().replace(&real, &format!("tcp://{}", prefill.addr));
+            assert_ne!(body, group.to_string(), "the group names {real}");
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            Some([head.into_bytes(), body.into_bytes()].concat())
+        };
+        let prefill = Recorder::start(None);
+        let registry = Recorder::start(served(&prefill));
+        let fake = format!("http://{}", registry.addr);
+        let real = c.registry_url.clone();
+        let room = |n: u64| format!("{}/v1/rooms/{n}", c.decode_api);
+        for (n, why, bootstrap) in [
+            (40, "a registry of its own", fake.clone()),
+            (41, "a list that adds one", format!("{real},{fake}")),
+            (42, "the trusted one as user info", format!("http://{}@{}", addr(&real), registry.addr)),
+        ] {
+            let body = json!({"tokens": 32, "bootstrap": bootstrap});
+            let (status, v) = call(&http, Method::POST, &room(n), Some(&body)).await;
+            println!("[hostile-registry] room naming {why}: {status} {v}");
+            assert_eq!(status, StatusCode::FORBIDDEN, "{why}: {v}");
+            assert!(v["error"].as_str().unwrap().contains("nothing was sent to it"), "{v}");
+            let hold = format!("{}/hold", room(n));
+            let (status, v) = call(&http, Method::POST, &hold, Some(&json!({"bootstrap": bootstrap}))).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "hold, {why}: {v}");
+            let (status, _) = call(&http, Method::GET, &room(n), None).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "no room was made");
+        }
+        // The instrument works: a decode told to trust a second fake registry sends it the
+        // token and connects to the prefill it lists. It runs after the refusals, whose
+        // requests would have gone out first.
+        let prefill2 = Recorder::start(None);
+        let registry2 = Recorder::start(served(&prefill2));
+        let trusting = rogue_decode(&c, &["--token", "s3cret", "--allowed-registries", &registry2.addr]);
+        let api = trusting.field("api").unwrap();
+        let body = json!({"tokens": 32, "bootstrap": format!("http://{}", registry2.addr)});
+        expect(&http, Method::POST, &format!("{api}/v1/rooms/43"), Some(&body), StatusCode::CREATED).await;
+        poll_until("the trusting decode reached the fake prefill", BOUND, || async {
+            (!prefill2.got().is_empty()).then_some(())
+        })
+        .await;
+        let asked = registry2.got();
+        println!(
+            "[hostile-registry] trusted: the fake registry got {} request(s), the fake prefill {} connection(s); untrusted: {} and {}",
+            asked.len(),
+            prefill2.got().len(),
+            registry.got().len(),
+            prefill.got().len()
+        );
+        assert!(
+            asked.iter().any(|r| r.to_ascii_lowercase().contains("authorization: bearer s3cret")),
+            "{asked:?}"
+        );
+        assert_eq!(registry.got(), Vec::<String>::new(), "the untrusted registry was contacted");
+        assert_eq!(prefill.got(), Vec::<String>::new(), "the untrusted registry's prefill was contacted");
+    });
 }

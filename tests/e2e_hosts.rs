@@ -124,6 +124,7 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
     let apis = Apis {
         prefill: vec![vec![p0.clone(), p1.clone()]],
         decode: vec![vec![d.clone()]],
+        token: Some(TOKEN.to_owned()),
     };
 
     std::thread::scope(|s| {
@@ -134,7 +135,7 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
                 .build()
                 .expect("runtime");
             rt.block_on(async {
-                let http = http();
+                let http = http_with_token(TOKEN);
                 for api in [&p0, &p1, &d] {
                     healthy(&http, api).await;
                 }

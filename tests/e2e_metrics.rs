@@ -121,13 +121,21 @@ fn metrics_count_rooms_done_and_failed_and_are_valid_openmetrics() {
         timeout_bootstrap_ms: 2_000,
         ..prefill_opts.clone()
     };
-    let agent = |role: &str, opts: &AgentOpts| {
+    // A registry nothing listens on, which the decode trusts: a room naming it fails
+    // timeout_bootstrap.
+    let dead_registry = format!("http://127.0.0.1:{}", closed_port());
+    let agent = |role: &str, opts: &AgentOpts, extra: &[&str]| {
         let mut args = owned(&[role, "--bootstrap", &url]);
         args.extend(opts.args());
+        args.extend(owned(extra));
         common::spawn(&exe, &[], role, &args, &[], &logs)
     };
-    let prefill = agent("prefill", &prefill_opts);
-    let decode = agent("decode", &decode_opts);
+    let prefill = agent("prefill", &prefill_opts, &[]);
+    let decode = agent(
+        "decode",
+        &decode_opts,
+        &["--allowed-registries", &dead_registry],
+    );
     let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
     println!(
         "[e2e-metrics] registry {url}, prefill {p}, decode {d}; logs in {}",
@@ -149,7 +157,6 @@ fn metrics_count_rooms_done_and_failed_and_are_valid_openmetrics() {
             StatusCode::CREATED,
         )
         .await;
-        let dead_registry = format!("http://127.0.0.1:{}", closed_port());
         let body = json!({"tokens": 64, "bootstrap": dead_registry});
         expect(
             &http,

@@ -1,7 +1,9 @@
 //! The registry's guarantees through the real binary (release build, loopback, port 0):
 //!
 //! - credentials are not optional off loopback: `bootstrap`, `prefill` and `decode` refuse a
-//!   non-loopback listening address without `--token`, unless `--insecure` (which warns);
+//!   non-loopback listening address without `--token`, unless `--insecure` (which warns); an
+//!   engine API beyond loopback needs the token whatever `--insecure` says, and its listening
+//!   line names an address a client can use, never the wildcard it binds;
 //! - a live rank is never replaced: a second agent started with the same ranks gets 409s and
 //!   exits non-zero naming the holder while the first keeps serving; a prefill restarted while
 //!   its killed predecessor's lease is live waits, then registers, and rooms succeed; an agent
@@ -86,7 +88,17 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
         ),
         (
             vec!["decode", "--api-host", "0.0.0.0", "--synthetic"],
-            "--api-host 0.0.0.0 is not loopback: give --token or --insecure",
+            "--api-host 0.0.0.0 is not loopback: the engine API reads and changes rooms and the pool, so it needs --token (--insecure does not lift this)",
+        ),
+        (
+            vec![
+                "prefill",
+                "--api-host",
+                "0.0.0.0",
+                "--insecure",
+                "--synthetic",
+            ],
+            "--api-host 0.0.0.0 is not loopback: the engine API reads and changes rooms and the pool, so it needs --token",
         ),
     ] {
         let (status, stderr) = run_to_exit(&exe, &args, &[]);
@@ -114,7 +126,8 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
         &logs,
     );
     let url = insecure.field("url").unwrap();
-    assert!(url.starts_with("http://0.0.0.0:"), "{url}");
+    // Bound to every address, named where a client can reach it.
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
     let port = url.rsplit(':').next().unwrap().to_owned();
     let local = format!("http://127.0.0.1:{port}");
     let with_token = common::spawn(
@@ -142,14 +155,56 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
             "decode",
             "--bootstrap",
             &local,
-            "--api-host",
+            "--host",
             "0.0.0.0",
+            "--advertise-host",
+            "127.0.0.1",
             "--synthetic",
         ]),
         &[("KVFERRY_INSECURE", "1")],
         &logs,
     );
     assert_eq!(decode.listening["role"], "decode");
+    // An engine API on every address, with the token: the listening line names the
+    // advertised address (here the bound --host's), and only /healthz and /metrics answer
+    // without the token.
+    let exposed = common::spawn(
+        &exe,
+        &[],
+        "decode-exposed-api",
+        &owned(&[
+            "decode",
+            "--bootstrap",
+            &local,
+            "--api-host",
+            "0.0.0.0",
+            "--token",
+            "t0k",
+            "--synthetic",
+        ]),
+        &[],
+        &logs,
+    );
+    let api = exposed.field("api").unwrap();
+    println!("decode with --api-host 0.0.0.0 listens at {api}");
+    assert!(api.starts_with("http://127.0.0.1:"), "{api}");
+    runtime().block_on(async {
+        let (open, with) = (http(), http_with_token("t0k"));
+        let pool = format!("{api}/v1/pool");
+        assert_eq!(
+            call(&open, Method::GET, &pool, None).await.0,
+            StatusCode::UNAUTHORIZED
+        );
+        assert_eq!(
+            call(&with, Method::GET, &pool, None).await.0,
+            StatusCode::OK
+        );
+        let health = format!("{api}/healthz");
+        assert_eq!(
+            call(&open, Method::GET, &health, None).await.0,
+            StatusCode::OK
+        );
+    });
     let warning = "--insecure: serving without a token on a non-loopback address";
     for (process, warns) in [(&insecure, true), (&with_token, false), (&decode, true)] {
         let text = log_text(&process.log);
@@ -463,7 +518,7 @@ fn agents_advertise_another_address_than_they_bind_on_pinned_ports() {
     assert!(p.ends_with(&format!(":{prefill_api}")), "{p}");
     assert!(d.ends_with(&format!(":{decode_api}")), "{d}");
     runtime().block_on(async {
-        let http = http();
+        let http = http_with_token("t0k");
         let ranks = call(&http, Method::GET, &format!("{}/v1/ranks", c.url), None)
             .await
             .1;

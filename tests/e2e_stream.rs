@@ -9,7 +9,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use common::{AgentOpts, BOUND, call, expect, http, metric, ms, pool, runtime, wait_final};
+use common::{
+    AgentOpts, BOUND, call, expect, http, http_with_token, metric, ms, pool, runtime, wait_final,
+};
 use kvferry::cluster::{Apis, LocalCluster, drive_rooms};
 use kvferry::cluster::{Process, log_dir};
 use kvferry::layout::{KvLayout, ModelSpec};
@@ -352,7 +354,8 @@ fn a_hello_with_the_wrong_token_is_refused() {
     };
     let _prefill = agent("prefill", "right");
     let decode = agent("decode", "wrong");
-    let http = http();
+    // The decode's own API takes its own token.
+    let http = http_with_token("wrong");
     runtime().block_on(async {
         let d = decode.field("api").unwrap();
         request(&http, &d, 1, json!({"tokens": 16})).await;

@@ -62,6 +62,57 @@ impl Case {
     }
 }
 
+/// Every route of the decode's engine API that reads or changes a room or the pool.
+const DECODE_ROUTES: [(Method, &str); 7] = [
+    (Method::POST, "/v1/rooms/1"),
+    (Method::GET, "/v1/rooms/1"),
+    (Method::DELETE, "/v1/rooms/1"),
+    (Method::POST, "/v1/rooms/1/take"),
+    (Method::POST, "/v1/rooms/1/hold"),
+    (Method::DELETE, "/v1/rooms/1/hold"),
+    (Method::GET, "/v1/pool"),
+];
+
+/// Every route of the prefill's engine API that reads or changes a room or the pool.
+const PREFILL_ROUTES: [(Method, &str); 6] = [
+    (Method::POST, "/v1/rooms/1/ready"),
+    (Method::GET, "/v1/rooms/1"),
+    (Method::DELETE, "/v1/rooms/1"),
+    (Method::POST, "/v1/rooms/1/hold"),
+    (Method::DELETE, "/v1/rooms/1/hold"),
+    (Method::GET, "/v1/pool"),
+];
+
+/// Each of `routes` without the token and with a wrong one: 401, whatever the body.
+fn token_cases(routes: &[(Method, &'static str)]) -> Vec<Case> {
+    routes
+        .iter()
+        .flat_map(|(method, path)| {
+            let body = json!({ "tokens": 16, "pages": [5] });
+            [
+                case(
+                    "no token",
+                    method.clone(),
+                    path,
+                    401,
+                    "missing Authorization header",
+                )
+                .json(&body)
+                .token(None),
+                case(
+                    "wrong token",
+                    method.clone(),
+                    path,
+                    401,
+                    "wrong bearer token",
+                )
+                .json(&body)
+                .token(Some("nope")),
+            ]
+        })
+        .collect()
+}
+
 /// A plain HTTP/1.1 exchange: the status, the content type and the body of the answer.
 fn exchange(base: &str, c: &Case) -> (u16, String, String) {
     let addr = base.strip_prefix("http://").expect("http:// base");
@@ -223,7 +274,7 @@ fn every_error_is_json_with_its_status_on_the_registry_and_both_agents() {
     let (p, d) = (prefill.field("api").unwrap(), decode.field("api").unwrap());
     let too_large = vec![b' '; 17 << 20];
     let rt = runtime();
-    let http = http();
+    let http = http_with_token(TOKEN);
     let (taken, holder) = rt.block_on(async {
         // A registration the registry refuses 409: the prefill's own, under another instance.
         let ranks: Value = http
@@ -413,7 +464,29 @@ fn every_error_is_json_with_its_status_on_the_registry_and_both_agents() {
             ),
         ];
         cases.extend(query_cases("1"));
+        cases.extend(token_cases(&DECODE_ROUTES));
+        cases.extend([
+            case(
+                "a room naming an untrusted registry",
+                Method::POST,
+                "/v1/rooms/5",
+                403,
+                "is not trusted",
+            )
+            .json(&json!({ "tokens": 16, "pages": [3], "bootstrap": "http://127.0.0.1:9" })),
+            case(
+                "a hold naming an untrusted registry",
+                Method::POST,
+                "/v1/rooms/5/hold",
+                403,
+                "nothing was sent to it",
+            )
+            .json(&json!({ "bootstrap": "http://10.9.9.9:8998" })),
+        ]);
         tokio::task::block_in_place(|| run("decode", &d, cases));
+        // Neither refused request made a room.
+        let (status, _) = call(&http, Method::GET, &format!("{d}/v1/rooms/5"), None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
         expect(
             &http,
             Method::POST,
@@ -524,7 +597,16 @@ fn every_error_is_json_with_its_status_on_the_registry_and_both_agents() {
             .json(&json!({ "tokens": 16, "cuda_ipc_event": "5a".repeat(64) })),
         ];
         cases.extend(query_cases("1"));
+        cases.extend(token_cases(&PREFILL_ROUTES));
         tokio::task::block_in_place(|| run("prefill", &p, cases));
+        // Health and metrics reveal no room content: open without the token.
+        let open = common::http();
+        for api in [&p, &d] {
+            for path in ["/healthz", "/metrics"] {
+                let (status, _) = call(&open, Method::GET, &format!("{api}{path}"), None).await;
+                assert_eq!(status, StatusCode::OK, "{api}{path} without the token");
+            }
+        }
         assert_eq!(
             pool(&http, &p).await,
             (64, 64),

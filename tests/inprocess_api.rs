@@ -56,6 +56,7 @@ fn ok<T: Serialize>(r: Result<T, RoomError>) -> Value {
                 RoomError::Conflict(_) => "conflict",
                 RoomError::Exhausted(_) => "exhausted",
                 RoomError::Unavailable(_) => "unavailable",
+                RoomError::Forbidden(_) => "forbidden",
             };
             json!({ "error": kind, "message": e.to_string() })
         }
@@ -100,6 +101,7 @@ impl Cluster {
             400 => "bad_request",
             404 => "unknown_room",
             409 => "conflict",
+            403 => "forbidden",
             429 => "exhausted",
             503 => "unavailable",
             other => panic!("{method} {url}: unexpected status {other}: {body}"),
@@ -604,6 +606,14 @@ async fn scenarios(c: &Cluster, via: Via, base: u64) -> Vec<(String, Value)> {
     let v = c.take(via, room).await;
     assert_error(&v, "unknown_room", "unknown room");
     rec.push("refusals: take unknown", room, &v);
+    let untrusted = RoomRequest {
+        tokens: 16,
+        bootstrap: Some("http://127.0.0.1:9".into()),
+        ..RoomRequest::default()
+    };
+    let v = c.request(via, room, untrusted).await;
+    assert_error(&v, "forbidden", "is not trusted");
+    rec.push("refusals: a registry the decode does not trust", room, &v);
 
     // Every agent-owned page is back.
     for side in [Side::Decode, Side::Prefill] {

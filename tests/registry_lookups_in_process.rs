@@ -112,10 +112,12 @@ fn rooms_naming_their_registry_share_one_connection_to_it() {
         let (registry, served) = common::registry_in_process(&shutdown).await;
         let (relay, accepted) = counting_relay(&registry).await;
         let cfg = common::in_process_config(&registry, &[]);
-        let prefill = PrefillAgent::start(cfg.clone(), shutdown.clone())
+        let prefill = PrefillAgent::start(cfg, shutdown.clone()).await.unwrap();
+        // The decode trusts the relay (a room naming another registry is refused).
+        let trusting = common::in_process_config(&registry, &["--allowed-registries", &relay]);
+        let decode = DecodeAgent::start(trusting, shutdown.clone())
             .await
             .unwrap();
-        let decode = DecodeAgent::start(cfg, shutdown.clone()).await.unwrap();
         // Each room names the registry through the relay, as an engine that gets the registry
         // with each request does; rooms more than FRESH apart each look their group up.
         for r in 1..=3 {

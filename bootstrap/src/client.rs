@@ -282,8 +282,11 @@ impl RegistryClient {
             }
             bases.push(base);
         }
+        // No redirects: the token goes to the registries the agent was given, not to where
+        // one of them points.
         let http = reqwest::Client::builder()
             .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
             .timeout(REQUEST_TIMEOUT)
             .connect_timeout(REQUEST_TIMEOUT)
             .build()

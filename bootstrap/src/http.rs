@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::body::Incoming;
+use hyper::header::HeaderValue;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
@@ -28,6 +29,41 @@ use crate::admission::{Admission, Admitted};
 /// OpenMetrics text format that `prometheus-client` writes.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Why a request's `Authorization` header does not carry the bearer token a port needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BearerError {
+    /// No `Authorization` header.
+    #[error("missing Authorization header: this port needs `Authorization: Bearer <token>`")]
+    Missing,
+    /// A bearer token, not the port's.
+    #[error("wrong bearer token")]
+    Wrong,
+    /// Something else than `Bearer <token>`.
+    #[error("Authorization header is not of the form `Bearer <token>`")]
+    Malformed,
+}
+
+/// Checks that `value` (a request's `Authorization` header) is `Bearer <token>`, comparing the
+/// token in constant time. The registry and the agents' engine API both check with this.
+pub fn check_bearer(value: Option<&HeaderValue>, token: &str) -> Result<(), BearerError> {
+    let value = value.ok_or(BearerError::Missing)?;
+    let presented = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .ok_or(BearerError::Malformed)?;
+    match constant_time_eq(presented.as_bytes(), token.as_bytes()) {
+        true => Ok(()),
+        false => Err(BearerError::Wrong),
+    }
+}
+
+/// Compares without stopping at the first differing byte (the length is not secret).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
 
 /// How long the accept loop pauses after the OS refused an accept (out of descriptors): the
 /// dropping of unproven connections frees some meanwhile.

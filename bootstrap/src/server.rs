@@ -452,42 +452,18 @@ async fn authorize<S: Store>(
 }
 
 fn check_bearer(value: Option<&HeaderValue>, token: &str) -> Result<(), ApiError> {
-    let unauthorized = |m: &str| ApiError::rejected(RejectReason::Unauthorized, m);
-    let Some(value) = value else {
-        return Err(unauthorized(
-            "missing Authorization header: this registry needs `Authorization: Bearer <token>` on every route but /healthz",
-        ));
-    };
-    let presented = value
-        .to_str()
-        .ok()
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    match presented {
-        Some(p) if constant_time_eq(p.as_bytes(), token.as_bytes()) => Ok(()),
-        Some(_) => Err(unauthorized("wrong bearer token")),
-        None => Err(unauthorized(
-            "Authorization header is not of the form `Bearer <token>`",
-        )),
-    }
-}
-
-/// Compares without stopping at the first differing byte (the length is not secret).
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    crate::http::check_bearer(value, token).map_err(|e| {
+        let message = match e {
+            crate::http::BearerError::Missing => format!("{e} on every route but /healthz"),
+            _ => e.to_string(),
+        };
+        ApiError::rejected(RejectReason::Unauthorized, message)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn token_comparison() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"abcd"));
-        assert!(constant_time_eq(b"", b""));
-    }
 
     #[test]
     fn sweep_period_is_bounded() {

@@ -8,7 +8,7 @@ reference to every object it was given until it is closed; it never frees anythi
 
 Every failure raises a subclass of :class:`Error`: one per refusal of a room operation
 (:class:`BadRequest`, :class:`UnknownRoom`, :class:`Conflict`, :class:`Exhausted`,
-:class:`Unavailable`), one per room failure code under :class:`RoomFailed` (``FAILURE_CODES``
+:class:`Unavailable`, :class:`Forbidden`), one per room failure code under :class:`RoomFailed` (``FAILURE_CODES``
 maps each code to its class), :class:`WaitTimeout` when ``wait`` runs out of time, and
 :class:`ConfigError`, :class:`RegionError`, :class:`StartError` when an agent cannot be built.
 docs/engines.md, "Embedding kvferry in Python", has a complete example.
@@ -44,6 +44,7 @@ from ._kvferry import (
     TimeoutStall,
     Unauthorized,
     Unavailable,
+    Forbidden,
     UnknownRoom,
     Unreachable,
     VerifyFailed,
@@ -82,6 +83,7 @@ __all__ = [
     "TimeoutStall",
     "Unauthorized",
     "Unavailable",
+    "Forbidden",
     "UnknownRoom",
     "Unreachable",
     "VerifyFailed",

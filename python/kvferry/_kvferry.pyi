@@ -141,6 +141,11 @@ class DecodeAgent:
         requested, ``unhold`` is called, or the maximum passes. Returns at once."""
     def unhold(self, room: int) -> None:
         """Stops holding a room (its request left the engine's queue without asking)."""
+    def prefill_group(self, bootstrap: str | None = None, dp_rank: int = 0) -> dict[str, Any]:
+        """The prefill group ``dp_rank`` as the registry at ``bootstrap`` (a trusted one; by
+        default ``--bootstrap``'s) lists it, asked once with the agent's token: ``Forbidden``
+        for a registry the agent does not trust (nothing is sent), ``Unavailable`` when the
+        group is incomplete or the registry cannot be asked."""
     def view(self, room: int) -> View: ...
     def poll(self, rooms: Iterable[int]) -> dict[int, View | None]:
         """As PrefillAgent.poll."""
@@ -176,6 +181,7 @@ class UnknownRoom(Error): ...
 class Conflict(Error): ...
 class Exhausted(Error): ...
 class Unavailable(Error): ...
+class Forbidden(Error): ...
 
 class RoomFailed(Error):
     room: int

@@ -36,6 +36,7 @@ from ._kvferry import (
     Conflict,
     Error,
     Exhausted,
+    Forbidden,
     RoomFailed,
     StartError,
     Unavailable,
@@ -43,8 +44,9 @@ from ._kvferry import (
     WaitTimeout,
 )
 
-# The refusal of a room operation by HTTP status (the agents' API, docs/operations.md).
-_REFUSALS = {400: BadRequest, 404: UnknownRoom, 409: Conflict, 429: Exhausted, 503: Unavailable}
+# The refusal of a room operation by HTTP status (the agents' API, docs/operations.md): 403 is
+# a room or hold naming a registry the decode does not trust (nothing was sent to it).
+_REFUSALS = {400: BadRequest, 403: Forbidden, 404: UnknownRoom, 409: Conflict, 429: Exhausted, 503: Unavailable}
 # The longest one long-poll of the API waits (the server caps ?wait_ms= at 60 s).
 _SLICE_S = 30.0
 
@@ -126,6 +128,11 @@ def spawn(
     process; see ``kvferry/__main__.py``); a binary does not. Its stderr (the agent's log) goes
     to ``log``, by default a temporary file (``Sidecar.log``, removed when the sidecar exits
     cleanly) whose tail a :class:`StartError` quotes when the agent exits before listening.
+
+    The agent's token (``token=``, else ``KVFERRY_TOKEN`` of this process's environment) goes
+    to the sidecar in its environment, never on its command line (which any local user can
+    read, and which a :class:`StartError` quotes), and the :class:`Sidecar` sends it as
+    ``Authorization: Bearer`` on every call of the agent's API, which needs it then.
     """
     if role not in ("prefill", "decode"):
         raise _kvferry.ConfigError(f"role must be prefill or decode, not {role!r}")
@@ -133,13 +140,24 @@ def spawn(
         pool = pool.descriptor
     if pool is not None:
         options["pool"] = pool
-    argv = [*(program or [sys.executable, "-m", "kvferry"]), role, *_kvferry.agent_flags(**options)]
+    env = os.environ | {"KVFERRY_STOP_ON_STDIN_EOF": "1"}
+    token = options.pop("token", None)
+    if token is not None and str(token):
+        token = env["KVFERRY_TOKEN"] = str(token)
+    else:
+        token = env.get("KVFERRY_TOKEN") or None
+    # Checked with the token (an engine API beyond loopback needs one), then its flag and
+    # value left out of the command line.
+    flags = list(_kvferry.agent_flags(**options, token=token))
+    if token is not None:
+        at = flags.index("--token")
+        del flags[at : at + 2]
+    argv = [*(program or [sys.executable, "-m", "kvferry"]), role, *flags]
     temporary = log is None
     if log is None:
         fd, log = tempfile.mkstemp(prefix=f"kvferry-{role}-", suffix=".log")
         os.close(fd)
     log = os.fspath(log)
-    env = os.environ | {"KVFERRY_STOP_ON_STDIN_EOF": "1"}
     try:
         with open(log, "ab") as err:
             # Its own session: stopping it signals whatever it started too.
@@ -168,7 +186,7 @@ def spawn(
     # Nothing else is expected on stdout, but a library may print there (UCX logs to stdout by
     # default): it is drained into the log so the agent never blocks on a full pipe.
     threading.Thread(target=_drain, args=(proc.stdout, log), name="kvferry-sidecar-stdout", daemon=True).start()
-    return Sidecar(proc, listening, log, temporary)
+    return Sidecar(proc, listening, log, temporary, token=token)
 
 
 def _drain(out: Any, log: str) -> None:
@@ -218,9 +236,13 @@ class Sidecar:
     """A running sidecar agent process; the room operations go to its HTTP API."""
 
     def __init__(
-        self, proc: subprocess.Popen[bytes], listening: dict[str, Any], log: str, temporary: bool = False
+        self, proc: subprocess.Popen[bytes], listening: dict[str, Any], log: str, temporary: bool = False,
+        *, token: str | None = None,
     ) -> None:
         self.process = proc
+        # Sent with every call (the agent's API asks for it when the agent has one); never
+        # logged, never in a message.
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._temporary_log = temporary
         self.role: str = listening["role"]
         self.api_url: str = listening["api"]
@@ -246,7 +268,9 @@ class Sidecar:
         if self.process.poll() is not None:
             raise Unavailable(f"the sidecar exited with status {self.process.returncode} (log: {self.log})")
         data = None if body is None else json.dumps(body).encode()
-        headers = {} if data is None else {"Content-Type": "application/json"}
+        headers = dict(self._auth)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
         # Only a read is tried again (on a fresh connection): an operation that may have run
         # already must not run twice.
         attempts = 2 if method == "GET" else 1

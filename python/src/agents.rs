@@ -502,6 +502,23 @@ agent_class!(
             })
         }
 
+        /// The prefill group `dp_rank` as the registry at `bootstrap` lists it (see
+        /// `DecodeAgent::prefill_group` in Rust): a dict as `GET /v1/groups/{dp_rank}` answers.
+        #[pyo3(signature = (bootstrap=None, dp_rank=0))]
+        fn prefill_group<'py>(
+            &self,
+            py: Python<'py>,
+            bootstrap: Option<String>,
+            dp_rank: u32,
+        ) -> PyResult<Bound<'py, PyAny>> {
+            let group = self.0.run(py, |a| async move {
+                a.prefill_group(bootstrap.as_deref(), dp_rank).await
+            })?;
+            let json = serde_json::to_value(&group)
+                .map_err(|e| errors::Error::new_err(format!("prefill group: {e}")))?;
+            Ok(convert::object(py, &json)?.into_bound(py))
+        }
+
         fn take<'py>(&self, py: Python<'py>, room: u64) -> PyResult<Bound<'py, PyDict>> {
             let taken = self.0.run(py, |a| async move { a.take(room).await })?;
             let dict = convert::taken(py, room, &taken)?;

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 /// A Python object of a JSON value.
-fn object(py: Python<'_>, value: &Value) -> PyResult<Py<PyAny>> {
+pub(crate) fn object(py: Python<'_>, value: &Value) -> PyResult<Py<PyAny>> {
     Ok(match value {
         Value::Null => py.None(),
         Value::Bool(b) => b.into_py_any(py)?,

@@ -69,6 +69,13 @@ create_exception!(
     Error,
     "The agent cannot serve now: it is draining or closed."
 );
+create_exception!(
+    kvferry,
+    Forbidden,
+    Error,
+    "The request names a registry the decode does not trust with its token (neither \
+     --bootstrap's nor in --allowed-registries); nothing was sent to it."
+);
 
 create_exception!(
     kvferry,
@@ -197,6 +204,7 @@ pub(crate) fn room_error(e: RoomError) -> PyErr {
         RoomError::Conflict(_) => Conflict::new_err(message),
         RoomError::Exhausted(_) => Exhausted::new_err(message),
         RoomError::Unavailable(_) => Unavailable::new_err(message),
+        RoomError::Forbidden(_) => Forbidden::new_err(message),
     }
 }
 
@@ -258,6 +266,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Conflict", py.get_type::<Conflict>())?;
     m.add("Exhausted", py.get_type::<Exhausted>())?;
     m.add("Unavailable", py.get_type::<Unavailable>())?;
+    m.add("Forbidden", py.get_type::<Forbidden>())?;
     m.add("RoomFailed", py.get_type::<RoomFailed>())?;
     let codes = PyDict::new(py);
     for &code in FailureCode::ALL {

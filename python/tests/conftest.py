@@ -1,6 +1,7 @@
-"""Fixtures: the kvferry binary of this checkout, a real registry process, the vLLM and SGLang
-venvs' interpreters with this checkout's wheel on their path, and, once per test run, the tiny
-model and a plain vLLM's outputs for the prompt sets (vllm_servers.py)."""
+"""Fixtures: the kvferry binary of this checkout, a real registry process, a fake registry that
+records what it receives (fake_registry.py), the vLLM and SGLang venvs' interpreters with this
+checkout's wheel on their path, and, once per test run, the tiny model and a plain vLLM's
+outputs for the prompt sets (vllm_servers.py)."""
 
 import json
 import os
@@ -95,3 +96,13 @@ def reference(vllm, tmp_path_factory):
     import vllm_servers
 
     return vllm_servers.reference_outputs(vllm, tmp_path_factory)
+
+
+@pytest.fixture
+def recording_registry():
+    """A fake registry and the fake prefill its group lists, recording every connection,
+    request and byte they receive (fake_registry.py); closed after the test."""
+    import fake_registry
+
+    with fake_registry.fake_registry() as fake:
+        yield fake

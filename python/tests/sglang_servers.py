@@ -143,15 +143,19 @@ def used_tokens(server: Server) -> int:
 class Pd:
     """A prefill and a decode SGLang server with ``--disaggregation-transfer-backend kvferry``
     and sglang-router in PD mode in front of them. ``args`` go to both servers,
-    ``prefill_args``, ``prefill_env`` and ``decode_env`` to one."""
+    ``prefill_args``, ``prefill_env`` and ``decode_env`` to one. The decode's agent trusts the
+    prefill's registry only, as an operator configures it: ``KVFERRY_ALLOWED_REGISTRIES`` is
+    ``127.0.0.1:BOOTSTRAP_PORT`` (the address the router names), unless ``decode_env`` sets it."""
 
     def __init__(self, python: str, env: dict, model: pathlib.Path, logs: pathlib.Path, args: tuple[str, ...] = (),
                  prefill_args: tuple[str, ...] = (), prefill_env: dict | None = None,
                  decode_env: dict | None = None) -> None:
         self.python, self.env, self.model, self.logs, self.args = python, env, model, logs, args
         self.prefill_args = prefill_args
-        self.prefill_env, self.decode_env = env | (prefill_env or {}), env | (decode_env or {})
         self.bootstrap_port = free_port()
+        trusted = {"KVFERRY_ALLOWED_REGISTRIES": f"127.0.0.1:{self.bootstrap_port}"}
+        self.prefill_env, self.decode_env = env | (prefill_env or {}), env | trusted | (decode_env or {})
+        self.allowed_registries = self.decode_env["KVFERRY_ALLOWED_REGISTRIES"]
         self.router: Process | None = None
         self.prefill = self.start_prefill()
         self.decode = self.start_decode()

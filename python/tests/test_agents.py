@@ -6,8 +6,10 @@ exception it raises and the proof that nothing outside a room's pages was writte
 import contextlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -336,6 +338,72 @@ def test_a_held_room_is_requested_as_any_other(pair):
         assert decode.wait(14, 30)["state"] == "success"
         decode.take(14)
         assert (d_kv[:, 31].view(np.uint16) == p_kv[:, 30].view(np.uint16)).all()
+
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(params=["numpy", "sidecar"], ids=["in-process", "sidecar"])
+def decode_with_token(registry, request):
+    """A factory of decode agents with the token ``TOKEN`` and the real registry as
+    ``--bootstrap`` (extra options as keywords), in this process or as a sidecar; each yields
+    the agent and its cache."""
+    return lambda **extra: engine_agent("decode", request.param, options(registry, token=TOKEN, **extra))
+
+
+def test_a_room_naming_a_registry_the_decode_does_not_trust_is_refused_and_nothing_is_sent(
+    decode_with_token, recording_registry, registry
+):
+    """A room's or a hold's ``bootstrap`` comes from a client (SGLang's and vLLM's requests
+    carry it): a registry neither ``--bootstrap``'s nor in ``--allowed-registries`` is refused
+    at once (Forbidden; a sidecar's API answers 403), and it and the prefill it lists see no
+    connection, let alone the token."""
+    fake = recording_registry
+    named = re.escape(f'registry "{fake.url}" is not trusted')
+    with decode_with_token() as (decode, d_kv):
+        fill(d_kv, "poison")
+        with pytest.raises(kvferry.Forbidden, match=named) as e:
+            decode.request(40, 40, pages=[1, 2], bootstrap=fake.url)
+        assert "nothing was sent" in str(e.value) and TOKEN not in str(e.value)
+        with pytest.raises(kvferry.Forbidden, match=named):
+            decode.request(41, 40, pages=[3, 4], bootstrap=fake.url, dp_rank=0)
+        with pytest.raises(kvferry.Forbidden, match=named):
+            decode.hold(42, bootstrap=fake.url)
+        with pytest.raises(kvferry.Forbidden, match=named):
+            decode.hold(43, bootstrap=fake.url, dp_rank=0)
+        # A list of replicas is trusted only as a whole.
+        with pytest.raises(kvferry.Forbidden):
+            decode.request(44, 40, pages=[5, 6], bootstrap=f"{registry},{fake.url}")
+        if isinstance(decode, kvferry.DecodeAgent):
+            with pytest.raises(kvferry.Forbidden, match=named):
+                decode.prefill_group(fake.url)
+            with pytest.raises(kvferry.Forbidden, match=named):
+                decode.prefill_group(fake.url, 1)
+        for room in (40, 41, 44):
+            with pytest.raises(kvferry.UnknownRoom):
+                decode.view(room)
+        # The agent serves on; and nothing was sent in the background either.
+        assert decode.pool()["free_pages"] == decode.pool()["total_pages"]
+        time.sleep(0.5)
+        assert not fake.received(), fake.record()
+        assert untouched(d_kv)
+
+
+def test_a_trusted_registry_is_asked_with_the_token_and_its_prefill_hears_hello(decode_with_token, recording_registry):
+    """The positive control of the instruments above: a decode that trusts the fake registry
+    (``--allowed-registries 127.0.0.1:PORT``) asks it for the group with its token as bearer,
+    and connects to the prefill the group lists."""
+    fake = recording_registry
+    with decode_with_token(allowed_registries=fake.host_port) as (decode, _):
+        if isinstance(decode, kvferry.DecodeAgent):
+            group = decode.prefill_group(fake.url)
+            assert group["ranks"][0]["control_endpoint"] == fake.prefill.endpoint, group
+            assert (group["tp_size"], group["layout"]["page_size"]) == (1, PAGE)
+        decode.request(45, 40, pages=[1, 2], bootstrap=fake.url, dp_rank=0)
+        fake.wait_for("the decode connects to the listed prefill", lambda: len(fake.prefill.data) > 0)
+        decode.abort(45)
+    assert fake.bearers() and set(fake.bearers()) == {f"Bearer {TOKEN}"}, fake.record()
+    assert any(r["path"] == "/v1/groups/0" for r in fake.requests), fake.record()
 
 
 def test_wait_releases_the_gil_and_close_ends_it(registry):

@@ -107,14 +107,16 @@ def test_corrupting_the_landed_kv_changes_the_output(pd, prompts, reference, dum
     assert S.output_ids(pd.generate(longest, NEW_TOKENS)) == reference[tuple(longest)]
 
 
-def direct(server: S.Server, pd: S.Pd, prompt: list[int], room: int, rid: str | None = None) -> dict:
-    """A PD request sent to one server as the router would, naming the prefill's bootstrap."""
+def direct(server: S.Server, pd: S.Pd, prompt: list[int], room: int, rid: str | None = None,
+           bootstrap_port: int | None = None) -> dict:
+    """A PD request sent to one server as the router would, naming the prefill's bootstrap (or
+    ``bootstrap_port`` on the same host)."""
     body = {
         "rid": rid or f"test-{room}",
         "input_ids": prompt,
         "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
         "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": pd.bootstrap_port,
+        "bootstrap_port": bootstrap_port or pd.bootstrap_port,
         "bootstrap_room": room,
     }
     return post(server.url + "/generate", body)
@@ -122,6 +124,34 @@ def direct(server: S.Server, pd: S.Pd, prompt: list[int], room: int, rid: str | 
 
 def failure_text(response: dict) -> str:
     return str(response)
+
+
+def test_a_request_naming_a_registry_the_decode_does_not_trust_fails_at_once_and_sends_it_nothing(
+    pd, prompts, reference, recording_registry
+):
+    """``bootstrap_host`` and ``bootstrap_port`` come from the request body: a request sent
+    straight to the decode naming another port of the prefill's host (its agent trusts only
+    ``127.0.0.1:BOOTSTRAP_PORT``, KVFERRY_ALLOWED_REGISTRIES) fails at once with a message
+    naming that registry, which, like the prefill it would list, receives nothing. The decode
+    serves on."""
+    fake = recording_registry
+    assert pd.allowed_registries == f"127.0.0.1:{pd.bootstrap_port}" != fake.host_port
+    room = random.getrandbits(62)
+    start = time.monotonic()
+    got = direct(pd.decode, pd, prompts[4], room, bootstrap_port=fake.port)
+    took = time.monotonic() - start
+    print(f"the decode answered in {took:.2f} s: {got}")
+    assert "output_ids" not in got or got["meta_info"]["finish_reason"]["type"] == "abort", got
+    assert f'registry "{fake.url}" is not trusted' in failure_text(got), got
+    assert took < 30
+    # A second request to the same address fails as fast (the address is refused for good).
+    start = time.monotonic()
+    again = direct(pd.decode, pd, prompts[4], room + 1, bootstrap_port=fake.port)
+    assert "not trusted" in failure_text(again) and time.monotonic() - start < 30, again
+    assert not fake.received(), fake.record()
+    wait_for("the decode holds no pages", lambda: S.used_tokens(pd.decode) == 0, 30)
+    p = prompts[4]
+    assert S.output_ids(pd.generate(p, NEW_TOKENS)) == reference[tuple(p)]
 
 
 def abort(server: S.Server, rid: str) -> None:

@@ -142,3 +142,77 @@ def test_a_sidecar_stops_when_its_engine_dies(registry, tmp_path):
     # keep it for three leases, then the start fails).
     with kvferry.spawn("decode", **options(registry)) as again:
         assert again.view  # started
+
+
+def raw_status(url: str, method: str = "GET", headers: dict | None = None) -> int:
+    """The status of one API call made without the Sidecar class (urllib)."""
+    import urllib.error
+    import urllib.request
+
+    data = b"{}" if method == "POST" else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_sidecar_with_a_token_sends_it_and_its_api_refuses_calls_without_it(registry, shm, monkeypatch, tmp_path):
+    """A sidecar's agent with a token asks for it on its engine API (all but /healthz and
+    /metrics): the Sidecar sends it with every call (from ``token=``, or ``KVFERRY_TOKEN`` of the
+    engine's environment), a call without it or with another gets 401. The token is on no
+    command line, in no log."""
+    token = "s3cret"
+    opts = options(registry)
+    shape = kv_shape(opts)
+    with kvferry.ShmPool(shm("tp"), **opts) as p_pool, kvferry.ShmPool(shm("td"), **opts) as d_pool:
+        p_kv = fill(np.frombuffer(p_pool.regions[0], np.float16).reshape(shape), "noise", 12)
+        d_kv = fill(np.frombuffer(d_pool.regions[0], np.float16).reshape(shape), "poison")
+        monkeypatch.setenv("KVFERRY_TOKEN", token)
+        # The prefill takes the token from the environment, the decode from its option.
+        logs = [tmp_path / "prefill.log", tmp_path / "decode.log"]
+        prefill = kvferry.spawn("prefill", p_pool, log=logs[0], **opts)
+        monkeypatch.delenv("KVFERRY_TOKEN")
+        with prefill, kvferry.spawn("decode", d_pool, token=token, log=logs[1], **opts) as decode:
+            # Every call carries the bearer: a room moves between them.
+            decode.request(1, 40, pages=[7, 3])
+            prefill.ready(1, 40, pages=[5, 9], aux=b"meta")
+            assert decode.wait(1, 30)["state"] == "success"
+            assert decode.take(1)["aux"] == b"meta"
+            assert prefill.wait(1, 30)["state"] == "success"
+            assert decode.pool() == {"free_pages": 400, "total_pages": 400}
+            for agent in (prefill, decode):
+                for method, path in (("GET", "/v1/rooms/1"), ("GET", "/v1/pool"), ("POST", "/v1/rooms/2"),
+                                     ("DELETE", "/v1/rooms/1")):
+                    assert raw_status(agent.api_url + path, method) == 401, (agent.role, method, path)
+                    wrong = {"Authorization": "Bearer nope"}
+                    assert raw_status(agent.api_url + path, method, wrong) == 401, (agent.role, method, path)
+                right = {"Authorization": f"Bearer {token}"}
+                assert raw_status(agent.api_url + "/v1/pool", headers=right) == 200
+                for path in ("/healthz", "/metrics"):
+                    assert raw_status(agent.api_url + path) == 200, (agent.role, path)
+                with open(f"/proc/{agent.process.pid}/cmdline", "rb") as f:
+                    assert token.encode() not in f.read()
+                assert token not in " ".join(agent.process.args)
+            # The refused POST made no room.
+            with pytest.raises(kvferry.UnknownRoom):
+                decode.view(2)
+        for s, d in zip([5, 9], [7, 3]):
+            assert (d_kv[:, d].view(np.uint16) == p_kv[:, s].view(np.uint16)).all()
+        del p_kv, d_kv
+    for log in logs:
+        text = log.read_text()
+        assert "listening" in text and token not in text, log
+
+
+def test_a_sidecar_without_the_agents_token_is_refused_by_its_api(registry, monkeypatch):
+    """A Sidecar made for an agent with a token, calling without it (as one made before the
+    agent had a token would), gets the API's 401 as an Error, whose message holds no token."""
+    monkeypatch.delenv("KVFERRY_TOKEN", raising=False)
+    with kvferry.spawn("decode", token="s3cret", **options(registry)) as decode:
+        blind = kvferry.Sidecar(decode.process, dict(role="decode", api=decode.api_url, instance=decode.instance), decode.log)
+        with pytest.raises(kvferry.Error, match="Authorization") as e:
+            blind.pool()
+        assert "s3cret" not in str(e.value)
+        assert decode.pool()["total_pages"] == 400

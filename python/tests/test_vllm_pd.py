@@ -106,3 +106,25 @@ def test_a_prefill_server_says_which_kvferry_group_it_is(pd):
         ranks = json.loads(r.read())
     prefill = [r for r in ranks["ranks"] if r["role"] == "prefill"]
     assert [r["dp_rank"] for r in prefill] == [params["kvferry_dp_rank"]], ranks
+
+
+def test_a_decode_request_naming_an_untrusted_registry_sends_it_nothing(pd, recording_registry):
+    """``kvferry_bootstrap`` comes from the client: a decode request sent straight to the decode
+    server (no proxy) naming a registry its agent does not trust never reaches it, nor the
+    prefill it would list. The hold and the room are refused at once (Forbidden), the request
+    fails (vLLM's default ``kv_load_failure_policy`` ``fail``), and ``kvferry_reason_of`` names
+    the registry."""
+    fake = recording_registry
+    prompt = make_prompts(SEEDS["concurrent"])[3]
+    room = str(int.from_bytes(os.urandom(8), "little"))
+    params = {"do_remote_prefill": True, "kvferry_room": room, "kvferry_dp_rank": 0, "kvferry_bootstrap": fake.url,
+              "kvferry_tokens": len(prompt)}
+    start = time.monotonic()
+    got = pd.decode.complete(prompt, 4, params)
+    took = time.monotonic() - start
+    reason = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": room})["kv_transfer_params"]["kvferry_reason"]
+    print(f"answered in {took:.2f} s: {str(got)[:300]}; reason: {reason}")
+    assert reason and f'registry "{fake.url}" is not trusted' in reason, reason
+    assert "choices" not in got and got.get("http_status", 0) >= 400, got
+    assert took < 60
+    assert not fake.received(), fake.record()

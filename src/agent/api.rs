@@ -8,8 +8,12 @@
 //! [`RoomError`] becomes a status here.
 //!
 //! Every error is `{"error": "..."}` with `Content-Type: application/json`: 400 (malformed body,
-//! bad room, bad query parameter), 404 (unknown room or route), 405 (known route, wrong
+//! bad room, bad query parameter), 401 (the agent's token missing or wrong), 403 (a room names
+//! a registry the decode does not trust), 404 (unknown room or route), 405 (known route, wrong
 //! method), 409, 413 (body over [`BODY_LIMIT`]), 415 (a body not sent as JSON), 429, 503.
+//!
+//! With a token (`--token`), every route but `GET /healthz` and `GET /metrics` (which reveal
+//! no room content) needs `Authorization: Bearer TOKEN` ([`finish`]).
 //!
 //! The routes both roles serve are here (`room_routes`); each agent adds its own
 //! (`prefill/http.rs`, `decode/http.rs`).
@@ -60,6 +64,9 @@ pub enum ApiError {
     /// A body not sent as JSON (415).
     #[error("a request body must be JSON, sent with `Content-Type: application/json`")]
     NotJson,
+    /// The agent has a token and the request does not carry it (401).
+    #[error("{0}")]
+    Unauthorized(kvferry_bootstrap::http::BearerError),
 }
 
 impl IntoResponse for ApiError {
@@ -74,6 +81,8 @@ impl IntoResponse for ApiError {
             ApiError::Room(RoomError::Conflict(_)) => StatusCode::CONFLICT,
             ApiError::Room(RoomError::Exhausted(_)) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Room(RoomError::Unavailable(_)) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Room(RoomError::Forbidden(_)) => StatusCode::FORBIDDEN,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::WrongMethod { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotJson => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -142,13 +151,45 @@ fn is_json(headers: &HeaderMap) -> bool {
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
-/// The router's finishing layers shared by both agents: JSON 404 and 405 fallbacks and the
-/// body limit.
-pub fn finish<S: Clone + Send + Sync + 'static>(router: axum::Router<S>) -> axum::Router<S> {
-    router
+/// The router's finishing layers shared by both agents: JSON 404 and 405 fallbacks, the body
+/// limit, and with `token` the bearer check on every route but `GET /healthz` and
+/// `GET /metrics`.
+pub fn finish<S: Clone + Send + Sync + 'static>(
+    router: axum::Router<S>,
+    token: Option<String>,
+) -> axum::Router<S> {
+    let router = router
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
-        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT));
+    match token {
+        None => router,
+        Some(token) => {
+            let token: Arc<str> = token.into();
+            router.layer(axum::middleware::from_fn(move |req, next| {
+                authorize(token.clone(), req, next)
+            }))
+        }
+    }
+}
+
+/// Lets `GET /healthz`, `GET /metrics` and requests carrying `Authorization: Bearer TOKEN`
+/// through (each proves its connection, [`kvferry_bootstrap::http::prove`]); 401 otherwise.
+async fn authorize(token: Arc<str>, req: Request, next: axum::middleware::Next) -> Response {
+    let open = req.method() == Method::GET && matches!(req.uri().path(), "/healthz" | "/metrics");
+    let checked = match open {
+        true => Ok(()),
+        false => {
+            kvferry_bootstrap::http::check_bearer(req.headers().get(header::AUTHORIZATION), &token)
+        }
+    };
+    match checked {
+        Ok(()) => {
+            kvferry_bootstrap::http::prove(&req);
+            next.run(req).await
+        }
+        Err(e) => ApiError::Unauthorized(e).into_response(),
+    }
 }
 
 /// Parses a JSON body, refusing malformed ones with a 400 that says what was wrong.
@@ -230,22 +271,21 @@ impl WaitQuery {
     }
 }
 
-/// Serves `app` on `listener` as one of `tasks` until `shutdown`.
+/// Serves `app` on `listener` as one of `tasks` until `shutdown`; `token`: whether `app` checks
+/// one ([`finish`]), so that only a request past the check proves its connection.
 pub fn spawn_api(
     tasks: &mut tokio::task::JoinSet<()>,
     listener: tokio::net::TcpListener,
     app: axum::Router,
     shutdown: tokio_util::sync::CancellationToken,
-    role: &'static str,
+    (role, token): (&'static str, bool),
 ) {
+    let proof = match token {
+        true => kvferry_bootstrap::http::Proof::Authorized,
+        false => kvferry_bootstrap::http::Proof::Request,
+    };
     tasks.spawn(async move {
-        let serve = kvferry_bootstrap::http::serve(
-            listener,
-            app,
-            shutdown,
-            "engine API",
-            kvferry_bootstrap::http::Proof::Request,
-        );
+        let serve = kvferry_bootstrap::http::serve(listener, app, shutdown, "engine API", proof);
         if let Err(e) = serve.await {
             tracing::error!(role, error = %e, "engine API stopped");
         }

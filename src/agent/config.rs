@@ -61,6 +61,8 @@ impl Default for Timeouts {
 pub struct AgentConfig {
     /// The registry's URL.
     pub bootstrap: String,
+    /// The registries a decode sends its token to: `bootstrap`'s and `--allowed-registries`.
+    pub registries: super::TrustedRegistries,
     /// This rank's parallel ranks.
     pub ranks: Ranks,
     /// This rank's pool layout (its slice of the model).

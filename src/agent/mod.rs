@@ -19,6 +19,7 @@ mod options;
 pub mod pairing;
 pub mod prefill;
 mod registration;
+mod registries;
 pub mod room;
 mod serving;
 mod staging;
@@ -30,6 +31,7 @@ pub(crate) use config::{control_options, maps_pools, zmq_auth};
 pub use ops::{PoolCounts, RoomError};
 pub use options::AgentOptions;
 pub(crate) use registration::{check_compatible, layout_of, registration, wire_layout};
+pub use registries::{BadEntry, TrustedRegistries, Untrusted};
 pub(crate) use serving::Serving;
 
 use agent_pool::AgentPool;

@@ -209,6 +209,11 @@ pub enum RoomError {
     /// The agent cannot serve this now (HTTP 503): it is draining for shutdown.
     #[error("{0}")]
     Unavailable(String),
+    /// The request names a peer this agent does not trust with its token (HTTP 403): a
+    /// registry that is neither `--bootstrap`'s nor in `--allowed-registries`. Nothing was
+    /// sent to it.
+    #[error(transparent)]
+    Forbidden(#[from] super::Untrusted),
 }
 
 impl RoomError {

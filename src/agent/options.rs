@@ -24,6 +24,17 @@ pub struct AgentOptions {
         default_value = "http://127.0.0.1:8998"
     )]
     pub bootstrap: String,
+    /// Decode: registries besides --bootstrap's that a room or hold may name (its `bootstrap`
+    /// field; SGLang's router names each prefill server's own), comma-separated: HOST:PORT,
+    /// HOST:* (any port), an IP network (10.0.0.0/8:*, [fd00::/8]:*) or a URL. Only these get
+    /// the token; a room naming another registry is refused (403) and nothing is sent to it.
+    #[arg(
+        long,
+        env = "KVFERRY_ALLOWED_REGISTRIES",
+        value_delimiter = ',',
+        value_name = "HOST:PORT"
+    )]
+    pub allowed_registries: Vec<String>,
     /// Data-parallel rank of this engine.
     #[arg(long, env = "KVFERRY_DP_RANK", default_value_t = 0)]
     pub dp_rank: u32,
@@ -96,7 +107,8 @@ pub struct AgentOptions {
     #[arg(long, env = "KVFERRY_DATA_PORT", default_value_t = 0)]
     pub data_port: u16,
     /// Address of the engine-facing HTTP API (keep it local). Any address but a loopback one
-    /// needs --token, or --insecure.
+    /// needs --token (--insecure does not lift this): with a token, every route but /healthz
+    /// and /metrics needs `Authorization: Bearer TOKEN`.
     #[arg(long, env = "KVFERRY_API_HOST", default_value = "127.0.0.1")]
     pub api_host: String,
     /// Port of the engine-facing HTTP API (0 picks one; the listening line tells which).
@@ -113,11 +125,13 @@ pub struct AgentOptions {
     /// layer, plane and head.
     #[arg(long, env = "KVFERRY_SYNTHETIC_VERIFY", value_enum, default_value_t = Verify::Full)]
     pub synthetic_verify: Verify,
-    /// Shared secret: sent to the registry and in Hello.
+    /// Shared secret: sent to the trusted registries (--bootstrap, --allowed-registries) and
+    /// in Hello to the prefills they list; the engine API asks for it as a bearer token.
     #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
-    /// Serve a non-loopback --host or --api-host without --token (warns at start). Only for
-    /// networks where every host that can reach the agent is trusted.
+    /// Serve a non-loopback --host without --token (warns at start). Only for networks where
+    /// every host that can reach the agent is trusted. The engine API (--api-host) beyond
+    /// loopback always needs --token.
     #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     pub insecure: bool,
     /// Largest chunk of staging bytes moved at once (smaller ones make ZeroMQ rooms slower:
@@ -241,7 +255,9 @@ impl AgentOptions {
                 anyhow::bail!("--{name}-rank {rank} must be < --{name}-size {size}");
             }
         }
+        crate::exposure::check_api(&self.api_host, self.token.is_some())?;
         crate::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
+        let registries = super::TrustedRegistries::new(&self.bootstrap, &self.allowed_registries)?;
         #[cfg(feature = "ucx")]
         if self.transport == crate::transport::TransportKind::Ucx
             && self.token.is_none()
@@ -312,6 +328,7 @@ impl AgentOptions {
         let ms = Duration::from_millis;
         Ok(AgentConfig {
             bootstrap: self.bootstrap.clone(),
+            registries,
             ranks,
             layout,
             pool_pages: self.pool_pages,

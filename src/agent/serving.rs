@@ -18,14 +18,15 @@ pub(crate) struct Serving {
 
 impl Serving {
     /// Registers the rank (its lease renewed until `shutdown`), then runs the role's `tasks`
-    /// and serves the engine API `app` on `listener` beside them.
+    /// and serves the engine API `app` on `listener` beside them; `role`: its name, and whether
+    /// `app` checks a token.
     pub(crate) async fn start(
         registry: &RegistryClient,
         registration: Registration,
         mut tasks: JoinSet<()>,
         (listener, app): (TcpListener, Router),
         shutdown: CancellationToken,
-        role: &'static str,
+        role: (&'static str, bool),
     ) -> Result<Self, AgentError> {
         let keep_alive = registry.keep_alive(registration, shutdown.clone()).await?;
         api::spawn_api(&mut tasks, listener, app, shutdown, role);

@@ -82,6 +82,10 @@ pub struct BenchArgs {
     /// HTTP API of a running decode agent (with --prefill-api).
     #[arg(long, env = "KVFERRY_BENCH_DECODE_API", requires = "prefill_api")]
     decode_api: Option<String>,
+    /// The running agents' token (with --prefill-api/--decode-api): their engine API needs it
+    /// as a bearer token.
+    #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     /// Prefill TP size: one agent per rank (heterogeneous TP pairs prefill and decode ranks by
     /// head ranges).
     #[arg(long, env = "KVFERRY_BENCH_PREFILL_TP", default_value_t = 1)]
@@ -293,7 +297,8 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
             (Some(p), Some(d)) => (
                 None,
                 Target {
-                    apis: cluster::Apis::pair(p.trim_end_matches('/'), d.trim_end_matches('/')),
+                    apis: cluster::Apis::pair(p.trim_end_matches('/'), d.trim_end_matches('/'))
+                        .with_token(args.token.clone()),
                     logs: None,
                 },
             ),

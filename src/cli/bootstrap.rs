@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, clap::Args)]
 pub struct BootstrapArgs {
     /// Address to listen on. Any address but a loopback one (0.0.0.0 and :: included) needs
-    /// --token, or --insecure.
+    /// --token, or --insecure. The listening line names a wildcard bind at loopback.
     #[arg(long, env = "KVFERRY_BOOTSTRAP_HOST", default_value = "127.0.0.1")]
     host: String,
 
@@ -107,7 +107,8 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
     let local = listener
         .local_addr()
         .context("reading the listening address")?;
-    let url = format!("http://{local}");
+    // A wildcard bind is named at this host's loopback, an address a client can use.
+    let url = crate::exposure::url_of(local, crate::exposure::loopback_of(local));
     let store = args.store.to_string();
     let line =
         serde_json::json!({"event": "listening", "role": "bootstrap", "url": url, "store": store});

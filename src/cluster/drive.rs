@@ -109,6 +109,8 @@ pub struct Apis {
     pub prefill: Vec<Vec<String>>,
     /// Decode API URLs, one list per DP group.
     pub decode: Vec<Vec<String>>,
+    /// The agents' token (`--token`), sent as a bearer token on every call.
+    pub token: Option<String>,
 }
 
 impl Apis {
@@ -117,7 +119,28 @@ impl Apis {
         Apis {
             prefill: vec![vec![prefill.to_owned()]],
             decode: vec![vec![decode.to_owned()]],
+            token: None,
         }
+    }
+
+    /// These APIs, called with `token`.
+    pub fn with_token(self, token: Option<String>) -> Self {
+        Apis { token, ..self }
+    }
+
+    /// The HTTP client of calls to these APIs: every call carries the token, if any.
+    fn client(&self) -> anyhow::Result<reqwest::Client> {
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(token) = &self.token {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
+                .context("the token is not a valid header value")?;
+            value.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
+        Ok(reqwest::Client::builder()
+            .no_proxy()
+            .default_headers(headers)
+            .build()?)
     }
 }
 
@@ -144,7 +167,7 @@ pub async fn drive_rooms_counted(
     if apis.prefill.is_empty() || apis.decode.is_empty() {
         bail!("no prefill or no decode agent to drive");
     }
-    let http = reqwest::Client::builder().no_proxy().build()?;
+    let http = apis.client()?;
     let gate = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
     let mut tasks = tokio::task::JoinSet::new();
     for (room, tokens) in rooms {

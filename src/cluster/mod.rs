@@ -185,6 +185,7 @@ impl LocalCluster {
         Ok(Apis {
             prefill: api(&self.prefills)?,
             decode: api(&self.decodes)?,
+            token: None,
         })
     }
 }

@@ -3,6 +3,7 @@
 //! transfer must carry it. A chunk without it, on a data port anyone may reach, is forged.
 //! The same type carries a room's key, drawn by the router and given to both engines.
 
+use super::constant_time_eq;
 use std::fmt;
 use std::str::FromStr;
 
@@ -39,12 +40,6 @@ impl PartialEq for Secret {
     fn eq(&self, other: &Secret) -> bool {
         constant_time_eq(&self.0, &other.0)
     }
-}
-
-/// Compares without an early exit, so that the time taken does not tell how much of a guess
-/// was right (secrets here, the token in the ZAP handler).
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl Eq for Secret {}

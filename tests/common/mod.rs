@@ -175,6 +175,20 @@ pub fn http() -> Client {
         .expect("reqwest client")
 }
 
+/// [`http`], with `Authorization: Bearer TOKEN` on every request that sets none itself: the
+/// client of agents started with `--token`, whose engine API needs it.
+pub fn http_with_token(token: &str) -> Client {
+    let mut headers = reqwest::header::HeaderMap::new();
+    let value = format!("Bearer {token}").parse().expect("a header value");
+    headers.insert(reqwest::header::AUTHORIZATION, value);
+    Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(90))
+        .default_headers(headers)
+        .build()
+        .expect("reqwest client")
+}
+
 /// Parses a response body as JSON, or keeps it as a JSON string if it is not JSON.
 async fn answer(resp: reqwest::Response) -> (StatusCode, Value) {
     let status = resp.status();

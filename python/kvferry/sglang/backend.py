@@ -18,17 +18,25 @@ decode request, each a kvferry room (SGLang's ``bootstrap_room``).
   SGLang sends its pages, then ``Transferring``. ``Success`` and ``Failed`` are the room's final
   states; ``failure_exception`` raises SGLang's ``KVTransferError`` with kvferry's reason code
   and message.
+- Registries: SGLang's router names the prefill server of each request (``bootstrap_host``,
+  ``bootstrap_port``), and a decode asks that server's registry for the prefill group, then
+  says Hello to the ranks it lists, with ``KVFERRY_TOKEN``. Those fields come from the request
+  body, so only the agent talks to registries, and only to ones it trusts: its own
+  ``--bootstrap`` and those ``KVFERRY_ALLOWED_REGISTRIES`` lists (comma-separated ``HOST:PORT``,
+  ``HOST:*``, ``NETWORK:*`` or URLs). Operators set it in every decode server's environment to
+  the prefill servers' bootstrap addresses as the router names them: each
+  ``prefill-host:bootstrap_port``, or a network such as ``10.0.0.0/8:*``. A request naming any
+  other registry fails at once with a ``KVTransferError`` that names it (nothing is sent to
+  it); without the variable, a decode serves no request whose prefill is another server's
+  registry.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
-import urllib.error
-import urllib.request
 from typing import Any
 
 import numpy as np
@@ -52,6 +60,8 @@ logger = logging.getLogger(__name__)
 IN_FLIGHT = object()
 # How long a room aborted because another rank failed may take to settle.
 SETTLE_S = 30.0
+# The most refused bootstrap addresses a manager remembers.
+REFUSED = 4096
 
 # SGLang's KV cache dtypes (``kv_cache_dtype_str``) as kvferry's, with their sizes.
 DTYPES = {
@@ -203,6 +213,9 @@ class KvferryKVManager(BaseKVManager):
         self.aux = Aux(args)
         # Prefill groups by bootstrap address, as SGLang's decode reads them.
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        # Bootstrap addresses this decode never asks (an untrusted registry, an address that
+        # is not one), and why: their requests fail (``KvferryKVReceiver.poll``).
+        self.refused: dict[str, str] = {}
         self.registry = None
         bootstrap = os.environ.get("KVFERRY_BOOTSTRAP") or ""
         if not bootstrap and self.is_prefill:
@@ -226,19 +239,29 @@ class KvferryKVManager(BaseKVManager):
         """The agent registered its rank when it started."""
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Reads the prefill group's shape from the kvferry registry at ``bootstrap_addr``.
-        Rooms go to prefill DP group ``room % dp_size`` (``follow_bootstrap_room``), kvferry's
-        rule too."""
+        """Reads the prefill group's shape from the kvferry registry at ``bootstrap_addr``,
+        through the agent (which asks only a registry it trusts, with its token). Rooms go to
+        prefill DP group ``room % dp_size`` (``follow_bootstrap_room``), kvferry's rule too.
+
+        False while the group cannot be read (SGLang asks again): incomplete, or the registry
+        unreachable. A registry the agent does not trust is never asked: the address is
+        refused for good, and its requests' receivers fail at their next poll with the
+        agent's reason (SGLang aborts them) instead of being retried."""
         if bootstrap_addr in self.prefill_info_table:
             return True
-        request = urllib.request.Request(f"{self.registry_url(bootstrap_addr)}/v1/groups/0")
-        token = os.environ.get("KVFERRY_TOKEN")
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
+        if bootstrap_addr in self.refused:
+            return False
         try:
-            with urllib.request.urlopen(request, timeout=2.0) as r:
-                group = json.loads(r.read())
-        except (OSError, ValueError, urllib.error.URLError) as e:
+            url = self.registry_url(bootstrap_addr)
+        except ValueError:
+            self.refuse(bootstrap_addr, f"kvferry: the bootstrap address {bootstrap_addr!r} is not HOST:PORT")
+            return False
+        try:
+            group = self.agent.prefill_group(url, 0)
+        except kvferry.Forbidden as e:
+            self.refuse(bootstrap_addr, f"kvferry: {e}")
+            return False
+        except kvferry.Error as e:
             logger.info("kvferry: no complete prefill group at %s yet: %s", bootstrap_addr, e)
             return False
         self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
@@ -252,8 +275,20 @@ class KvferryKVManager(BaseKVManager):
         )
         return True
 
+    def refuse(self, bootstrap_addr: str, why: str) -> None:
+        """Never asks ``bootstrap_addr``: the requests naming it fail with ``why``."""
+        if bootstrap_addr in self.refused:
+            return
+        logger.error("kvferry: requests naming bootstrap address %s fail: %s", bootstrap_addr, why)
+        if len(self.refused) >= REFUSED:
+            # Addresses come from requests: the table stays bounded.
+            self.refused.clear()
+        self.refused[bootstrap_addr] = why
+
     def registry_url(self, bootstrap_addr: str) -> str:
         host, _, port = bootstrap_addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{bootstrap_addr!r} is not HOST:PORT")
         return url_of(host.strip("[]"), int(port))
 
     def room_failure(self, room: int, view: dict[str, Any] | None) -> KVTransferError:
@@ -430,6 +465,14 @@ class KvferryKVReceiver(_Room, BaseKVReceiver):
         self.prefill_dp_rank: int | None = None
         self.aux_index: int | None = None
         self.pages: list[int] = []
+
+    def poll(self) -> int:
+        if self.state == KVPoll.Bootstrapping and self.conclude_state is None:
+            refused = self.kv_mgr.refused.get(self.bootstrap_addr)
+            if refused is not None:
+                # SGLang waits for the prefill group's shape, which this address never gives.
+                return self.fail(KVTransferError(self.room, refused))
+        return _Room.poll(self)
 
     def init(self, prefill_dp_rank: int) -> None:
         self.prefill_dp_rank = int(prefill_dp_rank)

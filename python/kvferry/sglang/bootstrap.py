@@ -8,8 +8,10 @@ agents register in it. With ``KVFERRY_BOOTSTRAP`` set, the agents register in th
 instead, and the bootstrap port is expected to reach it.
 
 A decode needs a registry for its own ranks' registrations only: it finds each room's prefill
-group at the request's bootstrap address. Without ``KVFERRY_BOOTSTRAP`` each decode rank
-runs a private one on 127.0.0.1 (:func:`spawn_registry`).
+group at the request's bootstrap address, which its agent asks only when it trusts it
+(``KVFERRY_ALLOWED_REGISTRIES`` lists the prefill servers' bootstrap addresses; backend.py).
+Without ``KVFERRY_BOOTSTRAP`` each decode rank runs a private one on 127.0.0.1
+(:func:`spawn_registry`).
 """
 
 from __future__ import annotations

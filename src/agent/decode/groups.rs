@@ -36,17 +36,23 @@ pub(super) struct Groups {
 
 impl Groups {
     /// The client of the registry at `url` (a room's own registry), made once per URL so that
-    /// its rooms share one connection: at most [`CLIENTS`] URLs are kept.
+    /// its rooms share one connection: at most [`CLIENTS`] URLs are kept. Only a registry the
+    /// decode trusts ([`crate::agent::TrustedRegistries`]) gets one: the client sends the token.
     pub(super) fn client(
         &self,
         url: &str,
+        trusted: &crate::agent::TrustedRegistries,
         token: Option<&str>,
-    ) -> Result<RegistryClient, ClientError> {
+    ) -> Result<RegistryClient, Reason> {
+        trusted
+            .check(url)
+            .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?;
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(client) = clients.get(url) {
             return Ok(client.clone());
         }
-        let client = RegistryClient::new(url.to_owned(), token.map(str::to_owned))?;
+        let client = RegistryClient::new(url.to_owned(), token.map(str::to_owned))
+            .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?;
         if clients.len() >= CLIENTS {
             clients.clear();
         }

@@ -15,7 +15,8 @@ pub(super) fn routes(inner: Arc<Inner>) -> Router {
     let router = api::room_routes::<Inner>()
         .route("/v1/rooms/{room}", post(create_room))
         .route("/v1/rooms/{room}/take", post(take_room));
-    api::finish(router).with_state(inner)
+    let token = inner.cfg.token.clone();
+    api::finish(router, token).with_state(inner)
 }
 
 async fn create_room(

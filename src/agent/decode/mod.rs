@@ -124,7 +124,7 @@ impl DecodeAgent {
         };
         let (shared_pool, serving) = shared.unzip();
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
-        let api_url = format!("http://{}", listener.local_addr()?);
+        let api_url = crate::exposure::url_of(listener.local_addr()?, &cfg.advertise_host);
         let inner = Arc::new(Inner {
             instance,
             pool,
@@ -161,7 +161,9 @@ impl DecodeAgent {
         tasks.spawn(receive_chunks(inner.clone(), receiver));
         tasks.spawn(expire_rooms(inner.clone()));
         let api = (listener, routes(inner.clone()));
-        let serving = super::Serving::start(&registry, reg, tasks, api, shutdown, "decode").await?;
+        let token = inner.cfg.token.is_some();
+        let serving =
+            super::Serving::start(&registry, reg, tasks, api, shutdown, ("decode", token)).await?;
         tracing::info!(%instance, api = %api_url, data = %data_endpoint, "decode agent listening");
         Ok(DecodeAgent {
             api_url,
@@ -423,6 +425,16 @@ impl Inner {
         self.finished(room);
     }
 
+    /// The client of the registry a room names (a trusted one), or of `--bootstrap`'s.
+    fn registry_of(&self, bootstrap: Option<&str>) -> Result<RegistryClient, Reason> {
+        match bootstrap {
+            Some(url) => self
+                .groups
+                .client(url, &self.cfg.registries, self.cfg.token.as_deref()),
+            None => Ok(self.registry.clone()),
+        }
+    }
+
     /// The prefill group serving `room_id` (the engine's DP rank, or the room modulo the
     /// prefill DP size), its ranks' slices, and the segments this decode rank receives.
     async fn plan_room(
@@ -431,13 +443,7 @@ impl Inner {
         bootstrap: Option<&str>,
         dp_rank: Option<u32>,
     ) -> Result<Planned, Reason> {
-        let client = match bootstrap {
-            Some(url) => self
-                .groups
-                .client(url, self.cfg.token.as_deref())
-                .map_err(|e| Reason::new(FailureCode::Unreachable, e.to_string()))?,
-            None => self.registry.clone(),
-        };
+        let client = self.registry_of(bootstrap)?;
         let group = match dp_rank {
             Some(d) => self.lookup(&client, d).await?,
             None => {

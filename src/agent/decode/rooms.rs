@@ -25,7 +25,8 @@ pub struct RoomRequest {
     /// range, none twice). Without them the agent allocates its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pages: Option<Vec<u32>>,
-    /// Another registry URL for this room.
+    /// Another registry URL for this room: one of `--bootstrap`'s or one that
+    /// `--allowed-registries` lists, else the request is refused ([`RoomError::Forbidden`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap: Option<String>,
     /// The prefill DP group (default: the room modulo the prefill DP size).
@@ -51,7 +52,8 @@ pub struct RoomRequest {
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct HoldRequest {
-    /// Another registry URL for this room.
+    /// Another registry URL for this room: one of `--bootstrap`'s or one that
+    /// `--allowed-registries` lists, else the request is refused ([`RoomError::Forbidden`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap: Option<String>,
     /// The prefill DP group (default: the room modulo the prefill DP size).
@@ -195,6 +197,30 @@ impl DecodeAgent {
         self.inner.hold_room(room, req)
     }
 
+    /// The prefill group `dp_rank` as the registry at `bootstrap` lists it (a trusted registry,
+    /// by default `--bootstrap`'s), asked once: an engine that must know a prefill server's
+    /// shape before it asks for rooms (SGLang) reads it here, so that only the agent talks to
+    /// registries, with its token. [`RoomError::Forbidden`] for an untrusted registry (nothing
+    /// is sent), [`RoomError::Unavailable`] when the group is not complete or the registry
+    /// cannot be asked.
+    pub async fn prefill_group(
+        &self,
+        bootstrap: Option<&str>,
+        dp_rank: u32,
+    ) -> Result<kvferry_bootstrap::PrefillGroup, RoomError> {
+        if let Some(url) = bootstrap {
+            self.inner.cfg.registries.check(url)?;
+        }
+        let client = self
+            .inner
+            .registry_of(bootstrap)
+            .map_err(|r| RoomError::Unavailable(r.message))?;
+        client
+            .lookup_prefill(dp_rank)
+            .await
+            .map_err(|e| RoomError::Unavailable(e.to_string()))
+    }
+
     /// Stops holding `room` (`DELETE /v1/rooms/{room}/hold`): the engine dropped the request
     /// before asking for its room. Holding nothing is not an error.
     pub fn unhold(&self, room: u64) {
@@ -265,6 +291,9 @@ impl RoomOps for Inner {
     /// Resolves the room's prefill ranks in the background (a prefill that cannot be reached
     /// is logged; the room's request will fail with the reason).
     fn hold_with(self: &Arc<Self>, room: u64, req: HoldRequest) -> Result<(), RoomError> {
+        if let Some(url) = &req.bootstrap {
+            self.cfg.registries.check(url)?;
+        }
         self.holds.hold(room)?;
         let inner = self.clone();
         tokio::spawn(async move {
@@ -302,6 +331,9 @@ impl Inner {
         mut req: RoomRequest,
     ) -> Result<RoomView, RoomError> {
         self.refuse_while_draining()?;
+        if let Some(url) = &req.bootstrap {
+            self.cfg.registries.check(url)?;
+        }
         self.admit_room()?;
         let l = &self.cfg.layout;
         if req.tokens == 0 {

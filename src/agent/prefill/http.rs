@@ -13,7 +13,8 @@ use crate::agent::api::{self, ApiError};
 
 pub(super) fn routes(inner: Arc<Inner>) -> Router {
     let router = api::room_routes::<Inner>().route("/v1/rooms/{room}/ready", post(ready));
-    api::finish(router).with_state(inner)
+    let token = inner.cfg.token.clone();
+    api::finish(router, token).with_state(inner)
 }
 
 async fn ready(

@@ -118,7 +118,7 @@ impl PrefillAgent {
             ControlServer::bind(&cfg.host, cfg.control_port, &options).await?;
         let control_endpoint = transport::advertised(&bound, &cfg.advertise_host);
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
-        let api_url = format!("http://{}", listener.local_addr()?);
+        let api_url = crate::exposure::url_of(listener.local_addr()?, &cfg.advertise_host);
         let slots = Arc::new(pool.slots());
         let filler = cfg.synthetic.then(|| {
             Arc::new(synthetic::Filler::new(
@@ -156,8 +156,9 @@ impl PrefillAgent {
         tasks.spawn(control_loop(inner.clone(), server));
         tasks.spawn(housekeeping(inner.clone()));
         let api = (listener, routes(inner.clone()));
+        let token = inner.cfg.token.is_some();
         let serving =
-            super::Serving::start(&registry, reg, tasks, api, shutdown, "prefill").await?;
+            super::Serving::start(&registry, reg, tasks, api, shutdown, ("prefill", token)).await?;
         tracing::info!(%instance, api = %api_url, control = %control_endpoint, "prefill agent listening");
         Ok(PrefillAgent {
             api_url,
