@@ -854,6 +854,44 @@ async fn send_as(
     request.send().await.expect("an answer")
 }
 
+/// A client sending `auth` and `X-Request-Id: req-42` through the proxy at `url`: its headers
+/// go on to both servers with its completion; when the decode fails, the proxy asks it why
+/// (`kvferry_reason_of`) with the client's Authorization (not its X-Request-Id: vLLM would take
+/// it for the question's id); `/v1/models` is the decode's, asked with the client's headers.
+/// The decode answers before and after.
+async fn client_headers_go_on(url: &str, prefill: &Stub, decode: &Stub, auth: &str) {
+    let client = (Some(auth.to_owned()), Some("req-42".to_owned()));
+    let send = |path: &'static str, body: Option<Value>| {
+        send_as(url, path, body, Some(auth), Some("req-42"))
+    };
+    decode.set(Mode::Answer);
+    let r = send("/v1/completions", Some(completion(false))).await;
+    assert_eq!(r.status(), 200);
+    for s in [prefill, decode] {
+        assert_eq!(
+            s.headers_of("completion"),
+            vec![client.clone()],
+            "{}",
+            s.name
+        );
+    }
+    decode.set(Mode::Fail);
+    let r = send("/v1/chat/completions", Some(completion(false))).await;
+    assert_eq!(r.status(), 500);
+    assert_eq!(decode.headers_of("completion")[1], client);
+    assert_eq!(
+        decode.headers_of("reason_of"),
+        vec![(client.0.clone(), None)]
+    );
+    decode.set(Mode::Answer);
+    let r = send("/v1/models", None).await;
+    assert_eq!(r.status(), 200);
+    let models: Value = r.json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "tiny", "{models}");
+    assert_eq!(models["server"], "d", "{models}");
+    assert_eq!(decode.headers_of("models"), vec![client]);
+}
+
 /// Without `--api-key` the proxy checks no key: a client's `Authorization` and `X-Request-Id` go
 /// on as they are with its request, and with the question the proxy asks a decode server about
 /// the request's failure (`kvferry_reason_of`); the proxy's own calls (health checks,
@@ -864,22 +902,8 @@ fn without_an_api_key_client_headers_go_on_as_they_are() {
         let (prefill, p_url) = Stub::start("p", 2).await;
         let (decode, d_url) = Stub::start("d", 0).await;
         let (_proxy, url) = proxy(&[&p_url], &[&d_url], "concurrent");
-        let client = (
-            Some("Bearer sk-client".to_owned()),
-            Some("req-42".to_owned()),
-        );
-        let send = |path: &'static str, body: Option<Value>| {
-            send_as(&url, path, body, Some("Bearer sk-client"), Some("req-42"))
-        };
-        let r = send("/v1/completions", Some(completion(false))).await;
-        assert_eq!(r.status(), 200);
+        client_headers_go_on(&url, &prefill, &decode, "Bearer sk-client").await;
         for s in [&prefill, &decode] {
-            assert_eq!(
-                s.headers_of("completion"),
-                vec![client.clone()],
-                "{}",
-                s.name
-            );
             let health = s.headers_of("health");
             assert!(
                 !health.is_empty() && health.iter().all(|h| *h == (None, None)),
@@ -887,23 +911,6 @@ fn without_an_api_key_client_headers_go_on_as_they_are() {
             );
         }
         assert_eq!(prefill.headers_of("identify"), vec![(None, None)]);
-        // A failed decode: the proxy asks why on the client's behalf, with the client's
-        // Authorization (not its X-Request-Id: vLLM would take it for the question's id).
-        decode.set(Mode::Fail);
-        let r = send("/v1/chat/completions", Some(completion(false))).await;
-        assert_eq!(r.status(), 500);
-        assert_eq!(decode.headers_of("completion")[1], client);
-        assert_eq!(
-            decode.headers_of("reason_of"),
-            vec![(client.0.clone(), None)]
-        );
-        // /v1/models is a decode server's, asked with the client's headers.
-        let r = send("/v1/models", None).await;
-        assert_eq!(r.status(), 200);
-        let models: Value = r.json().await.unwrap();
-        assert_eq!(models["data"][0]["id"], "tiny", "{models}");
-        assert_eq!(models["server"], "d", "{models}");
-        assert_eq!(decode.headers_of("models"), vec![client.clone()]);
     });
 }
 
@@ -981,35 +988,7 @@ fn with_an_api_key_only_clients_that_present_it_reach_the_servers() {
         // With the key: the request goes on with the client's headers (its X-Request-Id tells
         // them from the proxy's own), and the question about its failure with its
         // Authorization.
-        let client = (
-            Some("Bearer sk-proxy".to_owned()),
-            Some("req-42".to_owned()),
-        );
-        let send = |path: &'static str, body: Option<Value>| {
-            send_as(&url, path, body, Some("Bearer sk-proxy"), Some("req-42"))
-        };
-        decode.set(Mode::Answer);
-        let r = send("/v1/completions", Some(completion(false))).await;
-        assert_eq!(r.status(), 200);
-        for s in [&prefill, &decode] {
-            assert_eq!(
-                s.headers_of("completion"),
-                vec![client.clone()],
-                "{}",
-                s.name
-            );
-        }
-        decode.set(Mode::Fail);
-        let r = send("/v1/chat/completions", Some(completion(false))).await;
-        assert_eq!(r.status(), 500);
-        assert_eq!(decode.headers_of("completion")[1], client);
-        assert_eq!(
-            decode.headers_of("reason_of"),
-            vec![(client.0.clone(), None)]
-        );
-        let r = send("/v1/models", None).await;
-        assert_eq!(r.status(), 200);
-        assert_eq!(decode.headers_of("models"), vec![client.clone()]);
+        client_headers_go_on(&url, &prefill, &decode, "Bearer sk-proxy").await;
         // No request made the proxy check a server's health or ask for its groups.
         for s in [&prefill, &decode] {
             assert_eq!(s.headers_of("health"), vec![own.clone()], "{}", s.name);
