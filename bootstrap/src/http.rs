@@ -168,6 +168,37 @@ async fn connection(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn a_bearer_is_checked_and_each_refusal_says_why() {
+        let header = |v: &str| HeaderValue::from_str(v).unwrap();
+        assert_eq!(check_bearer(Some(&header("Bearer t0k")), "t0k"), Ok(()));
+        assert_eq!(check_bearer(Some(&header("Bearer  t0k ")), "t0k"), Ok(()));
+        assert_eq!(check_bearer(None, "t0k"), Err(BearerError::Missing));
+        assert_eq!(
+            check_bearer(Some(&header("Bearer t0")), "t0k"),
+            Err(BearerError::Wrong)
+        );
+        assert_eq!(
+            check_bearer(Some(&header("Bearer ")), "t0k"),
+            Err(BearerError::Wrong)
+        );
+        for malformed in ["t0k", "Basic dDBr", "bearer t0k"] {
+            assert_eq!(
+                check_bearer(Some(&header(malformed)), "t0k"),
+                Err(BearerError::Malformed),
+                "{malformed}"
+            );
+        }
+    }
     use crate::admission::PROOF_DEADLINE;
     use axum::Router;
     use axum::extract::Request;
