@@ -1,7 +1,7 @@
 // Host shim: lets kernels/*.cu compile as plain C++ so their indexing runs on the CPU.
 //
-// Included before a kernel source compiled as C++ (tests/emu/kv_transfer_host.cpp, built by
-// tests/kernel_cuda_emu.rs). It defines the CUDA keywords the kernels use as nothing, the
+// Included before a kernel source compiled as C++ (tests/cuda/kv_transfer_host.cpp, built by
+// tests/cuda/kernel_cuda_emu.rs). It defines the CUDA keywords the kernels use as nothing, the
 // built-in index variables as thread-local variables, and a launcher that runs every thread of
 // every block of a grid one after the other. That is a faithful emulation only because the
 // kernels use no shared memory, no barriers and no warp intrinsics: each thread's work depends

@@ -327,7 +327,7 @@ def test_a_decode_whose_prompt_differs_is_refused_and_nothing_lands(pair):
 
 def test_a_held_room_is_requested_as_any_other(pair):
     """hold/unhold reach the agent in both bindings (their effect on the prefill's TTL is
-    tested end to end in tests/e2e_zmq.rs and through vLLM)."""
+    tested end to end in tests/processes/e2e_zmq.rs and through vLLM)."""
     with pair() as (prefill, decode, p_kv, d_kv):
         prefill.ready(14, 20, pages=[30])
         decode.hold(14)

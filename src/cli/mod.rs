@@ -50,7 +50,7 @@ pub enum LogFormat {
 /// and every build opens. No feature leaves the CUDA kinds out: the CUDA driver and NVRTC are
 /// loaded at run time, and an agent given a device pool where they are missing refuses to
 /// start, saying which. A kind that only some builds have would get its text per `cfg` here,
-/// as `--transport`'s does. tests/cli_help.rs holds this text to the parser.
+/// as `--transport`'s does. tests/processes/cli_help.rs holds this text to the parser.
 macro_rules! pool_kinds {
     () => {
         "`anon` (the agent's own memory), `shm:<path>` (a shared-memory file the engine created), \

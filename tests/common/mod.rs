@@ -1,4 +1,4 @@
-//! Helpers shared by the multi-process tests (`tests/e2e_*.rs`): where the release binary is,
+//! Helpers shared by the test binaries (chiefly the multi-process tests, `tests/processes/`): where the release binary is,
 //! how the agents are started (every timeout flag explicit), an HTTP client that never goes
 //! through a proxy, and JSON / polling helpers with generous bounds.
 //!
@@ -429,7 +429,7 @@ pub fn ms(d: Duration) -> f64 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Fault-injection helpers (tests/e2e_faults.rs, tests/e2e_garbage.rs): processes started with an
+// Fault-injection helpers (tests/processes/e2e_faults.rs, tests/processes/e2e_garbage.rs): processes started with an
 // extra environment or behind a command prefix (`ip netns exec NS`), flag detection, and HTTP
 // calls that tolerate a process that is gone.
 // ---------------------------------------------------------------------------------------------

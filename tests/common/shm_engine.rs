@@ -1,4 +1,4 @@
-//! The engine side of the end-to-end format tests (`tests/e2e_formats.rs`): `--pool shm:` files
+//! The engine side of the end-to-end format tests (`tests/processes/e2e_formats.rs`): `--pool shm:` files
 //! the test owns as the engine, each holding one rank's KV tensors back to back in the format's
 //! region order. Where an element lives comes from [`super::reference`] (the engines' documented
 //! tensor shapes), never from kvferry's layout code. Every element is one little-endian u16, a

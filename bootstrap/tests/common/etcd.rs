@@ -1,6 +1,6 @@
 //! A real etcd cluster for tests: three members on 127.0.0.1 (the `etcd` and `etcdctl`
 //! binaries; Debian packages etcd-server and etcd-client), started by the test and killed when
-//! dropped. Shared by the registry's etcd tests and the agents' (tests/e2e_registry_etcd.rs
+//! dropped. Shared by the registry's etcd tests and the agents' (tests/processes/e2e_registry_etcd.rs
 //! includes this file by path).
 
 #![allow(dead_code, unreachable_pub)]

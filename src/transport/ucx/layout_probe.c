@@ -1,6 +1,6 @@
 /* Prints the size and field offsets of the UCP structs that src/transport/ucx/sys.rs declares,
  * one "name value" pair per line, from the installed headers (libucx-dev).
- * tests/ucx_layer.rs compiles and runs it (when gcc and the headers are present) and compares
+ * tests/in_process/ucx_layer.rs compiles and runs it (when gcc and the headers are present) and compares
  * with the Rust declarations; the same numbers are hard-coded there for machines without gcc.
  * By hand: gcc -o /tmp/ucx_layout src/transport/ucx/layout_probe.c && /tmp/ucx_layout */
 #include <stddef.h>

@@ -3,7 +3,7 @@
 //!
 //! Layers, bottom up:
 //! - [`sys`]: raw `extern "C"` declarations and `#[repr(C)]` structs, checked against the
-//!   headers by tests/ucx_layer.rs;
+//!   headers by tests/in_process/ucx_layer.rs;
 //! - [`result`]: one thin function per call, returning `Result<_, UcxError>`;
 //! - [`safe`]: `Context`, `Worker`, `Endpoint`, `MemHandle`, `RemoteKey`, `Request`: `NonNull`
 //!   handles with RAII `Drop`, each keeping its parent alive (`Rc`), so nothing is destroyed

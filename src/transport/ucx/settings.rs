@@ -105,7 +105,7 @@ pub(super) fn eager() -> bool {
 /// (staged 512 MiB rooms: 3.6–4.0 GB/s, against 3.1 with 8 KiB segments).
 /// UCX 1.13 applies a transport's setting given to `ucp_config_modify` only under the field's
 /// own name (`TX_SEG_SIZE`): `TCP_TX_SEG_SIZE` is accepted and silently ignored (the
-/// endpoint's eager range stays at 8 KiB; tests/ucx_layer.rs checks it), so the environment's
+/// endpoint's eager range stays at 8 KiB; tests/in_process/ucx_layer.rs checks it), so the environment's
 /// name and the config's differ.
 const EAGER_TCP_SEGMENTS: [(&str, &str, &str); 2] = [
     ("TCP_TX_SEG_SIZE", "TX_SEG_SIZE", EAGER_TCP_SEGMENT),
@@ -135,7 +135,7 @@ const EAGER_TCP_SEGMENT: &str = "1m";
 ///   `hdr->length <= (iface->config.rx_seg_size - sizeof(*hdr))' failed ... 1048576 vs
 ///   65536", seen with a tcp-only prefill and a decode on UCX's defaults).
 ///
-/// Public for tests/ucx_layer.rs, which checks that UCX applies them.
+/// Public for tests/in_process/ucx_layer.rs, which checks that UCX applies them.
 pub fn worker_vars(
     tls: Option<&str>,
     is_set: impl Fn(&str) -> bool,

@@ -2,7 +2,7 @@
 //! `ucs/type/status.h`) that this transport uses. No logic lives here.
 //!
 //! Invariants: every struct mirrors its C definition field for field, `#[repr(C)]`, and
-//! tests/ucx_layer.rs checks sizes and offsets against the numbers gcc reports for the installed
+//! tests/in_process/ucx_layer.rs checks sizes and offsets against the numbers gcc reports for the installed
 //! headers (`layout_probe.c` next to this file). Functions the headers define `static inline`
 //! (`ucp_init`) or as macros (`UCS_PTR_IS_ERR`, `UCS_PTR_STATUS`) are reimplemented in Rust.
 //! Names follow the C headers so they can be checked against them line by line.

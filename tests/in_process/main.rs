@@ -1,0 +1,16 @@
+//! Tests that need nothing but this crate: agents, pools, kernels and the UCX layer driven from
+//! inside the test process (a child process at most re-runs this binary). One module per
+//! concept; they run in parallel.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod agents_restart_in_process;
+mod engine_memory;
+mod formats;
+mod inprocess_api;
+mod kernel_cpu;
+mod pool_shm;
+mod registry_lookups_in_process;
+mod ucx_layer;
+mod ucx_throughput;
