@@ -20,10 +20,11 @@ REPO = HERE.parents[1]
 
 
 @pytest.fixture(scope="session")
-def emulator_env(tmp_path_factory) -> dict:
-    """This environment with the emulator (built here) and NVRTC first on LD_LIBRARY_PATH."""
-    out = tmp_path_factory.mktemp("cuda-emu")
-    subprocess.run([str(REPO / "emu/cuda/build"), str(out)], check=True, capture_output=True)
+def emulator_env() -> dict:
+    """This environment with the emulator (emu/cuda/build's own folder, built there if a source
+    changed) and NVRTC first on LD_LIBRARY_PATH."""
+    built = subprocess.run([str(REPO / "emu/cuda/build")], check=True, capture_output=True, text=True)
+    out = built.stdout.strip()
     nvrtc = subprocess.run([str(REPO / "scripts/nvrtc-env")], check=True, capture_output=True, text=True)
     found = re.search(r"export LD_LIBRARY_PATH=(\S+)", nvrtc.stdout)
     assert found, nvrtc.stdout

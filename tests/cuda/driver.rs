@@ -19,19 +19,22 @@ pub const INVALID_DEVICE: R = 101;
 pub const INVALID_CONTEXT: R = 201;
 pub const NOT_FOUND: R = 500;
 
-/// The emulator, built by the first test process that asks (emu/cuda/build takes turns and
-/// builds only what changed) and shared by the others.
+/// The emulator in its one place (`emu/cuda/build` with no argument: target/cuda-emu), built by
+/// the first process of the run that asks (the script takes turns and builds only what
+/// changed) and shared by every other test, scripts/test's emulator step and pytest.
 pub fn library() -> &'static PathBuf {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda-emu");
-        let status = Command::new(root.join("emu/cuda/build"))
-            .arg(&out)
-            .status()
+        let out = Command::new(root.join("emu/cuda/build"))
+            .output()
             .expect("running emu/cuda/build");
-        assert!(status.success(), "emu/cuda/build failed");
-        out.join("libcuda.so")
+        assert!(
+            out.status.success(),
+            "emu/cuda/build failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libcuda.so")
     })
 }
 
