@@ -4,6 +4,9 @@ pytest module from their JUnit files (a test's setup included, so a module's eng
 they start).
 
 Usage: test-table.py RC END N NAME... START...   (scripts/test passes its steps)
+
+A step named `NAME &` runs in the background until the step `wait NAME` ends; the steps after it
+run meanwhile.
 """
 
 import os
@@ -36,8 +39,14 @@ def main():
     rc, end, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     names, starts = sys.argv[4 : 4 + n], [int(s) for s in sys.argv[4 + n : 4 + 2 * n]]
     lines = [f"scripts/test: exit {rc}; minutes per step", f"  {'step':<44} {'min':>6}"]
+    ends = [starts[i + 1] if i + 1 < n else end for i in range(n)]
     for i, (name, start) in enumerate(zip(names, starts)):
-        stop = starts[i + 1] if i + 1 < n else end
+        stop = ends[i]
+        if name.endswith("&"):
+            name = name[:-1].strip()
+            waited = [j for j in range(n) if names[j] == f"wait {name}"]
+            stop = ends[waited[0]] if waited else end
+            name = f"{name} (beside the steps after it)"
         lines.append(f"  {name:<44} {(stop - start) / 60:6.1f}")
     if starts:
         lines.append(f"  {'total':<44} {(end - starts[0]) / 60:6.1f}")

@@ -1,20 +1,101 @@
 """Fixtures: the kvferry binary of this checkout, a real registry process, a fake registry that
 records what it receives (fake_registry.py), the vLLM and SGLang venvs' interpreters with this
 checkout's wheel on their path, and, once per test run, the tiny model and a plain vLLM's
-outputs for the prompt sets (vllm_servers.py)."""
+outputs for the prompt sets (vllm_servers.py).
+
+The run's engine deployments (deployments.py): the tests are ordered by the deployment they
+use (``ORDER``), each deployment stops after its last test, and every engine start is counted
+against the ceiling."""
 
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+import deployments  # noqa: E402
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# The engine deployments in the order they run, each with the modules whose tests it serves in
+# the order they run there (those not named run after the named ones, in pytest's order). A
+# deployment is a session fixture, or a ``deployment`` mark's name for tests that start their
+# engines themselves. Tests of no deployment run first.
+ORDER = [
+    ("vllm_fleet", ["test_vllm_xpyd", "test_vllm_pd", "test_vllm_faults", "test_vllm_parallel"]),
+    ("vllm_serial", []),
+    ("vllm_bench", []),
+    ("sglang_pd", []),
+    ("sglang_mla", []),
+    ("quickstart", []),
+]
+# Servers that join a deployment for some of its tests and stop after the last of them.
+MEMBERS = {"fleet_recompute_decode": "vllm_fleet", "fleet_prefill": "vllm_fleet"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "deployment(name): the test starts its own engines as deployment `name` (conftest.ORDER)")
+    config.addinivalue_line("markers", "last(n): runs after the other tests of its deployment, lowest n first (a test that kills a server it does not restart)")
+    # One ledger of engine starts for the run and the scripts it runs: the file scripts/test
+    # names, or one of this run's own.
+    if not os.environ.get(deployments.VARIABLE):
+        fd, name = tempfile.mkstemp(prefix="kvferry-engine-ledger-", suffix=".txt")
+        os.close(fd)
+        os.environ[deployments.VARIABLE] = name
+    pathlib.Path(os.environ[deployments.VARIABLE]).write_text("")
+
+
+def uses(item) -> set[str]:
+    """The deployments and members ``item`` needs."""
+    names = set(getattr(item, "fixturenames", ())) & ({name for name, _ in ORDER} | set(MEMBERS))
+    mark = item.get_closest_marker("deployment")
+    return names | ({mark.args[0]} if mark else set())
+
+
+def sort_key(item, index: int) -> tuple:
+    used = uses(item)
+    groups = [i for i, (name, _) in enumerate(ORDER) if name in used or name in {MEMBERS.get(u) for u in used}]
+    if not groups:
+        return (-1, 0, 0, index)
+    group = min(groups)
+    modules = ORDER[group][1]
+    module = item.module.__name__ if item.module else ""
+    rank = modules.index(module) if module in modules else len(modules)
+    last = item.get_closest_marker("last")
+    phase = 1 + last.args[0] if last else 0
+    return (group, phase, rank if phase == 0 else 0, index)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Tests by deployment (after pytest grouped its parametrized fixtures)."""
+    items[:] = [item for _, item in sorted(((sort_key(item, i), item) for i, item in enumerate(items)), key=lambda t: t[0])]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stops each deployment whose last test this was."""
+    items = item.session.items
+    rest = items[items.index(item) + 1:] if nextitem is not None else []
+    needed = set().union(*(uses(i) for i in rest))
+    deployments.LIVE.release(needed | {MEMBERS[m] for m in needed if m in MEMBERS})
+
+
+def pytest_terminal_summary(terminalreporter):
+    path = deployments.ledger()
+    if path is None or not path.exists():
+        return
+    t = deployments.totals(path)
+    starts = ", ".join(f"{kind} {n} of {deployments.CEILING[kind]}" for kind, n in sorted(t["starts"].items())) or "none"
+    terminalreporter.write_line(
+        f"engine cold starts: {starts}; at most {t['peak']} resident of {deployments.CEILING['resident']} "
+        f"(ledger {path})")
 
 
 @pytest.fixture(scope="session")
@@ -106,3 +187,43 @@ def recording_registry():
 
     with fake_registry.fake_registry() as fake:
         yield fake
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(vllm, kvferry_bin, tmp_path_factory):
+    """The run's vLLM fleet (vllm_servers.fleet): 2 prefill and 2 decode servers that the xPyD,
+    disaggregation, fault and parallel-shape tests share; started by the first, stopped after
+    the last (a test that kills a server it does not start again runs last: ``last``)."""
+    import vllm_servers
+
+    fleet = vllm_servers.fleet(vllm, kvferry_bin, tmp_path_factory.mktemp("fleet"))
+    deployments.LIVE.add("vllm_fleet", fleet.stop)
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet_recompute_decode(vllm_fleet):
+    """A fifth server of the fleet: a TP2 decode whose kv_load_failure_policy is ``recompute``
+    (the fleet's decodes fail a request whose KV does not land), its agents on a base API port;
+    stopped after the last test that uses it."""
+    import vllm_servers
+
+    port = vllm_servers.two_free_ports()
+    server = vllm_fleet.join(vllm_fleet.start_decode(2, tp=2, policy="recompute", agent=dict(api_port=port),
+                                                     log="decode-recompute-tp2.log"))
+    server.api_port = port
+    deployments.LIVE.add("fleet_recompute_decode", server.stop)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet_prefill(vllm_fleet):
+    """A prefill server of the fleet of the shape a test asks for (vllm_servers.FleetPrefill)."""
+    import vllm_servers
+
+    extra = vllm_servers.FleetPrefill(vllm_fleet)
+    deployments.LIVE.add("fleet_prefill", extra.stop)
+    yield extra
+    extra.stop()

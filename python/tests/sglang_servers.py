@@ -1,8 +1,8 @@
 """Real SGLang servers for the tests: the SGLang venv's interpreter (scripts/sglang/install) with
 this checkout's wheel on its path, so that SGLang finds kvferry's plugin; the test-only
 stand-in for sgl-kernel's CPU ops (sglang_stub/, see its docstring); the tiny seeded model of
-scripts/vllm/tiny_model.py; and SGLang's own PD router (sglang-router) in front of a prefill
-and a decode server.
+scripts/vllm/tiny_model.py; SGLang's own PD router (sglang-router) in front of a prefill and a
+decode server; and HF transformers' greedy outputs as the reference (hf_reference.py).
 
 Every process runs in a process group of its own in the tests' session; ``stop`` ends it with
 SIGTERM, then SIGKILL to its group."""
@@ -19,6 +19,7 @@ import time
 import urllib.request
 from typing import Any
 
+import deployments
 from vllm_servers import free_port, post, tail, wait_ok
 
 STUB = pathlib.Path(__file__).parent / "sglang_stub"
@@ -49,16 +50,20 @@ def sglang_env(site: str, env: dict) -> dict:
 
 
 class Process:
-    """A process of its own group, its output in ``log``."""
+    """A process of its own group, its output in ``log``; an engine (``engine``) is counted in
+    the run's ledger (deployments.py)."""
 
-    def __init__(self, cmd: list[str], env: dict, log: pathlib.Path) -> None:
+    def __init__(self, cmd: list[str], env: dict, log: pathlib.Path, engine: str | None = None) -> None:
         self.log = log
+        self.engine = deployments.Engine(engine, f"{engine} server {log.name}") if engine else None
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
+        if sig == signal.SIGKILL and self.engine:
+            self.engine.stopped()
 
     def stop(self) -> None:
         """SIGTERM to the main process (SGLang stops its scheduler and detokenizer; SIGTERM to
@@ -74,6 +79,8 @@ class Process:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        if self.engine:
+            self.engine.stopped()
 
     def wait_ok(self, url: str, what: str, timeout: float = 300) -> None:
         wait_ok(self.proc, url, what, self.log, timeout)
@@ -89,7 +96,7 @@ class Server(Process):
             python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
             "--port", str(self.port), *CPU_ARGS, *args,
         ]
-        super().__init__(cmd, env, log)
+        super().__init__(cmd, env, log, engine="sglang")
 
     def wait_healthy(self, timeout: float = 300) -> None:
         self.wait_ok(self.url + "/health", "SGLang", timeout)
@@ -111,15 +118,17 @@ def output_ids(response: dict) -> list[int]:
     return list(response["output_ids"])
 
 
-def reference_outputs(python: str, env: dict, model: pathlib.Path, prompts: list[list[int]], new_tokens: int,
-                      logs: pathlib.Path) -> dict:
-    """A plain SGLang server's greedy outputs for ``prompts``."""
-    server = Server(python, env, model, logs / "sglang.log")
-    try:
-        server.wait_healthy()
-        return {tuple(p): output_ids(server.generate(p, new_tokens)) for p in prompts}
-    finally:
-        server.stop()
+def reference_outputs(python: str, env: dict, model: pathlib.Path, prompts: list[list[int]], new_tokens: int) -> dict:
+    """HF transformers' greedy outputs for ``prompts`` (hf_reference.py, in the SGLang venv): the
+    tokens a plain SGLang server gives, without starting one. The smallest top-1/top-2 logit
+    margin must be far above float32 noise, or equal outputs would prove little."""
+    run = subprocess.run([python, str(pathlib.Path(__file__).parent / "hf_reference.py"), str(model), str(new_tokens)],
+                         input=json.dumps(prompts), env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    print(f"reference: smallest top-1/top-2 logit margin {got['margin']:.4g}")
+    assert got["margin"] > 1e-2, f"the model's margin {got['margin']} is within float32 noise"
+    return {tuple(p): out for p, out in zip(prompts, got["outputs"])}
 
 
 def check_outputs(pd: Pd, prompts: list[list[int]], reference: dict, new_tokens: int) -> None:

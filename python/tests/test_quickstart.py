@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+import deployments
 from conftest import REPO, engine_python
 from vllm_servers import free_port
 
@@ -38,6 +39,8 @@ SECTIONS = {
 # Two servers starting (half a minute each, on the same two cores) and the install script's import
 # check, with room to spare on a busy machine.
 TIMEOUT_S = 900
+# How a section starts an engine server (each is counted in the run's ledger, deployments.py).
+ENGINE_STARTS = {"vllm": "-m vllm.entrypoints.openai.api_server", "sglang": "-m sglang.launch_server"}
 
 
 def sh_blocks(text: str) -> dict[str, list[str]]:
@@ -89,10 +92,14 @@ def section(request, tmp_path_factory):
     return request.param, python, site
 
 
+@pytest.mark.deployment("quickstart")
 def test_a_section_answers_a_completion_and_stops_what_it_started(section, kvferry_bin, tmp_path):
     name, python, site = section
     _, venv_variable, port_names = SECTIONS[name]
     script = "set -euo pipefail\n" + "\n".join(runnable(sh_blocks(PAGE.read_text())[name]))
+    engines = [deployments.Engine(kind, f"docs/quickstart.md {name} server")
+               for kind, start in ENGINE_STARTS.items() for _ in range(script.count(start))]
+    assert engines, f"the {name} section starts no engine server the tests know of"
     (tmp_path / "section.sh").write_text(script)
     ports = {p: str(free_port()) for p in port_names}
     env = os.environ | ports | {
@@ -137,6 +144,8 @@ def test_a_section_answers_a_completion_and_stops_what_it_started(section, kvfer
             if group_alive(proc.pid):
                 os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        for engine in engines:
+            engine.stopped()
 
 
 def answer_of(name: str, stdout: str) -> dict | None:

@@ -1,6 +1,7 @@
 """kvferry moves an MLA model's latent KV (SGLang's ``MLATokenToKVPool``, format ``sglang-mla``)
-between SGLang servers under sglang-router: greedy outputs equal a plain SGLang server's, and
-the bytes that landed equal the prefill's.
+between SGLang servers under sglang-router: greedy outputs equal the model's reference
+implementation's (HF transformers', which a plain SGLang server gives too), and the bytes that
+landed equal the prefill's.
 
 The tiny MLA model comes from scripts/sglang/tiny_mla_model.py. SGLang 0.5.23's CPU engine
 computes it right only with the test-only plugin sglang_stub/sglang_mla_path.py (its docstring
@@ -16,6 +17,9 @@ import pytest
 import sglang_servers as S
 from conftest import REPO
 from vllm_servers import make_prompts
+
+# The module's deployment (its test starts it): after the vLLM ones (conftest.ORDER).
+pytestmark = pytest.mark.deployment("sglang_mla")
 
 NEW_TOKENS = 8
 PAGE_SIZE = 4
@@ -40,7 +44,7 @@ def test_an_mla_models_outputs_through_sglang_router_equal_a_plain_sglang_and_ev
     sglang, model, prompts, tmp_path_factory
 ):
     python, env = sglang
-    reference = S.reference_outputs(python, env, model, prompts, NEW_TOKENS, tmp_path_factory.mktemp("reference"))
+    reference = S.reference_outputs(python, env, model, prompts, NEW_TOKENS)
     dumps = tmp_path_factory.mktemp("dumps")
     probe = {"KVFERRY_PROBE_DUMP": str(dumps)}
     pd = S.Pd(python, env, model, tmp_path_factory.mktemp("pd"), ("--page-size", str(PAGE_SIZE)),

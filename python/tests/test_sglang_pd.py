@@ -1,8 +1,9 @@
 """kvferry as SGLang's transfer backend, through a real SGLang (its CPU engine, with the
 test-only stand-in for sgl-kernel's CPU ops, sglang_stub/) under SGLang's own PD router
-(sglang-router): greedy outputs equal a plain SGLang server's token for token, every landed byte
-equals the prefill's, corrupting the landed KV changes the output, and a peer killed with
-SIGKILL fails its rooms cleanly on the other side.
+(sglang-router): greedy outputs equal the model's reference implementation's token for token
+(HF transformers', which a plain SGLang server gives too), every landed byte equals the
+prefill's, corrupting the landed KV changes the output, and a peer killed with SIGKILL fails
+its rooms cleanly on the other side.
 
 The prefill runs at TP2 (a KV head a rank), the decode at TP1, both with ``--page-size 4``;
 the probe plugin (sglang_stub/sglang_probe.py) dumps each room's bytes on every rank."""
@@ -21,6 +22,9 @@ import pytest
 
 import sglang_servers as S
 from vllm_servers import make_model, make_prompts, post
+
+# The module's deployment (its fixtures start it): after the vLLM ones (conftest.ORDER).
+pytestmark = pytest.mark.deployment("sglang_pd")
 
 NEW_TOKENS = 8
 PAGE_SIZE = 4
@@ -43,9 +47,10 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(sglang, model, prompts, tmp_path_factory):
-    """A plain SGLang server's greedy outputs (page size 1)."""
-    return S.reference_outputs(*sglang, model, prompts, NEW_TOKENS, tmp_path_factory.mktemp("reference"))
+def reference(sglang, model, prompts):
+    """The greedy outputs of the model's reference implementation (HF transformers), which a
+    plain SGLang server gives too."""
+    return S.reference_outputs(*sglang, model, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
+
+# The benchmark script starts its engines itself (conftest.ORDER).
+pytestmark = pytest.mark.deployment("vllm_bench")
 
 SETUPS = ("kvferry-sequential", "kvferry-concurrent", "nixl")
 

@@ -1,15 +1,16 @@
 """Real vLLM servers with ``KvferryConnector`` when a server dies mid-batch (kill -9 of its whole
 process group: API server, engine core, worker).
 
-- The prefill dies while the decode waits for its rooms (asked at the prefill's agent, not yet
+- The prefill dies while two decodes wait for their rooms (asked at the prefill's agent, not yet
   announced by its engine). With ``kv_load_failure_policy`` ``recompute`` every request still
   returns the reference's tokens (the decode computes the prompt itself); with ``fail`` the
   affected requests end with an error, and the decode's log and its answer to
   ``kvferry_reason_of`` name kvferry's reason. ``kvferry proxy`` in front of the pair stops
   routing to the dead prefill (its /health says so) and, once the prefill is back on its URL,
   serves new requests through it.
-- The decode dies while the prefill computes rooms it asked for: the prefill's delayed blocks
-  are released, so a prefill whose KV cache holds only a few prompts serves the next one.
+- The decode dies after it asked for rooms the prefill has not computed yet: the rooms fail
+  (``peer_dead``, not their TTL), and the prefill's delayed blocks come back once it computed
+  them.
 - Negative control: KV corrupted in flight (checksums off) changes the generated tokens.
 - A request that waits in the decode's queue past the prefill's room TTL, or in the prefill's
   queue past both sides' ready timeout: the agents hold the room meanwhile, and it lands.
@@ -17,9 +18,12 @@ process group: API server, engine core, worker).
   (``prompt_mismatch``, by the prompts' digests), and the decode recomputes or fails by its
   policy, never landing the other prompt's KV.
 
-The agents run with ``--peer-dead-ms 60000`` and ``--room-ttl-ms 600000``: only a closed
-connection can end these rooms within the tests' bounds (heartbeats and room expiry cannot), and
-the tests print how long it took.
+The servers are the run's fleet's (``vllm_fleet``: a decode of each policy, the one of
+``recompute`` at TP2), whose agents run with ``--peer-dead-ms 60000``: only a closed connection
+can end a peer within the tests' bounds, the tests check the rooms' reasons (a room's TTL, 20 s,
+is not one of them), and print how long it took; the negative control arms a fault in the
+prefill's agent while it runs. The queue tests have servers of their own (``vllm_serial``): one
+request at a time, agents that end rooms after 1 s.
 """
 
 from __future__ import annotations
@@ -35,17 +39,17 @@ import urllib.request
 import numpy as np
 import pytest
 
+import deployments
 from vllm_servers import (
     SEEDS,
     Pd,
+    View,
+    arm_corrupt_chunk,
     make_prompts,
     metric,
+    reset_prefix_cache,
     vllm_metric,
 )
-
-SLOW_PATHS_OFF = dict(peer_dead_ms=60_000, room_ttl_ms=600_000)
-# The prefill computes 64 tokens per step: a batch of long prompts keeps it busy for a while.
-CHUNKED = ["--max-num-batched-tokens", "64"]
 
 
 def wait_asked(agent_api: str, rooms: list[int], timeout: float = 120) -> None:
@@ -103,15 +107,17 @@ def long_prompts(n: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, 2048, 900 + 17 * i).tolist() for i in range(n)]
 
 
+def decodes_by_policy(fleet: Pd, recompute_decode) -> dict:
+    """The fleet's decode of each kv_load_failure_policy."""
+    return {"recompute": recompute_decode, "fail": fleet.decodes[0]}
+
+
 @pytest.fixture(scope="module", params=["recompute", "fail"])
-def policy_pd(vllm, kvferry_bin, tmp_path_factory, request):
-    """A prefill and a decode server whose kv_load_failure_policy is the parameter."""
-    pd = Pd(vllm, kvferry_bin, tmp_path_factory.mktemp(f"pd-{request.param}"), prefill_args=CHUNKED,
-            decode_policy=request.param, **SLOW_PATHS_OFF)
-    try:
-        yield request.param, pd
-    finally:
-        pd.stop()
+def policy_pd(vllm_fleet, fleet_recompute_decode, request):
+    """The fleet's first prefill and its decode whose kv_load_failure_policy is the parameter."""
+    pd = View(vllm_fleet, vllm_fleet.prefills[:1], [decodes_by_policy(vllm_fleet, fleet_recompute_decode)[request.param]])
+    yield request.param, pd
+    pd.stop()
 
 
 def reasons_logged(log: str) -> list[str]:
@@ -150,47 +156,53 @@ def test_a_decode_whose_prompt_differs_from_the_prefills_never_takes_its_kv(poli
         assert got["http_status"] == 500, got
 
 
-def test_a_prefill_killed_while_the_decode_waits(policy_pd, reference):
-    policy, pd = policy_pd
-    log_start = len(pd.decode.log.read_text())
+def test_a_prefill_killed_while_the_decodes_wait(vllm_fleet, fleet_recompute_decode, reference):
+    """Each decode (one of each policy) waits on four rooms at the fleet's first prefill, which
+    is killed, and comes back on its URL."""
+    decodes = decodes_by_policy(vllm_fleet, fleet_recompute_decode)
+    pd = View(vllm_fleet, vllm_fleet.prefills[:1], [vllm_fleet.decodes[0]])
+    log_start = {policy: len(d.log.read_text()) for policy, d in decodes.items()}
     proxy = pd.proxy("concurrent")
     prompts = make_prompts(SEEDS["concurrent"])[-4:]  # 640..1000 tokens
     group = pd.prefill.kvferry_group()
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        decoded, rooms = {}, []
-        for prompt in prompts:
-            room = int.from_bytes(os.urandom(8), "little")
-            rooms.append(room)
-            params = {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group}
-            decoded[pool.submit(pd.decode.complete, prompt, 16, params)] = prompt
-        # The decode waits on every room at the prefill's agent; the prefill engine has not
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        decoded, rooms = {}, {policy: [] for policy in decodes}
+        for policy, decode in decodes.items():
+            for prompt in prompts:
+                room = int.from_bytes(os.urandom(8), "little")
+                rooms[policy].append(room)
+                params = {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group}
+                decoded[pool.submit(decode.complete, prompt, 16, params)] = (policy, prompt)
+        # The decodes wait on every room at the prefill's agent; the prefill engine has not
         # announced any (its requests never come), so none can land before the kill.
-        wait_asked(pd.prefill_api, rooms)
+        wait_asked(pd.prefill_api, [room for asked in rooms.values() for room in asked])
         pd.prefill.kill()
         killed = time.monotonic()
         results = []
         for f in concurrent.futures.as_completed(decoded):
-            results.append((decoded[f], f.result(), time.monotonic() - killed))
-    slowest = max(t for _, _, t in results)
-    print(f"{policy}: every decode request answered {slowest:.2f} s after the prefill was killed")
+            results.append((*decoded[f], f.result(), time.monotonic() - killed))
+    slowest = max(t for *_, t in results)
+    print(f"every decode request answered {slowest:.2f} s after the prefill was killed")
     assert slowest < 60
-    errors = [r for _, r, _ in results if "choices" not in r]
-    for prompt, r, _ in results:
-        if "choices" in r:
-            assert r["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
-    reasons = reasons_logged(pd.decode.log.read_text()[log_start:])
-    print(f"{policy}: {len(errors)} of {len(results)} requests ended with an error; kvferry's reasons {reasons}")
-    assert reasons and set(reasons) <= {"peer_dead", "unreachable"}, reasons
-    # The decode server answers why each room failed (vLLM's own error says only
-    # "Internal server error"); kvferry proxy adds this to its error messages.
-    for room in rooms:
-        asked = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]
-        assert asked["kvferry_room"] == str(room)
-        assert asked["kvferry_reason"].split(":")[0] in reasons, asked
-    if policy == "recompute":
-        assert errors == []
-    else:
-        assert len(errors) == len(prompts) and all(r["http_status"] == 500 for r in errors), errors
+    for policy, decode in decodes.items():
+        mine = [(prompt, r) for p, prompt, r, _ in results if p == policy]
+        errors = [r for _, r in mine if "choices" not in r]
+        for prompt, r in mine:
+            if "choices" in r:
+                assert r["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{policy}: {len(prompt)}-token prompt"
+        reasons = reasons_logged(decode.log.read_text()[log_start[policy]:])
+        print(f"{policy}: {len(errors)} of {len(mine)} requests ended with an error; kvferry's reasons {reasons}")
+        assert reasons and set(reasons) <= {"peer_dead", "unreachable"}, reasons
+        # The decode server answers why each room failed (vLLM's own error says only
+        # "Internal server error"); kvferry proxy adds this to its error messages.
+        for room in rooms[policy]:
+            asked = decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]
+            assert asked["kvferry_room"] == str(room)
+            assert asked["kvferry_reason"].split(":")[0] in reasons, asked
+        if policy == "recompute":
+            assert errors == []
+        else:
+            assert len(errors) == len(prompts) and all(r["http_status"] == 500 for r in errors), errors
     # The proxy routes around the dead prefill: an OpenAI error, not a hang.
     proxy.wait_health(503)
     got = proxy.complete(prompts[0], 16)
@@ -198,19 +210,21 @@ def test_a_prefill_killed_while_the_decode_waits(policy_pd, reference):
     # The prefill comes back on its URL, a new vLLM engine and so a kvferry group of its own
     # (the dead one's lapses with its lease); the proxy asks it again which group it is, and
     # new requests land.
-    pd.prefill = pd.start_prefill(port=pd.prefill.port)
-    pd.prefill.wait_healthy()
+    pd.prefill = vllm_fleet.restart_prefill(0)
     assert pd.prefill.kvferry_group() != group
     back = proxy.wait_health(200)
-    print(f"{policy}: the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
-    for prompt in make_prompts(SEEDS["sequential"])[:6]:
-        asked = time.monotonic()
-        got = proxy.complete(prompt, 16)
-        if "choices" not in got:
-            print(f"a request through the restarted prefill failed after {time.monotonic() - asked:.2f} s "
-                  f"(registry exit status {pd.registry.poll()}): {got}\n{diagnose(pd, pd.logs)}")
-        assert "choices" in got, got
-        assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
+    print(f"the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
+    try:
+        for prompt in make_prompts(SEEDS["sequential"])[:6]:
+            asked = time.monotonic()
+            got = proxy.complete(prompt, 16)
+            if "choices" not in got:
+                print(f"a request through the restarted prefill failed after {time.monotonic() - asked:.2f} s "
+                      f"(registry exit status {pd.registry.poll()}): {got}\n{diagnose(pd, pd.logs)}")
+            assert "choices" in got, got
+            assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], got
+    finally:
+        pd.stop()
 
 
 # The server whose queue a request waits in, and the pairing that makes a timeout end its room
@@ -263,71 +277,91 @@ def wait_in_queue(pd: Pd, queue: str, reference: dict) -> None:
     assert metric(pd.decode_api, "kvferry_kv_bytes_total") > landed_before
 
 
-def test_a_room_outlives_its_timeouts_while_its_request_waits_in_either_queue(vllm, kvferry_bin, tmp_path, reference):
-    """Servers that run one request at a time, whose agents end a room after 1 s (the
-    prefill's room TTL and both sides' ready timeout; the decode keeps landed rooms for its
-    engine as usual), heartbeats every 100 ms. The agents hold the room while its request
-    waits (their heartbeats name it to the other side)."""
+@pytest.fixture(scope="module")
+def vllm_serial(vllm, kvferry_bin, tmp_path_factory):
+    """A prefill and a decode server that run one request at a time, whose agents end a room
+    after 1 s (the prefill's room TTL and both sides' ready timeout; the decode keeps landed
+    rooms for its engine as usual) and send heartbeats every 100 ms."""
     serial = ["--max-num-seqs", "1"]
-    pd = Pd(vllm, kvferry_bin, tmp_path, prefill_args=serial, decode_args=serial, room_ttl_ms=1_000,
-            timeout_ready_ms=1_000, heartbeat_ms=100, decode_agent=dict(room_ttl_ms=60_000))
+    pd = Pd(vllm, kvferry_bin, tmp_path_factory.mktemp("serial"), prefill_args=serial, decode_args=serial,
+            room_ttl_ms=1_000, timeout_ready_ms=1_000, heartbeat_ms=100, decode_agent=dict(room_ttl_ms=60_000))
+    deployments.LIVE.add("vllm_serial", pd.stop)
+    yield pd
+    pd.stop()
+
+
+def test_negative_control_kv_corrupted_in_flight_changes_the_output(vllm_fleet, reference):
+    # Checksums off and the prefill agent inverting every byte of the room's first chunk (a
+    # test-only fault switch, armed at run time): the room still ends `success`, the decode
+    # generates from wrong KV, and its tokens differ from the reference. The equality the other
+    # tests assert is not automatic.
+    pd = View(vllm_fleet, vllm_fleet.prefills[:1], vllm_fleet.decodes[:1])
+    prompt = make_prompts(SEEDS["sequential"])[-1]  # 1000 tokens: 8 blocks, 2 MiB, 2 chunks
+    log_start = len(pd.prefill.log.read_text())
+    # Every block moves, and none of the wrong ones stays in the decode's prefix cache.
+    reset_prefix_cache(pd.decode)
     try:
-        for queue in QUEUES:
-            wait_in_queue(pd, queue, reference)
-    finally:
-        pd.stop()
-
-
-def test_a_decode_killed_mid_batch_releases_the_prefill_blocks(vllm, kvferry_bin, tmp_path, reference):
-    # 24 blocks of 128 tokens: the batch's four rooms hold 32 blocks' worth while they wait to be
-    # sent, so the prefill could not run the follow-up prompt if they were never released.
-    pd = Pd(vllm, kvferry_bin, tmp_path, prefill_args=[*CHUNKED, "--num-gpu-blocks-override", "24"],
-            **SLOW_PATHS_OFF)
-    try:
-        prompts = long_prompts(4, 11)
-        group = pd.prefill.kvferry_group()
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            prefilled, rooms = [], []
-            for prompt in prompts:
-                room = int.from_bytes(os.urandom(8), "little")
-                rooms.append(room)
-                pool.submit(pd.decode.complete, prompt, 16,
-                            {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group})
-                prefilled.append(pool.submit(pd.prefill.complete, prompt, 1,
-                                             {"do_remote_decode": True, "kvferry_room": str(room)}))
-            # Once the decode has asked the prefill's agent for every room (a room nobody asked
-            # for is released only by --room-ttl-ms: the prefill cannot know it never will be).
-            wait_asked(pd.prefill_api, rooms)
-            pd.decode.kill()
-            killed = time.monotonic()
-            for f in prefilled:
-                assert "choices" in f.result(), f.result()
-        # Every block of the batch must be free again for this one to be scheduled at all.
-        follow_up = long_prompts(1, 12)[0]
-        got = pd.prefill.complete(follow_up, 1)
-        took = time.monotonic() - killed
-        print(f"the prefill served a new prompt {took:.2f} s after the decode was killed "
-              f"(KV usage now {vllm_metric(pd.prefill, 'vllm:kv_cache_usage_perc'):.3f})")
-        assert "choices" in got, got
-        assert took < 60
-    finally:
-        pd.stop()
-
-
-def test_negative_control_kv_corrupted_in_flight_changes_the_output(vllm, kvferry_bin, tmp_path, reference):
-    # Checksums off and the prefill agent inverting every byte of its first chunk (a test-only
-    # fault switch): the room still ends `success`, the decode generates from wrong KV, and its
-    # tokens differ from the reference. The equality the other tests assert is not automatic.
-    pd = Pd(vllm, kvferry_bin, tmp_path, fault_corrupt_chunk=1)
-    try:
-        prompt = make_prompts(SEEDS["sequential"])[-1]  # 1000 tokens: 8 blocks, 2 MiB, 2 chunks
+        armed = arm_corrupt_chunk(pd.prefill_api)
         got = pd.proxy("sequential").complete(prompt, 16)
-        assert "choices" in got, got
-        assert got["kv_transfer_params"]["kvferry_start_token"] == 0
-        ids = got["choices"][0]["token_ids"]
-        same = sum(a == b for a, b in zip(ids, reference[tuple(prompt)]))
-        print(f"corrupted KV: {same} of {len(ids)} tokens equal the reference's")
-        assert ids != reference[tuple(prompt)]
-        assert "fault injection: corrupting a chunk" in (tmp_path / "prefill.log").read_text()
     finally:
         pd.stop()
+        reset_prefix_cache(pd.decode)
+    assert "choices" in got, got
+    assert got["kv_transfer_params"]["kvferry_start_token"] == 0
+    ids = got["choices"][0]["token_ids"]
+    same = sum(a == b for a, b in zip(ids, reference[tuple(prompt)]))
+    print(f"corrupted KV (chunk {armed['corrupt_chunk']}): {same} of {len(ids)} tokens equal the reference's")
+    assert ids != reference[tuple(prompt)]
+    assert "fault injection: corrupting a chunk" in pd.prefill.log.read_text()[log_start:]
+
+
+def test_a_room_outlives_its_timeouts_while_its_request_waits_in_either_queue(vllm_serial, reference):
+    """The agents hold the room while its request waits (their heartbeats name it to the other
+    side)."""
+    for queue in QUEUES:
+        wait_in_queue(vllm_serial, queue, reference)
+
+
+@pytest.mark.last(1)
+def test_a_decode_killed_after_asking_for_rooms_fails_them_and_the_prefill_frees_their_blocks(vllm_fleet, reference):
+    """The fleet's first decode asks the first prefill for four rooms of long prompts and is
+    killed before the prefill computed any (their prefill requests are sent once the prefill's
+    agent knows the decode dead): the rooms fail with ``peer_dead`` (not their TTL) and every
+    block the prefill lent to them comes back; the prefill serves on."""
+    prefill, decode = vllm_fleet.prefills[0], vllm_fleet.decodes[0]
+    api = prefill.agent_api()
+    expired = metric(api, "kvferry_rooms_expired_total")
+    dead = metric(api, "kvferry_room_failures_total", 'code="peer_dead"')
+    peers_dead = metric(api, "kvferry_peers_dead_total")
+    prompts = long_prompts(4, 11)
+    group = prefill.kvferry_group()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        rooms = []
+        for prompt in prompts:
+            room = int.from_bytes(os.urandom(8), "little")
+            rooms.append(room)
+            pool.submit(decode.complete, prompt, 16,
+                        {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group})
+        # Once the decode has asked the prefill's agent for every room (a room nobody asked
+        # for is released only by its TTL: the prefill cannot know it never will be).
+        wait_asked(api, rooms)
+        decode.kill()
+        killed = time.monotonic()
+        while metric(api, "kvferry_peers_dead_total") == peers_dead:
+            assert time.monotonic() - killed < 60, "the prefill's agent never found the decode dead"
+            time.sleep(0.05)
+        prefilled = [pool.submit(prefill.complete, prompt, 1, {"do_remote_decode": True, "kvferry_room": str(room)})
+                     for prompt, room in zip(prompts, rooms)]
+        for f in prefilled:
+            assert "choices" in f.result(), f.result()
+    deadline = time.monotonic() + 60
+    while vllm_metric(prefill, "vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, f"the prefill still holds blocks: {vllm_metric(prefill, 'vllm:kv_cache_usage_perc')}"
+        time.sleep(0.2)
+    took = time.monotonic() - killed
+    failed = metric(api, "kvferry_room_failures_total", 'code="peer_dead"') - dead
+    print(f"every block of the prefill was free {took:.2f} s after the decode was killed; {failed:.0f} rooms failed peer_dead")
+    assert failed == len(rooms)
+    assert metric(api, "kvferry_rooms_expired_total") == expired
+    got = prefill.complete(long_prompts(1, 12)[0], 1)
+    assert "choices" in got, got

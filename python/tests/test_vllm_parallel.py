@@ -1,8 +1,9 @@
 """Tensor and data parallelism through vLLM, each shape behind ``kvferry proxy``: a TP1 prefill
 server with a TP2 decode server, a TP2 prefill with a TP1 decode, a prefill server of two vLLM
 data-parallel ranks with a TP1 decode (these three in both pairings), and a TP4 prefill with a
-TP1 decode (concurrent pairing). The last three share one TP1 decode server and registry; each
-starts its own prefill server.
+TP1 decode (concurrent pairing). The TP1 servers are the run's fleet's (``vllm_fleet``), the TP2
+decode is the fleet's fifth server (``fleet_recompute_decode``), and each multi-rank prefill
+joins the fleet for its shape (``fleet_prefill``).
 
 The tiny model has 2 KV heads. A TP2 server's two workers each run an agent for one head, and
 the TP1 side's agent pairs with both. At TP4 vLLM holds each head on two ranks, and each sends
@@ -21,7 +22,6 @@ A server of several ranks binds a core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 
@@ -29,18 +29,13 @@ import pytest
 
 from vllm_servers import (
     SEEDS,
-    Pd,
-    free_port,
+    View,
     make_prompts,
     metric,
-    post,
+    reset_prefix_cache,
     run_prompts,
     vllm_metric,
 )
-
-# The engines share both cores with each other: only a closed connection may end a peer or a
-# Hello (the defaults, 5 s, assume engines with cores of their own).
-AGENT = dict(peer_dead_ms=60_000, timeout_connect_ms=60_000)
 
 SHAPES = {
     "tp1-to-tp2": dict(decode_tp=2),
@@ -49,8 +44,8 @@ SHAPES = {
     # More TP ranks than the model's 2 KV heads: vLLM holds each head on two ranks.
     "tp4-to-tp1": dict(prefill_tp=4),
 }
-# These share one TP1 decode server (a vLLM server takes most of a minute to start here).
-SHARED_DECODE = ["tp2-to-tp1", "dp2-to-tp1", "tp4-to-tp1"]
+# The shapes whose prefill server joins the fleet for them (``fleet_prefill``).
+PREFILL_SHAPES = ["tp2-to-tp1", "dp2-to-tp1", "tp4-to-tp1"]
 # The pairings a shape runs: replication changes what each prefill rank sends, not how a
 # decode pairs with them (the other shapes run both pairings).
 PAIRINGS = {"tp4-to-tp1": ["concurrent"]}
@@ -85,56 +80,30 @@ def unfinished_rooms(api: str) -> float:
     return sum(metric(api, "kvferry_rooms_held", f'state="{state}"') for state in UNFINISHED)
 
 
-def two_free_ports() -> int:
-    """A port ``p`` with ``p + 1`` free too (a base API port of a TP2 server)."""
-    for _ in range(100):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no two free ports in a row")
-
-
-@pytest.fixture(scope="module")
-def tp1_decode(vllm, kvferry_bin, tmp_path_factory):
-    """A registry and a TP1 decode server that the shapes with one share (each starts its own
-    prefill server: ``Pd.reshape_prefills``), and the decode agent's base API port."""
-    api_port = two_free_ports()
-    first = SHAPES[SHARED_DECODE[0]]
-    # vLLM's development routes include /reset_prefix_cache.
-    python, env, model = vllm
-    pd = Pd((python, env | {"VLLM_SERVER_DEV_MODE": "1"}, model), kvferry_bin, tmp_path_factory.mktemp("tp1-decode"),
-            **first, decode_agent=dict(api_port=api_port), **AGENT)
-    yield pd, api_port
-    pd.stop()
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_outputs_equal_a_single_engine_across_parallel_shapes(vllm, kvferry_bin, tmp_path, reference, request, shape):
-    ranks = SHAPES[shape]
-    if shape in SHARED_DECODE:
-        pd, api_port = request.getfixturevalue("tp1_decode")
-        pd.reshape_prefills(ranks.get("prefill_tp", 1), ranks.get("prefill_dp", 1))
-        # Each shape starts with the decode's prefix cache cold, so that every room moves.
-        deadline = time.monotonic() + 60
-        while not post(pd.decode.url + "/reset_prefix_cache", {}).get("success"):
-            assert time.monotonic() < deadline, "the decode's prefix cache was never reset"
-            time.sleep(0.5)
-        check_shape(pd, api_port, shape, reference)
-        return
-    # A decode's agents listen on a known base port plus their TP rank.
-    api_port = two_free_ports()
-    pd = Pd(vllm, kvferry_bin, tmp_path, **ranks, decode_agent=dict(api_port=api_port), **AGENT)
+def test_outputs_equal_a_single_engine_from_a_tp1_prefill_to_a_tp2_decode(vllm_fleet, fleet_recompute_decode, reference):
+    reset_prefix_cache(fleet_recompute_decode)
+    view = View(vllm_fleet, vllm_fleet.prefills[:1], [fleet_recompute_decode])
     try:
-        check_shape(pd, api_port, shape, reference)
+        check_shape(view, fleet_recompute_decode.api_port, "tp1-to-tp2", reference)
     finally:
-        pd.stop()
+        view.stop()
 
 
-def check_shape(pd: Pd, api_port: int, shape: str, reference: dict) -> None:
+@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+def test_outputs_equal_a_single_engine_from_multi_rank_prefills_to_a_tp1_decode(vllm_fleet, fleet_prefill, reference, shape):
+    ranks = SHAPES[shape]
+    prefill = fleet_prefill.shape(ranks.get("prefill_tp", 1), ranks.get("prefill_dp", 1))
+    decode = vllm_fleet.decodes[0]
+    # Each shape starts with the decode's prefix cache cold, so that every room moves.
+    reset_prefix_cache(decode)
+    view = View(vllm_fleet, [prefill], [decode])
+    try:
+        check_shape(view, decode.api_port, shape, reference)
+    finally:
+        view.stop()
+
+
+def check_shape(pd: View, api_port: int, shape: str, reference: dict) -> None:
     ranks = SHAPES[shape]
     decode_tp = ranks.get("decode_tp", 1)
     prefill_agents = ranks.get("prefill_tp", 1) * ranks.get("prefill_dp", 1)

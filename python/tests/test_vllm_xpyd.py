@@ -1,8 +1,9 @@
 """Two prefill and two decode vLLM servers behind one ``kvferry proxy`` (2P2D), every server of
-a role started with the same command: each prefill server is a kvferry group of its own (derived
-from its vLLM engine id) and both decode servers register the same ranks.
+a role started with the same command (the run's fleet, ``vllm_fleet``): each prefill server is a
+kvferry group of its own (derived from its vLLM engine id) and both decode servers register the
+same ranks.
 
-The servers are shared by the module's tests (the kill test last). Prompts of 1 to 1000 tokens
+The kill test runs after every other test of the fleet. Prompts of 1 to 1000 tokens
 from both prompt sets go 8 at once through the proxy in both pairings: every output equals the
 single engine's, the decode agents landed exactly the blocks the responses say they loaded, and
 every server served some. Then one decode server's whole process group is killed with SIGKILL
@@ -24,9 +25,10 @@ import urllib.request
 import pytest
 
 from vllm_servers import (
+    FLEET_ROOM_TTL_MS,
     NEW_TOKENS,
     SEEDS,
-    Pd,
+    View,
     make_prompts,
     metric,
     run_prompts,
@@ -34,12 +36,6 @@ from vllm_servers import (
 )
 
 IN_FLIGHT = 8
-# Rooms a killed decode never asked for are released by their TTL.
-ROOM_TTL_MS = 20_000
-# Four engines on two cores: an agent's thread can wait seconds to run. Only a closed
-# connection may end a peer or a Hello here; the defaults (5 s) assume engines that do not
-# share their cores.
-AGENT = dict(room_ttl_ms=ROOM_TTL_MS, peer_dead_ms=60_000, timeout_connect_ms=60_000)
 
 
 def all_prompts() -> list[list[int]]:
@@ -52,13 +48,13 @@ def served(server) -> float:
 
 
 @pytest.fixture(scope="module")
-def xpyd(vllm, kvferry_bin, tmp_path_factory):
-    cluster = Pd(vllm, kvferry_bin, tmp_path_factory.mktemp("xpyd"), prefills=2, decodes=2, **AGENT)
-    try:
-        cluster.via = {pairing: cluster.proxy(pairing) for pairing in SEEDS}
-        yield cluster
-    finally:
-        cluster.stop()
+def xpyd(vllm_fleet):
+    """The fleet's four servers behind a proxy of each pairing (its lists: a prefill started
+    again by another test is in them)."""
+    cluster = View(vllm_fleet, vllm_fleet.prefills, vllm_fleet.decodes)
+    cluster.via = {pairing: cluster.proxy(pairing) for pairing in SEEDS}
+    yield cluster
+    cluster.stop()
 
 
 def test_prefill_servers_with_one_config_are_groups_of_their_own(xpyd):
@@ -119,6 +115,7 @@ def complete(proxy, prompt: list[int], max_tokens: int) -> tuple[list[int], str 
     return [], got["error"]["error"]["message"]
 
 
+@pytest.mark.last(0)
 def test_a_decode_killed_while_answering(reference, xpyd):
     proxy = xpyd.via["concurrent"]
     victim, survivor = xpyd.decodes[1], xpyd.decodes[0]
@@ -157,7 +154,7 @@ def test_a_decode_killed_while_answering(reference, xpyd):
     assert served(survivor) - before == len(later)
     # Every block the prefills lent to rooms comes back: rooms the victim had asked for fail
     # when its connection drops; rooms it never asked for expire with their TTL.
-    deadline = time.monotonic() + ROOM_TTL_MS / 1000 + 60
+    deadline = time.monotonic() + FLEET_ROOM_TTL_MS / 1000 + 60
     while any(vllm_metric(p, "vllm:kv_cache_usage_perc") > 0 for p in xpyd.prefills):
         assert time.monotonic() < deadline, [vllm_metric(p, "vllm:kv_cache_usage_perc") for p in xpyd.prefills]
         time.sleep(0.2)

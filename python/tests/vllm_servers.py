@@ -25,12 +25,16 @@ from typing import Any
 
 import numpy as np
 
+import deployments
 from conftest import REPO
 
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 128
 # The tiny model: 2 layers, 2 KV heads of 64 fp32 dims; one vLLM CPU block of every layer.
 BLOCK_BYTES = 2 * BLOCK_SIZE * 2 * 2 * 64 * 4
+# A server's KV cache unless its arguments size it: 512 blocks of the tiny model (a TP rank's
+# half as many heads, twice the blocks), 8 times what 4 sequences of 1024 tokens hold.
+KV_CACHE = ("--kv-cache-memory-bytes", "128M")
 ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -38,7 +42,6 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     # The embedded agents' warnings and errors go to the server's log.
     "RUST_LOG": "kvferry=warn",
 }
@@ -81,10 +84,12 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model)
         self.log = log
+        self.engine = deployments.Engine("vllm", f"vLLM server {log.name} ({' '.join(args)[:120]})")
         cmd = [
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--seed", "0", *args,
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--seed", "0",
+            *(() if KV_CACHE[0] in args else KV_CACHE), *args,
         ]
         # A process group of its own (killed as one), in the tests' session: the kernel shares
         # a core evenly between sessions (autogroups), and an idle vLLM worker polls with
@@ -133,6 +138,8 @@ class Server:
         """Signals the server's whole process group (engine core and workers too)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self.engine.stopped()
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
@@ -141,6 +148,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.kill()
             self.proc.wait()
+        self.engine.stopped()
 
 
     def chat(self, messages: list[dict], max_tokens: int, **extra: Any) -> dict:
@@ -285,71 +293,21 @@ def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict,
     return starts
 
 
-class Pd:
-    """A kvferry registry, ``prefills`` prefill servers and ``decodes`` decode servers with the
-    connector, every server of one role started with the same configuration (prefill ``i`` on
-    core ``i % 2``, decode ``i`` on the other core; a server of ``prefill_tp``/``decode_tp`` > 1
-    TP ranks or ``prefill_dp`` > 1 DP ranks on a core per rank); ``prefill_args``/``decode_args`` are extra
-    vLLM flags, ``decode_policy`` the decodes' kv_load_failure_policy, ``agent`` extra agent
-    options of every server (``decode_agent``: of the decode servers only). ``prefill`` and ``decode`` are the first of each role."""
+class Servers:
+    """Prefill and decode servers of one registry with ``kvferry proxy`` in front of them:
+    ``prefill`` and ``decode`` are the first of each role; ``via`` the proxies by pairing, of
+    whoever made them (``proxy`` starts one; they stop with ``stop_proxies``)."""
 
-    def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
-                 decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, prefill_tp: int = 1,
-                 decode_tp: int = 1, prefill_dp: int = 1, decode_agent: dict | None = None, **agent: Any) -> None:
-        self.python, self.env, self.model = vllm
-        self.logs = logs
-        self.kvferry_bin = kvferry_bin
+    bootstrap: str
+    logs: pathlib.Path
+    kvferry_bin: Any
+    model: str
+    prefills: list[Server]
+    decodes: list[Server]
+
+    def __init__(self) -> None:
         self.proxies: list[Proxy] = []
-        self.registry = subprocess.Popen(
-            [str(kvferry_bin), "bootstrap", "--port", "0"],
-            stdout=subprocess.PIPE, stderr=open(logs / "registry.log", "wb"), text=True,
-        )
-        self.bootstrap = json.loads(self.registry.stdout.readline())["url"]
-        self.agent = agent
-        self.own_prefill_args = tuple(prefill_args)
-        self.prefill_args = self.own_prefill_args + parallel_args(prefill_tp, prefill_dp)
-        self.prefill_ranks = prefill_tp * prefill_dp
-        decode_args = tuple(decode_args) + parallel_args(decode_tp)
-        self.prefills = [self.start_prefill(i) for i in range(prefills)]
-        decode_config = connector("kv_consumer", self.bootstrap, kv_load_failure_policy=decode_policy,
-                                  **(agent | (decode_agent or {})))
-        self.decodes = [
-            Server(self.python, self.env, self.model, cores((i + 1) % 2, decode_tp), logs / log_name("decode", i), *decode_args,
-                   "--kv-transfer-config", decode_config)
-            for i in range(decodes)
-        ]
-        try:
-            for server in self.prefills + self.decodes:
-                server.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-
-    def start_prefill(self, i: int = 0, port: int | None = None) -> Server:
-        """Prefill server ``i`` (on ``port``: a restarted one keeps its URL, as behind a proxy)."""
-        return Server(
-            self.python, self.env, self.model, cores(i % 2, self.prefill_ranks), self.logs / log_name("prefill", i),
-            *self.prefill_args,
-            "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent), port=port,
-        )
-
-    def reshape_prefills(self, tp: int = 1, dp: int = 1) -> None:
-        """Stops the prefill servers and their proxies, and starts the servers again with
-        ``tp`` TP ranks and ``dp`` DP ranks each (nothing when they run so already); the
-        registry and the decode servers stay."""
-        args = self.own_prefill_args + parallel_args(tp, dp)
-        if args == self.prefill_args:
-            return
-        for p in self.proxies:
-            p.stop()
-        self.proxies = []
-        for server in self.prefills:
-            server.stop()
-        self.prefill_args = args
-        self.prefill_ranks = tp * dp
-        self.prefills = [self.start_prefill(i) for i in range(len(self.prefills))]
-        for server in self.prefills:
-            server.wait_healthy()
+        self.via: dict[str, Proxy] = {}
 
     @property
     def prefill(self) -> Server:
@@ -372,19 +330,190 @@ class Pd:
         return self.decode.agent_api()
 
     def proxy(self, pairing: str) -> Proxy:
-        """``kvferry proxy`` in front of every server (stopped with them)."""
+        """``kvferry proxy`` in front of every server of these."""
         p = Proxy(self.kvferry_bin, [s.url for s in self.prefills], [s.url for s in self.decodes], pairing,
                   self.logs, self.model)
         self.proxies.append(p)
         return p
 
-    def stop(self) -> None:
+    def stop_proxies(self) -> None:
         for p in self.proxies:
             p.stop()
-        for s in self.prefills + self.decodes:
+        self.proxies, self.via = [], {}
+
+
+class Pd(Servers):
+    """A kvferry registry, ``prefills`` prefill servers and ``decodes`` decode servers with the
+    connector, every server of one role started with the same configuration (prefill ``i`` on
+    core ``i % 2``, decode ``i`` on the other core; a server of ``prefill_tp``/``decode_tp`` > 1
+    TP ranks or ``prefill_dp`` > 1 DP ranks on a core per rank); ``prefill_args``/``decode_args``
+    are extra vLLM flags, ``decode_policy`` the decodes' kv_load_failure_policy, ``agent`` extra
+    agent options of every server (``decode_agent``: of the decode servers only; a list of
+    dicts: one per decode). More servers join the deployment with ``start_prefill`` and
+    ``start_decode`` (``join``), and ``View`` shows some of them behind proxies of their own."""
+
+    def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
+                 decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, prefill_tp: int = 1,
+                 decode_tp: int = 1, prefill_dp: int = 1, decode_agent: dict | list[dict] | None = None,
+                 **agent: Any) -> None:
+        super().__init__()
+        self.python, self.env, self.model = vllm
+        self.logs = logs
+        self.kvferry_bin = kvferry_bin
+        self.members: list[Server] = []
+        self.registry = subprocess.Popen(
+            [str(kvferry_bin), "bootstrap", "--port", "0"],
+            stdout=subprocess.PIPE, stderr=open(logs / "registry.log", "wb"), text=True,
+        )
+        self.bootstrap = json.loads(self.registry.stdout.readline())["url"]
+        self.agent = agent
+        self.prefill_args = tuple(prefill_args)
+        self.decode_args = tuple(decode_args)
+        self.prefill_shape = (prefill_tp, prefill_dp)
+        per_decode = decode_agent if isinstance(decode_agent, list) else [decode_agent or {}] * decodes
+        try:
+            self.prefills = [self.start_prefill(i) for i in range(prefills)]
+            self.decodes = [self.start_decode(i, decode_tp, decode_policy, per_decode[i]) for i in range(decodes)]
+            for server in self.prefills + self.decodes:
+                server.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_prefill(self, i: int = 0, port: int | None = None, tp: int | None = None, dp: int | None = None,
+                      log: str | None = None) -> Server:
+        """Prefill server ``i`` (on ``port``: a restarted one keeps its URL, as behind a proxy), of
+        the deployment's shape unless ``tp``/``dp`` say otherwise."""
+        tp, dp = tp or self.prefill_shape[0], dp or self.prefill_shape[1]
+        return Server(
+            self.python, self.env, self.model, cores(i % 2, tp * dp), self.logs / (log or log_name("prefill", i)),
+            *self.prefill_args, *parallel_args(tp, dp),
+            "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent), port=port,
+        )
+
+    def start_decode(self, i: int, tp: int = 1, policy: str | None = None, agent: dict | None = None,
+                     log: str | None = None) -> Server:
+        """Decode server ``i`` with ``policy`` and these agent options besides the deployment's."""
+        config = connector("kv_consumer", self.bootstrap, kv_load_failure_policy=policy, **(self.agent | (agent or {})))
+        return Server(self.python, self.env, self.model, cores((i + 1) % 2, tp), self.logs / (log or log_name("decode", i)),
+                      *self.decode_args, *parallel_args(tp), "--kv-transfer-config", config)
+
+    def join(self, server: Server) -> Server:
+        """A server started for some tests, stopped with the deployment unless before."""
+        self.members.append(server)
+        try:
+            server.wait_healthy()
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def restart_prefill(self, i: int = 0) -> Server:
+        """Prefill server ``i`` again after it died, on its URL."""
+        self.prefills[i] = self.start_prefill(i, port=self.prefills[i].port)
+        self.prefills[i].wait_healthy()
+        return self.prefills[i]
+
+    def stop(self) -> None:
+        """Everything (any number of calls)."""
+        self.stop_proxies()
+        for s in getattr(self, "prefills", []) + getattr(self, "decodes", []) + self.members:
             s.stop()
         self.registry.terminate()
         self.registry.wait()
+
+
+class View(Servers):
+    """Some servers of a deployment behind proxies of their own (``stop`` stops the proxies)."""
+
+    def __init__(self, pd: Pd, prefills: list[Server], decodes: list[Server]) -> None:
+        super().__init__()
+        self.pd = pd
+        self.bootstrap, self.logs, self.kvferry_bin, self.model = pd.bootstrap, pd.logs, pd.kvferry_bin, pd.model
+        self.registry = pd.registry
+        self.prefills, self.decodes = prefills, decodes
+
+    def stop(self) -> None:
+        self.stop_proxies()
+
+
+# The run's vLLM fleet (conftest's ``vllm_fleet``): every agent ends rooms nobody takes after
+# FLEET_ROOM_TTL_MS, and only a closed connection ends a peer or a Hello within the tests'
+# bounds (four engines and more on two cores: an agent's thread can wait seconds to run; the
+# defaults, 5 s, assume engines with cores of their own); a test can arm a fault in a prefill's
+# agent (``arm_corrupt_chunk``).
+FLEET_ROOM_TTL_MS = 20_000
+FLEET_AGENT = dict(room_ttl_ms=FLEET_ROOM_TTL_MS, peer_dead_ms=60_000, timeout_connect_ms=60_000,
+                   fault_injection=True)
+# A step computes at most this many tokens: prompts up to 320 tokens in one step, longer ones
+# in chunks (ending inside a block, 320, and on one, 640).
+FLEET_STEP_TOKENS = 320
+
+
+def fleet(vllm, kvferry_bin, logs: pathlib.Path) -> Pd:
+    """Two prefill and two decode servers, every server of a role with one configuration
+    (ports aside): the decodes' agents listen on base API ports of their own (``api_port``),
+    and vLLM's development routes are on (``reset_prefix_cache``)."""
+    python, env, model = vllm
+    ports = [two_free_ports(), two_free_ports()]
+    pd = Pd((python, env | {"VLLM_SERVER_DEV_MODE": "1"}, model), kvferry_bin, logs, prefills=2, decodes=2,
+            prefill_args=("--max-num-batched-tokens", str(FLEET_STEP_TOKENS)),
+            decode_agent=[dict(api_port=p) for p in ports], **FLEET_AGENT)
+    for server, port in zip(pd.decodes, ports):
+        server.api_port = port
+    return pd
+
+
+class FleetPrefill:
+    """One more prefill server of the fleet at a time, of a TP and DP shape (``shape``); the
+    previous one stops first."""
+
+    def __init__(self, fleet: Pd) -> None:
+        self.fleet = fleet
+        self.server: Server | None = None
+        self.ranks: tuple[int, int] | None = None
+
+    def shape(self, tp: int = 1, dp: int = 1) -> Server:
+        if self.ranks != (tp, dp):
+            self.stop()
+            self.server = self.fleet.join(self.fleet.start_prefill(0, tp=tp, dp=dp, log=f"prefill-tp{tp}-dp{dp}.log"))
+            self.ranks = (tp, dp)
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.server, self.ranks = None, None
+
+
+def reset_prefix_cache(server: Server) -> None:
+    """Empties ``server``'s prefix cache (vLLM's development route; it refuses while requests
+    run), so that every block of the next prompts moves."""
+    deadline = time.monotonic() + 60
+    while not post(server.url + "/reset_prefix_cache", {}).get("success"):
+        assert time.monotonic() < deadline, f"{server.url}: the prefix cache was never reset"
+        time.sleep(0.5)
+
+
+def arm_corrupt_chunk(agent_api: str, nth: int = 1) -> dict:
+    """Has a prefill agent started with ``fault_injection`` invert the bytes of the ``nth``
+    chunk it sends from now (a test-only switch of its engine API)."""
+    got = post(agent_api + "/v1/faults", {"corrupt_chunk": nth}, timeout=30)
+    assert "corrupt_chunk" in got, got
+    return got
+
+
+def two_free_ports() -> int:
+    """A port ``p`` with ``p + 1`` free too (a base API port of a TP2 server)."""
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+    raise RuntimeError("no two free ports in a row")
 
 
 def parallel_args(tp: int, dp: int = 1) -> tuple[str, ...]:

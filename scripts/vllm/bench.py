@@ -476,7 +476,7 @@ def main() -> None:
     vllm = (python, env, make_model(python, env, out / "model", seed=0, layers=args.layers))
     longest = max(sizes) + NEW_TOKENS
     engine_args = ("--max-model-len", str(-(-longest // 128) * 128), "--max-num-seqs", str(max(8, *inflights)),
-                   "--no-enable-prefix-caching")
+                   "--no-enable-prefix-caching", "--kv-cache-memory-bytes", "1G")
     rng = np.random.default_rng(3)
     requests = (lambda c: 1) if args.smoke else (lambda c: max(6, args.per_inflight * c))
     cells = {(n, c): [rng.integers(3, 2048, n).tolist() for _ in range(requests(c))] for n in sizes for c in inflights}

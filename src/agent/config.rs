@@ -112,6 +112,9 @@ pub struct AgentConfig {
     pub max_held_pages: usize,
     /// Fault injection for tests: invert every byte of the N-th chunk sent (after checksumming).
     pub fault_corrupt_chunk: Option<u64>,
+    /// Fault injection for tests: the prefill's engine API arms faults while it runs
+    /// (`POST /v1/faults`).
+    pub fault_injection: bool,
     /// Timeouts.
     pub timeouts: Timeouts,
     /// Copy threads of the CPU kernel.

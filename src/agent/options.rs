@@ -202,6 +202,12 @@ pub struct AgentOptions {
     /// its checksum; a direct chunk gets a wrong checksum instead).
     #[arg(long, env = "KVFERRY_FAULT_CORRUPT_CHUNK", hide = true)]
     pub fault_corrupt_chunk: Option<u64>,
+    /// Fault injection for tests: the prefill's engine API serves `POST /v1/faults`, which arms
+    /// the same corruption while it runs (`{"corrupt_chunk": N}`: the N-th chunk sent from now),
+    /// so that servers shared by many tests need no restart for one that injects a fault.
+    #[arg(long, env = "KVFERRY_FAULT_INJECTION", hide = true,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub fault_injection: bool,
     /// Direct path (pool pages straight into the decode pool; `ucx`, and `zmq-ipc` by mapping
     /// the decode's pool): `auto` where the transport's writes are fast and safe and the runs
     /// pay, `always`, or `never`.
@@ -351,6 +357,7 @@ impl AgentOptions {
             max_rooms: self.max_rooms,
             max_held_pages: self.max_held_pages.unwrap_or(self.pool_pages / 2),
             fault_corrupt_chunk: self.fault_corrupt_chunk,
+            fault_injection: self.fault_injection,
             copy_threads: self.copy_threads,
             direct_writes: self.direct_writes,
             mapped_writes: self.mapped_writes,

@@ -643,9 +643,12 @@ async fn prefill_counts(http: &Client, api: &str) -> Vec<String> {
 // checksums
 // ---------------------------------------------------------------------------------------------
 
-/// With `--checksum` on both agents and the prefill's fault hook flipping a byte of the 3rd
-/// chunk it sends (after checksumming), that room fails with code `checksum` (never lands as
-/// success); later rooms verify. Without the hook, rooms of many chunks verify.
+/// With `--checksum` on both agents and the prefill's fault hook flipping a byte of a chunk it
+/// sends (after checksumming), that room fails with code `checksum` (never lands as success);
+/// later rooms verify. The hook is armed while the prefill runs, after it sent rooms already
+/// (`--fault-injection`: `POST /v1/faults` on its engine API, the 3rd chunk from then on);
+/// without `--fault-injection` that route does not exist. Without the hook, rooms of many chunks
+/// verify.
 #[test]
 fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
     require_flags("prefill", &["--checksum"]);
@@ -657,12 +660,29 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
         &opts.args_all(),
         &both,
         &both,
-        &[("KVFERRY_FAULT_CORRUPT_CHUNK", "3")],
+        &[("KVFERRY_FAULT_INJECTION", "1")],
     );
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
         let (total, _) = pool(&http, &d).await;
-        // 512 tiny tokens = 512 KiB = 8 chunks of 64 KiB: the 3rd chunk is in it.
+        // Rooms before the fault is armed land intact.
+        let before = drive_rooms(&Apis::pair(&p, &d), vec![(10, 100), (11, 300)], 2)
+            .await
+            .expect("rooms before the fault");
+        assert!(before.iter().all(|r| r.verified), "{before:?}");
+        let armed: serde_json::Value = http
+            .post(format!("{p}/v1/faults"))
+            .json(&json!({ "corrupt_chunk": 3 }))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let sent = armed["chunks_sent"].as_u64().expect("chunks_sent");
+        assert!(sent > 0, "{armed}");
+        assert_eq!(armed["corrupt_chunk"], sent + 3, "{armed}");
+        // 512 tiny tokens = 512 KiB = 8 chunks of 64 KiB: the 3rd chunk from now is in it.
         request(&http, &d, 1, json!({ "tokens": 512 })).await;
         let t = Instant::now();
         ready(&http, &p, 1, 512).await;
@@ -704,6 +724,13 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
     let c = FaultCluster::start("faults-checksum-clean", &opts.args_all(), &both, &both, &[]);
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
+        let refused = http
+            .post(format!("{p}/v1/faults"))
+            .json(&json!({ "corrupt_chunk": 1 }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), 404, "fault injection is off by default");
         let rooms: Vec<(u64, usize)> = (1..=20).map(|r| (r, 100 + (r as usize * 97) % 900)).collect();
         let t = Instant::now();
         let results = drive_rooms(&Apis::pair(&p, &d), rooms, 4).await.expect("clean rooms");

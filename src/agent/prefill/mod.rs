@@ -22,10 +22,11 @@
 //! Files: this one (rooms, transfers' bookkeeping, aborts, timeouts, drain), `control.rs` (what
 //! decodes send), `transfer.rs` (one transfer's task; `transfer/send.rs`, one chunk's send),
 //! `rooms.rs` (the engine's room operations on [`PrefillAgent`]), `http.rs` (the engine's HTTP
-//! API, a layer over them).
+//! API, a layer over them), `faults.rs` (fault injection for tests).
 
 mod control;
 mod fanout;
+mod faults;
 mod http;
 mod rooms;
 mod transfer;
@@ -140,7 +141,7 @@ impl PrefillAgent {
             peers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new("prefill", rma)),
             draining: std::sync::atomic::AtomicBool::new(false),
-            chunks_sent: std::sync::atomic::AtomicU64::new(0),
+            faults: faults::Faults::new(cfg.fault_corrupt_chunk),
             fanout: Default::default(),
             shutdown: shutdown.clone(),
             cfg,
@@ -225,8 +226,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     /// Set by SIGTERM: new rooms are refused.
     draining: std::sync::atomic::AtomicBool,
-    /// Chunks gathered so far (numbers the fault-injection hook).
-    chunks_sent: std::sync::atomic::AtomicU64,
+    /// Chunks gathered so far, and the one fault injection corrupts.
+    faults: faults::Faults,
     /// Mapped writes of one room's chunks to several decode ranks, paired into one pass.
     fanout: Arc<fanout::Fanout>,
     shutdown: CancellationToken,

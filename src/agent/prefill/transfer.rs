@@ -15,8 +15,6 @@
 //!   which the decode receives straight into the places it computes itself. Mapped writes of
 //!   one chunk for several decode ranks go in one pass (`fanout.rs`).
 
-use std::sync::atomic::Ordering;
-
 use super::*;
 use crate::agent::DirectMethod;
 use crate::kernel::cpu::PoolSide;
@@ -417,11 +415,7 @@ impl Inner {
             let (pool, pages, wire) = (self.pool.clone(), job.pages.clone(), req.wire_order);
             let (tokens, heads, slots) = (c.tokens.clone(), heads.clone(), self.slots.clone());
             let checksum = self.cfg.checksum;
-            let nth = self
-                .chunks_sent
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                + 1;
-            let corrupt = self.cfg.fault_corrupt_chunk == Some(nth);
+            let (nth, corrupt) = self.faults.next_chunk();
             let sends_from_pool = job.peer.from_pool && !corrupt;
             let metrics = self.metrics.clone();
             // A small chunk sent from the pool needs only its plan, no copy: made here, which

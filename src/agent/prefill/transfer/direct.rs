@@ -210,8 +210,8 @@ impl Inner {
                 let m = format!("chunk {c:?} is outside the decode pool's layout");
                 return Err(Reason::new(FailureCode::IncompatibleLayout, m));
             };
-            let nth = self.chunks_sent.fetch_add(1, Ordering::Relaxed) + 1;
-            if self.cfg.fault_corrupt_chunk == Some(nth) {
+            let (nth, corrupt) = self.faults.next_chunk();
+            if corrupt {
                 tracing::warn!(
                     chunk = nth,
                     "fault injection: corrupting a direct chunk's checksum"
