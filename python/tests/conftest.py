@@ -190,14 +190,17 @@ def recording_registry():
 
 
 @pytest.fixture(scope="session")
-def vllm_fleet(vllm, kvferry_bin, tmp_path_factory):
+def vllm_fleet(vllm, kvferry_bin, tmp_path_factory, request):
     """The run's vLLM fleet (vllm_servers.fleet): 2 prefill and 2 decode servers that the xPyD,
     disaggregation, fault and parallel-shape tests share; started by the first, stopped after
-    the last (a test that kills a server it does not start again runs last: ``last``)."""
+    the last (a test that kills a server it does not start again runs last: ``last``). The
+    plain server of ``reference`` answers while the fleet's servers start."""
     import vllm_servers
 
     fleet = vllm_servers.fleet(vllm, kvferry_bin, tmp_path_factory.mktemp("fleet"))
     deployments.LIVE.add("vllm_fleet", fleet.stop)
+    request.getfixturevalue("reference")
+    fleet.wait_healthy()
     yield fleet
     fleet.stop()
 

@@ -20,7 +20,7 @@ process group: API server, engine core, worker).
 
 The servers are the run's fleet's (``vllm_fleet``: a decode of each policy, the one of
 ``recompute`` at TP2), whose agents run with ``--peer-dead-ms 60000``: only a closed connection
-can end a peer within the tests' bounds, the tests check the rooms' reasons (a room's TTL, 20 s,
+can end a peer within the tests' bounds, the tests check the rooms' reasons (a room's TTL, 60 s,
 is not one of them), and print how long it took; the negative control arms a fault in the
 prefill's agent while it runs. The queue tests have servers of their own (``vllm_serial``): one
 request at a time, agents that end rooms after 1 s.

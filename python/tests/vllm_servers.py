@@ -355,7 +355,7 @@ class Pd(Servers):
     def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
                  decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, prefill_tp: int = 1,
                  decode_tp: int = 1, prefill_dp: int = 1, decode_agent: dict | list[dict] | None = None,
-                 **agent: Any) -> None:
+                 wait: bool = True, **agent: Any) -> None:
         super().__init__()
         self.python, self.env, self.model = vllm
         self.logs = logs
@@ -374,6 +374,15 @@ class Pd(Servers):
         try:
             self.prefills = [self.start_prefill(i) for i in range(prefills)]
             self.decodes = [self.start_decode(i, decode_tp, decode_policy, per_decode[i]) for i in range(decodes)]
+            if wait:
+                self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self) -> None:
+        """Until every server answers (``Pd(..., wait=False)`` returns as they start)."""
+        try:
             for server in self.prefills + self.decodes:
                 server.wait_healthy()
         except BaseException:
@@ -442,7 +451,7 @@ class View(Servers):
 # bounds (four engines and more on two cores: an agent's thread can wait seconds to run; the
 # defaults, 5 s, assume engines with cores of their own); a test can arm a fault in a prefill's
 # agent (``arm_corrupt_chunk``).
-FLEET_ROOM_TTL_MS = 20_000
+FLEET_ROOM_TTL_MS = 60_000
 FLEET_AGENT = dict(room_ttl_ms=FLEET_ROOM_TTL_MS, peer_dead_ms=60_000, timeout_connect_ms=60_000,
                    fault_injection=True)
 # A step computes at most this many tokens: prompts up to 320 tokens in one step, longer ones
@@ -452,13 +461,14 @@ FLEET_STEP_TOKENS = 320
 
 def fleet(vllm, kvferry_bin, logs: pathlib.Path) -> Pd:
     """Two prefill and two decode servers, every server of a role with one configuration
-    (ports aside): the decodes' agents listen on base API ports of their own (``api_port``),
-    and vLLM's development routes are on (``reset_prefix_cache``)."""
+    (ports aside), started (``wait_healthy`` waits for them): the decodes' agents listen on
+    base API ports of their own (``api_port``), and vLLM's development routes are on
+    (``reset_prefix_cache``)."""
     python, env, model = vllm
     ports = [two_free_ports(), two_free_ports()]
     pd = Pd((python, env | {"VLLM_SERVER_DEV_MODE": "1"}, model), kvferry_bin, logs, prefills=2, decodes=2,
             prefill_args=("--max-num-batched-tokens", str(FLEET_STEP_TOKENS)),
-            decode_agent=[dict(api_port=p) for p in ports], **FLEET_AGENT)
+            decode_agent=[dict(api_port=p) for p in ports], wait=False, **FLEET_AGENT)
     for server, port in zip(pd.decodes, ports):
         server.api_port = port
     return pd
