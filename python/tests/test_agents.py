@@ -406,6 +406,33 @@ def test_a_trusted_registry_is_asked_with_the_token_and_its_prefill_hears_hello(
     assert any(r["path"] == "/v1/groups/0" for r in fake.requests), fake.record()
 
 
+def test_a_prefill_that_never_answers_hello_holds_up_only_its_own_rooms(registry, recording_registry):
+    """A decode connects to one prefill at a time per prefill, not one at a time overall: while
+    it waits (up to ``--timeout-connect-ms``, 60 s here) on a prefill that never answers Hello
+    (the fake registry's), a room of a live prefill lands."""
+    fake = recording_registry
+    decode_opts = options(registry, allowed_registries=fake.host_port, timeout_connect_ms=60_000)
+    with engine_agent("prefill", "numpy", options(registry)) as (prefill, p_kv), \
+            engine_agent("decode", "numpy", decode_opts) as (decode, d_kv):
+        fill(p_kv, "noise", 7)
+        fill(d_kv, "poison")
+        decode.request(50, 40, pages=[1, 2], bootstrap=fake.url, dp_rank=0)
+        fake.wait_for("the decode connects to the silent prefill", lambda: len(fake.prefill.data) > 0)
+        start = time.monotonic()
+        src, dst = [5, 9, 2], [7, 3, 11]
+        decode.request(51, 70, pages=dst)
+        prefill.ready(51, 70, pages=src)
+        done = decode.wait(51, 50)
+        took = time.monotonic() - start
+        print(f"a live prefill's room landed {took:.2f} s after the decode began to wait on a silent one")
+        assert done["state"] == "success", done
+        assert took < 30, took
+        assert decode.view(50)["state"] not in ("success", "failed"), decode.view(50)
+        for s_, d_ in zip(src, dst):
+            assert (d_kv[:, d_].view(np.uint16) == p_kv[:, s_].view(np.uint16)).all()
+        decode.abort(50)
+
+
 def test_wait_releases_the_gil_and_close_ends_it(registry):
     import threading
     import time

@@ -141,7 +141,7 @@ impl DecodeAgent {
             rooms: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             holds: Holds::new(),
-            connecting: tokio::sync::Mutex::new(()),
+            connecting: Mutex::default(),
             metrics: Metrics::new("decode", data.remote_memory_access()),
             draining: std::sync::atomic::AtomicBool::new(false),
             stuck_warned: Mutex::new(None),
@@ -244,8 +244,10 @@ struct Inner {
     /// Rooms the engine holds queued requests for ([`DecodeAgent::hold`]), with the prefill
     /// instances each will come from once resolved.
     holds: Holds<Vec<Uuid>>,
-    /// Held while connecting, so two rooms do not both say Hello to one prefill.
-    connecting: tokio::sync::Mutex<()>,
+    /// One lock per prefill instance, held while connecting to it, so that two rooms do not
+    /// both say Hello to one prefill while rooms of other prefills connect meanwhile (an
+    /// unreachable prefill holds only its own rooms up for `--timeout-connect-ms`).
+    connecting: Mutex<HashMap<Uuid, Arc<tokio::sync::Mutex<()>>>>,
     metrics: Metrics,
     /// Set by SIGTERM: new rooms are refused.
     draining: std::sync::atomic::AtomicBool,

@@ -127,9 +127,31 @@ async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
 }
 
 impl Inner {
-    /// The control connection to a prefill instance, connecting and saying Hello if needed.
+    /// The control connection to a prefill instance, connecting and saying Hello if needed
+    /// (one connection attempt at a time per instance).
     pub(super) async fn peer(self: &Arc<Self>, rank: &Registration) -> Result<Arc<Peer>, Reason> {
-        let _connecting = self.connecting.lock().await;
+        let lock = self
+            .connecting()
+            .entry(rank.instance_id)
+            .or_default()
+            .clone();
+        let peer = {
+            let _connecting = lock.lock().await;
+            self.connect(rank).await
+        };
+        let mut locks = self.connecting();
+        // The map's reference and this one: nobody else waits on the instance's lock.
+        if Arc::strong_count(&lock) == 2 {
+            locks.remove(&rank.instance_id);
+        }
+        peer
+    }
+
+    fn connecting(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<tokio::sync::Mutex<()>>>> {
+        self.connecting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn connect(self: &Arc<Self>, rank: &Registration) -> Result<Arc<Peer>, Reason> {
         if let Some(p) = self.peers().get(&rank.instance_id) {
             return Ok(p.clone());
         }
