@@ -3,7 +3,9 @@ path (the ``torch_python`` fixture), the tiny seeded model of scripts/vllm/tiny_
 settings this machine needs (../docs/vllm.md), an OpenAI client small enough to read, the
 prompt sets and their reference outputs (``tiny_vllm`` and ``reference_outputs``, the session
 fixtures ``vllm`` and ``reference`` of conftest.py: one model and one reference per test run), prefill and decode
-servers with the connector (``Pd``) and ``kvferry proxy`` in front of them (``Proxy``).
+servers with the connector (``Pd``; ``View``: some of them behind proxies of their own),
+``kvferry proxy`` in front of them (``Proxy``), and the run's fleet that most vLLM tests share
+(``fleet``, ``FleetPrefill``; conftest.py's ``vllm_fleet``).
 
 Every server runs in its own session, pinned to one core, and is stopped with SIGTERM to its
 whole process group (its engine-core and worker processes too)."""
