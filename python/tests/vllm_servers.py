@@ -376,11 +376,11 @@ class Pd(Servers):
         try:
             self.prefills = [self.start_prefill(i) for i in range(prefills)]
             self.decodes = [self.start_decode(i, decode_tp, decode_policy, per_decode[i]) for i in range(decodes)]
-            if wait:
-                self.wait_healthy()
         except BaseException:
             self.stop()
             raise
+        if wait:
+            self.wait_healthy()
 
     def wait_healthy(self) -> None:
         """Until every server answers (``Pd(..., wait=False)`` returns as they start)."""
@@ -439,7 +439,6 @@ class View(Servers):
 
     def __init__(self, pd: Pd, prefills: list[Server], decodes: list[Server]) -> None:
         super().__init__()
-        self.pd = pd
         self.bootstrap, self.logs, self.kvferry_bin, self.model = pd.bootstrap, pd.logs, pd.kvferry_bin, pd.model
         self.registry = pd.registry
         self.prefills, self.decodes = prefills, decodes

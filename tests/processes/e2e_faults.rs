@@ -670,15 +670,9 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
             .await
             .expect("rooms before the fault");
         assert!(before.iter().all(|r| r.verified), "{before:?}");
-        let armed: serde_json::Value = http
-            .post(format!("{p}/v1/faults"))
-            .json(&json!({ "corrupt_chunk": 3 }))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let faults = format!("{p}/v1/faults");
+        let arm = json!({ "corrupt_chunk": 3 });
+        let armed = expect(&http, Method::POST, &faults, Some(&arm), StatusCode::OK).await;
         let sent = armed["chunks_sent"].as_u64().expect("chunks_sent");
         assert!(sent > 0, "{armed}");
         assert_eq!(armed["corrupt_chunk"], sent + 3, "{armed}");
@@ -724,13 +718,9 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
     let c = FaultCluster::start("faults-checksum-clean", &opts.args_all(), &both, &both, &[]);
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
-        let refused = http
-            .post(format!("{p}/v1/faults"))
-            .json(&json!({ "corrupt_chunk": 1 }))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(refused.status(), 404, "fault injection is off by default");
+        // Fault injection is off by default: the route does not exist.
+        let arm = json!({ "corrupt_chunk": 1 });
+        expect(&http, Method::POST, &format!("{p}/v1/faults"), Some(&arm), StatusCode::NOT_FOUND).await;
         let rooms: Vec<(u64, usize)> = (1..=20).map(|r| (r, 100 + (r as usize * 97) % 900)).collect();
         let t = Instant::now();
         let results = drive_rooms(&Apis::pair(&p, &d), rooms, 4).await.expect("clean rooms");
