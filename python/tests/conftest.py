@@ -29,7 +29,6 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # engines themselves. Tests of no deployment run first.
 ORDER = [
     ("vllm_fleet", ["test_vllm_xpyd", "test_vllm_pd", "test_vllm_faults", "test_vllm_parallel"]),
-    ("vllm_serial", []),
     ("vllm_bench", []),
     ("sglang_pd", []),
     ("sglang_mla", []),
@@ -172,11 +171,12 @@ def vllm(torch_python, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(vllm, tmp_path_factory):
-    """A single plain vLLM server's outputs for every prompt set (computed once per run)."""
+def reference(vllm):
+    """The tiny model's greedy outputs for every prompt set and chat, a plain vLLM server's
+    (computed once per run by HF transformers, vllm_servers.reference_outputs)."""
     import vllm_servers
 
-    return vllm_servers.reference_outputs(vllm, tmp_path_factory)
+    return vllm_servers.reference_outputs(vllm)
 
 
 @pytest.fixture
@@ -194,7 +194,7 @@ def vllm_fleet(vllm, kvferry_bin, tmp_path_factory, request):
     """The run's vLLM fleet (vllm_servers.fleet): 2 prefill and 2 decode servers that the xPyD,
     disaggregation, fault and parallel-shape tests share; started by the first, stopped after
     the last (a test that kills a server it does not start again runs last: ``last``). The
-    plain server of ``reference`` answers while the fleet's servers start."""
+    reference (HF transformers) is computed while the fleet's servers start."""
     import vllm_servers
 
     fleet = vllm_servers.fleet(vllm, kvferry_bin, tmp_path_factory.mktemp("fleet"))

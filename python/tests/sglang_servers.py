@@ -20,6 +20,7 @@ import urllib.request
 from typing import Any
 
 import deployments
+import hf_reference
 from vllm_servers import free_port, post, tail, wait_ok
 
 STUB = pathlib.Path(__file__).parent / "sglang_stub"
@@ -120,15 +121,8 @@ def output_ids(response: dict) -> list[int]:
 
 def reference_outputs(python: str, env: dict, model: pathlib.Path, prompts: list[list[int]], new_tokens: int) -> dict:
     """HF transformers' greedy outputs for ``prompts`` (hf_reference.py, in the SGLang venv): the
-    tokens a plain SGLang server gives, without starting one. The smallest top-1/top-2 logit
-    margin must be far above float32 noise, or equal outputs would prove little."""
-    run = subprocess.run([python, str(pathlib.Path(__file__).parent / "hf_reference.py"), str(model), str(new_tokens)],
-                         input=json.dumps(prompts), env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout)
-    print(f"reference: smallest top-1/top-2 logit margin {got['margin']:.4g}")
-    assert got["margin"] > 1e-2, f"the model's margin {got['margin']} is within float32 noise"
-    return {tuple(p): out for p, out in zip(prompts, got["outputs"])}
+    tokens a plain SGLang server gives, without starting one."""
+    return hf_reference.outputs(python, env, model, new_tokens, prompts)
 
 
 def check_outputs(pd: Pd, prompts: list[list[int]], reference: dict, new_tokens: int) -> None:

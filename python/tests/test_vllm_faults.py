@@ -22,8 +22,8 @@ The servers are the run's fleet's (``vllm_fleet``: a decode of each policy, the 
 ``recompute`` at TP2), whose agents run with ``--peer-dead-ms 60000``: only a closed connection
 can end a peer within the tests' bounds, the tests check the rooms' reasons (a room's TTL, 60 s,
 is not one of them), and print how long it took; the negative control arms a fault in the
-prefill's agent while it runs. The queue tests have servers of their own (``vllm_serial``): one
-request at a time, agents that end rooms after 1 s.
+prefill's agent while it runs, and the queue tests shorten the first prefill's and decode's
+timeouts while they run (both by a test-only switch of the agents' engine API).
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ import urllib.request
 import numpy as np
 import pytest
 
-import deployments
 from vllm_servers import (
     SEEDS,
+    MAX_NUM_SEQS,
     Pd,
     View,
     arm_corrupt_chunk,
     make_prompts,
     metric,
     reset_prefix_cache,
+    set_timeouts,
     vllm_metric,
 )
 
@@ -233,23 +234,31 @@ def test_a_prefill_killed_while_the_decodes_wait(vllm_fleet, fleet_recompute_dec
 QUEUES = {"decode": "sequential", "prefill": "concurrent"}
 
 
-def wait_in_queue(pd: Pd, queue: str, reference: dict) -> None:
+def wait_in_queue(pd: View, queue: str, reference: dict) -> None:
     """The server of ``queue`` is busy with long generations; a request behind them, through
     the proxy, waits in its queue twice the timeout that would end its room (1 s), and lands."""
     busy = pd.decode if queue == "decode" else pd.prefill
     pairing = QUEUES[queue]
     proxy = pd.proxy(pairing)
+    # Every block of the prompt moves.
+    reset_prefix_cache(pd.decode)
+    # No room of an earlier test is left to expire under the short TTL.
+    deadline = time.monotonic() + 60
+    while metric(pd.prefill_api, "kvferry_rooms_held"):
+        assert time.monotonic() < deadline, "the prefill agent still holds rooms of earlier tests"
+        time.sleep(0.2)
     expired_before = metric(pd.prefill_api, "kvferry_rooms_expired_total")
     landed_before = metric(pd.decode_api, "kvferry_kv_bytes_total")
-    # The blockers: 3 streams of 1000 tokens each, queued one behind the other, cut by closing
-    # them once the wait is over (far longer than the wait even at 1 ms a token).
+    # The blockers: a stream of 1000 tokens for each sequence the server runs at once, cut by
+    # closing them once the wait is over (far longer than the wait even at 1 ms a token).
     body = {"model": busy.model, "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True, "stream": True}
     req = urllib.request.Request(busy.url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    blockers = [urllib.request.urlopen(req, timeout=300) for _ in range(3)]
+    blockers = [urllib.request.urlopen(req, timeout=300) for _ in range(MAX_NUM_SEQS)]
     try:
-        assert blockers[0].readline().startswith(b"data: "), "the first blocker is not generating"
+        for blocker in blockers:
+            assert blocker.readline().startswith(b"data: "), "a blocker is not generating"
         prompt = make_prompts(SEEDS[pairing])[6]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             queued = pool.submit(proxy.complete, prompt, 16)
@@ -277,19 +286,6 @@ def wait_in_queue(pd: Pd, queue: str, reference: dict) -> None:
     assert metric(pd.decode_api, "kvferry_kv_bytes_total") > landed_before
 
 
-@pytest.fixture(scope="module")
-def vllm_serial(vllm, kvferry_bin, tmp_path_factory):
-    """A prefill and a decode server that run one request at a time, whose agents end a room
-    after 1 s (the prefill's room TTL and both sides' ready timeout; the decode keeps landed
-    rooms for its engine as usual) and send heartbeats every 100 ms."""
-    serial = ["--max-num-seqs", "1"]
-    pd = Pd(vllm, kvferry_bin, tmp_path_factory.mktemp("serial"), prefill_args=serial, decode_args=serial,
-            room_ttl_ms=1_000, timeout_ready_ms=1_000, heartbeat_ms=100, decode_agent=dict(room_ttl_ms=60_000))
-    deployments.LIVE.add("vllm_serial", pd.stop)
-    yield pd
-    pd.stop()
-
-
 def test_negative_control_kv_corrupted_in_flight_changes_the_output(vllm_fleet, reference):
     # Checksums off and the prefill agent inverting every byte of the room's first chunk (a
     # test-only fault switch, armed at run time): the room still ends `success`, the decode
@@ -315,11 +311,24 @@ def test_negative_control_kv_corrupted_in_flight_changes_the_output(vllm_fleet, 
     assert "fault injection: corrupting a chunk" in pd.prefill.log.read_text()[log_start:]
 
 
-def test_a_room_outlives_its_timeouts_while_its_request_waits_in_either_queue(vllm_serial, reference):
+def test_a_room_outlives_its_timeouts_while_its_request_waits_in_either_queue(vllm_fleet, reference):
     """The agents hold the room while its request waits (their heartbeats name it to the other
-    side)."""
-    for queue in QUEUES:
-        wait_in_queue(vllm_serial, queue, reference)
+    side). The fleet's first prefill and decode, whose agents end a room after 1 s while the
+    test runs: the prefill's room TTL and both sides' ready timeout (the decode keeps landed
+    rooms for its engine as usual), heartbeats every 100 ms."""
+    pd = View(vllm_fleet, vllm_fleet.prefills[:1], vllm_fleet.decodes[:1])
+    short = {pd.prefill_api: dict(room_ttl_ms=1_000, timeout_ready_ms=1_000, heartbeat_ms=100),
+             pd.decode_api: dict(timeout_ready_ms=1_000, heartbeat_ms=100)}
+    were = {}
+    try:
+        for api, ms in short.items():
+            were[api] = set_timeouts(api, **ms)
+        for queue in QUEUES:
+            wait_in_queue(pd, queue, reference)
+    finally:
+        for api, timeouts in were.items():
+            set_timeouts(api, **{k: timeouts[k] for k in short[api]})
+        pd.stop()
 
 
 @pytest.mark.last(1)

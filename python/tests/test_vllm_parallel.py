@@ -1,14 +1,15 @@
 """Tensor and data parallelism through vLLM, each shape behind ``kvferry proxy``: a TP1 prefill
-server with a TP2 decode server, a TP2 prefill with a TP1 decode, a prefill server of two vLLM
-data-parallel ranks with a TP1 decode (these three in both pairings), and a TP4 prefill with a
-TP1 decode (concurrent pairing). The TP1 servers are the run's fleet's (``vllm_fleet``), the TP2
-decode is the fleet's fifth server (``fleet_recompute_decode``), and each multi-rank prefill
-joins the fleet for its shape (``fleet_prefill``).
+server with a TP2 decode server, a prefill server of two vLLM data-parallel ranks of TP2 each
+with a TP1 decode (these two in both pairings), and a TP4 prefill with a TP1 decode (concurrent
+pairing). The TP1 servers are the run's fleet's (``vllm_fleet``), the TP2 decode is the fleet's
+fifth server (``fleet_recompute_decode``), and each multi-rank prefill joins the fleet for its
+shape (``fleet_prefill``).
 
 The tiny model has 2 KV heads. A TP2 server's two workers each run an agent for one head, and
 the TP1 side's agent pairs with both. At TP4 vLLM holds each head on two ranks, and each sends
 half of its layers. A DP2 server's two engines are a kvferry group each; the proxy learns both
-and sends each request's prefill to one of them in turn (``X-data-parallel-rank``).
+and sends each request's prefill to one of them in turn (``X-data-parallel-rank``), whose two
+TP ranks each send their head.
 
 Ten prompts of mixed lengths, 4 at once, give a single vLLM's tokens; the decode agents land
 exactly the blocks the answers say they loaded, every prefill agent sent some, and every room
@@ -16,7 +17,7 @@ ends on every prefill agent. The decode agents listen on a base API port plus th
 and vLLM's own metrics and log line count their rooms and bytes.
 
 A server of several ranks binds a core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, and
-``"0|1|0|1"`` at TP4), so every core holds a rank of each server here.
+``"0|1|0|1"`` for four ranks), so every core holds a rank of each server here.
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ from vllm_servers import (
 
 SHAPES = {
     "tp1-to-tp2": dict(decode_tp=2),
-    "tp2-to-tp1": dict(prefill_tp=2),
-    "dp2-to-tp1": dict(prefill_dp=2),
+    # Two DP ranks of two TP ranks each: two groups, each rank sending one head.
+    "dp2xtp2-to-tp1": dict(prefill_tp=2, prefill_dp=2),
     # More TP ranks than the model's 2 KV heads: vLLM holds each head on two ranks.
     "tp4-to-tp1": dict(prefill_tp=4),
 }
 # The shapes whose prefill server joins the fleet for them (``fleet_prefill``).
-PREFILL_SHAPES = ["tp2-to-tp1", "dp2-to-tp1", "tp4-to-tp1"]
+PREFILL_SHAPES = ["dp2xtp2-to-tp1", "tp4-to-tp1"]
 # The pairings a shape runs: replication changes what each prefill rank sends, not how a
 # decode pairs with them (the other shapes run both pairings).
 PAIRINGS = {"tp4-to-tp1": ["concurrent"]}

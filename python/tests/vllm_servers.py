@@ -28,9 +28,12 @@ from typing import Any
 import numpy as np
 
 import deployments
+import hf_reference
 from conftest import REPO
 
 MAX_MODEL_LEN = 1024
+# Requests a server runs at once; more wait in its queue.
+MAX_NUM_SEQS = 4
 BLOCK_SIZE = 128
 # The tiny model: 2 layers, 2 KV heads of 64 fp32 dims; one vLLM CPU block of every layer.
 BLOCK_BYTES = 2 * BLOCK_SIZE * 2 * 2 * 64 * 4
@@ -90,7 +93,7 @@ class Server:
         cmd = [
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--seed", "0",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", "0",
             *(() if KV_CACHE[0] in args else KV_CACHE), *args,
         ]
         # A process group of its own (killed as one), in the tests' session: the kernel shares
@@ -244,32 +247,13 @@ def tiny_vllm(torch_python: tuple[str, dict], tmp_path_factory) -> tuple[str, di
     return python, env, make_model(python, env, tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-def reference_outputs(vllm, tmp_path_factory) -> dict:
-    """The ``reference`` fixture (conftest.py): token ids of one plain server for every prompt;
-    the smallest top-1/top-2 logprob margin among them must be far above float32 noise, or
-    equal outputs would prove little."""
+def reference_outputs(vllm) -> dict:
+    """The ``reference`` fixture (conftest.py): HF transformers' greedy outputs for every prompt
+    and chat (hf_reference.py, in the vLLM venv), which a plain vLLM server gives too, without
+    starting one."""
     python, env, model = vllm
-    server = Server(python, env, model, 0, tmp_path_factory.mktemp("reference") / "vllm.log")
-    try:
-        server.wait_healthy()
-        out, margin = {}, float("inf")
-        for seed in SEEDS.values():
-            for prompt in make_prompts(seed):
-                got = server.complete(prompt, NEW_TOKENS, logprobs=2)
-                choice = got["choices"][0]
-                out[tuple(prompt)] = choice["token_ids"]
-                for top in choice["logprobs"]["top_logprobs"]:
-                    best = sorted(top.values(), reverse=True)
-                    if len(best) == 2:
-                        margin = min(margin, best[0] - best[1])
-        for i, messages in enumerate(make_chats()):
-            got = server.chat(messages, NEW_TOKENS)
-            out[("chat", i)] = got["choices"][0]["message"]["content"]
-    finally:
-        server.stop()
-    print(f"reference: smallest top-1/top-2 logprob margin {margin:.4g}")
-    assert margin > 1e-3, f"the model's margin {margin} is within float32 noise: choose another seed"
-    return out
+    prompts = [prompt for seed in SEEDS.values() for prompt in make_prompts(seed)]
+    return hf_reference.outputs(python, env | ENV, model, NEW_TOKENS, prompts, make_chats(), margin=1e-3)
 
 
 def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict, in_flight: int = 4) -> list[int]:
@@ -512,6 +496,15 @@ def arm_corrupt_chunk(agent_api: str, nth: int = 1) -> dict:
     got = post(agent_api + "/v1/faults", {"corrupt_chunk": nth}, timeout=30)
     assert "corrupt_chunk" in got, got
     return got
+
+
+def set_timeouts(agent_api: str, **ms: int) -> dict:
+    """Sets timeouts of an agent started with ``fault_injection`` while it runs, by their flags'
+    names (``room_ttl_ms=1000``; a test-only switch of its engine API); returns them as they
+    were, to set back."""
+    got = post(agent_api + "/v1/faults", {"timeouts": ms}, timeout=30)
+    assert "timeouts_were" in got and all(got["timeouts"][k] == v for k, v in ms.items()), got
+    return got["timeouts_were"]
 
 
 def two_free_ports() -> int:

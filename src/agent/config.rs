@@ -38,6 +38,27 @@ pub struct Timeouts {
     pub dead_after: Duration,
 }
 
+impl Timeouts {
+    /// Whether the timeouts agree with each other; the error names their flags.
+    pub fn check(&self) -> Result<(), String> {
+        if self.room_max < self.room_ttl {
+            return Err(format!(
+                "--room-max-ms ({}) must be at least --room-ttl-ms ({})",
+                self.room_max.as_millis(),
+                self.room_ttl.as_millis()
+            ));
+        }
+        if self.heartbeat.is_zero() || self.dead_after <= self.heartbeat {
+            return Err(format!(
+                "--peer-dead-ms ({}) must exceed --heartbeat-ms ({}) > 0",
+                self.dead_after.as_millis(),
+                self.heartbeat.as_millis()
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for Timeouts {
     fn default() -> Self {
         Timeouts {
@@ -112,8 +133,8 @@ pub struct AgentConfig {
     pub max_held_pages: usize,
     /// Fault injection for tests: invert every byte of the N-th chunk sent (after checksumming).
     pub fault_corrupt_chunk: Option<u64>,
-    /// Fault injection for tests: the prefill's engine API arms faults while it runs
-    /// (`POST /v1/faults`).
+    /// Fault injection for tests: the engine API arms faults and changes timeouts while the
+    /// agent runs (`POST /v1/faults`).
     pub fault_injection: bool,
     /// Timeouts.
     pub timeouts: Timeouts,

@@ -12,6 +12,7 @@ pub mod api;
 mod chunks;
 mod config;
 pub mod decode;
+mod faults;
 mod holds;
 pub mod metrics;
 pub mod ops;

@@ -58,6 +58,8 @@ pub(crate) trait RoomOps: Send + Sync + Sized + 'static {
     fn metrics(&self) -> &Metrics;
     /// `--max-rooms`.
     fn max_rooms(&self) -> usize;
+    /// Fault injection's switches and the timeouts in force (`POST /v1/faults`).
+    fn faults(&self) -> &super::faults::Faults;
     /// Shutting down: new rooms and holds are refused.
     fn draining(&self) -> bool;
     /// Aborts a room the engine gave up on, telling its peers why.

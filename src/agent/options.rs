@@ -202,9 +202,10 @@ pub struct AgentOptions {
     /// its checksum; a direct chunk gets a wrong checksum instead).
     #[arg(long, env = "KVFERRY_FAULT_CORRUPT_CHUNK", hide = true)]
     pub fault_corrupt_chunk: Option<u64>,
-    /// Fault injection for tests: the prefill's engine API serves `POST /v1/faults`, which arms
-    /// the same corruption while it runs (`{"corrupt_chunk": N}`: the N-th chunk sent from now),
-    /// so that servers shared by many tests need no restart for one that injects a fault.
+    /// Fault injection for tests: the engine API serves `POST /v1/faults`, which arms the same
+    /// corruption while a prefill runs (`{"corrupt_chunk": N}`: the N-th chunk sent from now)
+    /// and changes either role's timeouts (`{"timeouts": {"room_ttl_ms": N, ...}}`), so that
+    /// servers shared by many tests need no restart for one that injects a fault.
     #[arg(long, env = "KVFERRY_FAULT_INJECTION", hide = true,
           value_parser = clap::builder::BoolishValueParser::new())]
     pub fault_injection: bool,
@@ -311,27 +312,27 @@ impl AgentOptions {
         if self.max_rooms == 0 {
             anyhow::bail!("--max-rooms must be > 0");
         }
-        if self.room_max_ms < self.room_ttl_ms {
-            anyhow::bail!(
-                "--room-max-ms ({}) must be at least --room-ttl-ms ({})",
-                self.room_max_ms,
-                self.room_ttl_ms
-            );
-        }
         if self.staging_slots == 0 {
             anyhow::bail!("--staging-slots must be > 0");
-        }
-        if self.heartbeat_ms == 0 || self.peer_dead_ms <= self.heartbeat_ms {
-            anyhow::bail!(
-                "--peer-dead-ms ({}) must exceed --heartbeat-ms ({}) > 0",
-                self.peer_dead_ms,
-                self.heartbeat_ms
-            );
         }
         if !(self.synthetic_layer_ms >= 0.0 && self.synthetic_layer_ms.is_finite()) {
             anyhow::bail!("--synthetic-layer-ms must be >= 0");
         }
         let ms = Duration::from_millis;
+        let timeouts = Timeouts {
+            bootstrap: ms(self.timeout_bootstrap_ms),
+            connect: ms(self.timeout_connect_ms),
+            room_ttl: ms(self.room_ttl_ms),
+            room_max: ms(self.room_max_ms),
+            send: ms(self.timeout_send_ms),
+            ready: ms(self.timeout_ready_ms),
+            stall: ms(self.timeout_stall_ms),
+            drain: ms(self.drain_timeout_ms),
+            drain_untaken: ms(self.drain_untaken_ms),
+            heartbeat: ms(self.heartbeat_ms),
+            dead_after: ms(self.peer_dead_ms),
+        };
+        timeouts.check().map_err(anyhow::Error::msg)?;
         Ok(AgentConfig {
             bootstrap: self.bootstrap.clone(),
             registries,
@@ -363,19 +364,7 @@ impl AgentOptions {
             mapped_writes: self.mapped_writes,
             staging: self.staging,
             placed_min_run_bytes: self.placed_min_run_bytes,
-            timeouts: Timeouts {
-                bootstrap: ms(self.timeout_bootstrap_ms),
-                connect: ms(self.timeout_connect_ms),
-                room_ttl: ms(self.room_ttl_ms),
-                room_max: ms(self.room_max_ms),
-                send: ms(self.timeout_send_ms),
-                ready: ms(self.timeout_ready_ms),
-                stall: ms(self.timeout_stall_ms),
-                drain: ms(self.drain_timeout_ms),
-                drain_untaken: ms(self.drain_untaken_ms),
-                heartbeat: ms(self.heartbeat_ms),
-                dead_after: ms(self.peer_dead_ms),
-            },
+            timeouts,
         })
     }
 }

@@ -731,6 +731,117 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
     });
 }
 
+/// Both agents' timeouts change while they run (`--fault-injection`: `POST /v1/faults` with
+/// `{"timeouts": ...}`), started 600 s long so that only the change can end a room within the
+/// test: the decode's ready timeout cut to 300 ms fails a room the prefill never announces with
+/// `timeout_ready`; the prefill's room TTL cut to 300 ms expires a ready room no decode asks
+/// for. Each answer gives the timeouts before and after; the ones before set them back.
+/// Refused with 400, changing nothing: values the flags' checks refuse together, an unknown
+/// name, a chunk to corrupt on a decode.
+#[test]
+fn timeouts_changed_while_the_agents_run_end_rooms_by_their_new_values() {
+    let opts = fast(AgentOpts {
+        timeout_ready_ms: 600_000,
+        room_ttl_ms: 600_000,
+        ..AgentOpts::default()
+    });
+    let c = FaultCluster::start_env(
+        "faults-timeouts",
+        &opts.args_all(),
+        &[],
+        &[],
+        &[],
+        &[("KVFERRY_FAULT_INJECTION", "1")],
+    );
+    runtime().block_on(async {
+        let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
+        let set = |api: &str, body: Value, status: StatusCode| {
+            let (http, url) = (http.clone(), format!("{api}/v1/faults"));
+            async move { expect(&http, Method::POST, &url, Some(&body), status).await }
+        };
+        let cut = set(
+            &d,
+            json!({ "timeouts": { "timeout_ready_ms": 300 } }),
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(cut["timeouts_were"]["timeout_ready_ms"], 600_000, "{cut}");
+        assert_eq!(cut["timeouts"]["timeout_ready_ms"], 300, "{cut}");
+        assert_eq!(
+            cut["timeouts"]["room_ttl_ms"], 600_000,
+            "a timeout not named keeps its value: {cut}"
+        );
+        let t = Instant::now();
+        request(&http, &d, 1, json!({ "tokens": 64 })).await;
+        let v = wait_final(&http, &d, 1).await;
+        println!(
+            "[faults-timeouts] a room never announced: {} {} after {:.0} ms",
+            v["state"],
+            v["reason"],
+            ms(t.elapsed())
+        );
+        assert_eq!(v["state"], "failed", "{v}");
+        assert_reason(&v, "timeout_ready");
+        let back = set(
+            &d,
+            json!({ "timeouts": cut["timeouts_were"] }),
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(back["timeouts"], cut["timeouts_were"], "{back}");
+
+        let cut = set(
+            &p,
+            json!({ "timeouts": { "room_ttl_ms": 300 } }),
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(cut["timeouts_were"]["room_ttl_ms"], 600_000, "{cut}");
+        let t = Instant::now();
+        ready(&http, &p, 2, 64).await;
+        let expired = "kvferry_rooms_expired_total{role=\"prefill\"}";
+        poll_until(
+            "the prefill expires the room nobody asked for",
+            BOUND,
+            || async { (metric(&http, &p, expired).await == Some(1.0)).then_some(()) },
+        )
+        .await;
+        println!(
+            "[faults-timeouts] a ready room nobody asked for expired after {:.0} ms",
+            ms(t.elapsed())
+        );
+
+        let now = set(&d, json!({}), StatusCode::OK).await["timeouts"].clone();
+        for (api, body, says) in [
+            (
+                &d,
+                json!({ "timeouts": { "heartbeat_ms": 5000 } }),
+                "--peer-dead-ms",
+            ),
+            (
+                &p,
+                json!({ "timeouts": { "room_max_ms": 100 } }),
+                "--room-max-ms",
+            ),
+            (
+                &d,
+                json!({ "timeouts": { "room_ttl": 1 } }),
+                "unknown field",
+            ),
+            (&d, json!({ "corrupt_chunk": 1 }), "sends no chunks"),
+        ] {
+            let refused = set(api, body.clone(), StatusCode::BAD_REQUEST).await;
+            assert!(refused.to_string().contains(says), "{body}: {refused}");
+        }
+        assert_eq!(
+            set(&d, json!({}), StatusCode::OK).await["timeouts"],
+            now,
+            "a refusal changed the decode's timeouts"
+        );
+        healthy(&http, &d).await;
+    });
+}
+
 /// Without `--checksum`, a chunk the prefill's fault hook inverts lands and its room succeeds;
 /// the synthetic check on take then fails the room with `verify_failed`, naming the first head
 /// slice whose stamp is not the room's, in both `--synthetic-verify` modes (set on both

@@ -15,7 +15,7 @@ impl Inner {
     /// Waits until no landed (`success`) room is left untaken, or the window has passed since
     /// the last one landed (or since `draining_since`, whichever is later), or shutdown.
     pub(super) async fn keep_untaken(&self, draining_since: Instant) {
-        let window = self.cfg.timeouts.drain_untaken;
+        let window = self.timeouts().drain_untaken;
         let mut told = false;
         loop {
             let (untaken, last_landed) = {

@@ -90,7 +90,7 @@ impl Inner {
             return Ok(group);
         }
         let started = Instant::now();
-        let deadline = started + self.cfg.timeouts.bootstrap;
+        let deadline = started + self.timeouts().bootstrap;
         let mut attempts = 0u32;
         loop {
             attempts += 1;

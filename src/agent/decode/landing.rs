@@ -171,7 +171,7 @@ impl Inner {
         });
         // Off the landing slot: the next chunk lands while the credit goes out (it crosses to
         // the control socket's thread and back).
-        let timeout = self.cfg.timeouts.send;
+        let timeout = self.timeouts().send;
         tokio::spawn(async move {
             if let Err(reason) = peer.send(&credit, timeout).await {
                 tracing::warn!(%reason, "credit not returned");
@@ -367,7 +367,7 @@ impl Inner {
             key,
             accepted,
         });
-        if let Err(reason) = peer.send(&posted, self.cfg.timeouts.send).await {
+        if let Err(reason) = peer.send(&posted, self.timeouts().send).await {
             tracing::warn!(%reason, key, accepted, "Posted not delivered");
         }
     }

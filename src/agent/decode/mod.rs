@@ -48,6 +48,7 @@ use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::agent_pool::AgentPool;
+use super::faults::Faults;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
 use super::ops::{RoomOps as _, TableRoom as _};
@@ -146,6 +147,7 @@ impl DecodeAgent {
             draining: std::sync::atomic::AtomicBool::new(false),
             stuck_warned: Mutex::new(None),
             recv_reset: tokio::sync::Notify::new(),
+            faults: Faults::new(None, cfg.timeouts),
             shutdown: shutdown.clone(),
             cfg,
         });
@@ -183,7 +185,7 @@ impl DecodeAgent {
             .draining
             .store(true, std::sync::atomic::Ordering::Relaxed);
         let draining_since = Instant::now();
-        let deadline = draining_since + inner.cfg.timeouts.drain;
+        let deadline = draining_since + inner.timeouts().drain;
         let in_flight = || {
             inner
                 .rooms()
@@ -195,7 +197,7 @@ impl DecodeAgent {
         let aborted = inner.abort_unfinished().await;
         // Let the aborts be acknowledged (a dead prefill counts after `dead_after`) and the
         // engine see the final states before the API goes away.
-        let settle = Instant::now() + inner.cfg.timeouts.dead_after;
+        let settle = Instant::now() + inner.timeouts().dead_after;
         super::wait_until(settle, || in_flight() == 0).await;
         if aborted > 0 {
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -256,6 +258,8 @@ struct Inner {
     recv_reset: tokio::sync::Notify,
     /// When stuck rooms were last warned about.
     stuck_warned: Mutex<Option<Instant>>,
+    /// The timeouts in force (a test may change them: `--fault-injection`).
+    faults: Faults,
     shutdown: CancellationToken,
 }
 
@@ -364,6 +368,11 @@ impl Room {
 }
 
 impl Inner {
+    /// The timeouts in force.
+    fn timeouts(&self) -> super::Timeouts {
+        self.faults.timeouts()
+    }
+
     fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
         self.rooms.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -506,7 +515,7 @@ impl Inner {
     /// The held rooms to name in a heartbeat to `prefill` (those `room_max` old are dropped).
     pub(super) fn held_at(&self, prefill: Uuid) -> Vec<u64> {
         self.holds
-            .live(self.cfg.timeouts.room_max)
+            .live(self.timeouts().room_max)
             .into_iter()
             .filter(|(_, prefills)| prefills.contains(&prefill))
             .map(|(room, _)| room)
@@ -595,7 +604,7 @@ impl Inner {
                 room_key: asked.room_key,
                 prompt_digest: asked.prompt_digest,
             });
-            peer.send(&req, self.cfg.timeouts.send).await?;
+            peer.send(&req, self.timeouts().send).await?;
         }
         Ok(())
     }
@@ -663,7 +672,7 @@ impl Inner {
     /// than the ready timeout, or transferring without progress longer than the stall timeout.
     /// Their prefills are told to stop.
     async fn fail_stuck_rooms(&self) {
-        let t = self.cfg.timeouts;
+        let t = self.timeouts();
         self.warn_stuck();
         let stuck: Vec<(u64, Reason, Vec<Arc<Peer>>)> = {
             let mut rooms = self.rooms();
@@ -763,13 +772,13 @@ impl Inner {
 }
 
 async fn expire_rooms(inner: Arc<Inner>) {
-    let ttl = inner.cfg.timeouts.room_ttl;
-    let mut tick = tokio::time::interval(Duration::from_millis(200).min(ttl));
+    let mut tick = tokio::time::interval(Duration::from_millis(200).min(inner.timeouts().room_ttl));
     loop {
         tokio::select! {
             () = inner.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let ttl = inner.timeouts().room_ttl;
         inner.fail_stuck_rooms().await;
         let mut rooms = inner.rooms();
         for room in rooms.values_mut() {

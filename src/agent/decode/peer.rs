@@ -92,13 +92,13 @@ async fn control_loop(inner: Arc<Inner>, peer: Arc<Peer>, mut recv: ControlClien
 
 /// Sends heartbeats to a prefill and declares it dead when it has been silent too long.
 async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
-    let t = inner.cfg.timeouts;
     let mut seq = 0u64;
     loop {
         tokio::select! {
             () = peer.gone.cancelled() => return,
-            () = tokio::time::sleep(t.heartbeat) => {}
+            () = tokio::time::sleep(inner.timeouts().heartbeat) => {}
         }
+        let t = inner.timeouts();
         let silent = peer
             .last_seen
             .lock()
@@ -156,7 +156,7 @@ impl Inner {
             return Ok(p.clone());
         }
         let endpoint = rank.control_endpoint.clone();
-        let timeout = self.cfg.timeouts.connect;
+        let timeout = self.timeouts().connect;
         let started = Instant::now();
         tracing::debug!(prefill = %endpoint, "saying Hello to a prefill");
         let unreachable = |what: String| {
@@ -367,7 +367,7 @@ impl Inner {
                 });
                 let (peer, timeout) = (
                     self.peers().get(&peer.instance).cloned(),
-                    self.cfg.timeouts.send,
+                    self.timeouts().send,
                 );
                 if let Some(peer) = peer {
                     tokio::spawn(async move {
@@ -413,7 +413,7 @@ impl Inner {
             code: reason.code,
             message: reason.message.clone(),
         });
-        peer.send(&msg, self.cfg.timeouts.send).await
+        peer.send(&msg, self.timeouts().send).await
     }
 
     /// Fails every room served by a prefill whose connection died or went silent, and forgets
@@ -438,7 +438,7 @@ impl Inner {
                 );
                 // A prefill declared dead may be alive but cut off: its writes count as
                 // possible until its own heartbeat has given up on this decode.
-                let until = Instant::now() + self.cfg.timeouts.dead_after;
+                let until = Instant::now() + self.timeouts().dead_after;
                 room.end_writes(peer.instance, Writes::Until(until));
                 if room.status.state() == RoomState::Aborting {
                     room.acks_pending = 0;

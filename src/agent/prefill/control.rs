@@ -133,7 +133,7 @@ impl Inner {
             });
         let connected = match checked {
             Ok(()) => {
-                let timeout = self.cfg.timeouts.connect;
+                let timeout = self.timeouts().connect;
                 self.transport.connect(&hello.data_endpoint, timeout).await
             }
             Err(e) => Err(e),
@@ -207,7 +207,7 @@ impl Inner {
         if held.is_empty() || !self.peers().contains_key(identity) {
             return;
         }
-        let max_ms = self.cfg.timeouts.room_max.as_secs_f64() * 1e3;
+        let max_ms = self.timeouts().room_max.as_secs_f64() * 1e3;
         let now = Instant::now();
         let mut rooms = self.rooms();
         for id in held {
@@ -276,7 +276,7 @@ impl Inner {
             };
             if let Some((ago, held)) = expired {
                 drop(rooms);
-                let t = &self.cfg.timeouts;
+                let t = self.timeouts();
                 let m = match held {
                     false => format!(
                         "room {room_id} expired here {} ms ago: its KV was ready for {} ms and no decode asked for it (--room-ttl-ms)",

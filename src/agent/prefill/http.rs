@@ -1,7 +1,7 @@
 //! The prefill agent's engine-facing HTTP API, a layer over its room operations
 //! (`rooms.rs`): announce a room's KV as ready, and the routes both roles serve
 //! ([`api::room_routes`]: read a room, abort it, hold it, the pool, health and metrics); with
-//! `--fault-injection`, arm a fault for tests (`faults.rs`).
+//! `--fault-injection`, arm a fault for tests (`agent/faults.rs`).
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -11,11 +11,12 @@ use axum::{Json, Router};
 use super::rooms::{ReadyRequest, RoomView};
 use super::*;
 use crate::agent::api::{self, ApiError};
+use crate::agent::faults;
 
 pub(super) fn routes(inner: Arc<Inner>) -> Router {
     let mut router = api::room_routes::<Inner>().route("/v1/rooms/{room}/ready", post(ready));
     if inner.cfg.fault_injection {
-        router = router.route("/v1/faults", post(arm_fault));
+        router = router.route("/v1/faults", post(faults::arm::<Inner>));
     }
     let token = inner.cfg.token.clone();
     api::finish(router, token).with_state(inner)
@@ -32,17 +33,4 @@ async fn ready(
         StatusCode::ACCEPTED,
         Json(inner.ready(room, req, None).await?),
     ))
-}
-
-async fn arm_fault(
-    State(inner): State<Arc<Inner>>,
-    api::JsonBody(body): api::JsonBody,
-) -> Result<Json<faults::Armed>, ApiError> {
-    let arm: faults::Arm = api::parse_json(&body)?;
-    let armed = inner.faults.arm(arm).map_err(ApiError::Malformed)?;
-    tracing::warn!(
-        chunk = armed.corrupt_chunk,
-        "fault injection armed: corrupting a chunk"
-    );
-    Ok(Json(armed))
 }

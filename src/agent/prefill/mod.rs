@@ -22,11 +22,10 @@
 //! Files: this one (rooms, transfers' bookkeeping, aborts, timeouts, drain), `control.rs` (what
 //! decodes send), `transfer.rs` (one transfer's task; `transfer/send.rs`, one chunk's send),
 //! `rooms.rs` (the engine's room operations on [`PrefillAgent`]), `http.rs` (the engine's HTTP
-//! API, a layer over them), `faults.rs` (fault injection for tests).
+//! API, a layer over them).
 
 mod control;
 mod fanout;
-mod faults;
 mod http;
 mod rooms;
 mod transfer;
@@ -49,6 +48,7 @@ use tracing::Instrument as _;
 use uuid::Uuid;
 
 use super::agent_pool::AgentPool;
+use super::faults::Faults;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
 use super::ops::RoomOps as _;
@@ -141,7 +141,7 @@ impl PrefillAgent {
             peers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new("prefill", rma)),
             draining: std::sync::atomic::AtomicBool::new(false),
-            faults: faults::Faults::new(cfg.fault_corrupt_chunk),
+            faults: Faults::new(cfg.fault_corrupt_chunk, cfg.timeouts),
             fanout: Default::default(),
             shutdown: shutdown.clone(),
             cfg,
@@ -177,7 +177,7 @@ impl PrefillAgent {
         inner
             .draining
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        let deadline = Instant::now() + inner.cfg.timeouts.drain;
+        let deadline = Instant::now() + inner.timeouts().drain;
         let busy = || {
             inner
                 .rooms()
@@ -226,8 +226,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     /// Set by SIGTERM: new rooms are refused.
     draining: std::sync::atomic::AtomicBool,
-    /// Chunks gathered so far, and the one fault injection corrupts.
-    faults: faults::Faults,
+    /// Chunks gathered so far, the one fault injection corrupts, and the timeouts in force.
+    faults: Faults,
     /// Mapped writes of one room's chunks to several decode ranks, paired into one pass.
     fanout: Arc<fanout::Fanout>,
     shutdown: CancellationToken,
@@ -486,6 +486,11 @@ impl Room {
 }
 
 impl Inner {
+    /// The timeouts in force.
+    fn timeouts(&self) -> super::Timeouts {
+        self.faults.timeouts()
+    }
+
     fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
         self.rooms.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -560,7 +565,7 @@ impl Inner {
             .get(peer)
             .map_or(protocol::VERSION, |p| p.version);
         self.replier
-            .post(peer, msg.encode_as(version).into(), self.cfg.timeouts.send);
+            .post(peer, msg.encode_as(version).into(), self.timeouts().send);
     }
 
     fn refuse(&self, peer: &PeerId, room: Option<u64>, code: FailureCode, message: String) {
@@ -658,7 +663,7 @@ impl Inner {
     /// The held rooms each decode asked for, to name in its heartbeat (holds `room_max` old
     /// are dropped): its ready timeout waits for them as the engine's queue does.
     fn held_by_peer(&self) -> HashMap<Uuid, Vec<u64>> {
-        let held = self.holds.live(self.cfg.timeouts.room_max);
+        let held = self.holds.live(self.timeouts().room_max);
         let rooms = self.rooms();
         let mut out: HashMap<Uuid, Vec<u64>> = HashMap::new();
         for (id, ()) in held {
@@ -677,10 +682,10 @@ impl Inner {
     /// Fails transfers requested long ago whose room the engine never announced (unless the
     /// engine holds the room's request in its queue).
     async fn fail_unready(&self) {
-        let ready = self.cfg.timeouts.ready;
+        let ready = self.timeouts().ready;
         let held: std::collections::HashSet<u64> = self
             .holds
-            .live(self.cfg.timeouts.room_max)
+            .live(self.timeouts().room_max)
             .into_iter()
             .map(|(room, ())| room)
             .collect();
@@ -780,8 +785,8 @@ impl Inner {
 
 /// Heartbeats to every peer, dead-peer detection and room expiry, on one timer.
 async fn housekeeping(inner: Arc<Inner>) {
-    let t = &inner.cfg.timeouts;
-    let mut tick = tokio::time::interval(t.heartbeat.min(Duration::from_millis(200)));
+    let mut tick =
+        tokio::time::interval(inner.timeouts().heartbeat.min(Duration::from_millis(200)));
     let mut last_beat = Instant::now();
     let mut seq = 0u64;
     loop {
@@ -789,6 +794,7 @@ async fn housekeeping(inner: Arc<Inner>) {
             () = inner.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let t = inner.timeouts();
         let peers: Vec<Arc<Peer>> = inner.peers().values().cloned().collect();
         for peer in &peers {
             let silent = peer.silent_for();

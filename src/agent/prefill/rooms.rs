@@ -244,6 +244,10 @@ impl RoomOps for Inner {
         self.cfg.max_rooms
     }
 
+    fn faults(&self) -> &crate::agent::faults::Faults {
+        &self.faults
+    }
+
     fn draining(&self) -> bool {
         self.draining.load(std::sync::atomic::Ordering::Relaxed)
     }

@@ -177,7 +177,7 @@ impl Inner {
                     }
                 }
                 Step::Wait(wake) => {
-                    let ready = self.cfg.timeouts.ready;
+                    let ready = self.timeouts().ready;
                     tokio::select! {
                         () = wake.notified() => {}
                         () = job.cancel.cancelled() => {}
@@ -331,7 +331,7 @@ impl Inner {
         let Some(ready) = &piece.ready_on else {
             return Ok(true);
         };
-        let limit = self.cfg.timeouts.ready;
+        let limit = self.timeouts().ready;
         let started = Instant::now();
         // Short pauses first: an engine usually announces a piece just before its writes end.
         let mut pause = Duration::from_micros(20);

@@ -60,7 +60,7 @@ impl Inner {
         let done = tokio::select! {
             biased;
             () = job.cancel.cancelled() => return Ok(()),
-            done = tokio::time::timeout(self.cfg.timeouts.send, taken) => done,
+            done = tokio::time::timeout(self.timeouts().send, taken) => done,
         };
         if job.cancel.is_cancelled() {
             // The decode refuses the runs of a room it aborted: that is the abort, not an error.
@@ -103,7 +103,7 @@ impl Inner {
         )
             -> transport::BoxFuture<'s, Result<T, transport::TransportError>>,
     ) -> Result<T, Reason> {
-        let done = tokio::time::timeout(self.cfg.timeouts.send, async {
+        let done = tokio::time::timeout(self.timeouts().send, async {
             let mut data = job.peer.data.lock().await;
             op(&mut data).await
         })
@@ -120,7 +120,7 @@ impl Inner {
         stalled: &str,
         done: Option<Result<T, transport::TransportError>>,
     ) -> Result<T, Reason> {
-        let timeout = self.cfg.timeouts.send;
+        let timeout = self.timeouts().send;
         match done {
             Some(Ok(v)) => Ok(v),
             Some(Err(e)) => Err(Reason::new(FailureCode::PeerDead, e.to_string())),
@@ -238,7 +238,7 @@ impl Inner {
             }
         };
         let taken = spans.zip(posted).map(|((pool, spans), (key, posted))| {
-            let (peer, timeout) = (job.peer.clone(), self.cfg.timeouts.send);
+            let (peer, timeout) = (job.peer.clone(), self.timeouts().send);
             // A task of its own: the decode may post the receives of later chunks first (it
             // lands a bounded number of chunks at once, in whatever order their headers come
             // out of the transport), and their runs must not wait behind this chunk's. The

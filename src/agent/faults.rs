@@ -1,0 +1,276 @@
+//! Fault injection for tests, and the timeouts an agent runs with.
+//!
+//! A prefill corrupts one chunk: chunks are numbered from 1 as they are gathered, and the one
+//! numbered `--fault-corrupt-chunk` (from the start), or armed while the agent runs, has its
+//! bytes inverted (a direct chunk: its checksum) after checksumming.
+//!
+//! An agent's timeouts are its configuration's ([`Timeouts`]) until a test changes them while it
+//! runs: engine servers shared by many tests need no restart for one that wants a room to outlive
+//! a short timeout. Every wait reads them when it starts (a heartbeat loop at each beat).
+//!
+//! Both are armed through the engine API's `POST /v1/faults`, served only with
+//! `--fault-injection`: `{"corrupt_chunk": N}` (prefill) corrupts the N-th chunk sent from now;
+//! `{"timeouts": {"room_ttl_ms": 1000, ...}}` (either role) sets the timeouts named, by their
+//! flags' names, checked together as at start. The answer says what is armed and the timeouts
+//! before and after, so that a test can set them back.
+
+use std::sync::Arc;
+use std::sync::RwLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use serde::{Deserialize, Serialize};
+
+use super::Timeouts;
+use super::api::{self, ApiError};
+use super::ops::RoomOps;
+
+/// The chunks gathered so far, the one to corrupt (0: none), and the timeouts in force.
+pub(crate) struct Faults {
+    sent: AtomicU64,
+    corrupt: AtomicU64,
+    timeouts: RwLock<Timeouts>,
+}
+
+/// `POST /v1/faults`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Arm {
+    /// Corrupt the `corrupt_chunk`-th chunk sent from now (1: the next).
+    pub corrupt_chunk: Option<u64>,
+    /// Timeouts to set, in ms.
+    pub timeouts: Option<TimeoutsMs>,
+}
+
+/// Timeouts in ms by their flags' names (`--room-ttl-ms`: `room_ttl_ms`); in a request, those
+/// to change.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TimeoutsMs {
+    pub timeout_bootstrap_ms: Option<u64>,
+    pub timeout_connect_ms: Option<u64>,
+    pub room_ttl_ms: Option<u64>,
+    pub room_max_ms: Option<u64>,
+    pub timeout_send_ms: Option<u64>,
+    pub timeout_ready_ms: Option<u64>,
+    pub timeout_stall_ms: Option<u64>,
+    pub drain_timeout_ms: Option<u64>,
+    pub drain_untaken_ms: Option<u64>,
+    pub heartbeat_ms: Option<u64>,
+    pub peer_dead_ms: Option<u64>,
+}
+
+/// The answer: the number the armed chunk will have and the chunks sent so far (when a chunk
+/// was armed), and the timeouts before and after the request.
+#[derive(Debug, Serialize)]
+pub(crate) struct Armed {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub corrupt_chunk: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunks_sent: Option<u64>,
+    pub timeouts_were: TimeoutsMs,
+    pub timeouts: TimeoutsMs,
+}
+
+/// Each field of [`Timeouts`] with its flag's name.
+macro_rules! each_timeout {
+    ($m:ident) => {
+        $m!(
+            bootstrap timeout_bootstrap_ms,
+            connect timeout_connect_ms,
+            room_ttl room_ttl_ms,
+            room_max room_max_ms,
+            send timeout_send_ms,
+            ready timeout_ready_ms,
+            stall timeout_stall_ms,
+            drain drain_timeout_ms,
+            drain_untaken drain_untaken_ms,
+            heartbeat heartbeat_ms,
+            dead_after peer_dead_ms
+        )
+    };
+}
+
+impl TimeoutsMs {
+    fn of(t: &Timeouts) -> Self {
+        macro_rules! all {
+            ($($field:ident $name:ident),*) => {
+                TimeoutsMs { $($name: Some(t.$field.as_millis() as u64)),* }
+            };
+        }
+        each_timeout!(all)
+    }
+
+    /// `t` with the timeouts this names changed.
+    fn applied_to(&self, mut t: Timeouts) -> Timeouts {
+        macro_rules! apply {
+            ($($field:ident $name:ident),*) => {
+                $(if let Some(ms) = self.$name { t.$field = Duration::from_millis(ms); })*
+            };
+        }
+        each_timeout!(apply);
+        t
+    }
+}
+
+impl Faults {
+    pub(crate) fn new(corrupt: Option<u64>, timeouts: Timeouts) -> Self {
+        Faults {
+            sent: AtomicU64::new(0),
+            corrupt: AtomicU64::new(corrupt.unwrap_or(0)),
+            timeouts: RwLock::new(timeouts),
+        }
+    }
+
+    /// The timeouts in force.
+    pub(crate) fn timeouts(&self) -> Timeouts {
+        *self.timeouts.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Numbers the next chunk; whether it is the one to corrupt.
+    pub(crate) fn next_chunk(&self) -> (u64, bool) {
+        let nth = self.sent.fetch_add(1, Ordering::Relaxed) + 1;
+        (nth, self.corrupt.load(Ordering::Relaxed) == nth)
+    }
+
+    /// Arms what `arm` asks for (nothing of it when any part is refused). `sends_chunks`: the
+    /// role has chunks to corrupt.
+    pub(crate) fn arm(&self, arm: Arm, sends_chunks: bool) -> Result<Armed, String> {
+        if arm.corrupt_chunk.is_some() && !sends_chunks {
+            return Err("corrupt_chunk: this agent sends no chunks (a prefill's switch)".into());
+        }
+        if arm.corrupt_chunk == Some(0) {
+            return Err("corrupt_chunk counts chunks from the next one, which is 1".into());
+        }
+        let mut timeouts = self.timeouts.write().unwrap_or_else(|e| e.into_inner());
+        let were = *timeouts;
+        let now = match &arm.timeouts {
+            Some(change) => change.applied_to(were),
+            None => were,
+        };
+        if arm.timeouts.is_some() {
+            now.check()?;
+        }
+        *timeouts = now;
+        let (mut corrupt_chunk, mut chunks_sent) = (None, None);
+        if let Some(n) = arm.corrupt_chunk {
+            let sent = self.sent.load(Ordering::Relaxed);
+            self.corrupt.store(sent + n, Ordering::Relaxed);
+            (corrupt_chunk, chunks_sent) = (Some(sent + n), Some(sent));
+        }
+        Ok(Armed {
+            corrupt_chunk,
+            chunks_sent,
+            timeouts_were: TimeoutsMs::of(&were),
+            timeouts: TimeoutsMs::of(&now),
+        })
+    }
+}
+
+/// `POST /v1/faults` (with `--fault-injection`).
+pub(crate) async fn arm<T: RoomOps>(
+    State(inner): State<Arc<T>>,
+    api::JsonBody(body): api::JsonBody,
+) -> Result<Json<Armed>, ApiError> {
+    let arm: Arm = api::parse_json(&body)?;
+    let armed = inner
+        .faults()
+        .arm(arm, T::ROLE == "prefill")
+        .map_err(ApiError::Malformed)?;
+    if let Some(chunk) = armed.corrupt_chunk {
+        tracing::warn!(chunk, "fault injection armed: corrupting a chunk");
+    }
+    if armed.timeouts != armed.timeouts_were {
+        tracing::warn!(timeouts = ?armed.timeouts, "fault injection: timeouts changed");
+    }
+    Ok(Json(armed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn corrupt(n: u64) -> Arm {
+        Arm {
+            corrupt_chunk: Some(n),
+            ..Arm::default()
+        }
+    }
+
+    #[test]
+    fn the_armed_chunk_counts_from_the_chunks_already_sent() {
+        let f = Faults::new(Some(2), Timeouts::default());
+        assert_eq!(f.next_chunk(), (1, false));
+        assert_eq!(f.next_chunk(), (2, true));
+        let armed = f.arm(corrupt(2), true).unwrap();
+        assert_eq!((armed.corrupt_chunk, armed.chunks_sent), (Some(4), Some(2)));
+        assert_eq!(f.next_chunk(), (3, false));
+        assert_eq!(f.next_chunk(), (4, true));
+        assert_eq!(f.next_chunk(), (5, false));
+        assert!(f.arm(corrupt(0), true).is_err());
+        let refused = f.arm(corrupt(1), false).unwrap_err();
+        assert!(refused.contains("sends no chunks"), "{refused}");
+    }
+
+    #[test]
+    fn timeouts_change_as_named_and_are_checked_together() {
+        let f = Faults::new(None, Timeouts::default());
+        let change = TimeoutsMs {
+            room_ttl_ms: Some(1000),
+            timeout_ready_ms: Some(1000),
+            heartbeat_ms: Some(100),
+            ..TimeoutsMs::default()
+        };
+        let armed = f
+            .arm(
+                Arm {
+                    timeouts: Some(change),
+                    ..Arm::default()
+                },
+                false,
+            )
+            .unwrap();
+        assert_eq!(armed.timeouts_were, TimeoutsMs::of(&Timeouts::default()));
+        let t = f.timeouts();
+        assert_eq!(t.room_ttl, Duration::from_secs(1));
+        assert_eq!(t.ready, Duration::from_secs(1));
+        assert_eq!(t.heartbeat, Duration::from_millis(100));
+        assert_eq!(
+            t.stall,
+            Timeouts::default().stall,
+            "a timeout not named keeps its value"
+        );
+        assert_eq!(armed.timeouts, TimeoutsMs::of(&t));
+        assert_eq!(armed.corrupt_chunk, None);
+        // Set back from the answer's `timeouts_were`.
+        f.arm(
+            Arm {
+                timeouts: Some(armed.timeouts_were),
+                ..Arm::default()
+            },
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            TimeoutsMs::of(&f.timeouts()),
+            TimeoutsMs::of(&Timeouts::default())
+        );
+        // A heartbeat no shorter than the dead-peer bound is refused, and nothing changes.
+        let bad = Arm {
+            timeouts: Some(TimeoutsMs {
+                heartbeat_ms: Some(10_000),
+                room_ttl_ms: Some(5),
+                ..TimeoutsMs::default()
+            }),
+            ..Arm::default()
+        };
+        let refused = f.arm(bad, false).unwrap_err();
+        assert!(refused.contains("--peer-dead-ms"), "{refused}");
+        assert_eq!(
+            TimeoutsMs::of(&f.timeouts()),
+            TimeoutsMs::of(&Timeouts::default())
+        );
+    }
+}
