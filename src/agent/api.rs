@@ -312,10 +312,11 @@ pub fn metrics_response(text: String) -> Response {
 }
 
 /// The routes both roles serve, over the room operations both have ([`RoomOps`]): read a
-/// room (long poll), abort it, hold it and stop holding it; the pool, health and metrics. Each
-/// role adds its own (`prefill/http.rs`, `decode/http.rs`) and calls [`finish`].
-pub(crate) fn room_routes<T: RoomOps>() -> Router<Arc<T>> {
-    Router::new()
+/// room (long poll), abort it, hold it and stop holding it; the pool, health and metrics; with
+/// `fault_injection`, the test switches (`POST /v1/faults`, `agent/faults.rs`). Each role adds
+/// its own (`prefill/http.rs`, `decode/http.rs`) and calls [`finish`].
+pub(crate) fn room_routes<T: RoomOps>(fault_injection: bool) -> Router<Arc<T>> {
+    let router = Router::new()
         .route(
             "/v1/rooms/{room}",
             get(get_room::<T>).delete(abort_room::<T>),
@@ -326,7 +327,11 @@ pub(crate) fn room_routes<T: RoomOps>() -> Router<Arc<T>> {
         )
         .route("/v1/pool", get(pool::<T>))
         .route("/healthz", get(health::<T>))
-        .route("/metrics", get(metrics::<T>))
+        .route("/metrics", get(metrics::<T>));
+    match fault_injection {
+        true => router.route("/v1/faults", post(super::faults::arm::<T>)),
+        false => router,
+    }
 }
 
 async fn get_room<T: RoomOps>(

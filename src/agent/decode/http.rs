@@ -1,7 +1,7 @@
 //! The decode agent's engine-facing HTTP API, a layer over its room operations (`rooms.rs`):
 //! request a room, take it, and the routes both roles serve ([`api::room_routes`]: read a room,
-//! abort it, hold it, the pool, health and metrics); with `--fault-injection`, change its
-//! timeouts for tests (`agent/faults.rs`).
+//! abort it, hold it, the pool, health and metrics, and with `--fault-injection` the test
+//! switches).
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -11,15 +11,11 @@ use axum::{Json, Router};
 use super::rooms::{RoomRequest, RoomView, TakenRoom};
 use super::*;
 use crate::agent::api::{self, ApiError};
-use crate::agent::faults;
 
 pub(super) fn routes(inner: Arc<Inner>) -> Router {
-    let mut router = api::room_routes::<Inner>()
+    let router = api::room_routes::<Inner>(inner.cfg.fault_injection)
         .route("/v1/rooms/{room}", post(create_room))
         .route("/v1/rooms/{room}/take", post(take_room));
-    if inner.cfg.fault_injection {
-        router = router.route("/v1/faults", post(faults::arm::<Inner>));
-    }
     let token = inner.cfg.token.clone();
     api::finish(router, token).with_state(inner)
 }

@@ -1,7 +1,7 @@
 //! The prefill agent's engine-facing HTTP API, a layer over its room operations
 //! (`rooms.rs`): announce a room's KV as ready, and the routes both roles serve
-//! ([`api::room_routes`]: read a room, abort it, hold it, the pool, health and metrics); with
-//! `--fault-injection`, arm a fault for tests (`agent/faults.rs`).
+//! ([`api::room_routes`]: read a room, abort it, hold it, the pool, health and metrics, and
+//! with `--fault-injection` the test switches).
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -11,13 +11,10 @@ use axum::{Json, Router};
 use super::rooms::{ReadyRequest, RoomView};
 use super::*;
 use crate::agent::api::{self, ApiError};
-use crate::agent::faults;
 
 pub(super) fn routes(inner: Arc<Inner>) -> Router {
-    let mut router = api::room_routes::<Inner>().route("/v1/rooms/{room}/ready", post(ready));
-    if inner.cfg.fault_injection {
-        router = router.route("/v1/faults", post(faults::arm::<Inner>));
-    }
+    let router = api::room_routes::<Inner>(inner.cfg.fault_injection)
+        .route("/v1/rooms/{room}/ready", post(ready));
     let token = inner.cfg.token.clone();
     api::finish(router, token).with_state(inner)
 }
