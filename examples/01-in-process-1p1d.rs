@@ -9,6 +9,7 @@
 use std::time::{Duration, Instant};
 
 use kvferry::agent::AgentOptions;
+use kvferry::agent::EngineApi;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry_bootstrap::{ServerConfig, serve};

@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 use kvferry::agent::decode::{self, HoldRequest, RoomRequest};
 use kvferry::agent::prefill::{self, ReadyRequest};
 use kvferry::agent::room::RoomState;
-use kvferry::agent::{AgentConfig, AgentError, PoolCounts, RoomError};
-use kvferry::reason::Reason;
+use kvferry::agent::{AgentConfig, AgentError, EngineApi, PoolCounts, RoomError, RoomLook};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use serde::Serialize;
@@ -26,41 +25,6 @@ use crate::{convert, memory, runtime};
 
 /// The longest the GIL stays released in one piece of a wait.
 const SLICE: Duration = Duration::from_millis(200);
-
-/// What `wait` and `poll` need of a view.
-trait Look: Serialize + Send {
-    fn state(&self) -> RoomState;
-    fn reason(&self) -> Option<&Reason>;
-    fn safe_to_reuse(&self) -> bool;
-    /// The room can no longer change: final, and no transfer touches its pages any more.
-    fn settled(&self) -> bool {
-        self.state().is_final() && self.safe_to_reuse()
-    }
-}
-
-impl Look for prefill::RoomView {
-    fn state(&self) -> RoomState {
-        self.state
-    }
-    fn reason(&self) -> Option<&Reason> {
-        self.reason.as_ref()
-    }
-    fn safe_to_reuse(&self) -> bool {
-        self.safe_to_reuse
-    }
-}
-
-impl Look for decode::RoomView {
-    fn state(&self) -> RoomState {
-        self.state
-    }
-    fn reason(&self) -> Option<&Reason> {
-        self.reason.as_ref()
-    }
-    fn safe_to_reuse(&self) -> bool {
-        self.safe_to_reuse
-    }
-}
 
 /// A started agent of either role, and what it must outlive.
 struct Handle<A: Send + Sync> {
@@ -159,7 +123,7 @@ impl<A: Send + Sync> Handle<A> {
         .map_err(errors::room_error)
     }
 
-    /// Waits until the room is settled (see [`Look::settled`] and [`finished`]) or `timeout`
+    /// Waits until the room is settled (see [`RoomLook::settled`] and [`finished`]) or `timeout`
     /// seconds passed.
     fn wait_final<'py, V, Fut>(
         &self,
@@ -169,7 +133,7 @@ impl<A: Send + Sync> Handle<A> {
         wait: impl Fn(Arc<A>, Duration) -> Fut + Send + Sync,
     ) -> PyResult<Bound<'py, PyDict>>
     where
-        V: Look,
+        V: RoomLook + Serialize + Send,
         Fut: Future<Output = Result<V, RoomError>>,
     {
         // No deadline for a timeout beyond what an Instant can hold (`float("inf")`).
@@ -196,7 +160,7 @@ impl<A: Send + Sync> Handle<A> {
 
     /// The views of the settled rooms among `rooms`, by room, and `None` for rooms the agent
     /// does not know (taken, expired, never made); never blocks.
-    fn poll<'py, V: Look>(
+    fn poll<'py, V: RoomLook + Serialize>(
         &self,
         py: Python<'py>,
         rooms: Vec<u64>,
@@ -245,7 +209,11 @@ impl<A: Send + Sync> Handle<A> {
 }
 
 /// A room's final view: the dict on success, its reason's exception otherwise.
-fn finished<'py, V: Look>(py: Python<'py>, room: u64, view: &V) -> PyResult<Bound<'py, PyDict>> {
+fn finished<'py, V: RoomLook + Serialize>(
+    py: Python<'py>,
+    room: u64,
+    view: &V,
+) -> PyResult<Bound<'py, PyDict>> {
     let dict = convert::view(py, room, view)?;
     match (view.state(), view.reason()) {
         (RoomState::Success, _) => Ok(dict),
@@ -398,7 +366,8 @@ agent_class!(
         /// Holds `room` while the engine has its request queued (see `PrefillAgent::hold`
         /// in Rust).
         fn hold(&self, py: Python<'_>, room: u64) -> PyResult<()> {
-            self.0.run(py, |a| async move { a.hold(room) })
+            self.0
+                .run(py, |a| async move { a.hold(room, prefill::HoldRequest {}) })
         }
 
         /// Stops holding `room`.

@@ -167,6 +167,21 @@ fn main(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
         .map_err(|e| errors::Error::new_err(format!("{e:#}")))
 }
 
+/// The engine API's operations (`kvferry::agent::OPERATIONS`), a tuple of dicts: `name`,
+/// `roles`, `http` (`(method, path)` or None) and `python` (the methods that serve it, on the
+/// agents and on `Sidecar`). Tests check the classes, the stub and the sidecar against it.
+fn operations(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyTuple>> {
+    let ops = kvferry::agent::OPERATIONS.iter().map(|op| {
+        let dict = PyDict::new(py);
+        dict.set_item("name", op.name)?;
+        dict.set_item("roles", pyo3::types::PyTuple::new(py, op.roles)?)?;
+        dict.set_item("http", op.http)?;
+        dict.set_item("python", pyo3::types::PyTuple::new(py, op.python)?)?;
+        Ok(dict)
+    });
+    pyo3::types::PyTuple::new(py, ops.collect::<PyResult<Vec<_>>>()?)
+}
+
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -174,6 +189,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(main, m)?)?;
     m.add_function(wrap_pyfunction!(agent_flags, m)?)?;
     m.add_function(wrap_pyfunction!(prompt_digest, m)?)?;
+    m.add("OPERATIONS", operations(m.py())?)?;
     m.add_class::<agents::PrefillAgent>()?;
     m.add_class::<agents::DecodeAgent>()?;
     errors::register(m)?;

@@ -2,10 +2,10 @@
 //! exactly one place), the extractors that turn every rejection into it (body, query), the
 //! 404/405 fallbacks, JSON body parsing with clear 400s and the listening line.
 //!
-//! The HTTP API is a layer over the agents' room operations (`ops.rs`, and each agent's
-//! `rooms.rs`): a handler parses the path, the query and the body into the operation's
-//! request struct, calls it, and serializes its result; a refused operation's
-//! [`RoomError`] becomes a status here.
+//! The HTTP API is a layer over the engine API (`engine_api.rs`): its routes are registered
+//! from the list of operations there ([`routes`]); a handler parses the path, the query and
+//! the body into the operation's request struct, calls it, and serializes its result; a
+//! refused operation's [`RoomError`] becomes a status here.
 //!
 //! Every error is `{"error": "..."}` with `Content-Type: application/json`: 400 (malformed body,
 //! bad room, bad query parameter), 401 (the agent's token missing or wrong), 403 (a room names
@@ -15,8 +15,8 @@
 //! With a token (`--token`), every route but `GET /healthz` and `GET /metrics` (which reveal
 //! no room content) needs `Authorization: Bearer TOKEN` ([`finish`]).
 //!
-//! The routes both roles serve are here (`room_routes`); each agent adds its own
-//! (`prefill/http.rs`, `decode/http.rs`).
+//! The handlers of the operations both roles have are here; each role's own are in its
+//! `http.rs` (`prefill/http.rs`, `decode/http.rs`).
 
 use std::io::Write as _;
 use std::sync::Arc;
@@ -26,11 +26,12 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodFilter, MethodRouter, on};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 
-use super::ops::{PoolCounts, RoomError, RoomOps};
+use super::engine_api::{EngineApi, Operation, PoolCounts, RoomError};
+use super::faults::{Arm, Armed, Tested};
 
 /// An HTTP error for the engine: a refused room operation, or a request the HTTP layer
 /// itself refuses before any operation runs.
@@ -311,78 +312,115 @@ pub fn metrics_response(text: String) -> Response {
         .into_response()
 }
 
-/// The routes both roles serve, over the room operations both have ([`RoomOps`]): read a
-/// room (long poll), abort it, hold it and stop holding it; the pool, health and metrics; with
-/// `fault_injection`, the test switches (`POST /v1/faults`, `agent/faults.rs`). Each role adds
-/// its own (`prefill/http.rs`, `decode/http.rs`) and calls [`finish`].
-pub(crate) fn room_routes<T: RoomOps>(fault_injection: bool) -> Router<Arc<T>> {
-    let router = Router::new()
-        .route(
-            "/v1/rooms/{room}",
-            get(get_room::<T>).delete(abort_room::<T>),
-        )
-        .route(
-            "/v1/rooms/{room}/hold",
-            post(hold_room::<T>).delete(unhold_room::<T>),
-        )
-        .route("/v1/pool", get(pool::<T>))
-        .route("/healthz", get(health::<T>))
-        .route("/metrics", get(metrics::<T>));
-    match fault_injection {
-        true => router.route("/v1/faults", post(super::faults::arm::<T>)),
-        false => router,
+/// The routes of `T`'s role, registered from the engine API's list
+/// ([`super::engine_api::OPERATIONS`]): each listed operation's method and path, served by
+/// the shared handler of an operation both roles have or by `own`, the role's handler of its
+/// own operation by name. `faults` only with `fault_injection`. Every listed operation has a
+/// handler: the roles' tests build their routes, and a missing one panics there.
+pub(crate) fn routes<T: Tested>(
+    own: impl Fn(&str, MethodFilter) -> Option<MethodRouter<Arc<T>>>,
+    fault_injection: bool,
+) -> Router<Arc<T>> {
+    let mut router = Router::new();
+    for op in Operation::of(T::ROLE) {
+        let Some((method, path)) = op.http else {
+            continue;
+        };
+        // `wait` is `view` with `?wait_ms=`, on the same route.
+        if op.name == "wait" || (op.name == "faults" && !fault_injection) {
+            continue;
+        }
+        let filter =
+            MethodFilter::try_from(Method::from_bytes(method.as_bytes()).expect("a method"))
+                .expect("a method axum routes");
+        let handler = shared::<T>(op.name, filter)
+            .or_else(|| own(op.name, filter))
+            .unwrap_or_else(|| panic!("the {} agent has no handler for {}", T::ROLE, op.name));
+        router = router.route(path, handler);
     }
+    router
 }
 
-async fn get_room<T: RoomOps>(
+/// The handler of an operation both roles have, by name.
+fn shared<T: Tested>(name: &str, filter: MethodFilter) -> Option<MethodRouter<Arc<T>>> {
+    Some(match name {
+        "view" => on(filter, view::<T>),
+        "abort" => on(filter, abort::<T>),
+        "hold" => on(filter, hold::<T>),
+        "unhold" => on(filter, unhold::<T>),
+        "pool" => on(filter, pool::<T>),
+        "metrics" => on(filter, metrics::<T>),
+        "health" => on(filter, health::<T>),
+        "faults" => on(filter, arm::<T>),
+        _ => return None,
+    })
+}
+
+async fn view<T: EngineApi>(
     State(inner): State<Arc<T>>,
     Path(room): Path<String>,
     q: WaitQuery,
 ) -> Answer<T::View> {
     let room = parse_room(&room)?;
     Ok(Json(match q.wait_ms {
-        Some(ms) => inner.wait_room(room, Duration::from_millis(ms)).await?,
-        None => inner.room_view(room)?,
+        Some(ms) => inner.wait(room, Duration::from_millis(ms)).await?,
+        None => inner.view(room)?,
     }))
 }
 
-async fn abort_room<T: RoomOps>(
+async fn abort<T: EngineApi>(
     State(inner): State<Arc<T>>,
     Path(room): Path<String>,
 ) -> Answer<T::View> {
     let room = parse_room(&room)?;
-    Ok(Json(inner.abort_room(room).await?))
+    Ok(Json(inner.abort(room).await?))
 }
 
-async fn hold_room<T: RoomOps>(
+async fn hold<T: EngineApi>(
     State(inner): State<Arc<T>>,
     Path(room): Path<String>,
     JsonBody(body): JsonBody,
 ) -> Result<StatusCode, ApiError> {
     let room = parse_room(&room)?;
     let req: T::Hold = parse_json(&body)?;
-    inner.hold_room(room, req)?;
+    inner.hold(room, req)?;
     Ok(StatusCode::ACCEPTED)
 }
 
-async fn unhold_room<T: RoomOps>(
+async fn unhold<T: EngineApi>(
     State(inner): State<Arc<T>>,
     Path(room): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    inner.unhold_room(parse_room(&room)?);
+    inner.unhold(parse_room(&room)?);
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn pool<T: RoomOps>(State(inner): State<Arc<T>>) -> Json<PoolCounts> {
-    Json(inner.pool_counts())
+async fn pool<T: EngineApi>(State(inner): State<Arc<T>>) -> Json<PoolCounts> {
+    Json(inner.pool())
 }
 
-async fn health<T: RoomOps>() -> Json<serde_json::Value> {
+async fn health<T: EngineApi>() -> Json<serde_json::Value> {
     Json(serde_json::json!({"status": "ok", "role": T::ROLE}))
 }
 
-async fn metrics<T: RoomOps>(State(inner): State<Arc<T>>) -> Response {
-    metrics_response(inner.render_metrics())
+async fn metrics<T: EngineApi>(State(inner): State<Arc<T>>) -> Response {
+    metrics_response(inner.metrics())
+}
+
+/// `POST /v1/faults` (with `--fault-injection`): arms the test switches (`faults.rs`).
+async fn arm<T: Tested>(State(inner): State<Arc<T>>, JsonBody(body): JsonBody) -> Answer<Armed> {
+    let arm: Arm = parse_json(&body)?;
+    let armed = inner
+        .faults()
+        .arm(arm, T::ROLE == "prefill")
+        .map_err(ApiError::Malformed)?;
+    if let Some(chunk) = armed.corrupt_chunk {
+        tracing::warn!(chunk, "fault injection armed: corrupting a chunk");
+    }
+    if armed.timeouts != armed.timeouts_were {
+        tracing::warn!(timeouts = ?armed.timeouts, "fault injection: timeouts changed");
+    }
+    Ok(Json(armed))
 }
 
 #[cfg(test)]

@@ -14,18 +14,14 @@
 //! flags' names, checked together as at start. The answer says what is armed and the timeouts
 //! before and after, so that a test can set them back.
 
-use std::sync::Arc;
 use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::Json;
-use axum::extract::State;
 use serde::{Deserialize, Serialize};
 
 use super::Timeouts;
-use super::api::{self, ApiError};
-use super::ops::RoomOps;
+use super::engine_api::EngineApi;
 
 /// The chunks gathered so far, the one to corrupt (0: none), and the timeouts in force.
 pub(crate) struct Faults {
@@ -169,23 +165,10 @@ impl Faults {
     }
 }
 
-/// `POST /v1/faults` (with `--fault-injection`).
-pub(crate) async fn arm<T: RoomOps>(
-    State(inner): State<Arc<T>>,
-    api::JsonBody(body): api::JsonBody,
-) -> Result<Json<Armed>, ApiError> {
-    let arm: Arm = api::parse_json(&body)?;
-    let armed = inner
-        .faults()
-        .arm(arm, T::ROLE == "prefill")
-        .map_err(ApiError::Malformed)?;
-    if let Some(chunk) = armed.corrupt_chunk {
-        tracing::warn!(chunk, "fault injection armed: corrupting a chunk");
-    }
-    if armed.timeouts != armed.timeouts_were {
-        tracing::warn!(timeouts = ?armed.timeouts, "fault injection: timeouts changed");
-    }
-    Ok(Json(armed))
+/// An agent with test switches: the engine API's `POST /v1/faults` arms them (`api.rs`).
+pub(crate) trait Tested: EngineApi {
+    /// The switches and the timeouts in force.
+    fn faults(&self) -> &Faults;
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::ops::RoomError;
+use super::engine_api::RoomError;
 use crate::protocol::MAX_HELD_ROOMS;
 
 /// Held rooms, each with when its hold began and what the role keeps with it.

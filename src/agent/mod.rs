@@ -3,25 +3,28 @@
 //! This file holds how both roles open their pool and start; their configuration is in
 //! `config.rs`, how a rank describes itself to the registry and in Hello (and the layout
 //! compatibility check) in `registration.rs`, how a room's transfer is cut into chunks in
-//! `chunks.rs`. Room state lives in [`room`]; the room operations both roles have, written once
-//! for [`prefill::PrefillAgent`] and [`decode::DecodeAgent`], in [`ops`], the engine-facing HTTP
-//! plumbing over them in [`api`]; the synthetic engine in [`synthetic`].
+//! `chunks.rs`. Room state lives in [`room`], each role's rooms in its room table
+//! (`room_table.rs`); the engine API, every operation an engine asks of an agent declared once,
+//! in [`engine_api`], the engine-facing HTTP plumbing over it in [`api`], the JSON forms of its
+//! request fields in `fields.rs`; the synthetic engine in [`synthetic`].
 
 pub mod agent_pool;
 pub mod api;
 mod chunks;
 mod config;
 pub mod decode;
+pub mod engine_api;
 mod faults;
+mod fields;
 mod holds;
 pub mod metrics;
-pub mod ops;
 mod options;
 pub mod pairing;
 pub mod prefill;
 mod registration;
 mod registries;
 pub mod room;
+mod room_table;
 mod serving;
 mod staging;
 pub mod synthetic;
@@ -29,7 +32,7 @@ pub mod synthetic;
 pub(crate) use chunks::{ChunkPlan, Coverage, plan_chunks};
 pub use config::{AgentConfig, DirectMethod, DirectWrites, MappedWrites, Timeouts, placed_min_run};
 pub(crate) use config::{control_options, maps_pools, zmq_auth};
-pub use ops::{PoolCounts, RoomError};
+pub use engine_api::{EngineApi, OPERATIONS, Operation, PoolCounts, RoomError, RoomLook};
 pub use options::AgentOptions;
 pub(crate) use registration::{check_compatible, layout_of, registration, wire_layout};
 pub use registries::{BadEntry, TrustedRegistries, Untrusted};

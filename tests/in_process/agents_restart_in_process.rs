@@ -9,6 +9,7 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
+use kvferry::agent::EngineApi;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use tokio_util::sync::CancellationToken;

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::reference::{Dims, engine_offset};
 use kvferry::agent::AgentOptions;
+use kvferry::agent::EngineApi;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry::agent::{AgentConfig, RoomError};

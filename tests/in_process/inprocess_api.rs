@@ -15,6 +15,7 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
+use kvferry::agent::EngineApi;
 use kvferry::agent::RoomError;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};

@@ -5,13 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use super::Inner;
+use super::Decode;
 use crate::agent::room::RoomState;
 
 /// How often the untaken rooms are counted.
 const POLL: Duration = Duration::from_millis(20);
 
-impl Inner {
+impl Decode {
     /// Waits until no landed (`success`) room is left untaken, or the window has passed since
     /// the last one landed (or since `draining_since`, whichever is later), or shutdown.
     pub(super) async fn keep_untaken(&self, draining_since: Instant) {

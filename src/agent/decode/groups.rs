@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_bootstrap::{ClientError, PrefillGroup, RegistryClient};
 
-use super::Inner;
+use super::Decode;
 use crate::reason::{FailureCode, Reason};
 
 /// How long a looked-up group is used without asking the registry again.
@@ -76,7 +76,7 @@ impl Groups {
     }
 }
 
-impl Inner {
+impl Decode {
     /// The prefill group `dp_rank` as `client`'s registry lists it: remembered if looked up
     /// less than [`FRESH`] ago, else asked for until it is complete or the bootstrap timeout
     /// passes.

@@ -1,39 +1,84 @@
-//! The decode agent's engine-facing HTTP API, a layer over its room operations (`rooms.rs`):
-//! request a room, take it, and the routes both roles serve ([`api::room_routes`]: read a room,
-//! abort it, hold it, the pool, health and metrics, and with `--fault-injection` the test
-//! switches).
+//! The decode agent's engine-facing HTTP API, a layer over its engine API (`rooms.rs`): the
+//! handlers of its own operations (request a room, take it, look up a prefill group), beside
+//! those of the operations both roles have, registered from the engine API's list
+//! ([`api::routes`]).
 
-use axum::extract::{Path, State};
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::routing::post;
-use axum::{Json, Router};
+use axum::routing::{MethodFilter, MethodRouter, on};
+use serde::Deserialize;
 
+use super::Decode;
 use super::rooms::{RoomRequest, RoomView, TakenRoom};
-use super::*;
 use crate::agent::api::{self, ApiError};
 
-pub(super) fn routes(inner: Arc<Inner>) -> Router {
-    let router = api::room_routes::<Inner>(inner.cfg.fault_injection)
-        .route("/v1/rooms/{room}", post(create_room))
-        .route("/v1/rooms/{room}/take", post(take_room));
-    let token = inner.cfg.token.clone();
-    api::finish(router, token).with_state(inner)
+/// The engine API's routes (the test switches with `fault_injection`), with the check of
+/// `token` (`--token`).
+pub(super) fn routes(fault_injection: bool, token: Option<String>) -> axum::Router<Arc<Decode>> {
+    api::finish(api::routes(own, fault_injection), token)
 }
 
-async fn create_room(
-    State(inner): State<Arc<Inner>>,
+/// The handler of a decode's own operation, by name.
+fn own(name: &str, filter: MethodFilter) -> Option<MethodRouter<Arc<Decode>>> {
+    match name {
+        "request" => Some(on(filter, request)),
+        "take" => Some(on(filter, take)),
+        "prefill_group" => Some(on(filter, prefill_group)),
+        _ => None,
+    }
+}
+
+async fn request(
+    State(inner): State<Arc<Decode>>,
     Path(room): Path<String>,
     api::JsonBody(body): api::JsonBody,
 ) -> Result<(StatusCode, Json<RoomView>), ApiError> {
     let room = api::parse_room(&room)?;
     let req: RoomRequest = api::parse_json(&body)?;
-    Ok((StatusCode::CREATED, Json(inner.request_room(room, req)?)))
+    Ok((StatusCode::CREATED, Json(inner.request(room, req).await?)))
 }
 
-async fn take_room(
-    State(inner): State<Arc<Inner>>,
+async fn take(
+    State(inner): State<Arc<Decode>>,
     Path(room): Path<String>,
 ) -> api::Answer<TakenRoom> {
     let room = api::parse_room(&room)?;
-    Ok(Json(inner.take_room(room).await?))
+    Ok(Json(inner.take(room).await?))
+}
+
+/// `?bootstrap=URL` of `GET /v1/prefill-groups/{dp_rank}`: the registry to ask, when not
+/// `--bootstrap`'s.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GroupQuery {
+    bootstrap: Option<String>,
+}
+
+async fn prefill_group(
+    State(inner): State<Arc<Decode>>,
+    Path(dp_rank): Path<String>,
+    query: Result<Query<GroupQuery>, axum::extract::rejection::QueryRejection>,
+) -> api::Answer<kvferry_bootstrap::PrefillGroup> {
+    let dp_rank: u32 = dp_rank
+        .parse()
+        .map_err(|_| ApiError::Malformed(format!("dp_rank {dp_rank:?} is not a u32")))?;
+    let Query(query) = query.map_err(|e| ApiError::Malformed(e.body_text()))?;
+    Ok(Json(
+        inner
+            .prefill_group(query.bootstrap.as_deref(), dp_rank)
+            .await?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_operation_of_the_role_has_a_route() {
+        let _ = routes(true, None);
+    }
 }

@@ -34,7 +34,7 @@ pub(super) struct Admitted {
 /// pool stops the receive loop (and so the sender) instead of queueing without bound.
 pub(super) const SCATTERS_IN_FLIGHT: usize = 2;
 
-pub(super) async fn receive_chunks(inner: Arc<Inner>, mut receiver: Box<dyn DataReceiver>) {
+pub(super) async fn receive_chunks(inner: Arc<Decode>, mut receiver: Box<dyn DataReceiver>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(SCATTERS_IN_FLIGHT));
     loop {
         let received = tokio::select! {
@@ -62,7 +62,7 @@ pub(super) async fn receive_chunks(inner: Arc<Inner>, mut receiver: Box<dyn Data
     }
 }
 
-impl Inner {
+impl Decode {
     /// Validates a chunk against its room and reserves it; returns what the scatter needs.
     pub(super) fn admit_chunk(
         &self,
@@ -180,7 +180,7 @@ impl Inner {
     }
 
     /// Whether `chunk` carries the secret of the transfer it names; a chunk for a room no
-    /// longer here (taken, expired) cannot be checked, and is dropped by [`Inner::land`].
+    /// longer here (taken, expired) cannot be checked, and is dropped by [`Decode::land`].
     fn genuine(&self, chunk: &Chunk) -> bool {
         let rooms = self.rooms();
         let Some(room) = rooms.get(&chunk.room) else {

@@ -51,9 +51,9 @@ use super::agent_pool::AgentPool;
 use super::faults::Faults;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
-use super::ops::{RoomOps as _, TableRoom as _};
 use super::pairing::{self, RankSlice};
 use super::room::{RoomState, RoomStatus};
+use super::room_table::{RoomTable, TableRoom as _};
 use super::{AgentConfig, Coverage};
 use crate::kernel::Selection;
 use crate::layout::{KvLayout, PageOrder};
@@ -72,7 +72,16 @@ pub struct DecodeAgent {
     /// Where prefill agents send data.
     pub data_endpoint: String,
     serving: super::Serving,
-    inner: Arc<Inner>,
+    inner: Arc<Decode>,
+}
+
+/// The running agent's engine API.
+impl std::ops::Deref for DecodeAgent {
+    type Target = Arc<Decode>;
+
+    fn deref(&self) -> &Arc<Decode> {
+        &self.inner
+    }
 }
 
 impl DecodeAgent {
@@ -126,7 +135,7 @@ impl DecodeAgent {
         let (shared_pool, serving) = shared.unzip();
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = crate::exposure::url_of(listener.local_addr()?, &cfg.advertise_host);
-        let inner = Arc::new(Inner {
+        let inner = Arc::new(Decode {
             instance,
             pool,
             recv_slots,
@@ -139,12 +148,11 @@ impl DecodeAgent {
             _serving: serving,
             placer: receiver.placer(),
             receives: receiver.receives(),
-            rooms: Mutex::new(HashMap::new()),
+            table: RoomTable::new(cfg.max_rooms),
             peers: Mutex::new(HashMap::new()),
             holds: Holds::new(),
             connecting: Mutex::default(),
             metrics: Metrics::new("decode", data.remote_memory_access()),
-            draining: std::sync::atomic::AtomicBool::new(false),
             stuck_warned: Mutex::new(None),
             recv_reset: tokio::sync::Notify::new(),
             faults: Faults::new(None, cfg.timeouts),
@@ -162,7 +170,8 @@ impl DecodeAgent {
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(receive_chunks(inner.clone(), receiver));
         tasks.spawn(expire_rooms(inner.clone()));
-        let api = (listener, routes(inner.clone()));
+        let app = routes(inner.cfg.fault_injection, inner.cfg.token.clone());
+        let api = (listener, app.with_state(inner.clone()));
         let token = inner.cfg.token.is_some();
         let serving =
             super::Serving::start(&registry, reg, tasks, api, shutdown, ("decode", token)).await?;
@@ -181,9 +190,7 @@ impl DecodeAgent {
     /// since the last one landed (`drain.rs`).
     pub async fn drain(&self) {
         let inner = &self.inner;
-        inner
-            .draining
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        inner.table.drain();
         let draining_since = Instant::now();
         let deadline = draining_since + inner.timeouts().drain;
         let in_flight = || {
@@ -194,7 +201,10 @@ impl DecodeAgent {
                 .count()
         };
         super::wait_until(deadline, || in_flight() == 0).await;
-        let aborted = inner.abort_unfinished().await;
+        let aborted = inner
+            .table
+            .abort_unfinished("decode", |room, reason| inner.abort_room(room, reason))
+            .await;
         // Let the aborts be acknowledged (a dead prefill counts after `dead_after`) and the
         // engine see the final states before the API goes away.
         let settle = Instant::now() + inner.timeouts().dead_after;
@@ -217,7 +227,10 @@ impl DecodeAgent {
     }
 }
 
-struct Inner {
+/// The decode agent's engine API ([`EngineApi`](super::EngineApi), and [`Decode::request`], [`Decode::take`],
+/// [`Decode::prefill_group`]) and everything its tasks share: its rooms, peers, pool and
+/// transport. [`DecodeAgent`] derefs to it.
+pub struct Decode {
     cfg: AgentConfig,
     instance: Uuid,
     pool: AgentPool,
@@ -240,10 +253,10 @@ struct Inner {
     placer: Option<Arc<dyn transport::Placer>>,
     /// Keeps a receive posted for each slot granted to a prefill, when the transport needs it.
     receives: Option<Arc<dyn transport::Receives>>,
-    rooms: Mutex<HashMap<u64, Room>>,
+    table: RoomTable<Room>,
     /// Control connections by prefill instance.
     peers: Mutex<HashMap<Uuid, Arc<Peer>>>,
-    /// Rooms the engine holds queued requests for ([`DecodeAgent::hold`]), with the prefill
+    /// Rooms the engine holds queued requests for ([`EngineApi::hold`](super::EngineApi::hold)), with the prefill
     /// instances each will come from once resolved.
     holds: Holds<Vec<Uuid>>,
     /// One lock per prefill instance, held while connecting to it, so that two rooms do not
@@ -251,8 +264,6 @@ struct Inner {
     /// unreachable prefill holds only its own rooms up for `--timeout-connect-ms`).
     connecting: Mutex<HashMap<Uuid, Arc<tokio::sync::Mutex<()>>>>,
     metrics: Metrics,
-    /// Set by SIGTERM: new rooms are refused.
-    draining: std::sync::atomic::AtomicBool,
     /// Restarts the data receiver's posted receive: a dead peer may have left it matched to a
     /// message that never completes (UCX over shared memory cannot notice the death itself).
     recv_reset: tokio::sync::Notify,
@@ -367,14 +378,14 @@ impl Room {
     }
 }
 
-impl Inner {
+impl Decode {
     /// The timeouts in force.
     fn timeouts(&self) -> super::Timeouts {
         self.faults.timeouts()
     }
 
     fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
-        self.rooms.lock().unwrap_or_else(|e| e.into_inner())
+        self.table.lock()
     }
 
     fn peers(&self) -> MutexGuard<'_, HashMap<Uuid, Arc<Peer>>> {
@@ -491,7 +502,7 @@ impl Inner {
 
     /// Resolves the prefill ranks `room_id` will come from and says Hello where needed; from
     /// then on, while the hold lasts, the room is named in every heartbeat to them.
-    pub(super) async fn hold(
+    async fn hold_at_prefill(
         self: Arc<Self>,
         room_id: u64,
         asked: HoldRequest,
@@ -507,11 +518,6 @@ impl Inner {
         Ok(())
     }
 
-    /// Stops holding `room_id` (asked for, or no longer queued).
-    pub(super) fn unhold(&self, room_id: u64) {
-        self.holds.release(room_id);
-    }
-
     /// The held rooms to name in a heartbeat to `prefill` (those `room_max` old are dropped).
     pub(super) fn held_at(&self, prefill: Uuid) -> Vec<u64> {
         self.holds
@@ -523,7 +529,7 @@ impl Inner {
     }
 
     /// Resolves the prefill, says Hello if needed, and asks for the room.
-    async fn request(self: Arc<Self>, room_id: u64, asked: RoomRequest) -> Result<(), Reason> {
+    async fn send_request(self: Arc<Self>, room_id: u64, asked: RoomRequest) -> Result<(), Reason> {
         let Planned {
             ranks,
             slices,
@@ -634,7 +640,7 @@ impl Inner {
 
     /// Aborts a room that is not final: `aborting` until every prefill serving it acknowledged
     /// (at once when none was asked yet), `aborted` after.
-    async fn abort(&self, room_id: u64, reason: Reason) {
+    async fn abort_room(&self, room_id: u64, reason: Reason) {
         let peers = {
             let mut rooms = self.rooms();
             let Some(room) = rooms.get_mut(&room_id) else {
@@ -771,7 +777,7 @@ impl Inner {
     }
 }
 
-async fn expire_rooms(inner: Arc<Inner>) {
+async fn expire_rooms(inner: Arc<Decode>) {
     let mut tick = tokio::time::interval(Duration::from_millis(200).min(inner.timeouts().room_ttl));
     loop {
         tokio::select! {

@@ -70,7 +70,7 @@ impl Peer {
     }
 }
 
-async fn control_loop(inner: Arc<Inner>, peer: Arc<Peer>, mut recv: ControlClientRecv) {
+async fn control_loop(inner: Arc<Decode>, peer: Arc<Peer>, mut recv: ControlClientRecv) {
     loop {
         let frame = tokio::select! {
             () = peer.gone.cancelled() => return,
@@ -91,7 +91,7 @@ async fn control_loop(inner: Arc<Inner>, peer: Arc<Peer>, mut recv: ControlClien
 }
 
 /// Sends heartbeats to a prefill and declares it dead when it has been silent too long.
-async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
+async fn heartbeat_loop(inner: Arc<Decode>, peer: Arc<Peer>) {
     let mut seq = 0u64;
     loop {
         tokio::select! {
@@ -126,7 +126,7 @@ async fn heartbeat_loop(inner: Arc<Inner>, peer: Arc<Peer>) {
     }
 }
 
-impl Inner {
+impl Decode {
     /// The control connection to a prefill instance, connecting and saying Hello if needed
     /// (one connection attempt at a time per instance).
     pub(super) async fn peer(self: &Arc<Self>, rank: &Registration) -> Result<Arc<Peer>, Reason> {

@@ -1,14 +1,17 @@
-//! The decode engine's room operations, on [`DecodeAgent`]: request a room, take it
-//! (remove-after-retrieve), and the operations both roles have (read a room, wait for its next
-//! change, abort it, hold it, count the pool: [`RoomOps`], over this role's room table). The
-//! HTTP API (`http.rs`) is a layer over exactly these.
+//! The decode's engine API, on [`Decode`]: request a room, take it (remove-after-retrieve),
+//! look up a prefill group, and the operations both roles have ([`EngineApi`]: read a room,
+//! wait for its next change, abort it, hold it, count the pool), over this role's room table.
+//! The HTTP API (`http.rs`) and the Python package are layers over exactly these.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use super::*;
-use crate::agent::ops::{self, PoolCounts, RoomError, RoomOps, TableRoom};
+use crate::agent::engine_api::{EngineApi, PoolCounts, RoomError, RoomLook};
+use crate::agent::faults::{Faults, Tested};
+use crate::agent::fields;
+use crate::agent::room_table::TableRoom;
 use crate::protocol::{PromptDigest, Secret};
 
 /// A room request (`POST /v1/rooms/{room}`): the decode engine asks for a room's KV. The same
@@ -36,7 +39,7 @@ pub struct RoomRequest {
     /// given one.
     #[serde(
         default,
-        with = "ops::room_key",
+        with = "fields::room_key",
         skip_serializing_if = "Option::is_none"
     )]
     pub room_key: Option<Secret>,
@@ -88,7 +91,7 @@ pub struct RoomView {
     /// Why the room failed or was aborted.
     pub reason: Option<Reason>,
     /// The room (a string in JSON).
-    #[serde(serialize_with = "ops::room_as_string")]
+    #[serde(serialize_with = "fields::room_as_string")]
     pub room: u64,
     /// No write into the room's pages can still arrive.
     pub safe_to_reuse: bool,
@@ -124,13 +127,25 @@ pub struct SourceView {
 #[derive(Clone, Debug, Serialize)]
 pub struct TakenRoom {
     /// The prefill engine's aux bytes (base64 in JSON), if it sent any.
-    #[serde(with = "ops::aux")]
+    #[serde(with = "fields::aux")]
     pub aux: Option<Vec<u8>>,
     /// The room as it was taken.
     #[serde(flatten)]
     pub room: RoomView,
     /// Whether the landed bytes match the synthetic pattern (synthetic agents, landed rooms).
     pub verified: Option<bool>,
+}
+
+impl RoomLook for RoomView {
+    fn state(&self) -> RoomState {
+        self.state
+    }
+    fn reason(&self) -> Option<&Reason> {
+        self.reason.as_ref()
+    }
+    fn safe_to_reuse(&self) -> bool {
+        self.safe_to_reuse
+    }
 }
 
 impl TableRoom for Room {
@@ -179,40 +194,22 @@ impl TableRoom for Room {
     }
 }
 
-impl DecodeAgent {
-    /// Asks for `room` (`POST /v1/rooms/{room}`): the agent resolves the prefill group, says
-    /// Hello where needed and requests the room's KV into the given pages (or its own).
-    /// Returns the new room's view; the transfer goes on in the background.
-    pub async fn request(&self, room: u64, req: RoomRequest) -> Result<RoomView, RoomError> {
-        self.inner.request_room(room, req)
-    }
-
-    /// Holds `room` at its prefill while the engine has its request queued
-    /// (`POST /v1/rooms/{room}/hold`): the agent resolves the prefill ranks, says Hello where
-    /// needed and names the room in its heartbeats, so the prefill keeps the room's KV past its
-    /// TTL (up to its `--room-max-ms`). Ends when the room is requested, on
-    /// [`DecodeAgent::unhold`], or `--room-max-ms` after the hold. Returns at once; a prefill
-    /// that cannot be reached is logged, and the room's request will fail with the reason.
-    pub fn hold(&self, room: u64, req: HoldRequest) -> Result<(), RoomError> {
-        self.inner.hold_room(room, req)
-    }
-
+impl Decode {
     /// The prefill group `dp_rank` as the registry at `bootstrap` lists it (a trusted registry,
-    /// by default `--bootstrap`'s), asked once: an engine that must know a prefill server's
-    /// shape before it asks for rooms (SGLang) reads it here, so that only the agent talks to
-    /// registries, with its token. [`RoomError::Forbidden`] for an untrusted registry (nothing
-    /// is sent), [`RoomError::Unavailable`] when the group is not complete or the registry
-    /// cannot be asked.
+    /// by default `--bootstrap`'s), asked once (`GET /v1/prefill-groups/{dp_rank}`): an engine
+    /// that must know a prefill server's shape before it asks for rooms (SGLang) reads it here,
+    /// so that only the agent talks to registries, with its token. [`RoomError::Forbidden`] for
+    /// an untrusted registry (nothing is sent), [`RoomError::Unavailable`] when the group is not
+    /// complete or the registry cannot be asked.
     pub async fn prefill_group(
         &self,
         bootstrap: Option<&str>,
         dp_rank: u32,
     ) -> Result<kvferry_bootstrap::PrefillGroup, RoomError> {
         if let Some(url) = bootstrap {
-            self.inner.cfg.registries.check(url)?;
+            self.cfg.registries.check(url)?;
         }
         let client = self
-            .inner
             .registry_of(bootstrap)
             .map_err(|r| RoomError::Unavailable(r.message))?;
         client
@@ -221,115 +218,94 @@ impl DecodeAgent {
             .map_err(|e| RoomError::Unavailable(e.to_string()))
     }
 
-    /// Stops holding `room` (`DELETE /v1/rooms/{room}/hold`): the engine dropped the request
-    /// before asking for its room. Holding nothing is not an error.
-    pub fn unhold(&self, room: u64) {
-        self.inner.unhold_room(room);
-    }
-
-    /// The room's view now (`GET /v1/rooms/{room}`).
-    pub fn view(&self, room: u64) -> Result<RoomView, RoomError> {
-        self.inner.room_view(room)
-    }
-
-    /// The room's view at its next change, or after `timeout` (at most [`ops::MAX_WAIT`]),
-    /// whichever comes first; at once when it can no longer change
-    /// (`GET /v1/rooms/{room}?wait_ms=`).
-    pub async fn wait(&self, room: u64, timeout: Duration) -> Result<RoomView, RoomError> {
-        self.inner.wait_room(room, timeout).await
-    }
-
-    /// Takes `room` (`POST /v1/rooms/{room}/take`): once it is `safe_to_reuse`, hands it over
-    /// and forgets it; agent-owned pages return to the pool. A synthetic agent checks the
-    /// landed bytes first (on the blocking pool), as `--synthetic-verify` says.
-    pub async fn take(&self, room: u64) -> Result<TakenRoom, RoomError> {
-        self.inner.take_room(room).await
-    }
-
-    /// Aborts `room` (`DELETE /v1/rooms/{room}`): `aborting` until every prefill serving it
-    /// acknowledged, then `aborted`. Returns the room's view.
-    pub async fn abort(&self, room: u64) -> Result<RoomView, RoomError> {
-        self.inner.abort_room(room).await
-    }
-
-    /// The agent-owned pages (`GET /v1/pool`).
-    pub fn pool(&self) -> PoolCounts {
-        self.inner.pool_counts()
+    /// Refuses new rooms and holds once the agent drains or shuts down.
+    fn refuse_while_draining(&self) -> Result<(), RoomError> {
+        if self.shutdown.is_cancelled() {
+            self.table.drain();
+        }
+        self.table.refuse_while_draining(Self::ROLE)
     }
 }
 
-impl RoomOps for Inner {
-    type Room = Room;
+impl EngineApi for Decode {
     type View = RoomView;
     type Hold = HoldRequest;
     const ROLE: &'static str = "decode";
 
-    fn table(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
-        self.rooms()
+    fn view(&self, room: u64) -> Result<RoomView, RoomError> {
+        self.return_aborted_pages();
+        self.table.view(room)
     }
 
-    fn alloc(&self) -> &PageAllocator {
-        &self.alloc
+    async fn wait(&self, room: u64, timeout: Duration) -> Result<RoomView, RoomError> {
+        self.return_aborted_pages();
+        self.table.wait(room, timeout).await
     }
 
-    fn metrics(&self) -> &Metrics {
-        &self.metrics
+    /// `aborting` until every prefill serving it acknowledged, then `aborted`.
+    async fn abort(self: &Arc<Self>, room: u64) -> Result<RoomView, RoomError> {
+        self.table.known(room)?;
+        let why = "aborted by the decode engine";
+        self.abort_room(room, Reason::new(FailureCode::Aborted, why))
+            .await;
+        self.view(room)
     }
 
-    fn max_rooms(&self) -> usize {
-        self.cfg.max_rooms
-    }
-
-    fn faults(&self) -> &crate::agent::faults::Faults {
-        &self.faults
-    }
-
-    fn draining(&self) -> bool {
-        self.shutdown.is_cancelled() || self.draining.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    async fn abort_with(self: &Arc<Self>, room: u64, reason: Reason) {
-        self.abort(room, reason).await;
-    }
-
-    /// Resolves the room's prefill ranks in the background (a prefill that cannot be reached
-    /// is logged; the room's request will fail with the reason).
-    fn hold_with(self: &Arc<Self>, room: u64, req: HoldRequest) -> Result<(), RoomError> {
+    /// Resolves the prefill ranks, says Hello where needed and names the room in its
+    /// heartbeats, so the prefill keeps the room's KV past its TTL (up to its
+    /// `--room-max-ms`). Ends when the room is requested, unheld, or `--room-max-ms` after the
+    /// hold. Returns at once; a prefill that cannot be reached is logged, and the room's
+    /// request will fail with the reason.
+    fn hold(self: &Arc<Self>, room: u64, req: HoldRequest) -> Result<(), RoomError> {
+        self.refuse_while_draining()?;
         if let Some(url) = &req.bootstrap {
             self.cfg.registries.check(url)?;
         }
         self.holds.hold(room)?;
         let inner = self.clone();
         tokio::spawn(async move {
-            if let Err(reason) = inner.hold(room, req).await {
+            if let Err(reason) = inner.hold_at_prefill(room, req).await {
                 tracing::warn!(room, %reason, "room not held at its prefill");
             }
         });
         Ok(())
     }
 
-    fn unhold_room(&self, room: u64) {
-        self.unhold(room);
+    /// The engine dropped the request before asking for its room.
+    fn unhold(&self, room: u64) {
+        self.holds.release(room);
     }
 
-    fn gauges(&self) -> Gauges {
+    fn pool(&self) -> PoolCounts {
+        self.return_aborted_pages();
+        PoolCounts::of(&self.alloc)
+    }
+
+    fn metrics(&self) -> String {
         let mut g = Gauges {
             pool: self.pool.labels(),
+            pool_total: self.alloc.total_pages(),
+            pool_free: self.alloc.free_pages(),
             pinned_bytes: self.recv_slots.as_ref().map_or(0, |s| s.pinned_bytes()),
             ..Gauges::default()
         };
         g.slots_in_use = self.rooms().values().map(|r| r.scattering).sum();
-        g
-    }
-
-    fn tidy(&self) {
-        self.return_aborted_pages();
+        self.table.count(&mut g);
+        self.metrics.render(&g)
     }
 }
 
-impl Inner {
-    /// [`DecodeAgent::request`].
-    pub(super) fn request_room(
+impl Tested for Decode {
+    fn faults(&self) -> &Faults {
+        &self.faults
+    }
+}
+
+impl Decode {
+    /// Asks for `room` (`POST /v1/rooms/{room}`): the agent resolves the prefill group, says
+    /// Hello where needed and requests the room's KV into the given pages (or its own).
+    /// Returns the new room's view; the transfer goes on in the background.
+    pub async fn request(
         self: &Arc<Self>,
         room_id: u64,
         mut req: RoomRequest,
@@ -338,7 +314,7 @@ impl Inner {
         if let Some(url) = &req.bootstrap {
             self.cfg.registries.check(url)?;
         }
-        self.admit_room()?;
+        self.table.admit(&self.metrics)?;
         let l = &self.cfg.layout;
         if req.tokens == 0 {
             return Err(RoomError::BadRequest("tokens must be > 0".into()));
@@ -358,14 +334,14 @@ impl Inner {
             )));
         }
         let needed = l.pages_for(req.tokens);
-        ops::fits_pool(req.tokens, needed, self.pool.num_pages())?;
+        fields::fits_pool(req.tokens, needed, self.pool.num_pages())?;
         let moved = l.staged_tokens(&(req.start_token..req.tokens));
         let expected = l
             .selection_bytes(moved, l.num_layers(), l.num_heads())
             .map_err(|e| RoomError::BadRequest(format!("tokens {}: {e}", req.tokens)))?;
         let (pages, lease): (Arc<[u32]>, _) = match req.pages.take() {
             Some(pages) => {
-                ops::validate_pages(&pages, needed, self.pool.num_pages())?;
+                fields::validate_pages(&pages, needed, self.pool.num_pages())?;
                 (pages.into(), None)
             }
             None => {
@@ -409,8 +385,8 @@ impl Inner {
         let span = tracing::info_span!("room", room = room_id, role = "decode");
         tokio::spawn(
             async move {
-                let asked = task_inner.clone().request(room_id, req).await;
-                task_inner.unhold(room_id);
+                let asked = task_inner.clone().send_request(room_id, req).await;
+                task_inner.holds.release(room_id);
                 if let Err(reason) = asked {
                     task_inner.fail(room_id, reason);
                 }
@@ -442,8 +418,10 @@ impl Inner {
         }
     }
 
-    /// [`DecodeAgent::take`].
-    pub(super) async fn take_room(&self, room_id: u64) -> Result<TakenRoom, RoomError> {
+    /// Takes `room` (`POST /v1/rooms/{room}/take`): once it is `safe_to_reuse`, hands it over
+    /// and forgets it; agent-owned pages return to the pool. A synthetic agent checks the
+    /// landed bytes first (on the blocking pool), as `--synthetic-verify` says.
+    pub async fn take(&self, room_id: u64) -> Result<TakenRoom, RoomError> {
         let (pages, tokens) = {
             let rooms = self.rooms();
             let room = rooms.get(&room_id).ok_or(RoomError::UnknownRoom(room_id))?;

@@ -5,7 +5,7 @@ use super::*;
 use crate::layout::PageOrder;
 use crate::transport::TransportErrorKind;
 
-pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
+pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer) {
     loop {
         let received = tokio::select! {
             () = inner.shutdown.cancelled() => return,
@@ -80,7 +80,7 @@ pub(super) async fn control_loop(inner: Arc<Inner>, mut server: ControlServer) {
     }
 }
 
-impl Inner {
+impl Prefill {
     async fn on_hello(self: Arc<Self>, identity: PeerId, hello: Hello) {
         tracing::debug!(decode = %hello.instance, data = %hello.data_endpoint, "Hello");
         let refuse = |code, message| self.refuse(&identity, None, code, message);

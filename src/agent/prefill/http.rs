@@ -1,33 +1,48 @@
-//! The prefill agent's engine-facing HTTP API, a layer over its room operations
-//! (`rooms.rs`): announce a room's KV as ready, and the routes both roles serve
-//! ([`api::room_routes`]: read a room, abort it, hold it, the pool, health and metrics, and
-//! with `--fault-injection` the test switches).
+//! The prefill agent's engine-facing HTTP API, a layer over its engine API (`rooms.rs`): the
+//! handler of its own operation (announce a room's KV as ready), beside those of the
+//! operations both roles have, registered from the engine API's list ([`api::routes`]).
 
+use std::sync::Arc;
+
+use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::routing::post;
-use axum::{Json, Router};
+use axum::routing::{MethodFilter, MethodRouter, on};
 
+use super::Prefill;
 use super::rooms::{ReadyRequest, RoomView};
-use super::*;
 use crate::agent::api::{self, ApiError};
 
-pub(super) fn routes(inner: Arc<Inner>) -> Router {
-    let router = api::room_routes::<Inner>(inner.cfg.fault_injection)
-        .route("/v1/rooms/{room}/ready", post(ready));
-    let token = inner.cfg.token.clone();
-    api::finish(router, token).with_state(inner)
+/// The engine API's routes (the test switches with `fault_injection`), with the check of
+/// `token` (`--token`).
+pub(super) fn routes(fault_injection: bool, token: Option<String>) -> axum::Router<Arc<Prefill>> {
+    api::finish(api::routes(own, fault_injection), token)
+}
+
+/// The handler of a prefill's own operation, by name.
+fn own(name: &str, filter: MethodFilter) -> Option<MethodRouter<Arc<Prefill>>> {
+    match name {
+        "ready" => Some(on(filter, ready)),
+        _ => None,
+    }
 }
 
 async fn ready(
-    State(inner): State<Arc<Inner>>,
+    State(inner): State<Arc<Prefill>>,
     Path(room): Path<String>,
     api::JsonBody(body): api::JsonBody,
 ) -> Result<(StatusCode, Json<RoomView>), ApiError> {
     let room = api::parse_room(&room)?;
     let req: ReadyRequest = api::parse_json(&body)?;
-    Ok((
-        StatusCode::ACCEPTED,
-        Json(inner.ready(room, req, None).await?),
-    ))
+    Ok((StatusCode::ACCEPTED, Json(inner.ready(room, req).await?)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_operation_of_the_role_has_a_route() {
+        let _ = routes(true, None);
+    }
 }

@@ -30,7 +30,7 @@ mod http;
 mod rooms;
 mod transfer;
 
-pub use rooms::{ReadyRequest, RoomView, TransferView};
+pub use rooms::{HoldRequest, ReadyRequest, RoomView, TransferView};
 
 use control::control_loop;
 
@@ -51,8 +51,8 @@ use super::agent_pool::AgentPool;
 use super::faults::Faults;
 use super::holds::Holds;
 use super::metrics::{Gauges, Metrics};
-use super::ops::RoomOps as _;
 use super::room::{RoomState, RoomStatus};
+use super::room_table::RoomTable;
 use super::staging::SlotPool;
 use super::{AgentConfig, ChunkPlan, Coverage, plan_chunks, synthetic};
 use crate::kernel::Selection;
@@ -73,7 +73,16 @@ pub struct PrefillAgent {
     /// The control endpoint decode agents connect to.
     pub control_endpoint: String,
     serving: super::Serving,
-    inner: Arc<Inner>,
+    inner: Arc<Prefill>,
+}
+
+/// The running agent's engine API.
+impl std::ops::Deref for PrefillAgent {
+    type Target = Arc<Prefill>;
+
+    fn deref(&self) -> &Arc<Prefill> {
+        &self.inner
+    }
 }
 
 impl PrefillAgent {
@@ -127,7 +136,7 @@ impl PrefillAgent {
                 cfg.synthetic_verify,
             ))
         });
-        let inner = Arc::new(Inner {
+        let inner = Arc::new(Prefill {
             instance,
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
@@ -135,12 +144,11 @@ impl PrefillAgent {
             transport,
             replier,
             slots,
-            rooms: Mutex::new(HashMap::new()),
+            table: RoomTable::new(cfg.max_rooms),
             holds: Holds::new(),
             expired: Mutex::default(),
             peers: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::new("prefill", rma)),
-            draining: std::sync::atomic::AtomicBool::new(false),
             faults: Faults::new(cfg.fault_corrupt_chunk, cfg.timeouts),
             fanout: Default::default(),
             shutdown: shutdown.clone(),
@@ -156,7 +164,8 @@ impl PrefillAgent {
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(control_loop(inner.clone(), server));
         tasks.spawn(housekeeping(inner.clone()));
-        let api = (listener, routes(inner.clone()));
+        let app = routes(inner.cfg.fault_injection, inner.cfg.token.clone());
+        let api = (listener, app.with_state(inner.clone()));
         let token = inner.cfg.token.is_some();
         let serving =
             super::Serving::start(&registry, reg, tasks, api, shutdown, ("prefill", token)).await?;
@@ -174,9 +183,7 @@ impl PrefillAgent {
     /// timeout, then aborts the rest (their decodes are told).
     pub async fn drain(&self) {
         let inner = &self.inner;
-        inner
-            .draining
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        inner.table.drain();
         let deadline = Instant::now() + inner.timeouts().drain;
         let busy = || {
             inner
@@ -190,7 +197,12 @@ impl PrefillAgent {
                 .count()
         };
         super::wait_until(deadline, || busy() == 0).await;
-        inner.abort_unfinished().await;
+        inner
+            .table
+            .abort_unfinished("prefill", |room, reason| {
+                inner.clone().abort_room(room, reason)
+            })
+            .await;
     }
 
     /// Resolves with the reason once this instance's registry slot was taken by another
@@ -205,7 +217,9 @@ impl PrefillAgent {
     }
 }
 
-struct Inner {
+/// The prefill agent's engine API ([`EngineApi`](super::EngineApi), and [`Prefill::ready`]) and everything its
+/// tasks share: its rooms, peers, pool and transport. [`PrefillAgent`] derefs to it.
+pub struct Prefill {
     cfg: AgentConfig,
     instance: Uuid,
     pool: AgentPool,
@@ -215,7 +229,7 @@ struct Inner {
     transport: Arc<dyn Transport>,
     replier: ControlReplier,
     slots: Arc<SlotPool>,
-    rooms: Mutex<HashMap<u64, Room>>,
+    table: RoomTable<Room>,
     /// Rooms whose requests wait in the engine's queue ([`PrefillAgent::hold`]).
     holds: Holds<()>,
     /// Rooms whose ready KV no decode asked for within the TTL, for a request that comes
@@ -224,8 +238,6 @@ struct Inner {
     /// Decode peers by their control identity.
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
     metrics: Arc<Metrics>,
-    /// Set by SIGTERM: new rooms are refused.
-    draining: std::sync::atomic::AtomicBool,
     /// Chunks gathered so far, the one fault injection corrupts, and the timeouts in force.
     faults: Faults,
     /// Mapped writes of one room's chunks to several decode ranks, paired into one pass.
@@ -485,14 +497,14 @@ impl Room {
     }
 }
 
-impl Inner {
+impl Prefill {
     /// The timeouts in force.
     fn timeouts(&self) -> super::Timeouts {
         self.faults.timeouts()
     }
 
     fn rooms(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
-        self.rooms.lock().unwrap_or_else(|e| e.into_inner())
+        self.table.lock()
     }
 
     fn expired(&self) -> MutexGuard<'_, Expired> {
@@ -628,7 +640,7 @@ impl Inner {
 
     /// The prefill engine aborts a room: every transfer stops (a running one when its current
     /// chunk is out) and its decode is told with Abort; later requests are refused.
-    async fn engine_abort(self: Arc<Self>, room_id: u64, reason: Reason) {
+    async fn abort_room(self: Arc<Self>, room_id: u64, reason: Reason) {
         let tell: Vec<Arc<Peer>> = {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
@@ -784,7 +796,7 @@ impl Inner {
 }
 
 /// Heartbeats to every peer, dead-peer detection and room expiry, on one timer.
-async fn housekeeping(inner: Arc<Inner>) {
+async fn housekeeping(inner: Arc<Prefill>) {
     let mut tick =
         tokio::time::interval(inner.timeouts().heartbeat.min(Duration::from_millis(200)));
     let mut last_beat = Instant::now();

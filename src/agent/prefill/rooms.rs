@@ -1,7 +1,7 @@
-//! The prefill engine's room operations, on [`PrefillAgent`]: announce a room's KV as ready
-//! (whole, or in token and layer pieces), and the operations both roles have (read a room,
-//! wait for its next change, abort it, hold it, count the pool: [`RoomOps`], over this role's
-//! room table). The HTTP API (`http.rs`) is a layer over exactly these. The synthetic engine's
+//! The prefill's engine API, on [`Prefill`]: announce a room's KV as ready (whole, or in token
+//! and layer pieces), and the operations both roles have ([`EngineApi`]: read a room, wait for
+//! its next change, abort it, hold it, count the pool), over this role's room table. The HTTP
+//! API (`http.rs`) and the Python package are layers over exactly these. The synthetic engine's
 //! fill and its layer-wise pacing live here too.
 
 use std::collections::BTreeMap;
@@ -10,7 +10,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::*;
-use crate::agent::ops::{self, PoolCounts, RoomError, RoomOps, TableRoom};
+use crate::agent::engine_api::{EngineApi, PoolCounts, RoomError, RoomLook};
+use crate::agent::faults::{Faults, Tested};
+use crate::agent::fields;
+use crate::agent::room_table::TableRoom;
 
 /// A ready piece of a room (`POST /v1/rooms/{room}/ready`): the engine says (part of) the
 /// room's KV is in its pool. The same struct is the HTTP body; unknown fields are refused.
@@ -24,7 +27,7 @@ pub struct ReadyRequest {
     /// it.
     #[serde(
         default,
-        with = "ops::room_key",
+        with = "fields::room_key",
         skip_serializing_if = "Option::is_none"
     )]
     pub room_key: Option<Secret>,
@@ -39,7 +42,7 @@ pub struct ReadyRequest {
     pub pages: Option<Vec<u32>>,
     /// Opaque bytes for the decode engine (base64 in JSON), at most
     /// [`protocol::MAX_AUX`] bytes; delivered with Done and returned by the decode's take.
-    #[serde(default, with = "ops::aux", skip_serializing_if = "Option::is_none")]
+    #[serde(default, with = "fields::aux", skip_serializing_if = "Option::is_none")]
     pub aux: Option<Vec<u8>>,
     /// The piece's tokens, `[start, end)` (default: all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -53,11 +56,11 @@ pub struct ReadyRequest {
     /// For a device pool whose KV the engine writes asynchronously: the CUDA IPC handle of the
     /// interprocess event the engine recorded on its stream behind the piece's writes (128 hex
     /// digits in JSON). The agent opens it once per handle value and follows its latest record
-    /// at the time of the call, as [`PrefillAgent::ready_after`] follows an event of this
+    /// at the time of the call, as [`Prefill::ready_after`] follows an event of this
     /// process; the engine keeps the event alive while the agent runs.
     #[serde(
         default,
-        with = "ops::ipc_event",
+        with = "fields::ipc_event",
         skip_serializing_if = "Option::is_none"
     )]
     pub cuda_ipc_event: Option<crate::kernel::cuda::IpcEventHandle>,
@@ -72,7 +75,7 @@ pub struct RoomView {
     /// Why the room failed or was aborted.
     pub reason: Option<Reason>,
     /// The room (a string in JSON).
-    #[serde(serialize_with = "ops::room_as_string")]
+    #[serde(serialize_with = "fields::room_as_string")]
     pub room: u64,
     /// No gather reads the room's pages any more: the engine may reuse them.
     pub safe_to_reuse: bool,
@@ -99,6 +102,18 @@ pub struct TransferView {
     pub sends_in_flight: usize,
     /// `transferring`, then `success`, `failed` or `aborted`.
     pub state: RoomState,
+}
+
+impl RoomLook for RoomView {
+    fn state(&self) -> RoomState {
+        self.state
+    }
+    fn reason(&self) -> Option<&Reason> {
+        self.reason.as_ref()
+    }
+    fn safe_to_reuse(&self) -> bool {
+        self.safe_to_reuse
+    }
 }
 
 impl TableRoom for Room {
@@ -138,7 +153,7 @@ impl TableRoom for Room {
     }
 }
 
-impl PrefillAgent {
+impl Prefill {
     /// Announces a ready piece of `room` (`POST /v1/rooms/{room}/ready`): the whole room, or
     /// a token range, a layer range or both; pieces may not overlap. Each piece is sent as
     /// soon as both it and a decode's request are there. Returns the room's view.
@@ -146,148 +161,122 @@ impl PrefillAgent {
     /// With a synthetic agent the pages are filled with the pattern first (on the blocking
     /// pool), and a whole room is announced layer by layer when `--synthetic-layer-delay-ms`
     /// is set.
-    pub async fn ready(&self, room: u64, req: ReadyRequest) -> Result<RoomView, RoomError> {
-        self.inner.ready(room, req, None).await
+    pub async fn ready(
+        self: &Arc<Self>,
+        room: u64,
+        req: ReadyRequest,
+    ) -> Result<RoomView, RoomError> {
+        self.ready_piece(room, req, None).await
     }
 
-    /// [`PrefillAgent::ready`] for a piece of a device pool whose KV the engine writes
+    /// [`Prefill::ready`] for a piece of a device pool whose KV the engine writes
     /// asynchronously: `ready` follows the engine's CUDA event, recorded on its stream after
     /// the piece's KV was written ([`crate::kernel::cuda::CudaKernel::follow`] on the pool's
     /// device, [`Self::device`]). The agent's gathers wait for it on the device; nothing
     /// synchronizes the engine's stream.
     pub async fn ready_after(
-        &self,
+        self: &Arc<Self>,
         room: u64,
         req: ReadyRequest,
         ready: crate::kernel::cuda::ReadyEvent,
     ) -> Result<RoomView, RoomError> {
-        if self.inner.pool.device() != Some(ready.ordinal()) {
+        if self.pool.device() != Some(ready.ordinal()) {
             return Err(RoomError::BadRequest(format!(
                 "a CUDA event of device {} marks a piece ready, but the pool is {}",
                 ready.ordinal(),
-                self.inner
-                    .pool
+                self.pool
                     .device()
                     .map_or("host memory".to_owned(), |d| format!("on device {d}"))
             )));
         }
-        self.inner.ready(room, req, Some(Arc::new(ready))).await
+        self.ready_piece(room, req, Some(Arc::new(ready))).await
     }
 
     /// The CUDA device of the agent's pool; `None` for host memory.
     pub fn device(&self) -> Option<usize> {
-        self.inner.pool.device()
-    }
-
-    /// Aborts `room` (`DELETE /v1/rooms/{room}`): every transfer stops, its decodes are told
-    /// with Abort, later requests for the room are refused. Returns the room's view.
-    pub async fn abort(&self, room: u64) -> Result<RoomView, RoomError> {
-        self.inner.abort_room(room).await
-    }
-
-    /// Holds `room` while the engine has its request queued (`POST /v1/rooms/{room}/hold`):
-    /// decodes that asked for it already are not failed with `timeout_ready`, and their own
-    /// ready timeout waits too (the room is named in every heartbeat to them), until the room
-    /// is announced, [`PrefillAgent::unhold`], or `--room-max-ms` after the hold.
-    pub fn hold(&self, room: u64) -> Result<(), RoomError> {
-        self.inner.hold_room(room, HoldRequest {})
-    }
-
-    /// Stops holding `room` (`DELETE /v1/rooms/{room}/hold`): its request left the engine's
-    /// queue without being computed. Holding nothing is not an error.
-    pub fn unhold(&self, room: u64) {
-        self.inner.unhold_room(room);
-    }
-
-    /// The room's view now (`GET /v1/rooms/{room}`).
-    pub fn view(&self, room: u64) -> Result<RoomView, RoomError> {
-        self.inner.room_view(room)
-    }
-
-    /// The room's view at its next change, or after `timeout` (at most
-    /// [`ops::MAX_WAIT`]), whichever comes first; at once when it can no longer change
-    /// (`GET /v1/rooms/{room}?wait_ms=`).
-    pub async fn wait(&self, room: u64, timeout: Duration) -> Result<RoomView, RoomError> {
-        self.inner.wait_room(room, timeout).await
-    }
-
-    /// The agent-owned pages (`GET /v1/pool`).
-    pub fn pool(&self) -> PoolCounts {
-        self.inner.pool_counts()
+        self.pool.device()
     }
 }
 
 /// What `POST /v1/rooms/{room}/hold` takes at a prefill: `{}`.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct HoldRequest {}
+pub struct HoldRequest {}
 
-impl RoomOps for Inner {
-    type Room = Room;
+impl EngineApi for Prefill {
     type View = RoomView;
     type Hold = HoldRequest;
     const ROLE: &'static str = "prefill";
 
-    fn table(&self) -> MutexGuard<'_, HashMap<u64, Room>> {
-        self.rooms()
+    fn view(&self, room: u64) -> Result<RoomView, RoomError> {
+        self.table.view(room)
     }
 
-    fn alloc(&self) -> &PageAllocator {
-        &self.alloc
+    async fn wait(&self, room: u64, timeout: Duration) -> Result<RoomView, RoomError> {
+        self.table.wait(room, timeout).await
     }
 
-    fn metrics(&self) -> &Metrics {
-        &self.metrics
+    /// Every transfer stops, its decodes are told with Abort, later requests for the room are
+    /// refused.
+    async fn abort(self: &Arc<Self>, room: u64) -> Result<RoomView, RoomError> {
+        self.table.known(room)?;
+        let why = "aborted by the prefill engine";
+        self.clone()
+            .abort_room(room, Reason::new(FailureCode::Aborted, why))
+            .await;
+        self.table.view(room)
     }
 
-    fn max_rooms(&self) -> usize {
-        self.cfg.max_rooms
-    }
-
-    fn faults(&self) -> &crate::agent::faults::Faults {
-        &self.faults
-    }
-
-    fn draining(&self) -> bool {
-        self.draining.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    async fn abort_with(self: &Arc<Self>, room: u64, reason: Reason) {
-        self.clone().engine_abort(room, reason).await;
-    }
-
-    fn hold_with(self: &Arc<Self>, room: u64, _: HoldRequest) -> Result<(), RoomError> {
+    /// Decodes that asked for the room already are not failed with `timeout_ready`, and their
+    /// own ready timeout waits too (the room is named in every heartbeat to them), until the
+    /// room is announced, unheld, or `--room-max-ms` after the hold.
+    fn hold(self: &Arc<Self>, room: u64, _: HoldRequest) -> Result<(), RoomError> {
+        self.table.refuse_while_draining(Self::ROLE)?;
         self.holds.hold(room)
     }
 
-    fn unhold_room(&self, room: u64) {
+    /// The engine's request left its queue without being computed.
+    fn unhold(&self, room: u64) {
         self.holds.release(room);
     }
 
-    fn gauges(&self) -> Gauges {
+    fn pool(&self) -> PoolCounts {
+        PoolCounts::of(&self.alloc)
+    }
+
+    fn metrics(&self) -> String {
         let mut g = Gauges {
             pool: self.pool.labels(),
+            pool_total: self.alloc.total_pages(),
+            pool_free: self.alloc.free_pages(),
             pinned_bytes: self.slots.pinned_bytes(),
             ..Gauges::default()
         };
         for peer in self.peers().values() {
             g.slots_in_use += peer.slots.saturating_sub(peer.credits.available_permits());
         }
-        g
+        self.table.count(&mut g);
+        self.metrics.render(&g)
+    }
+}
+
+impl Tested for Prefill {
+    fn faults(&self) -> &Faults {
+        &self.faults
     }
 }
 
 /// A room's pages and, when the agent allocated them, their lease.
 type RoomPages = (Arc<[u32]>, Option<Arc<PageLease>>);
 
-impl Inner {
+impl Prefill {
     /// Pages for a room's first piece: the engine's (validated) or the agent's own.
     fn room_pages(&self, req: &ReadyRequest) -> Result<RoomPages, RoomError> {
         let needed = self.cfg.layout.pages_for(req.tokens);
-        ops::fits_pool(req.tokens, needed, self.pool.num_pages())?;
+        fields::fits_pool(req.tokens, needed, self.pool.num_pages())?;
         match (&req.pages, self.cfg.synthetic) {
             (Some(pages), _) => {
-                ops::validate_pages(pages, needed, self.pool.num_pages())?;
+                fields::validate_pages(pages, needed, self.pool.num_pages())?;
                 Ok((pages.as_slice().into(), None))
             }
             (None, true) => {
@@ -323,7 +312,7 @@ impl Inner {
         );
         tracing::warn!(room = room_id, held, "{m}");
         self.clone()
-            .engine_abort(room_id, Reason::new(FailureCode::Aborted, m.clone()))
+            .abort_room(room_id, Reason::new(FailureCode::Aborted, m.clone()))
             .await;
         Err(RoomError::Exhausted(m))
     }
@@ -355,8 +344,8 @@ impl Inner {
         }
     }
 
-    /// [`PrefillAgent::ready`].
-    pub(super) async fn ready(
+    /// [`Prefill::ready`], after the CUDA event `ready_on` where one is given.
+    async fn ready_piece(
         self: &Arc<Self>,
         room_id: u64,
         mut req: ReadyRequest,
@@ -393,8 +382,8 @@ impl Inner {
             )));
         }
         if !self.rooms().contains_key(&room_id) {
-            self.refuse_while_draining()?;
-            self.admit_room()?;
+            self.table.refuse_while_draining(Self::ROLE)?;
+            self.table.admit(&self.metrics)?;
         }
         let ready_on = match (req.cuda_ipc_event.take(), ready_on) {
             (None, ready_on) => ready_on,
@@ -513,7 +502,7 @@ impl Inner {
 
 /// Fills a piece of a room (id, tokens) with the synthetic pattern.
 async fn fill(
-    inner: &Arc<Inner>,
+    inner: &Arc<Prefill>,
     room: (u64, usize),
     pages: &Arc<[u32]>,
     lease: Option<Arc<PageLease>>,
@@ -540,7 +529,7 @@ async fn fill(
 }
 
 /// Hands a filled piece to the room's task (starting it if the request is there).
-fn announce(inner: &Arc<Inner>, room_id: u64, piece: Piece, last: bool) {
+fn announce(inner: &Arc<Prefill>, room_id: u64, piece: Piece, last: bool) {
     let mut rooms = inner.rooms();
     let Some(room) = rooms.get_mut(&room_id) else {
         return;
@@ -563,7 +552,7 @@ fn announce(inner: &Arc<Inner>, room_id: u64, piece: Piece, last: bool) {
 
 /// The synthetic engine's layer-wise prefill: one layer every `synthetic_layer_delay`.
 async fn announce_paced(
-    inner: Arc<Inner>,
+    inner: Arc<Prefill>,
     (room_id, room_tokens): (u64, usize),
     pages: Arc<[u32]>,
     lease: Option<Arc<PageLease>>,

@@ -91,7 +91,7 @@ struct Job {
     pub(super) unfinished: std::sync::Mutex<Vec<(Taken, &'static str)>>,
 }
 
-impl Inner {
+impl Prefill {
     /// The next thing a transfer's task does.
     fn next_step(&self, room_id: u64, decode: Uuid) -> Step {
         let mut rooms = self.rooms();

@@ -63,7 +63,7 @@ fn local(r: &Range<usize>, start: usize) -> Option<Range<usize>> {
     Some(r.start.checked_sub(start)?..r.end.checked_sub(start)?)
 }
 
-impl Inner {
+impl Prefill {
     /// The runs that move chunk `c` into the decode's pool `way`, and its checksum. With no
     /// `way` given, the first of the target's ways where the runs pay ([`shortest_run`]): the
     /// first chunk of a piece chooses for the piece. `None` when the decode's layout does not

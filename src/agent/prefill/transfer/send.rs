@@ -49,7 +49,7 @@ enum Outgoing {
     Device(Frame, Arc<dyn DeviceBytes>),
 }
 
-impl Inner {
+impl Prefill {
     /// Waits, within the send timeout, until a chunk's bytes are taken: a staged chunk's by
     /// the transport, a placed chunk's runs by the decode, direct writes flushed (`stalled`
     /// says which, for the timeout's message). Stops waiting when the transfer is cancelled
