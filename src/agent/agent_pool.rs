@@ -5,8 +5,8 @@
 //! a chunk's host buffer, scatter a chunk's host bytes into a selection, and hash a selection in
 //! place. A device pool gathers on the device into device staging and copies the result to the
 //! host buffer once (one D2H), and scatters after one H2D into device staging, where the
-//! transport sends host memory ([`Staging::PinnedHost`]). Where it sends device memory
-//! ([`Staging::Device`]) the chunk stays in device staging ([`DeviceChunk`]): gathered into it,
+//! transport sends host memory ([`StagingMode::PinnedHost`]). Where it sends device memory
+//! ([`StagingMode::Device`]) the chunk stays in device staging ([`DeviceChunk`]): gathered into it,
 //! sent and received by the transport, scattered from it. A selection that is a few whole
 //! contiguous ranges of the pool skips the kernel: it is copied straight between the pool and
 //! the host buffer. Only host pools are read or written by the transports themselves (direct
@@ -23,7 +23,7 @@ use crate::layout::{KvLayout, PageOrder};
 use crate::memory::MemoryKind;
 use crate::pool::HostPool;
 
-use super::staging::Staging;
+use super::staging::StagingMode;
 
 /// What an agent is started on: a host pool or a device pool.
 #[derive(Debug)]
@@ -57,10 +57,10 @@ pub(crate) enum AgentPool {
         pool: Arc<DevicePool>,
         kernel: Arc<CudaKernel>,
         /// Device staging buffers free for reuse (a chunk takes one while it is gathered or
-        /// scattered, or, with [`Staging::Device`], while the transport sends or receives it).
+        /// scattered, or, with [`StagingMode::Device`], while the transport sends or receives it).
         staging: Arc<Mutex<Vec<DeviceStaging>>>,
         /// Where chunks wait for the transport: decided once at start ([`AgentPool::staged`]).
-        mode: Staging,
+        mode: StagingMode,
         /// The engine's interprocess events this agent opened (a sidecar's readiness events),
         /// destroyed with the last clone.
         events: Arc<IpcEvents>,
@@ -90,7 +90,7 @@ impl AgentPool {
                     kernel,
                     pool: Arc::new(pool),
                     staging: Arc::default(),
-                    mode: Staging::PinnedHost,
+                    mode: StagingMode::PinnedHost,
                 }
             }
         })
@@ -148,22 +148,22 @@ impl AgentPool {
     /// its chunks are staged for the transport.
     pub(crate) fn labels(&self) -> (&'static str, &'static str) {
         match self {
-            AgentPool::Host { .. } => ("host", Staging::Host.label()),
+            AgentPool::Host { .. } => ("host", StagingMode::Host.label()),
             AgentPool::Device { mode, .. } => ("device", mode.label()),
         }
     }
 
     /// Where chunks are staged for the transport.
-    pub(crate) fn staging(&self) -> Staging {
+    pub(crate) fn staging(&self) -> StagingMode {
         match self {
-            AgentPool::Host { .. } => Staging::Host,
+            AgentPool::Host { .. } => StagingMode::Host,
             AgentPool::Device { mode, .. } => *mode,
         }
     }
 
     /// The pool with chunks staged as `mode` says (a device pool's choice; a host pool stages
     /// on the host whatever it is told).
-    pub(crate) fn staged(mut self, to: Staging) -> Self {
+    pub(crate) fn staged(mut self, to: StagingMode) -> Self {
         if let AgentPool::Device { mode, .. } = &mut self {
             *mode = to;
         }
@@ -171,7 +171,7 @@ impl AgentPool {
     }
 
     /// Gathers the selection into device staging, for a transport that sends device memory
-    /// ([`Staging::Device`]): one launch; no copy to the host.
+    /// ([`StagingMode::Device`]): one launch; no copy to the host.
     pub(crate) fn gather_device(
         &self,
         sel: &Selection<'_>,
@@ -283,7 +283,7 @@ impl AgentPool {
     }
 
     /// Copies a received payload into the selection: host bytes as [`AgentPool::scatter`]
-    /// does, device staging (a [`DeviceChunk`] of this pool's, [`Staging::Device`]) with one
+    /// does, device staging (a [`DeviceChunk`] of this pool's, [`StagingMode::Device`]) with one
     /// launch straight from it.
     pub(crate) fn scatter_payload(
         &self,
@@ -379,7 +379,7 @@ impl super::staging::Pinner for DevicePinner {
     }
 }
 
-/// A chunk in device staging ([`Staging::Device`]): gathered there by a prefill, or received
+/// A chunk in device staging ([`StagingMode::Device`]): gathered there by a prefill, or received
 /// there by a decode. The staging returns for reuse when the last holder (the transport, the
 /// scatter) drops it.
 pub(crate) struct DeviceChunk {
@@ -500,7 +500,7 @@ mod tests {
         false
     }
 
-    /// The device staging path of `Staging::Device` as far as it runs without a transport
+    /// The device staging path of `StagingMode::Device` as far as it runs without a transport
     /// that sends device memory: a prefill's gather into device staging, a decode's device
     /// staging from its sink, the scatter from it, the checksum through the host, and the
     /// staging's return for reuse. The transport's part (UCX reading one device buffer and
@@ -520,10 +520,10 @@ mod tests {
         dst.fill(0xDE).unwrap();
         let src = AgentPool::new(src.into(), 1)
             .unwrap()
-            .staged(Staging::Device);
+            .staged(StagingMode::Device);
         let dst = AgentPool::new(dst.into(), 1)
             .unwrap()
-            .staged(Staging::Device);
+            .staged(StagingMode::Device);
         assert_eq!(dst.labels(), ("device", "device"));
         let whole = |pages| Selection {
             pages,

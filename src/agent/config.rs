@@ -215,10 +215,9 @@ pub enum DirectMethod {
 /// The shortest average run placed rather than staged by default on `path`
 /// (`--placed-min-run-bytes`). Each run is one message, so placing beats staging only from a
 /// run length on: 128 KiB by rendezvous (a handshake, then the receiver reads: shared memory),
-/// 16 KiB as an eager message (tcp), which needs no handshake. Measured with UCX 1.13 on
-/// llama3-8b rooms: by rendezvous 16 KiB runs placed moved 1.4–1.9 GB/s a room against 3.0
-/// staged, 128 KiB runs 3.7–4.1 against 3.2–3.5; over tcp 32 KiB runs placed took 4 MiB rooms
-/// to 1.4–1.8 ms p50 from 2.2–2.5 staged.
+/// 16 KiB as an eager message (tcp), which needs no handshake. Both are where placing beat
+/// staging with UCX 1.13 on llama3-8b rooms (docs/benchmarks.md, "Figures behind design
+/// choices").
 pub fn placed_min_run(path: &crate::transport::WritePath) -> u64 {
     match path.eager {
         true => 16 << 10,

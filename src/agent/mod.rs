@@ -73,7 +73,9 @@ pub enum AgentError {
 }
 
 pub use agent_pool::EnginePool;
-pub use staging::{Staging, StagingChoice, StagingError};
+pub use staging::{StagingChoice, StagingError, StagingMode};
+// `Staging`: what `decode::landing` and `agent_pool` below still call `StagingMode`.
+pub(crate) use staging::StagingMode as Staging;
 
 /// Opens the agent's pool: its own anonymous memory (a memory file when `shareable`:
 /// [`HostPool::shareable`](crate::pool::HostPool::shareable)), the engine's shared-memory pool,

@@ -135,7 +135,7 @@ pub struct AgentOptions {
     #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     pub insecure: bool,
     /// Largest chunk of staging bytes moved at once (smaller ones make ZeroMQ rooms slower:
-    /// 2 MiB zmq-tcp rooms took 1.67 ms p50 in 256 KiB chunks, 1.15 in 1 MiB ones).
+    /// docs/benchmarks.md, "Figures behind design choices").
     #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
     /// Staging slots per prefill peer: chunks in flight from one prefill at once (the decode
@@ -229,9 +229,8 @@ pub struct AgentOptions {
     /// Shortest average run, in bytes, that a piece sends as placed runs rather than staged:
     /// each run is one message. Default: 131072 where runs go by rendezvous (a handshake and a
     /// read: shared memory), 16384 where they go as eager messages (tcp): where placing beat
-    /// staging with UCX 1.13 (shared memory: 16 KiB runs 1.4–1.9 GB/s a room placed against
-    /// 3.0 staged, 256 KiB runs 5.9–6.7 against 2.8–3.5). A fabric with cheaper messages
-    /// (RDMA) may gain from a lower one.
+    /// staging with UCX 1.13 (docs/benchmarks.md, "Figures behind design choices"). A fabric
+    /// with cheaper messages (RDMA) may gain from a lower one.
     #[arg(long, env = "KVFERRY_PLACED_MIN_RUN_BYTES")]
     pub placed_min_run_bytes: Option<u64>,
     /// Period of heartbeats on every control connection, in ms.

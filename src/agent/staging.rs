@@ -1,4 +1,4 @@
-//! Staging: where a pool's chunks wait for the transport ([`Staging`], chosen once at start),
+//! Staging: where a pool's chunks wait for the transport ([`StagingMode`], chosen once at start),
 //! and the slots, the host buffers chunks are gathered into and received in, reused from chunk
 //! to chunk.
 //!
@@ -28,7 +28,7 @@ use crate::transport::DeviceMemory;
 
 /// Where an agent's chunks are staged for the transport.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Staging {
+pub enum StagingMode {
     /// A host pool: chunks are gathered into host buffers (or sent from the pool).
     Host,
     /// A device pool over a transport that sends host memory: gathered on the device, one D2H
@@ -39,13 +39,13 @@ pub enum Staging {
     Device,
 }
 
-impl Staging {
+impl StagingMode {
     /// The `staging` label of `kvferry_pool_info` and the log.
     pub fn label(self) -> &'static str {
         match self {
-            Staging::Host => "host",
-            Staging::PinnedHost => "pinned_host",
-            Staging::Device => "device",
+            StagingMode::Host => "host",
+            StagingMode::PinnedHost => "pinned_host",
+            StagingMode::Device => "device",
         }
     }
 }
@@ -105,12 +105,12 @@ pub(crate) fn choose(
     transport: &str,
     device: &DeviceMemory,
     checksum: bool,
-) -> Result<(Staging, String), StagingError> {
+) -> Result<(StagingMode, String), StagingError> {
     match (memory, choice, device) {
         (MemoryKind::Host, StagingChoice::Device, _) => Err(StagingError::HostPool),
-        (MemoryKind::Host, _, _) => Ok((Staging::Host, "the pool is host memory".to_owned())),
+        (MemoryKind::Host, _, _) => Ok((StagingMode::Host, "the pool is host memory".to_owned())),
         (_, StagingChoice::PinnedHost, _) => {
-            Ok((Staging::PinnedHost, "--staging pinned-host".to_owned()))
+            Ok((StagingMode::PinnedHost, "--staging pinned-host".to_owned()))
         }
         (_, StagingChoice::Device, DeviceMemory::HostOnly(reason)) => {
             Err(StagingError::DeviceUnsupported {
@@ -120,17 +120,18 @@ pub(crate) fn choose(
         }
         (_, StagingChoice::Device, DeviceMemory::Sends) if checksum => Err(StagingError::Checksum),
         (_, StagingChoice::Auto, DeviceMemory::HostOnly(reason)) => {
-            Ok((Staging::PinnedHost, reason.clone()))
+            Ok((StagingMode::PinnedHost, reason.clone()))
         }
         // Per-chunk checksums hash host bytes: with them, staging stays on the host, where the
         // bytes are hashed anyway, rather than copying every chunk out of the device to hash it.
         (_, StagingChoice::Auto, DeviceMemory::Sends) if checksum => Ok((
-            Staging::PinnedHost,
+            StagingMode::PinnedHost,
             format!("{transport} sends device memory, but --checksum hashes host bytes"),
         )),
-        (_, _, DeviceMemory::Sends) => {
-            Ok((Staging::Device, format!("{transport} sends device memory")))
-        }
+        (_, _, DeviceMemory::Sends) => Ok((
+            StagingMode::Device,
+            format!("{transport} sends device memory"),
+        )),
     }
 }
 
@@ -337,7 +338,10 @@ mod tests {
         // Without device memory in the transport: pinned host staging, for its reason.
         assert_eq!(
             choose(device, auto, "ucx", &no_cuda, false),
-            Ok((Staging::PinnedHost, "UCX has no CUDA memory support".into()))
+            Ok((
+                StagingMode::PinnedHost,
+                "UCX has no CUDA memory support".into()
+            ))
         );
         // Forced device staging there is refused, typed, with the transport's words.
         assert_eq!(
@@ -350,16 +354,19 @@ mod tests {
         // With it: device staging, unless asked otherwise or checksummed.
         let sends = DeviceMemory::Sends;
         let chosen = |choice, checksum| choose(device, choice, "ucx", &sends, checksum);
-        assert_eq!(chosen(auto, false).map(|c| c.0), Ok(Staging::Device));
-        assert_eq!(chosen(forced, false).map(|c| c.0), Ok(Staging::Device));
-        assert_eq!(chosen(pinned, false).map(|c| c.0), Ok(Staging::PinnedHost));
-        assert_eq!(chosen(auto, true).map(|c| c.0), Ok(Staging::PinnedHost));
+        assert_eq!(chosen(auto, false).map(|c| c.0), Ok(StagingMode::Device));
+        assert_eq!(chosen(forced, false).map(|c| c.0), Ok(StagingMode::Device));
+        assert_eq!(
+            chosen(pinned, false).map(|c| c.0),
+            Ok(StagingMode::PinnedHost)
+        );
+        assert_eq!(chosen(auto, true).map(|c| c.0), Ok(StagingMode::PinnedHost));
         assert_eq!(chosen(forced, true), Err(StagingError::Checksum));
         // Host pools stage on the host; device staging of one is refused.
         for d in [&sends, &no_cuda] {
             assert_eq!(
                 choose(MemoryKind::Host, auto, "ucx", d, false).map(|c| c.0),
-                Ok(Staging::Host)
+                Ok(StagingMode::Host)
             );
             assert_eq!(
                 choose(MemoryKind::Host, forced, "ucx", d, false),
@@ -367,7 +374,7 @@ mod tests {
             );
         }
         assert_eq!(
-            (Staging::PinnedHost.label(), Staging::Device.label()),
+            (StagingMode::PinnedHost.label(), StagingMode::Device.label()),
             ("pinned_host", "device")
         );
         let refused = choose(device, forced, "zmq-tcp", &no_cuda, false).unwrap_err();

@@ -128,9 +128,8 @@ pub(crate) fn run(role: AgentRole, args: AgentOptions) -> anyhow::Result<()> {
 /// decode frees it after the scatter. With glibc's defaults every 1 MiB chunk was a fresh
 /// `mmap`, faulted in page by page, and an `munmap`: page faults, cgroup charges, page clearing
 /// and unmapping took a large share of the decode's time, and zmq-tcp rooms ran markedly
-/// slower than with the buffers kept (4096-token rooms: 235–279 ms after the first chunk,
-/// against 162–189 with them kept). The same
-/// settings as the environment's
+/// slower than with the buffers kept (docs/benchmarks.md, "Figures behind design choices").
+/// The same settings as the environment's
 /// `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=268435456`,
 /// which an engine that runs agents in process can set itself.
 #[allow(unsafe_code)]

@@ -2,11 +2,11 @@
 //! rank sends each decode rank its share of the heads of every token (TP1 -> TP2: the first and
 //! the second half of each token's row). Each decode rank's transfer is a task of its own, and
 //! written alone each reads every other slice of the source, in strides, which is slower
-//! than one contiguous read (one pass 18.3–18.5 GB/s, each rank reading alone 12.5–13.5;
-//! scripts/probes/strided-source.c). When two
-//! transfers of one room write the same chunk (tokens and layers) into mapped pools at about
-//! the same time, the first to come waits a little for the other, and the second writes both
-//! chunks in one pass over the source, in its order ([`mapped::write_together`]).
+//! than one contiguous read (scripts/probes/strided-source.c; docs/benchmarks.md, "Figures
+//! behind design choices"). When two transfers of one room write the same chunk (tokens and
+//! layers) into mapped pools at about the same time, the first to come waits a little for the
+//! other, and the second writes both chunks in one pass over the source, in its order
+//! ([`mapped::write_together`]).
 //!
 //! A transfer's writes end only once its bytes are in its decode's pool, whoever wrote them:
 //! a task waiting for its partner waits for the partner's write too, so a transfer never ends

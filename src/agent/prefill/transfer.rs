@@ -24,7 +24,7 @@ use crate::transport::{FRAME_ROOM, MAX_PIECES};
 
 mod direct;
 mod send;
-use send::{Payload, Taken};
+use send::{ChunkBody, Taken};
 
 use super::fanout;
 
@@ -34,7 +34,7 @@ const INLINE_PLAN_BYTES: usize = 256 << 10;
 
 /// A chunk's payload being made ready to send: planned on the task, or gathered on the
 /// blocking pool.
-type Gathering = transport::BoxFuture<'static, Result<(Payload, u64), Reason>>;
+type Gathering = transport::BoxFuture<'static, Result<(ChunkBody, u64), Reason>>;
 
 /// A chunk as the ranges of a host pool it is sent from without a gather (at most
 /// [`MAX_PIECES`]); `None` when it takes more, or the pool is device memory.
@@ -42,12 +42,12 @@ fn from_pool(
     pool: &crate::agent::AgentPool,
     sel: &Selection<'_>,
     wire: crate::layout::PageOrder,
-) -> Result<Option<Payload>, crate::kernel::KernelError> {
+) -> Result<Option<ChunkBody>, crate::kernel::KernelError> {
     let Some(host) = pool.host() else {
         return Ok(None);
     };
     let spans = crate::kernel::cpu::source_spans(host, sel, wire)?;
-    Ok((spans.len() <= MAX_PIECES).then(|| Payload::FromPool(host.clone(), spans)))
+    Ok((spans.len() <= MAX_PIECES).then(|| ChunkBody::FromPool(host.clone(), spans)))
 }
 
 fn gather_failed(e: crate::kernel::KernelError) -> Reason {
@@ -59,8 +59,7 @@ const CHUNK_STALL: &str = "no chunk taken";
 const PLACED_STALL: &str = "placed runs not taken";
 
 /// The smallest budget of a direct chunk: over shared memory, rooms of placed chunks this large
-/// run faster than rooms of smaller ones (llama3-8b 512 MiB rooms over ucx-shm: 6.9–8.4 GB/s,
-/// against 5.3–5.6 with 8 MiB chunks).
+/// run faster than rooms of smaller ones (docs/benchmarks.md, "Figures behind design choices").
 const DIRECT_CHUNK_BYTES: usize = 32 << 20;
 
 /// What a transfer's task does next.
@@ -431,7 +430,7 @@ impl Prefill {
                     heads: heads.clone(),
                 };
                 match from_pool(&pool, &sel, wire) {
-                    Ok(Some(payload)) => return Box::pin(std::future::ready(Ok((payload, 0)))),
+                    Ok(Some(body)) => return Box::pin(std::future::ready(Ok((body, 0)))),
                     Ok(None) => {}
                     Err(e) => return Box::pin(std::future::ready(Err(gather_failed(e)))),
                 }
@@ -448,19 +447,19 @@ impl Prefill {
                     true => from_pool(&pool, &sel, wire)?,
                     false => None,
                 };
-                if let Some(payload) = unstaged {
+                if let Some(body) = unstaged {
                     let sum = match checksum {
                         true => crate::agent::checksum_digest(pool.checksum(&sel, wire)?),
                         false => 0,
                     };
-                    return Ok((payload, sum));
+                    return Ok((body, sum));
                 }
                 // Device staging is sent as it is (no checksum: `staging::choose`; a chunk to
                 // corrupt goes through the host).
-                if pool.staging() == crate::agent::Staging::Device && !corrupt && !checksum {
+                if pool.staging() == crate::agent::StagingMode::Device && !corrupt && !checksum {
                     let chunk = pool.gather_device(&sel, wire)?;
                     metrics.gather.observe(started.elapsed());
-                    return Ok((Payload::Device(Arc::new(chunk)), 0));
+                    return Ok((ChunkBody::Device(Arc::new(chunk)), 0));
                 }
                 // The payload goes behind room for the frame prefix (`Frame::in_place`).
                 let mut buf = slots.take(FRAME_ROOM + sel.bytes_in(pool.layout())?);
@@ -481,7 +480,7 @@ impl Prefill {
                     );
                     payload.iter_mut().for_each(|b| *b = !*b);
                 }
-                Ok::<_, crate::kernel::KernelError>((Payload::Staged(buf), sum))
+                Ok::<_, crate::kernel::KernelError>((ChunkBody::Staged(buf), sum))
             });
             Box::pin(async move {
                 match gathering.await {
@@ -507,7 +506,7 @@ impl Prefill {
             let mut sending: std::collections::VecDeque<Taken> = Default::default();
             for (i, c) in plan.iter().enumerate() {
                 let Some(pending) = next.take() else { break };
-                let (payload, sum) = pending.await?;
+                let (body, sum) = pending.await?;
                 if job.cancel.is_cancelled() {
                     job.peer.credits.add_permits(1);
                     return Ok(());
@@ -521,7 +520,7 @@ impl Prefill {
                     .get(i + 1)
                     .filter(|_| job.peer.credits.try_acquire().map(|p| p.forget()).is_ok());
                 next = ahead.map(gather);
-                if let Some(sent) = self.send_chunk(job, c, *chunks, payload, sum).await? {
+                if let Some(sent) = self.send_chunk(job, c, *chunks, body, sum).await? {
                     sending.push_back(sent);
                 }
                 *chunks += 1;

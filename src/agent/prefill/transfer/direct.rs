@@ -218,14 +218,14 @@ impl Prefill {
                 );
                 sum ^= 1;
             }
-            let payload = match &target.ways[way] {
+            let body = match &target.ways[way] {
                 Way::Transport {
                     method: DirectMethod::Place,
                     ..
                 } => {
                     let spans =
                         scattered.unwrap_or_else(|| runs.iter().map(|r| r.source()).collect());
-                    Payload::Placed(host.clone(), spans)
+                    ChunkBody::Placed(host.clone(), spans)
                 }
                 how => {
                     let len: u64 = runs.iter().map(|r| r.len).sum();
@@ -269,10 +269,10 @@ impl Prefill {
                     if *chunks == 0 {
                         self.mark_first(job.room, "first_gathered");
                     }
-                    Payload::Direct(len as usize)
+                    ChunkBody::Direct(len as usize)
                 }
             };
-            if let Some(taken) = self.send_chunk(job, c, *chunks, payload, sum).await? {
+            if let Some(taken) = self.send_chunk(job, c, *chunks, body, sum).await? {
                 placing.push_back((taken, stalled));
             }
             *chunks += 1;

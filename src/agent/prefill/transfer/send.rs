@@ -11,9 +11,9 @@ use crate::transport::{DeviceBytes, Frame, TransportError};
 /// sent without a gather (`DataSender::send_from`); nothing (the bytes were written into
 /// the decode pool directly, this many); or, after it, its runs as placed messages.
 /// Only host pools are read by the transport itself: the variants that need it carry it.
-pub(super) enum Payload {
+pub(super) enum ChunkBody {
     Staged(Vec<u8>),
-    /// Gathered into device staging, sent from there ([`crate::agent::Staging::Device`]).
+    /// Gathered into device staging, sent from there ([`crate::agent::StagingMode::Device`]).
     Device(Arc<dyn DeviceBytes>),
     FromPool(Arc<HostPool>, Vec<Span>),
     Direct(usize),
@@ -139,26 +139,26 @@ impl Prefill {
         job: &Job,
         c: &ChunkPlan,
         seq: u32,
-        payload: Payload,
+        body: ChunkBody,
         checksum: u64,
     ) -> Result<Option<Taken>, Reason> {
-        let (len, direct, path, staged, placed) = match payload {
-            Payload::Staged(buf) => {
+        let (len, direct, path, staged, placed) = match body {
+            ChunkBody::Staged(buf) => {
                 let len = buf.len().saturating_sub(FRAME_ROOM);
                 let path = &self.metrics.chunks_staged;
                 (len, false, path, Some(Staged::Gathered(buf)), None)
             }
-            Payload::Device(chunk) => {
+            ChunkBody::Device(chunk) => {
                 let (len, path) = (chunk.len(), &self.metrics.chunks_staged);
                 (len, false, path, Some(Staged::Device(chunk)), None)
             }
-            Payload::FromPool(pool, spans) => {
+            ChunkBody::FromPool(pool, spans) => {
                 let len = spans.iter().map(|s| s.len).sum::<u64>() as usize;
                 let path = &self.metrics.chunks_from_pool;
                 (len, false, path, Some(Staged::FromPool(pool, spans)), None)
             }
-            Payload::Direct(len) => (len, true, &self.metrics.chunks_direct, None, None),
-            Payload::Placed(pool, spans) => {
+            ChunkBody::Direct(len) => (len, true, &self.metrics.chunks_direct, None, None),
+            ChunkBody::Placed(pool, spans) => {
                 let len = spans.iter().map(|s| s.len).sum::<u64>() as usize;
                 let placed = Placed {
                     key: Uuid::new_v4().as_u64_pair().0,
