@@ -9,17 +9,15 @@
 //! - [`server`]: routes and handlers, [`serve`]; the route table is in its module doc;
 //! - [`error`]: the one error type the server answers with, JSON `{"error": "..."}`;
 //! - [`metrics`]: the Prometheus exposition of `/metrics`;
-//! - [`admission`]: connections not yet proven to come from a peer, bounded apart from the
-//!   peers' on every port; [`http`]: serving a router with that bound (registry, agents, proxy);
 //! - [`client`]: [`RegistryClient`], with re-registration after a registry restart and a
 //!   lease keep-alive task.
 //!
-//! This crate knows nothing of pools, kernels or transports: endpoints are opaque strings.
+//! It serves through `kvferry_wire`'s bounded HTTP loop, and its layouts name their dtype and
+//! attention kind in `kvferry_wire`'s words. This crate knows nothing of pools, kernels or
+//! transports: endpoints are opaque strings.
 
-pub mod admission;
 pub mod client;
 pub mod error;
-pub mod http;
 pub mod metrics;
 pub mod registry;
 pub mod server;
@@ -36,6 +34,6 @@ pub use server::{
 pub use store::EtcdStore;
 pub use store::{ETCD_BUILT, MemoryStore, Store, StoreConfig, StoreConfigError, StoreError};
 pub use types::{
-    Dtype, ErrorBody, Health, IndexRange, InvalidRegistration, KvLayout, LayoutKind, Lease,
+    AttentionKind, Dtype, ErrorBody, Health, IndexRange, InvalidRegistration, KvLayout, Lease,
     PrefillGroup, RankInfo, RankList, Registration, Role, Slice,
 };

@@ -66,7 +66,7 @@ impl Metrics {
             .inc();
     }
 
-    /// The OpenMetrics text ([`crate::http::OPENMETRICS_CONTENT_TYPE`]) of these counters and
+    /// The OpenMetrics text ([`kvferry_wire::http::OPENMETRICS_CONTENT_TYPE`]) of these counters and
     /// `stats`.
     pub fn render(&self, stats: &RegistryStats) -> String {
         let mut r = Registry::with_prefix("kvferry_bootstrap");

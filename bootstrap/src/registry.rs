@@ -454,13 +454,13 @@ pub(crate) fn millis(d: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{Dtype, IndexRange, LayoutKind, Slice};
+    use crate::types::{AttentionKind, Dtype, IndexRange, Slice};
 
     const TTL: Duration = Duration::from_secs(10);
 
     fn layout() -> KvLayout {
         KvLayout {
-            kind: LayoutKind::Mha,
+            kind: AttentionKind::Mha,
             num_layers: 61,
             num_kv_heads: 8,
             head_dim: 128,

@@ -183,11 +183,11 @@ pub async fn serve_store<S: Store>(
     let stop_sweeper = shutdown.child_token();
     let sweeper = tokio::spawn(sweep(state.store.clone(), period, stop_sweeper.clone()));
     let proof = match state.token {
-        Some(_) => crate::http::Proof::Authorized,
-        None => crate::http::Proof::Request,
+        Some(_) => kvferry_wire::http::Proof::Authorized,
+        None => kvferry_wire::http::Proof::Request,
     };
     let app = router(state, config.body_limit);
-    let server = crate::http::serve(listener, app, shutdown.clone(), "registry", proof);
+    let server = kvferry_wire::http::serve(listener, app, shutdown.clone(), "registry", proof);
     let result = tokio::select! {
         result = server => result,
         () = async {
@@ -334,7 +334,7 @@ async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Result<Response,
     Ok((
         [(
             header::CONTENT_TYPE,
-            HeaderValue::from_static(crate::http::OPENMETRICS_CONTENT_TYPE),
+            HeaderValue::from_static(kvferry_wire::http::OPENMETRICS_CONTENT_TYPE),
         )],
         body,
     )
@@ -429,7 +429,7 @@ fn path_rejection(rejection: &PathRejection) -> ApiError {
 
 /// Lets a request through when no token is configured, when it is `GET /healthz`, or when it
 /// carries `Authorization: Bearer TOKEN`; answers 401 otherwise. A request let through proves
-/// its connection ([`crate::http::prove`]).
+/// its connection ([`kvferry_wire::http::prove`]).
 async fn authorize<S: Store>(
     State(state): State<AppState<S>>,
     req: Request,
@@ -439,12 +439,12 @@ async fn authorize<S: Store>(
         return next.run(req).await;
     };
     if req.uri().path() == "/healthz" && req.method() == Method::GET {
-        crate::http::prove(&req);
+        kvferry_wire::http::prove(&req);
         return next.run(req).await;
     }
     match check_bearer(req.headers().get(header::AUTHORIZATION), token) {
         Ok(()) => {
-            crate::http::prove(&req);
+            kvferry_wire::http::prove(&req);
             next.run(req).await
         }
         Err(e) => e.into_response(),
@@ -452,9 +452,9 @@ async fn authorize<S: Store>(
 }
 
 fn check_bearer(value: Option<&HeaderValue>, token: &str) -> Result<(), ApiError> {
-    crate::http::check_bearer(value, token).map_err(|e| {
+    kvferry_wire::http::check_bearer(value, token).map_err(|e| {
         let message = match e {
-            crate::http::BearerError::Missing => format!("{e} on every route but /healthz"),
+            kvferry_wire::http::BearerError::Missing => format!("{e} on every route but /healthz"),
             _ => e.to_string(),
         };
         ApiError::rejected(RejectReason::Unauthorized, message)

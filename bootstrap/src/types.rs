@@ -3,13 +3,16 @@
 //! Owns the shape of a [`Registration`] and its validation ([`Registration::validate`]): every
 //! check that needs only the registration itself lives here, so a client can run it before
 //! sending. Checks against other registrations (group topology) live in `registry`.
-//! Ranges are half-open (`start..end`); all counts are `u32`.
+//! Ranges are half-open (`start..end`); all counts are `u32`. A layout's [`Dtype`] and
+//! [`AttentionKind`] are `kvferry_wire`'s, the words the agents' layouts and Hello use too.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
+
+pub use kvferry_wire::kv::{AttentionKind, Dtype};
 
 /// The role a rank plays in the PD cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -37,58 +40,11 @@ impl fmt::Display for Role {
     }
 }
 
-/// How the model stores its KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LayoutKind {
-    /// Multi-head (and grouped-query) attention: K and V per KV head.
-    Mha,
-    /// Multi-head latent attention: one compressed latent per token, so one "head".
-    Mla,
-}
-
-impl fmt::Display for LayoutKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            LayoutKind::Mha => "mha",
-            LayoutKind::Mla => "mla",
-        })
-    }
-}
-
-/// Element type of the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Dtype {
-    /// bfloat16.
-    Bf16,
-    /// IEEE half precision.
-    Fp16,
-    /// 8-bit float, 4 exponent bits, 3 mantissa bits.
-    Fp8E4m3,
-    /// 8-bit float, 5 exponent bits, 2 mantissa bits.
-    Fp8E5m2,
-    /// IEEE single precision.
-    Fp32,
-}
-
-impl fmt::Display for Dtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::Fp16 => "fp16",
-            Dtype::Fp8E4m3 => "fp8_e4m3",
-            Dtype::Fp8E5m2 => "fp8_e5m2",
-            Dtype::Fp32 => "fp32",
-        })
-    }
-}
-
 /// The model's whole KV layout (not the part one rank holds: that is [`Slice`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KvLayout {
     /// MHA or MLA.
-    pub kind: LayoutKind,
+    pub kind: AttentionKind,
     /// Number of layers in the model.
     pub num_layers: u32,
     /// Number of KV heads in the whole model (1 for MLA).
@@ -205,7 +161,7 @@ impl Registration {
                 return fail(format!("{name} must be > 0"));
             }
         }
-        if l.kind == LayoutKind::Mla && l.num_kv_heads != 1 {
+        if l.kind == AttentionKind::Mla && l.num_kv_heads != 1 {
             return fail(format!(
                 "layout.num_kv_heads {} must be 1 for an mla layout",
                 l.num_kv_heads
@@ -338,7 +294,7 @@ mod tests {
             pp_rank: 0,
             pp_size: 1,
             layout: KvLayout {
-                kind: LayoutKind::Mha,
+                kind: AttentionKind::Mha,
                 num_layers: 61,
                 num_kv_heads: 8,
                 head_dim: 128,
@@ -385,7 +341,7 @@ mod tests {
             (|r| r.pp_rank = 1, "pp_rank 1 must be < pp_size 1"),
             (|r| r.layout.page_size = 0, "layout.page_size must be > 0"),
             (
-                |r| r.layout.kind = LayoutKind::Mla,
+                |r| r.layout.kind = AttentionKind::Mla,
                 "must be 1 for an mla layout",
             ),
             (

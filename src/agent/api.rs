@@ -67,7 +67,7 @@ pub enum ApiError {
     NotJson,
     /// The agent has a token and the request does not carry it (401).
     #[error("{0}")]
-    Unauthorized(kvferry_bootstrap::http::BearerError),
+    Unauthorized(kvferry_wire::http::BearerError),
 }
 
 impl IntoResponse for ApiError {
@@ -175,18 +175,16 @@ pub fn finish<S: Clone + Send + Sync + 'static>(
 }
 
 /// Lets `GET /healthz`, `GET /metrics` and requests carrying `Authorization: Bearer TOKEN`
-/// through (each proves its connection, [`kvferry_bootstrap::http::prove`]); 401 otherwise.
+/// through (each proves its connection, [`kvferry_wire::http::prove`]); 401 otherwise.
 async fn authorize(token: Arc<str>, req: Request, next: axum::middleware::Next) -> Response {
     let open = req.method() == Method::GET && matches!(req.uri().path(), "/healthz" | "/metrics");
     let checked = match open {
         true => Ok(()),
-        false => {
-            kvferry_bootstrap::http::check_bearer(req.headers().get(header::AUTHORIZATION), &token)
-        }
+        false => kvferry_wire::http::check_bearer(req.headers().get(header::AUTHORIZATION), &token),
     };
     match checked {
         Ok(()) => {
-            kvferry_bootstrap::http::prove(&req);
+            kvferry_wire::http::prove(&req);
             next.run(req).await
         }
         Err(e) => ApiError::Unauthorized(e).into_response(),
@@ -282,11 +280,11 @@ pub fn spawn_api(
     (role, token): (&'static str, bool),
 ) {
     let proof = match token {
-        true => kvferry_bootstrap::http::Proof::Authorized,
-        false => kvferry_bootstrap::http::Proof::Request,
+        true => kvferry_wire::http::Proof::Authorized,
+        false => kvferry_wire::http::Proof::Request,
     };
     tasks.spawn(async move {
-        let serve = kvferry_bootstrap::http::serve(listener, app, shutdown, "engine API", proof);
+        let serve = kvferry_wire::http::serve(listener, app, shutdown, "engine API", proof);
         if let Err(e) = serve.await {
             tracing::error!(role, error = %e, "engine API stopped");
         }
@@ -305,7 +303,7 @@ pub fn metrics_response(text: String) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            kvferry_bootstrap::http::OPENMETRICS_CONTENT_TYPE,
+            kvferry_wire::http::OPENMETRICS_CONTENT_TYPE,
         )],
         text,
     )

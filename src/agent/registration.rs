@@ -7,7 +7,7 @@ use std::ops::Range;
 use kvferry_bootstrap as registry;
 use uuid::Uuid;
 
-use crate::layout::{AttentionKind, Dtype, KvLayout, PageOrder};
+use crate::layout::{KvLayout, PageOrder};
 use crate::protocol::WireLayout;
 use crate::reason::{FailureCode, Reason};
 
@@ -50,16 +50,6 @@ pub(crate) fn layout_of(w: &WireLayout) -> Result<KvLayout, crate::layout::Layou
         .with_slice(range(&w.heads), range(&w.layers))
 }
 
-fn registry_dtype(d: Dtype) -> registry::Dtype {
-    match d {
-        Dtype::Bf16 => registry::Dtype::Bf16,
-        Dtype::Fp16 => registry::Dtype::Fp16,
-        Dtype::Fp8E4m3 => registry::Dtype::Fp8E4m3,
-        Dtype::Fp8E5m2 => registry::Dtype::Fp8E5m2,
-        Dtype::Fp32 => registry::Dtype::Fp32,
-    }
-}
-
 fn range(r: &Range<usize>) -> registry::IndexRange {
     registry::IndexRange {
         start: r.start as u32,
@@ -87,14 +77,11 @@ pub(crate) fn registration(
         pp_rank: r.pp_rank,
         pp_size: r.pp_size,
         layout: registry::KvLayout {
-            kind: match l.model.kind {
-                AttentionKind::Mha => registry::LayoutKind::Mha,
-                AttentionKind::Mla => registry::LayoutKind::Mla,
-            },
+            kind: l.model.kind,
             num_layers: l.model.num_layers as u32,
             num_kv_heads: l.model.num_kv_heads as u32,
             head_dim: l.model.head_dim as u32,
-            dtype: registry_dtype(l.model.dtype),
+            dtype: l.model.dtype,
             page_size: l.page_size as u32,
         },
         slice: registry::Slice {

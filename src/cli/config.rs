@@ -26,9 +26,7 @@ use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Arg, CommandFactory as _, FromArgMatches as _};
 
 use super::Cli;
-
-/// The environment variable that names a config file when `--config` is absent.
-pub const CONFIG_ENV: &str = "KVFERRY_CONFIG";
+use crate::env::CONFIG_ENV;
 
 /// Keys a config file cannot set.
 const NOT_IN_FILE: [&str; 3] = ["config", "help", "version"];

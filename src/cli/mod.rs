@@ -27,7 +27,7 @@ use crate::agent::AgentOptions;
 pub struct Cli {
     /// TOML file of flag values, keyed by the subcommand's long flag names (`tp-size = 2`);
     /// the command line and KVFERRY_* variables override it.
-    #[arg(long, global = true, env = config::CONFIG_ENV, value_name = "FILE")]
+    #[arg(long, global = true, env = crate::env::CONFIG_ENV, value_name = "FILE")]
     pub config: Option<std::path::PathBuf>,
     /// Log format on stderr: text, or json (one object per line). RUST_LOG filters.
     #[arg(long, global = true, env = "KVFERRY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]

@@ -108,12 +108,12 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         stdout.flush()?;
     }
     tracing::info!(%url, pairing = ?args.pairing, "proxy listening");
-    let served = kvferry_bootstrap::http::serve(
+    let served = kvferry_wire::http::serve(
         listener,
         router(proxy),
         shutdown,
         "proxy",
-        kvferry_bootstrap::http::Proof::Request,
+        kvferry_wire::http::Proof::Request,
     )
     .await;
     signals.abort();

@@ -66,7 +66,7 @@ impl Process {
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             // A config file names the flags of the parent's subcommand, not of these.
-            .env_remove(crate::cli::config::CONFIG_ENV)
+            .env_remove(crate::env::CONFIG_ENV)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)

@@ -13,7 +13,7 @@
 //! KV between them, and in which wire order, is [`wire_order`]'s business (docs/architecture.md
 //! has the table).
 
-use super::{AttentionKind, KvLayout, LayoutError, invalid};
+use super::{AttentionKind, KvLayout, LayoutError, UnknownName, invalid};
 
 /// Order of tokens and heads inside one block (one page of one plane).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -217,11 +217,11 @@ impl KvFormat {
             .iter()
             .find(|f| f.name == name)
             .copied()
-            .ok_or_else(|| LayoutError::UnknownName {
+            .ok_or_else(|| LayoutError::UnknownName(UnknownName {
                 what: "KV format",
                 name: name.to_owned(),
                 expected: "kvferry, kvferry-head-major, vllm-cpu-vec, vllm-cpu-amx, vllm-nhd, vllm-hnd, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla",
-            })
+            }))
     }
 }
 

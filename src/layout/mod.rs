@@ -1,6 +1,8 @@
 //! KV layout: what one rank's KV pool holds and where every byte of it sits.
 //!
-//! A [`ModelSpec`] describes the model (attention kind, layers, total KV heads, head dim, dtype).
+//! A [`ModelSpec`] describes the model (attention kind, layers, total KV heads, head dim, dtype;
+//! the names of the first and the last, [`AttentionKind`] and [`Dtype`], are `kvferry_wire`'s,
+//! the same in the registry's JSON).
 //! A [`KvLayout`] describes one rank's pool: the slice of the model it holds (a head range and a
 //! layer range), the page size in tokens, the order of tokens and heads inside a page, and where
 //! K and V sit relative to each other.
@@ -14,13 +16,12 @@
 //! - a *page* is `page_size` token slots of every plane;
 //! - a *block* is one page of one plane: `page_size x heads held x head_bytes` bytes.
 
-use std::fmt;
 use std::ops::Range;
-use std::str::FromStr;
 
 mod format;
 
 pub use format::{FORMATS, Granularity, KvFormat, KvPlacement, PageOrder, RegionSplit, wire_order};
+pub use kvferry_wire::kv::{AttentionKind, Dtype, UnknownName};
 
 /// Errors building or querying a layout.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
@@ -48,132 +49,11 @@ pub enum LayoutError {
         known: String,
     },
     /// A name that does not parse as the enum it should.
-    #[error("unknown {what} {name:?}; expected one of {expected}")]
-    UnknownName {
-        /// Which kind of name.
-        what: &'static str,
-        /// The name given.
-        name: String,
-        /// The accepted names.
-        expected: &'static str,
-    },
+    #[error(transparent)]
+    UnknownName(UnknownName),
 }
 
-/// Element type of the KV cache. fp8 variants are one byte each; kvferry never interprets values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// bfloat16, 2 bytes.
-    Bf16,
-    /// IEEE half, 2 bytes.
-    Fp16,
-    /// fp8 e4m3, 1 byte.
-    Fp8E4m3,
-    /// fp8 e5m2, 1 byte.
-    Fp8E5m2,
-    /// IEEE single, 4 bytes.
-    Fp32,
-}
-
-impl Dtype {
-    /// Every dtype, for tests and help texts.
-    pub const ALL: [Dtype; 5] = [
-        Dtype::Bf16,
-        Dtype::Fp16,
-        Dtype::Fp8E4m3,
-        Dtype::Fp8E5m2,
-        Dtype::Fp32,
-    ];
-
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
-        match self {
-            Dtype::Bf16 | Dtype::Fp16 => 2,
-            Dtype::Fp8E4m3 | Dtype::Fp8E5m2 => 1,
-            Dtype::Fp32 => 4,
-        }
-    }
-
-    /// The name used on the command line and on the wire.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::Fp16 => "fp16",
-            Dtype::Fp8E4m3 => "fp8_e4m3",
-            Dtype::Fp8E5m2 => "fp8_e5m2",
-            Dtype::Fp32 => "fp32",
-        }
-    }
-}
-
-/// Attention kind, which decides how many planes a layer has.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum AttentionKind {
-    /// Multi-head or grouped-query attention: a K plane and a V plane per layer.
-    Mha,
-    /// Multi-head latent attention (DeepSeek): one latent plane per layer, replicated across TP.
-    Mla,
-}
-
-impl AttentionKind {
-    /// Planes per layer.
-    pub fn planes(self) -> usize {
-        match self {
-            AttentionKind::Mha => 2,
-            AttentionKind::Mla => 1,
-        }
-    }
-
-    /// The name used on the command line and on the wire.
-    pub fn name(self) -> &'static str {
-        match self {
-            AttentionKind::Mha => "mha",
-            AttentionKind::Mla => "mla",
-        }
-    }
-}
-
-macro_rules! named_enum {
-    ($ty:ty, $what:literal, $expected:literal, [$($v:expr),+]) => {
-        impl FromStr for $ty {
-            type Err = LayoutError;
-            fn from_str(s: &str) -> Result<Self, LayoutError> {
-                [$($v),+]
-                    .into_iter()
-                    .find(|v| v.name() == s)
-                    .ok_or_else(|| LayoutError::UnknownName {
-                        what: $what,
-                        name: s.to_owned(),
-                        expected: $expected,
-                    })
-            }
-        }
-        impl fmt::Display for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.name())
-            }
-        }
-    };
-}
-
-named_enum!(
-    Dtype,
-    "dtype",
-    "bf16, fp16, fp8_e4m3, fp8_e5m2, fp32",
-    [
-        Dtype::Bf16,
-        Dtype::Fp16,
-        Dtype::Fp8E4m3,
-        Dtype::Fp8E5m2,
-        Dtype::Fp32
-    ]
-);
-named_enum!(
-    AttentionKind,
-    "attention kind",
-    "mha, mla",
-    [AttentionKind::Mha, AttentionKind::Mla]
-);
-named_enum!(
+kvferry_wire::named_enum!(
     PageOrder,
     "page order",
     "token_major, head_major, vllm_cpu_vec, vllm_cpu_amx",
@@ -184,7 +64,7 @@ named_enum!(
         PageOrder::VllmCpuAmx
     ]
 );
-named_enum!(
+kvferry_wire::named_enum!(
     KvPlacement,
     "kv placement",
     "planes, interleaved, cells",

@@ -18,7 +18,7 @@ pub use codec::{DecodeError, HEADER_LEN, Header, peek_header};
 pub use digest::PromptDigest;
 /// Compares without an early exit, so that the time taken does not tell how much of a guess
 /// was right (secrets, the token in the ZAP handler).
-pub use kvferry_bootstrap::http::constant_time_eq;
+pub use kvferry_wire::http::constant_time_eq;
 pub use secret::Secret;
 
 use std::ops::Range;

@@ -224,7 +224,7 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     let mut r = p.metrics.encode().into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_static(kvferry_bootstrap::http::OPENMETRICS_CONTENT_TYPE),
+        HeaderValue::from_static(kvferry_wire::http::OPENMETRICS_CONTENT_TYPE),
     );
     r
 }

@@ -23,7 +23,7 @@
 //!
 //! A connection that sends nothing is dropped after [`HANDSHAKE_TIMEOUT`]; connections in the
 //! middle of their handshake are bounded as on every port
-//! ([`kvferry_bootstrap::admission`]: the oldest dropped first), so silent ones never keep a
+//! ([`kvferry_wire::admission`]: the oldest dropped first), so silent ones never keep a
 //! sender out. Which pages a sender may write when is the agents'
 //! business: a decode counts a prefill with writes a writer of each room until its last word
 //! on it, as for RDMA (`agent/decode/mod.rs`).
@@ -43,7 +43,7 @@ use crate::kernel::cpu::CpuKernel;
 use crate::memory::{RemoteMemory, WriteRun};
 use crate::pool::HostPool;
 use crate::protocol::{Secret, constant_time_eq};
-use kvferry_bootstrap::admission::Admission;
+use kvferry_wire::admission::Admission;
 
 /// What every socket name starts with; a key naming another socket is refused.
 const NAME_PREFIX: &[u8] = b"kvferry-pool-";
@@ -304,7 +304,7 @@ mod tests {
     use super::*;
     use crate::layout::{KvLayout, ModelSpec};
     use crate::pool::testing::tiny_pool as pool;
-    use kvferry_bootstrap::admission::MAX_UNPROVEN;
+    use kvferry_wire::admission::MAX_UNPROVEN;
 
     /// `dst` served and mapped here, with the guard that serves it.
     async fn mapped(dst: &HostPool) -> (MappedPool, tokio_util::task::AbortOnDropHandle<()>) {

@@ -5,11 +5,11 @@
 //! preceded by a letter, digit or `_`. A word ending in `_` is a prefix in prose
 //! (`KVFERRY_BENCH_*`), not a variable.
 //!
-//! What counts as the code: every file under src/, bootstrap/src/, python/src/ (the binary, the
-//! registry crate, the Python extension), python/kvferry/ (the Python package) and scripts/ (what
-//! the docs tell users to run), less its test code: files named `tests.rs` or `test_*.py`,
-//! files under a folder named `tests`, and `#[cfg(test)] mod NAME { ... }` blocks. Test code and
-//! the test suites (tests/, python/tests/) are "the tests".
+//! What counts as the code: every file under src/, bootstrap/src/, wire/src/, python/src/ (the
+//! binary, the registry crate, what they share, the Python extension), python/kvferry/ (the
+//! Python package) and scripts/ (what the docs tell users to run), less its test code: files
+//! named `tests.rs` or `test_*.py`, files under a folder named `tests`, and `#[cfg(test)] mod
+//! NAME { ... }` blocks. Test code and the test suites (tests/, python/tests/) are "the tests".
 //!
 //! The checks:
 //! 1. every variable the code names is in the page (a variable only the tests name, such as the
@@ -33,9 +33,10 @@ use clap::CommandFactory as _;
 const PAGE: &str = "docs/environment.md";
 
 /// The folders whose files are the code (less their test code).
-const CODE: [&str; 5] = [
+const CODE: [&str; 6] = [
     "src",
     "bootstrap/src",
+    "wire/src",
     "python/src",
     "python/kvferry",
     "scripts",

@@ -1,5 +1,5 @@
 //! Connections that never authenticate, held on every port that accepts connections, never
-//! take a real peer's place (bootstrap/src/admission.rs; docs/reliability.md, "Threat
+//! take a real peer's place (wire/src/admission.rs; docs/reliability.md, "Threat
 //! model"). Each test starts a cluster whose processes run with at most 1024 descriptors
 //! (`prlimit`), the attacked process first: it holds such connections on one port before the
 //! processes that connect to that port start, so that every real connection comes after the

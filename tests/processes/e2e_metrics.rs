@@ -84,7 +84,7 @@ async fn metrics_text(http: &reqwest::Client, base: &str) -> String {
         .to_owned();
     assert_eq!(
         ctype,
-        kvferry_bootstrap::http::OPENMETRICS_CONTENT_TYPE,
+        kvferry_wire::http::OPENMETRICS_CONTENT_TYPE,
         "{base}/metrics content type"
     );
     resp.text().await.expect("metrics text")

@@ -63,7 +63,7 @@ async fn registry() -> (String, CancellationToken) {
 }
 
 fn registration() -> Registration {
-    use crate::types::{Dtype, IndexRange, KvLayout, LayoutKind, Role, Slice};
+    use crate::types::{AttentionKind, Dtype, IndexRange, KvLayout, Role, Slice};
     Registration {
         instance_id: Uuid::new_v4(),
         role: Role::Prefill,
@@ -74,7 +74,7 @@ fn registration() -> Registration {
         pp_rank: 0,
         pp_size: 1,
         layout: KvLayout {
-            kind: LayoutKind::Mha,
+            kind: AttentionKind::Mha,
             num_layers: 2,
             num_kv_heads: 2,
             head_dim: 64,

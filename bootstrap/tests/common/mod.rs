@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvferry_bootstrap::{
-    Dtype, IndexRange, KvLayout, LayoutKind, Registration, Role, ServerConfig, Slice, serve,
+    AttentionKind, Dtype, IndexRange, KvLayout, Registration, Role, ServerConfig, Slice, serve,
 };
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -81,7 +81,7 @@ pub(crate) fn ttl_ms(ms: u64) -> ServerConfig {
 /// The layout of a model with 61 layers and 8 KV heads (bf16, 16 tokens per page).
 pub(crate) fn layout() -> KvLayout {
     KvLayout {
-        kind: LayoutKind::Mha,
+        kind: AttentionKind::Mha,
         num_layers: 61,
         num_kv_heads: 8,
         head_dim: 128,

@@ -105,10 +105,7 @@ async fn scrape(server: &TestServer) -> HashMap<String, f64> {
     let resp = reqwest::get(server.at("/metrics")).await.unwrap();
     assert_eq!(resp.status(), 200);
     let content_type = resp.headers()["content-type"].to_str().unwrap().to_owned();
-    assert_eq!(
-        content_type,
-        kvferry_bootstrap::http::OPENMETRICS_CONTENT_TYPE
-    );
+    assert_eq!(content_type, kvferry_wire::http::OPENMETRICS_CONTENT_TYPE);
     let text = resp.text().await.unwrap();
     if let Err(e) = openmetrics_parser::openmetrics::parse_openmetrics(&text) {
         panic!("not OpenMetrics: {e:?}\n{text}");

@@ -95,7 +95,7 @@ fn set_body_len(f: &mut [u8], len: u32) {
 fn samples() -> Vec<Message> {
     let mut out = Vec::new();
     for role in [Role::Prefill, Role::Decode] {
-        for kind in [AttentionKind::Mha, AttentionKind::Mla] {
+        for kind in AttentionKind::ALL {
             for dtype in Dtype::ALL {
                 for order in [PageOrder::TokenMajor, PageOrder::HeadMajor] {
                     out.push(Message::Hello(Hello {

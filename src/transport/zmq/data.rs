@@ -287,7 +287,7 @@ fn connect(
 
 /// Sends a proof: one empty frame, which the receiver takes as its connection's first message
 /// and drops. A receiver shuts down a connection whose first message does not come within
-/// [`kvferry_bootstrap::admission::PROOF_DEADLINE`], and a data connection may wait longer
+/// [`kvferry_wire::admission::PROOF_DEADLINE`], and a data connection may wait longer
 /// than that for its first chunk (a room the engine computes after the decode asked for it).
 /// A proof that cannot be queued now is left to the chunk that follows.
 fn prove(socket: &zmq::Socket) {

@@ -121,7 +121,7 @@ impl Auth {
     /// `ZMQ_HANDSHAKE_IVL`, 30 s by default); the returned registration must live as long as
     /// the socket.
     fn server(&self, socket: &zmq::Socket) -> Result<Option<zap::Domain>, zmq::Error> {
-        let deadline = kvferry_bootstrap::admission::PROOF_DEADLINE.as_millis();
+        let deadline = kvferry_wire::admission::PROOF_DEADLINE.as_millis();
         socket.set_handshake_ivl(i32::try_from(deadline).unwrap_or(i32::MAX))?;
         let Some(token) = &self.token else {
             return Ok(None);

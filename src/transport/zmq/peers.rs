@@ -1,6 +1,6 @@
 //! The connections of one bound socket, from its monitor's accept and disconnect events and
 //! the descriptor each message came in on. A connection is unproven
-//! ([`kvferry_bootstrap::admission`]) until its first message arrives, which with a token
+//! ([`kvferry_wire::admission`]) until its first message arrives, which with a token
 //! means after its handshake presented the token: unproven ones are bounded on their own
 //! (oldest shut down first, none held past the deadline), and only proven ones count against
 //! [`MAX_PER_PEER`] per address. With the per-connection bound (`(HWM + 1) x` the largest
@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use kvferry_bootstrap::admission::{Dropped, Unproven};
+use kvferry_wire::admission::{Dropped, Unproven};
 
 /// Proven connections one address may hold to one socket: every rank of a host connects once
 /// to each peer socket, so this leaves room for hosts of many ranks.
@@ -274,7 +274,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
         let mut conns = Connections::default();
         let now = Instant::now();
-        let limit = kvferry_bootstrap::admission::MAX_UNPROVEN;
+        let limit = kvferry_wire::admission::MAX_UNPROVEN;
         let mut silent = Vec::new();
         for _ in 0..limit + 10 {
             let (client, server) = pair(&listener);
@@ -294,7 +294,7 @@ mod tests {
         assert_eq!(conns.held(local), 1);
         assert!(!shut(&mut peer));
         // Past the deadline every silent one is shut down; the peer stays.
-        let later = now + kvferry_bootstrap::admission::PROOF_DEADLINE;
+        let later = now + kvferry_wire::admission::PROOF_DEADLINE;
         assert_eq!(conns.expire(later), None);
         for (client, _) in &mut silent[10..] {
             assert!(shut(client), "expired");

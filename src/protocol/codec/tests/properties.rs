@@ -29,7 +29,7 @@ fn arb_code() -> impl Strategy<Value = FailureCode> {
 
 fn arb_hello() -> impl Strategy<Value = Hello> {
     let layout = (
-        prop_oneof![Just(AttentionKind::Mha), Just(AttentionKind::Mla)],
+        proptest::sample::select(AttentionKind::ALL.to_vec()),
         proptest::sample::select(Dtype::ALL.to_vec()),
         arb_order(),
         any::<[u32; 4]>(),

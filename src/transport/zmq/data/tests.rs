@@ -258,7 +258,7 @@ async fn a_connection_idle_past_the_proof_deadline_before_its_first_chunk_is_kep
         .expect("connect");
     let before = connections_to(port);
     assert_eq!(before.len(), 1, "{before:?}");
-    tokio::time::sleep(kvferry_bootstrap::admission::PROOF_DEADLINE + Duration::from_secs(2)).await;
+    tokio::time::sleep(kvferry_wire::admission::PROOF_DEADLINE + Duration::from_secs(2)).await;
     assert_eq!(
         connections_to(port),
         before,
