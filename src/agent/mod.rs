@@ -74,8 +74,6 @@ pub enum AgentError {
 
 pub use agent_pool::EnginePool;
 pub use staging::{StagingChoice, StagingError, StagingMode};
-// `Staging`: what `decode::landing` and `agent_pool` below still call `StagingMode`.
-pub(crate) use staging::StagingMode as Staging;
 
 /// Opens the agent's pool: its own anonymous memory (a memory file when `shareable`:
 /// [`HostPool::shareable`](crate::pool::HostPool::shareable)), the engine's shared-memory pool,
@@ -106,7 +104,7 @@ pub(crate) fn open_pool(cfg: &AgentConfig, shareable: bool) -> Result<EnginePool
     })
 }
 
-/// The agent's pool with its kernel, staged for `transport` ([`Staging`]: a device pool's
+/// The agent's pool with its kernel, staged for `transport` ([`StagingMode`]: a device pool's
 /// chunks stay in device staging where the transport sends device memory, as found at run
 /// time, and go through pinned host memory otherwise; `--staging` may insist on either).
 /// Refuses a pool that is not the pool the configuration describes (layout and page count):
@@ -149,7 +147,7 @@ pub(crate) async fn agent_pool(
     let pool = pool.staged(staging);
     match (pool.kind(), staging) {
         (crate::memory::MemoryKind::Host, _) => tracing::info!(memory = "host", "agent pool"),
-        (crate::memory::MemoryKind::Device { ordinal }, Staging::Device) => tracing::info!(
+        (crate::memory::MemoryKind::Device { ordinal }, StagingMode::Device) => tracing::info!(
             memory = "device",
             ordinal,
             staging = staging.label(),

@@ -15,7 +15,7 @@
 //! ([`land_where_staged`]).
 
 use super::*;
-use crate::agent::Staging;
+use crate::agent::StagingMode;
 use crate::agent::staging::SlotPool;
 use crate::protocol::Placed;
 use crate::transport::Payload;
@@ -484,7 +484,7 @@ impl Decode {
 }
 
 /// Where the receiver lands chunks, by the pool's staging: a device pool's in device staging
-/// ([`Staging::Device`]) or in pinned host buffers ([`Staging::PinnedHost`], pinned once each
+/// ([`StagingMode::Device`]) or in pinned host buffers ([`StagingMode::PinnedHost`], pinned once each
 /// like the prefill's chunk buffers, so that the H2D copy runs at the bus's speed), a host
 /// pool's in host buffers reused from chunk to chunk, so that no receive writes into freshly
 /// mapped memory (a UCX copy into new pages runs much slower), where the transport
@@ -495,18 +495,18 @@ pub(super) fn land_where_staged(
     receiver: &mut dyn transport::DataReceiver,
 ) -> Result<Option<Arc<SlotPool>>, crate::agent::AgentError> {
     match pool.staging() {
-        Staging::Host => {
+        StagingMode::Host => {
             let slots = Arc::new(pool.slots());
             Ok(receiver.receive_into(slots.clone()).then_some(slots))
         }
-        Staging::Device => {
+        StagingMode::Device => {
             if let Some(sink) = pool.device_sink() {
                 receiver.land_on_device(sink)?;
                 tracing::info!(receive_buffers = "device", "chunks land in device staging");
             }
             Ok(None)
         }
-        Staging::PinnedHost => {
+        StagingMode::PinnedHost => {
             let slots = Arc::new(pool.slots());
             match receiver.receive_into(slots.clone()) {
                 true => {
