@@ -1,12 +1,45 @@
-//! The last phase of a decode's drain (SIGTERM): rooms that landed but were not taken yet stay
-//! takeable until the engine takes them or `--drain-untaken-ms` has passed since the last of
+//! The decode's drain for shutdown (SIGTERM): new rooms are refused (503), rooms in flight
+//! finish for up to `--drain-timeout-ms`, the rest are aborted. Then rooms that landed but were
+//! not taken yet stay takeable until the engine takes them or `--drain-untaken-ms` has passed since the last of
 //! them landed (counted from SIGTERM at the earliest), so a shutdown does not discard KV the
 //! engine is about to take. New rooms are refused (503) all along.
 
 use std::time::{Duration, Instant};
 
-use super::Decode;
+use super::{Decode, DecodeAgent};
 use crate::agent::room::RoomState;
+
+impl DecodeAgent {
+    /// Stops accepting rooms (503), lets in-flight rooms finish for up to the drain timeout,
+    /// then aborts the rest. Landed rooms stay takeable until taken or `drain_untaken` passed
+    /// since the last one landed (`drain.rs`).
+    pub async fn drain(&self) {
+        let inner = &self.inner;
+        inner.table.drain();
+        let draining_since = Instant::now();
+        let deadline = draining_since + inner.timeouts().drain;
+        let in_flight = || {
+            inner
+                .rooms()
+                .values()
+                .filter(|r| !r.status.state().is_final())
+                .count()
+        };
+        crate::agent::wait_until(deadline, || in_flight() == 0).await;
+        let aborted = inner
+            .table
+            .abort_unfinished("decode", |room, reason| inner.abort_room(room, reason))
+            .await;
+        // Let the aborts be acknowledged (a dead prefill counts after `dead_after`) and the
+        // engine see the final states before the API goes away.
+        let settle = Instant::now() + inner.timeouts().dead_after;
+        crate::agent::wait_until(settle, || in_flight() == 0).await;
+        if aborted > 0 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        inner.keep_untaken(draining_since).await;
+    }
+}
 
 /// How often the untaken rooms are counted.
 const POLL: Duration = Duration::from_millis(20);

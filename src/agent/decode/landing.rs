@@ -14,11 +14,22 @@
 //! Which buffers a staged chunk is received into, by the pool's staging, is set once at start
 //! ([`land_where_staged`]).
 
-use super::*;
 use crate::agent::StagingMode;
+use crate::agent::agent_pool::AgentPool;
+use crate::agent::decode::Decode;
+use crate::agent::room::RoomState;
 use crate::agent::staging::SlotPool;
+use crate::kernel::Selection;
+use crate::layout::PageOrder;
 use crate::protocol::Placed;
+use crate::protocol::{self, Chunk, Message};
+use crate::reason::{FailureCode, Reason};
 use crate::transport::Payload;
+use crate::transport::{self, DataReceiver};
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 /// A chunk admitted for scattering: the room's pages, the destination selection (its page
 /// list filled in on the blocking thread) and the wire order.

@@ -2,7 +2,18 @@
 //! kept alive by heartbeats, and the handling of what prefills send on it (Done, AbortAck,
 //! Abort, Error). A peer that dies or goes silent fails every room it serves.
 
-use super::*;
+use crate::agent::decode::{Decode, Writes};
+use crate::agent::room::RoomState;
+use crate::protocol::{self, Hello, Message};
+use crate::reason::{FailureCode, Reason};
+use crate::transport;
+use crate::transport::zmq::{ControlClient, ControlClientRecv, ControlClientSend};
+use kvferry_bootstrap::Registration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 pub(super) struct Peer {
     pub(super) instance: Uuid,
@@ -449,5 +460,17 @@ impl Decode {
                 self.finished(room);
             }
         }
+    }
+}
+
+impl Decode {
+    /// The held rooms to name in a heartbeat to `prefill` (those `room_max` old are dropped).
+    pub(super) fn held_at(&self, prefill: Uuid) -> Vec<u64> {
+        self.holds
+            .live(self.timeouts().room_max)
+            .into_iter()
+            .filter(|(_, prefills)| prefills.contains(&prefill))
+            .map(|(room, _)| room)
+            .collect()
     }
 }

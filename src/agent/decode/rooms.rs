@@ -7,12 +7,25 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::*;
+use crate::agent::Coverage;
+use crate::agent::decode::{Decode, Peer};
 use crate::agent::engine_api::{EngineApi, PoolCounts, RoomError, RoomLook};
 use crate::agent::faults::{Faults, Tested};
 use crate::agent::fields;
+use crate::agent::metrics::Gauges;
+use crate::agent::pairing::{self, RankSlice};
+use crate::agent::room::{RoomState, RoomStatus};
 use crate::agent::room_table::TableRoom;
+use crate::layout::KvLayout;
+use crate::pool::allocator::PageLease;
+use crate::protocol::{self, Message, TransferRequest};
 use crate::protocol::{PromptDigest, Secret};
+use crate::reason::{FailureCode, Reason};
+use kvferry_bootstrap::Registration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::Instrument as _;
+use uuid::Uuid;
 
 /// A room request (`POST /v1/rooms/{room}`): the decode engine asks for a room's KV. The same
 /// struct is the HTTP body; unknown fields are refused.
@@ -485,6 +498,378 @@ impl Decode {
             room: room.view(room_id),
             verified,
         })
+    }
+}
+
+pub(super) struct Room {
+    pub(super) status: RoomStatus,
+    pub(super) tokens: usize,
+    /// The first token requested; earlier ones are the decode engine's own prefix.
+    pub(super) start_token: usize,
+    pub(super) pages: Arc<[u32]>,
+    /// Present when the agent allocated the pages; dropping it returns them.
+    pub(super) lease: Option<PageLease>,
+    /// The agent-owned pages went back to the pool early: the room was aborted and became safe
+    /// to reuse before it was taken.
+    pub(super) returned: bool,
+    pub(super) expected: usize,
+    pub(super) landed: usize,
+    pub(super) chunks: u32,
+    pub(super) coverage: Coverage,
+    /// The prefill ranks the room comes from, one bulk segment each (see `pairing.rs`).
+    pub(super) sources: Vec<Source>,
+    /// AbortAcks still awaited while aborting.
+    pub(super) acks_pending: usize,
+    pub(super) scattering: usize,
+    /// The sources with open writes were told to stop (the room failed or was aborted).
+    pub(super) stop_told: bool,
+    pub(super) final_at: Option<Instant>,
+    /// The last sign of life of the room's transfer (request sent, chunk landed, Done): the
+    /// ready and stall timeouts count from it.
+    pub(super) progress_at: Instant,
+}
+
+/// Where a room comes from: the prefill group's ranks, their slices, and this decode rank's
+/// segments ([`pairing::plan`]).
+pub(super) struct Planned {
+    pub(super) ranks: Vec<Registration>,
+    pub(super) slices: Vec<RankSlice>,
+    pub(super) segments: Vec<pairing::Segment>,
+}
+
+/// One segment of a room: what one prefill rank sends.
+pub(super) struct Source {
+    pub(super) peer: Arc<Peer>,
+    /// Global layers.
+    pub(super) layers: std::ops::Range<usize>,
+    /// Global heads.
+    pub(super) heads: std::ops::Range<usize>,
+    pub(super) expected: usize,
+    pub(super) landed: usize,
+    pub(super) chunks: u32,
+    pub(super) done: Option<protocol::Done>,
+    /// Whether the source may still write into the room's pages directly (module doc).
+    pub(super) writes: Writes,
+    /// The secret of this source's request: its chunks must carry it.
+    pub(super) secret: protocol::Secret,
+    /// The order its chunks' bytes come in (the request's `wire_order`).
+    pub(super) wire: crate::layout::PageOrder,
+}
+
+/// Whether a source may still write into a room's pages directly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Writes {
+    /// It never could (staged transport), or it has said its last word on the room.
+    Closed,
+    /// It may, until its last word.
+    Open,
+    /// It was declared dead: a prefill that is alive but cut off from this decode stops
+    /// writing once its own heartbeat gives up on us, about `--peer-dead-ms` later; its writes
+    /// are counted possible until then.
+    Until(Instant),
+}
+
+impl Writes {
+    pub(super) fn possible(self) -> bool {
+        match self {
+            Writes::Closed => false,
+            Writes::Open => true,
+            Writes::Until(t) => Instant::now() < t,
+        }
+    }
+}
+
+impl Room {
+    /// The peers whose direct writes into the room may still arrive and who can be told.
+    pub(super) fn open_writers(&self) -> Vec<Arc<Peer>> {
+        let open = self.sources.iter().filter(|s| s.writes == Writes::Open);
+        open.map(|s| s.peer.clone()).collect()
+    }
+
+    /// `peer` has said its last word on the room (`Closed`), or was declared dead
+    /// (`Until`): its writes end.
+    pub(super) fn end_writes(&mut self, peer: Uuid, end: Writes) {
+        for s in self.sources.iter_mut().filter(|s| s.peer.instance == peer) {
+            if s.writes != Writes::Closed {
+                s.writes = end;
+            }
+        }
+        self.touch_if_safe();
+    }
+
+    /// Wakes engines long-polling for `safe_to_reuse` once it holds.
+    pub(super) fn touch_if_safe(&self) {
+        if self.safe_to_reuse() {
+            self.status.touch();
+        }
+    }
+}
+
+impl Decode {
+    /// Records a move to a final state: timestamp for expiry, metrics.
+    pub(super) fn finished(&self, room: &mut Room) {
+        if room.status.state().is_final() && room.final_at.is_none() {
+            room.final_at = Some(Instant::now());
+            let code = room.status.reason().map(|r| r.code);
+            self.metrics.room_final(room.status.state(), code);
+        }
+    }
+
+    pub(super) fn fail(&self, room_id: u64, reason: Reason) {
+        let mut rooms = self.rooms();
+        if let Some(room) = rooms.get_mut(&room_id)
+            && room.status.fail(reason.clone())
+        {
+            tracing::warn!(room = room_id, %reason, "room failed");
+            self.finished(room);
+        }
+    }
+
+    /// A room is complete when every source said Done and every expected byte landed; a
+    /// source whose Done disagrees with what landed fails it.
+    pub(super) fn check_complete(&self, room_id: u64, room: &mut Room) {
+        if room.sources.is_empty() || room.sources.iter().any(|s| s.done.is_none()) {
+            return;
+        }
+        if room.landed < room.expected || room.scattering > 0 {
+            return;
+        }
+        let wrong = room.sources.iter().find_map(|s| {
+            let d = s.done.as_ref()?;
+            (d.bytes as usize != s.expected || d.chunks != s.chunks || s.landed != s.expected).then(|| {
+                format!(
+                    "prefill {} reported {} bytes in {} chunks; {} bytes expected, {} in {} chunks landed",
+                    s.peer.endpoint, d.bytes, d.chunks, s.expected, s.landed, s.chunks
+                )
+            })
+        });
+        if let Some(message) = wrong {
+            room.status
+                .fail(Reason::new(FailureCode::BadMessage, message));
+        } else {
+            room.status.advance(RoomState::Success);
+            if let (Some(a), Some(b)) = (
+                room.status.entered(RoomState::WaitingForInput),
+                room.status.entered(RoomState::Success),
+            ) {
+                self.metrics
+                    .transfer
+                    .observe(Duration::from_secs_f64(((b - a) / 1e3).max(0.0)));
+            }
+            tracing::debug!(room = room_id, bytes = room.landed, "room landed");
+        }
+        self.finished(room);
+    }
+
+    /// The prefill group serving `room_id` (the engine's DP rank, or the room modulo the
+    /// prefill DP size), its ranks' slices, and the segments this decode rank receives.
+    pub(super) async fn plan_room(
+        &self,
+        room_id: u64,
+        bootstrap: Option<&str>,
+        dp_rank: Option<u32>,
+    ) -> Result<Planned, Reason> {
+        let client = self.registry_of(bootstrap)?;
+        let group = match dp_rank {
+            Some(d) => self.lookup(&client, d).await?,
+            None => {
+                let first = self.lookup(&client, 0).await?;
+                match (room_id % u64::from(first.dp_size.max(1))) as u32 {
+                    0 => first,
+                    d => self.lookup(&client, d).await?,
+                }
+            }
+        };
+        let dp_rank = group.dp_rank;
+        let slices: Vec<RankSlice> = group
+            .ranks
+            .iter()
+            .map(|r| RankSlice {
+                heads: r.slice.heads.start as usize..r.slice.heads.end as usize,
+                layers: r.slice.layers.start as usize..r.slice.layers.end as usize,
+            })
+            .collect();
+        let r = self.cfg.ranks;
+        let me = (r.pp_rank * r.tp_size + r.tp_rank) as usize;
+        let segments = pairing::plan(&slices, &self.decode_group()?, me).map_err(|e| {
+            Reason::new(
+                FailureCode::IncompatibleLayout,
+                format!("prefill group dp_rank={dp_rank}: {e}"),
+            )
+        })?;
+        Ok(Planned {
+            ranks: group.ranks,
+            slices,
+            segments,
+        })
+    }
+
+    /// Resolves the prefill ranks `room_id` will come from and says Hello where needed; from
+    /// then on, while the hold lasts, the room is named in every heartbeat to them.
+    pub(super) async fn hold_at_prefill(
+        self: Arc<Self>,
+        room_id: u64,
+        asked: HoldRequest,
+    ) -> Result<(), Reason> {
+        let planned = self
+            .plan_room(room_id, asked.bootstrap.as_deref(), asked.dp_rank)
+            .await?;
+        let mut prefills = Vec::with_capacity(planned.segments.len());
+        for seg in &planned.segments {
+            prefills.push(self.peer(&planned.ranks[seg.prefill]).await?.instance);
+        }
+        self.holds.update(room_id, |held| *held = prefills);
+        Ok(())
+    }
+
+    /// Resolves the prefill, says Hello if needed, and asks for the room.
+    pub(super) async fn send_request(
+        self: Arc<Self>,
+        room_id: u64,
+        asked: RoomRequest,
+    ) -> Result<(), Reason> {
+        let Planned {
+            ranks,
+            slices,
+            segments,
+        } = self
+            .plan_room(room_id, asked.bootstrap.as_deref(), asked.dp_rank)
+            .await?;
+        let l = &self.cfg.layout;
+        let decodes = self.decode_group()?;
+        let mut sources = Vec::with_capacity(segments.len());
+        for seg in segments {
+            let peer = self.peer(&ranks[seg.prefill]).await?;
+            let requesters = pairing::requesters(&slices, &decodes, seg.prefill);
+            let secret = protocol::Secret::random().map_err(|e| {
+                Reason::new(
+                    FailureCode::BadMessage,
+                    format!("no random bytes for the room's secret: {e}"),
+                )
+            })?;
+            // The decode's own order makes its scatter long runs (the prefill's gather
+            // converts), unless the page sizes differ: then token rows (layout::wire_order;
+            // Hello refused the pairs that cannot meet).
+            let source = KvLayout {
+                page_size: ranks[seg.prefill].layout.page_size as usize,
+                ..l.clone()
+            };
+            let wire = crate::layout::wire_order(&source, l).unwrap_or(l.order);
+            sources.push((peer, seg, requesters, secret, wire));
+        }
+        let (tokens, pages) = {
+            let mut rooms = self.rooms();
+            let Some(room) = rooms.get_mut(&room_id) else {
+                return Ok(());
+            };
+            if !room.status.advance(RoomState::WaitingForInput) {
+                return Ok(()); // aborted meanwhile
+            }
+            let tokens = room.start_token..room.tokens;
+            self.metrics.bootstrap.observe(room.progress_at.elapsed());
+            room.progress_at = Instant::now();
+            room.sources = sources
+                .iter()
+                .map(|(peer, seg, _, secret, wire)| Source {
+                    peer: peer.clone(),
+                    layers: seg.layers.clone(),
+                    heads: seg.heads.clone(),
+                    expected: l
+                        .selection_bytes(
+                            l.staged_tokens(&tokens),
+                            seg.layers.len(),
+                            seg.heads.len(),
+                        )
+                        .unwrap_or(usize::MAX),
+                    landed: 0,
+                    chunks: 0,
+                    done: None,
+                    writes: match peer.direct {
+                        true => Writes::Open,
+                        false => Writes::Closed,
+                    },
+                    secret: *secret,
+                    wire: *wire,
+                })
+                .collect();
+            (tokens, room.pages.to_vec())
+        };
+        for (peer, seg, requesters, secret, wire_order) in sources {
+            let req = Message::TransferRequest(TransferRequest {
+                room: room_id,
+                prefill_instance: peer.instance,
+                tokens: tokens.start as u32..tokens.end as u32,
+                layers: seg.layers.start as u32..seg.layers.end as u32,
+                heads: seg.heads.start as u32..seg.heads.end as u32,
+                wire_order,
+                dst_pages: pages.clone(),
+                requesters: requesters as u32,
+                secret,
+                room_key: asked.room_key,
+                prompt_digest: asked.prompt_digest,
+            });
+            peer.send(&req, self.timeouts().send).await?;
+        }
+        Ok(())
+    }
+
+    /// The slices of every decode rank of this agent's group (PP stages in order, TP ranks in
+    /// order within each), for [`pairing::plan`].
+    pub(super) fn decode_group(&self) -> Result<Vec<RankSlice>, Reason> {
+        let l = &self.cfg.layout;
+        let r = self.cfg.ranks;
+        let whole = KvLayout::new(l.model, l.page_size)
+            .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, e.to_string()))?;
+        let mut out = Vec::new();
+        for pp in 0..r.pp_size as usize {
+            for tp in 0..r.tp_size as usize {
+                let s = whole
+                    .clone()
+                    .for_rank(tp, r.tp_size as usize, pp, r.pp_size as usize)
+                    .map_err(|e| Reason::new(FailureCode::IncompatibleLayout, e.to_string()))?;
+                out.push(RankSlice {
+                    heads: s.heads,
+                    layers: s.layers,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Aborts a room that is not final: `aborting` until every prefill serving it acknowledged
+    /// (at once when none was asked yet), `aborted` after.
+    pub(super) async fn abort_room(&self, room_id: u64, reason: Reason) {
+        let peers = {
+            let mut rooms = self.rooms();
+            let Some(room) = rooms.get_mut(&room_id) else {
+                return;
+            };
+            let state = room.status.state();
+            if state.is_final() || state == RoomState::Aborting {
+                return;
+            }
+            // Before any request went out nothing can arrive: aborted at once.
+            let peers: Vec<Arc<Peer>> = room.sources.iter().map(|s| s.peer.clone()).collect();
+            room.status.abort(reason.clone(), peers.is_empty());
+            room.stop_told = true;
+            room.acks_pending = peers.len();
+            self.finished(room);
+            peers
+        };
+        for peer in peers {
+            if let Err(e) = self.tell_abort(&peer, room_id, &reason).await {
+                // The prefill cannot be told: with staged transports nothing more lands once
+                // the room no longer accepts chunks, so its acknowledgement is not needed.
+                tracing::warn!(room = room_id, reason = %e, "abort not delivered");
+                let mut rooms = self.rooms();
+                if let Some(room) = rooms.get_mut(&room_id) {
+                    room.acks_pending = room.acks_pending.saturating_sub(1);
+                    if room.acks_pending == 0 && room.status.advance(RoomState::Aborted) {
+                        self.finished(room);
+                    }
+                }
+            }
+        }
     }
 }
 

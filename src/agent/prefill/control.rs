@@ -1,9 +1,19 @@
 //! The prefill agent's control socket: what decode agents send (Hello, TransferRequest, Abort,
 //! Credit, Heartbeat, garbage) and the answers; every refusal is an Error with a code.
 
-use super::*;
+use crate::agent::prefill::{Peer, Prefill, Room, Transfer};
+use crate::agent::room::RoomState;
 use crate::layout::PageOrder;
+use crate::protocol::{self, Hello, HelloAck, Message, TransferRequest};
+use crate::reason::{FailureCode, Reason};
 use crate::transport::TransportErrorKind;
+use crate::transport::zmq::{ControlEvent, ControlServer, PeerId};
+use crate::transport::{self, DataSender};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::Semaphore;
 
 pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer) {
     loop {

@@ -5,15 +5,29 @@
 //! fill and its layer-wise pacing live here too.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::*;
+use crate::agent::Coverage;
 use crate::agent::engine_api::{EngineApi, PoolCounts, RoomError, RoomLook};
 use crate::agent::faults::{Faults, Tested};
 use crate::agent::fields;
+use crate::agent::metrics::Gauges;
+use crate::agent::prefill::{Peer, Prefill};
+use crate::agent::room::{RoomState, RoomStatus};
 use crate::agent::room_table::TableRoom;
+use crate::pool::allocator::PageLease;
+use crate::protocol::{self, Message, TransferRequest};
+use crate::protocol::{PromptDigest, Secret};
+use crate::reason::{FailureCode, Reason};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+use uuid::Uuid;
 
 /// A ready piece of a room (`POST /v1/rooms/{room}/ready`): the engine says (part of) the
 /// room's KV is in its pool. The same struct is the HTTP body; unknown fields are refused.
@@ -271,7 +285,7 @@ type RoomPages = (Arc<[u32]>, Option<Arc<PageLease>>);
 
 impl Prefill {
     /// Pages for a room's first piece: the engine's (validated) or the agent's own.
-    fn room_pages(&self, req: &ReadyRequest) -> Result<RoomPages, RoomError> {
+    pub(super) fn room_pages(&self, req: &ReadyRequest) -> Result<RoomPages, RoomError> {
         let needed = self.cfg.layout.pages_for(req.tokens);
         fields::fits_pool(req.tokens, needed, self.pool.num_pages())?;
         match (&req.pages, self.cfg.synthetic) {
@@ -295,7 +309,7 @@ impl Prefill {
     /// Refuses a new room while the rooms held for queued decodes keep `--max-held-pages` or
     /// more: the room is aborted (a decode that asks, or asked already, is told why at once)
     /// and the engine gets 429.
-    async fn hold_room_for(self: &Arc<Self>, room_id: u64) -> Result<(), RoomError> {
+    pub(super) async fn hold_room_for(self: &Arc<Self>, room_id: u64) -> Result<(), RoomError> {
         let held: usize = self
             .rooms()
             .values()
@@ -320,7 +334,7 @@ impl Prefill {
     /// Follows the engine's interprocess event (`cuda_ipc_event`) on the pool's device. The
     /// driver calls (opening the handle, queuing the wait) run on a blocking thread, never on
     /// the agent's async ones.
-    async fn follow_ipc(
+    pub(super) async fn follow_ipc(
         &self,
         handle: crate::kernel::cuda::IpcEventHandle,
     ) -> Result<crate::kernel::cuda::ReadyEvent, RoomError> {
@@ -345,7 +359,7 @@ impl Prefill {
     }
 
     /// [`Prefill::ready`], after the CUDA event `ready_on` where one is given.
-    async fn ready_piece(
+    pub(super) async fn ready_piece(
         self: &Arc<Self>,
         room_id: u64,
         mut req: ReadyRequest,
@@ -501,7 +515,7 @@ impl Prefill {
 }
 
 /// Fills a piece of a room (id, tokens) with the synthetic pattern.
-async fn fill(
+pub(super) async fn fill(
     inner: &Arc<Prefill>,
     room: (u64, usize),
     pages: &Arc<[u32]>,
@@ -529,7 +543,7 @@ async fn fill(
 }
 
 /// Hands a filled piece to the room's task (starting it if the request is there).
-fn announce(inner: &Arc<Prefill>, room_id: u64, piece: Piece, last: bool) {
+pub(super) fn announce(inner: &Arc<Prefill>, room_id: u64, piece: Piece, last: bool) {
     let mut rooms = inner.rooms();
     let Some(room) = rooms.get_mut(&room_id) else {
         return;
@@ -551,7 +565,7 @@ fn announce(inner: &Arc<Prefill>, room_id: u64, piece: Piece, last: bool) {
 }
 
 /// The synthetic engine's layer-wise prefill: one layer every `synthetic_layer_delay`.
-async fn announce_paced(
+pub(super) async fn announce_paced(
     inner: Arc<Prefill>,
     (room_id, room_tokens): (u64, usize),
     pages: Arc<[u32]>,
@@ -575,12 +589,310 @@ async fn announce_paced(
     }
 }
 
+/// A part of a room the engine announced as ready: tokens x global layers, and for a device
+/// pool the event after which its KV is written on the device.
+#[derive(Clone, Debug)]
+pub(super) struct Piece {
+    pub(super) tokens: Range<usize>,
+    pub(super) layers: Range<usize>,
+    pub(super) ready_on: Option<Arc<crate::kernel::cuda::ReadyEvent>>,
+}
+
+pub(super) struct Ready {
+    pub(super) tokens: usize,
+    pub(super) pages: Arc<[u32]>,
+    /// Present when the agent allocated (and filled) the pages.
+    /// Shared with running synthetic fills, so pages never return to the pool while a fill
+    /// still writes them.
+    pub(super) lease: Option<Arc<PageLease>>,
+    pub(super) aux: Vec<u8>,
+    /// Cells announced so far (local layer x token); pieces may not overlap.
+    pub(super) announced: Coverage,
+    /// The engine marked its last piece.
+    pub(super) last: bool,
+}
+
+/// What one decode rank asked of a room (heterogeneous TP: several decode ranks may ask one
+/// prefill rank for parts of the same room).
+pub(super) struct Transfer {
+    pub(super) peer: Arc<Peer>,
+    /// `None` for the tombstone of an abort that overtook its request.
+    pub(super) req: Option<TransferRequest>,
+    /// Index of the next announced piece this transfer sends.
+    pub(super) next_piece: usize,
+    pub(super) sent: usize,
+    pub(super) wake: Arc<Notify>,
+    pub(super) cancel: CancellationToken,
+    pub(super) started: bool,
+    pub(super) running: bool,
+    pub(super) requested_at: Instant,
+    /// The prefill engine aborted the room: the decode is told with Abort, not AbortAck.
+    pub(super) engine_abort: bool,
+    /// Why the decode aborted it.
+    pub(super) abort_reason: Option<Reason>,
+    /// Sends and writes from the room's pages still in flight (`transfer.rs`, `Job::sends`).
+    pub(super) sends: tokio_util::task::TaskTracker,
+    /// `transferring` until the transfer ends: `success`, `failed` or `aborted`.
+    pub(super) state: RoomState,
+    pub(super) reason: Option<Reason>,
+}
+
+impl Transfer {
+    pub(super) fn new(peer: Arc<Peer>, req: Option<TransferRequest>) -> Self {
+        Transfer {
+            peer,
+            req,
+            next_piece: 0,
+            sent: 0,
+            wake: Arc::new(Notify::new()),
+            cancel: CancellationToken::new(),
+            started: false,
+            running: false,
+            requested_at: Instant::now(),
+            engine_abort: false,
+            abort_reason: None,
+            sends: tokio_util::task::TaskTracker::new(),
+            state: RoomState::Transferring,
+            reason: None,
+        }
+    }
+
+    pub(super) fn end(&mut self, state: RoomState, reason: Option<Reason>) {
+        if !self.state.is_final() {
+            self.state = state;
+            self.reason = reason;
+        }
+    }
+}
+
+pub(super) struct Room {
+    pub(super) status: RoomStatus,
+    pub(super) ready: Option<Ready>,
+    /// Every piece announced so far, in order; each transfer keeps its own cursor.
+    pub(super) pieces: Vec<Piece>,
+    /// By decode instance.
+    pub(super) transfers: HashMap<Uuid, Transfer>,
+    /// How many decode ranks will ask (from their requests).
+    pub(super) requesters: usize,
+    /// The prefill engine aborted the room.
+    pub(super) engine_abort: Option<Reason>,
+    pub(super) final_at: Option<Instant>,
+    /// The room's key, when the engine announced one: only requests that carry it are served.
+    pub(super) key: Option<Secret>,
+    /// The digest of the engine's prompt, when it announced one: requests with another are
+    /// refused.
+    pub(super) digest: Option<PromptDigest>,
+    /// When a decode's heartbeat last named the room (its engine holds the request queued):
+    /// a ready room no decode asked for yet lives a TTL from then, up to `room_max`.
+    pub(super) renewed: Option<Instant>,
+}
+
+impl Room {
+    pub(super) fn new() -> Self {
+        Room {
+            status: RoomStatus::default(),
+            ready: None,
+            pieces: Vec::new(),
+            transfers: HashMap::new(),
+            requesters: 0,
+            engine_abort: None,
+            final_at: None,
+            key: None,
+            digest: None,
+            renewed: None,
+        }
+    }
+
+    /// Ready, asked by no decode yet, and held by one for a queued request.
+    pub(super) fn held(&self) -> bool {
+        self.renewed.is_some() && self.ready.is_some() && !self.asked()
+    }
+
+    /// A decode asked for the room.
+    pub(super) fn asked(&self) -> bool {
+        self.transfers.values().any(|t| t.req.is_some())
+    }
+
+    pub(super) fn running(&self) -> bool {
+        self.transfers.values().any(|t| t.running)
+    }
+}
+
+impl Prefill {
+    /// Records the first time the room reached a stage of its transfer (its timings).
+    pub(super) fn mark_first(&self, room_id: u64, stage: &'static str) {
+        if let Some(room) = self.rooms().get_mut(&room_id) {
+            room.status.mark_first(stage);
+        }
+    }
+
+    /// Moves the room to a final state once every decode rank that will ask has been served,
+    /// and returns the agent's own pages once no gather reads them.
+    pub(super) fn settle(&self, room: &mut Room) {
+        if let Some(reason) = room.engine_abort.clone()
+            && !room.running()
+        {
+            room.status.abort(reason, true);
+        }
+        let asked = room.transfers.values().filter(|t| t.req.is_some()).count();
+        let all_final = room.transfers.values().all(|t| t.state.is_final());
+        if !room.status.state().is_final() && asked > 0 && asked >= room.requesters && all_final {
+            let first_failure = room
+                .transfers
+                .values()
+                .find(|t| t.state == RoomState::Failed);
+            if let Some(t) = first_failure {
+                let reason = t
+                    .reason
+                    .clone()
+                    .unwrap_or_else(|| Reason::new(FailureCode::BadMessage, "transfer failed"));
+                room.status.fail(reason);
+            } else if room
+                .transfers
+                .values()
+                .any(|t| t.state == RoomState::Aborted)
+            {
+                room.status.abort(
+                    Reason::new(FailureCode::Aborted, "aborted by the decode"),
+                    true,
+                );
+            } else {
+                room.status.advance(RoomState::Success);
+            }
+        }
+        if room.status.state().is_final() && room.final_at.is_none() {
+            room.final_at = Some(Instant::now());
+            self.metrics
+                .room_final(room.status.state(), room.status.reason().map(|r| r.code));
+        }
+        if room.status.state().is_final() && !room.running() {
+            if let Some(ready) = &mut room.ready {
+                ready.lease = None;
+            }
+            room.status.touch();
+        }
+    }
+
+    /// Starts the task of every requested transfer once the engine announced a first piece.
+    pub(super) fn start_ready(self: &Arc<Self>, room_id: u64, room: &mut Room) {
+        if room.ready.is_none() || room.status.state().is_final() {
+            return;
+        }
+        // Requests that came before the key and digest were known, and do not match them, are
+        // refused.
+        let mut refused = Vec::new();
+        for (decode, t) in room.transfers.iter_mut() {
+            let Some(req) = t.req.as_ref().filter(|_| !t.state.is_final()) else {
+                continue;
+            };
+            if let Some(reason) = self.misfit(room_id, room.key, room.digest, req, *decode) {
+                t.end(RoomState::Failed, Some(reason.clone()));
+                refused.push((*decode, t.peer.identity.clone(), reason));
+            }
+        }
+        if !refused.is_empty() {
+            room.transfers
+                .retain(|decode, _| refused.iter().all(|(d, _, _)| d != decode));
+            let inner = self.clone();
+            tokio::spawn(async move {
+                for (_, identity, reason) in refused {
+                    inner.refuse(&identity, Some(room_id), reason.code, reason.message);
+                }
+            });
+        }
+        for (decode, t) in room.transfers.iter_mut() {
+            if t.req.is_some() && !t.started && !t.state.is_final() {
+                self.metrics.ready_wait.observe(t.requested_at.elapsed());
+                t.started = true;
+                t.running = true;
+                let span =
+                    tracing::info_span!("room", room = room_id, role = "prefill", decode = %decode);
+                tokio::spawn(
+                    self.clone()
+                        .serve_transfer(room_id, *decode)
+                        .instrument(span),
+                );
+            }
+        }
+        if room.running() {
+            room.status.advance(RoomState::Transferring);
+        }
+    }
+
+    /// The prefill engine aborts a room: every transfer stops (a running one when its current
+    /// chunk is out) and its decode is told with Abort; later requests are refused.
+    pub(super) async fn abort_room(self: Arc<Self>, room_id: u64, reason: Reason) {
+        let tell: Vec<Arc<Peer>> = {
+            let mut rooms = self.rooms();
+            let room = rooms.entry(room_id).or_insert_with(Room::new);
+            if room.status.state().is_final() {
+                return;
+            }
+            room.engine_abort = Some(reason.clone());
+            let mut tell = Vec::new();
+            for t in room.transfers.values_mut() {
+                t.cancel.cancel();
+                if t.running {
+                    t.engine_abort = true; // its task tells the decode when it stops
+                } else if !t.state.is_final() {
+                    t.end(RoomState::Aborted, Some(reason.clone()));
+                    tell.push(t.peer.clone());
+                }
+            }
+            self.settle(room);
+            tell
+        };
+        let msg = Message::Abort(protocol::Abort {
+            room: room_id,
+            instance: self.instance,
+            code: reason.code,
+            message: reason.message,
+        });
+        for peer in tell {
+            self.reply(&peer.identity, msg.clone());
+        }
+    }
+
+    /// Why a decode's request does not fit the room the engine announced, if it does not:
+    /// without the room's key (`unauthorized`), or for another prompt (`prompt_mismatch`).
+    /// Counted and logged.
+    pub(super) fn misfit(
+        &self,
+        room: u64,
+        key: Option<Secret>,
+        digest: Option<PromptDigest>,
+        req: &TransferRequest,
+        decode: Uuid,
+    ) -> Option<Reason> {
+        if key.is_some_and(|key| req.room_key != Some(key)) {
+            self.metrics.protocol_error("unauthorized");
+            tracing::warn!(room, %decode, "request without the room's key refused");
+            return Some(Reason::new(
+                FailureCode::Unauthorized,
+                format!("room {room}: the request does not carry the room's key"),
+            ));
+        }
+        match (digest, req.prompt_digest) {
+            (Some(ours), Some(theirs)) if ours != theirs => {
+                tracing::warn!(room, %decode, %ours, %theirs, "request for another prompt refused");
+                Some(Reason::new(
+                    FailureCode::PromptMismatch,
+                    format!(
+                        "room {room}: the decode's prompt (digest {theirs}) is not the one this prefill computed the room's KV for (digest {ours})"
+                    ),
+                ))
+            }
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn the_view_serializes_as_the_wire_format() {
+    pub(super) fn the_view_serializes_as_the_wire_format() {
         let view = RoomView {
             bytes: 16384,
             reason: None,
@@ -607,7 +919,7 @@ mod tests {
     }
 
     #[test]
-    fn a_ready_piece_parses_from_the_wire_format() {
+    pub(super) fn a_ready_piece_parses_from_the_wire_format() {
         let req: ReadyRequest = serde_json::from_str(
             r#"{"tokens":40,"token_range":[32,40],"last":true,"aux":"aGVsbG8="}"#,
         )

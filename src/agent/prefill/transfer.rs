@@ -15,18 +15,23 @@
 //!   which the decode receives straight into the places it computes itself. Mapped writes of
 //!   one chunk for several decode ranks go in one pass (`fanout.rs`).
 
-use super::*;
-use crate::agent::DirectMethod;
-use crate::kernel::cpu::PoolSide;
-use crate::memory::{Span, WriteRun};
-use crate::protocol::Placed;
+use crate::agent::prefill::{Peer, Piece, Prefill, Way};
+use crate::agent::room::RoomState;
+use crate::agent::{ChunkPlan, plan_chunks};
+use crate::kernel::Selection;
+use crate::protocol::{self, ErrorMsg, Message, TransferRequest};
+use crate::reason::{FailureCode, Reason};
+use crate::transport;
 use crate::transport::{FRAME_ROOM, MAX_PIECES};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 mod direct;
 mod send;
 use send::{ChunkBody, Taken};
-
-use super::fanout;
 
 /// Largest chunk whose plan (no copy) a transfer's task makes itself when the chunk is sent
 /// from the pool: its few runs cost less than a hand-off to a blocking thread.

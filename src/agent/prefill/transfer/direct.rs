@@ -2,7 +2,16 @@
 //! the way they go (mapped writes, the transport's one-sided writes, placed runs), then sending
 //! a piece chunk by chunk that way.
 
-use super::*;
+use super::{CHUNK_STALL, ChunkBody, Job, PLACED_STALL, Taken};
+use crate::agent::ChunkPlan;
+use crate::agent::DirectMethod;
+use crate::agent::prefill::{DirectTarget, Prefill, Way, fanout};
+use crate::kernel::Selection;
+use crate::kernel::cpu::PoolSide;
+use crate::memory::{Span, WriteRun};
+use crate::reason::{FailureCode, Reason};
+use crate::transport;
+use std::ops::Range;
 
 /// Placed chunks whose runs may be in flight at once beyond the one being sent.
 const PLACED_AHEAD: usize = 2;

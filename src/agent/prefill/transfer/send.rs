@@ -3,8 +3,19 @@
 //! reads the pool), and what the end of a send means for the transfer (taken, a dead peer, a
 //! stall).
 
-use super::*;
+use super::{CHUNK_STALL, Job, PLACED_STALL};
+use crate::agent::ChunkPlan;
+use crate::agent::prefill::Prefill;
+use crate::memory::Span;
+use crate::pool::HostPool;
+use crate::protocol::Placed;
+use crate::protocol::{Chunk, Message};
+use crate::reason::{FailureCode, Reason};
+use crate::transport::FRAME_ROOM;
+use crate::transport::{self, DataSender};
 use crate::transport::{DeviceBytes, Frame, TransportError};
+use std::sync::Arc;
+use uuid::Uuid;
 
 /// What goes with a chunk's header: its staging buffer (`FRAME_ROOM` bytes for the frame
 /// prefix, then the gathered payload); the ranges of this pool that make the same payload,

@@ -2,6 +2,8 @@
 
 use super::direct::{runs_pay, shortest_run, source_ranges};
 use super::*;
+use crate::agent::DirectMethod;
+use crate::memory::{Span, WriteRun};
 
 fn runs(lens: &[u64]) -> Vec<WriteRun> {
     lens.iter()

@@ -1,0 +1,197 @@
+//! A decode peer of the prefill: what Hello negotiated with it (version, key, staging slots
+//! and their credits, the ways into its pool when this prefill writes there directly), the
+//! replies queued to it, and what happens when it goes silent (its rooms fail with
+//! `peer_dead`).
+
+use super::Prefill;
+use crate::agent::room::RoomState;
+use crate::protocol::Secret;
+use crate::protocol::{self, ErrorMsg, Hello, Message};
+use crate::reason::{FailureCode, Reason};
+use crate::transport::zmq::PeerId;
+use crate::transport::{self, DataSender};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+use uuid::Uuid;
+
+pub(super) struct Peer {
+    pub(super) instance: Uuid,
+    /// The protocol version negotiated at Hello: every frame to the peer is stamped with it.
+    pub(super) version: u16,
+    pub(super) identity: PeerId,
+    pub(super) data_endpoint: String,
+    pub(super) data: tokio::sync::Mutex<Box<dyn DataSender>>,
+    /// Chunks the decode will still accept; closed when the peer is dead.
+    pub(super) credits: Semaphore,
+    /// The slots the decode granted: credits never exceed it.
+    pub(super) slots: usize,
+    /// Bytes of the decode's slots.
+    pub(super) slot_bytes: usize,
+    pub(super) last_seen: Mutex<Instant>,
+    /// The decode's pool, when this prefill may write into it directly.
+    pub(super) direct: Option<DirectTarget>,
+    /// Staged chunks may go straight from the pool, without a gather
+    /// ([`transport::DataSender::sends_from_pool`]).
+    pub(super) from_pool: bool,
+    /// Placed chunks sent, by key, waiting for the decode's `Posted`.
+    pub(super) posted: Mutex<HashMap<u64, tokio::sync::oneshot::Sender<bool>>>,
+    /// The decode's key for this connection (Hello): every chunk to it carries it.
+    pub(super) chunk_key: Secret,
+    /// Tokens per page of the decode's pool (Hello).
+    pub(super) page_size: usize,
+}
+
+/// A decode pool this prefill writes into directly (the direct path): its layout and size,
+/// from Hello, and the ways into it.
+pub(super) struct DirectTarget {
+    pub(super) layout: crate::layout::KvLayout,
+    pub(super) num_pages: usize,
+    /// Best first: each piece goes the first way whose runs pay there (`transfer.rs`).
+    pub(super) ways: Vec<Way>,
+}
+
+/// One way a direct piece's runs reach the decode's pages.
+pub(super) enum Way {
+    /// The transport's own: one-sided writes ([`transport::DataSender::write`]) or placed runs.
+    Transport {
+        path: transport::WritePath,
+        method: crate::agent::DirectMethod,
+        /// The decode lands a placed run in as many pieces of its pool as its bytes belong
+        /// to: placed runs are the source's contiguous ranges, whatever its own layout.
+        scatter: bool,
+    },
+    /// This process's copies into the decode's pool file, mapped here
+    /// ([`transport::mapped`]): one-sided writes whose runs pay at any length.
+    Mapped(Arc<transport::mapped::MappedPool>),
+}
+
+impl Way {
+    pub(super) fn method(&self) -> crate::agent::DirectMethod {
+        match self {
+            Way::Transport { method, .. } => *method,
+            Way::Mapped(_) => crate::agent::DirectMethod::Write,
+        }
+    }
+
+    /// Whether the decode lands a placed run in several pieces of its pool (`scatter`).
+    pub(super) fn scatters(&self) -> bool {
+        matches!(
+            self,
+            Way::Transport {
+                method: crate::agent::DirectMethod::Place,
+                scatter: true,
+                ..
+            }
+        )
+    }
+
+    /// What the writes travel by, for the logs.
+    pub(super) fn via(&self) -> &str {
+        match self {
+            Way::Transport { path, .. } => &path.via,
+            Way::Mapped(_) => "mapped",
+        }
+    }
+}
+
+impl DirectTarget {
+    /// The decode's pool as its Hello describes it, reached `ways`, each with the size of the
+    /// memory it was given; or why direct writes into it are off.
+    pub(super) fn new(hello: &Hello, ways: Vec<(Way, u64)>) -> Result<Self, String> {
+        let layout = crate::agent::layout_of(&hello.layout).map_err(|e| e.to_string())?;
+        let span = layout.page_span().map_err(|e| e.to_string())? as u64;
+        let size = ways.first().map_or(0, |(_, size)| *size);
+        if let Some((_, other)) = ways.iter().find(|(_, s)| *s != size) {
+            return Err(format!(
+                "the pool is exposed as {size} bytes and as {other}"
+            ));
+        }
+        if span == 0 || !size.is_multiple_of(span) {
+            return Err(format!(
+                "exposed {size} bytes, not a whole number of {span}-byte pages"
+            ));
+        }
+        // The decode's size feeds every offset computed into its pool: checked here.
+        let num_pages = usize::try_from(size / span)
+            .ok()
+            .filter(|&n| layout.pool_bytes(n).is_ok_and(|b| b as u64 == size))
+            .ok_or_else(|| format!("exposed {size} bytes: too many pages"))?;
+        Ok(DirectTarget {
+            layout,
+            num_pages,
+            ways: ways.into_iter().map(|(way, _)| way).collect(),
+        })
+    }
+}
+
+impl Peer {
+    pub(super) fn seen(&self) {
+        *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    pub(super) fn silent_for(&self) -> Duration {
+        self.last_seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
+    }
+}
+
+impl Prefill {
+    /// Queues `msg` to a decode without waiting for it to read: one decode that stopped
+    /// reading never holds up the others (it is found dead by its silence).
+    pub(super) fn reply(&self, peer: &PeerId, msg: Message) {
+        let version = self
+            .peers()
+            .get(peer)
+            .map_or(protocol::VERSION, |p| p.version);
+        self.replier
+            .post(peer, msg.encode_as(version).into(), self.timeouts().send);
+    }
+
+    pub(super) fn refuse(
+        &self,
+        peer: &PeerId,
+        room: Option<u64>,
+        code: FailureCode,
+        message: String,
+    ) {
+        tracing::warn!(?room, %code, %message, "refused a decode request");
+        self.reply(
+            peer,
+            Message::Error(ErrorMsg {
+                room,
+                code,
+                message,
+            }),
+        );
+    }
+
+    /// Forgets a dead decode peer and fails what it asked for.
+    pub(super) fn peer_dead(&self, peer: &Arc<Peer>, why: &str) {
+        self.metrics.peers_dead.inc();
+        peer.credits.close();
+        // Sends still in flight to it end now (a transport may not notice the death itself:
+        // UCX over shared memory), so that its transfers end and their pages become reusable.
+        let gone = peer.clone();
+        tokio::spawn(async move { gone.data.lock().await.close() });
+        self.peers().remove(&peer.identity);
+        tracing::warn!(decode = %peer.instance, why, "decode peer dead");
+        let mut rooms = self.rooms();
+        for room in rooms.values_mut() {
+            if let Some(t) = room.transfers.get_mut(&peer.instance) {
+                t.cancel.cancel();
+                t.end(
+                    RoomState::Failed,
+                    Some(Reason::new(
+                        FailureCode::PeerDead,
+                        format!("decode {}: {why}", peer.instance),
+                    )),
+                );
+                self.settle(room);
+            }
+        }
+    }
+}
