@@ -44,8 +44,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::OnceCell;
 
+use super::region::OnDevice;
 use super::settings::{eager, insecure_rma, rma, shared_memory_only, ucx_env_sets, worker_vars};
-use super::{EndpointId, MemoryType, RegisterableMemory, RemoteRegionId, UcxConfig, UcxWorker};
+use super::{EndpointId, RegisterableMemory, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
     BoxFuture, DataReceiver, DataSender, DeviceBytes, DeviceMemory, DeviceSink, Frame, Landing,
@@ -117,26 +118,6 @@ const PLACED_PREFIX: u8 = 0x50;
 /// How long a receiver waits for a device payload once its header arrived (both were queued
 /// together by the sender): past this the chunk fails and the receives go on.
 const DEVICE_PAYLOAD_WAIT: Duration = Duration::from_secs(30);
-
-/// Device memory as UCX sees it: a payload of [`DataSender::send_device`] or a buffer of the
-/// receiver's [`DeviceSink`], registered and moved as `UCS_MEMORY_TYPE_CUDA`.
-struct OnDevice(Arc<dyn DeviceBytes>);
-
-// SAFETY: `DeviceBytes` guarantees the device range stays allocated, unused by anything else
-// and never referenced by host code while the value lives; UCX reaches it only through its
-// CUDA transports (the memory type says CUDA), and the Arc keeps it alive for as long as the
-// progress thread holds this value.
-unsafe impl RegisterableMemory for OnDevice {
-    fn base(&self) -> *mut u8 {
-        self.0.device_ptr() as usize as *mut u8
-    }
-    fn size(&self) -> usize {
-        self.0.len()
-    }
-    fn memory_type(&self) -> MemoryType {
-        MemoryType::Cuda
-    }
-}
 
 /// The tag of run 0 of the placed chunk `key`: a prefix no chunk tag has, 40 bits of the key,
 /// and 16 bits for the run's index (`protocol::MAX_RUNS`). Tagged receives match any sender,

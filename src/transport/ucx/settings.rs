@@ -78,7 +78,7 @@ pub fn maps_pools() -> bool {
 /// Whether `tls` names shared-memory transports only (`posix,cma,self`, `sm`, ...). UCX 1.13
 /// cannot detect a dead peer over them: it refuses an endpoint asking for that, and logs the
 /// refusal as an error on stdout, where kvferry prints its listening line. Such endpoints are
-/// made unsupervised from the start ([`super::worker::UcxConfig::supervise`]).
+/// made unsupervised from the start ([`super::UcxConfig::supervise`]).
 pub(super) fn shared_memory_only(tls: Option<&str>) -> bool {
     let Some(list) = tls else { return false };
     !list.starts_with('^')
