@@ -303,9 +303,8 @@ const STREAM_MIN_BYTES: usize = 16 << 20;
 /// of many GiB, cold, while a gather fills a staging slot that the sender reads next. Into a
 /// large buffer, pieces of 1 KiB (the heterogeneous-TP head slices) as of 1 MiB go much faster
 /// streamed than with memcpy; into a buffer small enough to stay in the cache, ordinary stores
-/// win (docs/benchmarks.md, "CPU transfer kernel"). 1 MiB chunks scattered into a cold 1 GiB
-/// pool: 23.6 GiB/s streamed by destination size against 8.63 by transfer size, 1 KiB head
-/// slices 20.0 against 5.19 (`cargo bench --bench kernel -- 1GiB-pool`).
+/// win (docs/benchmarks.md, "CPU transfer kernel";
+/// `cargo bench --bench kernel -- 1GiB-pool` scatters into a cold 1 GiB pool both ways).
 fn streams(dst_bytes: usize) -> bool {
     dst_bytes >= STREAM_MIN_BYTES
 }

@@ -108,7 +108,6 @@ impl UcxConfig {
 /// whenever a round finds nothing loses a wake-up per segment: a short poll pays, a long one
 /// costs more than it saves (on a loaded machine the spinning threads take the copies' time).
 /// Over shared memory, where the receiver pulls a whole run in one copy, polling only costs,
-/// so rendezvous workers sleep at once. Measured: placed ucx-tcp rooms 4.8–5.8 GB/s with this
-/// poll against 4.2–4.7 sleeping at once; staged ucx-shm rooms 3.0–3.2 with it, 3.6–3.8
-/// without.
+/// so rendezvous workers sleep at once (placed ucx-tcp rooms ran faster with this poll than
+/// sleeping at once; staged ucx-shm rooms slower).
 pub(super) const EAGER_SPIN: std::time::Duration = std::time::Duration::from_micros(50);

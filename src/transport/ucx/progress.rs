@@ -7,10 +7,9 @@
 //! worker's event fd and the wakeup eventfd, with a 100 ms timeout so UCX's keepalive still
 //! runs on a quiet worker. A rendezvous worker never spins: on a loaded machine, polling a
 //! while before sleeping takes the cores the gather and scatter copies need, and costs more
-//! than it saves (a 50 µs poll took staged ucx-shm rooms from 3.6–3.8 GB/s to 3.0–3.2 on 2
-//! cores).
-//! An eager worker (tcp) polls [`EAGER_SPIN`] first: its messages arrive as
-//! streams of segments, and a sleep between two of them cost more than the poll. What an operation
+//! than it saves (staged ucx-shm rooms ran slower with a short poll).
+//! An eager worker (tcp) polls [`EAGER_SPIN`] first: its messages arrive as streams of
+//! segments, and a sleep between two of them cost more than the poll. What an operation
 //! in flight is (`Pending`, `Op`) is in `progress/op.rs`, and groups of runs answered together
 //! in `progress/group.rs`; how operations end in `progress/pending.rs`; registrations, peers'
 //! regions and puts (the one-sided side) in `progress/rma.rs`; placed runs in

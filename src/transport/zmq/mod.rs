@@ -46,9 +46,8 @@ use std::time::Duration;
 pub const RECONNECT_GRACE: Duration = Duration::from_millis(500);
 
 /// libzmq I/O threads per process: a decode fed by two prefill ranks reads both connections
-/// at once, each connection's kernel copies on a thread of its own: such rooms run faster than
-/// with one thread (TP2 -> TP1: a median 2.56 GB/s a room against 2.13), and rooms over one
-/// connection the same.
+/// at once, each connection's kernel copies on a thread of its own: such rooms (TP2 -> TP1)
+/// run faster than with one thread, and rooms over one connection the same.
 const IO_THREADS: i32 = 2;
 
 /// The process's libzmq context (one for every socket, so that the ZAP handler serves them all).
