@@ -3,8 +3,8 @@
 //! A [`CudaKernel`] owns one device's context, a stream and the loaded module, and launches
 //! gathers and scatters over a [`DevicePool`](super::DevicePool) (their entry points are in
 //! device_pool.rs, next to the pool they validate against). Staging is either pinned host
-//! memory mapped into the device's address space ([`PinnedStaging`]: the kernel writes it over the bus, the host reads
-//! it with no extra copy) or device memory ([`DeviceStaging`]: full device bandwidth, for
+//! memory mapped into the device's address space ([`PinnedStaging`]: the kernel writes it over
+//! the bus, the host reads it with no extra copy) or device memory ([`DeviceStaging`]: full device bandwidth, for
 //! GPU-direct transports and for measuring the kernel itself).
 //!
 //! Gather and scatter are synchronous: validate, upload the page list, one launch, wait. Every

@@ -24,7 +24,8 @@ pub struct EndpointId(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MemId(pub u64);
 
-/// A peer's registered memory, as one [`UcxWorker`](super::UcxWorker) knows it (endpoint + unpacked key + bounds).
+/// A peer's registered memory, as one [`UcxWorker`](super::UcxWorker) knows it (endpoint +
+/// unpacked key + bounds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RemoteRegionId(pub u64);
 

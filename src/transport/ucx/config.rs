@@ -59,10 +59,10 @@ impl UcxConfig {
     /// Whether messages go eagerly (the caller also sets `RNDV_THRESH=inf`), as over tcp,
     /// where a message arrives as a stream of segments that the receiver copies out of UCX's
     /// buffers. Then the progress thread
-    /// - receives placed runs ([`UcxWorker::recv_runs`](super::UcxWorker::recv_runs)) through a [`super::safe::Revocable`]:
-    ///   UCX 1.13 never ends a receive whose sender died mid-message, and a cancelled run must
-    ///   stop writing into its place even so;
-    /// - polls [`EAGER_SPIN`] before it sleeps, since the next segment is usually that close.
+    /// - receives placed runs ([`UcxWorker::recv_runs`](super::UcxWorker::recv_runs)) through
+    ///   a [`super::safe::Revocable`]: UCX 1.13 never ends a receive whose sender died
+    ///   mid-message, and a cancelled run must stop writing into its place even so;
+    /// - polls `EAGER_SPIN` before it sleeps, since the next segment is usually that close.
     pub fn eager(mut self, eager: bool) -> Self {
         self.eager = eager;
         self

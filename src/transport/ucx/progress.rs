@@ -118,7 +118,7 @@ impl Drop for AbortOnUnwind {
 struct Engine {
     _abort_on_unwind: AbortOnUnwind,
     /// Operations watched one by one for abandonment: sends, flushes, receives, puts with a
-    /// reply. Keyed by [`Request::key`], like `bulk`.
+    /// reply. Keyed by [`Request::key`](super::safe::Request::key), like `bulk`.
     pending: HashMap<usize, Pending>,
     /// Runs (their group watches them) and puts without a reply (the flush after them
     /// answers): never looked at one by one while in flight, so thousands of them cost

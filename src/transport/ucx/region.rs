@@ -142,8 +142,10 @@ unsafe impl RegisterableMemory for Region {
     }
 }
 
-/// Device memory as UCX sees it: a payload of [`DataSender::send_device`](crate::transport::DataSender::send_device) or a buffer of the
-/// receiver's [`DeviceSink`](crate::transport::DeviceSink), registered and moved as `UCS_MEMORY_TYPE_CUDA`.
+/// Device memory as UCX sees it: a payload of
+/// [`DataSender::send_device`](crate::transport::DataSender::send_device) or a buffer of the
+/// receiver's [`DeviceSink`](crate::transport::DeviceSink), registered and moved as
+/// `UCS_MEMORY_TYPE_CUDA`.
 pub(super) struct OnDevice(pub(super) Arc<dyn DeviceBytes>);
 
 // SAFETY: `DeviceBytes` guarantees the device range stays allocated, unused by anything else

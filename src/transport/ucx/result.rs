@@ -47,8 +47,8 @@ pub enum UcxError {
         /// Bytes the receive could hold.
         capacity: usize,
     },
-    /// A placed message ([`UcxWorker::recv_runs`](super::UcxWorker::recv_runs)) of another length than its run: shorter
-    /// (`got`), or longer (`None`: UCX truncated it).
+    /// A placed message ([`UcxWorker::recv_runs`](super::UcxWorker::recv_runs)) of another
+    /// length than its run: shorter (`got`), or longer (`None`: UCX truncated it).
     #[error("recv_run: expected a {expected}-byte message, got {}", match got { Some(n) => format!("{n} bytes"), None => "a longer one".to_owned() })]
     Length {
         /// Bytes of the run.

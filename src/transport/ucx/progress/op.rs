@@ -64,8 +64,9 @@ pub(super) enum Op {
         _iov: Vec<sys::ucp_dt_iov_t>,
         reply: Reply<()>,
     },
-    /// A put; the runs of a [`Command::Write`] have no reply of their own (the flush that
-    /// follows them answers).
+    /// A put; the runs of a
+    /// [`Command::Write`](crate::transport::ucx::command::Command::Write) have no reply of
+    /// their own (the flush that follows them answers).
     Put {
         /// The key the put writes with: destroyed only after the put completed.
         _key: Rc<RemoteKey>,
@@ -83,7 +84,7 @@ pub(super) enum Op {
         into: Option<Arc<dyn RecvBuffers>>,
         reply: Reply<Received>,
     },
-    /// One run of a [`Command::SendRuns`] or [`Command::RecvRuns`] (`receiving`: a receive,
+    /// One run of a `Command::SendRuns` or `Command::RecvRuns` (`receiving`: a receive,
     /// of exactly `expect` bytes); its group answers.
     Run {
         _memory: Arc<dyn RegisterableMemory>,
@@ -183,7 +184,7 @@ impl PutSource {
     }
 }
 
-/// A receiving run: the length its message must have, and its [`Revocable`](crate::transport::ucx::safe::Revocable) destination on
+/// A receiving run: the length its message must have, and its [`Revocable`] destination on
 /// an eager worker.
 pub(super) struct Receiving {
     pub(super) expect: usize,

@@ -12,9 +12,9 @@ use crate::transport::ucx::result::{self, UcxError};
 use crate::transport::ucx::sys;
 
 /// Settings every context gets, over the environment's and the caller's: the worker address
-/// format [`crate::transport::ucx::packed`] validates peers' addresses against. UCX 1.13 parses an address by
-/// its own settings (in unified mode without the lengths a peer packed), so both sides must
-/// use this one.
+/// format [`crate::transport::ucx::packed`] validates peers' addresses against. UCX 1.13
+/// parses an address by its own settings (in unified mode without the lengths a peer packed),
+/// so both sides must use this one.
 const FORCED_VARS: [(&str, &str); 2] = [("ADDRESS_VERSION", "v1"), ("UNIFIED_MODE", "n")];
 
 /// A UCP context (`ucp_init`) with tag matching and wakeup, and RMA when asked for.

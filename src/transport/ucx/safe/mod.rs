@@ -1,8 +1,9 @@
 //! Safe owners of the handles the UCX layer holds, one file per kind: UCP's [`Context`]
 //! (context.rs), [`Worker`] with the [`Request`]s it runs (worker.rs), [`Endpoint`]
 //! (endpoint.rs), [`MemHandle`] (registration.rs), [`RemoteKey`] with its puts
-//! (remote_key.rs) and [`Revocable`] receive destinations (revocable.rs); and two of the OS's, the progress
-//! thread's [`Wakeup`] eventfd (wakeup.rs) and the host's [`interfaces`] (interfaces.rs).
+//! (remote_key.rs) and [`Revocable`] receive destinations (revocable.rs); and two of the
+//! OS's, the progress thread's [`Wakeup`] eventfd (wakeup.rs) and the host's [`interfaces()`]
+//! (interfaces.rs).
 //!
 //! Invariants:
 //! - each UCP handle is a `NonNull` released exactly once in `Drop` (which never panics);

@@ -132,7 +132,8 @@ impl Worker {
         param
     }
 
-    /// The worker's address, to give to peers (they connect with [`Endpoint::connect`]).
+    /// The worker's address, to give to peers (they connect with
+    /// [`Endpoint::connect`](super::Endpoint::connect)).
     pub fn address(&self) -> Result<Vec<u8>, UcxError> {
         // SAFETY: the worker is live and used on its own thread (`Worker` is !Send).
         unsafe { result::worker_address(self.ptr) }
