@@ -42,14 +42,15 @@ pub struct TransportError {
     pub endpoint: String,
     /// What went wrong.
     pub message: String,
-    /// Whether a peer's bytes were malformed or the operation failed.
+    /// What the failure means for the peer: callers match this, never `op`.
     pub kind: TransportErrorKind,
 }
 
 /// What a [`TransportError`] means for the peer that caused it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportErrorKind {
-    /// The operation failed (unreachable, refused, timed out, dead peer, local error).
+    /// The operation failed (unreachable, connection refused, timed out, dead peer, local
+    /// error).
     Failed,
     /// An address or key the peer announced does not have the transport's format: refused
     /// before the transport used it (a `bad_message`, not an unreachable peer).
@@ -57,6 +58,12 @@ pub enum TransportErrorKind {
     /// The peer refused this agent's credentials in the handshake, or asked for others (a
     /// token on one side only): `unauthorized`, not an unreachable peer.
     Unauthorized,
+    /// The peer answered that it refuses what was sent (a decode refusing a placed chunk's
+    /// runs: its room ended there): the room is over there, the peer is alive.
+    Refused,
+    /// The peer did not give an answer it owed within the timeout (a decode never saying a
+    /// placed chunk's receives were posted): a stall, not a dead peer.
+    Unanswered,
 }
 
 impl TransportError {
@@ -72,10 +79,7 @@ impl TransportError {
     /// A [`TransportErrorKind::Malformed`] error (an address or key the transport parses
     /// itself: UCX's, a mapped pool's).
     pub(crate) fn malformed(op: &'static str, endpoint: &str, message: impl fmt::Display) -> Self {
-        TransportError {
-            kind: TransportErrorKind::Malformed,
-            ..Self::new(op, endpoint, message)
-        }
+        Self::new(op, endpoint, message).with_kind(TransportErrorKind::Malformed)
     }
 
     /// A [`TransportErrorKind::Unauthorized`] error.
@@ -84,10 +88,12 @@ impl TransportError {
         endpoint: &str,
         message: impl fmt::Display,
     ) -> Self {
-        TransportError {
-            kind: TransportErrorKind::Unauthorized,
-            ..Self::new(op, endpoint, message)
-        }
+        Self::new(op, endpoint, message).with_kind(TransportErrorKind::Unauthorized)
+    }
+
+    /// The same error, classified as `kind`.
+    pub(crate) fn with_kind(self, kind: TransportErrorKind) -> Self {
+        TransportError { kind, ..self }
     }
 
     /// Whether the peer's address or key was malformed ([`TransportErrorKind::Malformed`]).
@@ -216,8 +222,7 @@ pub trait DeviceSink: Send + Sync {
 /// Most pool ranges a staged chunk is sent from without a gather ([`DataSender::send_from`]):
 /// more, shorter pieces (page tables out of order, head slices) are gathered. With raw UCX over
 /// tcp a message of this many pieces goes as fast as one buffer, and one of many more pieces
-/// slower (1 MiB messages: 32 pieces 1.22 GB/s, 256 pieces 1.00, one buffer 1.61–1.73). A
-/// whole-heads chunk of consecutive pages is one range per layer plane it covers.
+/// slower. A whole-heads chunk of consecutive pages is one range per layer plane it covers.
 pub const MAX_PIECES: usize = 8;
 
 /// A received chunk's payload: host bytes, or device memory where the chunk came from device

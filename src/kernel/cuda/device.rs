@@ -1,9 +1,10 @@
 //! The CUDA transfer kernel (cudarc): its launches, readiness events and staging buffers.
 //!
 //! A [`CudaKernel`] owns one device's context, a stream and the loaded module, and launches
-//! gathers and scatters over a [`DevicePool`] (device_pool.rs). Staging is either pinned host memory mapped into the
-//! device's address space ([`PinnedStaging`]: the kernel writes it over the bus, the host reads
-//! it with no extra copy) or device memory ([`DeviceStaging`]: full device bandwidth, for
+//! gathers and scatters over a [`DevicePool`](super::DevicePool) (their entry points are in
+//! device_pool.rs, next to the pool they validate against). Staging is either pinned host
+//! memory mapped into the device's address space ([`PinnedStaging`]: the kernel writes it over
+//! the bus, the host reads it with no extra copy) or device memory ([`DeviceStaging`]: full device bandwidth, for
 //! GPU-direct transports and for measuring the kernel itself).
 //!
 //! Gather and scatter are synchronous: validate, upload the page list, one launch, wait. Every
@@ -20,22 +21,12 @@ use cudarc::driver::{
     DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 
-use super::device_pool::DevicePool;
-use super::launch::{self, KvXferParams, LaunchPlan};
-use super::{CudaError, GATHER_ENTRY, SCATTER_ENTRY, compile_ptx, driver_present};
-use crate::kernel::{KernelError, Selection};
-use crate::layout::PageOrder;
+use super::launch::{KvXferParams, LaunchPlan};
+use super::{CudaError, GATHER_ENTRY, SCATTER_ENTRY, compile_ptx, driver, driver_present};
 
 // SAFETY: `KvXferParams` is `#[repr(C)]`, made of u64 and u32 fields only (no pointers Rust
 // owns, no padding holes the device reads), and mirrors the kernel's by-value parameter.
 unsafe impl DeviceRepr for KvXferParams {}
-
-pub(super) fn driver(op: &'static str) -> impl Fn(DriverError) -> CudaError {
-    move |e| CudaError::Driver {
-        op,
-        message: e.to_string(),
-    }
-}
 
 /// The CUDA transfer kernel of one device.
 pub struct CudaKernel {
@@ -43,8 +34,8 @@ pub struct CudaKernel {
     arch: String,
     pub(super) ctx: Arc<CudaContext>,
     pub(super) stream: Arc<CudaStream>,
-    gather: CudaFunction,
-    scatter: CudaFunction,
+    pub(super) gather: CudaFunction,
+    pub(super) scatter: CudaFunction,
     _module: Arc<CudaModule>,
 }
 
@@ -132,47 +123,6 @@ impl CudaKernel {
     /// The virtual architecture the kernel was compiled for, e.g. `compute_90`.
     pub fn arch(&self) -> &str {
         &self.arch
-    }
-
-    /// Copies the selection of `pool` into `staging`, in `wire` order.
-    pub fn gather<S: Staging>(
-        &self,
-        pool: &DevicePool,
-        sel: &Selection<'_>,
-        wire: PageOrder,
-        staging: &mut S,
-    ) -> Result<(), KernelError> {
-        self.same_device(pool.ordinal)?;
-        self.same_device(staging.ordinal())?;
-        let plan = launch::plan(
-            &pool.layout,
-            pool.num_pages,
-            sel,
-            wire,
-            staging.len(),
-            false,
-        )?;
-        match plan {
-            Some(plan) => Ok(self.run(&self.gather, plan, pool, staging.device_addr())?),
-            None => Ok(()),
-        }
-    }
-
-    /// Copies `staging`, in `wire` order, into the selection of `pool`.
-    pub fn scatter<S: Staging>(
-        &self,
-        staging: &S,
-        wire: PageOrder,
-        pool: &DevicePool,
-        sel: &Selection<'_>,
-    ) -> Result<(), KernelError> {
-        self.same_device(pool.ordinal)?;
-        self.same_device(staging.ordinal())?;
-        let plan = launch::plan(&pool.layout, pool.num_pages, sel, wire, staging.len(), true)?;
-        match plan {
-            Some(plan) => Ok(self.run(&self.scatter, plan, pool, staging.device_addr())?),
-            None => Ok(()),
-        }
     }
 
     /// Follows the engine's CUDA event `event` (recorded on the engine's stream once a piece's
@@ -264,7 +214,7 @@ impl CudaKernel {
         Ok((base, len))
     }
 
-    fn same_device(&self, buffer: usize) -> Result<(), CudaError> {
+    pub(super) fn same_device(&self, buffer: usize) -> Result<(), CudaError> {
         if buffer != self.ordinal {
             return Err(CudaError::WrongDevice {
                 buffer,
@@ -274,12 +224,13 @@ impl CudaKernel {
         Ok(())
     }
 
-    /// One launch of `func` for a validated plan, then waits for it.
-    fn run(
+    /// One launch of `func` for a plan validated against a pool whose plane table is
+    /// `planes`, then waits for it.
+    pub(super) fn run(
         &self,
         func: &CudaFunction,
         plan: LaunchPlan<'_>,
-        pool: &DevicePool,
+        planes: &CudaSlice<u64>,
         staging: u64,
     ) -> Result<(), CudaError> {
         let pages = self
@@ -287,7 +238,7 @@ impl CudaKernel {
             .clone_htod(plan.pages)
             .map_err(driver("upload page list"))?;
         let (pages_addr, pages_guard) = pages.device_ptr(&self.stream);
-        let (table_addr, table_guard) = pool.table.device_ptr(&self.stream);
+        let (table_addr, table_guard) = planes.device_ptr(&self.stream);
         let params = KvXferParams {
             planes: table_addr,
             pages: pages_addr,

@@ -1,16 +1,17 @@
 //! A KV pool in device memory ([`DevicePool`]): memory of its own, the engine's allocations
 //! in this process, another process's allocation by CUDA IPC handle, or its VMM pieces
 //! ([`super::vmm`]). Laid out like a host pool of the same layout, plus its plane table (the
-//! address of page 0 of every (layer, plane)), uploaded once and passed to every launch.
+//! address of page 0 of every (layer, plane)), uploaded once and passed to every launch; and
+//! the kernel's gathers and scatters of a pool ([`CudaKernel::gather`],
+//! [`CudaKernel::scatter`]), which validate the selection against it before a launch.
 
 use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
-use super::device::driver;
 use super::launch;
-use super::{CudaError, CudaKernel};
+use super::{CudaError, CudaKernel, Staging, driver};
 use crate::kernel::{KernelError, Selection};
 use crate::layout::{KvLayout, LayoutError, PageOrder};
 use crate::memory::Span;
@@ -445,4 +446,48 @@ fn checked_size(layout: &KvLayout, num_pages: usize) -> Result<usize, KernelErro
 
 fn regions_error(reason: impl ToString) -> KernelError {
     CudaError::Regions(reason.to_string()).into()
+}
+
+/// The kernel's launches over a pool.
+impl CudaKernel {
+    /// Copies the selection of `pool` into `staging`, in `wire` order.
+    pub fn gather<S: Staging>(
+        &self,
+        pool: &DevicePool,
+        sel: &Selection<'_>,
+        wire: PageOrder,
+        staging: &mut S,
+    ) -> Result<(), KernelError> {
+        self.same_device(pool.ordinal)?;
+        self.same_device(staging.ordinal())?;
+        let plan = launch::plan(
+            &pool.layout,
+            pool.num_pages,
+            sel,
+            wire,
+            staging.len(),
+            false,
+        )?;
+        match plan {
+            Some(plan) => Ok(self.run(&self.gather, plan, &pool.table, staging.device_addr())?),
+            None => Ok(()),
+        }
+    }
+
+    /// Copies `staging`, in `wire` order, into the selection of `pool`.
+    pub fn scatter<S: Staging>(
+        &self,
+        staging: &S,
+        wire: PageOrder,
+        pool: &DevicePool,
+        sel: &Selection<'_>,
+    ) -> Result<(), KernelError> {
+        self.same_device(pool.ordinal)?;
+        self.same_device(staging.ordinal())?;
+        let plan = launch::plan(&pool.layout, pool.num_pages, sel, wire, staging.len(), true)?;
+        match plan {
+            Some(plan) => Ok(self.run(&self.scatter, plan, &pool.table, staging.device_addr())?),
+            None => Ok(()),
+        }
+    }
 }

@@ -1,10 +1,12 @@
 //! The CUDA transfer kernel: `kernels/kv_transfer.cu`, compiled by NVRTC at first use, gathers
 //! and scatters device pools with the CPU kernel's contract (see [`super`]).
 //!
-//! This file owns the error type, the run-time probes for the CUDA driver and NVRTC, and the
-//! PTX compilation with its per-architecture cache. [`launch`] turns a validated selection into
+//! This file owns the error type (with the conversion of driver errors into it), the run-time
+//! probes for the CUDA driver and NVRTC, and the PTX compilation with its per-architecture
+//! cache. [`launch`] turns a validated selection into
 //! the kernel's parameters and geometry (plain Rust, shared with the host emulation test);
-//! [`device`] owns device pools, pinned staging and the launches.
+//! [`device`] owns the kernel, its launches and pinned staging; `device_pool.rs` the device
+//! pools and the gathers and scatters of them.
 //!
 //! Nothing CUDA is needed to build: cudarc loads libcuda when first asked, and [`nvrtc`] loads
 //! libnvrtc. cudarc's loader panics when the driver is missing, so every path first probes it
@@ -27,6 +29,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub use device::{CudaKernel, DeviceStaging, PinnedStaging, ReadyEvent, Staging};
 pub use device_pool::DevicePool;
 pub use ipc::{ExportedMemory, IpcEventHandle, IpcEvents, MAX_OPEN_EVENTS};
+
+/// The conversion of a cudarc driver error from `op` into [`CudaError::Driver`].
+fn driver(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
+    move |e| CudaError::Driver {
+        op,
+        message: e.to_string(),
+    }
+}
 
 /// The CUDA source of the transfer kernels.
 pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/kv_transfer.cu");

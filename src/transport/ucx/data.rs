@@ -32,9 +32,9 @@
 //! it to its endpoint and writes runs of its own pool straight into the receiver's with
 //! `ucp_put_nbx`, then flushes the endpoint before it sends the chunk's header, so the header
 //! never overtakes the bytes. Which transport carries the puts is read off the endpoint's lanes
-//! (`ucp_ep_print_info`): UCX 1.13 emulates puts over tcp, far slower than tagged sends (0.56
-//! GB/s a 512 MiB room against 1.1–1.6 staged), and over shared memory through the receiver's
-//! FIFO, where UCX cannot see a peer die; both are reported not fast (`fast_writes`), and the
+//! (`ucp_ep_print_info`): UCX 1.13 emulates puts over tcp, far slower than tagged sends
+//! (staged chunks), and over shared memory through the receiver's FIFO, where UCX cannot see
+//! a peer die; both are reported not fast (`fast_writes`), and the
 //! agents keep to tagged sends (placed runs or staged chunks) there unless told
 //! `--direct-writes always`.
 
@@ -44,8 +44,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::OnceCell;
 
+use super::region::OnDevice;
 use super::settings::{eager, insecure_rma, rma, shared_memory_only, ucx_env_sets, worker_vars};
-use super::{EndpointId, MemoryType, RegisterableMemory, RemoteRegionId, UcxConfig, UcxWorker};
+use super::{EndpointId, RegisterableMemory, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
     BoxFuture, DataReceiver, DataSender, DeviceBytes, DeviceMemory, DeviceSink, Frame, Landing,
@@ -117,26 +118,6 @@ const PLACED_PREFIX: u8 = 0x50;
 /// How long a receiver waits for a device payload once its header arrived (both were queued
 /// together by the sender): past this the chunk fails and the receives go on.
 const DEVICE_PAYLOAD_WAIT: Duration = Duration::from_secs(30);
-
-/// Device memory as UCX sees it: a payload of [`DataSender::send_device`] or a buffer of the
-/// receiver's [`DeviceSink`], registered and moved as `UCS_MEMORY_TYPE_CUDA`.
-struct OnDevice(Arc<dyn DeviceBytes>);
-
-// SAFETY: `DeviceBytes` guarantees the device range stays allocated, unused by anything else
-// and never referenced by host code while the value lives; UCX reaches it only through its
-// CUDA transports (the memory type says CUDA), and the Arc keeps it alive for as long as the
-// progress thread holds this value.
-unsafe impl RegisterableMemory for OnDevice {
-    fn base(&self) -> *mut u8 {
-        self.0.device_ptr() as usize as *mut u8
-    }
-    fn size(&self) -> usize {
-        self.0.len()
-    }
-    fn memory_type(&self) -> MemoryType {
-        MemoryType::Cuda
-    }
-}
 
 /// The tag of run 0 of the placed chunk `key`: a prefix no chunk tag has, 40 bits of the key,
 /// and 16 bits for the run's index (`protocol::MAX_RUNS`). Tagged receives match any sender,
@@ -275,8 +256,7 @@ fn decode_addresses(list: &str) -> Option<Vec<Vec<u8>>> {
 
 /// Workers of a receiver, each on its own progress thread, that pull placed runs and take
 /// chunks in turn: over shared memory two workers pull placed runs faster than one, since each
-/// pull is one thread's cma copy and the sender's side does no work meanwhile (placed 512 MiB
-/// rooms: 7.2–8.1 GB/s with two, 6.1–6.7 with one).
+/// pull is one thread's cma copy and the sender's side does no work meanwhile.
 const PULLERS: usize = 2;
 
 /// Which runs of a placed chunk go to which of `parts` receiving workers: consecutive
@@ -515,8 +495,8 @@ impl DataSender for UcxSender {
     fn send(&mut self, frame: Frame) -> BoxFuture<'static, Result<(), TransportError>> {
         // One contiguous message: where chunks go by rendezvous (shared memory, RDMA) the
         // receiver reads it in one copy; a message of parts (an io-vector) would go through
-        // UCX 1.13's shared-memory FIFO, two copies in fragments (TP2 -> TP1 rooms: 0.68–0.93
-        // GB/s as three parts, 1.63–1.70 as one).
+        // UCX 1.13's shared-memory FIFO, two copies in fragments (TP2 -> TP1 rooms ran much
+        // slower as three parts than as one).
         let ep = self.next_ep();
         let sent = self
             .worker
@@ -556,8 +536,7 @@ impl DataSender for UcxSender {
     fn sends_from_pool(&self) -> bool {
         // Eager chunks go by the kernel's copy out of whatever pieces they are in: over tcp a
         // message of a prefix and a few ranges goes as fast as one contiguous buffer (raw UCX,
-        // 1 MiB messages, alternated: a 64-byte prefix and one range 3.96 / 1.72 / 4.36 GB/s,
-        // one buffer 3.88 / 1.90 / 3.97).
+        // 1 MiB messages, a 64-byte prefix and one range against one buffer, alternated).
         eager()
     }
 

@@ -238,5 +238,7 @@ pub(crate) fn owned_copy(bytes: &[u8]) -> Vec<u8> {
     owned
 }
 
+// The tests hand UCX raw addresses and keys next to guard pages, below the safe layer.
 #[cfg(test)]
+#[allow(unsafe_code)]
 mod tests;

@@ -7,12 +7,13 @@
 //! worker's event fd and the wakeup eventfd, with a 100 ms timeout so UCX's keepalive still
 //! runs on a quiet worker. A rendezvous worker never spins: on a loaded machine, polling a
 //! while before sleeping takes the cores the gather and scatter copies need, and costs more
-//! than it saves (a 50 µs poll took staged ucx-shm rooms from 3.6–3.8 GB/s to 3.0–3.2 on 2
-//! cores).
-//! An eager worker (tcp) polls [`super::worker::EAGER_SPIN`] first: its messages arrive as
-//! streams of segments, and a sleep between two of them cost more than the poll. Operations in
-//! flight and how they end are in `progress/pending.rs`; registrations, peers' regions and
-//! puts (the one-sided side) in `progress/rma.rs`; placed runs in `progress/runs.rs`.
+//! than it saves (staged ucx-shm rooms ran slower with a short poll).
+//! An eager worker (tcp) polls [`EAGER_SPIN`] first: its messages arrive as streams of
+//! segments, and a sleep between two of them cost more than the poll. What an operation
+//! in flight is (`Pending`, `Op`) is in `progress/op.rs`, and groups of runs answered together
+//! in `progress/group.rs`; how operations end in `progress/pending.rs`; registrations, peers'
+//! regions and puts (the one-sided side) in `progress/rma.rs`; placed runs in
+//! `progress/runs.rs`.
 //!
 //! Invariants:
 //! - an operation's buffers live in its `Pending` entry together with its request, and an
@@ -27,7 +28,6 @@
 //!   revoked receives (`progress/runs.rs`) are not waited for, and leaked likewise.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -35,27 +35,31 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
+use super::command::{Command, EndpointId};
+use super::config::{EAGER_SPIN, UcxConfig, Unexpected};
+use super::memory_type::{MemoryType, MemoryTypes};
 use super::region::RegisterableMemory;
-use super::result::status_name;
-use super::safe::{Context, Endpoint, MemHandle, Started, Worker};
+use super::result::{UcxError, status_name};
+use super::safe::{Context, Endpoint, MemHandle, Started, Wakeup, Worker};
 use super::sys;
-use super::{MemoryType, MemoryTypes, UcxError};
+use crate::memory::WriteRun;
 use crate::transport::RecvBuffers;
+
+mod group;
+mod op;
 mod pending;
 mod rma;
 mod runs;
 
-use pending::{Op, Pending};
-use rma::{PutSource, RemoteRegion};
-use runs::Group;
-
-use super::worker::{Command, EndpointId, UcxConfig, WriteRun};
+use group::Group;
+use op::{Op, Pending, PutSource};
+use rma::RemoteRegion;
 
 /// The thread's body: builds the engine, reports the address, runs until shutdown.
 pub(super) fn run(
     config: UcxConfig,
     inbox: mpsc::Receiver<Command>,
-    wake: Arc<OwnedFd>,
+    wake: Arc<Wakeup>,
     ready: oneshot::Sender<Result<(Bytes, MemoryTypes), UcxError>>,
 ) {
     let mut engine = match Engine::new(&config) {
@@ -114,7 +118,7 @@ impl Drop for AbortOnUnwind {
 struct Engine {
     _abort_on_unwind: AbortOnUnwind,
     /// Operations watched one by one for abandonment: sends, flushes, receives, puts with a
-    /// reply. Keyed by [`Request::key`], like `bulk`.
+    /// reply. Keyed by [`Request::key`](super::safe::Request::key), like `bulk`.
     pending: HashMap<usize, Pending>,
     /// Runs (their group watches them) and puts without a reply (the flush after them
     /// answers): never looked at one by one while in flight, so thousands of them cost
@@ -130,7 +134,7 @@ struct Engine {
     endpoints: HashMap<u64, Rc<Endpoint>>,
     /// Endpoints whose peer failed, closed, with the status operations on them report.
     dead: HashMap<u64, sys::ucs_status_t>,
-    registered: HashMap<u64, (MemHandle, Arc<dyn RegisterableMemory>)>,
+    registered: HashMap<u64, MemHandle>,
     worker: Rc<Worker>,
     context: Rc<Context>,
     next_id: u64,
@@ -141,7 +145,7 @@ struct Engine {
     /// What the context moves (`ucp_context_query`): memory of another kind is refused.
     memory_types: MemoryTypes,
     /// [`UcxConfig::unexpected`], and what was dropped since the last report.
-    unexpected: Option<(super::worker::Unexpected, Dropped)>,
+    unexpected: Option<(Unexpected, Dropped)>,
 }
 
 /// Messages dropped by [`Engine::drop_unexpected`] since the last report.
@@ -210,7 +214,7 @@ impl Engine {
     fn serve(
         &mut self,
         inbox: &mpsc::Receiver<Command>,
-        wake: &OwnedFd,
+        wake: &Wakeup,
     ) -> Option<oneshot::Sender<()>> {
         let efd = match self.worker.event_fd() {
             Ok(fd) => Some(fd),
@@ -220,7 +224,7 @@ impl Engine {
             }
         };
         let spin = match self.eager {
-            true => super::worker::EAGER_SPIN,
+            true => EAGER_SPIN,
             false => Duration::ZERO,
         };
         let mut last_event = Instant::now();
@@ -266,7 +270,7 @@ impl Engine {
                     }
                 },
             };
-            sleep(efd, wake, timeout_ms);
+            wake.sleep(efd, timeout_ms);
         }
     }
 
@@ -296,6 +300,8 @@ impl Engine {
         }
     }
 
+    // Lends UCX buffers that stay in the operation's `Pending` entry until its request ends.
+    #[allow(unsafe_code)]
     fn handle(&mut self, command: Command) {
         match command {
             Command::Connect { address, reply } => {
@@ -363,10 +369,9 @@ impl Engine {
                 };
                 let memory = from.iter().flat_map(|(source, runs)| {
                     runs.iter().map(|run| sys::ucp_dt_iov_t {
-                        // SAFETY: checked above to lie within `source`, which stays mapped
-                        // while the Arc lives (kept in the Pending entry until the request
-                        // completes).
-                        buffer: unsafe { source.base().add(run.offset as usize) }.cast(),
+                        // Checked above to lie within `source`, which stays mapped while the
+                        // Arc lives (kept in the Pending entry until the request completes).
+                        buffer: source.base().wrapping_add(run.offset as usize).cast(),
                         length: run.len as usize,
                     })
                 });
@@ -684,29 +689,6 @@ impl Engine {
         std::mem::forget(std::mem::take(&mut self.pending));
         std::mem::forget(std::mem::take(&mut self.bulk));
         self.registered.clear();
-    }
-}
-
-/// Sleeps until the worker's event fd or the wakeup eventfd is readable, or `timeout_ms`.
-fn sleep(efd: Option<i32>, wake: &OwnedFd, timeout_ms: i32) {
-    let mut fds = [
-        libc::pollfd {
-            fd: wake.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: efd.unwrap_or(-1),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    // SAFETY: `fds` is a valid array of two pollfd (a negative fd is ignored by poll).
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
-    if n > 0 && fds[0].revents != 0 {
-        let mut counter = 0u64;
-        // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd (resets it).
-        let _ = unsafe { libc::read(wake.as_raw_fd(), (&raw mut counter).cast(), 8) };
     }
 }
 

@@ -1,14 +1,20 @@
 //! Memory that a worker registers for peers to put into: the [`RegisterableMemory`] contract,
-//! implemented by the KV pools ([`HostPool`]) and by [`Region`], a standalone page-aligned
-//! buffer (staging, tests).
+//! implemented by the KV pools ([`HostPool`]), by [`Region`], a standalone page-aligned
+//! buffer (staging, tests), and by `OnDevice`, device memory the data plane sends from and
+//! receives into.
 //!
 //! Invariant: registered memory is never handed out as a Rust reference, because a peer may
 //! write it at any time; bytes move in and out by raw copies ([`Region::read`] /
 //! [`Region::write`], as the pool does).
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
 
 use memmap2::{MmapOptions, MmapRaw};
 
+use super::memory_type::MemoryType;
 use crate::pool::HostPool;
+use crate::transport::DeviceBytes;
 
 /// Memory at a fixed address that a worker may register for remote writes, send from and
 /// receive into.
@@ -26,9 +32,9 @@ pub unsafe trait RegisterableMemory: Send + Sync + 'static {
     fn size(&self) -> usize;
     /// Where the bytes are: host memory (the default) or CUDA device memory, which host code
     /// never dereferences and UCX moves only where its context handles CUDA memory
-    /// ([`super::MemoryTypes::sends_device_memory`]).
-    fn memory_type(&self) -> super::MemoryType {
-        super::MemoryType::Host
+    /// ([`super::memory_type::MemoryTypes::sends_device_memory`]).
+    fn memory_type(&self) -> MemoryType {
+        MemoryType::Host
     }
 }
 
@@ -133,5 +139,27 @@ unsafe impl RegisterableMemory for Region {
     }
     fn size(&self) -> usize {
         self.len()
+    }
+}
+
+/// Device memory as UCX sees it: a payload of
+/// [`DataSender::send_device`](crate::transport::DataSender::send_device) or a buffer of the
+/// receiver's [`DeviceSink`](crate::transport::DeviceSink), registered and moved as
+/// `UCS_MEMORY_TYPE_CUDA`.
+pub(super) struct OnDevice(pub(super) Arc<dyn DeviceBytes>);
+
+// SAFETY: `DeviceBytes` guarantees the device range stays allocated, unused by anything else
+// and never referenced by host code while the value lives; UCX reaches it only through its
+// CUDA transports (the memory type says CUDA), and the Arc keeps it alive for as long as the
+// progress thread holds this value.
+unsafe impl RegisterableMemory for OnDevice {
+    fn base(&self) -> *mut u8 {
+        self.0.device_ptr() as usize as *mut u8
+    }
+    fn size(&self) -> usize {
+        self.0.len()
+    }
+    fn memory_type(&self) -> MemoryType {
+        MemoryType::Cuda
     }
 }

@@ -1,15 +1,140 @@
-//! Thin functions over [`super::sys`]: one per UCP call, turning statuses into
-//! `Result<_, UcxError>` and out-pointers into return values. They keep the C calling
-//! conventions (raw handles in, raw handles out); the lifetimes are [`super::safe`]'s business.
+//! [`UcxError`], the error of the whole UCX layer, and thin functions over [`super::sys`]: one
+//! per UCP call, turning statuses into `Result<_, UcxError>` and out-pointers into return
+//! values. They keep the C calling conventions (raw handles in, raw handles out); the
+//! lifetimes are [`super::safe`]'s business.
 //!
 //! Functions taking handles are `unsafe`: the caller guarantees the handles are live and used
 //! on the thread that owns their worker.
+#![allow(unsafe_code)]
 
 use std::ffi::{CStr, CString, c_void};
 use std::ptr::{self, NonNull};
 
-use super::UcxError;
+use super::memory_type::MemoryType;
+use super::packed::Malformed;
 use super::sys::{self, ucs_status_t};
+
+/// Errors of the UCX layer. [`UcxError::is_peer_failure`] separates a dead peer (fail the
+/// rooms it touched) from a local problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UcxError {
+    /// A UCX call returned an error status.
+    #[error("{op}: {name} ({status})")]
+    Call {
+        /// The UCP function or operation.
+        op: &'static str,
+        /// The raw `ucs_status_t`.
+        status: i8,
+        /// `ucs_status_string` of it.
+        name: String,
+    },
+    /// The peer of an endpoint failed (its error handler ran, or the operation completed with
+    /// a connection error): the endpoint is dead, and so is every operation on it.
+    #[error("{op} on endpoint {endpoint}: peer failed: {name} ({status})")]
+    PeerFailed {
+        /// The operation that observed the failure.
+        op: &'static str,
+        /// The endpoint, as [`EndpointId`](super::EndpointId) numbers it.
+        endpoint: u64,
+        /// The raw `ucs_status_t` UCX reported.
+        status: i8,
+        /// `ucs_status_string` of it.
+        name: String,
+    },
+    /// A received message was longer than the receive buffer.
+    #[error("recv: a message matching the tag is longer than the {capacity}-byte buffer")]
+    Truncated {
+        /// Bytes the receive could hold.
+        capacity: usize,
+    },
+    /// A placed message ([`UcxWorker::recv_runs`](super::UcxWorker::recv_runs)) of another
+    /// length than its run: shorter (`got`), or longer (`None`: UCX truncated it).
+    #[error("recv_run: expected a {expected}-byte message, got {}", match got { Some(n) => format!("{n} bytes"), None => "a longer one".to_owned() })]
+    Length {
+        /// Bytes of the run.
+        expected: usize,
+        /// Bytes received, when not longer.
+        got: Option<usize>,
+    },
+    /// An id this worker does not know (never created, or already removed).
+    #[error("{what} {id} is unknown to this worker")]
+    Unknown {
+        /// `endpoint`, `memory` or `remote region`.
+        what: &'static str,
+        /// The id.
+        id: u64,
+    },
+    /// Memory of a kind this worker's context cannot move (CUDA memory on a libucx built
+    /// without CUDA, or where the run-time CUDA support did not load): refused before UCX
+    /// sees the pointer.
+    #[error("{op}: UCX cannot move {memory:?} memory here ({why})")]
+    MemoryType {
+        /// The operation refused.
+        op: &'static str,
+        /// The memory's kind.
+        memory: MemoryType,
+        /// Why (what the context supports, or the path that takes host memory only).
+        why: &'static str,
+    },
+    /// A put outside the remote region the peer advertised.
+    #[error("put of {len} bytes at offset {offset} exceeds the remote region of {size} bytes")]
+    OutOfBounds {
+        /// Offset into the region.
+        offset: u64,
+        /// Bytes to write.
+        len: usize,
+        /// Bytes of the region.
+        size: u64,
+    },
+    /// A UCX config variable that UCX refused.
+    #[error("UCX config {name}={value}: {reason}")]
+    Config {
+        /// Variable name without the `UCX_` prefix.
+        name: String,
+        /// Value.
+        value: String,
+        /// Why.
+        reason: String,
+    },
+    /// An operating-system call of the progress thread failed (eventfd, poll, thread spawn).
+    #[error("{op}: {message}")]
+    Os {
+        /// The call.
+        op: &'static str,
+        /// The OS error.
+        message: String,
+    },
+    /// A peer's worker address or remote key that does not have the shape UCX 1.13 packs;
+    /// refused before any UCX call ([`super::packed`]).
+    #[error(transparent)]
+    Malformed(#[from] Malformed),
+    /// A remote region (one-sided writes) on a worker whose context has no RMA
+    /// ([`UcxConfig::rma`](super::UcxConfig::rma)): refused before UCX sees the key.
+    #[error(
+        "one-sided writes need a UCX context with RMA, which kvferry asks for only over RDMA \
+         transports (UCX_TLS naming only rc/dc transports)"
+    )]
+    NoRma,
+    /// The progress thread has stopped (shut down, or failed at start): nothing more runs.
+    #[error("the UCX worker has shut down")]
+    WorkerGone,
+}
+
+impl UcxError {
+    /// True when the error means the remote peer is gone (fail its rooms, do not retry).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, UcxError::PeerFailed { .. })
+    }
+
+    /// A [`UcxError::Call`] for `status`, with its name from UCX.
+    pub(crate) fn call(op: &'static str, status: sys::ucs_status_t) -> Self {
+        UcxError::Call {
+            op,
+            status,
+            name: status_name(status),
+        }
+    }
+}
 
 /// `ucs_status_string` of `status` (`"Success"`, `"Connection reset by remote peer"`, ...).
 pub fn status_name(status: ucs_status_t) -> String {

@@ -36,8 +36,8 @@ pub(super) fn rma(writes: bool, tls: Option<&str>, insecure: bool) -> bool {
 
 /// Whether staged chunks should go eagerly (UCX's `RNDV_THRESH=inf`) rather than by UCX's
 /// rendezvous: when the user allowed tcp only (`UCX_TLS` of `tcp` and `self`) and did not set
-/// the threshold. Over tcp eager is the faster: rendezvous costs a handshake per chunk and an
-/// emulated one-sided read (staged chunks 1.54–1.70 GB/s eager, 0.79–0.88 by rendezvous).
+/// the threshold. Over tcp eager is the faster, for staged chunks: rendezvous costs a
+/// handshake per chunk and an emulated one-sided read.
 /// Everywhere else rendezvous stays: with RDMA it is the zero-copy path, and over shared memory
 /// it moves the bytes by cma, keeping the receiver's shared FIFO to a few small messages. A
 /// sender killed in the middle of a FIFO message wedges that FIFO for every sender (UCX 1.13
@@ -78,7 +78,7 @@ pub fn maps_pools() -> bool {
 /// Whether `tls` names shared-memory transports only (`posix,cma,self`, `sm`, ...). UCX 1.13
 /// cannot detect a dead peer over them: it refuses an endpoint asking for that, and logs the
 /// refusal as an error on stdout, where kvferry prints its listening line. Such endpoints are
-/// made unsupervised from the start ([`super::worker::UcxConfig::supervise`]).
+/// made unsupervised from the start ([`super::UcxConfig::supervise`]).
 pub(super) fn shared_memory_only(tls: Option<&str>) -> bool {
     let Some(list) = tls else { return false };
     !list.starts_with('^')
@@ -102,7 +102,7 @@ pub(super) fn eager() -> bool {
 /// The tcp segments for eager chunks and runs, as (environment variable without `UCX_`, the
 /// name `ucp_config_modify` takes, value). UCX 1.13 sends tcp messages in 8 KiB segments and
 /// receives in 64 KiB ones; with 1 MiB segments a 1 MiB chunk is one send and one receive
-/// (staged 512 MiB rooms: 3.6–4.0 GB/s, against 3.1 with 8 KiB segments).
+/// (staged rooms ran faster than with 8 KiB segments).
 /// UCX 1.13 applies a transport's setting given to `ucp_config_modify` only under the field's
 /// own name (`TX_SEG_SIZE`): `TCP_TX_SEG_SIZE` is accepted and silently ignored (the
 /// endpoint's eager range stays at 8 KiB; tests/in_process/ucx_layer.rs checks it), so the environment's

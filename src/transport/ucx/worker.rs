@@ -5,262 +5,24 @@
 //! awaits the reply on a tokio oneshot. A dropped call future wakes the thread too, which then
 //! cancels the abandoned operation; buffers are never owned by the future.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
+use super::command::{Command, EndpointId, MemId, Received, Registered, RemoteRegionId, Reply};
+use super::config::UcxConfig;
+use super::memory_type::MemoryTypes;
 use super::region::RegisterableMemory;
-use super::{MemoryTypes, UcxError};
-pub use crate::memory::{Span, WriteRun};
+use super::result::UcxError;
+use super::safe::Wakeup;
+use crate::memory::{Span, WriteRun};
 use crate::transport::RecvBuffers;
-
-/// An endpoint of one [`UcxWorker`] (a connection to one remote worker).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct EndpointId(pub u64);
-
-/// A memory registration of one [`UcxWorker`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct MemId(pub u64);
-
-/// A peer's registered memory, as one [`UcxWorker`] knows it (endpoint + unpacked key + bounds).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RemoteRegionId(pub u64);
-
-/// A received tagged message.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Received {
-    /// The sender's tag (it matched the receive's tag under its mask).
-    pub tag: u64,
-    /// The message.
-    pub data: Bytes,
-}
-
-/// A registration: what a peer needs (in Hello) to put into it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Registered {
-    /// Local id, for [`UcxWorker::unregister`].
-    pub id: MemId,
-    /// Address of the first byte, in this process.
-    pub base: u64,
-    /// Bytes registered.
-    pub size: u64,
-    /// The packed remote key.
-    pub rkey: Bytes,
-}
-
-/// How to build a worker's context: UCX config variables applied on top of the defaults and
-/// the `UCX_*` environment (through `ucp_config_modify`, so two workers of one process can use
-/// different transports).
-#[derive(Clone, Debug, Default)]
-pub struct UcxConfig {
-    vars: Vec<(String, String)>,
-    pub(super) supervise: Option<bool>,
-    pub(super) eager: bool,
-    pub(super) rma: bool,
-    pub(super) unexpected: Option<Unexpected>,
-}
-
-/// Which tagged messages that arrive with no receive posted for them a worker keeps
-/// ([`UcxConfig::unexpected`]): those whose tag's top 32 bits are `keep`. Every other one is
-/// dropped as it arrives, so no peer can fill the worker's memory with messages nobody
-/// receives (UCX queues them without bound, and cannot name their sender).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Unexpected {
-    /// The prefix of the tags kept.
-    pub keep: u32,
-    /// The top byte of tags whose messages may arrive late in normal operation (runs of a
-    /// chunk cancelled meanwhile): dropped quietly, where any other drop is logged as a
-    /// warning.
-    pub late: u8,
-}
-
-impl UcxConfig {
-    /// UCX's defaults and the process's `UCX_*` environment.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// UCX over tcp on the loopback device only (`TLS=tcp`, `NET_DEVICES=lo`).
-    pub fn tcp_loopback() -> Self {
-        Self::new().var("TLS", "tcp").var("NET_DEVICES", "lo")
-    }
-
-    /// UCX over shared memory (`TLS=posix,cma,self`): same host only. UCX 1.13 cannot detect
-    /// a dead peer on these transports, so endpoints are unsupervised (see
-    /// [`UcxWorker::fail_endpoint`]).
-    pub fn shared_memory() -> Self {
-        Self::new()
-            .var("TLS", "posix,cma,self")
-            .supervise(Some(false))
-    }
-
-    /// Peer failure detection of endpoints: `Some(true)` requires it (`connect` fails where
-    /// the transports lack it), `Some(false)` goes without, `None` (default) asks for it and
-    /// falls back to an unsupervised endpoint when UCX refuses.
-    pub fn supervise(mut self, supervise: Option<bool>) -> Self {
-        self.supervise = supervise;
-        self
-    }
-
-    /// Whether messages go eagerly (the caller also sets `RNDV_THRESH=inf`), as over tcp,
-    /// where a message arrives as a stream of segments that the receiver copies out of UCX's
-    /// buffers. Then the progress thread
-    /// - receives placed runs ([`UcxWorker::recv_runs`]) through a [`super::revocable::Revocable`]:
-    ///   UCX 1.13 never ends a receive whose sender died mid-message, and a cancelled run must
-    ///   stop writing into its place even so;
-    /// - polls [`EAGER_SPIN`] before it sleeps, since the next segment is usually that close.
-    pub fn eager(mut self, eager: bool) -> Self {
-        self.eager = eager;
-        self
-    }
-
-    /// Whether the worker's context asks for RMA (default: no). Only a worker that writes
-    /// one-sided into peers over transports whose hardware checks remote keys (RDMA) should:
-    /// with RMA, libucx runs any connected peer's puts and gets in this process over tcp and
-    /// shared memory ([`super::safe::Context`]). Without it, remote regions
-    /// ([`UcxWorker::add_remote_region`]) are refused.
-    pub fn rma(mut self, rma: bool) -> Self {
-        self.rma = rma;
-        self
-    }
-
-    /// Drops tagged messages that arrive with no receive posted for them, but those
-    /// `unexpected` keeps (default: UCX keeps every one until a receive takes it). Counts are
-    /// logged at most every 10 s.
-    pub fn unexpected(mut self, unexpected: Unexpected) -> Self {
-        self.unexpected = Some(unexpected);
-        self
-    }
-
-    /// Sets a UCX variable, named with or without the `UCX_` prefix (`TLS`, `UCX_TLS`). A
-    /// transport's setting goes by its field's own name, without the transport's prefix
-    /// (`TX_SEG_SIZE` for `UCX_TCP_TX_SEG_SIZE`): UCX 1.13 accepts `TCP_TX_SEG_SIZE` here,
-    /// warns "invalid configuration" and ignores it.
-    pub fn var(mut self, name: &str, value: &str) -> Self {
-        let name = name.strip_prefix("UCX_").unwrap_or(name);
-        self.vars.retain(|(n, _)| n != name);
-        self.vars.push((name.to_owned(), value.to_owned()));
-        self
-    }
-
-    /// The variables set so far.
-    pub fn vars(&self) -> &[(String, String)] {
-        &self.vars
-    }
-}
-
-/// How long an eager worker's progress thread keeps polling after its last event before it
-/// sleeps. Over tcp a message arrives as a stream of segments, and a thread that sleeps
-/// whenever a round finds nothing loses a wake-up per segment: a short poll pays, a long one
-/// costs more than it saves (on a loaded machine the spinning threads take the copies' time).
-/// Over shared memory, where the receiver pulls a whole run in one copy, polling only costs,
-/// so rendezvous workers sleep at once. Measured: placed ucx-tcp rooms 4.8–5.8 GB/s with this
-/// poll against 4.2–4.7 sleeping at once; staged ucx-shm rooms 3.0–3.2 with it, 3.6–3.8
-/// without.
-pub const EAGER_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
-
-pub(super) type Reply<T> = oneshot::Sender<Result<T, UcxError>>;
-
-/// What the progress thread is asked to do.
-pub(super) enum Command {
-    Connect {
-        address: Bytes,
-        reply: Reply<EndpointId>,
-    },
-    Disconnect {
-        ep: EndpointId,
-        reply: Reply<()>,
-    },
-    SendTag {
-        ep: EndpointId,
-        tag: u64,
-        parts: Vec<Bytes>,
-        /// Ranges of memory sent after `parts`, in order, in the same message.
-        from: Option<(Arc<dyn RegisterableMemory>, Vec<Span>)>,
-        reply: Reply<()>,
-    },
-    RecvTag {
-        tag: u64,
-        mask: u64,
-        capacity: usize,
-        from: Option<EndpointId>,
-        /// Whose buffer the message lands in (a fresh allocation when `None`).
-        into: Option<Arc<dyn RecvBuffers>>,
-        reply: Reply<Received>,
-    },
-    Register {
-        memory: Arc<dyn RegisterableMemory>,
-        reply: Reply<Registered>,
-    },
-    Unregister {
-        id: MemId,
-        reply: Reply<()>,
-    },
-    AddRemote {
-        ep: EndpointId,
-        base: u64,
-        size: u64,
-        rkey: Bytes,
-        reply: Reply<RemoteRegionId>,
-    },
-    Put {
-        region: RemoteRegionId,
-        offset: u64,
-        data: Bytes,
-        reply: Reply<()>,
-    },
-    Flush {
-        ep: EndpointId,
-        reply: Reply<()>,
-    },
-    Write {
-        region: RemoteRegionId,
-        source: Arc<dyn RegisterableMemory>,
-        runs: Vec<WriteRun>,
-        reply: Reply<()>,
-    },
-    Ping {
-        reply: Reply<()>,
-    },
-    SendRuns {
-        ep: EndpointId,
-        tag: u64,
-        source: Arc<dyn RegisterableMemory>,
-        runs: Vec<Span>,
-        reply: Reply<()>,
-    },
-    RecvRuns {
-        tag: u64,
-        memory: Arc<dyn RegisterableMemory>,
-        runs: Vec<Vec<Span>>,
-        /// Answered once every receive is posted (dropped if they are not).
-        posted: oneshot::Sender<()>,
-        cancel: Arc<AtomicBool>,
-        reply: Reply<()>,
-    },
-    Describe {
-        ep: EndpointId,
-        reply: Reply<String>,
-    },
-    FailEndpoint {
-        ep: EndpointId,
-        reply: Reply<()>,
-    },
-    Supervised {
-        ep: EndpointId,
-        reply: Reply<bool>,
-    },
-    Shutdown {
-        reply: Option<oneshot::Sender<()>>,
-    },
-}
 
 struct Shared {
     commands: mpsc::Sender<Command>,
-    wake: Arc<OwnedFd>,
+    wake: Arc<Wakeup>,
     address: Bytes,
     memory_types: MemoryTypes,
     rma: bool,
@@ -273,7 +35,7 @@ impl Shared {
         self.commands
             .send(command)
             .map_err(|_| UcxError::WorkerGone)?;
-        wake(&self.wake);
+        self.wake.wake();
         Ok(())
     }
 }
@@ -288,7 +50,7 @@ impl Drop for Shared {
             .send(Command::Shutdown { reply: None })
             .is_ok()
         {
-            wake(&self.wake);
+            self.wake.wake();
         }
         if let Some(thread) = self.thread.take()
             && thread.thread().id() != std::thread::current().id()
@@ -298,24 +60,17 @@ impl Drop for Shared {
     }
 }
 
-pub(super) fn wake(fd: &OwnedFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live u64 to an eventfd we own. A full counter (EAGAIN)
-    // already means "awake", so the result needs no handling.
-    let _ = unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
-}
-
 /// Wakes the progress thread when a caller's future is dropped before its reply, so the
 /// abandoned operation is cancelled at once rather than at the next timeout.
 struct WakeOnDrop<'a> {
-    wake: &'a OwnedFd,
+    wake: &'a Wakeup,
     armed: bool,
 }
 
 impl Drop for WakeOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            wake(self.wake);
+            self.wake.wake();
         }
     }
 }
@@ -340,16 +95,7 @@ impl UcxWorker {
     /// with the UCX status when libucx refuses the config or finds no usable transport.
     pub async fn spawn(config: UcxConfig) -> Result<UcxWorker, UcxError> {
         let rma = config.rma;
-        // SAFETY: eventfd has no memory preconditions; the result is checked below.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(UcxError::Os {
-                op: "eventfd",
-                message: std::io::Error::last_os_error().to_string(),
-            });
-        }
-        // SAFETY: `raw` is a fresh descriptor nobody else owns.
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
+        let wake = Arc::new(Wakeup::new()?);
         let (commands, inbox) = mpsc::channel();
         let (ready, started) = oneshot::channel();
         let thread_wake = wake.clone();
@@ -694,7 +440,7 @@ impl UcxWorker {
                 r = &mut result => r,
                 () = cancel.cancelled() => {
                     flag.store(true, Ordering::Release);
-                    self::wake(&wake);
+                    wake.wake();
                     result.await
                 }
             };

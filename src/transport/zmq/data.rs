@@ -20,8 +20,8 @@
 //!
 //! It replaced the `zeromq` crate's PUSH/PULL, which copies every payload into its write
 //! buffer and zero-fills its read buffer (5 copies and a memset per byte, against libzmq's
-//! 4 passes when gathered). End to end libzmq measured 1.02–1.03x the crate's room rate on 2
-//! cores: its thread hops (tokio, socket thread, I/O thread) cost about what the copies gain.
+//! 4 passes when gathered). End to end libzmq ran rooms at about the crate's rate: its thread
+//! hops (tokio, socket thread, I/O thread) cost about what the copies gain.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -13,7 +13,7 @@ use crate::protocol::{Chunk, Message};
 use crate::reason::{FailureCode, Reason};
 use crate::transport::FRAME_ROOM;
 use crate::transport::{self, DataSender};
-use crate::transport::{DeviceBytes, Frame, TransportError};
+use crate::transport::{DeviceBytes, Frame, TransportError, TransportErrorKind};
 use std::sync::Arc;
 use uuid::Uuid;
 
@@ -34,15 +34,17 @@ pub(super) enum ChunkBody {
 
 /// A chunk's bytes on their way: a staged chunk's frame, resolved once the transport is done
 /// with it; a placed chunk's runs, resolved once the decode has posted their receives and
-/// taken them (an error with op [`REFUSED`]: it refused them; [`NOT_POSTED`]: it did not
-/// answer within the send timeout). The task belongs to the transfer's [`Job::sends`]: a
-/// waiter that gives up (timeout, abort) drops only the handle, never the send, which may
-/// still read this pool's pages.
+/// taken them (an error of kind [`TransportErrorKind::Refused`]: it refused them;
+/// [`TransportErrorKind::Unanswered`]: it did not answer within the send timeout). The task
+/// belongs to the transfer's [`Job::sends`]: a waiter that gives up (timeout, abort) drops
+/// only the handle, never the send, which may still read this pool's pages.
 pub(super) type Taken = tokio::task::JoinHandle<Result<(), TransportError>>;
 
-/// The op of the error of a placed chunk whose runs the decode refused (its room ended there).
+/// The op (context) of the error of a placed chunk whose runs the decode refused (its room
+/// ended there).
 const REFUSED: &str = "posted";
-/// The op of the error of a placed chunk whose receives the decode never said were posted.
+/// The op (context) of the error of a placed chunk whose receives the decode never said were
+/// posted.
 const NOT_POSTED: &str = "posted_wait";
 
 /// A staged chunk's payload: gathered into a staging slot or into device staging, or ranges
@@ -88,7 +90,10 @@ impl Prefill {
             Err(_) => None,
         };
         match done {
-            Some(Err(e)) if e.op == REFUSED => Err(Reason::new(
+            Some(Err(TransportError {
+                kind: TransportErrorKind::Refused,
+                ..
+            })) => Err(Reason::new(
                 FailureCode::Aborted,
                 format!(
                     "decode {} refused a placed chunk (its room ended there)",
@@ -96,9 +101,10 @@ impl Prefill {
                 ),
             )),
             // The decode never answered for the receives: the stall it is, not a dead peer.
-            Some(Err(e)) if e.op == NOT_POSTED => {
-                self.data_plane_outcome::<()>(job, PLACED_STALL, None)
-            }
+            Some(Err(TransportError {
+                kind: TransportErrorKind::Unanswered,
+                ..
+            })) => self.data_plane_outcome::<()>(job, PLACED_STALL, None),
             done => self.data_plane_outcome(job, stalled, done),
         }
     }
@@ -259,11 +265,15 @@ impl Prefill {
                 let endpoint = peer.data_endpoint.clone();
                 match tokio::time::timeout(timeout, posted).await {
                     Ok(Ok(true)) => {}
-                    Ok(_) => return Err(TransportError::new(REFUSED, &endpoint, "refused")),
+                    Ok(_) => {
+                        let refused = TransportError::new(REFUSED, &endpoint, "refused");
+                        return Err(refused.with_kind(TransportErrorKind::Refused));
+                    }
                     Err(_) => {
                         let mut waiting = peer.posted.lock().unwrap_or_else(|e| e.into_inner());
                         waiting.remove(&key);
-                        return Err(TransportError::new(NOT_POSTED, &endpoint, "no Posted"));
+                        let silent = TransportError::new(NOT_POSTED, &endpoint, "no Posted");
+                        return Err(silent.with_kind(TransportErrorKind::Unanswered));
                     }
                 }
                 let taken = peer.data.lock().await.send_runs(pool, key, spans);

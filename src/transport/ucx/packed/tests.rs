@@ -2,11 +2,12 @@
 //! cma, self and mixes), against malformed bytes, and at the edge of a guard page.
 
 use std::rc::Rc;
+use std::sync::Arc;
 
 use super::*;
-use crate::transport::ucx::safe::{Context, Endpoint, MemHandle, Worker};
+use crate::transport::ucx::safe::{Context, Endpoint, MemHandle, RemoteKey, Worker};
 use crate::transport::ucx::sys;
-use crate::transport::ucx::{MemoryType, UcxError};
+use crate::transport::ucx::{Region, UcxError};
 
 /// The UCX transports to pack addresses and keys with; tcp pinned to loopback.
 const TRANSPORTS: [&[(&str, &str)]; 9] = [
@@ -29,7 +30,7 @@ struct Packed {
     worker: Rc<Worker>,
     address: Vec<u8>,
     rkey: Vec<u8>,
-    _memory: (MemHandle, Vec<u8>),
+    _memory: MemHandle,
 }
 
 fn pack(vars: &[(&str, &str)]) -> Packed {
@@ -40,23 +41,14 @@ fn pack(vars: &[(&str, &str)]) -> Packed {
     let context = Context::new(&vars, true).unwrap_or_else(|e| panic!("{vars:?}: {e}"));
     let worker = Worker::new(&context).unwrap();
     let address = worker.address().unwrap();
-    let mut buffer = vec![0u8; 1 << 16];
-    // SAFETY: the buffer lives (in `_memory`, after the handle) as long as the handle.
-    let handle = unsafe {
-        MemHandle::map(
-            &context,
-            buffer.as_mut_ptr(),
-            buffer.len(),
-            MemoryType::Host,
-        )
-    }
-    .unwrap();
+    let memory = Arc::new(Region::new(1 << 16).unwrap());
+    let handle = MemHandle::map(&context, memory).unwrap();
     let rkey = handle.rkey().unwrap();
     Packed {
         worker,
         address,
         rkey,
-        _memory: (handle, buffer),
+        _memory: handle,
     }
 }
 
@@ -218,13 +210,13 @@ fn malformed_bytes_never_reach_ucx() {
     }
     let ep = Rc::new(Endpoint::connect(&p.worker, &p.address, true).unwrap());
     for bad in [&p.rkey[..2], &p.rkey[..p.rkey.len() - 1]] {
-        match ep.unpack_rkey(bad) {
+        match RemoteKey::unpack(&ep, bad) {
             Err(UcxError::Malformed(m)) => assert_eq!(m.what, "rkey"),
             Err(e) => panic!("{} bytes: not refused as malformed: {e}", bad.len()),
             Ok(_) => panic!("{} bytes: unpacked", bad.len()),
         }
     }
-    assert!(ep.unpack_rkey(&p.rkey).is_ok());
+    assert!(RemoteKey::unpack(&ep, &p.rkey).is_ok());
 }
 
 /// Two pages, the second PROT_NONE: bytes placed at the very end of the first fault on any
@@ -334,6 +326,6 @@ fn nothing_reads_past_a_buffer_that_ends_at_a_guard_page() {
             "{name}"
         );
         let tight_key = guard.tight(&p.rkey);
-        assert!(endpoint.unpack_rkey(tight_key).is_ok(), "{name}");
+        assert!(RemoteKey::unpack(&endpoint, tight_key).is_ok(), "{name}");
     }
 }

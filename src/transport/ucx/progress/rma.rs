@@ -8,54 +8,25 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::Engine;
-use super::pending::Op;
+use super::op::{Op, PutSource};
+use crate::memory::WriteRun;
+use crate::transport::ucx::command::{EndpointId, MemId, Registered, RemoteRegionId, Reply};
+use crate::transport::ucx::memory_type::MemoryType;
 use crate::transport::ucx::region::RegisterableMemory;
-use crate::transport::ucx::safe::{Endpoint, MemHandle, RemoteKey};
-use crate::transport::ucx::worker::{
-    EndpointId, MemId, Registered, RemoteRegionId, Reply, WriteRun,
-};
-use crate::transport::ucx::{MemoryType, UcxError};
+use crate::transport::ucx::result::UcxError;
+use crate::transport::ucx::safe::{MemHandle, RemoteKey};
 
-/// A peer's registered memory: the endpoint to it, the unpacked key and the bounds. Each put
+/// A peer's registered memory: its endpoint's id, the key unpacked for that endpoint (which
+/// holds the endpoint) and the bounds. Each put
 /// into it holds the key too (`Op::Put`), so the key is destroyed only once the region is gone
 /// and no put that uses it is queued: a disconnect, a dead peer or shutdown drops the region
 /// while an unsupervised endpoint closes by flushing, and puts still queued on it keep reading
 /// the key until they complete.
 pub(super) struct RemoteRegion {
     pub(super) ep: EndpointId,
-    pub(super) endpoint: Rc<Endpoint>,
     pub(super) key: Rc<RemoteKey>,
     pub(super) base: u64,
     pub(super) size: u64,
-}
-
-/// What a put reads from, kept alive (in the put's Pending entry) until it completes.
-pub(super) enum PutSource {
-    Bytes(Bytes),
-    Memory(Arc<dyn RegisterableMemory>),
-}
-
-impl PutSource {
-    fn base(&self) -> *const u8 {
-        match self {
-            PutSource::Bytes(b) => b.as_ptr(),
-            PutSource::Memory(m) => m.base(),
-        }
-    }
-
-    fn size(&self) -> usize {
-        match self {
-            PutSource::Bytes(b) => b.len(),
-            PutSource::Memory(m) => m.size(),
-        }
-    }
-
-    fn share(&self) -> PutSource {
-        match self {
-            PutSource::Bytes(b) => PutSource::Bytes(b.clone()),
-            PutSource::Memory(m) => PutSource::Memory(m.clone()),
-        }
-    }
 }
 
 impl Engine {
@@ -64,13 +35,11 @@ impl Engine {
         memory: Arc<dyn RegisterableMemory>,
     ) -> Result<Registered, UcxError> {
         let (base, size) = (memory.base(), memory.size());
-        let kind = self.movable("register", memory.as_ref())?;
-        // SAFETY: RegisterableMemory guarantees base..base+size stays mapped while the value
-        // lives; the Arc is stored next to the handle and dropped after it.
-        let handle = unsafe { MemHandle::map(&self.context, base, size, kind) }?;
+        self.movable("register", memory.as_ref())?;
+        let handle = MemHandle::map(&self.context, memory)?;
         let rkey = handle.rkey()?;
         let id = self.id();
-        self.registered.insert(id, (handle, memory));
+        self.registered.insert(id, handle);
         Ok(Registered {
             id: MemId(id),
             base: base as u64,
@@ -80,13 +49,11 @@ impl Engine {
     }
 
     pub(super) fn unregister(&mut self, id: MemId) -> Result<(), UcxError> {
-        // The handle is dropped (unmapped) before the memory it maps.
-        let (handle, memory) = self.registered.remove(&id.0).ok_or(UcxError::Unknown {
+        // Dropping the handle unmaps the memory before it lets the memory go.
+        self.registered.remove(&id.0).ok_or(UcxError::Unknown {
             what: "memory",
             id: id.0,
         })?;
-        drop(handle);
-        drop(memory);
         Ok(())
     }
 
@@ -108,11 +75,10 @@ impl Engine {
                 size,
             });
         }
-        let key = Rc::new(endpoint.unpack_rkey(rkey)?);
+        let key = Rc::new(RemoteKey::unpack(&endpoint, rkey)?);
         let id = self.id();
         let region = RemoteRegion {
             ep,
-            endpoint,
             key,
             base,
             size,
@@ -138,6 +104,8 @@ impl Engine {
         started
     }
 
+    // Lends UCX buffers that stay in the operation's `Pending` entry until its request ends.
+    #[allow(unsafe_code)]
     fn try_start_puts(
         &mut self,
         region: RemoteRegionId,
@@ -149,7 +117,7 @@ impl Engine {
             what: "remote region",
             id: region.0,
         })?;
-        let (ep, endpoint, remote_size) = (r.ep, r.endpoint.clone(), r.size);
+        let (ep, remote_size) = (r.ep, r.size);
         if let PutSource::Memory(m) = source
             && m.memory_type() != MemoryType::Host
         {
@@ -179,11 +147,10 @@ impl Engine {
             // were checked above (remote base+size does not overflow: checked when the region
             // was added); the key lives in the put's Pending entry until it completes.
             let started = unsafe {
-                endpoint.put(
+                key.put(
                     source.base().add(run.src as usize),
                     run.len as usize,
                     remote_base + run.dst,
-                    &key,
                 )
             }
             .map_err(|e| self.failure_of("put", ep, e))?;

@@ -2,107 +2,32 @@
 //! from it, and received straight into memory at offsets the receiver chose. Each run is its
 //! own request; a [`Group`] answers the caller once all of a command's runs have completed.
 //!
-//! On an eager worker (tcp) each run is received through a [`Revocable`](crate::transport::ucx::revocable::Revocable): a cancelled group
+//! On an eager worker (tcp) each run is received through a [`Revocable`](crate::transport::ucx::safe::Revocable): a cancelled group
 //! revokes its runs and answers at once, whether or not UCX ever ends their requests (it does
 //! not end one whose sender died mid-message). Revoked receives that no message matched yet
 //! stay posted for [`REVOKED_DRAIN`], taking and dropping what the sender still had on the way,
 //! then are cancelled.
 
-use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use super::Engine;
-use super::pending::{Op, Pending};
+use super::group::Group;
+use super::op::{Op, Pending, Receiving};
+use crate::memory::Span;
+use crate::transport::ucx::command::{EndpointId, Reply};
+use crate::transport::ucx::memory_type::MemoryType;
 use crate::transport::ucx::region::RegisterableMemory;
-use crate::transport::ucx::revocable::RevocableBox;
-use crate::transport::ucx::safe::Started;
+use crate::transport::ucx::result::UcxError;
+use crate::transport::ucx::safe::{RevocableBox, Started};
 use crate::transport::ucx::sys;
-use crate::transport::ucx::worker::{EndpointId, Reply, Span};
-use crate::transport::ucx::{MemoryType, UcxError};
 
 /// How long revoked receives that no message matched stay posted before they are cancelled.
 /// A sender queues a chunk's runs once the receiver has posted them (the agents' `Posted`), so
 /// whatever it sends after a cancel is on its way within moments.
 const REVOKED_DRAIN: Duration = Duration::from_secs(10);
-
-/// The requests of one command, answered together: once every one has completed, with the
-/// first error.
-pub(super) struct Group {
-    remaining: Cell<usize>,
-    error: RefCell<Option<UcxError>>,
-    reply: RefCell<Option<Reply<()>>>,
-    /// Set by the caller to cancel the group's receives (it keeps waiting for the answer).
-    cancel: Option<Arc<AtomicBool>>,
-    /// Whether the group's requests were cancelled.
-    cancelled: Cell<bool>,
-    /// The keys of the group's requests ([`crate::transport::ucx::safe::Request::key`]),
-    /// ended ones included: a key found in flight is the group's only if its op says so.
-    requests: RefCell<Vec<usize>>,
-}
-
-impl Group {
-    fn new(count: usize, reply: Reply<()>, cancel: Option<Arc<AtomicBool>>) -> Rc<Group> {
-        Rc::new(Group {
-            remaining: Cell::new(count),
-            error: RefCell::new(None),
-            reply: RefCell::new(Some(reply)),
-            cancel,
-            cancelled: Cell::new(false),
-            requests: RefCell::new(Vec::new()),
-        })
-    }
-
-    /// Records one request's end; the last one answers.
-    pub(super) fn done(&self, result: Result<(), UcxError>) {
-        if let Err(e) = result {
-            self.error.borrow_mut().get_or_insert(e);
-        }
-        let left = self.remaining.get().saturating_sub(1);
-        self.remaining.set(left);
-        if left == 0
-            && let Some(reply) = self.reply.borrow_mut().take()
-        {
-            let _ = reply.send(self.error.borrow_mut().take().map_or(Ok(()), Err));
-        }
-    }
-
-    /// Whether the caller cancelled the group or stopped waiting for it.
-    pub(super) fn abandoned(&self) -> bool {
-        self.cancel
-            .as_ref()
-            .is_some_and(|c| c.load(Ordering::Acquire))
-            || self.reply.borrow().as_ref().is_none_or(|r| r.is_closed())
-    }
-
-    /// True once, when the group is abandoned: its requests are then to be cancelled.
-    pub(super) fn take_cancel(&self) -> bool {
-        let cancel = !self.cancelled.get() && self.abandoned();
-        self.cancelled.set(self.cancelled.get() || cancel);
-        cancel
-    }
-
-    /// Answers the caller now that its runs are revoked (their requests may end later, or
-    /// never): they write nothing more.
-    fn revoked(&self) {
-        if let Some(reply) = self.reply.borrow_mut().take() {
-            let cancelled = UcxError::call("recv_run", sys::UCS_ERR_CANCELED);
-            let _ = reply.send(Err(cancelled));
-        }
-    }
-
-    /// Whether every request has ended and the caller was answered.
-    pub(super) fn answered(&self) -> bool {
-        self.reply.borrow().is_none()
-    }
-
-    /// The keys of the group's requests.
-    pub(super) fn requests(&self) -> Vec<usize> {
-        self.requests.borrow().clone()
-    }
-}
 
 /// Checks every run against memory of `size` bytes and the tags against overflow.
 fn check(tag: u64, runs: &[Span], size: usize) -> Result<(), UcxError> {
@@ -138,6 +63,8 @@ pub(super) fn within(runs: &[Span], size: usize) -> Result<(), UcxError> {
 
 impl Engine {
     /// Starts the tagged send of every run of `source` through `ep` (run `i` under `tag + i`).
+    // Lends UCX buffers that stay in the operation's `Pending` entry until its request ends.
+    #[allow(unsafe_code)]
     pub(super) fn send_runs(
         &mut self,
         ep: EndpointId,
@@ -180,6 +107,8 @@ impl Engine {
     /// pieces of run `i`, one after the other), then answers `posted`; `cancel` cancels those
     /// still open. A run of several pieces needs an eager worker, whose unpack callback copies
     /// each part into place.
+    // Lends UCX buffers that stay in the operation's `Pending` entry until its request ends.
+    #[allow(unsafe_code)]
     pub(super) fn recv_runs(
         &mut self,
         tag: u64,
@@ -259,7 +188,7 @@ impl Engine {
         let _ = posted.send(());
     }
 
-    /// Revokes the runs of a cancelled `group` that are [`Revocable`](crate::transport::ucx::revocable::Revocable) and answers it at once
+    /// Revokes the runs of a cancelled `group` that are [`Revocable`](crate::transport::ucx::safe::Revocable) and answers it at once
     /// (when it has any; its others are cancelled as usual). Their requests stay filed until
     /// UCX ends them; those no message matched yet are cancelled after [`REVOKED_DRAIN`].
     pub(super) fn cancel_group(&mut self, group: &Rc<Group>) {
@@ -335,11 +264,4 @@ impl Engine {
             Started::Done(()) => group.done(Ok(())),
         }
     }
-}
-
-/// A receiving run: the length its message must have, and its [`Revocable`](crate::transport::ucx::revocable::Revocable) destination on
-/// an eager worker.
-pub(super) struct Receiving {
-    pub(super) expect: usize,
-    pub(super) target: Option<RevocableBox>,
 }

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use super::*;
+use crate::transport::ucx::command::RemoteRegionId;
 use crate::transport::ucx::region::Region;
-use crate::transport::ucx::worker::RemoteRegionId;
 
 fn engine() -> Engine {
     engine_of(UcxConfig::tcp_loopback())

@@ -10,10 +10,10 @@ use std::ptr::{self, NonNull};
 use std::rc::Rc;
 use std::sync::OnceLock;
 
-use super::UcxError;
-use super::result;
-use super::safe::{Started, Worker};
-use super::sys::{self, ucs_status_t};
+use super::worker::{Started, Worker};
+use crate::transport::ucx::memory_type::MemoryType;
+use crate::transport::ucx::result::{self, UcxError};
+use crate::transport::ucx::sys::{self, ucs_status_t};
 
 /// The destination of a receive that UCX reaches only through this code: the receive uses a
 /// UCP generic datatype whose unpack callback copies each piece that arrives into place, or
@@ -213,16 +213,7 @@ impl Worker {
         let buffer = target.as_ptr().cast();
         // SAFETY: UCX hands the buffer pointer (the target) only to the datatype's callbacks,
         // which the caller's contract keeps valid.
-        unsafe {
-            self.recv_as(
-                buffer,
-                1,
-                revocable_type()?,
-                tag,
-                mask,
-                super::MemoryType::Host,
-            )
-        }
+        unsafe { self.recv_as(buffer, 1, revocable_type()?, tag, mask, MemoryType::Host) }
     }
 }
 
