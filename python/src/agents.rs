@@ -363,7 +363,7 @@ agent_class!(
     prefill::PrefillAgent,
     control_endpoint,
     {
-        /// Holds `room` while the engine has its request queued (see `PrefillAgent::hold`
+        /// Holds `room` while the engine has its request queued (see `EngineApi::hold`
         /// in Rust).
         fn hold(&self, py: Python<'_>, room: u64) -> PyResult<()> {
             self.0
@@ -456,7 +456,7 @@ agent_class!(
         }
 
         /// Holds `room` at its prefill while the engine has its request queued (see
-        /// `DecodeAgent::hold` in Rust): returns at once.
+        /// `EngineApi::hold` in Rust): returns at once.
         #[pyo3(signature = (room, bootstrap=None, dp_rank=None))]
         fn hold(&self, py: Python<'_>, room: u64, bootstrap: Option<String>, dp_rank: Option<u32>) -> PyResult<()> {
             let req = HoldRequest { bootstrap, dp_rank };

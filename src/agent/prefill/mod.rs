@@ -204,7 +204,7 @@ pub struct Prefill {
     replier: ControlReplier,
     slots: Arc<SlotPool>,
     table: RoomTable<Room>,
-    /// Rooms whose requests wait in the engine's queue ([`PrefillAgent::hold`]).
+    /// Rooms whose requests wait in the engine's queue ([`EngineApi::hold`](super::EngineApi::hold)).
     holds: Holds<()>,
     /// Rooms whose ready KV no decode asked for within the TTL, for a request that comes
     /// later (refused at once rather than waiting for a room that will never be announced).
