@@ -691,5 +691,74 @@ fn check_body(e: Element, got: &[u8], want: &[u8], first: usize) -> Result<(), S
     }
 }
 
+/// The synthetic engine as the agents call it, and only where it is configured
+/// (`--synthetic`, as tests, `kvferry demo` and `kvferry bench` run the agents): a prefill has
+/// it fill the pages the agent allocated for a room, and announce a whole room layer by layer
+/// when `--synthetic-layer-ms` is set; a decode has it check a landed room's bytes on take.
+/// Without it an agent serves only an engine's own pages and checks nothing.
+pub(crate) struct SyntheticEngine {
+    filler: Filler,
+    mode: Verify,
+    layer_delay: std::time::Duration,
+}
+
+impl SyntheticEngine {
+    /// The engine `cfg` configures for a pool of `num_pages` pages, if any.
+    pub(crate) fn configured(
+        cfg: &super::AgentConfig,
+        num_pages: usize,
+    ) -> Option<std::sync::Arc<Self>> {
+        cfg.synthetic.then(|| {
+            std::sync::Arc::new(SyntheticEngine {
+                filler: Filler::new(num_pages, cfg.synthetic_verify),
+                mode: cfg.synthetic_verify,
+                layer_delay: cfg.synthetic_layer_delay,
+            })
+        })
+    }
+
+    /// The pause before each layer of a whole room, when rooms are announced layer by layer.
+    pub(crate) fn layer_pacing(&self) -> Option<std::time::Duration> {
+        (!self.layer_delay.is_zero()).then_some(self.layer_delay)
+    }
+
+    /// Fills `tokens` x local `layers` of `room` (id, tokens), held in `pages`, on the
+    /// blocking pool; `keep` (the pages' lease) travels with the fill, so that an abort
+    /// meanwhile cannot hand the pages out.
+    pub(crate) async fn fill(
+        self: &std::sync::Arc<Self>,
+        pool: &AgentPool,
+        room: (u64, usize),
+        (pages, keep): (std::sync::Arc<[u32]>, impl Send + 'static),
+        tokens: Range<usize>,
+        layers: Range<usize>,
+    ) -> Result<(), super::RoomError> {
+        let (engine, pool) = (self.clone(), pool.clone());
+        tokio::task::spawn_blocking(move || {
+            let _keep = keep;
+            engine.filler.fill(&pool, room, &pages, tokens, layers)
+        })
+        .await
+        .map_err(|e| super::RoomError::Unavailable(e.to_string()))?
+        .map_err(|e| super::RoomError::BadRequest(e.to_string()))
+    }
+
+    /// Checks the landed `tokens` of `room`, held in `pages`, on the blocking pool; the
+    /// difference found, if any.
+    pub(crate) async fn check(
+        &self,
+        pool: &AgentPool,
+        room: u64,
+        pages: std::sync::Arc<[u32]>,
+        tokens: Range<usize>,
+    ) -> Result<(), String> {
+        let (pool, mode) = (pool.clone(), self.mode);
+        tokio::task::spawn_blocking(move || verify(&pool, room, &pages, tokens, mode))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()))
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -56,6 +56,7 @@ use super::faults::Faults;
 use super::holds::Holds;
 use super::metrics::Metrics;
 use super::room_table::RoomTable;
+use super::synthetic::SyntheticEngine;
 use crate::pool::allocator::PageAllocator;
 use crate::reason::Reason;
 use crate::transport;
@@ -153,6 +154,7 @@ impl DecodeAgent {
             stuck_warned: Mutex::new(None),
             recv_reset: tokio::sync::Notify::new(),
             faults: Faults::new(None, cfg.timeouts),
+            synthetic: SyntheticEngine::configured(&cfg, cfg.pool_pages),
             shutdown: shutdown.clone(),
             cfg,
         });
@@ -238,6 +240,9 @@ pub struct Decode {
     stuck_warned: Mutex<Option<Instant>>,
     /// The timeouts in force (a test may change them: `--fault-injection`).
     faults: Faults,
+    /// The synthetic engine, when configured (`--synthetic`): it checks a landed room's bytes
+    /// on take.
+    synthetic: Option<Arc<SyntheticEngine>>,
     shutdown: CancellationToken,
 }
 

@@ -460,15 +460,8 @@ impl Decode {
             .rooms()
             .get(&room_id)
             .is_some_and(|r| r.status.state() == RoomState::Success);
-        if self.cfg.synthetic && succeeded {
-            let (pool, mode) = (self.pool.clone(), self.cfg.synthetic_verify);
-            let check = tokio::task::spawn_blocking(move || {
-                crate::agent::synthetic::verify(&pool, room_id, &pages, tokens, mode)
-            })
-            .await;
-            let result = check
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.map_err(|e| e.to_string()));
+        if let Some(engine) = self.synthetic.as_ref().filter(|_| succeeded) {
+            let result = engine.check(&self.pool, room_id, pages, tokens).await;
             verified = Some(result.is_ok());
             if let Err(e) = result {
                 let mut rooms = self.rooms();

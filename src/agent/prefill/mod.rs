@@ -53,13 +53,14 @@ use kvferry_bootstrap::{RegistryClient, Role};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::AgentConfig;
 use super::agent_pool::AgentPool;
 use super::faults::Faults;
 use super::holds::Holds;
 use super::metrics::Metrics;
 use super::room_table::RoomTable;
 use super::staging::SlotPool;
-use super::{AgentConfig, synthetic};
+use super::synthetic::SyntheticEngine;
 use crate::pool::allocator::PageAllocator;
 use crate::transport::zmq::{ControlReplier, ControlServer, PeerId};
 use crate::transport::{self, Transport};
@@ -130,17 +131,12 @@ impl PrefillAgent {
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = crate::exposure::url_of(listener.local_addr()?, &cfg.advertise_host);
         let slots = Arc::new(pool.slots());
-        let filler = cfg.synthetic.then(|| {
-            Arc::new(synthetic::Filler::new(
-                pool.num_pages(),
-                cfg.synthetic_verify,
-            ))
-        });
+        let synthetic = SyntheticEngine::configured(&cfg, pool.num_pages());
         let inner = Arc::new(Prefill {
             instance,
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
-            filler,
+            synthetic,
             transport,
             replier,
             slots,
@@ -197,8 +193,9 @@ pub struct Prefill {
     cfg: AgentConfig,
     instance: Uuid,
     pool: AgentPool,
-    /// The synthetic engine's fill (`--synthetic`): which pool pages hold its body already.
-    filler: Option<Arc<synthetic::Filler>>,
+    /// The synthetic engine, when configured (`--synthetic`): it fills the pages the agent
+    /// allocates for a room.
+    synthetic: Option<Arc<SyntheticEngine>>,
     alloc: PageAllocator,
     transport: Arc<dyn Transport>,
     replier: ControlReplier,

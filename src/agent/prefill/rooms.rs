@@ -1,8 +1,9 @@
 //! The prefill's engine API, on [`Prefill`]: announce a room's KV as ready (whole, or in token
 //! and layer pieces), and the operations both roles have ([`EngineApi`]: read a room, wait for
 //! its next change, abort it, hold it, count the pool), over this role's room table. The HTTP
-//! API (`http.rs`) and the Python package are layers over exactly these. The synthetic engine's
-//! fill and its layer-wise pacing live here too.
+//! API (`http.rs`) and the Python package are layers over exactly these. Where the synthetic
+//! engine is configured, a ready room's pages are filled by it (`synthetic.rs`) before the
+//! piece is announced, layer by layer when it paces rooms.
 
 use std::collections::BTreeMap;
 
@@ -288,19 +289,19 @@ impl Prefill {
     pub(super) fn room_pages(&self, req: &ReadyRequest) -> Result<RoomPages, RoomError> {
         let needed = self.cfg.layout.pages_for(req.tokens);
         fields::fits_pool(req.tokens, needed, self.pool.num_pages())?;
-        match (&req.pages, self.cfg.synthetic) {
+        match (&req.pages, &self.synthetic) {
             (Some(pages), _) => {
                 fields::validate_pages(pages, needed, self.pool.num_pages())?;
                 Ok((pages.as_slice().into(), None))
             }
-            (None, true) => {
+            (None, Some(_)) => {
                 let lease = self
                     .alloc
                     .allocate(needed)
                     .map_err(|e| RoomError::Exhausted(e.to_string()))?;
                 Ok((lease.pages().into(), Some(Arc::new(lease))))
             }
-            (None, false) => Err(RoomError::BadRequest(
+            (None, None) => Err(RoomError::BadRequest(
                 "pages are required (the agent fills pages itself only with --synthetic)".into(),
             )),
         }
@@ -427,7 +428,9 @@ impl Prefill {
         } else {
             None
         };
-        let paced = self.cfg.synthetic && whole && !self.cfg.synthetic_layer_delay.is_zero();
+        let paced = (self.synthetic.as_ref())
+            .and_then(|engine| engine.layer_pacing())
+            .filter(|_| whole);
         let (view, (pages, lease)) = {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
@@ -498,13 +501,17 @@ impl Prefill {
             let keep = (ready.pages.clone(), ready.lease.clone());
             (room.view(room_id), keep)
         };
-        if paced {
+        if let Some(delay) = paced {
             let room = (room_id, req.tokens);
-            tokio::spawn(announce_paced(self.clone(), room, pages, lease, piece));
+            tokio::spawn(announce_paced(
+                self.clone(),
+                room,
+                (pages, lease),
+                piece,
+                delay,
+            ));
         } else {
-            if self.cfg.synthetic {
-                fill(self, (room_id, req.tokens), &pages, lease, &piece).await?;
-            }
+            fill(self, (room_id, req.tokens), (pages, lease), &piece).await?;
             announce(self, room_id, piece, last);
             // The transfer task just spawned waits in this worker's queue behind this call;
             // yielding lets it start its first chunk before the engine's answer goes out.
@@ -514,32 +521,22 @@ impl Prefill {
     }
 }
 
-/// Fills a piece of a room (id, tokens) with the synthetic pattern.
+/// Has the synthetic engine, where the agent has one, fill a piece of a room (id, tokens);
+/// with none, the engine wrote the KV.
 pub(super) async fn fill(
     inner: &Arc<Prefill>,
     room: (u64, usize),
-    pages: &Arc<[u32]>,
-    lease: Option<Arc<PageLease>>,
+    pages: (Arc<[u32]>, Option<Arc<PageLease>>),
     piece: &Piece,
 ) -> Result<(), RoomError> {
-    // Not synthetic: the engine wrote the KV.
-    let Some(filler) = inner.filler.clone() else {
+    let Some(engine) = &inner.synthetic else {
         return Ok(());
     };
     let l0 = inner.cfg.layout.layers.start;
-    let (pool, pages) = (inner.pool.clone(), pages.clone());
-    let (tokens, layers) = (
-        piece.tokens.clone(),
-        piece.layers.start - l0..piece.layers.end - l0,
-    );
-    tokio::task::spawn_blocking(move || {
-        // The lease travels with the fill: an abort meanwhile cannot hand the pages out.
-        let _keep = lease;
-        filler.fill(&pool, room, &pages, tokens, layers)
-    })
-    .await
-    .map_err(|e| RoomError::Unavailable(e.to_string()))?
-    .map_err(|e| RoomError::BadRequest(e.to_string()))
+    let layers = piece.layers.start - l0..piece.layers.end - l0;
+    engine
+        .fill(&inner.pool, room, pages, piece.tokens.clone(), layers)
+        .await
 }
 
 /// Hands a filled piece to the room's task (starting it if the request is there).
@@ -564,15 +561,14 @@ pub(super) fn announce(inner: &Arc<Prefill>, room_id: u64, piece: Piece, last: b
     inner.start_ready(room_id, room);
 }
 
-/// The synthetic engine's layer-wise prefill: one layer every `synthetic_layer_delay`.
+/// The synthetic engine's layer-wise prefill: one layer every `delay`.
 pub(super) async fn announce_paced(
     inner: Arc<Prefill>,
     (room_id, room_tokens): (u64, usize),
-    pages: Arc<[u32]>,
-    lease: Option<Arc<PageLease>>,
+    (pages, lease): (Arc<[u32]>, Option<Arc<PageLease>>),
     whole: Piece,
+    delay: Duration,
 ) {
-    let delay = inner.cfg.synthetic_layer_delay;
     for layer in whole.layers.clone() {
         tokio::time::sleep(delay).await;
         let piece = Piece {
@@ -581,7 +577,7 @@ pub(super) async fn announce_paced(
             ready_on: None,
         };
         let room = (room_id, room_tokens);
-        if let Err(e) = fill(&inner, room, &pages, lease.clone(), &piece).await {
+        if let Err(e) = fill(&inner, room, (pages.clone(), lease.clone()), &piece).await {
             tracing::warn!(room = room_id, error = %e, "synthetic fill failed");
             return;
         }
