@@ -13,6 +13,9 @@ maps each code to its class), :class:`WaitTimeout` when ``wait`` runs out of tim
 :class:`ConfigError`, :class:`RegionError`, :class:`StartError` when an agent cannot be built.
 docs/engines.md, "Embedding kvferry in Python", has a complete example.
 
+Every room view is a dict whose ``state`` is a :class:`RoomState`; ``kvferry/rooms.py`` types
+the views of each role (:class:`PrefillRoomView`, :class:`DecodeRoomView`, :class:`TakenRoom`).
+
 Engines that prefer the agent in a process of its own start it with :func:`spawn` (a
 :class:`Sidecar` with the same room operations, over the agent's HTTP API) and share their KV
 memory with it through a :class:`ShmPool`.
@@ -53,6 +56,17 @@ from ._kvferry import (
     memory_layout,
     prompt_digest,
 )
+from .rooms import (
+    DecodeRoomView,
+    PoolCounts,
+    PrefillRoomView,
+    Reason,
+    RoomState,
+    RoomView,
+    SourceView,
+    TakenRoom,
+    TransferView,
+)
 from .sidecar import ShmPool, Sidecar, spawn
 
 __all__ = [
@@ -64,23 +78,32 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "DecodeAgent",
+    "DecodeRoomView",
     "Error",
     "Exhausted",
     "IncompatibleLayout",
     "IncompatibleVersion",
     "PeerDead",
     "PeerUnknownRoom",
+    "PoolCounts",
     "PrefillAgent",
+    "PrefillRoomView",
     "PromptMismatch",
+    "Reason",
     "RegionError",
     "RoomFailed",
+    "RoomState",
+    "RoomView",
     "ShmPool",
     "Shutdown",
     "Sidecar",
+    "SourceView",
     "StartError",
+    "TakenRoom",
     "TimeoutBootstrap",
     "TimeoutReady",
     "TimeoutStall",
+    "TransferView",
     "Unauthorized",
     "Unavailable",
     "Forbidden",

@@ -1,11 +1,30 @@
 """Type stub of the extension module kvferry._kvferry (re-exported by ``kvferry``)."""
 
 from types import TracebackType
-from typing import Any, Iterable, Protocol, Sequence, SupportsIndex, Union
+from typing import Any, Iterable, Protocol, Sequence, SupportsIndex, TypedDict, Union
 
-
+from .rooms import DecodeRoomView, PoolCounts, PrefillRoomView, RoomView, TakenRoom
 
 __version__: str
+
+class _Operation(TypedDict):
+    """One operation of the engine API (``src/agent/engine_api.rs``)."""
+
+    name: str
+    roles: tuple[str, ...]
+    """``prefill``, ``decode`` or both."""
+    http: tuple[str, str] | None
+    """Its route, ``(method, path)``; None: not over HTTP."""
+    python: tuple[str, ...]
+    """The methods that serve it, on the role's agent class and on ``Sidecar``; empty: not in
+    Python."""
+
+OPERATIONS: tuple[_Operation, ...]
+"""Every operation of the engine API, with the roles that serve it, its HTTP route and its
+Python methods."""
+
+ROOM_STATES: dict[str, bool]
+"""Every room state's name and whether it is final (``kvferry.RoomState`` has the same)."""
 
 class _Tensor(Protocol):
     """A torch-style tensor: contiguous, on the CPU."""
@@ -18,9 +37,6 @@ class _Tensor(Protocol):
 # memory valid while the agent lives), a writable C-contiguous buffer (numpy array, bytearray,
 # mmap), an object with __array_interface__, or a tensor.
 Region = Union[tuple[int, int], Any, _Tensor]
-
-# A room's view: the fields of the HTTP API's room JSON (`room` as an int).
-View = dict[str, Any]
 
 def memory_layout(**options: Any) -> dict[str, Any]:
     """The memory an agent of these options needs: ``num_regions``, ``region_bytes``,
@@ -73,7 +89,7 @@ class PrefillAgent:
         room_key: str | bytes | None = None,
         cuda_event: int | None = None,
         prompt_digest: str | None = None,
-    ) -> View:
+    ) -> PrefillRoomView:
         """Announces a ready piece of a room (the whole room without ranges). For a device
         pool whose KV the engine writes asynchronously, ``cuda_event`` is the engine's CUDA
         event (a live ``CUevent`` handle of this process, such as
@@ -85,19 +101,19 @@ class PrefillAgent:
         returns. A sidecar (``kvferry.Sidecar.ready``) cannot use an event of
         this process: it takes ``cuda_ipc_event=``, the 64-byte IPC handle of an event created
         with ``CU_EVENT_INTERPROCESS`` (``torch.cuda.Event(interprocess=True).ipc_handle()``)."""
-    def view(self, room: int) -> View:
+    def view(self, room: int) -> PrefillRoomView:
         """The room's view now; never blocks."""
-    def poll(self, rooms: Iterable[int]) -> dict[int, View | None]:
+    def poll(self, rooms: Iterable[int]) -> dict[int, PrefillRoomView | None]:
         """The views of the settled rooms among ``rooms`` (final, and ``safe_to_reuse``: they
         can no longer change), by room, and None for a room the agent does not know (taken,
         expired, never made); rooms still in progress are left out. Never blocks: for engines
         that check their rooms once per step."""
-    def wait(self, room: int, timeout: float) -> View:
+    def wait(self, room: int, timeout: float) -> PrefillRoomView:
         """Blocks (GIL released) until the room is settled (see ``poll``): its view on
         success, its reason's exception (a RoomFailed subclass) on failure or abort,
         WaitTimeout after ``timeout`` seconds."""
-    def abort(self, room: int) -> View: ...
-    def pool(self) -> dict[str, int]:
+    def abort(self, room: int) -> PrefillRoomView: ...
+    def pool(self) -> PoolCounts:
         """Agent-owned pages: ``free_pages``, ``total_pages``."""
     def close(self) -> None:
         """Stops the agent, joins its tasks, then drops its references to the memory."""
@@ -133,7 +149,7 @@ class DecodeAgent:
         dp_rank: int | None = None,
         room_key: str | bytes | None = None,
         prompt_digest: str | None = None,
-    ) -> View:
+    ) -> DecodeRoomView:
         """Asks for a room's KV into ``pages`` (the engine's) or the agent's own pages."""
     def hold(self, room: int, bootstrap: str | None = None, dp_rank: int | None = None) -> None:
         """Holds a room at its prefill while the engine has its request queued: the prefill
@@ -146,17 +162,17 @@ class DecodeAgent:
         default ``--bootstrap``'s) lists it, asked once with the agent's token: ``Forbidden``
         for a registry the agent does not trust (nothing is sent), ``Unavailable`` when the
         group is incomplete or the registry cannot be asked."""
-    def view(self, room: int) -> View: ...
-    def poll(self, rooms: Iterable[int]) -> dict[int, View | None]:
+    def view(self, room: int) -> DecodeRoomView: ...
+    def poll(self, rooms: Iterable[int]) -> dict[int, DecodeRoomView | None]:
         """As PrefillAgent.poll."""
-    def wait(self, room: int, timeout: float) -> View:
+    def wait(self, room: int, timeout: float) -> DecodeRoomView:
         """As PrefillAgent.wait."""
-    def take(self, room: int) -> View:
+    def take(self, room: int) -> TakenRoom:
         """Hands a landed room over and forgets it (its view plus ``aux`` bytes and
         ``verified``); a failed or aborted room is taken too, then raises its reason's
         exception."""
-    def abort(self, room: int) -> View: ...
-    def pool(self) -> dict[str, int]: ...
+    def abort(self, room: int) -> DecodeRoomView: ...
+    def pool(self) -> PoolCounts: ...
     def close(self) -> None: ...
     def __enter__(self) -> "DecodeAgent": ...
     def __exit__(
@@ -174,7 +190,7 @@ class RegionError(Error): ...
 class StartError(Error): ...
 class WaitTimeout(Error):
     room: int
-    view: View
+    view: RoomView
 
 class BadRequest(Error): ...
 class UnknownRoom(Error): ...
@@ -187,7 +203,7 @@ class RoomFailed(Error):
     room: int
     code: str
     message: str
-    view: View
+    view: RoomView
 
 class PeerDead(RoomFailed): ...
 class TimeoutBootstrap(RoomFailed): ...

@@ -6,9 +6,10 @@ The engine's KV memory is shared with the sidecar through a file on /dev/shm
 it as regions exactly as for an in-process agent, and the sidecar maps the same file.
 
 A :class:`Sidecar` answers like :class:`kvferry.PrefillAgent` / :class:`kvferry.DecodeAgent`:
-the same methods and arguments, the same views (dicts with ``room`` as an int, a taken room's
-``aux`` as bytes) and the same exceptions, because the HTTP API is a thin layer over the same
-room operations.
+the same methods and arguments, the same views (dicts with ``room`` as an int, each ``state`` a
+:class:`kvferry.RoomState`, a taken room's ``aux`` as bytes: ``kvferry/rooms.py``) and the same
+exceptions, because the HTTP API is a thin layer over the same operations (listed in
+``kvferry._kvferry.OPERATIONS``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TypeVar, cast
 
 from . import _kvferry
 from ._kvferry import (
@@ -43,6 +44,7 @@ from ._kvferry import (
     UnknownRoom,
     WaitTimeout,
 )
+from .rooms import DecodeRoomView, PoolCounts, PrefillRoomView, RoomState, RoomView, TakenRoom
 
 # The refusal of a room operation by HTTP status (the agents' API, docs/operations.md): 403 is
 # a room or hold naming a registry the decode does not trust (nothing was sent to it).
@@ -301,13 +303,13 @@ class Sidecar:
             raise _REFUSALS.get(resp.status, Error)(message)
         return payload
 
-    def view(self, room: int) -> dict[str, Any]:
+    def view(self, room: int) -> RoomView:
         return _view(self._call("GET", f"/v1/rooms/{room}"))
 
-    def poll(self, rooms: Iterable[int]) -> dict[int, dict[str, Any] | None]:
+    def poll(self, rooms: Iterable[int]) -> dict[int, RoomView | None]:
         """The views of the settled rooms among ``rooms``, None for unknown rooms (see the
         in-process ``poll``)."""
-        out: dict[int, dict[str, Any] | None] = {}
+        out: dict[int, RoomView | None] = {}
         for room in rooms:
             try:
                 v = self.view(room)
@@ -318,7 +320,7 @@ class Sidecar:
                 out[room] = v
         return out
 
-    def wait(self, room: int, timeout: float) -> dict[str, Any]:
+    def wait(self, room: int, timeout: float) -> RoomView:
         if not timeout >= 0:
             raise BadRequest(f"timeout {timeout} is not a number of seconds >= 0")
         deadline = time.monotonic() + timeout
@@ -333,10 +335,10 @@ class Sidecar:
                 e.room, e.view = room, v
                 raise e
 
-    def abort(self, room: int) -> dict[str, Any]:
+    def abort(self, room: int) -> RoomView:
         return _view(self._call("DELETE", f"/v1/rooms/{room}"))
 
-    def pool(self) -> dict[str, int]:
+    def pool(self) -> PoolCounts:
         got = self._call("GET", "/v1/pool")
         return {"free_pages": got["free_pages"], "total_pages": got["total_pages"]}
 
@@ -352,7 +354,7 @@ class Sidecar:
         room_key: str | bytes | None = None,
         cuda_ipc_event: bytes | None = None,
         prompt_digest: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> PrefillRoomView:
         """Announces a ready piece, as :meth:`kvferry.PrefillAgent.ready`. On a device pool
         (``--pool cuda-ipc:`` or ``cuda-vmm:``) whose KV the engine writes asynchronously,
         ``cuda_ipc_event`` is the 64-byte CUDA IPC handle of the interprocess event the engine
@@ -380,7 +382,7 @@ class Sidecar:
             cuda_ipc_event=None if cuda_ipc_event is None else cuda_ipc_event.hex(),
             prompt_digest=prompt_digest,
         )
-        return _view(self._call("POST", f"/v1/rooms/{room}/ready", body))
+        return cast(PrefillRoomView, _view(self._call("POST", f"/v1/rooms/{room}/ready", body)))
 
     def request(
         self,
@@ -392,7 +394,7 @@ class Sidecar:
         dp_rank: int | None = None,
         room_key: str | bytes | None = None,
         prompt_digest: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> DecodeRoomView:
         body = _fields(
             tokens=tokens,
             pages=pages,
@@ -402,7 +404,7 @@ class Sidecar:
             room_key=_hex(room_key),
             prompt_digest=prompt_digest,
         )
-        return _view(self._call("POST", f"/v1/rooms/{room}", body))
+        return cast(DecodeRoomView, _view(self._call("POST", f"/v1/rooms/{room}", body)))
 
     def hold(self, room: int, bootstrap: str | None = None, dp_rank: int | None = None) -> None:
         """As :meth:`kvferry.DecodeAgent.hold`."""
@@ -412,8 +414,13 @@ class Sidecar:
         """As :meth:`kvferry.DecodeAgent.unhold`."""
         self._call("DELETE", f"/v1/rooms/{room}/hold")
 
-    def take(self, room: int) -> dict[str, Any]:
-        taken = _view(self._call("POST", f"/v1/rooms/{room}/take"))
+    def prefill_group(self, bootstrap: str | None = None, dp_rank: int = 0) -> dict[str, Any]:
+        """As :meth:`kvferry.DecodeAgent.prefill_group`."""
+        query = "" if bootstrap is None else "?" + urllib.parse.urlencode({"bootstrap": bootstrap})
+        return self._call("GET", f"/v1/prefill-groups/{dp_rank}{query}")
+
+    def take(self, room: int) -> TakenRoom:
+        taken = cast(TakenRoom, _view(self._call("POST", f"/v1/rooms/{room}/take")))
         aux = taken.get("aux")
         taken["aux"] = None if aux is None else base64.b64decode(aux)
         return _finished(room, taken)
@@ -445,18 +452,25 @@ def _hex(key: str | bytes | None) -> str | None:
     return key.hex() if isinstance(key, (bytes, bytearray)) else key
 
 
-def _view(v: dict[str, Any]) -> dict[str, Any]:
+def _view(v: dict[str, Any]) -> RoomView:
+    """A view of the API's JSON as the in-process agents give it: ``room`` an int, each
+    ``state`` (the room's, its transfers') a :class:`RoomState`."""
     v["room"] = int(v["room"])
-    return v
+    for item in (v, *v.get("transfers", ())):
+        item["state"] = RoomState(item["state"])
+    return cast(RoomView, v)
 
 
-def _settled(v: dict[str, Any]) -> bool:
-    return v["state"] in ("success", "failed", "aborted") and v["safe_to_reuse"]
+_V = TypeVar("_V", bound=RoomView)
 
 
-def _finished(room: int, v: dict[str, Any]) -> dict[str, Any]:
+def _settled(v: RoomView) -> bool:
+    return v["state"].is_final and v["safe_to_reuse"]
+
+
+def _finished(room: int, v: _V) -> _V:
     """The view on success; its reason's exception otherwise (as the in-process agents)."""
-    if v["state"] == "success":
+    if v["state"] == RoomState.SUCCESS:
         return v
     reason = v.get("reason") or {}
     code, message = reason.get("code", ""), reason.get("message", "")

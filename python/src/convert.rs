@@ -1,11 +1,14 @@
 //! Requests from Python arguments and views into Python dicts. A view has the fields of the
 //! HTTP API's JSON (it is made from the same serialization), except that `room` is an int
-//! (JSON carries it as a string only because of JSON numbers) and a taken room's `aux` is bytes.
+//! (JSON carries it as a string only because of JSON numbers), every `state` (the room's and
+//! each transfer's) is a `kvferry.RoomState` (a `str` enum, equal to the JSON's string) and a
+//! taken room's `aux` is bytes. The views' fields are typed in `kvferry/rooms.py`.
 
 use kvferry::agent::RoomError;
 use pyo3::IntoPyObjectExt;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -47,7 +50,24 @@ pub(crate) fn view<'py>(
         serde_json::to_value(v).map_err(|e| crate::errors::Error::new_err(format!("view: {e}")))?;
     let dict = object(py, &json)?.into_bound(py).cast_into::<PyDict>()?;
     dict.set_item("room", room)?;
+    room_state(&dict)?;
+    if let Some(transfers) = dict.get_item("transfers")? {
+        for transfer in transfers.try_iter()? {
+            room_state(transfer?.cast::<PyDict>()?)?;
+        }
+    }
     Ok(dict)
+}
+
+/// Makes a dict's `state` string a `kvferry.RoomState`.
+fn room_state(dict: &Bound<'_, PyDict>) -> PyResult<()> {
+    static ROOM_STATE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let py = dict.py();
+    if let Some(state) = dict.get_item("state")? {
+        let enum_ = ROOM_STATE.import(py, "kvferry.rooms", "RoomState")?;
+        dict.set_item("state", enum_.call1((state,))?)?;
+    }
+    Ok(())
 }
 
 /// The dict of a taken room: the view's fields, `aux` as bytes (or None), `verified`.

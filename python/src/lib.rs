@@ -182,6 +182,16 @@ fn operations(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyTuple>> {
     pyo3::types::PyTuple::new(py, ops.collect::<PyResult<Vec<_>>>()?)
 }
 
+/// Every room state's name (`kvferry::agent::room::RoomState`) and whether it is final, for
+/// the test that checks `kvferry.RoomState` against it.
+fn room_states(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let states = PyDict::new(py);
+    for state in kvferry::agent::room::RoomState::ALL {
+        states.set_item(state.name(), state.is_final())?;
+    }
+    Ok(states)
+}
+
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -190,6 +200,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(agent_flags, m)?)?;
     m.add_function(wrap_pyfunction!(prompt_digest, m)?)?;
     m.add("OPERATIONS", operations(m.py())?)?;
+    m.add("ROOM_STATES", room_states(m.py())?)?;
     m.add_class::<agents::PrefillAgent>()?;
     m.add_class::<agents::DecodeAgent>()?;
     errors::register(m)?;

@@ -374,11 +374,10 @@ def test_a_room_naming_a_registry_the_decode_does_not_trust_is_refused_and_nothi
         # A list of replicas is trusted only as a whole.
         with pytest.raises(kvferry.Forbidden):
             decode.request(44, 40, pages=[5, 6], bootstrap=f"{registry},{fake.url}")
-        if isinstance(decode, kvferry.DecodeAgent):
-            with pytest.raises(kvferry.Forbidden, match=named):
-                decode.prefill_group(fake.url)
-            with pytest.raises(kvferry.Forbidden, match=named):
-                decode.prefill_group(fake.url, 1)
+        with pytest.raises(kvferry.Forbidden, match=named):
+            decode.prefill_group(fake.url)
+        with pytest.raises(kvferry.Forbidden, match=named):
+            decode.prefill_group(fake.url, 1)
         for room in (40, 41, 44):
             with pytest.raises(kvferry.UnknownRoom):
                 decode.view(room)
@@ -395,10 +394,9 @@ def test_a_trusted_registry_is_asked_with_the_token_and_its_prefill_hears_hello(
     and connects to the prefill the group lists."""
     fake = recording_registry
     with decode_with_token(allowed_registries=fake.host_port) as (decode, _):
-        if isinstance(decode, kvferry.DecodeAgent):
-            group = decode.prefill_group(fake.url)
-            assert group["ranks"][0]["control_endpoint"] == fake.prefill.endpoint, group
-            assert (group["tp_size"], group["layout"]["page_size"]) == (1, PAGE)
+        group = decode.prefill_group(fake.url)
+        assert group["ranks"][0]["control_endpoint"] == fake.prefill.endpoint, group
+        assert (group["tp_size"], group["layout"]["page_size"]) == (1, PAGE)
         decode.request(45, 40, pages=[1, 2], bootstrap=fake.url, dp_rank=0)
         fake.wait_for("the decode connects to the listed prefill", lambda: len(fake.prefill.data) > 0)
         decode.abort(45)

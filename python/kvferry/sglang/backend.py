@@ -446,7 +446,7 @@ class KvferryKVSender(_Room, BaseKVSender):
         self.start(lambda: mgr.agent.ready(self.room, tokens, pages=self.pages, aux=aux, **pieces), "the room was not announced")
 
     def settled(self, view: dict[str, Any]) -> int:
-        if view["state"] == "success":
+        if view["state"] == kvferry.RoomState.SUCCESS:
             return self.succeed(view)
         return self.fail(self.kv_mgr.room_failure(self.room, view))
 

@@ -290,7 +290,7 @@ class WorkerSide:
                 log_room(req_id, room, view)
                 if view is not None:
                     self.stats.settled(view)
-                if view is not None and view["state"] != "success":
+                if view is not None and view["state"] != kvferry.RoomState.SUCCESS:
                     logger.warning("kvferry: request %s room %d %s: %s", req_id, room, view["state"], view["reason"])
                 continue
             self.take(req_id, room)
