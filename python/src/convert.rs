@@ -64,8 +64,8 @@ fn room_state(dict: &Bound<'_, PyDict>) -> PyResult<()> {
     static ROOM_STATE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     let py = dict.py();
     if let Some(state) = dict.get_item("state")? {
-        let room_state = ROOM_STATE.import(py, "kvferry.rooms", "RoomState")?;
-        dict.set_item("state", room_state.call1((state,))?)?;
+        let class = ROOM_STATE.import(py, "kvferry.rooms", "RoomState")?;
+        dict.set_item("state", class.call1((state,))?)?;
     }
     Ok(())
 }
