@@ -15,10 +15,10 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
-use kvferry::agent::EngineApi;
 use kvferry::agent::RoomError;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
+use kvferry::agent::{EngineApi, Operation};
 use kvferry::protocol::Secret;
 use reqwest::StatusCode;
 use serde::Serialize;
@@ -629,6 +629,45 @@ async fn scenarios(c: &Cluster, via: Via, base: u64) -> Vec<(String, Value)> {
     rec.entries
 }
 
+/// Every operation the engine API lists (`OPERATIONS`) answers on its route at each role that
+/// serves it, and no other role's route does: a route missing from one role, or one role
+/// serving another's, fails here. `faults` is served only with `--fault-injection`, which these
+/// agents do not have.
+async fn every_listed_route_is_served(c: &Cluster) {
+    for (side, role) in [(Side::Prefill, "prefill"), (Side::Decode, "decode")] {
+        let mut served = 0;
+        for op in kvferry::agent::OPERATIONS {
+            let Some((method, path)) = op.http else {
+                continue;
+            };
+            let listed = Operation::of(role).any(|o| o.http == op.http);
+            let path = path.replace("{room}", "1").replace("{dp_rank}", "0");
+            let url = format!("{}{path}", c.api(side));
+            let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+            let mut req = c.http.request(method.clone(), &url);
+            if method == reqwest::Method::POST {
+                req = req.json(&json!({}));
+            }
+            let resp = req
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("{method} {url}: {e}"));
+            let status = resp.status();
+            let body = resp.text().await.unwrap_or_default();
+            let unrouted = (status == StatusCode::NOT_FOUND && body.contains("no route"))
+                || status == StatusCode::METHOD_NOT_ALLOWED;
+            let expect_served = listed && op.name != "faults";
+            assert_eq!(
+                !unrouted, expect_served,
+                "{role} {method} {path} ({}): {status} {body}",
+                op.name
+            );
+            served += usize::from(!unrouted);
+        }
+        println!("{role}: {served} listed routes served, every other one refused");
+    }
+}
+
 #[test]
 fn the_rust_handles_and_the_http_api_give_the_same_results() {
     common::runtime().block_on(async {
@@ -663,6 +702,7 @@ fn the_rust_handles_and_the_http_api_give_the_same_results() {
             assert_eq!(r, h, "{label}: the handles and HTTP differ");
         }
         println!("{} results agree", rust.len());
+        every_listed_route_is_served(&c).await;
 
         shutdown.cancel();
         c.prefill.join().await;
