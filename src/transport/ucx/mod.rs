@@ -8,8 +8,9 @@
 //! - [`safe`]: one file per handle kind (`Context`, `Worker` and its `Request`s, `Endpoint`,
 //!   `MemHandle`, `RemoteKey`, `Revocable`, and the progress thread's `Wakeup`): `NonNull`
 //!   handles with RAII `Drop`, each keeping its parent alive (`Rc`), so nothing is destroyed
-//!   before what depends on it. The UCP ones are `!Send`: UCP objects never leave the thread
-//!   that made them;
+//!   before what depends on it; and one (`lent.rs`) for what operations lend UCX, owned by
+//!   their requests until they end. The UCP ones are `!Send`: UCP objects never leave the
+//!   thread that made them;
 //! - [`worker`]: [`UcxWorker`], a cloneable async handle to one progress thread
 //!   (`progress.rs`) that owns a context and a worker, takes commands (`command.rs`) over a
 //!   channel and replies through oneshots; `config.rs` holds how a worker is built
@@ -17,13 +18,15 @@
 //! - [`data`]: the agents' data plane over workers.
 //!
 //! `unsafe` is allowed in `sys`, `result`, `safe` and [`region`] (memory registered with UCX)
-//! only; the progress thread's few calls that lend UCX a buffer it owns allow it item by item.
+//! only: the progress thread lends UCX buffers through [`safe`]'s operations, which own them
+//! until their requests end.
 //!
 //! Invariants:
-//! - every buffer UCX reads or writes is owned by the operation in the progress thread (`Bytes`
-//!   for sends and puts, a `Vec<u8>` for receives, an `Arc` of the region for registrations),
-//!   never borrowed by a future; a dropped future only marks its operation abandoned, and the
-//!   thread cancels it and waits for UCX to complete it before releasing the buffer;
+//! - every buffer UCX reads or writes is owned by the request of its operation in the progress
+//!   thread ([`safe::Request`]: `Bytes` or an `Arc` of registered memory for sends and puts, a
+//!   `Vec<u8>` or an `Arc` of registered memory for receives) or by its registration, never
+//!   borrowed by a future; a dropped future only marks its operation abandoned, and the thread
+//!   cancels it and waits for UCX to complete it before releasing the buffer;
 //! - on an eager worker ([`UcxConfig::eager`], tcp) a placed run is received through this
 //!   crate's own unpack callback ([`safe::Revocable`]): a cancel revokes it at once, so its
 //!   place in the pool is the caller's again even while UCX never ends the request (a sender

@@ -16,8 +16,9 @@
 //! `progress/runs.rs`.
 //!
 //! Invariants:
-//! - an operation's buffers live in its `Pending` entry together with its request, and an
-//!   entry is only dropped once UCX reports the request complete;
+//! - the thread has no `unsafe`: an operation lends UCX buffers by moving their owners into
+//!   its request ([`super::safe`]), filed in its `Pending` entry, and an entry is only
+//!   dropped once UCX reports the request complete (the request then hands them back);
 //! - a panic on the thread aborts the process before the engine's buffers drop
 //!   (`AbortOnUnwind`);
 //! - a caller that drops its future closes the oneshot; the thread then cancels the request
@@ -40,7 +41,7 @@ use super::config::{EAGER_SPIN, UcxConfig, Unexpected};
 use super::memory_type::{MemoryType, MemoryTypes};
 use super::region::RegisterableMemory;
 use super::result::{UcxError, status_name};
-use super::safe::{Context, Endpoint, MemHandle, Started, Wakeup, Worker};
+use super::safe::{Context, Endpoint, MemHandle, Message, RecvBuffer, Started, Wakeup, Worker};
 use super::sys;
 use crate::memory::WriteRun;
 use crate::transport::RecvBuffers;
@@ -72,7 +73,7 @@ pub(super) fn run(
     match engine.worker.address() {
         Ok(address) => {
             if ready
-                .send(Ok((Bytes::from(address), engine.memory_types)))
+                .send(Ok((Bytes::from(address), engine.worker.memory_types())))
                 .is_err()
             {
                 return;
@@ -142,8 +143,6 @@ struct Engine {
     supervise: Option<bool>,
     /// [`UcxConfig::eager`].
     eager: bool,
-    /// What the context moves (`ucp_context_query`): memory of another kind is refused.
-    memory_types: MemoryTypes,
     /// [`UcxConfig::unexpected`], and what was dropped since the last report.
     unexpected: Option<(Unexpected, Dropped)>,
 }
@@ -170,19 +169,11 @@ impl Engine {
         memory: &dyn RegisterableMemory,
     ) -> Result<MemoryType, UcxError> {
         let kind = memory.memory_type();
-        match self.memory_types.has(kind) {
-            true => Ok(kind),
-            false => Err(UcxError::MemoryType {
-                op,
-                memory: kind,
-                why: "this libucx reports no support for it (ucp_context_query)",
-            }),
-        }
+        self.worker.moves(op, kind).map(|()| kind)
     }
 
     fn new(config: &UcxConfig) -> Result<Engine, UcxError> {
         let context = Context::new(config.vars(), config.rma)?;
-        let memory_types = context.memory_types()?;
         let worker = Worker::new(&context)?;
         Ok(Engine {
             _abort_on_unwind: AbortOnUnwind,
@@ -200,7 +191,6 @@ impl Engine {
             shutting_down: false,
             supervise: config.supervise,
             eager: config.eager,
-            memory_types,
             unexpected: config.unexpected.map(|u| (u, Dropped::default())),
         })
     }
@@ -300,8 +290,6 @@ impl Engine {
         }
     }
 
-    // Lends UCX buffers that stay in the operation's `Pending` entry until its request ends.
-    #[allow(unsafe_code)]
     fn handle(&mut self, command: Command) {
         match command {
             Command::Connect { address, reply } => {
@@ -348,65 +336,27 @@ impl Engine {
                 from,
                 reply,
             } => {
-                let checked = match &from {
-                    // One request has one memory type, and `parts` are host memory.
-                    Some((source, _)) if source.memory_type() != MemoryType::Host => {
-                        Err(UcxError::MemoryType {
-                            op: "send_tag",
-                            memory: source.memory_type(),
-                            why: "a message of parts is host memory only",
-                        })
-                    }
-                    Some((source, runs)) => runs::within(runs, source.size()),
-                    None => Ok(()),
+                let message = match from {
+                    Some((source, runs)) => Message::new(parts, Some((source, &runs))),
+                    None => Message::new(parts, None),
                 };
-                let endpoint = match checked.and_then(|()| self.endpoint("send_tag", ep)) {
-                    Ok(e) => e,
+                let checked =
+                    message.and_then(|message| Ok((message, self.endpoint("send_tag", ep)?)));
+                let (message, endpoint) = match checked {
+                    Ok(checked) => checked,
                     Err(e) => {
                         let _ = reply.send(Err(e));
                         return;
                     }
                 };
-                let memory = from.iter().flat_map(|(source, runs)| {
-                    runs.iter().map(|run| sys::ucp_dt_iov_t {
-                        // Checked above to lie within `source`, which stays mapped while the
-                        // Arc lives (kept in the Pending entry until the request completes).
-                        buffer: source.base().wrapping_add(run.offset as usize).cast(),
-                        length: run.len as usize,
-                    })
-                });
-                let mut iov: Vec<sys::ucp_dt_iov_t> = parts
-                    .iter()
-                    .map(|p| sys::ucp_dt_iov_t {
-                        buffer: p.as_ptr().cast_mut().cast(),
-                        length: p.len(),
-                    })
-                    .chain(memory)
-                    .filter(|v| v.length > 0)
-                    .collect();
-                if iov.is_empty() {
-                    iov.push(sys::ucp_dt_iov_t {
-                        buffer: std::ptr::NonNull::<u8>::dangling().as_ptr().cast(),
-                        length: 0,
-                    });
-                }
-                // SAFETY: every iov entry points into a `Bytes` of `parts` (immutable, heap
-                // data that does not move when the Vec moves) or into `from`'s memory, and
-                // `parts`, `from` and `iov` are moved into the Pending entry, dropped only
-                // after the request completes.
-                let started = unsafe { endpoint.tag_send(&iov, tag, MemoryType::Host) };
-                match started {
-                    Ok(started) => self.track(
-                        started,
-                        Some(ep),
-                        Op::Send {
-                            _parts: parts,
-                            _from: from.map(|(source, _)| source),
-                            _iov: iov,
-                            reply,
-                        },
-                    ),
-                    Err(e) => {
+                match endpoint.tag_send(message, tag) {
+                    Ok(Started::Pending(request)) => {
+                        self.insert(Pending::new(Some(ep), Op::Send { request, reply }))
+                    }
+                    Ok(Started::Done(_)) => {
+                        let _ = reply.send(Ok(()));
+                    }
+                    Err((e, _)) => {
                         let e = self.failure_of("send_tag", ep, e);
                         let _ = reply.send(Err(e));
                     }
@@ -426,7 +376,7 @@ impl Engine {
                     let _ = reply.send(Err(e));
                     return;
                 }
-                let mut buffer = match &into {
+                let buffer = match &into {
                     Some(owner) => owner.take(capacity),
                     None => Vec::<u8>::with_capacity(capacity),
                 };
@@ -436,49 +386,47 @@ impl Engine {
                         drop(owner.freeze(buffer));
                     }
                 };
-                if buffer.capacity() < capacity {
-                    let _ = reply.send(Err(UcxError::Truncated {
-                        capacity: buffer.capacity(),
-                    }));
-                    give_back(buffer, into);
-                    return;
-                }
-                // SAFETY: the Vec's heap allocation holds `capacity` writable bytes and moves
-                // (with the Vec, without moving the allocation) into the Pending entry, which
-                // is dropped only after the request completes.
-                let started = unsafe {
-                    self.worker
-                        .tag_recv(buffer.as_mut_ptr(), capacity, tag, mask, MemoryType::Host)
-                };
-                match started {
-                    Ok(Started::Done(())) => {
-                        // Not with UCP_OP_ATTR_FLAG_NO_IMM_CMPL; never guess a length.
-                        let _ = reply.send(Err(UcxError::call(
-                            "ucp_tag_recv_nbx",
-                            sys::UCS_ERR_NO_MESSAGE,
-                        )));
+                let buffer = match RecvBuffer::new(buffer, capacity) {
+                    Ok(buffer) => buffer,
+                    Err(buffer) => {
+                        let _ = reply.send(Err(UcxError::Truncated {
+                            capacity: buffer.capacity(),
+                        }));
                         give_back(buffer, into);
+                        return;
                     }
+                };
+                match self.worker.tag_recv(buffer, tag, mask) {
                     Ok(Started::Pending(request)) => self.insert(Pending::new(
-                        request,
                         from,
                         Op::Recv {
-                            buffer,
+                            request,
                             capacity,
                             into,
                             reply,
                         },
                     )),
-                    Err(UcxError::Call {
-                        status: sys::UCS_ERR_MESSAGE_TRUNCATED,
-                        ..
-                    }) => {
-                        let _ = reply.send(Err(UcxError::Truncated { capacity }));
-                        give_back(buffer, into);
+                    Ok(Started::Done(buffer)) => {
+                        // Not with UCP_OP_ATTR_FLAG_NO_IMM_CMPL; never guess a length.
+                        let _ = reply.send(Err(UcxError::call(
+                            "ucp_tag_recv_nbx",
+                            sys::UCS_ERR_NO_MESSAGE,
+                        )));
+                        give_back(buffer.into_vec(), into);
                     }
-                    Err(e) => {
+                    Err((
+                        UcxError::Call {
+                            status: sys::UCS_ERR_MESSAGE_TRUNCATED,
+                            ..
+                        },
+                        buffer,
+                    )) => {
+                        let _ = reply.send(Err(UcxError::Truncated { capacity }));
+                        give_back(buffer.into_vec(), into);
+                    }
+                    Err((e, buffer)) => {
                         let _ = reply.send(Err(e));
-                        give_back(buffer, into);
+                        give_back(buffer.into_vec(), into);
                     }
                 }
             }
@@ -515,7 +463,12 @@ impl Engine {
                     .endpoint("flush", ep)
                     .and_then(|endpoint| endpoint.flush());
                 match started {
-                    Ok(started) => self.track(started, Some(ep), Op::Flush { reply }),
+                    Ok(Started::Pending(request)) => {
+                        self.insert(Pending::new(Some(ep), Op::Flush { request, reply }))
+                    }
+                    Ok(Started::Done(())) => {
+                        let _ = reply.send(Ok(()));
+                    }
                     Err(e) => {
                         let e = self.failure_of("flush", ep, e);
                         let _ = reply.send(Err(e));

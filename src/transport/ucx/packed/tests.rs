@@ -210,13 +210,13 @@ fn malformed_bytes_never_reach_ucx() {
     }
     let ep = Rc::new(Endpoint::connect(&p.worker, &p.address, true).unwrap());
     for bad in [&p.rkey[..2], &p.rkey[..p.rkey.len() - 1]] {
-        match RemoteKey::unpack(&ep, bad) {
+        match RemoteKey::unpack(&ep, bad, 0, 1 << 16) {
             Err(UcxError::Malformed(m)) => assert_eq!(m.what, "rkey"),
             Err(e) => panic!("{} bytes: not refused as malformed: {e}", bad.len()),
             Ok(_) => panic!("{} bytes: unpacked", bad.len()),
         }
     }
-    assert!(RemoteKey::unpack(&ep, &p.rkey).is_ok());
+    assert!(RemoteKey::unpack(&ep, &p.rkey, 0, 1 << 16).is_ok());
 }
 
 /// Two pages, the second PROT_NONE: bytes placed at the very end of the first fault on any
@@ -326,6 +326,9 @@ fn nothing_reads_past_a_buffer_that_ends_at_a_guard_page() {
             "{name}"
         );
         let tight_key = guard.tight(&p.rkey);
-        assert!(RemoteKey::unpack(&endpoint, tight_key).is_ok(), "{name}");
+        assert!(
+            RemoteKey::unpack(&endpoint, tight_key, 0, 1 << 16).is_ok(),
+            "{name}"
+        );
     }
 }

@@ -1,9 +1,10 @@
-//! What an operation in flight on the progress thread is: [`Pending`], a request filed with
-//! the buffers it uses, and [`Op`], what it does and whom it answers, with the sources and
-//! destinations ops carry ([`PutSource`], [`Receiving`]).
+//! What an operation in flight on the progress thread is: [`Pending`], an operation filed with
+//! the endpoint it watches, and [`Op`], what it does, the request that owns what it lent UCX,
+//! and whom it answers ([`Run`]: a placed run's request; [`PutSource`]: what a put command
+//! reads).
 //!
-//! Invariant: a `Pending` frees its request before its buffers go (field order), and is
-//! dropped only once UCX reports the request ended (or leaked with it).
+//! Invariant: a `Pending` is dropped only once UCX reports its request ended (its request
+//! then hands back what it lent), or leaked with it.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -14,15 +15,13 @@ use super::group::Group;
 use crate::transport::RecvBuffers;
 use crate::transport::ucx::command::{EndpointId, Received, Reply};
 use crate::transport::ucx::region::RegisterableMemory;
-use crate::transport::ucx::result::UcxError;
-use crate::transport::ucx::safe::{RemoteKey, Request, Revocable, RevocableBox};
+use crate::transport::ucx::safe::{
+    Completion, MemoryRange, Message, Put, RecvBuffer, Request, Revocable, RevocableBox, Source,
+};
 use crate::transport::ucx::sys;
 
-/// An operation in flight: the request and the buffers it uses, dropped together only after
-/// completion.
+/// An operation in flight, filed until UCX reports its request ended.
 pub(super) struct Pending {
-    // Field order: the request is freed before the buffers are released.
-    pub(super) request: Request,
     pub(super) ep: Option<EndpointId>,
     pub(super) op: Op,
     pub(super) cancelled: bool,
@@ -30,10 +29,29 @@ pub(super) struct Pending {
     pub(super) peer_failed: Option<sys::ucs_status_t>,
 }
 
+/// Applies `$body` to the request of `$op`, whatever it lent UCX, bound to `$r`.
+macro_rules! on_request {
+    ($op:expr, $r:ident => $body:expr) => {
+        match $op {
+            Op::Send { request: $r, .. } => $body,
+            Op::Put { request: $r, .. } => $body,
+            Op::Flush { request: $r, .. } => $body,
+            Op::Recv { request: $r, .. } => $body,
+            Op::Run {
+                request: Run::Range($r),
+                ..
+            } => $body,
+            Op::Run {
+                request: Run::Revocable($r),
+                ..
+            } => $body,
+        }
+    };
+}
+
 impl Pending {
-    pub(super) fn new(request: Request, ep: Option<EndpointId>, op: Op) -> Pending {
+    pub(super) fn new(ep: Option<EndpointId>, op: Op) -> Pending {
         Pending {
-            request,
             ep,
             op,
             cancelled: false,
@@ -41,9 +59,14 @@ impl Pending {
         }
     }
 
+    /// Its request's [`Request::key`].
+    pub(super) fn key(&self) -> usize {
+        on_request!(&self.op, r => r.key())
+    }
+
     pub(super) fn cancel(&mut self) {
         self.cancelled = true;
-        self.request.cancel();
+        on_request!(&self.op, r => r.cancel());
     }
 
     /// What the operation is.
@@ -59,67 +82,74 @@ impl Pending {
 
 pub(super) enum Op {
     Send {
-        _parts: Vec<Bytes>,
-        _from: Option<Arc<dyn RegisterableMemory>>,
-        _iov: Vec<sys::ucp_dt_iov_t>,
+        request: Request<Message>,
         reply: Reply<()>,
     },
-    /// A put; the runs of a
+    /// A put (its request holds the key it writes with); the runs of a
     /// [`Command::Write`](crate::transport::ucx::command::Command::Write) have no reply of
     /// their own (the flush that follows them answers).
     Put {
-        /// The key the put writes with: destroyed only after the put completed.
-        _key: Rc<RemoteKey>,
-        _data: PutSource,
+        request: Request<Put<Source>>,
         reply: Option<Reply<()>>,
     },
     Flush {
+        request: Request<()>,
         reply: Reply<()>,
     },
     Recv {
-        buffer: Vec<u8>,
+        request: Request<RecvBuffer>,
         capacity: usize,
         /// Whose buffer it is ([`crate::transport::RecvBuffers`]): it goes back there,
         /// filled or not.
         into: Option<Arc<dyn RecvBuffers>>,
         reply: Reply<Received>,
     },
-    /// One run of a `Command::SendRuns` or `Command::RecvRuns` (`receiving`: a receive,
-    /// of exactly `expect` bytes); its group answers.
+    /// One run of a `Command::SendRuns` or `Command::RecvRuns` (`expect`: a receive, of
+    /// exactly that many bytes); its group answers.
     Run {
-        _memory: Arc<dyn RegisterableMemory>,
+        request: Run,
         group: Rc<Group>,
-        receiving: Option<Receiving>,
+        expect: Option<usize>,
     },
 }
 
-impl Op {
-    /// Answers the caller, if the operation has one.
-    pub(super) fn answer(self, result: Result<(), UcxError>) {
+/// A placed run's request: from or into a range of memory, or into a [`Revocable`] on an
+/// eager worker.
+pub(super) enum Run {
+    Range(Request<MemoryRange>),
+    Revocable(Request<RevocableBox>),
+}
+
+impl Run {
+    /// Ends the run's request with `c` (see [`Request::end`]): its status and the length
+    /// received, or the run and `c` back.
+    pub(super) fn end(
+        self,
+        c: Completion,
+    ) -> Result<(sys::ucs_status_t, usize), (Run, Completion)> {
         match self {
-            Op::Send { reply, .. }
-            | Op::Flush { reply }
-            | Op::Put {
-                reply: Some(reply), ..
-            } => {
-                let _ = reply.send(result);
-            }
-            Op::Run { group, .. } => group.done(result),
-            Op::Put { reply: None, .. } | Op::Recv { .. } => {}
+            Run::Range(r) => r
+                .end(c)
+                .map(|e| (e.status, e.info.length))
+                .map_err(|(r, c)| (Run::Range(r), c)),
+            Run::Revocable(r) => r
+                .end(c)
+                .map(|e| (e.status, e.info.length))
+                .map_err(|(r, c)| (Run::Revocable(r), c)),
         }
     }
+}
 
+impl Op {
     pub(super) fn name(&self) -> &'static str {
         match self {
             Op::Send { .. } => "send_tag",
             Op::Put { .. } => "put",
             Op::Flush { .. } => "flush",
             Op::Recv { .. } => "recv_tag",
+            Op::Run { expect: None, .. } => "send_run",
             Op::Run {
-                receiving: None, ..
-            } => "send_run",
-            Op::Run {
-                receiving: Some(_), ..
+                expect: Some(_), ..
             } => "recv_run",
         }
     }
@@ -135,8 +165,9 @@ impl Op {
     pub(super) fn revocable(&self) -> Option<&Revocable> {
         match self {
             Op::Run {
-                receiving: Some(r), ..
-            } => r.target.as_deref(),
+                request: Run::Revocable(r),
+                ..
+            } => Some(r.target()),
             _ => None,
         }
     }
@@ -144,7 +175,7 @@ impl Op {
     pub(super) fn abandoned(&self) -> bool {
         match self {
             Op::Send { reply, .. }
-            | Op::Flush { reply }
+            | Op::Flush { reply, .. }
             | Op::Put {
                 reply: Some(reply), ..
             } => reply.is_closed(),
@@ -155,38 +186,17 @@ impl Op {
     }
 }
 
-/// What a put reads from, kept alive (in the put's Pending entry) until it completes.
+/// What the puts of a command read, cut into one [`Source`] per run.
 pub(super) enum PutSource {
     Bytes(Bytes),
     Memory(Arc<dyn RegisterableMemory>),
 }
 
 impl PutSource {
-    pub(super) fn base(&self) -> *const u8 {
-        match self {
-            PutSource::Bytes(b) => b.as_ptr(),
-            PutSource::Memory(m) => m.base(),
-        }
-    }
-
     pub(super) fn size(&self) -> usize {
         match self {
             PutSource::Bytes(b) => b.len(),
             PutSource::Memory(m) => m.size(),
         }
     }
-
-    pub(super) fn share(&self) -> PutSource {
-        match self {
-            PutSource::Bytes(b) => PutSource::Bytes(b.clone()),
-            PutSource::Memory(m) => PutSource::Memory(m.clone()),
-        }
-    }
-}
-
-/// A receiving run: the length its message must have, and its [`Revocable`] destination on
-/// an eager worker.
-pub(super) struct Receiving {
-    pub(super) expect: usize,
-    pub(super) target: Option<RevocableBox>,
 }

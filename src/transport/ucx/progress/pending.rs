@@ -1,6 +1,7 @@
-//! Operations in flight on the progress thread: each request filed with the buffers it uses
-//! ([`Pending`]), cancelled when its caller gives up, and finished (buffers released, caller
-//! answered) once UCX reports its end.
+//! Operations in flight on the progress thread: each filed with the request that owns what it
+//! lent UCX ([`Pending`]), cancelled when its caller gives up, and finished (the request ended
+//! with UCX's report, what it lent released or handed on, the caller answered) once UCX
+//! reports its end.
 //!
 //! Every request reports its end through its completion callback into the worker's list
 //! (`Worker::completed`), so a round of progress costs what ended in it, not what is in
@@ -18,11 +19,11 @@ use bytes::Bytes;
 
 use super::Engine;
 use super::group::Group;
-use super::op::{Op, Pending, Receiving};
+use super::op::{Op, Pending};
 use crate::transport::RecvBuffers;
 use crate::transport::ucx::command::{EndpointId, Received};
 use crate::transport::ucx::result::{UcxError, status_name};
-use crate::transport::ucx::safe::{Endpoint, Started};
+use crate::transport::ucx::safe::{Completion, Ended, Endpoint};
 use crate::transport::ucx::sys;
 
 impl Engine {
@@ -34,14 +35,14 @@ impl Engine {
         let ended = self.worker.completed();
         let count = ended.len();
         for c in ended {
-            let p = match self.pending.remove(&c.request) {
-                Some(p) => p,
-                None => match self.bulk.remove(&c.request) {
-                    Some(p) => p,
-                    None => continue,
-                },
+            let key = c.request();
+            let Some(p) = self.pending.remove(&key).or_else(|| self.bulk.remove(&key)) else {
+                continue;
             };
-            self.finish(p, c.status, c.info);
+            if let Err(p) = self.finish(p, c) {
+                tracing::error!(request = key, "a UCX report of another request's end; kept");
+                self.insert(p);
+            }
         }
         count
     }
@@ -83,24 +84,25 @@ impl Engine {
             Op::Run { .. } | Op::Put { reply: None, .. } => &mut self.bulk,
             _ => &mut self.pending,
         };
-        map.insert(p.request.key(), p);
+        map.insert(p.key(), p);
     }
 
-    pub(super) fn finish(
-        &self,
-        p: Pending,
-        status: sys::ucs_status_t,
-        info: sys::ucp_tag_recv_info_t,
-    ) {
+    /// Finishes an operation UCX reported ended (`c`): ends its request, which frees it and
+    /// hands back what it lent (released here, a receive's buffer handed on), and answers
+    /// the caller. Gives the operation back when `c` reports another request.
+    pub(super) fn finish(&self, p: Pending, c: Completion) -> Result<(), Pending> {
         let Pending {
-            request,
             ep,
             op,
+            cancelled,
             peer_failed,
-            ..
         } = p;
-        // The request is complete: free it before its buffers go.
-        drop(request);
+        let back = |op| Pending {
+            ep,
+            op,
+            cancelled,
+            peer_failed,
+        };
         let name = op.name();
         let error = |status| {
             if self.shutting_down {
@@ -108,40 +110,75 @@ impl Engine {
             }
             self.classify(name, ep, status, peer_failed)
         };
+        let outcome = |status| match status {
+            sys::UCS_OK => Ok(()),
+            status => Err(error(status)),
+        };
         match op {
-            Op::Run {
-                receiving: Some(Receiving { expect: len, .. }),
-                group,
-                ..
-            } => group.done(match status {
-                sys::UCS_OK if info.length == len => Ok(()),
-                sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED => Err(UcxError::Length {
-                    expected: len,
-                    got: (status == sys::UCS_OK).then_some(info.length),
-                }),
-                status => Err(error(status)),
-            }),
-            op @ (Op::Send { .. } | Op::Put { .. } | Op::Flush { .. } | Op::Run { .. }) => {
-                op.answer(if status == sys::UCS_OK {
-                    Ok(())
-                } else {
-                    Err(error(status))
-                });
-            }
+            Op::Send { request, reply } => match request.end(c) {
+                Ok(ended) => drop(reply.send(outcome(ended.status))),
+                Err((request, _)) => return Err(back(Op::Send { request, reply })),
+            },
+            Op::Flush { request, reply } => match request.end(c) {
+                Ok(ended) => drop(reply.send(outcome(ended.status))),
+                Err((request, _)) => return Err(back(Op::Flush { request, reply })),
+            },
+            Op::Put { request, reply } => match request.end(c) {
+                Ok(ended) => {
+                    if let Some(reply) = reply {
+                        let _ = reply.send(outcome(ended.status));
+                    }
+                }
+                Err((request, _)) => return Err(back(Op::Put { request, reply })),
+            },
             Op::Recv {
-                buffer,
+                request,
                 capacity,
                 into,
                 reply,
-            } => {
-                let _ = reply.send(recv_result(buffer, capacity, into, status, info).map_err(
-                    |e| match e {
+            } => match request.end(c) {
+                Ok(Ended { lent, status, info }) => {
+                    let received = recv_result(lent.into_vec(), capacity, into, status, info);
+                    let _ = reply.send(received.map_err(|e| match e {
                         RecvFail::Truncated => UcxError::Truncated { capacity },
                         RecvFail::Status(status) => error(status),
-                    },
-                ));
-            }
+                    }));
+                }
+                Err((request, _)) => {
+                    return Err(back(Op::Recv {
+                        request,
+                        capacity,
+                        into,
+                        reply,
+                    }));
+                }
+            },
+            Op::Run {
+                request,
+                group,
+                expect,
+            } => match request.end(c) {
+                Ok((status, length)) => group.done(match (expect, status) {
+                    (None, status) => outcome(status),
+                    (Some(len), sys::UCS_OK) if length == len => Ok(()),
+                    (Some(len), sys::UCS_OK | sys::UCS_ERR_MESSAGE_TRUNCATED) => {
+                        Err(UcxError::Length {
+                            expected: len,
+                            got: (status == sys::UCS_OK).then_some(length),
+                        })
+                    }
+                    (Some(_), status) => Err(error(status)),
+                }),
+                Err((request, _)) => {
+                    return Err(back(Op::Run {
+                        request,
+                        group,
+                        expect,
+                    }));
+                }
+            },
         }
+        Ok(())
     }
 
     /// The error for a failed operation: a peer failure when its endpoint's error handler ran
@@ -180,13 +217,6 @@ impl Engine {
             _ => UcxError::call(op, status),
         }
     }
-
-    pub(super) fn track(&mut self, started: Started<()>, ep: Option<EndpointId>, op: Op) {
-        match started {
-            Started::Pending(request) => self.insert(Pending::new(request, ep, op)),
-            Started::Done(()) => op.answer(Ok(())),
-        }
-    }
 }
 
 /// The failure recorded for `ep`: closed as dead, or its error handler ran.
@@ -209,9 +239,8 @@ pub(super) enum RecvFail {
 /// there when the bytes are dropped, or at once when the receive failed). A buffer of `into`
 /// keeps its length, all of it initialized, and only the bytes handed out are cut: cut
 /// itself, it would be zero-filled again up to its capacity when it is next taken (a
-/// 1 MiB memset on the progress thread for every header-only message).
-// Takes the bytes UCX wrote into the spare capacity of the buffer it was lent.
-#[allow(unsafe_code)]
+/// 1 MiB memset on the progress thread for every header-only message). The buffer is as the
+/// receive's request handed it back: at least as long as what arrived.
 pub(super) fn recv_result(
     mut buffer: Vec<u8>,
     capacity: usize,
@@ -220,19 +249,16 @@ pub(super) fn recv_result(
     info: sys::ucp_tag_recv_info_t,
 ) -> Result<Received, RecvFail> {
     match (status, into) {
-        (sys::UCS_OK, Some(owner)) if info.length <= capacity.min(buffer.len()) => Ok(Received {
+        (sys::UCS_OK, into) if info.length <= capacity.min(buffer.len()) => Ok(Received {
             tag: info.sender_tag,
-            data: owner.freeze(buffer).slice(..info.length),
+            data: match into {
+                Some(owner) => owner.freeze(buffer).slice(..info.length),
+                None => {
+                    buffer.truncate(info.length);
+                    Bytes::from(buffer)
+                }
+            },
         }),
-        (sys::UCS_OK, None) if info.length <= capacity => {
-            // SAFETY: UCX completed the receive and wrote `info.length` bytes at the start of
-            // the allocation, which holds `capacity >= info.length` bytes.
-            unsafe { buffer.set_len(info.length) };
-            Ok(Received {
-                tag: info.sender_tag,
-                data: Bytes::from(buffer),
-            })
-        }
         (failed, into) => {
             if let Some(owner) = into {
                 drop(owner.freeze(buffer));

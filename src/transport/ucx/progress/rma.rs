@@ -8,25 +8,23 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::Engine;
-use super::op::{Op, PutSource};
-use crate::memory::WriteRun;
+use super::op::{Op, Pending, PutSource};
+use crate::memory::{Span, WriteRun};
 use crate::transport::ucx::command::{EndpointId, MemId, Registered, RemoteRegionId, Reply};
 use crate::transport::ucx::memory_type::MemoryType;
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::result::UcxError;
-use crate::transport::ucx::safe::{MemHandle, RemoteKey};
+use crate::transport::ucx::safe::{MemHandle, MemoryRange, RemoteKey, Source, Started};
 
-/// A peer's registered memory: its endpoint's id, the key unpacked for that endpoint (which
-/// holds the endpoint) and the bounds. Each put
-/// into it holds the key too (`Op::Put`), so the key is destroyed only once the region is gone
-/// and no put that uses it is queued: a disconnect, a dead peer or shutdown drops the region
-/// while an unsupervised endpoint closes by flushing, and puts still queued on it keep reading
-/// the key until they complete.
+/// A peer's registered memory: its endpoint's id and the key unpacked for that endpoint with
+/// the region's bounds (the key holds the endpoint). Each put into it holds the key too (its
+/// request does), so the key is destroyed only once the region is gone and no put that uses
+/// it is queued: a disconnect, a dead peer or shutdown drops the region while an unsupervised
+/// endpoint closes by flushing, and puts still queued on it keep reading the key until they
+/// complete.
 pub(super) struct RemoteRegion {
     pub(super) ep: EndpointId,
     pub(super) key: Rc<RemoteKey>,
-    pub(super) base: u64,
-    pub(super) size: u64,
 }
 
 impl Engine {
@@ -68,22 +66,9 @@ impl Engine {
             return Err(UcxError::NoRma);
         }
         let endpoint = self.endpoint("add_remote_region", ep)?;
-        if base.checked_add(size).is_none() {
-            return Err(UcxError::OutOfBounds {
-                offset: base,
-                len: 0,
-                size,
-            });
-        }
-        let key = Rc::new(RemoteKey::unpack(&endpoint, rkey)?);
+        let key = Rc::new(RemoteKey::unpack(&endpoint, rkey, base, size)?);
         let id = self.id();
-        let region = RemoteRegion {
-            ep,
-            key,
-            base,
-            size,
-        };
-        self.remote.insert(id, region);
+        self.remote.insert(id, RemoteRegion { ep, key });
         Ok(RemoteRegionId(id))
     }
 
@@ -104,8 +89,6 @@ impl Engine {
         started
     }
 
-    // Lends UCX buffers that stay in the operation's `Pending` entry until its request ends.
-    #[allow(unsafe_code)]
     fn try_start_puts(
         &mut self,
         region: RemoteRegionId,
@@ -117,7 +100,7 @@ impl Engine {
             what: "remote region",
             id: region.0,
         })?;
-        let (ep, remote_size) = (r.ep, r.size);
+        let (ep, key) = (r.ep, r.key.clone());
         if let PutSource::Memory(m) = source
             && m.memory_type() != MemoryType::Host
         {
@@ -129,7 +112,7 @@ impl Engine {
         }
         let local = source.size() as u64;
         for run in runs {
-            for (offset, size) in [(run.src, local), (run.dst, remote_size)] {
+            for (offset, size) in [(run.src, local), (run.dst, key.size())] {
                 if offset.checked_add(run.len).is_none_or(|end| end > size) {
                     return Err(UcxError::OutOfBounds {
                         offset,
@@ -140,30 +123,37 @@ impl Engine {
             }
         }
         self.endpoint("put", ep)?;
-        let (key, remote_base) = (r.key.clone(), r.base);
         for (i, run) in runs.iter().enumerate() {
-            // SAFETY: `source` stays readable for its whole size for as long as it, or a share
-            // of it (kept in each put's Pending entry until completion), lives; both ranges
-            // were checked above (remote base+size does not overflow: checked when the region
-            // was added); the key lives in the put's Pending entry until it completes.
-            let started = unsafe {
-                key.put(
-                    source.base().add(run.src as usize),
-                    run.len as usize,
-                    remote_base + run.dst,
-                )
-            }
-            .map_err(|e| self.failure_of("put", ep, e))?;
-            let op = Op::Put {
-                _key: key.clone(),
-                _data: source.share(),
-                reply: if i + 1 == runs.len() {
-                    reply.take()
-                } else {
-                    None
-                },
+            let from = match source {
+                // Within the bytes: checked above.
+                PutSource::Bytes(b) => {
+                    Source::Bytes(b.slice(run.src as usize..(run.src + run.len) as usize))
+                }
+                PutSource::Memory(m) => Source::Memory(MemoryRange::new(
+                    m.clone(),
+                    Span {
+                        offset: run.src,
+                        len: run.len,
+                    },
+                )?),
             };
-            self.track(started, Some(ep), op);
+            let started = key
+                .put(from, run.dst)
+                .map_err(|(e, _)| self.failure_of("put", ep, e))?;
+            let reply = match i + 1 == runs.len() {
+                true => reply.take(),
+                false => None,
+            };
+            match started {
+                Started::Pending(request) => {
+                    self.insert(Pending::new(Some(ep), Op::Put { request, reply }))
+                }
+                Started::Done(_) => {
+                    if let Some(reply) = reply {
+                        let _ = reply.send(Ok(()));
+                    }
+                }
+            }
         }
         Ok(ep)
     }

@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 use super::Engine;
 use super::group::Group;
-use super::op::{Op, Pending, Receiving};
+use super::op::{Op, Pending, Run};
 use crate::memory::Span;
 use crate::transport::ucx::command::{EndpointId, Reply};
 use crate::transport::ucx::memory_type::MemoryType;
 use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::result::UcxError;
-use crate::transport::ucx::safe::{RevocableBox, Started};
+use crate::transport::ucx::safe::{MemoryRange, Request, RevocableBox, Started};
 use crate::transport::ucx::sys;
 
 /// How long revoked receives that no message matched stay posted before they are cancelled.
@@ -44,7 +44,7 @@ fn tag_range(tag: u64, runs: usize) -> Result<(), UcxError> {
 }
 
 /// Checks every run against memory of `size` bytes.
-pub(super) fn within(runs: &[Span], size: usize) -> Result<(), UcxError> {
+fn within(runs: &[Span], size: usize) -> Result<(), UcxError> {
     for run in runs {
         if run
             .offset
@@ -63,8 +63,6 @@ pub(super) fn within(runs: &[Span], size: usize) -> Result<(), UcxError> {
 
 impl Engine {
     /// Starts the tagged send of every run of `source` through `ep` (run `i` under `tag + i`).
-    // Lends UCX buffers that stay in the operation's `Pending` entry until its request ends.
-    #[allow(unsafe_code)]
     pub(super) fn send_runs(
         &mut self,
         ep: EndpointId,
@@ -75,8 +73,8 @@ impl Engine {
     ) {
         let checked = check(tag, &runs, source.size())
             .and_then(|()| self.movable("send_run", source.as_ref()))
-            .and_then(|kind| Ok((kind, self.endpoint("send_run", ep)?)));
-        let (kind, endpoint) = match checked {
+            .and_then(|_| self.endpoint("send_run", ep));
+        let endpoint = match checked {
             Ok(e) => e,
             Err(e) => {
                 let _ = reply.send(Err(e));
@@ -87,18 +85,15 @@ impl Engine {
         if runs.is_empty() {
             group.done(Ok(()));
         }
-        for (i, run) in runs.iter().enumerate() {
-            let iov = [sys::ucp_dt_iov_t {
-                // Checked above to lie within `source`, which stays allocated while the Arc
-                // lives (kept in the run's Pending entry until the request completes).
-                // Wrapping: device memory is no allocation of this process.
-                buffer: source.base().wrapping_add(run.offset as usize).cast(),
-                length: run.len as usize,
-            }];
-            // SAFETY: the buffer stays readable until the request completes (see above).
-            match unsafe { endpoint.tag_send(&iov, tag + i as u64, kind) } {
-                Ok(started) => self.track_run(started, Some(ep), &group, source.clone(), None),
-                Err(e) => group.done(Err(self.failure_of("send_run", ep, e))),
+        for (i, &run) in runs.iter().enumerate() {
+            let started = MemoryRange::new(source.clone(), run).and_then(|range| {
+                endpoint
+                    .tag_send(range, tag + i as u64)
+                    .map_err(|(e, _)| self.failure_of("send_run", ep, e))
+            });
+            match started {
+                Ok(started) => self.track_run(started, Some(ep), &group, Run::Range, None),
+                Err(e) => group.done(Err(e)),
             }
         }
     }
@@ -107,8 +102,6 @@ impl Engine {
     /// pieces of run `i`, one after the other), then answers `posted`; `cancel` cancels those
     /// still open. A run of several pieces needs an eager worker, whose unpack callback copies
     /// each part into place.
-    // Lends UCX buffers that stay in the operation's `Pending` entry until its request ends.
-    #[allow(unsafe_code)]
     pub(super) fn recv_runs(
         &mut self,
         tag: u64,
@@ -134,55 +127,37 @@ impl Engine {
                     "recv_run of several pieces",
                     sys::UCS_ERR_INVALID_PARAM,
                 )),
-                _ => Ok(kind),
+                _ => Ok(()),
             });
-        let kind = match checked {
-            Ok(kind) => kind,
-            Err(e) => {
-                let _ = reply.send(Err(e));
-                return;
-            }
-        };
+        if let Err(e) = checked {
+            let _ = reply.send(Err(e));
+            return;
+        }
         let group = Group::new(runs.len().max(1), reply, Some(cancel));
         if runs.is_empty() {
             group.done(Ok(()));
         }
         for (i, run) in runs.iter().enumerate() {
-            // Checked above to lie within `memory`, which stays allocated while the Arc lives
-            // (kept in the run's Pending entry until the request completes). Wrapping: device
-            // memory is no allocation of this process.
-            let place = |p: &Span| memory.base().wrapping_add(p.offset as usize);
             let tag = tag + i as u64;
-            let len = run.iter().map(|p| p.len as usize).sum();
-            let (started, target) = match (self.eager, &run[..]) {
-                (false, [one]) => {
-                    // SAFETY: `place` holds `len` writable bytes (above) until the request
-                    // completes.
-                    let started =
-                        unsafe { self.worker.tag_recv(place(one), len, tag, u64::MAX, kind) };
-                    (started, None)
-                }
-                _ => {
-                    let pieces = run.iter().map(|p| (place(p), p.len as usize)).collect();
-                    // SAFETY: each piece holds its writable bytes (above), which only this
-                    // receive writes until it completes or is revoked (a pool's places of
-                    // one chunk do not overlap).
-                    let target = unsafe { RevocableBox::new(pieces) };
-                    // SAFETY: the target goes into the run's Pending entry, dropped only after
-                    // the request completes (or leaked with it); its address never moves.
-                    let started = unsafe { self.worker.tag_recv_revocable(&target, tag, u64::MAX) };
-                    (started, Some(target))
-                }
+            let expect = Some(run.iter().map(|p| p.len as usize).sum());
+            let filed = match (self.eager, &run[..]) {
+                (false, &[one]) => MemoryRange::new(memory.clone(), one)
+                    .and_then(|range| {
+                        self.worker
+                            .tag_recv(range, tag, u64::MAX)
+                            .map_err(|(e, _)| e)
+                    })
+                    .map(|started| self.track_run(started, None, &group, Run::Range, expect)),
+                _ => RevocableBox::new(memory.clone(), run)
+                    .and_then(|target| {
+                        self.worker
+                            .tag_recv(target, tag, u64::MAX)
+                            .map_err(|(e, _)| e)
+                    })
+                    .map(|started| self.track_run(started, None, &group, Run::Revocable, expect)),
             };
-            match started {
-                Ok(started) => {
-                    let run = Receiving {
-                        expect: len,
-                        target,
-                    };
-                    self.track_run(started, None, &group, memory.clone(), Some(run));
-                }
-                Err(e) => group.done(Err(e)),
+            if let Err(e) = filed {
+                group.done(Err(e));
             }
         }
         let _ = posted.send(());
@@ -236,13 +211,15 @@ impl Engine {
         }
     }
 
-    fn track_run(
+    /// Files a run's started request with its group (`run` says which kind it is), or counts
+    /// it done when UCX completed it at once.
+    fn track_run<L>(
         &mut self,
-        started: Started<()>,
+        started: Started<L>,
         ep: Option<EndpointId>,
         group: &Rc<Group>,
-        memory: Arc<dyn RegisterableMemory>,
-        receiving: Option<Receiving>,
+        run: fn(Request<L>) -> Run,
+        expect: Option<usize>,
     ) {
         match started {
             Started::Pending(request) => {
@@ -251,17 +228,16 @@ impl Engine {
                     self.groups.push(group.clone());
                 }
                 self.insert(Pending::new(
-                    request,
                     ep,
                     Op::Run {
-                        _memory: memory,
+                        request: run(request),
                         group: group.clone(),
-                        receiving,
+                        expect,
                     },
                 ));
             }
             // A send done at once; receives never complete immediately (NO_IMM_CMPL).
-            Started::Done(()) => group.done(Ok(())),
+            Started::Done(_) => group.done(Ok(())),
         }
     }
 }

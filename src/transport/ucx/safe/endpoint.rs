@@ -1,5 +1,5 @@
-//! [`Endpoint`]: a connection to a remote worker, its tagged sends and flushes, and the failure
-//! of its peer as UCX's error handler records it.
+//! [`Endpoint`]: a connection to a remote worker, its tagged sends (of what they own, until they
+//! end) and flushes, and the failure of its peer as UCX's error handler records it.
 //!
 //! Invariants: a peer's worker address reaches UCX only validated and copied
 //! ([`crate::transport::ucx::packed`]); the error handler's state lives from `connect` until
@@ -11,8 +11,8 @@ use std::ptr::{self, NonNull};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicI8, Ordering};
 
-use super::worker::{Request, Started, Worker};
-use crate::transport::ucx::memory_type::MemoryType;
+use super::lent::Outgoing;
+use super::worker::{Started, Worker};
 use crate::transport::ucx::packed;
 use crate::transport::ucx::result::{self, UcxError, check, request_or_done};
 use crate::transport::ucx::sys::{self, ucs_status_t};
@@ -179,38 +179,29 @@ impl Endpoint {
         }
     }
 
-    /// Starts a tagged send of the `parts` (one message: their concatenation), all of them
-    /// `memory` of one kind (UCX takes one memory type per request).
-    ///
-    /// # Safety
-    /// Every `(pointer, length)` in `parts` is readable, and `parts` itself (UCX keeps a
-    /// pointer to the iov array) stays allocated and unmoved, until the request completes.
-    pub unsafe fn tag_send(
-        &self,
-        parts: &[sys::ucp_dt_iov_t],
-        tag: u64,
-        memory: MemoryType,
-    ) -> Result<Started<()>, UcxError> {
+    /// Starts a tagged send of `message`, which the request owns until it ends (or comes back
+    /// with the error when the send does not start, memory of a kind the context does not move
+    /// included, or done when it completed at once).
+    pub fn tag_send<L: Outgoing>(&self, message: L, tag: u64) -> Result<Started<L>, (UcxError, L)> {
+        let raw = message.outgoing();
+        let ep = match self
+            .worker
+            .moves("ucp_tag_send_nbx", raw.memory)
+            .and_then(|()| self.live("ucp_tag_send_nbx"))
+        {
+            Ok(ep) => ep,
+            Err(e) => return Err((e, message)),
+        };
         let mut param = self.worker.tracked(false);
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-        param.memory_type = memory.raw();
-        let (buffer, count) = match parts {
-            [one] => {
-                param.datatype = sys::UCP_DATATYPE_BYTES;
-                (one.buffer.cast_const(), one.length)
-            }
-            many => {
-                param.datatype = sys::UCP_DATATYPE_IOV;
-                (many.as_ptr().cast::<c_void>(), many.len())
-            }
-        };
-        let ep = self.live("ucp_tag_send_nbx")?;
-        // SAFETY: the endpoint is live; buffer validity is the caller's contract.
-        let ptr = unsafe { sys::ucp_tag_send_nbx(ep, buffer, count, tag, &param) };
-        Ok(match request_or_done("ucp_tag_send_nbx", ptr)? {
-            None => Started::Done(()),
-            Some(req) => Started::Pending(Request::new(req, &self.worker)),
-        })
+        param.datatype = raw.datatype;
+        param.memory_type = raw.memory.raw();
+        // SAFETY: the endpoint is live; what `raw` describes stays readable, in place, while
+        // `message` lives (`Outgoing`), and `message` goes into the request, which keeps it
+        // until UCX reports the send ended (or leaks it), or comes back only once UCX is done
+        // with it (completed at once, or not started).
+        let ptr = unsafe { sys::ucp_tag_send_nbx(ep, raw.buffer, raw.count, tag, &param) };
+        self.worker.started("ucp_tag_send_nbx", ptr, message)
     }
 
     /// Starts a flush: completes once every operation started on this endpoint has completed
@@ -220,10 +211,9 @@ impl Endpoint {
         let ep = self.live("ucp_ep_flush_nbx")?;
         // SAFETY: the endpoint is live; the param sets only the completion callback.
         let ptr = unsafe { sys::ucp_ep_flush_nbx(ep, &param) };
-        Ok(match request_or_done("ucp_ep_flush_nbx", ptr)? {
-            None => Started::Done(()),
-            Some(req) => Started::Pending(Request::new(req, &self.worker)),
-        })
+        self.worker
+            .started("ucp_ep_flush_nbx", ptr, ())
+            .map_err(|(e, ())| e)
     }
 
     /// UCX's description of the endpoint (`ucp_ep_print_info`): its lanes, each with the

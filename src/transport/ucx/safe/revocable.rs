@@ -1,17 +1,21 @@
-//! Receives whose writes can be taken back: [`Revocable`], a destination that UCX reaches only
-//! through a UCP generic datatype of this crate, and [`Worker::tag_recv_revocable`].
+//! Receives whose writes can be taken back: [`Revocable`], a destination in registered host
+//! memory that UCX reaches only through a UCP generic datatype of this crate, received into
+//! as an [`Incoming`] ([`RevocableBox`]) by [`Worker::tag_recv`](super::Worker::tag_recv).
 //!
 //! Invariant: a receive into a [`Revocable`] writes only through its unpack callback, on the
-//! worker's thread, and never once it is revoked.
+//! worker's thread, within its pieces (checked against the memory it holds), and never once
+//! it is revoked.
 
 use std::cell::Cell;
 use std::ffi::c_void;
 use std::ptr::{self, NonNull};
-use std::rc::Rc;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use super::worker::{Started, Worker};
+use super::lent::{Incoming, Lent, RawBuffer, within};
+use super::worker::Request;
+use crate::memory::Span;
 use crate::transport::ucx::memory_type::MemoryType;
+use crate::transport::ucx::region::RegisterableMemory;
 use crate::transport::ucx::result::{self, UcxError};
 use crate::transport::ucx::sys::{self, ucs_status_t};
 
@@ -26,8 +30,10 @@ use crate::transport::ucx::sys::{self, ucs_status_t};
 /// forever, so pool pages behind it could never be reused. Revoked, it writes nothing more;
 /// the request may linger, the memory is the owner's again at once.
 pub struct Revocable {
-    /// Where the message's bytes go, in order: (address, length).
+    /// Where the message's bytes go, in order: (address, length), within `_memory`.
     pieces: Box<[(*mut u8, usize)]>,
+    /// Keeps the pieces allocated and writable for as long as the destination lives.
+    _memory: Arc<dyn RegisterableMemory>,
     /// Offset in the message of each piece's first byte.
     starts: Box<[usize]>,
     len: usize,
@@ -59,12 +65,30 @@ impl Revocable {
 pub struct RevocableBox(NonNull<Revocable>);
 
 impl RevocableBox {
-    /// A destination made of `pieces` (address, length), filled in order.
-    ///
-    /// # Safety
-    /// Each piece is valid for writes of its length until the destination is revoked or its
-    /// receive has completed, no two overlap, and nothing else accesses them meanwhile.
-    pub unsafe fn new(pieces: Vec<(*mut u8, usize)>) -> RevocableBox {
+    /// A destination made of the `pieces` of `memory`, filled in order; refused unless the
+    /// memory is host memory (the unpack callback copies on the host) and holds every piece.
+    /// Pieces that overlap take the later bytes.
+    pub fn new(
+        memory: Arc<dyn RegisterableMemory>,
+        pieces: &[Span],
+    ) -> Result<RevocableBox, UcxError> {
+        let kind = memory.memory_type();
+        if kind != MemoryType::Host {
+            return Err(UcxError::MemoryType {
+                op: "revocable receive",
+                memory: kind,
+                why: "its pieces are written by host copies",
+            });
+        }
+        let (base, size) = (memory.base(), memory.size());
+        for &piece in pieces {
+            within(size, piece)?;
+        }
+        // Within the memory (checked above), so both fit a usize.
+        let pieces: Box<[_]> = pieces
+            .iter()
+            .map(|p| (base.wrapping_add(p.offset as usize), p.len as usize))
+            .collect();
         let starts = pieces
             .iter()
             .scan(0usize, |at, &(_, n)| {
@@ -75,18 +99,43 @@ impl RevocableBox {
             .collect();
         let len = pieces.iter().map(|&(_, n)| n).sum();
         let boxed = Box::new(Revocable {
-            pieces: pieces.into_boxed_slice(),
+            pieces,
+            _memory: memory,
             starts,
             len,
             revoked: Cell::new(false),
             touched: Cell::new(false),
         });
-        RevocableBox(NonNull::from(Box::leak(boxed)))
+        Ok(RevocableBox(NonNull::from(Box::leak(boxed))))
     }
 
     /// The pointer UCX's callbacks get.
     fn as_ptr(&self) -> *mut Revocable {
         self.0.as_ptr()
+    }
+}
+
+impl Lent for RevocableBox {}
+
+// SAFETY: UCX hands the buffer (the Revocable, at a leaked Box's address that no move of the
+// RevocableBox changes, live until it drops) only to the datatype's callbacks, which write
+// only into its pieces: host memory within `_memory` (checked in `new`), which it keeps
+// allocated and which is never referenced (`RegisterableMemory`).
+unsafe impl Incoming for RevocableBox {
+    fn incoming(&mut self) -> Result<RawBuffer, UcxError> {
+        Ok(RawBuffer {
+            buffer: self.as_ptr().cast(),
+            count: 1,
+            datatype: revocable_type()?,
+            memory: MemoryType::Host,
+        })
+    }
+}
+
+impl Request<RevocableBox> {
+    /// The receive's destination, to revoke it or see whether a message matched it.
+    pub fn target(&self) -> &Revocable {
+        self.lent()
     }
 }
 
@@ -101,8 +150,8 @@ impl std::ops::Deref for RevocableBox {
 
 impl Drop for RevocableBox {
     fn drop(&mut self) {
-        // SAFETY: from Box::leak in `RevocableBox::new`, freed once; its owner (a run's Pending
-        // entry) drops it only after the receive completed, or never (leaked with it).
+        // SAFETY: from Box::leak in `RevocableBox::new`, freed once; lent to a receive, it is
+        // owned by the request, which hands it back only after the receive ended, or leaks it.
         drop(unsafe { Box::from_raw(self.0.as_ptr()) });
     }
 }
@@ -114,7 +163,7 @@ unsafe extern "C" fn revocable_start(_: *mut c_void, buffer: *mut c_void, _: usi
 
 /// `packed_size`: the destination's length (a longer message is truncated by UCX).
 unsafe extern "C" fn revocable_size(state: *mut c_void) -> usize {
-    // SAFETY: `state` is a live Revocable (`Worker::tag_recv_revocable`'s contract).
+    // SAFETY: `state` is a live Revocable (the receive's request owns its RevocableBox).
     unsafe { &*state.cast::<Revocable>() }.len
 }
 
@@ -150,8 +199,8 @@ unsafe extern "C" fn revocable_unpack(
         }
         let within = at - start;
         let n = (len - within).min(left);
-        // SAFETY: each piece is writable while not revoked (`RevocableBox::new`), this part
-        // lies within it (the message is no longer than the pieces together, checked above),
+        // SAFETY: each piece is writable host memory within the memory the target holds
+        // (`RevocableBox::new`), this part lies within it (the message is no longer than the pieces together, checked above),
         // and UCX's `src` holds `length` readable bytes, of which this is the next `n`.
         unsafe {
             crate::kernel::cpu::copy_streaming(
@@ -197,39 +246,27 @@ fn revocable_type() -> Result<sys::ucp_datatype_t, UcxError> {
         .clone()
 }
 
-impl Worker {
-    /// Posts a tagged receive of a message of at most `target`'s length into it (a
-    /// [`Revocable`]); as [`Worker::tag_recv`] otherwise.
-    ///
-    /// # Safety
-    /// `target` stays allocated and unmoved until the returned request completes (or forever,
-    /// if the worker is leaked).
-    pub unsafe fn tag_recv_revocable(
-        self: &Rc<Self>,
-        target: &RevocableBox,
-        tag: u64,
-        mask: u64,
-    ) -> Result<Started<()>, UcxError> {
-        let buffer = target.as_ptr().cast();
-        // SAFETY: UCX hands the buffer pointer (the target) only to the datatype's callbacks,
-        // which the caller's contract keeps valid.
-        unsafe { self.recv_as(buffer, 1, revocable_type()?, tag, mask, MemoryType::Host) }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::ucx::region::Region;
+
+    fn region(size: usize) -> Arc<Region> {
+        Arc::new(Region::new(size).unwrap())
+    }
+
+    fn span(offset: u64, len: u64) -> Span {
+        Span { offset, len }
+    }
 
     /// The pointer UCX's callbacks hold stays the destination's after its owner moves (into a
-    /// Vec, as into a Pending entry): pieces land through it, and a revoke through the owner
-    /// stops them. Derived from a `Box` that then moved, this pointer would be invalid under
-    /// Rust's aliasing rules (what `cargo miri test` checks; this test has no FFI).
+    /// Vec, as into a request): pieces land through it, and a revoke through the owner stops
+    /// them. Derived from a `Box` that then moved, this pointer would be invalid under Rust's
+    /// aliasing rules (what `cargo miri test` checks; this test has no FFI).
     #[test]
     fn callback_pointer_survives_a_move_of_its_owner() {
-        let mut dst = vec![0u8; 8];
-        // SAFETY: `dst` outlives the target and is touched only through it until the end.
-        let target = unsafe { RevocableBox::new(vec![(dst.as_mut_ptr(), dst.len())]) };
+        let dst = region(8);
+        let target = RevocableBox::new(dst.clone(), &[span(0, 8)]).unwrap();
         let state = target.as_ptr().cast::<c_void>();
         let owners = vec![target];
         let piece = [7u8, 8, 9];
@@ -244,7 +281,7 @@ mod tests {
         assert_eq!(ok, sys::UCS_OK);
         assert!(owners[0].touched() && owners[0].revoked());
         drop(owners);
-        assert_eq!(dst, [0, 0, 7, 8, 9, 0, 0, 0]);
+        assert_eq!(dst.read(0, 8).unwrap(), [0, 0, 7, 8, 9, 0, 0, 0]);
     }
 
     /// A destination of several pieces takes a message's parts, whatever their cuts, each byte
@@ -253,20 +290,17 @@ mod tests {
     #[test]
     fn parts_of_a_message_land_in_their_pieces() {
         let message: Vec<u8> = (1..=600u16).map(|i| (i % 251) as u8).collect();
-        // Pieces of 100, 1, 299 and 200 bytes, 7 bytes apart, in a buffer of 0xEE.
-        let mut dst = vec![0xEEu8; 700];
-        let base = dst.as_mut_ptr();
-        let lens = [100usize, 1, 299, 200];
+        // Pieces of 100, 1, 299 and 200 bytes, 7 bytes apart, in a region of 0xEE.
+        let dst = region(700);
+        dst.fill(0xEE);
+        let lens = [100u64, 1, 299, 200];
         let mut pieces = Vec::new();
         let mut at = 0;
         for len in lens {
-            // SAFETY: within `dst`: 4 gaps of 7 and 600 bytes of pieces fit in 700.
-            pieces.push((unsafe { base.add(at) }, len));
+            pieces.push(span(at, len));
             at += len + 7;
         }
-        // SAFETY: the pieces lie apart within `dst`, which outlives the target and is read
-        // only after it is dropped.
-        let target = unsafe { RevocableBox::new(pieces) };
+        let target = RevocableBox::new(dst.clone(), &pieces).unwrap();
         let state = target.as_ptr().cast::<c_void>();
         for part in [0..50, 50..101, 101..102, 102..450, 450..600] {
             let bytes = &message[part.clone()];
@@ -281,10 +315,24 @@ mod tests {
         drop(target);
         let mut want = vec![0xEEu8; 700];
         let (mut at, mut from) = (0, 0);
-        for len in lens {
+        for len in lens.map(|n| n as usize) {
             want[at..at + len].copy_from_slice(&message[from..from + len]);
             (at, from) = (at + len + 7, from + len);
         }
-        assert_eq!(dst, want);
+        assert_eq!(dst.read(0, 700).unwrap(), want);
+    }
+
+    /// A destination is refused unless every piece lies within its memory.
+    #[test]
+    fn pieces_outside_the_memory_are_refused() {
+        let dst = region(100);
+        assert!(RevocableBox::new(dst.clone(), &[span(0, 60), span(60, 40)]).is_ok());
+        for bad in [span(60, 41), span(100, 1), span(u64::MAX, 2)] {
+            let refused = RevocableBox::new(dst.clone(), &[span(0, 10), bad]);
+            assert!(
+                matches!(refused, Err(UcxError::OutOfBounds { .. })),
+                "{bad:?}"
+            );
+        }
     }
 }

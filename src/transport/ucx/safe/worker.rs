@@ -1,19 +1,22 @@
 //! [`Worker`]: a UCP worker in single-thread mode, its progress and wakeup, its tagged
-//! receives; the [`Request`]s its operations run as ([`Started`]: done at once, or a request),
-//! and the list their completion callbacks fill ([`Worker::completed`]).
+//! receives; the [`Request`]s its operations run as ([`Started`]: done at once, or a request
+//! owning what it lent UCX), the list their completion callbacks fill ([`Worker::completed`])
+//! and how a request ends ([`Request::end`]).
 //!
 //! Invariants: a worker is destroyed only after every endpoint and request made from it (each
-//! holds an `Rc` of it); every request it starts reports its end through [`Completion`]s,
-//! never through polling; the buffers of an incomplete request are its owner's to keep until
-//! it ends.
+//! holds an `Rc` of it); every request it starts reports its end through one [`Completion`],
+//! never through polling; a request owns what it lent UCX until its completion ends it, and a
+//! request dropped before that leaks what it holds, never frees it.
 
 use std::cell::Cell;
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::rc::Rc;
 
 use super::context::Context;
-use crate::transport::ucx::memory_type::MemoryType;
+use super::lent::{Incoming, Lent};
+use crate::transport::ucx::memory_type::{MemoryType, MemoryTypes};
 use crate::transport::ucx::result::{self, UcxError, request_or_done};
 use crate::transport::ucx::sys::{self, ucs_status_t};
 
@@ -22,18 +25,25 @@ pub struct Worker {
     ptr: NonNull<sys::ucp_worker>,
     /// Filled by the completion callbacks of this worker's requests.
     ended: Completions,
+    /// What its context moves: memory of another kind is refused before UCX sees it.
+    memory_types: MemoryTypes,
     _context: Rc<Context>,
 }
 
-/// A request's end as its completion callback saw it.
-#[derive(Clone, Copy, Debug)]
+/// A request's end as its completion callback saw it: made only there, once per request, and
+/// consumed by the [`Request::end`] it reports.
+#[derive(Debug)]
 pub struct Completion {
-    /// The request ([`Request::key`]).
-    pub request: usize,
-    /// `UCS_OK`, or why it failed (`UCS_ERR_CANCELED` after [`Request::cancel`]).
-    pub status: ucs_status_t,
-    /// For a tagged receive: the sender's tag and the length received.
-    pub info: sys::ucp_tag_recv_info_t,
+    request: usize,
+    status: ucs_status_t,
+    info: sys::ucp_tag_recv_info_t,
+}
+
+impl Completion {
+    /// The request that ended ([`Request::key`]).
+    pub fn request(&self) -> usize {
+        self.request
+    }
 }
 
 /// Where completion callbacks record ends. UCX calls them on the worker's thread, inside
@@ -95,11 +105,13 @@ impl Worker {
             sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE | sys::UCP_WORKER_PARAM_FIELD_NAME;
         params.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
         params.name = name.as_ptr();
+        let memory_types = context.memory_types()?;
         // SAFETY: the context is live (we hold an Rc of it).
         let ptr = unsafe { result::worker_create(context.as_ptr(), &params) }?;
         Ok(Rc::new(Worker {
             ptr,
             ended: Completions::default(),
+            memory_types,
             _context: context.clone(),
         }))
     }
@@ -107,6 +119,23 @@ impl Worker {
     /// The raw handle, for calls of [`crate::transport::ucx::result`] and tests.
     pub fn as_ptr(&self) -> NonNull<sys::ucp_worker> {
         self.ptr
+    }
+
+    /// The memory types its context sends and receives (`ucp_context_query`).
+    pub fn memory_types(&self) -> MemoryTypes {
+        self.memory_types
+    }
+
+    /// `Ok` when the context moves memory of kind `memory`; a typed refusal of `op` otherwise.
+    pub fn moves(&self, op: &'static str, memory: MemoryType) -> Result<(), UcxError> {
+        match self.memory_types.has(memory) {
+            true => Ok(()),
+            false => Err(UcxError::MemoryType {
+                op,
+                memory,
+                why: "this libucx reports no support for it (ucp_context_query)",
+            }),
+        }
     }
 
     /// The requests that ended since the last call, in the order they ended. A request ending
@@ -158,62 +187,54 @@ impl Worker {
         unsafe { result::worker_arm(self.ptr) }
     }
 
-    /// Posts a tagged receive of at most `capacity` bytes into `buffer`. Always returns a
-    /// request (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`): UCX 1.13 does not report the received tag
-    /// and length of an immediate completion, the completion callback does (UCX calls it
-    /// inside this call then).
-    ///
-    /// # Safety
-    /// `buffer` is valid for writes of `capacity` bytes and stays allocated and unmoved until
-    /// the returned request completes (or forever, if the worker is leaked).
-    pub unsafe fn tag_recv(
+    /// Posts a tagged receive into `into`, which the request owns until it ends (a message
+    /// longer than `into` ends it as truncated); memory of a kind the context does not move is
+    /// refused. Always returns a request
+    /// (`UCP_OP_ATTR_FLAG_NO_IMM_CMPL`): UCX 1.13 does not report the received tag and length
+    /// of an immediate completion, the completion callback does (UCX calls it inside this
+    /// call then). `into` comes back with the error when the receive is not posted.
+    pub fn tag_recv<L: Incoming>(
         self: &Rc<Self>,
-        buffer: *mut u8,
-        capacity: usize,
+        mut into: L,
         tag: u64,
         mask: u64,
-        memory: MemoryType,
-    ) -> Result<Started<()>, UcxError> {
-        // SAFETY: the caller's contract.
-        unsafe {
-            self.recv_as(
-                buffer.cast(),
-                capacity,
-                sys::UCP_DATATYPE_BYTES,
-                tag,
-                mask,
-                memory,
-            )
-        }
-    }
-
-    /// `ucp_tag_recv_nbx` of `count` elements of `datatype` at `buffer` (`memory` of that
-    /// kind), reported through [`Worker::completed`], never completing at once.
-    ///
-    /// # Safety
-    /// What `datatype` writes through `buffer` stays valid until the request completes.
-    pub(super) unsafe fn recv_as(
-        self: &Rc<Self>,
-        buffer: *mut c_void,
-        count: usize,
-        datatype: sys::ucp_datatype_t,
-        tag: u64,
-        mask: u64,
-        memory: MemoryType,
-    ) -> Result<Started<()>, UcxError> {
+    ) -> Result<Started<L>, (UcxError, L)> {
+        let raw = match into
+            .incoming()
+            .and_then(|raw| self.moves("ucp_tag_recv_nbx", raw.memory).map(|()| raw))
+        {
+            Ok(raw) => raw,
+            Err(e) => return Err((e, into)),
+        };
         let mut param = self.tracked(true);
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE
             | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
             | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-        param.datatype = datatype;
-        param.memory_type = memory.raw();
-        // SAFETY: the worker is live; buffer validity is the caller's contract.
-        let ptr =
-            unsafe { sys::ucp_tag_recv_nbx(self.ptr.as_ptr(), buffer, count, tag, mask, &param) };
-        Ok(match request_or_done("ucp_tag_recv_nbx", ptr)? {
-            None => Started::Done(()),
-            Some(req) => Started::Pending(Request::new(req, self)),
-        })
+        param.datatype = raw.datatype;
+        param.memory_type = raw.memory.raw();
+        // SAFETY: the worker is live and used on its own thread; what `raw` describes stays
+        // writable, in place, while `into` lives (`Incoming`), and `into` goes into the
+        // request, which keeps it until UCX reports the receive ended (or leaks it), or comes
+        // back from `started` only when UCX did not post the receive.
+        let ptr = unsafe {
+            sys::ucp_tag_recv_nbx(self.ptr.as_ptr(), raw.buffer, raw.count, tag, mask, &param)
+        };
+        self.started("ucp_tag_recv_nbx", ptr, into)
+    }
+
+    /// What a call that lent UCX `lent` returned: done (UCX is through with `lent`), a
+    /// request that owns `lent`, or an error (UCX kept nothing).
+    pub(super) fn started<L: Lent>(
+        self: &Rc<Self>,
+        op: &'static str,
+        ptr: sys::ucs_status_ptr_t,
+        lent: L,
+    ) -> Result<Started<L>, (UcxError, L)> {
+        match request_or_done(op, ptr) {
+            Ok(None) => Ok(Started::Done(lent)),
+            Ok(Some(req)) => Ok(Started::Pending(Request::new(req, self, lent))),
+            Err(e) => Err((e, lent)),
+        }
     }
 
     /// Drops every tagged message waiting unexpected (no receive was posted for it) whose tag's
@@ -274,10 +295,8 @@ impl Worker {
         let param = self.tracked(false);
         // SAFETY: the worker is live; the param sets only the completion callback.
         let ptr = unsafe { sys::ucp_worker_flush_nbx(self.ptr.as_ptr(), &param) };
-        Ok(match request_or_done("ucp_worker_flush_nbx", ptr)? {
-            None => Started::Done(()),
-            Some(req) => Started::Pending(Request::new(req, self)),
-        })
+        self.started("ucp_worker_flush_nbx", ptr, ())
+            .map_err(|(e, ())| e)
     }
 }
 
@@ -290,26 +309,41 @@ impl Drop for Worker {
 }
 
 /// An operation UCX either completed at once or still runs.
-pub enum Started<T> {
-    /// Completed during the call (with what it produced).
-    Done(T),
+pub enum Started<L> {
+    /// Completed during the call: what it lent UCX, back.
+    Done(L),
     /// In flight: its end is reported by [`Worker::completed`] during progress.
-    Pending(Request),
+    Pending(Request<L>),
 }
 
-/// An in-flight UCP request. Dropping it frees it (`ucp_request_free`); UCX then releases it
-/// whenever it completes, so the *buffer* of an incomplete request must outlive it: its owner
-/// cancels, progresses to completion, and only then drops both.
-pub struct Request {
+/// An in-flight UCP request and what it lent UCX (`L`), which it owns until UCX reports its
+/// end: [`Request::end`] with that report frees the request and hands `L` back.
+///
+/// Dropped before that, it cancels the request and leaks it, `L` and its worker: UCX may still
+/// read or write `L`, and the request's address (the key its report carries) stays taken, so
+/// that report can end no other request.
+pub struct Request<L = ()> {
     ptr: NonNull<c_void>,
-    worker: Rc<Worker>,
+    worker: ManuallyDrop<Rc<Worker>>,
+    lent: ManuallyDrop<L>,
 }
 
-impl Request {
-    pub(super) fn new(ptr: NonNull<c_void>, worker: &Rc<Worker>) -> Self {
+/// How a request ended, with what it lent UCX.
+pub struct Ended<L> {
+    /// What the request lent UCX, UCX done with it.
+    pub lent: L,
+    /// `UCS_OK`, or why it failed (`UCS_ERR_CANCELED` after [`Request::cancel`]).
+    pub status: ucs_status_t,
+    /// For a tagged receive: the sender's tag and the length received.
+    pub info: sys::ucp_tag_recv_info_t,
+}
+
+impl<L> Request<L> {
+    fn new(ptr: NonNull<c_void>, worker: &Rc<Worker>, lent: L) -> Self {
         Request {
             ptr,
-            worker: worker.clone(),
+            worker: ManuallyDrop::new(worker.clone()),
+            lent: ManuallyDrop::new(lent),
         }
     }
 
@@ -325,11 +359,106 @@ impl Request {
         // SAFETY: request and worker are live; cancelling a completed request does nothing.
         unsafe { sys::ucp_request_cancel(self.worker.ptr.as_ptr(), self.ptr.as_ptr()) }
     }
+
+    /// What the request lent, for the safe layer's own looks at it.
+    pub(super) fn lent(&self) -> &L {
+        &self.lent
+    }
 }
 
-impl Drop for Request {
+impl<L: Lent> Request<L> {
+    /// Ends the request with `c`, UCX's report of its end: frees the request and hands back
+    /// what it lent, with how it ended. `Err` gives both back when `c` reports another
+    /// request.
+    ///
+    /// A report is this request's when it carries its key: a request is freed only here,
+    /// after its one report is consumed (a dropped request is never freed), so no other
+    /// request of any worker holds that address while the report exists.
+    pub fn end(self, c: Completion) -> Result<Ended<L>, (Self, Completion)> {
+        if c.request != self.key() {
+            return Err((self, c));
+        }
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped nor used after its fields are taken, once each.
+        let (worker, mut lent) = unsafe {
+            (
+                ManuallyDrop::take(&mut this.worker),
+                ManuallyDrop::take(&mut this.lent),
+            )
+        };
+        // SAFETY: the request ended (`c` is its report), so UCX releases it now and uses
+        // `lent` no more; freed once, with its worker live (held until after the call).
+        unsafe { sys::ucp_request_free(this.ptr.as_ptr()) };
+        drop(worker);
+        // SAFETY: once, with the report of the request `lent` was lent to.
+        unsafe { lent.ended(c.status, &c.info) };
+        Ok(Ended {
+            lent,
+            status: c.status,
+            info: c.info,
+        })
+    }
+}
+
+impl<L> Drop for Request<L> {
     fn drop(&mut self) {
-        // SAFETY: freed once; the worker is live (Rc).
-        unsafe { sys::ucp_request_free(self.ptr.as_ptr()) }
+        // Not ended (`end` takes the request apart without dropping it): UCX may still use
+        // what it lent. Cancel, and leak the lent value and the worker (ManuallyDrop), and
+        // the request itself (never freed, see `Request`).
+        self.cancel();
+        tracing::warn!(
+            request = self.key(),
+            "a UCX request dropped before it ended: leaking it, what it lent UCX and its worker"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::transport::ucx::UcxConfig;
+    use crate::transport::ucx::safe::RecvBuffer;
+
+    /// A request ends only with its own report: given another request's, it comes back with
+    /// that report, still posted; each then ends with its own, handing its buffer back.
+    #[test]
+    fn a_request_ends_only_with_its_own_report() {
+        let context = Context::new(UcxConfig::tcp_loopback().vars(), false).unwrap();
+        let worker = Worker::new(&context).unwrap();
+        let post = |tag| {
+            let buffer = RecvBuffer::new(Vec::with_capacity(8), 8).unwrap();
+            match worker.tag_recv(buffer, tag, u64::MAX) {
+                Ok(Started::Pending(request)) => request,
+                _ => panic!("the receive of tag {tag} was not posted"),
+            }
+        };
+        let (a, b) = (post(1), post(2));
+        a.cancel();
+        b.cancel();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut ended = Vec::new();
+        while ended.len() < 2 {
+            assert!(Instant::now() < deadline, "cancelled receives never ended");
+            worker.progress();
+            ended.extend(worker.completed());
+        }
+        let b_first = ended[0].request() == b.key();
+        let (of_a, of_b) = match (ended.pop(), ended.pop()) {
+            (Some(last), Some(first)) if b_first => (last, first),
+            (Some(last), Some(first)) => (first, last),
+            _ => unreachable!("two reports"),
+        };
+        let Err((a, of_b)) = a.end(of_b) else {
+            panic!("a request ended with another's report");
+        };
+        for (request, report) in [(a, of_a), (b, of_b)] {
+            let Ok(ended) = request.end(report) else {
+                panic!("a request refused its own report");
+            };
+            assert_eq!(ended.status, sys::UCS_ERR_CANCELED);
+            assert_eq!(ended.lent.into_vec().capacity(), 8);
+        }
     }
 }
