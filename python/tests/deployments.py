@@ -19,6 +19,7 @@ in its description how many minutes the extra starts cost.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import pathlib
 from typing import Callable
@@ -62,13 +63,17 @@ def totals(path: pathlib.Path) -> dict:
     return {"starts": starts, "resident": len(live), "peak": peak}
 
 
+_SEQUENCE = itertools.count()
+
+
 class Engine:
     """One engine server's entry in the ledger: written when it starts (refused past the
     ceiling), and once more when it stops (``stopped``, any number of calls)."""
 
     def __init__(self, kind: str, what: str) -> None:
         self.kind = kind
-        self.id = f"{os.getpid()}-{id(self)}"
+        # Unique in the run: an object's id() is reused once the object is gone.
+        self.id = f"{os.getpid()}-{next(_SEQUENCE)}"
         self.open = False
         path = ledger()
         if path is None:
