@@ -46,12 +46,11 @@ use tokio::sync::OnceCell;
 
 use super::region::OnDevice;
 use super::settings::{eager, insecure_rma, rma, shared_memory_only, ucx_env_sets, worker_vars};
-use super::{EndpointId, RegisterableMemory, RemoteRegionId, UcxConfig, UcxWorker};
+use super::{EndpointId, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, DeviceBytes, DeviceMemory, DeviceSink, Frame, Landing,
-    Listening, Payload, Placer, Receives, RecvBuffers, RemoteMemory, Span, Transport,
-    TransportError, TransportKind, WritePath, WriteRun,
+    BoxFuture, DataReceiver, DataSender, DeviceBytes, DeviceMemory, Frame, Listening, RemoteMemory,
+    Span, Transport, TransportError, TransportKind, WritePath, WriteRun,
 };
 
 mod receive;

@@ -3,7 +3,19 @@
 //! runs received at their place in the pool (`UcxPlacer`). The module above says how chunks
 //! travel.
 
-use super::*;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+
+use super::{CHUNK_MASK, DEVICE_PAYLOAD_WAIT, Tags, placed_tag, shares};
+use crate::pool::HostPool;
+use crate::transport::ucx::region::OnDevice;
+use crate::transport::ucx::settings::eager;
+use crate::transport::ucx::{RegisterableMemory, UcxWorker};
+use crate::transport::{
+    BoxFuture, DataReceiver, DeviceSink, Frame, Landing, Payload, Placer, Receives, RecvBuffers,
+    RemoteMemory, Span, TransportError,
+};
 
 pub(super) struct UcxReceiver {
     pub(super) posting: Arc<Posting>,
