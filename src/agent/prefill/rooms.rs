@@ -435,9 +435,12 @@ impl Prefill {
             let mut rooms = self.rooms();
             let room = rooms.entry(room_id).or_insert_with(Room::new);
             if room.status.state().is_final() {
+                // The engine learns why, not only that it was too late.
+                let why = room.status.reason().map(|r| format!(" ({r})"));
                 return Err(RoomError::Conflict(format!(
-                    "room {room_id} is {}",
-                    room.status.state().name()
+                    "room {room_id} is {}{}",
+                    room.status.state().name(),
+                    why.unwrap_or_default()
                 )));
             }
             if let Some((pages, lease)) = fresh {
