@@ -26,7 +26,7 @@
 //! ([`kvferry_wire::admission`]: the oldest dropped first), so silent ones never keep a
 //! sender out. Which pages a sender may write when is the agents'
 //! business: a decode counts a prefill with writes a writer of each room until its last word
-//! on it, as for RDMA (`agent/decode/mod.rs`).
+//! on it, as for RDMA (`agent/decode/rooms.rs`).
 #![allow(unsafe_code)]
 
 use std::io::Write as _;
