@@ -175,7 +175,10 @@ fn operations(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyTuple>> {
         let dict = PyDict::new(py);
         dict.set_item("name", op.name)?;
         dict.set_item("roles", pyo3::types::PyTuple::new(py, op.roles)?)?;
-        dict.set_item("http", op.http)?;
+        dict.set_item(
+            "http",
+            op.http.map(|(method, path)| (method.as_str(), path)),
+        )?;
         dict.set_item("python", pyo3::types::PyTuple::new(py, op.python)?)?;
         Ok(dict)
     });

@@ -31,10 +31,32 @@ pub struct Operation {
     /// The roles that serve it: `prefill`, `decode` or both.
     pub roles: &'static [&'static str],
     /// Its HTTP route, method and path (`{room}` stands for a room id); `None`: not over HTTP.
-    pub http: Option<(&'static str, &'static str)>,
+    pub http: Option<(Method, &'static str)>,
     /// The Python methods that serve it, on the in-process agents (`kvferry.PrefillAgent`,
     /// `kvferry.DecodeAgent`) and on `kvferry.Sidecar` alike; empty: not in Python.
     pub python: &'static [&'static str],
+}
+
+/// The HTTP methods the engine API uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Method {
+    /// `GET`.
+    Get,
+    /// `POST`.
+    Post,
+    /// `DELETE`.
+    Delete,
+}
+
+impl Method {
+    /// Its name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Get => "GET",
+            Method::Post => "POST",
+            Method::Delete => "DELETE",
+        }
+    }
 }
 
 const BOTH: &[&str] = &["prefill", "decode"];
@@ -47,79 +69,79 @@ pub const OPERATIONS: &[Operation] = &[
     Operation {
         name: "view",
         roles: BOTH,
-        http: Some(("GET", "/v1/rooms/{room}")),
+        http: Some((Method::Get, "/v1/rooms/{room}")),
         python: &["view", "poll"],
     },
     Operation {
         name: "wait",
         roles: BOTH,
-        http: Some(("GET", "/v1/rooms/{room}")),
+        http: Some((Method::Get, "/v1/rooms/{room}")),
         python: &["wait"],
     },
     Operation {
         name: "abort",
         roles: BOTH,
-        http: Some(("DELETE", "/v1/rooms/{room}")),
+        http: Some((Method::Delete, "/v1/rooms/{room}")),
         python: &["abort"],
     },
     Operation {
         name: "hold",
         roles: BOTH,
-        http: Some(("POST", "/v1/rooms/{room}/hold")),
+        http: Some((Method::Post, "/v1/rooms/{room}/hold")),
         python: &["hold"],
     },
     Operation {
         name: "unhold",
         roles: BOTH,
-        http: Some(("DELETE", "/v1/rooms/{room}/hold")),
+        http: Some((Method::Delete, "/v1/rooms/{room}/hold")),
         python: &["unhold"],
     },
     Operation {
         name: "pool",
         roles: BOTH,
-        http: Some(("GET", "/v1/pool")),
+        http: Some((Method::Get, "/v1/pool")),
         python: &["pool"],
     },
     Operation {
         name: "metrics",
         roles: BOTH,
-        http: Some(("GET", "/metrics")),
+        http: Some((Method::Get, "/metrics")),
         python: &[],
     },
     Operation {
         name: "health",
         roles: BOTH,
-        http: Some(("GET", "/healthz")),
+        http: Some((Method::Get, "/healthz")),
         python: &[],
     },
     Operation {
         name: "faults",
         roles: BOTH,
-        http: Some(("POST", "/v1/faults")),
+        http: Some((Method::Post, "/v1/faults")),
         python: &[],
     },
     Operation {
         name: "ready",
         roles: PREFILL,
-        http: Some(("POST", "/v1/rooms/{room}/ready")),
+        http: Some((Method::Post, "/v1/rooms/{room}/ready")),
         python: &["ready"],
     },
     Operation {
         name: "request",
         roles: DECODE,
-        http: Some(("POST", "/v1/rooms/{room}")),
+        http: Some((Method::Post, "/v1/rooms/{room}")),
         python: &["request"],
     },
     Operation {
         name: "take",
         roles: DECODE,
-        http: Some(("POST", "/v1/rooms/{room}/take")),
+        http: Some((Method::Post, "/v1/rooms/{room}/take")),
         python: &["take"],
     },
     Operation {
         name: "prefill_group",
         roles: DECODE,
-        http: Some(("GET", "/v1/prefill-groups/{dp_rank}")),
+        http: Some((Method::Get, "/v1/prefill-groups/{dp_rank}")),
         python: &["prefill_group"],
     },
 ];

@@ -643,7 +643,7 @@ async fn every_listed_route_is_served(c: &Cluster) {
             let listed = Operation::of(role).any(|o| o.http == op.http);
             let path = path.replace("{room}", "1").replace("{dp_rank}", "0");
             let url = format!("{}{path}", c.api(side));
-            let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+            let method = reqwest::Method::from_bytes(method.as_str().as_bytes()).unwrap();
             let mut req = c.http.request(method.clone(), &url);
             if method == reqwest::Method::POST {
                 req = req.json(&json!({}));
