@@ -40,7 +40,8 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::types::{
-    ErrorBody, Health, InvalidRegistration, Lease, PrefillGroup, RankInfo, RankList, Registration,
+    Admitted, ErrorBody, Health, InvalidRegistration, Lease, PrefillGroup, RankInfo, RankList,
+    Registration,
 };
 
 /// How long one request to the registry may take, connect included.
@@ -323,10 +324,13 @@ impl RegistryClient {
                 http.post(url).json(registration)
             })
             .await?;
-        let lease = read_json(OP, check(OP, resp).await?).await?;
+        let admitted: Admitted = read_json(OP, check(OP, resp).await?).await?;
+        if let Some(why) = &admitted.unmatched {
+            tracing::warn!(instance_id = %registration.instance_id, role = %registration.role, %why, "the registry says no instance of the other role can exchange KV with this one");
+        }
         self.remembered()
             .insert(registration.instance_id, registration.clone());
-        Ok(lease)
+        Ok(admitted.lease)
     }
 
     /// Renews the lease of `instance_id`. When the registry does not know it (it restarted,

@@ -3,6 +3,7 @@
 //! versioned routes, with a typed async client (reqwest) for the agents.
 //!
 //! - [`types`]: the wire types ([`Registration`], [`PrefillGroup`], ...) and their validation;
+//! - [`pairing`]: which prefill and decode instances can exchange KV;
 //! - [`registry`]: the pure state (leases, groups, topology conflicts), no HTTP;
 //! - [`store`]: where the state lives, behind one trait: in memory (one process, the default)
 //!   or in etcd (cargo feature `etcd`: any number of replicas, leases as etcd leases);
@@ -19,6 +20,7 @@
 pub mod client;
 pub mod error;
 pub mod metrics;
+pub mod pairing;
 pub mod registry;
 pub mod server;
 pub mod store;
@@ -34,6 +36,6 @@ pub use server::{
 pub use store::EtcdStore;
 pub use store::{ETCD_BUILT, MemoryStore, Store, StoreConfig, StoreConfigError, StoreError};
 pub use types::{
-    AttentionKind, Dtype, ErrorBody, Health, IndexRange, InvalidRegistration, KvLayout, Lease,
-    PrefillGroup, RankInfo, RankList, Registration, Role, Slice,
+    About, Admitted, AttentionKind, Dtype, ErrorBody, Health, IndexRange, InvalidRegistration,
+    KvLayout, Lease, PrefillGroup, RankInfo, RankList, Registration, Role, Slice, Versions,
 };

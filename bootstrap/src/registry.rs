@@ -370,6 +370,7 @@ impl Registry {
             .map(|e| RankInfo {
                 registration: e.registration.clone(),
                 lease_remaining_ms: millis(e.expires_at.saturating_duration_since(now)),
+                unmatched: None,
             })
             .collect();
         ranks.sort_by_key(|i| {
@@ -492,6 +493,7 @@ mod tests {
             },
             control_endpoint: format!("tcp://p{tp_rank}-{pp_rank}:7000"),
             data_endpoints: BTreeMap::new(),
+            about: Default::default(),
         }
     }
 

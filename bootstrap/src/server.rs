@@ -5,7 +5,7 @@
 //!
 //! | method | path | success | errors |
 //! | --- | --- | --- | --- |
-//! | POST | `/v1/ranks` | 201 `Lease` (200 when the same instance re-registers) | 400, 401, 409, 413, 415 |
+//! | POST | `/v1/ranks` | 201 `Admitted` (200 when the same instance re-registers) | 400, 401, 409, 413, 415 |
 //! | GET | `/v1/ranks` | 200 `RankList` | 401 |
 //! | POST | `/v1/ranks/{instance_id}/heartbeat` | 200 `Lease` | 400, 401, 404 (register again) |
 //! | DELETE | `/v1/ranks/{instance_id}` | 204 | 400, 401, 404 |
@@ -25,6 +25,11 @@
 //! A registration whose slot is held by another live instance is 409 with the holder named
 //! (`holder`, `holder_lease_remaining_ms`, `lease_ttl_ms` beside `error`): the registry never
 //! silently replaces a live rank.
+//!
+//! A registration's answer, and each rank of the list, says why the instance can exchange KV with
+//! none of the other role's live instances when that is so (`unmatched`, [`crate::pairing`]);
+//! it is registered all the same (an instance that pairs with nobody yet may once a partner
+//! registers). A re-registration of the same instance replaces what it said (`draining`).
 //!
 //! The handlers are the same whatever the store ([`Store`]: in memory, or etcd for replicas):
 //! status codes, messages and metrics do not depend on it. A store that cannot reach its
@@ -50,11 +55,12 @@ use uuid::Uuid;
 
 use crate::error::{ApiError, RejectReason, Rejection};
 use crate::metrics::Metrics;
+use crate::pairing;
 use crate::registry::{Registered, RegistryError, millis};
 #[cfg(feature = "etcd")]
 use crate::store::EtcdStore;
 use crate::store::{MemoryStore, Store, StoreConfig, StoreError};
-use crate::types::{Health, Lease, PrefillGroup, RankList, Registration};
+use crate::types::{Admitted, Health, Lease, PrefillGroup, RankList, Registration};
 
 /// The registry's default port.
 pub const DEFAULT_PORT: u16 = 8998;
@@ -248,7 +254,7 @@ async fn sweep<S: Store>(store: Arc<S>, period: Duration, stop: CancellationToke
 async fn register<S: Store>(
     State(state): State<AppState<S>>,
     ApiJson(registration): ApiJson<Registration>,
-) -> Result<(StatusCode, Json<Lease>), ApiError> {
+) -> Result<(StatusCode, Json<Admitted>), ApiError> {
     let (id, role, dp, tp, pp) = (
         registration.instance_id,
         registration.role,
@@ -256,7 +262,7 @@ async fn register<S: Store>(
         registration.tp_rank,
         registration.pp_rank,
     );
-    let result = state.store.register(registration).await;
+    let result = state.store.register(registration.clone()).await;
     let outcome = result.map_err(|e| {
         if let StoreError::Registry(RegistryError::SlotHeld {
             holder,
@@ -274,11 +280,20 @@ async fn register<S: Store>(
             StatusCode::CREATED
         }
         Registered::Refreshed => {
-            tracing::debug!(instance_id = %id, "re-registered");
+            tracing::debug!(instance_id = %id, draining = registration.about.draining, "re-registered");
             StatusCode::OK
         }
     };
-    Ok((status, Json(state.lease())))
+    // Told once, at registration: a failed listing leaves it untold, never the rank unregistered.
+    let unmatched = match state.store.list().await {
+        Ok(ranks) => pairing::unmatched(&registration, ranks.iter().map(|r| &r.registration)),
+        Err(_) => None,
+    };
+    if let Some(why) = &unmatched {
+        tracing::warn!(instance_id = %id, %role, %why, "registered an instance that pairs with nobody");
+    }
+    let lease = state.lease();
+    Ok((status, Json(Admitted { lease, unmatched })))
 }
 
 async fn heartbeat<S: Store>(
@@ -301,7 +316,11 @@ async fn deregister<S: Store>(
 async fn list_ranks<S: Store>(
     State(state): State<AppState<S>>,
 ) -> Result<Json<RankList>, ApiError> {
-    let ranks = state.store.list().await?;
+    let mut ranks = state.store.list().await?;
+    let all: Vec<Registration> = ranks.iter().map(|r| r.registration.clone()).collect();
+    for rank in &mut ranks {
+        rank.unmatched = pairing::unmatched(&rank.registration, &all);
+    }
     Ok(Json(RankList { ranks }))
 }
 

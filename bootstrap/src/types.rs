@@ -126,6 +126,52 @@ pub struct Registration {
     /// Data endpoint per transport name (e.g. `zmq-tcp`); opaque to the registry.
     #[serde(default)]
     pub data_endpoints: BTreeMap<String, String>,
+    /// What the instance is beyond its layout, and whether it is draining; every field may be
+    /// absent (an agent of an older release registers none).
+    #[serde(flatten)]
+    pub about: About,
+}
+
+/// What an instance says it is beyond its layout: what a registry and a router need to pair
+/// only instances that can exchange KV (`crate::pairing`), and to find the engine server it
+/// belongs to. Absent fields are unknown: they never keep two instances apart.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct About {
+    /// The kvferry wire protocol versions the instance speaks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<Versions>,
+    /// The kvferry release it runs (`0.1.0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvferry_version: Option<String>,
+    /// The engine that embeds the agent and its version (`vllm 0.32.0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+    /// The model the engine serves, by the name clients give it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The base URL of the engine's OpenAI-compatible server (`http://10.0.0.5:8000`), where a
+    /// router sends requests: every rank of one server registers the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<String>,
+    /// The instance is shutting down: it finishes the requests and rooms it has and must be
+    /// sent no new ones.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
+}
+
+/// The protocol versions an instance speaks: `min..=max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Versions {
+    /// The oldest it accepts.
+    pub min: u16,
+    /// The newest (the one it speaks natively).
+    pub max: u16,
+}
+
+impl fmt::Display for Versions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}..={}", self.min, self.max)
+    }
 }
 
 /// Why a registration is impossible on its own, with a message naming the field.
@@ -202,6 +248,19 @@ pub struct Lease {
     pub lease_ttl_ms: u64,
 }
 
+/// `POST /v1/ranks` answer: the lease, and why the instance can exchange KV with none of the
+/// other role's live instances, when it can with none of them (`crate::pairing`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Admitted {
+    /// The lease granted.
+    #[serde(flatten)]
+    pub lease: Lease,
+    /// Set when instances of the other role are registered and none can pair with this one:
+    /// the first one's reason, and how many there are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmatched: Option<String>,
+}
+
 /// A registration as listed by `GET /v1/ranks`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankInfo {
@@ -210,6 +269,10 @@ pub struct RankInfo {
     pub registration: Registration,
     /// Milliseconds left before the lease expires unless renewed.
     pub lease_remaining_ms: u64,
+    /// Why it can pair with none of the other role's live instances, when it can with none
+    /// (`crate::pairing`); absent when it can with one, or none is registered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmatched: Option<String>,
 }
 
 /// `GET /v1/ranks` body.
@@ -310,6 +373,7 @@ mod tests {
                 "zmq-tcp".to_owned(),
                 "tcp://10.0.0.1:7001".to_owned(),
             )]),
+            about: Default::default(),
         }
     }
 

@@ -342,6 +342,10 @@ class Sidecar:
         got = self._call("GET", "/v1/pool")
         return {"free_pages": got["free_pages"], "total_pages": got["total_pages"]}
 
+    def draining(self) -> None:
+        """The engine shuts down: the agent tells the registry that it drains."""
+        self._call("POST", "/v1/draining")
+
     def ready(
         self,
         room: int,

@@ -243,7 +243,7 @@ fn pool_dict(py: Python<'_>, counts: PoolCounts) -> PyResult<Bound<'_, PyDict>> 
 }
 
 /// A Python class over one role's agent: construction, the getters, the operations both roles
-/// have (`view`, `poll`, `wait`, `abort`, `pool`, `close`, the `with` protocol, close on drop),
+/// have (`view`, `poll`, `wait`, `abort`, `pool`, `draining`, `close`, the `with` protocol, close on drop),
 /// and the role's own operations given as `$extra`. (PyO3 takes one `#[pymethods]` block per
 /// class, so the shared methods cannot live in a trait.)
 macro_rules! agent_class {
@@ -328,6 +328,15 @@ macro_rules! agent_class {
 
             fn pool<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
                 pool_dict(py, self.0.get()?.pool())
+            }
+
+            /// Tells the registry that this rank drains, in the background: the engine's step
+            /// never waits on the registry.
+            fn draining(&self) -> PyResult<()> {
+                let agent = self.0.get()?;
+                let rt = runtime().map_err(errors::StartError::new_err)?;
+                rt.spawn(async move { agent.draining().await });
+                Ok(())
             }
 
             fn close(&self, py: Python<'_>) {

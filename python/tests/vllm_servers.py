@@ -335,20 +335,21 @@ class Pd(Servers):
     TP ranks or ``prefill_dp`` > 1 DP ranks on a core per rank); ``prefill_args``/``decode_args``
     are extra vLLM flags, ``decode_policy`` the decodes' kv_load_failure_policy, ``agent`` extra
     agent options of every server (``decode_agent``: of the decode servers only; a list of
-    dicts: one per decode). More servers join the deployment with ``start_prefill`` and
+    dicts: one per decode), ``lease_ttl_ms`` the registry's lease. More servers join the deployment with ``start_prefill`` and
     ``start_decode`` (``join``), and ``View`` shows some of them behind proxies of their own."""
 
     def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
                  decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, prefill_tp: int = 1,
                  decode_tp: int = 1, prefill_dp: int = 1, decode_agent: dict | list[dict] | None = None,
-                 wait: bool = True, **agent: Any) -> None:
+                 wait: bool = True, lease_ttl_ms: int | None = None, **agent: Any) -> None:
         super().__init__()
         self.python, self.env, self.model = vllm
         self.logs = logs
         self.kvferry_bin = kvferry_bin
         self.members: list[Server] = []
         self.registry = subprocess.Popen(
-            [str(kvferry_bin), "bootstrap", "--port", "0"],
+            [str(kvferry_bin), "bootstrap", "--port", "0",
+             *(("--lease-ttl-ms", str(lease_ttl_ms)) if lease_ttl_ms else ())],
             stdout=subprocess.PIPE, stderr=open(logs / "registry.log", "wb"), text=True,
         )
         self.bootstrap = json.loads(self.registry.stdout.readline())["url"]
@@ -442,18 +443,26 @@ FLEET_AGENT = dict(room_ttl_ms=FLEET_ROOM_TTL_MS, peer_dead_ms=60_000, timeout_c
 # A step computes at most this many tokens: prompts up to 320 tokens in one step, longer ones
 # in chunks (ending inside a block, 320, and on one, 640).
 FLEET_STEP_TOKENS = 320
+# On SIGTERM a server drains for up to this many seconds (vLLM's --shutdown-timeout): the
+# requests it has finish, and a prefill keeps the rooms it holds until their decodes take them.
+FLEET_SHUTDOWN_S = 60
+# The registry's lease: a server paused for a test (SIGSTOP) keeps its registration.
+FLEET_LEASE_MS = 60_000
 
 
 def fleet(vllm, kvferry_bin, logs: pathlib.Path) -> Pd:
     """Two prefill and two decode servers, every server of a role with one configuration
-    (ports aside), started (``wait_healthy`` waits for them): the decodes' agents listen on
+    (ports aside) and draining on SIGTERM (``FLEET_SHUTDOWN_S``), started (``wait_healthy``
+    waits for them): the decodes' agents listen on
     base API ports of their own (``api_port``), and vLLM's development routes are on
     (``reset_prefix_cache``)."""
     python, env, model = vllm
     ports = [two_free_ports(), two_free_ports()]
+    drain = ("--shutdown-timeout", str(FLEET_SHUTDOWN_S))
     pd = Pd((python, env | {"VLLM_SERVER_DEV_MODE": "1"}, model), kvferry_bin, logs, prefills=2, decodes=2,
-            prefill_args=("--max-num-batched-tokens", str(FLEET_STEP_TOKENS)),
-            decode_agent=[dict(api_port=p) for p in ports], wait=False, **FLEET_AGENT)
+            prefill_args=("--max-num-batched-tokens", str(FLEET_STEP_TOKENS), *drain), decode_args=drain,
+            decode_agent=[dict(api_port=p) for p in ports], wait=False, lease_ttl_ms=FLEET_LEASE_MS,
+            **FLEET_AGENT)
     for server, port in zip(pd.decodes, ports):
         server.api_port = port
     return pd
@@ -538,19 +547,23 @@ def log_name(role: str, i: int) -> str:
 
 
 class Proxy:
-    """``kvferry proxy --port 0`` in front of prefill and decode servers; ready once its
-    ``/health`` says a server of each role is usable."""
+    """``kvferry proxy --port 0`` in front of prefill and decode servers, those listed and, with
+    ``bootstrap``, those their agents register there; ready once its ``/health`` says a server
+    of each role is usable."""
 
     def __init__(self, kvferry_bin, prefills: list[str], decodes: list[str], pairing: str,
-                 logs: pathlib.Path, model: str) -> None:
+                 logs: pathlib.Path, model: str, bootstrap: str | None = None) -> None:
         self.model = str(model)
+        listed = [arg for flag, urls in (("--prefill", prefills), ("--decode", decodes)) if urls
+                  for arg in (flag, ",".join(urls))]
+        found = ["--bootstrap", bootstrap] if bootstrap else []
         self.proc = subprocess.Popen(
-            [str(kvferry_bin), "proxy", "--prefill", ",".join(prefills), "--decode", ",".join(decodes),
+            [str(kvferry_bin), "proxy", *listed, *found,
              "--port", "0", "--pairing", pairing, "--health-ms", "200",
              # A busy server that answers /health late is not what these tests are about: only a
              # refused connection (a dead server) routes around a server within their bounds.
              "--health-timeout-ms", "60000"],
-            stdout=subprocess.PIPE, stderr=open(logs / f"proxy-{pairing}.log", "ab"), text=True,
+            stdout=subprocess.PIPE, stderr=open(logs / f"proxy-{pairing}{'-found' if bootstrap else ''}.log", "ab"), text=True,
         )
         self.url = json.loads(self.proc.stdout.readline())["url"]
         self.wait_health(200)

@@ -351,6 +351,7 @@ fn shared<T: Tested>(name: &str, filter: MethodFilter) -> Option<MethodRouter<Ar
         "pool" => on(filter, pool::<T>),
         "metrics" => on(filter, metrics::<T>),
         "health" => on(filter, health::<T>),
+        "draining" => on(filter, draining::<T>),
         "faults" => on(filter, arm::<T>),
         _ => return None,
     })
@@ -401,6 +402,11 @@ async fn pool<T: EngineApi>(State(inner): State<Arc<T>>) -> Json<PoolCounts> {
 
 async fn health<T: EngineApi>() -> Json<serde_json::Value> {
     Json(serde_json::json!({"status": "ok", "role": T::ROLE}))
+}
+
+async fn draining<T: EngineApi>(State(inner): State<Arc<T>>) -> Json<serde_json::Value> {
+    inner.draining().await;
+    Json(serde_json::json!({"draining": true}))
 }
 
 async fn metrics<T: EngineApi>(State(inner): State<Arc<T>>) -> Response {

@@ -80,6 +80,9 @@ impl Default for Timeouts {
 /// What an agent needs to run.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
+    /// What the rank says it is beyond its layout (engine, served model, engine server), as
+    /// registered; the registration adds the protocol versions and the release.
+    pub about: kvferry_bootstrap::About,
     /// The registry's URL.
     pub bootstrap: String,
     /// The registries a decode sends its token to: `bootstrap`'s and `--allowed-registries`.

@@ -115,6 +115,12 @@ pub const OPERATIONS: &[Operation] = &[
         python: &[],
     },
     Operation {
+        name: "draining",
+        roles: BOTH,
+        http: Some((Method::Post, "/v1/draining")),
+        python: &["draining"],
+    },
+    Operation {
         name: "faults",
         roles: BOTH,
         http: Some((Method::Post, "/v1/faults")),
@@ -195,6 +201,11 @@ pub trait EngineApi: Send + Sync + Sized + 'static {
 
     /// The agent's metrics in the OpenMetrics text format (`GET /metrics`).
     fn metrics(&self) -> String;
+
+    /// The engine shuts down (`POST /v1/draining`): the registry is told that this rank
+    /// drains, so that routers reading it send the engine no new requests. Rooms are served as
+    /// before: the engine still finishes the requests it took. Once said, said.
+    fn draining(&self) -> impl Future<Output = ()> + Send;
 }
 
 /// What every room view says, whatever the role: what waiting for a room reads.

@@ -36,7 +36,7 @@ pub use engine_api::{EngineApi, OPERATIONS, Operation, PoolCounts, RoomError, Ro
 pub use options::AgentOptions;
 pub(crate) use registration::{check_compatible, layout_of, registration, wire_layout};
 pub use registries::{BadEntry, TrustedRegistries, Untrusted};
-pub(crate) use serving::Serving;
+pub(crate) use serving::{Draining, Serving};
 
 use agent_pool::AgentPool;
 use std::time::Duration;

@@ -233,6 +233,19 @@ pub struct AgentOptions {
     /// with cheaper messages (RDMA) may gain from a lower one.
     #[arg(long, env = "KVFERRY_PLACED_MIN_RUN_BYTES")]
     pub placed_min_run_bytes: Option<u64>,
+    /// The engine that embeds this agent and its version (`vllm 0.32.0`), as registered: the
+    /// registry lists it, and routers and operators read it (the connectors set it).
+    #[arg(long, env = "KVFERRY_ENGINE")]
+    pub engine: Option<String>,
+    /// The model the engine serves, by the name clients give it, as registered: a prefill and
+    /// a decode that name different models are never paired (the connectors set it).
+    #[arg(long, env = "KVFERRY_SERVED_MODEL")]
+    pub served_model: Option<String>,
+    /// The base URL of the engine's OpenAI-compatible server this rank belongs to
+    /// (`http://10.0.0.5:8000`), as registered: `kvferry proxy --bootstrap` finds engine
+    /// servers by it. The vLLM connector derives it from the server's `--host`/`--port`.
+    #[arg(long, env = "KVFERRY_SERVER_URL")]
+    pub server_url: Option<String>,
     /// Period of heartbeats on every control connection, in ms.
     #[arg(long, env = "KVFERRY_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,
@@ -333,6 +346,15 @@ impl AgentOptions {
         };
         timeouts.check().map_err(anyhow::Error::msg)?;
         Ok(AgentConfig {
+            about: kvferry_bootstrap::About {
+                engine: self.engine.clone(),
+                model: self.served_model.clone(),
+                server: self
+                    .server_url
+                    .as_deref()
+                    .map(|u| u.trim_end_matches('/').to_owned()),
+                ..kvferry_bootstrap::About::default()
+            },
             bootstrap: self.bootstrap.clone(),
             registries,
             ranks,

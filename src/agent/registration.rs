@@ -90,6 +90,14 @@ pub(crate) fn registration(
         },
         control_endpoint,
         data_endpoints,
+        about: registry::About {
+            protocol: Some(registry::Versions {
+                min: crate::protocol::MIN_VERSION,
+                max: crate::protocol::VERSION,
+            }),
+            kvferry_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
+            ..cfg.about.clone()
+        },
     }
 }
 

@@ -1,6 +1,8 @@
 //! What a running agent of either role keeps besides its state ([`Serving`]): its tasks (the
 //! role's own and the engine API's) and its registration in the registry, renewed until
-//! shutdown.
+//! shutdown, and marked draining once its engine shuts down ([`Draining`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
 use kvferry_bootstrap::{KeepAlive, Registration, RegistryClient};
@@ -14,6 +16,44 @@ use super::{AgentError, api};
 pub(crate) struct Serving {
     tasks: JoinSet<()>,
     keep_alive: KeepAlive,
+}
+
+/// What tells the registry that this rank drains: its registration, said again with
+/// `draining` set. Routers that read the registry (`kvferry proxy --bootstrap`) send its engine
+/// server no new requests; the rank keeps serving its rooms as before.
+pub(crate) struct Draining {
+    registry: RegistryClient,
+    registration: Registration,
+    said: AtomicBool,
+}
+
+impl Draining {
+    pub(crate) fn new(registry: RegistryClient, registration: Registration) -> Self {
+        Draining {
+            registry,
+            registration,
+            said: AtomicBool::new(false),
+        }
+    }
+
+    /// Registers the rank again as draining (once; later calls return at once). A registry
+    /// that cannot be reached is logged: the rank drains all the same, and routers learn it
+    /// from the engine's refusals.
+    pub(crate) async fn say(&self) {
+        if self.said.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let mut r = self.registration.clone();
+        r.about.draining = true;
+        match self.registry.register(&r).await {
+            Ok(_) => {
+                tracing::info!(instance = %r.instance_id, "registered as draining: routers send this engine no new requests")
+            }
+            Err(e) => {
+                tracing::warn!(instance = %r.instance_id, error = %e, "could not register as draining")
+            }
+        }
+    }
 }
 
 impl Serving {

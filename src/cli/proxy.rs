@@ -16,22 +16,34 @@ use crate::proxy::{Backends, Pairing, Proxy, ProxyMetrics, router};
 /// Route OpenAI requests to prefill and decode vLLM servers that move KV through kvferry.
 #[derive(Debug, clap::Args)]
 pub struct ProxyArgs {
-    /// Prefill servers' base URLs, comma-separated.
+    /// Prefill servers' base URLs, comma-separated (with --bootstrap, servers found in the
+    /// registry join them).
     #[arg(
         long,
         env = "KVFERRY_PROXY_PREFILL",
         value_delimiter = ',',
-        required = true
+        required_unless_present = "bootstrap"
     )]
     prefill: Vec<String>,
-    /// Decode servers' base URLs, comma-separated.
+    /// Decode servers' base URLs, comma-separated (with --bootstrap, servers found in the
+    /// registry join them).
     #[arg(
         long,
         env = "KVFERRY_PROXY_DECODE",
         value_delimiter = ',',
-        required = true
+        required_unless_present = "bootstrap"
     )]
     decode: Vec<String>,
+    /// The registry the servers' agents register in (a URL, or replicas comma-separated): each
+    /// health round adds the engine servers their registrations name (the vLLM connector
+    /// registers its server's URL), drops the found ones no rank names any more, sends no new
+    /// requests to a server whose agents say it drains, and pairs a prefill server only with
+    /// decode servers that can take its KV (same model, KV layout and protocol versions).
+    #[arg(long, env = "KVFERRY_PROXY_BOOTSTRAP")]
+    bootstrap: Option<String>,
+    /// The registry's token, when it has one (the agents' --token).
+    #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     /// Address to listen on.
     #[arg(long, env = "KVFERRY_PROXY_HOST", default_value = "127.0.0.1")]
     host: String,
@@ -86,20 +98,20 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         http: http.clone(),
         metrics: ProxyMetrics::default(),
         api_key: key,
+        registry: match &args.bootstrap {
+            Some(urls) => Some(crate::proxy::registry_client(urls, args.token.clone())?),
+            None => None,
+        },
     });
     let period = Duration::from_millis(args.health_ms.max(1));
     let timeout = Duration::from_millis(args.health_timeout_ms.max(1));
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-    // One round of health checks (and kvferry_identify) before the listening line: a request
-    // that comes right after it finds the servers that were up.
-    tokio::join!(
-        proxy.prefills.check_all(&http, timeout),
-        proxy.decodes.check_all(&http, timeout)
-    );
-    let watchers = [proxy.prefills.clone(), proxy.decodes.clone()]
-        .map(|b| tokio::spawn(b.watch(http.clone(), period, timeout)));
+    // One round (the registry read, health checks and kvferry_identify) before the listening
+    // line: a request that comes right after it finds the servers that were up.
+    proxy.first_round(timeout).await;
+    let watcher = tokio::spawn(proxy.clone().watch(period, timeout));
     let url = format!("http://{}", listener.local_addr()?);
     let line = json!({"event": "listening", "role": "proxy", "url": url});
     {
@@ -117,8 +129,6 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     )
     .await;
     signals.abort();
-    for w in watchers {
-        w.abort();
-    }
+    watcher.abort();
     served.context("serving")
 }

@@ -1,9 +1,13 @@
-//! The servers a proxy routes to: their requests outstanding, their health, and (prefill
-//! servers) their kvferry groups, one per vLLM data-parallel rank.
+//! The servers a proxy routes to: those listed (`--prefill`, `--decode`) and those found in the
+//! registry (`discovery.rs`), their requests outstanding, their health, whether they drain,
+//! what their agents registered (which servers they can pair with), and (prefill servers) their
+//! kvferry groups, one per vLLM data-parallel rank.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+
+use kvferry_bootstrap::Registration;
 
 use anyhow::Context as _;
 use serde_json::{Value, json};
@@ -13,10 +17,28 @@ use serde_json::{Value, json};
 pub struct Backend {
     /// Its base URL (`http://host:port`).
     pub url: String,
-    /// Its place in `--prefill` or `--decode`, from 1: how answers to clients name it.
+    /// Its place among the servers of its role, from 1 (listed ones first, in the list's
+    /// order; discovered ones as found): how answers to clients name it.
     place: usize,
+    /// Found in the registry, not listed: removed once no rank registers it any more.
+    discovered: bool,
     outstanding: AtomicUsize,
+    /// Requests routed to it, ever.
+    routed: AtomicU64,
+    /// When it was last picked, in picks of its role (0: never): ties go to the least
+    /// recently picked, so servers of equal load take turns and a new one gets the next.
+    last_pick: AtomicU64,
     healthy: AtomicBool,
+    /// Its agents registered as draining, or it refused a request because it shuts down: it
+    /// gets no new requests until it is seen restarted (down, then healthy again).
+    draining: AtomicBool,
+    /// It refused a request because it shuts down (an answer of vLLM's drain): draining until
+    /// it is seen restarted, whatever the registry says.
+    refused: AtomicBool,
+    /// One of its agents' registrations, once the registry listed one: what it can pair with.
+    registered: Mutex<Option<Registration>>,
+    /// A health check of it is under way.
+    checking: AtomicBool,
     /// A prefill server's kvferry group of each of its vLLM data-parallel ranks
     /// (`kvferry_identify`); empty until known.
     groups: Mutex<Vec<u32>>,
@@ -34,20 +56,63 @@ pub struct Rank {
 }
 
 impl Backend {
-    fn new(url: &str, place: usize) -> Self {
+    fn new(url: &str, place: usize, discovered: bool) -> Self {
         Backend {
             url: url.trim_end_matches('/').to_owned(),
             place,
+            discovered,
             outstanding: AtomicUsize::new(0),
+            routed: AtomicU64::new(0),
+            last_pick: AtomicU64::new(0),
             healthy: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
+            registered: Mutex::new(None),
+            checking: AtomicBool::new(false),
             groups: Mutex::new(Vec::new()),
             turn: AtomicUsize::new(0),
         }
     }
 
-    /// Its place in `--prefill` or `--decode`, from 1.
+    /// Its place among the servers of its role, from 1.
     pub fn place(&self) -> usize {
         self.place
+    }
+
+    /// Found in the registry rather than listed.
+    pub fn discovered(&self) -> bool {
+        self.discovered
+    }
+
+    /// Requests routed to it, ever.
+    pub fn routed(&self) -> u64 {
+        self.routed.load(Ordering::Relaxed)
+    }
+
+    /// Whether it drains (its agents said so, or it refused a request because it shuts down).
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// What its agents registered, once the registry listed it.
+    pub fn registration(&self) -> Option<Registration> {
+        self.registered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// What the registry says of it now: draining or not, and one of its registrations.
+    pub(super) fn registered_as(&self, registration: Option<Registration>, draining: bool) {
+        let was = self.draining();
+        let now = draining || self.refused.load(Ordering::Relaxed);
+        if was != now {
+            tracing::warn!(server = %self.url, draining = now, "server drain changed");
+        }
+        self.draining.store(now, Ordering::Relaxed);
+        if registration.is_some() {
+            *self.registered.lock().unwrap_or_else(|e| e.into_inner()) = registration;
+        }
     }
 
     /// Requests routed to it and not answered yet.
@@ -89,7 +154,7 @@ pub struct Lease(Arc<Backend>);
 
 impl Lease {
     /// The server the request went to.
-    pub fn backend(&self) -> &Backend {
+    pub fn backend(&self) -> &Arc<Backend> {
         &self.0
     }
 }
@@ -103,7 +168,13 @@ impl Drop for Lease {
 /// The servers of one role.
 #[derive(Debug)]
 pub struct Backends {
-    all: Vec<Arc<Backend>>,
+    all: RwLock<Vec<Arc<Backend>>>,
+    /// Servers listed (`--prefill`, `--decode`): places 1 to this.
+    listed: usize,
+    /// The place the next discovered server gets.
+    next_place: AtomicUsize,
+    /// Picks so far.
+    picks: AtomicU64,
     /// Prefill servers in concurrent pairing: usable only once their kvferry group is known.
     identify: bool,
     /// The key of the proxy's own calls to them (`--api-key`): health checks and
@@ -117,21 +188,63 @@ impl Backends {
     /// the proxy's own calls to them (servers started with `--api-key`).
     pub fn new(urls: &[String], identify: bool, api_key: Option<String>) -> Self {
         Backends {
-            all: (urls.iter().enumerate())
-                .map(|(i, u)| Arc::new(Backend::new(u, i + 1)))
-                .collect(),
+            all: RwLock::new(
+                (urls.iter().enumerate())
+                    .map(|(i, u)| Arc::new(Backend::new(u, i + 1, false)))
+                    .collect(),
+            ),
+            listed: urls.len(),
+            next_place: AtomicUsize::new(urls.len() + 1),
+            picks: AtomicU64::new(0),
             identify,
             api_key,
         }
     }
 
-    /// Every server, in the order given.
-    pub fn all(&self) -> &[Arc<Backend>] {
-        &self.all
+    /// Every server now: listed ones in the order given, then discovered ones as found.
+    pub fn all(&self) -> Vec<Arc<Backend>> {
+        self.all.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn usable(&self, b: &Backend) -> bool {
+    /// How many servers were listed.
+    pub fn listed(&self) -> usize {
+        self.listed
+    }
+
+    /// The server of `url`, listed or discovered.
+    pub fn find(&self, url: &str) -> Option<Arc<Backend>> {
+        let url = url.trim_end_matches('/');
+        self.all().into_iter().find(|b| b.url == url)
+    }
+
+    /// Adds a server found in the registry (unusable until its first health check passes).
+    pub(super) fn discover(&self, url: &str) -> Arc<Backend> {
+        let mut all = self.all.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = all.iter().find(|b| b.url == url.trim_end_matches('/')) {
+            return b.clone();
+        }
+        let place = self.next_place.fetch_add(1, Ordering::Relaxed);
+        let b = Arc::new(Backend::new(url, place, true));
+        tracing::warn!(server = %b.url, place, "server discovered in the registry");
+        all.push(b.clone());
+        b
+    }
+
+    /// Removes a discovered server that no rank registers any more (its requests in flight keep
+    /// their leases and finish).
+    pub(super) fn forget(&self, url: &str) {
+        let mut all = self.all.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = all.iter().position(|b| b.discovered && b.url == url) {
+            let b = all.remove(i);
+            tracing::warn!(server = %b.url, place = b.place, "server gone from the registry: routed to no more");
+        }
+    }
+
+    /// Whether `b` can take a request now: healthy, not draining, and (prefill servers in
+    /// concurrent pairing) its kvferry groups known.
+    pub fn usable(&self, b: &Backend) -> bool {
         b.healthy()
+            && !b.draining()
             && (!self.identify
                 || !b
                     .groups
@@ -142,18 +255,26 @@ impl Backends {
 
     /// Whether any server can take a request now.
     pub fn any_usable(&self) -> bool {
-        self.all.iter().any(|b| self.usable(b))
+        self.all().iter().any(|b| self.usable(b))
     }
 
-    /// The usable server with the fewest requests outstanding (ties: the first), counted
-    /// until the lease drops; `None` when none is usable.
+    /// The usable server with the fewest requests outstanding (ties: the least recently
+    /// picked, then the first), counted until the lease drops; `None` when none is usable.
     pub fn pick(&self) -> Option<Lease> {
-        let best = self
-            .all
+        self.pick_where(|_| true)
+    }
+
+    /// [`Backends::pick`] among the servers `fits` accepts.
+    pub fn pick_where(&self, mut fits: impl FnMut(&Arc<Backend>) -> bool) -> Option<Lease> {
+        let all = self.all();
+        let best = all
             .iter()
-            .filter(|b| self.usable(b))
-            .min_by_key(|b| b.outstanding())?;
+            .filter(|b| self.usable(b) && fits(b))
+            .min_by_key(|b| (b.outstanding(), b.last_pick.load(Ordering::Relaxed)))?;
         best.outstanding.fetch_add(1, Ordering::Relaxed);
+        best.routed.fetch_add(1, Ordering::Relaxed);
+        let pick = self.picks.fetch_add(1, Ordering::Relaxed) + 1;
+        best.last_pick.store(pick, Ordering::Relaxed);
         Some(Lease(best.clone()))
     }
 
@@ -165,28 +286,37 @@ impl Backends {
         }
     }
 
-    /// Checks every server's `/health` each `period`, forever (the first round after
-    /// `period`): a server that does not answer 200 within `timeout` is routed around until it
-    /// does.
-    pub async fn watch(
-        self: Arc<Self>,
-        http: reqwest::Client,
-        period: Duration,
-        timeout: Duration,
-    ) {
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            self.check_all(&http, timeout).await;
+    /// Sends the server of `lease` no new requests (it refused one because it shuts down)
+    /// until it is seen restarted: down, then healthy again.
+    pub fn drained(&self, lease: &Lease) {
+        lease.0.refused.store(true, Ordering::Relaxed);
+        if !lease.0.draining.swap(true, Ordering::Relaxed) {
+            tracing::warn!(server = %lease.0.url, "server refused a request because it shuts down: no new requests until it restarts");
         }
     }
 
     /// One round of health checks of every server at once. A server that becomes healthy is
     /// asked for its kvferry group first when the role needs it.
     pub async fn check_all(&self, http: &reqwest::Client, timeout: Duration) {
-        let checks = self.all.iter().map(|b| self.check(http, b, timeout));
+        let all = self.all();
+        let checks = all.iter().map(|b| self.check(http, b, timeout));
         futures_util::future::join_all(checks).await;
+    }
+
+    /// A health check of every server whose last one has ended, each in a task of its own: a
+    /// server that takes its time to answer (up to `timeout`) holds up no other check, nor the
+    /// next round.
+    pub fn check_each(self: &Arc<Self>, http: &reqwest::Client, timeout: Duration) {
+        for b in self.all() {
+            if b.checking.swap(true, Ordering::Relaxed) {
+                continue;
+            }
+            let (all, http) = (self.clone(), http.clone());
+            tokio::spawn(async move {
+                all.check(&http, &b, timeout).await;
+                b.checking.store(false, Ordering::Relaxed);
+            });
+        }
     }
 
     /// The key of the proxy's own calls to these servers (`--api-key`).
@@ -210,6 +340,10 @@ impl Backends {
             .await
             .is_ok_and(|r| r.status().is_success());
         let was = b.healthy();
+        if !answered && b.refused.swap(false, Ordering::Relaxed) {
+            // Down after refusing for its shutdown: once it answers again it is a new server.
+            b.draining.store(false, Ordering::Relaxed);
+        }
         if answered && self.identify && (!was || b.groups().is_empty()) {
             match self.identify_ranks(http, &b.url, timeout).await {
                 Ok(groups) => b.set_groups(groups),
@@ -327,6 +461,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_draining_server_gets_no_new_requests_until_it_restarts() {
+        let b = Backends::new(&["http://a".into(), "http://b".into()], false, None);
+        for s in b.all() {
+            s.healthy.store(true, Ordering::Relaxed);
+        }
+        let first = b.pick().expect("a");
+        b.drained(&first);
+        drop(first);
+        for _ in 0..3 {
+            assert_eq!(b.pick().expect("b").backend().url, "http://b");
+        }
+        // The registry saying it does not drain does not undo its own refusal...
+        b.all()[0].registered_as(None, false);
+        assert!(b.all()[0].draining());
+        // ...its restart does.
+        b.all()[0].refused.store(false, Ordering::Relaxed);
+        b.all()[0].registered_as(None, false);
+        assert!(!b.all()[0].draining());
+    }
+
+    #[test]
+    fn discovered_servers_take_the_next_places_and_go_when_forgotten() {
+        let b = Backends::new(&["http://a".into()], false, None);
+        let found = b.discover("http://c/");
+        assert_eq!((found.place(), found.discovered()), (2, true));
+        assert!(Arc::ptr_eq(&b.discover("http://c"), &found), "found once");
+        b.forget("http://a");
+        b.forget("http://c");
+        let urls: Vec<String> = b.all().iter().map(|s| s.url.clone()).collect();
+        assert_eq!(urls, ["http://a"], "a listed server is never forgotten");
+    }
+
+    #[test]
     fn the_least_outstanding_usable_server_is_picked_and_released() {
         let b = Backends::new(&["http://a".into(), "http://b/".into()], false, None);
         assert!(
@@ -344,6 +511,15 @@ mod tests {
         assert_eq!(second.backend().place(), 2);
         drop(first);
         assert_eq!(b.pick().expect("a again").backend().url, "http://a");
+        drop(second);
+        // Equal loads take turns, and a server found now gets the next request.
+        let turns: Vec<String> = (0..3)
+            .map(|_| b.pick().unwrap().backend().url.clone())
+            .collect();
+        assert_eq!(turns, ["http://b", "http://a", "http://b"]);
+        let c = b.discover("http://c");
+        c.healthy.store(true, Ordering::Relaxed);
+        assert_eq!(b.pick().expect("c").backend().url, "http://c");
         b.all()[0].healthy.store(false, Ordering::Relaxed);
         assert_eq!(b.pick().expect("b only").backend().url, "http://b");
         b.all()[1].healthy.store(false, Ordering::Relaxed);
@@ -362,7 +538,7 @@ mod tests {
 
     #[test]
     fn requests_to_a_server_of_several_data_parallel_ranks_take_turns() {
-        let b = Backend::new("http://p", 1);
+        let b = Backend::new("http://p", 1, false);
         assert_eq!(
             b.next_rank(),
             None,

@@ -82,7 +82,7 @@ macro_rules! label_value {
         }
     )*};
 }
-label_value!(Endpoint, Outcome, Cause);
+label_value!(Endpoint, Outcome, Cause, Refuser);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -95,11 +95,35 @@ struct ErrorLabels {
     cause: Cause,
 }
 
+/// The role of a server that refused a request the proxy then sent elsewhere.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Refuser {
+    /// A prefill server (it shuts down, or could not be reached).
+    Prefill,
+    /// A decode server (it shuts down, or could not be reached).
+    Decode,
+}
+
+impl LabelName for Refuser {
+    fn name(&self) -> &'static str {
+        match self {
+            Refuser::Prefill => "prefill",
+            Refuser::Decode => "decode",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RerouteLabels {
+    role: Refuser,
+}
+
 /// Every metric of the proxy and the registry that exposes them.
 pub struct ProxyMetrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     errors: Family<ErrorLabels, Counter>,
+    rerouted: Family<RerouteLabels, Counter>,
     first_token: Histogram,
     duration: Histogram,
 }
@@ -115,6 +139,12 @@ impl Default for ProxyMetrics {
         );
         let errors = Family::<ErrorLabels, Counter>::default();
         registry.register("errors", "Requests that failed, by cause", errors.clone());
+        let rerouted = Family::<RerouteLabels, Counter>::default();
+        registry.register(
+            "rerouted",
+            "Requests sent to another server of a role after the first refused them (it shuts down, or could not be reached)",
+            rerouted.clone(),
+        );
         let first_token = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         registry.register(
             "time_to_first_token_seconds",
@@ -131,6 +161,7 @@ impl Default for ProxyMetrics {
             registry,
             requests,
             errors,
+            rerouted,
             first_token,
             duration,
         }
@@ -146,6 +177,11 @@ impl ProxyMetrics {
         if let Some(cause) = cause {
             self.errors.get_or_create(&ErrorLabels { cause }).inc();
         }
+    }
+
+    /// Counts a request sent to another server of `role` after one refused it.
+    pub fn rerouted(&self, role: Refuser) {
+        self.rerouted.get_or_create(&RerouteLabels { role }).inc();
     }
 
     /// Observes a streamed answer's time to its first chunk.
@@ -181,11 +217,13 @@ mod tests {
         );
         m.first_token(0.1);
         m.duration(0.2);
+        m.rerouted(Refuser::Decode);
         let text = m.encode();
         assert!(text.contains(
             r#"kvferry_proxy_requests_total{endpoint="chat_completions",outcome="error"} 1"#
         ));
         assert!(text.contains(r#"kvferry_proxy_errors_total{cause="no_server"} 1"#));
+        assert!(text.contains(r#"kvferry_proxy_rerouted_total{role="decode"} 1"#));
         assert!(text.contains("kvferry_proxy_time_to_first_token_seconds_count 1"));
         assert!(text.contains("kvferry_proxy_request_duration_seconds_count 1"));
     }

@@ -12,7 +12,12 @@
 //!   request.
 //!
 //! The decode's answer, streamed or not, is passed through as it comes. Servers that stop
-//! answering `/health` are routed around until they answer again. Every error is an OpenAI
+//! answering `/health` are routed around until they answer again. With `--bootstrap`, servers
+//! are also found in the registry, where their agents register (`discovery.rs`): found ones
+//! join, those no rank names any more leave, a server whose agents say it drains gets no new
+//! requests, and a prefill is paired only with decodes that can take its KV. A server that
+//! refuses a request because it shuts down (vLLM's drain) or cannot be reached is replaced by
+//! another of its role for that request: nothing was done for it there. Every error is an OpenAI
 //! error object; what it tells the client names servers by role and place (`decode server 2 of
 //! 3`) and hides every address (the log has them). With `--api-key`, a client must present the
 //! key: a request without it is answered 401 and goes nowhere. Metrics (`/metrics`,
@@ -20,10 +25,12 @@
 //! streamed answer, request duration, errors by cause.
 
 mod backends;
+mod discovery;
 mod metrics;
 mod redact;
 mod route;
 
 pub use backends::{Backend, Backends};
+pub use discovery::client as registry_client;
 pub use metrics::ProxyMetrics;
 pub use route::{Pairing, Proxy, router};

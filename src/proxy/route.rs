@@ -14,8 +14,11 @@ use axum::routing::{get, post};
 use futures_util::StreamExt;
 use serde_json::{Map, Value, json};
 
-use super::backends::{Backends, Lease};
-use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics};
+use kvferry_bootstrap::RegistryClient;
+
+use super::backends::{Backend, Backends, Lease};
+use super::discovery::{self, paired};
+use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics, Refuser};
 use super::redact::hide_addresses;
 use crate::protocol::constant_time_eq;
 
@@ -43,6 +46,39 @@ pub struct Proxy {
     /// The key a client must present (`Authorization: Bearer KEY`) on the API routes
     /// (`--api-key`); `None`: no key is checked.
     pub api_key: Option<String>,
+    /// The registry the servers' agents register in (`--bootstrap`): each health round finds
+    /// servers there, and which of them drain (`discovery.rs`); `None`: only the listed ones.
+    pub registry: Option<Arc<RegistryClient>>,
+}
+
+impl Proxy {
+    /// The first round, before the proxy listens: the registry read (servers found, forgotten,
+    /// draining), then every server's health checked, all at once, to the end.
+    pub async fn first_round(&self, timeout: std::time::Duration) {
+        if let Some(registry) = &self.registry {
+            discovery::look(registry, &self.prefills, &self.decodes).await;
+        }
+        tokio::join!(
+            self.prefills.check_all(&self.http, timeout),
+            self.decodes.check_all(&self.http, timeout)
+        );
+    }
+
+    /// A round every `period`, forever (the first after `period`): the registry read, then a
+    /// health check of each server whose last one has ended (`Backends::check_each`), so that
+    /// a server slow to answer holds up neither the others nor the registry's word.
+    pub async fn watch(self: Arc<Self>, period: std::time::Duration, timeout: std::time::Duration) {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Some(registry) = &self.registry {
+                discovery::look(registry, &self.prefills, &self.decodes).await;
+            }
+            self.prefills.check_each(&self.http, timeout);
+            self.decodes.check_each(&self.http, timeout);
+        }
+    }
 }
 
 /// The proxy's routes: the API's behind [`authorize`], `/health` and `/metrics` open.
@@ -57,6 +93,13 @@ pub fn router(proxy: Arc<Proxy>) -> Router {
         ));
     Router::new()
         .merge(api)
+        .route(
+            "/v1/servers",
+            get(servers).route_layer(axum::middleware::from_fn_with_state(
+                proxy.clone(),
+                authorize,
+            )),
+        )
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(proxy)
@@ -153,9 +196,14 @@ struct Server {
 impl Server {
     fn of(role: &str, lease: &Lease, all: &Backends) -> Server {
         let b = lease.backend();
+        let name = if b.discovered() {
+            format!("{role} server {} (found in the registry)", b.place())
+        } else {
+            format!("{role} server {} of {}", b.place(), all.listed())
+        };
         Server {
             url: b.url.clone(),
-            name: format!("{role} server {} of {}", b.place(), all.all().len()),
+            name,
             place: b.place(),
         }
     }
@@ -220,6 +268,30 @@ async fn health(State(p): State<Arc<Proxy>>) -> Response {
     }
 }
 
+/// `GET /v1/servers`: every server of each role as the proxy sees it now: its place, URL,
+/// whether it was found in the registry, is healthy, drains, its requests outstanding and
+/// routed, its kvferry groups, and what its agents registered (engine, model, why it pairs
+/// with nobody).
+async fn servers(State(p): State<Arc<Proxy>>) -> axum::Json<Value> {
+    let list = |backends: &Backends| -> Vec<Value> {
+        backends
+            .all()
+            .iter()
+            .map(|b| {
+                let r = b.registration();
+                json!({
+                    "place": b.place(), "url": b.url, "discovered": b.discovered(),
+                    "healthy": b.healthy(), "draining": b.draining(), "usable": backends.usable(b),
+                    "outstanding": b.outstanding(), "routed": b.routed(), "groups": b.groups(),
+                    "engine": r.as_ref().and_then(|r| r.about.engine.clone()),
+                    "model": r.as_ref().and_then(|r| r.about.model.clone()),
+                })
+            })
+            .collect()
+    };
+    axum::Json(json!({"prefill": list(&p.prefills), "decode": list(&p.decodes)}))
+}
+
 async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     let mut r = p.metrics.encode().into_response();
     r.headers_mut().insert(
@@ -245,6 +317,21 @@ fn bad(message: String) -> Failure {
     Failure {
         cause: Cause::BadRequest,
         response: error(StatusCode::BAD_REQUEST, "invalid_request_error", message),
+    }
+}
+
+/// No usable prefill server has a usable decode server that can take its KV.
+fn unpaired(why: &str) -> Failure {
+    Failure {
+        cause: Cause::NoServer,
+        response: error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            format!(
+                "no healthy decode server can take the KV of a healthy prefill server: {}",
+                hide_addresses(why)
+            ),
+        ),
     }
 }
 
@@ -330,8 +417,145 @@ enum Posted {
     Answered(Value),
     /// It answered an error: a prefill's is passed to the client, addresses hidden.
     Refused(Failure),
-    /// It could not be reached, or its connection broke.
+    /// Its connection was refused: the request never reached it.
+    Unreached(String),
+    /// Its connection broke, or its answer was unusable.
     Lost(String),
+}
+
+/// Whether an answer is vLLM's refusal of a request it got while it shuts down (`vllm serve
+/// --shutdown-timeout`: the requests it has finish, new ones end at once, aborted, with no
+/// token): a request to send to another server, as nothing was done for it.
+fn refused_for_shutdown(answer: &Value) -> bool {
+    let Some(choices) = answer.get("choices").and_then(Value::as_array) else {
+        return false;
+    };
+    let nothing = |c: &Value| {
+        ["text", "content"].iter().all(|k| {
+            c.get(k)
+                .or_else(|| c.pointer(&format!("/message/{k}")))
+                .or_else(|| c.pointer(&format!("/delta/{k}")))
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+        })
+    };
+    !choices.is_empty()
+        && choices
+            .iter()
+            .all(|c| c.get("finish_reason").and_then(Value::as_str) == Some("abort") && nothing(c))
+        && answer
+            .pointer("/usage/completion_tokens")
+            .and_then(Value::as_u64)
+            .is_none_or(|n| n == 0)
+}
+
+/// Whether the first chunk of an event stream is vLLM's refusal for its shutdown: `[DONE]`
+/// before any event, or a first event that is such a refusal ([`refused_for_shutdown`]).
+fn stream_refused(first: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(first);
+    let Some(data) = text.lines().find_map(|l| l.strip_prefix("data: ")) else {
+        return false;
+    };
+    data.trim() == "[DONE]"
+        || serde_json::from_str::<Value>(data.trim()).is_ok_and(|e| refused_for_shutdown(&e))
+}
+
+/// A decode's answer, its head read: its status and content type, and its body (what was read
+/// of it to judge it first, then the rest).
+struct Decoded {
+    status: reqwest::StatusCode,
+    content_type: Option<reqwest::header::HeaderValue>,
+    body: futures_util::stream::BoxStream<'static, reqwest::Result<Bytes>>,
+}
+
+impl Decoded {
+    /// Reads a decode's answer far enough to tell whether it refused the request for its
+    /// shutdown (`true`): all of a JSON answer, the first chunk of a stream.
+    async fn judge(r: reqwest::Response) -> reqwest::Result<(Decoded, bool)> {
+        let status = r.status();
+        let content_type = r.headers().get(reqwest::header::CONTENT_TYPE).cloned();
+        let streamed = content_type
+            .as_ref()
+            .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
+        let once = |chunk: reqwest::Result<Bytes>| futures_util::stream::once(async { chunk });
+        if !status.is_success() {
+            let body = r.bytes_stream().boxed();
+            return Ok((
+                Decoded {
+                    status,
+                    content_type,
+                    body,
+                },
+                false,
+            ));
+        }
+        if streamed {
+            let mut rest = r.bytes_stream();
+            let (body, refused) = match rest.next().await {
+                None => (futures_util::stream::empty().boxed(), false),
+                Some(Ok(first)) => {
+                    let refused = stream_refused(&first);
+                    (once(Ok(first)).chain(rest).boxed(), refused)
+                }
+                Some(Err(e)) => (once(Err(e)).chain(rest).boxed(), false),
+            };
+            return Ok((
+                Decoded {
+                    status,
+                    content_type,
+                    body,
+                },
+                refused,
+            ));
+        }
+        let bytes = r.bytes().await?;
+        let refused =
+            serde_json::from_slice::<Value>(&bytes).is_ok_and(|a| refused_for_shutdown(&a));
+        let body = once(Ok(bytes)).boxed();
+        Ok((
+            Decoded {
+                status,
+                content_type,
+                body,
+            },
+            refused,
+        ))
+    }
+
+    /// The whole body (an error answer's).
+    async fn bytes(self) -> Bytes {
+        let chunks: Vec<reqwest::Result<Bytes>> = self.body.collect().await;
+        let mut out = Vec::new();
+        for chunk in chunks.into_iter().map_while(Result::ok) {
+            out.extend_from_slice(&chunk);
+        }
+        Bytes::from(out)
+    }
+}
+
+/// Why no prefill and decode server could be paired for a request.
+enum NoPair {
+    /// No usable server of the role.
+    Role(&'static str),
+    /// Usable servers of both roles, none of whose pairs can exchange KV: why the first could not.
+    Unpaired(String),
+}
+
+impl NoPair {
+    fn failure(self) -> Failure {
+        match self {
+            NoPair::Role(role) => unavailable(role),
+            NoPair::Unpaired(why) => unpaired(&why),
+        }
+    }
+}
+
+/// How one pairing of a request ended: its answer (or failure), or the prefill server refused
+/// it (it shuts down, or could not be reached) and another may take it: what the client gets
+/// when none can.
+enum Attempt {
+    Done(Result<(Response, Option<Cause>), Failure>),
+    PrefillRefused(Arc<Backend>, Failure),
 }
 
 /// A spawned task aborted when this is dropped (the client went away).
@@ -369,7 +593,9 @@ impl Proxy {
         }
     }
 
-    /// The decode's answer, and the cause when it is an error.
+    /// The decode's answer, and the cause when it is an error. A prefill server that refuses
+    /// the request because it shuts down, or cannot be reached, is sent no more requests (until
+    /// it restarts, or answers a health check) and the request is paired again without it.
     async fn dispatch(
         self: Arc<Self>,
         endpoint: Endpoint,
@@ -378,7 +604,7 @@ impl Proxy {
         body: &[u8],
         started: Instant,
     ) -> Result<(Response, Option<Cause>), Failure> {
-        let mut request: Map<String, Value> = match serde_json::from_slice(body) {
+        let request: Map<String, Value> = match serde_json::from_slice(body) {
             Ok(Value::Object(m)) => m,
             Ok(_) => return Err(bad("the request body must be a JSON object".into())),
             Err(e) => return Err(bad(format!("the request body is not JSON: {e}"))),
@@ -389,8 +615,72 @@ impl Proxy {
                  one request per choice"
             )));
         }
-        let prefill = self.prefills.pick().ok_or_else(|| unavailable("prefill"))?;
-        let mut decode = self.decodes.pick().ok_or_else(|| unavailable("decode"))?;
+        let mut refused: Vec<Arc<Backend>> = Vec::new();
+        let mut last = None;
+        loop {
+            let (prefill, decode) = match self.pick_pair(&refused) {
+                Ok(pair) => pair,
+                // The last refusal says more than "no healthy prefill server".
+                Err(none) => return Err(last.unwrap_or_else(|| none.failure())),
+            };
+            let attempt = self.clone().attempt(
+                endpoint,
+                path,
+                forwarded,
+                request.clone(),
+                (prefill, decode),
+                started,
+            );
+            match attempt.await {
+                Attempt::Done(done) => return done,
+                Attempt::PrefillRefused(server, failure) => {
+                    self.metrics.rerouted(Refuser::Prefill);
+                    refused.push(server);
+                    last = Some(failure);
+                }
+            }
+        }
+    }
+
+    /// A prefill server (not among `refused`) and a decode server that can take its KV
+    /// (`discovery::paired`), each the one with the fewest requests outstanding.
+    fn pick_pair(&self, refused: &[Arc<Backend>]) -> Result<(Lease, Lease), NoPair> {
+        let decodes: Vec<Arc<Backend>> = (self.decodes.all().into_iter())
+            .filter(|d| self.decodes.usable(d))
+            .collect();
+        if decodes.is_empty() {
+            return Err(NoPair::Role("decode"));
+        }
+        let mut why = None;
+        let prefill = self.prefills.pick_where(|p| {
+            !refused.iter().any(|r| Arc::ptr_eq(r, p))
+                && decodes.iter().any(|d| match paired(p, d) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        why.get_or_insert(e);
+                        false
+                    }
+                })
+        });
+        let Some(prefill) = prefill else {
+            return Err(why.map_or(NoPair::Role("prefill"), NoPair::Unpaired));
+        };
+        let decode = (self.decodes)
+            .pick_where(|d| paired(prefill.backend(), d).is_ok())
+            .ok_or(NoPair::Role("decode"))?;
+        Ok((prefill, decode))
+    }
+
+    /// One pairing of a request: its prefill's request and its decode's, by `self.pairing`.
+    async fn attempt(
+        self: Arc<Self>,
+        endpoint: Endpoint,
+        path: &'static str,
+        forwarded: &Forwarded,
+        mut request: Map<String, Value>,
+        (prefill, decode): (Lease, Lease),
+        started: Instant,
+    ) -> Attempt {
         let mut first = request.clone();
         first.insert("max_tokens".into(), json!(1));
         if endpoint == Endpoint::ChatCompletions {
@@ -403,56 +693,86 @@ impl Proxy {
         }
         let prefill_server = self.prefill_server(&prefill);
         let model = request.get("model").cloned().unwrap_or(Value::Null);
-        let (answer, room, note) = match self.pairing {
+        let done = |r| Attempt::Done(r);
+        // The prefill refused the request for its shutdown, or was not reached: another may
+        // take it (a request in flight to the decode is dropped: vLLM aborts it and its room).
+        let refused = |lease: &Lease, why: &str, drains: bool| {
+            let failure = if drains {
+                self.prefills.drained(lease);
+                Failure {
+                    cause: Cause::Prefill,
+                    response: error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "service_unavailable",
+                        format!(
+                            "the {} shuts down and no other can take the request",
+                            prefill_server.name
+                        ),
+                    ),
+                }
+            } else {
+                self.prefills.route_around(lease, &why);
+                unreachable(Cause::Prefill, &prefill_server, why)
+            };
+            tracing::warn!(server = %lease.backend().url, %why, "a prefill server refused a request: paired again without it");
+            Attempt::PrefillRefused(lease.backend().clone(), failure)
+        };
+        let (answer, decode, room, note) = match self.pairing {
             Pairing::Sequential => {
                 first.insert(
                     "kv_transfer_params".into(),
                     json!({"do_remote_decode": true}),
                 );
                 let answer = match self.post(&prefill_server, path, &first, forwarded).await {
+                    Posted::Answered(a) if refused_for_shutdown(&a) => {
+                        return refused(&prefill, "it shuts down", true);
+                    }
                     Posted::Answered(answer) => answer,
-                    Posted::Refused(f) => return Err(f),
+                    Posted::Refused(f) => return done(Err(f)),
+                    Posted::Unreached(e) => return refused(&prefill, &e, false),
                     Posted::Lost(e) => {
-                        return Err(unreachable(Cause::Prefill, &prefill_server, e));
+                        return done(Err(unreachable(Cause::Prefill, &prefill_server, e)));
                     }
                 };
-                drop(prefill);
-                let params = answer
+                let Some(params) = answer
                     .get("kv_transfer_params")
                     .cloned()
                     .filter(Value::is_object)
-                    .ok_or_else(|| {
-                        unreachable(
-                            Cause::Prefill,
-                            &prefill_server,
-                            "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?",
-                        )
-                    })?;
+                else {
+                    return done(Err(unreachable(
+                        Cause::Prefill,
+                        &prefill_server,
+                        "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?",
+                    )));
+                };
+                let paired_with = prefill.backend().clone();
+                drop(prefill);
                 let room = params.get("kvferry_room").cloned().unwrap_or(Value::Null);
                 request.insert("kv_transfer_params".into(), params);
-                let answer;
-                (answer, decode) = self
+                let (answer, decode) = self
                     .clone()
-                    .send_decode(path, request, forwarded.clone(), decode)
+                    .send_decode(path, request, forwarded.clone(), decode, paired_with)
                     .await;
-                (answer, room, None)
+                (answer, decode, room, None)
             }
             Pairing::Concurrent => {
-                let room = fresh_room()
-                    .map_err(|e| Failure {
-                        cause: Cause::NoServer,
-                        response: error(
-                            StatusCode::BAD_GATEWAY,
-                            "upstream_error",
-                            format!("the proxy: no randomness: {e}"),
-                        ),
-                    })?
-                    .to_string();
+                let room = match fresh_room() {
+                    Ok(room) => room.to_string(),
+                    Err(e) => {
+                        return done(Err(Failure {
+                            cause: Cause::NoServer,
+                            response: error(
+                                StatusCode::BAD_GATEWAY,
+                                "upstream_error",
+                                format!("the proxy: no randomness: {e}"),
+                            ),
+                        }));
+                    }
+                };
                 // The prefill's engine: a data-parallel rank of the server, in turn.
-                let rank = prefill
-                    .backend()
-                    .next_rank()
-                    .ok_or_else(|| unavailable("prefill"))?;
+                let Some(rank) = prefill.backend().next_rank() else {
+                    return done(Err(unavailable("prefill")));
+                };
                 let group = rank.group;
                 first.insert(
                     "kv_transfer_params".into(),
@@ -464,9 +784,13 @@ impl Proxy {
                 );
                 // The decode allocates and waits for the room while the prefill computes it.
                 let first_decode = self.decode_server(&decode);
-                let send = self
-                    .clone()
-                    .send_decode(path, request, forwarded.clone(), decode);
+                let send = self.clone().send_decode(
+                    path,
+                    request,
+                    forwarded.clone(),
+                    decode,
+                    prefill.backend().clone(),
+                );
                 let mut decoding = AbortOnDrop(tokio::spawn(send));
                 let to_prefill = forwarded.to_rank(rank.dp);
                 let prefill_post = self.post(&prefill_server, path, &first, &to_prefill);
@@ -475,10 +799,14 @@ impl Proxy {
                 let note = loop {
                     tokio::select! {
                         posted = &mut prefill_post => break match posted {
+                            Posted::Answered(a) if refused_for_shutdown(&a) => {
+                                return refused(&prefill, "it shuts down", true);
+                            }
                             Posted::Answered(_) => None,
+                            Posted::Unreached(e) => return refused(&prefill, &e, false),
                             // Its room will never come: the decode request is dropped (vLLM
                             // aborts it and its room) and the client gets the prefill's answer.
-                            Posted::Refused(f) => return Err(f),
+                            Posted::Refused(f) => return done(Err(f)),
                             // Whether the room's KV still arrives is the decode's to find out;
                             // its kv_load_failure_policy decides the answer.
                             Posted::Lost(e) => {
@@ -487,10 +815,13 @@ impl Proxy {
                             }
                         },
                         joined = &mut decoding.0, if decoded.is_none() => {
-                            let answer = joined.map_err(|e| unreachable(Cause::Decode, &first_decode, e))?;
-                            let refused = answer.0.as_ref().map_or(true, |r| !r.status().is_success());
+                            let answer = match joined {
+                                Ok(answer) => answer,
+                                Err(e) => return done(Err(unreachable(Cause::Decode, &first_decode, e))),
+                            };
+                            let failed = answer.0.as_ref().map_or(true, |r| !r.status.is_success());
                             decoded = Some(answer);
-                            if refused {
+                            if failed {
                                 // The decode will not take the room: the prefill's request is
                                 // dropped (vLLM aborts it and its room).
                                 break None;
@@ -499,42 +830,54 @@ impl Proxy {
                     }
                 };
                 drop(prefill);
-                let answer;
-                (answer, decode) = match decoded {
+                let (answer, decode) = match decoded {
                     Some(answer) => answer,
-                    None => (&mut decoding.0)
-                        .await
-                        .map_err(|e| unreachable(Cause::Decode, &first_decode, e))?,
+                    None => match (&mut decoding.0).await {
+                        Ok(answer) => answer,
+                        Err(e) => return done(Err(unreachable(Cause::Decode, &first_decode, e))),
+                    },
                 };
-                (answer, Value::String(room), note)
+                (answer, decode, Value::String(room), note)
             }
         };
         let decode_server = self.decode_server(&decode);
-        let answer = answer.map_err(|e| unreachable(Cause::Decode, &decode_server, causes(&e)))?;
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(e) => {
+                return done(Err(unreachable(Cause::Decode, &decode_server, causes(&e))));
+            }
+        };
         let failed = Failed {
             model,
             room,
             note,
             asking: forwarded.authorization(),
         };
-        if !answer.status().is_success() {
+        if !answer.status.is_success() {
             let response = self.decode_error(answer, &decode_server, &failed).await;
-            return Ok((response, Some(Cause::Decode)));
+            return done(Ok((response, Some(Cause::Decode))));
         }
-        Ok((self.pass_through(answer, decode, started, failed), None))
+        done(Ok((
+            self.pass_through(answer, decode, started, failed),
+            None,
+        )))
     }
 
-    /// The decode's request sent to `decode`, or to another decode server when `decode` refused
-    /// the connection (the request never reached it: it is routed around until a health round
-    /// finds it back); the answer and the server that gave it.
+    /// The decode's request sent to `decode`, or to another decode server that can take the KV
+    /// of `prefill` when `decode` refused it: its connection was refused (it is routed around
+    /// until a health round finds it back), or it answered that it shuts down (it gets no new
+    /// requests until it restarts). Nothing was done for the request in either case, and the
+    /// room waits on the prefill for the decode that asks. The answer, and the server that gave
+    /// it.
     async fn send_decode(
         self: Arc<Self>,
         path: &'static str,
         request: Map<String, Value>,
         forwarded: Forwarded,
         mut decode: Lease,
-    ) -> (reqwest::Result<reqwest::Response>, Lease) {
-        let mut tries = self.decodes.all().len();
+        prefill: Arc<Backend>,
+    ) -> (reqwest::Result<Decoded>, Lease) {
+        let mut tried: Vec<Arc<Backend>> = Vec::new();
         loop {
             let url = format!("{}{path}", decode.backend().url);
             let sent = forwarded
@@ -542,16 +885,32 @@ impl Proxy {
                 .json(&request)
                 .send()
                 .await;
-            tries -= 1;
-            match sent {
-                Err(e) if e.is_connect() && tries > 0 => {
+            let refusal = match sent {
+                Err(e) if e.is_connect() => {
                     self.decodes.route_around(&decode, &e);
-                    match self.decodes.pick() {
-                        Some(other) => decode = other,
-                        None => return (Err(e), decode),
-                    }
+                    Err(e)
                 }
-                sent => return (sent, decode),
+                Err(e) => return (Err(e), decode),
+                Ok(r) => match Decoded::judge(r).await {
+                    Err(e) => return (Err(e), decode),
+                    Ok((answer, false)) => return (Ok(answer), decode),
+                    Ok((answer, true)) => {
+                        self.decodes.drained(&decode);
+                        Ok(answer)
+                    }
+                },
+            };
+            tried.push(decode.backend().clone());
+            let other = self.decodes.pick_where(|d| {
+                !tried.iter().any(|t| Arc::ptr_eq(t, d)) && paired(&prefill, d).is_ok()
+            });
+            match other {
+                Some(other) => {
+                    tracing::warn!(refused = %decode.backend().url, to = %other.backend().url, "a decode server refused a request: sent to another");
+                    self.metrics.rerouted(Refuser::Decode);
+                    decode = other;
+                }
+                None => return (refusal, decode),
             }
         }
     }
@@ -578,6 +937,7 @@ impl Proxy {
         let url = format!("{}{path}", server.url);
         let r = match forwarded.onto(self.http.post(url)).json(body).send().await {
             Ok(r) => r,
+            Err(e) if e.is_connect() => return Posted::Unreached(causes(&e)),
             Err(e) => return Posted::Lost(causes(&e)),
         };
         let status = r.status();
@@ -601,14 +961,9 @@ impl Proxy {
     /// the kvferry room, why the room failed (asked with `kvferry_reason_of`: vLLM's own message
     /// for a failed KV load is a bare "Internal server error") and what the proxy saw of the
     /// prefill's side.
-    async fn decode_error(
-        &self,
-        answer: reqwest::Response,
-        decode: &Server,
-        failed: &Failed,
-    ) -> Response {
-        let status = answer.status();
-        let bytes = answer.bytes().await.unwrap_or_default();
+    async fn decode_error(&self, answer: Decoded, decode: &Server, failed: &Failed) -> Response {
+        let status = answer.status;
+        let bytes = answer.bytes().await;
         let mut body = scrubbed(status, &bytes, decode);
         if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
             *message = format!("{message} ({})", self.context(decode, failed).await);
@@ -687,21 +1042,21 @@ impl Proxy {
     /// is explained ([`Proxy::explain_errors`]), a broken stream ends with one.
     fn pass_through(
         self: Arc<Self>,
-        answer: reqwest::Response,
+        answer: Decoded,
         decode: Lease,
         started: Instant,
         failed: Failed,
     ) -> Response {
         let status =
-            StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        let content_type = answer.headers().get(reqwest::header::CONTENT_TYPE).cloned();
+            StatusCode::from_u16(answer.status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+        let content_type = answer.content_type.clone();
         let streamed = content_type
             .as_ref()
             .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
         let server = self.decode_server(&decode);
         let named = HeaderValue::from(server.place);
         let passing = Passing {
-            body: answer.bytes_stream().boxed(),
+            body: answer.body,
             streamed,
             first: streamed,
             broken: false,
@@ -817,4 +1172,44 @@ fn fresh_room() -> Result<u64, getrandom::Error> {
     let mut b = [0u8; 8];
     getrandom::fill(&mut b)?;
     Ok(u64::from_le_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_vllms_answer_to_a_request_it_got_while_draining_counts_as_refused() {
+        // vLLM 0.32's answer to a new request during `--shutdown-timeout`'s drain.
+        let aborted = json!({"choices": [{"index": 0, "text": "", "finish_reason": "abort"}],
+                             "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
+                             "kv_transfer_params": null});
+        assert!(refused_for_shutdown(&aborted));
+        let chat = json!({"choices": [{"message": {"role": "assistant", "content": ""}, "finish_reason": "abort"}]});
+        assert!(refused_for_shutdown(&chat));
+        // A request aborted after it produced something is an answer, however short.
+        let mut some = aborted.clone();
+        some["choices"][0]["text"] = json!("a");
+        assert!(!refused_for_shutdown(&some));
+        let mut counted = aborted.clone();
+        counted["usage"]["completion_tokens"] = json!(1);
+        assert!(!refused_for_shutdown(&counted));
+        let finished = json!({"choices": [{"text": "", "finish_reason": "length"}]});
+        assert!(!refused_for_shutdown(&finished));
+        assert!(!refused_for_shutdown(&json!({"choices": []})));
+        assert!(!refused_for_shutdown(&json!({"error": {"message": "x"}})));
+    }
+
+    #[test]
+    fn a_stream_is_refused_when_it_ends_before_its_first_event() {
+        assert!(stream_refused(b"data: [DONE]\n\n"));
+        let aborted =
+            json!({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}]});
+        assert!(stream_refused(
+            format!("data: {aborted}\n\ndata: [DONE]\n\n").as_bytes()
+        ));
+        let token = json!({"choices": [{"index": 0, "text": "hi", "finish_reason": null}]});
+        assert!(!stream_refused(format!("data: {token}\n\n").as_bytes()));
+        assert!(!stream_refused(b": keep-alive\n\n"));
+    }
 }

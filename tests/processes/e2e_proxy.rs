@@ -37,6 +37,9 @@ enum Mode {
     /// A streamed answer that ends, after its first chunk, with vLLM's error event for a
     /// failed KV load ("Internal server error").
     FailMidStream,
+    /// vLLM's answer to a new request while it drains for its shutdown (`--shutdown-timeout`):
+    /// at once, aborted, no token (a stream: `[DONE]` alone).
+    Drains,
 }
 
 /// A request's `Authorization` and `X-Request-Id` headers.
@@ -206,6 +209,18 @@ async fn answer(
             let e = json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}});
             return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e)).into_response();
         }
+        Mode::Drains if body["stream"] == json!(true) => {
+            let mut r = Response::new(Body::from("data: [DONE]\n\n"));
+            r.headers_mut()
+                .insert(header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
+            return r;
+        }
+        Mode::Drains => {
+            let aborted = json!({"choices": [{"index": 0, "text": "", "finish_reason": "abort", "token_ids": null}],
+                                 "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
+                                 "kv_transfer_params": null, "server": s.name});
+            return axum::Json(aborted).into_response();
+        }
         Mode::Hold | Mode::Answer | Mode::Break | Mode::FailMidStream => {}
     }
     let params = if params["do_remote_decode"] == json!(true) {
@@ -301,6 +316,32 @@ fn proxy_with(
         &logs,
     );
     assert_eq!(p.listening["role"], "proxy");
+    let url = p.field("url").unwrap();
+    (p, url)
+}
+
+/// A proxy process that finds its servers in the registry at `registry` (no list).
+fn proxy_found(registry: &str, pairing: &str) -> (Process, String) {
+    let logs = kvferry::cluster::log_dir("proxy").expect("log dir");
+    let args = owned(&[
+        "proxy",
+        "--bootstrap",
+        registry,
+        "--port",
+        "0",
+        "--pairing",
+        pairing,
+        "--health-ms",
+        "50",
+    ]);
+    let p = common::spawn(
+        &release_binary(),
+        &[],
+        &format!("proxy-found-{pairing}"),
+        &args,
+        &[("RUST_LOG", "info")],
+        &logs,
+    );
     let url = p.field("url").unwrap();
     (p, url)
 }
@@ -664,12 +705,12 @@ fn an_unhealthy_server_is_routed_around_and_used_again_once_healthy() {
             assert_eq!(status, 200, "{got}");
             got["server"].as_str().unwrap().to_owned()
         };
-        // Until the proxy's checks see a fail, requests may still go to it: wait for the first
-        // one that does not, then every later one goes to b.
+        // Until the proxy's checks see a fail, requests may still go to it: once they saw it,
+        // every request goes to b.
         a.healthy.store(false, Ordering::SeqCst);
         let t = Instant::now();
-        poll_until("a request avoids a", BOUND, || async {
-            (send().await == "b").then_some(())
+        poll_until("the proxy sees a fail", BOUND, || async {
+            (listed(&url, "decode", &a_url).await?["healthy"] == false).then_some(())
         })
         .await;
         for _ in 0..4 {
@@ -740,6 +781,240 @@ fn a_request_a_dead_decode_refuses_goes_to_another_decode_which_the_answer_names
             assert!(a.seen().is_empty(), "{:?}", a.seen());
         }
         assert_eq!(b.seen().len(), 8);
+    });
+}
+
+#[test]
+fn a_request_a_server_refuses_for_its_shutdown_goes_to_another_of_its_role() {
+    runtime().block_on(async {
+        let (p1, p1_url) = Stub::start("p1", 1).await;
+        let (p2, p2_url) = Stub::start("p2", 2).await;
+        let (d1, d1_url) = Stub::start("d1", 0).await;
+        let (d2, d2_url) = Stub::start("d2", 0).await;
+        for pairing in ["sequential", "concurrent"] {
+            // No health round after the first: only the refusals can steer requests away.
+            let (_proxy, url) = proxy_with(
+                &[&p1_url, &p2_url],
+                &[&d1_url, &d2_url],
+                pairing,
+                &["--health-ms", "600000"],
+            );
+            wait_health(&url, reqwest::StatusCode::OK).await;
+            for stub in [&p1, &p2, &d1, &d2] {
+                stub.seen.lock().unwrap().clear();
+            }
+            let answered_by_d2 = |text: &str| text.contains("\"server\":\"d2\"");
+            // A fresh proxy's first pick of each role is its first server. p1 drains: the first
+            // request is refused there and paired again with p2, later ones go to p2 at once.
+            p1.set(Mode::Drains);
+            for stream in [false, true] {
+                let (status, text) = send_text(&url, stream).await;
+                assert_eq!(status, 200, "{pairing}: {text}");
+                assert!(
+                    !text.contains("abort") && !text.contains("error"),
+                    "{pairing}: {text}"
+                );
+            }
+            assert_eq!(p1.seen().len(), 1, "{pairing}: one request, refused");
+            assert_eq!(p2.seen().len(), 2, "{pairing}");
+            // d1 drains: of two requests (the decodes take turns), the one sent to d1 goes on to
+            // d2 as it was, with the same room, which waits on the prefill.
+            d1.set(Mode::Drains);
+            let (d1_before, d2_before) = (d1.seen().len(), d2.seen().len());
+            for stream in [true, false] {
+                let (status, text) = send_text(&url, stream).await;
+                assert_eq!(status, 200, "{pairing}: {text}");
+                assert!(answered_by_d2(&text), "{pairing}: {text}");
+            }
+            assert_eq!(
+                d1.seen().len(),
+                d1_before + 1,
+                "{pairing}: one request, refused"
+            );
+            assert_eq!(d2.seen().len(), d2_before + 2, "{pairing}");
+            let room = |v: &Value| v["kv_transfer_params"]["kvferry_room"].clone();
+            let refused = room(&d1.seen()[d1_before]);
+            assert!(
+                d2.seen()[d2_before..].iter().any(|v| room(v) == refused),
+                "{pairing}"
+            );
+            let rerouted = |role| format!("kvferry_proxy_rerouted_total{{role=\"{role}\"}}");
+            assert_eq!(counter(&url, &rerouted("prefill")).await, 1.0, "{pairing}");
+            assert_eq!(counter(&url, &rerouted("decode")).await, 1.0, "{pairing}");
+            p1.set(Mode::Answer);
+            d1.set(Mode::Answer);
+        }
+    });
+}
+
+/// A completion through the proxy at `url`: its status and its body as text (streamed or not).
+async fn send_text(url: &str, stream: bool) -> (reqwest::StatusCode, String) {
+    let r = http()
+        .post(format!("{url}/v1/completions"))
+        .json(&completion(stream))
+        .send()
+        .await
+        .expect("an answer");
+    (r.status(), r.text().await.unwrap())
+}
+
+/// A registration of a stand-in server of `role` at `server` on the registry `registry`, of
+/// the tiny model with head size `head_dim`, draining or not; the instance id.
+async fn register(
+    registry: &str,
+    role: &str,
+    group: u64,
+    server: &str,
+    head_dim: u32,
+    draining: bool,
+    instance: Option<&str>,
+) -> String {
+    let id = instance.map_or_else(|| uuid::Uuid::new_v4().to_string(), str::to_owned);
+    let body = json!({
+        "instance_id": id, "role": role, "dp_rank": group, "dp_size": 100, "tp_rank": 0,
+        "tp_size": 1, "pp_rank": 0, "pp_size": 1,
+        "layout": {"kind": "mha", "num_layers": 2, "num_kv_heads": 2, "head_dim": head_dim,
+                   "dtype": "fp32", "page_size": 16},
+        "slice": {"heads": {"start": 0, "end": 2}, "layers": {"start": 0, "end": 2}},
+        "control_endpoint": "tcp://127.0.0.1:1", "protocol": {"min": 4, "max": 9},
+        "engine": "stand-in", "model": "tiny", "server": server, "draining": draining,
+    });
+    let r = http()
+        .post(format!("{registry}/v1/ranks"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    id
+}
+
+/// The proxy's `GET /v1/servers` entry of the server of `url` in `role`.
+async fn listed(proxy: &str, role: &str, url: &str) -> Option<Value> {
+    let r = http()
+        .get(format!("{proxy}/v1/servers"))
+        .send()
+        .await
+        .ok()?;
+    let all: Value = r.json().await.ok()?;
+    all[role]
+        .as_array()?
+        .iter()
+        .find(|s| s["url"] == url)
+        .cloned()
+}
+
+#[test]
+fn servers_found_in_the_registry_are_used_while_they_pair_and_do_not_drain() {
+    runtime().block_on(async {
+        let logs = kvferry::cluster::log_dir("proxy").expect("log dir");
+        let args = owned(&["bootstrap", "--port", "0", "--lease-ttl-ms", "600000"]);
+        let registry = common::spawn(&release_binary(), &[], "registry", &args, &[], &logs);
+        let registry = registry.field("url").unwrap();
+        let (_p, p_url) = Stub::start("p", 5).await;
+        let (d, d_url) = Stub::start("d", 0).await;
+        let (odd, odd_url) = Stub::start("odd", 0).await;
+        let (_late, late_url) = Stub::start("late", 0).await;
+        register(&registry, "prefill", 5, &p_url, 64, false, None).await;
+        let d_id = register(&registry, "decode", 0, &d_url, 64, false, None).await;
+        // A decode whose KV cannot pair with the prefill's: told so at registration.
+        let id = uuid::Uuid::new_v4().to_string();
+        let admitted = http()
+            .post(format!("{registry}/v1/ranks"))
+            .json(&json!({
+                "instance_id": id, "role": "decode", "dp_rank": 0, "dp_size": 1, "tp_rank": 0,
+                "tp_size": 1, "pp_rank": 0, "pp_size": 1,
+                "layout": {"kind": "mha", "num_layers": 2, "num_kv_heads": 2, "head_dim": 32,
+                           "dtype": "fp32", "page_size": 16},
+                "slice": {"heads": {"start": 0, "end": 2}, "layers": {"start": 0, "end": 2}},
+                "control_endpoint": "tcp://127.0.0.1:1", "model": "tiny", "server": odd_url,
+            }))
+            .send()
+            .await
+            .unwrap();
+        let admitted: Value = admitted.json().await.unwrap();
+        assert_eq!(
+            admitted["unmatched"],
+            "this decode can exchange KV with none of the 1 prefill ranks registered: KV \
+             head_dim differs: prefill 64, decode 32"
+        );
+        for pairing in ["sequential", "concurrent"] {
+            let (_proxy, url) = proxy_found(&registry, pairing);
+            wait_health(&url, reqwest::StatusCode::OK).await;
+            let found = listed(&url, "prefill", &p_url)
+                .await
+                .expect("the prefill is found");
+            assert_eq!(
+                (found["discovered"].as_bool(), found["engine"].as_str()),
+                (Some(true), Some("stand-in"))
+            );
+            for _ in 0..4 {
+                let (status, got) = complete(&url).await;
+                assert_eq!(
+                    (status.as_u16(), got["server"].as_str()),
+                    (200, Some("d")),
+                    "{pairing}: {got}"
+                );
+            }
+            assert!(
+                odd.seen().is_empty(),
+                "{pairing}: the odd decode got a request"
+            );
+            // A server started now is found at the next round and gets requests.
+            let late_id = register(&registry, "decode", 0, &late_url, 64, false, None).await;
+            poll_until("the late decode is usable", BOUND, || async {
+                listed(&url, "decode", &late_url).await?["usable"]
+                    .as_bool()?
+                    .then_some(())
+            })
+            .await;
+            // d drains: from the next round on, every request goes to the late decode.
+            register(&registry, "decode", 0, &d_url, 64, true, Some(&d_id)).await;
+            poll_until("d drains", BOUND, || async {
+                listed(&url, "decode", &d_url).await?["draining"]
+                    .as_bool()?
+                    .then_some(())
+            })
+            .await;
+            let before = d.seen().len();
+            for _ in 0..3 {
+                let (status, got) = complete(&url).await;
+                assert_eq!(
+                    (status.as_u16(), got["server"].as_str()),
+                    (200, Some("late")),
+                    "{pairing}"
+                );
+            }
+            assert_eq!(
+                d.seen().len(),
+                before,
+                "{pairing}: a request went to the draining decode"
+            );
+            // Gone from the registry, a found server leaves the proxy.
+            let gone = http()
+                .delete(format!("{registry}/v1/ranks/{late_id}"))
+                .send()
+                .await
+                .unwrap();
+            assert!(gone.status().is_success());
+            poll_until("the late decode leaves", BOUND, || async {
+                listed(&url, "decode", &late_url)
+                    .await
+                    .is_none()
+                    .then_some(())
+            })
+            .await;
+            // Only d is left, draining: no decode can take a request.
+            let (status, got) = complete(&url).await;
+            assert_eq!(status, 503, "{pairing}: {got}");
+            register(&registry, "decode", 0, &d_url, 64, false, Some(&d_id)).await;
+            poll_until("d is back", BOUND, || async {
+                listed(&url, "decode", &d_url).await?["usable"]
+                    .as_bool()?
+                    .then_some(())
+            })
+            .await;
+        }
     });
 }
 
@@ -1167,27 +1442,15 @@ fn answers_to_clients_name_no_internal_address_yet_keep_kvferrys_reason() {
             error_of(&text).starts_with("prefill server 1 of 1: "),
             "{text}"
         );
-        // In concurrent pairing the decode goes on, and its failure's message tells what
-        // happened to the prefill's request.
-        decode.set(Mode::Hold);
-        let seen = decode.seen().len();
-        let answer = tokio::spawn(post(&c_url, false));
-        poll_until("the decode request arrives", BOUND, || async {
-            (decode.seen().len() > seen).then_some(())
-        })
-        .await;
-        logged(&concurrent.log, "prefill request lost").await;
-        decode.set(Mode::Fail);
-        decode.release.notify_waiters();
-        let r = answer.await.unwrap();
-        assert_eq!(r.status(), 500);
+        // In concurrent pairing too: the request never reached the prefill, no other prefill can
+        // take it, and the client gets the refusal, naming the prefill by its place.
+        let r = post(&c_url, false).await;
+        assert_eq!(r.status(), 502);
         let text = r.text().await.unwrap();
         assert_eq!(leak(&text, &urls), None, "{text}");
-        let message = error_of(&text);
         assert!(
-            message.contains(&format!("kvferry room {} failed: {reason}; ", last_room()))
-                && message.contains("the prefill server 1 of 1 failed this request: "),
-            "{message}"
+            error_of(&text).starts_with("prefill server 1 of 1: "),
+            "{text}"
         );
 
         // A decode that cannot be reached (/v1/models: no other server answers it).

@@ -87,6 +87,7 @@ fn registration() -> Registration {
         },
         control_endpoint: "tcp://127.0.0.1:7000".to_owned(),
         data_endpoints: std::collections::BTreeMap::new(),
+        about: Default::default(),
     }
 }
 

@@ -398,6 +398,7 @@ impl EtcdStore {
                 ranks.push(RankInfo {
                     registration: registration(kv)?,
                     lease_remaining_ms,
+                    unmatched: None,
                 });
             }
         }

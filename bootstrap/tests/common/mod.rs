@@ -122,6 +122,7 @@ pub(crate) fn prefill(dp: u32, tp_rank: u32, tp: u32, pp_rank: u32, pp: u32) -> 
             "zmq-tcp".to_owned(),
             format!("tcp://prefill-{dp}-{tp_rank}-{pp_rank}:7001"),
         )]),
+        about: Default::default(),
     }
 }
 

@@ -70,7 +70,12 @@ fn cases() -> Vec<Case> {
             400,
             "expected struct Registration",
         ),
-        post("json array", b"[]".to_vec(), 400, "invalid length 0"),
+        post(
+            "json array",
+            b"[]".to_vec(),
+            400,
+            "invalid type: sequence, expected struct Registration",
+        ),
         post("invalid utf-8", vec![b'{', 0xff, 0xfe, b'}'], 400, "JSON"),
         post(
             "missing field",

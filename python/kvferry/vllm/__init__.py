@@ -24,6 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from vllm.logger import init_logger
+
 from .metadata import Failures, KvferryMetadata
 from .params import ConnectorConfig
 from .scheduler import SchedulerSide
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KvferryConnector"]
+
+logger = init_logger(f"vllm.{__name__}")
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -62,6 +66,11 @@ class KvferryConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(config, producer, vllm_config.cache_config.block_size)
+            if not getattr(vllm_config, "shutdown_timeout", 0):
+                logger.warning(
+                    "KvferryConnector: --shutdown-timeout is 0: on SIGTERM vLLM stops this engine at once, "
+                    "failing the requests it runs and the rooms it holds for decodes; give "
+                    "--shutdown-timeout (seconds) to drain them (docs/operations.md, \"Drain\")")
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, config, producer)
         self._times = StepTimes("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")

@@ -69,6 +69,8 @@ class KvferryMetadata(KVConnectorMetadata):
     aborts: list[Abort] = field(default_factory=list)
     holds: list[Hold] = field(default_factory=list)
     unholds: list[int] = field(default_factory=list)
+    # The engine shuts down (SIGTERM): the agents tell the registry they drain.
+    draining: bool = False
 
 
 @dataclass

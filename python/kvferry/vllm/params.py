@@ -104,7 +104,10 @@ class ConnectorConfig:
     and ``dp_size`` (a prefill server's kvferry DP group among the prefill servers sharing the
     registry; by default derived from vLLM's engine id, so that prefill servers with identical
     configurations each form their own group), and ``agent``, further agent options as keywords
-    (``{"transport": "zmq-ipc", "host": "10.0.0.5"}``). ``engine_dp_rank`` is the engine's vLLM
+    (``{"transport": "zmq-ipc", "host": "10.0.0.5"}``), and ``server_url``, the base URL the
+    agents register as their engine server's (by default the server's own ``--host`` and
+    ``--port``, ``VLLM_HOST_IP`` for a server listening on every address: ``server_url``).
+    ``engine_dp_rank`` is the engine's vLLM
     data-parallel rank (its parallel config's ``data_parallel_index``): each DP rank of a server
     is an engine of its own, with an engine id of its own (vLLM appends ``_dp<rank>``), hence a
     group of its own."""
@@ -114,6 +117,7 @@ class ConnectorConfig:
     dp_size: int = 1
     agent: dict[str, Any] = field(default_factory=dict)
     engine_dp_rank: int = 0
+    server_url: str | None = None
 
     def identity(self) -> dict[str, Any]:
         """The answer to ``kvferry_identify``."""
@@ -127,7 +131,7 @@ class ConnectorConfig:
                 "KvferryConnector: kv_connector_extra_config needs \"bootstrap\": the kvferry "
                 "registry URL (e.g. http://127.0.0.1:8998)"
             )
-        unknown = set(extra) - {"bootstrap", "dp_rank", "dp_size", "agent"}
+        unknown = set(extra) - {"bootstrap", "dp_rank", "dp_size", "agent", "server_url"}
         if unknown:
             raise ValueError(
                 f"KvferryConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
@@ -139,4 +143,35 @@ class ConnectorConfig:
                 raise ValueError(f"KvferryConnector: dp_rank {dp_rank} must be < dp_size {dp_size}")
         else:
             dp_rank, dp_size = derived_group(engine_id), DERIVED_GROUPS
-        return cls(str(extra["bootstrap"]), dp_rank, dp_size, dict(extra.get("agent") or {}), engine_dp_rank)
+        url = extra.get("server_url")
+        return cls(str(extra["bootstrap"]), dp_rank, dp_size, dict(extra.get("agent") or {}), engine_dp_rank,
+                   str(url).rstrip("/") if url else None)
+
+
+# vLLM's own default port of its OpenAI-compatible server.
+VLLM_PORT = 8000
+
+
+def server_url(argv: list[str], env: dict[str, str]) -> str | None:
+    """The base URL of the vLLM server whose command line is ``argv`` (engine and worker
+    processes keep their API server's: vLLM forks them, or spawns them with the parent's
+    ``sys.argv``): its ``--host`` and ``--port``; ``VLLM_HOST_IP`` (vLLM's own variable naming
+    this node's address) for a server listening on every address. None when no address is
+    known (no host given and no ``VLLM_HOST_IP``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int, default=VLLM_PORT)
+    try:
+        args, _ = parser.parse_known_args(argv[1:])
+    except SystemExit:
+        return None
+    host = args.host
+    if host in (None, "", "0.0.0.0", "::"):
+        host = env.get("VLLM_HOST_IP")
+    if not host:
+        return None
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{args.port}"

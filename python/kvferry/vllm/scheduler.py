@@ -21,6 +21,8 @@ only when the workers report the room settled.
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 import kvferry
@@ -69,6 +71,33 @@ class SchedulerSide:
         # digest), and the rooms of those whose layers were announced.
         self.to_send: dict[str, tuple[int, dict[str, Any], str | None]] = {}
         self.streamed: dict[str, int] = {}
+        # Set once the engine is told to shut down (SIGTERM); each step's metadata says so.
+        self.draining = False
+        self.watch_shutdown()
+
+    def watch_shutdown(self) -> None:
+        """Learns that the engine shuts down: vLLM's API server passes SIGTERM to its engine
+        process, which drains (with ``--shutdown-timeout``: the requests it has finish, new
+        ones are refused) while its steps go on. This side runs in that process's main thread,
+        after vLLM set its handler: it sets its own, which marks the engine draining and calls
+        vLLM's."""
+        try:
+            previous = signal.getsignal(signal.SIGTERM)
+        except ValueError:
+            return
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.draining = True
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:
+            pass  # not the main thread: no drain announcement, the engine's refusals say it
 
     def pages(self, block_ids: list[int], tokens: int) -> list[int]:
         return [int(b) for b in block_ids[: -(-tokens // self.block_size)]]
@@ -167,6 +196,7 @@ class SchedulerSide:
         if self.producer and self.to_send:
             self.stream_completed_prompts(scheduler_output)
         meta, self.meta = self.meta, KvferryMetadata()
+        meta.draining = self.draining
         return meta
 
     def stream_completed_prompts(self, out: SchedulerOutput) -> None:

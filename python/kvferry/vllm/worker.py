@@ -9,6 +9,8 @@ tensors for as long as the agent runs.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,7 +82,19 @@ def agent_options(
     )
     if producer:
         opts |= dict(dp_rank=config.dp_rank, dp_size=config.dp_size)
+    import vllm
+
+    opts |= dict(engine=f"vllm {vllm.__version__}", served_model=served_model(model))
+    url = config.server_url or P.server_url(sys.argv, dict(os.environ))
+    if url:
+        opts["server_url"] = url
     return opts | agent
+
+
+def served_model(model: Any) -> str:
+    """The model's name as clients give it: vLLM's first served model name."""
+    name = getattr(model, "served_model_name", None) or model.model
+    return str(name[0] if isinstance(name, (list, tuple)) else name)
 
 
 class WorkerSide:
@@ -112,6 +126,8 @@ class WorkerSide:
         self.device: int | None = None
         # The rooms settled since vLLM last asked for its stats.
         self.stats = KvferryStats()
+        # The agent told the registry that the engine shuts down.
+        self.draining = False
 
     # ---- memory ------------------------------------------------------------------------------
 
@@ -155,6 +171,10 @@ class WorkerSide:
         """Announces the step's sends, requests its loads and aborts its aborted loads."""
         if meta is None or self.agent is None:
             return
+        if meta.draining and not self.draining:
+            self.draining = True
+            self.agent.draining()
+            logger.info("kvferry: the engine shuts down: the agent registers as draining")
         for s in meta.sends:
             if not s.layered:
                 self.announce(s, None)
@@ -245,6 +265,10 @@ class WorkerSide:
         """After the step's forward pass: any layer of a layered room not announced yet is."""
         if meta is None or self.agent is None:
             return
+        if meta.draining and not self.draining:
+            self.draining = True
+            self.agent.draining()
+            logger.info("kvferry: the engine shuts down: the agent registers as draining")
         for s in meta.sends:
             if not s.layered:
                 continue

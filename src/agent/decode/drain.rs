@@ -1,8 +1,9 @@
-//! The decode's drain for shutdown (SIGTERM): new rooms are refused (503), rooms in flight
-//! finish for up to `--drain-timeout-ms`, the rest are aborted. Then rooms that landed but were
-//! not taken yet stay takeable until the engine takes them or `--drain-untaken-ms` has passed since the last of
-//! them landed (counted from SIGTERM at the earliest), so a shutdown does not discard KV the
-//! engine is about to take. New rooms are refused (503) all along.
+//! The decode's drain for shutdown (SIGTERM): the registry is told that the rank drains, new
+//! rooms are refused (503), rooms in flight finish for up to `--drain-timeout-ms`, the rest are
+//! aborted. Then rooms that landed but were not taken yet stay takeable until the engine takes
+//! them or `--drain-untaken-ms` has passed since the last of them landed (counted from SIGTERM
+//! at the earliest), so a shutdown does not discard KV the engine is about to take. New rooms
+//! are refused (503) all along.
 
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ impl DecodeAgent {
     /// since the last one landed (`drain.rs`).
     pub async fn drain(&self) {
         let inner = &self.inner;
+        inner.draining.say().await;
         inner.table.drain();
         let draining_since = Instant::now();
         let deadline = draining_since + inner.timeouts().drain;

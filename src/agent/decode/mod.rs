@@ -133,7 +133,10 @@ impl DecodeAgent {
         let (shared_pool, serving) = shared.unzip();
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
         let api_url = crate::exposure::url_of(listener.local_addr()?, &cfg.advertise_host);
+        let endpoints = [(cfg.transport.name().to_owned(), data_endpoint.clone())].into();
+        let reg = super::registration(Role::Decode, instance, &cfg, api_url.clone(), endpoints);
         let inner = Arc::new(Decode {
+            draining: super::Draining::new(registry.clone(), reg.clone()),
             instance,
             pool,
             recv_slots,
@@ -158,14 +161,6 @@ impl DecodeAgent {
             shutdown: shutdown.clone(),
             cfg,
         });
-        let endpoints = [(inner.cfg.transport.name().to_owned(), data_endpoint.clone())].into();
-        let reg = super::registration(
-            Role::Decode,
-            instance,
-            &inner.cfg,
-            api_url.clone(),
-            endpoints,
-        );
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(receive_chunks(inner.clone(), receiver));
         tasks.spawn(expire_rooms(inner.clone()));
@@ -244,6 +239,8 @@ pub struct Decode {
     /// on take.
     synthetic: Option<Arc<SyntheticEngine>>,
     shutdown: CancellationToken,
+    /// Tells the registry that this rank drains (`POST /v1/draining`, SIGTERM).
+    draining: super::Draining,
 }
 
 impl Decode {

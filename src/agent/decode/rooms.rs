@@ -306,6 +306,10 @@ impl EngineApi for Decode {
         self.table.count(&mut g);
         self.metrics.render(&g)
     }
+
+    async fn draining(&self) {
+        self.draining.say().await;
+    }
 }
 
 impl Tested for Decode {

@@ -1,5 +1,6 @@
-//! The prefill's drain for shutdown: new rooms are refused (503), rooms in flight finish for
-//! up to `--drain-timeout-ms`, and the rest are aborted (their decodes are told).
+//! The prefill's drain for shutdown: the registry is told that the rank drains, new rooms are
+//! refused (503), rooms in flight finish for up to `--drain-timeout-ms`, and the rest are
+//! aborted (their decodes are told).
 
 use super::PrefillAgent;
 use std::time::Instant;
@@ -9,6 +10,7 @@ impl PrefillAgent {
     /// timeout, then aborts the rest (their decodes are told).
     pub async fn drain(&self) {
         let inner = &self.inner;
+        inner.draining.say().await;
         inner.table.drain();
         let deadline = Instant::now() + inner.timeouts().drain;
         let busy = || {

@@ -132,7 +132,15 @@ impl PrefillAgent {
         let api_url = crate::exposure::url_of(listener.local_addr()?, &cfg.advertise_host);
         let slots = Arc::new(pool.slots());
         let synthetic = SyntheticEngine::configured(&cfg, pool.num_pages());
+        let reg = super::registration(
+            Role::Prefill,
+            instance,
+            &cfg,
+            control_endpoint.clone(),
+            Default::default(),
+        );
         let inner = Arc::new(Prefill {
+            draining: super::Draining::new(registry.clone(), reg.clone()),
             instance,
             alloc: PageAllocator::new(cfg.pool_pages as u32),
             pool,
@@ -150,13 +158,6 @@ impl PrefillAgent {
             shutdown: shutdown.clone(),
             cfg,
         });
-        let reg = super::registration(
-            Role::Prefill,
-            instance,
-            &inner.cfg,
-            control_endpoint.clone(),
-            Default::default(),
-        );
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(control_loop(inner.clone(), server));
         tasks.spawn(housekeeping(inner.clone()));
@@ -214,6 +215,8 @@ pub struct Prefill {
     /// Mapped writes of one room's chunks to several decode ranks, paired into one pass.
     fanout: Arc<fanout::Fanout>,
     shutdown: CancellationToken,
+    /// Tells the registry that this rank drains (`POST /v1/draining`, SIGTERM).
+    draining: super::Draining,
 }
 
 impl Prefill {

@@ -273,6 +273,10 @@ impl EngineApi for Prefill {
         self.table.count(&mut g);
         self.metrics.render(&g)
     }
+
+    async fn draining(&self) {
+        self.draining.say().await;
+    }
 }
 
 impl Tested for Prefill {
