@@ -52,10 +52,36 @@ ENV = {
 }
 
 
+def ephemeral_ports() -> range:
+    """The ports the kernel gives connections and port-0 binds (``ip_local_port_range``)."""
+    try:
+        low, high = map(int, pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+# Ports for servers that are told their port: below the kernel's ephemeral ones, so that no
+# connection's source port and no port-0 bind can take one between the test choosing it and the
+# server binding it (a server that binds with SO_REUSEADDR, as vLLM does, may then never see a
+# request; one that does not fails "address already in use").
+CHOSEN_PORTS = range(20000, 32767)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no socket holds now, outside the kernel's ephemeral ports."""
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in CHOSEN_PORTS if p not in ephemeral]
+    rng = np.random.default_rng()
+    for _ in range(1000):
+        port = int(rng.choice(candidates))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port outside the ephemeral range")
 
 
 def make_model(python: str, env: dict, out: pathlib.Path, seed: int, layers: int = 2) -> pathlib.Path:

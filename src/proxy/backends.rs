@@ -520,6 +520,7 @@ mod tests {
         let c = b.discover("http://c");
         c.healthy.store(true, Ordering::Relaxed);
         assert_eq!(b.pick().expect("c").backend().url, "http://c");
+        c.healthy.store(false, Ordering::Relaxed);
         b.all()[0].healthy.store(false, Ordering::Relaxed);
         assert_eq!(b.pick().expect("b only").backend().url, "http://b");
         b.all()[1].healthy.store(false, Ordering::Relaxed);

@@ -28,6 +28,7 @@ mod backends;
 mod discovery;
 mod metrics;
 mod redact;
+mod refusal;
 mod route;
 
 pub use backends::{Backend, Backends};

@@ -20,6 +20,7 @@ use super::backends::{Backend, Backends, Lease};
 use super::discovery::{self, paired};
 use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics, Refuser};
 use super::redact::hide_addresses;
+use super::refusal::{Decoded, refused_for_shutdown};
 use crate::protocol::constant_time_eq;
 
 /// How a request is paired with its room (docs/vllm.md).
@@ -421,116 +422,6 @@ enum Posted {
     Unreached(String),
     /// Its connection broke, or its answer was unusable.
     Lost(String),
-}
-
-/// Whether an answer is vLLM's refusal of a request it got while it shuts down (`vllm serve
-/// --shutdown-timeout`: the requests it has finish, new ones end at once, aborted, with no
-/// token): a request to send to another server, as nothing was done for it.
-fn refused_for_shutdown(answer: &Value) -> bool {
-    let Some(choices) = answer.get("choices").and_then(Value::as_array) else {
-        return false;
-    };
-    let nothing = |c: &Value| {
-        ["text", "content"].iter().all(|k| {
-            c.get(k)
-                .or_else(|| c.pointer(&format!("/message/{k}")))
-                .or_else(|| c.pointer(&format!("/delta/{k}")))
-                .and_then(Value::as_str)
-                .is_none_or(str::is_empty)
-        })
-    };
-    !choices.is_empty()
-        && choices
-            .iter()
-            .all(|c| c.get("finish_reason").and_then(Value::as_str) == Some("abort") && nothing(c))
-        && answer
-            .pointer("/usage/completion_tokens")
-            .and_then(Value::as_u64)
-            .is_none_or(|n| n == 0)
-}
-
-/// Whether the first chunk of an event stream is vLLM's refusal for its shutdown: `[DONE]`
-/// before any event, or a first event that is such a refusal ([`refused_for_shutdown`]).
-fn stream_refused(first: &[u8]) -> bool {
-    let text = String::from_utf8_lossy(first);
-    let Some(data) = text.lines().find_map(|l| l.strip_prefix("data: ")) else {
-        return false;
-    };
-    data.trim() == "[DONE]"
-        || serde_json::from_str::<Value>(data.trim()).is_ok_and(|e| refused_for_shutdown(&e))
-}
-
-/// A decode's answer, its head read: its status and content type, and its body (what was read
-/// of it to judge it first, then the rest).
-struct Decoded {
-    status: reqwest::StatusCode,
-    content_type: Option<reqwest::header::HeaderValue>,
-    body: futures_util::stream::BoxStream<'static, reqwest::Result<Bytes>>,
-}
-
-impl Decoded {
-    /// Reads a decode's answer far enough to tell whether it refused the request for its
-    /// shutdown (`true`): all of a JSON answer, the first chunk of a stream.
-    async fn judge(r: reqwest::Response) -> reqwest::Result<(Decoded, bool)> {
-        let status = r.status();
-        let content_type = r.headers().get(reqwest::header::CONTENT_TYPE).cloned();
-        let streamed = content_type
-            .as_ref()
-            .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
-        let once = |chunk: reqwest::Result<Bytes>| futures_util::stream::once(async { chunk });
-        if !status.is_success() {
-            let body = r.bytes_stream().boxed();
-            return Ok((
-                Decoded {
-                    status,
-                    content_type,
-                    body,
-                },
-                false,
-            ));
-        }
-        if streamed {
-            let mut rest = r.bytes_stream();
-            let (body, refused) = match rest.next().await {
-                None => (futures_util::stream::empty().boxed(), false),
-                Some(Ok(first)) => {
-                    let refused = stream_refused(&first);
-                    (once(Ok(first)).chain(rest).boxed(), refused)
-                }
-                Some(Err(e)) => (once(Err(e)).chain(rest).boxed(), false),
-            };
-            return Ok((
-                Decoded {
-                    status,
-                    content_type,
-                    body,
-                },
-                refused,
-            ));
-        }
-        let bytes = r.bytes().await?;
-        let refused =
-            serde_json::from_slice::<Value>(&bytes).is_ok_and(|a| refused_for_shutdown(&a));
-        let body = once(Ok(bytes)).boxed();
-        Ok((
-            Decoded {
-                status,
-                content_type,
-                body,
-            },
-            refused,
-        ))
-    }
-
-    /// The whole body (an error answer's).
-    async fn bytes(self) -> Bytes {
-        let chunks: Vec<reqwest::Result<Bytes>> = self.body.collect().await;
-        let mut out = Vec::new();
-        for chunk in chunks.into_iter().map_while(Result::ok) {
-            out.extend_from_slice(&chunk);
-        }
-        Bytes::from(out)
-    }
 }
 
 /// Why no prefill and decode server could be paired for a request.
@@ -1172,44 +1063,4 @@ fn fresh_room() -> Result<u64, getrandom::Error> {
     let mut b = [0u8; 8];
     getrandom::fill(&mut b)?;
     Ok(u64::from_le_bytes(b))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_vllms_answer_to_a_request_it_got_while_draining_counts_as_refused() {
-        // vLLM 0.32's answer to a new request during `--shutdown-timeout`'s drain.
-        let aborted = json!({"choices": [{"index": 0, "text": "", "finish_reason": "abort"}],
-                             "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
-                             "kv_transfer_params": null});
-        assert!(refused_for_shutdown(&aborted));
-        let chat = json!({"choices": [{"message": {"role": "assistant", "content": ""}, "finish_reason": "abort"}]});
-        assert!(refused_for_shutdown(&chat));
-        // A request aborted after it produced something is an answer, however short.
-        let mut some = aborted.clone();
-        some["choices"][0]["text"] = json!("a");
-        assert!(!refused_for_shutdown(&some));
-        let mut counted = aborted.clone();
-        counted["usage"]["completion_tokens"] = json!(1);
-        assert!(!refused_for_shutdown(&counted));
-        let finished = json!({"choices": [{"text": "", "finish_reason": "length"}]});
-        assert!(!refused_for_shutdown(&finished));
-        assert!(!refused_for_shutdown(&json!({"choices": []})));
-        assert!(!refused_for_shutdown(&json!({"error": {"message": "x"}})));
-    }
-
-    #[test]
-    fn a_stream_is_refused_when_it_ends_before_its_first_event() {
-        assert!(stream_refused(b"data: [DONE]\n\n"));
-        let aborted =
-            json!({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}]});
-        assert!(stream_refused(
-            format!("data: {aborted}\n\ndata: [DONE]\n\n").as_bytes()
-        ));
-        let token = json!({"choices": [{"index": 0, "text": "hi", "finish_reason": null}]});
-        assert!(!stream_refused(format!("data: {token}\n\n").as_bytes()));
-        assert!(!stream_refused(b": keep-alive\n\n"));
-    }
 }
