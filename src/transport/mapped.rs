@@ -154,8 +154,12 @@ pub fn attach(memory: &RemoteMemory, endpoint: &str) -> Result<MappedPool, Trans
         .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
         .and_then(|()| stream.write_all(secret))
         .and_then(|()| crate::fd_passing::receive(&stream));
-    use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+    use std::io::ErrorKind::{BrokenPipe, ConnectionReset, TimedOut, UnexpectedEof, WouldBlock};
     let (header, fd) = handshake.map_err(|e| match e.kind() {
+        // A socket timeout reads as "Resource temporarily unavailable".
+        WouldBlock | TimedOut => fail(format!(
+            "the decode did not answer on its pool socket within {HANDSHAKE_TIMEOUT:?}"
+        )),
         UnexpectedEof | ConnectionReset | BrokenPipe => fail(
             "the decode closed its pool socket: a wrong secret, or its limit of connections in \
              the middle of a handshake (its log says which)"
