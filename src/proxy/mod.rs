@@ -26,6 +26,7 @@
 
 mod backends;
 mod discovery;
+mod failure;
 mod metrics;
 mod redact;
 mod refusal;
