@@ -28,8 +28,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # deployment is a session fixture, or a ``deployment`` mark's name for tests that start their
 # engines themselves. Tests of no deployment run first.
 ORDER = [
-    ("vllm_fleet", ["test_vllm_xpyd", "test_vllm_pd", "test_vllm_faults", "test_vllm_parallel",
-                    "test_vllm_fleet_change"]),
+    ("vllm_fleet", ["test_vllm_xpyd", "test_vllm_pd", "test_vllm_faults", "test_vllm_cancel",
+                    "test_vllm_parallel", "test_vllm_fleet_change", "test_vllm_preemption"]),
     ("vllm_bench", []),
     ("sglang_pd", []),
     ("sglang_mla", []),

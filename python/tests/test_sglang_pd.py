@@ -23,6 +23,7 @@ import pytest
 
 import sglang_servers as S
 from vllm_servers import make_model, make_prompts, post
+from waiting import wait_for
 
 # The module's deployment (its fixtures start it): after the vLLM ones (conftest.ORDER).
 pytestmark = pytest.mark.deployment("sglang_pd")
@@ -165,15 +166,6 @@ def abort(server: S.Server, rid: str) -> None:
     req = urllib.request.Request(server.url + "/abort_request", json.dumps({"rid": rid}).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200
-
-
-def wait_for(what: str, check, timeout: float = 60) -> float:
-    """Seconds until ``check()`` holds; fails after ``timeout``."""
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
-        time.sleep(0.2)
-    return time.monotonic() - start
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])

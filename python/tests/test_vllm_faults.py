@@ -8,9 +8,9 @@ process group: API server, engine core, worker).
   ``kvferry_reason_of`` name kvferry's reason. ``kvferry proxy`` in front of the pair stops
   routing to the dead prefill (its /health says so) and, once the prefill is back on its URL,
   serves new requests through it.
-- The decode dies after it asked for rooms the prefill has not computed yet: the rooms fail
-  (``peer_dead``, not their TTL), and the prefill's delayed blocks come back once it computed
-  them.
+- The decode dies after it asked for rooms the prefill has not computed yet: the rooms wait for
+  another decode for ``--requeue-ms``, then fail (``peer_dead``, not their TTL), and the
+  prefill's delayed blocks come back.
 - Negative control: KV corrupted in flight (checksums off) changes the generated tokens.
 - A request that waits in the decode's queue past the prefill's room TTL, or in the prefill's
   queue past both sides' ready timeout: the agents hold the room meanwhile, and it lands.
@@ -335,8 +335,9 @@ def test_a_room_outlives_its_timeouts_while_its_request_waits_in_either_queue(vl
 def test_a_decode_killed_after_asking_for_rooms_fails_them_and_the_prefill_frees_their_blocks(vllm_fleet, reference):
     """The fleet's first decode asks the first prefill for four rooms of long prompts and is
     killed before the prefill computed any (their prefill requests are sent once the prefill's
-    agent knows the decode dead): the rooms fail with ``peer_dead`` (not their TTL) and every
-    block the prefill lent to them comes back; the prefill serves on."""
+    agent knows the decode dead): the rooms wait for another decode (``--requeue-ms``), which
+    never asks, then fail with ``peer_dead`` (not their TTL) and every block the prefill lent to
+    them comes back; the prefill serves on."""
     prefill, decode = vllm_fleet.prefills[0], vllm_fleet.decodes[0]
     api = prefill.agent_api()
     expired = metric(api, "kvferry_rooms_expired_total")

@@ -35,6 +35,7 @@ import pytest
 
 from vllm_servers import NEW_TOKENS, Proxy, Server, View, connector
 from test_vllm_xpyd import all_prompts, stream
+from waiting import wait_for
 
 # The steady load, requests a second.
 RATE = 2.0
@@ -51,15 +52,6 @@ def servers(proxy: Proxy) -> dict:
 def seen(proxy: Proxy, role: str, url: str) -> dict | None:
     """The proxy's view of the server of ``url``, or None when it lists no such server."""
     return next((s for s in servers(proxy)[role] if s["url"] == url), None)
-
-
-def wait_for(what: str, check, bound: float = BOUND) -> float:
-    """Seconds until ``check()`` is true; fails after ``bound``."""
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < bound, f"{what}: not after {bound} s"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 class Load:

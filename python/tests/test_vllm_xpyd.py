@@ -7,10 +7,12 @@ The kill test runs after every other test of the fleet. Prompts of 1 to 1000 tok
 from both prompt sets go 8 at once through the proxy in both pairings: every output equals the
 single engine's, the decode agents landed exactly the blocks the responses say they loaded, and
 every server served some. Then one decode server's whole process group is killed with SIGKILL
-while it streams answers (the proxy names the decode of each answer): its requests end with an
-error naming it, every
-other request still returns the reference's tokens, requests sent after the kill go to the other
-decode, and every block the prefill servers lent to rooms comes back.
+while it streams answers (the proxy names the decode of each answer) and while rooms it asked
+for are mid-transfer (the prefills' agents hold their chunks, a test-only switch): the answers
+it had begun end with an error naming it; the requests whose rooms had not landed go to the
+other decode with their rooms, which waited on the prefills, and return the reference's tokens
+with no prompt computed twice (the prefills' prompt tokens); requests sent after the kill go to
+the other decode, and every block the prefill servers lent to rooms comes back.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from vllm_servers import (
     NEW_TOKENS,
     SEEDS,
     View,
+    hold_chunks,
     make_prompts,
     metric,
     run_prompts,
+    unfinished_rooms,
     vllm_metric,
 )
 
@@ -116,48 +120,85 @@ def complete(proxy, prompt: list[int], max_tokens: int) -> tuple[list[int], str 
 
 
 @pytest.mark.last(0)
-def test_a_decode_killed_while_answering(reference, xpyd):
+def test_a_decode_killed_while_answering_and_while_its_rooms_land(reference, xpyd):
     proxy = xpyd.via["concurrent"]
     victim, survivor = xpyd.decodes[1], xpyd.decodes[0]
     # The proxy names a decode server by its place in --decode, never by its address.
     place = f"{xpyd.decodes.index(victim) + 1}"
-    prompts = all_prompts()[:16]
-    # Long streamed answers: the victim dies once one of its answers is under way.
+    prefill_apis = [api for p in xpyd.prefills for api in p.agent_apis()]
+    counted = lambda name, label="model_name": sum(vllm_metric(p, name, label) for p in xpyd.prefills)  # noqa: E731
+    prompt_tokens = counted("vllm:prompt_tokens_total")
+    requeued = sum(metric(api, "kvferry_rooms_requeued_total") for api in prefill_apis)
+    rerouted = metric(proxy.url, "kvferry_proxy_rerouted_total", 'role="decode"')
+    victim_api = victim.agent_api()
     answering = threading.Event()
 
     def on_token(server: str) -> None:
         if server == place:
             answering.set()
 
-    with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
-        futures = [pool.submit(stream, proxy, p, 128, on_token) for p in prompts]
+    # Long streamed answers (short prompts, 600 tokens each): the victim dies while it answers
+    # one of them.
+    prompts = all_prompts()[:4]
+    assert all(len(p) + 600 <= 1024 for p in prompts)
+    later = all_prompts()[4:12]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts) + len(later)) as pool:
+        futures = [pool.submit(stream, proxy, p, 600, on_token) for p in prompts]
         assert answering.wait(300), "the victim decode never answered"
-        victim.kill()
-        killed = time.monotonic()
+        # From now on the prefills hold every chunk before it goes: the rooms of the requests
+        # sent now stay mid-transfer, the victim's among them.
+        for api in prefill_apis:
+            hold_chunks(api, 1)
+        try:
+            futures += [pool.submit(stream, proxy, p, NEW_TOKENS, on_token) for p in later]
+            start = time.monotonic()
+            while unfinished_rooms(victim_api) == 0:
+                assert time.monotonic() - start < 300, "the victim never asked for a room"
+                time.sleep(0.05)
+            victim.kill()
+            killed = time.monotonic()
+            # The prefills put the rooms the victim had not received back to waiting (its
+            # connection dropped; its heartbeats could not have ended it in the bound).
+            while sum(metric(api, "kvferry_rooms_requeued_total") for api in prefill_apis) == requeued:
+                assert time.monotonic() - killed < 60, "no room of the victim went back to waiting"
+                time.sleep(0.05)
+            requeued_in = time.monotonic() - killed
+        finally:
+            for api in prefill_apis:
+                hold_chunks(api, 0)
         results = [f.result() for f in futures]
-    failed = [(len(p), error) for p, (ids, error) in zip(prompts, results) if error]
-    print(f"{len(failed)} of {len(prompts)} requests failed with the victim: {failed}")
-    assert failed, "no request was on the victim when it died"
-    for (ids, error), prompt in zip(results, prompts):
+    sent = prompts + later
+    failed = [(len(p), error) for p, (ids, error) in zip(sent, results) if error]
+    moved = metric(proxy.url, "kvferry_proxy_rerouted_total", 'role="decode"') - rerouted
+    print(f"rooms of the victim waiting again {requeued_in:.2f} s after the kill; {moved:.0f} requests "
+          f"sent again to the survivor; {len(failed)} of {len(sent)} failed with the victim: {failed}")
+    assert failed, "no request was answering on the victim when it died"
+    assert moved >= 1, "no request went to the survivor with its room"
+    for (ids, error), prompt in zip(results, sent):
         if error:
+            # Only a stream the victim had begun fails, and the error says which server.
+            assert prompt in prompts, (len(prompt), error)
             assert f"decode server {place} of {len(xpyd.decodes)}" in error, error
             assert victim.url not in error, error
         else:
             assert ids[:NEW_TOKENS] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
+    # No prompt was computed twice: each request's prefill ran once.
+    computed = counted("vllm:prompt_tokens_total") - prompt_tokens
+    assert computed == sum(len(p) for p in sent), (computed, sum(len(p) for p in sent))
     # Requests sent now go to the surviving decode.
-    later = all_prompts()[16:24]
+    again = all_prompts()[16:24]
     before = served(survivor)
     with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
-        after = list(pool.map(lambda p: complete(proxy, p, NEW_TOKENS), later))
-    for (ids, error), prompt in zip(after, later):
+        after = list(pool.map(lambda p: complete(proxy, p, NEW_TOKENS), again))
+    for (ids, error), prompt in zip(after, again):
         assert error is None and ids == reference[tuple(prompt)], error
-    assert served(survivor) - before == len(later)
-    # Every block the prefills lent to rooms comes back: rooms the victim had asked for fail
-    # when its connection drops; rooms it never asked for expire with their TTL.
+    assert served(survivor) - before == len(again)
+    # Every block the prefills lent to rooms comes back: the rooms the survivor took, and the
+    # rest with their TTL.
     deadline = time.monotonic() + FLEET_ROOM_TTL_MS / 1000 + 60
     while any(vllm_metric(p, "vllm:kv_cache_usage_perc") > 0 for p in xpyd.prefills):
         assert time.monotonic() < deadline, [vllm_metric(p, "vllm:kv_cache_usage_perc") for p in xpyd.prefills]
         time.sleep(0.2)
-    expired = sum(metric(p.agent_api(), "kvferry_rooms_expired_total") for p in xpyd.prefills)
+    expired = sum(metric(api, "kvferry_rooms_expired_total") for api in prefill_apis)
     print(f"every prefill block was back {time.monotonic() - killed:.2f} s after the kill "
           f"({expired:.0f} prefill rooms expired)")

@@ -204,7 +204,8 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
 def metric(url: str, name: str, label: str = "") -> float:
     """The sum of a metric's series (those whose labels contain ``label``; any, or the one
     without labels, when ``label`` is empty) on a /metrics."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    # A busy machine can keep an agent's thread from answering for seconds.
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
         text = r.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -213,9 +214,19 @@ def metric(url: str, name: str, label: str = "") -> float:
     )
 
 
-def vllm_metric(server: Server, name: str) -> float:
-    """The sum of a vLLM metric's series on ``server`` (vLLM labels every series)."""
-    return metric(server.url, name, "model_name")
+def vllm_metric(server: Server, name: str, label: str = "model_name") -> float:
+    """The sum of a vLLM metric's series on ``server`` (vLLM labels every series; ``label``:
+    those whose labels contain it)."""
+    return metric(server.url, name, label)
+
+
+# A room an agent holds and has not finished: every state before a final one.
+UNFINISHED = ("bootstrapping", "waiting_for_input", "transferring", "aborting")
+
+
+def unfinished_rooms(agent_api: str) -> float:
+    """Rooms an agent holds that are not final (``kvferry_rooms_held``)."""
+    return sum(metric(agent_api, "kvferry_rooms_held", f'state="{s}"') for s in UNFINISHED)
 
 
 def wait_ok(proc: subprocess.Popen, url: str, what: str, log: pathlib.Path, timeout: float) -> None:
@@ -459,13 +470,15 @@ class View(Servers):
 
 
 # The run's vLLM fleet (conftest's ``vllm_fleet``): every agent ends rooms nobody takes after
-# FLEET_ROOM_TTL_MS, and only a closed connection ends a peer or a Hello within the tests'
-# bounds (four engines and more on two cores: an agent's thread can wait seconds to run; the
-# defaults, 5 s, assume engines with cores of their own); a test can arm a fault in a prefill's
-# agent (``arm_corrupt_chunk``).
+# FLEET_ROOM_TTL_MS, a room whose decode died waits FLEET_REQUEUE_MS for another, and only a
+# closed connection ends a peer or a Hello within the tests' bounds (four engines and more on
+# two cores: an agent's thread can wait seconds to run; the defaults, 5 s, assume engines with
+# cores of their own); a test can arm a fault in a prefill's agent (``arm_corrupt_chunk``,
+# ``hold_chunks``).
 FLEET_ROOM_TTL_MS = 60_000
+FLEET_REQUEUE_MS = 20_000
 FLEET_AGENT = dict(room_ttl_ms=FLEET_ROOM_TTL_MS, peer_dead_ms=60_000, timeout_connect_ms=60_000,
-                   fault_injection=True)
+                   requeue_ms=FLEET_REQUEUE_MS, fault_injection=True)
 # A step computes at most this many tokens: prompts up to 320 tokens in one step, longer ones
 # in chunks (ending inside a block, 320, and on one, 640).
 FLEET_STEP_TOKENS = 320
@@ -530,6 +543,15 @@ def arm_corrupt_chunk(agent_api: str, nth: int = 1) -> dict:
     chunk it sends from now (a test-only switch of its engine API)."""
     got = post(agent_api + "/v1/faults", {"corrupt_chunk": nth}, timeout=30)
     assert "corrupt_chunk" in got, got
+    return got
+
+
+def hold_chunks(agent_api: str, nth: int) -> dict:
+    """Has a prefill agent started with ``fault_injection`` hold the ``nth`` chunk it sends from
+    now and every later one before they go, until ``hold_chunks(api, 0)`` (a test-only switch
+    of its engine API): rooms asked for meanwhile stay mid-transfer."""
+    got = post(agent_api + "/v1/faults", {"hold_chunks": nth}, timeout=30)
+    assert "hold_chunks" in got, got
     return got
 
 

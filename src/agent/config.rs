@@ -36,6 +36,10 @@ pub struct Timeouts {
     pub heartbeat: Duration,
     /// A peer silent (no message of any kind) this long is dead.
     pub dead_after: Duration,
+    /// Prefill: a room whose decode died before the room was delivered waits this long for
+    /// another decode to ask for it (renewed by the heartbeats of one that holds it for a
+    /// queued request), then fails `peer_dead`; zero fails it at once.
+    pub requeue: Duration,
 }
 
 impl Timeouts {
@@ -73,6 +77,7 @@ impl Default for Timeouts {
             drain_untaken: Duration::from_secs(10),
             heartbeat: Duration::from_millis(500),
             dead_after: Duration::from_secs(5),
+            requeue: Duration::from_secs(5),
         }
     }
 }

@@ -8,8 +8,14 @@
 //! runs: engine servers shared by many tests need no restart for one that wants a room to outlive
 //! a short timeout. Every wait reads them when it starts (a heartbeat loop at each beat).
 //!
-//! Both are armed through the engine API's `POST /v1/faults`, served only with
+//! A prefill holds its chunks: the N-th chunk to go from now on, and every later one, waits
+//! before it is sent until the hold is released (or its transfer ends): a room held
+//! mid-transfer for as long as a test needs, without a window of time.
+//!
+//! All are armed through the engine API's `POST /v1/faults`, served only with
 //! `--fault-injection`: `{"corrupt_chunk": N}` (prefill) corrupts the N-th chunk sent from now;
+//! `{"hold_chunks": N}` (prefill) holds the N-th chunk to go from now and those after it,
+//! `{"hold_chunks": 0}` releases them;
 //! `{"timeouts": {"room_ttl_ms": 1000, ...}}` (either role) sets the timeouts named, by their
 //! flags' names, checked together as at start. The answer says what is armed and the timeouts
 //! before and after, so that a test can set them back.
@@ -23,10 +29,14 @@ use serde::{Deserialize, Serialize};
 use super::Timeouts;
 use super::engine_api::EngineApi;
 
-/// The chunks gathered so far, the one to corrupt (0: none), and the timeouts in force.
+/// The chunks gathered so far, the one to corrupt (0: none), the chunks that went past the
+/// hold and the first one it holds (0: none), and the timeouts in force.
 pub(crate) struct Faults {
     sent: AtomicU64,
     corrupt: AtomicU64,
+    passed: AtomicU64,
+    hold_from: AtomicU64,
+    released: tokio::sync::Notify,
     timeouts: RwLock<Timeouts>,
 }
 
@@ -36,6 +46,9 @@ pub(crate) struct Faults {
 pub(crate) struct Arm {
     /// Corrupt the `corrupt_chunk`-th chunk sent from now (1: the next).
     pub corrupt_chunk: Option<u64>,
+    /// Hold the `hold_chunks`-th chunk to go from now (1: the next) and every later one until
+    /// released; 0 releases them.
+    pub hold_chunks: Option<u64>,
     /// Timeouts to set, in ms.
     pub timeouts: Option<TimeoutsMs>,
 }
@@ -56,6 +69,7 @@ pub(crate) struct TimeoutsMs {
     pub drain_untaken_ms: Option<u64>,
     pub heartbeat_ms: Option<u64>,
     pub peer_dead_ms: Option<u64>,
+    pub requeue_ms: Option<u64>,
 }
 
 /// The answer: the number the armed chunk will have and the chunks sent so far (when a chunk
@@ -66,6 +80,11 @@ pub(crate) struct Armed {
     pub corrupt_chunk: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chunks_sent: Option<u64>,
+    /// The number the first held chunk will have (0: released), and the chunks gone so far.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold_chunks: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunks_passed: Option<u64>,
     pub timeouts_were: TimeoutsMs,
     pub timeouts: TimeoutsMs,
 }
@@ -84,7 +103,8 @@ macro_rules! each_timeout {
             drain drain_timeout_ms,
             drain_untaken drain_untaken_ms,
             heartbeat heartbeat_ms,
-            dead_after peer_dead_ms
+            dead_after peer_dead_ms,
+            requeue requeue_ms
         )
     };
 }
@@ -116,6 +136,9 @@ impl Faults {
         Faults {
             sent: AtomicU64::new(0),
             corrupt: AtomicU64::new(corrupt.unwrap_or(0)),
+            passed: AtomicU64::new(0),
+            hold_from: AtomicU64::new(0),
+            released: tokio::sync::Notify::new(),
             timeouts: RwLock::new(timeouts),
         }
     }
@@ -131,11 +154,34 @@ impl Faults {
         (nth, self.corrupt.load(Ordering::Relaxed) == nth)
     }
 
+    /// A chunk about to go: it waits while the hold holds it, until the hold is released or
+    /// `cancel` (its transfer ended), and goes on at once without a hold.
+    pub(crate) async fn pass(&self, cancel: &tokio_util::sync::CancellationToken) {
+        let nth = self.passed.fetch_add(1, Ordering::Relaxed) + 1;
+        loop {
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            let from = self.hold_from.load(Ordering::Relaxed);
+            if from == 0 || nth < from {
+                return;
+            }
+            tracing::warn!(chunk = nth, "fault injection: a chunk held");
+            tokio::select! {
+                () = released => {}
+                () = cancel.cancelled() => return,
+            }
+        }
+    }
+
     /// Arms what `arm` asks for (nothing of it when any part is refused). `sends_chunks`: the
     /// role has chunks to corrupt.
     pub(crate) fn arm(&self, arm: Arm, sends_chunks: bool) -> Result<Armed, String> {
         if arm.corrupt_chunk.is_some() && !sends_chunks {
             return Err("corrupt_chunk: this agent sends no chunks (a prefill's switch)".into());
+        }
+        if arm.hold_chunks.is_some() && !sends_chunks {
+            return Err("hold_chunks: this agent sends no chunks (a prefill's switch)".into());
         }
         if arm.corrupt_chunk == Some(0) {
             return Err("corrupt_chunk counts chunks from the next one, which is 1".into());
@@ -156,9 +202,21 @@ impl Faults {
             self.corrupt.store(sent + n, Ordering::Relaxed);
             (corrupt_chunk, chunks_sent) = (Some(sent + n), Some(sent));
         }
+        let (mut hold_chunks, mut chunks_passed) = (None, None);
+        if let Some(n) = arm.hold_chunks {
+            let passed = self.passed.load(Ordering::Relaxed);
+            let from = if n == 0 { 0 } else { passed + n };
+            self.hold_from.store(from, Ordering::Relaxed);
+            if from == 0 {
+                self.released.notify_waiters();
+            }
+            (hold_chunks, chunks_passed) = (Some(from), Some(passed));
+        }
         Ok(Armed {
             corrupt_chunk,
             chunks_sent,
+            hold_chunks,
+            chunks_passed,
             timeouts_were: TimeoutsMs::of(&were),
             timeouts: TimeoutsMs::of(&now),
         })
@@ -195,6 +253,42 @@ mod tests {
         assert!(f.arm(corrupt(0), true).is_err());
         let refused = f.arm(corrupt(1), false).unwrap_err();
         assert!(refused.contains("sends no chunks"), "{refused}");
+    }
+
+    #[tokio::test]
+    async fn held_chunks_wait_until_released_or_their_transfer_ends() {
+        let f = std::sync::Arc::new(Faults::new(None, Timeouts::default()));
+        let never = tokio_util::sync::CancellationToken::new();
+        let hold = |n| Arm {
+            hold_chunks: Some(n),
+            ..Arm::default()
+        };
+        f.pass(&never).await;
+        let armed = f.arm(hold(2), true).unwrap();
+        assert_eq!((armed.hold_chunks, armed.chunks_passed), (Some(3), Some(1)));
+        f.pass(&never).await; // the 2nd goes: the hold starts at the 3rd
+        let held = tokio::spawn({
+            let f = f.clone();
+            async move { f.pass(&tokio_util::sync::CancellationToken::new()).await }
+        });
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let ended = tokio::spawn({
+            let (f, cancel) = (f.clone(), cancel.clone());
+            async move { f.pass(&cancel).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!held.is_finished() && !ended.is_finished());
+        cancel.cancel();
+        ended.await.unwrap();
+        assert!(!held.is_finished(), "only the ended transfer's chunk went");
+        assert_eq!(f.arm(hold(0), true).unwrap().hold_chunks, Some(0));
+        held.await.unwrap();
+        f.pass(&never).await;
+        assert!(
+            f.arm(hold(1), false)
+                .unwrap_err()
+                .contains("sends no chunks")
+        );
     }
 
     #[test]

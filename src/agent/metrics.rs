@@ -145,6 +145,9 @@ pub struct Metrics {
     pub heartbeat_misses: Counter,
     /// Peers declared dead.
     pub peers_dead: Counter,
+    /// Prefill: rooms whose decode died before they were delivered, put back to wait for
+    /// another decode.
+    pub requeued: Counter,
     /// Landed rooms whose bytes failed the synthetic check on take (counted apart: they are
     /// also in `kvferry_rooms_total` as landed).
     pub verify_failures: Counter,
@@ -206,6 +209,7 @@ impl Metrics {
             rejected: Counter::default(),
             heartbeat_misses: Counter::default(),
             peers_dead: Counter::default(),
+            requeued: Counter::default(),
             verify_failures: Counter::default(),
             protocol_errors: family(PROTOCOL_ERRORS.map(|kind| Kind { kind })),
             bootstrap: Seconds::default(),
@@ -316,6 +320,11 @@ impl Metrics {
                 &self.heartbeat_misses,
             ),
             ("peers_dead", "Peers declared dead", &self.peers_dead),
+            (
+                "rooms_requeued",
+                "Rooms whose decode died before they were delivered, put back to wait for another decode",
+                &self.requeued,
+            ),
             (
                 "verify_failures",
                 "Landed rooms whose bytes failed the synthetic check on take",

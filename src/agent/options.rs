@@ -252,6 +252,13 @@ pub struct AgentOptions {
     /// A peer silent this many ms is declared dead and its rooms fail with `peer_dead`.
     #[arg(long, env = "KVFERRY_PEER_DEAD_MS", default_value_t = 5_000)]
     pub peer_dead_ms: u64,
+    /// Prefill: a room whose decode died before the room was delivered goes back to waiting
+    /// for another decode (a router that sends the request again with its room, as `kvferry
+    /// proxy` does, gets it without a second prefill) for this many ms, renewed by the
+    /// heartbeats of a decode that holds it for a queued request; then it fails `peer_dead`.
+    /// 0: such rooms fail at once.
+    #[arg(long, env = "KVFERRY_REQUEUE_MS", default_value_t = 5_000)]
+    pub requeue_ms: u64,
 }
 
 impl AgentOptions {
@@ -343,6 +350,7 @@ impl AgentOptions {
             drain_untaken: ms(self.drain_untaken_ms),
             heartbeat: ms(self.heartbeat_ms),
             dead_after: ms(self.peer_dead_ms),
+            requeue: ms(self.requeue_ms),
         };
         timeouts.check().map_err(anyhow::Error::msg)?;
         Ok(AgentConfig {

@@ -4,7 +4,9 @@
 //!
 //! Allowed moves: `bootstrapping -> waiting_for_input -> transferring -> success`, any state
 //! before a final one to `failed` or `aborting`, `aborting -> aborted`. Final states
-//! (`success`, `failed`, `aborted`) never change again; a refused move returns false.
+//! (`success`, `failed`, `aborted`) never change again; a refused move returns false. One move
+//! goes back: a prefill room whose decode died before the room was delivered returns from
+//! `transferring` to `waiting_for_input` ([`RoomStatus::requeue`]), for another decode.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -161,6 +163,21 @@ impl RoomStatus {
         true
     }
 
+    /// A prefill room whose decode died before the room was delivered waits for another
+    /// decode: `transferring` goes back to `waiting_for_input` (the one move back; the timings
+    /// record `requeued`). Returns whether it moved.
+    pub fn requeue(&mut self) -> bool {
+        if self.state != RoomState::Transferring {
+            return false;
+        }
+        self.state = RoomState::WaitingForInput;
+        let now = now_ms();
+        self.timings.push(("requeued", now));
+        self.timings.push((RoomState::WaitingForInput.name(), now));
+        self.watch.send_replace(self.state);
+        true
+    }
+
     /// Moves to `aborting` (or straight to `aborted` when `acknowledged`) with `reason`.
     pub fn abort(&mut self, reason: Reason, acknowledged: bool) -> bool {
         let to = if acknowledged {
@@ -244,6 +261,19 @@ mod tests {
                 assert!(!from.can_move_to(to), "{from:?} -> {to:?}");
             }
         }
+    }
+
+    #[test]
+    fn only_a_transferring_room_goes_back_to_waiting() {
+        use RoomState::*;
+        let mut s = RoomStatus::new(Transferring);
+        assert!(s.requeue());
+        assert_eq!(s.state(), WaitingForInput);
+        assert!(s.at("requeued").is_some());
+        assert!(!s.requeue(), "waiting already");
+        assert!(s.advance(Transferring) && s.advance(Success));
+        assert!(!s.requeue(), "a final room stays final");
+        assert!(!RoomStatus::new(Aborting).requeue());
     }
 
     #[tokio::test]

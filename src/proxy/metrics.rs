@@ -100,7 +100,7 @@ struct ErrorLabels {
 pub enum Refuser {
     /// A prefill server (it shuts down, or could not be reached).
     Prefill,
-    /// A decode server (it shuts down, or could not be reached).
+    /// A decode server (it shuts down, could not be reached, or was lost before it answered).
     Decode,
 }
 
@@ -124,6 +124,7 @@ pub struct ProxyMetrics {
     requests: Family<RequestLabels, Counter>,
     errors: Family<ErrorLabels, Counter>,
     rerouted: Family<RerouteLabels, Counter>,
+    released: Counter,
     first_token: Histogram,
     duration: Histogram,
 }
@@ -142,8 +143,14 @@ impl Default for ProxyMetrics {
         let rerouted = Family::<RerouteLabels, Counter>::default();
         registry.register(
             "rerouted",
-            "Requests sent to another server of a role after the first refused them (it shuts down, or could not be reached)",
+            "Requests sent to another server of a role after the first refused them (it shuts down, or could not be reached) or was lost before it answered",
             rerouted.clone(),
+        );
+        let released = Counter::default();
+        registry.register(
+            "rooms_released",
+            "Rooms a prefill server was asked to release: their request ended before a decode's answer began (the client left, or the decode failed it)",
+            released.clone(),
         );
         let first_token = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         registry.register(
@@ -162,6 +169,7 @@ impl Default for ProxyMetrics {
             requests,
             errors,
             rerouted,
+            released,
             first_token,
             duration,
         }
@@ -182,6 +190,11 @@ impl ProxyMetrics {
     /// Counts a request sent to another server of `role` after one refused it.
     pub fn rerouted(&self, role: Refuser) {
         self.rerouted.get_or_create(&RerouteLabels { role }).inc();
+    }
+
+    /// Counts a room a prefill server was asked to release.
+    pub fn released(&self) {
+        self.released.inc();
     }
 
     /// Observes a streamed answer's time to its first chunk.
@@ -218,12 +231,14 @@ mod tests {
         m.first_token(0.1);
         m.duration(0.2);
         m.rerouted(Refuser::Decode);
+        m.released();
         let text = m.encode();
         assert!(text.contains(
             r#"kvferry_proxy_requests_total{endpoint="chat_completions",outcome="error"} 1"#
         ));
         assert!(text.contains(r#"kvferry_proxy_errors_total{cause="no_server"} 1"#));
         assert!(text.contains(r#"kvferry_proxy_rerouted_total{role="decode"} 1"#));
+        assert!(text.contains("kvferry_proxy_rooms_released_total 1"));
         assert!(text.contains("kvferry_proxy_time_to_first_token_seconds_count 1"));
         assert!(text.contains("kvferry_proxy_request_duration_seconds_count 1"));
     }

@@ -17,7 +17,11 @@
 //! join, those no rank names any more leave, a server whose agents say it drains gets no new
 //! requests, and a prefill is paired only with decodes that can take its KV. A server that
 //! refuses a request because it shuts down (vLLM's drain) or cannot be reached is replaced by
-//! another of its role for that request: nothing was done for it there. Every error is an OpenAI
+//! another of its role for that request: nothing was done for it there. A decode server lost
+//! before its answer began (its connection broke) is replaced the same way, the request sent
+//! again with its room, which waits on the prefill for another decode: the prompt is not
+//! computed twice. A request that ends before a decode's answer began (the client left, the
+//! decode failed) has its prefill server release the room (`unclaimed.rs`). Every error is an OpenAI
 //! error object; what it tells the client names servers by role and place (`decode server 2 of
 //! 3`) and hides every address (the log has them). With `--api-key`, a client must present the
 //! key: a request without it is answered 401 and goes nowhere. Metrics (`/metrics`,
@@ -31,6 +35,7 @@ mod metrics;
 mod redact;
 mod refusal;
 mod route;
+mod unclaimed;
 
 pub use backends::{Backend, Backends};
 pub use discovery::client as registry_client;

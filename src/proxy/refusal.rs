@@ -55,7 +55,8 @@ pub(super) struct Decoded {
 
 impl Decoded {
     /// Reads a decode's answer far enough to tell whether it refused the request for its
-    /// shutdown (`true`): all of a JSON answer, the first chunk of a stream.
+    /// shutdown (`true`): all of a JSON answer, the first chunk of a stream. An error: the
+    /// connection broke before that much came (the server was lost before it answered).
     pub(super) async fn judge(r: reqwest::Response) -> reqwest::Result<(Decoded, bool)> {
         let status = r.status();
         let content_type = r.headers().get(reqwest::header::CONTENT_TYPE).cloned();
@@ -82,7 +83,8 @@ impl Decoded {
                     let refused = stream_refused(&first);
                     (once(Ok(first)).chain(rest).boxed(), refused)
                 }
-                Some(Err(e)) => (once(Err(e)).chain(rest).boxed(), false),
+                // Lost before its first event: no token of its own went anywhere.
+                Some(Err(e)) => return Err(e),
             };
             return Ok((
                 Decoded {

@@ -25,6 +25,7 @@ use super::failure::{
 use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics, Refuser};
 use super::redact::hide_addresses;
 use super::refusal::{Decoded, refused_for_shutdown};
+use super::unclaimed::Unclaimed;
 use crate::protocol::constant_time_eq;
 
 /// How a request is paired with its room (docs/vllm.md).
@@ -188,7 +189,7 @@ async fn models(State(p): State<Arc<Proxy>>, headers: HeaderMap) -> Response {
 /// The client's headers that go on to the servers with its request: `Authorization` (servers
 /// started with `--api-key` check it) and `X-Request-Id`.
 #[derive(Clone, Default)]
-struct Forwarded(Vec<(header::HeaderName, HeaderValue)>);
+pub(super) struct Forwarded(Vec<(header::HeaderName, HeaderValue)>);
 
 impl Forwarded {
     const NAMES: [header::HeaderName; 2] = [
@@ -215,7 +216,7 @@ impl Forwarded {
     /// The `Authorization` header alone: what a question the proxy asks on a client's
     /// behalf (`kvferry_reason_of`) carries. Not its `X-Request-Id`: vLLM would take it for the
     /// question's request id, the same as the request the question is about.
-    fn authorization(&self) -> Forwarded {
+    pub(super) fn authorization(&self) -> Forwarded {
         let only = self.0.iter().filter(|(n, _)| *n == header::AUTHORIZATION);
         Forwarded(only.cloned().collect())
     }
@@ -277,8 +278,8 @@ async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
     r
 }
 
-/// How a request to a server (a prefill's, or a question to a decode) ended.
-enum Posted {
+/// How a request to a server (a prefill's, or a question to a server) ended.
+pub(super) enum Posted {
     /// Its answer (HTTP 2xx).
     Answered(Value),
     /// It answered an error: a prefill's is passed to the client, addresses hidden.
@@ -473,19 +474,49 @@ impl Proxy {
             tracing::warn!(server = %lease.backend().url, %why, "a prefill server refused a request: paired again without it");
             Attempt::PrefillRefused(lease.backend().clone(), failure)
         };
+        // The proxy names the room in either pairing: it can have the prefill release it
+        // whenever the request ends before a decode's answer began (`unclaimed.rs`).
+        let room = match fresh_room() {
+            Ok(room) => room.to_string(),
+            Err(e) => {
+                return done(Err(Failure {
+                    cause: Cause::NoServer,
+                    response: error(
+                        StatusCode::BAD_GATEWAY,
+                        "upstream_error",
+                        format!("the proxy: no randomness: {e}"),
+                    ),
+                }));
+            }
+        };
+        let unclaimed = Unclaimed::new(
+            self.clone(),
+            prefill_server.clone(),
+            room.clone(),
+            model.clone(),
+            forwarded.authorization(),
+        );
         let (answer, decode, room, note) = match self.pairing {
             Pairing::Sequential => {
                 first.insert(
                     "kv_transfer_params".into(),
-                    json!({"do_remote_decode": true}),
+                    json!({"do_remote_decode": true, "kvferry_room": room}),
                 );
                 let answer = match self.post(&prefill_server, path, &first, forwarded).await {
                     Posted::Answered(a) if refused_for_shutdown(&a) => {
+                        unclaimed.claimed();
                         return refused(&prefill, "it shuts down", true);
                     }
                     Posted::Answered(answer) => answer,
-                    Posted::Refused(f) => return done(Err(f)),
-                    Posted::Unreached(e) => return refused(&prefill, &e, false),
+                    Posted::Refused(f) => {
+                        unclaimed.claimed();
+                        return done(Err(f));
+                    }
+                    Posted::Unreached(e) => {
+                        unclaimed.claimed();
+                        return refused(&prefill, &e, false);
+                    }
+                    // It may have computed the room: released when this returns.
                     Posted::Lost(e) => {
                         return done(Err(unreachable(Cause::Prefill, &prefill_server, e)));
                     }
@@ -495,6 +526,7 @@ impl Proxy {
                     .cloned()
                     .filter(Value::is_object)
                 else {
+                    unclaimed.claimed();
                     return done(Err(unreachable(
                         Cause::Prefill,
                         &prefill_server,
@@ -512,21 +544,9 @@ impl Proxy {
                 (answer, decode, room, None)
             }
             Pairing::Concurrent => {
-                let room = match fresh_room() {
-                    Ok(room) => room.to_string(),
-                    Err(e) => {
-                        return done(Err(Failure {
-                            cause: Cause::NoServer,
-                            response: error(
-                                StatusCode::BAD_GATEWAY,
-                                "upstream_error",
-                                format!("the proxy: no randomness: {e}"),
-                            ),
-                        }));
-                    }
-                };
                 // The prefill's engine: a data-parallel rank of the server, in turn.
                 let Some(rank) = prefill.backend().next_rank() else {
+                    unclaimed.claimed();
                     return done(Err(unavailable("prefill")));
                 };
                 let group = rank.group;
@@ -556,13 +576,20 @@ impl Proxy {
                     tokio::select! {
                         posted = &mut prefill_post => break match posted {
                             Posted::Answered(a) if refused_for_shutdown(&a) => {
+                                unclaimed.claimed();
                                 return refused(&prefill, "it shuts down", true);
                             }
                             Posted::Answered(_) => None,
-                            Posted::Unreached(e) => return refused(&prefill, &e, false),
+                            Posted::Unreached(e) => {
+                                unclaimed.claimed();
+                                return refused(&prefill, &e, false);
+                            }
                             // Its room will never come: the decode request is dropped (vLLM
                             // aborts it and its room) and the client gets the prefill's answer.
-                            Posted::Refused(f) => return done(Err(f)),
+                            Posted::Refused(f) => {
+                                unclaimed.claimed();
+                                return done(Err(f));
+                            }
                             // Whether the room's KV still arrives is the decode's to find out;
                             // its kv_load_failure_policy decides the answer.
                             Posted::Lost(e) => {
@@ -613,6 +640,8 @@ impl Proxy {
             let response = self.decode_error(answer, &decode_server, &failed).await;
             return done(Ok((response, Some(Cause::Decode))));
         }
+        // The decode's answer began: it took the room.
+        unclaimed.claimed();
         done(Ok((
             self.pass_through(answer, decode, started, failed),
             None,
@@ -621,10 +650,12 @@ impl Proxy {
 
     /// The decode's request sent to `decode`, or to another decode server that can take the KV
     /// of `prefill` when `decode` refused it: its connection was refused (it is routed around
-    /// until a health round finds it back), or it answered that it shuts down (it gets no new
-    /// requests until it restarts). Nothing was done for the request in either case, and the
-    /// room waits on the prefill for the decode that asks. The answer, and the server that gave
-    /// it.
+    /// until a health round finds it back), it answered that it shuts down (it gets no new
+    /// requests until it restarts), or its connection broke before its answer began (it was
+    /// lost: routed around; once a request: a second lost decode's error is the answer).
+    /// Nothing of its own reached the client in any case, and the room waits on the prefill for
+    /// the decode that asks (a lost decode's for `--requeue-ms`). The answer, and the server
+    /// that gave it.
     async fn send_decode(
         self: Arc<Self>,
         path: &'static str,
@@ -634,6 +665,9 @@ impl Proxy {
         prefill: Arc<Backend>,
     ) -> (reqwest::Result<Decoded>, Lease) {
         let mut tried: Vec<Arc<Backend>> = Vec::new();
+        // Decode servers lost with this request: a second is not risked (a request that kills
+        // the servers it reaches would take down one after another).
+        let mut lost = 0;
         loop {
             let url = format!("{}{path}", decode.backend().url);
             let sent = forwarded
@@ -646,8 +680,21 @@ impl Proxy {
                     self.decodes.route_around(&decode, &e);
                     Err(e)
                 }
+                // Its connection broke before an answer began: the server was lost (killed,
+                // or its host). Nothing of its own reached the client, and the room waits on
+                // the prefill for another decode (`--requeue-ms`).
+                Err(e) if !e.is_timeout() && lost == 0 => {
+                    lost += 1;
+                    self.lost(&decode, &e);
+                    Err(e)
+                }
                 Err(e) => return (Err(e), decode),
                 Ok(r) => match Decoded::judge(r).await {
+                    Err(e) if !e.is_timeout() && lost == 0 => {
+                        lost += 1;
+                        self.lost(&decode, &e);
+                        Err(e)
+                    }
                     Err(e) => return (Err(e), decode),
                     Ok((answer, false)) => return (Ok(answer), decode),
                     Ok((answer, true)) => {
@@ -662,13 +709,21 @@ impl Proxy {
             });
             match other {
                 Some(other) => {
-                    tracing::warn!(refused = %decode.backend().url, to = %other.backend().url, "a decode server refused a request: sent to another");
+                    tracing::warn!(refused = %decode.backend().url, to = %other.backend().url, "a decode server refused or lost a request: sent to another with its room");
                     self.metrics.rerouted(Refuser::Decode);
                     decode = other;
                 }
                 None => return (refusal, decode),
             }
         }
+    }
+
+    /// A decode server lost a request before its answer began: it is routed around until a
+    /// health check finds it back.
+    fn lost(&self, decode: &Lease, e: &reqwest::Error) {
+        let why = causes(e);
+        tracing::warn!(server = %decode.backend().url, error = %why, "a decode server was lost before it answered");
+        self.decodes.route_around(decode, &why);
     }
 
     /// The prefill server of `lease`, as the log and a client's answer name it.
@@ -683,7 +738,7 @@ impl Proxy {
 
     /// A POST of `body` to `path` of `server` with the client's headers (a client's request, or
     /// a question asked on its behalf): never with the proxy's own key.
-    async fn post(
+    pub(super) async fn post(
         &self,
         server: &Server,
         path: &str,

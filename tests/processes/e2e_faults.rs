@@ -2,7 +2,8 @@
 //! timeout explicit, generous bounds, measured times printed):
 //!
 //! - kill -9 of the prefill before ready, mid-transfer and after Done but before take;
-//! - kill -9 of a decode the prefill is blocked sending to, another decode served meanwhile;
+//! - kill -9 of a decode the prefill is blocked sending to: its room waits for another decode,
+//!   which takes it;
 //! - abort mid-transfer, then reuse the same engine pages for a new room at once (SGLang #24527);
 //! - 1,000 rooms with random aborts from both sides, exact page and counter accounting;
 //! - a corrupted chunk caught by the per-chunk checksum (`KVFERRY_FAULT_CORRUPT_CHUNK`);
@@ -152,11 +153,14 @@ fn kill9_prefill_mid_transfer_fails_the_room_with_peer_dead() {
 
 /// A decode killed with -9 while the prefill's sends to it are blocked (the decode was stopped
 /// first, so its socket filled): the prefill notices from the closed control connection (heart
-/// beats and send timeouts are 10 minutes: nothing else can end it), fails that room with
-/// `peer_dead` and gets every page of it back, and another decode with the same ranks, saying
-/// Hello after the death, is served meanwhile, every byte verified.
+/// beats and send timeouts are 10 minutes: nothing else can end it) and puts the room it had
+/// not delivered back to waiting (`waiting_for_input`, the lost transfer `failed`
+/// `peer_dead`); another decode with the same ranks asks for the same room and gets every byte
+/// of it, verified, with no second announcement from the engine; and a room of the dead decode
+/// that no other decode asks for fails `peer_dead` after `--requeue-ms`, every page of the
+/// prefill back. Another room is served meanwhile.
 #[test]
-fn kill9_of_a_decode_the_prefill_is_blocked_sending_to_leaves_another_decode_served() {
+fn kill9_of_a_decode_the_prefill_is_blocked_sending_to_requeues_its_room_for_another_decode() {
     let opts = AgentOpts {
         model: "llama3-8b",
         pool_pages: 320,
@@ -165,7 +169,8 @@ fn kill9_of_a_decode_the_prefill_is_blocked_sending_to_leaves_another_decode_ser
         timeout_send_ms: 600_000,
         ..AgentOpts::default()
     };
-    let args = opts.args_all();
+    let mut args = opts.args_all();
+    set_flag(&mut args, "--requeue-ms", "3000");
     let c = FaultCluster::start("faults-kill-decode", &args, &[], &[], &[]);
     let mut victim_args = owned(&["decode", "--bootstrap", &c.registry_url]);
     victim_args.extend_from_slice(&args);
@@ -174,8 +179,11 @@ fn kill9_of_a_decode_the_prefill_is_blocked_sending_to_leaves_another_decode_ser
     runtime().block_on(async {
         let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
         let (total, _) = pool(&http, &p).await;
+        let requeued = metric(&http, &p, r#"kvferry_rooms_requeued_total{role="prefill"}"#).await;
         request(&http, &v, 1, json!({ "tokens": 4096 })).await;
+        request(&http, &v, 3, json!({ "tokens": 64 })).await;
         wait_state(&http, &v, 1, &["waiting_for_input"], BOUND).await;
+        wait_state(&http, &v, 3, &["waiting_for_input"], BOUND).await;
         // 512 MiB for a decode that reads nothing: the prefill's sends to it block.
         victim.signal("STOP").unwrap();
         ready(&http, &p, 1, 4096).await;
@@ -183,22 +191,43 @@ fn kill9_of_a_decode_the_prefill_is_blocked_sending_to_leaves_another_decode_ser
         victim.signal("KILL").unwrap();
         let killed = Instant::now();
 
+        let back = wait_state(&http, &p, 1, &["waiting_for_input"], BOUND).await;
+        let waiting = killed.elapsed();
+        let lost = &back["transfers"][0];
+        assert_eq!(lost["state"], "failed", "{back}");
+        assert_eq!(lost["reason"]["code"], "peer_dead", "{back}");
+        assert!(back["timings"]["requeued"].is_number(), "{back}");
         request_and_ready(&http, &d, &p, 2, &json!({ "tokens": 512 })).await;
         take_verified(&http, &d, 2).await;
         let served = killed.elapsed();
+        // The same room, asked by the survivor: every byte lands, no second ready.
+        request(&http, &d, 1, json!({ "tokens": 4096 })).await;
+        let taken = take_verified(&http, &d, 1).await;
         let room = wait_final(&http, &p, 1).await;
-        assert_eq!(room["state"], "failed", "{room}");
-        assert_reason(&room, "peer_dead");
+        assert_eq!(room["state"], "success", "{room}");
+        let kept = killed.elapsed();
+        // Nobody asks for room 3: it fails with the decode's death once --requeue-ms passed.
+        let unclaimed = wait_final(&http, &p, 3).await;
+        assert_eq!(unclaimed["state"], "failed", "{unclaimed}");
+        assert_reason(&unclaimed, "peer_dead");
+        let said = unclaimed["reason"]["message"].as_str().unwrap_or_default();
+        assert!(said.contains("no other decode asked for the room within 3000 ms (--requeue-ms)"), "{said}");
+        assert_eq!(
+            metric(&http, &p, r#"kvferry_rooms_requeued_total{role="prefill"}"#).await,
+            requeued.map(|n| n + 2.0),
+            "rooms 1 and 3 requeued"
+        );
         poll_until("the prefill's pages back", BOUND, || async {
             (pool(&http, &p).await == (total, total)).then_some(())
         })
         .await;
         println!(
-            "[faults-kill-decode] after the kill: the other decode served in {:.0} ms, the dead decode's room {} and every prefill page back in {:.0} ms; reason: {}",
+            "[faults-kill-decode] after the kill: the prefill's room waiting again in {:.0} ms, another room served in {:.0} ms, the requeued room taken by the other decode ({} bytes verified) in {:.0} ms; the unclaimed one: {}",
+            ms(waiting),
             ms(served),
-            room["state"],
-            ms(killed.elapsed()),
-            room["reason"]["message"]
+            taken["bytes"],
+            ms(kept),
+            said
         );
         healthy(&http, &d).await;
     });

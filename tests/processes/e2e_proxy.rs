@@ -40,6 +40,9 @@ enum Mode {
     /// vLLM's answer to a new request while it drains for its shutdown (`--shutdown-timeout`):
     /// at once, aborted, no token (a stream: `[DONE]` alone).
     Drains,
+    /// A server lost after it took the request: its status line goes, then its connection
+    /// breaks before any byte of the answer (killed, streamed or not).
+    Lost,
 }
 
 /// A request's `Authorization` and `X-Request-Id` headers.
@@ -69,6 +72,8 @@ struct Stub {
     reason: Mutex<String>,
     /// The message of its 400 in mode `Refuse`.
     refusal: Mutex<String>,
+    /// The rooms it was asked to release (`kvferry_abort`), in order.
+    released: Mutex<Vec<Value>>,
 }
 
 struct Held<'a>(&'a Stub, bool);
@@ -97,6 +102,7 @@ impl Stub {
             gone: tokio::sync::Notify::new(),
             reason: Mutex::new("peer_dead: the prefill went away".to_owned()),
             refusal: Mutex::new("prompt too long".to_owned()),
+            released: Mutex::new(Vec::new()),
         });
         let app = Router::new()
             .route("/health", get(health))
@@ -187,6 +193,12 @@ async fn answer(
         let reason = json!({"kvferry_room": room, "kvferry_reason": said});
         return axum::Json(json!({"kv_transfer_params": reason})).into_response();
     }
+    if let Some(room) = params.get("kvferry_abort") {
+        s.record("abort", &headers);
+        s.released.lock().unwrap().push(room.clone());
+        let said = json!({"kvferry_room": room, "kvferry_aborted": true});
+        return axum::Json(json!({"kv_transfer_params": said})).into_response();
+    }
     s.record("completion", &headers);
     let mut seen = body.clone();
     seen["_dp_rank"] = json!(dp_rank);
@@ -220,6 +232,19 @@ async fn answer(
                                  "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
                                  "kv_transfer_params": null, "server": s.name});
             return axum::Json(aborted).into_response();
+        }
+        Mode::Lost => {
+            let broken = futures_util::stream::once(async {
+                Err::<String, _>(std::io::Error::other("killed"))
+            });
+            let mut r = Response::new(Body::from_stream(broken));
+            let kind = match body["stream"] == json!(true) {
+                true => "text/event-stream",
+                false => "application/json",
+            };
+            r.headers_mut()
+                .insert(header::CONTENT_TYPE, kind.parse().unwrap());
+            return r;
         }
         Mode::Hold | Mode::Answer | Mode::Break | Mode::FailMidStream => {}
     }
@@ -439,15 +464,18 @@ fn sequential_pairing_copies_the_prefill_params_into_the_decode_request() {
         assert_eq!(first["max_tokens"], 1);
         assert_eq!(first["stream"], false);
         assert!(first.get("stream_options").is_none());
-        assert_eq!(first["kv_transfer_params"], json!({"do_remote_decode": true}));
+        // The proxy names the room (it can then have the prefill release it).
+        let room = first["kv_transfer_params"]["kvferry_room"].clone();
+        room.as_str().expect("a room").parse::<u64>().expect("a u64 in decimal");
+        assert_eq!(first["kv_transfer_params"], json!({"do_remote_decode": true, "kvferry_room": room}));
         let second = &decode.seen()[0];
         assert_eq!(second["max_tokens"], 16);
         assert_eq!(
             second["kv_transfer_params"],
-            json!({"do_remote_prefill": true, "kvferry_room": "77", "kvferry_dp_rank": 4, "kvferry_tokens": 3})
+            json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": 4, "kvferry_tokens": 3})
         );
         // The decode's parameters come back to the client.
-        assert_eq!(got["kv_transfer_params"]["kvferry_room"], "77");
+        assert_eq!(got["kv_transfer_params"]["kvferry_room"], room);
     });
 }
 
@@ -659,6 +687,193 @@ fn an_error_event_in_a_stream_is_explained() {
                 "{pairing}"
             );
             assert_eq!(error["error"]["code"], 500, "{pairing}");
+        }
+    });
+}
+
+/// A decode server lost after it took the request, before its answer began (its connection
+/// breaks): the proxy sends the request to the other decode with the same room, nothing of
+/// the lost one reached the client, the prefill got the request once (no second prefill), and
+/// the lost one is routed around; in both pairings, streamed or not. The prefill is not asked
+/// to release the room: a decode's answer began. A second lost decode ends the request.
+#[test]
+fn a_decode_lost_before_it_answered_is_replaced_and_the_room_kept() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 0).await;
+        let (lost, l_url) = Stub::start("lost", 0).await;
+        let (other, o_url) = Stub::start("other", 0).await;
+        for (pairing, stream) in [
+            ("sequential", false),
+            ("sequential", true),
+            ("concurrent", false),
+            ("concurrent", true),
+        ] {
+            lost.set(Mode::Lost);
+            let (_proxy, url) = proxy(&[&p_url], &[&l_url, &o_url], pairing);
+            wait_health(&url, reqwest::StatusCode::OK).await;
+            // `other` holds a request (sent while `lost` was unhealthy), so the next one goes
+            // to `lost`, which has none.
+            let usable = |healthy: bool| {
+                let url = url.clone();
+                let l_url = l_url.clone();
+                async move {
+                    poll_until("the proxy sees the lost decode's health", BOUND, || async {
+                        (listed(&url, "decode", &l_url).await?["healthy"] == healthy).then_some(())
+                    })
+                    .await
+                }
+            };
+            lost.healthy.store(false, Ordering::SeqCst);
+            usable(false).await;
+            other.set(Mode::Hold);
+            let seen = other.seen().len();
+            let held = tokio::spawn({
+                let url = url.clone();
+                async move { complete(&url).await }
+            });
+            poll_until("a request held at the other decode", BOUND, || async {
+                (other.seen().len() > seen).then_some(())
+            })
+            .await;
+            lost.healthy.store(true, Ordering::SeqCst);
+            usable(true).await;
+            other.set(Mode::Answer);
+            let before = (prefill.seen().len(), lost.seen().len(), other.seen().len());
+            let r = http()
+                .post(format!("{url}/v1/completions"))
+                .json(&completion(stream))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status();
+            let text = r.text().await.unwrap();
+            assert_eq!(status, 200, "{pairing} stream {stream}: {text}");
+            assert!(
+                text.contains("\"other\""),
+                "{pairing} stream {stream}: {text}"
+            );
+            assert_eq!(
+                (prefill.seen().len(), lost.seen().len(), other.seen().len()),
+                (before.0 + 1, before.1 + 1, before.2 + 1),
+                "{pairing} stream {stream}: one prefill, the lost decode, then the other"
+            );
+            let room =
+                |s: &Stub| s.seen().last().unwrap()["kv_transfer_params"]["kvferry_room"].clone();
+            assert!(
+                room(&lost).is_string(),
+                "{pairing}: {:?}",
+                lost.seen().last()
+            );
+            assert_eq!(room(&lost), room(&other), "{pairing}: the same room");
+            assert_eq!(
+                room(&prefill),
+                room(&other),
+                "{pairing}: the prefill's room"
+            );
+            assert_eq!(
+                counter(&url, r#"kvferry_proxy_rerouted_total{role="decode"}"#).await,
+                1.0,
+                "{pairing}"
+            );
+            other.release.notify_waiters();
+            let (status, _) = held.await.unwrap();
+            assert_eq!(status, 200);
+            assert!(
+                prefill.released.lock().unwrap().is_empty(),
+                "nothing released"
+            );
+        }
+        // A request that two decode servers were lost with goes to no third: it may be what
+        // kills them. The client gets the second one's error, and the room is released.
+        let (third, t_url) = Stub::start("third", 0).await;
+        for stub in [&lost, &other, &third] {
+            stub.set(Mode::Lost);
+        }
+        let (_proxy, url) = proxy(&[&p_url], &[&l_url, &o_url, &t_url], "sequential");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        let seen = || lost.seen().len() + other.seen().len() + third.seen().len();
+        let before = seen();
+        let (status, got) = complete(&url).await;
+        assert_eq!(status, 502, "{got}");
+        assert_eq!(seen() - before, 2, "two decode servers tried, not three");
+        let message = got["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.starts_with("decode server "), "{message}");
+        poll_until("the room released", BOUND, || async {
+            (prefill.released.lock().unwrap().len() == 1).then_some(())
+        })
+        .await;
+    });
+}
+
+/// A request that ends before a decode's answer began has its prefill server release the
+/// room (`kvferry_abort`, the room the prefill computed): the client leaves while the prefill
+/// computes, or while the decode holds the request; the decode answers an error. A request
+/// answered keeps its room, and one the prefill refused has nothing to release. Both
+/// pairings.
+#[test]
+fn a_room_no_decode_answered_for_is_released_at_the_prefill() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 0).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        for pairing in ["sequential", "concurrent"] {
+            let (_proxy, url) = proxy(&[&p_url], &[&d_url], pairing);
+            wait_health(&url, reqwest::StatusCode::OK).await;
+            let released = || prefill.released.lock().unwrap().clone();
+            let base = released().len();
+            let room_at = |s: &Stub| s.seen().last().unwrap()["kv_transfer_params"]["kvferry_room"].clone();
+            // Answered: kept.
+            let (status, _) = complete(&url).await;
+            assert_eq!(status, 200);
+            // The prefill refuses: it computed nothing, nothing to release.
+            prefill.set(Mode::Refuse);
+            let (status, _) = complete(&url).await;
+            assert_eq!(status, 400);
+            prefill.set(Mode::Answer);
+            // The decode fails it.
+            decode.set(Mode::Fail);
+            let (status, _) = complete(&url).await;
+            assert_eq!(status, 500);
+            decode.set(Mode::Answer);
+            let failed = room_at(&prefill);
+            poll_until("the failed request's room released", BOUND, || async {
+                (released().len() == base + 1).then_some(())
+            })
+            .await;
+            assert_eq!(released()[base], failed, "{pairing}");
+            // The client leaves while the prefill, then the decode, holds the request.
+            for holder in [&prefill, &decode] {
+                holder.set(Mode::Hold);
+                let seen = holder.seen().len();
+                let client = tokio::spawn({
+                    let url = url.clone();
+                    async move { complete(&url).await }
+                });
+                poll_until("the request held", BOUND, || async {
+                    (holder.seen().len() > seen).then_some(())
+                })
+                .await;
+                let room = room_at(&prefill);
+                let n = released().len();
+                client.abort();
+                let left = Instant::now();
+                poll_until("the room released", BOUND, || async {
+                    (released().len() > n).then_some(())
+                })
+                .await;
+                assert_eq!(released()[n], room, "{pairing}, held at {}", holder.name);
+                println!(
+                    "[proxy] {pairing}: a client gone while {} held its request: the room released {:.0} ms later",
+                    holder.name,
+                    common::ms(left.elapsed())
+                );
+                holder.set(Mode::Answer);
+                holder.release.notify_waiters();
+            }
+            assert_eq!(
+                counter(&url, "kvferry_proxy_rooms_released_total").await,
+                3.0,
+                "{pairing}"
+            );
         }
     });
 }

@@ -25,6 +25,14 @@ A decode request whose answer was an error (``kv_load_failure_policy`` ``fail`` 
 "kvferry_reason": "peer_dead: ..."}`` (``null`` when the server knows no failure of that room;
 it remembers the last 4096).
 
+A router whose request ended before a decode answered it (its client left, the decode failed)
+has the prefill release the room by sending the prefill server any short request with
+``{"kvferry_abort": "<room>"}``: the room of a request that holds it is aborted (its blocks freed
+once the agents settle it), a request still computing sends nothing, and a room not seen yet is
+never sent. The response's params are ``{"kvferry_room": "<room>", "kvferry_aborted": true}``
+(``false``: the server held nothing of that room). A router names the room itself
+(``kvferry_room`` in the prefill request) so that it can do this before the prefill answered.
+
 Rooms travel as decimal strings (a u64 does not survive every JSON parser as a number).
 """
 
@@ -43,6 +51,8 @@ IDENTIFY = "kvferry_identify"
 ENGINE_DP_RANK = "kvferry_engine_dp_rank"
 REASON_OF = "kvferry_reason_of"
 REASON = "kvferry_reason"
+ABORT = "kvferry_abort"
+ABORTED = "kvferry_aborted"
 
 
 class ParamsError(ValueError):
@@ -61,6 +71,15 @@ def room_of(params: dict[str, Any]) -> int | None:
     if not 0 <= room < 1 << 64:
         raise ParamsError(f"{ROOM} {room} is not a u64")
     return room
+
+
+def valid_room(params: dict[str, Any]) -> bool:
+    """Whether the params' room, if any, is a u64 (``room_of`` would not raise)."""
+    try:
+        room_of(params)
+    except ParamsError:
+        return False
+    return True
 
 
 def check_load(params: dict[str, Any]) -> None:

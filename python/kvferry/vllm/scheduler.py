@@ -9,7 +9,8 @@ is told not to preempt (``has_pending_block_frees``), so its blocks cannot chang
 they are read. A request that generates more tokens on the prefill is announced whole when it
 finishes. Either way a finished request keeps its blocks (``delay_free``) until every worker
 reports the room settled (sent, failed, aborted or expired); a request that ends abnormally
-after its layers were announced aborts its room. Blocks vLLM served from its prefix cache are
+after its layers were announced aborts its room, and so does a router's ``kvferry_abort``
+(params.py) for a room no decode will take. Blocks vLLM served from its prefix cache are
 in the request's block table, so they are sent too.
 
 Decode (``kv_consumer``): a request with ``do_remote_prefill`` claims its whole prompt as an
@@ -71,6 +72,11 @@ class SchedulerSide:
         # digest), and the rooms of those whose layers were announced.
         self.to_send: dict[str, tuple[int, dict[str, Any], str | None]] = {}
         self.streamed: dict[str, int] = {}
+        # Prefill: rooms a router asked to release (``kvferry_abort``) before they were
+        # announced, never to be sent (the latest REASONS_KEPT), and the answers to those
+        # questions by request id.
+        self.cancelled: dict[int, None] = {}
+        self.released: dict[str, dict[str, Any]] = {}
         # Set once the engine is told to shut down (SIGTERM); each step's metadata says so.
         self.draining = False
         self.watch_shutdown()
@@ -116,6 +122,9 @@ class SchedulerSide:
         concurrent pairing: the decodes that asked already keep waiting), however long the
         queue."""
         params = request.kv_transfer_params or {}
+        if self.producer and P.ABORT in params:
+            self.released[request.request_id] = self.release(params[P.ABORT])
+            return
         if self.producer and params.get("do_remote_decode"):
             try:
                 room = P.room_of(params)
@@ -134,6 +143,29 @@ class SchedulerSide:
             return
         self.held[request.request_id] = hold.room
         self.meta.holds.append(hold)
+
+    def release(self, raw: Any) -> dict[str, Any]:
+        """A router's ``kvferry_abort``: the room is aborted where a request holds it (its layers
+        announced or in flight; the blocks go once the agents settle it), and never sent when
+        its request is still computing or not here yet. The answer says whether anything of it
+        was held."""
+        try:
+            room = P.room_of({P.ROOM: raw})
+        except P.ParamsError as e:
+            return {P.ABORTED: False, P.REASON: f"bad {P.ABORT}: {e}"}
+        if room is None:
+            return {P.ABORTED: False, P.REASON: f"{P.ABORT} names no room"}
+        held = next((req for req, r in self.rooms.items() if r == room), None)
+        if held is not None:
+            self.meta.aborts.append(Abort(held, room))
+        computing = any(P.room_of(params) == room for _, params, _ in self.to_send.values()
+                        if P.valid_room(params))
+        self.cancelled[room] = None
+        while len(self.cancelled) > REASONS_KEPT:
+            self.cancelled.pop(next(iter(self.cancelled)))
+        logger.info("kvferry: room %d released at the router's request (%s)", room,
+                    "aborted" if held is not None else "computing: never sent" if computing else "not held here")
+        return {P.ROOM: str(room), P.ABORTED: held is not None or computing}
 
     def unhold(self, req_id: str) -> None:
         """The request no longer waits in the queue for its room's sake (it ended, or computes
@@ -228,6 +260,9 @@ class SchedulerSide:
         live = set(self.rooms.values())
         if room is None:
             return P.fresh_room(live)
+        if room in self.cancelled:
+            logger.info("kvferry: request %s sends nothing: the router released room %d", req_id, room)
+            return None
         if room in live:
             logger.warning("kvferry: request %s names room %d, which is still live: nothing sent", req_id, room)
             return None
@@ -281,6 +316,8 @@ class SchedulerSide:
             self.meta.aborts.append(Abort(req_id, room))
             return True, None
         if room is None:
+            if req_id in self.released:
+                return False, self.released.pop(req_id)
             if params.get(P.IDENTIFY):
                 # A router asking which kvferry group this server is (concurrent pairing).
                 return False, self.config.identity()

@@ -72,6 +72,9 @@ pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer)
                 }
             }
             Ok(Message::Heartbeat(beat)) => inner.renew(&identity, &beat.rooms),
+            // A decode acknowledges an Abort of this prefill's engine: nothing follows from it.
+            Ok(Message::AbortAck(a)) if peer.as_ref().is_some_and(|p| p.instance == a.instance) => {
+            }
             Ok(other) => {
                 inner.metrics.protocol_error("unexpected");
                 let m = format!("a prefill does not accept {} here", other.name());
@@ -308,12 +311,23 @@ impl Prefill {
             } else if let Some(reason) = room.engine_abort.clone() {
                 // The prefill engine aborted the room before this request: say so.
                 Some(Refusal::Abort(reason))
-            } else if room.transfers.contains_key(&peer.instance) || room.status.state().is_final()
-            {
+            } else if room.transfers.contains_key(&peer.instance) {
                 self.metrics.protocol_error("inconsistent");
                 Some(Refusal::Error(Reason::new(
                     FailureCode::BadMessage,
                     format!("room {room_id} was already requested or aborted by this decode"),
+                )))
+            } else if room.status.state().is_final() {
+                // Another decode's request ended it: delivered (that decode died after it
+                // landed), failed or aborted.
+                let why = room.status.reason().map(|r| format!(": {r}"));
+                Some(Refusal::Error(Reason::new(
+                    FailureCode::UnknownRoom,
+                    format!(
+                        "room {room_id} is {} here, for another decode{}",
+                        room.status.state().name(),
+                        why.unwrap_or_default()
+                    ),
                 )))
             } else {
                 room.status.mark_first("requested");

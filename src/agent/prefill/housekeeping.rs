@@ -1,7 +1,9 @@
 //! The prefill's housekeeping, once a heartbeat: heartbeats to every decode peer (naming the
 //! rooms held for it), peers silent for `--peer-dead-ms` found dead, ready rooms no decode asked
 //! for within `--room-ttl-ms` expired (and remembered, so that a late request is refused at
-//! once), and requests whose room the engine never announced failed with `timeout_ready`.
+//! once), rooms whose decode died before they were delivered and that no other decode asked
+//! for within `--requeue-ms` failed with `peer_dead`, and requests whose room the engine never
+//! announced failed with `timeout_ready`.
 
 use super::{Peer, Prefill};
 use crate::agent::room::RoomState;
@@ -49,6 +51,7 @@ pub(super) async fn housekeeping(inner: Arc<Prefill>) {
             }
         }
         inner.fail_unready().await;
+        inner.fail_unclaimed(t);
         let ttl = t.room_ttl;
         let mut orphans = Vec::new();
         inner.rooms().retain(|id, room| {
@@ -59,7 +62,9 @@ pub(super) async fn housekeeping(inner: Arc<Prefill>) {
             let idle = room
                 .renewed
                 .map_or(age, |r| r.elapsed().as_secs_f64() * 1e3);
-            let orphan = !room.asked()
+            // A room requeued for a lost decode fails instead (`fail_unclaimed`).
+            let orphan = room.requeued.is_none()
+                && !room.asked()
                 && (idle >= ttl.as_secs_f64() * 1e3 || age >= t.room_max.as_secs_f64() * 1e3);
             let keep = !(old || orphan) || room.running();
             if !keep && orphan {
@@ -136,6 +141,41 @@ impl Prefill {
             }
         }
         out
+    }
+
+    /// Fails the rooms whose decode died before they were delivered and that no other decode
+    /// asked for within `--requeue-ms` of that (or of a later heartbeat of a decode that holds
+    /// the room for a queued request), nor within `--room-max-ms` of their creation.
+    pub(super) fn fail_unclaimed(&self, t: crate::agent::Timeouts) {
+        let mut failed = Vec::new();
+        let mut rooms = self.rooms();
+        for (id, room) in rooms.iter_mut() {
+            let Some((at, reason)) = &room.requeued else {
+                continue;
+            };
+            if room.asked() || room.status.state().is_final() {
+                continue;
+            }
+            let since = room.renewed.map_or(*at, |r| r.max(*at));
+            let age = crate::agent::room::now_ms() - room.status.at("created").unwrap_or(0.0);
+            if since.elapsed() < t.requeue && age < t.room_max.as_secs_f64() * 1e3 {
+                continue;
+            }
+            let reason = Reason::new(
+                reason.code,
+                format!(
+                    "{}; no other decode asked for the room within {} ms (--requeue-ms)",
+                    reason.message,
+                    t.requeue.as_millis()
+                ),
+            );
+            room.status.fail(reason);
+            self.settle(room);
+            failed.push(*id);
+        }
+        if !failed.is_empty() {
+            tracing::warn!(rooms = ?failed, requeue_ms = t.requeue.as_millis() as u64, "rooms of a dead decode failed: no other decode asked for them");
+        }
     }
 
     /// Fails transfers requested long ago whose room the engine never announced (unless the

@@ -169,7 +169,9 @@ impl Prefill {
         );
     }
 
-    /// Forgets a dead decode peer and fails what it asked for.
+    /// Forgets a dead decode peer. What it asked for and was not delivered yet waits for
+    /// another decode (`--requeue-ms`; at once failed `peer_dead` when that is 0): a router
+    /// that sends the request again with its room gets the KV without a second prefill.
     pub(super) fn peer_dead(&self, peer: &Arc<Peer>, why: &str) {
         self.metrics.peers_dead.inc();
         peer.credits.close();
@@ -179,19 +181,41 @@ impl Prefill {
         tokio::spawn(async move { gone.data.lock().await.close() });
         self.peers().remove(&peer.identity);
         tracing::warn!(decode = %peer.instance, why, "decode peer dead");
+        let reason = Reason::new(
+            FailureCode::PeerDead,
+            format!("decode {}: {why}", peer.instance),
+        );
         let mut rooms = self.rooms();
-        for room in rooms.values_mut() {
-            if let Some(t) = room.transfers.get_mut(&peer.instance) {
-                t.cancel.cancel();
-                t.end(
-                    RoomState::Failed,
-                    Some(Reason::new(
-                        FailureCode::PeerDead,
-                        format!("decode {}: {why}", peer.instance),
-                    )),
-                );
-                self.settle(room);
+        for (id, room) in rooms.iter_mut() {
+            let Some(t) = room.transfers.get_mut(&peer.instance) else {
+                continue;
+            };
+            t.cancel.cancel();
+            if !self.requeue_lost(*id, room, peer.instance, &reason)
+                && let Some(t) = room.transfers.get_mut(&peer.instance)
+            {
+                t.end(RoomState::Failed, Some(reason.clone()));
             }
+            self.settle(room);
         }
+    }
+
+    /// The room's transfer to `decode`, which is gone (`reason`), is lost: the room waits for
+    /// another decode (`--requeue-ms`) if it was not delivered yet and requeueing is on.
+    /// Returns whether it was requeued (counted and logged).
+    pub(super) fn requeue_lost(
+        &self,
+        room_id: u64,
+        room: &mut super::Room,
+        decode: uuid::Uuid,
+        reason: &Reason,
+    ) -> bool {
+        let requeue = self.timeouts().requeue;
+        if requeue.is_zero() || !room.requeue(decode, reason) {
+            return false;
+        }
+        self.metrics.requeued.inc();
+        tracing::warn!(room = room_id, %decode, %reason, requeue_ms = requeue.as_millis() as u64, "a room whose decode is gone waits for another decode");
+        true
     }
 }

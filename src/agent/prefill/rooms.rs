@@ -638,6 +638,9 @@ pub(super) struct Transfer {
     /// `transferring` until the transfer ends: `success`, `failed` or `aborted`.
     pub(super) state: RoomState,
     pub(super) reason: Option<Reason>,
+    /// Its decode died before the room was delivered: it failed, and the room waits for
+    /// another decode as if it had never asked (its task may still be ending).
+    pub(super) lost: bool,
 }
 
 impl Transfer {
@@ -657,7 +660,13 @@ impl Transfer {
             sends: tokio_util::task::TaskTracker::new(),
             state: RoomState::Transferring,
             reason: None,
+            lost: false,
         }
+    }
+
+    /// A decode's request that counts: not a tombstone, not lost with its decode.
+    pub(super) fn asks(&self) -> bool {
+        self.req.is_some() && !self.lost
     }
 
     pub(super) fn end(&mut self, state: RoomState, reason: Option<Reason>) {
@@ -688,6 +697,10 @@ pub(super) struct Room {
     /// When a decode's heartbeat last named the room (its engine holds the request queued):
     /// a ready room no decode asked for yet lives a TTL from then, up to `room_max`.
     pub(super) renewed: Option<Instant>,
+    /// The room's decode died before the room was delivered: when, and why. The room waits
+    /// for another decode for `--requeue-ms` from then (or from a later renewal), then fails
+    /// with that reason.
+    pub(super) requeued: Option<(Instant, Reason)>,
 }
 
 impl Room {
@@ -703,6 +716,7 @@ impl Room {
             key: None,
             digest: None,
             renewed: None,
+            requeued: None,
         }
     }
 
@@ -711,9 +725,43 @@ impl Room {
         self.renewed.is_some() && self.ready.is_some() && !self.asked()
     }
 
-    /// A decode asked for the room.
+    /// A decode asked for the room (one lost with its decode does not count).
     pub(super) fn asked(&self) -> bool {
-        self.transfers.values().any(|t| t.req.is_some())
+        self.transfers.values().any(Transfer::asks)
+    }
+
+    /// The transfer of `decode`, which died before the room was delivered, is lost: the room
+    /// waits for another decode as if that one had never asked, `transferring` again
+    /// `waiting_for_input` once no other decode's transfer runs. Returns whether it was
+    /// requeued (a room no longer waiting for that decode, or final, is not).
+    pub(super) fn requeue(&mut self, decode: Uuid, reason: &Reason) -> bool {
+        if self.status.state().is_final() {
+            return false;
+        }
+        let Some(t) = self.transfers.get_mut(&decode) else {
+            return false;
+        };
+        if !t.asks() || t.state.is_final() {
+            return false;
+        }
+        t.lost = true;
+        t.end(RoomState::Failed, Some(reason.clone()));
+        self.requesters = (self.transfers.values())
+            .filter(|t| t.asks())
+            .filter_map(|t| t.req.as_ref().map(|r| r.requesters as usize))
+            .max()
+            .unwrap_or(0);
+        if !self
+            .transfers
+            .values()
+            .any(|t| t.asks() && !t.state.is_final())
+        {
+            self.status.requeue();
+        }
+        self.requeued = Some((Instant::now(), reason.clone()));
+        // The dead decode's holds end with it; another decode's heartbeats renew the room.
+        self.renewed = None;
+        true
     }
 
     pub(super) fn running(&self) -> bool {
@@ -737,13 +785,13 @@ impl Prefill {
         {
             room.status.abort(reason, true);
         }
-        let asked = room.transfers.values().filter(|t| t.req.is_some()).count();
+        let asked = room.transfers.values().filter(|t| t.asks()).count();
         let all_final = room.transfers.values().all(|t| t.state.is_final());
         if !room.status.state().is_final() && asked > 0 && asked >= room.requesters && all_final {
             let first_failure = room
                 .transfers
                 .values()
-                .find(|t| t.state == RoomState::Failed);
+                .find(|t| t.state == RoomState::Failed && !t.lost);
             if let Some(t) = first_failure {
                 let reason = t
                     .reason

@@ -220,10 +220,10 @@ impl Prefill {
         if !job.sends.is_empty() {
             if let Err(reason) = &outcome {
                 let mut rooms = self.rooms();
-                let t = rooms
-                    .get_mut(&room_id)
-                    .and_then(|r| r.transfers.get_mut(&decode));
-                if let Some(t) = t {
+                if let Some(room) = rooms.get_mut(&room_id)
+                    && !self.requeue_lost(room_id, room, decode, reason)
+                    && let Some(t) = room.transfers.get_mut(&decode)
+                {
                     t.end(RoomState::Failed, Some(reason.clone()));
                 }
             }
@@ -281,7 +281,9 @@ impl Prefill {
                 }
                 Err(reason) => {
                     tracing::warn!(room = room_id, %decode, %reason, "transfer failed");
-                    t.end(RoomState::Failed, Some(reason.clone()));
+                    if reason.code != FailureCode::PeerDead {
+                        t.end(RoomState::Failed, Some(reason.clone()));
+                    }
                     Some(Message::Error(ErrorMsg {
                         room: Some(room_id),
                         code: reason.code,
@@ -289,6 +291,18 @@ impl Prefill {
                     }))
                 }
             };
+            // Its decode is gone (a send or a credit failed on its connection): the room waits
+            // for another decode, as when the decode is found dead.
+            if let Some(Message::Error(e)) = &reply
+                && e.code == FailureCode::PeerDead
+            {
+                let reason = Reason::new(e.code, e.message.clone());
+                if !self.requeue_lost(room_id, room, decode, &reason)
+                    && let Some(t) = room.transfers.get_mut(&decode)
+                {
+                    t.end(RoomState::Failed, Some(reason));
+                }
+            }
             self.settle(room);
             reply
         };
@@ -512,6 +526,7 @@ impl Prefill {
             for (i, c) in plan.iter().enumerate() {
                 let Some(pending) = next.take() else { break };
                 let (body, sum) = pending.await?;
+                self.faults.pass(&job.cancel).await;
                 if job.cancel.is_cancelled() {
                     job.peer.credits.add_permits(1);
                     return Ok(());
