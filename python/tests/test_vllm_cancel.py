@@ -33,7 +33,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from vllm_servers import View, hold_chunks, metric, unfinished_rooms, vllm_metric
+from vllm_servers import View, held_for, hold_chunks, metric, unfinished_rooms, vllm_metric
 from waiting import wait_for
 
 # Far below the fleet's room TTL (60 s), the only other way a room held here would end.
@@ -150,8 +150,7 @@ def test_a_client_that_leaves_leaves_nothing_held(pair, pairing, point):
         hold_chunks(pair.prefill_api, 1)
         try:
             client = Client(proxy, fresh_prompt(), 600)
-            wait_for("the room mid-transfer", lambda: unfinished_rooms(pair.decode_api) > 0
-                     and metric(pair.prefill_api, "kvferry_rooms_held", 'state="transferring"') > 0)
+            wait_for("the room mid-transfer", lambda: bool(held_for(pair.prefill_api)))
             client.leave()
             took = wait_for("nothing held while the chunks are held", lambda: nothing_held(pair), BOUND)
         finally:

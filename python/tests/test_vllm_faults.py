@@ -236,7 +236,8 @@ QUEUES = {"decode": "sequential", "prefill": "concurrent"}
 
 def wait_in_queue(pd: View, queue: str, reference: dict) -> None:
     """The server of ``queue`` is busy with long generations; a request behind them, through
-    the proxy, waits in its queue twice the timeout that would end its room (1 s), and lands."""
+    the proxy, waits in its queue three times the timeout that would end its room (300 ms), and
+    lands."""
     busy = pd.decode if queue == "decode" else pd.prefill
     pairing = QUEUES[queue]
     proxy = pd.proxy(pairing)
@@ -250,7 +251,7 @@ def wait_in_queue(pd: View, queue: str, reference: dict) -> None:
     expired_before = metric(pd.prefill_api, "kvferry_rooms_expired_total")
     landed_before = metric(pd.decode_api, "kvferry_kv_bytes_total")
     # The blockers: a stream of 1000 tokens for each sequence the server runs at once, cut by
-    # closing them once the wait is over (far longer than the wait even at 1 ms a token).
+    # closing them once the wait is over (longer than the wait even at 1 ms a step).
     body = {"model": busy.model, "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True, "stream": True}
     req = urllib.request.Request(busy.url + "/v1/completions", json.dumps(body).encode(),
@@ -269,7 +270,7 @@ def wait_in_queue(pd: View, queue: str, reference: dict) -> None:
                 assert time.monotonic() < deadline and not queued.done(), "the room never reached the prefill agent"
                 time.sleep(0.05)
             known = time.monotonic()
-            time.sleep(2.0)
+            time.sleep(0.9)
             waited = time.monotonic() - known
             assert not queued.done(), f"{queue}: the request did not wait in the queue: {queued.result()}"
             for blocker in blockers:
@@ -278,7 +279,7 @@ def wait_in_queue(pd: View, queue: str, reference: dict) -> None:
     finally:
         for blocker in blockers:
             blocker.close()
-    print(f"{queue}: the request waited {waited:.1f} s and more in the queue (timeouts 1 s)")
+    print(f"{queue}: the request waited {waited:.1f} s and more in the queue (timeouts 0.3 s)")
     assert "choices" in got, got
     assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
     assert got["kv_transfer_params"]["kvferry_tokens"] == len(prompt), got
@@ -313,12 +314,12 @@ def test_negative_control_kv_corrupted_in_flight_changes_the_output(vllm_fleet, 
 
 def test_a_room_outlives_its_timeouts_while_its_request_waits_in_either_queue(vllm_fleet, reference):
     """The agents hold the room while its request waits (their heartbeats name it to the other
-    side). The fleet's first prefill and decode, whose agents end a room after 1 s while the
+    side). The fleet's first prefill and decode, whose agents end a room after 300 ms while the
     test runs: the prefill's room TTL and both sides' ready timeout (the decode keeps landed
-    rooms for its engine as usual), heartbeats every 100 ms."""
+    rooms for its engine as usual), heartbeats every 30 ms."""
     pd = View(vllm_fleet, vllm_fleet.prefills[:1], vllm_fleet.decodes[:1])
-    short = {pd.prefill_api: dict(room_ttl_ms=1_000, timeout_ready_ms=1_000, heartbeat_ms=100),
-             pd.decode_api: dict(timeout_ready_ms=1_000, heartbeat_ms=100)}
+    short = {pd.prefill_api: dict(room_ttl_ms=300, timeout_ready_ms=300, heartbeat_ms=30),
+             pd.decode_api: dict(timeout_ready_ms=300, heartbeat_ms=30)}
     were = {}
     try:
         for api, ms in short.items():

@@ -35,6 +35,7 @@ from vllm_servers import (
     metric,
     reset_prefix_cache,
     run_prompts,
+    unfinished_rooms,
     vllm_metric,
 )
 
@@ -50,7 +51,6 @@ PREFILL_SHAPES = ["dp2xtp2-to-tp1", "tp4-to-tp1"]
 # The pairings a shape runs: replication changes what each prefill rank sends, not how a
 # decode pairs with them (the other shapes run both pairings).
 PAIRINGS = {"tp4-to-tp1": ["concurrent"]}
-UNFINISHED = ("bootstrapping", "waiting_for_input", "transferring", "aborting")
 
 
 # Run in the vLLM venv: kvferry.vllm imports vLLM.
@@ -74,11 +74,6 @@ def test_each_data_parallel_rank_of_a_prefill_server_is_a_group_that_names_its_r
     assert first["kvferry_dp_rank"] != second["kvferry_dp_rank"], said
     assert [first["kvferry_engine_dp_rank"], second["kvferry_engine_dp_rank"]] == [0, 1], said
     assert said["again"] == second, "the same engine id gives the same group"
-
-
-def unfinished_rooms(api: str) -> float:
-    """Rooms an agent holds in a state that is not final."""
-    return sum(metric(api, "kvferry_rooms_held", f'state="{state}"') for state in UNFINISHED)
 
 
 def test_outputs_equal_a_single_engine_from_a_tp1_prefill_to_a_tp2_decode(vllm_fleet, fleet_recompute_decode, reference):

@@ -31,11 +31,12 @@ from vllm_servers import (
     NEW_TOKENS,
     SEEDS,
     View,
+    held_for,
     hold_chunks,
+    instances_of,
     make_prompts,
     metric,
     run_prompts,
-    unfinished_rooms,
     vllm_metric,
 )
 
@@ -130,7 +131,8 @@ def test_a_decode_killed_while_answering_and_while_its_rooms_land(reference, xpy
     prompt_tokens = counted("vllm:prompt_tokens_total")
     requeued = sum(metric(api, "kvferry_rooms_requeued_total") for api in prefill_apis)
     rerouted = metric(proxy.url, "kvferry_proxy_rerouted_total", 'role="decode"')
-    victim_api = victim.agent_api()
+    victim_agents = instances_of(xpyd.bootstrap, victim)
+    assert victim_agents, "the victim's agent is not registered"
     answering = threading.Event()
 
     def on_token(server: str) -> None:
@@ -151,9 +153,10 @@ def test_a_decode_killed_while_answering_and_while_its_rooms_land(reference, xpy
             hold_chunks(api, 1)
         try:
             futures += [pool.submit(stream, proxy, p, NEW_TOKENS, on_token) for p in later]
+            # Until a prefill holds a chunk of a room the victim asked for.
             start = time.monotonic()
-            while unfinished_rooms(victim_api) == 0:
-                assert time.monotonic() - start < 300, "the victim never asked for a room"
+            while not any(held_for(api) & victim_agents for api in prefill_apis):
+                assert time.monotonic() - start < 300, "no room of the victim was held mid-transfer"
                 time.sleep(0.05)
             victim.kill()
             killed = time.monotonic()

@@ -555,6 +555,19 @@ def hold_chunks(agent_api: str, nth: int) -> dict:
     return got
 
 
+def held_for(agent_api: str) -> set[str]:
+    """The decode agents (instances) a prefill agent holds chunks for now (``hold_chunks``)."""
+    got = post(agent_api + "/v1/faults", {}, timeout=30)
+    return set(got["held_for"])
+
+
+def instances_of(bootstrap: str, server: "Server") -> set[str]:
+    """The kvferry agents (instances) of ``server``'s workers, as they registered."""
+    with urllib.request.urlopen(bootstrap + "/v1/ranks", timeout=10) as r:
+        ranks = json.loads(r.read())["ranks"]
+    return {r["instance_id"] for r in ranks if r.get("server") == server.url}
+
+
 def set_timeouts(agent_api: str, **ms: int) -> dict:
     """Sets timeouts of an agent started with ``fault_injection`` while it runs, by their flags'
     names (``room_ttl_ms=1000``; a test-only switch of its engine API); returns them as they

@@ -15,13 +15,15 @@
 //! All are armed through the engine API's `POST /v1/faults`, served only with
 //! `--fault-injection`: `{"corrupt_chunk": N}` (prefill) corrupts the N-th chunk sent from now;
 //! `{"hold_chunks": N}` (prefill) holds the N-th chunk to go from now and those after it,
-//! `{"hold_chunks": 0}` releases them;
+//! `{"hold_chunks": 0}` releases them; every answer names the decodes whose chunks are held now
+//! (`held_for`: their agents' instances), so that a test knows a decode's room is mid-transfer;
 //! `{"timeouts": {"room_ttl_ms": 1000, ...}}` (either role) sets the timeouts named, by their
 //! flags' names, checked together as at start. The answer says what is armed and the timeouts
 //! before and after, so that a test can set them back.
 
-use std::sync::RwLock;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -37,6 +39,8 @@ pub(crate) struct Faults {
     passed: AtomicU64,
     hold_from: AtomicU64,
     released: tokio::sync::Notify,
+    /// The chunks held now, by the decode they go to.
+    held: Mutex<BTreeMap<uuid::Uuid, usize>>,
     timeouts: RwLock<Timeouts>,
 }
 
@@ -85,6 +89,8 @@ pub(crate) struct Armed {
     pub hold_chunks: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chunks_passed: Option<u64>,
+    /// The decode agents (instances) whose chunks are held now.
+    pub held_for: Vec<uuid::Uuid>,
     pub timeouts_were: TimeoutsMs,
     pub timeouts: TimeoutsMs,
 }
@@ -139,6 +145,7 @@ impl Faults {
             passed: AtomicU64::new(0),
             hold_from: AtomicU64::new(0),
             released: tokio::sync::Notify::new(),
+            held: Mutex::new(BTreeMap::new()),
             timeouts: RwLock::new(timeouts),
         }
     }
@@ -154,10 +161,15 @@ impl Faults {
         (nth, self.corrupt.load(Ordering::Relaxed) == nth)
     }
 
-    /// A chunk about to go: it waits while the hold holds it, until the hold is released or
-    /// `cancel` (its transfer ended), and goes on at once without a hold.
-    pub(crate) async fn pass(&self, cancel: &tokio_util::sync::CancellationToken) {
+    /// A chunk about to go to `decode`: it waits while the hold holds it, until the hold is
+    /// released or `cancel` (its transfer ended), and goes on at once without a hold.
+    pub(crate) async fn pass(
+        &self,
+        cancel: &tokio_util::sync::CancellationToken,
+        decode: uuid::Uuid,
+    ) {
         let nth = self.passed.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut held = None;
         loop {
             let released = self.released.notified();
             tokio::pin!(released);
@@ -166,7 +178,10 @@ impl Faults {
             if from == 0 || nth < from {
                 return;
             }
-            tracing::warn!(chunk = nth, "fault injection: a chunk held");
+            if held.is_none() {
+                tracing::warn!(chunk = nth, %decode, "fault injection: a chunk held");
+                held = Some(Held::new(&self.held, decode));
+            }
             tokio::select! {
                 () = released => {}
                 () = cancel.cancelled() => return,
@@ -212,14 +227,42 @@ impl Faults {
             }
             (hold_chunks, chunks_passed) = (Some(from), Some(passed));
         }
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         Ok(Armed {
             corrupt_chunk,
             chunks_sent,
             hold_chunks,
             chunks_passed,
+            held_for: held.keys().copied().collect(),
             timeouts_were: TimeoutsMs::of(&were),
             timeouts: TimeoutsMs::of(&now),
         })
+    }
+}
+
+/// A chunk counted held for its decode while it lives.
+struct Held<'a>(&'a Mutex<BTreeMap<uuid::Uuid, usize>>, uuid::Uuid);
+
+impl<'a> Held<'a> {
+    fn new(held: &'a Mutex<BTreeMap<uuid::Uuid, usize>>, decode: uuid::Uuid) -> Self {
+        *held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(decode)
+            .or_default() += 1;
+        Held(held, decode)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = held.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.1);
+            }
+        }
     }
 }
 
@@ -263,27 +306,34 @@ mod tests {
             hold_chunks: Some(n),
             ..Arm::default()
         };
-        f.pass(&never).await;
+        let (a, b) = (uuid::Uuid::from_u128(1), uuid::Uuid::from_u128(2));
+        f.pass(&never, a).await;
         let armed = f.arm(hold(2), true).unwrap();
         assert_eq!((armed.hold_chunks, armed.chunks_passed), (Some(3), Some(1)));
-        f.pass(&never).await; // the 2nd goes: the hold starts at the 3rd
+        assert!(armed.held_for.is_empty());
+        f.pass(&never, a).await; // the 2nd goes: the hold starts at the 3rd
         let held = tokio::spawn({
             let f = f.clone();
-            async move { f.pass(&tokio_util::sync::CancellationToken::new()).await }
+            async move { f.pass(&tokio_util::sync::CancellationToken::new(), a).await }
         });
         let cancel = tokio_util::sync::CancellationToken::new();
         let ended = tokio::spawn({
             let (f, cancel) = (f.clone(), cancel.clone());
-            async move { f.pass(&cancel).await }
+            async move { f.pass(&cancel, b).await }
         });
-        tokio::task::yield_now().await;
+        let look = || f.arm(Arm::default(), true).unwrap().held_for;
+        while look() != [a, b] {
+            tokio::task::yield_now().await;
+        }
         assert!(!held.is_finished() && !ended.is_finished());
         cancel.cancel();
         ended.await.unwrap();
         assert!(!held.is_finished(), "only the ended transfer's chunk went");
+        assert_eq!(look(), [a], "the ended transfer's chunk is held no more");
         assert_eq!(f.arm(hold(0), true).unwrap().hold_chunks, Some(0));
         held.await.unwrap();
-        f.pass(&never).await;
+        assert!(look().is_empty());
+        f.pass(&never, a).await;
         assert!(
             f.arm(hold(1), false)
                 .unwrap_err()

@@ -102,16 +102,16 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
             Some(urls) => Some(crate::proxy::registry_client(urls, args.token.clone())?),
             None => None,
         },
+        health_timeout: Duration::from_millis(args.health_timeout_ms.max(1)),
     });
     let period = Duration::from_millis(args.health_ms.max(1));
-    let timeout = Duration::from_millis(args.health_timeout_ms.max(1));
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
     // One round (the registry read, health checks and kvferry_identify) before the listening
     // line: a request that comes right after it finds the servers that were up.
-    proxy.first_round(timeout).await;
-    let watcher = tokio::spawn(proxy.clone().watch(period, timeout));
+    proxy.first_round().await;
+    let watcher = tokio::spawn(proxy.clone().watch(period));
     let url = format!("http://{}", listener.local_addr()?);
     let line = json!({"event": "listening", "role": "proxy", "url": url});
     {

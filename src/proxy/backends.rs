@@ -286,6 +286,13 @@ impl Backends {
         }
     }
 
+    /// The server of `lease` checked now, out of turn: whether it answers its health check
+    /// (if not, it is routed around until a later check passes).
+    pub async fn recheck(&self, http: &reqwest::Client, lease: &Lease, timeout: Duration) -> bool {
+        self.check(http, &lease.0, timeout).await;
+        lease.0.healthy()
+    }
+
     /// Sends the server of `lease` no new requests (it refused one because it shuts down)
     /// until it is seen restarted: down, then healthy again.
     pub fn drained(&self, lease: &Lease) {

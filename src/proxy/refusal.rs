@@ -2,7 +2,10 @@
 //! read far enough to tell. vLLM started with `--shutdown-timeout` drains on SIGTERM: the
 //! requests it has finish, and a new one ends at once, aborted, without a token (a stream:
 //! `[DONE]` before any event). Nothing was done for such a request, so the proxy sends it to
-//! another server of the role (`route.rs`).
+//! another server of the role (`route.rs`). A decode's answer that is an error before any
+//! token is told apart too: the request failed there, or the server was lost meanwhile (vLLM
+//! answers a request its API server took as its engine stopped with "EngineCore encountered
+//! an issue"), which its health then says (`route.rs`).
 
 use axum::body::Bytes;
 use futures_util::StreamExt;
@@ -45,6 +48,26 @@ pub(super) fn stream_refused(first: &[u8]) -> bool {
         || serde_json::from_str::<Value>(data.trim()).is_ok_and(|e| refused_for_shutdown(&e))
 }
 
+/// Whether the first chunk of an event stream is an error event, before any token.
+fn stream_failed(first: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(first);
+    let Some(data) = text.lines().find_map(|l| l.strip_prefix("data: ")) else {
+        return false;
+    };
+    serde_json::from_str::<Value>(data.trim()).is_ok_and(|e| e.get("error").is_some())
+}
+
+/// What a decode's answer is, read far enough to tell ([`Decoded::judge`]).
+pub(super) enum Judged {
+    /// An answer for the client: tokens, or an error the decode gave for the request itself.
+    Answer(Decoded),
+    /// vLLM's refusal for its shutdown: nothing was done; another decode server may take it.
+    Refused(Decoded),
+    /// An error before any token (a 5xx answer, or a stream whose first event is an error):
+    /// the request failed there, or the server was lost meanwhile.
+    Failed(Decoded),
+}
+
 /// A decode's answer, its head read: its status and content type, and its body (what was read
 /// of it to judge it first, then the rest).
 pub(super) struct Decoded {
@@ -54,59 +77,54 @@ pub(super) struct Decoded {
 }
 
 impl Decoded {
-    /// Reads a decode's answer far enough to tell whether it refused the request for its
-    /// shutdown (`true`): all of a JSON answer, the first chunk of a stream. An error: the
-    /// connection broke before that much came (the server was lost before it answered).
-    pub(super) async fn judge(r: reqwest::Response) -> reqwest::Result<(Decoded, bool)> {
+    /// Reads a decode's answer far enough to tell what it is ([`Judged`]): all of a JSON
+    /// answer, the first chunk of a stream. An error: the connection broke before that much
+    /// came (the server was lost before it answered).
+    pub(super) async fn judge(r: reqwest::Response) -> reqwest::Result<Judged> {
         let status = r.status();
         let content_type = r.headers().get(reqwest::header::CONTENT_TYPE).cloned();
         let streamed = content_type
             .as_ref()
             .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
         let once = |chunk: reqwest::Result<Bytes>| futures_util::stream::once(async { chunk });
+        let answer = |body| Decoded {
+            status,
+            content_type: content_type.clone(),
+            body,
+        };
         if !status.is_success() {
-            let body = r.bytes_stream().boxed();
-            return Ok((
-                Decoded {
-                    status,
-                    content_type,
-                    body,
-                },
-                false,
-            ));
+            let decoded = answer(r.bytes_stream().boxed());
+            return Ok(match status.is_server_error() {
+                true => Judged::Failed(decoded),
+                false => Judged::Answer(decoded),
+            });
         }
         if streamed {
             let mut rest = r.bytes_stream();
-            let (body, refused) = match rest.next().await {
-                None => (futures_util::stream::empty().boxed(), false),
+            return Ok(match rest.next().await {
+                None => Judged::Answer(answer(futures_util::stream::empty().boxed())),
                 Some(Ok(first)) => {
                     let refused = stream_refused(&first);
-                    (once(Ok(first)).chain(rest).boxed(), refused)
+                    let failed = stream_failed(&first);
+                    let decoded = answer(once(Ok(first)).chain(rest).boxed());
+                    match (refused, failed) {
+                        (true, _) => Judged::Refused(decoded),
+                        (_, true) => Judged::Failed(decoded),
+                        _ => Judged::Answer(decoded),
+                    }
                 }
                 // Lost before its first event: no token of its own went anywhere.
                 Some(Err(e)) => return Err(e),
-            };
-            return Ok((
-                Decoded {
-                    status,
-                    content_type,
-                    body,
-                },
-                refused,
-            ));
+            });
         }
         let bytes = r.bytes().await?;
         let refused =
             serde_json::from_slice::<Value>(&bytes).is_ok_and(|a| refused_for_shutdown(&a));
-        let body = once(Ok(bytes)).boxed();
-        Ok((
-            Decoded {
-                status,
-                content_type,
-                body,
-            },
-            refused,
-        ))
+        let decoded = answer(once(Ok(bytes)).boxed());
+        Ok(match refused {
+            true => Judged::Refused(decoded),
+            false => Judged::Answer(decoded),
+        })
     }
 
     /// The whole body (an error answer's).
@@ -158,5 +176,17 @@ mod tests {
         let token = json!({"choices": [{"index": 0, "text": "hi", "finish_reason": null}]});
         assert!(!stream_refused(format!("data: {token}\n\n").as_bytes()));
         assert!(!stream_refused(b": keep-alive\n\n"));
+    }
+
+    #[test]
+    fn a_stream_failed_when_its_first_event_is_an_error() {
+        let dead = json!({"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError", "code": 500}});
+        assert!(stream_failed(
+            format!("data: {dead}\n\ndata: [DONE]\n\n").as_bytes()
+        ));
+        let token = json!({"choices": [{"index": 0, "text": "hi", "finish_reason": null}]});
+        assert!(!stream_failed(format!("data: {token}\n\n").as_bytes()));
+        assert!(!stream_failed(b"data: [DONE]\n\n"));
+        assert!(!stream_failed(b": keep-alive\n\n"));
     }
 }

@@ -24,7 +24,7 @@ use super::failure::{
 };
 use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics, Refuser};
 use super::redact::hide_addresses;
-use super::refusal::{Decoded, refused_for_shutdown};
+use super::refusal::{Decoded, Judged, refused_for_shutdown};
 use super::unclaimed::Unclaimed;
 use crate::protocol::constant_time_eq;
 
@@ -55,12 +55,15 @@ pub struct Proxy {
     /// The registry the servers' agents register in (`--bootstrap`): each health round finds
     /// servers there, and which of them drain (`discovery.rs`); `None`: only the listed ones.
     pub registry: Option<Arc<RegistryClient>>,
+    /// How long a server's health check may take (`--health-timeout-ms`).
+    pub health_timeout: std::time::Duration,
 }
 
 impl Proxy {
     /// The first round, before the proxy listens: the registry read (servers found, forgotten,
     /// draining), then every server's health checked, all at once, to the end.
-    pub async fn first_round(&self, timeout: std::time::Duration) {
+    pub async fn first_round(&self) {
+        let timeout = self.health_timeout;
         if let Some(registry) = &self.registry {
             discovery::look(registry, &self.prefills, &self.decodes).await;
         }
@@ -73,7 +76,8 @@ impl Proxy {
     /// A round every `period`, forever (the first after `period`): the registry read, then a
     /// health check of each server whose last one has ended (`Backends::check_each`), so that
     /// a server slow to answer holds up neither the others nor the registry's word.
-    pub async fn watch(self: Arc<Self>, period: std::time::Duration, timeout: std::time::Duration) {
+    pub async fn watch(self: Arc<Self>, period: std::time::Duration) {
+        let timeout = self.health_timeout;
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -651,8 +655,9 @@ impl Proxy {
     /// The decode's request sent to `decode`, or to another decode server that can take the KV
     /// of `prefill` when `decode` refused it: its connection was refused (it is routed around
     /// until a health round finds it back), it answered that it shuts down (it gets no new
-    /// requests until it restarts), or its connection broke before its answer began (it was
-    /// lost: routed around; once a request: a second lost decode's error is the answer).
+    /// requests until it restarts), or it was lost before its answer began: its connection
+    /// broke, or it answered an error before any token and fails its health check now (routed
+    /// around; once a request: a second lost decode's error is the answer).
     /// Nothing of its own reached the client in any case, and the room waits on the prefill for
     /// the decode that asks (a lost decode's for `--requeue-ms`). The answer, and the server
     /// that gave it.
@@ -685,20 +690,33 @@ impl Proxy {
                 // the prefill for another decode (`--requeue-ms`).
                 Err(e) if !e.is_timeout() && lost == 0 => {
                     lost += 1;
-                    self.lost(&decode, &e);
+                    self.lost(&decode, &causes(&e));
                     Err(e)
                 }
                 Err(e) => return (Err(e), decode),
                 Ok(r) => match Decoded::judge(r).await {
                     Err(e) if !e.is_timeout() && lost == 0 => {
                         lost += 1;
-                        self.lost(&decode, &e);
+                        self.lost(&decode, &causes(&e));
                         Err(e)
                     }
                     Err(e) => return (Err(e), decode),
-                    Ok((answer, false)) => return (Ok(answer), decode),
-                    Ok((answer, true)) => {
+                    Ok(Judged::Answer(answer)) => return (Ok(answer), decode),
+                    Ok(Judged::Refused(answer)) => {
                         self.decodes.drained(&decode);
+                        Ok(answer)
+                    }
+                    // An error before any token from a server that fails its health check
+                    // now: its engine was lost with the request (vLLM answers one its API
+                    // server took as its engine stopped with "EngineCore encountered an
+                    // issue"). An error from a healthy server is the request's own.
+                    Ok(Judged::Failed(answer)) => {
+                        let timeout = self.health_timeout;
+                        if lost > 0 || self.decodes.recheck(&self.http, &decode, timeout).await {
+                            return (Ok(answer), decode);
+                        }
+                        lost += 1;
+                        self.lost(&decode, "its answer was an error before any token, and it fails its health check");
                         Ok(answer)
                     }
                 },
@@ -720,8 +738,7 @@ impl Proxy {
 
     /// A decode server lost a request before its answer began: it is routed around until a
     /// health check finds it back.
-    fn lost(&self, decode: &Lease, e: &reqwest::Error) {
-        let why = causes(e);
+    fn lost(&self, decode: &Lease, why: &str) {
         tracing::warn!(server = %decode.backend().url, error = %why, "a decode server was lost before it answered");
         self.decodes.route_around(decode, &why);
     }

@@ -43,6 +43,10 @@ enum Mode {
     /// A server lost after it took the request: its status line goes, then its connection
     /// breaks before any byte of the answer (killed, streamed or not).
     Lost,
+    /// vLLM's answer to a request its API server took as its engine stopped: an error before
+    /// any token ("EngineCore encountered an issue"; a stream: its first event), and its health
+    /// fails from then on.
+    Dies,
 }
 
 /// A request's `Authorization` and `X-Request-Id` headers.
@@ -245,6 +249,19 @@ async fn answer(
             r.headers_mut()
                 .insert(header::CONTENT_TYPE, kind.parse().unwrap());
             return r;
+        }
+        Mode::Dies => {
+            s.healthy.store(false, Ordering::SeqCst);
+            let e = json!({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                                     "type": "InternalServerError", "param": null, "code": 500}});
+            if body["stream"] == json!(true) {
+                let events = format!("data: {e}\n\ndata: [DONE]\n\n");
+                let mut r = Response::new(Body::from(events));
+                r.headers_mut()
+                    .insert(header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
+                return r;
+            }
+            return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e)).into_response();
         }
         Mode::Hold | Mode::Answer | Mode::Break | Mode::FailMidStream => {}
     }
@@ -692,9 +709,10 @@ fn an_error_event_in_a_stream_is_explained() {
 }
 
 /// A decode server lost after it took the request, before its answer began (its connection
-/// breaks): the proxy sends the request to the other decode with the same room, nothing of
-/// the lost one reached the client, the prefill got the request once (no second prefill), and
-/// the lost one is routed around; in both pairings, streamed or not. The prefill is not asked
+/// breaks, or it answers an error before any token and fails its health check from then on):
+/// the proxy sends the request to the other decode with the same room, nothing of the lost
+/// one reached the client, the prefill got the request once (no second prefill), and the lost
+/// one is routed around; in both pairings, streamed or not. The prefill is not asked
 /// to release the room: a decode's answer began. A second lost decode ends the request.
 #[test]
 fn a_decode_lost_before_it_answered_is_replaced_and_the_room_kept() {
@@ -702,14 +720,17 @@ fn a_decode_lost_before_it_answered_is_replaced_and_the_room_kept() {
         let (prefill, p_url) = Stub::start("p", 0).await;
         let (lost, l_url) = Stub::start("lost", 0).await;
         let (other, o_url) = Stub::start("other", 0).await;
-        for (pairing, stream) in [
-            ("sequential", false),
-            ("sequential", true),
-            ("concurrent", false),
-            ("concurrent", true),
+        for (mode, pairing_kind, stream) in [
+            (Mode::Lost, "sequential", false),
+            (Mode::Lost, "sequential", true),
+            (Mode::Lost, "concurrent", false),
+            (Mode::Lost, "concurrent", true),
+            (Mode::Dies, "sequential", false),
+            (Mode::Dies, "concurrent", true),
         ] {
-            lost.set(Mode::Lost);
-            let (_proxy, url) = proxy(&[&p_url], &[&l_url, &o_url], pairing);
+            let pairing = format!("{pairing_kind} {mode:?}");
+            lost.set(mode);
+            let (_proxy, url) = proxy(&[&p_url], &[&l_url, &o_url], pairing_kind);
             wait_health(&url, reqwest::StatusCode::OK).await;
             // `other` holds a request (sent while `lost` was unhealthy), so the next one goes
             // to `lost`, which has none.
@@ -1479,11 +1500,16 @@ fn with_an_api_key_only_clients_that_present_it_reach_the_servers() {
         // them from the proxy's own), and the question about its failure with its
         // Authorization.
         client_headers_go_on(&url, &prefill, &decode, "Bearer sk-proxy").await;
-        // No request made the proxy check a server's health or ask for its groups.
-        for s in [&prefill, &decode] {
-            assert_eq!(s.headers_of("health"), vec![own.clone()], "{}", s.name);
-        }
+        // No request made the proxy check the prefill's health or ask for its groups; the
+        // decode's errors before any token had it check the decode's health (was it lost?),
+        // with its own key.
+        assert_eq!(prefill.headers_of("health"), vec![own.clone()]);
         assert_eq!(prefill.headers_of("identify"), vec![own.clone()]);
+        let checks = decode.headers_of("health");
+        assert!(
+            checks.len() > 1 && checks.iter().all(|h| *h == own),
+            "{checks:?}"
+        );
     });
 }
 

@@ -526,7 +526,7 @@ impl Prefill {
             for (i, c) in plan.iter().enumerate() {
                 let Some(pending) = next.take() else { break };
                 let (body, sum) = pending.await?;
-                self.faults.pass(&job.cancel).await;
+                self.faults.pass(&job.cancel, job.peer.instance).await;
                 if job.cancel.is_cancelled() {
                     job.peer.credits.add_permits(1);
                     return Ok(());

@@ -201,7 +201,7 @@ impl Prefill {
         let mut placing: std::collections::VecDeque<(Taken, &str)> = Default::default();
         for c in plan {
             self.credit(&job.peer).await?;
-            self.faults.pass(&job.cancel).await;
+            self.faults.pass(&job.cancel, job.peer.instance).await;
             if job.cancel.is_cancelled() {
                 job.peer.credits.add_permits(1);
                 return Ok(());
