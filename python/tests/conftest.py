@@ -29,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # engines themselves. Tests of no deployment run first.
 ORDER = [
     ("vllm_fleet", ["test_vllm_xpyd", "test_vllm_pd", "test_vllm_faults", "test_vllm_cancel",
-                    "test_vllm_parallel", "test_vllm_fleet_change", "test_vllm_preemption"]),
+                    "test_vllm_first_token", "test_vllm_parallel", "test_vllm_fleet_change", "test_vllm_preemption"]),
     ("vllm_bench", []),
     ("sglang_pd", []),
     ("sglang_mla", []),

@@ -5,8 +5,10 @@ the same two cores, for these setups, one after another:
 
 - ``single``: one plain vLLM server. Every other setup's tokens must equal its tokens, and a PD
   setup's overhead is its TTFT minus this server's TTFT for the same request.
-- ``kvferry-sequential``, ``kvferry-concurrent``: KvferryConnector behind ``kvferry proxy`` in
-  both pairings, over zmq-tcp; ``kvferry-shm``: concurrent, over UCX shared memory.
+- ``kvferry-sequential``, ``kvferry-concurrent``, ``kvferry-first-token``: KvferryConnector
+  behind ``kvferry proxy`` in each pairing, over zmq-tcp (first-token: the prefill's token is
+  the client's first, the decode continues from it); ``kvferry-shm``: concurrent, over UCX
+  shared memory.
 - ``nixl``: NixlConnector (``kv_buffer_device`` cpu) over UCX tcp, in vLLM's documented
   sequential flow with this script as its router: the prefill gets ``max_tokens`` 1 and
   ``do_remote_decode``, and its answer's ``kv_transfer_params`` go to the decode unchanged.
@@ -65,7 +67,8 @@ from vllm_servers import Pd, Server, free_port, make_model, metric  # noqa: E402
 STALL = 120
 # Tokens each request generates (--new-tokens).
 NEW_TOKENS = 32
-SETUPS = ("single", "kvferry-sequential", "kvferry-concurrent", "kvferry-shm", "nixl", "nixl-shm", "mooncake")
+SETUPS = ("single", "kvferry-sequential", "kvferry-concurrent", "kvferry-first-token", "kvferry-shm", "nixl", "nixl-shm",
+          "mooncake")
 # NIXL over tcp: with UCX_TLS=tcp alone, the first transfer of a 32-layer model hung here, both
 # workers spinning (two runs of two attempts each); with self beside tcp (a process's loopback
 # to itself, no network) it runs. Data between the engines goes over tcp either way.
@@ -82,14 +85,15 @@ TRANSFER = {"kvferry": "vllm:kvferry_room_seconds", "nixl": "vllm:nixl_xfer_time
 
 
 def stream(url: str, model: str, prompt: list[int], new_tokens: int, params: dict | None = None) -> dict:
-    """A streamed greedy completion: send time (epoch s), TTFT and end (s), ITL, ids, response id."""
+    """A streamed greedy completion: send time (epoch s), TTFT, the second token's latency (after
+    the first) and end (s), ITL, ids, response id."""
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "stream": True}
     if params is not None:
         body["kv_transfer_params"] = params
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     sent, start = time.time(), time.monotonic()
-    first, ids, rid = None, [], None
+    first, second, ids, rid = None, None, [], None
     with urllib.request.urlopen(req, timeout=STALL) as r:
         for line in r:
             line = line.decode().strip()
@@ -103,9 +107,11 @@ def stream(url: str, model: str, prompt: list[int], new_tokens: int, params: dic
                 got = choice.get("token_ids") or []
                 if got and first is None:
                     first = time.monotonic() - start
+                if len(ids) < 2 <= len(ids) + len(got):
+                    second = time.monotonic() - start - first
                 ids += got
     end = time.monotonic() - start
-    return {"sent": sent, "ttft": first, "e2e": end, "ids": ids, "id": rid,
+    return {"sent": sent, "ttft": first, "second": second, "e2e": end, "ids": ids, "id": rid,
             "itl": (end - first) / (len(ids) - 1) if len(ids) > 1 else 0.0}
 
 
@@ -347,7 +353,8 @@ def measure(setup: Setup, cells: dict, reference: dict, base: dict) -> list[dict
         ttft = [1e3 * r["ttft"] for r in results]
         row = {"setup": setup.name, "size": size, "inflight": inflight, "requests": len(results),
                "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-               "itl_ms": 1e3 * statistics.fmean(r["itl"] for r in results), "req_per_s": len(results) / wall}
+               "itl_ms": 1e3 * statistics.fmean(r["itl"] for r in results), "req_per_s": len(results) / wall,
+               "second_token_p50_ms": percentile([1e3 * (r["second"] or 0.0) for r in results], 50)}
         if setup.name == "single":
             for p, r in zip(prompts, results):
                 reference[tuple(p)], base[tuple(p)] = r["ids"], r["ttft"]
@@ -390,7 +397,8 @@ def table(rows: list[dict]) -> None:
         ("TTFT (single) or PD overhead, p50 / p99 ms",
          lambda r: f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}" if r["setup"] == "single"
          else f"{r['overhead_p50_ms']:.0f} / {r['overhead_p99_ms']:.0f}"),
-        ("requests/s; ITL ms", lambda r: f"{r['req_per_s']:.2f}; {r['itl_ms']:.0f}"),
+        ("requests/s; ITL ms; second token p50 ms",
+         lambda r: f"{r['req_per_s']:.2f}; {r['itl_ms']:.0f}; {r['second_token_p50_ms']:.0f}"),
     ):
         print(f"\n{title}\n\n| prompt | in flight | {' | '.join(setups)} |", file=sys.stderr)
         print("|---|---|" + "---|" * len(setups), file=sys.stderr)
@@ -431,6 +439,19 @@ def goals(rows: list[dict]) -> None:
             ratio = r["req_per_s"] / n["req_per_s"]
             verdict.append(f"req/s {ratio:.2f}x {'met' if ratio >= 1.2 else 'MISSED'}")
             print(f"  {ours} vs {theirs}, {size} tokens, {inflight} in flight: {'; '.join(verdict)}", file=sys.stderr)
+    for (setup, size, inflight), r in sorted(cells.items()):
+        if setup != "kvferry-first-token":
+            continue
+        if inflight == 1:
+            met = r["overhead_p50_ms"] <= 10
+            print(f"  first-token, {size} tokens, 1 in flight: TTFT {r['overhead_p50_ms']:.0f} ms over one engine's "
+                  f"(goal <= 10: {'met' if met else 'MISSED'}), second token {r['second_token_p50_ms']:.0f} ms",
+                  file=sys.stderr)
+        today = cells.get(("kvferry-concurrent", size, inflight))
+        if today is not None and inflight > 1:
+            ratio = r["req_per_s"] / today["req_per_s"]
+            print(f"  first-token vs concurrent, {size} tokens, {inflight} in flight: req/s {ratio:.2f}x "
+                  f"(goal >= 1.0: {'met' if ratio >= 1.0 else 'MISSED'})", file=sys.stderr)
     for r in rows:
         spent = r.get("connector_us")
         step = r["vllm_ms"].get("prefill request_prefill_time")
@@ -499,7 +520,7 @@ def main() -> None:
                 try:
                     for name in names:
                         if isinstance(setup, Kvferry):
-                            setup.use(name, name.split("-")[1] if name != "kvferry-shm" else "concurrent")
+                            setup.use(name, name.removeprefix("kvferry-") if name != "kvferry-shm" else "concurrent")
                         for p in warmup:
                             setup.send(p)
                         done.append(measure(setup, cells, reference, base))
@@ -515,7 +536,7 @@ def main() -> None:
             return
 
     run(lambda: Single(vllm, out, engine_args), ["single"])
-    tcp_pairings = [n for n in ("kvferry-sequential", "kvferry-concurrent") if n in wanted]
+    tcp_pairings = [n for n in ("kvferry-sequential", "kvferry-concurrent", "kvferry-first-token") if n in wanted]
     if tcp_pairings:
         run(lambda: Kvferry(vllm, args.kvferry, out / "kvferry-tcp", engine_args, "zmq-tcp", {}), tcp_pairings)
     if "kvferry-shm" in wanted:

@@ -194,7 +194,7 @@ pub trait EngineApi: Send + Sync + Sized + 'static {
     fn hold(self: &Arc<Self>, room: u64, req: Self::Hold) -> Result<(), RoomError>;
 
     /// Stops holding `room` (`DELETE /v1/rooms/{room}/hold`); holding nothing is not an error.
-    fn unhold(&self, room: u64);
+    fn unhold(self: &Arc<Self>, room: u64);
 
     /// The agent-owned pages (`GET /v1/pool`).
     fn pool(&self) -> PoolCounts;

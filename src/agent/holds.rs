@@ -39,15 +39,19 @@ impl<T: Default + Clone> Holds<T> {
         Ok(())
     }
 
-    /// Ends the hold of `room`, if any.
-    pub(crate) fn release(&self, room: u64) {
-        self.rooms().remove(&room);
+    /// Ends the hold of `room`, if any: what was kept with it.
+    pub(crate) fn release(&self, room: u64) -> Option<T> {
+        self.rooms().remove(&room).map(|(_, kept)| kept)
     }
 
-    /// Changes what is kept with `room`'s hold, if it is still held.
-    pub(crate) fn update(&self, room: u64, f: impl FnOnce(&mut T)) {
-        if let Some((_, kept)) = self.rooms().get_mut(&room) {
-            f(kept);
+    /// Changes what is kept with `room`'s hold, if it is still held; whether it was.
+    pub(crate) fn update(&self, room: u64, f: impl FnOnce(&mut T)) -> bool {
+        match self.rooms().get_mut(&room) {
+            Some((_, kept)) => {
+                f(kept);
+                true
+            }
+            None => false,
         }
     }
 

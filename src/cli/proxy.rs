@@ -50,10 +50,15 @@ pub struct ProxyArgs {
     /// Port to listen on (0 picks a free one; the listening line tells which).
     #[arg(long, env = "KVFERRY_PROXY_PORT", default_value_t = 8000)]
     port: u16,
-    /// concurrent: both requests at once, the proxy names the room; sequential: the prefill
-    /// first, its kv_transfer_params into the decode request.
-    #[arg(long, env = "KVFERRY_PROXY_PAIRING", value_enum, default_value_t = Pairing::Concurrent)]
+    /// first-token: the prefill first, its first token to the client at once, the decode
+    /// continuing from it; sequential: the prefill first, its kv_transfer_params into the
+    /// decode request; concurrent: both requests at once, the proxy names the room.
+    #[arg(long, env = "KVFERRY_PROXY_PAIRING", value_enum, default_value_t = Pairing::FirstToken)]
     pairing: Pairing,
+    /// Prompts shorter than this many tokens (text: bytes) go to one decode server, which
+    /// answers them alone; 0: none.
+    #[arg(long, env = "KVFERRY_PROXY_SHORT_BELOW_TOKENS", default_value_t = 0)]
+    short_below_tokens: usize,
     /// Period of the servers' /health checks, in ms.
     #[arg(long, env = "KVFERRY_PROXY_HEALTH_MS", default_value_t = 1000)]
     health_ms: u64,
@@ -103,6 +108,7 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
             None => None,
         },
         health_timeout: Duration::from_millis(args.health_timeout_ms.max(1)),
+        short_below: args.short_below_tokens,
     });
     let period = Duration::from_millis(args.health_ms.max(1));
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))

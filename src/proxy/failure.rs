@@ -89,16 +89,19 @@ pub(super) fn unavailable(role: &str) -> Failure {
 /// its role and place, and why, addresses hidden ([`hide_addresses`]); the log has its URL and
 /// the whole message.
 pub(super) fn unreachable(cause: Cause, server: &Server, why: impl std::fmt::Display) -> Failure {
-    let why = why.to_string();
-    tracing::warn!(server = %server.url, name = %server.name, error = %why, "upstream request failed");
+    let body = upstream(server, why);
     Failure {
         cause,
-        response: error(
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
-            format!("{}: {}", server.name, hide_addresses(&why)),
-        ),
+        response: (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response(),
     }
+}
+
+/// The error object of [`unreachable`], logged (an event of a stream that already began).
+pub(super) fn upstream(server: &Server, why: impl std::fmt::Display) -> Value {
+    let why = why.to_string();
+    tracing::warn!(server = %server.url, name = %server.name, error = %why, "upstream request failed");
+    let message = format!("{}: {}", server.name, hide_addresses(&why));
+    json!({"error": {"message": message, "type": "upstream_error", "param": null, "code": 502}})
 }
 
 /// A server's error answer as the client gets it: an OpenAI error object (a body that is not

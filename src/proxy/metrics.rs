@@ -82,7 +82,7 @@ macro_rules! label_value {
         }
     )*};
 }
-label_value!(Endpoint, Outcome, Cause, Refuser);
+label_value!(Endpoint, Outcome, Cause, Refuser, SampledBy);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -118,6 +118,33 @@ struct RerouteLabels {
     role: Refuser,
 }
 
+/// Which server sampled a request's first token.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum SampledBy {
+    /// The prefill server (`--pairing first-token`).
+    Prefill,
+    /// The decode server (`sequential`, `concurrent`, or a request first-token pairing sends
+    /// the sequential way).
+    Decode,
+    /// One decode server computed the prompt and answered alone (a short prompt).
+    OneServer,
+}
+
+impl LabelName for SampledBy {
+    fn name(&self) -> &'static str {
+        match self {
+            SampledBy::Prefill => "prefill",
+            SampledBy::Decode => "decode",
+            SampledBy::OneServer => "one_server",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SampledLabels {
+    sampled_by: SampledBy,
+}
+
 /// Every metric of the proxy and the registry that exposes them.
 pub struct ProxyMetrics {
     registry: Registry,
@@ -125,6 +152,7 @@ pub struct ProxyMetrics {
     errors: Family<ErrorLabels, Counter>,
     rerouted: Family<RerouteLabels, Counter>,
     released: Counter,
+    sampled: Family<SampledLabels, Counter>,
     first_token: Histogram,
     duration: Histogram,
 }
@@ -152,10 +180,16 @@ impl Default for ProxyMetrics {
             "Rooms a prefill server was asked to release: their request ended before a decode's answer began (the client left, or the decode failed it)",
             released.clone(),
         );
+        let sampled = Family::<SampledLabels, Counter>::default();
+        registry.register(
+            "first_tokens",
+            "Requests sent on, by the server that samples their first token",
+            sampled.clone(),
+        );
         let first_token = Histogram::new(exponential_buckets(0.005, 2.0, 14));
         registry.register(
             "time_to_first_token_seconds",
-            "Streamed requests: from arrival to the first chunk of the decode's answer",
+            "Streamed requests: from arrival to the first chunk of the answer",
             first_token.clone(),
         );
         let duration = Histogram::new(exponential_buckets(0.005, 2.0, 16));
@@ -170,6 +204,7 @@ impl Default for ProxyMetrics {
             errors,
             rerouted,
             released,
+            sampled,
             first_token,
             duration,
         }
@@ -195,6 +230,13 @@ impl ProxyMetrics {
     /// Counts a room a prefill server was asked to release.
     pub fn released(&self) {
         self.released.inc();
+    }
+
+    /// Counts a request by the server that samples its first token.
+    pub fn sampled(&self, by: SampledBy) {
+        self.sampled
+            .get_or_create(&SampledLabels { sampled_by: by })
+            .inc();
     }
 
     /// Observes a streamed answer's time to its first chunk.

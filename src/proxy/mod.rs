@@ -31,7 +31,9 @@
 mod backends;
 mod discovery;
 mod failure;
+mod first_token;
 mod metrics;
+mod one_server;
 mod redact;
 mod refusal;
 mod route;

@@ -68,6 +68,15 @@ pub(super) enum Judged {
     Failed(Decoded),
 }
 
+impl Judged {
+    /// The answer, whatever it is.
+    pub(super) fn answer(self) -> Decoded {
+        match self {
+            Judged::Answer(a) | Judged::Refused(a) | Judged::Failed(a) => a,
+        }
+    }
+}
+
 /// A decode's answer, its head read: its status and content type, and its body (what was read
 /// of it to judge it first, then the rest).
 pub(super) struct Decoded {

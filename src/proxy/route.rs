@@ -20,9 +20,10 @@ use super::backends::{Backend, Backends, Lease};
 use super::discovery::{self, paired};
 use super::failure::{
     Failure, Server, bad, causes, copy_answer, error, scrub, scrubbed, unavailable, unpaired,
-    unreachable,
+    unreachable, upstream,
 };
-use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics, Refuser};
+use super::first_token::{Continuation, First};
+use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics, Refuser, SampledBy};
 use super::redact::hide_addresses;
 use super::refusal::{Decoded, Judged, refused_for_shutdown};
 use super::unclaimed::Unclaimed;
@@ -35,6 +36,11 @@ pub enum Pairing {
     Concurrent,
     /// The prefill answers first; its `kv_transfer_params` go into the decode request.
     Sequential,
+    /// The prefill answers first and the first token it sampled goes to the client at once;
+    /// the decode continues from the prompt plus that token (`first_token.rs`). A request that
+    /// one engine alone answers exactly (stop strings, penalties on output, guided decoding,
+    /// chat, ...) goes the sequential way.
+    FirstToken,
 }
 
 /// The proxy's state.
@@ -57,6 +63,9 @@ pub struct Proxy {
     pub registry: Option<Arc<RegistryClient>>,
     /// How long a server's health check may take (`--health-timeout-ms`).
     pub health_timeout: std::time::Duration,
+    /// Prompts shorter than this many tokens go to one decode server (`one_server.rs`); 0:
+    /// none.
+    pub short_below: usize,
 }
 
 impl Proxy {
@@ -376,6 +385,11 @@ impl Proxy {
                  one request per choice"
             )));
         }
+        if self.short_below > 0
+            && super::one_server::shorter_than(endpoint, &request, self.short_below)
+        {
+            return self.alone(path, forwarded, request, started).await;
+        }
         let mut refused: Vec<Arc<Backend>> = Vec::new();
         let mut last = None;
         loop {
@@ -401,6 +415,37 @@ impl Proxy {
                 }
             }
         }
+    }
+
+    /// A short prompt's request, answered by one decode server alone (`one_server.rs`).
+    async fn alone(
+        self: Arc<Self>,
+        path: &'static str,
+        forwarded: &Forwarded,
+        request: Map<String, Value>,
+        started: Instant,
+    ) -> Result<(Response, Option<Cause>), Failure> {
+        let decode = (self.decodes.pick_where(|_| true)).ok_or_else(|| unavailable("decode"))?;
+        self.metrics.sampled(SampledBy::OneServer);
+        let server = self.decode_server(&decode);
+        let url = format!("{}{path}", server.url);
+        let sent = forwarded.onto(self.http.post(&url)).json(&request).send();
+        let answer = match sent.await {
+            Ok(r) => Decoded::judge(r).await.map(Judged::answer),
+            Err(e) => Err(e),
+        };
+        let answer = answer.map_err(|e| unreachable(Cause::Decode, &server, causes(&e)))?;
+        let failed = Failed {
+            model: request.get("model").cloned().unwrap_or(Value::Null),
+            room: Value::Null,
+            note: None,
+            asking: forwarded.authorization(),
+        };
+        if !answer.status.is_success() {
+            let response = self.decode_error(answer, &server, &failed).await;
+            return Ok((response, Some(Cause::Decode)));
+        }
+        Ok((self.pass_through(answer, decode, started, failed), None))
     }
 
     /// A prefill server (not among `refused`) and a decode server that can take its KV
@@ -452,6 +497,22 @@ impl Proxy {
         for field in NOT_FOR_THE_PREFILL {
             first.remove(field);
         }
+        // The first token from the prefill: it samples it as one engine would (no end of
+        // sequence before `min_tokens`), and says which it is.
+        let continues = self.pairing == Pairing::FirstToken
+            && match super::first_token::unsupported(endpoint, &request) {
+                None => true,
+                Some(why) => {
+                    tracing::debug!(%why, "the decode samples the first token");
+                    false
+                }
+            };
+        if continues {
+            first.insert("return_token_ids".into(), json!(true));
+            if request.get("min_tokens").and_then(Value::as_u64) > Some(0) {
+                first.insert("min_tokens".into(), json!(1));
+            }
+        }
         let prefill_server = self.prefill_server(&prefill);
         let model = request.get("model").cloned().unwrap_or(Value::Null);
         let done = |r| Attempt::Done(r);
@@ -500,131 +561,194 @@ impl Proxy {
             model.clone(),
             forwarded.authorization(),
         );
-        let (answer, decode, room, note) = match self.pairing {
-            Pairing::Sequential => {
-                first.insert(
-                    "kv_transfer_params".into(),
-                    json!({"do_remote_decode": true, "kvferry_room": room}),
-                );
-                let answer = match self.post(&prefill_server, path, &first, forwarded).await {
-                    Posted::Answered(a) if refused_for_shutdown(&a) => {
+        let mut first_token = None;
+        let (answer, decode, room, note) = 'paired: {
+            match self.pairing {
+                Pairing::Sequential | Pairing::FirstToken => {
+                    first.insert(
+                        "kv_transfer_params".into(),
+                        json!({"do_remote_decode": true, "kvferry_room": room}),
+                    );
+                    let answer = match self.post(&prefill_server, path, &first, forwarded).await {
+                        Posted::Answered(a) if refused_for_shutdown(&a) => {
+                            unclaimed.claimed();
+                            return refused(&prefill, "it shuts down", true);
+                        }
+                        Posted::Answered(answer) => answer,
+                        Posted::Refused(f) => {
+                            unclaimed.claimed();
+                            return done(Err(f));
+                        }
+                        Posted::Unreached(e) => {
+                            unclaimed.claimed();
+                            return refused(&prefill, &e, false);
+                        }
+                        // It may have computed the room: released when this returns.
+                        Posted::Lost(e) => {
+                            return done(Err(unreachable(Cause::Prefill, &prefill_server, e)));
+                        }
+                    };
+                    let Some(params) = answer
+                        .get("kv_transfer_params")
+                        .cloned()
+                        .filter(Value::is_object)
+                    else {
                         unclaimed.claimed();
-                        return refused(&prefill, "it shuts down", true);
+                        return done(Err(unreachable(
+                            Cause::Prefill,
+                            &prefill_server,
+                            "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?",
+                        )));
+                    };
+                    let paired_with = prefill.backend().clone();
+                    drop(prefill);
+                    let room = params.get("kvferry_room").cloned().unwrap_or(Value::Null);
+                    let first = continues
+                    .then(|| First::read(answer, &request))
+                    .and_then(|read| {
+                        read.map_err(|why| tracing::warn!(server = %prefill_server.url, %why, "no first token from the prefill: the decode samples it"))
+                            .ok()
+                    });
+                    let Some(first) = first else {
+                        self.metrics.sampled(SampledBy::Decode);
+                        request.insert("kv_transfer_params".into(), params);
+                        let (answer, decode) = self
+                            .clone()
+                            .send_decode(path, request, forwarded.clone(), decode, paired_with)
+                            .await;
+                        break 'paired (answer, decode, room, None);
+                    };
+                    self.metrics.sampled(SampledBy::Prefill);
+                    let streamed = request.get("stream") == Some(&json!(true));
+                    if first.ends(&request) {
+                        // The first token is the whole answer: the room goes unused (released as
+                        // `unclaimed` drops).
+                        let response = match streamed {
+                            true => event_stream(Body::from(first.events(&request, true))),
+                            false => axum::Json(first.whole()).into_response(),
+                        };
+                        self.metrics.first_token(started.elapsed().as_secs_f64());
+                        return done(Ok((response, None)));
                     }
-                    Posted::Answered(answer) => answer,
-                    Posted::Refused(f) => {
+                    let params = params.as_object().cloned().unwrap_or_default();
+                    let continued = first.decode_request(&request, params);
+                    // A stream names the decode chosen first (another takes over only if
+                    // that one is lost before it answers).
+                    let place = HeaderValue::from(self.decode_server(&decode).place);
+                    let sending = self.clone().send_decode(
+                        path,
+                        continued,
+                        forwarded.clone(),
+                        decode,
+                        paired_with,
+                    );
+                    let failed = Failed {
+                        model: model.clone(),
+                        room,
+                        note: None,
+                        asking: forwarded.authorization(),
+                    };
+                    if streamed {
+                        // The first token's event goes now; the decode's events follow it.
+                        self.metrics.first_token(started.elapsed().as_secs_f64());
+                        let head = first.events(&request, false);
+                        let rest = self
+                            .clone()
+                            .continued(sending, first, failed, unclaimed, started);
+                        let body = futures_util::stream::once(async move { Ok(Bytes::from(head)) })
+                            .chain(rest);
+                        let mut response = event_stream(Body::from_stream(body));
+                        response.headers_mut().insert(DECODE_HEADER, place);
+                        return done(Ok((response, None)));
+                    }
+                    let (answer, decode) = sending.await;
+                    first_token = Some(first);
+                    (answer, decode, failed.room, None)
+                }
+                Pairing::Concurrent => {
+                    // The prefill's engine: a data-parallel rank of the server, in turn.
+                    let Some(rank) = prefill.backend().next_rank() else {
                         unclaimed.claimed();
-                        return done(Err(f));
-                    }
-                    Posted::Unreached(e) => {
-                        unclaimed.claimed();
-                        return refused(&prefill, &e, false);
-                    }
-                    // It may have computed the room: released when this returns.
-                    Posted::Lost(e) => {
-                        return done(Err(unreachable(Cause::Prefill, &prefill_server, e)));
-                    }
-                };
-                let Some(params) = answer
-                    .get("kv_transfer_params")
-                    .cloned()
-                    .filter(Value::is_object)
-                else {
-                    unclaimed.claimed();
-                    return done(Err(unreachable(
-                        Cause::Prefill,
-                        &prefill_server,
-                        "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?",
-                    )));
-                };
-                let paired_with = prefill.backend().clone();
-                drop(prefill);
-                let room = params.get("kvferry_room").cloned().unwrap_or(Value::Null);
-                request.insert("kv_transfer_params".into(), params);
-                let (answer, decode) = self
-                    .clone()
-                    .send_decode(path, request, forwarded.clone(), decode, paired_with)
-                    .await;
-                (answer, decode, room, None)
-            }
-            Pairing::Concurrent => {
-                // The prefill's engine: a data-parallel rank of the server, in turn.
-                let Some(rank) = prefill.backend().next_rank() else {
-                    unclaimed.claimed();
-                    return done(Err(unavailable("prefill")));
-                };
-                let group = rank.group;
-                first.insert(
-                    "kv_transfer_params".into(),
-                    json!({"do_remote_decode": true, "kvferry_room": room}),
-                );
-                request.insert(
+                        return done(Err(unavailable("prefill")));
+                    };
+                    let group = rank.group;
+                    first.insert(
+                        "kv_transfer_params".into(),
+                        json!({"do_remote_decode": true, "kvferry_room": room}),
+                    );
+                    request.insert(
                     "kv_transfer_params".into(),
                     json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": group}),
                 );
-                // The decode allocates and waits for the room while the prefill computes it.
-                let first_decode = self.decode_server(&decode);
-                let send = self.clone().send_decode(
-                    path,
-                    request,
-                    forwarded.clone(),
-                    decode,
-                    prefill.backend().clone(),
-                );
-                let mut decoding = AbortOnDrop(tokio::spawn(send));
-                let to_prefill = forwarded.to_rank(rank.dp);
-                let prefill_post = self.post(&prefill_server, path, &first, &to_prefill);
-                tokio::pin!(prefill_post);
-                let mut decoded = None;
-                let note = loop {
-                    tokio::select! {
-                        posted = &mut prefill_post => break match posted {
-                            Posted::Answered(a) if refused_for_shutdown(&a) => {
-                                unclaimed.claimed();
-                                return refused(&prefill, "it shuts down", true);
-                            }
-                            Posted::Answered(_) => None,
-                            Posted::Unreached(e) => {
-                                unclaimed.claimed();
-                                return refused(&prefill, &e, false);
-                            }
-                            // Its room will never come: the decode request is dropped (vLLM
-                            // aborts it and its room) and the client gets the prefill's answer.
-                            Posted::Refused(f) => {
-                                unclaimed.claimed();
-                                return done(Err(f));
-                            }
-                            // Whether the room's KV still arrives is the decode's to find out;
-                            // its kv_load_failure_policy decides the answer.
-                            Posted::Lost(e) => {
-                                tracing::warn!(server = %prefill_server.url, name = %prefill_server.name, room, error = %e, "prefill request lost");
-                                Some(format!("the {} failed this request: {}", prefill_server.name, hide_addresses(&e)))
-                            }
-                        },
-                        joined = &mut decoding.0, if decoded.is_none() => {
-                            let answer = match joined {
-                                Ok(answer) => answer,
-                                Err(e) => return done(Err(unreachable(Cause::Decode, &first_decode, e))),
-                            };
-                            let failed = answer.0.as_ref().map_or(true, |r| !r.status.is_success());
-                            decoded = Some(answer);
-                            if failed {
-                                // The decode will not take the room: the prefill's request is
-                                // dropped (vLLM aborts it and its room).
-                                break None;
+                    // The decode allocates and waits for the room while the prefill computes it.
+                    let first_decode = self.decode_server(&decode);
+                    let send = self.clone().send_decode(
+                        path,
+                        request,
+                        forwarded.clone(),
+                        decode,
+                        prefill.backend().clone(),
+                    );
+                    let mut decoding = AbortOnDrop(tokio::spawn(send));
+                    let to_prefill = forwarded.to_rank(rank.dp);
+                    let prefill_post = self.post(&prefill_server, path, &first, &to_prefill);
+                    tokio::pin!(prefill_post);
+                    let mut decoded = None;
+                    let note = loop {
+                        tokio::select! {
+                            posted = &mut prefill_post => break match posted {
+                                Posted::Answered(a) if refused_for_shutdown(&a) => {
+                                    unclaimed.claimed();
+                                    return refused(&prefill, "it shuts down", true);
+                                }
+                                Posted::Answered(_) => {
+                                    self.metrics.sampled(SampledBy::Decode);
+                                    None
+                                }
+                                Posted::Unreached(e) => {
+                                    unclaimed.claimed();
+                                    return refused(&prefill, &e, false);
+                                }
+                                // Its room will never come: the decode request is dropped (vLLM
+                                // aborts it and its room) and the client gets the prefill's answer.
+                                Posted::Refused(f) => {
+                                    unclaimed.claimed();
+                                    return done(Err(f));
+                                }
+                                // Whether the room's KV still arrives is the decode's to find out;
+                                // its kv_load_failure_policy decides the answer.
+                                Posted::Lost(e) => {
+                                    tracing::warn!(server = %prefill_server.url, name = %prefill_server.name, room, error = %e, "prefill request lost");
+                                    Some(format!("the {} failed this request: {}", prefill_server.name, hide_addresses(&e)))
+                                }
+                            },
+                            joined = &mut decoding.0, if decoded.is_none() => {
+                                let answer = match joined {
+                                    Ok(answer) => answer,
+                                    Err(e) => return done(Err(unreachable(Cause::Decode, &first_decode, e))),
+                                };
+                                let failed = answer.0.as_ref().map_or(true, |r| !r.status.is_success());
+                                decoded = Some(answer);
+                                if failed {
+                                    // The decode will not take the room: the prefill's request is
+                                    // dropped (vLLM aborts it and its room).
+                                    break None;
+                                }
                             }
                         }
-                    }
-                };
-                drop(prefill);
-                let (answer, decode) = match decoded {
-                    Some(answer) => answer,
-                    None => match (&mut decoding.0).await {
-                        Ok(answer) => answer,
-                        Err(e) => return done(Err(unreachable(Cause::Decode, &first_decode, e))),
-                    },
-                };
-                (answer, decode, Value::String(room), note)
+                    };
+                    drop(prefill);
+                    let (answer, decode) = match decoded {
+                        Some(answer) => answer,
+                        None => match (&mut decoding.0).await {
+                            Ok(answer) => answer,
+                            Err(e) => {
+                                return done(Err(unreachable(Cause::Decode, &first_decode, e)));
+                            }
+                        },
+                    };
+                    (answer, decode, Value::String(room), note)
+                }
             }
         };
         let decode_server = self.decode_server(&decode);
@@ -646,10 +770,54 @@ impl Proxy {
         }
         // The decode's answer began: it took the room.
         unclaimed.claimed();
-        done(Ok((
-            self.pass_through(answer, decode, started, failed),
-            None,
-        )))
+        let response = match first_token {
+            Some(first) => self.joined(&first, answer, &decode).await,
+            None => self.pass_through(answer, decode, started, failed),
+        };
+        done(Ok((response, None)))
+    }
+
+    /// The decode's whole answer to a request that continues from the prefill's first token,
+    /// joined to it (`first_token.rs`).
+    async fn joined(&self, first: &First, answer: Decoded, decode: &Lease) -> Response {
+        let status = answer.status;
+        let bytes = answer.bytes().await;
+        let mut response = match serde_json::from_slice::<Value>(&bytes) {
+            Ok(whole) => copy_answer(status, Bytes::from(first.joined(whole).to_string())),
+            Err(_) => copy_answer(status, bytes),
+        };
+        let place = HeaderValue::from(self.decode_server(decode).place);
+        response.headers_mut().insert(DECODE_HEADER, place);
+        response
+    }
+
+    /// The rest of a stream whose first token's event went: the decode's events as its
+    /// continuation, or an error event if the decode fails the request (the client has a
+    /// token already: there is no other answer to give).
+    fn continued(
+        self: Arc<Self>,
+        sending: impl std::future::Future<Output = (reqwest::Result<Decoded>, Lease)> + Send + 'static,
+        first: First,
+        failed: Failed,
+        unclaimed: Unclaimed,
+        started: Instant,
+    ) -> futures_util::stream::BoxStream<'static, reqwest::Result<Bytes>> {
+        let rest = async move {
+            let (answer, decode) = sending.await;
+            let server = self.decode_server(&decode);
+            let error = match answer {
+                Ok(answer) if answer.status.is_success() => {
+                    unclaimed.claimed();
+                    let continuation = Some(Continuation::of(&first));
+                    return self.passing(answer, decode, started, failed, continuation);
+                }
+                Ok(answer) => self.decode_error_body(answer, &server, &failed).await,
+                Err(e) => upstream(&server, causes(&e)),
+            };
+            let events = format!("data: {error}\n\ndata: [DONE]\n\n");
+            futures_util::stream::once(async move { Ok(Bytes::from(events)) }).boxed()
+        };
+        futures_util::stream::once(rest).flatten().boxed()
     }
 
     /// The decode's request sent to `decode`, or to another decode server that can take the KV
@@ -791,12 +959,19 @@ impl Proxy {
     /// prefill's side.
     async fn decode_error(&self, answer: Decoded, decode: &Server, failed: &Failed) -> Response {
         let status = answer.status;
+        let body = self.decode_error_body(answer, decode, failed).await;
+        copy_answer(status, Bytes::from(body.to_string()))
+    }
+
+    /// The error object of [`Proxy::decode_error`].
+    async fn decode_error_body(&self, answer: Decoded, decode: &Server, failed: &Failed) -> Value {
+        let status = answer.status;
         let bytes = answer.bytes().await;
         let mut body = scrubbed(status, &bytes, decode);
         if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
             *message = format!("{message} ({})", self.context(decode, failed).await);
         }
-        copy_answer(status, Bytes::from(body.to_string()))
+        body
     }
 
     /// What the proxy can tell a client about a decode's failure: the decode server (its role
@@ -878,15 +1053,35 @@ impl Proxy {
         let status =
             StatusCode::from_u16(answer.status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
         let content_type = answer.content_type.clone();
-        let streamed = content_type
-            .as_ref()
+        let named = HeaderValue::from(self.decode_server(&decode).place);
+        let stream = self.passing(answer, decode, started, failed, None);
+        let mut response = Response::new(Body::from_stream(stream));
+        *response.status_mut() = status;
+        if let Some(ct) = content_type.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
+            response.headers_mut().insert(header::CONTENT_TYPE, ct);
+        }
+        response.headers_mut().insert(DECODE_HEADER, named);
+        response
+    }
+
+    /// The body of [`Proxy::pass_through`]; with a `continuation`, the decode's events continue a
+    /// first token that went already (`first_token.rs`).
+    fn passing(
+        self: Arc<Self>,
+        answer: Decoded,
+        decode: Lease,
+        started: Instant,
+        failed: Failed,
+        continuation: Option<Continuation>,
+    ) -> futures_util::stream::BoxStream<'static, reqwest::Result<Bytes>> {
+        let streamed = (answer.content_type.as_ref())
             .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
         let server = self.decode_server(&decode);
-        let named = HeaderValue::from(server.place);
         let passing = Passing {
             body: answer.body,
             streamed,
-            first: streamed,
+            first: streamed && continuation.is_none(),
+            continuation,
             broken: false,
             server,
             failed,
@@ -896,11 +1091,16 @@ impl Proxy {
                 _decode: decode,
             },
         };
-        let stream = futures_util::stream::unfold(passing, |mut p| async move {
+        futures_util::stream::unfold(passing, |mut p| async move {
             if p.broken {
                 return None;
             }
-            let chunk = p.body.next().await?;
+            let Some(chunk) = p.body.next().await else {
+                // What a continued stream held back of an unfinished event.
+                let rest = p.continuation.as_mut().map(Continuation::rest)?;
+                p.broken = true;
+                return (!rest.is_empty()).then(|| (Ok(Bytes::from(rest)), p));
+            };
             if std::mem::take(&mut p.first) {
                 let elapsed = p.done.started.elapsed().as_secs_f64();
                 p.done.proxy.metrics.first_token(elapsed);
@@ -922,21 +1122,29 @@ impl Proxy {
                     Ok(Bytes::from(format!("data: {event}\n\n")))
                 }
                 Ok(bytes) if p.streamed => {
+                    let bytes = match p.continuation.as_mut() {
+                        Some(c) => Bytes::from(c.feed(&bytes)),
+                        None => bytes,
+                    };
                     let proxy = &p.done.proxy;
                     Ok(proxy.explain_errors(bytes, &p.server, &p.failed).await)
                 }
                 chunk => chunk,
             };
             Some((chunk, p))
-        });
-        let mut response = Response::new(Body::from_stream(stream));
-        *response.status_mut() = status;
-        if let Some(ct) = content_type.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
-            response.headers_mut().insert(header::CONTENT_TYPE, ct);
-        }
-        response.headers_mut().insert(DECODE_HEADER, named);
-        response
+        })
+        .boxed()
     }
+}
+
+/// An answer that is an event stream (`text/event-stream`).
+fn event_stream(body: Body) -> Response {
+    let mut response = Response::new(body);
+    (response.headers_mut()).insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    response
 }
 
 /// The header of an answer that names the decode server that gave it: its place in `--decode`,
@@ -961,6 +1169,8 @@ struct Passing {
     streamed: bool,
     /// No chunk went yet (the time to the first is observed for a stream).
     first: bool,
+    /// The decode's events continue a first token that went already.
+    continuation: Option<Continuation>,
     /// The stream broke: its error event went, nothing follows.
     broken: bool,
     server: Server,

@@ -312,8 +312,17 @@ async fn answer(
             .insert(header::CONTENT_TYPE, "text/event-stream".parse().unwrap());
         return r;
     }
+    let mut choice = json!({"text": "answer"});
+    if body["return_token_ids"] == json!(true) {
+        // vLLM's token ids: the prompt's (token ids given), and the answer's one token.
+        choice["token_ids"] = json!([99]);
+        choice["prompt_token_ids"] = body["prompt"].clone();
+        choice["finish_reason"] = json!("length");
+    }
     axum::Json(
-        json!({"choices": [{"text": "answer"}], "server": s.name, "kv_transfer_params": params}),
+        json!({"id": format!("cmpl-{}", s.name), "choices": [choice], "server": s.name,
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+                      "kv_transfer_params": params}),
     )
     .into_response()
 }
@@ -705,6 +714,184 @@ fn an_error_event_in_a_stream_is_explained() {
             );
             assert_eq!(error["error"]["code"], 500, "{pairing}");
         }
+    });
+}
+
+/// `--pairing first-token`: the prefill's token is the client's first, at once, and the decode
+/// continues from the prompt plus that token (`kvferry_continues`, the prefill's room, one
+/// token fewer to generate); its events follow as one answer's, streamed or joined. A decode
+/// error after the first token ends the stream with the explained error event; a one-token
+/// answer is the prefill's alone, its room released; a request with stop strings goes the
+/// sequential way.
+#[test]
+fn the_first_token_comes_from_the_prefill_and_the_decode_continues_from_it() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 0).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy(&[&p_url], &[&d_url], "first-token");
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        let send = |body: Value| {
+            let url = url.clone();
+            async move {
+                let r = http()
+                    .post(format!("{url}/v1/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status(), r.text().await.unwrap())
+            }
+        };
+        let events = |text: &str| -> Vec<Value> {
+            (text.lines().filter_map(|l| l.strip_prefix("data: ")))
+                .map(|e| serde_json::from_str(e).unwrap_or(json!(e)))
+                .collect()
+        };
+        let (status, text) = send(completion(true)).await;
+        assert_eq!(status, 200, "{text}");
+        let got = events(&text);
+        let texts: Vec<&str> = got[..4]
+            .iter()
+            .map(|e| e["choices"][0]["text"].as_str().unwrap())
+            .collect();
+        assert_eq!(texts, ["answer", "one", "two", "three"], "{text}");
+        assert_eq!(got[0]["id"], "cmpl-p", "the prefill's answer's id: {text}");
+        assert_eq!(got[4], json!("[DONE]"), "{text}");
+        let asked = prefill.seen().last().unwrap().clone();
+        assert_eq!(
+            (
+                asked["return_token_ids"].clone(),
+                asked["max_tokens"].clone(),
+                asked["stream"].clone()
+            ),
+            (json!(true), json!(1), json!(false))
+        );
+        let continued = decode.seen().last().unwrap().clone();
+        assert_eq!(continued["prompt"], json!([5, 6, 7, 99]));
+        assert_eq!(continued["max_tokens"], 15);
+        let params = &continued["kv_transfer_params"];
+        assert_eq!(params["kvferry_continues"], true, "{continued}");
+        assert_eq!(
+            params["kvferry_room"],
+            asked["kv_transfer_params"]["kvferry_room"]
+        );
+        // Joined, not streamed.
+        let (status, text) = send(completion(false)).await;
+        assert_eq!(status, 200, "{text}");
+        let whole: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(whole["choices"][0]["text"], "answeranswer", "{text}");
+        // The decode fails after the first token went: an explained error event ends it.
+        decode.set(Mode::Fail);
+        let (status, text) = send(completion(true)).await;
+        assert_eq!(status, 200, "{text}");
+        let got = events(&text);
+        assert_eq!(got.len(), 3, "{text}");
+        assert_eq!(got[0]["choices"][0]["text"], "answer");
+        let message = got[1]["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.starts_with("Internal server error (decode server 1 of 1, kvferry room "),
+            "{message}"
+        );
+        assert_eq!(got[2], json!("[DONE]"));
+        decode.set(Mode::Answer);
+        // One token: the prefill's answer alone; the decode hears nothing, the room goes.
+        let heard = decode.seen().len();
+        let released = prefill.released.lock().unwrap().len();
+        let mut one = completion(false);
+        one["max_tokens"] = json!(1);
+        let (status, text) = send(one.clone()).await;
+        assert_eq!(status, 200, "{text}");
+        let whole: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (
+                whole["choices"][0]["text"].clone(),
+                whole["usage"]["completion_tokens"].clone()
+            ),
+            (json!("answer"), json!(1))
+        );
+        assert_eq!(
+            whole["choices"][0]["token_ids"],
+            Value::Null,
+            "not asked for: {text}"
+        );
+        one["stream"] = json!(true);
+        let (_, text) = send(one).await;
+        let got = events(&text);
+        assert_eq!(got[0]["choices"][0]["finish_reason"], "length", "{text}");
+        assert_eq!(got[1]["usage"]["completion_tokens"], 1, "{text}");
+        assert_eq!(
+            decode.seen().len(),
+            heard,
+            "a decode computed a one-token answer"
+        );
+        poll_until("both rooms released", BOUND, || async {
+            (prefill.released.lock().unwrap().len() == released + 2).then_some(())
+        })
+        .await;
+        // Stop strings: the decode samples the first token, from the client's own prompt.
+        let mut stop = completion(false);
+        stop["stop"] = json!(["x"]);
+        let (status, _) = send(stop).await;
+        assert_eq!(status, 200);
+        let sequential = decode.seen().last().unwrap().clone();
+        assert_eq!(sequential["prompt"], json!([5, 6, 7]));
+        assert_eq!(
+            sequential["kv_transfer_params"]["kvferry_continues"],
+            Value::Null
+        );
+    });
+}
+
+/// `--short-below-tokens`: a prompt surely shorter goes to one decode server, as it came (no
+/// room, no prefill), streamed or not; a longer one is disaggregated; each is counted by the
+/// server that samples its first token.
+#[test]
+fn a_short_prompt_goes_to_one_decode_server_alone() {
+    runtime().block_on(async {
+        let (prefill, p_url) = Stub::start("p", 0).await;
+        let (decode, d_url) = Stub::start("d", 0).await;
+        let (_proxy, url) = proxy_with(
+            &[&p_url],
+            &[&d_url],
+            "first-token",
+            &["--short-below-tokens", "4"],
+        );
+        wait_health(&url, reqwest::StatusCode::OK).await;
+        for stream in [false, true] {
+            let (status, text) = send_text(&url, stream).await;
+            assert_eq!(status, 200, "{text}");
+            assert!(text.contains("\"d\""), "{text}");
+        }
+        assert!(
+            prefill.seen().is_empty(),
+            "the prefill computed a short prompt"
+        );
+        let alone = decode.seen();
+        assert_eq!(alone.len(), 2);
+        assert!(
+            alone
+                .iter()
+                .all(|r| r["prompt"] == json!([5, 6, 7]) && r["kv_transfer_params"].is_null()),
+            "{alone:?}"
+        );
+        let mut long = completion(false);
+        long["prompt"] = json!([5, 6, 7, 8]);
+        let (status, _) = call(
+            &http(),
+            Method::POST,
+            &format!("{url}/v1/completions"),
+            Some(&long),
+        )
+        .await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            prefill.seen().len(),
+            1,
+            "a prompt of 4 tokens is disaggregated"
+        );
+        let by = |s: &str| format!("kvferry_proxy_first_tokens_total{{sampled_by=\"{s}\"}}");
+        assert_eq!(counter(&url, &by("one_server")).await, 2.0);
+        assert_eq!(counter(&url, &by("prefill")).await, 1.0);
     });
 }
 

@@ -240,6 +240,51 @@ fn untaken_room_expires_and_its_pages_return() {
     drop(cluster);
 }
 
+/// A room the decode held for a queued request and then let go without asking (its engine
+/// computed the prompt itself, or dropped the request) is told to the prefill, where it fails
+/// `--requeue-ms` later (code `aborted`, naming the decode that let it go) instead of waiting
+/// out its 60 s TTL. A room another decode asks for meanwhile would land: the rule is the lost
+/// decode's.
+#[test]
+fn a_room_its_decode_let_go_waits_only_requeue_ms_at_the_prefill() {
+    let opts = AgentOpts {
+        heartbeat_ms: 100,
+        ..AgentOpts::default()
+    };
+    let mut args = opts.args();
+    args.extend(["--requeue-ms", "300"].map(String::from));
+    let cluster = LocalCluster::start(&release_binary(), "e2e-let-go", &args)
+        .unwrap_or_else(|e| panic!("starting the cluster: {e:#}"));
+    let prefill = cluster.prefill().field("api").expect("prefill api");
+    let decode = cluster.decode().field("api").expect("decode api");
+    runtime().block_on(async {
+        let http = http();
+        let room = 41;
+        ready(&http, &prefill, room, 100).await;
+        let url = format!("{decode}/v1/rooms/{room}/hold");
+        expect(&http, Method::POST, &url, Some(&json!({})), StatusCode::ACCEPTED).await;
+        let (status, _) = call(&http, Method::DELETE, &url, None).await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        let let_go = std::time::Instant::now();
+        let at_prefill = format!("{prefill}/v1/rooms/{room}");
+        let view = poll_until("the let-go room failed at the prefill", BOUND, || async {
+            let (_, v) = call(&http, Method::GET, &at_prefill, None).await;
+            (v["state"] == "failed").then_some(v)
+        })
+        .await;
+        let took = let_go.elapsed();
+        println!("[e2e-let-go] the room failed at the prefill {took:?} after its decode let it go (ttl 60 s)");
+        assert_eq!(view["reason"]["code"], "aborted", "{view}");
+        let message = view["reason"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("let the room go without asking for it")
+                && message.contains("within 300 ms (--requeue-ms)"),
+            "{message}"
+        );
+        assert!(took < Duration::from_secs(60), "it waited out its TTL");
+    });
+}
+
 /// A ready room whose decode holds it for a queued request (`POST .../hold`) outlives the
 /// prefill's TTL, renewed by the decode's heartbeats, and lands when asked for; one no decode
 /// holds expires at the TTL, as does one whose hold ended. While held rooms keep

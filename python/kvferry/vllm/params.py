@@ -11,6 +11,13 @@ A request's params (HTTP body field ``kv_transfer_params``):
 - to a decode server: those, or in concurrent pairing ``{"do_remote_prefill": true,
   "kvferry_room": ..., "kvferry_dp_rank": G}`` before the prefill has run.
 
+A router that sent the client the first token the prefill sampled asks the decode to continue
+from it: the decode request's prompt is the prefill's prompt plus that token, and its params add
+``"kvferry_continues": true``. The room then holds one token fewer than the prompt
+(``kvferry_tokens``, required): the decode loads the room's tokens and computes the last one
+itself, and the prompt digest it sends is that of the room's tokens, so KV computed for another
+prompt is still refused.
+
 A router learns a prefill server's kvferry identity by sending it any short request with
 ``{"kvferry_identify": true}``: the response's params are ``{"kvferry_dp_rank": G,
 "kvferry_bootstrap": URL, "kvferry_engine_dp_rank": R}``: the kvferry group of the vLLM engine
@@ -53,6 +60,7 @@ REASON_OF = "kvferry_reason_of"
 REASON = "kvferry_reason"
 ABORT = "kvferry_abort"
 ABORTED = "kvferry_aborted"
+CONTINUES = "kvferry_continues"
 
 
 class ParamsError(ValueError):
@@ -93,6 +101,18 @@ def check_load(params: dict[str, Any]) -> None:
             raise ParamsError(f"{key} {value!r} is not a {kind.__name__}")
         if kind is int and value is not None and not 0 <= value < 1 << 32:
             raise ParamsError(f"{key} {value} is out of range")
+
+
+def room_tokens(params: dict[str, Any], prompt_tokens: int) -> int:
+    """The prompt tokens a decode request's room holds: all of them, or with ``kvferry_continues``
+    all but the last (the first token the prefill sampled, which the decode computes);
+    ParamsError if the room's ``kvferry_tokens`` says otherwise."""
+    if not params.get(CONTINUES):
+        return prompt_tokens
+    tokens = params.get(TOKENS)
+    if tokens != prompt_tokens - 1:
+        raise ParamsError(f"{CONTINUES}: the room holds {tokens!r} tokens, not the prompt's {prompt_tokens} less the one to continue from")
+    return tokens
 
 
 def fresh_room(live: set[int]) -> int:

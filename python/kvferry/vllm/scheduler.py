@@ -16,8 +16,10 @@ in the request's block table, so they are sent too.
 Decode (``kv_consumer``): a request with ``do_remote_prefill`` claims its whole prompt as an
 asynchronous external hit (vLLM recomputes the last prompt token itself); its room is requested
 into the request's block table from the first block that is not a local prefix-cache hit
-(``start_token``). A client abort while the room loads aborts the room; vLLM frees the blocks
-only when the workers report the room settled.
+(``start_token``). A request that continues from the first token the prefill sampled
+(``kvferry_continues``) has a prompt one token longer than its room: it claims the room's tokens,
+and vLLM computes the last one. A client abort while the room loads aborts the room; vLLM frees
+the blocks only when the workers report the room settled.
 """
 
 from __future__ import annotations
@@ -109,10 +111,11 @@ class SchedulerSide:
         return [int(b) for b in block_ids[: -(-tokens // self.block_size)]]
 
     @staticmethod
-    def digest(request: Request) -> str | None:
-        """kvferry.prompt_digest of the request's prompt (None for a prompt given as embeddings)."""
+    def digest(request: Request, tokens: int | None = None) -> str | None:
+        """kvferry.prompt_digest of the request's prompt, or of its first ``tokens`` (None for a
+        prompt given as embeddings)."""
         ids = request.prompt_token_ids
-        return None if ids is None else kvferry.prompt_digest(ids)
+        return None if ids is None else kvferry.prompt_digest(list(ids[:tokens]))
 
     # ---- decode ------------------------------------------------------------------------------
 
@@ -178,13 +181,14 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if self.producer or not params.get("do_remote_prefill"):
             return 0, False
-        missing = request.num_prompt_tokens - num_computed_tokens
-        if missing <= 0:
-            return 0, False
         try:
             P.check_load(params)
+            tokens = P.room_tokens(params, request.num_prompt_tokens)
         except P.ParamsError as e:
             logger.warning("kvferry: request %s computes its prompt locally: %s", request.request_id, e)
+            return 0, False
+        missing = tokens - num_computed_tokens
+        if missing <= 0:
             return 0, False
         self.local_hit[request.request_id] = num_computed_tokens
         return missing, True
@@ -204,7 +208,7 @@ class SchedulerSide:
         self.held.pop(request.request_id, None)
         room = P.room_of(params)
         start = self.local_hit.pop(request.request_id, 0)
-        tokens = request.num_prompt_tokens
+        tokens = P.room_tokens(params, request.num_prompt_tokens)
         load = Load(
             req_id=request.request_id,
             room=room,
@@ -214,7 +218,7 @@ class SchedulerSide:
             dp_rank=params.get(P.DP_RANK),
             bootstrap=params.get(P.BOOTSTRAP),
             prefill_tokens=params.get(P.TOKENS),
-            digest=self.digest(request),
+            digest=self.digest(request, tokens),
         )
         # Loaded once: a preempted request recomputes instead of asking for the room again.
         params["do_remote_prefill"] = False

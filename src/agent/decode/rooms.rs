@@ -284,9 +284,12 @@ impl EngineApi for Decode {
         Ok(())
     }
 
-    /// The engine dropped the request before asking for its room.
-    fn unhold(&self, room: u64) {
-        self.holds.release(room);
+    /// The engine let the request go before asking for its room (it computed the prompt
+    /// itself, or dropped the request): the prefills it was held at are told ([`Decode::let_go`]).
+    fn unhold(self: &Arc<Self>, room: u64) {
+        if let Some(prefills) = self.holds.release(room) {
+            self.let_go(room, prefills);
+        }
     }
 
     fn pool(&self) -> PoolCounts {
@@ -715,8 +718,45 @@ impl Decode {
         for seg in &planned.segments {
             prefills.push(self.peer(&planned.ranks[seg.prefill]).await?.instance);
         }
-        self.holds.update(room_id, |held| *held = prefills);
+        let kept = prefills.clone();
+        // Its hold ended while its prefills were found: asked for (the room is this agent's
+        // now), or let go.
+        if !self.holds.update(room_id, |held| *held = kept) && !self.rooms().contains_key(&room_id)
+        {
+            self.let_go(room_id, prefills);
+        }
         Ok(())
+    }
+
+    /// Tells the prefills a room was held at (`prefills`) that this decode will not ask for
+    /// it: an Abort of a room it never asked for. The room then waits there `--requeue-ms` for
+    /// another decode, not its whole TTL.
+    pub(super) fn let_go(self: &Arc<Self>, room: u64, prefills: Vec<Uuid>) {
+        let peers: Vec<Arc<Peer>> = {
+            let known = self.peers();
+            prefills
+                .iter()
+                .filter_map(|i| known.get(i).cloned())
+                .collect()
+        };
+        if peers.is_empty() {
+            return;
+        }
+        let reason = Reason::new(
+            FailureCode::Aborted,
+            format!(
+                "decode {} let the room go without asking for it",
+                self.instance
+            ),
+        );
+        let decode = self.clone();
+        tokio::spawn(async move {
+            for peer in peers {
+                if let Err(e) = decode.tell_abort(&peer, room, &reason).await {
+                    tracing::debug!(room, reason = %e, "a let-go room's prefill not told");
+                }
+            }
+        });
     }
 
     /// Resolves the prefill, says Hello if needed, and asks for the room.

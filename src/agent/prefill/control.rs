@@ -375,8 +375,14 @@ impl Prefill {
             t.abort_reason = Some(reason.clone());
             let running = t.running;
             if !running {
-                t.end(RoomState::Aborted, Some(reason));
+                t.end(RoomState::Aborted, Some(reason.clone()));
                 self.settle(room);
+            }
+            // A decode let the room go without asking (its engine computed the prompt itself,
+            // or dropped the request): with no other decode asking, the room waits
+            // `--requeue-ms` for one, as a lost decode's does, not its whole TTL.
+            if !room.asked() && !room.status.state().is_final() && room.requeued.is_none() {
+                room.let_go = Some((Instant::now(), reason));
             }
             running
         };

@@ -143,14 +143,15 @@ impl Prefill {
         out
     }
 
-    /// Fails the rooms whose decode died before they were delivered and that no other decode
+    /// Fails the rooms whose decode died before they were delivered, or let them go without
+    /// asking, and that no other decode
     /// asked for within `--requeue-ms` of that (or of a later heartbeat of a decode that holds
     /// the room for a queued request), nor within `--room-max-ms` of their creation.
     pub(super) fn fail_unclaimed(&self, t: crate::agent::Timeouts) {
         let mut failed = Vec::new();
         let mut rooms = self.rooms();
         for (id, room) in rooms.iter_mut() {
-            let Some((at, reason)) = &room.requeued else {
+            let Some((at, reason)) = room.requeued.as_ref().or(room.let_go.as_ref()) else {
                 continue;
             };
             if room.asked() || room.status.state().is_final() {
@@ -174,7 +175,7 @@ impl Prefill {
             failed.push(*id);
         }
         if !failed.is_empty() {
-            tracing::warn!(rooms = ?failed, requeue_ms = t.requeue.as_millis() as u64, "rooms of a dead decode failed: no other decode asked for them");
+            tracing::warn!(rooms = ?failed, requeue_ms = t.requeue.as_millis() as u64, "rooms whose decode died or let them go failed: no other decode asked for them");
         }
     }
 

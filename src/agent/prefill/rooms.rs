@@ -251,7 +251,7 @@ impl EngineApi for Prefill {
     }
 
     /// The engine's request left its queue without being computed.
-    fn unhold(&self, room: u64) {
+    fn unhold(self: &Arc<Self>, room: u64) {
         self.holds.release(room);
     }
 
@@ -701,6 +701,10 @@ pub(super) struct Room {
     /// for another decode for `--requeue-ms` from then (or from a later renewal), then fails
     /// with that reason.
     pub(super) requeued: Option<(Instant, Reason)>,
+    /// When a decode that held the room let it go without asking, and why: unless another
+    /// decode asks, the room fails `--requeue-ms` from then (or expires at its TTL, if that is
+    /// sooner).
+    pub(super) let_go: Option<(Instant, Reason)>,
 }
 
 impl Room {
@@ -717,6 +721,7 @@ impl Room {
             digest: None,
             renewed: None,
             requeued: None,
+            let_go: None,
         }
     }
 

@@ -1,0 +1,208 @@
+"""The client's first token from the prefill (``kvferry proxy --pairing first-token``), through
+real vLLM servers with ``KvferryConnector``: the fleet's first prefill and first decode.
+
+The prefill samples the first token and the proxy sends it to the client when the prefill
+answers; the decode continues from the prompt plus that token, with the prompt's KV from the
+room (``kvferry_continues``: its prompt is one token longer than the room, and it computes only
+that token). Checked against one engine (the reference, or the decode server answering a
+request alone): greedy answers token-identical, streamed and not; ``logprobs`` and their text
+offsets; ``max_tokens`` 1 (the prefill's token is the whole answer, and its room is released)
+and 2; usage (the prompt's own tokens, every generated token); a repetition penalty and
+``min_tokens``; with a temperature and a seed, every later token's logprob is the one one engine
+gives it after the tokens the client got (the decode continued from exactly those). Requests
+one engine alone answers exactly (stop strings, presence and frequency penalties, echo, chat)
+go the sequential way: the decode's prompt is then the client's own.
+
+The prompts avoid lengths that are a multiple of the 128-token block but for one test: a
+decode whose prefix cache holds the whole of such a prompt needs nothing of the room, and lets
+it go (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from vllm_servers import (
+    BLOCK_SIZE,
+    NEW_TOKENS,
+    SEEDS,
+    View,
+    make_chats,
+    make_prompts,
+    metric,
+    post,
+    reset_prefix_cache,
+    run_prompts,
+    set_timeouts,
+    vllm_metric,
+)
+
+PAIRING = "first-token"
+PROMPTS = [p for p in make_prompts(SEEDS["sequential"]) if len(p) % BLOCK_SIZE]
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_fleet):
+    reset_prefix_cache(vllm_fleet.decode)
+    p = View(vllm_fleet, vllm_fleet.prefills[:1], vllm_fleet.decodes[:1])
+    p.via = {PAIRING: p.proxy(PAIRING)}
+    yield p
+    p.stop()
+
+
+def body(pair: View, prompt: list[int], **extra) -> dict:
+    return {"model": str(pair.model), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+def stream(url: str, request: dict) -> list[dict]:
+    """A streamed answer's events (``[DONE]`` checked and left out)."""
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(request | {"stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    events, done = [], False
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream"), r.headers
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert done, events
+    assert not [e for e in events if "error" in e], events
+    return events
+
+
+def decode_prompt_tokens(pair: View) -> float:
+    return vllm_metric(pair.decode, "vllm:prompt_tokens_total")
+
+
+def test_greedy_answers_equal_one_engine_and_the_decode_continues_from_the_prefills_token(pair, reference):
+    before = decode_prompt_tokens(pair)
+    run_prompts(pair, PAIRING, PROMPTS, reference)
+    # Each decode prompt was the client's plus the first token.
+    assert decode_prompt_tokens(pair) - before == sum(len(p) + 1 for p in PROMPTS)
+
+
+def test_a_streamed_answer_begins_with_the_prefills_token_and_counts_as_one_engines(pair, reference):
+    proxy = pair.via[PAIRING]
+    for prompt in PROMPTS[:6]:
+        request = body(pair, prompt, return_token_ids=True, stream_options={"include_usage": True})
+        events = stream(proxy.url, request)
+        want = reference[tuple(prompt)]
+        first = events[0]["choices"][0]
+        assert first["token_ids"] == want[:1] and first["prompt_token_ids"] == prompt, first
+        ids = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+        assert ids == want, f"{len(prompt)}-token prompt"
+        # Later events carry no second prompt, and one id runs through the stream.
+        assert all(c.get("prompt_token_ids") is None for e in events[1:] for c in e["choices"])
+        assert len({e["id"] for e in events}) == 1, {e["id"] for e in events}
+        usage = events[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), NEW_TOKENS), usage
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_logprobs_and_their_text_offsets_equal_one_engines(pair):
+    proxy = pair.via[PAIRING]
+    for prompt in PROMPTS[2:5]:
+        request = body(pair, prompt, logprobs=2)
+        alone = post(pair.decode.url + "/v1/completions", request)["choices"][0]
+        got = post(proxy.url + "/v1/completions", request)["choices"][0]
+        assert got["text"] == alone["text"]
+        lp, one = got["logprobs"], alone["logprobs"]
+        assert lp["tokens"] == one["tokens"] and lp["text_offset"] == one["text_offset"], (lp, one)
+        assert lp["token_logprobs"] == pytest.approx(one["token_logprobs"], abs=1e-3)
+        assert [sorted(t) for t in lp["top_logprobs"]] == [sorted(t) for t in one["top_logprobs"]]
+        # Streamed, the events' offsets run on from the first token's.
+        events = stream(proxy.url, request)
+        offsets = [o for e in events for c in e["choices"] if c.get("logprobs") for o in c["logprobs"]["text_offset"]]
+        assert offsets == one["text_offset"]
+
+
+def test_one_and_two_tokens_and_a_room_one_token_leaves_unused_is_released(pair, reference):
+    proxy = pair.via[PAIRING]
+    prompt = PROMPTS[6]
+    want = reference[tuple(prompt)]
+    before = decode_prompt_tokens(pair)
+    one = post(proxy.url + "/v1/completions", body(pair, prompt, max_tokens=1, return_token_ids=True))
+    assert one["choices"][0]["token_ids"] == want[:1] and one["choices"][0]["finish_reason"] == "length", one
+    assert (one["usage"]["prompt_tokens"], one["usage"]["completion_tokens"]) == (len(prompt), 1)
+    events = stream(proxy.url, body(pair, prompt, max_tokens=1, return_token_ids=True))
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == want[:1]
+    assert decode_prompt_tokens(pair) == before, "a decode computed a one-token answer"
+    # The rooms the prefill computed for them are released, not left to their TTL.
+    deadline = time.monotonic() + 60
+    while metric(pair.prefill_api, "kvferry_rooms_held", 'state="waiting_for_input"'):
+        assert time.monotonic() < deadline, "a one-token answer's room is still held"
+        time.sleep(0.05)
+    two = post(proxy.url + "/v1/completions", body(pair, prompt, max_tokens=2, return_token_ids=True))
+    assert two["choices"][0]["token_ids"] == want[:2]
+    assert (two["usage"]["prompt_tokens"], two["usage"]["completion_tokens"]) == (len(prompt), 2)
+
+
+def test_penalties_on_the_whole_sequence_and_min_tokens_equal_one_engine(pair):
+    proxy = pair.via[PAIRING]
+    for prompt in PROMPTS[3:6]:
+        request = body(pair, prompt, repetition_penalty=1.3, min_tokens=4, return_token_ids=True)
+        alone = post(pair.decode.url + "/v1/completions", request)["choices"][0]["token_ids"]
+        assert post(proxy.url + "/v1/completions", request)["choices"][0]["token_ids"] == alone
+
+
+def test_sampled_tokens_continue_from_the_token_the_client_got(pair):
+    proxy = pair.via[PAIRING]
+    prompt = PROMPTS[4]
+    request = body(pair, prompt, temperature=1.0, seed=11, logprobs=0, return_token_ids=True, max_tokens=8)
+    events = stream(proxy.url, request)
+    ids = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+    logprobs = [x for e in events for c in e["choices"] if c.get("logprobs") for x in c["logprobs"]["token_logprobs"]]
+    assert len(ids) == len(logprobs) == 8, (ids, logprobs)
+    # One engine scores the tokens the client got after the prompt: each logprob is the one the
+    # answer gave it, so each token was sampled after exactly the tokens before it.
+    scored = post(pair.decode.url + "/v1/completions",
+                  body(pair, prompt + ids, max_tokens=1, prompt_logprobs=0))["choices"][0]["prompt_logprobs"]
+    alone = [scored[len(prompt) + i][str(t)]["logprob"] for i, t in enumerate(ids)]
+    assert logprobs == pytest.approx(alone, abs=1e-3), (logprobs, alone)
+
+
+def test_what_one_engine_alone_answers_exactly_goes_the_sequential_way(pair, reference):
+    proxy = pair.via[PAIRING]
+    prompt = PROMPTS[5]
+    for extra in ({"stop": ["never in this answer"]}, {"presence_penalty": 0.5}, {"echo": True}):
+        request = body(pair, prompt, return_token_ids=True, **extra)
+        alone = post(pair.decode.url + "/v1/completions", request)["choices"][0]
+        before = decode_prompt_tokens(pair)
+        got = post(proxy.url + "/v1/completions", request)["choices"][0]
+        assert (got["token_ids"], got["text"]) == (alone["token_ids"], alone["text"]), extra
+        assert decode_prompt_tokens(pair) - before == len(prompt), f"{extra}: not the client's prompt at the decode"
+    for i, messages in enumerate(make_chats()):
+        assert proxy.chat(messages, 16)["choices"][0]["message"]["content"] == reference[("chat", i)]
+        assert proxy.stream_chat(messages, 16) == reference[("chat", i)]
+
+
+def test_a_room_the_decode_needs_nothing_of_is_let_go_at_the_prefill(pair, reference):
+    """A prompt of whole blocks that the decode's prefix cache holds entirely the second time:
+    the decode loads nothing, tells the prefill it let the room go, and the room fails there
+    ``--requeue-ms`` later (300 ms while the test runs), not at its TTL (60 s)."""
+    prompt = next(p for p in make_prompts(SEEDS["sequential"]) if len(p) == 5 * BLOCK_SIZE)
+    want = reference[tuple(prompt)]
+    proxy = pair.via[PAIRING]
+    reset_prefix_cache(pair.decode)
+    were = set_timeouts(pair.prefill_api, requeue_ms=300)["requeue_ms"]
+    try:
+        got = post(proxy.url + "/v1/completions", body(pair, prompt, return_token_ids=True))
+        assert got["choices"][0]["token_ids"] == want and got["kv_transfer_params"]["kvferry_tokens"] == len(prompt)
+        let_go = metric(pair.prefill_api, "kvferry_room_failures_total", 'code="aborted"')
+        again = post(proxy.url + "/v1/completions", body(pair, prompt, return_token_ids=True))
+        assert again["choices"][0]["token_ids"] == want
+        assert again["kv_transfer_params"] is None, "the decode loaded a room it held already"
+        start = time.monotonic()
+        while metric(pair.prefill_api, "kvferry_room_failures_total", 'code="aborted"') == let_go:
+            assert time.monotonic() - start < 30, "the let-go room waits at the prefill"
+            time.sleep(0.05)
+        print(f"the room the decode let go failed at the prefill {time.monotonic() - start:.2f} s after the answer")
+    finally:
+        set_timeouts(pair.prefill_api, requeue_ms=were)
