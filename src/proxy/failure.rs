@@ -1,6 +1,8 @@
 //! What a client is told when its request fails, and how servers are named to it: OpenAI error
 //! objects (`{"error": {"message", "type", "param", "code"}}`) that name a server by its role
 //! and place (`decode server 2 of 3`), every address in them hidden (the log has them whole).
+//! A decode's failure is explained: its error answer, or an error event of its stream, names
+//! the server, the kvferry room and why the room failed there ([`Failed`]).
 
 use axum::body::Bytes;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -8,8 +10,11 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use super::backends::{Backends, Lease};
+use super::events;
 use super::metrics::Cause;
 use super::redact::hide_addresses;
+use super::refusal::Decoded;
+use super::route::{Forwarded, Posted, Proxy};
 
 /// A server as the log and a client's answer name it: the log by its URL, a client's answer by
 /// its role and its place in `--prefill` or `--decode` (`decode server 2 of 3`), never by an
@@ -162,4 +167,117 @@ pub(super) fn copy_answer(status: reqwest::StatusCode, body: Bytes) -> Response 
         HeaderValue::from_static("application/json"),
     );
     r
+}
+
+/// What explains a decode's failure of a request: its model (for the question to the decode),
+/// its kvferry room, the note on its prefill's side (addresses hidden), and the client's
+/// headers the question goes with.
+pub(super) struct Failed {
+    pub(super) model: Value,
+    pub(super) room: Value,
+    pub(super) note: Option<String>,
+    /// The client's `Authorization` ([`Forwarded::authorization`]).
+    pub(super) asking: Forwarded,
+}
+
+impl Proxy {
+    /// The decode's error answer, addresses hidden, its message extended with the decode server,
+    /// the kvferry room, why the room failed (asked with `kvferry_reason_of`: vLLM's own message
+    /// for a failed KV load is a bare "Internal server error") and what the proxy saw of the
+    /// prefill's side.
+    pub(super) async fn decode_error(
+        &self,
+        answer: Decoded,
+        decode: &Server,
+        failed: &Failed,
+    ) -> Response {
+        let status = answer.status;
+        let body = self.decode_error_body(answer, decode, failed).await;
+        copy_answer(status, Bytes::from(body.to_string()))
+    }
+
+    /// The error object of [`Proxy::decode_error`].
+    pub(super) async fn decode_error_body(
+        &self,
+        answer: Decoded,
+        decode: &Server,
+        failed: &Failed,
+    ) -> Value {
+        let status = answer.status;
+        let bytes = answer.bytes().await;
+        let mut body = scrubbed(status, &bytes, decode);
+        if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
+            *message = format!("{message} ({})", self.context(decode, failed).await);
+        }
+        body
+    }
+
+    /// What the proxy can tell a client about a decode's failure: the decode server (its role
+    /// and place), the kvferry room and why it failed there (`kvferry_reason_of`, asked with the
+    /// client's `Authorization`), and the note on the prefill's side, addresses hidden. The log
+    /// has it whole.
+    async fn context(&self, decode: &Server, failed: &Failed) -> String {
+        let mut context = decode.name.clone();
+        let mut reason = None;
+        if let Some(room) = failed.room.as_str() {
+            context += &format!(", kvferry room {room}");
+            let ask = json!({"model": failed.model, "prompt": [1], "max_tokens": 1,
+                             "kv_transfer_params": {"kvferry_reason_of": room}});
+            let asked = self.post(decode, "/v1/completions", &ask, &failed.asking);
+            if let Posted::Answered(a) = asked.await
+                && let Some(said) = a
+                    .pointer("/kv_transfer_params/kvferry_reason")
+                    .and_then(Value::as_str)
+            {
+                context += &format!(" failed: {}", hide_addresses(said));
+                reason = Some(said.to_owned());
+            }
+        }
+        if let Some(note) = &failed.note {
+            context += &format!("; {note}");
+        }
+        tracing::warn!(
+            server = %decode.url,
+            name = %decode.name,
+            room = %failed.room,
+            reason = reason.as_deref().unwrap_or("not known"),
+            "a decode server failed a request"
+        );
+        context
+    }
+
+    /// Whole events of a decode's stream ([`events::Events`]) with each error event's addresses
+    /// hidden and its message extended as [`Proxy::context`] says (vLLM ends a stream whose KV
+    /// load failed with a bare "Internal server error" event); other events as they are.
+    pub(super) async fn explain_errors(
+        &self,
+        whole: Bytes,
+        decode: &Server,
+        failed: &Failed,
+    ) -> Bytes {
+        // The events are whole, so an error event among them has its `"error":` whole too.
+        if !whole.windows(8).any(|w| w == b"\"error\":") {
+            return whole;
+        }
+        let text = String::from_utf8_lossy(&whole);
+        let mut out = String::with_capacity(text.len());
+        for line in events::lines(&text) {
+            match line.event() {
+                Some(mut event)
+                    if event
+                        .pointer("/error/message")
+                        .is_some_and(Value::is_string) =>
+                {
+                    scrub(&mut event, decode);
+                    let context = self.context(decode, failed).await;
+                    if let Some(Value::String(message)) = event.pointer_mut("/error/message") {
+                        *message = format!("{message} ({context})");
+                    }
+                    out += &line.with(&event);
+                }
+                _ => out += line.as_str(),
+            }
+        }
+        Bytes::from(out)
+    }
 }

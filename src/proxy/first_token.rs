@@ -5,7 +5,9 @@
 //! one a single engine would produce next and the prefill computes with no decode stepping
 //! beside it for the request. The pieces of one answer come from two servers: this file joins
 //! them into what one engine would have answered (one id, the prompt's own token count, text
-//! offsets of the whole answer).
+//! offsets of the whole answer). The proxy's steps after such a prefill answered are here too
+//! ([`Proxy::first_token`]): the answer the first token ends, the decode's request, the stream
+//! whose first event goes at once, the whole answer joined.
 //!
 //! What the join cannot make exact goes the sequential way instead ([`unsupported`]): stop
 //! strings and bad words (one may span the first two tokens), presence and frequency
@@ -13,9 +15,22 @@
 //! (the grammar would start again at the second token), `echo`, `suffix`, prompt logprobs,
 //! several prompts or choices, and chat completions.
 
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::http::HeaderValue;
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
 use serde_json::{Map, Value, json};
 
-use super::metrics::Endpoint;
+use super::backends::{Backend, Lease};
+use super::events;
+use super::failure::{Failed, causes, copy_answer, upstream};
+use super::metrics::{Endpoint, SampledBy};
+use super::refusal::Decoded;
+use super::route::{Attempt, DECODE_HEADER, Proxy, Routed, event_stream};
+use super::unclaimed::Unclaimed;
 
 /// The decode request's `kv_transfer_params` field that says its prompt is the room's plus
 /// the first token the prefill sampled.
@@ -247,12 +262,11 @@ impl First {
 /// The decode's stream, its events rewritten as the continuation of the first token's: the
 /// first event's id, no second prompt (the decode's is one token longer), text offsets after
 /// the first token's text, and the usage of the whole answer (the first token is the prompt's
-/// at the decode, the answer's for the client). Events may come split across chunks: a
-/// partial one waits for its end.
+/// at the decode, the answer's for the client). It takes events whole (they may come split
+/// across chunks: `events.rs` puts them back together).
 pub(super) struct Continuation {
     id: Value,
     shift: u64,
-    pending: Vec<u8>,
 }
 
 impl Continuation {
@@ -260,37 +274,24 @@ impl Continuation {
         Continuation {
             id: first.answer["id"].clone(),
             shift: first.shift,
-            pending: Vec::new(),
         }
     }
 
-    /// The complete events of what came so far, rewritten.
-    pub(super) fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
-        self.pending.extend_from_slice(chunk);
-        let Some(end) = self.pending.windows(2).rposition(|w| w == b"\n\n") else {
-            return Vec::new();
-        };
-        let complete: Vec<u8> = self.pending.drain(..end + 2).collect();
-        let text = String::from_utf8_lossy(&complete);
+    /// Whole events of the decode's stream, rewritten; an error event as it is (the decode's
+    /// own).
+    pub(super) fn rewrite_events(&self, whole: &[u8]) -> Bytes {
+        let text = String::from_utf8_lossy(whole);
         let mut out = String::with_capacity(text.len());
-        for line in text.split_inclusive('\n') {
-            let event = line
-                .strip_prefix("data: ")
-                .and_then(|data| serde_json::from_str::<Value>(data.trim_end()).ok());
-            match event {
+        for line in events::lines(&text) {
+            match line.event() {
                 Some(mut event) if event.get("error").is_none() => {
                     self.rewrite(&mut event);
-                    out += &format!("data: {event}{}", &line[line.trim_end().len()..]);
+                    out += &line.with(&event);
                 }
-                _ => out += line,
+                _ => out += line.as_str(),
             }
         }
-        out.into_bytes()
-    }
-
-    /// What is left of a stream that ended without its last blank line.
-    pub(super) fn rest(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.pending)
+        Bytes::from(out)
     }
 
     /// One answer or event of the decode as part of the whole answer.
@@ -324,9 +325,120 @@ impl Continuation {
     }
 }
 
+impl Proxy {
+    /// The rest of a request whose prefill answered with the first token it sampled (`params`:
+    /// its `kv_transfer_params`, naming `room`): the first token alone when it ends the answer,
+    /// else the decode's request continuing from it, sent to `decode` (or another decode
+    /// server that can take the KV of `paired_with`), and the decode's answer joined to it: a
+    /// stream's first event goes at once, the decode's events follow.
+    pub(super) async fn first_token(
+        self: Arc<Self>,
+        routed: Routed<'_>,
+        first: First,
+        params: Value,
+        room: Value,
+        (decode, paired_with): (Lease, Arc<Backend>),
+    ) -> Attempt {
+        self.metrics.sampled(SampledBy::Prefill);
+        let request = &routed.request;
+        let streamed = request.get("stream") == Some(&json!(true));
+        if first.ends(request) {
+            // The first token is the whole answer: the room goes unused (released as
+            // `unclaimed` drops).
+            let response = match streamed {
+                true => event_stream(Body::from(first.events(request, true))),
+                false => axum::Json(first.whole()).into_response(),
+            };
+            self.metrics
+                .first_token(routed.started.elapsed().as_secs_f64());
+            return Attempt::Done(Ok((response, None)));
+        }
+        let params = params.as_object().cloned().unwrap_or_default();
+        let continued = first.decode_request(request, params);
+        // A stream names the decode chosen first (another takes over only if that one is lost
+        // before it answers).
+        let place = HeaderValue::from(self.decode_server(&decode).place);
+        let sending = self.clone().send_decode(
+            routed.path,
+            continued,
+            routed.forwarded.clone(),
+            decode,
+            paired_with,
+        );
+        let failed = Failed {
+            model: routed.model,
+            room,
+            note: None,
+            asking: routed.forwarded.authorization(),
+        };
+        if streamed {
+            // The first token's event goes now; the decode's events follow it.
+            self.metrics
+                .first_token(routed.started.elapsed().as_secs_f64());
+            let head = first.events(&routed.request, false);
+            let rest =
+                self.clone()
+                    .continued(sending, first, failed, routed.unclaimed, routed.started);
+            let body = futures_util::stream::once(async move { Ok(Bytes::from(head)) }).chain(rest);
+            let mut response = event_stream(Body::from_stream(body));
+            response.headers_mut().insert(DECODE_HEADER, place);
+            return Attempt::Done(Ok((response, None)));
+        }
+        let (answer, decode) = sending.await;
+        match self.began(answer, &decode, &failed, routed.unclaimed).await {
+            Ok(answer) => Attempt::Done(Ok((self.joined(&first, answer, &decode).await, None))),
+            Err(end) => end,
+        }
+    }
+
+    /// The decode's whole answer to a request that continues from the prefill's first token,
+    /// joined to it.
+    async fn joined(&self, first: &First, answer: Decoded, decode: &Lease) -> Response {
+        let status = answer.status;
+        let bytes = answer.bytes().await;
+        let mut response = match serde_json::from_slice::<Value>(&bytes) {
+            Ok(whole) => copy_answer(status, Bytes::from(first.joined(whole).to_string())),
+            Err(_) => copy_answer(status, bytes),
+        };
+        let place = HeaderValue::from(self.decode_server(decode).place);
+        response.headers_mut().insert(DECODE_HEADER, place);
+        response
+    }
+
+    /// The rest of a stream whose first token's event went: the decode's events as its
+    /// continuation, or an error event if the decode fails the request (the client has a
+    /// token already: there is no other answer to give).
+    fn continued(
+        self: Arc<Self>,
+        sending: impl std::future::Future<Output = (reqwest::Result<Decoded>, Lease)> + Send + 'static,
+        first: First,
+        failed: Failed,
+        unclaimed: Unclaimed,
+        started: Instant,
+    ) -> futures_util::stream::BoxStream<'static, reqwest::Result<Bytes>> {
+        let rest = async move {
+            let (answer, decode) = sending.await;
+            let server = self.decode_server(&decode);
+            let error = match answer {
+                Ok(answer) if answer.status.is_success() => {
+                    unclaimed.claimed();
+                    let continuation = Some(Continuation::of(&first));
+                    return self.passing(answer, decode, started, failed, continuation);
+                }
+                Ok(answer) => self.decode_error_body(answer, &server, &failed).await,
+                Err(e) => upstream(&server, causes(&e)),
+            };
+            let events = format!("data: {error}\n\ndata: [DONE]\n\n");
+            futures_util::stream::once(async move { Ok(Bytes::from(events)) }).boxed()
+        };
+        futures_util::stream::once(rest).flatten().boxed()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::events::Events;
 
     fn request(fields: Value) -> Map<String, Value> {
         let mut r = json!({"model": "m", "prompt": [5, 6, 7], "max_tokens": 4});
@@ -447,7 +559,7 @@ mod tests {
             Value::Null,
             "not asked for"
         );
-        let mut c = Continuation::of(&first);
+        let c = Continuation::of(&first);
         let one = json!({"id": "cmpl-d", "choices": [{"index": 0, "text": "c", "prompt_token_ids": [5, 6, 7, 42],
                                                       "logprobs": {"text_offset": [0], "tokens": ["c"]}}]});
         let usage = json!({"id": "cmpl-d", "choices": [],
@@ -455,11 +567,15 @@ mod tests {
         let error = json!({"error": {"message": "boom"}});
         let stream = format!("data: {one}\n\ndata: {usage}\n\ndata: {error}\n\ndata: [DONE]\n\n");
         let (a, b) = stream.as_bytes().split_at(17);
-        let mut out = c.feed(a);
-        assert!(out.is_empty(), "no whole event yet");
-        out.extend(c.feed(b));
-        out.extend(c.rest());
-        let out = String::from_utf8(out).unwrap();
+        let mut events = Events::default();
+        assert_eq!(
+            events.feed(Bytes::copy_from_slice(a)),
+            None,
+            "no whole event yet"
+        );
+        let whole = events.feed(Bytes::copy_from_slice(b)).unwrap();
+        assert_eq!(events.rest(), None);
+        let out = String::from_utf8(c.rewrite_events(&whole).to_vec()).unwrap();
         let events: Vec<&str> = out.split("\n\n").filter(|e| !e.is_empty()).collect();
         let parse =
             |e: &str| serde_json::from_str::<Value>(e.strip_prefix("data: ").unwrap()).unwrap();

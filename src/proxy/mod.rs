@@ -30,6 +30,7 @@
 
 mod backends;
 mod discovery;
+mod events;
 mod failure;
 mod first_token;
 mod metrics;

@@ -1,5 +1,7 @@
 //! Routing one request: the prefill and decode servers picked, the prefill's request, the
-//! decode's answer passed through.
+//! decode's answer passed through. The first-token pairing's steps after its prefill answered
+//! are in `first_token.rs`; a stream's events are put back together from its chunks in
+//! `events.rs`.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,9 +20,10 @@ use kvferry_bootstrap::RegistryClient;
 
 use super::backends::{Backend, Backends, Lease};
 use super::discovery::{self, paired};
+use super::events::Events;
 use super::failure::{
-    Failure, Server, bad, causes, copy_answer, error, scrub, scrubbed, unavailable, unpaired,
-    unreachable, upstream,
+    Failed, Failure, Server, bad, causes, copy_answer, error, scrubbed, unavailable, unpaired,
+    unreachable,
 };
 use super::first_token::{Continuation, First};
 use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics, Refuser, SampledBy};
@@ -323,9 +326,28 @@ impl NoPair {
 /// How one pairing of a request ended: its answer (or failure), or the prefill server refused
 /// it (it shuts down, or could not be reached) and another may take it: what the client gets
 /// when none can.
-enum Attempt {
+pub(super) enum Attempt {
     Done(Result<(Response, Option<Cause>), Failure>),
     PrefillRefused(Arc<Backend>, Failure),
+}
+
+/// A request on its way to the prefill and decode servers of one pairing ([`Proxy::attempt`]):
+/// what the steps of its pairing go by.
+pub(super) struct Routed<'a> {
+    pub(super) path: &'static str,
+    /// The client's headers that go on with its request.
+    pub(super) forwarded: &'a Forwarded,
+    /// The client's request.
+    pub(super) request: Map<String, Value>,
+    /// Its model (for a question to the decode: [`Failed`]).
+    pub(super) model: Value,
+    /// The room the proxy named (`kvferry_room`).
+    pub(super) room: String,
+    pub(super) prefill_server: Server,
+    /// The room, released on the prefill server unless a decode's answer began
+    /// (`unclaimed.rs`).
+    pub(super) unclaimed: Unclaimed,
+    pub(super) started: Instant,
 }
 
 /// A spawned task aborted when this is dropped (the client went away).
@@ -483,19 +505,19 @@ impl Proxy {
         endpoint: Endpoint,
         path: &'static str,
         forwarded: &Forwarded,
-        mut request: Map<String, Value>,
+        request: Map<String, Value>,
         (prefill, decode): (Lease, Lease),
         started: Instant,
     ) -> Attempt {
-        let mut first = request.clone();
-        first.insert("max_tokens".into(), json!(1));
+        let mut to_prefill = request.clone();
+        to_prefill.insert("max_tokens".into(), json!(1));
         if endpoint == Endpoint::ChatCompletions {
-            first.insert("max_completion_tokens".into(), json!(1));
+            to_prefill.insert("max_completion_tokens".into(), json!(1));
         }
-        first.insert("stream".into(), json!(false));
-        first.remove("stream_options");
+        to_prefill.insert("stream".into(), json!(false));
+        to_prefill.remove("stream_options");
         for field in NOT_FOR_THE_PREFILL {
-            first.remove(field);
+            to_prefill.remove(field);
         }
         // The first token from the prefill: it samples it as one engine would (no end of
         // sequence before `min_tokens`), and says which it is.
@@ -508,43 +530,19 @@ impl Proxy {
                 }
             };
         if continues {
-            first.insert("return_token_ids".into(), json!(true));
+            to_prefill.insert("return_token_ids".into(), json!(true));
             if request.get("min_tokens").and_then(Value::as_u64) > Some(0) {
-                first.insert("min_tokens".into(), json!(1));
+                to_prefill.insert("min_tokens".into(), json!(1));
             }
         }
         let prefill_server = self.prefill_server(&prefill);
         let model = request.get("model").cloned().unwrap_or(Value::Null);
-        let done = |r| Attempt::Done(r);
-        // The prefill refused the request for its shutdown, or was not reached: another may
-        // take it (a request in flight to the decode is dropped: vLLM aborts it and its room).
-        let refused = |lease: &Lease, why: &str, drains: bool| {
-            let failure = if drains {
-                self.prefills.drained(lease);
-                Failure {
-                    cause: Cause::Prefill,
-                    response: error(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "service_unavailable",
-                        format!(
-                            "the {} shuts down and no other can take the request",
-                            prefill_server.name
-                        ),
-                    ),
-                }
-            } else {
-                self.prefills.route_around(lease, &why);
-                unreachable(Cause::Prefill, &prefill_server, why)
-            };
-            tracing::warn!(server = %lease.backend().url, %why, "a prefill server refused a request: paired again without it");
-            Attempt::PrefillRefused(lease.backend().clone(), failure)
-        };
         // The proxy names the room in either pairing: it can have the prefill release it
         // whenever the request ends before a decode's answer began (`unclaimed.rs`).
         let room = match fresh_room() {
             Ok(room) => room.to_string(),
             Err(e) => {
-                return done(Err(Failure {
+                return Attempt::Done(Err(Failure {
                     cause: Cause::NoServer,
                     response: error(
                         StatusCode::BAD_GATEWAY,
@@ -561,263 +559,290 @@ impl Proxy {
             model.clone(),
             forwarded.authorization(),
         );
-        let mut first_token = None;
-        let (answer, decode, room, note) = 'paired: {
-            match self.pairing {
-                Pairing::Sequential | Pairing::FirstToken => {
-                    first.insert(
-                        "kv_transfer_params".into(),
-                        json!({"do_remote_decode": true, "kvferry_room": room}),
-                    );
-                    let answer = match self.post(&prefill_server, path, &first, forwarded).await {
+        let routed = Routed {
+            path,
+            forwarded,
+            request,
+            model,
+            room,
+            prefill_server,
+            unclaimed,
+            started,
+        };
+        match self.pairing {
+            Pairing::Sequential | Pairing::FirstToken => {
+                self.sequential(routed, to_prefill, (prefill, decode), continues)
+                    .await
+            }
+            Pairing::Concurrent => self.concurrent(routed, to_prefill, (prefill, decode)).await,
+        }
+    }
+
+    /// The sequential pairing, and the first-token one: the prefill answers `to_prefill` first,
+    /// and its `kv_transfer_params` go into the decode request; with `continues`, the first
+    /// token it sampled goes to the client at once ([`Proxy::first_token`]).
+    async fn sequential(
+        self: Arc<Self>,
+        mut routed: Routed<'_>,
+        mut to_prefill: Map<String, Value>,
+        (prefill, decode): (Lease, Lease),
+        continues: bool,
+    ) -> Attempt {
+        to_prefill.insert(
+            "kv_transfer_params".into(),
+            json!({"do_remote_decode": true, "kvferry_room": routed.room}),
+        );
+        let prefill_server = &routed.prefill_server;
+        let posted = self.post(prefill_server, routed.path, &to_prefill, routed.forwarded);
+        let answer = match posted.await {
+            Posted::Answered(a) if refused_for_shutdown(&a) => {
+                routed.unclaimed.claimed();
+                return self.prefill_refused(&prefill, prefill_server, "it shuts down", true);
+            }
+            Posted::Answered(answer) => answer,
+            Posted::Refused(f) => {
+                routed.unclaimed.claimed();
+                return Attempt::Done(Err(f));
+            }
+            Posted::Unreached(e) => {
+                routed.unclaimed.claimed();
+                return self.prefill_refused(&prefill, prefill_server, &e, false);
+            }
+            // It may have computed the room: released when this returns.
+            Posted::Lost(e) => {
+                return Attempt::Done(Err(unreachable(Cause::Prefill, prefill_server, e)));
+            }
+        };
+        let Some(params) = answer
+            .get("kv_transfer_params")
+            .cloned()
+            .filter(Value::is_object)
+        else {
+            routed.unclaimed.claimed();
+            return Attempt::Done(Err(unreachable(
+                Cause::Prefill,
+                prefill_server,
+                "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?",
+            )));
+        };
+        let paired_with = prefill.backend().clone();
+        drop(prefill);
+        let room = params.get("kvferry_room").cloned().unwrap_or(Value::Null);
+        let first = continues
+            .then(|| First::read(answer, &routed.request))
+            .and_then(|read| {
+                read.map_err(|why| tracing::warn!(server = %prefill_server.url, %why, "no first token from the prefill: the decode samples it"))
+                    .ok()
+            });
+        if let Some(first) = first {
+            let decode = (decode, paired_with);
+            return self.first_token(routed, first, params, room, decode).await;
+        }
+        self.metrics.sampled(SampledBy::Decode);
+        routed.request.insert("kv_transfer_params".into(), params);
+        let (answer, decode) = self
+            .clone()
+            .send_decode(
+                routed.path,
+                routed.request,
+                routed.forwarded.clone(),
+                decode,
+                paired_with,
+            )
+            .await;
+        let failed = Failed {
+            model: routed.model,
+            room,
+            note: None,
+            asking: routed.forwarded.authorization(),
+        };
+        self.pass_on(answer, decode, failed, routed.unclaimed, routed.started)
+            .await
+    }
+
+    /// The concurrent pairing: the decode's request names the room and the prefill's group,
+    /// and goes with `to_prefill`, at once.
+    async fn concurrent(
+        self: Arc<Self>,
+        routed: Routed<'_>,
+        mut to_prefill: Map<String, Value>,
+        (prefill, decode): (Lease, Lease),
+    ) -> Attempt {
+        let Routed {
+            path,
+            forwarded,
+            mut request,
+            model,
+            room,
+            prefill_server,
+            unclaimed,
+            started,
+        } = routed;
+        // The prefill's engine: a data-parallel rank of the server, in turn.
+        let Some(rank) = prefill.backend().next_rank() else {
+            unclaimed.claimed();
+            return Attempt::Done(Err(unavailable("prefill")));
+        };
+        let group = rank.group;
+        to_prefill.insert(
+            "kv_transfer_params".into(),
+            json!({"do_remote_decode": true, "kvferry_room": room}),
+        );
+        request.insert(
+            "kv_transfer_params".into(),
+            json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": group}),
+        );
+        // The decode allocates and waits for the room while the prefill computes it.
+        let first_decode = self.decode_server(&decode);
+        let send = self.clone().send_decode(
+            path,
+            request,
+            forwarded.clone(),
+            decode,
+            prefill.backend().clone(),
+        );
+        // The prefill's request ends with this block, before the decode's answer is read: one
+        // still unanswered (the decode failed first) is dropped.
+        let (answer, decode, note) = {
+            let mut decoding = AbortOnDrop(tokio::spawn(send));
+            let to_rank = forwarded.to_rank(rank.dp);
+            let prefill_post = self.post(&prefill_server, path, &to_prefill, &to_rank);
+            tokio::pin!(prefill_post);
+            let mut decoded = None;
+            let note = loop {
+                tokio::select! {
+                    posted = &mut prefill_post => break match posted {
                         Posted::Answered(a) if refused_for_shutdown(&a) => {
                             unclaimed.claimed();
-                            return refused(&prefill, "it shuts down", true);
+                            return self.prefill_refused(&prefill, &prefill_server, "it shuts down", true);
                         }
-                        Posted::Answered(answer) => answer,
-                        Posted::Refused(f) => {
-                            unclaimed.claimed();
-                            return done(Err(f));
+                        Posted::Answered(_) => {
+                            self.metrics.sampled(SampledBy::Decode);
+                            None
                         }
                         Posted::Unreached(e) => {
                             unclaimed.claimed();
-                            return refused(&prefill, &e, false);
+                            return self.prefill_refused(&prefill, &prefill_server, &e, false);
                         }
-                        // It may have computed the room: released when this returns.
+                        // Its room will never come: the decode request is dropped (vLLM
+                        // aborts it and its room) and the client gets the prefill's answer.
+                        Posted::Refused(f) => {
+                            unclaimed.claimed();
+                            return Attempt::Done(Err(f));
+                        }
+                        // Whether the room's KV still arrives is the decode's to find out;
+                        // its kv_load_failure_policy decides the answer.
                         Posted::Lost(e) => {
-                            return done(Err(unreachable(Cause::Prefill, &prefill_server, e)));
+                            tracing::warn!(server = %prefill_server.url, name = %prefill_server.name, room, error = %e, "prefill request lost");
+                            Some(format!("the {} failed this request: {}", prefill_server.name, hide_addresses(&e)))
                         }
-                    };
-                    let Some(params) = answer
-                        .get("kv_transfer_params")
-                        .cloned()
-                        .filter(Value::is_object)
-                    else {
-                        unclaimed.claimed();
-                        return done(Err(unreachable(
-                            Cause::Prefill,
-                            &prefill_server,
-                            "its answer has no kv_transfer_params: is it running KvferryConnector as kv_producer?",
-                        )));
-                    };
-                    let paired_with = prefill.backend().clone();
-                    drop(prefill);
-                    let room = params.get("kvferry_room").cloned().unwrap_or(Value::Null);
-                    let first = continues
-                    .then(|| First::read(answer, &request))
-                    .and_then(|read| {
-                        read.map_err(|why| tracing::warn!(server = %prefill_server.url, %why, "no first token from the prefill: the decode samples it"))
-                            .ok()
-                    });
-                    let Some(first) = first else {
-                        self.metrics.sampled(SampledBy::Decode);
-                        request.insert("kv_transfer_params".into(), params);
-                        let (answer, decode) = self
-                            .clone()
-                            .send_decode(path, request, forwarded.clone(), decode, paired_with)
-                            .await;
-                        break 'paired (answer, decode, room, None);
-                    };
-                    self.metrics.sampled(SampledBy::Prefill);
-                    let streamed = request.get("stream") == Some(&json!(true));
-                    if first.ends(&request) {
-                        // The first token is the whole answer: the room goes unused (released as
-                        // `unclaimed` drops).
-                        let response = match streamed {
-                            true => event_stream(Body::from(first.events(&request, true))),
-                            false => axum::Json(first.whole()).into_response(),
-                        };
-                        self.metrics.first_token(started.elapsed().as_secs_f64());
-                        return done(Ok((response, None)));
-                    }
-                    let params = params.as_object().cloned().unwrap_or_default();
-                    let continued = first.decode_request(&request, params);
-                    // A stream names the decode chosen first (another takes over only if
-                    // that one is lost before it answers).
-                    let place = HeaderValue::from(self.decode_server(&decode).place);
-                    let sending = self.clone().send_decode(
-                        path,
-                        continued,
-                        forwarded.clone(),
-                        decode,
-                        paired_with,
-                    );
-                    let failed = Failed {
-                        model: model.clone(),
-                        room,
-                        note: None,
-                        asking: forwarded.authorization(),
-                    };
-                    if streamed {
-                        // The first token's event goes now; the decode's events follow it.
-                        self.metrics.first_token(started.elapsed().as_secs_f64());
-                        let head = first.events(&request, false);
-                        let rest = self
-                            .clone()
-                            .continued(sending, first, failed, unclaimed, started);
-                        let body = futures_util::stream::once(async move { Ok(Bytes::from(head)) })
-                            .chain(rest);
-                        let mut response = event_stream(Body::from_stream(body));
-                        response.headers_mut().insert(DECODE_HEADER, place);
-                        return done(Ok((response, None)));
-                    }
-                    let (answer, decode) = sending.await;
-                    first_token = Some(first);
-                    (answer, decode, failed.room, None)
-                }
-                Pairing::Concurrent => {
-                    // The prefill's engine: a data-parallel rank of the server, in turn.
-                    let Some(rank) = prefill.backend().next_rank() else {
-                        unclaimed.claimed();
-                        return done(Err(unavailable("prefill")));
-                    };
-                    let group = rank.group;
-                    first.insert(
-                        "kv_transfer_params".into(),
-                        json!({"do_remote_decode": true, "kvferry_room": room}),
-                    );
-                    request.insert(
-                    "kv_transfer_params".into(),
-                    json!({"do_remote_prefill": true, "kvferry_room": room, "kvferry_dp_rank": group}),
-                );
-                    // The decode allocates and waits for the room while the prefill computes it.
-                    let first_decode = self.decode_server(&decode);
-                    let send = self.clone().send_decode(
-                        path,
-                        request,
-                        forwarded.clone(),
-                        decode,
-                        prefill.backend().clone(),
-                    );
-                    let mut decoding = AbortOnDrop(tokio::spawn(send));
-                    let to_prefill = forwarded.to_rank(rank.dp);
-                    let prefill_post = self.post(&prefill_server, path, &first, &to_prefill);
-                    tokio::pin!(prefill_post);
-                    let mut decoded = None;
-                    let note = loop {
-                        tokio::select! {
-                            posted = &mut prefill_post => break match posted {
-                                Posted::Answered(a) if refused_for_shutdown(&a) => {
-                                    unclaimed.claimed();
-                                    return refused(&prefill, "it shuts down", true);
-                                }
-                                Posted::Answered(_) => {
-                                    self.metrics.sampled(SampledBy::Decode);
-                                    None
-                                }
-                                Posted::Unreached(e) => {
-                                    unclaimed.claimed();
-                                    return refused(&prefill, &e, false);
-                                }
-                                // Its room will never come: the decode request is dropped (vLLM
-                                // aborts it and its room) and the client gets the prefill's answer.
-                                Posted::Refused(f) => {
-                                    unclaimed.claimed();
-                                    return done(Err(f));
-                                }
-                                // Whether the room's KV still arrives is the decode's to find out;
-                                // its kv_load_failure_policy decides the answer.
-                                Posted::Lost(e) => {
-                                    tracing::warn!(server = %prefill_server.url, name = %prefill_server.name, room, error = %e, "prefill request lost");
-                                    Some(format!("the {} failed this request: {}", prefill_server.name, hide_addresses(&e)))
-                                }
-                            },
-                            joined = &mut decoding.0, if decoded.is_none() => {
-                                let answer = match joined {
-                                    Ok(answer) => answer,
-                                    Err(e) => return done(Err(unreachable(Cause::Decode, &first_decode, e))),
-                                };
-                                let failed = answer.0.as_ref().map_or(true, |r| !r.status.is_success());
-                                decoded = Some(answer);
-                                if failed {
-                                    // The decode will not take the room: the prefill's request is
-                                    // dropped (vLLM aborts it and its room).
-                                    break None;
-                                }
-                            }
-                        }
-                    };
-                    drop(prefill);
-                    let (answer, decode) = match decoded {
-                        Some(answer) => answer,
-                        None => match (&mut decoding.0).await {
+                    },
+                    joined = &mut decoding.0, if decoded.is_none() => {
+                        let answer = match joined {
                             Ok(answer) => answer,
-                            Err(e) => {
-                                return done(Err(unreachable(Cause::Decode, &first_decode, e)));
-                            }
-                        },
-                    };
-                    (answer, decode, Value::String(room), note)
+                            Err(e) => return Attempt::Done(Err(unreachable(Cause::Decode, &first_decode, e))),
+                        };
+                        let failed = answer.0.as_ref().map_or(true, |r| !r.status.is_success());
+                        decoded = Some(answer);
+                        if failed {
+                            // The decode will not take the room: the prefill's request is
+                            // dropped (vLLM aborts it and its room).
+                            break None;
+                        }
+                    }
                 }
-            }
-        };
-        let decode_server = self.decode_server(&decode);
-        let answer = match answer {
-            Ok(answer) => answer,
-            Err(e) => {
-                return done(Err(unreachable(Cause::Decode, &decode_server, causes(&e))));
-            }
+            };
+            drop(prefill);
+            let (answer, decode) = match decoded {
+                Some(answer) => answer,
+                None => match (&mut decoding.0).await {
+                    Ok(answer) => answer,
+                    Err(e) => {
+                        return Attempt::Done(Err(unreachable(Cause::Decode, &first_decode, e)));
+                    }
+                },
+            };
+            (answer, decode, note)
         };
         let failed = Failed {
             model,
-            room,
+            room: Value::String(room),
             note,
             asking: forwarded.authorization(),
         };
+        self.pass_on(answer, decode, failed, unclaimed, started)
+            .await
+    }
+
+    /// The prefill of `lease` refused the request for its shutdown (`drains`), or was not
+    /// reached: another may take it (a request in flight to the decode is dropped: vLLM aborts
+    /// it and its room).
+    fn prefill_refused(&self, lease: &Lease, server: &Server, why: &str, drains: bool) -> Attempt {
+        let failure = if drains {
+            self.prefills.drained(lease);
+            Failure {
+                cause: Cause::Prefill,
+                response: error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    format!(
+                        "the {} shuts down and no other can take the request",
+                        server.name
+                    ),
+                ),
+            }
+        } else {
+            self.prefills.route_around(lease, &why);
+            unreachable(Cause::Prefill, server, why)
+        };
+        tracing::warn!(server = %lease.backend().url, %why, "a prefill server refused a request: paired again without it");
+        Attempt::PrefillRefused(lease.backend().clone(), failure)
+    }
+
+    /// The decode's answer, once it began: it took the room (`unclaimed` is claimed). When there
+    /// is none, or it is an error (explained: [`Proxy::decode_error`]), the attempt's end
+    /// instead.
+    pub(super) async fn began(
+        &self,
+        answer: reqwest::Result<Decoded>,
+        decode: &Lease,
+        failed: &Failed,
+        unclaimed: Unclaimed,
+    ) -> Result<Decoded, Attempt> {
+        let decode_server = self.decode_server(decode);
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(e) => {
+                let failure = unreachable(Cause::Decode, &decode_server, causes(&e));
+                return Err(Attempt::Done(Err(failure)));
+            }
+        };
         if !answer.status.is_success() {
-            let response = self.decode_error(answer, &decode_server, &failed).await;
-            return done(Ok((response, Some(Cause::Decode))));
+            let response = self.decode_error(answer, &decode_server, failed).await;
+            return Err(Attempt::Done(Ok((response, Some(Cause::Decode)))));
         }
         // The decode's answer began: it took the room.
         unclaimed.claimed();
-        let response = match first_token {
-            Some(first) => self.joined(&first, answer, &decode).await,
-            None => self.pass_through(answer, decode, started, failed),
-        };
-        done(Ok((response, None)))
+        Ok(answer)
     }
 
-    /// The decode's whole answer to a request that continues from the prefill's first token,
-    /// joined to it (`first_token.rs`).
-    async fn joined(&self, first: &First, answer: Decoded, decode: &Lease) -> Response {
-        let status = answer.status;
-        let bytes = answer.bytes().await;
-        let mut response = match serde_json::from_slice::<Value>(&bytes) {
-            Ok(whole) => copy_answer(status, Bytes::from(first.joined(whole).to_string())),
-            Err(_) => copy_answer(status, bytes),
-        };
-        let place = HeaderValue::from(self.decode_server(decode).place);
-        response.headers_mut().insert(DECODE_HEADER, place);
-        response
-    }
-
-    /// The rest of a stream whose first token's event went: the decode's events as its
-    /// continuation, or an error event if the decode fails the request (the client has a
-    /// token already: there is no other answer to give).
-    fn continued(
+    /// The decode's answer, once it began ([`Proxy::began`]), passed through to the client
+    /// ([`Proxy::pass_through`]).
+    async fn pass_on(
         self: Arc<Self>,
-        sending: impl std::future::Future<Output = (reqwest::Result<Decoded>, Lease)> + Send + 'static,
-        first: First,
+        answer: reqwest::Result<Decoded>,
+        decode: Lease,
         failed: Failed,
         unclaimed: Unclaimed,
         started: Instant,
-    ) -> futures_util::stream::BoxStream<'static, reqwest::Result<Bytes>> {
-        let rest = async move {
-            let (answer, decode) = sending.await;
-            let server = self.decode_server(&decode);
-            let error = match answer {
-                Ok(answer) if answer.status.is_success() => {
-                    unclaimed.claimed();
-                    let continuation = Some(Continuation::of(&first));
-                    return self.passing(answer, decode, started, failed, continuation);
-                }
-                Ok(answer) => self.decode_error_body(answer, &server, &failed).await,
-                Err(e) => upstream(&server, causes(&e)),
-            };
-            let events = format!("data: {error}\n\ndata: [DONE]\n\n");
-            futures_util::stream::once(async move { Ok(Bytes::from(events)) }).boxed()
-        };
-        futures_util::stream::once(rest).flatten().boxed()
+    ) -> Attempt {
+        match self.began(answer, &decode, &failed, unclaimed).await {
+            Ok(answer) => {
+                let response = self.pass_through(answer, decode, started, failed);
+                Attempt::Done(Ok((response, None)))
+            }
+            Err(end) => end,
+        }
     }
 
     /// The decode's request sent to `decode`, or to another decode server that can take the KV
@@ -829,7 +854,7 @@ impl Proxy {
     /// Nothing of its own reached the client in any case, and the room waits on the prefill for
     /// the decode that asks (a lost decode's for `--requeue-ms`). The answer, and the server
     /// that gave it.
-    async fn send_decode(
+    pub(super) async fn send_decode(
         self: Arc<Self>,
         path: &'static str,
         request: Map<String, Value>,
@@ -917,7 +942,7 @@ impl Proxy {
     }
 
     /// The decode server of `lease`, as the log and a client's answer name it.
-    fn decode_server(&self, lease: &Lease) -> Server {
+    pub(super) fn decode_server(&self, lease: &Lease) -> Server {
         Server::of("decode", lease, &self.decodes)
     }
 
@@ -953,94 +978,6 @@ impl Proxy {
         }
     }
 
-    /// The decode's error answer, addresses hidden, its message extended with the decode server,
-    /// the kvferry room, why the room failed (asked with `kvferry_reason_of`: vLLM's own message
-    /// for a failed KV load is a bare "Internal server error") and what the proxy saw of the
-    /// prefill's side.
-    async fn decode_error(&self, answer: Decoded, decode: &Server, failed: &Failed) -> Response {
-        let status = answer.status;
-        let body = self.decode_error_body(answer, decode, failed).await;
-        copy_answer(status, Bytes::from(body.to_string()))
-    }
-
-    /// The error object of [`Proxy::decode_error`].
-    async fn decode_error_body(&self, answer: Decoded, decode: &Server, failed: &Failed) -> Value {
-        let status = answer.status;
-        let bytes = answer.bytes().await;
-        let mut body = scrubbed(status, &bytes, decode);
-        if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
-            *message = format!("{message} ({})", self.context(decode, failed).await);
-        }
-        body
-    }
-
-    /// What the proxy can tell a client about a decode's failure: the decode server (its role
-    /// and place), the kvferry room and why it failed there (`kvferry_reason_of`, asked with the
-    /// client's `Authorization`), and the note on the prefill's side, addresses hidden. The log
-    /// has it whole.
-    async fn context(&self, decode: &Server, failed: &Failed) -> String {
-        let mut context = decode.name.clone();
-        let mut reason = None;
-        if let Some(room) = failed.room.as_str() {
-            context += &format!(", kvferry room {room}");
-            let ask = json!({"model": failed.model, "prompt": [1], "max_tokens": 1,
-                             "kv_transfer_params": {"kvferry_reason_of": room}});
-            let asked = self.post(decode, "/v1/completions", &ask, &failed.asking);
-            if let Posted::Answered(a) = asked.await
-                && let Some(said) = a
-                    .pointer("/kv_transfer_params/kvferry_reason")
-                    .and_then(Value::as_str)
-            {
-                context += &format!(" failed: {}", hide_addresses(said));
-                reason = Some(said.to_owned());
-            }
-        }
-        if let Some(note) = &failed.note {
-            context += &format!("; {note}");
-        }
-        tracing::warn!(
-            server = %decode.url,
-            name = %decode.name,
-            room = %failed.room,
-            reason = reason.as_deref().unwrap_or("not known"),
-            "a decode server failed a request"
-        );
-        context
-    }
-
-    /// A chunk of a decode's event stream with each error event's addresses hidden and its
-    /// message extended as [`Proxy::context`] says (vLLM ends a stream whose KV load failed with
-    /// a bare "Internal server error" event); other chunks as they are.
-    async fn explain_errors(&self, chunk: Bytes, decode: &Server, failed: &Failed) -> Bytes {
-        if !chunk.windows(8).any(|w| w == b"\"error\":") {
-            return chunk;
-        }
-        let text = String::from_utf8_lossy(&chunk).into_owned();
-        let mut out = String::with_capacity(text.len());
-        for line in text.split_inclusive('\n') {
-            let event = line
-                .strip_prefix("data: ")
-                .and_then(|data| serde_json::from_str::<Value>(data.trim_end()).ok());
-            match event {
-                Some(mut event)
-                    if event
-                        .pointer("/error/message")
-                        .is_some_and(Value::is_string) =>
-                {
-                    scrub(&mut event, decode);
-                    let context = self.context(decode, failed).await;
-                    if let Some(Value::String(message)) = event.pointer_mut("/error/message") {
-                        *message = format!("{message} ({context})");
-                    }
-                    let end = &line[line.trim_end().len()..];
-                    out += &format!("data: {event}{end}");
-                }
-                _ => out += line,
-            }
-        }
-        Bytes::from(out)
-    }
-
     /// The decode's answer as it streams, its lease held until the end; an error event in it
     /// is explained ([`Proxy::explain_errors`]), a broken stream ends with one.
     fn pass_through(
@@ -1066,7 +1003,7 @@ impl Proxy {
 
     /// The body of [`Proxy::pass_through`]; with a `continuation`, the decode's events continue a
     /// first token that went already (`first_token.rs`).
-    fn passing(
+    pub(super) fn passing(
         self: Arc<Self>,
         answer: Decoded,
         decode: Lease,
@@ -1081,6 +1018,7 @@ impl Proxy {
             body: answer.body,
             streamed,
             first: streamed && continuation.is_none(),
+            events: Events::default(),
             continuation,
             broken: false,
             server,
@@ -1091,54 +1029,13 @@ impl Proxy {
                 _decode: decode,
             },
         };
-        futures_util::stream::unfold(passing, |mut p| async move {
-            if p.broken {
-                return None;
-            }
-            let Some(chunk) = p.body.next().await else {
-                // What a continued stream held back of an unfinished event.
-                let rest = p.continuation.as_mut().map(Continuation::rest)?;
-                p.broken = true;
-                return (!rest.is_empty()).then(|| (Ok(Bytes::from(rest)), p));
-            };
-            if std::mem::take(&mut p.first) {
-                let elapsed = p.done.started.elapsed().as_secs_f64();
-                p.done.proxy.metrics.first_token(elapsed);
-            }
-            let chunk = match chunk {
-                // A stream that breaks ends with an error event the client can read (an OpenAI
-                // error object, as vLLM sends one mid-stream), not with a cut connection.
-                Err(e) if p.streamed => {
-                    p.broken = true;
-                    let why = causes(&e);
-                    tracing::warn!(server = %p.server.url, name = %p.server.name, error = %why, "a decode server's stream broke");
-                    let message = format!(
-                        "{} failed mid-answer: {}",
-                        p.server.name,
-                        hide_addresses(&why)
-                    );
-                    let event = json!({"error": {"message": message, "type": "upstream_error",
-                                                 "param": null, "code": 502}});
-                    Ok(Bytes::from(format!("data: {event}\n\n")))
-                }
-                Ok(bytes) if p.streamed => {
-                    let bytes = match p.continuation.as_mut() {
-                        Some(c) => Bytes::from(c.feed(&bytes)),
-                        None => bytes,
-                    };
-                    let proxy = &p.done.proxy;
-                    Ok(proxy.explain_errors(bytes, &p.server, &p.failed).await)
-                }
-                chunk => chunk,
-            };
-            Some((chunk, p))
-        })
-        .boxed()
+        let next = |mut p: Passing| async move { p.next().await.map(|chunk| (chunk, p)) };
+        futures_util::stream::unfold(passing, next).boxed()
     }
 }
 
 /// An answer that is an event stream (`text/event-stream`).
-fn event_stream(body: Body) -> Response {
+pub(super) fn event_stream(body: Body) -> Response {
     let mut response = Response::new(body);
     (response.headers_mut()).insert(
         header::CONTENT_TYPE,
@@ -1149,18 +1046,7 @@ fn event_stream(body: Body) -> Response {
 
 /// The header of an answer that names the decode server that gave it: its place in `--decode`,
 /// from 1 (not its address).
-const DECODE_HEADER: &str = "x-kvferry-decode";
-
-/// What explains a decode's failure of a request: its model (for the question to the decode),
-/// its kvferry room, the note on its prefill's side (addresses hidden), and the client's
-/// headers the question goes with.
-struct Failed {
-    model: Value,
-    room: Value,
-    note: Option<String>,
-    /// The client's `Authorization` ([`Forwarded::authorization`]).
-    asking: Forwarded,
-}
+pub(super) const DECODE_HEADER: &str = "x-kvferry-decode";
 
 /// A decode's answer on its way to the client.
 struct Passing {
@@ -1169,6 +1055,8 @@ struct Passing {
     streamed: bool,
     /// No chunk went yet (the time to the first is observed for a stream).
     first: bool,
+    /// A stream's events put back together: one may end in a later chunk than it began in.
+    events: Events,
     /// The decode's events continue a first token that went already.
     continuation: Option<Continuation>,
     /// The stream broke: its error event went, nothing follows.
@@ -1176,6 +1064,67 @@ struct Passing {
     server: Server,
     failed: Failed,
     done: Done,
+}
+
+impl Passing {
+    /// What goes to the client next: a stream's whole events as [`Passing::relay`] has them
+    /// (an event that a chunk ends inside waits for the rest of it), another answer's chunks as
+    /// they come.
+    async fn next(&mut self) -> Option<reqwest::Result<Bytes>> {
+        if self.broken {
+            return None;
+        }
+        loop {
+            let Some(chunk) = self.body.next().await else {
+                // What a stream held back of an unfinished event.
+                let rest = self.events.rest()?;
+                self.broken = true;
+                return Some(Ok(self.relay(rest).await));
+            };
+            if std::mem::take(&mut self.first) {
+                let elapsed = self.done.started.elapsed().as_secs_f64();
+                self.done.proxy.metrics.first_token(elapsed);
+            }
+            return Some(match chunk {
+                // A stream that breaks ends with an error event the client can read (an OpenAI
+                // error object, as vLLM sends one mid-stream), not with a cut connection. An
+                // event it broke inside is dropped: it can never end.
+                Err(e) if self.streamed => {
+                    self.broken = true;
+                    let why = causes(&e);
+                    tracing::warn!(server = %self.server.url, name = %self.server.name, error = %why, "a decode server's stream broke");
+                    let message = format!(
+                        "{} failed mid-answer: {}",
+                        self.server.name,
+                        hide_addresses(&why)
+                    );
+                    let event = json!({"error": {"message": message, "type": "upstream_error",
+                                                 "param": null, "code": 502}});
+                    Ok(Bytes::from(format!("data: {event}\n\n")))
+                }
+                Ok(bytes) if self.streamed => match self.events.feed(bytes) {
+                    Some(whole) => Ok(self.relay(whole).await),
+                    None => continue,
+                },
+                chunk => chunk,
+            });
+        }
+    }
+
+    /// A stream's whole events as the client gets them: the continuation of a first token that
+    /// went already (`first_token.rs`), each error event explained ([`Proxy::explain_errors`]).
+    /// (`&mut`: the stream's future that holds it across an await must be `Send`, and the body
+    /// is not `Sync`.)
+    async fn relay(&mut self, whole: Bytes) -> Bytes {
+        let whole = match &self.continuation {
+            Some(c) => c.rewrite_events(&whole),
+            None => whole,
+        };
+        let proxy = &self.done.proxy;
+        proxy
+            .explain_errors(whole, &self.server, &self.failed)
+            .await
+    }
 }
 
 /// Held by an answer's stream: when it ends (or the client leaves), the decode's request
@@ -1199,4 +1148,71 @@ fn fresh_room() -> Result<u64, getrandom::Error> {
     let mut b = [0u8; 8];
     getrandom::fill(&mut b)?;
     Ok(u64::from_le_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A proxy with one decode server, and a lease of it: a local server that answers
+    /// `/health`, and nothing else.
+    async fn proxy_with_a_decode() -> (Arc<Proxy>, Lease) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let health = Router::new().route("/health", get(|| async { StatusCode::OK }));
+        tokio::spawn(async move { axum::serve(listener, health).await });
+        let proxy = Arc::new(Proxy {
+            prefills: Arc::new(Backends::new(&[], false, None)),
+            decodes: Arc::new(Backends::new(&[url], false, None)),
+            pairing: Pairing::Sequential,
+            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            metrics: ProxyMetrics::default(),
+            api_key: None,
+            registry: None,
+            health_timeout: std::time::Duration::from_secs(10),
+            short_below: 0,
+        });
+        proxy.first_round().await;
+        let decode = proxy.decodes.pick().expect("the decode server is healthy");
+        (proxy, decode)
+    }
+
+    #[tokio::test]
+    async fn an_error_event_split_across_chunks_is_explained() {
+        let (proxy, decode) = proxy_with_a_decode().await;
+        let token = json!({"id": "cmpl-d", "choices": [{"index": 0, "text": "a"}]});
+        let error = json!({"error": {"message": "Internal server error", "type": "InternalServerError",
+                                     "param": null, "code": 500}});
+        let stream = format!("data: {token}\n\ndata: {error}\n\ndata: [DONE]\n\n");
+        // Neither chunk has `"error":` whole, nor the error event.
+        let at = stream.find("\"error\":").unwrap() + 4;
+        let chunks =
+            [&stream[..at], &stream[at..]].map(|c| Ok(Bytes::copy_from_slice(c.as_bytes())));
+        let answer = Decoded {
+            status: reqwest::StatusCode::OK,
+            content_type: Some(reqwest::header::HeaderValue::from_static(
+                "text/event-stream",
+            )),
+            body: futures_util::stream::iter(chunks).boxed(),
+        };
+        let failed = Failed {
+            model: json!("m"),
+            room: Value::Null,
+            note: Some("the prefill's note".into()),
+            asking: Forwarded::default(),
+        };
+        let passed = proxy.passing(answer, decode, Instant::now(), failed, None);
+        let chunks: Vec<Bytes> = passed.map(Result::unwrap).collect().await;
+        let out = String::from_utf8(chunks.concat()).unwrap();
+        let events: Vec<&str> = out.split("\n\n").filter(|e| !e.is_empty()).collect();
+        let parse =
+            |e: &str| serde_json::from_str::<Value>(e.strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(events.len(), 3, "{out}");
+        assert_eq!(parse(events[0]), token);
+        assert_eq!(
+            parse(events[1])["error"]["message"],
+            "Internal server error (decode server 1 of 1; the prefill's note)"
+        );
+        assert_eq!(events[2], "data: [DONE]");
+    }
 }
