@@ -126,29 +126,40 @@ def reasons_logged(log: str) -> list[str]:
     return sorted(set(re.findall(r"kvferry: request \S+ room \d+ failed: (\w+):", log)))
 
 
-def test_a_decode_whose_prompt_differs_from_the_prefills_never_takes_its_kv(policy_pd, reference):
-    """Concurrent pairing, the two requests paired by hand: the decode's prompt differs from the
-    prefill's in one early token (so the prefill's KV would be wrong for it from there on). The
-    prefill refuses the room (``prompt_mismatch``): with ``recompute`` the decode answers what a
-    single engine answers for its own prompt, with ``fail`` an error, never the other prompt's KV."""
+@pytest.mark.parametrize("flow", ["concurrent", "continues"])
+def test_a_decode_whose_prompt_differs_from_the_prefills_never_takes_its_kv(policy_pd, reference, flow):
+    """The two requests paired by hand: the decode's prompt differs from the prefill's in one
+    early token (so the prefill's KV would be wrong for it from there on). ``concurrent``: both
+    at once, the router naming the room; ``continues``: first-token pairing's, the prefill
+    first, and the decode continuing from its prompt plus the prefill's token
+    (``kvferry_continues``: the room is its prompt but the last token). The prefill refuses the
+    room (``prompt_mismatch``): with ``recompute`` the decode answers what a single engine
+    answers for its own prompt, with ``fail`` an error, never the other prompt's KV."""
     policy, pd = policy_pd
     log_start = len(pd.decode.log.read_text())
     prompt = make_prompts(SEEDS["concurrent"])[7]  # 300 tokens
     other = list(prompt)
     other[5] = 3 + (other[5] - 2) % 2045
-    # A single engine's answer for the decode's prompt (the prefill server computes it alone).
-    single = pd.prefill.complete(other, 16)["choices"][0]["token_ids"]
-    assert single != reference[tuple(prompt)], "the two prompts must continue differently"
     room = int.from_bytes(os.urandom(8), "little")
-    group = pd.prefill.kvferry_group()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        prefilled = pool.submit(pd.prefill.complete, prompt, 1, {"do_remote_decode": True, "kvferry_room": str(room)})
-        decoded = pool.submit(pd.decode.complete, other, 16,
-                              {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": group})
-        assert "choices" in prefilled.result(), prefilled.result()
-        got = decoded.result()
+    to_prefill = {"do_remote_decode": True, "kvferry_room": str(room)}
+    if flow == "concurrent":
+        to_decode = {"do_remote_prefill": True, "kvferry_room": str(room), "kvferry_dp_rank": pd.prefill.kvferry_group()}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            prefilled = pool.submit(pd.prefill.complete, prompt, 1, to_prefill)
+            decoded = pool.submit(pd.decode.complete, other, 16, to_decode)
+            assert "choices" in prefilled.result(), prefilled.result()
+            got = decoded.result()
+    else:
+        prefilled = pd.prefill.complete(prompt, 1, to_prefill)
+        assert "choices" in prefilled, prefilled
+        other.append(prefilled["choices"][0]["token_ids"][0])
+        got = pd.decode.complete(other, 15, prefilled["kv_transfer_params"] | {"kvferry_continues": True})
+    # A single engine's answer for the decode's prompt (the prefill server computes it alone).
+    asked = 16 - (len(other) - len(prompt))
+    single = pd.prefill.complete(other, asked)["choices"][0]["token_ids"]
+    assert single != reference[tuple(prompt)][-asked:], "the two prompts must continue differently"
     reason = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]["kvferry_reason"]
-    print(f"{policy}: the decode's room failed with {reason!r}")
+    print(f"{policy}, {flow}: the decode's room failed with {reason!r}")
     assert re.match(rf"prompt_mismatch: prefill \S+: room {room}: the decode's prompt \(digest \w+\) is not the one", reason), reason
     assert reasons_logged(pd.decode.log.read_text()[log_start:]) == ["prompt_mismatch"]
     if policy == "recompute":

@@ -1,6 +1,6 @@
 """Tensor and data parallelism through vLLM, each shape behind ``kvferry proxy``: a TP1 prefill
 server with a TP2 decode server, a prefill server of two vLLM data-parallel ranks of TP2 each
-with a TP1 decode (these two in both pairings), and a TP4 prefill with a TP1 decode (concurrent
+with a TP1 decode (these two in all three pairings), and a TP4 prefill with a TP1 decode (concurrent
 pairing). The TP1 servers are the run's fleet's (``vllm_fleet``), the TP2 decode is the fleet's
 fifth server (``fleet_recompute_decode``), and each multi-rank prefill joins the fleet for its
 shape (``fleet_prefill``).
@@ -49,8 +49,10 @@ SHAPES = {
 # The shapes whose prefill server joins the fleet for them (``fleet_prefill``).
 PREFILL_SHAPES = ["dp2xtp2-to-tp1", "tp4-to-tp1"]
 # The pairings a shape runs: replication changes what each prefill rank sends, not how a
-# decode pairs with them (the other shapes run both pairings).
+# decode pairs with them (the other shapes run all three).
 PAIRINGS = {"tp4-to-tp1": ["concurrent"]}
+# The prompt set of each pairing (first-token pairing's runs on a cold prefix cache again).
+PROMPT_SETS = {"sequential": "sequential", "concurrent": "concurrent", "first-token": "sequential"}
 
 
 # Run in the vLLM venv: kvferry.vllm imports vLLM.
@@ -110,10 +112,12 @@ def check_shape(pd: View, api_port: int, shape: str, reference: dict) -> None:
     before = [vllm_metric(pd.decode, name) for name in counted]
     landed_before = sum(metric(api, "kvferry_kv_bytes_total") for api in pd.decode.agent_apis())
     log_from = len(pd.decode.log.read_text())
-    pairings = PAIRINGS.get(shape, list(SEEDS))
+    pairings = PAIRINGS.get(shape, list(PROMPT_SETS))
     pd.via = {pairing: pd.proxy(pairing) for pairing in pairings}
     for pairing in pairings:
-        run_prompts(pd, pairing, make_prompts(SEEDS[pairing])[:10], reference, in_flight=4)
+        if pairing == "first-token":
+            reset_prefix_cache(pd.decode)
+        run_prompts(pd, pairing, make_prompts(SEEDS[PROMPT_SETS[pairing]])[:10], reference, in_flight=4)
     sent = [metric(api, "kvferry_kv_bytes_total") for api in pd.prefill.agent_apis()]
     print(f"{shape}: bytes sent by each prefill agent {sent}")
     # Every prefill agent sends: ranks holding the same head send half its layers each.

@@ -4,7 +4,7 @@ kvferry group of its own (derived from its vLLM engine id) and both decode serve
 same ranks.
 
 The kill test runs after every other test of the fleet. Prompts of 1 to 1000 tokens
-from both prompt sets go 8 at once through the proxy in both pairings: every output equals the
+from both prompt sets go 8 at once through the proxy in each of its three pairings: every output equals the
 single engine's, the decode agents landed exactly the blocks the responses say they loaded, and
 every server served some. Then one decode server's whole process group is killed with SIGKILL
 while it streams answers (the proxy names the decode of each answer) and while rooms it asked
@@ -41,6 +41,8 @@ from vllm_servers import (
 )
 
 IN_FLIGHT = 8
+# Every pairing of the proxy.
+PAIRINGS = [*SEEDS, "first-token"]
 
 
 def all_prompts() -> list[list[int]]:
@@ -57,7 +59,7 @@ def xpyd(vllm_fleet):
     """The fleet's four servers behind a proxy of each pairing (its lists: a prefill started
     again by another test is in them)."""
     cluster = View(vllm_fleet, vllm_fleet.prefills, vllm_fleet.decodes)
-    cluster.via = {pairing: cluster.proxy(pairing) for pairing in SEEDS}
+    cluster.via = {pairing: cluster.proxy(pairing) for pairing in PAIRINGS}
     yield cluster
     cluster.stop()
 
@@ -73,7 +75,7 @@ def test_prefill_servers_with_one_config_are_groups_of_their_own(xpyd):
     assert decode == [(0, 0, 0), (0, 0, 0)], ranks
 
 
-@pytest.mark.parametrize("pairing", list(SEEDS))
+@pytest.mark.parametrize("pairing", PAIRINGS)
 def test_every_server_serves_and_every_output_equals_a_single_engine(reference, xpyd, pairing):
     servers = xpyd.prefills + xpyd.decodes
     before = [served(s) for s in servers]

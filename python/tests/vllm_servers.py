@@ -296,7 +296,10 @@ def reference_outputs(vllm) -> dict:
 def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict, in_flight: int = 4) -> list[int]:
     """Sends every prompt through the proxy of ``pairing`` (``pd.via``), ``in_flight`` at once;
     checks each output against the reference and the bytes the decode agents landed against
-    what the responses say was loaded. Returns the responses' start tokens."""
+    what the responses say was loaded. Returns the responses' start tokens. In first-token
+    pairing a prompt of whole blocks that a decode's prefix cache holds entirely loads nothing
+    (the decode computes only the first token, after the prompt) and counts as starting at its
+    end."""
     landed_before = sum(metric(a, "kvferry_kv_bytes_total") for d in pd.decodes for a in d.agent_apis())
     with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
         results = list(pool.map(lambda p: pd.via[pairing].complete(p, NEW_TOKENS), prompts))
@@ -305,7 +308,10 @@ def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict,
         assert "choices" in got, got
         assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
         params = got["kv_transfer_params"]
-        assert params["kvferry_tokens"] == len(prompt)
+        if params is None and pairing == "first-token" and len(prompt) % BLOCK_SIZE == 0:
+            starts.append(len(prompt))
+            continue
+        assert params["kvferry_tokens"] == len(prompt), params
         start = params["kvferry_start_token"]
         assert start % BLOCK_SIZE == 0 and start < len(prompt)
         starts.append(start)
@@ -352,10 +358,11 @@ class Servers:
     def decode_api(self) -> str:
         return self.decode.agent_api()
 
-    def proxy(self, pairing: str) -> Proxy:
-        """``kvferry proxy`` in front of every server of these."""
+    def proxy(self, pairing: str, short_below: int | None = 0) -> Proxy:
+        """``kvferry proxy`` in front of every server of these (``short_below``: its
+        ``--short-below-tokens``, None for its default)."""
         p = Proxy(self.kvferry_bin, [s.url for s in self.prefills], [s.url for s in self.decodes], pairing,
-                  self.logs, self.model)
+                  self.logs, self.model, short_below=short_below)
         self.proxies.append(p)
         return p
 
@@ -613,14 +620,17 @@ class Proxy:
     of each role is usable."""
 
     def __init__(self, kvferry_bin, prefills: list[str], decodes: list[str], pairing: str,
-                 logs: pathlib.Path, model: str, bootstrap: str | None = None) -> None:
+                 logs: pathlib.Path, model: str, bootstrap: str | None = None,
+                 short_below: int | None = 0) -> None:
         self.model = str(model)
         listed = [arg for flag, urls in (("--prefill", prefills), ("--decode", decodes)) if urls
                   for arg in (flag, ",".join(urls))]
         found = ["--bootstrap", bootstrap] if bootstrap else []
+        # Tests disaggregate every prompt, short or not (None: the proxy's default).
+        short = [] if short_below is None else ["--short-below-tokens", str(short_below)]
         self.proc = subprocess.Popen(
             [str(kvferry_bin), "proxy", *listed, *found,
-             "--port", "0", "--pairing", pairing, "--health-ms", "200",
+             "--port", "0", "--pairing", pairing, *short, "--health-ms", "200",
              # A busy server that answers /health late is not what these tests are about: only a
              # refused connection (a dead server) routes around a server within their bounds.
              "--health-timeout-ms", "60000"],

@@ -6,9 +6,10 @@ the same two cores, for these setups, one after another:
 - ``single``: one plain vLLM server. Every other setup's tokens must equal its tokens, and a PD
   setup's overhead is its TTFT minus this server's TTFT for the same request.
 - ``kvferry-sequential``, ``kvferry-concurrent``, ``kvferry-first-token``: KvferryConnector
-  behind ``kvferry proxy`` in each pairing, over zmq-tcp (first-token: the prefill's token is
-  the client's first, the decode continues from it); ``kvferry-shm``: concurrent, over UCX
-  shared memory.
+  behind ``kvferry proxy`` in each pairing, every prompt disaggregated, over zmq-tcp
+  (first-token: the prefill's token is the client's first, the decode continues from it);
+  ``kvferry``: the proxy's defaults (first-token, and prompts below ``--short-below-tokens``'
+  default on one decode server); ``kvferry-shm``: concurrent, over UCX shared memory.
 - ``nixl``: NixlConnector (``kv_buffer_device`` cpu) over UCX tcp, in vLLM's documented
   sequential flow with this script as its router: the prefill gets ``max_tokens`` 1 and
   ``do_remote_decode``, and its answer's ``kv_transfer_params`` go to the decode unchanged.
@@ -67,8 +68,12 @@ from vllm_servers import Pd, Server, free_port, make_model, metric  # noqa: E402
 STALL = 120
 # Tokens each request generates (--new-tokens).
 NEW_TOKENS = 32
-SETUPS = ("single", "kvferry-sequential", "kvferry-concurrent", "kvferry-first-token", "kvferry-shm", "nixl", "nixl-shm",
-          "mooncake")
+SETUPS = ("single", "kvferry-sequential", "kvferry-concurrent", "kvferry-first-token", "kvferry", "kvferry-shm", "nixl",
+          "nixl-shm", "mooncake")
+# The proxy a kvferry setup goes through: its pairing and --short-below-tokens (None: the default).
+PROXIES = {"kvferry-sequential": ("sequential", 0), "kvferry-concurrent": ("concurrent", 0),
+           "kvferry-first-token": ("first-token", 0), "kvferry": ("first-token", None),
+           "kvferry-shm": ("concurrent", 0)}
 # NIXL over tcp: with UCX_TLS=tcp alone, the first transfer of a 32-layer model hung here, both
 # workers spinning (two runs of two attempts each); with self beside tcp (a process's loopback
 # to itself, no network) it runs. Data between the engines goes over tcp either way.
@@ -168,11 +173,12 @@ class Kvferry(Setup):
         self.prefill, self.decode = self.pd.prefill, self.pd.decode
         self.proxies: dict = {}
 
-    def use(self, name: str, pairing: str) -> Kvferry:
+    def use(self, name: str) -> Kvferry:
         self.name = name
-        if pairing not in self.proxies:
-            self.proxies[pairing] = self.pd.proxy(pairing)
-        self.via = self.proxies[pairing]
+        if name not in self.proxies:
+            pairing, short_below = PROXIES[name]
+            self.proxies[name] = self.pd.proxy(pairing, short_below)
+        self.via = self.proxies[name]
         return self
 
     def send(self, prompt):
@@ -440,17 +446,17 @@ def goals(rows: list[dict]) -> None:
             verdict.append(f"req/s {ratio:.2f}x {'met' if ratio >= 1.2 else 'MISSED'}")
             print(f"  {ours} vs {theirs}, {size} tokens, {inflight} in flight: {'; '.join(verdict)}", file=sys.stderr)
     for (setup, size, inflight), r in sorted(cells.items()):
-        if setup != "kvferry-first-token":
+        if setup not in ("kvferry-first-token", "kvferry"):
             continue
         if inflight == 1:
             met = r["overhead_p50_ms"] <= 10
-            print(f"  first-token, {size} tokens, 1 in flight: TTFT {r['overhead_p50_ms']:.0f} ms over one engine's "
+            print(f"  {setup}, {size} tokens, 1 in flight: TTFT {r['overhead_p50_ms']:.0f} ms over one engine's "
                   f"(goal <= 10: {'met' if met else 'MISSED'}), second token {r['second_token_p50_ms']:.0f} ms",
                   file=sys.stderr)
         today = cells.get(("kvferry-concurrent", size, inflight))
         if today is not None and inflight > 1:
             ratio = r["req_per_s"] / today["req_per_s"]
-            print(f"  first-token vs concurrent, {size} tokens, {inflight} in flight: req/s {ratio:.2f}x "
+            print(f"  {setup} vs concurrent, {size} tokens, {inflight} in flight: req/s {ratio:.2f}x "
                   f"(goal >= 1.0: {'met' if ratio >= 1.0 else 'MISSED'})", file=sys.stderr)
     for r in rows:
         spent = r.get("connector_us")
@@ -520,7 +526,7 @@ def main() -> None:
                 try:
                     for name in names:
                         if isinstance(setup, Kvferry):
-                            setup.use(name, name.removeprefix("kvferry-") if name != "kvferry-shm" else "concurrent")
+                            setup.use(name)
                         for p in warmup:
                             setup.send(p)
                         done.append(measure(setup, cells, reference, base))
@@ -536,7 +542,8 @@ def main() -> None:
             return
 
     run(lambda: Single(vllm, out, engine_args), ["single"])
-    tcp_pairings = [n for n in ("kvferry-sequential", "kvferry-concurrent", "kvferry-first-token") if n in wanted]
+    tcp_pairings = [n for n in ("kvferry-sequential", "kvferry-concurrent", "kvferry-first-token", "kvferry")
+                    if n in wanted]
     if tcp_pairings:
         run(lambda: Kvferry(vllm, args.kvferry, out / "kvferry-tcp", engine_args, "zmq-tcp", {}), tcp_pairings)
     if "kvferry-shm" in wanted:

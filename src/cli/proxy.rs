@@ -56,8 +56,9 @@ pub struct ProxyArgs {
     #[arg(long, env = "KVFERRY_PROXY_PAIRING", value_enum, default_value_t = Pairing::FirstToken)]
     pairing: Pairing,
     /// Prompts shorter than this many tokens (text: bytes) go to one decode server, which
-    /// answers them alone; 0: none.
-    #[arg(long, env = "KVFERRY_PROXY_SHORT_BELOW_TOKENS", default_value_t = 0)]
+    /// answers them alone: below it, disaggregation cost more than it saved where measured
+    /// (docs/benchmarks.md); 0: none.
+    #[arg(long, env = "KVFERRY_PROXY_SHORT_BELOW_TOKENS", default_value_t = 384)]
     short_below_tokens: usize,
     /// Period of the servers' /health checks, in ms.
     #[arg(long, env = "KVFERRY_PROXY_HEALTH_MS", default_value_t = 1000)]

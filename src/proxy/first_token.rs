@@ -153,6 +153,14 @@ impl First {
             || request.get("max_tokens").and_then(Value::as_u64) == Some(1)
     }
 
+    /// Whether the first token, going on, is no text yet: the first bytes of a UTF-8 character
+    /// a later token completes (vLLM writes such a token as no text). The decode cannot continue
+    /// from it: vLLM's detokenizer, given a prompt that ends inside a character, writes the whole
+    /// prompt's text into the next token's.
+    pub(super) fn no_text_yet(&self, request: &Map<String, Value>) -> bool {
+        !self.ends(request) && self.choice()["text"] == ""
+    }
+
     /// The decode's request: the client's, continuing from the prompt plus the first token with
     /// the prefill's `params` (one token fewer to generate, and to wait for before a stop).
     pub(super) fn decode_request(
@@ -514,6 +522,23 @@ mod tests {
         let mut bare = prefill_answer(false);
         bare["choices"][0]["token_ids"] = Value::Null;
         assert!(First::read(bare, &r).is_err());
+    }
+
+    #[test]
+    fn a_first_token_that_is_no_text_yet_is_left_to_the_decode() {
+        let r = request(json!({}));
+        assert!(
+            !First::read(prefill_answer(false), &r)
+                .unwrap()
+                .no_text_yet(&r)
+        );
+        // The first byte of a character: vLLM writes no text for it.
+        let mut partial = prefill_answer(false);
+        partial["choices"][0]["text"] = json!("");
+        let first = First::read(partial, &r).unwrap();
+        assert!(first.no_text_yet(&r));
+        // The whole answer all the same when it ends there.
+        assert!(!first.no_text_yet(&request(json!({"max_tokens": 1}))));
     }
 
     #[test]

@@ -4,12 +4,18 @@
 //! A request to `/v1/completions` or `/v1/chat/completions` goes to the prefill server with the
 //! fewest requests outstanding (one generated token, `kv_transfer_params.do_remote_decode`) and
 //! to the decode server with the fewest outstanding, which generates the answer from the
-//! prompt's KV that kvferry moved. Two pairings:
-//! - concurrent (default): the proxy chooses the room and names the prefill's kvferry group
-//!   (learned at start with `kvferry_identify`), and sends both requests at once, so the decode
-//!   allocates and waits while the prefill computes;
+//! prompt's KV that kvferry moved. Three pairings:
+//! - first-token (default): the prefill answers first with the token it sampled, which goes to
+//!   the client at once; the decode continues from the prompt plus that token
+//!   (`first_token.rs`), and requests one engine alone answers exactly go the sequential way;
+//! - concurrent: the proxy chooses the room and names the prefill's kvferry group (learned at
+//!   start with `kvferry_identify`), and sends both requests at once, so the decode allocates
+//!   and waits while the prefill computes;
 //! - sequential: the prefill answers first, and its `kv_transfer_params` go into the decode
 //!   request.
+//!
+//! A prompt shorter than `--short-below-tokens` goes to one decode server alone
+//! (`one_server.rs`).
 //!
 //! The decode's answer, streamed or not, is passed through as it comes. Servers that stop
 //! answering `/health` are routed around until they answer again. With `--bootstrap`, servers

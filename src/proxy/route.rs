@@ -633,6 +633,13 @@ impl Proxy {
             .and_then(|read| {
                 read.map_err(|why| tracing::warn!(server = %prefill_server.url, %why, "no first token from the prefill: the decode samples it"))
                     .ok()
+            })
+            .filter(|first| {
+                let partial = first.no_text_yet(&routed.request);
+                if partial {
+                    tracing::debug!("the prefill's token is no text yet: the decode samples the first token");
+                }
+                !partial
             });
         if let Some(first) = first {
             let decode = (decode, paired_with);

@@ -339,7 +339,6 @@ fn proxy_with(
     pairing: &str,
     extra: &[&str],
 ) -> (Process, String) {
-    let logs = kvferry::cluster::log_dir("proxy").expect("log dir");
     let mut args = owned(&[
         "proxy",
         "--prefill",
@@ -354,7 +353,17 @@ fn proxy_with(
     if !extra.contains(&"--health-ms") {
         args.extend(owned(&["--health-ms", "50"]));
     }
+    // Every prompt disaggregated, short or not, unless a test says otherwise.
+    if !extra.contains(&"--short-below-tokens") {
+        args.extend(owned(&["--short-below-tokens", "0"]));
+    }
     args.extend(owned(extra));
+    spawn_proxy(args)
+}
+
+/// A proxy process with `args` (after `proxy`'s own) and a log of its own.
+fn spawn_proxy(args: Vec<String>) -> (Process, String) {
+    let logs = kvferry::cluster::log_dir("proxy").expect("log dir");
     // A log of its own: the proxies of one test process share a log folder.
     static STARTED: AtomicUsize = AtomicUsize::new(0);
     let name = format!("proxy-{}", STARTED.fetch_add(1, Ordering::SeqCst));
@@ -384,6 +393,8 @@ fn proxy_found(registry: &str, pairing: &str) -> (Process, String) {
         pairing,
         "--health-ms",
         "50",
+        "--short-below-tokens",
+        "0",
     ]);
     let p = common::spawn(
         &release_binary(),
@@ -842,23 +853,42 @@ fn the_first_token_comes_from_the_prefill_and_the_decode_continues_from_it() {
     });
 }
 
-/// `--short-below-tokens`: a prompt surely shorter goes to one decode server, as it came (no
-/// room, no prefill), streamed or not; a longer one is disaggregated; each is counted by the
-/// server that samples its first token.
+/// `--short-below-tokens`, at its default (384): a prompt surely shorter goes to one decode
+/// server, as it came (no room, no prefill), streamed or not; one of 384 tokens is
+/// disaggregated; each is counted by the server that samples its first token.
 #[test]
 fn a_short_prompt_goes_to_one_decode_server_alone() {
     runtime().block_on(async {
         let (prefill, p_url) = Stub::start("p", 0).await;
         let (decode, d_url) = Stub::start("d", 0).await;
-        let (_proxy, url) = proxy_with(
-            &[&p_url],
-            &[&d_url],
-            "first-token",
-            &["--short-below-tokens", "4"],
-        );
+        let (_proxy, url) = spawn_proxy(owned(&[
+            "proxy",
+            "--prefill",
+            &p_url,
+            "--decode",
+            &d_url,
+            "--port",
+            "0",
+            "--health-ms",
+            "50",
+        ]));
         wait_health(&url, reqwest::StatusCode::OK).await;
+        let send = |tokens: usize, stream: bool| {
+            let mut request = completion(stream);
+            request["prompt"] = json!((0..tokens).map(|t| t % 500 + 5).collect::<Vec<_>>());
+            let url = url.clone();
+            async move {
+                let r = http()
+                    .post(format!("{url}/v1/completions"))
+                    .json(&request)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status(), r.text().await.unwrap())
+            }
+        };
         for stream in [false, true] {
-            let (status, text) = send_text(&url, stream).await;
+            let (status, text) = send(383, stream).await;
             assert_eq!(status, 200, "{text}");
             assert!(text.contains("\"d\""), "{text}");
         }
@@ -871,23 +901,16 @@ fn a_short_prompt_goes_to_one_decode_server_alone() {
         assert!(
             alone
                 .iter()
-                .all(|r| r["prompt"] == json!([5, 6, 7]) && r["kv_transfer_params"].is_null()),
+                .all(|r| r["prompt"].as_array().map(Vec::len) == Some(383)
+                    && r["kv_transfer_params"].is_null()),
             "{alone:?}"
         );
-        let mut long = completion(false);
-        long["prompt"] = json!([5, 6, 7, 8]);
-        let (status, _) = call(
-            &http(),
-            Method::POST,
-            &format!("{url}/v1/completions"),
-            Some(&long),
-        )
-        .await;
-        assert_eq!(status, 200);
+        let (status, text) = send(384, false).await;
+        assert_eq!(status, 200, "{text}");
         assert_eq!(
             prefill.seen().len(),
             1,
-            "a prompt of 4 tokens is disaggregated"
+            "a prompt of 384 tokens is disaggregated"
         );
         let by = |s: &str| format!("kvferry_proxy_first_tokens_total{{sampled_by=\"{s}\"}}");
         assert_eq!(counter(&url, &by("one_server")).await, 2.0);
