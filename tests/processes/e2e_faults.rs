@@ -7,6 +7,7 @@
 //! - abort mid-transfer, then reuse the same engine pages for a new room at once (SGLang #24527);
 //! - 1,000 rooms with random aborts from both sides, exact page and counter accounting;
 //! - a corrupted chunk caught by the per-chunk checksum (`KVFERRY_FAULT_CORRUPT_CHUNK`);
+//! - a decode the prefill found dead while it was alive: told so, it greets again at once;
 //! - admission control (`--max-rooms`: 429 at once, nothing lost);
 //! - SIGTERM drain of a decode and of a prefill (503, in-flight rooms finish, deregister, exit 0).
 //!
@@ -758,6 +759,84 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
         assert_eq!(n, Some(0.0));
         println!("[faults-checksum-clean] 20 rooms (2..16 chunks each) checksummed and verified in {:.0} ms", ms(t.elapsed()));
     });
+}
+
+/// A decode the prefill found dead while it was alive (cut off, or starved of CPU; here the
+/// prefill's `--peer-dead-ms` cut to 50 ms while the decode's heartbeats are 20 s or 100 ms
+/// apart) is told so as soon as it speaks again on its connection, and greets again at once,
+/// though its own `--peer-dead-ms` (60 s) never finds the prefill silent: a room it asks for
+/// then fails `peer_dead` saying so (never `bad_message`, "before Hello"), or, when a heartbeat
+/// spoke first, nothing fails; the rooms after land, every byte verified.
+#[test]
+fn a_decode_the_prefill_forgot_is_told_and_greets_again_at_once() {
+    for (heartbeat_ms, tag) in [(20_000, "faults-forgot-room"), (100, "faults-forgot-beat")] {
+        let opts = AgentOpts {
+            heartbeat_ms,
+            peer_dead_ms: 60_000,
+            ..AgentOpts::default()
+        };
+        let c = FaultCluster::start_env(
+            tag,
+            &opts.args_all(),
+            &[],
+            &[],
+            &[],
+            &[("KVFERRY_FAULT_INJECTION", "1")],
+        );
+        runtime().block_on(async {
+            let (http, d, p) = (http(), c.decode_api.clone(), c.prefill_api.clone());
+            let apis = Apis::pair(&p, &d);
+            let first = drive_rooms(&apis, vec![(1, 100)], 1).await.expect("room 1");
+            assert!(first.iter().all(|r| r.verified), "{first:?}");
+            let faults = format!("{p}/v1/faults");
+            let cut = json!({ "timeouts": { "heartbeat_ms": 20, "peer_dead_ms": 50 } });
+            let was = expect(&http, Method::POST, &faults, Some(&cut), StatusCode::OK).await;
+            let dead = |api: &str, role: &str| {
+                let (http, api) = (http.clone(), api.to_owned());
+                let series = format!("kvferry_peers_dead_total{{role=\"{role}\"}}");
+                async move { metric(&http, &api, &series).await }
+            };
+            poll_until("the prefill finds the decode dead", BOUND, || async {
+                (dead(&p, "prefill").await == Some(1.0)).then_some(())
+            })
+            .await;
+            let back = json!({ "timeouts": was["timeouts_were"] });
+            expect(&http, Method::POST, &faults, Some(&back), StatusCode::OK).await;
+            let forgotten = Instant::now();
+            if heartbeat_ms > 1000 {
+                // No heartbeat before the room: its request is what the prefill answers.
+                request(&http, &d, 2, json!({ "tokens": 100 })).await;
+                ready(&http, &p, 2, 100).await;
+                let v = wait_final(&http, &d, 2).await;
+                println!(
+                    "[{tag}] a room asked on the forgotten connection: {} {} after {:.0} ms",
+                    v["state"],
+                    v["reason"],
+                    ms(forgotten.elapsed())
+                );
+                assert_eq!(v["state"], "failed", "{v}");
+                assert_reason(&v, "peer_dead");
+                let message = v["reason"]["message"].as_str().unwrap_or_default();
+                assert!(message.contains("say Hello again"), "{message}");
+                take(&http, &d, 2).await;
+            }
+            poll_until("the decode drops the forgotten connection", BOUND, || async {
+                (dead(&d, "decode").await == Some(1.0)).then_some(())
+            })
+            .await;
+            println!(
+                "[{tag}] the decode dropped the connection {:.0} ms after the prefill forgot it (heartbeat {heartbeat_ms} ms, its peer-dead 60 s)",
+                ms(forgotten.elapsed())
+            );
+            let after = drive_rooms(&apis, (3..=6).map(|r| (r, 100 + 37 * r as usize)).collect(), 2)
+                .await
+                .expect("rooms after");
+            assert!(after.iter().all(|r| r.state == "success" && r.verified), "{after:?}");
+            let before_hello = metric(&http, &p, "kvferry_protocol_errors_total{role=\"prefill\",kind=\"inconsistent\"}").await;
+            assert!(before_hello.unwrap_or(0.0) == 0.0, "a request refused as sent before a Hello: {before_hello:?}");
+            healthy(&http, &d).await;
+        });
+    }
 }
 
 /// Both agents' timeouts change while they run (`--fault-injection`: `POST /v1/faults` with

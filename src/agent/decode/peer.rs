@@ -321,6 +321,14 @@ impl Decode {
                     }
                 }
             }
+            // An error that names no room is about the connection: `peer_dead` there says
+            // the prefill found this decode dead and forgot it (it was cut off or starved, not
+            // dead). The connection is dropped at once, with what the prefill still held for
+            // it, and the next room greets again.
+            Message::Error(e) if e.room.is_none() && e.code == FailureCode::PeerDead => {
+                drop(rooms);
+                self.peer_lost(peer, e.message);
+            }
             Message::Error(e) => {
                 if e.code == FailureCode::PeerDead {
                     // The prefill says this decode asked an instance it no longer is (it
@@ -430,8 +438,14 @@ impl Decode {
     /// Fails every room served by a prefill whose connection died or went silent, and forgets
     /// the peer (the next room connects afresh).
     pub(super) fn peer_lost(&self, peer: &Peer, why: String) {
+        // Once per connection: a frame it still delivers after it was lost must not end the
+        // connection that replaced it.
+        if peer.gone.is_cancelled() {
+            return;
+        }
         peer.gone.cancel();
-        self.peers().remove(&peer.instance);
+        self.peers()
+            .retain(|_, p| !std::ptr::eq(Arc::as_ptr(p), peer));
         self.groups.forget();
         self.recv_reset.notify_one();
         self.metrics.peers_dead.inc();
@@ -441,7 +455,7 @@ impl Decode {
             if room
                 .sources
                 .iter()
-                .any(|s| s.peer.instance == peer.instance)
+                .any(|s| std::ptr::eq(Arc::as_ptr(&s.peer), peer))
             {
                 let reason = Reason::new(
                     FailureCode::PeerDead,

@@ -71,7 +71,10 @@ pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer)
                     None => tracing::debug!(key = p.key, "Posted for no placed chunk waiting"),
                 }
             }
-            Ok(Message::Heartbeat(beat)) => inner.renew(&identity, &beat.rooms),
+            Ok(Message::Heartbeat(beat)) => match (&peer, inner.forgotten.why(&identity)) {
+                (None, Some(why)) => inner.forgot(&identity, None, &why),
+                _ => inner.renew(&identity, &beat.rooms),
+            },
             // A decode acknowledges an Abort of this prefill's engine: nothing follows from it.
             Ok(Message::AbortAck(a)) if peer.as_ref().is_some_and(|p| p.instance == a.instance) => {
             }
@@ -202,6 +205,7 @@ impl Prefill {
         if let Some(old) = self.peers().insert(identity.clone(), peer) {
             old.credits.close();
         }
+        self.forgotten.greeted(&identity);
         tracing::info!(decode = %hello.instance, version, slots, direct, "decode peer connected");
         self.reply(
             &identity,
@@ -238,6 +242,9 @@ impl Prefill {
         let room_id = req.room;
         let peer = self.peers().get(&identity).cloned();
         let Some(peer) = peer else {
+            if let Some(why) = self.forgotten.why(&identity) {
+                return self.forgot(&identity, Some(room_id), &why);
+            }
             self.metrics.protocol_error("inconsistent");
             let m = "TransferRequest before Hello".to_owned();
             return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m);
@@ -358,6 +365,9 @@ impl Prefill {
 
     async fn on_abort(self: Arc<Self>, identity: PeerId, abort: protocol::Abort) {
         let Some(peer) = self.peers().get(&identity).cloned() else {
+            if let Some(why) = self.forgotten.why(&identity) {
+                return self.forgot(&identity, Some(abort.room), &why);
+            }
             self.metrics.protocol_error("inconsistent");
             let m = "Abort before Hello".to_owned();
             return self.refuse(&identity, Some(abort.room), FailureCode::BadMessage, m);

@@ -152,6 +152,7 @@ impl PrefillAgent {
             holds: Holds::new(),
             expired: Mutex::default(),
             peers: Mutex::new(HashMap::new()),
+            forgotten: peer::Forgotten::default(),
             metrics: Arc::new(Metrics::new("prefill", rma)),
             faults: Faults::new(cfg.fault_corrupt_chunk, cfg.timeouts),
             fanout: Default::default(),
@@ -209,6 +210,8 @@ pub struct Prefill {
     expired: Mutex<Expired>,
     /// Decode peers by their control identity.
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
+    /// The connections of decodes found dead.
+    forgotten: peer::Forgotten,
     metrics: Arc<Metrics>,
     /// Chunks gathered so far, the one fault injection corrupts, and the timeouts in force.
     faults: Faults,

@@ -126,6 +126,45 @@ impl DirectTarget {
     }
 }
 
+/// The connections of decodes this prefill found dead (silent, or their connection lost), by
+/// identity, with why: a decode that was only cut off or starved, and speaks again on the same
+/// connection, is told that this prefill forgot it, so that it greets again at once rather than
+/// have its rooms refused as sent before a Hello. The oldest are dropped past [`Self::CAP`].
+#[derive(Default)]
+pub(super) struct Forgotten(Mutex<HashMap<PeerId, (Instant, String)>>);
+
+impl Forgotten {
+    /// Connections remembered at most.
+    const CAP: usize = 1024;
+
+    fn note(&self, identity: &PeerId, why: String) {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if all.len() >= Self::CAP
+            && let Some(oldest) = all
+                .iter()
+                .min_by_key(|(_, (at, _))| *at)
+                .map(|(k, _)| k.clone())
+        {
+            all.remove(&oldest);
+        }
+        all.insert(identity.clone(), (Instant::now(), why));
+    }
+
+    /// Why the decode on `identity` was forgotten, if it was.
+    pub(super) fn why(&self, identity: &PeerId) -> Option<String> {
+        let all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        all.get(identity).map(|(_, why)| why.clone())
+    }
+
+    /// The connection greeted again.
+    pub(super) fn greeted(&self, identity: &PeerId) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(identity);
+    }
+}
+
 impl Peer {
     pub(super) fn seen(&self) {
         *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
@@ -149,6 +188,25 @@ impl Prefill {
             .map_or(protocol::VERSION, |p| p.version);
         self.replier
             .post(peer, msg.encode_as(version).into(), self.timeouts().send);
+    }
+
+    /// Tells the decode on `identity`, which this prefill found dead and forgot (`why`), that
+    /// it must greet again: an error that names no room (about the connection), and the
+    /// refusal of `room` when it asked for one.
+    pub(super) fn forgot(&self, identity: &PeerId, room: Option<u64>, why: &str) {
+        let message =
+            format!("this prefill found the decode dead ({why}) and forgot it: say Hello again");
+        self.reply(
+            identity,
+            Message::Error(ErrorMsg {
+                room: None,
+                code: FailureCode::PeerDead,
+                message: message.clone(),
+            }),
+        );
+        if room.is_some() {
+            self.refuse(identity, room, FailureCode::PeerDead, message);
+        }
     }
 
     pub(super) fn refuse(
@@ -180,6 +238,8 @@ impl Prefill {
         let gone = peer.clone();
         tokio::spawn(async move { gone.data.lock().await.close() });
         self.peers().remove(&peer.identity);
+        self.forgotten
+            .note(&peer.identity, format!("decode {}: {why}", peer.instance));
         tracing::warn!(decode = %peer.instance, why, "decode peer dead");
         let reason = Reason::new(
             FailureCode::PeerDead,
