@@ -707,18 +707,14 @@ fn a_corrupted_chunk_fails_its_room_with_checksum_and_clean_rooms_verify() {
         assert!(sent > 0, "{armed}");
         assert_eq!(armed["corrupt_chunk"], sent + 3, "{armed}");
         // 512 tiny tokens = 512 KiB = 8 chunks of 64 KiB: the 3rd chunk from now is in it.
-        request(&http, &d, 1, json!({ "tokens": 512 })).await;
-        let t = Instant::now();
-        ready(&http, &p, 1, 512).await;
-        let v = wait_final(&http, &d, 1).await;
-        println!(
-            "[faults-checksum] corrupted room: {} {} after {:.0} ms",
-            v["state"],
-            v["reason"],
-            ms(t.elapsed())
-        );
-        assert_eq!(v["state"], "failed", "{v}");
-        assert_reason(&v, "checksum");
+        failing_room(
+            &http,
+            (&p, &d),
+            (1, 512),
+            "[faults-checksum] corrupted room",
+            "checksum",
+        )
+        .await;
         let (v, _) = wait_safe(&http, &d, 1).await;
         let tk = take(&http, &d, 1).await;
         assert_eq!(tk["state"], "failed", "{tk} {v}");
@@ -805,17 +801,8 @@ fn a_decode_the_prefill_forgot_is_told_and_greets_again_at_once() {
             let forgotten = Instant::now();
             if heartbeat_ms > 1000 {
                 // No heartbeat before the room: its request is what the prefill answers.
-                request(&http, &d, 2, json!({ "tokens": 100 })).await;
-                ready(&http, &p, 2, 100).await;
-                let v = wait_final(&http, &d, 2).await;
-                println!(
-                    "[{tag}] a room asked on the forgotten connection: {} {} after {:.0} ms",
-                    v["state"],
-                    v["reason"],
-                    ms(forgotten.elapsed())
-                );
-                assert_eq!(v["state"], "failed", "{v}");
-                assert_reason(&v, "peer_dead");
+                let what = format!("[{tag}] a room asked on the forgotten connection");
+                let v = failing_room(&http, (&p, &d), (2, 100), &what, "peer_dead").await;
                 let message = v["reason"]["message"].as_str().unwrap_or_default();
                 assert!(message.contains("say Hello again"), "{message}");
                 take(&http, &d, 2).await;
@@ -837,6 +824,30 @@ fn a_decode_the_prefill_forgot_is_told_and_greets_again_at_once() {
             healthy(&http, &d).await;
         });
     }
+}
+
+/// Room `room` of `tokens` asked at the decode and announced at the prefill (`apis`), which
+/// must end `failed` with `code`; printed with `what` and the time it took. Its view.
+async fn failing_room(
+    http: &Client,
+    (p, d): (&str, &str),
+    (room, tokens): (u64, usize),
+    what: &str,
+    code: &str,
+) -> Value {
+    request(http, d, room, json!({ "tokens": tokens })).await;
+    let t = Instant::now();
+    ready(http, p, room, tokens).await;
+    let v = wait_final(http, d, room).await;
+    println!(
+        "{what}: {} {} after {:.0} ms",
+        v["state"],
+        v["reason"],
+        ms(t.elapsed())
+    );
+    assert_eq!(v["state"], "failed", "{v}");
+    assert_reason(&v, code);
+    v
 }
 
 /// Both agents' timeouts change while they run (`--fault-injection`: `POST /v1/faults` with
