@@ -65,7 +65,8 @@ def cpu_cache(kv_caches: dict[str, Any], isa: str) -> Cache:
     if isa not in ISA_FORMATS:
         raise ValueError(
             f"KvferryConnector: vLLM's CPU attention path {isa!r} has no kvferry format "
-            f"(supported: {sorted(ISA_FORMATS)}; vec16 is taken when block_size is not a multiple of 32)"
+            f"(supported: {sorted(ISA_FORMATS)}; vLLM takes vec16 for a head size that is an odd multiple "
+            "of 16, or a block size that is not a multiple of 32)"
         )
     layers = layers_in_order(kv_caches)
     first = layers[0]
