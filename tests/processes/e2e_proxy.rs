@@ -805,13 +805,18 @@ fn the_first_token_comes_from_the_prefill_and_the_decode_continues_from_it() {
         );
         assert_eq!(got[2], json!("[DONE]"));
         decode.set(Mode::Answer);
+        let room_asked =
+            || prefill.seen().last().unwrap()["kv_transfer_params"]["kvferry_room"].clone();
+        // Its decode failed before its answer began: released (asynchronously, so awaited below
+        // with the others).
+        let mut rooms = vec![room_asked()];
         // One token: the prefill's answer alone; the decode hears nothing, the room goes.
         let heard = decode.seen().len();
-        let released = prefill.released.lock().unwrap().len();
         let mut one = completion(false);
         one["max_tokens"] = json!(1);
         let (status, text) = send(one.clone()).await;
         assert_eq!(status, 200, "{text}");
+        rooms.push(room_asked());
         let whole: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(
             (
@@ -827,6 +832,7 @@ fn the_first_token_comes_from_the_prefill_and_the_decode_continues_from_it() {
         );
         one["stream"] = json!(true);
         let (_, text) = send(one).await;
+        rooms.push(room_asked());
         let got = events(&text);
         assert_eq!(got[0]["choices"][0]["finish_reason"], "length", "{text}");
         assert_eq!(got[1]["usage"]["completion_tokens"], 1, "{text}");
@@ -835,8 +841,9 @@ fn the_first_token_comes_from_the_prefill_and_the_decode_continues_from_it() {
             heard,
             "a decode computed a one-token answer"
         );
-        poll_until("both rooms released", BOUND, || async {
-            (prefill.released.lock().unwrap().len() == released + 2).then_some(())
+        poll_until("the three rooms released", BOUND, || async {
+            let released = prefill.released.lock().unwrap().clone();
+            rooms.iter().all(|r| released.contains(r)).then_some(())
         })
         .await;
         // Stop strings: the decode samples the first token, from the client's own prompt.
