@@ -21,6 +21,7 @@ the same two cores, for these setups, one after another:
     "$KVFERRY_PY" scripts/vllm/bench.py [--sizes 128,512,2048] [--concurrency 1,4,8] [--per-inflight 2]
         [--setups single,kvferry-sequential,...] [--out DIR]
     "$KVFERRY_PY" scripts/vllm/bench.py --smoke    # one request per setup, 9 layers
+    "$KVFERRY_PY" scripts/vllm/bench.py --interleaved 12 [--sizes ...] [--setups kvferry-first-token,...]
 
 The model is scripts/vllm/tiny_model.py's Llama with 32 layers (float32, 2 KV heads of 64 dims,
 32 KiB of KV per token), so that per-layer costs show. Each engine has one core (a PD setup's
@@ -39,6 +40,15 @@ setup, vLLM's own histograms on both servers (queue and prefill time, TTFT) and 
 transfer histogram. The time vLLM spends in the connector's hooks during the prefill step of a
 128-token prompt is compared with that step (vLLM's prefill time of the request). One JSON line
 per cell on stdout; the tables and the goals on stderr.
+
+``--interleaved N`` measures TTFT at one request in flight without the machine's drift between
+setups: the single engine and the kvferry setups' servers run at once, and each of N prompts
+per size goes to the single engine and through each kvferry setup back to back (the order
+turning every prompt), every other setup's engines paused (SIGSTOP) meanwhile, so each engine
+computes alone on its core as in the setups' own runs. Per size and setup: the median of the
+prompts' TTFT differences, the second token, and where the difference lies: vLLM's own TTFT
+(arrival to first token inside the API server) on the prefill against the single engine's, the
+rest being the hop through the proxy.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -469,6 +480,52 @@ def goals(rows: list[dict]) -> None:
                   f"the same prefill on the single engine {plain:.1f} ms", file=sys.stderr)
 
 
+def pause(setup: Setup, paused: bool) -> None:
+    """Stops (SIGSTOP) or resumes (SIGCONT) the engines of ``setup``."""
+    for server in setup.servers().values():
+        server.kill(signal.SIGSTOP if paused else signal.SIGCONT)
+
+
+def interleaved(single: Single, pd: Kvferry, names: list[str], sizes: list[int], n: int, rng) -> None:
+    """TTFT at one request in flight, each prompt through the single engine and each of
+    ``names`` back to back, the other setups' engines paused: the paired differences."""
+    order = ["single", *names]
+    diffs: dict = {}
+    for size in sizes:
+        for i in range(n):
+            prompt = rng.integers(3, 2048, size).tolist()
+            got = {}
+            turn = order[i % len(order):] + order[:i % len(order)]
+            for name in turn:
+                active = single if name == "single" else pd.use(name)
+                idle = pd if name == "single" else single
+                pause(idle, True)
+                try:
+                    before = histograms(active)
+                    got[name] = active.send(prompt) | {"vllm": means(before, histograms(active))}
+                finally:
+                    pause(idle, False)
+            ref = got["single"]
+            for name in names:
+                r = got[name]
+                if r["ids"] != ref["ids"]:
+                    sys.exit(f"{name}: tokens differ from the single engine's for a {size}-token prompt")
+                engine = r["vllm"].get("prefill time_to_first_token", 0) - ref["vllm"].get("engine time_to_first_token", 0)
+                row = {"setup": name, "size": size, "ttft_ms": 1e3 * ref["ttft"],
+                       "over_ms": 1e3 * (r["ttft"] - ref["ttft"]), "engine_over_ms": engine,
+                       "second_ms": 1e3 * (r["second"] or 0.0)}
+                print(json.dumps(row), flush=True)
+                diffs.setdefault((name, size), []).append(row)
+    print(f"\nInterleaved, one request in flight, {n} prompts per size; medians, ms\n\n"
+          "| setup | prompt | single TTFT | TTFT over single | of it in vLLM (prefill against single) | "
+          "the rest (proxy, hops) | second token |\n|---|---|---|---|---|---|---|", file=sys.stderr)
+    for (name, size), rows in diffs.items():
+        med = {k: statistics.median(r[k] for r in rows) for k in ("ttft_ms", "over_ms", "engine_over_ms", "second_ms")}
+        rest = statistics.median(r["over_ms"] - r["engine_over_ms"] for r in rows)
+        print(f"| {name} | {size} | {med['ttft_ms']:.0f} | {med['over_ms']:.1f} | {med['engine_over_ms']:.1f} | "
+              f"{rest:.1f} | {med['second_ms']:.0f} |", file=sys.stderr)
+
+
 def main() -> None:
     global NEW_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -479,6 +536,9 @@ def main() -> None:
                     help="requests per cell: this many per request in flight, at least 6")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"some of {','.join(SETUPS)} (single always runs)")
+    ap.add_argument("--interleaved", type=int, default=0, metavar="N",
+                    help="TTFT at one request in flight, N prompts per size through the single engine and each "
+                         "kvferry tcp setup back to back (the module's docstring)")
     ap.add_argument("--smoke", action="store_true", help="one 128-token request per setup, 9 layers, 4 new tokens")
     ap.add_argument("--kvferry", default=str(REPO / "target" / "release" / "kvferry"))
     ap.add_argument("--out", type=pathlib.Path, default=None, help="logs and model (default: a temporary directory)")
@@ -541,6 +601,24 @@ def main() -> None:
             print(f"{', '.join(names)}: {time.monotonic() - started:.0f} s", file=sys.stderr)
             return
 
+    if args.interleaved:
+        names = [n for n in wanted if n in PROXIES and n != "kvferry-shm"] or ["kvferry-first-token"]
+        single = Single(vllm, out, engine_args)
+        try:
+            pd = Kvferry(vllm, args.kvferry, out / "kvferry-tcp", engine_args, "zmq-tcp", {})
+            try:
+                for name in names:
+                    pd.use(name)
+                for p in warmup:
+                    single.send(p)
+                    for name in names:
+                        pd.use(name).send(p)
+                interleaved(single, pd, names, sizes, args.interleaved, rng)
+            finally:
+                pd.stop()
+        finally:
+            single.stop()
+        return
     run(lambda: Single(vllm, out, engine_args), ["single"])
     tcp_pairings = [n for n in ("kvferry-sequential", "kvferry-concurrent", "kvferry-first-token", "kvferry")
                     if n in wanted]

@@ -73,10 +73,9 @@ pub(super) fn unsupported(endpoint: Endpoint, request: &Map<String, Value>) -> O
     {
         return Some(format!("`{field}`"));
     }
-    for field in ["n", "best_of"] {
-        if request.get(field).and_then(Value::as_u64).unwrap_or(1) > 1 {
-            return Some(format!("`{field}` above 1"));
-        }
+    // `n` above 1 never gets here: the proxy refuses it first (a prefill per choice).
+    if request.get("best_of").and_then(Value::as_u64).unwrap_or(1) > 1 {
+        return Some("`best_of` above 1".into());
     }
     if request.get("max_tokens").and_then(Value::as_u64) == Some(0) {
         return Some("`max_tokens` 0".into());
@@ -486,7 +485,7 @@ mod tests {
             (json!({"presence_penalty": 0.5}), "`presence_penalty`"),
             (json!({"echo": true}), "`echo`"),
             (json!({"guided_json": {"type": "object"}}), "`guided_json`"),
-            (json!({"n": 2}), "`n` above 1"),
+            (json!({"best_of": 2}), "`best_of` above 1"),
             (json!({"max_tokens": 0}), "`max_tokens` 0"),
             (json!({"prompt": ["a", "b"]}), "several prompts"),
             (json!({"prompt": []}), "several prompts"),
