@@ -31,6 +31,7 @@ ORDER = [
     ("vllm_fleet", ["test_vllm_xpyd", "test_vllm_pd", "test_vllm_faults", "test_vllm_cancel",
                     "test_vllm_first_token", "test_vllm_parallel", "test_vllm_fleet_change", "test_vllm_preemption"]),
     ("vllm_bench", []),
+    ("vllm_mla", []),
     ("sglang_pd", []),
     ("sglang_mla", []),
     ("quickstart", []),

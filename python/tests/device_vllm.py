@@ -6,7 +6,8 @@ emulator) carry what vLLM 0.32's per-layer views have: the logical shape
 NHD caches and a decode with HND caches move a room in the formats the connector picks; the
 decode's layers are read back and compared, as vLLM's own indexing reads them, with the
 prefill's. Refusals: a layout kvferry has no format for, strides that are not the layout's,
-layers on two devices, a shape that is not vLLM's.
+layers on two devices, a shape that is not vLLM's. MLA caches (``[blocks, block_size, 576]`` a
+layer, one latent per token) move in the ``vllm-mla`` format, token rows compared.
 
 Usage: device_vllm.py REGISTRY_URL (the emulator's libcuda first on LD_LIBRARY_PATH; test_device.py)
 """
@@ -19,7 +20,7 @@ import numpy as np
 import kvferry
 from device_engine import POISON, Cuda
 from engine import options
-from kvferry.vllm.memory import AXIS_ORDER, cuda_cache
+from kvferry.vllm.memory import AXIS_ORDER, cuda_cache, mla_cache
 
 PAGES, BLOCK, TOKENS = 32, 16, 40
 
@@ -42,6 +43,9 @@ class Layer:
 
     def stride(self) -> tuple:
         return tuple(self.strides)
+
+    def is_contiguous(self) -> bool:
+        return list(self.strides) == sorted(self.strides, reverse=True) and self.strides[-1] == 1
 
 
 def refused(call, words: str) -> None:
@@ -120,8 +124,63 @@ def main() -> int:
     assert taken["bytes"] == landed, (taken, landed)
     prefill.close()
     decode.close()
-    print(f"vLLM CUDA caches, NHD prefill to HND decode: {landed} bytes landed as sent, the rest poison")
+    latent = mla(cuda)
+    print(f"vLLM CUDA caches, NHD prefill to HND decode: {landed} bytes landed as sent, the rest poison; "
+          f"MLA: {latent} bytes of latent rows")
     return 0
+
+
+def mla(cuda: Cuda) -> int:
+    """A room between MLA caches (format vllm-mla): the decode's token rows equal the
+    prefill's, every other byte poison. Returns the bytes that landed."""
+    width, item, layers = 576, 2, 3
+    base = options(sys.argv[1], kv_format="vllm-mla", pool_pages=PAGES, page_size=BLOCK, attention="mla",
+                   layers=layers, kv_heads=1, head_dim=width, dtype="bf16")
+    size = PAGES * BLOCK * width * item
+    rng = np.random.default_rng(12)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(layers)]
+
+    def caches(fill) -> dict:
+        out = {}
+        for layer in range(layers):
+            p = cuda.alloc(size)
+            cuda.upload(p, fill(layer))
+            out[f"model.layers.{layer}.self_attn.attn"] = Layer(p, (PAGES, BLOCK, width), item, (0, 1, 2))
+        return out
+
+    prefill_kv = caches(lambda layer: sources[layer])
+    decode_kv = caches(lambda layer: np.full(size, POISON, dtype=np.uint8))
+    sent, landing = mla_cache(prefill_kv), mla_cache(decode_kv)
+    assert sent.kv_format == "vllm-mla" and sent.device == 0 and sent.regions == [(t.ptr, size) for t in prefill_kv.values()]
+    layout = kvferry.memory_layout(**base)
+    assert layout["num_regions"] == layers and layout["region_bytes"] == size, layout
+    strided = {k: Layer(t.ptr, (PAGES, BLOCK, width), item, (1, 0, 2)) for k, t in prefill_kv.items()}
+    refused(lambda: mla_cache(strided), "is not a dense layer")
+    prefill = kvferry.PrefillAgent(sent.regions, device=sent.device, **base)
+    decode = kvferry.DecodeAgent(landing.regions, device=landing.device, **base)
+    src, dst = [5, 6, 20], [2, 31, 0]
+    decode.request(8, TOKENS, pages=dst)
+    prefill.ready(8, TOKENS, pages=src)
+    done = decode.wait(8, 60)
+    assert done["state"] == "success", done
+    taken = decode.take(8)
+    row = width * item
+    landed = 0
+    for layer, t in enumerate(decode_kv.values()):
+        got = cuda.download(t.ptr, size).reshape(PAGES * BLOCK, row)
+        want = sources[layer].reshape(PAGES * BLOCK, row)
+        expect = np.full_like(got, POISON)
+        for token in range(TOKENS):
+            at = token // BLOCK
+            expect[dst[at] * BLOCK + token % BLOCK] = want[src[at] * BLOCK + token % BLOCK]
+            landed += row
+        if not (got == expect).all():
+            bad = np.argwhere(got != expect)[0].tolist()
+            raise AssertionError(f"MLA layer {layer}: first wrong byte at [slot, byte] {bad}")
+    assert taken["bytes"] == landed, (taken, landed)
+    prefill.close()
+    decode.close()
+    return landed
 
 
 if __name__ == "__main__":

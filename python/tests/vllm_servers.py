@@ -92,12 +92,18 @@ def make_model(python: str, env: dict, out: pathlib.Path, seed: int, layers: int
     return out
 
 
-def connector(role: str, bootstrap: str, **extra: Any) -> str:
-    """The --kv-transfer-config of a kvferry prefill (``kv_producer``) or decode server."""
+# The test-only connector that dumps the KV bytes of rooms (vllm_probe.py): its class and module.
+PROBE = ("KvferryProbeConnector", "vllm_probe")
+
+
+def connector(role: str, bootstrap: str, connector_class: tuple[str, str] = ("KvferryConnector", "kvferry.vllm"),
+              **extra: Any) -> str:
+    """The --kv-transfer-config of a kvferry prefill (``kv_producer``) or decode server
+    (``connector_class``: the connector's class and module, PROBE for vllm_probe.py's)."""
     policy = extra.pop("kv_load_failure_policy", None)
     config = {
-        "kv_connector": "KvferryConnector",
-        "kv_connector_module_path": "kvferry.vllm",
+        "kv_connector": connector_class[0],
+        "kv_connector_module_path": connector_class[1],
         "kv_role": role,
         "kv_connector_extra_config": {"bootstrap": bootstrap, "agent": extra},
     }
@@ -379,15 +385,18 @@ class Pd(Servers):
     TP ranks or ``prefill_dp`` > 1 DP ranks on a core per rank); ``prefill_args``/``decode_args``
     are extra vLLM flags, ``decode_policy`` the decodes' kv_load_failure_policy, ``agent`` extra
     agent options of every server (``decode_agent``: of the decode servers only; a list of
-    dicts: one per decode), ``lease_ttl_ms`` the registry's lease. More servers join the deployment with ``start_prefill`` and
+    dicts: one per decode), ``lease_ttl_ms`` the registry's lease, ``connector_class`` the
+    connector's class and module (``connector``). More servers join the deployment with ``start_prefill`` and
     ``start_decode`` (``join``), and ``View`` shows some of them behind proxies of their own."""
 
     def __init__(self, vllm, kvferry_bin, logs: pathlib.Path, prefill_args=(), decode_args=(),
                  decode_policy: str | None = None, prefills: int = 1, decodes: int = 1, prefill_tp: int = 1,
                  decode_tp: int = 1, prefill_dp: int = 1, decode_agent: dict | list[dict] | None = None,
-                 wait: bool = True, lease_ttl_ms: int | None = None, **agent: Any) -> None:
+                 wait: bool = True, lease_ttl_ms: int | None = None,
+                 connector_class: tuple[str, str] = ("KvferryConnector", "kvferry.vllm"), **agent: Any) -> None:
         super().__init__()
         self.python, self.env, self.model = vllm
+        self.connector_class = connector_class
         self.logs = logs
         self.kvferry_bin = kvferry_bin
         self.members: list[Server] = []
@@ -428,13 +437,15 @@ class Pd(Servers):
         return Server(
             self.python, self.env, self.model, cores(i % 2, tp * dp), self.logs / (log or log_name("prefill", i)),
             *self.prefill_args, *parallel_args(tp, dp),
-            "--kv-transfer-config", connector("kv_producer", self.bootstrap, **self.agent), port=port,
+            "--kv-transfer-config", connector("kv_producer", self.bootstrap, self.connector_class, **self.agent),
+            port=port,
         )
 
     def start_decode(self, i: int, tp: int = 1, policy: str | None = None, agent: dict | None = None,
                      log: str | None = None) -> Server:
         """Decode server ``i`` with ``policy`` and these agent options besides the deployment's."""
-        config = connector("kv_consumer", self.bootstrap, kv_load_failure_policy=policy, **(self.agent | (agent or {})))
+        config = connector("kv_consumer", self.bootstrap, self.connector_class, kv_load_failure_policy=policy,
+                           **(self.agent | (agent or {})))
         return Server(self.python, self.env, self.model, cores((i + 1) % 2, tp), self.logs / (log or log_name("decode", i)),
                       *self.decode_args, *parallel_args(tp), "--kv-transfer-config", config)
 

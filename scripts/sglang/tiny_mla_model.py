@@ -2,11 +2,13 @@
 """Make a tiny DeepSeek-V2-style MLA model directory that SGLang and HF transformers both load,
 without any hub.
 
-Usage: tiny_mla_model.py OUTDIR [--seed N] [--layers N]
+Usage: tiny_mla_model.py OUTDIR [--seed N] [--layers N] [--latent 512,64]
 
 2 layers, both dense (first_k_dense_replace = num_hidden_layers: no MoE layer), multi-head
 latent attention with kv_lora_rank 64 and qk_rope_head_dim 32 (SGLang's MLATokenToKVPool then
-holds one [slots, 1, 96] buffer per layer), no q LoRA, fp32. RoPE is YaRN with factor 1.0,
+holds one [slots, 1, 96] buffer per layer), no q LoRA, fp32. ``--latent 512,64`` gives
+kv_lora_rank 512 and qk_rope_head_dim 64 instead: vLLM's CPU MLA backend serves only that
+shape (a 576-element latent per token and layer). RoPE is YaRN with factor 1.0,
 which is plain interleaved RoPE: SGLang's CPU engine builds MLA RoPE only as deepseek_yarn. The
 weights are random (seeded, transformers' init, output projection scaled as in tiny_model.py),
 the tokenizer is tiny_model.py's (scripts/vllm). The same seed gives the same files, byte for
@@ -22,6 +24,7 @@ override of that dispatch), SGLang's greedy tokens equal HF's.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -42,9 +45,9 @@ KV_LORA_RANK = 64
 QK_ROPE_HEAD_DIM = 32
 
 
-def model_config(layers: int = NUM_LAYERS) -> DeepseekV2Config:
-    """The tiny MLA model's shape: 2 dense layers (or ``layers``), 4 heads, latent KV of 64 + 32
-    RoPE dims."""
+def model_config(layers: int = NUM_LAYERS, latent: tuple[int, int] = (KV_LORA_RANK, QK_ROPE_HEAD_DIM)) -> DeepseekV2Config:
+    """The tiny MLA model's shape: 2 dense layers (or ``layers``), 4 heads, a latent KV of
+    ``latent`` (kv_lora_rank, RoPE dims): 64 + 32 by default."""
     return DeepseekV2Config(
         vocab_size=VOCAB_SIZE,
         hidden_size=256,
@@ -53,9 +56,9 @@ def model_config(layers: int = NUM_LAYERS) -> DeepseekV2Config:
         num_attention_heads=4,
         num_key_value_heads=4,
         q_lora_rank=None,
-        kv_lora_rank=KV_LORA_RANK,
+        kv_lora_rank=latent[0],
         qk_nope_head_dim=64,
-        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        qk_rope_head_dim=latent[1],
         v_head_dim=64,
         first_k_dense_replace=layers,  # every layer dense: no MoE
         n_routed_experts=4,  # unused (no MoE layer); small in case a loader sizes anything by it
@@ -84,10 +87,18 @@ def model_config(layers: int = NUM_LAYERS) -> DeepseekV2Config:
     )
 
 
-def make_model(seed: int, layers: int = NUM_LAYERS) -> DeepseekV2ForCausalLM:
+def make_model(seed: int, layers: int = NUM_LAYERS, latent: tuple[int, int] = (KV_LORA_RANK, QK_ROPE_HEAD_DIM)):
     """The tiny MLA model with weights drawn from `seed`, as tiny_model.py draws its Llama's."""
-    return make_seeded(seed, DeepseekV2ForCausalLM, model_config(layers))
+    return make_seeded(seed, DeepseekV2ForCausalLM, model_config(layers, latent))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--latent", default=f"{KV_LORA_RANK},{QK_ROPE_HEAD_DIM}")
+    known, rest = ap.parse_known_args(argv)
+    rank, rope = (int(x) for x in known.latent.split(","))
+    return write_model(rest, lambda seed, layers: make_model(seed, layers, (rank, rope)), __doc__)
 
 
 if __name__ == "__main__":
-    sys.exit(write_model(sys.argv[1:], make_model, __doc__))
+    sys.exit(main(sys.argv[1:]))

@@ -73,7 +73,7 @@ pub struct AgentOptions {
     pub attention: Option<AttentionKind>,
     /// How the engine lays its KV out in the pool's memory: kvferry, kvferry-head-major,
     /// vllm-cpu-vec, vllm-cpu-amx, vllm-nhd, vllm-hnd, vllm-flash-nhd, vllm-flash-hnd,
-    /// flashinfer, sglang-mha, sglang-mla (docs/architecture.md). A pool file (--pool shm:) holds the format's regions back to back.
+    /// flashinfer, sglang-mha, sglang-mla, vllm-mla (docs/architecture.md). A pool file (--pool shm:) holds the format's regions back to back.
     #[arg(long, env = "KVFERRY_KV_FORMAT", default_value = "kvferry")]
     pub kv_format: String,
     /// Order inside a page of the kvferry format: token_major (SGLang, vLLM NHD) or head_major

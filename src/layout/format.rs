@@ -208,6 +208,14 @@ pub const FORMATS: &[KvFormat] = &[
         regions: RegionSplit::PerLayer,
         only: Some(AttentionKind::Mla),
     },
+    KvFormat {
+        name: "vllm-mla",
+        about: "vLLM MLA (CPU_MLA on the CPU, the MLA backends on CUDA): per layer [blocks][block_size][kv_lora_rank + qk_rope_head_dim]",
+        order: PageOrder::TokenMajor,
+        placement: KvPlacement::Planes,
+        regions: RegionSplit::PerLayer,
+        only: Some(AttentionKind::Mla),
+    },
 ];
 
 impl KvFormat {
@@ -220,7 +228,7 @@ impl KvFormat {
             .ok_or_else(|| LayoutError::UnknownName(UnknownName {
                 what: "KV format",
                 name: name.to_owned(),
-                expected: "kvferry, kvferry-head-major, vllm-cpu-vec, vllm-cpu-amx, vllm-nhd, vllm-hnd, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla",
+                expected: "kvferry, kvferry-head-major, vllm-cpu-vec, vllm-cpu-amx, vllm-nhd, vllm-hnd, vllm-flash-nhd, vllm-flash-hnd, flashinfer, sglang-mha, sglang-mla, vllm-mla",
             }))
     }
 }

@@ -48,6 +48,9 @@ logger = init_logger(f"vllm.{__name__}")
 
 
 class KvferryConnector(KVConnectorBase_V1):
+    # The worker side's class (a subclass may observe it).
+    worker_side = WorkerSide
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
@@ -72,7 +75,7 @@ class KvferryConnector(KVConnectorBase_V1):
                     "failing the requests it runs and the rooms it holds for decodes; give "
                     "--shutdown-timeout (seconds) to drain them (docs/operations.md, \"Drain\")")
         else:
-            self._worker = WorkerSide(vllm_config, kv_cache_config, config, producer)
+            self._worker = self.worker_side(vllm_config, kv_cache_config, config, producer)
         self._times = StepTimes("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
 
     def _timed(self, hook: Any, *args: Any) -> Any:

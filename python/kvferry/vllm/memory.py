@@ -8,6 +8,10 @@
   cells) is the ``vllm-nhd`` format, ``LBHNC`` (HND) ``vllm-hnd``; each cell holds a head's K
   then its V. Every layer is one region of device memory. Layouts that interleave layers inside
   a block (``BL...``) or blocks inside a head (``LHBNC``) are refused.
+- MLA (``CPU_MLA`` on the CPU, the MLA backends on CUDA): each layer is
+  ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, one latent per token: the
+  ``vllm-mla`` format, one region per layer (on the CPU the layers lie back to back in one
+  buffer, and each is still its own region).
 
 Only the tensors' attributes are read (``data_ptr()``, ``nbytes``, ``shape``, ``stride()``,
 ``device``, ``is_contiguous()``), so that the CUDA path is tested on the CUDA driver emulator,
@@ -80,6 +84,24 @@ def cpu_cache(kv_caches: dict[str, Any], isa: str) -> Cache:
     length = len(layers) * layer_bytes
     # The raw (address, length) pair: the connector keeps the tensors, hence the buffer.
     return Cache(ISA_FORMATS[isa], [(base, length)], length)
+
+
+def mla_cache(kv_caches: dict[str, Any]) -> Cache:
+    """One region per layer of vLLM's MLA caches (one latent per token and layer), on the CPU
+    or on one CUDA device."""
+    layers = layers_in_order(kv_caches)
+    shape = tuple(layers[0].shape)
+    devices = {(t.device.index or 0) if t.device.type == "cuda" else None for t in layers}
+    if len(devices) != 1:
+        raise ValueError(f"KvferryConnector: the MLA cache layers are on several devices {sorted(map(str, devices))}")
+    for i, t in enumerate(layers):
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(
+                f"KvferryConnector: MLA layer {i} (shape {tuple(t.shape)}) is not a dense layer of shape {shape} "
+                "([blocks, block_size, kv_lora_rank + qk_rope_head_dim])"
+            )
+    regions = [(t.data_ptr(), nbytes(t)) for t in layers]
+    return Cache("vllm-mla", regions, sum(n for _, n in regions), devices.pop())
 
 
 def cuda_cache(kv_caches: dict[str, Any], layout: str | None) -> Cache:

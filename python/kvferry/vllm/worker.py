@@ -19,7 +19,7 @@ from vllm.logger import init_logger
 import kvferry
 
 from . import params as P
-from .memory import Cache, cpu_cache, cuda_cache, layer_index
+from .memory import Cache, cpu_cache, cuda_cache, layer_index, mla_cache
 from .metadata import Failures, KvferryMetadata, Load, Send
 from .stats import KvferryStats
 from .timing import log_room
@@ -45,7 +45,7 @@ def agent_options(
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("KvferryConnector: pipeline parallelism is not supported yet (PP must be 1)")
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     if (
@@ -67,11 +67,15 @@ def agent_options(
         # /metrics) listens on the base port plus the worker's index.
         dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
         agent["api_port"] = int(agent["api_port"]) + dp_rank * parallel.tensor_parallel_size + tp_rank
+    # MLA: one latent per token and layer, the same on every TP rank (the agents' pairing
+    # spreads a room's layers over the prefill ranks that hold them).
+    mla = isinstance(spec, MLAAttentionSpec)
     opts = dict(
         bootstrap=config.bootstrap,
         model="tiny",
+        attention="mla" if mla else "mha",
         layers=model.get_total_num_hidden_layers(),
-        kv_heads=model.get_total_num_kv_heads(),
+        kv_heads=1 if mla else model.get_total_num_kv_heads(),
         head_dim=spec.head_size,
         dtype=DTYPES[spec.dtype],
         page_size=spec.block_size,
@@ -152,10 +156,12 @@ class WorkerSide:
         )
 
     def cache_of(self, kv_caches: dict[str, torch.Tensor]) -> Cache:
-        """vLLM's caches as the agent's regions: on CUDA by vLLM's KV cache layout, on the CPU
-        by how vLLM attends there."""
+        """vLLM's caches as the agent's regions: MLA's latent per layer; otherwise on CUDA by
+        vLLM's KV cache layout, on the CPU by how vLLM attends there."""
         ctx = self.vllm_config.compilation_config.static_forward_context
         first = next(iter(kv_caches.values()))
+        if self.vllm_config.model_config.use_mla:
+            return mla_cache(kv_caches)
         if first.device.type == "cuda":
             return cuda_cache(kv_caches, self.vllm_config.cache_config.kv_cache_layout)
         if first.device.type != "cpu":
