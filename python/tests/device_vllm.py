@@ -66,7 +66,35 @@ def physical(data: np.ndarray, layout: str, heads: int, head_bytes: int) -> np.n
 
 def main() -> int:
     cuda = Cuda()
-    base = options(sys.argv[1], kv_format="vllm-nhd", pool_pages=PAGES, page_size=BLOCK)
+    dtypes()
+    dense = [nhd_to_hnd(cuda, dtype) for dtype in (None, "fp8_e4m3")]
+    latent = [mla(cuda, dtype) for dtype in ("bf16", "fp8_e5m2")]
+    print(f"vLLM CUDA caches, NHD prefill to HND decode: {dense} bytes landed as sent (tiny's dtype, fp8_e4m3), "
+          f"the rest poison; MLA: {latent} bytes of latent rows (bf16, fp8_e5m2)")
+    return 0
+
+
+def dtypes() -> None:
+    """The connector's KV dtype for vLLM's spec dtype and --kv-cache-dtype: FP8 caches (uint8
+    tensors) by their encoding; scale-carrying and other quantized caches refused."""
+    import torch
+
+    from kvferry.vllm.worker import kv_dtype
+
+    assert kv_dtype(torch.bfloat16, "auto") == "bf16"
+    assert kv_dtype(torch.float32, "float32") == "fp32"
+    assert kv_dtype(torch.uint8, "fp8") == kv_dtype(torch.uint8, "fp8_e4m3") == "fp8_e4m3"
+    assert kv_dtype(torch.uint8, "fp8_e5m2") == "fp8_e5m2"
+    for spec, cache in ((torch.uint8, "fp8_ds_mla"), (torch.uint8, "fp8_per_token_head"),
+                        (torch.int8, "int8_per_token_head"), (torch.float8_e4m3fn, "fp8_inc")):
+        refused(lambda: kv_dtype(spec, cache), "is not served")
+
+
+def nhd_to_hnd(cuda: Cuda, dtype: str | None) -> int:
+    """A room from NHD caches to HND caches of ``dtype`` (None: the tests' model's); returns the
+    bytes that landed."""
+    base = options(sys.argv[1], kv_format="vllm-nhd", pool_pages=PAGES, page_size=BLOCK,
+                   **({"dtype": dtype} if dtype else {}))
     layout = kvferry.memory_layout(**base)
     heads = layout["heads"][1] - layout["heads"][0]
     item, head_bytes = layout["dtype_bytes"], layout["head_bytes"]
@@ -124,18 +152,16 @@ def main() -> int:
     assert taken["bytes"] == landed, (taken, landed)
     prefill.close()
     decode.close()
-    latent = mla(cuda)
-    print(f"vLLM CUDA caches, NHD prefill to HND decode: {landed} bytes landed as sent, the rest poison; "
-          f"MLA: {latent} bytes of latent rows")
-    return 0
+    return landed
 
 
-def mla(cuda: Cuda) -> int:
-    """A room between MLA caches (format vllm-mla): the decode's token rows equal the
-    prefill's, every other byte poison. Returns the bytes that landed."""
-    width, item, layers = 576, 2, 3
+def mla(cuda: Cuda, dtype: str) -> int:
+    """A room between MLA caches (format vllm-mla) of ``dtype``: the decode's token rows equal
+    the prefill's, every other byte poison. Returns the bytes that landed."""
+    width, layers = 576, 3
+    item = 2 if dtype == "bf16" else 1
     base = options(sys.argv[1], kv_format="vllm-mla", pool_pages=PAGES, page_size=BLOCK, attention="mla",
-                   layers=layers, kv_heads=1, head_dim=width, dtype="bf16")
+                   layers=layers, kv_heads=1, head_dim=width, dtype=dtype)
     size = PAGES * BLOCK * width * item
     rng = np.random.default_rng(12)
     sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(layers)]

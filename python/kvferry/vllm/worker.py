@@ -36,6 +36,23 @@ logger = init_logger(f"vllm.{__name__}")
 ANNOUNCEMENTS = 8
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# vLLM keeps an FP8 cache in uint8 tensors and names the encoding in --kv-cache-dtype. Their
+# static scales live in the model's layers, loaded from the same checkpoint on both sides: the
+# cache holds one-byte elements only. (fp8_ds_mla, whose per-token scales sit inside each latent
+# row, comes with DeepSeek V3.2's indexer cache, a second KV cache group: refused with it.)
+FP8 = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def kv_dtype(spec_dtype: Any, cache_dtype: str) -> str:
+    """kvferry's dtype for vLLM's KV cache spec dtype and ``--kv-cache-dtype``."""
+    if cache_dtype in FP8 and spec_dtype == torch.uint8:
+        return FP8[cache_dtype]
+    if spec_dtype not in DTYPES:
+        raise ValueError(
+            f"KvferryConnector: KV cache dtype {cache_dtype} ({spec_dtype}) is not served (served: fp32, bf16, "
+            f"fp16, and on CUDA {', '.join(FP8)})"
+        )
+    return DTYPES[spec_dtype]
 
 
 def agent_options(
@@ -56,8 +73,7 @@ def agent_options(
         # vLLM frees a sliding window's older blocks while a request runs: not while a room
         # reads them.
         raise ValueError("KvferryConnector: full attention in one KV cache group only (no hybrid or sliding-window models)")
-    if spec.dtype not in DTYPES:
-        raise ValueError(f"KvferryConnector: KV dtype {spec.dtype} is not one of {sorted(map(str, DTYPES))}")
+    dtype = kv_dtype(spec.dtype, str(vllm_config.cache_config.cache_dtype))
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     tp_rank = get_tensor_model_parallel_rank()
@@ -77,7 +93,7 @@ def agent_options(
         layers=model.get_total_num_hidden_layers(),
         kv_heads=1 if mla else model.get_total_num_kv_heads(),
         head_dim=spec.head_size,
-        dtype=DTYPES[spec.dtype],
+        dtype=dtype,
         page_size=spec.block_size,
         pool_pages=kv_cache_config.num_blocks,
         kv_format=kv_format,
@@ -166,6 +182,9 @@ class WorkerSide:
             return cuda_cache(kv_caches, self.vllm_config.cache_config.kv_cache_layout)
         if first.device.type != "cpu":
             raise ValueError(f"KvferryConnector: KV caches on {first.device.type} are not supported (CPU and CUDA are)")
+        if str(self.vllm_config.cache_config.cache_dtype) in FP8:
+            # vLLM's CPU build runs an FP8 cache only with AVX-512: its layout was never seen.
+            raise ValueError("KvferryConnector: vLLM's CPU FP8 KV cache has no kvferry format (FP8 is served on CUDA)")
         isas = {str(getattr(ctx.get(n), "isa", "unknown")) for n in kv_caches}
         if len(isas) != 1:
             raise ValueError(f"KvferryConnector: attention layers report several ISAs {sorted(isas)}")
