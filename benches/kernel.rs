@@ -51,7 +51,7 @@ fn bench(c: &mut Criterion) {
             let mut list: Vec<u32> = (0..pages as u32).collect();
             list.shuffle(&mut rand::rngs::StdRng::seed_from_u64(7));
             let sel = Selection::whole(&pool, &list, pages * page_size);
-            let bytes = sel.bytes(&pool).expect("bytes");
+            let bytes = sel.bytes(&pool, PageOrder::TokenMajor).expect("bytes");
             let mut staging = vec![1u8; bytes];
             let other = vec![2u8; bytes];
             let mib = bytes >> 20;

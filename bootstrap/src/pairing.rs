@@ -1,10 +1,11 @@
 //! Which instances can exchange KV: a prefill's and a decode's registrations pair when their
-//! protocol versions meet, they serve the same model, and their KV has the same kind, dtype,
-//! layers, heads and head size. The registry tells an instance that pairs with none of the
-//! other role at registration (and in `GET /v1/ranks`); a router pairs only instances that pass
-//! ([`pairable`]). What a field left unsaid (an older agent's registration) never keeps two
-//! instances apart; what depends on both sides' page orders (page sizes, token order inside a
-//! page) is checked at the Hello, which refuses with both layouts named.
+//! protocol versions meet, they serve the same model, their KV has the same kind, dtype,
+//! layers, heads and head size, and their page orders and sizes can exchange KV
+//! (`kvferry_wire::kv::wire_order`, the rule the agents' Hello applies: a vLLM CPU page moves
+//! only whole, to a pool of its own order and page size). The registry tells an instance that
+//! pairs with none of the other role at registration (and in `GET /v1/ranks`); a router pairs
+//! only instances that pass ([`pairable`]). What a field left unsaid (an older agent's
+//! registration) never keeps two instances apart.
 
 use crate::types::{Registration, Role};
 
@@ -45,6 +46,10 @@ pub fn pairable(prefill: &Registration, decode: &Registration) -> Result<(), Str
             return Err(format!("KV {field} differs: prefill {x}, decode {y}"));
         }
     }
+    if let (Some(x), Some(y)) = (a.order, b.order) {
+        kvferry_wire::kv::wire_order((x, a.page_size as usize), (y, b.page_size as usize))
+            .map_err(|why| format!("KV pages cannot move between them: {why}"))?;
+    }
     Ok(())
 }
 
@@ -84,7 +89,9 @@ pub fn unmatched<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{About, AttentionKind, Dtype, IndexRange, KvLayout, Slice, Versions};
+    use crate::types::{
+        About, AttentionKind, Dtype, IndexRange, KvLayout, PageOrder, Slice, Versions,
+    };
     use std::collections::BTreeMap;
     use uuid::Uuid;
 
@@ -105,6 +112,7 @@ mod tests {
                 head_dim,
                 dtype: Dtype::Fp32,
                 page_size: 16,
+                order: None,
             },
             slice: Slice {
                 heads: IndexRange::new(0, 2),
@@ -141,6 +149,40 @@ mod tests {
                 .unwrap_err()
                 .contains("model differs")
         );
+    }
+
+    #[test]
+    fn page_orders_and_sizes_pair_as_their_pages_can_move() {
+        let with = |role, order, page_size| {
+            let mut r = rank(role, 64, (9, 9));
+            r.layout.order = Some(order);
+            r.layout.page_size = page_size;
+            r
+        };
+        use PageOrder::{HeadMajor, TokenMajor, VllmCpuAmx, VllmCpuVec};
+        // Token-granular pages re-block token by token: any orders and sizes.
+        let p = with(Role::Prefill, TokenMajor, 16);
+        assert_eq!(pairable(&p, &with(Role::Decode, HeadMajor, 32)), Ok(()));
+        // vLLM CPU pages move only to the same order; vec pages of other sizes re-blocked,
+        // amx pages only whole.
+        let cpu = with(Role::Prefill, VllmCpuVec, 32);
+        assert_eq!(pairable(&cpu, &with(Role::Decode, VllmCpuVec, 32)), Ok(()));
+        assert_eq!(pairable(&cpu, &with(Role::Decode, VllmCpuVec, 64)), Ok(()));
+        let amx = with(Role::Prefill, VllmCpuAmx, 32);
+        assert_eq!(
+            pairable(&amx, &with(Role::Decode, VllmCpuAmx, 64)).unwrap_err(),
+            "KV pages cannot move between them: vllm_cpu_amx pages move whole: page_size must \
+             match (source 32, destination 64)"
+        );
+        for other in [VllmCpuAmx, TokenMajor] {
+            let why = pairable(&cpu, &with(Role::Decode, other, 32)).unwrap_err();
+            assert!(
+                why.contains("cannot exchange KV") && why.contains(other.name()),
+                "{why}"
+            );
+        }
+        // An agent that registered no order pairs as before.
+        assert_eq!(pairable(&cpu, &rank(Role::Decode, 64, (9, 9))), Ok(()));
     }
 
     #[test]

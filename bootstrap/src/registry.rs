@@ -467,6 +467,7 @@ mod tests {
             head_dim: 128,
             dtype: Dtype::Bf16,
             page_size: 16,
+            order: None,
         }
     }
 

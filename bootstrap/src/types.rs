@@ -3,8 +3,9 @@
 //! Owns the shape of a [`Registration`] and its validation ([`Registration::validate`]): every
 //! check that needs only the registration itself lives here, so a client can run it before
 //! sending. Checks against other registrations (group topology) live in `registry`.
-//! Ranges are half-open (`start..end`); all counts are `u32`. A layout's [`Dtype`] and
-//! [`AttentionKind`] are `kvferry_wire`'s, the words the agents' layouts and Hello use too.
+//! Ranges are half-open (`start..end`); all counts are `u32`. A layout's [`Dtype`],
+//! [`AttentionKind`] and [`PageOrder`] are `kvferry_wire`'s, the words the agents' layouts and
+//! Hello use too.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -12,7 +13,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-pub use kvferry_wire::kv::{AttentionKind, Dtype};
+pub use kvferry_wire::kv::{AttentionKind, Dtype, PageOrder};
 
 /// The role a rank plays in the PD cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -55,6 +56,11 @@ pub struct KvLayout {
     pub dtype: Dtype,
     /// Tokens per page.
     pub page_size: u32,
+    /// The order of tokens and heads inside a page of the engine's memory, which decides with
+    /// the page size which instances can exchange KV (absent from an older agent's
+    /// registration).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<PageOrder>,
 }
 
 /// A half-open range `start..end` of heads or layers.
@@ -363,6 +369,7 @@ mod tests {
                 head_dim: 128,
                 dtype: Dtype::Fp8E4m3,
                 page_size: 16,
+                order: None,
             },
             slice: Slice {
                 heads: IndexRange::new(4, 8),

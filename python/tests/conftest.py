@@ -32,6 +32,7 @@ ORDER = [
                     "test_vllm_first_token", "test_vllm_parallel", "test_vllm_fleet_change", "test_vllm_preemption"]),
     ("vllm_bench", []),
     ("vllm_mla", []),
+    ("vllm_blocks", []),
     ("sglang_pd", []),
     ("sglang_mla", []),
     ("quickstart", []),

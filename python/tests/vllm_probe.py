@@ -1,12 +1,15 @@
 """A test-only KvferryConnector (``vllm_servers.PROBE``; python/tests on the engine's
-``PYTHONPATH``) that reads the KV of kvferry's rooms in vLLM's own MLA cache (``vllm-mla``: per
-layer ``[blocks, block_size, latent]``, one row per token).
+``PYTHONPATH``) that reads the KV of kvferry's rooms in vLLM's own cache: the MLA cache
+(``vllm-mla``: per layer ``[blocks, block_size, latent]``) and the CPU cache on its ``vec`` path
+(``vllm-cpu-vec``: per layer ``[blocks, kv_heads, block_size, 2 x head_size]``, each (block,
+head) K ``[head_size][block_size]`` then V ``[block_size][head_size]``).
 
 ``KVFERRY_PROBE_DUMP=DIR``: when TP rank 0 of a prefill has announced every layer of a room,
-the rows of the room's tokens go to ``DIR/prefill-ROOM.bin``; when a decode rank took a room
-that landed, the rows it loaded (from its first loaded token) to ``DIR/decode-ROOM-tpRANK.bin``,
-and that first token to ``DIR/decode-ROOM-tpRANK.start``. Each file is layer after layer, each
-layer's rows in token order, so a decode's file equals the prefill's from its start token on.
+the room's tokens go to ``DIR/prefill-ROOM.bin``; when a decode rank took a room that landed,
+the tokens it loaded (from its first loaded token) to ``DIR/decode-ROOM-tpRANK.bin``, and that
+first token to ``DIR/decode-ROOM-tpRANK.start``. Each file is token after token, each token's
+KV layer after layer (MLA: its latent; vec: each head's K then V), whatever the block size, so
+a decode's file equals the prefill's from its start token on (rank 0's heads: compare TP1).
 """
 
 from __future__ import annotations
@@ -15,19 +18,33 @@ import os
 import pathlib
 from typing import Any
 
+import torch
+
 from kvferry.vllm import KvferryConnector
 from kvferry.vllm.worker import WorkerSide
 
 
+def token_kv(layer: torch.Tensor, page: int, slot: int, mla: bool) -> torch.Tensor:
+    """One token's KV in one layer, as a flat tensor."""
+    if mla:
+        return layer.reshape(-1, layer.shape[-1])[page * layer.shape[-2] + slot]
+    _, heads, block, two_dims = layer.shape
+    dims = two_dims // 2
+    runs = layer[page].reshape(heads, 2, block * dims)
+    k = runs[:, 0].reshape(heads, dims, block)[:, :, slot]
+    v = runs[:, 1].reshape(heads, block, dims)[:, slot]
+    return torch.cat([k, v], dim=1).reshape(-1)
+
+
 def rows(worker: WorkerSide, pages: list[int], start: int, end: int) -> bytes:
     """Tokens ``start..end`` of every layer, from the blocks ``pages`` (the room's, from token 0)."""
+    layers = [worker.tensors[n] for n in sorted(worker.tensors, key=worker.positions.__getitem__)]
+    block = worker.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    mla = worker.vllm_config.model_config.use_mla
     out = bytearray()
-    for name in sorted(worker.tensors, key=worker.positions.__getitem__):
-        layer = worker.tensors[name]
-        block = layer.shape[-2]
-        flat = layer.reshape(-1, layer.shape[-1])
-        for t in range(start, end):
-            out += flat[pages[t // block] * block + t % block].numpy().tobytes()
+    for t in range(start, end):
+        for layer in layers:
+            out += token_kv(layer, pages[t // block], t % block, mla).contiguous().numpy().tobytes()
     return bytes(out)
 
 

@@ -188,7 +188,7 @@ impl AgentPool {
                 "device staging of a host pool".into(),
             ));
         };
-        let mut buf = take(kernel, staging, sel.bytes_in(pool.layout())?)?;
+        let mut buf = take(kernel, staging, sel.bytes_in(pool.layout(), wire)?)?;
         kernel.gather(pool, sel, wire, &mut buf)?;
         Ok(DeviceChunk::new(buf, staging.clone()))
     }
@@ -352,7 +352,7 @@ impl AgentPool {
         match self {
             AgentPool::Host { pool, kernel } => kernel.checksum(pool, sel, wire),
             AgentPool::Device { .. } => {
-                let mut bytes = vec![0u8; sel.bytes_in(self.layout())?];
+                let mut bytes = vec![0u8; sel.bytes_in(self.layout(), wire)?];
                 self.gather(sel, wire, &mut bytes)?;
                 Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
             }

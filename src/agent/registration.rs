@@ -83,6 +83,7 @@ pub(crate) fn registration(
             head_dim: l.model.head_dim as u32,
             dtype: l.model.dtype,
             page_size: l.page_size as u32,
+            order: Some(l.order),
         },
         slice: registry::Slice {
             heads: range(&l.heads),
@@ -101,8 +102,13 @@ pub(crate) fn registration(
     }
 }
 
-/// Refuses a peer whose layout cannot be paired with ours, naming the field and both values.
-pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result<(), Reason> {
+/// Refuses a peer whose layout cannot be paired with ours at the negotiated protocol
+/// `version`, naming the field and both values.
+pub(crate) fn check_compatible(
+    ours: &WireLayout,
+    theirs: &WireLayout,
+    version: u16,
+) -> Result<(), Reason> {
     let fields: [(&str, String, String); 5] = [
         ("kind", ours.kind.to_string(), theirs.kind.to_string()),
         ("dtype", ours.dtype.to_string(), theirs.dtype.to_string()),
@@ -135,14 +141,22 @@ pub(crate) fn check_compatible(ours: &WireLayout, theirs: &WireLayout) -> Result
         layout_of(ours).map_err(|e| incompatible(e.to_string()))?,
         layout_of(theirs).map_err(|e| incompatible(e.to_string()))?,
     );
-    crate::layout::wire_order(&a, &b)
-        .map(|_| ())
-        .map_err(|why| {
-            incompatible(format!(
-                "ours {} against the peer's {}: {why}",
-                a.order, b.order
-            ))
-        })
+    let wire = crate::layout::wire_order(&a, &b).map_err(|why| {
+        incompatible(format!(
+            "ours {} against the peer's {}: {why}",
+            a.order, b.order
+        ))
+    })?;
+    if wire == PageOrder::VllmCpuVecSpan && version < crate::protocol::VEC_SPAN {
+        return Err(incompatible(format!(
+            "{} pages of {} and {} tokens are re-blocked from protocol version {} on; this pair speaks {version}",
+            a.order,
+            a.page_size,
+            b.page_size,
+            crate::protocol::VEC_SPAN
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -169,6 +183,7 @@ mod tests {
 
     #[test]
     fn incompatible_layouts_name_the_field_and_both_values() {
+        const V: u16 = crate::protocol::VERSION;
         let l = crate::layout::KvLayout::new(crate::layout::ModelSpec::preset("tiny").unwrap(), 16)
             .unwrap();
         let ours = wire_layout(&l);
@@ -176,29 +191,41 @@ mod tests {
             head_dim: 64,
             ..ours.clone()
         };
-        let r = check_compatible(&ours, &theirs).unwrap_err();
+        let r = check_compatible(&ours, &theirs, V).unwrap_err();
         assert_eq!(r.code, FailureCode::IncompatibleLayout);
         assert_eq!(r.message, "head_dim differs: ours 32, peer's 64");
-        assert!(check_compatible(&ours, &ours).is_ok());
+        assert!(check_compatible(&ours, &ours, V).is_ok());
         // Token-granular pools of other page sizes pair; pages that move whole do not.
         let p32 = WireLayout {
             page_size: 32,
             ..ours.clone()
         };
-        assert!(check_compatible(&ours, &p32).is_ok());
+        assert!(check_compatible(&ours, &p32, V).is_ok());
         let cpu = |page_size| WireLayout {
             order: PageOrder::VllmCpuVec,
             page_size,
             ..ours.clone()
         };
-        let r = check_compatible(&cpu(16), &cpu(32)).unwrap_err();
+        // vLLM CPU vec pages of other sizes are re-blocked; amx pages move only whole.
+        assert!(check_compatible(&cpu(16), &cpu(32), V).is_ok());
+        let r = check_compatible(&cpu(16), &cpu(32), crate::protocol::VEC_SPAN - 1).unwrap_err();
+        assert!(
+            r.message.contains("re-blocked from protocol version"),
+            "{}",
+            r.message
+        );
+        let amx = |page_size| WireLayout {
+            order: PageOrder::VllmCpuAmx,
+            ..cpu(page_size)
+        };
+        let r = check_compatible(&amx(16), &amx(32), V).unwrap_err();
         assert!(
             r.message
                 .contains("page_size must match (source 16, destination 32)"),
             "{}",
             r.message
         );
-        let r = check_compatible(&cpu(16), &ours).unwrap_err();
+        let r = check_compatible(&cpu(16), &ours, V).unwrap_err();
         assert!(
             r.message.contains("vllm_cpu_vec") && r.message.contains("token_major"),
             "{}",

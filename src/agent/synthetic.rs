@@ -536,7 +536,7 @@ pub(crate) fn verify(
     let mut got = Vec::new();
     for local in 0..l.num_layers() {
         let sel = layer_selection(l, pages, &tokens, local);
-        got.resize(sel.bytes_in(l)?, 0);
+        got.resize(sel.bytes_in(l, PageOrder::TokenMajor)?, 0);
         pool.gather(&sel, PageOrder::TokenMajor, &mut got)?;
         check_gathered(l, (room, stamped), local, &tokens, mode, &got)?;
     }

@@ -64,7 +64,7 @@ impl CpuKernel {
         wire: PageOrder,
         staging: &mut [u8],
     ) -> Result<(), KernelError> {
-        sel.validate(pool, staging.len(), false)?;
+        sel.validate(pool, wire, staging.len(), false)?;
         let runs = plan(Geometry::of(pool), sel, wire)?;
         let src = Ptr(pool.base_ptr());
         let dst = Ptr(staging.as_mut_ptr());
@@ -99,7 +99,7 @@ impl CpuKernel {
         sel: &Selection<'_>,
     ) -> Result<(), KernelError> {
         let total = pieces.iter().map(|p| p.len()).sum();
-        sel.validate(pool, total, true)?;
+        sel.validate(pool, wire, total, true)?;
         let mut runs = plan(Geometry::of(pool), sel, wire)?;
         runs.sort_unstable_by_key(|r| r.staging);
         let dst = Ptr(pool.base_ptr());
@@ -146,8 +146,8 @@ impl CpuKernel {
         sel: &Selection<'_>,
         wire: PageOrder,
     ) -> Result<u64, KernelError> {
-        let bytes = sel.bytes(pool)?;
-        sel.validate(pool, bytes, false)?;
+        let bytes = sel.bytes(pool, wire)?;
+        sel.validate(pool, wire, bytes, false)?;
         let mut runs = plan(Geometry::of(pool), sel, wire)?;
         runs.sort_unstable_by_key(|r| r.staging); // hash in wire order (see `pool_to_pool`)
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();

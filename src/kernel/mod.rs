@@ -27,7 +27,7 @@ pub mod cuda;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::layout::{KvLayout, LayoutError};
+use crate::layout::{KvLayout, LayoutError, PageOrder};
 use crate::memory::MemoryKind;
 use crate::pool::HostPool;
 
@@ -154,29 +154,37 @@ impl<'a> Selection<'a> {
         }
     }
 
-    /// Bytes this selection occupies in staging.
-    pub fn bytes(&self, pool: &HostPool) -> Result<usize, KernelError> {
-        self.bytes_in(pool.layout())
+    /// Bytes this selection occupies in staging in `wire` order.
+    pub fn bytes(&self, pool: &HostPool, wire: PageOrder) -> Result<usize, KernelError> {
+        self.bytes_in(pool.layout(), wire)
     }
 
     /// Bytes this selection occupies in staging, for a pool of `layout` in any memory.
-    pub fn bytes_in(&self, layout: &KvLayout) -> Result<usize, KernelError> {
+    pub fn bytes_in(&self, layout: &KvLayout, wire: PageOrder) -> Result<usize, KernelError> {
         Ok(layout.selection_bytes(
-            layout.staged_tokens(&self.tokens),
+            layout.staged_tokens(&self.tokens, wire),
             self.layers.len(),
             self.heads.len(),
         )?)
     }
 
-    /// Checks the selection against `pool` and a staging buffer of `staging_len` bytes.
+    /// Checks the selection against `pool` and a staging buffer of `staging_len` bytes in
+    /// `wire` order.
     /// `destination` additionally refuses duplicate pages.
     pub fn validate(
         &self,
         pool: &HostPool,
+        wire: PageOrder,
         staging_len: usize,
         destination: bool,
     ) -> Result<(), KernelError> {
-        self.validate_in(pool.layout(), pool.num_pages(), staging_len, destination)
+        self.validate_in(
+            pool.layout(),
+            pool.num_pages(),
+            wire,
+            staging_len,
+            destination,
+        )
     }
 
     /// [`Self::validate`] for a pool of `layout` and `num_pages` pages in any memory.
@@ -184,6 +192,7 @@ impl<'a> Selection<'a> {
         &self,
         layout: &KvLayout,
         num_pages: usize,
+        wire: PageOrder,
         staging_len: usize,
         destination: bool,
     ) -> Result<(), KernelError> {
@@ -218,7 +227,7 @@ impl<'a> Selection<'a> {
                 return Err(KernelError::DuplicatePage { page: w[0] });
             }
         }
-        let expected = self.bytes_in(layout)?;
+        let expected = self.bytes_in(layout, wire)?;
         if expected != staging_len {
             return Err(KernelError::StagingSize {
                 expected,

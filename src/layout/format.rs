@@ -13,55 +13,9 @@
 //! KV between them, and in which wire order, is [`wire_order`]'s business (docs/architecture.md
 //! has the table).
 
+pub use kvferry_wire::kv::{Granularity, PageOrder};
+
 use super::{AttentionKind, KvLayout, LayoutError, UnknownName, invalid};
-
-/// Order of tokens and heads inside one block (one page of one plane).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum PageOrder {
-    /// `[token][head][dim]`: SGLang, vLLM NHD, FlashInfer. A token's heads are contiguous.
-    TokenMajor,
-    /// `[head][token][dim]`: vLLM HND. A head's tokens are contiguous, so a head slice of a
-    /// page is one run.
-    HeadMajor,
-    /// vLLM's CPU backend on its `vec` attention path (float32, or a CPU without AMX): per
-    /// page `[head][K: dim x token (transposed) | V: token x dim]`. K's tokens are not
-    /// separable, so a page moves as whole head slices, and only to a pool of the same order.
-    VllmCpuVec,
-    /// vLLM's CPU backend on its `amx` path (bf16 on a CPU with AMX): per page `[head][K | V]`
-    /// as the `vec` path, each half packed in 16 x 2 tiles (K `[token/16][dim/2][16][2]`, V
-    /// `[dim/16][token/2][16][2]`). Moves as whole head slices, only to a pool of this order.
-    VllmCpuAmx,
-}
-
-impl PageOrder {
-    /// The name used on the command line and on the wire.
-    pub fn name(self) -> &'static str {
-        match self {
-            PageOrder::TokenMajor => "token_major",
-            PageOrder::HeadMajor => "head_major",
-            PageOrder::VllmCpuVec => "vllm_cpu_vec",
-            PageOrder::VllmCpuAmx => "vllm_cpu_amx",
-        }
-    }
-
-    /// The finest unit a transfer may cut a page into.
-    pub fn granularity(self) -> Granularity {
-        match self {
-            PageOrder::TokenMajor | PageOrder::HeadMajor => Granularity::Token,
-            PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => Granularity::Head,
-        }
-    }
-}
-
-/// The finest unit of a page that a transfer may move on its own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Granularity {
-    /// Any token range of any head range: pieces may start and end mid-page.
-    Token,
-    /// Whole head slices of whole pages: pieces start on a page boundary, and the last page of
-    /// a room moves whole (its unused token slots included).
-    Head,
-}
 
 /// Where the planes of a layer sit relative to each other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -306,10 +260,11 @@ impl KvLayout {
         Ok(())
     }
 
-    /// Tokens a selection of `tokens` occupies in staging: the tokens themselves, or whole
-    /// pages for a head-granular order.
-    pub fn staged_tokens(&self, tokens: &std::ops::Range<usize>) -> usize {
-        match self.order.granularity() {
+    /// Tokens a selection of `tokens` occupies in staging in `wire` order: the tokens
+    /// themselves, or whole pages when the wire moves this layout's head-granular pages as
+    /// they are.
+    pub fn staged_tokens(&self, tokens: &std::ops::Range<usize>, wire: PageOrder) -> usize {
+        match wire.granularity() {
             Granularity::Token => tokens.len(),
             Granularity::Head if tokens.is_empty() => 0,
             Granularity::Head => {
@@ -327,32 +282,8 @@ impl KvLayout {
 /// head-granular pool moves only to and from a pool of the same order and page size, whole
 /// head slices as stored.
 pub fn wire_order(source: &KvLayout, destination: &KvLayout) -> Result<PageOrder, String> {
-    let (a, b) = (source.order, destination.order);
-    if a.granularity() == Granularity::Token && b.granularity() == Granularity::Token {
-        return Ok(match source.page_size == destination.page_size {
-            true => b,
-            false => PageOrder::TokenMajor,
-        });
-    }
-    if a != b {
-        return Err(format!(
-            "page orders {} and {} cannot exchange KV: {} pages move only as whole head slices, to a pool of the same order",
-            a.name(),
-            b.name(),
-            if a.granularity() == Granularity::Head {
-                a.name()
-            } else {
-                b.name()
-            }
-        ));
-    }
-    if source.page_size != destination.page_size {
-        return Err(format!(
-            "{} pages move whole: page_size must match (source {}, destination {})",
-            a.name(),
-            source.page_size,
-            destination.page_size
-        ));
-    }
-    Ok(a)
+    kvferry_wire::kv::wire_order(
+        (source.order, source.page_size),
+        (destination.order, destination.page_size),
+    )
 }

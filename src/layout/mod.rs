@@ -54,17 +54,6 @@ pub enum LayoutError {
 }
 
 kvferry_wire::named_enum!(
-    PageOrder,
-    "page order",
-    "token_major, head_major, vllm_cpu_vec, vllm_cpu_amx",
-    [
-        PageOrder::TokenMajor,
-        PageOrder::HeadMajor,
-        PageOrder::VllmCpuVec,
-        PageOrder::VllmCpuAmx
-    ]
-);
-kvferry_wire::named_enum!(
     KvPlacement,
     "kv placement",
     "planes, interleaved, cells",
@@ -279,6 +268,12 @@ impl KvLayout {
         positive("page_size", self.page_size)?;
         check_range("heads", &self.heads, self.model.num_kv_heads)?;
         check_range("layers", &self.layers, self.model.num_layers)?;
+        if self.order == PageOrder::VllmCpuVecSpan {
+            return Err(invalid(
+                "order",
+                format!("{} is the order of a transfer, not of a pool", self.order),
+            ));
+        }
         if self.order.granularity() == Granularity::Head
             && self.placement != KvPlacement::Interleaved
         {
@@ -446,8 +441,10 @@ pub fn element_offset(
         PageOrder::TokenMajor => (token * heads + head) * cell_bytes,
         PageOrder::HeadMajor => (head * tokens + token) * cell_bytes,
         // A head's K block then its V block; within V, token rows on the vec path (K, and
-        // both halves on the amx path, are read whole).
-        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => (head * 2 * tokens + token) * cell_bytes,
+        // both halves on the amx path, are read whole; the span order's K by dims).
+        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx | PageOrder::VllmCpuVecSpan => {
+            (head * 2 * tokens + token) * cell_bytes
+        }
     }
 }
 

@@ -215,14 +215,23 @@ fn token_granular_formats_pair_and_head_granular_ones_only_with_themselves() {
         e.contains("vllm_cpu_vec") && e.contains("token_major"),
         "{e}"
     );
-    let e = wire_order(&cpu, &with("vllm-cpu-vec", 32)).unwrap_err();
-    assert!(e.contains("page_size must match"), "{e}");
+    // vec pages of other sizes are re-blocked; a span is no pool's order.
+    assert_eq!(
+        wire_order(&cpu, &with("vllm-cpu-vec", 32)),
+        Ok(PageOrder::VllmCpuVecSpan)
+    );
+    assert!(
+        cpu.clone()
+            .with_order(PageOrder::VllmCpuVecSpan, KvPlacement::Interleaved)
+            .is_err()
+    );
     // Token-granular pools of different page sizes meet in token rows.
     assert_eq!(
         wire_order(&hnd, &with("vllm-flash-hnd", 32)),
         Ok(PageOrder::TokenMajor)
     );
     // A piece of a head-granular pool stages whole pages.
-    assert_eq!(cpu.staged_tokens(&(16..40)), 32);
-    assert_eq!(nhd.staged_tokens(&(16..40)), 24);
+    assert_eq!(cpu.staged_tokens(&(16..40), cpu.order), 32);
+    assert_eq!(cpu.staged_tokens(&(16..40), PageOrder::VllmCpuVecSpan), 24);
+    assert_eq!(nhd.staged_tokens(&(16..40), nhd.order), 24);
 }

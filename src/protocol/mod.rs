@@ -32,7 +32,7 @@ use crate::reason::FailureCode;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 9;
+pub const VERSION: u16 = 10;
 /// The first version whose staged chunks may come in pieces (ZeroMQ: up to
 /// [`crate::transport::MAX_PIECES`] payload frames, sent from the prefill's pool).
 pub const PIECES: u16 = 6;
@@ -46,6 +46,9 @@ pub const PROMPT_DIGESTS: u16 = 9;
 /// The first version whose heartbeats name the rooms a decode holds for queued requests
 /// (`Heartbeat::rooms`).
 pub const HELD_ROOMS: u16 = 9;
+/// The first version that re-blocks vLLM CPU `vec` pages between pools of other page sizes
+/// (wire order `vllm_cpu_vec_span`, tag 5).
+pub const VEC_SPAN: u16 = 10;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 /// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
 pub const MIN_VERSION: u16 = 4;

@@ -110,6 +110,7 @@ mod tests {
                     head_dim: 64,
                     dtype: Dtype::Fp32,
                     page_size: 128,
+                    order: None,
                 },
                 slice: Slice {
                     heads: IndexRange::new(tp_rank, tp_rank + 1),

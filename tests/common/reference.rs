@@ -45,7 +45,7 @@ pub fn engine_regions(format: &str, d: Dims) -> (usize, usize) {
             (d.layers, 2 * d.pages * page)
         }
         "sglang-mha" => (d.layers * 2, d.pages * page),
-        "sglang-mla" => (d.layers, d.pages * page),
+        "sglang-mla" | "vllm-mla" => (d.layers, d.pages * page),
         other => panic!("no reference for format {other}"),
     }
 }
@@ -97,8 +97,9 @@ pub fn engine_offset(
         "flashinfer" => (l, at(&[n, 2, bs, hh], &[page, p, t, h], hb)),
         // Per layer a K and a V buffer [slots, kv_heads, head_dim]; slot = page x page_size + t.
         "sglang-mha" => (l * 2 + p, at(&[n * bs, hh], &[page * bs + t, h], hb)),
-        // Per layer one buffer [slots, 1, latent].
+        // Per layer one buffer [slots, 1, latent] (SGLang), [blocks, block_size, latent] (vLLM).
         "sglang-mla" => (l, at(&[n * bs, 1], &[page * bs + t, h], hb)),
+        "vllm-mla" => (l, at(&[n, bs], &[page, t], hb)),
         other => panic!("no reference for format {other}"),
     }
 }

@@ -401,7 +401,10 @@ pub fn expected_decode(
                 // tokens % B.. of K and of V hold what the prefill's last page holds there (here,
                 // the prefill file's noise), for every head the decode holds, and nothing else
                 // of the page or of any other page changes.
-                if decode.format.whole_pages() && room.tokens % b != 0 {
+                // (Between pages of other sizes the room's tokens are re-blocked: exactly they
+                // land.)
+                let same_pages = prefills.iter().all(|f| f.pool.page == b);
+                if decode.format.whole_pages() && same_pages && room.tokens % b != 0 {
                     let last = room.tokens / b;
                     let page = room.decode_pages[last] as usize;
                     for t in room.tokens % b..b {

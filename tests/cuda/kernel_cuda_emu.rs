@@ -143,7 +143,7 @@ fn check(case: &Case, rng: &mut StdRng, cpu: &CpuKernel) {
     let ctx = format!("{case:?}");
     let src = random_pool(&case.src_layout, case.num_pages, rng);
     let src_sel = case.src_sel();
-    let bytes = src_sel.bytes(&src).unwrap();
+    let bytes = src_sel.bytes(&src, case.wire).unwrap();
     let mut expected = vec![POISON; bytes];
     cpu.gather(&src, &src_sel, case.wire, &mut expected)
         .unwrap();
@@ -233,7 +233,7 @@ fn emulated_cuda_kernel_splits_large_pages_across_blocks() {
             src_heads: 0..2,
             dst_heads: 0..2,
         };
-        let bytes = case.src_sel().bytes_in(&layout).unwrap();
+        let bytes = case.src_sel().bytes_in(&layout, wire).unwrap();
         let plan = launch::plan(&layout, 3, &case.src_sel(), wire, bytes, false)
             .unwrap()
             .unwrap();

@@ -42,7 +42,7 @@ fn check(kernel: &CudaKernel, cpu: &CpuKernel, case: &Case, rng: &mut StdRng) {
     let src = random_pool(&case.src_layout, case.num_pages, rng);
     let src_bytes = src.read(0, src.size()).unwrap();
     let sel = case.src_sel();
-    let bytes = sel.bytes(&src).unwrap();
+    let bytes = sel.bytes(&src, case.wire).unwrap();
     let mut expected = vec![POISON; bytes];
     cpu.gather(&src, &sel, case.wire, &mut expected).unwrap();
 
@@ -194,7 +194,7 @@ fn plain_copies_find_each_layer_in_its_own_allocation() {
         .unwrap()
         .expect("one range per layer and plane");
     assert_eq!(spans.len(), 2 * layout.num_layers());
-    let mut out = vec![POISON; sel.bytes_in(&layout).unwrap()];
+    let mut out = vec![POISON; sel.bytes_in(&layout, PageOrder::TokenMajor).unwrap()];
     pool.read_spans(&spans, &mut out).unwrap();
     // Per layer [2][pages][block]: plane p's pages first..first+run, region by region.
     let block = layout.block_bytes().unwrap();
@@ -256,7 +256,7 @@ fn gather_and_scatter_bandwidth_against_a_device_copy() {
     src.write(0, &bytes).unwrap();
     let dst = DevicePool::new(&kernel, layout.clone(), num_pages).unwrap();
     dst.fill(POISON).unwrap();
-    let len = sel.bytes_in(&layout).unwrap();
+    let len = sel.bytes_in(&layout, PageOrder::TokenMajor).unwrap();
     let mut staging = DeviceStaging::new(&kernel, len).unwrap();
     let wire = PageOrder::TokenMajor;
 

@@ -8,7 +8,7 @@
 
 use crate::common;
 
-use common::reference::{Dims, engine_offset};
+use common::reference::{Dims, element_offsets, engine_offset};
 use kvferry::kernel::Selection;
 use kvferry::kernel::cpu::CpuKernel;
 use kvferry::layout::{
@@ -210,7 +210,7 @@ fn gather_and_scatter_work_in_place_in_every_engine_format() {
                     Granularity::Head => format.order,
                     Granularity::Token => PageOrder::TokenMajor,
                 };
-                let mut staging = vec![0u8; src_sel.bytes(&src_pool).unwrap()];
+                let mut staging = vec![0u8; src_sel.bytes(&src_pool, wire).unwrap()];
                 kernel
                     .gather(&src_pool, &src_sel, wire, &mut staging)
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -269,4 +269,98 @@ fn engine_regions_that_do_not_fit_the_layout_are_refused() {
     let gap = pool.region_starts().iter().max().unwrap() + need;
     assert!(pool.read(gap, 1).is_err());
     drop(pool);
+}
+
+/// `vllm-cpu-vec` pools of other page sizes (vLLM CPU servers with other block sizes) move KV
+/// re-blocked in `vllm_cpu_vec_span` order: every element of the selection lands where the
+/// destination's vec layout keeps that token (K transposed within each block, so element by
+/// element against `reference.rs`), for token ranges starting anywhere, and nothing else of
+/// the destination changes.
+#[test]
+fn vllm_cpu_vec_pages_of_other_sizes_land_re_blocked_element_by_element() {
+    let seed: u64 = rand::random();
+    println!("seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let kernel = CpuKernel::new(2);
+    let format = KvFormat::named("vllm-cpu-vec").unwrap();
+    for (from, to) in [(32, 64), (64, 32), (16, 48), (128, 32)] {
+        assert_eq!(
+            kvferry::layout::wire_order(&layout_of(&format, from), &layout_of(&format, to)),
+            Ok(PageOrder::VllmCpuVecSpan)
+        );
+        let (src_layout, dst_layout) = (layout_of(&format, from), layout_of(&format, to));
+        let pages = 12;
+        let (sd, dd) = (dims(&src_layout, pages), dims(&dst_layout, pages));
+        let elem = src_layout.model.dtype.bytes();
+        let mut source = Engine::new(&src_layout, pages, &mut rng);
+        let mut dest = Engine::new(&dst_layout, pages, &mut rng);
+        let before = dest.buffers.clone();
+        for round in 0..10 {
+            let most = pages * from.min(to);
+            let tokens_total = rng.random_range(1..=most);
+            let mut a: Vec<u32> = (0..pages as u32).collect();
+            let mut b = a.clone();
+            rand::seq::SliceRandom::shuffle(&mut a[..], &mut rng);
+            rand::seq::SliceRandom::shuffle(&mut b[..], &mut rng);
+            let (src_pages, dst_pages) = (
+                &a[..tokens_total.div_ceil(from)],
+                &b[..tokens_total.div_ceil(to)],
+            );
+            let start = rng.random_range(0..tokens_total);
+            let layers = rng.random_range(0..sd.layers)..sd.layers;
+            let h0 = rng.random_range(0..sd.heads);
+            let heads = h0..rng.random_range(h0 + 1..=sd.heads);
+            let src_sel = Selection {
+                pages: src_pages,
+                tokens: start..tokens_total,
+                layers: layers.clone(),
+                heads: heads.clone(),
+            };
+            let dst_sel = Selection {
+                pages: dst_pages,
+                ..src_sel.clone()
+            };
+            let what = format!("{from} to {to} round {round}");
+            let src_pool = source.pool(&src_layout, pages);
+            let mut staging =
+                vec![0u8; src_sel.bytes(&src_pool, PageOrder::VllmCpuVecSpan).unwrap()];
+            kernel
+                .gather(&src_pool, &src_sel, PageOrder::VllmCpuVecSpan, &mut staging)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            drop(src_pool);
+            let dst_pool = dest.pool(&dst_layout, pages);
+            kernel
+                .scatter(&staging, PageOrder::VllmCpuVecSpan, &dst_pool, &dst_sel)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            drop(dst_pool);
+            let mut expected = before.clone();
+            for l in layers.clone() {
+                for p in 0..2 {
+                    for t in start..tokens_total {
+                        for h in heads.clone() {
+                            let src_cell = (l, p, src_pages[t / from] as usize, t % from, h);
+                            let dst_cell = (l, p, dst_pages[t / to] as usize, t % to, h);
+                            let (sr, so) = element_offsets(format.name, sd, elem, src_cell);
+                            let (dr, dst_offsets) =
+                                element_offsets(format.name, dd, elem, dst_cell);
+                            for (s, d) in so.into_iter().zip(dst_offsets) {
+                                expected[dr][d..d + elem]
+                                    .copy_from_slice(&source.buffers[sr][s..s + elem]);
+                            }
+                        }
+                    }
+                }
+            }
+            for (r, (got, want)) in dest.buffers.iter().zip(&expected).enumerate() {
+                if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+                    panic!("{what}: region {r} byte {i} is {} not {}", got[i], want[i]);
+                }
+            }
+            dest.buffers.clone_from(&before);
+        }
+    }
+    // amx tiles move only between pages of one size.
+    let amx = KvFormat::named("vllm-cpu-amx").unwrap();
+    let why = kvferry::layout::wire_order(&layout_of(&amx, 32), &layout_of(&amx, 64)).unwrap_err();
+    assert!(why.contains("page_size must match"), "{why}");
 }

@@ -164,7 +164,7 @@ fn round_trip(
         src_layout.model, src_layout.order, dst_layout.order, wire
     );
 
-    let mut staging = vec![POISON; src_sel.bytes(&src).unwrap()];
+    let mut staging = vec![POISON; src_sel.bytes(&src, wire).unwrap()];
     kernel.gather(&src, &src_sel, wire, &mut staging).unwrap();
     let src_bytes = src.read(0, src.size()).unwrap();
     let hb = src_layout.head_bytes();
@@ -208,7 +208,7 @@ fn empty_selections_move_nothing() {
         heads: 1..1,
         ..Selection::whole(&pool, &[0, 1], 20)
     };
-    assert_eq!(no_heads.bytes(&pool).unwrap(), 0);
+    assert_eq!(no_heads.bytes(&pool, PageOrder::TokenMajor).unwrap(), 0);
     kernel
         .scatter(&[], PageOrder::TokenMajor, &pool, &no_heads)
         .unwrap();
@@ -319,7 +319,7 @@ fn threaded_transfers_match_single_threaded_ones() {
         tokens: 5..500,
         ..Selection::whole(&src, &pages, 500)
     };
-    let bytes = sel.bytes(&src).unwrap();
+    let bytes = sel.bytes(&src, PageOrder::TokenMajor).unwrap();
     assert!(
         bytes > 40 << 20,
         "large enough to be split and streamed: {bytes}"

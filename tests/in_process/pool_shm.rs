@@ -72,7 +72,7 @@ fn child_reads_the_pool() {
         layers: 0..1,
         heads: 0..pool.layout().num_heads(),
     };
-    let mut staging = vec![0u8; sel.bytes(&pool).unwrap()];
+    let mut staging = vec![0u8; sel.bytes(&pool, PageOrder::TokenMajor).unwrap()];
     CpuKernel::new(1)
         .gather(&pool, &sel, PageOrder::TokenMajor, &mut staging)
         .unwrap();

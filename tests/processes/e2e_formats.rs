@@ -14,7 +14,8 @@
 //! partial and exact last pages, random block tables on both sides, a third of the rooms
 //! announced in pieces; three pairs with small chunks, so a layer's tokens go in several chunks):
 //! - vllm-cpu-vec -> vllm-cpu-vec (page 16), TP1 -> TP1 and TP2 -> TP1 (each prefill rank half
-//!   the heads);
+//!   the heads); pages of 16 into pages of 32 (TP2 -> TP1) and 32 into 16, re-blocked
+//!   (`vllm_cpu_vec_span`: exactly the room's tokens land, K transposed in each block);
 //! - sglang-mha -> sglang-mha, page 1 and page 16;
 //! - sglang-mla -> sglang-mla (an MLA shape);
 //! - vllm-flash-nhd -> sglang-mha and flashinfer -> vllm-flash-hnd (token-granular formats
@@ -501,8 +502,9 @@ fn run(cfg: Config) {
         ));
     }
     // Bytes landed, as the decode counts them (docs/operations.md, `bytes`): the room's tokens
-    // for token-granular formats; for vllm-cpu, whose pages move whole, every token slot of the
-    // pages the room touches. Always what the decode expected.
+    // for token-granular formats and vllm-cpu pages re-blocked between page sizes; for vllm-cpu
+    // pages of one size, which move whole, every token slot of the pages the room touches.
+    // Always what the decode expected.
     let bpt = cfg.model.bytes_per_token();
     for (room, r) in &results {
         let Ok(v) = r else { continue };
@@ -511,7 +513,7 @@ fn run(cfg: Config) {
         let whole = room.tokens.div_ceil(cfg.decode_page) * cfg.decode_page * bpt;
         let want = if cfg.refused {
             0
-        } else if cfg.decode.whole_pages() {
+        } else if cfg.decode.whole_pages() && cfg.page == cfg.decode_page {
             whole
         } else {
             tokens
@@ -765,6 +767,44 @@ fn vllm_cpu_to_token_major_is_refused() {
         rooms: 10,
         max_tokens: 160,
         refused: true,
+        chunk_bytes: DEFAULT_CHUNKS,
+        transport: "zmq-tcp",
+    });
+}
+
+/// vLLM CPU vec pages of 16 tokens into pages of 32, from two prefill ranks, re-blocked.
+#[test]
+fn vllm_cpu_page_16_tp2_to_page_32() {
+    run(Config {
+        tag: "vllm-cpu-p16-to-p32",
+        model: TINY,
+        page: 16,
+        decode_page: 32,
+        prefill: Format::VllmCpuVec,
+        prefill_tp: 2,
+        decode: Format::VllmCpuVec,
+        rooms: 100,
+        max_tokens: 160,
+        refused: false,
+        chunk_bytes: SMALL_CHUNKS,
+        transport: "zmq-tcp",
+    });
+}
+
+/// vLLM CPU vec pages of 32 tokens into pages of 16, re-blocked.
+#[test]
+fn vllm_cpu_page_32_to_page_16() {
+    run(Config {
+        tag: "vllm-cpu-p32-to-p16",
+        model: TINY,
+        page: 32,
+        decode_page: 16,
+        prefill: Format::VllmCpuVec,
+        prefill_tp: 1,
+        decode: Format::VllmCpuVec,
+        rooms: 100,
+        max_tokens: 160,
+        refused: false,
         chunk_bytes: DEFAULT_CHUNKS,
         transport: "zmq-tcp",
     });

@@ -1329,7 +1329,7 @@ async fn register(
         "layout": {"kind": "mha", "num_layers": 2, "num_kv_heads": 2, "head_dim": head_dim,
                    "dtype": "fp32", "page_size": 16},
         "slice": {"heads": {"start": 0, "end": 2}, "layers": {"start": 0, "end": 2}},
-        "control_endpoint": "tcp://127.0.0.1:1", "protocol": {"min": 4, "max": 9},
+        "control_endpoint": "tcp://127.0.0.1:1", "protocol": {"min": 4, "max": 10},
         "engine": "stand-in", "model": "tiny", "server": server, "draining": draining,
     });
     let r = http()

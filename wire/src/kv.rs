@@ -1,5 +1,7 @@
-//! The names the KV cache goes by wherever it is described: its element type ([`Dtype`]) and
-//! its attention kind ([`AttentionKind`]). One definition serves the registry's JSON (serde),
+//! The names the KV cache goes by wherever it is described: its element type ([`Dtype`]), its
+//! attention kind ([`AttentionKind`]) and the order of tokens and heads inside a page
+//! ([`PageOrder`]), with the rule that says which page orders and sizes can exchange KV
+//! ([`wire_order`]: the agents' Hello and the registry's pairing use it alike). One definition serves the registry's JSON (serde),
 //! the control protocol's Hello, the command line and the layout arithmetic, so a rank's
 //! description never passes through a conversion on its way from one to another.
 //!
@@ -122,6 +124,118 @@ impl AttentionKind {
     }
 }
 
+/// Order of tokens and heads inside one block (one page of one plane).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PageOrder {
+    /// `[token][head][dim]`: SGLang, vLLM NHD, FlashInfer. A token's heads are contiguous.
+    TokenMajor,
+    /// `[head][token][dim]`: vLLM HND. A head's tokens are contiguous, so a head slice of a
+    /// page is one run.
+    HeadMajor,
+    /// vLLM's CPU backend on its `vec` attention path (float32, or a CPU without AMX): per
+    /// page `[head][K: dim x token (transposed) | V: token x dim]`. K's tokens are not
+    /// separable, so a page moves as whole head slices, and only to a pool of the same order.
+    VllmCpuVec,
+    /// vLLM's CPU backend on its `amx` path (bf16 on a CPU with AMX): per page `[head][K | V]`
+    /// as the `vec` path, each half packed in 16 x 2 tiles (K `[token/16][dim/2][16][2]`, V
+    /// `[dim/16][token/2][16][2]`). Moves as whole head slices, only to a pool of this order.
+    VllmCpuAmx,
+    /// A transfer's order only, never a pool's: `vllm_cpu_vec` pages between pools of other
+    /// page sizes, re-blocked. A selection of `nt` tokens travels per layer and head as one
+    /// `vec` block of exactly those tokens, K `[dim][nt]` (transposed) then V `[nt][dim]`, so
+    /// each side copies, per page it touches, one run of tokens for each of K's dims and one
+    /// for V, and pieces start at any token.
+    VllmCpuVecSpan,
+}
+
+impl PageOrder {
+    /// Every order.
+    pub const ALL: [PageOrder; 5] = [
+        PageOrder::TokenMajor,
+        PageOrder::HeadMajor,
+        PageOrder::VllmCpuVec,
+        PageOrder::VllmCpuAmx,
+        PageOrder::VllmCpuVecSpan,
+    ];
+
+    /// The name used on the command line and on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            PageOrder::TokenMajor => "token_major",
+            PageOrder::HeadMajor => "head_major",
+            PageOrder::VllmCpuVec => "vllm_cpu_vec",
+            PageOrder::VllmCpuAmx => "vllm_cpu_amx",
+            PageOrder::VllmCpuVecSpan => "vllm_cpu_vec_span",
+        }
+    }
+
+    /// The finest unit a transfer may cut a page into.
+    pub fn granularity(self) -> Granularity {
+        match self {
+            PageOrder::TokenMajor | PageOrder::HeadMajor | PageOrder::VllmCpuVecSpan => {
+                Granularity::Token
+            }
+            PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => Granularity::Head,
+        }
+    }
+}
+
+/// The finest unit of a page that a transfer may move on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Granularity {
+    /// Any token range of any head range: pieces may start and end mid-page.
+    Token,
+    /// Whole head slices of whole pages: pieces start on a page boundary, and the last page of
+    /// a room moves whole (its unused token slots included).
+    Head,
+}
+
+/// The order a page selection travels in between a pool of `source` (its page order and page
+/// size) and one of `destination`: the destination's when both cut pages by token and their
+/// pages are the same size, token-major when the sizes differ (re-blocked token by token). A
+/// head-granular order moves to a pool of the same order only: whole pages when the page sizes
+/// match, and `vllm_cpu_vec` pages of other sizes re-blocked (`vllm_cpu_vec_span`); `amx`'s
+/// tiles only to pages of their own size. Otherwise why not, naming both.
+pub fn wire_order(
+    source: (PageOrder, usize),
+    destination: (PageOrder, usize),
+) -> Result<PageOrder, String> {
+    let ((a, a_page), (b, b_page)) = (source, destination);
+    if a.granularity() == Granularity::Token && b.granularity() == Granularity::Token {
+        return Ok(if a_page == b_page {
+            b
+        } else {
+            PageOrder::TokenMajor
+        });
+    }
+    if a != b {
+        let whole = if a.granularity() == Granularity::Head {
+            a
+        } else {
+            b
+        };
+        return Err(format!(
+            "page orders {a} and {b} cannot exchange KV: {whole} pages move only as whole head slices, to a pool of the same order"
+        ));
+    }
+    if a_page != b_page {
+        if a == PageOrder::VllmCpuVec {
+            return Ok(PageOrder::VllmCpuVecSpan);
+        }
+        return Err(format!(
+            "{a} pages move whole: page_size must match (source {a_page}, destination {b_page})"
+        ));
+    }
+    Ok(a)
+}
+
+named_enum!(
+    PageOrder,
+    "page order",
+    "token_major, head_major, vllm_cpu_vec, vllm_cpu_amx, vllm_cpu_vec_span",
+    PageOrder::ALL
+);
 named_enum!(
     Dtype,
     "dtype",
@@ -157,6 +271,7 @@ mod tests {
         }
         check(&Dtype::ALL, Dtype::name);
         check(&AttentionKind::ALL, AttentionKind::name);
+        check(&PageOrder::ALL, PageOrder::name);
     }
 
     #[test]

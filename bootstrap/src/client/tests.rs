@@ -80,6 +80,7 @@ fn registration() -> Registration {
             head_dim: 64,
             dtype: Dtype::Bf16,
             page_size: 16,
+            order: None,
         },
         slice: Slice {
             heads: IndexRange::new(0, 2),

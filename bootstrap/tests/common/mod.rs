@@ -87,6 +87,7 @@ pub(crate) fn layout() -> KvLayout {
         head_dim: 128,
         dtype: Dtype::Bf16,
         page_size: 16,
+        order: None,
     }
 }
 

@@ -117,7 +117,11 @@ impl Decode {
         }
         let local = layers.start - l.layers.start..layers.end - l.layers.start;
         let expected = l
-            .selection_bytes(l.staged_tokens(&tokens), local.len(), heads.len())
+            .selection_bytes(
+                l.staged_tokens(&tokens, room.sources[source].wire),
+                local.len(),
+                heads.len(),
+            )
             .unwrap_or(usize::MAX);
         if expected != payload_len || c.len as usize != payload_len {
             return Err(bad(format!(

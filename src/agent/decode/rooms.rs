@@ -355,7 +355,9 @@ impl Decode {
         }
         let needed = l.pages_for(req.tokens);
         fields::fits_pool(req.tokens, needed, self.pool.num_pages())?;
-        let moved = l.staged_tokens(&(req.start_token..req.tokens));
+        // Whole pages, as this pool's own order moves them; the sources' wire orders, once
+        // they are known, say what really comes (`expected` is then their sum).
+        let moved = l.staged_tokens(&(req.start_token..req.tokens), l.order);
         let expected = l
             .selection_bytes(moved, l.num_layers(), l.num_heads())
             .map_err(|e| RoomError::BadRequest(format!("tokens {}: {e}", req.tokens)))?;
@@ -813,7 +815,7 @@ impl Decode {
                     heads: seg.heads.clone(),
                     expected: l
                         .selection_bytes(
-                            l.staged_tokens(&tokens),
+                            l.staged_tokens(&tokens, *wire),
                             seg.layers.len(),
                             seg.heads.len(),
                         )
@@ -829,6 +831,7 @@ impl Decode {
                     wire: *wire,
                 })
                 .collect();
+            room.expected = room.sources.iter().map(|s| s.expected).sum();
             (tokens, room.pages.to_vec())
         };
         for (peer, seg, requesters, secret, wire_order) in sources {

@@ -136,6 +136,7 @@ impl Prefill {
         if let Err(reason) = crate::agent::check_compatible(
             &crate::agent::wire_layout(&self.cfg.layout),
             &hello.layout,
+            version,
         ) {
             return refuse(reason.code, reason.message);
         }
@@ -261,8 +262,11 @@ impl Prefill {
         let within = |r: &Range<u32>, held: &Range<usize>| {
             r.start as usize >= held.start && r.end as usize <= held.end && !r.is_empty()
         };
-        // Page blocks of other sizes line up only as plain token rows.
-        let rows = peer.page_size == l.page_size || req.wire_order == PageOrder::TokenMajor;
+        // Page blocks of other sizes line up only as plain token rows, or vLLM CPU vec pages
+        // re-blocked.
+        let rows = peer.page_size == l.page_size
+            || req.wire_order == PageOrder::TokenMajor
+            || (req.wire_order == PageOrder::VllmCpuVecSpan && l.order == PageOrder::VllmCpuVec);
         if !within(&req.layers, &l.layers)
             || !within(&req.heads, &l.heads)
             || req.tokens.is_empty()

@@ -136,8 +136,12 @@ impl Prefill {
     pub(super) fn request_bytes(&self, req: &TransferRequest) -> usize {
         let l = &self.cfg.layout;
         let tokens = req.tokens.start as usize..req.tokens.end as usize;
-        l.selection_bytes(l.staged_tokens(&tokens), req.layers.len(), req.heads.len())
-            .unwrap_or(usize::MAX)
+        l.selection_bytes(
+            l.staged_tokens(&tokens, req.wire_order),
+            req.layers.len(),
+            req.heads.len(),
+        )
+        .unwrap_or(usize::MAX)
     }
 
     /// Sends one decode rank its part of a room, piece by piece as the engine announces them,
@@ -419,7 +423,8 @@ impl Prefill {
             }
         }
         let slot = self.cfg.chunk_bytes.min(job.peer.slot_bytes);
-        let whole_pages = l.order.granularity() == crate::layout::Granularity::Head;
+        // Pages that move whole (not re-blocked between page sizes) are cut on page bounds.
+        let whole_pages = req.wire_order.granularity() == crate::layout::Granularity::Head;
         let plan = plan_chunks(
             tokens,
             layers,
@@ -481,7 +486,7 @@ impl Prefill {
                     return Ok((ChunkBody::Device(Arc::new(chunk)), 0));
                 }
                 // The payload goes behind room for the frame prefix (`Frame::in_place`).
-                let mut buf = slots.take(FRAME_ROOM + sel.bytes_in(pool.layout())?);
+                let mut buf = slots.take(FRAME_ROOM + sel.bytes_in(pool.layout(), wire)?);
                 let payload = &mut buf[FRAME_ROOM..];
                 pool.gather(&sel, wire, payload)?;
                 metrics.gather.observe(started.elapsed());

@@ -274,7 +274,7 @@ fn verify_gathered(pool: &AgentPool, room: u64, pages: &[u32], tokens: Range<usi
     let l = pool.layout();
     for local in 0..l.num_layers() {
         let sel = layer_selection(l, pages, &tokens, local);
-        let mut got = vec![0; sel.bytes_in(l).unwrap()];
+        let mut got = vec![0; sel.bytes_in(l, PageOrder::TokenMajor).unwrap()];
         pool.gather(&sel, PageOrder::TokenMajor, &mut got).unwrap();
         let stamped = Stamped::new(room, tokens.end, Verify::Stamp);
         if let Err(e) = check_gathered(l, (room, stamped), local, &tokens, Verify::Stamp, &got) {
@@ -383,7 +383,11 @@ fn rooms_verify_across_layouts_head_slices_and_page_sizes() {
         layers: 0..4,
         heads: 2..4,
     };
-    let mut staging = vec![0; src.bytes_in(prefill.layout()).unwrap()];
+    let mut staging = vec![
+        0;
+        src.bytes_in(prefill.layout(), PageOrder::TokenMajor)
+            .unwrap()
+    ];
     prefill
         .gather(&src, PageOrder::TokenMajor, &mut staging)
         .unwrap();

@@ -79,6 +79,9 @@ pub(super) fn plan(
     wire: PageOrder,
 ) -> Result<Vec<Run>, LayoutError> {
     let layout = pool.layout;
+    if wire == PageOrder::VllmCpuVecSpan {
+        return plan_vec_span(pool, sel);
+    }
     if layout.order.granularity() == Granularity::Head || wire.granularity() == Granularity::Head {
         return plan_head_slices(pool, sel, wire);
     }
@@ -189,6 +192,71 @@ fn plan_head_slices(
     Ok(runs)
 }
 
+/// [`plan`] of a `vllm_cpu_vec` pool in `vllm_cpu_vec_span` order (pages re-blocked between
+/// page sizes): staging `[layer][head][K: dim x nt][V: nt x dim]` over the selection's `nt`
+/// tokens, as one vec block of exactly those tokens. In the pool each head of a page holds K
+/// `[dim][page_size]` (transposed) then V `[page_size][dim]`, so each page the tokens touch
+/// gives one run of its tokens per K dim and one run of its V rows.
+fn plan_vec_span(pool: Geometry<'_>, sel: &Selection<'_>) -> Result<Vec<Run>, LayoutError> {
+    let layout = pool.layout;
+    if layout.order != PageOrder::VllmCpuVec {
+        return Err(LayoutError::Invalid {
+            field: "wire order",
+            reason: format!(
+                "{} is a transfer between {} pools, not from {} pages",
+                PageOrder::VllmCpuVecSpan,
+                PageOrder::VllmCpuVec,
+                layout.order
+            ),
+        });
+    }
+    let (page_size, held, hb) = (layout.page_size, layout.num_heads(), layout.head_bytes());
+    let elem = layout.model.dtype.bytes();
+    let dims = hb / elem;
+    let nt = sel.tokens.len();
+    let stride = layout.page_stride().unwrap_or(0);
+    let mut runs = Vec::new();
+    let mut staging = 0;
+    for layer in sel.layers.clone() {
+        let base = pool.plane_base(layer, 0)?;
+        for h in sel.heads.clone() {
+            let (k, v) = (staging, staging + nt * hb);
+            let mut t = sel.tokens.start;
+            while t < sel.tokens.end {
+                let in_page = t % page_size;
+                let n = (page_size - in_page).min(sel.tokens.end - t);
+                let done = t - sel.tokens.start;
+                let head = base
+                    + sel.pages[t / page_size] as usize * stride
+                    + element_offset(layout.order, 0, h, page_size, held, hb);
+                for d in 0..dims {
+                    push(
+                        &mut runs,
+                        Run {
+                            pool: head + (d * page_size + in_page) * elem,
+                            staging: k + (d * nt + done) * elem,
+                            len: n * elem,
+                            to: 0,
+                        },
+                    );
+                }
+                push(
+                    &mut runs,
+                    Run {
+                        pool: head + page_size * hb + in_page * hb,
+                        staging: v + done * hb,
+                        len: n * hb,
+                        to: 0,
+                    },
+                );
+                t += n;
+            }
+            staging += 2 * nt * hb;
+        }
+    }
+    Ok(runs)
+}
+
 /// One side of a copy from pool to pool: a pool's layout and page count (it may be in another
 /// process; its regions lie back to back) and the selection in it.
 #[derive(Clone, Copy, Debug)]
@@ -217,11 +285,11 @@ pub fn pool_to_pool(
     dst: PoolSide<'_>,
     wire: PageOrder,
 ) -> Result<Vec<WriteRun>, KernelError> {
-    let bytes = src.sel.bytes_in(src.layout)?;
+    let bytes = src.sel.bytes_in(src.layout, wire)?;
     src.sel
-        .validate_in(src.layout, src.num_pages, bytes, false)?;
+        .validate_in(src.layout, src.num_pages, wire, bytes, false)?;
     dst.sel
-        .validate_in(dst.layout, dst.num_pages, bytes, true)?;
+        .validate_in(dst.layout, dst.num_pages, wire, bytes, true)?;
     // A plan lists its runs in pool order, which is staging order only when the pool and
     // the wire share an order: sort both by staging offset (they tile it without overlap).
     let by_staging = |mut runs: Vec<Run>| {
@@ -286,8 +354,8 @@ pub fn spans_in(
     wire: PageOrder,
     destination: bool,
 ) -> Result<Vec<Span>, KernelError> {
-    let bytes = sel.bytes_in(layout)?;
-    sel.validate_in(layout, num_pages, bytes, destination)?;
+    let bytes = sel.bytes_in(layout, wire)?;
+    sel.validate_in(layout, num_pages, wire, bytes, destination)?;
     let geometry = Geometry {
         layout,
         num_pages,
@@ -328,7 +396,7 @@ pub fn placements(
         .try_fold(0u64, |sum, &len| sum.checked_add(len))
         .and_then(|t| usize::try_from(t).ok())
         .unwrap_or(usize::MAX);
-    sel.validate_in(layout, num_pages, total, true)?;
+    sel.validate_in(layout, num_pages, wire, total, true)?;
     let mut runs = plan(Geometry::back_to_back(layout, num_pages), sel, wire)?;
     runs.sort_unstable_by_key(|r| r.staging);
     let mut runs = runs.into_iter();

@@ -135,7 +135,7 @@ fn pool_to_pool_writes_land_what_gather_then_scatter_lands() {
         apply(&runs, &src_pool, &direct);
         let staged = HostPool::anonymous(dl.clone(), dst_n).unwrap();
         let k = CpuKernel::new(1);
-        let mut buf = vec![0; src.bytes(&src_pool).unwrap()];
+        let mut buf = vec![0; src.bytes(&src_pool, wire).unwrap()];
         k.gather(&src_pool, &src, wire, &mut buf).unwrap();
         k.scatter(&buf, wire, &staged, &dst).unwrap();
         // Sent straight from the pool, the source's spans make the gathered bytes.
@@ -347,7 +347,7 @@ fn head_slices_scattered_into_a_pool_that_streams_land_exactly() {
         layers: 3..5,
         heads: 2..6,
     };
-    let chunk: Vec<u8> = (0..sel.bytes(&pool).unwrap() as u32)
+    let chunk: Vec<u8> = (0..sel.bytes(&pool, PageOrder::TokenMajor).unwrap() as u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
         .collect();
     let kernel = CpuKernel::new(1);
@@ -471,7 +471,7 @@ fn checksum_through_the_bounce_buffer_matches_the_gathered_bytes() {
                 heads,
             };
             let k = CpuKernel::new(1);
-            let mut staged = vec![0; sel.bytes(&pool).unwrap()];
+            let mut staged = vec![0; sel.bytes(&pool, order).unwrap()];
             k.gather(&pool, &sel, order, &mut staged).unwrap();
             let longest = plan(Geometry::back_to_back(&l, 64), &sel, order)
                 .unwrap()
@@ -524,7 +524,7 @@ fn a_chunk_scattered_from_pieces_lands_as_the_whole_chunk_does() {
         heads: 1..7,
     };
     let whole = HostPool::anonymous(layout.clone(), 4).unwrap();
-    let bytes = sel.bytes(&whole).unwrap();
+    let bytes = sel.bytes(&whole, PageOrder::TokenMajor).unwrap();
     let chunk: Vec<u8> = (0..bytes as u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
@@ -609,7 +609,7 @@ fn spans_sent_from_an_engine_pool_follow_its_regions_wherever_they_lie() {
             !reversed,
             "regions out of order are no flat pool"
         );
-        let mut gathered = vec![0; sel.bytes(&pool).unwrap()];
+        let mut gathered = vec![0; sel.bytes(&pool, PageOrder::TokenMajor).unwrap()];
         CpuKernel::new(1)
             .gather(&pool, &sel, PageOrder::TokenMajor, &mut gathered)
             .unwrap();

@@ -119,13 +119,15 @@ pub(super) fn order_code(order: PageOrder) -> Result<u32, LayoutError> {
     match order {
         PageOrder::TokenMajor => Ok(0),
         PageOrder::HeadMajor => Ok(1),
-        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx => Err(LayoutError::Invalid {
-            field: "page order",
-            reason: format!(
-                "{} is a host-memory format; the CUDA kernel does not move it",
-                order.name()
-            ),
-        }),
+        PageOrder::VllmCpuVec | PageOrder::VllmCpuAmx | PageOrder::VllmCpuVecSpan => {
+            Err(LayoutError::Invalid {
+                field: "page order",
+                reason: format!(
+                    "{} is a host-memory format; the CUDA kernel does not move it",
+                    order.name()
+                ),
+            })
+        }
     }
 }
 
@@ -147,7 +149,7 @@ pub fn plan<'a>(
     staging_len: usize,
     destination: bool,
 ) -> Result<Option<LaunchPlan<'a>>, KernelError> {
-    sel.validate_in(layout, num_pages, staging_len, destination)?;
+    sel.validate_in(layout, num_pages, wire, staging_len, destination)?;
     if staging_len == 0 {
         return Ok(None);
     }
@@ -253,7 +255,7 @@ mod tests {
             layers: 1..3,
             heads: 2..3,
         };
-        let bytes = sel.bytes_in(&l).unwrap();
+        let bytes = sel.bytes_in(&l, PageOrder::TokenMajor).unwrap();
         let p = plan(&l, 10, &sel, PageOrder::HeadMajor, bytes, false)
             .unwrap()
             .unwrap();
@@ -266,7 +268,7 @@ mod tests {
             tokens: 0..1,
             ..sel.clone()
         };
-        let bytes = one.bytes_in(&l).unwrap();
+        let bytes = one.bytes_in(&l, PageOrder::TokenMajor).unwrap();
         assert_eq!(
             plan(&l, 10, &one, PageOrder::HeadMajor, bytes, false)
                 .unwrap()
@@ -285,7 +287,7 @@ mod tests {
             layers: 0..1,
             heads: 0..8,
         };
-        let bytes = sel.bytes_in(&l).unwrap();
+        let bytes = sel.bytes_in(&l, PageOrder::TokenMajor).unwrap();
         let p = plan(&l, 1, &sel, PageOrder::TokenMajor, bytes, false)
             .unwrap()
             .unwrap();
@@ -326,7 +328,7 @@ mod tests {
             layers: 0..1,
             heads: 0..1,
         };
-        let bytes = sel.bytes_in(&big).unwrap();
+        let bytes = sel.bytes_in(&big, PageOrder::TokenMajor).unwrap();
         let err = plan(&big, 1, &sel, PageOrder::TokenMajor, bytes, false).unwrap_err();
         assert!(
             matches!(

@@ -456,6 +456,7 @@ pub(super) fn order_tag(o: PageOrder) -> u8 {
         PageOrder::HeadMajor => 2,
         PageOrder::VllmCpuVec => 3,
         PageOrder::VllmCpuAmx => 4,
+        PageOrder::VllmCpuVecSpan => 5,
     }
 }
 
@@ -465,6 +466,7 @@ pub(super) fn order_from_tag(tag: u8, what: &'static str) -> Result<PageOrder, D
         2 => Ok(PageOrder::HeadMajor),
         3 => Ok(PageOrder::VllmCpuVec),
         4 => Ok(PageOrder::VllmCpuAmx),
+        5 => Ok(PageOrder::VllmCpuVecSpan),
         _ => Err(DecodeError::BadTag { what, tag }),
     }
 }
