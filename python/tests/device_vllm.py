@@ -48,6 +48,17 @@ class Layer:
         return list(self.strides) == sorted(self.strides, reverse=True) and self.strides[-1] == 1
 
 
+def device_caches(cuda: Cuda, layers: int, size: int, fill, layer_at) -> dict:
+    """vLLM's per-layer caches on the emulator: ``size`` bytes a layer, filled with
+    ``fill(layer)``, each seen through ``layer_at(pointer)``."""
+    out = {}
+    for layer in range(layers):
+        p = cuda.alloc(size)
+        cuda.upload(p, fill(layer))
+        out[f"model.layers.{layer}.self_attn.attn"] = layer_at(p)
+    return out
+
+
 def refused(call, words: str) -> None:
     try:
         call()
@@ -102,12 +113,7 @@ def nhd_to_hnd(cuda: Cuda, dtype: str | None) -> int:
     n, size = layout["num_regions"], layout["region_bytes"]
 
     def caches(vllm_layout: str, fill) -> dict:
-        out = {}
-        for layer in range(n):
-            p = cuda.alloc(size)
-            cuda.upload(p, fill(layer))
-            out[f"model.layers.{layer}.self_attn.attn"] = Layer(p, shape, item, AXIS_ORDER[vllm_layout])
-        return out
+        return device_caches(cuda, n, size, fill, lambda p: Layer(p, shape, item, AXIS_ORDER[vllm_layout]))
 
     rng = np.random.default_rng(11)
     sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
@@ -167,12 +173,7 @@ def mla(cuda: Cuda, dtype: str) -> int:
     sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(layers)]
 
     def caches(fill) -> dict:
-        out = {}
-        for layer in range(layers):
-            p = cuda.alloc(size)
-            cuda.upload(p, fill(layer))
-            out[f"model.layers.{layer}.self_attn.attn"] = Layer(p, (PAGES, BLOCK, width), item, (0, 1, 2))
-        return out
+        return device_caches(cuda, layers, size, fill, lambda p: Layer(p, (PAGES, BLOCK, width), item, (0, 1, 2)))
 
     prefill_kv = caches(lambda layer: sources[layer])
     decode_kv = caches(lambda layer: np.full(size, POISON, dtype=np.uint8))
