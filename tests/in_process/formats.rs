@@ -160,6 +160,28 @@ fn units(format: &KvFormat, d: Dims, sel: &Selection<'_>) -> Vec<(usize, (usize,
     out
 }
 
+/// A selection of `tokens` in the source's pages and the same in the destination's: a random
+/// tail of the layers and a random range of the heads.
+fn selections<'a>(
+    rng: &mut impl Rng,
+    d: Dims,
+    (src_pages, dst_pages): (&'a [u32], &'a [u32]),
+    tokens: std::ops::Range<usize>,
+) -> (Selection<'a>, Selection<'a>) {
+    let h0 = rng.random_range(0..d.heads);
+    let src = Selection {
+        pages: src_pages,
+        tokens,
+        layers: rng.random_range(0..d.layers)..d.layers,
+        heads: h0..rng.random_range(h0 + 1..=d.heads),
+    };
+    let dst = Selection {
+        pages: dst_pages,
+        ..src.clone()
+    };
+    (src, dst)
+}
+
 /// For every format and page size: a random selection of an engine's regions gathers into the
 /// bytes the engine's tensors hold there, and scatters into another engine's regions exactly
 /// there, leaving every other byte of them as it was.
@@ -190,19 +212,8 @@ fn gather_and_scatter_work_in_place_in_every_engine_format() {
                     Granularity::Head => rng.random_range(0..n) * page_size,
                     Granularity::Token => rng.random_range(0..tokens_total),
                 };
-                let layers = rng.random_range(0..d.layers)..d.layers;
-                let h0 = rng.random_range(0..d.heads);
-                let heads = h0..rng.random_range(h0 + 1..=d.heads);
-                let src_sel = Selection {
-                    pages: src_pages,
-                    tokens: start..tokens_total,
-                    layers: layers.clone(),
-                    heads: heads.clone(),
-                };
-                let dst_sel = Selection {
-                    pages: dst_pages,
-                    ..src_sel.clone()
-                };
+                let (src_sel, dst_sel) =
+                    selections(&mut rng, d, (src_pages, dst_pages), start..tokens_total);
                 let what = format!("{} page size {page_size} round {round}", format.name);
                 let src_pool = source.pool(&layout, pages);
                 // Token rows on the wire for token-granular formats, whatever their own order.
@@ -307,19 +318,9 @@ fn vllm_cpu_vec_pages_of_other_sizes_land_re_blocked_element_by_element() {
                 &b[..tokens_total.div_ceil(to)],
             );
             let start = rng.random_range(0..tokens_total);
-            let layers = rng.random_range(0..sd.layers)..sd.layers;
-            let h0 = rng.random_range(0..sd.heads);
-            let heads = h0..rng.random_range(h0 + 1..=sd.heads);
-            let src_sel = Selection {
-                pages: src_pages,
-                tokens: start..tokens_total,
-                layers: layers.clone(),
-                heads: heads.clone(),
-            };
-            let dst_sel = Selection {
-                pages: dst_pages,
-                ..src_sel.clone()
-            };
+            let (src_sel, dst_sel) =
+                selections(&mut rng, sd, (src_pages, dst_pages), start..tokens_total);
+            let (layers, heads) = (src_sel.layers.clone(), src_sel.heads.clone());
             let what = format!("{from} to {to} round {round}");
             let src_pool = source.pool(&src_layout, pages);
             let mut staging =
