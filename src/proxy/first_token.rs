@@ -24,12 +24,13 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{Map, Value, json};
 
+use super::answer::{DECODE_HEADER, event_stream};
 use super::backends::{Backend, Lease};
 use super::events;
 use super::failure::{Failed, causes, copy_answer, upstream};
 use super::metrics::{Endpoint, SampledBy};
 use super::refusal::Decoded;
-use super::route::{Attempt, DECODE_HEADER, Proxy, Routed, event_stream};
+use super::route::{Attempt, Proxy, Routed};
 use super::unclaimed::Unclaimed;
 
 /// The decode request's `kv_transfer_params` field that says its prompt is the room's plus

@@ -34,6 +34,7 @@
 //! `prometheus-client`): requests by endpoint and outcome, time to the first token of a
 //! streamed answer, request duration, errors by cause.
 
+mod answer;
 mod backends;
 mod discovery;
 mod events;
