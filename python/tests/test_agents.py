@@ -327,16 +327,18 @@ def test_a_decode_whose_prompt_differs_is_refused_and_nothing_lands(pair):
 
 def test_a_held_room_is_requested_as_any_other(pair):
     """hold/unhold reach the agent in both bindings (their effect on the prefill's TTL is
-    tested end to end in tests/processes/e2e_zmq.rs and through vLLM)."""
+    tested end to end in tests/processes/e2e_zmq.rs and through vLLM). A room let go is not
+    asked for again by the same decode (the prefill is told so), so the request is another's."""
     with pair() as (prefill, decode, p_kv, d_kv):
-        prefill.ready(14, 20, pages=[30])
+        prefill.ready(14, 20, pages=[32])
+        prefill.ready(15, 20, pages=[30])
         decode.hold(14)
         decode.unhold(14)
         decode.unhold(99)  # holding nothing is not an error
-        decode.hold(14, dp_rank=0)
-        decode.request(14, 20, pages=[31])
-        assert decode.wait(14, 30)["state"] == "success"
-        decode.take(14)
+        decode.hold(15, dp_rank=0)
+        decode.request(15, 20, pages=[31])
+        assert decode.wait(15, 30)["state"] == "success"
+        decode.take(15)
         assert (d_kv[:, 31].view(np.uint16) == p_kv[:, 30].view(np.uint16)).all()
 
 
