@@ -33,6 +33,7 @@ ORDER = [
     ("vllm_bench", []),
     ("vllm_mla", []),
     ("vllm_blocks", []),
+    ("vllm_hybrid", []),
     ("sglang_pd", []),
     ("sglang_mla", []),
     ("quickstart", []),

@@ -120,19 +120,19 @@ def nhd_to_hnd(cuda: Cuda, dtype: str | None) -> int:
     prefill_kv = caches("LBNHC", lambda layer: sources[layer])
     decode_kv = caches("LBHNC", lambda layer: np.full(size, POISON, dtype=np.uint8))
 
-    sent = cuda_cache(prefill_kv, "LBNHC")
+    sent = cuda_cache(list(prefill_kv.values()), "LBNHC")
     assert sent.kv_format == "vllm-nhd" and sent.device == 0 and sent.bytes == size * n, sent
     assert sent.regions == [(t.ptr, size) for t in prefill_kv.values()], sent.regions
-    landing = cuda_cache(decode_kv, "LBHNC")
+    landing = cuda_cache(list(decode_kv.values()), "LBHNC")
     assert landing.kv_format == "vllm-hnd" and landing.bytes == size * n, landing
-    refused(lambda: cuda_cache(prefill_kv, "BLHNC"), "has no kvferry format")
-    refused(lambda: cuda_cache(prefill_kv, None), "has no kvferry format")
-    refused(lambda: cuda_cache(prefill_kv, "LBHNC"), "is not a dense LBHNC layer")
+    refused(lambda: cuda_cache(list(prefill_kv.values()), "BLHNC"), "has no kvferry format")
+    refused(lambda: cuda_cache(list(prefill_kv.values()), None), "has no kvferry format")
+    refused(lambda: cuda_cache(list(prefill_kv.values()), "LBHNC"), "is not a dense LBHNC layer")
     apart = dict(prefill_kv)
     apart["model.layers.1.self_attn.attn"] = Layer(1, shape, item, AXIS_ORDER["LBNHC"], device=1)
-    refused(lambda: cuda_cache(apart, "LBNHC"), "several CUDA devices")
+    refused(lambda: cuda_cache(list(apart.values()), "LBNHC"), "several CUDA devices")
     flat = {k: Layer(t.ptr, (PAGES, heads, BLOCK * shape[3]), item, (0, 1, 2)) for k, t in prefill_kv.items()}
-    refused(lambda: cuda_cache(flat, "LBNHC"), "is not vLLM's")
+    refused(lambda: cuda_cache(list(flat.values()), "LBNHC"), "is not vLLM's")
 
     prefill = kvferry.PrefillAgent(sent.regions, device=sent.device, **(base | dict(kv_format=sent.kv_format)))
     decode = kvferry.DecodeAgent(landing.regions, device=landing.device, **(base | dict(kv_format=landing.kv_format)))
@@ -177,12 +177,12 @@ def mla(cuda: Cuda, dtype: str) -> int:
 
     prefill_kv = caches(lambda layer: sources[layer])
     decode_kv = caches(lambda layer: np.full(size, POISON, dtype=np.uint8))
-    sent, landing = mla_cache(prefill_kv), mla_cache(decode_kv)
+    sent, landing = mla_cache(list(prefill_kv.values())), mla_cache(list(decode_kv.values()))
     assert sent.kv_format == "vllm-mla" and sent.device == 0 and sent.regions == [(t.ptr, size) for t in prefill_kv.values()]
     layout = kvferry.memory_layout(**base)
     assert layout["num_regions"] == layers and layout["region_bytes"] == size, layout
     strided = {k: Layer(t.ptr, (PAGES, BLOCK, width), item, (1, 0, 2)) for k, t in prefill_kv.items()}
-    refused(lambda: mla_cache(strided), "is not a dense layer")
+    refused(lambda: mla_cache(list(strided.values())), "is not a dense layer")
     prefill = kvferry.PrefillAgent(sent.regions, device=sent.device, **base)
     decode = kvferry.DecodeAgent(landing.regions, device=landing.device, **base)
     src, dst = [5, 6, 20], [2, 31, 0]

@@ -325,6 +325,20 @@ def test_a_decode_whose_prompt_differs_is_refused_and_nothing_lands(pair):
             decode.request(13, 20, pages=[36], prompt_digest="xyz")
 
 
+def test_pages_before_the_start_token_may_repeat_and_stay_untouched(pair):
+    """A decode's pages before the one holding ``start_token`` do not move: an engine may list
+    the same empty block there (vLLM does before a sliding window); from there on, none twice."""
+    with pair() as (prefill, decode, p_kv, d_kv):
+        prefill.ready(16, 2 * PAGE + 20, pages=[20, 21, 22])
+        decode.request(16, 2 * PAGE + 20, pages=[0, 0, 5], start_token=2 * PAGE)
+        assert decode.wait(16, 30)["state"] == "success"
+        decode.take(16)
+        assert (d_kv[:, 5].view(np.uint16) == p_kv[:, 22].view(np.uint16)).all()
+        assert untouched(np.delete(d_kv, [5], axis=1))
+        with pytest.raises(kvferry.BadRequest, match="page 6 is listed twice"):
+            decode.request(17, 3 * PAGE, pages=[0, 6, 6], start_token=PAGE)
+
+
 def test_a_held_room_is_requested_as_any_other(pair):
     """hold/unhold reach the agent in both bindings (their effect on the prefill's TTL is
     tested end to end in tests/processes/e2e_zmq.rs and through vLLM). A room let go is not

@@ -19,11 +19,15 @@ pub(crate) fn fits_pool(tokens: usize, needed: usize, pool_pages: usize) -> Resu
     Ok(())
 }
 
-/// Checks an engine's page list: enough pages for the tokens, each in the pool, none twice.
+/// Checks an engine's page list: enough pages for the tokens, each in the pool, none twice
+/// from page `from` on. The pages before `from` are never touched (a decode's own prefix, or
+/// the blocks before a sliding window, which an engine may leave all the same empty block), so
+/// they may repeat.
 pub(crate) fn validate_pages(
     pages: &[u32],
     needed: usize,
     num_pages: usize,
+    from: usize,
 ) -> Result<(), RoomError> {
     if pages.len() < needed {
         return Err(RoomError::BadRequest(format!(
@@ -36,7 +40,7 @@ pub(crate) fn validate_pages(
             "page {p} is out of range: the pool has {num_pages} pages"
         )));
     }
-    let mut sorted = pages.to_vec();
+    let mut sorted = pages[from.min(pages.len())..].to_vec();
     sorted.sort_unstable();
     if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
         return Err(RoomError::BadRequest(format!(
@@ -138,14 +142,26 @@ mod tests {
 
     #[test]
     fn page_lists_are_checked() {
-        assert_eq!(validate_pages(&[0, 1, 2], 3, 4), Ok(()));
-        let bad = |pages: &[u32], needed| match validate_pages(pages, needed, 4) {
+        assert_eq!(validate_pages(&[0, 1, 2], 3, 4, 0), Ok(()));
+        assert_eq!(
+            validate_pages(&[0, 0, 1, 2], 4, 4, 2),
+            Ok(()),
+            "not touched: may repeat"
+        );
+        let bad = |pages: &[u32], needed| match validate_pages(pages, needed, 4, 0) {
             Err(RoomError::BadRequest(m)) => m,
             other => panic!("{pages:?}: {other:?}"),
         };
         assert!(bad(&[0], 2).contains("1 pages given"));
         assert!(bad(&[0, 4], 2).contains("page 4 is out of range"));
         assert!(bad(&[2, 1, 2], 3).contains("page 2 is listed twice"));
+        assert!(
+            matches!(validate_pages(&[3, 3, 0, 4], 4, 4, 2), Err(RoomError::BadRequest(m)) if m.contains("page 4 is out of range")),
+            "every page in range, even those not touched"
+        );
+        assert!(
+            matches!(validate_pages(&[3, 3, 0, 0], 4, 4, 1), Err(RoomError::BadRequest(m)) if m.contains("page 0 is listed twice"))
+        );
         assert!(
             matches!(fits_pool(17, 5, 4), Err(RoomError::BadRequest(m)) if m.contains("--pool-pages"))
         );

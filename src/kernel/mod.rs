@@ -170,7 +170,7 @@ impl<'a> Selection<'a> {
 
     /// Checks the selection against `pool` and a staging buffer of `staging_len` bytes in
     /// `wire` order.
-    /// `destination` additionally refuses duplicate pages.
+    /// `destination` additionally refuses a page the tokens touch twice.
     pub fn validate(
         &self,
         pool: &HostPool,
@@ -221,7 +221,9 @@ impl<'a> Selection<'a> {
             return Err(KernelError::PageOutOfRange { page, num_pages });
         }
         if destination {
-            let mut sorted = self.pages.to_vec();
+            // Only the pages the tokens touch: the ones before stay as they are.
+            let first = (self.tokens.start / layout.page_size).min(needed);
+            let mut sorted = self.pages[first..needed].to_vec();
             sorted.sort_unstable();
             if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
                 return Err(KernelError::DuplicatePage { page: w[0] });

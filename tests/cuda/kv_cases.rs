@@ -45,7 +45,8 @@ pub(crate) fn models() -> Vec<ModelSpec> {
     v
 }
 
-/// One gather from a source pool and scatter into a destination pool of the same model.
+/// One gather from a source pool and scatter into a destination pool of the same model, of the
+/// same page size or another.
 #[derive(Clone, Debug)]
 pub(crate) struct Case {
     pub(crate) src_layout: KvLayout,
@@ -105,16 +106,27 @@ pub(crate) fn random_case(
     dst: (PageOrder, KvPlacement),
     wire: PageOrder,
 ) -> Case {
-    let page_size = [1, 3, 4, 16][rng.random_range(0..4)];
+    const PAGE_SIZES: [usize; 4] = [1, 3, 4, 16];
+    let page_size = PAGE_SIZES[rng.random_range(0..4)];
     let src_layout = KvLayout::new(model, page_size)
         .unwrap()
         .with_order(src.0, src.1)
         .unwrap();
-    let dst_layout = src_layout.clone().with_order(dst.0, dst.1).unwrap();
-    let num_pages = 9;
+    // Half the token-major transfers go to pages of another size (kvferry_wire::wire_order:
+    // token rows meet whatever the blocks).
+    let dst_page_size = match wire == PageOrder::TokenMajor && rng.random_bool(0.5) {
+        true => PAGE_SIZES[rng.random_range(0..4)],
+        false => page_size,
+    };
+    let dst_layout = KvLayout::new(model, dst_page_size)
+        .unwrap()
+        .with_order(dst.0, dst.1)
+        .unwrap();
     let n_pages = rng.random_range(0..=5);
+    let dst_n_pages = (n_pages * page_size).div_ceil(dst_page_size);
+    let num_pages = 9.max(dst_n_pages);
     let src_pages = random_pages(rng, num_pages, n_pages);
-    let dst_pages = random_pages(rng, num_pages, n_pages);
+    let dst_pages = random_pages(rng, num_pages, dst_n_pages);
     let whole = rng.random_bool(0.25);
     let tokens = if whole {
         0..n_pages * page_size

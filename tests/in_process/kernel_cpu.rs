@@ -303,6 +303,22 @@ fn bad_selections_are_refused_before_any_byte_moves() {
             &mut out,
         )
         .unwrap();
+    // Pages before the tokens are not touched, so they may repeat (the empty block an engine
+    // leaves before a sliding window): only the touched page is written.
+    let tail = Selection {
+        tokens: 32..48,
+        ..Selection::whole(&pool, &[0, 0, 3], 48)
+    };
+    let part = vec![9u8; tail.bytes(&pool, PageOrder::TokenMajor).unwrap()];
+    kernel
+        .scatter(&part, PageOrder::TokenMajor, &pool, &tail)
+        .unwrap();
+    let after = pool.read(0, pool.size()).unwrap();
+    assert_eq!(after.iter().filter(|b| **b == 9).count(), part.len());
+    assert_eq!(
+        after.iter().filter(|b| **b == POISON).count(),
+        pool.size() - part.len()
+    );
 }
 
 #[test]

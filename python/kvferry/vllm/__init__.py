@@ -11,7 +11,9 @@ vLLM builds the connector once in its engine-core process (the scheduler side,
 ``scheduler.py``) and once per worker (the worker side, ``worker.py``: a kvferry agent over the
 worker's KV cache). The scheduler side tells the workers each step which rooms to announce,
 request or abort (``metadata.py``); the workers answer with the requests whose rooms settled.
-The ``kv_transfer_params`` kvferry reads and writes are in ``params.py``.
+The ``kv_transfer_params`` kvferry reads and writes are in ``params.py``; a model of several KV
+cache groups (sliding windows beside full attention) moves as one room per group
+(``groups.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from vllm.logger import init_logger
 
+from .groups import Groups
 from .metadata import Failures, KvferryMetadata
 from .params import ConnectorConfig
 from .scheduler import SchedulerSide
@@ -47,7 +51,7 @@ __all__ = ["KvferryConnector"]
 logger = init_logger(f"vllm.{__name__}")
 
 
-class KvferryConnector(KVConnectorBase_V1):
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     # The worker side's class (a subclass may observe it).
     worker_side = WorkerSide
 
@@ -68,7 +72,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(config, producer, vllm_config.cache_config.block_size)
+            self._scheduler = SchedulerSide(config, producer, Groups.of(kv_cache_config))
             if not getattr(vllm_config, "shutdown_timeout", 0):
                 logger.warning(
                     "KvferryConnector: --shutdown-timeout is 0: on SIGTERM vLLM stops this engine at once, "
@@ -107,6 +111,11 @@ class KvferryConnector(KVConnectorBase_V1):
         self._timed(self._scheduler.update_connector_output, connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._timed(self._scheduler.request_finished, request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._timed(self._scheduler.request_finished, request, block_ids)
 
     def has_pending_block_frees(self) -> bool:

@@ -8,6 +8,8 @@
   cells) is the ``vllm-nhd`` format, ``LBHNC`` (HND) ``vllm-hnd``; each cell holds a head's K
   then its V. Every layer is one region of device memory. Layouts that interleave layers inside
   a block (``BL...``) or blocks inside a head (``LHBNC``) are refused.
+- Several KV cache groups (groups.py): the groups overlay one buffer layer for layer, so the
+  agent's layers are one group's, and each is any group's layer at that place.
 - MLA (``CPU_MLA`` on the CPU, the MLA backends on CUDA): each layer is
   ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, one latent per token: the
   ``vllm-mla`` format, one region per layer (on the CPU the layers lie back to back in one
@@ -52,11 +54,12 @@ class Cache:
     device: int | None = None
 
 
-def layers_in_order(kv_caches: dict[str, Any]) -> list[Any]:
+def layers_in_order(kv_caches: dict[str, Any]) -> list[str]:
+    """The names of a model's KV cache layers (one KV cache group), in the model's order."""
     names = sorted(kv_caches, key=layer_index)
     if [layer_index(n) for n in names] != list(range(len(names))):
         raise ValueError(f"KvferryConnector: KV cache layers {names} are not numbered 0..{len(names) - 1}")
-    return [kv_caches[n] for n in names]
+    return names
 
 
 def nbytes(t: Any) -> int:
@@ -64,15 +67,14 @@ def nbytes(t: Any) -> int:
     return n() if callable(n) else n
 
 
-def cpu_cache(kv_caches: dict[str, Any], isa: str) -> Cache:
-    """The one buffer of vLLM's CPU backend, its layers back to back."""
+def cpu_cache(layers: list[Any], isa: str) -> Cache:
+    """The one buffer of vLLM's CPU backend, its layers (``layers``, in order) back to back."""
     if isa not in ISA_FORMATS:
         raise ValueError(
             f"KvferryConnector: vLLM's CPU attention path {isa!r} has no kvferry format "
             f"(supported: {sorted(ISA_FORMATS)}; vLLM takes vec16 for a head size that is an odd multiple "
             "of 16, or a block size that is not a multiple of 32)"
         )
-    layers = layers_in_order(kv_caches)
     first = layers[0]
     layer_bytes, base = nbytes(first), first.data_ptr()
     for i, t in enumerate(layers):
@@ -86,10 +88,9 @@ def cpu_cache(kv_caches: dict[str, Any], isa: str) -> Cache:
     return Cache(ISA_FORMATS[isa], [(base, length)], length)
 
 
-def mla_cache(kv_caches: dict[str, Any]) -> Cache:
-    """One region per layer of vLLM's MLA caches (one latent per token and layer), on the CPU
-    or on one CUDA device."""
-    layers = layers_in_order(kv_caches)
+def mla_cache(layers: list[Any]) -> Cache:
+    """One region per layer of vLLM's MLA caches (one latent per token and layer; ``layers`` in
+    order), on the CPU or on one CUDA device."""
     shape = tuple(layers[0].shape)
     devices = {(t.device.index or 0) if t.device.type == "cuda" else None for t in layers}
     if len(devices) != 1:
@@ -104,15 +105,14 @@ def mla_cache(kv_caches: dict[str, Any]) -> Cache:
     return Cache("vllm-mla", regions, sum(n for _, n in regions), devices.pop())
 
 
-def cuda_cache(kv_caches: dict[str, Any], layout: str | None) -> Cache:
-    """One region per layer of vLLM's CUDA caches, in the format of ``layout``, the KV cache
-    layout vLLM resolved (``cache_config.kv_cache_layout``)."""
+def cuda_cache(layers: list[Any], layout: str | None) -> Cache:
+    """One region per layer of vLLM's CUDA caches (``layers``, in order), in the format of
+    ``layout``, the KV cache layout vLLM resolved (``cache_config.kv_cache_layout``)."""
     if layout not in CUDA_FORMATS:
         raise ValueError(
             f"KvferryConnector: vLLM's KV cache layout {layout} has no kvferry format (supported: "
             f"{', '.join(f'{k} ({v})' for k, v in CUDA_FORMATS.items())}; VLLM_KV_CACHE_LAYOUT picks one)"
         )
-    layers = layers_in_order(kv_caches)
     devices = {t.device.index or 0 for t in layers}
     if len(devices) != 1:
         raise ValueError(f"KvferryConnector: the KV cache layers are on several CUDA devices {sorted(devices)}")

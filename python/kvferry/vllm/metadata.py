@@ -7,17 +7,20 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from .groups import Part
+
 
 @dataclass
 class Send:
-    """Prefill: announce room ``room`` ready. ``layered``: this step computes the rest of the
-    prompt, and each layer is announced as vLLM saves it (the transfer overlaps the forward
-    pass); otherwise the prompt KV is complete already and the room is announced whole."""
+    """Prefill: announce room ``room`` ready, as its ``parts`` (one room per KV cache group,
+    groups.py). ``layered``: this step computes the rest of the prompt, and each layer is
+    announced as vLLM saves it (the transfer overlaps the forward pass); otherwise the prompt
+    KV is complete already and the room is announced whole."""
 
     req_id: str
     room: int
     tokens: int
-    pages: list[int]
+    parts: list[Part]
     layered: bool = False
     # kvferry.prompt_digest of the prompt: a decode asking with another prompt is refused.
     digest: str | None = None
@@ -25,14 +28,15 @@ class Send:
 
 @dataclass
 class Load:
-    """Decode: ask for room ``room`` into ``pages`` (the request's whole block table; blocks
-    before ``start_token`` are the decode's own prefix-cache hits and do not move)."""
+    """Decode: ask for room ``room``, as its ``parts`` (one room per KV cache group, into the
+    group's blocks; tokens before ``start_token`` are the decode's own prefix-cache hits and do
+    not move)."""
 
     req_id: str
     room: int
     tokens: int
     start_token: int
-    pages: list[int]
+    parts: list[Part]
     dp_rank: int | None
     bootstrap: str | None
     # What the prefill said the room holds, when it said it (sequential pairing).
@@ -43,10 +47,10 @@ class Load:
 
 @dataclass
 class Hold:
-    """The request of room ``room`` waits in vLLM's queue: the agent holds the room until it is
-    asked for (decode: its prefill keeps it past its TTL) or announced (prefill: the decodes
-    that asked already keep waiting), or ``unholds`` names it. ``dp_rank`` and ``bootstrap``:
-    the decode's prefill group."""
+    """The request of room ``room`` waits in vLLM's queue: the agent holds the room (each of its
+    parts) until it is asked for (decode: its prefill keeps it past its TTL) or announced
+    (prefill: the decodes that asked already keep waiting), or ``unholds`` names it.
+    ``dp_rank`` and ``bootstrap``: the decode's prefill group."""
 
     room: int
     dp_rank: int | None

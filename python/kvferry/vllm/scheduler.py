@@ -33,6 +33,7 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from . import params as P
+from .groups import Groups, GroupsError
 from .metadata import Abort, Failures, Hold, KvferryMetadata, Load, Send
 
 if TYPE_CHECKING:
@@ -53,10 +54,10 @@ FINISHED_NORMALLY = tuple(
 
 
 class SchedulerSide:
-    def __init__(self, config: P.ConnectorConfig, producer: bool, block_size: int) -> None:
+    def __init__(self, config: P.ConnectorConfig, producer: bool, groups: Groups) -> None:
         self.config = config
         self.producer = producer
-        self.block_size = block_size
+        self.groups = groups
         self.meta = KvferryMetadata()
         # Rooms whose blocks are held: prefill sends not yet settled, decode loads not yet
         # reported finished. By request id.
@@ -107,8 +108,17 @@ class SchedulerSide:
         except ValueError:
             pass  # not the main thread: no drain announcement, the engine's refusals say it
 
-    def pages(self, block_ids: list[int], tokens: int) -> list[int]:
-        return [int(b) for b in block_ids[: -(-tokens // self.block_size)]]
+    def send(self, req_id: str, room: int, tokens: int, block_ids: Any, layered: bool, digest: str | None) -> bool:
+        """Sends ``room`` from the request's blocks (``block_ids``: vLLM's per KV cache group);
+        False, with why logged, if it cannot be sent."""
+        try:
+            parts = self.groups.parts(room, tokens, block_ids)
+        except GroupsError as e:
+            logger.warning("kvferry: request %s sends nothing: %s", req_id, e)
+            return False
+        self.rooms[req_id] = room
+        self.meta.sends.append(Send(req_id, room, tokens, parts, layered=layered, digest=digest))
+        return True
 
     @staticmethod
     def digest(request: Request, tokens: int | None = None) -> str | None:
@@ -183,7 +193,7 @@ class SchedulerSide:
             return 0, False
         try:
             P.check_load(params)
-            tokens = P.room_tokens(params, request.num_prompt_tokens)
+            tokens = self.groups.room_tokens(P.room_tokens(params, request.num_prompt_tokens))
         except P.ParamsError as e:
             logger.warning("kvferry: request %s computes its prompt locally: %s", request.request_id, e)
             return 0, False
@@ -198,7 +208,8 @@ class SchedulerSide:
         if self.producer:
             one_token = getattr(request.sampling_params, "max_tokens", None) == 1
             if params.get("do_remote_decode") and one_token and request.request_id not in self.streamed:
-                self.to_send[request.request_id] = (request.num_prompt_tokens, params, self.digest(request))
+                tokens = self.groups.room_tokens(request.num_prompt_tokens)
+                self.to_send[request.request_id] = (request.num_prompt_tokens, params, self.digest(request, tokens))
             return
         if num_external_tokens == 0:
             self.local_hit.pop(request.request_id, None)
@@ -208,16 +219,17 @@ class SchedulerSide:
         self.held.pop(request.request_id, None)
         room = P.room_of(params)
         start = self.local_hit.pop(request.request_id, 0)
-        tokens = P.room_tokens(params, request.num_prompt_tokens)
+        tokens = self.groups.room_tokens(P.room_tokens(params, request.num_prompt_tokens))
+        prefill_tokens = params.get(P.TOKENS)
         load = Load(
             req_id=request.request_id,
             room=room,
             tokens=tokens,
             start_token=start,
-            pages=self.pages(blocks.get_block_ids()[0], tokens),
+            parts=self.groups.parts(room, tokens, blocks.get_block_ids(), start),
             dp_rank=params.get(P.DP_RANK),
             bootstrap=params.get(P.BOOTSTRAP),
-            prefill_tokens=params.get(P.TOKENS),
+            prefill_tokens=None if prefill_tokens is None else self.groups.room_tokens(prefill_tokens),
             digest=self.digest(request, tokens),
         )
         # Loaded once: a preempted request recomputes instead of asking for the room again.
@@ -240,19 +252,20 @@ class SchedulerSide:
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for req_id, (tokens, params, digest) in list(self.to_send.items()):
+        for req_id, (prompt, params, digest) in list(self.to_send.items()):
             scheduled = out.num_scheduled_tokens.get(req_id, 0)
-            if not scheduled or computed.get(req_id, 0) + scheduled < tokens:
+            if not scheduled or computed.get(req_id, 0) + scheduled < prompt:
                 continue
             del self.to_send[req_id]
             # Announced this step: the agent ends the room's hold.
             self.held.pop(req_id, None)
-            room = self.room_for(req_id, params)
+            tokens = self.groups.room_tokens(prompt)
+            room = self.room_for(req_id, params) if tokens else None
             blocks = out.kv_connector_block_state.get_block_ids(req_id) if out.kv_connector_block_state else None
             if room is None or not blocks:
                 continue
-            self.rooms[req_id] = self.streamed[req_id] = room
-            self.meta.sends.append(Send(req_id, room, tokens, self.pages(blocks[0], tokens), layered=True, digest=digest))
+            if self.send(req_id, room, tokens, blocks, True, digest):
+                self.streamed[req_id] = room
 
     def room_for(self, req_id: str, params: dict[str, Any]) -> int | None:
         """The router's room, or a fresh one; None (nothing is sent) if the router's is unusable."""
@@ -296,7 +309,8 @@ class SchedulerSide:
         step): vLLM must not preempt them (it would free blocks the agent reads)."""
         return bool(self.streamed)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM finished the request; ``block_ids``: its blocks per KV cache group."""
         req_id = request.request_id
         if not self.producer:
             self.local_hit.pop(req_id, None)
@@ -327,14 +341,23 @@ class SchedulerSide:
                 return False, self.config.identity()
             if not params.get("do_remote_decode") or request.status not in FINISHED_NORMALLY:
                 return False, None
-            # Generated more than one token here: its prompt KV is announced whole now.
+            # Not announced while its prompt was computed (it generated more than one token
+            # here, or nothing of its prompt moves): announced whole now, if anything moves.
             room = self.room_for(req_id, params)
             if room is None:
                 return False, None
-            tokens = request.num_prompt_tokens
-            self.rooms[req_id] = room
-            self.meta.sends.append(Send(req_id, room, tokens, self.pages(block_ids, tokens), digest=self.digest(request)))
-        return True, {
+            tokens = self.groups.room_tokens(request.num_prompt_tokens)
+            if not tokens:
+                # Nothing of it moves (a 1-token prompt of a model with a sliding window): the
+                # decode computes it.
+                return False, self.load_params(room, request)
+            if not self.send(req_id, room, tokens, block_ids, False, self.digest(request, tokens)):
+                return False, None
+        return True, self.load_params(room, request)
+
+    def load_params(self, room: int, request: Request) -> dict[str, Any]:
+        """The ``kv_transfer_params`` a prefill answers with: what the decode loads."""
+        return {
             "do_remote_prefill": True,
             P.ROOM: str(room),
             P.DP_RANK: self.config.dp_rank,

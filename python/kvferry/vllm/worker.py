@@ -19,7 +19,8 @@ from vllm.logger import init_logger
 import kvferry
 
 from . import params as P
-from .memory import Cache, cpu_cache, cuda_cache, layer_index, mla_cache
+from .groups import Groups, Part
+from .memory import Cache, cpu_cache, cuda_cache, layers_in_order, mla_cache
 from .metadata import Failures, KvferryMetadata, Load, Send
 from .stats import KvferryStats
 from .timing import log_room
@@ -62,17 +63,10 @@ def agent_options(
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("KvferryConnector: pipeline parallelism is not supported yet (PP must be 1)")
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+    groups = Groups.of(kv_cache_config)
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    if (
-        len(kv_cache_config.kv_cache_groups) != 1
-        or not isinstance(spec, FullAttentionSpec)
-        or getattr(spec, "sliding_window", None) is not None
-    ):
-        # vLLM frees a sliding window's older blocks while a request runs: not while a room
-        # reads them.
-        raise ValueError("KvferryConnector: full attention in one KV cache group only (no hybrid or sliding-window models)")
     dtype = kv_dtype(spec.dtype, str(vllm_config.cache_config.cache_dtype))
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -90,7 +84,7 @@ def agent_options(
         bootstrap=config.bootstrap,
         model="tiny",
         attention="mla" if mla else "mha",
-        layers=model.get_total_num_hidden_layers(),
+        layers=groups.layers or model.get_total_num_hidden_layers(),
         kv_heads=1 if mla else model.get_total_num_kv_heads(),
         head_dim=spec.head_size,
         dtype=dtype,
@@ -121,12 +115,16 @@ class WorkerSide:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
+        self.groups = Groups.of(kv_cache_config)
         self.config = config
         self.producer = producer
         self.agent: kvferry.PrefillAgent | kvferry.DecodeAgent | None = None
         self.tensors: dict[str, torch.Tensor] = {}
-        # Rooms in flight by request id, and what a load needs when it fails.
-        self.rooms: dict[str, int] = {}
+        # The agent's layers, in its order (one KV cache group's; groups.py).
+        self.layers: list[torch.Tensor] = []
+        # The rooms of each request still in flight (one per KV cache group), by request id,
+        # and what a load needs when it fails.
+        self.rooms: dict[str, list[int]] = {}
         self.loads: dict[str, Load] = {}
         self.aborted: set[str] = set()
         # Settled before anything was in flight (refused at once).
@@ -141,7 +139,8 @@ class WorkerSide:
         self.settled: set[str] = set()
         self.ended: set[str] = set()
         self.num_layers = 0
-        self.positions: dict[str, int] = {}
+        # Model layer name -> (KV cache group, the agent's layer).
+        self.positions: dict[str, tuple[int, int]] = {}
         # The CUDA device of the KV cache; None on the CPU.
         self.device: int | None = None
         # The rooms settled since vLLM last asked for its stats.
@@ -152,34 +151,41 @@ class WorkerSide:
     # ---- memory ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.groups.places:
+            self.positions = dict(self.groups.places)
+            first = sorted((j, n) for n, (g, j) in self.positions.items() if g == 0)
+            names = [n for _, n in first]
+        else:
+            names = layers_in_order(kv_caches)
+            self.positions = {name: (0, i) for i, name in enumerate(names)}
+        self.layers = [kv_caches[n] for n in names]
         cache = self.cache_of(kv_caches)
         opts = agent_options(self.vllm_config, self.kv_cache_config, self.config, self.producer, cache.kv_format)
         layout = kvferry.memory_layout(**opts)
         if layout["num_regions"] != len(cache.regions) or layout["num_regions"] * layout["region_bytes"] != cache.bytes:
             raise ValueError(f"KvferryConnector: vLLM's KV cache holds {cache.bytes} bytes, kvferry's layout {layout}")
-        names = sorted(kv_caches, key=layer_index)
         self.tensors = dict(kv_caches)
         self.num_layers = len(names)
-        self.positions = {name: i for i, name in enumerate(names)}
         agent_type = kvferry.PrefillAgent if self.producer else kvferry.DecodeAgent
         self.close()
         self.device = cache.device
         self.agent = agent_type(cache.regions, device=cache.device, **opts)
         logger.info(
-            "kvferry %s agent %s on %s: %s, %d blocks of %d tokens (%d bytes), api %s",
+            "kvferry %s agent %s on %s: %s, %d blocks of %d tokens (%d bytes), %d KV cache group(s), api %s",
             "prefill" if self.producer else "decode", self.agent.instance, opts["bootstrap"],
-            opts["kv_format"], opts["pool_pages"], opts["page_size"], cache.bytes, self.agent.api_url,
+            opts["kv_format"], opts["pool_pages"], opts["page_size"], cache.bytes, len(self.groups.windows),
+            self.agent.api_url,
         )
 
     def cache_of(self, kv_caches: dict[str, torch.Tensor]) -> Cache:
-        """vLLM's caches as the agent's regions: MLA's latent per layer; otherwise on CUDA by
-        vLLM's KV cache layout, on the CPU by how vLLM attends there."""
+        """The agent's layers of vLLM's caches as its regions: MLA's latent per layer; otherwise
+        on CUDA by vLLM's KV cache layout, on the CPU by how vLLM attends there."""
         ctx = self.vllm_config.compilation_config.static_forward_context
-        first = next(iter(kv_caches.values()))
+        first = self.layers[0]
         if self.vllm_config.model_config.use_mla:
-            return mla_cache(kv_caches)
+            return mla_cache(self.layers)
         if first.device.type == "cuda":
-            return cuda_cache(kv_caches, self.vllm_config.cache_config.kv_cache_layout)
+            return cuda_cache(self.layers, self.vllm_config.cache_config.kv_cache_layout)
         if first.device.type != "cpu":
             raise ValueError(f"KvferryConnector: KV caches on {first.device.type} are not supported (CPU and CUDA are)")
         if str(self.vllm_config.cache_config.cache_dtype) in FP8:
@@ -188,7 +194,7 @@ class WorkerSide:
         isas = {str(getattr(ctx.get(n), "isa", "unknown")) for n in kv_caches}
         if len(isas) != 1:
             raise ValueError(f"KvferryConnector: attention layers report several ISAs {sorted(isas)}")
-        return cpu_cache(kv_caches, isas.pop())
+        return cpu_cache(self.layers, isas.pop())
 
     # ---- each step ---------------------------------------------------------------------------
 
@@ -202,51 +208,78 @@ class WorkerSide:
             logger.info("kvferry: the engine shuts down: the agent registers as draining")
         for s in meta.sends:
             if not s.layered:
-                self.announce(s, None)
+                for part in s.parts:
+                    self.announce(s, part, None)
         for h in meta.holds:
-            try:
-                where = {} if self.producer else dict(bootstrap=h.bootstrap, dp_rank=h.dp_rank)
-                self.agent.hold(h.room, **where)
-            except Exception as e:  # noqa: BLE001 - an unheld room may still land in time
-                logger.warning("kvferry: room %d not held: %s", h.room, e)
+            for room in self.groups.rooms(h.room):
+                try:
+                    where = {} if self.producer else dict(bootstrap=h.bootstrap, dp_rank=h.dp_rank)
+                    self.agent.hold(room, **where)
+                except Exception as e:  # noqa: BLE001 - an unheld room may still land in time
+                    logger.warning("kvferry: room %d not held: %s", room, e)
         for room in meta.unholds:
-            self.agent.unhold(room)
+            for part in self.groups.rooms(room):
+                self.agent.unhold(part)
         for load in meta.loads:
-            self.loads[load.req_id] = load
-            if load.prefill_tokens is not None and load.prefill_tokens != load.tokens:
-                reason = f"prompt_mismatch: {load.tokens} prompt tokens, the prefill sent {load.prefill_tokens}"
-                logger.error("kvferry: request %s room %d failed: %s", load.req_id, load.room, reason)
-                self.fail(load.req_id, reason)
-                self.done.add(load.req_id)
-                continue
-            try:
-                self.agent.request(
-                    load.room, load.tokens, pages=load.pages, start_token=load.start_token,
-                    dp_rank=load.dp_rank, bootstrap=load.bootstrap, prompt_digest=load.digest,
-                )
-                self.rooms[load.req_id] = load.room
-            except Exception as e:  # noqa: BLE001 - a refused load fails the request, not the engine
-                logger.error("kvferry: request %s room %d refused: %s", load.req_id, load.room, e)
-                self.fail(load.req_id, f"refused: {e}")
-                self.done.add(load.req_id)
+            self.load(load)
         for a in meta.aborts:
             if a.req_id in self.rooms:
                 self.aborted.add(a.req_id)
-                try:
-                    self.agent.abort(a.room)
-                except Exception as e:  # noqa: BLE001 - the room settles or expires anyway
-                    logger.info("kvferry: abort of room %d: %s", a.room, e)
+                self.abort(a.req_id)
 
-    def announce(self, s: Send, layers: range | None) -> None:
-        """Announces room ``s`` ready: ``layers`` of it (the room's last piece once every layer
-        was announced), or the whole room (``layers`` None). A refusal before anything was
-        announced leaves nothing in flight; after some layers, the room is aborted and stays
-        tracked until it settles (the agent may be reading the announced pages)."""
+    def load(self, load: Load) -> None:
+        """Asks for a load's rooms, one per KV cache group; a refusal fails the load and aborts
+        the rooms asked for already (the load ends when they settle)."""
+        self.loads[load.req_id] = load
+        if load.prefill_tokens is not None and load.prefill_tokens != load.tokens:
+            reason = f"prompt_mismatch: {load.tokens} prompt tokens, the prefill sent {load.prefill_tokens}"
+            logger.error("kvferry: request %s room %d failed: %s", load.req_id, load.room, reason)
+            self.fail(load.req_id, reason)
+            self.done.add(load.req_id)
+            return
+        asked: list[int] = []
+        for part in load.parts:
+            if part.start_token >= part.tokens:
+                # The decode holds every block of this group it attends to: nothing moves.
+                self.agent.unhold(part.room)
+                continue
+            try:
+                self.agent.request(
+                    part.room, part.tokens, pages=part.pages, start_token=part.start_token,
+                    dp_rank=load.dp_rank, bootstrap=load.bootstrap, prompt_digest=load.digest,
+                )
+                asked.append(part.room)
+            except Exception as e:  # noqa: BLE001 - a refused load fails the request, not the engine
+                logger.error("kvferry: request %s room %d refused: %s", load.req_id, part.room, e)
+                self.fail(load.req_id, f"refused: {e}")
+                for room in asked:
+                    with contextlib.suppress(Exception):
+                        self.agent.abort(room)
+                break
+        if asked:
+            self.rooms[load.req_id] = asked
+        else:
+            self.done.add(load.req_id)
+
+    def abort(self, req_id: str) -> None:
+        """Aborts the request's rooms in flight; they settle, and the request with them."""
+        for room in self.rooms.get(req_id, ()):
+            try:
+                self.agent.abort(room)
+            except Exception as e:  # noqa: BLE001 - the room settles or expires anyway
+                logger.info("kvferry: abort of room %d: %s", room, e)
+
+    def announce(self, s: Send, part: Part, layers: range | None) -> None:
+        """Announces ``part`` of room ``s`` ready: ``layers`` of it (the part's last piece once
+        every layer was announced), or the whole part (``layers`` None). A refusal before
+        anything was announced leaves nothing in flight; after some layers, the request's
+        rooms are aborted and stay tracked until they settle (the agent may be reading the
+        announced pages)."""
         if s.req_id in self.unsent:
             return
         pieces: dict[str, Any] = {}
         if layers is not None:
-            done = self.announced.setdefault(s.room, set())
+            done = self.announced.setdefault(part.room, set())
             done.update(layers)
             pieces = dict(layer_range=(layers.start, layers.stop), last=len(done) == self.num_layers)
         if self.device is not None:
@@ -256,14 +289,14 @@ class WorkerSide:
             event.record()
             pieces["cuda_event"] = event.cuda_event
         try:
-            self.agent.ready(s.room, s.tokens, pages=s.pages, prompt_digest=s.digest, **pieces)
-            self.rooms[s.req_id] = s.room
+            self.agent.ready(part.room, part.tokens, pages=part.pages, prompt_digest=s.digest, **pieces)
+            rooms = self.rooms.setdefault(s.req_id, [])
+            if part.room not in rooms:
+                rooms.append(part.room)
         except Exception as e:  # noqa: BLE001 - whatever the agent says, the engine goes on
-            logger.error("kvferry: request %s room %d not announced: %s", s.req_id, s.room, e)
+            logger.error("kvferry: request %s room %d not announced: %s", s.req_id, part.room, e)
             self.unsent.add(s.req_id)
-            if s.req_id in self.rooms:
-                with contextlib.suppress(Exception):
-                    self.agent.abort(s.room)
+            self.abort(s.req_id)
 
     def save_layer(self, meta: KvferryMetadata | None, layer_name: str) -> None:
         """vLLM wrote this layer's KV of the step: the last layer of a group announces the group
@@ -271,13 +304,14 @@ class WorkerSide:
         layers are written)."""
         if meta is None or self.agent is None or not meta.sends:
             return
-        layer = self.positions[layer_name]
+        kv_group, layer = self.positions[layer_name]
         group = self.group_of(layer)
         if layer != group.stop - 1:
             return
         for s in meta.sends:
-            if s.layered and group.start not in self.announced.get(s.room, ()):
-                self.announce(s, group)
+            part = s.parts[kv_group]
+            if s.layered and group.start not in self.announced.get(part.room, ()):
+                self.announce(s, part, group)
 
     def group_of(self, layer: int) -> range:
         """The layers announced together with ``layer``: ANNOUNCEMENTS groups of consecutive
@@ -297,33 +331,37 @@ class WorkerSide:
         for s in meta.sends:
             if not s.layered:
                 continue
-            missed = [layer for layer in range(self.num_layers) if layer not in self.announced.get(s.room, ())]
-            if missed and s.req_id not in self.unsent:
-                logger.warning(
-                    "kvferry: vLLM did not save layers %s of room %d through save_kv_layer; "
-                    "announced after the forward pass", missed, s.room,
-                )
-            for layer in missed:
-                self.announce(s, range(layer, layer + 1))
-            self.announced.pop(s.room, None)
+            for part in s.parts:
+                missed = [layer for layer in range(self.num_layers) if layer not in self.announced.get(part.room, ())]
+                if missed and s.req_id not in self.unsent:
+                    logger.warning(
+                        "kvferry: vLLM did not save layers %s of room %d through save_kv_layer; "
+                        "announced after the forward pass", missed, part.room,
+                    )
+                for layer in missed:
+                    self.announce(s, part, range(layer, layer + 1))
+                self.announced.pop(part.room, None)
 
     def fail(self, req_id: str, reason: str) -> None:
-        """A load that will not land, and why: its blocks from the first one to load on are bad
-        (vLLM's ``kv_load_failure_policy`` decides what happens to the request)."""
-        load = self.loads.pop(req_id, None)
-        if load is not None:
-            self.failures[load.room] = reason
-        if load is not None and req_id not in self.aborted:
-            first = load.start_token // self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-            self.bad_blocks.update(load.pages[first:])
+        """A load that will not land, and why (the first reason of its rooms): its blocks from
+        the first one to load on are bad (vLLM's ``kv_load_failure_policy`` decides what happens
+        to the request)."""
+        load = self.loads.get(req_id)
+        if load is None:
+            return
+        self.failures.setdefault(load.room, reason)
+        if req_id not in self.aborted:
+            block = self.groups.block_size
+            for part in load.parts:
+                self.bad_blocks.update(part.pages[part.start_token // block:])
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """Requests whose rooms settled since the last call: (sending, receiving). A prefill
+        """Requests whose rooms all settled since the last call: (sending, receiving). A prefill
         request is reported only once vLLM has finished it (``finished_req_ids`` named it):
         vLLM frees the blocks of what it is told, and a running request's are still in use."""
         if self.agent is None:
             return set(), set()
-        by_room = {room: req for req, room in self.rooms.items()}
+        by_room = {room: req for req, rooms in self.rooms.items() for room in rooms}
         try:
             settled = self.agent.poll(list(by_room))
         except Exception as e:  # noqa: BLE001 - nothing is reported; the next step asks again
@@ -333,18 +371,23 @@ class WorkerSide:
         self.done = set()
         for room, view in settled.items():
             req_id = by_room[room]
-            del self.rooms[req_id]
-            done.add(req_id)
             if self.producer:
                 log_room(req_id, room, view)
                 if view is not None:
                     self.stats.settled(view)
                 if view is not None and view["state"] != kvferry.RoomState.SUCCESS:
                     logger.warning("kvferry: request %s room %d %s: %s", req_id, room, view["state"], view["reason"])
-                continue
-            self.take(req_id, room)
+            else:
+                self.take(req_id, room)
+            rooms = self.rooms[req_id]
+            rooms.remove(room)
+            if not rooms:
+                del self.rooms[req_id]
+                done.add(req_id)
         self.aborted -= done
         if not self.producer:
+            for req_id in done:
+                self.loads.pop(req_id, None)
             return set(), done
         mine = set(self.rooms) | self.settled | self.unsent | done
         self.ended |= finished_req_ids & mine
@@ -356,28 +399,30 @@ class WorkerSide:
         return sent, set()
 
     def take(self, req_id: str, room: int) -> None:
+        """Takes one of a load's rooms that settled; a failed one fails the load and aborts its
+        other rooms."""
         try:
             taken = self.agent.take(room)
             log_room(req_id, room, taken)
             self.stats.settled(taken)
-            load = self.loads.pop(req_id, None)
-            if load is not None:
-                logger.debug(
-                    "kvferry: request %s room %d landed %d bytes (tokens %d..%d)",
-                    req_id, room, taken["bytes"], load.start_token, load.tokens,
-                )
+            logger.debug("kvferry: request %s room %d landed %d bytes", req_id, room, taken["bytes"])
+            return
         except kvferry.RoomFailed as e:
             self.stats.failed(e.code)
             if req_id not in self.aborted:
                 logger.error("kvferry: request %s room %d failed: %s: %s", req_id, room, e.code, e.message)
-            self.fail(req_id, f"{e.code}: {e.message}")
+            reason = f"{e.code}: {e.message}"
         except kvferry.UnknownRoom:
             self.stats.failed("expired")
             logger.error("kvferry: request %s room %d expired before it was taken", req_id, room)
-            self.fail(req_id, "expired: the room was gone before it was taken")
+            reason = "expired: the room was gone before it was taken"
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
             logger.error("kvferry: request %s room %d could not be taken: %s", req_id, room, e)
-            self.fail(req_id, f"not_taken: {e}")
+            reason = f"not_taken: {e}"
+        self.fail(req_id, reason)
+        if req_id not in self.aborted:
+            self.aborted.add(req_id)
+            self.abort(req_id)
 
     def failure_report(self) -> Failures | None:
         """The step's room failures for the scheduler side, once."""

@@ -38,7 +38,8 @@ pub struct RoomRequest {
     #[serde(default)]
     pub start_token: usize,
     /// Destination pages in the decode pool (the engine's; enough for `tokens`, each in
-    /// range, none twice). Without them the agent allocates its own.
+    /// range, none twice from the page holding `start_token` on: those before do not move).
+    /// Without them the agent allocates its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pages: Option<Vec<u32>>,
     /// Another registry URL for this room: one of `--bootstrap`'s or one that
@@ -363,7 +364,9 @@ impl Decode {
             .map_err(|e| RoomError::BadRequest(format!("tokens {}: {e}", req.tokens)))?;
         let (pages, lease): (Arc<[u32]>, _) = match req.pages.take() {
             Some(pages) => {
-                fields::validate_pages(&pages, needed, self.pool.num_pages())?;
+                // Pages before the one holding `start_token` do not move.
+                let first = req.start_token / l.page_size;
+                fields::validate_pages(&pages, needed, self.pool.num_pages(), first)?;
                 (pages.into(), None)
             }
             None => {

@@ -295,7 +295,7 @@ impl Prefill {
         fields::fits_pool(req.tokens, needed, self.pool.num_pages())?;
         match (&req.pages, &self.synthetic) {
             (Some(pages), _) => {
-                fields::validate_pages(pages, needed, self.pool.num_pages())?;
+                fields::validate_pages(pages, needed, self.pool.num_pages(), 0)?;
                 Ok((pages.as_slice().into(), None))
             }
             (None, Some(_)) => {
