@@ -57,6 +57,8 @@ def main():
                   junit_seconds("target/nextest/default/junit.xml", by_binary))
     lines += rows("on the CUDA driver emulator",
                   junit_seconds("target/nextest/emulator/junit.xml", by_binary))
+    lines += rows("on UCX 1.22",
+                  junit_seconds("target/nextest/ucx122/junit.xml", by_binary))
     # classname is `tests.test_x` or `tests.test_x.TestClass`: the module is the test_ part.
     by_module = lambda suite, case: next(
         (p for p in (case.get("classname") or "?").split(".") if p.startswith("test_")), "?")

@@ -64,6 +64,9 @@ pub enum TransportErrorKind {
     /// The peer did not give an answer it owed within the timeout (a decode never saying a
     /// placed chunk's receives were posted): a stall, not a dead peer.
     Unanswered,
+    /// The peer's transport cannot exchange data with this one (UCX of another release):
+    /// `incompatible_version`, naming both.
+    Incompatible,
 }
 
 impl TransportError {

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvferry::transport::ucx::sys;
+use kvferry::transport::ucx::version::Family;
 use kvferry::transport::ucx::{
     EndpointId, MemoryType, Region, RegisterableMemory, Span, UcxConfig, UcxError, UcxWorker,
 };
@@ -230,10 +231,12 @@ fn ffi_layouts_match_the_installed_headers() {
 }
 
 #[test]
-fn runtime_library_is_the_api_version_we_declare() {
-    let (major, minor, release) = kvferry::transport::ucx::result::version();
-    println!("libucp {major}.{minor}.{release}");
-    assert_eq!((major, minor), (1, 13), "sys.rs mirrors the 1.13 headers");
+fn runtime_library_is_a_release_we_run_on() {
+    let loaded = kvferry::transport::ucx::UcxVersion::loaded();
+    println!("libucp {loaded}");
+    // sys.rs mirrors the 1.13 headers; 1.22 only appends fields (each behind a field_mask
+    // bit kvferry never sets) and keeps every 1.13 prototype.
+    assert!(loaded.family().is_ok(), "{loaded}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -261,11 +264,15 @@ impl Tls {
     fn config(self) -> UcxConfig {
         let config = match self {
             Tls::Tcp => UcxConfig::tcp_loopback(),
-            Tls::TcpEager => kvferry::transport::ucx::settings::worker_vars(Some("tcp"), |_| false)
-                .iter()
-                .fold(UcxConfig::tcp_loopback().eager(true), |c, (name, value)| {
-                    c.var(name, value)
-                }),
+            Tls::TcpEager => kvferry::transport::ucx::settings::worker_vars(
+                Some("tcp"),
+                |_| false,
+                kvferry::transport::ucx::version::family(),
+            )
+            .iter()
+            .fold(UcxConfig::tcp_loopback().eager(true), |c, (name, value)| {
+                c.var(name, value)
+            }),
             Tls::Shm => UcxConfig::shared_memory().var("NET_DEVICES", "lo"),
         };
         // Dead peers: UCX checks endpoints every KEEPALIVE_INTERVAL (default 20 s).
@@ -1238,9 +1245,16 @@ async fn a_config_ucx_refuses_is_a_typed_error() {
 /// The eager end of `tag_send` in an endpoint's description (`ucp_ep_print_info`):
 /// `tag_send: 0..<egr/short>..8185..<egr/zcopy>..(inf)` gives 8185.
 fn eager_short_end(info: &str) -> Option<u64> {
-    let line = info.lines().find(|l| l.contains(" tag_send:"))?;
-    let after = line.split("<egr/short>..").nth(1)?;
-    after.split("..").next()?.trim().parse().ok()
+    if let Some(line) = info.lines().find(|l| l.contains(" tag_send:")) {
+        let after = line.split("<egr/short>..").nth(1)?;
+        return after.split("..").next()?.trim().parse().ok();
+    }
+    // UCX 1.22 describes its protocols as tables, a row per range: `|   0..1048568 | eager
+    // short | tcp/lo |`; the widest eager short range of any tagged send.
+    info.lines()
+        .filter(|l| l.contains("| eager short "))
+        .filter_map(|l| l.split('|').nth(1)?.trim().split("..").nth(1)?.parse().ok())
+        .max()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1264,13 +1278,23 @@ async fn eager_tcp_workers_get_the_segments_they_ask_for() {
         "the agents' segments did not take: UCX still sends {segments}-byte segments"
     );
     // Why the agents name the setting as they do: UCX 1.13 accepts the environment's name
-    // through ucp_config_modify and ignores it.
-    let prefixed = described(Tls::Tcp.config().var("TCP_TX_SEG_SIZE", "1m")).await;
-    println!("TCP_TX_SEG_SIZE=1m through ucp_config_modify: {prefixed} bytes");
-    assert!(
-        prefixed < 1 << 16,
-        "UCX now applies TCP_TX_SEG_SIZE: {prefixed}"
-    );
+    // through ucp_config_modify and ignores it; UCX 1.22 refuses the field's own name.
+    match kvferry::transport::ucx::version::family() {
+        Family::V1_13 => {
+            let prefixed = described(Tls::Tcp.config().var("TCP_TX_SEG_SIZE", "1m")).await;
+            println!("TCP_TX_SEG_SIZE=1m through ucp_config_modify: {prefixed} bytes");
+            assert!(
+                prefixed < 1 << 16,
+                "UCX now applies TCP_TX_SEG_SIZE: {prefixed}"
+            );
+        }
+        Family::V1_22 => {
+            let bare = UcxWorker::spawn(Tls::Tcp.config().var("TX_SEG_SIZE", "1m")).await;
+            let e = bare.expect_err("UCX 1.22 took TX_SEG_SIZE");
+            println!("TX_SEG_SIZE=1m through ucp_config_modify: {e}");
+            assert!(e.to_string().contains("Invalid parameter"), "{e}");
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

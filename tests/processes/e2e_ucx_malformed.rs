@@ -1,6 +1,7 @@
 //! A decode's Hello whose UCX data endpoint or pool key is malformed (truncated, crafted
 //! lengths) is refused by the prefill with `bad_message`, before any byte of it reaches
-//! libucx; an endpoint that is well formed but leads nowhere stays `unreachable`; and the
+//! libucx; one of a receiver on the other UCX release (1.13 or 1.22) with
+//! `incompatible_version`, naming both; an endpoint that is well formed but leads nowhere stays `unreachable`; and the
 //! prefill keeps serving (a normal room between the same agents verifies afterwards). A device
 //! chunk's header with no payload behind it, sent to a decode that stages on the host, is
 //! refused at once and the decode keeps landing rooms. Real processes over UCX's tcp transport
@@ -14,10 +15,21 @@ use common::{AgentOpts, release_binary, runtime};
 use kvferry::cluster::{Apis, LocalCluster, Shape, drive_rooms};
 use kvferry::memory::RemoteMemory;
 use kvferry::protocol::Message;
-use kvferry::transport::ucx::{UcxConfig, UcxWorker};
+use kvferry::transport::ucx::version::Family;
+use kvferry::transport::ucx::{UcxConfig, UcxVersion, UcxWorker};
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A data endpoint of tag prefix `80000001` and the hex worker address `address`, as a
+/// receiver on this process's UCX gives it (its release after the addresses, but on 1.13).
+fn endpoint(address: &str) -> String {
+    let ours = UcxVersion::loaded();
+    match ours.family() {
+        Ok(Family::V1_13) => format!("ucx:80000001/{address}"),
+        _ => format!("ucx:80000001/{address}/{ours}"),
+    }
 }
 
 /// A registry, a prefill and a decode agent over UCX's tcp transport on loopback.
@@ -68,7 +80,12 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
             .await
             .expect("register");
         let rkey = registered.rkey.to_vec();
-        let good = format!("ucx:80000001/{}", hex(&address));
+        let good = endpoint(&hex(&address));
+        // The same address, named by a receiver of the other release (1.13 names none).
+        let other_release = match UcxVersion::loaded().family() {
+            Ok(Family::V1_13) => format!("{good}/1.22.0"),
+            _ => format!("ucx:80000001/{}", hex(&address)),
+        };
         let memory = |key: Vec<u8>| RemoteMemory {
             base: registered.base,
             size: registered.size,
@@ -76,32 +93,34 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
         };
         let mut inflated = address.clone();
         inflated[10] = 0x80 | 0x3f; // the device address runs past the end
-        let mut big_key = rkey.clone();
-        big_key[9] = 0xff; // the first transport key runs past the end
+        // One transport's key, whose length runs past the end.
+        let mut big_key = 1u64.to_le_bytes().to_vec();
+        big_key.extend_from_slice(&[0, 0xff, 1, 2]);
         let cases: Vec<(&str, Message, &str)> = vec![
             (
                 "3-byte address",
-                hello(format!("ucx:80000001/{}", hex(&address[..3])), None, None),
+                hello(endpoint(&hex(&address[..3])), None, None),
                 "bad_message",
             ),
             (
                 "truncated address",
-                hello(
-                    format!("ucx:80000001/{}", hex(&address[..address.len() - 1])),
-                    None,
-                    None,
-                ),
+                hello(endpoint(&hex(&address[..address.len() - 1])), None, None),
                 "bad_message",
             ),
             (
                 "inflated device length",
-                hello(format!("ucx:80000001/{}", hex(&inflated)), None, None),
+                hello(endpoint(&hex(&inflated)), None, None),
                 "bad_message",
             ),
             (
                 "not hex",
                 hello("ucx:80000001/zz".into(), None, None),
                 "bad_message",
+            ),
+            (
+                "a receiver of the other UCX release",
+                hello(other_release.clone(), None, None),
+                "incompatible_version",
             ),
             (
                 "no tag prefix (an earlier build's endpoint)",
@@ -130,6 +149,15 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
             match answer {
                 Message::Error(e) => {
                     assert_eq!(e.code.to_string(), code, "{what}: {}", e.message);
+                    if code == "incompatible_version" {
+                        let ours = UcxVersion::loaded().to_string();
+                        assert!(e.message.contains(&ours), "{what}: {}", e.message);
+                        assert!(
+                            e.message.contains("UCX 1.13") || e.message.contains("UCX 1.22.0"),
+                            "{}",
+                            e.message
+                        );
+                    }
                     println!("[ucx-malformed] {what}: {} {}", e.code, e.message);
                 }
                 other => panic!("{what}: {other:?}"),
@@ -207,8 +235,8 @@ fn a_device_chunk_header_to_a_host_staging_decode_is_refused_at_once() {
 }
 
 /// Whether the prefill of a cluster over UCX's posix and tcp transports (with `env` added)
-/// maps a file named by a Hello's pool key. The key is a well-framed posix rkey (UCX 1.13,
-/// `uct_posix_packed_rkey_t`: a segment id in procfs mode naming `/proc/PID/fd/N` of this test,
+/// maps a file named by a Hello's pool key. The key is a well-framed posix rkey (UCX 1.13 and
+/// 1.22, `uct_posix_packed_rkey_t`: a segment id in procfs mode naming `/proc/PID/fd/N` of this test,
 /// an address, a length) under the memory domain UCX orders after tcp's in a `posix,tcp`
 /// context (1): unpacking it makes UCX open that file and map it at the key's length, in the
 /// unpacking process, whatever the file is.
@@ -236,6 +264,9 @@ fn posix_rkey_mapped(tag: &str, env: &[(&str, &str)]) -> bool {
     key.extend_from_slice(&seg_id.to_le_bytes());
     key.extend_from_slice(&0u64.to_le_bytes());
     key.extend_from_slice(&length.to_le_bytes());
+    if UcxVersion::loaded().family() != Ok(Family::V1_13) {
+        key.push(0xff); // UCX 1.22: the key's system device, none (host memory)
+    }
     let in_maps = || {
         std::fs::read_to_string(format!("/proc/{pid}/maps"))
             .expect("the prefill's maps")
@@ -249,7 +280,7 @@ fn posix_rkey_mapped(tag: &str, env: &[(&str, &str)]) -> bool {
         )
         .await
         .expect("worker");
-        let endpoint = format!("ucx:80000001/{}", hex(&worker.address()));
+        let endpoint = endpoint(&hex(&worker.address()));
         let memory = RemoteMemory {
             base: 0,
             size: length,

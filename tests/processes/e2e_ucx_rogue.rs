@@ -35,6 +35,9 @@ fn rogue() -> PathBuf {
         .arg("-o")
         .arg(&out)
         .args(["-lucp", "-lucs"])
+        // Linked against the installed libucx (its headers are those sys.rs mirrors); run on
+        // whichever the library path gives, as kvferry's binary is.
+        .env_remove("LD_LIBRARY_PATH")
         .status()
         .expect("running the C compiler");
     assert!(status.success(), "building {}", src.display());
@@ -161,10 +164,10 @@ fn listening(pid: u32) -> Vec<(String, u16)> {
 }
 
 /// The hex worker addresses of a decode's UCX endpoint (`ucx:` and comma-separated addresses,
-/// after the receiver's tag prefix and `/` where there is one).
+/// after the receiver's tag prefix and `/`, before `/` and its UCX release where there is one).
 fn worker_addresses(endpoint: &str) -> Vec<String> {
     let list = endpoint.strip_prefix("ucx:").expect("a ucx endpoint");
-    let list = list.rsplit('/').next().unwrap_or(list);
+    let list = list.split('/').nth(1).unwrap_or(list);
     list.split(',').map(str::to_owned).collect()
 }
 

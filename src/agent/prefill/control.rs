@@ -162,6 +162,10 @@ impl Prefill {
                 let msg = format!("decode data endpoint or pool key refused: {e}");
                 return refuse(FailureCode::BadMessage, msg);
             }
+            Err(e) if e.kind == TransportErrorKind::Incompatible => {
+                let msg = format!("decode data endpoint refused: {}", e.message);
+                return refuse(FailureCode::IncompatibleVersion, msg);
+            }
             Err(e) if e.kind == TransportErrorKind::Unauthorized => {
                 let msg = format!(
                     "decode data endpoint {} refused this prefill: {}",

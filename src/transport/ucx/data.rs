@@ -46,11 +46,12 @@ use tokio::sync::OnceCell;
 
 use super::region::OnDevice;
 use super::settings::{eager, insecure_rma, rma, shared_memory_only, ucx_env_sets, worker_vars};
+use super::version::{Family, UcxVersion};
 use super::{EndpointId, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
     BoxFuture, DataReceiver, DataSender, DeviceBytes, DeviceMemory, Frame, Listening, RemoteMemory,
-    Span, Transport, TransportError, TransportKind, WritePath, WriteRun,
+    Span, Transport, TransportError, TransportErrorKind, TransportKind, WritePath, WriteRun,
 };
 
 mod receive;
@@ -184,9 +185,11 @@ impl Inner {
                 config = config.var("NET_DEVICES", &devices);
             }
         }
-        Ok(worker_vars(tls.as_deref(), ucx_env_sets)
-            .into_iter()
-            .fold(config, |config, (name, value)| config.var(name, value)))
+        Ok(
+            worker_vars(tls.as_deref(), ucx_env_sets, super::version::family())
+                .into_iter()
+                .fold(config, |config, (name, value)| config.var(name, value)),
+        )
     }
 
     async fn spawn(&self) -> Result<UcxWorker, TransportError> {
@@ -223,20 +226,60 @@ impl Inner {
 
 /// A receiver's endpoint: `ucx:`, its tag prefix ([`Tags`], 8 hex digits), `/`, and the hex
 /// address of each of its workers, comma-separated (chunks go to them in turn, runs are shared
-/// out over them, see [`PULLERS`]; the first one exposes the pool).
-fn encode_endpoint(tags: Tags, addresses: &[Bytes]) -> String {
+/// out over them, see [`PULLERS`]; the first one exposes the pool); on a UCX other than 1.13,
+/// `/` and its release (`version`). An endpoint that names no release is 1.13's, as every one
+/// of a kvferry that ran on 1.13 only.
+fn encode_endpoint(tags: Tags, addresses: &[Bytes], version: UcxVersion) -> String {
     let hex: Vec<String> = addresses
         .iter()
         .map(|a| a.iter().map(|b| format!("{b:02x}")).collect())
         .collect();
-    format!("ucx:{:08x}/{}", tags.prefix, hex.join(","))
+    let release = match version.family() {
+        Ok(Family::V1_13) => String::new(),
+        _ => format!("/{version}"),
+    };
+    format!("ucx:{:08x}/{}{release}", tags.prefix, hex.join(","))
 }
 
-/// The tags and worker addresses of an endpoint of [`encode_endpoint`]; `None` for anything
-/// else (an endpoint of a build before tag prefixes has no `/`).
-fn decode_endpoint(endpoint: &str) -> Option<(Tags, Vec<Vec<u8>>)> {
-    let (prefix, list) = endpoint.strip_prefix("ucx:")?.split_once('/')?;
-    Some((Tags::parse(prefix)?, decode_addresses(list)?))
+/// The tags, worker addresses and UCX release of an endpoint of [`encode_endpoint`] (None:
+/// 1.13); `None` for anything else (an endpoint of a build before tag prefixes has no `/`).
+type Endpoint = (Tags, Vec<Vec<u8>>, Option<UcxVersion>);
+
+fn decode_endpoint(endpoint: &str) -> Option<Endpoint> {
+    let (prefix, rest) = endpoint.strip_prefix("ucx:")?.split_once('/')?;
+    let (list, version) = match rest.split_once('/') {
+        Some((list, version)) => (list, Some(UcxVersion::parse(version)?)),
+        None => (rest, None),
+    };
+    Some((Tags::parse(prefix)?, decode_addresses(list)?, version))
+}
+
+/// Refuses a receiver whose UCX release (`theirs`, from its endpoint; None: 1.13) cannot
+/// exchange data with this process's: peers of UCX 1.13 and 1.22 do not interoperate.
+fn check_release(theirs: Option<UcxVersion>, shown: &str) -> Result<(), TransportError> {
+    let ours = UcxVersion::loaded();
+    let (peer, named) = match theirs {
+        Some(v) => (v, v.to_string()),
+        None => (
+            UcxVersion {
+                major: 1,
+                minor: 13,
+                release: 0,
+            },
+            "1.13 (its endpoint names no release)".to_owned(),
+        ),
+    };
+    if ours.interoperates(peer) {
+        return Ok(());
+    }
+    Err(TransportError::new(
+        "connect",
+        shown,
+        format!(
+            "the receiver runs UCX {named} and this process UCX {ours}: workers of UCX 1.13 and 1.22 do not exchange data; run both on one release"
+        ),
+    )
+    .with_kind(TransportErrorKind::Incompatible))
 }
 
 fn decode_addresses(list: &str) -> Option<Vec<Vec<u8>>> {
@@ -331,7 +374,7 @@ impl Transport for UcxData {
                 workers.push(inner.spawn().await?);
             }
             let addresses: Vec<Bytes> = workers.iter().map(UcxWorker::address).collect();
-            let endpoint = encode_endpoint(inner.tags, &addresses);
+            let endpoint = encode_endpoint(inner.tags, &addresses, UcxVersion::loaded());
             let (landed, arrivals) = tokio::sync::mpsc::unbounded_channel();
             let receiver: Box<dyn DataReceiver> = Box::new(UcxReceiver {
                 posting: Arc::new(Posting {
@@ -364,14 +407,15 @@ impl Transport for UcxData {
         let endpoint = endpoint.to_owned();
         Box::pin(async move {
             let shown: String = endpoint.chars().take(24).collect();
-            let (tags, addresses) = decode_endpoint(&endpoint).ok_or_else(|| {
+            let (tags, addresses, release) = decode_endpoint(&endpoint).ok_or_else(|| {
                 TransportError::malformed(
                     "connect",
                     &shown,
-                    "not ucx:PREFIX/ and a worker address list (a decode of an earlier kvferry \
-                     gives no tag prefix: upgrade it)",
+                    "not ucx:PREFIX/, a worker address list and optionally /UCX-RELEASE (a decode \
+                     of an earlier kvferry gives no tag prefix: upgrade it)",
                 )
             })?;
+            check_release(release, &shown)?;
             // Checked before any reaches UCX (the progress thread checks again).
             for address in &addresses {
                 super::packed::check_worker_address(address)

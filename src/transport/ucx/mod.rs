@@ -1,5 +1,6 @@
-//! UCX (system libucx 1.13, UCP API) for the data plane: tagged sends of chunks, one-sided puts
-//! into a peer's registered memory, and peer-failure reporting.
+//! UCX (UCP API; libucx 1.13 or 1.22, whichever libucp the process loads: [`version`]) for the
+//! data plane: tagged sends of chunks, one-sided puts into a peer's registered memory, and
+//! peer-failure reporting.
 //!
 //! Layers, bottom up (cudarc's sys / result / safe split):
 //! - [`sys`]: raw `extern "C"` declarations and `#[repr(C)]` structs, checked against the
@@ -49,6 +50,7 @@ pub mod result;
 pub mod safe;
 pub mod settings;
 pub mod sys;
+pub mod version;
 pub mod worker;
 
 pub use crate::memory::{Span, WriteRun};
@@ -57,4 +59,5 @@ pub use config::{UcxConfig, Unexpected};
 pub use memory_type::{MemoryType, MemoryTypes};
 pub use region::{Region, RegisterableMemory};
 pub use result::UcxError;
+pub use version::UcxVersion;
 pub use worker::UcxWorker;

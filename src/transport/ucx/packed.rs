@@ -1,5 +1,5 @@
-//! UCX 1.13's packed worker addresses and remote keys, walked in Rust before any byte a peer
-//! sent reaches libucx.
+//! UCX's packed worker addresses and remote keys (1.13's and 1.22's: [`Family`]), walked in
+//! Rust before any byte a peer sent reaches libucx.
 //!
 //! `ucp_ep_create` (a worker address) and `ucp_ep_rkey_unpack` (a packed rkey) take a pointer
 //! and no length: libucx walks the buffer by the lengths and flags inside it, and a short or
@@ -7,7 +7,8 @@
 //! beyond its buffer and unpacked with `UCS_OK`; a 3-byte address 22 bytes beyond). So every
 //! peer's address and rkey is checked here against the format UCX 1.13 packs, with explicit
 //! bounds, and refused unless every byte UCX's unpacker would read lies inside it, with nothing
-//! left over. What passes is copied into a buffer this crate owns, followed by [`TAIL_PAD`]
+//! left over. A peer of the other release never gets this far (its endpoint names its
+//! release: `data.rs`), so the format checked is the loaded release's. What passes is copied into a buffer this crate owns, followed by [`TAIL_PAD`]
 //! zeroed bytes ([`owned_copy`]), and only that copy is handed to UCX.
 //!
 //! The formats (UCX 1.13.1, `ucp/wireup/address.c`, `ucp/core/ucp_rkey.c`; checked against the
@@ -32,14 +33,25 @@
 //!                  follow (never in a worker address: refused)
 //!     iface address (addr_len bytes)
 //! ```
+//! UCX 1.22 (`ucp/wireup/address.c` of 1.22.0) packs the same with three differences: the md
+//! byte is `0x80` no transports | index (7 bits, < 16 here), without the alloc and reg bits;
+//! the device length byte has 5 bits of length and `0x20` announces a system-device byte
+//! (after the paths byte, before the device address); and the last real device is followed by
+//! a release trailer, `0x80 | (minor % 16)` then `0x80`, which reads as an empty last device
+//! (the real one before it then has no last flag).
+//!
 //! Remote key (`ucp_rkey_pack`):
 //! ```text
-//! md_map u64 (little-endian; bits >= 16 refused), mem_type u8 (< UCS_MEMORY_TYPE_LAST),
-//! per bit of md_map, in order: size u8, the transport's packed key (size bytes)
+//! md_map u64 (little-endian; bits >= 16 refused), mem_type u8 (< UCS_MEMORY_TYPE_LAST: 5 in
+//! 1.13, 10 in 1.22), per bit of md_map, in order: size u8, the transport's packed key (size
+//! bytes); 1.22 only, when md_map is not 0: sys_dev u8 (0xff: host memory), and unless 0xff
+//! distances {sys_dev u8, latency u8, bandwidth u8}* ended by 0xff (`ucp/core/ucp_rkey.c`)
 //! ```
 //! The transports' own readers of a device address, an iface address or a transport key read
 //! a fixed structure of their own, without the length UCX framed it with; those reads stay
 //! inside the owned copy: every framed length is below 256 and [`TAIL_PAD`] zeroes follow.
+
+use super::version::{self, Family};
 
 /// Largest worker address accepted from a peer. Those packed here are 38 to 186 bytes; one per
 /// transport of a few RDMA devices stays well within.
@@ -70,11 +82,26 @@ const FLAG_HAS_EP_ADDR: u8 = 0x40;
 const LEN_MASK: u8 = 0x3f;
 /// `ucp_address_packed_iface_attr_t`: overhead, bandwidth, latency (f32 each), flags (u32).
 const IFACE_ATTR_BYTES: usize = 16;
-/// `UCS_MEMORY_TYPE_LAST` of UCX 1.13 (`ucs/memory/memory_type.h`).
-const MEMORY_TYPE_LAST: u8 = 5;
+/// `UCS_MEMORY_TYPE_LAST` of each release (`ucs/memory/memory_type.h`).
+fn memory_type_last(family: Family) -> u8 {
+    match family {
+        Family::V1_13 => 5,
+        Family::V1_22 => 10,
+    }
+}
+/// UCX 1.22's md byte: the index without 1.13's alloc and reg bits.
+const MD_INDEX_MASK_1_22: u8 = 0x7f;
+/// UCX 1.22's device length byte: 5 bits of length, and a system-device byte announced.
+const DEV_LEN_MASK_1_22: u8 = 0x1f;
+const FLAG_SYS_DEVICE: u8 = 0x20;
+/// A remote key's system device that is no device (host memory), and the end of its
+/// distances (UCX 1.22).
+const SYS_DEVICE_UNKNOWN: u8 = 0xff;
+/// Distances a remote key may list (one per system device UCX knows of).
+const MAX_DISTANCES: usize = 128;
 
-/// A peer's address or rkey that does not have the shape UCX 1.13 packs: it never reaches
-/// UCX.
+/// A peer's address or rkey that does not have the shape this process's UCX packs: it never
+/// reaches UCX.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("malformed UCX {what}: {reason}")]
 pub struct Malformed {
@@ -144,17 +171,24 @@ fn capped(bytes: &[u8], what: &'static str, max: usize) -> Result<(), Malformed>
     Ok(())
 }
 
-/// Checks a peer's worker address (see the module's format): `Ok` only when UCX's unpacker
-/// reads nothing outside `bytes` and `bytes` holds nothing else.
+/// Checks a peer's worker address (see the module's format) for the loaded release: `Ok`
+/// only when UCX's unpacker reads nothing outside `bytes` and `bytes` holds nothing else.
 pub fn check_worker_address(bytes: &[u8]) -> Result<(), Malformed> {
+    check_worker_address_of(bytes, version::family())
+}
+
+/// [`check_worker_address`] for UCX of `family`.
+pub fn check_worker_address_of(bytes: &[u8], family: Family) -> Result<(), Malformed> {
     const WHAT: &str = "worker address";
+    let (md_mask, len_mask) = match family {
+        Family::V1_13 => (MD_INDEX_MASK, LEN_MASK),
+        Family::V1_22 => (MD_INDEX_MASK_1_22, DEV_LEN_MASK_1_22),
+    };
     capped(bytes, WHAT, MAX_ADDRESS_BYTES)?;
     let mut r = Reader::new(bytes, WHAT);
     let header = r.u8("header")?;
     if header & !HEADER_DEBUG_INFO != HEADER_V1 {
-        return Err(r.fail(format_args!(
-            "header {header:#04x}: not a UCX 1.13 v1 address"
-        )));
+        return Err(r.fail(format_args!("header {header:#04x}: not a UCX v1 address")));
     }
     r.take(8, "uuid")?;
     if header & HEADER_DEBUG_INFO != 0 {
@@ -173,14 +207,17 @@ pub fn check_worker_address(bytes: &[u8]) -> Result<(), Malformed> {
             }
             break;
         }
-        if md & MD_INDEX_MASK >= MAX_MD_INDEX {
-            return Err(r.fail(format_args!("md index {}", md & MD_INDEX_MASK)));
+        if md & md_mask >= MAX_MD_INDEX {
+            return Err(r.fail(format_args!("md index {}", md & md_mask)));
         }
         let dev = r.u8("device address length")?;
         if dev & FLAG_HAVE_PATHS != 0 {
             r.u8("number of paths")?;
         }
-        r.take((dev & LEN_MASK) as usize, "device address")?;
+        if family == Family::V1_22 && dev & FLAG_SYS_DEVICE != 0 {
+            r.u8("system device")?;
+        }
+        r.take((dev & len_mask) as usize, "device address")?;
         if md & MD_EMPTY_DEV == 0 {
             loop {
                 entries += 1;
@@ -206,9 +243,14 @@ pub fn check_worker_address(bytes: &[u8]) -> Result<(), Malformed> {
     r.finish()
 }
 
-/// Checks a peer's packed remote key (see the module's format): `Ok` only when UCX's unpacker
-/// reads nothing outside `bytes` and `bytes` holds nothing else.
+/// Checks a peer's packed remote key (see the module's format) for the loaded release: `Ok`
+/// only when UCX's unpacker reads nothing outside `bytes` and `bytes` holds nothing else.
 pub fn check_rkey(bytes: &[u8]) -> Result<(), Malformed> {
+    check_rkey_of(bytes, version::family())
+}
+
+/// [`check_rkey`] for UCX of `family`.
+pub fn check_rkey_of(bytes: &[u8], family: Family) -> Result<(), Malformed> {
     const WHAT: &str = "rkey";
     capped(bytes, WHAT, MAX_RKEY_BYTES)?;
     let mut r = Reader::new(bytes, WHAT);
@@ -219,12 +261,22 @@ pub fn check_rkey(bytes: &[u8]) -> Result<(), Malformed> {
         )));
     }
     let mem_type = r.u8("memory type")?;
-    if mem_type >= MEMORY_TYPE_LAST {
+    if mem_type >= memory_type_last(family) {
         return Err(r.fail(format_args!("memory type {mem_type}")));
     }
     for _ in 0..md_map.count_ones() {
         let len = r.u8("transport key length")?;
         r.take(len as usize, "transport key")?;
+    }
+    if family == Family::V1_22 && md_map != 0 && r.u8("system device")? != SYS_DEVICE_UNKNOWN {
+        let mut listed = 0;
+        while r.u8("distance's system device")? != SYS_DEVICE_UNKNOWN {
+            listed += 1;
+            if listed > MAX_DISTANCES {
+                return Err(r.fail(format_args!("more than {MAX_DISTANCES} distances")));
+            }
+            r.take(2, "distance")?;
+        }
     }
     r.finish()
 }

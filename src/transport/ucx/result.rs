@@ -86,6 +86,9 @@ pub enum UcxError {
         /// Bytes of the region.
         size: u64,
     },
+    /// A libucp of a release kvferry does not run on ([`super::version`]).
+    #[error("{0}")]
+    Unsupported(String),
     /// A UCX config variable that UCX refused.
     #[error("UCX config {name}={value}: {reason}")]
     Config {
@@ -104,8 +107,8 @@ pub enum UcxError {
         /// The OS error.
         message: String,
     },
-    /// A peer's worker address or remote key that does not have the shape UCX 1.13 packs;
-    /// refused before any UCX call ([`super::packed`]).
+    /// A peer's worker address or remote key that does not have the shape this process's UCX
+    /// packs; refused before any UCX call ([`super::packed`]).
     #[error(transparent)]
     Malformed(#[from] Malformed),
     /// A remote region (one-sided writes) on a worker whose context has no RMA

@@ -2,6 +2,8 @@
 //! eager chunks or rendezvous, tcp segment sizes, indirect endpoint ids, and whether endpoints
 //! can be supervised, all read off `UCX_TLS` and kvferry's own variables.
 
+use super::version::Family;
+
 /// Transports whose hardware checks remote keys (InfiniBand/RoCE reliable and dynamically
 /// connected transports): a one-sided write over them reaches only memory its target
 /// registered and gave the key of.
@@ -100,17 +102,27 @@ pub(super) fn eager() -> bool {
 }
 
 /// The tcp segments for eager chunks and runs, as (environment variable without `UCX_`, the
-/// name `ucp_config_modify` takes, value). UCX 1.13 sends tcp messages in 8 KiB segments and
-/// receives in 64 KiB ones; with 1 MiB segments a 1 MiB chunk is one send and one receive
-/// (staged rooms ran faster than with 8 KiB segments).
+/// name UCX 1.13's `ucp_config_modify` takes, value). UCX 1.13 sends tcp messages in 8 KiB
+/// segments and receives in 64 KiB ones; with 1 MiB segments a 1 MiB chunk is one send and one
+/// receive (staged rooms ran faster than with 8 KiB segments).
 /// UCX 1.13 applies a transport's setting given to `ucp_config_modify` only under the field's
 /// own name (`TX_SEG_SIZE`): `TCP_TX_SEG_SIZE` is accepted and silently ignored (the
-/// endpoint's eager range stays at 8 KiB; tests/in_process/ucx_layer.rs checks it), so the environment's
-/// name and the config's differ.
+/// endpoint's eager range stays at 8 KiB; tests/in_process/ucx_layer.rs checks it). UCX 1.22
+/// takes the environment's name and refuses the field's own ("Invalid parameter"):
+/// [`config_name`].
 const EAGER_TCP_SEGMENTS: [(&str, &str, &str); 2] = [
     ("TCP_TX_SEG_SIZE", "TX_SEG_SIZE", EAGER_TCP_SEGMENT),
     ("TCP_RX_SEG_SIZE", "RX_SEG_SIZE", EAGER_TCP_SEGMENT),
 ];
+
+/// The name `ucp_config_modify` applies a transport's setting under, on UCX of `family`: its
+/// field's own (`field`) on 1.13, its environment variable's without `UCX_` (`env`) on 1.22.
+fn config_name(family: Family, env: &'static str, field: &'static str) -> &'static str {
+    match family {
+        Family::V1_13 => field,
+        Family::V1_22 => env,
+    }
+}
 
 /// Every worker looks endpoints up by indirect ids in the wire protocols (UCX's `auto` does so
 /// only for endpoints with error handling, not for the ones UCX creates for a connecting
@@ -135,15 +147,17 @@ const EAGER_TCP_SEGMENT: &str = "1m";
 ///   `hdr->length <= (iface->config.rx_seg_size - sizeof(*hdr))' failed ... 1048576 vs
 ///   65536", seen with a tcp-only prefill and a decode on UCX's defaults).
 ///
-/// Public for tests/in_process/ucx_layer.rs, which checks that UCX applies them.
+/// Names as UCX of `family` takes them ([`config_name`]). Public for
+/// tests/in_process/ucx_layer.rs, which checks that UCX applies them.
 pub fn worker_vars(
     tls: Option<&str>,
     is_set: impl Fn(&str) -> bool,
+    family: Family,
 ) -> Vec<(&'static str, &'static str)> {
     let unless_set = |vars: &[(&'static str, &'static str, &'static str)]| -> Vec<_> {
         vars.iter()
             .filter(|(env, _, _)| !is_set(env))
-            .map(|&(_, name, value)| (name, value))
+            .map(|&(env, field, value)| (config_name(family, env, field), value))
             .collect()
     };
     let mut vars = unless_set(&[INDIRECT_IDS]);

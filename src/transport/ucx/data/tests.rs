@@ -8,11 +8,24 @@ fn endpoints_round_trip_and_garbage_is_refused() {
     let (a, b) = (vec![0u8, 1, 0xab, 0xff], vec![7u8; 3]);
     let tags = Tags::random();
     assert!(tags.prefix & 0x8000_0000 != 0);
-    let one = encode_endpoint(tags, &[Bytes::from(a.clone())]);
+    let v113 = UcxVersion::parse("1.13.1").unwrap();
+    let v122 = UcxVersion::parse("1.22.0").unwrap();
+    let one = encode_endpoint(tags, &[Bytes::from(a.clone())], v113);
     assert_eq!(one, format!("ucx:{:08x}/0001abff", tags.prefix));
-    assert_eq!(decode_endpoint(&one), Some((tags, vec![a.clone()])));
-    let two = encode_endpoint(tags, &[Bytes::from(a.clone()), Bytes::from(b.clone())]);
-    assert_eq!(decode_endpoint(&two), Some((tags, vec![a, b])));
+    assert_eq!(decode_endpoint(&one), Some((tags, vec![a.clone()], None)));
+    let two = encode_endpoint(
+        tags,
+        &[Bytes::from(a.clone()), Bytes::from(b.clone())],
+        v113,
+    );
+    assert_eq!(
+        decode_endpoint(&two),
+        Some((tags, vec![a.clone(), b], None))
+    );
+    // UCX 1.22 names its release.
+    let newer = encode_endpoint(tags, &[Bytes::from(a.clone())], v122);
+    assert_eq!(newer, format!("ucx:{:08x}/0001abff/1.22.0", tags.prefix));
+    assert_eq!(decode_endpoint(&newer), Some((tags, vec![a], Some(v122))));
     for bad in [
         "",
         "ucx:",
@@ -32,9 +45,37 @@ fn endpoints_round_trip_and_garbage_is_refused() {
         "ucx:8000001/00",
         "ucx:800000001/00",
         "ucx:8000000g/00",
+        // A release that is not one.
+        "ucx:80000001/00/1.22",
+        "ucx:80000001/00/",
+        "ucx:80000001/00/1.22.0/x",
     ] {
         assert!(decode_endpoint(bad).is_none(), "{bad}");
     }
+}
+
+#[test]
+fn a_receiver_of_another_ucx_release_is_refused_naming_both() {
+    let ours = UcxVersion::loaded();
+    assert_eq!(
+        check_release(Some(ours), "x").map_err(|e| e.message),
+        Ok(())
+    );
+    let other = match ours.family() {
+        Ok(Family::V1_13) => Some(UcxVersion::parse("1.22.0").unwrap()),
+        _ => None,
+    };
+    let e = check_release(other, "ucx:80000001/..").unwrap_err();
+    assert_eq!(e.kind, TransportErrorKind::Incompatible);
+    let theirs = other.map_or("1.13 (its endpoint names no release)".to_owned(), |v| {
+        v.to_string()
+    });
+    assert!(
+        e.message.contains(&format!("UCX {theirs}")),
+        "{}",
+        e.message
+    );
+    assert!(e.message.contains(&format!("UCX {ours}")), "{}", e.message);
 }
 
 /// Every tag a sender puts on a message for a receiver but a placed run's carries the

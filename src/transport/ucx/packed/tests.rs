@@ -96,13 +96,18 @@ fn every_truncation_and_extension_is_refused() {
 #[test]
 fn crafted_lengths_and_counts_are_refused() {
     let p = pack(TRANSPORTS[0]);
-    let a = &p.address;
+    let family = version::family();
+    let a = &without_trailer(&p.address, family);
     // header, uuid, md byte, device length byte (last device, 18 bytes), device address,
     // checksum, attributes, interface address length (last transport), interface address.
     assert_eq!(a[0], 0x20, "{a:02x?}");
     let dev = 10;
     assert_eq!(a[dev] & 0x80, 0x80, "one device: {a:02x?}");
-    let dev_len = (a[dev] & 0x3f) as usize;
+    let len_mask = match family {
+        Family::V1_13 => 0x3f,
+        Family::V1_22 => 0x1f,
+    };
+    let dev_len = (a[dev] & len_mask) as usize;
     let tl_len_at = dev + 1 + dev_len + 2 + 16;
     let craft = |at: usize, value: u8| {
         let mut b = a.clone();
@@ -112,7 +117,7 @@ fn crafted_lengths_and_counts_are_refused() {
     let cases: Vec<(&str, Vec<u8>)> = vec![
         (
             "device address longer than the buffer",
-            craft(dev, 0x80 | 0x3f),
+            craft(dev, 0x80 | len_mask),
         ),
         (
             "device not the last, none follows",
@@ -174,6 +179,80 @@ fn crafted_lengths_and_counts_are_refused() {
     assert_eq!(check_worker_address(&empty), Ok(()));
 }
 
+/// `address` as its one device alone: UCX 1.22's release trailer (an empty last device)
+/// dropped, and the device before it marked last.
+fn without_trailer(address: &[u8], family: Family) -> Vec<u8> {
+    let mut a = address.to_vec();
+    if family == Family::V1_22 {
+        assert_eq!(a[a.len() - 1], 0x80, "no release trailer: {a:02x?}");
+        a.truncate(a.len() - 2);
+        a[10] |= 0x80;
+    }
+    a
+}
+
+#[test]
+fn each_release_is_checked_by_its_own_format() {
+    // UCX 1.22: a device with a system-device byte, then the release trailer.
+    let mut a = vec![0x20];
+    a.extend_from_slice(&[7; 8]); // uuid
+    a.extend_from_slice(&[0x01, 0x20 | 2, 0x05, 0xaa, 0xbb]); // md 1, sys_dev 5, 2-byte device
+    a.extend_from_slice(&[0x19, 0xcf]); // transport name checksum
+    a.extend_from_slice(&[0; 16]); // attributes
+    a.extend_from_slice(&[0x80 | 2, 1, 2]); // last transport, 2-byte interface address
+    a.extend_from_slice(&[0x86, 0x80]); // release trailer (minor 22)
+    assert_eq!(check_worker_address_of(&a, Family::V1_22), Ok(()));
+    assert!(
+        check_worker_address_of(&a, Family::V1_13).is_err(),
+        "1.13 reads the sys_dev flag as 32 bytes more device address"
+    );
+    let mut cut = a.clone();
+    cut.truncate(12);
+    assert!(check_worker_address_of(&cut, Family::V1_22).is_err());
+    // 1.13's md byte with its reg bit is an index out of range for 1.22.
+    let mut legacy = a.clone();
+    legacy[9] = 0x21;
+    legacy[10] = 2;
+    legacy.remove(11);
+    assert_eq!(check_worker_address_of(&legacy, Family::V1_13), Ok(()));
+    assert!(check_worker_address_of(&legacy, Family::V1_22).is_err());
+
+    let key = |md_map: u64, mem_type: u8, rest: &[u8]| {
+        let mut k = md_map.to_le_bytes().to_vec();
+        k.push(mem_type);
+        k.extend_from_slice(rest);
+        k
+    };
+    // Host memory: 1.22 ends a key with its system device, unknown (0xff); 1.13 does not.
+    let host_1_22 = key(1, 0, &[0, 0xff]);
+    let host_1_13 = key(0b10011, 0, &[0, 0, 0]);
+    assert_eq!(check_rkey_of(&host_1_22, Family::V1_22), Ok(()));
+    assert!(check_rkey_of(&host_1_22, Family::V1_13).is_err());
+    assert_eq!(check_rkey_of(&host_1_13, Family::V1_13), Ok(()));
+    assert!(check_rkey_of(&host_1_13, Family::V1_22).is_err());
+    // No transports' keys: no system device either.
+    assert_eq!(check_rkey_of(&key(0, 0, &[]), Family::V1_22), Ok(()));
+    // Device memory (CUDA, type 1) on system device 3: its distances, then their end.
+    let device = key(1, 1, &[2, 9, 9, 3, 0, 0x10, 0x20, 4, 0x11, 0x21, 0xff]);
+    assert_eq!(check_rkey_of(&device, Family::V1_22), Ok(()));
+    for len in 0..device.len() {
+        assert!(
+            check_rkey_of(&device[..len], Family::V1_22).is_err(),
+            "{len}"
+        );
+    }
+    let mut partial = device.clone();
+    partial.remove(device.len() - 2);
+    assert!(
+        check_rkey_of(&partial, Family::V1_22).is_err(),
+        "a distance cut short"
+    );
+    // Memory types: 9 (Gaudi) exists in 1.22 only.
+    assert_eq!(check_rkey_of(&key(1, 9, &[0, 0xff]), Family::V1_22), Ok(()));
+    assert!(check_rkey_of(&key(1, 10, &[0, 0xff]), Family::V1_22).is_err());
+    assert!(check_rkey_of(&key(1, 9, &[0]), Family::V1_13).is_err());
+}
+
 #[test]
 fn crafted_rkeys_are_refused() {
     let key = |md_map: u64, mem_type: u8, rest: &[u8]| {
@@ -182,6 +261,7 @@ fn crafted_rkeys_are_refused() {
         k.extend_from_slice(rest);
         k
     };
+    let check_rkey = |k: &[u8]| check_rkey_of(k, Family::V1_13);
     assert_eq!(check_rkey(&key(0b101, 0, &[0, 2, 1, 2])), Ok(()));
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("two bytes", vec![1, 0]),

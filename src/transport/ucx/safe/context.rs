@@ -10,11 +10,12 @@ use std::rc::Rc;
 use crate::transport::ucx::memory_type::MemoryTypes;
 use crate::transport::ucx::result::{self, UcxError};
 use crate::transport::ucx::sys;
+use crate::transport::ucx::version::UcxVersion;
 
 /// Settings every context gets, over the environment's and the caller's: the worker address
-/// format [`crate::transport::ucx::packed`] validates peers' addresses against. UCX 1.13
-/// parses an address by its own settings (in unified mode without the lengths a peer packed),
-/// so both sides must use this one.
+/// format [`crate::transport::ucx::packed`] validates peers' addresses against. UCX parses an
+/// address by its own settings (in unified mode without the lengths a peer packed), so both
+/// sides must use this one (`v1` is the default of 1.13 and 1.22 alike).
 const FORCED_VARS: [(&str, &str); 2] = [("ADDRESS_VERSION", "v1"), ("UNIFIED_MODE", "n")];
 
 /// A UCP context (`ucp_init`) with tag matching and wakeup, and RMA when asked for.
@@ -34,6 +35,9 @@ impl Context {
     /// without the `UCX_` prefix, e.g. `("TLS", "tcp")`) and initialises a context for one
     /// worker, with RMA when `rma` (see [`Context`]).
     pub fn new(vars: &[(String, String)], rma: bool) -> Result<Rc<Context>, UcxError> {
+        UcxVersion::loaded()
+            .family()
+            .map_err(UcxError::Unsupported)?;
         let config = result::config_read()?;
         let context = Self::init_with(config, vars, rma);
         // SAFETY: config came from config_read and is released exactly once, here; ucp_init

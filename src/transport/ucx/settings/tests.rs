@@ -3,12 +3,14 @@
 
 use super::*;
 
+const V113: Family = Family::V1_13;
+
 #[test]
 fn eager_tcp_workers_take_large_segments_unless_the_environment_says_otherwise() {
     let none = |_: &str| false;
     let ids = ("PROTO_INDIRECT_ID", "on");
     assert_eq!(
-        worker_vars(Some("tcp"), none),
+        worker_vars(Some("tcp"), none, V113),
         [
             ids,
             ("RNDV_THRESH", "inf"),
@@ -18,7 +20,7 @@ fn eager_tcp_workers_take_large_segments_unless_the_environment_says_otherwise()
     );
     let tx_set = |name: &str| name == "TCP_TX_SEG_SIZE";
     assert_eq!(
-        worker_vars(Some("tcp,self"), tx_set),
+        worker_vars(Some("tcp,self"), tx_set, V113),
         [
             ids,
             ("RNDV_THRESH", "inf"),
@@ -28,13 +30,29 @@ fn eager_tcp_workers_take_large_segments_unless_the_environment_says_otherwise()
     // Rendezvous wanted, or not tcp alone: UCX's own settings, but segments large enough to
     // receive an eager peer's wherever tcp may carry them.
     let rx = [ids, ("RX_SEG_SIZE", EAGER_TCP_SEGMENT)];
-    assert_eq!(worker_vars(Some("tcp"), |name| name == "RNDV_THRESH"), rx);
-    assert_eq!(worker_vars(None, none), rx);
-    assert_eq!(worker_vars(Some("^ud"), none), rx);
-    assert_eq!(worker_vars(Some("tcp,cma"), none), rx);
-    assert_eq!(worker_vars(None, |name| name == "TCP_RX_SEG_SIZE"), [ids]);
-    assert_eq!(worker_vars(Some("posix,cma,self"), none), [ids]);
-    assert!(worker_vars(Some("posix"), |name| name == "PROTO_INDIRECT_ID").is_empty());
+    assert_eq!(
+        worker_vars(Some("tcp"), |name| name == "RNDV_THRESH", V113),
+        rx
+    );
+    assert_eq!(worker_vars(None, none, V113), rx);
+    assert_eq!(worker_vars(Some("^ud"), none, V113), rx);
+    assert_eq!(worker_vars(Some("tcp,cma"), none, V113), rx);
+    assert_eq!(
+        worker_vars(None, |name| name == "TCP_RX_SEG_SIZE", V113),
+        [ids]
+    );
+    assert_eq!(worker_vars(Some("posix,cma,self"), none, V113), [ids]);
+    assert!(worker_vars(Some("posix"), |name| name == "PROTO_INDIRECT_ID", V113).is_empty());
+    // UCX 1.22 takes a transport's setting by its prefixed name.
+    assert_eq!(
+        worker_vars(Some("tcp"), none, Family::V1_22),
+        [
+            ids,
+            ("RNDV_THRESH", "inf"),
+            ("TCP_TX_SEG_SIZE", EAGER_TCP_SEGMENT),
+            ("TCP_RX_SEG_SIZE", EAGER_TCP_SEGMENT)
+        ]
+    );
 }
 
 #[test]
