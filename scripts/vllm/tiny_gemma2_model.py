@@ -23,7 +23,7 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_model import LOGIT_SCALE, VOCAB_SIZE  # noqa: E402
+from tiny_model import LOGIT_SCALE, SHAPE  # noqa: E402
 from tiny_model import main as write_model  # noqa: E402
 from tiny_model import make_model as make_seeded  # noqa: E402
 
@@ -31,26 +31,18 @@ SLIDING_WINDOW = 64
 
 
 def model_config(layers: int) -> Gemma2Config:
-    """The tiny Gemma 2's shape: ``layers`` layers, sliding (even) and full (odd) in turn."""
+    """The tiny Gemma 2's shape: tiny_model's SHAPE, ``layers`` layers, sliding (even) and full
+    (odd) in turn."""
     return Gemma2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=512,
+        **SHAPE,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         query_pre_attn_scalar=64,
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         attn_logit_softcapping=50.0,
         final_logit_softcapping=None,
-        max_position_embeddings=4096,
         rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
         pad_token_id=0,
-        torch_dtype="float32",
     )
 
 

@@ -37,25 +37,30 @@ CORPUS = [
 
 NUM_LAYERS = 2
 
+# The tiny models' common shape (tiny_gemma2_model.py takes it too): GQA with 4 query and 2 KV
+# heads of 64 dims, fp32.
+SHAPE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
+
 
 def model_config(layers: int = NUM_LAYERS) -> LlamaConfig:
-    """The tiny Llama's shape: 2 layers (or ``layers``), GQA with 4 query and 2 KV heads of 64
-    dims, fp32."""
+    """The tiny Llama's shape: SHAPE, 2 layers (or ``layers``)."""
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=512,
+        **SHAPE,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
     )
 
 

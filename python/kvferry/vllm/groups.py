@@ -104,10 +104,6 @@ class Groups:
             places.update((name, (g, j)) for j, name in enumerate(t.layers))
         return cls(specs[0].block_size, tuple(windows), places, len(tensors[0].layers))
 
-    @property
-    def hybrid(self) -> bool:
-        return len(self.windows) > 1
-
     def rooms(self, room: int) -> list[int]:
         """The rooms of a request whose router named ``room``, one per group."""
         return [room] + [derived_room(room, g) for g in range(1, len(self.windows))]
