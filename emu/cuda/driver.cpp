@@ -330,7 +330,20 @@ CUresult ready() {
     return g_sticky.load();
 }
 
+CUresult initialised() { return g_initialised.load() ? SUCCESS : NOT_INITIALIZED; }
+
+// A function given a stream or an event needs no current context: the handle names its
+// context (the driver answers UCX's progress thread, which has none, this way). The null
+// stream is the current context's.
+CUresult ready_with(const void* handle) {
+    if (!handle) return ready();
+    if (!g_initialised.load()) return NOT_INITIALIZED;
+    return g_sticky.load();
+}
+
 int current_device() { return t_current ? ctx_of(t_current)->device : 0; }
+
+CUcontext primary_context(int device) { return reinterpret_cast<CUcontext>(&g_primary[device]); }
 
 void enqueue(CUstream s, std::function<void()> work) { submit(s, std::move(work)); }
 
@@ -513,6 +526,58 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     return SUCCESS;
 }
 
+// A primary context is active while retained; its flags are the default (0).
+CUresult cuDevicePrimaryCtxGetState(CUdevice device, unsigned int* flags, int* active) {
+    if (!g_initialised.load()) return NOT_INITIALIZED;
+    if (!flags || !active) return INVALID_VALUE;
+    if (device < 0 || device >= kDevices) return INVALID_DEVICE;
+    *flags = 0;
+    *active = g_primary[device].retained.load() > 0;
+    return SUCCESS;
+}
+
+// A device's UUID: the same in every process, as one GPU's is (UCX compares peers' devices by it).
+CUresult cuDeviceGetUuid(unsigned char* uuid, CUdevice device) {
+    if (!g_initialised.load()) return NOT_INITIALIZED;
+    if (!uuid) return INVALID_VALUE;
+    if (device < 0 || device >= kDevices) return INVALID_DEVICE;
+    memset(uuid, 0, 16);
+    memcpy(uuid, "kvferry-emu-gpu", 15);
+    uuid[15] = static_cast<unsigned char>(device);
+    return SUCCESS;
+}
+CUresult cuDeviceGetUuid_v2(unsigned char* uuid, CUdevice device) { return cuDeviceGetUuid(uuid, device); }
+
+// The thread's context stack: its top is the current context (cuCtxSetCurrent replaces it).
+thread_local std::vector<CUcontext> t_below;
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    if (!g_initialised.load()) return NOT_INITIALIZED;
+    if (!ctx_of(ctx)) return INVALID_CONTEXT;
+    if (t_current) t_below.push_back(t_current);
+    t_current = ctx;
+    return SUCCESS;
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext* ctx) {
+    if (!g_initialised.load()) return NOT_INITIALIZED;
+    if (!t_current) return INVALID_CONTEXT;
+    if (ctx) *ctx = t_current;
+    t_current = t_below.empty() ? nullptr : t_below.back();
+    if (!t_below.empty()) t_below.pop_back();
+    return SUCCESS;
+}
+
+// A context's id, unique in the process (the current one's when `ctx` is null).
+CUresult cuCtxGetId(CUcontext ctx, unsigned long long* id) {
+    if (!g_initialised.load()) return NOT_INITIALIZED;
+    if (!id) return INVALID_VALUE;
+    Context* c = ctx_of(ctx ? ctx : t_current);
+    if (!c) return INVALID_CONTEXT;
+    *id = static_cast<unsigned long long>(c->device) + 1;
+    return SUCCESS;
+}
+
 CUresult cuCtxSetCurrent(CUcontext ctx) {
     if (!g_initialised.load()) return NOT_INITIALIZED;
     if (ctx && !ctx_of(ctx)) return INVALID_CONTEXT;
@@ -631,6 +696,10 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) 
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
     return copy(dst, src, n, s, Host::Async);
 }
+// Unified addressing: each side is device or host memory by its address.
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy(dst, src, n, s, Host::Async);
+}
 // Asynchronous to the host unless it writes host memory (pinned memory as a device address).
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
     return fill(dst, value, n, nullptr, is_device(dst) ? Host::Async : Host::Waits);
@@ -653,7 +722,7 @@ CUresult cuStreamCreate(CUstream* s, unsigned int flags) {
 
 // Returns at once; work already enqueued still runs, then the stream goes.
 CUresult cuStreamDestroy_v2(CUstream s) {
-    if (CUresult r = ready()) return r;
+    if (CUresult r = ready_with(s)) return r;
     std::shared_ptr<Stream> st = find_shared(g_streams.live, s);
     if (!st) return INVALID_HANDLE;
     {
@@ -665,13 +734,13 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 }
 
 CUresult cuStreamSynchronize(CUstream s) {
-    if (CUresult r = ready()) return r;
+    if (CUresult r = ready_with(s)) return r;
     stream_of(s)->synchronize();
     return g_sticky.load();
 }
 
 CUresult cuStreamQuery(CUstream s) {
-    if (CUresult r = ready()) return r;
+    if (CUresult r = ready_with(s)) return r;
     return stream_of(s)->idle() ? SUCCESS : NOT_READY;
 }
 
@@ -689,6 +758,15 @@ CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, un
             std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
     });
+    return SUCCESS;
+}
+
+// `fn` runs on the stream's worker once the work enqueued before it is done, with the context's
+// sticky error; work enqueued after it waits for it.
+CUresult cuStreamAddCallback(CUstream s, void (*fn)(CUstream, CUresult, void*), void* data, unsigned int flags) {
+    if (CUresult r = ready_with(s)) return r;
+    if (!fn || flags != 0) return INVALID_VALUE;
+    submit(s, [s, fn, data] { fn(s, g_sticky.load(), data); });
     return SUCCESS;
 }
 
@@ -805,7 +883,7 @@ CUresult cuIpcOpenEventHandle(CUevent* e, RawEventHandle raw) {
 
 // Returns at once; records and waits in flight keep the event until they ran.
 CUresult cuEventDestroy_v2(CUevent e) {
-    if (CUresult r = ready()) return r;
+    if (CUresult r = ready_with(e)) return r;
     std::shared_ptr<Event> ev = event_of(e);
     if (!ev) return INVALID_HANDLE;
     std::lock_guard<std::mutex> g(g_streams.lock);
@@ -814,7 +892,7 @@ CUresult cuEventDestroy_v2(CUevent e) {
 }
 
 CUresult cuEventRecord(CUevent e, CUstream s) {
-    if (CUresult r = ready()) return r;
+    if (CUresult r = ready_with(e)) return r;
     std::shared_ptr<Event> ev = event_of(e);
     if (!ev) return INVALID_HANDLE;
     std::lock_guard<std::mutex> g(g_streams.submit);
@@ -824,14 +902,14 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 }
 
 CUresult cuEventQuery(CUevent e) {
-    if (CUresult r = ready()) return r;
+    if (CUresult r = ready_with(e)) return r;
     std::shared_ptr<Event> ev = event_of(e);
     if (!ev) return INVALID_HANDLE;
     return ev->complete(ev->latest()) ? SUCCESS : NOT_READY;
 }
 
 CUresult cuEventSynchronize(CUevent e) {
-    if (CUresult r = ready()) return r;
+    if (CUresult r = ready_with(e)) return r;
     std::shared_ptr<Event> ev = event_of(e);
     if (!ev) return INVALID_HANDLE;
     ev->wait(ev->latest());

@@ -46,8 +46,13 @@ enum : CUresult {
 // SUCCESS once cuInit ran and this thread has a current context, unless the context has a
 // sticky error.
 CUresult ready();
+// SUCCESS once cuInit ran: for the functions the driver answers without a current context
+// (pointer attributes, VMM handles).
+CUresult initialised();
 // The current context's device (0 without one).
 int current_device();
+// Device `device`'s primary context.
+CUcontext primary_context(int device);
 // Runs `work` on stream `s`'s worker (the null stream when `s` is null), after its earlier work
 // and with the legacy default stream's ordering.
 void enqueue(CUstream s, std::function<void()> work);

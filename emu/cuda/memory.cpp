@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -107,6 +108,8 @@ struct Piece {
     size_t bytes;
     std::shared_ptr<Backing> backing;
     bool accessible = false;  // cuMemSetAccess granted read/write
+    bool shareable = false;   // its handle may be exported as a POSIX fd
+    int device = 0;           // where its handle was created
 };
 
 struct Region {
@@ -124,6 +127,7 @@ struct Region {
 struct VmmHandle {
     std::shared_ptr<Backing> backing;
     bool shareable;
+    int device;
 };
 
 // Host memory the driver allocated (cuMemHostAlloc) or registered (cuMemHostRegister).
@@ -353,6 +357,152 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* bytes, CUdeviceptr d
     return SUCCESS;
 }
 
+// ---- pointer attributes ----------------------------------------------------------------------
+
+namespace {
+
+// The CU_POINTER_ATTRIBUTE_* the emulator answers.
+enum PointerAttribute : int {
+    kContext = 1,
+    kMemoryType = 2,
+    kDevicePointer = 3,
+    kHostPointer = 4,
+    kSyncMemops = 6,
+    kBufferId = 7,
+    kIsManaged = 8,
+    kDeviceOrdinal = 9,
+    kLegacyIpcCapable = 10,
+    kRangeStart = 11,
+    kRangeSize = 12,
+    kMapped = 13,
+    kAllowedHandleTypes = 14,
+    kMempoolHandle = 17,
+};
+constexpr unsigned kMemoryTypeHost = 1, kMemoryTypeDevice = 2;  // CUmemorytype
+
+// What the driver knows of an address: the allocation holding it (a cuMemAlloc, an opened IPC
+// handle, a mapped VMM piece, pinned host memory), or nothing.
+struct Pointer {
+    bool device = false, pinned = false;
+    CUdeviceptr start = 0;
+    size_t bytes = 0;
+    int ordinal = 0;
+    bool ipc_capable = false;
+    bool exports_fd = false;  // a VMM piece whose handle may be exported as a POSIX fd
+};
+
+Pointer pointer_of(CUdeviceptr d) {
+    std::lock_guard<std::mutex> g(g_mem.lock);
+    Pointer p;
+    if (auto* r = g_mem.find(d)) {
+        p.ordinal = r->second.device;
+        p.start = r->first;
+        p.bytes = r->second.bytes;
+        p.ipc_capable = r->second.kind == Kind::Alloc;
+        if (r->second.kind == Kind::Reserved) {  // the mapped piece holding d
+            auto& pieces = r->second.pieces;
+            auto it = pieces.upper_bound(d - r->first);
+            if (it == pieces.begin()) return Pointer{};
+            --it;
+            if (d - r->first >= it->first + it->second.bytes) return Pointer{};
+            p.start = r->first + it->first;
+            p.bytes = it->second.bytes;
+            p.exports_fd = it->second.shareable;
+        }
+        p.device = true;
+        return p;
+    }
+    auto it = g_mem.pinned.upper_bound(uintptr_t(d));
+    if (it != g_mem.pinned.begin()) {
+        --it;
+        if (d >= it->first && d < it->first + it->second.bytes) {
+            p.pinned = true;
+            p.start = it->first;
+            p.bytes = it->second.bytes;
+        }
+    }
+    return p;
+}
+
+// One attribute of `p` into `data` (the driver's type for each); INVALID_VALUE for memory the
+// driver does not know or an attribute it does not answer for it.
+CUresult attribute(const Pointer& p, int attr, void* data) {
+    if (!p.device && !p.pinned) return INVALID_VALUE;
+    auto put = [data](auto v) { memcpy(data, &v, sizeof v); };
+    switch (attr) {
+        case kContext: put(primary_context(p.ordinal)); break;
+        case kMemoryType: put(p.device ? kMemoryTypeDevice : kMemoryTypeHost); break;
+        case kDevicePointer: put(p.start); break;  // the address itself: unified addressing
+        case kHostPointer:
+            if (p.device) return INVALID_VALUE;
+            put(reinterpret_cast<void*>(p.start));
+            break;
+        case kSyncMemops: put(int(1)); break;
+        case kBufferId: put(static_cast<unsigned long long>(p.start)); break;  // never reused
+        case kIsManaged: put(int(0)); break;
+        case kDeviceOrdinal: put(int(p.ordinal)); break;
+        case kLegacyIpcCapable: put(int(p.ipc_capable)); break;
+        case kRangeStart: put(p.start); break;
+        case kRangeSize: put(p.bytes); break;
+        case kMapped: put(int(1)); break;
+        case kAllowedHandleTypes: put(static_cast<unsigned long long>(p.exports_fd));  // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: 1
+            break;
+        case kMempoolHandle: put(static_cast<void*>(nullptr)); break;  // no memory pools here
+        default:
+            fprintf(stderr, "kvferry CUDA emulator: pointer attribute %d is not emulated\n", attr);
+            return INVALID_VALUE;
+    }
+    return SUCCESS;
+}
+
+}  // namespace
+
+CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr d) {
+    if (CUresult r = initialised()) return r;
+    if (!data) return INVALID_VALUE;
+    Pointer p = pointer_of(d);
+    // A pointer's range is that of the whole allocation; an offset one keeps its own address.
+    if (attr == kDevicePointer) p.start = d;
+    if (attr == kHostPointer && p.pinned) p.start = d;
+    return attribute(p, attr, data);
+}
+
+// Unlike cuPointerGetAttribute, memory the driver does not know is no error: its attributes
+// read as zero (a null context, memory type 0), as the driver documents.
+CUresult cuPointerGetAttributes(unsigned int count, int* attrs, void** data, CUdeviceptr d) {
+    if (CUresult r = initialised()) return r;
+    if (!attrs || !data) return INVALID_VALUE;
+    Pointer p = pointer_of(d);
+    for (unsigned i = 0; i < count; ++i) {
+        if (!data[i]) continue;
+        Pointer q = p;
+        if (attrs[i] == kDevicePointer || (attrs[i] == kHostPointer && p.pinned)) q.start = d;
+        if (attribute(q, attrs[i], data[i]) == SUCCESS) continue;
+        if (p.device || p.pinned) return INVALID_VALUE;
+        // Unknown memory: zero of the attribute's size.
+        size_t size = attrs[i] == kMemoryType || attrs[i] == kSyncMemops || attrs[i] == kIsManaged ||
+                              attrs[i] == kDeviceOrdinal || attrs[i] == kLegacyIpcCapable || attrs[i] == kMapped
+                          ? sizeof(int)
+                          : sizeof(void*);
+        if (attrs[i] == kDeviceOrdinal) {
+            int none = -2;  // CU_DEVICE_INVALID
+            memcpy(data[i], &none, sizeof none);
+        } else {
+            memset(data[i], 0, size);
+        }
+    }
+    return SUCCESS;
+}
+
+// Synchronous memory operations on device memory always synchronize here (every copy is
+// ordered on its stream): setting CU_POINTER_ATTRIBUTE_SYNC_MEMOPS is accepted and changes
+// nothing.
+CUresult cuPointerSetAttribute(const void* value, int attr, CUdeviceptr d) {
+    if (CUresult r = ready()) return r;
+    if (!value || attr != kSyncMemops || !pointer_of(d).device) return INVALID_VALUE;
+    return SUCCESS;
+}
+
 // ---- pinned host memory ----------------------------------------------------------------------
 
 CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int /*flags*/) {
@@ -447,7 +597,7 @@ CUresult cuMemCreate(unsigned long long* handle, size_t bytes, const AllocationP
     if (!backing) return OUT_OF_MEMORY;
     std::lock_guard<std::mutex> g(g_mem.lock);
     *handle = ++g_mem.next_handle;
-    g_mem.handles[*handle] = VmmHandle{backing, prop->requested_handle_types == kPosixFd};
+    g_mem.handles[*handle] = VmmHandle{backing, prop->requested_handle_types == kPosixFd, prop->location.id};
     return SUCCESS;
 }
 
@@ -483,7 +633,7 @@ CUresult cuMemImportFromShareableHandle(unsigned long long* handle, void* os_han
     }
     std::lock_guard<std::mutex> g(g_mem.lock);
     *handle = ++g_mem.next_handle;
-    g_mem.handles[*handle] = VmmHandle{backing, true};
+    g_mem.handles[*handle] = VmmHandle{backing, true, current_device()};
     return SUCCESS;
 }
 
@@ -538,7 +688,39 @@ CUresult cuMemMap(CUdeviceptr d, size_t bytes, size_t offset, unsigned long long
         hole(region.host + at, bytes);  // the range may be unmapped now: keep it ours
         return OUT_OF_MEMORY;
     }
-    region.pieces[at] = Piece{bytes, backing};
+    region.pieces[at] = Piece{bytes, backing, false, h->second.shareable, h->second.device};
+    return SUCCESS;
+}
+
+// A new handle to the allocation mapped at `addr` (released by cuMemRelease); memory not
+// mapped by cuMemMap is INVALID_VALUE, as the driver answers for cuMemAlloc's.
+CUresult cuMemRetainAllocationHandle(unsigned long long* handle, void* addr) {
+    if (CUresult r = initialised()) return r;
+    if (!handle) return INVALID_VALUE;
+    CUdeviceptr d = CUdeviceptr(uintptr_t(addr));
+    std::lock_guard<std::mutex> g(g_mem.lock);
+    auto* r = g_mem.find(d);
+    if (!r || r->second.kind != Kind::Reserved) return INVALID_VALUE;
+    auto& pieces = r->second.pieces;
+    auto it = pieces.upper_bound(d - r->first);
+    if (it == pieces.begin()) return INVALID_VALUE;
+    --it;
+    if (d - r->first >= it->first + it->second.bytes) return INVALID_VALUE;
+    *handle = ++g_mem.next_handle;
+    g_mem.handles[*handle] = VmmHandle{it->second.backing, it->second.shareable, it->second.device};
+    return SUCCESS;
+}
+
+CUresult cuMemGetAllocationPropertiesFromHandle(AllocationProp* prop, unsigned long long handle) {
+    if (CUresult r = initialised()) return r;
+    if (!prop) return INVALID_VALUE;
+    std::lock_guard<std::mutex> g(g_mem.lock);
+    auto h = g_mem.handles.find(handle);
+    if (h == g_mem.handles.end()) return INVALID_HANDLE;
+    *prop = AllocationProp{};
+    prop->type = 1;
+    prop->requested_handle_types = h->second.shareable ? kPosixFd : 0;
+    prop->location = MemLocation{1, h->second.device};
     return SUCCESS;
 }
 
@@ -643,6 +825,12 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, RawIpcHandle raw, unsigned int 
     }
     g_mem.regions[d] = Region{Kind::Ipc, size_t(h.bytes), static_cast<uint8_t*>(host), current_device(), backing, {}, 1, key};
     *out = d;
+    // Who opened whose memory, for tests that must know which process mapped which (UCX's
+    // cuda_ipc maps its peer's buffers; a sidecar agent maps its engine's pool).
+    const char* trace = getenv("KVFERRY_CUDA_EMU_TRACE");
+    if (trace && strstr(trace, "ipc"))
+        fprintf(stderr, "kvferry CUDA emulator: process %d opened an IPC handle of process %d (%llu bytes)\n",
+                int(getpid()), int(h.pid), static_cast<unsigned long long>(h.bytes));
     return SUCCESS;
 }
 

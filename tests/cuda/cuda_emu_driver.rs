@@ -838,3 +838,168 @@ fn interprocess_events_need_disabled_timing_and_export_their_handle_only() {
         Ok(0)
     );
 }
+
+/// What UCX's CUDA transports (libuct_cuda of UCX 1.22) ask of the driver: pointer attributes,
+/// the context stack, contexts' ids and devices' UUIDs, unified copies, stream callbacks, and
+/// stream, event and pointer calls from a thread without a current context (UCX's progress
+/// thread); and NVML, which they link, beside the driver.
+#[test]
+fn what_ucx_asks_of_the_driver_is_answered_as_documented() {
+    type GetAttrs = unsafe extern "C" fn(u32, *const i32, *const *mut c_void, u64) -> R;
+    type GetAttr = unsafe extern "C" fn(*mut c_void, i32, u64) -> R;
+    type Callback = unsafe extern "C" fn(*mut c_void, R, *mut c_void);
+    assert_eq!(
+        with_context(|d| {
+            let alloc: Alloc = d.f("cuMemAlloc_v2");
+            let attrs: GetAttrs = d.f("cuPointerGetAttributes");
+            let attr: GetAttr = d.f("cuPointerGetAttribute");
+            let current: unsafe extern "C" fn(*mut *mut c_void) -> R = d.f("cuCtxGetCurrent");
+            let push: unsafe extern "C" fn(*mut c_void) -> R = d.f("cuCtxPushCurrent_v2");
+            let pop: unsafe extern "C" fn(*mut *mut c_void) -> R = d.f("cuCtxPopCurrent_v2");
+            let set: unsafe extern "C" fn(*mut c_void) -> R = d.f("cuCtxSetCurrent");
+            let ctx_id: unsafe extern "C" fn(*mut c_void, *mut u64) -> R = d.f("cuCtxGetId");
+            let state: unsafe extern "C" fn(i32, *mut u32, *mut i32) -> R =
+                d.f("cuDevicePrimaryCtxGetState");
+            let uuid: unsafe extern "C" fn(*mut u8, i32) -> R = d.f("cuDeviceGetUuid");
+            let copy: unsafe extern "C" fn(u64, u64, usize, *mut c_void) -> R =
+                d.f("cuMemcpyAsync");
+            let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> R =
+                d.f("cuStreamCreate");
+            let add_callback: unsafe extern "C" fn(*mut c_void, Callback, *mut c_void, u32) -> R =
+                d.f("cuStreamAddCallback");
+            let sync: unsafe extern "C" fn(*mut c_void) -> R = d.f("cuStreamSynchronize");
+            let retain_handle: unsafe extern "C" fn(*mut u64, *mut c_void) -> R =
+                d.f("cuMemRetainAllocationHandle");
+            // SAFETY: out pointers of the sizes the driver writes; buffers of the stated lengths.
+            unsafe {
+                let mut ctx = std::ptr::null_mut();
+                assert_eq!(current(&mut ctx), SUCCESS);
+                let mut p = 0u64;
+                assert_eq!(alloc(&mut p, 1 << 20), SUCCESS);
+                // Device memory, asked by an address inside it.
+                let (mut kind, mut managed, mut ordinal) = (0u32, 7i32, -1i32);
+                let mut owner: *mut c_void = std::ptr::null_mut();
+                let (mut start, mut size, mut id, mut legacy) = (0u64, 0usize, 0u64, 0i32);
+                let which = [2, 8, 9, 1, 11, 12, 7, 10];
+                let data: [*mut c_void; 8] = [
+                    (&raw mut kind).cast(),
+                    (&raw mut managed).cast(),
+                    (&raw mut ordinal).cast(),
+                    (&raw mut owner).cast(),
+                    (&raw mut start).cast(),
+                    (&raw mut size).cast(),
+                    (&raw mut id).cast(),
+                    (&raw mut legacy).cast(),
+                ];
+                assert_eq!(attrs(8, which.as_ptr(), data.as_ptr(), p + 4096), SUCCESS);
+                assert_eq!(
+                    (kind, managed, ordinal),
+                    (2, 0, 0),
+                    "device memory of device 0"
+                );
+                assert_eq!(owner, ctx, "the primary context");
+                assert_eq!(
+                    (start, size, legacy),
+                    (p, 1 << 20, 1),
+                    "the whole allocation"
+                );
+                let mut id_at_base = 0u64;
+                assert_eq!(attr((&raw mut id_at_base).cast(), 7, p), SUCCESS);
+                assert_eq!(id, id_at_base, "one buffer id per allocation");
+                // Host memory the driver does not know: no error from cuPointerGetAttributes,
+                // zeros; cuPointerGetAttribute refuses it.
+                let host = [0u8; 64];
+                let (mut kind, mut owner) = (9u32, ctx);
+                let data: [*mut c_void; 2] = [(&raw mut kind).cast(), (&raw mut owner).cast()];
+                let at = host.as_ptr() as u64;
+                assert_eq!(attrs(2, [2, 1].as_ptr(), data.as_ptr(), at), SUCCESS);
+                assert_eq!((kind, owner), (0, std::ptr::null_mut()));
+                assert_eq!(attr((&raw mut kind).cast(), 2, at), INVALID_VALUE);
+                // cuMemAlloc's memory has no VMM allocation handle.
+                let mut handle = 0u64;
+                assert_eq!(retain_handle(&mut handle, p as *mut c_void), INVALID_VALUE);
+                // The context stack, ids, the primary context's state, UUIDs.
+                assert_eq!(push(ctx), SUCCESS);
+                let mut top = std::ptr::null_mut();
+                assert_eq!(pop(&mut top), SUCCESS);
+                assert_eq!(top, ctx);
+                assert_eq!(current(&mut top), SUCCESS);
+                assert_eq!(top, ctx, "popping returns to the context below");
+                let (mut a, mut b) = (0u64, 0u64);
+                assert_eq!(ctx_id(ctx, &mut a), SUCCESS);
+                assert_eq!(ctx_id(std::ptr::null_mut(), &mut b), SUCCESS);
+                assert_eq!(a, b, "a null context is the current one");
+                let (mut flags, mut active) = (9u32, 0i32);
+                assert_eq!(state(0, &mut flags, &mut active), SUCCESS);
+                assert_eq!((flags, active), (0, 1), "retained by ready()");
+                assert_eq!(state(1, &mut flags, &mut active), SUCCESS);
+                assert_eq!(active, 0, "device 1's was never retained");
+                let (mut u0, mut u1) = ([0u8; 16], [0u8; 16]);
+                assert_eq!(uuid(u0.as_mut_ptr(), 0), SUCCESS);
+                assert_eq!(uuid(u1.as_mut_ptr(), 1), SUCCESS);
+                assert_ne!(u0, u1, "each device its own UUID");
+                // A unified copy there and back on a stream, then a callback after it.
+                let mut s = std::ptr::null_mut();
+                assert_eq!(stream_create(&mut s, 0), SUCCESS);
+                let bytes: Vec<u8> = (0..4096u32).map(|i| (i * 13) as u8).collect();
+                let mut back = vec![0u8; 4096];
+                assert_eq!(copy(p, bytes.as_ptr() as u64, 4096, s), SUCCESS);
+                assert_eq!(copy(back.as_mut_ptr() as u64, p, 4096, s), SUCCESS);
+                unsafe extern "C" fn seen(_: *mut c_void, status: R, flag: *mut c_void) {
+                    // SAFETY: the test passes an AtomicI32 that outlives the stream's work.
+                    let flag = unsafe { &*(flag as *const std::sync::atomic::AtomicI32) };
+                    flag.store(100 + status, std::sync::atomic::Ordering::SeqCst);
+                }
+                let flag = std::sync::atomic::AtomicI32::new(0);
+                assert_eq!(
+                    add_callback(s, seen, (&raw const flag) as *mut c_void, 1),
+                    INVALID_VALUE
+                );
+                // A thread without a current context (UCX's progress thread): calls that name a
+                // stream, an event or a pointer work; others fail as without a context.
+                let (s_addr, flag_addr) = (s as usize, &raw const flag as usize);
+                std::thread::spawn(move || {
+                    let s = s_addr as *mut c_void;
+                    let mut none = std::ptr::null_mut();
+                    assert_eq!(current(&mut none), SUCCESS);
+                    assert!(none.is_null());
+                    assert_eq!(add_callback(s, seen, flag_addr as *mut c_void, 0), SUCCESS);
+                    assert_eq!(sync(s), SUCCESS);
+                    let mut kind = 0u32;
+                    let data: [*mut c_void; 1] = [(&raw mut kind).cast()];
+                    assert_eq!(attrs(1, [2].as_ptr(), data.as_ptr(), p), SUCCESS);
+                    assert_eq!(kind, 2);
+                    let mut q = 0u64;
+                    assert_eq!(alloc(&mut q, 64), INVALID_CONTEXT);
+                    assert_eq!(
+                        sync(std::ptr::null_mut()),
+                        INVALID_CONTEXT,
+                        "the null stream"
+                    );
+                })
+                .join()
+                .unwrap();
+                assert_eq!(
+                    flag.load(std::sync::atomic::Ordering::SeqCst),
+                    100,
+                    "called, no error"
+                );
+                assert_eq!(back, bytes);
+                assert_eq!(set(ctx), SUCCESS);
+            }
+        }),
+        Ok(0)
+    );
+    // NVML beside the driver: it loads (so UCX's CUDA module does) and says it cannot start.
+    let nvml = driver::library().with_file_name("libnvidia-ml.so.1");
+    // SAFETY: the emulator's own NVML stand-in; its functions take and return plain values.
+    unsafe {
+        let lib = libloading::Library::new(&nvml).expect("loading the NVML stand-in");
+        let init = *lib
+            .get::<unsafe extern "C" fn() -> i32>(b"nvmlInit_v2")
+            .unwrap();
+        assert_eq!(init(), 9, "NVML_ERROR_DRIVER_NOT_LOADED");
+        lib.get::<unsafe extern "C" fn(i32) -> *const i8>(b"nvmlErrorString")
+            .expect("what UCX links");
+    }
+}

@@ -486,18 +486,28 @@ type Env = [(&'static str, &'static str)];
 /// UCX over tcp on loopback, as e2e_ucx runs it.
 const UCX_TCP: [(&str, &str); 2] = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")];
 
-/// Whether this run has a UCX built with CUDA (`KVFERRY_UCX_CUDA=1`, on a GPU machine:
-/// docs/gpu.md). Then the agents get the environment's `UCX_*` settings (which must let UCX
-/// use its CUDA transports), else UCX over tcp on loopback.
+/// The emulator names each IPC handle a process opens (a real driver ignores this).
+const TRACE_IPC: (&str, &str) = ("KVFERRY_CUDA_EMU_TRACE", "ipc");
+
+/// Whether this run has a UCX built with CUDA (`KVFERRY_UCX_CUDA=1`: UCX 1.22 first on the
+/// library path, on a GPU or on the emulator; docs/gpu.md). Then the agents get the
+/// environment's `UCX_*` settings (which must let UCX use its CUDA transports), else UCX over
+/// tcp on loopback.
 fn ucx_with_cuda() -> bool {
     std::env::var("KVFERRY_UCX_CUDA").as_deref() == Ok("1")
 }
 
 fn ucx_env() -> &'static Env {
     match ucx_with_cuda() {
-        true => &[],
-        false => &UCX_TCP,
+        true => &[TRACE_IPC],
+        false => &[UCX_TCP[0], UCX_TCP[1], TRACE_IPC],
     }
+}
+
+/// The line the emulator logs in `log` when that process opened an IPC handle of process
+/// `exporter`.
+fn opened_ipc_of(log: &str, exporter: u32) -> bool {
+    log.contains(&format!("opened an IPC handle of process {exporter} "))
 }
 
 /// Device pools over UCX: here (Debian's libucx, no CUDA) both agents stage in pinned host
@@ -575,7 +585,23 @@ fn device_pools_over_ucx_stage_where_ucx_can_send_from() {
         log.contains(&format!("receive_buffers=\"{lands}\"")),
         "the decode says where chunks land:\n{log}"
     );
-    println!("device pools over UCX: rooms verified, {checked} bytes outside them unchanged");
+    // On the emulator (which names the engine's pool the decode opened), with UCX's CUDA
+    // transports: cuda_ipc moved the payloads, mapping one agent's device staging in the
+    // other (a payload that went through host bounce buffers over tcp would not).
+    let prefill_log = std::fs::read_to_string(&c.prefill.log).unwrap();
+    let emulated = opened_ipc_of(&log, std::process::id());
+    let peer_mapped =
+        opened_ipc_of(&log, c.prefill.pid()) || opened_ipc_of(&prefill_log, c.decode.pid());
+    if emulated {
+        assert_eq!(
+            peer_mapped,
+            ucx_with_cuda(),
+            "an agent mapped its peer's device memory (cuda_ipc):\n{prefill_log}\n{log}"
+        );
+    }
+    println!(
+        "device pools over UCX: rooms verified, {checked} bytes outside them unchanged; cuda_ipc seen: {peer_mapped}"
+    );
 }
 
 #[test]
