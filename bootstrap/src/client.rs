@@ -287,6 +287,7 @@ impl RegistryClient {
         // one of them points.
         let http = reqwest::Client::builder()
             .no_proxy()
+            .pool_idle_timeout(kvferry_wire::http::CLIENT_IDLE)
             .redirect(reqwest::redirect::Policy::none())
             .timeout(REQUEST_TIMEOUT)
             .connect_timeout(REQUEST_TIMEOUT)

@@ -46,6 +46,10 @@ from ._kvferry import (
 )
 from .rooms import DecodeRoomView, PoolCounts, PrefillRoomView, RoomState, RoomView, TakenRoom
 
+# How long a kept-alive connection to the agent's API is reused after its last answer: below the
+# 30 s in which the agent wants the next request's head (kvferry_wire::http::HEADER_TIMEOUT).
+_CLIENT_IDLE = 20.0
+
 # The refusal of a room operation by HTTP status (the agents' API, docs/operations.md): 403 is
 # a room or hold naming a registry the decode does not trust (nothing was sent to it).
 _REFUSALS = {400: BadRequest, 403: Forbidden, 404: UnknownRoom, 409: Conflict, 429: Exhausted, 503: Unavailable}
@@ -278,9 +282,15 @@ class Sidecar:
         attempts = 2 if method == "GET" else 1
         for attempt in range(attempts):
             conn = getattr(self._local, "conn", None)
+            if conn is not None and time.monotonic() - self._local.used >= _CLIENT_IDLE:
+                # The agent closes a connection that sends no request for 30 s: never send one
+                # on a connection it may be closing.
+                conn.close()
+                conn = None
             if conn is None:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
                 self._local.conn = conn
+                self._local.used = time.monotonic()
             conn.timeout = timeout
             if conn.sock is not None:
                 conn.sock.settimeout(timeout)
@@ -288,6 +298,7 @@ class Sidecar:
                 conn.request(method, path, data, headers)
                 resp = conn.getresponse()
                 raw = resp.read()
+                self._local.used = time.monotonic()
                 break
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 conn.close()

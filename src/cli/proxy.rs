@@ -92,6 +92,7 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     let signals = super::signal::on_signal(shutdown.clone());
     let http = reqwest::Client::builder()
         .no_proxy()
+        .pool_idle_timeout(kvferry_wire::http::CLIENT_IDLE)
         .build()
         .context("building the HTTP client")?;
     // In concurrent pairing a prefill server is used once it said its kvferry group.

@@ -139,6 +139,7 @@ impl Apis {
         }
         Ok(reqwest::Client::builder()
             .no_proxy()
+            .pool_idle_timeout(kvferry_wire::http::CLIENT_IDLE)
             .default_headers(headers)
             .build()?)
     }

@@ -9,15 +9,17 @@
 //! send a request (or only requests without the token) never stop a client's from being
 //! served. The proof comes as the request arrives, not with its answer: a request that takes
 //! longer than the deadline to answer (a completion through the proxy) keeps its connection.
-//! A proven connection is served for as long as its client keeps it, as with any keep-alive
-//! HTTP/1.1 server.
+//! A proven connection is served while its client keeps sending requests: from each answer on,
+//! the next request's head must arrive whole within [`HEADER_TIMEOUT`], else the connection is
+//! closed, so neither an idle keep-alive connection nor one that sends its headers a byte at a
+//! time holds a socket and a task for ever. A request being answered is never timed out.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -65,6 +67,16 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// How long a connection has to send a request's head once the server waits for it (after the
+/// accept, and after each answer on a kept-alive connection); then it is closed. Clients of
+/// kvferry's ports reuse a kept-alive connection only while it has been idle for less
+/// ([`CLIENT_IDLE`]).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long kvferry's own HTTP clients keep an idle connection for reuse: well below
+/// [`HEADER_TIMEOUT`], so that a request never goes out on a connection the server is closing.
+pub const CLIENT_IDLE: Duration = Duration::from_secs(20);
+
 /// How long the accept loop pauses after the OS refused an accept (out of descriptors): the
 /// dropping of unproven connections frees some meanwhile.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
@@ -100,6 +112,18 @@ pub async fn serve(
     what: &'static str,
     proof: Proof,
 ) -> std::io::Result<()> {
+    serve_with(listener, app, shutdown, what, proof, HEADER_TIMEOUT).await
+}
+
+/// [`serve`] with another bound than [`HEADER_TIMEOUT`] on a request head (tests).
+async fn serve_with(
+    listener: TcpListener,
+    app: axum::Router,
+    shutdown: CancellationToken,
+    what: &'static str,
+    proof: Proof,
+    header_timeout: Duration,
+) -> std::io::Result<()> {
     let admission = Admission::new(what);
     let tasks = TaskTracker::new();
     loop {
@@ -123,6 +147,7 @@ pub async fn serve(
             admitted,
             proof,
             shutdown.clone(),
+            header_timeout,
         ));
     }
     drop(listener);
@@ -137,6 +162,7 @@ async fn connection(
     admitted: Admitted,
     proof: Proof,
     shutdown: CancellationToken,
+    header_timeout: Duration,
 ) {
     let admitted = Arc::new(admitted);
     let inner = TowerToHyperService::new(app);
@@ -149,6 +175,8 @@ async fn connection(
         hyper::service::Service::call(&inner, request)
     });
     let served = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
         .serve_connection(TokioIo::new(stream), service)
         .with_upgrades();
     tokio::pin!(served);
@@ -260,5 +288,80 @@ mod tests {
         assert_eq!(any, "HTTP/1.1 200 OK", "a port without a token");
         assert_eq!(authorized, "HTTP/1.1 200 OK", "a port with a token");
         assert_eq!(unproven, "", "an unproven connection is dropped");
+    }
+
+    /// Reads `client` until `until` came, or the connection closed; what it read.
+    async fn read_until(client: &mut tokio::net::TcpStream, until: &str) -> String {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&got).contains(until) {
+            match client.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    }
+
+    /// A proven connection (no admission deadline applies to it) whose next request head does
+    /// not come whole within the bound is closed: idle after an answer, or sending that head a
+    /// byte at a time. An answer that takes longer than the bound is not cut.
+    #[tokio::test]
+    async fn a_kept_alive_connection_is_closed_when_its_next_head_does_not_come() {
+        let bound = Duration::from_millis(500);
+        let app = Router::new().route("/x", get(|| async { "x-body" })).route(
+            "/slow",
+            get(move || async move {
+                tokio::time::sleep(4 * bound).await;
+                "slow-body"
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve_with(
+            listener,
+            app,
+            shutdown.clone(),
+            "test",
+            Proof::Request,
+            bound,
+        ));
+        for trickle in [false, true] {
+            let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            client
+                .write_all(b"GET /slow HTTP/1.1\r\nhost: test\r\n\r\n")
+                .await
+                .expect("request");
+            let answer = read_until(&mut client, "slow-body").await;
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+            let (mut reader, mut writer) = client.into_split();
+            let started = std::time::Instant::now();
+            let writing = tokio::spawn(async move {
+                for &b in b"GET /x HTTP/1.1\r\nhost: test\r\n" {
+                    if !trickle || writer.write_all(&[b]).await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                std::future::pending::<()>().await
+            });
+            let mut rest = Vec::new();
+            let closed =
+                tokio::time::timeout(Duration::from_secs(60), reader.read_to_end(&mut rest)).await;
+            writing.abort();
+            let waited = started.elapsed();
+            assert!(
+                closed.is_ok(),
+                "trickle {trickle}: the connection was still open after 60 s"
+            );
+            assert!(
+                waited >= bound,
+                "trickle {trickle}: closed after {waited:?}"
+            );
+            println!("trickle {trickle}: closed after {waited:?} (bound {bound:?})");
+        }
+        shutdown.cancel();
+        server.abort();
     }
 }
