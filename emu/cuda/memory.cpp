@@ -424,6 +424,20 @@ Pointer pointer_of(CUdeviceptr d) {
     return p;
 }
 
+// The size of an attribute's value as the driver writes it; 0 for one the emulator does not answer.
+size_t attribute_size(int attr) {
+    switch (attr) {
+        case kMemoryType: case kSyncMemops: case kIsManaged: case kDeviceOrdinal: case kLegacyIpcCapable:
+        case kMapped:
+            return sizeof(int);
+        case kContext: case kDevicePointer: case kHostPointer: case kBufferId: case kRangeStart: case kRangeSize:
+        case kAllowedHandleTypes: case kMempoolHandle:
+            return sizeof(void*);
+        default:
+            return 0;
+    }
+}
+
 // One attribute of `p` into `data` (the driver's type for each); INVALID_VALUE for memory the
 // driver does not know or an attribute it does not answer for it.
 CUresult attribute(const Pointer& p, int attr, void* data) {
@@ -479,16 +493,16 @@ CUresult cuPointerGetAttributes(unsigned int count, int* attrs, void** data, CUd
         if (attrs[i] == kDevicePointer || (attrs[i] == kHostPointer && p.pinned)) q.start = d;
         if (attribute(q, attrs[i], data[i]) == SUCCESS) continue;
         if (p.device || p.pinned) return INVALID_VALUE;
-        // Unknown memory: zero of the attribute's size.
-        size_t size = attrs[i] == kMemoryType || attrs[i] == kSyncMemops || attrs[i] == kIsManaged ||
-                              attrs[i] == kDeviceOrdinal || attrs[i] == kLegacyIpcCapable || attrs[i] == kMapped
-                          ? sizeof(int)
-                          : sizeof(void*);
+        // Unknown memory: the attribute's zero (CU_DEVICE_INVALID for the device), at its size.
+        size_t size = attribute_size(attrs[i]);
+        if (size == 0) {
+            fprintf(stderr, "kvferry CUDA emulator: pointer attribute %d is not emulated\n", attrs[i]);
+            return INVALID_VALUE;
+        }
+        memset(data[i], 0, size);
         if (attrs[i] == kDeviceOrdinal) {
-            int none = -2;  // CU_DEVICE_INVALID
+            int none = -2;
             memcpy(data[i], &none, sizeof none);
-        } else {
-            memset(data[i], 0, size);
         }
     }
     return SUCCESS;
