@@ -218,9 +218,11 @@ fn ucx_ports(agent: &Process) -> Vec<u16> {
 /// worker's and another uuid: an address of the prefill's worker, as an attacker forges one.
 fn forged(decode_address: &[u8], decode_ports: &[u16], prefill_port: u16) -> String {
     let mut a = decode_address.to_vec();
+    // The last place the port's bytes are (the tcp interface's address ends the worker's
+    // entry): an earlier match is a coincidence of the fixed bytes before it.
     let at = decode_ports
         .iter()
-        .find_map(|p| a.windows(2).position(|w| w == p.to_be_bytes()))
+        .find_map(|p| a.windows(2).rposition(|w| w == p.to_be_bytes()))
         .expect("the decode worker's port in its address");
     a[at..at + 2].copy_from_slice(&prefill_port.to_be_bytes());
     for b in &mut a[1..9] {
@@ -390,6 +392,9 @@ fn a_rogue_ucx_flood_leaves_agents_memory_bounded() {
     let decode_ports = ucx_ports(decode);
     let prefill_ports = ucx_ports(prefill);
     let forged = forged(&unhex(&decode_address), &decode_ports, prefill_ports[0]);
+    println!(
+        "decode ports {decode_ports:?}, address {decode_address}; prefill ports {prefill_ports:?}, forged {forged}"
+    );
     flood_and_measure(&rogue, prefill, &forged);
     rooms_land(&apis, vec![(2, 512), (3, 16), (4, 2048)]);
     println!("after the flood: 3 rooms landed verified");
