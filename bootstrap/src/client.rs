@@ -285,9 +285,7 @@ impl RegistryClient {
         }
         // No redirects: the token goes to the registries the agent was given, not to where
         // one of them points.
-        let http = reqwest::Client::builder()
-            .no_proxy()
-            .pool_idle_timeout(kvferry_wire::http::CLIENT_IDLE)
+        let http = kvferry_wire::http::client()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(REQUEST_TIMEOUT)
             .connect_timeout(REQUEST_TIMEOUT)

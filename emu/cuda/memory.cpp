@@ -103,13 +103,20 @@ struct IpcKey {
     bool operator==(const IpcKey& o) const { return pid == o.pid && start_time == o.start_time && serial == o.serial; }
 };
 
-// A piece of a reservation mapped by cuMemMap.
+// A VMM allocation handle: its memory, whether it may be exported as a POSIX fd, and the device
+// it was created for.
+struct VmmHandle {
+    std::shared_ptr<Backing> backing;
+    bool shareable;
+    int device;
+};
+
+// A piece of a reservation mapped by cuMemMap: the handle it maps (cuMemRetainAllocationHandle
+// gives it back).
 struct Piece {
     size_t bytes;
-    std::shared_ptr<Backing> backing;
+    VmmHandle handle;
     bool accessible = false;  // cuMemSetAccess granted read/write
-    bool shareable = false;   // its handle may be exported as a POSIX fd
-    int device = 0;           // where its handle was created
 };
 
 struct Region {
@@ -121,13 +128,6 @@ struct Region {
     std::map<size_t, Piece> pieces;    // Reserved: by offset
     int opens = 0;                     // Ipc: cuIpcOpenMemHandle calls not yet closed
     IpcKey ipc_key;                    // Ipc: what was opened
-};
-
-// A VMM allocation handle: its memory, and whether it may be exported as a POSIX fd.
-struct VmmHandle {
-    std::shared_ptr<Backing> backing;
-    bool shareable;
-    int device;
 };
 
 // Host memory the driver allocated (cuMemHostAlloc) or registered (cuMemHostRegister).
@@ -205,6 +205,27 @@ struct Memory {
         --it;
         if (d >= it->first + it->second.bytes) return nullptr;
         return &*it;
+    }
+
+    // The mapped piece of a reservation that holds `d`, and its device address (lock held);
+    // null if `d` lies in no region or in an unmapped part of a reservation. For an
+    // allocation or an opened IPC handle, the whole region is the piece: `region` is set.
+    struct Holding {
+        CUdeviceptr start = 0;
+        size_t bytes = 0;
+        Region* region = nullptr;
+        Piece* piece = nullptr;  // only in a reservation
+    };
+    Holding holding(CUdeviceptr d) {
+        auto* r = find(d);
+        if (!r) return {};
+        if (r->second.kind != Kind::Reserved) return {r->first, r->second.bytes, &r->second, nullptr};
+        auto& pieces = r->second.pieces;
+        auto it = pieces.upper_bound(d - r->first);
+        if (it == pieces.begin()) return {};
+        --it;
+        if (d - r->first >= it->first + it->second.bytes) return {};
+        return {r->first + it->first, it->second.bytes, &r->second, &it->second};
     }
 
     // The host address of `d` and how many bytes from it are usable (lock held).
@@ -339,21 +360,10 @@ CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* bytes, CUdeviceptr d) {
     if (CUresult r = ready()) return r;
     std::lock_guard<std::mutex> g(g_mem.lock);
-    auto* r = g_mem.find(d);
-    if (!r) return NOT_FOUND;
-    CUdeviceptr b = r->first;
-    size_t n = r->second.bytes;
-    if (r->second.kind == Kind::Reserved) {  // the mapped piece holding d
-        auto& pieces = r->second.pieces;
-        auto it = pieces.upper_bound(d - r->first);
-        if (it == pieces.begin()) return NOT_FOUND;
-        --it;
-        if (d - r->first >= it->first + it->second.bytes) return NOT_FOUND;
-        b += it->first;
-        n = it->second.bytes;
-    }
-    if (base) *base = b;
-    if (bytes) *bytes = n;
+    auto held = g_mem.holding(d);  // a reservation's range is its mapped piece's
+    if (!held.region) return NOT_FOUND;
+    if (base) *base = held.start;
+    if (bytes) *bytes = held.bytes;
     return SUCCESS;
 }
 
@@ -394,22 +404,13 @@ struct Pointer {
 Pointer pointer_of(CUdeviceptr d) {
     std::lock_guard<std::mutex> g(g_mem.lock);
     Pointer p;
-    if (auto* r = g_mem.find(d)) {
-        p.ordinal = r->second.device;
-        p.start = r->first;
-        p.bytes = r->second.bytes;
-        p.ipc_capable = r->second.kind == Kind::Alloc;
-        if (r->second.kind == Kind::Reserved) {  // the mapped piece holding d
-            auto& pieces = r->second.pieces;
-            auto it = pieces.upper_bound(d - r->first);
-            if (it == pieces.begin()) return Pointer{};
-            --it;
-            if (d - r->first >= it->first + it->second.bytes) return Pointer{};
-            p.start = r->first + it->first;
-            p.bytes = it->second.bytes;
-            p.exports_fd = it->second.shareable;
-        }
+    if (auto held = g_mem.holding(d); held.region) {
         p.device = true;
+        p.start = held.start;
+        p.bytes = held.bytes;
+        p.ordinal = held.region->device;
+        p.ipc_capable = held.region->kind == Kind::Alloc;
+        p.exports_fd = held.piece && held.piece->handle.shareable;
         return p;
     }
     auto it = g_mem.pinned.upper_bound(uintptr_t(d));
@@ -440,16 +441,17 @@ size_t attribute_size(int attr) {
 
 // One attribute of `p` into `data` (the driver's type for each); INVALID_VALUE for memory the
 // driver does not know or an attribute it does not answer for it.
-CUresult attribute(const Pointer& p, int attr, void* data) {
+// `d` is the address asked about: its device and host pointers are itself (unified addressing).
+CUresult attribute(const Pointer& p, CUdeviceptr d, int attr, void* data) {
     if (!p.device && !p.pinned) return INVALID_VALUE;
     auto put = [data](auto v) { memcpy(data, &v, sizeof v); };
     switch (attr) {
         case kContext: put(primary_context(p.ordinal)); break;
         case kMemoryType: put(p.device ? kMemoryTypeDevice : kMemoryTypeHost); break;
-        case kDevicePointer: put(p.start); break;  // the address itself: unified addressing
+        case kDevicePointer: put(d); break;
         case kHostPointer:
             if (p.device) return INVALID_VALUE;
-            put(reinterpret_cast<void*>(p.start));
+            put(reinterpret_cast<void*>(d));
             break;
         case kSyncMemops: put(int(1)); break;
         case kBufferId: put(static_cast<unsigned long long>(p.start)); break;  // never reused
@@ -474,11 +476,7 @@ CUresult attribute(const Pointer& p, int attr, void* data) {
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr d) {
     if (CUresult r = initialised()) return r;
     if (!data) return INVALID_VALUE;
-    Pointer p = pointer_of(d);
-    // A pointer's range is that of the whole allocation; an offset one keeps its own address.
-    if (attr == kDevicePointer) p.start = d;
-    if (attr == kHostPointer && p.pinned) p.start = d;
-    return attribute(p, attr, data);
+    return attribute(pointer_of(d), d, attr, data);
 }
 
 // Unlike cuPointerGetAttribute, memory the driver does not know is no error: its attributes
@@ -489,9 +487,7 @@ CUresult cuPointerGetAttributes(unsigned int count, int* attrs, void** data, CUd
     Pointer p = pointer_of(d);
     for (unsigned i = 0; i < count; ++i) {
         if (!data[i]) continue;
-        Pointer q = p;
-        if (attrs[i] == kDevicePointer || (attrs[i] == kHostPointer && p.pinned)) q.start = d;
-        if (attribute(q, attrs[i], data[i]) == SUCCESS) continue;
+        if (attribute(p, d, attrs[i], data[i]) == SUCCESS) continue;
         if (p.device || p.pinned) return INVALID_VALUE;
         // Unknown memory: the attribute's zero (CU_DEVICE_INVALID for the device), at its size.
         size_t size = attribute_size(attrs[i]);
@@ -702,7 +698,7 @@ CUresult cuMemMap(CUdeviceptr d, size_t bytes, size_t offset, unsigned long long
         hole(region.host + at, bytes);  // the range may be unmapped now: keep it ours
         return OUT_OF_MEMORY;
     }
-    region.pieces[at] = Piece{bytes, backing, false, h->second.shareable, h->second.device};
+    region.pieces[at] = Piece{bytes, h->second};
     return SUCCESS;
 }
 
@@ -713,15 +709,10 @@ CUresult cuMemRetainAllocationHandle(unsigned long long* handle, void* addr) {
     if (!handle) return INVALID_VALUE;
     CUdeviceptr d = CUdeviceptr(uintptr_t(addr));
     std::lock_guard<std::mutex> g(g_mem.lock);
-    auto* r = g_mem.find(d);
-    if (!r || r->second.kind != Kind::Reserved) return INVALID_VALUE;
-    auto& pieces = r->second.pieces;
-    auto it = pieces.upper_bound(d - r->first);
-    if (it == pieces.begin()) return INVALID_VALUE;
-    --it;
-    if (d - r->first >= it->first + it->second.bytes) return INVALID_VALUE;
+    auto held = g_mem.holding(d);
+    if (!held.piece) return INVALID_VALUE;
     *handle = ++g_mem.next_handle;
-    g_mem.handles[*handle] = VmmHandle{it->second.backing, it->second.shareable, it->second.device};
+    g_mem.handles[*handle] = held.piece->handle;
     return SUCCESS;
 }
 

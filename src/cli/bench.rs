@@ -441,10 +441,7 @@ async fn drive(
 async fn chunk_paths(
     apis: &cluster::Apis,
 ) -> anyhow::Result<std::collections::BTreeMap<String, f64>> {
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .pool_idle_timeout(kvferry_wire::http::CLIENT_IDLE)
-        .build()?;
+    let http = kvferry_wire::http::client().build()?;
     let mut out = std::collections::BTreeMap::new();
     let decodes = apis.decode.iter().flatten().map(|a| (a, false));
     let prefills = apis.prefill.iter().flatten().map(|a| (a, true));

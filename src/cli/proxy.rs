@@ -90,9 +90,7 @@ pub(crate) fn run(args: ProxyArgs) -> anyhow::Result<()> {
 async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let signals = super::signal::on_signal(shutdown.clone());
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .pool_idle_timeout(kvferry_wire::http::CLIENT_IDLE)
+    let http = kvferry_wire::http::client()
         .build()
         .context("building the HTTP client")?;
     // In concurrent pairing a prefill server is used once it said its kvferry group.

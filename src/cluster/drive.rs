@@ -137,9 +137,7 @@ impl Apis {
             value.set_sensitive(true);
             headers.insert(reqwest::header::AUTHORIZATION, value);
         }
-        Ok(reqwest::Client::builder()
-            .no_proxy()
-            .pool_idle_timeout(kvferry_wire::http::CLIENT_IDLE)
+        Ok(kvferry_wire::http::client()
             .default_headers(headers)
             .build()?)
     }

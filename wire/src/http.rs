@@ -77,6 +77,14 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 /// [`HEADER_TIMEOUT`], so that a request never goes out on a connection the server is closing.
 pub const CLIENT_IDLE: Duration = Duration::from_secs(20);
 
+/// The builder of kvferry's HTTP clients (of its own ports and of engines'): no proxy from
+/// the environment, idle connections kept for [`CLIENT_IDLE`] at most.
+pub fn client() -> reqwest::ClientBuilder {
+    reqwest::Client::builder()
+        .no_proxy()
+        .pool_idle_timeout(CLIENT_IDLE)
+}
+
 /// How long the accept loop pauses after the OS refused an accept (out of descriptors): the
 /// dropping of unproven connections frees some meanwhile.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
