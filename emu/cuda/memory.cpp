@@ -773,12 +773,15 @@ CUresult cuMemSetAccess(CUdeviceptr d, size_t bytes, const AccessDesc* desc, siz
 
 // ---- IPC -------------------------------------------------------------------------------------
 
+// The handle of the cuMemAlloc allocation holding `d` (its base or any address inside: UCX's
+// cuda_ipc asks with the address it sends from and finds the base with cuMemGetAddressRange);
+// memory opened from another process's handle, or mapped by VMM, has none.
 CUresult cuIpcGetMemHandle(void* handle, CUdeviceptr d) {
     if (CUresult r = ready()) return r;
     if (!handle) return INVALID_VALUE;
     std::lock_guard<std::mutex> g(g_mem.lock);
-    auto it = g_mem.regions.find(d);
-    if (it == g_mem.regions.end() || it->second.kind != Kind::Alloc) return INVALID_VALUE;  // cuMemAlloc's base only
+    auto* it = g_mem.find(d);
+    if (!it || it->second.kind != Kind::Alloc) return INVALID_VALUE;
     IpcHandle h{};
     h.magic = kIpcMagic;
     h.pid = getpid();

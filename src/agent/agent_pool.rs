@@ -9,8 +9,10 @@
 //! ([`StagingMode::Device`]) the chunk stays in device staging ([`DeviceChunk`]): gathered into it,
 //! sent and received by the transport, scattered from it. A selection that is a few whole
 //! contiguous ranges of the pool skips the kernel: it is copied straight between the pool and
-//! the host buffer. Only host pools are read or written by the transports themselves (direct
-//! writes, sends from the pool, placed receives): `AgentPool::host`.
+//! the host buffer. The transport reads and writes a pool itself (sends from the pool, placed
+//! receives) where it is one range and the transport moves its memory (`AgentPool::direct`);
+//! only host pools are mapped by peers, written from by one-sided puts, or sent from in
+//! pieces without a gather (`AgentPool::host`).
 
 use std::sync::{Arc, Mutex};
 
@@ -22,6 +24,7 @@ use crate::kernel::{KernelError, Selection};
 use crate::layout::{KvLayout, PageOrder};
 use crate::memory::MemoryKind;
 use crate::pool::HostPool;
+use crate::transport::PoolMemory;
 
 use super::staging::StagingMode;
 
@@ -128,10 +131,20 @@ impl AgentPool {
         }
     }
 
-    /// Whether the pool is one range of host memory (direct writes and sends from the pool
-    /// need that).
-    pub(crate) fn contiguous(&self) -> bool {
-        self.host().is_some_and(|p| p.contiguous())
+    /// The pool as one range that the transport reads and writes itself (the direct ways:
+    /// sends from the pool, placed receives, registration for peers): a contiguous host pool,
+    /// or a device pool a transport may register ([`DevicePool::registrable`]) where it moves
+    /// device memory ([`StagingMode::Device`]). Only a host pool is also mapped by peers or
+    /// written from by one-sided puts.
+    pub(crate) fn direct(&self) -> Option<PoolMemory> {
+        match self {
+            AgentPool::Host { pool, .. } => {
+                pool.contiguous().then(|| PoolMemory::Host(pool.clone()))
+            }
+            AgentPool::Device { pool, mode, .. } => (pool.registrable()
+                && *mode == StagingMode::Device)
+                .then(|| PoolMemory::Device(pool.clone())),
+        }
     }
 
     /// The pool for the buffers chunks are gathered into: pinned for a device pool.

@@ -136,8 +136,8 @@ pub struct AgentConfig {
     pub checksum: bool,
     /// Rooms in flight at most (not yet final); more are refused with 429.
     pub max_rooms: usize,
-    /// Prefill: while ready rooms held for queued decodes keep this many pages or more, new
-    /// rooms are refused.
+    /// Prefill: the pages of ready rooms one decode may hold for its engine's queued requests;
+    /// a room past it is not held and expires at its TTL.
     pub max_held_pages: usize,
     /// Fault injection for tests: invert every byte of the N-th chunk sent (after checksumming).
     pub fault_corrupt_chunk: Option<u64>,

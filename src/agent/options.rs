@@ -169,9 +169,9 @@ pub struct AgentOptions {
     /// it was announced.
     #[arg(long, env = "KVFERRY_ROOM_MAX_MS", default_value_t = 600_000)]
     pub room_max_ms: u64,
-    /// Prefill: while ready rooms held for queued decodes keep this many pages or more, new
-    /// rooms are refused (429) and fail their decodes with the reason. Default: half of
-    /// --pool-pages.
+    /// Prefill: the pages of ready rooms that one decode may hold for its engine's queued
+    /// requests (each decode its own budget); a room past it is not held and expires at its
+    /// TTL. Default: half of --pool-pages.
     #[arg(long, env = "KVFERRY_MAX_HELD_PAGES")]
     pub max_held_pages: Option<usize>,
     /// One send of a chunk or a control message, in ms.

@@ -243,6 +243,23 @@ pub fn memory_ranges(sorted: &[(usize, usize)]) -> (usize, Vec<(usize, usize)>) 
     (low, ranges)
 }
 
+/// Whether a pool of `num_pages` of `layout`, whose memory is `ranges` and whose regions start
+/// at `starts` (offsets, in the layout's region order), is one range with its regions back to
+/// back: where a peer computes every offset from the layout alone.
+pub(crate) fn back_to_back(
+    layout: &KvLayout,
+    num_pages: usize,
+    ranges: &[(usize, usize)],
+    starts: &[usize],
+) -> bool {
+    let region = layout.region_bytes(num_pages).unwrap_or(0);
+    ranges.len() == 1
+        && starts
+            .iter()
+            .enumerate()
+            .all(|(i, &start)| start == i * region)
+}
+
 /// Whether `len` bytes at `offset` lie inside one of `ranges` (`(offset, len)`, as
 /// [`memory_ranges`] gives them).
 pub fn within(ranges: &[(usize, usize)], offset: usize, len: usize) -> bool {
@@ -518,13 +535,7 @@ impl HostPool {
     /// computes every offset from the layout alone: only such a pool is registered with a
     /// transport for one-sided or placed writes.
     pub fn contiguous(&self) -> bool {
-        let region = self.layout.region_bytes(self.num_pages).unwrap_or(0);
-        self.ranges.len() == 1
-            && self
-                .starts
-                .iter()
-                .enumerate()
-                .all(|(i, &start)| start == i * region)
+        back_to_back(&self.layout, self.num_pages, &self.ranges, &self.starts)
     }
 
     /// What another process needs to map this pool.

@@ -27,7 +27,21 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::kernel::cuda::DevicePool;
 use crate::pool::HostPool;
+
+/// A KV pool that a transport reads and writes itself: it sends runs straight from it
+/// ([`DataSender::send_runs`]), places received runs into it ([`Placer::place`]) and
+/// registers it for peers ([`DataReceiver::expose`]). Host memory, or device memory where the
+/// transport moves CUDA memory ([`DeviceMemory::Sends`]), which it then reads and writes only
+/// with the device's own copies.
+#[derive(Clone, Debug)]
+pub enum PoolMemory {
+    /// A host pool.
+    Host(Arc<HostPool>),
+    /// A device pool a transport may register ([`DevicePool::registrable`]).
+    Device(Arc<DevicePool>),
+}
 
 /// A boxed future, for the object-safe trait methods.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -438,7 +452,7 @@ pub trait DataSender: Send {
     /// resolves once the receiver has taken every byte.
     fn send_runs(
         &mut self,
-        source: Arc<HostPool>,
+        source: PoolMemory,
         key: u64,
         runs: Vec<Span>,
     ) -> BoxFuture<'static, Result<(), TransportError>> {
@@ -467,7 +481,7 @@ pub trait Placer: Send + Sync {
     /// into the pool.
     fn place(
         &self,
-        pool: Arc<HostPool>,
+        pool: PoolMemory,
         key: u64,
         places: Vec<Vec<Span>>,
         cancel: tokio_util::sync::CancellationToken,
@@ -535,11 +549,12 @@ pub trait DataReceiver: Send {
         None
     }
 
-    /// Exposes `pool` to senders for one-sided writes; the key they need, or `None` when this
-    /// transport has none (the default).
+    /// Exposes `pool` to senders: registered with the transport, which then places runs into
+    /// it ([`Placer::place`]) without registering it per run, and, where senders have one-sided
+    /// writes, the key they write with; `None` when this transport has none (the default).
     fn expose(
         &mut self,
-        pool: Arc<HostPool>,
+        pool: PoolMemory,
     ) -> BoxFuture<'_, Result<Option<RemoteMemory>, TransportError>> {
         let _ = pool;
         Box::pin(async { Ok(None) })

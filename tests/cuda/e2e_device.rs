@@ -80,6 +80,15 @@ impl Engine {
         out
     }
 
+    /// Whether device 0 is the CUDA driver emulator's.
+    fn on_emulator(&self) -> bool {
+        let name: unsafe extern "C" fn(*mut u8, i32, i32) -> R = self.0.f("cuDeviceGetName");
+        let mut buf = [0u8; 128];
+        // SAFETY: a buffer of the length given.
+        assert_eq!(unsafe { name(buf.as_mut_ptr(), 128, 0) }, SUCCESS);
+        String::from_utf8_lossy(&buf).contains("emulator")
+    }
+
     /// The `--pool` value naming the allocation at `addr` by CUDA IPC handle.
     fn pool_flag(&self, addr: u64) -> String {
         let get: unsafe extern "C" fn(*mut [u8; 64], u64) -> R = self.0.f("cuIpcGetMemHandle");
@@ -1091,4 +1100,166 @@ fn a_sidecar_room_behind_the_engines_ipc_event_lands_only_after_its_writes() {
         2 * 4 * layout.num_layers() * layout.planes() * layout.block_bytes().unwrap()
     );
     println!("two rooms behind the engine's IPC event: {landed} bytes landed after its writes");
+}
+
+/// The role of a test process re-run as an engine by
+/// `engine_device_pools_send_and_place_runs_over_ucx`, with the registry, the file the
+/// prefill writes its API URL to, and its log (in these variables).
+const ENGINE_ROLE: &str = "KVFERRY_TEST_ENGINE_ROLE";
+const ENGINE_REGISTRY: &str = "KVFERRY_TEST_ENGINE_REGISTRY";
+const ENGINE_PREFILL_API: &str = "KVFERRY_TEST_ENGINE_PREFILL_API";
+const ENGINE_LOG: &str = "KVFERRY_TEST_ENGINE_LOG";
+
+/// An engine process embedding an agent on a device pool it allocated itself (one
+/// allocation, the layout's regions back to back), as an engine that registers its KV memory
+/// does. The prefill's serves until it is killed; the decode's asks for rooms, checks every
+/// byte of its pool and which way the chunks went, and returns.
+fn engine_process(role: &str) {
+    use kvferry::agent::decode::DecodeAgent;
+    use kvferry::agent::prefill::PrefillAgent;
+    use kvferry::kernel::cuda::{CudaKernel, DevicePool};
+    use kvferry::pool::EngineRegion;
+    let var = |name| std::env::var(name).unwrap_or_else(|_| panic!("{name} unset"));
+    let file = std::fs::File::create(var(ENGINE_LOG)).unwrap();
+    tracing_subscriber::fmt()
+        .with_writer(std::sync::Mutex::new(file))
+        .with_ansi(false)
+        .with_env_filter("kvferry=debug")
+        .init();
+    let (rt, engine) = (runtime(), Engine::new());
+    // Tiny pages make short runs, which are placed only below the default floor.
+    let flags = ["--transport", "ucx", "--placed-min-run-bytes", "1"];
+    let cfg = in_process_config(&var(ENGINE_REGISTRY), &flags);
+    let (layout, pages) = (cfg.layout.clone(), cfg.pool_pages);
+    let bytes = layout.pool_bytes(pages).unwrap();
+    let region = layout.region_bytes(pages).unwrap();
+    let addr = engine.alloc(bytes);
+    engine.fill(addr, if role == "prefill" { 0 } else { POISON }, bytes);
+    let regions: Vec<EngineRegion> = (0..layout.num_regions())
+        .map(|i| EngineRegion {
+            addr: addr as usize + i * region,
+            len: region,
+        })
+        .collect();
+    let kernel = CudaKernel::shared(0).expect("the CUDA kernel");
+    // SAFETY: the allocation lives until this process ends, after the agent.
+    let pool = unsafe { DevicePool::engine(&kernel, layout.clone(), pages, &regions) }.unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let prefill_api = std::path::PathBuf::from(var(ENGINE_PREFILL_API));
+    if role == "prefill" {
+        rt.block_on(async {
+            let agent = PrefillAgent::start_with_pool(cfg, pool, shutdown)
+                .await
+                .unwrap();
+            std::fs::write(&prefill_api, &agent.api_url).unwrap();
+            tokio::time::sleep(std::time::Duration::from_secs(600)).await;
+        });
+        return;
+    }
+    let agent = rt
+        .block_on(DecodeAgent::start_with_pool(cfg, pool, shutdown))
+        .unwrap();
+    let api = agent.api_url.clone();
+    let waited = std::time::Instant::now();
+    let prefill = loop {
+        match std::fs::read_to_string(&prefill_api) {
+            Ok(api) if !api.is_empty() => break api,
+            _ => {
+                assert!(
+                    waited.elapsed().as_secs() < 120,
+                    "the prefill engine never started"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }
+    };
+    let rooms = vec![(51, vec![5, 17, 2, 40]), (52, vec![60, 61, 62, 63])];
+    rt.block_on(async {
+        ask_and_announce(&api, std::slice::from_ref(&prefill), &rooms).await;
+        for (room, _) in &rooms {
+            take_verified(&http(), &api, *room).await;
+        }
+    });
+    let all: Vec<u32> = rooms.iter().flat_map(|(_, p)| p.clone()).collect();
+    let checked = untouched_outside(&engine.read(addr, bytes), &layout, pages, &all);
+    let (placed, staged) = (
+        decode_chunks("engine", &api, "placed"),
+        decode_chunks("engine", &api, "staged"),
+    );
+    println!(
+        "engine device pools over UCX: rooms verified, {checked} bytes outside them \
+         unchanged; chunks placed {placed}, staged {staged}"
+    );
+    // With CUDA, every chunk goes from pool to pool; without, every chunk is staged.
+    assert_eq!(
+        (placed > 0.0, staged > 0.0),
+        (ucx_with_cuda(), !ucx_with_cuda()),
+        "chunks placed {placed}, staged {staged}"
+    );
+}
+
+/// Engines that embed their agents on device pools they allocated (the in-engine case) send
+/// runs straight from the prefill's pool into places the decode posted in its own, over UCX
+/// with CUDA (`KVFERRY_UCX_CUDA=1`): both pools registered with UCX as CUDA memory, every
+/// chunk placed, none gathered into staging. With a UCX without CUDA, both stage in pinned
+/// host memory as before. Two engine processes (this test run again, as each role); the
+/// decode's checks every room's bytes and every byte outside them.
+#[test]
+fn engine_device_pools_send_and_place_runs_over_ucx() {
+    if let Ok(role) = std::env::var(ENGINE_ROLE) {
+        return engine_process(&role);
+    }
+    if !gpu_or_skip() {
+        return;
+    }
+    let exe = release_binary();
+    let logs = kvferry::cluster::log_dir("engine-device-ucx").expect("log dir");
+    let args = owned(&["bootstrap", "--host", "127.0.0.1", "--port", "0"]);
+    let registry = common::spawn(&exe, &[], "registry", &args, &[], &logs);
+    let url = registry.field("url").unwrap();
+    let prefill_api = logs.join("prefill-api");
+    let stderr = |role: &str| logs.join(format!("{role}.stderr"));
+    let engine = |role: &str| {
+        let err = std::fs::File::create(stderr(role)).unwrap();
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "e2e_device::engine_device_pools_send_and_place_runs_over_ucx",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(ENGINE_ROLE, role)
+            .env(ENGINE_REGISTRY, &url)
+            .env(ENGINE_PREFILL_API, &prefill_api)
+            .env(ENGINE_LOG, logs.join(format!("{role}.log")))
+            .envs(ucx_env().iter().copied())
+            .stderr(err)
+            .spawn()
+            .expect("the test binary, again")
+    };
+    let mut prefill = engine("prefill");
+    let decode = engine("decode");
+    let (decode_pid, ended) = (decode.id(), decode.wait_with_output().unwrap().status);
+    let _ = prefill.kill();
+    let _ = prefill.wait();
+    let [pf_err, d_err] =
+        ["prefill", "decode"].map(|r| std::fs::read_to_string(stderr(r)).unwrap());
+    assert!(
+        ended.success(),
+        "the decode engine failed: {ended} (logs in {}):\n{d_err}",
+        logs.display()
+    );
+    // On the emulator, with UCX's CUDA transports: one engine mapped the other's whole pool
+    // (cuda_ipc), not device staging.
+    let pool = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16)
+        .unwrap()
+        .pool_bytes(PAGES)
+        .unwrap();
+    if ucx_with_cuda() && Engine::new().on_emulator() {
+        let mapped = |log: &str, of: u32| log.contains(&format!("process {of} ({pool} bytes)"));
+        assert!(
+            mapped(&d_err, prefill.id()) || mapped(&pf_err, decode_pid),
+            "no engine mapped the other's pool of {pool} bytes:\n{pf_err}\n{d_err}"
+        );
+        println!("on the emulator: an engine mapped the other's pool by cuda_ipc");
+    }
 }

@@ -324,11 +324,12 @@ impl Decode {
                 placer.revocable(),
             )
             .map_err(|e| Reason::new(FailureCode::BadMessage, format!("{what}: {e}")))?;
-            // Placed receives are offered only over a host pool (`exposable` at start).
-            let Some(pool) = self.pool.host().cloned() else {
+            // Placed receives are offered only over a pool the transport reaches (`exposable`
+            // at start).
+            let Some(pool) = self.pool.direct() else {
                 return Err(Reason::new(
                     FailureCode::BadMessage,
-                    format!("{what}: placed runs land in host pools only"),
+                    format!("{what}: placed runs land in pools the transport reaches only"),
                 ));
             };
             placer

@@ -59,7 +59,7 @@ use super::room_table::RoomTable;
 use super::synthetic::SyntheticEngine;
 use crate::pool::allocator::PageAllocator;
 use crate::reason::Reason;
-use crate::transport;
+use crate::transport::{self, PoolMemory};
 
 /// A running decode agent.
 pub struct DecodeAgent {
@@ -118,15 +118,22 @@ impl DecodeAgent {
         // Engine regions apart from each other, or pages that move only whole, stay staged.
         let exposable = cfg.direct_writes != super::DirectWrites::Never
             && cfg.layout.placement == crate::layout::KvPlacement::Planes
-            && cfg.layout.order.granularity() == crate::layout::Granularity::Token
-            && pool.contiguous();
-        let (pool_key, shared) = match (exposable, pool.host()) {
-            (true, Some(host)) => {
+            && cfg.layout.order.granularity() == crate::layout::Granularity::Token;
+        let placer = receiver.placer();
+        let (pool_key, shared) = match pool.direct().filter(|_| exposable) {
+            Some(PoolMemory::Host(host)) => {
                 let shared = match super::maps_pools(&cfg) {
-                    true => transport::mapped::serve(host).await?,
+                    true => transport::mapped::serve(&host).await?,
                     false => None,
                 };
-                (receiver.expose(host.clone()).await?, shared)
+                (receiver.expose(PoolMemory::Host(host)).await?, shared)
+            }
+            // A device pool takes placed runs only, where the transport lands them itself (a
+            // revocable placer copies eager runs into place with the CPU).
+            Some(device @ PoolMemory::Device(_))
+                if placer.as_ref().is_some_and(|p| !p.revocable()) =>
+            {
+                (receiver.expose(device).await?, None)
             }
             _ => (None, None),
         };
@@ -147,7 +154,7 @@ impl DecodeAgent {
             pool_key,
             shared_pool,
             _serving: serving,
-            placer: receiver.placer(),
+            placer,
             receives: receiver.receives(),
             table: RoomTable::new(cfg.max_rooms),
             peers: Mutex::new(HashMap::new()),

@@ -8,7 +8,7 @@ use crate::protocol::{self, Hello, HelloAck, Message, TransferRequest};
 use crate::reason::{FailureCode, Reason};
 use crate::transport::TransportErrorKind;
 use crate::transport::zmq::{ControlEvent, ControlServer, PeerId};
-use crate::transport::{self, DataSender};
+use crate::transport::{self, DataSender, PoolMemory};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -224,22 +224,46 @@ impl Prefill {
 
     /// A decode's heartbeat names the rooms its engine holds queued requests for: each that is
     /// ready here and not asked for yet lives a TTL from now, up to `--room-max-ms` after its
-    /// announcement. Only from a decode that said Hello.
+    /// announcement, while the pages this decode holds stay within `--max-held-pages` (a
+    /// room past that is not renewed: it expires at its TTL). Only from a decode that said
+    /// Hello; one decode's holds never touch another's budget or rooms it did not name.
     fn renew(&self, identity: &PeerId, held: &[u64]) {
-        if held.is_empty() || !self.peers().contains_key(identity) {
+        let Some(decode) = self.peers().get(identity).map(|p| p.instance) else {
+            return;
+        };
+        if held.is_empty() {
             return;
         }
         let max_ms = self.timeouts().room_max.as_secs_f64() * 1e3;
         let now = Instant::now();
         let mut rooms = self.rooms();
+        let pages = |room: &super::Room| room.ready.as_ref().map_or(0, |r| r.pages.len());
+        let mut holding: usize = (rooms.values())
+            .filter(|r| r.holder() == Some(decode))
+            .map(pages)
+            .sum();
+        let mut refused = 0;
         for id in held {
-            if let Some(room) = rooms.get_mut(id)
-                && room.ready.is_some()
-                && !room.asked()
-                && super::super::room::now_ms() - room.status.at("created").unwrap_or(0.0) < max_ms
-            {
-                room.renewed = Some(now);
+            let Some(room) = rooms.get_mut(id) else {
+                continue;
+            };
+            let age = super::super::room::now_ms() - room.status.at("created").unwrap_or(0.0);
+            if room.ready.is_none() || room.asked() || age >= max_ms {
+                continue;
             }
+            if room.holder() != Some(decode) {
+                if holding + pages(room) > self.cfg.max_held_pages {
+                    refused += 1;
+                    continue;
+                }
+                holding += pages(room);
+            }
+            room.renewed = Some((now, decode));
+        }
+        drop(rooms);
+        if refused > 0 {
+            // Every heartbeat names them again: said at debug level, the rooms' expiry says it.
+            tracing::debug!(%decode, holding, refused, limit = self.cfg.max_held_pages, "holds past this decode's --max-held-pages not renewed: those rooms expire at their TTL");
         }
     }
 
@@ -417,8 +441,9 @@ impl Prefill {
     /// The ways into the decode's pool, best first: the pool's memory file, when the decode
     /// shares it, is on this host and `--mapped-writes` allows it; the transport's own, when
     /// the decode exposed its pool to it and `--direct-writes` allows the way the writes would
-    /// travel (first with `always`, which is for measuring them). None: every chunk to this
-    /// decode is staged.
+    /// travel (first with `always`, which is for measuring them). A device pool (where the
+    /// transport moves device memory) goes by the transport's placed runs only. None: every
+    /// chunk to this decode is staged.
     async fn direct_target(
         &self,
         hello: &Hello,
@@ -427,18 +452,20 @@ impl Prefill {
     ) -> Option<super::DirectTarget> {
         // Engine regions apart from each other, or pages that move only whole, stay staged.
         let head_granular = self.cfg.layout.order.granularity() == crate::layout::Granularity::Head;
-        if self.cfg.direct_writes == crate::agent::DirectWrites::Never
-            || head_granular
-            || !self.pool.contiguous()
-        {
+        if self.cfg.direct_writes == crate::agent::DirectWrites::Never || head_granular {
             return None;
         }
+        // A device pool goes only by placed runs: never mapped, never the source of puts.
+        let from_host = match self.pool.direct()? {
+            PoolMemory::Host(_) => true,
+            PoolMemory::Device(_) => false,
+        };
         let decode = hello.instance;
         let mut ways = Vec::new();
         let shared = hello
             .shared_pool
             .clone()
-            .filter(|_| crate::agent::maps_pools(&self.cfg));
+            .filter(|_| from_host && crate::agent::maps_pools(&self.cfg));
         if let Some(memory) = shared {
             let (size, endpoint) = (memory.size, hello.data_endpoint.clone());
             let attached =
@@ -454,6 +481,14 @@ impl Prefill {
         if let Some(memory) = &hello.pool {
             match data.attach(memory.clone()).await {
                 Ok(Some(path)) => {
+                    let path = match from_host {
+                        true => path,
+                        false => transport::WritePath {
+                            writes: false,
+                            fast: false,
+                            ..path
+                        },
+                    };
                     match self.cfg.direct_writes.method(&path, hello.revocable_runs) {
                         Some(method) => {
                             // Its unpack callback lands each part of a run in place.

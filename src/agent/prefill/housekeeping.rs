@@ -61,7 +61,7 @@ pub(super) async fn housekeeping(inner: Arc<Prefill>) {
             let age = crate::agent::room::now_ms() - room.status.at("created").unwrap_or(0.0);
             let idle = room
                 .renewed
-                .map_or(age, |r| r.elapsed().as_secs_f64() * 1e3);
+                .map_or(age, |(r, _)| r.elapsed().as_secs_f64() * 1e3);
             // A room requeued for a lost decode fails instead (`fail_unclaimed`).
             let orphan = room.requeued.is_none()
                 && !room.asked()
@@ -157,7 +157,7 @@ impl Prefill {
             if room.asked() || room.status.state().is_final() {
                 continue;
             }
-            let since = room.renewed.map_or(*at, |r| r.max(*at));
+            let since = room.renewed.map_or(*at, |(r, _)| r.max(*at));
             let age = crate::agent::room::now_ms() - room.status.at("created").unwrap_or(0.0);
             if since.elapsed() < t.requeue && age < t.room_max.as_secs_f64() * 1e3 {
                 continue;

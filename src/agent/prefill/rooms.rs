@@ -311,31 +311,6 @@ impl Prefill {
         }
     }
 
-    /// Refuses a new room while the rooms held for queued decodes keep `--max-held-pages` or
-    /// more: the room is aborted (a decode that asks, or asked already, is told why at once)
-    /// and the engine gets 429.
-    pub(super) async fn hold_room_for(self: &Arc<Self>, room_id: u64) -> Result<(), RoomError> {
-        let held: usize = self
-            .rooms()
-            .values()
-            .filter(|r| r.held())
-            .filter_map(|r| r.ready.as_ref().map(|ready| ready.pages.len()))
-            .sum();
-        if held == 0 || held < self.cfg.max_held_pages {
-            return Ok(());
-        }
-        self.metrics.rejected.inc();
-        let m = format!(
-            "room {room_id} refused: rooms kept for decodes whose engines hold their requests queued keep {held} pages, at least the limit of {} (--max-held-pages)",
-            self.cfg.max_held_pages
-        );
-        tracing::warn!(room = room_id, held, "{m}");
-        self.clone()
-            .abort_room(room_id, Reason::new(FailureCode::Aborted, m.clone()))
-            .await;
-        Err(RoomError::Exhausted(m))
-    }
-
     /// Follows the engine's interprocess event (`cuda_ipc_event`) on the pool's device. The
     /// driver calls (opening the handle, queuing the wait) run on a blocking thread, never on
     /// the agent's async ones.
@@ -427,7 +402,6 @@ impl Prefill {
         // Announced: no longer waiting in the engine's queue.
         self.holds.release(room_id);
         let fresh = if first {
-            self.hold_room_for(room_id).await?;
             Some(self.room_pages(&req)?)
         } else {
             None
@@ -694,9 +668,10 @@ pub(super) struct Room {
     /// The digest of the engine's prompt, when it announced one: requests with another are
     /// refused.
     pub(super) digest: Option<PromptDigest>,
-    /// When a decode's heartbeat last named the room (its engine holds the request queued):
-    /// a ready room no decode asked for yet lives a TTL from then, up to `room_max`.
-    pub(super) renewed: Option<Instant>,
+    /// When a decode's heartbeat last named the room (its engine holds the request queued),
+    /// and which decode: a ready room no decode asked for yet lives a TTL from then, up to
+    /// `room_max`. Its pages count against that decode's `--max-held-pages`.
+    pub(super) renewed: Option<(Instant, Uuid)>,
     /// The room's decode died before the room was delivered: when, and why. The room waits
     /// for another decode for `--requeue-ms` from then (or from a later renewal), then fails
     /// with that reason.
@@ -725,9 +700,11 @@ impl Room {
         }
     }
 
-    /// Ready, asked by no decode yet, and held by one for a queued request.
-    pub(super) fn held(&self) -> bool {
-        self.renewed.is_some() && self.ready.is_some() && !self.asked()
+    /// The decode holding the room for a queued request: ready, asked by no decode yet, and
+    /// renewed by that one last.
+    pub(super) fn holder(&self) -> Option<Uuid> {
+        let (_, decode) = self.renewed?;
+        (self.ready.is_some() && !self.asked()).then_some(decode)
     }
 
     /// A decode asked for the room (one lost with its decode does not count).

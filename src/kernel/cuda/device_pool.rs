@@ -18,7 +18,7 @@ use crate::memory::Span;
 use crate::pool::EngineRegion;
 
 /// The device memory under a pool.
-enum PoolMemory {
+enum Backing {
     /// Allocated for the pool, freed with it.
     Owned { _alloc: CudaSlice<u8> },
     /// The engine's allocations in this process, borrowed: never freed by kvferry.
@@ -36,8 +36,8 @@ pub struct DevicePool {
     pub(super) layout: KvLayout,
     pub(super) num_pages: usize,
     pub(super) ordinal: usize,
-    /// Held for its drop: the memory goes with the pool.
-    _mem: PoolMemory,
+    /// The memory, which goes with the pool.
+    mem: Backing,
     /// Device address of pool offset 0 (the lowest region's first byte).
     base: u64,
     /// The byte ranges of the pool that are memory (offset, len), sorted.
@@ -110,7 +110,7 @@ impl DevicePool {
             layout,
             num_pages,
             &regions,
-            PoolMemory::Owned { _alloc: mem },
+            Backing::Owned { _alloc: mem },
         )
     }
 
@@ -140,7 +140,7 @@ impl DevicePool {
                 )));
             }
         }
-        Self::over(kernel, layout, num_pages, regions, PoolMemory::Engine)
+        Self::over(kernel, layout, num_pages, regions, Backing::Engine)
     }
 
     /// A pool over another process's device allocation, opened by its CUDA IPC handle
@@ -176,7 +176,7 @@ impl DevicePool {
         .result()
         .map_err(driver("open the CUDA IPC handle"))?;
         // Closed on every way out from here, the pool's or an error's.
-        let mem = PoolMemory::Ipc {
+        let mem = Backing::Ipc {
             _mapping: IpcMapping {
                 addr,
                 ctx: kernel.ctx.clone(),
@@ -230,7 +230,7 @@ impl DevicePool {
             layout,
             num_pages,
             &regions,
-            PoolMemory::Vmm { _mapped: mapped },
+            Backing::Vmm { _mapped: mapped },
         )
     }
 
@@ -240,7 +240,7 @@ impl DevicePool {
         layout: KvLayout,
         num_pages: usize,
         regions: &[EngineRegion],
-        mem: PoolMemory,
+        mem: Backing,
     ) -> Result<Self, KernelError> {
         launch::order_code(layout.order)?;
         let sorted =
@@ -257,7 +257,7 @@ impl DevicePool {
             layout,
             num_pages,
             ordinal: kernel.ordinal,
-            _mem: mem,
+            mem,
             base: base as u64,
             ranges,
             starts,
@@ -279,6 +279,23 @@ impl DevicePool {
     /// Bytes from the pool's first byte to its last (regions apart leave gaps).
     pub fn size(&self) -> usize {
         self.ranges.last().map_or(0, |&(start, len)| start + len)
+    }
+
+    /// The device address of the pool's first byte (offset 0).
+    pub fn device_ptr(&self) -> u64 {
+        self.base
+    }
+
+    /// Whether a transport may register this pool, send runs from it and place runs into it:
+    /// one contiguous range of memory whose regions lie back to back in the layout's order
+    /// (as [`crate::pool::HostPool::contiguous`]), allocated in this process (its own, or the
+    /// engine's). Memory opened from another process's
+    /// handle is not: UCX's `cuda_ipc` lets a peer map memory by exporting its allocation, and
+    /// CUDA exports only allocations of this process (`cuIpcGetMemHandle` takes `cuMemAlloc`'s
+    /// memory).
+    pub fn registrable(&self) -> bool {
+        matches!(self.mem, Backing::Owned { .. } | Backing::Engine)
+            && crate::pool::back_to_back(&self.layout, self.num_pages, &self.ranges, &self.starts)
     }
 
     /// The device holding this pool.

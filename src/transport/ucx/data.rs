@@ -20,8 +20,9 @@
 //! once (it never waits for a payload it cannot take). Where the agent lends its own buffers ([`DataReceiver::receive_into`]: a device pool's pinned ones),
 //! the posted receives land in them.
 //!
-//! Placed runs (the agents' default direct path): a sender sends each run of its pool as a
-//! tagged message straight from the pool ([`UcxWorker::send_runs`]), under tags derived from
+//! Placed runs (the agents' default direct path): a sender sends each run of its pool (host
+//! memory, or device memory where the context moves it) as a tagged message straight from
+//! the pool ([`UcxWorker::send_runs`]), under tags derived from
 //! the chunk's key (`placed_tag`); the receiver, which posted a receive at each run's place in
 //! its own pool first ([`UcxWorker::recv_runs`]), gets it by rendezvous in one copy (a cma read
 //! here, an RDMA read elsewhere) or, over tcp, eagerly: copied out of UCX's segments straight
@@ -50,8 +51,9 @@ use super::version::{Family, UcxVersion};
 use super::{EndpointId, RemoteRegionId, UcxConfig, UcxWorker};
 use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, DeviceBytes, DeviceMemory, Frame, Listening, RemoteMemory,
-    Span, Transport, TransportError, TransportErrorKind, TransportKind, WritePath, WriteRun,
+    BoxFuture, DataReceiver, DataSender, DeviceBytes, DeviceMemory, Frame, Listening, PoolMemory,
+    RemoteMemory, Span, Transport, TransportError, TransportErrorKind, TransportKind, WritePath,
+    WriteRun,
 };
 
 mod receive;
@@ -650,10 +652,11 @@ impl DataSender for UcxSender {
 
     fn send_runs(
         &mut self,
-        source: Arc<HostPool>,
+        source: PoolMemory,
         key: u64,
         runs: Vec<Span>,
     ) -> BoxFuture<'static, Result<(), TransportError>> {
+        let source = super::region::of_pool(source);
         // Queued now, in order, one share per receiving worker.
         let sends: Vec<_> = shares(runs.len(), self.eps.len())
             .into_iter()

@@ -1,5 +1,5 @@
 //! Memory that a worker registers for peers to put into: the [`RegisterableMemory`] contract,
-//! implemented by the KV pools ([`HostPool`]), by [`Region`], a standalone page-aligned
+//! implemented by the KV pools ([`HostPool`], [`DevicePool`]), by [`Region`], a standalone page-aligned
 //! buffer (staging, tests), and by `OnDevice`, device memory the data plane sends from and
 //! receives into.
 //!
@@ -13,8 +13,9 @@ use std::sync::Arc;
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::memory_type::MemoryType;
+use crate::kernel::cuda::DevicePool;
 use crate::pool::HostPool;
-use crate::transport::DeviceBytes;
+use crate::transport::{DeviceBytes, PoolMemory};
 
 /// Memory at a fixed address that a worker may register for remote writes, send from and
 /// receive into.
@@ -46,6 +47,28 @@ unsafe impl RegisterableMemory for HostPool {
     }
     fn size(&self) -> usize {
         HostPool::size(self)
+    }
+}
+
+// SAFETY: a DevicePool's memory is fixed for its lifetime, device memory that host code never
+// dereferences (the memory type says CUDA: UCX reaches it through its CUDA transports only).
+unsafe impl RegisterableMemory for DevicePool {
+    fn base(&self) -> *mut u8 {
+        self.device_ptr() as usize as *mut u8
+    }
+    fn size(&self) -> usize {
+        DevicePool::size(self)
+    }
+    fn memory_type(&self) -> MemoryType {
+        MemoryType::Cuda
+    }
+}
+
+/// The pool as memory a worker sends from, receives into and registers.
+pub(super) fn of_pool(pool: PoolMemory) -> Arc<dyn RegisterableMemory> {
+    match pool {
+        PoolMemory::Host(pool) => pool,
+        PoolMemory::Device(pool) => pool,
     }
 }
 

@@ -10,7 +10,7 @@ use crate::kernel::Selection;
 use crate::kernel::cpu::PoolSide;
 use crate::memory::{Span, WriteRun};
 use crate::reason::{FailureCode, Reason};
-use crate::transport;
+use crate::transport::{self, PoolMemory};
 use std::ops::Range;
 
 /// Placed chunks whose runs may be in flight at once beyond the one being sent.
@@ -184,9 +184,10 @@ impl Prefill {
         first: Planned,
         chunks: &mut u32,
     ) -> Result<(), Reason> {
-        // Only a host pool is written directly (`direct_path` offers it for nothing else).
-        let Some(host) = self.pool.host().cloned() else {
-            let m = "the direct path reads a host pool; this pool is device memory";
+        // `direct_target` offers a device pool placed runs only; every other way reads a host
+        // pool.
+        let Some(source) = self.pool.direct() else {
+            let m = "the direct path reads a pool the transport reaches; this one it does not";
             return Err(Reason::new(FailureCode::IncompatibleLayout, m.to_owned()));
         };
         let way = first.way;
@@ -235,9 +236,13 @@ impl Prefill {
                 } => {
                     let spans =
                         scattered.unwrap_or_else(|| runs.iter().map(|r| r.source()).collect());
-                    ChunkBody::Placed(host.clone(), spans)
+                    ChunkBody::Placed(source.clone(), spans)
                 }
                 how => {
+                    let PoolMemory::Host(host) = &source else {
+                        let m = "only placed runs go from a device pool";
+                        return Err(Reason::new(FailureCode::IncompatibleLayout, m.to_owned()));
+                    };
                     let len: u64 = runs.iter().map(|r| r.len).sum();
                     // The writes read this pool until they are flushed, whoever stops waiting.
                     let (peer, pool) = (job.peer.clone(), host.clone());

@@ -13,7 +13,7 @@ use crate::protocol::{Chunk, Message};
 use crate::reason::{FailureCode, Reason};
 use crate::transport::FRAME_ROOM;
 use crate::transport::{self, DataSender};
-use crate::transport::{DeviceBytes, Frame, TransportError, TransportErrorKind};
+use crate::transport::{DeviceBytes, Frame, PoolMemory, TransportError, TransportErrorKind};
 use std::sync::Arc;
 use uuid::Uuid;
 
@@ -21,15 +21,16 @@ use uuid::Uuid;
 /// prefix, then the gathered payload); the ranges of this pool that make the same payload,
 /// sent without a gather (`DataSender::send_from`); nothing (the bytes were written into
 /// the decode pool directly, this many); or, after it, its runs as placed messages.
-/// Only host pools are read by the transport itself: the variants that need it carry it.
+/// The variants the transport reads this pool for carry it.
 pub(super) enum ChunkBody {
     Staged(Vec<u8>),
     /// Gathered into device staging, sent from there ([`crate::agent::StagingMode::Device`]).
     Device(Arc<dyn DeviceBytes>),
     FromPool(Arc<HostPool>, Vec<Span>),
     Direct(usize),
-    /// The ranges of this pool sent as the chunk's runs, one message each.
-    Placed(Arc<HostPool>, Vec<Span>),
+    /// The ranges of this pool (host or device memory) sent as the chunk's runs, one message
+    /// each.
+    Placed(PoolMemory, Vec<Span>),
 }
 
 /// A chunk's bytes on their way: a staged chunk's frame, resolved once the transport is done

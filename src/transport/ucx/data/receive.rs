@@ -8,13 +8,12 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 
 use super::{CHUNK_MASK, DEVICE_PAYLOAD_WAIT, Tags, placed_tag, shares};
-use crate::pool::HostPool;
-use crate::transport::ucx::region::OnDevice;
+use crate::transport::ucx::region::{OnDevice, of_pool};
 use crate::transport::ucx::settings::eager;
 use crate::transport::ucx::{RegisterableMemory, UcxWorker};
 use crate::transport::{
-    BoxFuture, DataReceiver, DeviceSink, Frame, Landing, Payload, Placer, Receives, RecvBuffers,
-    RemoteMemory, Span, TransportError,
+    BoxFuture, DataReceiver, DeviceSink, Frame, Landing, Payload, Placer, PoolMemory, Receives,
+    RecvBuffers, RemoteMemory, Span, TransportError,
 };
 
 pub(super) struct UcxReceiver {
@@ -313,14 +312,14 @@ impl DataReceiver for UcxReceiver {
 
     fn expose(
         &mut self,
-        pool: Arc<HostPool>,
+        pool: PoolMemory,
     ) -> BoxFuture<'_, Result<Option<RemoteMemory>, TransportError>> {
         Box::pin(async move {
             let Some(first) = self.posting.workers.first() else {
                 return Ok(None);
             };
             let registered = first
-                .register(pool)
+                .register(of_pool(pool))
                 .await
                 .map_err(|e| TransportError::new("register", "decode pool", e))?;
             Ok(Some(RemoteMemory {
@@ -348,12 +347,13 @@ impl Placer for UcxPlacer {
 
     fn place(
         &self,
-        pool: Arc<HostPool>,
+        pool: PoolMemory,
         key: u64,
         places: Vec<Vec<Span>>,
         cancel: tokio_util::sync::CancellationToken,
     ) -> BoxFuture<'static, Result<Landing, TransportError>> {
         let workers = self.workers.clone();
+        let pool = of_pool(pool);
         let fail = |e| TransportError::new("place", "ucx", e);
         Box::pin(async move {
             // One failed share cancels the others; a cancelled chunk cancels them all.
