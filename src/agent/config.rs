@@ -278,6 +278,8 @@ pub(crate) fn control_options(cfg: &AgentConfig) -> crate::transport::zmq::contr
     crate::transport::zmq::control::ControlOptions {
         max_frame: crate::protocol::MAX_FRAME,
         auth: zmq_auth(cfg),
+        // A prefill's control connection proves itself with a decode's Hello.
+        proof: Some(crate::protocol::is_hello),
     }
 }
 

@@ -197,6 +197,12 @@ pub fn peek_header(bytes: &[u8]) -> Result<Header, DecodeError> {
     })
 }
 
+/// Whether `frame` is one whole, valid Hello: what proves a connection to a prefill's control
+/// socket (anything else before it is dropped unread).
+pub fn is_hello(frame: &[u8]) -> bool {
+    matches!(Message::decode(frame), Ok(Message::Hello(_)))
+}
+
 impl Message {
     /// The frame of this message, stamped with this build's [`VERSION`].
     pub fn encode(&self) -> Vec<u8> {

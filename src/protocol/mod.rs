@@ -14,7 +14,7 @@ mod codec;
 mod digest;
 mod secret;
 
-pub use codec::{DecodeError, HEADER_LEN, Header, peek_header};
+pub use codec::{DecodeError, HEADER_LEN, Header, is_hello, peek_header};
 pub use digest::PromptDigest;
 /// Compares without an early exit, so that the time taken does not tell how much of a guess
 /// was right (secrets, the token in the ZAP handler).

@@ -5,8 +5,9 @@
 //! truncation, trailing bytes, wrong body length, wrong magic / version / kind / flags),
 //! oversized frames and multi-frame messages.
 //!
-//! Asserted: the prefill stays alive and healthy; every single-frame message except a
-//! Heartbeat is answered with exactly one Error frame (read back and decoded); the agent's
+//! The DEALER proves its connection first with a Hello the prefill refuses (messages before a
+//! valid Hello are dropped unread). Asserted: the prefill stays alive and healthy; every
+//! single-frame message except a Heartbeat is answered with exactly one Error frame (read back and decoded); the agent's
 //! `kvferry_bad_messages_total` grows by at least the undecodable and multi-frame messages; a
 //! room then transfers and verifies. Bounded time, seed printed.
 //!
@@ -413,6 +414,14 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
             let socket = ctx.socket(zmq::DEALER).expect("a DEALER");
             socket.set_linger(0).expect("linger");
             socket.connect(&control).expect("connecting a DEALER to the prefill");
+            // A connection proves itself with a valid Hello (anything before it is dropped
+            // unread): this one's layout is not the prefill's, so it is refused with an Error.
+            let mut hello = rogue::hello("tcp://127.0.0.1:9".to_owned(), None, None);
+            if let Message::Hello(h) = &mut hello {
+                h.layout.num_kv_heads += 1;
+                h.layout.heads.end += 1;
+            }
+            socket.send(hello.encode(), 0).expect("send the Hello");
             let read = |wait: i64| -> bool {
                 if socket.poll(zmq::POLLIN, wait).unwrap_or(0) == 0 {
                     return false;
@@ -427,7 +436,8 @@ fn ten_thousand_garbage_control_messages_leave_the_prefill_serving() {
                 true
             };
             let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
-            let (mut expected_replies, mut undecodable, mut multi) = (0usize, 0usize, 0usize);
+            // The Hello's refusal, then the cases'.
+            let (mut expected_replies, mut undecodable, mut multi) = (1usize, 0usize, 0usize);
             for c in cases {
                 *kinds.entry(c.kind).or_default() += 1;
                 if c.frames.len() == 1 {

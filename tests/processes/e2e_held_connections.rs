@@ -13,8 +13,9 @@
 //!   send a PLAIN greeting and stall;
 //! - the decode's pool socket (`zmq-ipc` mapped writes): 200 connections that never send the
 //!   secret, and the rooms still land by mapped writes;
-//! - a host whose 64 connections each sent a message, at the prefill's control port: the
-//!   decode's connection is refused and its room names the limit;
+//! - a host whose 64 connections each sent a valid Hello, at the prefill's control port: the
+//!   decode's connection is refused and its room names the limit; 64 that sent anything else
+//!   prove nothing, are never answered, and the decode's rooms land;
 //! - the decode's UCX tcp listener: 500 silent connections. That listener is libucx's, and
 //!   nothing bounds what it holds: with about 1000 (the descriptor limit), rooms stop landing.
 //!
@@ -531,7 +532,35 @@ fn silent_connections_on_the_proxy_never_keep_a_request_out() {
     });
 }
 
-/// 64 connections from 127.0.0.1 that each sent a message (a garbage frame, answered) fill the
+/// 64 DEALERs of `ctx` connected to the prefill's control endpoint, each having sent `first`.
+fn dealers(ctx: &zmq::Context, prefill: &Process, first: &[u8]) -> Vec<zmq::Socket> {
+    let endpoint = prefill.field("control").unwrap();
+    (0..64)
+        .map(|_| {
+            let s = ctx.socket(zmq::DEALER).expect("DEALER");
+            s.set_linger(0).expect("linger");
+            s.set_rcvtimeo(30_000).expect("timeout");
+            // Once the prefill closes one, it stays closed.
+            s.set_reconnect_ivl(-1).expect("no reconnection");
+            s.connect(&endpoint).expect("connect");
+            s.send(first, 0).expect("send");
+            s
+        })
+        .collect()
+}
+
+/// A Hello the prefill refuses (its layout is not the prefill's): a valid proof of the
+/// connection that sends it, answered with an Error.
+fn refused_hello() -> Vec<u8> {
+    let mut hello = rogue::hello("tcp://127.0.0.1:9".to_owned(), None, None);
+    if let kvferry::protocol::Message::Hello(h) = &mut hello {
+        h.layout.num_kv_heads += 1;
+        h.layout.heads.end += 1;
+    }
+    hello.encode()
+}
+
+/// 64 connections from 127.0.0.1 that each sent a valid Hello (refused, answered) fill the
 /// prefill control port's per-address bound: the decode's connection from the same address is
 /// the 65th, refused, and its room says which limit (not a token mismatch). Once they close and
 /// the prefill let them go, rooms land again.
@@ -541,19 +570,12 @@ fn a_host_over_the_per_address_limit_is_told_which_limit() {
     let ctx = zmq::Context::new();
     let (c, held, before) =
         cluster_under_attack(tag, ("zmq-tcp", None, &[]), Target::Prefill, |prefill| {
-            let endpoint = prefill.field("control").unwrap();
-            (0..64)
-                .map(|_| {
-                    let s = ctx.socket(zmq::DEALER).expect("DEALER");
-                    s.set_linger(0).expect("linger");
-                    s.set_rcvtimeo(30_000).expect("timeout");
-                    s.connect(&endpoint).expect("connect");
-                    s.send("not a message", 0).expect("send");
-                    // The prefill answered: it read the frame, the connection counts.
-                    s.recv_bytes(0).expect("the prefill's answer");
-                    s
-                })
-                .collect::<Vec<_>>()
+            let held = dealers(&ctx, prefill, &refused_hello());
+            for s in &held {
+                // The prefill answered: it read the Hello, the connection counts.
+                s.recv_bytes(0).expect("the prefill's answer");
+            }
+            held
         });
     runtime().block_on(async {
         let http = http();
@@ -574,6 +596,34 @@ fn a_host_over_the_per_address_limit_is_told_which_limit() {
         drop(held);
         // Once the prefill has closed its ends (on a loaded machine that takes a while).
         released(tag, c.prefill.pid(), before, &[]).await;
+        rooms(tag, &c, 100, None).await;
+    });
+}
+
+/// 64 connections from 127.0.0.1 that each sent a message that is not a Hello prove nothing:
+/// the prefill drops their messages unread (none is answered) and counts none of them against
+/// the per-address bound, so the decode's connection from the same address is served and its
+/// rooms land; the prefill shuts them down at the proof deadline. (Before, any first message
+/// proved a connection, and 64 of them refused every decode of the host.)
+#[test]
+fn messages_that_are_not_a_hello_prove_no_control_connection() {
+    let tag = "held-not-hello";
+    let ctx = zmq::Context::new();
+    let (c, held, before) =
+        cluster_under_attack(tag, ("zmq-tcp", None, &[]), Target::Prefill, |prefill| {
+            dealers(&ctx, prefill, b"not a message")
+        });
+    runtime().block_on(async {
+        rooms(tag, &c, 1, None).await;
+        // Unproven, they are shut down at the deadline, without a word.
+        released(tag, c.prefill.pid(), before, &[]).await;
+        for s in &held {
+            s.set_rcvtimeo(0).expect("timeout");
+            assert!(
+                s.recv_bytes(0).is_err(),
+                "the prefill answered a message before a Hello"
+            );
+        }
         rooms(tag, &c, 100, None).await;
     });
 }

@@ -839,6 +839,7 @@ fn a_heartbeat_before_the_hello_answer_is_skipped() {
     let options = ControlOptions {
         max_frame: kvferry::protocol::MAX_FRAME,
         auth: Auth::default(),
+        proof: None,
     };
     let (endpoint, mut server, replier) = rt
         .block_on(ControlServer::bind("127.0.0.1", 0, &options))

@@ -87,6 +87,11 @@ impl<K: PartialEq + Copy> Unproven<K> {
         None
     }
 
+    /// Whether the connection is still unproven.
+    pub fn contains(&self, key: &K) -> bool {
+        self.order.iter().any(|(k, _)| k == key)
+    }
+
     /// The connection proved itself: whether it was unproven until now.
     pub fn prove(&mut self, key: &K) -> bool {
         self.take(key)

@@ -152,6 +152,9 @@ pub struct ControlOptions {
     pub max_frame: usize,
     /// Credentials.
     pub auth: Auth,
+    /// A bound socket's test of a connection's proof ([`super::peers`]): whether a frame
+    /// proves the connection that sent it (the prefill's: a valid Hello). `None`: any frame.
+    pub proof: Option<fn(&[u8]) -> bool>,
 }
 
 impl ControlServer {
@@ -193,7 +196,10 @@ impl ControlServer {
                             .map_err(|e| TransportError::new("bind", &addr, e)),
                     );
                     let mut looped = Looped::new(socket, monitor, wake, jobs_rx, events_tx);
-                    looped.run(&mut RouterPeers::default());
+                    looped.run(&mut RouterPeers {
+                        proof: options.proof,
+                        ..RouterPeers::default()
+                    });
                 }
                 Err(e) => {
                     let _ = setup_tx.send(Err(e));
@@ -389,8 +395,8 @@ trait Peers {
     const ENVELOPE: usize;
     /// A connection event from the monitor; may queue frames to send or events to deliver.
     fn on_event(&mut self, event: Event, now: Instant, out: &mut Effects);
-    /// A frame arrived from `peer` over connection `fd`: what to do with it.
-    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>, now: Instant) -> Verdict;
+    /// `frame` arrived from `peer` over connection `fd`: what to do with it.
+    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>, frame: &[u8], now: Instant) -> Verdict;
     /// Peers whose grace ran out by `now`, as events; and the next deadline.
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant>;
     /// Whether the socket has no connection to send on (a send would queue for nobody).
@@ -414,6 +420,8 @@ struct RouterPeers {
     /// The connections held: unproven ones apart, proven ones per address (a bound on what one
     /// host can make the socket hold).
     connections: super::peers::Connections,
+    /// What proves a connection ([`ControlOptions::proof`]).
+    proof: Option<fn(&[u8]) -> bool>,
 }
 
 impl Peers for RouterPeers {
@@ -441,11 +449,12 @@ impl Peers for RouterPeers {
         false
     }
 
-    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>, now: Instant) -> Verdict {
+    fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>, frame: &[u8], now: Instant) -> Verdict {
         let Some(fd) = fd else {
             return Verdict::Deliver;
         };
-        let verdict = self.connections.message(fd, now);
+        let proves = self.proof.is_none_or(|proves| proves(frame));
+        let verdict = self.connections.message(fd, now, proves);
         if verdict == Verdict::Deliver {
             self.dropped.remove(peer);
             if self.fd_of.insert(peer.clone(), fd) != Some(fd) {
@@ -539,12 +548,15 @@ impl Peers for DealerPeer {
         }
     }
 
-    fn on_frame(&mut self, _: &PeerId, _: Option<i32>, _: Instant) -> Verdict {
+    fn on_frame(&mut self, _: &PeerId, _: Option<i32>, _: &[u8], _: Instant) -> Verdict {
         Verdict::Deliver
     }
 
     fn down(&self) -> bool {
-        self.fd.is_none()
+        // Reconnected but not yet past the handshake: the Hello queued at `Ready` must be the
+        // new connection's first message (a prefill takes nothing else as its proof), so
+        // nothing is queued before it.
+        self.fd.is_none() || self.dropped.is_some()
     }
 
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant> {
@@ -681,7 +693,7 @@ impl Looped {
                         .and_then(|s| s.parse::<i32>().ok());
                     let frame = frames.pop().map(owned).unwrap_or_default();
                     let peer = frames.pop().map(owned).unwrap_or_default();
-                    match peers.on_frame(&peer, fd, Instant::now()) {
+                    match peers.on_frame(&peer, fd, &frame, Instant::now()) {
                         Verdict::Deliver => ControlEvent::Frame(peer, frame),
                         Verdict::Refuse(why) => ControlEvent::Refused(peer, why),
                         Verdict::Drop => continue,

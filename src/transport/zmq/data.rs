@@ -422,7 +422,8 @@ fn receive_loop(
                 watch(&mut connections);
                 let fd = header.gets("__fd").and_then(|s| s.parse::<i32>().ok());
                 if let Some(fd) = fd
-                    && connections.message(fd, Instant::now()) != super::peers::Verdict::Deliver
+                    && connections.message(fd, Instant::now(), true)
+                        != super::peers::Verdict::Deliver
                 {
                     // A PUSH peer cannot be answered: its connection just goes.
                     let _ = rest_of_message(socket, header, 0);

@@ -1,7 +1,9 @@
 //! The connections of one bound socket, from its monitor's accept and disconnect events and
 //! the descriptor each message came in on. A connection is unproven
-//! ([`kvferry_wire::admission`]) until its first message arrives, which with a token
-//! means after its handshake presented the token: unproven ones are bounded on their own
+//! ([`kvferry_wire::admission`]) until a message that proves it arrives (on the prefill's
+//! control socket a valid Hello, elsewhere any message; with a token, only after its
+//! handshake presented the token); messages before that are dropped unread by the agent, and
+//! the connection's deadline runs on. Unproven ones are bounded on their own
 //! (oldest shut down first, none held past the deadline), and only proven ones count against
 //! [`MAX_PER_PEER`] per address. With the per-connection bound (`(HWM + 1) x` the largest
 //! frame), this bounds the memory one host can make a socket hold, and connections that never
@@ -61,11 +63,13 @@ impl Connections {
         }
     }
 
-    /// A message arrived over `fd`. Its first proves the connection, which then counts against
-    /// its address's [`MAX_PER_PEER`]: beyond it, the connection is refused. A refused
-    /// connection's messages are not delivered; the connection is shut down after
-    /// [`REFUSAL_LINGER`], so that the socket can tell its peer why first (a ROUTER can).
-    pub(super) fn message(&mut self, fd: i32, now: Instant) -> Verdict {
+    /// A message arrived over `fd`; `proves`: whether it is one that proves a connection. The
+    /// first that does proves it, which then counts against its address's [`MAX_PER_PEER`]:
+    /// beyond it, the connection is refused. Messages before it are dropped (the connection
+    /// stays unproven, its deadline unchanged). A refused connection's messages are not
+    /// delivered; the connection is shut down after [`REFUSAL_LINGER`], so that the socket can
+    /// tell its peer why first (a ROUTER can).
+    pub(super) fn message(&mut self, fd: i32, now: Instant, proves: bool) -> Verdict {
         if self.refused.iter().any(|&(f, _)| f == fd) {
             return Verdict::Drop;
         }
@@ -74,10 +78,18 @@ impl Connections {
         let unseen = fd >= 0 && !self.address_of.contains_key(&fd);
         if unseen {
             self.address_of.insert(fd, peer_address(fd));
+            if let Some(old) = self.unproven.admit(fd, now) {
+                self.drop_unproven(old, Dropped::Crowded);
+            }
         }
-        if !self.unproven.prove(&fd) && !unseen {
+        if !self.unproven.contains(&fd) {
             return Verdict::Deliver;
         }
+        if !proves {
+            tracing::debug!(fd, "a message before the connection's proof: dropped");
+            return Verdict::Drop;
+        }
+        self.unproven.prove(&fd);
         let Some(Some(address)) = self.address_of.get(&fd).copied() else {
             return Verdict::Deliver;
         };
@@ -209,7 +221,7 @@ mod tests {
         for i in 0..=MAX_PER_PEER {
             let (client, server) = pair(&listener);
             conns.accepted(server.as_raw_fd(), now);
-            let verdict = conns.message(server.as_raw_fd(), now);
+            let verdict = conns.message(server.as_raw_fd(), now, true);
             match i < MAX_PER_PEER {
                 true => assert_eq!(verdict, Verdict::Deliver),
                 false => assert!(
@@ -225,7 +237,7 @@ mod tests {
         // The one over the limit was refused, with the limit, its later messages dropped; it
         // is shut down once the linger ended: its client reads the end of the stream.
         let last_fd = accepted.last().expect("one").as_raw_fd();
-        assert_eq!(conns.message(last_fd, now), Verdict::Drop);
+        assert_eq!(conns.message(last_fd, now, true), Verdict::Drop);
         let mut last = clients.pop().expect("a client");
         assert!(!shut(&mut last), "shut down before the peer could be told");
         assert_eq!(conns.expire(now + REFUSAL_LINGER), None);
@@ -254,7 +266,7 @@ mod tests {
             let (client, server) = pair(&listener);
             let fd = server.as_raw_fd();
             // The message first, the accept event after it.
-            let verdict = conns.message(fd, now);
+            let verdict = conns.message(fd, now, true);
             conns.accepted(fd, now);
             match i < MAX_PER_PEER {
                 true => assert_eq!(verdict, Verdict::Deliver),
@@ -289,7 +301,7 @@ mod tests {
         // A peer that connects now and sends gets its place whatever the silent ones hold.
         let (mut peer, server) = pair(&listener);
         conns.accepted(server.as_raw_fd(), now);
-        conns.message(server.as_raw_fd(), now);
+        conns.message(server.as_raw_fd(), now, true);
         let local: IpAddr = "127.0.0.1".parse().expect("ip");
         assert_eq!(conns.held(local), 1);
         assert!(!shut(&mut peer));

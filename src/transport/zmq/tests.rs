@@ -16,6 +16,7 @@ fn options(token: Option<&str>) -> ControlOptions {
     ControlOptions {
         max_frame: 4096,
         auth: Auth::new(token),
+        proof: None,
     }
 }
 
@@ -239,6 +240,7 @@ async fn a_peer_that_reads_late_gets_every_frame_in_order_and_posts_are_bounded(
     let opts = ControlOptions {
         max_frame: FRAME,
         auth: Auth::new(None),
+        proof: None,
     };
     let (endpoint, mut server, replier) = ControlServer::bind("127.0.0.1", 0, &opts)
         .await
