@@ -71,12 +71,20 @@ fn an_ipc_handle_shares_an_allocation_between_processes() {
         unsafe {
             assert_eq!(alloc(&mut p, n), SUCCESS);
             assert_eq!(htod(p, data.as_ptr().cast(), n), SUCCESS);
-            assert_eq!(
-                get(&mut h, p + 4096),
-                INVALID_VALUE,
-                "not an allocation's base"
-            );
+            // An address inside the allocation names the whole allocation, as its base does
+            // (UCX's cuda_ipc asks with the address it sends from).
+            let mut inside = IpcHandle([0; 64]);
+            assert_eq!(get(&mut inside, p + 4096), SUCCESS);
             assert_eq!(get(&mut h, p), SUCCESS);
+            assert!(
+                inside.0 == h.0,
+                "an inner address's handle is the allocation's"
+            );
+            assert_eq!(
+                get(&mut inside, p + n as u64),
+                INVALID_VALUE,
+                "past the allocation"
+            );
             assert_eq!(
                 open(&mut q, h, LAZY_ENABLE_PEER_ACCESS),
                 INVALID_CONTEXT,

@@ -97,7 +97,7 @@ impl Connections {
         if *held >= MAX_PER_PEER {
             let limit = format!(
                 "connection refused: the limit of {MAX_PER_PEER} connections from one address \
-                 ({address}) that sent a message"
+                 ({address}) that proved themselves"
             );
             tracing::warn!(peer = %address, %limit, "connection refused");
             self.refused.push((fd, now + REFUSAL_LINGER));
