@@ -161,6 +161,28 @@ def test_a_request_naming_a_registry_the_decode_does_not_trust_fails_at_once_and
     assert S.output_ids(pd.generate(p, NEW_TOKENS)) == reference[tuple(p)]
 
 
+def test_a_decode_whose_prompt_is_not_the_prefills_is_refused_prompt_mismatch(pd, prompts, reference):
+    """Both sides send the digest of their request's prompt with the room: a decode asking for
+    a room its prefill computed for another prompt of the same length is refused
+    (``prompt_mismatch``) rather than decoding from that prompt's KV. Both sides then free the
+    room's pages (the prefill's request aborted) and the decode serves on."""
+    room, prompt = random.getrandbits(62), prompts[6]
+    other = prompt[1:] + prompt[:1]
+    assert other != prompt
+    rid = f"mismatch-{room}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        computed = pool.submit(direct, pd.prefill, pd, prompt, room, rid)
+        got = direct(pd.decode, pd, other, room)
+        print(f"the decode asked with another prompt: {got}")
+        assert "output_ids" not in got or got["meta_info"]["finish_reason"]["type"] == "abort", got
+        assert "prompt_mismatch" in failure_text(got) and "is not the one this prefill computed" in failure_text(got), got
+        abort(pd.prefill, rid)
+        computed.result(timeout=60)
+    for side in ("decode", "prefill"):
+        wait_for(f"the {side} frees the room's pages", lambda: S.used_tokens(getattr(pd, side)) == 0, 30)
+    assert S.output_ids(pd.generate(prompt, NEW_TOKENS)) == reference[tuple(prompt)]
+
+
 def abort(server: S.Server, rid: str) -> None:
     """SGLang's ``POST /abort_request`` (it answers 200 with no body)."""
     req = urllib.request.Request(server.url + "/abort_request", json.dumps({"rid": rid}).encode(), {"Content-Type": "application/json"})

@@ -5,7 +5,8 @@ in every one of its processes before it parses arguments. :func:`register` adds 
 SGLang's transfer backends and answers SGLang's class lookups for it with the classes of
 ``backend.py`` (the manager, sender and receiver, which run a kvferry agent over SGLang's own KV
 buffers) and ``bootstrap.py`` (the bootstrap server, a kvferry registry on SGLang's bootstrap
-port). Nothing else of SGLang changes. docs/sglang.md has the commands.
+port), and hands each sender and receiver its request's prompt, which SGLang does not (so that
+both sides send its digest). Nothing else of SGLang changes. docs/sglang.md has the commands.
 """
 
 from __future__ import annotations
@@ -71,9 +72,33 @@ def register() -> None:
         "sglang.srt.disaggregation.decode.DecodePreallocQueue",
     ):
         HookRegistry.register(f"{queue}._init_kv_manager", with_kv_pool, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender", with_sender_prompt, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue",
+        with_receiver_prompt,
+        HookType.AROUND,
+    )
 
 
 def with_kv_pool(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
     from . import backend
 
     return backend.with_kv_pool(original, queue, *args, **kwargs)
+
+
+def with_sender_prompt(original: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    from . import backend
+
+    made = original(queue, req, *args, **kwargs)
+    backend.know_prompt(getattr(req, "disagg_kv_sender", None), req)
+    return made
+
+
+def with_receiver_prompt(original: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    from . import backend
+
+    decode_req = original(queue, req, *args, **kwargs)
+    backend.know_prompt(getattr(decode_req, "kv_receiver", None), req)
+    return decode_req

@@ -11,7 +11,9 @@ decode request, each a kvferry room (SGLang's ``bootstrap_room``).
   every page of the prompt and SGLang's metadata row (the first output token and the rest of
   ``MetadataBuffers``) as the room's aux bytes; the decode asks for the room into the pages
   SGLang allocated and, once it landed, writes the aux bytes into its own metadata row. Rooms
-  move whole pages: ``pages × page_size`` tokens.
+  move whole pages: ``pages × page_size`` tokens. Both sides send the digest of the request's
+  prompt (``origin_input_ids``, handed over by the plugin's hooks) with the room: a decode
+  whose prompt is not the one the prefill computed is refused ``prompt_mismatch``.
 - States: a prefill room is ``WaitingForInput`` until it is announced (the prefill computes at
   once; kvferry keeps the ready KV until the decode asks or ``--room-ttl-ms`` passes), then
   ``Transferring`` until it settles. A decode room is ``WaitingForInput`` from ``init`` until
@@ -117,6 +119,15 @@ def with_kv_pool(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
         return original(queue, *args, **kwargs)
     finally:
         kv_pool = None
+
+
+def know_prompt(room: Any, req: Any) -> None:
+    """Gives a kvferry sender or receiver its request's prompt digest (SGLang makes them
+    without the request): both sides send it with the room, and a prefill refuses a decode
+    whose prompt is not the one it computed the KV for (``prompt_mismatch``)."""
+    ids = getattr(req, "origin_input_ids", None)
+    if isinstance(room, _Room) and ids is not None:
+        room.digest = kvferry.prompt_digest([int(t) for t in ids])
 
 
 def agent_options(args: Any, server_args: Any, prefill: bool, mla: bool, bootstrap: str) -> dict[str, Any]:
@@ -318,6 +329,8 @@ class _Room:
         self.error: KVTransferError | None = None
         self.bytes: int | None = None
         self.held = False
+        # kvferry.prompt_digest of the request's prompt (``know_prompt``), sent with the room.
+        self.digest: str | None = None
 
     def hold(self, call: Any) -> None:
         """Holds the room while SGLang has its request queued (the announcement or the
@@ -443,6 +456,7 @@ class KvferryKVSender(_Room, BaseKVSender):
             event.record()
             pieces["cuda_event"] = event.cuda_event
         tokens = len(self.pages) * mgr.page_size
+        pieces["prompt_digest"] = self.digest
         self.start(lambda: mgr.agent.ready(self.room, tokens, pages=self.pages, aux=aux, **pieces), "the room was not announced")
 
     def settled(self, view: dict[str, Any]) -> int:
@@ -496,7 +510,9 @@ class KvferryKVReceiver(_Room, BaseKVReceiver):
         self.pages = pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
         self.aux_index = aux_index
         where = dict(bootstrap=mgr.registry_url(self.bootstrap_addr), dp_rank=self.prefill_dp_rank)
-        self.start(lambda: mgr.agent.request(self.room, len(pages) * mgr.page_size, pages=pages, **where), "the room was refused")
+        tokens = len(pages) * mgr.page_size
+        digest = self.digest
+        self.start(lambda: mgr.agent.request(self.room, tokens, pages=pages, prompt_digest=digest, **where), "the room was refused")
 
     def settled(self, view: dict[str, Any]) -> int:
         """Takes the room (failed ones too) and writes its metadata row."""
