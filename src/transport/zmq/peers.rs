@@ -74,22 +74,21 @@ impl Connections {
             return Verdict::Drop;
         }
         // The monitor's accept event and the socket's first message come over two sockets, in
-        // no fixed order: a connection not seen yet is one whose first message this is.
+        // no fixed order: a connection not seen yet is one whose first message this is, or one
+        // already closed whose last message is read after its disconnect event. Only a proof
+        // files it: a descriptor filed here for nothing could be shut down at the deadline
+        // after libzmq closed it and the process reused its number.
         let unseen = fd >= 0 && !self.address_of.contains_key(&fd);
-        if unseen {
-            self.address_of.insert(fd, peer_address(fd));
-            if let Some(old) = self.unproven.admit(fd, now) {
-                self.drop_unproven(old, Dropped::Crowded);
-            }
-        }
-        if !self.unproven.contains(&fd) {
-            return Verdict::Deliver;
-        }
-        if !proves {
+        if !proves && (unseen || self.unproven.contains(&fd)) {
             tracing::debug!(fd, "a message before the connection's proof: dropped");
             return Verdict::Drop;
         }
-        self.unproven.prove(&fd);
+        if unseen {
+            self.address_of.insert(fd, peer_address(fd));
+        }
+        if !self.unproven.prove(&fd) && !unseen {
+            return Verdict::Deliver;
+        }
         let Some(Some(address)) = self.address_of.get(&fd).copied() else {
             return Verdict::Deliver;
         };
@@ -279,6 +278,45 @@ mod tests {
         // None of them is taken for silent: none is shut down as late.
         conns.expire(now + Duration::from_secs(3600));
         assert!(!shut(&mut held[0].0), "a counted connection was shut down");
+    }
+
+    #[test]
+    fn messages_before_the_proof_are_dropped_and_never_file_a_descriptor() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let mut conns = Connections::default();
+        let now = Instant::now();
+        let local: IpAddr = "127.0.0.1".parse().expect("ip");
+        // Accepted, then a message that is not a proof: dropped, still unproven, counted
+        // nowhere; the proof then delivers and counts it.
+        let (mut proven, server) = pair(&listener);
+        conns.accepted(server.as_raw_fd(), now);
+        assert_eq!(conns.message(server.as_raw_fd(), now, false), Verdict::Drop);
+        assert_eq!(conns.held(local), 0);
+        assert_eq!(
+            conns.message(server.as_raw_fd(), now, true),
+            Verdict::Deliver
+        );
+        assert_eq!(
+            conns.message(server.as_raw_fd(), now, false),
+            Verdict::Deliver
+        );
+        assert_eq!(conns.held(local), 1);
+        // Read before its accept event, or after its disconnect event (the descriptor then
+        // names nothing, or another socket of the process): dropped and not filed, so
+        // nothing is ever shut down on that number.
+        let (mut other, reused) = pair(&listener);
+        conns.accepted(reused.as_raw_fd(), now);
+        conns.disconnected(reused.as_raw_fd());
+        assert_eq!(conns.message(reused.as_raw_fd(), now, false), Verdict::Drop);
+        let (mut silent, unproven) = pair(&listener);
+        conns.accepted(unproven.as_raw_fd(), now);
+        conns.expire(now + kvferry_wire::admission::PROOF_DEADLINE);
+        assert!(shut(&mut silent), "the unproven one expired");
+        assert!(
+            !shut(&mut other),
+            "a descriptor filed by a stray message was shut down"
+        );
+        assert!(!shut(&mut proven), "the proven one stays");
     }
 
     #[test]
