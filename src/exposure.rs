@@ -3,6 +3,12 @@
 //! operator says `--insecure` (then it warns at start). An agent's engine API, which reads and
 //! changes rooms and the pool, never goes beyond loopback without a token ([`check_api`]).
 //!
+//! A bearer token beyond loopback never travels in clear by default: an HTTP port that checks
+//! one and listens beyond loopback serves HTTPS (`--tls-cert`, `--tls-key`), and a client
+//! that sends one beyond loopback uses an `https://` URL ([`check_clear`], [`check_clear_url`]);
+//! `--insecure` accepts plain HTTP there (a network where every host is trusted, warned at
+//! start).
+//!
 //! An address is loopback when it parses as a loopback IP (`127.0.0.0/8`, `::1`, with or
 //! without brackets) or is `localhost`. Everything else counts as exposed: the wildcard
 //! addresses `0.0.0.0` and `::`, any other IP, and host names (which may resolve anywhere).
@@ -26,6 +32,74 @@ pub(crate) struct NotLoopback {
      needs --token (--insecure does not lift this)"
 )]
 pub(crate) struct ApiNotLoopback(String);
+
+/// A bearer token that would cross the network in clear.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum InClear {
+    /// A port checking a token, beyond loopback, without TLS.
+    #[error(
+        "{flag} {host} is not loopback and its port checks a bearer token, which plain HTTP \
+         carries in clear: give --tls-cert and --tls-key (HTTPS), or --insecure"
+    )]
+    Port {
+        /// The flag that set the address.
+        flag: &'static str,
+        /// The address as given.
+        host: String,
+    },
+    /// A token sent to a plain `http://` URL beyond loopback.
+    #[error(
+        "{flag} {url} is plain HTTP beyond loopback and the token would travel in clear: serve \
+         it over HTTPS and give its https:// URL, or --insecure"
+    )]
+    Url {
+        /// The flag that named the URL.
+        flag: &'static str,
+        /// The URL as given.
+        url: String,
+    },
+}
+
+/// Refuses a port that checks a token (`token`) on an exposed `host` without `tls`, unless
+/// `insecure`.
+pub(crate) fn check_clear(
+    (flag, host): (&'static str, &str),
+    token: bool,
+    tls: bool,
+    insecure: bool,
+) -> Result<(), InClear> {
+    match token && !tls && !insecure && !is_loopback(host) {
+        true => Err(InClear::Port {
+            flag,
+            host: host.to_owned(),
+        }),
+        false => Ok(()),
+    }
+}
+
+/// Refuses sending a token (`token`) to a plain `http://` `url` beyond loopback, unless
+/// `insecure`.
+pub(crate) fn check_clear_url(
+    (flag, url): (&'static str, &str),
+    token: bool,
+    insecure: bool,
+) -> Result<(), InClear> {
+    let host = url
+        .strip_prefix("http://")
+        .map(|rest| rest.split(['/', '?']).next().unwrap_or_default())
+        .map(|authority| match authority.rsplit_once(':') {
+            // `[::1]:8998`, `10.0.0.1:8998`; a bare `::1` has no port to strip.
+            Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) && !h.ends_with(':') => h,
+            _ => authority,
+        });
+    match host {
+        Some(host) if token && !insecure && !is_loopback(host) => Err(InClear::Url {
+            flag,
+            url: url.to_owned(),
+        }),
+        _ => Ok(()),
+    }
+}
 
 /// An advertised address that peers cannot use.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -68,15 +142,17 @@ pub(crate) fn advertised(host: &str, advertise: Option<&str>) -> Result<String, 
     Ok(bare.to_owned())
 }
 
-/// The URL of an HTTP port bound at `bound`, for listening lines and logs: the bound address,
-/// or for a wildcard bind (0.0.0.0, ::) `http://ADVERTISE:PORT`, an address a client can use.
-pub(crate) fn url_of(bound: std::net::SocketAddr, advertise: &str) -> String {
+/// The URL of an HTTP port bound at `bound` (`https://` when `tls`), for listening lines and
+/// logs: the bound address, or for a wildcard bind (0.0.0.0, ::) `ADVERTISE:PORT`, an address
+/// a client can use.
+pub(crate) fn url_of(bound: std::net::SocketAddr, advertise: &str, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
     if !bound.ip().is_unspecified() {
-        return format!("http://{bound}");
+        return format!("{scheme}://{bound}");
     }
     match advertise.parse::<std::net::Ipv6Addr>() {
-        Ok(v6) => format!("http://[{v6}]:{}", bound.port()),
-        Err(_) => format!("http://{advertise}:{}", bound.port()),
+        Ok(v6) => format!("{scheme}://[{v6}]:{}", bound.port()),
+        Err(_) => format!("{scheme}://{advertise}:{}", bound.port()),
     }
 }
 
@@ -132,8 +208,16 @@ pub(crate) fn check_api(api_host: &str, token: bool) -> Result<(), ApiNotLoopbac
     }
 }
 
-/// Warns, once at start, for every exposed address served without a token.
-pub(crate) fn warn_if_insecure(binds: &[(&'static str, &str)], token: bool) {
+/// Warns, once at start, for every exposed address served without a token, or with one in
+/// clear (`http`: the flags of HTTP ports checking a token without TLS).
+pub(crate) fn warn_if_insecure(binds: &[(&'static str, &str)], token: bool, http: &[&str]) {
+    for (flag, host) in exposed(binds).filter(|(flag, _)| token && http.contains(flag)) {
+        tracing::warn!(
+            flag,
+            host,
+            "--insecure: a bearer token in clear over plain HTTP on a non-loopback address; anyone on the path reads it"
+        );
+    }
     if token {
         return;
     }
@@ -185,6 +269,51 @@ mod tests {
     }
 
     #[test]
+    fn a_token_beyond_loopback_needs_tls_or_insecure() {
+        let port = ("--host", "10.0.0.5");
+        let e = check_clear(port, true, false, false).expect_err("in clear");
+        assert!(e.to_string().contains("--tls-cert and --tls-key"), "{e}");
+        assert_eq!(check_clear(port, true, true, false), Ok(()), "HTTPS");
+        assert_eq!(check_clear(port, true, false, true), Ok(()), "--insecure");
+        assert_eq!(check_clear(port, false, false, false), Ok(()), "no token");
+        assert_eq!(
+            check_clear(("--host", "127.0.0.1"), true, false, false),
+            Ok(())
+        );
+        for url in [
+            "http://10.0.0.5:8998",
+            "http://node-3:8998/",
+            "http://[fd00::5]:8998",
+            "http://0.0.0.0",
+        ] {
+            let e = check_clear_url(("--bootstrap", url), true, false).expect_err(url);
+            assert!(e.to_string().contains("https://"), "{e}");
+            assert_eq!(
+                check_clear_url(("--bootstrap", url), true, true),
+                Ok(()),
+                "{url}"
+            );
+            assert_eq!(
+                check_clear_url(("--bootstrap", url), false, false),
+                Ok(()),
+                "{url}"
+            );
+        }
+        for url in [
+            "https://10.0.0.5:8998",
+            "http://127.0.0.1:8998",
+            "http://localhost:8998/x",
+            "http://[::1]:8998",
+        ] {
+            assert_eq!(
+                check_clear_url(("--bootstrap", url), true, false),
+                Ok(()),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
     fn loopback_addresses() {
         for host in [
             "127.0.0.1",
@@ -218,14 +347,24 @@ mod tests {
     fn a_url_never_names_a_wildcard() {
         let at = |a: &str| a.parse::<std::net::SocketAddr>().unwrap();
         assert_eq!(
-            url_of(at("127.0.0.1:80"), "10.0.0.5"),
+            url_of(at("127.0.0.1:80"), "10.0.0.5", false),
             "http://127.0.0.1:80"
         );
-        assert_eq!(url_of(at("0.0.0.0:81"), "10.0.0.5"), "http://10.0.0.5:81");
-        assert_eq!(url_of(at("[::]:82"), "fd00::5"), "http://[fd00::5]:82");
-        assert_eq!(url_of(at("[::]:83"), "node-3"), "http://node-3:83");
+        assert_eq!(
+            url_of(at("0.0.0.0:81"), "10.0.0.5", false),
+            "http://10.0.0.5:81"
+        );
+        assert_eq!(
+            url_of(at("0.0.0.0:81"), "10.0.0.5", true),
+            "https://10.0.0.5:81"
+        );
+        assert_eq!(
+            url_of(at("[::]:82"), "fd00::5", false),
+            "http://[fd00::5]:82"
+        );
+        assert_eq!(url_of(at("[::]:83"), "node-3", false), "http://node-3:83");
         let wild = at("[::]:84");
-        assert_eq!(url_of(wild, loopback_of(wild)), "http://[::1]:84");
+        assert_eq!(url_of(wild, loopback_of(wild), false), "http://[::1]:84");
     }
 
     #[test]

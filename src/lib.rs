@@ -20,4 +20,5 @@ pub mod pool;
 pub mod protocol;
 pub mod proxy;
 pub mod reason;
+pub mod tls;
 pub mod transport;

@@ -82,6 +82,8 @@ pub struct ServerConfig {
     pub body_limit: usize,
     /// Where the registry's state lives.
     pub store: StoreConfig,
+    /// HTTPS: the registry's certificate and key (`None`: plain HTTP).
+    pub tls: Option<kvferry_wire::tls::ServerTls>,
 }
 
 impl Default for ServerConfig {
@@ -91,6 +93,7 @@ impl Default for ServerConfig {
             token: None,
             body_limit: DEFAULT_BODY_LIMIT,
             store: StoreConfig::Memory,
+            tls: None,
         }
     }
 }
@@ -193,7 +196,8 @@ pub async fn serve_store<S: Store>(
         None => kvferry_wire::http::Proof::Request,
     };
     let app = router(state, config.body_limit);
-    let server = kvferry_wire::http::serve(listener, app, shutdown.clone(), "registry", proof);
+    let tls = config.tls;
+    let server = kvferry_wire::http::serve(listener, app, shutdown.clone(), "registry", proof, tls);
     let result = tokio::select! {
         result = server => result,
         () = async {

@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -192,7 +193,8 @@ def spawn(
     # Nothing else is expected on stdout, but a library may print there (UCX logs to stdout by
     # default): it is drained into the log so the agent never blocks on a full pipe.
     threading.Thread(target=_drain, args=(proc.stdout, log), name="kvferry-sidecar-stdout", daemon=True).start()
-    return Sidecar(proc, listening, log, temporary, token=token)
+    tls_ca = options.get("tls_ca") or env.get("KVFERRY_TLS_CA")
+    return Sidecar(proc, listening, log, temporary, token=token, tls_ca=tls_ca)
 
 
 def _drain(out: Any, log: str) -> None:
@@ -243,7 +245,7 @@ class Sidecar:
 
     def __init__(
         self, proc: subprocess.Popen[bytes], listening: dict[str, Any], log: str, temporary: bool = False,
-        *, token: str | None = None,
+        *, token: str | None = None, tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self.process = proc
         # Sent with every call (the agent's API asks for it when the agent has one); never
@@ -257,6 +259,9 @@ class Sidecar:
         self.log = log
         url = urllib.parse.urlsplit(self.api_url)
         self._host, self._port = url.hostname, url.port
+        # An agent given --tls-cert serves HTTPS only: its certificate is checked against
+        # ``tls_ca`` (its --tls-ca, else KVFERRY_TLS_CA), or else the system's roots.
+        self._tls = ssl.create_default_context(cafile=os.fspath(tls_ca) if tls_ca else None) if url.scheme == "https" else None
         self._local = threading.local()
 
     # The prefill's control endpoint and the decode's data endpoint, as on the in-process agents.
@@ -288,7 +293,10 @@ class Sidecar:
                 conn.close()
                 conn = None
             if conn is None:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+                if self._tls is not None:
+                    conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._tls)
+                else:
+                    conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
                 self._local.conn = conn
                 self._local.used = time.monotonic()
             conn.timeout = timeout

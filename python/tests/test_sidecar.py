@@ -4,7 +4,12 @@ by its own log, and a sidecar that stops with its engine. test_agents.py runs ev
 operation and error surface on sidecars too; test_two_processes.py moves 100 rooms through
 them. ``python -m kvferry proxy`` runs the PD proxy from the package."""
 
+import http.client
 import os
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -146,9 +151,6 @@ def test_a_sidecar_stops_when_its_engine_dies(registry, tmp_path):
 
 def raw_status(url: str, method: str = "GET", headers: dict | None = None) -> int:
     """The status of one API call made without the Sidecar class (urllib)."""
-    import urllib.error
-    import urllib.request
-
     data = b"{}" if method == "POST" else None
     req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})}, method=method)
     try:
@@ -216,3 +218,39 @@ def test_a_sidecar_without_the_agents_token_is_refused_by_its_api(registry, monk
             blind.pool()
         assert "s3cret" not in str(e.value)
         assert decode.pool()["total_pages"] == 400
+
+
+def _certificates(dir) -> tuple[str, str, str]:
+    """A CA and a certificate it signed for 127.0.0.1 (openssl): ca, cert, key paths."""
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=dir)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=kvferry-test-ca")
+    run("req", *ec, "-keyout", "key.pem", "-out", "cert.csr", "-subj", "/CN=127.0.0.1")
+    (dir / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "cert.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "cert.pem", "-days", "2", "-extfile", "san.ext")
+    return str(dir / "ca.pem"), str(dir / "cert.pem"), str(dir / "key.pem")
+
+
+def test_a_sidecar_serving_https_is_called_over_it_and_never_in_clear(registry, monkeypatch, tmp_path):
+    """An agent given a certificate (``tls_cert``, ``tls_key``) serves its engine API over
+    HTTPS only: the Sidecar calls it over TLS, checking the certificate against ``tls_ca``; a
+    plain HTTP request to the same port is not served."""
+    monkeypatch.delenv("KVFERRY_TOKEN", raising=False)
+    ca, cert, key = _certificates(tmp_path)
+    with kvferry.spawn("decode", token="s3cret", tls_cert=cert, tls_key=key, tls_ca=ca,
+                       **options(registry)) as decode:
+        assert decode.api_url.startswith("https://127.0.0.1:"), decode.api_url
+        assert decode.pool()["total_pages"] == 400
+        plain = decode.api_url.replace("https://", "http://", 1)
+        # rustls answers it with a TLS alert, which no HTTP client takes for an answer.
+        with pytest.raises((OSError, http.client.HTTPException)):
+            urllib.request.urlopen(plain + "/healthz", timeout=30).read()
+        # A client that does not trust the agent's CA refuses its certificate.
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(decode.api_url + "/healthz", timeout=30,
+                                   context=ssl.create_default_context()).read()
+        trusting = ssl.create_default_context(cafile=ca)
+        assert urllib.request.urlopen(decode.api_url + "/healthz", timeout=30, context=trusting).status == 200

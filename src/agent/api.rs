@@ -270,12 +270,16 @@ impl WaitQuery {
     }
 }
 
-/// Serves `app` on `listener` as one of `tasks` until `shutdown`; `token`: whether `app` checks
-/// one ([`finish`]), so that only a request past the check proves its connection.
+/// Serves `app` on `listener` (HTTPS with `tls`) as one of `tasks` until `shutdown`; `token`:
+/// whether `app` checks one ([`finish`]), so that only a request past the check proves its
+/// connection.
 pub fn spawn_api(
     tasks: &mut tokio::task::JoinSet<()>,
-    listener: tokio::net::TcpListener,
-    app: axum::Router,
+    (listener, app, tls): (
+        tokio::net::TcpListener,
+        axum::Router,
+        Option<kvferry_wire::tls::ServerTls>,
+    ),
     shutdown: tokio_util::sync::CancellationToken,
     (role, token): (&'static str, bool),
 ) {
@@ -284,7 +288,7 @@ pub fn spawn_api(
         false => kvferry_wire::http::Proof::Request,
     };
     tasks.spawn(async move {
-        let serve = kvferry_wire::http::serve(listener, app, shutdown, "engine API", proof);
+        let serve = kvferry_wire::http::serve(listener, app, shutdown, "engine API", proof, tls);
         if let Err(e) = serve.await {
             tracing::error!(role, error = %e, "engine API stopped");
         }

@@ -129,11 +129,16 @@ pub struct AgentOptions {
     /// in Hello to the prefills they list; the engine API asks for it as a bearer token.
     #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
-    /// Serve a non-loopback --host without --token (warns at start). Only for networks where
+    /// Serve a non-loopback --host without --token, or send and check the token over plain
+    /// HTTP beyond loopback (--bootstrap, --api-host; warns at start). Only for networks where
     /// every host that can reach the agent is trusted. The engine API (--api-host) beyond
     /// loopback always needs --token.
     #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     pub insecure: bool,
+    /// HTTPS for the engine API (--tls-cert, --tls-key) and the registries' certificates
+    /// (--tls-ca).
+    #[command(flatten)]
+    pub tls: crate::tls::TlsOptions,
     /// Largest chunk of staging bytes moved at once (smaller ones make ZeroMQ rooms slower:
     /// docs/benchmarks.md, "Figures behind design choices").
     #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
@@ -283,6 +288,13 @@ impl AgentOptions {
         }
         crate::exposure::check_api(&self.api_host, self.token.is_some())?;
         crate::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
+        let token = self.token.is_some();
+        let api = ("--api-host", self.api_host.as_str());
+        crate::exposure::check_clear(api, token, self.tls.serves(), self.insecure)?;
+        for url in self.bootstrap.split(',') {
+            crate::exposure::check_clear_url(("--bootstrap", url.trim()), token, self.insecure)?;
+        }
+        let api_tls = self.tls.load()?;
         let registries = super::TrustedRegistries::new(&self.bootstrap, &self.allowed_registries)?;
         #[cfg(feature = "ucx")]
         if self.transport == crate::transport::TransportKind::Ucx
@@ -375,6 +387,7 @@ impl AgentOptions {
             data_port: self.data_port,
             api_host: self.api_host.clone(),
             api_port: self.api_port,
+            api_tls,
             synthetic: self.synthetic,
             synthetic_verify: self.synthetic_verify,
             token: self.token.clone(),

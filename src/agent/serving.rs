@@ -58,18 +58,18 @@ impl Draining {
 
 impl Serving {
     /// Registers the rank (its lease renewed until `shutdown`), then runs the role's `tasks`
-    /// and serves the engine API `app` on `listener` beside them; `role`: its name, and whether
-    /// `app` checks a token.
+    /// and serves the engine API `app` on `listener` (over HTTPS with its TLS) beside them;
+    /// `role`: its name, and whether `app` checks a token.
     pub(crate) async fn start(
         registry: &RegistryClient,
         registration: Registration,
         mut tasks: JoinSet<()>,
-        (listener, app): (TcpListener, Router),
+        (listener, app, tls): (TcpListener, Router, Option<kvferry_wire::tls::ServerTls>),
         shutdown: CancellationToken,
         role: (&'static str, bool),
     ) -> Result<Self, AgentError> {
         let keep_alive = registry.keep_alive(registration, shutdown.clone()).await?;
-        api::spawn_api(&mut tasks, listener, app, shutdown, role);
+        api::spawn_api(&mut tasks, (listener, app, tls), shutdown, role);
         Ok(Serving { tasks, keep_alive })
     }
 

@@ -26,7 +26,12 @@ enum Running {
 /// Runs an agent until SIGINT or SIGTERM.
 pub(crate) fn run(role: AgentRole, args: AgentOptions) -> anyhow::Result<()> {
     let cfg = args.config()?;
-    crate::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
+    let in_clear: &[&str] = if args.tls.serves() {
+        &[]
+    } else {
+        &["--api-host"]
+    };
+    crate::exposure::warn_if_insecure(&args.binds(), args.token.is_some(), in_clear);
     keep_large_allocations();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

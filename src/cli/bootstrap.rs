@@ -43,10 +43,13 @@ pub struct BootstrapArgs {
     #[arg(long, env = "KVFERRY_BOOTSTRAP_STORE", default_value = "memory")]
     store: StoreConfig,
 
-    /// Serve a non-loopback --host without --token (warns at start). Only for networks where
-    /// every host that can reach the registry is trusted.
+    /// Serve a non-loopback --host without --token, or with --token over plain HTTP (warns at
+    /// start). Only for networks where every host that can reach the registry is trusted.
     #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     insecure: bool,
+
+    #[command(flatten)]
+    tls: crate::tls::TlsOptions,
 }
 
 /// Why the arguments cannot be served.
@@ -63,6 +66,8 @@ enum ArgsError {
     EmptyToken,
     #[error(transparent)]
     Exposed(#[from] crate::exposure::NotLoopback),
+    #[error(transparent)]
+    InClear(#[from] crate::exposure::InClear),
 }
 
 impl BootstrapArgs {
@@ -77,6 +82,8 @@ impl BootstrapArgs {
             return Err(ArgsError::EmptyToken);
         }
         crate::exposure::check(&self.binds(), self.token.is_some(), self.insecure)?;
+        let (token, tls) = (self.token.is_some(), self.tls.serves());
+        crate::exposure::check_clear(self.binds()[0], token, tls, self.insecure)?;
         Ok(())
     }
 
@@ -108,7 +115,8 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
         .local_addr()
         .context("reading the listening address")?;
     // A wildcard bind is named at this host's loopback, an address a client can use.
-    let url = crate::exposure::url_of(local, crate::exposure::loopback_of(local));
+    let tls = args.tls.load()?;
+    let url = crate::exposure::url_of(local, crate::exposure::loopback_of(local), tls.is_some());
     let store = args.store.to_string();
     let line =
         serde_json::json!({"event": "listening", "role": "bootstrap", "url": url, "store": store});
@@ -118,12 +126,14 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
         stdout.flush().context("flushing stdout")?;
     }
     tracing::info!(%url, %store, lease_ttl_ms = args.lease_ttl_ms, auth = args.token.is_some(), "bootstrap registry listening");
-    crate::exposure::warn_if_insecure(&args.binds(), args.token.is_some());
+    let in_clear: &[&str] = if tls.is_some() { &[] } else { &["--host"] };
+    crate::exposure::warn_if_insecure(&args.binds(), args.token.is_some(), in_clear);
 
     let config = ServerConfig {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms),
         token: args.token,
         store: args.store,
+        tls,
         ..ServerConfig::default()
     };
     let served = serve(listener, config, shutdown.clone()).await;

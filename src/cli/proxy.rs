@@ -76,9 +76,35 @@ pub struct ProxyArgs {
     /// key to them.
     #[arg(long, env = "KVFERRY_PROXY_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+
+    /// Check --api-key over plain HTTP on a non-loopback --host, or send --token to a plain
+    /// http:// --bootstrap beyond loopback (warns at start). Only for networks where every
+    /// host on the path is trusted.
+    #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
+    insecure: bool,
+
+    /// HTTPS for the proxy's port (--tls-cert, --tls-key) and the certificates of the servers
+    /// and registries it calls (--tls-ca).
+    #[command(flatten)]
+    tls: crate::tls::TlsOptions,
+}
+
+impl ProxyArgs {
+    /// Refuses a key or token that would cross the network in clear.
+    fn check(&self) -> Result<(), crate::exposure::InClear> {
+        let key = self.api_key.is_some();
+        let host = ("--host", self.host.as_str());
+        crate::exposure::check_clear(host, key, self.tls.serves(), self.insecure)?;
+        for url in self.bootstrap.iter().flat_map(|urls| urls.split(',')) {
+            let url = ("--bootstrap", url.trim());
+            crate::exposure::check_clear_url(url, self.token.is_some(), self.insecure)?;
+        }
+        Ok(())
+    }
 }
 
 pub(crate) fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    args.check()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -90,6 +116,7 @@ pub(crate) fn run(args: ProxyArgs) -> anyhow::Result<()> {
 async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let signals = super::signal::on_signal(shutdown.clone());
+    let tls = args.tls.load()?;
     let http = kvferry_wire::http::client()
         .build()
         .context("building the HTTP client")?;
@@ -118,7 +145,8 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     // line: a request that comes right after it finds the servers that were up.
     proxy.first_round().await;
     let watcher = tokio::spawn(proxy.clone().watch(period));
-    let url = format!("http://{}", listener.local_addr()?);
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let url = format!("{scheme}://{}", listener.local_addr()?);
     let line = json!({"event": "listening", "role": "proxy", "url": url});
     {
         let mut stdout = std::io::stdout().lock();
@@ -132,6 +160,7 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
         shutdown,
         "proxy",
         kvferry_wire::http::Proof::Request,
+        tls,
     )
     .await;
     signals.abort();

@@ -207,7 +207,7 @@ mod tests {
             prefills: Arc::new(Backends::new(&[], false, None)),
             decodes: Arc::new(Backends::new(&[url], false, None)),
             pairing: Pairing::Sequential,
-            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            http: kvferry_wire::http::client().build().unwrap(),
             metrics: ProxyMetrics::default(),
             api_key: None,
             registry: None,

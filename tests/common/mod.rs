@@ -168,8 +168,7 @@ pub fn runtime() -> tokio::runtime::Runtime {
 
 /// An HTTP client that talks to loopback directly, whatever the proxy variables say.
 pub fn http() -> Client {
-    Client::builder()
-        .no_proxy()
+    kvferry_wire::http::client()
         .timeout(Duration::from_secs(90))
         .build()
         .expect("reqwest client")
@@ -181,8 +180,7 @@ pub fn http_with_token(token: &str) -> Client {
     let mut headers = reqwest::header::HeaderMap::new();
     let value = format!("Bearer {token}").parse().expect("a header value");
     headers.insert(reqwest::header::AUTHORIZATION, value);
-    Client::builder()
-        .no_proxy()
+    kvferry_wire::http::client()
         .timeout(Duration::from_secs(90))
         .default_headers(headers)
         .build()

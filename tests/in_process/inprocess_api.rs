@@ -681,8 +681,7 @@ fn the_rust_handles_and_the_http_api_give_the_same_results() {
         let decode = DecodeAgent::start(config, shutdown.clone())
             .await
             .expect("decode agent");
-        let http = reqwest::Client::builder()
-            .no_proxy()
+        let http = kvferry_wire::http::client()
             .timeout(Duration::from_secs(90))
             .build()
             .unwrap();

@@ -154,7 +154,7 @@ fn rooms_back_to_back_share_a_lookup_and_a_restarted_prefill_still_serves() {
         let decode = DecodeAgent::start(cfg.clone(), shutdown.clone())
             .await
             .unwrap();
-        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        let http = kvferry_wire::http::client().build().unwrap();
 
         let before = lookups(&http, &registry).await;
         let t = Instant::now();

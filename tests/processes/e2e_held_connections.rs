@@ -494,7 +494,7 @@ fn silent_connections_on_the_proxy_never_keep_a_request_out() {
     let proxy = common::spawn(&release_binary(), &prefix, "proxy", &args, &[], &logs);
     let url = proxy.field("url").unwrap();
     // A new connection for every request, as a new client's.
-    let client = reqwest::Client::builder()
+    let client = kvferry_wire::http::client()
         .pool_max_idle_per_host(0)
         .timeout(BOUND)
         .build()

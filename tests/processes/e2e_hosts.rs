@@ -1,8 +1,11 @@
 //! Hosts apart: three network namespaces on one switched network (`common::netns`), a registry
 //! host, a prefill host with two prefill ranks (TP2) and a decode host with one decode rank
 //! (TP1). Every process binds its host's wildcard address, advertises the host's own address
-//! (`--advertise-host`) and listens on pinned ports, with a shared token, as on a real cluster.
-//! The test's HTTP client runs in the switch, so it reaches every host over the network.
+//! (`--advertise-host`) and listens on pinned ports, with a shared token, as on a real cluster:
+//! the registry and the engine APIs serve HTTPS with certificates of the test's own CA, which
+//! the agents and the test trust (`--tls-ca`), so the token never crosses the network in an
+//! HTTP request in clear. The test's HTTP client runs in the switch, so it reaches every host
+//! over the network.
 //!
 //! Per transport (zmq-tcp; ucx-tcp with UCX pinned to the namespace's veth device):
 //! - rooms of mixed lengths land verified (every byte checked by the synthetic decode on take);
@@ -69,23 +72,41 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
         dec_host.ip,
         logs.display()
     );
+    // One certificate for every host's address, signed by the test's CA.
+    let ips = [
+        reg_host.ip.as_str(),
+        pre_host.ip.as_str(),
+        dec_host.ip.as_str(),
+    ];
+    let certs = kvferry_wire::tls::testing::certificates_in(&logs, &ips);
+    kvferry_wire::tls::trust(&certs.ca).expect("trust the test's CA");
+    let path = |p: &std::path::Path| p.display().to_string();
+    let tls = [
+        ("--tls-cert", path(&certs.cert)),
+        ("--tls-key", path(&certs.key)),
+        ("--tls-ca", path(&certs.ca)),
+    ];
+    let mut registry_args = owned(&[
+        "bootstrap",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        &REGISTRY_PORT.to_string(),
+        "--token",
+        TOKEN,
+    ]);
+    for (flag, value) in &tls[..2] {
+        set_flag(&mut registry_args, flag, value);
+    }
     let registry = common::spawn(
         &exe,
         &reg_host.exec(),
         "registry",
-        &owned(&[
-            "bootstrap",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            &REGISTRY_PORT.to_string(),
-            "--token",
-            TOKEN,
-        ]),
+        &registry_args,
         env,
         &logs,
     );
-    let url = format!("http://{}:{REGISTRY_PORT}", reg_host.ip);
+    let url = format!("https://{}:{REGISTRY_PORT}", reg_host.ip);
     let opts = AgentOpts {
         transport,
         heartbeat_ms: 100,
@@ -107,13 +128,16 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
             ("--tp-rank", rank.to_string()),
             ("--tp-size", size.to_string()),
             ("--synthetic-layer-ms", LAYER_MS.to_owned()),
-        ] {
+        ]
+        .into_iter()
+        .chain(tls.iter().cloned())
+        {
             set_flag(&mut args, flag, &value);
         }
         let name = format!("{role}-{rank}");
         let spawned = common::spawn(&exe, &host.exec(), &name, &args, env, &logs);
         let api = spawned.field("api").unwrap();
-        let want = format!("http://{}:{}", host.ip, API_PORT + rank);
+        let want = format!("https://{}:{}", host.ip, API_PORT + rank);
         assert_eq!(api, want, "{name}'s API is where it was pinned");
         (spawned, api)
     };

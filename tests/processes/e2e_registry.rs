@@ -3,7 +3,9 @@
 //! - credentials are not optional off loopback: `bootstrap`, `prefill` and `decode` refuse a
 //!   non-loopback listening address without `--token`, unless `--insecure` (which warns); an
 //!   engine API beyond loopback needs the token whatever `--insecure` says, and its listening
-//!   line names an address a client can use, never the wildcard it binds;
+//!   line names an address a client can use, never the wildcard it binds; a token checked or
+//!   sent beyond loopback needs HTTPS (`--tls-cert`, `--tls-key`; an `https://` registry), or
+//!   `--insecure`, and the ports then serve HTTPS only;
 //! - a live rank is never replaced: a second agent started with the same ranks gets 409s and
 //!   exits non-zero naming the holder while the first keeps serving; a prefill restarted while
 //!   its killed predecessor's lease is live waits, then registers, and rooms succeed; an agent
@@ -72,8 +74,61 @@ fn log_text(path: &Path) -> String {
 fn non_loopback_addresses_need_a_token_or_insecure() {
     let exe = release_binary();
     let logs = kvferry::cluster::log_dir("registry-exposure").expect("log dir");
+    let in_clear = "is not loopback and its port checks a bearer token, which plain HTTP \
+                    carries in clear: give --tls-cert and --tls-key (HTTPS), or --insecure";
+    let host_in_clear = format!("--host 0.0.0.0 {in_clear}");
+    let api_in_clear = format!("--api-host 0.0.0.0 {in_clear}");
     // Refused at start, naming the flag and the address, exit 1.
     for (args, says) in [
+        (
+            vec![
+                "bootstrap",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                "0",
+                "--token",
+                "t0k",
+            ],
+            host_in_clear.as_str(),
+        ),
+        (
+            vec![
+                "decode",
+                "--api-host",
+                "0.0.0.0",
+                "--token",
+                "t0k",
+                "--synthetic",
+            ],
+            api_in_clear.as_str(),
+        ),
+        (
+            vec![
+                "decode",
+                "--bootstrap",
+                "http://10.0.0.5:8998",
+                "--token",
+                "t0k",
+                "--synthetic",
+            ],
+            "--bootstrap http://10.0.0.5:8998 is plain HTTP beyond loopback and the token would \
+             travel in clear: serve it over HTTPS and give its https:// URL, or --insecure",
+        ),
+        (
+            vec![
+                "proxy",
+                "--host",
+                "0.0.0.0",
+                "--api-key",
+                "k3y",
+                "--prefill",
+                "http://127.0.0.1:9",
+                "--decode",
+                "http://127.0.0.1:9",
+            ],
+            host_in_clear.as_str(),
+        ),
         (
             vec!["bootstrap", "--host", "0.0.0.0", "--port", "0"],
             "--host 0.0.0.0 is not loopback: give --token or --insecure",
@@ -130,21 +185,30 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
     assert!(url.starts_with("http://127.0.0.1:"), "{url}");
     let port = url.rsplit(':').next().unwrap().to_owned();
     let local = format!("http://127.0.0.1:{port}");
+    // With a token beyond loopback: HTTPS, with a certificate of the test's CA.
+    let certs = kvferry_wire::tls::testing::certificates_in(&logs, &["127.0.0.1"]);
+    kvferry_wire::tls::trust(&certs.ca).expect("trust the test's CA");
+    let (cert, key, ca) = (
+        certs.cert.display().to_string(),
+        certs.key.display().to_string(),
+        certs.ca.display().to_string(),
+    );
+    let tls = ["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca];
+    let mut registry_args = vec!["bootstrap", "--host", "0.0.0.0", "--port", "0"];
+    registry_args.extend(["--token", "t0k"]);
+    registry_args.extend(&tls[..4]);
     let with_token = common::spawn(
         &exe,
         &[],
         "registry-token",
-        &owned(&[
-            "bootstrap",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            "0",
-            "--token",
-            "t0k",
-        ]),
+        &owned(&registry_args),
         &[],
         &logs,
+    );
+    let registry_tls = with_token.field("url").unwrap();
+    assert!(
+        registry_tls.starts_with("https://127.0.0.1:"),
+        "{registry_tls}"
     );
     // The agent's own switch, by environment this time.
     let decode = common::spawn(
@@ -168,28 +232,41 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
     // An engine API on every address, with the token: the listening line names the
     // advertised address (here the bound --host's), and only /healthz and /metrics answer
     // without the token.
+    // It serves HTTPS and registers with the HTTPS registry.
+    let mut exposed_args = vec![
+        "decode",
+        "--bootstrap",
+        &registry_tls,
+        "--api-host",
+        "0.0.0.0",
+    ];
+    exposed_args.extend(["--token", "t0k", "--synthetic"]);
+    exposed_args.extend(tls);
     let exposed = common::spawn(
         &exe,
         &[],
         "decode-exposed-api",
-        &owned(&[
-            "decode",
-            "--bootstrap",
-            &local,
-            "--api-host",
-            "0.0.0.0",
-            "--token",
-            "t0k",
-            "--synthetic",
-        ]),
+        &owned(&exposed_args),
         &[],
         &logs,
     );
     let api = exposed.field("api").unwrap();
     println!("decode with --api-host 0.0.0.0 listens at {api}");
-    assert!(api.starts_with("http://127.0.0.1:"), "{api}");
+    assert!(api.starts_with("https://127.0.0.1:"), "{api}");
     runtime().block_on(async {
         let (open, with) = (http(), http_with_token("t0k"));
+        // Plain HTTP to the HTTPS port is never served.
+        let plain = api.replacen("https://", "http://", 1);
+        let answer = http().get(format!("{plain}/healthz")).send().await;
+        assert!(
+            answer.as_ref().map_or(true, |a| !a.status().is_success()),
+            "plain HTTP was served on an HTTPS port: {answer:?}"
+        );
+        let ranks = format!("{registry_tls}/v1/ranks");
+        assert_eq!(
+            call(&with, Method::GET, &ranks, None).await.0,
+            StatusCode::OK
+        );
         let pool = format!("{api}/v1/pool");
         assert_eq!(
             call(&open, Method::GET, &pool, None).await.0,

@@ -13,6 +13,8 @@
 //! the next request's head must arrive whole within [`HEADER_TIMEOUT`], else the connection is
 //! closed, so neither an idle keep-alive connection nor one that sends its headers a byte at a
 //! time holds a socket and a task for ever. A request being answered is never timed out.
+//! A port given a certificate ([`ServerTls`]) serves HTTPS only: its TLS handshake must end
+//! within the same bound as a request head.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admission::{Admission, Admitted};
+use crate::tls::ServerTls;
 
 /// The content type of every kvferry `/metrics` answer (registry, agents, proxy): the
 /// OpenMetrics text format that `prometheus-client` writes.
@@ -78,11 +81,15 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 pub const CLIENT_IDLE: Duration = Duration::from_secs(20);
 
 /// The builder of kvferry's HTTP clients (of its own ports and of engines'): no proxy from
-/// the environment, idle connections kept for [`CLIENT_IDLE`] at most.
+/// the environment, idle connections kept for [`CLIENT_IDLE`] at most, HTTPS trusting the
+/// system's roots and the certificates given to [`crate::tls::trust`].
 pub fn client() -> reqwest::ClientBuilder {
-    reqwest::Client::builder()
-        .no_proxy()
-        .pool_idle_timeout(CLIENT_IDLE)
+    #[allow(clippy::disallowed_methods)] // the one place that builds them
+    crate::tls::client(
+        reqwest::Client::builder()
+            .no_proxy()
+            .pool_idle_timeout(CLIENT_IDLE),
+    )
 }
 
 /// How long the accept loop pauses after the OS refused an accept (out of descriptors): the
@@ -112,26 +119,44 @@ pub fn prove<B>(request: &hyper::Request<B>) {
 
 /// Serves `app` on `listener` until `shutdown` is cancelled, then lets open requests finish
 /// and returns once every connection closed. `what` names the port in logs ("registry",
-/// "engine API", "proxy"); `proof` says what proves a connection.
+/// "engine API", "proxy"); `proof` says what proves a connection; with `tls`, every
+/// connection is HTTPS.
 pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
     shutdown: CancellationToken,
     what: &'static str,
     proof: Proof,
+    tls: Option<ServerTls>,
 ) -> std::io::Result<()> {
-    serve_with(listener, app, shutdown, what, proof, HEADER_TIMEOUT).await
+    let port = Port {
+        app,
+        what,
+        proof,
+        tls,
+        header_timeout: HEADER_TIMEOUT,
+    };
+    serve_with(listener, port, shutdown).await
 }
 
-/// [`serve`] with another bound than [`HEADER_TIMEOUT`] on a request head (tests).
-async fn serve_with(
-    listener: TcpListener,
+/// How a port serves each of its connections.
+#[derive(Clone)]
+struct Port {
     app: axum::Router,
-    shutdown: CancellationToken,
     what: &'static str,
     proof: Proof,
+    tls: Option<ServerTls>,
+    /// The bound on a request head and on a TLS handshake ([`HEADER_TIMEOUT`]).
     header_timeout: Duration,
+}
+
+/// [`serve`] of a [`Port`] (tests give another bound than [`HEADER_TIMEOUT`]).
+async fn serve_with(
+    listener: TcpListener,
+    port: Port,
+    shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    let what = port.what;
     let admission = Admission::new(what);
     let tasks = TaskTracker::new();
     loop {
@@ -149,14 +174,7 @@ async fn serve_with(
             },
         };
         let admitted = admission.admit(peer.to_string());
-        tasks.spawn(connection(
-            stream,
-            app.clone(),
-            admitted,
-            proof,
-            shutdown.clone(),
-            header_timeout,
-        ));
+        tasks.spawn(connection(stream, port.clone(), admitted, shutdown.clone()));
     }
     drop(listener);
     tasks.close();
@@ -164,15 +182,47 @@ async fn serve_with(
     Ok(())
 }
 
+/// Serves one accepted connection, after its TLS handshake on an HTTPS port.
 async fn connection(
     stream: tokio::net::TcpStream,
-    app: axum::Router,
+    port: Port,
     admitted: Admitted,
-    proof: Proof,
     shutdown: CancellationToken,
-    header_timeout: Duration,
 ) {
     let admitted = Arc::new(admitted);
+    let Some(tls) = port.tls.clone() else {
+        return http(stream, port, admitted, shutdown).await;
+    };
+    let handshake = tokio::time::timeout(port.header_timeout, tls.acceptor().accept(stream));
+    let stream = tokio::select! {
+        shaken = handshake => match shaken {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => {
+                tracing::debug!(port = port.what, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(port = port.what, "TLS handshake not done in time: closed");
+                return;
+            }
+        },
+        () = admitted.dropped() => return,
+        () = shutdown.cancelled() => return,
+    };
+    http(stream, port, admitted, shutdown).await
+}
+
+/// Serves HTTP/1.1 on one connection (plain or TLS).
+async fn http<S>(stream: S, port: Port, admitted: Arc<Admitted>, shutdown: CancellationToken)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let Port {
+        app,
+        proof,
+        header_timeout,
+        ..
+    } = port;
     let inner = TowerToHyperService::new(app);
     let connection = Connection(admitted.clone());
     let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
@@ -265,7 +315,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
         let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve(listener, app, shutdown.clone(), "test", proof));
+        let server = tokio::spawn(serve(listener, app, shutdown.clone(), "test", proof, None));
         let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
         client
             .write_all(b"GET /slow HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n")
@@ -327,14 +377,14 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
         let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve_with(
-            listener,
+        let port = Port {
             app,
-            shutdown.clone(),
-            "test",
-            Proof::Request,
-            bound,
-        ));
+            what: "test",
+            proof: Proof::Request,
+            tls: None,
+            header_timeout: bound,
+        };
+        let server = tokio::spawn(serve_with(listener, port, shutdown.clone()));
         for trickle in [false, true] {
             let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
             client

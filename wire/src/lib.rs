@@ -5,6 +5,7 @@
 //!   peers' on every port;
 //! - [`http`]: serving an axum router with that bound (registry, agents' engine API, proxy),
 //!   the bearer-token check and the `/metrics` content type;
+//! - [`tls`]: HTTPS on those ports (rustls) and the certificates kvferry's clients trust;
 //! - [`kv`]: the names the KV cache goes by wherever it is described ([`Dtype`],
 //!   [`AttentionKind`]), in the registry's JSON, in Hello and on the command line.
 //!
@@ -13,5 +14,6 @@
 pub mod admission;
 pub mod http;
 pub mod kv;
+pub mod tls;
 
 pub use kv::{AttentionKind, Dtype, UnknownName};

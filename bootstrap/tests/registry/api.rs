@@ -126,7 +126,9 @@ async fn lease_expires_without_heartbeat_and_heartbeat_keeps_it() {
     assert_eq!(ids, vec![kept.instance_id]);
 
     // The registry no longer knows `left`: a raw heartbeat is a 404, the client re-registers.
-    let raw = reqwest::Client::new()
+    let raw = kvferry_wire::http::client()
+        .build()
+        .unwrap()
         .post(server.at(&format!("/v1/ranks/{}/heartbeat", left.instance_id)))
         .send()
         .await
@@ -158,7 +160,7 @@ async fn lease_expires_without_heartbeat_and_heartbeat_keeps_it() {
 async fn live_slot_is_refused_409_naming_the_holder() {
     let server = TestServer::start(ServerConfig::default()).await;
     let client = RegistryClient::new(&server.url, None).unwrap();
-    let http = reqwest::Client::new();
+    let http = kvferry_wire::http::client().build().unwrap();
     let old = prefill(0, 0, 1, 0, 1);
     let post =
         |r: &kvferry_bootstrap::Registration| http.post(server.at("/v1/ranks")).json(r).send();
@@ -208,7 +210,7 @@ async fn live_slot_is_refused_409_naming_the_holder() {
 #[tokio::test]
 async fn restarted_rank_waits_out_its_dead_predecessors_lease() {
     let server = TestServer::start(ttl_ms(600)).await;
-    let http = reqwest::Client::new();
+    let http = kvferry_wire::http::client().build().unwrap();
     let client = RegistryClient::new(&server.url, None).unwrap();
     // The predecessor registered and died: nothing renews its lease.
     let dead = prefill(0, 0, 1, 0, 1);
@@ -399,7 +401,9 @@ async fn topology_conflict_is_409_naming_the_field() {
     client.register(&prefill(0, 0, 2, 0, 1)).await.unwrap();
     let mut other = prefill(0, 1, 2, 0, 1);
     other.layout.page_size = 32;
-    let resp = reqwest::Client::new()
+    let resp = kvferry_wire::http::client()
+        .build()
+        .unwrap()
         .post(server.at("/v1/ranks"))
         .json(&other)
         .send()

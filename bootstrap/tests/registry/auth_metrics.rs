@@ -19,7 +19,7 @@ async fn every_route_but_healthz_needs_the_token() {
         ..ServerConfig::default()
     })
     .await;
-    let http = reqwest::Client::new();
+    let http = kvferry_wire::http::client().build().unwrap();
     let r = prefill(0, 0, 1, 0, 1);
     let register = || http.post(server.at("/v1/ranks")).json(&r);
 
@@ -102,7 +102,13 @@ async fn every_route_but_healthz_needs_the_token() {
 /// `/metrics` as `name{labels}` -> value, after checking that it is OpenMetrics text a strict
 /// parser accepts (every sample in a declared family, `# EOF` at the end).
 async fn scrape(server: &TestServer) -> HashMap<String, f64> {
-    let resp = reqwest::get(server.at("/metrics")).await.unwrap();
+    let resp = kvferry_wire::http::client()
+        .build()
+        .unwrap()
+        .get(server.at("/metrics"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     let content_type = resp.headers()["content-type"].to_str().unwrap().to_owned();
     assert_eq!(content_type, kvferry_wire::http::OPENMETRICS_CONTENT_TYPE);
@@ -123,7 +129,7 @@ async fn scrape(server: &TestServer) -> HashMap<String, f64> {
 async fn metrics_count_what_happened() {
     let server = TestServer::start(ServerConfig::default()).await;
     let client = RegistryClient::new(&server.url, None).unwrap();
-    let http = reqwest::Client::new();
+    let http = kvferry_wire::http::client().build().unwrap();
 
     let a = prefill(0, 0, 2, 0, 1);
     client.register(&a).await.unwrap();

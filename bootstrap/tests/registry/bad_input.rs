@@ -245,7 +245,7 @@ fn cases() -> Vec<Case> {
 #[tokio::test]
 async fn malformed_requests_get_a_4xx_with_a_json_error() {
     let server = TestServer::start(ServerConfig::default()).await;
-    let http = reqwest::Client::new();
+    let http = kvferry_wire::http::client().build().unwrap();
     let cases = cases();
     assert!(cases.len() >= 15);
     for case in cases {

@@ -50,11 +50,7 @@ async fn replica(store: &str, ttl: Duration) -> TestServer {
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(BOUND)
-        .build()
-        .unwrap()
+    kvferry_wire::http::client().timeout(BOUND).build().unwrap()
 }
 
 /// POST /v1/ranks: the status and the error body when not a success.

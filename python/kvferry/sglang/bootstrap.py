@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -38,8 +39,12 @@ def connect_host(host: str) -> str:
 
 
 def url_of(host: str, port: int) -> str:
+    """The URL of the registry a prefill server runs at its bootstrap ``host:port``: HTTPS when
+    this server's kvferry has a certificate (``KVFERRY_TLS_CERT``), since the servers of one
+    deployment share their kvferry settings and the registry takes the same variables."""
     host = connect_host(host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if os.environ.get("KVFERRY_TLS_CERT") else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def spawn_registry(host: str, port: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -76,9 +81,12 @@ def wait_for_registry(url: str, timeout: float = REGISTRY_WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     first = url.split(",")[0].rstrip("/")
+    # An HTTPS registry's certificate is checked against the agents' CA (KVFERRY_TLS_CA).
+    ca = os.environ.get("KVFERRY_TLS_CA")
+    tls = ssl.create_default_context(cafile=ca or None) if first.startswith("https://") else None
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{first}/healthz", timeout=2.0) as r:
+            with urllib.request.urlopen(f"{first}/healthz", timeout=2.0, context=tls) as r:
                 if r.status == 200:
                     return
         except Exception as e:  # noqa: BLE001 - retried until the deadline

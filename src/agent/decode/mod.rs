@@ -139,7 +139,11 @@ impl DecodeAgent {
         };
         let (shared_pool, serving) = shared.unzip();
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
-        let api_url = crate::exposure::url_of(listener.local_addr()?, &cfg.advertise_host);
+        let api_url = crate::exposure::url_of(
+            listener.local_addr()?,
+            &cfg.advertise_host,
+            cfg.api_tls.is_some(),
+        );
         let endpoints = [(cfg.transport.name().to_owned(), data_endpoint.clone())].into();
         let reg = super::registration(Role::Decode, instance, &cfg, api_url.clone(), endpoints);
         let inner = Arc::new(Decode {
@@ -172,7 +176,11 @@ impl DecodeAgent {
         tasks.spawn(receive_chunks(inner.clone(), receiver));
         tasks.spawn(expire_rooms(inner.clone()));
         let app = routes(inner.cfg.fault_injection, inner.cfg.token.clone());
-        let api = (listener, app.with_state(inner.clone()));
+        let api = (
+            listener,
+            app.with_state(inner.clone()),
+            inner.cfg.api_tls.clone(),
+        );
         let token = inner.cfg.token.is_some();
         let serving =
             super::Serving::start(&registry, reg, tasks, api, shutdown, ("decode", token)).await?;

@@ -129,7 +129,11 @@ impl PrefillAgent {
             ControlServer::bind(&cfg.host, cfg.control_port, &options).await?;
         let control_endpoint = transport::advertised(&bound, &cfg.advertise_host);
         let listener = tokio::net::TcpListener::bind((cfg.api_host.as_str(), cfg.api_port)).await?;
-        let api_url = crate::exposure::url_of(listener.local_addr()?, &cfg.advertise_host);
+        let api_url = crate::exposure::url_of(
+            listener.local_addr()?,
+            &cfg.advertise_host,
+            cfg.api_tls.is_some(),
+        );
         let slots = Arc::new(pool.slots());
         let synthetic = SyntheticEngine::configured(&cfg, pool.num_pages());
         let reg = super::registration(
@@ -163,7 +167,11 @@ impl PrefillAgent {
         tasks.spawn(control_loop(inner.clone(), server));
         tasks.spawn(housekeeping(inner.clone()));
         let app = routes(inner.cfg.fault_injection, inner.cfg.token.clone());
-        let api = (listener, app.with_state(inner.clone()));
+        let api = (
+            listener,
+            app.with_state(inner.clone()),
+            inner.cfg.api_tls.clone(),
+        );
         let token = inner.cfg.token.is_some();
         let serving =
             super::Serving::start(&registry, reg, tasks, api, shutdown, ("prefill", token)).await?;

@@ -453,7 +453,8 @@ impl Peers for RouterPeers {
         let Some(fd) = fd else {
             return Verdict::Deliver;
         };
-        let proves = self.proof.is_none_or(|proves| proves(frame));
+        let proof = self.proof;
+        let proves = || proof.is_none_or(|proves| proves(frame));
         let verdict = self.connections.message(fd, now, proves);
         if verdict == Verdict::Deliver {
             self.dropped.remove(peer);

@@ -422,7 +422,7 @@ fn receive_loop(
                 watch(&mut connections);
                 let fd = header.gets("__fd").and_then(|s| s.parse::<i32>().ok());
                 if let Some(fd) = fd
-                    && connections.message(fd, Instant::now(), true)
+                    && connections.message(fd, Instant::now(), || true)
                         != super::peers::Verdict::Deliver
                 {
                     // A PUSH peer cannot be answered: its connection just goes.

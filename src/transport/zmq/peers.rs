@@ -63,13 +63,18 @@ impl Connections {
         }
     }
 
-    /// A message arrived over `fd`; `proves`: whether it is one that proves a connection. The
-    /// first that does proves it, which then counts against its address's [`MAX_PER_PEER`]:
+    /// A message arrived over `fd`; `proves`: whether it is one that proves a connection, asked
+    /// only while the connection is unproven (or not seen yet). The first that does proves it, which then counts against its address's [`MAX_PER_PEER`]:
     /// beyond it, the connection is refused. Messages before it are dropped (the connection
     /// stays unproven, its deadline unchanged). A refused connection's messages are not
     /// delivered; the connection is shut down after [`REFUSAL_LINGER`], so that the socket can
     /// tell its peer why first (a ROUTER can).
-    pub(super) fn message(&mut self, fd: i32, now: Instant, proves: bool) -> Verdict {
+    pub(super) fn message(
+        &mut self,
+        fd: i32,
+        now: Instant,
+        proves: impl FnOnce() -> bool,
+    ) -> Verdict {
         if self.refused.iter().any(|&(f, _)| f == fd) {
             return Verdict::Drop;
         }
@@ -79,7 +84,7 @@ impl Connections {
         // files it: a descriptor filed here for nothing could be shut down at the deadline
         // after libzmq closed it and the process reused its number.
         let unseen = fd >= 0 && !self.address_of.contains_key(&fd);
-        if !proves && (unseen || self.unproven.contains(&fd)) {
+        if (unseen || self.unproven.contains(&fd)) && !proves() {
             tracing::debug!(fd, "a message before the connection's proof: dropped");
             return Verdict::Drop;
         }
@@ -220,7 +225,7 @@ mod tests {
         for i in 0..=MAX_PER_PEER {
             let (client, server) = pair(&listener);
             conns.accepted(server.as_raw_fd(), now);
-            let verdict = conns.message(server.as_raw_fd(), now, true);
+            let verdict = conns.message(server.as_raw_fd(), now, || true);
             match i < MAX_PER_PEER {
                 true => assert_eq!(verdict, Verdict::Deliver),
                 false => assert!(
@@ -236,7 +241,7 @@ mod tests {
         // The one over the limit was refused, with the limit, its later messages dropped; it
         // is shut down once the linger ended: its client reads the end of the stream.
         let last_fd = accepted.last().expect("one").as_raw_fd();
-        assert_eq!(conns.message(last_fd, now, true), Verdict::Drop);
+        assert_eq!(conns.message(last_fd, now, || true), Verdict::Drop);
         let mut last = clients.pop().expect("a client");
         assert!(!shut(&mut last), "shut down before the peer could be told");
         assert_eq!(conns.expire(now + REFUSAL_LINGER), None);
@@ -265,7 +270,7 @@ mod tests {
             let (client, server) = pair(&listener);
             let fd = server.as_raw_fd();
             // The message first, the accept event after it.
-            let verdict = conns.message(fd, now, true);
+            let verdict = conns.message(fd, now, || true);
             conns.accepted(fd, now);
             match i < MAX_PER_PEER {
                 true => assert_eq!(verdict, Verdict::Deliver),
@@ -290,14 +295,19 @@ mod tests {
         // nowhere; the proof then delivers and counts it.
         let (mut proven, server) = pair(&listener);
         conns.accepted(server.as_raw_fd(), now);
-        assert_eq!(conns.message(server.as_raw_fd(), now, false), Verdict::Drop);
+        assert_eq!(
+            conns.message(server.as_raw_fd(), now, || false),
+            Verdict::Drop
+        );
         assert_eq!(conns.held(local), 0);
         assert_eq!(
-            conns.message(server.as_raw_fd(), now, true),
+            conns.message(server.as_raw_fd(), now, || true),
             Verdict::Deliver
         );
+        // A proven connection's messages are delivered without being tested again.
+        let untested = || panic!("a proven connection's message was tested");
         assert_eq!(
-            conns.message(server.as_raw_fd(), now, false),
+            conns.message(server.as_raw_fd(), now, untested),
             Verdict::Deliver
         );
         assert_eq!(conns.held(local), 1);
@@ -307,7 +317,10 @@ mod tests {
         let (mut other, reused) = pair(&listener);
         conns.accepted(reused.as_raw_fd(), now);
         conns.disconnected(reused.as_raw_fd());
-        assert_eq!(conns.message(reused.as_raw_fd(), now, false), Verdict::Drop);
+        assert_eq!(
+            conns.message(reused.as_raw_fd(), now, || false),
+            Verdict::Drop
+        );
         let (mut silent, unproven) = pair(&listener);
         conns.accepted(unproven.as_raw_fd(), now);
         conns.expire(now + kvferry_wire::admission::PROOF_DEADLINE);
@@ -339,7 +352,7 @@ mod tests {
         // A peer that connects now and sends gets its place whatever the silent ones hold.
         let (mut peer, server) = pair(&listener);
         conns.accepted(server.as_raw_fd(), now);
-        conns.message(server.as_raw_fd(), now, true);
+        conns.message(server.as_raw_fd(), now, || true);
         let local: IpAddr = "127.0.0.1".parse().expect("ip");
         assert_eq!(conns.held(local), 1);
         assert!(!shut(&mut peer));
