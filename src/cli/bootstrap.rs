@@ -178,7 +178,12 @@ mod tests {
             err.to_string(),
             "--host 0.0.0.0 is not loopback: give --token or --insecure"
         );
-        assert!(parse(&["--host", "::", "--token", "t"]).validate().is_ok());
+        // A token beyond loopback: over HTTPS, or with --insecure.
+        let err = parse(&["--host", "::", "--token", "t"]).validate().unwrap_err();
+        assert!(err.to_string().contains("--tls-cert and --tls-key"), "{err}");
+        let https = ["--host", "::", "--token", "t", "--tls-cert", "c", "--tls-key", "k"];
+        assert!(parse(&https).validate().is_ok());
+        assert!(parse(&["--host", "::", "--token", "t", "--insecure"]).validate().is_ok());
         assert!(parse(&["--host", "::", "--insecure"]).validate().is_ok());
     }
 

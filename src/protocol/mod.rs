@@ -32,7 +32,7 @@ use crate::reason::FailureCode;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 10;
+pub const VERSION: u16 = 11;
 /// The first version whose staged chunks may come in pieces (ZeroMQ: up to
 /// [`crate::transport::MAX_PIECES`] payload frames, sent from the prefill's pool).
 pub const PIECES: u16 = 6;
@@ -49,9 +49,22 @@ pub const HELD_ROOMS: u16 = 9;
 /// The first version that re-blocks vLLM CPU `vec` pages between pools of other page sizes
 /// (wire order `vllm_cpu_vec_span`, tag 5).
 pub const VEC_SPAN: u16 = 10;
+/// The first version whose prefills prove each data connection with the key the decode gave
+/// them in Hello ([`data_proof`]); older ones send an empty frame.
+pub const DATA_PROOFS: u16 = 11;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 /// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
 pub const MIN_VERSION: u16 = 4;
+/// What a prefill sends first on each data connection to a decode it speaks `version` with
+/// (`transport::ProofCheck`): the decode's key for it ([`Hello::chunk_key`]), or from a
+/// version before [`DATA_PROOFS`] an empty frame.
+pub fn data_proof(version: u16, chunk_key: &Secret) -> bytes::Bytes {
+    match version >= DATA_PROOFS {
+        true => bytes::Bytes::copy_from_slice(chunk_key.as_bytes()),
+        false => bytes::Bytes::new(),
+    }
+}
+
 /// Largest body a control frame may carry; larger frames are refused before allocation (the
 /// transport refuses them before it reads them: [`MAX_FRAME`]). A request for [`MAX_PAGES`]
 /// pages fits.

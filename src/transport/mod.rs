@@ -564,25 +564,37 @@ pub trait DataReceiver: Send {
 /// A bound receiver and the endpoint senders connect to.
 pub type Listening = (String, Box<dyn DataReceiver>);
 
+/// How a receiver judges the proof a sender presents first on each data connection
+/// ([`Transport::connect`]'s `proof`): from a prefill of protocol version 11 on, the key its
+/// decode gave it in Hello ([`crate::protocol::Hello::chunk_key`]); from an older one, an empty
+/// frame. A connection is taken for a peer's, and anything it sends is read, only after a proof
+/// this accepts: without one, a connection to a data port proves nothing and is dropped at the
+/// deadline (`kvferry_wire::admission`). UCX's connections are libucx's: it takes no proofs.
+pub type ProofCheck = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
+
 /// A data-plane transport.
 pub trait Transport: Send + Sync {
     /// Which transport this is.
     fn kind(&self) -> TransportKind;
 
     /// Binds a receiver on `host` and, where the transport has ports of its own choosing
-    /// (`zmq-tcp`), `port` (0: any); returns the endpoint senders connect to.
+    /// (`zmq-tcp`), `port` (0: any); returns the endpoint senders connect to. Where the
+    /// transport's connections are its own (ZeroMQ), `check` judges each one's proof.
     fn listen(
         &self,
         host: &str,
         port: u16,
+        check: ProofCheck,
     ) -> BoxFuture<'static, Result<Listening, TransportError>>;
 
     /// Connects a sender to a receiver's endpoint, failing after `timeout` if unreachable
-    /// ([`TransportErrorKind::Malformed`] when the endpoint is not one of this transport's).
+    /// ([`TransportErrorKind::Malformed`] when the endpoint is not one of this transport's);
+    /// where the transport's connections are its own (ZeroMQ), `proof` goes first on each.
     fn connect(
         &self,
         endpoint: &str,
         timeout: std::time::Duration,
+        proof: Bytes,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>>;
 
     /// Whether this transport sends device memory, found at run time (UCX asks its context;

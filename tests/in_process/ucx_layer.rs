@@ -1472,9 +1472,13 @@ impl RecvBuffers for Lent {
 async fn chunks_land_in_the_receivers_own_buffers_and_go_back_to_it() {
     use kvferry::transport::{Frame, Transport};
     let data = kvferry::transport::ucx::data::UcxData::new(MIB, "127.0.0.1", false);
-    let (endpoint, mut receiver) = bounded("listen", 30, data.listen("127.0.0.1", 0))
-        .await
-        .expect("listen");
+    let (endpoint, mut receiver) = bounded(
+        "listen",
+        30,
+        data.listen("127.0.0.1", 0, std::sync::Arc::new(|_: &[u8]| true)),
+    )
+    .await
+    .expect("listen");
     let lent = Arc::new(Lent::default());
     assert!(
         receiver.receive_into(lent.clone()),
@@ -1483,7 +1487,7 @@ async fn chunks_land_in_the_receivers_own_buffers_and_go_back_to_it() {
     let mut sender = bounded(
         "connect",
         30,
-        data.connect(&endpoint, Duration::from_secs(10)),
+        data.connect(&endpoint, Duration::from_secs(10), bytes::Bytes::new()),
     )
     .await
     .expect("connect");

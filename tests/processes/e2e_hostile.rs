@@ -418,13 +418,13 @@ async fn forged_count(http: &Client, decode: &str) -> f64 {
 }
 
 /// Requests `room` at the decode, sends forged chunks (whole room, first half) through `push`
-/// if it is connected, then announces the room at the prefill: the real bytes land and
-/// verify. Returns how many forged chunks the decode counted.
+/// after `first` (a would-be proof of its connection), then announces the room at the prefill:
+/// the real bytes land and verify. Returns how many forged chunks the decode counted.
 async fn forged_then_real(
     http: &Client,
     c: &FaultCluster,
     room: u64,
-    push: Option<&zmq::Socket>,
+    (push, first): (&zmq::Socket, Option<&[u8]>),
 ) -> f64 {
     let instance: uuid::Uuid = c
         .prefill
@@ -443,19 +443,8 @@ async fn forged_then_real(
     )
     .await;
     wait_state(http, &c.decode_api, room, &["waiting_for_input"], BOUND).await;
-    let mut sent = 0.0;
-    if let Some(push) = push {
-        for tokens in [0..32, 0..16] {
-            let (header, payload) = forged_chunk(room, instance, tokens);
-            push.send_multipart([header, payload], 0)
-                .expect("send the forged chunk");
-            sent += 1.0;
-        }
-        poll_until("the forged chunks counted", BOUND, || async {
-            (forged_count(http, &c.decode_api).await >= before + sent).then_some(())
-        })
-        .await;
-    }
+    // Sent while the room waits for them: read, they would be counted (or land).
+    send_forged(push, first, room, instance);
     let v = call(http, Method::GET, &url, None).await.1;
     assert_eq!(
         v["state"], "waiting_for_input",
@@ -476,22 +465,41 @@ async fn forged_then_real(
     forged_count(http, &c.decode_api).await - before
 }
 
+/// Sends two forged chunks of `room` (a whole-room one and a half-room one) on `push`, after
+/// `first` (a would-be proof) when given.
+fn send_forged(push: &zmq::Socket, first: Option<&[u8]>, room: u64, instance: uuid::Uuid) {
+    if let Some(first) = first {
+        let _ = push.send(first, zmq::DONTWAIT);
+    }
+    for tokens in [0..32, 0..16] {
+        let (h, p) = forged_chunk(room, instance, tokens);
+        let _ = push.send_multipart([h, p], zmq::DONTWAIT);
+    }
+}
+
 #[test]
 fn forged_chunks_never_land_and_the_real_bytes_verify() {
     let c = cluster("hostile-forged", &[("--checksum", "")]);
     let ctx = zmq::Context::new();
-    let push = ctx.socket(zmq::PUSH).expect("PUSH");
-    push.set_linger(0).ok();
-    push.connect(&c.decode.field("data").unwrap())
-        .expect("connect to the decode's data port");
-    runtime().block_on(async {
-        let http = http();
-        let counted = forged_then_real(&http, &c, 1, Some(&push)).await;
-        println!(
-            "[hostile-forged] no token: {counted} forged chunks counted, the real room verified"
-        );
-        assert_eq!(counted, 2.0);
-    });
+    let data = c.decode.field("data").unwrap();
+    // Without a token anyone reaches the data port, but a connection is read only once it
+    // proved itself with the key the decode gave its prefill in Hello: neither a chunk first,
+    // nor an empty frame (what prefills before protocol version 11 send, accepted only while
+    // one is a peer), nor a guessed key proves one.
+    for (room, first) in [(1, None), (2, Some(&b""[..])), (3, Some(&[0x5a; 16][..]))] {
+        let push = ctx.socket(zmq::PUSH).expect("PUSH");
+        push.set_linger(0).ok();
+        push.set_sndtimeo(0).ok();
+        push.connect(&data)
+            .expect("connect to the decode's data port");
+        runtime().block_on(async {
+            let counted = forged_then_real(&http(), &c, room, (&push, first)).await;
+            println!(
+                "[hostile-forged] no token, first {first:?}: the real room verified, {counted} forged chunks read"
+            );
+            assert_eq!(counted, 0.0, "a connection that never proved itself was read");
+        });
+    }
 }
 
 #[test]
@@ -508,23 +516,20 @@ fn with_a_token_forgers_cannot_connect_and_token_holders_cannot_forge() {
     outsider.connect(&data).expect("connect");
     let insider = ctx.socket(zmq::PUSH).expect("PUSH");
     insider.set_linger(0).ok();
+    insider.set_sndtimeo(0).ok();
     insider.set_plain_username(Some("kvferry")).ok();
     insider.set_plain_password(Some("s3cret")).ok();
     insider.connect(&data).expect("connect");
     runtime().block_on(async {
         let http = http_with_token("s3cret");
         // Without the token the handshake fails: nothing the outsider queues is delivered.
-        let instance: uuid::Uuid = c.prefill.field("instance").unwrap().parse().expect("a uuid");
-        for _ in 0..2 {
-            let (h, p) = forged_chunk(9, instance, 0..32);
-            let _ = outsider.send_multipart([h, p], zmq::DONTWAIT);
-        }
-        let counted = forged_then_real(&http, &c, 1, None).await;
+        let counted = forged_then_real(&http, &c, 1, (&outsider, None)).await;
         assert_eq!(counted, 0.0, "an unauthenticated peer's chunk reached the decode");
-        // With the token (an insider), chunks still need the transfer's secret.
-        let counted = forged_then_real(&http, &c, 2, Some(&insider)).await;
-        println!("[hostile-forged-token] outsider refused at the handshake; insider's {counted} forged chunks counted, the real rooms verified");
-        assert_eq!(counted, 2.0);
+        // With the token (an insider) the handshake passes, but without a key the decode gave
+        // it in Hello the connection is never read.
+        let counted = forged_then_real(&http, &c, 2, (&insider, Some(&[0x5a; 16]))).await;
+        println!("[hostile-forged-token] outsider refused at the handshake; insider's {counted} forged chunks read, the real rooms verified");
+        assert_eq!(counted, 0.0, "a token holder's connection without a key was read");
     });
 }
 

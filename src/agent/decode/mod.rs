@@ -32,6 +32,7 @@ mod housekeeping;
 mod http;
 mod landing;
 mod peer;
+mod proofs;
 mod rooms;
 
 pub use rooms::{HoldRequest, PageOwner, RoomRequest, RoomView, SourceView, TakenRoom};
@@ -110,7 +111,10 @@ impl DecodeAgent {
         let instance = Uuid::new_v4();
         let alloc = PageAllocator::new(cfg.pool_pages as u32);
         let registry = RegistryClient::new(cfg.bootstrap.clone(), cfg.token.clone())?;
-        let (bound, mut receiver) = data.listen(&cfg.host, cfg.data_port).await?;
+        let proofs = Arc::new(proofs::DataProofs::default());
+        let (bound, mut receiver) = data
+            .listen(&cfg.host, cfg.data_port, proofs.check())
+            .await?;
         let recv_slots = land_where_staged(&pool, receiver.as_mut())?;
         let data_endpoint = transport::advertised(&bound, &cfg.advertise_host);
         // Writes into the pool are described by the wire layout, which has no placement: only
@@ -151,6 +155,7 @@ impl DecodeAgent {
             instance,
             pool,
             recv_slots,
+            proofs,
             alloc,
             registry: registry.clone(),
             groups: Default::default(),
@@ -221,6 +226,8 @@ pub struct Decode {
     /// Prefill groups looked up lately.
     groups: groups::Groups,
     data_endpoint: String,
+    /// What proves a prefill's connection to the data port: the keys given out in Hello.
+    proofs: Arc<proofs::DataProofs>,
     /// The pool as exposed for the transport's one-sided writes (sent in Hello), when it has
     /// them.
     pool_key: Option<crate::memory::RemoteMemory>,

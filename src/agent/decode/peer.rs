@@ -26,8 +26,10 @@ pub(super) struct Peer {
     pub(super) last_seen: Mutex<Instant>,
     /// Cancelled when the peer is declared dead: its tasks stop.
     pub(super) gone: CancellationToken,
-    /// The key this decode gave the prefill in Hello: its chunks carry it.
+    /// The key this decode gave the prefill in Hello: its chunks carry it, and it proves the
+    /// prefill's data connections while the peer lives.
     pub(super) chunk_key: protocol::Secret,
+    _proof: super::proofs::Admitted,
     /// The receives posted for the slots granted in Hello, released with the peer.
     _granted: Option<Granted>,
 }
@@ -195,6 +197,12 @@ impl Decode {
         })?;
         let chunk_key = protocol::Secret::random()
             .map_err(|e| unreachable(format!("no random bytes for the connection's key: {e}")))?;
+        // The prefill connects to the data port while it answers the Hello: its proof is
+        // accepted from now on. One older than DATA_PROOFS (the registry says which) proves
+        // with an empty frame.
+        let versions = rank.about.protocol.as_ref();
+        let older = versions.is_none_or(|v| v.max < protocol::DATA_PROOFS);
+        let proof = self.proofs.admit(&chunk_key, older);
         let hello = Message::Hello(Hello {
             min_version: protocol::MIN_VERSION,
             max_version: protocol::VERSION,
@@ -275,6 +283,7 @@ impl Decode {
             last_seen: Mutex::new(Instant::now()),
             gone: self.shutdown.child_token(),
             chunk_key,
+            _proof: proof,
             _granted: granted,
         });
         tracing::debug!(prefill = %peer.endpoint, ms = started.elapsed().as_millis() as u64, "prefill answered Hello");

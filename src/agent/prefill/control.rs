@@ -151,7 +151,10 @@ impl Prefill {
         let connected = match checked {
             Ok(()) => {
                 let timeout = self.timeouts().connect;
-                self.transport.connect(&hello.data_endpoint, timeout).await
+                let proof = protocol::data_proof(version, &hello.chunk_key);
+                self.transport
+                    .connect(&hello.data_endpoint, timeout, proof)
+                    .await
             }
             Err(e) => Err(e),
         };

@@ -298,7 +298,7 @@ fn a_heartbeat_has_the_documented_bytes() {
         seq: 3,
         rooms: vec![5],
     });
-    let mut want = b"KVFY\x0a\x00\x08\x00\x24\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x0b\x00\x08\x00\x24\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     want.extend_from_slice(&[1, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0]);

@@ -367,6 +367,7 @@ impl Transport for UcxData {
         &self,
         _host: &str,
         _port: u16,
+        _check: crate::transport::ProofCheck,
     ) -> BoxFuture<'static, Result<Listening, TransportError>> {
         let inner = self.inner.clone();
         Box::pin(async move {
@@ -404,6 +405,7 @@ impl Transport for UcxData {
         &self,
         endpoint: &str,
         timeout: Duration,
+        _proof: bytes::Bytes,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>> {
         let inner = self.inner.clone();
         let endpoint = endpoint.to_owned();

@@ -36,8 +36,8 @@ use super::{Auth, context, owned, rest_of_message, spawn, tcp_address};
 use crate::memory::{RemoteMemory, Span};
 use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, Frame, Listening, MAX_PIECES, Payload, Transport,
-    TransportError, TransportKind, mapped,
+    BoxFuture, DataReceiver, DataSender, Frame, Listening, MAX_PIECES, Payload, ProofCheck,
+    Transport, TransportError, TransportKind, mapped,
 };
 
 /// Messages queued per connection before a send blocks. Credits already bound the chunks in
@@ -106,6 +106,7 @@ impl Transport for ZmqData {
         &self,
         host: &str,
         port: u16,
+        check: ProofCheck,
     ) -> BoxFuture<'static, Result<Listening, TransportError>> {
         let address = bind_address(self.kind, host, port);
         let (max_frame, auth) = (self.max_frame, self.auth.clone());
@@ -117,7 +118,7 @@ impl Transport for ZmqData {
                 match bind(&addr, max_frame, &auth) {
                     Ok((mut socket, monitor, endpoint, _zap)) => {
                         let _ = bound_tx.send(Ok(endpoint.clone()));
-                        receive_loop(&socket, &monitor, &endpoint, &chunks_tx);
+                        receive_loop(&socket, &monitor, (&endpoint, &check), &chunks_tx);
                         super::monitor::stop(&mut socket);
                     }
                     Err(e) => {
@@ -155,6 +156,7 @@ impl Transport for ZmqData {
         &self,
         endpoint: &str,
         timeout: Duration,
+        proof: Bytes,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>> {
         let endpoint = endpoint.to_owned();
         let auth = self.auth.clone();
@@ -165,7 +167,7 @@ impl Transport for ZmqData {
             let closing = closed.clone();
             let ep = endpoint.clone();
             spawn("kvferry-zmq-push", move || {
-                let (mut socket, monitor) = match connect(&ep, timeout, &auth) {
+                let (mut socket, monitor) = match connect(&ep, timeout, &auth, &proof) {
                     Ok(connected) => {
                         let _ = connected_tx.send(Ok(()));
                         connected
@@ -195,7 +197,7 @@ impl Transport for ZmqData {
                     // proven at once too.
                     while let Some(event) = monitor.next() {
                         if event == Event::Ready {
-                            prove(&socket);
+                            prove(&socket, &proof);
                         }
                     }
                 }
@@ -251,7 +253,7 @@ fn bind(address: &str, max_frame: usize, auth: &Auth) -> Result<Bound, Transport
 }
 
 /// A PUSH socket connected to `endpoint` whose handshake (and authentication) completed and
-/// whose connection is proven, with its monitor running (the caller stops it), or an error if
+/// whose connection is proven with `proof`, with its monitor running (the caller stops it), or an error if
 /// that does not happen within `timeout` (unauthorized when the receiver refused the
 /// credentials). With `ZMQ_IMMEDIATE` chunks are queued only on a connection that completed
 /// its handshake.
@@ -259,6 +261,7 @@ fn connect(
     endpoint: &str,
     timeout: Duration,
     auth: &Auth,
+    proof: &[u8],
 ) -> Result<(zmq::Socket, Monitor), TransportError> {
     let err = |e: zmq::Error| TransportError::new("connect", endpoint, format!("libzmq: {e}"));
     let ms = i32::try_from(timeout.as_millis())
@@ -281,17 +284,17 @@ fn connect(
         super::monitor::stop(&mut socket);
         return Err(e);
     }
-    prove(&socket);
+    prove(&socket, proof);
     Ok((socket, monitor))
 }
 
-/// Sends a proof: one empty frame, which the receiver takes as its connection's first message
-/// and drops. A receiver shuts down a connection whose first message does not come within
-/// [`kvferry_wire::admission::PROOF_DEADLINE`], and a data connection may wait longer
-/// than that for its first chunk (a room the engine computes after the decode asked for it).
-/// A proof that cannot be queued now is left to the chunk that follows.
-fn prove(socket: &zmq::Socket) {
-    let _ = socket.send(zmq::Message::new(), zmq::DONTWAIT);
+/// Sends a proof ([`ProofCheck`]): one frame, which the receiver checks as its connection's
+/// first message and drops. A receiver takes nothing from a connection before its proof, and
+/// shuts down one whose proof does not come within [`kvferry_wire::admission::PROOF_DEADLINE`];
+/// a data connection may wait longer than that for its first chunk (a room the engine computes
+/// after the decode asked for it), so the proof goes as soon as the handshake completed.
+fn prove(socket: &zmq::Socket, proof: &[u8]) {
+    let _ = socket.send(proof, zmq::DONTWAIT);
 }
 
 /// One chunk for a sender thread, and where its result goes.
@@ -384,12 +387,13 @@ fn send_chunk(
 }
 
 /// Receives chunks from `socket` into `chunks` until the receiver is dropped.
-/// Connections are watched as [`super::peers`] says: unproven until their first message, then
-/// at most [`super::peers::MAX_PER_PEER`] from one address.
+/// Connections are watched as [`super::peers`] says: unproven until a one-frame message that
+/// `check` takes for a proof (anything before it is dropped unread), then at most
+/// [`super::peers::MAX_PER_PEER`] from one address.
 fn receive_loop(
     socket: &zmq::Socket,
     monitor: &Monitor,
-    endpoint: &str,
+    (endpoint, check): (&str, &ProofCheck),
     chunks: &mpsc::Sender<Result<(Bytes, Payload), TransportError>>,
 ) {
     let err = |m: String| TransportError::new("recv", endpoint, m);
@@ -421,16 +425,17 @@ fn receive_loop(
                 // `__fd` property of the frames its decoder produced).
                 watch(&mut connections);
                 let fd = header.gets("__fd").and_then(|s| s.parse::<i32>().ok());
+                let proof = !header.get_more() && check(&header);
                 if let Some(fd) = fd
-                    && connections.message(fd, Instant::now(), || true)
+                    && connections.message(fd, Instant::now(), || proof)
                         != super::peers::Verdict::Deliver
                 {
                     // A PUSH peer cannot be answered: its connection just goes.
                     let _ = rest_of_message(socket, header, 0);
                     continue;
                 }
-                if header.is_empty() && !header.get_more() {
-                    // A sender's proof ([`prove`]): it proved its connection, nothing to land.
+                if proof {
+                    // A sender's proof ([`prove`]): its connection is proven, nothing to land.
                     continue;
                 }
             }

@@ -8,7 +8,7 @@
 //!   allocates the frame, and drops the connection of a peer that announces more;
 //! - explicit high-water marks, so that a connection holds at most `HWM + 1` frames of that
 //!   size (the one being read, and the queue behind it), and at most [`peers::MAX_PER_PEER`]
-//!   connections from one address once they sent a message; connections that have not yet
+//!   connections from one address once they proved themselves; connections that have not yet
 //!   are bounded apart, oldest dropped first, for at most the proof deadline ([`peers`]);
 //! - with a cluster token, ZAP PLAIN authentication ([`Auth`], `zap.rs`): a connection that
 //!   does not present the token is closed during the handshake, before libzmq reads a message

@@ -1,7 +1,8 @@
 //! The connections of one bound socket, from its monitor's accept and disconnect events and
 //! the descriptor each message came in on. A connection is unproven
 //! ([`kvferry_wire::admission`]) until a message that proves it arrives (on the prefill's
-//! control socket a valid Hello, elsewhere any message; with a token, only after its
+//! control socket a valid Hello, on the decode's data socket a current peer's key
+//! (`transport::ProofCheck`); with a token, only after its
 //! handshake presented the token); messages before that are dropped unread by the agent, and
 //! the connection's deadline runs on. Unproven ones are bounded on their own
 //! (oldest shut down first, none held past the deadline), and only proven ones count against

@@ -136,3 +136,12 @@ fn negotiate_picks_the_newest_common_version() {
     // A nonsensical range from the peer.
     assert_eq!(negotiate(VERSION, MIN_VERSION - 1), None);
 }
+
+#[test]
+fn a_data_connection_is_proven_by_the_key_from_data_proofs_on_by_an_empty_frame_before() {
+    let key = Secret::from_bytes([0xc3; 16]);
+    assert_eq!(&data_proof(DATA_PROOFS, &key)[..], key.as_bytes());
+    assert_eq!(&data_proof(VERSION, &key)[..], key.as_bytes());
+    assert!(data_proof(DATA_PROOFS - 1, &key).is_empty());
+    assert!(data_proof(MIN_VERSION, &key).is_empty());
+}

@@ -7,6 +7,17 @@ use crate::transport::FRAME_ROOM;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// The proof the tests' senders present, and the check their receivers run.
+const PROOF: &[u8] = b"0123456789abcdef";
+
+fn check() -> ProofCheck {
+    Arc::new(|frame: &[u8]| frame == PROOF)
+}
+
+fn proof() -> Bytes {
+    Bytes::from_static(PROOF)
+}
+
 /// A payload owner that counts its drops, as a staging slot returns to its pool.
 struct Counted(Vec<u8>, Arc<AtomicUsize>);
 
@@ -24,9 +35,9 @@ impl Drop for Counted {
 
 async fn round_trip(kind: TransportKind) {
     let t = ZmqData::new(kind, 2 << 20, Auth::default());
-    let (endpoint, mut rx) = t.listen("127.0.0.1", 0).await.expect("listen");
+    let (endpoint, mut rx) = t.listen("127.0.0.1", 0, check()).await.expect("listen");
     let mut tx = t
-        .connect(&endpoint, Duration::from_secs(5))
+        .connect(&endpoint, Duration::from_secs(5), proof())
         .await
         .expect("connect");
     let dropped = Arc::new(AtomicUsize::new(0));
@@ -74,9 +85,9 @@ async fn chunks_cross_ipc_and_payloads_are_released() {
 async fn a_chunk_sent_from_a_pool_arrives_in_pieces_and_holds_the_pool_until_written() {
     use crate::layout::{KvLayout, ModelSpec};
     let t = ZmqData::new(TransportKind::ZmqTcp, 2 << 20, Auth::default());
-    let (endpoint, mut rx) = t.listen("127.0.0.1", 0).await.expect("listen");
+    let (endpoint, mut rx) = t.listen("127.0.0.1", 0, check()).await.expect("listen");
     let mut tx = t
-        .connect(&endpoint, Duration::from_secs(5))
+        .connect(&endpoint, Duration::from_secs(5), proof())
         .await
         .expect("connect");
     let layout = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16).unwrap();
@@ -130,9 +141,9 @@ async fn a_chunk_sent_from_a_pool_arrives_in_pieces_and_holds_the_pool_until_wri
 #[tokio::test]
 async fn closing_a_sender_ends_sends_its_gone_peer_never_takes() {
     let t = ZmqData::new(TransportKind::ZmqTcp, 2 << 20, Auth::default());
-    let (endpoint, rx) = t.listen("127.0.0.1", 0).await.expect("listen");
+    let (endpoint, rx) = t.listen("127.0.0.1", 0, check()).await.expect("listen");
     let mut tx = t
-        .connect(&endpoint, Duration::from_secs(5))
+        .connect(&endpoint, Duration::from_secs(5), proof())
         .await
         .expect("connect");
     // The receiver goes. Sends go on being queued until libzmq has noticed and its queue
@@ -185,6 +196,7 @@ async fn connect_to_nobody_fails_after_the_timeout() {
         .connect(
             &format!("tcp://127.0.0.1:{port}"),
             Duration::from_millis(300),
+            proof(),
         )
         .await;
     let e = r.err().expect("unreachable");
@@ -200,9 +212,10 @@ async fn connect_to_nobody_fails_after_the_timeout() {
 #[tokio::test]
 async fn a_message_of_another_shape_is_an_error_and_the_socket_goes_on() {
     let t = ZmqData::new(TransportKind::ZmqTcp, 1 << 20, Auth::default());
-    let (endpoint, mut rx) = t.listen("127.0.0.1", 0).await.expect("listen");
+    let (endpoint, mut rx) = t.listen("127.0.0.1", 0, check()).await.expect("listen");
     let raw = context().socket(zmq::PUSH).expect("socket");
     raw.connect(&endpoint).expect("connect");
+    raw.send(PROOF, 0).expect("send");
     raw.send("one frame", 0).expect("send");
     raw.send_multipart(vec!["p"; MAX_PIECES + 2], 0)
         .expect("send");
@@ -250,10 +263,10 @@ async fn a_connection_idle_past_the_proof_deadline_before_its_first_chunk_is_kep
     // dropped one would be replaced by a connection from another local port), and no chunk
     // is ever sent into one being shut down.
     let t = ZmqData::new(TransportKind::ZmqTcp, 1 << 20, Auth::default());
-    let (endpoint, mut rx) = t.listen("127.0.0.1", 0).await.expect("listen");
+    let (endpoint, mut rx) = t.listen("127.0.0.1", 0, check()).await.expect("listen");
     let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
     let mut tx = t
-        .connect(&endpoint, Duration::from_secs(5))
+        .connect(&endpoint, Duration::from_secs(5), proof())
         .await
         .expect("connect");
     let before = connections_to(port);
@@ -268,4 +281,47 @@ async fn a_connection_idle_past_the_proof_deadline_before_its_first_chunk_is_kep
     tx.send(frame).await.expect("send");
     let (h, p) = rx.recv().await.expect("the first chunk");
     assert_eq!((&h[..], p.len()), (&[7u8][..], 5));
+}
+
+#[tokio::test]
+async fn nothing_is_read_from_a_data_connection_before_a_valid_proof() {
+    let t = ZmqData::new(TransportKind::ZmqTcp, 1 << 20, Auth::default());
+    let (endpoint, mut rx) = t.listen("127.0.0.1", 0, check()).await.expect("listen");
+    let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    // Garbage, an empty frame, a wrong key and a well-formed chunk: none is a proof, none is
+    // read.
+    let rogue = context().socket(zmq::PUSH).expect("socket");
+    rogue.connect(&endpoint).expect("connect");
+    rogue.send("garbage", 0).expect("send");
+    rogue.send("", 0).expect("send");
+    rogue.send(&b"0123456789abcdeX"[..], 0).expect("send");
+    rogue.send_multipart(["forged", "chunk"], 0).expect("send");
+    // A sender with the key, connected after it: its chunk is the first one delivered.
+    let mut tx = t
+        .connect(&endpoint, Duration::from_secs(5), proof())
+        .await
+        .expect("connect");
+    let frame = Frame::in_place(&[7], vec![0; FRAME_ROOM + 5], Bytes::from).expect("frame");
+    tx.send(frame).await.expect("send");
+    let (h, p) = rx.recv().await.expect("the proven sender's chunk");
+    assert_eq!(
+        (&h[..], p.len()),
+        (&[7u8][..], 5),
+        "a rogue message was read"
+    );
+    // The unproven connection is shut down at the deadline; the proven one stays.
+    let deadline =
+        Instant::now() + kvferry_wire::admission::PROOF_DEADLINE + Duration::from_secs(60);
+    while connections_to(port).len() > 1 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        connections_to(port).len(),
+        1,
+        "the unproven connection is still open"
+    );
+    let frame = Frame::in_place(&[8], vec![0; FRAME_ROOM + 1], Bytes::from).expect("frame");
+    tx.send(frame).await.expect("send");
+    let (h, _) = rx.recv().await.expect("the proven sender's second chunk");
+    assert_eq!(&h[..], &[8u8][..]);
 }

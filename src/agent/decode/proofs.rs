@@ -1,0 +1,105 @@
+//! What proves a prefill's data connection to this decode ([`transport::ProofCheck`]): the key
+//! this decode gives the prefill in Hello, while the decode says Hello to it or keeps it as a
+//! peer; from a prefill older than [`protocol::DATA_PROOFS`] (which sends an empty frame), an
+//! empty frame while such a prefill is one. A connection that sends anything else first proves
+//! nothing: it is never read and is dropped at the proof deadline.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::protocol;
+use crate::transport::ProofCheck;
+
+/// The proofs this decode accepts now.
+#[derive(Default)]
+pub(super) struct DataProofs(Mutex<Accepted>);
+
+#[derive(Default)]
+struct Accepted {
+    /// The keys given out, with how many peers hold each (one: keys are random).
+    keys: HashMap<[u8; 16], usize>,
+    /// Prefills older than [`protocol::DATA_PROOFS`] being said Hello to or kept as peers.
+    older: usize,
+}
+
+impl DataProofs {
+    fn accepted(&self) -> MutexGuard<'_, Accepted> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The check the data port's transport runs on a connection's first frame.
+    pub(super) fn check(self: &Arc<Self>) -> ProofCheck {
+        let proofs = self.clone();
+        Arc::new(move |frame: &[u8]| {
+            let accepted = proofs.accepted();
+            match frame.len() {
+                0 => accepted.older > 0,
+                _ => accepted.keys.contains_key(frame),
+            }
+        })
+    }
+
+    /// Accepts `key` (and, for a prefill older than [`protocol::DATA_PROOFS`], an empty frame)
+    /// until the returned guard is dropped.
+    pub(super) fn admit(self: &Arc<Self>, key: &protocol::Secret, older: bool) -> Admitted {
+        let key = *key.as_bytes();
+        let mut accepted = self.accepted();
+        *accepted.keys.entry(key).or_default() += 1;
+        accepted.older += usize::from(older);
+        Admitted {
+            proofs: self.clone(),
+            key,
+            older,
+        }
+    }
+}
+
+/// A prefill's proof, accepted while this lives (with the peer, or the Hello that makes it).
+pub(super) struct Admitted {
+    proofs: Arc<DataProofs>,
+    key: [u8; 16],
+    older: bool,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut accepted = self.proofs.accepted();
+        if let Some(n) = accepted.keys.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                accepted.keys.remove(&self.key);
+            }
+        }
+        accepted.older -= usize::from(self.older);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_proves_while_its_peer_lives_and_an_empty_frame_only_for_older_prefills() {
+        let proofs = Arc::new(DataProofs::default());
+        let check = proofs.check();
+        let key = protocol::Secret::from_bytes([7; 16]);
+        assert!(!check(key.as_bytes()), "no key given out yet");
+        let current = proofs.admit(&key, false);
+        assert!(check(key.as_bytes()));
+        assert!(
+            !check(&[7; 15]) && !check(&[8; 16]) && !check(b""),
+            "nothing else"
+        );
+        let other = protocol::Secret::from_bytes([9; 16]);
+        let older = proofs.admit(&other, true);
+        assert!(
+            check(b""),
+            "an empty frame, while an older prefill is a peer"
+        );
+        drop(older);
+        assert!(!check(b"") && !check(other.as_bytes()));
+        assert!(check(key.as_bytes()));
+        drop(current);
+        assert!(!check(key.as_bytes()), "the peer is gone");
+    }
+}
