@@ -179,11 +179,29 @@ mod tests {
             "--host 0.0.0.0 is not loopback: give --token or --insecure"
         );
         // A token beyond loopback: over HTTPS, or with --insecure.
-        let err = parse(&["--host", "::", "--token", "t"]).validate().unwrap_err();
-        assert!(err.to_string().contains("--tls-cert and --tls-key"), "{err}");
-        let https = ["--host", "::", "--token", "t", "--tls-cert", "c", "--tls-key", "k"];
+        let err = parse(&["--host", "::", "--token", "t"])
+            .validate()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("--tls-cert and --tls-key"),
+            "{err}"
+        );
+        let https = [
+            "--host",
+            "::",
+            "--token",
+            "t",
+            "--tls-cert",
+            "c",
+            "--tls-key",
+            "k",
+        ];
         assert!(parse(&https).validate().is_ok());
-        assert!(parse(&["--host", "::", "--token", "t", "--insecure"]).validate().is_ok());
+        assert!(
+            parse(&["--host", "::", "--token", "t", "--insecure"])
+                .validate()
+                .is_ok()
+        );
         assert!(parse(&["--host", "::", "--insecure"]).validate().is_ok());
     }
 

@@ -241,21 +241,22 @@ mod tests {
         seen
     }
 
+    /// A port answering `GET /x` with "answered", served with `tls` until the token is
+    /// cancelled: its address.
+    async fn port(tls: Option<ServerTls>, shutdown: &CancellationToken) -> std::net::SocketAddr {
+        let app = axum::Router::new().route("/x", get(|| async { "answered" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let served = serve(listener, app, shutdown.clone(), "test", Proof::Request, tls);
+        tokio::spawn(served);
+        addr
+    }
+
     /// What a GET with the bearer token through a reader on the path answers, and what the
     /// reader saw, against a port served with `tls`.
     async fn through_the_path(tls: Option<ServerTls>, scheme: &str) -> (String, Vec<u8>) {
-        let app = axum::Router::new().route("/x", get(|| async { "answered" }));
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let server_addr = listener.local_addr().expect("address");
         let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve(
-            listener,
-            app,
-            shutdown.clone(),
-            "test",
-            Proof::Request,
-            tls,
-        ));
+        let server_addr = port(tls, &shutdown).await;
         let path = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let path_addr = path.local_addr().expect("address");
         let reader = tokio::spawn(on_the_path(path, server_addr));
@@ -274,7 +275,6 @@ mod tests {
             .expect("the connection closed")
             .expect("reader");
         shutdown.cancel();
-        server.abort();
         (body, seen)
     }
 
@@ -314,19 +314,9 @@ mod tests {
     async fn an_https_port_answers_no_plain_request_and_an_untrusted_certificate_is_refused() {
         let dir = Scratch::new();
         let (_, cert, key) = certificates_in(dir.path());
-        let app = axum::Router::new().route("/x", get(|| async { "answered" }));
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("address");
         let shutdown = CancellationToken::new();
         let tls = ServerTls::load(&cert, &key).expect("load");
-        let server = tokio::spawn(serve(
-            listener,
-            app,
-            shutdown.clone(),
-            "test",
-            Proof::Request,
-            Some(tls),
-        ));
+        let addr = port(Some(tls), &shutdown).await;
         // A plain request is never answered as HTTP.
         let mut plain = TcpStream::connect(addr).await.expect("connect");
         plain
@@ -358,7 +348,6 @@ mod tests {
         let e = refused.expect_err("an untrusted certificate was accepted");
         println!("untrusted certificate: {e:?}");
         shutdown.cancel();
-        server.abort();
     }
 
     #[test]
