@@ -96,6 +96,9 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
         // One transport's key, whose length runs past the end.
         let mut big_key = 1u64.to_le_bytes().to_vec();
         big_key.extend_from_slice(&[0, 0xff, 1, 2]);
+        // The real key, naming another kind of memory (2: CUDA managed, in every release).
+        let mut managed = rkey.clone();
+        managed[8] = 2;
         let cases: Vec<(&str, Message, &str)> = vec![
             (
                 "3-byte address",
@@ -140,6 +143,11 @@ fn malformed_ucx_addresses_and_keys_in_hello_are_bad_messages_and_the_prefill_ke
             (
                 "over-long key",
                 hello(good.clone(), Some(memory(vec![0; 5000])), None),
+                "bad_message",
+            ),
+            (
+                "a key of managed memory",
+                hello(good.clone(), Some(memory(managed)), None),
                 "bad_message",
             ),
         ];

@@ -355,8 +355,11 @@ impl Transport for UcxData {
         self.inner.rma
     }
 
+    /// A well-framed key of host or CUDA memory; whether this context moves its kind is
+    /// checked as it is unpacked (`add_remote_region`).
     fn check_memory(&self, memory: &RemoteMemory) -> Result<(), TransportError> {
-        super::packed::check_rkey(&memory.key)
+        super::packed::rkey_memory_type(&memory.key)
+            .map(|_| ())
             .map_err(|e| TransportError::malformed("attach", "decode pool", e))
     }
 

@@ -281,6 +281,22 @@ pub fn check_rkey_of(bytes: &[u8], family: Family) -> Result<(), Malformed> {
     r.finish()
 }
 
+/// The kind of memory a peer's packed remote key names, once [`check_rkey`] passed: host or
+/// CUDA memory, the only kinds kvferry writes into; any other kind (managed, ROCm, ...) is
+/// refused before UCX unpacks the key (unpacking a device key maps the peer's memory here).
+pub fn rkey_memory_type(bytes: &[u8]) -> Result<super::memory_type::MemoryType, Malformed> {
+    use super::memory_type::MemoryType;
+    check_rkey(bytes)?;
+    let kind = u32::from(bytes.get(8).copied().unwrap_or(u8::MAX));
+    [MemoryType::Host, MemoryType::Cuda]
+        .into_iter()
+        .find(|m| m.raw() == kind)
+        .ok_or_else(|| Malformed {
+            what: "rkey",
+            reason: format!("memory type {kind}: a pool is host or CUDA memory"),
+        })
+}
+
 /// A validated address or rkey as UCX gets it: a copy in memory this crate owns, followed by
 /// [`TAIL_PAD`] zeroes. The pointer UCX reads is `as_ptr()` of the result.
 pub(crate) fn owned_copy(bytes: &[u8]) -> Vec<u8> {

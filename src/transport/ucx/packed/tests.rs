@@ -5,6 +5,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use super::*;
+use crate::transport::ucx::memory_type::MemoryType;
 use crate::transport::ucx::safe::{Context, Endpoint, MemHandle, RemoteKey, Worker};
 use crate::transport::ucx::sys;
 use crate::transport::ucx::{Region, UcxError};
@@ -276,6 +277,21 @@ fn crafted_rkeys_are_refused() {
     for (what, bytes) in &cases {
         assert!(check_rkey(bytes).is_err(), "{what}: {bytes:02x?}");
     }
+}
+
+#[test]
+fn a_key_names_host_or_cuda_memory_or_is_refused() {
+    let p = pack(TRANSPORTS[0]);
+    assert_eq!(rkey_memory_type(&p.rkey), Ok(MemoryType::Host));
+    let mut kind = p.rkey.to_vec();
+    kind[8] = 1;
+    assert_eq!(rkey_memory_type(&kind), Ok(MemoryType::Cuda));
+    for other in [2u8, 3, 4] {
+        kind[8] = other;
+        let e = rkey_memory_type(&kind).expect_err("another kind");
+        assert!(e.reason.contains(&format!("memory type {other}")), "{e:?}");
+    }
+    assert!(rkey_memory_type(&p.rkey[..2]).is_err(), "malformed first");
 }
 
 #[test]

@@ -65,6 +65,10 @@ impl Engine {
         if !self.context.rma() {
             return Err(UcxError::NoRma);
         }
+        // A key is unpacked only for a kind of memory this context writes: a device key maps
+        // the peer's memory into this process as it unpacks.
+        let kind = crate::transport::ucx::packed::rkey_memory_type(rkey)?;
+        self.worker.moves("add_remote_region", kind)?;
         let endpoint = self.endpoint("add_remote_region", ep)?;
         let key = Rc::new(RemoteKey::unpack(&endpoint, rkey, base, size)?);
         let id = self.id();
