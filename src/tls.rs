@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use kvferry_wire::tls::ServerTls;
 
-/// `--tls-cert`, `--tls-key`, `--tls-ca`.
+/// `--tls-cert`, `--tls-key`, `--tls-ca`: a process with an HTTP port and HTTP clients.
 #[derive(clap::Args, Clone, Debug, Default, PartialEq, Eq)]
 pub struct TlsOptions {
     /// Serve this process's HTTP port over HTTPS only, with this certificate chain (PEM, the
@@ -28,10 +28,28 @@ pub struct TlsOptions {
         requires = "tls_cert"
     )]
     pub tls_key: Option<PathBuf>,
+    /// --tls-ca.
+    #[command(flatten)]
+    pub trust: TlsTrust,
+}
+
+/// `--tls-ca`: a process with HTTP clients only (`kvferry bench`).
+#[derive(clap::Args, Clone, Debug, Default, PartialEq, Eq)]
+pub struct TlsTrust {
     /// Certificates this process's HTTPS clients trust beside the system's (PEM: the private
     /// CA that signed the registry's and agents' certificates).
     #[arg(long, env = "KVFERRY_TLS_CA", value_name = "PEM")]
     pub tls_ca: Option<PathBuf>,
+}
+
+impl TlsTrust {
+    /// Trusts --tls-ca for every HTTP client of the process.
+    pub fn load(&self) -> anyhow::Result<()> {
+        if let Some(ca) = &self.tls_ca {
+            kvferry_wire::tls::trust(ca).context("--tls-ca")?;
+        }
+        Ok(())
+    }
 }
 
 impl TlsOptions {
@@ -43,9 +61,7 @@ impl TlsOptions {
     /// Trusts --tls-ca for every HTTP client of the process, and loads the port's certificate
     /// and key (`None`: plain HTTP).
     pub fn load(&self) -> anyhow::Result<Option<ServerTls>> {
-        if let Some(ca) = &self.tls_ca {
-            kvferry_wire::tls::trust(ca).context("--tls-ca")?;
-        }
+        self.trust.load()?;
         match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => Ok(Some(
                 ServerTls::load(cert, key).context("--tls-cert and --tls-key")?,

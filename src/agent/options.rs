@@ -295,7 +295,8 @@ impl AgentOptions {
             crate::exposure::check_clear_url(("--bootstrap", url.trim()), token, self.insecure)?;
         }
         let api_tls = self.tls.load()?;
-        let registries = super::TrustedRegistries::new(&self.bootstrap, &self.allowed_registries)?;
+        let registries = super::TrustedRegistries::new(&self.bootstrap, &self.allowed_registries)?
+            .in_clear_refused(token && !self.insecure);
         #[cfg(feature = "ucx")]
         if self.transport == crate::transport::TransportKind::Ucx
             && self.token.is_none()

@@ -26,6 +26,9 @@ pub struct TrustedRegistries {
     entries: Vec<Entry>,
     /// The entries as given, for the log.
     named: String,
+    /// Plain `http://` registries beyond loopback are refused: the token would go in clear
+    /// ([`TrustedRegistries::in_clear_refused`]).
+    refuse_in_clear: bool,
 }
 
 /// One trusted host (or network) and port (or any).
@@ -98,7 +101,19 @@ impl TrustedRegistries {
             true => named += ", no --allowed-registries",
             false => named += &format!(", --allowed-registries {}", allowed.join(",")),
         }
-        Ok(TrustedRegistries { entries, named })
+        Ok(TrustedRegistries {
+            entries,
+            named,
+            refuse_in_clear: false,
+        })
+    }
+
+    /// These registries, with a plain `http://` one beyond loopback refused when `refused`
+    /// (an agent with a token and without `--insecure`): a trusted host named over plain HTTP
+    /// would get the token in clear.
+    pub fn in_clear_refused(mut self, refused: bool) -> Self {
+        self.refuse_in_clear = refused;
+        self
     }
 
     /// Whether the decode may send its token to every registry of `url` (one URL or a
@@ -117,6 +132,14 @@ impl TrustedRegistries {
             let (host, port) = endpoint(one).map_err(&untrusted)?;
             if !self.entries.iter().any(|e| e.matches(&host, port)) {
                 return Err(untrusted("is not trusted".into()));
+            }
+            let in_clear = crate::exposure::check_clear_url(("bootstrap", one), true, false);
+            if self.refuse_in_clear && in_clear.is_err() {
+                return Err(untrusted(
+                    "is plain HTTP beyond loopback: the token would travel in clear (name its \
+                     https:// URL)"
+                        .into(),
+                ));
             }
         }
         match any {
@@ -205,6 +228,27 @@ mod tests {
     fn trusted(bootstrap: &str, allowed: &[&str]) -> TrustedRegistries {
         let allowed: Vec<String> = allowed.iter().map(|s| (*s).to_owned()).collect();
         TrustedRegistries::new(bootstrap, &allowed).expect("entries")
+    }
+
+    #[test]
+    fn with_a_token_a_trusted_host_over_plain_http_beyond_loopback_is_refused() {
+        let t = trusted("https://10.0.0.1:8998", &["10.0.0.0/24:*", "127.0.0.1:*"])
+            .in_clear_refused(true);
+        assert!(t.check("https://10.0.0.1:8998").is_ok());
+        assert!(t.check("https://10.0.0.7:9000").is_ok());
+        assert!(
+            t.check("http://127.0.0.1:9000").is_ok(),
+            "loopback stays plain"
+        );
+        for plain in [
+            "http://10.0.0.1:8998",
+            "https://10.0.0.1:8998,http://10.0.0.2:8998",
+        ] {
+            let e = t.check(plain).expect_err(plain);
+            assert!(e.to_string().contains("in clear"), "{e}");
+        }
+        let insecure = trusted("http://10.0.0.1:8998", &[]).in_clear_refused(false);
+        assert!(insecure.check("http://10.0.0.1:8998").is_ok());
     }
 
     #[test]

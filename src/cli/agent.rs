@@ -32,6 +32,12 @@ pub(crate) fn run(role: AgentRole, args: AgentOptions) -> anyhow::Result<()> {
         &["--api-host"]
     };
     crate::exposure::warn_if_insecure(&args.binds(), args.token.is_some(), in_clear);
+    for url in args.bootstrap.split(',').map(str::trim) {
+        let url = ("--bootstrap", url);
+        if let Err(e) = crate::exposure::check_clear_url(url, args.token.is_some(), false) {
+            tracing::warn!("--insecure: {e}");
+        }
+    }
     keep_large_allocations();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

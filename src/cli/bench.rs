@@ -86,6 +86,10 @@ pub struct BenchArgs {
     /// as a bearer token.
     #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// The CA of agents whose engine API serves HTTPS (running ones, or those this bench starts
+    /// with KVFERRY_TLS_CERT in its environment).
+    #[command(flatten)]
+    tls: crate::tls::TlsTrust,
     /// Prefill TP size: one agent per rank (heterogeneous TP pairs prefill and decode ranks by
     /// head ranges).
     #[arg(long, env = "KVFERRY_BENCH_PREFILL_TP", default_value_t = 1)]
@@ -278,6 +282,7 @@ struct Target {
 /// Runs the benchmark.
 pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
     let layout = args.validate()?;
+    args.tls.load()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

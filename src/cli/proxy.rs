@@ -77,9 +77,9 @@ pub struct ProxyArgs {
     #[arg(long, env = "KVFERRY_PROXY_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
 
-    /// Check --api-key over plain HTTP on a non-loopback --host, or send --token to a plain
-    /// http:// --bootstrap beyond loopback (warns at start). Only for networks where every
-    /// host on the path is trusted.
+    /// Check --api-key over plain HTTP on a non-loopback --host, send it to plain http://
+    /// servers beyond loopback, or send --token to a plain http:// --bootstrap beyond loopback
+    /// (warns at start). Only for networks where every host on the path is trusted.
     #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     insecure: bool,
 
@@ -90,21 +90,30 @@ pub struct ProxyArgs {
 }
 
 impl ProxyArgs {
-    /// Refuses a key or token that would cross the network in clear.
-    fn check(&self) -> Result<(), crate::exposure::InClear> {
+    /// Refuses a key or token that would cross the network in clear, unless `insecure`.
+    fn check(&self, insecure: bool) -> Result<(), crate::exposure::InClear> {
         let key = self.api_key.is_some();
         let host = ("--host", self.host.as_str());
-        crate::exposure::check_clear(host, key, self.tls.serves(), self.insecure)?;
+        crate::exposure::check_clear(host, key, self.tls.serves(), insecure)?;
         for url in self.bootstrap.iter().flat_map(|urls| urls.split(',')) {
             let url = ("--bootstrap", url.trim());
-            crate::exposure::check_clear_url(url, self.token.is_some(), self.insecure)?;
+            crate::exposure::check_clear_url(url, self.token.is_some(), insecure)?;
+        }
+        // The key also goes on the proxy's own calls to the servers.
+        for (flag, urls) in [("--prefill", &self.prefill), ("--decode", &self.decode)] {
+            for url in urls {
+                crate::exposure::check_clear_url((flag, url), key, insecure)?;
+            }
         }
         Ok(())
     }
 }
 
 pub(crate) fn run(args: ProxyArgs) -> anyhow::Result<()> {
-    args.check()?;
+    args.check(args.insecure)?;
+    if let Err(e) = args.check(false) {
+        tracing::warn!("--insecure: {e}");
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -124,8 +133,12 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     let concurrent = args.pairing == Pairing::Concurrent;
     let key = args.api_key.clone();
     let proxy = Arc::new(Proxy {
-        prefills: Arc::new(Backends::new(&args.prefill, concurrent, key.clone())),
-        decodes: Arc::new(Backends::new(&args.decode, false, key.clone())),
+        prefills: Arc::new(
+            Backends::new(&args.prefill, concurrent, key.clone()).in_clear_refused(!args.insecure),
+        ),
+        decodes: Arc::new(
+            Backends::new(&args.decode, false, key.clone()).in_clear_refused(!args.insecure),
+        ),
         pairing: args.pairing,
         http: http.clone(),
         metrics: ProxyMetrics::default(),
@@ -145,8 +158,8 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     // line: a request that comes right after it finds the servers that were up.
     proxy.first_round().await;
     let watcher = tokio::spawn(proxy.clone().watch(period));
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let url = format!("{scheme}://{}", listener.local_addr()?);
+    let local = listener.local_addr()?;
+    let url = crate::exposure::url_of(local, crate::exposure::loopback_of(local), tls.is_some());
     let line = json!({"event": "listening", "role": "proxy", "url": url});
     {
         let mut stdout = std::io::stdout().lock();

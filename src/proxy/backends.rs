@@ -180,6 +180,10 @@ pub struct Backends {
     /// The key of the proxy's own calls to them (`--api-key`): health checks and
     /// `kvferry_identify`, made by its rounds only, never on a client's request.
     api_key: Option<String>,
+    /// The key is not sent to a server over plain HTTP beyond loopback
+    /// ([`Backends::in_clear_refused`]); whether that was said yet.
+    refuse_in_clear: bool,
+    said_in_clear: AtomicBool,
 }
 
 impl Backends {
@@ -198,7 +202,17 @@ impl Backends {
             picks: AtomicU64::new(0),
             identify,
             api_key,
+            refuse_in_clear: false,
+            said_in_clear: AtomicBool::new(false),
         }
+    }
+
+    /// These servers, with the key kept from any of them reached over plain HTTP beyond
+    /// loopback when `refused` (a proxy without `--insecure`): such a server, found in the
+    /// registry, answers the proxy's calls 401 and is routed around, said once in the log.
+    pub fn in_clear_refused(mut self, refused: bool) -> Self {
+        self.refuse_in_clear = refused;
+        self
     }
 
     /// Every server now: listed ones in the order given, then discovered ones as found.
@@ -331,17 +345,26 @@ impl Backends {
         self.api_key.as_deref()
     }
 
-    /// `request` with the proxy's key, if it has one.
-    fn own(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        match &self.api_key {
-            Some(key) => request.bearer_auth(key),
-            None => request,
+    /// `request` to `url` with the proxy's key, if it has one and may send it there.
+    fn own(&self, url: &str, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        let Some(key) = &self.api_key else {
+            return request;
+        };
+        let in_clear = crate::exposure::check_clear_url(("server", url), true, false);
+        match (self.refuse_in_clear, in_clear) {
+            (true, Err(e)) => {
+                if !self.said_in_clear.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(error = %e, "--api-key not sent to a server found over plain HTTP");
+                }
+                request
+            }
+            _ => request.bearer_auth(key),
         }
     }
 
     async fn check(&self, http: &reqwest::Client, b: &Backend, timeout: Duration) {
         let answered = self
-            .own(http.get(format!("{}/health", b.url)))
+            .own(&b.url, http.get(format!("{}/health", b.url)))
             .timeout(timeout)
             .send()
             .await
@@ -402,7 +425,7 @@ impl Backends {
     ) -> Result<Identity, Identify> {
         let model = async {
             let models: Value = self
-                .own(http.get(format!("{url}/v1/models")))
+                .own(url, http.get(format!("{url}/v1/models")))
                 .timeout(timeout)
                 .send()
                 .await?
@@ -416,7 +439,7 @@ impl Backends {
         let body = json!({"model": model, "prompt": [1], "max_tokens": 1,
                           "kv_transfer_params": {"kvferry_identify": true}});
         let sent = self
-            .own(http.post(format!("{url}/v1/completions")))
+            .own(url, http.post(format!("{url}/v1/completions")))
             .header(DP_RANK_HEADER, rank)
             .timeout(timeout)
             .json(&body)

@@ -564,11 +564,13 @@ pub trait DataReceiver: Send {
 /// A bound receiver and the endpoint senders connect to.
 pub type Listening = (String, Box<dyn DataReceiver>);
 
-/// How a receiver judges the proof a sender presents first on each data connection
-/// ([`Transport::connect`]'s `proof`): from a prefill of protocol version 11 on, the key its
-/// decode gave it in Hello ([`crate::protocol::Hello::chunk_key`]); from an older one, an empty
-/// frame. A connection is taken for a peer's, and anything it sends is read, only after a proof
-/// this accepts: without one, a connection to a data port proves nothing and is dropped at the
+/// How a receiver judges the first frame of a data connection's messages until one proves the
+/// connection: the proof a sender presents first on each connection ([`Transport::connect`]'s
+/// `proof`: from a prefill of protocol version 11 on, the key its decode gave it in Hello,
+/// [`crate::protocol::Hello::chunk_key`]; from an older one, an empty frame), or a chunk's
+/// header carrying that key (a chunk may overtake the proof on a re-established connection).
+/// A connection is taken for a peer's, and anything it sends is read, only after a frame this
+/// accepts: without one, a connection to a data port proves nothing and is dropped at the
 /// deadline (`kvferry_wire::admission`). UCX's connections are libucx's: it takes no proofs.
 pub type ProofCheck = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
 

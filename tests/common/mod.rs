@@ -12,6 +12,7 @@ pub mod netns;
 pub mod reference;
 pub mod rogue;
 pub mod shm_engine;
+pub mod tls;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

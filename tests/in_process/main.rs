@@ -12,5 +12,6 @@ mod inprocess_api;
 mod kernel_cpu;
 mod pool_shm;
 mod registry_lookups_in_process;
+mod tls_ports;
 mod ucx_layer;
 mod ucx_throughput;

@@ -78,7 +78,7 @@ fn hosts_apart(transport: &'static str, env: &[(&str, &str)]) {
         pre_host.ip.as_str(),
         dec_host.ip.as_str(),
     ];
-    let certs = kvferry_wire::tls::testing::certificates_in(&logs, &ips);
+    let certs = common::tls::certificates_in(&logs, &ips);
     kvferry_wire::tls::trust(&certs.ca).expect("trust the test's CA");
     let path = |p: &std::path::Path| p.display().to_string();
     let tls = [

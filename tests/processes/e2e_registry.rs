@@ -186,7 +186,7 @@ fn non_loopback_addresses_need_a_token_or_insecure() {
     let port = url.rsplit(':').next().unwrap().to_owned();
     let local = format!("http://127.0.0.1:{port}");
     // With a token beyond loopback: HTTPS, with a certificate of the test's CA.
-    let certs = kvferry_wire::tls::testing::certificates_in(&logs, &["127.0.0.1"]);
+    let certs = common::tls::certificates_in(&logs, &["127.0.0.1"]);
     kvferry_wire::tls::trust(&certs.ca).expect("trust the test's CA");
     let (cert, key, ca) = (
         certs.cert.display().to_string(),

@@ -40,10 +40,12 @@ def connect_host(host: str) -> str:
 
 def url_of(host: str, port: int) -> str:
     """The URL of the registry a prefill server runs at its bootstrap ``host:port``: HTTPS when
-    this server's kvferry has a certificate (``KVFERRY_TLS_CERT``), since the servers of one
-    deployment share their kvferry settings and the registry takes the same variables."""
+    the deployment's kvferry uses TLS (``KVFERRY_TLS_CA`` or ``KVFERRY_TLS_CERT`` set: every
+    server of one deployment sets them, and the registry a prefill server starts serves HTTPS
+    with the certificate)."""
     host = connect_host(host)
-    scheme = "https" if os.environ.get("KVFERRY_TLS_CERT") else "http"
+    tls = os.environ.get("KVFERRY_TLS_CA") or os.environ.get("KVFERRY_TLS_CERT")
+    scheme = "https" if tls else "http"
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 

@@ -1,8 +1,10 @@
 //! What proves a prefill's data connection to this decode ([`transport::ProofCheck`]): the key
 //! this decode gives the prefill in Hello, while the decode says Hello to it or keeps it as a
-//! peer; from a prefill older than [`protocol::DATA_PROOFS`] (which sends an empty frame), an
-//! empty frame while such a prefill is one. A connection that sends anything else first proves
-//! nothing: it is never read and is dropped at the proof deadline.
+//! peer, alone or as the `sender_key` of a chunk header (after libzmq re-establishes a
+//! connection, a chunk the prefill was sending may go before the proof it sends again); from a
+//! prefill older than [`protocol::DATA_PROOFS`] (which sends an empty frame), an empty frame
+//! while such a prefill is one. A connection that sends anything else first proves nothing:
+//! it is never read and is dropped at the proof deadline.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -30,12 +32,16 @@ impl DataProofs {
     /// The check the data port's transport runs on a connection's first frame.
     pub(super) fn check(self: &Arc<Self>) -> ProofCheck {
         let proofs = self.clone();
-        Arc::new(move |frame: &[u8]| {
-            let accepted = proofs.accepted();
-            match frame.len() {
-                0 => accepted.older > 0,
-                _ => accepted.keys.contains_key(frame),
-            }
+        Arc::new(move |frame: &[u8]| match frame.len() {
+            0 => proofs.accepted().older > 0,
+            16 => proofs.accepted().keys.contains_key(frame),
+            _ => match protocol::Message::decode(frame) {
+                Ok(protocol::Message::Chunk(chunk)) => {
+                    let key = chunk.sender_key.as_bytes();
+                    proofs.accepted().keys.contains_key(&key[..])
+                }
+                _ => false,
+            },
         })
     }
 
@@ -99,7 +105,29 @@ mod tests {
         drop(older);
         assert!(!check(b"") && !check(other.as_bytes()));
         assert!(check(key.as_bytes()));
+        // A chunk header carrying the key proves the connection too; one with another does not.
+        let chunk = |sender_key| {
+            protocol::Message::Chunk(protocol::Chunk {
+                room: 1,
+                prefill_instance: uuid::Uuid::from_u128(5),
+                seq: 0,
+                tokens: 0..16,
+                layers: 0..2,
+                heads: 0..2,
+                len: 64,
+                checksum: 0,
+                direct: false,
+                placed: None,
+                secret: protocol::Secret::from_bytes([3; 16]),
+                sender_key,
+            })
+            .encode()
+        };
+        assert!(check(&chunk(key)));
+        assert!(!check(&chunk(protocol::Secret::from_bytes([8; 16]))));
+        assert!(!check(b"not a chunk, not a key"));
         drop(current);
         assert!(!check(key.as_bytes()), "the peer is gone");
+        assert!(!check(&chunk(key)));
     }
 }

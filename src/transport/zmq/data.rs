@@ -61,6 +61,9 @@ const POLL_MS: i32 = 100;
 /// staging slot until then).
 const LINGER_MS: i32 = 5_000;
 
+/// Bytes of a proof message: a key (an empty frame from a prefill before protocol version 11).
+const PROOF_BYTES: usize = 16;
+
 /// Chunks a receiver thread takes off the socket ahead of `recv`.
 const RECV_AHEAD: usize = 2;
 
@@ -387,9 +390,10 @@ fn send_chunk(
 }
 
 /// Receives chunks from `socket` into `chunks` until the receiver is dropped.
-/// Connections are watched as [`super::peers`] says: unproven until a one-frame message that
+/// Connections are watched as [`super::peers`] says: unproven until a message whose first frame
 /// `check` takes for a proof (anything before it is dropped unread), then at most
-/// [`super::peers::MAX_PER_PEER`] from one address.
+/// [`super::peers::MAX_PER_PEER`] from one address. A one-frame message of a proof's size is a
+/// proof and lands nothing.
 fn receive_loop(
     socket: &zmq::Socket,
     monitor: &Monitor,
@@ -425,17 +429,16 @@ fn receive_loop(
                 // `__fd` property of the frames its decoder produced).
                 watch(&mut connections);
                 let fd = header.gets("__fd").and_then(|s| s.parse::<i32>().ok());
-                let proof = !header.get_more() && check(&header);
                 if let Some(fd) = fd
-                    && connections.message(fd, Instant::now(), || proof)
+                    && connections.message(fd, Instant::now(), || check(&header))
                         != super::peers::Verdict::Deliver
                 {
                     // A PUSH peer cannot be answered: its connection just goes.
                     let _ = rest_of_message(socket, header, 0);
                     continue;
                 }
-                if proof {
-                    // A sender's proof ([`prove`]): its connection is proven, nothing to land.
+                if !header.get_more() && matches!(header.len(), 0 | PROOF_BYTES) {
+                    // A sender's proof ([`prove`]), the first or one sent again: nothing to land.
                     continue;
                 }
             }

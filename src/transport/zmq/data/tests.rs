@@ -10,8 +10,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// The proof the tests' senders present, and the check their receivers run.
 const PROOF: &[u8] = b"0123456789abcdef";
 
+/// The header of a chunk from a sender the receiver knows (the key in a real chunk header).
+const KNOWN_HEADER: &[u8] = b"header of a known sender";
+
 fn check() -> ProofCheck {
-    Arc::new(|frame: &[u8]| frame == PROOF)
+    Arc::new(|frame: &[u8]| frame == PROOF || frame == KNOWN_HEADER)
 }
 
 fn proof() -> Bytes {
@@ -324,4 +327,30 @@ async fn nothing_is_read_from_a_data_connection_before_a_valid_proof() {
     tx.send(frame).await.expect("send");
     let (h, _) = rx.recv().await.expect("the proven sender's second chunk");
     assert_eq!(&h[..], &[8u8][..]);
+}
+
+#[tokio::test]
+async fn a_chunk_that_overtakes_the_proof_proves_its_connection_by_its_header() {
+    // After libzmq re-establishes a connection, a chunk being sent may go before the proof the
+    // sender sends again: a header the check accepts proves the connection, and the chunk lands.
+    let t = ZmqData::new(TransportKind::ZmqTcp, 1 << 20, Auth::default());
+    let (endpoint, mut rx) = t.listen("127.0.0.1", 0, check()).await.expect("listen");
+    let raw = context().socket(zmq::PUSH).expect("socket");
+    raw.connect(&endpoint).expect("connect");
+    raw.send_multipart([KNOWN_HEADER, b"payload"], 0)
+        .expect("send");
+    raw.send(PROOF, 0).expect("send");
+    raw.send_multipart([KNOWN_HEADER, b"second"], 0)
+        .expect("send");
+    let (h, p) = rx.recv().await.expect("the chunk that came first");
+    assert_eq!((&h[..], &p[..]), (KNOWN_HEADER, &b"payload"[..]));
+    let (_, p) = rx
+        .recv()
+        .await
+        .expect("the chunk after the proof sent again");
+    assert_eq!(
+        &p[..],
+        &b"second"[..],
+        "the proof sent again landed as a chunk"
+    );
 }
