@@ -84,20 +84,19 @@ pub(crate) fn check_clear_url(
     token: bool,
     insecure: bool,
 ) -> Result<(), InClear> {
-    let host = url
-        .strip_prefix("http://")
-        .map(|rest| rest.split(['/', '?']).next().unwrap_or_default())
-        .map(|authority| match authority.rsplit_once(':') {
-            // `[::1]:8998`, `10.0.0.1:8998`; a bare `::1` has no port to strip.
-            Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) && !h.ends_with(':') => h,
-            _ => authority,
-        });
-    match host {
-        Some(host) if token && !insecure && !is_loopback(host) => Err(InClear::Url {
+    // The `url` crate reads the scheme and host, as the registry client does (a host of `[::1]`
+    // keeps its brackets, which `is_loopback` takes); an `http://` URL it cannot read counts as
+    // beyond loopback.
+    let plain = match url::Url::parse(url) {
+        Ok(parsed) => parsed.scheme() == "http" && !parsed.host_str().is_some_and(is_loopback),
+        Err(_) => url.trim_start().to_ascii_lowercase().starts_with("http://"),
+    };
+    match token && !insecure && plain {
+        true => Err(InClear::Url {
             flag,
             url: url.to_owned(),
         }),
-        _ => Ok(()),
+        false => Ok(()),
     }
 }
 
@@ -285,6 +284,8 @@ mod tests {
             "http://node-3:8998/",
             "http://[fd00::5]:8998",
             "http://0.0.0.0",
+            "HTTP://10.0.0.5:8998",
+            "http://user@10.0.0.5:8998",
         ] {
             let e = check_clear_url(("--bootstrap", url), true, false).expect_err(url);
             assert!(e.to_string().contains("https://"), "{e}");

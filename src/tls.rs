@@ -62,12 +62,9 @@ impl TlsOptions {
     /// and key (`None`: plain HTTP).
     pub fn load(&self) -> anyhow::Result<Option<ServerTls>> {
         self.trust.load()?;
-        match (&self.tls_cert, &self.tls_key) {
-            (Some(cert), Some(key)) => Ok(Some(
-                ServerTls::load(cert, key).context("--tls-cert and --tls-key")?,
-            )),
-            (None, None) => Ok(None),
-            _ => anyhow::bail!("--tls-cert and --tls-key go together"),
-        }
+        // Both or neither: each flag requires the other.
+        let pair = self.tls_cert.as_ref().zip(self.tls_key.as_ref());
+        pair.map(|(cert, key)| ServerTls::load(cert, key).context("--tls-cert and --tls-key"))
+            .transpose()
     }
 }

@@ -6,7 +6,7 @@
 //! while such a prefill is one. A connection that sends anything else first proves nothing:
 //! it is never read and is dropped at the proof deadline.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::protocol;
@@ -18,8 +18,8 @@ pub(super) struct DataProofs(Mutex<Accepted>);
 
 #[derive(Default)]
 struct Accepted {
-    /// The keys given out, with how many peers hold each (one: keys are random).
-    keys: HashMap<[u8; 16], usize>,
+    /// The keys given out (random: each held by one peer).
+    keys: HashSet<[u8; 16]>,
     /// Prefills older than [`protocol::DATA_PROOFS`] being said Hello to or kept as peers.
     older: usize,
 }
@@ -34,11 +34,11 @@ impl DataProofs {
         let proofs = self.clone();
         Arc::new(move |frame: &[u8]| match frame.len() {
             0 => proofs.accepted().older > 0,
-            16 => proofs.accepted().keys.contains_key(frame),
+            16 => proofs.accepted().keys.contains(frame),
             _ => match protocol::Message::decode(frame) {
                 Ok(protocol::Message::Chunk(chunk)) => {
                     let key = chunk.sender_key.as_bytes();
-                    proofs.accepted().keys.contains_key(&key[..])
+                    proofs.accepted().keys.contains(&key[..])
                 }
                 _ => false,
             },
@@ -50,7 +50,7 @@ impl DataProofs {
     pub(super) fn admit(self: &Arc<Self>, key: &protocol::Secret, older: bool) -> Admitted {
         let key = *key.as_bytes();
         let mut accepted = self.accepted();
-        *accepted.keys.entry(key).or_default() += 1;
+        accepted.keys.insert(key);
         accepted.older += usize::from(older);
         Admitted {
             proofs: self.clone(),
@@ -70,12 +70,7 @@ pub(super) struct Admitted {
 impl Drop for Admitted {
     fn drop(&mut self) {
         let mut accepted = self.proofs.accepted();
-        if let Some(n) = accepted.keys.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                accepted.keys.remove(&self.key);
-            }
-        }
+        accepted.keys.remove(&self.key);
         accepted.older -= usize::from(self.older);
     }
 }
