@@ -454,14 +454,20 @@ fn a_prefill_room_aborted_mid_send_is_safe_to_reuse_only_after_its_sends_resolve
         let body = json!({"tokens": 4096});
         let room = |api: &str| format!("{api}/v1/rooms/1");
         expect(&http, Method::POST, &room(&d), Some(&body), StatusCode::CREATED).await;
-        // The decode asked for the room (its Hello and request are through), then stops before
-        // the prefill sends a byte: whatever the machine's speed, the room's 512 MiB cannot
-        // all go before the stop, so sends are in flight to a decode that takes none.
-        common::wait_state(&http, &d, 1, &["waiting_for_input"], BOUND).await;
+        // The prefill has the decode's request (the decode's own `waiting_for_input` is not
+        // enough: its request may still sit in ZeroMQ's queue, which a stopped process never
+        // flushes), then the decode stops before the prefill sends a byte: whatever the
+        // machine's speed, the room's 512 MiB cannot all go before the stop, so sends are in
+        // flight to a decode that takes none.
+        let view = || async { common::call(&http, Method::GET, &room(&p), None).await.1 };
+        common::poll_until("the decode's request at the prefill", BOUND, || async {
+            let v = view().await;
+            (v["transfers"].as_array().is_some_and(|t| !t.is_empty())).then_some(())
+        })
+        .await;
         c.decode().signal("STOP").unwrap();
         let ready = format!("{}/ready", room(&p));
         expect(&http, Method::POST, &ready, Some(&body), StatusCode::ACCEPTED).await;
-        let view = || async { common::call(&http, Method::GET, &room(&p), None).await.1 };
         let in_flight = |v: &serde_json::Value| v["transfers"][0]["sends_in_flight"].as_u64().unwrap_or(0);
         common::poll_until("a send in flight to the stopped decode", BOUND, || async {
             let v = view().await;
