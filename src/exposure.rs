@@ -174,6 +174,34 @@ pub(crate) fn is_loopback(host: &str) -> bool {
         || bare.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Whether the token sent in clear to a ZeroMQ `endpoint` would cross a network: a `tcp://`
+/// endpoint whose host is not loopback. `ipc://` stays on the host, and other transports'
+/// endpoints (UCX worker addresses) carry no token.
+pub(crate) fn zmq_beyond_loopback(endpoint: &str) -> bool {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return false;
+    };
+    let host = rest.rsplit_once(':').map_or(rest, |(host, _)| host);
+    !is_loopback(host)
+}
+
+/// Why the token would go in clear to `peer`, an agent of protocol `version` (older than
+/// token proofs) at `endpoint`, when that is refused: beyond loopback without `--insecure`.
+pub(crate) fn token_in_clear_refused(
+    peer: &str,
+    version: impl std::fmt::Display,
+    endpoint: &str,
+    insecure: bool,
+) -> Option<String> {
+    (zmq_beyond_loopback(endpoint) && !insecure).then(|| {
+        format!(
+            "{peer} at {endpoint} speaks protocol {version}, older than {}: it takes the cluster \
+             token in clear, which is not sent beyond loopback (upgrade it, or give --insecure)",
+            crate::protocol::TOKEN_PROOFS
+        )
+    })
+}
+
 /// The exposed addresses among `binds` (`(flag, host)` pairs).
 fn exposed<'a>(
     binds: &'a [(&'static str, &'a str)],
@@ -232,6 +260,33 @@ pub(crate) fn warn_if_insecure(binds: &[(&'static str, &str)], token: bool, http
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_token_goes_in_clear_to_an_older_peer_only_on_the_host_or_with_insecure() {
+        for (endpoint, beyond) in [
+            ("tcp://127.0.0.1:5000", false),
+            ("tcp://127.0.0.2:5000", false),
+            ("tcp://[::1]:5000", false),
+            ("tcp://localhost:5000", false),
+            ("ipc:///tmp/kvferry-data", false),
+            ("ucx:AAAA", false),
+            ("tcp://10.0.0.5:5000", true),
+            ("tcp://[fd00::5]:5000", true),
+            ("tcp://node-3:5000", true),
+        ] {
+            assert_eq!(zmq_beyond_loopback(endpoint), beyond, "{endpoint}");
+        }
+        let why = token_in_clear_refused("prefill", 11, "tcp://10.0.0.5:5000", false);
+        assert!(why.is_some_and(|w| w.contains("protocol 11") && w.contains("--insecure")));
+        assert_eq!(
+            token_in_clear_refused("prefill", 11, "tcp://10.0.0.5:5000", true),
+            None
+        );
+        assert_eq!(
+            token_in_clear_refused("decode", 11, "tcp://127.0.0.1:5000", false),
+            None
+        );
+    }
 
     #[test]
     fn the_advertised_address_is_the_bound_one_unless_given_and_never_a_wildcard() {

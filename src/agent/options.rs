@@ -125,12 +125,14 @@ pub struct AgentOptions {
     /// layer, plane and head.
     #[arg(long, env = "KVFERRY_SYNTHETIC_VERIFY", value_enum, default_value_t = Verify::Full)]
     pub synthetic_verify: Verify,
-    /// Shared secret: sent to the trusted registries (--bootstrap, --allowed-registries) and
-    /// in Hello to the prefills they list; the engine API asks for it as a bearer token.
+    /// Shared secret: sent to the trusted registries (--bootstrap, --allowed-registries), and
+    /// proven, never sent, to the prefills they list (ZeroMQ challenge); the engine API asks
+    /// for it as a bearer token.
     #[arg(long, env = "KVFERRY_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// Serve a non-loopback --host without --token, or send and check the token over plain
-    /// HTTP beyond loopback (--bootstrap, --api-host; warns at start). Only for networks where
+    /// HTTP beyond loopback (--bootstrap, --api-host; warns at start), or send it in clear to
+    /// agents older than protocol 12 beyond loopback. Only for networks where
     /// every host that can reach the agent is trusted. The engine API (--api-host) beyond
     /// loopback always needs --token.
     #[arg(long, env = "KVFERRY_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]

@@ -22,9 +22,9 @@
 //! refused rather than misread).
 
 use super::{
-    Abort, AbortAck, Chunk, Credit, Done, ErrorMsg, HELD_ROOMS, Heartbeat, Hello, HelloAck, MAGIC,
-    MAX_BODY, MIN_VERSION, Message, PROMPT_DIGESTS, Posted, PromptDigest, Secret, TransferRequest,
-    VERSION,
+    Abort, AbortAck, Challenge, ChallengeReply, Chunk, Credit, Done, ErrorMsg, HELD_ROOMS,
+    Heartbeat, Hello, HelloAck, MAGIC, MAX_BODY, MIN_VERSION, Message, PROMPT_DIGESTS, Posted,
+    PromptDigest, Secret, TokenMac, TransferRequest, VERSION,
 };
 
 // Lengths read as u32 are used as usize; kvferry builds for 64-bit targets only.
@@ -45,6 +45,8 @@ const KIND_HEARTBEAT: u8 = 8;
 const KIND_ERROR: u8 = 9;
 const KIND_CREDIT: u8 = 10;
 const KIND_POSTED: u8 = 11;
+const KIND_CHALLENGE: u8 = 12;
+const KIND_CHALLENGE_REPLY: u8 = 13;
 
 /// Why a byte string is not a valid frame. Every variant is the sender's fault (or foreign
 /// traffic); the receiver answers with `bad_message` (or `incompatible_version`) and keeps serving.
@@ -170,7 +172,7 @@ pub fn peek_header(bytes: &[u8]) -> Result<Header, DecodeError> {
     let kind = r.u8("header")?;
     let flags = r.u8("header")?;
     let body_len = r.u32("header")?;
-    if !(KIND_HELLO..=KIND_POSTED).contains(&kind) {
+    if !(KIND_HELLO..=KIND_CHALLENGE_REPLY).contains(&kind) {
         return Err(DecodeError::UnknownKind(kind));
     }
     if kind != KIND_HELLO && !(MIN_VERSION..=VERSION).contains(&version) {
@@ -246,6 +248,7 @@ impl Message {
                 w.u8(u8::from(m.revocable_runs));
                 w.secret(&m.chunk_key);
                 w.memory(m.shared_pool.as_ref());
+                w.opt_secret(m.nonce.as_ref());
             }
             Message::HelloAck(m) => {
                 w.u16(m.version);
@@ -319,6 +322,11 @@ impl Message {
                 w.u64(m.key);
                 w.u8(u8::from(m.accepted));
             }
+            Message::Challenge(m) => {
+                w.secret(&m.nonce);
+                w.fixed(&m.proof.0);
+            }
+            Message::ChallengeReply(m) => w.fixed(&m.proof.0),
         }
         let body_len = saturate(out.len() - start - HEADER_LEN);
         out[start + 8..start + HEADER_LEN].copy_from_slice(&body_len.to_le_bytes());
@@ -366,6 +374,10 @@ impl Message {
                 shared_pool: match r.is_empty() {
                     true => None,
                     false => r.memory("shared_pool")?,
+                },
+                nonce: match r.is_empty() {
+                    true => None,
+                    false => r.opt_secret("nonce")?,
                 },
             }),
             KIND_HELLO_ACK => Message::HelloAck(HelloAck {
@@ -442,6 +454,13 @@ impl Message {
                 key: r.u64("key")?,
                 accepted: r.flag("accepted")?,
             }),
+            KIND_CHALLENGE => Message::Challenge(Challenge {
+                nonce: r.secret("nonce")?,
+                proof: TokenMac(r.array("proof")?),
+            }),
+            KIND_CHALLENGE_REPLY => Message::ChallengeReply(ChallengeReply {
+                proof: TokenMac(r.array("proof")?),
+            }),
             other => return Err(DecodeError::UnknownKind(other)),
         };
         // A newer peer's Hello may append fields this build does not know.
@@ -466,6 +485,8 @@ impl Message {
             Message::Error(_) => KIND_ERROR,
             Message::Credit(_) => KIND_CREDIT,
             Message::Posted(_) => KIND_POSTED,
+            Message::Challenge(_) => KIND_CHALLENGE,
+            Message::ChallengeReply(_) => KIND_CHALLENGE_REPLY,
         }
     }
 }

@@ -10,9 +10,12 @@
 //! limits); whether the values make sense for a room (pages in the pool, byte counts against the
 //! layout, known rooms, epochs) is checked by the agent that handles the message.
 
+mod challenge;
 mod codec;
 mod digest;
 mod secret;
+
+pub use challenge::{Challenge, ChallengeReply, Handshake, Prover, TokenMac, zap_password};
 
 pub use codec::{DecodeError, HEADER_LEN, Header, is_hello, peek_header};
 pub use digest::PromptDigest;
@@ -32,7 +35,7 @@ use crate::reason::FailureCode;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 11;
+pub const VERSION: u16 = 12;
 /// The first version whose staged chunks may come in pieces (ZeroMQ: up to
 /// [`crate::transport::MAX_PIECES`] payload frames, sent from the prefill's pool).
 pub const PIECES: u16 = 6;
@@ -52,6 +55,10 @@ pub const VEC_SPAN: u16 = 10;
 /// The first version whose prefills prove each data connection with the key the decode gave
 /// them in Hello ([`data_proof`]); older ones send an empty frame.
 pub const DATA_PROOFS: u16 = 11;
+/// The first version that proves the cluster token instead of sending it: a Hello carries a
+/// nonce and no token, answered by a [`Challenge`] ([`challenge`](self::challenge)), and ZeroMQ
+/// sockets present [`zap_password`] instead of the token.
+pub const TOKEN_PROOFS: u16 = 12;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 /// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
 pub const MIN_VERSION: u16 = 4;
@@ -148,7 +155,9 @@ pub struct Hello {
     pub layout: WireLayout,
     /// Where the sender receives data (transport specific, e.g. `tcp://10.0.0.2:40111`).
     pub data_endpoint: String,
-    /// Shared secret of the cluster; empty when none is configured.
+    /// The cluster's token, from decodes older than [`TOKEN_PROOFS`] (and to prefills older
+    /// than it); empty otherwise: from that version on a decode with a token sends
+    /// [`Hello::nonce`] and proves the token when challenged.
     pub token: String,
     /// Staging slots the sender of this Hello grants its peer: chunks that may be in flight
     /// towards it at once (its receive budget).
@@ -169,6 +178,9 @@ pub struct Hello {
     /// (`transport/mapped.rs`), when its transport carries same-host traffic (`zmq-ipc`, UCX
     /// allowed shared memory) and the pool is a sealed memory file (version 7).
     pub shared_pool: Option<RemoteMemory>,
+    /// The decode's nonce, when it has a token and proves it ([`TOKEN_PROOFS`]): the prefill
+    /// answers with a [`Challenge`] before it takes the Hello.
+    pub nonce: Option<Secret>,
 }
 
 /// Prefill -> decode: the Hello is accepted.
@@ -366,6 +378,10 @@ pub enum Message {
     Error(ErrorMsg),
     /// See [`Credit`].
     Credit(Credit),
+    /// See [`Challenge`].
+    Challenge(Challenge),
+    /// See [`ChallengeReply`].
+    ChallengeReply(ChallengeReply),
     /// See [`Posted`].
     Posted(Posted),
 }
@@ -385,6 +401,8 @@ impl Message {
             Message::Error(_) => "error",
             Message::Credit(_) => "credit",
             Message::Posted(_) => "posted",
+            Message::Challenge(_) => "challenge",
+            Message::ChallengeReply(_) => "challenge_reply",
         }
     }
 }

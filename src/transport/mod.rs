@@ -565,14 +565,24 @@ pub trait DataReceiver: Send {
 pub type Listening = (String, Box<dyn DataReceiver>);
 
 /// How a receiver judges the first frame of a data connection's messages until one proves the
-/// connection: the proof a sender presents first on each connection ([`Transport::connect`]'s
-/// `proof`: from a prefill of protocol version 11 on, the key its decode gave it in Hello,
+/// connection: the proof a sender presents first on each connection ([`Credentials::proof`]: from a prefill of protocol version 11 on, the key its decode gave it in Hello,
 /// [`crate::protocol::Hello::chunk_key`]; from an older one, an empty frame), or a chunk's
 /// header carrying that key (a chunk may overtake the proof on a re-established connection).
 /// A connection is taken for a peer's, and anything it sends is read, only after a frame this
 /// accepts: without one, a connection to a data port proves nothing and is dropped at the
 /// deadline (`kvferry_wire::admission`). UCX's connections are libucx's: it takes no proofs.
 pub type ProofCheck = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
+
+/// What a sender presents on each data connection it opens ([`Transport::connect`]), where the
+/// transport's connections are its own (ZeroMQ).
+#[derive(Clone, Debug, Default)]
+pub struct Credentials {
+    /// The first frame on each connection ([`ProofCheck`]).
+    pub proof: Bytes,
+    /// The receiver is older than [`crate::protocol::TOKEN_PROOFS`]: ZeroMQ presents it the
+    /// token itself ([`zmq::Auth::in_clear`]).
+    pub token_in_clear: bool,
+}
 
 /// A data-plane transport.
 pub trait Transport: Send + Sync {
@@ -591,12 +601,12 @@ pub trait Transport: Send + Sync {
 
     /// Connects a sender to a receiver's endpoint, failing after `timeout` if unreachable
     /// ([`TransportErrorKind::Malformed`] when the endpoint is not one of this transport's);
-    /// where the transport's connections are its own (ZeroMQ), `proof` goes first on each.
+    /// where the transport's connections are its own (ZeroMQ), each presents `credentials`.
     fn connect(
         &self,
         endpoint: &str,
         timeout: std::time::Duration,
-        proof: Bytes,
+        credentials: Credentials,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>>;
 
     /// Whether this transport sends device memory, found at run time (UCX asks its context;

@@ -51,6 +51,7 @@ pub fn hello(
         revocable_runs: false,
         chunk_key: kvferry::protocol::Secret::default(),
         shared_pool,
+        nonce: None,
     })
 }
 

@@ -1487,7 +1487,7 @@ async fn chunks_land_in_the_receivers_own_buffers_and_go_back_to_it() {
     let mut sender = bounded(
         "connect",
         30,
-        data.connect(&endpoint, Duration::from_secs(10), bytes::Bytes::new()),
+        data.connect(&endpoint, Duration::from_secs(10), Default::default()),
     )
     .await
     .expect("connect");

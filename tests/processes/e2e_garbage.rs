@@ -130,6 +130,9 @@ fn random_message(rng: &mut StdRng) -> Message {
                 size: rng.random(),
                 key: (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
             }),
+            nonce: rng
+                .random_bool(0.5)
+                .then(|| Secret::from_bytes(rng.random())),
         }),
         1 => Message::HelloAck(HelloAck {
             version: rng.random(),

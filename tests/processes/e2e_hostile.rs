@@ -774,3 +774,394 @@ fn a_room_cannot_make_the_decode_send_its_token_to_a_registry_it_names() {
         assert_eq!(prefill.got(), Vec::<String>::new(), "the untrusted registry's prefill was contacted");
     });
 }
+
+/// Relays each connection to `listen` on to `to`, keeping every byte it carries each way (what
+/// a reader on the path sees): (decode to prefill, prefill to decode), over all connections.
+struct OnThePath {
+    seen: std::sync::Arc<std::sync::Mutex<(Vec<u8>, Vec<u8>)>>,
+}
+
+impl OnThePath {
+    fn start(listen: &str, to: String) -> OnThePath {
+        use std::sync::{Arc, Mutex};
+        let listener = std::net::TcpListener::bind(listen).expect("the path's port");
+        let seen = Arc::new(Mutex::new((Vec::new(), Vec::new())));
+        let all = seen.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(&to) else {
+                    return;
+                };
+                for (mut from, mut into, up) in [
+                    (
+                        client.try_clone().unwrap(),
+                        server.try_clone().unwrap(),
+                        true,
+                    ),
+                    (server, client, false),
+                ] {
+                    let seen = all.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 65536];
+                        while let Ok(n @ 1..) = from.read(&mut buf) {
+                            {
+                                let mut s = seen.lock().unwrap_or_else(|e| e.into_inner());
+                                let side = if up { &mut s.0 } else { &mut s.1 };
+                                side.extend_from_slice(&buf[..n]);
+                            }
+                            if into.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = into.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        OnThePath { seen }
+    }
+
+    fn seen(&self) -> (Vec<u8>, Vec<u8>) {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+fn holds(seen: &[u8], needle: &[u8]) -> bool {
+    seen.windows(needle.len()).any(|w| w == needle)
+}
+
+/// One ZMTP 3 frame: whether it is a command, and its body.
+struct Zmtp {
+    command: bool,
+    body: Vec<u8>,
+}
+
+impl Zmtp {
+    /// The frame at the start of `bytes` and its length there.
+    fn parse(bytes: &[u8]) -> Option<(Zmtp, usize)> {
+        let flags = *bytes.first()?;
+        let (len, head) = match flags & 0x02 {
+            0 => (usize::from(*bytes.get(1)?), 2),
+            _ => (
+                usize::try_from(u64::from_be_bytes(bytes.get(1..9)?.try_into().ok()?)).ok()?,
+                9,
+            ),
+        };
+        let body = bytes.get(head..head + len)?.to_vec();
+        let command = flags & 0x04 != 0;
+        Some((Zmtp { command, body }, head + len))
+    }
+
+    /// The next frame read from `s`.
+    fn read(s: &mut TcpStream) -> std::io::Result<Zmtp> {
+        let mut head = [0u8; 9];
+        s.read_exact(&mut head[..2])?;
+        let len = match head[0] & 0x02 {
+            0 => usize::from(head[1]),
+            _ => {
+                s.read_exact(&mut head[2..])?;
+                u64::from_be_bytes(head[1..9].try_into().unwrap()) as usize
+            }
+        };
+        let mut body = vec![0u8; len];
+        s.read_exact(&mut body)?;
+        Ok(Zmtp {
+            command: head[0] & 0x04 != 0,
+            body,
+        })
+    }
+
+    /// The protocol message this frame holds, if it is one.
+    fn message(&self) -> Option<Message> {
+        (!self.command)
+            .then(|| Message::decode(&self.body).ok())
+            .flatten()
+    }
+}
+
+/// The protocol messages in what one side of a ZeroMQ connection sent (greeting, then frames).
+fn messages(stream: &[u8]) -> Vec<Message> {
+    let mut at = 64;
+    let mut out = Vec::new();
+    while let Some((frame, len)) = stream.get(at..).and_then(Zmtp::parse) {
+        out.extend(frame.message());
+        at += len;
+    }
+    out
+}
+
+/// Replays what a ZeroMQ client sent (`stream`: greeting, then frames, ZMTP 3) to `s`, in step
+/// with the server as the client was (each handshake command waits for the server's answer,
+/// the protocol's Hello for the server's message), up to and with the first message frame
+/// that decodes as `last`; then returns the messages the server answers with, until one that
+/// decodes as one of `until` or the stream ends.
+fn replay(s: &mut TcpStream, stream: &[u8], last: &str, until: &[&str]) -> Vec<Message> {
+    s.write_all(&stream[..64]).expect("greeting");
+    let mut greeting = [0u8; 64];
+    s.read_exact(&mut greeting).expect("the server's greeting");
+    let mut at = 64;
+    loop {
+        let (frame, len) =
+            Zmtp::parse(&stream[at..]).unwrap_or_else(|| panic!("no {last} recorded"));
+        s.write_all(&stream[at..at + len]).expect("replay");
+        at += len;
+        let sent = frame.message().map(|m| m.name());
+        if sent == Some(last) {
+            break;
+        }
+        // The client's HELLO and INITIATE are answered (WELCOME, READY), its Hello too.
+        let name = frame
+            .body
+            .get(1..1 + usize::from(*frame.body.first().unwrap_or(&0)));
+        let answered = matches!(name, Some(b"HELLO" | b"INITIATE")) || sent == Some("hello");
+        if answered {
+            let answer = Zmtp::read(s).expect("the server's answer");
+            assert!(answer.command || sent.is_some(), "an answer out of step");
+        }
+    }
+    let mut answers = Vec::new();
+    while let Ok(frame) = Zmtp::read(s) {
+        if let Some(m) = frame.message() {
+            let done = until.contains(&m.name());
+            answers.push(m);
+            if done {
+                break;
+            }
+        }
+    }
+    answers
+}
+
+/// A reader on the path between a decode and its prefill's control port never sees the token:
+/// the prefill binds 127.0.0.1 and advertises 127.0.0.2, where a relay listens, so the decode
+/// reaches it only through the relay; rooms land through it, the token proven, never sent
+/// (with an agent older than protocol 12 both the ZeroMQ handshake and the Hello carried it).
+/// The decode's recorded bytes up to its answer to the challenge, replayed on a connection of
+/// their own, pass the ZeroMQ handshake (the password derived from the token is replayable)
+/// and are refused: the challenge is new, the recorded answer proves nothing, no HelloAck.
+#[test]
+fn the_token_never_crosses_the_control_path_and_a_replayed_handshake_is_refused() {
+    let tag = "hostile-token-path";
+    let token = "s3cret-token-on-the-path";
+    let mut args = all_timeouts(&opts(), 60_000, 30_000);
+    set_flag(&mut args, "--token", token);
+    let c = FaultCluster::start(tag, &args, &["--advertise-host", "127.0.0.2"], &[], &[]);
+    let control = c.prefill.field("control").unwrap();
+    let port = addr(&control).rsplit_once(':').unwrap().1.to_owned();
+    assert!(control.starts_with("tcp://127.0.0.2:"), "{control}");
+    let path = OnThePath::start(&format!("127.0.0.2:{port}"), format!("127.0.0.1:{port}"));
+    let apis = kvferry::cluster::Apis::pair(&c.prefill_api, &c.decode_api)
+        .with_token(Some(token.to_owned()));
+    let results = runtime()
+        .block_on(kvferry::cluster::drive_rooms(
+            &apis,
+            vec![(1, 32), (2, 64)],
+            1,
+        ))
+        .expect("rooms through the path");
+    assert!(
+        results.iter().all(|r| r.verified && r.state == "success"),
+        "{results:?}"
+    );
+    let (up, down) = path.seen();
+    println!(
+        "[{tag}] the path carried {} bytes to the prefill and {} back, 2 rooms verified",
+        up.len(),
+        down.len()
+    );
+    let acks = messages(&down)
+        .iter()
+        .filter(|m| m.name() == "hello_ack")
+        .count();
+    assert_eq!(
+        acks, 1,
+        "the decode's Hello was not answered through the path"
+    );
+    assert!(
+        !holds(&up, token.as_bytes()),
+        "the token crossed the path to the prefill"
+    );
+    assert!(
+        !holds(&down, token.as_bytes()),
+        "the token crossed the path to the decode"
+    );
+    // The recorded greeting, handshake, Hello and answer, on a connection of their own.
+    let mut s = TcpStream::connect(format!("127.0.0.1:{port}")).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let started = Instant::now();
+    let answers = replay(&mut s, &up, "challenge_reply", &["error", "hello_ack"]);
+    println!(
+        "[{tag}] the replay was answered in {:?}: {answers:?}",
+        started.elapsed()
+    );
+    let names: Vec<_> = answers.iter().map(Message::name).collect();
+    assert!(
+        !names.contains(&"hello_ack"),
+        "a replayed handshake was accepted: {answers:?}"
+    );
+    let refused = answers.iter().any(|m| match m {
+        Message::Error(e) => {
+            e.code == kvferry::reason::FailureCode::Unauthorized && e.message.contains("token")
+        }
+        _ => false,
+    });
+    assert!(
+        refused,
+        "the replay was not refused as unauthorized: {answers:?}"
+    );
+}
+
+/// A decode's side of the handshake as the test plays it: a ZAP handler of its own (it
+/// records the password each ZeroMQ connection to the test's sockets presents), a PULL data
+/// socket behind it, and DEALERs to the prefill's control port.
+struct PlayedDecode {
+    ctx: zmq::Context,
+    passwords: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+    data: zmq::Socket,
+    endpoint: String,
+}
+
+impl PlayedDecode {
+    fn new() -> PlayedDecode {
+        let ctx = zmq::Context::new();
+        let zap = ctx.socket(zmq::REP).expect("REP");
+        zap.bind("inproc://zeromq.zap.01")
+            .expect("the ZAP endpoint");
+        let passwords = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = passwords.clone();
+        std::thread::spawn(move || {
+            while let Ok(request) = zap.recv_multipart(0) {
+                seen.lock()
+                    .unwrap()
+                    .push(request.get(7).cloned().unwrap_or_default());
+                let id = request.get(1).cloned().unwrap_or_default();
+                let ok: Vec<Vec<u8>> = vec![
+                    b"1.0".to_vec(),
+                    id,
+                    b"200".to_vec(),
+                    b"OK".to_vec(),
+                    b"u".to_vec(),
+                    vec![],
+                ];
+                if zap.send_multipart(ok, 0).is_err() {
+                    return;
+                }
+            }
+        });
+        let data = ctx.socket(zmq::PULL).expect("PULL");
+        data.set_plain_server(true).expect("PLAIN");
+        data.set_zap_domain("played").expect("domain");
+        data.set_linger(0).expect("linger");
+        data.bind("tcp://127.0.0.1:*").expect("bind");
+        let endpoint = data.get_last_endpoint().unwrap().unwrap();
+        PlayedDecode {
+            ctx,
+            passwords,
+            data,
+            endpoint,
+        }
+    }
+
+    /// A DEALER to `control` presenting `password` (ZAP PLAIN).
+    fn dealer(&self, control: &str, password: &str) -> zmq::Socket {
+        let s = self.ctx.socket(zmq::DEALER).expect("DEALER");
+        s.set_linger(0).expect("linger");
+        s.set_rcvtimeo(30_000).expect("timeout");
+        s.set_plain_username(Some("kvferry")).expect("user");
+        s.set_plain_password(Some(password)).expect("password");
+        s.connect(control).expect("connect");
+        s
+    }
+}
+
+fn next_message(s: &zmq::Socket) -> Message {
+    let frame = s.recv_bytes(0).expect("an answer within 30 s");
+    Message::decode(&frame).expect("an answer that decodes")
+}
+
+/// A version-12 prefill with a token serves a decode of version 11 on loopback the old way (the
+/// token in the ZeroMQ handshake and in Hello; its data port gets the token too, as it
+/// expects), and one of version 12 only through the challenge (its data port gets the derived
+/// password, never the token); a version-12 Hello that carries the token instead of a nonce is
+/// refused.
+#[test]
+fn the_token_goes_in_clear_only_to_a_decode_older_than_token_proofs() {
+    let token = "s3cret-of-two-versions";
+    let c = cluster("hostile-token-versions", &[("--token", token)]);
+    let control = c.prefill.field("control").unwrap();
+    let played = PlayedDecode::new();
+    let hello = |max_version: u16, token: &str, nonce: Option<Secret>| {
+        let mut hello = common::rogue::hello(played.endpoint.clone(), None, None);
+        if let Message::Hello(h) = &mut hello {
+            h.max_version = max_version;
+            h.token = token.to_owned();
+            h.chunk_key = Secret::random().unwrap();
+            h.nonce = nonce;
+        }
+        hello.encode()
+    };
+    let derived = kvferry::protocol::zap_password(token);
+
+    // Version 11: the token itself, both ways.
+    let older = played.dealer(&control, token);
+    older.send(hello(11, token, None), 0).expect("send");
+    match next_message(&older) {
+        Message::HelloAck(a) => assert_eq!(a.version, 11),
+        other => panic!("an older decode on loopback was refused: {other:?}"),
+    }
+    let presented = played.passwords.lock().unwrap().clone();
+    assert_eq!(
+        presented,
+        vec![token.as_bytes().to_vec()],
+        "to an older decode's data port"
+    );
+
+    // Version 12 without a nonce: the token sent instead of proven is refused.
+    let sends = played.dealer(&control, &derived);
+    sends.send(hello(12, token, None), 0).expect("send");
+    match next_message(&sends) {
+        Message::Error(e) => {
+            assert_eq!(e.code, kvferry::reason::FailureCode::Unauthorized, "{e:?}")
+        }
+        other => panic!("a version-12 Hello with the token in it was served: {other:?}"),
+    }
+
+    // Version 12: challenged, the prefill's proof checked, the answer proven.
+    let newer = played.dealer(&control, &derived);
+    let nonce = Secret::random().unwrap();
+    let frame = hello(12, "", Some(nonce));
+    newer.send(frame.clone(), 0).expect("send");
+    let Message::Challenge(challenge) = next_message(&newer) else {
+        panic!("a version-12 Hello with a nonce was not challenged")
+    };
+    let handshake = kvferry::protocol::Handshake {
+        hello: &frame,
+        decode_nonce: &nonce,
+        prefill_nonce: &challenge.nonce,
+    };
+    use kvferry::protocol::Prover;
+    assert!(
+        handshake.verify(token, Prover::Prefill, &challenge.proof),
+        "the prefill's proof"
+    );
+    let reply = Message::ChallengeReply(kvferry::protocol::ChallengeReply {
+        proof: handshake.prove(token, Prover::Decode),
+    });
+    newer.send(reply.encode(), 0).expect("send");
+    match next_message(&newer) {
+        Message::HelloAck(a) => assert_eq!(a.version, 12),
+        other => panic!("a proven decode was refused: {other:?}"),
+    }
+    let presented = played.passwords.lock().unwrap().clone();
+    assert_eq!(presented.len(), 2, "{presented:?}");
+    assert_eq!(
+        presented[1],
+        derived.as_bytes(),
+        "to a version-12 decode's data port"
+    );
+    println!(
+        "[hostile-token-versions] version 11 served with the token in clear on loopback; version 12 with it in place of a nonce refused; version 12 challenged and served, its data port given the derived password"
+    );
+    drop(played.data);
+}

@@ -185,7 +185,25 @@ impl Decode {
             seq: 0,
             rooms: Vec::new(),
         });
-        let options = crate::agent::control_options(&self.cfg);
+        // A prefill older than token proofs (the registry says which) takes the token itself,
+        // on its ZeroMQ handshake and in Hello: only on loopback, or with --insecure.
+        let versions = rank.about.protocol.as_ref();
+        let token = self.cfg.token.clone().filter(|t| !t.is_empty());
+        let older = versions.is_none_or(|v| v.max < protocol::TOKEN_PROOFS);
+        let mut options = crate::agent::control_options(&self.cfg);
+        if older && token.is_some() {
+            let version = versions.map_or("unknown".to_owned(), |v| v.max.to_string());
+            let refused = crate::exposure::token_in_clear_refused(
+                "prefill",
+                version,
+                &endpoint,
+                self.cfg.insecure,
+            );
+            if let Some(why) = refused {
+                return Err(Reason::new(FailureCode::Unauthorized, why));
+            }
+            options.auth = options.auth.in_clear();
+        }
         let connected =
             ControlClient::connect(&endpoint, timeout, &options, beat.encode().into()).await;
         let ControlClient { mut send, mut recv } = connected.map_err(|e| match e.kind {
@@ -200,9 +218,17 @@ impl Decode {
         // The prefill connects to the data port while it answers the Hello: its proof is
         // accepted from now on. One older than DATA_PROOFS (the registry says which) proves
         // with an empty frame.
-        let versions = rank.about.protocol.as_ref();
-        let older = versions.is_none_or(|v| v.max < protocol::DATA_PROOFS);
-        let proof = self.proofs.admit(&chunk_key, older);
+        let proof = (self.proofs).admit(
+            &chunk_key,
+            versions.is_none_or(|v| v.max < protocol::DATA_PROOFS),
+        );
+        let nonce =
+            match (&token, older) {
+                (Some(_), false) => Some(protocol::Secret::random().map_err(|e| {
+                    unreachable(format!("no random bytes for the token's proof: {e}"))
+                })?),
+                _ => None,
+            };
         let hello = Message::Hello(Hello {
             min_version: protocol::MIN_VERSION,
             max_version: protocol::VERSION,
@@ -211,14 +237,19 @@ impl Decode {
             ranks: self.cfg.ranks,
             layout: crate::agent::wire_layout(&self.cfg.layout),
             data_endpoint: self.data_endpoint.clone(),
-            token: self.cfg.token.clone().unwrap_or_default(),
+            token: match older {
+                true => token.clone().unwrap_or_default(),
+                false => String::new(),
+            },
             slots: self.cfg.staging_slots as u32,
             slot_bytes: u32::try_from(self.cfg.chunk_bytes).unwrap_or(u32::MAX),
             pool: self.pool_key.clone(),
             revocable_runs: self.placer.as_ref().is_some_and(|p| p.revocable()),
             chunk_key,
             shared_pool: self.shared_pool.clone(),
+            nonce,
         });
+        let hello = bytes::Bytes::from(hello.encode());
         // The Hello grants the slots: a receive is posted for each before it goes.
         let granted = match &self.receives {
             Some(receives) => Some(
@@ -228,20 +259,50 @@ impl Decode {
             ),
             None => None,
         };
-        send.send(hello.encode().into())
+        send.send(hello.clone())
             .await
             .map_err(|e| unreachable(e.message))?;
         // The prefill files this connection's peer before it answers, so its heartbeat may
-        // come first: skip heartbeats until the answer, within the same bound.
+        // come first: skip heartbeats until the answer, within the same bound. With a nonce,
+        // the prefill proves the token first and this decode answers its challenge.
         let deadline = tokio::time::Instant::now() + timeout;
+        let mut challenged = false;
         let reply = loop {
             let reply = tokio::time::timeout_at(deadline, recv.recv())
                 .await
                 .map_err(|_| unreachable(format!("no answer to Hello within {timeout:?}")))?
                 .map_err(|e| unreachable(e.message))?;
-            match Message::decode(&reply) {
-                Ok(Message::Heartbeat(_)) => continue,
-                decoded => break decoded,
+            match (Message::decode(&reply), &token, &nonce) {
+                (Ok(Message::Heartbeat(_)), _, _) => continue,
+                (Ok(Message::Challenge(c)), Some(token), Some(decode_nonce)) if !challenged => {
+                    let handshake = protocol::Handshake {
+                        hello: &hello,
+                        decode_nonce,
+                        prefill_nonce: &c.nonce,
+                    };
+                    if !handshake.verify(token, protocol::Prover::Prefill, &c.proof) {
+                        return Err(Reason::new(
+                            FailureCode::Unauthorized,
+                            format!("prefill {endpoint} does not prove the cluster token"),
+                        ));
+                    }
+                    challenged = true;
+                    let reply = Message::ChallengeReply(protocol::ChallengeReply {
+                        proof: handshake.prove(token, protocol::Prover::Decode),
+                    });
+                    send.send(reply.encode().into())
+                        .await
+                        .map_err(|e| unreachable(e.message))?;
+                }
+                (Ok(Message::HelloAck(_)), _, Some(_)) if !challenged => {
+                    return Err(Reason::new(
+                        FailureCode::Unauthorized,
+                        format!(
+                            "prefill {endpoint} accepted Hello without proving the cluster token"
+                        ),
+                    ));
+                }
+                (decoded, _, _) => break decoded,
             }
         };
         let ack = match reply {

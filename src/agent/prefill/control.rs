@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, oneshot};
 
 pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer) {
     loop {
@@ -49,7 +49,20 @@ pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer)
         let inner = inner.clone();
         match Message::decode(&frame) {
             Ok(Message::Hello(h)) => {
-                tokio::spawn(inner.on_hello(identity, h));
+                tokio::spawn(inner.on_hello(identity, h, frame));
+            }
+            Ok(Message::ChallengeReply(reply)) => {
+                let waiting = inner.challenges().remove(&identity);
+                match waiting {
+                    Some(tx) => {
+                        let _ = tx.send(reply);
+                    }
+                    None => {
+                        inner.metrics.protocol_error("unexpected");
+                        let m = "a challenge reply to no challenge".to_owned();
+                        inner.refuse(&identity, None, FailureCode::BadMessage, m);
+                    }
+                }
             }
             Ok(Message::TransferRequest(r)) => inner.on_request(identity, r).await,
             Ok(Message::Abort(a)) => inner.on_abort(identity, a).await,
@@ -97,7 +110,81 @@ pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer)
 }
 
 impl Prefill {
-    async fn on_hello(self: Arc<Self>, identity: PeerId, hello: Hello) {
+    fn challenges(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<PeerId, oneshot::Sender<protocol::ChallengeReply>>> {
+        self.challenges.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the decode on `identity` holds this prefill's token (none: it has none either),
+    /// or why not. From [`protocol::TOKEN_PROOFS`] on with a token, the prefill challenges the
+    /// decode and waits for its reply (`protocol/challenge.rs`); with an older decode it compares
+    /// the token the Hello carries, refused beyond loopback without `--insecure` (this prefill
+    /// would send it in clear to the decode's data port too).
+    async fn check_token(
+        &self,
+        identity: &PeerId,
+        hello: &Hello,
+        frame: &[u8],
+        version: u16,
+    ) -> Result<(), String> {
+        const WRONG: &str = "wrong or missing token in Hello";
+        let token = self.cfg.token.as_deref().filter(|t| !t.is_empty());
+        let Some(decode_nonce) = hello.nonce else {
+            if version >= protocol::TOKEN_PROOFS && token.is_some() {
+                // A decode of this version proves the token: this one has none.
+                return Err(WRONG.to_owned());
+            }
+            if token.unwrap_or("") != hello.token {
+                return Err(WRONG.to_owned());
+            }
+            let in_clear = token.and_then(|_| {
+                crate::exposure::token_in_clear_refused(
+                    "decode",
+                    version,
+                    &hello.data_endpoint,
+                    self.cfg.insecure,
+                )
+            });
+            return in_clear.map_or(Ok(()), Err);
+        };
+        let Some(token) = token else {
+            return Err("the decode has a token, this prefill none".to_owned());
+        };
+        let prefill_nonce = protocol::Secret::random()
+            .map_err(|e| format!("no random bytes for a challenge: {e}"))?;
+        let handshake = protocol::Handshake {
+            hello: frame,
+            decode_nonce: &decode_nonce,
+            prefill_nonce: &prefill_nonce,
+        };
+        let (tx, rx) = oneshot::channel();
+        self.challenges().insert(identity.clone(), tx);
+        self.reply(
+            identity,
+            Message::Challenge(protocol::Challenge {
+                nonce: prefill_nonce,
+                proof: handshake.prove(token, protocol::Prover::Prefill),
+            }),
+        );
+        let within = self.timeouts().connect;
+        let reply = tokio::time::timeout(within, rx).await;
+        let reply = match reply {
+            Ok(Ok(reply)) => reply,
+            // Another Hello on the same connection took the challenge's place.
+            Ok(Err(_)) => return Err("a later Hello superseded this one".to_owned()),
+            Err(_) => {
+                self.challenges().remove(identity);
+                return Err(format!("no answer to the challenge within {within:?}"));
+            }
+        };
+        match handshake.verify(token, protocol::Prover::Decode, &reply.proof) {
+            true => Ok(()),
+            false => Err("wrong token: the challenge's answer does not prove it".to_owned()),
+        }
+    }
+
+    async fn on_hello(self: Arc<Self>, identity: PeerId, hello: Hello, frame: bytes::Bytes) {
         tracing::debug!(decode = %hello.instance, data = %hello.data_endpoint, "Hello");
         let refuse = |code, message| self.refuse(&identity, None, code, message);
         let Some(version) = protocol::negotiate(hello.min_version, hello.max_version) else {
@@ -112,12 +199,9 @@ impl Prefill {
                 ),
             );
         };
-        if self.cfg.token.as_deref().unwrap_or("") != hello.token {
-            tracing::warn!(decode = %hello.instance, "Hello with a wrong or missing token refused");
-            return refuse(
-                FailureCode::Unauthorized,
-                "wrong or missing token in Hello".to_owned(),
-            );
+        if let Err(why) = self.check_token(&identity, &hello, &frame, version).await {
+            tracing::warn!(decode = %hello.instance, %why, "Hello refused: the token");
+            return refuse(FailureCode::Unauthorized, why);
         }
         if hello.role != protocol::Role::Decode {
             self.metrics.protocol_error("inconsistent");
@@ -151,9 +235,12 @@ impl Prefill {
         let connected = match checked {
             Ok(()) => {
                 let timeout = self.timeouts().connect;
-                let proof = protocol::data_proof(version, &hello.chunk_key);
+                let credentials = transport::Credentials {
+                    proof: protocol::data_proof(version, &hello.chunk_key),
+                    token_in_clear: version < protocol::TOKEN_PROOFS,
+                };
                 self.transport
-                    .connect(&hello.data_endpoint, timeout, proof)
+                    .connect(&hello.data_endpoint, timeout, credentials)
                     .await
             }
             Err(e) => Err(e),

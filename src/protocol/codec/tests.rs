@@ -58,6 +58,7 @@ fn hello() -> Hello {
             size: 1 << 30,
             key: b"0123456789abcdefkvferry-pool-x".to_vec(),
         }),
+        nonce: Some(Secret::from_bytes([0x5e; 16])),
     }
 }
 
@@ -250,6 +251,17 @@ fn samples() -> Vec<Message> {
             accepted,
         }));
     }
+    out.push(Message::Hello(Hello {
+        nonce: None,
+        ..hello()
+    }));
+    out.push(Message::Challenge(Challenge {
+        nonce: Secret::from_bytes([0x11; 16]),
+        proof: TokenMac([0xee; 32]),
+    }));
+    out.push(Message::ChallengeReply(ChallengeReply {
+        proof: TokenMac([0x01; 32]),
+    }));
     out
 }
 
@@ -257,7 +269,7 @@ fn samples() -> Vec<Message> {
 fn every_sample_round_trips_with_a_well_formed_header() {
     let samples = samples();
     let names: std::collections::HashSet<_> = samples.iter().map(Message::name).collect();
-    assert_eq!(names.len(), 11, "samples must cover every kind");
+    assert_eq!(names.len(), 13, "samples must cover every kind");
     for msg in samples {
         let bytes = msg.encode();
         assert_eq!(&bytes[..4], b"KVFY");
@@ -283,6 +295,8 @@ fn kind_tags_are_stable() {
         ("error", 9),
         ("credit", 10),
         ("posted", 11),
+        ("challenge", 12),
+        ("challenge_reply", 13),
     ];
     for msg in samples() {
         let tag = msg.encode()[6];
@@ -298,7 +312,7 @@ fn a_heartbeat_has_the_documented_bytes() {
         seq: 3,
         rooms: vec![5],
     });
-    let mut want = b"KVFY\x0b\x00\x08\x00\x24\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x0c\x00\x08\x00\x24\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     want.extend_from_slice(&[1, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0]);
@@ -490,7 +504,7 @@ fn body_length_must_match_the_bytes_given() {
 
 #[test]
 fn unknown_kind_and_flags_are_refused() {
-    for kind in [0, 12, 255] {
+    for kind in [0, 14, 255] {
         assert_eq!(
             Message::decode(&frame(VERSION, kind, 0, &[])),
             Err(DecodeError::UnknownKind(kind))

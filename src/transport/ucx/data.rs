@@ -408,7 +408,7 @@ impl Transport for UcxData {
         &self,
         endpoint: &str,
         timeout: Duration,
-        _proof: bytes::Bytes,
+        _credentials: crate::transport::Credentials,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>> {
         let inner = self.inner.clone();
         let endpoint = endpoint.to_owned();

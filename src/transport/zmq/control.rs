@@ -453,8 +453,12 @@ impl Peers for RouterPeers {
         let Some(fd) = fd else {
             return Verdict::Deliver;
         };
+        // A peer known by its routing id (the DEALER's, random) proved itself before: its
+        // connection re-established within the grace proves itself with any frame (it sends a
+        // heartbeat first), as ZAP let it in again.
+        let known = self.fd_of.contains_key(peer) || self.dropped.contains_key(peer);
         let proof = self.proof;
-        let proves = || proof.is_none_or(|proves| proves(frame));
+        let proves = || known || proof.is_none_or(|proves| proves(frame));
         let verdict = self.connections.message(fd, now, proves);
         if verdict == Verdict::Deliver {
             self.dropped.remove(peer);
@@ -554,9 +558,9 @@ impl Peers for DealerPeer {
     }
 
     fn down(&self) -> bool {
-        // Reconnected but not yet past the handshake: the Hello queued at `Ready` must be the
-        // new connection's first message (a prefill takes nothing else as its proof), so
-        // nothing is queued before it.
+        // Reconnected but not yet past the handshake: the frame queued at `Ready` (a
+        // heartbeat, which tells the prefill this known peer is back) must be the new
+        // connection's first message, so nothing is queued before it.
         self.fd.is_none() || self.dropped.is_some()
     }
 

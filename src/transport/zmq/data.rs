@@ -36,8 +36,8 @@ use super::{Auth, context, owned, rest_of_message, spawn, tcp_address};
 use crate::memory::{RemoteMemory, Span};
 use crate::pool::HostPool;
 use crate::transport::{
-    BoxFuture, DataReceiver, DataSender, Frame, Listening, MAX_PIECES, Payload, ProofCheck,
-    Transport, TransportError, TransportKind, mapped,
+    BoxFuture, Credentials, DataReceiver, DataSender, Frame, Listening, MAX_PIECES, Payload,
+    ProofCheck, Transport, TransportError, TransportKind, mapped,
 };
 
 /// Messages queued per connection before a send blocks. Credits already bound the chunks in
@@ -159,10 +159,14 @@ impl Transport for ZmqData {
         &self,
         endpoint: &str,
         timeout: Duration,
-        proof: Bytes,
+        credentials: Credentials,
     ) -> BoxFuture<'static, Result<Box<dyn DataSender>, TransportError>> {
         let endpoint = endpoint.to_owned();
-        let auth = self.auth.clone();
+        let auth = match credentials.token_in_clear {
+            true => self.auth.in_clear(),
+            false => self.auth.clone(),
+        };
+        let proof = credentials.proof;
         Box::pin(async move {
             let (connected_tx, connected_rx) = oneshot::channel();
             let (jobs_tx, jobs_rx) = std_mpsc::channel::<Job>();

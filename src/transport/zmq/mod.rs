@@ -11,10 +11,12 @@
 //!   connections from one address once they proved themselves; connections that have not yet
 //!   are bounded apart, oldest dropped first, for at most the proof deadline ([`peers`]);
 //! - with a cluster token, ZAP PLAIN authentication ([`Auth`], `zap.rs`): a connection that
-//!   does not present the token is closed during the handshake, before libzmq reads a message
-//!   from it. PLAIN carries the token in clear text; this build's libzmq has no CURVE (the
-//!   `zmq-sys` build links no libsodium), so the network between agents must be trusted or
-//!   encrypted below (IPsec, WireGuard).
+//!   does not present the password derived from the token ([`crate::protocol::zap_password`])
+//!   is closed during the handshake, before libzmq reads a message from it. The token itself
+//!   goes only to and from peers older than [`crate::protocol::TOKEN_PROOFS`]
+//!   ([`Auth::in_clear`]); with newer ones it is proven on the control connection instead
+//!   (`protocol/challenge.rs`). This build's libzmq has no CURVE (the `zmq-sys` build links
+//!   no libsodium): what travels after the handshake is not encrypted.
 //!
 //! Connections are watched through libzmq's socket monitor ([`monitor`]): the side that
 //! connects sees its connection drop, the side that binds sees which peer's connection
@@ -85,11 +87,13 @@ fn new_context() -> zmq::Context {
     ctx
 }
 
-/// How an agent's libzmq sockets authenticate: with the cluster token (ZAP PLAIN) or not at
-/// all. Cheap to clone.
+/// How an agent's libzmq sockets authenticate: with the cluster token (ZAP PLAIN, the password
+/// derived from it) or not at all. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct Auth {
     token: Option<Arc<str>>,
+    /// Presents the token itself, to a peer older than token proofs.
+    in_clear: bool,
 }
 
 impl std::fmt::Debug for Auth {
@@ -101,11 +105,13 @@ impl std::fmt::Debug for Auth {
         };
         f.debug_struct("Auth")
             .field("mechanism", &mechanism)
+            .field("in_clear", &self.in_clear)
             .finish()
     }
 }
 
-/// User name a client presents with the token (ZAP PLAIN needs one; only the token counts).
+/// User name a client presents with its password (ZAP PLAIN needs one; only the password
+/// counts).
 const PLAIN_USER: &str = "kvferry";
 
 impl Auth {
@@ -113,7 +119,23 @@ impl Auth {
     pub fn new(token: Option<&str>) -> Auth {
         Auth {
             token: token.filter(|t| !t.is_empty()).map(Arc::from),
+            in_clear: false,
         }
+    }
+
+    /// This authentication towards a peer older than [`crate::protocol::TOKEN_PROOFS`]: a
+    /// socket that connects presents the token itself, in clear (the agents send it only on
+    /// loopback, or with `--insecure`).
+    pub fn in_clear(&self) -> Auth {
+        Auth {
+            in_clear: true,
+            ..self.clone()
+        }
+    }
+
+    /// Whether there is a token.
+    pub fn has_token(&self) -> bool {
+        self.token.is_some()
     }
 
     /// Makes `socket` (which binds) require the token from every connection, and close a
@@ -132,11 +154,15 @@ impl Auth {
         Ok(Some(domain))
     }
 
-    /// Makes `socket` (which connects) present the token.
+    /// Makes `socket` (which connects) present the password derived from the token, or the
+    /// token itself ([`Auth::in_clear`]).
     fn client(&self, socket: &zmq::Socket) -> Result<(), zmq::Error> {
         if let Some(token) = &self.token {
             socket.set_plain_username(Some(PLAIN_USER))?;
-            socket.set_plain_password(Some(token))?;
+            match self.in_clear {
+                true => socket.set_plain_password(Some(token))?,
+                false => socket.set_plain_password(Some(&crate::protocol::zap_password(token)))?,
+            }
         }
         Ok(())
     }

@@ -78,6 +78,69 @@ async fn frames_cross_both_ways_with_the_token() {
 }
 
 #[tokio::test]
+async fn the_password_derived_from_the_token_or_the_token_itself_passes_and_nothing_else() {
+    let (endpoint, mut server, _replier) =
+        ControlServer::bind("127.0.0.1", 0, &options(Some("t0k")))
+            .await
+            .expect("bind");
+    for (what, options) in [
+        ("derived", options(Some("t0k"))),
+        ("in clear, as an older peer", {
+            let mut o = options(Some("t0k"));
+            o.auth = o.auth.in_clear();
+            o
+        }),
+    ] {
+        let ControlClient {
+            mut send,
+            recv: _recv,
+        } = ControlClient::connect(&endpoint, WAIT, &options, Bytes::new())
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        send.send(Bytes::from_static(b"in")).await.expect("send");
+        assert_eq!(&next_frame(&mut server).await.1[..], b"in", "{what}");
+    }
+    refused(&endpoint, WAIT, Some("t0k2"), "refused this agent's token").await;
+}
+
+/// A prefill's control socket takes a connection's messages only once one proves it (a valid
+/// Hello); a known peer whose connection drops and is re-established within the grace is
+/// itself again: its first frame on the new connection (a heartbeat, not a Hello) is delivered,
+/// and the peer is not lost.
+#[tokio::test]
+async fn a_proven_peer_reconnecting_within_the_grace_needs_no_second_proof() {
+    let mut opts = options(Some("t0k"));
+    opts.proof = Some(|frame: &[u8]| frame == b"hello");
+    let (endpoint, mut server, _replier) = ControlServer::bind("127.0.0.1", 0, &opts)
+        .await
+        .expect("bind");
+    let ControlClient {
+        mut send,
+        recv: _recv,
+    } = ControlClient::connect(&endpoint, WAIT, &opts, Bytes::from_static(b"beat"))
+        .await
+        .expect("connect");
+    send.send(Bytes::from_static(b"before"))
+        .await
+        .expect("send");
+    send.send(Bytes::from_static(b"hello")).await.expect("send");
+    let (peer, first) = next_frame(&mut server).await;
+    assert_eq!(
+        &first[..],
+        b"hello",
+        "a frame before the proof was delivered"
+    );
+    // One byte over the cap: the server closes the connection, the client reconnects.
+    send.send(Bytes::from(vec![7u8; 4097]))
+        .await
+        .expect("queued");
+    let (again, beat) = next_frame(&mut server).await;
+    assert_eq!((&again, &beat[..]), (&peer, &b"beat"[..]));
+    send.send(Bytes::from_static(b"after")).await.expect("send");
+    assert_eq!(&next_frame(&mut server).await.1[..], b"after");
+}
+
+#[tokio::test]
 async fn a_wrong_or_missing_token_fails_the_handshake_as_unauthorized() {
     let (endpoint, _server, _replier) =
         ControlServer::bind("127.0.0.1", 0, &options(Some("right")))

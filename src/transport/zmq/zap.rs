@@ -1,20 +1,29 @@
 //! The process's ZAP handler (ZeroMQ RFC 27): libzmq asks it, during the handshake of every
 //! connection to a socket with a ZAP domain, whether the credentials the peer presented may
-//! pass. kvferry's server sockets use PLAIN with the cluster token as the password; each
-//! socket registers its own domain, so agents with different tokens can share a process.
+//! pass. kvferry's server sockets use PLAIN with a password derived from the cluster token
+//! ([`crate::protocol::zap_password`]), or, from peers older than
+//! [`crate::protocol::TOKEN_PROOFS`], the token itself; each socket registers its own domain,
+//! so agents with different tokens can share a process.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::context;
-use crate::protocol::constant_time_eq;
+use crate::protocol::{constant_time_eq, zap_password};
 
 /// Where libzmq sends ZAP requests (fixed by RFC 27).
 const ZAP_ENDPOINT: &str = "inproc://zeromq.zap.01";
 
-/// The token each registered domain expects.
-fn domains() -> &'static Mutex<HashMap<String, Arc<str>>> {
-    static DOMAINS: OnceLock<Mutex<HashMap<String, Arc<str>>>> = OnceLock::new();
+/// What one registered domain takes: the password derived from its token, or (from a peer
+/// older than token proofs) the token.
+struct Expected {
+    token: Arc<str>,
+    password: String,
+}
+
+/// What each registered domain expects.
+fn domains() -> &'static Mutex<HashMap<String, Arc<Expected>>> {
+    static DOMAINS: OnceLock<Mutex<HashMap<String, Arc<Expected>>>> = OnceLock::new();
     DOMAINS.get_or_init(Default::default)
 }
 
@@ -27,10 +36,13 @@ impl Domain {
         static HANDLER: OnceLock<Result<(), zmq::Error>> = OnceLock::new();
         (*HANDLER.get_or_init(start))?;
         let name = format!("kvferry-{}", uuid::Uuid::new_v4().simple());
-        domains()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.clone(), token);
+        domains().lock().unwrap_or_else(|e| e.into_inner()).insert(
+            name.clone(),
+            Arc::new(Expected {
+                password: zap_password(&token),
+                token,
+            }),
+        );
         Ok(Domain(name))
     }
 
@@ -75,12 +87,19 @@ fn start() -> Result<(), zmq::Error> {
 fn answer(request: &[Vec<u8>]) -> Vec<Vec<u8>> {
     let id = request.get(1).cloned().unwrap_or_default();
     let (code, text) = verdict(request);
-    if code != "200" {
-        let address = request
+    let address = || {
+        request
             .get(3)
             .map(|a| String::from_utf8_lossy(a).into_owned())
-            .unwrap_or_default();
-        tracing::warn!(peer = %address, reason = text, "connection refused: authentication");
+            .unwrap_or_default()
+    };
+    match (code, text) {
+        ("200", IN_CLEAR) => tracing::warn!(
+            peer = %address(),
+            "a peer older than token proofs sent the cluster token in clear: upgrade it"
+        ),
+        ("200", _) => {}
+        _ => tracing::warn!(peer = %address(), reason = text, "connection refused: authentication"),
     }
     vec![
         b"1.0".to_vec(),
@@ -113,11 +132,15 @@ fn verdict(request: &[Vec<u8>]) -> (&'static str, &'static str) {
         .get(domain.as_ref())
         .cloned();
     match expected {
-        Some(token) if constant_time_eq(frame(7), token.as_bytes()) => ("200", "OK"),
+        Some(e) if constant_time_eq(frame(7), e.password.as_bytes()) => ("200", "OK"),
+        Some(e) if constant_time_eq(frame(7), e.token.as_bytes()) => ("200", IN_CLEAR),
         Some(_) => ("400", "wrong token"),
         None => ("400", "unknown domain"),
     }
 }
+
+/// The status text of a peer let in by the token itself (one older than token proofs).
+const IN_CLEAR: &str = "OK (the token in clear)";
 
 #[cfg(test)]
 mod tests {
@@ -137,12 +160,23 @@ mod tests {
     }
 
     #[test]
-    fn only_the_domains_token_passes() {
+    fn only_the_password_of_the_domains_token_or_that_token_passes() {
         let domain = Domain::register(Arc::from("s3cret")).expect("register");
-        let ok = answer(&request(domain.name(), "PLAIN", b"s3cret"));
+        let derived = zap_password("s3cret");
+        let ok = answer(&request(domain.name(), "PLAIN", derived.as_bytes()));
         assert_eq!(
             (ok[1].as_slice(), ok[2].as_slice()),
             (&b"7"[..], &b"200"[..])
+        );
+        // A peer older than token proofs.
+        assert_eq!(
+            answer(&request(domain.name(), "PLAIN", b"s3cret"))[2],
+            b"200"
+        );
+        let other = zap_password("s3cret2");
+        assert_eq!(
+            answer(&request(domain.name(), "PLAIN", other.as_bytes()))[2],
+            b"400"
         );
         assert_eq!(
             answer(&request(domain.name(), "PLAIN", b"s3cre"))[2],

@@ -87,6 +87,7 @@ fn arb_hello() -> impl Strategy<Value = Hello> {
                     size: u64::from(r[5]),
                     key: r[4].to_le_bytes().to_vec(),
                 }),
+                nonce: (r[0] % 3 == 0).then(|| Secret::from_bytes(instance.into_bytes())),
             },
         )
 }
@@ -188,6 +189,15 @@ fn arb_message() -> impl Strategy<Value = Message> {
             })),
         (arb_uuid(), any::<u32>())
             .prop_map(|(instance, slots)| Message::Credit(Credit { instance, slots })),
+        (any::<[u8; 16]>(), any::<[u8; 32]>()).prop_map(|(nonce, proof)| {
+            Message::Challenge(Challenge {
+                nonce: Secret::from_bytes(nonce),
+                proof: TokenMac(proof),
+            })
+        }),
+        any::<[u8; 32]>().prop_map(|proof| Message::ChallengeReply(ChallengeReply {
+            proof: TokenMac(proof)
+        })),
         (arb_uuid(), any::<(u64, bool)>()).prop_map(|(instance, (key, accepted))| {
             Message::Posted(Posted {
                 instance,

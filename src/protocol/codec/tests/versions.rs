@@ -3,7 +3,8 @@
 use super::*;
 
 /// Hellos of older versions end before the fields added since: they decode with those absent.
-/// Versions 1 to 3 are then refused by version; version 6 (no `shared_pool`) is spoken.
+/// Versions 1 to 3 are then refused by version; version 6 (no `shared_pool`) and 11 (no
+/// `nonce`) are spoken.
 #[test]
 fn an_older_hello_decodes_without_the_fields_it_lacks() {
     let v3 = Hello {
@@ -11,17 +12,25 @@ fn an_older_hello_decodes_without_the_fields_it_lacks() {
         revocable_runs: false,
         chunk_key: Secret::default(),
         shared_pool: None,
+        nonce: None,
         max_version: 3,
         ..hello()
     };
     let v6 = Hello {
         shared_pool: None,
+        nonce: None,
         max_version: 6,
         ..hello()
     };
-    // The trailing bytes a version-3 build does not send (flag, key, shared pool's flag), and
-    // the one a version-6 build does not (the shared pool's flag).
-    for (h, cut, spoken) in [(v3, 18, None), (v6, 1, Some(6))] {
+    let v11 = Hello {
+        nonce: None,
+        max_version: 11,
+        ..hello()
+    };
+    // The trailing bytes a version-3 build does not send (flag, key, shared pool's flag,
+    // nonce's flag), those a version-6 build does not (the flags of shared pool and nonce),
+    // and the one a version-11 build does not (the nonce's flag).
+    for (h, cut, spoken) in [(v3, 19, None), (v6, 2, Some(6)), (v11, 1, Some(11))] {
         let mut f = Message::Hello(h.clone()).encode_as(h.max_version);
         f.truncate(f.len() - cut);
         let len = u32::from_le_bytes(f[8..12].try_into().unwrap()) - cut as u32;

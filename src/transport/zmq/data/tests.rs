@@ -17,8 +17,11 @@ fn check() -> ProofCheck {
     Arc::new(|frame: &[u8]| frame == PROOF || frame == KNOWN_HEADER)
 }
 
-fn proof() -> Bytes {
-    Bytes::from_static(PROOF)
+fn proof() -> Credentials {
+    Credentials {
+        proof: Bytes::from_static(PROOF),
+        token_in_clear: false,
+    }
 }
 
 /// A payload owner that counts its drops, as a staging slot returns to its pool.
