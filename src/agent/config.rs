@@ -272,7 +272,7 @@ pub(crate) fn maps_pools(cfg: &AgentConfig) -> bool {
 
 /// How this agent's ZeroMQ sockets authenticate: with its token, when it has one.
 pub(crate) fn zmq_auth(cfg: &AgentConfig) -> crate::transport::zmq::Auth {
-    crate::transport::zmq::Auth::new(cfg.token.as_deref())
+    crate::transport::zmq::Auth::new(cfg.token.as_deref()).insecure(cfg.insecure)
 }
 
 /// The bounds and credentials of this agent's control sockets.

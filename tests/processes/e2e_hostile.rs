@@ -880,15 +880,24 @@ impl Zmtp {
     }
 }
 
-/// The protocol messages in what one side of a ZeroMQ connection sent (greeting, then frames).
-fn messages(stream: &[u8]) -> Vec<Message> {
+/// The frames one side of a ZeroMQ connection sent (greeting, then frames), each with its
+/// bytes as sent.
+fn zmtp_frames(stream: &[u8]) -> Vec<(Zmtp, Vec<u8>)> {
     let mut at = 64;
     let mut out = Vec::new();
     while let Some((frame, len)) = stream.get(at..).and_then(Zmtp::parse) {
-        out.extend(frame.message());
+        out.push((frame, stream[at..at + len].to_vec()));
         at += len;
     }
     out
+}
+
+/// The protocol messages in what one side of a ZeroMQ connection sent.
+fn messages(stream: &[u8]) -> Vec<Message> {
+    zmtp_frames(stream)
+        .iter()
+        .filter_map(|(f, _)| f.message())
+        .collect()
 }
 
 /// Replays what a ZeroMQ client sent (`stream`: greeting, then frames, ZMTP 3) to `s`, in step
@@ -986,7 +995,10 @@ fn the_token_never_crosses_the_control_path_and_a_replayed_handshake_is_refused(
         !holds(&down, token.as_bytes()),
         "the token crossed the path to the decode"
     );
-    // The recorded greeting, handshake, Hello and answer, on a connection of their own.
+    // The recorded greeting, handshake, Hello and answer, on a connection of their own. They
+    // present the decode's routing id: the decode is stopped, so that it does not reconnect
+    // meanwhile (its connection is another peer's, as the replay's is).
+    c.decode.signal("STOP").unwrap();
     let mut s = TcpStream::connect(format!("127.0.0.1:{port}")).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let started = Instant::now();
@@ -1010,6 +1022,31 @@ fn the_token_never_crosses_the_control_path_and_a_replayed_handshake_is_refused(
         refused,
         "the replay was not refused as unauthorized: {answers:?}"
     );
+    // Its connection presents the decode's routing id, yet is no peer: the decode's recorded
+    // request for room 1, sent on it, is not served but answered "say Hello again".
+    let request = zmtp_frames(&up)
+        .into_iter()
+        .find(|(f, _)| matches!(f.message(), Some(Message::TransferRequest(_))))
+        .expect("a recorded request");
+    s.write_all(&request.1).expect("the recorded request");
+    let mut told = Vec::new();
+    while let Ok(frame) = Zmtp::read(&mut s) {
+        if let Some(Message::Error(e)) = frame.message() {
+            let named = e.room.is_some();
+            told.push(e);
+            if named {
+                break;
+            }
+        }
+    }
+    println!("[{tag}] the decode's request on the replay's connection: {told:?}");
+    assert!(
+        told.iter().any(|e| e.room == Some(1)
+            && e.code == kvferry::reason::FailureCode::PeerDead
+            && e.message.contains("say Hello again")),
+        "a connection presenting the decode's routing id acted as the decode: {told:?}"
+    );
+    c.decode.signal("CONT").unwrap();
 }
 
 /// A decode's side of the handshake as the test plays it: a ZAP handler of its own (it

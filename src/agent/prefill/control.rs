@@ -47,12 +47,25 @@ pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer)
             peer.seen();
         }
         let inner = inner.clone();
-        match Message::decode(&frame) {
+        let decoded = Message::decode(&frame);
+        if peer.is_none()
+            && let Ok(msg) = &decoded
+            && !matches!(msg, Message::Hello(_) | Message::ChallengeReply(_))
+            && let Some(why) = inner.reconnected(&identity)
+        {
+            let room = match msg {
+                Message::TransferRequest(r) => Some(r.room),
+                _ => None,
+            };
+            inner.forgot(&identity, room, &why);
+            continue;
+        }
+        match decoded {
             Ok(Message::Hello(h)) => {
                 tokio::spawn(inner.on_hello(identity, h, frame));
             }
             Ok(Message::ChallengeReply(reply)) => {
-                let waiting = inner.challenges().remove(&identity);
+                let waiting = inner.challenges.take(&identity);
                 match waiting {
                     Some(tx) => {
                         let _ = tx.send(reply);
@@ -110,10 +123,16 @@ pub(super) async fn control_loop(inner: Arc<Prefill>, mut server: ControlServer)
 }
 
 impl Prefill {
-    fn challenges(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<PeerId, oneshot::Sender<protocol::ChallengeReply>>> {
-        self.challenges.lock().unwrap_or_else(|e| e.into_inner())
+    /// Why a message from `identity`, which is no peer, comes from a decode this prefill knew
+    /// on another connection: its routing id is a peer's (or a forgotten one's), so libzmq
+    /// re-established its connection (or someone presents its routing id, which travels in
+    /// clear). Nothing the first connection proved holds for this one: it must say Hello.
+    fn reconnected(&self, identity: &PeerId) -> Option<String> {
+        use crate::transport::zmq::control::routing_id;
+        let routing = routing_id(identity);
+        let known = self.peers().keys().any(|p| routing_id(p) == routing)
+            || self.forgotten.knows_routing(routing);
+        known.then(|| "its control connection was re-established".to_owned())
     }
 
     /// Whether the decode on `identity` holds this prefill's token (none: it has none either),
@@ -130,12 +149,17 @@ impl Prefill {
     ) -> Result<(), String> {
         const WRONG: &str = "wrong or missing token in Hello";
         let token = self.cfg.token.as_deref().filter(|t| !t.is_empty());
-        let Some(decode_nonce) = hello.nonce else {
+        // A nonce counts only from a decode of a version that proves the token.
+        let nonce = hello.nonce.filter(|_| version >= protocol::TOKEN_PROOFS);
+        let Some(decode_nonce) = nonce else {
             if version >= protocol::TOKEN_PROOFS && token.is_some() {
-                // A decode of this version proves the token: this one has none.
-                return Err(WRONG.to_owned());
+                return Err(format!(
+                    "the decode proved no token: it has none, or it took this prefill for one \
+                     older than protocol {} (by the registry's entry) and sent the token instead",
+                    protocol::TOKEN_PROOFS
+                ));
             }
-            if token.unwrap_or("") != hello.token {
+            if !protocol::constant_time_eq(token.unwrap_or("").as_bytes(), hello.token.as_bytes()) {
                 return Err(WRONG.to_owned());
             }
             let in_clear = token.and_then(|_| {
@@ -159,7 +183,7 @@ impl Prefill {
             prefill_nonce: &prefill_nonce,
         };
         let (tx, rx) = oneshot::channel();
-        self.challenges().insert(identity.clone(), tx);
+        let asked = self.challenges.next(identity, tx);
         self.reply(
             identity,
             Message::Challenge(protocol::Challenge {
@@ -174,7 +198,7 @@ impl Prefill {
             // Another Hello on the same connection took the challenge's place.
             Ok(Err(_)) => return Err("a later Hello superseded this one".to_owned()),
             Err(_) => {
-                self.challenges().remove(identity);
+                self.challenges.forget(identity, asked);
                 return Err(format!("no answer to the challenge within {within:?}"));
             }
         };

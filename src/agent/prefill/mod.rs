@@ -157,7 +157,7 @@ impl PrefillAgent {
             expired: Mutex::default(),
             peers: Mutex::new(HashMap::new()),
             forgotten: peer::Forgotten::default(),
-            challenges: Mutex::default(),
+            challenges: peer::Challenges::default(),
             metrics: Arc::new(Metrics::new("prefill", rma)),
             faults: Faults::new(cfg.fault_corrupt_chunk, cfg.timeouts),
             fanout: Default::default(),
@@ -221,10 +221,9 @@ pub struct Prefill {
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
     /// The connections of decodes found dead.
     forgotten: peer::Forgotten,
-    /// Hellos waiting for the answer to this prefill's challenge, by control identity
-    /// (`control.rs`, `protocol/challenge.rs`).
-    challenges:
-        Mutex<HashMap<PeerId, tokio::sync::oneshot::Sender<crate::protocol::ChallengeReply>>>,
+    /// Hellos waiting for the answer to this prefill's challenge (`control.rs`,
+    /// `protocol/challenge.rs`).
+    challenges: peer::Challenges,
     metrics: Arc<Metrics>,
     /// Chunks gathered so far, the one fault injection corrupts, and the timeouts in force.
     faults: Faults,

@@ -126,6 +126,42 @@ impl DirectTarget {
     }
 }
 
+/// Hellos waiting for the answer to this prefill's challenge, one per control identity (a
+/// later Hello on the same connection takes the earlier one's place), each numbered so that
+/// the wait of one that timed out removes only itself.
+#[derive(Default)]
+pub(super) struct Challenges(Mutex<Waits>);
+
+type ChallengeWait = tokio::sync::oneshot::Sender<crate::protocol::ChallengeReply>;
+
+/// The waits numbered so far, and the one of each identity.
+type Waits = (u64, HashMap<PeerId, (u64, ChallengeWait)>);
+
+impl Challenges {
+    /// Waits for `identity`'s answer on `tx`; returns the wait's number.
+    pub(super) fn next(&self, identity: &PeerId, tx: ChallengeWait) -> u64 {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        all.0 += 1;
+        let n = all.0;
+        all.1.insert(identity.clone(), (n, tx));
+        n
+    }
+
+    /// Where `identity`'s answer goes, if a challenge waits for it.
+    pub(super) fn take(&self, identity: &PeerId) -> Option<ChallengeWait> {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        all.1.remove(identity).map(|(_, tx)| tx)
+    }
+
+    /// The wait numbered `n` for `identity` ended without an answer.
+    pub(super) fn forget(&self, identity: &PeerId, n: u64) {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if all.1.get(identity).is_some_and(|(m, _)| *m == n) {
+            all.1.remove(identity);
+        }
+    }
+}
+
 /// The connections of decodes this prefill found dead (silent, or their connection lost), by
 /// identity, with why: a decode that was only cut off or starved, and speaks again on the same
 /// connection, is told that this prefill forgot it, so that it greets again at once rather than
@@ -154,6 +190,13 @@ impl Forgotten {
     pub(super) fn why(&self, identity: &PeerId) -> Option<String> {
         let all = self.0.lock().unwrap_or_else(|e| e.into_inner());
         all.get(identity).map(|(_, why)| why.clone())
+    }
+
+    /// Whether a forgotten connection had this routing id.
+    pub(super) fn knows_routing(&self, routing: &[u8]) -> bool {
+        let all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        all.keys()
+            .any(|k| crate::transport::zmq::control::routing_id(k) == routing)
     }
 
     /// The connection greeted again.

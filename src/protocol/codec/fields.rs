@@ -59,12 +59,12 @@ impl Writer<'_> {
         }
     }
 
-    /// 16 bytes.
     /// `N` bytes as they are.
     pub(super) fn fixed<const N: usize>(&mut self, v: &[u8; N]) {
         self.0.extend_from_slice(v);
     }
 
+    /// 16 bytes.
     pub(super) fn secret(&mut self, v: &Secret) {
         self.0.extend_from_slice(v.as_bytes());
     }

@@ -50,8 +50,18 @@ const PENDING_POLL_MS: i64 = 2;
 /// Frames that may wait for one peer's full queue; a peer that stopped reading holds no more.
 pub const PENDING_PER_PEER: usize = 256;
 
-/// Identity of a control peer as the ROUTER sees it (the decode's routing id).
+/// Identity of a control peer as the ROUTER sees it: the decode's routing id, then 8 bytes
+/// naming the connection it came over ([`routing_id`] strips them). A decode whose connection
+/// is re-established is another peer: whatever its first connection proved (its Hello, the
+/// token), the new one proves again, so that nobody takes over a decode's session by
+/// presenting its routing id, which travels in clear. A frame sent to a peer whose connection
+/// is gone fails ("no such peer"), even if its routing id came back.
 pub type PeerId = Bytes;
+
+/// The routing id of `peer` (the decode's, random), without its connection.
+pub fn routing_id(peer: &PeerId) -> &[u8] {
+    &peer[..peer.len().saturating_sub(8)]
+}
 
 /// What the prefill's control socket delivers.
 #[derive(Debug)]
@@ -397,6 +407,10 @@ trait Peers {
     fn on_event(&mut self, event: Event, now: Instant, out: &mut Effects);
     /// `frame` arrived from `peer` over connection `fd`: what to do with it.
     fn on_frame(&mut self, peer: &PeerId, fd: Option<i32>, frame: &[u8], now: Instant) -> Verdict;
+    /// The peer a frame from routing id `routing` over connection `fd` is delivered as.
+    fn peer_of(&self, routing: PeerId, fd: Option<i32>) -> PeerId;
+    /// The routing id a frame to `peer` goes to, or why it cannot go.
+    fn route(&self, peer: &PeerId) -> Result<PeerId, String>;
     /// Peers whose grace ran out by `now`, as events; and the next deadline.
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant>;
     /// Whether the socket has no connection to send on (a send would queue for nobody).
@@ -410,12 +424,15 @@ struct Effects {
     send: Vec<Bytes>,
 }
 
-/// The ROUTER's view: which descriptor each peer's frames came from, and the peers whose
+/// The ROUTER's view: which descriptor each routing id's frames came from, each descriptor's
+/// connection (numbered as they come), and the peers (routing id and connection) whose
 /// connection dropped, with the time it did.
 #[derive(Default)]
 struct RouterPeers {
     by_fd: HashMap<i32, PeerId>,
     fd_of: HashMap<PeerId, i32>,
+    connection_of: HashMap<i32, u64>,
+    connections_seen: u64,
     dropped: HashMap<PeerId, Instant>,
     /// The connections held: unproven ones apart, proven ones per address (a bound on what one
     /// host can make the socket hold).
@@ -424,21 +441,44 @@ struct RouterPeers {
     proof: Option<fn(&[u8]) -> bool>,
 }
 
+/// `routing` followed by the 8 bytes of `connection` (big-endian): a [`PeerId`].
+fn with_connection(routing: &[u8], connection: u64) -> PeerId {
+    let mut peer = Vec::with_capacity(routing.len() + 8);
+    peer.extend_from_slice(routing);
+    peer.extend_from_slice(&connection.to_be_bytes());
+    Bytes::from(peer)
+}
+
+impl RouterPeers {
+    /// Numbers the connection on `fd` (from 1, in the order they are seen), once.
+    fn number(&mut self, fd: i32) {
+        if fd >= 0 && !self.connection_of.contains_key(&fd) {
+            self.connections_seen += 1;
+            self.connection_of.insert(fd, self.connections_seen);
+        }
+    }
+}
+
 impl Peers for RouterPeers {
     const ENVELOPE: usize = 1;
 
     fn on_event(&mut self, event: Event, now: Instant, _: &mut Effects) {
         match event {
-            Event::Accepted { fd } => self.connections.accepted(fd, now),
+            Event::Accepted { fd } => {
+                self.connections.accepted(fd, now);
+                self.number(fd);
+            }
             Event::Disconnected { fd } => self.connections.disconnected(fd),
             _ => {}
         }
         if let Event::Disconnected { fd } = event {
-            // A peer that already came back on another connection is not affected.
-            if let Some(peer) = self.by_fd.remove(&fd)
-                && self.fd_of.get(&peer) == Some(&fd)
+            let connection = self.connection_of.remove(&fd);
+            // A routing id that already came back on another connection keeps it.
+            if let Some(routing) = self.by_fd.remove(&fd)
+                && self.fd_of.get(&routing) == Some(&fd)
             {
-                self.fd_of.remove(&peer);
+                self.fd_of.remove(&routing);
+                let peer = with_connection(&routing, connection.unwrap_or(0));
                 self.dropped.insert(peer, now);
             }
         }
@@ -453,15 +493,17 @@ impl Peers for RouterPeers {
         let Some(fd) = fd else {
             return Verdict::Deliver;
         };
-        // A peer known by its routing id (the DEALER's, random) proved itself before: its
-        // connection re-established within the grace proves itself with any frame (it sends a
-        // heartbeat first), as ZAP let it in again.
-        let known = self.fd_of.contains_key(peer) || self.dropped.contains_key(peer);
+        // A routing id that proved a connection before (the DEALER's, random) passes on
+        // another one with any frame (a decode sends a heartbeat first when libzmq re-established
+        // its connection), as ZAP let it in again: it arrives as a new peer
+        // ([`RouterPeers::peer_of`]), which the agent asks to say Hello.
+        let known = self.fd_of.contains_key(peer)
+            || (self.dropped.keys()).any(|d| routing_id(d) == &peer[..]);
         let proof = self.proof;
         let proves = || known || proof.is_none_or(|proves| proves(frame));
         let verdict = self.connections.message(fd, now, proves);
         if verdict == Verdict::Deliver {
-            self.dropped.remove(peer);
+            self.number(fd);
             if self.fd_of.insert(peer.clone(), fd) != Some(fd) {
                 self.by_fd.insert(fd, peer.clone());
             }
@@ -469,8 +511,27 @@ impl Peers for RouterPeers {
         verdict
     }
 
+    fn peer_of(&self, routing: PeerId, fd: Option<i32>) -> PeerId {
+        let connection = fd.and_then(|fd| self.connection_of.get(&fd)).copied();
+        with_connection(&routing, connection.unwrap_or(0))
+    }
+
+    fn route(&self, peer: &PeerId) -> Result<PeerId, String> {
+        let routing = peer.slice(..routing_id(peer).len());
+        let connection = u64::from_be_bytes(peer[routing.len()..].try_into().unwrap_or([0; 8]));
+        let current = (self.fd_of.get(&routing)).and_then(|fd| self.connection_of.get(fd));
+        match current {
+            Some(&c) if c == connection => Ok(routing),
+            // The routing id is not (or no longer) on a connection this socket numbered.
+            None if connection == 0 => Ok(routing),
+            _ => Err("no such peer: the connection it proved itself on is gone".to_owned()),
+        }
+    }
+
     fn expire(&mut self, now: Instant, out: &mut Effects) -> Option<Instant> {
         let mut next = self.connections.expire(now);
+        // A routing id back on another connection is another peer: the dropped one is lost
+        // after the grace all the same.
         self.dropped.retain(|peer, at| {
             let deadline = *at + RECONNECT_GRACE;
             if deadline <= now {
@@ -557,9 +618,17 @@ impl Peers for DealerPeer {
         Verdict::Deliver
     }
 
+    fn peer_of(&self, routing: PeerId, _: Option<i32>) -> PeerId {
+        routing
+    }
+
+    fn route(&self, peer: &PeerId) -> Result<PeerId, String> {
+        Ok(peer.clone())
+    }
+
     fn down(&self) -> bool {
         // Reconnected but not yet past the handshake: the frame queued at `Ready` (a
-        // heartbeat, which tells the prefill this known peer is back) must be the new
+        // heartbeat: the prefill answers it by asking for a new Hello) must be the new
         // connection's first message, so nothing is queued before it.
         self.fd.is_none() || self.dropped.is_some()
     }
@@ -663,12 +732,12 @@ impl Looped {
             self.wake.drain();
             let mut effects = Effects::default();
             self.monitor_events(peers, &mut effects);
-            self.send_queued(&[], peers.down());
+            self.send_queued(&[], peers);
             if read {
                 self.receive(peers, &mut effects);
             }
             next_deadline = peers.expire(Instant::now(), &mut effects);
-            self.apply(effects, peers.down());
+            self.apply(effects, peers);
         }
     }
 
@@ -698,7 +767,9 @@ impl Looped {
                         .and_then(|s| s.parse::<i32>().ok());
                     let frame = frames.pop().map(owned).unwrap_or_default();
                     let peer = frames.pop().map(owned).unwrap_or_default();
-                    match peers.on_frame(&peer, fd, &frame, Instant::now()) {
+                    let verdict = peers.on_frame(&peer, fd, &frame, Instant::now());
+                    let peer = peers.peer_of(peer, fd);
+                    match verdict {
                         Verdict::Deliver => ControlEvent::Frame(peer, frame),
                         Verdict::Refuse(why) => ControlEvent::Refused(peer, why),
                         Verdict::Drop => continue,
@@ -720,7 +791,8 @@ impl Looped {
     /// Hands queued frames to libzmq without blocking the thread. A frame whose peer's queue
     /// is full waits in `pending` (behind it, that peer's later frames: order is kept per
     /// peer); a frame for a connection that is down fails at once.
-    fn send_queued(&mut self, extra: &[Bytes], down: bool) {
+    fn send_queued<P: Peers>(&mut self, extra: &[Bytes], peers: &P) {
+        let down = peers.down();
         for frame in extra {
             let _ = self.socket.send(&frame[..], zmq::DONTWAIT);
         }
@@ -743,10 +815,18 @@ impl Looped {
                 }
                 continue;
             }
-            let sent = match &out.peer {
-                Some(peer) => self
+            let routed = out.peer.as_ref().map(|peer| peers.route(peer)).transpose();
+            let routing = match routed {
+                Ok(routing) => routing,
+                Err(why) => {
+                    out.finish(Err(why));
+                    continue;
+                }
+            };
+            let sent = match &routing {
+                Some(routing) => self
                     .socket
-                    .send(&peer[..], zmq::SNDMORE | zmq::DONTWAIT)
+                    .send(&routing[..], zmq::SNDMORE | zmq::DONTWAIT)
                     .and_then(|()| self.socket.send(&out.frame[..], zmq::DONTWAIT)),
                 None => self.socket.send(&out.frame[..], zmq::DONTWAIT),
             };
@@ -766,8 +846,8 @@ impl Looped {
         }
     }
 
-    fn apply(&mut self, effects: Effects, down: bool) {
-        self.send_queued(&effects.send, down);
+    fn apply<P: Peers>(&mut self, effects: Effects, peers: &P) {
+        self.send_queued(&effects.send, peers);
         self.backlog.extend(effects.deliver);
         while let Some(event) = self.backlog.pop_front() {
             match self.events.try_send(event) {

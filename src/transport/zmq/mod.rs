@@ -94,6 +94,8 @@ pub struct Auth {
     token: Option<Arc<str>>,
     /// Presents the token itself, to a peer older than token proofs.
     in_clear: bool,
+    /// Takes the token itself from peers beyond loopback too (`--insecure`).
+    insecure: bool,
 }
 
 impl std::fmt::Debug for Auth {
@@ -120,7 +122,15 @@ impl Auth {
         Auth {
             token: token.filter(|t| !t.is_empty()).map(Arc::from),
             in_clear: false,
+            insecure: false,
         }
+    }
+
+    /// This authentication, taking the token itself (from peers older than
+    /// [`crate::protocol::TOKEN_PROOFS`]) from beyond loopback too: `--insecure`. Without,
+    /// such a peer is refused in the handshake unless it is on loopback.
+    pub fn insecure(self, insecure: bool) -> Auth {
+        Auth { insecure, ..self }
     }
 
     /// This authentication towards a peer older than [`crate::protocol::TOKEN_PROOFS`]: a
@@ -148,7 +158,7 @@ impl Auth {
         let Some(token) = &self.token else {
             return Ok(None);
         };
-        let domain = zap::Domain::register(token.clone())?;
+        let domain = zap::Domain::register(token.clone(), self.insecure)?;
         socket.set_plain_server(true)?;
         socket.set_zap_domain(domain.name())?;
         Ok(Some(domain))

@@ -59,7 +59,12 @@ async fn frames_cross_both_ways_with_the_token() {
     send.send(Bytes::from_static(b"hello")).await.expect("send");
     let (peer, frame) = next_frame(&mut server).await;
     assert_eq!(&frame[..], b"hello");
-    assert_eq!(peer.len(), 16, "a decode names itself with 16 random bytes");
+    assert_eq!(
+        control::routing_id(&peer).len(),
+        16,
+        "a decode names itself with 16 random bytes"
+    );
+    assert_eq!(peer.len(), 24, "then 8 bytes of its connection");
     replier
         .send(&peer, Bytes::from_static(b"ack"))
         .await
@@ -104,14 +109,15 @@ async fn the_password_derived_from_the_token_or_the_token_itself_passes_and_noth
 }
 
 /// A prefill's control socket takes a connection's messages only once one proves it (a valid
-/// Hello); a known peer whose connection drops and is re-established within the grace is
-/// itself again: its first frame on the new connection (a heartbeat, not a Hello) is delivered,
-/// and the peer is not lost.
+/// Hello). A decode whose connection is re-established is another peer: its first frame there
+/// (a heartbeat, not a Hello) is delivered, under its routing id and a new connection, so that
+/// the agent can ask it to say Hello again; nothing sent to the first connection's peer goes
+/// to the new one, and that peer is lost after the grace.
 #[tokio::test]
-async fn a_proven_peer_reconnecting_within_the_grace_needs_no_second_proof() {
+async fn a_re_established_connection_is_a_new_peer_of_the_same_routing_id() {
     let mut opts = options(Some("t0k"));
     opts.proof = Some(|frame: &[u8]| frame == b"hello");
-    let (endpoint, mut server, _replier) = ControlServer::bind("127.0.0.1", 0, &opts)
+    let (endpoint, mut server, replier) = ControlServer::bind("127.0.0.1", 0, &opts)
         .await
         .expect("bind");
     let ControlClient {
@@ -135,9 +141,27 @@ async fn a_proven_peer_reconnecting_within_the_grace_needs_no_second_proof() {
         .await
         .expect("queued");
     let (again, beat) = next_frame(&mut server).await;
-    assert_eq!((&again, &beat[..]), (&peer, &b"beat"[..]));
-    send.send(Bytes::from_static(b"after")).await.expect("send");
-    assert_eq!(&next_frame(&mut server).await.1[..], b"after");
+    assert_eq!(&beat[..], b"beat");
+    assert_eq!(control::routing_id(&again), control::routing_id(&peer));
+    assert_ne!(
+        again, peer,
+        "the re-established connection is the same peer"
+    );
+    let e = replier
+        .send(&peer, Bytes::from_static(b"to the first"))
+        .await
+        .expect_err("sent to the new connection");
+    assert!(e.message.contains("no such peer"), "{e}");
+    replier
+        .send(&again, Bytes::from_static(b"to the new one"))
+        .await
+        .expect("sent");
+    match tokio::time::timeout(WAIT, server.recv()).await {
+        Ok(Some(ControlEvent::Lost(lost, why))) => {
+            assert_eq!(lost, peer, "{why}");
+        }
+        other => panic!("expected the first connection's peer lost, got {other:?}"),
+    }
 }
 
 #[tokio::test]

@@ -19,6 +19,8 @@ const ZAP_ENDPOINT: &str = "inproc://zeromq.zap.01";
 struct Expected {
     token: Arc<str>,
     password: String,
+    /// The token itself is taken from beyond loopback too (`--insecure`).
+    insecure: bool,
 }
 
 /// What each registered domain expects.
@@ -32,7 +34,7 @@ pub(super) struct Domain(String);
 
 impl Domain {
     /// Registers a fresh domain for `token`, starting the handler on first use.
-    pub(super) fn register(token: Arc<str>) -> Result<Domain, zmq::Error> {
+    pub(super) fn register(token: Arc<str>, insecure: bool) -> Result<Domain, zmq::Error> {
         static HANDLER: OnceLock<Result<(), zmq::Error>> = OnceLock::new();
         (*HANDLER.get_or_init(start))?;
         let name = format!("kvferry-{}", uuid::Uuid::new_v4().simple());
@@ -41,6 +43,7 @@ impl Domain {
             Arc::new(Expected {
                 password: zap_password(&token),
                 token,
+                insecure,
             }),
         );
         Ok(Domain(name))
@@ -131,8 +134,18 @@ fn verdict(request: &[Vec<u8>]) -> (&'static str, &'static str) {
         .unwrap_or_else(|e| e.into_inner())
         .get(domain.as_ref())
         .cloned();
+    // An IP address beyond loopback (an ipc peer's address is none).
+    let address = String::from_utf8_lossy(frame(3));
+    let remote = address
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| !ip.to_canonical().is_loopback());
     match expected {
         Some(e) if constant_time_eq(frame(7), e.password.as_bytes()) => ("200", "OK"),
+        Some(e) if constant_time_eq(frame(7), e.token.as_bytes()) && remote && !e.insecure => (
+            "400",
+            "the token in clear from beyond loopback (a peer older than protocol 12: upgrade \
+             it, or give --insecure)",
+        ),
         Some(e) if constant_time_eq(frame(7), e.token.as_bytes()) => ("200", IN_CLEAR),
         Some(_) => ("400", "wrong token"),
         None => ("400", "unknown domain"),
@@ -147,11 +160,15 @@ mod tests {
     use super::*;
 
     fn request(domain: &str, mechanism: &str, password: &[u8]) -> Vec<Vec<u8>> {
+        from("127.0.0.1", domain, mechanism, password)
+    }
+
+    fn from(address: &str, domain: &str, mechanism: &str, password: &[u8]) -> Vec<Vec<u8>> {
         vec![
             b"1.0".to_vec(),
             b"7".to_vec(),
             domain.as_bytes().to_vec(),
-            b"127.0.0.1".to_vec(),
+            address.as_bytes().to_vec(),
             Vec::new(),
             mechanism.as_bytes().to_vec(),
             b"kvferry".to_vec(),
@@ -161,14 +178,38 @@ mod tests {
 
     #[test]
     fn only_the_password_of_the_domains_token_or_that_token_passes() {
-        let domain = Domain::register(Arc::from("s3cret")).expect("register");
+        let domain = Domain::register(Arc::from("s3cret"), false).expect("register");
         let derived = zap_password("s3cret");
         let ok = answer(&request(domain.name(), "PLAIN", derived.as_bytes()));
         assert_eq!(
             (ok[1].as_slice(), ok[2].as_slice()),
             (&b"7"[..], &b"200"[..])
         );
-        // A peer older than token proofs.
+        // A peer older than token proofs: on loopback (IPv4 as IPv6 too), or by ipc (no
+        // address), only.
+        assert_eq!(
+            answer(&from("::ffff:127.0.0.1", domain.name(), "PLAIN", b"s3cret"))[2],
+            b"200"
+        );
+        assert_eq!(
+            answer(&from("", domain.name(), "PLAIN", b"s3cret"))[2],
+            b"200"
+        );
+        let remote = answer(&from("10.0.0.5", domain.name(), "PLAIN", b"s3cret"));
+        assert_eq!(remote[2], b"400");
+        assert!(String::from_utf8_lossy(&remote[3]).contains("--insecure"));
+        let derived_remote = answer(&from(
+            "10.0.0.5",
+            domain.name(),
+            "PLAIN",
+            derived.as_bytes(),
+        ));
+        assert_eq!(derived_remote[2], b"200");
+        let insecure = Domain::register(Arc::from("s3cret"), true).expect("register");
+        assert_eq!(
+            answer(&from("10.0.0.5", insecure.name(), "PLAIN", b"s3cret"))[2],
+            b"200"
+        );
         assert_eq!(
             answer(&request(domain.name(), "PLAIN", b"s3cret"))[2],
             b"200"
