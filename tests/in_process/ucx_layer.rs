@@ -1512,3 +1512,79 @@ async fn chunks_land_in_the_receivers_own_buffers_and_go_back_to_it() {
     assert_eq!(lent.back.lock().unwrap().len(), 1, "the buffer went back");
     drop(receiver);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Messages that come before their receive
+
+/// A message under the receiver's own prefix that comes before its receive (a device payload
+/// ahead of its header, a chunk beyond the receives posted) is taken off UCX's queue and held
+/// (`Unexpected::parked`), and the receive posted for its tag afterwards still gets it, every
+/// byte. The sender's next message,
+/// to a receive posted before, comes after it on the same endpoint: once that one landed, the
+/// first had arrived and was held, before the late receive was posted.
+async fn a_message_ahead_of_its_receive_still_lands(tls: Tls) {
+    const PREFIX: u64 = 0x8123_4567;
+    let config = tls
+        .config()
+        .unexpected(kvferry::transport::ucx::Unexpected {
+            keep: PREFIX as u32,
+            late: 0x50,
+            parked: !0,
+            max_len: MIB,
+        });
+    let (a, b, ab, _ba) = pair_of(config).await;
+    let mut rng = Rng(seed());
+    let payload = Bytes::from(rng.bytes(4096));
+    let ahead = PREFIX << 32 | 0x1234;
+    let marker = b.post_recv_tag(PREFIX << 32 | 1, u64::MAX, 64);
+    b.ping().await.expect("the marker's receive posted");
+    let sent = a.send_tag(ab, ahead, payload.clone());
+    // And one no receive was posted for yet, under a chunk's tag.
+    let beyond = a.send_tag(ab, PREFIX << 32 | 2, Bytes::from_static(b"beyond"));
+    a.send_tag(ab, PREFIX << 32 | 1, Bytes::from_static(b"after"))
+        .await
+        .expect("the marker sent");
+    let got = bounded("the marker", 30, marker).await.expect("the marker");
+    assert_eq!(&got.data[..], b"after");
+    let dst = Arc::new(Region::new(2 * 4096).expect("destination"));
+    dst.fill(0xEE);
+    let cancel = CancellationToken::new();
+    let run = vec![vec![Span {
+        offset: 4096,
+        len: 4096,
+    }]];
+    let landing = b
+        .recv_runs(ahead, dst.clone(), run, cancel)
+        .await
+        .expect("post the late receive");
+    bounded("the message held for its receive", 30, landing)
+        .await
+        .expect("landed");
+    bounded("the send", 30, sent).await.expect("sent");
+    let all = dst.read(0, 2 * 4096).expect("read");
+    assert!(
+        all[..4096].iter().all(|&x| x == 0xEE),
+        "bytes before the run"
+    );
+    same_bytes("the held message", &all[4096..], &payload);
+    let late = b.recv_tag(PREFIX << 32 | 2, u64::MAX, 64);
+    let late = bounded("the other held message", 30, late).await;
+    assert_eq!(&late.expect("received").data[..], b"beyond");
+    bounded("the other send", 30, beyond).await.expect("sent");
+    println!(
+        "{}: a message ahead of its receive was held and landed",
+        tls.name()
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_ahead_of_its_receive_still_lands_tcp() {
+    a_message_ahead_of_its_receive_still_lands(Tls::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_ahead_of_its_receive_still_lands_shm() {
+    a_message_ahead_of_its_receive_still_lands(Tls::Shm).await;
+}

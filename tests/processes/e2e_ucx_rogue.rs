@@ -389,6 +389,7 @@ fn a_rogue_ucx_flood_leaves_agents_memory_bounded() {
     let data = decode.field("data").unwrap();
     let decode_address = worker_addresses(&data)[0].clone();
     flood_and_measure(&rogue, decode, &decode_address);
+    flood_own_prefix(&rogue, decode, &decode_address, &data);
     let decode_ports = ucx_ports(decode);
     let prefill_ports = ucx_ports(prefill);
     let forged = forged(&unhex(&decode_address), &decode_ports, prefill_ports[0]);
@@ -398,6 +399,40 @@ fn a_rogue_ucx_flood_leaves_agents_memory_bounded() {
     flood_and_measure(&rogue, prefill, &forged);
     rooms_land(&apis, vec![(2, 512), (3, 16), (4, 2048)]);
     println!("after the flood: 3 rooms landed verified");
+}
+
+/// Floods a decode at `address` under its own tag prefix (the 8 hex digits after `ucx:` in
+/// its data endpoint, which its Hello gives every prefill it greets), under the tags of device
+/// payloads no header announced, which no receive is posted for: 512 x 256 KiB eagerly, and
+/// 8 x 16 MiB (longer than any chunk). UCX would keep every one until a receive took it; the
+/// decode holds at most 64 of at most a chunk each, so its peak memory grows by less than
+/// 64 MiB (128 MiB were sent).
+fn flood_own_prefix(rogue: &PathBuf, agent: &Process, address: &str, endpoint: &str) {
+    const KIB: usize = 1 << 10;
+    let hex = endpoint.strip_prefix("ucx:").expect("a ucx endpoint");
+    let prefix = u64::from_str_radix(&hex[..8], 16).expect("the decode's tag prefix");
+    let pid = agent.pid();
+    let before = memory_kib(pid, "VmHWM");
+    for (key, len, count) in [(4u64, 256 * KIB, 512), (0x10_0000, 16 << 20, 8)] {
+        let (status, sent) = flood(rogue, address, prefix << 32 | key, len, count, true);
+        println!("{}: own prefix: {status}, {sent} sent", agent.name);
+    }
+    // The last bytes may still be on their way through the socket.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let after = memory_kib(pid, "VmHWM");
+    let grown = after.saturating_sub(before) / 1024;
+    println!(
+        "{}: peak memory {} MiB before the flood under its own prefix, {} MiB after (+{grown} MiB)",
+        agent.name,
+        before / 1024,
+        after / 1024
+    );
+    assert!(
+        grown < 64,
+        "{}: 128 MiB under its own prefix grew its peak memory by {grown} MiB",
+        agent.name
+    );
+    assert_alive(agent);
 }
 
 /// `--direct-writes always` over UCX's tcp is refused at start, naming why: no context asks for

@@ -17,7 +17,12 @@ pub struct UcxConfig {
 /// Which tagged messages that arrive with no receive posted for them a worker keeps
 /// ([`UcxConfig::unexpected`]): those whose tag's top 32 bits are `keep`. Every other one is
 /// dropped as it arrives, so no peer can fill the worker's memory with messages nobody
-/// receives (UCX queues them without bound, and cannot name their sender).
+/// receives (UCX queues them without bound, and cannot name their sender). Under `keep`,
+/// those with any of the bits `parked` set in their low 32 bits (every one when `parked` has
+/// every bit) are taken off UCX's queue and held, at most
+/// [`PARKED`](crate::transport::ucx::progress::PARKED) of them, none longer than `max_len`
+/// bytes, each for at most [`PARKED_FOR`](crate::transport::ucx::progress::PARKED_FOR), for
+/// a receive of their tag to take them; the rest are dropped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Unexpected {
     /// The prefix of the tags kept.
@@ -26,6 +31,11 @@ pub struct Unexpected {
     /// chunk cancelled meanwhile): dropped quietly, where any other drop is logged as a
     /// warning.
     pub late: u8,
+    /// The low bits of the tags parked under `keep` (a message that came before its receive:
+    /// a device payload ahead of its header, a chunk beyond the receives posted).
+    pub parked: u32,
+    /// The longest message parked.
+    pub max_len: usize,
 }
 
 impl UcxConfig {

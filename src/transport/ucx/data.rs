@@ -178,6 +178,9 @@ impl Inner {
             .unexpected(super::Unexpected {
                 keep: self.tags.prefix,
                 late: PLACED_PREFIX,
+                // Every message under the prefix: chunks, and device payloads (keys from 4).
+                parked: !0,
+                max_len: self.max_chunk + HEADER_ROOM,
             })
             .supervise(shared_memory_only(tls.as_deref()).then_some(false));
         if !ucx_env_sets("NET_DEVICES") {

@@ -41,7 +41,9 @@ use super::config::{EAGER_SPIN, UcxConfig, Unexpected};
 use super::memory_type::{MemoryType, MemoryTypes};
 use super::region::RegisterableMemory;
 use super::result::{UcxError, status_name};
-use super::safe::{Context, Endpoint, MemHandle, Message, RecvBuffer, Started, Wakeup, Worker};
+use super::safe::{
+    Context, Endpoint, MemHandle, Message, Parked, RecvBuffer, Started, Wakeup, Worker,
+};
 use super::sys;
 use crate::memory::WriteRun;
 use crate::transport::RecvBuffers;
@@ -145,7 +147,20 @@ struct Engine {
     eager: bool,
     /// [`UcxConfig::unexpected`], and what was dropped since the last report.
     unexpected: Option<(Unexpected, Dropped)>,
+    /// Messages under this agent's own prefix taken off UCX's queue ([`Unexpected::parked`]),
+    /// oldest first, for the receive of their tag.
+    parked: VecDeque<Parked>,
 }
+
+/// Messages held off UCX's unexpected queue at most ([`Unexpected::parked`]): device payloads
+/// that came before their header was read, a few per prefill at a time (a prefill never has
+/// more chunks on the way than its decode posted receives for, so chunks come here only from a
+/// peer that sends more than it was granted). Beyond, the oldest are dropped.
+pub(crate) const PARKED: usize = 64;
+
+/// How long a parked message waits for its receive: as long as a receiver waits for a device
+/// payload behind its header.
+pub(crate) const PARKED_FOR: Duration = Duration::from_secs(30);
 
 /// Messages dropped by [`Engine::drop_unexpected`] since the last report.
 #[derive(Default)]
@@ -192,6 +207,7 @@ impl Engine {
             supervise: config.supervise,
             eager: config.eager,
             unexpected: config.unexpected.map(|u| (u, Dropped::default())),
+            parked: VecDeque::new(),
         })
     }
 
@@ -396,7 +412,7 @@ impl Engine {
                         return;
                     }
                 };
-                match self.worker.tag_recv(buffer, tag, mask) {
+                match self.recv_tag(buffer, tag, mask) {
                     Ok(Started::Pending(request)) => self.insert(Pending::new(
                         from,
                         Op::Recv {
@@ -530,6 +546,22 @@ impl Engine {
         }
     }
 
+    /// Receives the message whose tag matches `tag` under `mask` into `into`: the oldest taken
+    /// off UCX's queue before this receive came ([`Engine::parked`]), or the next to arrive.
+    fn recv_tag<L: super::safe::Incoming>(
+        &mut self,
+        into: L,
+        tag: u64,
+        mask: u64,
+    ) -> Result<Started<L>, (UcxError, L)> {
+        let parked = (self.parked.iter().position(|p| p.tag & mask == tag & mask))
+            .and_then(|i| self.parked.remove(i));
+        match parked {
+            Some(p) => self.worker.receive_parked(into, p),
+            None => self.worker.tag_recv(into, tag, mask),
+        }
+    }
+
     /// Drops the tagged messages that arrived with no receive posted and that
     /// [`UcxConfig::unexpected`] does not keep; reports them at most every [`DROP_REPORT`]: a
     /// warning for messages of a foreign tag, a debug line for late runs.
@@ -538,7 +570,7 @@ impl Engine {
             return;
         };
         let late = unexpected.late;
-        let n = self.worker.drop_unexpected(unexpected.keep, |tag, len| {
+        let mut n = self.worker.drop_unexpected(unexpected.keep, |tag, len| {
             if (tag >> 56) as u8 == late {
                 dropped.late.0 += 1;
                 dropped.late.1 += len as u64;
@@ -548,6 +580,21 @@ impl Engine {
                 dropped.foreign.2 = tag;
             }
         });
+        // Under this agent's own prefix: held for their receive, within the bounds.
+        let (worker, parked) = (&self.worker, &mut self.parked);
+        worker.park_unexpected(unexpected.keep, unexpected.parked, |p| parked.push_back(p));
+        let excess = parked.len().saturating_sub(PARKED);
+        for (i, p) in std::mem::take(parked).into_iter().enumerate() {
+            if i < excess || p.len > unexpected.max_len || p.at.elapsed() > PARKED_FOR {
+                dropped.foreign.0 += 1;
+                dropped.foreign.1 += p.len as u64;
+                dropped.foreign.2 = p.tag;
+                worker.discard(p);
+                n += 1;
+            } else {
+                parked.push_back(p);
+            }
+        }
         if n == 0 || dropped.reported.is_some_and(|t| t.elapsed() < DROP_REPORT) {
             return;
         }

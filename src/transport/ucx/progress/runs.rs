@@ -142,18 +142,10 @@ impl Engine {
             let expect = Some(run.iter().map(|p| p.len as usize).sum());
             let filed = match (self.eager, &run[..]) {
                 (false, &[one]) => MemoryRange::new(memory.clone(), one)
-                    .and_then(|range| {
-                        self.worker
-                            .tag_recv(range, tag, u64::MAX)
-                            .map_err(|(e, _)| e)
-                    })
+                    .and_then(|range| self.recv_tag(range, tag, u64::MAX).map_err(|(e, _)| e))
                     .map(|started| self.track_run(started, None, &group, Run::Range, expect)),
                 _ => RevocableBox::new(memory.clone(), run)
-                    .and_then(|target| {
-                        self.worker
-                            .tag_recv(target, tag, u64::MAX)
-                            .map_err(|(e, _)| e)
-                    })
+                    .and_then(|target| self.recv_tag(target, tag, u64::MAX).map_err(|(e, _)| e))
                     .map(|started| self.track_run(started, None, &group, Run::Revocable, expect)),
             };
             if let Err(e) = filed {

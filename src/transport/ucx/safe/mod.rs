@@ -47,4 +47,4 @@ pub use registration::MemHandle;
 pub use remote_key::{Put, RemoteKey};
 pub use revocable::{Revocable, RevocableBox};
 pub use wakeup::Wakeup;
-pub use worker::{Completion, Ended, Request, Started, Worker};
+pub use worker::{Completion, Ended, Parked, Request, Started, Worker};

@@ -15,6 +15,19 @@ use std::ptr::NonNull;
 use std::rc::Rc;
 
 use super::context::Context;
+
+/// A message taken off UCX's unexpected queue ([`Worker::park_unexpected`]), to be received
+/// ([`Worker::receive_parked`]) or dropped ([`Worker::discard`]) by the worker's thread: UCX
+/// holds it (an eager message's bytes, a rendezvous one's request) until then.
+pub struct Parked {
+    message: sys::ucp_tag_message_h,
+    /// Its tag.
+    pub tag: u64,
+    /// Its length, as its sender gave it.
+    pub len: usize,
+    /// When it was taken.
+    pub at: std::time::Instant,
+}
 use super::lent::{Incoming, Lent};
 use crate::transport::ucx::memory_type::{MemoryType, MemoryTypes};
 use crate::transport::ucx::result::{self, UcxError, request_or_done};
@@ -241,7 +254,7 @@ impl Worker {
     /// top 32 bits are not `keep`, and returns how many: each is received into nothing, which
     /// UCX ends as truncated, discarding its bytes (those of its fragments still on the way
     /// too) and telling a rendezvous sender. `seen` gets each one's tag and length. Messages
-    /// under `keep` stay queued for a receive to come.
+    /// under `keep` stay queued for a receive to come (or [`Worker::park_unexpected`]).
     pub fn drop_unexpected(&self, keep: u32, mut seen: impl FnMut(u64, usize)) -> usize {
         let mut dropped = 0;
         let mut info = sys::ucp_tag_recv_info_t::default();
@@ -256,38 +269,118 @@ impl Worker {
         for bit in 32..64 {
             let mask = 1u64 << bit;
             let tag = !(u64::from(keep) << 32) & mask;
-            loop {
-                let mut info = sys::ucp_tag_recv_info_t::default();
-                // SAFETY: the worker is live and used on its own thread; `info` is a valid
-                // out-pointer for the call.
-                let message =
-                    unsafe { sys::ucp_tag_probe_nb(self.ptr.as_ptr(), tag, mask, 1, &mut info) };
-                if message.is_null() {
-                    break;
-                }
-                // No callback and no buffer: nothing is written, nothing reported.
-                let param = result::request_param();
-                // SAFETY: `message` was just removed from the queue by the probe, as the call
-                // requires; a receive of 0 bytes never touches its (null) buffer.
-                let ptr = unsafe {
-                    sys::ucp_tag_msg_recv_nbx(
-                        self.ptr.as_ptr(),
-                        std::ptr::null_mut(),
-                        0,
-                        message,
-                        &param,
-                    )
-                };
-                if sys::ucs_ptr_is_ptr(ptr) {
-                    // SAFETY: a request of this worker, freed once: UCX finishes it on its own
-                    // (a request freed before it ends is released when it ends).
-                    unsafe { sys::ucp_request_free(ptr) };
-                }
-                seen(info.sender_tag, info.length);
+            while let Some(parked) = self.take_unexpected(tag, mask) {
+                seen(parked.tag, parked.len);
+                self.discard(parked);
                 dropped += 1;
             }
         }
         dropped
+    }
+
+    /// Takes off UCX's queue every message waiting unexpected under `keep` whose tag's low 32
+    /// bits have any of the bits `low` set (every message under `keep` when `low` has every
+    /// bit), for `park` to hold: each must then be received
+    /// ([`Worker::receive_parked`]) or dropped ([`Worker::discard`]). Under the bits a
+    /// worker's posted receives match, UCX would otherwise keep a message no receive ever
+    /// takes for as long as the process lives.
+    pub fn park_unexpected(&self, keep: u32, low: u32, mut park: impl FnMut(Parked)) {
+        let mut info = sys::ucp_tag_recv_info_t::default();
+        // SAFETY: as in `take_unexpected`; a probe that removes nothing only looks.
+        let any = unsafe { sys::ucp_tag_probe_nb(self.ptr.as_ptr(), 0, 0, 0, &mut info) };
+        if any.is_null() {
+            return;
+        }
+        let base = u64::from(keep) << 32;
+        for bit in (0..32).filter(|b| low & (1 << b) != 0) {
+            let mask = 0xffff_ffff_0000_0000 | (1u64 << bit);
+            while let Some(parked) = self.take_unexpected(base | (1u64 << bit), mask) {
+                park(parked);
+            }
+        }
+        // Every bit: the tag with none of them set (`keep` itself) too.
+        while let Some(parked) = (low == u32::MAX)
+            .then(|| self.take_unexpected(base, u64::MAX))
+            .flatten()
+        {
+            park(parked);
+        }
+    }
+
+    /// The first message waiting unexpected whose tag matches `tag` under `mask`, taken off
+    /// UCX's queue.
+    fn take_unexpected(&self, tag: u64, mask: u64) -> Option<Parked> {
+        let mut info = sys::ucp_tag_recv_info_t::default();
+        // SAFETY: the worker is live and used on its own thread; `info` is a valid out-pointer
+        // for the call.
+        let message = unsafe { sys::ucp_tag_probe_nb(self.ptr.as_ptr(), tag, mask, 1, &mut info) };
+        (!message.is_null()).then(|| Parked {
+            message,
+            tag: info.sender_tag,
+            len: info.length,
+            at: std::time::Instant::now(),
+        })
+    }
+
+    /// Drops a message taken off the queue: received into nothing, which UCX ends as
+    /// truncated, discarding its bytes and telling a rendezvous sender.
+    pub fn discard(&self, parked: Parked) {
+        // No callback and no buffer: nothing is written, nothing reported.
+        let param = result::request_param();
+        // SAFETY: `parked.message` was removed from the queue by a probe of this worker and is
+        // received once (`Parked` is consumed); a receive of 0 bytes never touches its (null)
+        // buffer.
+        let ptr = unsafe {
+            sys::ucp_tag_msg_recv_nbx(
+                self.ptr.as_ptr(),
+                std::ptr::null_mut(),
+                0,
+                parked.message,
+                &param,
+            )
+        };
+        if sys::ucs_ptr_is_ptr(ptr) {
+            // SAFETY: a request of this worker, freed once: UCX finishes it on its own (a
+            // request freed before it ends is released when it ends).
+            unsafe { sys::ucp_request_free(ptr) };
+        }
+    }
+
+    /// Receives a message taken off the queue into `into`, as [`Worker::tag_recv`] receives
+    /// one that matches it (a longer message ends it as truncated).
+    pub fn receive_parked<L: Incoming>(
+        self: &Rc<Self>,
+        mut into: L,
+        parked: Parked,
+    ) -> Result<Started<L>, (UcxError, L)> {
+        let raw = match into
+            .incoming()
+            .and_then(|raw| self.moves("ucp_tag_msg_recv_nbx", raw.memory).map(|()| raw))
+        {
+            Ok(raw) => raw,
+            Err(e) => {
+                self.discard(parked);
+                return Err((e, into));
+            }
+        };
+        let mut param = self.tracked(true);
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE
+            | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
+            | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+        param.datatype = raw.datatype;
+        param.memory_type = raw.memory.raw();
+        // SAFETY: as in `tag_recv`; `parked.message` was removed from the queue by a probe of
+        // this worker and is received once.
+        let ptr = unsafe {
+            sys::ucp_tag_msg_recv_nbx(
+                self.ptr.as_ptr(),
+                raw.buffer,
+                raw.count,
+                parked.message,
+                &param,
+            )
+        };
+        self.started("ucp_tag_msg_recv_nbx", ptr, into)
     }
 
     /// Starts flushing every endpoint of the worker.
