@@ -19,10 +19,9 @@ pub struct UcxConfig {
 /// dropped as it arrives, so no peer can fill the worker's memory with messages nobody
 /// receives (UCX queues them without bound, and cannot name their sender). Under `keep`,
 /// those with any of the bits `parked` set in their low 32 bits (every one when `parked` has
-/// every bit) are taken off UCX's queue and held, at most
-/// [`PARKED`](crate::transport::ucx::progress::PARKED) of them, none longer than `max_len`
-/// bytes, each for at most [`PARKED_FOR`](crate::transport::ucx::progress::PARKED_FOR), for
-/// a receive of their tag to take them; the rest are dropped.
+/// every bit) are taken off UCX's queue and held, at most 256 of them and 256 MiB, none
+/// longer than `max_len` bytes, for a receive of their tag to take them; the oldest beyond are
+/// dropped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Unexpected {
     /// The prefix of the tags kept.

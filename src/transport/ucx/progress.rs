@@ -153,14 +153,16 @@ struct Engine {
 }
 
 /// Messages held off UCX's unexpected queue at most ([`Unexpected::parked`]): device payloads
-/// that came before their header was read, a few per prefill at a time (a prefill never has
-/// more chunks on the way than its decode posted receives for, so chunks come here only from a
-/// peer that sends more than it was granted). Beyond, the oldest are dropped.
-pub(crate) const PARKED: usize = 64;
+/// that came before their header was read, at most a prefill's granted slots each (a prefill
+/// never has more chunks on the way than its decode posted receives for, so chunks come here
+/// only from a peer that sends more than it was granted). Beyond this, or beyond
+/// [`PARKED_BYTES`], the oldest are dropped.
+pub(crate) const PARKED: usize = 256;
 
-/// How long a parked message waits for its receive: as long as a receiver waits for a device
-/// payload behind its header.
-pub(crate) const PARKED_FOR: Duration = Duration::from_secs(30);
+/// Bytes held at most, by the lengths the senders gave (a rendezvous message's bytes are still
+/// at its sender, but count the same); one message is held whatever its length up to
+/// [`Unexpected::max_len`].
+pub(crate) const PARKED_BYTES: usize = 256 << 20;
 
 /// Messages dropped by [`Engine::drop_unexpected`] since the last report.
 #[derive(Default)]
@@ -582,17 +584,29 @@ impl Engine {
         });
         // Under this agent's own prefix: held for their receive, within the bounds.
         let (worker, parked) = (&self.worker, &mut self.parked);
+        let before = parked.len();
         worker.park_unexpected(unexpected.keep, unexpected.parked, |p| parked.push_back(p));
-        let excess = parked.len().saturating_sub(PARKED);
-        for (i, p) in std::mem::take(parked).into_iter().enumerate() {
-            if i < excess || p.len > unexpected.max_len || p.at.elapsed() > PARKED_FOR {
+        if parked.len() > before {
+            let mut over = |p: Parked| {
                 dropped.foreign.0 += 1;
                 dropped.foreign.1 += p.len as u64;
                 dropped.foreign.2 = p.tag;
                 worker.discard(p);
                 n += 1;
-            } else {
-                parked.push_back(p);
+            };
+            for p in std::mem::take(parked) {
+                match p.len > unexpected.max_len {
+                    true => over(p),
+                    false => parked.push_back(p),
+                }
+            }
+            let mut bytes: usize = parked.iter().map(|p| p.len).sum();
+            while parked.len() > PARKED || (bytes > PARKED_BYTES && parked.len() > 1) {
+                let Some(oldest) = parked.pop_front() else {
+                    break;
+                };
+                bytes -= oldest.len;
+                over(oldest);
             }
         }
         if n == 0 || dropped.reported.is_some_and(|t| t.elapsed() < DROP_REPORT) {
@@ -664,8 +678,13 @@ impl Engine {
     /// Cancels everything, closes endpoints and waits (bounded) for UCX to give every buffer
     /// back. What UCX still holds after the bound is leaked, never freed.
     fn close(&mut self) {
-        // Receives are cancelled by the sweep; sends and puts get 2 s to finish.
+        // Receives are cancelled by the sweep; sends and puts get 2 s to finish. Held messages
+        // are dropped first (UCX no longer knows them: they would leak, and their rendezvous
+        // senders would never hear).
         self.shutting_down = true;
+        for parked in std::mem::take(&mut self.parked) {
+            self.worker.discard(parked);
+        }
         self.progress_until_idle(Duration::from_secs(2));
         if !self.idle() {
             // Their peers do not take them: force-close every endpoint (completes them).

@@ -25,8 +25,6 @@ pub struct Parked {
     pub tag: u64,
     /// Its length, as its sender gave it.
     pub len: usize,
-    /// When it was taken.
-    pub at: std::time::Instant,
 }
 use super::lent::{Incoming, Lent};
 use crate::transport::ucx::memory_type::{MemoryType, MemoryTypes};
@@ -292,18 +290,18 @@ impl Worker {
             return;
         }
         let base = u64::from(keep) << 32;
+        if low == u32::MAX {
+            // Every message under `keep`, in the order they arrived.
+            while let Some(parked) = self.take_unexpected(base, 0xffff_ffff_0000_0000) {
+                park(parked);
+            }
+            return;
+        }
         for bit in (0..32).filter(|b| low & (1 << b) != 0) {
             let mask = 0xffff_ffff_0000_0000 | (1u64 << bit);
             while let Some(parked) = self.take_unexpected(base | (1u64 << bit), mask) {
                 park(parked);
             }
-        }
-        // Every bit: the tag with none of them set (`keep` itself) too.
-        while let Some(parked) = (low == u32::MAX)
-            .then(|| self.take_unexpected(base, u64::MAX))
-            .flatten()
-        {
-            park(parked);
         }
     }
 
@@ -314,11 +312,10 @@ impl Worker {
         // SAFETY: the worker is live and used on its own thread; `info` is a valid out-pointer
         // for the call.
         let message = unsafe { sys::ucp_tag_probe_nb(self.ptr.as_ptr(), tag, mask, 1, &mut info) };
-        (!message.is_null()).then(|| Parked {
+        (!message.is_null()).then_some(Parked {
             message,
             tag: info.sender_tag,
             len: info.length,
-            at: std::time::Instant::now(),
         })
     }
 
