@@ -338,40 +338,48 @@ const FLOOD_TAGS: [u64; 4] = [
     0x4400_0000_0000_0000,
 ];
 
-/// Floods `agent` at `address` with 32 x 16 MiB eager messages (8 under each of
-/// [`FLOOD_TAGS`]) and 4 x 16 MiB by rendezvous, and checks that its peak memory grew by
-/// less than 64 MiB and that it lives.
-fn flood_and_measure(rogue: &PathBuf, agent: &Process, address: &str) {
-    const MIB: usize = 1 << 20;
+/// Runs `flood` against `agent` and checks that its peak memory grew by less than `bound`
+/// MiB (`what` was sent) and that it lives.
+fn grows_less_than(agent: &Process, what: &str, bound: u64, flood: impl FnOnce()) {
     let pid = agent.pid();
     let before = memory_kib(pid, "VmHWM");
-    for tag in FLOOD_TAGS {
-        let (status, sent) = flood(rogue, address, tag, 16 * MIB, 8, true);
-        println!("{}: {status}, {sent} sent", agent.name);
-    }
-    let (status, sent) = flood(rogue, address, 0x7777 << 48, 16 * MIB, 4, false);
-    assert_eq!(
-        status, "ok",
-        "{}: a rendezvous send was left unanswered",
-        agent.name
-    );
-    println!("{}: rendezvous flood {status}, {sent} sent", agent.name);
+    flood();
     // The last bytes may still be on their way through the socket.
     std::thread::sleep(std::time::Duration::from_millis(500));
     let after = memory_kib(pid, "VmHWM");
     let grown = after.saturating_sub(before) / 1024;
     println!(
-        "{}: peak memory {} MiB before the flood, {} MiB after (+{grown} MiB)",
+        "{}: peak memory {} MiB before {what}, {} MiB after (+{grown} MiB)",
         agent.name,
         before / 1024,
         after / 1024
     );
     assert!(
-        grown < 64,
-        "{}: a flood of 32 x 16 MiB grew its peak memory by {grown} MiB",
+        grown < bound,
+        "{}: {what} grew its peak memory by {grown} MiB",
         agent.name
     );
     assert_alive(agent);
+}
+
+/// Floods `agent` at `address` with 32 x 16 MiB eager messages (8 under each of
+/// [`FLOOD_TAGS`]) and 4 x 16 MiB by rendezvous, and checks that its peak memory grew by
+/// less than 64 MiB and that it lives.
+fn flood_and_measure(rogue: &PathBuf, agent: &Process, address: &str) {
+    const MIB: usize = 1 << 20;
+    grows_less_than(agent, "a flood of 32 x 16 MiB", 64, || {
+        for tag in FLOOD_TAGS {
+            let (status, sent) = flood(rogue, address, tag, 16 * MIB, 8, true);
+            println!("{}: {status}, {sent} sent", agent.name);
+        }
+        let (status, sent) = flood(rogue, address, 0x7777 << 48, 16 * MIB, 4, false);
+        assert_eq!(
+            status, "ok",
+            "{}: a rendezvous send was left unanswered",
+            agent.name
+        );
+        println!("{}: rendezvous flood {status}, {sent} sent", agent.name);
+    });
 }
 
 /// A rogue UCX peer floods a decode and a prefill with messages nobody asked for (eagerly: all
@@ -411,28 +419,12 @@ fn flood_own_prefix(rogue: &PathBuf, agent: &Process, address: &str, endpoint: &
     const KIB: usize = 1 << 10;
     let hex = endpoint.strip_prefix("ucx:").expect("a ucx endpoint");
     let prefix = u64::from_str_radix(&hex[..8], 16).expect("the decode's tag prefix");
-    let pid = agent.pid();
-    let before = memory_kib(pid, "VmHWM");
-    for (key, len, count) in [(4u64, 512 * KIB, 1024), (0x10_0000, 16 << 20, 8)] {
-        let (status, sent) = flood(rogue, address, prefix << 32 | key, len, count, true);
-        println!("{}: own prefix: {status}, {sent} sent", agent.name);
-    }
-    // The last bytes may still be on their way through the socket.
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    let after = memory_kib(pid, "VmHWM");
-    let grown = after.saturating_sub(before) / 1024;
-    println!(
-        "{}: peak memory {} MiB before the flood under its own prefix, {} MiB after (+{grown} MiB)",
-        agent.name,
-        before / 1024,
-        after / 1024
-    );
-    assert!(
-        grown < 320,
-        "{}: 640 MiB under its own prefix grew its peak memory by {grown} MiB",
-        agent.name
-    );
-    assert_alive(agent);
+    grows_less_than(agent, "640 MiB under its own prefix", 320, || {
+        for (key, len, count) in [(4u64, 512 * KIB, 1024), (0x10_0000, 16 << 20, 8)] {
+            let (status, sent) = flood(rogue, address, prefix << 32 | key, len, count, true);
+            println!("{}: own prefix: {status}, {sent} sent", agent.name);
+        }
+    });
 }
 
 /// `--direct-writes always` over UCX's tcp is refused at start, naming why: no context asks for

@@ -521,10 +521,15 @@ impl Peers for RouterPeers {
         let connection = u64::from_be_bytes(peer[routing.len()..].try_into().unwrap_or([0; 8]));
         let current = (self.fd_of.get(&routing)).and_then(|fd| self.connection_of.get(fd));
         match current {
-            Some(&c) if c == connection => Ok(routing),
-            // The routing id is not (or no longer) on a connection this socket numbered.
-            None if connection == 0 => Ok(routing),
-            _ => Err("no such peer: the connection it proved itself on is gone".to_owned()),
+            _ if self.dropped.contains_key(peer) => {
+                Err("no such peer: the connection it proved itself on is gone".to_owned())
+            }
+            Some(&c) if c != connection => {
+                Err("no such peer: the connection it proved itself on is gone".to_owned())
+            }
+            // Its connection, or one no frame was delivered from yet (refused at a limit, told
+            // why on the way out): libzmq has no other connection of that routing id.
+            _ => Ok(routing),
         }
     }
 

@@ -16,6 +16,14 @@ use std::rc::Rc;
 
 use super::context::Context;
 
+/// Where a receive's message comes from.
+enum From {
+    /// The next to arrive whose tag matches `tag` under `mask` (or one waiting unexpected).
+    Tag { tag: u64, mask: u64 },
+    /// One taken off the queue.
+    Parked(Parked),
+}
+
 /// A message taken off UCX's unexpected queue ([`Worker::park_unexpected`]), to be received
 /// ([`Worker::receive_parked`]) or dropped ([`Worker::discard`]) by the worker's thread: UCX
 /// holds it (an eager message's bytes, a rendezvous one's request) until then.
@@ -206,16 +214,31 @@ impl Worker {
     /// call then). `into` comes back with the error when the receive is not posted.
     pub fn tag_recv<L: Incoming>(
         self: &Rc<Self>,
-        mut into: L,
+        into: L,
         tag: u64,
         mask: u64,
     ) -> Result<Started<L>, (UcxError, L)> {
-        let raw = match into
-            .incoming()
-            .and_then(|raw| self.moves("ucp_tag_recv_nbx", raw.memory).map(|()| raw))
-        {
+        self.receive(into, From::Tag { tag, mask })
+    }
+
+    /// Receives into `into` the next message matching a tag, or one taken off the queue.
+    fn receive<L: Incoming>(
+        self: &Rc<Self>,
+        mut into: L,
+        from: From,
+    ) -> Result<Started<L>, (UcxError, L)> {
+        let op = match from {
+            From::Tag { .. } => "ucp_tag_recv_nbx",
+            From::Parked(_) => "ucp_tag_msg_recv_nbx",
+        };
+        let raw = match (into.incoming()).and_then(|raw| self.moves(op, raw.memory).map(|()| raw)) {
             Ok(raw) => raw,
-            Err(e) => return Err((e, into)),
+            Err(e) => {
+                if let From::Parked(parked) = from {
+                    self.discard(parked);
+                }
+                return Err((e, into));
+            }
         };
         let mut param = self.tracked(true);
         param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE
@@ -223,14 +246,23 @@ impl Worker {
             | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
         param.datatype = raw.datatype;
         param.memory_type = raw.memory.raw();
+        let worker = self.ptr.as_ptr();
         // SAFETY: the worker is live and used on its own thread; what `raw` describes stays
         // writable, in place, while `into` lives (`Incoming`), and `into` goes into the
         // request, which keeps it until UCX reports the receive ended (or leaks it), or comes
-        // back from `started` only when UCX did not post the receive.
+        // back from `started` only when UCX did not post the receive. A parked message was
+        // removed from the queue by a probe of this worker and is received once (consumed).
         let ptr = unsafe {
-            sys::ucp_tag_recv_nbx(self.ptr.as_ptr(), raw.buffer, raw.count, tag, mask, &param)
+            match from {
+                From::Tag { tag, mask } => {
+                    sys::ucp_tag_recv_nbx(worker, raw.buffer, raw.count, tag, mask, &param)
+                }
+                From::Parked(p) => {
+                    sys::ucp_tag_msg_recv_nbx(worker, raw.buffer, raw.count, p.message, &param)
+                }
+            }
         };
-        self.started("ucp_tag_recv_nbx", ptr, into)
+        self.started(op, ptr, into)
     }
 
     /// What a call that lent UCX `lent` returned: done (UCX is through with `lent`), a
@@ -347,37 +379,10 @@ impl Worker {
     /// one that matches it (a longer message ends it as truncated).
     pub fn receive_parked<L: Incoming>(
         self: &Rc<Self>,
-        mut into: L,
+        into: L,
         parked: Parked,
     ) -> Result<Started<L>, (UcxError, L)> {
-        let raw = match into
-            .incoming()
-            .and_then(|raw| self.moves("ucp_tag_msg_recv_nbx", raw.memory).map(|()| raw))
-        {
-            Ok(raw) => raw,
-            Err(e) => {
-                self.discard(parked);
-                return Err((e, into));
-            }
-        };
-        let mut param = self.tracked(true);
-        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE
-            | sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE
-            | sys::UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-        param.datatype = raw.datatype;
-        param.memory_type = raw.memory.raw();
-        // SAFETY: as in `tag_recv`; `parked.message` was removed from the queue by a probe of
-        // this worker and is received once.
-        let ptr = unsafe {
-            sys::ucp_tag_msg_recv_nbx(
-                self.ptr.as_ptr(),
-                raw.buffer,
-                raw.count,
-                parked.message,
-                &param,
-            )
-        };
-        self.started("ucp_tag_msg_recv_nbx", ptr, into)
+        self.receive(into, From::Parked(parked))
     }
 
     /// Starts flushing every endpoint of the worker.
