@@ -143,11 +143,6 @@ impl Auth {
         }
     }
 
-    /// Whether there is a token.
-    pub fn has_token(&self) -> bool {
-        self.token.is_some()
-    }
-
     /// Makes `socket` (which binds) require the token from every connection, and close a
     /// connection whose handshake is not done within the proof deadline (libzmq's
     /// `ZMQ_HANDSHAKE_IVL`, 30 s by default); the returned registration must live as long as
