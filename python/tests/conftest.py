@@ -90,6 +90,32 @@ def pytest_runtest_teardown(item, nextitem):
     deployments.LIVE.release(needed | {MEMBERS[m] for m in needed if m in MEMBERS})
 
 
+# What a failed test's report quotes of each process log written during it.
+QUOTED = ("WARN", "ERROR", "Error", "Traceback")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report quotes the last warnings and errors of every engine, agent, proxy
+    and registry log written while it ran (CI keeps no logs)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    factory = getattr(item.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    for log in sorted(factory.getbasetemp().rglob("*.log")):
+        try:
+            if log.stat().st_mtime < call.start:
+                continue
+            lines = [line[:240] for line in log.read_text(errors="replace").splitlines() if any(q in line for q in QUOTED)]
+        except OSError:
+            continue
+        if lines:
+            report.sections.append((f"{log.parent.name}/{log.name}: its last warnings", "\n".join(lines[-12:])))
+
+
 def pytest_terminal_summary(terminalreporter):
     path = deployments.ledger()
     if path is None or not path.exists():

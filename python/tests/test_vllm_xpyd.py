@@ -99,9 +99,11 @@ def stream(proxy, prompt: list[int], max_tokens: int, on_token=lambda server: No
         r = urllib.request.urlopen(req, timeout=300)
     except urllib.error.HTTPError as e:
         return ids, json.loads(e.read())["error"]["message"]
+    except TimeoutError as e:
+        raise TimeoutError(f"a stream of a {len(prompt)}-token prompt: no answer within 300 s") from e
     with r:
         server = r.headers["x-kvferry-decode"]
-        for line in r:
+        for line in stalled(r, f"a stream of a {len(prompt)}-token prompt from decode server {server}", lambda: len(ids)):
             line = line.decode().strip()
             if line == "data: [DONE]":
                 return ids, None
@@ -113,6 +115,14 @@ def stream(proxy, prompt: list[int], max_tokens: int, on_token=lambda server: No
                     ids += choice.get("token_ids") or []
                 on_token(server)
     return ids, "the stream ended without [DONE]"
+
+
+def stalled(lines, what: str, count):
+    """``lines``, a timeout naming ``what`` and the tokens it gave so far (``count()``)."""
+    try:
+        yield from lines
+    except TimeoutError as e:
+        raise TimeoutError(f"{what}: nothing for 300 s after {count()} tokens") from e
 
 
 def complete(proxy, prompt: list[int], max_tokens: int) -> tuple[list[int], str | None]:

@@ -205,14 +205,19 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         return {"http_status": e.code, "error": json.loads(e.read() or b"null")}
+    except TimeoutError as e:
+        raise TimeoutError(f"POST {url}: no answer within {timeout} s (prompt of {len(body.get('prompt') or body.get('input_ids') or [])} tokens)") from e
 
 
 def metric(url: str, name: str, label: str = "") -> float:
     """The sum of a metric's series (those whose labels contain ``label``; any, or the one
     without labels, when ``label`` is empty) on a /metrics."""
     # A busy machine can keep an agent's thread from answering for seconds.
-    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
-        text = r.read().decode()
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+    except TimeoutError as e:
+        raise TimeoutError(f"GET {url}/metrics: no answer within 60 s") from e
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
