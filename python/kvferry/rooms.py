@@ -159,3 +159,20 @@ class PoolCounts(TypedDict):
 
     free_pages: int
     total_pages: int
+
+
+def room_seconds(view: PrefillRoomView | DecodeRoomView, since: str | None = None) -> float:
+    """Seconds from a room's mark ``since`` (by default its first) to its success, from its
+    view's ``timings`` (ms since the Unix epoch, by state); 0 for a room without those marks."""
+    timings: dict[str, float] = dict(view.get("timings") or {})
+    if RoomState.SUCCESS not in timings or (since is not None and since not in timings):
+        return 0.0
+    first = timings[since] if since is not None else min(timings.values())
+    return max(0.0, timings[RoomState.SUCCESS] - first) / 1000
+
+
+def failure_code(view: PrefillRoomView | DecodeRoomView) -> str:
+    """The failure code of a room that did not succeed (its reason's; its state when it has
+    none, as an aborted room)."""
+    reason = view.get("reason") or {}
+    return str(reason.get("code") or view.get("state") or "unknown")

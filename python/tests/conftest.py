@@ -13,7 +13,6 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import zipfile
 
 import pytest
 
@@ -35,11 +34,12 @@ ORDER = [
     ("vllm_blocks", []),
     ("vllm_hybrid", []),
     ("sglang_pd", []),
+    ("sglang_fleet", []),
     ("sglang_mla", []),
     ("quickstart", []),
 ]
 # Servers that join a deployment for some of its tests and stop after the last of them.
-MEMBERS = {"fleet_recompute_decode": "vllm_fleet", "fleet_prefill": "vllm_fleet"}
+MEMBERS = {"fleet_recompute_decode": "vllm_fleet", "fleet_prefill": "vllm_fleet", "fleet_dp_decode": "vllm_fleet"}
 
 
 def pytest_configure(config):
@@ -168,11 +168,9 @@ def engine_python(variable: str, venv: str, install: str, tmp_path_factory) -> t
         python = str(pathlib.Path.home() / ".cache/kvferry" / venv / "bin/python")
         if not pathlib.Path(python).exists():
             pytest.skip(f"no {venv} ({install})")
-    wheels = sorted((REPO / "target" / "python-wheels").glob("kvferry-*.whl"))
-    assert wheels, "no built wheel in target/python-wheels (scripts/python/build)"
-    site = tmp_path_factory.mktemp(f"{venv}-site")
-    zipfile.ZipFile(wheels[-1]).extractall(site)
-    return python, str(site)
+    import vllm_servers
+
+    return python, str(vllm_servers.unpack_wheel(tmp_path_factory.mktemp(f"{venv}-site")))
 
 
 @pytest.fixture(scope="session")
@@ -247,6 +245,20 @@ def fleet_recompute_decode(vllm_fleet):
                                                      log="decode-recompute-tp2.log"))
     server.api_port = port
     deployments.LIVE.add("fleet_recompute_decode", server.stop)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet_dp_decode(vllm_fleet):
+    """A decode server of two vLLM data-parallel ranks (TP1 each) joining the fleet, its agents
+    on a base API port; stopped after the last test that uses it."""
+    import vllm_servers
+
+    port = vllm_servers.two_free_ports()
+    server = vllm_fleet.join(vllm_fleet.start_decode(3, dp=2, agent=dict(api_port=port), log="decode-dp2.log"))
+    server.api_port = port
+    deployments.LIVE.add("fleet_dp_decode", server.stop)
     yield server
     server.stop()
 

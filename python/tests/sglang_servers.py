@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import time
@@ -21,7 +22,7 @@ from typing import Any
 
 import deployments
 import hf_reference
-from vllm_servers import free_port, post, tail, wait_ok
+from vllm_servers import free_port, log_name, post, tail, wait_ok
 
 STUB = pathlib.Path(__file__).parent / "sglang_stub"
 ENV = {
@@ -35,11 +36,12 @@ ENV = {
 # nodes otherwise), and no NCCL (PyPI's torch ships libnccl; SGLang would set it up on the CPU
 # and fail): a library path that does not load turns it off.
 TP2 = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
-# What SGLang's CPU engine needs here (docs/sglang.md).
+# What SGLang's CPU engine needs here (docs/sglang.md), and --sleep-on-idle: an idle scheduler
+# otherwise polls a core of its own, and the tests run up to six on two cores.
 CPU_ARGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
     "--grammar-backend", "none", "--max-total-tokens", "4096", "--context-length", "1024",
-    "--mem-fraction-static", "0.05", "--dtype", "float32", "--random-seed", "0",
+    "--mem-fraction-static", "0.05", "--dtype", "float32", "--random-seed", "0", "--sleep-on-idle",
 )
 
 
@@ -105,6 +107,13 @@ class Server(Process):
     def generate(self, prompt: list[int], max_new_tokens: int) -> dict:
         return generate(self.url, prompt, max_new_tokens)
 
+    def agent_apis(self) -> list[str]:
+        """The API URLs of the kvferry agents of this server's scheduler ranks (each manager
+        logs its agent's when it starts)."""
+        found = re.findall(r"kvferry (?:prefill|decode) agent \S+ \(registry \S+\): .* api (http://\S+)", self.log.read_text())
+        assert found, f"no kvferry agent started in {self.log}"
+        return found
+
 
 def generate(url: str, prompt: list[int], max_new_tokens: int) -> dict:
     """SGLang's native ``/generate``, greedy; the response JSON."""
@@ -144,57 +153,76 @@ def used_tokens(server: Server) -> int:
 
 
 class Pd:
-    """A prefill and a decode SGLang server with ``--disaggregation-transfer-backend kvferry``
-    and sglang-router in PD mode in front of them. ``args`` go to both servers,
-    ``prefill_args``, ``prefill_env`` and ``decode_env`` to one. The decode's agent trusts the
-    prefill's registry only, as an operator configures it: ``KVFERRY_ALLOWED_REGISTRIES`` is
-    ``127.0.0.1:BOOTSTRAP_PORT`` (the address the router names), unless ``decode_env`` sets it."""
+    """``prefills`` prefill and ``decodes`` decode SGLang servers with
+    ``--disaggregation-transfer-backend kvferry`` and sglang-router in PD mode in front of them,
+    each prefill on a bootstrap port of its own (as SGLang expects). ``args`` go to every server,
+    ``prefill_args``, ``prefill_env`` and ``decode_env`` to every server of one role,
+    ``router_args`` to the router. The decodes' agents trust the prefills' registries only, as an
+    operator configures them: ``KVFERRY_ALLOWED_REGISTRIES`` lists each
+    ``127.0.0.1:BOOTSTRAP_PORT`` (the addresses the router names), unless ``decode_env`` sets it.
+    ``prefill`` and ``decode`` are the first server of each role."""
 
     def __init__(self, python: str, env: dict, model: pathlib.Path, logs: pathlib.Path, args: tuple[str, ...] = (),
                  prefill_args: tuple[str, ...] = (), prefill_env: dict | None = None,
-                 decode_env: dict | None = None) -> None:
+                 decode_env: dict | None = None, prefills: int = 1, decodes: int = 1,
+                 router_args: tuple[str, ...] = ()) -> None:
         self.python, self.env, self.model, self.logs, self.args = python, env, model, logs, args
-        self.prefill_args = prefill_args
-        self.bootstrap_port = free_port()
-        trusted = {"KVFERRY_ALLOWED_REGISTRIES": f"127.0.0.1:{self.bootstrap_port}"}
+        self.prefill_args, self.router_args = prefill_args, router_args
+        self.bootstrap_ports = [free_port() for _ in range(prefills)]
+        trusted = {"KVFERRY_ALLOWED_REGISTRIES": ",".join(f"127.0.0.1:{p}" for p in self.bootstrap_ports)}
         self.prefill_env, self.decode_env = env | (prefill_env or {}), env | trusted | (decode_env or {})
         self.allowed_registries = self.decode_env["KVFERRY_ALLOWED_REGISTRIES"]
         self.router: Process | None = None
-        self.prefill = self.start_prefill()
-        self.decode = self.start_decode()
+        self.prefills = [self.start_prefill(i) for i in range(prefills)]
+        self.decodes = [self.start_decode(i) for i in range(decodes)]
 
-    def start_prefill(self) -> Server:
+    @property
+    def prefill(self) -> Server:
+        return self.prefills[0]
+
+    @property
+    def decode(self) -> Server:
+        return self.decodes[0]
+
+    @property
+    def bootstrap_port(self) -> int:
+        return self.bootstrap_ports[0]
+
+    def start_prefill(self, i: int) -> Server:
         return Server(
-            self.python, self.prefill_env, self.model, self.logs / "prefill.log", "--disaggregation-mode", "prefill",
+            self.python, self.prefill_env, self.model, self.logs / log_name("prefill", i), "--disaggregation-mode", "prefill",
             "--disaggregation-transfer-backend", "kvferry",
-            "--disaggregation-bootstrap-port", str(self.bootstrap_port), *self.args, *self.prefill_args,
+            "--disaggregation-bootstrap-port", str(self.bootstrap_ports[i]), *self.args, *self.prefill_args,
         )
 
-    def start_decode(self) -> Server:
+    def start_decode(self, i: int) -> Server:
         return Server(
-            self.python, self.decode_env, self.model, self.logs / "decode.log", "--disaggregation-mode", "decode",
+            self.python, self.decode_env, self.model, self.logs / log_name("decode", i), "--disaggregation-mode", "decode",
             "--disaggregation-transfer-backend", "kvferry",
             "--disaggregation-decode-retraction-backup", "none", *self.args,
         )
 
-    def restart_prefill(self) -> None:
-        """Starts the prefill again after it died, then the router (which keeps a dead
+    def restart_prefill(self, i: int = 0) -> None:
+        """Starts prefill ``i`` again after it died, then the router (which keeps a dead
         worker out of its rotation for minutes)."""
-        self.prefill.proc.wait()
-        self.prefill = self.start_prefill()
+        self.prefills[i].proc.wait()
+        self.prefills[i] = self.start_prefill(i)
         if self.router is not None:
             self.router.stop()
         self.start_router()
 
     def start_router(self) -> None:
-        self.prefill.wait_healthy()
-        self.decode.wait_healthy()
+        for server in self.prefills + self.decodes:
+            server.wait_healthy()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        workers = [a for s, b in zip(self.prefills, self.bootstrap_ports) for a in ("--prefill", s.url, str(b))]
+        workers += [a for s in self.decodes for a in ("--decode", s.url)]
         cmd = [
-            self.python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--prefill", self.prefill.url, str(self.bootstrap_port), "--decode", self.decode.url,
+            self.python, "-m", "sglang_router.launch_router", "--pd-disaggregation", *workers,
             "--host", "127.0.0.1", "--port", str(port), "--disable-circuit-breaker",
+            # Its metrics listen on 0.0.0.0:29000 unless told otherwise.
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *self.router_args,
         ]
         self.router = Process(cmd, self.env, self.logs / "router.log")
         self.router.wait_ok(self.url + "/health", "sglang-router", 120)
@@ -209,6 +237,6 @@ class Pd:
         return generate(self.url, prompt, max_new_tokens)
 
     def stop(self) -> None:
-        for p in (self.router, self.decode, self.prefill):
+        for p in [self.router, *self.decodes, *self.prefills]:
             if p is not None:
                 p.stop()

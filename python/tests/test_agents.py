@@ -573,3 +573,34 @@ def test_an_agent_started_from_a_pinned_thread_runs_its_threads_unpinned(registr
     # The engine's own thread stays pinned.
     assert threads[0][1] == "0", threads
     print(f"allowed {sorted(allowed)}: {threads}")
+
+
+def test_a_room_goes_to_the_prefill_dp_group_its_number_names(registry):
+    """A prefill server of DP groups (SGLang's ``--dp-size``, vLLM's ``--data-parallel-size``)
+    registers one kvferry group per DP rank; SGLang's decode asks group ``bootstrap_room %
+    dp_size`` (its ``follow_bootstrap_room``, which kvferry's SGLang backend sets), and the
+    prefill's scheduler of that DP rank computes the room. Each room lands from its own group's
+    pages, byte for byte, and no other page of the decode changes."""
+    opts = options(registry, dp_size=2)
+    with (
+        engine_agent("prefill", "numpy", opts | {"dp_rank": 0}) as (p0, kv0),
+        engine_agent("prefill", "numpy", opts | {"dp_rank": 1}) as (p1, kv1),
+        engine_agent("decode", "numpy", options(registry)) as (decode, d_kv),
+    ):
+        fill(kv0, "noise", 1)
+        fill(kv1, "noise", 2)
+        fill(d_kv, "poison")
+        groups = [decode.prefill_group(dp_rank=g) for g in range(2)]
+        assert [g["dp_size"] for g in groups] == [2, 2] and groups[0] != groups[1], groups
+        prefills = [(p0, kv0), (p1, kv1)]
+        rooms = [(2**62 + 7 * i, [1 + i], [20 + i]) for i in range(6)]
+        for room, src, dst in rooms:
+            decode.request(room, PAGE, pages=dst, dp_rank=room % 2)
+        for room, src, _ in rooms:
+            prefills[room % 2][0].ready(room, PAGE, pages=src)
+        for room, src, dst in rooms:
+            assert decode.wait(room, 30)["state"] == "success"
+            decode.take(room)
+            assert (d_kv[:, dst].view(np.uint16) == prefills[room % 2][1][:, src].view(np.uint16)).all(), room
+        assert {room % 2 for room, _, _ in rooms} == {0, 1}
+        assert untouched(np.delete(d_kv, [dst[0] for _, _, dst in rooms], axis=1))

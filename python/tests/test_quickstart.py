@@ -34,7 +34,7 @@ SECTIONS = {
     "vLLM": (("KVFERRY_VLLM_PYTHON", "vllm-venv", "scripts/vllm/install"), "KVFERRY_VLLM_VENV",
              ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT", "PROXY_PORT")),
     "SGLang": (("KVFERRY_SGLANG_PYTHON", "sglang-venv", "scripts/sglang/install"), "KVFERRY_SGLANG_VENV",
-               ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT", "ROUTER_PORT")),
+               ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT")),
 }
 # Two servers starting (half a minute each, on the same two cores) and the install script's import
 # check, with room to spare on a busy machine.

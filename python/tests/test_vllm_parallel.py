@@ -5,6 +5,10 @@ pairing). The TP1 servers are the run's fleet's (``vllm_fleet``), the TP2 decode
 fifth server (``fleet_recompute_decode``), and each multi-rank prefill joins the fleet for its
 shape (``fleet_prefill``).
 
+A decode server of two vLLM data-parallel ranks (``fleet_dp_decode``) takes a TP1 prefill's rooms
+in the concurrent and first-token pairings: vLLM gives each request to one of its ranks, whose
+agent asks for the room, and both ranks land some.
+
 The tiny model has 2 KV heads. A TP2 server's two workers each run an agent for one head, and
 the TP1 side's agent pairs with both. At TP4 vLLM holds each head on two ranks, and each sends
 half of its layers. A DP2 server's two engines are a kvferry group each; the proxy learns both
@@ -45,12 +49,15 @@ SHAPES = {
     "dp2xtp2-to-tp1": dict(prefill_tp=2, prefill_dp=2),
     # More TP ranks than the model's 2 KV heads: vLLM holds each head on two ranks.
     "tp4-to-tp1": dict(prefill_tp=4),
+    # A decode server of two DP ranks: vLLM gives each request to one of them, whose agent asks
+    # the prefill for its room.
+    "tp1-to-dp2": dict(decode_dp=2),
 }
 # The shapes whose prefill server joins the fleet for them (``fleet_prefill``).
 PREFILL_SHAPES = ["dp2xtp2-to-tp1", "tp4-to-tp1"]
 # The pairings a shape runs: replication changes what each prefill rank sends, not how a
 # decode pairs with them (the other shapes run all three).
-PAIRINGS = {"tp4-to-tp1": ["concurrent"]}
+PAIRINGS = {"tp4-to-tp1": ["concurrent"], "tp1-to-dp2": ["concurrent", "first-token"]}
 # The prompt set of each pairing (first-token pairing's runs on a cold prefix cache again).
 PROMPT_SETS = {"sequential": "sequential", "concurrent": "concurrent", "first-token": "sequential"}
 
@@ -101,12 +108,20 @@ def test_outputs_equal_a_single_engine_from_multi_rank_prefills_to_a_tp1_decode(
         view.stop()
 
 
+def test_outputs_equal_a_single_engine_from_a_tp1_prefill_to_a_decode_of_two_dp_ranks(vllm_fleet, fleet_dp_decode, reference):
+    view = View(vllm_fleet, vllm_fleet.prefills[:1], [fleet_dp_decode])
+    try:
+        check_shape(view, fleet_dp_decode.api_port, "tp1-to-dp2", reference)
+    finally:
+        view.stop()
+
+
 def check_shape(pd: View, api_port: int, shape: str, reference: dict) -> None:
     ranks = SHAPES[shape]
-    decode_tp = ranks.get("decode_tp", 1)
+    decode_tp, decode_dp = ranks.get("decode_tp", 1), ranks.get("decode_dp", 1)
     prefill_agents = ranks.get("prefill_tp", 1) * ranks.get("prefill_dp", 1)
-    assert [len(pd.prefill.agent_apis()), len(pd.decode.agent_apis())] == [prefill_agents, decode_tp]
-    assert pd.decode.agent_apis() == [f"http://127.0.0.1:{api_port + r}" for r in range(decode_tp)]
+    assert [len(pd.prefill.agent_apis()), len(pd.decode.agent_apis())] == [prefill_agents, decode_tp * decode_dp]
+    assert pd.decode.agent_apis() == [f"http://127.0.0.1:{api_port + r}" for r in range(decode_tp * decode_dp)]
     # The decode server may have served other shapes: what this one adds is counted.
     counted = ("vllm:kvferry_room_bytes_count", "vllm:kvferry_room_bytes_sum", "vllm:kvferry_room_seconds_count")
     before = [vllm_metric(pd.decode, name) for name in counted]
@@ -130,6 +145,10 @@ def check_shape(pd: View, api_port: int, shape: str, reference: dict) -> None:
         time.sleep(0.5)
     # vLLM's own metrics count what the decode agents landed (its workers' stats, added up).
     landed = sum(metric(api, "kvferry_kv_bytes_total") for api in pd.decode.agent_apis()) - landed_before
+    # Every decode rank landed rooms (vLLM gives a DP server's requests to each of its ranks).
+    by_rank = [metric(api, "kvferry_kv_bytes_total") for api in pd.decode.agent_apis()]
+    print(f"{shape}: bytes landed by each decode agent {by_rank}")
+    assert all(b > 0 for b in by_rank), by_rank
     rooms, room_bytes, timed = (vllm_metric(pd.decode, name) - b for name, b in zip(counted, before))
     assert room_bytes == landed
     assert rooms == 10 * len(pairings) * decode_tp, rooms

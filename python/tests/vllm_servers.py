@@ -23,6 +23,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,15 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port outside the ephemeral range")
+
+
+def unpack_wheel(into: pathlib.Path) -> pathlib.Path:
+    """This checkout's built abi3 wheel (scripts/python/build) unpacked into ``into``, for an
+    engine venv's ``PYTHONPATH``."""
+    wheels = sorted((REPO / "target" / "python-wheels").glob("kvferry-*.whl"))
+    assert wheels, "no built wheel in target/python-wheels (scripts/python/build)"
+    zipfile.ZipFile(wheels[-1]).extractall(into)
+    return into
 
 
 def make_model(python: str, env: dict, out: pathlib.Path, seed: int, layers: int = 2) -> pathlib.Path:
@@ -447,12 +457,13 @@ class Pd(Servers):
         )
 
     def start_decode(self, i: int, tp: int = 1, policy: str | None = None, agent: dict | None = None,
-                     log: str | None = None) -> Server:
-        """Decode server ``i`` with ``policy`` and these agent options besides the deployment's."""
+                     log: str | None = None, dp: int = 1) -> Server:
+        """Decode server ``i`` of ``tp`` TP and ``dp`` DP ranks with ``policy`` and these agent
+        options besides the deployment's."""
         config = connector("kv_consumer", self.bootstrap, self.connector_class, kv_load_failure_policy=policy,
                            **(self.agent | (agent or {})))
-        return Server(self.python, self.env, self.model, cores((i + 1) % 2, tp), self.logs / (log or log_name("decode", i)),
-                      *self.decode_args, *parallel_args(tp), "--kv-transfer-config", config)
+        return Server(self.python, self.env, self.model, cores((i + 1) % 2, tp * dp), self.logs / (log or log_name("decode", i)),
+                      *self.decode_args, *parallel_args(tp, dp), "--kv-transfer-config", config)
 
     def join(self, server: Server) -> Server:
         """A server started for some tests, stopped with the deployment unless before."""

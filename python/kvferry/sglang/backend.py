@@ -55,6 +55,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 import kvferry
 
 from .bootstrap import spawn_registry, url_of, wait_for_registry
+from ..rooms import failure_code
+from .metrics import Metrics, transfer_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,12 @@ def with_kv_pool(original: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
         kv_pool = None
 
 
+def code_of(error: kvferry.Error) -> str:
+    """A failure code for an agent's refusal: the room's code (``kvferry.RoomFailed``), else
+    the exception's name (``Conflict``, ``Unavailable``...)."""
+    return str(getattr(error, "code", None) or type(error).__name__)
+
+
 def know_prompt(room: Any, req: Any) -> None:
     """Gives a kvferry sender or receiver its request's prompt digest (SGLang makes them
     without the request): both sides send it with the room, and a prefill refuses a decode
@@ -165,7 +173,13 @@ def agent_options(args: Any, server_args: Any, prefill: bool, mla: bool, bootstr
         tp_rank=int(args.engine_rank),
     )
     if prefill:
-        opts |= dict(dp_rank=int(args.system_dp_rank or 0), dp_size=int(getattr(server_args, "dp_size", 1)))
+        dp_size = int(getattr(server_args, "dp_size", 1))
+        method = getattr(server_args, "load_balance_method", None)
+        if dp_size > 1 and method not in (None, "auto", "follow_bootstrap_room"):
+            # A decode asks DP group bootstrap_room % dp_size for the room (follow_bootstrap_room).
+            raise ValueError(f"kvferry: a prefill of {dp_size} DP ranks puts each request on rank bootstrap_room % "
+                             f"{dp_size}; --load-balance-method {method} is not supported (leave it unset)")
+        opts |= dict(dp_rank=int(args.system_dp_rank or 0), dp_size=dp_size)
     if not os.environ.get("KVFERRY_BOOTSTRAP"):
         opts["bootstrap"] = bootstrap
     return opts
@@ -225,8 +239,8 @@ class KvferryKVManager(BaseKVManager):
         # Prefill groups by bootstrap address, as SGLang's decode reads them.
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
         # Bootstrap addresses this decode never asks (an untrusted registry, an address that
-        # is not one), and why: their requests fail (``KvferryKVReceiver.poll``).
-        self.refused: dict[str, str] = {}
+        # is not one), why and the failure code: their requests fail (``KvferryKVReceiver.poll``).
+        self.refused: dict[str, tuple[str, str]] = {}
         self.registry = None
         bootstrap = os.environ.get("KVFERRY_BOOTSTRAP") or ""
         if not bootstrap and self.is_prefill:
@@ -238,6 +252,8 @@ class KvferryKVManager(BaseKVManager):
         opts = agent_options(args, server_args, self.is_prefill, mla, bootstrap)
         assert kv_pool is not None
         self.cuda = kv_pool.cuda
+        self.metrics = Metrics(server_args, "prefill" if self.is_prefill else "decode", int(args.engine_rank),
+                               int(getattr(args, "system_dp_rank", 0) or 0), attention_tp_size(server_args))
         agent_type = kvferry.PrefillAgent if self.is_prefill else kvferry.DecodeAgent
         self.agent = agent_type(regions_of(args, mla), device=self.cuda, **opts)
         logger.info(
@@ -265,12 +281,12 @@ class KvferryKVManager(BaseKVManager):
         try:
             url = self.registry_url(bootstrap_addr)
         except ValueError:
-            self.refuse(bootstrap_addr, f"kvferry: the bootstrap address {bootstrap_addr!r} is not HOST:PORT")
+            self.refuse(bootstrap_addr, f"kvferry: the bootstrap address {bootstrap_addr!r} is not HOST:PORT", "bad_address")
             return False
         try:
             group = self.agent.prefill_group(url, 0)
         except kvferry.Forbidden as e:
-            self.refuse(bootstrap_addr, f"kvferry: {e}")
+            self.refuse(bootstrap_addr, f"kvferry: {e}", "unauthorized")
             return False
         except kvferry.Error as e:
             logger.info("kvferry: no complete prefill group at %s yet: %s", bootstrap_addr, e)
@@ -286,7 +302,7 @@ class KvferryKVManager(BaseKVManager):
         )
         return True
 
-    def refuse(self, bootstrap_addr: str, why: str) -> None:
+    def refuse(self, bootstrap_addr: str, why: str, code: str) -> None:
         """Never asks ``bootstrap_addr``: the requests naming it fail with ``why``."""
         if bootstrap_addr in self.refused:
             return
@@ -294,7 +310,7 @@ class KvferryKVManager(BaseKVManager):
         if len(self.refused) >= REFUSED:
             # Addresses come from requests: the table stays bounded.
             self.refused.clear()
-        self.refused[bootstrap_addr] = why
+        self.refused[bootstrap_addr] = (why, code)
 
     def registry_url(self, bootstrap_addr: str) -> str:
         host, _, port = bootstrap_addr.rpartition(":")
@@ -302,12 +318,14 @@ class KvferryKVManager(BaseKVManager):
             raise ValueError(f"{bootstrap_addr!r} is not HOST:PORT")
         return url_of(host.strip("[]"), int(port))
 
-    def room_failure(self, room: int, view: dict[str, Any] | None) -> KVTransferError:
+    def room_failure(self, room: int, view: dict[str, Any] | None) -> tuple[KVTransferError, str]:
+        """The error of a room that did not succeed, and its failure code."""
         if view is None:
-            return KVTransferError(room, "kvferry: the room is unknown to the agent (expired or never made)")
-        reason = view.get("reason") or {}
-        code, message = reason.get("code", view.get("state")), reason.get("message", "")
-        return KVTransferError(room, f"kvferry {code}: {message}")
+            why = ("no decode asked for it within KVFERRY_ROOM_TTL_MS (or it ended long ago)" if self.is_prefill
+                   else "it ended long ago, or the agent never made it")
+            return KVTransferError(room, f"kvferry: the agent no longer knows the room: {why}"), "unknown_room"
+        code, message = failure_code(view), (view.get("reason") or {}).get("message", "")
+        return KVTransferError(room, f"kvferry {code}: {message}"), code
 
     def shutdown(self) -> None:
         self.agent.close()
@@ -328,6 +346,7 @@ class _Room:
         self.conclude_state: int | None = None
         self.error: KVTransferError | None = None
         self.bytes: int | None = None
+        self.seconds: float | None = None
         self.held = False
         # kvferry.prompt_digest of the request's prompt (``know_prompt``), sent with the room.
         self.digest: str | None = None
@@ -341,7 +360,8 @@ class _Room:
         except kvferry.Error as e:
             logger.warning("kvferry: room %d not held: %s", self.room, e)
 
-    def fail(self, error: KVTransferError) -> int:
+    def fail(self, error: KVTransferError, code: str) -> int:
+        """Ends the room failed with ``error``, counted under ``code`` in SGLang's metrics."""
         if self.held and self.state != KVPoll.Transferring:
             # Neither announced nor asked for: nobody should wait for it any more.
             try:
@@ -350,6 +370,7 @@ class _Room:
                 logger.info("kvferry: unhold of room %d: %s", self.room, e)
         self.error = error
         self.conclude_state = self.state = KVPoll.Failed
+        self.kv_mgr.metrics.failed_with(code)
         logger.error("kvferry: room %d failed: %s", self.room, error)
         return self.state
 
@@ -373,10 +394,12 @@ class _Room:
             if isinstance(agent, kvferry.DecodeAgent):
                 with contextlib.suppress(kvferry.Error):
                     agent.take(self.room)
-        self.fail(KVTransferError(self.room, "kvferry: the room failed on another rank (its log says why)", is_from_another_rank=True))
+        self.fail(KVTransferError(self.room, "kvferry: the room failed on another rank (its log says why)", is_from_another_rank=True), "another_rank")
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        return KVTransferMetric(transfer_total_bytes=self.bytes)
+        # Without a time of its own (a room that never transferred), SGLang times the request.
+        seconds = self.seconds if self.seconds else None
+        return KVTransferMetric(transfer_latency_s=seconds, transfer_total_bytes=self.bytes)
 
     def abort(self) -> None:
         """Aborts the room. One in flight is reported by ``poll`` once the agent no longer
@@ -384,7 +407,7 @@ class _Room:
         if self.conclude_state is not None:
             return
         if self.state != KVPoll.Transferring:
-            self.fail(KVTransferError(self.room, "kvferry aborted: the engine aborted the request"))
+            self.fail(KVTransferError(self.room, "kvferry aborted: the engine aborted the request"), "aborted")
             return
         try:
             self.kv_mgr.agent.abort(self.room)
@@ -399,7 +422,7 @@ class _Room:
         try:
             call()
         except kvferry.Error as e:
-            self.fail(KVTransferError(self.room, f"kvferry: {refused}: {e}"))
+            self.fail(KVTransferError(self.room, f"kvferry: {refused}: {e}"), code_of(e))
             return
         self.state = KVPoll.Transferring
 
@@ -410,7 +433,7 @@ class _Room:
         if view is IN_FLIGHT:
             return self.state
         if view is None:
-            return self.fail(self.kv_mgr.room_failure(self.room, None))
+            return self.fail(*self.kv_mgr.room_failure(self.room, None))
         return self.settled(view)
 
     def settled(self, view: dict[str, Any]) -> int:
@@ -418,7 +441,8 @@ class _Room:
         raise NotImplementedError
 
     def succeed(self, view: dict[str, Any]) -> int:
-        self.bytes = view.get("bytes")
+        self.bytes, self.seconds = view.get("bytes"), transfer_seconds(view)
+        self.kv_mgr.metrics.succeeded(self.seconds, int(self.bytes or 0))
         self.conclude_state = self.state = KVPoll.Success
         return self.state
 
@@ -431,6 +455,12 @@ class KvferryKVSender(_Room, BaseKVSender):
         self.num_pages: int | None = None
         self.aux_index: int | None = None
         self.pages: list[int] = []
+        dp_rank, dp_size = int(mgr.kv_args.system_dp_rank or 0), int(getattr(mgr.server_args, "dp_size", 1))
+        if dp_size > 1 and dp_rank != self.room % dp_size and not req_has_disagg_prefill_dp_rank:
+            # Its decode asks DP group room % dp_size (a request routed to a rank by hand).
+            self.fail(KVTransferError(self.room, f"kvferry: the request is on prefill DP rank {dp_rank}, but its decode asks "
+                                      f"rank {self.room % dp_size} (bootstrap_room % {dp_size}) for its room"), "bad_route")
+            return
         # Until it is announced, a decode that asked waits for the room past its ready timeout.
         self.hold(lambda: mgr.agent.hold(self.room))
 
@@ -438,8 +468,10 @@ class KvferryKVSender(_Room, BaseKVSender):
         self.num_pages, self.aux_index = int(num_kv_indices), aux_index
 
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **_: Any) -> None:
+        if self.conclude_state is not None:
+            return
         if state_indices:
-            self.fail(KVTransferError(self.room, "kvferry: state transfers (mamba, SWA, DSA) are not supported"))
+            self.fail(KVTransferError(self.room, "kvferry: state transfers (mamba, SWA, DSA) are not supported"), "incompatible_layout")
             return
         self.pages.extend(int(p) for p in np.asarray(kv_indices).reshape(-1))
         if self.num_pages is None or len(self.pages) < self.num_pages:
@@ -462,7 +494,7 @@ class KvferryKVSender(_Room, BaseKVSender):
     def settled(self, view: dict[str, Any]) -> int:
         if view["state"] == kvferry.RoomState.SUCCESS:
             return self.succeed(view)
-        return self.fail(self.kv_mgr.room_failure(self.room, view))
+        return self.fail(*self.kv_mgr.room_failure(self.room, view))
 
 
 class KvferryKVReceiver(_Room, BaseKVReceiver):
@@ -485,7 +517,8 @@ class KvferryKVReceiver(_Room, BaseKVReceiver):
             refused = self.kv_mgr.refused.get(self.bootstrap_addr)
             if refused is not None:
                 # SGLang waits for the prefill group's shape, which this address never gives.
-                return self.fail(KVTransferError(self.room, refused))
+                why, code = refused
+                return self.fail(KVTransferError(self.room, why), code)
         return _Room.poll(self)
 
     def init(self, prefill_dp_rank: int) -> None:
@@ -501,10 +534,10 @@ class KvferryKVReceiver(_Room, BaseKVReceiver):
         if self.conclude_state is not None:
             return
         if state_indices:
-            self.fail(KVTransferError(self.room, "kvferry: state transfers (mamba, SWA, DSA) are not supported"))
+            self.fail(KVTransferError(self.room, "kvferry: state transfers (mamba, SWA, DSA) are not supported"), "incompatible_layout")
             return
         if decode_prefix_len:
-            self.fail(KVTransferError(self.room, "kvferry: a decode-side prefix (decode radix cache) is not supported"))
+            self.fail(KVTransferError(self.room, "kvferry: a decode-side prefix (decode radix cache) is not supported"), "incompatible_layout")
             return
         mgr = self.kv_mgr
         self.pages = pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
@@ -519,14 +552,14 @@ class KvferryKVReceiver(_Room, BaseKVReceiver):
         try:
             taken = self.kv_mgr.agent.take(self.room)
         except kvferry.RoomFailed as e:
-            return self.fail(KVTransferError(self.room, f"kvferry {e.code}: {e.message}"))
+            return self.fail(KVTransferError(self.room, f"kvferry {e.code}: {e.message}"), e.code)
         except kvferry.Error as e:
-            return self.fail(KVTransferError(self.room, f"kvferry: the room could not be taken: {e}"))
+            return self.fail(KVTransferError(self.room, f"kvferry: the room could not be taken: {e}"), code_of(e))
         if self.aux_index is not None:
             try:
                 self.kv_mgr.aux.write(self.aux_index, taken.get("aux") or b"")
             except ValueError as e:
-                return self.fail(KVTransferError(self.room, f"kvferry: {e}"))
+                return self.fail(KVTransferError(self.room, f"kvferry: {e}"), "incompatible_layout")
         return self.succeed(taken)
 
     def ensure_abort_notified(self, force_arm: bool = False) -> None:

@@ -13,7 +13,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from ..rooms import RoomState
+from ..rooms import RoomState, failure_code, room_seconds
 
 
 @dataclass
@@ -32,13 +32,10 @@ class KvferryStats(KVConnectorStats):
     def settled(self, view: dict[str, Any]) -> None:
         """A room's final view, as an agent gives it (``poll``, ``take``)."""
         if view.get("state") == RoomState.SUCCESS:
-            timings = view.get("timings") or {}
-            first = min(timings.values(), default=0.0)
             self.data["bytes"].append(int(view.get("bytes") or 0))
-            self.data["seconds"].append(max(0.0, timings.get(RoomState.SUCCESS, first) - first) / 1000)
+            self.data["seconds"].append(room_seconds(view))
         else:
-            reason = view.get("reason") or {}
-            self.failed(str(reason.get("code") or view.get("state") or "unknown"))
+            self.failed(failure_code(view))
 
     def failed(self, code: str) -> None:
         failures = self.data["failures"]
