@@ -7,6 +7,8 @@ the decodes of one, SGLang's metrics on (``--enable-metrics``).
 - Mixed prompts of 1 to 777 tokens at 8 in flight equal a plain SGLang's tokens, every server
   and every prefill DP rank served rooms, and kvferry's room timings reach SGLang's /metrics.
 - A client that goes away mid-answer frees the pages on both sides.
+- A request put on a prefill DP rank that is not its room's (``routed_dp_rank``) fails at once,
+  naming both ranks; so does a prefill told another ``--load-balance-method``, at start.
 - A prefill stopped with SIGTERM while it holds rooms (its decodes paused) drains: its requests
   complete once the decodes take their rooms, then it exits.
 - A decode killed with SIGKILL under load: the router sends the requests that failed with it
@@ -22,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -31,7 +34,7 @@ import urllib.request
 import pytest
 
 import sglang_servers as S
-from vllm_servers import make_model, make_prompts, metric
+from vllm_servers import make_model, make_prompts, metric, post
 from waiting import wait_for
 
 pytestmark = pytest.mark.deployment("sglang_fleet")
@@ -203,6 +206,28 @@ def test_a_client_that_goes_away_mid_answer_frees_the_pages_on_both_sides(fleet,
           f"({time.monotonic() - left:.2f} s after it closed)")
     aborted = sum(sglang_metric(d, "sglang:num_aborted_requests_total") for d in fleet.decodes)
     assert aborted >= 1, "no decode aborted the request"
+
+
+def test_a_request_put_on_a_prefill_dp_rank_its_decode_does_not_ask_fails_at_once(fleet, prompts):
+    """SGLang puts a request that names a DP rank (``routed_dp_rank``) on that rank, and its
+    decode asks rank ``bootstrap_room % 2`` for the room unless the request names the rank to it
+    too (``disagg_prefill_dp_rank``). The prefill fails such a request at once, naming both
+    ranks, instead of computing KV no decode asks for."""
+    room = random.getrandbits(62)
+    rank = (room + 1) % PREFILL_DP
+    body = {
+        "rid": f"route-{room}", "input_ids": prompts[5], "routed_dp_rank": rank,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": fleet.bootstrap_ports[0], "bootstrap_room": room,
+    }
+    failed = lambda: sglang_metric(fleet.prefills[0], "sglang:kvferry_failed_rooms_total", 'code="bad_route"')  # noqa: E731
+    before = failed()
+    got = post(fleet.prefills[0].url + "/generate", body)
+    print(f"a request on prefill DP rank {rank} for room {room}: {got}")
+    assert "output_ids" not in got or got["meta_info"]["finish_reason"]["type"] == "abort", got
+    assert f"the request is on prefill DP rank {rank}, but its decode asks rank {room % PREFILL_DP}" in str(got), got
+    assert failed() == before + 1
+    wait_for("the prefill frees the request's pages", lambda: S.used_tokens(fleet.prefills[0]) == 0, BOUND)
 
 
 @pytest.mark.last(0)
