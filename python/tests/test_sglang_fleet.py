@@ -8,7 +8,8 @@ the decodes of one, SGLang's metrics on (``--enable-metrics``).
   and every prefill DP rank served rooms, and kvferry's room timings reach SGLang's /metrics.
 - A client that goes away mid-answer frees the pages on both sides.
 - A request put on a prefill DP rank that is not its room's (``routed_dp_rank``) fails at once,
-  naming both ranks; so does a prefill told another ``--load-balance-method``, at start.
+  naming both ranks; the manager's options refuse another ``--load-balance-method`` (tested
+  below the server).
 - A prefill stopped with SIGTERM while it holds rooms (its decodes paused) drains: its requests
   complete once the decodes take their rooms, then it exits.
 - A decode killed with SIGKILL under load: the router sends the requests that failed with it
@@ -152,11 +153,14 @@ def test_a_prefill_of_dp_ranks_is_a_group_per_rank_and_refuses_other_load_balanc
 
 
 def test_mixed_prompts_at_8_in_flight_equal_a_plain_sglang_and_every_server_serves(fleet, prompts, reference):
-    rooms = lambda s, label="": sglang_metric(s, "sglang:kvferry_room_seconds_count", label)  # noqa: E731
+    rooms = lambda s, label="": sglang_metric(s, "sglang:kvferry_room_bytes_count", label)  # noqa: E731
     before = {s.url: rooms(s) for s in fleet.prefills + fleet.decodes}
-    timed = lambda: [(sglang_metric(p, "sglang:kvferry_room_seconds_sum"),  # noqa: E731
-                      sglang_metric(p, "sglang:kv_transfer_latency_ms_sum") / 1000) for p in fleet.prefills]
-    timed_before = timed()
+    # Per prefill: kvferry's transfer seconds and SGLang's transfer latency, their counts and sums.
+    timed = lambda p: (sglang_metric(p, "sglang:kvferry_room_seconds_count"),  # noqa: E731
+                       sglang_metric(p, "sglang:kv_transfer_latency_ms_count"),
+                       sglang_metric(p, "sglang:kvferry_room_seconds_sum"),
+                       sglang_metric(p, "sglang:kv_transfer_latency_ms_sum") / 1000)
+    timed_before = [timed(p) for p in fleet.prefills]
     with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
         got = list(pool.map(lambda p: generate(fleet, p), prompts))
     for p, g in zip(prompts, got):
@@ -175,8 +179,12 @@ def test_mixed_prompts_at_8_in_flight_equal_a_plain_sglang_and_every_server_serv
     assert counted(fleet.decodes) >= len(prompts)
     # SGLang's own transfer metrics carry the rooms' transfer times (the senders' transfer
     # metric), not its own measure of the request's wait in its transfer queue.
-    for (ours, sglangs), (ours_before, sglangs_before) in zip(timed(), timed_before):
-        assert ours - ours_before > 0 and abs((sglangs - sglangs_before) - (ours - ours_before)) < 1e-3, (ours, sglangs)
+    # SGLang observes a room right after kvferry's manager did, in the same pass.
+    for p, start in zip(fleet.prefills, timed_before):
+        delta = lambda: [a - b for a, b in zip(timed(p), start)]  # noqa: E731
+        wait_for("SGLang observed every room", lambda: delta()[0] == delta()[1] > 0, BOUND)
+        ours, sglangs = delta()[2:]
+        assert ours > 0 and abs(sglangs - ours) < 1e-3, (ours, sglangs)
     wait_for("every server frees its pages", lambda: held(fleet) == 0, BOUND)
 
 

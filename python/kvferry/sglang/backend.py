@@ -170,7 +170,9 @@ def agent_options(args: Any, server_args: Any, prefill: bool, mla: bool, bootstr
         pool_pages=int(args.kv_data_lens[0]) // item,
         kv_format="sglang-mla" if mla else "sglang-mha",
         tp_size=attention_tp_size(server_args),
-        tp_rank=int(args.engine_rank),
+        # A prefill's engine rank counts every TP rank of the server; a decode's, those of its
+        # attention group: with DP attention each group is a TP group of its own.
+        tp_rank=int(args.engine_rank) % attention_tp_size(server_args),
     )
     if prefill:
         dp_size = int(getattr(server_args, "dp_size", 1))
@@ -252,8 +254,8 @@ class KvferryKVManager(BaseKVManager):
         opts = agent_options(args, server_args, self.is_prefill, mla, bootstrap)
         assert kv_pool is not None
         self.cuda = kv_pool.cuda
-        self.metrics = Metrics(server_args, "prefill" if self.is_prefill else "decode", int(args.engine_rank),
-                               int(getattr(args, "system_dp_rank", 0) or 0), attention_tp_size(server_args))
+        self.metrics = Metrics(server_args, "prefill" if self.is_prefill else "decode", opts["tp_rank"],
+                               int(getattr(args, "system_dp_rank", 0) or 0))
         agent_type = kvferry.PrefillAgent if self.is_prefill else kvferry.DecodeAgent
         self.agent = agent_type(regions_of(args, mla), device=self.cuda, **opts)
         logger.info(
@@ -286,7 +288,7 @@ class KvferryKVManager(BaseKVManager):
         try:
             group = self.agent.prefill_group(url, 0)
         except kvferry.Forbidden as e:
-            self.refuse(bootstrap_addr, f"kvferry: {e}", "unauthorized")
+            self.refuse(bootstrap_addr, f"kvferry: {e}", "untrusted_registry")
             return False
         except kvferry.Error as e:
             logger.info("kvferry: no complete prefill group at %s yet: %s", bootstrap_addr, e)
@@ -368,9 +370,11 @@ class _Room:
                 self.kv_mgr.agent.unhold(self.room)
             except kvferry.Error as e:
                 logger.info("kvferry: unhold of room %d: %s", self.room, e)
+        if self.conclude_state != KVPoll.Success:
+            # A room this rank moved, failed on another: counted once, as a success.
+            self.kv_mgr.metrics.failed_with(code)
         self.error = error
         self.conclude_state = self.state = KVPoll.Failed
-        self.kv_mgr.metrics.failed_with(code)
         logger.error("kvferry: room %d failed: %s", self.room, error)
         return self.state
 
@@ -397,9 +401,8 @@ class _Room:
         self.fail(KVTransferError(self.room, "kvferry: the room failed on another rank (its log says why)", is_from_another_rank=True), "another_rank")
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        # Without a time of its own (a room that never transferred), SGLang times the request.
-        seconds = self.seconds if self.seconds else None
-        return KVTransferMetric(transfer_latency_s=seconds, transfer_total_bytes=self.bytes)
+        # SGLang leaves a room of 0 seconds (one that never transferred) out of its latency.
+        return KVTransferMetric(transfer_latency_s=self.seconds, transfer_total_bytes=self.bytes)
 
     def abort(self) -> None:
         """Aborts the room. One in flight is reported by ``poll`` once the agent no longer

@@ -1,15 +1,15 @@
 """kvferry's rooms in SGLang's own metrics (``--enable-metrics``): SGLang serves every metric its
-processes write to its multiprocess directory on the server's ``/metrics``, and the manager of
-the first rank of each attention TP group (of every rank with
-``--enable-metrics-for-all-schedulers``, as SGLang's own series) writes these there:
+processes write to its multiprocess directory on the server's ``/metrics``, and every scheduler
+rank's manager writes these there, as SGLang's own per-request series (label ``tp_rank``):
 
 - ``sglang:kvferry_room_seconds`` and ``sglang:kvferry_room_bytes``: histograms of the rooms
-  that succeeded, their transfer's seconds (:func:`transfer_seconds`) and this rank's bytes;
+  that succeeded on this rank, their transfer's seconds (:func:`transfer_seconds`; a room
+  without them is left out of this one) and this rank's bytes;
 - ``sglang:kvferry_failed_rooms_total``: a counter of the rooms that did not, by failure code
   (``code``): kvferry's room failure codes, ``aborted`` for a request SGLang aborted,
-  ``another_rank`` for a room that failed because another TP rank's did (that rank's log
-  says why), ``bad_address`` and ``bad_route`` for a request naming no usable prefill, and an
-  agent's refusal by its exception's name (``Conflict``...).
+  ``another_rank`` for a room that failed because another TP rank's did (that rank counts it
+  under its own code), ``untrusted_registry``, ``bad_address`` and ``bad_route`` for a request
+  naming no usable prefill, and an agent's refusal by its exception's name (``Conflict``...).
 
 Each series is labelled with the model, the role and the rank (``tp_rank``, ``dp_rank``). A
 prefill's rooms also reach SGLang's own ``sglang:kv_transfer_latency_ms`` and
@@ -64,12 +64,8 @@ def series() -> dict[str, Any]:
 class Metrics:
     """One rank's kvferry series; nothing is written unless SGLang serves metrics."""
 
-    def __init__(self, server_args: Any, role: str, tp_rank: int, dp_rank: int, attention_tp: int) -> None:
-        # As SGLang's own: the first rank of each attention TP group, or every rank with
-        # --enable-metrics-for-all-schedulers.
-        first = tp_rank % attention_tp == 0
-        every = bool(getattr(server_args, "enable_metrics_for_all_schedulers", False))
-        self.on = bool(getattr(server_args, "enable_metrics", False)) and (first or every)
+    def __init__(self, server_args: Any, role: str, tp_rank: int, dp_rank: int) -> None:
+        self.on = bool(getattr(server_args, "enable_metrics", False))
         if not self.on:
             return
         model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
@@ -78,7 +74,9 @@ class Metrics:
 
     def succeeded(self, seconds: float, size: int) -> None:
         if self.on:
-            self.series["seconds"].labels(**self.labels).observe(seconds)
+            if seconds > 0:
+                # SGLang's own transfer latency leaves such a room out too.
+                self.series["seconds"].labels(**self.labels).observe(seconds)
             self.series["bytes"].labels(**self.labels).observe(size)
 
     def failed_with(self, code: str) -> None:
