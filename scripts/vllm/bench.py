@@ -100,9 +100,12 @@ SHM = {"UCX_TLS": "posix,cma,self"}
 NIXL_SHM = {"UCX_TLS": "posix,cma,tcp,self", "UCX_NET_DEVICES": "lo"}
 # vLLM's histograms read on each server of a PD setup, per cell.
 VLLM_HISTOGRAMS = ("time_to_first_token", "request_queue_time", "request_prefill_time")
-# The connectors' transfer histograms on the decode (MooncakeConnector has none: it logs its
-# transfers' times on the prefill's "KV Transfer metrics" lines).
+# The connectors' transfer histograms on the decode (MooncakeConnector has none: its prefill
+# logs its transfers' mean time on vLLM's "KV Transfer metrics" lines, each
+# VLLM_LOG_STATS_INTERVAL seconds: MOONCAKE_STATS_S for its servers here).
 TRANSFER = {"kvferry": "vllm:kvferry_room_seconds", "nixl": "vllm:nixl_xfer_time_seconds"}
+MOONCAKE_STATS_S = 1.0
+MOONCAKE_LINE = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([0-9.]+)")
 
 
 def stream(url: str, model: str, prompt: list[int], new_tokens: int, params: dict | None = None) -> dict:
@@ -284,7 +287,7 @@ class Mooncake(Routed):
                   "engine_id": role, "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
         path = os.pathsep.join(filter(None, [str(REPO / "scripts" / "vllm" / "mooncake_cpu"),
                                              os.environ.get("PYTHONPATH")]))
-        env = {"PYTHONPATH": path}
+        env = {"PYTHONPATH": path, "VLLM_LOG_STATS_INTERVAL": str(MOONCAKE_STATS_S)}
         if producer:
             env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
         return config, env
@@ -384,7 +387,8 @@ def measure(setup: Setup, cells: dict, reference: dict, base: dict) -> list[dict
         row["vllm_ms"] = means(before, histograms(setup))
         if setup.prefill is not None:
             over = [1e3 * (r["ttft"] - base[tuple(p)]) for p, r in zip(prompts, results)]
-            row |= {"overhead_p50_ms": percentile(over, 50), "overhead_p99_ms": percentile(over, 99)}
+            row |= {"overhead_p50_ms": percentile(over, 50), "overhead_p99_ms": percentile(over, 99),
+                    "transfer_ms": transfer_ms(setup, row, offsets)}
             if setup.name.startswith("kvferry"):
                 logs = {role: rooms(setup.log_dir / f"{role}.log", offsets[role]) for role in offsets}
                 row["stages_ms"] = stages(results, logs["prefill"], logs["decode"])
@@ -393,6 +397,20 @@ def measure(setup: Setup, cells: dict, reference: dict, base: dict) -> list[dict
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def transfer_ms(setup: Setup, row: dict, offsets: dict) -> float | None:
+    """The connector's own mean transfer time in a cell, ms: kvferry's and NIXL's histograms on
+    the decode, Mooncake's transfers as its prefill logged them after byte ``offsets["prefill"]``."""
+    if setup.name == "mooncake":
+        time.sleep(2.5 * MOONCAKE_STATS_S)  # the cell's last interval logged
+        with open(setup.log_dir / "prefill.log", "rb") as f:
+            f.seek(offsets["prefill"])
+            found = [(int(n), float(ms)) for n, ms in MOONCAKE_LINE.findall(f.read().decode(errors="replace"))]
+        count = sum(n for n, _ in found)
+        return sum(n * ms for n, ms in found) / count if count else None
+    name = TRANSFER.get(setup.name.split("-")[0])
+    return row["vllm_ms"].get(f"decode {name[5:-8]}") if name else None
 
 
 def connector_time(setup: Setup, offsets: dict) -> dict:
@@ -427,6 +445,16 @@ def table(rows: list[dict]) -> None:
         for size, inflight in keys:
             got = [cells.get((name, size, inflight)) for name in setups]
             print(f"| {size} | {inflight} | " + " | ".join(cell(r) if r else "failed" for r in got) + " |",
+                  file=sys.stderr)
+    moved = [name for name in setups if any(r["setup"] == name and r.get("transfer_ms") for r in rows)]
+    if moved:
+        print("\nEach connector's own transfer time, mean ms a request (kvferry: vllm:kvferry_room_seconds, "
+              "nixl: vllm:nixl_xfer_time_seconds, mooncake: its prefill's KV Transfer metrics)\n\n"
+              f"| prompt | in flight | {' | '.join(moved)} |", file=sys.stderr)
+        print("|---|---|" + "---|" * len(moved), file=sys.stderr)
+        for size, inflight in keys:
+            got = [(cells.get((name, size, inflight)) or {}).get("transfer_ms") for name in moved]
+            print(f"| {size} | {inflight} | " + " | ".join("-" if t is None else f"{t:.1f}" for t in got) + " |",
                   file=sys.stderr)
     split = [r for r in rows if r.get("stages_ms")]
     if split:
