@@ -152,8 +152,11 @@ class DecodeAgent:
         dp_rank: int | None = None,
         room_key: str | bytes | None = None,
         prompt_digest: str | None = None,
+        source_pages: Sequence[SupportsIndex] | None = None,
     ) -> DecodeRoomView:
-        """Asks for a room's KV into ``pages`` (the engine's) or the agent's own pages."""
+        """Asks for a room's KV into ``pages`` (the engine's) or the agent's own pages. With
+        ``source_pages``, a read: those pages of the prefill's pool are the room, which no
+        engine announced (the prefill serves reads: ``serve_reads=True``)."""
     def hold(self, room: int, bootstrap: str | None = None, dp_rank: int | None = None) -> None:
         """Holds a room at its prefill while the engine has its request queued: the prefill
         keeps the room's KV past its TTL (up to its ``--room-max-ms``) until the room is

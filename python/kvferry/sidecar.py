@@ -417,6 +417,7 @@ class Sidecar:
         dp_rank: int | None = None,
         room_key: str | bytes | None = None,
         prompt_digest: str | None = None,
+        source_pages: Sequence[int] | None = None,
     ) -> DecodeRoomView:
         body = _fields(
             tokens=tokens,
@@ -426,6 +427,7 @@ class Sidecar:
             dp_rank=dp_rank,
             room_key=_hex(room_key),
             prompt_digest=prompt_digest,
+            source_pages=source_pages,
         )
         return cast(DecodeRoomView, _view(self._call("POST", f"/v1/rooms/{room}", body)))
 

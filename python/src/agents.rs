@@ -435,7 +435,7 @@ agent_class!(
     decode::DecodeAgent,
     data_endpoint,
     {
-        #[pyo3(signature = (room, tokens, pages=None, start_token=0, bootstrap=None, dp_rank=None, room_key=None, prompt_digest=None))]
+        #[pyo3(signature = (room, tokens, pages=None, start_token=0, bootstrap=None, dp_rank=None, room_key=None, prompt_digest=None, source_pages=None))]
         #[allow(clippy::too_many_arguments)]
         fn request<'py>(
             &self,
@@ -448,6 +448,7 @@ agent_class!(
             dp_rank: Option<u32>,
             room_key: Option<&Bound<'py, PyAny>>,
             prompt_digest: Option<String>,
+            source_pages: Option<Vec<u32>>,
         ) -> PyResult<Bound<'py, PyDict>> {
             let mut req: RoomRequest = convert::request(json!({
                 "tokens": tokens,
@@ -458,6 +459,7 @@ agent_class!(
             req.start_token = start_token;
             req.bootstrap = bootstrap;
             req.dp_rank = dp_rank;
+            req.source_pages = source_pages;
             let view = self
                 .0
                 .run(py, |a| async move { a.request(room, req).await })?;

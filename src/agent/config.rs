@@ -138,6 +138,9 @@ pub struct AgentConfig {
     pub checksum: bool,
     /// Rooms in flight at most (not yet final); more are refused with 429.
     pub max_rooms: usize,
+    /// Prefill: requests that name this pool's pages for a room no engine announced (reads)
+    /// are served.
+    pub serve_reads: bool,
     /// Prefill: the pages of ready rooms one decode may hold for its engine's queued requests;
     /// a room past it is not held and expires at its TTL.
     pub max_held_pages: usize,

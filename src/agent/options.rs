@@ -205,6 +205,11 @@ pub struct AgentOptions {
     /// Rooms in flight at most; more are refused with 429 at once.
     #[arg(long, env = "KVFERRY_MAX_ROOMS", default_value_t = 1024)]
     pub max_rooms: usize,
+    /// Prefill: serve reads, requests that name the pages of this pool themselves for a room
+    /// no engine announced (a byte arena any decode with the token may read, such as LMCache's
+    /// transfer channel's); without it such requests are refused.
+    #[arg(long, env = "KVFERRY_SERVE_READS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub serve_reads: bool,
     /// Fault injection for tests: invert every byte of the N-th chunk this prefill sends (after
     /// its checksum; a direct chunk gets a wrong checksum instead).
     #[arg(long, env = "KVFERRY_FAULT_CORRUPT_CHUNK", hide = true)]
@@ -401,6 +406,7 @@ impl AgentOptions {
             synthetic_layer_delay: Duration::from_secs_f64(self.synthetic_layer_ms / 1e3),
             checksum: self.checksum,
             max_rooms: self.max_rooms,
+            serve_reads: self.serve_reads,
             max_held_pages: self.max_held_pages.unwrap_or(self.pool_pages / 2),
             fault_corrupt_chunk: self.fault_corrupt_chunk,
             fault_injection: self.fault_injection,

@@ -24,7 +24,7 @@
 use super::{
     Abort, AbortAck, Challenge, ChallengeReply, Chunk, Credit, Done, ErrorMsg, HELD_ROOMS,
     Heartbeat, Hello, HelloAck, MAGIC, MAX_BODY, MIN_VERSION, Message, PROMPT_DIGESTS, Posted,
-    PromptDigest, Secret, TokenMac, TransferRequest, VERSION,
+    PromptDigest, READS, Secret, TokenMac, TransferRequest, VERSION,
 };
 
 // Lengths read as u32 are used as usize; kvferry builds for 64-bit targets only.
@@ -269,6 +269,9 @@ impl Message {
                 if version >= PROMPT_DIGESTS {
                     w.opt16(m.prompt_digest.as_ref().map(PromptDigest::as_bytes));
                 }
+                if version >= READS {
+                    w.opt_pages(m.src_pages.as_deref());
+                }
             }
             Message::Chunk(m) => {
                 w.u64(m.room);
@@ -398,6 +401,10 @@ impl Message {
                 room_key: r.opt_secret("room_key")?,
                 prompt_digest: match header.version >= PROMPT_DIGESTS {
                     true => r.opt16("prompt_digest")?.map(PromptDigest::from_bytes),
+                    false => None,
+                },
+                src_pages: match header.version >= READS {
+                    true => r.opt_pages("src_pages")?,
                     false => None,
                 },
             }),

@@ -35,7 +35,7 @@ use crate::reason::FailureCode;
 /// Four bytes that open every frame; anything else is foreign traffic.
 pub const MAGIC: [u8; 4] = *b"KVFY";
 /// The protocol version this build speaks natively.
-pub const VERSION: u16 = 12;
+pub const VERSION: u16 = 13;
 /// The first version whose staged chunks may come in pieces (ZeroMQ: up to
 /// [`crate::transport::MAX_PIECES`] payload frames, sent from the prefill's pool).
 pub const PIECES: u16 = 6;
@@ -59,6 +59,9 @@ pub const DATA_PROOFS: u16 = 11;
 /// nonce and no token, answered by a [`Challenge`] ([`challenge`](self::challenge)), and ZeroMQ
 /// sockets present [`zap_password`] instead of the token.
 pub const TOKEN_PROOFS: u16 = 12;
+/// The first version whose transfer requests may name the prefill's pages themselves
+/// (`TransferRequest::src_pages`): reads of a prefill that serves them (`--serve-reads`).
+pub const READS: u16 = 13;
 /// The oldest version this build still accepts (rolling upgrades: see docs/protocol.md).
 /// Version 4 put a secret on every chunk; older peers cannot prove theirs, so they are refused.
 pub const MIN_VERSION: u16 = 4;
@@ -226,6 +229,10 @@ pub struct TransferRequest {
     /// (version 9): the prefill serves the room only if its engine announced the same one, or
     /// none.
     pub prompt_digest: Option<PromptDigest>,
+    /// A read (version 13): the pages of the prefill's pool that are the room, named by the
+    /// decode for a room no engine announced. Served only by a prefill started with
+    /// `--serve-reads`, which then serves these pages as the room; `None`: the engine's room.
+    pub src_pages: Option<Vec<u32>>,
 }
 
 /// Prefill -> decode, on the data plane ahead of each chunk's bytes: what the bytes are.

@@ -11,6 +11,7 @@ mod formats;
 mod inprocess_api;
 mod kernel_cpu;
 mod pool_shm;
+mod reads;
 mod registry_lookups_in_process;
 mod tls_ports;
 mod ucx_layer;

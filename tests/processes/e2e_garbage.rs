@@ -159,6 +159,9 @@ fn random_message(rng: &mut StdRng) -> Message {
             prompt_digest: rng
                 .random_bool(0.5)
                 .then(|| PromptDigest::from_bytes(rng.random())),
+            src_pages: rng
+                .random_bool(0.5)
+                .then(|| (0..rng.random_range(0..64)).map(|_| rng.random()).collect()),
         }),
         3 => Message::Chunk(Chunk {
             room: rng.random(),

@@ -62,6 +62,13 @@ pub struct RoomRequest {
     /// refuses it (`prompt_mismatch`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_digest: Option<PromptDigest>,
+    /// A read: the pages of the prefill's pool that are the room (enough for `tokens` in the
+    /// prefill's page size), for a room no engine announced, from a prefill that serves reads
+    /// (`--serve-reads`; others refuse it with `unauthorized`). Every prefill rank of the
+    /// group serves the same pages of its own pool. Without them the room is the one the
+    /// prefill's engine announces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_pages: Option<Vec<u32>>,
 }
 
 /// What `POST /v1/rooms/{room}/hold` takes: where the room will come from, as in
@@ -356,6 +363,15 @@ impl Decode {
         }
         let needed = l.pages_for(req.tokens);
         fields::fits_pool(req.tokens, needed, self.pool.num_pages())?;
+        if let Some(source) = &req.source_pages
+            && (source.is_empty() || source.len() > protocol::MAX_PAGES)
+        {
+            return Err(RoomError::BadRequest(format!(
+                "{} source pages: a read names 1 to {} pages of the prefill's pool",
+                source.len(),
+                protocol::MAX_PAGES
+            )));
+        }
         // Whole pages, as this pool's own order moves them; the sources' wire orders, once
         // they are known, say what really comes (`expected` is then their sum).
         let moved = l.staged_tokens(&(req.start_token..req.tokens), l.order);
@@ -782,6 +798,17 @@ impl Decode {
         let mut sources = Vec::with_capacity(segments.len());
         for seg in segments {
             let peer = self.peer(&ranks[seg.prefill]).await?;
+            if asked.source_pages.is_some() && peer.version < protocol::READS {
+                return Err(Reason::new(
+                    FailureCode::IncompatibleVersion,
+                    format!(
+                        "room {room_id} is a read (source pages), which prefills speak from protocol version {}; prefill {} speaks {}",
+                        protocol::READS,
+                        peer.instance,
+                        peer.version
+                    ),
+                ));
+            }
             let requesters = pairing::requesters(&slices, &decodes, seg.prefill);
             let secret = protocol::Secret::random().map_err(|e| {
                 Reason::new(
@@ -850,6 +877,7 @@ impl Decode {
                 secret,
                 room_key: asked.room_key,
                 prompt_digest: asked.prompt_digest,
+                src_pages: asked.source_pages.clone(),
             });
             peer.send(&req, self.timeouts().send).await?;
         }

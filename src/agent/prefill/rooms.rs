@@ -889,6 +889,50 @@ impl Prefill {
     /// Why a decode's request does not fit the room the engine announced, if it does not:
     /// without the room's key (`unauthorized`), or for another prompt (`prompt_mismatch`).
     /// Counted and logged.
+    /// A read ([`TransferRequest::src_pages`]): the decode names the pages of this pool that
+    /// are `room`, a room no engine announced. A prefill that serves reads (`--serve-reads`)
+    /// announces them as the whole room, as its engine's `ready` would (the same checks: pages
+    /// in range, enough for the tokens, none twice); the request is then served like any other.
+    pub(super) async fn open_read(
+        self: &Arc<Self>,
+        room: u64,
+        req: &TransferRequest,
+        pages: Vec<u32>,
+    ) -> Result<(), Reason> {
+        if !self.cfg.serve_reads {
+            self.metrics.protocol_error("unauthorized");
+            return Err(Reason::new(
+                FailureCode::Unauthorized,
+                format!(
+                    "room {room}: the request names this prefill's pages (a read), but it serves no reads (--serve-reads)"
+                ),
+            ));
+        }
+        if self.rooms().contains_key(&room) {
+            self.metrics.protocol_error("inconsistent");
+            return Err(Reason::new(
+                FailureCode::BadMessage,
+                format!("room {room} exists here: a read names a room of its own"),
+            ));
+        }
+        let ready = ReadyRequest {
+            tokens: req.tokens.end as usize,
+            pages: Some(pages),
+            ..ReadyRequest::default()
+        };
+        match self.ready(room, ready).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                self.metrics.protocol_error("inconsistent");
+                let code = match e {
+                    RoomError::Unavailable(_) => FailureCode::Shutdown,
+                    _ => FailureCode::BadMessage,
+                };
+                Err(Reason::new(code, format!("room {room}: the read: {e}")))
+            }
+        }
+    }
+
     pub(super) fn misfit(
         &self,
         room: u64,

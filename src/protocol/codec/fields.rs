@@ -138,6 +138,17 @@ impl Writer<'_> {
         }
     }
 
+    /// Tag 0, or tag 1 + u32 count + items.
+    pub(super) fn opt_pages(&mut self, pages: Option<&[u32]>) {
+        match pages {
+            Some(pages) => {
+                self.u8(1);
+                self.pages(pages);
+            }
+            None => self.u8(0),
+        }
+    }
+
     /// u32 count + items.
     pub(super) fn rooms(&mut self, rooms: &[u64]) {
         self.u32(saturate(rooms.len()));
@@ -344,6 +355,17 @@ impl<'a> Reader<'a> {
 
     pub(super) fn pages(&mut self, what: &'static str) -> Result<Vec<u32>, DecodeError> {
         self.counted(what, MAX_PAGES, 4, Reader::u32)
+    }
+
+    pub(super) fn opt_pages(
+        &mut self,
+        what: &'static str,
+    ) -> Result<Option<Vec<u32>>, DecodeError> {
+        match self.u8(what)? {
+            0 => Ok(None),
+            1 => Ok(Some(self.pages(what)?)),
+            tag => Err(DecodeError::BadTag { what, tag }),
+        }
     }
 
     /// A u32 count (at most `max`) of items of `size` bytes each, read by `item`.

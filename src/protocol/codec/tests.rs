@@ -75,6 +75,7 @@ fn transfer_request(dst_pages: Vec<u32>) -> TransferRequest {
         secret: Secret::from_bytes([0x5e; 16]),
         room_key: Some(Secret::from_bytes(*b"room-key-0123456")),
         prompt_digest: Some(PromptDigest::of_tokens(&[1, 2, 3])),
+        src_pages: None,
     }
 }
 
@@ -153,6 +154,10 @@ fn samples() -> Vec<Message> {
         tokens: u32::MAX..u32::MAX,
         wire_order: PageOrder::HeadMajor,
         ..transfer_request((0..4096).collect())
+    }));
+    out.push(Message::TransferRequest(TransferRequest {
+        src_pages: Some(vec![9, 0, u32::MAX]),
+        ..transfer_request(vec![0, 1, 2])
     }));
     out.push(Message::Chunk(Chunk {
         room: 0,
@@ -312,7 +317,7 @@ fn a_heartbeat_has_the_documented_bytes() {
         seq: 3,
         rooms: vec![5],
     });
-    let mut want = b"KVFY\x0c\x00\x08\x00\x24\x00\x00\x00".to_vec();
+    let mut want = b"KVFY\x0d\x00\x08\x00\x24\x00\x00\x00".to_vec();
     want.extend_from_slice(&uuid(0x0102).into_bytes());
     want.extend_from_slice(&[3, 0, 0, 0, 0, 0, 0, 0]);
     want.extend_from_slice(&[1, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0]);
@@ -621,10 +626,10 @@ fn oversized_lengths_are_refused_before_allocation() {
     assert_eq!(Message::decode(&f), Err(err));
 
     // A page count of u32::MAX in a tiny body (the page count is followed by `requesters`, the
-    // secret, the room key and the prompt digest).
+    // secret, the room key, the prompt digest and the absent source pages).
     let mut body =
         Message::TransferRequest(transfer_request(vec![])).encode()[HEADER_LEN..].to_vec();
-    let n = body.len() - 16 - 17 - 17;
+    let n = body.len() - 16 - 17 - 17 - 1;
     body[n - 8..n - 4].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         Message::decode(&frame(VERSION, KIND_TRANSFER_REQUEST, 0, &body)),
@@ -641,8 +646,9 @@ fn oversized_lengths_are_refused_before_allocation() {
         Err(DecodeError::Truncated {
             what: "dst_pages",
             needed: MAX_PAGES * 4,
-            // Only `requesters`, the secret, the room key and the digest follow.
-            available: 4 + 16 + 17 + 17,
+            // Only `requesters`, the secret, the room key, the digest and the source pages'
+            // tag follow.
+            available: 4 + 16 + 17 + 17 + 1,
         })
     );
 

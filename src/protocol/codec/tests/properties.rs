@@ -116,7 +116,6 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         layers,
                         heads,
                         wire_order,
-                        dst_pages,
                         requesters: (room % 5) as u32,
                         secret: Secret::from_bytes(prefill_instance.into_bytes()),
                         room_key: (room % 2 == 0)
@@ -124,6 +123,9 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         prompt_digest: (room % 3 == 0).then(|| {
                             PromptDigest::from_bytes((u128::from(room) << 5).to_le_bytes())
                         }),
+                        src_pages: (room % 4 == 1)
+                            .then(|| dst_pages.iter().rev().copied().collect()),
+                        dst_pages,
                     })
                 }
             ),

@@ -89,7 +89,8 @@ fn prompt_digests_and_held_rooms_go_only_to_peers_of_their_version() {
     assert_eq!(Message::decode(&ours.encode()), Ok(ours.clone()));
     // An older peer gets the fields it knows, and nothing it would refuse as trailing bytes.
     let older = ours.encode_as(PROMPT_DIGESTS - 1);
-    assert_eq!(older.len(), ours.encode().len() - 17);
+    // 17 bytes of digest, 1 of the absent source pages (version 13).
+    assert_eq!(older.len(), ours.encode().len() - 18);
     let Ok(Message::TransferRequest(back)) = Message::decode(&older) else {
         panic!("an older frame decodes");
     };
@@ -132,6 +133,34 @@ fn prompt_digests_and_held_rooms_go_only_to_peers_of_their_version() {
             max: MAX_HELD_ROOMS
         })
     );
+}
+
+/// A read's source pages go only to a prefill of their version (the decode refuses to send a
+/// read to an older one, which would take it for an engine's room); a frame of that version
+/// must carry the field.
+#[test]
+fn source_pages_go_only_to_peers_of_their_version() {
+    let req = TransferRequest {
+        src_pages: Some(vec![4, 5, 6]),
+        ..transfer_request(vec![1, 2, 3])
+    };
+    let ours = Message::TransferRequest(req.clone());
+    assert_eq!(Message::decode(&ours.encode()), Ok(ours.clone()));
+    let older = ours.encode_as(READS - 1);
+    // The tag, the count and three pages.
+    assert_eq!(older.len(), ours.encode().len() - 1 - 4 - 12);
+    assert_eq!(
+        Message::decode(&older),
+        Ok(Message::TransferRequest(TransferRequest {
+            src_pages: None,
+            ..req
+        }))
+    );
+    let body = &older[HEADER_LEN..];
+    assert!(matches!(
+        Message::decode(&frame(READS, KIND_TRANSFER_REQUEST, 0, body)),
+        Err(DecodeError::Truncated { .. })
+    ));
 }
 
 #[test]
