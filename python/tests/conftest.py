@@ -1,5 +1,5 @@
 """Fixtures: the kvferry binary of this checkout, a real registry process, a fake registry that
-records what it receives (fake_registry.py), the vLLM and SGLang venvs' interpreters with this
+records what it receives (fake_registry.py), the vLLM, SGLang and LMCache venvs' interpreters with this
 checkout's wheel on their path, and, once per test run, the tiny model and a plain vLLM's
 outputs for the prompt sets (vllm_servers.py).
 
@@ -188,6 +188,14 @@ def sglang(tmp_path_factory) -> tuple[str, dict]:
 
     python, site = engine_python("KVFERRY_SGLANG_PYTHON", "sglang-venv", "scripts/sglang/install", tmp_path_factory)
     return python, sglang_servers.sglang_env(site, dict(os.environ))
+
+
+@pytest.fixture(scope="session")
+def lmcache(tmp_path_factory) -> tuple[str, dict]:
+    """The LMCache venv's python (scripts/lmcache/install) and an environment with the wheel on
+    its path (test_lmcache.py)."""
+    python, site = engine_python("KVFERRY_LMCACHE_PYTHON", "lmcache-venv", "scripts/lmcache/install", tmp_path_factory)
+    return python, os.environ | {"PYTHONPATH": site, "LMCACHE_DISABLE_BANNER": "1"}
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import kvferry
 
-from .bootstrap import spawn_registry, url_of, wait_for_registry
+from ..registry import spawn_registry, url_of, wait_for_registry
 from ..rooms import failure_code
 from .metrics import Metrics, transfer_seconds
 
