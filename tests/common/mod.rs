@@ -339,6 +339,28 @@ pub async fn wait_safe(http: &Client, api: &str, room: u64) -> (Value, Duration)
     (v, start.elapsed())
 }
 
+/// Waits (bounded) until a decode agent's room in this process is final; its view.
+pub async fn final_view(
+    decode: &kvferry::agent::decode::DecodeAgent,
+    room: u64,
+) -> kvferry::agent::decode::RoomView {
+    use kvferry::agent::EngineApi as _;
+    let t = std::time::Instant::now();
+    loop {
+        let view = decode
+            .wait(room, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("room {room}: {e}"));
+        if view.state.is_final() {
+            return view;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "room {room} not final: {view:?}"
+        );
+    }
+}
+
 /// Waits until `room` is final at `api`.
 pub async fn wait_final(http: &Client, api: &str, room: u64) -> Value {
     wait_state(http, api, room, &FINAL, BOUND).await

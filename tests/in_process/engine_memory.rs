@@ -11,11 +11,10 @@
 
 use crate::common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use common::reference::{Dims, engine_offset};
 use kvferry::agent::AgentOptions;
-use kvferry::agent::EngineApi;
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry::agent::{AgentConfig, RoomError};
@@ -103,24 +102,6 @@ fn engine(cfg: &AgentConfig, format: &'static str, fill: impl FnMut(&mut [u8])) 
     Engine { format, buffers }
 }
 
-/// Waits (bounded) until a room is final.
-async fn final_view(decode: &DecodeAgent, room: u64) -> kvferry::agent::decode::RoomView {
-    let t = Instant::now();
-    loop {
-        let view = decode
-            .wait(room, Duration::from_secs(10))
-            .await
-            .unwrap_or_else(|e| panic!("room {room}: {e}"));
-        if view.state.is_final() {
-            return view;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "room {room} not final: {view:?}"
-        );
-    }
-}
-
 #[test]
 fn engines_in_different_formats_exchange_kv_in_place_through_the_handles() {
     let seed: u64 = rand::random();
@@ -195,7 +176,7 @@ fn engines_in_different_formats_exchange_kv_in_place_through_the_handles() {
             rooms.push((room, tokens, src, dst, pieces.len()));
         }
         for (room, tokens, _, _, pieces) in &rooms {
-            let view = final_view(&decode, *room).await;
+            let view = common::final_view(&decode, *room).await;
             assert_eq!(
                 view.state.name(),
                 "success",

@@ -12,9 +12,9 @@
 
 use crate::common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvferry::agent::decode::{DecodeAgent, RoomRequest, RoomView};
+use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
 use kvferry::agent::{AgentConfig, AgentOptions, EngineApi, RoomError};
 use kvferry::pool::{EngineRegion, HostPool};
@@ -78,31 +78,13 @@ fn pool(cfg: &AgentConfig, buffer: &mut [u8]) -> HostPool {
         .expect("the arena fits the layout")
 }
 
-/// Waits (bounded) until a room is final.
-async fn final_view(decode: &DecodeAgent, room: u64) -> RoomView {
-    let t = Instant::now();
-    loop {
-        let view = decode
-            .wait(room, Duration::from_secs(10))
-            .await
-            .unwrap_or_else(|e| panic!("room {room}: {e}"));
-        if view.state.is_final() {
-            return view;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "room {room} not final: {view:?}"
-        );
-    }
-}
-
 /// A read of `src` into `dst` that must fail with `code`, its message saying `says`.
 async fn refused(decode: &DecodeAgent, room: u64, req: RoomRequest, code: FailureCode, says: &str) {
     decode
         .request(room, req)
         .await
         .expect("the request is accepted here");
-    let view = final_view(decode, room).await;
+    let view = common::final_view(decode, room).await;
     let reason = view
         .reason
         .clone()
@@ -188,7 +170,7 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
             reads.push((room, src, dst));
         }
         for (room, src, _) in &reads {
-            let view = final_view(&decode, *room).await;
+            let view = common::final_view(&decode, *room).await;
             assert_eq!(
                 view.state.name(),
                 "success",
