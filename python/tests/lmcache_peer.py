@@ -148,9 +148,15 @@ def read(cfg: dict) -> None:
         "negative": value_error(lambda: client.submit_read([Addr(-page, page)], [Addr(0, page)])),
         "unaligned": value_error(lambda: client.submit_read([Addr(page + 1, page)], [Addr(0, page)])),
         "lengths": value_error(lambda: client.submit_read([Addr(0, page)], [])),
-        "pages": value_error(lambda: client.submit_read([Addr(0, page)], [Addr(0, 2 * page)])),
         "address": value_error(lambda: ctx.get_transfer_channel_address([(size - page, 2 * page)])),
     }
+    # A remote object (the peer's word) of another size than its local one, or beyond any page
+    # a read can name: that object fails, nothing is built for it, the call returns.
+    task = client.submit_read([Addr(4000 * page, page), Addr(4001 * page, page)],
+                              [Addr(0, 2 * page), Addr((1 << 40) * page, page)])
+    while not (result := client.query_read_status(task)).finished:
+        time.sleep(0.001)
+    out["peer_sizes"] = result.succeeded_mask
 
     # A context without the token (another arena, its own registry) reads from the same peer.
     stranger_arena = np.full(size // 4, POISON, np.uint8)

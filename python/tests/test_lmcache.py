@@ -175,6 +175,10 @@ def test_lmcache_channel_bad_input(lmcache, tmp_path):
 
         # Local objects outside the arena, or not whole pages: ValueError.
         assert all(out["value_errors"].values()), out["value_errors"]
+        # Remote objects of another size, or past any page a read names: those objects fail.
+        assert out["peer_sizes"] == [False, False], out["peer_sizes"]
+        assert re.search(r"object 0 failed: bad_address: remote object of 8192 bytes is 2 pages", log), log
+        assert re.search(r"object 1 failed: bad_address: remote object at page \d+ of 1 pages is beyond", log), log
 
         # A reader without the token gets nothing, and its arena stays as it was.
         assert out["stranger"]["mask"] == [False]
@@ -197,6 +201,7 @@ def test_lmcache_channel_bad_input(lmcache, tmp_path):
         assert dying_read["in_flight_at_kill"] > 0
         assert any(dying_read["mask"]) and not all(dying_read["mask"]), dying_read
         assert dying_read["after_kill_s"] < 30
+        assert re.search(r"object \d+ failed: peer_dead: ", log), log
 
         # Every landed byte is the peer's, every other byte of the arena is poison.
         assert out["mismatches"] == 0, out

@@ -4,8 +4,8 @@
 //! process, a real registry and agents on engine memory (one buffer each: pages of bytes).
 //! Every byte a read landed is compared with its source page, every other byte of the decode's
 //! buffer keeps its poison, the prefill's buffer is unchanged; reads the prefill cannot serve
-//! fail with their reason (a page out of its pool, a room its engine announced, a prefill that
-//! serves no reads) and land nothing.
+//! fail with their reason (a page out of its pool, a decode of another page size, a prefill that
+//! serves no reads) and land nothing; a prefill that serves reads serves nothing else.
 
 // Registering engine memory is `unsafe` by contract (the engine vouches for its buffers).
 #![allow(unsafe_code)]
@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use kvferry::agent::decode::{DecodeAgent, RoomRequest};
 use kvferry::agent::prefill::{PrefillAgent, ReadyRequest};
-use kvferry::agent::{AgentConfig, AgentOptions, EngineApi, RoomError};
+use kvferry::agent::{AgentConfig, AgentOptions, RoomError};
 use kvferry::pool::{EngineRegion, HostPool};
 use kvferry::reason::FailureCode;
 use rand::seq::SliceRandom;
@@ -30,8 +30,8 @@ const TOKEN: usize = 256;
 const POISON: u8 = 0xDE;
 
 /// An arena of `PAGES` pages of `PAGE * TOKEN` bytes.
-fn config(registry: &str, extra: &[&str]) -> AgentConfig {
-    let (page, pages, token) = (PAGE.to_string(), PAGES.to_string(), TOKEN.to_string());
+fn config(registry: &str, page: usize, extra: &[&str]) -> AgentConfig {
+    let (page, pages, token) = (page.to_string(), PAGES.to_string(), TOKEN.to_string());
     let mut flags = vec![
         "--bootstrap",
         registry,
@@ -113,8 +113,8 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
         let shutdown = CancellationToken::new();
         let (registry, served) = common::registry_in_process(&shutdown).await;
         let (plain_registry, plain_served) = common::registry_in_process(&shutdown).await;
-        let p_cfg = config(&registry, &["--serve-reads"]);
-        let d_cfg = config(&registry, &[]);
+        let p_cfg = config(&registry, PAGE, &["--serve-reads"]);
+        let d_cfg = config(&registry, PAGE, &[]);
         let bytes = p_cfg.layout.region_bytes(PAGES).expect("region bytes");
         let page_bytes = bytes / PAGES;
         let mut source = vec![0u8; bytes];
@@ -137,7 +137,7 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
         .await
         .expect("decode agent");
         // A prefill that serves no reads, in a registry of its own.
-        let plain_cfg = config(&plain_registry, &[]);
+        let plain_cfg = config(&plain_registry, PAGE, &[]);
         let plain = PrefillAgent::start_with_pool(
             plain_cfg.clone(),
             pool(&plain_cfg, &mut plain_source),
@@ -185,13 +185,6 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
             reads.len(),
             t.elapsed()
         );
-        // Nothing the engine announced: the prefill's rooms are the reads.
-        let counts = prefill.pool();
-        assert_eq!(
-            counts.free_pages, counts.total_pages,
-            "the engine owns the arena's pages"
-        );
-
         // The decode refuses a read of no pages itself.
         let empty = RoomRequest {
             tokens: PAGE,
@@ -206,8 +199,8 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
             matches!(&e, RoomError::BadRequest(m) if m.contains("source pages")),
             "{e}"
         );
-        // The prefill refuses a page out of its pool, a room its engine announced, and a
-        // prefill that serves no reads refuses every read.
+        // The prefill refuses a page out of its pool, and a prefill that serves no reads
+        // refuses every read.
         let dst = dst_free.split_off(dst_free.len() - 2);
         let read = |src: Vec<u32>, bootstrap: Option<String>| RoomRequest {
             tokens: 2 * PAGE,
@@ -224,21 +217,57 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
             "out of range",
         )
         .await;
+        // A prefill that serves reads serves nothing else: its engine announces no room, and a
+        // request that names none of its pages is refused.
         let announced = ReadyRequest {
             tokens: 2 * PAGE,
             pages: Some(vec![7, 8]),
             ..ReadyRequest::default()
         };
-        prefill
+        let e = prefill
             .ready(92, announced)
             .await
-            .expect("the engine announces room 92");
+            .expect_err("no engine room on a prefill that serves reads");
+        assert!(
+            matches!(&e, RoomError::BadRequest(m) if m.contains("--serve-reads")),
+            "{e}"
+        );
+        let engine_room = RoomRequest {
+            tokens: 2 * PAGE,
+            pages: Some(dst.clone()),
+            ..RoomRequest::default()
+        };
         refused(
             &decode,
             92,
-            read(vec![3, 4], None),
+            engine_room,
             FailureCode::BadMessage,
-            "exists here",
+            "serves only reads",
+        )
+        .await;
+        // A decode of another page size: its pages are not the prefill's.
+        let other_cfg = config(&registry, 2 * PAGE, &[]);
+        let mut other_landing =
+            vec![POISON; other_cfg.layout.region_bytes(PAGES).expect("region bytes")];
+        let other = DecodeAgent::start_with_pool(
+            other_cfg.clone(),
+            pool(&other_cfg, &mut other_landing),
+            shutdown.clone(),
+        )
+        .await
+        .expect("decode agent of 8-token pages");
+        let halves = RoomRequest {
+            tokens: 8,
+            pages: Some(vec![0]),
+            source_pages: Some(vec![0, 1]),
+            ..RoomRequest::default()
+        };
+        refused(
+            &other,
+            94,
+            halves,
+            FailureCode::IncompatibleLayout,
+            "pages of 4 tokens here",
         )
         .await;
         refused(
@@ -254,6 +283,7 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
         prefill.join().await;
         decode.join().await;
         plain.join().await;
+        other.join().await;
         served.await.unwrap().unwrap();
         plain_served.await.unwrap().unwrap();
 
@@ -278,5 +308,9 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
             );
         }
         assert!(source == original, "the prefill's arena changed");
+        assert!(
+            other_landing.iter().all(|&b| b == POISON),
+            "the refused read landed nothing"
+        );
     });
 }

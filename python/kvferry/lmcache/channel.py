@@ -19,9 +19,10 @@ agents.
   moves whole pages (LMCache rounds every allocation up to them), and both peers must use the
   same ``align_bytes``.
 - ``query_read_status`` never blocks: it takes the settled rooms and reports the task once
-  all its objects settled. A task the caller never queries again (LMCache abandons timed-out
-  P2P loads) leaves its rooms to kvferry: untaken rooms expire ``room_ttl_ms`` after they
-  settle.
+  all its objects settled. LMCache abandons a timed-out P2P load without telling the channel
+  and reuses its pages: a read older than ``READ_TIMEOUT_S`` has its rooms aborted at the
+  client's next call, and a task nobody queries for that long again is forgotten (its settled
+  rooms expire ``room_ttl_ms`` later).
 
 Settings come from the factory's keyword arguments or the agents' ``KVFERRY_*`` environment
 (:class:`ChannelConfig`); docs/lmcache.md lists them.
@@ -67,6 +68,16 @@ FALSE_WORDS = {"", "0", "false", "no", "off", "n", "f"}
 
 # How long closing a client waits for its aborted rooms to be safe (no byte can land any more).
 CLOSE_WAIT_S = 5.0
+
+# A read still moving this long after its submit is aborted at the client's next call: LMCache
+# gives up on a P2P load after its load timeout (--p2p-load-timeout, 30 s by default) without
+# telling the channel and reuses the objects' pages, so no byte may land after that. Shorter
+# than LMCache's; a task nobody queries for READ_TIMEOUT_S more is forgotten.
+READ_TIMEOUT_S = 10.0
+
+# Pages a read may name (kvferry's protocol limit), and the largest page number it carries.
+MAX_PAGES = 1 << 20
+PAGE_LIMIT = 1 << 32
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -197,13 +208,18 @@ class Arena:
             )
         return list(range(first, first + count))
 
-    def remote_pages(self, addr: TransferChannelAddress) -> list[int] | str:
-        """The peer's pages of a remote object (its agent checks them against its arena), or
-        why it has none."""
+    def remote_pages(self, addr: TransferChannelAddress, want: int) -> list[int] | str:
+        """The peer's pages of a remote object of ``want`` pages (its agent checks them against
+        its arena), or why it has none. The address comes from the peer: nothing is built for a
+        span of another size or beyond what a read can name."""
         span = self.span(addr)
         if isinstance(span, str):
             return f"remote {span}"
         first, count = span
+        if count != want:
+            return f"remote object of {addr.size} bytes is {count} pages, the local one {want}"
+        if count > MAX_PAGES or first + count > PAGE_LIMIT:
+            return f"remote object at page {first} of {count} pages is beyond what a read names"
         return list(range(first, first + count))
 
 
@@ -247,6 +263,8 @@ class _Task:
     mask: list[bool | None]
     rooms: dict[int, int] = field(default_factory=dict)
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    submitted: float = field(default_factory=time.monotonic)
+    timed_out: bool = False
 
     def settled(self) -> bool:
         return not self.rooms and not self.pending
@@ -288,14 +306,11 @@ class KvferryClient(TransferChannelClient):
             )
         arena = self.ctx.arena
         plans: list[tuple[list[int], list[int] | str]] = []
-        for i, (local, remote) in enumerate(zip(local_addresses, remote_addresses)):
+        for local, remote in zip(local_addresses, remote_addresses):
             dst = arena.local_pages(local)
-            src = arena.remote_pages(remote)
-            if not isinstance(src, str) and len(src) != len(dst):
-                raise ValueError(f"kvferry transfer channel: object {i} is {local.size} bytes here "
-                                 f"and {remote.size} at the peer ({len(dst)} and {len(src)} pages)")
-            plans.append((dst, src))
+            plans.append((dst, arena.remote_pages(remote, len(dst))))
         with self._lock:
+            self._time_out()
             task_id = self._next_task
             self._next_task += 1
             task = _Task(mask=[None] * len(plans))
@@ -315,6 +330,7 @@ class KvferryClient(TransferChannelClient):
         blocks."""
         decode = self.ctx.decode
         with self._lock:
+            self._time_out()
             task = self._tasks.get(task_id)
             if task is None:
                 raise KeyError(f"Unknown read task id: {task_id}")
@@ -355,11 +371,33 @@ class KvferryClient(TransferChannelClient):
         except kvferry.Exhausted:
             task.pending.insert(0, (i, dst, src))
             return False
-        except kvferry.Error as e:
+        except Exception as e:  # noqa: BLE001 - an object's failure must not escape into LMCache's thread
             self._fail(task_id, task, i, code_of(e), str(e))
             return True
         task.rooms[room] = i
         return True
+
+    def _time_out(self) -> None:
+        """Aborts the rooms of reads older than ``READ_TIMEOUT_S`` (their objects then fail
+        ``aborted`` once no byte can land any more) and fails their waiting objects; forgets
+        tasks nobody queried for ``READ_TIMEOUT_S`` after that. Called with the lock held."""
+        now = time.monotonic()
+        for task_id, task in list(self._tasks.items()):
+            age = now - task.submitted
+            if age >= 2 * READ_TIMEOUT_S:
+                del self._tasks[task_id]
+            elif age >= READ_TIMEOUT_S and not task.timed_out:
+                task.timed_out = True
+                for i, _, _ in task.pending:
+                    self._fail(task_id, task, i, "timeout", f"not started within {READ_TIMEOUT_S:.0f} s")
+                task.pending.clear()
+                for room in task.rooms:
+                    try:
+                        self.ctx.decode.abort(room)
+                    except kvferry.Error:
+                        pass  # settled meanwhile: the next query takes it
+                logger.warning("kvferry at %s: read %d from %s still moving after %.0f s: its %d rooms aborted",
+                               self.ctx.advertise_url, task_id, self.peer, READ_TIMEOUT_S, len(task.rooms))
 
     def _fail(self, task_id: int, task: _Task, i: int, code: str, message: str) -> None:
         task.mask[i] = False
@@ -446,7 +484,11 @@ class KvferryContext(TransferChannelContext):
         # Outside the lock: asking the peer's registry may take a while.
         fresh = KvferryClient(self, peer_advertise_url)
         with self._lock:
-            client = self._clients.setdefault(peer_advertise_url, fresh)
+            closed = self._closed
+            client = fresh if closed else self._clients.setdefault(peer_advertise_url, fresh)
+        if closed:
+            fresh.close()
+            raise RuntimeError("kvferry transfer channel: the context is closed")
         if client is not fresh:
             fresh.close()
         return client
@@ -479,10 +521,14 @@ class KvferryContext(TransferChannelContext):
                 return
             self._closed = True
             clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()
-        self.decode.close()
-        self._server.close()
+        try:
+            for client in clients:
+                client.close()
+        finally:
+            try:
+                self.decode.close()
+            finally:
+                self._server.close()
 
 
 def create_context(l1_memory_desc: Any, listen_url: str, advertise_url: str, **kwargs: Any) -> KvferryContext:

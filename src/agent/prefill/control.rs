@@ -430,9 +430,7 @@ impl Prefill {
             );
             return self.refuse(&identity, Some(room_id), FailureCode::BadMessage, m);
         }
-        if let Some(pages) = &req.src_pages
-            && let Err(why) = self.open_read(room_id, &req, pages.clone()).await
-        {
+        if let Err(why) = self.open_read(room_id, &req, peer.page_size).await {
             return self.refuse(&identity, Some(room_id), why.code, why.message);
         }
         enum Refusal {

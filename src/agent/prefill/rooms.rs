@@ -181,7 +181,18 @@ impl Prefill {
         room: u64,
         req: ReadyRequest,
     ) -> Result<RoomView, RoomError> {
+        self.refuse_reads_only()?;
         self.ready_piece(room, req, None).await
+    }
+
+    /// A prefill that serves reads serves nothing else: its engine announces no rooms.
+    fn refuse_reads_only(&self) -> Result<(), RoomError> {
+        match self.cfg.serve_reads {
+            true => Err(RoomError::BadRequest(
+                "this prefill serves reads (--serve-reads): its rooms are the pages decodes name, an engine announces none".into(),
+            )),
+            false => Ok(()),
+        }
     }
 
     /// [`Prefill::ready`] for a piece of a device pool whose KV the engine writes
@@ -195,6 +206,7 @@ impl Prefill {
         req: ReadyRequest,
         ready: crate::kernel::cuda::ReadyEvent,
     ) -> Result<RoomView, RoomError> {
+        self.refuse_reads_only()?;
         if self.pool.device() != Some(ready.ordinal()) {
             return Err(RoomError::BadRequest(format!(
                 "a CUDA event of device {} marks a piece ready, but the pool is {}",
@@ -886,25 +898,45 @@ impl Prefill {
         }
     }
 
-    /// Why a decode's request does not fit the room the engine announced, if it does not:
-    /// without the room's key (`unauthorized`), or for another prompt (`prompt_mismatch`).
-    /// Counted and logged.
     /// A read ([`TransferRequest::src_pages`]): the decode names the pages of this pool that
     /// are `room`, a room no engine announced. A prefill that serves reads (`--serve-reads`)
-    /// announces them as the whole room, as its engine's `ready` would (the same checks: pages
-    /// in range, enough for the tokens, none twice); the request is then served like any other.
+    /// serves nothing else (its engine announces no rooms, [`Prefill::ready`]), so a read never
+    /// meets an engine's room; it announces the pages as the whole room with an engine's checks
+    /// (in range, enough for the tokens, none twice) and serves the request like any other. The
+    /// pages are counted in this pool's page size, so the decode's must be the same.
     pub(super) async fn open_read(
         self: &Arc<Self>,
         room: u64,
         req: &TransferRequest,
-        pages: Vec<u32>,
+        decode_page_size: usize,
     ) -> Result<(), Reason> {
+        let Some(pages) = req.src_pages.clone() else {
+            if !self.cfg.serve_reads {
+                return Ok(());
+            }
+            self.metrics.protocol_error("inconsistent");
+            return Err(Reason::new(
+                FailureCode::BadMessage,
+                format!(
+                    "room {room}: this prefill serves only reads (--serve-reads), and the request names none of its pages"
+                ),
+            ));
+        };
         if !self.cfg.serve_reads {
             self.metrics.protocol_error("unauthorized");
             return Err(Reason::new(
                 FailureCode::Unauthorized,
                 format!(
                     "room {room}: the request names this prefill's pages (a read), but it serves no reads (--serve-reads)"
+                ),
+            ));
+        }
+        let page_size = self.cfg.layout.page_size;
+        if decode_page_size != page_size {
+            return Err(Reason::new(
+                FailureCode::IncompatibleLayout,
+                format!(
+                    "room {room}: a read names pages of {page_size} tokens here, but the decode's pages are {decode_page_size} tokens"
                 ),
             ));
         }
@@ -920,7 +952,7 @@ impl Prefill {
             pages: Some(pages),
             ..ReadyRequest::default()
         };
-        match self.ready(room, ready).await {
+        match self.ready_piece(room, ready, None).await {
             Ok(_) => Ok(()),
             Err(e) => {
                 self.metrics.protocol_error("inconsistent");
@@ -933,6 +965,9 @@ impl Prefill {
         }
     }
 
+    /// Why a decode's request does not fit the room the engine announced, if it does not:
+    /// without the room's key (`unauthorized`), or for another prompt (`prompt_mismatch`).
+    /// Counted and logged.
     pub(super) fn misfit(
         &self,
         room: u64,
