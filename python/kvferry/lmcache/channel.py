@@ -72,7 +72,7 @@ CLOSE_WAIT_S = 5.0
 # A read still moving this long after its submit is aborted at the client's next call: LMCache
 # gives up on a P2P load after its load timeout (--p2p-load-timeout, 30 s by default) without
 # telling the channel and reuses the objects' pages, so no byte may land after that. Shorter
-# than LMCache's; a task nobody queries for READ_TIMEOUT_S more is forgotten.
+# than LMCache's; such a task nobody queries for READ_TIMEOUT_S is forgotten.
 READ_TIMEOUT_S = 10.0
 
 # Pages a read may name (kvferry's protocol limit), and the largest page number it carries.
@@ -264,6 +264,7 @@ class _Task:
     rooms: dict[int, int] = field(default_factory=dict)
     pending: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
+    queried: float = field(default_factory=time.monotonic)
     timed_out: bool = False
 
     def settled(self) -> bool:
@@ -334,6 +335,7 @@ class KvferryClient(TransferChannelClient):
             task = self._tasks.get(task_id)
             if task is None:
                 raise KeyError(f"Unknown read task id: {task_id}")
+            task.queried = time.monotonic()
             while task.pending:
                 i, dst, src = task.pending.pop(0)
                 if not self._start(task_id, task, i, dst, src):
@@ -380,11 +382,12 @@ class KvferryClient(TransferChannelClient):
     def _time_out(self) -> None:
         """Aborts the rooms of reads older than ``READ_TIMEOUT_S`` (their objects then fail
         ``aborted`` once no byte can land any more) and fails their waiting objects; forgets
-        tasks nobody queried for ``READ_TIMEOUT_S`` after that. Called with the lock held."""
+        such a task once nobody queried it for ``READ_TIMEOUT_S`` (a task its caller still
+        polls is reported, never forgotten). Called with the lock held."""
         now = time.monotonic()
         for task_id, task in list(self._tasks.items()):
             age = now - task.submitted
-            if age >= 2 * READ_TIMEOUT_S:
+            if task.timed_out and now - task.queried >= READ_TIMEOUT_S:
                 del self._tasks[task_id]
             elif age >= READ_TIMEOUT_S and not task.timed_out:
                 task.timed_out = True
