@@ -33,6 +33,7 @@ mod fanout;
 mod housekeeping;
 mod http;
 mod peer;
+mod reads;
 mod rooms;
 mod transfer;
 
