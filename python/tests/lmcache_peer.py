@@ -196,6 +196,22 @@ def read(cfg: dict) -> None:
     finally:
         narrow.close()
 
+    # A peer that stopped answering (SIGSTOP), with every slower way to notice it made
+    # impossible (peer_dead_ms, timeout_connect_ms: 60 s): the read timeout aborts its rooms,
+    # its objects fail and nothing lands.
+    stalled_arena = np.full(small, POISON, np.uint8)
+    stalled = kvferry.lmcache.create_context(desc(stalled_arena, align), listen_url=cfg["stalled_url"],
+                                             advertise_url=cfg["stalled_url"], token=cfg["token"],
+                                             read_timeout_s=1.0,
+                                             agent_options={"peer_dead_ms": 60000, "timeout_connect_ms": 60000})
+    os.kill(dying["pid"], signal.SIGSTOP)
+    try:
+        out["stalled"] = Reader(stalled, stalled_arena, align).read(dying, [(0, 0, 2 * page), (2 * page, 5 * page, page)])
+        out["stalled_untouched"] = bool((stalled_arena == POISON).all())
+    finally:
+        os.kill(dying["pid"], signal.SIGCONT)
+        stalled.close()
+
     # A peer killed while a read from it moves: the objects that landed are right, the rest
     # fail, and the read finishes.
     base, gap = size // 4, page

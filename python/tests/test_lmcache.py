@@ -145,11 +145,11 @@ def test_lmcache_channel_bad_input(lmcache, tmp_path):
             ready = json.loads(line_matching(proc, re.compile(r'^\{"event": "ready".*'), peer["log"]).group(0))
             peer |= ready
 
-        reader_url, stranger_url, wary_url, narrow_url = ports(4)
+        reader_url, stranger_url, wary_url, narrow_url, stalled_url = ports(5)
         cfg = {
             "align": align, "size": 16 * MIB, "url": f"127.0.0.1:{reader_url}",
             "stranger_url": f"127.0.0.1:{stranger_url}", "wary_url": f"127.0.0.1:{wary_url}",
-            "narrow_url": f"127.0.0.1:{narrow_url}", "token": TOKEN,
+            "narrow_url": f"127.0.0.1:{narrow_url}", "stalled_url": f"127.0.0.1:{stalled_url}", "token": TOKEN,
             "good": {k: good[k] for k in ("url", "seed", "size")},
             "dying": {k: dying[k] for k in ("url", "seed", "size", "pid")},
             "dying_objects": 40, "dying_object_bytes": 256 * 1024,
@@ -185,7 +185,7 @@ def test_lmcache_channel_bad_input(lmcache, tmp_path):
         assert out["stranger_untouched"]
         # (refused by the peer's registry, which it asks first: the lookup is refused, 401)
         assert re.search(rf"at {re.escape(cfg['stranger_url'])}: read 0 from {re.escape(good['url'])}: "
-                         r"object 0 failed: (unauthorized|unreachable): .*unauthorized", log), log
+                         r"object 0 failed: unauthorized: .*unauthorized", log), log
 
         # A reader that does not trust the peer's registry never asks it.
         assert out["wary"] and "127.0.0.1:" in out["wary"], out["wary"]
@@ -193,6 +193,17 @@ def test_lmcache_channel_bad_input(lmcache, tmp_path):
         assert out["narrow"]["mask"] == [True] * 6
         assert out["narrow"]["most_waiting"] > 0
         assert out["narrow"]["mismatches"] == 0
+
+        # A read from a stopped peer, nothing else noticing it for 60 s: the 1 s read timeout
+        # aborted its rooms, both objects failed, nothing landed.
+        stalled = out["stalled"]
+        print(f"a read from a stopped peer finished in {stalled['seconds']:.2f} s (read timeout 1 s)")
+        assert stalled["mask"] == [False, False], stalled
+        assert out["stalled_untouched"]
+        assert stalled["seconds"] < 30, stalled
+        assert re.search(rf"at {re.escape(cfg['stalled_url'])}: read 0 from {re.escape(dying['url'])} "
+                         r"still moving after 1 s: its 2 rooms aborted", log), log
+        assert len(re.findall(rf"at {re.escape(cfg['stalled_url'])}: read 0 from .*: object \d failed: aborted", log)) == 2, log
 
         # The peer killed once part of a read from it had landed: the read finished, what
         # landed is right (below), the rest failed.

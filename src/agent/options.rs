@@ -354,6 +354,11 @@ impl AgentOptions {
         if self.staging_slots == 0 {
             anyhow::bail!("--staging-slots must be > 0");
         }
+        if self.serve_reads && self.synthetic {
+            anyhow::bail!(
+                "--serve-reads with --synthetic: the synthetic engine would write its pattern into the pages reads name"
+            );
+        }
         if !(self.synthetic_layer_ms >= 0.0 && self.synthetic_layer_ms.is_finite()) {
             anyhow::bail!("--synthetic-layer-ms must be >= 0");
         }

@@ -314,3 +314,22 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
         );
     });
 }
+
+/// A prefill that serves reads refuses the synthetic engine at start: its fill would write the
+/// pattern into pages a read names.
+#[test]
+fn a_prefill_that_serves_reads_has_no_synthetic_engine() {
+    let e = AgentOptions::from_flags([
+        "--bootstrap",
+        "http://127.0.0.1:1",
+        "--serve-reads",
+        "--synthetic",
+    ])
+    .expect("flags")
+    .config()
+    .expect_err("--serve-reads with --synthetic");
+    assert!(
+        e.to_string().contains("--serve-reads with --synthetic"),
+        "{e}"
+    );
+}

@@ -20,7 +20,7 @@ agents.
   same ``align_bytes``.
 - ``query_read_status`` never blocks: it takes the settled rooms and reports the task once
   all its objects settled. LMCache abandons a timed-out P2P load without telling the channel
-  and reuses its pages: a read older than ``READ_TIMEOUT_S`` has its rooms aborted at the
+  and reuses its pages: a read older than ``read_timeout_s`` has its rooms aborted at the
   client's next call, and a task nobody queries for that long again is forgotten (its settled
   rooms expire ``room_ttl_ms`` later).
 
@@ -60,7 +60,7 @@ TOKEN_BYTES = 4096
 
 # The factory's keyword arguments this channel reads, and those it accepts and ignores
 # (LMCache's benchmark passes `backends` to every channel type).
-KWARGS = ("transport", "token", "insecure", "allowed_registries", "room_ttl_ms", "agent_options")
+KWARGS = ("transport", "token", "insecure", "allowed_registries", "room_ttl_ms", "read_timeout_s", "agent_options")
 IGNORED_KWARGS = ("backends",)
 
 # What clap, which parses the agents' flags, reads as false in a flag's environment variable.
@@ -72,7 +72,8 @@ CLOSE_WAIT_S = 5.0
 # A read still moving this long after its submit is aborted at the client's next call: LMCache
 # gives up on a P2P load after its load timeout (--p2p-load-timeout, 30 s by default) without
 # telling the channel and reuses the objects' pages, so no byte may land after that. Shorter
-# than LMCache's; such a task nobody queries for READ_TIMEOUT_S is forgotten.
+# than LMCache's; such a task nobody queries for as long is forgotten. The default of the
+# factory's ``read_timeout_s``.
 READ_TIMEOUT_S = 10.0
 
 # Pages a read may name (kvferry's protocol limit), and the largest page number it carries.
@@ -105,13 +106,16 @@ class ChannelConfig:
     environment that the agents read themselves (``transport``: ``KVFERRY_TRANSPORT``,
     ``token``: ``KVFERRY_TOKEN``, ``insecure``: ``KVFERRY_INSECURE``, ``allowed_registries``:
     ``KVFERRY_ALLOWED_REGISTRIES``, ``room_ttl_ms``: ``KVFERRY_ROOM_TTL_MS``), plus
-    ``agent_options``, more flags of both agents as keywords (``checksum=True``)."""
+    ``read_timeout_s`` (``READ_TIMEOUT_S``: reads still moving after it are aborted; below
+    LMCache's P2P load timeout) and ``agent_options``, more flags of both agents as keywords
+    (``checksum=True``)."""
 
     token: str | None
     insecure: bool
     allowed_registries: str
     options: dict[str, Any] = field(default_factory=dict)
     """Options of both agents (their flags as keywords), beyond the arena's layout."""
+    read_timeout_s: float = READ_TIMEOUT_S
 
     @classmethod
     def from_kwargs(cls, advertise_host: str, kwargs: dict[str, Any]) -> "ChannelConfig":
@@ -147,7 +151,11 @@ class ChannelConfig:
             options.setdefault("engine", f"lmcache {metadata.version('lmcache')}")
         except metadata.PackageNotFoundError:
             pass
-        return cls(token=token, insecure=insecure, allowed_registries=str(allowed), options=options)
+        timeout = float(kwargs.get("read_timeout_s") or READ_TIMEOUT_S)
+        if not 0 < timeout < float("inf"):
+            raise ValueError(f"kvferry transfer channel: read_timeout_s must be > 0, not {timeout}")
+        return cls(token=token, insecure=insecure, allowed_registries=str(allowed), options=options,
+                   read_timeout_s=timeout)
 
     def registry_env(self) -> dict[str, str]:
         """The environment of the context's registry: the channel's token and insecure setting."""
@@ -380,27 +388,27 @@ class KvferryClient(TransferChannelClient):
         return True
 
     def _time_out(self) -> None:
-        """Aborts the rooms of reads older than ``READ_TIMEOUT_S`` (their objects then fail
+        """Aborts the rooms of reads older than the read timeout (their objects then fail
         ``aborted`` once no byte can land any more) and fails their waiting objects; forgets
-        such a task once nobody queried it for ``READ_TIMEOUT_S`` (a task its caller still
-        polls is reported, never forgotten). Called with the lock held."""
-        now = time.monotonic()
+        such a task once nobody queried it for as long (a task its caller still polls is
+        reported, never forgotten). Called with the lock held."""
+        now, timeout = time.monotonic(), self.ctx.config.read_timeout_s
         for task_id, task in list(self._tasks.items()):
             age = now - task.submitted
-            if task.timed_out and now - task.queried >= READ_TIMEOUT_S:
+            if task.timed_out and now - task.queried >= timeout:
                 del self._tasks[task_id]
-            elif age >= READ_TIMEOUT_S and not task.timed_out:
+            elif age >= timeout and not task.timed_out:
                 task.timed_out = True
                 for i, _, _ in task.pending:
-                    self._fail(task_id, task, i, "timeout", f"not started within {READ_TIMEOUT_S:.0f} s")
+                    self._fail(task_id, task, i, "timeout", f"not started within {timeout:g} s")
                 task.pending.clear()
                 for room in task.rooms:
                     try:
                         self.ctx.decode.abort(room)
                     except kvferry.Error:
                         pass  # settled meanwhile: the next query takes it
-                logger.warning("kvferry at %s: read %d from %s still moving after %.0f s: its %d rooms aborted",
-                               self.ctx.advertise_url, task_id, self.peer, READ_TIMEOUT_S, len(task.rooms))
+                logger.warning("kvferry at %s: read %d from %s still moving after %g s: its %d rooms aborted",
+                               self.ctx.advertise_url, task_id, self.peer, timeout, len(task.rooms))
 
     def _fail(self, task_id: int, task: _Task, i: int, code: str, message: str) -> None:
         task.mask[i] = False

@@ -110,6 +110,7 @@ impl Decode {
                         ClientError::Incomplete { .. } | ClientError::Unreachable { .. } => {
                             FailureCode::TimeoutBootstrap
                         }
+                        ClientError::Unauthorized { .. } => FailureCode::Unauthorized,
                         _ => FailureCode::Unreachable,
                     };
                     let plural = if attempts == 1 { "" } else { "s" };
