@@ -4,6 +4,8 @@
 //! instance go (it forgets what it remembered when a peer is lost). A room asked for before
 //! that may still go to the old instance and fail `peer_dead`, with the reason. Rooms that
 //! name their registry (as the vLLM connector's do) share one client of it, and its connection.
+//! Rooms asked for at once while their group is incomplete wait for one lookup at a time and
+//! share its outcome.
 
 use crate::common;
 
@@ -21,6 +23,11 @@ const BOUND: Duration = Duration::from_secs(60);
 
 /// The registry's count of complete prefill group lookups.
 async fn lookups(http: &reqwest::Client, registry: &str) -> u64 {
+    lookups_of(http, registry, "complete").await
+}
+
+/// The registry's count of prefill group lookups that found the group `result`.
+async fn lookups_of(http: &reqwest::Client, registry: &str, result: &str) -> u64 {
     let text = http
         .get(format!("{registry}/metrics"))
         .send()
@@ -32,8 +39,12 @@ async fn lookups(http: &reqwest::Client, registry: &str) -> u64 {
         .expect("metrics body");
     let line = text
         .lines()
-        .find(|l| l.starts_with(r#"kvferry_bootstrap_lookups_total{result="complete"}"#))
-        .unwrap_or_else(|| panic!("no complete lookups counter in:\n{text}"));
+        .find(|l| {
+            l.starts_with(&format!(
+                r#"kvferry_bootstrap_lookups_total{{result="{result}"}}"#
+            ))
+        })
+        .unwrap_or_else(|| panic!("no {result} lookups counter in:\n{text}"));
     line.rsplit(' ')
         .next()
         .and_then(|v| v.parse().ok())
@@ -200,6 +211,66 @@ fn rooms_back_to_back_share_a_lookup_and_a_restarted_prefill_still_serves() {
         }
         shutdown.cancel();
         new.join().await;
+        decode.join().await;
+        served.await.unwrap().unwrap();
+    });
+}
+
+#[test]
+fn rooms_asked_for_at_once_before_their_prefill_registers_share_one_lookup() {
+    common::runtime().block_on(async {
+        let shutdown = CancellationToken::new();
+        let (registry, served) = common::registry_in_process(&shutdown).await;
+        let cfg = common::in_process_config(&registry, &[]);
+        let decode = DecodeAgent::start(cfg.clone(), shutdown.clone())
+            .await
+            .unwrap();
+        let http = kvferry_wire::http::client().build().unwrap();
+        // 16 rooms (48 of the pool's 64 pages) asked for at once, before any prefill
+        // registered: each waits for the group.
+        const ROOMS: u64 = 16;
+        let t = Instant::now();
+        let asked = (1..=ROOMS).map(|r| {
+            let req = RoomRequest {
+                tokens: 40,
+                ..RoomRequest::default()
+            };
+            decode.request(r, req)
+        });
+        for a in futures_util::future::join_all(asked).await {
+            a.expect("room requested");
+        }
+        while lookups_of(&http, &registry, "incomplete").await == 0 {
+            assert!(t.elapsed() < BOUND, "no lookup reached the registry");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let waited = lookups_of(&http, &registry, "incomplete").await;
+        let prefill = PrefillAgent::start(cfg, shutdown.clone()).await.unwrap();
+        for r in 1..=ROOMS {
+            let ready = ReadyRequest {
+                tokens: 40,
+                ..ReadyRequest::default()
+            };
+            prefill.ready(r, ready).await.expect("ready");
+        }
+        for r in 1..=ROOMS {
+            let view = common::final_view(&decode, r).await;
+            assert_eq!(view.state.name(), "success", "room {r}: {:?}", view.reason);
+            decode.take(r).await.expect("take");
+        }
+        let complete = lookups(&http, &registry).await;
+        let incomplete = lookups_of(&http, &registry, "incomplete").await;
+        println!(
+            "{ROOMS} rooms asked for at once landed in {:?}: {complete} complete lookup(s), \
+             {incomplete} of an incomplete group ({waited} before the prefill started)",
+            t.elapsed()
+        );
+        assert_eq!(
+            complete, 1,
+            "the rooms waiting for their group share one lookup"
+        );
+        shutdown.cancel();
+        prefill.join().await;
         decode.join().await;
         served.await.unwrap().unwrap();
     });

@@ -10,9 +10,13 @@
 //! clean stop) go to the old instance; they fail `peer_dead` with the reason, and the engine
 //! asks again. After a crash the registry itself lists the dead rank until its lease
 //! expires, longer than [`FRESH`].
+//!
+//! Lookups of one group fly one at a time, and the rooms that waited for a lookup share its
+//! outcome: a thousand rooms asked for at once, or while a group is incomplete, make one lookup
+//! at a time, not a thousand.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvferry_bootstrap::{ClientError, PrefillGroup, RegistryClient};
@@ -26,11 +30,18 @@ pub(super) const FRESH: Duration = Duration::from_secs(1);
 /// Registry URLs named by rooms whose clients (and their connections) are kept.
 const CLIENTS: usize = 16;
 
-/// Groups by (registry URL, DP rank), with the time each was looked up, and the clients of
-/// the registries rooms named.
+/// Groups whose flights are kept before those nobody waits on are dropped.
+const FLIGHTS: usize = 256;
+
+/// A group's lookups, one at a time: the outcome of the last, and when it came.
+type Flight = Arc<tokio::sync::Mutex<Option<(Instant, Result<PrefillGroup, Reason>)>>>;
+
+/// Groups by (registry URL, DP rank), with the time each was looked up, the lookups in flight,
+/// and the clients of the registries rooms named.
 #[derive(Default)]
 pub(super) struct Groups {
     seen: Mutex<HashMap<(String, u32), (Instant, PrefillGroup)>>,
+    flights: Mutex<HashMap<(String, u32), Flight>>,
     clients: Mutex<HashMap<String, RegistryClient>>,
 }
 
@@ -70,6 +81,15 @@ impl Groups {
         (at.elapsed() < FRESH).then(|| group.clone())
     }
 
+    /// The flight of `key`'s lookups.
+    fn flight(&self, key: &(String, u32)) -> Flight {
+        let mut flights = self.flights.lock().unwrap_or_else(|e| e.into_inner());
+        if flights.len() >= FLIGHTS {
+            flights.retain(|_, f| Arc::strong_count(f) > 1);
+        }
+        flights.entry(key.clone()).or_default().clone()
+    }
+
     /// Forgets every group: the next room of each asks the registry.
     pub(super) fn forget(&self) {
         self.seen().clear();
@@ -78,8 +98,8 @@ impl Groups {
 
 impl Decode {
     /// The prefill group `dp_rank` as `client`'s registry lists it: remembered if looked up
-    /// less than [`FRESH`] ago, else asked for until it is complete or the bootstrap timeout
-    /// passes.
+    /// less than [`FRESH`] ago, else the outcome of the lookup this call waited for, else
+    /// asked for until it is complete or the bootstrap timeout passes.
     pub(super) async fn lookup(
         &self,
         client: &RegistryClient,
@@ -90,6 +110,30 @@ impl Decode {
             return Ok(group);
         }
         let started = Instant::now();
+        let flight = self.groups.flight(&key);
+        let mut last = flight.lock().await;
+        if let Some(group) = self.groups.fresh(&key) {
+            return Ok(group);
+        }
+        if let Some((at, outcome)) = last.as_ref()
+            && *at >= started
+        {
+            return outcome.clone();
+        }
+        let outcome = self.ask(client, key, started).await;
+        *last = Some((Instant::now(), outcome.clone()));
+        outcome
+    }
+
+    /// Asks `client`'s registry for group `key` until it is complete or the bootstrap timeout
+    /// (from `started`) passes, and remembers it.
+    async fn ask(
+        &self,
+        client: &RegistryClient,
+        key: (String, u32),
+        started: Instant,
+    ) -> Result<PrefillGroup, Reason> {
+        let dp_rank = key.1;
         let deadline = started + self.timeouts().bootstrap;
         let mut attempts = 0u32;
         loop {
