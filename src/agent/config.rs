@@ -136,7 +136,8 @@ pub struct AgentConfig {
     pub synthetic_layer_delay: Duration,
     /// Checksum every chunk (xxh3-64) and verify it on landing.
     pub checksum: bool,
-    /// Rooms in flight at most (not yet final); more are refused with 429.
+    /// Rooms in flight at most (not yet final); more are refused with 429. Not applied to
+    /// reads (`serve_reads`): each decode bounds the reads it asks for by its own.
     pub max_rooms: usize,
     /// Prefill: requests that name this pool's pages for a room no engine announced (reads)
     /// are served.

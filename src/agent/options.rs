@@ -202,7 +202,8 @@ pub struct AgentOptions {
     /// Checksum every chunk (xxh3-64) and verify it on landing; enable on both sides.
     #[arg(long, env = "KVFERRY_CHECKSUM", value_parser = clap::builder::BoolishValueParser::new())]
     pub checksum: bool,
-    /// Rooms in flight at most; more are refused with 429 at once.
+    /// Rooms in flight at most; more are refused with 429 at once. A prefill that serves reads
+    /// admits every read: each decode bounds its own.
     #[arg(long, env = "KVFERRY_MAX_ROOMS", default_value_t = 1024)]
     pub max_rooms: usize,
     /// Prefill: serve reads, requests that name the pages of this pool themselves for a room

@@ -113,7 +113,9 @@ fn a_decode_reads_the_pages_it_names_from_a_prefill_that_serves_reads() {
         let shutdown = CancellationToken::new();
         let (registry, served) = common::registry_in_process(&shutdown).await;
         let (plain_registry, plain_served) = common::registry_in_process(&shutdown).await;
-        let p_cfg = config(&registry, PAGE, &["--serve-reads"]);
+        // At most one room in flight, which reads do not count against: each decode bounds
+        // its own.
+        let p_cfg = config(&registry, PAGE, &["--serve-reads", "--max-rooms", "1"]);
         let d_cfg = config(&registry, PAGE, &[]);
         let bytes = p_cfg.layout.region_bytes(PAGES).expect("region bytes");
         let page_bytes = bytes / PAGES;

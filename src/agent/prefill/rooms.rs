@@ -379,7 +379,12 @@ impl Prefill {
         }
         if !self.rooms().contains_key(&room_id) {
             self.table.refuse_while_draining(Self::ROLE)?;
-            self.table.admit(&self.metrics)?;
+            // Only reads reach here on a prefill that serves them (its engine announces
+            // nothing); each decode bounds its reads by its own --max-rooms, and several
+            // reading at once must not fail one another's.
+            if !self.cfg.serve_reads {
+                self.table.admit(&self.metrics)?;
+            }
         }
         let ready_on = match (req.cuda_ipc_event.take(), ready_on) {
             (None, ready_on) => ready_on,
