@@ -39,7 +39,8 @@ ORDER = [
     ("quickstart", []),
 ]
 # Servers that join a deployment for some of its tests and stop after the last of them.
-MEMBERS = {"fleet_recompute_decode": "vllm_fleet", "fleet_prefill": "vllm_fleet", "fleet_dp_decode": "vllm_fleet"}
+MEMBERS = {"fleet_recompute_decode": "vllm_fleet", "fleet_prefill": "vllm_fleet", "fleet_dp_decode": "vllm_fleet",
+           "fleet_both": "vllm_fleet"}
 
 
 def pytest_configure(config):
@@ -249,9 +250,12 @@ def fleet_recompute_decode(vllm_fleet):
     import vllm_servers
 
     port = vllm_servers.two_free_ports()
-    server = vllm_fleet.join(vllm_fleet.start_decode(2, tp=2, policy="recompute", agent=dict(api_port=port),
+    # Its agents' data ports pinned too (kvferry.engine_options: base plus the TP rank).
+    data_port = next(p for p in iter(vllm_servers.two_free_ports, None) if abs(p - port) > 1)
+    server = vllm_fleet.join(vllm_fleet.start_decode(2, tp=2, policy="recompute",
+                                                     agent=dict(api_port=port, data_port=data_port),
                                                      log="decode-recompute-tp2.log"))
-    server.api_port = port
+    server.api_port, server.data_port = port, data_port
     deployments.LIVE.add("fleet_recompute_decode", server.stop)
     yield server
     server.stop()
@@ -267,6 +271,25 @@ def fleet_dp_decode(vllm_fleet):
     server = vllm_fleet.join(vllm_fleet.start_decode(3, dp=2, agent=dict(api_port=port), log="decode-dp2.log"))
     server.api_port = port
     deployments.LIVE.add("fleet_dp_decode", server.stop)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet_both(vllm_fleet):
+    """A ``kv_both`` server joining the fleet (its registry and agent options, prefix caching
+    off: it is the prefill and the decode of its own requests), its agents on a base API port
+    (the prefill agent on it, the decode agent on the next); stopped after the last test that
+    uses it."""
+    import vllm_servers
+
+    port = vllm_servers.two_free_ports()
+    f = vllm_fleet
+    config = vllm_servers.connector("kv_both", f.bootstrap, f.connector_class, **(f.agent | dict(api_port=port)))
+    server = f.join(vllm_servers.Server(f.python, f.env, f.model, 1, f.logs / "both.log", *f.prefill_args,
+                                        "--no-enable-prefix-caching", "--kv-transfer-config", config))
+    server.api_port = port
+    deployments.LIVE.add("fleet_both", server.stop)
     yield server
     server.stop()
 

@@ -137,6 +137,22 @@ for method in sys.argv[1:]:
         print(json.dumps({k: opts[k] for k in ("dp_rank", "dp_size")}))
     except ValueError as e:
         print(json.dumps(str(e)))
+# Every rank reads the same variables: each listens on the base ports plus dp_rank * tp_size +
+# tp_rank (DP 2 x TP 2), and takes SGLang's waiting timeout as its ready timeout; a decode rank's
+# UCX gets the IB devices of its GPU (--disaggregation-ib-device), unless UCX_NET_DEVICES is set.
+import os
+os.environ.update({"KVFERRY_API_PORT": "7000", "KVFERRY_DATA_PORT": "7100", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120"})
+ranks = []
+for dp in (0, 1):
+    for tp in (0, 1):
+        rank = types.SimpleNamespace(**(vars(args) | dict(engine_rank=tp, system_dp_rank=dp)))
+        server = types.SimpleNamespace(pp_size=1, tp_size=2, dp_size=2)
+        opts = backend.agent_options(rank, server, False, False, "http://127.0.0.1:1")
+        ranks.append([opts["api_port"], opts["data_port"], opts["timeout_ready_ms"]])
+env, ib = {}, types.SimpleNamespace(ib_device='{"0": "mlx5_0", "1": "mlx5_1"}', gpu_id=1)
+devices = [backend.use_ib_devices(ib, None, env), env.get("UCX_NET_DEVICES"),
+           backend.use_ib_devices(ib, None, {"UCX_NET_DEVICES": "mine"})]
+print(json.dumps({"ranks": ranks, "devices": devices}))
 """
 
 
@@ -144,12 +160,16 @@ def test_a_prefill_of_dp_ranks_is_a_group_per_rank_and_refuses_other_load_balanc
     """(First: it needs no fleet.) A room goes to prefill DP group ``bootstrap_room % dp_size``: a prefill whose requests
     SGLang puts on ranks by another rule is refused at start, naming the flag."""
     python, env = sglang
+    env = {k: v for k, v in env.items() if not k.startswith(("KVFERRY_", "SGLANG_DISAGGREGATION_", "UCX_"))}
     run = subprocess.run([python, "-c", DP_OPTIONS, "follow_bootstrap_room", "round_robin"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    follow, other = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
+    follow, other, ranks = (json.loads(line) for line in run.stdout.strip().splitlines()[-3:])
     assert follow == {"dp_rank": 1, "dp_size": 2}, follow
     assert "--load-balance-method round_robin is not supported" in other, other
+    # (Same run.) Pinned ports offset per rank, SGLang's settings honoured, the GPU's IB devices.
+    assert ranks["ranks"] == [[7000 + i, 7100 + i, 120_000] for i in range(4)], ranks
+    assert ranks["devices"] == ["mlx5_1", "mlx5_1", None], ranks
 
 
 def test_mixed_prompts_at_8_in_flight_equal_a_plain_sglang_and_every_server_serves(fleet, prompts, reference):

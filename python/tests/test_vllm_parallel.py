@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 
 import pytest
 
@@ -69,23 +70,57 @@ from kvferry.vllm.params import ConnectorConfig
 configs = [ConnectorConfig.of({"bootstrap": "http://r"}, f"4f1c_dp{rank}", rank) for rank in (0, 1)]
 again = ConnectorConfig.of({"bootstrap": "http://r"}, "4f1c_dp1", 1)
 print(json.dumps({"identities": [c.identity() for c in configs], "again": again.identity()}))
+# kv_connector_extra_config: agent options in either spelling, a config file, an unknown option
+# refused naming the valid ones, the registry from KVFERRY_BOOTSTRAP.
+import os
+said = {}
+c = ConnectorConfig.of({"bootstrap": "http://r:1", "agent": {"api-port": 7000, "room_ttl_ms": 5}, "config": "/k.toml"}, "e")
+said["agent"], said["config"] = c.agent, c.config
+try:
+    ConnectorConfig.of({"bootstrap": "http://r:1", "agent": {"api-prot": 1}}, "e")
+except Exception as e:
+    said["unknown"] = str(e)
+os.environ["KVFERRY_BOOTSTRAP"] = "http://env:2"
+said["bootstrap"] = ConnectorConfig.of({}, "e").bootstrap
+print(json.dumps(said))
 """
 
 
-def test_each_data_parallel_rank_of_a_prefill_server_is_a_group_that_names_its_rank(torch_python):
-    """vLLM gives each DP rank an engine id of its own (``<id>_dp<rank>``) and keeps the rank in
-    its parallel config: the connector derives a group from the one and reports the other."""
+@pytest.fixture(scope="module")
+def connector_configs(torch_python) -> list[dict]:
+    """What GROUPS_OF_DP_RANKS prints, run once in the vLLM venv."""
     python, env = torch_python
+    env = {k: v for k, v in env.items() if not k.startswith("KVFERRY_")}
     run = subprocess.run([python, "-c", GROUPS_OF_DP_RANKS], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    said = json.loads(run.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in run.stdout.strip().splitlines()[-2:]]
+
+
+def test_each_data_parallel_rank_of_a_prefill_server_is_a_group_that_names_its_rank(connector_configs):
+    """vLLM gives each DP rank an engine id of its own (``<id>_dp<rank>``) and keeps the rank in
+    its parallel config: the connector derives a group from the one and reports the other."""
+    said = connector_configs[0]
     first, second = said["identities"]
     assert first["kvferry_dp_rank"] != second["kvferry_dp_rank"], said
     assert [first["kvferry_engine_dp_rank"], second["kvferry_engine_dp_rank"]] == [0, 1], said
     assert said["again"] == second, "the same engine id gives the same group"
 
 
+def test_extra_config_takes_every_agent_option_in_either_spelling_and_a_config_file(connector_configs):
+    said = connector_configs[1]
+    assert said["agent"] == {"api_port": 7000, "room_ttl_ms": 5} and said["config"] == "/k.toml", said
+    assert "unknown agent option `api_prot` (no --api-prot flag)" in said["unknown"], said
+    assert "api_port" in said["unknown"].partition("valid options:")[2], said
+    assert said["bootstrap"] == "http://env:2", said
+
+
 def test_outputs_equal_a_single_engine_from_a_tp1_prefill_to_a_tp2_decode(vllm_fleet, fleet_recompute_decode, reference):
+    # Pinned ports are offset per worker (kvferry.engine_options): the base data port plus the
+    # TP rank, as the API port (check_shape).
+    with urllib.request.urlopen(vllm_fleet.bootstrap + "/v1/ranks", timeout=10) as r:
+        ranks = [r for r in json.loads(r.read())["ranks"] if r.get("server") == fleet_recompute_decode.url]
+    ports = {r["tp_rank"]: int(r["data_endpoints"]["zmq-tcp"].rsplit(":", 1)[1]) for r in ranks}
+    assert ports == {0: fleet_recompute_decode.data_port, 1: fleet_recompute_decode.data_port + 1}, ranks
     reset_prefix_cache(fleet_recompute_decode)
     view = View(vllm_fleet, vllm_fleet.prefills[:1], [fleet_recompute_decode])
     try:

@@ -13,12 +13,19 @@ through ``kvferry proxy``, in both pairings: sequential (the prefill's response 
 and the prefill's group in both requests up front). Every generated token id equals the
 reference's, and the decode agent landed exactly the prompt blocks each response says it
 loaded: a silent local recompute cannot pass.
+
+A server of ``kv_role`` ``kv_both`` (NixlConnector's convention: one configuration for every
+server) runs a prefill and a decode agent per worker and takes each request's role from its
+``kv_transfer_params``: behind the proxy as both the prefill and the decode of its own requests
+(prefix caching off, so that every room moves), it answers as a single engine does, its decode
+agent lands what its prefill agent sent, and a request without params computes locally.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import urllib.request
 
@@ -26,6 +33,7 @@ import pytest
 
 from vllm_servers import (
     LENGTHS,
+    NEW_TOKENS,
     SEEDS,
     View,
     make_chats,
@@ -131,3 +139,41 @@ def test_a_decode_request_naming_an_untrusted_registry_sends_it_nothing(pd, reco
     assert "choices" not in got and got.get("http_status", 0) >= 400, got
     assert took < 60
     assert not fake.received(), fake.record()
+
+
+class Role:
+    """One role of a ``kv_both`` server as a proxy and ``run_prompts`` see a server: its URL
+    and its agents of that role (the connector logs each with its role when it starts)."""
+
+    def __init__(self, server, role: str) -> None:
+        self.server, self.role = server, role
+        self.url, self.model, self.log = server.url, server.model, server.log
+
+    def agent_apis(self) -> list[str]:
+        text = self.log.read_text()
+        text = text[text.rfind("non-default args"):]
+        return sorted(re.findall(rf"kvferry {self.role} agent \S+ on \S+: .* api (http://\S+)", text))
+
+
+def test_a_kv_both_server_is_the_prefill_or_the_decode_of_a_request_by_its_params(reference, vllm_fleet, fleet_both):
+    prefill, decode = Role(fleet_both, "prefill"), Role(fleet_both, "decode")
+    # One worker, two agents: the prefill agent on the base API port, the decode agent on the next.
+    assert prefill.agent_apis() == [f"http://127.0.0.1:{fleet_both.api_port}"], prefill.agent_apis()
+    assert decode.agent_apis() == [f"http://127.0.0.1:{fleet_both.api_port + 1}"], decode.agent_apis()
+    sent_before = metric(prefill.agent_apis()[0], "kvferry_kv_bytes_total")
+    view = View(vllm_fleet, [prefill], [decode])
+    try:
+        view.via = {pairing: view.proxy(pairing) for pairing in SEEDS}
+        for pairing, seed in SEEDS.items():
+            run_prompts(view, pairing, make_prompts(seed)[:6], reference)
+    finally:
+        view.stop()
+    # What the decode agent landed (run_prompts: exactly the rooms' blocks), the prefill agent sent.
+    assert metric(prefill.agent_apis()[0], "kvferry_kv_bytes_total") > sent_before
+    # Without kv_transfer_params a request is the server's alone: no room, no transfer.
+    prompt = make_prompts(SEEDS["sequential"])[0]
+    landed = metric(decode.agent_apis()[0], "kvferry_kv_bytes_total")
+    got = fleet_both.complete(prompt, NEW_TOKENS)
+    assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
+    assert got.get("kv_transfer_params") is None, got
+    assert metric(decode.agent_apis()[0], "kvferry_kv_bytes_total") == landed

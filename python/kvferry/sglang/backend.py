@@ -53,10 +53,12 @@ from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServer
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import kvferry
+from kvferry import engine_options
 
 from ..registry import spawn_registry, url_of, wait_for_registry
 from ..rooms import failure_code
 from .metrics import Metrics, transfer_seconds
+from .settings import sglang_settings, ucx_net_devices
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +140,32 @@ def know_prompt(room: Any, req: Any) -> None:
         room.digest = kvferry.prompt_digest([int(t) for t in ids])
 
 
+def use_ib_devices(args: Any, server_args: Any, env: Any = os.environ) -> str | None:
+    """Points this rank's UCX at SGLang's ``--disaggregation-ib-device`` (the devices of the
+    rank's GPU, as SGLang reads the flag: a list, a JSON mapping by GPU id, or a JSON file) by
+    setting ``UCX_NET_DEVICES`` before the agent starts; one set already wins (logged). The
+    value set, or None."""
+    ib_device = getattr(args, "ib_device", None) or getattr(server_args, "disaggregation_ib_device", None)
+    if not ib_device:
+        return None
+    if env.get("UCX_NET_DEVICES"):
+        logger.warning("kvferry: UCX_NET_DEVICES is set: --disaggregation-ib-device %s is ignored", ib_device)
+        return None
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import get_ib_devices_for_gpu
+
+    devices = get_ib_devices_for_gpu(ib_device, int(getattr(args, "gpu_id", 0) or 0))
+    if not devices:
+        return None
+    env["UCX_NET_DEVICES"] = value = ucx_net_devices(devices)
+    logger.info("kvferry: UCX_NET_DEVICES=%s (--disaggregation-ib-device)", value)
+    return value
+
+
 def agent_options(args: Any, server_args: Any, prefill: bool, mla: bool, bootstrap: str) -> dict[str, Any]:
-    """The agent's options for this rank, from SGLang's ``KVArgs`` and server arguments."""
+    """The agent's options for this rank, from SGLang's ``KVArgs`` and server arguments, over
+    the ``KVFERRY_*`` environment, the config file (``KVFERRY_CONFIG``) and SGLang's own
+    settings (``sglang_settings``) (kvferry.engine_options); each pinned port offset by the
+    rank's index in its server, ``dp_rank × tp_size + tp_rank``."""
     if getattr(server_args, "pp_size", 1) != 1:
         raise ValueError("kvferry: SGLang pipeline parallelism is not supported yet (--pp-size must be 1)")
     if kv_pool is None:
@@ -182,9 +208,10 @@ def agent_options(args: Any, server_args: Any, prefill: bool, mla: bool, bootstr
             raise ValueError(f"kvferry: a prefill of {dp_size} DP ranks puts each request on rank bootstrap_room % "
                              f"{dp_size}; --load-balance-method {method} is not supported (leave it unset)")
         opts |= dict(dp_rank=int(args.system_dp_rank or 0), dp_size=dp_size)
-    if not os.environ.get("KVFERRY_BOOTSTRAP"):
-        opts["bootstrap"] = bootstrap
-    return opts
+    opts["bootstrap"] = bootstrap
+    worker = int(getattr(args, "system_dp_rank", 0) or 0) * opts["tp_size"] + opts["tp_rank"]
+    return engine_options.agent_options(opts, None, role="prefill" if prefill else "decode", worker=worker,
+                                        mapped=sglang_settings(os.environ, prefill))
 
 
 def attention_tp_size(server_args: Any) -> int:
@@ -244,7 +271,7 @@ class KvferryKVManager(BaseKVManager):
         # is not one), why and the failure code: their requests fail (``KvferryKVReceiver.poll``).
         self.refused: dict[str, tuple[str, str]] = {}
         self.registry = None
-        bootstrap = os.environ.get("KVFERRY_BOOTSTRAP") or ""
+        bootstrap = str(engine_options.setting("bootstrap") or "")
         if not bootstrap and self.is_prefill:
             bootstrap = url_of(server_args.host, server_args.disaggregation_bootstrap_port)
         elif not bootstrap:
@@ -252,6 +279,7 @@ class KvferryKVManager(BaseKVManager):
             self.registry, bootstrap = spawn_registry("127.0.0.1", 0)
         wait_for_registry(bootstrap)
         opts = agent_options(args, server_args, self.is_prefill, mla, bootstrap)
+        use_ib_devices(args, server_args)
         assert kv_pool is not None
         self.cuda = kv_pool.cuda
         self.metrics = Metrics(server_args, "prefill" if self.is_prefill else "decode", opts["tp_rank"],

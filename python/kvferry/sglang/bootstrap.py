@@ -17,9 +17,9 @@ Without ``KVFERRY_BOOTSTRAP`` each decode rank runs a private one on 127.0.0.1
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 
+from .. import engine_options
 from ..registry import spawn_registry, stop_registry
 
 logger = logging.getLogger(__name__)
@@ -31,9 +31,9 @@ class KvferryBootstrapServer:
 
     def __init__(self, host: str, port: int) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
-        self.url = os.environ.get("KVFERRY_BOOTSTRAP") or ""
+        self.url = str(engine_options.setting("bootstrap") or "")
         if self.url:
-            logger.info("kvferry: prefill ranks register in %s (KVFERRY_BOOTSTRAP)", self.url)
+            logger.info("kvferry: prefill ranks register in %s (KVFERRY_BOOTSTRAP or the config file)", self.url)
             return
         self.proc, self.url = spawn_registry(host or "127.0.0.1", port)
         logger.info("kvferry: registry listening at %s", self.url)

@@ -78,6 +78,18 @@ class KvferryMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class BothMetadata(KVConnectorMetadata):
+    """A ``kv_both`` server's step: each side's metadata, for the worker's agent of that side."""
+
+    prefill: KvferryMetadata = field(default_factory=KvferryMetadata)
+    decode: KvferryMetadata = field(default_factory=KvferryMetadata)
+
+    @property
+    def sends(self) -> list[Send]:
+        return self.prefill.sends
+
+
+@dataclass
 class Failures(KVConnectorWorkerMetadata):
     """Decode workers to the scheduler side, with a step's output: why rooms failed
     (room -> "code: message"), for ``kvferry_reason_of`` (params.py)."""

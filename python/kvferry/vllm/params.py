@@ -149,7 +149,12 @@ class ConnectorConfig:
     ``engine_dp_rank`` is the engine's vLLM
     data-parallel rank (its parallel config's ``data_parallel_index``): each DP rank of a server
     is an engine of its own, with an engine id of its own (vLLM appends ``_dp<rank>``), hence a
-    group of its own."""
+    group of its own. ``config``: a kvferry config file for the agents (as ``kvferry prefill
+    --config`` reads it; ``KVFERRY_CONFIG`` when absent), below ``agent``'s options.
+
+    Keys, the agent's options among them, are spelled with ``_`` or ``-`` alike (``api_port``,
+    ``api-port``; kvferry.engine_options); an agent option that no agent has is refused with
+    the valid ones named."""
 
     bootstrap: str
     dp_rank: int = 0
@@ -157,6 +162,7 @@ class ConnectorConfig:
     agent: dict[str, Any] = field(default_factory=dict)
     engine_dp_rank: int = 0
     server_url: str | None = None
+    config: str | None = None
 
     def identity(self) -> dict[str, Any]:
         """The answer to ``kvferry_identify``."""
@@ -164,18 +170,27 @@ class ConnectorConfig:
 
     @classmethod
     def of(cls, extra: dict[str, Any] | None, engine_id: str, engine_dp_rank: int = 0) -> ConnectorConfig:
-        extra = dict(extra or {})
+        from kvferry import engine_options
+
+        extra = engine_options.normalized(extra, "KvferryConnector: kv_connector_extra_config")
+        agent = engine_options.normalized(extra.get("agent"), "KvferryConnector: kv_connector_extra_config's agent")
+        config = agent.pop("config", None) or extra.get("config")
+        # The registry, as any agent option: from the agent's options, KVFERRY_BOOTSTRAP or
+        # the config file when not given here.
+        extra["bootstrap"] = (extra.get("bootstrap") or agent.pop("bootstrap", None)
+                              or engine_options.setting("bootstrap", str(config) if config else None))
         if not extra.get("bootstrap"):
             raise ValueError(
                 "KvferryConnector: kv_connector_extra_config needs \"bootstrap\": the kvferry "
                 "registry URL (e.g. http://127.0.0.1:8998)"
             )
-        unknown = set(extra) - {"bootstrap", "dp_rank", "dp_size", "agent", "server_url"}
+        unknown = set(extra) - {"bootstrap", "dp_rank", "dp_size", "agent", "server_url", "config"}
         if unknown:
             raise ValueError(
-                f"KvferryConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                "agent options go under \"agent\""
+                f"KvferryConnector: unknown kv_connector_extra_config keys {sorted(unknown)} (keys: bootstrap, "
+                "dp_rank, dp_size, server_url, config, agent); agent options go under \"agent\""
             )
+        engine_options.check_names(agent, "prefill", "KvferryConnector: kv_connector_extra_config's agent")
         if "dp_rank" in extra or "dp_size" in extra:
             dp_rank, dp_size = int(extra.get("dp_rank", 0)), int(extra.get("dp_size", 1))
             if not 0 <= dp_rank < dp_size:
@@ -183,8 +198,8 @@ class ConnectorConfig:
         else:
             dp_rank, dp_size = derived_group(engine_id), DERIVED_GROUPS
         url = extra.get("server_url")
-        return cls(str(extra["bootstrap"]), dp_rank, dp_size, dict(extra.get("agent") or {}), engine_dp_rank,
-                   str(url).rstrip("/") if url else None)
+        return cls(str(extra["bootstrap"]), dp_rank, dp_size, agent, engine_dp_rank,
+                   str(url).rstrip("/") if url else None, str(config) if config else None)
 
 
 # vLLM's own default port of its OpenAI-compatible server.

@@ -17,6 +17,7 @@ import torch
 from vllm.logger import init_logger
 
 import kvferry
+from kvferry import engine_options
 
 from . import params as P
 from .groups import Groups, Part
@@ -57,9 +58,14 @@ def kv_dtype(spec_dtype: Any, cache_dtype: str) -> str:
 
 
 def agent_options(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool, kv_format: str
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool, kv_format: str,
+    agents: int = 1,
 ) -> dict[str, Any]:
-    """The agent's options for this worker: vLLM's model and cache shape, this TP rank."""
+    """The agent's options for this worker: vLLM's model and cache shape, this TP rank, under
+    the operator's (``agent``, the config file, ``KVFERRY_*``; kvferry.engine_options), its
+    pinned ports offset for this worker: its index in the server is ``dp_rank × tp_size +
+    tp_rank`` (vLLM's data-parallel index), and a ``kv_both`` worker runs ``agents`` 2, the
+    prefill agent first."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("KvferryConnector: pipeline parallelism is not supported yet (PP must be 1)")
@@ -71,12 +77,8 @@ def agent_options(
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     tp_rank = get_tensor_model_parallel_rank()
-    agent = dict(config.agent)
-    if agent.get("api_port"):
-        # Every worker of every DP rank is given the same options: each agent's API (and its
-        # /metrics) listens on the base port plus the worker's index.
-        dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
-        agent["api_port"] = int(agent["api_port"]) + dp_rank * parallel.tensor_parallel_size + tp_rank
+    dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+    worker = dp_rank * parallel.tensor_parallel_size + tp_rank
     # MLA: one latent per token and layer, the same on every TP rank (the agents' pairing
     # spreads a room's layers over the prefill ranks that hold them).
     mla = isinstance(spec, MLAAttentionSpec)
@@ -102,7 +104,12 @@ def agent_options(
     url = config.server_url or P.server_url(sys.argv, dict(os.environ))
     if url:
         opts["server_url"] = url
-    return opts | agent
+    # Every worker of every DP rank is given the same options: each pinned port (the agent's
+    # control, data and API ports) is the base port plus the agent's index in the server.
+    return engine_options.agent_options(
+        opts, config.agent, role="prefill" if producer else "decode", worker=worker, agents=agents,
+        agent=0 if producer else agents - 1, source="kv_connector_extra_config's agent", config=config.config,
+    )
 
 
 def served_model(model: Any) -> str:
@@ -112,8 +119,11 @@ def served_model(model: Any) -> str:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: P.ConnectorConfig, producer: bool,
+                 agents: int = 1) -> None:
         self.vllm_config = vllm_config
+        # The agents this worker runs: 2 for kv_both (a prefill and a decode agent), else 1.
+        self.agents = agents
         self.kv_cache_config = kv_cache_config
         self.groups = Groups.of(kv_cache_config)
         self.config = config
@@ -160,7 +170,8 @@ class WorkerSide:
             self.positions = {name: (0, i) for i, name in enumerate(names)}
         self.layers = [kv_caches[n] for n in names]
         cache = self.cache_of(kv_caches)
-        opts = agent_options(self.vllm_config, self.kv_cache_config, self.config, self.producer, cache.kv_format)
+        opts = agent_options(self.vllm_config, self.kv_cache_config, self.config, self.producer, cache.kv_format,
+                             self.agents)
         layout = kvferry.memory_layout(**opts)
         if layout["num_regions"] != len(cache.regions) or layout["num_regions"] * layout["region_bytes"] != cache.bytes:
             raise ValueError(f"KvferryConnector: vLLM's KV cache holds {cache.bytes} bytes, kvferry's layout {layout}")
