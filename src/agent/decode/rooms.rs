@@ -254,12 +254,12 @@ impl EngineApi for Decode {
     const ROLE: &'static str = "decode";
 
     fn view(&self, room: u64) -> Result<RoomView, RoomError> {
-        self.return_aborted_pages();
+        self.return_aborted_pages_of(room);
         self.table.view(room)
     }
 
     async fn wait(&self, room: u64, timeout: Duration) -> Result<RoomView, RoomError> {
-        self.return_aborted_pages();
+        self.return_aborted_pages_of(room);
         self.table.wait(room, timeout).await
     }
 
@@ -386,10 +386,15 @@ impl Decode {
                 (pages.into(), None)
             }
             None => {
-                let lease = self.alloc.allocate(needed).map_err(|e| {
-                    self.metrics.rejected.inc();
-                    RoomError::Exhausted(e.to_string())
-                })?;
+                let lease = (self.alloc.allocate(needed))
+                    .or_else(|_| {
+                        self.return_aborted_pages();
+                        self.alloc.allocate(needed)
+                    })
+                    .map_err(|e| {
+                        self.metrics.rejected.inc();
+                        RoomError::Exhausted(e.to_string())
+                    })?;
                 (lease.pages().into(), Some(lease))
             }
         };
@@ -439,23 +444,20 @@ impl Decode {
 
     /// Returns the agent-owned pages of every aborted room that is safe to reuse to the pool,
     /// without waiting for the room to be taken or to expire (the room itself stays readable
-    /// and takeable until then). Called on every housekeeping tick and before answering
-    /// a pool count or a room's view, so the pool is whole as soon as it can be.
+    /// and takeable until then). Called on every housekeeping tick, before answering a pool
+    /// count and when the pool cannot give a new room its pages, so the pool is whole as soon
+    /// as it can be. A room's view returns that room's alone ([`Self::return_aborted_pages_of`]):
+    /// a scan of every room for each view made polling many rooms quadratic.
     pub(super) fn return_aborted_pages(&self) {
         for (id, room) in self.rooms().iter_mut() {
-            if room.lease.is_some()
-                && room.status.state() == RoomState::Aborted
-                && room.safe_to_reuse()
-            {
-                let pages = room.pages.len();
-                room.lease = None;
-                room.returned = true;
-                tracing::debug!(
-                    room = id,
-                    pages,
-                    "aborted room's pages returned to the pool"
-                );
-            }
+            room.return_pages_if_aborted(*id);
+        }
+    }
+
+    /// [`Self::return_aborted_pages`] for one room.
+    fn return_aborted_pages_of(&self, room_id: u64) {
+        if let Some(room) = self.rooms().get_mut(&room_id) {
+            room.return_pages_if_aborted(room_id);
         }
     }
 
@@ -601,6 +603,20 @@ impl Writes {
 }
 
 impl Room {
+    /// Gives its agent-owned pages back to the pool if it is aborted and safe to reuse.
+    fn return_pages_if_aborted(&mut self, id: u64) {
+        if self.lease.is_some() && self.status.state() == RoomState::Aborted && self.safe_to_reuse()
+        {
+            self.lease = None;
+            self.returned = true;
+            tracing::debug!(
+                room = id,
+                pages = self.pages.len(),
+                "aborted room's pages returned to the pool"
+            );
+        }
+    }
+
     /// The peers whose direct writes into the room may still arrive and who can be told.
     pub(super) fn open_writers(&self) -> Vec<Arc<Peer>> {
         let open = self.sources.iter().filter(|s| s.writes == Writes::Open);

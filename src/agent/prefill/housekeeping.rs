@@ -1,9 +1,10 @@
 //! The prefill's housekeeping, once a heartbeat: heartbeats to every decode peer (naming the
 //! rooms held for it), peers silent for `--peer-dead-ms` found dead, ready rooms no decode asked
 //! for within `--room-ttl-ms` expired (and remembered, so that a late request is refused at
-//! once), rooms whose decode died before they were delivered and that no other decode asked
-//! for within `--requeue-ms` failed with `peer_dead`, and requests whose room the engine never
-//! announced failed with `timeout_ready`.
+//! once), final rooms forgotten `--room-ttl-ms` later (reads at once), rooms whose decode died
+//! before they were delivered and that no other decode asked for within `--requeue-ms` failed
+//! with `peer_dead`, and requests whose room the engine never announced failed with
+//! `timeout_ready`.
 
 use super::{Peer, Prefill};
 use crate::agent::room::RoomState;
@@ -53,9 +54,16 @@ pub(super) async fn housekeeping(inner: Arc<Prefill>) {
         inner.fail_unready().await;
         inner.fail_unclaimed(t);
         let ttl = t.room_ttl;
+        // A read's room is of no use once final: no engine takes it, and its decode never
+        // asks for it again (every read is a room of its own).
+        let final_ttl = if inner.cfg.serve_reads {
+            Duration::ZERO
+        } else {
+            ttl
+        };
         let mut orphans = Vec::new();
         inner.rooms().retain(|id, room| {
-            let old = room.final_at.is_some_and(|t| t.elapsed() >= ttl);
+            let old = room.final_at.is_some_and(|t| t.elapsed() >= final_ttl);
             // Ready pages no decode asked for are released a TTL after they were announced or
             // last held by a decode for a queued request, and at most `room_max` after.
             let age = crate::agent::room::now_ms() - room.status.at("created").unwrap_or(0.0);
