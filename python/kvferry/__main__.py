@@ -1,8 +1,11 @@
-"""``python -m kvferry ROLE FLAGS``: the ``kvferry`` command line for the roles ``bootstrap``,
-``prefill`` and ``decode``, run by the extension module (no binary needed). ``kvferry.spawn``
-starts sidecar agents this way, with ``KVFERRY_STOP_ON_STDIN_EOF=1`` and its end of a pipe as
-stdin: when the engine process is gone (closed or killed), the pipe ends and the agent stops as
-on SIGTERM, so no sidecar outlives its engine holding the engine's rank."""
+"""``kvferry ROLE FLAGS`` and ``python -m kvferry ROLE FLAGS``: the ``kvferry`` command line for
+the roles ``bootstrap``, ``prefill``, ``decode`` and ``proxy`` (and ``--version``, ``--help``),
+run by the extension module: no binary, no Rust toolchain needed. The wheel's ``kvferry``
+console script calls :func:`main`.
+
+``kvferry.spawn`` starts sidecar agents this way, with ``KVFERRY_STOP_ON_STDIN_EOF=1`` and its
+end of a pipe as stdin: when the engine process is gone (closed or killed), the pipe ends and the
+agent stops as on SIGTERM, so no sidecar outlives its engine holding the engine's rank."""
 
 import os
 import signal
@@ -10,7 +13,7 @@ import sys
 import threading
 
 from . import Error
-from ._kvferry import main
+from ._kvferry import main as _run
 
 
 def stop_on_stdin_eof() -> None:
@@ -24,10 +27,16 @@ def stop_on_stdin_eof() -> None:
     threading.Thread(target=watch, name="kvferry-stdin-watch", daemon=True).start()
 
 
-if os.environ.get("KVFERRY_STOP_ON_STDIN_EOF") == "1":
-    stop_on_stdin_eof()
-try:
-    main(["kvferry", *sys.argv[1:]])
-except Error as e:
-    print(f"Error: {e}", file=sys.stderr)
-    sys.exit(1)
+def main() -> None:
+    """Runs the command line in ``sys.argv``; a role that fails exits 1 with its message."""
+    if os.environ.get("KVFERRY_STOP_ON_STDIN_EOF") == "1":
+        stop_on_stdin_eof()
+    try:
+        _run(["kvferry", *sys.argv[1:]])
+    except Error as e:
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

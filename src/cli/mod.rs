@@ -17,7 +17,8 @@ use crate::agent::AgentOptions;
 #[derive(Debug, Parser)]
 #[command(
     name = "kvferry",
-    version,
+    version = VERSION,
+    long_version = long_version(),
     about,
     long_about = None,
     after_help = "Every flag can also be set by its KVFERRY_* environment variable (see each \
@@ -35,6 +36,47 @@ pub struct Cli {
     /// The role this process plays.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// `-V`: the crate's version and the git revision it was built from (build.rs sets
+/// `GIT_REVISION`: a short hash, `-dirty` when the tree differed, `unknown` outside git).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (git ",
+    env!("GIT_REVISION"),
+    ")"
+);
+
+/// The cargo features this build has (`--features`): what it can do beyond ZeroMQ and the
+/// in-memory registry. CUDA is no feature: it is loaded at run time by every build.
+pub const FEATURES: &[(&str, bool)] = &[
+    ("ucx", cfg!(feature = "ucx")),
+    ("etcd", cfg!(feature = "etcd")),
+];
+
+/// `--version`: [`VERSION`], then the control protocol's version and the oldest one it still
+/// speaks with a peer ([`crate::protocol::VERSION`], [`crate::protocol::MIN_VERSION`]), then
+/// the features built in. `python -m kvferry --version` prints the same.
+pub fn long_version() -> &'static str {
+    static TEXT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        let features: Vec<&str> = FEATURES
+            .iter()
+            .filter(|(_, on)| *on)
+            .map(|(name, _)| *name)
+            .collect();
+        format!(
+            "{VERSION}\nprotocol {} (speaks {} to {})\nfeatures: {}",
+            crate::protocol::VERSION,
+            crate::protocol::MIN_VERSION,
+            crate::protocol::VERSION,
+            if features.is_empty() {
+                "none".to_owned()
+            } else {
+                features.join(", ")
+            },
+        )
+    });
+    &TEXT
 }
 
 /// How logs are written to stderr.

@@ -16,6 +16,7 @@ mod etcd;
 mod cli_bootstrap;
 mod cli_config;
 mod cli_help;
+mod cli_version;
 mod e2e_bench;
 mod e2e_drain_pages;
 mod e2e_examples;

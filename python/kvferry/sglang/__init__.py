@@ -49,8 +49,15 @@ def classes(class_type: Any) -> type | None:
 
 
 def get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
-    """SGLang's ``get_kv_class`` with ``kvferry`` answered here (KVArgs stays SGLang's)."""
+    """SGLang's ``get_kv_class`` with ``kvferry`` answered here (KVArgs stays SGLang's). Another
+    SGLang than the tested ones is refused here, when a server builds its transfer backend: its
+    start fails with what to install (an error in ``register`` SGLang would only log)."""
     if getattr(transfer_backend, "value", None) == NAME:
+        from sglang.version import __version__
+
+        from .. import supported
+
+        supported.check("sglang", __version__)
         found = classes(class_type)
         if found is not None:
             return found
