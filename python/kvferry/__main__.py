@@ -1,6 +1,7 @@
-"""``kvferry ROLE FLAGS`` and ``python -m kvferry ROLE FLAGS``: the ``kvferry`` command line for
-the roles ``bootstrap``, ``prefill``, ``decode`` and ``proxy`` (and ``--version``, ``--help``),
-run by the extension module: no binary, no Rust toolchain needed. The wheel's ``kvferry``
+"""``kvferry ROLE FLAGS`` and ``python -m kvferry ROLE FLAGS``: the ``kvferry`` command line,
+every subcommand (``bootstrap``, ``prefill``, ``decode``, ``proxy``, ``demo``, ``bench``; the
+agents ``demo`` and ``bench`` start are this interpreter's ``-m kvferry``), run by the extension
+module: no binary, no Rust toolchain needed. The wheel's ``kvferry``
 console script calls :func:`main`.
 
 ``kvferry.spawn`` starts sidecar agents this way, with ``KVFERRY_STOP_ON_STDIN_EOF=1`` and its

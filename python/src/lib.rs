@@ -148,20 +148,17 @@ fn init_logs() {
     }
 }
 
-/// `python -m kvferry ARGS`: the `kvferry` command line (`argv[0]` is the program name) in
-/// this process, for sidecars started from Python (`kvferry.spawn`). Runs the roles
-/// `bootstrap`, `prefill`, `decode` and `proxy`; `demo` and `bench` start agent processes of their own
-/// and run from the `kvferry` binary (`ConfigError`). A bad command line exits with clap's
-/// message, as the binary does; a role that fails raises `Error` with its chain of causes.
+/// `python -m kvferry ARGS` (and the wheel's `kvferry` command): the `kvferry` command line
+/// (`argv[0]` is the program name) in this process, every subcommand of the binary; the
+/// processes `demo` and `bench` start are this interpreter's `-m kvferry`. For sidecars started
+/// from Python (`kvferry.spawn`) too. A bad command line exits with clap's message, as the
+/// binary does; a role that fails raises `Error` with its chain of causes.
 #[pyfunction]
 fn main(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
-    use kvferry::cli::{Command, config, init_logging, run};
+    use kvferry::cli::{config, init_logging, run};
     let cli = config::parse(argv).unwrap_or_else(|e| e.exit());
-    if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) {
-        return Err(errors::ConfigError::new_err(
-            "python -m kvferry runs bootstrap, prefill, decode and proxy; demo and bench run from the kvferry binary (cargo build --release)",
-        ));
-    }
+    let python: std::path::PathBuf = py.import("sys")?.getattr("executable")?.extract()?;
+    kvferry::cluster::run_as(python, vec!["-m".into(), "kvferry".into()]);
     init_logging(cli.log_format);
     py.detach(|| run(cli))
         .map_err(|e| errors::Error::new_err(format!("{e:#}")))

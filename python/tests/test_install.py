@@ -26,7 +26,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import types
 import urllib.request
 
@@ -34,27 +33,10 @@ import pytest
 
 import deployments
 from conftest import REPO
-from test_quickstart import (
-    ENGINE_STARTS,
-    NOT_RUN,
-    PAGE,
-    answer_of,
-    counter,
-    group_alive,
-    group_ps,
-    server_logs,
-    sh_blocks,
-    tail,
-)
-from vllm_servers import free_port
+from test_quickstart import ENGINE_STARTS, NOT_RUN, PAGE, SECTIONS, run_section, sh_blocks
 
 import kvferry
 from kvferry import supported
-
-# The quickstart's two servers start together on the same two cores (about a minute), with room
-# to spare on a busy machine.
-TIMEOUT_S = 600
-
 
 class Fresh(types.SimpleNamespace):
     """The fresh venv: ``python``, its ``bin``, the ``env`` every command of the install runs in,
@@ -112,6 +94,21 @@ def test_the_wheel_gives_the_kvferry_command_and_its_version(fresh):
     assert bad.returncode == 2 and "no-such-role" in bad.stderr, bad
 
 
+def test_the_installed_command_runs_the_demo_and_the_benchmark(fresh):
+    """``kvferry demo`` and ``kvferry bench`` start agents of their own: from the wheel, the
+    interpreter's ``-m kvferry``. Every byte of the demo's rooms is verified."""
+    demo = run(fresh, "kvferry", "demo", "--model", "tiny", "--transport", "zmq-tcp")
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    summary = re.search(r"(\d+) rooms over zmq-tcp .*: (\d+) verified", demo.stdout)
+    assert summary and summary.group(1) == summary.group(2) and int(summary.group(1)) > 0, demo.stdout
+    bench = run(fresh, "kvferry", "bench", "--model", "tiny", "--transport", "zmq-tcp", "--tokens", "16",
+                "--rooms", "3")
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    row = next((line.split() for line in bench.stdout.splitlines() if line.split()[:2] == ["zmq-tcp", "16"]), None)
+    assert row is not None and row[3] == row[4] == "3", bench.stdout
+    print(f"\n{summary.group(0)}\nbench: {' '.join(row)}")
+
+
 def test_the_installed_registry_serves(fresh):
     log = fresh.root / "bootstrap.log"
     with open(log, "wb") as err:
@@ -160,44 +157,10 @@ def test_the_vllm_quickstart_runs_from_the_install(fresh_with_vllm, tmp_path):
     # The page's own install of the wheel into $VLLM_PY runs here, as a user runs it.
     assert any(b.startswith(NOT_RUN) and "pip install" in b and "kvferry-*.whl" in b for b in kept), kept
     script = "set -euo pipefail\n" + "\n".join(kept)
-    engines = [deployments.Engine(kind, "docs/quickstart.md vLLM server, from the installed wheel")
-               for kind, start in ENGINE_STARTS.items() for _ in range(script.count(start))]
-    assert len(engines) == 2, script
-    (tmp_path / "section.sh").write_text(script)
-    env = fresh.env | {p: str(free_port()) for p in ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT", "PROXY_PORT")}
-    env |= {"VLLM_PY": str(fresh.python), "QUICKSTART_DIR": str(tmp_path)}
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
-    start = time.monotonic()
-    with open(out, "wb") as o, open(err, "wb") as e:
-        proc = subprocess.Popen(["bash", str(tmp_path / "section.sh")], cwd=REPO, env=env, stdout=o, stderr=e,
-                                stdin=subprocess.DEVNULL, process_group=0)
-    try:
-        try:
-            rc = proc.wait(TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        took = time.monotonic() - start
-        logs = server_logs(tmp_path / "vllm") + f"\nstderr:\n{tail(err)}\nstdout:\n{tail(out)}"
-        assert rc == 0, f"the vLLM section ended with {rc} after {took:.0f} s; {logs}"
-        answer = answer_of("vLLM", out.read_text())
-        assert answer is not None, f"no answer in the section's output; {logs}"
-        rooms = counter(out.read_text(), "kvferry_rooms_total", 'state="success"')
-        landed = counter(out.read_text(), "kvferry_kv_bytes_total", 'direction="received"')
-        assert rooms >= 1 and landed > 0, f"the decode agent landed {rooms} rooms, {landed} bytes; {logs}"
-        print(f"\nvLLM quickstart from the installed wheel: {took:.0f} s, {rooms:.0f} room, {landed:.0f} bytes landed")
-        deadline = time.monotonic() + 60
-        while group_alive(proc.pid):
-            assert time.monotonic() < deadline, f"processes still run 60 s after the last block:\n{group_ps(proc.pid)}"
-            time.sleep(0.5)
-    finally:
-        if group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGTERM)
-            time.sleep(5)
-            if group_alive(proc.pid):
-                os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        for engine in engines:
-            engine.stopped()
+    assert script.count(ENGINE_STARTS["vllm"]) == 2, script
+    _, _, port_names = SECTIONS["vLLM"]
+    run_section("vLLM", script, fresh.env | {"VLLM_PY": str(fresh.python)}, port_names, tmp_path,
+                "docs/quickstart.md vLLM server, from the installed wheel")
 
 
 # ---- an engine version CI never ran ------------------------------------------------------------

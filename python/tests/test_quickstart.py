@@ -83,7 +83,9 @@ def test_the_page_runs_every_block_but_those_it_says_it_does_not():
         assert len(runnable(sections[name])) >= 5, f"{name}: {sections[name]}"
 
 
-@pytest.fixture(params=list(SECTIONS))
+# vLLM's section runs from the wheel installed into a fresh venv, as a user runs it
+# (test_install.py); the others from the venvs the tests share.
+@pytest.fixture(params=[name for name in SECTIONS if name != "vLLM"])
 def section(request, tmp_path_factory):
     """An engine section's name, its venv's python and the unpacked wheel (skipped, as every
     engine test is, when the venv's variable is unset and the default venv is missing)."""
@@ -97,19 +99,25 @@ def test_a_section_answers_a_completion_and_stops_what_it_started(section, kvfer
     name, python, site = section
     _, venv_variable, port_names = SECTIONS[name]
     script = "set -euo pipefail\n" + "\n".join(runnable(sh_blocks(PAGE.read_text())[name]))
-    engines = [deployments.Engine(kind, f"docs/quickstart.md {name} server")
-               for kind, start in ENGINE_STARTS.items() for _ in range(script.count(start))]
-    assert engines, f"the {name} section starts no engine server the tests know of"
-    (tmp_path / "section.sh").write_text(script)
-    ports = {p: str(free_port()) for p in port_names}
-    env = os.environ | ports | {
+    env = os.environ | {
         # What the blocks the tests do not run provide: kvferry on PATH, its wheel on the path.
         "PATH": f"{kvferry_bin.parent}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": site,
         # The install script checks (and, if out of date, installs) the venv the tests use.
         venv_variable: str(pathlib.Path(python).parents[1]),
-        "QUICKSTART_DIR": str(tmp_path),
     }
+    run_section(name, script, env, port_names, tmp_path, f"docs/quickstart.md {name} server")
+
+
+def run_section(name: str, script: str, env: dict, port_names, tmp_path: pathlib.Path, engine_label: str) -> None:
+    """Runs a section's ``script`` in ``env`` (and free ports of ``port_names``), in a process
+    group of its own: it answers a completion, its decode agent lands the answer's room, and its
+    last block stops everything it started."""
+    engines = [deployments.Engine(kind, engine_label)
+               for kind, start in ENGINE_STARTS.items() for _ in range(script.count(start))]
+    assert engines, f"the {name} section starts no engine server the tests know of"
+    (tmp_path / "section.sh").write_text(script)
+    env = env | {p: str(free_port()) for p in port_names} | {"QUICKSTART_DIR": str(tmp_path)}
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     start = time.monotonic()
     with open(out, "wb") as o, open(err, "wb") as e:

@@ -289,7 +289,7 @@ pub(crate) fn run(args: BenchArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     let progress = std::io::stderr().is_terminal();
-    let exe = std::env::current_exe().context("locating the kvferry binary")?;
+    let exe = crate::cluster::kvferry_exe()?;
     // Room ids unique across configurations and across runs against the same agents.
     let mut next_room = SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -68,7 +68,7 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
         bail!("--tokens must all be > 0");
     }
     let pages = pool_pages(&layout, max_tokens, args.concurrency);
-    let exe = std::env::current_exe().context("locating the kvferry binary")?;
+    let exe = crate::cluster::kvferry_exe()?;
     let agent_args: Vec<String> = [
         "--model",
         &args.model,

@@ -14,7 +14,7 @@ pub use drive::{
     Apis, RoomResult, STAGES, drive_rooms, drive_rooms_counted, memcpy_gbps, percentile,
     pool_pages, summary,
 };
-pub use process::{Process, log_dir};
+pub use process::{Process, kvferry_exe, log_dir, run_as};
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -1,14 +1,42 @@
 //! One spawned kvferry process: started with its arguments and environment (behind a command
 //! prefix such as `ip netns exec NS` if asked), its listening line read, its stderr logged, and
-//! stopped (SIGTERM, then SIGKILL) when dropped.
+//! stopped (SIGTERM, then SIGKILL) when dropped. The kvferry it starts is this executable, or,
+//! in the Python package's `kvferry` command, its interpreter with `-m kvferry` ([`run_as`]).
 
 use std::ffi::OsStr;
 use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
+
+/// The command that runs kvferry when this process is not the `kvferry` binary: a program and
+/// the arguments before a role's.
+static RUN_AS: OnceLock<(PathBuf, Vec<String>)> = OnceLock::new();
+
+/// Runs the kvferry processes this process starts as `program leading... ROLE ARGS` (the
+/// Python package: `python -m kvferry`) instead of this executable. Set once, before any.
+pub fn run_as(program: PathBuf, leading: Vec<String>) {
+    let _ = RUN_AS.set((program, leading));
+}
+
+/// The program that runs kvferry: this executable unless [`run_as`] named another.
+pub fn kvferry_exe() -> anyhow::Result<PathBuf> {
+    match RUN_AS.get() {
+        Some((program, _)) => Ok(program.clone()),
+        None => std::env::current_exe().context("locating the kvferry binary"),
+    }
+}
+
+/// The arguments `exe` takes before a role's ([`run_as`]'s, when `exe` is its program).
+fn leading_args(exe: &Path) -> &'static [String] {
+    match RUN_AS.get() {
+        Some((program, leading)) if program == exe => leading,
+        _ => &[],
+    }
+}
 
 /// One spawned kvferry process.
 #[derive(Debug)]
@@ -63,6 +91,7 @@ impl Process {
             None => Command::new(exe),
         };
         let mut child = cmd
+            .args(leading_args(exe))
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             // A config file names the flags of the parent's subcommand, not of these.
