@@ -177,3 +177,21 @@ def test_a_kv_both_server_is_the_prefill_or_the_decode_of_a_request_by_its_param
     assert got["choices"][0]["token_ids"] == reference[tuple(prompt)]
     assert got.get("kv_transfer_params") is None, got
     assert metric(decode.agent_apis()[0], "kvferry_kv_bytes_total") == landed
+
+
+def test_a_kv_both_server_pairs_with_servers_of_one_role(reference, vllm_fleet, fleet_both):
+    """kv_both beside the fleet's kv_producer and kv_consumer servers, as deployments mix them:
+    its prefill role feeds the fleet's decode, the fleet's prefill feeds its decode role; both
+    answer as a single engine does, each decode landing exactly the blocks it loaded."""
+    reset_prefix_cache(vllm_fleet.decode)
+    mixes = {"kv_both prefill to a kv_consumer": ([Role(fleet_both, "prefill")], vllm_fleet.decodes[:1]),
+             "a kv_producer to kv_both decode": (vllm_fleet.prefills[:1], [Role(fleet_both, "decode")])}
+    for name, (prefills, decodes) in mixes.items():
+        view = View(vllm_fleet, prefills, decodes)
+        try:
+            view.via = {pairing: view.proxy(pairing) for pairing in SEEDS}
+            for pairing, seed in SEEDS.items():
+                run_prompts(view, pairing, make_prompts(seed)[6:10], reference)
+        finally:
+            view.stop()
+        print(f"{name}: token-identical in both pairings")
