@@ -1,8 +1,7 @@
 //! Every command of README.md and docs/*.md runs as written: each `kvferry SUB ...` (also
 //! `/path/to/kvferry`, `cargo run ... -- SUB`, `python -m kvferry SUB`) names a subcommand of
 //! `kvferry --help`, and each long flag after it is one that subcommand's `--help` lists (its
-//! own or a global one); `python -m kvferry` names no subcommand the Python package refuses; a
-//! repository path a command names (`scripts/...`, `python/...`, `examples/...`, `emu/...`)
+//! own or a global one; `python -m kvferry` runs the same command line); a repository path a command names (`scripts/...`, `python/...`, `examples/...`, `emu/...`)
 //! exists, and a flag given to a repository script appears in that script's text.
 //!
 //! Commands are the lines of shell code blocks (sh, bash, console or none; a `\` at the end of
@@ -50,8 +49,6 @@ struct Cli {
     global: BTreeMap<String, bool>,
     /// Each subcommand's long flags, its own and the global ones it lists.
     subcommands: BTreeMap<String, BTreeSet<String>>,
-    /// The subcommands `python -m kvferry` refuses (python/src/lib.rs, `main`).
-    python_refuses: BTreeSet<String>,
 }
 
 impl Cli {
@@ -81,24 +78,9 @@ impl Cli {
                 (name, own)
             })
             .collect();
-        // `main` refuses `matches!(cli.command, Command::Demo(_) | Command::Bench(_))`.
-        let lib = std::fs::read_to_string(root().join("python/src/lib.rs"))
-            .expect("reading python/src/lib.rs");
-        let refusal = lib
-            .lines()
-            .find(|l| l.contains("matches!(cli.command,"))
-            .expect("python/src/lib.rs no longer refuses subcommands as this test reads it");
-        let python_refuses: BTreeSet<String> = refusal
-            .split("Command::")
-            .skip(1)
-            .filter_map(|s| s.split('(').next())
-            .map(str::to_lowercase)
-            .collect();
-        assert!(!python_refuses.is_empty(), "{refusal}");
         Cli {
             global,
             subcommands,
-            python_refuses,
         }
     }
 }
@@ -469,11 +451,6 @@ fn check_invocation(cli: &Cli, at: &str, form: &str, args: &[String]) -> Vec<Str
             None => bad.push(format!("{at}: `{form} {s}`: kvferry has no subcommand {s}")),
             Some(flags) => known.push((s, flags)),
         }
-        if form == "python -m kvferry" && cli.python_refuses.contains(s) {
-            bad.push(format!(
-                "{at}: `python -m kvferry {s}` is refused by the Python package: run the binary"
-            ));
-        }
     }
     for word in &args[i + 1..] {
         if word == "--" {
@@ -528,7 +505,7 @@ KVFERRY_TOKEN=x kvferry --log-format json decode --model tiny \\
   --pool-pages 64 --synthetic-layer-ms 5 | grep listening  # --not-checked
 scripts/no-such-script --out /tmp/x && cargo run --release -- demo --json
 \"$PY\" scripts/vllm/tiny_model.py /tmp/m --seed 0 --no-seed
-python -m kvferry bench
+python -m kvferry bench --no-such-flag
 ```
 
 | `kvferry prefill\\|decoder --tp-rank R` | `error (decode server, kvferry room 42 failed)` |
@@ -542,7 +519,7 @@ python -m kvferry bench
             "x.md:4: `kvferry decode` has no flag --synthetic-layer-ms",
             "x.md:6: scripts/no-such-script does not exist",
             "x.md:7: scripts/vllm/tiny_model.py has no --no-seed",
-            "x.md:8: `python -m kvferry bench` is refused by the Python package: run the binary",
+            "x.md:8: `kvferry bench` has no flag --no-such-flag",
             "x.md:11: `kvferry decoder`: kvferry has no subcommand decoder",
         ]
     );
