@@ -15,6 +15,7 @@ iterations.
 Channels (``--channels``):
   kvferry-zmq-tcp   kvferry over ZeroMQ tcp
   kvferry-ucx-tcp   kvferry over UCX, UCX_TLS=tcp,self on the loopback
+  kvferry-ucx-shm   kvferry over UCX, UCX_TLS=sm,self (shared memory; not in the default list)
   nixl-ucx-tcp      NIXL's UCX backend, UCX_TLS=tcp,self on the loopback
   mooncake-tcp      Mooncake's transfer engine over tcp (its non-CUDA build)
 
@@ -49,6 +50,7 @@ UCX_TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 CHANNELS = {
     "kvferry-zmq-tcp": ("kvferry", {"KVFERRY_TRANSPORT": "zmq-tcp"}),
     "kvferry-ucx-tcp": ("kvferry", {"KVFERRY_TRANSPORT": "ucx"} | UCX_TCP),
+    "kvferry-ucx-shm": ("kvferry", {"KVFERRY_TRANSPORT": "ucx", "UCX_TLS": "sm,self"}),
     "nixl-ucx-tcp": ("nixl", UCX_TCP),
     "mooncake-tcp": ("mooncake_te", {"MC_TE_PROTOCOL": "tcp"}),
 }
@@ -156,7 +158,7 @@ def run_one(python: str, env: dict, channel: str, object_size: int, page: int, o
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--channels", default=",".join(CHANNELS))
+    ap.add_argument("--channels", default=",".join(c for c in CHANNELS if c != "kvferry-ucx-shm"))
     ap.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help="object sizes of the sweep ('' for none)")
     ap.add_argument("--defaults", action="store_true", help="also the benchmark's defaults (10 MiB objects, 100 a read)")
     ap.add_argument("--iters", type=int, default=5)
