@@ -157,8 +157,10 @@ fn init_logs() {
 fn main(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
     use kvferry::cli::{config, init_logging, run};
     let cli = config::parse(argv).unwrap_or_else(|e| e.exit());
-    let python: std::path::PathBuf = py.import("sys")?.getattr("executable")?.extract()?;
-    kvferry::cluster::run_as(python, vec!["-m".into(), "kvferry".into()]);
+    let python: Option<std::path::PathBuf> = py.import("sys")?.getattr("executable")?.extract()?;
+    if let Some(python) = python.filter(|p| !p.as_os_str().is_empty()) {
+        kvferry::cluster::run_as(python, vec!["-m".into(), "kvferry".into()]);
+    }
     init_logging(cli.log_format);
     py.detach(|| run(cli))
         .map_err(|e| errors::Error::new_err(format!("{e:#}")))

@@ -90,8 +90,15 @@ impl Process {
             }
             None => Command::new(exe),
         };
+        let leading = leading_args(exe);
+        if !leading.is_empty() {
+            // `python -m kvferry`: the installed package, never one in the working directory;
+            // and not the stdin watch of a sidecar (this child's stdin is /dev/null).
+            cmd.env("PYTHONSAFEPATH", "1")
+                .env_remove("KVFERRY_STOP_ON_STDIN_EOF");
+        }
         let mut child = cmd
-            .args(leading_args(exe))
+            .args(leading)
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             // A config file names the flags of the parent's subcommand, not of these.

@@ -275,3 +275,45 @@ fn rooms_asked_for_at_once_before_their_prefill_registers_share_one_lookup() {
         served.await.unwrap().unwrap();
     });
 }
+
+#[test]
+fn a_room_behind_a_lookup_that_gave_up_waits_its_own_bootstrap_timeout() {
+    common::runtime().block_on(async {
+        let shutdown = CancellationToken::new();
+        let (registry, served) = common::registry_in_process(&shutdown).await;
+        let timeout = Duration::from_secs(3);
+        let ms = timeout.as_millis().to_string();
+        let cfg = common::in_process_config(&registry, &["--timeout-bootstrap-ms", &ms]);
+        let decode = DecodeAgent::start(cfg, shutdown.clone()).await.unwrap();
+        let room = || RoomRequest {
+            tokens: 40,
+            ..RoomRequest::default()
+        };
+        // No prefill ever registers: room 1's lookup gives up at its timeout; room 2, asked a
+        // second later, waits behind it, then for its own timeout.
+        let first = Instant::now();
+        decode.request(1, room()).await.expect("room 1 requested");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let second = Instant::now();
+        decode.request(2, room()).await.expect("room 2 requested");
+        for (r, asked) in [(1, first), (2, second)] {
+            let view = common::final_view(&decode, r).await;
+            let took = asked.elapsed();
+            let code = view.reason.as_ref().map(|why| why.code.name());
+            assert_eq!(
+                (view.state.name(), code),
+                ("failed", Some("timeout_bootstrap")),
+                "room {r}: {:?}",
+                view.reason
+            );
+            println!("room {r} failed timeout_bootstrap {took:?} after it was asked");
+            assert!(
+                took >= timeout,
+                "room {r} failed {took:?} after it was asked, before its bootstrap timeout {timeout:?}"
+            );
+        }
+        shutdown.cancel();
+        decode.join().await;
+        served.await.unwrap().unwrap();
+    });
+}

@@ -151,7 +151,7 @@ class ChannelConfig:
             options.setdefault("engine", f"lmcache {metadata.version('lmcache')}")
         except metadata.PackageNotFoundError:
             pass
-        timeout = float(kwargs.get("read_timeout_s") or READ_TIMEOUT_S)
+        timeout = READ_TIMEOUT_S if kwargs.get("read_timeout_s") is None else float(kwargs["read_timeout_s"])
         if not 0 < timeout < float("inf"):
             raise ValueError(f"kvferry transfer channel: read_timeout_s must be > 0, not {timeout}")
         return cls(token=token, insecure=insecure, allowed_registries=str(allowed), options=options,

@@ -13,9 +13,12 @@
 //!
 //! Lookups of one group fly one at a time, and the rooms that waited for a lookup share its
 //! outcome: a thousand rooms asked for at once, or while a group is incomplete, make one lookup
-//! at a time, not a thousand.
+//! at a time, not a thousand. A lookup that gave up on an incomplete group at its bootstrap
+//! timeout is not shared (each room waits its own), nor one that began before the decode
+//! forgot every group.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -33,7 +36,8 @@ const CLIENTS: usize = 16;
 /// Groups whose flights are kept before those nobody waits on are dropped.
 const FLIGHTS: usize = 256;
 
-/// A group's lookups, one at a time: the outcome of the last, and when it came.
+/// A group's lookups, one at a time: the outcome of the last that the rooms waiting for it
+/// share, and when it came.
 type Flight = Arc<tokio::sync::Mutex<Option<(Instant, Result<PrefillGroup, Reason>)>>>;
 
 /// Groups by (registry URL, DP rank), with the time each was looked up, the lookups in flight,
@@ -43,6 +47,9 @@ pub(super) struct Groups {
     seen: Mutex<HashMap<(String, u32), (Instant, PrefillGroup)>>,
     flights: Mutex<HashMap<(String, u32), Flight>>,
     clients: Mutex<HashMap<String, RegistryClient>>,
+    /// Counts [`Groups::forget`]: what a lookup begun before it found is neither remembered
+    /// nor shared.
+    generation: AtomicU64,
 }
 
 impl Groups {
@@ -92,7 +99,12 @@ impl Groups {
 
     /// Forgets every group: the next room of each asks the registry.
     pub(super) fn forget(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
         self.seen().clear();
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 }
 
@@ -120,36 +132,38 @@ impl Decode {
         {
             return outcome.clone();
         }
-        let outcome = self.ask(client, key, started).await;
-        *last = Some((Instant::now(), outcome.clone()));
+        let generation = self.groups.generation();
+        let (outcome, gave_up) = self.ask(client, dp_rank, started).await;
+        let current = self.groups.generation() == generation;
+        if let (Ok(group), true) = (&outcome, current) {
+            self.groups
+                .seen()
+                .insert(key, (Instant::now(), group.clone()));
+        }
+        *last = (current && !gave_up).then(|| (Instant::now(), outcome.clone()));
         outcome
     }
 
-    /// Asks `client`'s registry for group `key` until it is complete or the bootstrap timeout
-    /// (from `started`) passes, and remembers it.
+    /// Asks `client`'s registry for group `dp_rank` until it is complete or the bootstrap
+    /// timeout (from `started`) passes; and whether it failed by giving up at that timeout.
     async fn ask(
         &self,
         client: &RegistryClient,
-        key: (String, u32),
+        dp_rank: u32,
         started: Instant,
-    ) -> Result<PrefillGroup, Reason> {
-        let dp_rank = key.1;
+    ) -> (Result<PrefillGroup, Reason>, bool) {
         let deadline = started + self.timeouts().bootstrap;
         let mut attempts = 0u32;
         loop {
             attempts += 1;
             match client.lookup_prefill(dp_rank).await {
-                Ok(group) => {
-                    self.groups
-                        .seen()
-                        .insert(key, (Instant::now(), group.clone()));
-                    return Ok(group);
-                }
+                Ok(group) => return (Ok(group), false),
                 Err(e) if e.is_retryable() && Instant::now() < deadline => {
                     tracing::debug!(error = %e, "prefill group not ready; retrying");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 Err(e) => {
+                    let gave_up = e.is_retryable();
                     let code = match e {
                         ClientError::Incomplete { .. } | ClientError::Unreachable { .. } => {
                             FailureCode::TimeoutBootstrap
@@ -158,7 +172,7 @@ impl Decode {
                         _ => FailureCode::Unreachable,
                     };
                     let plural = if attempts == 1 { "" } else { "s" };
-                    return Err(Reason::new(
+                    let reason = Reason::new(
                         code,
                         format!(
                             "prefill group dp_rank={dp_rank} at {}: {attempts} lookup{plural} in \
@@ -166,7 +180,8 @@ impl Decode {
                             client.base_url(),
                             started.elapsed().as_millis()
                         ),
-                    ));
+                    );
+                    return (Err(reason), gave_up);
                 }
             }
         }

@@ -513,6 +513,7 @@ impl Prefill {
     }
 
     async fn on_abort(self: Arc<Self>, identity: PeerId, abort: protocol::Abort) {
+        let room = abort.room;
         let Some(peer) = self.peers().get(&identity).cloned() else {
             if let Some(why) = self.forgotten.why(&identity) {
                 return self.forgot(&identity, Some(abort.room), &why);
@@ -523,36 +524,53 @@ impl Prefill {
         };
         let running = {
             let mut rooms = self.rooms();
-            let room = rooms.entry(abort.room).or_insert_with(Room::new);
-            let reason = Reason::new(abort.code, abort.message);
-            let t = room
-                .transfers
-                .entry(peer.instance)
-                // The abort overtook its request: a tombstone refuses the late request.
-                .or_insert_with(|| Transfer::new(peer.clone(), None));
-            t.cancel.cancel();
-            t.abort_reason = Some(reason.clone());
-            let running = t.running;
-            if !running {
-                t.end(RoomState::Aborted, Some(reason.clone()));
-                self.settle(room);
+            if self.cfg.serve_reads && !rooms.contains_key(&abort.room) {
+                // A read this prefill served and forgot (its room is gone at the next tick
+                // once final): nothing is in flight, and no read names its room again.
+                false
+            } else {
+                self.end_for_abort(&mut rooms, &peer, abort)
             }
-            // A decode let the room go without asking (its engine computed the prompt itself,
-            // or dropped the request): with no other decode asking, the room waits
-            // `--requeue-ms` for one, as a lost decode's does, not its whole TTL.
-            if !room.asked() && !room.status.state().is_final() && room.requeued.is_none() {
-                room.let_go = Some((Instant::now(), reason));
-            }
-            running
         };
         // A running transfer acknowledges when its task stops; otherwise nothing is in flight.
         if !running {
             let ack = Message::AbortAck(protocol::AbortAck {
-                room: abort.room,
+                room,
                 instance: self.instance,
             });
             self.reply(&identity, ack);
         }
+    }
+
+    /// Ends `abort`'s room for `peer` (a tombstone if its request has not come yet); whether
+    /// its transfer is still running (it then acknowledges when it stops).
+    fn end_for_abort(
+        &self,
+        rooms: &mut HashMap<u64, Room>,
+        peer: &Arc<Peer>,
+        abort: protocol::Abort,
+    ) -> bool {
+        let room = rooms.entry(abort.room).or_insert_with(Room::new);
+        let reason = Reason::new(abort.code, abort.message);
+        let t = room
+            .transfers
+            .entry(peer.instance)
+            // The abort overtook its request: a tombstone refuses the late request.
+            .or_insert_with(|| Transfer::new(peer.clone(), None));
+        t.cancel.cancel();
+        t.abort_reason = Some(reason.clone());
+        let running = t.running;
+        if !running {
+            t.end(RoomState::Aborted, Some(reason.clone()));
+            self.settle(room);
+        }
+        // A decode let the room go without asking (its engine computed the prompt itself,
+        // or dropped the request): with no other decode asking, the room waits
+        // `--requeue-ms` for one, as a lost decode's does, not its whole TTL.
+        if !room.asked() && !room.status.state().is_final() && room.requeued.is_none() {
+            room.let_go = Some((Instant::now(), reason));
+        }
+        running
     }
 
     /// The ways into the decode's pool, best first: the pool's memory file, when the decode
