@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import sys
 import time
 import urllib.request
 
 import numpy as np
+
+from bench import free_ports  # scripts/lmcache/bench.py, beside this file
 
 # An 889-token prompt of the tiny model: 3 whole LMCache chunks of 256 tokens.
 BASE = (
@@ -46,17 +47,6 @@ CHANNEL = re.compile(
     r"(0x[0-9a-f]+); prefill agent api (\S+), decode agent api (\S+) \(data (\S+?)\)"
 )
 RETAINED = re.compile(r"(\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\) in ([0-9.]+) ms")
-
-
-def ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class Side:
@@ -235,7 +225,7 @@ def summary(paths: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["ports"] and len(argv) == 2:
-        print(" ".join(map(str, ports(int(argv[1])))))
+        print(" ".join(map(str, free_ports(int(argv[1])))))
         return 0
     if argv[:1] == ["direction"] and len(argv) == 5:
         result = direction(Side(argv[1]), Side(argv[2]), argv[3])
