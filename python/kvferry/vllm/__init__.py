@@ -25,6 +25,8 @@ cache groups (sliding windows beside full attention) moves as one room per group
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -59,6 +61,12 @@ if TYPE_CHECKING:
 __all__ = ["KvferryConnector"]
 
 logger = init_logger(f"vllm.{__name__}")
+
+
+def aggregated(parts: Iterable[Any]) -> Any:
+    """The workers' reports merged by their ``aggregate`` (None when no worker has one)."""
+    present = [p for p in parts if p is not None]
+    return functools.reduce(lambda a, b: a.aggregate(b), present) if present else None
 
 
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
@@ -221,13 +229,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return sending or None, recving or None
 
     def build_connector_worker_meta(self) -> Failures | None:
-        reports = [r for r in (w.failure_report() for w in self._workers.values()) if r is not None]
-        if not reports:
-            return None
-        merged = reports[0]
-        for other in reports[1:]:
-            merged = merged.aggregate(other)
-        return merged
+        return aggregated(w.failure_report() for w in self._workers.values())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad: set[int] = set()
@@ -238,13 +240,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- vLLM's stats (stats.py) ---------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KvferryStats | None:
-        stats = [taken for taken in (w.stats.take() for w in self._workers.values()) if taken is not None]
-        if not stats:
-            return None
-        merged = stats[0]
-        for other in stats[1:]:
-            merged = merged.aggregate(other)
-        return merged
+        return aggregated(w.stats.take() for w in self._workers.values())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvferryStats:
