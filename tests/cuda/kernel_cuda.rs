@@ -61,7 +61,7 @@ fn nvrtc_compiles_the_kernel_for_sm80_and_sm90() {
             "{arch}"
         );
         assert!(!ptx.contains(".shared"), "{arch}");
-        // Kept for `ptxas -v` (docs/kernels.md shows the figures and the command).
+        // Kept for `ptxas -v` (docs/kernels.md shows the command).
         // A binary carried to another machine (scripts/gpu-check) may find no such folder.
         let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("kv_transfer.{arch}.ptx"));

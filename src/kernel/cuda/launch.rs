@@ -6,8 +6,9 @@
 //! plane of one selected layer), `gridDim.x` = layers x planes x page blocks; the block's
 //! threads copy the segment in 16-byte units where alignment allows. `blockDim.x` is sized to
 //! the largest segment (32..256 threads, whole warps), and `gridDim.y` splits a segment larger
-//! than [`UNITS_PER_THREAD`] units per thread across several blocks. docs/kernels.md explains
-//! the choice.
+//! than [`UNITS_PER_THREAD`] units per thread across several blocks. Why: 256 threads of 32
+//! registers let 8 blocks stay resident per SM, enough loads in flight to cover memory latency;
+//! a tiny segment gets one warp, not eight idle ones; the split spreads huge pages over the SMs.
 //!
 //! Invariant: [`plan`] validates the selection against the layout (the checks the CPU kernel
 //! runs, [`Selection::validate_in`]) and checks every quantity the kernel computes in 32 bits,
