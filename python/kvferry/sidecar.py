@@ -51,7 +51,7 @@ from .rooms import DecodeRoomView, PoolCounts, PrefillRoomView, RoomState, RoomV
 # 30 s in which the agent wants the next request's head (kvferry_wire::http::HEADER_TIMEOUT).
 _CLIENT_IDLE = 20.0
 
-# The refusal of a room operation by HTTP status (the agents' API, docs/operations.md): 403 is
+# The refusal of a room operation by HTTP status (docs/engines.md, "The room API"): 403 is
 # a room or hold naming a registry the decode does not trust (nothing was sent to it).
 _REFUSALS = {400: BadRequest, 403: Forbidden, 404: UnknownRoom, 409: Conflict, 429: Exhausted, 503: Unavailable}
 # The longest one long-poll of the API waits (the server caps ?wait_ms= at 60 s).

@@ -1,4 +1,4 @@
-//! A room's lifecycle, shared by both agents: the monotonic state (docs/operations.md, room JSON), the
+//! A room's lifecycle, shared by both agents: the monotonic state (docs/engines.md, room JSON), the
 //! reason of a failure, a timestamp per state change, and a watch channel that long-polling
 //! engines wait on.
 //!
@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use crate::reason::Reason;
 
-/// The state of a room (names fixed by the room JSON, docs/operations.md).
+/// The state of a room (names fixed by the room JSON, docs/engines.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RoomState {
@@ -198,7 +198,7 @@ impl RoomStatus {
     }
 
     /// Records a named event unless it was recorded before: the first time a stage was
-    /// reached (a room's first gather, first send, first landing; docs/operations.md, "Room
+    /// reached (a room's first gather, first send, first landing; docs/engines.md, "Room
     /// JSON").
     pub fn mark_first(&mut self, event: &'static str) {
         if self.at(event).is_none() {

@@ -54,7 +54,7 @@ fn offsets_into_an_impossible_pool_are_refused() {
     assert!(end < l.pool_bytes(pages).unwrap());
 }
 
-/// The worked example of docs/operations.md ("The byte layout of an `shm:` pool").
+/// The worked example of docs/engines.md ("The byte layout of an `shm:` pool").
 #[test]
 fn shm_pool_worked_example_of_the_operations_guide() {
     let l = KvLayout::new(ModelSpec::preset("tiny").unwrap(), 16)

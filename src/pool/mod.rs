@@ -11,7 +11,7 @@
 //! references into its memory (another process may write it at any time); bytes move through
 //! raw copies: the kernels, and [`HostPool::read`] / [`HostPool::write`].
 //!
-//! Which pages may be written when is the agents' business (page ownership, docs/operations.md);
+//! Which pages may be written when is the agents' business (page ownership, docs/engines.md);
 //! [`allocator`] hands out the pages the agent owns.
 #![allow(unsafe_code)]
 

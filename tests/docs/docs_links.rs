@@ -354,7 +354,7 @@ fn anchors_follow_github() {
 #[test]
 fn a_broken_citation_or_link_is_reported() {
     let docs = markdown();
-    let ok = "see docs/operations.md, \"Room\n/// JSON\" and docs/operations.md (\"Logs\").";
+    let ok = "see docs/engines.md, \"Room\n/// JSON\" and docs/operations.md (\"Logs\").";
     assert_eq!(check_citations(&docs, "x.rs", ok), Vec::<String>::new());
     let broken = "a\n// (docs/operations.md, \"Logs\" and \"No such\n// section\")";
     assert_eq!(

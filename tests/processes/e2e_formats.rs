@@ -501,7 +501,7 @@ fn run(cfg: Config) {
                 .join("\n")
         ));
     }
-    // Bytes landed, as the decode counts them (docs/operations.md, `bytes`): the room's tokens
+    // Bytes landed, as the decode counts them (docs/engines.md, `bytes`): the room's tokens
     // for token-granular formats and vllm-cpu pages re-blocked between page sizes; for vllm-cpu
     // pages of one size, which move whole, every token slot of the pages the room touches.
     // Always what the decode expected.

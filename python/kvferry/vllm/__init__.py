@@ -104,7 +104,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning(
                     "KvferryConnector: --shutdown-timeout is 0: on SIGTERM vLLM stops this engine at once, "
                     "failing the requests it runs and the rooms it holds for decodes; give "
-                    "--shutdown-timeout (seconds) to drain them (docs/operations.md, \"Drain\")")
+                    "--shutdown-timeout (seconds) to drain them "
+                    "(docs/operations.md, \"Draining and rolling upgrades\")")
         else:
             self._workers = {r: self.worker_side(vllm_config, kv_cache_config, config, r, len(roles)) for r in roles}
         self._times = StepTimes("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
