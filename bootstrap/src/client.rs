@@ -629,6 +629,12 @@ impl KeepAlive {
         }
     }
 
+    /// What tells, at any time, whether the instance was replaced: the reason [`Self::lost`]
+    /// resolves with, once it was; `None` until then.
+    pub fn replaced(&self) -> tokio::sync::watch::Receiver<Option<String>> {
+        self.lost.clone()
+    }
+
     /// Waits until the task has ended (after its token was cancelled and it deregistered).
     pub async fn stopped(self) {
         if let Err(e) = self.handle.await {

@@ -30,7 +30,8 @@ pub use client::{ClientError, KeepAlive, RegistryClient, Renewal};
 pub use error::{ApiError, RejectReason, Rejection};
 pub use registry::{Registered, Registry, RegistryError, RegistryStats};
 pub use server::{
-    DEFAULT_BODY_LIMIT, DEFAULT_LEASE_TTL, DEFAULT_PORT, ServerConfig, serve, serve_store,
+    DEFAULT_BODY_LIMIT, DEFAULT_LEASE_TTL, DEFAULT_PORT, Listeners, ServerConfig, serve,
+    serve_store,
 };
 #[cfg(feature = "etcd")]
 pub use store::EtcdStore;

@@ -11,6 +11,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use kvferry_wire::BuildInfo;
+
 use crate::error::RejectReason;
 use crate::registry::RegistryStats;
 
@@ -29,15 +31,24 @@ struct Role {
     role: &'static str,
 }
 
-/// Counters updated lock-free by the request handlers.
+/// Counters updated lock-free by the request handlers, and the build `/metrics` names.
 #[derive(Debug)]
 pub struct Metrics {
     lookups: Family<Result, Counter>,
     rejected: Family<Reason, Counter>,
+    build: Option<BuildInfo>,
 }
 
 impl Default for Metrics {
+    /// Zeroed counters, without `kvferry_build_info`.
     fn default() -> Self {
+        Metrics::new(None)
+    }
+}
+
+impl Metrics {
+    /// Zeroed counters; `/metrics` says `kvferry_build_info` of `build` when known.
+    pub fn new(build: Option<BuildInfo>) -> Self {
         let lookups = Family::default();
         for result in ["complete", "incomplete"] {
             let _ = lookups.get_or_create(&Result { result });
@@ -46,11 +57,13 @@ impl Default for Metrics {
         for r in RejectReason::ALL {
             let _ = rejected.get_or_create(&Reason { reason: r.as_str() });
         }
-        Metrics { lookups, rejected }
+        Metrics {
+            lookups,
+            rejected,
+            build,
+        }
     }
-}
 
-impl Metrics {
     /// Counts one prefill lookup; `complete` is false when it answered 503.
     pub fn lookup(&self, complete: bool) {
         let result = if complete { "complete" } else { "incomplete" };
@@ -115,10 +128,7 @@ impl Metrics {
             "Requests answered with a 4xx, by reason",
             self.rejected.clone(),
         );
-        let mut out = String::with_capacity(2048);
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &r);
-        out
+        kvferry_wire::build_info::encode(self.build.as_ref(), &r)
     }
 }
 
@@ -162,5 +172,19 @@ mod tests {
         let helps = text.lines().filter(|l| l.starts_with("# HELP")).count();
         let types = text.lines().filter(|l| l.starts_with("# TYPE")).count();
         assert_eq!((helps, types), (6, 6));
+        assert!(!text.contains("build_info"), "{text}");
+    }
+
+    #[test]
+    fn the_build_is_named_when_the_caller_knows_it() {
+        let build = BuildInfo {
+            version: "0.1.0",
+            revision: "abc1234",
+            protocol: 13,
+        };
+        let text = Metrics::new(Some(build)).render(&RegistryStats::default());
+        let line = "kvferry_build_info{version=\"0.1.0\",revision=\"abc1234\",protocol=\"13\"} 1";
+        assert!(text.lines().any(|l| l == line), "{text}");
+        assert!(text.contains("kvferry_bootstrap_groups 0"), "{text}");
     }
 }

@@ -13,6 +13,11 @@
 //! | GET | `/healthz` | 200 `Health` | |
 //! | GET | `/metrics` | 200 OpenMetrics text | 401 |
 //!
+//! Given a second listener ([`Listeners::metrics`]), the registry also serves the metrics port
+//! ([`kvferry_wire::metrics_port`]: `/metrics`, `/livez`, `/readyz`, no token): it is ready
+//! while its store answers, and live whatever the store does, so that a liveness probe never
+//! restarts a replica because etcd is down.
+//!
 //! With the etcd store, every route but an unknown one may also answer 503 when etcd cannot
 //! be reached in time (see below).
 //!
@@ -84,6 +89,9 @@ pub struct ServerConfig {
     pub store: StoreConfig,
     /// HTTPS: the registry's certificate and key (`None`: plain HTTP).
     pub tls: Option<kvferry_wire::tls::ServerTls>,
+    /// The build `kvferry_build_info` names on `/metrics` (`None`: no such gauge); the
+    /// command line that runs the registry knows it.
+    pub build: Option<kvferry_wire::BuildInfo>,
 }
 
 impl Default for ServerConfig {
@@ -94,6 +102,7 @@ impl Default for ServerConfig {
             body_limit: DEFAULT_BODY_LIMIT,
             store: StoreConfig::Memory,
             tls: None,
+            build: None,
         }
     }
 }
@@ -134,11 +143,27 @@ impl<S: Store> AppState<S> {
     }
 }
 
-/// Serves the registry on `listener`, its state in the store `config.store` names, until
-/// `shutdown` is cancelled, then lets in-flight requests finish (for at most a few seconds)
-/// and returns.
+/// Where the registry listens: its API, and its metrics port when it has one.
+#[derive(Debug)]
+pub struct Listeners {
+    /// The registry's API (every route of the module doc).
+    pub api: TcpListener,
+    /// The metrics port ([`kvferry_wire::metrics_port`]), when asked for.
+    pub metrics: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    /// The API alone, without a metrics port.
+    fn from(api: TcpListener) -> Self {
+        Listeners { api, metrics: None }
+    }
+}
+
+/// Serves the registry on `listener` (its API, and its metrics port when given one), its state
+/// in the store `config.store` names, until `shutdown` is cancelled, then lets in-flight
+/// requests finish (for at most a few seconds) and returns.
 pub async fn serve(
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     config: ServerConfig,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
@@ -176,21 +201,37 @@ fn check_ttl(ttl: Duration) -> io::Result<()> {
 /// [`serve`] over `store` (whose lease length wins over `config.lease_ttl`; `config.store` is
 /// not looked at).
 pub async fn serve_store<S: Store>(
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     config: ServerConfig,
     store: S,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
     check_ttl(store.ttl())?;
+    let Listeners {
+        api: listener,
+        metrics: metrics_port,
+    } = listener.into();
     let period = sweep_period(store.ttl());
     let state = AppState {
         store: Arc::new(store),
-        metrics: Arc::new(Metrics::default()),
+        metrics: Arc::new(Metrics::new(config.build)),
         token: config.token.as_deref().map(Arc::from),
         body_limit: config.body_limit,
     };
     let stop_sweeper = shutdown.child_token();
     let sweeper = tokio::spawn(sweep(state.store.clone(), period, stop_sweeper.clone()));
+    let watched = Arc::new(Watch {
+        store: state.store.clone(),
+        metrics: state.metrics.clone(),
+    });
+    let metrics_port = metrics_port.map(|listener| {
+        let serve = kvferry_wire::metrics_port::serve(listener, watched, shutdown.clone());
+        tokio::spawn(async move {
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "metrics port stopped");
+            }
+        })
+    });
     let proof = match state.token {
         Some(_) => kvferry_wire::http::Proof::Authorized,
         None => kvferry_wire::http::Proof::Request,
@@ -212,7 +253,32 @@ pub async fn serve_store<S: Store>(
     if let Err(e) = sweeper.await {
         tracing::warn!(error = %e, "lease sweeper task failed");
     }
+    if let Some(port) = metrics_port {
+        // Shut down with the API; a connection still open past the grace is dropped.
+        let _ = tokio::time::timeout(SHUTDOWN_GRACE, port).await;
+    }
     result
+}
+
+/// What the registry's metrics port reads: its metrics, and whether its store answers.
+struct Watch<S> {
+    store: Arc<S>,
+    metrics: Arc<Metrics>,
+}
+
+impl<S: Store> kvferry_wire::metrics_port::Watched for Watch<S> {
+    async fn metrics(&self) -> Result<String, String> {
+        let stats = self.store.stats().await.map_err(|e| e.to_string())?;
+        Ok(self.metrics.render(&stats))
+    }
+
+    async fn ready(&self) -> Result<(), String> {
+        self.store
+            .stats()
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
 }
 
 fn router<S: Store>(state: AppState<S>, body_limit: usize) -> Router {

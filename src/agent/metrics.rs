@@ -1,7 +1,8 @@
 //! An agent's Prometheus metrics, on the `prometheus-client` library (`GET /metrics`,
 //! OpenMetrics text). Names follow Prometheus conventions (`kvferry_` prefix, `_total` on
-//! counters, which the library appends, `_seconds` and `_bytes` units) and every series
-//! carries the agent's `role` (the registry's constant label, first). Every label value of a
+//! counters, which the library appends, `_seconds` and `_bytes` units) and every series but
+//! `kvferry_build_info` (the same on every role: `kvferry_wire::build_info`) carries the
+//! agent's `role` (the registry's constant label, first). Every label value of a
 //! closed set is exposed from the start (at 0 until it happens), so a scrape after a run has a
 //! stable shape.
 //!
@@ -381,10 +382,7 @@ impl Metrics {
             .get_or_create(&State { state: "used" })
             .set(used as i64);
         r.register("pool_pages", "Agent-owned pool pages", pages);
-        let mut out = String::new();
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &r);
-        out
+        crate::cli::BUILD.encode(&r)
     }
 }
 
@@ -412,6 +410,12 @@ mod tests {
         g.room(RoomState::Transferring);
         let text = m.render(&g);
         println!("{text}");
+        let build = crate::cli::BUILD;
+        let build = format!(
+            r#"kvferry_build_info{{version="{}",revision="{}",protocol="{}"}} 1"#,
+            build.version, build.revision, build.protocol
+        );
+        assert!(text.lines().any(|l| l == build), "{build}");
         for line in [
             r#"kvferry_scatter_seconds_bucket{role="decode",le="0.0001"} 1"#,
             r#"kvferry_scatter_seconds_bucket{role="decode",le="0.005"} 2"#,

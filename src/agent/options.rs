@@ -114,6 +114,12 @@ pub struct AgentOptions {
     /// Port of the engine-facing HTTP API (0 picks one; the listening line tells which).
     #[arg(long, env = "KVFERRY_API_PORT", default_value_t = 0)]
     pub api_port: u16,
+    /// Port of the metrics port on --api-host: /metrics, /livez and /readyz (ready once
+    /// registered, until the agent drains), read-only, plain HTTP, no token; keep it reachable
+    /// by the scraper and the kubelet only (0 picks a free one; the listening line tells
+    /// which). Without it, none.
+    #[arg(long, env = "KVFERRY_METRICS_PORT")]
+    pub metrics_port: Option<u16>,
     /// Run the built-in synthetic engine: the prefill fills pages with a pattern, the decode
     /// checks the landed bytes on take (--synthetic-verify).
     #[arg(long, env = "KVFERRY_SYNTHETIC", value_parser = clap::builder::BoolishValueParser::new())]
@@ -401,6 +407,7 @@ impl AgentOptions {
             data_port: self.data_port,
             api_host: self.api_host.clone(),
             api_port: self.api_port,
+            metrics_port: self.metrics_port,
             api_tls,
             synthetic: self.synthetic,
             synthetic_verify: self.synthetic_verify,

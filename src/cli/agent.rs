@@ -94,6 +94,13 @@ pub(crate) fn run(role: AgentRole, args: AgentOptions) -> anyhow::Result<()> {
                 line["instance"] = a.instance.to_string().into();
             }
         }
+        let metrics = match &agent {
+            Running::Prefill(a) => &a.metrics_url,
+            Running::Decode(a) => &a.metrics_url,
+        };
+        if let Some(url) = metrics {
+            line["metrics"] = url.clone().into();
+        }
         print_listening(&line)?;
         let lost = async {
             match &agent {

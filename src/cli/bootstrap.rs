@@ -2,8 +2,9 @@
 //! or SIGTERM, then shuts down gracefully and exits 0.
 //!
 //! Once listening it prints exactly one JSON line on stdout,
-//! `{"event":"listening","role":"bootstrap","url":"http://HOST:PORT","store":"memory"}`, so a
-//! script that started it with `--port 0` learns the port. Logs go to stderr.
+//! `{"event":"listening","role":"bootstrap","url":"http://HOST:PORT","store":"memory"}` (with
+//! `"metrics":"http://HOST:PORT"` when it serves a metrics port), so a script that started it
+//! with `--port 0` learns the port. Logs go to stderr.
 //!
 //! `--store etcd://H:P[,H:P...]` keeps the registry's state in etcd: any number of these
 //! processes on the same etcd cluster serve one view (docs/operations.md).
@@ -26,6 +27,12 @@ pub struct BootstrapArgs {
     /// Port to listen on (0 picks a free one; the listening line on stdout tells which).
     #[arg(long, env = "KVFERRY_BOOTSTRAP_PORT", default_value_t = kvferry_bootstrap::DEFAULT_PORT)]
     port: u16,
+
+    /// Port of the metrics port on --host: /metrics, /livez and /readyz (ready while the store
+    /// answers), read-only, plain HTTP, no token; keep it reachable by the scraper and the
+    /// kubelet only (0 picks a free one; the listening line tells which). Without it, none.
+    #[arg(long, env = "KVFERRY_BOOTSTRAP_METRICS_PORT")]
+    metrics_port: Option<u16>,
 
     /// Lease length in milliseconds: a rank not renewed within it disappears from lookups.
     #[arg(long, env = "KVFERRY_LEASE_TTL_MS", default_value_t = 10_000)]
@@ -114,12 +121,17 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
     let local = listener
         .local_addr()
         .context("reading the listening address")?;
+    let metrics = super::metrics_port(&args.host, args.metrics_port).await?;
     // A wildcard bind is named at this host's loopback, an address a client can use.
     let tls = args.tls.load()?;
     let url = crate::exposure::url_of(local, crate::exposure::loopback_of(local), tls.is_some());
     let store = args.store.to_string();
-    let line =
+    let mut line =
         serde_json::json!({"event": "listening", "role": "bootstrap", "url": url, "store": store});
+    let metrics = metrics.map(|(listener, url)| {
+        line["metrics"] = url.into();
+        listener
+    });
     {
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "{line}").context("writing the listening line to stdout")?;
@@ -134,9 +146,14 @@ async fn serve_until_signalled(args: BootstrapArgs) -> anyhow::Result<()> {
         token: args.token,
         store: args.store,
         tls,
+        build: Some(super::BUILD),
         ..ServerConfig::default()
     };
-    let served = serve(listener, config, shutdown.clone()).await;
+    let listeners = kvferry_bootstrap::Listeners {
+        api: listener,
+        metrics,
+    };
+    let served = serve(listeners, config, shutdown.clone()).await;
     signals.abort();
     served.context("serving the registry")?;
     tracing::info!("bootstrap registry stopped");
@@ -164,6 +181,8 @@ mod tests {
     fn defaults_and_validation() {
         let args = parse(&[]);
         assert_eq!((args.port, args.lease_ttl_ms), (8998, 10_000));
+        assert_eq!(args.metrics_port, None);
+        assert_eq!(parse(&["--metrics-port", "9102"]).metrics_port, Some(9102));
         assert_eq!(args.store, StoreConfig::Memory);
         let wrapped = Wrapper::try_parse_from(["kvferry", "--store", "etcd://nohost"]);
         let err = wrapped.unwrap_err().to_string();

@@ -47,6 +47,14 @@ pub const VERSION: &str = concat!(
     ")"
 );
 
+/// What `kvferry_build_info` says on every role's `/metrics`: the parts of `--version`
+/// ([`VERSION`], [`long_version`]).
+pub const BUILD: kvferry_wire::BuildInfo = kvferry_wire::BuildInfo {
+    version: env!("CARGO_PKG_VERSION"),
+    revision: env!("GIT_REVISION"),
+    protocol: crate::protocol::VERSION,
+};
+
 /// The cargo features this build has (`--features`): what it can do beyond ZeroMQ and the
 /// in-memory registry. CUDA is no feature: it is loaded at run time by every build.
 pub const FEATURES: &[(&str, bool)] = &[
@@ -136,6 +144,25 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Route OpenAI requests to prefill and decode vLLM servers that move KV through kvferry.
     Proxy(proxy::ProxyArgs),
+}
+
+/// The metrics port of the registry or the proxy on `host`, bound when `--metrics-port` gave
+/// one ([`kvferry_wire::metrics_port`]), and its URL for the listening line (a wildcard bind
+/// named at loopback).
+async fn metrics_port(
+    host: &str,
+    port: Option<u16>,
+) -> anyhow::Result<Option<(tokio::net::TcpListener, String)>> {
+    use anyhow::Context as _;
+    let Some(port) = port else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .with_context(|| format!("binding the metrics port {host}:{port}"))?;
+    let bound = listener.local_addr()?;
+    let url = crate::exposure::url_of(bound, crate::exposure::loopback_of(bound), false);
+    Ok(Some((listener, url)))
 }
 
 /// Logs to stderr in `format` (stdout carries the listening line and results only), filtered

@@ -50,6 +50,12 @@ pub struct ProxyArgs {
     /// Port to listen on (0 picks a free one; the listening line tells which).
     #[arg(long, env = "KVFERRY_PROXY_PORT", default_value_t = 8000)]
     port: u16,
+    /// Port of the metrics port on --host: /metrics, /livez and /readyz (ready while a prefill
+    /// and a decode server are usable), read-only, plain HTTP, no key; keep it reachable by
+    /// the scraper and the kubelet only (0 picks a free one; the listening line tells which).
+    /// Without it, none.
+    #[arg(long, env = "KVFERRY_PROXY_METRICS_PORT")]
+    metrics_port: Option<u16>,
     /// first-token: the prefill first, its first token to the client at once, the decode
     /// continuing from it; sequential: the prefill first, its kv_transfer_params into the
     /// decode request; concurrent: both requests at once, the proxy names the room.
@@ -154,13 +160,23 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let metrics = super::metrics_port(&args.host, args.metrics_port).await?;
     // One round (the registry read, health checks and kvferry_identify) before the listening
     // line: a request that comes right after it finds the servers that were up.
     proxy.first_round().await;
     let watcher = tokio::spawn(proxy.clone().watch(period));
     let local = listener.local_addr()?;
     let url = crate::exposure::url_of(local, crate::exposure::loopback_of(local), tls.is_some());
-    let line = json!({"event": "listening", "role": "proxy", "url": url});
+    let mut line = json!({"event": "listening", "role": "proxy", "url": url});
+    let metrics_port = match metrics {
+        Some((listener, url)) => {
+            line["metrics"] = url.into();
+            let serve =
+                kvferry_wire::metrics_port::serve(listener, proxy.clone(), shutdown.clone());
+            Some(tokio::spawn(serve))
+        }
+        None => None,
+    };
     {
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "{line}")?;
@@ -178,5 +194,10 @@ async fn serve(args: ProxyArgs) -> anyhow::Result<()> {
     .await;
     signals.abort();
     watcher.abort();
+    if let Some(port) = metrics_port {
+        port.await
+            .context("the metrics port")?
+            .context("serving the metrics port")?;
+    }
     served.context("serving")
 }

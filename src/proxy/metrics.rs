@@ -251,10 +251,7 @@ impl ProxyMetrics {
 
     /// The text exposition.
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        crate::cli::BUILD.encode(&self.registry)
     }
 }
 

@@ -102,7 +102,8 @@ impl Proxy {
     }
 }
 
-/// The proxy's routes: the API's behind [`authorize`], `/health` and `/metrics` open.
+/// The proxy's routes: the API's behind [`authorize`], `/health` (which vLLM's clients probe),
+/// `/healthz` (the same, by every role's name) and `/metrics` open.
 pub fn router(proxy: Arc<Proxy>) -> Router {
     let api = Router::new()
         .route("/v1/completions", post(completions))
@@ -122,6 +123,7 @@ pub fn router(proxy: Arc<Proxy>) -> Router {
             )),
         )
         .route("/health", get(health))
+        .route("/healthz", get(health))
         .route("/metrics", get(metrics))
         .with_state(proxy)
 }
@@ -251,12 +253,37 @@ impl Forwarded {
 /// `min_tokens` above `max_tokens`.
 const NOT_FOR_THE_PREFILL: [&str; 1] = ["min_tokens"];
 
-/// 200 while at least one prefill and one decode server are usable.
+impl Proxy {
+    /// The role the proxy has no usable server of (`prefill` first), or `None` when it can
+    /// answer a request: at least one prefill and one decode server are usable.
+    pub fn lacks(&self) -> Option<&'static str> {
+        match (self.prefills.any_usable(), self.decodes.any_usable()) {
+            (true, true) => None,
+            (false, _) => Some("prefill"),
+            (_, false) => Some("decode"),
+        }
+    }
+}
+
+/// `/health` and `/healthz`: 200 while the proxy can answer a request ([`Proxy::lacks`]).
 async fn health(State(p): State<Arc<Proxy>>) -> Response {
-    match (p.prefills.any_usable(), p.decodes.any_usable()) {
-        (true, true) => StatusCode::OK.into_response(),
-        (false, _) => unavailable("prefill").response,
-        (_, false) => unavailable("decode").response,
+    match p.lacks() {
+        None => StatusCode::OK.into_response(),
+        Some(role) => unavailable(role).response,
+    }
+}
+
+/// The proxy's metrics port: ready while it can answer a request, as `/health` says.
+impl kvferry_wire::metrics_port::Watched for Proxy {
+    async fn metrics(&self) -> Result<String, String> {
+        Ok(self.metrics.encode())
+    }
+
+    async fn ready(&self) -> Result<(), String> {
+        match self.lacks() {
+            None => Ok(()),
+            Some(role) => Err(format!("no usable {role} server")),
+        }
     }
 }
 

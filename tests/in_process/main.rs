@@ -10,6 +10,7 @@ mod engine_memory;
 mod formats;
 mod inprocess_api;
 mod kernel_cpu;
+mod metrics_port_agents;
 mod pool_shm;
 mod reads;
 mod registry_lookups_in_process;

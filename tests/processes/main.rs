@@ -28,6 +28,7 @@ mod e2e_hostile;
 mod e2e_hosts;
 mod e2e_mapped;
 mod e2e_metrics;
+mod e2e_metrics_port;
 mod e2e_pairing;
 mod e2e_proxy;
 mod e2e_registry;

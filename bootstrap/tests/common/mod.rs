@@ -22,6 +22,8 @@ use uuid::Uuid;
 pub(crate) struct TestServer {
     pub(crate) addr: SocketAddr,
     pub(crate) url: String,
+    /// The registry's metrics port (`/metrics`, `/livez`, `/readyz`), which every test server has.
+    pub(crate) metrics: String,
     shutdown: CancellationToken,
     task: JoinHandle<std::io::Result<()>>,
 }
@@ -47,11 +49,18 @@ impl TestServer {
             }
         };
         let addr = listener.local_addr().unwrap();
+        let metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let metrics_url = format!("http://{}", metrics.local_addr().unwrap());
+        let listeners = kvferry_bootstrap::Listeners {
+            api: listener,
+            metrics: Some(metrics),
+        };
         let shutdown = CancellationToken::new();
-        let task = tokio::spawn(serve(listener, config, shutdown.clone()));
+        let task = tokio::spawn(serve(listeners, config, shutdown.clone()));
         Self {
             addr,
             url: format!("http://{addr}"),
+            metrics: metrics_url,
             shutdown,
             task,
         }

@@ -8,7 +8,8 @@
 //! - with one etcd member killed (-9, the leader), both replicas keep serving;
 //! - an etcd that cannot be reached (connections refused, or accepted and never answered)
 //!   gives a 503 with a clear message within a bound, and a client with several registry URLs
-//!   fails over to a replica that works.
+//!   fails over to a replica that works; its metrics port stays live (`/livez` 200) and says it
+//!   is not ready (`/readyz` 503).
 //!
 //! Without etcd installed the tests print why and pass, except under CI=true, where they fail.
 
@@ -447,6 +448,39 @@ async fn an_unreachable_etcd_is_a_503_with_a_clear_message_within_a_bound() {
             body.error
         );
     }
+    // The metrics port: live whatever etcd does (a liveness probe restarts no replica), not
+    // ready while its store cannot answer.
+    let live = http
+        .get(format!("{}/livez", server.metrics))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(live.status(), StatusCode::OK);
+    let start = Instant::now();
+    let ready = http
+        .get(format!("{}/readyz", server.metrics))
+        .send()
+        .await
+        .unwrap();
+    let took = start.elapsed();
+    assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let why = ready.text().await.unwrap();
+    println!("/readyz on the metrics port: 503 after {took:?}: {why}");
+    assert!(took < Duration::from_secs(20), "bounded: {took:?}");
+    assert!(
+        why.starts_with("not ready: registry store unavailable: ") && why.contains("etcd at"),
+        "{why}"
+    );
+    let live = http
+        .get(format!("{}/livez", server.metrics))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        live.status(),
+        StatusCode::OK,
+        "still live after the store failed"
+    );
     // Bad input is still refused before the store is asked.
     let mut invalid = r.clone();
     invalid.tp_rank = 1;

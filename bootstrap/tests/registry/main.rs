@@ -1,5 +1,6 @@
 //! The registry's behaviour against real servers on 127.0.0.1: its typed client, the bearer
-//! token and `/metrics`, malformed requests, and the etcd store on a real etcd cluster.
+//! token and `/metrics`, the metrics port, malformed requests, and the etcd store on a real etcd
+//! cluster.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -8,3 +9,4 @@ mod api;
 mod auth_metrics;
 mod bad_input;
 mod etcd;
+mod metrics_port;

@@ -66,6 +66,8 @@ use crate::transport::{self, PoolMemory};
 pub struct DecodeAgent {
     /// The engine-facing HTTP API, e.g. `http://127.0.0.1:40111`.
     pub api_url: String,
+    /// The metrics port (`--metrics-port`), when it serves one.
+    pub metrics_url: Option<String>,
     /// This process's instance id.
     pub instance: Uuid,
     /// Where prefill agents send data.
@@ -186,12 +188,12 @@ impl DecodeAgent {
             app.with_state(inner.clone()),
             inner.cfg.api_tls.clone(),
         );
-        let token = inner.cfg.token.is_some();
-        let serving =
-            super::Serving::start(&registry, reg, tasks, api, shutdown, ("decode", token)).await?;
+        let (cfg, draining) = (&inner.cfg, &inner.draining);
+        let serving = super::Serving::start(&inner, cfg, draining, tasks, api, shutdown).await?;
         tracing::info!(%instance, api = %api_url, data = %data_endpoint, "decode agent listening");
         Ok(DecodeAgent {
             api_url,
+            metrics_url: serving.metrics_url(),
             instance,
             data_endpoint,
             serving,

@@ -70,6 +70,8 @@ use crate::transport::{self, Transport};
 pub struct PrefillAgent {
     /// The engine-facing HTTP API.
     pub api_url: String,
+    /// The metrics port (`--metrics-port`), when it serves one.
+    pub metrics_url: Option<String>,
     /// This process's instance id.
     pub instance: Uuid,
     /// The control endpoint decode agents connect to.
@@ -174,12 +176,12 @@ impl PrefillAgent {
             app.with_state(inner.clone()),
             inner.cfg.api_tls.clone(),
         );
-        let token = inner.cfg.token.is_some();
-        let serving =
-            super::Serving::start(&registry, reg, tasks, api, shutdown, ("prefill", token)).await?;
+        let (cfg, draining) = (&inner.cfg, &inner.draining);
+        let serving = super::Serving::start(&inner, cfg, draining, tasks, api, shutdown).await?;
         tracing::info!(%instance, api = %api_url, control = %control_endpoint, "prefill agent listening");
         Ok(PrefillAgent {
             api_url,
+            metrics_url: serving.metrics_url(),
             instance,
             control_endpoint,
             serving,
