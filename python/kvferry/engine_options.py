@@ -14,8 +14,8 @@ backend), from every place an operator may give them, with one spelling and one 
   engine's own variables (SGLang's ``SGLANG_DISAGGREGATION_*``), kvferry's defaults. An option
   no agent has is an error that names the valid ones.
 - **Pinned ports.** Every worker of a server gets the same options, so each pinned port
-  (``control_port``, ``data_port``, ``api_port``: from the options, the environment or the
-  file; 0 picks a free one and is left alone) is offset per agent:
+  (``control_port``, ``data_port``, ``api_port``, ``metrics_port``: from the options, the
+  environment or the file; 0 picks a free one and is left alone) is offset per agent:
   ``port + worker × agents + agent``, where ``worker`` is the worker's index in its server
   (``dp_rank × tp_size + tp_rank``), ``agents`` the agents each worker runs (2 for vLLM's
   ``kv_both``, else 1) and ``agent`` which of them (the prefill agent 0, the decode agent 1).
@@ -34,7 +34,7 @@ from typing import Any, Mapping
 from . import ConfigError, _kvferry
 
 # The agent options that pin a listening port.
-PORTS = ("control_port", "data_port", "api_port")
+PORTS = ("control_port", "data_port", "api_port", "metrics_port")
 # The variable naming the config file when the options do not.
 CONFIG_ENV = "KVFERRY_CONFIG"
 

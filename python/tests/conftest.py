@@ -252,10 +252,11 @@ def fleet_recompute_decode(vllm_fleet):
     port = vllm_servers.two_free_ports()
     # Its agents' data ports pinned too (kvferry.engine_options: base plus the TP rank).
     data_port = next(p for p in iter(vllm_servers.two_free_ports, None) if abs(p - port) > 1)
-    server = vllm_fleet.join(vllm_fleet.start_decode(2, tp=2, policy="recompute",
-                                                     agent=dict(api_port=port, data_port=data_port),
+    metrics_port = next(p for p in iter(vllm_servers.two_free_ports, None) if min(abs(p - port), abs(p - data_port)) > 1)
+    agent = dict(api_port=port, data_port=data_port, metrics_port=metrics_port)
+    server = vllm_fleet.join(vllm_fleet.start_decode(2, tp=2, policy="recompute", agent=agent,
                                                      log="decode-recompute-tp2.log"))
-    server.api_port, server.data_port = port, data_port
+    server.api_port, server.data_port, server.metrics_port = port, data_port, metrics_port
     deployments.LIVE.add("fleet_recompute_decode", server.stop)
     yield server
     server.stop()

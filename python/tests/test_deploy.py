@@ -39,7 +39,7 @@ HEADER = "Not run on a cluster: validated against the Kubernetes schemas in CI"
 # Each vLLM manifest's kv_role and the kvferry role of its agents.
 ROLES = {"vllm-prefill": ("kv_producer", "prefill"), "vllm-decode": ("kv_consumer", "decode")}
 # The ports whose /metrics Prometheus scrapes, by name.
-METRICS_PORT = re.compile(r"^(registry|proxy|vllm|api-tp\d+)$")
+METRICS_PORT = re.compile(r"^(vllm|metrics(-tp\d+)?)$")
 
 
 def check(*files: pathlib.Path) -> subprocess.CompletedProcess:
@@ -128,9 +128,9 @@ def test_a_field_of_the_wrong_type_fails_the_validator(tmp_path):
     bad_port = tmp_path / "bad-port.yaml"
     bad_port.write_text(registry.replace("containerPort: 8998\n", 'containerPort: "8998"\n'))
     monitor = (DEPLOY / "servicemonitor.yaml").read_text()
-    assert "- port: registry\n" in monitor
+    assert "- port: metrics\n" in monitor
     bad_monitor = tmp_path / "bad-monitor.yaml"
-    bad_monitor.write_text(monitor.replace("- port: registry\n", "- port: 8998\n"))
+    bad_monitor.write_text(monitor.replace("- port: metrics\n", "- port: 9100\n"))
     typo = tmp_path / "typo.yaml"
     typo.write_text((DEPLOY / "proxy.yaml").read_text().replace("readinessProbe:", "readynessProbe:"))
     run = check(bad_port, bad_monitor, typo, DEPLOY / "registry.yaml")
@@ -186,9 +186,10 @@ def test_the_vllm_servers_pinned_ports_follow_the_per_worker_rule(manifests):
             pinned = engine_options.pinned_ports(extra.agent, worker, env={})
             assert {k: opts[k] for k in pinned} == pinned
             kind = "control" if role == "prefill" else "data"
-            assert set(pinned) == {f"{kind}_port", "api_port"}, f"{name}: pins {sorted(pinned)}"
+            assert set(pinned) == {f"{kind}_port", "api_port", "metrics_port"}, f"{name}: pins {sorted(pinned)}"
             expected[pinned[f"{kind}_port"]] = f"{kind}-tp{worker}"
-            expected[pinned["api_port"]] = f"api-tp{worker}"
+            # The engine API serves vLLM in the Pod only: declared nowhere, let in by no policy.
+            expected[pinned["metrics_port"]] = f"metrics-tp{worker}"
         listens = {p["containerPort"]: p["name"] for p in container(w)["ports"]}
         assert listens == expected, f"{name} at TP {tp}"
         # The agents listen beyond the Pod, tell peers the Pod's address, serve their API over HTTPS.
@@ -196,7 +197,8 @@ def test_the_vllm_servers_pinned_ports_follow_the_per_worker_rule(manifests):
         env = {e["name"]: e for e in container(w)["env"]}
         assert env["KVFERRY_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["VLLM_HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        assert container(w)["livenessProbe"]["httpGet"]["port"] == extra.agent["api_port"]
+        assert container(w)["livenessProbe"]["httpGet"]["port"] == extra.agent["metrics_port"]
+        assert container(w)["livenessProbe"]["httpGet"]["path"] == "/livez"
         # The registry they name is the registry's Service.
         url = urllib.parse.urlsplit(extra.bootstrap)
         service = one(manifests, "Service", url.hostname)
@@ -252,15 +254,19 @@ def test_prometheus_scrapes_every_metrics_port(manifests):
     named = {p["name"] for s in selected for p in s["spec"]["ports"] if METRICS_PORT.match(p["name"])}
     assert named == set(endpoints), f"ports {sorted(named)}, scraped {sorted(endpoints)}"
     assert all(ep["path"] == "/metrics" for ep in endpoints.values())
-    # HTTPS where the process serves it: the registry (--tls-cert), the agents (tls_cert).
-    registry = flags(container(one(manifests, "Deployment", "kvferry-registry"))["args"])
-    assert "--tls-cert" in registry and endpoints["registry"]["scheme"] == "https"
-    assert "authorization" in endpoints["registry"], "the registry's /metrics needs the token"
+    # Every kvferry role's metrics port: plain HTTP, no token; the probes ask it /livez and /readyz.
+    assert all(ep["scheme"] == "http" and "authorization" not in ep for ep in endpoints.values())
+    for name in ("kvferry-registry", "kvferry-proxy"):
+        c = container(one(manifests, "Deployment", name))
+        port = int(flags(c["args"])["--metrics-port"])
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"] == port, name
+        assert (c["livenessProbe"]["httpGet"]["path"], c["livenessProbe"]["httpGet"]["port"]) == ("/livez", port)
+        assert (c["readinessProbe"]["httpGet"]["path"], c["readinessProbe"]["httpGet"]["port"]) == ("/readyz", port)
     for name in ROLES:
-        agent = connector(one(manifests, "Deployment", name))["kv_connector_extra_config"]["agent"]
-        assert "tls_cert" in agent and all(endpoints[f"api-tp{t}"]["scheme"] == "https" for t in range(tp_size(
-            one(manifests, "Deployment", name))))
-    assert endpoints["vllm"]["scheme"] == endpoints["proxy"]["scheme"] == "http"
+        w = one(manifests, "Deployment", name)
+        agent = connector(w)["kv_connector_extra_config"]["agent"]
+        ports = {p["name"]: p["containerPort"] for p in container(w)["ports"]}
+        assert all(ports[f"metrics-tp{t}"] == agent["metrics_port"] + t for t in range(tp_size(w))), name
 
 
 def test_every_kvferry_flag_exists_and_the_registry_names_every_etcd_member(manifests):

@@ -16,12 +16,15 @@ from kvferry.sglang.settings import sglang_settings, ucx_net_devices
 
 
 def test_pinned_ports_are_the_base_plus_the_agents_index_in_its_server():
-    given = dict(control_port=7000, data_port=7100, api_port=7200)
+    given = dict(control_port=7000, data_port=7100, api_port=7200, metrics_port=7300)
     # TP 2: the two workers of a server.
     assert [E.pinned_ports(given, w, env={}) for w in (0, 1)] == [
-        dict(control_port=7000, data_port=7100, api_port=7200), dict(control_port=7001, data_port=7101, api_port=7201)]
+        dict(control_port=7000, data_port=7100, api_port=7200, metrics_port=7300),
+        dict(control_port=7001, data_port=7101, api_port=7201, metrics_port=7301)]
     # DP 2 x TP 2, worker dp_rank * tp_size + tp_rank = 3; kv_both: two agents a worker, the decode second.
-    assert E.pinned_ports(given, 3, agents=2, agent=1, env={}) == dict(control_port=7007, data_port=7107, api_port=7207)
+    assert E.pinned_ports(given, 3, agents=2, agent=1, env={}) == dict(control_port=7007, data_port=7107, api_port=7207,
+                                                                       metrics_port=7307)
+    assert E.pinned_ports({}, 1, env={"KVFERRY_METRICS_PORT": "9100"}) == dict(metrics_port=9101)
     # 0 (and unset) picks a free port: left alone. The environment's base is offset as well.
     assert E.pinned_ports(dict(api_port=0), 1, env={"KVFERRY_DATA_PORT": "9000"}) == dict(data_port=9001)
     # An option given wins over the variable.

@@ -121,6 +121,17 @@ def test_outputs_equal_a_single_engine_from_a_tp1_prefill_to_a_tp2_decode(vllm_f
         ranks = [r for r in json.loads(r.read())["ranks"] if r.get("server") == fleet_recompute_decode.url]
     ports = {r["tp_rank"]: int(r["data_endpoints"]["zmq-tcp"].rsplit(":", 1)[1]) for r in ranks}
     assert ports == {0: fleet_recompute_decode.data_port, 1: fleet_recompute_decode.data_port + 1}, ranks
+    # Each worker's agent serves its metrics port at the base plus its TP rank: live, ready
+    # (registered), and its metrics name the build.
+    for worker in (0, 1):
+        base = f"http://127.0.0.1:{fleet_recompute_decode.metrics_port + worker}"
+        for path, body in (("/livez", "ok"), ("/readyz", "ready")):
+            with urllib.request.urlopen(base + path, timeout=10) as r:
+                assert (r.status, r.read().decode().strip()) == (200, body), (worker, path)
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert any(line.startswith("kvferry_build_info{") for line in text.splitlines()), text
+        assert 'kvferry_pool_pages{role="decode",state="free"}' in text, text
     reset_prefix_cache(fleet_recompute_decode)
     view = View(vllm_fleet, vllm_fleet.prefills[:1], [fleet_recompute_decode])
     try:
