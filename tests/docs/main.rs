@@ -8,3 +8,5 @@ mod docs_commands;
 mod docs_environment;
 mod docs_links;
 mod docs_tables;
+mod metrics_table;
+mod monitoring;

@@ -39,4 +39,8 @@ mod e2e_ucx_malformed;
 mod e2e_ucx_rogue;
 mod e2e_zmq;
 mod http_errors;
+mod metrics_names;
+/// docs/metrics.md's table of metrics, as the docs tests read it.
+#[path = "../docs/metrics_table.rs"]
+mod metrics_table;
 mod vllm_layout;
