@@ -147,8 +147,9 @@ pub struct AgentOptions {
     /// (--tls-ca).
     #[command(flatten)]
     pub tls: crate::tls::TlsOptions,
-    /// Largest chunk of staging bytes moved at once (smaller ones make ZeroMQ rooms slower:
-    /// docs/benchmarks.md, "Figures behind design choices").
+    /// Largest chunk of staging bytes moved at once: the size of one staging slot. Lower it
+    /// only to save staging memory, as smaller chunks make rooms slower (docs/tuning.md,
+    /// "Chunks and staging").
     #[arg(long, env = "KVFERRY_CHUNK_BYTES", default_value_t = 1 << 20)]
     pub chunk_bytes: usize,
     /// Staging slots per prefill peer: chunks in flight from one prefill at once (the decode
@@ -247,9 +248,8 @@ pub struct AgentOptions {
     pub staging: StagingChoice,
     /// Shortest average run, in bytes, that a piece sends as placed runs rather than staged:
     /// each run is one message. Default: 131072 where runs go by rendezvous (a handshake and a
-    /// read: shared memory), 16384 where they go as eager messages (tcp): where placing beat
-    /// staging with UCX 1.13 (docs/benchmarks.md, "Figures behind design choices"). A fabric
-    /// with cheaper messages (RDMA) may gain from a lower one.
+    /// read: shared memory), 16384 where they go as eager messages (tcp). Lower it on a fabric
+    /// whose messages are cheap (RDMA); docs/tuning.md, "Placed runs".
     #[arg(long, env = "KVFERRY_PLACED_MIN_RUN_BYTES")]
     pub placed_min_run_bytes: Option<u64>,
     /// The engine that embeds this agent and its version (`vllm 0.32.0`), as registered: the

@@ -106,7 +106,7 @@ macro_rules! pool_kinds {
         "`anon` (the agent's own memory), `shm:<path>` (a shared-memory file the engine created), \
          `cuda-ipc:<device>:<handle>` (the engine's CUDA device memory, by its IPC handle in 128 \
          hex digits) or `cuda-vmm:<device>:<socket>` (the engine's CUDA device memory, by VMM \
-         handles it serves on that Unix socket); docs/operations.md, \"Pools and page ownership\""
+         handles it serves on that Unix socket); docs/engines.md, \"Pools and page ownership\""
     };
 }
 

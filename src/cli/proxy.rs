@@ -62,8 +62,8 @@ pub struct ProxyArgs {
     #[arg(long, env = "KVFERRY_PROXY_PAIRING", value_enum, default_value_t = Pairing::FirstToken)]
     pairing: Pairing,
     /// Prompts shorter than this many tokens (text: bytes) go to one decode server, which
-    /// answers them alone: below it, disaggregation cost more than it saved where measured
-    /// (docs/benchmarks.md); 0: none.
+    /// answers them alone: for short prompts disaggregation costs more than it saves. 0: none.
+    /// Set it from the prompt length where your own runs stop gaining (docs/benchmarks.md).
     #[arg(long, env = "KVFERRY_PROXY_SHORT_BELOW_TOKENS", default_value_t = 384)]
     short_below_tokens: usize,
     /// Period of the servers' /health checks, in ms.
