@@ -32,9 +32,11 @@ NOT_RUN = "# not run by the tests"
 # script at that venv, and the ports the page reads.
 SECTIONS = {
     "vLLM": (("KVFERRY_VLLM_PYTHON", "vllm-venv", "scripts/vllm/install"), "KVFERRY_VLLM_VENV",
-             ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT", "PROXY_PORT")),
+             ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT", "PROXY_PORT", "PREFILL_METRICS_PORT",
+              "DECODE_METRICS_PORT")),
     "SGLang": (("KVFERRY_SGLANG_PYTHON", "sglang-venv", "scripts/sglang/install"), "KVFERRY_SGLANG_VENV",
-               ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT")),
+               ("PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT", "ROUTER_PORT", "ROUTER_METRICS_PORT",
+                "DECODE_METRICS_PORT")),
 }
 # Two servers starting (half a minute each, on the same two cores) and the install script's import
 # check, with room to spare on a busy machine.

@@ -113,8 +113,10 @@ pub struct AgentConfig {
     pub api_host: String,
     /// Port of the engine-facing HTTP API (0 = any).
     pub api_port: u16,
-    /// Port of the metrics port, on `api_host` (0 = any; `None`: no metrics port).
+    /// Port of the metrics port, on `metrics_host` (0 = any; `None`: no metrics port).
     pub metrics_port: Option<u16>,
+    /// Address of the metrics port (`--metrics-host`, else `--api-host`).
+    pub metrics_host: String,
     /// HTTPS on the engine API: its certificate and key (`None`: plain HTTP).
     pub api_tls: Option<kvferry_wire::tls::ServerTls>,
     /// Run the built-in synthetic engine.

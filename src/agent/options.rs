@@ -114,12 +114,17 @@ pub struct AgentOptions {
     /// Port of the engine-facing HTTP API (0 picks one; the listening line tells which).
     #[arg(long, env = "KVFERRY_API_PORT", default_value_t = 0)]
     pub api_port: u16,
-    /// Port of the metrics port on --api-host: /metrics, /livez and /readyz (ready once
+    /// Port of the metrics port on --metrics-host: /metrics, /livez and /readyz (ready once
     /// registered, until the agent drains), read-only, plain HTTP, no token; keep it reachable
     /// by the scraper and the kubelet only (0 picks a free one; the listening line tells
     /// which). Without it, none.
     #[arg(long, env = "KVFERRY_METRICS_PORT")]
     pub metrics_port: Option<u16>,
+    /// Address of the metrics port (default: --api-host). It serves no room operation, so
+    /// any address is allowed without a token: a scraper on another host reaches it while the
+    /// engine API stays on loopback.
+    #[arg(long, env = "KVFERRY_METRICS_HOST")]
+    pub metrics_host: Option<String>,
     /// Run the built-in synthetic engine: the prefill fills pages with a pattern, the decode
     /// checks the landed bytes on take (--synthetic-verify).
     #[arg(long, env = "KVFERRY_SYNTHETIC", value_parser = clap::builder::BoolishValueParser::new())]
@@ -408,6 +413,10 @@ impl AgentOptions {
             api_host: self.api_host.clone(),
             api_port: self.api_port,
             metrics_port: self.metrics_port,
+            metrics_host: self
+                .metrics_host
+                .clone()
+                .unwrap_or_else(|| self.api_host.clone()),
             api_tls,
             synthetic: self.synthetic,
             synthetic_verify: self.synthetic_verify,

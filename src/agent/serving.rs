@@ -127,7 +127,7 @@ impl Serving {
         });
         let metrics_url = match cfg.metrics_port {
             Some(port) => {
-                let port = TcpListener::bind((cfg.api_host.as_str(), port)).await?;
+                let port = TcpListener::bind((cfg.metrics_host.as_str(), port)).await?;
                 let url = crate::exposure::url_of(port.local_addr()?, &cfg.advertise_host, false);
                 let watched = Arc::new(Watch {
                     inner: inner.clone(),
