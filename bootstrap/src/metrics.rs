@@ -128,7 +128,7 @@ impl Metrics {
             "Requests answered with a 4xx, by reason",
             self.rejected.clone(),
         );
-        kvferry_wire::build_info::encode(self.build.as_ref(), &r)
+        kvferry_wire::build_info::encode(self.build.as_ref(), &[&r])
     }
 }
 

@@ -158,12 +158,16 @@ def test_a_decode_whose_prompt_differs_from_the_prefills_never_takes_its_kv(poli
     asked = 16 - (len(other) - len(prompt))
     single = pd.prefill.complete(other, asked)["choices"][0]["token_ids"]
     assert single != reference[tuple(prompt)][-asked:], "the two prompts must continue differently"
-    reason = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]["kvferry_reason"]
+    asked = pd.decode.complete([5, 6, 7], 1, {"kvferry_reason_of": str(room)})["kv_transfer_params"]
+    reason = asked["kvferry_reason"]
     print(f"{policy}, {flow}: the decode's room failed with {reason!r}")
+    assert asked["kvferry_kv"] == {"recompute": "recomputed", "fail": "failed"}[policy], asked
     assert re.match(rf"prompt_mismatch: prefill \S+: room {room}: the decode's prompt \(digest \w+\) is not the one", reason), reason
     assert reasons_logged(pd.decode.log.read_text()[log_start:]) == ["prompt_mismatch"]
     if policy == "recompute":
         assert got["choices"][0]["token_ids"] == single, got
+        # The answer says its KV was computed, and why.
+        assert (got["kv_transfer_params"]["kvferry_kv"], got["kv_transfer_params"]["kvferry_reason"]) == ("recomputed", reason)
     else:
         assert got["http_status"] == 500, got
 
@@ -174,6 +178,13 @@ def test_a_prefill_killed_while_the_decodes_wait(vllm_fleet, fleet_recompute_dec
     decodes = decodes_by_policy(vllm_fleet, fleet_recompute_decode)
     pd = View(vllm_fleet, vllm_fleet.prefills[:1], [vllm_fleet.decodes[0]])
     log_start = {policy: len(d.log.read_text()) for policy, d in decodes.items()}
+    # vLLM's count of each decode's failed rooms, by code (every code there from the start).
+    codes = ("peer_dead", "unreachable")
+    failed_rooms = lambda d: {c: vllm_metric(d, "vllm:kvferry_failed_rooms_total", f'code="{c}"') for c in codes}  # noqa: E731
+    failed_before = {policy: failed_rooms(d) for policy, d in decodes.items()}
+    with urllib.request.urlopen(decodes["recompute"].url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    assert re.search(r'vllm:kvferry_failed_rooms_total\{[^}]*code="checksum"[^}]*\} 0', text), "not every code is exposed"
     proxy = pd.proxy("concurrent")
     prompts = make_prompts(SEEDS["concurrent"])[-4:]  # 640..1000 tokens
     group = pd.prefill.kvferry_group()
@@ -215,8 +226,19 @@ def test_a_prefill_killed_while_the_decodes_wait(vllm_fleet, fleet_recompute_dec
             assert errors == []
         else:
             assert len(errors) == len(prompts) and all(r["http_status"] == 500 for r in errors), errors
+        # vLLM counts them by the codes the log names (its stats come with its next steps).
+        deadline = time.monotonic() + 60
+        while True:
+            counted = {c: n - failed_before[policy][c] for c, n in failed_rooms(decode).items()}
+            if sum(counted.values()) >= len(prompts):
+                break
+            assert time.monotonic() < deadline, f"{policy}: vLLM counted {counted} failed rooms"
+            time.sleep(0.2)
+        assert {c for c, n in counted.items() if n} <= set(reasons), (counted, reasons)
     # The proxy routes around the dead prefill: an OpenAI error, not a hang.
     proxy.wait_health(503)
+    up = lambda role: metric(proxy.url, "kvferry_proxy_backend_up", f'role="{role}"')  # noqa: E731
+    assert (up("prefill"), up("decode")) == (0, 1)
     got = proxy.complete(prompts[0], 16)
     assert got["http_status"] == 503 and got["error"]["error"]["message"] == "no healthy prefill server", got
     # The prefill comes back on its URL, a new vLLM engine and so a kvferry group of its own
@@ -225,6 +247,7 @@ def test_a_prefill_killed_while_the_decodes_wait(vllm_fleet, fleet_recompute_dec
     pd.prefill = vllm_fleet.restart_prefill(0)
     assert pd.prefill.kvferry_group() != group
     back = proxy.wait_health(200)
+    assert up("prefill") == 1
     print(f"the proxy routed to the restarted prefill {back:.2f} s after it was healthy")
     try:
         for prompt in make_prompts(SEEDS["sequential"])[:6]:
@@ -283,7 +306,11 @@ def wait_in_queue(pd: View, queue: str, reference: dict) -> None:
             known = time.monotonic()
             time.sleep(0.9)
             waited = time.monotonic() - known
+            # The request is outstanding at its decode, and at its prefill while it waits there.
+            in_flight = {role: metric(proxy.url, "kvferry_proxy_backend_in_flight", f'role="{role}"')
+                         for role in ("prefill", "decode")}
             assert not queued.done(), f"{queue}: the request did not wait in the queue: {queued.result()}"
+            assert in_flight == {"prefill": float(queue == "prefill"), "decode": 1.0}, in_flight
             for blocker in blockers:
                 blocker.close()
             got = queued.result()
@@ -394,3 +421,4 @@ def test_a_decode_killed_after_asking_for_rooms_fails_them_and_the_prefill_frees
     assert failed >= len(rooms)
     got = prefill.complete(long_prompts(1, 12)[0], 1)
     assert "choices" in got, got
+

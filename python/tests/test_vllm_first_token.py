@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import pathlib
 import time
-import urllib.request
 
 import pytest
 
@@ -38,6 +37,7 @@ from vllm_servers import (
     metric,
     post,
     reset_prefix_cache,
+    sse,
     run_prompts,
     set_timeouts,
     vllm_metric,
@@ -61,21 +61,12 @@ def body(pair: View, prompt: list[int], **extra) -> dict:
             "ignore_eos": True, **extra}
 
 
-def stream(url: str, request: dict) -> list[dict]:
-    """A streamed answer's events (``[DONE]`` checked and left out)."""
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(request | {"stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
-    events, done = [], False
-    with urllib.request.urlopen(req, timeout=300) as r:
-        assert r.headers["Content-Type"].startswith("text/event-stream"), r.headers
-        for line in r:
-            line = line.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-    assert done, events
+def stream(url: str, request: dict, kv: str = "landed") -> list[dict]:
+    """A streamed answer's events (``[DONE]`` checked and left out), its KV said to have come
+    from where ``kv`` says (``x-kvferry-kv``: in the stream when the decode answers part)."""
+    events, said = sse(url + "/v1/completions", request)
     assert not [e for e in events if "error" in e], events
+    assert said == kv, said
     return events
 
 
@@ -142,7 +133,7 @@ def test_one_and_two_tokens_and_a_room_one_token_leaves_unused_is_released(pair,
     one = post(proxy.url + "/v1/completions", body(pair, prompt, max_tokens=1, return_token_ids=True))
     assert one["choices"][0]["token_ids"] == want[:1] and one["choices"][0]["finish_reason"] == "length", one
     assert (one["usage"]["prompt_tokens"], one["usage"]["completion_tokens"]) == (len(prompt), 1)
-    events = stream(proxy.url, body(pair, prompt, max_tokens=1, return_token_ids=True))
+    events = stream(proxy.url, body(pair, prompt, max_tokens=1, return_token_ids=True), "local; reason=first_token")
     assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == want[:1]
     assert decode_prompt_tokens(pair) == before, "a decode computed a one-token answer"
     # The rooms the prefill computed for them are released, not left to their TTL.
@@ -201,8 +192,10 @@ def test_what_one_engine_alone_answers_exactly_goes_the_sequential_way(pair, ref
     refused = post(proxy.url + "/v1/completions", body(pair, prompt, n=2, temperature=1.0, seed=3))
     assert refused["http_status"] == 400 and "one request per choice" in refused["error"]["error"]["message"], refused
     for i, messages in enumerate(make_chats()):
-        assert proxy.chat(messages, 16)["choices"][0]["message"]["content"] == reference[("chat", i)]
-        assert proxy.stream_chat(messages, 16) == reference[("chat", i)]
+        got = proxy.chat(messages, 16)
+        assert got["choices"][0]["message"]["content"] == reference[("chat", i)]
+        assert got["x-kvferry-kv"] == "landed", got
+        assert proxy.stream_chat(messages, 16) == (reference[("chat", i)], "landed")
 
 
 def byte_ids(model: str) -> dict[int, int]:
@@ -271,7 +264,8 @@ def test_a_room_the_decode_needs_nothing_of_is_let_go_at_the_prefill(pair, refer
         let_go = metric(pair.prefill_api, "kvferry_room_failures_total", 'code="aborted"')
         again = post(proxy.url + "/v1/completions", body(pair, prompt, return_token_ids=True))
         assert again["choices"][0]["token_ids"] == want
-        assert again["kv_transfer_params"] is None, "the decode loaded a room it held already"
+        assert again["kv_transfer_params"]["kvferry_kv"] == "cached", "the decode loaded a room it held already"
+        assert again["x-kvferry-kv"] == "cached", again
         start = time.monotonic()
         while metric(pair.prefill_api, "kvferry_room_failures_total", 'code="aborted"') == let_go:
             assert time.monotonic() - start < 30, "the let-go room waits at the prefill"

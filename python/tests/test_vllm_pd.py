@@ -69,12 +69,17 @@ def test_disaggregated_generation_equals_a_single_engine(reference, pd, pairing)
 def test_chat_streamed_and_not_equals_a_single_engine(reference, pd, pairing):
     proxy = pd.via[pairing]
     first_tokens = metric(proxy.url, "kvferry_proxy_time_to_first_token_seconds_count")
+    landed = metric(proxy.url, "kvferry_proxy_kv_total", 'outcome="landed"')
     for i, messages in enumerate(make_chats()):
         got = proxy.chat(messages, 16)
         assert "choices" in got, got
         assert got["choices"][0]["message"]["content"] == reference[("chat", i)], f"chat {i}"
-        assert proxy.stream_chat(messages, 16) == reference[("chat", i)], f"chat {i} streamed"
+        # Where the KV came from: the header of a whole answer, a comment in a stream.
+        assert got["x-kvferry-kv"] == got["kv_transfer_params"]["kvferry_kv"] == "landed", got
+        assert proxy.stream_chat(messages, 16) == (reference[("chat", i)], "landed"), f"chat {i} streamed"
     assert metric(proxy.url, "kvferry_proxy_time_to_first_token_seconds_count") - first_tokens == len(make_chats())
+    # Counted once each, streamed or not (a stream's before its comment goes).
+    assert metric(proxy.url, "kvferry_proxy_kv_total", 'outcome="landed"') - landed == 2 * len(make_chats())
 
 
 def test_blocks_in_the_decode_prefix_cache_are_not_transferred(reference, pd):

@@ -208,16 +208,47 @@ def chat_body(model: str, messages: list[dict], max_tokens: int, **extra: Any) -
             "ignore_eos": True, **extra}
 
 
+# What kvferry proxy says of where an answer's KV came from: a header, or in a stream a comment.
+KV_HEADER = "x-kvferry-kv"
+
+
 def post(url: str, body: dict, timeout: float = 300) -> dict:
+    """The JSON answer (an error's as ``{"http_status", "error"}``), with the proxy's
+    ``x-kvferry-kv`` header under that key when it has one."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            answer, said = json.loads(r.read()), r.headers.get(KV_HEADER)
     except urllib.error.HTTPError as e:
-        return {"http_status": e.code, "error": json.loads(e.read() or b"null")}
+        answer, said = {"http_status": e.code, "error": json.loads(e.read() or b"null")}, e.headers.get(KV_HEADER)
     except TimeoutError as e:
         raise TimeoutError(f"POST {url}: no answer within {timeout} s (prompt of {len(body.get('prompt') or body.get('input_ids') or [])} tokens)") from e
+    if said is not None:
+        answer[KV_HEADER] = said
+    return answer
 
+
+def sse(url: str, body: dict, timeout: float = 300) -> tuple[list[dict], str | None]:
+    """A streamed answer's events (``[DONE]`` checked and left out) and where its KV came from as
+    the proxy says it: its ``x-kvferry-kv`` header, or the one comment line of the stream
+    (``: x-kvferry-kv: ...``), checked to come before ``[DONE]`` (None: neither)."""
+    req = urllib.request.Request(url, json.dumps(body | {"stream": True}).encode(), {"Content-Type": "application/json"})
+    events, done, said = [], False, []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream"), r.headers
+        header = r.headers.get(KV_HEADER)
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+            elif line.startswith(f": {KV_HEADER}: "):
+                assert not done, "the stream said where its KV came from after [DONE]"
+                said.append(line.removeprefix(f": {KV_HEADER}: "))
+    assert done, events
+    assert len(said) + (header is not None) <= 1, (header, said)
+    return events, header or (said[0] if said else None)
 
 def metric(url: str, name: str, label: str = "") -> float:
     """The sum of a metric's series (those whose labels contain ``label``; any, or the one
@@ -322,6 +353,7 @@ def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict,
     (the decode computes only the first token, after the prompt) and counts as starting at its
     end."""
     landed_before = sum(metric(a, "kvferry_kv_bytes_total") for d in pd.decodes for a in d.agent_apis())
+    counted_before = metric(pd.via[pairing].url, "kvferry_proxy_kv_total", 'outcome="landed"')
     with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
         results = list(pool.map(lambda p: pd.via[pairing].complete(p, NEW_TOKENS), prompts))
     expected_bytes, starts = 0, []
@@ -329,15 +361,20 @@ def run_prompts(pd: Pd, pairing: str, prompts: list[list[int]], reference: dict,
         assert "choices" in got, got
         assert got["choices"][0]["token_ids"] == reference[tuple(prompt)], f"{len(prompt)}-token prompt"
         params = got["kv_transfer_params"]
-        if params is None and pairing == "first-token" and len(prompt) % BLOCK_SIZE == 0:
+        # The proxy says what the decode's connector said.
+        assert got[KV_HEADER] == params["kvferry_kv"], (got[KV_HEADER], params)
+        if params["kvferry_kv"] == "cached" and pairing == "first-token" and len(prompt) % BLOCK_SIZE == 0:
             starts.append(len(prompt))
             continue
+        assert params["kvferry_kv"] == "landed", params
         assert params["kvferry_tokens"] == len(prompt), params
         start = params["kvferry_start_token"]
         assert start % BLOCK_SIZE == 0 and start < len(prompt)
         starts.append(start)
         expected_bytes += (-(-len(prompt) // BLOCK_SIZE) - start // BLOCK_SIZE) * BLOCK_BYTES
     landed = sum(metric(a, "kvferry_kv_bytes_total") for d in pd.decodes for a in d.agent_apis()) - landed_before
+    counted = metric(pd.via[pairing].url, "kvferry_proxy_kv_total", 'outcome="landed"') - counted_before
+    assert counted == sum(got[KV_HEADER] == "landed" for got in results), counted
     print(f"{pairing}: {len(prompts)} prompts token-identical, {landed:.0f} bytes landed, start tokens {starts}")
     assert landed == expected_bytes
     return starts
@@ -688,22 +725,20 @@ class Proxy:
     def chat(self, messages: list[dict], max_tokens: int, **extra: Any) -> dict:
         return post(self.url + "/v1/chat/completions", chat_body(self.model, messages, max_tokens, **extra))
 
-    def stream_chat(self, messages: list[dict], max_tokens: int) -> str:
-        """A streamed chat answer's content, its deltas joined."""
-        body = chat_body(self.model, messages, max_tokens, stream=True)
-        req = urllib.request.Request(self.url + "/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        text = []
-        with urllib.request.urlopen(req, timeout=300) as r:
-            assert r.headers["Content-Type"].startswith("text/event-stream"), r.headers
-            for line in r:
-                line = line.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    event = json.loads(line[6:])
-                    assert "error" not in event, event
-                    for choice in event["choices"]:
-                        text.append(choice["delta"].get("content") or "")
-        return "".join(text)
+    def stream(self, prompt: list[int], max_tokens: int, **extra: Any) -> tuple[list[int], str | None]:
+        """A streamed answer's token ids and where its KV came from (``sse``)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, "ignore_eos": True, **extra}
+        events, said = sse(self.url + "/v1/completions", body)
+        assert not [e for e in events if "error" in e], events
+        return [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])], said
+
+    def stream_chat(self, messages: list[dict], max_tokens: int) -> tuple[str, str | None]:
+        """A streamed chat answer's content, its deltas joined, and where its KV came from
+        (``sse``)."""
+        events, said = sse(self.url + "/v1/chat/completions", chat_body(self.model, messages, max_tokens))
+        assert not [e for e in events if "error" in e], events
+        return "".join(choice["delta"].get("content") or "" for e in events for choice in e["choices"]), said
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -125,6 +125,12 @@ impl Backend {
         self.healthy.load(Ordering::Relaxed)
     }
 
+    /// Marks it healthy or not, as its health checks do.
+    #[cfg(test)]
+    pub(super) fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::Relaxed);
+    }
+
     /// A prefill server's kvferry groups, by data-parallel rank, once it said.
     pub fn groups(&self) -> Vec<u32> {
         self.groups

@@ -2,7 +2,9 @@
 //! objects (`{"error": {"message", "type", "param", "code"}}`) that name a server by its role
 //! and place (`decode server 2 of 3`), every address in them hidden (the log has them whole).
 //! A decode's failure is explained: its error answer, or an error event of its stream, names
-//! the server, the kvferry room and why the room failed there ([`Failed`]).
+//! the server, the kvferry room and why the room failed there ([`Failed`]), as the decode's
+//! connector answers `kvferry_reason_of` ([`Proxy::ask_room`]: the question that also says
+//! where a streamed answer's KV came from, `kv.rs`).
 
 use axum::body::Bytes;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -11,6 +13,7 @@ use serde_json::{Value, json};
 
 use super::backends::{Backends, Lease};
 use super::events;
+use super::kv::{KV_HEADER, Kv, Unsaid};
 use super::metrics::Cause;
 use super::redact::hide_addresses;
 use super::refusal::Decoded;
@@ -172,6 +175,7 @@ pub(super) fn copy_answer(status: reqwest::StatusCode, body: Bytes) -> Response 
 /// What explains a decode's failure of a request: its model (for the question to the decode),
 /// its kvferry room, the note on its prefill's side (addresses hidden), and the client's
 /// headers the question goes with.
+#[derive(Clone)]
 pub(super) struct Failed {
     pub(super) model: Value,
     pub(super) room: Value,
@@ -192,45 +196,76 @@ impl Proxy {
         failed: &Failed,
     ) -> Response {
         let status = answer.status;
-        let body = self.decode_error_body(answer, decode, failed).await;
-        copy_answer(status, Bytes::from(body.to_string()))
+        let (body, kv) = self.decode_error_body(answer, decode, failed).await;
+        let mut response = copy_answer(status, Bytes::from(body.to_string()));
+        if let Some(kv) = kv {
+            response.headers_mut().insert(KV_HEADER, kv.header());
+        }
+        response
     }
 
-    /// The error object of [`Proxy::decode_error`].
+    /// The error object of [`Proxy::decode_error`], and where the request's KV came from when
+    /// the decode's connector knows its room (counted).
     pub(super) async fn decode_error_body(
         &self,
         answer: Decoded,
         decode: &Server,
         failed: &Failed,
-    ) -> Value {
+    ) -> (Value, Option<Kv>) {
         let status = answer.status;
         let bytes = answer.bytes().await;
         let mut body = scrubbed(status, &bytes, decode);
+        let (context, kv) = self.context(decode, failed).await;
         if let Some(Value::String(message)) = body.pointer_mut("/error/message") {
-            *message = format!("{message} ({})", self.context(decode, failed).await);
+            *message = format!("{message} ({context})");
         }
-        body
+        let kv = kv.filter(|kv| !matches!(kv, Kv::Unknown(_)));
+        if let Some(kv) = kv {
+            self.metrics.kv(kv);
+        }
+        (body, kv)
+    }
+
+    /// What the decode server's connector says of the request's room (`kvferry_reason_of`,
+    /// asked with the client's `Authorization`, waited for up to `--health-timeout-ms`): where
+    /// its KV came from, and why the room failed there (`code: message`); `None`: the request
+    /// has no room (one server answered it alone).
+    pub(super) async fn ask_room(
+        &self,
+        decode: &Server,
+        failed: &Failed,
+    ) -> Option<(Kv, Option<String>)> {
+        let room = failed.room.as_str()?;
+        let ask = json!({"model": failed.model, "prompt": [1], "max_tokens": 1,
+                         "kv_transfer_params": {"kvferry_reason_of": room}});
+        let asked = self.post(decode, "/v1/completions", &ask, &failed.asking);
+        let Ok(Posted::Answered(a)) = tokio::time::timeout(self.health_timeout, asked).await else {
+            return Some((Kv::Unknown(Unsaid::Unanswered), None));
+        };
+        let params = a.get("kv_transfer_params");
+        let reason = params.and_then(|p| p.get("kvferry_reason"));
+        Some((
+            Kv::of_params(params),
+            reason.and_then(Value::as_str).map(str::to_owned),
+        ))
     }
 
     /// What the proxy can tell a client about a decode's failure: the decode server (its role
-    /// and place), the kvferry room and why it failed there (`kvferry_reason_of`, asked with the
-    /// client's `Authorization`), and the note on the prefill's side, addresses hidden. The log
-    /// has it whole.
-    async fn context(&self, decode: &Server, failed: &Failed) -> String {
+    /// and place), the kvferry room and why it failed there ([`Proxy::ask_room`]), and the note
+    /// on the prefill's side, addresses hidden (the log has it whole); and where the request's
+    /// KV came from, when it was asked.
+    async fn context(&self, decode: &Server, failed: &Failed) -> (String, Option<Kv>) {
         let mut context = decode.name.clone();
         let mut reason = None;
+        let mut kv = None;
         if let Some(room) = failed.room.as_str() {
             context += &format!(", kvferry room {room}");
-            let ask = json!({"model": failed.model, "prompt": [1], "max_tokens": 1,
-                             "kv_transfer_params": {"kvferry_reason_of": room}});
-            let asked = self.post(decode, "/v1/completions", &ask, &failed.asking);
-            if let Posted::Answered(a) = asked.await
-                && let Some(said) = a
-                    .pointer("/kv_transfer_params/kvferry_reason")
-                    .and_then(Value::as_str)
-            {
-                context += &format!(" failed: {}", hide_addresses(said));
-                reason = Some(said.to_owned());
+            if let Some((said_kv, said)) = self.ask_room(decode, failed).await {
+                kv = Some(said_kv);
+                if let Some(said) = said {
+                    context += &format!(" failed: {}", hide_addresses(&said));
+                    reason = Some(said);
+                }
             }
         }
         if let Some(note) = &failed.note {
@@ -243,7 +278,7 @@ impl Proxy {
             reason = reason.as_deref().unwrap_or("not known"),
             "a decode server failed a request"
         );
-        context
+        (context, kv)
     }
 
     /// Whole events of a decode's stream ([`events::Events`]) with each error event's addresses
@@ -269,7 +304,8 @@ impl Proxy {
                         .is_some_and(Value::is_string) =>
                 {
                     scrub(&mut event, decode);
-                    let context = self.context(decode, failed).await;
+                    // Where the KV came from goes in the stream once (`answer.rs`).
+                    let (context, _) = self.context(decode, failed).await;
                     if let Some(Value::String(message)) = event.pointer_mut("/error/message") {
                         *message = format!("{message} ({context})");
                     }

@@ -28,6 +28,7 @@ use super::answer::{DECODE_HEADER, event_stream};
 use super::backends::{Backend, Lease};
 use super::events;
 use super::failure::{Failed, causes, copy_answer, upstream};
+use super::kv::{Alone, KV_HEADER, Kv};
 use super::metrics::{Endpoint, SampledBy};
 use super::refusal::Decoded;
 use super::route::{Attempt, Proxy, Routed};
@@ -353,10 +354,13 @@ impl Proxy {
         if first.ends(request) {
             // The first token is the whole answer: the room goes unused (released as
             // `unclaimed` drops).
-            let response = match streamed {
+            let mut response = match streamed {
                 true => event_stream(Body::from(first.events(request, true))),
                 false => axum::Json(first.whole()).into_response(),
             };
+            let kv = Kv::Local(Alone::FirstToken);
+            self.metrics.kv(kv);
+            response.headers_mut().insert(KV_HEADER, kv.header());
             self.metrics
                 .first_token(routed.started.elapsed().as_secs_f64());
             return Attempt::Done(Ok((response, None)));
@@ -404,12 +408,15 @@ impl Proxy {
     async fn joined(&self, first: &First, answer: Decoded, decode: &Lease) -> Response {
         let status = answer.status;
         let bytes = answer.bytes().await;
+        let kv = Kv::of_answer(&bytes);
+        self.metrics.kv(kv);
         let mut response = match serde_json::from_slice::<Value>(&bytes) {
             Ok(whole) => copy_answer(status, Bytes::from(first.joined(whole).to_string())),
             Err(_) => copy_answer(status, bytes),
         };
         let place = HeaderValue::from(self.decode_server(decode).place);
         response.headers_mut().insert(DECODE_HEADER, place);
+        response.headers_mut().insert(KV_HEADER, kv.header());
         response
     }
 
@@ -427,16 +434,17 @@ impl Proxy {
         let rest = async move {
             let (answer, decode) = sending.await;
             let server = self.decode_server(&decode);
-            let error = match answer {
+            let (error, kv) = match answer {
                 Ok(answer) if answer.status.is_success() => {
                     unclaimed.claimed();
                     let continuation = Some(Continuation::of(&first));
-                    return self.passing(answer, decode, started, failed, continuation);
+                    return self.passing(answer, decode, started, failed, continuation, true);
                 }
                 Ok(answer) => self.decode_error_body(answer, &server, &failed).await,
-                Err(e) => upstream(&server, causes(&e)),
+                Err(e) => (upstream(&server, causes(&e)), None),
             };
-            let events = format!("data: {error}\n\ndata: [DONE]\n\n");
+            let said = kv.map(Kv::comment).unwrap_or_default();
+            let events = format!("{said}data: {error}\n\ndata: [DONE]\n\n");
             futures_util::stream::once(async move { Ok(Bytes::from(events)) }).boxed()
         };
         futures_util::stream::once(rest).flatten().boxed()

@@ -1,12 +1,19 @@
-//! The proxy's metrics, on the `prometheus-client` library (`GET /metrics`, OpenMetrics text).
+//! The proxy's metrics, on the `prometheus-client` library (`GET /metrics`, OpenMetrics text):
+//! counters and histograms of its requests, and gauges of each server as the proxy sees it at
+//! the scrape (`kvferry_proxy_backend_*{role, backend}`, `backend` its place in its role's list,
+//! from 1, as `x-kvferry-decode` and `/v1/servers` name it: never its address).
 
 use std::fmt;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use super::backends::Backends;
+use super::kv::Kv;
 
 /// Which API a request came to.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -145,9 +152,22 @@ struct SampledLabels {
     sampled_by: SampledBy,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KvLabels {
+    outcome: &'static str,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BackendLabels {
+    role: &'static str,
+    backend: String,
+}
+
 /// Every metric of the proxy and the registry that exposes them.
 pub struct ProxyMetrics {
     registry: Registry,
+    kv: Family<KvLabels, Counter>,
     requests: Family<RequestLabels, Counter>,
     errors: Family<ErrorLabels, Counter>,
     rerouted: Family<RerouteLabels, Counter>,
@@ -198,8 +218,21 @@ impl Default for ProxyMetrics {
             "From a request's arrival to the end of its answer",
             duration.clone(),
         );
+        let kv = Family::<KvLabels, Counter>::default();
+        for k in Kv::all() {
+            drop(kv.get_or_create(&KvLabels {
+                outcome: k.outcome(),
+                reason: k.reason(),
+            }));
+        }
+        registry.register(
+            "kv",
+            "Answers by where their prompt's KV came from (landed, cached, recomputed, failed, local, unknown) and why it did not land",
+            kv.clone(),
+        );
         ProxyMetrics {
             registry,
+            kv,
             requests,
             errors,
             rerouted,
@@ -249,9 +282,43 @@ impl ProxyMetrics {
         self.duration.observe(seconds);
     }
 
-    /// The text exposition.
-    pub fn encode(&self) -> String {
-        crate::cli::BUILD.encode(&self.registry)
+    /// Counts an answer by where its prompt's KV came from.
+    pub(super) fn kv(&self, kv: Kv) {
+        let labels = KvLabels {
+            outcome: kv.outcome(),
+            reason: kv.reason(),
+        };
+        self.kv.get_or_create(&labels).inc();
+    }
+
+    /// The text exposition, with the gauges of the servers of each role now.
+    pub fn encode(&self, prefills: &Backends, decodes: &Backends) -> String {
+        let mut now = Registry::with_prefix("kvferry_proxy");
+        let up = Family::<BackendLabels, Gauge>::default();
+        let in_flight = Family::<BackendLabels, Gauge>::default();
+        for (role, backends) in [("prefill", prefills), ("decode", decodes)] {
+            for b in backends.all() {
+                let labels = BackendLabels {
+                    role,
+                    backend: b.place().to_string(),
+                };
+                up.get_or_create(&labels).set(i64::from(b.healthy()));
+                in_flight
+                    .get_or_create(&labels)
+                    .set(i64::try_from(b.outstanding()).unwrap_or(i64::MAX));
+            }
+        }
+        now.register(
+            "backend_up",
+            "1 while a server answers its health checks, else 0, by role and place",
+            up,
+        );
+        now.register(
+            "backend_in_flight",
+            "Requests sent to a server and not answered yet, by role and place",
+            in_flight,
+        );
+        crate::cli::BUILD.encode_all(&[&self.registry, &now])
     }
 }
 
@@ -271,7 +338,12 @@ mod tests {
         m.duration(0.2);
         m.rerouted(Refuser::Decode);
         m.released();
-        let text = m.encode();
+        m.kv(Kv::Landed);
+        let decodes = Backends::new(&["http://d1".into(), "http://d2".into()], false, None);
+        let busy = decodes.all()[1].clone();
+        busy.set_healthy(true);
+        let _lease = decodes.pick().expect("d2 is healthy");
+        let text = m.encode(&Backends::new(&[], false, None), &decodes);
         assert!(text.contains(
             r#"kvferry_proxy_requests_total{endpoint="chat_completions",outcome="error"} 1"#
         ));
@@ -280,5 +352,23 @@ mod tests {
         assert!(text.contains("kvferry_proxy_rooms_released_total 1"));
         assert!(text.contains("kvferry_proxy_time_to_first_token_seconds_count 1"));
         assert!(text.contains("kvferry_proxy_request_duration_seconds_count 1"));
+        assert!(text.contains(r#"kvferry_proxy_kv_total{outcome="landed",reason="none"} 1"#));
+        // Every outcome and reason is there from the start.
+        assert!(
+            text.contains(r#"kvferry_proxy_kv_total{outcome="recomputed",reason="peer_dead"} 0"#)
+        );
+        assert!(
+            text.contains(r#"kvferry_proxy_kv_total{outcome="local",reason="short_prompt"} 0"#)
+        );
+        assert_eq!(
+            text.matches("kvferry_proxy_kv_total{").count(),
+            Kv::all().count()
+        );
+        assert!(text.contains(r#"kvferry_proxy_backend_up{role="decode",backend="1"} 0"#));
+        assert!(text.contains(r#"kvferry_proxy_backend_up{role="decode",backend="2"} 1"#));
+        assert!(text.contains(r#"kvferry_proxy_backend_in_flight{role="decode",backend="1"} 0"#));
+        assert!(text.contains(r#"kvferry_proxy_backend_in_flight{role="decode",backend="2"} 1"#));
+        assert_eq!(text.matches("# EOF").count(), 1);
+        assert!(text.ends_with("# EOF\n"));
     }
 }

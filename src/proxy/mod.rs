@@ -30,9 +30,11 @@
 //! decode failed) has its prefill server release the room (`unclaimed.rs`). Every error is an OpenAI
 //! error object; what it tells the client names servers by role and place (`decode server 2 of
 //! 3`) and hides every address (the log has them). With `--api-key`, a client must present the
-//! key: a request without it is answered 401 and goes nowhere. Metrics (`/metrics`,
-//! `prometheus-client`): requests by endpoint and outcome, time to the first token of a
-//! streamed answer, request duration, errors by cause.
+//! key: a request without it is answered 401 and goes nowhere. Every answer says where its
+//! prompt's KV came from (`kv.rs`): landed, or recomputed by the decode and why. Metrics
+//! (`/metrics`, `prometheus-client`): requests by endpoint and outcome, answers by where their
+//! KV came from, time to the first token of a streamed answer, request duration, errors by
+//! cause, and each server's health and requests outstanding.
 
 mod answer;
 mod backends;
@@ -40,6 +42,7 @@ mod discovery;
 mod events;
 mod failure;
 mod first_token;
+mod kv;
 mod metrics;
 mod one_server;
 mod redact;

@@ -136,6 +136,12 @@ impl Decoded {
         })
     }
 
+    /// Whether the answer is an event stream (`text/event-stream`).
+    pub(super) fn streamed(&self) -> bool {
+        (self.content_type.as_ref())
+            .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"))
+    }
+
     /// The whole body (an error answer's).
     pub(super) async fn bytes(self) -> Bytes {
         let chunks: Vec<reqwest::Result<Bytes>> = self.body.collect().await;

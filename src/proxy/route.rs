@@ -25,6 +25,7 @@ use super::failure::{
     unreachable,
 };
 use super::first_token::First;
+use super::kv::{Alone, Kv};
 use super::metrics::{Cause, Endpoint, Outcome, ProxyMetrics, Refuser, SampledBy};
 use super::redact::hide_addresses;
 use super::refusal::{Decoded, Judged, refused_for_shutdown};
@@ -276,7 +277,7 @@ async fn health(State(p): State<Arc<Proxy>>) -> Response {
 /// The proxy's metrics port: ready while it can answer a request, as `/health` says.
 impl kvferry_wire::metrics_port::Watched for Proxy {
     async fn metrics(&self) -> Result<String, String> {
-        Ok(self.metrics.encode())
+        Ok(self.metrics.encode(&self.prefills, &self.decodes))
     }
 
     async fn ready(&self) -> Result<(), String> {
@@ -312,7 +313,7 @@ async fn servers(State(p): State<Arc<Proxy>>) -> axum::Json<Value> {
 }
 
 async fn metrics(State(p): State<Arc<Proxy>>) -> Response {
-    let mut r = p.metrics.encode().into_response();
+    let mut r = p.metrics.encode(&p.prefills, &p.decodes).into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static(kvferry_wire::http::OPENMETRICS_CONTENT_TYPE),
@@ -493,7 +494,9 @@ impl Proxy {
             let response = self.decode_error(answer, &server, &failed).await;
             return Ok((response, Some(Cause::Decode)));
         }
-        Ok((self.pass_through(answer, decode, started, failed), None))
+        let alone = Some(Kv::Local(Alone::ShortPrompt));
+        let response = self.pass_through(answer, decode, started, failed, alone);
+        Ok((response.await, None))
     }
 
     /// A prefill server (not among `refused`) and a decode server that can take its KV
@@ -871,7 +874,9 @@ impl Proxy {
     ) -> Attempt {
         match self.began(answer, &decode, &failed, unclaimed).await {
             Ok(answer) => {
-                let response = self.pass_through(answer, decode, started, failed);
+                let response = self
+                    .pass_through(answer, decode, started, failed, None)
+                    .await;
                 Attempt::Done(Ok((response, None)))
             }
             Err(end) => end,

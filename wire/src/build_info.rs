@@ -23,12 +23,17 @@ pub struct BuildInfo {
 impl BuildInfo {
     /// The OpenMetrics text of `registry`, `kvferry_build_info` first.
     pub fn encode(&self, registry: &Registry) -> String {
-        encode(Some(self), registry)
+        encode(Some(self), &[registry])
+    }
+
+    /// The OpenMetrics text of several registries, with this build first.
+    pub fn encode_all(&self, registries: &[&Registry]) -> String {
+        encode(Some(self), registries)
     }
 }
 
-/// The OpenMetrics text of `registry`, with `kvferry_build_info` first when `build` is known.
-pub fn encode(build: Option<&BuildInfo>, registry: &Registry) -> String {
+/// The OpenMetrics text of `registries`, with `kvferry_build_info` first when `build` is known.
+pub fn encode(build: Option<&BuildInfo>, registries: &[&Registry]) -> String {
     use prometheus_client::encoding::text;
     let mut out = String::with_capacity(4096);
     if let Some(build) = build {
@@ -43,7 +48,9 @@ pub fn encode(build: Option<&BuildInfo>, registry: &Registry) -> String {
         // Writing into a String cannot fail.
         let _ = text::encode_registry(&mut out, &own);
     }
-    let _ = text::encode_registry(&mut out, registry);
+    for registry in registries {
+        let _ = text::encode_registry(&mut out, registry);
+    }
     let _ = text::encode_eof(&mut out);
     out
 }

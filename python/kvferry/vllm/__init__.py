@@ -99,7 +99,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._side_of: dict[str, SchedulerSide | None] = {}
         if role == KVConnectorRole.SCHEDULER:
             groups = Groups.of(kv_cache_config)
-            self._schedulers = {r: SchedulerSide(config, r, groups) for r in roles}
+            recompute = getattr(transfer, "kv_load_failure_policy", "fail") == "recompute"
+            self._schedulers = {r: SchedulerSide(config, r, groups, recompute) for r in roles}
             if not getattr(vllm_config, "shutdown_timeout", 0):
                 logger.warning(
                     "KvferryConnector: --shutdown-timeout is 0: on SIGTERM vLLM stops this engine at once, "

@@ -26,11 +26,20 @@ one group per rank; a router reaches rank ``R`` with vLLM's ``X-data-parallel-ra
 on the identify request and on the prefill request alike (vLLM answers 400 for a rank it does
 not have).
 
-A decode request whose answer was an error (``kv_load_failure_policy`` ``fail`` answers a bare
-"Internal server error") can be followed by any short request to the same decode server with
-``{"kvferry_reason_of": "<room>"}``: the response's params are ``{"kvferry_room": "<room>",
-"kvferry_reason": "peer_dead: ..."}`` (``null`` when the server knows no failure of that room;
-it remembers the last 4096).
+A decode server's answer says where its prompt's KV came from: its params add
+``"kvferry_kv"``, one of ``"landed"`` (the room's KV landed), ``"cached"`` (the decode's own
+prefix cache held all of the room: nothing moved), ``"recomputed"`` (the room failed, or the
+request's params were unusable, and vLLM computed the prompt: ``kv_load_failure_policy``
+``recompute``) or ``"failed"`` (the room failed and so did the request: policy ``fail``), and
+``"kvferry_reason"``, ``"<code>: <message>"`` when the KV did not land (``bad_params: ...`` for
+params the connector could not act on; a room's failure code otherwise, or ``expired``,
+``refused``, ``not_taken``). vLLM passes a request's params only into an answer that is not
+streamed: any short request to the same decode server with ``{"kvferry_reason_of": "<room>"}``
+asks after the room of any answer, streamed or not, once its first token came: the response's
+params are ``{"kvferry_room": "<room>", "kvferry_kv": ..., "kvferry_reason": ...}`` (``null``
+when the server does not know the room; it remembers the last 4096). A router asks so after a
+decode's error answer too (``kv_load_failure_policy`` ``fail`` answers a bare "Internal server
+error").
 
 A router whose request ended before a decode answered it (its client left, the decode failed)
 has the prefill release the room by sending the prefill server any short request with
@@ -58,6 +67,8 @@ IDENTIFY = "kvferry_identify"
 ENGINE_DP_RANK = "kvferry_engine_dp_rank"
 REASON_OF = "kvferry_reason_of"
 REASON = "kvferry_reason"
+KV = "kvferry_kv"
+LANDED, CACHED, RECOMPUTED, FAILED = "landed", "cached", "recomputed", "failed"
 ABORT = "kvferry_abort"
 ABORTED = "kvferry_aborted"
 CONTINUES = "kvferry_continues"

@@ -19,7 +19,9 @@ into the request's block table from the first block that is not a local prefix-c
 (``start_token``). A request that continues from the first token the prefill sampled
 (``kvferry_continues``) has a prompt one token longer than its room: it claims the room's tokens,
 and vLLM computes the last one. A client abort while the room loads aborts the room; vLLM frees
-the blocks only when the workers report the room settled.
+the blocks only when the workers report the room settled. Where each room's KV came from (landed,
+the decode's own prefix cache, or computed by vLLM after a failure and why) is remembered for
+the request's answer and for ``kvferry_reason_of`` (params.py), the latest ``REASONS_KEPT``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ if TYPE_CHECKING:
 
 REASONS_KEPT = 4096
 
+
+def kept(remembered: dict, key: Any, value: Any) -> None:
+    """``remembered[key] = value``, the oldest entries past ``REASONS_KEPT`` forgotten (dicts
+    keep insertion order)."""
+    remembered[key] = value
+    while len(remembered) > REASONS_KEPT:
+        remembered.pop(next(iter(remembered)))
+
 logger = init_logger(f"vllm.{__name__}")
 
 FINISHED_NORMALLY = tuple(
@@ -54,9 +64,12 @@ FINISHED_NORMALLY = tuple(
 
 
 class SchedulerSide:
-    def __init__(self, config: P.ConnectorConfig, producer: bool, groups: Groups) -> None:
+    def __init__(self, config: P.ConnectorConfig, producer: bool, groups: Groups, recompute: bool) -> None:
         self.config = config
         self.producer = producer
+        # Decode: vLLM computes the prompt of a request whose room failed
+        # (kv_load_failure_policy ``recompute``), or fails the request (``fail``).
+        self.recompute = recompute
         self.groups = groups
         self.meta = KvferryMetadata()
         # Rooms whose blocks are held: prefill sends not yet settled, decode loads not yet
@@ -69,8 +82,10 @@ class SchedulerSide:
         # prefill; prefill: from the decodes that asked already).
         self.held: dict[str, int] = {}
         self.loaded: dict[str, Load] = {}
-        # Decode: why rooms failed, the latest REASONS_KEPT (dicts keep insertion order).
+        # Decode: why rooms failed, and where each room's KV came from (P.LANDED...), the latest
+        # REASONS_KEPT.
         self.reasons: dict[int, str] = {}
+        self.outcomes: dict[int, str] = {}
         # Prefill: requests to send once their prompt is computed (prompt tokens, params,
         # digest), and the rooms of those whose layers were announced.
         self.to_send: dict[str, tuple[int, dict[str, Any], str | None]] = {}
@@ -173,9 +188,7 @@ class SchedulerSide:
             self.meta.aborts.append(Abort(held, room))
         computing = any(P.room_of(params) == room for _, params, _ in self.to_send.values()
                         if P.valid_room(params))
-        self.cancelled[room] = None
-        while len(self.cancelled) > REASONS_KEPT:
-            self.cancelled.pop(next(iter(self.cancelled)))
+        kept(self.cancelled, room, None)
         logger.info("kvferry: room %d released at the router's request (%s)", room,
                     "aborted" if held is not None else "computing: never sent" if computing else "not held here")
         return {P.ROOM: str(room), P.ABORTED: held is not None or computing}
@@ -196,9 +209,13 @@ class SchedulerSide:
             tokens = self.groups.room_tokens(P.room_tokens(params, request.num_prompt_tokens))
         except P.ParamsError as e:
             logger.warning("kvferry: request %s computes its prompt locally: %s", request.request_id, e)
+            if P.valid_room(params):
+                self.settle(P.room_of(params), P.RECOMPUTED, f"bad_params: {e}")
             return 0, False
         missing = tokens - num_computed_tokens
         if missing <= 0:
+            # The decode's prefix cache holds every token of the room.
+            self.settle(P.room_of(params), P.CACHED)
             return 0, False
         self.local_hit[request.request_id] = num_computed_tokens
         return missing, True
@@ -286,13 +303,32 @@ class SchedulerSide:
         return room
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for req_id in (output.finished_sending or set()) | (output.finished_recving or set()):
-            self.rooms.pop(req_id, None)
+        # A room's failure comes with the step that reports its load finished, or an earlier one
+        # (another TP rank's).
         failures = output.kv_connector_worker_meta
         if isinstance(failures, Failures):
-            self.reasons.update(failures.reasons)
-            while len(self.reasons) > REASONS_KEPT:
-                self.reasons.pop(next(iter(self.reasons)))
+            for room, reason in failures.reasons.items():
+                kept(self.reasons, room, reason)
+        for req_id in output.finished_sending or set():
+            self.rooms.pop(req_id, None)
+        for req_id in output.finished_recving or set():
+            room = self.rooms.pop(req_id, None)
+            if room is not None and not self.producer:
+                failed = P.RECOMPUTED if self.recompute else P.FAILED
+                self.settle(room, failed if room in self.reasons else P.LANDED)
+
+    def settle(self, room: int | None, kv: str, reason: str | None = None) -> None:
+        """Decode: where ``room``'s KV came from (P.LANDED...) and why it failed."""
+        if room is None:
+            return
+        kept(self.outcomes, room, kv)
+        if reason is not None:
+            kept(self.reasons, room, reason)
+
+    def outcome(self, room: int) -> dict[str, Any]:
+        """What this decode knows of ``room``: where its KV came from and why it failed (None:
+        not known here)."""
+        return {P.ROOM: str(room), P.KV: self.outcomes.get(room), P.REASON: self.reasons.get(room)}
 
     def reason_of(self, params: dict[str, Any]) -> dict[str, Any] | None:
         """The answer to ``kvferry_reason_of`` (params.py), or None for any other request."""
@@ -302,7 +338,7 @@ class SchedulerSide:
             room = P.room_of({P.ROOM: params[P.REASON_OF]})
         except P.ParamsError as e:
             return {P.REASON: f"bad {P.REASON_OF}: {e}"}
-        return {P.ROOM: str(room), P.REASON: self.reasons.get(room)}
+        return self.outcome(room)
 
     def has_pending_block_frees(self) -> bool:
         """Prefill: rooms announced layer by layer whose request has not finished yet (one
@@ -319,12 +355,19 @@ class SchedulerSide:
             if room is not None and request.status == RequestStatus.FINISHED_ABORTED:
                 # Aborted while loading: vLLM holds the blocks until the room is reported.
                 self.meta.aborts.append(Abort(req_id, room))
+            params = request.kv_transfer_params or {}
             load = self.loaded.pop(req_id, None)
+            if load is None and params.get("do_remote_prefill"):
+                # Its room was not asked for: the prefix cache held it, or its params were unusable.
+                if not P.valid_room(params) or P.room_of(params) is None:
+                    return False, {P.KV: P.RECOMPUTED, P.REASON: f"bad_params: no usable {P.ROOM}"}
+                return False, self.outcome(P.room_of(params))
             if load is None:
-                return False, self.reason_of(request.kv_transfer_params or {})
-            # The response says which room the prompt's KV came from and which tokens moved
-            # (from start_token on; those before were the decode's own prefix-cache hits).
-            return False, {P.ROOM: str(load.room), "kvferry_start_token": load.start_token, P.TOKENS: load.tokens}
+                return False, self.reason_of(params)
+            # The response says which room the prompt's KV came from, which tokens moved (from
+            # start_token on; those before were the decode's own prefix-cache hits), and whether
+            # they landed.
+            return False, self.outcome(load.room) | {"kvferry_start_token": load.start_token, P.TOKENS: load.tokens}
         self.to_send.pop(req_id, None)
         self.unhold(req_id)
         params = request.kv_transfer_params or {}

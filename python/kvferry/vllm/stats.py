@@ -2,7 +2,8 @@
 last asked (``KvferryConnector.get_kv_connector_stats``): for each room that succeeded, its bytes
 and its seconds from the agent's first mark to success; for the others, their failure code.
 vLLM adds up the workers' counts, writes them on its "KV Transfer metrics" log line and observes
-them into ``vllm:kvferry_*`` metrics on its /metrics, one series per engine."""
+them into ``vllm:kvferry_*`` metrics on its /metrics, one series per engine (and failure code).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvferry import FAILURE_CODES
+
 from ..rooms import RoomState, failure_code, room_seconds
+
+# Failure codes counted besides the rooms' own (FAILURE_CODES): a decode room gone before its
+# engine took it.
+EXPIRED = "expired"
 
 
 @dataclass
@@ -76,7 +83,8 @@ class KvferryStats(KVConnectorStats):
 
 class KvferryPromMetrics(KVConnectorPromMetrics):
     """``vllm:kvferry_room_seconds`` and ``vllm:kvferry_room_bytes`` (histograms of the rooms
-    that succeeded) and ``vllm:kvferry_failed_rooms`` (a counter), per engine."""
+    that succeeded) and ``vllm:kvferry_failed_rooms`` (a counter by failure code, ``code``:
+    every room failure code and ``expired`` exposed from the start), per engine."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -95,18 +103,25 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
         )
         failed = self._counter_cls(
             name="vllm:kvferry_failed_rooms",
-            documentation="kvferry rooms that did not succeed.",
-            labelnames=labelnames,
+            documentation="kvferry rooms that did not succeed, by failure code.",
+            labelnames=[*labelnames, "code"],
         )
         self.seconds = create_metric_per_engine(seconds, per_engine_labelvalues)
         self.size = create_metric_per_engine(size, per_engine_labelvalues)
-        self.failed = create_metric_per_engine(failed, per_engine_labelvalues)
+        self.failed_rooms = failed
+        self.engines = per_engine_labelvalues
+        for engine in per_engine_labelvalues:
+            for code in [*FAILURE_CODES, EXPIRED]:
+                self.failed(engine, code)
+
+    def failed(self, engine_idx: int, code: str) -> Any:
+        """The failed-rooms counter of an engine and a failure code."""
+        return self.failed_rooms.labels(*self.engines[engine_idx], code)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for s in transfer_stats_data["seconds"]:
             self.seconds[engine_idx].observe(s)
         for b in transfer_stats_data["bytes"]:
             self.size[engine_idx].observe(b)
-        failed = sum(transfer_stats_data["failures"].values())
-        if failed:
-            self.failed[engine_idx].inc(failed)
+        for code, n in transfer_stats_data["failures"].items():
+            self.failed(engine_idx, code).inc(n)

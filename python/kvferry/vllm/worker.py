@@ -23,7 +23,7 @@ from . import params as P
 from .groups import Groups, Part
 from .memory import Cache, cpu_cache, cuda_cache, layers_in_order, mla_cache
 from .metadata import Failures, KvferryMetadata, Load, Send
-from .stats import KvferryStats
+from .stats import EXPIRED, KvferryStats
 from .timing import log_room
 
 if TYPE_CHECKING:
@@ -424,7 +424,7 @@ class WorkerSide:
                 logger.error("kvferry: request %s room %d failed: %s: %s", req_id, room, e.code, e.message)
             reason = f"{e.code}: {e.message}"
         except kvferry.UnknownRoom:
-            self.stats.failed("expired")
+            self.stats.failed(EXPIRED)
             logger.error("kvferry: request %s room %d expired before it was taken", req_id, room)
             reason = "expired: the room was gone before it was taken"
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
