@@ -80,48 +80,59 @@ impl Metrics {
     }
 
     /// The OpenMetrics text ([`kvferry_wire::http::OPENMETRICS_CONTENT_TYPE`]) of these counters and
-    /// `stats`.
-    pub fn render(&self, stats: &RegistryStats) -> String {
+    /// the store's `stats`, or `None` while the store cannot answer: then
+    /// `kvferry_bootstrap_store_up` is 0 and the store's own figures are left out, so a scrape
+    /// still succeeds (the process is up) and says what is wrong.
+    pub fn render(&self, stats: Option<&RegistryStats>) -> String {
         let mut r = Registry::with_prefix("kvferry_bootstrap");
-        let ranks = Family::<Role, Gauge>::default();
-        for (role, n) in [
-            ("prefill", stats.prefill_ranks),
-            ("decode", stats.decode_ranks),
-        ] {
-            ranks.get_or_create(&Role { role }).set(n as i64);
+        let store_up = Gauge::<i64>::default();
+        store_up.set(i64::from(stats.is_some()));
+        r.register(
+            "store_up",
+            "1 while the registry's store (memory, or etcd) answers, else 0",
+            store_up,
+        );
+        if let Some(stats) = stats {
+            let ranks = Family::<Role, Gauge>::default();
+            for (role, n) in [
+                ("prefill", stats.prefill_ranks),
+                ("decode", stats.decode_ranks),
+            ] {
+                ranks.get_or_create(&Role { role }).set(n as i64);
+            }
+            r.register(
+                "ranks",
+                "Live registrations (lease not expired), by role",
+                ranks,
+            );
+            let groups = Gauge::<i64>::default();
+            groups.set(stats.groups as i64);
+            r.register(
+                "groups",
+                "Prefill DP groups with at least one live rank",
+                groups,
+            );
+            // The registry state counts these; a counter made for the scrape carries its figure.
+            let counted = |n: u64| {
+                let c = Counter::<u64>::default();
+                c.inc_by(n);
+                c
+            };
+            r.register(
+                "registrations",
+                "Accepted registrations (new, or the same instance refreshing)",
+                counted(stats.registrations_total),
+            );
+            r.register(
+                "lease_expiries",
+                "Registrations dropped because their lease was not renewed in time",
+                counted(stats.lease_expiries_total),
+            );
         }
-        r.register(
-            "ranks",
-            "Live registrations (lease not expired), by role",
-            ranks,
-        );
-        let groups = Gauge::<i64>::default();
-        groups.set(stats.groups as i64);
-        r.register(
-            "groups",
-            "Prefill DP groups with at least one live rank",
-            groups,
-        );
-        // The registry state counts these; a counter made for the scrape carries its figure.
-        let counted = |n: u64| {
-            let c = Counter::<u64>::default();
-            c.inc_by(n);
-            c
-        };
-        r.register(
-            "registrations",
-            "Accepted registrations (new, or the same instance refreshing)",
-            counted(stats.registrations_total),
-        );
         r.register(
             "lookups",
             "Prefill group lookups, by whether the group was complete",
             self.lookups.clone(),
-        );
-        r.register(
-            "lease_expiries",
-            "Registrations dropped because their lease was not renewed in time",
-            counted(stats.lease_expiries_total),
         );
         r.register(
             "rejected_requests",
@@ -143,14 +154,15 @@ mod tests {
         m.lookup(false);
         m.lookup(false);
         m.reject(RejectReason::TooLarge);
-        let text = m.render(&RegistryStats {
+        let text = m.render(Some(&RegistryStats {
             prefill_ranks: 3,
             decode_ranks: 1,
             groups: 1,
             registrations_total: 5,
             lease_expiries_total: 2,
-        });
+        }));
         for line in [
+            "kvferry_bootstrap_store_up 1",
             "# TYPE kvferry_bootstrap_ranks gauge",
             "kvferry_bootstrap_ranks{role=\"prefill\"} 3",
             "kvferry_bootstrap_ranks{role=\"decode\"} 1",
@@ -171,8 +183,19 @@ mod tests {
         }
         let helps = text.lines().filter(|l| l.starts_with("# HELP")).count();
         let types = text.lines().filter(|l| l.starts_with("# TYPE")).count();
-        assert_eq!((helps, types), (6, 6));
+        assert_eq!((helps, types), (7, 7));
         assert!(!text.contains("build_info"), "{text}");
+        // A store that cannot answer: still a scrape, saying so, without the store's figures.
+        let down = m.render(None);
+        assert!(
+            down.lines().any(|l| l == "kvferry_bootstrap_store_up 0"),
+            "{down}"
+        );
+        assert!(!down.contains("kvferry_bootstrap_ranks"), "{down}");
+        assert!(
+            down.contains("kvferry_bootstrap_lookups_total{result=\"incomplete\"} 2"),
+            "{down}"
+        );
     }
 
     #[test]
@@ -182,7 +205,7 @@ mod tests {
             revision: "abc1234",
             protocol: 13,
         };
-        let text = Metrics::new(Some(build)).render(&RegistryStats::default());
+        let text = Metrics::new(Some(build)).render(Some(&RegistryStats::default()));
         let line = "kvferry_build_info{version=\"0.1.0\",revision=\"abc1234\",protocol=\"13\"} 1";
         assert!(text.lines().any(|l| l == line), "{text}");
         assert!(text.contains("kvferry_bootstrap_groups 0"), "{text}");

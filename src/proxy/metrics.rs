@@ -189,6 +189,9 @@ impl Default for ProxyMetrics {
         let errors = Family::<ErrorLabels, Counter>::default();
         registry.register("errors", "Requests that failed, by cause", errors.clone());
         let rerouted = Family::<RerouteLabels, Counter>::default();
+        for role in [Refuser::Prefill, Refuser::Decode] {
+            drop(rerouted.get_or_create(&RerouteLabels { role }));
+        }
         registry.register(
             "rerouted",
             "Requests sent to another server of a role after the first refused them (it shuts down, or could not be reached) or was lost before it answered",
@@ -201,6 +204,9 @@ impl Default for ProxyMetrics {
             released.clone(),
         );
         let sampled = Family::<SampledLabels, Counter>::default();
+        for sampled_by in [SampledBy::Prefill, SampledBy::Decode, SampledBy::OneServer] {
+            drop(sampled.get_or_create(&SampledLabels { sampled_by }));
+        }
         registry.register(
             "first_tokens",
             "Requests sent on, by the server that samples their first token",

@@ -92,7 +92,7 @@ fn the_alert_rules_pass_promtool_and_their_tests_and_name_documented_metrics() {
         .lines()
         .filter_map(|l| l.trim().strip_prefix("- alert: "))
         .collect();
-    assert!((5..=8).contains(&alerts.len()), "{alerts:?}");
+    assert!(alerts.len() >= 5, "{alerts:?}");
     for alert in alerts {
         let firing = tests
             .split("alertname: ")

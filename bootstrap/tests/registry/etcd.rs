@@ -428,7 +428,6 @@ async fn an_unreachable_etcd_is_a_503_with_a_clear_message_within_a_bound() {
         http.delete(server.at(&format!("/v1/ranks/{}", r.instance_id))),
         http.get(server.at("/v1/ranks")),
         http.get(server.at("/healthz")),
-        http.get(server.at("/metrics")),
     ];
     for req in requests {
         let start = Instant::now();
@@ -447,6 +446,18 @@ async fn an_unreachable_etcd_is_a_503_with_a_clear_message_within_a_bound() {
             "{url}: {}",
             body.error
         );
+    }
+    // Metrics, on either port, still scrape (the process is up) and say the store is down,
+    // without the store's own figures.
+    for url in [server.at("/metrics"), format!("{}/metrics", server.metrics)] {
+        let resp = http.get(&url).send().await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{url}");
+        let text = resp.text().await.unwrap();
+        assert!(
+            text.contains("kvferry_bootstrap_store_up 0"),
+            "{url}: {text}"
+        );
+        assert!(!text.contains("kvferry_bootstrap_ranks"), "{url}: {text}");
     }
     // The metrics port: live whatever etcd does (a liveness probe restarts no replica), not
     // ready while its store cannot answer.
