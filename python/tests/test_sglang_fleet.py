@@ -35,6 +35,7 @@ import urllib.request
 import pytest
 
 import sglang_servers as S
+from documented_metrics import assert_as_documented
 from vllm_servers import make_model, make_prompts, metric, post
 from waiting import wait_for
 
@@ -223,6 +224,13 @@ def stream_then_leave(fleet: S.Pd, prompt: list[int], tokens: int) -> float:
                 break
     r.close()
     return time.monotonic()
+
+
+def test_the_kvferry_metrics_sglang_exposes_are_those_docs_metrics_md_lists(fleet):
+    """After rooms moved: the ``sglang:kvferry_`` families of every server's /metrics are the rows
+    of docs/metrics.md's metrics table that SGLang exposes (documented_metrics.py)."""
+    for server in live(fleet):
+        assert_as_documented(server.url, "SGLang", "sglang:kvferry_")
 
 
 def test_a_client_that_goes_away_mid_answer_frees_the_pages_on_both_sides(fleet, prompts):

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import time
 import urllib.request
 
 import pytest
+
+from documented_metrics import assert_as_documented
 
 from vllm_servers import (
     LENGTHS,
@@ -126,37 +127,10 @@ def test_a_prefill_server_says_which_kvferry_group_it_is(pd):
 
 
 def test_the_kvferry_metrics_vllm_exposes_are_those_docs_metrics_md_lists(pd):
-    """Both ways, by name, type and labels (those of the families with series): the rows of
-    docs/metrics.md's metrics table that vLLM exposes, and the ``vllm:kvferry_`` families of the
-    decode's and the prefill's /metrics (every family is typed, with or without series)."""
-    table = (pathlib.Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
-    section = table.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
-    documented = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 4 and "vLLM" in [r.strip() for r in cells[3].split(",")]:
-            documented[cells[0].strip("`")] = (cells[1], set(re.findall(r"`([^`]+)`", cells[2])))
-    assert documented, "docs/metrics.md lists no metric of vLLM's"
+    """The ``vllm:kvferry_`` families of the decode's and the prefill's /metrics are the rows of
+    docs/metrics.md's metrics table that vLLM exposes (documented_metrics.py)."""
     for server in (pd.decode, pd.prefill):
-        with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
-            text = r.read().decode()
-        exposed = {}
-        for name, kind in re.findall(r"^# TYPE (vllm:kvferry_\S+) (\S+)$", text, re.M):
-            exposed[name] = (kind, None)
-        # prometheus_client's own series of when each child was made.
-        for name in [n for n in exposed if n.endswith("_created")]:
-            base = name.removesuffix("_created")
-            if base in exposed or base + "_total" in exposed:
-                del exposed[name]
-        for name, labels in re.findall(r"^(vllm:kvferry_\w+)\{([^}]*)\}", text, re.M):
-            # A histogram's labels are its _count's (its _bucket's add ``le``).
-            family = name if name in exposed else name.removesuffix("_count")
-            if family in exposed and (exposed[family][0] == "histogram") == (family != name):
-                exposed[family] = (exposed[family][0], set(re.findall(r'(\w+)="', labels)))
-        assert exposed.keys() == documented.keys(), (server.url, exposed, documented)
-        for name, (kind, labels) in exposed.items():
-            assert kind == documented[name][0], (name, kind, documented[name])
-            assert labels is None or labels == documented[name][1], (name, labels, documented[name])
+        assert_as_documented(server.url, "vLLM", "vllm:kvferry_")
 
 
 def test_a_decode_request_naming_an_untrusted_registry_sends_it_nothing(pd, recording_registry):

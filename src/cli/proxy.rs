@@ -78,8 +78,8 @@ pub struct ProxyArgs {
     /// reaches no server (/health and /metrics stay open). The same key goes on the proxy's own
     /// calls, made by its health rounds only (health checks, kvferry_identify), for servers
     /// started with --api-key. A client's request, and the kvferry_reason_of question asked
-    /// about its failure, carry the client's own Authorization header: the proxy never adds its
-    /// key to them.
+    /// about its room (after a failure, or after a decode's streamed answer began), carry the
+    /// client's own Authorization header: the proxy never adds its key to them.
     #[arg(long, env = "KVFERRY_PROXY_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
 

@@ -247,27 +247,21 @@ fn every_role_serves_its_metrics_port_read_only() {
             StatusCode::OK,
             "the proxy is live all the same"
         );
-        for path in ["/health", "/healthz"] {
-            let status = http
-                .get(format!("{url}{path}"))
-                .send()
-                .await
-                .unwrap()
-                .status();
-            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "proxy {path}");
-        }
+        // The main port's health routes answer as /readyz does.
+        let main_health = |expected: StatusCode| {
+            let (http, url) = (&http, &url);
+            async move {
+                for path in ["/health", "/healthz"] {
+                    let got = http.get(format!("{url}{path}")).send().await.unwrap();
+                    assert_eq!(got.status(), expected, "proxy {path}");
+                }
+            }
+        };
+        main_health(StatusCode::SERVICE_UNAVAILABLE).await;
         healthy_decode.store(true, Ordering::Relaxed);
         let writes = ["/v1/completions", "/v1/chat/completions"];
         check_port("proxy", &metrics, &build, &writes).await;
-        for path in ["/health", "/healthz"] {
-            let status = http
-                .get(format!("{url}{path}"))
-                .send()
-                .await
-                .unwrap()
-                .status();
-            assert_eq!(status, StatusCode::OK, "proxy {path}");
-        }
+        main_health(StatusCode::OK).await;
         drop(proxy);
     });
     let mut decode = decode;
