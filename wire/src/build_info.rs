@@ -81,7 +81,7 @@ mod tests {
         assert!(lines.contains(&"kvferry_test_things_total 1"), "{text}");
         assert_eq!(lines.iter().filter(|l| **l == "# EOF").count(), 1);
         assert_eq!(lines.last(), Some(&"# EOF"));
-        let without = encode(None, &r);
+        let without = encode(None, &[&r]);
         assert!(!without.contains("build_info"), "{without}");
         assert!(without.ends_with("# EOF\n"), "{without}");
     }
