@@ -314,11 +314,15 @@ fn kill9_prefill_after_done_before_take_leaves_landed_rooms_intact() {
 /// pages must be cancelled, revoked or have completed before A is safe).
 #[test]
 fn abort_mid_transfer_then_reuse_the_same_pages_at_once_never_corrupts() {
-    let opts = fast(AgentOpts {
+    // No death to detect here: a peer is dead only after a minute, so that frames a loaded
+    // machine holds up never fail room B `peer_dead`.
+    let opts = AgentOpts {
         model: "llama3-8b",
         pool_pages: 272,
+        heartbeat_ms: 100,
+        peer_dead_ms: 60_000,
         ..AgentOpts::default()
-    });
+    };
     abort_then_reuse("faults-reuse", &opts.args_all(), &[], "staged");
     #[cfg(feature = "ucx")]
     {
