@@ -1082,12 +1082,16 @@ fn a_room_no_decode_answered_for_is_released_at_the_prefill() {
             for holder in [&prefill, &decode] {
                 holder.set(Mode::Hold);
                 let seen = holder.seen().len();
+                // In concurrent pairing the decode may hold the request before the prefill
+                // has seen it: the room is read off the prefill's copy once both have.
+                let at_prefill = prefill.seen().len();
                 let client = tokio::spawn({
                     let url = url.clone();
                     async move { complete(&url).await }
                 });
                 poll_until("the request held", BOUND, || async {
-                    (holder.seen().len() > seen).then_some(())
+                    (holder.seen().len() > seen && prefill.seen().len() > at_prefill)
+                        .then_some(())
                 })
                 .await;
                 let room = room_at(&prefill);
