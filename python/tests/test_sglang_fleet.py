@@ -26,6 +26,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -228,9 +229,14 @@ def stream_then_leave(fleet: S.Pd, prompt: list[int], tokens: int) -> float:
 
 def test_the_kvferry_metrics_sglang_exposes_are_those_docs_metrics_md_lists(fleet):
     """After rooms moved: the ``sglang:kvferry_`` families of every server's /metrics are the rows
-    of docs/metrics.md's metrics table that SGLang exposes (documented_metrics.py)."""
+    of docs/metrics.md's metrics table that SGLang exposes (documented_metrics.py). Every rank
+    exposes its failed-rooms counter by every code from the start, at 0 where nothing failed
+    (here ``checksum``: no server runs ``--checksum``)."""
     for server in live(fleet):
         assert_as_documented(server.url, "SGLang", "sglang:kvferry_")
+        with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+        assert re.search(r'^sglang:kvferry_failed_rooms_total\{[^}]*code="checksum"[^}]*\} 0(\.0)?$', text, re.M), text
 
 
 def test_a_client_that_goes_away_mid_answer_frees_the_pages_on_both_sides(fleet, prompts):

@@ -10,6 +10,7 @@ rank's manager writes these there, as SGLang's own per-request series (label ``t
   ``another_rank`` for a room that failed because another TP rank's did (that rank counts it
   under its own code), ``untrusted_registry``, ``bad_address`` and ``bad_route`` for a request
   naming no usable prefill, and an agent's refusal by its exception's name (``Conflict``...).
+  Every code but the refusals' is exposed from the start, at 0.
 
 Each series is labelled with the model, the role and the rank (``tp_rank``, ``dp_rank``). A
 prefill's rooms also reach SGLang's own ``sglang:kv_transfer_latency_ms`` and
@@ -19,9 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import FAILURE_CODES
 from ..rooms import RoomState, room_seconds
 
 LABELS = ["model_name", "role", "tp_rank", "dp_rank"]
+
+# Failure codes of this backend's own besides the rooms' (FAILURE_CODES).
+BACKEND_CODES = ["another_rank", "untrusted_registry", "bad_address", "bad_route"]
 
 
 def transfer_seconds(view: dict[str, Any]) -> float:
@@ -71,6 +76,8 @@ class Metrics:
         model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
         self.labels = dict(model_name=str(model), role=role, tp_rank=str(tp_rank), dp_rank=str(dp_rank))
         self.series = series()
+        for code in [*FAILURE_CODES, *BACKEND_CODES]:
+            self.series["failed"].labels(**self.labels, code=code)
 
     def succeeded(self, seconds: float, size: int) -> None:
         if self.on:
