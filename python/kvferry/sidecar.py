@@ -82,13 +82,26 @@ class ShmPool:
                 raise _kvferry.RegionError(
                     f"{self.path} holds {have} bytes but the layout needs {size}"
                 )
-            os.ftruncate(fd, size)
+            if self.created:
+                self._reserve(fd, size)
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         whole = memoryview(self._map)
         step = layout["region_bytes"]
         self.regions = [whole[i * step : (i + 1) * step] for i in range(layout["num_regions"])]
+
+    def _reserve(self, fd: int, size: int) -> None:
+        """Allocates the whole file now, so that a full filesystem (a small /dev/shm in a
+        container) fails here rather than as SIGBUS when a transfer first touches a page."""
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            self.unlink()
+            raise _kvferry.RegionError(
+                f"{self.path}: cannot reserve the pool's {size} bytes ({e.strerror}): free space "
+                "on its filesystem (for /dev/shm, its size) or give fewer pool pages"
+            ) from e
 
     @property
     def descriptor(self) -> str:

@@ -6,8 +6,10 @@ them. ``python -m kvferry proxy`` runs the PD proxy from the package."""
 
 import http.client
 import os
+import shutil
 import ssl
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -77,6 +79,41 @@ def test_a_sidecar_that_cannot_start_says_why(registry, shm):
     with pytest.raises(kvferry.StartError, match="holds 4096 bytes but the layout needs") as e:
         kvferry.spawn("decode", f"shm:{path}", **opts)
     assert "exited with status 1" in str(e.value)
+
+
+FULL = """
+import os, sys
+import kvferry
+sys.path.insert(0, sys.argv[2])
+from engine import options
+path = os.path.join(sys.argv[1], "pool")
+try:
+    kvferry.ShmPool(path, **options("http://127.0.0.1:1"))
+except kvferry.RegionError as e:
+    print("refused:", e, "| left:", os.listdir(sys.argv[1]))
+"""
+
+
+def test_a_pool_its_filesystem_cannot_hold_fails_when_made(tmp_path):
+    """A pool file bigger than its filesystem's free space (a tmpfs of half the pool's size, as a
+    container's small /dev/shm) fails when ShmPool makes it, naming the shortage, and leaves no
+    file behind: never a SIGBUS when a transfer first touches a page. Needs root for the tmpfs
+    (in a mount namespace of its own); CI runs as root."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root with unshare(1): this test must run")
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs")
+    size = kvferry.memory_layout(**options("http://127.0.0.1:1"))["pool_bytes"]
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    script = 'mount -t tmpfs -o size="$1" kvferry-test "$2" && exec "$3" -c "$4" "$2" "$5"'
+    tests = os.path.dirname(os.path.abspath(__file__))
+    args = [str(size // 2), str(mnt), sys.executable, FULL, tests]
+    got = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert f"cannot reserve the pool's {size} bytes (No space left on device)" in got.stdout, got.stdout + got.stderr
+    assert got.stdout.rstrip().endswith("| left: []"), got.stdout
 
 
 ORPHAN = """
