@@ -238,7 +238,6 @@ def cache_layer(cache: Any, layer: int) -> tuple[Any, Any]:
 
 def hf_reference(model_dir: Path, token_ids: list[int]) -> Any:
     """K (post-rotary) and V of every layer from HF: float32 array [L][2][H][T][D]."""
-    import numpy as np
     import torch
     from transformers import LlamaForCausalLM
 
