@@ -37,6 +37,7 @@
 //! cause, and each server's health and requests outstanding.
 
 mod answer;
+mod api;
 mod backends;
 mod discovery;
 mod events;
@@ -50,7 +51,8 @@ mod refusal;
 mod route;
 mod unclaimed;
 
+pub use api::router;
 pub use backends::{Backend, Backends};
 pub use discovery::client as registry_client;
 pub use metrics::ProxyMetrics;
-pub use route::{Pairing, Proxy, router};
+pub use route::{Pairing, Proxy};
